@@ -1,0 +1,1 @@
+"""Centralized Psyche backend: TCP coordinator server and its client."""

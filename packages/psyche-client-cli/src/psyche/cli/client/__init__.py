@@ -1,0 +1,1 @@
+"""The `psyche-client` command: join a centralized run and train."""

@@ -1,0 +1,1 @@
+"""The backend-agnostic Psyche training client."""

@@ -1,0 +1,1 @@
+"""The Psyche coordinator: run configuration, state machine, committee and data selection."""

@@ -1,0 +1,149 @@
+"""Learning-rate schedules and optimizer definitions, as configured in a run's `[model.LLM]`.
+
+LR formulas are upstream's, in f64, including its lack of a clamp past `total_steps` for the cosine
+schedule: every client must compute the same LR for a step, so the quirks are kept.
+Steps are `u32`; differences of steps use Rust's (release-build) wrapping arithmetic.
+"""
+
+from __future__ import annotations
+
+import math
+
+from psyche.core.numeric import f64_div, wrapping_u32
+from psyche.core.serde import F32, F64, U16, U32, Array, DataEnum, struct, variant
+
+
+def _warmup_lr(warmup_init_lr: float, base_lr: float, step: int, warmup_steps: int) -> float:
+    return warmup_init_lr + (base_lr - warmup_init_lr) * (step / warmup_steps)
+
+
+@struct(frozen=True)
+class ConstantLR:
+    base_lr: F64
+    warmup_init_lr: F64
+    warmup_steps: U32
+
+    def get_lr(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return _warmup_lr(self.warmup_init_lr, self.base_lr, step, self.warmup_steps)
+        return self.base_lr
+
+
+@struct(frozen=True)
+class LinearLR:
+    base_lr: F64
+    warmup_init_lr: F64
+    final_lr: F64
+    warmup_steps: U32
+    total_steps: U32
+
+    def get_lr(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return _warmup_lr(self.warmup_init_lr, self.base_lr, step, self.warmup_steps)
+        if step < self.total_steps:
+            progress = (step - self.warmup_steps) / (self.total_steps - self.warmup_steps)
+            return self.base_lr + (self.final_lr - self.base_lr) * progress
+        return self.final_lr
+
+
+@struct(frozen=True)
+class CosineLR:
+    base_lr: F64
+    warmup_init_lr: F64
+    final_lr: F64
+    warmup_steps: U32
+    total_steps: U32
+
+    def get_lr(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return _warmup_lr(self.warmup_init_lr, self.base_lr, step, self.warmup_steps)
+        # Upstream quirk kept: no clamp past total_steps (the cosine rises again), and
+        # total == warmup divides by zero (NaN/inf, no error).
+        progress = f64_div(
+            float(step - self.warmup_steps),
+            float(wrapping_u32(self.total_steps - self.warmup_steps)),
+        )
+        cosine_decay = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return self.final_lr + (self.base_lr - self.final_lr) * cosine_decay
+
+
+@struct(frozen=True)
+class WarmupStableDecayLR:
+    base_lr: F64
+    warmup_init_lr: F64
+    cosine_decay_final_lr: F64
+    linear_decay_final_lr: F64
+    warmup_steps: U32
+    stable_steps: U32
+    cosine_decay_steps: U32
+    linear_decay_steps: U32
+
+    def get_lr(self, step: int) -> float:
+        # Upstream asserts these on every call (a panic there); here they raise ValueError.
+        if not self.cosine_decay_final_lr <= self.base_lr:
+            raise ValueError("WarmupStableDecay needs cosine_decay_final_lr <= base_lr")
+        if not self.linear_decay_final_lr <= self.cosine_decay_final_lr:
+            raise ValueError(
+                "WarmupStableDecay needs linear_decay_final_lr <= cosine_decay_final_lr"
+            )
+        stable_end = wrapping_u32(self.stable_steps + self.warmup_steps)
+        cosine_end = wrapping_u32(stable_end + self.cosine_decay_steps)
+        linear_end = wrapping_u32(cosine_end + self.linear_decay_steps)
+        if step < self.warmup_steps:
+            return _warmup_lr(self.warmup_init_lr, self.base_lr, step, self.warmup_steps)
+        if step < stable_end:
+            return self.base_lr
+        if step < cosine_end:
+            progress = wrapping_u32(step - stable_end) / self.cosine_decay_steps
+            cosine_decay = 0.5 * (1.0 + math.cos(math.pi * progress))
+            return (
+                self.cosine_decay_final_lr
+                + (self.base_lr - self.cosine_decay_final_lr) * cosine_decay
+            )
+        if step < linear_end:
+            progress = wrapping_u32(step - cosine_end) / self.linear_decay_steps
+            return (
+                self.cosine_decay_final_lr
+                - (self.cosine_decay_final_lr - self.linear_decay_final_lr) * progress
+            )
+        return self.linear_decay_final_lr
+
+
+class LearningRateSchedule(DataEnum):
+    Constant = variant(ConstantLR)
+    Linear = variant(LinearLR)
+    Cosine = variant(CosineLR)
+    WarmupStableDecay = variant(WarmupStableDecayLR)
+
+    def get_lr(self, step: int) -> float:
+        return self.value.get_lr(step)  # type: ignore[attr-defined]
+
+    def get_warmup_steps(self) -> int:
+        return self.value.warmup_steps  # type: ignore[attr-defined]
+
+    def get_warmup_init_lr(self) -> float:
+        return self.value.warmup_init_lr  # type: ignore[attr-defined]
+
+
+@struct(frozen=True)
+class AdamW:
+    betas: Array[F32, 2]
+    weight_decay: F32
+    eps: F32
+    clip_grad_norm: F32 | None = None
+
+
+@struct(frozen=True, kw_only=True)
+class Distro:
+    clip_grad_norm: F32 | None = None
+    weight_decay: F32 | None = None
+    compression_decay: F32
+    compression_topk: U16
+    compression_chunk: U16
+    quantize_1bit: bool
+
+
+class OptimizerDefinition(DataEnum):
+    Dummy = variant()
+    AdamW = variant(AdamW)
+    Distro = variant(Distro)

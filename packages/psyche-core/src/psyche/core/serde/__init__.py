@@ -1,0 +1,71 @@
+"""Declare a Rust type's shape once; read and write it as postcard bytes, TOML or JSON.
+
+See `schema.py` for how types are declared, `postcard.py` and `obj.py` for the formats.
+"""
+
+from psyche.core.serde.obj import SerdeError, format_path, from_obj, to_obj
+from psyche.core.serde.postcard import (
+    PostcardError,
+    decode_varint,
+    encode_varint,
+    from_bytes,
+    take_from_bytes,
+    to_bytes,
+)
+from psyche.core.serde.schema import (
+    F32,
+    F64,
+    I8,
+    I16,
+    I32,
+    I64,
+    U8,
+    U16,
+    U32,
+    U64,
+    Array,
+    DataEnum,
+    FixedBytes,
+    FixedStr,
+    FixedVec,
+    RustEnum,
+    SerdeProxy,
+    SmallBool,
+    struct,
+    variant,
+    wire_type,
+)
+
+__all__ = [
+    "F32",
+    "F64",
+    "I8",
+    "I16",
+    "I32",
+    "I64",
+    "U8",
+    "U16",
+    "U32",
+    "U64",
+    "Array",
+    "DataEnum",
+    "FixedBytes",
+    "FixedStr",
+    "FixedVec",
+    "PostcardError",
+    "RustEnum",
+    "SerdeError",
+    "SerdeProxy",
+    "SmallBool",
+    "decode_varint",
+    "encode_varint",
+    "format_path",
+    "from_bytes",
+    "from_obj",
+    "struct",
+    "take_from_bytes",
+    "to_bytes",
+    "to_obj",
+    "variant",
+    "wire_type",
+]

@@ -1,0 +1,1 @@
+"""The `psyche-local-testnet` command: a server and clients in tmux panes."""

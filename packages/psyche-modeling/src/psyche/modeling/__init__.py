@@ -1,0 +1,1 @@
+"""DisTrO optimizer, trainer and Hugging Face model loading for Psyche."""

@@ -1,0 +1,1 @@
+"""Peer-to-peer networking for Psyche: signed gossip, content-addressed blobs and model sharing."""

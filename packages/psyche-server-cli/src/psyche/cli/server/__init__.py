@@ -1,0 +1,1 @@
+"""The `psyche-server` command: validate configs and run a centralized coordinator."""

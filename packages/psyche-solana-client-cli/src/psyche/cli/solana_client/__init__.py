@@ -1,0 +1,1 @@
+"""The `psyche-solana-client` command: manage and train runs on Solana."""

@@ -1,0 +1,37 @@
+"""Shared test configuration: GPU skipping and access to upstream's reference data."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    gpu_items = [item for item in items if "gpu" in item.keywords]
+    if not gpu_items:
+        return
+    # torch is imported only when a GPU test was collected: it costs seconds.
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except ImportError:
+        has_cuda = False
+    if not has_cuda:
+        skip = pytest.mark.skip(reason="needs a CUDA device")
+        for item in gpu_items:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def upstream_data() -> Path:
+    """Upstream's reference files (`PSYCHE_UPSTREAM_DATA`); skips when they are not available."""
+    location = os.environ.get("PSYCHE_UPSTREAM_DATA")
+    if not location:
+        pytest.skip("PSYCHE_UPSTREAM_DATA is not set (upstream reference data not available)")
+    path = Path(location)
+    if not path.is_dir():
+        pytest.skip(f"PSYCHE_UPSTREAM_DATA={location} is not a directory")
+    return path
