@@ -23,6 +23,11 @@ class ConstantLR:
     warmup_init_lr: F64
     warmup_steps: U32
 
+    @classmethod
+    def new(cls, base_lr: float, warmup_steps: int, warmup_init_lr: float) -> ConstantLR:
+        """Upstream's constructor, whose argument order differs from the field order."""
+        return cls(base_lr=base_lr, warmup_init_lr=warmup_init_lr, warmup_steps=warmup_steps)
+
     def get_lr(self, step: int) -> float:
         if step < self.warmup_steps:
             return _warmup_lr(self.warmup_init_lr, self.base_lr, step, self.warmup_steps)
@@ -36,6 +41,17 @@ class LinearLR:
     final_lr: F64
     warmup_steps: U32
     total_steps: U32
+
+    @classmethod
+    def new(
+        cls,
+        base_lr: float,
+        warmup_steps: int,
+        warmup_init_lr: float,
+        total_steps: int,
+        final_lr: float,
+    ) -> LinearLR:
+        return cls(base_lr, warmup_init_lr, final_lr, warmup_steps, total_steps)
 
     def get_lr(self, step: int) -> float:
         if step < self.warmup_steps:
@@ -53,6 +69,17 @@ class CosineLR:
     final_lr: F64
     warmup_steps: U32
     total_steps: U32
+
+    @classmethod
+    def new(
+        cls,
+        base_lr: float,
+        warmup_steps: int,
+        warmup_init_lr: float,
+        total_steps: int,
+        final_lr: float,
+    ) -> CosineLR:
+        return cls(base_lr, warmup_init_lr, final_lr, warmup_steps, total_steps)
 
     def get_lr(self, step: int) -> float:
         if step < self.warmup_steps:
@@ -77,6 +104,29 @@ class WarmupStableDecayLR:
     stable_steps: U32
     cosine_decay_steps: U32
     linear_decay_steps: U32
+
+    @classmethod
+    def new(
+        cls,
+        base_lr: float,
+        warmup_steps: int,
+        warmup_init_lr: float,
+        stable_steps: int,
+        cosine_decay_steps: int,
+        cosine_decay_final_lr: float,
+        linear_decay_steps: int,
+        linear_decay_final_lr: float,
+    ) -> WarmupStableDecayLR:
+        return cls(
+            base_lr=base_lr,
+            warmup_init_lr=warmup_init_lr,
+            cosine_decay_final_lr=cosine_decay_final_lr,
+            linear_decay_final_lr=linear_decay_final_lr,
+            warmup_steps=warmup_steps,
+            stable_steps=stable_steps,
+            cosine_decay_steps=cosine_decay_steps,
+            linear_decay_steps=linear_decay_steps,
+        )
 
     def get_lr(self, step: int) -> float:
         # Upstream asserts these on every call (a panic there); here they raise ValueError.

@@ -50,9 +50,20 @@ def truncating_cast_unsigned(value: int, bits: int) -> int:
     return value & _UNSIGNED_MAX[bits]
 
 
+F32_MAX = 3.4028234663852886e38
+# Halfway between f32::MAX and 2^128: from here up, rounding to nearest (ties to even) overflows.
+_F32_OVERFLOW = 2.0**128 - 2.0**103
+
+
 def to_f32(value: float) -> float:
     """The nearest `f32` to `value`, as a Python float (raises OverflowError beyond f32 range)."""
-    return struct.unpack("<f", struct.pack("<f", value))[0]
+    try:
+        return struct.unpack("<f", struct.pack("<f", value))[0]
+    except OverflowError:
+        # `struct` refuses anything above f32::MAX, even values that round down to it.
+        if abs(value) < _F32_OVERFLOW:
+            return math.copysign(F32_MAX, value)
+        raise
 
 
 def f32_shortest_repr(value: float) -> str:
@@ -62,8 +73,11 @@ def f32_shortest_repr(value: float) -> str:
     single = to_f32(value)
     for digits in range(1, 18):
         text = f"{single:.{digits}g}"
-        if to_f32(float(text)) == single:
-            return text
+        try:
+            if to_f32(float(text)) == single:
+                return text
+        except OverflowError:  # a short rounding of f32::MAX may leave the f32 range
+            continue
     return repr(single)
 
 

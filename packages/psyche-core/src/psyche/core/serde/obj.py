@@ -12,6 +12,7 @@ Two deliberate departures from upstream, both because upstream's behaviour loses
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from functools import cache
 from typing import Any, TypeVar
@@ -19,6 +20,7 @@ from typing import Any, TypeVar
 from pydantic import TypeAdapter, ValidationError
 from pydantic_core import PydanticCustomError, core_schema
 
+from psyche.core.fixed import fixed_str_serialize
 from psyche.core.numeric import I64_MAX, f32_shortest_repr, to_f32
 from psyche.core.serde.schema import ArrayMarker as _ArrayMarker
 from psyche.core.serde.schema import (
@@ -74,7 +76,7 @@ def _to_obj(v: Any, wt: WireType) -> Any:
     if isinstance(wt, WSmallBool):
         return 1 if v else 0
     if isinstance(wt, WStr):
-        return v
+        return v if wt.capacity is None else fixed_str_serialize(v, wt.capacity)
     if isinstance(wt, WBytes):
         return list(v)
     if isinstance(wt, WOption):
@@ -85,7 +87,7 @@ def _to_obj(v: Any, wt: WireType) -> Any:
         return [_to_obj(x, t) for x, t in zip(v, wt.items)]
     if isinstance(wt, WStruct):
         out = {}
-        for name, ft in wt.fields:
+        for name, ft in (*wt.fields, *wt.local_fields):
             item = _to_obj(getattr(v, name), ft)
             if item is not None:
                 out[name] = item
@@ -130,9 +132,70 @@ def _adapter(tp: Any) -> TypeAdapter[Any]:
 def from_obj(obj: Any, tp: type[T] | Any, *, source: str | None = None) -> T:
     """Validate a serde-data-model object into `tp`; raises `SerdeError` naming every bad field."""
     try:
-        return _adapter(tp).validate_python(obj)
+        return _adapter(tp).validate_python(_prepare(obj, wire_type(tp)))
     except ValidationError as e:
         raise SerdeError([_describe(err) for err in e.errors()], source) from None
+
+
+def _prepare(obj: Any, wt: WireType) -> Any:
+    """Bring serde's readings that pydantic does not know into `obj` before validation:
+
+    * a struct's missing `Option` field reads as None (and `to_obj` leaves None out);
+    * a `Vec<u8>` (`bytes`) is an array of integers, as `to_obj` writes it.
+
+    Returns a copy where anything changed; the caller's object is never modified."""
+    if isinstance(wt, WBytes) and wt.length is None and isinstance(obj, list):
+        if all(type(x) is int and 0 <= x <= 255 for x in obj):
+            return bytes(obj)
+        return obj
+    if isinstance(wt, WStruct) and isinstance(obj, dict):
+        out = None
+        optional = _options_without_default(wt.cls)
+        for name, ft in (*wt.fields, *wt.local_fields):
+            if name not in obj:
+                if name in optional:
+                    out = dict(obj) if out is None else out
+                    out[name] = None
+                continue
+            item = _prepare(obj[name], ft)
+            if item is not obj[name]:
+                out = dict(obj) if out is None else out
+                out[name] = item
+        return obj if out is None else out
+    if isinstance(wt, WOption):
+        return obj if obj is None else _prepare(obj, wt.inner)
+    if isinstance(wt, WSeq | WArray) and isinstance(obj, list):
+        items = [_prepare(x, wt.item) for x in obj]
+        return obj if all(a is b for a, b in zip(items, obj)) else items
+    if isinstance(wt, WTuple) and isinstance(obj, list | tuple):
+        items = [_prepare(x, t) for x, t in zip(obj, wt.items)]
+        items.extend(obj[len(items) :])
+        return obj if all(a is b for a, b in zip(items, obj)) else type(obj)(items)
+    if isinstance(wt, WDataEnum) and isinstance(obj, dict) and len(obj) == 1:
+        ((tag, payload),) = obj.items()
+        for var, payload_wt in wt.variants:
+            if var.variant_name == tag and payload_wt is not None:
+                item = _prepare(payload, payload_wt)
+                return obj if item is payload else {tag: item}
+        return obj
+    if isinstance(wt, WProxy):
+        return _prepare(obj, wt.proxy)
+    return obj
+
+
+@cache
+def _options_without_default(cls: type) -> frozenset[str]:
+    """Fields of type `T | None` that have no Python default (a default wins over None)."""
+    wt = wire_type(cls)
+    assert isinstance(wt, WStruct)
+    kinds = dict((*wt.fields, *wt.local_fields))
+    return frozenset(
+        f.name
+        for f in dataclasses.fields(cls)
+        if isinstance(kinds.get(f.name), WOption)
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+    )
 
 
 def format_path(loc: Sequence[str | int]) -> str:
@@ -177,7 +240,7 @@ def _describe_input(value: Any) -> str:
     return type(value).__name__
 
 
-def _error(kind: str, message: str, **ctx: Any) -> PydanticCustomError:
+def _error(kind: str, message: str, /, **ctx: Any) -> PydanticCustomError:
     return PydanticCustomError(kind, message, ctx)
 
 

@@ -16,6 +16,7 @@ import struct
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from psyche.core.fixed import fixed_str_from_bytes, fixed_str_serialize
 from psyche.core.serde.schema import (
     WArray,
     WBool,
@@ -182,10 +183,10 @@ def _build_encoder(wt: WireType) -> Encoder:
         cap = wt.capacity
 
         def enc_str(v: Any, out: bytearray) -> None:
-            raw = v.encode("utf-8")
             if cap is not None:
-                # FixedString serializes its NUL-trimmed content.
-                raw = raw[:cap].strip(b"\0")
+                # A FixedString writes its bytes as lossy UTF-8 with NULs trimmed at both ends.
+                v = fixed_str_serialize(v, cap)
+            raw = v.encode("utf-8")
             encode_varint(len(raw), out)
             out += raw
 
@@ -368,13 +369,14 @@ def _build_decoder(wt: WireType) -> Decoder:
         def dec_str(b: memoryview, p: int) -> tuple[str, int]:
             n, p = decode_varint(b, p, 64)
             raw, p = _take(b, p, n)
-            if cap is not None:
-                # FixedString deserialization: silent truncation, lossy UTF-8, NULs trimmed.
-                return raw[:cap].decode("utf-8", errors="replace").strip("\0"), p
             try:
-                return raw.decode("utf-8"), p
+                text = raw.decode("utf-8")
             except UnicodeDecodeError as e:
                 raise PostcardError(f"invalid UTF-8 in string: {e}") from e
+            if cap is not None:
+                # A FixedString keeps the first `cap` bytes of a valid string, silently.
+                return fixed_str_from_bytes(raw, cap), p
+            return text, p
 
         return dec_str
 
@@ -415,7 +417,7 @@ def _build_decoder(wt: WireType) -> Decoder:
         def dec_seq(b: memoryview, p: int) -> tuple[list[Any], int]:
             n, p = decode_varint(b, p, 64)
             if cap is not None and n > cap:
-                raise PostcardError(f"sequence of {n} items exceeds the capacity {cap}")
+                raise PostcardError(f"FixedVec is full: {n} items exceed the capacity {cap}")
             if n > len(b) - p:
                 # every item takes at least one byte: a larger count is a lie, not a reason to
                 # allocate

@@ -476,7 +476,11 @@ class WTuple(WireType):
 @dataclass(eq=False)
 class WStruct(WireType):
     cls: type
+    # Fields in wire (declaration) order.
     fields: list[tuple[str, WireType]] = dataclasses.field(default_factory=list)
+    # Fields declared with `metadata={"wire": False}`: kept in TOML/JSON, absent from binary
+    # formats (they are port extensions that upstream's byte layouts have no room for).
+    local_fields: list[tuple[str, WireType]] = dataclasses.field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -584,7 +588,8 @@ def _resolve(tp: Any) -> WireType:
             _cache[key] = st
             hints = typing.get_type_hints(tp, include_extras=True)
             for f in dataclasses.fields(tp):
-                st.fields.append((f.name, wire_type(hints[f.name])))
+                target = st.fields if f.metadata.get("wire", True) else st.local_fields
+                target.append((f.name, wire_type(hints[f.name])))
             return st
 
     raise TypeError(f"no wire form for {tp!r}")

@@ -1,0 +1,5 @@
+import sys
+
+from psyche.cli.server.main import main
+
+sys.exit(main())
