@@ -1,0 +1,365 @@
+"""Causal language models for training: Hugging Face transformers behind upstream's interface.
+
+Upstream has native Llama and DeepSeek implementations (`HfLlama`, `HfDeepseek`) and a Python
+path for anything transformers can build (`HfAuto`). Here all three are transformers models; the
+architecture name still selects upstream's checks (model type, no tied embeddings for Llama) and
+its gradient-clipping formula. `Torchtitan` is not supported yet.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from psyche.modeling.distro import sorted_variables
+
+ARCHITECTURES = ("HfLlama", "HfDeepseek", "HfAuto", "Torchtitan")
+_NATIVE = ("HfLlama", "HfDeepseek")
+_MODEL_TYPES = {"HfLlama": ("llama",), "HfDeepseek": ("deepseek_v2", "deepseek_v3")}
+
+CHECKPOINT_EXTRA_FILE_NAMES = (
+    "config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+)
+
+
+class ModelLoadError(ValueError):
+    """The model cannot be built or loaded as asked (bad architecture, missing weights, ...)."""
+
+
+def architecture_name(architecture: object) -> str:
+    """Accept `"HfLlama"` or an enum member whose `.name` is that (the run config's enum)."""
+    name = getattr(architecture, "name", architecture)
+    if not isinstance(name, str) or name not in ARCHITECTURES:
+        raise ModelLoadError(
+            f"unknown architecture {architecture!r}; expected one of {', '.join(ARCHITECTURES)}"
+        )
+    if name == "Torchtitan":
+        raise ModelLoadError(
+            "the Torchtitan architecture is not supported yet by the Python port; "
+            "use HfAuto (same checkpoints, Hugging Face transformers models)"
+        )
+    return name
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """`auto` is the first CUDA device when there is one, else the CPU."""
+    if isinstance(device, torch.device):
+        return device
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """Upstream trains in bf16; on the CPU, float32 is the default here (bf16 matmuls are slow)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    names = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
+    value = getattr(torch, names.get(dtype, dtype), None)
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        raise ModelLoadError(f"unknown parameter dtype {dtype!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """How to build a model; `device`/`dtype` accept "auto"."""
+
+    architecture: str = "HfAuto"
+    device: str = "auto"
+    dtype: str | None = None
+    attn_implementation: str = "sdpa"
+    max_position_embeddings: int | None = None
+    gradient_checkpointing: bool = False
+    seed: int = 1337
+
+
+class CausalLM:
+    """A transformers causal LM with the operations the trainer and optimizers need."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        architecture: str,
+        *,
+        source_dir: Path | None = None,
+    ) -> None:
+        self.model = model
+        self.architecture = architecture
+        self.source_dir = source_dir
+        self._variables = sorted_variables(model)
+
+    # -- construction ------------------------------------------------------------------------
+
+    @classmethod
+    def from_config(cls, config: Any, options: ModelOptions | None = None) -> CausalLM:
+        """Random initialisation from a config (a `PretrainedConfig` or a config.json dict)."""
+        from transformers import AutoModelForCausalLM
+
+        options = options or ModelOptions()
+        arch = architecture_name(options.architecture)
+        config = _prepare_config(_as_config(config), arch, options)
+        device = resolve_device(options.device)
+        dtype = resolve_dtype(options.dtype, device)
+        torch.manual_seed(options.seed)
+        model = AutoModelForCausalLM.from_config(
+            config, attn_implementation=options.attn_implementation, dtype=dtype
+        )
+        return cls._finish(model.to(device), arch, options, None)
+
+    @classmethod
+    def from_pretrained(
+        cls, source: str | os.PathLike[str], options: ModelOptions | None = None
+    ) -> CausalLM:
+        """Load a local directory (config.json + safetensors, sharded or not) or a hub repo id.
+
+        Every model parameter must be present in the checkpoint (as upstream requires).
+        """
+        options = options or ModelOptions()
+        arch = architecture_name(options.architecture)
+        directory = Path(source)
+        if not directory.is_dir():
+            directory = download_model_repo(str(source))
+        config_path = directory / "config.json"
+        if not config_path.is_file():
+            raise ModelLoadError(f"no config.json in {directory}")
+        if not any(p.suffix.lower() == ".safetensors" for p in directory.iterdir()):
+            raise ModelLoadError(f"no .safetensors files in {directory}")
+        _check_safetensors_format(directory)
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = _prepare_config(AutoConfig.from_pretrained(directory), arch, options)
+        device = resolve_device(options.device)
+        dtype = resolve_dtype(options.dtype, device)
+        torch.manual_seed(options.seed)
+        model, info = AutoModelForCausalLM.from_pretrained(
+            directory,
+            config=config,
+            dtype=dtype,
+            attn_implementation=options.attn_implementation,
+            output_loading_info=True,
+        )
+        missing = sorted(info.get("missing_keys", []))
+        if missing:
+            raise ModelLoadError(
+                f"checkpoint {directory} lacks {len(missing)} parameters, e.g. {missing[:3]}"
+            )
+        return cls._finish(model.to(device), arch, options, directory)
+
+    @classmethod
+    def _finish(
+        cls, model: nn.Module, arch: str, options: ModelOptions, source_dir: Path | None
+    ) -> CausalLM:
+        if options.gradient_checkpointing and getattr(
+            model, "supports_gradient_checkpointing", False
+        ):
+            model.gradient_checkpointing_enable()  # type: ignore[operator]
+        model.train()
+        return cls(model, arch, source_dir=source_dir)
+
+    # -- properties --------------------------------------------------------------------------
+
+    @property
+    def config(self) -> Any:
+        return self.model.config
+
+    @property
+    def device(self) -> torch.device:
+        return self._variables[0][1].device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._variables[0][1].dtype
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return getattr(self.config, "bos_token_id", None)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        eos = getattr(self.config, "eos_token_id", None)
+        if eos is None:
+            return []
+        return list(eos) if isinstance(eos, list | tuple) else [eos]
+
+    @property
+    def max_context_length(self) -> int:
+        return int(self.config.max_position_embeddings)
+
+    def variables(self) -> list[tuple[str, nn.Parameter]]:
+        """Named parameters sorted byte-wise by name (the optimizers' order)."""
+        return list(self._variables)
+
+    # -- compute -----------------------------------------------------------------------------
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        num_logits_to_keep: int | None = None,
+        loss_scale: float | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`(logits, loss)`; the loss is the mean next-token cross entropy over labels != -100,
+        divided by `loss_scale`."""
+        out = self.model(
+            input_ids,
+            labels=labels,
+            position_ids=position_ids,
+            logits_to_keep=num_logits_to_keep or 0,
+            use_cache=False,
+            return_dict=True,
+        )
+        loss = out.loss
+        if loss is not None and loss_scale:
+            loss = loss / loss_scale
+        return out.logits, loss
+
+    @torch.no_grad()
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Clip all gradients to a total 2-norm of `max_norm`; returns the norm before clipping.
+
+        HfLlama/HfDeepseek use upstream's native formula: each gradient's norm is computed (and
+        squared) in the parameter dtype, summed in float32, and gradients are scaled by
+        `max_norm / (total + 1e-6)` only when `total > max_norm`. torch's `clip_grad_norm_`
+        (used for HfAuto, as upstream's Python path does) takes per-tensor norms in the same
+        dtype but squares and sums them as one stacked norm, and always multiplies by
+        `min(1, max_norm / (total + 1e-6))`; the two can differ in the last bits.
+        """
+        grads = [p.grad for _, p in self._variables if p.grad is not None]
+        if not grads:
+            return 0.0
+        if self.architecture in _NATIVE:
+            return clip_grad_norm_native(grads, max_norm)
+        return float(
+            torch.nn.utils.clip_grad_norm_(
+                [p for _, p in self._variables if p.grad is not None], max_norm
+            )
+        )
+
+    def extract(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """CPU copies of the state dict (tied tensors once), optionally cast to `dtype`."""
+        out: dict[str, torch.Tensor] = {}
+        seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
+        for name, tensor in self.model.state_dict().items():
+            key = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()))
+            if key in seen:
+                continue
+            seen.add(key)
+            t = tensor.detach().to("cpu", copy=True)
+            out[name] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+        return out
+
+    @torch.no_grad()
+    def truncate_bf16(self) -> None:
+        """Round every parameter through bf16 (upstream does this before sharing a checkpoint)."""
+        for _, p in self._variables:
+            p.copy_(p.to(torch.bfloat16).to(p.dtype))
+
+    def checkpoint_extra_files(self) -> list[Path]:
+        """Files from the source checkpoint a saved checkpoint should carry (config, tokenizer)."""
+        if self.source_dir is None:
+            return []
+        return sorted(
+            p
+            for p in self.source_dir.iterdir()
+            if p.is_file() and (p.name in CHECKPOINT_EXTRA_FILE_NAMES or p.suffix == ".py")
+        )
+
+
+def clip_grad_norm_native(grads: Sequence[torch.Tensor], max_norm: float) -> float:
+    """Upstream's native-model clipping (see `CausalLM.clip_grad_norm`)."""
+    total_sq = torch.zeros((), dtype=torch.float32, device=grads[0].device)
+    for g in grads:
+        n = g.norm()
+        total_sq += n * n
+    total = float(total_sq.sqrt().item())
+    if total > max_norm:
+        scale = max_norm / (total + 1e-6)
+        for g in grads:
+            g.mul_(scale)
+    return total
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers
+
+
+def _as_config(config: Any) -> Any:
+    from transformers import AutoConfig, PretrainedConfig
+
+    if isinstance(config, PretrainedConfig):
+        return config
+    if isinstance(config, Mapping):
+        data = dict(config)
+        model_type = data.pop("model_type", None)
+        if model_type is None:
+            raise ModelLoadError("model_type not present in the config")
+        try:
+            return AutoConfig.for_model(model_type, **data)
+        except ValueError as e:
+            raise ModelLoadError(f"unknown model_type {model_type!r}") from e
+    raise ModelLoadError(f"expected a PretrainedConfig or a dict, got {type(config).__name__}")
+
+
+def _prepare_config(config: Any, arch: str, options: ModelOptions) -> Any:
+    allowed = _MODEL_TYPES.get(arch)
+    if allowed is not None and config.model_type not in allowed:
+        raise ModelLoadError(
+            f"architecture {arch} needs model_type {' or '.join(allowed)}, "
+            f"the config has {config.model_type!r}"
+        )
+    if arch == "HfLlama" and getattr(config, "tie_word_embeddings", False):
+        raise ModelLoadError("HfLlama does not support tied embeddings (as upstream)")
+    if options.max_position_embeddings is not None:
+        config.max_position_embeddings = options.max_position_embeddings
+    return config
+
+
+def _check_safetensors_format(directory: Path) -> None:
+    from safetensors import safe_open
+
+    for path in sorted(directory.iterdir()):
+        if path.suffix.lower() != ".safetensors":
+            continue
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata()
+        if metadata is not None and metadata.get("format", "pt") != "pt":
+            raise ModelLoadError(f"{path.name} is not a PyTorch safetensors file")
+
+
+def download_model_repo(repo_id: str, revision: str | None = None) -> Path:
+    """Fetch a hub repo's safetensors, JSON and Python files (needs network; never in tests)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        path = snapshot_download(
+            repo_id,
+            revision=revision,
+            allow_patterns=["*.safetensors", "*.json", "*.py"],
+            token=os.environ.get("HF_TOKEN"),
+        )
+    except Exception as e:
+        raise ModelLoadError(f"cannot fetch {repo_id!r} from the hub: {e}") from e
+    return Path(path)
+
+
+def load_config_json(path: Path) -> dict[str, Any]:
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path} does not hold a JSON object")
+    return data

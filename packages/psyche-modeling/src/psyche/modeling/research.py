@@ -1,0 +1,209 @@
+"""DisTrO outside the Psyche client: an ordinary training loop, and N simulated peers.
+
+Both follow the timing of upstream's single-node example (and of a Psyche round): the update a
+node applies after training step N is the aggregate of the results produced at step N-1, and the
+forward pass of step N runs on weights shifted by the lookahead `sign(delta) * lr(N-1)`.
+
+    loop = DistroLoop(model, lr=1e-3)
+    for step, batch in enumerate(batches, start=1):
+        loop.zero_grad(step)                 # zero grads + lookahead
+        model(**batch).loss.backward()
+        loop.step(step)                      # generate + apply the previous step's result
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from psyche.core.batch_id import BatchId
+from psyche.core.numeric import to_f32
+from psyche.modeling.causal_lm import clip_grad_norm_native
+from psyche.modeling.distro import Distro, DistroResult, quantize_results, sorted_variables
+from psyche.modeling.lr import Schedule
+from psyche.modeling.serialized_distro import (
+    decode_transmittable,
+    distro_results_from_transmittable,
+    transmittable_distro_result,
+)
+
+
+@dataclass(frozen=True)
+class DistroSettings:
+    """DisTrO hyper-parameters (the run config's `Distro` optimizer, as plain Python values).
+
+    The float fields are rounded to f32 as in a run config, so a simulation computes exactly
+    what Psyche clients configured with the same numbers compute (`1 - lr * wd` is evaluated in
+    f64 and a different f64 `wd` can round to a different f32 factor).
+    """
+
+    compression_chunk: int = 64
+    compression_topk: int = 8
+    compression_decay: float = 0.999
+    weight_decay: float = 0.0
+    quantize_1bit: bool = True
+    clip_grad_norm: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("compression_decay", "weight_decay", "clip_grad_norm"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, to_f32(value))
+
+    @classmethod
+    def from_definition(cls, definition: object) -> DistroSettings:
+        d = definition
+        return cls(
+            compression_chunk=int(d.compression_chunk),  # type: ignore[attr-defined]
+            compression_topk=int(d.compression_topk),  # type: ignore[attr-defined]
+            compression_decay=float(d.compression_decay),  # type: ignore[attr-defined]
+            weight_decay=float(d.weight_decay or 0.0),  # type: ignore[attr-defined]
+            quantize_1bit=bool(d.quantize_1bit),  # type: ignore[attr-defined]
+            clip_grad_norm=d.clip_grad_norm,  # type: ignore[attr-defined]
+        )
+
+    def build(self, model: nn.Module | Sequence[tuple[str, torch.Tensor]]) -> Distro:
+        return Distro(
+            model,
+            compression_decay=self.compression_decay,
+            compression_chunk=self.compression_chunk,
+            compression_topk=self.compression_topk,
+            weight_decay=self.weight_decay,
+        )
+
+
+def _lr_fn(lr: float | Schedule | Callable[[int], float]) -> Callable[[int], float]:
+    if isinstance(lr, int | float):
+        value = float(lr)
+        return lambda _step: value
+    get = getattr(lr, "get_lr", None)
+    if get is not None:
+        return get  # type: ignore[no-any-return]
+    return lr  # type: ignore[return-value]
+
+
+def _prev(step: int) -> int:
+    return 0 if step == 0 else step - 1
+
+
+class _Peer:
+    def __init__(self, model: nn.Module, settings: DistroSettings) -> None:
+        self.model = model
+        self.distro = settings.build(model)
+        self.params = [p for _, p in sorted_variables(model)]
+        self.prev_results: list[DistroResult] | None = None
+
+    def zero_grad(self, prev_lr: float) -> None:
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.zero_()
+        self.distro.error_correction(prev_lr)
+
+    def generate(self, settings: DistroSettings, prev_lr: float, lr: float) -> list[DistroResult]:
+        if settings.clip_grad_norm is not None and settings.clip_grad_norm > 0.0:
+            grads = [p.grad for p in self.params if p.grad is not None]
+            if grads:
+                clip_grad_norm_native(grads, settings.clip_grad_norm)
+        prev = [self.prev_results] if self.prev_results is not None else []
+        return self.distro.generate(prev, prev_lr, lr)
+
+
+class DistroLoop:
+    """DisTrO for one model in a plain loop (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        settings: DistroSettings | None = None,
+        *,
+        lr: float | Schedule | Callable[[int], float],
+    ) -> None:
+        self.settings = settings or DistroSettings()
+        self.lr = _lr_fn(lr)
+        self._peer = _Peer(model, self.settings)
+
+    @property
+    def distro(self) -> Distro:
+        return self._peer.distro
+
+    def zero_grad(self, step: int) -> None:
+        """Zero the gradients and apply the lookahead; call before the forward pass."""
+        self._peer.zero_grad(self.lr(_prev(step)))
+
+    def step(self, step: int) -> list[DistroResult]:
+        """Compress this step's momentum, then apply the previous step's result."""
+        lr = self.lr(step)
+        results = self._peer.generate(self.settings, self.lr(_prev(step)), lr)
+        previous = self._peer.prev_results
+        if previous is not None:
+            sent = quantize_results(previous) if self.settings.quantize_1bit else previous
+            self._peer.distro.apply([sent], lr)
+        self._peer.prev_results = results
+        return results
+
+
+class PeerSimulation:
+    """N DisTrO peers in one process, each with its own replica, exchanging results.
+
+    Each peer trains on its own data between `zero_grad` and `step`. With `through_wire`, every
+    exchanged result goes through the postcard payload, its commitment hash and the receiver's
+    validation, as between real peers; `last_payload_bytes` then holds each payload's size.
+    """
+
+    def __init__(
+        self,
+        models: Sequence[nn.Module],
+        settings: DistroSettings | None = None,
+        *,
+        lr: float | Schedule | Callable[[int], float],
+        through_wire: bool = False,
+    ) -> None:
+        if not models:
+            raise ValueError("at least one peer is needed")
+        self.settings = settings or DistroSettings()
+        self.lr = _lr_fn(lr)
+        self.through_wire = through_wire
+        self.peers = [_Peer(m, self.settings) for m in models]
+        self.last_payload_bytes: list[int] = []
+        self._outbox: list[list[DistroResult]] | None = None
+
+    @property
+    def models(self) -> list[nn.Module]:
+        return [p.model for p in self.peers]
+
+    def zero_grad(self, step: int) -> None:
+        for peer in self.peers:
+            peer.zero_grad(self.lr(_prev(step)))
+
+    def step(self, step: int) -> None:
+        """Every peer compresses its momentum; then every peer applies all peers' previous
+        results (the per-coefficient mean over the peers that picked each coefficient)."""
+        lr = self.lr(step)
+        prev_lr = self.lr(_prev(step))
+        fresh = [peer.generate(self.settings, prev_lr, lr) for peer in self.peers]
+        if self._outbox is not None:
+            for peer in self.peers:
+                peer.distro.apply(self._outbox, lr)
+        for peer, results in zip(self.peers, fresh):
+            peer.prev_results = results
+        self._outbox = [self._send(results, step, i) for i, results in enumerate(fresh)]
+
+    def _send(self, results: list[DistroResult], step: int, index: int) -> list[DistroResult]:
+        sent = quantize_results(results) if self.settings.quantize_1bit else results
+        if not self.through_wire:
+            return sent
+        payload = transmittable_distro_result(sent, step, 0, BatchId(index, index))
+        blob = payload.to_bytes()
+        if len(self.last_payload_bytes) == len(self.peers):
+            self.last_payload_bytes = []
+        self.last_payload_bytes.append(len(blob))
+        received = decode_transmittable(blob)
+        if received.comptue_hash() != payload.comptue_hash():
+            raise AssertionError("commitment hash changed on the wire")
+        layouts = self.peers[0].distro.layouts()
+        return distro_results_from_transmittable(
+            received, layouts, require_1bit=self.settings.quantize_1bit
+        )
