@@ -1,0 +1,304 @@
+"""The TCP data server's messages (upstream `remote/shared.rs`) and their postcard codecs.
+
+The serde declarations below are the wire format. Requests are small and use the serde codec.
+Replies carry whole batches of tokens, which the generic serde walk would encode one Python int
+at a time; `ServerMessageCodec` produces the same bytes with numpy instead. That works because
+every field of a reply is a varint or a single byte below 0x80 (variant indices, `BatchId` u64s,
+lengths, zigzagged i32 tokens, `Option` tags), so a reply is a flat run of LEB128 varints: it is
+encoded from, and decoded into, one array of integers and then (de)structured by index.
+The tests check the codec against the serde declarations byte for byte.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from psyche.core.batch_id import BatchId
+from psyche.core.serde import I32, DataEnum, PostcardError, RustEnum, struct, variant
+from psyche.data_provider.types import TokenizedData
+
+# --------------------------------------------------------------------------------------------
+# serde declarations (the wire format)
+
+
+@struct(frozen=True)
+class TokenizedDataWire:
+    input_ids: list[I32]
+    labels: list[I32] | None
+    position_ids: list[I32] | None
+    sequence_lengths: list[I32] | None
+
+
+@struct(frozen=True)
+class TrainingDataWire:
+    data_ids: BatchId
+    raw_data: list[TokenizedDataWire]
+
+
+class RejectionReason(RustEnum):
+    NotInThisRound = 0
+    # Never sent upstream; here it answers a request for ids the server does not have.
+    WrongDataIdForStep = 1
+
+
+@struct(frozen=True)
+class RequestRejected:
+    data_ids: BatchId
+    reason: RejectionReason
+
+
+class ServerToClientMessageWire(DataEnum):
+    TrainingData = variant(TrainingDataWire)
+    RequestRejected = variant(RequestRejected)
+
+
+@struct(frozen=True)
+class RequestTrainingData:
+    data_ids: BatchId
+
+
+class ClientToServerMessage(DataEnum):
+    RequestTrainingData = variant(RequestTrainingData)
+
+
+# --------------------------------------------------------------------------------------------
+# In-memory replies (numpy token arrays)
+
+
+@dataclass(frozen=True, eq=False)
+class TrainingData:
+    data_ids: BatchId
+    raw_data: list[TokenizedData]
+
+
+ServerToClientMessage = TrainingData | RequestRejected
+
+_TRAINING_DATA = ServerToClientMessageWire.TrainingData.index
+_REQUEST_REJECTED = ServerToClientMessageWire.RequestRejected.index
+_U32_MAX = 0xFFFF_FFFF
+_MAX_U64_VARINT = 10
+_MAX_U32_VARINT = 5
+
+
+def encode_varints(values: np.ndarray) -> bytes:
+    """LEB128 of each uint64 value, concatenated."""
+    v = np.asarray(values, dtype=np.uint64)
+    if len(v) == 0:
+        return b""
+    if int(v.max()) < _SMALL_LIMIT:
+        return _encode_small(v.astype(np.uint32))
+    return _encode_any(v)
+
+
+# Values below 2**28 take at most four varint bytes: they are packed into one u32 each.
+_SMALL_LIMIT = 1 << 28
+
+
+def _encode_small(z: np.ndarray) -> bytes:
+    more1 = (z >= 0x80).astype(np.uint32)
+    more2 = (z >= 0x4000).astype(np.uint32)
+    more3 = (z >= 0x20_0000).astype(np.uint32)
+    packed = (
+        (z & 0x7F)
+        | (more1 << 7)
+        | ((z << 1) & 0x7F00)
+        | (more2 << 15)
+        | ((z << 2) & 0x7F_0000)
+        | (more3 << 23)
+        | ((z << 3) & 0x7F00_0000)
+    )
+    rows = packed.astype("<u4").view(np.uint8).reshape(-1, 4)
+    nbytes = 1 + more1 + more2 + more3
+    lo, hi = int(nbytes.min()), int(nbytes.max())
+    if lo == hi:
+        return np.ascontiguousarray(rows[:, :lo]).tobytes()
+    # Write every value's four packed bytes at its offset, last byte first: the bytes past a
+    # value's length land where later values start, and the later (lower) passes overwrite them.
+    ends = np.cumsum(nbytes, dtype=np.int64)
+    offsets = ends - nbytes
+    out = np.empty(int(ends[-1]) + 3, dtype=np.uint8)
+    for k in range(hi - 1, -1, -1):
+        out[offsets + k] = rows[:, k]
+    return out[: int(ends[-1])].tobytes()
+
+
+def _encode_any(v: np.ndarray) -> bytes:
+    nbytes = np.ones(len(v), dtype=np.int64)
+    for k in range(1, _MAX_U64_VARINT):
+        more = v >= np.uint64(1 << (7 * k))
+        if not more.any():
+            break
+        nbytes += more
+    width = int(nbytes.max())
+    k = np.arange(width, dtype=np.uint64)
+    groups = (v[:, None] >> (np.uint64(7) * k)) & np.uint64(0x7F)
+    continued = k[None, :].astype(np.int64) < (nbytes[:, None] - 1)
+    groups |= continued.astype(np.uint64) << np.uint64(7)
+    present = k[None, :].astype(np.int64) < nbytes[:, None]
+    return groups[present].astype(np.uint8).tobytes()
+
+
+def decode_varints(data: bytes | memoryview) -> tuple[np.ndarray, np.ndarray]:
+    """All LEB128 varints of `data` (which must end with a complete one): (values, byte lengths)."""
+    buf = np.frombuffer(data, dtype=np.uint8)
+    if len(buf) == 0:
+        return np.empty(0, np.uint64), np.empty(0, np.int64)
+    ends = np.flatnonzero(buf < 0x80)
+    if len(ends) == 0 or ends[-1] != len(buf) - 1:
+        raise PostcardError("unexpected end of input in varint")
+    starts = np.empty(len(ends), dtype=np.int64)
+    starts[0] = 0
+    starts[1:] = ends[:-1] + 1
+    lengths = ends - starts + 1
+    longest = int(lengths.max())
+    if longest == 1:
+        return buf.astype(np.uint64), lengths
+    if longest <= 4:
+        # The little-endian u32 at every byte offset, then one gather per varint.
+        padded = np.zeros(len(buf) + 3, dtype=np.uint32)
+        padded[: len(buf)] = buf
+        word = padded[:-3] | (padded[1:-2] << 8) | (padded[2:-1] << 16) | (padded[3:] << 24)
+        w = word[starts] & _LENGTH_MASKS[lengths]
+        values = (w & 0x7F) | ((w >> 1) & 0x3F80) | ((w >> 2) & 0x1F_C000) | ((w >> 3) & 0xFE0_0000)
+        return values.astype(np.uint64), lengths
+    if longest > _MAX_U64_VARINT:
+        raise PostcardError(f"varint longer than {_MAX_U64_VARINT} bytes")
+    if longest == _MAX_U64_VARINT and (buf[ends[lengths == _MAX_U64_VARINT]] > 1).any():
+        raise PostcardError("varint does not fit in 64 bits")
+    position = np.arange(len(buf), dtype=np.int64) - np.repeat(starts, lengths)
+    parts = (buf & 0x7F).astype(np.uint64) << (np.uint64(7) * position.astype(np.uint64))
+    return np.add.reduceat(parts, starts), lengths
+
+
+_LENGTH_MASKS = np.array([0, 0xFF, 0xFFFF, 0xFF_FFFF, 0xFFFF_FFFF], dtype=np.uint32)
+
+
+def _zigzag_i32(values: np.ndarray) -> np.ndarray:
+    x = values.astype(np.int64)
+    return (((x << 1) ^ (x >> 31)) & _U32_MAX).astype(np.uint64)
+
+
+class ServerMessageCodec:
+    """postcard of upstream's `ServerToClientMessage`, vectorized over the token arrays."""
+
+    def encode(self, message: ServerToClientMessage) -> bytes:
+        if isinstance(message, RequestRejected):
+            head = [_REQUEST_REJECTED, message.data_ids.start, message.data_ids.end]
+            return encode_varints(np.array([*head, message.reason.value], dtype=np.uint64))
+        if not isinstance(message, TrainingData):
+            raise PostcardError(f"{message!r} is not a ServerToClientMessage")
+        ids = message.data_ids
+        parts = [
+            np.array([_TRAINING_DATA, ids.start, ids.end, len(message.raw_data)], dtype=np.uint64)
+        ]
+        for sample in message.raw_data:
+            parts.append(np.array([len(sample.input_ids)], dtype=np.uint64))
+            parts.append(_zigzag_i32(sample.input_ids))
+            for extra in (sample.labels, sample.position_ids, sample.sequence_lengths):
+                if extra is None:
+                    parts.append(np.zeros(1, dtype=np.uint64))
+                else:
+                    parts.append(np.array([1, len(extra)], dtype=np.uint64))
+                    parts.append(_zigzag_i32(extra))
+        return encode_varints(np.concatenate(parts))
+
+    def decode(self, data: bytes) -> ServerToClientMessage:
+        values, lengths = decode_varints(data)
+        return _Reader(values, lengths).message()
+
+
+class _Reader:
+    def __init__(self, values: np.ndarray, lengths: np.ndarray) -> None:
+        self.values = values
+        self.lengths = lengths
+        self.pos = 0
+        # Zigzag-decoded view of every value; only read where a value is an i32.
+        v = values
+        self.signed = ((v >> np.uint64(1)) ^ (np.uint64(0) - (v & np.uint64(1)))).view(np.int64)
+
+    def take(self, what: str, bits: int = 64) -> int:
+        if self.pos >= len(self.values):
+            raise PostcardError(f"unexpected end of input reading {what}")
+        value = int(self.values[self.pos])
+        if bits == 32 and (value > _U32_MAX or self.lengths[self.pos] > _MAX_U32_VARINT):
+            raise PostcardError(f"{what}: varint does not fit in 32 bits")
+        self.pos += 1
+        return value
+
+    def i32_array(self, what: str) -> np.ndarray:
+        n = self.take(f"length of {what}")
+        end = self.pos + n
+        if end > len(self.values):
+            raise PostcardError(f"{what} claims {n} items but the input ends first")
+        if n and (
+            self.lengths[self.pos : end].max() > _MAX_U32_VARINT
+            or self.values[self.pos : end].max() > _U32_MAX
+        ):
+            raise PostcardError(f"{what}: varint does not fit in 32 bits")
+        out = self.signed[self.pos : end].astype(np.int32)
+        self.pos = end
+        return out
+
+    def option(self, what: str) -> np.ndarray | None:
+        if self.pos < len(self.lengths) and self.lengths[self.pos] != 1:
+            raise PostcardError(f"invalid option tag for {what}")  # a u8, not a varint
+        tag = self.take(f"option tag of {what}")
+        if tag == 0:
+            return None
+        if tag == 1:
+            return self.i32_array(what)
+        raise PostcardError(f"invalid option tag {tag} for {what}")
+
+    def message(self) -> ServerToClientMessage:
+        variant_index = self.take("variant index", 32)
+        data_ids = BatchId(self.take("data_ids.start"), self.take("data_ids.end"))
+        if variant_index == _REQUEST_REJECTED:
+            reason_index = self.take("reason", 32)
+            reasons = list(RejectionReason)
+            if reason_index >= len(reasons):
+                raise PostcardError(f"invalid variant index {reason_index} for RejectionReason")
+            result: ServerToClientMessage = RequestRejected(data_ids, reasons[reason_index])
+        elif variant_index == _TRAINING_DATA:
+            count = self.take("raw_data length")
+            # Each sample takes at least four varints: a larger count is a lie.
+            if count > (len(self.values) - self.pos) // 4:
+                raise PostcardError(f"raw_data claims {count} samples but the input ends first")
+            samples = []
+            for i in range(count):
+                input_ids = self.i32_array(f"raw_data[{i}].input_ids")
+                labels = self.option(f"raw_data[{i}].labels")
+                position_ids = self.option(f"raw_data[{i}].position_ids")
+                sequence_lengths = self.option(f"raw_data[{i}].sequence_lengths")
+                samples.append(TokenizedData(input_ids, labels, position_ids, sequence_lengths))
+            result = TrainingData(data_ids, samples)
+        else:
+            raise PostcardError(f"invalid variant index {variant_index} for ServerToClientMessage")
+        if self.pos != len(self.values):
+            raise PostcardError(f"{len(self.values) - self.pos} trailing values after the message")
+        return result
+
+
+def to_wire(message: ServerToClientMessage) -> ServerToClientMessageWire:
+    """The serde form of a reply (for checks against the serde codec; slow for big batches)."""
+    if isinstance(message, RequestRejected):
+        return ServerToClientMessageWire.RequestRejected(message)
+
+    def lst(a: np.ndarray | None) -> list[int] | None:
+        return None if a is None else a.tolist()
+
+    return ServerToClientMessageWire.TrainingData(
+        TrainingDataWire(
+            message.data_ids,
+            [
+                TokenizedDataWire(
+                    s.input_ids.tolist(),
+                    lst(s.labels),
+                    lst(s.position_ids),
+                    lst(s.sequence_lengths),
+                )
+                for s in message.raw_data
+            ],
+        )
+    )

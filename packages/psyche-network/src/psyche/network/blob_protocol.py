@@ -1,0 +1,259 @@
+"""The blob transfer protocol, independent of the byte stream it runs on.
+
+One blob per connection:
+
+    requester -> provider   Hello{version, requester, provider, nonce_r}
+    provider  -> requester  Challenge{provider, nonce_p, sig_p}   | Refused(reason)
+    requester -> provider   Get{sig_r, hash}
+    provider  -> requester  Found(size) + `size` raw bytes        | NotFound | Refused(reason)
+
+Control messages are postcard, each framed by a 4-byte big-endian length and capped at
+`MAX_CONTROL_FRAME` bytes. Each side signs a transcript binding both identities and both fresh
+nonces, so neither a replayed handshake nor a third party can pose as a run member. The payload
+itself is not encrypted (see the package README): its integrity comes from the BLAKE3 hash the
+requester checks before anything uses the bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import struct as _struct
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import trio
+
+from psyche.core.serde import (
+    U8,
+    U64,
+    DataEnum,
+    FixedBytes,
+    PostcardError,
+    from_bytes,
+    to_bytes,
+    variant,
+)
+from psyche.core.serde import struct as wire_struct
+from psyche.network.identity import SecretKey, verify
+from psyche.network.ticket import blob_hash
+
+PROTOCOL_VERSION = 0
+MAX_CONTROL_FRAME = 1024
+NONCE_LENGTH = 32
+RECEIVE_CHUNK = 1 << 20
+HANDSHAKE_TIMEOUT_SECS = 5.0
+
+_PROVIDER_DOMAIN = b"psyche-blob/0 provider"
+_REQUESTER_DOMAIN = b"psyche-blob/0 requester"
+
+
+# ----------------------------------------------------------------------------------------------
+# Messages
+
+
+@wire_struct(frozen=True)
+class Hello:
+    version: U8
+    requester: FixedBytes[32]
+    provider: FixedBytes[32]
+    nonce: FixedBytes[32]
+
+
+@wire_struct(frozen=True)
+class Challenge:
+    provider: FixedBytes[32]
+    nonce: FixedBytes[32]
+    signature: FixedBytes[64]
+
+
+class ServerHello(DataEnum):
+    Challenge = variant(Challenge)
+    Refused = variant(str)
+
+
+@wire_struct(frozen=True)
+class Get:
+    signature: FixedBytes[64]
+    hash: FixedBytes[32]
+
+
+class Reply(DataEnum):
+    Found = variant(U64)
+    NotFound = variant()
+    Refused = variant(str)
+
+
+def transcript(domain: bytes, hello: Hello, provider_nonce: bytes) -> bytes:
+    return domain + hello.requester + hello.provider + hello.nonce + provider_nonce
+
+
+# ----------------------------------------------------------------------------------------------
+# Errors
+
+
+class BlobProtocolError(Exception):
+    """The peer broke the protocol (bad frame, bad signature, wrong identity...)."""
+
+
+class BlobRefused(BlobProtocolError):
+    """The provider refused us (not in its allowlist, wrong provider id...)."""
+
+
+class BlobNotFound(BlobProtocolError):
+    """The provider does not have the blob."""
+
+
+class HashMismatch(BlobProtocolError):
+    """Downloaded bytes do not hash to the ticket's hash: the provider is faulty or hostile."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Streams
+
+
+class ByteStream(Protocol):
+    """The little a blob transfer needs from a connection; `receive_into` returns 0 at EOF."""
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None: ...
+
+    async def receive_into(self, view: memoryview) -> int: ...
+
+    async def aclose(self) -> None: ...
+
+
+async def read_exactly(stream: ByteStream, n: int) -> bytearray:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = await stream.receive_into(view[got:])
+        if k == 0:
+            raise BlobProtocolError(f"connection closed after {got} of {n} bytes")
+        got += k
+    return buf
+
+
+async def send_frame(stream: ByteStream, message: Any, tp: Any) -> None:
+    body = to_bytes(message, tp)
+    if len(body) > MAX_CONTROL_FRAME:
+        raise BlobProtocolError(f"control frame of {len(body)} bytes exceeds {MAX_CONTROL_FRAME}")
+    await stream.send_all(_struct.pack(">I", len(body)) + body)
+
+
+async def read_frame(stream: ByteStream, tp: Any) -> Any:
+    (length,) = _struct.unpack(">I", await read_exactly(stream, 4))
+    if length > MAX_CONTROL_FRAME:
+        raise BlobProtocolError(f"control frame of {length} bytes exceeds {MAX_CONTROL_FRAME}")
+    try:
+        return from_bytes(await read_exactly(stream, length), tp)
+    except PostcardError as e:
+        raise BlobProtocolError(f"malformed {getattr(tp, '__name__', tp)}: {e}") from e
+
+
+# ----------------------------------------------------------------------------------------------
+# Provider side
+
+
+BlobLookup = Callable[[bytes], "bytes | bytearray | None"]
+AllowCheck = Callable[[bytes], bool]
+
+
+async def serve_one(
+    stream: ByteStream, identity: SecretKey, lookup: BlobLookup, allowed: AllowCheck
+) -> tuple[bytes, int] | None:
+    """Answer one request; returns (requester, bytes sent) when a blob was served."""
+    with trio.fail_after(HANDSHAKE_TIMEOUT_SECS):
+        hello: Hello = await read_frame(stream, Hello)
+        if hello.version != PROTOCOL_VERSION:
+            await send_frame(
+                stream, ServerHello.Refused(f"unsupported version {hello.version}"), ServerHello
+            )
+            return None
+        if hello.provider != identity.public_key:
+            await send_frame(stream, ServerHello.Refused("wrong provider"), ServerHello)
+            return None
+        if not allowed(hello.requester):
+            await send_frame(stream, ServerHello.Refused("not in allowlist"), ServerHello)
+            return None
+        nonce = os.urandom(NONCE_LENGTH)
+        signature = identity.sign(transcript(_PROVIDER_DOMAIN, hello, nonce))
+        await send_frame(
+            stream,
+            ServerHello.Challenge(Challenge(identity.public_key, nonce, signature)),
+            ServerHello,
+        )
+        get: Get = await read_frame(stream, Get)
+    if not verify(hello.requester, transcript(_REQUESTER_DOMAIN, hello, nonce), get.signature):
+        await send_frame(stream, Reply.Refused("bad signature"), Reply)
+        return None
+    blob = lookup(get.hash)
+    if blob is None:
+        await send_frame(stream, Reply.NotFound(), Reply)
+        return None
+    await send_frame(stream, Reply.Found(len(blob)), Reply)
+    await stream.send_all(memoryview(blob))
+    return hello.requester, len(blob)
+
+
+# ----------------------------------------------------------------------------------------------
+# Requester side
+
+
+ProgressFn = Callable[[int], None]
+
+
+async def fetch_one(
+    stream: ByteStream,
+    identity: SecretKey,
+    provider: bytes,
+    digest: bytes,
+    expected_size: int,
+    on_progress: ProgressFn,
+) -> bytearray:
+    """Fetch and verify one blob; raises a `BlobProtocolError` on any deviation."""
+    nonce = os.urandom(NONCE_LENGTH)
+    hello = Hello(PROTOCOL_VERSION, identity.public_key, provider, nonce)
+    with trio.fail_after(HANDSHAKE_TIMEOUT_SECS):
+        await send_frame(stream, hello, Hello)
+        match await read_frame(stream, ServerHello):
+            case ServerHello.Refused(reason):
+                raise BlobRefused(f"provider refused the handshake: {reason}")
+            case ServerHello.Challenge(challenge):
+                pass
+        if challenge.provider != provider or not verify(
+            provider, transcript(_PROVIDER_DOMAIN, hello, challenge.nonce), challenge.signature
+        ):
+            raise BlobProtocolError("provider failed to prove its identity")
+        signature = identity.sign(transcript(_REQUESTER_DOMAIN, hello, challenge.nonce))
+        await send_frame(stream, Get(signature, digest), Get)
+        match await read_frame(stream, Reply):
+            case Reply.Found(size):
+                pass
+            case Reply.NotFound():
+                raise BlobNotFound("provider does not have the blob")
+            case Reply.Refused(reason):
+                raise BlobRefused(f"provider refused the request: {reason}")
+    if size != expected_size:
+        raise BlobProtocolError(f"provider offers {size} bytes, the ticket says {expected_size}")
+    buf = bytearray(size)
+    view = memoryview(buf)
+    got = 0
+    while got < size:
+        k = await stream.receive_into(view[got : got + RECEIVE_CHUNK])
+        if k == 0:
+            raise BlobProtocolError(f"provider closed after {got} of {size} bytes")
+        got += k
+        on_progress(got)
+    actual = await verify_hash(buf)
+    if actual != digest:
+        raise HashMismatch(
+            f"received bytes hash to {actual.hex()[:10]}, expected {digest.hex()[:10]}"
+        )
+    return buf
+
+
+async def verify_hash(data: bytearray) -> bytes:
+    """BLAKE3 of a received blob, off the event loop when large."""
+    if len(data) < (1 << 20):
+        return blob_hash(data)
+    return await trio.to_thread.run_sync(blob_hash, data)

@@ -1,0 +1,645 @@
+"""`NetworkConnection`: the one facade the client uses (upstream `NetworkConnection<B, D>`).
+
+It owns, inside one trio nursery: the libp2p host (gated by the allowlist), GossipSub on the
+run's topic, the content-addressed blob store with its side-channel server and downloader, the
+model-sharing and peer-exchange protocols, the connection monitor and the stats tick. The
+application reads `NetworkEvent`s from `next_event()` and calls the upstream-named methods.
+
+    async with NetworkConnection.open(config, broadcast_type=Broadcast) as network:
+        network.set_allowed_peers(ids_from_coordinator)
+        network.broadcast(message)
+        event = await network.next_event()
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import trio
+from libp2p.abc import IHost, INetStream
+from libp2p.tools.anyio_service import background_trio_service
+
+from psyche.core.serde import from_bytes, to_bytes
+from psyche.network import model_sharing, p2p_host, peer_exchange
+from psyche.network.allowlist import AllowDynamic, Allowlist
+from psyche.network.blob_store import DEFAULT_GC_INTERVAL_SECS, BlobStore, remove_staled_tags
+from psyche.network.blob_transport import CONNECT_TIMEOUT_SECS, TcpBlobTransport
+from psyche.network.connection_monitor import RTT_PROBE_INTERVAL_SECS, ConnectionMonitor
+from psyche.network.discovery import AddressBook, LocalDiscovery, sign_address_record
+from psyche.network.download import (
+    DOWNLOAD_TIMEOUT_SECS,
+    DownloadComplete,
+    Downloader,
+    DownloadFailed,
+    DownloadState,
+    DownloadUpdate,
+    track_progress,
+)
+from psyche.network.gossip import Gossip, GossipConfig, gossip_topic
+from psyche.network.identity import SecretKey, fmt_short, peer_id_from_public_key
+from psyche.network.interfaces import announce_host, interface_ipv4
+from psyche.network.latency_sorted import LatencySorted
+from psyche.network.peer_manager import MODEL_REQUEST_TIMEOUT_SECS
+from psyche.network.stats import (
+    STATS_INTERVAL_SECS,
+    BandwidthTracker,
+    DownloadProgress,
+    NetworkStats,
+    P2PEndpointInfo,
+    PeerBandwidth,
+)
+from psyche.network.ticket import BlobFormat, BlobTicket, EndpointAddr, TransportAddr, blob_hash
+from psyche.network.transmittable import (
+    DownloadType,
+    ModelRequestType,
+    SharableModelError,
+    TicketResult,
+    TransmittableDownload,
+)
+
+logger = logging.getLogger(__name__)
+
+MAX_BLOB_SIZE = 4 << 30
+SHUTDOWN_TIMEOUT_SECS = 5.0
+
+
+@dataclass(frozen=True)
+class NetworkConfig:
+    run_id: str
+    secret_key: SecretKey | None = None
+    """The node identity; random when absent (as upstream)."""
+    bind_host: str = "0.0.0.0"
+    interface: str | None = None
+    """Bind to this interface's IPv4 (`name` or `prefix*`), overriding `bind_host`."""
+    port: int = 0
+    blob_port: int = 0
+    announce_host: str | None = None
+    """The address peers should dial (a public IP behind a port-forwarding NAT)."""
+    bootstrap_peers: tuple[EndpointAddr, ...] = ()
+    local_discovery_dir: Path | None = None
+    gossip: GossipConfig = field(default_factory=GossipConfig)
+    gc_interval_secs: float = DEFAULT_GC_INTERVAL_SECS
+    stats_interval_secs: float = STATS_INTERVAL_SECS
+    rtt_probe_interval_secs: float = RTT_PROBE_INTERVAL_SECS
+    download_timeout_secs: float = DOWNLOAD_TIMEOUT_SECS
+    connect_timeout_secs: float = CONNECT_TIMEOUT_SECS
+    max_blob_size: int = MAX_BLOB_SIZE
+
+
+# ----------------------------------------------------------------------------------------------
+# Events
+
+
+@dataclass(frozen=True)
+class MessageReceived:
+    from_: bytes
+    message: Any
+
+
+class TicketReply:
+    """One-shot answer to a model-sharing request (upstream's oneshot sender)."""
+
+    def __init__(self) -> None:
+        self._event = trio.Event()
+        self._result: TicketResult | None = None
+
+    def send(self, result: TicketResult) -> None:
+        if self._result is None:
+            self._result = result
+            self._event.set()
+
+    async def receive(self) -> TicketResult:
+        await self._event.wait()
+        assert self._result is not None
+        return self._result
+
+
+@dataclass(frozen=True)
+class ParameterRequest:
+    name: str
+    reply: TicketReply
+
+
+@dataclass(frozen=True)
+class ModelConfigRequest:
+    reply: TicketReply
+
+
+NetworkEvent = (
+    MessageReceived | DownloadComplete | DownloadFailed | ParameterRequest | ModelConfigRequest
+)
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+class NetworkConnection:
+    def __init__(
+        self,
+        config: NetworkConfig,
+        secret_key: SecretKey,
+        host: IHost,
+        allowlist: Allowlist,
+        broadcast_type: Any,
+        download_type: Any,
+        bind_host: str,
+    ) -> None:
+        self.config = config
+        self.secret_key = secret_key
+        self.host = host
+        self.allowlist = allowlist
+        self.broadcast_type = broadcast_type
+        self.download_type = download_type
+        self.store = BlobStore()
+        self.address_book = AddressBook()
+        self.local_discovery = (
+            LocalDiscovery(config.local_discovery_dir) if config.local_discovery_dir else None
+        )
+        self.connection_monitor = ConnectionMonitor()
+        self.bandwidth_tracker = BandwidthTracker(clock=trio.current_time)
+        self.stats = NetworkStats(endpoint_id=secret_key.public_key)
+        self.bytes_served = 0
+        self._events_send, self._events_receive = trio.open_memory_channel[NetworkEvent](
+            float("inf")
+        )
+        self._nursery: trio.Nursery | None = None
+        self.announce_host = announce_host(bind_host, config.announce_host)
+        self.blob_transport = TcpBlobTransport(
+            secret_key,
+            self.store.get,
+            self._allowed,
+            bind_host=bind_host,
+            port=config.blob_port,
+            announce_host=self.announce_host,
+            connect_timeout=config.connect_timeout_secs,
+            on_served=self._on_served,
+        )
+        self.downloader = Downloader(self.store, self.blob_transport, self._resolve, self._allowed)
+        self.gossip = Gossip(
+            host,
+            secret_key,
+            gossip_topic(config.run_id),
+            broadcast_type,
+            self._allowed,
+            config.gossip,
+        )
+        self._own_record = b""
+
+    # ------------------------------------------------------------------------------------------
+    # lifecycle
+
+    @classmethod
+    @asynccontextmanager
+    async def open(
+        cls,
+        config: NetworkConfig,
+        *,
+        broadcast_type: Any,
+        download_type: Any = TransmittableDownload,
+        allowlist: Allowlist | None = None,
+    ) -> AsyncIterator[NetworkConnection]:
+        secret_key = config.secret_key or SecretKey.generate()
+        bind_host = interface_ipv4(config.interface) if config.interface else config.bind_host
+        host = p2p_host.build_host(secret_key)
+        network = cls(
+            config,
+            secret_key,
+            host,
+            allowlist if allowlist is not None else AllowDynamic(),
+            broadcast_type,
+            download_type,
+            bind_host,
+        )
+        p2p_host.install_allowlist_gate(host, network._allowed)
+        host.get_network().register_notifee(
+            p2p_host.ConnectionNotifee(network._on_connected, network._on_disconnected)
+        )
+        host.set_stream_handler(
+            p2p_host.protocol(model_sharing.MODEL_SHARING_PROTOCOL), network._serve_model_sharing
+        )
+        host.set_stream_handler(
+            p2p_host.protocol(peer_exchange.PEER_EXCHANGE_PROTOCOL), network._serve_peer_exchange
+        )
+        listen = p2p_host.listen_multiaddr(bind_host, config.port)
+        try:
+            # Exit order matters: our tasks stop first, then the host closes its connections
+            # (while pubsub still runs to hear about it), then the gossip services stop.
+            async with (
+                background_trio_service(network.gossip.pubsub),
+                background_trio_service(network.gossip.router),
+                host.run([listen]),
+                trio.open_nursery() as nursery,
+            ):
+                network._nursery = nursery
+                try:
+                    await network.gossip.pubsub.wait_until_ready()
+                    await network.gossip.pubsub.subscribe(network.gossip.topic)
+                    await nursery.start(network.blob_transport.serve)
+                    network._publish_own_address()
+                    nursery.start_soon(network._pump_gossip)
+                    nursery.start_soon(network._stats_loop)
+                    nursery.start_soon(network._gc_loop)
+                    nursery.start_soon(network._rtt_loop)
+                    # Bootstrap peers seed the address book; we dial those already allowed (the
+                    # rest once the coordinator admits them and the client calls add_peers).
+                    for peer in config.bootstrap_peers:
+                        network.address_book.add(peer)
+                    network.add_peers(
+                        p.id for p in config.bootstrap_peers if network._allowed(p.id)
+                    )
+                    logger.info("Our endpoint ID: %s", network.endpoint_id.hex())
+                    yield network
+                finally:
+                    network._nursery = None
+                    nursery.cancel_scope.cancel()
+                    # py-libp2p's host.run only cancels the swarm's tasks, which leaves dialed
+                    # sockets open until garbage collection; close connections explicitly.
+                    with trio.CancelScope(shield=True), trio.move_on_after(SHUTDOWN_TIMEOUT_SECS):
+                        await p2p_host.close_all_connections(host)
+        finally:
+            network.gossip.close()
+
+    def shutdown(self) -> None:
+        """Stop every network task; the `open` block ends (its body is cancelled)."""
+        if self._nursery is not None:
+            self._nursery.cancel_scope.cancel()
+
+    def _spawn(self, fn: Any, *args: Any) -> None:
+        if self._nursery is None:
+            logger.debug("network is shut down; not starting %s", getattr(fn, "__name__", fn))
+            return
+        self._nursery.start_soon(fn, *args)
+
+    # ------------------------------------------------------------------------------------------
+    # identity and peers
+
+    @property
+    def endpoint_id(self) -> bytes:
+        return self.secret_key.public_key
+
+    def endpoint_addr(self) -> EndpointAddr:
+        libp2p_addrs = p2p_host.transport_addrs(self.host, self.announce_host)
+        return EndpointAddr(
+            self.endpoint_id,
+            [TransportAddr.Libp2p(a) for a in libp2p_addrs] + self.blob_transport.local_addrs(),
+        )
+
+    def _publish_own_address(self) -> None:
+        addr = self.endpoint_addr()
+        self._own_record = sign_address_record(self.secret_key, addr)
+        self.address_book.add_record(self._own_record)
+        if self.local_discovery is not None:
+            self.local_discovery.publish(self.secret_key, addr)
+
+    def _allowed(self, peer: bytes) -> bool:
+        return peer == self.endpoint_id or self.allowlist.allowed(peer)
+
+    def is_allowlisted(self, peer: bytes) -> bool:
+        return self.allowlist.allowed(peer)
+
+    def set_allowed_peers(self, peers: Iterable[bytes]) -> None:
+        """Replace the allowlist (the client calls this on every coordinator state) and drop
+        connections to peers no longer in the run."""
+        if not isinstance(self.allowlist, AllowDynamic):
+            raise TypeError("set_allowed_peers needs an AllowDynamic allowlist")
+        self.allowlist.set(peers)
+        for peer in self.connection_monitor.connected_peers():
+            if not self._allowed(peer):
+                self._spawn(p2p_host.disconnect, self.host, peer)
+
+    def neighbors(self) -> list[bytes]:
+        return self.gossip.neighbors()
+
+    def connected_peers(self) -> list[bytes]:
+        return self.connection_monitor.connected_peers()
+
+    def add_peers(self, peers: Iterable[bytes]) -> None:
+        """Connect to these run members in the background (upstream: gossip `join_peers`)."""
+        for peer in peers:
+            if peer != self.endpoint_id:
+                self._spawn(self._connect_logged, bytes(peer))
+
+    async def _connect_logged(self, peer: bytes) -> None:
+        try:
+            await self.connect(peer)
+        except Exception as e:
+            logger.warning("Failed to join gossip peer %s: %s", fmt_short(peer), e)
+
+    async def connect(self, peer: bytes) -> None:
+        """Make sure a libp2p connection to `peer` exists, finding its address if needed."""
+        if peer in self.connection_monitor.connected_peers():
+            return
+        if not self._allowed(peer):
+            raise PermissionError(f"{fmt_short(peer)} is not in the allowlist")
+        addr = self._resolve(peer) or await self._ask_for_record(peer)
+        if addr is None or not addr.libp2p_addrs():
+            raise LookupError(f"no known address for {fmt_short(peer)}")
+        with trio.fail_after(self.config.connect_timeout_secs):
+            await p2p_host.connect(self.host, peer, addr.libp2p_addrs())
+
+    def _resolve(self, peer: bytes) -> EndpointAddr | None:
+        addr = self.address_book.get(peer)
+        if addr is None and self.local_discovery is not None:
+            record = self.local_discovery.resolve(peer)
+            if record is not None:
+                addr = self.address_book.add_record(record)
+        return addr
+
+    async def _ask_for_record(self, peer: bytes) -> EndpointAddr | None:
+        for other in self.connection_monitor.connected_peers():
+            await self._exchange_records(other, [peer])
+            if peer in self.address_book:
+                return self.address_book.get(peer)
+        return None
+
+    # ------------------------------------------------------------------------------------------
+    # gossip
+
+    def broadcast(self, message: Any) -> None:
+        """Sign and gossip `message` in the background; raises now if it is too large."""
+        data = self.gossip.encode(message)
+        self._spawn(self._publish, data)
+
+    async def _publish(self, data: bytes) -> None:
+        try:
+            await self.gossip.publish_raw(data)
+        except Exception as e:
+            logger.warning("gossip publish failed: %s", e)
+
+    async def _pump_gossip(self) -> None:
+        async for received in self.gossip.received:
+            self._events_send.send_nowait(MessageReceived(received.sender, received.message))
+
+    # ------------------------------------------------------------------------------------------
+    # blobs
+
+    async def add_downloadable(self, data: Any, tag: str) -> tuple[BlobTicket, int]:
+        """Store `postcard(data)` under `tag` and return a ticket naming us as its provider."""
+        encoded = to_bytes(data, self.download_type)
+        if len(encoded) < (1 << 20):
+            digest = blob_hash(encoded)
+        else:
+            digest = await trio.to_thread.run_sync(blob_hash, encoded)
+        outcome = self.store.put(digest, encoded, tag)
+        ticket = BlobTicket(self.endpoint_addr(), BlobFormat.Raw, outcome.hash, outcome.size)
+        logger.debug(
+            "blob added for upload with hash %s, %d bytes", fmt_short(outcome.hash), outcome.size
+        )
+        return ticket, outcome.size
+
+    def start_download(self, ticket: BlobTicket, tag: str, download_type: DownloadType) -> None:
+        """Fetch the ticket's blob in the background; `DownloadComplete`/`DownloadFailed` follows.
+
+        The blob is tagged first, so once downloaded it is kept and served to other peers.
+        """
+        self.address_book.add(ticket.addr)
+        self.store.set_tag(tag, ticket.hash)
+        self._spawn(self._download, ticket, tag, download_type)
+
+    async def _download(self, ticket: BlobTicket, tag: str, download_type: DownloadType) -> None:
+        state = DownloadState(ticket, tag, download_type)
+        if ticket.size > self.config.max_blob_size:
+            self._on_download_event(
+                DownloadFailed(
+                    ticket, tag, f"blob of {ticket.size} bytes exceeds the limit", download_type
+                )
+            )
+            return
+        extra = download_type.value if isinstance(download_type, DownloadType.DistroResult) else []
+        providers = LatencySorted([ticket.addr.id, *extra], self.connection_monitor)
+        finished = False
+
+        def emit(item: Any) -> None:
+            nonlocal finished
+            if not finished:
+                event = track_progress(state, item)
+                finished = isinstance(event, DownloadFailed) or event.all_done
+                self._on_download_event(event)
+
+        timeout = self.config.download_timeout_secs
+        with trio.move_on_after(timeout):
+            await self.downloader.download(ticket, providers, emit)
+        if not finished:
+            finished = True
+            self._on_download_event(
+                DownloadFailed(
+                    ticket, tag, f"Download timed out after {timeout:g} s", download_type
+                )
+            )
+
+    def _on_download_event(self, event: DownloadUpdate | DownloadFailed) -> None:
+        provider = event.blob_ticket.addr.id
+        digest = event.blob_ticket.hash
+        if isinstance(event, DownloadFailed):
+            self.stats.download_progresses.pop(digest, None)
+            self.connection_monitor.update_peer_bandwidth(provider, PeerBandwidth.Measured(0.0))
+            logger.warning("download of %s failed: %s", event.blob_ticket, event.error)
+            self._events_send.send_nowait(event)
+            return
+        self.bandwidth_tracker.add_event(provider, event.downloaded_size_delta)
+        self.connection_monitor.update_peer_bandwidth(
+            provider, self.bandwidth_tracker.get_peer_bandwidth(provider)
+        )
+        if event.all_done:
+            self.stats.download_progresses.pop(digest, None)
+            self._spawn(self._decode_download, event)
+        else:
+            self.stats.download_progresses[digest] = DownloadProgress(
+                event.downloaded_size, event.total_size
+            )
+
+    async def _decode_download(self, update: DownloadUpdate) -> None:
+        ticket = update.blob_ticket
+        blob = self.store.get(ticket.hash)
+        if blob is None:
+            self._events_send.send_nowait(
+                DownloadFailed(
+                    ticket, update.tag, "blob vanished from the store", update.download_type
+                )
+            )
+            return
+        try:
+            if len(blob) < (1 << 20):
+                data = from_bytes(blob, self.download_type)
+            else:
+                data = await trio.to_thread.run_sync(from_bytes, blob, self.download_type)
+        except Exception as e:  # PostcardError, or anything a hostile payload provokes
+            self._events_send.send_nowait(
+                DownloadFailed(ticket, update.tag, f"undecodable blob: {e}", update.download_type)
+            )
+            return
+        self._events_send.send_nowait(DownloadComplete(ticket.hash, ticket.addr.id, data))
+
+    def remove_staled_tags(self, target_distro_result_step: int) -> int:
+        removed = remove_staled_tags(self.store, target_distro_result_step)
+        logger.debug("Untagged %d blobs", removed)
+        return removed
+
+    def _on_served(self, requester: bytes, num_bytes: int) -> None:
+        self.bytes_served += num_bytes
+
+    async def _gc_loop(self) -> None:
+        while True:
+            await trio.sleep(self.config.gc_interval_secs)
+            dropped = self.store.gc()
+            if dropped:
+                logger.debug("blob GC dropped %d untagged blobs", dropped)
+
+    # ------------------------------------------------------------------------------------------
+    # model sharing
+
+    async def request_model_blob_ticket(self, peer: bytes, request: ModelRequestType) -> BlobTicket:
+        """Ask `peer` for the ticket of a model config or parameter (one stream per request)."""
+        await self.connect(peer)
+        stream = await self.host.new_stream(
+            peer_id_from_public_key(peer), [p2p_host.protocol(model_sharing.MODEL_SHARING_PROTOCOL)]
+        )
+        try:
+            await stream.write(model_sharing.encode_request(request))
+            await stream.close()
+            raw = await p2p_host.read_to_end(stream, model_sharing.MAX_RESPONSE_BYTES)
+        finally:
+            await _reset_quietly(stream)
+        ticket = model_sharing.decode_response(raw)
+        self.address_book.add(ticket.addr)
+        return ticket
+
+    async def _serve_model_sharing(self, stream: INetStream) -> None:
+        peer = p2p_host.peer_key(stream.muxed_conn.peer_id)
+        if peer is None or not self._allowed(peer):
+            await _reset_quietly(stream)
+            return
+        try:
+            with trio.fail_after(MODEL_REQUEST_TIMEOUT_SECS):
+                request = model_sharing.decode_request(
+                    await p2p_host.read_to_end(stream, model_sharing.MAX_REQUEST_BYTES)
+                )
+            reply = TicketReply()
+            match request:
+                case ModelRequestType.Parameter(name):
+                    self._events_send.send_nowait(ParameterRequest(name, reply))
+                case _:
+                    self._events_send.send_nowait(ModelConfigRequest(reply))
+            result: TicketResult = TicketResult.Err(
+                SharableModelError.ResponseChannelNotInitialized()
+            )
+            with trio.move_on_after(MODEL_REQUEST_TIMEOUT_SECS):
+                result = await reply.receive()
+            await stream.write(model_sharing.encode_response(result))
+            await stream.close()
+        except Exception as e:  # malformed or hostile request, or the peer went away
+            logger.info("dropping model-sharing request from %s: %s", fmt_short(peer), e)
+            await _reset_quietly(stream)
+
+    # ------------------------------------------------------------------------------------------
+    # peer exchange
+
+    async def _serve_peer_exchange(self, stream: INetStream) -> None:
+        peer = p2p_host.peer_key(stream.muxed_conn.peer_id)
+        if peer is None or not self._allowed(peer):
+            await _reset_quietly(stream)
+            return
+        try:
+            with trio.fail_after(MODEL_REQUEST_TIMEOUT_SECS):
+                wanted = peer_exchange.decode_request(
+                    await p2p_host.read_to_end(stream, peer_exchange.MAX_REQUEST_BYTES)
+                )
+                records = self.address_book.records(wanted or None)
+                await stream.write(peer_exchange.encode_response(records))
+                await stream.close()
+        except Exception as e:  # malformed or hostile request, or the peer went away
+            logger.info("dropping peer-exchange request from %s: %s", fmt_short(peer), e)
+            await _reset_quietly(stream)
+
+    async def _exchange_records(self, peer: bytes, wanted: list[bytes]) -> None:
+        try:
+            with trio.fail_after(self.config.connect_timeout_secs):
+                stream = await self.host.new_stream(
+                    peer_id_from_public_key(peer),
+                    [p2p_host.protocol(peer_exchange.PEER_EXCHANGE_PROTOCOL)],
+                )
+                try:
+                    await stream.write(peer_exchange.encode_request(wanted))
+                    await stream.close()
+                    raw = await p2p_host.read_to_end(stream, peer_exchange.MAX_RESPONSE_BYTES)
+                finally:
+                    await _reset_quietly(stream)
+            for record in peer_exchange.decode_response(raw):
+                self.address_book.add_record(record)
+        except Exception as e:
+            logger.debug("peer exchange with %s failed: %s", fmt_short(peer), e)
+
+    # ------------------------------------------------------------------------------------------
+    # connection monitor and stats
+
+    def _on_connected(self, peer: bytes, remote_addr: str) -> None:
+        self.connection_monitor.on_connected(peer, remote_addr)
+        self._spawn(self._probe_rtt, peer)
+        self._spawn(self._exchange_records, peer, [])
+
+    def _on_disconnected(self, peer: bytes) -> None:
+        self.connection_monitor.on_disconnected(peer)
+
+    async def _probe_rtt(self, peer: bytes) -> None:
+        try:
+            rtt = await p2p_host.measure_rtt(self.host, peer)
+        except Exception as e:
+            logger.debug("rtt probe to %s failed: %s", fmt_short(peer), e)
+            return
+        self.connection_monitor.on_rtt(peer, rtt)
+
+    async def _rtt_loop(self) -> None:
+        while True:
+            await trio.sleep(self.config.rtt_probe_interval_secs)
+            async with trio.open_nursery() as probes:
+                for peer in self.connection_monitor.connected_peers():
+                    probes.start_soon(self._probe_rtt, peer)
+
+    async def _stats_loop(self) -> None:
+        while True:
+            self.stats.connection_info = self.remote_infos()
+            self.stats.bandwidth_history.append(self.bandwidth_tracker.get_total_bandwidth())
+            await trio.sleep(self.config.stats_interval_secs)
+
+    def remote_infos(self) -> list[P2PEndpointInfo]:
+        infos = [P2PEndpointInfo(self.endpoint_id, None, 0.0, 0.0)]
+        for data in self.connection_monitor.get_all_connections():
+            latency = data.latency()
+            bandwidth = (
+                data.bandwidth.value if isinstance(data.bandwidth, PeerBandwidth.Measured) else 0.0
+            )
+            infos.append(
+                P2PEndpointInfo(
+                    data.endpoint_id,
+                    data.selected_path,
+                    bandwidth,
+                    float("inf") if latency is None else latency,
+                )
+            )
+        return infos
+
+    def clear_bandwidth_tracking(self) -> None:
+        self.bandwidth_tracker.clear()
+        self.connection_monitor.clear_all_bandwidth()
+
+    # ------------------------------------------------------------------------------------------
+    # events
+
+    async def next_event(self) -> NetworkEvent:
+        return await self._events_receive.receive()
+
+    def __aiter__(self) -> NetworkConnection:
+        return self
+
+    async def __anext__(self) -> NetworkEvent:
+        return await self.next_event()
+
+
+async def _reset_quietly(stream: INetStream) -> None:
+    with suppress(Exception):
+        await stream.reset()

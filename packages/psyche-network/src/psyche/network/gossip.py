@@ -1,0 +1,216 @@
+"""Signed broadcasts over py-libp2p GossipSub, configured so nothing is silently dropped or delayed.
+
+py-libp2p 0.8.1 defaults that break Psyche (measured, see the spec §4.4) and what is set instead:
+* heartbeat every 120 s (the mesh forms on heartbeats): 1 s;
+* a 10 messages/s per-peer rate limit that drops the excess: off (the allowlist and the signed
+  envelope already bound who may publish);
+* adaptive gossip, which can stretch the heartbeat to 30-60 s: off; IP-diversity ("eclipse")
+  protection, meaningless when every peer shares one IP in tests: off;
+* a 32-message subscription queue that drops on overflow: bypassed, every validated message is
+  handed to an unbounded channel, so there is no `Lagged` case;
+* message ids from sender+seqno: replaced by the BLAKE3 of the content, as iroh-gossip does, so
+  the same bytes relayed by different peers are delivered once.
+
+Validation order for every message, before anything else touches it: size (≤ 4096 bytes),
+forwarder in the allowlist, signature (upstream `SignedMessage`), then the signer must be in the
+allowlist and be the message's libp2p origin, and the payload must decode.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import blake3
+import trio
+from libp2p.abc import IHost
+from libp2p.peer.id import ID
+from libp2p.pubsub.gossipsub import PROTOCOL_ID, PROTOCOL_ID_V11, GossipSub
+from libp2p.pubsub.pb import rpc_pb2
+from libp2p.pubsub.pubsub import Pubsub
+
+from psyche.network.identity import SecretKey, fmt_short
+from psyche.network.p2p_host import peer_key
+from psyche.network.signed_message import SignedMessage, SignedMessageError
+
+logger = logging.getLogger(__name__)
+
+GOSSIP_TOPIC_PREFIX = b"psyche gossip"
+MAX_MESSAGE_SIZE = 4096
+
+
+MAX_NUM_BOOTSTRAP_PEERS = 3
+CHECK_CONNECTION_INTERVAL_SECS = 10.0
+MIN_CONNECTION_ATTEMPT_GAP_SECS = 6.0
+
+
+def choose_gossip_peers(
+    participants: list[bytes], neighbors: list[bytes], me: bytes, rng: random.Random
+) -> list[bytes]:
+    """Upstream `ensure_gossip_connected`'s choice: only while we take part, top our gossip
+    neighbours up to 3 with random participants we are not yet connected to (joining more
+    peers can push others out of the mesh)."""
+    if me not in participants:
+        return []
+    wanted = MAX_NUM_BOOTSTRAP_PEERS - len(neighbors)
+    if wanted <= 0:
+        return []
+    candidates = [p for p in participants if p != me and p not in neighbors]
+    rng.shuffle(candidates)
+    return candidates[:wanted]
+
+
+def gossip_topic(run_id: str) -> bytes:
+    """Upstream `gossip_topic`: SHA-256 of "psyche gossip" followed by the run id (UTF-8)."""
+    return hashlib.sha256(GOSSIP_TOPIC_PREFIX + run_id.encode("utf-8")).digest()
+
+
+@dataclass(frozen=True)
+class GossipConfig:
+    """Explicit GossipSub settings; upstream's iroh-gossip values in comments."""
+
+    max_message_size: int = MAX_MESSAGE_SIZE
+    degree: int = 6
+    degree_low: int = 4
+    degree_high: int = 8  # iroh active view capacity 8
+    heartbeat_interval: float = 1.0
+    seen_ttl_secs: int = 120  # message_id_retention 2 min
+    history_length: int = 5
+    history_gossip: int = 3
+
+
+class GossipRejected(ValueError):
+    pass
+
+
+class _PsychePubsub(Pubsub):
+    """`Pubsub` that hands validated messages to a callback instead of a 32-slot queue."""
+
+    def __init__(self, *args: Any, deliver: Callable[[rpc_pb2.Message], None], **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._deliver = deliver
+
+    def notify_subscriptions(self, publish_message: rpc_pb2.Message) -> None:
+        if ID(publish_message.from_id) == self.my_id:
+            return  # iroh-gossip does not echo our own broadcasts; the client self-applies them
+        if any(topic in self.topic_ids for topic in publish_message.topicIDs):
+            self._deliver(publish_message)
+
+
+@dataclass(frozen=True)
+class GossipMessage:
+    sender: bytes
+    message: Any
+
+
+def _content_id(msg: rpc_pb2.Message) -> bytes:
+    return blake3.blake3(msg.data).digest()
+
+
+class Gossip:
+    """One topic, one message type; `received` yields verified `GossipMessage`s."""
+
+    def __init__(
+        self,
+        host: IHost,
+        secret_key: SecretKey,
+        topic: bytes,
+        message_type: Any,
+        allowed: Callable[[bytes], bool],
+        config: GossipConfig,
+    ) -> None:
+        self.topic = topic.hex()
+        self._secret_key = secret_key
+        self._message_type = message_type
+        self._allowed = allowed
+        self._config = config
+        self.router = GossipSub(
+            protocols=[PROTOCOL_ID_V11, PROTOCOL_ID],
+            degree=config.degree,
+            degree_low=config.degree_low,
+            degree_high=config.degree_high,
+            heartbeat_interval=config.heartbeat_interval,  # type: ignore[arg-type]
+            gossip_window=config.history_gossip,
+            gossip_history=config.history_length,
+            spam_protection_enabled=False,
+            eclipse_protection_enabled=False,
+            adaptive_gossip_enabled=False,
+        )
+        self.pubsub = _PsychePubsub(
+            host,
+            self.router,
+            deliver=self._on_delivered,
+            strict_signing=True,
+            seen_ttl=config.seen_ttl_secs,
+            msg_id_constructor=_content_id,
+        )
+        self.pubsub.set_topic_validator(self.topic, self._validate, False)
+        self._send, self.received = trio.open_memory_channel[GossipMessage](float("inf"))
+        self._validated: OrderedDict[bytes, tuple[bytes, Any]] = OrderedDict()
+        self.rejected = 0
+
+    # inbound ------------------------------------------------------------------------------------
+
+    def _validate(self, forwarder: ID, msg: rpc_pb2.Message) -> bool:
+        try:
+            self._validated[_content_id(msg)] = self._check(forwarder, msg)
+        except Exception as e:  # GossipRejected, or anything a hostile message provokes
+            self.rejected += 1
+            logger.warning("dropping gossip message delivered from %s: %s", forwarder, e)
+            return False
+        while len(self._validated) > 1024:
+            self._validated.popitem(last=False)
+        return True
+
+    def _check(self, forwarder: ID, msg: rpc_pb2.Message) -> tuple[bytes, Any]:
+        if len(msg.data) > self._config.max_message_size:
+            raise GossipRejected(f"{len(msg.data)} bytes exceed {self._config.max_message_size}")
+        me = self._secret_key.public_key
+        forwarder_key = peer_key(forwarder)
+        if forwarder_key is None or (forwarder_key != me and not self._allowed(forwarder_key)):
+            raise GossipRejected("forwarder not in allowlist")
+        try:
+            sender, message = SignedMessage.verify_and_decode(msg.data, self._message_type)
+        except SignedMessageError as e:
+            raise GossipRejected(str(e)) from e
+        if sender != me and not self._allowed(sender):
+            raise GossipRejected(f"signer {fmt_short(sender)} not in allowlist")
+        if peer_key(ID(msg.from_id)) != sender:
+            raise GossipRejected("signer is not the message's origin")
+        return sender, message
+
+    def _on_delivered(self, msg: rpc_pb2.Message) -> None:
+        checked = self._validated.pop(_content_id(msg), None)
+        if checked is None:  # validated long ago and evicted: check again
+            try:
+                checked = self._check(ID(msg.from_id), msg)
+            except Exception:
+                return
+        sender, message = checked
+        self._send.send_nowait(GossipMessage(sender, message))
+
+    # outbound -----------------------------------------------------------------------------------
+
+    def encode(self, message: Any) -> bytes:
+        data = SignedMessage.sign_and_encode(self._secret_key, message, self._message_type)
+        if len(data) > self._config.max_message_size:
+            raise GossipRejected(
+                f"signed message of {len(data)} bytes exceeds {self._config.max_message_size}"
+            )
+        return data
+
+    async def publish_raw(self, data: bytes) -> None:
+        await self.pubsub.publish(self.topic, data)
+
+    def close(self) -> None:
+        """Stop py-libp2p's seen-cache sweeper thread (the pubsub service leaves it running)."""
+        self.pubsub.seen_messages.stop()
+
+    def neighbors(self) -> list[bytes]:
+        peers = self.router.mesh.get(self.topic, set())
+        return [k for p in peers if (k := peer_key(p)) is not None]

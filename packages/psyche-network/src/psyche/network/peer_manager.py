@@ -1,0 +1,157 @@
+"""Which peer a joining client asks next for a model blob ticket (upstream p2p_model_sharing.rs).
+
+Peers are ranked by measured download bandwidth, then latency; `get_next_peer` hands one out
+and removes it from the pool until it reports back, so a peer serves one ticket request at a
+time. A peer that fails `max_errors_per_peer` times is dropped; when every known peer is, the
+`on_exhausted` callback fires (upstream cancels the client: "Peers were unreachable...").
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable
+
+import trio
+
+from psyche.network.connection_monitor import ConnectionMonitor
+from psyche.network.identity import fmt_short
+from psyche.network.stats import PeerBandwidth
+from psyche.network.ticket import BlobTicket
+from psyche.network.transmittable import ModelRequestType
+
+logger = logging.getLogger(__name__)
+
+MAX_ERRORS_PER_PEER = 5
+MODEL_REQUEST_TIMEOUT_SECS = 10.0
+MAX_TICKET_REQUEST_ATTEMPTS = 500
+NO_PEER_SLEEP_SECS = 0.5
+RETRY_SLEEP_SECS = 0.1
+
+
+def _tier(bandwidth: PeerBandwidth) -> int:
+    match bandwidth:
+        case PeerBandwidth.Measured(v) if v > 0.0:
+            return 0
+        case PeerBandwidth.NotMeasured():
+            return 1
+    return 2
+
+
+def sort_peers_by_quality(
+    peers: list[tuple[bytes, PeerBandwidth, float]],
+) -> list[tuple[bytes, PeerBandwidth, float]]:
+    """Tier (fast, unmeasured, failed), then higher measured bandwidth, then lower latency."""
+
+    def key(item: tuple[bytes, PeerBandwidth, float]) -> tuple[int, float, float]:
+        _, bandwidth, latency = item
+        measured = bandwidth.value if isinstance(bandwidth, PeerBandwidth.Measured) else 0.0
+        # Bandwidth only orders peers that are both measured; within tier 1 all are equal.
+        return (_tier(bandwidth), -measured, latency)
+
+    return sorted(peers, key=key)
+
+
+class PeerManager:
+    def __init__(
+        self,
+        monitor: ConnectionMonitor,
+        *,
+        max_errors_per_peer: int = MAX_ERRORS_PER_PEER,
+        on_exhausted: Callable[[], None] = lambda: None,
+    ) -> None:
+        self._monitor = monitor
+        self.max_errors_per_peer = max_errors_per_peer
+        self._on_exhausted = on_exhausted
+        self.available_peers: deque[bytes] = deque()
+        self.errors_per_peer: dict[bytes, int] = {}
+
+    def set_peers(self, peers: Iterable[bytes]) -> None:
+        self.available_peers = deque(bytes(p) for p in peers)
+        self.errors_per_peer = {p: 0 for p in self.available_peers}
+        logger.info("Updated peer list (%d peers)", len(self.available_peers))
+
+    def get_next_peer(self) -> bytes | None:
+        ranked = sort_peers_by_quality(
+            [
+                (
+                    p,
+                    self._monitor.get_bandwidth(p) or PeerBandwidth.NotMeasured(),
+                    _latency_or_inf(self._monitor.get_latency(p)),
+                )
+                for p in self.available_peers
+            ]
+        )
+        self.available_peers = deque(p for p, _, _ in ranked)
+        if not self.available_peers:
+            logger.info("No available peers to ask for the model parameters at the moment")
+            return None
+        return self.available_peers.popleft()
+
+    def report_success(self, peer: bytes) -> None:
+        if peer not in self.available_peers:
+            self.available_peers.append(peer)
+
+    def report_blob_ticket_request_error(self, peer: bytes) -> None:
+        count = self.errors_per_peer.get(peer, 0) + 1
+        self.errors_per_peer[peer] = count
+        logger.warning(
+            "Error requesting a blob ticket from peer %s (%d time(s))", fmt_short(peer), count
+        )
+        if count >= self.max_errors_per_peer:
+            self.available_peers = deque(p for p in self.available_peers if p != peer)
+            logger.warning("Removing peer %s after %d errors", fmt_short(peer), count)
+            if not self.available_peers and all(
+                e >= self.max_errors_per_peer for e in self.errors_per_peer.values()
+            ):
+                logger.error("No more peers available to ask for model blob tickets")
+                self._on_exhausted()
+        elif peer not in self.available_peers:
+            self.available_peers.append(peer)
+
+
+def _latency_or_inf(latency: float | None) -> float:
+    return float("inf") if latency is None else latency
+
+
+class PeersUnreachable(RuntimeError):
+    """Upstream: "Peers were unreachable for P2P parameter requests. Try joining again"."""
+
+
+RequestTicketFn = Callable[[bytes, ModelRequestType], Awaitable[BlobTicket]]
+
+
+async def blob_ticket_param_request_task(
+    request: ModelRequestType,
+    request_ticket: RequestTicketFn,
+    peer_manager: PeerManager,
+    *,
+    max_attempts: int = MAX_TICKET_REQUEST_ATTEMPTS,
+    request_timeout: float = MODEL_REQUEST_TIMEOUT_SECS,
+) -> tuple[BlobTicket, ModelRequestType, bytes]:
+    """Ask peers for `request`'s ticket until one answers; returns (ticket, request, peer).
+
+    Waiting for a free peer counts as an attempt, as upstream. Raises `PeersUnreachable` after
+    `max_attempts`.
+    """
+    attempts = 0
+    while attempts < max_attempts:
+        peer = peer_manager.get_next_peer()
+        if peer is None:
+            await trio.sleep(NO_PEER_SLEEP_SECS)
+            attempts += 1
+            continue
+        try:
+            with trio.fail_after(request_timeout):
+                ticket = await request_ticket(peer, request)
+        except Exception as e:
+            peer_manager.report_blob_ticket_request_error(peer)
+            logger.warning("Request failed for peer %s: %s. Trying next peer", fmt_short(peer), e)
+            attempts += 1
+            await trio.sleep(RETRY_SLEEP_SECS)
+            continue
+        peer_manager.report_success(peer)
+        return ticket, request, peer
+    raise PeersUnreachable(
+        f"Failed to get model parameter blob ticket after {max_attempts} attempts"
+    )

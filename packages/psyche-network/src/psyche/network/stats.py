@@ -1,0 +1,122 @@
+"""Bandwidth accounting and the stats the client and its TUI show (upstream state.rs, util.rs)."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from psyche.core.serde import DataEnum, variant
+
+BANDWIDTH_AVERAGE_PERIOD_SECS = 15.0
+BANDWIDTH_GRAPH_SIZE = 60
+STATS_INTERVAL_SECS = 1.0
+"""Upstream refreshes stats every second; the 60-sample history is then a 60 s chart."""
+
+
+class PeerBandwidth(DataEnum):
+    NotMeasured = variant()
+    Measured = variant(float)
+    """Bytes per second from actual downloads."""
+
+
+@dataclass
+class _Event:
+    at: float
+    num_bytes: int
+
+
+class BandwidthTracker:
+    """Bytes received per peer over a sliding window; `clock` is injected so tests control time."""
+
+    def __init__(
+        self,
+        average_period_secs: float = BANDWIDTH_AVERAGE_PERIOD_SECS,
+        *,
+        clock: Callable[[], float],
+    ) -> None:
+        self.average_period_secs = average_period_secs
+        self._clock = clock
+        self._events: dict[bytes, deque[_Event]] = {}
+
+    def add_event(self, peer: bytes, num_bytes: int) -> None:
+        now = self._clock()
+        events = self._events.setdefault(peer, deque())
+        events.append(_Event(now, num_bytes))
+        while events and now - events[0].at > self.average_period_secs:
+            events.popleft()
+
+    def clear(self) -> None:
+        self._events.clear()
+
+    def get_total_bandwidth(self) -> float:
+        return sum(self._bandwidth(events) for events in self._events.values())
+
+    def get_peer_bandwidth(self, peer: bytes) -> PeerBandwidth:
+        events = self._events.get(peer)
+        if not events:
+            return PeerBandwidth.NotMeasured()
+        return PeerBandwidth.Measured(self._bandwidth(events))
+
+    def _bandwidth(self, events: deque[_Event]) -> float:
+        if not events:
+            return 0.0
+        seconds = self._clock() - events[0].at
+        total = sum(e.num_bytes for e in events)
+        return total / seconds if seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class SelectedPath:
+    addr: str
+    rtt: float
+    """Seconds."""
+
+
+@dataclass(frozen=True)
+class P2PEndpointInfo:
+    id: bytes
+    selected_path: SelectedPath | None
+    bandwidth: float
+    latency: float
+    """Seconds; `float('inf')` stands for upstream's `f64::MAX` (unknown)."""
+
+
+@dataclass
+class DownloadProgress:
+    downloaded: int
+    total: int
+
+
+@dataclass
+class NetworkStats:
+    """Upstream `State`: what the TUI renders (peers, downloads, 60 s bandwidth chart)."""
+
+    endpoint_id: bytes | None = None
+    connection_info: list[P2PEndpointInfo] = field(default_factory=list)
+    bandwidth_history: deque[float] = field(
+        default_factory=lambda: deque(maxlen=BANDWIDTH_GRAPH_SIZE)
+    )
+    download_progresses: dict[bytes, DownloadProgress] = field(default_factory=dict)
+
+    @property
+    def total_data_per_sec(self) -> float:
+        return self.bandwidth_history[-1] if self.bandwidth_history else 0.0
+
+
+def fmt_bytes(num_bytes: float) -> str:
+    """Upstream `fmt_bytes`: B below 1 KiB, then KB..PB in 1024 steps with two decimals."""
+    units = ("KB", "MB", "GB", "TB", "PB")
+    if num_bytes < 1024:
+        return f"{_rust_float(num_bytes)} B"
+    value = float(num_bytes)
+    for i, unit in enumerate(units):
+        value /= 1024.0
+        if value < 1024.0 or i == len(units) - 1:
+            return f"{value:.2f} {unit}"
+    raise AssertionError("unreachable")
+
+
+def _rust_float(x: float) -> str:
+    # Rust's `{}` for f64 prints integral values without a fraction ("512"), others shortest.
+    return str(int(x)) if float(x).is_integer() else repr(float(x))

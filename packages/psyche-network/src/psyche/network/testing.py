@@ -1,0 +1,109 @@
+"""Helpers for tests and benchmarks: several real nodes on 127.0.0.1 in one trio loop."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import replace
+from typing import Any
+
+import trio
+
+from psyche.network.broadcast import Broadcast
+from psyche.network.connection import (
+    ModelConfigRequest,
+    NetworkConfig,
+    NetworkConnection,
+    NetworkEvent,
+    ParameterRequest,
+)
+from psyche.network.identity import SecretKey
+from psyche.network.model_sharing import SharableModel, answer_request
+from psyche.network.transmittable import ModelRequestType, TransmittableDownload
+
+
+def local_config(run_id: str = "test-run", **overrides: Any) -> NetworkConfig:
+    return replace(NetworkConfig(run_id=run_id, bind_host="127.0.0.1"), **overrides)
+
+
+@asynccontextmanager
+async def open_nodes(
+    count: int,
+    *,
+    run_id: str = "test-run",
+    broadcast_type: Any = Broadcast,
+    download_type: Any = TransmittableDownload,
+    allow_each_other: bool = True,
+    **config: Any,
+) -> AsyncIterator[list[NetworkConnection]]:
+    """`count` nodes, each allowing all the others (as clients of one run would)."""
+    async with AsyncExitStack() as stack:
+        nodes = [
+            await stack.enter_async_context(
+                NetworkConnection.open(
+                    local_config(run_id, secret_key=SecretKey.generate(), **config),
+                    broadcast_type=broadcast_type,
+                    download_type=download_type,
+                )
+            )
+            for _ in range(count)
+        ]
+        if allow_each_other:
+            ids = [n.endpoint_id for n in nodes]
+            for node in nodes:
+                node.set_allowed_peers(ids)
+        yield nodes
+
+
+def introduce(a: NetworkConnection, b: NetworkConnection) -> None:
+    """Tell `a` where `b` is (what a bootstrap list or discovery would)."""
+    a.address_book.add(b.endpoint_addr())
+
+
+async def connect_pairs(
+    nodes: Sequence[NetworkConnection], pairs: Sequence[tuple[int, int]]
+) -> None:
+    async with trio.open_nursery() as nursery:
+        for i, j in pairs:
+            introduce(nodes[i], nodes[j])
+            nursery.start_soon(nodes[i].connect, nodes[j].endpoint_id)
+
+
+def ring(n: int) -> list[tuple[int, int]]:
+    return [(i, (i + 1) % n) for i in range(n)]
+
+
+def full_mesh(n: int) -> list[tuple[int, int]]:
+    return [(i, j) for i in range(n) for j in range(i + 1, n)]
+
+
+async def wait_until(
+    predicate: Callable[[], bool], timeout: float = 10.0, poll: float = 0.02
+) -> None:
+    with trio.fail_after(timeout):
+        while not predicate():
+            await trio.sleep(poll)
+
+
+async def serve_model(
+    network: NetworkConnection,
+    model: SharableModel,
+    *,
+    on_other_event: Callable[[NetworkEvent], None] | None = None,
+) -> None:
+    """A provider's event loop: answer model-sharing requests from `model` (until cancelled)."""
+    while True:
+        event = await network.next_event()
+        match event:
+            case ParameterRequest(name, reply):
+                reply.send(
+                    await answer_request(
+                        ModelRequestType.Parameter(name), model, network.add_downloadable
+                    )
+                )
+            case ModelConfigRequest(reply):
+                reply.send(
+                    await answer_request(ModelRequestType.Config(), model, network.add_downloadable)
+                )
+            case _ if on_other_event is not None:
+                on_other_event(event)

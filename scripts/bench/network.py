@@ -1,0 +1,285 @@
+"""Benchmark psyche.network's bulk and latency paths against raw sockets measured in the same run.
+
+All nodes run in this one process on 127.0.0.1 (one trio loop, like one client), so sender and
+receiver share a CPU and the GIL in every measurement, baseline included:
+
+* blob throughput (64 MiB and 83 MB): a raw TCP transfer of the same bytes into a preallocated
+  buffer (baseline) against the blob side channel (handshake + transfer + BLAKE3 check) and
+  against the whole `NetworkConnection` path (start_download -> verified, stored, decoded
+  `DownloadComplete`). Ratio = raw time / blob time (goal >= 0.5).
+* gossip: delivery latency of a signed broadcast from one node to all of 6 nodes in a ring
+  (up to three hops), against the one-way latency of a small message on a raw socket.
+* model sharing: a joining node fetching a 20M-parameter bf16 model from 3 peers (config,
+  ticket requests and parameter blobs), against one raw socket carrying the same bytes.
+
+Run: uv run --no-sync python scripts/bench/network.py [--repeats N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import statistics
+import time
+from collections.abc import Awaitable, Callable
+
+import trio
+
+from psyche.network.connection import DownloadComplete, MessageReceived
+from psyche.network.model_download import fetch_model_from_peers
+from psyche.network.model_sharing import SharableModel, model_hash
+from psyche.network.testing import connect_pairs, open_nodes, ring, serve_model, wait_until
+from psyche.network.transmittable import DownloadType
+
+MIB = 1 << 20
+
+
+# ---- baselines ------------------------------------------------------------------------------
+
+
+async def raw_transfer_seconds(data: bytes) -> float:
+    """One TCP connection, sender `send_all`, receiver `recv_into` a preallocated buffer."""
+    size = len(data)
+
+    async def sender(stream: trio.SocketStream) -> None:
+        await stream.send_all(memoryview(data))
+        await stream.aclose()
+
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(trio.serve_listeners, sender, listeners)
+        start = time.perf_counter()
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        buf = bytearray(size)
+        view = memoryview(buf)
+        got = 0
+        while got < size:
+            got += await stream.socket.recv_into(view[got : got + MIB])
+        elapsed = time.perf_counter() - start
+        await stream.aclose()
+        nursery.cancel_scope.cancel()
+    assert buf == data
+    return elapsed
+
+
+async def raw_one_way_latency(size: int, rounds: int) -> list[float]:
+    """Half the round trip of a `size`-byte message echoed over one raw TCP connection."""
+
+    async def echo(stream: trio.SocketStream) -> None:
+        while data := await stream.receive_some(65536):
+            await stream.send_all(data)
+
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    samples = []
+    async with trio.open_nursery() as nursery:
+        await nursery.start(trio.serve_listeners, echo, listeners)
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        message = os.urandom(size)
+        for _ in range(rounds):
+            start = time.perf_counter()
+            await stream.send_all(message)
+            got = 0
+            while got < size:
+                got += len(await stream.receive_some(65536))
+            samples.append((time.perf_counter() - start) / 2)
+        await stream.aclose()
+        nursery.cancel_scope.cancel()
+    return samples
+
+
+# ---- helpers --------------------------------------------------------------------------------
+
+
+async def interleaved_medians(
+    repeats: int, *measures: Callable[[], Awaitable[float]]
+) -> list[float]:
+    """Median of each measure, run in turn (a b c a b c ...) so drifting machine load hits the
+    baseline and the candidates alike."""
+    samples: list[list[float]] = [[] for _ in measures]
+    for _ in range(repeats):
+        for measure, out in zip(measures, samples, strict=True):
+            out.append(await measure())
+    return [statistics.median(s) for s in samples]
+
+
+def row(
+    label: str, baseline: float, candidates: list[tuple[str, float]], size: int | None = None
+) -> str:
+    parts = [f"{label:<24} raw socket {baseline * 1000:8.1f} ms"]
+    if size:
+        parts[0] += f" ({size / baseline / MIB:6.0f} MiB/s)"
+    for name, seconds in candidates:
+        speed = f" {size / seconds / MIB:6.0f} MiB/s" if size else ""
+        parts.append(f"{name} {seconds * 1000:8.1f} ms{speed} ratio {baseline / seconds:5.2f}")
+    return " | ".join(parts)
+
+
+# ---- blobs ----------------------------------------------------------------------------------
+
+
+async def bench_blobs(repeats: int) -> list[str]:
+    lines = []
+    async with open_nodes(2, download_type=bytes) as (provider, requester):
+        for label, size in (("blob 64 MiB", 64 * MIB), ("blob 83 MB", 83_000_000)):
+            blob = os.urandom(size)
+            ticket, _ = await provider.add_downloadable(blob, f"distro-result_{size}")
+
+            async def raw(data: bytes = blob) -> float:
+                return await raw_transfer_seconds(data)
+
+            async def transport(t=ticket) -> float:
+                start = time.perf_counter()
+                got = await requester.blob_transport.fetch(t.addr, t.hash, t.size, lambda n: None)
+                elapsed = time.perf_counter() - start
+                assert len(got) == t.size
+                return elapsed
+
+            async def facade(t=ticket, n=size) -> float:
+                requester.store.delete_prefix("bench-")
+                requester.store.gc()
+                start = time.perf_counter()
+                requester.start_download(t, "bench-blob", DownloadType.DistroResult([]))
+                event = await requester.next_event()
+                elapsed = time.perf_counter() - start
+                assert isinstance(event, DownloadComplete) and len(event.data) == n
+                return elapsed
+
+            await transport()  # warm up code paths once
+            base, side, full = await interleaved_medians(repeats, raw, transport, facade)
+            lines.append(
+                row(label, base, [("side channel", side), ("NetworkConnection", full)], size)
+            )
+    return lines
+
+
+# ---- gossip ---------------------------------------------------------------------------------
+
+
+async def bench_gossip_ring(rounds: int) -> list[str]:
+    from psyche.core.merkle_tree import MerkleRoot
+    from psyche.network.broadcast import (
+        Broadcast,
+        BroadcastType,
+        Commitment,
+        CommitteeProof,
+        Finished,
+    )
+
+    async with open_nodes(6) as nodes:
+        await connect_pairs(nodes, ring(6))
+        await wait_until(lambda: all(len(n.neighbors()) >= 2 for n in nodes), timeout=15)
+        sender, receivers = nodes[0], nodes[1:]
+        samples = []
+        size = 0
+        for i in range(rounds):
+            data_hash = os.urandom(32)
+            message = Broadcast(
+                i + 1,
+                CommitteeProof(),
+                Commitment(data_hash, sender.secret_key.sign(data_hash)),
+                i,
+                BroadcastType.Finished(Finished(MerkleRoot(), False)),
+            )
+            size = len(sender.gossip.encode(message))
+            start = time.perf_counter()
+            sender.broadcast(message)
+            for node in receivers:
+                event = await node.next_event()
+                assert isinstance(event, MessageReceived) and event.message == message
+            samples.append(time.perf_counter() - start)
+            await trio.sleep(0.02)
+    raw = await raw_one_way_latency(size, rounds)
+    base = statistics.median(raw)
+    med = statistics.median(samples)
+    p90 = statistics.quantiles(samples, n=10)[-1]
+    return [
+        f"gossip 6 nodes (ring)    raw socket one-way {base * 1000:6.3f} ms | "
+        f"all 5 peers received: median {med * 1000:6.2f} ms, p90 {p90 * 1000:6.2f} ms "
+        f"({size} B signed) | ratio {base / med:6.4f}"
+    ]
+
+
+# ---- model sharing --------------------------------------------------------------------------
+
+
+def make_model(num_params: int, num_tensors: int):
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    per = num_params // num_tensors
+    cols = 1024
+    return {
+        f"model.layers.{i}.weight": torch.randn(per // cols, cols, generator=g).to(torch.bfloat16)
+        for i in range(num_tensors)
+    }
+
+
+def raw_bytes(tensor) -> bytes:
+    import torch
+
+    return tensor.reshape(-1).view(torch.int16).numpy().tobytes()
+
+
+async def bench_model(repeats: int) -> list[str]:
+    parameters = make_model(20_000_000, 40)
+    flat = b"".join(raw_bytes(t) for t in parameters.values())
+    total = len(flat)
+    lines = []
+    async with open_nodes(4) as nodes, trio.open_nursery() as nursery:
+        *providers, joiner = nodes
+        for provider in providers:
+            model = SharableModel()
+            model.update_parameters(parameters)
+            model.update_config("{}", "{}")
+            nursery.start_soon(serve_model, provider, model)
+            joiner.address_book.add(provider.endpoint_addr())
+        ids = [p.endpoint_id for p in providers]
+        expected = model_hash(parameters)
+
+        async def fetch() -> float:
+            joiner.store.delete_prefix("model-")
+            joiner.store.gc()
+            start = time.perf_counter()
+            got = await fetch_model_from_peers(joiner, ids)
+            elapsed = time.perf_counter() - start
+            assert model_hash(got.parameters) == expected
+            return elapsed
+
+        cold = await fetch()  # dials the 3 peers; providers serialize on first request
+        base, warm = await interleaved_medians(repeats, lambda: raw_transfer_seconds(flat), fetch)
+        lines.append(
+            row(
+                f"model 20M bf16 ({total / MIB:.0f} MiB)",
+                base,
+                [("3 peers cold", cold), ("3 peers warm", warm)],
+                total,
+            )
+        )
+        nursery.cancel_scope.cancel()
+    return lines
+
+
+async def main(repeats: int, gossip_rounds: int) -> None:
+    print(
+        f"psyche.network benchmark (median of {repeats}, interleaved; "
+        "ratio = raw socket time / our time)"
+    )
+    for line in await bench_blobs(repeats):
+        print(line)
+    for line in await bench_gossip_ring(gossip_rounds):
+        print(line)
+    for line in await bench_model(repeats):
+        print(line)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--gossip-rounds", type=int, default=30)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.ERROR)
+    logging.getLogger("libp2p").setLevel(logging.CRITICAL)  # shutdown races it reports as errors
+    trio.run(main, args.repeats, args.gossip_rounds)

@@ -1,0 +1,257 @@
+"""The TCP data server and its client over real loopback sockets."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import trio
+
+from psyche.core.batch_id import BatchId
+from psyche.core.data_shuffle import Shuffle
+from psyche.core.identity import SecretKey
+from psyche.core.node_identity import NodeIdentity
+from psyche.core.token_size import TokenSize
+from psyche.data_provider import (
+    DataProviderError,
+    DataProviderTcpClient,
+    DataProviderTcpServer,
+    LocalDataProvider,
+    TokenizedData,
+)
+from psyche.data_provider.server import main as server_main
+from psyche.data_provider.server import read_allow_file, watch_allow_file
+from psyche.network.tcp import encode_challenge_response
+
+pytestmark = pytest.mark.anyio
+SEED = bytes(range(1, 33))
+
+
+@pytest.fixture
+def local(tmp_path: Path, write_tokens) -> LocalDataProvider:
+    write_tokens(tmp_path / "data" / "a.ds", np.arange(5000) % 32000)
+    write_tokens(tmp_path / "data" / "b.ds", (np.arange(3000) * 7) % 32000)
+    provider = LocalDataProvider.new_from_directory(
+        tmp_path / "data", TokenSize.TwoBytes, 64, Shuffle.Seeded(SEED)
+    )
+    yield provider
+    provider.close()
+
+
+def address(server: DataProviderTcpServer) -> str:
+    return f"127.0.0.1:{server.local_addr[1]}"
+
+
+async def test_clients_in_the_run_get_exactly_the_local_samples(local: LocalDataProvider) -> None:
+    key, stranger = SecretKey.generate(), SecretKey.generate()
+    async with DataProviderTcpServer.start(
+        local, host="127.0.0.1", allowed=[key.public_key]
+    ) as server:
+        client = await DataProviderTcpClient.connect(address(server), key)
+        try:
+            for batch in (BatchId(0, 0), BatchId(3, 40), BatchId(100, 123)):
+                assert await client.get_samples(batch) == await local.get_samples(batch)
+            assert server.provided_sequences == {key.public_key: 1 + 38 + 24}
+        finally:
+            await client.aclose()
+        outsider = await DataProviderTcpClient.connect(address(server), stranger)
+        with pytest.raises(DataProviderError, match=r"rejected B\[0, 1\]: NotInThisRound"):
+            await outsider.get_samples(BatchId(0, 1))
+        # The allowlist follows the coordinator's epoch clients (by p2p identity).
+        state = SimpleNamespace(
+            epoch_state=SimpleNamespace(
+                clients=[SimpleNamespace(id=NodeIdentity.from_single_key(stranger.public_key))]
+            )
+        )
+        server.update_from_coordinator(state)
+        assert len(await outsider.get_samples(BatchId(0, 1))) == 2
+        await outsider.aclose()
+        again = await DataProviderTcpClient.connect(address(server), key)
+        with pytest.raises(DataProviderError, match="NotInThisRound"):
+            await again.get_samples(BatchId(0, 0))
+        await again.aclose()
+
+
+async def test_bad_requests_are_rejected_and_the_server_keeps_serving(
+    local: LocalDataProvider,
+) -> None:
+    key = SecretKey.generate()
+    n = local.num_sequences()
+    async with DataProviderTcpServer.start(local, host="127.0.0.1", allow_any=True) as server:
+        client = await DataProviderTcpClient.connect(address(server), key)
+        with pytest.raises(DataProviderError, match="WrongDataIdForStep"):
+            await client.get_samples(BatchId(n - 1, n + 5))
+        # A hostile peer: valid handshake, then garbage; only its connection is dropped.
+        with trio.socket.socket() as raw:
+            await raw.connect(("127.0.0.1", server.local_addr[1]))
+            header = await raw.recv(4)
+            challenge = (await raw.recv(int.from_bytes(header, "big")))[1:]
+            response = encode_challenge_response(SecretKey.generate(), challenge)
+            await raw.send(len(response).to_bytes(4, "big") + response)
+            garbage = b"\x01\x00\xff\xff\xff\xff\xff"
+            await raw.send(len(garbage).to_bytes(4, "big") + garbage)
+            assert await raw.recv(10) == b""  # closed by the server
+        assert len(await client.get_samples(BatchId(0, 9))) == 10
+        assert server.connected_clients() == [key.public_key]
+        await client.aclose()
+
+
+async def test_reply_larger_than_a_frame_is_rejected(local: LocalDataProvider) -> None:
+    key = SecretKey.generate()
+    async with DataProviderTcpServer.start(
+        local, host="127.0.0.1", allow_any=True, max_send_frame=2000
+    ) as server:
+        client = await DataProviderTcpClient.connect(address(server), key)
+        with pytest.raises(DataProviderError, match="WrongDataIdForStep"):
+            await client.get_samples(
+                BatchId(0, 40)
+            )  # refused before reading: 41*64 tokens > 2000 B
+        with pytest.raises(DataProviderError, match="WrongDataIdForStep"):
+            await client.get_samples(BatchId(0, 20))  # read, encoded, too large
+        assert len(await client.get_samples(BatchId(0, 3))) == 4
+        await client.aclose()
+
+
+class Stalls:
+    seq_len = 4
+
+    def __init__(self) -> None:
+        self.started = trio.Event()
+
+    async def get_samples(self, data_ids: BatchId) -> list[TokenizedData]:
+        self.started.set()
+        await trio.sleep_forever()
+        raise AssertionError
+
+
+async def test_server_gone_mid_request_then_back(local: LocalDataProvider) -> None:
+    key = SecretKey.generate()
+    stalls = Stalls()
+    async with trio.open_nursery() as nursery:
+        cancel = trio.CancelScope()
+        port_box: list[int] = []
+
+        async def run_stalling_server(task_status=trio.TASK_STATUS_IGNORED) -> None:
+            with cancel:
+                async with DataProviderTcpServer.start(
+                    stalls, host="127.0.0.1", allow_any=True
+                ) as server:
+                    port_box.append(server.local_addr[1])
+                    task_status.started()
+                    await trio.sleep_forever()
+
+        await nursery.start(run_stalling_server)
+        client = await DataProviderTcpClient.connect(f"127.0.0.1:{port_box[0]}", key)
+
+        async def stop_when_stalled() -> None:
+            await stalls.started.wait()
+            cancel.cancel()
+
+        nursery.start_soon(stop_when_stalled)
+        with pytest.raises(DataProviderError, match=r"failed while serving B\[0, 1\]"):
+            await client.get_samples(BatchId(0, 1))
+    # The next request reconnects: a server back on the same port serves it.
+    async with DataProviderTcpServer.start(
+        local, host="127.0.0.1", port=port_box[0], allow_any=True
+    ):
+        assert await client.get_samples(BatchId(2, 3)) == await local.get_samples(BatchId(2, 3))
+    await client.aclose()
+    with pytest.raises(DataProviderError, match="cannot connect to data server"):
+        await DataProviderTcpClient.connect(f"127.0.0.1:{port_box[0]}", key)
+
+
+async def test_allow_file_is_followed(
+    tmp_path: Path, local: LocalDataProvider, monkeypatch
+) -> None:
+    monkeypatch.setattr("psyche.data_provider.server.ALLOW_FILE_POLL_SECONDS", 0.02)
+    a, b = SecretKey.generate(), SecretKey.generate()
+    allow = tmp_path / "allow.txt"
+    allow.write_text(f"# run clients\n{a.public_key.hex()}\n")
+    assert read_allow_file(allow) == {a.public_key}
+    async with (
+        DataProviderTcpServer.start(local, host="127.0.0.1") as server,
+        trio.open_nursery() as nursery,
+    ):
+        nursery.start_soon(watch_allow_file, server, allow, set())
+        await trio.sleep(0.1)
+        assert server.is_allowed(a.public_key) and not server.is_allowed(b.public_key)
+        allow.write_text(f"{b.public_key.hex()}\n")
+        with trio.fail_after(3):
+            while not server.is_allowed(b.public_key):
+                await trio.sleep(0.02)
+        assert not server.is_allowed(a.public_key)
+        allow.write_text("not a key\n")  # a broken file keeps the last good list
+        await trio.sleep(0.1)
+        assert server.is_allowed(b.public_key)
+        nursery.cancel_scope.cancel()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def test_standalone_server_cli(tmp_path: Path, write_tokens) -> None:
+    write_tokens(tmp_path / "tokens" / "x.ds", np.arange(2000) % 1000)
+    (tmp_path / "conf").mkdir()
+    config = tmp_path / "conf" / "data.toml"
+    config.write_text(
+        f'dir = "../tokens"\ntoken_size = "TwoBytes"\nseq_len = 16\nshuffle_seed = {list(SEED)}\n'
+    )
+    key = SecretKey.generate()
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "psyche.data_provider.server",
+            "--data-config",
+            str(config),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--allow",
+            key.public_key.hex(),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        client = None
+        while client is None:
+            try:
+                client = await DataProviderTcpClient.connect(f"127.0.0.1:{port}", key)
+            except DataProviderError:
+                assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+                await trio.sleep(0.1)
+        expected = LocalDataProvider.new_from_directory(
+            tmp_path / "tokens", TokenSize.TwoBytes, 16, Shuffle.Seeded(SEED)
+        )
+        assert await client.get_samples(BatchId(5, 9)) == await expected.get_samples(BatchId(5, 9))
+        await client.aclose()
+        expected.close()
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_standalone_server_cli_reports_a_bad_config(tmp_path: Path, caplog) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text('dir = "."\ntoken_size = "ThreeBytes"\nseq_len = 16\nshuffle_seed = [1]\n')
+    assert server_main(["--data-config", str(bad), "--port", "0"]) == 1
+    assert (
+        "bad.toml" in caplog.text and "token_size" in caplog.text and "shuffle_seed" in caplog.text
+    )
+    assert server_main(["--data-config", str(tmp_path / "none.toml"), "--port", "0"]) == 1
+    assert "cannot read data config" in caplog.text
+    assert server_main(["--data-config", str(bad), "--port", "1", "--allow", "zz"]) == 1
+    assert "not an ed25519 public key" in caplog.text

@@ -1,0 +1,254 @@
+"""Gossip between real libp2p hosts on 127.0.0.1: delivery, healing, and hostile messages."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import pytest
+import trio
+
+from psyche.core.merkle_tree import MerkleRoot
+from psyche.network.broadcast import (
+    Broadcast,
+    BroadcastType,
+    Commitment,
+    CommitteeProof,
+    Finished,
+    Rebroadcaster,
+)
+from psyche.network.connection import MessageReceived, NetworkConnection
+from psyche.network.download import DownloadComplete
+from psyche.network.gossip import GossipRejected, gossip_topic
+from psyche.network.identity import SecretKey, peer_id_from_public_key
+from psyche.network.signed_message import SignedMessage
+from psyche.network.testing import connect_pairs, full_mesh, open_nodes, ring, wait_until
+from psyche.network.transmittable import DownloadType
+
+
+def finished(key: SecretKey, step: int, nonce: int = 0) -> Broadcast:
+    data_hash = os.urandom(32)
+    return Broadcast(
+        step=step,
+        proof=CommitteeProof(),
+        commitment=Commitment(data_hash, key.sign(data_hash)),
+        nonce=nonce,
+        data=BroadcastType.Finished(Finished(MerkleRoot(), False)),
+    )
+
+
+def drain(node: NetworkConnection) -> list[MessageReceived]:
+    out = []
+    while True:
+        try:
+            event = node._events_receive.receive_nowait()
+        except trio.WouldBlock:
+            return out
+        assert isinstance(event, MessageReceived)
+        out.append(event)
+
+
+async def inject(node: NetworkConnection, data: bytes, topic: bytes | None = None) -> None:
+    """Send `data` as a correctly libp2p-signed pubsub message, skipping the sender's own checks
+    (what a hostile but admitted peer can do)."""
+    from libp2p.pubsub.pb import rpc_pb2
+    from libp2p.pubsub.pubsub import PUBSUB_SIGNING_PREFIX
+
+    pubsub = node.gossip.pubsub
+    msg = rpc_pb2.Message(
+        data=data,
+        topicIDs=[(topic or gossip_topic(node.config.run_id)).hex()],
+        from_id=pubsub.my_id.to_bytes(),
+        seqno=pubsub._next_seqno(),
+    )
+    msg.signature = pubsub.sign_key.sign(PUBSUB_SIGNING_PREFIX.encode() + msg.SerializeToString())
+    msg.key = pubsub.host.get_public_key().serialize()
+    await node.gossip.router.publish(pubsub.my_id, msg)
+
+
+async def wait_for_mesh(nodes: list[NetworkConnection], minimum: int) -> None:
+    await wait_until(lambda: all(len(n.neighbors()) >= minimum for n in nodes), timeout=10)
+
+
+def test_gossip_reaches_six_nodes_and_rebroadcast_heals() -> None:
+    async def main() -> None:
+        async with open_nodes(6) as nodes:
+            await connect_pairs(nodes, ring(6))  # 0-1-2-3-4-5-0: up to three hops
+            await wait_for_mesh(nodes, 2)
+            sender = nodes[0]
+            keys = [n.secret_key for n in nodes]
+
+            first = finished(keys[0], step=1)
+            sender.broadcast(first)
+            for node in nodes[1:]:
+                with trio.fail_after(5):
+                    event = await node.next_event()
+                assert isinstance(event, MessageReceived)
+                assert event.from_ == sender.endpoint_id and event.message == first
+            await trio.sleep(0.3)
+            assert all(drain(n) == [] for n in nodes), "each node got the message exactly once"
+
+            # Node 3 (two hops from the sender) does not yet know the sender is in the run, so
+            # it drops the next message: a missed message.
+            rebroadcaster = Rebroadcaster()
+            missed = finished(keys[0], step=2, nonce=10)
+            rebroadcaster.add(missed)
+            nodes[3].set_allowed_peers([n.endpoint_id for i, n in enumerate(nodes) if i != 0])
+            sender.broadcast(missed)
+            for i in (1, 2, 4, 5):
+                with trio.fail_after(5):
+                    event = await nodes[i].next_event()
+                assert isinstance(event, MessageReceived) and event.message == missed
+            await wait_until(lambda: nodes[3].gossip.rejected >= 1)
+            assert drain(nodes[3]) == []
+
+            # The same bytes again are a duplicate and go nowhere.
+            await sender.gossip.publish_raw(sender.gossip.encode(missed))
+            await trio.sleep(0.3)
+            assert all(drain(n) == [] for n in nodes)
+
+            # The coordinator admits the sender; the periodic rebroadcast (nonce + 1) heals.
+            nodes[3].set_allowed_peers([n.endpoint_id for n in nodes])
+            again = rebroadcaster.next_to_send()
+            assert again is not None and again.nonce == 11
+            sender.broadcast(again)
+            with trio.fail_after(5):
+                event = await nodes[3].next_event()
+            assert isinstance(event, MessageReceived) and event.message == again
+            for i in (1, 2, 4, 5):
+                with trio.fail_after(5):
+                    event = await nodes[i].next_event()
+                assert isinstance(event, MessageReceived) and event.message.nonce == 11
+
+    trio.run(main)
+
+
+def test_hostile_gossip_is_dropped_without_harm() -> None:
+    async def main() -> None:
+        async with (
+            open_nodes(3) as nodes,
+            open_nodes(1, run_id="another-run") as (stranger,),
+        ):
+            a, b, c = nodes
+            ids = [n.endpoint_id for n in (*nodes, stranger)]
+            for node in (*nodes, stranger):
+                node.set_allowed_peers(ids)
+            await connect_pairs([*nodes, stranger], [*full_mesh(3), (3, 0), (3, 1)])
+            await wait_for_mesh(nodes, 2)
+            kb, ka = b.secret_key, a.secret_key
+
+            # a hostile but admitted peer (b) sends, bypassing its own checks:
+            msg = finished(kb, 1)
+            data = SignedMessage.sign_and_encode(kb, msg, Broadcast)
+            forged = SignedMessage(ka.public_key, to_signed_data(msg), kb.sign(to_signed_data(msg)))
+            await inject(b, to_bytes_signed(forged))  # claims to be a, signed by b
+            oversized = SignedMessage.sign_and_encode(kb, os.urandom(5000), bytes)
+            await inject(b, oversized)  # valid signature, too big
+            await inject(b, os.urandom(300))  # garbage
+            await inject(
+                b, SignedMessage.sign_and_encode(kb, b"\xff" * 40, bytes)
+            )  # not a Broadcast
+            await inject(b, data, topic=gossip_topic("another-run"))  # another run's topic
+            stranger.broadcast(finished(stranger.secret_key, 1))  # a node of another run
+            with pytest.raises(GossipRejected):
+                b.broadcast(_huge(kb))
+            await wait_until(lambda: a.gossip.rejected >= 4 and c.gossip.rejected >= 4)
+            await trio.sleep(0.2)
+            assert drain(a) == [] and drain(c) == []
+
+            # nothing was harmed: b's honest message still arrives everywhere in the run
+            b.broadcast(msg)
+            for node in (a, c):
+                with trio.fail_after(5):
+                    event = await node.next_event()
+                assert isinstance(event, MessageReceived)
+                assert event.from_ == kb.public_key and event.message == msg
+            # the other run's node saw only what was sent on its own topic
+            assert [e.message for e in drain(stranger)] == [msg]
+
+    trio.run(main)
+
+
+def to_signed_data(msg: Broadcast) -> bytes:
+    from psyche.core.serde import to_bytes
+
+    return to_bytes(msg, Broadcast)
+
+
+def to_bytes_signed(signed: SignedMessage) -> bytes:
+    from psyche.core.serde import to_bytes
+
+    return to_bytes(signed, SignedMessage)
+
+
+def _huge(key: SecretKey) -> Broadcast:
+    """A broadcast whose signed form exceeds 4096 bytes (a ticket with many addresses)."""
+    from psyche.core.batch_id import BatchId
+    from psyche.network.broadcast import TrainingResult
+    from psyche.network.ticket import BlobFormat, BlobTicket, EndpointAddr, TransportAddr
+
+    addrs = [TransportAddr.BlobTcp(f"10.0.{i // 250}.{i % 250}:1234") for i in range(300)]
+    ticket = BlobTicket(EndpointAddr(key.public_key, addrs), BlobFormat.Raw, bytes(32), 1)
+    data_hash = bytes(32)
+    return Broadcast(
+        1,
+        CommitteeProof(),
+        Commitment(data_hash, key.sign(data_hash)),
+        0,
+        BroadcastType.TrainingResult(TrainingResult(BatchId(0, 1), ticket)),
+    )
+
+
+def test_outsider_cannot_connect_or_gossip() -> None:
+    async def main() -> None:
+        async with open_nodes(2) as (a, b), open_nodes(1, allow_each_other=False) as (outsider,):
+            outsider.set_allowed_peers([a.endpoint_id, b.endpoint_id])  # it would talk to anyone
+            await connect_pairs([a, b], [(0, 1)])
+            outsider.address_book.add(a.endpoint_addr())
+            with contextlib.suppress(Exception):
+                await outsider.connect(a.endpoint_id)
+            await trio.sleep(0.3)
+            assert outsider.endpoint_id not in a.connected_peers()
+            assert a.endpoint_id not in outsider.connected_peers()
+            assert not a.host.get_network().get_connections(
+                peer_id_from_public_key(outsider.endpoint_id)
+            )
+            a.address_book.add(outsider.endpoint_addr())
+            with pytest.raises(PermissionError):
+                await a.connect(outsider.endpoint_id)
+            outsider.broadcast(finished(outsider.secret_key, 1))
+            await trio.sleep(0.3)
+            assert drain(a) == [] and drain(b) == []
+
+    trio.run(main)
+
+
+def _open_sockets() -> int:
+    fd_dir = "/proc/self/fd"
+    count = 0
+    for fd in os.listdir(fd_dir):
+        with contextlib.suppress(OSError):
+            count += os.readlink(f"{fd_dir}/{fd}").startswith("socket:")
+    return count
+
+
+def test_closing_the_network_leaves_no_threads_or_sockets() -> None:
+    import threading
+
+    if not os.path.isdir("/proc/self/fd"):
+        pytest.skip("needs /proc")
+    before_threads = {t for t in threading.enumerate() if not t.name.startswith("Trio thread")}
+    before_sockets = _open_sockets()
+
+    async def main() -> None:
+        async with open_nodes(3, download_type=bytes) as nodes:
+            await connect_pairs(nodes, full_mesh(3))
+            ticket, _ = await nodes[0].add_downloadable(b"x" * 1000, "t")
+            nodes[1].start_download(ticket, "t", DownloadType.DistroResult([]))
+            with trio.fail_after(5):
+                assert isinstance(await nodes[1].next_event(), DownloadComplete)
+
+    trio.run(main)
+    after_threads = {t for t in threading.enumerate() if not t.name.startswith("Trio thread")}
+    assert after_threads == before_threads
+    assert _open_sockets() == before_sockets

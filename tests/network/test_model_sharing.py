@@ -1,0 +1,157 @@
+"""P2P model sharing between real nodes: bit-identical models, dying peers, serving phases."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import trio
+
+from psyche.network.connection import NetworkConnection
+from psyche.network.model_download import fetch_model_from_peers
+from psyche.network.model_sharing import SharableModel, model_hash
+from psyche.network.peer_manager import PeersUnreachable
+from psyche.network.testing import local_config, open_nodes, serve_model
+from psyche.network.transmittable import (
+    ModelRequestType,
+    SharableModelError,
+    SharableModelFailure,
+)
+
+CONFIG_JSON = '{"architectures": ["LlamaForCausalLM"], "hidden_size": 64}'
+TOKENIZER_JSON = '{"model": {"type": "BPE"}}'
+
+
+def make_parameters(seed: int = 0) -> dict[str, torch.Tensor]:
+    """A small model's worth of bf16 tensors with varied shapes (including a scalar-ish one)."""
+    g = torch.Generator().manual_seed(seed)
+    params = {"model.embed_tokens.weight": torch.randn(512, 64, generator=g)}
+    for layer in range(4):
+        prefix = f"model.layers.{layer}"
+        params[f"{prefix}.self_attn.q_proj.weight"] = torch.randn(64, 64, generator=g)
+        params[f"{prefix}.mlp.up_proj.weight"] = torch.randn(256, 64, generator=g)
+        params[f"{prefix}.input_layernorm.weight"] = torch.randn(64, generator=g)
+    params["model.norm.weight"] = torch.randn(1, generator=g)
+    return {name: t.to(torch.bfloat16) for name, t in params.items()}
+
+
+def provider_model(parameters: dict[str, torch.Tensor]) -> SharableModel:
+    model = SharableModel()
+    model.update_parameters(parameters)
+    model.update_config(CONFIG_JSON, TOKENIZER_JSON)
+    return model
+
+
+async def introduce_all(joiner: NetworkConnection, providers: list[NetworkConnection]) -> None:
+    for provider in providers:
+        joiner.address_book.add(provider.endpoint_addr())
+
+
+def test_joiner_gets_a_bit_identical_model_from_three_peers() -> None:
+    parameters = make_parameters()
+
+    async def main() -> None:
+        async with open_nodes(4) as nodes, trio.open_nursery() as nursery:
+            *providers, joiner = nodes
+            for provider in providers:
+                nursery.start_soon(serve_model, provider, provider_model(parameters))
+            await introduce_all(joiner, providers)
+            with trio.fail_after(30):
+                model = await fetch_model_from_peers(
+                    joiner, [p.endpoint_id for p in providers], max_concurrent=8
+                )
+            assert model.config.config == CONFIG_JSON and model.config.tokenizer == TOKENIZER_JSON
+            assert set(model.parameters) == set(parameters)
+            assert all(t.dtype == torch.bfloat16 for t in model.parameters.values())
+            assert model_hash(model.parameters) == model_hash(parameters)
+            for name, tensor in parameters.items():
+                assert torch.equal(model.parameters[name], tensor)
+            assert sum(p.bytes_served > 0 for p in providers) >= 2, "work spread over peers"
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_peer_dying_mid_download_is_survived() -> None:
+    parameters = make_parameters(1)
+
+    async def main() -> None:
+        async with open_nodes(2) as (steady, joiner), trio.open_nursery() as nursery:
+            nursery.start_soon(serve_model, steady, provider_model(parameters))
+            await introduce_all(joiner, [steady])
+            doomed_gone = trio.Event()
+
+            async def doomed_provider(*, task_status=trio.TASK_STATUS_IGNORED) -> None:
+                async with NetworkConnection.open(
+                    local_config(), broadcast_type=steady.broadcast_type
+                ) as doomed:
+                    ids = [steady.endpoint_id, joiner.endpoint_id, doomed.endpoint_id]
+                    for node in (steady, joiner, doomed):
+                        node.set_allowed_peers(ids)
+                    joiner.address_book.add(doomed.endpoint_addr())
+                    serve_blob = doomed.blob_transport._lookup
+
+                    def die_while_serving(digest: bytes) -> bytes | bytearray | None:
+                        doomed.shutdown()  # the whole node goes down mid-transfer
+                        return serve_blob(digest)
+
+                    doomed.blob_transport._lookup = die_while_serving
+                    task_status.started(doomed.endpoint_id)
+                    await serve_model(doomed, provider_model(parameters))
+                doomed_gone.set()
+
+            doomed_id = await nursery.start(doomed_provider)
+            with trio.fail_after(60):
+                model = await fetch_model_from_peers(joiner, [doomed_id, steady.endpoint_id])
+            assert doomed_gone.is_set()
+            assert any(p == doomed_id for _, p, _ in joiner.downloader.provider_failures)
+            assert model_hash(model.parameters) == model_hash(parameters)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_parameters_are_served_only_between_update_and_clear() -> None:
+    async def main() -> None:
+        async with open_nodes(2) as (provider, joiner), trio.open_nursery() as nursery:
+            model = SharableModel()
+            nursery.start_soon(serve_model, provider, model)
+            joiner.address_book.add(provider.endpoint_addr())
+            ask = joiner.request_model_blob_ticket
+            name = "model.norm.weight"
+            with pytest.raises(SharableModelFailure) as err:
+                await ask(provider.endpoint_id, ModelRequestType.Parameter(name))
+            assert err.value.error == SharableModelError.ParametersNotInitialized()
+
+            model.update_parameters({name: torch.ones(3, dtype=torch.bfloat16)})
+            model.update_config(CONFIG_JSON, TOKENIZER_JSON)
+            ticket = await ask(provider.endpoint_id, ModelRequestType.Parameter(name))
+            assert ticket.provider == provider.endpoint_id
+            assert await ask(provider.endpoint_id, ModelRequestType.Parameter(name)) == ticket
+            with pytest.raises(SharableModelFailure) as err:
+                await ask(provider.endpoint_id, ModelRequestType.Parameter("nope"))
+            assert err.value.error == SharableModelError.ParameterUnknown("nope")
+            with pytest.raises(SharableModelFailure) as err:
+                model.update_parameters({"other": torch.ones(3, dtype=torch.bfloat16)})
+            assert err.value.error == SharableModelError.InvalidUpdate()
+
+            model.clear_cache()  # entering RoundTrain
+            with pytest.raises(SharableModelFailure) as err:
+                await ask(provider.endpoint_id, ModelRequestType.Parameter(name))
+            assert err.value.error == SharableModelError.ParametersNotInitialized()
+            assert provider.remove_staled_tags(0) >= 1  # the model- tags go too
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_joiner_gives_up_when_no_peer_can_serve() -> None:
+    async def main() -> None:
+        async with open_nodes(3) as (a, b, joiner), trio.open_nursery() as nursery:
+            for provider in (a, b):
+                nursery.start_soon(serve_model, provider, SharableModel())  # nothing to share
+                joiner.address_book.add(provider.endpoint_addr())
+            with trio.fail_after(20), pytest.raises(PeersUnreachable):
+                await fetch_model_from_peers(joiner, [a.endpoint_id, b.endpoint_id])
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
