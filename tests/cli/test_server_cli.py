@@ -70,8 +70,14 @@ def test_every_upstream_config_validates(upstream_data: Path) -> None:
     for state in sorted((upstream_data / "config").glob("*/*.toml")):
         if state.name == "data.toml":
             continue
-        result = run_cli("validate-config", "--state", str(state))
+        args = ["validate-config", "--state", str(state)]
+        data = state.parent / "data.toml"
+        if data.exists():
+            args += ["--data-config", str(data)]
+        result = run_cli(*args)
         assert result.returncode == 0, (state, result.stderr)
+        assert result.stdout.startswith("Configs are OK!")
+        assert ("data server:" in result.stdout) == data.exists()
 
 
 @pytest.mark.parametrize(
@@ -94,3 +100,25 @@ def test_broken_configs_are_rejected(tmp_path: Path, replace: str, by: str, expe
     result = run_cli("validate-config", "--state", str(broken))
     assert result.returncode == 1
     assert expected in result.stderr
+
+
+def test_data_config_is_checked(tmp_path: Path) -> None:
+    state = str(REPO / "configs/tiny-cpu/state.toml")
+    result = run_cli(
+        "validate-config",
+        "--state",
+        state,
+        "--data-config",
+        str(REPO / "configs/tiny-cpu/data.toml"),
+    )
+    assert result.returncode == 0, result.stderr
+    assert "data server:" in result.stdout and "TwoBytes, seq_len 128" in result.stdout
+
+    broken = tmp_path / "data.toml"
+    broken.write_text(
+        'dir = "x"\ntoken_size = "ThreeBytes"\nseq_len = 128\nshuffle_seed = [1, 2]\n'
+    )
+    result = run_cli("validate-config", "--state", state, "--data-config", str(broken))
+    assert result.returncode == 1
+    assert "token_size" in result.stderr and "shuffle_seed" in result.stderr
+    assert str(broken) in result.stderr

@@ -62,17 +62,25 @@ def validate_config(state: Path, data_config: Path | None) -> int:
         print(f"warning: {state}: {warning}", file=sys.stderr)
     lines = [loaded.summary()]
     if data_config is not None:
+        from psyche.data_provider.data_config import DataConfigError, DataServerInfo
+
         try:
-            from psyche.data_provider.data_toml import load_data_server_config
-        except ImportError as e:  # pragma: no cover - the data provider is a dependency
-            print(f"Error: cannot check {data_config}: {e}", file=sys.stderr)
-            return 1
-        try:
-            data = load_data_server_config(data_config)
-        except ValueError as e:
+            data = DataServerInfo.load(data_config)
+        except DataConfigError as e:
             print(f"Error found in data config: {e}", file=sys.stderr)
             return 1
-        lines.append(data.summary())
+        if data.seq_len != loaded.llm.max_seq_len:
+            print(
+                f"warning: {data_config}: seq_len {data.seq_len} differs from the run's "
+                f"max_seq_len {loaded.llm.max_seq_len}",
+                file=sys.stderr,
+            )
+        if not Path(data.dir).is_dir():
+            print(
+                f"warning: {data_config}: data directory {data.dir} does not exist (yet)",
+                file=sys.stderr,
+            )
+        lines.append(f"data server: {data.dir} ({data.token_size.name}, seq_len {data.seq_len})")
     print("Configs are OK! " + "; ".join(lines))
     return 0
 
