@@ -1,0 +1,44 @@
+"""What a training client needs from a coordinator backend (upstream's `watcher::Backend`).
+
+The client is written against this protocol only; the centralized TCP backend and the Solana
+backend implement it. Methods are trio-async. `wait_for_new_state` must be cancel safe: a
+cancelled wait loses no state (the next call returns the newest one).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from psyche.coordinator.coordinator import CommitteeProof, Coordinator, Witness, WitnessMetadata
+from psyche.coordinator.model import Checkpoint
+from psyche.core.node_identity import NodeIdentity
+from psyche.core.serde import DataEnum, variant
+
+
+class OpportunisticData(DataEnum):
+    """A witness sent during training (with metadata) or during warmup."""
+
+    WitnessStep = variant(tuple[Witness, WitnessMetadata])
+    WarmupStep = variant(Witness)
+
+    @property
+    def kind(self) -> str:
+        return "witness" if isinstance(self, OpportunisticData.WitnessStep) else "warmup"
+
+
+# Upstream `HealthChecks = Vec<(NodeIdentity, CommitteeProof)>`: a client the sender considers
+# unhealthy, with that client's committee proof for the round.
+HealthCheck = tuple[NodeIdentity, CommitteeProof]
+
+
+@runtime_checkable
+class Backend(Protocol):
+    async def wait_for_new_state(self) -> Coordinator:
+        """The next coordinator state (cancel safe)."""
+        ...
+
+    async def send_witness(self, opportunistic_data: OpportunisticData) -> None: ...
+
+    async def send_health_check(self, health_checks: list[HealthCheck]) -> None: ...
+
+    async def send_checkpoint(self, checkpoint: Checkpoint) -> None: ...
