@@ -42,3 +42,20 @@ class Backend(Protocol):
     async def send_health_check(self, health_checks: list[HealthCheck]) -> None: ...
 
     async def send_checkpoint(self, checkpoint: Checkpoint) -> None: ...
+
+
+@runtime_checkable
+class EndpointDiscovery(Protocol):
+    """Optional backend capability: how clients of a run learn each other's network addresses.
+
+    A client publishes its signed endpoint record (opaque bytes produced by the network layer) and
+    reads everyone else's. The centralized backend relays records through the server; a backend
+    without this capability leaves discovery to the network layer's own means (bootstrap peers,
+    peer exchange).
+    """
+
+    async def publish_endpoint(self, record: bytes) -> None: ...
+
+    def peer_endpoints(self) -> list[bytes]:
+        """The newest record of every other client known to the backend."""
+        ...
