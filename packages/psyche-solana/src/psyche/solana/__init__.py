@@ -1,1 +1,17 @@
-"""Solana backend for Psyche: program bindings, account codecs and the on-chain client backend."""
+"""Psyche on Solana: program bindings, account codecs, the client backend and a local endpoint.
+
+Modules (import what you need; this package imports nothing heavy by itself):
+
+* `program_ids`, `pda`, `anchor`: program ids (overridable), PDAs, Anchor discriminators/errors;
+* `borsh`, `repr_c`, `state`: the two byte formats and the on-chain accounts
+  (`coordinator_account_from_bytes` reads the zero-copy `CoordinatorAccount`);
+* `instructions`, `idl`: every instruction of the coordinator, authorizer and treasurer programs,
+  and their Anchor IDLs (legacy format, read by anchorpy);
+* `keypair`: solana-keygen keypairs, `RAW_WALLET_PRIVATE_KEY`, the derived P2P identity;
+* `rpc`, `retry`, `subscription`, `backend`: the trio client, upstream's retry rules, account
+  subscriptions, and `SolanaBackend`/`SolanaBackendRunner` (the client's `Backend`);
+* `admin`: the run-management commands behind `psyche-solana-client`;
+* `localnet`: a loopback JSON-RPC + websocket endpoint running the programs' Python ports.
+
+See docs/solana.md.
+"""

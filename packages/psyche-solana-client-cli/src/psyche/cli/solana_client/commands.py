@@ -1,0 +1,400 @@
+"""The commands of `psyche-solana-client`: parse-free shells around `psyche.solana.admin`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import trio
+
+from psyche.cli.solana_client.render import explain_error, render_run, run_to_json
+
+Command = Callable[[argparse.Namespace], int]
+
+
+def _ids(args: argparse.Namespace) -> Any:
+    from psyche.solana.program_ids import ProgramIds
+
+    return ProgramIds.from_env(
+        coordinator=getattr(args, "coordinator_program_id", None),
+        authorizer=getattr(args, "authorizer_program_id", None),
+        treasurer=getattr(args, "treasurer_program_id", None),
+    )
+
+
+def _backend(args: argparse.Namespace, wallet: bool = True) -> Any:
+    from solders.keypair import Keypair
+
+    from psyche.solana.backend import Cluster, SolanaBackend
+    from psyche.solana.keypair import load_wallet
+
+    # Read-only commands sign nothing: a throwaway keypair, as upstream.
+    payer = load_wallet(args.wallet_private_key_path) if wallet else Keypair()
+    return SolanaBackend(Cluster(args.rpc, args.ws_rpc), payer, ids=_ids(args))
+
+
+def _run(
+    args: argparse.Namespace, body: Callable[[Any], Awaitable[None]], *, wallet: bool = True
+) -> int:
+    """Build the backend, run the command body under trio, turn failures into one clear line."""
+
+    async def main() -> None:
+        backend = _backend(args, wallet)
+        async with backend:
+            await body(backend)
+
+    try:
+        trio.run(main)
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # the output was closed (e.g. piped into `head`)
+        return 0
+    except Exception as e:  # every failure becomes a message, never a traceback
+        print(f"Error: {explain_error(e, getattr(args, 'rpc', None))}", file=sys.stderr)
+        return 1
+    return 0
+
+
+async def _print_logs(backend: Any, signature: Any) -> None:
+    print("\n===== Logs =====")
+    for line in await backend.get_logs(signature):
+        print(line)
+
+
+def _pubkey(text: str | None) -> Any:
+    from psyche.solana.admin import pubkey_arg
+
+    return None if text is None else pubkey_arg(text)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def create_run(args: argparse.Namespace) -> int:
+    from psyche.solana import admin
+
+    async def body(backend: Any) -> None:
+        created = await admin.create_run(
+            backend,
+            args.run_id,
+            args.client_version,
+            treasurer_index=args.treasurer_index,
+            treasurer_collateral_mint=_pubkey(args.treasurer_collateral_mint),
+            join_authority=_pubkey(args.join_authority),
+        )
+        print(f"Created run {args.run_id} with transaction: {created.signature}")
+        print(f"Instance account: {created.instance_address}")
+        print(f"Coordinator account: {created.account_address}")
+        print(f"Locked for storage: {admin.lamports_to_sol(created.locked_lamports):.9f} SOL")
+
+    return _run(args, body)
+
+
+def close_run(args: argparse.Namespace) -> int:
+    from psyche.solana import admin
+
+    async def body(backend: Any) -> None:
+        signature, recovered = await admin.close_run(backend, args.run_id)
+        print(f"Closed run {args.run_id} with transaction {signature}")
+        print(f"Recovered {admin.lamports_to_sol(recovered):.9f} SOL")
+        await _print_logs(backend, signature)
+
+    return _run(args, body)
+
+
+def update_config(args: argparse.Namespace) -> int:
+    from psyche.solana import admin
+
+    async def body(backend: Any) -> None:
+        update = await admin.update_config(
+            backend,
+            args.run_id,
+            treasurer_index=args.treasurer_index,
+            config_path=args.config_path,
+            restart_from_step=args.restart_from_step,
+            switch_to_hub=args.switch_to_hub,
+            name=args.name,
+            description=args.description,
+            num_parameters=args.num_parameters,
+            vocab_size=args.vocab_size,
+            client_version=args.client_version,
+        )
+        print(f"Updated config of {args.run_id} with transaction {update.signature}")
+        print(f" - Metadata: {update.metadata}")
+        print(f" - Config: {update.config}")
+        print(f" - Model: {update.model}")
+        print(f" - Progress: {update.progress}")
+        print(f" - Client version: {update.client_version}")
+        await _print_logs(backend, update.signature)
+
+    return _run(args, body)
+
+
+def set_paused(args: argparse.Namespace) -> int:
+    from psyche.solana import admin
+
+    paused = not args.resume
+
+    async def body(backend: Any) -> None:
+        signature = await admin.set_paused(backend, args.run_id, paused, args.treasurer_index)
+        state = "true" if paused else "false"
+        print(f"Set pause state to {state} on run {args.run_id} with transaction {signature}")
+        await _print_logs(backend, signature)
+
+    return _run(args, body)
+
+
+def set_future_epoch_rates(args: argparse.Namespace) -> int:
+    from psyche.solana import admin
+
+    async def body(backend: Any) -> None:
+        signature = await admin.set_future_epoch_rates(
+            backend,
+            args.run_id,
+            treasurer_index=args.treasurer_index,
+            earning_rate_total_shared=args.earning_rate_total_shared,
+            slashing_rate_per_client=args.slashing_rate_per_client,
+        )
+        if args.earning_rate_total_shared is not None:
+            print(
+                f" - Set earning rate to {args.earning_rate_total_shared} (divided between clients)"
+            )
+        if args.slashing_rate_per_client is not None:
+            print(f" - Set slashing rate to {args.slashing_rate_per_client} (per failing client)")
+        print(f"On run {args.run_id} with transaction {signature}:")
+        await _print_logs(backend, signature)
+
+    return _run(args, body)
+
+
+def tick(args: argparse.Namespace) -> int:
+    from psyche.solana import admin
+
+    async def body(backend: Any) -> None:
+        run = await admin.load_run(backend, args.run_id)
+        count = args.count
+        sent = 0
+        while count is None or sent < count:
+            started = trio.current_time()
+            signature = await admin.tick(backend, run)
+            sent += 1
+            print(f"Ticked run {args.run_id} with transaction {signature}")
+            await _print_logs(backend, signature)
+            print()
+            if count is not None and sent >= count:
+                break
+            await trio.sleep_until(started + args.ms_interval / 1000)
+
+    return _run(args, body)
+
+
+def checkpoint(args: argparse.Namespace) -> int:
+    from psyche.solana import admin
+
+    async def body(backend: Any) -> None:
+        signature, repo = await admin.checkpoint(backend, args.run_id, args.repo, args.revision)
+        print(f"Checkpointed to repo {repo} on run {args.run_id} with transaction {signature}")
+
+    return _run(args, body)
+
+
+def _print_authorization(result: Any) -> None:
+    print(f"Authorization Grantor: {result.grantor}")
+    print(f"Authorization Grantee: {result.grantee}")
+    print(f"Authorization Address: {result.address}")
+
+
+def join_authorization_create(args: argparse.Namespace) -> int:
+    from psyche.solana import admin
+
+    async def body(backend: Any) -> None:
+        result = await admin.join_authorization_create(backend, _pubkey(args.authorizer))
+        _print_authorization(result)
+        if result.created is not None:
+            print(f"Created authorization in transaction: {result.created}")
+        if result.changed is not None:
+            print(f"Activated authorization in transaction: {result.changed}")
+        print(f"Authorization Active: {'true' if result.authorization.active else 'false'}")
+
+    return _run(args, body)
+
+
+def join_authorization_set_delegates(args: argparse.Namespace) -> int:
+    from psyche.solana import admin
+
+    delegates = [_pubkey(d) for d in args.delegates_added]
+
+    async def body(backend: Any) -> None:
+        result = await admin.join_authorization_set_delegates(
+            backend,
+            _pubkey(args.join_authority),
+            delegates_clear=args.delegates_clear,
+            delegates_added=delegates,
+        )
+        _print_authorization(result)
+        print(f"Delegates cleared: {'true' if args.delegates_clear else 'false'}")
+        print(f"Delegates added count: {len(delegates)}")
+        for delegate in delegates:
+            print(f"- Delegate added: {delegate}")
+        print(f"Updated authorization delegates in transaction: {result.changed}")
+
+    return _run(args, body)
+
+
+def join_authorization_read(args: argparse.Namespace) -> int:
+    from solders.pubkey import Pubkey
+
+    from psyche.solana import admin
+
+    async def body(backend: Any) -> None:
+        result = await admin.join_authorization_read(
+            backend, _pubkey(args.join_authority), _pubkey(args.authorizer)
+        )
+        _print_authorization(result)
+        authorization = result.authorization
+        print(f"Authorization Active: {'true' if authorization.active else 'false'}")
+        print(f"Authorization Delegate Count: {len(authorization.delegates)}")
+        for i, delegate in enumerate(authorization.delegates, start=1):
+            print(f" - Authorization delegate #{i}: {Pubkey.from_bytes(delegate)}")
+
+    return _run(args, body, wallet=False)
+
+
+def join_authorization_delete(args: argparse.Namespace) -> int:
+    from psyche.solana import admin
+
+    async def body(backend: Any) -> None:
+        result = await admin.join_authorization_delete(backend, _pubkey(args.authorizer))
+        _print_authorization(result)
+        if result.changed is not None:
+            print(f"Deactivated authorization in transaction: {result.changed}")
+        print(f"Authorization Active: {'true' if result.authorization.active else 'false'}")
+
+    return _run(args, body)
+
+
+def can_join(args: argparse.Namespace) -> int:
+    from psyche.solana import admin
+
+    outcome: list[bool] = []
+
+    async def body(backend: Any) -> None:
+        ok, reason = await admin.can_join(
+            backend, args.run_id, _pubkey(args.address), _pubkey(args.authorizer)
+        )
+        print(f"{args.address} {'can' if ok else 'cannot'} join run {args.run_id}: {reason}")
+        outcome.append(ok)
+
+    code = _run(args, body, wallet=False)
+    return code if code != 0 or all(outcome) else 2
+
+
+def show(args: argparse.Namespace) -> int:
+    from psyche.solana import admin
+
+    async def body(backend: Any) -> None:
+        snapshot = await admin.fetch_run(backend, args.run_id, args.treasurer_index)
+        if args.json:
+            print(json.dumps(run_to_json(snapshot), indent=2))
+        else:
+            print(render_run(snapshot))
+
+    return _run(args, body, wallet=False)
+
+
+def show_identity(args: argparse.Namespace) -> int:
+    from psyche.core.identity import SecretKey
+    from psyche.solana.keypair import derive_p2p_secret_key, load_wallet
+
+    try:
+        wallet = load_wallet(args.wallet_private_key_path)
+        print(f"Wallet (signer) public key: {wallet.pubkey()}")
+        if args.identity_secret_key_path is not None:
+            key = SecretKey.read_file(args.identity_secret_key_path)
+            source = str(args.identity_secret_key_path)
+        elif args.run_id is not None:
+            key = SecretKey.from_bytes(derive_p2p_secret_key(args.run_id, wallet))
+            source = f"derived from run {args.run_id!r} and the wallet"
+        else:
+            print("P2P identity: pass --run-id (derived key) or --identity-secret-key-path")
+            return 0
+        print(f"P2P identity public key: {key.public_key.hex()} ({source})")
+    except Exception as e:
+        print(f"Error: {explain_error(e, None)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def show_static_p2p_identity(args: argparse.Namespace) -> int:
+    from psyche.core.identity import SecretKey
+
+    path = args.identity_secret_key_path
+    if path is None:
+        print("No identity secret key path given: a fresh random identity would be used.")
+        return 0
+    try:
+        key = SecretKey.read_file(path)
+    except (OSError, ValueError) as e:
+        print(f"Error: {e}", file=sys.stderr)
+        return 1
+    print(f"Public key: {key.public_key.hex()}")
+    return 0
+
+
+def create_static_p2p_identity(args: argparse.Namespace) -> int:
+    from psyche.core.identity import SecretKey
+
+    key = SecretKey.generate()
+    try:
+        key.write_file(args.save_path)
+    except OSError as e:
+        print(f"Error: cannot write {args.save_path}: {e}", file=sys.stderr)
+        return 1
+    print(f"Public key: {key.public_key.hex()}")
+    print(f"Wrote secret key to {args.save_path}")
+    return 0
+
+
+def train(args: argparse.Namespace) -> int:
+    print(
+        "Error: `train` is not wired to the training client yet: training through Solana needs "
+        "the Psyche training client (psyche.client) and its train options, which are being "
+        "finished separately. The Solana side is ready: SolanaBackend.start() yields the "
+        "client's Backend, follow_membership() joins each epoch and leaves as upstream's client "
+        "does, and auto_tick() ticks the run. Meanwhile use the admin commands (create-run, "
+        "update-config, set-paused --resume) to prepare a run.",
+        file=sys.stderr,
+    )
+    return 2
+
+
+def localnet(args: argparse.Namespace) -> int:
+    from psyche.solana.localnet.__main__ import run
+
+    return run(args)
+
+
+HANDLERS: dict[str, Command] = {
+    "create-run": create_run,
+    "close-run": close_run,
+    "update-config": update_config,
+    "set-paused": set_paused,
+    "set-future-epoch-rates": set_future_epoch_rates,
+    "tick": tick,
+    "checkpoint": checkpoint,
+    "join-authorization-create": join_authorization_create,
+    "join-authorization-set-delegates": join_authorization_set_delegates,
+    "join-authorization-delegate": join_authorization_set_delegates,
+    "join-authorization-read": join_authorization_read,
+    "join-authorization-delete": join_authorization_delete,
+    "can-join": can_join,
+    "show": show,
+    "show-identity": show_identity,
+    "show-static-p2p-identity": show_static_p2p_identity,
+    "create-static-p2p-identity": create_static_p2p_identity,
+    "train": train,
+    "localnet": localnet,
+}

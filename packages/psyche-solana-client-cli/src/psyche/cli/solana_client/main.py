@@ -1,0 +1,267 @@
+"""`psyche-solana-client`: create, configure, pause, resume and inspect Psyche runs on Solana.
+
+The admin commands are upstream's (they lived in `psyche-solana-client` before they moved to
+`run-manager`) with the same flags and environment variables; `localnet` serves a local endpoint
+for users without a validator. Every command prints what it did; failures print one clear line
+on stderr and exit 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+DESCRIPTION = """\
+Manage and follow Psyche training runs on Solana.
+
+Cluster flags default to a local validator (http://127.0.0.1:8899, ws://127.0.0.1:8900); use
+--rpc/--ws-rpc (or RPC/WS_RPC) for devnet. The wallet is a solana-keygen JSON keypair
+(--wallet-private-key-path or WALLET_PRIVATE_KEY_PATH), or RAW_WALLET_PRIVATE_KEY (a JSON byte
+array or base58), which wins when set."""
+
+
+def _env(name: str, default: Any = None) -> Any:
+    value = os.environ.get(name)
+    return default if value is None or value == "" else value
+
+
+def _env_flag(name: str) -> bool:
+    return str(_env(name, "")).lower() in ("1", "true", "yes", "on")
+
+
+def _env_int(name: str) -> int | None:
+    value = _env(name)
+    return None if value is None else int(value)
+
+
+def add_cluster_args(parser: argparse.ArgumentParser, backups: bool = False) -> None:
+    group = parser.add_argument_group("cluster")
+    group.add_argument("--rpc", default=_env("RPC", "http://127.0.0.1:8899"), help="[env: RPC]")
+    group.add_argument(
+        "--ws-rpc", default=_env("WS_RPC", "ws://127.0.0.1:8900"), help="[env: WS_RPC]"
+    )
+    if backups:
+        for n in (2, 3):
+            group.add_argument(f"--rpc-{n}", default=_env(f"RPC_{n}", ""), help=f"[env: RPC_{n}]")
+            group.add_argument(
+                f"--ws-rpc-{n}", default=_env(f"WS_RPC_{n}", ""), help=f"[env: WS_RPC_{n}]"
+            )
+    group.add_argument(
+        "--coordinator-program-id",
+        default=None,
+        help="override the coordinator program id [env: PSYCHE_COORDINATOR_PROGRAM_ID]",
+    )
+    group.add_argument(
+        "--authorizer-program-id",
+        default=None,
+        help="override the authorizer program id [env: PSYCHE_AUTHORIZER_PROGRAM_ID]",
+    )
+    group.add_argument(
+        "--treasurer-program-id",
+        default=None,
+        help="override the treasurer program id [env: PSYCHE_TREASURER_PROGRAM_ID]",
+    )
+
+
+def add_wallet_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "-w",
+        "--wallet-private-key-path",
+        type=Path,
+        default=_env("WALLET_PRIVATE_KEY_PATH"),
+        help="solana-keygen JSON keypair [env: WALLET_PRIVATE_KEY_PATH]",
+    )
+
+
+def add_run_id(parser: argparse.ArgumentParser) -> None:
+    run_id = _env("RUN_ID")
+    parser.add_argument(
+        "-r", "--run-id", default=run_id, required=run_id is None, help="[env: RUN_ID]"
+    )
+
+
+def add_treasurer_index(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--treasurer-index",
+        type=int,
+        default=_env_int("TREASURER_INDEX"),
+        help="[env: TREASURER_INDEX]",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="psyche-solana-client",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    commands = parser.add_subparsers(dest="command", metavar="<COMMAND>", required=True)
+
+    def command(
+        name: str, help_text: str, *, wallet: bool = True, aliases: Sequence[str] = ()
+    ) -> argparse.ArgumentParser:
+        sub = commands.add_parser(
+            name, help=help_text, description=help_text, aliases=list(aliases)
+        )
+        add_cluster_args(sub)
+        if wallet:
+            add_wallet_args(sub)
+        return sub
+
+    sub = command(
+        "create-run", "Create and initialize a run (its coordinator account and instance)"
+    )
+    add_run_id(sub)
+    client_version = _env("CLIENT_VERSION")
+    sub.add_argument(
+        "-c",
+        "--client-version",
+        default=client_version,
+        required=client_version is None,
+        help="[env: CLIENT_VERSION]",
+    )
+    add_treasurer_index(sub)
+    sub.add_argument("--treasurer-collateral-mint", default=_env("TREASURER_COLLATERAL_MINT"))
+    sub.add_argument("--join-authority", default=None, help="default: the wallet")
+
+    sub = command("close-run", "Close a halted run and recover the rent of its accounts")
+    add_run_id(sub)
+
+    sub = command(
+        "update-config", "Update a run's config/model (from a run config TOML) and metadata"
+    )
+    add_run_id(sub)
+    add_treasurer_index(sub)
+    sub.add_argument(
+        "--config-path",
+        type=Path,
+        default=_env("CONFIG_PATH"),
+        help="TOML with [config] and [model] [env: CONFIG_PATH]",
+    )
+    sub.add_argument("--restart-from-step", type=int, default=_env_int("RESTART_FROM_STEP"))
+    sub.add_argument("--switch-to-hub", action="store_true", default=_env_flag("SWITCH_TO_HUB"))
+    sub.add_argument("--name")
+    sub.add_argument("--description")
+    sub.add_argument("--num-parameters", type=int)
+    sub.add_argument("--vocab-size", type=int)
+    sub.add_argument("--client-version", default=_env("CLIENT_VERSION"))
+
+    sub = command("set-paused", "Pause a run, or resume it with --resume")
+    add_run_id(sub)
+    add_treasurer_index(sub)
+    sub.add_argument("--resume", action="store_true", default=_env_flag("RESUME"))
+
+    sub = command("set-future-epoch-rates", "Set reward rates from the next epoch (treasurer runs)")
+    add_run_id(sub)
+    add_treasurer_index(sub)
+    sub.add_argument("--earning-rate-total-shared", type=float)
+    sub.add_argument("--slashing-rate-per-client", type=float)
+
+    sub = command("tick", "Send tick transactions to a run")
+    add_run_id(sub)
+    sub.add_argument("--ms-interval", type=int, default=_env_int("MS_INTERVAL") or 1000)
+    sub.add_argument("--count", type=int, default=_env_int("COUNT"))
+
+    sub = command("checkpoint", "Point a run's checkpoint at a Hugging Face repo")
+    add_run_id(sub)
+    sub.add_argument("--repo", default=_env("REPO"), required=_env("REPO") is None)
+    sub.add_argument("--revision", default=_env("REVISION"))
+
+    sub = command(
+        "join-authorization-create", "Allow a key (or everyone) to join the wallet's runs"
+    )
+    sub.add_argument(
+        "--authorizer",
+        default=_env("AUTHORIZER"),
+        required=_env("AUTHORIZER") is None,
+        help="grantee; 11111111111111111111111111111111 means everyone",
+    )
+
+    sub = command(
+        "join-authorization-set-delegates",
+        "As an authorization's grantee, set the delegate keys that may join for it",
+        aliases=["join-authorization-delegate"],
+    )
+    sub.add_argument(
+        "--join-authority", default=_env("JOIN_AUTHORITY"), required=_env("JOIN_AUTHORITY") is None
+    )
+    sub.add_argument("--delegates-clear", action="store_true", default=_env_flag("DELEGATES_CLEAR"))
+    sub.add_argument(
+        "--delegates-added", "--delegate-added", nargs="*", default=[], metavar="PUBKEY"
+    )
+
+    sub = command("join-authorization-read", "Show a join authorization", wallet=False)
+    sub.add_argument("--join-authority", required=True)
+    sub.add_argument("--authorizer", default=None)
+
+    sub = command("join-authorization-delete", "Deactivate the wallet's join authorization")
+    sub.add_argument("--authorizer", required=True)
+
+    sub = command("can-join", "Whether an address may join a run", wallet=False)
+    add_run_id(sub)
+    sub.add_argument("--authorizer", default=None)
+    sub.add_argument("--address", required=True)
+
+    sub = command("show", "Decode and print a run's on-chain state", wallet=False)
+    add_run_id(sub)
+    add_treasurer_index(sub)
+    sub.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+    sub = commands.add_parser(
+        "show-identity",
+        help="Print the wallet's public key and the P2P identity it trains with",
+        description="Print the wallet's public key and the P2P identity it trains with",
+    )
+    add_wallet_args(sub)
+    sub.add_argument(
+        "-r",
+        "--run-id",
+        default=_env("RUN_ID"),
+        help="the P2P key is derived from the run id and the wallet",
+    )
+    sub.add_argument(
+        "-i", "--identity-secret-key-path", type=Path, default=_env("IDENTITY_SECRET_KEY_PATH")
+    )
+
+    sub = commands.add_parser(
+        "show-static-p2p-identity", help="Print a P2P identity key file's key"
+    )
+    sub.add_argument("identity_secret_key_path", type=Path, nargs="?")
+    sub = commands.add_parser("create-static-p2p-identity", help="Write a new P2P identity key")
+    sub.add_argument("save_path", type=Path)
+
+    sub = command("train", "Join a run and train (needs the training client, psyche.client)")
+    add_cluster_args_backups_only(sub)
+    sub.add_argument("--run-id", default=_env("RUN_ID"))
+    sub.add_argument("--authorizer", default=_env("AUTHORIZER"))
+    sub.add_argument("train_args", nargs=argparse.REMAINDER)
+
+    sub = commands.add_parser(
+        "localnet", help="Serve a local Solana endpoint with the Psyche programs (Python ports)"
+    )
+    from psyche.solana.localnet.__main__ import add_arguments
+
+    add_arguments(sub)
+    return parser
+
+
+def add_cluster_args_backups_only(parser: argparse.ArgumentParser) -> None:
+    for n in (2, 3):
+        parser.add_argument(f"--rpc-{n}", default=_env(f"RPC_{n}", ""))
+        parser.add_argument(f"--ws-rpc-{n}", default=_env(f"WS_RPC_{n}", ""))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from psyche.cli.solana_client import commands
+
+    handler: Callable[[argparse.Namespace], int] = commands.HANDLERS[args.command]
+    return handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,255 @@
+"""Text for people: a run's decoded state, and errors explained in one line."""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+from solders.pubkey import Pubkey
+
+from psyche.coordinator.coordinator import Coordinator
+from psyche.solana.admin import RunSnapshot, native_amount_to_ui_amount
+
+
+def _key(raw: bytes) -> str:
+    return str(Pubkey.from_bytes(raw))
+
+
+def _time(unix_timestamp: int) -> str:
+    if unix_timestamp == 0:
+        return "never"
+    moment = datetime.datetime.fromtimestamp(unix_timestamp, tz=datetime.UTC)
+    return moment.strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _count(n: int) -> str:
+    for unit, size in (("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return str(n)
+
+
+def render_run(snapshot: RunSnapshot) -> str:
+    from psyche.coordinator.run_config import describe_data_location
+
+    run, account = snapshot.run, snapshot.account
+    state = account.state
+    c: Coordinator = state.coordinator
+    llm = c.model.value  # type: ignore[attr-defined]
+    config = c.config
+    lines = [
+        f"Run {run.run_id!r}",
+        f"  coordinator instance  {run.instance_address}",
+        f"  coordinator account   {run.account_address} (version {account.version}, "
+        f"nonce {account.nonce})",
+        f"  main authority        {_key(run.instance.main_authority)}",
+        f"  join authority        {_key(run.instance.join_authority)}",
+        f"  client version        {state.client_version or '(none)'}",
+        "",
+        f"  metadata  name {state.metadata.name!r}, description {state.metadata.description!r}, "
+        f"{_count(state.metadata.num_parameters)} parameters, vocab {state.metadata.vocab_size}",
+        f"  state     {c.run_state} since {_time(c.run_state_start_unix_timestamp)}"
+        + (" (pause pending)" if c.pending_pause else ""),
+        f"  progress  epoch {c.progress.epoch}, step {c.progress.step}/{config.total_steps}, "
+        f"epoch start data index {c.progress.epoch_start_data_index}",
+        f"  config    warmup {config.warmup_time}s, round train {config.max_round_train_time}s, "
+        f"witness {config.round_witness_time}s, cooldown {config.cooldown_time}s, "
+        f"epoch {config.epoch_time}s, extra wait {config.waiting_for_members_extra_time}s",
+        f"            clients min {config.min_clients} (to start {config.init_min_clients}), "
+        f"witness nodes {config.witness_nodes}, verification {config.verification_percent}%, "
+        f"global batch {config.global_batch_size_start}->{config.global_batch_size_end} "
+        f"(warmup tokens {config.global_batch_size_warmup_tokens})",
+        f"  model     {llm.architecture.name}, max_seq_len {llm.max_seq_len}, "
+        f"{llm.data_type.name}, cold start warmup steps {llm.cold_start_warmup_steps}",
+        f"            checkpoint {llm.checkpoint!r}",
+        f"            data {describe_data_location(llm.data_location)}",
+        f"            lr {llm.lr_schedule!r}",
+        f"            optimizer {llm.optimizer!r}",
+    ]
+    epoch = c.epoch_state
+    round_ = c.current_round()
+    if round_ is not None and c.active():
+        lines.append(
+            f"  round     height {round_.height}, {round_.clients_len} clients, "
+            f"{len(round_.witnesses)} witnesses, data index {round_.data_index}"
+        )
+    lines.append(f"  epoch clients ({len(epoch.clients)}), exited ({len(epoch.exited_clients)})")
+    for client in epoch.clients:
+        lines.append(f"    {_key(client.id.signer)} {client.state}")
+    for client in epoch.exited_clients:
+        lines.append(
+            f"    {_key(client.id.signer)} {client.state} (exited at height {client.exited_height})"
+        )
+    clients_state = state.clients_state
+    rates, future = clients_state.current_epoch_rates, clients_state.future_epoch_rates
+    lines.append(
+        f"  known clients ({len(clients_state.clients)}), next active {clients_state.next_active}; "
+        f"rates now earning {rates.earning_rate_total_shared} / slashing "
+        f"{rates.slashing_rate_per_client}, next epoch {future.earning_rate_total_shared} / "
+        f"{future.slashing_rate_per_client}"
+    )
+    for client in clients_state.clients:
+        joined = "joined" if client.active == clients_state.next_active else "not joined"
+        lines.append(
+            f"    {_key(client.id.signer)} {joined} (active {client.active}), earned "
+            f"{client.earned}, slashed {client.slashed}"
+        )
+    if snapshot.treasurer_run is not None:
+        treasurer = snapshot.treasurer_run
+        decimals = snapshot.treasurer_mint_decimals or 0
+        funded = native_amount_to_ui_amount(snapshot.treasurer_collateral_amount or 0, decimals)
+        lines += [
+            f"  treasurer index {snapshot.treasurer_index}, collateral mint "
+            f"{_key(treasurer.collateral_mint)}, funded {funded}, claimed points "
+            f"{treasurer.total_claimed_earned_points}",
+        ]
+    return "\n".join(lines)
+
+
+def run_to_json(snapshot: RunSnapshot) -> dict[str, Any]:
+    """Upstream's `json-dump-run` shape."""
+    from psyche.coordinator.run_config import run_config_to_obj
+    from psyche.core.serde import to_obj
+    from psyche.solana.state import RunMetadata
+
+    run, account = snapshot.run, snapshot.account
+    state = account.state
+    c = state.coordinator
+    clients = state.clients_state.clients
+    setup = run_config_to_obj(c.config, c.model)
+    sum_earned = sum(x.earned for x in clients)
+    out: dict[str, Any] = {
+        "coordinator_instance": {
+            "address": str(run.instance_address),
+            "join_authority": _key(run.instance.join_authority),
+            "main_authority": _key(run.instance.main_authority),
+        },
+        "coordinator_account": {
+            "address": str(run.account_address),
+            "run_id": c.run_id,
+            "setup": {
+                "client_version": state.client_version,
+                "metadata": to_obj(state.metadata, RunMetadata),
+                "model": setup.get("model"),
+                "config": setup.get("config"),
+            },
+            "status": {
+                "next_active": state.clients_state.next_active,
+                "state": str(c.run_state),
+                "epoch": c.progress.epoch,
+                "step": c.progress.step,
+            },
+            "epoch": {
+                "clients": {
+                    "alive": {_key(x.id.signer): str(x.state) for x in c.epoch_state.clients},
+                    "exited": {
+                        _key(x.id.signer): str(x.state) for x in c.epoch_state.exited_clients
+                    },
+                },
+                "rates": {
+                    "current": {
+                        "earning": state.clients_state.current_epoch_rates.earning_rate_total_shared,
+                        "slashing": state.clients_state.current_epoch_rates.slashing_rate_per_client,
+                    },
+                    "future": {
+                        "earning": state.clients_state.future_epoch_rates.earning_rate_total_shared,
+                        "slashing": state.clients_state.future_epoch_rates.slashing_rate_per_client,
+                    },
+                },
+            },
+            "clients": {
+                _key(x.id.signer): {"active": x.active, "earned": x.earned, "slashed": x.slashed}
+                for x in clients
+            },
+            "accounting": {
+                "max_active": max((x.active for x in clients), default=None),
+                "sum_earned": sum_earned,
+                "sum_slashed": sum(x.slashed for x in clients),
+            },
+            "nonce": account.nonce,
+        },
+        "treasurer_run": None,
+    }
+    if snapshot.treasurer_run is not None:
+        t = snapshot.treasurer_run
+        decimals = snapshot.treasurer_mint_decimals or 0
+        out["treasurer_run"] = {
+            "index": t.index,
+            "main_authority": _key(t.main_authority),
+            "join_authority": _key(t.join_authority),
+            "collateral_mint": _key(t.collateral_mint),
+            "total_claimed_earned_points": t.total_claimed_earned_points,
+            "total_claimable_earned_points": sum_earned,
+            "funded_collateral_amount": native_amount_to_ui_amount(
+                snapshot.treasurer_collateral_amount or 0, decimals
+            ),
+        }
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+
+
+def _unwrap(error: BaseException) -> BaseException:
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
+    return error
+
+
+def explain_error(error: BaseException, rpc_url: str | None) -> str:
+    """One line saying what went wrong and, where it helps, what to do."""
+    from psyche.solana.admin import AdminError
+    from psyche.solana.anchor import find_anchor_error
+    from psyche.solana.backend import SolanaBackendError
+    from psyche.solana.keypair import KeypairError
+    from psyche.solana.rpc import RpcResponseError, RpcTransportError, TransactionError
+
+    error = _unwrap(error)
+    if isinstance(error, AdminError | KeypairError):
+        return str(error)
+    if isinstance(error, SolanaBackendError):
+        cause = error.cause
+        if isinstance(cause, RpcTransportError):
+            return (
+                f"cannot reach the Solana RPC at {cause.url} ({cause.kind}: {cause}); "
+                "is the validator or local endpoint running, and are --rpc/--ws-rpc right?"
+            )
+        if isinstance(cause, RpcResponseError | TransactionError):
+            logs = cause.logs
+            anchor = find_anchor_error(logs)
+            if anchor is not None:
+                detail = f"{anchor.name} ({anchor.number}): {anchor.message}"
+            else:
+                detail = _describe_custom(cause)
+            hint = _hint(anchor.name if anchor else "")
+            tail = f" Last log lines: {' | '.join(logs[-3:])}" if logs else ""
+            return f"transaction rejected: {detail}.{hint}{tail}"
+        return str(error)
+    if isinstance(error, ValueError):
+        return str(error)
+    return f"{type(error).__name__}: {error}"
+
+
+def _describe_custom(cause: Any) -> str:
+    from psyche.solana.transaction_errors import describe_transaction_error
+
+    err = getattr(cause, "simulation_err", None) or getattr(cause, "err", None)
+    if err is not None:
+        return describe_transaction_error(err)
+    return str(getattr(cause, "message", cause))
+
+
+_HINTS = {
+    "ConstraintRaw": " A constraint on the accounts failed: wrong authority, wrong account or "
+    "an authorization that does not cover this wallet.",
+    "ConfigSanityCheckFailed": " The config does not pass the coordinator's checks.",
+    "ModelSanityCheckFailed": " The model does not pass the coordinator's checks.",
+    "UpdateConfigNotHalted": " Pause the run first (set-paused).",
+    "CloseCoordinatorNotHalted": " Pause the run first (set-paused).",
+    "AccountNotInitialized": " An account the instruction needs does not exist.",
+}
+
+
+def _hint(name: str) -> str:
+    return _HINTS.get(name, "")

@@ -1,0 +1,568 @@
+"""The coordinator program (`psyche_solana_coordinator`), ported to Python for the local endpoint.
+
+Each handler checks its accounts as upstream's `#[derive(Accounts)]` struct does, then runs the
+instruction with `psyche.coordinator`'s state machine on the decoded `CoordinatorAccount` and
+writes the account back in its on-chain layout. Behaviour follows upstream's `lib.rs`,
+`instance_state.rs` and `logic/*.rs`, including the nonce bump, the automatic tick after joins,
+witnesses and health checks, the seed derived from the clock, and epoch rewards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from solders.instruction import AccountMeta
+from solders.pubkey import Pubkey
+
+from psyche.coordinator.coordinator import ClientState, RunState, TickResult
+from psyche.coordinator.errors import CoordinatorError, CoordinatorPanic
+from psyche.solana import instructions as ix
+from psyche.solana.anchor import COORDINATOR_ERRORS, DISCRIMINATOR_LEN, AnchorErrorCode
+from psyche.solana.borsh import fixed_str_bytes
+from psyche.solana.instructions import InstructionDecodeError, spec_for_data
+from psyche.solana.localnet.runtime import (
+    SYSTEM_PROGRAM,
+    Accounts,
+    InvokeContext,
+    ProgramPanic,
+    anchor_error,
+    close_account,
+    init_pda,
+    load_account_data,
+    load_borsh_account,
+    name_accounts,
+    program_error,
+    require,
+    require_mut,
+    require_owner,
+    require_program,
+    require_seeds,
+    require_signer,
+    require_system_account,
+    write_data,
+)
+from psyche.solana.pda import bytes_from_string
+from psyche.solana.state import (
+    COORDINATOR_ACCOUNT_DISCRIMINATOR,
+    COORDINATOR_ACCOUNT_SPACE,
+    JOIN_RUN_AUTHORIZATION_SCOPE,
+    REPR_C,
+    Authorization,
+    CoordinatorAccount,
+    CoordinatorAccountError,
+    CoordinatorInstance,
+    CoordinatorInstanceState,
+    SolanaClient,
+    coordinator_account_from_bytes,
+    coordinator_account_to_bytes,
+    encode_anchor_account,
+)
+
+SOLANA_RUN_ID_MAX_LEN = 32
+_LAYOUT = REPR_C.layout(CoordinatorAccount)
+_OFFSETS = {
+    name: DISCRIMINATOR_LEN + _LAYOUT.offset_of(path)
+    for name, path in (
+        ("version", "version"),
+        ("nonce", "nonce"),
+        ("run_id", "state.coordinator.run_id"),
+        ("run_state", "state.coordinator.run_state"),
+        ("client_version", "state.client_version"),
+    )
+}
+
+
+def _error(name: str) -> Exception:
+    return program_error(COORDINATOR_ERRORS, name)
+
+
+def _from_coordinator_error(error: CoordinatorError) -> Exception:
+    return _error(f"CoordinatorError{error.kind.name}")
+
+
+def _pascal(name: str) -> str:
+    return "".join(part.capitalize() for part in name.split("_"))
+
+
+def process(ctx: InvokeContext) -> None:
+    spec = spec_for_data("coordinator", ctx.data)
+    if spec is None:
+        raise anchor_error(
+            AnchorErrorCode.InstructionMissing
+            if len(ctx.data) < DISCRIMINATOR_LEN
+            else AnchorErrorCode.InstructionFallbackNotFound
+        )
+    ctx.log(f"Instruction: {_pascal(spec.name)}")
+    try:
+        args = spec.decode(ctx.data)
+    except InstructionDecodeError:
+        raise anchor_error(AnchorErrorCode.InstructionDidNotDeserialize) from None
+    accounts = name_accounts(ctx, [a.name for a in spec.accounts])
+    try:
+        _HANDLERS[spec.name](ctx, accounts, args)
+    except CoordinatorPanic as e:
+        raise ProgramPanic(str(e)) from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Account contexts
+
+
+def _load_instance(ctx: InvokeContext, meta: AccountMeta) -> CoordinatorInstance:
+    """`Account<CoordinatorInstance>` with `seeds = [b"coordinator", run_id], bump = bump`."""
+    instance = load_borsh_account(
+        ctx, meta, CoordinatorInstance, ctx.program_id, "coordinator_instance"
+    )
+    require_seeds(
+        meta,
+        [CoordinatorInstance.SEEDS_PREFIX, bytes_from_string(instance.run_id)],
+        ctx.program_id,
+        "coordinator_instance",
+        instance.bump,
+    )
+    return instance
+
+
+def _check_account(
+    ctx: InvokeContext, meta: AccountMeta, instance: CoordinatorInstance, *, version: bool = True
+) -> bytes:
+    """`AccountLoader<CoordinatorAccount>`, `mut`, the instance's account, version 1."""
+    require_mut(meta, "coordinator_account")
+    _, data = load_account_data(
+        ctx, meta, ctx.program_id, "CoordinatorAccount", "coordinator_account"
+    )
+    require(bytes(meta.pubkey) == instance.coordinator_account, "coordinator_account")
+    if version:
+        version_value = int.from_bytes(
+            data[_OFFSETS["version"] : _OFFSETS["version"] + 8], "little"
+        )
+        require(version_value == CoordinatorAccount.VERSION, "coordinator_account")
+    return data
+
+
+def _owner_accounts(ctx: InvokeContext, accounts: Accounts) -> tuple[CoordinatorInstance, bytes]:
+    require_signer(accounts["authority"], "authority")
+    instance = _load_instance(ctx, accounts["coordinator_instance"])
+    data = _check_account(ctx, accounts["coordinator_account"], instance)
+    require(bytes(accounts.key("authority")) == instance.main_authority, "coordinator_instance")
+    return instance, data
+
+
+def _permissionless_accounts(ctx: InvokeContext, accounts: Accounts) -> bytes:
+    require_signer(accounts["user"], "user")
+    instance = _load_instance(ctx, accounts["coordinator_instance"])
+    return _check_account(ctx, accounts["coordinator_account"], instance)
+
+
+def _load_mut(data: bytes) -> CoordinatorAccount:
+    try:
+        return coordinator_account_from_bytes(data)
+    except CoordinatorAccountError:
+        raise anchor_error(
+            AnchorErrorCode.AccountDidNotDeserialize, "coordinator_account"
+        ) from None
+
+
+def _store(ctx: InvokeContext, key: Pubkey, account: CoordinatorAccount) -> None:
+    write_data(ctx, key, coordinator_account_to_bytes(account))
+
+
+def _increment_nonce(ctx: InvokeContext, account: CoordinatorAccount) -> None:
+    account.nonce += 1
+    ctx.log(f"Nonce: {account.nonce}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The instance state (upstream `CoordinatorInstanceState`)
+
+
+def random_seed(unix_timestamp: int, slot: int) -> int:
+    """`sha256(unix_timestamp.to_ne_bytes() ‖ slot.to_ne_bytes())[..8]` as a little-endian u64."""
+    digest = hashlib.sha256(
+        unix_timestamp.to_bytes(8, "little", signed=True) + slot.to_bytes(8, "little")
+    ).digest()
+    return int.from_bytes(digest[:8], "little")
+
+
+def _tick(ctx: InvokeContext, state: CoordinatorInstanceState) -> None:
+    coordinator = state.coordinator
+    clients_state = state.clients_state
+    active_ids = None
+    if coordinator.run_state is RunState.WaitingForMembers:
+        state.is_warmup_first_tick = True
+        state.is_training_first_tick = True
+        active_ids = clients_state.get_active_clients_ids()
+        ctx.log(f"Pending active clients ids: {len(active_ids)}")
+    ctx.log(f"Pre-tick run state: {coordinator.run_state}")
+    now = ctx.unix_timestamp()
+    try:
+        result = coordinator.tick(active_ids, now, random_seed(now, ctx.slot()))
+    except CoordinatorError as e:
+        raise _from_coordinator_error(e) from None
+    match result:
+        case TickResult.Ticked():
+            if coordinator.is_warmup_just_starting() and state.is_warmup_first_tick:
+                ctx.log("New epoch just starting, save epoch rewards rate")
+                rates = clients_state.future_epoch_rates
+                clients_state.current_epoch_rates = type(rates)(
+                    rates.earning_rate_total_shared, rates.slashing_rate_per_client
+                )
+                state.is_warmup_first_tick = False
+            elif coordinator.is_training_just_starting() and state.is_training_first_tick:
+                ctx.log("New epoch just starting, save epoch active clients")
+                clients_state.next_active = _checked_add(clients_state.next_active, 1)
+                state.is_training_first_tick = False
+        case TickResult.EpochEnd(success):
+            ctx.log(f"Epoch end, sucecsss: {'true' if success else 'false'}")
+            _distribute_rewards(state)
+    ctx.log(f"Post-tick run state: {coordinator.run_state}")
+
+
+def _distribute_rewards(state: CoordinatorInstanceState) -> None:
+    finished = state.coordinator.epoch_state.clients
+    exited = state.coordinator.epoch_state.exited_clients
+    rates = state.clients_state.current_epoch_rates
+    finished_index = exited_index = 0
+    for client in state.clients_state.clients:
+        if finished_index < len(finished) and client.id == finished[finished_index].id:
+            if finished[finished_index].state is ClientState.Healthy:
+                share = rates.earning_rate_total_shared // len(finished)
+                client.earned = _checked_add(client.earned, share)
+            finished_index += 1
+        if exited_index < len(exited) and client.id == exited[exited_index].id:
+            if exited[exited_index].state is ClientState.Ejected:
+                client.slashed = _checked_add(client.slashed, rates.slashing_rate_per_client)
+            exited_index += 1
+
+
+def _checked_add(a: int, b: int) -> int:
+    # The programs are built with overflow checks on.
+    if a + b >= 1 << 64:
+        raise ProgramPanic("attempt to add with overflow")
+    return a + b
+
+
+def _find_signer(state: CoordinatorInstanceState, signer: Pubkey) -> Any:
+    identity = state.clients_state.find_signer(bytes(signer))
+    if identity is None:
+        raise _error("SignerNotAClient")
+    return identity
+
+
+# ---------------------------------------------------------------------------------------------
+# Instructions
+
+
+def _init_coordinator(ctx: InvokeContext, accounts: Accounts, args: ix.InitCoordinatorArgs) -> None:
+    params = args.params
+    payer = accounts["payer"]
+    require_signer(payer, "payer")
+    require_mut(payer, "payer")
+    instance_meta = accounts["coordinator_instance"]
+    bump = init_pda(
+        ctx,
+        payer.pubkey,
+        instance_meta,
+        [CoordinatorInstance.SEEDS_PREFIX, bytes_from_string(params.run_id)],
+        CoordinatorInstance.SPACE,
+        "coordinator_instance",
+    )
+    account_meta = accounts["coordinator_account"]
+    require_mut(account_meta, "coordinator_account")
+    account = require_owner(ctx, account_meta, ctx.program_id, "coordinator_account")
+    require_program(accounts["system_program"], SYSTEM_PROGRAM, "system_program")
+
+    if len(params.run_id.encode("utf-8")) > SOLANA_RUN_ID_MAX_LEN:
+        raise _error("RunIdInvalidLength")
+    instance = CoordinatorInstance(
+        bump,
+        params.main_authority,
+        params.join_authority,
+        bytes(account_meta.pubkey),
+        params.run_id,
+    )
+    data = bytearray(account.data)
+    if len(data) != COORDINATOR_ACCOUNT_SPACE:
+        raise _error("CoordinatorAccountIncorrectSize")
+    if any(data[:DISCRIMINATOR_LEN]):
+        raise anchor_error(AnchorErrorCode.AccountDiscriminatorAlreadySet)
+    # Only these bytes are written; the rest of the (zeroed) account is the zeroed state.
+    data[:DISCRIMINATOR_LEN] = COORDINATOR_ACCOUNT_DISCRIMINATOR
+    data[_OFFSETS["version"] : _OFFSETS["version"] + 8] = CoordinatorAccount.VERSION.to_bytes(
+        8, "little"
+    )
+    data[_OFFSETS["nonce"] : _OFFSETS["nonce"] + 8] = bytes(8)
+    data[_OFFSETS["client_version"] : _OFFSETS["client_version"] + 96] = fixed_str_bytes(
+        params.client_version, 96
+    )
+    data[_OFFSETS["run_id"] : _OFFSETS["run_id"] + 32] = fixed_str_bytes(params.run_id, 32)
+    write_data(ctx, account_meta.pubkey, bytes(data))
+    write_data(
+        ctx,
+        instance_meta.pubkey,
+        encode_anchor_account(instance, CoordinatorInstance, CoordinatorInstance.SPACE),
+    )
+
+
+def _free_coordinator(ctx: InvokeContext, accounts: Accounts, args: ix.FreeCoordinatorArgs) -> None:
+    authority = accounts["authority"]
+    require_signer(authority, "authority")
+    spill = accounts["spill"]
+    require_mut(spill, "spill")
+    require_system_account(ctx, spill, "spill")
+    instance_meta = accounts["coordinator_instance"]
+    require_mut(instance_meta, "coordinator_instance")
+    instance = _load_instance(ctx, instance_meta)
+    account_meta = accounts["coordinator_account"]
+    require_mut(account_meta, "coordinator_account")
+    _, data = load_account_data(
+        ctx, account_meta, ctx.program_id, "CoordinatorAccount", "coordinator_account"
+    )
+    require(bytes(authority.pubkey) == instance.main_authority, "coordinator_instance")
+    require(bytes(account_meta.pubkey) == instance.coordinator_account, "coordinator_account")
+    run_state = data[_OFFSETS["run_state"]]
+    if run_state not in (
+        RunState.Uninitialized.value,
+        RunState.Finished.value,
+        RunState.Paused.value,
+    ):
+        raise _error("CloseCoordinatorNotHalted")
+    close_account(ctx, instance_meta.pubkey, spill.pubkey)
+    close_account(ctx, account_meta.pubkey, spill.pubkey)
+
+
+def _update(ctx: InvokeContext, accounts: Accounts, args: ix.UpdateArgs) -> None:
+    _, data = _owner_accounts(ctx, accounts)
+    account = _load_mut(data)
+    _increment_nonce(ctx, account)
+    state = account.state
+    coordinator = state.coordinator
+    changes_run = args.config is not None or args.model is not None or args.progress is not None
+    if coordinator.run_state is RunState.Finished:
+        raise _error("UpdateConfigFinished")
+    if not coordinator.halted() and changes_run:
+        raise _error("UpdateConfigNotHalted")
+    if args.metadata is not None:
+        state.metadata = args.metadata
+    if args.config is not None:
+        if args.config.check_error() is not None:
+            raise _error("ConfigSanityCheckFailed")
+        coordinator.config = args.config
+    if args.model is not None:
+        if not args.model.check():
+            raise _error("ModelSanityCheckFailed")
+        coordinator.model = args.model
+    if (args.config is not None or args.model is not None) and not (
+        coordinator.check_cold_start_warmup_steps()
+    ):
+        raise _error("ConfigSanityCheckFailed")
+    if args.progress is not None:
+        if not args.progress.check():
+            raise _error("ModelSanityCheckFailed")  # (sic) upstream's error
+        coordinator.progress = args.progress
+    _store(ctx, accounts.key("coordinator_account"), account)
+
+
+def _update_client_version(
+    ctx: InvokeContext, accounts: Accounts, args: ix.UpdateClientVersionArgs
+) -> None:
+    _, data = _owner_accounts(ctx, accounts)
+    account = _load_mut(data)
+    if not account.state.coordinator.halted():
+        raise _error("UpdateConfigNotHalted")
+    if len(args.new_version.encode("utf-8")) > 96:
+        raise ProgramPanic("called `Result::unwrap()` on an `Err` value (client version too long)")
+    account.state.client_version = args.new_version
+    ctx.log(f"new version: {args.new_version}")
+    _store(ctx, accounts.key("coordinator_account"), account)
+
+
+def _set_future_epoch_rates(
+    ctx: InvokeContext, accounts: Accounts, args: ix.SetFutureEpochRatesArgs
+) -> None:
+    _, data = _owner_accounts(ctx, accounts)
+    account = _load_mut(data)
+    _increment_nonce(ctx, account)
+    rates = account.state.clients_state.future_epoch_rates
+    if args.epoch_earning_rate_total_shared is not None:
+        rates.earning_rate_total_shared = args.epoch_earning_rate_total_shared
+    if args.epoch_slashing_rate_per_client is not None:
+        rates.slashing_rate_per_client = args.epoch_slashing_rate_per_client
+    _store(ctx, accounts.key("coordinator_account"), account)
+
+
+def _join_run(ctx: InvokeContext, accounts: Accounts, args: ix.JoinRunArgs) -> None:
+    user = accounts["user"]
+    require_signer(user, "user")
+    authorization = load_borsh_account(
+        ctx,
+        accounts["authorization"],
+        Authorization,
+        ctx.ledger.program_ids.authorizer_key,
+        "authorization",
+    )
+    instance = _load_instance(ctx, accounts["coordinator_instance"])
+    data = _check_account(ctx, accounts["coordinator_account"], instance)
+    require(
+        authorization.is_valid_for(
+            instance.join_authority, bytes(user.pubkey), JOIN_RUN_AUTHORIZATION_SCOPE
+        ),
+        "authorization",
+    )
+    client_id = args.params.client_id
+    if client_id.signer != bytes(user.pubkey):
+        raise _error("SignerMismatch")
+    account = _load_mut(data)
+    _increment_nonce(ctx, account)
+    state = account.state
+    clients_state = state.clients_state
+    existing = next((c for c in clients_state.clients if c.id == client_id), None)
+    if existing is not None:
+        # Equality is on the signer only: refresh the p2p key too.
+        existing.id = client_id
+        existing.active = clients_state.next_active
+        ctx.log(f"Existing client {client_id} re-joined")
+    else:
+        if state.coordinator.config.global_batch_size_end == len(clients_state.clients):
+            raise _error("MoreClientsThanBatches")
+        if len(clients_state.clients) >= 256:
+            raise _error("ClientsFull")
+        clients_state.clients.append(SolanaClient(client_id, active=clients_state.next_active))
+        ctx.log(f"New client {client_id} joined, {len(clients_state.clients)} total clients")
+    if not state.coordinator.halted():
+        _tick(ctx, state)
+    _store(ctx, accounts.key("coordinator_account"), account)
+
+
+def _set_paused(ctx: InvokeContext, accounts: Accounts, args: ix.SetPausedArgs) -> None:
+    _, data = _owner_accounts(ctx, accounts)
+    account = _load_mut(data)
+    _increment_nonce(ctx, account)
+    state = account.state
+    coordinator = state.coordinator
+    now = ctx.unix_timestamp()
+    ctx.log(
+        f"set_paused called: paused={'true' if args.paused else 'false'}, "
+        f"state={coordinator.run_state}"
+    )
+    try:
+        if args.paused:
+            coordinator.pause(now)
+        else:
+            if coordinator.config.check_error() is not None:
+                raise _error("ConfigSanityCheckFailed")
+            if not coordinator.model.check():
+                raise _error("ModelSanityCheckFailed")
+            if not coordinator.check_cold_start_warmup_steps():
+                raise _error("ConfigSanityCheckFailed")
+            if coordinator.run_state is RunState.Uninitialized:
+                # The only way out of Uninitialized: the checks above have passed.
+                coordinator.run_state = RunState.Paused
+                coordinator.progress.step = 1
+            if not coordinator.progress.check():
+                raise _error("ProgressSanityCheckFailed")
+            coordinator.resume(now)
+    except CoordinatorError as e:
+        raise _from_coordinator_error(e) from None
+    if not args.paused:
+        # Everyone must join again.
+        state.clients_state.next_active = _checked_add(state.clients_state.next_active, 1)
+        _tick(ctx, state)
+    _store(ctx, accounts.key("coordinator_account"), account)
+
+
+def _tick_ix(ctx: InvokeContext, accounts: Accounts, args: ix.TickArgs) -> None:
+    data = _permissionless_accounts(ctx, accounts)
+    account = _load_mut(data)
+    _increment_nonce(ctx, account)
+    _tick(ctx, account.state)
+    _store(ctx, accounts.key("coordinator_account"), account)
+
+
+def _witness(ctx: InvokeContext, accounts: Accounts, args: ix.WitnessArgs) -> None:
+    data = _permissionless_accounts(ctx, accounts)
+    account = _load_mut(data)
+    _increment_nonce(ctx, account)
+    state = account.state
+    identity = _find_signer(state, accounts.key("user"))
+    try:
+        state.coordinator.witness(identity, args.witness(), ctx.unix_timestamp())
+    except CoordinatorError as e:
+        raise _from_coordinator_error(e) from None
+    _tick(ctx, state)
+    _store(ctx, accounts.key("coordinator_account"), account)
+
+
+def _warmup_witness(ctx: InvokeContext, accounts: Accounts, args: ix.WarmupWitnessArgs) -> None:
+    data = _permissionless_accounts(ctx, accounts)
+    account = _load_mut(data)
+    _increment_nonce(ctx, account)
+    state = account.state
+    identity = _find_signer(state, accounts.key("user"))
+    now = ctx.unix_timestamp()
+    try:
+        state.coordinator.warmup_witness(
+            identity, args.witness(), now, random_seed(now, ctx.slot())
+        )
+    except CoordinatorError as e:
+        raise _from_coordinator_error(e) from None
+    _tick(ctx, state)
+    _store(ctx, accounts.key("coordinator_account"), account)
+
+
+def _health_check(ctx: InvokeContext, accounts: Accounts, args: ix.HealthCheckArgs) -> None:
+    data = _permissionless_accounts(ctx, accounts)
+    account = _load_mut(data)
+    _increment_nonce(ctx, account)
+    state = account.state
+    identity = _find_signer(state, accounts.key("user"))
+    try:
+        state.coordinator.health_check(identity, [(args.id, args.proof())])
+    except CoordinatorError as e:
+        raise _from_coordinator_error(e) from None
+    _tick(ctx, state)
+    _store(ctx, accounts.key("coordinator_account"), account)
+
+
+def _checkpoint(ctx: InvokeContext, accounts: Accounts, args: ix.CheckpointArgs) -> None:
+    data = _permissionless_accounts(ctx, accounts)
+    account = _load_mut(data)
+    _increment_nonce(ctx, account)
+    state = account.state
+    identity = _find_signer(state, accounts.key("user"))
+    clients = state.coordinator.epoch_state.clients
+    index = next((i for i, c in enumerate(clients) if c.id == identity), None)
+    if index is None:
+        raise _error("SignerNotAClient")
+    try:
+        state.coordinator.checkpoint(identity, index, args.repo)
+    except CoordinatorError as e:
+        raise _from_coordinator_error(e) from None
+    if not state.coordinator.halted():
+        _tick(ctx, state)
+    else:
+        ctx.log(
+            f"Checkpoint recorded while halted (state: {state.coordinator.run_state}), "
+            "skipping tick"
+        )
+    _store(ctx, accounts.key("coordinator_account"), account)
+
+
+_HANDLERS = {
+    "init_coordinator": _init_coordinator,
+    "free_coordinator": _free_coordinator,
+    "update": _update,
+    "update_client_version": _update_client_version,
+    "set_future_epoch_rates": _set_future_epoch_rates,
+    "join_run": _join_run,
+    "set_paused": _set_paused,
+    "tick": _tick_ix,
+    "witness": _witness,
+    "warmup_witness": _warmup_witness,
+    "health_check": _health_check,
+    "checkpoint": _checkpoint,
+}
+
+
+__all__ = ["process", "random_seed"]

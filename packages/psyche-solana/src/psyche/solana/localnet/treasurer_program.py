@@ -1,0 +1,374 @@
+"""The treasurer program (`psyche_solana_treasurer`), ported to Python for the local endpoint.
+
+The treasurer owns a run through a `Run` PDA (the coordinator's main authority), holds the reward
+collateral in the PDA's associated token account, and pays participants one collateral unit per
+earned point. Its calls into the coordinator and the SPL programs are real cross-program
+invocations here too: into the Python coordinator, and into LiteSVM's token programs.
+"""
+
+from __future__ import annotations
+
+from solders.instruction import AccountMeta, Instruction
+from solders.pubkey import Pubkey
+from solders.token.state import Mint, TokenAccount
+
+from psyche.solana import instructions as ix
+from psyche.solana.anchor import DISCRIMINATOR_LEN, TREASURER_ERRORS, AnchorErrorCode
+from psyche.solana.instructions import INSTRUCTIONS, InstructionDecodeError, spec_for_data
+from psyche.solana.localnet.runtime import (
+    SYSTEM_PROGRAM,
+    Accounts,
+    InvokeContext,
+    ProgramPanic,
+    anchor_error,
+    init_pda,
+    load_account_data,
+    load_borsh_account,
+    name_accounts,
+    program_error,
+    require,
+    require_mut,
+    require_program,
+    require_seeds,
+    require_signer,
+    store_borsh_account,
+    write_data,
+)
+from psyche.solana.pda import associated_token_address
+from psyche.solana.program_ids import ASSOCIATED_TOKEN_PROGRAM_ID, TOKEN_PROGRAM_ID
+from psyche.solana.state import (
+    COORDINATOR_ACCOUNT_SPACE,
+    CoordinatorInstance,
+    Participant,
+    TreasurerRun,
+    coordinator_account_from_bytes,
+    encode_anchor_account,
+)
+
+TOKEN_PROGRAM = Pubkey.from_string(TOKEN_PROGRAM_ID)
+ASSOCIATED_TOKEN_PROGRAM = Pubkey.from_string(ASSOCIATED_TOKEN_PROGRAM_ID)
+SOLANA_RUN_ID_MAX_LEN = 32
+
+
+def process(ctx: InvokeContext) -> None:
+    spec = spec_for_data("treasurer", ctx.data)
+    if spec is None:
+        raise anchor_error(
+            AnchorErrorCode.InstructionMissing
+            if len(ctx.data) < DISCRIMINATOR_LEN
+            else AnchorErrorCode.InstructionFallbackNotFound
+        )
+    ctx.log("Instruction: " + "".join(p.capitalize() for p in spec.name.split("_")))
+    try:
+        args = spec.decode(ctx.data)
+    except InstructionDecodeError:
+        raise anchor_error(AnchorErrorCode.InstructionDidNotDeserialize) from None
+    accounts = name_accounts(ctx, [a.name for a in spec.accounts])
+    _HANDLERS[spec.name](ctx, accounts, args)
+
+
+def _error(name: str) -> Exception:
+    return program_error(TREASURER_ERRORS, name)
+
+
+def _run_seeds(index: int) -> list[bytes]:
+    return [TreasurerRun.SEEDS_PREFIX, index.to_bytes(8, "little")]
+
+
+def _load_token_account(ctx: InvokeContext, meta: AccountMeta, name: str) -> TokenAccount:
+    account = ctx.get(meta.pubkey)
+    if account is None:
+        raise anchor_error(AnchorErrorCode.AccountNotInitialized, name)
+    if account.owner != TOKEN_PROGRAM:
+        raise anchor_error(AnchorErrorCode.AccountOwnedByWrongProgram, name)
+    try:
+        return TokenAccount.from_bytes(bytes(account.data))
+    except Exception:
+        raise anchor_error(AnchorErrorCode.AccountDidNotDeserialize, name) from None
+
+
+def _load_mint(ctx: InvokeContext, meta: AccountMeta, name: str) -> Mint:
+    account = ctx.get(meta.pubkey)
+    if account is None:
+        raise anchor_error(AnchorErrorCode.AccountNotInitialized, name)
+    if account.owner != TOKEN_PROGRAM:
+        raise anchor_error(AnchorErrorCode.AccountOwnedByWrongProgram, name)
+    try:
+        return Mint.from_bytes(bytes(account.data))
+    except Exception:
+        raise anchor_error(AnchorErrorCode.AccountDidNotDeserialize, name) from None
+
+
+def _invoke_coordinator(
+    ctx: InvokeContext, name: str, accounts: dict[str, Pubkey], args: object, run: Pubkey
+) -> None:
+    spec = INSTRUCTIONS["coordinator"][name]
+    instruction = spec.build(ctx.ledger.program_ids.coordinator, accounts, args)
+    if name != "init_coordinator":
+        # The run PDA signs as the coordinator's main authority.
+        metas = [
+            AccountMeta(m.pubkey, m.is_signer or m.pubkey == run, m.is_writable)
+            for m in instruction.accounts
+        ]
+        instruction = Instruction(instruction.program_id, bytes(instruction.data), metas)
+    ctx.invoke(instruction, [run])
+
+
+def _run_create(ctx: InvokeContext, accounts: Accounts, args: ix.RunCreateArgs) -> None:
+    params = args.params
+    payer = accounts["payer"]
+    require_signer(payer, "payer")
+    require_mut(payer, "payer")
+    run_meta = accounts["run"]
+    bump = init_pda(
+        ctx, payer.pubkey, run_meta, _run_seeds(params.index), TreasurerRun.SPACE, "run"
+    )
+    # `init, associated_token::mint = collateral_mint, associated_token::authority = run`
+    collateral_meta = accounts["run_collateral"]
+    mint_meta = accounts["collateral_mint"]
+    require_mut(collateral_meta, "run_collateral")
+    if collateral_meta.pubkey != associated_token_address(run_meta.pubkey, mint_meta.pubkey):
+        raise anchor_error(AnchorErrorCode.ConstraintAssociated, "run_collateral")
+    ctx.invoke(
+        Instruction(
+            ASSOCIATED_TOKEN_PROGRAM,
+            b"",
+            [
+                AccountMeta(payer.pubkey, True, True),
+                AccountMeta(collateral_meta.pubkey, False, True),
+                AccountMeta(run_meta.pubkey, False, False),
+                AccountMeta(mint_meta.pubkey, False, False),
+                AccountMeta(SYSTEM_PROGRAM, False, False),
+                AccountMeta(TOKEN_PROGRAM, False, False),
+            ],
+        )
+    )
+    _load_mint(ctx, mint_meta, "collateral_mint")
+    instance_meta, account_meta = accounts["coordinator_instance"], accounts["coordinator_account"]
+    require_mut(instance_meta, "coordinator_instance")
+    require_mut(account_meta, "coordinator_account")
+    coordinator_program = ctx.ledger.program_ids.coordinator_key
+    require_program(accounts["coordinator_program"], coordinator_program, "coordinator_program")
+    require_program(
+        accounts["associated_token_program"], ASSOCIATED_TOKEN_PROGRAM, "associated_token_program"
+    )
+    require_program(accounts["token_program"], TOKEN_PROGRAM, "token_program")
+    require_program(accounts["system_program"], SYSTEM_PROGRAM, "system_program")
+
+    if len(params.run_id.encode("utf-8")) > SOLANA_RUN_ID_MAX_LEN:
+        raise _error("RunIdInvalidLength")
+    run = TreasurerRun(
+        bump=bump,
+        index=params.index,
+        main_authority=params.main_authority,
+        join_authority=params.join_authority,
+        coordinator_account=bytes(account_meta.pubkey),
+        coordinator_instance=bytes(instance_meta.pubkey),
+        collateral_mint=bytes(mint_meta.pubkey),
+        total_claimed_collateral_amount=0,
+        total_claimed_earned_points=0,
+    )
+    write_data(ctx, run_meta.pubkey, encode_anchor_account(run, space=TreasurerRun.SPACE))
+    _invoke_coordinator(
+        ctx,
+        "init_coordinator",
+        {
+            "payer": payer.pubkey,
+            "coordinator_instance": instance_meta.pubkey,
+            "coordinator_account": account_meta.pubkey,
+            "system_program": SYSTEM_PROGRAM,
+        },
+        ix.InitCoordinatorArgs(
+            ix.InitCoordinatorParams(
+                main_authority=bytes(run_meta.pubkey),
+                join_authority=params.join_authority,
+                run_id=params.run_id,
+                client_version=params.client_version,
+            )
+        ),
+        run_meta.pubkey,
+    )
+
+
+def _run_update(ctx: InvokeContext, accounts: Accounts, args: ix.RunUpdateArgs) -> None:
+    params = args.params
+    authority = accounts["authority"]
+    require_signer(authority, "authority")
+    run_meta = accounts["run"]
+    run = load_borsh_account(ctx, run_meta, TreasurerRun, ctx.program_id, "run")
+    coordinator_program = ctx.ledger.program_ids.coordinator_key
+    instance_meta = accounts["coordinator_instance"]
+    load_borsh_account(
+        ctx, instance_meta, CoordinatorInstance, coordinator_program, "coordinator_instance"
+    )
+    account_meta = accounts["coordinator_account"]
+    require_mut(account_meta, "coordinator_account")
+    load_account_data(
+        ctx, account_meta, coordinator_program, "CoordinatorAccount", "coordinator_account"
+    )
+    require_program(accounts["coordinator_program"], coordinator_program, "coordinator_program")
+    require(run.main_authority == bytes(authority.pubkey), "run")
+    require(run.coordinator_instance == bytes(instance_meta.pubkey), "run")
+    require(run.coordinator_account == bytes(account_meta.pubkey), "run")
+
+    owner_accounts = {
+        "authority": run_meta.pubkey,
+        "coordinator_instance": instance_meta.pubkey,
+        "coordinator_account": account_meta.pubkey,
+    }
+    if any(x is not None for x in (params.metadata, params.config, params.model, params.progress)):
+        _invoke_coordinator(
+            ctx,
+            "update",
+            owner_accounts,
+            ix.UpdateArgs(
+                metadata=params.metadata,
+                config=params.config,
+                model=params.model,
+                progress=params.progress,
+            ),
+            run_meta.pubkey,
+        )
+    if (
+        params.epoch_earning_rate_total_shared is not None
+        or params.epoch_slashing_rate_per_client is not None
+    ):
+        _invoke_coordinator(
+            ctx,
+            "set_future_epoch_rates",
+            owner_accounts,
+            ix.SetFutureEpochRatesArgs(
+                params.epoch_earning_rate_total_shared, params.epoch_slashing_rate_per_client
+            ),
+            run_meta.pubkey,
+        )
+    if params.paused is not None:
+        _invoke_coordinator(
+            ctx, "set_paused", owner_accounts, ix.SetPausedArgs(params.paused), run_meta.pubkey
+        )
+    if params.client_version is not None:
+        _invoke_coordinator(
+            ctx,
+            "update_client_version",
+            owner_accounts,
+            ix.UpdateClientVersionArgs(params.client_version),
+            run_meta.pubkey,
+        )
+
+
+def _participant_create(
+    ctx: InvokeContext, accounts: Accounts, args: ix.ParticipantCreateArgs
+) -> None:
+    payer, user = accounts["payer"], accounts["user"]
+    require_signer(payer, "payer")
+    require_mut(payer, "payer")
+    require_signer(user, "user")
+    run_meta = accounts["run"]
+    load_borsh_account(ctx, run_meta, TreasurerRun, ctx.program_id, "run")
+    participant_meta = accounts["participant"]
+    bump = init_pda(
+        ctx,
+        payer.pubkey,
+        participant_meta,
+        [Participant.SEEDS_PREFIX, bytes(run_meta.pubkey), bytes(user.pubkey)],
+        Participant.SPACE,
+        "participant",
+    )
+    require_program(accounts["system_program"], SYSTEM_PROGRAM, "system_program")
+    write_data(
+        ctx,
+        participant_meta.pubkey,
+        encode_anchor_account(Participant(bump, 0, 0), space=Participant.SPACE),
+    )
+
+
+def _participant_claim(
+    ctx: InvokeContext, accounts: Accounts, args: ix.ParticipantClaimArgs
+) -> None:
+    user = accounts["user"]
+    require_signer(user, "user")
+    user_collateral_meta = accounts["user_collateral"]
+    require_mut(user_collateral_meta, "user_collateral")
+    user_collateral = _load_token_account(ctx, user_collateral_meta, "user_collateral")
+    run_meta = accounts["run"]
+    require_mut(run_meta, "run")
+    run = load_borsh_account(ctx, run_meta, TreasurerRun, ctx.program_id, "run")
+    run_collateral_meta = accounts["run_collateral"]
+    require_mut(run_collateral_meta, "run_collateral")
+    run_collateral = _load_token_account(ctx, run_collateral_meta, "run_collateral")
+    account_meta = accounts["coordinator_account"]
+    coordinator_program = ctx.ledger.program_ids.coordinator_key
+    _, coordinator_data = load_account_data(
+        ctx, account_meta, coordinator_program, "CoordinatorAccount", "coordinator_account"
+    )
+    participant_meta = accounts["participant"]
+    require_mut(participant_meta, "participant")
+    participant = load_borsh_account(
+        ctx, participant_meta, Participant, ctx.program_id, "participant"
+    )
+    require_program(accounts["token_program"], TOKEN_PROGRAM, "token_program")
+
+    collateral_mint = Pubkey.from_bytes(run.collateral_mint)
+    require(user_collateral.mint == collateral_mint, "user_collateral")
+    require(user_collateral.owner == user.pubkey, "user_collateral")
+    require(user_collateral.delegate is None, "user_collateral")
+    require(run.coordinator_account == bytes(account_meta.pubkey), "run")
+    if run_collateral.owner != run_meta.pubkey:
+        raise anchor_error(AnchorErrorCode.ConstraintTokenOwner, "run_collateral")
+    if run_collateral_meta.pubkey != associated_token_address(run_meta.pubkey, collateral_mint):
+        raise anchor_error(AnchorErrorCode.AccountNotAssociatedTokenAccount, "run_collateral")
+    version = int.from_bytes(coordinator_data[8:16], "little")
+    require(
+        version == 1 and len(coordinator_data) == COORDINATOR_ACCOUNT_SPACE, "coordinator_account"
+    )
+    require_seeds(
+        participant_meta,
+        [Participant.SEEDS_PREFIX, bytes(run_meta.pubkey), bytes(user.pubkey)],
+        ctx.program_id,
+        "participant",
+        participant.bump,
+    )
+
+    coordinator_account = coordinator_account_from_bytes(coordinator_data)
+    earned = next(
+        (
+            c.earned
+            for c in coordinator_account.state.clients_state.clients
+            if c.id.signer == bytes(user.pubkey)
+        ),
+        0,
+    )
+    if earned < participant.claimed_earned_points:
+        raise ProgramPanic("attempt to subtract with overflow")
+    unclaimed = earned - participant.claimed_earned_points
+    claim = args.params.claim_earned_points
+    if claim > unclaimed:
+        raise _error("InvalidParameter")
+    # One collateral unit per earned point.
+    participant.claimed_collateral_amount += claim
+    participant.claimed_earned_points += claim
+    run.total_claimed_collateral_amount += claim
+    run.total_claimed_earned_points += claim
+    store_borsh_account(ctx, participant_meta.pubkey, participant)
+    store_borsh_account(ctx, run_meta.pubkey, run)
+    ctx.invoke(
+        Instruction(
+            TOKEN_PROGRAM,
+            # SPL Token `Transfer { amount }`
+            bytes([3]) + claim.to_bytes(8, "little"),
+            [
+                AccountMeta(run_collateral_meta.pubkey, False, True),
+                AccountMeta(user_collateral_meta.pubkey, False, True),
+                AccountMeta(run_meta.pubkey, True, False),
+            ],
+        ),
+        [run_meta.pubkey],
+    )
+
+
+_HANDLERS = {
+    "run_create": _run_create,
+    "run_update": _run_update,
+    "participant_create": _participant_create,
+    "participant_claim": _participant_claim,
+}

@@ -1,0 +1,131 @@
+"""Shared helpers for the Solana tests: a local endpoint in a thread, driven with solana-py."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pytest
+from solana.exceptions import SolanaRpcException
+from solana.rpc.api import Client
+from solana.rpc.commitment import Confirmed
+from solana.rpc.core import RPCException
+from solana.rpc.types import TxOpts
+from solders import system_program
+from solders.instruction import Instruction
+from solders.keypair import Keypair
+from solders.message import Message
+from solders.pubkey import Pubkey
+from solders.signature import Signature
+from solders.transaction import Transaction
+
+from psyche.solana.anchor import find_anchor_error
+from psyche.solana.localnet.ledger import Ledger, ManualClock
+from psyche.solana.localnet.server import LocalnetThread
+
+START = 1_700_000_000
+
+
+class TransactionRejected(Exception):
+    def __init__(self, message: str, logs: list[str]) -> None:
+        super().__init__(message)
+        self.logs = logs
+
+    @property
+    def anchor_error(self) -> str | None:
+        found = find_anchor_error(self.logs)
+        return None if found is None else found.name
+
+
+class Endpoint:
+    """Upstream's memnet helpers (`process_instruction`, `get_account`, clock forwarding) over a
+    real JSON-RPC connection to the local endpoint, through solana-py's client."""
+
+    def __init__(self, net: LocalnetThread, clock: ManualClock) -> None:
+        self.net = net
+        self.clock = clock
+        self.client = Client(net.rpc_url, commitment=Confirmed)
+
+    @property
+    def ledger(self) -> Ledger:
+        return self.net.ledger
+
+    def airdrop(self, key: Pubkey, lamports: int) -> None:
+        signature = self.client.request_airdrop(key, lamports).value
+        self.client.confirm_transaction(signature)
+
+    def process(
+        self,
+        instructions: Sequence[Instruction],
+        payer: Keypair,
+        signers: Sequence[Keypair] = (),
+        *,
+        preflight: bool = True,
+    ) -> Signature:
+        """Send and confirm; without preflight a failure shows in the signature's status (and
+        is raised here too), as upstream's memnet `process_instruction` reports it."""
+        keypairs = [payer, *(s for s in signers if s.pubkey() != payer.pubkey())]
+        blockhash = self.client.get_latest_blockhash().value.blockhash
+        tx = Transaction(keypairs, Message(list(instructions), payer.pubkey()), blockhash)
+        opts = TxOpts(skip_confirmation=False, skip_preflight=not preflight)
+        try:
+            signature = self.client.send_transaction(tx, opts=opts).value
+            if not preflight:
+                status = self.client.get_signature_statuses([signature]).value[0]
+                if status is None or status.err is not None:
+                    logs = self.client.get_transaction(signature).value
+                    raise TransactionRejected(
+                        f"transaction failed: {status}",
+                        [] if logs is None else list(logs.transaction.meta.log_messages or []),
+                    )
+        except RPCException as e:
+            data = e.args[0]
+            logs = list(getattr(getattr(data, "data", None), "logs", None) or [])
+            raise TransactionRejected(str(getattr(data, "message", data)), logs) from None
+        return signature
+
+    def process_err(
+        self, instructions: Sequence[Instruction], payer: Keypair, signers: Sequence[Keypair] = ()
+    ) -> TransactionRejected:
+        with pytest.raises(TransactionRejected) as info:
+            self.process(instructions, payer, signers)
+        return info.value
+
+    def account(self, key: Pubkey) -> Any:
+        return self.client.get_account_info(key).value
+
+    def balance(self, key: Pubkey) -> int:
+        return self.client.get_balance(key).value
+
+    def new_exempt(self, payer: Keypair, space: int, owner: Pubkey) -> Pubkey:
+        account = Keypair()
+        rent = self.client.get_minimum_balance_for_rent_exemption(space).value
+        self.process(
+            [
+                system_program.create_account(
+                    system_program.CreateAccountParams(
+                        from_pubkey=payer.pubkey(),
+                        to_pubkey=account.pubkey(),
+                        lamports=rent,
+                        space=space,
+                        owner=owner,
+                    )
+                )
+            ],
+            payer,
+            [account],
+        )
+        return account.pubkey()
+
+    def forward_clock(self, seconds: int) -> None:
+        self.ledger.advance_clock(seconds)
+
+
+@pytest.fixture
+def endpoint() -> Iterator[Endpoint]:
+    clock = ManualClock(START)
+    with LocalnetThread(Ledger(clock=clock)) as net:
+        yield Endpoint(net, clock)
+
+
+__all__ = ["Endpoint", "SolanaRpcException", "TransactionRejected"]
