@@ -7,13 +7,16 @@ Cases (tokens/s of the provider's `get_samples`, and of the baseline over the ve
 ranges in the same order; ratio = provider / baseline; passes alternate and the best pass of
 each counts, to damp the noise of a shared machine):
 
-* local: LocalDataProvider vs slicing the same ranges out of an `np.memmap` and widening them to
-  int32 (the tokens' type; the line below it compares with a plain byte copy instead).
+* local: LocalDataProvider's batch path (`get_batch`: one int32 [n, seq_len] array per batch) vs
+  slicing the same ranges out of an `np.memmap` and widening them to int32 (the tokens' type);
+  the lines below it compare the batch path with a plain byte copy instead, and the per-sample
+  path (`get_samples`: one `TokenizedData` per sequence, rows of that array) with the baseline.
 * http: HttpDataProvider vs plain httpx range GETs of the same ranges (same concurrency), both
   against the package's Range server running in another process.
 * tcp: DataProviderTcpClient against the data server (another process) vs a raw socket
   download of the same ranges, one round trip per batch, from a minimal sendfile server
-  (another process).
+  (another process). The first line is the port's raw-token extension (what Python peers use),
+  the last one upstream's varint messages (what Rust peers get).
 * shuffle: upstream's seeded shuffle of N sequence pointers vs numpy's own permutation.
 """
 
@@ -133,7 +136,7 @@ def report(name: str, kind: str, provider: float, raw: float) -> None:
     goal = GOALS.get(kind)
     verdict = "" if goal is None else f"goal >= {goal:.1f}: {'met' if ratio >= goal else 'NOT met'}"
     print(
-        f"{name:<28} {provider / 1e6:>10.1f} {raw / 1e6:>10.1f} {ratio:>7.3f}  {verdict}",
+        f"{name:<36} {provider / 1e6:>10.1f} {raw / 1e6:>10.1f} {ratio:>7.3f}  {verdict}",
         flush=True,
     )
 
@@ -175,7 +178,11 @@ async def bench_local_case(
     mm = np.memmap(path, dtype="<u2", mode="r")
     tokens = sum(b.end - b.start + 1 for b in batches) * local.seq_len
 
-    async def provider() -> None:
+    async def batch_path() -> None:
+        for b in batches:
+            await local.get_batch(b)
+
+    async def per_sample() -> None:
         for b in batches:
             await local.get_samples(b)
 
@@ -190,10 +197,12 @@ async def bench_local_case(
             for offset, length in batch:
                 np.array(mm[offset // 2 : (offset + length) // 2])
 
-    ours, baseline = await best_of(passes, tokens, provider, raw)
-    report(name, "local", ours, baseline)
-    _, copy_only = await best_of(passes, tokens, provider, raw_bytes)
+    ours, baseline = await best_of(passes, tokens, batch_path, raw)
+    report(f"{name} (get_batch)", "local", ours, baseline)
+    _, copy_only = await best_of(passes, tokens, batch_path, raw_bytes)
     report("  (vs byte copy only)", "info", ours, copy_only)
+    samples, baseline = await best_of(passes, tokens, per_sample, raw)
+    report("  get_samples (per-sample)", "info", samples, baseline)
 
 
 async def bench_http(path: Path, seq_len: int, batches: list[BatchId], passes: int) -> None:
@@ -295,6 +304,10 @@ async def bench_tcp(path: Path, seq_len: int, batches: list[BatchId], passes: in
 
         async def provider() -> None:
             for b in batches:
+                await client.get_batch(b)
+
+        async def provider_samples() -> None:
+            for b in batches:
                 await client.get_samples(b)
 
         async def raw() -> None:
@@ -308,7 +321,12 @@ async def bench_tcp(path: Path, seq_len: int, batches: list[BatchId], passes: in
                 while len(got) < total:
                     got += await stream.receive_some(total - len(got))
 
-        report("tcp (server shuffles)", "tcp", *await best_of(passes, tokens, provider, raw))
+        report("tcp raw tokens (get_batch)", "tcp", *await best_of(passes, tokens, provider, raw))
+        assert client.raw_replies is True
+        report("  get_samples", "info", *await best_of(passes, tokens, provider_samples, raw))
+        # Upstream's messages (what a Rust peer gets): every token a varint.
+        client.raw_replies = False
+        report("  upstream varint form", "info", *await best_of(passes, tokens, provider, raw))
         await client.aclose()
         await stream.aclose()
     local.close()
@@ -322,7 +340,7 @@ def bench_shuffle(n: int) -> None:
     np.random.default_rng(0).permutation(n)
     numpy = n / (time.perf_counter() - t)
     print(
-        f"{f'shuffle {n} pointers':<28} {ours / 1e6:>10.1f} {numpy / 1e6:>10.1f} {ours / numpy:>7.3f}"
+        f"{f'shuffle {n} pointers':<36} {ours / 1e6:>10.1f} {numpy / 1e6:>10.1f} {ours / numpy:>7.3f}"
         "  (items/s; baseline: numpy permutation)"
     )
 
@@ -339,7 +357,7 @@ async def main(args: argparse.Namespace) -> None:
         all_batches = [BatchId(s, s + span - 1) for s in range(0, n - span - 1, span)]
         pick = lambda k: all_batches[: max(1, min(len(all_batches), k))]  # noqa: E731
         print(f"{args.tokens} tokens (2-byte), seq_len {seq_len}, {span} sequences per batch")
-        print(f"{'case':<28} {'Mtok/s':>10} {'raw Mtok/s':>10} {'ratio':>7}")
+        print(f"{'case':<36} {'Mtok/s':>10} {'raw Mtok/s':>10} {'ratio':>7}")
         await bench_local(path, seq_len, pick(len(all_batches)), args.passes, f"{span}/batch")
         big = [BatchId(s, s + 255) for s in range(0, n - 257, 256)]
         await bench_local(path, seq_len, big, args.passes, "256/batch")

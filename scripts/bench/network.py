@@ -3,10 +3,11 @@
 All nodes run in this one process on 127.0.0.1 (one trio loop, like one client), so sender and
 receiver share a CPU and the GIL in every measurement, baseline included:
 
-* blob throughput (64 MiB and 83 MB): a raw TCP transfer of the same bytes into a preallocated
-  buffer (baseline) against the blob side channel (handshake + transfer + BLAKE3 check) and
-  against the whole `NetworkConnection` path (start_download -> verified, stored, decoded
-  `DownloadComplete`). Ratio = raw time / blob time (goal >= 0.5).
+* blob throughput (64 MiB and 83 MB of `bytes`, and a 64 MiB DisTrO result): a raw TCP transfer
+  of the same bytes into a preallocated buffer (baseline) against the blob side channel
+  (handshake + transfer + BLAKE3 check) and against the whole `NetworkConnection` path
+  (start_download -> verified, stored, decoded `DownloadComplete`; the payload's byte fields are
+  views into the blob, not copies). Ratio = raw time / blob time (goal >= 0.5).
 * gossip: delivery latency of a signed broadcast from one node to all of 6 nodes in a ring
   (up to three hops), against the one-way latency of a small message on a raw socket.
 * model sharing: a joining node fetching a 20M-parameter bf16 model from 3 peers (config,
@@ -125,34 +126,70 @@ async def bench_blobs(repeats: int) -> list[str]:
     async with open_nodes(2, download_type=bytes) as (provider, requester):
         for label, size in (("blob 64 MiB", 64 * MIB), ("blob 83 MB", 83_000_000)):
             blob = os.urandom(size)
-            ticket, _ = await provider.add_downloadable(blob, f"distro-result_{size}")
-
-            async def raw(data: bytes = blob) -> float:
-                return await raw_transfer_seconds(data)
-
-            async def transport(t=ticket) -> float:
-                start = time.perf_counter()
-                got = await requester.blob_transport.fetch(t.addr, t.hash, t.size, lambda n: None)
-                elapsed = time.perf_counter() - start
-                assert len(got) == t.size
-                return elapsed
-
-            async def facade(t=ticket, n=size) -> float:
-                requester.store.delete_prefix("bench-")
-                requester.store.gc()
-                start = time.perf_counter()
-                requester.start_download(t, "bench-blob", DownloadType.DistroResult([]))
-                event = await requester.next_event()
-                elapsed = time.perf_counter() - start
-                assert isinstance(event, DownloadComplete) and len(event.data) == n
-                return elapsed
-
-            await transport()  # warm up code paths once
-            base, side, full = await interleaved_medians(repeats, raw, transport, facade)
-            lines.append(
-                row(label, base, [("side channel", side), ("NetworkConnection", full)], size)
-            )
+            lines.append(await bench_one_blob(repeats, label, provider, requester, blob, size))
+    async with open_nodes(2) as (provider, requester):
+        # What the client really fetches: a DisTrO result (16 tensor pairs, 64 MiB of data).
+        payload = distro_result(64 * MIB, 16)
+        lines.append(
+            await bench_one_blob(repeats, "DisTrO result 64 MiB", provider, requester, payload)
+        )
     return lines
+
+
+def distro_result(total: int, count: int):  # type: ignore[no-untyped-def]
+    from psyche.core.batch_id import BatchId
+    from psyche.modeling.serialized_distro import (
+        SerializableTensor,
+        SerializableTensorData,
+        SerializedDistroResult,
+        TransmittableDistroResult,
+    )
+    from psyche.network.transmittable import TransmittableDownload
+
+    each = total // (2 * count)
+
+    def tensor() -> SerializableTensor:
+        return SerializableTensor([each], 0, False, SerializableTensorData.Full(os.urandom(each)))
+
+    results = [SerializedDistroResult(tensor(), tensor(), [64, 64], 4096) for _ in range(count)]
+    return TransmittableDownload.DistroResult(
+        TransmittableDistroResult(1, 0, BatchId(0, 15), results)
+    )
+
+
+async def bench_one_blob(
+    repeats: int, label: str, provider, requester, payload, expected_len: int | None = None
+) -> str:  # type: ignore[no-untyped-def]
+    ticket, size = await provider.add_downloadable(payload, f"distro-result_{label}")
+    encoded = bytes(provider.store.get(ticket.hash))
+
+    async def raw() -> float:
+        return await raw_transfer_seconds(encoded)
+
+    async def transport(t=ticket) -> float:
+        start = time.perf_counter()
+        got = await requester.blob_transport.fetch(t.addr, t.hash, t.size, lambda n: None)
+        elapsed = time.perf_counter() - start
+        assert len(got) == t.size
+        return elapsed
+
+    async def facade(t=ticket) -> float:
+        requester.store.delete_prefix("bench-")
+        requester.store.gc()
+        start = time.perf_counter()
+        requester.start_download(t, "bench-blob", DownloadType.DistroResult([]))
+        event = await requester.next_event()
+        elapsed = time.perf_counter() - start
+        assert isinstance(event, DownloadComplete)
+        if expected_len is not None:
+            assert len(event.data) == expected_len
+        else:
+            assert event.data == payload
+        return elapsed
+
+    await transport()  # warm up code paths once
+    base, side, full = await interleaved_medians(repeats, raw, transport, facade)
+    return row(label, base, [("side channel", side), ("NetworkConnection", full)], size)
 
 
 # ---- gossip ---------------------------------------------------------------------------------

@@ -137,3 +137,53 @@ def test_a_directory_with_a_data_extension_is_reported(tmp_path: Path) -> None:
     (tmp_path / "odd.ds").mkdir()
     with pytest.raises(DataProviderError, match="couldn't open training data file"):
         LocalDataProvider.new_from_directory(tmp_path, TokenSize.TwoBytes, 4, Shuffle.DontShuffle())
+
+
+def reference_sequences(directory: Path, token_bytes: int, seq_len: int) -> np.ndarray:
+    """Upstream's layout computed the slow, obvious way: every sequence of every file (listing
+    order, offsets `range(0, size - seq_bytes, seq_bytes)`) as int32 (u32 wraps)."""
+    rows = []
+    seq_bytes = seq_len * token_bytes
+    for path in list_data_files(directory):
+        raw = path.read_bytes()
+        for offset in range(0, len(raw) - seq_bytes, seq_bytes):
+            chunk = raw[offset : offset + seq_bytes]
+            dtype = "<u2" if token_bytes == 2 else "<u4"
+            rows.append(np.frombuffer(chunk, dtype=dtype).astype(np.int64).astype(np.int32))
+    return np.array(rows, dtype=np.int32).reshape(len(rows), seq_len)
+
+
+@pytest.mark.parametrize("token_size", [TokenSize.TwoBytes, TokenSize.FourBytes])
+@pytest.mark.parametrize("shuffled", [False, True])
+async def test_batch_path_is_bit_identical_to_the_reference_layout(
+    tmp_path: Path, write_tokens, token_size: TokenSize, shuffled: bool
+) -> None:
+    gen = np.random.default_rng(11)
+    nbytes = token_size.num_bytes
+    high = 2**16 if nbytes == 2 else 2**32
+    for name, length in (("a.ds", 1000), ("b.bin", 77), ("c.npy", 333), ("d.ds", 5)):
+        write_tokens(tmp_path / name, gen.integers(0, high, length, dtype=np.int64), nbytes)
+    seq_len = 16
+    everything = reference_sequences(tmp_path, nbytes, seq_len)
+    shuffle = Shuffle.Seeded(SEED) if shuffled else Shuffle.DontShuffle()
+    if shuffled:
+        everything = everything[shuffle_permutation(len(everything), ChaCha8Rng(SEED))]
+    with LocalDataProvider.new_from_directory(tmp_path, token_size, seq_len, shuffle) as p:
+        n = p.num_sequences()
+        assert n == len(everything)
+        batches = [BatchId(0, n - 1), BatchId(0, 0), BatchId(n - 1, n - 1)]
+        batches += [
+            BatchId(int(s), int(s) + int(k))
+            for s, k in zip(gen.integers(0, n - 9, 40), gen.integers(0, 8, 40))
+        ]
+        for batch in batches:
+            got = await p.get_batch(batch)
+            expected = everything[batch.start : batch.end + 1]
+            assert got.dtype == np.int32 and got.flags.c_contiguous and got.flags.writeable
+            assert np.array_equal(got, expected), batch
+            samples = await p.get_samples(batch)
+            assert [s.input_ids.tolist() for s in samples] == expected.tolist()
+        # The batch is a copy: writing to it changes nothing the provider returns later.
+        got = p.read_batch(BatchId(0, 3))
+        got[:] = -7
+        assert np.array_equal(p.read_batch(BatchId(0, 3)), everything[:4])

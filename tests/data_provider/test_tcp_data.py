@@ -27,6 +27,7 @@ from psyche.data_provider import (
 )
 from psyche.data_provider.server import main as server_main
 from psyche.data_provider.server import read_allow_file, watch_allow_file
+from psyche.data_provider.wire import RawTrainingData, TrainingData
 from psyche.network.tcp import encode_challenge_response
 
 pytestmark = pytest.mark.anyio
@@ -255,3 +256,106 @@ def test_standalone_server_cli_reports_a_bad_config(tmp_path: Path, caplog) -> N
     assert "cannot read data config" in caplog.text
     assert server_main(["--data-config", str(bad), "--port", "1", "--allow", "zz"]) == 1
     assert "not an ed25519 public key" in caplog.text
+
+
+# ---------------------------------------------------------------------------------------------
+# The raw-token extension and the fallback to upstream's messages
+
+
+async def test_python_peers_use_raw_tokens_with_identical_results(
+    local: LocalDataProvider,
+) -> None:
+    key = SecretKey.generate()
+    async with DataProviderTcpServer.start(local, host="127.0.0.1", allow_any=True) as server:
+        client = await DataProviderTcpClient.connect(address(server), key)
+        assert client.raw_replies is None
+        for batch in (BatchId(0, 0), BatchId(3, 40), BatchId(100, 123)):
+            expected = local.read_batch(batch)
+            got = await client.get_batch(batch)
+            assert got.dtype == np.int32 and np.array_equal(got, expected)
+            assert await client.get_samples(batch) == await local.get_samples(batch)
+        assert client.raw_replies is True
+        assert isinstance(await client._fetch(BatchId(1, 2)), RawTrainingData)
+        # What a Rust client asks for, it gets in upstream's form, from the same server.
+        client.raw_replies = False
+        reply = await client._fetch(BatchId(3, 40))
+        assert isinstance(reply, TrainingData)
+        assert reply.raw_data == await local.get_samples(BatchId(3, 40))
+        await client.aclose()
+
+
+async def test_upstream_only_server_gets_upstream_requests_after_one_drop(
+    local: LocalDataProvider, caplog
+) -> None:
+    key = SecretKey.generate()
+    async with DataProviderTcpServer.start(
+        local, host="127.0.0.1", allow_any=True, upstream_only=True
+    ) as server:
+        client = await DataProviderTcpClient.connect(address(server), key)
+        with caplog.at_level("INFO", logger="psyche"):
+            for batch in (BatchId(0, 3), BatchId(10, 20), BatchId(5, 5)):
+                assert np.array_equal(await client.get_batch(batch), local.read_batch(batch))
+                assert await client.get_samples(batch) == await local.get_samples(batch)
+        assert client.raw_replies is False
+        # One drop (the server could not decode the raw request), then one new connection that
+        # serves every later request.
+        assert caplog.text.count("dropped the connection on the raw-token request") == 1
+        assert caplog.text.count("Connected to server at") == 1
+        await client.aclose()
+
+
+class WithLabels:
+    """A provider of preprocessed-style samples: they must travel in upstream's form."""
+
+    seq_len = 4
+
+    async def get_samples(self, data_ids: BatchId) -> list[TokenizedData]:
+        return [
+            TokenizedData(np.arange(4) + i, labels=np.full(4, -100))
+            for i in range(data_ids.start, data_ids.end + 1)
+        ]
+
+
+async def test_samples_with_extras_travel_in_upstreams_form() -> None:
+    key = SecretKey.generate()
+    provider = WithLabels()
+    async with DataProviderTcpServer.start(provider, host="127.0.0.1", allow_any=True) as server:
+        client = await DataProviderTcpClient.connect(address(server), key)
+        batch = BatchId(2, 4)
+        assert await client.get_samples(batch) == await provider.get_samples(batch)
+        with pytest.raises(DataProviderError, match="read them with get_samples"):
+            await client.get_batch(batch)
+        await client.aclose()
+
+
+async def test_a_raw_reply_that_lies_about_its_length_is_refused() -> None:
+    from psyche.data_provider.wire import ClientToServerMessage
+    from psyche.network.tcp import Message, PostcardCodec, TcpServer
+
+    class Verbatim:
+        def encode(self, value: bytes) -> bytes:
+            return value
+
+        def decode(self, data: bytes) -> bytes:
+            return bytes(data)
+
+    # B[0, 1] x 4 tokens of 2 bytes needs 16 token bytes; this reply carries 14.
+    lie = bytes.fromhex("02000104020e") + bytes(14)
+    key = SecretKey.generate()
+    async with TcpServer.start(
+        to_server=PostcardCodec(ClientToServerMessage), to_client=Verbatim(), host="127.0.0.1"
+    ) as tcp:
+
+        async def answer() -> None:
+            async for event in tcp:
+                if isinstance(event, Message):
+                    tcp.send_to(event.client, lie)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(answer)
+            client = await DataProviderTcpClient.connect(f"127.0.0.1:{tcp.local_addr[1]}", key)
+            with pytest.raises(DataProviderError, match="needs 16"):
+                await client.get_batch(BatchId(0, 1))
+            assert client.raw_replies is None  # a bad reply is not a verdict on the protocol
+            await client.aclose()
+            nursery.cancel_scope.cancel()

@@ -13,12 +13,15 @@ from psyche.core.serde import PostcardError, from_bytes, to_bytes
 from psyche.data_provider import TokenizedData
 from psyche.data_provider.wire import (
     ClientToServerMessage,
+    RawTrainingData,
+    RawTrainingDataWire,
     RejectionReason,
     RequestRejected,
     RequestTrainingData,
     ServerMessageCodec,
     ServerToClientMessageWire,
     TrainingData,
+    UpstreamRequestCodec,
     decode_varints,
     encode_varints,
     to_wire,
@@ -100,24 +103,31 @@ def test_truncated_and_corrupted_replies_match_the_generic_decoder() -> None:
     for _ in range(300):
         corrupt = bytearray(encoded)
         corrupt[int(gen.integers(len(corrupt)))] = int(gen.integers(256))
-        # The fast decoder must accept exactly what the generic one accepts, as the same value.
-        try:
-            generic = from_bytes(bytes(corrupt), ServerToClientMessageWire)
-        except PostcardError:
-            generic = None
-        try:
-            fast = CODEC.decode(bytes(corrupt))
-        except PostcardError:
-            fast = None
-        assert (fast is None) == (generic is None), bytes(corrupt).hex()
-        if fast is not None:
-            assert to_wire(fast) == generic
+        assert_fast_agrees_with_generic(bytes(corrupt))
+
+
+def assert_fast_agrees_with_generic(data: bytes) -> None:
+    """The fast decoder accepts exactly what the generic one accepts, as the same value; only
+    for the raw-token extension it may refuse more (it also checks widths and lengths)."""
+    try:
+        generic = from_bytes(data, ServerToClientMessageWire)
+    except PostcardError:
+        generic = None
+    try:
+        fast = CODEC.decode(data)
+    except PostcardError:
+        fast = None
+    if isinstance(generic, ServerToClientMessageWire.RawTrainingData) and fast is None:
+        return
+    assert (fast is None) == (generic is None), data.hex()
+    if fast is not None:
+        assert to_wire(fast) == generic
 
 
 @pytest.mark.parametrize(
     "raw, problem",
     [
-        ("02000000", "invalid variant index 2"),
+        ("03000000", "invalid variant index 3"),
         ("01000002", "invalid variant index 2 for RejectionReason"),
         ("0000000a", "raw_data claims 10 samples"),
         ("0000000109010200000000", "claims 9 items"),
@@ -133,3 +143,93 @@ def test_malformed_replies(raw: str, problem: str) -> None:
         CODEC.decode(bytes.fromhex(raw))
     with pytest.raises(PostcardError):
         from_bytes(bytes.fromhex(raw), ServerToClientMessageWire)
+
+
+# ---------------------------------------------------------------------------------------------
+# The raw-token extension
+
+
+def raw_wire(start: int, end: int, seq_len: int, width: int, tokens: bytes) -> bytes:
+    return to_bytes(
+        ServerToClientMessageWire.RawTrainingData(
+            RawTrainingDataWire(BatchId(start, end), seq_len, width, tokens)
+        ),
+        ServerToClientMessageWire,
+    )
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.integers(0, 2**64 - 40),
+    st.integers(1, 6),
+    st.integers(1, 9),
+    st.sampled_from([(0, 2**16 - 1), (-(2**31), 2**31 - 1)]),
+    st.randoms(use_true_random=False),
+)
+def test_raw_training_data_round_trips_in_the_narrowest_width(
+    start: int, n: int, seq_len: int, bounds: tuple[int, int], rnd
+) -> None:
+    lo, hi = bounds
+    tokens = np.array([[rnd.randint(lo, hi) for _ in range(seq_len)] for _ in range(n)], np.int32)
+    message = RawTrainingData(BatchId(start, start + n - 1), tokens)
+    encoded = CODEC.encode(message)
+    width = 2 if tokens.min() >= 0 and tokens.max() < 2**16 else 4
+    body = tokens.astype("<u2" if width == 2 else "<i4").tobytes()
+    assert encoded == raw_wire(start, start + n - 1, seq_len, width, body)
+    back = CODEC.decode(encoded)
+    assert isinstance(back, RawTrainingData) and back.data_ids == message.data_ids
+    assert back.tokens.dtype == np.int32 and np.array_equal(back.tokens, tokens)
+    assert to_wire(back) == from_bytes(encoded, ServerToClientMessageWire)
+
+
+def test_raw_known_bytes_and_request() -> None:
+    message = RawTrainingData(BatchId(3, 4), np.array([[1, 2], [300, 65535]], np.int32))
+    # variant 2, start 3, end 4, seq_len 2, width 2, 8 bytes, then u16 LE tokens
+    assert CODEC.encode(message).hex() == "0203040202" + "08" + "010002002c01ffff"
+    request = ClientToServerMessage.RequestRawTrainingData(RequestTrainingData(BatchId(5, 9)))
+    assert to_bytes(request, ClientToServerMessage).hex() == "010509"
+    upstream = UpstreamRequestCodec()
+    with pytest.raises(PostcardError, match="invalid variant index 1"):
+        upstream.decode(bytes.fromhex("010509"))
+    plain = ClientToServerMessage.RequestTrainingData(RequestTrainingData(BatchId(5, 9)))
+    assert upstream.decode(upstream.encode(plain)) == plain
+
+
+@pytest.mark.parametrize(
+    "start, end, seq_len, width, nbytes, extra, problem",
+    [
+        (0, 1, 2, 3, 12, b"", "token width 3"),
+        (0, 1, 2, 2, 6, b"", "needs 8"),
+        (0, 1, 2, 2, 10, b"", "needs 8"),
+        (2, 1, 2, 2, 0, b"", "empty batch"),
+        (0, 1, 0, 2, 0, b"", "empty batch"),
+        (0, 2**64 - 1, 1, 2, 4, b"", "needs"),
+        (0, 1, 2, 4, 16, b"\x00", "trailing|follow the header"),
+    ],
+)
+def test_malformed_raw_replies(
+    start: int, end: int, seq_len: int, width: int, nbytes: int, extra: bytes, problem: str
+) -> None:
+    data = raw_wire(start, end, seq_len, width, bytes(nbytes)) + extra
+    with pytest.raises(PostcardError, match=problem):
+        CODEC.decode(data)
+
+
+def test_truncated_and_corrupted_raw_replies_are_refused_or_exact() -> None:
+    message = RawTrainingData(BatchId(7, 9), np.arange(-6, 6, dtype=np.int32).reshape(3, 4))
+    encoded = CODEC.encode(message)
+    for cut in range(len(encoded)):
+        with pytest.raises(PostcardError):
+            CODEC.decode(encoded[:cut])
+    gen = np.random.default_rng(5)
+    for _ in range(300):
+        corrupt = bytearray(encoded)
+        corrupt[int(gen.integers(len(corrupt)))] = int(gen.integers(256))
+        assert_fast_agrees_with_generic(bytes(corrupt))
+        try:
+            back = CODEC.decode(bytes(corrupt))
+        except PostcardError:
+            continue
+        if isinstance(back, RawTrainingData):  # accepted: the shape is what the header says
+            n = back.data_ids.end - back.data_ids.start + 1
+            assert back.tokens.shape[0] == n and back.tokens.dtype == np.int32

@@ -1,16 +1,24 @@
-"""psyche-train end to end on local token files, and the minimal token-file reader."""
+"""psyche-train end to end on local token files (read by psyche.data_provider) and on
+preprocessed parquet data, and its `--seed` derivation."""
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 
+from psyche.core.batch_id import BatchId
+from psyche.core.data_shuffle import Shuffle
+from psyche.core.token_size import TokenSize
+from psyche.data_provider import LocalDataProvider
+from psyche.data_provider.rng import ChaCha8Rng, shuffle_permutation
 from psyche.modeling.causal_lm import CausalLM, ModelOptions
-from psyche.modeling.local_data import DataError, LocalTokenDataset
-from psyche.modeling.train_cli import main
+from psyche.modeling.train_cli import _open_dataset, _read_batch, main, seed_shuffle
 
 
 def _write_tokens(directory: Path, corpus: torch.Tensor) -> None:
@@ -19,26 +27,32 @@ def _write_tokens(directory: Path, corpus: torch.Tensor) -> None:
     (directory / "000.ds.index").write_bytes(b"ignored")
 
 
-def test_reader_layout(tmp_path: Path) -> None:
-    np.arange(40, dtype="<u2").tofile(tmp_path / "a.npy")  # exactly 4 sequences of 10 tokens
-    np.array([2**32 - 1] * 10, dtype="<u4").tofile(tmp_path / "b.txt")
-    ds = LocalTokenDataset(tmp_path, token_size=2, seq_len=10, seed=None)
-    assert len(ds) == 3  # the end is exclusive, as upstream's range
-    assert ds.get_samples(1, 2).tolist() == [list(range(10, 20)), list(range(20, 30))]
-    with pytest.raises(DataError, match="out of bounds"):
-        ds.get_samples(2, 3)
-    shuffled = LocalTokenDataset(tmp_path, token_size=2, seq_len=10, seed=7)
-    assert sorted(shuffled.get_samples(0, 2).tolist()) == ds.get_samples(0, 2).tolist()
+def test_seed_is_upstreams_u32_in_the_last_four_bytes() -> None:
+    assert seed_shuffle(None) == Shuffle.DontShuffle()
+    assert seed_shuffle(7) == Shuffle.Seeded(bytes(28) + b"\x00\x00\x00\x07")
+    assert seed_shuffle(0x01020304) == Shuffle.Seeded(bytes(28) + bytes([1, 2, 3, 4]))
+    for bad in ("-1", str(2**32)):
+        with pytest.raises(SystemExit):
+            main(["--seed", bad])
 
-    wide = tmp_path / "wide"
-    wide.mkdir()
-    np.array([2**32 - 1, 5] * 10, dtype="<u4").tofile(wide / "x.bin")
-    assert LocalTokenDataset(wide, 4, 4, None).get_samples(0, 0).tolist() == [[-1, 5, -1, 5]]
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    (empty / "notes.txt").write_text("no tokens here")
-    with pytest.raises(DataError, match="no training data"):
-        LocalTokenDataset(empty, 2, 10, None)
+
+def test_batches_come_from_the_data_provider_in_its_shuffled_order(tmp_path: Path) -> None:
+    np.arange(400, dtype="<u2").tofile(tmp_path / "a.ds")  # 400 tokens -> 39 sequences of 10
+    args = argparse.Namespace(data_path=tmp_path, token_size=2, sequence_length=10, seed=1234)
+    dataset = _open_dataset(args)
+    try:
+        batch = _read_batch(dataset, 4, 11)
+        assert batch.input_ids.dtype == torch.int64 and batch.input_ids.shape == (8, 10)
+        perm = shuffle_permutation(39, ChaCha8Rng(bytes(28) + (1234).to_bytes(4, "big")))
+        starts = [10 * int(i) for i in perm[4:12]]
+        assert batch.input_ids[:, 0].tolist() == starts
+        assert batch.input_ids[0].tolist() == list(range(starts[0], starts[0] + 10))
+        with LocalDataProvider.new_from_directory(
+            tmp_path, TokenSize.TwoBytes, 10, seed_shuffle(1234)
+        ) as same:
+            assert np.array_equal(same.read_batch(BatchId(4, 11)), batch.input_ids.numpy())
+    finally:
+        dataset.close()
 
 
 @pytest.mark.parametrize("mode", ["distro-peers", "adamw"])
@@ -72,6 +86,8 @@ def test_psyche_train_runs_and_saves(
         "--save-path",
         str(save),
     ]
+    if mode == "adamw":
+        args += ["--seed", "42"]
     if mode == "distro-peers":
         args += [
             "--distro",
@@ -97,5 +113,23 @@ def test_psyche_train_runs_and_saves(
 def test_psyche_train_argument_errors(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="needs --distro"):
         main(["--peers", "2", "--data-path", str(tmp_path)])
-    with pytest.raises(SystemExit, match="no training data"):
+    with pytest.raises(SystemExit, match=r"No training data files.*preprocessed data"):
         main(["--data-path", str(tmp_path), "--init-config", "tiny"])
+
+
+def test_psyche_train_falls_back_to_preprocessed_parquet(
+    tmp_path: Path, corpus: torch.Tensor, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rows = corpus[:16].tolist()
+    labels = [[-100, *r[1:]] for r in rows]
+    data = tmp_path / "data"
+    data.mkdir()
+    pq.write_table(pa.table({"inputs": rows, "labels": labels}), data / "train-0.parquet")
+    args = ["--init-config", "tiny", "--architecture", "HfLlama", "--device", "cpu"]
+    args += ["--data-path", str(data), "--sequence-length", "32", "--seed", "3"]
+    args += ["--micro-batch", "4", "--total-batch", "4", "--total-steps", "2"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "Trying preprocessed data provider instead" in out
+    assert "Loaded preprocessed dataset with 16 samples" in out
+    assert len([line for line in out.splitlines() if line.startswith("step: ")]) == 2

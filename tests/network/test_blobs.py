@@ -8,12 +8,12 @@ import struct
 import pytest
 import trio
 
+from psyche.core.identity import SecretKey
 from psyche.network import blob_protocol
 from psyche.network.blob_protocol import BlobRefused, HashMismatch
 from psyche.network.blob_transport import TcpBlobTransport
 from psyche.network.connection import NetworkConnection
 from psyche.network.download import DownloadComplete, DownloadFailed
-from psyche.network.identity import SecretKey
 from psyche.network.testing import connect_pairs, open_nodes
 from psyche.network.ticket import (
     BlobFormat,

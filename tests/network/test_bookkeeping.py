@@ -6,6 +6,7 @@ import pytest
 import trio
 import trio.testing
 
+from psyche.core.identity import SecretKey
 from psyche.network.allowlist import AllowDynamic
 from psyche.network.blob_store import BlobStore, gc_interval_from_env, remove_staled_tags
 from psyche.network.connection_monitor import (
@@ -30,7 +31,6 @@ from psyche.network.download import (
     TryProvider,
     track_progress,
 )
-from psyche.network.identity import SecretKey
 from psyche.network.latency_sorted import LatencySorted
 from psyche.network.peer_manager import (
     PeerManager,

@@ -8,6 +8,7 @@ import os
 import pytest
 import trio
 
+from psyche.core.identity import SecretKey
 from psyche.core.merkle_tree import MerkleRoot
 from psyche.network.broadcast import (
     Broadcast,
@@ -20,7 +21,7 @@ from psyche.network.broadcast import (
 from psyche.network.connection import MessageReceived, NetworkConnection
 from psyche.network.download import DownloadComplete
 from psyche.network.gossip import GossipRejected, gossip_topic
-from psyche.network.identity import SecretKey, peer_id_from_public_key
+from psyche.network.identity import peer_id_from_public_key
 from psyche.network.signed_message import SignedMessage
 from psyche.network.testing import connect_pairs, full_mesh, open_nodes, ring, wait_until
 from psyche.network.transmittable import DownloadType

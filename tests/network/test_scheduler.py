@@ -8,7 +8,7 @@ import pytest
 import trio
 import trio.testing
 
-from psyche.network.identity import SecretKey
+from psyche.core.identity import SecretKey
 from psyche.network.scheduler import (
     DownloadScheduler,
     RetryConfig,

@@ -4,6 +4,7 @@ bytes, and hostile peers that must only ever lose their own connection."""
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import trio
@@ -344,3 +345,32 @@ async def test_receive_is_cancel_safe() -> None:
     await a.aclose()
     with pytest.raises(TcpProtocolError, match="closed inside a frame"):
         await half.receive()
+
+
+async def test_large_frames_are_received_in_place_and_cancel_safely() -> None:
+    """Frames above DIRECT_RECEIVE_BYTES go straight into their own buffer on a socket; a
+    receive cancelled halfway loses nothing, and frames around it stay intact."""
+    from psyche.network.tcp import DIRECT_RECEIVE_BYTES
+
+    left, right = trio.socket.socketpair()
+    writer = trio.SocketStream(left)
+    reader = FramedStream(trio.SocketStream(right), max_receive_frame=1 << 24, max_send_frame=0)
+    big = os.urandom(3 * DIRECT_RECEIVE_BYTES + 17)
+    small = b"tail"
+    stream = len(big).to_bytes(4, "big") + big + len(small).to_bytes(4, "big") + small
+    half = 4 + len(big) // 2
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(writer.send_all, stream[:half])
+            with trio.move_on_after(0.3):
+                await reader.receive()  # takes half the frame, then waits: cancelled
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(writer.send_all, stream[half:])
+            got = await reader.receive()
+            assert isinstance(got, bytearray) and got == big
+            assert await reader.receive() == small
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(writer.send_all, len(big).to_bytes(4, "big") + big[:1000])
+        await writer.aclose()
+        with pytest.raises(TcpProtocolError, match="closed inside a frame"):
+            await reader.receive()

@@ -7,6 +7,7 @@ import hashlib
 import pytest
 
 from psyche.core.batch_id import BatchId
+from psyche.core.identity import SecretKey
 from psyche.core.merkle_tree import MerkleRoot
 from psyche.core.serde import PostcardError, from_bytes, to_bytes
 from psyche.network.broadcast import (
@@ -18,13 +19,12 @@ from psyche.network.broadcast import (
     Finished,
     Rebroadcaster,
     TrainingResult,
+    verify_commitment,
 )
 from psyche.network.gossip import gossip_topic
 from psyche.network.identity import (
     IdentityError,
-    SecretKey,
     libp2p_key_pair,
-    load_or_generate,
     peer_id_from_public_key,
     public_key_from_peer_id,
 )
@@ -84,11 +84,10 @@ def test_key_file_is_32_raw_bytes(tmp_path) -> None:
     key = SecretKey.generate()
     key.write_file(path)
     assert path.read_bytes() == key.to_bytes() and len(path.read_bytes()) == 32
-    assert load_or_generate(path).public_key == key.public_key
+    assert SecretKey.read_file(path).public_key == key.public_key
     path.write_bytes(b"\x01" * 31)
     with pytest.raises(ValueError, match="32"):
-        load_or_generate(path)
-    assert load_or_generate(None).public_key != key.public_key
+        SecretKey.read_file(path)
 
 
 def test_signed_message_layout_and_verification() -> None:
@@ -129,8 +128,8 @@ def test_broadcast_round_trip_and_commitment_encoding() -> None:
     commitment = Commitment(data_hash, key.sign(data_hash))
     encoded = to_bytes(commitment, Commitment)
     assert encoded == bytes([96]) + data_hash + commitment.signature
-    assert commitment.verify(key.public_key)
-    assert not commitment.verify(SecretKey.generate().public_key)
+    assert verify_commitment(commitment, key.public_key)
+    assert not verify_commitment(commitment, SecretKey.generate().public_key)
     with pytest.raises(PostcardError, match="Invalid length for Commitment"):
         from_bytes(bytes([95]) + bytes(95), Commitment)
 

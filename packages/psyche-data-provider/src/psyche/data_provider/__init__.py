@@ -2,8 +2,10 @@
 parquet and the TCP data server.
 
 Every provider answers `await provider.get_samples(BatchId(start, end))` with one
-`TokenizedData` (int32 numpy arrays) per id, in id order, the same on every machine. Providers
-that hold connections have `aclose()`.
+`TokenizedData` (int32 numpy arrays) per id, in id order, the same on every machine. The local
+provider and the TCP client also answer `await provider.get_batch(...)` with the same tokens as
+one int32 `[n, seq_len]` array (`BatchDataProvider`), their fast path. Providers that hold
+connections have `aclose()`.
 """
 
 from psyche.data_provider.data_config import DataConfigError, DataServerInfo
@@ -24,6 +26,7 @@ from psyche.data_provider.tcp_server import DataProviderTcpServer
 from psyche.data_provider.types import (
     DATA_FILE_EXTENSIONS,
     PARQUET_EXTENSION,
+    BatchDataProvider,
     DataProviderError,
     LengthKnownDataProvider,
     TokenizedData,
@@ -35,6 +38,7 @@ from psyche.data_provider.weighted import WeightedDataProvider
 __all__ = [
     "DATA_FILE_EXTENSIONS",
     "PARQUET_EXTENSION",
+    "BatchDataProvider",
     "DataConfigError",
     "DataProviderError",
     "DataProviderTcpClient",

@@ -21,6 +21,7 @@ import httpx
 
 from psyche.core.batch_id import BatchId
 from psyche.core.data_shuffle import Shuffle
+from psyche.core.identity import SecretKey
 from psyche.core.serde import F64, SerdeError, from_obj
 from psyche.core.token_size import TokenSize
 from psyche.data_provider.dummy import DummyDataProvider
@@ -61,7 +62,7 @@ class ProviderOptions:
     """
 
     max_seq_len: int
-    secret_key: Any = None
+    secret_key: SecretKey | None = None
     http: HttpConfig = field(default_factory=HttpConfig)
     local_token_size: TokenSize = TokenSize.TwoBytes
     local_shuffle: Shuffle = field(default_factory=Shuffle.DontShuffle)

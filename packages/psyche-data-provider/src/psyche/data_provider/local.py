@@ -7,6 +7,11 @@ then the whole list of sequences is optionally shuffled with upstream's seeded s
 
 Files are memory-mapped, never read whole. A mapped file that shrinks while in use would kill the
 process with SIGBUS on access, so every read first checks the file's current size.
+
+Every sequence starts at a multiple of `seq_len` tokens in its file, so each file is viewed as a
+2-D `[rows, seq_len]` array and a sequence pointer is a (file, row) pair. A batch is gathered
+from those views in one vectorized step per file into one int32 `[n, seq_len]` array
+(`read_batch`); the per-sample API (`get_samples`) hands out rows of that array.
 """
 
 from __future__ import annotations
@@ -69,7 +74,9 @@ class _MappedFile:
             raise
 
     def check_still_whole(self) -> None:
-        size = os.fstat(self.fd).st_size
+        # lseek to the end reports the current size at a third of fstat's cost (the fd is never
+        # read from: the bytes come through the map).
+        size = os.lseek(self.fd, 0, os.SEEK_END)
         if size < self.size:
             raise DataProviderError(
                 f"{self.path} shrank from {self.size} to {size} bytes while in use "
@@ -120,12 +127,21 @@ class LocalDataProvider:
         seq_len: int,
         token_size: TokenSize,
     ) -> None:
+        seq_bytes = seq_len * token_size.num_bytes
+        if len(byte_offset) and (byte_offset % seq_bytes).any():
+            raise ValueError("every sequence must start at a multiple of seq_len tokens")
         self._files = files
-        self._tokens = [f.as_tokens(token_size) for f in files]
+        # Each file as rows of seq_len tokens (a view of the map; a partial last row is cut).
+        self._rows: list[np.ndarray] = []
+        for f in files:
+            tokens = f.as_tokens(token_size)
+            whole = len(tokens) // seq_len
+            self._rows.append(tokens[: whole * seq_len].reshape(whole, seq_len))
         self._file_index = file_index
         self._byte_offset = byte_offset
-        self._token_offset = byte_offset // token_size.num_bytes
-        self._run = sequence_runs(file_index, byte_offset, seq_len * token_size.num_bytes)
+        self._row = byte_offset // seq_bytes
+        self._run = sequence_runs(file_index, byte_offset, seq_bytes)
+        self._one_file = len(files) == 1
         self.seq_len = seq_len
         self.token_size = token_size
 
@@ -194,30 +210,41 @@ class LocalDataProvider:
     def num_sequences(self) -> int:
         return len(self._file_index)
 
-    def read_samples(self, data_ids: BatchId) -> list[TokenizedData]:
-        """The samples of a batch, read synchronously (the local reads are memory copies)."""
+    def read_batch(self, data_ids: BatchId) -> np.ndarray:
+        """The batch's sequences as one new int32 `[n, seq_len]` array, read synchronously (the
+        local reads are memory copies). The hot path: a run of consecutive sequences of one file
+        is one slice, anything else one gather per file."""
         start, end = batch_bounds(data_ids)
         n = len(self._file_index)
         if end >= n:
             raise DataProviderError(
                 f"index {max(start, n)} is out of bounds, we only have {n} samples."
             )
-        count = end - start + 1
-        seq_len = self.seq_len
-        if self._run[start] == self._run[end]:
-            # Consecutive sequences of one file: one slice.
-            file = int(self._file_index[start])
+        run = self._run
+        if run.item(start) == run.item(end):
+            file = self._file_index.item(start)
             self._files[file].check_still_whole()
-            first = int(self._token_offset[start])
-            block = self._tokens[file][first : first + seq_len * count].reshape(count, seq_len)
-        else:
-            files = self._file_index[start : end + 1].tolist()
-            for i in set(files):
-                self._files[i].check_still_whole()
-            tokens = self._tokens
-            offsets = self._token_offset[start : end + 1].tolist()
-            block = np.stack([tokens[f][o : o + seq_len] for f, o in zip(files, offsets)])
-        return TokenizedData.from_rows(block.astype(np.int32))
+            row = self._row.item(start)
+            # astype always copies: the result never aliases the map.
+            return self._rows[file][row : row + end - start + 1].astype(np.int32)
+        rows = self._row[start : end + 1]
+        if self._one_file:
+            self._files[0].check_still_whole()
+            return self._rows[0][rows].astype(np.int32)
+        files = self._file_index[start : end + 1]
+        out = np.empty((end - start + 1, self.seq_len), dtype=np.int32)
+        for file in np.unique(files).tolist():
+            self._files[file].check_still_whole()
+            mine = files == file
+            out[mine] = self._rows[file][rows[mine]]
+        return out
+
+    def read_samples(self, data_ids: BatchId) -> list[TokenizedData]:
+        """`read_batch` as one `TokenizedData` per sequence (rows of the batch array)."""
+        return TokenizedData.from_rows(self.read_batch(data_ids))
+
+    async def get_batch(self, data_ids: BatchId) -> np.ndarray:
+        return self.read_batch(data_ids)
 
     async def get_samples(self, data_ids: BatchId) -> list[TokenizedData]:
         return self.read_samples(data_ids)
@@ -227,7 +254,7 @@ class LocalDataProvider:
             yield from self.read_samples(BatchId(i, i))
 
     def close(self) -> None:
-        self._tokens = []  # views of the maps: drop them before unmapping
+        self._rows = []  # views of the maps: drop them before unmapping
         for f in self._files:
             f.close()
         self._files = []

@@ -9,6 +9,11 @@ A request that cannot be served gets a `RequestRejected` reply and the server ca
 `NotInThisRound` for a key outside the run, `WrongDataIdForStep` for ids the dataset does not
 have, a failed read or a reply too large for one frame (upstream never sends the latter reason;
 it panics on a provider error instead).
+
+Upstream's `RequestTrainingData` gets upstream's `TrainingData` reply. The port's
+`RequestRawTrainingData` (see `wire`) gets `RawTrainingData` when the batch is plain tokens
+of one length, else `TrainingData`. `upstream_only=True` serves exactly as a Rust server does:
+the extension request fails to decode and drops the connection.
 """
 
 from __future__ import annotations
@@ -18,17 +23,26 @@ from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from typing import Any
 
+import numpy as np
 import trio
 
 from psyche.core.batch_id import BatchId
-from psyche.data_provider.types import DataProviderError, TokenizedDataProvider, batch_bounds
+from psyche.data_provider.types import (
+    BatchDataProvider,
+    DataProviderError,
+    TokenizedData,
+    TokenizedDataProvider,
+    batch_bounds,
+)
 from psyche.data_provider.wire import (
     ClientToServerMessage,
+    RawTrainingData,
     RejectionReason,
     RequestRejected,
     ServerMessageCodec,
     ServerToClientMessage,
     TrainingData,
+    UpstreamRequestCodec,
 )
 from psyche.network.tcp import (
     CLIENT_MAX_FRAME_LENGTH,
@@ -41,6 +55,12 @@ from psyche.network.tcp import (
 )
 
 log = logging.getLogger(__name__)
+
+# Replies with more tokens than these are encoded in a worker thread, so that other clients are
+# not stalled meanwhile; below them the thread hop costs more than it saves. Varint encoding
+# costs ~30 ns a token, a raw reply ~1 ns (a copy).
+THREAD_ENCODE_VARINT_TOKENS = 16_384
+THREAD_ENCODE_RAW_TOKENS = 1 << 20
 
 
 class DataProviderTcpServer:
@@ -72,15 +92,17 @@ class DataProviderTcpServer:
         allowed: Iterable[bytes] = (),
         allow_any: bool = False,
         max_send_frame: int = CLIENT_MAX_FRAME_LENGTH,
+        upstream_only: bool = False,
     ) -> AsyncIterator[DataProviderTcpServer]:
         """Serve `provider` on `host:port` (0: any free port) for the duration of the block.
 
         Replies may be as large as the client's frame limit (upstream's server is capped at its
         own 8 MiB default, so large batches failed there).
         """
+        requests = UpstreamRequestCodec() if upstream_only else PostcardCodec(ClientToServerMessage)
         async with (
             TcpServer.start(
-                to_server=PostcardCodec(ClientToServerMessage),
+                to_server=requests,
                 to_client=ServerMessageCodec(),
                 host=host,
                 port=port,
@@ -122,6 +144,8 @@ class DataProviderTcpServer:
             match event:
                 case Message(client, ClientToServerMessage.RequestTrainingData(request)):
                     await self.handle_request(client, request.data_ids)
+                case Message(client, ClientToServerMessage.RequestRawTrainingData(request)):
+                    await self.handle_request(client, request.data_ids, raw=True)
                 case Disconnected(client):
                     log.debug("client %s disconnected", client.hex())
 
@@ -129,7 +153,7 @@ class DataProviderTcpServer:
         log.warning("rejecting %s from %s: %s", data_ids, client.hex(), why)
         self._tcp.send_to(client, RequestRejected(data_ids, reason))
 
-    async def handle_request(self, client: bytes, data_ids: BatchId) -> None:
+    async def handle_request(self, client: bytes, data_ids: BatchId, *, raw: bool = False) -> None:
         if not self.is_allowed(client):
             self._reject(client, data_ids, RejectionReason.NotInThisRound, "not in this round")
             return
@@ -140,10 +164,16 @@ class DataProviderTcpServer:
                 raise DataProviderError(
                     f"{count} samples of {self._seq_len} tokens cannot fit in one frame"
                 )
-            samples = await self._provider.get_samples(data_ids)
-            reply = TrainingData(data_ids, samples)
-            # Encoding a large batch is CPU work: keep the event loop (other clients) moving.
-            payload = await trio.to_thread.run_sync(self._tcp.encode, reply)
+            reply = await self._read(data_ids, raw)
+            if isinstance(reply, RawTrainingData):
+                in_thread = reply.tokens.size > THREAD_ENCODE_RAW_TOKENS
+            else:
+                tokens = sum(len(s.input_ids) for s in reply.raw_data)
+                in_thread = tokens > THREAD_ENCODE_VARINT_TOKENS
+            if in_thread:
+                payload = await trio.to_thread.run_sync(self._tcp.encode, reply)
+            else:
+                payload = self._tcp.encode(reply)
         except (DataProviderError, FrameTooLarge) as e:
             self._reject(client, data_ids, RejectionReason.WrongDataIdForStep, str(e))
             return
@@ -155,3 +185,25 @@ class DataProviderTcpServer:
         self._tcp.send_encoded(client, payload)
         self.provided_sequences[client] = self.provided_sequences.get(client, 0) + count
         log.debug("sent %s to %s", data_ids, client.hex())
+
+    async def _read(self, data_ids: BatchId, raw: bool) -> TrainingData | RawTrainingData:
+        if raw and isinstance(self._provider, BatchDataProvider):
+            return RawTrainingData(data_ids, await self._provider.get_batch(data_ids))
+        samples = await self._provider.get_samples(data_ids)
+        if raw and (block := _plain_block(samples)) is not None:
+            return RawTrainingData(data_ids, block)
+        return TrainingData(data_ids, samples)
+
+
+def _plain_block(samples: list[TokenizedData]) -> np.ndarray | None:
+    """The samples as one `[n, seq_len]` array when they are bare token runs of one length
+    (anything with labels, position ids or packing goes in upstream's form)."""
+    if not samples or any(
+        s.labels is not None or s.position_ids is not None or s.sequence_lengths is not None
+        for s in samples
+    ):
+        return None
+    seq_len = len(samples[0].input_ids)
+    if seq_len == 0 or any(len(s.input_ids) != seq_len for s in samples):
+        return None
+    return np.stack([s.input_ids for s in samples])

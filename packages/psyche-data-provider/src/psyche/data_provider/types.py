@@ -118,6 +118,14 @@ class TokenizedDataProvider(Protocol):
 
 
 @runtime_checkable
+class BatchDataProvider(Protocol):
+    """A provider that can also return a whole pretraining batch as one int32 `[n, seq_len]`
+    array (no per-sample objects): the fast path of the local provider and the TCP client."""
+
+    async def get_batch(self, data_ids: BatchId) -> np.ndarray: ...
+
+
+@runtime_checkable
 class LengthKnownDataProvider(Protocol):
     def num_sequences(self) -> int: ...
 

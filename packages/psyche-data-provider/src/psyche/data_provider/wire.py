@@ -7,6 +7,14 @@ every field of a reply is a varint or a single byte below 0x80 (variant indices,
 lengths, zigzagged i32 tokens, `Option` tags), so a reply is a flat run of LEB128 varints: it is
 encoded from, and decoded into, one array of integers and then (de)structured by index.
 The tests check the codec against the serde declarations byte for byte.
+
+Port extension (Python peers only; see the package README): varint-encoding every token caps
+the server at a few million tokens per second, so a client may instead send
+`RequestRawTrainingData`, answered by `RawTrainingData`, whose tokens are one run of
+little-endian bytes. Both variants come after upstream's, so upstream's Rust code does not know
+their indices: a Rust server fails to decode the request and drops the connection, which the
+client takes as "upstream only" (`tcp_client`). The upstream messages are unchanged, so Rust
+clients and servers interoperate with ours as before.
 """
 
 from __future__ import annotations
@@ -16,7 +24,20 @@ from dataclasses import dataclass
 import numpy as np
 
 from psyche.core.batch_id import BatchId
-from psyche.core.serde import I32, DataEnum, PostcardError, RustEnum, struct, variant
+from psyche.core.serde import (
+    I32,
+    U8,
+    U32,
+    DataEnum,
+    PostcardError,
+    RustEnum,
+    decode_varint,
+    encode_varint,
+    from_bytes,
+    struct,
+    to_bytes,
+    variant,
+)
 from psyche.data_provider.types import TokenizedData
 
 # --------------------------------------------------------------------------------------------
@@ -49,9 +70,22 @@ class RequestRejected:
     reason: RejectionReason
 
 
+@struct(frozen=True)
+class RawTrainingDataWire:
+    """Port extension: `n = end - start + 1` sequences of `seq_len` tokens, row after row, each
+    token `token_width` little-endian bytes (2: u16, 4: i32), so `len(tokens)` is exactly
+    `n * seq_len * token_width`."""
+
+    data_ids: BatchId
+    seq_len: U32
+    token_width: U8
+    tokens: bytes
+
+
 class ServerToClientMessageWire(DataEnum):
     TrainingData = variant(TrainingDataWire)
     RequestRejected = variant(RequestRejected)
+    RawTrainingData = variant(RawTrainingDataWire)  # port extension
 
 
 @struct(frozen=True)
@@ -59,8 +93,30 @@ class RequestTrainingData:
     data_ids: BatchId
 
 
+_Request = RequestTrainingData  # the variant below shadows the struct's name in the class body
+
+
 class ClientToServerMessage(DataEnum):
-    RequestTrainingData = variant(RequestTrainingData)
+    RequestTrainingData = variant(_Request)
+    # Port extension: "answer with RawTrainingData if you can" (or with TrainingData).
+    RequestRawTrainingData = variant(_Request)
+
+
+@dataclass(frozen=True)
+class UpstreamRequestCodec:
+    """Decodes only upstream's requests; anything else is a decode error that drops the
+    connection, exactly as in a Rust server (for tests and upstream-faithful serving)."""
+
+    def encode(self, value: ClientToServerMessage) -> bytes:
+        if not isinstance(value, ClientToServerMessage.RequestTrainingData):
+            raise PostcardError(f"{value!r} is not one of upstream's requests")
+        return to_bytes(value, ClientToServerMessage)
+
+    def decode(self, data: bytes | memoryview) -> ClientToServerMessage:
+        message = from_bytes(data, ClientToServerMessage)
+        if not isinstance(message, ClientToServerMessage.RequestTrainingData):
+            raise PostcardError("invalid variant index 1 for ClientToServerMessage")
+        return message
 
 
 # --------------------------------------------------------------------------------------------
@@ -73,10 +129,20 @@ class TrainingData:
     raw_data: list[TokenizedData]
 
 
-ServerToClientMessage = TrainingData | RequestRejected
+@dataclass(frozen=True, eq=False)
+class RawTrainingData:
+    """A batch as one int32 `[n, seq_len]` array (sent as `RawTrainingDataWire`)."""
+
+    data_ids: BatchId
+    tokens: np.ndarray
+
+
+ServerToClientMessage = TrainingData | RequestRejected | RawTrainingData
 
 _TRAINING_DATA = ServerToClientMessageWire.TrainingData.index
 _REQUEST_REJECTED = ServerToClientMessageWire.RequestRejected.index
+_RAW_TRAINING_DATA = ServerToClientMessageWire.RawTrainingData.index
+_U16_MAX = 0xFFFF
 _U32_MAX = 0xFFFF_FFFF
 _MAX_U64_VARINT = 10
 _MAX_U32_VARINT = 5
@@ -184,6 +250,8 @@ class ServerMessageCodec:
     """postcard of upstream's `ServerToClientMessage`, vectorized over the token arrays."""
 
     def encode(self, message: ServerToClientMessage) -> bytes:
+        if isinstance(message, RawTrainingData):
+            return encode_raw_training_data(message)
         if isinstance(message, RequestRejected):
             head = [_REQUEST_REJECTED, message.data_ids.start, message.data_ids.end]
             return encode_varints(np.array([*head, message.reason.value], dtype=np.uint64))
@@ -204,9 +272,63 @@ class ServerMessageCodec:
                     parts.append(_zigzag_i32(extra))
         return encode_varints(np.concatenate(parts))
 
-    def decode(self, data: bytes) -> ServerToClientMessage:
-        values, lengths = decode_varints(data)
+    def decode(self, data: bytes | memoryview) -> ServerToClientMessage:
+        view = memoryview(data)
+        if len(view) and view[0] == _RAW_TRAINING_DATA:  # one byte: a varint below 0x80
+            return decode_raw_training_data(view)
+        values, lengths = decode_varints(view)
         return _Reader(values, lengths).message()
+
+
+def encode_raw_training_data(message: RawTrainingData) -> bytes:
+    """The narrowest exact width: u16 when every token fits (as pre-tokenized 2-byte data
+    always does, halving the bytes), else i32."""
+    tokens = message.tokens
+    if tokens.ndim != 2 or tokens.dtype != np.int32:
+        raise PostcardError("RawTrainingData needs a 2-D int32 token array")
+    n, seq_len = tokens.shape
+    ids = message.data_ids
+    if n == 0 or n != ids.end - ids.start + 1 or seq_len == 0 or seq_len > _U32_MAX:
+        raise PostcardError(f"a {tokens.shape} token array does not fit {ids}")
+    narrow = int(tokens.min()) >= 0 and int(tokens.max()) <= _U16_MAX
+    body = tokens.astype("<u2" if narrow else "<i4")
+    head = bytearray([_RAW_TRAINING_DATA])
+    for value in (ids.start, ids.end, seq_len):
+        encode_varint(value, head)
+    head.append(2 if narrow else 4)
+    encode_varint(body.nbytes, head)
+    return b"".join((head, body.data))
+
+
+def decode_raw_training_data(view: memoryview) -> RawTrainingData:
+    """Every field is checked before anything is allocated: the variant, the widths, and that
+    the token bytes are exactly `n * seq_len * width` and end the message."""
+    index, pos = decode_varint(view, 0, 32)
+    if index != _RAW_TRAINING_DATA:
+        raise PostcardError(f"expected RawTrainingData, got variant {index}")
+    start, pos = decode_varint(view, pos, 64)
+    end, pos = decode_varint(view, pos, 64)
+    seq_len, pos = decode_varint(view, pos, 32)
+    if pos >= len(view):
+        raise PostcardError("unexpected end of input reading token_width")
+    width = view[pos]
+    length, pos = decode_varint(view, pos + 1, 64)
+    if width not in (2, 4):
+        raise PostcardError(f"RawTrainingData: token width {width} is neither 2 nor 4")
+    if start > end or seq_len == 0:
+        raise PostcardError(f"RawTrainingData: empty batch B[{start}, {end}] x {seq_len}")
+    n = end - start + 1
+    if length != n * seq_len * width:
+        raise PostcardError(
+            f"RawTrainingData: {length} token bytes, but B[{start}, {end}] of {seq_len} tokens "
+            f"of {width} bytes needs {n * seq_len * width}"
+        )
+    if len(view) - pos != length:
+        raise PostcardError(
+            f"RawTrainingData: {len(view) - pos} bytes follow the header, expected {length}"
+        )
+    raw = np.frombuffer(view, dtype="<u2" if width == 2 else "<i4", offset=pos)
+    return RawTrainingData(BatchId(start, end), raw.astype(np.int32).reshape(n, seq_len))
 
 
 class _Reader:
@@ -284,6 +406,9 @@ def to_wire(message: ServerToClientMessage) -> ServerToClientMessageWire:
     """The serde form of a reply (for checks against the serde codec; slow for big batches)."""
     if isinstance(message, RequestRejected):
         return ServerToClientMessageWire.RequestRejected(message)
+    if isinstance(message, RawTrainingData):
+        encoded = encode_raw_training_data(message)
+        return from_bytes(encoded, ServerToClientMessageWire)
 
     def lst(a: np.ndarray | None) -> list[int] | None:
         return None if a is None else a.tolist()

@@ -5,6 +5,12 @@ With DisTrO the loop has upstream's timing: step N trains on weights updated thr
 (plus the lookahead), then applies the (optionally 1-bit) results of step N-1. With `--peers N`
 the batch is split across N replicas; each applies every replica's results, as Psyche clients
 do, and keeps its own unquantized results for the momentum residual.
+
+Data comes from psyche.data_provider, as upstream: the local token-file provider, or, when the
+directory holds no token files it can use, the preprocessed (parquet) provider's train split.
+`--seed S` (a u32) shuffles with upstream's ChaCha8 shuffle under the 32-byte seed
+`[0] * 28 + S.to_bytes(4, "big")` (upstream's example writes the seed's big-endian bytes into the
+last four bytes of a zeroed array), so a seed selects the same order here as in upstream.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from psyche.core.definitions import (
     AdamW,
@@ -23,6 +30,19 @@ from psyche.core.definitions import (
     LearningRateSchedule,
     OptimizerDefinition,
 )
+
+if TYPE_CHECKING:
+    from psyche.core.data_shuffle import Shuffle
+    from psyche.modeling.trainer import Batch
+
+U32_MAX = 0xFFFF_FFFF
+
+
+def _u32(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= U32_MAX:
+        raise argparse.ArgumentTypeError(f"{text} is not a u32 (0..={U32_MAX})")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--attn-implementation", default="sdpa", choices=("eager", "sdpa", "flash_attention_2")
     )
     p.add_argument("--start-step", type=int, default=1)
-    p.add_argument("--seed", type=int, help="shuffle the samples with this seed")
+    p.add_argument("--seed", type=_u32, help="shuffle the samples with this seed (a u32)")
     p.add_argument("--save-path", help="write a Hugging Face checkpoint here at the end")
     return p
 
@@ -114,6 +134,88 @@ def _load_model(args: argparse.Namespace, seed: int):  # type: ignore[no-untyped
     return CausalLM.from_pretrained(args.model, options)
 
 
+def seed_shuffle(seed: int | None) -> Shuffle:
+    """Upstream's `--seed` -> `Shuffle`: the u32's big-endian bytes end a zeroed 32-byte seed."""
+    from psyche.core.data_shuffle import Shuffle
+
+    if seed is None:
+        return Shuffle.DontShuffle()
+    return Shuffle.Seeded(bytes(28) + seed.to_bytes(4, "big"))
+
+
+def _open_dataset(args: argparse.Namespace) -> Any:
+    """The local provider, else (as upstream) the preprocessed provider's train split."""
+    # psyche-data-provider depends (through psyche-network) on this package, so it is imported
+    # here, at run time, and declared as the `train` extra rather than a dependency.
+    from psyche.core.token_size import TokenSize
+    from psyche.data_provider import (
+        DataProviderError,
+        LocalDataProvider,
+        PreprocessedDataProvider,
+        Split,
+    )
+
+    shuffle = seed_shuffle(args.seed)
+    try:
+        dataset = LocalDataProvider.new_from_directory(
+            args.data_path,
+            TokenSize.from_num_bytes(args.token_size),
+            args.sequence_length,
+            shuffle,
+        )
+        print(f"Loaded local dataset with {dataset.num_sequences()} samples", flush=True)
+        return dataset
+    except DataProviderError as local_error:
+        print(
+            f"Failed to load with local data provider. {local_error} "
+            "Trying preprocessed data provider instead",
+            flush=True,
+        )
+        try:
+            dataset = PreprocessedDataProvider.new_from_directory(
+                args.data_path, args.sequence_length, shuffle, Split.Train, None
+            )
+        except DataProviderError as e:
+            raise SystemExit(f"psyche-train: {local_error}; preprocessed data: {e}") from e
+    print(f"Loaded preprocessed dataset with {dataset.num_sequences()} samples", flush=True)
+    return dataset
+
+
+def _read_batch(dataset: Any, start: int, end: int) -> Batch:
+    """Samples `start..=end` as a training batch (int64 token ids)."""
+    import numpy as np
+    import torch
+    import trio
+
+    from psyche.core.batch_id import BatchId
+    from psyche.data_provider import LocalDataProvider
+    from psyche.modeling.trainer import Batch
+
+    ids = BatchId(start, end)
+    if isinstance(dataset, LocalDataProvider):
+        return Batch(torch.from_numpy(dataset.read_batch(ids)).long())
+    samples = trio.run(dataset.get_samples, ids)  # in memory: the call never waits
+
+    def stacked(field: str) -> torch.Tensor | None:
+        rows = [getattr(s, field) for s in samples]
+        if any(r is None for r in rows):
+            return None
+        return torch.from_numpy(np.stack(rows)).long()
+
+    input_ids = stacked("input_ids")
+    assert input_ids is not None
+    return Batch(input_ids, stacked("labels"), stacked("position_ids"))
+
+
+def _rows(batch: Batch, start: int, end: int) -> Batch:
+    from psyche.modeling.trainer import Batch
+
+    def part(t: Any) -> Any:
+        return None if t is None else t[start:end]
+
+    return Batch(batch.input_ids[start:end], part(batch.labels), part(batch.position_ids))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.peers < 1:
@@ -123,16 +225,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.total_batch % args.peers:
         raise SystemExit("--total-batch must be divisible by --peers")
 
-    from psyche.modeling.local_data import DataError, LocalTokenDataset
-    from psyche.modeling.trainer import Batch, Trainer
-
+    dataset = _open_dataset(args)
     try:
-        dataset = LocalTokenDataset(
-            args.data_path, args.token_size, args.sequence_length, args.seed
-        )
-    except DataError as e:
-        raise SystemExit(f"psyche-train: {e}") from e
-    print(f"Loaded local dataset with {len(dataset)} samples", flush=True)
+        return _train(args, dataset)
+    finally:
+        close = getattr(dataset, "close", None)  # the local provider unmaps its files
+        if close is not None:
+            close()
+
+
+def _train(args: argparse.Namespace, dataset: Any) -> int:
+    from psyche.data_provider import DataProviderError
+    from psyche.modeling.trainer import Trainer
 
     schedule = LearningRateSchedule.Cosine(
         CosineLR(
@@ -167,20 +271,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             start_id = (step - 1) * args.total_batch
             end_id = step * args.total_batch - 1
             try:
-                samples = dataset.get_samples(start_id, end_id)
-            except DataError as e:
+                batch = _read_batch(dataset, start_id, end_id)
+            except DataProviderError as e:
                 print(f"psyche-train: {e}", file=sys.stderr)
                 return 1
-            import torch
-
-            rows = torch.from_numpy(samples)
-            per_peer = len(rows) // len(trainers)
+            per_peer = len(batch) // len(trainers)
             outputs = []
             for i, trainer in enumerate(trainers):
                 own_prev = None if prev is None else ([prev[i]] if prev else [])
                 out = trainer.train(
                     step,
-                    Batch(rows[i * per_peer : (i + 1) * per_peer]),
+                    _rows(batch, i * per_peer, (i + 1) * per_peer),
                     prev_self_distro_results=own_prev,
                 )
                 outputs.append(out)

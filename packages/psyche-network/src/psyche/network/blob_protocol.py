@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 import trio
 
+from psyche.core.identity import SecretKey, verify_signature
 from psyche.core.serde import (
     U8,
     U64,
@@ -34,7 +35,6 @@ from psyche.core.serde import (
     variant,
 )
 from psyche.core.serde import struct as wire_struct
-from psyche.network.identity import SecretKey, verify
 from psyche.network.ticket import blob_hash
 
 PROTOCOL_VERSION = 0
@@ -183,7 +183,9 @@ async def serve_one(
             ServerHello,
         )
         get: Get = await read_frame(stream, Get)
-    if not verify(hello.requester, transcript(_REQUESTER_DOMAIN, hello, nonce), get.signature):
+    if not verify_signature(
+        hello.requester, transcript(_REQUESTER_DOMAIN, hello, nonce), get.signature
+    ):
         await send_frame(stream, Reply.Refused("bad signature"), Reply)
         return None
     blob = lookup(get.hash)
@@ -220,7 +222,7 @@ async def fetch_one(
                 raise BlobRefused(f"provider refused the handshake: {reason}")
             case ServerHello.Challenge(challenge):
                 pass
-        if challenge.provider != provider or not verify(
+        if challenge.provider != provider or not verify_signature(
             provider, transcript(_PROVIDER_DOMAIN, hello, challenge.nonce), challenge.signature
         ):
             raise BlobProtocolError("provider failed to prove its identity")

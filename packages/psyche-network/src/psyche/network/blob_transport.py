@@ -19,9 +19,10 @@ from typing import Any, Protocol
 
 import trio
 
+from psyche.core.identity import SecretKey
 from psyche.network import blob_protocol
 from psyche.network.blob_protocol import AllowCheck, BlobLookup, ProgressFn
-from psyche.network.identity import SecretKey, fmt_short
+from psyche.network.identity import fmt_short
 from psyche.network.ticket import EndpointAddr, TransportAddr, parse_host_port
 
 logger = logging.getLogger(__name__)

@@ -3,83 +3,45 @@
 A broadcast announces either a training result (the commitment to its payload plus the ticket of
 the blob that carries it) or that the sender finished the round. `Rebroadcaster` re-sends the
 client's own broadcasts with a bumped nonce, because gossip does not guarantee delivery.
+`Commitment`, `Committee` and `CommitteeProof` are psyche.coordinator's (re-exported here).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import ClassVar
 
 import trio
 
+from psyche.coordinator.commitment import Commitment
+from psyche.coordinator.committee_selection import Committee, CommitteeProof
 from psyche.core.batch_id import BatchId
+from psyche.core.identity import verify_signature
 from psyche.core.merkle_tree import MerkleRoot
-from psyche.core.serde import U32, U64, DataEnum, RustEnum, SerdeProxy, struct, variant
-from psyche.network.identity import verify
+from psyche.core.serde import U32, DataEnum, struct, variant
 from psyche.network.ticket import BlobTicket
+
+__all__ = [
+    "REBROADCAST_SHAREABLE_SECS",
+    "Broadcast",
+    "BroadcastType",
+    "Commitment",
+    "Committee",
+    "CommitteeProof",
+    "Finished",
+    "Rebroadcaster",
+    "TrainingResult",
+    "rebroadcast_periodically",
+    "verify_commitment",
+]
 
 REBROADCAST_SHAREABLE_SECS = 10.0
 """Upstream re-sends one stored broadcast every 10 s, round robin."""
 
-COMMITMENT_LENGTH = 96
 
-
-class Committee(RustEnum):
-    """Upstream `psyche_coordinator::Committee` (same wire form as psyche.coordinator's)."""
-
-    TieBreaker = 0
-    Verifier = 1
-    Trainer = 2
-
-
-@struct(frozen=True)
-class CommitteeProof:
-    """Upstream `psyche_coordinator::CommitteeProof` (same wire form as psyche.coordinator's)."""
-
-    committee: Committee = Committee.TieBreaker
-    position: U64 = 0
-    index: U64 = 0
-
-
-class Commitment(SerdeProxy):
-    """`{data_hash: [u8; 32], signature: [u8; 64]}`, serialized as one 96-byte byte string.
-
-    Upstream's `psyche_coordinator::Commitment`; kept here until psyche.coordinator has it.
-    """
-
-    serde_proxy_type: ClassVar[type] = bytes
-    __slots__ = ("data_hash", "signature")
-
-    def __init__(self, data_hash: bytes, signature: bytes) -> None:
-        if len(data_hash) != 32 or len(signature) != 64:
-            raise ValueError("Invalid length for Commitment")
-        self.data_hash = bytes(data_hash)
-        self.signature = bytes(signature)
-
-    def to_serde_proxy(self) -> bytes:
-        return self.data_hash + self.signature
-
-    @classmethod
-    def from_serde_proxy(cls, proxy: bytes) -> Commitment:
-        if len(proxy) != COMMITMENT_LENGTH:
-            raise ValueError("Invalid length for Commitment")
-        return cls(proxy[:32], proxy[32:])
-
-    def verify(self, signer: bytes) -> bool:
-        """The client's check: the gossip sender signed the payload hash."""
-        return verify(signer, self.data_hash, self.signature)
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Commitment):
-            return NotImplemented
-        return (self.data_hash, self.signature) == (other.data_hash, other.signature)
-
-    def __hash__(self) -> int:
-        return hash((self.data_hash, self.signature))
-
-    def __repr__(self) -> str:
-        return f"Commitment({self.data_hash[:5].hex()})"
+def verify_commitment(commitment: Commitment, signer: bytes) -> bool:
+    """The client's check of a received broadcast: `signer` signed the commitment's hash."""
+    return verify_signature(signer, commitment.data_hash, commitment.signature)
 
 
 @struct(frozen=True)

@@ -24,8 +24,9 @@ import trio
 from libp2p.abc import IHost, INetStream
 from libp2p.tools.anyio_service import background_trio_service
 
-from psyche.core.serde import from_bytes, to_bytes
-from psyche.network import model_sharing, p2p_host, peer_exchange
+from psyche.core.identity import SecretKey
+from psyche.core.serde import to_bytes
+from psyche.network import blob_decode, model_sharing, p2p_host, peer_exchange
 from psyche.network.allowlist import AllowDynamic, Allowlist
 from psyche.network.blob_store import DEFAULT_GC_INTERVAL_SECS, BlobStore, remove_staled_tags
 from psyche.network.blob_transport import CONNECT_TIMEOUT_SECS, TcpBlobTransport
@@ -41,7 +42,7 @@ from psyche.network.download import (
     track_progress,
 )
 from psyche.network.gossip import Gossip, GossipConfig, gossip_topic
-from psyche.network.identity import SecretKey, fmt_short, peer_id_from_public_key
+from psyche.network.identity import fmt_short, peer_id_from_public_key
 from psyche.network.interfaces import announce_host, interface_ipv4
 from psyche.network.latency_sorted import LatencySorted
 from psyche.network.peer_manager import MODEL_REQUEST_TIMEOUT_SECS
@@ -155,6 +156,7 @@ class NetworkConnection:
         self.allowlist = allowlist
         self.broadcast_type = broadcast_type
         self.download_type = download_type
+        blob_decode.prepare(download_type)
         self.store = BlobStore()
         self.address_book = AddressBook()
         self.local_discovery = (
@@ -464,10 +466,13 @@ class NetworkConnection:
             )
             return
         try:
+            # No copy of the payload: its `bytes` fields are views into the verified blob.
             if len(blob) < (1 << 20):
-                data = from_bytes(blob, self.download_type)
+                data = blob_decode.from_blob(blob, self.download_type)
             else:
-                data = await trio.to_thread.run_sync(from_bytes, blob, self.download_type)
+                data = await trio.to_thread.run_sync(
+                    blob_decode.from_blob, blob, self.download_type
+                )
         except Exception as e:  # PostcardError, or anything a hostile payload provokes
             self._events_send.send_nowait(
                 DownloadFailed(ticket, update.tag, f"undecodable blob: {e}", update.download_type)

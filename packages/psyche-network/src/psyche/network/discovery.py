@@ -19,7 +19,8 @@ import tempfile
 from pathlib import Path
 
 from psyche.core.atomic_file import write_atomically
-from psyche.network.identity import SecretKey, fmt_short
+from psyche.core.identity import SecretKey
+from psyche.network.identity import fmt_short
 from psyche.network.signed_message import SignedMessage, SignedMessageError
 from psyche.network.ticket import EndpointAddr, TransportAddr
 

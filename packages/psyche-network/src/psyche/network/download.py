@@ -91,6 +91,8 @@ class DownloadComplete:
     from_: bytes
     """The ticket's provider (as upstream), even when another peer served the bytes."""
     data: Any
+    """The decoded payload; its `bytes` fields are read-only memoryviews into the verified blob
+    (`blob_decode`): no copy of the payload is made."""
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,8 @@ from libp2p.pubsub.gossipsub import PROTOCOL_ID, PROTOCOL_ID_V11, GossipSub
 from libp2p.pubsub.pb import rpc_pb2
 from libp2p.pubsub.pubsub import Pubsub
 
-from psyche.network.identity import SecretKey, fmt_short
+from psyche.core.identity import SecretKey
+from psyche.network.identity import fmt_short
 from psyche.network.p2p_host import peer_key
 from psyche.network.signed_message import SignedMessage, SignedMessageError
 

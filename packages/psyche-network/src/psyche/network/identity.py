@@ -3,31 +3,30 @@
 Upstream's `--identity-secret-key-path` file holds exactly 32 raw bytes (`openssl rand 32`); the
 same bytes seed the ed25519 key whose 32-byte public key is the `NodeIdentity.p2p_identity` the
 coordinator knows and, wrapped in libp2p's identity multihash, the libp2p `PeerID`.
-The key itself is `psyche.core.identity.SecretKey`; this module adds the libp2p conversions.
+The key (and signature checks) are `psyche.core.identity`'s; this module only converts between
+it and libp2p's key pairs and peer ids, and formats ids for logs.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-from psyche.core.identity import PUBLIC_KEY_LEN, SecretKey, verify_signature
+from psyche.core.identity import PUBLIC_KEY_LEN
 
 if TYPE_CHECKING:
     from libp2p.crypto.keys import KeyPair
     from libp2p.peer.id import ID
 
+    from psyche.core.identity import SecretKey
+
 __all__ = [
     "IdentityError",
     "PublicKey",
-    "SecretKey",
     "fmt_short",
     "libp2p_key_pair",
-    "load_or_generate",
     "peer_id_bytes",
     "peer_id_from_public_key",
     "public_key_from_peer_id",
-    "verify",
 ]
 
 # A libp2p peer id for an ed25519 key is the identity multihash (0x00, length 0x24) of the
@@ -40,16 +39,6 @@ PublicKey = bytes
 
 class IdentityError(ValueError):
     """A key encoding that cannot be a Psyche identity."""
-
-
-def load_or_generate(path: Path | str | None) -> SecretKey:
-    """The key in `path` if given, else a fresh random one (upstream: random when absent)."""
-    return SecretKey.generate() if path is None else SecretKey.read_file(path)
-
-
-def verify(public_key: bytes, data: bytes | bytearray | memoryview, signature: bytes) -> bool:
-    """ed25519 verification that never raises: a malformed key or signature is just `False`."""
-    return verify_signature(bytes(public_key), bytes(data), bytes(signature))
 
 
 def fmt_short(key_or_hash: bytes) -> str:

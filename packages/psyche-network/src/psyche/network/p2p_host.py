@@ -30,9 +30,9 @@ from libp2p.peer.peerinfo import PeerInfo
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 
+from psyche.core.identity import SecretKey
 from psyche.network.identity import (
     IdentityError,
-    SecretKey,
     libp2p_key_pair,
     peer_id_from_public_key,
     public_key_from_peer_id,

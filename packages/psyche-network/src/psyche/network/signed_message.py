@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Any, TypeVar
 
+from psyche.core.identity import SecretKey, verify_signature
 from psyche.core.serde import FixedBytes, PostcardError, from_bytes, struct, to_bytes
-from psyche.network.identity import PublicKey, SecretKey, verify
+from psyche.network.identity import PublicKey
 
 T = TypeVar("T")
 
@@ -41,7 +42,7 @@ class SignedMessage:
             signed = from_bytes(raw, SignedMessage)
         except PostcardError as e:
             raise SignedMessageError(f"malformed signed message: {e}") from e
-        if not verify(signed.from_, signed.data, signed.signature):
+        if not verify_signature(signed.from_, signed.data, signed.signature):
             raise SignedMessageError("signature does not verify")
         try:
             return signed.from_, from_bytes(signed.data, tp)
@@ -51,4 +52,4 @@ class SignedMessage:
 
 def raw_p2p_verify(signer: bytes, data: bytes, signature: bytes) -> bool:
     """Upstream `raw_p2p_verify`: false for an invalid key or signature, never an error."""
-    return verify(signer, data, signature)
+    return verify_signature(signer, data, signature)

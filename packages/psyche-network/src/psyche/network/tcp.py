@@ -31,6 +31,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import trio
 
+from psyche.core.identity import SecretKey
 from psyche.core.serde import FixedBytes, PostcardError, decode_varint, from_bytes, to_bytes
 from psyche.network.signed_message import SignedMessage, SignedMessageError
 
@@ -45,6 +46,7 @@ CLIENT_MAX_FRAME_LENGTH = 64 * 1024 * 1024  # upstream MAX_FRAME_LENGTH
 CHALLENGE_LENGTH = 32
 HANDSHAKE_TIMEOUT = 10.0  # seconds; upstream waits forever
 SEND_QUEUE_LENGTH = 1024
+DIRECT_RECEIVE_BYTES = 256 * 1024  # frames this large are received straight into their buffer
 
 # Variant indices of the envelope enums.
 CHALLENGE = 0
@@ -68,11 +70,15 @@ class ConnectionClosed(Exception):
 
 
 class Codec(Protocol[T]):
-    """Bytes of a message payload; `decode` raises ValueError (e.g. PostcardError) on bad input."""
+    """Bytes of a message payload; `decode` raises ValueError (e.g. PostcardError) on bad input.
+
+    `decode` gets a read-only view into the received frame (no copy); a decoder that keeps it
+    beyond the call keeps the frame alive, which is safe: nothing reuses the frame's buffer.
+    """
 
     def encode(self, value: T) -> bytes: ...
 
-    def decode(self, data: bytes) -> T: ...
+    def decode(self, data: memoryview) -> T: ...
 
 
 @dataclass(frozen=True)
@@ -84,7 +90,7 @@ class PostcardCodec(Generic[T]):
     def encode(self, value: T) -> bytes:
         return to_bytes(value, self.tp)
 
-    def decode(self, data: bytes) -> T:
+    def decode(self, data: bytes | memoryview) -> T:
         return from_bytes(data, self.tp)
 
 
@@ -96,22 +102,40 @@ class FramedStream:
     """Length-delimited frames over a trio stream.
 
     `receive` is cancel-safe: bytes already read stay buffered, so a cancelled call loses nothing
-    and the next call continues the same frame.
+    and the next call continues the same frame. On a socket, a large frame is received straight
+    into its own buffer (no intermediate copies).
     """
 
     def __init__(
         self, stream: trio.abc.Stream, *, max_receive_frame: int, max_send_frame: int
     ) -> None:
         self._stream = stream
+        self._socket = stream.socket if isinstance(stream, trio.SocketStream) else None
         self._buf = bytearray()
+        self._frame: bytearray | None = None  # a large frame being received in place
+        self._filled = 0
         self.max_receive_frame = max_receive_frame
         self.max_send_frame = max_send_frame
         self._send_lock = trio.Lock()
 
-    async def receive(self) -> bytes | None:
+    async def receive(self) -> bytes | bytearray | None:
         """The next frame's payload, or None when the peer closed between frames."""
         buf = self._buf
         while True:
+            if self._frame is not None:
+                frame = self._frame
+                if self._filled == len(frame):
+                    self._frame = None
+                    return frame
+                assert self._socket is not None
+                with memoryview(frame) as view:
+                    got = await self._socket.recv_into(view[self._filled :])
+                if not got:
+                    raise TcpProtocolError(
+                        f"connection closed inside a frame ({4 + self._filled} bytes)"
+                    )
+                self._filled += got
+                continue
             if len(buf) >= 4:
                 length = int.from_bytes(buf[:4], "big")
                 if length > self.max_receive_frame:
@@ -123,6 +147,12 @@ class FramedStream:
                         frame = view[4 : 4 + length].tobytes()
                     del buf[: 4 + length]
                     return frame
+                if self._socket is not None and length >= DIRECT_RECEIVE_BYTES:
+                    self._frame = bytearray(length)
+                    self._filled = len(buf) - 4
+                    self._frame[: self._filled] = buf[4:]
+                    buf.clear()
+                    continue
                 need = 4 + length - len(buf)
             else:
                 need = 4 - len(buf)
@@ -157,9 +187,9 @@ def encode_else(payload: bytes) -> bytes:
     return _ELSE_TAG + payload
 
 
-def split_envelope(frame: bytes) -> tuple[int, memoryview]:
-    """(variant index, payload) of an envelope frame."""
-    view = memoryview(frame)
+def split_envelope(frame: bytes | bytearray) -> tuple[int, memoryview]:
+    """(variant index, read-only view of the payload) of an envelope frame."""
+    view = memoryview(frame).toreadonly()
     tag, pos = decode_varint(view, 0, 32)
     return tag, view[pos:]
 
@@ -172,23 +202,20 @@ def encode_challenge(challenge: bytes) -> bytes:
     return bytes([CHALLENGE]) + to_bytes(challenge, _CHALLENGE_TYPE)
 
 
-def encode_challenge_response(secret_key: Any, challenge: bytes) -> bytes:
-    """`ChallengeResponse(SignedMessage::<[u8; 32]>::sign_and_encode(sk, challenge))`.
-
-    `secret_key` is anything with `public_key` (32 bytes) and `sign(bytes) -> bytes`.
-    """
+def encode_challenge_response(secret_key: SecretKey, challenge: bytes) -> bytes:
+    """`ChallengeResponse(SignedMessage::<[u8; 32]>::sign_and_encode(sk, challenge))`."""
     signed = SignedMessage.sign_and_encode(secret_key, challenge, _CHALLENGE_TYPE)
     return bytes([CHALLENGE_RESPONSE]) + to_bytes(signed, bytes)  # Vec<u8>: varint length + bytes
 
 
-def _decode_challenge(frame: bytes) -> bytes:
+def _decode_challenge(frame: bytes | bytearray) -> bytes:
     tag, payload = split_envelope(frame)
     if tag != CHALLENGE:
         raise TcpProtocolError("Expected challenge, got something else")
     return from_bytes(payload, _CHALLENGE_TYPE)
 
 
-def verify_challenge_response(frame: bytes, challenge: bytes) -> bytes:
+def verify_challenge_response(frame: bytes | bytearray, challenge: bytes) -> bytes:
     """The public key that signed `challenge` in a client's first frame; raises on anything else."""
     tag, payload = split_envelope(frame)
     if tag != CHALLENGE_RESPONSE:
@@ -436,7 +463,7 @@ class TcpServer(Generic[ToServer, ToClient]):
                 raise TcpProtocolError("Unexpected challenge message")
             if tag != ELSE:
                 raise TcpProtocolError(f"invalid client-to-server variant {tag}")
-            message = self._to_server.decode(bytes(payload))
+            message = self._to_server.decode(payload)
             await self._events_send.send(Message(client, message))
 
     @staticmethod
@@ -485,7 +512,7 @@ class TcpClient(Generic[ToServer, ToClient]):
     async def connect(
         cls,
         address: str,
-        secret_key: Any,
+        secret_key: SecretKey,
         *,
         to_server: Codec[ToServer],
         to_client: Codec[ToClient],
@@ -529,7 +556,7 @@ class TcpClient(Generic[ToServer, ToClient]):
             raise TcpProtocolError("Unexpected challenge message")
         if tag != ELSE:
             raise TcpProtocolError(f"invalid server-to-client variant {tag}")
-        return self._to_client.decode(bytes(payload))
+        return self._to_client.decode(payload)
 
     async def aclose(self) -> None:
         with trio.CancelScope(shield=True):

@@ -9,6 +9,7 @@ from typing import Any
 
 import trio
 
+from psyche.core.identity import SecretKey
 from psyche.network.broadcast import Broadcast
 from psyche.network.connection import (
     ModelConfigRequest,
@@ -17,7 +18,6 @@ from psyche.network.connection import (
     NetworkEvent,
     ParameterRequest,
 )
-from psyche.network.identity import SecretKey
 from psyche.network.model_sharing import SharableModel, answer_request
 from psyche.network.transmittable import ModelRequestType, TransmittableDownload
 

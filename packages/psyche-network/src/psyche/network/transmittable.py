@@ -18,7 +18,7 @@ class TransmittableModelParameter:
 
     def name(self) -> str:
         try:
-            return self.param_name_bytes.decode("utf-8")
+            return str(self.param_name_bytes, "utf-8")  # bytes or a view of a received blob
         except UnicodeDecodeError as e:
             raise SharableModelFailure(SharableModelError.DecodeParameterNameError(str(e))) from e
 
