@@ -1,5 +1,5 @@
-"""Zero-copy decoding of downloaded blobs: the same values and errors as serde's `from_bytes`,
-with every `Vec<u8>` field a read-only view into the blob."""
+"""Zero-copy decoding of downloaded blobs (`from_bytes(..., borrow=True)`): the same values and
+errors as a copying decode, with every `Vec<u8>` field a read-only view into the blob."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from psyche.modeling.serialized_distro import (
     TransmittableDistroResult,
     torch_from_serializable_tensor,
 )
-from psyche.network.blob_decode import from_blob
+from psyche.network.connection import decode_blob as from_blob
 from psyche.network.transmittable import (
     TransmittableDownload,
     TransmittableModelConfig,

@@ -25,8 +25,8 @@ from libp2p.abc import IHost, INetStream
 from libp2p.tools.anyio_service import background_trio_service
 
 from psyche.core.identity import SecretKey
-from psyche.core.serde import to_bytes
-from psyche.network import blob_decode, model_sharing, p2p_host, peer_exchange
+from psyche.core.serde import from_bytes, prepare_decoder, to_bytes
+from psyche.network import model_sharing, p2p_host, peer_exchange
 from psyche.network.allowlist import AllowDynamic, Allowlist
 from psyche.network.blob_store import DEFAULT_GC_INTERVAL_SECS, BlobStore, remove_staled_tags
 from psyche.network.blob_transport import CONNECT_TIMEOUT_SECS, TcpBlobTransport
@@ -64,6 +64,13 @@ from psyche.network.transmittable import (
 )
 
 logger = logging.getLogger(__name__)
+
+
+def decode_blob(blob: bytes | memoryview, tp: Any) -> Any:
+    """A downloaded payload. Its `bytes` fields are read-only views into the blob, which the
+    downloader has already checked against the ticket's hash: no copy of tens of MiB."""
+    return from_bytes(blob, tp, borrow=True)
+
 
 MAX_BLOB_SIZE = 4 << 30
 SHUTDOWN_TIMEOUT_SECS = 5.0
@@ -156,7 +163,8 @@ class NetworkConnection:
         self.allowlist = allowlist
         self.broadcast_type = broadcast_type
         self.download_type = download_type
-        blob_decode.prepare(download_type)
+        # Compiled here, on the event loop, before any worker thread decodes.
+        prepare_decoder(download_type, borrow=True)
         self.store = BlobStore()
         self.address_book = AddressBook()
         self.local_discovery = (
@@ -468,11 +476,9 @@ class NetworkConnection:
         try:
             # No copy of the payload: its `bytes` fields are views into the verified blob.
             if len(blob) < (1 << 20):
-                data = blob_decode.from_blob(blob, self.download_type)
+                data = decode_blob(blob, self.download_type)
             else:
-                data = await trio.to_thread.run_sync(
-                    blob_decode.from_blob, blob, self.download_type
-                )
+                data = await trio.to_thread.run_sync(decode_blob, blob, self.download_type)
         except Exception as e:  # PostcardError, or anything a hostile payload provokes
             self._events_send.send_nowait(
                 DownloadFailed(ticket, update.tag, f"undecodable blob: {e}", update.download_type)

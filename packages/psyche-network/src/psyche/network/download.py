@@ -92,7 +92,7 @@ class DownloadComplete:
     """The ticket's provider (as upstream), even when another peer served the bytes."""
     data: Any
     """The decoded payload; its `bytes` fields are read-only memoryviews into the verified blob
-    (`blob_decode`): no copy of the payload is made."""
+    (`connection.decode_blob`): no copy of the payload is made."""
 
 
 @dataclass(frozen=True)

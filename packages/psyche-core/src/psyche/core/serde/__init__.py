@@ -9,6 +9,7 @@ from psyche.core.serde.postcard import (
     decode_varint,
     encode_varint,
     from_bytes,
+    prepare_decoder,
     take_from_bytes,
     to_bytes,
 )
@@ -62,6 +63,7 @@ __all__ = [
     "format_path",
     "from_bytes",
     "from_obj",
+    "prepare_decoder",
     "struct",
     "take_from_bytes",
     "to_bytes",

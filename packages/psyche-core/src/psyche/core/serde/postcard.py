@@ -13,6 +13,7 @@ capacity against its declared bound, and failures raise `PostcardError`.
 from __future__ import annotations
 
 import struct
+import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -99,32 +100,53 @@ def _take(buf: memoryview, pos: int, n: int) -> tuple[bytes, int]:
 # Compilation
 
 _encoders: dict[int, Encoder] = {}
-_decoders: dict[int, Decoder] = {}
+_decoders: dict[tuple[int, bool], Decoder] = {}
+# Compilation publishes only finished closures, so decoding may run in worker threads while
+# another thread compiles a new type. Placeholders for recursive types stay private to the
+# compiling thread.
+_compile_lock = threading.RLock()
+_building_encoders: dict[int, Encoder] = {}
+_building_decoders: dict[tuple[int, bool], Decoder] = {}
 
 
 def _encoder(wt: WireType) -> Encoder:
     key = id(wt)
     enc = _encoders.get(key)
-    if enc is None:
-        # Placeholder so recursive types terminate; replaced below.
+    if enc is not None:
+        return enc
+    with _compile_lock:
+        enc = _encoders.get(key) or _building_encoders.get(key)
+        if enc is not None:
+            return enc
         holder: list[Encoder] = []
-        _encoders[key] = lambda v, out: holder[0](v, out)
-        enc = _build_encoder(wt)
+        _building_encoders[key] = lambda v, out: holder[0](v, out)
+        try:
+            enc = _build_encoder(wt)
+        finally:
+            del _building_encoders[key]
         holder.append(enc)
         _encoders[key] = enc
-    return enc
+        return enc
 
 
-def _decoder(wt: WireType) -> Decoder:
-    key = id(wt)
+def _decoder(wt: WireType, borrow: bool = False) -> Decoder:
+    key = (id(wt), borrow)
     dec = _decoders.get(key)
-    if dec is None:
+    if dec is not None:
+        return dec
+    with _compile_lock:
+        dec = _decoders.get(key) or _building_decoders.get(key)
+        if dec is not None:
+            return dec
         holder: list[Decoder] = []
-        _decoders[key] = lambda b, p: holder[0](b, p)
-        dec = _build_decoder(wt)
+        _building_decoders[key] = lambda b, p: holder[0](b, p)
+        try:
+            dec = _build_decoder(wt, borrow)
+        finally:
+            del _building_decoders[key]
         holder.append(dec)
         _decoders[key] = dec
-    return dec
+        return dec
 
 
 def _check_int(value: Any, lo: int, hi: int, name: str) -> None:
@@ -302,7 +324,7 @@ def _build_encoder(wt: WireType) -> Encoder:
     raise TypeError(f"no postcard encoder for {wt!r}")
 
 
-def _build_decoder(wt: WireType) -> Decoder:
+def _build_decoder(wt: WireType, borrow: bool) -> Decoder:
     if isinstance(wt, WInt):
         m = wt.marker
         bits = m.bits
@@ -389,6 +411,19 @@ def _build_decoder(wt: WireType) -> Decoder:
 
             return dec_fixed_bytes
 
+        if borrow:
+
+            def dec_bytes_view(b: memoryview, p: int) -> tuple[memoryview, int]:
+                n, p = decode_varint(b, p, 64)
+                end = p + n
+                if end > len(b):
+                    raise PostcardError(
+                        f"unexpected end of input: needed {n} bytes, {len(b) - p} left"
+                    )
+                return b[p:end], end
+
+            return dec_bytes_view
+
         def dec_bytes(b: memoryview, p: int) -> tuple[bytes, int]:
             n, p = decode_varint(b, p, 64)
             return _take(b, p, n)
@@ -396,7 +431,7 @@ def _build_decoder(wt: WireType) -> Decoder:
         return dec_bytes
 
     if isinstance(wt, WOption):
-        inner = _decoder(wt.inner)
+        inner = _decoder(wt.inner, borrow)
 
         def dec_option(b: memoryview, p: int) -> tuple[Any, int]:
             if p >= len(b):
@@ -411,7 +446,7 @@ def _build_decoder(wt: WireType) -> Decoder:
         return dec_option
 
     if isinstance(wt, WSeq):
-        item = _decoder(wt.item)
+        item = _decoder(wt.item, borrow)
         cap = wt.capacity
 
         def dec_seq(b: memoryview, p: int) -> tuple[list[Any], int]:
@@ -431,7 +466,7 @@ def _build_decoder(wt: WireType) -> Decoder:
         return dec_seq
 
     if isinstance(wt, WArray):
-        item = _decoder(wt.item)
+        item = _decoder(wt.item, borrow)
         length = wt.length
 
         def dec_array(b: memoryview, p: int) -> tuple[list[Any], int]:
@@ -444,7 +479,7 @@ def _build_decoder(wt: WireType) -> Decoder:
         return dec_array
 
     if isinstance(wt, WTuple):
-        items = [_decoder(i) for i in wt.items]
+        items = [_decoder(i, borrow) for i in wt.items]
 
         def dec_tuple(b: memoryview, p: int) -> tuple[tuple[Any, ...], int]:
             out = []
@@ -456,7 +491,7 @@ def _build_decoder(wt: WireType) -> Decoder:
         return dec_tuple
 
     if isinstance(wt, WStruct):
-        fields = [(name, _decoder(f)) for name, f in wt.fields]
+        fields = [(name, _decoder(f, borrow)) for name, f in wt.fields]
         cls = wt.cls
 
         def dec_struct(b: memoryview, p: int) -> tuple[Any, int]:
@@ -484,7 +519,8 @@ def _build_decoder(wt: WireType) -> Decoder:
 
     if isinstance(wt, WDataEnum):
         table = [
-            (var, None if payload is None else _decoder(payload)) for var, payload in wt.variants
+            (var, None if payload is None else _decoder(payload, borrow))
+            for var, payload in wt.variants
         ]
         enum_name = wt.cls.__name__
 
@@ -501,6 +537,7 @@ def _build_decoder(wt: WireType) -> Decoder:
         return dec_data_enum
 
     if isinstance(wt, WProxy):
+        # Custom types are small: they always own their bytes.
         proxy = _decoder(wt.proxy)
         from_proxy = wt.from_proxy
         name = wt.cls.__name__
@@ -532,21 +569,37 @@ def encode_into(value: Any, tp: Any, out: bytearray) -> None:
     _encoder(wire_type(tp))(value, out)
 
 
-def take_from_bytes(data: bytes | bytearray | memoryview, tp: type[T] | Any) -> tuple[T, int]:
-    """Decode one value from the front of `data`; returns it and the number of bytes used."""
+def prepare_decoder(tp: Any, *, borrow: bool = False) -> None:
+    """Compile `tp`'s decoder now, e.g. on the event loop before worker threads decode."""
+    _decoder(wire_type(tp), borrow)
+
+
+def take_from_bytes(
+    data: bytes | bytearray | memoryview, tp: type[T] | Any, *, borrow: bool = False
+) -> tuple[T, int]:
+    """Decode one value from the front of `data`; returns it and the number of bytes used.
+
+    With `borrow=True` every `bytes` (`Vec<u8>`) field is a read-only `memoryview` into `data`
+    instead of a copy: for payloads of many MiB that are already integrity-checked. The views
+    keep `data` alive; `bytes(view)` makes an owned copy where one is needed.
+    """
     buf = memoryview(data)
+    if borrow:
+        buf = buf.toreadonly()
     try:
-        return _decoder(wire_type(tp))(buf, 0)
+        return _decoder(wire_type(tp), borrow)(buf, 0)
     except RecursionError as e:
         raise PostcardError("input nests too deeply") from e
 
 
-def from_bytes(data: bytes | bytearray | memoryview, tp: type[T] | Any) -> T:
+def from_bytes(
+    data: bytes | bytearray | memoryview, tp: type[T] | Any, *, borrow: bool = False
+) -> T:
     """Decode a value that must use all of `data` (stricter than Rust's `from_bytes`, which ignores
-    trailing bytes; use `take_from_bytes` for that behaviour)."""
-    value, used = take_from_bytes(data, tp)
-    if used != len(data):
+    trailing bytes; use `take_from_bytes` for that behaviour). `borrow` as in `take_from_bytes`."""
+    value, used = take_from_bytes(data, tp, borrow=borrow)
+    if used != memoryview(data).nbytes:
         raise PostcardError(
-            f"{len(data) - used} trailing bytes after {getattr(tp, '__name__', tp)}"
+            f"{memoryview(data).nbytes - used} trailing bytes after {getattr(tp, '__name__', tp)}"
         )
     return value
