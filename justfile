@@ -19,6 +19,11 @@ lint *ARGS:
 bench:
     for script in scripts/bench/*.py; do echo "== $script"; uv run --no-sync python "$script" || exit 1; done
 
+# Train the tiny CPU model with three clients (tmux panes; add --headless for one terminal)
+local-testnet *ARGS:
+    uv run --no-sync python scripts/make_tiny_dataset.py
+    uv run --no-sync psyche-local-testnet start --num-clients 3 --config-path configs/tiny-cpu {{ARGS}}
+
 # Validate a run configuration (state file or run config)
 validate-config STATE *ARGS:
     uv run --no-sync psyche-server validate-config --state {{STATE}} {{ARGS}}

@@ -30,4 +30,5 @@ fi
 
 python_bin=$(command -v python3)
 uv sync --all-packages --python "$python_bin" "$@"
+uv run --no-sync python scripts/make_tiny_dataset.py  # data/tiny-cpu (skipped when present)
 echo "setup: done. Run the tests with scripts/test.sh"

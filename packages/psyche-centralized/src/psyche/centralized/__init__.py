@@ -1,1 +1,12 @@
-"""Centralized Psyche backend: TCP coordinator server and its client."""
+"""The centralized backend: a TCP coordinator server and the client side of its protocol.
+
+Modules (import what you need; nothing heavy is imported here):
+
+* `protocol`: the messages (upstream's, plus the port's appended extensions);
+* `server_core`: the server's rules without I/O; `server`: the trio server (`open_server`);
+* `save_state`: saving and resuming a run; `events`: the `--events-dir` record file;
+* `client`: `CentralizedBackend`, the `Backend` a training client talks to;
+* `dashboard`: the server's terminal dashboard; `tiny_run`: the tiny CPU run's assets.
+
+See docs/centralized.md.
+"""

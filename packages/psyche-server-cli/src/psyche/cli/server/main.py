@@ -3,15 +3,117 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 DESCRIPTION = """\
 The Psyche centralized coordinator server.
 
 It owns a run's coordinator state machine, ticks it forward every 500 ms and talks to training
-clients over TCP. Start by checking a configuration with `validate-config`."""
+clients over TCP. Start by checking a configuration with `validate-config`, then `run` it.
+Every option of `run` can also be given in the environment, named in upper snake case
+(--server-port: SERVER_PORT)."""
+
+OLTP_NOTE = "accepted for compatibility and ignored: this port has no OpenTelemetry export"
+
+log = logging.getLogger("psyche.cli.server")
+
+
+# --------------------------------------------------------------------------------------------
+# Option parsing with environment fallbacks
+
+
+def parse_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("true", "1", "yes", "on"):
+        return True
+    if value in ("false", "0", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, found {text!r}")
+
+
+def unsigned(bits: int) -> Callable[[str], int]:
+    top = (1 << bits) - 1
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text, 10)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, found {text!r}") from None
+        if not 0 <= value <= top:
+            raise argparse.ArgumentTypeError(f"{value} is out of range 0..={top}")
+        return value
+
+    parse.__name__ = f"u{bits}"
+    return parse
+
+
+def env_name(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_").upper()
+
+
+class EnvDefaults:
+    """Fill options missing from the command line from the environment (upstream clap `env`)."""
+
+    def __init__(self) -> None:
+        self._options: list[tuple[str, str, Callable[[str], Any]]] = []
+        self._defaults: dict[str, tuple[Any, bool, str]] = {}
+
+    def add(
+        self,
+        parser: argparse.ArgumentParser,
+        flag: str,
+        *names: str,
+        parse: Callable[[str], Any] = str,
+        help: str,
+        optional_value: bool = False,
+        default: Any = None,
+        required: bool = False,
+        metavar: str | None = None,
+    ) -> None:
+        dest = flag.lstrip("-").replace("-", "_")
+        env = env_name(flag)
+        suffix = f" [env: {env}]"
+        if default is not None:
+            suffix += (
+                f" [default: {str(default).lower() if isinstance(default, bool) else default}]"
+            )
+        kwargs: dict[str, Any] = {
+            "dest": dest,
+            "type": parse,
+            "help": help + suffix,
+            "default": None,
+            "metavar": metavar or f"<{dest.upper()}>",
+        }
+        if optional_value:
+            kwargs["nargs"] = "?"
+            kwargs["const"] = True
+        parser.add_argument(*names, flag, **kwargs)
+        self._options.append((dest, env, parse))
+        self._defaults[dest] = (default, required, flag)
+
+    def resolve(self, parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+        for dest, env, parse in self._options:
+            if getattr(args, dest) is not None:
+                continue
+            default, required, flag = self._defaults[dest]
+            raw = os.environ.get(env)
+            if raw is not None and raw != "":
+                try:
+                    setattr(args, dest, parse(raw))
+                except argparse.ArgumentTypeError as e:
+                    parser.error(f"environment variable {env}: {e}")
+            elif required:
+                parser.error(f"the following arguments are required: {flag} (or {env})")
+            else:
+                setattr(args, dest, default)
+
+
+RUN_ENV = EnvDefaults()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,7 +149,90 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="<DATA_CONFIG>",
         help="Path to data.toml file to validate. If not provided then it will not be checked",
     )
+
+    run = commands.add_parser(
+        "run",
+        help="Starts the server and launches the coordinator with the declared configuration",
+        description=(
+            "Starts the coordinator server for the run in --state and serves it until Ctrl+C "
+            "(or SIGTERM). --state may also name a --save-state-dir: the run resumes from the "
+            "newest state saved there."
+        ),
+    )
+    env = RUN_ENV
+    env.add(
+        run,
+        "--state",
+        parse=Path,
+        required=True,
+        metavar="<STATE>",
+        help="Path to TOML of Coordinator state, or a save-state directory to resume from",
+    )
+    env.add(
+        run,
+        "--server-port",
+        "-s",
+        parse=unsigned(16),
+        help=(
+            "Port for the server, which clients will use to connect. if not specified, a random "
+            "free port will be chosen."
+        ),
+    )
+    env.add(
+        run,
+        "--tui",
+        parse=parse_bool,
+        optional_value=True,
+        default=True,
+        metavar="<TUI>",
+        help="Show the live dashboard (Ctrl+P pauses/resumes); false logs plainly",
+    )
+    env.add(run, "--data-config", parse=Path, help="Path to TOML of data server config")
+    env.add(
+        run,
+        "--save-state-dir",
+        parse=Path,
+        help="Path to save the server and coordinator state (at each epoch end and on exit)",
+    )
+    env.add(
+        run,
+        "--events-dir",
+        parse=Path,
+        help=(
+            "Directory to write event files for the observer. Coordinator state changes are "
+            "appended to {events_dir}/coordinator/state.bin (format: docs/centralized.md)"
+        ),
+    )
+    env.add(
+        run,
+        "--init-warmup-time",
+        parse=unsigned(64),
+        help=(
+            "Sets the warmup time for the run. This overrides the warmup_time declared in the "
+            "state file."
+        ),
+    )
+    env.add(
+        run,
+        "--withdraw-on-disconnect",
+        parse=parse_bool,
+        optional_value=True,
+        default=True,
+        metavar="<WITHDRAW_ON_DISCONNECT>",
+        help="Automatically withdraw clients that disconnect from the server",
+    )
+    for flag, what in (
+        ("--oltp-auth-header", "An auth header string for an opentelemetry endpoint"),
+        ("--oltp-metrics-url", "A URL for sending opentelemetry metrics"),
+        ("--oltp-tracing-url", "A URL for sending opentelemetry traces"),
+        ("--oltp-logs-url", "A URL for sending opentelemetry logs"),
+    ):
+        env.add(run, flag, help=f"{what}; {OLTP_NOTE}")
     return parser
+
+
+# --------------------------------------------------------------------------------------------
+# validate-config
 
 
 def validate_config(state: Path, data_config: Path | None) -> int:
@@ -85,10 +270,155 @@ def validate_config(state: Path, data_config: Path | None) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------------------------
+# run
+
+
+_LEVELS = {
+    "trace": logging.DEBUG,
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warn": logging.WARNING,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+    "off": logging.CRITICAL + 1,
+}
+
+
+def apply_log_directives(spec: str, default: int = logging.INFO) -> None:
+    """Levels from a `RUST_LOG`-style spec (`warn,psyche=debug`): a bare level sets the root,
+    `target=level` a logger (Rust's `psyche_*` crate targets map to the `psyche` package)."""
+    logging.getLogger().setLevel(default)
+    for part in spec.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        target, _, level = part.rpartition("=")
+        value = _LEVELS.get(level.strip().lower())
+        if value is None:
+            continue
+        name = target.strip().split("::")[0]
+        if name.startswith("psyche"):
+            name = "psyche"
+        logging.getLogger(name or None).setLevel(value)
+
+
+def setup_logging(tui: bool) -> Any:
+    """Plain logs on stderr, or rich logs above the dashboard; returns the rich console."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    console = None
+    if tui:
+        from rich.console import Console
+        from rich.logging import RichHandler
+
+        console = Console()
+        handler: logging.Handler = RichHandler(console=console, show_path=False)
+        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(
+            logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
+        )
+    root.addHandler(handler)
+    apply_log_directives(os.environ.get("RUST_LOG", os.environ.get("PSYCHE_LOG", "")))
+    return console
+
+
+def run(args: argparse.Namespace) -> int:
+    tui = bool(args.tui)
+    if tui and not (sys.stdin.isatty() and sys.stdout.isatty()):
+        print("psyche-server: not a terminal; running with --tui false", file=sys.stderr)
+        tui = False
+    console = setup_logging(tui)
+    for flag in ("oltp_auth_header", "oltp_metrics_url", "oltp_tracing_url", "oltp_logs_url"):
+        if getattr(args, flag):
+            log.warning("--%s is %s", flag.replace("_", "-"), OLTP_NOTE)
+
+    from psyche.centralized.save_state import SavedStateError, load_state, resolve_state_path
+    from psyche.coordinator.run_config import ConfigFileError
+
+    try:
+        state_path = resolve_state_path(args.state)
+        coordinator = load_state(state_path)
+    except (ConfigFileError, SavedStateError) as e:
+        log.error("Error found in config: %s", e)
+        return 1
+    data_config = None
+    if args.data_config is not None:
+        from psyche.data_provider.data_config import DataConfigError, DataServerInfo
+
+        try:
+            data_config = DataServerInfo.load(args.data_config)
+        except DataConfigError as e:
+            log.error("Error found in data config: %s", e)
+            return 1
+    if coordinator.run_state_start_unix_timestamp != 0:
+        log.info(
+            "resuming run %r from %s: epoch %d, step %d",
+            coordinator.run_id,
+            state_path,
+            coordinator.progress.epoch,
+            coordinator.progress.step,
+        )
+
+    import trio
+
+    from psyche.centralized.server import ServerOptions, ServerStartError, open_server
+
+    options = ServerOptions(
+        port=args.server_port or 0,
+        data_config=data_config,
+        save_state_dir=args.save_state_dir,
+        events_dir=args.events_dir,
+        init_warmup_time=args.init_warmup_time,
+        withdraw_on_disconnect=args.withdraw_on_disconnect,
+    )
+
+    async def serve() -> None:
+        import signal
+
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async with open_server(coordinator, options) as server, trio.open_nursery() as nursery:
+                if console is not None:
+                    from psyche.centralized.dashboard import run_dashboard
+
+                    nursery.start_soon(run_dashboard, server, console)
+                async for signum in signals:
+                    log.info("got %s, shutting down", signal.Signals(signum).name)
+                    nursery.cancel_scope.cancel()
+                    break
+
+    try:
+        trio.run(serve)
+    except BaseException as e:
+        cause = single_cause(e)
+        if isinstance(cause, ServerStartError):
+            log.error("%s", cause)
+            return 1
+        if isinstance(cause, OSError):
+            log.error("cannot start the server: %s", cause)
+            return 1
+        raise
+    return 0
+
+
+def single_cause(error: BaseException) -> BaseException:
+    """The one exception inside (nested) exception groups of one member each."""
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
+    return error
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.command == "validate-config":
         return validate_config(args.state, args.data_config)
+    if args.command == "run":
+        RUN_ENV.resolve(parser, args)
+        return run(args)
     raise AssertionError(f"unhandled command {args.command}")
 
 

@@ -1,0 +1,420 @@
+"""The centralized coordinator server: `ServerCore` behind real sockets (upstream `app.rs`).
+
+    async with open_server(coordinator, ServerOptions(port=0)) as server:
+        print(server.address)
+        await trio.sleep_forever()
+
+What runs while the block is open:
+
+* the authenticated TCP server (`psyche.network.tcp`) speaking `protocol`'s messages;
+* a tick every 500 ms (the first at once; missed ticks are skipped, not replayed);
+* when the run's data location is `Server(addr)`: the TCP data server on that address's port,
+  told the clients of every broadcast state;
+* with `save_state_dir`: the state is saved at every successful epoch end and when the block
+  exits (see `save_state`);
+* with `events_dir`: every distinct state is appended to `coordinator/state.bin` (`events`).
+
+A bad frame or a broken handshake closes that one connection (`psyche.network.tcp`); a message
+the coordinator rejects is logged and ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from psyche.centralized.endpoints import EndpointRelay
+from psyche.centralized.protocol import (
+    CLIENT_TO_SERVER_CODEC,
+    SERVER_TO_CLIENT_CODEC,
+    ClientToServerMessage,
+    JoinRun,
+    RunExtras,
+    ServerToClientMessage,
+)
+from psyche.centralized.save_state import save_state
+from psyche.centralized.server_core import ServerCore, TickOutcome
+from psyche.coordinator.coordinator import Coordinator, RunState
+from psyche.coordinator.model import Checkpoint, HubRepo, LLMTrainingDataLocation
+from psyche.core.node_identity import NodeIdentity
+from psyche.network.tcp import (
+    SERVER_MAX_FRAME_LENGTH,
+    Disconnected,
+    Message,
+    TcpServer,
+    encode_else,
+    parse_address,
+)
+
+if TYPE_CHECKING:  # imported lazily: the data server needs numpy
+    from psyche.centralized.events import EventsWriter
+    from psyche.data_provider import DataProviderTcpServer, DataServerInfo
+
+log = logging.getLogger(__name__)
+
+TICK_INTERVAL = 0.5
+# Upstream's Coordinator variant index, then the coordinator's own bytes.
+_COORDINATOR_TAG = bytes([ServerToClientMessage.Coordinator.index])
+
+
+class ServerStartError(Exception):
+    """The server cannot start the run as configured; the message says why."""
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    host: str = "0.0.0.0"
+    # 0: a free port chosen by the OS (upstream's default).
+    port: int = 0
+    # The data server's dataset (`data.toml`), required when the data location is Server.
+    data_config: DataServerInfo | None = None
+    save_state_dir: Path | None = None
+    events_dir: Path | None = None
+    init_warmup_time: int | None = None
+    withdraw_on_disconnect: bool = True
+    tick_interval: float = TICK_INTERVAL
+    data_server_host: str = "0.0.0.0"
+    max_receive_frame: int = SERVER_MAX_FRAME_LENGTH
+    # Whole unix seconds and round seeds; replaceable for tests.
+    clock: Callable[[], int] = field(default=lambda: int(time.time()))
+    random_u64: Callable[[], int] = field(default=lambda: secrets.randbits(64))
+    # Fetch a Hub checkpoint that is not a local directory before starting (upstream does).
+    download_checkpoint: bool = True
+
+
+# --------------------------------------------------------------------------------------------
+# Start-up checks for a run whose data this server hosts
+
+
+def _llm(coordinator: Coordinator) -> Any:
+    return coordinator.model.value  # type: ignore[attr-defined]
+
+
+def data_server_port(coordinator: Coordinator) -> int | None:
+    """The port of the data server this run needs, or None when its data is elsewhere."""
+    match _llm(coordinator).data_location:
+        case LLMTrainingDataLocation.Server(address):
+            try:
+                return parse_address(address)[1]
+            except ValueError as e:
+                raise ServerStartError(
+                    f"Failed to parse training data server URL {address!r}: {e}"
+                ) from None
+    return None
+
+
+def check_checkpoint_for_hosting(coordinator: Coordinator, *, download: bool) -> None:
+    """Upstream's checks of the checkpoint of a run whose data the server hosts.
+
+    Divergence: a P2P checkpoint is accepted when the state has finished an epoch (a resumed
+    run: its clients hold the model); upstream refuses every P2P checkpoint, which made its own
+    saved states impossible to restart.
+    """
+    match _llm(coordinator).checkpoint:
+        case Checkpoint.Ephemeral():
+            raise ServerStartError("Can't start up a run with an Ephemeral checkpoint.")
+        case Checkpoint.P2P(_) | Checkpoint.P2PGcs(_):
+            if coordinator.progress.epoch == 0:
+                raise ServerStartError("Can't start up a run with a P2P checkpoint.")
+            log.info(
+                "resuming after epoch %d: returning clients share the model peer to peer",
+                coordinator.progress.epoch,
+            )
+        case Checkpoint.Hub(repo):
+            if download:
+                ensure_hub_repo(repo)
+        case Checkpoint.Gcs(repo):
+            log.warning(
+                "the checkpoint gs://%s is not pre-fetched by this server; clients download it",
+                repo.bucket,
+            )
+        case Checkpoint.Dummy(_):
+            pass
+
+
+def ensure_hub_repo(repo: HubRepo) -> None:
+    """A local directory is used as is; anything else is fetched from the Hugging Face Hub."""
+    if repo.revision is None and Path(repo.repo_id).is_dir():
+        return
+    try:
+        from huggingface_hub import snapshot_download
+
+        path = snapshot_download(repo.repo_id, revision=repo.revision)
+    except Exception as e:
+        raise ServerStartError(
+            f"cannot fetch the model repo {repo.repo_id!r} (revision {repo.revision}) from the "
+            f"Hugging Face Hub: {e}"
+        ) from e
+    log.info("model repo %s is at %s", repo.repo_id, path)
+
+
+# --------------------------------------------------------------------------------------------
+# The server
+
+
+class CentralizedServer:
+    """A running server; made by `open_server`."""
+
+    def __init__(self, core: ServerCore, options: ServerOptions) -> None:
+        self.core = core
+        self.options = options
+        self.relay = EndpointRelay()
+        self.tcp: TcpServer[ClientToServerMessage, ServerToClientMessage] | None = None
+        self.data_server: DataProviderTcpServer | None = None
+        self.events: EventsWriter | None = None
+        self.saved: list[Path] = []
+        self.ticks = 0
+        self._last_run_state = core.coordinator.run_state
+        # (old, new, epoch, step) of the latest run-state changes, for dashboards and tests.
+        self.transitions: deque[tuple[RunState, RunState, int, int]] = deque(maxlen=1000)
+
+    @property
+    def coordinator(self) -> Coordinator:
+        return self.core.coordinator
+
+    @property
+    def address(self) -> tuple[str, int]:
+        assert self.tcp is not None
+        return self.tcp.local_addr
+
+    @property
+    def port(self) -> int:
+        return self.address[1]
+
+    def connected_clients(self) -> list[bytes]:
+        return self.tcp.connected_clients() if self.tcp is not None else []
+
+    # -- the loops
+
+    async def tick_loop(self) -> None:
+        interval = self.options.tick_interval
+        deadline = trio.current_time()
+        while True:
+            await trio.sleep_until(deadline)
+            self.tick()
+            now = trio.current_time()
+            deadline += interval
+            if deadline <= now:  # missed ticks are skipped
+                deadline += ((now - deadline) // interval + 1) * interval
+
+    async def message_loop(self) -> None:
+        assert self.tcp is not None
+        async for event in self.tcp:
+            match event:
+                case Message(client, message):
+                    self.on_message(client, message)
+                case Disconnected(client):
+                    self.on_disconnect(client)
+
+    # -- events
+
+    def tick(self) -> TickOutcome:
+        self.ticks += 1
+        outcome = self.core.on_tick(self.options.clock(), self.options.random_u64())
+        if outcome.epoch_end:
+            progress = self.coordinator.progress
+            log.info("epoch %d finished at step %d", progress.epoch - 1, progress.step - 1)
+            if self.options.save_state_dir is not None:
+                self.save()
+        self.post_state_change(broadcast=True)
+        return outcome
+
+    def on_message(self, client: bytes, message: ClientToServerMessage) -> None:
+        sender = NodeIdentity.from_single_key(client)
+        core = self.core
+        broadcast = False
+        match message:
+            case ClientToServerMessage.Join(JoinRun(run_id)):
+                core.on_join(sender, run_id)
+                if run_id == core.run_id:
+                    self.relay.join(client)
+                    self.send_peer_endpoints()
+            case ClientToServerMessage.Witness(data):
+                broadcast = core.on_witness(
+                    sender, data, self.options.clock(), self.options.random_u64()
+                )
+            case ClientToServerMessage.HealthCheck(checks):
+                broadcast = core.on_health_check(sender, checks)
+            case ClientToServerMessage.Checkpoint(checkpoint):
+                broadcast = core.on_checkpoint(sender, checkpoint)
+            case ClientToServerMessage.ExtensionHello(hello):
+                log.debug("client %s speaks extensions (version %d)", sender, hello.version)
+                self.relay.mark_aware(client)
+                self._send(client, ServerToClientMessage.RunExtras(self.run_extras()))
+                if self.relay.is_joined(client):
+                    self._send(
+                        client, ServerToClientMessage.PeerEndpoints(self.relay.records_for(client))
+                    )
+                return
+            case ClientToServerMessage.AnnounceEndpoint(record):
+                self.relay.mark_aware(client)
+                if self.relay.announce(client, record):
+                    self.send_peer_endpoints()
+                return
+        self.post_state_change(broadcast)
+
+    def on_disconnect(self, client: bytes) -> None:
+        self.core.on_disconnect(NodeIdentity.from_single_key(client))
+        if self.relay.forget(client):
+            self.send_peer_endpoints()
+        self.post_state_change(broadcast=False)
+
+    def toggle_pause(self) -> None:
+        self.core.toggle_pause(self.options.clock())
+
+    # -- outputs
+
+    def run_extras(self) -> RunExtras:
+        return RunExtras(backup_data_locations=list(_llm(self.coordinator).backup_data_locations))
+
+    def _send(self, client: bytes, message: ServerToClientMessage) -> None:
+        if self.tcp is not None:
+            self.tcp.send_to(client, message)
+
+    def send_peer_endpoints(self) -> None:
+        for client in self.relay.aware_joined():
+            self._send(client, ServerToClientMessage.PeerEndpoints(self.relay.records_for(client)))
+
+    def post_state_change(self, broadcast: bool) -> None:
+        self.core.after_change()
+        coordinator = self.coordinator
+        if coordinator.run_state is not self._last_run_state:
+            log.info(
+                "run state: %s -> %s (epoch %d, step %d, %d clients)",
+                self._last_run_state.name,
+                coordinator.run_state.name,
+                coordinator.progress.epoch,
+                coordinator.progress.step,
+                len(coordinator.epoch_state.clients),
+            )
+            self.transitions.append(
+                (
+                    self._last_run_state,
+                    coordinator.run_state,
+                    coordinator.progress.epoch,
+                    coordinator.progress.step,
+                )
+            )
+            self._last_run_state = coordinator.run_state
+        encoded: bytes | None = None
+        if broadcast:
+            encoded = coordinator.to_bytes()
+            payload = encode_else(_COORDINATOR_TAG + encoded)
+            if self.tcp is not None:
+                for client in self.tcp.connected_clients():
+                    self.tcp.send_encoded(client, payload)
+            if self.data_server is not None:
+                self.data_server.update_from_coordinator(coordinator)
+        if self.events is not None:
+            self.events.record(encoded if encoded is not None else coordinator.to_bytes())
+
+    def save(self) -> Path | None:
+        directory = self.options.save_state_dir
+        if directory is None:
+            return None
+        try:
+            path = save_state(directory, self.core.snapshot())
+        except (OSError, ValueError) as e:
+            log.error("Error saving state to %s: %s", directory, e)
+            return None
+        log.info("Saved state to %s", path)
+        self.saved.append(path)
+        return path
+
+
+@asynccontextmanager
+async def open_server(
+    coordinator: Coordinator, options: ServerOptions | None = None
+) -> AsyncIterator[CentralizedServer]:
+    """Start a server for `coordinator` (a loaded state file); it runs until the block exits,
+    then saves its state when `options.save_state_dir` is set."""
+    options = options or ServerOptions()
+    core = ServerCore.start(
+        coordinator,
+        now=options.clock(),
+        init_warmup_time=options.init_warmup_time,
+        withdraw_on_disconnect=options.withdraw_on_disconnect,
+    )
+    server = CentralizedServer(core, options)
+    data_port = data_server_port(core.coordinator)
+    provider: Any = None
+    if data_port is not None:
+        check_checkpoint_for_hosting(core.coordinator, download=options.download_checkpoint)
+        if options.data_config is None:
+            raise ServerStartError(
+                "Coordinator state requires we host training data, but no --data-config passed."
+            )
+        try:
+            provider = options.data_config.open_provider()
+        except Exception as e:
+            raise ServerStartError(
+                f"cannot open the training data in {options.data_config.dir}: {e}"
+            ) from e
+
+    async with AsyncExitStack() as stack:
+        if provider is not None:
+            from psyche.data_provider import DataProviderTcpServer
+
+            stack.callback(provider.close)
+            server.data_server = await stack.enter_async_context(
+                DataProviderTcpServer.start(provider, host=options.data_server_host, port=data_port)
+            )
+            server.data_server.update_from_coordinator(core.coordinator)
+            log.info("training data server listening on port %d", data_port)
+        if options.events_dir is not None:
+            from psyche.centralized.events import EventsWriter
+
+            server.events = EventsWriter(options.events_dir)
+            stack.callback(server.events.close)
+        server.tcp = await stack.enter_async_context(
+            TcpServer.start(
+                to_server=CLIENT_TO_SERVER_CODEC,
+                to_client=SERVER_TO_CLIENT_CODEC,
+                host=options.host,
+                port=options.port,
+                max_receive_frame=options.max_receive_frame,
+            )
+        )
+        nursery = await stack.enter_async_context(trio.open_nursery())
+        nursery.start_soon(server.message_loop)
+        nursery.start_soon(server.tick_loop)
+        log.info("serving run %r on port %d", core.run_id, server.port)
+        try:
+            yield server
+        finally:
+            nursery.cancel_scope.cancel()
+            server.save()
+
+
+async def run_server(
+    coordinator: Coordinator,
+    options: ServerOptions | None = None,
+    *,
+    task_status: trio.TaskStatus[CentralizedServer] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve until cancelled (`nursery.start(run_server, ...)` returns the running server)."""
+    async with open_server(coordinator, options) as server:
+        task_status.started(server)
+        await trio.sleep_forever()
+
+
+__all__ = [
+    "TICK_INTERVAL",
+    "CentralizedServer",
+    "ServerOptions",
+    "ServerStartError",
+    "check_checkpoint_for_hosting",
+    "data_server_port",
+    "ensure_hub_repo",
+    "open_server",
+    "run_server",
+]

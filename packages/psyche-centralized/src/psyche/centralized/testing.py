@@ -1,0 +1,221 @@
+"""Helpers for driving a server in tests and simulations (upstream's `centralized/testing` crate).
+
+* `quick_coordinator`: upstream's integration-test coordinator with short timings;
+* `fast_options`: server options whose clock runs `speed` times faster than the wall clock (all
+  coordinator timings are whole "seconds" of that clock), on loopback, ticking accordingly;
+* `ProtocolClient`: a client that speaks the raw protocol (no training): join, send any
+  message, read what the server sends;
+* `DummyTrainer`: a protocol client that behaves like upstream's dummy-training client (no
+  model): a warmup witness `warmup_delay` seconds into every warmup (upstream's clients first
+  load the model and wait for each other), and, when elected witness, a round witness naming
+  every current client, sent `training_delay` seconds into the round.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from typing import Any
+
+import trio
+
+from psyche.centralized.protocol import (
+    CLIENT_TO_SERVER_CODEC,
+    SERVER_TO_CLIENT_CODEC,
+    ClientToServerMessage,
+    JoinRun,
+    ServerToClientMessage,
+)
+from psyche.centralized.server import ServerOptions
+from psyche.coordinator.backend import OpportunisticData
+from psyche.coordinator.coordinator import Coordinator, RunState, WitnessMetadata
+from psyche.coordinator.simulation import (
+    integration_test_coordinator,
+    round_witness_for,
+    warmup_witness_for,
+)
+from psyche.core.identity import SecretKey
+from psyche.core.node_identity import NodeIdentity
+from psyche.network.tcp import TcpClient
+
+
+def quick_coordinator(
+    init_min_clients: int = 2,
+    global_batch_size: int = 4,
+    witness_nodes: int = 1,
+    *,
+    run_id: str = "test-run",
+    **config: int,
+) -> Coordinator:
+    """Upstream's test coordinator (step 0, dummy model) with timings of a few "seconds"."""
+    coordinator = integration_test_coordinator(
+        init_min_clients, global_batch_size, witness_nodes, run_id
+    )
+    timings = {
+        "warmup_time": 2,
+        "cooldown_time": 2,
+        "max_round_train_time": 2,
+        "round_witness_time": 1,
+        "epoch_time": 8,
+        "waiting_for_members_extra_time": 1,
+    }
+    timings.update(config)
+    coordinator.config = dataclasses.replace(coordinator.config, **timings)
+    return coordinator
+
+
+def fast_options(speed: float = 10.0, **options: Any) -> ServerOptions:
+    """Loopback server options with a clock `speed` times the wall clock."""
+    start = time.monotonic()
+    base = int(time.time())
+    defaults: dict[str, Any] = {
+        "host": "127.0.0.1",
+        "tick_interval": 0.5 / speed,
+        "clock": lambda: base + int((time.monotonic() - start) * speed),
+        "download_checkpoint": False,
+    }
+    defaults.update(options)
+    return ServerOptions(**defaults)
+
+
+class ProtocolClient:
+    """A raw protocol client: `async with ProtocolClient.connect(addr) as c: await c.join(id)`."""
+
+    def __init__(self, conn: TcpClient[ClientToServerMessage, ServerToClientMessage], key: Any):
+        self.conn = conn
+        self.key = key
+        self.identity = NodeIdentity.from_single_key(key.public_key)
+        self.received: list[ServerToClientMessage] = []
+
+    @classmethod
+    async def connect(cls, address: str, key: Any = None) -> ProtocolClient:
+        key = key or SecretKey.generate()
+        conn = await TcpClient.connect(
+            address, key, to_server=CLIENT_TO_SERVER_CODEC, to_client=SERVER_TO_CLIENT_CODEC
+        )
+        return cls(conn, key)
+
+    async def __aenter__(self) -> ProtocolClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.conn.aclose()
+
+    async def send(self, message: ClientToServerMessage) -> None:
+        await self.conn.send(message)
+
+    async def join(self, run_id: str) -> None:
+        await self.send(ClientToServerMessage.Join(JoinRun(run_id)))
+
+    async def receive(self) -> ServerToClientMessage:
+        message = await self.conn.receive()
+        self.received.append(message)
+        return message
+
+    async def next_coordinator(self) -> Coordinator:
+        while True:
+            match await self.receive():
+                case ServerToClientMessage.Coordinator(state):
+                    return state
+
+    async def wait_for(self, predicate: Any, timeout: float = 10.0) -> Coordinator:
+        """The first coordinator state satisfying `predicate`."""
+        with trio.fail_after(timeout):
+            while True:
+                state = await self.next_coordinator()
+                if predicate(state):
+                    return state
+
+
+class DummyTrainer:
+    """Runs a `ProtocolClient` as an honest client without a model; use inside a nursery:
+    `trainer = await DummyTrainer.start(nursery, address, run_id)`; `stop()` drops it."""
+
+    def __init__(
+        self, client: ProtocolClient, run_id: str, training_delay: float, warmup_delay: float
+    ) -> None:
+        self.client = client
+        self.run_id = run_id
+        self.training_delay = training_delay
+        self.warmup_delay = warmup_delay
+        self.latest: Coordinator | None = None
+        self.sent: list[tuple[str, int, int]] = []  # (kind, epoch, height)
+        self._scope = trio.CancelScope()
+
+    @property
+    def identity(self) -> NodeIdentity:
+        return self.client.identity
+
+    @classmethod
+    async def start(
+        cls,
+        nursery: trio.Nursery,
+        address: str,
+        run_id: str,
+        *,
+        key: Any = None,
+        training_delay: float = 0.0,
+        warmup_delay: float = 0.0,
+    ) -> DummyTrainer:
+        client = await ProtocolClient.connect(address, key)
+        trainer = cls(client, run_id, training_delay, warmup_delay)
+        await client.join(run_id)
+        nursery.start_soon(trainer._run)
+        return trainer
+
+    def stop(self) -> None:
+        """Abort the client (its connection drops, as upstream's tests abort a client task)."""
+        self._scope.cancel()
+
+    async def _run(self) -> None:
+        with self._scope:
+            try:
+                async with trio.open_nursery() as nursery:
+                    while True:
+                        state = await self.client.next_coordinator()
+                        self.latest = state
+                        self._react(state, nursery)
+            finally:
+                with trio.CancelScope(shield=True):
+                    await self.client.conn.aclose()
+
+    def _my_index(self, state: Coordinator) -> int | None:
+        for index, client in enumerate(state.epoch_state.clients):
+            if client.id == self.identity:
+                return index
+        return None
+
+    def _react(self, state: Coordinator, nursery: trio.Nursery) -> None:
+        index = self._my_index(state)
+        if index is None:
+            return
+        epoch = state.progress.epoch
+        current = state.current_round()
+        height = current.height if current is not None else 0
+        if state.run_state is RunState.Warmup:
+            key = ("warmup", epoch, 0)
+            if key not in self.sent:
+                self.sent.append(key)
+                data = OpportunisticData.WarmupStep(warmup_witness_for(index))
+                nursery.start_soon(self._send, data, self.warmup_delay)
+        elif state.run_state in (RunState.RoundTrain, RunState.RoundWitness):
+            key = ("witness", epoch, height)
+            if key in self.sent:
+                return
+            self.sent.append(key)
+            participants = [c.id for c in state.epoch_state.clients]
+            witness = round_witness_for(
+                state, index, participants=participants, bloom_keys=range(8)
+            )
+            if witness is not None:
+                data = OpportunisticData.WitnessStep((witness, WitnessMetadata(step=height)))
+                nursery.start_soon(self._send, data, self.training_delay)
+
+    async def _send(self, data: OpportunisticData, delay: float) -> None:
+        await trio.sleep(delay)
+        with contextlib.suppress(Exception):
+            await self.client.send(ClientToServerMessage.Witness(data))
+
+
+__all__ = ["DummyTrainer", "ProtocolClient", "fast_options", "quick_coordinator"]

@@ -1,0 +1,462 @@
+"""The client's main loop (upstream `client.rs`): one backend, one network connection, one run.
+
+Every input (coordinator states, network events, timers, work queued by the state machine)
+arrives in one inbox and is handled to completion before the next, as in upstream's `select!`
+loop; long work (init, training, payload checks, checkpoints) runs in background tasks that
+post back to the inbox.
+
+    async with NetworkConnection.open(NetworkConfig(run_id, secret_key), broadcast_type=Broadcast) as network:
+        await Client(backend, network, RunInitConfig(identity, secret_key)).run()
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from psyche.client import core
+from psyche.client.init import InitializedRun, RunInitConfig, init_run
+from psyche.client.logs import log_event
+from psyche.client.steps import MachineSettings, StepStateMachine
+from psyche.client.training import DataFetcher, OwnResult
+from psyche.coordinator.backend import Backend, EndpointDiscovery, HealthCheck, OpportunisticData
+from psyche.coordinator.commitment import Commitment
+from psyche.coordinator.coordinator import Coordinator, RunState
+from psyche.coordinator.model import Checkpoint
+from psyche.core.testing import IntegrationTestLogMarker
+from psyche.network.broadcast import Broadcast, BroadcastType, Rebroadcaster, TrainingResult
+from psyche.network.connection import (
+    MessageReceived,
+    ModelConfigRequest,
+    NetworkConnection,
+    ParameterRequest,
+)
+from psyche.network.discovery import sign_address_record
+from psyche.network.download import DownloadComplete, DownloadFailed
+from psyche.network.gossip import choose_gossip_peers
+from psyche.network.model_download import DownloadedModel, ModelDownload
+from psyche.network.model_sharing import SharableModel, answer_request
+from psyche.network.scheduler import DownloadScheduler, RetryQueueResult
+from psyche.network.transmittable import (
+    DownloadType,
+    ModelRequestType,
+    SharableModelError,
+    TicketResult,
+    TransmittableDownload,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+REBROADCAST_SECS = 10.0
+DOWNLOAD_RETRY_CHECK_SECS = 1.0
+OPPORTUNISTIC_WITNESS_SECS = 0.5
+CHECK_CONNECTION_SECS = 10.0
+GOSSIP_CONNECT_MIN_INTERVAL_SECS = 6.0
+
+
+@dataclass(frozen=True)
+class _State:
+    state: Coordinator
+
+
+@dataclass(frozen=True)
+class _Net:
+    event: Any
+
+
+@dataclass(frozen=True)
+class _Tick:
+    kind: str
+
+
+@dataclass(frozen=True)
+class _Work:
+    """Work the state machine queued for the loop (upstream: its mpsc channels)."""
+
+    name: str
+    run: Callable[[], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class _InitDone:
+    result: InitializedRun | BaseException
+
+
+_Item = _State | _Net | _Tick | _Work | _InitDone
+
+
+class _LoopIO:
+    """`ClientIO` for the state machine: each call queues work on the client's inbox."""
+
+    def __init__(self, client: Client) -> None:
+        self._client = client
+
+    def _queue(self, name: str, run: Callable[[], Awaitable[None]]) -> None:
+        self._client._post(_Work(name, run))
+
+    def send_witness(self, data: OpportunisticData) -> None:
+        self._queue("witness", lambda: self._client._send_witness(data))
+
+    def send_health_check(self, checks: list[HealthCheck]) -> None:
+        self._queue("health_check", lambda: self._client.backend.send_health_check(checks))
+
+    def send_checkpoint(self, checkpoint: Checkpoint) -> None:
+        self._queue("checkpoint", lambda: self._client.backend.send_checkpoint(checkpoint))
+
+    def broadcast_finished(self, action: core.SendFinished) -> None:
+        self._queue("finished", lambda: self._client._broadcast_finished(action))
+
+    def publish_result(self, result: OwnResult) -> None:
+        self._queue("result", lambda: self._client._publish_result(result))
+
+    def request_download(self, request: core.DownloadRequest) -> None:
+        async def download() -> None:
+            self._client._start_download(request.ticket, request.tag)
+
+        self._queue("download", download)
+
+    def share_model(self, parameters: dict[str, torch.Tensor]) -> None:
+        async def share() -> None:
+            self._client.sharable_model.update_parameters(parameters)
+
+        self._queue("share_model", share)
+
+
+class Client:
+    def __init__(
+        self,
+        backend: Backend,
+        network: NetworkConnection,
+        config: RunInitConfig,
+        *,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.backend = backend
+        self.network = network
+        self.config = config
+        self.identity = config.identity
+        self.rng = rng or random.Random()
+        self._send, self._inbox = trio.open_memory_channel[_Item](math.inf)
+        self._nursery: trio.Nursery | None = None
+        self.coordinator: Coordinator | None = None
+        self._last_state_bytes: bytes | None = None
+        self.stage = "waiting"  # -> initializing -> running
+        self.machine: StepStateMachine | None = None
+        self.sharable_model = SharableModel()
+        self.rebroadcaster = Rebroadcaster()
+        self.scheduler = DownloadScheduler(config.max_concurrent_parameter_requests)
+        self.model_download: ModelDownload | None = None
+        self._last_gossip_attempt = -math.inf
+        self._known_records: set[bytes] = set()
+        self.io = _LoopIO(self)
+
+    # ---- running -------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Run until cancelled or until something fails (the backend goes away, the model cannot
+        be loaded, the client desyncs); failures propagate."""
+        if isinstance(self.backend, EndpointDiscovery):
+            record = sign_address_record(self.config.secret_key, self.network.endpoint_addr())
+            await self.backend.publish_endpoint(record)
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            nursery.start_soon(self._pump_states)
+            nursery.start_soon(self._pump_network)
+            nursery.start_soon(self._ticker, OPPORTUNISTIC_WITNESS_SECS, "opportunistic")
+            nursery.start_soon(self._ticker, REBROADCAST_SECS, "rebroadcast")
+            nursery.start_soon(self._ticker, DOWNLOAD_RETRY_CHECK_SECS, "retry")
+            nursery.start_soon(self._ticker, CHECK_CONNECTION_SECS, "connection")
+            async for item in self._inbox:
+                await self._handle(item)
+
+    def _post(self, item: _Item) -> None:
+        self._send.send_nowait(item)
+
+    async def _pump_states(self) -> None:
+        while True:
+            self._post(_State(await self.backend.wait_for_new_state()))
+
+    async def _pump_network(self) -> None:
+        while True:
+            self._post(_Net(await self.network.next_event()))
+
+    async def _ticker(self, interval: float, kind: str) -> None:
+        while True:
+            await trio.sleep(interval)
+            self._post(_Tick(kind))
+
+    async def _handle(self, item: _Item) -> None:
+        match item:
+            case _State(state):
+                await self._on_state(state)
+            case _Net(event):
+                self._on_network_event(event)
+            case _Tick(kind):
+                self._on_tick(kind)
+            case _Work(_, run):
+                await run()
+            case _InitDone(result):
+                await self._on_init_done(result)
+
+    # ---- coordinator states ----------------------------------------------------------------
+
+    async def _on_state(self, state: Coordinator) -> None:
+        encoded = state.to_bytes()
+        if encoded == self._last_state_bytes:
+            return
+        self._last_state_bytes = encoded
+        old = self.coordinator
+        if old is None or old.run_state is not state.run_state:
+            log_event(
+                logger,
+                "state_change",
+                marker=IntegrationTestLogMarker.StateChange,
+                client_id=str(self.identity),
+                old=str(old.run_state.name) if old is not None else "-",
+                new=state.run_state.name,
+                epoch=state.progress.epoch,
+                step=state.progress.step,
+            )
+        clients = state.epoch_state.clients
+        self.network.set_allowed_peers(c.id.p2p_identity for c in clients)
+        self._learn_peer_addresses()
+        self._ensure_gossip_connected(state)
+        if state.run_state is RunState.RoundTrain and (
+            old is None or old.run_state is not RunState.RoundTrain
+        ):
+            last_needed_step = max(0, state.progress.step - 2)
+            self.network.remove_staled_tags(last_needed_step)
+            self.rebroadcaster.retain_from_step(last_needed_step)
+            self.sharable_model.clear_cache()
+            self.network.clear_bandwidth_tracking()
+        self.coordinator = state
+        if self.stage == "waiting":
+            if state.run_state is RunState.Warmup and any(c.id == self.identity for c in clients):
+                self.stage = "initializing"
+                assert self._nursery is not None
+                self._nursery.start_soon(self._initialize, state)
+        elif self.stage == "running":
+            assert self.machine is not None
+            await self.machine.apply_state(state)
+        if self.machine is not None:
+            self.machine.stats.bandwidth_total = sum(
+                info.bandwidth for info in self.network.remote_infos()
+            )
+
+    def _learn_peer_addresses(self) -> None:
+        if not isinstance(self.backend, EndpointDiscovery):
+            return
+        for record in self.backend.peer_endpoints():
+            if record not in self._known_records:
+                self._known_records.add(record)
+                self.network.address_book.add_record(record)
+
+    def _ensure_gossip_connected(self, state: Coordinator) -> None:
+        if state.halted():
+            return
+        now = time.monotonic()
+        if now - self._last_gossip_attempt < GOSSIP_CONNECT_MIN_INTERVAL_SECS:
+            return
+        me = self.network.endpoint_id
+        participants = [c.id.p2p_identity for c in state.epoch_state.clients]
+        if me not in participants:
+            return
+        self._last_gossip_attempt = now
+        neighbors = self.network.neighbors()
+        if not neighbors:
+            logger.info("Not connected to any gossip peers; connecting to some")
+        chosen = choose_gossip_peers(participants, neighbors, me, self.rng)
+        if chosen:
+            self.network.add_peers(chosen)
+
+    # ---- init ----------------------------------------------------------------------------------
+
+    async def _initialize(self, state: Coordinator) -> None:
+        backups = list(getattr(self.backend, "backup_data_locations", None) or [])
+        if backups:
+            # The run's backup data locations travel beside the coordinator state (a port
+            # extension of the centralized protocol).
+            state = state.copy()
+            state.model.value.backup_data_locations = backups  # type: ignore[attr-defined]
+        try:
+            result: InitializedRun | BaseException = await init_run(
+                self.config, state, self._fetch_model_from_peers
+            )
+        except Exception as e:
+            result = e
+        self._post(_InitDone(result))
+
+    async def _fetch_model_from_peers(self, state: Coordinator) -> DownloadedModel:
+        me = self.network.endpoint_id
+        peers = [c.id.p2p_identity for c in state.epoch_state.clients if c.id.p2p_identity != me]
+        download = ModelDownload(
+            self.network, peers, max_concurrent=self.config.max_concurrent_parameter_requests
+        )
+        self.model_download = download
+        try:
+            model = await download.run()
+        finally:
+            self.model_download = None
+        logger.info("Downloaded %d parameters from peers", len(model.parameters))
+        return model
+
+    async def _on_init_done(self, result: InitializedRun | BaseException) -> None:
+        if isinstance(result, BaseException):
+            raise result
+        assert self._nursery is not None and self.coordinator is not None
+        loaded = result.loaded
+        self.sharable_model.update_config(loaded.config_json, loaded.tokenizer_json)
+        fetcher = DataFetcher(result.data_provider, self._nursery)
+        settings = MachineSettings(
+            identity=self.identity,
+            quantize=result.quantize,
+            write_gradients_dir=self.config.write_gradients_dir,
+            checkpoint=self.config.checkpoint,
+            extra_files=list(loaded.extra_files),
+            model_config_json=loaded.config_json,
+            tokenizer_json=loaded.tokenizer_json,
+        )
+        self.machine = StepStateMachine(
+            settings, result.trainer, fetcher, self.coordinator, self.io, self._nursery
+        )
+        self.stage = "running"
+        # Upstream applies the state init started with; the newest one is what matters now.
+        await self.machine.apply_state(self.coordinator)
+
+    # ---- network -------------------------------------------------------------------------------
+
+    def _on_network_event(self, event: Any) -> None:
+        if self.model_download is not None and self.model_download.handle_event(event):
+            return
+        match event:
+            case MessageReceived(from_, broadcast):
+                self._on_broadcast(from_, broadcast)
+            case DownloadComplete(digest, _, data):
+                self.scheduler.remove_retry(digest)
+                match data:
+                    case TransmittableDownload.DistroResult(payload):
+                        if self.machine is not None:
+                            self.machine.apply_distro_result(digest, payload)
+                    case _:
+                        logger.debug("ignoring a downloaded %s", type(data).__name__)
+            case DownloadFailed(ticket, tag, error, download_type):
+                if isinstance(download_type, DownloadType.DistroResult):
+                    outcome = self.scheduler.queue_failed_download(ticket, tag, download_type)
+                    if outcome == RetryQueueResult.Queued:
+                        logger.info("Distro result download failed (will retry): %s", error)
+                    else:
+                        logger.warning("Distro result download failed (not retrying): %s", error)
+            case ParameterRequest(name, reply):
+                self._spawn(self._answer, ModelRequestType.Parameter(name), reply)
+            case ModelConfigRequest(reply):
+                self._spawn(self._answer, ModelRequestType.Config(), reply)
+
+    def _on_broadcast(self, from_: bytes, broadcast: Broadcast) -> None:
+        if self.coordinator is None:
+            return
+        sender = core.client_for_p2p_key(self.coordinator.epoch_state.clients, from_)
+        if sender is None:
+            logger.debug("broadcast from unknown client %s", from_[:5].hex())
+            return
+        if not core.verify_broadcast_signature(from_, broadcast):
+            logger.warning("Invalid signature on commitment from %s", from_[:5].hex())
+            return
+        if self.machine is None:
+            return  # not warmed up yet: ignored, as upstream
+        outcome = self.machine.apply_message(sender, broadcast)
+        if outcome is core.ApplyMessageOutcome.Invalid:
+            logger.debug("invalid broadcast from %s for step %d", sender, broadcast.step)
+
+    async def _answer(self, request: ModelRequestType, reply: Any) -> None:
+        try:
+            result = await answer_request(
+                request, self.sharable_model, self.network.add_downloadable
+            )
+        except Exception as e:  # a peer's request must never take the client down
+            logger.warning("cannot answer model-sharing request %s: %s", request, e)
+            result = TicketResult.Err(SharableModelError.SerializationError(str(e)))
+        reply.send(result)
+
+    def _spawn(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
+        assert self._nursery is not None
+        self._nursery.start_soon(fn, *args)
+
+    def _start_download(self, ticket: Any, tag: str) -> None:
+        me = self.network.endpoint_id
+        others = []
+        if self.coordinator is not None:
+            others = [
+                c.id.p2p_identity
+                for c in self.coordinator.epoch_state.clients
+                if c.id.p2p_identity != me
+            ]
+            self.rng.shuffle(others)
+        self.network.start_download(ticket, tag, DownloadType.DistroResult(others))
+
+    # ---- timers --------------------------------------------------------------------------------
+
+    def _on_tick(self, kind: str) -> None:
+        if kind == "opportunistic":
+            if self.machine is not None:
+                self.machine.try_send_opportunistic_witness()
+        elif kind == "rebroadcast":
+            broadcast = self.rebroadcaster.next_to_send()
+            if broadcast is not None:
+                self.network.broadcast(broadcast)
+        elif kind == "retry":
+            for retry in self.scheduler.get_due_distro_retries():
+                logger.info("Retrying download for distro result (attempt %d)", retry.retries)
+                self._start_download(retry.ticket, retry.tag)
+        elif kind == "connection" and self.coordinator is not None:
+            self._ensure_gossip_connected(self.coordinator)
+
+    # ---- work queued by the state machine ------------------------------------------------
+
+    async def _send_witness(self, data: OpportunisticData) -> None:
+        await self.backend.send_witness(data)
+        log_event(logger, "witness_sent", kind=data.kind)
+
+    def _sign(self, data_hash: bytes) -> Commitment:
+        return Commitment(data_hash, self.config.secret_key.sign(data_hash))
+
+    def _announce(self, broadcast: Broadcast) -> None:
+        """Gossip our own broadcast, keep it for rebroadcasting, and apply it like anyone's."""
+        self.network.broadcast(broadcast)
+        self.rebroadcaster.add(broadcast)
+        if self.machine is not None:
+            self.machine.apply_message(self.identity, broadcast)
+
+    async def _broadcast_finished(self, action: core.SendFinished) -> None:
+        signature = self.config.secret_key.sign(action.commitment_data_hash)
+        self._announce(core.finished_broadcast(action, signature, self.rng.getrandbits(32)))
+
+    async def _publish_result(self, result: OwnResult) -> None:
+        download = TransmittableDownload.DistroResult(result.payload)
+        ticket, size = await self.network.add_downloadable(download, f"distro-result_{result.step}")
+        logger.info(
+            "Broadcasting payload batch id %s hash 0x%s (%.3f MB)",
+            result.batch_id,
+            ticket.hash.hex(),
+            size / 1e6,
+        )
+        broadcast = Broadcast(
+            step=result.step,
+            proof=result.proof,
+            commitment=self._sign(result.commitment_data_hash),
+            nonce=self.rng.getrandbits(32),
+            data=BroadcastType.TrainingResult(TrainingResult(result.batch_id, ticket)),
+        )
+        self._announce(broadcast)
+        if self.machine is not None:
+            # The unquantized results: the next round's momentum update subtracts them.
+            self.machine.apply_distro_result(ticket.hash, result.payload, result.original)

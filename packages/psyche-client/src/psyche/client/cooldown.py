@@ -1,0 +1,184 @@
+"""End of an epoch (upstream `state/cooldown.rs`): freeze the model for sharing and checkpoint it.
+
+The weights are rounded through bf16 (so a joiner that receives bf16 tensors gets exactly what
+the others continue from), extracted as bf16 CPU tensors, handed to P2P model sharing, and, with
+`--checkpoint-dir`, written in Hugging Face layout to `{dir}/{run_id}-step{step}`; with
+`--hub-repo` that directory is uploaded and the coordinator is told the new revision. Writing
+and uploading run in the background; the next epoch does not wait for them.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import trio
+
+from psyche.client.logs import log_event
+from psyche.coordinator.model import Checkpoint, HubRepo
+from psyche.core.atomic_file import write_atomically
+
+if TYPE_CHECKING:
+    import torch
+
+    from psyche.modeling.trainer import Trainer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    checkpoint_dir: Path
+    hub_repo: str | None = None
+    hub_token: str | None = None
+    delete_old_steps: bool = True
+    keep_steps: int = 3
+
+
+def live_model_hash(trainer: Trainer) -> bytes:
+    """SHA-256 over the live parameters (name, dtype, shape, bytes): equal hashes, equal weights."""
+    from psyche.network.model_sharing import model_hash
+
+    return model_hash(dict(trainer.model.variables()))
+
+
+def extract_for_sharing(trainer: Trainer) -> tuple[dict[str, torch.Tensor], bytes]:
+    """Round the live weights through bf16 and take bf16 CPU copies (upstream `truncate_bf16` +
+    `extract` + cast); also the hash of the live weights after rounding."""
+    import torch
+
+    trainer.truncate_bf16()
+    variables = trainer.extract(torch.bfloat16)
+    return variables, live_model_hash(trainer)
+
+
+def checkpoint_path(config: CheckpointConfig, run_id: str, step: int) -> Path:
+    return config.checkpoint_dir / f"{run_id}-step{step}"
+
+
+def save_checkpoint_locally(
+    path: Path,
+    variables: dict[str, torch.Tensor],
+    extra_files: Sequence[Path],
+    model_config_json: str,
+    tokenizer_json: str,
+) -> list[Path]:
+    """The safetensors parts, the source checkpoint's config/tokenizer files, and a config.json
+    (and tokenizer.json) written from what the client knows when the source had none."""
+    from psyche.modeling.checkpoint import save_tensors_into_safetensors
+
+    written = save_tensors_into_safetensors(variables, path)
+    names = set()
+    for src in extra_files:
+        dest = path / src.name
+        tmp = path / f".{src.name}.tmp"
+        shutil.copyfile(src, tmp)
+        tmp.replace(dest)
+        written.append(dest)
+        names.add(src.name)
+    if "config.json" not in names:
+        write_atomically(path / "config.json", model_config_json + "\n")
+        written.append(path / "config.json")
+    if "tokenizer.json" not in names and tokenizer_json:
+        write_atomically(path / "tokenizer.json", tokenizer_json)
+        written.append(path / "tokenizer.json")
+    return written
+
+
+def upload_to_hub(path: Path, repo_id: str, token: str | None, step: int) -> str:
+    """Upload a checkpoint directory; returns the commit (revision) it created."""
+    from huggingface_hub import HfApi
+
+    info = HfApi(token=token).upload_folder(
+        repo_id=repo_id, folder_path=str(path), commit_message=f"step {step}"
+    )
+    return str(info.oid)
+
+
+def check_hub_repo_writable(repo_id: str, token: str) -> None:
+    """Fail early (as upstream) when the upload repo is not writable with this token."""
+    from huggingface_hub import HfApi
+
+    try:
+        HfApi(token=token).auth_check(repo_id, repo_type="model", write=True)
+    except TypeError:  # older huggingface_hub without `write`
+        HfApi(token=token).auth_check(repo_id, repo_type="model")
+    except Exception as e:
+        raise RuntimeError(
+            f"Checkpoint upload repo {repo_id} is not writable with the passed API key: {e}"
+        ) from e
+
+
+def cleanup_old_steps(config: CheckpointConfig, run_id: str, kept: list[int], step: int) -> None:
+    """Keep the newest `keep_steps` step directories this client wrote (upstream's heap)."""
+    if not config.delete_old_steps:
+        return
+    kept.append(step)
+    kept.sort()
+    while len(kept) > config.keep_steps:
+        old = kept.pop(0)
+        doomed = checkpoint_path(config, run_id, old)
+        try:
+            shutil.rmtree(doomed)
+            logger.info("Successfully removed %s", doomed)
+        except OSError as e:
+            logger.warning("Error removing %s : %s", doomed, e)
+
+
+@dataclass
+class CheckpointJob:
+    config: CheckpointConfig
+    run_id: str
+    step: int
+    variables: dict[str, torch.Tensor]
+    extra_files: list[Path]
+    model_config_json: str
+    tokenizer_json: str
+
+
+async def write_and_upload(
+    job: CheckpointJob, kept_steps: list[int], send_checkpoint: Callable[[Checkpoint], None]
+) -> None:
+    path = checkpoint_path(job.config, job.run_id, job.step)
+    started = time.monotonic()
+    try:
+        await trio.to_thread.run_sync(
+            save_checkpoint_locally,
+            path,
+            job.variables,
+            job.extra_files,
+            job.model_config_json,
+            job.tokenizer_json,
+        )
+    except Exception as e:
+        logger.error("Writing the checkpoint to %s failed: %s", path, e)
+        return
+    log_event(
+        logger,
+        "checkpoint_saved",
+        step=job.step,
+        path=str(path),
+        secs=round(time.monotonic() - started, 3),
+    )
+    if job.config.hub_repo is not None:
+        try:
+            revision = await trio.to_thread.run_sync(
+                upload_to_hub, path, job.config.hub_repo, job.config.hub_token, job.step
+            )
+        except Exception as e:
+            logger.error("Couldn't upload model to huggingface: %s", e)
+            return
+        log_event(
+            logger,
+            "checkpoint_uploaded",
+            step=job.step,
+            repo=job.config.hub_repo,
+            revision=revision,
+        )
+        send_checkpoint(Checkpoint.Hub(HubRepo(job.config.hub_repo, revision)))
+    cleanup_old_steps(job.config, job.run_id, kept_steps, job.step)

@@ -1,0 +1,184 @@
+"""Joining a run at warmup: the model, the data provider and the trainer (upstream `init.rs`).
+
+Runs when the client first sees a Warmup state that lists it. The model and the data provider
+are set up concurrently; model loading runs in a worker thread. With a P2P checkpoint the model
+comes from the other clients, through `fetch_from_peers` (the client loop feeds that download
+its network events).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from psyche.client.cooldown import CheckpointConfig, live_model_hash
+from psyche.client.logs import log_event
+from psyche.client.model_loading import (
+    LoadedModel,
+    build_from_parameters,
+    check_device,
+    load_hub_checkpoint,
+    preload_modeling,
+)
+from psyche.coordinator.coordinator import Coordinator
+from psyche.coordinator.model import Checkpoint
+from psyche.core.identity import SecretKey
+from psyche.core.node_identity import NodeIdentity
+from psyche.core.testing import IntegrationTestLogMarker
+
+if TYPE_CHECKING:
+    from psyche.modeling.trainer import Trainer
+    from psyche.network.model_download import DownloadedModel
+
+logger = logging.getLogger(__name__)
+
+
+class InitRunError(RuntimeError):
+    """The client cannot take part in this run (model, data or configuration)."""
+
+
+@dataclass(frozen=True)
+class RunInitConfig:
+    """What the client needs beyond the coordinator state (upstream `RunInitConfig`)."""
+
+    identity: NodeIdentity
+    secret_key: SecretKey
+    device: str = "auto"
+    micro_batch_size: int = 1
+    grad_accum_in_fp32: bool = False
+    optim_stats_every_n_steps: int | None = None
+    max_concurrent_parameter_requests: int = 8
+    write_gradients_dir: Path | None = None
+    checkpoint: CheckpointConfig | None = None
+
+
+@dataclass
+class InitializedRun:
+    trainer: Trainer
+    data_provider: Any
+    loaded: LoadedModel
+    quantize: bool
+
+
+FetchFromPeers = Callable[[Coordinator], Awaitable["DownloadedModel"]]
+
+
+async def init_run(
+    config: RunInitConfig, state: Coordinator, fetch_from_peers: FetchFromPeers
+) -> InitializedRun:
+    from psyche.core.definitions import OptimizerDefinition
+    from psyche.modeling.causal_lm import ModelLoadError, architecture_name
+
+    llm = state.model.value  # type: ignore[attr-defined]
+    await trio.to_thread.run_sync(preload_modeling)
+    try:
+        architecture = architecture_name(llm.architecture)
+        device = await trio.to_thread.run_sync(check_device, config.device)
+    except ModelLoadError as e:
+        raise InitRunError(str(e)) from e
+
+    loaded: LoadedModel | None = None
+    provider: Any = None
+
+    async def load_model() -> None:
+        nonlocal loaded
+        loaded = await _load_model(llm.checkpoint, architecture, device, state, fetch_from_peers)
+
+    async def open_data() -> None:
+        nonlocal provider
+        provider = await _open_data(llm, config.secret_key)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(load_model)
+        nursery.start_soon(open_data)
+    assert loaded is not None
+
+    def make_trainer() -> Trainer:
+        from psyche.modeling.trainer import Trainer
+
+        return Trainer(
+            loaded.model,
+            llm.lr_schedule,
+            llm.optimizer,
+            config.micro_batch_size,
+            optim_stats_every_n_steps=config.optim_stats_every_n_steps,
+            grad_accum_in_fp32=config.grad_accum_in_fp32,
+        )
+
+    trainer = await trio.to_thread.run_sync(make_trainer)
+    model_hash = await trio.to_thread.run_sync(live_model_hash, trainer)
+    log_event(
+        logger,
+        "loaded_model",
+        marker=IntegrationTestLogMarker.LoadedModel,
+        client_id=str(config.identity),
+        epoch=state.progress.epoch,
+        step=state.progress.step,
+        checkpoint=str(llm.checkpoint),
+        source=loaded.source,
+        device=str(device),
+        dtype=str(loaded.model.dtype).removeprefix("torch."),
+        model_hash=model_hash,
+    )
+    optimizer = llm.optimizer
+    quantize = isinstance(optimizer, OptimizerDefinition.Distro) and bool(
+        optimizer.value.quantize_1bit
+    )
+    return InitializedRun(trainer, provider, loaded, quantize)
+
+
+async def _load_model(
+    checkpoint: Checkpoint,
+    architecture: str,
+    device: Any,
+    state: Coordinator,
+    fetch_from_peers: FetchFromPeers,
+) -> LoadedModel:
+    from psyche.modeling.causal_lm import ModelLoadError
+
+    try:
+        match checkpoint:
+            case Checkpoint.Hub(repo):
+                logger.info("Loading model from %s", repo.repo_id)
+                return await trio.to_thread.run_sync(
+                    load_hub_checkpoint, repo.repo_id, repo.revision, architecture, device
+                )
+            case Checkpoint.P2P(_) | Checkpoint.P2PGcs(_):
+                logger.info("Checkpoint is p2p, requesting the model from peers")
+                downloaded = await fetch_from_peers(state)
+                return await trio.to_thread.run_sync(
+                    build_from_parameters,
+                    downloaded.config.config,
+                    downloaded.config.tokenizer,
+                    downloaded.parameters,
+                    architecture,
+                    device,
+                )
+            case Checkpoint.Ephemeral():
+                raise InitRunError("Model is Ephemeral, it's impossible to join this run.")
+            case Checkpoint.Dummy(_):
+                raise InitRunError(
+                    "Dummy checkpoints (upstream's test-only dummy model) are not supported by "
+                    "the Python client; use a Hub checkpoint (a hub repo or a local directory)"
+                )
+            case Checkpoint.Gcs(_):
+                raise InitRunError("GCS checkpoints are not supported by the Python client yet")
+    except ModelLoadError as e:
+        raise InitRunError(f"failed to load model: {e}") from e
+    raise InitRunError(f"unknown checkpoint {checkpoint!r}")
+
+
+async def _open_data(llm: Any, secret_key: SecretKey) -> Any:
+    from psyche.data_provider import DataProviderError, ProviderOptions, open_data_provider
+
+    try:
+        return await open_data_provider(
+            llm.data_locations, ProviderOptions(max_seq_len=llm.max_seq_len, secret_key=secret_key)
+        )
+    except (DataProviderError, OSError) as e:
+        raise InitRunError(f"Couldn't initialize data provider: {e}") from e

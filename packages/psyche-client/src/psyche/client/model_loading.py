@@ -1,0 +1,223 @@
+"""Where a client's model comes from at the start of an epoch (upstream `state/init.rs`).
+
+* A `Hub` checkpoint naming an existing local directory (and no revision) is read from disk;
+  otherwise the repo is downloaded from the Hugging Face hub.
+* A directory with `config.json` but no `.safetensors` is a run that starts from scratch: the
+  model is built from the config with random weights under `torch.manual_seed(1337)` on the CPU
+  (then moved to the device), so every client starts from identical weights.
+* A `P2P` checkpoint is fetched from the run's other clients (config, then every parameter); the
+  model is built from the config and the received tensors are loaded into it.
+
+These functions block (torch, file I/O); the client runs them in a worker thread.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from psyche.modeling.causal_lm import (
+    CausalLM,
+    ModelLoadError,
+    ModelOptions,
+    download_model_repo,
+    load_config_json,
+    resolve_device,
+    resolve_dtype,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+INIT_SEED = 1337
+TOKENIZER_FILE = "tokenizer.json"
+
+# Several clients in one process (tests, simulations) load models in concurrent threads: the
+# transformers lazy imports are not thread safe, and the seeded random init uses torch's global
+# generator, so imports and seeded builds take this lock.
+_BUILD_LOCK = threading.Lock()
+
+
+def preload_modeling() -> None:
+    """Import torch and what transformers imports lazily when it first builds a model (about
+    ten seconds on a small machine): building a minute Llama pulls it all in."""
+    with _BUILD_LOCK:
+        from transformers import AutoModelForCausalLM, LlamaConfig
+
+        config = LlamaConfig(
+            vocab_size=8,
+            hidden_size=8,
+            intermediate_size=8,
+            num_hidden_layers=1,
+            num_attention_heads=1,
+            num_key_value_heads=1,
+        )
+        AutoModelForCausalLM.from_config(config)
+
+
+@dataclass
+class LoadedModel:
+    model: CausalLM
+    # What model sharing hands to joiners (upstream sends the config and tokenizer JSON).
+    config_json: str
+    tokenizer_json: str
+    # Files of the source checkpoint that checkpoints of this model should carry.
+    extra_files: list[Path] = field(default_factory=list)
+    source: str = ""
+
+
+def check_device(device: str) -> torch.device:
+    """The torch device for `--device` (auto, cpu, cuda, cuda:N); fails early when absent."""
+    import torch
+
+    if device not in ("auto", "cpu", "cuda") and not (
+        device.startswith("cuda:") and device[5:].isdigit()
+    ):
+        raise ModelLoadError(
+            f"unsupported --device {device!r}: use auto, cpu, cuda or cuda:N "
+            "(multiple devices need data or tensor parallelism, which is not built)"
+        )
+    resolved = resolve_device(device)
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ModelLoadError(f"--device {device}: no CUDA device is available")
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise ModelLoadError(
+                f"--device {device}: only {torch.cuda.device_count()} CUDA devices exist"
+            )
+    return resolved
+
+
+def config_json_of(model: CausalLM) -> str:
+    return json.dumps(model.config.to_dict(), sort_keys=True)
+
+
+def _read_tokenizer(directory: Path) -> str:
+    path = directory / TOKENIZER_FILE
+    return path.read_text(encoding="utf-8") if path.is_file() else ""
+
+
+def _move(model: CausalLM, device: torch.device) -> CausalLM:
+    if model.device == device:
+        return model
+    moved = CausalLM(model.model.to(device), model.architecture, source_dir=model.source_dir)
+    return moved
+
+
+def load_from_directory(directory: Path, architecture: str, device: torch.device) -> LoadedModel:
+    """A local checkpoint directory, or a config-only directory (random init, seed 1337)."""
+    if not (directory / "config.json").is_file():
+        raise ModelLoadError(f"no config.json in {directory}")
+    dtype = resolve_dtype(None, device)
+    has_weights = any(p.suffix.lower() == ".safetensors" for p in directory.iterdir())
+    if has_weights:
+        model = _seeded(
+            CausalLM.from_pretrained,
+            directory,
+            ModelOptions(architecture=architecture, device=str(device), seed=INIT_SEED),
+        )
+        source = f"{directory} (weights)"
+    else:
+        # Built on the CPU so the random draws are the same whatever the device.
+        model = _seeded(
+            CausalLM.from_config,
+            load_config_json(directory / "config.json"),
+            ModelOptions(
+                architecture=architecture, device="cpu", dtype=_dtype_name(dtype), seed=INIT_SEED
+            ),
+        )
+        model.source_dir = directory
+        model = _move(model, device)
+        source = f"{directory} (config only: random init, seed {INIT_SEED})"
+    extras = model.checkpoint_extra_files()
+    return LoadedModel(model, config_json_of(model), _read_tokenizer(directory), extras, source)
+
+
+def load_hub_checkpoint(
+    repo_id: str,
+    revision: str | None,
+    architecture: str,
+    device: torch.device,
+) -> LoadedModel:
+    """Upstream's rule: a repo id that is an existing path (and no revision) is local."""
+    local = Path(repo_id)
+    if revision is None and local.is_dir():
+        directory = local
+    else:
+        directory = download_model_repo(repo_id, revision)
+    return load_from_directory(directory, architecture, device)
+
+
+def build_from_parameters(
+    config_json: str,
+    tokenizer_json: str,
+    parameters: Mapping[str, torch.Tensor],
+    architecture: str,
+    device: torch.device,
+) -> LoadedModel:
+    """The model a joiner assembles from what its peers sent: every parameter of the config's
+    model must arrive, and nothing else."""
+    import torch
+
+    try:
+        config = json.loads(config_json)
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"peers sent a model config that is not JSON: {e}") from e
+    if not isinstance(config, dict):
+        raise ModelLoadError("peers sent a model config that is not a JSON object")
+    dtype = resolve_dtype(None, device)
+    model = _seeded(
+        CausalLM.from_config,
+        config,
+        ModelOptions(
+            architecture=architecture, device="cpu", dtype=_dtype_name(dtype), seed=INIT_SEED
+        ),
+    )
+    state = _shared_once(model.model.state_dict())
+    missing = sorted(set(state) - set(parameters))
+    unexpected = sorted(set(parameters) - set(state))
+    if missing or unexpected:
+        raise ModelLoadError(
+            f"peers' parameters do not match the config: missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]}"
+        )
+    with torch.no_grad():
+        for name, target in state.items():
+            value = parameters[name]
+            if tuple(value.shape) != tuple(target.shape):
+                raise ModelLoadError(
+                    f"parameter {name} has shape {tuple(value.shape)}, the config's model "
+                    f"{tuple(target.shape)}"
+                )
+            target.copy_(value.to(target.dtype))
+    model = _move(model, device)
+    return LoadedModel(model, config_json_of(model), tokenizer_json, [], "peers (P2P)")
+
+
+def _seeded(build: Callable[..., CausalLM], *args: Any) -> CausalLM:
+    """`build(*args)` right after `torch.manual_seed(INIT_SEED)`, with no other build between."""
+    import torch
+
+    with _BUILD_LOCK:
+        torch.manual_seed(INIT_SEED)
+        return build(*args)
+
+
+def _shared_once(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The state dict with tied tensors once (the names `CausalLM.extract` sends)."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
+    for name, tensor in state.items():
+        key = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()))
+        if key not in seen:
+            seen.add(key)
+            out[name] = tensor
+    return out
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -1,0 +1,184 @@
+"""The command lines the local testnet runs (upstream `local-testnet/src/main.rs`), built purely.
+
+Server: `psyche-server run --state DIR/state.toml --server-port P --tui B [--data-config
+DIR/data.toml] [--events-dir D]`. Client i (1-based): environment `RAW_IDENTITY_SECRET_KEY` =
+64 hex digits of i, `METRICS_LOCAL_PORT` = 6268 + i, `RUST_LOG`, `RUST_BACKTRACE=1`
+(`HF_TOKEN` when given), then `psyche-client train --run-id R --server-addr localhost:P --logs
+tui|console` and the optional flags in upstream's order. Programs run with the testnet's own
+Python (`python -m psyche.cli.server`), so no activated environment is needed in a tmux pane.
+"""
+
+from __future__ import annotations
+
+import datetime
+import shlex
+import sys
+import tomllib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+METRICS_BASE_PORT = 6268
+DEFAULT_LOG = "warn,psyche=debug"
+
+
+@dataclass(frozen=True)
+class Command:
+    """A program with its environment additions; `shell()` is what a tmux pane is sent."""
+
+    argv: tuple[str, ...]
+    env: tuple[tuple[str, str], ...] = ()
+
+    def shell(self) -> str:
+        assigns = [f"{k}={shlex.quote(v)}" for k, v in self.env]
+        return " ".join([*assigns, *(shlex.quote(a) for a in self.argv)])
+
+    def environ(self, base: dict[str, str]) -> dict[str, str]:
+        return {**base, **dict(self.env)}
+
+
+@dataclass(frozen=True)
+class TestnetPlan:
+    __test__ = False  # not a pytest test class
+
+    num_clients: int
+    config_path: Path
+    run_id: str
+    server_port: int = 20000
+    tui: bool = True
+    log: str = DEFAULT_LOG
+    write_distro_data: Path | None = None
+    first_client_checkpoint: str | None = None
+    hf_token: str | None = None
+    write_log_dir: Path | None = None
+    wandb_project: str | None = None
+    wandb_group: str | None = None
+    wandb_entity: str | None = None
+    optim_stats: int | None = None
+    eval_tasks: str | None = None
+    events_dir: Path | None = None
+    # Hidden options: another client program (tests), extra client/server arguments.
+    client_program: tuple[str, ...] = ()
+    client_args: tuple[str, ...] = ()
+    server_args: tuple[str, ...] = ()
+    python: str = field(default_factory=lambda: sys.executable)
+
+    @property
+    def state_path(self) -> Path:
+        return self.config_path / "state.toml"
+
+    @property
+    def data_path(self) -> Path | None:
+        path = self.config_path / "data.toml"
+        return path if path.exists() else None
+
+    def validate_command(self) -> Command:
+        argv = [self.python, "-m", "psyche.cli.server", "validate-config"]
+        argv += ["--state", str(self.state_path)]
+        if self.data_path is not None:
+            argv += ["--data-config", str(self.data_path)]
+        return Command(tuple(argv))
+
+    def server_command(self) -> Command:
+        argv = [self.python, "-m", "psyche.cli.server", "run", "--state", str(self.state_path)]
+        argv += ["--server-port", str(self.server_port), "--tui", str(self.tui).lower()]
+        if self.data_path is not None:
+            argv += ["--data-config", str(self.data_path)]
+        if self.events_dir is not None:
+            argv += ["--events-dir", str(self.events_dir)]
+        argv += self.server_args
+        return Command(tuple(argv), (("RUST_LOG", self.log),))
+
+    def client_command(self, number: int) -> Command:
+        """The command of client `number` (1-based; its key is the hex of `number`)."""
+        env: list[tuple[str, str]] = []
+        if self.hf_token is not None:
+            env.append(("HF_TOKEN", self.hf_token))
+        env += [
+            ("METRICS_LOCAL_PORT", str(METRICS_BASE_PORT + number)),
+            ("RUST_LOG", self.log),
+            ("RUST_BACKTRACE", "1"),
+            ("RAW_IDENTITY_SECRET_KEY", identity_secret_key_hex(number)),
+        ]
+        program = self.client_program or default_client_program(self.python)
+        argv = [*program, "train", "--run-id", self.run_id]
+        argv += ["--server-addr", f"localhost:{self.server_port}"]
+        argv += ["--logs", "tui" if self.tui else "console"]
+        if self.write_distro_data is not None:
+            argv += ["--write-gradients-dir", str(self.write_distro_data)]
+        if self.first_client_checkpoint is not None and number == 1:
+            argv += ["--checkpoint-dir", "./checkpoints", "--hub-repo"]
+            argv.append(self.first_client_checkpoint)
+        for flag, value in (
+            ("--wandb-entity", self.wandb_entity),
+            ("--wandb-group", self.wandb_group),
+            ("--wandb-project", self.wandb_project),
+        ):
+            if value is not None:
+                argv += [flag, value]
+        if self.write_log_dir is not None:
+            argv += ["--write-log", str(self.write_log_dir / f"client-{number}.txt")]
+        if self.optim_stats is not None:
+            # Upstream passes `--optim-stats`, a flag its client does not have.
+            argv += ["--optim-stats-steps", str(self.optim_stats)]
+        if self.eval_tasks is not None:
+            argv += ["--eval-tasks", self.eval_tasks]
+        if self.events_dir is not None:
+            argv += ["--events-dir", str(self.events_dir)]
+        argv += self.client_args
+        return Command(tuple(argv), tuple(env))
+
+
+def default_client_program(python: str) -> tuple[str, ...]:
+    """`psyche-client` next to `python` (its environment's script), else `python -m`."""
+    script = Path(python).parent / "psyche-client"
+    if script.is_file():
+        return (str(script),)
+    return (python, "-m", "psyche.cli.client")
+
+
+def identity_secret_key_hex(number: int) -> str:
+    """Upstream's test keys: the secret key's 32 bytes are the big-endian integer `number`."""
+    return format(number, "064x")
+
+
+def log_dir_name(start: datetime.datetime) -> str:
+    """`./logs/<this>/`: the testnet's start time in UTC, as upstream."""
+    return start.astimezone(datetime.UTC).strftime("%Y-%m-%d_%H:%M:%S")
+
+
+def read_run_id(state_path: Path) -> str:
+    with open(state_path, "rb") as f:
+        doc = tomllib.load(f)
+    run_id = doc.get("run_id")
+    if not isinstance(run_id, str):
+        raise ValueError(f"{state_path}: no run_id string")
+    return run_id
+
+
+def split_args(text: str | None) -> tuple[str, ...]:
+    return tuple(shlex.split(text)) if text else ()
+
+
+def pick_victims(
+    candidates: Sequence[int], allowed: Sequence[int], count: int, rng: object
+) -> list[int]:
+    """Upstream's random kill choice: allowed clients (all when `allowed` is empty), shuffled,
+    the first `count`."""
+    pool = [c for c in candidates if not allowed or c in allowed]
+    rng.shuffle(pool)  # type: ignore[attr-defined]
+    return pool[:count]
+
+
+__all__ = [
+    "DEFAULT_LOG",
+    "METRICS_BASE_PORT",
+    "Command",
+    "TestnetPlan",
+    "default_client_program",
+    "identity_secret_key_hex",
+    "log_dir_name",
+    "pick_victims",
+    "read_run_id",
+    "split_args",
+]

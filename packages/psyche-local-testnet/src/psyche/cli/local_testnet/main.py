@@ -1,0 +1,248 @@
+"""`psyche-local-testnet start`: a coordinator server and N training clients on this machine."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from psyche.cli.local_testnet.commands import (
+    DEFAULT_LOG,
+    TestnetPlan,
+    log_dir_name,
+    read_run_id,
+    split_args,
+)
+
+DESCRIPTION = """\
+Starts a local testnet: the coordinator server and N training clients, each in its own tmux
+pane (server top left, a GPU monitor bottom left, clients on the right), or with --headless as
+child processes whose output is printed with a [name] prefix. Client i uses the identity key
+whose 32 bytes are the number i. Stop it with Ctrl+C (headless) or by leaving tmux."""
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError("NUM_CLIENTS must be a positive integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError("NUM_CLIENTS must be a positive integer")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, found {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, found {value}")
+    return value
+
+
+def existing_path(text: str) -> Path:
+    path = Path(text)
+    if not path.exists():
+        raise argparse.ArgumentTypeError(f"Config path {text} does not exist")
+    return path
+
+
+def parse_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("true", "1", "yes", "on"):
+        return True
+    if value in ("false", "0", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, found {text!r}")
+
+
+def client_numbers(text: str) -> tuple[int, ...]:
+    if not text.strip():
+        return ()
+    return tuple(positive_int(part) for part in text.split(","))
+
+
+def _env(name: str) -> str | None:
+    value = os.environ.get(name)
+    return value if value else None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="psyche-local-testnet",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    commands = parser.add_subparsers(dest="command", metavar="<COMMAND>", required=True)
+    start = commands.add_parser(
+        "start",
+        help="Starts the local-testnet running each part of the system in a separate pane",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add = start.add_argument
+    add("--num-clients", type=positive_int, required=True, metavar="<NUM_CLIENTS>",
+        help="Number of clients to start")  # fmt: skip
+    add("--config-path", type=existing_path, required=True, metavar="<CONFIG_PATH>",
+        help="Directory with the run's state.toml (and data.toml when it hosts the data)")  # fmt: skip
+    add("--write-distro-data", type=Path, metavar="<WRITE_DISTRO_DATA>",
+        help="If provided, write DisTrO data to disk in this path")  # fmt: skip
+    add("--server-port", type=non_negative_int, default=20000, metavar="<SERVER_PORT>",
+        help="Port the server listens on (the clients connect to it) [default: 20000]")  # fmt: skip
+    add("--tui", type=parse_bool, nargs="?", const=True, metavar="<TUI>",
+        help="Terminal dashboards for the server and clients [env: TUI] [default: true]")  # fmt: skip
+    add("--random-kill-num", type=non_negative_int, metavar="<RANDOM_KILL_NUM>",
+        help="Kill N clients randomly every <RANDOM_KILL_INTERVAL> seconds (and restart them)")  # fmt: skip
+    add("--allowed-to-kill", type=client_numbers, default=(), metavar="<ALLOWED_TO_KILL>",
+        help="Which clients (1-based, comma separated) may be killed randomly [default: all]")  # fmt: skip
+    add("--random-kill-interval", type=non_negative_int, default=120,
+        metavar="<RANDOM_KILL_INTERVAL>",
+        help="Kill <RANDOM_KILL_NUM> clients randomly every N seconds [default: 120]")  # fmt: skip
+    add("--log", default=DEFAULT_LOG, metavar="<LOG>",
+        help=f"Log levels, passed as RUST_LOG [default: {DEFAULT_LOG}]")  # fmt: skip
+    add("--first-client-checkpoint", metavar="<FIRST_CLIENT_CHECKPOINT>",
+        help="HF repo the first client uploads checkpoints to (--checkpoint-dir ./checkpoints)")  # fmt: skip
+    add("--hf-token", metavar="<HF_TOKEN>",
+        help="HF token for all the clients to fetch the model at the beginning of the run")  # fmt: skip
+    add("--write-log", action="store_true",
+        help="Write every process's log to ./logs/<start time, UTC>/")  # fmt: skip
+    add("--wandb-project", default=_env("WANDB_PROJECT"), metavar="<WANDB_PROJECT>",
+        help="[env: WANDB_PROJECT]")  # fmt: skip
+    add("--wandb-group", default=_env("WANDB_GROUP"), metavar="<WANDB_GROUP>",
+        help="[env: WANDB_GROUP]")  # fmt: skip
+    add("--wandb-entity", default=_env("WANDB_ENTITY"), metavar="<WANDB_ENTITY>",
+        help="[env: WANDB_ENTITY]")  # fmt: skip
+    add("--optim-stats", type=non_negative_int, metavar="<OPTIM_STATS>", help="Passed to the clients as --optim-stats-steps [env: OPTIM_STATS]")  # fmt: skip
+    add("--eval-tasks", default=_env("EVAL_TASKS"), metavar="<EVAL_TASKS>",
+        help="[env: EVAL_TASKS]")  # fmt: skip
+    add("--events-dir", type=Path, metavar="<EVENTS_DIR>",
+        help="Event files of the server and each client go under this directory")  # fmt: skip
+    add("--headless", action="store_true",
+        help="No tmux: run everything as child processes, output prefixed with [name]")  # fmt: skip
+    # Hidden: for tests and scripted use.
+    add("--tmux-socket", help=argparse.SUPPRESS)
+    add("--no-attach", action="store_true", help=argparse.SUPPRESS)
+    add("--client-program", help=argparse.SUPPRESS)
+    add("--client-args", help=argparse.SUPPRESS)
+    add("--server-args", help=argparse.SUPPRESS)
+    return parser
+
+
+def apply_environment(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """TUI and OPTIM_STATS from the environment when not given (upstream clap `env`)."""
+    for dest, env, parse, default in (
+        ("tui", "TUI", parse_bool, True),
+        ("optim_stats", "OPTIM_STATS", non_negative_int, None),
+    ):
+        if getattr(args, dest) is not None:
+            continue
+        raw = _env(env)
+        if raw is None:
+            setattr(args, dest, default)
+            continue
+        try:
+            setattr(args, dest, parse(raw))
+        except argparse.ArgumentTypeError as e:
+            parser.error(f"environment variable {env}: {e}")
+
+
+def start(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    apply_environment(args, parser)
+    if args.random_kill_num is not None and args.random_kill_num > args.num_clients:
+        parser.error(
+            f"You requested to kill {args.random_kill_num} clients randomly, but you only have "
+            f"{args.num_clients} clients."
+        )
+    config_path: Path = args.config_path.resolve()
+    state_path = config_path / "state.toml"
+    try:
+        run_id = read_run_id(state_path)
+    except (OSError, ValueError) as e:
+        print(f"psyche-local-testnet: cannot read the run id: {e}", file=sys.stderr)
+        return 1
+
+    headless = args.headless
+    if not headless and shutil.which("tmux") is None:
+        print("psyche-local-testnet: tmux is not installed; running --headless", file=sys.stderr)
+        headless = True
+    if not headless and not args.no_attach and not sys.stdin.isatty():
+        print("psyche-local-testnet: not a terminal; running --headless", file=sys.stderr)
+        headless = True
+
+    log_dir = None
+    if args.write_log:
+        log_dir = Path("logs") / log_dir_name(datetime.datetime.now(datetime.UTC))
+        log_dir.mkdir(parents=True, exist_ok=True)
+
+    plan = TestnetPlan(
+        num_clients=args.num_clients,
+        config_path=config_path,
+        run_id=run_id,
+        server_port=args.server_port,
+        tui=bool(args.tui) and not headless,
+        log=args.log,
+        write_distro_data=args.write_distro_data,
+        first_client_checkpoint=args.first_client_checkpoint,
+        hf_token=args.hf_token,
+        # Headless captures every process's output itself.
+        write_log_dir=None if headless else log_dir,
+        wandb_project=args.wandb_project,
+        wandb_group=args.wandb_group,
+        wandb_entity=args.wandb_entity,
+        optim_stats=args.optim_stats,
+        eval_tasks=args.eval_tasks,
+        events_dir=args.events_dir,
+        client_program=split_args(args.client_program),
+        client_args=split_args(args.client_args),
+        server_args=split_args(args.server_args),
+    )
+    print(f"psyche-local-testnet: run {run_id!r}, {args.num_clients} clients, config {config_path}")
+    validate = plan.validate_command()
+    if subprocess.run(list(validate.argv)).returncode != 0:
+        print("psyche-local-testnet: Failed to validate config", file=sys.stderr)
+        return 1
+
+    kill = {
+        "random_kill_num": args.random_kill_num,
+        "allowed_to_kill": args.allowed_to_kill,
+        "random_kill_interval": float(args.random_kill_interval),
+    }
+    if headless:
+        import trio
+
+        from psyche.cli.local_testnet.headless import run_headless
+
+        return trio.run(lambda: run_headless(plan, log_dir=log_dir, **kill))
+
+    from psyche.cli.local_testnet.headless import TestnetError
+    from psyche.cli.local_testnet.tmux import run_tmux
+
+    try:
+        layout = run_tmux(plan, socket_name=args.tmux_socket, attach=not args.no_attach, **kill)
+    except TestnetError as e:
+        print(f"psyche-local-testnet: {e}", file=sys.stderr)
+        return 1
+    if args.no_attach:
+        print(
+            f"panes: server {layout.server}, monitor {layout.monitor}, clients "
+            + " ".join(layout.clients)
+        )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "start":
+        return start(args, parser)
+    raise AssertionError(f"unhandled command {args.command}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

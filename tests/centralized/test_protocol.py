@@ -1,0 +1,122 @@
+"""The centralized protocol's bytes: upstream's variants as upstream encodes them, extensions after."""
+
+from __future__ import annotations
+
+import pytest
+
+from psyche.centralized.protocol import (
+    EXTENSION_CLIENT_VARIANTS,
+    ClientToServerMessage,
+    ExtensionHello,
+    JoinRun,
+    RunExtras,
+    ServerToClientMessage,
+)
+from psyche.coordinator.backend import OpportunisticData
+from psyche.coordinator.committee_selection import Committee, CommitteeProof
+from psyche.coordinator.coordinator import Witness, WitnessMetadata
+from psyche.coordinator.model import Checkpoint, HubRepo, LLMTrainingDataLocation
+from psyche.coordinator.simulation import integration_test_coordinator, simulated_identity
+from psyche.core.serde import PostcardError, from_bytes, to_bytes
+from psyche.network.tcp import encode_else
+
+
+def frame(message: ClientToServerMessage | ServerToClientMessage, tp: type) -> bytes:
+    payload = encode_else(to_bytes(message, tp))
+    return len(payload).to_bytes(4, "big") + payload
+
+
+def test_join_frame_matches_the_spec_example() -> None:
+    message = ClientToServerMessage.Join(JoinRun("test"))
+    assert frame(message, ClientToServerMessage).hex() == "00000007" + "01" + "00" + "0474657374"
+
+
+def test_checkpoint_frame_matches_the_spec_example() -> None:
+    message = ClientToServerMessage.Checkpoint(Checkpoint.Hub(HubRepo("a/b")))
+    assert frame(message, ClientToServerMessage).hex() == "00000008" + "01" + "03" + "0203612f6200"
+
+
+def test_coordinator_broadcast_is_tag_zero_then_the_coordinator() -> None:
+    coordinator = integration_test_coordinator(2, 4, 1, run_id="test")
+    message = ServerToClientMessage.Coordinator(coordinator)
+    encoded = frame(message, ServerToClientMessage)
+    body = coordinator.to_bytes()
+    assert encoded == (len(body) + 2).to_bytes(4, "big") + b"\x01\x00" + body
+
+
+def test_witness_and_health_check_indices() -> None:
+    witness = Witness()
+    warmup = ClientToServerMessage.Witness(OpportunisticData.WarmupStep(witness))
+    step = ClientToServerMessage.Witness(
+        OpportunisticData.WitnessStep((witness, WitnessMetadata()))
+    )
+    assert to_bytes(warmup, ClientToServerMessage)[:2] == b"\x01\x01"
+    assert to_bytes(step, ClientToServerMessage)[:2] == b"\x01\x00"
+    # A default witness is 133 bytes (spec 3.1)
+    assert len(to_bytes(warmup, ClientToServerMessage)) == 2 + 133
+    check = ClientToServerMessage.HealthCheck(
+        [(simulated_identity(1), CommitteeProof(Committee.Trainer, 3, 2))]
+    )
+    encoded = to_bytes(check, ClientToServerMessage)
+    assert encoded[:2] == b"\x02\x01"
+    assert encoded[2:66] == simulated_identity(1).signer * 2
+    assert encoded[66:] == bytes([2, 3, 2])  # Trainer = 2, position, index
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        ClientToServerMessage.Join(JoinRun("run-ü")),
+        ClientToServerMessage.Witness(OpportunisticData.WarmupStep(Witness())),
+        ClientToServerMessage.HealthCheck([]),
+        ClientToServerMessage.Checkpoint(Checkpoint.P2P(HubRepo("x", "rev"))),
+        ClientToServerMessage.ExtensionHello(ExtensionHello()),
+        ClientToServerMessage.AnnounceEndpoint(b"\x00record"),
+    ],
+)
+def test_client_messages_round_trip(message: ClientToServerMessage) -> None:
+    assert from_bytes(to_bytes(message, ClientToServerMessage), ClientToServerMessage) == message
+
+
+def test_extensions_are_appended_variants() -> None:
+    assert [v.variant_name for v in ClientToServerMessage.variants] == [
+        "Join",
+        "Witness",
+        "HealthCheck",
+        "Checkpoint",
+        "ExtensionHello",
+        "AnnounceEndpoint",
+    ]
+    assert [v.variant_name for v in ServerToClientMessage.variants] == [
+        "Coordinator",
+        "PeerEndpoints",
+        "RunExtras",
+    ]
+    assert EXTENSION_CLIENT_VARIANTS == 4
+    hello = to_bytes(ClientToServerMessage.ExtensionHello(ExtensionHello()), ClientToServerMessage)
+    assert hello == b"\x04\x01"
+    assert to_bytes(ClientToServerMessage.AnnounceEndpoint(b"ab"), ClientToServerMessage) == (
+        b"\x05\x02ab"
+    )
+    extras = RunExtras(backup_data_locations=[LLMTrainingDataLocation.Local("/data")])
+    encoded = to_bytes(ServerToClientMessage.RunExtras(extras), ServerToClientMessage)
+    assert encoded == b"\x02\x01\x01\x02\x05/data"
+    assert from_bytes(encoded, ServerToClientMessage) == ServerToClientMessage.RunExtras(extras)
+    peers = ServerToClientMessage.PeerEndpoints([b"a", b"bc"])
+    assert to_bytes(peers, ServerToClientMessage) == b"\x01\x02\x01a\x02bc"
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"",  # nothing
+        b"\x06",  # unknown variant
+        b"\x00\x05ab",  # string shorter than its length
+        b"\x00\x02\xff\xfe",  # not UTF-8
+        b"\x03\x09",  # unknown checkpoint variant
+        b"\x00\x01a\x00",  # trailing byte
+    ],
+)
+def test_malformed_client_messages_are_rejected(payload: bytes) -> None:
+    with pytest.raises(PostcardError):
+        from_bytes(payload, ClientToServerMessage)

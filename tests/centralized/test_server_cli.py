@@ -1,0 +1,145 @@
+"""`psyche-server run` as a process: options from flags and the environment, a clean stop that
+saves the state, a restart that resumes it, and clear errors."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import trio
+
+from psyche.centralized.save_state import load_state
+from psyche.centralized.testing import ProtocolClient
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "configs" / "tiny-cpu"
+SERVING = re.compile(r"serving run '([^']*)' on port (\d+)")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def tiny_state(tmp_path: Path, data_port: int, **replace: str) -> Path:
+    text = (TINY / "state.toml").read_text().replace("127.0.0.1:20001", f"127.0.0.1:{data_port}")
+    for old, new in replace.items():
+        assert old in text
+        text = text.replace(old, new)
+    path = tmp_path / "state.toml"
+    path.write_text(text)
+    return path
+
+
+def server(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "psyche.cli.server", "run", *args],
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def wait_serving(process: subprocess.Popen[str], lines: list[str]) -> int:
+    assert process.stdout is not None
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        match = SERVING.search(line)
+        if match:
+            return int(match.group(2))
+    raise AssertionError("server did not start:\n" + "".join(lines))
+
+
+def joins(port: int) -> None:
+    async def main() -> None:
+        async with await ProtocolClient.connect(f"127.0.0.1:{port}") as client:
+            await client.join("tiny-cpu")
+            state = await client.next_coordinator()
+            assert state.run_id == "tiny-cpu"
+
+    trio.run(main)
+
+
+def test_run_from_environment_stop_saves_and_restart_resumes(tmp_path: Path) -> None:
+    state = tiny_state(tmp_path, free_port())
+    saves = tmp_path / "saves"
+    port = free_port()
+    env = {
+        "SERVER_PORT": str(port),
+        "DATA_CONFIG": str(TINY / "data.toml"),
+        "SAVE_STATE_DIR": str(saves),
+        "OLTP_METRICS_URL": "http://example.invalid",
+    }
+    lines: list[str] = []
+    process = server("--state", str(state), env=env)  # not a terminal: --tui falls back
+    try:
+        assert wait_serving(process, lines) == port
+        joins(port)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        out, _ = process.communicate(timeout=30)
+    log = "".join(lines) + out
+    assert process.returncode == 0, log
+    assert "running with --tui false" in log
+    assert "--oltp-metrics-url is accepted for compatibility and ignored" in log
+    assert "got SIGTERM, shutting down" in log
+    assert "Saved state to" in log
+    saved = load_state(saves)
+    assert saved.run_id == "tiny-cpu" and saved.progress.step == 1
+
+    # --state naming the save directory resumes from its newest state; the flag beats the env
+    lines = []
+    process = server("--state", str(saves), "--tui", "false", "-s", "0", env=env)
+    try:
+        assert wait_serving(process, lines) != port
+    finally:
+        process.send_signal(signal.SIGINT)
+        out, _ = process.communicate(timeout=30)
+    assert process.returncode == 0, "".join(lines) + out
+    assert "got SIGINT" in out
+
+
+def test_bad_options_and_configs_fail_clearly(tmp_path: Path) -> None:
+    def fails(*args: str, env: dict[str, str] | None = None) -> tuple[int, str]:
+        result = subprocess.run(
+            [sys.executable, "-m", "psyche.cli.server", "run", *args],
+            cwd=REPO,
+            env={**os.environ, **(env or {})},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        return result.returncode, result.stdout + result.stderr
+
+    code, out = fails()
+    assert code == 2 and "--state (or STATE)" in out
+    code, out = fails("--state", "x", env={"SERVER_PORT": "http"})
+    assert code == 2 and "environment variable SERVER_PORT: expected an integer" in out
+    code, out = fails("--state", "x", "--server-port", "70000")
+    assert code == 2 and "70000 is out of range" in out
+    code, out = fails("--state", "x", "--tui", "maybe")
+    assert code == 2 and "expected true or false" in out
+
+    code, out = fails("--state", str(tmp_path / "missing.toml"), "--tui", "false")
+    assert code == 1 and "Error found in config" in out and "file not found" in out
+    ephemeral = {
+        '[model.LLM.checkpoint.Hub]\nrepo_id = "configs/tiny-cpu/model"': "",
+        "cold_start_warmup_steps = 0": 'cold_start_warmup_steps = 0\ncheckpoint = "Ephemeral"',
+    }
+    state = tiny_state(tmp_path, free_port(), **ephemeral)
+    code, out = fails("--state", str(state), "--tui", "false")
+    assert code == 1, out
+    assert "Can't start up a run with an Ephemeral checkpoint." in out

@@ -1,0 +1,153 @@
+"""`psyche-client`: identity, flags from the command line and the environment, refusal of the
+features the port does not build, and a `--help` that imports nothing heavy."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from psyche.cli.client.main import build_parser, check_supported, main
+
+# upstream-coordinator.md §4.1: test key n=1
+KEY1_PUBLIC = "4cb5abf6ad79fbf5abbccafcc269d85cd2651ed4b885b5869f241aedf0a5ba29"
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("RAW_IDENTITY_SECRET_KEY", "RUN_ID", "SERVER_ADDR", "HF_TOKEN", "WANDB_PROJECT"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def parse(argv: list[str]):  # type: ignore[no-untyped-def]
+    parser, env = build_parser()
+    args = parser.parse_args(argv)
+    env.resolve(parser, args)
+    return args
+
+
+def test_show_identity_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("RAW_IDENTITY_SECRET_KEY", f"{1:064x}")
+    assert main(["show-identity"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out == [f"Public key: {KEY1_PUBLIC}", f"Secret key: {1:064x}"]
+
+
+def test_show_identity_from_a_key_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "secret.key"
+    path.write_bytes((1).to_bytes(32, "big"))
+    assert main(["show-identity", "--identity-secret-key-path", str(path)]) == 0
+    assert KEY1_PUBLIC in capsys.readouterr().out
+    path.write_bytes(b"short")
+    assert main(["show-identity", "--identity-secret-key-path", str(path)]) == 2
+    assert "32 bytes" in capsys.readouterr().err
+
+
+def test_identity_errors(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["show-identity"]) == 2
+    assert "RAW_IDENTITY_SECRET_KEY" in capsys.readouterr().err
+    monkeypatch.setenv("RAW_IDENTITY_SECRET_KEY", "ab" * 31)
+    assert main(["show-identity"]) == 2
+    assert "expected 32 bytes, got 31" in capsys.readouterr().err
+    monkeypatch.setenv("RAW_IDENTITY_SECRET_KEY", "zz")
+    assert main(["show-identity"]) == 2
+
+
+def test_upstream_defaults_and_environment_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RUN_ID", '"my-run"')
+    monkeypatch.setenv("SERVER_ADDR", "127.0.0.1:20000")
+    monkeypatch.setenv("MICRO_BATCH_SIZE", "4")
+    monkeypatch.setenv("DELETE_OLD_STEPS", "false")
+    args = parse(["train", "--grad-accum-in-fp32"])
+    assert args.run_id == "my-run"  # quotes trimmed, as upstream
+    assert args.server_addr == "127.0.0.1:20000"
+    assert args.micro_batch_size == 4 and args.grad_accum_in_fp32 is True
+    assert args.delete_old_steps is False
+    assert (args.logs, args.device, args.keep_steps) == ("tui", "auto", 3)
+    assert (args.max_concurrent_parameter_requests, args.max_concurrent_downloads) == (8, 4)
+    assert (args.hub_max_concurrent_downloads, args.eval_seed, args.data_parallelism) == (3, 42, 1)
+    assert args.prompt_task is False and args.oltp_report_interval == 60.0
+    assert check_supported(args) == []
+    # the command line wins over the environment
+    assert parse(["train", "--micro-batch-size", "2"]).micro_batch_size == 2
+
+
+def test_required_options(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse(["train", "--server-addr", "x:1"])
+    assert "--run-id (or RUN_ID)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--wandb-project", "p"], "Weights & Biases"),
+        (["--eval-tasks", "hellaswag"], "evaluations"),
+        (["--prompt-task"], "prompt task"),
+        (["--data-parallelism", "2"], "data parallelism"),
+        (["--tensor-parallelism", "2"], "tensor parallelism"),
+        (["--sidecar-port", "9"], "sidecars"),
+        (["--gcs-bucket", "b"], "GCS"),
+        (["--oltp-metrics-url", "http://x"], "OpenTelemetry"),
+        (["--events-dir", "/tmp/e"], "event files"),
+        (["--dummy-training-delay-secs", "2"], "dummy model"),
+        (["--iroh-relay", "n0"], "relays"),
+        (["--device", "mps"], "--device mps"),
+        (["--device", "cuda:0,1"], "several"),
+        (["--hub-repo", "me/model"], "--checkpoint-dir"),
+    ],
+)
+def test_features_not_built_are_refused(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["train", "--run-id", "r", "--server-addr", "127.0.0.1:1", *flags]
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_refusal_also_applies_to_the_environment(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("WANDB_PROJECT", "p")
+    assert main(["train", "--run-id", "r", "--server-addr", "127.0.0.1:1"]) == 2
+    assert "--wandb-project p" in capsys.readouterr().err
+
+
+def test_hub_upload_needs_a_token_and_kept_steps(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    base = ["train", "--run-id", "r", "--server-addr", "h:1", "--checkpoint-dir", str(tmp_path)]
+    problems = check_supported(parse([*base, "--hub-repo", "me/m"]))
+    assert problems == ["hub-repo and checkpoint-dir set, but no HF_TOKEN env variable."]
+    monkeypatch.setenv("HF_TOKEN", "t")
+    assert check_supported(parse([*base, "--hub-repo", "me/m"])) == []
+    problems = check_supported(parse([*base, "--hub-repo", "me/m", "--keep-steps", "0"]))
+    assert problems == ["keep_steps must be >= 1 for checkpoint uploads (got 0)"]
+
+
+def test_help_is_fast_and_imports_nothing_heavy() -> None:
+    code = (
+        "import sys\n"
+        "from psyche.cli.client.main import build_parser\n"
+        "parser, _ = build_parser()\n"
+        "parser.format_help()\n"
+        "heavy = [m for m in ('torch', 'transformers', 'libp2p', 'numpy') if m in sys.modules]\n"
+        "print(heavy)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+    help_text = subprocess.run(
+        [sys.executable, "-m", "psyche.cli.client", "train", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    help_text = " ".join(help_text.split())
+    for flag in ("--run-id", "--server-addr", "--checkpoint-dir", "[env: MICRO_BATCH_SIZE]"):
+        assert flag in help_text

@@ -1,0 +1,174 @@
+"""Whole clients in one process: `InProcessServer` (the server's rules, the real clock), real
+libp2p networks on 127.0.0.1, real training of a tiny Llama built from a config directory with
+no weights. Two clients train an epoch and end it with identical weights; a third joins the
+next epoch, takes the model from them over P2P model sharing and starts hash-identical."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import trio
+
+from psyche.client.client import Client
+from psyche.client.init import RunInitConfig
+from psyche.client.model_loading import preload_modeling
+from psyche.client.testing import InProcessServer
+from psyche.coordinator import (
+    Checkpoint,
+    Coordinator,
+    CoordinatorConfig,
+    HubRepo,
+    LLMTrainingDataLocation,
+    RunState,
+)
+from psyche.coordinator.coordinator import CoordinatorProgress
+from psyche.coordinator.model import LLM, LLMArchitecture, LLMTrainingDataType, Model
+from psyche.core.definitions import ConstantLR, Distro, LearningRateSchedule, OptimizerDefinition
+from psyche.core.identity import SecretKey
+from psyche.core.node_identity import NodeIdentity
+from psyche.modeling.configs import llama_config_dict
+from psyche.network.broadcast import Broadcast
+from psyche.network.connection import NetworkConfig, NetworkConnection
+
+SEQ = 32
+RUN_ID = "in-process"
+
+
+@pytest.fixture(autouse=True)
+def _single_thread():  # type: ignore[no-untyped-def]
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def write_run(tmp_path: Path) -> tuple[Path, Path]:
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(llama_config_dict("tiny")))
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    # a learnable token stream: a fixed random walk over a small bigram table
+    rng = np.random.default_rng(0)
+    successors = rng.integers(0, 256, size=(256, 2))
+    stream = np.empty(SEQ * 400, dtype=np.uint16)
+    stream[0] = 1
+    for i in range(1, len(stream)):
+        stream[i] = successors[stream[i - 1], rng.integers(0, 2)]
+    (data_dir / "tokens.ds").write_bytes(stream.astype("<u2").tobytes())
+    return model_dir, data_dir
+
+
+def coordinator(model_dir: Path, data_dir: Path) -> Coordinator:
+    llm = LLM(
+        max_seq_len=SEQ,
+        cold_start_warmup_steps=0,
+        architecture=LLMArchitecture.HfLlama,
+        checkpoint=Checkpoint.Hub(HubRepo(str(model_dir))),
+        data_type=LLMTrainingDataType.Pretraining,
+        data_location=LLMTrainingDataLocation.Local(str(data_dir)),
+        lr_schedule=LearningRateSchedule.Constant(ConstantLR(3e-3, 0.0, 0)),
+        optimizer=OptimizerDefinition.Distro(
+            Distro(
+                clip_grad_norm=1.0,
+                compression_decay=0.999,
+                compression_topk=8,
+                compression_chunk=16,
+                quantize_1bit=True,
+            )
+        ),
+    )
+    config = CoordinatorConfig(
+        warmup_time=4,
+        cooldown_time=1,
+        max_round_train_time=5,
+        round_witness_time=1,
+        global_batch_size_warmup_tokens=0,
+        epoch_time=5,
+        total_steps=1000,
+        init_min_clients=2,
+        min_clients=1,
+        witness_nodes=1,
+        global_batch_size_start=4,
+        global_batch_size_end=4,
+        verification_percent=0,
+        waiting_for_members_extra_time=1,
+    )
+    from psyche.coordinator import RunState as _RunState
+
+    return Coordinator(
+        run_id=RUN_ID,
+        run_state=_RunState.WaitingForMembers,
+        model=Model.LLM(llm),
+        config=config,
+        progress=CoordinatorProgress(),
+    )
+
+
+async def run_client(server: InProcessServer, number: int) -> None:
+    key = SecretKey.from_bytes(number.to_bytes(32, "big"))
+    identity = NodeIdentity.from_single_key(key.public_key)
+    config = NetworkConfig(run_id=RUN_ID, secret_key=key, bind_host="127.0.0.1")
+    async with (
+        NetworkConnection.open(config, broadcast_type=Broadcast) as network,
+        server.connect(identity, RUN_ID) as backend,
+    ):
+        await Client(backend, network, RunInitConfig(identity, key, device="cpu")).run()
+
+
+def fields(records: list[logging.LogRecord], name: str) -> list[dict]:  # type: ignore[type-arg]
+    return [r.psyche_fields for r in records if r.getMessage() == name]
+
+
+def test_two_clients_train_and_a_third_joins_from_peers(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="psyche.client")
+    preload_modeling()  # as `psyche-client train` does before joining
+    model_dir, data_dir = write_run(tmp_path)
+    server = InProcessServer(coordinator(model_dir, data_dir))
+
+    async def scenario() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server.run)
+            nursery.start_soon(run_client, server, 1)
+            nursery.start_soon(run_client, server, 2)
+            with trio.fail_after(90):
+                # the joiner waits (pending) while the first epoch trains
+                while server.coordinator.run_state is not RunState.RoundTrain:
+                    await trio.sleep(0.1)
+                nursery.start_soon(run_client, server, 3)
+                # until the second epoch has trained a round with three clients
+                while not (
+                    server.coordinator.progress.epoch == 1
+                    and server.coordinator.run_state is RunState.RoundTrain
+                    and server.coordinator.current_round().height >= 1
+                ):
+                    await trio.sleep(0.1)
+            nursery.cancel_scope.cancel()
+
+    trio.run(scenario)
+    records = caplog.records
+    cooldown = [f for f in fields(records, "cooldown_model") if f["epoch"] == 0]
+    assert len(cooldown) == 2 and cooldown[0]["model_hash"] == cooldown[1]["model_hash"]
+    loaded = fields(records, "loaded_model")
+    assert len(loaded) == 3
+    initial = {f["model_hash"] for f in loaded if f["epoch"] == 0}
+    assert len(initial) == 1  # seed 1337: both first clients built the same weights
+    joiner = [f for f in loaded if f["epoch"] == 1]
+    assert len(joiner) == 1 and joiner[0]["source"] == "peers (P2P)"
+    assert joiner[0]["model_hash"] == cooldown[0]["model_hash"]
+    # the joiner trained in epoch 1, and everyone applied the same results
+    second_epoch = [f for f in fields(records, "round_start") if f["epoch"] == 1]
+    assert {f["clients"] for f in second_epoch} == {3}
+    applied: dict[int, set[tuple[str, ...]]] = {}
+    for f in fields(records, "applied_results"):
+        applied.setdefault(f["step"], set()).add(tuple(str(b) for b in f["batches"]))
+    assert applied and all(len(v) == 1 for v in applied.values())
+    losses = [f["loss"] for f in fields(records, "client_loss") if f["trained"]]
+    assert losses and all(np.isfinite(losses))

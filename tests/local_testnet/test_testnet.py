@@ -1,0 +1,352 @@
+"""`psyche-local-testnet`: its command lines, and the headless and tmux modes with a stand-in
+client (`standin_client.py` joins and prints states; the real client is in tests/e2e)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from psyche.cli.local_testnet.commands import (
+    TestnetPlan,
+    identity_secret_key_hex,
+    log_dir_name,
+    pick_victims,
+)
+from psyche.cli.local_testnet.main import build_parser
+from psyche.core.identity import SecretKey
+
+STANDIN = Path(__file__).with_name("standin_client.py")
+STANDIN_PROGRAM = f"{sys.executable} {STANDIN}"
+
+FAST_STATE = """\
+run_id = "testnet-test"
+run_state = "WaitingForMembers"
+
+[config]
+warmup_time = 30
+cooldown_time = 2
+epoch_time = 60
+max_round_train_time = 2
+round_witness_time = 1
+min_clients = 1
+init_min_clients = 2
+global_batch_size_start = 4
+global_batch_size_end = 4
+global_batch_size_warmup_tokens = 0
+verification_percent = 0
+witness_nodes = 1
+total_steps = 100
+waiting_for_members_extra_time = 1
+
+[model.LLM]
+architecture = "HfLlama"
+data_type = "Pretraining"
+max_seq_len = 64
+cold_start_warmup_steps = 0
+data_location = "Dummy"
+optimizer = "Dummy"
+
+[model.LLM.checkpoint.Dummy]
+repo_id = ""
+
+[model.LLM.lr_schedule.Constant]
+base_lr = 1.0e-3
+warmup_steps = 0
+warmup_init_lr = 0.0
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def fast_config(tmp_path: Path) -> Path:
+    config = tmp_path / "config"
+    config.mkdir()
+    (config / "state.toml").write_text(FAST_STATE)
+    return config
+
+
+# ---- command lines ---------------------------------------------------------------------------
+
+
+def kill_tmux_server(socket_name: str) -> None:
+    """End the test's tmux server and remove its socket file (tmux leaves it behind)."""
+    found = subprocess.run(
+        ["tmux", "-L", socket_name, "display-message", "-p", "#{socket_path}"],
+        capture_output=True,
+        text=True,
+    )
+    subprocess.run(["tmux", "-L", socket_name, "kill-server"], capture_output=True)
+    if found.returncode == 0 and found.stdout.strip():
+        Path(found.stdout.strip()).unlink(missing_ok=True)
+
+
+def test_keys_are_upstreams_test_keys() -> None:
+    assert identity_secret_key_hex(1) == "0" * 63 + "1"
+    public = SecretKey.from_hex(identity_secret_key_hex(1)).public_key.hex()
+    assert public == "4cb5abf6ad79fbf5abbccafcc269d85cd2651ed4b885b5869f241aedf0a5ba29"
+
+
+def test_server_and_client_commands(tmp_path: Path) -> None:
+    config = fast_config(tmp_path)
+    (config / "data.toml").write_text("")
+    plan = TestnetPlan(
+        num_clients=3,
+        config_path=config,
+        run_id="r",
+        server_port=20000,
+        tui=False,
+        first_client_checkpoint="me/repo",
+        hf_token="tok",
+        write_log_dir=Path("logs/x"),
+        optim_stats=5,
+        eval_tasks="hellaswag",
+        events_dir=Path("ev"),
+        python="/py",
+        client_program=("psyche-client",),
+    )
+    server = plan.server_command()
+    assert server.argv == (
+        "/py", "-m", "psyche.cli.server", "run", "--state", str(config / "state.toml"),
+        "--server-port", "20000", "--tui", "false", "--data-config", str(config / "data.toml"),
+        "--events-dir", "ev",
+    )  # fmt: skip
+    assert server.env == (("RUST_LOG", "warn,psyche=debug"),)
+    first, second = plan.client_command(1), plan.client_command(2)
+    assert dict(first.env) == {
+        "HF_TOKEN": "tok",
+        "METRICS_LOCAL_PORT": "6269",
+        "RUST_LOG": "warn,psyche=debug",
+        "RUST_BACKTRACE": "1",
+        "RAW_IDENTITY_SECRET_KEY": identity_secret_key_hex(1),
+    }
+    assert first.argv == (
+        "psyche-client", "train", "--run-id", "r", "--server-addr", "localhost:20000",
+        "--logs", "console", "--checkpoint-dir", "./checkpoints", "--hub-repo", "me/repo",
+        "--write-log", "logs/x/client-1.txt", "--optim-stats-steps", "5",
+        "--eval-tasks", "hellaswag", "--events-dir", "ev",
+    )  # fmt: skip
+    assert "--hub-repo" not in second.argv  # only the first client checkpoints
+    assert dict(second.env)["METRICS_LOCAL_PORT"] == "6270"
+    assert first.shell().startswith("HF_TOKEN=tok METRICS_LOCAL_PORT=6269 RUST_LOG=")
+    assert "'warn,psyche=debug'" not in first.shell()  # no quoting needed for this one
+    tui = TestnetPlan(num_clients=1, config_path=config, run_id="r", python="/py")
+    assert "--logs tui" in " ".join(tui.client_command(1).argv)
+
+
+def test_random_kill_choice_and_log_dir_name() -> None:
+    rng = random.Random(4)
+    for _ in range(20):
+        victims = pick_victims([1, 2, 3, 4], [2, 4], 1, rng)
+        assert len(victims) == 1 and victims[0] in (2, 4)
+    assert sorted(pick_victims([1, 2, 3], [], 3, rng)) == [1, 2, 3]
+    start = datetime.datetime(2025, 1, 2, 3, 4, 5, tzinfo=datetime.UTC)
+    assert log_dir_name(start) == "2025-01-02_03:04:05"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--num-clients", "0", "--config-path", "."], "NUM_CLIENTS must be a positive integer"),
+        (["--num-clients", "2", "--config-path", "/no/such/dir"], "does not exist"),
+        (["--num-clients", "x", "--config-path", "."], "NUM_CLIENTS must be a positive integer"),
+    ],
+)
+def test_argument_errors(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["start", *args])
+    assert message in capsys.readouterr().err
+
+
+def test_too_many_random_kills_is_refused(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "psyche.cli.local_testnet", "start", "--num-clients", "1",
+         "--config-path", str(fast_config(tmp_path)), "--random-kill-num", "2", "--headless"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "You requested to kill 2 clients randomly, but you only have 1 clients." in result.stderr
+
+
+# ---- headless --------------------------------------------------------------------------------
+
+
+def read_until(
+    process: subprocess.Popen[str], pattern: str, lines: list[str], timeout: float
+) -> re.Match[str]:
+    assert process.stdout is not None
+    regex = re.compile(pattern)
+    deadline = time.monotonic() + timeout
+    for line in process.stdout:
+        lines.append(line)
+        match = regex.search(line)
+        if match:
+            return match
+        if time.monotonic() > deadline:
+            break
+    raise AssertionError(f"no line matching {pattern!r}:\n" + "".join(lines[-60:]))
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_headless_runs_server_and_clients_and_stops_them_all(tmp_path: Path) -> None:
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "psyche.cli.local_testnet", "start", "--num-clients", "2",
+         "--config-path", str(fast_config(tmp_path)), "--server-port", str(port), "--headless",
+         "--write-log", "--random-kill-num", "1", "--random-kill-interval", "2",
+         "--allowed-to-kill", "2", "--client-program", STANDIN_PROGRAM],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    lines: list[str] = []
+    try:
+        read_until(process, r"\[client-1\] standin state=Warmup .*clients=2", lines, 60)
+        # client 2 is killed and started again with the same key
+        read_until(process, r"\[testnet\] random kill: restarting client-2", lines, 30)
+        read_until(process, r"\[client-2\] standin got SIGINT", lines, 30)
+        read_until(process, r"\[client-2\] started \(pid", lines, 30)
+        read_until(process, r"\[client-2\] standin state=", lines, 30)
+    finally:
+        process.send_signal(signal.SIGINT)
+        out, _ = process.communicate(timeout=30)
+    lines.append(out)
+    text = "".join(lines)
+    assert process.returncode == 0, text
+    pids = [int(p) for p in re.findall(r"started \(pid (\d+)\)", text)]
+    assert len(pids) == 4  # server, two clients, one restart
+    assert not any(alive(pid) for pid in pids)
+    keys = re.findall(r"\[client-2\] standin key=(\w+)", text)
+    assert len(keys) == 2 and keys[0] == keys[1]
+    expected = SecretKey.from_hex(identity_secret_key_hex(2)).public_key.hex()
+    assert keys[0] == expected
+    assert "[server] " in text and "serving run 'testnet-test'" in text
+    (log_dir,) = (tmp_path / "logs").iterdir()
+    assert sorted(p.name for p in log_dir.iterdir()) == [
+        "client-1.txt",
+        "client-2.txt",
+        "server.txt",
+    ]
+    assert "standin state=" in (log_dir / "client-1.txt").read_text()
+    assert "serving run" in (log_dir / "server.txt").read_text()
+
+
+# ---- tmux ------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+def test_tmux_panes_come_up(tmp_path: Path) -> None:
+    socket_name = f"psyche-test-{uuid.uuid4().hex[:8]}"
+    port = free_port()
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "psyche.cli.local_testnet", "start", "--num-clients", "2",
+             "--config-path", str(fast_config(tmp_path)), "--server-port", str(port),
+             "--tui", "false", "--tmux-socket", socket_name, "--no-attach",
+             "--client-program", STANDIN_PROGRAM],
+            cwd=tmp_path, capture_output=True, text=True, timeout=90,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stdout + result.stderr
+        match = re.search(
+            r"panes: server (%\d+), monitor (%\d+), clients (%\d+) (%\d+)", result.stdout
+        )
+        assert match, result.stdout
+        server, monitor, *clients = match.groups()
+
+        def capture(pane: str) -> str:
+            return subprocess.run(
+                ["tmux", "-L", socket_name, "capture-pane", "-p", "-J", "-t", pane, "-S", "-200"],
+                capture_output=True, text=True, check=True,
+            ).stdout  # fmt: skip
+
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            panes = [capture(p) for p in clients]
+            if all("state=Warmup" in p for p in panes):
+                break
+            time.sleep(0.5)
+        assert all("standin state=Warmup" in p for p in panes), panes
+        assert "serving run 'testnet-test'" in capture(server)
+        layout = subprocess.run(
+            ["tmux", "-L", socket_name, "list-panes", "-t", "psyche", "-F",
+             "#{pane_id} #{pane_left} #{pane_top}"],
+            capture_output=True, text=True, check=True,
+        ).stdout.split("\n")  # fmt: skip
+        where = {p: (int(x), int(y)) for p, x, y in (line.split() for line in layout if line)}
+        assert where[server] == (0, 0)
+        assert where[monitor][0] == 0 and where[monitor][1] > 0  # bottom left
+        assert all(where[c][0] > 0 for c in clients)  # right column
+        assert where[clients[0]][1] < where[clients[1]][1]
+    finally:
+        kill_tmux_server(socket_name)
+
+
+@pytest.mark.skipif(
+    shutil.which("tmux") is None or shutil.which("script") is None,
+    reason="needs tmux and script (a terminal to attach from)",
+)
+def test_tmux_random_kill_retypes_the_same_command(tmp_path: Path) -> None:
+    socket_name = f"psyche-test-{uuid.uuid4().hex[:8]}"
+    tmux = ["tmux", "-L", socket_name]
+    command = " ".join(
+        [sys.executable, "-m", "psyche.cli.local_testnet", "start", "--num-clients", "2",
+         "--config-path", str(fast_config(tmp_path)), "--server-port", str(free_port()),
+         "--tui", "false", "--tmux-socket", socket_name, "--random-kill-num", "1",
+         "--random-kill-interval", "2", "--allowed-to-kill", "1",
+         "--client-program", f"'{STANDIN_PROGRAM}'"]
+    )  # fmt: skip
+    # `script` gives the testnet a terminal, so it attaches and runs its random kills
+    testnet = subprocess.Popen(
+        ["script", "-qfec", command, "/dev/null"],
+        cwd=tmp_path, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        panes: list[str] = []
+        first = ""
+        while time.monotonic() < deadline:
+            listing = subprocess.run(
+                [*tmux, "list-panes", "-t", "psyche", "-F", "#{pane_id}"],
+                capture_output=True, text=True,
+            ).stdout.split()  # fmt: skip
+            if len(listing) == 4:
+                panes = listing
+                first = subprocess.run(
+                    [*tmux, "capture-pane", "-p", "-J", "-t", panes[2], "-S", "-500"],
+                    capture_output=True, text=True,
+                ).stdout  # fmt: skip
+                if first.count("standin key=") >= 2:
+                    break
+            time.sleep(0.5)
+        # client 1 (right column, top) was interrupted and typed again with its key
+        assert "standin got SIGINT" in first, first
+        keys = re.findall(r"standin key=(\w+)", first)
+        assert keys[:2] == [SecretKey.from_hex(identity_secret_key_hex(1)).public_key.hex()] * 2
+    finally:
+        kill_tmux_server(socket_name)
+        try:
+            testnet.wait(20)
+        except subprocess.TimeoutExpired:
+            testnet.kill()
+            testnet.wait()
+    assert testnet.returncode == 0
