@@ -255,7 +255,10 @@ def test_joiner_gets_the_model_from_peers(run: Run) -> None:
     # it applies exactly what the others apply
     mine = {e["step"]: e["batches"] for e in run.of(JOINER, "applied_results")}
     theirs = {e["step"]: e["batches"] for e in run.of(1, "applied_results")}
-    assert mine and all(theirs[s] == b for s, b in mine.items())
+    # the processes are stopped one by one, so either log may end a step before the other's
+    common = mine.keys() & theirs.keys()
+    assert len(common) >= 3, (sorted(mine), sorted(theirs))
+    assert all(theirs[s] == mine[s] for s in common)
 
 
 # --------------------------------------------------------------------------------------------
