@@ -9,6 +9,14 @@ import pytest
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    selection = config.getoption("markexpr", "") or ""
+    for item in items:
+        # Whole-system tests run separate processes that need the machine to themselves.
+        if "e2e" in item.path.parts:
+            item.add_marker(pytest.mark.e2e)
+        # The long chaos scenarios (about 10 minutes each) run only when asked for by marker.
+        if "chaos_long" in item.keywords and "chaos_long" not in selection:
+            item.add_marker(pytest.mark.skip(reason="long chaos scenario: run `just chaos`"))
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if not gpu_items:
         return
