@@ -44,15 +44,31 @@ DEVNET_WS_RPC := "wss://api.devnet.solana.com"
 solana-localnet port="8899" *args='':
     uv run --no-sync psyche-solana-client localnet --port {{port}} --fund {{SOLANA_WALLET}} {{args}}
 
+# A run config as a Solana run takes it: a `Server` data location (configs/tiny-cpu's coordinator
+# server, which Solana runs have not) becomes Local files, SOLANA_LOCAL_DATA (default data/tiny-cpu,
+# written by scripts/make_tiny_dataset.py). Prints the config to use (data/solana/... if rewritten).
+_solana-run-config config:
+    #!/usr/bin/env bash
+    set -euo pipefail
+    if ! grep -q '^data_location = { Server' "{{config}}"; then echo "{{config}}"; exit 0; fi
+    uv run --no-sync python scripts/make_tiny_dataset.py >&2
+    mkdir -p data/solana
+    out="data/solana/$(basename "$(dirname "{{config}}")")-$(basename "{{config}}")"
+    sed -E "s|^data_location = \{ Server = .*\}$|data_location = { Local = \"${SOLANA_LOCAL_DATA:-data/tiny-cpu}\" }|" \
+        "{{config}}" > "$out"
+    grep -q '^data_location = { Local' "$out"
+    echo "$out"
+
 # Create, configure and resume a permissionless run on the local endpoint
 setup-solana-localnet-test-run run_id="test" config="configs/tiny-cpu/state.toml" *args='':
     #!/usr/bin/env bash
     set -euo pipefail
     export RPC="${RPC:-http://127.0.0.1:8899}" WS_RPC="${WS_RPC:-ws://127.0.0.1:8900}"
     client="uv run --no-sync psyche-solana-client"
+    config=$(just _solana-run-config "{{config}}")
     $client join-authorization-create -w {{SOLANA_WALLET}} --authorizer 11111111111111111111111111111111
     $client create-run -w {{SOLANA_WALLET}} --run-id {{run_id}} --client-version test {{args}}
-    $client update-config -w {{SOLANA_WALLET}} --run-id {{run_id}} --config-path {{config}} \
+    $client update-config -w {{SOLANA_WALLET}} --run-id {{run_id}} --config-path "$config" \
         --num-parameters 1100000000 --vocab-size 32768
     $client set-paused -w {{SOLANA_WALLET}} --run-id {{run_id}} --resume
     $client show --run-id {{run_id}}
@@ -63,15 +79,31 @@ setup-solana-localnet-permissioned-test-run run_id="test" config="configs/tiny-c
     set -euo pipefail
     export RPC="${RPC:-http://127.0.0.1:8899}" WS_RPC="${WS_RPC:-ws://127.0.0.1:8900}"
     client="uv run --no-sync psyche-solana-client"
+    config=$(just _solana-run-config "{{config}}")
     $client create-run -w {{SOLANA_WALLET}} --run-id {{run_id}} --client-version test {{args}}
-    $client update-config -w {{SOLANA_WALLET}} --run-id {{run_id}} --config-path {{config}}
+    $client update-config -w {{SOLANA_WALLET}} --run-id {{run_id}} --config-path "$config"
     $client set-paused -w {{SOLANA_WALLET}} --run-id {{run_id}} --resume
 
-# Join a local run and train (needs the training client, psyche.client)
+# As upstream's scripts/train-solana-test.sh: an ephemeral wallet (WALLET_FILE to use yours) funded
+# with 10 SOL; clients on this machine find each other through local discovery (across machines:
+# IROH_DISCOVERY=n0 BOOTSTRAP_PEERS=<id>@<host>:<port>, the address a client logs at start)
+# Join a local run and train (one terminal per client)
 start-training-localnet-client run_id="test" *args='':
-    RPC="${RPC:-http://127.0.0.1:8899}" WS_RPC="${WS_RPC:-ws://127.0.0.1:8900}" \
-        uv run --no-sync psyche-solana-client train -w {{SOLANA_WALLET}} --run-id {{run_id}} \
-        --authorizer "${AUTHORIZER:-11111111111111111111111111111111}" {{args}}
+    #!/usr/bin/env bash
+    set -euo pipefail
+    export RPC="${RPC:-http://127.0.0.1:8899}" WS_RPC="${WS_RPC:-ws://127.0.0.1:8900}"
+    client="uv run --no-sync psyche-solana-client"
+    wallet="${WALLET_FILE:-}"
+    if [ -z "$wallet" ]; then
+        keys=$(mktemp -d)
+        trap 'rm -rf "$keys"' EXIT
+        wallet="$keys/wallet.json"
+        $client create-wallet "$wallet"
+    fi
+    $client airdrop -w "$wallet" --sol 10 || true
+    $client train -w "$wallet" --run-id {{run_id}} \
+        --authorizer "${AUTHORIZER:-11111111111111111111111111111111}" \
+        --iroh-discovery "${IROH_DISCOVERY:-local}" --logs console {{args}}
 
 # Print a run's decoded on-chain state (local endpoint unless RPC is set)
 show-solana-run run_id="test" *args='':
@@ -81,6 +113,8 @@ show-solana-run run_id="test" *args='':
 setup-solana-devnet-test-run run_id="test" config="configs/tiny-cpu/state.toml" *args='':
     RPC={{DEVNET_RPC}} WS_RPC={{DEVNET_WS_RPC}} just setup-solana-localnet-test-run {{run_id}} {{config}} {{args}}
 
+# BOOTSTRAP_PEERS: a run member's <id>@<host>:<port>, the address it logs at start
 # Join a devnet run and train
 start-training-devnet-client run_id="test" *args='':
-    RPC={{DEVNET_RPC}} WS_RPC={{DEVNET_WS_RPC}} just start-training-localnet-client {{run_id}} {{args}}
+    RPC={{DEVNET_RPC}} WS_RPC={{DEVNET_WS_RPC}} IROH_DISCOVERY="${IROH_DISCOVERY:-n0}" \
+        just start-training-localnet-client {{run_id}} {{args}}

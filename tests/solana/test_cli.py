@@ -413,9 +413,6 @@ def test_identity_commands(
     assert main(["show-static-p2p-identity", str(key_path)]) == 0
     assert capsys.readouterr().out.splitlines()[0] == created.splitlines()[0]
 
-    assert main(["train", "--run-id", "test"]) == 2
-    assert "needs the Psyche training client" in capsys.readouterr().err
-
 
 def test_standalone_localnet_command(tmp_path: Path) -> None:
     wallet = tmp_path / "funded.json"

@@ -62,6 +62,8 @@ T = TypeVar("T")
 
 JOIN_RUN_TIMEOUT = 5.0
 TICK_CHECK_INTERVAL = 0.5
+SEND_RETRY_WINDOW = 60.0
+SEND_RETRY_DELAY = 1.0
 UPSTREAM_RETRY_POLICY = RetryPolicy()
 STATE_QUEUE_CAPACITY = 32
 LOCALNET_RPC = "http://127.0.0.1:8899"
@@ -223,8 +225,15 @@ class SolanaBackend:
     # ---- writes -----------------------------------------------------------------------------
 
     async def send_and_retry(
-        self, name: str, instructions: Sequence[Instruction], signers: Sequence[Keypair] = ()
+        self,
+        name: str,
+        instructions: Sequence[Instruction],
+        signers: Sequence[Keypair] = (),
+        *,
+        sent: list[Signature] | None = None,
     ) -> Signature:
+        """Send and confirm. `sent` collects the signature of every attempt; passing the same
+        list to a later call makes it check those attempts first (one may have landed)."""
         log.info("sending transaction: %s", name)
         all_signers = [self.payer, *(s for s in signers if s.pubkey() != self.payer.pubkey())]
         message = Message(list(instructions), self.payer.pubkey())
@@ -237,7 +246,7 @@ class SolanaBackend:
                 None,
             )
 
-        sent: list[Signature] = []
+        sent = [] if sent is None else sent
 
         async def attempt(client: SolanaRpcClient) -> Signature:
             # An earlier attempt may have landed although its answer was lost (the endpoint
@@ -407,6 +416,8 @@ class SolanaBackendRunner:
         self.latest: CoordinatorAccount = init
         self.failed_sends = 0
         self.completed_sends = 0
+        self.resent_after_outage = 0
+        self._tick_in_flight = False
 
     def _start(self) -> None:
         send, receive = trio.open_memory_channel[bytes](STATE_QUEUE_CAPACITY)
@@ -503,8 +514,21 @@ class SolanaBackendRunner:
     # ---- extras the Solana client uses --------------------------------------------------------
 
     def send_tick(self) -> None:
+        """Send a tick unless one is still on its way (the tick check would otherwise pile up
+        sends every 500 ms while the RPC is unreachable). Not retried past the backend's
+        retries: the next check sends a fresh one."""
+        if self._tick_in_flight:
+            return
+        self._tick_in_flight = True
+
+        def done() -> None:
+            self._tick_in_flight = False
+
         self.spawn_scheduled_send(
-            "Tick", [self.backend.tick_instruction(self.instance, self.account)]
+            "Tick",
+            [self.backend.tick_instruction(self.instance, self.account)],
+            retry_window=0.0,
+            on_done=done,
         )
 
     async def join_run(self, client_id: NodeIdentity, authorizer: Any | None = None) -> Signature:
@@ -544,16 +568,58 @@ class SolanaBackendRunner:
             if clients <= 2 or rng.random() <= 2.0 / clients:
                 self.send_tick()
 
-    def spawn_scheduled_send(self, name: str, instructions: list[Instruction]) -> None:
-        """Send in the background; a failure after all retries is logged, not raised."""
+    def _progress(self) -> tuple[int, int]:
+        progress = self.latest.state.coordinator.progress
+        return progress.epoch, progress.step
+
+    def spawn_scheduled_send(
+        self,
+        name: str,
+        instructions: list[Instruction],
+        *,
+        retry_window: float = SEND_RETRY_WINDOW,
+        on_done: Callable[[], None] | None = None,
+    ) -> None:
+        """Send in the background; a failure after all retries is logged, not raised.
+
+        When every endpoint failed with retryable errors (the RPC went away), the send is tried
+        again every `SEND_RETRY_DELAY` seconds for up to `retry_window` seconds while the run is
+        still at the epoch and step it was sent for (a witness can still count); upstream gives
+        up after the backend's retries. A rejection by the program is never retried.
+        """
 
         async def send() -> None:
+            progress = self._progress()
+            deadline = trio.current_time() + retry_window
+            sent: list[Signature] = []
             try:
-                await self.backend.send_and_retry(name, instructions)
-                self.completed_sends += 1
+                while True:
+                    try:
+                        await self.backend.send_and_retry(name, instructions, sent=sent)
+                        self.completed_sends += 1
+                        return
+                    except SolanaBackendError as e:
+                        if (
+                            e.kind is None
+                            and trio.current_time() + SEND_RETRY_DELAY < deadline
+                            and self._progress() == progress
+                        ):
+                            self.resent_after_outage += 1
+                            log.warning(
+                                "%s transaction: every RPC endpoint failed; trying again while "
+                                "it can still count: %s",
+                                name,
+                                e,
+                            )
+                            await trio.sleep(SEND_RETRY_DELAY)
+                            continue
+                        raise
             except Exception as e:
                 self.failed_sends += 1
                 log.error("failed to send %s transaction after all retries: %s", name, e)
+            finally:
+                if on_done is not None:
+                    on_done()
 
         self._nursery.start_soon(send)
 
@@ -563,31 +629,89 @@ class LeftRun(Exception):
     halted after it had joined (upstream's client exits in these cases)."""
 
 
+@dataclass
+class Membership:
+    """Where a client stands with the run; `follow_membership` keeps it up to date."""
+
+    joined_this_epoch: bool = False
+    ever_joined: bool = False
+    joins: int = 0
+    failed_joins: int = 0
+    abandoned_epoch_seen: bool = False
+
+
+def epoch_abandoned(state: Coordinator) -> bool:
+    """The coordinator withdrew every client and ended the epoch (a round without any witness:
+    nobody can tell who left). Nobody is to blame, so a client stays for the next epoch (upstream's
+    client exits on any state but Healthy; the centralized Python client stays too)."""
+    clients = state.epoch_state.clients
+    return (
+        state.run_state is RunState.Cooldown
+        and bool(clients)
+        and all(c.state is ClientState.Withdrawn for c in clients)
+    )
+
+
+JOIN_RETRY_DELAY = 1.0
+
+
 async def follow_membership(
-    runner: SolanaBackendRunner, identity: NodeIdentity, authorizer: Any | None = None
+    runner: SolanaBackendRunner,
+    identity: NodeIdentity,
+    authorizer: Any | None = None,
+    membership: Membership | None = None,
+    *,
+    join_retry_delay: float = JOIN_RETRY_DELAY,
 ) -> None:
     """Join the run every time it waits for members, and raise `LeftRun` when the client drops
-    out of it (upstream `app.rs`). Runs until cancelled; reads its own state stream."""
+    out of it (upstream `app.rs`). Runs until cancelled; reads its own state stream.
+
+    A join that fails for a passing reason (every RPC endpoint unreachable, the 5 s join timeout)
+    is tried again every `join_retry_delay` seconds while the run still waits for members;
+    upstream's client exits instead. A refused join (no authorization, a program error) raises.
+    Being withdrawn with everyone else (`epoch_abandoned`) is not leaving: the client joins the
+    next epoch.
+    """
+    membership = membership if membership is not None else Membership()
     states = runner.subscribe()
-    joined_this_epoch = False
-    ever_joined = False
     state = runner.latest.state.coordinator
     while True:
         if state.run_state is RunState.WaitingForMembers:
-            if not joined_this_epoch:
-                signature = await runner.join_run(identity, authorizer)
+            if not membership.joined_this_epoch:
+                try:
+                    signature = await runner.join_run(identity, authorizer)
+                except SolanaBackendError as e:
+                    if e.kind in (RetryKind.NonRetryable, RetryKind.Fatal):
+                        raise
+                    membership.failed_joins += 1
+                    log.warning("could not join run %s, will retry: %s", runner.run_id, e)
+                    with trio.move_on_after(join_retry_delay):
+                        state = await states.receive()
+                    continue
                 log.info("joined run %s in %s", runner.run_id, signature)
-                joined_this_epoch = ever_joined = True
+                membership.joined_this_epoch = membership.ever_joined = True
+                membership.joins += 1
         else:
-            if ever_joined:
+            if state.run_state is not RunState.Cooldown:
+                membership.abandoned_epoch_seen = False
+            if membership.ever_joined:
                 if state.halted():
                     raise LeftRun(f"the run is {state.run_state}")
-                me = next((c for c in state.epoch_state.clients if c.id == identity), None)
+                clients = state.epoch_state.clients
+                me = next((c for c in clients if c.id == identity), None)
                 if me is None:
                     raise LeftRun("Not a participant")
                 if me.state is not ClientState.Healthy:
-                    raise LeftRun(f"the coordinator says this client is {me.state}")
-            joined_this_epoch = False
+                    if not epoch_abandoned(state):
+                        raise LeftRun(f"the coordinator says this client is {me.state}")
+                    if not membership.abandoned_epoch_seen:
+                        log.warning(
+                            "the coordinator ended epoch %d without witnesses and withdrew "
+                            "every client; joining the next epoch",
+                            state.progress.epoch,
+                        )
+                    membership.abandoned_epoch_seen = True
+            membership.joined_this_epoch = False
         state = await states.receive()
 
 
@@ -595,9 +719,11 @@ __all__ = [
     "AccountNotFound",
     "Cluster",
     "LeftRun",
+    "Membership",
     "SolanaBackend",
     "SolanaBackendError",
     "SolanaBackendRunner",
     "StateReceiver",
+    "epoch_abandoned",
     "follow_membership",
 ]

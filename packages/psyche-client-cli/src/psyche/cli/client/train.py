@@ -1,10 +1,14 @@
-"""`psyche-client train`: wire the centralized backend, the network and the client together."""
+"""`psyche-client train`: wire the centralized backend, the network and the client together.
+
+The assembly every client binary shares (logging, `RunInitConfig` from the train options, the
+trio run and its exit codes) is public here; `psyche-solana-client train` uses it too."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import os
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,19 +38,27 @@ def apply_log_directives(spec: str) -> None:
         logging.getLogger(target.replace("::", ".") if target else None).setLevel(value)
 
 
-def _setup_logging(args: argparse.Namespace) -> None:
-    from psyche.client.logs import setup_logging
+def setup_logging(args: argparse.Namespace) -> None:
+    """Logging as `--logs`, `--write-log` and `RUST_LOG`/`PSYCHE_LOG` say, plus the notes about
+    options that are accepted but ignored."""
+    from psyche.client.logs import setup_logging as setup_client_logging
 
     mode = args.logs
     if mode == "tui-and-console":
         mode = "tui"
-    setup_logging("console" if mode == "none" else mode, write_log=args.write_log)
+    setup_client_logging("console" if mode == "none" else mode, write_log=args.write_log)
     if mode == "none":
         logging.getLogger().setLevel(logging.CRITICAL + 10)
-        return
-    directives = os.environ.get("PSYCHE_LOG") or os.environ.get("RUST_LOG")
-    if directives:
-        apply_log_directives(directives)
+    else:
+        directives = os.environ.get("PSYCHE_LOG") or os.environ.get("RUST_LOG")
+        if directives:
+            apply_log_directives(directives)
+    if args.metrics_local_port is not None:
+        log.warning(
+            "--metrics-local-port %s: local metrics are not built; ignored", args.metrics_local_port
+        )
+    if args.iroh_relay != "disabled":
+        log.info("no relays in the Python client: peers connect directly")
 
 
 def _preload() -> None:
@@ -58,24 +70,11 @@ def _preload() -> None:
     import psyche.network.connection  # noqa: F401
 
 
-def train(args: argparse.Namespace) -> int:
-    import trio
-
-    from psyche.cli.client.main import read_identity_secret_key
+def run_init_config(args: argparse.Namespace, identity: Any, key: Any) -> Any:
+    """The client's `RunInitConfig` from the train options (checks a hub repo is writable)."""
     from psyche.client.cooldown import CheckpointConfig, check_hub_repo_writable
     from psyche.client.init import RunInitConfig
-    from psyche.core.identity import SecretKey
-    from psyche.core.node_identity import NodeIdentity
 
-    _setup_logging(args)
-    if args.metrics_local_port is not None:
-        log.warning(
-            "--metrics-local-port %s: local metrics are not built; ignored", args.metrics_local_port
-        )
-    if args.iroh_relay != "disabled":
-        log.info("no relays in the Python client: peers connect directly")
-    key = read_identity_secret_key(args.identity_secret_key_path) or SecretKey.generate()
-    identity = NodeIdentity.from_single_key(key.public_key)
     checkpoint = None
     if args.checkpoint_dir is not None:
         token = os.environ.get("HF_TOKEN")
@@ -89,7 +88,7 @@ def train(args: argparse.Namespace) -> int:
             delete_old_steps=bool(args.delete_old_steps),
             keep_steps=args.keep_steps,
         )
-    config = RunInitConfig(
+    return RunInitConfig(
         identity=identity,
         secret_key=key,
         device=args.device,
@@ -100,7 +99,16 @@ def train(args: argparse.Namespace) -> int:
         write_gradients_dir=args.write_gradients_dir,
         checkpoint=checkpoint,
     )
-    log.info("client %s (public key %s) starting", identity, key.public_key.hex())
+
+
+def run_client(
+    args: argparse.Namespace, main: Callable[..., Awaitable[None]], *main_args: Any
+) -> int:
+    """Preload the heavy modules, check the device, run `main(*main_args)` under trio; the exit
+    code: 0, 130 when interrupted, 2 for an unusable device, the failure's `exit_code` attribute
+    if it has one, else 1 (the root cause is logged)."""
+    import trio
+
     _preload()
     from psyche.client.model_loading import check_device
     from psyche.modeling.causal_lm import ModelLoadError
@@ -111,7 +119,7 @@ def train(args: argparse.Namespace) -> int:
         log.error("%s", e)
         return 2
     try:
-        trio.run(_run, args, key, config)
+        trio.run(main, *main_args)
     except KeyboardInterrupt:
         log.info("interrupted; exiting")
         return 130
@@ -121,8 +129,21 @@ def train(args: argparse.Namespace) -> int:
             log.info("interrupted; exiting")
             return 130
         log.error("client stopped: %s: %s", type(root).__name__, root, exc_info=root)
-        return 1
+        return int(getattr(root, "exit_code", 1))
     return 0
+
+
+def train(args: argparse.Namespace) -> int:
+    from psyche.cli.client.train_args import read_identity_secret_key
+    from psyche.core.identity import SecretKey
+    from psyche.core.node_identity import NodeIdentity
+
+    setup_logging(args)
+    key = read_identity_secret_key(args.identity_secret_key_path) or SecretKey.generate()
+    identity = NodeIdentity.from_single_key(key.public_key)
+    config = run_init_config(args, identity, key)
+    log.info("client %s (public key %s) starting", identity, key.public_key.hex())
+    return run_client(args, _run, args, key, config)
 
 
 def _root_cause(error: BaseException) -> BaseException:

@@ -15,7 +15,7 @@ from psyche.cli.solana_client.render import explain_error, render_run, run_to_js
 Command = Callable[[argparse.Namespace], int]
 
 
-def _ids(args: argparse.Namespace) -> Any:
+def program_ids(args: argparse.Namespace) -> Any:
     from psyche.solana.program_ids import ProgramIds
 
     return ProgramIds.from_env(
@@ -33,7 +33,7 @@ def _backend(args: argparse.Namespace, wallet: bool = True) -> Any:
 
     # Read-only commands sign nothing: a throwaway keypair, as upstream.
     payer = load_wallet(args.wallet_private_key_path) if wallet else Keypair()
-    return SolanaBackend(Cluster(args.rpc, args.ws_rpc), payer, ids=_ids(args))
+    return SolanaBackend(Cluster(args.rpc, args.ws_rpc), payer, ids=program_ids(args))
 
 
 def _run(
@@ -359,16 +359,49 @@ def create_static_p2p_identity(args: argparse.Namespace) -> int:
 
 
 def train(args: argparse.Namespace) -> int:
-    print(
-        "Error: `train` is not wired to the training client yet: training through Solana needs "
-        "the Psyche training client (psyche.client) and its train options, which are being "
-        "finished separately. The Solana side is ready: SolanaBackend.start() yields the "
-        "client's Backend, follow_membership() joins each epoch and leaves as upstream's client "
-        "does, and auto_tick() ticks the run. Meanwhile use the admin commands (create-run, "
-        "update-config, set-paused --resume) to prepare a run.",
-        file=sys.stderr,
-    )
-    return 2
+    from psyche.cli.solana_client.train import train as run_train
+
+    return run_train(args)
+
+
+def airdrop(args: argparse.Namespace) -> int:
+    from psyche.solana.admin import lamports_to_sol
+
+    lamports = round(args.sol * 1_000_000_000)
+
+    async def body(backend: Any) -> None:
+        address = _pubkey(args.address) if args.address else backend.get_payer()
+        signature = await backend.rpc_with_fallback(
+            "request_airdrop", lambda c: c.request_airdrop(address, lamports)
+        )
+        await backend.rpc_with_fallback(
+            "confirm_airdrop", lambda c: c.confirm_transaction(signature)
+        )
+        balance = await backend.get_balance(address)
+        print(f"Airdropped {lamports_to_sol(lamports):.9f} SOL to {address} in {signature}")
+        print(f"Balance: {lamports_to_sol(balance):.9f} SOL")
+
+    return _run(args, body, wallet=args.address is None)
+
+
+def create_wallet(args: argparse.Namespace) -> int:
+    from solders.keypair import Keypair
+
+    from psyche.solana.keypair import write_keypair_file
+
+    if args.save_path.exists() and not args.force:
+        print(f"Error: {args.save_path} exists (pass --force to replace it)", file=sys.stderr)
+        return 1
+    keypair = Keypair()
+    try:
+        args.save_path.parent.mkdir(parents=True, exist_ok=True)
+        write_keypair_file(keypair, args.save_path)
+    except OSError as e:
+        print(f"Error: cannot write {args.save_path}: {e}", file=sys.stderr)
+        return 1
+    print(f"Wrote new keypair to {args.save_path}")
+    print(f"pubkey: {keypair.pubkey()}")
+    return 0
 
 
 def localnet(args: argparse.Namespace) -> int:
@@ -396,5 +429,7 @@ HANDLERS: dict[str, Command] = {
     "show-static-p2p-identity": show_static_p2p_identity,
     "create-static-p2p-identity": create_static_p2p_identity,
     "train": train,
+    "airdrop": airdrop,
+    "create-wallet": create_wallet,
     "localnet": localnet,
 }

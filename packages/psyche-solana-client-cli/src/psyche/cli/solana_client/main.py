@@ -234,11 +234,34 @@ def build_parser() -> argparse.ArgumentParser:
     sub = commands.add_parser("create-static-p2p-identity", help="Write a new P2P identity key")
     sub.add_argument("save_path", type=Path)
 
-    sub = command("train", "Join a run and train (needs the training client, psyche.client)")
-    add_cluster_args_backups_only(sub)
-    sub.add_argument("--run-id", default=_env("RUN_ID"))
-    sub.add_argument("--authorizer", default=_env("AUTHORIZER"))
-    sub.add_argument("train_args", nargs=argparse.REMAINDER)
+    sub = commands.add_parser(
+        "train",
+        help="Join a run and train (the Psyche training client on a Solana coordinator)",
+        description="Join a run whose coordinator lives on Solana and train until stopped "
+        "(Ctrl+C) or until the coordinator drops this client. Every train option can also be "
+        "given in the environment, named in upper snake case (--micro-batch-size: "
+        "MICRO_BATCH_SIZE).",
+    )
+    add_cluster_args(sub, backups=True)
+    add_wallet_args(sub)
+    from psyche.cli.solana_client.train import add_train_arguments
+
+    add_train_arguments(sub)
+
+    sub = command(
+        "airdrop",
+        "Request SOL from the cluster's faucet (a local endpoint or devnet), like `solana "
+        "airdrop`: to --address, else to the wallet",
+    )
+    sub.add_argument("--sol", type=float, default=10.0, help="amount in SOL (default 10)")
+    sub.add_argument("--address", default=None, help="recipient (default: the wallet)")
+
+    sub = commands.add_parser(
+        "create-wallet",
+        help="Write a new solana-keygen style keypair file (like `solana-keygen new`)",
+    )
+    sub.add_argument("save_path", type=Path)
+    sub.add_argument("--force", action="store_true", help="replace an existing file")
 
     sub = commands.add_parser(
         "localnet", help="Serve a local Solana endpoint with the Psyche programs (Python ports)"
@@ -247,12 +270,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(sub)
     return parser
-
-
-def add_cluster_args_backups_only(parser: argparse.ArgumentParser) -> None:
-    for n in (2, 3):
-        parser.add_argument(f"--rpc-{n}", default=_env(f"RPC_{n}", ""))
-        parser.add_argument(f"--ws-rpc-{n}", default=_env(f"WS_RPC_{n}", ""))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

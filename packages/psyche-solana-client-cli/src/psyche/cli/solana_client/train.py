@@ -1,0 +1,285 @@
+"""`psyche-solana-client train`: the training client (`psyche.client.Client`) on a run whose
+coordinator lives on Solana (upstream solana-client `main.rs` `Train` and `app.rs`).
+
+Options: upstream's `TrainArgs` (shared with `psyche-client train`, `psyche.cli.client.
+train_args`), the cluster (`--rpc`, `--ws-rpc`, backups `--rpc-2/--ws-rpc-2`, `--rpc-3/--ws-rpc-3`),
+the wallet, `--authorizer`, and the port's `--bootstrap-peer` (how clients find each other without
+a server; see docs/solana.md).
+
+The P2P identity is `-i`/`RAW_IDENTITY_SECRET_KEY` when given, else derived from the run id and
+the wallet as upstream does, so a restarted client keeps its identity. The run is looked up (and
+`CLIENT_VERSION` checked, exit code 10 on a mismatch) before torch is imported, so a wrong run id
+or an unreachable RPC fails in a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import socket
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger("psyche.cli.solana_client")
+
+BOOTSTRAP_PEERS_ENV = "BOOTSTRAP_PEERS"
+EVERYONE = "11111111111111111111111111111111"
+
+IDENTITY_HELP = (
+    "Path to the client's 32-byte P2P secret key (`openssl rand 32 > secret.key`); derived from "
+    "the run id and the wallet (as upstream) if neither this nor RAW_IDENTITY_SECRET_KEY is given"
+)
+DISCOVERY_HELP = (
+    "Discovery: `n0` (default) = the --bootstrap-peer list, then peer exchange with the peers "
+    "found; `local` = also files in a directory shared by the clients on this machine"
+)
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options after the cluster and wallet ones (which `main` adds)."""
+    from psyche.cli.client.train_args import EnvOptions, add_train_options
+
+    env = EnvOptions()
+    add_train_options(parser, env, identity_help=IDENTITY_HELP, discovery_help=DISCOVERY_HELP)
+    parser.add_argument(
+        "--authorizer",
+        default=os.environ.get("AUTHORIZER") or None,
+        help="the grantee of the join authorization to join with: a key the run's join "
+        f"authority authorized (permissioned runs); default everyone ({EVERYONE}) "
+        "[env: AUTHORIZER]",
+    )
+    parser.add_argument(
+        "--bootstrap-peer",
+        dest="bootstrap_peers",
+        action="append",
+        default=None,
+        metavar="<ENDPOINT_ID@HOST:PORT>",
+        help="port extension: a run member's P2P address (hex endpoint id @ host : libp2p "
+        "port), as each client logs it; repeat for several. Peer exchange finds the rest "
+        f"[env: {BOOTSTRAP_PEERS_ENV}, comma-separated]",
+    )
+    parser.set_defaults(train_env=env, train_parser=parser)
+
+
+# --------------------------------------------------------------------------------------------
+# Bootstrap peers
+
+
+def parse_bootstrap_peer(text: str) -> Any:
+    """`<64 hex endpoint id>@<host>:<port>` as an `EndpointAddr` with one libp2p address; a
+    host name is resolved (IPv4) now."""
+    from psyche.network.ticket import EndpointAddr, TransportAddr, parse_host_port
+
+    text = text.strip()
+    ident, sep, host_port = text.partition("@")
+    if not sep:
+        raise ValueError(f"bootstrap peer {text!r}: expected <endpoint id hex>@<host>:<port>")
+    try:
+        endpoint_id = bytes.fromhex(ident)
+    except ValueError:
+        raise ValueError(f"bootstrap peer {text!r}: the endpoint id is not hexadecimal") from None
+    if len(endpoint_id) != 32:
+        raise ValueError(
+            f"bootstrap peer {text!r}: the endpoint id is 32 bytes (64 hex characters), "
+            f"got {len(endpoint_id)}"
+        )
+    try:
+        host, port = parse_host_port(host_port)
+    except ValueError as e:
+        raise ValueError(f"bootstrap peer {text!r}: {e}") from None
+    try:
+        ip = str(ipaddress.IPv4Address(host))
+    except ValueError:
+        try:
+            ip = socket.gethostbyname(host)
+        except OSError as e:
+            raise ValueError(f"bootstrap peer {text!r}: cannot resolve {host!r}: {e}") from None
+    return EndpointAddr(endpoint_id, [TransportAddr.Libp2p(f"/ip4/{ip}/tcp/{port}")])
+
+
+def bootstrap_peers(cli: Sequence[str] | None, environ: dict[str, str] | None = None) -> list[Any]:
+    """The command line's entries, else `BOOTSTRAP_PEERS` (comma-separated)."""
+    environ = dict(os.environ) if environ is None else environ
+    if cli:
+        entries = [e for item in cli for e in item.split(",")]
+    else:
+        entries = environ.get(BOOTSTRAP_PEERS_ENV, "").split(",")
+    return [parse_bootstrap_peer(e) for e in entries if e.strip()]
+
+
+def format_bootstrap_peer(addr: Any) -> str | None:
+    """What another client passes to `--bootstrap-peer` to reach this endpoint (None when it
+    listens on no IPv4 TCP address)."""
+    for multiaddr in addr.libp2p_addrs():
+        parts = multiaddr.split("/")
+        if len(parts) >= 5 and parts[1] == "ip4" and parts[3] == "tcp":
+            return f"{addr.id.hex()}@{parts[2]}:{parts[4]}"
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Settings
+
+
+@dataclass(frozen=True)
+class SolanaTrainSettings:
+    """Everything the Solana side of `train` needs, resolved from the options."""
+
+    run_id: str
+    wallet: Any  # solders Keypair
+    cluster: Any  # psyche.solana.backend.Cluster
+    backup_clusters: tuple[Any, ...]
+    ids: Any  # psyche.solana.program_ids.ProgramIds
+    authorizer: Any | None  # solders Pubkey
+    client_version: str | None
+    network: Any  # psyche.network.connection.NetworkConfig
+
+
+def backup_clusters(args: argparse.Namespace) -> tuple[Any, ...]:
+    """`--rpc-N`/`--ws-rpc-N` pairs where both are set (upstream ignores half pairs)."""
+    from psyche.solana.backend import Cluster
+
+    pairs = [(args.rpc_2, args.ws_rpc_2), (args.rpc_3, args.ws_rpc_3)]
+    return tuple(Cluster(rpc, ws) for rpc, ws in pairs if rpc and ws)
+
+
+def settings_from_args(args: argparse.Namespace, key: Any, wallet: Any) -> SolanaTrainSettings:
+    from psyche.cli.solana_client.commands import program_ids
+    from psyche.network.connection import NetworkConfig
+    from psyche.network.discovery import default_local_discovery_dir
+    from psyche.solana.admin import pubkey_arg
+    from psyche.solana.backend import Cluster
+
+    authorizer = pubkey_arg(args.authorizer) if args.authorizer else None
+    network = NetworkConfig(
+        run_id=args.run_id,
+        secret_key=key,
+        interface=args.bind_p2p_interface,
+        port=args.bind_p2p_port or 0,
+        bootstrap_peers=tuple(bootstrap_peers(args.bootstrap_peers)),
+        local_discovery_dir=(
+            default_local_discovery_dir() if args.iroh_discovery == "local" else None
+        ),
+    )
+    return SolanaTrainSettings(
+        run_id=args.run_id,
+        wallet=wallet,
+        cluster=Cluster(args.rpc, args.ws_rpc),
+        backup_clusters=backup_clusters(args),
+        ids=program_ids(args),
+        authorizer=authorizer,
+        client_version=os.environ.get("CLIENT_VERSION") or None,
+        network=network,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# The command
+
+
+def train(args: argparse.Namespace) -> int:
+    from psyche.cli.client.train_args import (
+        OptionError,
+        check_supported,
+        read_identity_secret_key,
+    )
+    from psyche.cli.solana_client.render import explain_error
+    from psyche.core.identity import SecretKey
+    from psyche.solana.admin import AdminError
+    from psyche.solana.keypair import derive_p2p_secret_key, load_wallet
+
+    args.train_env.resolve(args.train_parser, args)
+    problems = check_supported(args)
+    if problems:
+        for problem in problems:
+            print(f"psyche-solana-client: {problem}", file=sys.stderr)
+        return 2
+    try:
+        wallet = load_wallet(args.wallet_private_key_path)
+        key = read_identity_secret_key(args.identity_secret_key_path) or SecretKey.from_bytes(
+            derive_p2p_secret_key(args.run_id, wallet)
+        )
+        settings = settings_from_args(args, key, wallet)
+    except (OptionError, AdminError, ValueError) as e:  # KeypairError is a ValueError
+        print(f"psyche-solana-client: {explain_error(e, None)}", file=sys.stderr)
+        return 2
+    try:
+        run = _preflight(settings)
+    except Exception as e:
+        code = int(getattr(e, "exit_code", 1))
+        print(f"psyche-solana-client: {explain_error(e, settings.cluster.rpc)}", file=sys.stderr)
+        return code
+    return _train(args, settings, run, key)
+
+
+def _preflight(settings: SolanaTrainSettings) -> Any:
+    """Find the run and check `CLIENT_VERSION` before anything heavy is imported."""
+    import trio
+
+    from psyche.solana.app import check_client_version, find_run
+    from psyche.solana.backend import SolanaBackend
+
+    async def main() -> Any:
+        async with SolanaBackend(
+            settings.cluster, settings.wallet, settings.backup_clusters, ids=settings.ids
+        ) as backend:
+            run = await find_run(backend, settings.run_id)
+        check_client_version(settings.client_version, run.client_version)
+        return run
+
+    return trio.run(main)
+
+
+def _train(args: argparse.Namespace, settings: SolanaTrainSettings, run: Any, key: Any) -> int:
+    from psyche.cli.client.train import run_client, run_init_config, setup_logging
+    from psyche.core.node_identity import NodeIdentity
+
+    setup_logging(args)
+    log.info("Solana wallet pubkey: %s", settings.wallet.pubkey())
+    if settings.client_version is None:
+        log.warning(
+            "CLIENT_VERSION is not set: continuing without checking it against the run's "
+            "client version (%r)",
+            run.client_version,
+        )
+    else:
+        log.info("client version %s: version check passed", settings.client_version)
+    network = settings.network
+    if not network.bootstrap_peers and network.local_discovery_dir is None:
+        log.info(
+            "no --bootstrap-peer: this client finds the others once one of them connects to it"
+        )
+    identity = NodeIdentity(bytes(settings.wallet.pubkey()), key.public_key)
+    config = run_init_config(args, identity, key)
+    log.info(
+        "client %s (P2P identity %s) starting on run %s (coordinator account %s)",
+        identity,
+        key.public_key.hex(),
+        run.run_id,
+        run.account,
+    )
+    return run_client(args, _run, settings, run, config)
+
+
+async def _run(settings: SolanaTrainSettings, run: Any, config: Any) -> None:
+    from psyche.client.client import Client
+    from psyche.network.broadcast import Broadcast
+    from psyche.network.connection import NetworkConnection
+    from psyche.solana.app import train_on_run
+    from psyche.solana.backend import SolanaBackend
+
+    async with (
+        SolanaBackend(
+            settings.cluster, settings.wallet, settings.backup_clusters, ids=settings.ids
+        ) as backend,
+        backend.start(run.run_id, run.account) as runner,
+        NetworkConnection.open(settings.network, broadcast_type=Broadcast) as network,
+    ):
+        address = format_bootstrap_peer(network.endpoint_addr())
+        log.info("P2P address for --bootstrap-peer: %s", address)
+        client = Client(runner, network, config)
+        await train_on_run(runner, config.identity, run, client.run, authorizer=settings.authorizer)

@@ -1,0 +1,188 @@
+"""What a Solana training client does around the training itself (upstream solana-client
+`app.rs`): find the run, check the client version, then, while the training client runs, join
+every epoch, tick the run when its clock says so, and stop when the coordinator is done with us.
+
+The training client is passed in as an async callable, so this module needs neither torch nor
+the network stack: `psyche-solana-client train` supplies `psyche.client.Client(...).run`, tests
+can supply anything.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+from solders.pubkey import Pubkey
+
+from psyche.coordinator.coordinator import RunState
+from psyche.core.node_identity import NodeIdentity
+from psyche.solana import pda
+from psyche.solana.backend import (
+    JOIN_RETRY_DELAY,
+    TICK_CHECK_INTERVAL,
+    Membership,
+    SolanaBackend,
+    SolanaBackendError,
+    SolanaBackendRunner,
+    follow_membership,
+)
+from psyche.solana.rpc import AccountNotFound
+
+log = logging.getLogger(__name__)
+
+VERSION_MISMATCH_EXIT_CODE = 10
+"""Upstream's exit code when the client's version does not match the run's."""
+ANY_CLIENT_VERSION = "test"
+"""A run whose client version is this accepts every client version (upstream)."""
+
+
+class ClientVersionMismatch(Exception):
+    """The run wants another client version; the process exits with code 10, as upstream."""
+
+    exit_code = VERSION_MISMATCH_EXIT_CODE
+
+
+class RunNotFound(Exception):
+    """No coordinator instance for the run id on this cluster and program."""
+
+
+def check_client_version(client_version: str | None, run_version: str) -> bool:
+    """Upstream's start-up check of `CLIENT_VERSION` against the run's client version.
+
+    Returns False when there is nothing to check (no `CLIENT_VERSION`), True when it matches or
+    the run accepts any version; raises `ClientVersionMismatch` otherwise.
+    """
+    if client_version is None:
+        return False
+    if client_version != run_version and run_version != ANY_CLIENT_VERSION:
+        raise ClientVersionMismatch(
+            f"Version mismatch: this client is version {client_version!r}, the run wants "
+            f"{run_version!r}"
+        )
+    return True
+
+
+def check_version_unchanged(initial: str, current: str) -> None:
+    """While a paused run waits for us, an upgrade of its client version means we must go."""
+    if current != initial:
+        raise ClientVersionMismatch(
+            f"the run's client version changed from {initial!r} to {current!r} while it was "
+            "paused; exiting"
+        )
+
+
+@dataclass(frozen=True)
+class SolanaRun:
+    """A run's addresses and the client version it asked for when we started."""
+
+    run_id: str
+    instance: Pubkey
+    account: Pubkey
+    client_version: str
+
+
+async def find_run(backend: SolanaBackend, run_id: str) -> SolanaRun:
+    try:
+        instance_address = pda.find_coordinator_instance(run_id, backend.ids)
+    except ValueError as e:
+        raise RunNotFound(str(e)) from None
+    try:
+        instance = await backend.get_coordinator_instance(instance_address)
+        account_address = Pubkey.from_bytes(bytes(instance.coordinator_account))
+        account = await backend.get_coordinator_account(account_address)
+    except SolanaBackendError as e:
+        if isinstance(e.cause, AccountNotFound):
+            raise RunNotFound(
+                f"run {run_id!r} not found: no coordinator instance at {instance_address} (RPC "
+                f"{backend.cluster.rpc}, coordinator program {backend.ids.coordinator})"
+            ) from None
+        raise
+    return SolanaRun(run_id, instance_address, account_address, str(account.state.client_version))
+
+
+async def watch_client_version(
+    runner: SolanaBackendRunner,
+    initial: str,
+    membership: Membership,
+    *,
+    interval: float = TICK_CHECK_INTERVAL,
+) -> None:
+    """Upstream's check on every tick interval: while the run is halted and we never joined it,
+    a new client version on chain ends this client (`ClientVersionMismatch`)."""
+    while True:
+        await trio.sleep(interval)
+        state = runner.latest.state
+        if state.coordinator.halted() and not membership.ever_joined:
+            check_version_unchanged(initial, str(state.client_version))
+
+
+async def follow_run(
+    runner: SolanaBackendRunner,
+    identity: NodeIdentity,
+    run: SolanaRun,
+    *,
+    authorizer: Any | None = None,
+    membership: Membership | None = None,
+    tick_interval: float = TICK_CHECK_INTERVAL,
+    join_retry_delay: float = JOIN_RETRY_DELAY,
+) -> None:
+    """Join, tick and watch the run until one of them raises (`LeftRun`,
+    `ClientVersionMismatch`, a refused join)."""
+    membership = membership if membership is not None else Membership()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(lambda: runner.auto_tick(interval=tick_interval))
+        nursery.start_soon(
+            lambda: watch_client_version(
+                runner, run.client_version, membership, interval=tick_interval
+            )
+        )
+        await follow_membership(
+            runner, identity, authorizer, membership, join_retry_delay=join_retry_delay
+        )
+
+
+async def train_on_run(
+    runner: SolanaBackendRunner,
+    identity: NodeIdentity,
+    run: SolanaRun,
+    client: Callable[[], Awaitable[None]],
+    *,
+    authorizer: Any | None = None,
+    membership: Membership | None = None,
+    tick_interval: float = TICK_CHECK_INTERVAL,
+) -> None:
+    """Run the training client beside `follow_run`; whichever ends first ends both (the
+    client's own failure, or the run being done with us, propagates)."""
+    if runner.latest.state.coordinator.run_state is not RunState.WaitingForMembers:
+        log.info("Waiting for the current epoch to end before joining")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(
+            lambda: follow_run(
+                runner,
+                identity,
+                run,
+                authorizer=authorizer,
+                membership=membership,
+                tick_interval=tick_interval,
+            )
+        )
+        await client()
+        nursery.cancel_scope.cancel()
+
+
+__all__ = [
+    "ANY_CLIENT_VERSION",
+    "VERSION_MISMATCH_EXIT_CODE",
+    "ClientVersionMismatch",
+    "RunNotFound",
+    "SolanaRun",
+    "check_client_version",
+    "check_version_unchanged",
+    "find_run",
+    "follow_run",
+    "train_on_run",
+    "watch_client_version",
+]

@@ -1,0 +1,280 @@
+"""`psyche-solana-client train` end to end: real processes on loopback, no coordinator server.
+
+A local Solana endpoint (`psyche-solana-client localnet`) holds the run; the test sets it up
+with the admin commands (join-authorization-create, create-run, update-config with the tiny CPU
+model and its dataset served over HTTP by `psyche.data_provider.static_http`, set-paused
+--resume); two `psyche-solana-client train` processes then join, tick, witness and train it
+through two epochs. Discovery is serverless: client A starts with no peers at all, client B
+with `--bootstrap-peer A`; A learns B's address when B connects (peer exchange).
+
+The clients reach the endpoint through a TCP proxy. In epoch 1, with both clients training,
+the proxy goes away for several seconds (the JSON-RPC and websocket connections are cut and new
+ones refused) and comes back: the clients keep going and end the epoch with identical models.
+
+One run serves all tests (module fixture); the clients log JSON events (`round_start`,
+`client_loss`, `applied_results`, `cooldown_model`, ...).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import re
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from solders.keypair import Keypair
+
+from psyche.cli.solana_client.main import main as solana_client
+from psyche.core.identity import SecretKey
+from psyche.solana.keypair import derive_p2p_secret_key, write_keypair_file
+
+from .processes import REPO, Processes, Proxy, free_port, json_events, wait_event
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(240)]
+
+RUN_ID = "solana-e2e"
+EVERYONE = "11111111111111111111111111111111"
+TINY = REPO / "configs" / "tiny-cpu"
+CONFIG = {
+    "warmup_time": 8,
+    "cooldown_time": 3,
+    "epoch_time": 16,
+    "max_round_train_time": 10,
+    "round_witness_time": 1,
+    "min_clients": 1,
+    "init_min_clients": 2,
+    "waiting_for_members_extra_time": 1,
+}
+OUTAGE_SECS = 6.0
+
+
+def run_config(data_url: str) -> str:
+    """The tiny CPU run with short timings and its data over HTTP (there is no server)."""
+    text = (TINY / "state.toml").read_text()
+    for key, value in CONFIG.items():
+        text, count = re.subn(rf"(?m)^{key} = .*$", f"{key} = {value}", text)
+        assert count == 1, key
+    http = (
+        f'location = {{ SingleUrl = "{data_url}" }}, token_size_in_bytes = "TwoBytes", '
+        'shuffle = "DontShuffle"'
+    )
+    location = f"data_location = {{ Http = {{ {http} }} }}"
+    text, count = re.subn(r"(?m)^data_location = .*$", location, text)
+    assert count == 1
+    return text
+
+
+def p2p_id(wallet: Keypair) -> str:
+    return SecretKey.from_bytes(derive_p2p_secret_key(RUN_ID, wallet)).public_key.hex()
+
+
+@dataclass
+class Run:
+    clients: dict[str, list[dict[str, Any]]]
+    logs: dict[str, str]
+    outage_step: int
+    outage: tuple[float, float]
+    show: dict[str, Any]
+    signers: dict[str, str]
+    exit_codes: dict[str, int]
+
+    def of(self, name: str, event: str) -> list[dict[str, Any]]:
+        return [e for e in self.clients[name] if e.get("message") == event]
+
+
+@pytest.fixture(scope="module")
+def processes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Processes]:
+    group = Processes(tmp_path_factory.mktemp("solana-train"))
+    try:
+        yield group
+    finally:
+        group.stop_all()
+
+
+@pytest.fixture(scope="module")
+def run(processes: Processes, tmp_path_factory: pytest.TempPathFactory) -> Run:
+    from psyche.centralized.tiny_run import write_tiny_dataset
+
+    tmp = tmp_path_factory.mktemp("solana-run")
+    dataset = write_tiny_dataset(tmp / "data", tokenizer_path=TINY / "model" / "tokenizer.json")
+    data_port = free_port()
+    data = processes.start(
+        "data",
+        [sys.executable, "-m", "psyche.data_provider.static_http", str(dataset.parent),
+         "--host", "127.0.0.1", "--port", str(data_port)],
+    )  # fmt: skip
+    wallets = {name: Keypair() for name in ("owner", "a", "b")}
+    paths = {}
+    for name, keypair in wallets.items():
+        paths[name] = tmp / f"{name}.json"
+        write_keypair_file(keypair, paths[name])
+    rpc_port = free_port()
+    localnet = processes.start(
+        "localnet",
+        [sys.executable, "-m", "psyche.cli.solana_client.main", "localnet",
+         "--port", str(rpc_port), "--ws-port", str(free_port()),
+         *(x for name in paths for x in ("--fund", str(paths[name])))],
+    )  # fmt: skip
+    ws_port = int(processes.wait_for(localnet, r"websocket: ws://127\.0\.0\.1:(\d+)", 60)[1])
+    processes.wait_for(data, r"serving", 30)
+    rpc, ws = f"http://127.0.0.1:{rpc_port}", f"ws://127.0.0.1:{ws_port}"
+
+    # ---- the run, set up with the admin commands (in this process, over real RPC)
+    config_path = tmp / "run.toml"
+    config_path.write_text(run_config(f"http://127.0.0.1:{data_port}/{dataset.name}"))
+    cluster = ["--rpc", rpc, "--ws-rpc", ws, "-w", str(paths["owner"])]
+    for argv in (
+        ["join-authorization-create", "--authorizer", EVERYONE],
+        ["create-run", "--run-id", RUN_ID, "--client-version", "test"],
+        ["update-config", "--run-id", RUN_ID, "--config-path", str(config_path)],
+        ["set-paused", "--run-id", RUN_ID, "--resume"],
+    ):
+        assert solana_client([*argv, *cluster]) == 0, argv
+
+    # ---- two clients, through proxies that can take the endpoint away
+    with Proxy(rpc_port) as rpc_proxy, Proxy(ws_port) as ws_proxy:
+        a_port = free_port()
+
+        def client(name: str, *extra: str) -> Any:
+            return processes.start(
+                f"client-{name}",
+                [sys.executable, "-m", "psyche.cli.solana_client.main", "train",
+                 "--rpc", f"http://127.0.0.1:{rpc_proxy.port}",
+                 "--ws-rpc", f"ws://127.0.0.1:{ws_proxy.port}",
+                 "-w", str(paths[name]), "--run-id", RUN_ID, "--authorizer", EVERYONE,
+                 "--logs", "json", "--device", "cpu", "--bind-p2p-interface", "lo", *extra],
+                env={"OMP_NUM_THREADS": "1", "CLIENT_VERSION": "v-e2e"},
+            )  # fmt: skip
+
+        clients = {
+            "a": client("a", "--bind-p2p-port", str(a_port)),
+            "b": client("b", "--bootstrap-peer", f"{p2p_id(wallets['a'])}@127.0.0.1:{a_port}"),
+        }
+        # epoch 0 ends with a cooldown on both
+        for proc in clients.values():
+            wait_event(proc, "cooldown_model", lambda e: e["epoch"] == 0, 150)
+        # epoch 1: as soon as its second round starts, the endpoint goes away for a while (the
+        # round's witness is sent during the outage)
+        start = wait_event(
+            clients["a"], "round_start", lambda e: e["epoch"] == 1 and e["round"] >= 1, 90
+        )
+        outage_step = start["step"]
+        outage_start = time.time()
+        rpc_proxy.down()
+        ws_proxy.down()
+        time.sleep(OUTAGE_SECS)
+        rpc_proxy.up()
+        ws_proxy.up()
+        outage = (outage_start, time.time())
+        for proc in clients.values():
+            wait_event(proc, "cooldown_model", lambda e: e["epoch"] == 1, 90)
+        show = json.loads(
+            solana_client_output(
+                ["show", "--run-id", RUN_ID, "--json", "--rpc", rpc, "--ws-rpc", ws]
+            )
+        )
+        alive = {name: proc.popen.poll() is None for name, proc in clients.items()}
+        exit_codes = {name: processes.stop(proc) for name, proc in clients.items()}
+    assert all(alive.values()), alive
+    return Run(
+        {name: json_events(proc.text()) for name, proc in clients.items()},
+        {name: proc.text() for name, proc in clients.items()},
+        outage_step,
+        outage,
+        show,
+        {name: str(wallets[name].pubkey()) for name in clients},
+        exit_codes,
+    )
+
+
+def solana_client_output(argv: list[str]) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert solana_client(argv) == 0
+    return out.getvalue()
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def test_loss_decreases_over_the_first_epoch(run: Run) -> None:
+    per_step: dict[int, list[float]] = {}
+    for name in ("a", "b"):
+        for e in run.of(name, "client_loss"):
+            if e["epoch"] == 0 and e["trained"]:
+                per_step.setdefault(e["step"], []).append(e["loss"])
+    steps = sorted(per_step)
+    assert len(steps) >= 4, per_step
+    assert all(len(per_step[s]) == 2 for s in steps), per_step
+    first = sum(per_step[steps[0]]) / 2
+    last = sum(per_step[steps[-1]] + per_step[steps[-2]]) / 4
+    assert last < first - 0.1, per_step
+
+
+def test_models_are_identical_at_every_cooldown(run: Run) -> None:
+    for epoch in (0, 1):
+        hashes = {
+            name: [e["model_hash"] for e in run.of(name, "cooldown_model") if e["epoch"] == epoch]
+            for name in ("a", "b")
+        }
+        assert all(len(h) == 1 for h in hashes.values()), (epoch, hashes)
+        assert hashes["a"] == hashes["b"], (epoch, hashes)
+    # and both applied the same results in the same order
+    applied = {
+        name: {e["step"]: e["batches"] for e in run.of(name, "applied_results")}
+        for name in ("a", "b")
+    }
+    common = applied["a"].keys() & applied["b"].keys()
+    assert len(common) >= 4
+    assert all(applied["a"][s] == applied["b"][s] for s in common)
+
+
+def test_clients_found_each_other_without_a_server(run: Run) -> None:
+    """A had no peer to start from; B knew only A. Each trained batches and applied the
+    other's, so results flowed both ways."""
+    rounds = [e for e in run.of("a", "round_start") if e["epoch"] == 0 and e["assignments"]]
+    owners = {a.split("=")[-1].strip() for r in rounds for a in r["assignments"]}
+    assert len(owners) == 2, owners
+    for name in ("a", "b"):
+        assert run.of(name, "trained_batch"), name
+        assert not run.of(name, "payload_rejected") and not run.of(name, "untrained_batch")
+    assert "no --bootstrap-peer" in run.logs["a"]
+    assert "no --bootstrap-peer" not in run.logs["b"]
+
+
+def test_the_run_recorded_both_clients_on_chain(run: Run) -> None:
+    account = run.show["coordinator_account"]
+    assert set(account["clients"]) == set(run.signers.values()), account["clients"]
+    status = account["status"]
+    assert status["epoch"] >= 1 and status["step"] > run.outage_step, status
+    # `next_active` went up at the resume and when each epoch's training began; both clients
+    # joined epoch 1 (their `active` is that epoch's counter, or the next one's if they already
+    # joined epoch 2)
+    assert status["next_active"] >= 3, status
+    actives = {c["active"] for c in account["clients"].values()}
+    assert len(actives) == 1 and actives.pop() in (status["next_active"] - 1, status["next_active"])
+
+
+def test_the_rpc_going_away_mid_epoch_is_survived(run: Run) -> None:
+    for name in ("a", "b"):
+        logs = run.logs[name]
+        assert "solana subscription 1 down" in logs, name
+        # the epoch went on after the outage: more rounds trained and applied
+        assert [e for e in run.of(name, "trained_batch") if e["step"] > run.outage_step], name
+        assert [e for e in run.of(name, "applied_results") if e["step"] > run.outage_step + 2]
+        assert not [e for e in run.of(name, "state_change") if e["new"] == "Paused"]
+    # a witness that went out during the outage (as a rule the round's: it is sent about a second
+    # after the round starts) was sent again once the RPC was back
+    start, end = run.outage
+    for name in ("a", "b"):
+        during = [e for e in run.of(name, "witness_sent") if start <= e["ts"] <= end]
+        if during:
+            assert "trying again while it can still count" in run.logs[name], name
+    # both were still training when stopped, and stopped cleanly on Ctrl+C
+    assert run.exit_codes == {"a": 130, "b": 130}, run.exit_codes
