@@ -47,25 +47,14 @@ solana-localnet port="8899" *args='':
 # A run config as a Solana run takes it: a `Server` data location (configs/tiny-cpu's coordinator
 # server, which Solana runs have not) becomes Local files, SOLANA_LOCAL_DATA (default data/tiny-cpu,
 # written by scripts/make_tiny_dataset.py). Prints the config to use (data/solana/... if rewritten).
-_solana-run-config config:
-    #!/usr/bin/env bash
-    set -euo pipefail
-    if ! grep -q '^data_location = { Server' "{{config}}"; then echo "{{config}}"; exit 0; fi
-    uv run --no-sync python scripts/make_tiny_dataset.py >&2
-    mkdir -p data/solana
-    out="data/solana/$(basename "$(dirname "{{config}}")")-$(basename "{{config}}")"
-    sed -E "s|^data_location = \{ Server = .*\}$|data_location = { Local = \"${SOLANA_LOCAL_DATA:-data/tiny-cpu}\" }|" \
-        "{{config}}" > "$out"
-    grep -q '^data_location = { Local' "$out"
-    echo "$out"
-
 # Create, configure and resume a permissionless run on the local endpoint
-setup-solana-localnet-test-run run_id="test" config="configs/tiny-cpu/state.toml" *args='':
+setup-solana-localnet-test-run run_id="test" config="configs/tiny-cpu/solana.toml" *args='':
     #!/usr/bin/env bash
     set -euo pipefail
     export RPC="${RPC:-http://127.0.0.1:8899}" WS_RPC="${WS_RPC:-ws://127.0.0.1:8900}"
     client="uv run --no-sync psyche-solana-client"
-    config=$(just _solana-run-config "{{config}}")
+    uv run --no-sync python scripts/make_tiny_dataset.py
+    config="{{config}}"
     $client join-authorization-create -w {{SOLANA_WALLET}} --authorizer 11111111111111111111111111111111
     $client create-run -w {{SOLANA_WALLET}} --run-id {{run_id}} --client-version test {{args}}
     $client update-config -w {{SOLANA_WALLET}} --run-id {{run_id}} --config-path "$config" \
@@ -74,12 +63,13 @@ setup-solana-localnet-test-run run_id="test" config="configs/tiny-cpu/state.toml
     $client show --run-id {{run_id}}
 
 # Same, with a run whose members must be authorized by the wallet (join-authorization-create per client)
-setup-solana-localnet-permissioned-test-run run_id="test" config="configs/tiny-cpu/state.toml" *args='':
+setup-solana-localnet-permissioned-test-run run_id="test" config="configs/tiny-cpu/solana.toml" *args='':
     #!/usr/bin/env bash
     set -euo pipefail
     export RPC="${RPC:-http://127.0.0.1:8899}" WS_RPC="${WS_RPC:-ws://127.0.0.1:8900}"
     client="uv run --no-sync psyche-solana-client"
-    config=$(just _solana-run-config "{{config}}")
+    uv run --no-sync python scripts/make_tiny_dataset.py
+    config="{{config}}"
     $client create-run -w {{SOLANA_WALLET}} --run-id {{run_id}} --client-version test {{args}}
     $client update-config -w {{SOLANA_WALLET}} --run-id {{run_id}} --config-path "$config"
     $client set-paused -w {{SOLANA_WALLET}} --run-id {{run_id}} --resume
@@ -110,7 +100,7 @@ show-solana-run run_id="test" *args='':
     uv run --no-sync psyche-solana-client show --run-id {{run_id}} {{args}}
 
 # Set up a permissionless run on devnet (programs deployed by you: set the PSYCHE_*_PROGRAM_ID)
-setup-solana-devnet-test-run run_id="test" config="configs/tiny-cpu/state.toml" *args='':
+setup-solana-devnet-test-run run_id="test" config="configs/tiny-cpu/solana.toml" *args='':
     RPC={{DEVNET_RPC}} WS_RPC={{DEVNET_WS_RPC}} just setup-solana-localnet-test-run {{run_id}} {{config}} {{args}}
 
 # BOOTSTRAP_PEERS: a run member's <id>@<host>:<port>, the address it logs at start
