@@ -62,6 +62,8 @@ class ServerCore:
     withdraw_on_disconnect: bool = True
     # Insertion-ordered set (upstream's HashSet order is arbitrary).
     pending_clients: dict[NodeIdentity, None] = field(default_factory=dict)
+    # Exited clients the per-tick kick must leave in the pending set (see kick_unhealthy_clients).
+    rejoinable: set[NodeIdentity] = field(default_factory=set)
 
     @classmethod
     def start(
@@ -150,6 +152,10 @@ class ServerCore:
 
     def on_disconnect(self, sender: NodeIdentity) -> None:
         self.pending_clients.pop(sender, None)
+        if self.client_index(sender) is not None or any(
+            c.id == sender for c in self.coordinator.epoch_state.exited_clients
+        ):
+            self.rejoinable.add(sender)
         if not self.withdraw_on_disconnect:
             return
         index = self.client_index(sender)
@@ -164,6 +170,7 @@ class ServerCore:
         self.kick_unhealthy_clients()
         try:
             result = self.coordinator.tick(list(self.pending_clients), now, random_seed)
+            self._forgive_mass_withdrawal()
         except CoordinatorError as e:
             if e.kind is not CoordinatorErrorKind.Halted:
                 log.warning("Coordinator tick error: %s", e)
@@ -179,10 +186,35 @@ class ServerCore:
         return TickOutcome()
 
     def kick_unhealthy_clients(self) -> None:
-        """Exited clients leave the pending set: they must reconnect and Join again."""
-        for client in self.coordinator.epoch_state.exited_clients:
-            if client.state is not ClientState.Healthy:
+        """Exited clients leave the pending set: they must reconnect and Join again.
+
+        Upstream kicks them on every tick until the next epoch clears `exited_clients`. Two
+        cases it gets wrong are exempt here (`rejoinable`): a client that reconnected (a
+        restarted process with the same key: its one Join was undone and it never trained
+        again), and clients the coordinator withdrew all at once because a round had no witness
+        (still connected and blameless, they were all kicked and the run never started again).
+        A client dropped by a health check that stays connected is still kicked, as upstream.
+        """
+        epoch_state = self.coordinator.epoch_state
+        # Forget the exemption once the client is a healthy member of an epoch again.
+        leaving = {c.id for c in epoch_state.exited_clients} | {
+            c.id for c in epoch_state.clients if c.state is not ClientState.Healthy
+        }
+        self.rejoinable &= leaving
+        for client in epoch_state.exited_clients:
+            if client.state is not ClientState.Healthy and client.id not in self.rejoinable:
                 self.pending_clients.pop(client.id, None)
+
+    def _forgive_mass_withdrawal(self) -> None:
+        """A round without witnesses ends the epoch by withdrawing every client (upstream)."""
+        coordinator = self.coordinator
+        clients = coordinator.epoch_state.clients
+        if (
+            coordinator.run_state is RunState.Cooldown
+            and clients
+            and all(c.state is ClientState.Withdrawn for c in clients)
+        ):
+            self.rejoinable |= {c.id for c in clients if c.id in self.pending_clients}
 
     def toggle_pause(self, now: int) -> None:
         try:

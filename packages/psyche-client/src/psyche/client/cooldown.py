@@ -10,7 +10,9 @@ and uploading run in the background; the next epoch does not wait for them.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -21,7 +23,7 @@ import trio
 
 from psyche.client.logs import log_event
 from psyche.coordinator.model import Checkpoint, HubRepo
-from psyche.core.atomic_file import write_atomically
+from psyche.core.atomic_file import fsync_directory
 
 if TYPE_CHECKING:
     import torch
@@ -69,25 +71,39 @@ def save_checkpoint_locally(
     tokenizer_json: str,
 ) -> list[Path]:
     """The safetensors parts, the source checkpoint's config/tokenizer files, and a config.json
-    (and tokenizer.json) written from what the client knows when the source had none."""
+    (and tokenizer.json) written from what the client knows when the source had none.
+
+    Everything is written into a temporary sibling directory that is renamed to `path` once
+    complete, so a failed save (a full disk) leaves no half checkpoint under a step's name.
+    """
     from psyche.modeling.checkpoint import save_tensors_into_safetensors
 
-    written = save_tensors_into_safetensors(variables, path)
-    names = set()
-    for src in extra_files:
-        dest = path / src.name
-        tmp = path / f".{src.name}.tmp"
-        shutil.copyfile(src, tmp)
-        tmp.replace(dest)
-        written.append(dest)
-        names.add(src.name)
-    if "config.json" not in names:
-        write_atomically(path / "config.json", model_config_json + "\n")
-        written.append(path / "config.json")
-    if "tokenizer.json" not in names and tokenizer_json:
-        write_atomically(path / "tokenizer.json", tokenizer_json)
-        written.append(path / "tokenizer.json")
-    return written
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    try:
+        written = save_tensors_into_safetensors(variables, staging)
+        names = set()
+        for src in extra_files:
+            shutil.copyfile(src, staging / src.name)
+            written.append(staging / src.name)
+            names.add(src.name)
+        if "config.json" not in names:
+            (staging / "config.json").write_text(model_config_json + "\n")
+            written.append(staging / "config.json")
+        if "tokenizer.json" not in names and tokenizer_json:
+            (staging / "tokenizer.json").write_text(tokenizer_json)
+            written.append(staging / "tokenizer.json")
+        for file in written:
+            with open(file, "rb") as f:
+                os.fsync(f.fileno())
+        if path.exists():
+            shutil.rmtree(path)  # the same step saved again
+        os.replace(staging, path)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    fsync_directory(path.parent)
+    return [path / file.name for file in written]
 
 
 def upload_to_hub(path: Path, repo_id: str, token: str | None, step: int) -> str:

@@ -153,11 +153,13 @@ def listen_multiaddr(host: str, port: int) -> multiaddr.Multiaddr:
 
 
 def transport_addrs(host: IHost, announce: str) -> list[str]:
-    """Listening multiaddrs without `/p2p`, with a wildcard bind replaced by `announce`."""
+    """Listening multiaddrs without `/p2p`, their IPv4 host replaced by `announce` (the bound
+    address itself unless an announce override, e.g. a NAT's public IP, says otherwise; the
+    blob side channel announces the same host)."""
     out = []
     for addr in host.get_transport_addrs():
         parts = str(addr).split("/")
-        if len(parts) > 2 and parts[1] == "ip4" and parts[2] == "0.0.0.0":
+        if len(parts) > 2 and parts[1] == "ip4":
             parts[2] = announce
         out.append("/".join(parts))
     return out
