@@ -10,6 +10,7 @@ witnesses and health checks, the seed derived from the clock, and epoch rewards.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from typing import Any
 
 from solders.instruction import AccountMeta
@@ -480,66 +481,24 @@ def _tick_ix(ctx: InvokeContext, accounts: Accounts, args: ix.TickArgs) -> None:
     _store(ctx, accounts.key("coordinator_account"), account)
 
 
-def _witness(ctx: InvokeContext, accounts: Accounts, args: ix.WitnessArgs) -> None:
-    data = _permissionless_accounts(ctx, accounts)
-    account = _load_mut(data)
+def _member_instruction(
+    ctx: InvokeContext,
+    accounts: Accounts,
+    act: Callable[[CoordinatorInstanceState, Any], None],
+    *,
+    tick_when_halted: bool = True,
+) -> None:
+    """The shell of the instructions a run member signs: nonce, signer lookup, the coordinator
+    call (its errors become program errors), then a tick."""
+    account = _load_mut(_permissionless_accounts(ctx, accounts))
     _increment_nonce(ctx, account)
     state = account.state
     identity = _find_signer(state, accounts.key("user"))
     try:
-        state.coordinator.witness(identity, args.witness(), ctx.unix_timestamp())
+        act(state, identity)
     except CoordinatorError as e:
         raise _from_coordinator_error(e) from None
-    _tick(ctx, state)
-    _store(ctx, accounts.key("coordinator_account"), account)
-
-
-def _warmup_witness(ctx: InvokeContext, accounts: Accounts, args: ix.WarmupWitnessArgs) -> None:
-    data = _permissionless_accounts(ctx, accounts)
-    account = _load_mut(data)
-    _increment_nonce(ctx, account)
-    state = account.state
-    identity = _find_signer(state, accounts.key("user"))
-    now = ctx.unix_timestamp()
-    try:
-        state.coordinator.warmup_witness(
-            identity, args.witness(), now, random_seed(now, ctx.slot())
-        )
-    except CoordinatorError as e:
-        raise _from_coordinator_error(e) from None
-    _tick(ctx, state)
-    _store(ctx, accounts.key("coordinator_account"), account)
-
-
-def _health_check(ctx: InvokeContext, accounts: Accounts, args: ix.HealthCheckArgs) -> None:
-    data = _permissionless_accounts(ctx, accounts)
-    account = _load_mut(data)
-    _increment_nonce(ctx, account)
-    state = account.state
-    identity = _find_signer(state, accounts.key("user"))
-    try:
-        state.coordinator.health_check(identity, [(args.id, args.proof())])
-    except CoordinatorError as e:
-        raise _from_coordinator_error(e) from None
-    _tick(ctx, state)
-    _store(ctx, accounts.key("coordinator_account"), account)
-
-
-def _checkpoint(ctx: InvokeContext, accounts: Accounts, args: ix.CheckpointArgs) -> None:
-    data = _permissionless_accounts(ctx, accounts)
-    account = _load_mut(data)
-    _increment_nonce(ctx, account)
-    state = account.state
-    identity = _find_signer(state, accounts.key("user"))
-    clients = state.coordinator.epoch_state.clients
-    index = next((i for i, c in enumerate(clients) if c.id == identity), None)
-    if index is None:
-        raise _error("SignerNotAClient")
-    try:
-        state.coordinator.checkpoint(identity, index, args.repo)
-    except CoordinatorError as e:
-        raise _from_coordinator_error(e) from None
-    if not state.coordinator.halted():
+    if tick_when_halted or not state.coordinator.halted():
         _tick(ctx, state)
     else:
         ctx.log(
@@ -547,6 +506,40 @@ def _checkpoint(ctx: InvokeContext, accounts: Accounts, args: ix.CheckpointArgs)
             "skipping tick"
         )
     _store(ctx, accounts.key("coordinator_account"), account)
+
+
+def _witness(ctx: InvokeContext, accounts: Accounts, args: ix.WitnessArgs) -> None:
+    def act(state: CoordinatorInstanceState, identity: Any) -> None:
+        state.coordinator.witness(identity, args.witness(), ctx.unix_timestamp())
+
+    _member_instruction(ctx, accounts, act)
+
+
+def _warmup_witness(ctx: InvokeContext, accounts: Accounts, args: ix.WarmupWitnessArgs) -> None:
+    def act(state: CoordinatorInstanceState, identity: Any) -> None:
+        now = ctx.unix_timestamp()
+        seed = random_seed(now, ctx.slot())
+        state.coordinator.warmup_witness(identity, args.witness(), now, seed)
+
+    _member_instruction(ctx, accounts, act)
+
+
+def _health_check(ctx: InvokeContext, accounts: Accounts, args: ix.HealthCheckArgs) -> None:
+    def act(state: CoordinatorInstanceState, identity: Any) -> None:
+        state.coordinator.health_check(identity, [(args.id, args.proof())])
+
+    _member_instruction(ctx, accounts, act)
+
+
+def _checkpoint(ctx: InvokeContext, accounts: Accounts, args: ix.CheckpointArgs) -> None:
+    def act(state: CoordinatorInstanceState, identity: Any) -> None:
+        clients = state.coordinator.epoch_state.clients
+        index = next((i for i, c in enumerate(clients) if c.id == identity), None)
+        if index is None:
+            raise _error("SignerNotAClient")
+        state.coordinator.checkpoint(identity, index, args.repo)
+
+    _member_instruction(ctx, accounts, act, tick_when_halted=False)
 
 
 _HANDLERS = {
