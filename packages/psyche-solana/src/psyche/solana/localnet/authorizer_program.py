@@ -7,17 +7,15 @@ grantee's delegates act within a scope; the coordinator's `join_run` checks one.
 from __future__ import annotations
 
 from psyche.solana import instructions as ix
-from psyche.solana.anchor import AUTHORIZER_ERRORS, DISCRIMINATOR_LEN, AnchorErrorCode
-from psyche.solana.instructions import InstructionDecodeError, spec_for_data
+from psyche.solana.anchor import AUTHORIZER_ERRORS
 from psyche.solana.localnet.runtime import (
     SYSTEM_PROGRAM,
     Accounts,
     InvokeContext,
-    anchor_error,
     close_account,
+    dispatch_anchor_instruction,
     init_pda,
     load_borsh_account,
-    name_accounts,
     program_error,
     realloc,
     require,
@@ -35,20 +33,7 @@ CLOSE_DELAY_SECONDS = 30 * 24 * 60 * 60
 
 
 def process(ctx: InvokeContext) -> None:
-    spec = spec_for_data("authorizer", ctx.data)
-    if spec is None:
-        raise anchor_error(
-            AnchorErrorCode.InstructionMissing
-            if len(ctx.data) < DISCRIMINATOR_LEN
-            else AnchorErrorCode.InstructionFallbackNotFound
-        )
-    ctx.log("Instruction: " + "".join(p.capitalize() for p in spec.name.split("_")))
-    try:
-        args = spec.decode(ctx.data)
-    except InstructionDecodeError:
-        raise anchor_error(AnchorErrorCode.InstructionDidNotDeserialize) from None
-    accounts = name_accounts(ctx, [a.name for a in spec.accounts])
-    _HANDLERS[spec.name](ctx, accounts, args)
+    dispatch_anchor_instruction(ctx, "authorizer", _HANDLERS)
 
 
 def _load(ctx: InvokeContext, accounts: Accounts) -> Authorization:

@@ -21,7 +21,6 @@ from psyche.coordinator.errors import CoordinatorError, CoordinatorPanic
 from psyche.solana import instructions as ix
 from psyche.solana.anchor import COORDINATOR_ERRORS, DISCRIMINATOR_LEN, AnchorErrorCode
 from psyche.solana.borsh import fixed_str_bytes
-from psyche.solana.instructions import InstructionDecodeError, spec_for_data
 from psyche.solana.localnet.runtime import (
     SYSTEM_PROGRAM,
     Accounts,
@@ -29,10 +28,10 @@ from psyche.solana.localnet.runtime import (
     ProgramPanic,
     anchor_error,
     close_account,
+    dispatch_anchor_instruction,
     init_pda,
     load_account_data,
     load_borsh_account,
-    name_accounts,
     program_error,
     require,
     require_mut,
@@ -82,26 +81,9 @@ def _from_coordinator_error(error: CoordinatorError) -> Exception:
     return _error(f"CoordinatorError{error.kind.name}")
 
 
-def _pascal(name: str) -> str:
-    return "".join(part.capitalize() for part in name.split("_"))
-
-
 def process(ctx: InvokeContext) -> None:
-    spec = spec_for_data("coordinator", ctx.data)
-    if spec is None:
-        raise anchor_error(
-            AnchorErrorCode.InstructionMissing
-            if len(ctx.data) < DISCRIMINATOR_LEN
-            else AnchorErrorCode.InstructionFallbackNotFound
-        )
-    ctx.log(f"Instruction: {_pascal(spec.name)}")
     try:
-        args = spec.decode(ctx.data)
-    except InstructionDecodeError:
-        raise anchor_error(AnchorErrorCode.InstructionDidNotDeserialize) from None
-    accounts = name_accounts(ctx, [a.name for a in spec.accounts])
-    try:
-        _HANDLERS[spec.name](ctx, accounts, args)
+        dispatch_anchor_instruction(ctx, "coordinator", _HANDLERS)
     except CoordinatorPanic as e:
         raise ProgramPanic(str(e)) from None
 

@@ -10,7 +10,7 @@ checks Anchor's `#[derive(Accounts)]` generates (signer, mut, owner, discriminat
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -26,6 +26,7 @@ from psyche.solana.anchor import (
     account_discriminator,
 )
 from psyche.solana.borsh import BorshError, take_borsh
+from psyche.solana.instructions import InstructionDecodeError, spec_for_data
 from psyche.solana.program_ids import SYSTEM_PROGRAM_ID
 from psyche.solana.state import anchor_account_name
 
@@ -154,6 +155,30 @@ def name_accounts(ctx: InvokeContext, names: Sequence[str]) -> Accounts:
     if len(ctx.metas) < len(names):
         raise anchor_error(AnchorErrorCode.AccountNotEnoughKeys)
     return Accounts({name: ctx.metas[i] for i, name in enumerate(names)})
+
+
+Handler = Callable[[InvokeContext, Accounts, Any], None]
+
+
+def dispatch_anchor_instruction(
+    ctx: InvokeContext, program: str, handlers: Mapping[str, Handler]
+) -> None:
+    """Anchor's entry point: find the instruction by discriminator, decode its arguments, name
+    its accounts, run its handler; each failure is the error code Anchor raises for it."""
+    spec = spec_for_data(program, ctx.data)
+    if spec is None:
+        raise anchor_error(
+            AnchorErrorCode.InstructionMissing
+            if len(ctx.data) < DISCRIMINATOR_LEN
+            else AnchorErrorCode.InstructionFallbackNotFound
+        )
+    ctx.log("Instruction: " + "".join(p.capitalize() for p in spec.name.split("_")))
+    try:
+        args = spec.decode(ctx.data)
+    except InstructionDecodeError:
+        raise anchor_error(AnchorErrorCode.InstructionDidNotDeserialize) from None
+    accounts = name_accounts(ctx, [a.name for a in spec.accounts])
+    handlers[spec.name](ctx, accounts, args)
 
 
 def require_signer(meta: AccountMeta, name: str) -> None:

@@ -13,18 +13,18 @@ from solders.pubkey import Pubkey
 from solders.token.state import Mint, TokenAccount
 
 from psyche.solana import instructions as ix
-from psyche.solana.anchor import DISCRIMINATOR_LEN, TREASURER_ERRORS, AnchorErrorCode
-from psyche.solana.instructions import INSTRUCTIONS, InstructionDecodeError, spec_for_data
+from psyche.solana.anchor import TREASURER_ERRORS, AnchorErrorCode
+from psyche.solana.instructions import INSTRUCTIONS
 from psyche.solana.localnet.runtime import (
     SYSTEM_PROGRAM,
     Accounts,
     InvokeContext,
     ProgramPanic,
     anchor_error,
+    dispatch_anchor_instruction,
     init_pda,
     load_account_data,
     load_borsh_account,
-    name_accounts,
     program_error,
     require,
     require_mut,
@@ -51,20 +51,7 @@ SOLANA_RUN_ID_MAX_LEN = 32
 
 
 def process(ctx: InvokeContext) -> None:
-    spec = spec_for_data("treasurer", ctx.data)
-    if spec is None:
-        raise anchor_error(
-            AnchorErrorCode.InstructionMissing
-            if len(ctx.data) < DISCRIMINATOR_LEN
-            else AnchorErrorCode.InstructionFallbackNotFound
-        )
-    ctx.log("Instruction: " + "".join(p.capitalize() for p in spec.name.split("_")))
-    try:
-        args = spec.decode(ctx.data)
-    except InstructionDecodeError:
-        raise anchor_error(AnchorErrorCode.InstructionDidNotDeserialize) from None
-    accounts = name_accounts(ctx, [a.name for a in spec.accounts])
-    _HANDLERS[spec.name](ctx, accounts, args)
+    dispatch_anchor_instruction(ctx, "treasurer", _HANDLERS)
 
 
 def _error(name: str) -> Exception:
