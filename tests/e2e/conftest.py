@@ -3,8 +3,7 @@
 Shared by the tests of the server/testnet (test_server_restart.py, test_local_testnet.py) and of
 the client (the training tests); each test file may append its own fixtures here. Keep it small.
 
-* `free_port()`: a free TCP port on 127.0.0.1 (a plain function: `from conftest` does not work
-  under `--import-mode=importlib`, so it is also the `free_port` fixture).
+* `free_port` fixture: `tests/processes.py`'s `free_port`, a free TCP port on 127.0.0.1.
 * `tiny_run(tmp_path)` fixture -> `make(**config) -> Path`: a run directory with `state.toml`
   (the tiny CPU model with short timings, its data server on a free port; keyword arguments
   override `[config]` values) and `data.toml` (a freshly written dataset). Processes must run
@@ -16,21 +15,15 @@ the client (the training tests); each test file may append its own fixtures here
 
 from __future__ import annotations
 
-import contextlib
-import os
 import re
-import signal
-import socket
-import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from ..processes import REPO, Processes, free_port
+
 TINY = REPO / "configs" / "tiny-cpu"
 
 # Short timings for the tiny run; clients take ~10 s to import torch before they join.
@@ -44,12 +37,6 @@ E2E_CONFIG = {
     "init_min_clients": 2,
     "waiting_for_members_extra_time": 1,
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(name="free_port")
@@ -80,89 +67,6 @@ def tiny_run(tmp_path: Path) -> Callable[..., Path]:
         return write_tiny_run(tmp_path / name, **config)
 
     return make
-
-
-@dataclass(eq=False)
-class Proc:
-    name: str
-    popen: subprocess.Popen[bytes]
-    log_path: Path
-
-    def text(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-
-class Processes:
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
-        self.started: list[Proc] = []
-
-    def start(
-        self, name: str, argv: list[str], *, env: dict[str, str] | None = None, cwd: Path = REPO
-    ) -> Proc:
-        log_path = self.directory / f"{name}.log"
-        log = open(log_path, "ab")  # noqa: SIM115 (the child holds it)
-        popen = subprocess.Popen(
-            argv,
-            cwd=cwd,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        log.close()
-        proc = Proc(name, popen, log_path)
-        self.started.append(proc)
-        return proc
-
-    def wait_for(
-        self, proc: Proc, pattern: str, timeout: float, *, after: int = 0
-    ) -> re.Match[str]:
-        """The first match of `pattern` in `proc`'s output past character `after`."""
-        regex = re.compile(pattern)
-        deadline = time.monotonic() + timeout
-        while True:
-            match = regex.search(proc.text(), after)
-            if match:
-                return match
-            if proc.popen.poll() is not None:
-                match = regex.search(proc.text(), after)
-                if match:
-                    return match
-                raise AssertionError(
-                    f"{proc.name} exited ({proc.popen.returncode}) before printing "
-                    f"{pattern!r}:\n{proc.text()[-4000:]}"
-                )
-            if time.monotonic() > deadline:
-                raise AssertionError(
-                    f"{proc.name} did not print {pattern!r} in {timeout} s:\n{proc.text()[-4000:]}"
-                )
-            time.sleep(0.2)
-
-    def signal(self, proc: Proc, signum: int) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signum)
-
-    def stop(self, proc: Proc, grace: float = 15.0) -> int:
-        """SIGINT to its process group, SIGKILL after `grace` seconds; the exit code."""
-        if proc.popen.poll() is None:
-            self.signal(proc, signal.SIGINT)
-            try:
-                proc.popen.wait(grace)
-            except subprocess.TimeoutExpired:
-                self.signal(proc, signal.SIGKILL)
-                proc.popen.wait()
-        self.signal(proc, signal.SIGKILL)  # whatever it left in its group
-        return int(proc.popen.returncode)
-
-    def stop_all(self) -> None:
-        for proc in reversed(self.started):
-            self.stop(proc)
 
 
 @pytest.fixture

@@ -16,19 +16,18 @@ The clients log JSON lines; the tests read the events (`round_start`, `trained_b
 from __future__ import annotations
 
 import itertools
-import json
 import re
 import signal
-import socket
 import sys
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from ..processes import events, free_port, wait_event
 
 pytestmark = pytest.mark.slow
 
@@ -65,37 +64,6 @@ def batch_key(text: str) -> str:
     return text.replace(" ", "")
 
 
-def events(proc: Any, name: str | None = None) -> list[dict[str, Any]]:
-    out = []
-    for line in proc.text().splitlines():
-        if not line.startswith("{"):
-            continue
-        try:
-            doc = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line being written
-        if name is None or doc.get("message") == name:
-            out.append(doc)
-    return out
-
-
-def wait_event(
-    proc: Any, name: str, predicate: Callable[[dict[str, Any]], bool], timeout: float
-) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while True:
-        for doc in events(proc, name):
-            if predicate(doc):
-                return doc
-        if proc.popen.poll() is not None:
-            raise AssertionError(f"{proc.name} exited:\n{proc.text()[-4000:]}")
-        if time.monotonic() > deadline:
-            raise AssertionError(
-                f"{proc.name}: no {name} event as expected in {timeout} s:\n{proc.text()[-4000:]}"
-            )
-        time.sleep(0.2)
-
-
 @dataclass
 class Run:
     clients: dict[int, list[dict[str, Any]]]
@@ -110,12 +78,6 @@ class Run:
 def _import_transformers() -> None:
     import transformers  # noqa: F401
     from transformers import AutoModelForCausalLM  # noqa: F401
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")

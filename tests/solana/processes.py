@@ -11,126 +11,12 @@ take an RPC endpoint away and bring it back.
 from __future__ import annotations
 
 import contextlib
-import json
-import os
-import re
-import signal
 import socket
-import subprocess
 import threading
-import time
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
+from ..processes import REPO, Processes, free_port, json_events, wait_event
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass(eq=False)
-class Proc:
-    name: str
-    popen: subprocess.Popen[bytes]
-    log_path: Path
-
-    def text(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-
-class Processes:
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
-        self.started: list[Proc] = []
-
-    def start(self, name: str, argv: list[str], *, env: dict[str, str] | None = None) -> Proc:
-        log_path = self.directory / f"{name}.log"
-        with open(log_path, "ab") as log:
-            popen = subprocess.Popen(
-                argv,
-                cwd=REPO,
-                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        proc = Proc(name, popen, log_path)
-        self.started.append(proc)
-        return proc
-
-    def wait_for(self, proc: Proc, pattern: str, timeout: float) -> re.Match[str]:
-        regex = re.compile(pattern)
-        deadline = time.monotonic() + timeout
-        while True:
-            match = regex.search(proc.text())
-            if match:
-                return match
-            if proc.popen.poll() is not None:
-                match = regex.search(proc.text())
-                if match:
-                    return match
-                raise AssertionError(
-                    f"{proc.name} exited ({proc.popen.returncode}) before printing "
-                    f"{pattern!r}:\n{proc.text()[-4000:]}"
-                )
-            if time.monotonic() > deadline:
-                raise AssertionError(
-                    f"{proc.name} did not print {pattern!r} in {timeout} s:\n{proc.text()[-4000:]}"
-                )
-            time.sleep(0.2)
-
-    def stop(self, proc: Proc, grace: float = 10.0) -> int:
-        """SIGINT to its process group, SIGKILL after `grace` seconds; the exit code."""
-        if proc.popen.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.popen.pid, signal.SIGINT)
-            try:
-                proc.popen.wait(grace)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.popen.pid, signal.SIGKILL)
-                proc.popen.wait()
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.popen.pid, signal.SIGKILL)  # whatever it left in its group
-        return int(proc.popen.returncode)
-
-    def stop_all(self) -> None:
-        for proc in reversed(self.started):
-            self.stop(proc)
-
-
-def json_events(text: str, name: str | None = None) -> list[dict[str, Any]]:
-    out = []
-    for line in text.splitlines():
-        if not line.startswith("{"):
-            continue
-        try:
-            doc = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line being written
-        if name is None or doc.get("message") == name:
-            out.append(doc)
-    return out
-
-
-def wait_event(proc: Proc, name: str, predicate: Any, timeout: float) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while True:
-        for doc in json_events(proc.text(), name):
-            if predicate(doc):
-                return doc
-        if proc.popen.poll() is not None:
-            raise AssertionError(f"{proc.name} exited:\n{proc.text()[-4000:]}")
-        if time.monotonic() > deadline:
-            raise AssertionError(
-                f"{proc.name}: no {name} event as expected in {timeout} s:\n{proc.text()[-4000:]}"
-            )
-        time.sleep(0.2)
+__all__ = ["REPO", "Processes", "Proxy", "free_port", "json_events", "wait_event"]
 
 
 class Proxy:
