@@ -24,6 +24,14 @@ local-testnet *ARGS:
     uv run --no-sync python scripts/make_tiny_dataset.py
     uv run --no-sync psyche-local-testnet start --num-clients 3 --config-path configs/tiny-cpu {{ARGS}}
 
+# The reliability suite (docs/reliability.md; about 50 minutes): every fault scenario after a
+# fault-free baseline, then the 10-minute soak; the long hostile-peer run; the fuzzers at 2000
+# examples per target. Arguments go to scripts/chaos/run.py.
+chaos *ARGS:
+    uv run --no-sync python scripts/chaos/run.py --scenarios all --duration 60 --baseline-duration 180 --soak-duration 600 --interval 30 {{ARGS}}
+    uv run --no-sync pytest tests/chaos -m chaos_long
+    PSYCHE_FUZZ_EXAMPLES=2000 uv run --no-sync pytest tests/fuzz -q
+
 # Validate a run configuration (state file or run config)
 validate-config STATE *ARGS:
     uv run --no-sync psyche-server validate-config --state {{STATE}} {{ARGS}}

@@ -167,3 +167,35 @@ else:
     assert "failed: 27" in done.stdout, done.stdout + done.stderr
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
     assert load_state(tmp_path).progress.step == load_state(first).progress.step
+
+
+def test_a_fetch_that_outlives_its_round_does_not_stop_the_client() -> None:
+    """Found by the soak: a client stalled (SIGSTOP) mid-round woke up after its round had stopped
+    reading batches; the fetch task then sent into the closed channel and its BrokenResourceError
+    took the whole client down (exit code 1)."""
+    import numpy as np
+
+    from psyche.client.training import DataFetcher
+    from psyche.core.batch_id import BatchId
+    from psyche.data_provider import TokenizedData
+
+    class SlowData:
+        def __init__(self) -> None:
+            self.served = 0
+
+        async def get_samples(self, batch: BatchId) -> list[TokenizedData]:
+            await trio.sleep(0.05)
+            self.served += 1
+            return TokenizedData.from_rows(np.zeros((len(batch), 8), dtype=np.int32))
+
+    async def main() -> int:
+        data = SlowData()
+        async with trio.open_nursery() as nursery:
+            fetcher = DataFetcher(data, nursery, buffer=0)
+            receive = fetcher.fetch([BatchId(0, 1), BatchId(2, 3)])
+            await trio.sleep(0.01)
+            await receive.aclose()  # the round is over before its first batch arrives
+            await trio.sleep(0.2)
+        return data.served
+
+    assert trio.run(main) == 1  # fetched one batch, found nobody reading, stopped quietly

@@ -108,7 +108,10 @@ class DataFetcher:
                     samples = await self._get_with_retries(batch_id)
                     if samples is None:
                         return
-                    await send.send((batch_id, batch_from_samples(samples)))
+                    try:
+                        await send.send((batch_id, batch_from_samples(samples)))
+                    except trio.BrokenResourceError:
+                        return  # the round stopped reading (it ended while we fetched)
 
     async def _get_with_retries(self, batch_id: BatchId) -> list[TokenizedData] | None:
         attempt = 0

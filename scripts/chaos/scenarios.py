@@ -1,0 +1,623 @@
+"""Chaos scenarios: a run of real processes, faults injected on a schedule, figures measured.
+
+Each scenario starts the server and the clients (`cluster.Cluster`), waits for the first round,
+injects its faults for `duration` seconds, lifts them, waits for one more cooldown so every
+client's model can be compared, and returns a `ScenarioResult`. Client 1 is never faulted: its
+`applied_results` measure the run's throughput.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+import re
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import metrics
+import trio
+from cluster import Cluster, Limits, RunSpec, client_short_id
+from metrics import Fault
+from proxy import ANY, CLEAR, Rule
+
+SEQ_LEN = 128
+REFERENCE = 1
+
+
+@dataclass
+class Context:
+    cluster: Cluster
+    rng: random.Random
+    faults: list[Fault] = field(default_factory=list)
+    restarts: list[tuple[str, float]] = field(default_factory=list)
+    expected_exits: set[str] = field(default_factory=set)
+    busy: set[str] = field(default_factory=set)
+    """Clients a fault is acting on (the supervisor leaves them alone)."""
+
+    def targets(self) -> list[int]:
+        """Clients that may be faulted: running, not the reference, not already faulted."""
+        return [
+            n
+            for n in self.cluster.spec.client_numbers
+            if n != REFERENCE
+            and self.cluster.nodes[Cluster.client_name(n)].running
+            and Cluster.client_name(n) not in self.busy
+        ]
+
+    async def restart_client(self, number: int, *, kill: bool, delay: float = 0.0) -> None:
+        name = Cluster.client_name(number)
+        self.expected_exits.add(name)
+        if kill:
+            await self.cluster.kill(name)
+        else:
+            await self.cluster.stop(name, grace=5)
+        await trio.sleep(delay)
+        self.expected_exits.discard(name)
+        await self.cluster.start_client(number)
+        self.restarts.append((name, time.time()))
+
+    def record(self, kind: str, target: str, detail: str = "", *, t: float | None = None,
+               until: float | None = None, number: int | None = None) -> Fault:  # fmt: skip
+        fault = Fault(
+            t if t is not None else time.time(),
+            kind,
+            target,
+            detail,
+            until,
+            client_short_id(number) if number is not None else None,
+        )
+        self.faults.append(fault)
+        return fault
+
+
+Action = Callable[[Context], Awaitable[None]]
+
+
+# ---- fault actions -------------------------------------------------------------------------
+
+
+def sigkill_client(restart_after: float = 3.0) -> Action:
+    """SIGKILL a client (mid-round, whatever it does) and start a replacement with the same key."""
+
+    async def act(ctx: Context) -> None:
+        targets = ctx.targets()
+        if not targets:
+            return
+        number = ctx.rng.choice(targets)
+        name = Cluster.client_name(number)
+        t = time.time()
+        ctx.busy.add(name)
+        try:
+            await ctx.restart_client(number, kill=True, delay=restart_after)
+        finally:
+            ctx.busy.discard(name)
+        ctx.record("sigkill", name, f"restarted after {restart_after:g} s", t=t,
+                   until=time.time(), number=number)  # fmt: skip
+
+    return act
+
+
+def pause_client(secs: float) -> Action:
+    """SIGSTOP a client, SIGCONT it `secs` later (a stalled machine)."""
+
+    async def act(ctx: Context) -> None:
+        targets = ctx.targets()
+        if not targets:
+            return
+        number = ctx.rng.choice(targets)
+        name = Cluster.client_name(number)
+        t = time.time()
+        ctx.busy.add(name)
+        ctx.cluster.signal(name, signal.SIGSTOP)
+        try:
+            await trio.sleep(secs)
+        finally:  # lifted and counted also when the scenario's window closes first
+            ctx.cluster.signal(name, signal.SIGCONT)
+            ctx.busy.discard(name)
+            ctx.record("sigstop", name, f"{secs:g} s", t=t, until=time.time(), number=number)
+
+    return act
+
+
+def partition_client(secs: float) -> Action:
+    """Cut one client off from the other clients (p2p links), keep its coordinator link."""
+
+    async def act(ctx: Context) -> None:
+        targets = ctx.targets()
+        if not targets:
+            return
+        number = ctx.rng.choice(targets)
+        name = Cluster.client_name(number)
+        others = [Cluster.client_name(n) for n in ctx.cluster.spec.client_numbers if n != number]
+        t = time.time()
+        ctx.busy.add(name)
+        ctx.cluster.net.partition(name, others=others)
+        try:
+            await trio.sleep(secs)
+        finally:
+            ctx.cluster.net.heal(name, others=others)
+            ctx.busy.discard(name)
+            ctx.record("partition", name, f"{secs:g} s from its peers", t=t, until=time.time(),
+                       number=number)  # fmt: skip
+
+    return act
+
+
+def latency(secs: float, ms: float, *, links: str = "coordinator",
+            bandwidth: float | None = None) -> Action:  # fmt: skip
+    """Delay every chunk on the coordinator links (`coordinator`), the p2p links (`p2p`) or both
+    (`all`) by `ms` each way, optionally at most `bandwidth` bytes/s, for `secs`."""
+
+    async def act(ctx: Context) -> None:
+        net = ctx.cluster.net
+        rule = Rule(latency=ms / 1000, bandwidth=bandwidth)
+        clients = [Cluster.client_name(n) for n in ctx.cluster.spec.client_numbers]
+        keys = []
+        if links in ("coordinator", "all"):
+            keys += [(c, "server") for c in clients]
+        if links in ("p2p", "all"):
+            keys += [(c, other) for c in clients for other in clients if c != other]
+        t = time.time()
+        for src, dst in keys:
+            net.set(rule, src=src, dst=dst, both=False)
+        try:
+            await trio.sleep(secs)
+        finally:
+            for src, dst in keys:
+                net.set(CLEAR, src=src, dst=dst, both=False)
+            detail = f"{ms:g} ms" + (f", {bandwidth / 1e3:g} kB/s" if bandwidth else "")
+            ctx.record(f"latency-{links}", links, f"{detail} for {secs:g} s", t=t,
+                       until=time.time())  # fmt: skip
+
+    return act
+
+
+def kill_server(restart_after: float = 2.0) -> Action:
+    """SIGKILL the coordinator server and restart it from its --save-state-dir."""
+
+    async def act(ctx: Context) -> None:
+        t = time.time()
+        ctx.expected_exits.add("server")
+        await ctx.cluster.kill("server")
+        await trio.sleep(restart_after)
+        ctx.expected_exits.discard("server")
+        await ctx.cluster.start_server(resume=True)
+        ctx.record("server-sigkill", "server", "restarted from the saved state", t=t,
+                   until=time.time())  # fmt: skip
+
+    return act
+
+
+def pause_server(secs: float) -> Action:
+    async def act(ctx: Context) -> None:
+        t = time.time()
+        ctx.cluster.signal("server", signal.SIGSTOP)
+        try:
+            await trio.sleep(secs)
+        finally:
+            ctx.cluster.signal("server", signal.SIGCONT)
+            ctx.record("server-sigstop", "server", f"{secs:g} s", t=t, until=time.time())
+
+    return act
+
+
+def data_outage(secs: float) -> Action:
+    """The data server goes away and comes back: its connections reset, new ones refused."""
+
+    async def act(ctx: Context) -> None:
+        t = time.time()
+        ctx.cluster.net.set(Rule(blocked=True), src=ANY, dst="data")
+        try:
+            await trio.sleep(secs)
+        finally:
+            ctx.cluster.net.set(CLEAR, src=ANY, dst="data")
+            ctx.record("data-outage", "data", f"{secs:g} s", t=t, until=time.time())
+
+    return act
+
+
+def every(interval: float, actions: Sequence[Action]) -> Action:
+    """Run `actions` in turn, one starting every `interval` seconds."""
+
+    async def act(ctx: Context) -> None:
+        index = 0
+        next_at = trio.current_time() + interval
+        while True:
+            await trio.sleep_until(next_at)
+            await actions[index % len(actions)](ctx)
+            index += 1
+            next_at += interval
+
+    return act
+
+
+def at(delay: float, action: Action) -> Action:
+    async def act(ctx: Context) -> None:
+        await trio.sleep(delay)
+        await action(ctx)
+
+    return act
+
+
+def together(*actions: Action) -> Action:
+    async def act(ctx: Context) -> None:
+        async with trio.open_nursery() as nursery:
+            for action in actions:
+                nursery.start_soon(action, ctx)
+
+    return act
+
+
+# ---- scenarios -----------------------------------------------------------------------------
+
+
+DROPPED = (
+    "this client is not among the run's clients",
+    # a member that missed its epoch's first round (stalled while warming up) sits the epoch
+    # out; the health check drops it, and it may already be back in warmup, where it says nothing
+    "ready after the epoch's first round started",
+)
+
+
+async def supervise(ctx: Context, grace: float = 2.0) -> None:
+    """An operator's liveness check: a client the run dropped (health checks after a stall or a
+    partition) stays connected and is never taken back (one Join per connection, as upstream),
+    so it is restarted, as systemd or a container runtime would."""
+    while True:
+        await trio.sleep(1.0)
+        for number in ctx.targets():
+            name = Cluster.client_name(number)
+            node = ctx.cluster.nodes[name]
+            line = next(
+                (
+                    x
+                    for x in node.lines
+                    if x.t >= node.started_at and any(text in x.text for text in DROPPED)
+                ),
+                None,
+            )
+            if line is None or time.time() - line.t < grace:
+                continue
+            ctx.busy.add(name)
+            try:
+                await ctx.restart_client(number, kill=False)
+            finally:
+                ctx.busy.discard(name)
+            ctx.record("dropped-restart", name, "dropped by the run; restarted", t=line.t,
+                       until=time.time(), number=number)  # fmt: skip
+
+
+Extra = Callable[[Cluster], Awaitable[list[str]]]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    title: str
+    duration: float
+    inject: Action | None
+    run: RunSpec = field(default_factory=RunSpec)
+    client_limits: dict[int, Limits] = field(default_factory=dict)
+    extra: Extra | None = None
+    """Starts more processes before the server (an adversary); returns their names."""
+    supervise: bool = True
+    server_limits: Limits | None = None
+
+
+EVIDENCE = {
+    "checkpoint write failed": "Writing the checkpoint to",
+    "state save failed": "Error saving state",
+    "rounds abandoned": "the round was abandoned",
+    "dropped by health check": "Dropped 1 clients",
+    "download retries": "Retrying download for distro result",
+    "data fetch retries": "retrying",
+}
+
+
+@dataclass
+class ScenarioResult:
+    name: str
+    title: str
+    duration: float
+    faults: list[dict[str, Any]]
+    fault_counts: dict[str, int]
+    rounds: int
+    rounds_total: int
+    epochs: int
+    tokens: int
+    tokens_per_s: float
+    lost_per_departure: list[int]
+    lost_per_fault: list[int]
+    lost_total: int
+    dropped: int
+    rejoins: list[dict[str, Any]]
+    models_identical: bool
+    model_problems: list[str]
+    applied_problems: list[str]
+    unexpected_exits: list[str]
+    partial_files: list[str]
+    loss_first: float | None
+    loss_last: float | None
+    evidence: dict[str, int]
+    throughput_ratio: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def partial_files(cluster: Cluster) -> list[str]:
+    """Temporary or incomplete files left in the save and checkpoint directories."""
+    problems = []
+    for root in (cluster.saves, cluster.checkpoints):
+        if not root.exists():
+            continue
+        for path in root.rglob("*"):
+            if path.name.startswith(".") or path.name.endswith(".tmp"):
+                problems.append(str(path.relative_to(cluster.workdir)))
+        if root == cluster.checkpoints:
+            for step_dir in root.iterdir():
+                if step_dir.is_dir() and not (
+                    (step_dir / "model.safetensors").is_file()
+                    and (step_dir / "config.json").is_file()
+                ):
+                    problems.append(f"incomplete checkpoint {step_dir.name}")
+    latest = cluster.saves / "latest"
+    if latest.exists():
+        named = latest.read_text().strip()
+        if not (cluster.saves / named).is_file():
+            problems.append(f"saves/latest names a missing file {named!r}")
+    return problems
+
+
+def _mean_loss(events: Sequence[dict[str, Any]], last: bool) -> float | None:
+    losses = [e["loss"] for e in metrics.of(events, "client_loss") if e.get("trained")]
+    if not losses:
+        return None
+    window = losses[-3:] if last else losses[:3]
+    return sum(window) / len(window)
+
+
+async def run_scenario(scenario: Scenario, workdir: Path, *, seed: int = 0) -> ScenarioResult:
+    workdir.mkdir(parents=True, exist_ok=True)
+    async with Cluster.open(workdir, scenario.run) as cluster:
+        ctx = Context(cluster, random.Random(seed))
+        extra = await scenario.extra(cluster) if scenario.extra is not None else []
+        await cluster.start_run(
+            extra, limits=scenario.client_limits, server_limits=scenario.server_limits
+        )
+        await cluster.wait_line("server", r"-> RoundTrain \(", 180)
+        t0 = time.time()
+        async with trio.open_nursery() as nursery:
+            if scenario.inject is not None:
+                nursery.start_soon(scenario.inject, ctx)
+            if scenario.supervise:
+                nursery.start_soon(supervise, ctx)
+            nursery.start_soon(_watch_exits, ctx)
+            await trio.sleep(scenario.duration)
+            nursery.cancel_scope.cancel()
+        t1 = time.time()
+        # lift every fault, then let the run reach a cooldown everyone can be compared at
+        cluster.net.clear()
+        for name in cluster.nodes:
+            cluster.signal(name, signal.SIGCONT)
+        await _settle(ctx, t1)
+        return _result(scenario, ctx, t0, t1)
+
+
+async def run_testnet_scenario(
+    scenario: Scenario, workdir: Path, *, interval: float, seed: int = 0
+) -> ScenarioResult:
+    """`psyche-local-testnet --headless` with its own random kill (SIGINT to a client, the same
+    command started again), measured like the other scenarios from its prefixed output."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    async with Cluster.open(workdir, scenario.run, proxies=False) as cluster:
+        ctx = Context(cluster, random.Random(seed))
+        numbers = scenario.run.client_numbers
+        argv = [
+            sys.executable, "-m", "psyche.cli.local_testnet", "start",
+            "--num-clients", str(len(numbers)), "--config-path", str(cluster.config_dir),
+            "--headless", "--server-port", str(cluster.server_port),
+            "--random-kill-num", "1", "--random-kill-interval", f"{interval:g}",
+            "--allowed-to-kill", ",".join(str(n) for n in numbers if n != REFERENCE),
+            "--client-args", "--logs json --device cpu --bind-p2p-interface lo",
+        ]  # fmt: skip
+        testnet = await cluster.start("testnet", argv)
+        await cluster.wait_line("testnet", r"\[server\] .*-> RoundTrain \(", 240)
+        t0 = time.time()
+        await trio.sleep(scenario.duration)
+        t1 = time.time()
+        # the testnet goes on killing: wait for the reference client's next cooldown only
+        reference = Cluster.client_name(REFERENCE)
+        with trio.move_on_after(75):
+            while not _split_testnet(testnet.lines)[reference].events("cooldown_model", since=t1):
+                await trio.sleep(1)
+        await cluster.stop("testnet")
+        cluster.nodes = _split_testnet(testnet.lines)
+        for line in testnet.lines:
+            found = re.search(r"random kill: restarting (client-(\d+))", line.text)
+            if found and line.t < t1:
+                ctx.restarts.append((found.group(1), line.t))
+                ctx.record("sigint-restart", found.group(1), "the testnet's random kill",
+                           t=line.t, until=line.t, number=int(found.group(2)))  # fmt: skip
+        return _result(scenario, ctx, t0, t1)
+
+
+def _split_testnet(lines: Sequence[Any]) -> dict[str, Any]:
+    """The testnet's output as one node per child (`[client-2] {...}` -> client-2)."""
+    from cluster import Line, Node
+
+    nodes: dict[str, Node] = {}
+    for line in lines:
+        found = re.match(r"\[([\w-]+)\] (.*)$", line.text)
+        if found is None:
+            continue
+        name, text = found.groups()
+        node = nodes.setdefault(name, Node(name, [], {}, Path()))
+        doc = None
+        if text.startswith("{"):
+            with contextlib.suppress(json.JSONDecodeError):
+                doc = json.loads(text)
+        node.lines.append(Line(line.t, text, doc))
+    return nodes
+
+
+async def _watch_exits(ctx: Context) -> None:
+    while True:
+        await trio.sleep(0.5)
+        for name, node in ctx.cluster.nodes.items():
+            if not node.running and name not in ctx.expected_exits and node.process is not None:
+                ctx.expected_exits.add(name)
+                ctx.record("unexpected-exit", name, f"exit code {node.process.returncode}")
+
+
+async def _settle(ctx: Context, t1: float, timeout: float = 75.0) -> None:
+    """Wait until every running client logged a cooldown after `t1`."""
+    with trio.move_on_after(timeout):
+        while True:
+            running = [
+                n for n in ctx.cluster.nodes.values() if n.running and n.name.startswith("client-")
+            ]
+            if all(n.events("cooldown_model", since=t1) for n in running):
+                return
+            await trio.sleep(0.5)
+
+
+def _result(scenario: Scenario, ctx: Context, t0: float, t1: float) -> ScenarioResult:
+    cluster = ctx.cluster
+    clients = {
+        name: [dict(e) for e in node.events()]
+        for name, node in cluster.nodes.items()
+        if name != "server"
+    }
+    reference = clients[Cluster.client_name(REFERENCE)]
+    server_lines = cluster.nodes["server"].lines
+    rounds = [line.t for line in server_lines if "-> RoundTrain (" in line.text]
+    epochs = sum(
+        1 for line in server_lines if t0 <= line.t < t1 and "finished at step" in line.text
+    )
+    in_window = [t for t in rounds if t0 <= t < t1]
+    round_secs = (t1 - t0) / max(1, len(in_window))
+    tokens = metrics.applied_tokens(reference, SEQ_LEN, t0, t1)
+    lost = metrics.lost_assignments(reference)
+    faults = [f for f in ctx.faults if f.kind != "unexpected-exit"]
+    departures = [f for f in faults if f.kind in ("sigkill", "sigint-restart", "dropped-restart")]
+    agreement = metrics.model_agreement(clients)
+    rejoins = []
+    for name, restarted in ctx.restarts:
+        peers = {n: evs for n, evs in clients.items() if n != name}
+        info = metrics.rejoin(name, restarted, clients[name], peers, rounds)
+        rejoins.append({**asdict(info), "seconds": info.seconds})
+    counts: dict[str, int] = {}
+    for fault in faults:
+        counts[fault.kind] = counts.get(fault.kind, 0) + 1
+    return ScenarioResult(
+        name=scenario.name,
+        title=scenario.title,
+        duration=round(t1 - t0, 1),
+        faults=[asdict(f) for f in ctx.faults],
+        fault_counts=counts,
+        rounds=len(in_window),
+        rounds_total=len(rounds),
+        epochs=epochs,
+        tokens=tokens,
+        tokens_per_s=tokens / (t1 - t0),
+        lost_per_departure=metrics.lost_per_fault(lost, departures, round_secs),
+        lost_per_fault=metrics.lost_per_fault(lost, faults, round_secs),
+        lost_total=sum(1 for x in lost if t0 - round_secs <= x.ts < t1),
+        dropped=counts.get("dropped-restart", 0),
+        rejoins=rejoins,
+        models_identical=agreement.identical,
+        model_problems=agreement.problems,
+        applied_problems=metrics.applied_agreement(clients),
+        unexpected_exits=[
+            f"{f.target}: {f.detail}" for f in ctx.faults if f.kind == "unexpected-exit"
+        ],
+        partial_files=partial_files(cluster),
+        loss_first=_mean_loss(reference, last=False),
+        loss_last=_mean_loss(reference, last=True),
+        evidence={
+            name: sum(
+                line.text.count(text) for node in cluster.nodes.values() for line in node.lines
+            )
+            for name, text in EVIDENCE.items()
+        },
+    )
+
+
+# ---- the catalogue -------------------------------------------------------------------------
+
+
+def catalogue(duration: float, interval: float) -> dict[str, Scenario]:
+    """The long suite (`just chaos`): each scenario runs `duration` seconds; the soak mixes
+    every client fault, one every `interval` seconds."""
+    soak_faults = [
+        sigkill_client(),
+        pause_client(8),
+        partition_client(8),
+        latency(10, 1000, links="coordinator"),
+        latency(10, 200, links="p2p", bandwidth=2e6),
+        data_outage(1.5),
+    ]
+    return {
+        "baseline": Scenario("baseline", "fault-free run (the reference)", duration, None),
+        "sigkill": Scenario(
+            "sigkill", "SIGKILL a client, restart it 3 s later", duration,
+            every(interval, [sigkill_client()]),
+        ),
+        "sigstop": Scenario(
+            "sigstop", "SIGSTOP a client for 8 s, then SIGCONT", duration,
+            every(interval, [pause_client(8)]),
+        ),
+        "partition": Scenario(
+            "partition", "one client cut off from its peers for 8 s", duration,
+            every(interval, [partition_client(8)]),
+        ),
+        "latency-1000": Scenario(
+            "latency-1000", "1000 ms added to every coordinator link for 15 s", duration,
+            every(interval, [latency(15, 1000)]),
+        ),
+        "latency-5000": Scenario(
+            "latency-5000", "5000 ms added to every coordinator link for 15 s", duration,
+            every(interval, [latency(15, 5000)]),
+        ),
+        "client-latency": Scenario(
+            "client-latency", "1000 ms on every link of every client for 15 s", duration,
+            every(interval, [latency(15, 1000, links="all")]),
+        ),
+        "bandwidth": Scenario(
+            "bandwidth", "every link limited to 200 kB/s with 100 ms latency for 15 s", duration,
+            every(interval, [latency(15, 100, links="all", bandwidth=2e5)]),
+        ),
+        "testnet-random-kill": Scenario(
+            "testnet-random-kill",
+            f"psyche-local-testnet --random-kill-num 1 --random-kill-interval {interval:g}",
+            duration, None,
+        ),
+        "server-restart": Scenario(
+            "server-restart", "SIGKILL the server, restart it from --save-state-dir", duration,
+            every(max(interval, 45), [kill_server()]),
+        ),
+        "server-pause": Scenario(
+            "server-pause", "SIGSTOP the server for 20 s (upstream: validator paused)", duration,
+            every(max(interval, 45), [pause_server(20)]),
+        ),
+        "disk-full": Scenario(
+            "disk-full", "client 2 checkpoints and the server saves onto a full disk", duration,
+            None, RunSpec(checkpoint_client=2), client_limits={2: Limits(file_size=64 << 10)},
+            server_limits=Limits(file_size=1 << 10),
+        ),
+        "data-outage": Scenario(
+            "data-outage", "the data server restarting: unreachable for 1.5 s", duration,
+            every(interval, [data_outage(1.5)]),
+        ),
+        "soak": Scenario(
+            "soak", f"one fault every {interval:g} s, cycling through the client faults",
+            duration, every(interval, soak_faults),
+        ),
+    }  # fmt: skip

@@ -1,0 +1,135 @@
+"""The long hostile-peer scenario (`just chaos`; CI runs the short one in test_chaos_short.py):
+a hostile member among three real clients for 60 s, rejoining every epoch after it is dropped,
+playing every payload lie in turn. Each lie is refused, the honest clients' models stay identical
+and never take in the offender's batches, the offender loses its place through the honest
+witnesses' health checks whenever its payload fails the hash (a payload that hashes right but is
+no result of the model keeps it healthy, as upstream: blooms are filled after the hash check),
+and no process falls over."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import pytest
+import trio
+
+pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.chaos_long]
+
+ADVERSARY = 66
+MODES = "invalid-payload,hash-mismatch,wrong-step,garbage-blob,oversized-blob,invalid-payload"
+
+
+async def _start_adversary(cluster: Any) -> list[str]:
+    from cluster import CHAOS_DIR
+
+    port = await cluster.coordinator_proxy()
+    peers = ",".join(
+        f"{cluster.announce_host(n)}:{cluster.p2p_ports[n][1]}" for n in cluster.spec.client_numbers
+    )
+    await cluster.start(
+        "adversary",
+        [
+            sys.executable, str(CHAOS_DIR / "adversary.py"),
+            "--server-addr", f"127.0.0.1:{port}", "--run-id", "tiny-cpu",
+            "--key-number", str(ADVERSARY), "--modes", MODES,
+            "--data-addr", f"127.0.0.1:{cluster.data_port}", "--peers", peers,
+        ],
+    )  # fmt: skip
+    return ["adversary"]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from cluster import RunSpec
+    from scenarios import Scenario, run_scenario
+
+    captured: dict[str, Any] = {}
+
+    async def main() -> None:
+        import scenarios
+
+        original = scenarios._result
+
+        def keep(scenario: Any, ctx: Any, t0: float, t1: float) -> Any:
+            captured["nodes"] = {
+                name: (node.events(), node.text()) for name, node in ctx.cluster.nodes.items()
+            }
+            return original(scenario, ctx, t0, t1)
+
+        scenario = Scenario(
+            "hostile",
+            "a hostile member among three clients",
+            60,
+            None,
+            RunSpec(num_clients=3, config={"init_min_clients": 4, "witness_nodes": 0}),
+            extra=_start_adversary,
+        )
+        scenarios._result = keep
+        try:
+            captured["result"] = await run_scenario(scenario, tmp_path_factory.mktemp("hostile"))
+        finally:
+            scenarios._result = original
+
+    trio.run(main)
+    return captured
+
+
+def test_no_process_falls_over(run: dict[str, Any]) -> None:
+    assert not run["result"].unexpected_exits, run["result"].unexpected_exits
+
+
+def test_every_lie_was_told(run: dict[str, Any]) -> None:
+    from metrics import of
+
+    told = {e["mode"] for e in of(run["nodes"]["adversary"][0], "attack")}
+    assert set(MODES.split(",")) | {"raw-frames", "unassigned", "forged", "replay"} <= told, told
+
+
+def test_honest_models_stay_identical_without_the_offenders_batches(run: dict[str, Any]) -> None:
+    from cluster import client_short_id
+    from metrics import of
+
+    result = run["result"]
+    assert result.models_identical and not result.applied_problems, result
+    offender = client_short_id(ADVERSARY)
+    nodes = run["nodes"]
+    events = nodes["client-1"][0]
+    applied = {e["step"]: set(e["batches"]) for e in of(events, "applied_results")}
+    trained = {
+        (e["step"], e["batch_id"])
+        for name, (evs, _) in nodes.items()
+        if name.startswith("client-")
+        for e in of(evs, "trained_batch")
+    }
+    for e in of(events, "round_start"):
+        for assignment in e["assignments"]:
+            batch, _, owner = assignment.rpartition("=")
+            if owner == offender and e["step"] + 2 in applied:
+                assert batch not in applied[e["step"] + 2], (e["step"], batch)
+    for step, batches in applied.items():
+        assert all((step - 2, b) in trained for b in batches), (step, batches)
+
+
+def test_every_lie_is_refused_and_logged(run: dict[str, Any]) -> None:
+    nodes = run["nodes"]
+    honest = "\n".join(text for name, (_, text) in nodes.items() if name.startswith("client-"))
+    for evidence in (
+        '"payload_invalid"',  # decodable, hashes right, no result of this model
+        "payload hash does not match the commitment",
+        "the announcement for step",  # a payload for another step
+        "undecodable blob",  # random bytes for a payload
+        "exceeds the limit",  # an announced blob beyond any client's limit
+        "Invalid signature on commitment",  # a commitment signed by another key
+        "dropping gossip message",  # broken envelope, impersonation, junk
+    ):
+        assert evidence in honest, evidence
+    assert "tried to join unknown run" in nodes["server"][1]
+
+
+def test_the_offender_loses_its_place(run: dict[str, Any]) -> None:
+    from metrics import of
+
+    server = run["nodes"]["server"][1]
+    assert "Dropped 1 clients from health check" in server
+    assert of(run["nodes"]["adversary"][0], "dropped")
