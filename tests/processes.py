@@ -6,7 +6,8 @@ started, with its process group.
 * `Processes(directory)`: `start(name, argv, env=...)`, `wait_for(proc, regex, timeout)`,
   `signal(proc, signum)`, `stop(proc)`, `stop_all()`.
 * `json_events(text, name)` / `events(proc, name)`: the JSON log lines of a `--logs json`
-  process; `wait_event(proc, name, predicate, timeout)`: the first such line that matches.
+  process; `wait_event(proc, name, predicate, timeout)`: the first such line that matches;
+  `wait_events(proc, name, count, timeout)`: the first `count` lines of that name.
 """
 
 from __future__ import annotations
@@ -146,5 +147,21 @@ def wait_event(
         if time.monotonic() > deadline:
             raise AssertionError(
                 f"{proc.name}: no {name} event as expected in {timeout} s:\n{proc.text()[-4000:]}"
+            )
+        time.sleep(0.2)
+
+
+def wait_events(proc: Proc, name: str, count: int, timeout: float) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + timeout
+    while True:
+        found = events(proc, name)
+        if len(found) >= count:
+            return found[:count]
+        if proc.popen.poll() is not None:
+            raise AssertionError(f"{proc.name} exited:\n{proc.text()[-4000:]}")
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"{proc.name}: {len(found)} {name} events of {count} in {timeout} s:\n"
+                f"{proc.text()[-4000:]}"
             )
         time.sleep(0.2)
