@@ -22,7 +22,7 @@ from typing import Any
 
 import metrics
 import trio
-from cluster import Cluster, Limits, RunSpec, client_short_id
+from cluster import CHAOS_DIR, Cluster, Limits, RunSpec, client_short_id
 from metrics import Fault
 from proxy import ANY, CLEAR, Rule
 
@@ -383,7 +383,39 @@ def _mean_loss(events: Sequence[dict[str, Any]], last: bool) -> float | None:
     return sum(window) / len(window)
 
 
-async def run_scenario(scenario: Scenario, workdir: Path, *, seed: int = 0) -> ScenarioResult:
+def start_adversary(key_number: int, modes: str) -> Extra:
+    """A scenario's `extra`: a hostile member (adversary.py) playing `modes`, its coordinator
+    link and its junk to the peers' blob ports through the proxies."""
+
+    async def start(cluster: Cluster) -> list[str]:
+        port = await cluster.coordinator_proxy()
+        peers = ",".join(
+            f"{cluster.announce_host(n)}:{cluster.p2p_ports[n][1]}"
+            for n in cluster.spec.client_numbers
+        )
+        await cluster.start(
+            "adversary",
+            [
+                sys.executable, str(CHAOS_DIR / "adversary.py"),
+                "--server-addr", f"127.0.0.1:{port}", "--run-id", "tiny-cpu",
+                "--key-number", str(key_number), "--modes", modes,
+                "--data-addr", f"127.0.0.1:{cluster.data_port}", "--peers", peers,
+            ],
+        )  # fmt: skip
+        return ["adversary"]
+
+    return start
+
+
+async def run_scenario(
+    scenario: Scenario,
+    workdir: Path,
+    *,
+    seed: int = 0,
+    observe: Callable[[Context], None] | None = None,
+) -> ScenarioResult:
+    """Runs one scenario; `observe` sees the settled cluster (its nodes' output) before the
+    figures are taken and the processes stopped."""
     workdir.mkdir(parents=True, exist_ok=True)
     async with Cluster.open(workdir, scenario.run) as cluster:
         ctx = Context(cluster, random.Random(seed))
@@ -407,6 +439,8 @@ async def run_scenario(scenario: Scenario, workdir: Path, *, seed: int = 0) -> S
         for name in cluster.nodes:
             cluster.signal(name, signal.SIGCONT)
         await _settle(ctx, t1)
+        if observe is not None:
+            observe(ctx)
         return _result(scenario, ctx, t0, t1)
 
 

@@ -19,7 +19,7 @@ trainer miss its batch, and the health check then drops them all).
 
 from __future__ import annotations
 
-import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -29,26 +29,7 @@ import trio
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 ADVERSARY = 66
-
-
-async def _start_adversary(cluster: Any) -> list[str]:
-    from cluster import CHAOS_DIR
-
-    port = await cluster.coordinator_proxy()
-    peers = ",".join(
-        f"{cluster.announce_host(n)}:{cluster.p2p_ports[n][1]}" for n in cluster.spec.client_numbers
-    )
-    await cluster.start(
-        "adversary",
-        [
-            sys.executable, str(CHAOS_DIR / "adversary.py"),
-            "--server-addr", f"127.0.0.1:{port}", "--run-id", "tiny-cpu",
-            "--key-number", str(ADVERSARY),
-            "--modes", "hash-mismatch+wrong-step+garbage-blob+oversized-blob,invalid-payload",
-            "--data-addr", f"127.0.0.1:{cluster.data_port}", "--peers", peers,
-        ],
-    )  # fmt: skip
-    return ["adversary"]
+MODES = "hash-mismatch+wrong-step+garbage-blob+oversized-blob,invalid-payload"
 
 
 def _scenario() -> Any:
@@ -61,6 +42,7 @@ def _scenario() -> Any:
         partition_client,
         pause_client,
         sigkill_client,
+        start_adversary,
         together,
     )
 
@@ -87,7 +69,7 @@ def _scenario() -> Any:
                 "round_witness_time": 2,
             },
         ),
-        extra=_start_adversary,
+        extra=start_adversary(ADVERSARY, MODES),
     )
 
 
@@ -97,25 +79,15 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
     captured: dict[str, Any] = {}
 
-    async def main() -> None:
-        import scenarios
+    def observe(ctx: Any) -> None:
+        captured["nodes"] = {
+            name: (node.events(), node.text()) for name, node in ctx.cluster.nodes.items()
+        }
+        captured["checkpoints"] = ctx.cluster.checkpoints
 
-        original = scenarios._result
-
-        def keep(scenario: Any, ctx: Any, t0: float, t1: float) -> Any:
-            captured["nodes"] = {
-                name: (node.events(), node.text()) for name, node in ctx.cluster.nodes.items()
-            }
-            captured["checkpoints"] = ctx.cluster.checkpoints
-            return original(scenario, ctx, t0, t1)
-
-        scenarios._result = keep
-        try:
-            captured["result"] = await run_scenario(_scenario(), tmp_path_factory.mktemp("short"))
-        finally:
-            scenarios._result = original
-
-    trio.run(main)
+    captured["result"] = trio.run(
+        partial(run_scenario, _scenario(), tmp_path_factory.mktemp("short"), observe=observe)
+    )
     return captured
 
 

@@ -8,7 +8,7 @@ and no process falls over."""
 
 from __future__ import annotations
 
-import sys
+from functools import partial
 from typing import Any
 
 import pytest
@@ -20,58 +20,29 @@ ADVERSARY = 66
 MODES = "invalid-payload,hash-mismatch,wrong-step,garbage-blob,oversized-blob,invalid-payload"
 
 
-async def _start_adversary(cluster: Any) -> list[str]:
-    from cluster import CHAOS_DIR
-
-    port = await cluster.coordinator_proxy()
-    peers = ",".join(
-        f"{cluster.announce_host(n)}:{cluster.p2p_ports[n][1]}" for n in cluster.spec.client_numbers
-    )
-    await cluster.start(
-        "adversary",
-        [
-            sys.executable, str(CHAOS_DIR / "adversary.py"),
-            "--server-addr", f"127.0.0.1:{port}", "--run-id", "tiny-cpu",
-            "--key-number", str(ADVERSARY), "--modes", MODES,
-            "--data-addr", f"127.0.0.1:{cluster.data_port}", "--peers", peers,
-        ],
-    )  # fmt: skip
-    return ["adversary"]
-
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     from cluster import RunSpec
-    from scenarios import Scenario, run_scenario
+    from scenarios import Scenario, run_scenario, start_adversary
 
     captured: dict[str, Any] = {}
 
-    async def main() -> None:
-        import scenarios
+    def observe(ctx: Any) -> None:
+        captured["nodes"] = {
+            name: (node.events(), node.text()) for name, node in ctx.cluster.nodes.items()
+        }
 
-        original = scenarios._result
-
-        def keep(scenario: Any, ctx: Any, t0: float, t1: float) -> Any:
-            captured["nodes"] = {
-                name: (node.events(), node.text()) for name, node in ctx.cluster.nodes.items()
-            }
-            return original(scenario, ctx, t0, t1)
-
-        scenario = Scenario(
-            "hostile",
-            "a hostile member among three clients",
-            60,
-            None,
-            RunSpec(num_clients=3, config={"init_min_clients": 4, "witness_nodes": 0}),
-            extra=_start_adversary,
-        )
-        scenarios._result = keep
-        try:
-            captured["result"] = await run_scenario(scenario, tmp_path_factory.mktemp("hostile"))
-        finally:
-            scenarios._result = original
-
-    trio.run(main)
+    scenario = Scenario(
+        "hostile",
+        "a hostile member among three clients",
+        60,
+        None,
+        RunSpec(num_clients=3, config={"init_min_clients": 4, "witness_nodes": 0}),
+        extra=start_adversary(ADVERSARY, MODES),
+    )
+    captured["result"] = trio.run(
+        partial(run_scenario, scenario, tmp_path_factory.mktemp("hostile"), observe=observe)
+    )
     return captured
 
 

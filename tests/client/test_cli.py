@@ -95,7 +95,7 @@ def test_required_options(capsys: pytest.CaptureFixture[str]) -> None:
         (["--sidecar-port", "9"], "sidecars"),
         (["--gcs-bucket", "b"], "GCS"),
         (["--oltp-metrics-url", "http://x"], "OpenTelemetry"),
-        (["--events-dir", "/tmp/e"], "event files"),
+        (["--events-dir", "events"], "event files"),
         (["--dummy-training-delay-secs", "2"], "dummy model"),
         (["--iroh-relay", "n0"], "relays"),
         (["--device", "mps"], "--device mps"),
