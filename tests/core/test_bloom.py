@@ -222,3 +222,41 @@ def test_named_subclass_form() -> None:
     assert type(again) is NamedBloom and again == bloom
     with pytest.raises(ValueError, match="needs words >= 1"):
         Bloom[0, 8]
+
+
+def _bloom_with_bits(keys: list[int], positions: set[int]) -> Bloom:
+    words = [0] * WitnessBloom.num_words
+    for position in positions:
+        words[position // 64] |= 1 << (position % 64)
+    return WitnessBloom(keys, words)
+
+
+def test_an_item_is_present_only_when_every_one_of_its_bits_is_set() -> None:
+    keys = [1, 2, 3, 4, 5, 6, 7, 8]
+    item = b"probe"
+    positions = set(WitnessBloom(keys).positions(item))
+    assert len(positions) >= 2, "the probe must set several distinct bits"
+    assert _bloom_with_bits(keys, positions).contains(item)
+    for missing in sorted(positions):
+        # Every bit of the item but one: absent.
+        assert not _bloom_with_bits(keys, positions - {missing}).contains(item)
+        # Exactly one of the item's bits: absent.
+        assert not _bloom_with_bits(keys, {missing}).contains(item)
+
+
+def test_an_added_item_sharing_some_bits_does_not_make_another_present() -> None:
+    # A small filter, so that some item shares part (not all) of its bits with the added one.
+    bloom = Bloom[1, 2]([1, 2])
+    added = b"added"
+    bloom.add(added)
+    set_bits = set(bloom.positions(added))
+    partial = next(
+        candidate
+        for candidate in (i.to_bytes(2, "little") for i in range(1 << 16))
+        if len(set(bloom.positions(candidate)) & set_bits) > 0
+        and not set(bloom.positions(candidate)) <= set_bits
+    )
+    shared = set(bloom.positions(partial)) & set_bits
+    assert shared and not set(bloom.positions(partial)) <= set_bits  # the precondition
+    assert not bloom.contains(partial)
+    assert partial not in bloom
