@@ -6,10 +6,11 @@
 #
 # With no pytest arguments the suite runs in two phases: the unit and integration tests spread
 # over the machine's cores (pytest-xdist), then the end-to-end tests (marked e2e: servers and
-# client processes that need the machine to themselves), one at a time.
-set -euo pipefail
+# client processes that need the machine to themselves), one at a time. Both phases always run;
+# the script reports each and fails if either failed.
+set -uo pipefail
 cd "$(dirname "$0")/.."
-export UV_PYTHON_DOWNLOADS=never
+source scripts/env.sh
 markers=()
 args=()
 for a in "$@"; do
@@ -20,13 +21,32 @@ join() { local IFS=' '; local out=""; for m in "$@"; do out="${out:+$out and }($
 
 if [ ${#args[@]} -gt 0 ]; then
     selection=$(join "${markers[@]}")
-    exec uv run --no-sync pytest ${selection:+-m "$selection"} "${args[@]}"
+    exec python -m pytest ${selection:+-m "$selection"} "${args[@]}"
 fi
 
-workers=$(python3 -c 'import os; print(min(4, max(1, len(os.sched_getaffinity(0)))))')
-uv run --no-sync pytest -n "$workers" -m "$(join "${markers[@]}" "not e2e")"
-status=0
-uv run --no-sync pytest -m "$(join "${markers[@]}" "e2e")" || status=$?
-# With --fast every end-to-end test may be filtered out (pytest exits 5: nothing ran).
-if [ "$status" -eq 5 ] && [ ${#markers[@]} -gt 0 ]; then status=0; fi
-exit "$status"
+# pytest exits 5 when it collected nothing. With --fast every end-to-end test may be filtered
+# out, so 5 passes there; anywhere else an empty phase is a failure.
+outcome() {
+    case "$1" in
+        0) echo "passed" ;;
+        5) if [ "$2" = "optional" ]; then echo "passed (nothing selected)"; else echo "FAILED (no tests collected)"; fi ;;
+        *) echo "FAILED (pytest exit $1)" ;;
+    esac
+}
+
+workers=$(python -c 'import os; print(min(4, max(1, len(os.sched_getaffinity(0)))))')
+python -m pytest -n "$workers" -m "$(join "${markers[@]}" "not e2e")"
+unit=$?
+python -m pytest -m "$(join "${markers[@]}" "e2e")"
+e2e=$?
+
+e2e_kind=required
+if [ ${#markers[@]} -gt 0 ]; then e2e_kind=optional; fi
+unit_text=$(outcome "$unit" required)
+e2e_text=$(outcome "$e2e" "$e2e_kind")
+echo "test.sh: unit and integration tests: $unit_text"
+echo "test.sh: end-to-end tests: $e2e_text"
+case "$unit_text $e2e_text" in
+    *FAILED*) exit 1 ;;
+esac
+exit 0
