@@ -55,7 +55,6 @@ from psyche.solana.idl import (
     PROGRAM_NAMES,
     generate_idl,
     idl_json,
-    load_anchorpy_idl,
     load_idl_text,
 )
 from psyche.solana.instructions import INSTRUCTIONS
@@ -67,6 +66,8 @@ from psyche.solana.state import (
     TreasurerRun,
     encode_anchor_account,
 )
+
+from .anchorpy_idl import load_anchorpy_idl
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:sumtypes")
 

@@ -25,7 +25,6 @@ from solders.transaction import Transaction
 
 from psyche.solana import instructions as ix
 from psyche.solana import pda
-from psyche.solana.idl import load_anchorpy_idl
 from psyche.solana.state import (
     COORDINATOR_ACCOUNT_DISCRIMINATOR,
     COORDINATOR_ACCOUNT_SPACE,
@@ -33,6 +32,7 @@ from psyche.solana.state import (
     coordinator_account_from_bytes,
 )
 
+from .anchorpy_idl import load_anchorpy_idl
 from .conftest import Endpoint
 
 with warnings.catch_warnings():

@@ -270,15 +270,6 @@ def load_idl_text(program: str) -> str:
     return (resources.files("psyche.solana") / "idl" / idl_file_name(program)).read_text()
 
 
-def load_anchorpy_idl(program: str, ids: ProgramIds = DEFAULT_PROGRAM_IDS) -> Any:
-    """The committed IDL parsed by anchorpy, with the program address set to `ids`."""
-    from anchorpy_core.idl import Idl
-
-    doc = json.loads(load_idl_text(program))
-    doc["metadata"]["address"] = getattr(ids, program)
-    return Idl.from_json(json.dumps(doc))
-
-
 def write_idl_files(directory: Path) -> list[Path]:
     directory.mkdir(parents=True, exist_ok=True)
     written = []
