@@ -17,24 +17,24 @@ lint *ARGS:
 
 # Run every benchmark in scripts/bench and print its ratios
 bench:
-    for script in scripts/bench/*.py; do echo "== $script"; uv run --no-sync python "$script" || exit 1; done
+    for script in scripts/bench/*.py; do echo "== $script"; .venv/bin/python "$script" || exit 1; done
 
 # Train the tiny CPU model with three clients (tmux panes; add --headless for one terminal)
 local-testnet *ARGS:
-    uv run --no-sync python scripts/make_tiny_dataset.py
-    uv run --no-sync psyche-local-testnet start --num-clients 3 --config-path configs/tiny-cpu {{ARGS}}
+    .venv/bin/python scripts/make_tiny_dataset.py
+    .venv/bin/psyche-local-testnet start --num-clients 3 --config-path configs/tiny-cpu {{ARGS}}
 
 # The reliability suite (docs/reliability.md; about 50 minutes): every fault scenario after a
 # fault-free baseline, then the 10-minute soak; the long hostile-peer run; the fuzzers at 2000
 # examples per target. Arguments go to scripts/chaos/run.py.
 chaos *ARGS:
-    uv run --no-sync python scripts/chaos/run.py --scenarios all --duration 60 --baseline-duration 180 --soak-duration 600 --interval 30 {{ARGS}}
-    uv run --no-sync pytest tests/chaos -m chaos_long
-    PSYCHE_FUZZ_EXAMPLES=2000 uv run --no-sync pytest tests/fuzz -q
+    .venv/bin/python scripts/chaos/run.py --scenarios all --duration 60 --baseline-duration 180 --soak-duration 600 --interval 30 {{ARGS}}
+    .venv/bin/python -m pytest tests/chaos -m chaos_long
+    PSYCHE_FUZZ_EXAMPLES=2000 .venv/bin/python -m pytest tests/fuzz -q
 
 # Validate a run configuration (state file or run config)
 validate-config STATE *ARGS:
-    uv run --no-sync psyche-server validate-config --state {{STATE}} {{ARGS}}
+    .venv/bin/psyche-server validate-config --state {{STATE}} {{ARGS}}
 
 # What CI runs
 ci:
@@ -50,7 +50,7 @@ DEVNET_WS_RPC := "wss://api.devnet.solana.com"
 
 # Serve a local Solana endpoint on 8899/8900, funding the wallet (created if missing)
 solana-localnet port="8899" *args='':
-    uv run --no-sync psyche-solana-client localnet --port {{port}} --fund {{SOLANA_WALLET}} {{args}}
+    .venv/bin/psyche-solana-client localnet --port {{port}} --fund {{SOLANA_WALLET}} {{args}}
 
 # A run config as a Solana run takes it: a `Server` data location (configs/tiny-cpu's coordinator
 # server, which Solana runs have not) becomes Local files, SOLANA_LOCAL_DATA (default data/tiny-cpu,
@@ -60,8 +60,8 @@ setup-solana-localnet-test-run run_id="test" config="configs/tiny-cpu/solana.tom
     #!/usr/bin/env bash
     set -euo pipefail
     export RPC="${RPC:-http://127.0.0.1:8899}" WS_RPC="${WS_RPC:-ws://127.0.0.1:8900}"
-    client="uv run --no-sync psyche-solana-client"
-    uv run --no-sync python scripts/make_tiny_dataset.py
+    client=".venv/bin/psyche-solana-client"
+    .venv/bin/python scripts/make_tiny_dataset.py
     config="{{config}}"
     $client join-authorization-create -w {{SOLANA_WALLET}} --authorizer 11111111111111111111111111111111
     $client create-run -w {{SOLANA_WALLET}} --run-id {{run_id}} --client-version test {{args}}
@@ -75,8 +75,8 @@ setup-solana-localnet-permissioned-test-run run_id="test" config="configs/tiny-c
     #!/usr/bin/env bash
     set -euo pipefail
     export RPC="${RPC:-http://127.0.0.1:8899}" WS_RPC="${WS_RPC:-ws://127.0.0.1:8900}"
-    client="uv run --no-sync psyche-solana-client"
-    uv run --no-sync python scripts/make_tiny_dataset.py
+    client=".venv/bin/psyche-solana-client"
+    .venv/bin/python scripts/make_tiny_dataset.py
     config="{{config}}"
     $client create-run -w {{SOLANA_WALLET}} --run-id {{run_id}} --client-version test {{args}}
     $client update-config -w {{SOLANA_WALLET}} --run-id {{run_id}} --config-path "$config"
@@ -90,7 +90,7 @@ start-training-localnet-client run_id="test" *args='':
     #!/usr/bin/env bash
     set -euo pipefail
     export RPC="${RPC:-http://127.0.0.1:8899}" WS_RPC="${WS_RPC:-ws://127.0.0.1:8900}"
-    client="uv run --no-sync psyche-solana-client"
+    client=".venv/bin/psyche-solana-client"
     wallet="${WALLET_FILE:-}"
     if [ -z "$wallet" ]; then
         keys=$(mktemp -d)
@@ -105,7 +105,7 @@ start-training-localnet-client run_id="test" *args='':
 
 # Print a run's decoded on-chain state (local endpoint unless RPC is set)
 show-solana-run run_id="test" *args='':
-    uv run --no-sync psyche-solana-client show --run-id {{run_id}} {{args}}
+    .venv/bin/psyche-solana-client show --run-id {{run_id}} {{args}}
 
 # Set up a permissionless run on devnet (programs deployed by you: set the PSYCHE_*_PROGRAM_ID)
 setup-solana-devnet-test-run run_id="test" config="configs/tiny-cpu/solana.toml" *args='':

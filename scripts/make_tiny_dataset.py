@@ -1,7 +1,7 @@
 """Generate the tiny CPU run's dataset (data/tiny-cpu/, gitignored) from CPython's pydoc text.
 
-    uv run --no-sync python scripts/make_tiny_dataset.py          # skips when already present
-    uv run --no-sync python scripts/make_tiny_dataset.py --force  # rewrite it
+    .venv/bin/python scripts/make_tiny_dataset.py          # skips when already present
+    .venv/bin/python scripts/make_tiny_dataset.py --force  # rewrite it
 
 The output directory and sequence length come from configs/tiny-cpu/data.toml; the tokenizer is
 configs/tiny-cpu/model/tokenizer.json. See psyche.centralized.tiny_run.

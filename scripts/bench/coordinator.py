@@ -18,7 +18,7 @@ the same run:
 Every run uses a fresh round seed, so the per-seed caches start cold as in a real round. As in
 timeit, the cyclic garbage collector is paused while a run is timed.
 
-Run: uv run --no-sync python scripts/bench/coordinator.py [--repeats N]
+Run: .venv/bin/python scripts/bench/coordinator.py [--repeats N]
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ share of one tick, and against a baseline measured in the same run:
 * bloom add + contains of 256 items: all keys at once against per-key reference FNV-1a;
 * postcard encode/decode of a coordinator-sized value: against pickle of the same value.
 
-Run: uv run --no-sync python scripts/bench/core.py [--repeats N]
+Run: .venv/bin/python scripts/bench/core.py [--repeats N]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Data provider throughput against a raw read of the same bytes, measured in the same run.
 
-    uv run --no-sync python scripts/bench/data.py            # ~1-2 minutes
-    uv run --no-sync python scripts/bench/data.py --quick    # smaller, for a smoke test
+    .venv/bin/python scripts/bench/data.py            # ~1-2 minutes
+    .venv/bin/python scripts/bench/data.py --quick    # smaller, for a smoke test
 
 Cases (tokens/s of the provider's `get_samples`, and of the baseline over the very same byte
 ranges in the same order; ratio = provider / baseline; passes alternate and the best pass of

@@ -9,8 +9,8 @@ Every figure is a ratio against a baseline measured in the same run:
 3. trainer- Trainer tokens/s against a plain PyTorch loop (same model, batch, AdamW).
 4. converge - loss after the same tokens, DisTrO against AdamW (each at its best LR of a sweep).
 
-    uv run --no-sync python scripts/bench/distro.py --threads 1        # CPU, tiny model
-    uv run --no-sync python scripts/bench/distro.py --device cuda --sizes 20m,1b \
+    .venv/bin/python scripts/bench/distro.py --threads 1        # CPU, tiny model
+    .venv/bin/python scripts/bench/distro.py --device cuda --sizes 20m,1b \
         --seq 2048 --batch 16 --micro-batch 4 --converge-size 20m   # realistic GPU steps
 
 No downloads: models are random-init Llama configs (`psyche.modeling.configs`), data is a

@@ -13,7 +13,7 @@ receiver share a CPU and the GIL in every measurement, baseline included:
 * model sharing: a joining node fetching a 20M-parameter bf16 model from 3 peers (config,
   ticket requests and parameter blobs), against one raw socket carrying the same bytes.
 
-Run: uv run --no-sync python scripts/bench/network.py [--repeats N]
+Run: .venv/bin/python scripts/bench/network.py [--repeats N]
 """
 
 from __future__ import annotations

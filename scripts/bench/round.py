@@ -15,7 +15,7 @@ rounds and clients. The coordinator's timing is part of every round: the witness
 that trains in milliseconds (tiny, CPU) the overhead is mostly those waits; the goal (<= 10 %)
 is for the 20M model on a GPU, where training dominates.
 
-Run: uv run --no-sync python scripts/bench/round.py [--model tiny|20m] [--device cpu|cuda]
+Run: .venv/bin/python scripts/bench/round.py [--model tiny|20m] [--device cpu|cuda]
      [--clients 3] [--rounds 10] [--batch 8] [--seq-len 128]
 """
 

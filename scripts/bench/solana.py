@@ -1,7 +1,7 @@
 """Solana hot paths against baselines measured in the same run.
 
-    uv run --no-sync python scripts/bench/solana.py            # ~20 s
-    uv run --no-sync python scripts/bench/solana.py --quick    # smaller, for a smoke test
+    .venv/bin/python scripts/bench/solana.py            # ~20 s
+    .venv/bin/python scripts/bench/solana.py --quick    # smaller, for a smoke test
 
 Cases (best of several passes each; ratio = case / baseline, lower is better for times):
 
