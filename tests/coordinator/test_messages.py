@@ -650,6 +650,36 @@ def test_health_scores_and_quorum() -> None:
     assert [coordinator.trainer_healthy(i) for i in ids(6)] == [True] * 4 + [False, True]
 
 
+@pytest.mark.parametrize("witness_nodes", [3, 5])
+def test_health_score_exactly_at_the_quorum_is_healthy_one_below_is_not(witness_nodes: int) -> None:
+    accused = 4
+    for below_quorum, expected_healthy in [(0, True), (1, False)]:
+        coordinator = trained(6, witness_nodes, 2)
+        previous = coordinator.previous_round()
+        assert previous is not None
+        quorum = coordinator.witness_quorum(len(previous.witnesses))
+        assert len(previous.witnesses) == witness_nodes and quorum >= 2  # the precondition
+        # Exactly `quorum - below_quorum` witnesses saw the accused trainer; the others did not.
+        seen_by = quorum - below_quorum
+        everyone_else = [
+            c.id for i, c in enumerate(coordinator.epoch_state.clients) if i != accused
+        ]
+        for witness in previous.witnesses[seen_by:]:
+            witness.participant_bloom = bloom_of((sha256(i.signer) for i in everyone_else), KEYS)
+        node = ids(6)[accused]
+        assert Coordinator.trainer_healthy_score_by_witnesses(node, previous.witnesses) == seen_by
+        assert coordinator.trainer_healthy(node) is expected_healthy
+        proof = CommitteeSelection.from_coordinator(coordinator, -1).get_committee(accused)
+        assert proof.committee is Committee.Trainer
+        if expected_healthy:
+            raises(Kind.InvalidHealthCheck, coordinator.health_check, ids(6)[0], [(node, proof)])
+            assert health_checks_for(coordinator) == []
+        else:
+            assert [n for n, _ in health_checks_for(coordinator)] == [node]
+            assert coordinator.health_check(ids(6)[0], [(node, proof)]) == 1
+            assert coordinator.epoch_state.clients[accused].state is ClientState.Dropped
+
+
 def test_witness_quorum_table() -> None:
     coordinator = Coordinator.zeroed()
     table = {}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 
@@ -184,3 +185,49 @@ def test_quantize_maps_negative_zero_and_nan_by_sign_bit() -> None:
         False,
         True,
     ]
+
+
+# ---- top-k by magnitude, against answers computed without the code under test ----------------
+
+
+def _selected(idx: torch.Tensor, val: torch.Tensor, totalk: int) -> list[dict[int, float]]:
+    """Per block, {index: value} of what `compress` kept (its top-k is unsorted)."""
+    indices = decompress_idx(totalk, idx).reshape(-1, idx.shape[-1] // index_width(totalk))
+    values = val.reshape(indices.shape)
+    return [
+        dict(zip(row_idx.tolist(), row_val.tolist())) for row_idx, row_val in zip(indices, values)
+    ]
+
+
+def test_compress_keeps_the_largest_magnitudes_of_mixed_sign_blocks_by_hand() -> None:
+    x = torch.tensor(
+        [
+            [0.5, -3.0, 2.0, -1.0, 0.25],
+            [-4.0, 1.0, -0.5, 3.5, -3.75],
+        ]
+    )
+    idx, val, _, totalk = compress(x, 2)
+    # Worked by hand: |x| ranks row 0 as -3.0 (1), 2.0 (2); row 1 as -4.0 (0), -3.75 (4).
+    # Top-2 by signed value would be {2.0, 0.5} and {3.5, 1.0}: entirely different.
+    assert _selected(idx, val, totalk) == [{1: -3.0, 2: 2.0}, {0: -4.0, 4: -3.75}]
+
+
+@pytest.mark.parametrize("shape", [(7, 40), (3, 2, 5, 6)])
+def test_compress_matches_a_numpy_magnitude_top_k(shape: tuple[int, ...]) -> None:
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal(shape).astype(np.float32)  # both signs, no ties
+    topk = 5
+    blocks = x.reshape(-1, shape[-2] * shape[-1] if len(shape) > 2 else shape[-1])
+    order = np.argsort(-np.abs(blocks), axis=-1, kind="stable")[:, :topk]
+    expected = [{int(i): float(row[i]) for i in top} for row, top in zip(blocks, order)]
+    signed = np.argsort(-blocks, axis=-1, kind="stable")[:, :topk]
+    assert any(set(a) != set(b) for a, b in zip(order, signed))  # signed top-k would differ
+
+    idx, val, xshape, totalk = compress(torch.from_numpy(x), topk)
+    assert xshape == list(shape) and totalk == blocks.shape[-1]
+    assert _selected(idx, val, totalk) == expected
+    # and what decompresses is x with everything outside each block's top-k zeroed
+    dense = decompress(idx, val, xshape, totalk, torch.float32, "cpu").numpy().reshape(blocks.shape)
+    kept = np.zeros_like(blocks)
+    np.put_along_axis(kept, order, np.take_along_axis(blocks, order, axis=-1), axis=-1)
+    assert np.array_equal(dense, kept)

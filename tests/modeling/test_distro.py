@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
 from psyche.core.batch_id import BatchId
-from psyche.modeling.compression import batch_decompress, compress
+from psyche.modeling.compression import (
+    batch_decompress,
+    compress,
+    decompress_idx,
+    index_width,
+)
 from psyche.modeling.distro import Distro, DistroResult, quantize_results, sorted_variables
 from psyche.modeling.serialized_distro import transmittable_distro_result
 
@@ -297,3 +303,26 @@ def test_apply_matches_upstreams_op_sequence_bit_for_bit() -> None:
             p.add_(p.grad, alpha=-lr)
     for (_, a), (_, b) in zip(params, ref_params):
         assert torch.equal(a, b)
+
+
+def test_generate_sends_each_blocks_largest_magnitude_coefficients() -> None:
+    """The selection checked with numpy against the momentum's DCT coefficients (mixed signs)."""
+    topk = 8
+    params = _params(torch.float32)
+    distro = Distro(params, 0.999, 32, topk)
+    _set_grads(params, 3)
+    results = distro.generate([], 0.0, 1e-3)
+    differs_from_signed = False
+    for delta, result in zip(distro.deltas, results):
+        blocks = distro.transform.encode(delta).numpy().reshape(-1, result.totalk)
+        assert (blocks < 0).any() and (blocks > 0).any()
+        order = np.argsort(-np.abs(blocks), axis=-1, kind="stable")[:, :topk]
+        signed = np.argsort(-blocks, axis=-1, kind="stable")[:, :topk]
+        differs_from_signed |= any(set(a) != set(b) for a, b in zip(order, signed))
+        width = index_width(result.totalk)
+        idx = decompress_idx(result.totalk, result.sparse_idx).reshape(-1, topk)
+        val = result.sparse_val.reshape(-1, topk).numpy()
+        assert result.sparse_idx.shape[-1] == topk * width
+        for row, top, got_idx, got_val in zip(blocks, order, idx.tolist(), val):
+            assert dict(zip(got_idx, got_val.tolist())) == {int(i): float(row[i]) for i in top}
+    assert differs_from_signed  # the precondition: a signed top-k would have chosen otherwise
