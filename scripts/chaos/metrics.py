@@ -103,7 +103,10 @@ def lost_per_fault(
 @dataclass
 class ModelAgreement:
     identical: bool
+    """No disagreement was found and at least one epoch was compared (nothing compared is no
+    evidence of agreement)."""
     epochs_checked: int
+    """Epochs whose cooldown hash was logged by two clients or more."""
     joiners_checked: int
     problems: list[str] = field(default_factory=list)
 
@@ -133,7 +136,10 @@ def model_agreement(clients: Mapping[str, Sequence[Event]]) -> ModelAgreement:
                     f"{name} loaded {e['model_hash'][:12]} in epoch {e['epoch']}, "
                     f"peers had {sorted(h[:12] for h in expected)}"
                 )
-    return ModelAgreement(not problems, len(by_epoch), joiners, problems)
+    checked = sum(1 for hashes in by_epoch.values() if len(hashes) >= 2)
+    if checked == 0:
+        problems.append("no epoch's cooldown hash was logged by two clients: nothing compared")
+    return ModelAgreement(not problems, checked, joiners, problems)
 
 
 def applied_agreement(clients: Mapping[str, Sequence[Event]]) -> list[str]:

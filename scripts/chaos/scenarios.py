@@ -338,6 +338,7 @@ class ScenarioResult:
     dropped: int
     rejoins: list[dict[str, Any]]
     models_identical: bool
+    epochs_checked: int
     model_problems: list[str]
     applied_problems: list[str]
     unexpected_exits: list[str]
@@ -567,6 +568,7 @@ def _result(scenario: Scenario, ctx: Context, t0: float, t1: float) -> ScenarioR
         dropped=counts.get("dropped-restart", 0),
         rejoins=rejoins,
         models_identical=agreement.identical,
+        epochs_checked=agreement.epochs_checked,
         model_problems=agreement.problems,
         applied_problems=metrics.applied_agreement(clients),
         unexpected_exits=[

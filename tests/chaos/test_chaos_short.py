@@ -103,6 +103,7 @@ def test_no_process_falls_over(run: dict[str, Any]) -> None:
 
 def test_honest_models_stay_identical(run: dict[str, Any]) -> None:
     result = run["result"]
+    assert result.epochs_checked >= 1, result.model_problems  # no cooldown compared proves nothing
     assert result.models_identical, result.model_problems
     assert not result.applied_problems, result.applied_problems
 

@@ -62,6 +62,7 @@ def test_honest_models_stay_identical_without_the_offenders_batches(run: dict[st
     from metrics import of
 
     result = run["result"]
+    assert result.epochs_checked >= 1, result.model_problems  # no cooldown compared proves nothing
     assert result.models_identical and not result.applied_problems, result
     offender = client_short_id(ADVERSARY)
     nodes = run["nodes"]
@@ -73,11 +74,15 @@ def test_honest_models_stay_identical_without_the_offenders_batches(run: dict[st
         if name.startswith("client-")
         for e in of(evs, "trained_batch")
     }
+    offered = 0
     for e in of(events, "round_start"):
         for assignment in e["assignments"]:
             batch, _, owner = assignment.rpartition("=")
             if owner == offender and e["step"] + 2 in applied:
+                offered += 1
                 assert batch not in applied[e["step"] + 2], (e["step"], batch)
+    # the offender was given work whose round was applied: its results were there to refuse
+    assert offered >= 1
     for step, batches in applied.items():
         assert all((step - 2, b) in trained for b in batches), (step, batches)
 

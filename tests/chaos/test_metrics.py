@@ -67,6 +67,27 @@ def test_model_agreement_and_joiners() -> None:
     assert "differ" in model_agreement(split).problems[0]
 
 
+def test_model_agreement_needs_an_epoch_compared() -> None:
+    """No cooldown at all, or one logged by a single client, is no evidence of agreement."""
+    nothing = model_agreement({"c1": [], "c2": []})
+    assert not nothing.identical and nothing.epochs_checked == 0
+    assert "nothing compared" in nothing.problems[0]
+    alone = model_agreement(
+        {
+            "c1": [ev("cooldown_model", 1, epoch=0, model_hash="h0")],
+            "c2": [ev("cooldown_model", 2, epoch=1, model_hash="h1")],
+        }
+    )
+    assert not alone.identical and alone.epochs_checked == 0
+    two = model_agreement(
+        {
+            "c1": [ev("cooldown_model", 1, epoch=0, model_hash="h0")],
+            "c2": [ev("cooldown_model", 1, epoch=0, model_hash="h0")],
+        }
+    )
+    assert two.identical and two.epochs_checked == 1 and two.problems == []
+
+
 def test_applied_agreement() -> None:
     a = [ev("applied_results", 1, step=3, batches=["B[0, 1]", "B[2, 3]"])]
     b = [ev("applied_results", 1, step=3, batches=["B[2, 3]", "B[0, 1]"])]

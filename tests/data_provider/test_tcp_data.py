@@ -168,28 +168,36 @@ async def test_server_gone_mid_request_then_back(local: LocalDataProvider) -> No
 
 
 async def test_allow_file_is_followed(
-    tmp_path: Path, local: LocalDataProvider, monkeypatch
+    tmp_path: Path, local: LocalDataProvider, monkeypatch, caplog
 ) -> None:
     monkeypatch.setattr("psyche.data_provider.server.ALLOW_FILE_POLL_SECONDS", 0.02)
     a, b = SecretKey.generate(), SecretKey.generate()
     allow = tmp_path / "allow.txt"
     allow.write_text(f"# run clients\n{a.public_key.hex()}\n")
     assert read_allow_file(allow) == {a.public_key}
+
+    async def until(predicate) -> None:
+        with trio.fail_after(20):
+            while not predicate():
+                await trio.sleep(0.02)
+
     async with (
         DataProviderTcpServer.start(local, host="127.0.0.1") as server,
         trio.open_nursery() as nursery,
     ):
-        nursery.start_soon(watch_allow_file, server, allow, set())
-        await trio.sleep(0.1)
-        assert server.is_allowed(a.public_key) and not server.is_allowed(b.public_key)
-        allow.write_text(f"{b.public_key.hex()}\n")
-        with trio.fail_after(3):
-            while not server.is_allowed(b.public_key):
-                await trio.sleep(0.02)
         assert not server.is_allowed(a.public_key)
-        allow.write_text("not a key\n")  # a broken file keeps the last good list
-        await trio.sleep(0.1)
-        assert server.is_allowed(b.public_key)
+        nursery.start_soon(watch_allow_file, server, allow, set())
+        await until(lambda: server.is_allowed(a.public_key))
+        assert not server.is_allowed(b.public_key)
+        allow.write_text(f"{b.public_key.hex()}\n")
+        await until(lambda: server.is_allowed(b.public_key))
+        assert not server.is_allowed(a.public_key)
+        # A broken file keeps the last good list: wait until the watcher has read it (it says
+        # so), then look.
+        with caplog.at_level("WARNING", logger="psyche.data_provider.server"):
+            allow.write_text("not a key\n")
+            await until(lambda: "cannot read allowlist" in caplog.text)
+        assert server.is_allowed(b.public_key) and not server.is_allowed(a.public_key)
         nursery.cancel_scope.cancel()
 
 
