@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
+
+from .upstream_data import UpstreamData
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -34,12 +33,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(scope="session")
-def upstream_data() -> Path:
-    """Upstream's reference files (`PSYCHE_UPSTREAM_DATA`); skips when they are not available."""
-    location = os.environ.get("PSYCHE_UPSTREAM_DATA")
-    if not location:
-        pytest.skip("PSYCHE_UPSTREAM_DATA is not set (upstream reference data not available)")
-    path = Path(location)
-    if not path.is_dir():
-        pytest.skip(f"PSYCHE_UPSTREAM_DATA={location} is not a directory")
-    return path
+def upstream_data() -> UpstreamData:
+    """Upstream's reference files: skips when `PSYCHE_UPSTREAM_DATA` is unset, fails when it is
+    set and something is missing (see tests/upstream_data.py)."""
+    return UpstreamData.from_environment()

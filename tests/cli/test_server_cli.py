@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from ..upstream_data import UpstreamData
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -66,10 +68,10 @@ def test_cli_start_does_not_import_heavy_packages() -> None:
     assert json.loads(result.stdout) == []
 
 
-def test_every_upstream_config_validates(upstream_data: Path) -> None:
-    for state in sorted((upstream_data / "config").glob("*/*.toml")):
-        if state.name == "data.toml":
-            continue
+def test_every_upstream_config_validates(upstream_data: UpstreamData) -> None:
+    states = [p for p in upstream_data.glob("config", "*/*.toml") if p.name != "data.toml"]
+    assert len(states) >= 11
+    for state in states:
         args = ["validate-config", "--state", str(state)]
         data = state.parent / "data.toml"
         if data.exists():

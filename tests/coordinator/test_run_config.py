@@ -25,6 +25,8 @@ from psyche.coordinator.run_config import (
 )
 from psyche.core.definitions import LearningRateSchedule, OptimizerDefinition
 
+from ..upstream_data import UpstreamData
+
 REPO = Path(__file__).resolve().parents[2]
 
 # The two examples of the run-configuration documentation, values only: the first with upstream's
@@ -435,8 +437,8 @@ def test_batch_size_warmup_matches_upstream_rounding() -> None:
 # ---- upstream's own files ----------------------------------------------------------------------
 
 
-def test_every_upstream_config_loads(upstream_data: Path) -> None:
-    paths = sorted((upstream_data / "config").glob("*/*.toml"))
+def test_every_upstream_config_loads(upstream_data: UpstreamData) -> None:
+    paths = upstream_data.glob("config", "*/*.toml")
     state_files = [p for p in paths if p.name != "data.toml"]
     assert len(state_files) >= 11
     for path in state_files:
@@ -448,8 +450,8 @@ def test_every_upstream_config_loads(upstream_data: Path) -> None:
             assert loaded.is_state_file and loaded.run_id
 
 
-def test_consilience_values(upstream_data: Path) -> None:
-    loaded = load_run_config(upstream_data / "config" / "consilience" / "state.toml")
+def test_consilience_values(upstream_data: UpstreamData) -> None:
+    loaded = load_run_config(upstream_data.path("config", "consilience", "state.toml"))
     assert loaded.run_id == "consilience-40b"
     assert loaded.llm.architecture is LLMArchitecture.HfDeepseek
     assert loaded.llm.cold_start_warmup_steps == 100
@@ -462,10 +464,8 @@ def test_consilience_values(upstream_data: Path) -> None:
     assert isinstance(loaded.llm.data_location, LLMTrainingDataLocation.WeightedHttp)
 
 
-def test_documented_examples_from_the_reference_docs(upstream_data: Path) -> None:
-    doc = upstream_data.parent / "reference" / "psyche-run-config.md"
-    if not doc.is_file():
-        pytest.skip("the reference docs are not beside the upstream data")
+def test_documented_examples_from_the_reference_docs(upstream_data: UpstreamData) -> None:
+    doc = upstream_data.path("..", "reference", "psyche-run-config.md")  # kept beside the data
     blocks = re.findall(r"```toml\n(.*?)```", doc.read_text(), flags=re.S)
     assert len(blocks) == 2
     loaded = parse_run_config(read_toml_text("\n".join(blocks)), doc)

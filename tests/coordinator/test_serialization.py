@@ -37,6 +37,8 @@ from psyche.core import MerkleRoot, NodeIdentity
 from psyche.core.numeric import U64_MAX
 from psyche.core.serde import PostcardError, from_bytes, to_bytes
 
+from ..upstream_data import UpstreamData
+
 TEST_STATE = """
 run_id = "test"
 run_state = "WaitingForMembers"
@@ -117,8 +119,8 @@ def test_test_state_encodes_to_upstreams_bytes() -> None:
     assert from_bytes(bytes.fromhex(TEST_STATE_POSTCARD), Coordinator) == coordinator
 
 
-def test_upstream_test_state_file(upstream_data: Path) -> None:
-    coordinator = Coordinator.from_state_toml(upstream_data / "config" / "test" / "state.toml")
+def test_upstream_test_state_file(upstream_data: UpstreamData) -> None:
+    coordinator = Coordinator.from_state_toml(upstream_data.path("config", "test", "state.toml"))
     assert coordinator.to_bytes().hex() == TEST_STATE_POSTCARD
 
 

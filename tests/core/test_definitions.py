@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import sys
 import tomllib
-from pathlib import Path
 
 import pytest
 
@@ -22,6 +21,8 @@ from psyche.core.definitions import (
 )
 from psyche.core.serde import from_bytes, from_obj, to_bytes, to_obj
 from psyche.core.token_size import TokenSize
+
+from ..upstream_data import UpstreamData
 
 EPS = sys.float_info.epsilon
 
@@ -155,9 +156,9 @@ def test_token_size_and_shuffle() -> None:
     assert to_obj(seeded, Shuffle) == {"Seeded": list(range(1, 33))}
 
 
-def test_upstream_configs_schedules_and_optimizers(upstream_data: Path) -> None:
+def test_upstream_configs_schedules_and_optimizers(upstream_data: UpstreamData) -> None:
     loaded = 0
-    for path in sorted((upstream_data / "config").glob("*/*.toml")):
+    for path in upstream_data.glob("config", "*/*.toml"):
         doc = tomllib.loads(path.read_text())
         llm = doc.get("model", {}).get("LLM")
         if llm is None:

@@ -1,10 +1,9 @@
-"""Upstream's own test resources give upstream's expected samples (skipped without
-PSYCHE_UPSTREAM_DATA)."""
+"""Upstream's own test resources give upstream's expected samples (skipped when
+PSYCHE_UPSTREAM_DATA is unset; a failure when it is set and a file is missing)."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -24,23 +23,26 @@ from psyche.data_provider import (
 )
 from psyche.data_provider.static_http import serve_directory
 
+from ..upstream_data import UpstreamData
+
 pytestmark = pytest.mark.anyio
 SEED = bytes(range(1, 33))
 
 
 @pytest.fixture(scope="module")
-def tokenizer(upstream_data: Path):
-    tokenizers = pytest.importorskip("tokenizers")
+def tokenizer(upstream_data: UpstreamData):
+    import tokenizers  # a dependency of psyche-centralized: never a reason to skip
+
     return tokenizers.Tokenizer.from_file(
-        str(upstream_data / "data-provider" / "llama2_tokenizer.json")
+        str(upstream_data.path("data-provider", "llama2_tokenizer.json"))
     )
 
 
 @pytest.mark.parametrize("name", ["dolma", "fineweb"])
 async def test_pretraining_subsets_decode_to_upstreams_text(
-    upstream_data: Path, tokenizer, name: str
+    upstream_data: UpstreamData, tokenizer, name: str
 ) -> None:
-    root = upstream_data / "data-provider" / name
+    root = upstream_data.path("data-provider", name)
     with LocalDataProvider.new_from_directory(
         root / "data", TokenSize.TwoBytes, 2048, Shuffle.Seeded(SEED)
     ) as p:
@@ -51,11 +53,12 @@ async def test_pretraining_subsets_decode_to_upstreams_text(
         decoded = tokenizer.decode(
             sample.input_ids.astype("uint32").tolist(), skip_special_tokens=True
         )
-        assert decoded == (root / "decoded" / f"{i}.txt").read_text(encoding="utf-8")
+        expected = upstream_data.path("data-provider", name, "decoded", f"{i}.txt")
+        assert decoded == expected.read_text(encoding="utf-8")
 
 
-async def test_fineweb_over_http_and_tcp_matches_local(upstream_data: Path) -> None:
-    data = upstream_data / "data-provider" / "fineweb" / "data"
+async def test_fineweb_over_http_and_tcp_matches_local(upstream_data: UpstreamData) -> None:
+    data = upstream_data.path("data-provider", "fineweb", "data")
     with LocalDataProvider.new_from_directory(
         data, TokenSize.TwoBytes, 2048, Shuffle.Seeded(SEED)
     ) as local:
@@ -84,14 +87,19 @@ async def test_fineweb_over_http_and_tcp_matches_local(upstream_data: Path) -> N
             await http.aclose()
 
 
-async def test_hermes3_parquet_rows(upstream_data: Path) -> None:
-    root = upstream_data / "data-provider" / "hermes3"
+async def test_hermes3_parquet_rows(upstream_data: UpstreamData) -> None:
     p = PreprocessedDataProvider.new_from_directory(
-        root / "data", 4096, Shuffle.Seeded(SEED), Split.Train, None
+        upstream_data.path("data-provider", "hermes3", "data"),
+        4096,
+        Shuffle.Seeded(SEED),
+        Split.Train,
+        None,
     )
     samples = await p.get_samples(BatchId(0, 1))
+    assert len(samples) == 2
     for i, sample in enumerate(samples):
-        expected = json.loads((root / "decoded" / f"{i}.json").read_text())
+        decoded = upstream_data.path("data-provider", "hermes3", "decoded", f"{i}.json")
+        expected = json.loads(decoded.read_text())
         assert sample.input_ids.tolist() == expected["inputs"]
         assert sample.labels.tolist() == expected["labels"]
         assert sample.position_ids.tolist() == expected["position_ids"]

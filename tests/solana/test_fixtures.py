@@ -1,11 +1,9 @@
 """Upstream's coordinator account dumps: every value upstream's data-layout test asserts.
 
-Skipped unless PSYCHE_UPSTREAM_DATA points at upstream's reference data.
+Skipped when PSYCHE_UPSTREAM_DATA is unset; a failure when it is set and a dump is missing.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 
@@ -30,10 +28,12 @@ from psyche.solana.state import (
     coordinator_account_to_bytes,
 )
 
+from ..upstream_data import UpstreamData
+
 
 @pytest.fixture(scope="module")
-def v1(upstream_data: Path) -> bytes:
-    return (upstream_data / "solana" / "coordinator-account-v1.so").read_bytes()
+def v1(upstream_data: UpstreamData) -> bytes:
+    return upstream_data.path("solana", "coordinator-account-v1.so").read_bytes()
 
 
 def test_v1_fixture_values(v1: bytes) -> None:
@@ -135,8 +135,8 @@ def test_v1_fixture_reencodes_to_the_same_values(v1: bytes) -> None:
     assert sum(a != b for a, b in zip(data, v1)) <= 32
 
 
-def test_v0_fixture_is_rejected_as_unsupported_layout(upstream_data: Path) -> None:
-    v0 = (upstream_data / "solana" / "coordinator-account-v0.so").read_bytes()
+def test_v0_fixture_is_rejected_as_unsupported_layout(upstream_data: UpstreamData) -> None:
+    v0 = upstream_data.path("solana", "coordinator-account-v0.so").read_bytes()
     assert len(v0) == 119_072
     with pytest.raises(CoordinatorAccountError, match="unsupported layout version") as info:
         coordinator_account_from_bytes(v0)
