@@ -82,6 +82,32 @@ def test_no_withdraw_on_disconnect_when_disabled() -> None:
     assert all(c.state is ClientState.Healthy for c in core.coordinator.epoch_state.clients)
 
 
+def test_a_finished_runs_clients_leave_without_being_withdrawn() -> None:
+    core = started()
+    to_warmup(core)
+    core.coordinator.run_state = RunState.Finished
+    before = core.coordinator.to_bytes()
+    core.on_disconnect(B)  # every client leaves a finished run: nothing changes
+    assert core.coordinator.to_bytes() == before
+    assert list(core.pending_clients) == [A]
+
+
+def test_the_newest_witness_loss_is_kept_for_the_summary() -> None:
+    core = started(quick_coordinator(2, 4, 2))
+    now = to_round_train(core, to_warmup(core))
+    clients = core.coordinator.epoch_state.clients
+    participants = [c.id for c in clients]
+    losses = [float("inf"), 4.5]  # a witness that trained nothing reports inf: not kept
+    for index, (client, loss) in enumerate(zip(clients, losses)):
+        witness = round_witness_for(
+            core.coordinator, index, participants=participants, bloom_keys=range(8)
+        )
+        assert witness is not None
+        data = OpportunisticData.WitnessStep((witness, WitnessMetadata(loss=loss)))
+        core.on_witness(client.id, data, now, 1)
+        assert core.last_reported_loss == (None if index == 0 else 4.5)
+
+
 def test_exited_clients_are_kicked_from_pending_every_tick() -> None:
     core = started()
     now = to_warmup(core, A, B, C)

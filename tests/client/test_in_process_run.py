@@ -172,3 +172,79 @@ def test_two_clients_train_and_a_third_joins_from_peers(
     assert applied and all(len(v) == 1 for v in applied.values())
     losses = [f["loss"] for f in fields(records, "client_loss") if f["trained"]]
     assert losses and all(np.isfinite(losses))
+
+
+# ---- the end of a run ------------------------------------------------------------------------
+
+
+async def run_client_until_finished(
+    server: InProcessServer, number: int, checkpoint_dir: Path | None
+) -> Client:
+    """A client that must end by itself (its `run()` returns) once the run is Finished."""
+    from psyche.client.cooldown import CheckpointConfig
+
+    key = SecretKey.from_bytes(number.to_bytes(32, "big"))
+    identity = NodeIdentity.from_single_key(key.public_key)
+    checkpoint = None if checkpoint_dir is None else CheckpointConfig(checkpoint_dir)
+    config = NetworkConfig(run_id=RUN_ID, secret_key=key, bind_host="127.0.0.1")
+    async with (
+        NetworkConnection.open(config, broadcast_type=Broadcast) as network,
+        server.connect(identity, RUN_ID) as backend,
+    ):
+        client = Client(
+            backend, network, RunInitConfig(identity, key, device="cpu", checkpoint=checkpoint)
+        )
+        await client.run()
+    return client
+
+
+def test_clients_end_by_themselves_at_finished_and_keep_the_final_model(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    caplog.set_level(logging.INFO, logger="psyche")
+    preload_modeling()
+    model_dir, data_dir = write_run(tmp_path)
+    state = coordinator(model_dir, data_dir)
+    state.config.total_steps = 4
+    server = InProcessServer(state)
+    checkpoints = tmp_path / "checkpoints"
+    clients: dict[int, Client] = {}
+
+    async def one(number: int, checkpoint_dir: Path | None) -> None:
+        clients[number] = await run_client_until_finished(server, number, checkpoint_dir)
+
+    async def scenario() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server.run)
+            with trio.fail_after(120):  # both return by themselves
+                async with trio.open_nursery() as both:
+                    both.start_soon(one, 1, checkpoints)
+                    both.start_soon(one, 2, None)
+            nursery.cancel_scope.cancel()
+
+    trio.run(scenario)
+    assert server.coordinator.run_state is RunState.Finished
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    summaries = {f["client_id"]: f for f in fields(caplog.records, "run_finished")}
+    assert len(summaries) == 2
+    final_step = server.coordinator.progress.step - 1
+    first = summaries[str(clients[1].identity)]
+    assert first["checkpoint"] == str(checkpoints / f"{RUN_ID}-step{final_step}")
+    assert first["trained"] and first["final_loss"] is not None
+    assert summaries[str(clients[2].identity)]["checkpoint"] is None
+    # what the summary names is a Hugging Face checkpoint of the model the run ended with
+    loaded = AutoModelForCausalLM.from_pretrained(first["checkpoint"], local_files_only=True)
+    trainer = clients[1].machine.trainer  # type: ignore[union-attr]
+    live = {name: p.detach() for name, p in trainer.model.variables()}
+    saved = dict(loaded.named_parameters())
+    assert live.keys() <= saved.keys()
+    for name, tensor in live.items():
+        assert torch.equal(saved[name].to(torch.bfloat16), tensor.to(torch.bfloat16)), name
+    # every trained step printed one progress line, "no batch" rounds said so
+    progress = [f for f in fields(caplog.records, "client_loss")]
+    assert progress and all(f["total_steps"] == 4 for f in progress)
+    texts = [r.psyche_text for r in caplog.records if r.getMessage() == "client_loss"]
+    assert all(t.startswith("step ") and "/4 (epoch " in t for t in texts), texts
+    assert all(("no batch this round" in t) == (not f["trained"]) for t, f in zip(texts, progress))

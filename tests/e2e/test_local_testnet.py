@@ -53,7 +53,7 @@ def test_headless_testnet_runs_an_epoch(
     text = run.text()
     losses = {
         (int(m.group(1)), int(m.group(2)))
-        for m in re.finditer(r"\[client-(\d)\] .*client_loss .*step=(\d+) loss=\d", text)
+        for m in re.finditer(r"\[client-(\d)\] .*: step (\d+)/\d+ \(epoch \d+\): loss \d", text)
     }
     steps = int(end.group(1))
     assert steps >= 2

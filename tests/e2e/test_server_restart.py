@@ -98,7 +98,7 @@ def test_server_restart_resumes_at_the_saved_step(
         text = client.text()
         losses = {
             (int(e), int(s)): float(v)
-            for e, s, v in re.findall(r"client_loss .*epoch=(\d+) step=(\d+) loss=([\d.]+)", text)
+            for s, e, v in re.findall(r"step (\d+)/\d+ \(epoch (\d+)\): loss ([\d.]+)", text)
         }
         first.append(losses[(0, 1)])
         after_restart = {s: v for (e, s), v in losses.items() if e == 1}

@@ -1,5 +1,6 @@
 """A stand-in for `psyche-client train` in the local testnet's tests: it joins the run with the key
-from RAW_IDENTITY_SECRET_KEY and prints every state it receives (it does not train)."""
+from RAW_IDENTITY_SECRET_KEY and prints every state it receives (it does not train). Like the
+real client it exits 0 once the run is Finished; `--exit-with N` makes it exit N at once."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import sys
 import trio
 
 from psyche.centralized.client import BackendDisconnected, CentralizedBackend
+from psyche.coordinator.coordinator import RunState
 from psyche.core.identity import SecretKey
 
 
@@ -20,9 +22,13 @@ async def main() -> int:
     parser.add_argument("--run-id", required=True)
     parser.add_argument("--server-addr", required=True)
     parser.add_argument("--logs", default="console")
+    parser.add_argument("--exit-with", type=int)
     args, rest = parser.parse_known_args()
     key = SecretKey.from_hex(os.environ["RAW_IDENTITY_SECRET_KEY"])
     print(f"standin key={key.public_key.hex()} logs={args.logs} extra={rest}", flush=True)
+    if args.exit_with is not None:
+        return int(args.exit_with)
+    code = 0
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
 
@@ -40,7 +46,8 @@ async def main() -> int:
                         state = await backend.wait_for_new_state()
                     except BackendDisconnected as e:
                         print(f"standin lost the server: {e}", flush=True)
-                        return 1
+                        code = 1
+                        break
                     summary = (state.run_state.name, state.progress.step, state.progress.epoch)
                     if summary != last:
                         last = summary
@@ -49,7 +56,11 @@ async def main() -> int:
                             f"clients={len(state.epoch_state.clients)}",
                             flush=True,
                         )
-    return 0
+                    if state.run_state is RunState.Finished:
+                        print("standin: the run is finished", flush=True)
+                        break
+            nursery.cancel_scope.cancel()
+    return code
 
 
 if __name__ == "__main__":

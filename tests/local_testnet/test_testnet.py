@@ -126,27 +126,35 @@ def test_server_and_client_commands(tmp_path: Path) -> None:
         "--server-port", "20000", "--tui", "false", "--data-config", str(config / "data.toml"),
         "--events-dir", "ev",
     )  # fmt: skip
-    assert server.env == (("RUST_LOG", "warn,psyche=debug"),)
+    assert server.env == (("RUST_LOG", "warn,psyche=info"),)  # debug only when asked
     first, second = plan.client_command(1), plan.client_command(2)
     assert dict(first.env) == {
         "HF_TOKEN": "tok",
-        "METRICS_LOCAL_PORT": "6269",
-        "RUST_LOG": "warn,psyche=debug",
+        "RUST_LOG": "warn,psyche=info",
         "RUST_BACKTRACE": "1",
         "RAW_IDENTITY_SECRET_KEY": identity_secret_key_hex(1),
     }
     assert first.argv == (
         "psyche-client", "train", "--run-id", "r", "--server-addr", "localhost:20000",
-        "--logs", "console", "--checkpoint-dir", "./checkpoints", "--hub-repo", "me/repo",
+        "--logs", "console", "--checkpoint-dir", "checkpoints", "--hub-repo", "me/repo",
         "--write-log", "logs/x/client-1.txt", "--optim-stats-steps", "5",
         "--eval-tasks", "hellaswag", "--events-dir", "ev",
     )  # fmt: skip
-    assert "--hub-repo" not in second.argv  # only the first client checkpoints
-    assert dict(second.env)["METRICS_LOCAL_PORT"] == "6270"
-    assert first.shell().startswith("HF_TOKEN=tok METRICS_LOCAL_PORT=6269 RUST_LOG=")
-    assert "'warn,psyche=debug'" not in first.shell()  # no quoting needed for this one
+    # only the first client checkpoints (the run's final model is kept by default)
+    assert "--hub-repo" not in second.argv and "--checkpoint-dir" not in second.argv
+    assert first.shell().startswith("HF_TOKEN=tok RUST_LOG=")
+    assert "'warn,psyche=info'" not in first.shell()  # no quoting needed for this one
     tui = TestnetPlan(num_clients=1, config_path=config, run_id="r", python="/py")
     assert "--logs tui" in " ".join(tui.client_command(1).argv)
+    assert tui.client_command(1).argv[-2:] == ("--checkpoint-dir", "checkpoints")
+    elsewhere = TestnetPlan(
+        num_clients=1, config_path=config, run_id="r", python="/py", checkpoint_dir=Path("m")
+    )
+    assert elsewhere.client_command(1).argv[-2:] == ("--checkpoint-dir", "m")
+    nowhere = TestnetPlan(
+        num_clients=1, config_path=config, run_id="r", python="/py", checkpoint_dir=None
+    )
+    assert "--checkpoint-dir" not in nowhere.client_command(1).argv
 
 
 def test_random_kill_choice_and_log_dir_name() -> None:
@@ -249,6 +257,72 @@ def test_headless_runs_server_and_clients_and_stops_them_all(tmp_path: Path) -> 
     ]
     assert "standin state=" in (log_dir / "client-1.txt").read_text()
     assert "serving run" in (log_dir / "server.txt").read_text()
+
+
+def finishing_config(tmp_path: Path) -> Path:
+    """FAST_STATE with one step and short timings: the run is Finished a few seconds in."""
+    config = fast_config(tmp_path)
+    text = (config / "state.toml").read_text()
+    for key, value in (("warmup_time", 2), ("total_steps", 1)):
+        text = re.sub(rf"(?m)^{key} = .*$", f"{key} = {value}", text)
+    (config / "state.toml").write_text(text)
+    return config
+
+
+def test_headless_ends_by_itself_when_the_run_finishes(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "psyche.cli.local_testnet", "start", "--num-clients", "2",
+         "--config-path", str(finishing_config(tmp_path)), "--server-port", str(free_port()),
+         "--headless", "--client-program", STANDIN_PROGRAM],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    text = result.stdout + result.stderr
+    assert result.returncode == 0, text
+    for number in (1, 2):
+        assert f"[client-{number}] standin: the run is finished" in text
+        assert f"[client-{number}] exited with code 0" in text
+    assert "[server] exited with code 0" in text
+    # the server's summary (the step counts from 1 in a state file: one step ends at step 2)
+    assert "[server] " in text and "run 'testnet-test' finished at step 2 of 1" in text
+    last = result.stdout.strip().splitlines()[-1]
+    assert re.fullmatch(
+        r"\[testnet\] done in \d+s: the server and 2 clients exited 0; client-1 saved the "
+        rf"model under {re.escape(str(tmp_path / 'checkpoints'))}",
+        last,
+    ), last
+    pids = [int(p) for p in re.findall(r"started \(pid (\d+)\)", text)]
+    assert len(pids) == 3 and not any(alive(pid) for pid in pids)
+
+
+def test_headless_names_the_processes_that_failed(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "psyche.cli.local_testnet", "start", "--num-clients", "2",
+         "--config-path", str(fast_config(tmp_path)), "--server-port", str(free_port()),
+         "--headless", "--client-program", STANDIN_PROGRAM, "--client-args", "--exit-with 3"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    text = result.stdout + result.stderr
+    assert result.returncode == 1, text
+    assert result.stdout.strip().splitlines()[-1] == (
+        "[testnet] the run did not end cleanly: server was stopped (it had not exited by "
+        "itself); client-1 exited with code 3; client-2 exited with code 3"
+    )
+
+
+def test_headless_refuses_a_port_in_use(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "psyche.cli.local_testnet", "start", "--num-clients", "1",
+             "--config-path", str(fast_config(tmp_path)), "--server-port", str(port),
+             "--headless", "--client-program", STANDIN_PROGRAM],
+            cwd=tmp_path, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    assert result.returncode == 1
+    assert f"[testnet] error: port {port} (--server-port) is already in use" in result.stdout
+    assert "started (pid" not in result.stdout
 
 
 # ---- tmux ------------------------------------------------------------------------------------

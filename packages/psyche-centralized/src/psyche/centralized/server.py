@@ -14,18 +14,26 @@ What runs while the block is open:
   exits (see `save_state`);
 * with `events_dir`: every distinct state is appended to `coordinator/state.bin` (`events`).
 
+When the run reaches `Finished` (with `exit_when_finished`, the default), the server waits until
+every connected client has disconnected (the clients finish their last checkpoint and exit) or
+`finished_grace` seconds have passed, then ends the block by itself: the block's body is
+cancelled, the state saved and a summary logged, and `async with` returns normally. A server
+started on a state that is already Finished ends at once. Upstream's server idles until killed.
+
 A bad frame or a broken handshake closes that one connection (`psyche.network.tcp`); a message
-the coordinator rejects is logged and ignored.
+the coordinator rejects is logged and ignored. A port that cannot be listened on is a
+`ServerStartError` naming which of the two ports it is.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import secrets
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
-from contextlib import AsyncExitStack, asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -62,6 +70,8 @@ if TYPE_CHECKING:  # imported lazily: the data server needs numpy
 log = logging.getLogger(__name__)
 
 TICK_INTERVAL = 0.5
+# How long a finished run's server waits for its clients to leave before it exits anyway.
+FINISHED_GRACE = 60.0
 # Upstream's Coordinator variant index, then the coordinator's own bytes.
 _COORDINATOR_TAG = bytes([ServerToClientMessage.Coordinator.index])
 
@@ -89,6 +99,9 @@ class ServerOptions:
     random_u64: Callable[[], int] = field(default=lambda: secrets.randbits(64))
     # Fetch a Hub checkpoint that is not a local directory before starting (upstream does).
     download_checkpoint: bool = True
+    # End the server's block once the run is Finished and its clients have left.
+    exit_when_finished: bool = True
+    finished_grace: float = FINISHED_GRACE
 
 
 # --------------------------------------------------------------------------------------------
@@ -176,6 +189,12 @@ class CentralizedServer:
         self._last_run_state = core.coordinator.run_state
         # (old, new, epoch, step) of the latest run-state changes, for dashboards and tests.
         self.transitions: deque[tuple[RunState, RunState, int, int]] = deque(maxlen=1000)
+        # Set when the run reaches Finished (at once for a state that was finished already).
+        self.finished = trio.Event()
+        if core.coordinator.run_state is RunState.Finished:
+            self.finished.set()
+        self._disconnected = trio.Event()
+        self._started = time.monotonic()
 
     @property
     def coordinator(self) -> Coordinator:
@@ -205,6 +224,46 @@ class CentralizedServer:
             deadline += interval
             if deadline <= now:  # missed ticks are skipped
                 deadline += ((now - deadline) // interval + 1) * interval
+
+    async def end_when_finished(self, scope: trio.CancelScope) -> None:
+        """Cancel `scope` (the server's block) once the run is Finished and every connected
+        client has left, or `finished_grace` seconds after Finished."""
+        await self.finished.wait()
+        grace = self.options.finished_grace
+        if self.connected_clients():
+            log.info(
+                "the run is finished; waiting up to %.0f s for %d connected clients to leave",
+                grace,
+                len(self.connected_clients()),
+            )
+        with trio.move_on_after(grace):
+            while self.connected_clients():
+                await self._disconnected.wait()
+        if self.connected_clients():
+            log.info(
+                "%d clients still connected %.0f s after the run finished; stopping anyway",
+                len(self.connected_clients()),
+                grace,
+            )
+        scope.cancel()
+
+    def summary(self, saved: Path | None) -> str:
+        """One line about the finished run."""
+        coordinator = self.coordinator
+        progress = coordinator.progress
+        tokens = progress.epoch_start_data_index * coordinator.get_sequence_length()
+        epochs = f"{progress.epoch} epoch" + ("" if progress.epoch == 1 else "s")
+        parts = [epochs, f"{tokens:,} tokens"]
+        if self.core.last_reported_loss is not None:
+            parts.append(f"last loss reported {self.core.last_reported_loss:.4f}")
+        parts.append(f"{_duration(time.monotonic() - self._started)} served")
+        text = (
+            f"run {coordinator.run_id!r} finished at step {progress.step} of "
+            f"{coordinator.config.total_steps} ({', '.join(parts)})"
+        )
+        if saved is not None:
+            text += f"; state saved to {saved}"
+        return text
 
     async def message_loop(self) -> None:
         assert self.tcp is not None
@@ -267,6 +326,8 @@ class CentralizedServer:
         if self.relay.forget(client):
             self.send_peer_endpoints()
         self.post_state_change(broadcast=False)
+        self._disconnected.set()
+        self._disconnected = trio.Event()
 
     def toggle_pause(self) -> None:
         self.core.toggle_pause(self.options.clock())
@@ -288,7 +349,12 @@ class CentralizedServer:
         self.core.after_change()
         coordinator = self.coordinator
         if coordinator.run_state is not self._last_run_state:
-            log.info(
+            # Entering RoundWitness is routine (the step's RoundTrain line stands for it).
+            level = (
+                logging.DEBUG if coordinator.run_state is RunState.RoundWitness else logging.INFO
+            )
+            log.log(
+                level,
                 "run state: %s -> %s (epoch %d, step %d, %d clients)",
                 self._last_run_state.name,
                 coordinator.run_state.name,
@@ -305,6 +371,8 @@ class CentralizedServer:
                 )
             )
             self._last_run_state = coordinator.run_state
+            if coordinator.run_state is RunState.Finished:
+                self.finished.set()
         encoded: bytes | None = None
         if broadcast:
             encoded = coordinator.to_bytes()
@@ -365,9 +433,15 @@ async def open_server(
             from psyche.data_provider import DataProviderTcpServer
 
             stack.callback(provider.close)
-            server.data_server = await stack.enter_async_context(
-                DataProviderTcpServer.start(provider, host=options.data_server_host, port=data_port)
-            )
+            address = _llm(core.coordinator).data_location.value
+            with _naming_the_port(
+                f"the data server's port {data_port} (data_location {address} in the state file)"
+            ):
+                server.data_server = await stack.enter_async_context(
+                    DataProviderTcpServer.start(
+                        provider, host=options.data_server_host, port=data_port
+                    )
+                )
             server.data_server.update_from_coordinator(core.coordinator)
             log.info("training data server listening on port %d", data_port)
         if options.events_dir is not None:
@@ -375,24 +449,52 @@ async def open_server(
 
             server.events = EventsWriter(options.events_dir)
             stack.callback(server.events.close)
-        server.tcp = await stack.enter_async_context(
-            TcpServer.start(
-                to_server=CLIENT_TO_SERVER_CODEC,
-                to_client=SERVER_TO_CLIENT_CODEC,
-                host=options.host,
-                port=options.port,
-                max_receive_frame=options.max_receive_frame,
+        with _naming_the_port(f"the coordinator port {options.port} (--server-port)"):
+            server.tcp = await stack.enter_async_context(
+                TcpServer.start(
+                    to_server=CLIENT_TO_SERVER_CODEC,
+                    to_client=SERVER_TO_CLIENT_CODEC,
+                    host=options.host,
+                    port=options.port,
+                    max_receive_frame=options.max_receive_frame,
+                )
             )
-        )
         nursery = await stack.enter_async_context(trio.open_nursery())
         nursery.start_soon(server.message_loop)
         nursery.start_soon(server.tick_loop)
+        if options.exit_when_finished:
+            nursery.start_soon(server.end_when_finished, nursery.cancel_scope)
         log.info("serving run %r on port %d", core.run_id, server.port)
         try:
             yield server
         finally:
             nursery.cancel_scope.cancel()
-            server.save()
+            saved = server.save()
+            if server.finished.is_set():
+                log.info("%s", server.summary(saved))
+
+
+@contextmanager
+def _naming_the_port(what: str) -> Iterator[None]:
+    """An OSError while listening becomes a `ServerStartError` that says which port."""
+    try:
+        yield
+    except BaseException as e:
+        cause = e
+        while isinstance(cause, BaseExceptionGroup) and len(cause.exceptions) == 1:
+            cause = cause.exceptions[0]
+        if not isinstance(cause, OSError):
+            raise
+        if cause.errno == errno.EADDRINUSE:
+            problem = "is already in use (another server, or another program, listens there)"
+        else:
+            problem = f"cannot be listened on: {cause.strerror or cause}"
+        raise ServerStartError(f"{what} {problem}") from None
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(round(seconds), 60)
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
 
 
 async def run_server(

@@ -3,7 +3,8 @@
 `ServerCore` owns the coordinator and the set of clients waiting to join, and applies upstream's
 rules for every event: a Join with the run's id makes a client pending; witnesses, health checks
 and checkpoints go to the coordinator; a disconnect removes the client from the pending set and,
-with `withdraw_on_disconnect`, withdraws it from the run; every tick first drops exited clients
+with `withdraw_on_disconnect`, withdraws it from the run (not once the run is Finished, when
+every client leaves); every tick first drops exited clients
 from the pending set, then ticks the coordinator. Each handler returns whether the new state must
 be broadcast (upstream's broadcast rules). The trio shell (`server.py`) supplies time, randomness
 and I/O.
@@ -16,6 +17,7 @@ is logged as an error and the server carries on.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 
 from psyche.centralized.save_state import resume_snapshot
@@ -64,6 +66,8 @@ class ServerCore:
     pending_clients: dict[NodeIdentity, None] = field(default_factory=dict)
     # Exited clients the per-tick kick must leave in the pending set (see kick_unhealthy_clients).
     rejoinable: set[NodeIdentity] = field(default_factory=set)
+    # The loss in the newest witness's metadata (for the run summary; the coordinator ignores it).
+    last_reported_loss: float | None = None
 
     @classmethod
     def start(
@@ -106,8 +110,10 @@ class ServerCore:
         before = self.coordinator.run_state
         try:
             match data:
-                case OpportunisticData.WitnessStep((witness, _metadata)):
+                case OpportunisticData.WitnessStep((witness, metadata)):
                     self.coordinator.witness(sender, witness, now)
+                    if math.isfinite(metadata.loss):
+                        self.last_reported_loss = float(metadata.loss)
                 case OpportunisticData.WarmupStep(witness):
                     self.coordinator.warmup_witness(sender, witness, now, random_seed)
         except CoordinatorError as e:
@@ -156,8 +162,8 @@ class ServerCore:
             c.id == sender for c in self.coordinator.epoch_state.exited_clients
         ):
             self.rejoinable.add(sender)
-        if not self.withdraw_on_disconnect:
-            return
+        if not self.withdraw_on_disconnect or self.coordinator.run_state is RunState.Finished:
+            return  # a finished run's clients leave by design: nothing to withdraw them from
         index = self.client_index(sender)
         if index is not None:
             try:

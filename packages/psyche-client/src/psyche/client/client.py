@@ -5,6 +5,10 @@ arrives in one inbox and is handled to completion before the next, as in upstrea
 loop; long work (init, training, payload checks, checkpoints) runs in background tasks that
 post back to the inbox.
 
+The run ends when the coordinator reaches `Finished`: the client completes the last epoch's
+cooldown (its final checkpoint), logs a summary (`run_finished`) and `run()` returns. Upstream's
+client desyncs there; this is a port addition (docs/client.md).
+
     async with NetworkConnection.open(NetworkConfig(run_id, secret_key), broadcast_type=Broadcast) as network:
         await Client(backend, network, RunInitConfig(identity, secret_key)).run()
 """
@@ -17,6 +21,7 @@ import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -24,6 +29,7 @@ import trio
 from psyche.client import core
 from psyche.client.init import InitializedRun, RunInitConfig, init_run
 from psyche.client.logs import log_event
+from psyche.client.stats import format_duration
 from psyche.client.steps import MachineSettings, StepStateMachine
 from psyche.client.training import DataFetcher, OwnResult
 from psyche.coordinator.backend import Backend, EndpointDiscovery, HealthCheck, OpportunisticData
@@ -62,6 +68,7 @@ DOWNLOAD_RETRY_CHECK_SECS = 1.0
 OPPORTUNISTIC_WITNESS_SECS = 0.5
 CHECK_CONNECTION_SECS = 10.0
 GOSSIP_CONNECT_MIN_INTERVAL_SECS = 6.0
+_ROUND_STATES = (RunState.RoundTrain, RunState.RoundWitness)
 
 
 @dataclass(frozen=True)
@@ -159,12 +166,18 @@ class Client:
         self._last_gossip_attempt = -math.inf
         self._known_records: set[bytes] = set()
         self.io = _LoopIO(self)
+        self.finished = False
+        self.final_checkpoint: Path | None = None
+        self._started = time.monotonic()
 
     # ---- running -------------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Run until cancelled or until something fails (the backend goes away, the model cannot
-        be loaded, the client desyncs); failures propagate."""
+        """Run until the coordinator reaches `Finished` (returns once the final checkpoint is
+        written and the summary logged), until cancelled, or until something fails (the
+        backend goes away, the model cannot be loaded, the client desyncs); failures
+        propagate."""
+        self._started = time.monotonic()
         if isinstance(self.backend, EndpointDiscovery):
             record = sign_address_record(self.config.secret_key, self.network.endpoint_addr())
             await self.backend.publish_endpoint(record)
@@ -178,6 +191,9 @@ class Client:
             nursery.start_soon(self._ticker, CHECK_CONNECTION_SECS, "connection")
             async for item in self._inbox:
                 await self._handle(item)
+                if self.finished:
+                    break
+            nursery.cancel_scope.cancel()
 
     def _post(self, item: _Item) -> None:
         self._send.send_nowait(item)
@@ -217,12 +233,18 @@ class Client:
         self._last_state_bytes = encoded
         old = self.coordinator
         if old is None or old.run_state is not state.run_state:
+            before = old.run_state.name if old is not None else "-"
             log_event(
                 logger,
                 "state_change",
+                text=f"run state {before} -> {state.run_state.name} "
+                f"(epoch {state.progress.epoch}, step {state.progress.step})",
+                quiet=old is not None
+                and old.run_state in _ROUND_STATES
+                and state.run_state in _ROUND_STATES,
                 marker=IntegrationTestLogMarker.StateChange,
                 client_id=str(self.identity),
-                old=str(old.run_state.name) if old is not None else "-",
+                old=before,
                 new=state.run_state.name,
                 epoch=state.progress.epoch,
                 step=state.progress.step,
@@ -240,6 +262,9 @@ class Client:
             self.sharable_model.clear_cache()
             self.network.clear_bandwidth_tracking()
         self.coordinator = state
+        if state.run_state is RunState.Finished:
+            await self._finish_run(state)
+            return
         if self.stage == "waiting":
             if state.run_state is RunState.Warmup and any(c.id == self.identity for c in clients):
                 self.stage = "initializing"
@@ -278,6 +303,51 @@ class Client:
         chosen = choose_gossip_peers(participants, neighbors, me, self.rng)
         if chosen:
             self.network.add_peers(chosen)
+
+    # ---- the end of the run --------------------------------------------------------------------
+
+    async def _finish_run(self, state: Coordinator) -> None:
+        """Finish the last epoch's work (the final checkpoint), log the summary, stop."""
+        if self.stage == "running":
+            assert self.machine is not None
+            self.final_checkpoint = await self.machine.finish_run(state)
+        self.finished = True
+        fields = self._summary_fields(state)
+        log_event(logger, "run_finished", text=self._summary(state.run_id, fields), **fields)
+
+    def _summary_fields(self, state: Coordinator) -> dict[str, Any]:
+        machine = self.machine
+        losses = machine.stats.losses if machine is not None else []
+        tokens_per_sec = machine.progress.tokens_per_second() if machine is not None else None
+        return {
+            "client_id": str(self.identity),
+            "step": state.progress.step,
+            "total_steps": state.config.total_steps,
+            "epochs": state.progress.epoch,
+            "trained": self.stage == "running",
+            "final_loss": losses[-1] if losses else None,
+            "tokens_per_sec": None if tokens_per_sec is None else round(tokens_per_sec, 1),
+            "wall_secs": round(time.monotonic() - self._started, 1),
+            "checkpoint": None if self.final_checkpoint is None else str(self.final_checkpoint),
+        }
+
+    def _summary(self, run_id: str, f: dict[str, Any]) -> str:
+        head = f"run {run_id!r} finished at step {f['step']} of {f['total_steps']}"
+        if not f["trained"]:
+            return f"{head}; this client did not train in it"
+        parts = [f"{f['epochs']} epoch" + ("" if f["epochs"] == 1 else "s")]
+        if f["final_loss"] is not None:
+            parts.append(f"final loss {f['final_loss']:.4f}")
+        if f["tokens_per_sec"]:
+            parts.append(f"{f['tokens_per_sec']:,.0f} tok/s")
+        parts.append(f"{format_duration(f['wall_secs'])} in all")
+        if self.final_checkpoint is not None:
+            where = f"model saved to {self.final_checkpoint.absolute()}"
+        elif self.config.checkpoint is None:
+            where = "model not saved (no --checkpoint-dir)"
+        else:
+            where = "no model saved (this client did not train in the last epoch)"
+        return f"{head} ({', '.join(parts)}); {where}"
 
     # ---- init ----------------------------------------------------------------------------------
 
@@ -424,7 +494,7 @@ class Client:
 
     async def _send_witness(self, data: OpportunisticData) -> None:
         await self.backend.send_witness(data)
-        log_event(logger, "witness_sent", kind=data.kind)
+        log_event(logger, "witness_sent", quiet=True, kind=data.kind)
 
     def _sign(self, data_hash: bytes) -> Commitment:
         return Commitment(data_hash, self.config.secret_key.sign(data_hash))
@@ -443,7 +513,7 @@ class Client:
     async def _publish_result(self, result: OwnResult) -> None:
         download = TransmittableDownload.DistroResult(result.payload)
         ticket, size = await self.network.add_downloadable(download, f"distro-result_{result.step}")
-        logger.info(
+        logger.debug(
             "Broadcasting payload batch id %s hash 0x%s (%.3f MB)",
             result.batch_id,
             ticket.hash.hex(),

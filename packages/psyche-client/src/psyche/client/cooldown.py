@@ -159,7 +159,9 @@ class CheckpointJob:
 
 async def write_and_upload(
     job: CheckpointJob, kept_steps: list[int], send_checkpoint: Callable[[Checkpoint], None]
-) -> None:
+) -> Path | None:
+    """Write the checkpoint (then upload it when a hub repo is set); the directory written, or
+    None when the write failed (logged). A failed upload leaves the local copy in place."""
     path = checkpoint_path(job.config, job.run_id, job.step)
     started = time.monotonic()
     try:
@@ -173,13 +175,15 @@ async def write_and_upload(
         )
     except Exception as e:
         logger.error("Writing the checkpoint to %s failed: %s", path, e)
-        return
+        return None
+    secs = time.monotonic() - started
     log_event(
         logger,
         "checkpoint_saved",
+        text=f"saved the model of step {job.step} to {path.absolute()} ({secs:.1f} s)",
         step=job.step,
         path=str(path),
-        secs=round(time.monotonic() - started, 3),
+        secs=round(secs, 3),
     )
     if job.config.hub_repo is not None:
         try:
@@ -188,7 +192,7 @@ async def write_and_upload(
             )
         except Exception as e:
             logger.error("Couldn't upload model to huggingface: %s", e)
-            return
+            return path
         log_event(
             logger,
             "checkpoint_uploaded",
@@ -198,3 +202,4 @@ async def write_and_upload(
         )
         send_checkpoint(Checkpoint.Hub(HubRepo(job.config.hub_repo, revision)))
     cleanup_old_steps(job.config, job.run_id, kept_steps, job.step)
+    return path

@@ -115,6 +115,7 @@ async def init_run(
     log_event(
         logger,
         "loaded_model",
+        text=f"model loaded from {loaded.source} on {device}, hash {model_hash.hex()[:16]}",
         marker=IntegrationTestLogMarker.LoadedModel,
         client_id=str(config.identity),
         epoch=state.progress.epoch,

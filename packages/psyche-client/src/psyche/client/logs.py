@@ -1,10 +1,18 @@
 """Client logging: plain console lines, JSON lines, or (`tui`) the console with a note.
 
 Events that tools read (the loss per round, model hashes, assignments) are logged with
-`log_event(logger, name, **fields)`: the message is the event name and the fields follow as
-`key=value` pairs on the console, or as JSON keys. Upstream marks the same lines with its
-`integration_test_log_marker`; the names here follow upstream's (`client_loss`, `loaded_model`,
-...). Values are rendered with `repr`-free plain text so a line can be split on spaces.
+`log_event(logger, name, **fields)`: the record's message is the event name and the fields
+follow as `key=value` pairs on the console, or as JSON keys. Upstream marks the same lines with
+its `integration_test_log_marker`; the names here follow upstream's (`client_loss`,
+`loaded_model`, ...). Values are rendered with `repr`-free plain text so a line can be split on
+spaces.
+
+The console is for people, JSON for tools. Two keywords of `log_event` shape the console only:
+
+* `text`: what a person reads instead of the name and fields (the per-step progress line, the
+  run summary); JSON lines keep the name and every field.
+* `quiet`: a routine per-round event (`round_start`, `trained_batch`, ...) stays in JSON lines
+  at its level but shows on the console only when its logger is at DEBUG (`RUST_LOG=...debug`).
 """
 
 from __future__ import annotations
@@ -18,13 +26,32 @@ from typing import Any
 
 LOG_MODES = ("tui", "console", "json")
 _FIELDS = "psyche_fields"
+_TEXT = "psyche_text"
+_QUIET = "psyche_quiet"
 
 
 def log_event(
-    logger: logging.Logger, name: str, /, level: int = logging.INFO, **fields: Any
+    logger: logging.Logger,
+    name: str,
+    /,
+    level: int = logging.INFO,
+    *,
+    text: str | None = None,
+    quiet: bool = False,
+    **fields: Any,
 ) -> None:
+    """Log event `name` with `fields` (no field may be called `text` or `quiet`)."""
     if logger.isEnabledFor(level):
-        logger.log(level, name, extra={_FIELDS: fields})
+        logger.log(level, name, extra={_FIELDS: fields, _TEXT: text, _QUIET: quiet})
+
+
+class QuietEventFilter(logging.Filter):
+    """Drops `quiet` events unless their logger is enabled for DEBUG (for console handlers)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not getattr(record, _QUIET, False):
+            return True
+        return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
 
 
 def _plain(value: Any) -> str:
@@ -53,10 +80,14 @@ class ConsoleFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         stamp = time.strftime("%H:%M:%S", time.localtime(record.created))
         text = f"{stamp}.{int(record.msecs):03d} {record.levelname:<5} {record.name}: "
-        text += record.getMessage()
+        human = getattr(record, _TEXT, None)
         fields = getattr(record, _FIELDS, None)
-        if fields:
-            text += " " + " ".join(f"{k}={_plain(v)}" for k, v in fields.items())
+        if human:
+            text += human
+        else:
+            text += record.getMessage()
+            if fields:
+                text += " " + " ".join(f"{k}={_plain(v)}" for k, v in fields.items())
         if record.exc_info:
             text += "\n" + self.formatException(record.exc_info)
         return text
@@ -87,12 +118,17 @@ def setup_logging(mode: str, *, write_log: Path | None = None, level: int = logg
     for handler in list(root.handlers):
         root.removeHandler(handler)
     handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(JsonFormatter() if mode == "json" else ConsoleFormatter())
+    if mode == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(ConsoleFormatter())
+        handler.addFilter(QuietEventFilter())
     root.addHandler(handler)
     if write_log is not None:
         write_log.parent.mkdir(parents=True, exist_ok=True)
         file_handler = logging.FileHandler(write_log, encoding="utf-8")
         file_handler.setFormatter(ConsoleFormatter())
+        file_handler.addFilter(QuietEventFilter())
         root.addHandler(file_handler)
     root.setLevel(level)
     # third-party chatter (libp2p logs every stream at INFO)

@@ -75,3 +75,84 @@ class StatsLogger:
             loss=_no_nan(loss, math.inf),
             efficency=_no_nan(self.efficency(), 0.0),
         )
+
+
+# --------------------------------------------------------------------------------------------
+# Progress a person reads: step N of M, tokens per second, time left
+
+
+@dataclass
+class RunProgress:
+    """The steps this client trained and when, for the progress line and the run summary.
+
+    The time left is the remaining steps at the rate of the last `window` steps; epoch
+    boundaries (warmup, cooldown) inside that window count, so the estimate includes them once
+    the window spans an epoch.
+    """
+
+    window: int = 64
+    recent: deque[tuple[int, float]] = field(default_factory=deque)
+    first: tuple[int, float] | None = None
+    last: tuple[int, float] | None = None
+    tokens: int = 0
+
+    def record(self, step: int, now: float, tokens: int) -> None:
+        """Step `step` (of `tokens` tokens, the whole run's batch) finished at `now`."""
+        if self.first is None:
+            self.first = (step, now)
+        else:
+            self.tokens += tokens
+        self.last = (step, now)
+        self.recent.append((step, now))
+        while len(self.recent) > self.window:
+            self.recent.popleft()
+
+    def seconds_per_step(self) -> float | None:
+        if len(self.recent) < 2:
+            return None
+        (s0, t0), (s1, t1) = self.recent[0], self.recent[-1]
+        if s1 <= s0:
+            return None
+        return (t1 - t0) / (s1 - s0)
+
+    def seconds_left(self, step: int, total_steps: int) -> float | None:
+        per_step = self.seconds_per_step()
+        if per_step is None:
+            return None
+        return max(0, total_steps - step) * per_step
+
+    def tokens_per_second(self) -> float | None:
+        """The run's tokens per second since the first step this client trained."""
+        if self.first is None or self.last is None or self.last[1] <= self.first[1]:
+            return None
+        return self.tokens / (self.last[1] - self.first[1])
+
+
+def format_duration(seconds: float) -> str:
+    """`45s`, `8m20s`, `2h05m`."""
+    whole = max(0, round(seconds))
+    if whole < 60:
+        return f"{whole}s"
+    minutes, secs = divmod(whole, 60)
+    if minutes < 60:
+        return f"{minutes}m{secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m"
+
+
+def progress_text(
+    step: int,
+    total_steps: int,
+    epoch: int,
+    loss: float | None,
+    tokens_per_sec: float | None,
+    seconds_left: float | None,
+) -> str:
+    """The per-step progress line: `step 12/200 (epoch 0): loss 5.6507, 1,229 tok/s, about
+    8m20s left`; a round this client had no batch in says so instead of a loss."""
+    parts = ["no batch this round" if loss is None else f"loss {loss:.4f}"]
+    if tokens_per_sec:
+        parts.append(f"{tokens_per_sec:,.0f} tok/s")
+    if seconds_left is not None:
+        parts.append(f"about {format_duration(seconds_left)} left")
+    return f"step {step}/{total_steps} (epoch {epoch}): " + ", ".join(parts)

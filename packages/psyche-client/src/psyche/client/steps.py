@@ -5,13 +5,15 @@ Training ... -> Cooldown -> Warmup. It owns the trainer and the two round states
 round's work in the background (`training.run_round`, the cooldown extraction) and talks to the
 outside only through a `ClientIO`, whose methods queue work for the client's main loop. Every
 method is called from that loop, one at a time, as upstream's `select!` does.
+
+A `Finished` run state is not applied like the others (upstream desyncs on it): the client
+calls `finish_run`, which completes the last epoch's cooldown and waits for its checkpoint.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +30,7 @@ from psyche.client.cooldown import (
 )
 from psyche.client.logs import log_event
 from psyche.client.round_state import DeserializedPayload, Downloading, PayloadHandle, RoundState
-from psyche.client.stats import StatsLogger
+from psyche.client.stats import RunProgress, StatsLogger, progress_text
 from psyche.client.training import (
     ApplyJob,
     DataFetcher,
@@ -102,6 +104,10 @@ class StepDesync(RuntimeError):
     """The coordinator moved to a state this client cannot follow from where it is."""
 
 
+class FinalCheckpointError(RuntimeError):
+    """The run finished but this client's final checkpoint could not be written."""
+
+
 @dataclass(frozen=True)
 class MachineSettings:
     identity: NodeIdentity
@@ -153,7 +159,12 @@ class StepStateMachine:
         self._cooldown_done: trio.Event | None = None
         self._cooldown_error: BaseException | None = None
         self.step_finish_time: float | None = None
+        self.progress = RunProgress()
         self.pending_uploads = 0
+        self._uploads_idle = trio.Event()
+        self._uploads_idle.set()
+        # step -> the directory its checkpoint was written to (None: the write failed)
+        self.checkpoints: dict[int, Path | None] = {}
         self._kept_steps: list[int] = []
         self._late_warned: tuple[int, int] | None = None
 
@@ -232,6 +243,7 @@ class StepStateMachine:
             log_event(
                 logger,
                 "step_change",
+                quiet=True,
                 old=active.value,
                 new=self.active.value,
                 epoch=state.progress.epoch,
@@ -318,6 +330,7 @@ class StepStateMachine:
         log_event(
             logger,
             "round_start",
+            quiet=True,
             marker=IntegrationTestLogMarker.WitnessElected,
             client_id=str(self.identity),
             epoch=state.progress.epoch,
@@ -370,41 +383,56 @@ class StepStateMachine:
             finished.losses, finished.duration, step_duration, finished.optim_stats
         )
         if log_loss:
+            step, total = self.current.step, state.config.total_steps
+            batch_tokens = state.get_target_global_batch_size(state.current_round())
+            self.progress.record(step, now, batch_tokens * state.get_sequence_length())
+            tokens_per_sec = self.stats.global_tokens_per_second(state) or None
+            seconds_left = self.progress.seconds_left(step, total)
             log_event(
                 logger,
                 "client_loss",
+                text=progress_text(
+                    step, total, state.progress.epoch, loss, tokens_per_sec, seconds_left
+                ),
                 marker=IntegrationTestLogMarker.Loss,
                 client_id=str(self.identity),
                 epoch=state.progress.epoch,
-                step=self.current.step,
-                loss=math.nan if loss is None else loss,
+                step=step,
+                loss=loss,
                 trained=finished.trained,
+                total_steps=total,
+                tokens_per_sec=None if tokens_per_sec is None else round(tokens_per_sec, 1),
+                seconds_left=None if seconds_left is None else round(seconds_left),
             )
 
     def _start_witness(self, state: Coordinator) -> None:
         witness = core.witness_to_send(self.previous, self.current)
         if witness is not None:
-            logger.info("Submitting witness blooms (step %d)", state.progress.step)
+            logger.debug("Submitting witness blooms (step %d)", state.progress.step)
             metadata = self.stats.witness_metadata(state)
             self.io.send_witness(OpportunisticData.WitnessStep((witness, metadata)))
         self.active = ActiveStep.Witness
 
-    def _start_cooldown(self, state: Coordinator) -> None:
+    def _start_cooldown(self, state: Coordinator, *, epoch: int | None = None) -> None:
+        """Freeze the model of the epoch that ended: `state` is the Cooldown state (or the
+        Finished one, with the ended `epoch`); its step is one past the last trained step."""
         self.active = ActiveStep.Cooldown
         done = trio.Event()
         self._cooldown_done = done
         self._cooldown_error = None
-        self.nursery.start_soon(self._cooldown, state, done)
+        epoch = state.progress.epoch if epoch is None else epoch
+        step = state.progress.step - 1
+        self.nursery.start_soon(self._cooldown, state.run_id, epoch, step, done)
 
-    async def _cooldown(self, state: Coordinator, done: trio.Event) -> None:
+    async def _cooldown(self, run_id: str, epoch: int, step: int, done: trio.Event) -> None:
         try:
             variables, live_hash = await trio.to_thread.run_sync(extract_for_sharing, self.trainer)
-            step = state.progress.step - 1
             log_event(
                 logger,
                 "cooldown_model",
+                text=f"epoch {epoch} ended at step {step}: model hash {live_hash.hex()[:16]}",
                 client_id=str(self.identity),
-                epoch=state.progress.epoch,
+                epoch=epoch,
                 step=step,
                 model_hash=live_hash,
                 parameters=len(variables),
@@ -414,13 +442,15 @@ class StepStateMachine:
             if config is not None:
                 job = CheckpointJob(
                     config,
-                    state.run_id,
+                    run_id,
                     step,
                     variables,
                     list(self.settings.extra_files),
                     self.settings.model_config_json,
                     self.settings.tokenizer_json,
                 )
+                if self.pending_uploads == 0:
+                    self._uploads_idle = trio.Event()
                 self.pending_uploads += 1
                 self.nursery.start_soon(self._checkpoint, job)
         except Exception as e:
@@ -430,10 +460,14 @@ class StepStateMachine:
             done.set()
 
     async def _checkpoint(self, job: CheckpointJob) -> None:
+        path = None
         try:
-            await write_and_upload(job, self._kept_steps, self.io.send_checkpoint)
+            path = await write_and_upload(job, self._kept_steps, self.io.send_checkpoint)
         finally:
+            self.checkpoints[job.step] = path
             self.pending_uploads -= 1
+            if self.pending_uploads == 0:
+                self._uploads_idle.set()
 
     async def _finish_cooldown(self) -> None:
         done = self._cooldown_done
@@ -443,6 +477,41 @@ class StepStateMachine:
         if self._cooldown_error is not None:
             error, self._cooldown_error = self._cooldown_error, None
             raise error
+
+    # ---- the end of the run --------------------------------------------------------------------
+
+    async def finish_run(self, state: Coordinator) -> Path | None:
+        """The coordinator reached `Finished` (`state`): end the last epoch as its cooldown
+        would and wait until every checkpoint write has ended.
+
+        A client that was training or witnessing when the Cooldown state went by unseen (the
+        backend hands over only the newest state) finishes the round and runs the cooldown now,
+        for the same epoch and step. Returns the final checkpoint's directory: None when no
+        `--checkpoint-dir` was given or this client did not train in the last epoch. Raises
+        `FinalCheckpointError` when that checkpoint could not be written.
+        """
+        last_epoch, final_step = state.progress.epoch - 1, state.progress.step - 1
+        member = client_index(state, self.identity) is not None
+        if self.active is ActiveStep.Training:
+            await self._finish_training(self.coordinator_state, log_loss=member)
+        if self.active in (ActiveStep.Training, ActiveStep.Witness):
+            if member:
+                self._start_cooldown(state, epoch=last_epoch)
+            else:
+                self._start_warmup()
+        if self.active is ActiveStep.Cooldown:
+            await self._finish_cooldown()
+        await self._uploads_idle.wait()
+        self.coordinator_state = state
+        if self.settings.checkpoint is None or final_step not in self.checkpoints:
+            return None
+        path = self.checkpoints[final_step]
+        if path is None:
+            raise FinalCheckpointError(
+                f"the run finished, but the final checkpoint (step {final_step}) could not be "
+                f"written under {self.settings.checkpoint.checkpoint_dir} (see the error above)"
+            )
+        return path
 
     # ---- periodic check ------------------------------------------------------------------------
 
@@ -465,11 +534,11 @@ class StepStateMachine:
             case core.SendFinished():
                 self.io.broadcast_finished(action)
             case core.SendWitness(witness):
-                logger.info("Sending opportunistic witness (step %d)", self.current.step)
+                logger.debug("Sending opportunistic witness (step %d)", self.current.step)
                 metadata = self.stats.witness_metadata(self.coordinator_state)
                 self.io.send_witness(OpportunisticData.WitnessStep((witness, metadata)))
             case core.SendWarmupWitness(witness):
-                logger.info(
+                logger.debug(
                     "Sending warmup witness (epoch %d)", self.coordinator_state.progress.epoch
                 )
                 self.io.send_witness(OpportunisticData.WarmupStep(witness))

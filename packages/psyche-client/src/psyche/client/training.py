@@ -228,6 +228,7 @@ async def apply_results(trainer: Trainer, job: ApplyJob) -> list[BatchId]:
     log_event(
         logger,
         "applied_results",
+        quiet=True,
         client_id=str(job.identity),
         step=plan.step,
         batches=applied,
@@ -471,7 +472,7 @@ async def _train_one(
     finished: FinishedTraining,
     publish: Callable[[OwnResult], None],
 ) -> None:
-    log_event(logger, "training_started", step=job.step, batch_id=batch_id)
+    log_event(logger, "training_started", quiet=True, step=job.step, batch_id=batch_id)
     timings: dict[str, float] = {}
     out = await trio.to_thread.run_sync(
         lambda: train_batch_exact(
@@ -512,6 +513,7 @@ async def _train_one(
     log_event(
         logger,
         "trained_batch",
+        quiet=True,
         client_id=str(job.identity),
         step=job.step,
         batch_id=batch_id,

@@ -170,7 +170,7 @@ class Downloader:
                     emit(PartComplete())
                     return
             reason = reason or "no address"
-            logger.info("provider %s failed for %s: %s", fmt_short(peer), ticket, reason)
+            logger.debug("provider %s failed for %s: %s", fmt_short(peer), ticket, reason)
             self.provider_failures.append((digest, peer, reason))
             emit(ProviderFailed(peer, reason))
         emit(DownloadError())

@@ -2,10 +2,15 @@
 
 Server: `psyche-server run --state DIR/state.toml --server-port P --tui B [--data-config
 DIR/data.toml] [--events-dir D]`. Client i (1-based): environment `RAW_IDENTITY_SECRET_KEY` =
-64 hex digits of i, `METRICS_LOCAL_PORT` = 6268 + i, `RUST_LOG`, `RUST_BACKTRACE=1`
-(`HF_TOKEN` when given), then `psyche-client train --run-id R --server-addr localhost:P --logs
-tui|console` and the optional flags in upstream's order. Programs run with the testnet's own
-Python (`python -m psyche.cli.server`), so no activated environment is needed in a tmux pane.
+64 hex digits of i, `RUST_LOG`, `RUST_BACKTRACE=1` (`HF_TOKEN` when given), then `psyche-client
+train --run-id R --server-addr localhost:P --logs tui|console` and the optional flags in
+upstream's order. Programs run with the testnet's own Python (`python -m psyche.cli.server`), so
+no activated environment is needed in a tmux pane.
+
+Divergences: upstream also sets `METRICS_LOCAL_PORT` (the port has no local metrics, so the
+client would only warn about it); client 1 always gets `--checkpoint-dir` (`checkpoint_dir`,
+`./checkpoints` by default; upstream only with `--first-client-checkpoint`), so the run's final
+model is kept; and the log default is `warn,psyche=info` (upstream: `psyche=debug`).
 """
 
 from __future__ import annotations
@@ -18,8 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-METRICS_BASE_PORT = 6268
-DEFAULT_LOG = "warn,psyche=debug"
+DEFAULT_LOG = "warn,psyche=info"
+DEFAULT_CHECKPOINT_DIR = Path("checkpoints")
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,8 @@ class TestnetPlan:
     log: str = DEFAULT_LOG
     write_distro_data: Path | None = None
     first_client_checkpoint: str | None = None
+    # Where client 1 saves the model at every epoch end (None: nowhere).
+    checkpoint_dir: Path | None = DEFAULT_CHECKPOINT_DIR
     hf_token: str | None = None
     write_log_dir: Path | None = None
     wandb_project: str | None = None
@@ -95,7 +102,6 @@ class TestnetPlan:
         if self.hf_token is not None:
             env.append(("HF_TOKEN", self.hf_token))
         env += [
-            ("METRICS_LOCAL_PORT", str(METRICS_BASE_PORT + number)),
             ("RUST_LOG", self.log),
             ("RUST_BACKTRACE", "1"),
             ("RAW_IDENTITY_SECRET_KEY", identity_secret_key_hex(number)),
@@ -106,9 +112,14 @@ class TestnetPlan:
         argv += ["--logs", "tui" if self.tui else "console"]
         if self.write_distro_data is not None:
             argv += ["--write-gradients-dir", str(self.write_distro_data)]
-        if self.first_client_checkpoint is not None and number == 1:
-            argv += ["--checkpoint-dir", "./checkpoints", "--hub-repo"]
-            argv.append(self.first_client_checkpoint)
+        if number == 1:
+            checkpoint_dir = self.checkpoint_dir
+            if checkpoint_dir is None and self.first_client_checkpoint is not None:
+                checkpoint_dir = DEFAULT_CHECKPOINT_DIR
+            if checkpoint_dir is not None:
+                argv += ["--checkpoint-dir", str(checkpoint_dir)]
+            if self.first_client_checkpoint is not None:
+                argv += ["--hub-repo", self.first_client_checkpoint]
         for flag, value in (
             ("--wandb-entity", self.wandb_entity),
             ("--wandb-group", self.wandb_group),
@@ -171,8 +182,8 @@ def pick_victims(
 
 
 __all__ = [
+    "DEFAULT_CHECKPOINT_DIR",
     "DEFAULT_LOG",
-    "METRICS_BASE_PORT",
     "Command",
     "TestnetPlan",
     "default_client_program",

@@ -1,19 +1,29 @@
 """`--headless`: the testnet as child processes of this one, for machines without tmux and CI.
 
 Every line a child prints is echoed prefixed with its name (`[server] ...`, `[client-2] ...`) and,
-with `--write-log`, also written to `logs/<start time>/<name>.txt`. Ctrl+C or SIGTERM stops every
-child (SIGINT to its process group, SIGKILL after a grace period); so does the server exiting.
-Random kills interrupt a client the same way and start the same command (same key) again.
+with `--write-log`, also written to `logs/<start time>/<name>.txt`. Random kills interrupt a
+client the same way and start the same command (same key) again.
+
+The testnet ends by itself when the run does: the clients exit once the coordinator reaches
+`Finished` and the server once they have left. When the server (or every client) has exited,
+the others get `exit_grace` seconds to exit on their own and are stopped after that; a server
+that failed, or clients that all exited with one failing, end the testnet at once. The exit code
+is 0 when every process exited 0 by itself, else 1, and the last line names who failed.
+Ctrl+C or SIGTERM stops every child (SIGINT to its process group, SIGKILL after a grace period)
+and exits 0.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -24,6 +34,8 @@ from psyche.cli.local_testnet.commands import Command, TestnetPlan, pick_victims
 
 STOP_GRACE_SECONDS = 10.0
 SERVER_START_TIMEOUT = 120.0
+# How long the rest may take to exit by themselves once the server (or every client) has.
+EXIT_GRACE_SECONDS = 30.0
 
 
 class TestnetError(Exception):
@@ -37,7 +49,14 @@ class Child:
     log_path: Path | None = None
     process: Any = None  # trio.Process
     starts: int = 0
+    # The exit code of its latest process when that process ended by itself (not stopped by us).
+    exit_code: int | None = None
+    stopping: bool = False
     _log: IO[bytes] | None = field(default=None, repr=False)
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.returncode is None
 
 
 class Supervisor:
@@ -46,6 +65,7 @@ class Supervisor:
         self._out = out
         self._log_dir = log_dir
         self.children: list[Child] = []
+        self._changed = trio.Event()
 
     async def start(self, child: Child) -> None:
         env = child.command.environ(dict(os.environ))
@@ -62,14 +82,29 @@ class Supervisor:
             start_new_session=True,
         )
         child.starts += 1
+        child.exit_code = None
+        child.stopping = False
         if child not in self.children:
             self.children.append(child)
         self.echo(child.name, f"started (pid {child.process.pid}): {child.command.shell()}")
         self._nursery.start_soon(self._pump, child, child.process)
+        self._nursery.start_soon(self._watch, child, child.process)
 
     def echo(self, name: str, text: str) -> None:
         self._out.write(f"[{name}] {text}\n")
         self._out.flush()
+
+    async def wait_for_change(self) -> None:
+        """Until a child's process next ends by itself."""
+        await self._changed.wait()
+
+    async def _watch(self, child: Child, process: Any) -> None:
+        code = await process.wait()
+        if child.process is process and not child.stopping:
+            child.exit_code = int(code)
+            self.echo(child.name, f"exited with code {code}")
+            self._changed.set()
+            self._changed = trio.Event()
 
     async def _pump(self, child: Child, process: Any) -> None:
         pending = b""
@@ -96,6 +131,7 @@ class Supervisor:
         if process is None:
             return None
         if process.returncode is None:
+            child.stopping = True
             _signal_group(process.pid, signal.SIGINT)
             with trio.move_on_after(grace):
                 await process.wait()
@@ -123,20 +159,73 @@ def _signal_group(pid: int, signum: int) -> None:
         os.killpg(pid, signum)
 
 
+def port_in_use(port: int, host: str = "0.0.0.0") -> bool:
+    """Whether something listens on (or holds) `port`: a bind there fails. Checking this way
+    sends the server nothing, where a test connection would be an unauthenticated peer it
+    logs."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            return e.errno == errno.EADDRINUSE
+    return False
+
+
 async def wait_for_port(port: int, server: Child, timeout: float = SERVER_START_TIMEOUT) -> None:
     with trio.move_on_after(timeout) as scope:
         while True:
             if server.process.returncode is not None:
                 raise TestnetError(f"the server exited with code {server.process.returncode}")
-            try:
-                stream = await trio.open_tcp_stream("127.0.0.1", port)
-            except OSError:
-                await trio.sleep(0.1)
-                continue
-            await stream.aclose()
-            return
+            if port_in_use(port):
+                return
+            await trio.sleep(0.1)
     if scope.cancelled_caught:
-        raise TestnetError(f"the server did not accept connections on port {port} in {timeout} s")
+        raise TestnetError(f"the server did not listen on port {port} in {timeout} s")
+
+
+async def _wait_for_the_end(
+    supervisor: Supervisor, server: Child, clients: list[Child], grace: float
+) -> None:
+    """Until the run has ended by itself: the server or every client exited, then the rest
+    within `grace` seconds (not waited for when that cannot end well)."""
+    while server.exit_code is None and not all(c.exit_code is not None for c in clients):
+        await supervisor.wait_for_change()
+    if server.exit_code not in (None, 0):
+        supervisor.echo("testnet", "the server failed; stopping the clients")
+        return
+    if server.exit_code is None and any(c.exit_code != 0 for c in clients):
+        supervisor.echo("testnet", "every client has exited, not all of them cleanly; stopping")
+        return
+    with trio.move_on_after(grace):
+        while any(c.exit_code is None for c in (server, *clients)):
+            await supervisor.wait_for_change()
+
+
+def _outcome(
+    supervisor: Supervisor, plan: TestnetPlan, children: list[Child], seconds: float
+) -> int:
+    """The last line (who failed, or where the model is) and the exit code."""
+    failed = []
+    for child in children:
+        if child.exit_code is None:
+            failed.append(f"{child.name} was stopped (it had not exited by itself)")
+        elif child.exit_code != 0:
+            failed.append(f"{child.name} exited with code {child.exit_code}")
+    if failed:
+        supervisor.echo("testnet", f"the run did not end cleanly: {'; '.join(failed)}")
+        return 1
+    clients = len(children) - 1
+    line = f"done in {_duration(seconds)}: the server and {clients} clients exited 0"
+    if plan.checkpoint_dir is not None:
+        line += f"; client-1 saved the model under {plan.checkpoint_dir.absolute()}"
+    supervisor.echo("testnet", line)
+    return 0
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(round(seconds), 60)
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
 
 
 async def run_headless(
@@ -148,16 +237,23 @@ async def run_headless(
     log_dir: Path | None = None,
     out: IO[str] | None = None,
     rng: random.Random | None = None,
+    exit_grace: float = EXIT_GRACE_SECONDS,
 ) -> int:
-    """Run the testnet until Ctrl+C/SIGTERM or until the server exits; the server's exit code
-    (0 when stopped by a signal)."""
+    """Run the testnet until the run ends by itself (0 when every process exited 0, else 1)
+    or until Ctrl+C/SIGTERM (0)."""
     out = out or sys.stdout
     rng = rng or random.Random()
     exit_code = 0
+    started = time.monotonic()
     async with trio.open_nursery() as nursery:
         supervisor = Supervisor(nursery, out, log_dir)
         try:
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                if port_in_use(plan.server_port):
+                    raise TestnetError(
+                        f"port {plan.server_port} (--server-port) is already in use; is another "
+                        "testnet or psyche-server running?"
+                    )
                 server = Child("server", plan.server_command())
                 await supervisor.start(server)
                 supervisor.echo("testnet", f"waiting for the server on port {plan.server_port}")
@@ -168,10 +264,13 @@ async def run_headless(
                 ]
                 for client in clients:
                     await supervisor.start(client)
+                interrupted = False
 
                 async def on_signal(scope: trio.CancelScope) -> None:
+                    nonlocal interrupted
                     async for signum in signals:
                         supervisor.echo("testnet", f"got {signal.Signals(signum).name}; stopping")
+                        interrupted = True
                         scope.cancel()
                         return
 
@@ -179,6 +278,8 @@ async def run_headless(
                     numbers = list(range(1, plan.num_clients + 1))
                     while True:
                         await trio.sleep(random_kill_interval)
+                        if any(c.exit_code is not None for c in supervisor.children):
+                            return  # the run is ending: nothing to restart into
                         for number in pick_victims(
                             numbers, allowed_to_kill, random_kill_num or 0, rng
                         ):
@@ -191,9 +292,16 @@ async def run_headless(
                     watchers.start_soon(on_signal, watchers.cancel_scope)
                     if random_kill_num:
                         watchers.start_soon(random_kills)
-                    exit_code = await server.process.wait()
-                    supervisor.echo("server", f"exited with code {exit_code}")
+                    await _wait_for_the_end(supervisor, server, clients, exit_grace)
                     watchers.cancel_scope.cancel()
+                await supervisor.stop_all()
+                if not interrupted:
+                    exit_code = _outcome(
+                        supervisor,
+                        plan,
+                        [server, *clients],
+                        time.monotonic() - started,
+                    )
         except TestnetError as e:
             supervisor.echo("testnet", f"error: {e}")
             exit_code = 1
@@ -203,4 +311,12 @@ async def run_headless(
     return exit_code
 
 
-__all__ = ["Child", "Supervisor", "TestnetError", "run_headless", "wait_for_port"]
+__all__ = [
+    "EXIT_GRACE_SECONDS",
+    "Child",
+    "Supervisor",
+    "TestnetError",
+    "port_in_use",
+    "run_headless",
+    "wait_for_port",
+]

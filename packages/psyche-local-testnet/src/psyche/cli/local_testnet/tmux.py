@@ -3,21 +3,23 @@
 
 Panes are addressed by the ids tmux returns when they are made, so a user's `base-index` or
 `pane-base-index` setting changes nothing. Random kills send Ctrl+C to a client's pane and type
-the same command (same key) again, as upstream.
+the same command (same key) again, as upstream, until the server has exited.
+
+When the run finishes, the clients and then the server exit by themselves and each pane keeps
+its process's last lines (the run summary) above a shell prompt; leaving tmux ends the session.
 """
 
 from __future__ import annotations
 
 import random
 import shutil
-import socket
 import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from psyche.cli.local_testnet.commands import TestnetPlan, pick_victims
-from psyche.cli.local_testnet.headless import SERVER_START_TIMEOUT, TestnetError
+from psyche.cli.local_testnet.headless import SERVER_START_TIMEOUT, TestnetError, port_in_use
 
 SESSION = "psyche"
 # A detached session has no terminal to take its size from; this fits a dozen client panes.
@@ -80,17 +82,12 @@ def monitor_command() -> str:
 
 def wait_for_port(port: int, timeout: float = SERVER_START_TIMEOUT) -> None:
     deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise TestnetError(
-                    f"the server did not accept connections on port {port} in {timeout} s "
-                    "(see its pane)"
-                ) from None
-            time.sleep(0.1)
+    while not port_in_use(port):
+        if time.monotonic() > deadline:
+            raise TestnetError(
+                f"the server did not listen on port {port} in {timeout} s (see its pane)"
+            )
+        time.sleep(0.1)
 
 
 def run_tmux(
@@ -106,6 +103,11 @@ def run_tmux(
 ) -> Layout:
     tmux = Tmux(socket_name)
     cwd = cwd or Path.cwd()
+    if port_in_use(plan.server_port):
+        raise TestnetError(
+            f"port {plan.server_port} (--server-port) is already in use; is another testnet "
+            "or psyche-server running?"
+        )
     layout = make_layout(tmux, plan.num_clients, cwd)
     try:
         server_cmd = plan.server_command().shell()
@@ -128,6 +130,8 @@ def run_tmux(
             numbers = list(range(1, plan.num_clients + 1))
             while attached.poll() is None:
                 time.sleep(0.5)
+                if not port_in_use(plan.server_port):
+                    break  # the server exited (the run finished): nothing to restart into
                 if time.monotonic() > last_kill + random_kill_interval:
                     last_kill = time.monotonic()
                     for number in pick_victims(numbers, allowed_to_kill, random_kill_num, rng):
