@@ -44,7 +44,7 @@ def test_show_identity_from_a_key_file(tmp_path: Path, capsys: pytest.CaptureFix
     assert KEY1_PUBLIC in capsys.readouterr().out
     path.write_bytes(b"short")
     assert main(["show-identity", "--identity-secret-key-path", str(path)]) == 2
-    assert "32 bytes" in capsys.readouterr().err
+    assert "holds exactly 32 raw bytes, found 5" in capsys.readouterr().err
 
 
 def test_identity_errors(
@@ -54,7 +54,7 @@ def test_identity_errors(
     assert "RAW_IDENTITY_SECRET_KEY" in capsys.readouterr().err
     monkeypatch.setenv("RAW_IDENTITY_SECRET_KEY", "ab" * 31)
     assert main(["show-identity"]) == 2
-    assert "expected 32 bytes, got 31" in capsys.readouterr().err
+    assert "must be 64 hex digits (32 bytes), got 62" in capsys.readouterr().err
     monkeypatch.setenv("RAW_IDENTITY_SECRET_KEY", "zz")
     assert main(["show-identity"]) == 2
 

@@ -4,6 +4,7 @@ preprocessed parquet data, and its `--seed` derivation."""
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 import numpy as np
@@ -110,11 +111,14 @@ def test_psyche_train_runs_and_saves(
     assert model.max_context_length == 32
 
 
-def test_psyche_train_argument_errors(tmp_path: Path) -> None:
-    with pytest.raises(SystemExit, match="needs --distro"):
+def test_psyche_train_argument_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as usage:
         main(["--peers", "2", "--data-path", str(tmp_path)])
-    with pytest.raises(SystemExit, match=r"No training data files.*preprocessed data"):
-        main(["--data-path", str(tmp_path), "--init-config", "tiny"])
+    assert usage.value.code == 2 and "needs --distro" in capsys.readouterr().err
+    assert main(["--data-path", str(tmp_path), "--init-config", "tiny"]) == 1
+    assert re.search(
+        r"psyche-train: error: No training data files.*preprocessed data", capsys.readouterr().err
+    )
 
 
 def test_psyche_train_falls_back_to_preprocessed_parquet(

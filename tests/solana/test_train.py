@@ -203,7 +203,7 @@ def test_bootstrap_peers_parse_and_round_trip(monkeypatch: pytest.MonkeyPatch) -
     [
         ("127.0.0.1:4001", "expected <endpoint id hex>@<host>:<port>"),
         ("zz@127.0.0.1:4001", "not hexadecimal"),
-        ("abcd@127.0.0.1:4001", "32 bytes (64 hex characters), got 2"),
+        ("abcd@127.0.0.1:4001", "must be 64 hex digits (32 bytes), got 4"),
         (f"{PEER.hex()}@127.0.0.1", "expected host:port"),
         (f"{PEER.hex()}@127.0.0.1:99999", "99999"),
         (f"{PEER.hex()}@no-such-host.invalid:1", "cannot resolve"),

@@ -15,11 +15,20 @@ exits then). With `reconnect_timeout`, the backend instead keeps reconnecting fo
 (a restarted server resumes a saved run, see docs/centralized.md), joins again and carries on;
 messages sent while it is disconnected are dropped with a warning, since the coordinator they
 were meant for is gone.
+
+Every wait says what it waits for: "connecting to the coordinator at HOST:PORT" before the first
+attempt, "waiting for the coordinator at HOST:PORT (connection refused; retrying for N s)" at the
+first failure and every `WAIT_REPORT_SECONDS` after, and one line, `BackendDisconnected` (a
+`UserError`), when it gives up. Until this client is in the run's epoch, each new reason it is
+not ("waiting for the run to start: 1 of 2 clients joined", "joining at the next epoch") is
+logged once.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -36,16 +45,22 @@ from psyche.centralized.protocol import (
     ServerToClientMessage,
 )
 from psyche.coordinator.backend import HealthCheck, OpportunisticData
-from psyche.coordinator.coordinator import Coordinator
+from psyche.coordinator.coordinator import Coordinator, RunState
 from psyche.coordinator.model import Checkpoint, LLMTrainingDataLocation
+from psyche.core.cli import UserError
 from psyche.core.node_identity import NodeIdentity
-from psyche.network.tcp import ConnectionClosed, TcpClient, TcpProtocolError
+from psyche.network.tcp import ConnectionClosed, TcpClient, TcpProtocolError, parse_address
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CONNECT_TIMEOUT = 30.0
 # How long the server may take to answer the extension hello.
 EXTENSION_REPLY_TIMEOUT = 10.0
+# One connection attempt (TCP connect, handshake, hello) at most this long: a host that drops
+# the SYN or a listener that never speaks must not outlive the connect timeout.
+ATTEMPT_TIMEOUT = 10.0
+# While connecting fails, say so again this often (and whenever the reason changes).
+WAIT_REPORT_SECONDS = 10.0
 _RETRY_DELAYS = (0.1, 0.2, 0.5, 1.0)
 
 # Errors that mean "this connection is unusable" (a decoding error is a ValueError).
@@ -60,8 +75,65 @@ _CONNECTION_ERRORS = (
 )
 
 
-class BackendDisconnected(ConnectionError):
-    """The coordinator server closed the connection or could not be reached."""
+class BackendDisconnected(ConnectionError, UserError):
+    """The coordinator server closed the connection or could not be reached: the user's to fix
+    (start the server, or point at the right address), so a command reports it in one line."""
+
+
+def describe_connect_error(error: BaseException) -> str:
+    """Why a connection attempt failed, in a few words: the OS's reason (`connection refused`,
+    `no route to host`), a name that does not resolve, or what the peer did."""
+    if isinstance(error, trio.TooSlowError):
+        return "no answer"
+    if isinstance(error, ConnectionClosed | trio.BrokenResourceError | trio.ClosedResourceError):
+        return "the server closed the connection during the handshake"
+    if isinstance(error, TcpProtocolError):
+        return f"not a Psyche coordinator? {error}"
+    for cause in _causes(error):
+        if isinstance(cause, socket.gaierror):
+            return f"cannot resolve the host name ({cause.strerror or cause})"
+        if isinstance(cause, OSError) and cause.errno is not None and cause.errno > 0:
+            return os.strerror(cause.errno).lower()
+    return str(error) or type(error).__name__
+
+
+def _causes(error: BaseException) -> list[BaseException]:
+    """`error`, then what it was raised from and what its groups hold, breadth first."""
+    found: list[BaseException] = []
+    pending = [error]
+    while pending and len(found) < 32:
+        current = pending.pop(0)
+        found.append(current)
+        if isinstance(current, BaseExceptionGroup):
+            pending.extend(current.exceptions)
+        if current.__cause__ is not None:
+            pending.append(current.__cause__)
+    return found
+
+
+def join_wait_message(state: Coordinator, identity: NodeIdentity, joined: int | None) -> str | None:
+    """Why a client that has joined a run is not training yet, for the person watching it; None
+    when it is in the epoch (or the run is over). `joined`: how many clients the server has
+    (None when the server does not say)."""
+    if any(c.id == identity for c in state.epoch_state.clients):
+        return None
+    needed = state.config.init_min_clients
+    match state.run_state:
+        case RunState.Uninitialized:
+            return "waiting for the run to be initialized"
+        case RunState.WaitingForMembers:
+            if joined is None:
+                return f"waiting for the run to start: it starts once {needed} clients have joined"
+            return f"waiting for the run to start: {joined} of {needed} clients joined"
+        case RunState.Paused:
+            return "the run is paused; waiting for it to resume"
+        case RunState.Finished:
+            return None
+        case _:
+            return (
+                f"the run is in epoch {state.progress.epoch} without this client; it joins at "
+                "the next epoch's warmup"
+            )
 
 
 class CentralizedBackend:
@@ -93,6 +165,7 @@ class CentralizedBackend:
         self._peer_endpoints: list[bytes] = []
         self.run_extras: RunExtras | None = None
         self.connections = 0
+        self._join_wait: str | None = None
 
     @classmethod
     @asynccontextmanager
@@ -107,7 +180,12 @@ class CentralizedBackend:
         extensions: bool = True,
     ) -> AsyncIterator[CentralizedBackend]:
         """Connect (retrying for up to `connect_timeout` seconds while the server is not up),
-        join the run, and receive until the block exits."""
+        join the run, and receive until the block exits. A malformed `server_addr` is a
+        `UserError` at once; a server that stays unreachable, `BackendDisconnected`."""
+        try:
+            parse_address(server_addr)
+        except ValueError as e:
+            raise UserError(f"bad coordinator address: {e}") from None
         backend = cls(
             server_addr,
             secret_key,
@@ -176,19 +254,37 @@ class CentralizedBackend:
     # -- connection management
 
     async def _establish(self, timeout: float) -> None:
-        deadline = trio.current_time() + timeout
+        """Connect and join, retrying until `timeout` seconds have passed; say what it waits
+        for at the first failure, every `WAIT_REPORT_SECONDS` and when the reason changes."""
+        start = trio.current_time()
+        deadline = start + timeout
         attempt = 0
+        said: tuple[float, str] | None = None
+        log.info("connecting to the coordinator at %s", self.server_addr)
         while True:
             try:
-                self._conn = await self._connect_and_join()
+                remaining = max(deadline - trio.current_time(), 0.0)
+                with trio.fail_after(max(min(ATTEMPT_TIMEOUT, remaining), 0.1)):
+                    self._conn = await self._connect_and_join()
                 self.connections += 1
                 return
             except _CONNECTION_ERRORS as e:
-                if trio.current_time() >= deadline:
+                reason = describe_connect_error(e)
+                now = trio.current_time()
+                if now >= deadline:
                     raise BackendDisconnected(
-                        f"cannot connect to the coordinator server at {self.server_addr}: {e}"
+                        f"cannot connect to the coordinator at {self.server_addr}: {reason} "
+                        f"(tried for {now - start:.0f} s)"
                     ) from e
-                log.debug("connecting to %s failed (%s); retrying", self.server_addr, e)
+                if said is None or said[1] != reason or now - said[0] >= WAIT_REPORT_SECONDS:
+                    log.info(
+                        "waiting for the coordinator at %s (%s; retrying for %.0f s)",
+                        self.server_addr,
+                        reason,
+                        deadline - now,
+                    )
+                    said = (now, reason)
+                log.debug("connecting to %s failed: %r", self.server_addr, e)
             delay = _RETRY_DELAYS[min(attempt, len(_RETRY_DELAYS) - 1)]
             attempt += 1
             await trio.sleep(min(delay, max(deadline - trio.current_time(), 0)))
@@ -267,11 +363,24 @@ class CentralizedBackend:
             case ServerToClientMessage.Coordinator(state):
                 self._latest = state
                 self._received += 1
+                self._say_join_wait()
                 self._wake()
             case ServerToClientMessage.PeerEndpoints(records):
                 self._peer_endpoints = list(records)
+                self._say_join_wait()
             case ServerToClientMessage.RunExtras(extras):
                 self.run_extras = extras
+
+    def _say_join_wait(self) -> None:
+        """Log why this client is not training yet, once per reason."""
+        if self._latest is None:
+            return
+        # An extension server sends every joined client the others' endpoint records.
+        joined = 1 + len(self._peer_endpoints) if self._extensions else None
+        message = join_wait_message(self._latest, self.identity, joined)
+        if message is not None and message != self._join_wait:
+            log.info("%s", message)
+        self._join_wait = message
 
     def _wake(self) -> None:
         self._changed.set()
@@ -302,4 +411,10 @@ class CentralizedBackend:
             await conn.aclose()
 
 
-__all__ = ["DEFAULT_CONNECT_TIMEOUT", "BackendDisconnected", "CentralizedBackend"]
+__all__ = [
+    "DEFAULT_CONNECT_TIMEOUT",
+    "BackendDisconnected",
+    "CentralizedBackend",
+    "describe_connect_error",
+    "join_wait_message",
+]

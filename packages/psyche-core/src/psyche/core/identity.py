@@ -1,6 +1,8 @@
 """ed25519 keys: what a client signs its challenge response with, and how signatures are checked.
 
-A key file is exactly the 32 raw bytes of the secret key, as upstream writes and reads it.
+A key file is exactly the 32 raw bytes of the secret key, as upstream writes and reads it. Keys
+typed by people (`RAW_IDENTITY_SECRET_KEY`, allowlists, endpoint ids) are hex, parsed by
+`parse_hex_key` alone, so every such input accepts the same forms and fails with the same words.
 """
 
 from __future__ import annotations
@@ -17,6 +19,24 @@ from psyche.core.atomic_file import write_atomically
 SECRET_KEY_LEN = 32
 PUBLIC_KEY_LEN = 32
 SIGNATURE_LEN = 64
+_HEX_DIGITS = frozenset("0123456789abcdefABCDEF")
+
+
+def parse_hex_key(text: str, what: str = "the key", length: int = SECRET_KEY_LEN) -> bytes:
+    """`length` bytes written as `2 * length` hex digits, optionally `0x`-prefixed, surrounding
+    whitespace ignored. A ValueError names `what` and says exactly what is wrong: the first
+    character that is not a hex digit (and where), or how many digits there were."""
+    body = text.strip()
+    offset = 2 if body[:2] in ("0x", "0X") else 0
+    for position, char in enumerate(body[offset:], offset + 1):
+        if char not in _HEX_DIGITS:
+            raise ValueError(
+                f"{what} is not hexadecimal: {char!r} at position {position} is not a hex digit"
+            )
+    digits = len(body) - offset
+    if digits != 2 * length:
+        raise ValueError(f"{what} must be {2 * length} hex digits ({length} bytes), got {digits}")
+    return bytes.fromhex(body[offset:])
 
 
 class SecretKey:
@@ -39,12 +59,9 @@ class SecretKey:
         return cls(Ed25519PrivateKey.from_private_bytes(bytes(raw)))
 
     @classmethod
-    def from_hex(cls, text: str) -> SecretKey:
-        try:
-            raw = bytes.fromhex(text.strip())
-        except ValueError:
-            raise ValueError("secret key hex is not valid hexadecimal") from None
-        return cls.from_bytes(raw)
+    def from_hex(cls, text: str, what: str = "the secret key") -> SecretKey:
+        """64 hex digits, optionally `0x`-prefixed (`parse_hex_key`)."""
+        return cls.from_bytes(parse_hex_key(text, what, SECRET_KEY_LEN))
 
     @classmethod
     def read_file(cls, path: str | os.PathLike[str]) -> SecretKey:

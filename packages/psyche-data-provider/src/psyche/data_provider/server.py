@@ -26,14 +26,12 @@ ALLOW_FILE_POLL_SECONDS = 1.0
 
 
 def parse_key(text: str) -> bytes:
-    text = text.strip()
+    from psyche.core.identity import parse_hex_key
+
     try:
-        key = bytes.fromhex(text)
-    except ValueError:
-        key = b""
-    if len(key) != 32:
-        raise ValueError(f"not an ed25519 public key (64 hex characters): {text!r}")
-    return key
+        return parse_hex_key(text, "the key")
+    except ValueError as e:
+        raise ValueError(f"not an ed25519 public key: {text.strip()!r}: {e}") from None
 
 
 def read_allow_file(path: Path) -> set[bytes]:

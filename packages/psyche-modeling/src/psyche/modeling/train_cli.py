@@ -11,6 +11,13 @@ directory holds no token files it can use, the preprocessed (parquet) provider's
 `--seed S` (a u32) shuffles with upstream's ChaCha8 shuffle under the 32-byte seed
 `[0] * 28 + S.to_bytes(4, "big")` (upstream's example writes the seed's big-endian bytes into the
 last four bytes of a zeroed array), so a seed selects the same order here as in upstream.
+
+The defaults train offline out of the box: the tiny run's model (configs/tiny-cpu/model, a
+config without weights: random init, seed 1337) on its token files (data/tiny-cpu, written by
+scripts/setup.sh), for 200 steps of 8 sequences of 128 tokens with the tiny run's learning
+rate schedule. Upstream's example defaults to a 215M-parameter hub model on
+`--sequence-length 2048 --total-batch 256`; pass those to train it. The default paths are
+found from the repository's root when run anywhere inside it.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from psyche.core.cli import HelpFormatter, UserError, add_verbose_flag, run_command
 from psyche.core.definitions import (
     AdamW,
     CosineLR,
@@ -35,7 +43,11 @@ if TYPE_CHECKING:
     from psyche.core.data_shuffle import Shuffle
     from psyche.modeling.trainer import Batch
 
+PROG = "psyche-train"
 U32_MAX = 0xFFFF_FFFF
+# The tiny run's model and data, relative to the repository's root.
+DEFAULT_MODEL = "configs/tiny-cpu/model"
+DEFAULT_DATA = "data/tiny-cpu"
 
 
 def _u32(text: str) -> int:
@@ -46,10 +58,13 @@ def _u32(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="psyche-train", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="local directory (safetensors weights, or only a config.json: random init) or a "
+        "hub repo id (downloaded unless cached)",
     )
-    p.add_argument("--model", default="emozilla/llama2-215m-init", help="local dir or hub repo id")
     p.add_argument(
         "--init-config",
         help="random init instead of --model: a config.json path or a preset (tiny, 20m, 1b)",
@@ -59,35 +74,84 @@ def build_parser() -> argparse.ArgumentParser:
         default="HfAuto",
         help="HfLlama, HfDeepseek or HfAuto (Torchtitan is not supported yet)",
     )
-    p.add_argument("--data-path", default="data")
-    p.add_argument("--sequence-length", type=int, default=2048)
-    p.add_argument("--token-size", type=int, default=2, choices=(2, 4))
-    p.add_argument("--micro-batch", type=int, default=8)
-    p.add_argument("--total-batch", type=int, default=256)
-    p.add_argument("--beta1", type=float, default=0.9)
-    p.add_argument("--beta2", type=float, default=0.95)
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--eps", type=float, default=1e-8)
-    p.add_argument("--learning-rate", type=float, default=4e-4)
-    p.add_argument("--warmup-steps", type=int, default=500)
-    p.add_argument("--total-steps", type=int, default=25000)
+    p.add_argument(
+        "--data-path",
+        default=DEFAULT_DATA,
+        help="directory of token files (.ds/.npy), or of preprocessed parquet files",
+    )
+    p.add_argument("--sequence-length", type=int, default=128, help="tokens per sequence")
+    p.add_argument(
+        "--token-size", type=int, default=2, choices=(2, 4), help="bytes per token in the files"
+    )
+    p.add_argument("--micro-batch", type=int, default=8, help="sequences per forward pass")
+    p.add_argument("--total-batch", type=int, default=8, help="sequences per step")
+    p.add_argument("--beta1", type=float, default=0.9, help="AdamW beta1")
+    p.add_argument("--beta2", type=float, default=0.95, help="AdamW beta2")
+    p.add_argument("--weight-decay", type=float, default=0.1, help="weight decay")
+    p.add_argument("--eps", type=float, default=1e-8, help="AdamW epsilon")
+    p.add_argument("--learning-rate", type=float, default=3e-3, help="peak learning rate")
+    p.add_argument("--warmup-steps", type=int, default=10, help="linear warmup steps")
+    p.add_argument(
+        "--total-steps", type=int, default=200, help="last step (the cosine schedule's length)"
+    )
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="0 disables clipping")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), bf16, fp32")
-    p.add_argument("--grad-accum-in-fp32", action="store_true")
-    p.add_argument("--compression-chunk", type=int, default=64)
-    p.add_argument("--compression-topk", type=int, default=4)
-    p.add_argument("--compression-decay", type=float, default=0.999)
-    p.add_argument("--distro", action="store_true")
-    p.add_argument("--distro-quantization", action="store_true")
+    p.add_argument(
+        "--grad-accum-in-fp32", action="store_true", help="accumulate gradients in float32"
+    )
+    p.add_argument("--compression-chunk", type=int, default=64, help="DisTrO DCT chunk size")
+    p.add_argument("--compression-topk", type=int, default=4, help="DisTrO values kept per chunk")
+    p.add_argument("--compression-decay", type=float, default=0.999, help="DisTrO momentum decay")
+    p.add_argument("--distro", action="store_true", help="DisTrO instead of AdamW")
+    p.add_argument(
+        "--distro-quantization", action="store_true", help="1-bit DisTrO results (signs)"
+    )
     p.add_argument("--peers", type=int, default=1, help="simulated DisTrO peers (replicas)")
     p.add_argument(
-        "--attn-implementation", default="sdpa", choices=("eager", "sdpa", "flash_attention_2")
+        "--attn-implementation",
+        default="sdpa",
+        choices=("eager", "sdpa", "flash_attention_2"),
+        help="attention kernel",
     )
-    p.add_argument("--start-step", type=int, default=1)
+    p.add_argument("--start-step", type=int, default=1, help="first step (its batch and LR)")
     p.add_argument("--seed", type=_u32, help="shuffle the samples with this seed (a u32)")
     p.add_argument("--save-path", help="write a Hugging Face checkpoint here at the end")
+    add_verbose_flag(p)
     return p
+
+
+def find_repository(start: Path | None = None) -> Path | None:
+    """The nearest directory from `start` (the working directory) up that holds the tiny run's
+    model: the repository's root when run inside it."""
+    here = (start or Path.cwd()).resolve()
+    for directory in (here, *here.parents):
+        if (directory / DEFAULT_MODEL / "config.json").is_file():
+            return directory
+    return None
+
+
+def resolve_defaults(args: argparse.Namespace, start: Path | None = None) -> None:
+    """The default --model and --data-path, relative to the repository's root; a default that
+    is absent is a `UserError` saying how to get it (paths the user gave are left alone)."""
+    if args.model != DEFAULT_MODEL and args.data_path != DEFAULT_DATA:
+        return
+    root = find_repository(start)
+    if args.model == DEFAULT_MODEL and args.init_config is None:
+        if root is None:
+            raise UserError(
+                f"no model at {DEFAULT_MODEL} (the default --model): run {PROG} from the "
+                "repository, or pass --model or --init-config"
+            )
+        args.model = str(root / DEFAULT_MODEL)
+    if args.data_path == DEFAULT_DATA:
+        data = (root or Path.cwd()) / DEFAULT_DATA
+        if not data.is_dir():
+            raise UserError(
+                f"no data at {DEFAULT_DATA} (the default --data-path): run scripts/setup.sh "
+                "(it writes the tiny dataset), or pass --data-path"
+            )
+        args.data_path = str(data)
 
 
 def _optimizer(args: argparse.Namespace) -> OptimizerDefinition:
@@ -131,6 +195,10 @@ def _load_model(args: argparse.Namespace, seed: int):  # type: ignore[no-untyped
         else:
             config = load_config_json(Path(args.init_config))
         return CausalLM.from_config(config, options)
+    model = Path(args.model)
+    if (model / "config.json").is_file() and not any(model.glob("*.safetensors")):
+        # A config without weights (the tiny run's model): random init, as its clients do.
+        return CausalLM.from_config(load_config_json(model / "config.json"), options)
     return CausalLM.from_pretrained(args.model, options)
 
 
@@ -176,7 +244,7 @@ def _open_dataset(args: argparse.Namespace) -> Any:
                 args.data_path, args.sequence_length, shuffle, Split.Train, None
             )
         except DataProviderError as e:
-            raise SystemExit(f"psyche-train: {local_error}; preprocessed data: {e}") from e
+            raise UserError(f"{local_error}; preprocessed data: {e}") from e
     print(f"Loaded preprocessed dataset with {dataset.num_sequences()} samples", flush=True)
     return dataset
 
@@ -217,13 +285,20 @@ def _rows(batch: Batch, start: int, end: int) -> Batch:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """The `psyche-train` command (exit codes and signals: `psyche.core.cli`)."""
+    return run_command(PROG, _main, argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.peers < 1:
-        raise SystemExit("--peers must be at least 1")
+        parser.error("--peers must be at least 1")
     if args.peers > 1 and not args.distro:
-        raise SystemExit("--peers needs --distro (simulated peers exchange DisTrO results)")
+        parser.error("--peers needs --distro (simulated peers exchange DisTrO results)")
     if args.total_batch % args.peers:
-        raise SystemExit("--total-batch must be divisible by --peers")
+        parser.error("--total-batch must be divisible by --peers")
+    resolve_defaults(args)
 
     dataset = _open_dataset(args)
     try:
@@ -248,23 +323,30 @@ def _train(args: argparse.Namespace, dataset: Any) -> int:
         )
     )
     optimizer = _optimizer(args)
-    # Every replica starts from the same weights: same source, same init seed.
-    trainers = [
-        Trainer(
-            _load_model(args, seed=1337),
-            schedule,
-            optimizer,
-            args.micro_batch,
-            grad_accum_in_fp32=args.grad_accum_in_fp32,
-        )
-        for _ in range(args.peers)
-    ]
+    from psyche.modeling.causal_lm import ModelLoadError
+
+    print(f"Loading {args.init_config or args.model}", flush=True)
+    try:
+        # Every replica starts from the same weights: same source, same init seed.
+        trainers = [
+            Trainer(
+                _load_model(args, seed=1337),
+                schedule,
+                optimizer,
+                args.micro_batch,
+                grad_accum_in_fp32=args.grad_accum_in_fp32,
+            )
+            for _ in range(args.peers)
+        ]
+    except ModelLoadError as e:
+        raise UserError(str(e)) from e
     print("Done loading, starting training.", flush=True)
 
     prev: list[list] | None = [] if args.distro else None  # type: ignore[type-arg]
     tokens_per_step = args.total_batch * args.sequence_length
     started = time.perf_counter()
-    step = args.start_step - 1
+    steps_done = 0
+    interrupted = False
     try:
         for step in range(args.start_step, args.total_steps + 1):
             t0 = time.perf_counter()
@@ -273,8 +355,7 @@ def _train(args: argparse.Namespace, dataset: Any) -> int:
             try:
                 batch = _read_batch(dataset, start_id, end_id)
             except DataProviderError as e:
-                print(f"psyche-train: {e}", file=sys.stderr)
-                return 1
+                raise UserError(str(e)) from e
             per_peer = len(batch) // len(trainers)
             outputs = []
             for i, trainer in enumerate(trainers):
@@ -302,13 +383,16 @@ def _train(args: argparse.Namespace, dataset: Any) -> int:
                 f"loss: {loss:.4f}, tokens/s: {tokens_per_step / duration:.0f}",
                 flush=True,
             )
+            steps_done += 1
             if not math.isfinite(loss):
                 print("psyche-train: loss is not finite, stopping", file=sys.stderr)
                 return 1
-    except KeyboardInterrupt:
-        print("interrupted, stopping", file=sys.stderr)
+    except KeyboardInterrupt:  # stop training, keep what was trained (saved with --save-path)
+        from psyche.core.cli import interrupted_by
+
+        print(f"interrupted by {interrupted_by()}, stopping", file=sys.stderr)
+        interrupted = True
     total = time.perf_counter() - started
-    steps_done = step - args.start_step + 1
     if steps_done > 0:
         print(
             f"trained {steps_done} steps in {total:.2f}s, "
@@ -320,6 +404,10 @@ def _train(args: argparse.Namespace, dataset: Any) -> int:
 
         paths = save_checkpoint(trainers[0].model, args.save_path)
         print(f"Saved checkpoint to {args.save_path} ({len(paths)} files)", flush=True)
+    if interrupted:
+        from psyche.core.cli import interrupt_exit_code
+
+        return interrupt_exit_code()
     return 0
 
 

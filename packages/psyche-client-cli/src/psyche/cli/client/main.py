@@ -25,6 +25,9 @@ from psyche.cli.client.train_args import (
     parse_seconds,
     read_identity_secret_key,
 )
+from psyche.core.cli import add_verbose_flag, run_command
+
+PROG = "psyche-client"
 
 DESCRIPTION = """\
 The Psyche training client for centralized runs.
@@ -34,12 +37,22 @@ directory, the Hugging Face hub, or from the other clients), trains its share of
 with DisTrO and exchanges results with the other clients peer to peer.
 
 Every option can also be given in the environment, named in upper snake case
-(--run-id: RUN_ID); the identity key also comes from RAW_IDENTITY_SECRET_KEY (64 hex)."""
+(--run-id: RUN_ID); the identity key also comes from RAW_IDENTITY_SECRET_KEY (64 hex digits).
+Ctrl+C (SIGINT) or SIGTERM stops it (exit 130 / 143). Errors are one line; --verbose (or
+PSYCHE_VERBOSE=1) adds their traceback."""
 
 
 def _add_server_options(parser: argparse.ArgumentParser, env: EnvOptions) -> None:
     add = env.add
     add(parser, "--server-addr", required=True, help="host:port of the coordinator server")
+    add(
+        parser,
+        "--server-connect-timeout",
+        parse=parse_seconds,
+        default=30.0,
+        help="Port extension: at start, keep trying to reach the coordinator server for this "
+        "many seconds, saying so, before giving up",
+    )
     add(
         parser,
         "--server-reconnect-timeout",
@@ -52,7 +65,7 @@ def _add_server_options(parser: argparse.ArgumentParser, env: EnvOptions) -> Non
 
 def build_parser() -> tuple[argparse.ArgumentParser, EnvOptions]:
     parser = argparse.ArgumentParser(
-        prog="psyche-client",
+        prog=PROG,
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -79,6 +92,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, EnvOptions]:
     env = EnvOptions()
     add_train_options(train, env)
     _add_server_options(train, env)
+    add_verbose_flag(parser)
     return parser, env
 
 
@@ -94,23 +108,22 @@ def show_identity(path: Path | None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The `psyche-client` command (exit codes and signals: `psyche.core.cli`)."""
+    return run_command(PROG, _main, argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser, env = build_parser()
     args = parser.parse_args(argv)
-    try:
-        if args.command == "show-identity":
-            return show_identity(args.identity_secret_key_path)
-        env.resolve(parser, args)
-        problems = check_supported(args)
-        if problems:
-            for problem in problems:
-                print(f"psyche-client: {problem}", file=sys.stderr)
-            return 2
-        from psyche.cli.client.train import train
+    if args.command == "show-identity":
+        return show_identity(args.identity_secret_key_path)
+    env.resolve(parser, args)
+    problems = check_supported(args)
+    if problems:
+        raise OptionError("; ".join(problems))
+    from psyche.cli.client.train import train
 
-        return train(args)
-    except OptionError as e:
-        print(f"psyche-client: {e}", file=sys.stderr)
-        return 2
+    return train(args)
 
 
 __all__ = [

@@ -1,7 +1,11 @@
 """`psyche-client train`: wire the centralized backend, the network and the client together.
 
 The assembly every client binary shares (logging, `RunInitConfig` from the train options, the
-trio run and its exit codes) is public here; `psyche-solana-client train` uses it too."""
+trio run and its exit codes) is public here; `psyche-solana-client train` uses it too.
+
+Start-up order: the client reaches its coordinator first, so that within a second it says what
+it is waiting for, while torch and transformers load in a worker thread (seconds); the network
+and the training client start once both are done."""
 
 from __future__ import annotations
 
@@ -61,13 +65,42 @@ def setup_logging(args: argparse.Namespace) -> None:
         log.info("no relays in the Python client: peers connect directly")
 
 
-def _preload() -> None:
-    """Import torch, transformers and libp2p before joining, so the model loads quickly once
-    the run's warmup starts (importing them takes seconds)."""
-    from psyche.client.model_loading import preload_modeling
+class Preload:
+    """Torch, transformers and libp2p imported (and `--device` checked) in a worker thread,
+    so the model loads quickly once the run's warmup starts (importing them takes seconds) and
+    the trio loop keeps talking to the coordinator meanwhile. `wait()` returns once they are
+    loaded; an unusable device is an `OptionError` (exit 2)."""
 
-    preload_modeling()
-    import psyche.network.connection  # noqa: F401
+    def __init__(self, device: str) -> None:
+        import trio
+
+        self.device = device
+        self._done = trio.Event()
+
+    async def run(self) -> None:
+        import trio
+
+        await trio.to_thread.run_sync(self._load, abandon_on_cancel=True)
+        self._done.set()
+
+    def _load(self) -> None:
+        from psyche.cli.client.train_args import OptionError
+        from psyche.client.model_loading import check_device, preload_modeling
+        from psyche.modeling.causal_lm import ModelLoadError
+
+        log.debug("loading torch and transformers")
+        preload_modeling()
+        import psyche.network.connection  # noqa: F401
+
+        try:
+            check_device(self.device)
+        except ModelLoadError as e:
+            raise OptionError(str(e)) from None
+
+    async def wait(self) -> None:
+        if not self._done.is_set():
+            log.debug("waiting for torch and transformers to load")
+        await self._done.wait()
 
 
 def run_init_config(args: argparse.Namespace, identity: Any, key: Any) -> Any:
@@ -104,32 +137,41 @@ def run_init_config(args: argparse.Namespace, identity: Any, key: Any) -> Any:
 def run_client(
     args: argparse.Namespace, main: Callable[..., Awaitable[None]], *main_args: Any
 ) -> int:
-    """Preload the heavy modules, check the device, run `main(*main_args)` under trio; the exit
-    code: 0, 130 when interrupted, 2 for an unusable device, the failure's `exit_code` attribute
-    if it has one, else 1 (the root cause is logged)."""
+    """Run `main(preload, *main_args)` under trio while `Preload` loads the heavy modules
+    (`main` awaits `preload.wait()` before it needs them). The exit code: 0; 130 (143 after
+    SIGTERM) when interrupted; a user error (unreachable coordinator, unusable device, ...) is
+    raised for the command to report in one line; any other failure is logged with its
+    traceback and ends with its `exit_code` attribute if it has one, else 1."""
     import trio
 
-    _preload()
-    from psyche.client.model_loading import check_device
-    from psyche.modeling.causal_lm import ModelLoadError
+    from psyche.core.cli import (
+        interrupt_exit_code,
+        interrupted_by,
+        single_cause,
+        user_error_message,
+    )
+
+    async def both() -> None:
+        preload = Preload(args.device)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(preload.run)
+            await main(preload, *main_args)
+            nursery.cancel_scope.cancel()
 
     try:
-        check_device(args.device)
-    except ModelLoadError as e:
-        log.error("%s", e)
-        return 2
-    try:
-        trio.run(main, *main_args)
-    except KeyboardInterrupt:
-        log.info("interrupted; exiting")
-        return 130
+        trio.run(both)
     except BaseException as e:  # report the root cause, not the nursery's exception group
-        root = _root_cause(e)
+        root = single_cause(e)
         if isinstance(root, KeyboardInterrupt):
-            log.info("interrupted; exiting")
-            return 130
+            log.info("interrupted by %s; exiting", interrupted_by())
+            return interrupt_exit_code()
+        if user_error_message(root) is not None:
+            raise root from None
+        if hasattr(root, "exit_code"):
+            log.error("client stopped: %s", root)
+            return int(root.exit_code)
         log.error("client stopped: %s: %s", type(root).__name__, root, exc_info=root)
-        return int(getattr(root, "exit_code", 1))
+        return 1
     return 0
 
 
@@ -138,47 +180,40 @@ def train(args: argparse.Namespace) -> int:
     from psyche.core.identity import SecretKey
     from psyche.core.node_identity import NodeIdentity
 
-    setup_logging(args)
     key = read_identity_secret_key(args.identity_secret_key_path) or SecretKey.generate()
+    setup_logging(args)
     identity = NodeIdentity.from_single_key(key.public_key)
-    config = run_init_config(args, identity, key)
     log.info("client %s (public key %s) starting", identity, key.public_key.hex())
-    return run_client(args, _run, args, key, config)
+    return run_client(args, _run, args, key, identity)
 
 
-def _root_cause(error: BaseException) -> BaseException:
-    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
-        error = error.exceptions[0]
-    if isinstance(error, BaseExceptionGroup):
-        for inner in error.exceptions:
-            if not isinstance(inner, KeyboardInterrupt):
-                return _root_cause(inner)
-    return error
+async def _run(preload: Preload, args: argparse.Namespace, key: Any, identity: Any) -> None:
+    import trio
 
-
-async def _run(args: argparse.Namespace, key: Any, config: Any) -> None:
     from psyche.centralized.client import CentralizedBackend
-    from psyche.client.client import Client
-    from psyche.network.broadcast import Broadcast
-    from psyche.network.connection import NetworkConfig, NetworkConnection
-    from psyche.network.discovery import default_local_discovery_dir
 
-    network_config = NetworkConfig(
-        run_id=args.run_id,
-        secret_key=key,
-        interface=args.bind_p2p_interface,
-        port=args.bind_p2p_port or 0,
-        local_discovery_dir=(
-            default_local_discovery_dir() if args.iroh_discovery == "local" else None
-        ),
-    )
-    async with (
-        CentralizedBackend.connect(
-            args.server_addr,
-            key,
-            args.run_id,
-            reconnect_timeout=args.server_reconnect_timeout or None,
-        ) as backend,
-        NetworkConnection.open(network_config, broadcast_type=Broadcast) as network,
-    ):
-        await Client(backend, network, config).run()
+    async with CentralizedBackend.connect(
+        args.server_addr,
+        key,
+        args.run_id,
+        connect_timeout=args.server_connect_timeout,
+        reconnect_timeout=args.server_reconnect_timeout or None,
+    ) as backend:
+        await preload.wait()
+        config = await trio.to_thread.run_sync(run_init_config, args, identity, key)
+        from psyche.client.client import Client
+        from psyche.network.broadcast import Broadcast
+        from psyche.network.connection import NetworkConfig, NetworkConnection
+        from psyche.network.discovery import default_local_discovery_dir
+
+        network_config = NetworkConfig(
+            run_id=args.run_id,
+            secret_key=key,
+            interface=args.bind_p2p_interface,
+            port=args.bind_p2p_port or 0,
+            local_discovery_dir=(
+                default_local_discovery_dir() if args.iroh_discovery == "local" else None
+            ),
+        )
+        async with NetworkConnection.open(network_config, broadcast_type=Broadcast) as network:
+            await Client(backend, network, config).run()

@@ -16,11 +16,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from psyche.core.cli import UsageError
+
 LOG_OUTPUTS = ("tui", "console", "json", "tui-and-console", "none")
 
 
-class OptionError(ValueError):
-    """A flag value the client cannot honour (unsupported feature, invalid combination)."""
+class OptionError(ValueError, UsageError):
+    """A flag value the client cannot honour (unsupported feature, invalid combination, a
+    malformed key): one line and exit 2, as argparse's usage errors."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -429,7 +432,8 @@ def check_supported(args: argparse.Namespace) -> list[str]:
 
 
 def read_identity_secret_key(path: Path | None) -> Any:
-    """The key from RAW_IDENTITY_SECRET_KEY (64 hex) or the key file; None when neither."""
+    """The key from RAW_IDENTITY_SECRET_KEY (64 hex digits, `0x` allowed) or the key file; None
+    when neither. A malformed key is an `OptionError` saying what is wrong with it."""
     from psyche.core.identity import SecretKey
 
     raw = os.environ.get("RAW_IDENTITY_SECRET_KEY")
@@ -439,19 +443,14 @@ def read_identity_secret_key(path: Path | None) -> Any:
         )
     if raw is not None:
         try:
-            data = bytes.fromhex(raw.strip())
-        except ValueError:
-            raise OptionError("invalid raw identity secret key: not hexadecimal") from None
-        if len(data) != 32:
-            raise OptionError(
-                f"invalid raw identity secret key, expected 32 bytes, got {len(data)}"
-            )
-        return SecretKey.from_bytes(data)
+            return SecretKey.from_hex(raw, "RAW_IDENTITY_SECRET_KEY")
+        except ValueError as e:
+            raise OptionError(str(e)) from None
     if path is not None:
         try:
             return SecretKey.read_file(path)
         except OSError as e:
-            raise OptionError(f"cannot read key file {path}: {e}") from e
+            raise OptionError(f"cannot read key file {path}: {e.strerror or e}") from e
         except ValueError as e:
-            raise OptionError(f"key file {path} was not 32 bytes long: {e}") from e
+            raise OptionError(str(e)) from e
     return None

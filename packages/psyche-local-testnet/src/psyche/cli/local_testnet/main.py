@@ -18,12 +18,17 @@ from psyche.cli.local_testnet.commands import (
     read_run_id,
     split_args,
 )
+from psyche.core.cli import HelpFormatter, UserError, add_verbose_flag, run_command
+
+PROG = "psyche-local-testnet"
 
 DESCRIPTION = """\
 Starts a local testnet: the coordinator server and N training clients, each in its own tmux
 pane (server top left, a GPU monitor bottom left, clients on the right), or with --headless as
 child processes whose output is printed with a [name] prefix. Client i uses the identity key
-whose 32 bytes are the number i. Stop it with Ctrl+C (headless) or by leaving tmux."""
+whose 32 bytes are the number i. Stop it with Ctrl+C or SIGTERM (headless: every child is
+stopped, then it exits 0) or by leaving tmux. Errors are one line; --verbose (or
+PSYCHE_VERBOSE=1) adds their traceback."""
 
 
 def positive_int(text: str) -> int:
@@ -75,16 +80,16 @@ def _env(name: str) -> str | None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="psyche-local-testnet",
+        prog=PROG,
         description=DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     commands = parser.add_subparsers(dest="command", metavar="<COMMAND>", required=True)
     start = commands.add_parser(
         "start",
         help="Starts the local-testnet running each part of the system in a separate pane",
         description=DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     add = start.add_argument
     add("--num-clients", type=positive_int, required=True, metavar="<NUM_CLIENTS>",
@@ -131,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--client-program", help=argparse.SUPPRESS)
     add("--client-args", help=argparse.SUPPRESS)
     add("--server-args", help=argparse.SUPPRESS)
+    add_verbose_flag(parser)
     return parser
 
 
@@ -164,8 +170,7 @@ def start(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         run_id = read_run_id(state_path)
     except (OSError, ValueError) as e:
-        print(f"psyche-local-testnet: cannot read the run id: {e}", file=sys.stderr)
-        return 1
+        raise UserError(f"cannot read the run id: {e}") from e
 
     headless = args.headless
     if not headless and shutil.which("tmux") is None:
@@ -205,8 +210,7 @@ def start(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     print(f"psyche-local-testnet: run {run_id!r}, {args.num_clients} clients, config {config_path}")
     validate = plan.validate_command()
     if subprocess.run(list(validate.argv)).returncode != 0:
-        print("psyche-local-testnet: Failed to validate config", file=sys.stderr)
-        return 1
+        raise UserError(f"the run config in {config_path} is not valid (see above)")
 
     kill = {
         "random_kill_num": args.random_kill_num,
@@ -226,8 +230,7 @@ def start(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         layout = run_tmux(plan, socket_name=args.tmux_socket, attach=not args.no_attach, **kill)
     except TestnetError as e:
-        print(f"psyche-local-testnet: {e}", file=sys.stderr)
-        return 1
+        raise UserError(str(e)) from e
     if args.no_attach:
         print(
             f"panes: server {layout.server}, monitor {layout.monitor}, clients "
@@ -237,6 +240,11 @@ def start(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The `psyche-local-testnet` command (exit codes and signals: `psyche.core.cli`)."""
+    return run_command(PROG, _main, argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "start":

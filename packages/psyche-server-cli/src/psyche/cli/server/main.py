@@ -10,13 +10,17 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from psyche.core.cli import add_verbose_flag, run_command, single_cause
+
+PROG = "psyche-server"
 DESCRIPTION = """\
 The Psyche centralized coordinator server.
 
 It owns a run's coordinator state machine, ticks it forward every 500 ms and talks to training
 clients over TCP. Start by checking a configuration with `validate-config`, then `run` it.
 Every option of `run` can also be given in the environment, named in upper snake case
-(--server-port: SERVER_PORT)."""
+(--server-port: SERVER_PORT). `run` serves until SIGINT (Ctrl+C) or SIGTERM and then exits 0.
+Errors are one line; --verbose (or PSYCHE_VERBOSE=1) adds their traceback."""
 
 OLTP_NOTE = "accepted for compatibility and ignored: this port has no OpenTelemetry export"
 
@@ -118,7 +122,7 @@ RUN_ENV = EnvDefaults()
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="psyche-server",
+        prog=PROG,
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -228,6 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("--oltp-logs-url", "A URL for sending opentelemetry logs"),
     ):
         env.add(run, flag, help=f"{what}; {OLTP_NOTE}")
+    add_verbose_flag(parser)
     return parser
 
 
@@ -404,14 +409,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def single_cause(error: BaseException) -> BaseException:
-    """The one exception inside (nested) exception groups of one member each."""
-    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
-        error = error.exceptions[0]
-    return error
-
-
 def main(argv: Sequence[str] | None = None) -> int:
+    """The `psyche-server` command (exit codes and signals: `psyche.core.cli`)."""
+    return run_command(PROG, _main, argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "validate-config":

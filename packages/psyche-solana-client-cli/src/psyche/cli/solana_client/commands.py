@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
 
-from psyche.cli.solana_client.render import explain_error, render_run, run_to_json
+from psyche.cli.solana_client.render import render_run, run_to_json, user_error
+from psyche.core.cli import UserError
 
 Command = Callable[[argparse.Namespace], int]
 
@@ -39,7 +39,8 @@ def _backend(args: argparse.Namespace, wallet: bool = True) -> Any:
 def _run(
     args: argparse.Namespace, body: Callable[[Any], Awaitable[None]], *, wallet: bool = True
 ) -> int:
-    """Build the backend, run the command body under trio, turn failures into one clear line."""
+    """Build the backend and run the command body under trio; a failure the user meets becomes
+    a `UserError` (one line), a bug keeps its traceback (`psyche.core.cli`)."""
 
     async def main() -> None:
         backend = _backend(args, wallet)
@@ -48,13 +49,13 @@ def _run(
 
     try:
         trio.run(main)
-    except KeyboardInterrupt:
-        return 130
     except BrokenPipeError:  # the output was closed (e.g. piped into `head`)
         return 0
-    except Exception as e:  # every failure becomes a message, never a traceback
-        print(f"Error: {explain_error(e, getattr(args, 'rpc', None))}", file=sys.stderr)
-        return 1
+    except Exception as e:
+        error = user_error(e, getattr(args, "rpc", None))
+        if error is None:
+            raise
+        raise error from e
     return 0
 
 
@@ -323,8 +324,10 @@ def show_identity(args: argparse.Namespace) -> int:
             return 0
         print(f"P2P identity public key: {key.public_key.hex()} ({source})")
     except Exception as e:
-        print(f"Error: {explain_error(e, None)}", file=sys.stderr)
-        return 1
+        error = user_error(e, None)
+        if error is None:
+            raise
+        raise error from e
     return 0
 
 
@@ -337,9 +340,10 @@ def show_static_p2p_identity(args: argparse.Namespace) -> int:
         return 0
     try:
         key = SecretKey.read_file(path)
-    except (OSError, ValueError) as e:
-        print(f"Error: {e}", file=sys.stderr)
-        return 1
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror or e}") from e
+    except ValueError as e:
+        raise UserError(str(e)) from e
     print(f"Public key: {key.public_key.hex()}")
     return 0
 
@@ -351,8 +355,7 @@ def create_static_p2p_identity(args: argparse.Namespace) -> int:
     try:
         key.write_file(args.save_path)
     except OSError as e:
-        print(f"Error: cannot write {args.save_path}: {e}", file=sys.stderr)
-        return 1
+        raise UserError(f"cannot write {args.save_path}: {e.strerror or e}") from e
     print(f"Public key: {key.public_key.hex()}")
     print(f"Wrote secret key to {args.save_path}")
     return 0
@@ -390,24 +393,29 @@ def create_wallet(args: argparse.Namespace) -> int:
     from psyche.solana.keypair import write_keypair_file
 
     if args.save_path.exists() and not args.force:
-        print(f"Error: {args.save_path} exists (pass --force to replace it)", file=sys.stderr)
-        return 1
+        raise UserError(f"{args.save_path} exists (pass --force to replace it)")
     keypair = Keypair()
     try:
         args.save_path.parent.mkdir(parents=True, exist_ok=True)
         write_keypair_file(keypair, args.save_path)
     except OSError as e:
-        print(f"Error: cannot write {args.save_path}: {e}", file=sys.stderr)
-        return 1
+        raise UserError(f"cannot write {args.save_path}: {e.strerror or e}") from e
     print(f"Wrote new keypair to {args.save_path}")
     print(f"pubkey: {keypair.pubkey()}")
     return 0
 
 
 def localnet(args: argparse.Namespace) -> int:
+    """Serve until SIGINT or SIGTERM, which end it normally (exit 0)."""
+    from psyche.core.cli import single_cause
     from psyche.solana.localnet.__main__ import run
 
-    return run(args)
+    try:
+        return run(args)
+    except BaseException as e:
+        if isinstance(single_cause(e), KeyboardInterrupt):
+            return 0
+        raise
 
 
 HANDLERS: dict[str, Command] = {

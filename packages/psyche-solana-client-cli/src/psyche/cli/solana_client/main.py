@@ -3,7 +3,8 @@
 The admin commands are upstream's (they lived in `psyche-solana-client` before they moved to
 `run-manager`) with the same flags and environment variables; `localnet` serves a local endpoint
 for users without a validator. Every command prints what it did; failures print one clear line
-on stderr and exit 1.
+on stderr (`psyche-solana-client: error: ...`) and exit 1 (2 for bad options); signals and the
+rest as every command (`psyche.core.cli`).
 """
 
 from __future__ import annotations
@@ -15,13 +16,17 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from psyche.core.cli import HelpFormatter, add_verbose_flag, run_command
+
+PROG = "psyche-solana-client"
 DESCRIPTION = """\
 Manage and follow Psyche training runs on Solana.
 
 Cluster flags default to a local validator (http://127.0.0.1:8899, ws://127.0.0.1:8900); use
 --rpc/--ws-rpc (or RPC/WS_RPC) for devnet. The wallet is a solana-keygen JSON keypair
 (--wallet-private-key-path or WALLET_PRIVATE_KEY_PATH), or RAW_WALLET_PRIVATE_KEY (a JSON byte
-array or base58), which wins when set."""
+array or base58), which wins when set. Errors are one line; --verbose (or PSYCHE_VERBOSE=1) adds
+their traceback. SIGINT (Ctrl+C) or SIGTERM stops any command (exit 130 / 143)."""
 
 
 def _env(name: str, default: Any = None) -> Any:
@@ -95,9 +100,9 @@ def add_treasurer_index(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="psyche-solana-client",
+        prog=PROG,
         description=DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     commands = parser.add_subparsers(dest="command", metavar="<COMMAND>", required=True)
 
@@ -105,7 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
         name: str, help_text: str, *, wallet: bool = True, aliases: Sequence[str] = ()
     ) -> argparse.ArgumentParser:
         sub = commands.add_parser(
-            name, help=help_text, description=help_text, aliases=list(aliases)
+            name,
+            help=help_text,
+            description=help_text,
+            aliases=list(aliases),
+            formatter_class=HelpFormatter,
         )
         add_cluster_args(sub)
         if wallet:
@@ -163,8 +172,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub = command("tick", "Send tick transactions to a run")
     add_run_id(sub)
-    sub.add_argument("--ms-interval", type=int, default=_env_int("MS_INTERVAL") or 1000)
-    sub.add_argument("--count", type=int, default=_env_int("COUNT"))
+    sub.add_argument(
+        "--ms-interval",
+        type=int,
+        default=_env_int("MS_INTERVAL") or 1000,
+        help="milliseconds between ticks [env: MS_INTERVAL]",
+    )
+    sub.add_argument(
+        "--count",
+        type=int,
+        default=_env_int("COUNT"),
+        help="ticks to send (default: until stopped) [env: COUNT]",
+    )
 
     sub = command("checkpoint", "Point a run's checkpoint at a Hugging Face repo")
     add_run_id(sub)
@@ -215,6 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
         "show-identity",
         help="Print the wallet's public key and the P2P identity it trains with",
         description="Print the wallet's public key and the P2P identity it trains with",
+        formatter_class=HelpFormatter,
     )
     add_wallet_args(sub)
     sub.add_argument(
@@ -228,10 +248,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     sub = commands.add_parser(
-        "show-static-p2p-identity", help="Print a P2P identity key file's key"
+        "show-static-p2p-identity",
+        help="Print a P2P identity key file's key",
+        formatter_class=HelpFormatter,
     )
     sub.add_argument("identity_secret_key_path", type=Path, nargs="?")
-    sub = commands.add_parser("create-static-p2p-identity", help="Write a new P2P identity key")
+    sub = commands.add_parser(
+        "create-static-p2p-identity",
+        help="Write a new P2P identity key",
+        formatter_class=HelpFormatter,
+    )
     sub.add_argument("save_path", type=Path)
 
     sub = commands.add_parser(
@@ -241,6 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(Ctrl+C) or until the coordinator drops this client. Every train option can also be "
         "given in the environment, named in upper snake case (--micro-batch-size: "
         "MICRO_BATCH_SIZE).",
+        formatter_class=HelpFormatter,
     )
     add_cluster_args(sub, backups=True)
     add_wallet_args(sub)
@@ -253,26 +280,35 @@ def build_parser() -> argparse.ArgumentParser:
         "Request SOL from the cluster's faucet (a local endpoint or devnet), like `solana "
         "airdrop`: to --address, else to the wallet",
     )
-    sub.add_argument("--sol", type=float, default=10.0, help="amount in SOL (default 10)")
+    sub.add_argument("--sol", type=float, default=10.0, help="amount in SOL")
     sub.add_argument("--address", default=None, help="recipient (default: the wallet)")
 
     sub = commands.add_parser(
         "create-wallet",
         help="Write a new solana-keygen style keypair file (like `solana-keygen new`)",
+        formatter_class=HelpFormatter,
     )
     sub.add_argument("save_path", type=Path)
     sub.add_argument("--force", action="store_true", help="replace an existing file")
 
     sub = commands.add_parser(
-        "localnet", help="Serve a local Solana endpoint with the Psyche programs (Python ports)"
+        "localnet",
+        help="Serve a local Solana endpoint with the Psyche programs (Python ports)",
+        formatter_class=HelpFormatter,
     )
     from psyche.solana.localnet.__main__ import add_arguments
 
     add_arguments(sub)
+    add_verbose_flag(parser)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The `psyche-solana-client` command (exit codes and signals: `psyche.core.cli`)."""
+    return run_command(PROG, _main, argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     from psyche.cli.solana_client import commands
 

@@ -197,6 +197,40 @@ def _unwrap(error: BaseException) -> BaseException:
     return error
 
 
+def user_error(error: BaseException, rpc_url: str | None, *, exit_code: int | None = None) -> Any:
+    """`error` as a `UserError` carrying `explain_error`'s line (and the error's own
+    `exit_code`, if it has one), when it is a failure a user meets (the cluster, a run, a
+    wallet, a value they gave); None when it is a bug, which keeps its traceback."""
+    import trio
+
+    from psyche.core.cli import UserError
+    from psyche.solana.admin import AdminError
+    from psyche.solana.app import ClientVersionMismatch, RunNotFound
+    from psyche.solana.backend import SolanaBackendError
+    from psyche.solana.retry import RetryFailed
+    from psyche.solana.rpc import RpcError
+    from psyche.solana.subscription import SubscriptionError
+
+    cause = _unwrap(error)
+    expected = (
+        UserError,
+        AdminError,
+        SolanaBackendError,
+        RpcError,
+        RetryFailed,
+        SubscriptionError,
+        RunNotFound,
+        ClientVersionMismatch,
+        ValueError,  # KeypairError, bad arguments, decoding what the cluster sent
+        OSError,
+        trio.TooSlowError,
+    )
+    if not isinstance(cause, expected):
+        return None
+    code = exit_code if exit_code is not None else getattr(cause, "exit_code", None)
+    return UserError(explain_error(error, rpc_url), exit_code=code)
+
+
 def explain_error(error: BaseException, rpc_url: str | None) -> str:
     """One line saying what went wrong and, where it helps, what to do."""
     from psyche.solana.admin import AdminError

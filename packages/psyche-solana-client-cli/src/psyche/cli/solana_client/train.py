@@ -19,7 +19,6 @@ import ipaddress
 import logging
 import os
 import socket
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -72,6 +71,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 def parse_bootstrap_peer(text: str) -> Any:
     """`<64 hex endpoint id>@<host>:<port>` as an `EndpointAddr` with one libp2p address; a
     host name is resolved (IPv4) now."""
+    from psyche.core.identity import parse_hex_key
     from psyche.network.ticket import EndpointAddr, TransportAddr, parse_host_port
 
     text = text.strip()
@@ -79,14 +79,9 @@ def parse_bootstrap_peer(text: str) -> Any:
     if not sep:
         raise ValueError(f"bootstrap peer {text!r}: expected <endpoint id hex>@<host>:<port>")
     try:
-        endpoint_id = bytes.fromhex(ident)
-    except ValueError:
-        raise ValueError(f"bootstrap peer {text!r}: the endpoint id is not hexadecimal") from None
-    if len(endpoint_id) != 32:
-        raise ValueError(
-            f"bootstrap peer {text!r}: the endpoint id is 32 bytes (64 hex characters), "
-            f"got {len(endpoint_id)}"
-        )
+        endpoint_id = parse_hex_key(ident, "the endpoint id")
+    except ValueError as e:
+        raise ValueError(f"bootstrap peer {text!r}: {e}") from None
     try:
         host, port = parse_host_port(host_port)
     except ValueError as e:
@@ -187,7 +182,8 @@ def train(args: argparse.Namespace) -> int:
         check_supported,
         read_identity_secret_key,
     )
-    from psyche.cli.solana_client.render import explain_error
+    from psyche.cli.solana_client.render import explain_error, user_error
+    from psyche.core.cli import EXIT_USAGE, UsageError
     from psyche.core.identity import SecretKey
     from psyche.solana.admin import AdminError
     from psyche.solana.keypair import derive_p2p_secret_key, load_wallet
@@ -195,9 +191,7 @@ def train(args: argparse.Namespace) -> int:
     args.train_env.resolve(args.train_parser, args)
     problems = check_supported(args)
     if problems:
-        for problem in problems:
-            print(f"psyche-solana-client: {problem}", file=sys.stderr)
-        return 2
+        raise OptionError("; ".join(problems))
     try:
         wallet = load_wallet(args.wallet_private_key_path)
         key = read_identity_secret_key(args.identity_secret_key_path) or SecretKey.from_bytes(
@@ -205,14 +199,15 @@ def train(args: argparse.Namespace) -> int:
         )
         settings = settings_from_args(args, key, wallet)
     except (OptionError, AdminError, ValueError) as e:  # KeypairError is a ValueError
-        print(f"psyche-solana-client: {explain_error(e, None)}", file=sys.stderr)
-        return 2
+        raise UsageError(explain_error(e, None), exit_code=EXIT_USAGE) from e
+    log.info("looking up run %r at %s", settings.run_id, settings.cluster.rpc)
     try:
         run = _preflight(settings)
     except Exception as e:
-        code = int(getattr(e, "exit_code", 1))
-        print(f"psyche-solana-client: {explain_error(e, settings.cluster.rpc)}", file=sys.stderr)
-        return code
+        error = user_error(e, settings.cluster.rpc)
+        if error is None:
+            raise
+        raise error from e
     return _train(args, settings, run, key)
 
 
@@ -235,7 +230,7 @@ def _preflight(settings: SolanaTrainSettings) -> Any:
 
 
 def _train(args: argparse.Namespace, settings: SolanaTrainSettings, run: Any, key: Any) -> int:
-    from psyche.cli.client.train import run_client, run_init_config, setup_logging
+    from psyche.cli.client.train import run_client, setup_logging
     from psyche.core.node_identity import NodeIdentity
 
     setup_logging(args)
@@ -254,7 +249,6 @@ def _train(args: argparse.Namespace, settings: SolanaTrainSettings, run: Any, ke
             "no --bootstrap-peer: this client finds the others once one of them connects to it"
         )
     identity = NodeIdentity(bytes(settings.wallet.pubkey()), key.public_key)
-    config = run_init_config(args, identity, key)
     log.info(
         "client %s (P2P identity %s) starting on run %s (coordinator account %s)",
         identity,
@@ -262,14 +256,21 @@ def _train(args: argparse.Namespace, settings: SolanaTrainSettings, run: Any, ke
         run.run_id,
         run.account,
     )
-    return run_client(args, _run, settings, run, config)
+    return run_client(args, _run, args, settings, run, identity, key)
 
 
-async def _run(settings: SolanaTrainSettings, run: Any, config: Any) -> None:
-    from psyche.client.client import Client
-    from psyche.network.broadcast import Broadcast
-    from psyche.network.connection import NetworkConnection
-    from psyche.solana.app import train_on_run
+async def _run(
+    preload: Any,
+    args: argparse.Namespace,
+    settings: SolanaTrainSettings,
+    run: Any,
+    identity: Any,
+    key: Any,
+) -> None:
+    """Subscribe to the run while torch loads (`run_client`'s `preload`), then train."""
+    import trio
+
+    from psyche.cli.client.train import run_init_config
     from psyche.solana.backend import SolanaBackend
 
     async with (
@@ -277,9 +278,16 @@ async def _run(settings: SolanaTrainSettings, run: Any, config: Any) -> None:
             settings.cluster, settings.wallet, settings.backup_clusters, ids=settings.ids
         ) as backend,
         backend.start(run.run_id, run.account) as runner,
-        NetworkConnection.open(settings.network, broadcast_type=Broadcast) as network,
     ):
-        address = format_bootstrap_peer(network.endpoint_addr())
-        log.info("P2P address for --bootstrap-peer: %s", address)
-        client = Client(runner, network, config)
-        await train_on_run(runner, config.identity, run, client.run, authorizer=settings.authorizer)
+        await preload.wait()
+        config = await trio.to_thread.run_sync(run_init_config, args, identity, key)
+        from psyche.client.client import Client
+        from psyche.network.broadcast import Broadcast
+        from psyche.network.connection import NetworkConnection
+        from psyche.solana.app import train_on_run
+
+        async with NetworkConnection.open(settings.network, broadcast_type=Broadcast) as network:
+            address = format_bootstrap_peer(network.endpoint_addr())
+            log.info("P2P address for --bootstrap-peer: %s", address)
+            client = Client(runner, network, config)
+            await train_on_run(runner, identity, run, client.run, authorizer=settings.authorizer)

@@ -1,0 +1,280 @@
+"""The entry point every `psyche-*` command goes through: signals, exit codes, one-line errors.
+
+    def main(argv: Sequence[str] | None = None) -> int:
+        return run_command("psyche-client", _main, argv)
+
+What it guarantees, however the command was started:
+
+* **SIGINT** stops it, even when the process started with SIGINT ignored (a background job of a
+  non-interactive shell, `nohup`, a test harness started from such a script): Python keeps an
+  inherited SIG_IGN, and trio only takes SIGINT over when the handler is Python's default one,
+  so that handler is installed explicitly. Ctrl-C raises KeyboardInterrupt (trio cancels the
+  run and raises it out of `trio.run`), cleanups run (children are stopped, files closed) and
+  the command exits **130**.
+* **SIGTERM** takes the same path: it is re-raised as SIGINT, so the same cleanups run, and the
+  command exits **143** (128 + 15, what a shell reports for a process SIGTERM ended).
+  Commands whose job is to serve until stopped (`psyche-server run`, `psyche-local-testnet`)
+  receive both signals themselves (`trio.open_signal_receiver`) and exit 0.
+* A **`UserError`** (something the user caused and can fix: an unreachable address, a missing
+  file, a malformed key) is one line on stderr, `<prog>: error: <message>`, exit 1;
+  `UsageError` exits 2, as argparse's usage errors do. So is a file-system error naming a file
+  (`FileNotFoundError`, `PermissionError`, ...). The traceback is printed too only when asked
+  for: `--verbose`/`-v` (`add_verbose_flag`) or `PSYCHE_VERBOSE=1`, the same in every command.
+* **Any other exception is a bug**: its traceback, then one line saying so, exit 1.
+* `--help` shows every option's default (`HelpFormatter`).
+
+The signal handlers in place before `run_command` are restored when it returns, so calling a
+command's `main` in-process (tests) leaves the caller as it was. Nothing here is third-party.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from types import FrameType
+from typing import Any
+
+VERBOSE_ENV = "PSYCHE_VERBOSE"
+EXIT_USER_ERROR = 1
+EXIT_USAGE = 2
+EXIT_SIGINT = 128 + signal.SIGINT
+EXIT_SIGTERM = 128 + signal.SIGTERM
+
+# File-system errors that name their file: the user pointed at something that is not there or
+# not theirs.
+_FILE_ERRORS = (
+    FileNotFoundError,
+    FileExistsError,
+    PermissionError,
+    IsADirectoryError,
+    NotADirectoryError,
+)
+
+
+class UserError(Exception):
+    """A problem the user caused and can fix; its message is the whole story, one line.
+
+    Library code raises it (or a subclass) where the cause is the user's input or environment,
+    so every command reports it the same way. `exit_code` is the process's exit status (the
+    class's, or the one given)."""
+
+    exit_code: int = EXIT_USER_ERROR
+
+    def __init__(self, *args: object, exit_code: int | None = None) -> None:
+        super().__init__(*args)
+        if exit_code is not None:
+            self.exit_code = exit_code
+
+
+class UsageError(UserError):
+    """A command line that cannot work (conflicting or unsupported options): exit 2."""
+
+    exit_code = EXIT_USAGE
+
+
+class _State:
+    verbose = False
+    terminated = False  # the interrupt being handled came from SIGTERM
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """`--help` with descriptions as written and every option's default: an option whose
+    default is a value (not None, False or suppressed) and whose help does not already name
+    it ends with `(default: ...)`."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (
+            default is None
+            or default is False
+            or default is argparse.SUPPRESS
+            or default == []
+            or "default" in text.lower()
+            or not (action.option_strings or action.nargs in (argparse.OPTIONAL, "*"))
+        ):
+            return text
+        return f"{text} (default: %(default)s)".strip()
+
+
+def add_verbose_flag(parser: argparse.ArgumentParser) -> None:
+    """`--verbose`/`-v` on `parser` and on each of its subcommands (call it after adding them):
+    user errors also print their traceback. `PSYCHE_VERBOSE=1` does the same."""
+    help_text = f"print the traceback of errors too [env: {VERBOSE_ENV}=1]"
+    _add_verbose(parser, help_text)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in {id(p): p for p in action.choices.values()}.values():
+                add_verbose_flag(sub)
+
+
+def _add_verbose(parser: argparse.ArgumentParser, help_text: str) -> None:
+    if any("--verbose" in action.option_strings for action in parser._actions):
+        return
+    names = ["--verbose"]
+    if not any("-v" in action.option_strings for action in parser._actions):
+        names.insert(0, "-v")
+    parser.add_argument(*names, action=_Verbose, help=help_text)
+
+
+class _Verbose(argparse.Action):
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        kwargs.pop("nargs", None)
+        super().__init__(option_strings, argparse.SUPPRESS, nargs=0, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        _State.verbose = True
+
+
+def is_verbose() -> bool:
+    """Whether `--verbose` was given or `PSYCHE_VERBOSE` is set (to anything but 0/false)."""
+    env = os.environ.get(VERBOSE_ENV, "").strip().lower()
+    return _State.verbose or env not in ("", "0", "false", "no", "off")
+
+
+def interrupted_by() -> str:
+    """The signal that interrupted the command, by name: SIGTERM or SIGINT."""
+    return "SIGTERM" if _State.terminated else "SIGINT"
+
+
+def interrupt_exit_code() -> int:
+    """The exit status for an interrupted command: 143 after SIGTERM, else 130."""
+    return EXIT_SIGTERM if _State.terminated else EXIT_SIGINT
+
+
+def error_line(prog: str, message: object) -> str:
+    """`<prog>: error: <message>` on one line (newlines in the message become `; `)."""
+    text = "; ".join(part.strip() for part in str(message).splitlines() if part.strip())
+    return f"{prog}: error: {text}"
+
+
+def user_error_message(error: BaseException) -> str | None:
+    """The one line a user-caused `error` is reported with; None when it is a bug."""
+    if isinstance(error, UserError):
+        return str(error) or type(error).__name__
+    if isinstance(error, _FILE_ERRORS) and error.filename is not None:
+        return f"{error.filename}: {error.strerror or error}"
+    return None
+
+
+def single_cause(error: BaseException) -> BaseException:
+    """The exception that matters inside nested exception groups: the only member, or the first
+    that is not an interrupt."""
+    while isinstance(error, BaseExceptionGroup):
+        members = error.exceptions
+        if len(members) != 1:
+            others = [e for e in members if not _is_interrupt(e)]
+            if not others:
+                return KeyboardInterrupt()
+            members = others  # type: ignore[assignment]
+        error = members[0]
+    return error
+
+
+def _is_interrupt(error: BaseException) -> bool:
+    if isinstance(error, BaseExceptionGroup):
+        return all(_is_interrupt(e) for e in error.exceptions)
+    return isinstance(error, KeyboardInterrupt)
+
+
+def report(prog: str, error: BaseException) -> int:
+    """Print `error` as the command's last word and return the exit status (see the module)."""
+    cause = single_cause(error)
+    if isinstance(cause, KeyboardInterrupt):
+        print(f"{prog}: interrupted by {interrupted_by()}; stopped", file=sys.stderr, flush=True)
+        return interrupt_exit_code()
+    message = user_error_message(cause)
+    if message is not None:
+        if is_verbose():
+            traceback.print_exception(error, file=sys.stderr)
+        print(error_line(prog, message), file=sys.stderr, flush=True)
+        return int(getattr(cause, "exit_code", EXIT_USER_ERROR))
+    traceback.print_exception(error, file=sys.stderr)
+    print(
+        error_line(
+            prog,
+            f"unexpected {type(cause).__name__}: {cause} (a bug in {prog}: the traceback above "
+            "says where; please report it)",
+        ),
+        file=sys.stderr,
+        flush=True,
+    )
+    return EXIT_USER_ERROR
+
+
+@contextmanager
+def stop_signals() -> Iterator[None]:
+    """SIGINT raises KeyboardInterrupt and SIGTERM does the same (remembered for the exit
+    status) inside the block, whatever the process inherited; the previous handlers after.
+
+    Only the main thread can install handlers; elsewhere the block changes nothing."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    _State.terminated = False
+
+    def on_sigterm(signum: int, frame: FrameType | None) -> None:
+        _State.terminated = True
+        # Whoever handles SIGINT now (Python's default handler, or trio's while it runs)
+        # delivers it as KeyboardInterrupt at a safe point.
+        signal.raise_signal(signal.SIGINT)
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            if handler is not None:
+                signal.signal(signum, handler)
+
+
+def run_command(
+    prog: str,
+    main: Callable[[Sequence[str] | None], int | None],
+    argv: Sequence[str] | None = None,
+) -> int:
+    """Run a command's `main(argv)` under `stop_signals` and turn how it ended into an exit
+    status: its return value (None is 0), or what `report` says for an exception. SystemExit
+    passes through (argparse's usage errors and `--help` already printed what they had to)."""
+    _State.verbose = False
+    with stop_signals():
+        try:
+            return int(main(argv) or 0)
+        except SystemExit:
+            raise
+        except BaseException as e:
+            try:
+                return report(prog, e)
+            except KeyboardInterrupt:  # a second Ctrl-C while reporting
+                return interrupt_exit_code()
+
+
+__all__ = [
+    "EXIT_SIGINT",
+    "EXIT_SIGTERM",
+    "EXIT_USAGE",
+    "EXIT_USER_ERROR",
+    "VERBOSE_ENV",
+    "HelpFormatter",
+    "UsageError",
+    "UserError",
+    "add_verbose_flag",
+    "error_line",
+    "interrupt_exit_code",
+    "interrupted_by",
+    "is_verbose",
+    "report",
+    "run_command",
+    "single_cause",
+    "stop_signals",
+    "user_error_message",
+]

@@ -1,0 +1,125 @@
+"""Shared fixtures of the command tests: real processes, started as a background job of a script
+would be (SIGINT ignored), with their output in `tmp_path/<name>.log`.
+
+* `processes` fixture -> `tests/processes.Processes` (stops whatever a test started).
+* `start_detached(processes, name, argv, env=...)`: start a command in its own session with SIGINT
+  ignored, as `cmd &` in a non-interactive shell or `nohup cmd` does.
+* `dummy_run(tmp_path)`: a run directory whose `state.toml` needs no model or data (a Dummy
+  run), for the server and the testnet launcher.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ..processes import REPO, Proc, Processes
+
+BIN = Path(sys.executable).parent
+
+DUMMY_STATE = """\
+run_id = "cli-test"
+run_state = "WaitingForMembers"
+
+[config]
+warmup_time = 30
+cooldown_time = 2
+epoch_time = 60
+max_round_train_time = 2
+round_witness_time = 1
+min_clients = 1
+init_min_clients = 2
+global_batch_size_start = 4
+global_batch_size_end = 4
+global_batch_size_warmup_tokens = 0
+verification_percent = 0
+witness_nodes = 1
+total_steps = 100
+waiting_for_members_extra_time = 1
+
+[model.LLM]
+architecture = "HfLlama"
+data_type = "Pretraining"
+max_seq_len = 64
+cold_start_warmup_steps = 0
+data_location = "Dummy"
+optimizer = "Dummy"
+
+[model.LLM.checkpoint.Dummy]
+repo_id = ""
+
+[model.LLM.lr_schedule.Constant]
+base_lr = 1.0e-3
+warmup_steps = 0
+warmup_init_lr = 0.0
+"""
+
+
+def command(name: str) -> str:
+    """A console script installed beside this interpreter (`psyche-client`, ...)."""
+    path = BIN / name
+    assert path.is_file(), f"{name} is not installed in {BIN}"
+    return str(path)
+
+
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def start_detached(
+    processes: Processes,
+    name: str,
+    argv: list[str],
+    *,
+    env: dict[str, str] | None = None,
+    cwd: Path = REPO,
+) -> Proc:
+    """`argv` in its own session with SIGINT ignored, output in `<dir>/<name>.log`."""
+    log_path = processes.directory / f"{name}.log"
+    with open(log_path, "ab") as log:
+        popen = subprocess.Popen(
+            argv,
+            cwd=cwd,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_ignore_sigint,
+        )
+    proc = Proc(name, popen, log_path)
+    processes.started.append(proc)
+    return proc
+
+
+def exit_code(proc: Proc, timeout: float) -> int:
+    """`proc`'s exit code once it ends by itself within `timeout` seconds (no signal is sent)."""
+    try:
+        return proc.popen.wait(timeout)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(
+            f"{proc.name} still running after {timeout} s:\n{proc.text()[-4000:]}"
+        ) from None
+
+
+@pytest.fixture
+def processes(tmp_path: Path) -> Iterator[Processes]:
+    group = Processes(tmp_path)
+    try:
+        yield group
+    finally:
+        group.stop_all()
+
+
+@pytest.fixture
+def dummy_run(tmp_path: Path) -> Path:
+    directory = tmp_path / "dummy-run"
+    directory.mkdir()
+    (directory / "state.toml").write_text(DUMMY_STATE)
+    return directory
