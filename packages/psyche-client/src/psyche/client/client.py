@@ -299,7 +299,7 @@ class Client:
         self._last_gossip_attempt = now
         neighbors = self.network.neighbors()
         if not neighbors:
-            logger.info("Not connected to any gossip peers; connecting to some")
+            logger.debug("Not connected to any gossip peers; connecting to some")
         chosen = choose_gossip_peers(participants, neighbors, me, self.rng)
         if chosen:
             self.network.add_peers(chosen)
@@ -339,7 +339,7 @@ class Client:
         if f["final_loss"] is not None:
             parts.append(f"final loss {f['final_loss']:.4f}")
         if f["tokens_per_sec"]:
-            parts.append(f"{f['tokens_per_sec']:,.0f} tok/s")
+            parts.append(f"{f['tokens_per_sec']:,.0f} tok/s overall")
         parts.append(f"{format_duration(f['wall_secs'])} in all")
         if self.final_checkpoint is not None:
             where = f"model saved to {self.final_checkpoint.absolute()}"

@@ -134,11 +134,16 @@ def run_tmux(
                     break  # the server exited (the run finished): nothing to restart into
                 if time.monotonic() > last_kill + random_kill_interval:
                     last_kill = time.monotonic()
-                    for number in pick_victims(numbers, allowed_to_kill, random_kill_num, rng):
-                        pane = layout.clients[number - 1]
-                        tmux.run("select-pane", "-t", pane)
-                        tmux.run("send-keys", "-t", pane, "C-c")
-                        tmux.send(pane, plan.client_command(number).shell())
+                    try:
+                        for number in pick_victims(numbers, allowed_to_kill, random_kill_num, rng):
+                            pane = layout.clients[number - 1]
+                            tmux.run("select-pane", "-t", pane)
+                            tmux.run("send-keys", "-t", pane, "C-c")
+                            tmux.send(pane, plan.client_command(number).shell())
+                    except TestnetError:
+                        if tmux.has_session(SESSION):
+                            raise
+                        break  # tmux was ended just as a kill was due: the testnet is over
         attached.wait()
     except BaseException:
         subprocess.run([*tmux.base, "kill-session", "-t", SESSION], capture_output=True)
