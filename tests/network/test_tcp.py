@@ -15,6 +15,7 @@ from psyche.core.serde import DataEnum, FixedBytes, from_bytes, struct, to_bytes
 from psyche.network.signed_message import SignedMessage
 from psyche.network.tcp import (
     ConnectionClosed,
+    ConnectionLimits,
     Disconnected,
     FramedStream,
     FrameTooLarge,
@@ -197,7 +198,7 @@ def test_parse_address() -> None:
 
 async def test_bad_frames_close_only_that_connection(caplog) -> None:
     caplog.set_level(logging.WARNING)
-    async with start_server(handshake_timeout=0.3) as server:
+    async with start_server(limits=ConnectionLimits(handshake_timeout=0.3)) as server:
         good_key = SecretKey.generate()
         good = await connect(server, good_key)
 
@@ -311,7 +312,8 @@ async def test_client_limits_and_server_going_away() -> None:
 
 
 async def test_client_that_never_reads_is_dropped(caplog) -> None:
-    async with start_server(send_queue_length=2, max_send_frame=1 << 20) as server:
+    limits = ConnectionLimits(max_queued_frames=2)
+    async with start_server(limits=limits, max_send_frame=1 << 20) as server:
         key = SecretKey.generate()
         client = await connect(server, key)
         await wait_for(lambda: server.connected_clients() == [key.public_key])

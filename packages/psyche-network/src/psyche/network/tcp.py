@@ -17,11 +17,15 @@ speed. `PostcardCodec(T)` is the serde encoding and the default everywhere else.
 
 Hostile input never takes the server down: an oversized or undecodable frame, a bad signature,
 a late second `ChallengeResponse` or a handshake that times out closes that one connection and
-is logged, and the server keeps serving everyone else.
+is logged (at most one line per kind and interval, `limits.DropLog`), and the server keeps
+serving everyone else. Nothing a peer sends makes the server allocate more than the bytes that
+actually arrive, and `ConnectionLimits` bounds how many connections, bytes and seconds peers
+can make it hold (see `TcpServer`).
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import secrets
 from collections.abc import AsyncIterator
@@ -33,6 +37,14 @@ import trio
 
 from psyche.core.identity import SecretKey
 from psyche.core.serde import FixedBytes, PostcardError, decode_varint, from_bytes, to_bytes
+from psyche.network.limits import (
+    Admission,
+    ByteBudget,
+    ConnectionLimits,
+    DropLog,
+    Refused,
+    peer_address,
+)
 from psyche.network.signed_message import SignedMessage, SignedMessageError
 
 log = logging.getLogger(__name__)
@@ -44,9 +56,11 @@ ToClient = TypeVar("ToClient")
 SERVER_MAX_FRAME_LENGTH = 8 * 1024 * 1024  # tokio-util LengthDelimitedCodec default
 CLIENT_MAX_FRAME_LENGTH = 64 * 1024 * 1024  # upstream MAX_FRAME_LENGTH
 CHALLENGE_LENGTH = 32
-HANDSHAKE_TIMEOUT = 10.0  # seconds; upstream waits forever
-SEND_QUEUE_LENGTH = 1024
-DIRECT_RECEIVE_BYTES = 256 * 1024  # frames this large are received straight into their buffer
+HANDSHAKE_TIMEOUT = ConnectionLimits.handshake_timeout  # seconds; upstream waits forever
+DIRECT_RECEIVE_BYTES = 64 * 1024  # frames this large are received straight into their buffer
+READ_BYTES = 64 * 1024  # smaller frames are assembled from reads of this size (or the cap)
+MAX_READ_BYTES = 4 * 1024 * 1024
+SEND_CHUNK_BYTES = 1024 * 1024  # with a stall timeout, large frames are sent in such chunks
 
 # Variant indices of the envelope enums.
 CHALLENGE = 0
@@ -55,6 +69,15 @@ ELSE = 1
 
 _ELSE_TAG = bytes([ELSE])
 _CHALLENGE_TYPE = FixedBytes[CHALLENGE_LENGTH]
+
+# The only frame a client sends before its handshake: `ChallengeResponse(Vec<u8>)` of a
+# `SignedMessage<[u8; 32]>` (key, varint-prefixed challenge, signature), 132 bytes.
+_SIGNED_CHALLENGE_LENGTH = len(
+    to_bytes(
+        SignedMessage(bytes(32), to_bytes(bytes(CHALLENGE_LENGTH), _CHALLENGE_TYPE), bytes(64))
+    )
+)
+HANDSHAKE_FRAME_LENGTH = 1 + len(to_bytes(bytes(_SIGNED_CHALLENGE_LENGTH), bytes))
 
 
 class TcpProtocolError(Exception):
@@ -98,43 +121,86 @@ class PostcardCodec(Generic[T]):
 # Framing
 
 
+_bytearray_resize = ctypes.pythonapi.PyByteArray_Resize
+_bytearray_resize.argtypes = [ctypes.py_object, ctypes.c_ssize_t]
+_bytearray_resize.restype = ctypes.c_int
+
+
+def _resize_bytearray(frame: bytearray, size: int) -> None:
+    """Grow `frame` to `size` bytes without writing the new tail.
+
+    Python can only grow a bytearray by writing into it, which would touch (and zero) every page
+    of a frame before its bytes arrive; CPython's `PyByteArray_Resize` only reallocates (for a
+    large block glibc moves the pages with mremap, no copy). The new tail is uninitialised: the
+    socket writes it before anything reads it, and a frame is handed out only when complete.
+    """
+    _bytearray_resize(frame, size)
+
+
+class FrameTimeout(TcpProtocolError):
+    """A frame did not arrive completely within the frame timeout (a slow or stalled sender)."""
+
+
+class SendStalled(TcpProtocolError):
+    """A frame could not be written: the peer stopped reading for longer than the stall timeout."""
+
+
 class FramedStream:
     """Length-delimited frames over a trio stream.
 
     `receive` is cancel-safe: bytes already read stay buffered, so a cancelled call loses nothing
-    and the next call continues the same frame. On a socket, a large frame is received straight
-    into its own buffer (no intermediate copies).
+    and the next call continues the same frame. Memory follows the bytes that arrive, never the
+    length a header claims: small frames are assembled from reads of at most 64 KiB (at most
+    the frame cap, before login a few hundred bytes); on a socket, a large frame is received
+    straight into its own buffer (no intermediate copies), which doubles as bytes fill it.
+
+    Optional bounds (a server sets them, a client need not): `frame_timeout`, seconds within
+    which a frame must complete once its first byte has arrived; `send_stall_timeout`, seconds
+    a send may make no progress; `budget`, shared by a server's connections, for the bytes
+    their large frames hold while arriving. `last_activity` is the `trio.current_time()` of
+    the latest byte received or chunk sent.
     """
 
     def __init__(
-        self, stream: trio.abc.Stream, *, max_receive_frame: int, max_send_frame: int
+        self,
+        stream: trio.abc.Stream,
+        *,
+        max_receive_frame: int,
+        max_send_frame: int,
+        frame_timeout: float | None = None,
+        send_stall_timeout: float | None = None,
+        budget: ByteBudget | None = None,
     ) -> None:
         self._stream = stream
         self._socket = stream.socket if isinstance(stream, trio.SocketStream) else None
         self._buf = bytearray()
         self._frame: bytearray | None = None  # a large frame being received in place
+        self._frame_length = 0
         self._filled = 0
+        self._held = 0  # bytes of `budget` held by `_frame`
+        self._deadline: float | None = None  # when the frame under way must be complete
         self.max_receive_frame = max_receive_frame
         self.max_send_frame = max_send_frame
+        self.frame_timeout = frame_timeout
+        self.send_stall_timeout = send_stall_timeout
+        self._budget = budget
         self._send_lock = trio.Lock()
+        self.last_activity = trio.current_time()
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes this stream holds for frames not yet returned (what arrived, or the buffer a
+        large frame is being received into: at most twice what arrived, or 64 KiB)."""
+        return len(self._frame) if self._frame is not None else len(self._buf)
 
     async def receive(self) -> bytes | bytearray | None:
         """The next frame's payload, or None when the peer closed between frames."""
         buf = self._buf
         while True:
             if self._frame is not None:
-                frame = self._frame
-                if self._filled == len(frame):
-                    self._frame = None
-                    return frame
-                assert self._socket is not None
-                with memoryview(frame) as view:
-                    got = await self._socket.recv_into(view[self._filled :])
-                if not got:
-                    raise TcpProtocolError(
-                        f"connection closed inside a frame ({4 + self._filled} bytes)"
-                    )
-                self._filled += got
+                if self._filled == self._frame_length:
+                    return self._finish_direct()
+                await self._receive_direct()
                 continue
             if len(buf) >= 4:
                 length = int.from_bytes(buf[:4], "big")
@@ -146,22 +212,78 @@ class FramedStream:
                     with memoryview(buf) as view:
                         frame = view[4 : 4 + length].tobytes()
                     del buf[: 4 + length]
+                    self._deadline = None
                     return frame
                 if self._socket is not None and length >= DIRECT_RECEIVE_BYTES:
-                    self._frame = bytearray(length)
-                    self._filled = len(buf) - 4
-                    self._frame[: self._filled] = buf[4:]
-                    buf.clear()
+                    await self._start_direct(length)
                     continue
                 need = 4 + length - len(buf)
             else:
                 need = 4 - len(buf)
-            chunk = await self._stream.receive_some(min(max(need, 65536), 4 * 1024 * 1024))
+            size = min(max(need, READ_BYTES), MAX_READ_BYTES, 4 + self.max_receive_frame)
+            chunk = await self._wait(self._stream.receive_some, size)
+            self.last_activity = trio.current_time()
             if not chunk:
                 if buf:
                     raise TcpProtocolError(f"connection closed inside a frame ({len(buf)} bytes)")
                 return None
             buf += chunk
+
+    async def _wait(self, receive: Any, arg: Any) -> Any:
+        """`await receive(arg)`, within the frame timeout when a frame is under way."""
+        if self.frame_timeout is None or not (self._buf or self._frame is not None):
+            return await receive(arg)
+        if self._deadline is None:
+            self._deadline = trio.current_time() + self.frame_timeout
+        try:
+            with trio.fail_at(self._deadline):
+                return await receive(arg)
+        except trio.TooSlowError:
+            have = self._filled if self._frame is not None else max(len(self._buf) - 4, 0)
+            raise FrameTimeout(
+                f"a frame did not arrive within {self.frame_timeout:g} s "
+                f"({have} bytes of it received)"
+            ) from None
+
+    async def _start_direct(self, length: int) -> None:
+        # The budget counts whole frames, so that no two frames can each hold part of it while
+        # waiting for more; memory itself follows the bytes that arrive.
+        if self._budget is not None:
+            if not self._budget.try_acquire(length):
+                await self._wait(self._budget.acquire, length)
+            self._held = length
+        buf = self._buf
+        have = len(buf) - 4
+        capacity = min(length, max(DIRECT_RECEIVE_BYTES, have))
+        frame = bytearray(capacity)
+        frame[:have] = buf[4:]
+        buf.clear()
+        self._frame, self._frame_length, self._filled = frame, length, have
+
+    async def _receive_direct(self) -> None:
+        frame = self._frame
+        assert frame is not None and self._socket is not None
+        if self._filled == len(frame):
+            _resize_bytearray(frame, min(self._frame_length, 2 * len(frame)))
+        with memoryview(frame) as view, view[self._filled :] as free:
+            got = await self._wait(self._socket.recv_into, free)
+        self.last_activity = trio.current_time()
+        if not got:
+            raise TcpProtocolError(f"connection closed inside a frame ({4 + self._filled} bytes)")
+        self._filled += got
+
+    def _finish_direct(self) -> bytearray:
+        frame = self._frame
+        assert frame is not None
+        self._frame = None
+        self._deadline = None
+        self._release()
+        return frame
+
+    def _release(self) -> None:
+        if self._budget is not None:
+            self._budget.release(self._held)
+        self._held = 0
 
     def check_size(self, payload_len: int) -> None:
         if payload_len > self.max_send_frame:
@@ -169,17 +291,37 @@ class FramedStream:
                 f"frame of {payload_len} bytes exceeds the send limit of {self.max_send_frame}"
             )
 
-    async def send(self, payload: bytes) -> None:
+    async def send(self, payload: bytes | bytearray | memoryview) -> None:
         self.check_size(len(payload))
         header = len(payload).to_bytes(4, "big")
         async with self._send_lock:
             if len(payload) < 65536:
-                await self._stream.send_all(header + payload)
+                await self._send_chunk(header + payload)
+            elif self.send_stall_timeout is None:
+                await self._send_chunk(header)
+                await self._send_chunk(payload)
             else:
-                await self._stream.send_all(header)
-                await self._stream.send_all(payload)
+                await self._send_chunk(header)
+                with memoryview(payload) as view:
+                    for start in range(0, len(view), SEND_CHUNK_BYTES):
+                        await self._send_chunk(view[start : start + SEND_CHUNK_BYTES])
+
+    async def _send_chunk(self, data: bytes | bytearray | memoryview) -> None:
+        if self.send_stall_timeout is None:
+            await self._stream.send_all(data)
+        else:
+            try:
+                with trio.fail_after(self.send_stall_timeout):
+                    await self._stream.send_all(data)
+            except trio.TooSlowError:
+                raise SendStalled(
+                    f"the peer read nothing for {self.send_stall_timeout:g} s"
+                ) from None
+        self.last_activity = trio.current_time()
 
     async def aclose(self) -> None:
+        self._frame = None
+        self._release()
         await self._stream.aclose()
 
 
@@ -249,17 +391,29 @@ class Disconnected:
 ClientNotification = Message[Any] | Disconnected
 
 
+class IdleTimeout(TcpProtocolError):
+    """Nothing was received from or sent to an authenticated client for the idle timeout."""
+
+
 @dataclass(eq=False)
 class _Connection:
     client: bytes
     outbox: trio.MemorySendChannel[bytes]
     cancel_scope: trio.CancelScope
+    queued_bytes: int = 0
 
 
 class TcpServer(Generic[ToServer, ToClient]):
     """Accepts clients, authenticates them by key, and exchanges `Else` messages with them.
 
     Use `async with TcpServer.start(...) as server:`; the server stops when the block exits.
+
+    What a peer can make the server hold is bounded by `limits` (`ConnectionLimits`): before
+    its handshake a connection may send one frame of `HANDSHAKE_FRAME_LENGTH` bytes within the
+    handshake timeout and holds a pending slot that a newer connection may take over; after it,
+    frames up to `max_receive_frame` arrive within the frame timeout into buffers that grow with
+    the bytes received (large frames within a budget shared by all connections), replies
+    queue up to `max_queued_bytes`, and a connection idle both ways or not reading is closed.
     """
 
     def __init__(
@@ -270,8 +424,7 @@ class TcpServer(Generic[ToServer, ToClient]):
         *,
         max_receive_frame: int,
         max_send_frame: int,
-        handshake_timeout: float,
-        send_queue_length: int,
+        limits: ConnectionLimits,
         events_buffer: int,
     ) -> None:
         self._nursery = nursery
@@ -279,8 +432,10 @@ class TcpServer(Generic[ToServer, ToClient]):
         self._to_client = to_client
         self._max_receive_frame = max_receive_frame
         self.max_send_frame = max_send_frame
-        self._handshake_timeout = handshake_timeout
-        self._send_queue_length = send_queue_length
+        self.limits = limits
+        self.drops = DropLog(log, "dropped connections")
+        self._admission = Admission(limits, self.drops)
+        self._budget = ByteBudget(limits.max_buffered_bytes)
         self._clients: dict[bytes, _Connection] = {}
         self._events_send, self._events_receive = trio.open_memory_channel[ClientNotification](
             events_buffer
@@ -298,8 +453,7 @@ class TcpServer(Generic[ToServer, ToClient]):
         port: int = 0,
         max_receive_frame: int = SERVER_MAX_FRAME_LENGTH,
         max_send_frame: int = SERVER_MAX_FRAME_LENGTH,
-        handshake_timeout: float = HANDSHAKE_TIMEOUT,
-        send_queue_length: int = SEND_QUEUE_LENGTH,
+        limits: ConnectionLimits | None = None,
         events_buffer: int = 256,
     ) -> AsyncIterator[TcpServer[ToServer, ToClient]]:
         async with trio.open_nursery() as nursery:
@@ -309,14 +463,14 @@ class TcpServer(Generic[ToServer, ToClient]):
                 to_client,
                 max_receive_frame=max_receive_frame,
                 max_send_frame=max_send_frame,
-                handshake_timeout=handshake_timeout,
-                send_queue_length=send_queue_length,
+                limits=limits or ConnectionLimits(),
                 events_buffer=events_buffer,
             )
             listeners = await trio.open_tcp_listeners(port, host=host)
             sockname = listeners[0].socket.getsockname()
             server.local_addr = (sockname[0], sockname[1])
             log.info("Server listening on: %s:%d", *server.local_addr)
+            nursery.start_soon(server.drops.run)
             nursery.start_soon(trio.serve_listeners, server._handle_connection, listeners)
             try:
                 yield server
@@ -327,6 +481,17 @@ class TcpServer(Generic[ToServer, ToClient]):
 
     def connected_clients(self) -> list[bytes]:
         return list(self._clients)
+
+    @property
+    def pending_connections(self) -> int:
+        """Connections accepted and not yet authenticated."""
+        return self._admission.pending
+
+    @property
+    def receiving_bytes(self) -> int:
+        """The lengths of the large frames being received, all connections together (what
+        `limits.max_buffered_bytes` caps; their memory follows the bytes that arrived)."""
+        return self._budget.used
 
     async def next(self) -> ClientNotification:
         """The next message or disconnection."""
@@ -365,49 +530,67 @@ class TcpServer(Generic[ToServer, ToClient]):
             self._enqueue(connection, payload)
 
     def _enqueue(self, connection: _Connection, payload: bytes) -> None:
+        limit = self.limits.max_queued_bytes
+        if connection.queued_bytes and connection.queued_bytes + len(payload) > limit:
+            self._not_reading(connection, f"{connection.queued_bytes} bytes queued")
+            return
         try:
             connection.outbox.send_nowait(payload)
         except trio.WouldBlock:
-            log.error(
-                "client %s is not reading (%d messages queued); disconnecting it",
-                connection.client.hex(),
-                self._send_queue_length,
-            )
-            connection.cancel_scope.cancel()
+            self._not_reading(connection, f"{self.limits.max_queued_frames} messages queued")
+            return
         except (trio.ClosedResourceError, trio.BrokenResourceError):
-            pass
+            return
+        connection.queued_bytes += len(payload)
+
+    def _not_reading(self, connection: _Connection, why: str) -> None:
+        self.drops.note(
+            "not reading",
+            f"client {connection.client.hex()} is not reading ({why}); disconnecting it",
+            logging.ERROR,
+        )
+        connection.cancel_scope.cancel()
 
     # -- connections
 
     async def _handle_connection(self, stream: trio.SocketStream) -> None:
+        limits = self.limits
         framed = FramedStream(
-            stream, max_receive_frame=self._max_receive_frame, max_send_frame=self.max_send_frame
+            stream,
+            max_receive_frame=HANDSHAKE_FRAME_LENGTH,
+            max_send_frame=self.max_send_frame,
+            frame_timeout=limits.frame_timeout,
+            send_stall_timeout=limits.send_stall_timeout,
+            budget=self._budget,
         )
-        peer = _peer_name(stream)
+        address, peer = peer_address(stream)
         connection: _Connection | None = None
         try:
-            with trio.fail_after(self._handshake_timeout):
-                challenge = secrets.token_bytes(CHALLENGE_LENGTH)
-                await framed.send(encode_challenge(challenge))
-                frame = await framed.receive()
-                if frame is None:
-                    raise TcpProtocolError("No response received")
-                client = verify_challenge_response(frame, challenge)
-            log.debug("Challenge response accepted from %s: %s", peer, client.hex())
-            outbox, inbox = trio.open_memory_channel[bytes](self._send_queue_length)
-            with trio.CancelScope() as scope:
-                connection = _Connection(client, outbox, scope)
-                if client in self._clients:
-                    log.info(
-                        "client %s reconnected; the new connection replaces the old", client.hex()
-                    )
-                self._clients[client] = connection
-                await self._serve_client(framed, client, inbox)
-        except trio.TooSlowError:
-            log.warning("connection from %s: handshake timed out", peer)
+            client = await self._handshake(framed, address, peer)
+            if client is None:
+                return
+            replacing = client in self._clients
+            with self._admission.established_connection(address, replacing=replacing):
+                framed.max_receive_frame = self._max_receive_frame
+                outbox, inbox = trio.open_memory_channel[bytes](limits.max_queued_frames)
+                with trio.CancelScope() as scope:
+                    connection = _Connection(client, outbox, scope)
+                    old = self._clients.get(client)
+                    if old is not None:
+                        # One connection per key: the old one is closed (upstream left it open).
+                        log.info(
+                            "client %s reconnected; the new connection replaces the old",
+                            client.hex(),
+                        )
+                        old.cancel_scope.cancel()
+                    self._clients[client] = connection
+                    await self._serve_client(framed, connection, inbox)
+        except Refused as e:
+            self.drops.note("refused", f"refusing the connection from {peer}: {e}")
         except (TcpProtocolError, SignedMessageError, PostcardError, ValueError) as e:
             who = connection.client.hex() if connection else peer
-            log.warning("dropping connection from %s: %s", who, e)
+            kind = type(e).__name__ if connection else "bad handshake"
+            self.drops.note(kind, f"dropping connection from {who}: {e}")
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
             who = connection.client.hex() if connection else peer
             log.info("connection from %s ended: %s", who, e)
@@ -430,26 +613,50 @@ class TcpServer(Generic[ToServer, ToClient]):
             with trio.CancelScope(shield=True):
                 await framed.aclose()
 
+    async def _handshake(self, framed: FramedStream, address: str, peer: str) -> bytes | None:
+        """The key of a client that proved it holds it, or None when the connection was evicted
+        or timed out; raises on a broken handshake."""
+        with self._admission.pending_connection(address) as pending:
+            try:
+                with trio.fail_after(self.limits.handshake_timeout):
+                    challenge = secrets.token_bytes(CHALLENGE_LENGTH)
+                    await framed.send(encode_challenge(challenge))
+                    frame = await framed.receive()
+                    if frame is None:
+                        raise TcpProtocolError("No response received")
+                    client = verify_challenge_response(frame, challenge)
+            except trio.TooSlowError:
+                self.drops.note(
+                    "handshake timeout",
+                    f"connection from {peer}: handshake timed out",
+                )
+                return None
+        if pending.cancelled_caught:
+            return None
+        log.debug("Challenge response accepted from %s: %s", peer, client.hex())
+        return client
+
     async def _serve_client(
-        self, framed: FramedStream, client: bytes, inbox: trio.MemoryReceiveChannel[bytes]
+        self,
+        framed: FramedStream,
+        connection: _Connection,
+        inbox: trio.MemoryReceiveChannel[bytes],
     ) -> None:
         """Read and write until either side fails; re-raise the first error unwrapped."""
         errors: list[Exception] = []
         async with trio.open_nursery() as nursery:
 
-            async def write() -> None:
+            async def guard(task: Any, *args: Any) -> None:
                 try:
-                    await self._write_loop(framed, inbox)
+                    await task(*args)
                 except Exception as e:
                     errors.append(e)
                 nursery.cancel_scope.cancel()
 
-            nursery.start_soon(write)
-            try:
-                await self._read_loop(framed, client)
-            except Exception as e:
-                errors.append(e)
-            nursery.cancel_scope.cancel()
+            nursery.start_soon(guard, self._write_loop, framed, connection, inbox)
+            if self.limits.idle_timeout is not None:
+                nursery.start_soon(guard, self._idle_watch, framed, self.limits.idle_timeout)
+            await guard(self._read_loop, framed, connection.client)
         if errors:
             raise errors[0]
 
@@ -467,18 +674,21 @@ class TcpServer(Generic[ToServer, ToClient]):
             await self._events_send.send(Message(client, message))
 
     @staticmethod
-    async def _write_loop(framed: FramedStream, inbox: trio.MemoryReceiveChannel[bytes]) -> None:
+    async def _write_loop(
+        framed: FramedStream, connection: _Connection, inbox: trio.MemoryReceiveChannel[bytes]
+    ) -> None:
         async with inbox:
             async for payload in inbox:
+                connection.queued_bytes -= len(payload)  # in flight now: no longer queued
                 await framed.send(payload)
 
-
-def _peer_name(stream: trio.SocketStream) -> str:
-    try:
-        host, port = stream.socket.getpeername()[:2]
-        return f"{host}:{port}"
-    except OSError:
-        return "?"
+    @staticmethod
+    async def _idle_watch(framed: FramedStream, idle_timeout: float) -> None:
+        while True:
+            deadline = framed.last_activity + idle_timeout
+            if trio.current_time() >= deadline:
+                raise IdleTimeout(f"nothing received or sent for {idle_timeout:g} s")
+            await trio.sleep_until(deadline)
 
 
 # --------------------------------------------------------------------------------------------
@@ -572,15 +782,20 @@ class TcpClient(Generic[ToServer, ToClient]):
 __all__ = [
     "CHALLENGE_LENGTH",
     "CLIENT_MAX_FRAME_LENGTH",
+    "HANDSHAKE_FRAME_LENGTH",
     "SERVER_MAX_FRAME_LENGTH",
     "ClientNotification",
     "Codec",
     "ConnectionClosed",
+    "ConnectionLimits",
     "Disconnected",
+    "FrameTimeout",
     "FrameTooLarge",
     "FramedStream",
+    "IdleTimeout",
     "Message",
     "PostcardCodec",
+    "SendStalled",
     "TcpClient",
     "TcpProtocolError",
     "TcpServer",
