@@ -248,3 +248,28 @@ def test_clients_end_by_themselves_at_finished_and_keep_the_final_model(
     texts = [r.psyche_text for r in caplog.records if r.getMessage() == "client_loss"]
     assert all(t.startswith("step ") and "/4 (epoch " in t for t in texts), texts
     assert all(("no batch this round" in t) == (not f["trained"]) for t, f in zip(texts, progress))
+
+
+def test_a_client_joining_a_finished_run_ends_at_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="psyche")
+    model_dir, data_dir = write_run(tmp_path)
+    state = coordinator(model_dir, data_dir)
+    state.run_state = RunState.Finished
+    server = InProcessServer(state)
+
+    async def scenario() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server.run)
+            with trio.fail_after(60):
+                await run_client_until_finished(server, 1, tmp_path / "checkpoints")
+            nursery.cancel_scope.cancel()
+
+    trio.run(scenario)
+    (summary,) = fields(caplog.records, "run_finished")
+    assert not summary["trained"] and summary["checkpoint"] is None
+    (record,) = [r for r in caplog.records if r.getMessage() == "run_finished"]
+    assert record.psyche_text.endswith("this client joined after it ended: nothing to do")
+    assert not fields(caplog.records, "loaded_model")  # nothing was loaded
+    assert not (tmp_path / "checkpoints").exists()

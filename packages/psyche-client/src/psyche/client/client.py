@@ -333,8 +333,10 @@ class Client:
 
     def _summary(self, run_id: str, f: dict[str, Any]) -> str:
         head = f"run {run_id!r} finished at step {f['step']} of {f['total_steps']}"
-        if not f["trained"]:
-            return f"{head}; this client did not train in it"
+        if self.stage == "waiting":
+            return f"{head}; this client joined after it ended: nothing to do"
+        if self.stage == "initializing":
+            return f"{head} while this client was still loading the model"
         parts = [f"{f['epochs']} epoch" + ("" if f["epochs"] == 1 else "s")]
         if f["final_loss"] is not None:
             parts.append(f"final loss {f['final_loss']:.4f}")
