@@ -99,6 +99,10 @@ class DataProviderTcpClient:
         return self._client
 
     async def _round_trip(self, request: ClientToServerMessage) -> ServerToClientMessage:
+        if self._client is not None and self._client.closed_by_peer():
+            # The server closed it while it sat unused (its idle timeout, a restart): a new one.
+            log.debug("data server %s closed an unused connection", self.address)
+            await self.aclose()
         client = await self._connection()
         try:
             await client.send(request)

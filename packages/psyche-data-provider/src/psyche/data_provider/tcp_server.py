@@ -44,6 +44,7 @@ from psyche.data_provider.wire import (
     TrainingData,
     UpstreamRequestCodec,
 )
+from psyche.network.limits import ConnectionLimits, DropLog
 from psyche.network.tcp import (
     CLIENT_MAX_FRAME_LENGTH,
     SERVER_MAX_FRAME_LENGTH,
@@ -80,6 +81,8 @@ class DataProviderTcpServer:
         # Each token takes at least one byte on the wire: a batch of more tokens than the frame
         # limit can never be sent, so it is refused before anything is read.
         self._seq_len: int | None = getattr(provider, "seq_len", None)
+        # A stranger may send request after request: one log line per reason and interval.
+        self.rejections = DropLog(log, "rejected data requests")
 
     @classmethod
     @asynccontextmanager
@@ -93,11 +96,13 @@ class DataProviderTcpServer:
         allow_any: bool = False,
         max_send_frame: int = CLIENT_MAX_FRAME_LENGTH,
         upstream_only: bool = False,
+        limits: ConnectionLimits | None = None,
     ) -> AsyncIterator[DataProviderTcpServer]:
         """Serve `provider` on `host:port` (0: any free port) for the duration of the block.
 
         Replies may be as large as the client's frame limit (upstream's server is capped at its
-        own 8 MiB default, so large batches failed there).
+        own 8 MiB default, so large batches failed there). `limits` bound what connections can
+        make the server hold (`psyche.network.limits`; defaults when None).
         """
         requests = UpstreamRequestCodec() if upstream_only else PostcardCodec(ClientToServerMessage)
         async with (
@@ -108,11 +113,13 @@ class DataProviderTcpServer:
                 port=port,
                 max_receive_frame=SERVER_MAX_FRAME_LENGTH,
                 max_send_frame=max_send_frame,
+                limits=limits,
             ) as tcp,
             trio.open_nursery() as nursery,
         ):
             server = cls(tcp, provider, allowed=allowed, allow_any=allow_any)
             nursery.start_soon(server.run)
+            nursery.start_soon(server.rejections.run)
             try:
                 yield server
             finally:
@@ -124,6 +131,15 @@ class DataProviderTcpServer:
 
     def connected_clients(self) -> list[bytes]:
         return self._tcp.connected_clients()
+
+    @property
+    def limits(self) -> ConnectionLimits:
+        return self._tcp.limits
+
+    @property
+    def drops(self) -> DropLog:
+        """The connections refused and dropped so far (`drops.counts`, by kind)."""
+        return self._tcp.drops
 
     # -- who may fetch
 
@@ -150,7 +166,7 @@ class DataProviderTcpServer:
                     log.debug("client %s disconnected", client.hex())
 
     def _reject(self, client: bytes, data_ids: BatchId, reason: RejectionReason, why: str) -> None:
-        log.warning("rejecting %s from %s: %s", data_ids, client.hex(), why)
+        self.rejections.note(reason.name, f"rejecting {data_ids} from {client.hex()}: {why}")
         self._tcp.send_to(client, RequestRejected(data_ids, reason))
 
     async def handle_request(self, client: bytes, data_ids: BatchId, *, raw: bool = False) -> None:

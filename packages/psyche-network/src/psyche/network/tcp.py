@@ -28,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import secrets
+import select
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -284,6 +285,16 @@ class FramedStream:
         if self._budget is not None:
             self._budget.release(self._held)
         self._held = 0
+
+    def readable_now(self) -> bool:
+        """Whether bytes or the peer's close are waiting to be received (no waiting)."""
+        if self._buf or self._frame is not None:
+            return True
+        if self._socket is None:
+            return False
+        poller = select.poll()
+        poller.register(self._socket.fileno(), select.POLLIN)
+        return bool(poller.poll(0))
 
     def check_size(self, payload_len: int) -> None:
         if payload_len > self.max_send_frame:
@@ -767,6 +778,12 @@ class TcpClient(Generic[ToServer, ToClient]):
         if tag != ELSE:
             raise TcpProtocolError(f"invalid server-to-client variant {tag}")
         return self._to_client.decode(payload)
+
+    def closed_by_peer(self) -> bool:
+        """Whether the server has closed this connection (or sent something) since the last
+        `receive`: for a request/reply protocol, a connection that is stale before a request.
+        Checks the socket without waiting."""
+        return self._framed.readable_now()
 
     async def aclose(self) -> None:
         with trio.CancelScope(shield=True):
