@@ -5,6 +5,7 @@ started with SIGINT ignored (real processes; every wait is bounded)."""
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import subprocess
@@ -142,6 +143,21 @@ def test_previous_signal_handlers_are_restored() -> None:
     assert run_command("p", main, []) == 0
     assert seen[0][0] is signal.default_int_handler and callable(seen[0][1])
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+
+
+def test_root_logging_is_restored() -> None:
+    root = logging.getLogger()
+    before = (list(root.handlers), root.level)
+
+    def main(argv: Sequence[str] | None) -> int:
+        for handler in list(root.handlers):
+            root.removeHandler(handler)
+        root.addHandler(logging.StreamHandler(sys.stderr))
+        root.setLevel(logging.DEBUG)
+        return 0
+
+    assert run_command("p", main, []) == 0
+    assert (list(root.handlers), root.level) == before
 
 
 def test_help_shows_defaults() -> None:

@@ -23,13 +23,14 @@ What it guarantees, however the command was started:
 * **Any other exception is a bug**: its traceback, then one line saying so, exit 1.
 * `--help` shows every option's default (`HelpFormatter`).
 
-The signal handlers in place before `run_command` are restored when it returns, so calling a
-command's `main` in-process (tests) leaves the caller as it was. Nothing here is third-party.
+The signal handlers and the root logger's handlers in place before `run_command` are restored
+when it returns, so calling a command's `main` in-process (tests) leaves the caller as it was. Nothing here is third-party.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import sys
@@ -246,7 +247,7 @@ def run_command(
     status: its return value (None is 0), or what `report` says for an exception. SystemExit
     passes through (argparse's usage errors and `--help` already printed what they had to)."""
     _State.verbose = False
-    with stop_signals():
+    with stop_signals(), _root_logging_kept():
         try:
             return int(main(argv) or 0)
         except SystemExit:
@@ -256,6 +257,24 @@ def run_command(
                 return report(prog, e)
             except KeyboardInterrupt:  # a second Ctrl-C while reporting
                 return interrupt_exit_code()
+
+
+@contextmanager
+def _root_logging_kept() -> Iterator[None]:
+    """The root logger's handlers and level as they were before the block (commands set up
+    their logging; a caller running them in-process keeps its own)."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        yield
+    finally:
+        for handler in list(root.handlers):
+            if handler not in handlers:
+                root.removeHandler(handler)
+        for handler in handlers:
+            if handler not in root.handlers:
+                root.addHandler(handler)
+        root.setLevel(level)
 
 
 __all__ = [

@@ -200,6 +200,9 @@ def train(args: argparse.Namespace) -> int:
         settings = settings_from_args(args, key, wallet)
     except (OptionError, AdminError, ValueError) as e:  # KeypairError is a ValueError
         raise UsageError(explain_error(e, None), exit_code=EXIT_USAGE) from e
+    from psyche.cli.client.train import setup_logging
+
+    setup_logging(args)
     log.info("looking up run %r at %s", settings.run_id, settings.cluster.rpc)
     try:
         run = _preflight(settings)
@@ -230,10 +233,9 @@ def _preflight(settings: SolanaTrainSettings) -> Any:
 
 
 def _train(args: argparse.Namespace, settings: SolanaTrainSettings, run: Any, key: Any) -> int:
-    from psyche.cli.client.train import run_client, setup_logging
+    from psyche.cli.client.train import run_client
     from psyche.core.node_identity import NodeIdentity
 
-    setup_logging(args)
     log.info("Solana wallet pubkey: %s", settings.wallet.pubkey())
     if settings.client_version is None:
         log.warning(
