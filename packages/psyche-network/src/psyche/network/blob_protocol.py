@@ -16,6 +16,7 @@ requester checks before anything uses the bytes.
 
 from __future__ import annotations
 
+import math
 import os
 import struct as _struct
 from collections.abc import Callable
@@ -41,6 +42,7 @@ PROTOCOL_VERSION = 0
 MAX_CONTROL_FRAME = 1024
 NONCE_LENGTH = 32
 RECEIVE_CHUNK = 1 << 20
+SEND_CHUNK = 4 << 20  # with a stall timeout, each chunk must leave within it
 HANDSHAKE_TIMEOUT_SECS = 5.0
 
 _PROVIDER_DOMAIN = b"psyche-blob/0 provider"
@@ -159,10 +161,36 @@ AllowCheck = Callable[[bytes], bool]
 
 
 async def serve_one(
-    stream: ByteStream, identity: SecretKey, lookup: BlobLookup, allowed: AllowCheck
+    stream: ByteStream,
+    identity: SecretKey,
+    lookup: BlobLookup,
+    allowed: AllowCheck,
+    *,
+    handshake_timeout: float = HANDSHAKE_TIMEOUT_SECS,
+    send_stall_timeout: float | None = None,
 ) -> tuple[bytes, int] | None:
     """Answer one request; returns (requester, bytes sent) when a blob was served."""
-    with trio.fail_after(HANDSHAKE_TIMEOUT_SECS):
+    request = await accept_request(stream, identity, allowed, timeout=handshake_timeout)
+    if request is None:
+        return None
+    requester, digest = request
+    sent = await send_blob(stream, lookup, digest, stall_timeout=send_stall_timeout)
+    return None if sent is None else (requester, sent)
+
+
+async def accept_request(
+    stream: ByteStream,
+    identity: SecretKey,
+    allowed: AllowCheck,
+    *,
+    timeout: float = HANDSHAKE_TIMEOUT_SECS,
+) -> tuple[bytes, bytes] | None:
+    """The provider's side of the handshake, all of it within `timeout` seconds: (requester,
+    hash asked for) of a signed request from an allowed peer, or None once a refusal is sent.
+
+    Before this returns, a peer can make the provider read two control frames of at most
+    `MAX_CONTROL_FRAME` bytes and send one; nothing else."""
+    with trio.fail_after(timeout):
         hello: Hello = await read_frame(stream, Hello)
         if hello.version != PROTOCOL_VERSION:
             await send_frame(
@@ -183,18 +211,34 @@ async def serve_one(
             ServerHello,
         )
         get: Get = await read_frame(stream, Get)
-    if not verify_signature(
-        hello.requester, transcript(_REQUESTER_DOMAIN, hello, nonce), get.signature
-    ):
-        await send_frame(stream, Reply.Refused("bad signature"), Reply)
-        return None
-    blob = lookup(get.hash)
-    if blob is None:
-        await send_frame(stream, Reply.NotFound(), Reply)
-        return None
-    await send_frame(stream, Reply.Found(len(blob)), Reply)
-    await stream.send_all(memoryview(blob))
-    return hello.requester, len(blob)
+        if not verify_signature(
+            hello.requester, transcript(_REQUESTER_DOMAIN, hello, nonce), get.signature
+        ):
+            await send_frame(stream, Reply.Refused("bad signature"), Reply)
+            return None
+    return bytes(hello.requester), bytes(get.hash)
+
+
+async def send_blob(
+    stream: ByteStream, lookup: BlobLookup, digest: bytes, *, stall_timeout: float | None = None
+) -> int | None:
+    """`Found(size)` and the blob's bytes (how many), or `NotFound` (None). With a
+    `stall_timeout`, a requester that reads nothing for that long is dropped
+    (`trio.TooSlowError`): it cannot keep the blob in memory by never reading it."""
+    blob = lookup(digest)
+    with trio.fail_after(stall_timeout if stall_timeout is not None else math.inf):
+        if blob is None:
+            await send_frame(stream, Reply.NotFound(), Reply)
+            return None
+        await send_frame(stream, Reply.Found(len(blob)), Reply)
+    with memoryview(blob) as view:
+        if stall_timeout is None:
+            await stream.send_all(view)
+        else:
+            for start in range(0, len(view), SEND_CHUNK):
+                with trio.fail_after(stall_timeout):
+                    await stream.send_all(view[start : start + SEND_CHUNK])
+    return len(blob)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -6,6 +6,12 @@ raw payload bytes. py-libp2p's Noise+Yamux streams move about 100 MiB/s on these
 plain socket several GiB/s; the side channel keeps blobs near socket speed while BLAKE3 keeps
 their integrity. Another transport (QUIC, a relay, libp2p streams) can replace it by
 implementing `BlobTransport`.
+
+What peers can make the provider hold is bounded by `BLOB_LIMITS` (`psyche.network.limits`):
+before its signed request a connection holds a pending slot (the oldest is closed when they are
+full) and may send two control frames of at most 1 KiB within the handshake timeout; a signed
+request from a run member holds one of a capped number of serving slots while its blob is sent,
+and is dropped if it stops reading for the stall timeout.
 """
 
 from __future__ import annotations
@@ -23,12 +29,20 @@ from psyche.core.identity import SecretKey
 from psyche.network import blob_protocol
 from psyche.network.blob_protocol import AllowCheck, BlobLookup, ProgressFn
 from psyche.network.identity import fmt_short
+from psyche.network.limits import Admission, ConnectionLimits, DropLog, Refused, peer_address
 from psyche.network.ticket import EndpointAddr, TransportAddr, parse_host_port
 
 logger = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_SECS = 5.0
 SOCKET_BUFFER_BYTES = 4 << 20
+# Frames and buffered bytes do not apply here (control frames are capped at 1 KiB, blobs are
+# sent from the store, never received); the connection caps and timeouts do.
+BLOB_LIMITS = ConnectionLimits(
+    handshake_timeout=blob_protocol.HANDSHAKE_TIMEOUT_SECS,
+    max_connections=256,
+    max_connections_per_address=64,
+)
 
 
 class BlobTransport(Protocol):
@@ -88,6 +102,7 @@ class TcpBlobTransport:
         announce_host: str | None = None,
         connect_timeout: float = CONNECT_TIMEOUT_SECS,
         on_served: ServedFn | None = None,
+        limits: ConnectionLimits = BLOB_LIMITS,
     ) -> None:
         self._identity = identity
         self._lookup = lookup
@@ -98,6 +113,9 @@ class TcpBlobTransport:
         self._connect_timeout = connect_timeout
         self._on_served = on_served
         self._addrs: list[TransportAddr] = []
+        self.limits = limits
+        self.drops = DropLog(logger, "blob side channel: dropped connections")
+        self._admission = Admission(limits, self.drops)
 
     def local_addrs(self) -> list[TransportAddr]:
         return list(self._addrs)
@@ -110,20 +128,49 @@ class TcpBlobTransport:
         self._addrs = [TransportAddr.BlobTcp(f"{self._announce_host}:{port}")]
         logger.debug("blob side channel listening on %s:%d", self._bind_host, port)
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.drops.run)
             await nursery.start(trio.serve_listeners, self._handle, listeners)
             task_status.started()
+
+    @property
+    def pending_connections(self) -> int:
+        return self._admission.pending
+
+    @property
+    def serving_connections(self) -> int:
+        return self._admission.established
 
     async def _handle(self, stream: trio.SocketStream) -> None:
         _tune(stream.socket)
         conn = _SocketByteStream(stream)
+        address, peer = peer_address(stream)
+        limits = self.limits
         try:
-            served = await blob_protocol.serve_one(
-                conn, self._identity, self._lookup, self._allowed
-            )
-            if served is not None and self._on_served is not None:
-                self._on_served(*served)
-        except (blob_protocol.BlobProtocolError, trio.BrokenResourceError, trio.TooSlowError) as e:
-            logger.debug("blob request dropped: %s", e)
+            with self._admission.pending_connection(address) as pending:
+                request = await blob_protocol.accept_request(
+                    conn, self._identity, self._allowed, timeout=limits.handshake_timeout
+                )
+            if pending.cancelled_caught or request is None:
+                return
+            requester, digest = request
+            try:
+                with self._admission.established_connection(address, replacing=False):
+                    sent = await blob_protocol.send_blob(
+                        conn, self._lookup, digest, stall_timeout=limits.send_stall_timeout
+                    )
+            except Refused as e:
+                self.drops.note("busy", f"blob request from {peer} refused: {e}")
+                with trio.move_on_after(limits.send_stall_timeout):
+                    await blob_protocol.send_frame(
+                        conn, blob_protocol.Reply.Refused("busy"), blob_protocol.Reply
+                    )
+                return
+            if sent is not None and self._on_served is not None:
+                self._on_served(requester, sent)
+        except trio.TooSlowError:
+            self.drops.note("timeout", f"blob request from {peer} timed out", logging.INFO)
+        except (blob_protocol.BlobProtocolError, trio.BrokenResourceError) as e:
+            self.drops.note("bad request", f"blob request from {peer} dropped: {e}", logging.INFO)
         except OSError as e:
             if e.errno not in (errno.ECONNRESET, errno.EPIPE):
                 logger.warning("blob request failed: %s", e)

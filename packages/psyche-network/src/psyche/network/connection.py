@@ -29,7 +29,7 @@ from psyche.core.serde import from_bytes, prepare_decoder, to_bytes
 from psyche.network import model_sharing, p2p_host, peer_exchange
 from psyche.network.allowlist import AllowDynamic, Allowlist
 from psyche.network.blob_store import DEFAULT_GC_INTERVAL_SECS, BlobStore, remove_staled_tags
-from psyche.network.blob_transport import CONNECT_TIMEOUT_SECS, TcpBlobTransport
+from psyche.network.blob_transport import BLOB_LIMITS, CONNECT_TIMEOUT_SECS, TcpBlobTransport
 from psyche.network.connection_monitor import RTT_PROBE_INTERVAL_SECS, ConnectionMonitor
 from psyche.network.discovery import AddressBook, LocalDiscovery, sign_address_record
 from psyche.network.download import (
@@ -45,6 +45,7 @@ from psyche.network.gossip import Gossip, GossipConfig, gossip_topic
 from psyche.network.identity import fmt_short, peer_id_from_public_key
 from psyche.network.interfaces import announce_host, interface_ipv4
 from psyche.network.latency_sorted import LatencySorted
+from psyche.network.limits import ConnectionLimits
 from psyche.network.peer_manager import MODEL_REQUEST_TIMEOUT_SECS
 from psyche.network.stats import (
     STATS_INTERVAL_SECS,
@@ -97,6 +98,8 @@ class NetworkConfig:
     download_timeout_secs: float = DOWNLOAD_TIMEOUT_SECS
     connect_timeout_secs: float = CONNECT_TIMEOUT_SECS
     max_blob_size: int = MAX_BLOB_SIZE
+    blob_limits: ConnectionLimits = BLOB_LIMITS
+    """Connection caps and timeouts of the blob side channel's listener."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -188,6 +191,7 @@ class NetworkConnection:
             announce_host=self.announce_host,
             connect_timeout=config.connect_timeout_secs,
             on_served=self._on_served,
+            limits=config.blob_limits,
         )
         self.downloader = Downloader(self.store, self.blob_transport, self._resolve, self._allowed)
         self.gossip = Gossip(
