@@ -351,6 +351,10 @@ class LocalnetServer:
                 continue
             if isinstance(event, h11.Request):
                 request = event
+                # Refused before a byte of the body is read (chunked bodies are counted below).
+                for name, value in event.headers:
+                    if name == b"content-length" and int(value) > MAX_REQUEST_BYTES:
+                        raise _TooLarge(f"request body over {MAX_REQUEST_BYTES} bytes")
             elif isinstance(event, h11.Data):
                 body += event.data
                 if len(body) > MAX_REQUEST_BYTES:
