@@ -62,7 +62,11 @@ def test_cancel_wakes_waiters() -> None:
     barrier = CancellableBarrier(3)
 
     def cancel_later() -> None:
-        time.sleep(0.1)
+        # Cancel only once both are waiting: a cancel seen on arrival would wake nobody.
+        deadline = time.monotonic() + JOIN_TIMEOUT
+        while barrier._state.count < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert barrier._state.count == 2
         barrier.cancel()
 
     results = run_threads(barrier.wait, barrier.wait, cancel_later)
