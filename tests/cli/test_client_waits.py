@@ -133,6 +133,43 @@ def test_backend_reports_the_wait_and_a_silent_listener_as_no_answer(
     assert issubclass(BackendDisconnected, UserError)
 
 
+def test_the_client_connects_first_and_joins_after_before_join(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The coordinator is reached (and its absence reported) while the client loads torch; the
+    Join is sent only once `before_join` returns, so a run never starts its warmup with a client
+    that is still loading."""
+    from psyche.centralized.server import open_server
+    from psyche.centralized.testing import fast_options, quick_coordinator
+
+    order: list[str] = []
+    join = CentralizedBackend._join
+
+    async def recorded_join(self: CentralizedBackend, conn: object) -> None:
+        order.append("join")
+        await join(self, conn)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(CentralizedBackend, "_join", recorded_join)
+
+    async def main() -> None:
+        port = free_port()
+        async with open_server(quick_coordinator(), fast_options(port=port)) as server:
+
+            async def before_join() -> None:  # connected and authenticated, not joined yet
+                order.append(f"before_join (pending {len(server.core.pending_clients)})")
+
+            with trio.fail_after(30):
+                async with CentralizedBackend.connect(
+                    f"127.0.0.1:{port}", SecretKey.generate(), "test-run", before_join=before_join
+                ) as backend:
+                    while not server.core.pending_clients:
+                        await trio.sleep(0.05)
+                    assert backend.connections == 1
+        assert order == ["before_join (pending 0)", "join"]
+
+    trio.run(main)
+
+
 def test_connect_errors_in_a_few_words() -> None:
     async def refused() -> BaseException:
         try:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -166,6 +166,7 @@ class CentralizedBackend:
         self.run_extras: RunExtras | None = None
         self.connections = 0
         self._join_wait: str | None = None
+        self._before_join: Callable[[], Awaitable[None]] | None = None
 
     @classmethod
     @asynccontextmanager
@@ -178,10 +179,16 @@ class CentralizedBackend:
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         reconnect_timeout: float | None = None,
         extensions: bool = True,
+        before_join: Callable[[], Awaitable[None]] | None = None,
     ) -> AsyncIterator[CentralizedBackend]:
         """Connect (retrying for up to `connect_timeout` seconds while the server is not up),
         join the run, and receive until the block exits. A malformed `server_addr` is a
-        `UserError` at once; a server that stays unreachable, `BackendDisconnected`."""
+        `UserError` at once; a server that stays unreachable, `BackendDisconnected`.
+
+        `before_join` is awaited once, between the first connection and its Join (not counted
+        in `connect_timeout`): a client that loads its heavy modules meanwhile learns at once
+        whether the coordinator is there, yet joins only when it can train (the run's warmup
+        starts as soon as enough clients have joined)."""
         try:
             parse_address(server_addr)
         except ValueError as e:
@@ -193,6 +200,7 @@ class CentralizedBackend:
             reconnect_timeout=reconnect_timeout,
             extensions=extensions,
         )
+        backend._before_join = before_join
         await backend._establish(connect_timeout)
         try:
             async with trio.open_nursery() as nursery:
@@ -265,7 +273,17 @@ class CentralizedBackend:
             try:
                 remaining = max(deadline - trio.current_time(), 0.0)
                 with trio.fail_after(max(min(ATTEMPT_TIMEOUT, remaining), 0.1)):
-                    self._conn = await self._connect_and_join()
+                    conn = await self._connect()
+                try:
+                    if self._before_join is not None:
+                        await self._before_join()
+                        self._before_join = None
+                    with trio.fail_after(ATTEMPT_TIMEOUT):
+                        await self._join(conn)
+                except BaseException:
+                    await conn.aclose()
+                    raise
+                self._conn = conn
                 self.connections += 1
                 return
             except _CONNECTION_ERRORS as e:
@@ -289,9 +307,8 @@ class CentralizedBackend:
             attempt += 1
             await trio.sleep(min(delay, max(deadline - trio.current_time(), 0)))
 
-    async def _connect_and_join(
-        self,
-    ) -> TcpClient[ClientToServerMessage, ServerToClientMessage]:
+    async def _connect(self) -> TcpClient[ClientToServerMessage, ServerToClientMessage]:
+        """An authenticated connection that has negotiated the extensions (not joined yet)."""
         while True:
             conn = await TcpClient.connect(
                 self.server_addr,
@@ -314,14 +331,16 @@ class CentralizedBackend:
                             await conn.aclose()
                             continue
                         raise ConnectionClosed(str(e)) from e
-                await conn.send(ClientToServerMessage.Join(JoinRun(self.run_id)))
-                if self._extensions and self._endpoint_record is not None:
-                    await conn.send(ClientToServerMessage.AnnounceEndpoint(self._endpoint_record))
             except BaseException:
                 await conn.aclose()
                 raise
-            log.info("joined run %r at %s", self.run_id, self.server_addr)
             return conn
+
+    async def _join(self, conn: TcpClient[ClientToServerMessage, ServerToClientMessage]) -> None:
+        await conn.send(ClientToServerMessage.Join(JoinRun(self.run_id)))
+        if self._extensions and self._endpoint_record is not None:
+            await conn.send(ClientToServerMessage.AnnounceEndpoint(self._endpoint_record))
+        log.info("joined run %r at %s", self.run_id, self.server_addr)
 
     async def _hello(self, conn: TcpClient[ClientToServerMessage, ServerToClientMessage]) -> None:
         await conn.send(ClientToServerMessage.ExtensionHello(ExtensionHello()))

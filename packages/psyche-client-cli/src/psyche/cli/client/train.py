@@ -4,8 +4,9 @@ The assembly every client binary shares (logging, `RunInitConfig` from the train
 trio run and its exit codes) is public here; `psyche-solana-client train` uses it too.
 
 Start-up order: the client reaches its coordinator first, so that within a second it says what
-it is waiting for, while torch and transformers load in a worker thread (seconds); the network
-and the training client start once both are done."""
+it is waiting for, while torch and transformers load in a worker thread (seconds); it joins the
+run once they are loaded (so it is ready when the warmup starts), then starts the network and
+the training client."""
 
 from __future__ import annotations
 
@@ -99,7 +100,7 @@ class Preload:
 
     async def wait(self) -> None:
         if not self._done.is_set():
-            log.debug("waiting for torch and transformers to load")
+            log.info("loading torch and transformers before joining (a few seconds)")
         await self._done.wait()
 
 
@@ -198,8 +199,8 @@ async def _run(preload: Preload, args: argparse.Namespace, key: Any, identity: A
         args.run_id,
         connect_timeout=args.server_connect_timeout,
         reconnect_timeout=args.server_reconnect_timeout or None,
+        before_join=preload.wait,
     ) as backend:
-        await preload.wait()
         config = await trio.to_thread.run_sync(run_init_config, args, identity, key)
         from psyche.client.client import Client
         from psyche.network.broadcast import Broadcast
