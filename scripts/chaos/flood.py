@@ -1,0 +1,323 @@
+"""Hostile strangers against a live run: floods of connections that claim 8 MiB frames, and the
+memory of the process listening (VmRSS from /proc) before, at its peak during, and after.
+
+    uv run --no-sync python scripts/chaos/flood.py [--connections 100] [--hold 3]
+
+starts a tiny CPU run on loopback (`psyche-server run` and two `psyche-client train`, the second
+with a known blob port), waits for its first round, then for each attack measures a quiet window
+of the same length first (same sitting, no attack) and prints a markdown table:
+
+* coordinator, before login: each connection sends a 4-byte header claiming 8 MiB at once;
+* coordinator, after login: each logs in with a fresh key, then claims 8 MiB and sends nothing;
+* data server, before login: as the first, on the run's data port;
+* blob side channel (a client's): each claims an 8 MiB control frame, or says nothing.
+
+Figures: MB of VmRSS before the window, its peak during it (VmHWM, reset through
+/proc/<pid>/clear_refs before the window), and after the sockets are closed and `settle` seconds
+have passed. tests/e2e/test_hostile_strangers.py uses the functions below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, TypeVar
+
+import trio
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "configs" / "tiny-cpu"
+LAUNCH = Path(__file__).resolve().parent / "launch.py"
+CLAIM = 8 * 1024 * 1024
+MB = 1e6
+T = TypeVar("T")
+
+
+# ---- memory of a process -------------------------------------------------------------------
+
+
+def proc_status(pid: int, field: str) -> int:
+    """A `kB` field of /proc/<pid>/status, in bytes."""
+    text = Path(f"/proc/{pid}/status").read_text()
+    match = re.search(rf"(?m)^{field}:\s+(\d+) kB", text)
+    if match is None:
+        raise LookupError(f"no {field} in /proc/{pid}/status")
+    return int(match.group(1)) * 1024
+
+
+def vm_rss(pid: int) -> int:
+    return proc_status(pid, "VmRSS")
+
+
+def reset_peak(pid: int) -> bool:
+    """Reset VmHWM to the current RSS (Linux 4.0+); False where /proc does not allow it."""
+    try:
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class Window:
+    """VmRSS (bytes) before a window, its peak during it, and after it."""
+
+    before: int
+    peak: int
+    after: int
+
+    @property
+    def growth(self) -> int:
+        return self.after - self.before
+
+    @property
+    def peak_growth(self) -> int:
+        return self.peak - self.before
+
+    def row(self) -> str:
+        return f"{self.before / MB:.0f} / {self.peak / MB:.0f} / {self.after / MB:.0f}"
+
+
+async def measure(pid: int, attack: Callable[[], Awaitable[T]], settle: float) -> tuple[Window, T]:
+    """Runs `attack` (which opens its connections, holds them and closes them), waits `settle`
+    seconds, and returns the process's VmRSS around it with what `attack` returned. The peak is
+    VmHWM where /proc lets it be reset, and RSS sampled every 50 ms in any case."""
+    before = vm_rss(pid)
+    hwm = reset_peak(pid)
+    sampled = [before]
+
+    async def sample() -> None:
+        while True:
+            sampled.append(vm_rss(pid))
+            await trio.sleep(0.05)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(sample)
+        result = await attack()
+        await trio.sleep(settle)
+        nursery.cancel_scope.cancel()
+    after = vm_rss(pid)
+    peak = max(*sampled, after, proc_status(pid, "VmHWM") if hwm else 0)
+    return Window(before, peak, after), result
+
+
+# ---- attacks -------------------------------------------------------------------------------
+
+
+@dataclass
+class Flood:
+    """What a flood got: connections accepted, and those the listener closed while held."""
+
+    opened: int = 0
+    closed_by_peer: int = 0
+
+
+async def _closed(stream: trio.SocketStream) -> bool:
+    """Whether the peer has closed `stream` (reads whatever it sent, without waiting)."""
+    with trio.move_on_after(0.01):
+        try:
+            while await stream.receive_some(65536):
+                pass
+            return True
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            return True
+    return False
+
+
+async def _login(stream: trio.SocketStream) -> None:
+    """The authenticated TCP handshake with a fresh key (`psyche.network.tcp`)."""
+    from psyche.core.identity import SecretKey
+    from psyche.network.tcp import FramedStream, encode_challenge_response
+
+    framed = FramedStream(stream, max_receive_frame=1024, max_send_frame=1024)
+    with trio.fail_after(10):
+        challenge = await framed.receive()
+    if challenge is None:
+        raise OSError("closed before the challenge")
+    await framed.send(encode_challenge_response(SecretKey.generate(), bytes(challenge[1:])))
+
+
+async def claim_flood(
+    port: int,
+    count: int,
+    hold: float,
+    *,
+    login: bool = False,
+    claim: int = CLAIM,
+    send: bool = True,
+    host: str = "127.0.0.1",
+) -> Flood:
+    """`count` connections to `port`, each sending a 4-byte header that claims `claim` bytes
+    and nothing more (after a handshake with a fresh key when `login`; nothing at all when not
+    `send`), held for `hold` seconds, then closed."""
+    result = Flood()
+    streams: list[trio.SocketStream] = []
+    try:
+        for _ in range(count):
+            try:
+                stream = await trio.open_tcp_stream(host, port)
+            except OSError:
+                continue
+            streams.append(stream)
+            result.opened += 1
+            try:
+                if login:
+                    await _login(stream)
+                if send:
+                    await stream.send_all(claim.to_bytes(4, "big"))
+            except (OSError, trio.BrokenResourceError, trio.TooSlowError):
+                pass  # closed already: counted below
+        await trio.sleep(hold)
+        for stream in streams:
+            result.closed_by_peer += await _closed(stream)
+    finally:
+        for stream in streams:
+            with contextlib.suppress(Exception):
+                await stream.aclose()
+    return result
+
+
+# ---- the standalone run --------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def write_run(directory: Path, data_port: int) -> None:
+    from psyche.centralized.tiny_run import write_tiny_dataset
+
+    text = (TINY / "state.toml").read_text().replace("127.0.0.1:20001", f"127.0.0.1:{data_port}")
+    for key, value in {"init_min_clients": 2, "min_clients": 2, "epoch_time": 120}.items():
+        text = re.sub(rf"(?m)^{key} = .*$", f"{key} = {value}", text, count=1)
+    (directory / "state.toml").write_text(text)
+    write_tiny_dataset(directory / "data", tokenizer_path=TINY / "model" / "tokenizer.json")
+    data = (TINY / "data.toml").read_text().replace('"../../data/tiny-cpu"', '"data"')
+    (directory / "data.toml").write_text(data)
+
+
+def _wait_for(path: Path, pattern: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not re.search(pattern, path.read_text(errors="replace")):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path.name}: no {pattern!r} in {timeout} s")
+        time.sleep(0.2)
+
+
+async def attacks(
+    server_pid: int,
+    client_pid: int,
+    ports: dict[str, int],
+    connections: int,
+    hold: float,
+    settle: float,
+) -> list[tuple[str, Window, Window, Flood]]:
+    """(name, quiet window, flood window, flood) for every attack, in order."""
+    plan: list[tuple[str, int, int, dict[str, Any]]] = [
+        ("coordinator, before login", server_pid, ports["coordinator"], {}),
+        ("coordinator, fresh keys after login", server_pid, ports["coordinator"], {"login": True}),
+        ("data server, before login", server_pid, ports["data"], {}),
+        ("blob side channel, 8 MiB claims", client_pid, ports["blob"], {}),
+        ("blob side channel, silent", client_pid, ports["blob"], {"send": False}),
+    ]
+    rows = []
+    for name, pid, port, options in plan:
+        quiet, _ = await measure(pid, partial(trio.sleep, hold), settle)
+        window, flood = await measure(
+            pid, partial(claim_flood, port, connections, hold, **options), settle
+        )
+        rows.append((name, quiet, window, flood))
+    return rows
+
+
+def table(rows: list[tuple[str, Window, Window, Flood]], connections: int) -> str:
+    lines = [
+        f"| attack ({connections} connections) | quiet: before / peak / after (MB) "
+        "| flood: before / peak / after (MB) | closed by the listener while held |",
+        "|---|---|---|---|",
+    ]
+    for name, quiet, window, flood in rows:
+        lines.append(
+            f"| {name} | {quiet.row()} | {window.row()} | {flood.closed_by_peer} of {flood.opened} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--connections", type=int, default=100)
+    parser.add_argument("--hold", type=float, default=3.0, help="seconds each flood is held")
+    parser.add_argument("--settle", type=float, default=2.0, help="seconds after closing")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="psyche-flood-") as tmp:
+        work = Path(tmp)
+        ports = {"coordinator": _free_port(), "data": _free_port(), "blob": _free_port()}
+        write_run(work, ports["data"])
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        procs: list[subprocess.Popen[bytes]] = []
+
+        def start(name: str, argv: list[str], extra: dict[str, str]) -> subprocess.Popen[bytes]:
+            with open(work / f"{name}.log", "wb") as log:
+                proc = subprocess.Popen(
+                    argv, cwd=REPO, env={**env, **extra}, stdout=log, stderr=subprocess.STDOUT
+                )
+            procs.append(proc)
+            return proc
+
+        try:
+            server = start(
+                "server",
+                [sys.executable, "-m", "psyche.cli.server", "run",
+                 "--state", str(work / "state.toml"), "--data-config", str(work / "data.toml"),
+                 "--server-port", str(ports["coordinator"]), "--tui", "false"],
+                {},
+            )  # fmt: skip
+            _wait_for(work / "server.log", r"serving run", 60)
+            clients = []
+            for number in (1, 2):
+                clients.append(
+                    start(
+                        f"client-{number}",
+                        [sys.executable, str(LAUNCH), "client", "train", "--run-id", "tiny-cpu",
+                         "--server-addr", f"127.0.0.1:{ports['coordinator']}", "--logs", "json",
+                         "--device", "cpu", "--bind-p2p-interface", "lo"],
+                        {"RAW_IDENTITY_SECRET_KEY": f"{number:064x}",
+                         **({"CHAOS_BLOB_PORT": str(ports["blob"])} if number == 2 else {})},
+                    )
+                )  # fmt: skip
+            _wait_for(work / "server.log", r"-> RoundTrain", 240)
+            rows = trio.run(
+                attacks, server.pid, clients[1].pid, ports, args.connections, args.hold, args.settle
+            )
+            print(table(rows, args.connections))
+            alive = all(p.poll() is None for p in procs)
+            print(f"\nall processes still running after the floods: {alive}")
+        finally:
+            for proc in reversed(procs):
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGINT)
+            for proc in reversed(procs):
+                try:
+                    proc.wait(15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
