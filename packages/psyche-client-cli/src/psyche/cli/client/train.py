@@ -140,9 +140,9 @@ def run_client(
 ) -> int:
     """Run `main(preload, *main_args)` under trio while `Preload` loads the heavy modules
     (`main` awaits `preload.wait()` before it needs them). The exit code: 0; 130 (143 after
-    SIGTERM) when interrupted; a user error (unreachable coordinator, unusable device, ...) is
-    raised for the command to report in one line; any other failure is logged with its
-    traceback and ends with its `exit_code` attribute if it has one, else 1."""
+    SIGTERM) when interrupted; a failure with an `exit_code` attribute (another client version)
+    is logged in one line and ends with that code; anything else is raised for the command to
+    report (`psyche.core.cli`: one line for a user error, the traceback for a bug)."""
     import trio
 
     from psyche.core.cli import (
@@ -161,18 +161,15 @@ def run_client(
 
     try:
         trio.run(both)
-    except BaseException as e:  # report the root cause, not the nursery's exception group
+    except BaseException as e:  # judged by the root cause, not the nursery's exception group
         root = single_cause(e)
         if isinstance(root, KeyboardInterrupt):
             log.info("interrupted by %s; exiting", interrupted_by())
             return interrupt_exit_code()
-        if user_error_message(root) is not None:
-            raise root from None
-        if hasattr(root, "exit_code"):
+        if user_error_message(root) is None and hasattr(root, "exit_code"):
             log.error("client stopped: %s", root)
             return int(root.exit_code)
-        log.error("client stopped: %s: %s", type(root).__name__, root, exc_info=root)
-        return 1
+        raise
     return 0
 
 
