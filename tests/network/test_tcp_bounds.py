@@ -192,8 +192,8 @@ async def test_a_large_frame_grows_with_the_bytes_that_arrive() -> None:
             nursery.start_soon(reader.receive)
             await writer.send_all(len(payload).to_bytes(4, "big") + payload[:arrived])
             await trio.testing.wait_all_tasks_blocked()
-            # 300 KiB arrived: the buffer is at most twice that, not the 8 MiB claimed.
-            assert arrived <= reader.buffered_bytes <= 2 * arrived
+            # 300 KiB arrived: the buffer is at most four times that, not the 8 MiB claimed.
+            assert arrived <= reader.buffered_bytes <= 4 * arrived
             nursery.cancel_scope.cancel()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(writer.send_all, payload[arrived:])

@@ -38,6 +38,7 @@ import trio
 
 from psyche.core.identity import SecretKey
 from psyche.core.serde import FixedBytes, PostcardError, decode_varint, from_bytes, to_bytes
+from psyche.network.allowlist import Allowlist
 from psyche.network.limits import (
     Admission,
     ByteBudget,
@@ -61,6 +62,7 @@ HANDSHAKE_TIMEOUT = ConnectionLimits.handshake_timeout  # seconds; upstream wait
 DIRECT_RECEIVE_BYTES = 64 * 1024  # frames this large are received straight into their buffer
 READ_BYTES = 64 * 1024  # smaller frames are assembled from reads of this size (or the cap)
 MAX_READ_BYTES = 4 * 1024 * 1024
+GROWTH = 4  # a large frame's buffer grows by this factor when full
 SEND_CHUNK_BYTES = 1024 * 1024  # with a stall timeout, large frames are sent in such chunks
 
 # Variant indices of the envelope enums.
@@ -153,12 +155,13 @@ class FramedStream:
     and the next call continues the same frame. Memory follows the bytes that arrive, never the
     length a header claims: small frames are assembled from reads of at most 64 KiB (at most
     the frame cap, before login a few hundred bytes); on a socket, a large frame is received
-    straight into its own buffer (no intermediate copies), which doubles as bytes fill it.
+    straight into its own buffer (no intermediate copies), which starts at 64 KiB and grows
+    fourfold each time the arriving bytes fill it: at most four times what arrived.
 
     Optional bounds (a server sets them, a client need not): `frame_timeout`, seconds within
     which a frame must complete once its first byte has arrived; `send_stall_timeout`, seconds
-    a send may make no progress; `budget`, shared by a server's connections, for the bytes
-    their large frames hold while arriving. `last_activity` is the `trio.current_time()` of
+    a send may make no progress; `budget`, shared by a server's connections, for the lengths
+    of the large frames they are receiving. `last_activity` is the `trio.current_time()` of
     the latest byte received or chunk sent.
     """
 
@@ -191,7 +194,7 @@ class FramedStream:
     @property
     def buffered_bytes(self) -> int:
         """Bytes this stream holds for frames not yet returned (what arrived, or the buffer a
-        large frame is being received into: at most twice what arrived, or 64 KiB)."""
+        large frame is being received into: at most four times what arrived, or 64 KiB)."""
         return len(self._frame) if self._frame is not None else len(self._buf)
 
     async def receive(self) -> bytes | bytearray | None:
@@ -265,7 +268,7 @@ class FramedStream:
         frame = self._frame
         assert frame is not None and self._socket is not None
         if self._filled == len(frame):
-            _resize_bytearray(frame, min(self._frame_length, 2 * len(frame)))
+            _resize_bytearray(frame, min(self._frame_length, GROWTH * len(frame)))
         with memoryview(frame) as view, view[self._filled :] as free:
             got = await self._wait(self._socket.recv_into, free)
         self.last_activity = trio.current_time()
@@ -437,10 +440,13 @@ class TcpServer(Generic[ToServer, ToClient]):
         max_send_frame: int,
         limits: ConnectionLimits,
         events_buffer: int,
+        allowlist: Allowlist | None = None,
     ) -> None:
         self._nursery = nursery
         self._to_server = to_server
         self._to_client = to_client
+        # Keys allowed to log in (None: any key that proves it holds itself).
+        self.allowlist = allowlist
         self._max_receive_frame = max_receive_frame
         self.max_send_frame = max_send_frame
         self.limits = limits
@@ -466,6 +472,7 @@ class TcpServer(Generic[ToServer, ToClient]):
         max_send_frame: int = SERVER_MAX_FRAME_LENGTH,
         limits: ConnectionLimits | None = None,
         events_buffer: int = 256,
+        allowlist: Allowlist | None = None,
     ) -> AsyncIterator[TcpServer[ToServer, ToClient]]:
         async with trio.open_nursery() as nursery:
             server = cls(
@@ -476,6 +483,7 @@ class TcpServer(Generic[ToServer, ToClient]):
                 max_send_frame=max_send_frame,
                 limits=limits or ConnectionLimits(),
                 events_buffer=events_buffer,
+                allowlist=allowlist,
             )
             listeners = await trio.open_tcp_listeners(port, host=host)
             sockname = listeners[0].socket.getsockname()
@@ -580,6 +588,8 @@ class TcpServer(Generic[ToServer, ToClient]):
             client = await self._handshake(framed, address, peer)
             if client is None:
                 return
+            if self.allowlist is not None and not self.allowlist.allowed(client):
+                raise Refused(f"key {client.hex()} is not allowed to log in")
             replacing = client in self._clients
             with self._admission.established_connection(address, replacing=replacing):
                 framed.max_receive_frame = self._max_receive_frame
