@@ -143,3 +143,78 @@ def test_bad_options_and_configs_fail_clearly(tmp_path: Path) -> None:
     code, out = fails("--state", str(state), "--tui", "false")
     assert code == 1, out
     assert "Can't start up a run with an Ephemeral checkpoint." in out
+
+
+def test_validate_config_takes_what_run_takes(tmp_path: Path) -> None:
+    """A save-state directory (what `run --state` resumes from) validates too."""
+    from psyche.centralized.save_state import save_state
+
+    saves = tmp_path / "saves"
+    save_state(saves, load_state(tiny_state(tmp_path, free_port())))
+
+    def validate(state: Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "psyche.cli.server", "validate-config", "--state", str(state)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    result = validate(saves)
+    assert result.returncode == 0 and "Configs are OK! run 'tiny-cpu'" in result.stdout, result
+    result = validate(tmp_path)  # a directory no server saved into: run refuses it alike
+    assert result.returncode == 1
+    assert "is a directory without a 'latest' file" in result.stderr, result.stderr
+
+
+def test_a_private_run_from_an_authorized_keys_file(tmp_path: Path) -> None:
+    from psyche.core.identity import SecretKey
+
+    member, stranger = SecretKey.generate(), SecretKey.generate()
+    keys = tmp_path / "authorized"
+    keys.write_text(f"# the run's clients\n0x{member.public_key.hex()}  # client 1\n\n")
+    state = tiny_state(tmp_path, free_port())
+    lines: list[str] = []
+    process = server(
+        "--state", str(state), "--tui", "false", "--data-config", str(TINY / "data.toml"),
+        "--bind-address", "127.0.0.1", env={"AUTHORIZED_KEYS": str(keys)},
+    )  # fmt: skip
+    try:
+        port = wait_serving(process, lines)
+        assert "(127.0.0.1); private run: 1 authorized key" in lines[-1], lines[-1]
+
+        async def main() -> None:
+            async with await ProtocolClient.connect(f"127.0.0.1:{port}", member) as client:
+                await client.join("tiny-cpu")
+                assert (await client.next_coordinator()).run_id == "tiny-cpu"
+            async with await ProtocolClient.connect(f"127.0.0.1:{port}", stranger) as client:
+                try:
+                    with trio.fail_after(10):
+                        await client.join("tiny-cpu")
+                        await client.next_coordinator()
+                except Exception as e:  # closed by the server right after the handshake
+                    assert "tiny-cpu" not in str(e)
+                else:
+                    raise AssertionError("the stranger was served")
+
+        trio.run(main)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        out, _ = process.communicate(timeout=30)
+    log = "".join(lines) + out
+    assert process.returncode == 0, log
+    assert f"key {stranger.public_key.hex()} is not allowed to log in" in log
+
+    def fails(keys_text: str) -> str:
+        keys.write_text(keys_text)
+        result = subprocess.run(
+            [sys.executable, "-m", "psyche.cli.server", "run", "--state", str(state),
+             "--tui", "false", "--authorized-keys", str(keys)],
+            cwd=REPO, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert result.returncode == 1, result
+        return result.stdout + result.stderr
+
+    assert f"{keys}:2: not an ed25519 public key: 'zz'" in fails(f"{member.public_key.hex()}\nzz\n")
+    assert "lists no key: nobody could join this run" in fails("# nobody yet\n")

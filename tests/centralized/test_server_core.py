@@ -161,9 +161,14 @@ def test_broadcast_rules() -> None:
     assert core.coordinator.run_state is RunState.RoundWitness
     # a health check that drops nobody (rejected before height 2): no broadcast
     assert not core.on_health_check(A, [])
-    # a checkpoint always broadcasts, even from a stranger
-    assert core.on_checkpoint(C, Checkpoint.Hub(HubRepo("x")))
+    # a checkpoint broadcasts only when a member's changes the run's (upstream: always, even
+    # from a stranger); a stranger's is dropped unheard
+    core.coordinator.model.value.checkpoint = Checkpoint.Hub(HubRepo("old"))  # type: ignore[attr-defined]
+    assert not core.on_checkpoint(C, Checkpoint.Hub(HubRepo("x")))
+    assert core.ignored.counts == {"Checkpoint from non-members": 1}
     assert core.on_checkpoint(A, Checkpoint.Hub(HubRepo("x")))
+    assert core.coordinator.model.value.checkpoint == Checkpoint.Hub(HubRepo("x"))  # type: ignore[attr-defined]
+    assert not core.on_checkpoint(B, Checkpoint.Hub(HubRepo("x")))  # the same again
 
 
 def test_health_check_drops_broadcast() -> None:

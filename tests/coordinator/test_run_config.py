@@ -370,6 +370,57 @@ def test_syntax_errors_and_missing_files(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
+    ("change", "field", "words"),
+    [
+        # min_clients above what any run can have (upstream's error names init_min_clients)
+        (
+            {"\nmin_clients = 2": "\nmin_clients = 500"},
+            "config.min_clients",
+            ["(500)", "256", "(2)"],
+        ),
+        ({"init_min_clients = 2": "init_min_clients = 1"}, "config.min_clients", ["(2)", "(1)"]),
+        (
+            {"init_min_clients = 2": "init_min_clients = 300", "= 4\n": "= 400\n"},
+            "config.init_min_clients",
+            ["(300)", "at most 256"],
+        ),
+    ],
+)
+def test_client_counts_name_the_field_at_fault(
+    tmp_path: Path, change: dict[str, str], field: str, words: list[str]
+) -> None:
+    text = TEST_STATE
+    for old, new in change.items():
+        assert old in text
+        text = text.replace(old, new)
+    ((where, msg),) = problems_of(write(tmp_path, text))
+    assert where == field, msg
+    assert all(w in msg for w in words), msg
+
+
+def test_a_global_batch_smaller_than_init_min_clients_is_rejected(tmp_path: Path) -> None:
+    # upstream issue #48: a first round with more clients than batches
+    text = TEST_STATE.replace("init_min_clients = 2", "init_min_clients = 6")
+    ((where, msg),) = problems_of(write(tmp_path, text))
+    assert where == "config.global_batch_size_start"
+    assert "global_batch_size_start (4)" in msg and "init_min_clients (6)" in msg
+    load_run_config(write(tmp_path, text.replace("= 4\n", "= 6\n")))  # equal is fine
+
+
+@pytest.mark.parametrize(
+    "nesting", ["[" * 100_000 + "]" * 100_000, "{a=" * 100_000 + "}" * 100_000]
+)
+def test_toml_nested_too_deeply_is_one_clear_error(tmp_path: Path, nesting: str) -> None:
+    ((where, msg),) = problems_of(write(tmp_path, f"run_id = {nesting}\n"))
+    assert where == "" and msg == "invalid TOML: arrays or tables nested too deeply"
+    deep: dict = {}
+    for _ in range(100_000):
+        deep = {"a": deep}
+    with pytest.raises(ConfigFileError, match="nested too deeply"):
+        parse_run_config({"run_id": "x", "config": deep})
+
+
+@pytest.mark.parametrize(
     ("error", "change"),
     [
         (ConfigError.EpochTime, {"epoch_time": 0}),

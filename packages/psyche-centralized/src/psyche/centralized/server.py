@@ -23,6 +23,12 @@ started on a state that is already Finished ends at once. Upstream's server idle
 A bad frame or a broken handshake closes that one connection (`psyche.network.tcp`); a message
 the coordinator rejects is logged and ignored. A port that cannot be listened on is a
 `ServerStartError` naming which of the two ports it is.
+
+Strangers get nothing (see `server_core` and docs/centralized.md): a private run
+(`authorized_keys`) refuses other keys right after their handshake; messages from non-members
+are dropped unheard; nothing a client sends makes the server send more than a bounded amount:
+the peers' endpoint records go out at most once per tick, an extension hello is answered once
+per connection, and a state broadcast follows only a message that changed the state.
 """
 
 from __future__ import annotations
@@ -50,10 +56,11 @@ from psyche.centralized.protocol import (
     ServerToClientMessage,
 )
 from psyche.centralized.save_state import save_state
-from psyche.centralized.server_core import ServerCore, TickOutcome
+from psyche.centralized.server_core import DEFAULT_BAN_EPOCHS, ServerCore, TickOutcome
 from psyche.coordinator.coordinator import Coordinator, RunState
 from psyche.coordinator.model import Checkpoint, HubRepo, LLMTrainingDataLocation
 from psyche.core.node_identity import NodeIdentity
+from psyche.network.allowlist import AllowDynamic
 from psyche.network.tcp import (
     SERVER_MAX_FRAME_LENGTH,
     Disconnected,
@@ -82,9 +89,15 @@ class ServerStartError(Exception):
 
 @dataclass(frozen=True)
 class ServerOptions:
+    # The address the coordinator listens on (upstream: every interface), and its data server
+    # unless `data_server_host` is given.
     host: str = "0.0.0.0"
     # 0: a free port chosen by the OS (upstream's default).
     port: int = 0
+    # The public keys that may join (a private run); None: anyone with the run id (upstream).
+    authorized_keys: frozenset[bytes] | None = None
+    # Epochs a member dropped for not delivering sits out (0: upstream's rules).
+    ban_epochs: int = DEFAULT_BAN_EPOCHS
     # The data server's dataset (`data.toml`), required when the data location is Server.
     data_config: DataServerInfo | None = None
     save_state_dir: Path | None = None
@@ -92,7 +105,7 @@ class ServerOptions:
     init_warmup_time: int | None = None
     withdraw_on_disconnect: bool = True
     tick_interval: float = TICK_INTERVAL
-    data_server_host: str = "0.0.0.0"
+    data_server_host: str | None = None
     max_receive_frame: int = SERVER_MAX_FRAME_LENGTH
     # Whole unix seconds and round seeds; replaceable for tests.
     clock: Callable[[], int] = field(default=lambda: int(time.time()))
@@ -195,6 +208,9 @@ class CentralizedServer:
             self.finished.set()
         self._disconnected = trio.Event()
         self._started = time.monotonic()
+        # Endpoint records changed since the last tick, and who was answered an extension hello.
+        self._endpoints_dirty = False
+        self._greeted: set[bytes] = set()
 
     @property
     def coordinator(self) -> Coordinator:
@@ -278,6 +294,9 @@ class CentralizedServer:
 
     def tick(self) -> TickOutcome:
         self.ticks += 1
+        if self._endpoints_dirty:
+            self._endpoints_dirty = False
+            self.send_peer_endpoints()
         outcome = self.core.on_tick(self.options.clock(), self.options.random_u64())
         if outcome.epoch_end:
             progress = self.coordinator.progress
@@ -294,9 +313,9 @@ class CentralizedServer:
         match message:
             case ClientToServerMessage.Join(JoinRun(run_id)):
                 core.on_join(sender, run_id)
-                if run_id == core.run_id:
+                if sender in core.pending_clients and not self.relay.is_joined(client):
                     self.relay.join(client)
-                    self.send_peer_endpoints()
+                    self._endpoints_dirty = True
             case ClientToServerMessage.Witness(data):
                 broadcast = core.on_witness(
                     sender, data, self.options.clock(), self.options.random_u64()
@@ -306,6 +325,9 @@ class CentralizedServer:
             case ClientToServerMessage.Checkpoint(checkpoint):
                 broadcast = core.on_checkpoint(sender, checkpoint)
             case ClientToServerMessage.ExtensionHello(hello):
+                if client in self._greeted:
+                    return  # answered once per connection: a repeated hello gets nothing
+                self._greeted.add(client)
                 log.debug("client %s speaks extensions (version %d)", sender, hello.version)
                 self.relay.mark_aware(client)
                 self._send(client, ServerToClientMessage.RunExtras(self.run_extras()))
@@ -317,14 +339,15 @@ class CentralizedServer:
             case ClientToServerMessage.AnnounceEndpoint(record):
                 self.relay.mark_aware(client)
                 if self.relay.announce(client, record):
-                    self.send_peer_endpoints()
+                    self._endpoints_dirty = True  # sent with the next tick, at most once a tick
                 return
         self.post_state_change(broadcast)
 
     def on_disconnect(self, client: bytes) -> None:
         self.core.on_disconnect(NodeIdentity.from_single_key(client))
+        self._greeted.discard(client)
         if self.relay.forget(client):
-            self.send_peer_endpoints()
+            self._endpoints_dirty = True
         self.post_state_change(broadcast=False)
         self._disconnected.set()
         self._disconnected = trio.Event()
@@ -411,6 +434,8 @@ async def open_server(
         now=options.clock(),
         init_warmup_time=options.init_warmup_time,
         withdraw_on_disconnect=options.withdraw_on_disconnect,
+        authorized=options.authorized_keys,
+        ban_epochs=options.ban_epochs,
     )
     server = CentralizedServer(core, options)
     data_port = data_server_port(core.coordinator)
@@ -439,7 +464,9 @@ async def open_server(
             ):
                 server.data_server = await stack.enter_async_context(
                     DataProviderTcpServer.start(
-                        provider, host=options.data_server_host, port=data_port
+                        provider,
+                        host=options.data_server_host or options.host,
+                        port=data_port,
                     )
                 )
             server.data_server.update_from_coordinator(core.coordinator)
@@ -457,14 +484,28 @@ async def open_server(
                     host=options.host,
                     port=options.port,
                     max_receive_frame=options.max_receive_frame,
+                    # a private run refuses other keys right after their handshake
+                    allowlist=(
+                        None
+                        if options.authorized_keys is None
+                        else AllowDynamic(options.authorized_keys)
+                    ),
                 )
             )
         nursery = await stack.enter_async_context(trio.open_nursery())
         nursery.start_soon(server.message_loop)
         nursery.start_soon(server.tick_loop)
+        nursery.start_soon(core.ignored.run)
+        nursery.start_soon(core.rejected.run)
         if options.exit_when_finished:
             nursery.start_soon(server.end_when_finished, nursery.cancel_scope)
-        log.info("serving run %r on port %d", core.run_id, server.port)
+        log.info(
+            "serving run %r on port %d (%s); %s",
+            core.run_id,
+            server.port,
+            "all interfaces" if options.host in ("0.0.0.0", "::", "") else options.host,
+            who_may_join(options.authorized_keys),
+        )
         try:
             yield server
         finally:
@@ -472,6 +513,14 @@ async def open_server(
             saved = server.save()
             if server.finished.is_set():
                 log.info("%s", server.summary(saved))
+
+
+def who_may_join(authorized_keys: frozenset[bytes] | None) -> str:
+    """The start-up line's word on who may join."""
+    if authorized_keys is None:
+        return "open run: anyone may join"
+    count = len(authorized_keys)
+    return f"private run: {count} authorized key{'' if count == 1 else 's'}"
 
 
 @contextmanager
@@ -519,4 +568,5 @@ __all__ = [
     "ensure_hub_repo",
     "open_server",
     "run_server",
+    "who_may_join",
 ]

@@ -12,6 +12,19 @@ and I/O.
 Coordinator errors are logged and the event ignored, as upstream. Where upstream would panic
 (and crash the server), the coordinator raises `CoordinatorPanic` before changing anything; it
 is logged as an error and the server carries on.
+
+Beyond upstream (docs/centralized.md, "Members, strangers and non-delivering members"):
+
+* only members are heard: a Witness, HealthCheck or Checkpoint from a key that is not a client
+  of the current epoch is dropped before the coordinator sees it and never broadcast; a member's
+  Checkpoint is broadcast only when it changed the run's checkpoint. Ignored and rejected
+  messages are logged through a `DropLog` (one line per kind, then one summary per interval);
+* a private run (`authorized` keys) refuses every other key's Join;
+* a member dropped for not delivering (by a health check, or elected witness of a round that
+  ended without any witness while it stayed connected and silent) is barred from the next
+  `ban_epochs` epochs: its Join is kept, but it is left out of the clients the coordinator
+  starts an epoch with. A client that disconnected during the epoch is never barred (a crash
+  or a restart is not a refusal to deliver), nor one the coordinator withdrew with the others.
 """
 
 from __future__ import annotations
@@ -22,6 +35,7 @@ from dataclasses import dataclass, field
 
 from psyche.centralized.save_state import resume_snapshot
 from psyche.coordinator.backend import OpportunisticData
+from psyche.coordinator.committee_selection import CommitteeSelection
 from psyche.coordinator.coordinator import (
     ClientState,
     Coordinator,
@@ -32,8 +46,13 @@ from psyche.coordinator.coordinator import (
 from psyche.coordinator.errors import CoordinatorError, CoordinatorErrorKind, CoordinatorPanic
 from psyche.coordinator.model import Checkpoint
 from psyche.core.node_identity import NodeIdentity
+from psyche.network.limits import DropLog
 
 log = logging.getLogger(__name__)
+
+# Epochs a member dropped for not delivering sits out (`--ban-epochs`; 0: upstream's rules).
+DEFAULT_BAN_EPOCHS = 1
+_ROUND_STATES = (RunState.RoundTrain, RunState.RoundWitness)
 
 
 @dataclass(frozen=True)
@@ -57,17 +76,40 @@ def prepare_for_start(coordinator: Coordinator, now: int) -> Coordinator:
     return state
 
 
+@dataclass(frozen=True)
+class Ban:
+    """A member dropped for not delivering: left out of every epoch before `until_epoch`."""
+
+    until_epoch: int
+    reason: str
+
+
 @dataclass
 class ServerCore:
     coordinator: Coordinator
     original_warmup_time: int
     withdraw_on_disconnect: bool = True
+    # The public keys that may join (a private run); None: anyone with the run id (upstream).
+    authorized: frozenset[bytes] | None = None
+    # Epochs a member dropped for not delivering sits out; 0 restores upstream's rules.
+    ban_epochs: int = DEFAULT_BAN_EPOCHS
     # Insertion-ordered set (upstream's HashSet order is arbitrary).
     pending_clients: dict[NodeIdentity, None] = field(default_factory=dict)
     # Exited clients the per-tick kick must leave in the pending set (see kick_unhealthy_clients).
     rejoinable: set[NodeIdentity] = field(default_factory=set)
+    # Members dropped for not delivering, and until when they sit out.
+    banned: dict[NodeIdentity, Ban] = field(default_factory=dict)
     # The loss in the newest witness's metadata (for the run summary; the coordinator ignores it).
     last_reported_loss: float | None = None
+    # Messages dropped unheard (non-members, other runs, unauthorized keys), by kind.
+    ignored: DropLog = field(default_factory=lambda: DropLog(log, "messages ignored"))
+    # Messages the coordinator refused (late or invalid witnesses, ...), by kind.
+    rejected: DropLog = field(default_factory=lambda: DropLog(log, "messages rejected"))
+    # Who sent a witness in the current round, and who disconnected in the current epoch.
+    _round: tuple[int, int] | None = None
+    _witness_senders: set[NodeIdentity] = field(default_factory=set)
+    _epoch: tuple[int, int] | None = None
+    _disconnected: set[NodeIdentity] = field(default_factory=set)
 
     @classmethod
     def start(
@@ -77,12 +119,14 @@ class ServerCore:
         now: int,
         init_warmup_time: int | None = None,
         withdraw_on_disconnect: bool = True,
+        authorized: frozenset[bytes] | None = None,
+        ban_epochs: int = DEFAULT_BAN_EPOCHS,
     ) -> ServerCore:
         state = prepare_for_start(coordinator, now)
         original = state.config.warmup_time
         if init_warmup_time is not None:
             state.config.warmup_time = init_warmup_time
-        return cls(state, original, withdraw_on_disconnect)
+        return cls(state, original, withdraw_on_disconnect, authorized, ban_epochs)
 
     @property
     def run_id(self) -> str:
@@ -94,20 +138,63 @@ class ServerCore:
                 return index
         return None
 
+    def is_authorized(self, key: bytes) -> bool:
+        """Whether `key` may join: anyone in an open run, the listed keys in a private one."""
+        return self.authorized is None or bytes(key) in self.authorized
+
+    def _member(self, sender: NodeIdentity, what: str) -> int | None:
+        """`sender`'s index among the epoch's clients; None (and counted) for a non-member,
+        whose message is then dropped unheard."""
+        index = self.client_index(sender)
+        if index is None:
+            self.ignored.note(
+                f"{what} from non-members",
+                f"ignoring a {what} from {sender}: not a client of the run's current epoch "
+                "(more are counted and summed up once per interval)",
+            )
+        return index
+
     # -- events ---------------------------------------------------------------------------------
 
     def on_join(self, sender: NodeIdentity, run_id: str) -> bool:
-        if run_id == self.coordinator.run_id:
-            log.info("added pending client %s", sender)
+        """A Join for this run makes `sender` pending (a private run only accepts its authorized
+        keys). Never a broadcast; a repeated Join changes nothing and logs nothing."""
+        if run_id != self.coordinator.run_id:
+            self.ignored.note(
+                "Join for another run",
+                f"{sender} tried to join unknown run {run_id!r}",
+                logging.INFO,
+            )
+            return False
+        if not self.is_authorized(sender.signer):
+            self.ignored.note(
+                "Join from unauthorized keys",
+                f"refusing the Join of {sender}: its key is not among the run's authorized keys",
+            )
+            return False
+        if sender not in self.pending_clients:
             self.pending_clients[sender] = None
-        else:
-            log.info("%r tried to join unknown run %r", sender, run_id)
+            ban = self.banned.get(sender)
+            if ban is None:
+                log.info("added pending client %s", sender)
+            else:
+                log.info(
+                    "added pending client %s; it sits out the epochs before %d (%s)",
+                    sender,
+                    ban.until_epoch,
+                    ban.reason,
+                )
         return False
 
     def on_witness(
         self, sender: NodeIdentity, data: OpportunisticData, now: int, random_seed: int
     ) -> bool:
+        if self._member(sender, "Witness") is None:
+            return False
         before = self.coordinator.run_state
+        self._track_round()
+        if before in _ROUND_STATES:
+            self._witness_senders.add(sender)
         try:
             match data:
                 case OpportunisticData.WitnessStep((witness, metadata)):
@@ -117,46 +204,64 @@ class ServerCore:
                 case OpportunisticData.WarmupStep(witness):
                     self.coordinator.warmup_witness(sender, witness, now, random_seed)
         except CoordinatorError as e:
-            log.warning("Error when processing witness from %s: %s", sender, e)
+            self.rejected.note(
+                f"Witness ({e.kind.name})", f"Error when processing witness from {sender}: {e}"
+            )
         except CoordinatorPanic as e:
             log.error("witness from %s would crash upstream's server; ignored: %s", sender, e)
         return self.coordinator.run_state is not before
 
     def on_health_check(self, sender: NodeIdentity, checks: HealthChecks) -> bool:
+        if self._member(sender, "HealthCheck") is None:
+            return False
         # An honest sender names each unhealthy client once; a longer list can only be repeats,
         # which cost the coordinator work and change nothing (hardening, not upstream).
-        limit = max(len(self.coordinator.epoch_state.clients), 1)
+        clients = self.coordinator.epoch_state.clients
+        limit = max(len(clients), 1)
         if len(checks) > limit:
-            log.warning(
-                "health check from %s names %d clients, more than the %d in the run; ignored",
-                sender,
-                len(checks),
-                limit,
+            self.rejected.note(
+                "HealthCheck (too long)",
+                f"health check from {sender} names {len(checks)} clients, more than the "
+                f"{limit} in the run; ignored",
             )
             return False
+        healthy = {c.id for c in clients if c.state is ClientState.Healthy}
         try:
             dropped = self.coordinator.health_check(sender, checks)
         except CoordinatorError as e:
-            log.warning("Error when processing health check from %s: %s", sender, e)
+            self.rejected.note(
+                f"HealthCheck ({e.kind.name})",
+                f"Error when processing health check from {sender}: {e}",
+            )
             return False
         except CoordinatorPanic as e:
             log.error("health check from %s would crash upstream's server; ignored: %s", sender, e)
             return False
         log.info("Dropped %d clients from health check", dropped)
+        for client in clients:
+            if client.id in healthy and client.state is ClientState.Dropped:
+                self._ban(client.id, f"dropped by a health check from {sender}")
         return dropped > 0
 
     def on_checkpoint(self, sender: NodeIdentity, checkpoint: Checkpoint) -> bool:
-        index = self.client_index(sender)
+        """A member's new checkpoint; broadcast only when it changed the run's (upstream always
+        broadcasts, which let anyone make the server send its state to everyone)."""
+        index = self._member(sender, "Checkpoint")
         if index is None:
-            log.warning("Got checkpoint but could not find %s in client list", sender)
-        else:
-            try:
-                self.coordinator.checkpoint(sender, index, checkpoint)
-            except CoordinatorError as e:
-                log.warning("Error when processing checkpoint from %s: %s", sender, e)
-        return True
+            return False
+        llm = self.coordinator.model.value  # type: ignore[attr-defined]
+        before = llm.checkpoint
+        try:
+            self.coordinator.checkpoint(sender, index, checkpoint)
+        except CoordinatorError as e:
+            self.rejected.note(
+                f"Checkpoint ({e.kind.name})",
+                f"Error when processing checkpoint from {sender}: {e}",
+            )
+        return bool(llm.checkpoint != before)
 
     def on_disconnect(self, sender: NodeIdentity) -> None:
+        self._disconnected.add(sender)
         self.pending_clients.pop(sender, None)
         if self.client_index(sender) is not None or any(
             c.id == sender for c in self.coordinator.epoch_state.exited_clients
@@ -174,9 +279,10 @@ class ServerCore:
 
     def on_tick(self, now: int, random_seed: int) -> TickOutcome:
         self.kick_unhealthy_clients()
+        self._track_round()
+        silent = self.silent_witnesses()
         try:
-            result = self.coordinator.tick(list(self.pending_clients), now, random_seed)
-            self._forgive_mass_withdrawal()
+            result = self.coordinator.tick(self.admissible_pending(), now, random_seed)
         except CoordinatorError as e:
             if e.kind is not CoordinatorErrorKind.Halted:
                 log.warning("Coordinator tick error: %s", e)
@@ -184,6 +290,9 @@ class ServerCore:
         except CoordinatorPanic as e:
             log.error("tick would crash upstream's server; state unchanged: %s", e)
             return TickOutcome()
+        finally:
+            self._track_round()
+        self._forgive_mass_withdrawal(silent)
         match result:
             case TickResult.EpochEnd(success):
                 if not success:
@@ -211,8 +320,10 @@ class ServerCore:
             if client.state is not ClientState.Healthy and client.id not in self.rejoinable:
                 self.pending_clients.pop(client.id, None)
 
-    def _forgive_mass_withdrawal(self) -> None:
-        """A round without witnesses ends the epoch by withdrawing every client (upstream)."""
+    def _forgive_mass_withdrawal(self, silent: list[NodeIdentity]) -> None:
+        """A round without witnesses ends the epoch by withdrawing every client (upstream).
+        The others are forgiven; the witnesses that kept silent (`silent`, taken before the
+        tick) are banned instead."""
         coordinator = self.coordinator
         clients = coordinator.epoch_state.clients
         if (
@@ -220,7 +331,80 @@ class ServerCore:
             and clients
             and all(c.state is ClientState.Withdrawn for c in clients)
         ):
-            self.rejoinable |= {c.id for c in clients if c.id in self.pending_clients}
+            step = coordinator.progress.step - 1
+            for identity in silent:
+                self._ban(identity, f"elected witness of step {step}, it sent no witness")
+            self.rejoinable |= {
+                c.id for c in clients if c.id in self.pending_clients and c.id not in silent
+            }
+
+    # -- members that do not deliver ------------------------------------------------------------
+
+    def silent_witnesses(self) -> list[NodeIdentity]:
+        """The elected witnesses of a round in its witness phase that no witness has reached yet
+        and that are healthy, connected all epoch and sent no witness message at all: if the
+        round ends so, they alone are why (empty when bans are off)."""
+        coordinator = self.coordinator
+        if self.ban_epochs == 0 or coordinator.run_state is not RunState.RoundWitness:
+            return []
+        round_ = coordinator.current_round()
+        if round_ is None or round_.witnesses:
+            return []
+        try:
+            selection = CommitteeSelection.from_coordinator(coordinator, 0)
+        except CoordinatorError:
+            return []
+        # Clients only leave the list at a round's end, so indices are the round's own.
+        clients = coordinator.epoch_state.clients[: round_.clients_len]
+        return [
+            client.id
+            for index, client in enumerate(clients)
+            if client.state is ClientState.Healthy
+            and client.id not in self._witness_senders
+            and client.id not in self._disconnected
+            and selection.get_witness(index).witness
+        ]
+
+    def _ban(self, identity: NodeIdentity, reason: str) -> None:
+        if self.ban_epochs == 0 or identity in self._disconnected:
+            return  # upstream's rules; or a client that left (a crash is no refusal to deliver)
+        until = self.coordinator.progress.epoch + 1 + self.ban_epochs
+        self.banned[identity] = Ban(until, reason)
+        log.warning(
+            "%s did not deliver (%s): left out of the run's epochs before %d",
+            identity,
+            reason,
+            until,
+        )
+
+    def admissible_pending(self) -> list[NodeIdentity]:
+        """The pending clients an epoch may start with: banned ones are left out, unless the
+        run could not start without them (fewer than `init_min_clients` others): a ban never
+        keeps a run waiting that upstream would start."""
+        epoch = self.coordinator.progress.epoch
+        for identity, ban in list(self.banned.items()):
+            if ban.until_epoch <= epoch:
+                del self.banned[identity]
+                log.info("%s may join the run again (its ban ended)", identity)
+        pending = list(self.pending_clients)
+        if not self.banned or self.coordinator.run_state is not RunState.WaitingForMembers:
+            return pending
+        admitted = [c for c in pending if c not in self.banned]
+        if len(admitted) < self.coordinator.config.init_min_clients:
+            return pending
+        return admitted
+
+    def _track_round(self) -> None:
+        """Start afresh the witness senders of each round and the disconnects of each epoch."""
+        coordinator = self.coordinator
+        epoch_key = (coordinator.progress.epoch, coordinator.epoch_state.start_timestamp)
+        if epoch_key != self._epoch:
+            self._epoch = epoch_key
+            self._disconnected.clear()
+        round_key = (coordinator.progress.epoch, coordinator.progress.step)
+        if coordinator.run_state in _ROUND_STATES and round_key != self._round:
+            self._round = round_key
+            self._witness_senders.clear()
 
     def toggle_pause(self, now: int) -> None:
         try:

@@ -5,12 +5,18 @@ the others continue from), extracted as bf16 CPU tensors, handed to P2P model sh
 `--checkpoint-dir`, written in Hugging Face layout to `{dir}/{run_id}-step{step}`; with
 `--hub-repo` that directory is uploaded and the coordinator is told the new revision. Writing
 and uploading run in the background; the next epoch does not wait for them.
+
+A checkpoint is written into a staging directory `.{run_id}-step{step}.pid{pid}.{random}.tmp`
+next to it and renamed when complete. A client killed meanwhile leaves its staging directory
+behind; `remove_stale_staging` (called when a client starts) removes those whose writer is no
+longer running (on this machine), so they do not pile up.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -79,7 +85,9 @@ def save_checkpoint_locally(
     from psyche.modeling.checkpoint import save_tensors_into_safetensors
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    staging = Path(
+        tempfile.mkdtemp(prefix=f".{path.name}.pid{os.getpid()}.", suffix=".tmp", dir=path.parent)
+    )
     try:
         written = save_tensors_into_safetensors(variables, staging)
         names = set()
@@ -104,6 +112,42 @@ def save_checkpoint_locally(
         raise
     fsync_directory(path.parent)
     return [path / file.name for file in written]
+
+
+_STAGING = re.compile(r"^\..+-step\d+\.pid(\d+)\.[^.]+\.tmp$")
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
+
+
+def remove_stale_staging(checkpoint_dir: Path) -> list[Path]:
+    """Remove the staging directories in `checkpoint_dir` that a killed client left behind (those
+    whose writing process is gone); returns them. A live writer's, this process's and anything
+    not named like a staging directory are left alone; a missing directory is fine."""
+    removed = []
+    try:
+        entries = list(os.scandir(checkpoint_dir))
+    except (FileNotFoundError, NotADirectoryError):
+        return removed
+    for entry in entries:
+        match = _STAGING.match(entry.name)
+        if match is None or not entry.is_dir(follow_symlinks=False):
+            continue
+        pid = int(match.group(1))
+        if pid == os.getpid() or _running(pid):
+            continue
+        shutil.rmtree(entry.path, ignore_errors=True)
+        if not os.path.exists(entry.path):
+            logger.info("removed %s, left by a client stopped while checkpointing", entry.path)
+            removed.append(Path(entry.path))
+    return removed
 
 
 def upload_to_hub(path: Path, repo_id: str, token: str | None, step: int) -> str:

@@ -32,7 +32,12 @@ from typing import Any
 
 import tomli_w
 
-from psyche.coordinator.config import WAITING_FOR_MEMBERS_EXTRA_SECONDS, CoordinatorConfig
+from psyche.coordinator.config import (
+    SOLANA_MAX_NUM_CLIENTS,
+    WAITING_FOR_MEMBERS_EXTRA_SECONDS,
+    ConfigError,
+    CoordinatorConfig,
+)
 from psyche.coordinator.model import LLM, Model
 from psyche.core.definitions import LearningRateSchedule
 from psyche.core.serde import SerdeError, from_obj, struct, to_obj
@@ -137,6 +142,12 @@ def read_toml(path: Path | str) -> dict[str, Any]:
         raise ConfigFileError(path, [("", f"invalid TOML: {e}")]) from None
     except UnicodeDecodeError as e:
         raise ConfigFileError(path, [("", f"not UTF-8 text: {e}")]) from None
+    except RecursionError:
+        # tomllib parses nested arrays and tables recursively; no run config nests deeply
+        raise ConfigFileError(path, [("", TOO_DEEP)]) from None
+
+
+TOO_DEEP = "invalid TOML: arrays or tables nested too deeply"
 
 
 def load_run_config(path: Path | str) -> RunConfigFile:
@@ -149,7 +160,10 @@ def parse_run_config(raw: dict[str, Any], path: Path | str = "<config>") -> RunC
     path = Path(path)
     warnings: list[str] = []
     problems: list[tuple[str, str]] = []
-    doc = copy.deepcopy(raw)
+    try:
+        doc = copy.deepcopy(raw)
+    except RecursionError:
+        raise ConfigFileError(path, [("", TOO_DEEP)]) from None
     remap = _normalize(doc, warnings, problems)
     if problems:
         raise ConfigFileError(path, problems)
@@ -183,12 +197,24 @@ def semantic_problems(config: CoordinatorConfig, model: Model) -> list[tuple[str
     """Checks beyond the types: upstream's `check_error`, then what upstream would panic on."""
     problems: list[tuple[str, str]] = []
     error = config.check_error()
-    if error is not None:
+    if error is ConfigError.InitMinClients:
+        problems.append(_client_counts_problem(config))
+    elif error is not None:
         found = getattr(config, error.field)
         problems.append(
             (
                 f"config.{error.field}",
                 f"invalid coordinator config ({error.name}): {error.value}; found {found}",
+            )
+        )
+    if error is None and config.global_batch_size_start < config.init_min_clients:
+        # upstream issue #48: the first round's clients would outnumber its batches
+        problems.append(
+            (
+                "config.global_batch_size_start",
+                f"global_batch_size_start ({config.global_batch_size_start}) must be at least "
+                f"init_min_clients ({config.init_min_clients}): every client of an epoch's "
+                "first round needs a batch",
             )
         )
     if config.verification_percent > 100:
@@ -209,6 +235,27 @@ def semantic_problems(config: CoordinatorConfig, model: Model) -> list[tuple[str
                 (f"{where}.linear_decay_final_lr", "must be at most cosine_decay_final_lr")
             )
     return problems
+
+
+def _client_counts_problem(config: CoordinatorConfig) -> tuple[str, str]:
+    """Upstream's `InitMinClients` error names one field for three faults; say which it is."""
+    init, least = config.init_min_clients, config.min_clients
+    if least > SOLANA_MAX_NUM_CLIENTS:
+        return (
+            "config.min_clients",
+            f"min_clients ({least}) must be at most {SOLANA_MAX_NUM_CLIENTS} and at most "
+            f"init_min_clients ({init})",
+        )
+    if init > SOLANA_MAX_NUM_CLIENTS:
+        return (
+            "config.init_min_clients",
+            f"init_min_clients ({init}) must be at most {SOLANA_MAX_NUM_CLIENTS}",
+        )
+    return (
+        "config.min_clients",
+        f"min_clients ({least}) must be at most init_min_clients ({init}): an epoch starts with "
+        "init_min_clients and goes on while min_clients remain",
+    )
 
 
 def _normalize(

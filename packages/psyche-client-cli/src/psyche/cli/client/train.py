@@ -106,7 +106,11 @@ class Preload:
 
 def run_init_config(args: argparse.Namespace, identity: Any, key: Any) -> Any:
     """The client's `RunInitConfig` from the train options (checks a hub repo is writable)."""
-    from psyche.client.cooldown import CheckpointConfig, check_hub_repo_writable
+    from psyche.client.cooldown import (
+        CheckpointConfig,
+        check_hub_repo_writable,
+        remove_stale_staging,
+    )
     from psyche.client.init import RunInitConfig
 
     checkpoint = None
@@ -122,6 +126,7 @@ def run_init_config(args: argparse.Namespace, identity: Any, key: Any) -> Any:
             delete_old_steps=bool(args.delete_old_steps),
             keep_steps=args.keep_steps,
         )
+        remove_stale_staging(checkpoint.checkpoint_dir)
     return RunInitConfig(
         identity=identity,
         secret_key=key,

@@ -184,6 +184,38 @@ def build_parser() -> argparse.ArgumentParser:
     )
     env.add(
         run,
+        "--bind-address",
+        default="0.0.0.0",
+        metavar="<ADDRESS>",
+        help=(
+            "Address the coordinator and its data server listen on (0.0.0.0: every interface, "
+            "as upstream; 127.0.0.1: this machine only)"
+        ),
+    )
+    env.add(
+        run,
+        "--authorized-keys",
+        parse=Path,
+        metavar="<FILE>",
+        help=(
+            "Make the run private: only the ed25519 public keys in FILE (64 hex digits each, one "
+            "a line, # comments) may connect and join. Without it anyone with the run id may join"
+        ),
+    )
+    env.add(
+        run,
+        "--ban-epochs",
+        parse=unsigned(16),
+        default=1,
+        metavar="<EPOCHS>",
+        help=(
+            "Epochs a member sits out after being dropped for not delivering (its training "
+            "missing at a health check, or elected witness of a round that ended without a "
+            "witness); 0 re-admits it at once, as upstream"
+        ),
+    )
+    env.add(
+        run,
         "--tui",
         parse=parse_bool,
         optional_value=True,
@@ -241,11 +273,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def validate_config(state: Path, data_config: Path | None) -> int:
+    from psyche.centralized.save_state import SavedStateError, resolve_state_path
     from psyche.coordinator.run_config import ConfigFileError, load_run_config
 
     try:
-        loaded = load_run_config(state)
-    except ConfigFileError as e:
+        # the same path as `run --state`: a file, or the newest save of a save-state directory
+        loaded = load_run_config(resolve_state_path(state))
+    except (ConfigFileError, SavedStateError) as e:
         print(f"Error found in config: {e}", file=sys.stderr)
         return 1
     for warning in loaded.warnings:
@@ -372,7 +406,26 @@ def run(args: argparse.Namespace) -> int:
 
     from psyche.centralized.server import ServerOptions, ServerStartError, open_server
 
+    authorized_keys = None
+    if args.authorized_keys is not None:
+        from psyche.data_provider.server import read_allow_file
+
+        try:
+            authorized_keys = frozenset(read_allow_file(args.authorized_keys))
+        except (OSError, UnicodeDecodeError) as e:
+            log.error("cannot read the authorized keys %s: %s", args.authorized_keys, e)
+            return 1
+        except ValueError as e:
+            log.error("authorized keys: %s", e)
+            return 1
+        if not authorized_keys:
+            log.error("%s lists no key: nobody could join this run", args.authorized_keys)
+            return 1
+
     options = ServerOptions(
+        host=args.bind_address,
+        authorized_keys=authorized_keys,
+        ban_epochs=args.ban_epochs,
         port=args.server_port or 0,
         data_config=data_config,
         save_state_dir=args.save_state_dir,

@@ -1,0 +1,318 @@
+"""Issue 13's server rules on a ServerCore, event by event: only members are heard, a private run
+admits only its authorized keys, and a member that does not deliver sits out `ban_epochs` epochs
+(while honest clients are never banned)."""
+
+from __future__ import annotations
+
+import logging
+from copy import deepcopy
+from dataclasses import replace
+
+import pytest
+
+from psyche.centralized.server_core import ServerCore
+from psyche.centralized.testing import quick_coordinator
+from psyche.coordinator.backend import OpportunisticData
+from psyche.coordinator.committee_selection import CommitteeSelection
+from psyche.coordinator.coordinator import ClientState, RunState, WitnessMetadata
+from psyche.coordinator.model import Checkpoint, HubRepo
+from psyche.coordinator.simulation import (
+    health_checks_for,
+    round_witness_for,
+    simulated_identity,
+    warmup_witness_for,
+)
+from psyche.core.node_identity import NodeIdentity
+
+NOW = 1_000_000
+RUN = "test-run"
+A, B, C, D = (simulated_identity(i) for i in range(4))
+
+
+def started(*, clients: int = 3, **kw: object) -> ServerCore:
+    # one witness a round, as configs/tiny-cpu; min_clients 1 so an epoch goes on with fewer
+    coordinator = quick_coordinator(clients, 8, 1, min_clients=1)
+    return ServerCore.start(coordinator, now=NOW, **kw)  # type: ignore[arg-type]
+
+
+def start_epoch(core: ServerCore, now: int, *joining: NodeIdentity) -> int:
+    """Join `joining`, tick until the epoch's first round trains (every member sends its warmup
+    witness); the time reached."""
+    for client in joining:
+        core.on_join(client, RUN)
+    for _ in range(20):
+        now += 1
+        core.on_tick(now, now)
+        if core.coordinator.run_state is RunState.Warmup:
+            break
+    assert core.coordinator.run_state is RunState.Warmup, core.coordinator.run_state
+    for index, client in enumerate(core.coordinator.epoch_state.clients):
+        core.on_witness(client.id, OpportunisticData.WarmupStep(warmup_witness_for(index)), now, 7)
+    assert core.coordinator.run_state is RunState.RoundTrain
+    return now
+
+
+def epoch_clients(core: ServerCore) -> list[NodeIdentity]:
+    return [c.id for c in core.coordinator.epoch_state.clients]
+
+
+def elected_witness(core: ServerCore) -> NodeIdentity:
+    selection = CommitteeSelection.from_coordinator(core.coordinator, 0)
+    clients = core.coordinator.epoch_state.clients
+    (witness,) = [c.id for i, c in enumerate(clients) if selection.get_witness(i).witness]
+    return witness
+
+
+def witness_round(
+    core: ServerCore,
+    now: int,
+    *,
+    silent: frozenset[NodeIdentity] = frozenset(),
+    untrained: frozenset[NodeIdentity] = frozenset(),
+) -> int:
+    """The round's elected witnesses (but `silent` ones) attest every trainer (but `silent` and
+    `untrained` ones); then tick until the round is over. Returns the time reached."""
+    coordinator = core.coordinator
+    clients = coordinator.epoch_state.clients
+    participants = [c.id for c in clients if c.id not in silent | untrained]
+    step = coordinator.progress.step
+    for index, client in enumerate(clients):
+        if client.id in silent or client.state is not ClientState.Healthy:
+            continue
+        witness = round_witness_for(
+            coordinator, index, participants=participants, bloom_keys=range(8)
+        )
+        if witness is not None:
+            data = OpportunisticData.WitnessStep((witness, WitnessMetadata()))
+            core.on_witness(client.id, data, now, 7)
+    for _ in range(20):
+        if coordinator.progress.step != step or coordinator.run_state is RunState.Cooldown:
+            break
+        now += 1
+        core.on_tick(now, now)
+    return now
+
+
+def finish_epoch(core: ServerCore, now: int) -> int:
+    """Tick through the cooldown into WaitingForMembers (the next epoch's number)."""
+    for _ in range(20):
+        if core.coordinator.run_state is RunState.WaitingForMembers:
+            return now
+        now += 1
+        core.on_tick(now, now)
+    raise AssertionError(core.coordinator.run_state)
+
+
+# ---- only members are heard ----------------------------------------------------------------
+
+
+def test_messages_from_non_members_are_dropped_unheard_and_counted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    core = started(clients=2)
+    now = start_epoch(core, NOW, A, B)
+    stranger = simulated_identity(66)
+    core.on_join(C, RUN)  # pending, not a member of the running epoch
+    before = core.coordinator.to_bytes()
+    index = epoch_clients(core).index(elected_witness(core))
+    witness = round_witness_for(core.coordinator, index, participants=[A, B], bloom_keys=range(8))
+    assert witness is not None
+    caplog.set_level(logging.INFO, "psyche.centralized.server_core")
+    for sender in [stranger, C] * 250:
+        assert not core.on_checkpoint(sender, Checkpoint.Hub(HubRepo("spam")))
+        assert not core.on_witness(
+            sender, OpportunisticData.WitnessStep((witness, WitnessMetadata())), now, 1
+        )
+        assert not core.on_health_check(sender, [(A, witness.proof)])  # type: ignore[list-item]
+    # nothing reached the coordinator, nothing asks for a broadcast
+    assert core.coordinator.to_bytes() == before
+    assert core.ignored.counts == {
+        "Checkpoint from non-members": 500,
+        "Witness from non-members": 500,
+        "HealthCheck from non-members": 500,
+    }
+    # one line per kind until the interval's summary
+    ignored = [r for r in caplog.records if "ignoring a" in r.getMessage()]
+    assert len(ignored) == 3, [r.getMessage() for r in ignored]
+    caplog.clear()
+    core.ignored.flush()
+    (summary,) = [r.getMessage() for r in caplog.records]
+    assert "499 Checkpoint from non-members" in summary, summary
+    assert "499 HealthCheck from non-members" in summary and "499 Witness" in summary
+
+
+def test_a_members_repeated_checkpoint_is_not_broadcast_again() -> None:
+    core = started(clients=2)
+    start_epoch(core, NOW, A, B)
+    core.coordinator.model.value.checkpoint = Checkpoint.P2P(HubRepo("old"))  # type: ignore[attr-defined]
+    assert core.on_checkpoint(A, Checkpoint.Hub(HubRepo("new")))
+    assert not any(core.on_checkpoint(A, Checkpoint.Hub(HubRepo("new"))) for _ in range(100))
+
+
+def test_a_repeated_join_changes_nothing_and_logs_once(caplog: pytest.LogCaptureFixture) -> None:
+    core = started()
+    caplog.set_level(logging.INFO, "psyche.centralized.server_core")
+    for _ in range(200):
+        assert core.on_join(A, RUN) is False
+        assert core.on_join(B, "another-run") is False
+    assert list(core.pending_clients) == [A]
+    assert sum("added pending client" in r.getMessage() for r in caplog.records) == 1
+    assert sum("another-run" in r.getMessage() for r in caplog.records) == 1
+    assert core.ignored.counts == {"Join for another run": 200}
+
+
+# ---- who may join ----------------------------------------------------------------------------
+
+
+def test_a_private_run_admits_only_its_authorized_keys() -> None:
+    core = started(clients=2, authorized=frozenset({A.signer, B.signer}))
+    assert core.is_authorized(A.signer) and not core.is_authorized(C.signer)
+    for client in (C, A, B, C):
+        core.on_join(client, RUN)
+    assert list(core.pending_clients) == [A, B]
+    assert core.ignored.counts == {"Join from unauthorized keys": 2}
+    start_epoch(core, NOW)
+    assert epoch_clients(core) == [A, B]
+    # an open run (the default) takes anyone with the run id
+    open_run = started()
+    open_run.on_join(C, RUN)
+    assert list(open_run.pending_clients) == [C]
+
+
+# ---- a member that does not deliver ------------------------------------------------------------
+
+
+def silent_witness_epoch(core: ServerCore) -> tuple[NodeIdentity, int]:
+    """An epoch of A, B, C whose first round's elected witness keeps silent: the round ends
+    without a witness, every client is withdrawn and the epoch ends (upstream's rule)."""
+    now = start_epoch(core, NOW, A, B, C)
+    silent = elected_witness(core)
+    now = witness_round(core, now, silent=frozenset({silent}))
+    assert core.coordinator.run_state is RunState.Cooldown
+    assert all(c.state is ClientState.Withdrawn for c in core.coordinator.epoch_state.clients)
+    return silent, finish_epoch(core, now)
+
+
+def test_a_silent_witness_sits_out_the_next_epoch_and_the_others_go_on() -> None:
+    core = started(clients=2)  # init_min_clients 2: the two others can start without it
+    silent, now = silent_witness_epoch(core)
+    others = [c for c in (A, B, C) if c != silent]
+    assert set(core.banned) == {silent}
+    assert core.banned[silent].until_epoch == 2
+    # it joins again at once (and again): it waits, the others start epoch 1 without it
+    core.on_join(silent, RUN)
+    now = start_epoch(core, now, silent)
+    assert core.coordinator.progress.epoch == 1
+    assert epoch_clients(core) == others
+    assert silent in core.pending_clients  # kept: it comes back by itself
+    # epoch 1 delivers; at epoch 2 the ban is over and it is a member again
+    while core.coordinator.run_state is not RunState.Cooldown:
+        now = witness_round(core, now)
+    now = finish_epoch(core, now)
+    start_epoch(core, now)
+    assert core.coordinator.progress.epoch == 2
+    assert silent in epoch_clients(core) and not core.banned
+
+
+def test_ban_epochs_zero_keeps_upstreams_rules() -> None:
+    core = started(clients=2, ban_epochs=0)
+    silent, now = silent_witness_epoch(core)
+    assert not core.banned
+    start_epoch(core, now)
+    assert silent in epoch_clients(core) and len(epoch_clients(core)) == 3
+
+
+def test_a_witness_that_sent_a_witness_or_disconnected_is_never_banned() -> None:
+    # it sent one (too late, or invalid: the coordinator refused it): it did not keep silent
+    core = started(clients=2)
+    now = start_epoch(core, NOW, A, B, C)
+    witness = elected_witness(core)
+    index = epoch_clients(core).index(witness)
+    valid = round_witness_for(core.coordinator, index, participants=[], bloom_keys=range(8))
+    assert valid is not None
+    invalid = replace(valid, proof=replace(valid.proof, witness=False))
+    core.on_witness(witness, OpportunisticData.WitnessStep((invalid, WitnessMetadata())), now, 1)
+    assert core.rejected.counts == {"Witness (InvalidWitness)": 1}
+    now = witness_round(core, now, silent=frozenset({witness}))
+    assert core.coordinator.run_state is RunState.Cooldown and not core.banned
+    # it lost its connection during the epoch (kept in the run: no withdraw on disconnect)
+    core = started(clients=2, withdraw_on_disconnect=False)
+    now = start_epoch(core, NOW, A, B, C)
+    witness = elected_witness(core)
+    core.on_disconnect(witness)
+    core.on_join(witness, RUN)  # the restarted process is back within the round
+    now = witness_round(core, now, silent=frozenset({witness}))
+    assert core.coordinator.run_state is RunState.Cooldown and not core.banned
+
+
+def test_a_ban_never_keeps_a_run_waiting_that_could_start_with_it() -> None:
+    core = started(clients=3)  # init_min_clients 3: the run needs the silent one back
+    silent, now = silent_witness_epoch(core)
+    assert silent in core.banned
+    core.on_join(silent, RUN)
+    start_epoch(core, now)
+    assert len(epoch_clients(core)) == 3
+
+
+def health_check_epoch(core: ServerCore) -> tuple[NodeIdentity, int]:
+    """An epoch of A, B, C in which one that is never elected witness never trains either: once
+    the pipeline is full the round's witness names it in a health check and it is dropped."""
+    now = start_epoch(core, NOW, A, B, C)
+    idle = never_elected(core, now, 3)
+    while True:
+        now = witness_round(core, now, silent=frozenset({idle}))
+        round_ = core.coordinator.current_round()
+        assert round_ is not None
+        if round_.height >= 2:
+            break
+    checks = health_checks_for(core.coordinator)
+    assert [c for c, _ in checks] == [idle]
+    assert core.on_health_check(elected_witness(core), checks) is True
+    assert idle in core.banned and core.banned[idle].reason.startswith("dropped by a health check")
+    while core.coordinator.run_state is not RunState.Cooldown:
+        now = witness_round(core, now)
+    return idle, finish_epoch(core, now)
+
+
+def test_a_member_dropped_by_a_health_check_cannot_come_straight_back_by_reconnecting() -> None:
+    core = started(clients=2)
+    dropped, now = health_check_epoch(core)
+    # upstream's bypass: reconnect (exempt from the kick) and join again
+    core.on_disconnect(dropped)
+    core.on_join(dropped, RUN)
+    assert dropped in core.pending_clients
+    now = start_epoch(core, now)
+    assert dropped not in epoch_clients(core) and len(epoch_clients(core)) == 2
+    while core.coordinator.run_state is not RunState.Cooldown:
+        now = witness_round(core, now)
+    start_epoch(core, finish_epoch(core, now))
+    assert dropped in epoch_clients(core)
+
+
+def never_elected(core: ServerCore, now: int, rounds: int) -> NodeIdentity:
+    """A client that is no elected witness of the next `rounds` rounds (found on a copy where
+    everyone delivers: who is elected depends only on the seeds and the number of clients)."""
+    trial = deepcopy(core)
+    elected = set()
+    for _ in range(rounds):
+        elected.add(elected_witness(trial))
+        now = witness_round(trial, now)
+    (choice, *_) = [c for c in epoch_clients(core) if c not in elected]
+    return choice
+
+
+def test_a_client_that_left_is_not_banned_by_a_later_health_check() -> None:
+    core = started(clients=2, withdraw_on_disconnect=False)
+    now = start_epoch(core, NOW, A, B, C)
+    crashed = never_elected(core, now, 3)
+    core.on_disconnect(crashed)  # a crash: it stays in the run (no withdraw), silent
+    while True:
+        now = witness_round(core, now, silent=frozenset({crashed}))
+        round_ = core.coordinator.current_round()
+        assert round_ is not None and core.coordinator.run_state is RunState.RoundTrain
+        if round_.height >= 2:
+            break
+    checks = health_checks_for(core.coordinator)
+    assert [c for c, _ in checks] == [crashed]
+    assert core.on_health_check(elected_witness(core), checks) is True
+    assert not core.banned

@@ -1,0 +1,173 @@
+"""Issue 13 on a real server over loopback TCP: what strangers and spamming members get.
+
+* a private run refuses a key it does not list right after the handshake (the connection is
+  closed before it costs anything more), and takes the keys it lists; the start-up line says
+  who may join;
+* non-members' Checkpoint, Witness and HealthCheck messages are not broadcast: a connected
+  client receives one state per tick however many are sent;
+* a joined client cannot make the server resend endpoint records or run extras by repeating
+  Join, ExtensionHello or AnnounceEndpoint: the records go out at most once per tick, the hello
+  is answered once per connection.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import trio
+
+from psyche.centralized.protocol import ClientToServerMessage, ExtensionHello, ServerToClientMessage
+from psyche.centralized.server import CentralizedServer, open_server, who_may_join
+from psyche.centralized.testing import ProtocolClient, fast_options, quick_coordinator
+from psyche.coordinator.backend import OpportunisticData
+from psyche.coordinator.model import Checkpoint, HubRepo
+from psyche.coordinator.simulation import warmup_witness_for
+from psyche.core.identity import SecretKey
+from psyche.network.discovery import sign_address_record
+from psyche.network.tcp import ConnectionClosed
+from psyche.network.ticket import EndpointAddr, TransportAddr
+
+SPAM = 300
+
+
+def run(test: Callable[[], Any]) -> None:
+    trio.run(test)
+
+
+def addr(server: CentralizedServer) -> str:
+    return f"127.0.0.1:{server.port}"
+
+
+async def eventually(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+    with trio.fail_after(timeout):
+        while not predicate():
+            await trio.sleep(0.01)
+
+
+def test_a_private_run_refuses_other_keys_at_login(caplog: pytest.LogCaptureFixture) -> None:
+    member, stranger = SecretKey.generate(), SecretKey.generate()
+    options = fast_options(authorized_keys=frozenset({member.public_key}))
+    caplog.set_level(logging.INFO)
+
+    async def main() -> None:
+        async with open_server(quick_coordinator(init_min_clients=3), options) as server:
+            good = await ProtocolClient.connect(addr(server), member)
+            await good.join("test-run")
+            await eventually(lambda: len(server.core.pending_clients) == 1)
+            bad = await ProtocolClient.connect(addr(server), stranger)  # its handshake is fine
+            with trio.fail_after(10), pytest.raises(ConnectionClosed):
+                await bad.join("test-run")
+                await bad.next_coordinator()  # ... but the server closed the connection
+            assert server.connected_clients() == [member.public_key]
+            assert server.tcp is not None and server.tcp.drops.counts["refused"] == 1
+            assert [c.signer for c in server.core.pending_clients] == [member.public_key]
+            await good.next_coordinator()  # the member is served as ever
+            await good.conn.aclose()
+
+    run(main)
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("private run: 1 authorized key" in line for line in lines), lines
+    assert any(
+        f"key {stranger.public_key.hex()} is not allowed to log in" in line for line in lines
+    )
+    assert who_may_join(None) == "open run: anyone may join"
+    assert who_may_join(frozenset({b"a" * 32, b"b" * 32})) == "private run: 2 authorized keys"
+
+
+def test_non_members_messages_are_not_broadcast() -> None:
+    async def main() -> None:
+        # slow ticks (0.5 s), so that a broadcast per spam message would stand out
+        options = fast_options(speed=1.0)
+        async with open_server(quick_coordinator(init_min_clients=3), options) as server:
+            watcher = await ProtocolClient.connect(addr(server))
+            await watcher.join("test-run")
+            spammer = await ProtocolClient.connect(addr(server))
+            await watcher.next_coordinator()
+            watcher.received.clear()
+            ticks = server.ticks
+            messages = [
+                ClientToServerMessage.Checkpoint(Checkpoint.Hub(HubRepo("spam"))),
+                ClientToServerMessage.Witness(OpportunisticData.WarmupStep(warmup_witness_for(0))),
+                ClientToServerMessage.HealthCheck([]),
+            ]
+            for i in range(SPAM):
+                await spammer.send(messages[i % 3])
+            await eventually(lambda: sum(server.core.ignored.counts.values()) == SPAM)
+            # what the watcher got meanwhile: one state per tick, not one per spam message
+            with trio.move_on_after(0.2):
+                while True:
+                    await watcher.receive()
+            states = len(watcher.received)
+            assert states <= server.ticks - ticks + 1, (states, server.ticks - ticks)
+            assert server.core.ignored.counts == {
+                "Checkpoint from non-members": SPAM // 3,
+                "Witness from non-members": SPAM // 3,
+                "HealthCheck from non-members": SPAM // 3,
+            }
+            for client in (watcher, spammer):
+                await client.conn.aclose()
+
+    run(main)
+
+
+def test_repeated_join_hello_and_endpoint_send_nothing_more() -> None:
+    keys = [SecretKey.generate() for _ in range(3)]
+
+    def record(key: SecretKey, port: int) -> bytes:
+        return sign_address_record(
+            key, EndpointAddr(key.public_key, [TransportAddr.BlobTcp(f"127.0.0.1:{port}")])
+        )
+
+    async def main() -> None:
+        options = fast_options(speed=1.0)
+        async with open_server(quick_coordinator(init_min_clients=5), options) as server:
+            clients = [await ProtocolClient.connect(addr(server), k) for k in keys]
+            for client, key in zip(clients, keys, strict=True):
+                await client.send(ClientToServerMessage.ExtensionHello(ExtensionHello()))
+                await client.join("test-run")
+                await client.send(ClientToServerMessage.AnnounceEndpoint(record(key, 1000)))
+            watcher, spammer = clients[0], clients[2]
+            await eventually(lambda: len(server.core.pending_clients) == 3)
+            # everyone has everyone's records after the next tick
+            with trio.fail_after(5):
+                while True:
+                    message = await watcher.receive()
+                    peers = isinstance(message, ServerToClientMessage.PeerEndpoints)
+                    if peers and len(message.value) == 2:
+                        break
+            watcher.received.clear()
+
+            async def drain(client: ProtocolClient) -> None:
+                while True:
+                    await client.receive()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(drain, spammer)
+                nursery.start_soon(drain, watcher)
+                await trio.sleep(0.1)
+                spammer.received.clear()
+                watcher.received.clear()
+                ticks = server.ticks
+                for i in range(SPAM):
+                    await spammer.join("test-run")
+                    await spammer.send(ClientToServerMessage.ExtensionHello(ExtensionHello()))
+                    # a new valid record each time (another port)
+                    await spammer.send(
+                        ClientToServerMessage.AnnounceEndpoint(record(keys[2], 2000 + i))
+                    )
+                await trio.sleep(1.2)
+                nursery.cancel_scope.cancel()
+            received = list(watcher.received)
+            spans = server.ticks - ticks + 1
+            endpoints = sum(isinstance(m, ServerToClientMessage.PeerEndpoints) for m in received)
+            states = sum(isinstance(m, ServerToClientMessage.Coordinator) for m in received)
+            assert 0 < endpoints <= spans and 0 < states <= spans, (endpoints, states, spans)
+            extras = [m for m in spammer.received if isinstance(m, ServerToClientMessage.RunExtras)]
+            assert not extras  # answered once per connection: on its first hello, long before
+            for client in clients:
+                await client.conn.aclose()
+
+    run(main)
