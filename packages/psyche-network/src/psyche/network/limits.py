@@ -64,8 +64,9 @@ class ConnectionLimits:
     clients are never idle; a data client reconnects on its next request."""
 
     send_stall_timeout: float = 60.0
-    """Seconds a queued frame may wait without a single chunk of it (1 MiB) reaching the
-    socket: a peer that stops reading is dropped after this long."""
+    """Seconds a frame being sent may go without a chunk of it (1 MiB) reaching the socket: a
+    peer that stops reading is dropped after this long (noticed within twice this: a watchdog
+    checks, so that no send pays for a timer)."""
 
     max_queued_frames: int = 1024
     """Frames queued for one connection; a connection whose queue is full is dropped."""

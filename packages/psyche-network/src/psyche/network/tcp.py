@@ -60,10 +60,11 @@ CLIENT_MAX_FRAME_LENGTH = 64 * 1024 * 1024  # upstream MAX_FRAME_LENGTH
 CHALLENGE_LENGTH = 32
 HANDSHAKE_TIMEOUT = ConnectionLimits.handshake_timeout  # seconds; upstream waits forever
 DIRECT_RECEIVE_BYTES = 64 * 1024  # frames this large are received straight into their buffer
+FIRST_DIRECT_BYTES = 256 * 1024  # which is reserved at this size at first (or the frame's)
 READ_BYTES = 64 * 1024  # smaller frames are assembled from reads of this size (or the cap)
 MAX_READ_BYTES = 4 * 1024 * 1024
 GROWTH = 4  # a large frame's buffer grows by this factor when full
-SEND_CHUNK_BYTES = 1024 * 1024  # with a stall timeout, large frames are sent in such chunks
+SEND_CHUNK_BYTES = 1024 * 1024  # large frames are sent in such chunks (progress for a watchdog)
 
 # Variant indices of the envelope enums.
 CHALLENGE = 0
@@ -155,14 +156,16 @@ class FramedStream:
     and the next call continues the same frame. Memory follows the bytes that arrive, never the
     length a header claims: small frames are assembled from reads of at most 64 KiB (at most
     the frame cap, before login a few hundred bytes); on a socket, a large frame is received
-    straight into its own buffer (no intermediate copies), which starts at 64 KiB and grows
-    fourfold each time the arriving bytes fill it: at most four times what arrived.
+    straight into its own buffer (no intermediate copies), reserved at 256 KiB at first and
+    grown fourfold each time the arriving bytes fill it: at most four times what arrived, and
+    only the pages the bytes are written to are touched.
 
     Optional bounds (a server sets them, a client need not): `frame_timeout`, seconds within
-    which a frame must complete once its first byte has arrived; `send_stall_timeout`, seconds
-    a send may make no progress; `budget`, shared by a server's connections, for the lengths
-    of the large frames they are receiving. `last_activity` is the `trio.current_time()` of
-    the latest byte received or chunk sent.
+    which a frame must complete once its first byte has arrived; `budget`, shared by a server's
+    connections, for the lengths of the large frames they are receiving. For a watchdog (no
+    timer on the hot path): `last_received` and `last_sent` are the `trio.current_time()` of
+    the latest bytes received and of the latest chunk sent (or send begun), `sending` whether a
+    send is under way.
     """
 
     def __init__(
@@ -172,7 +175,6 @@ class FramedStream:
         max_receive_frame: int,
         max_send_frame: int,
         frame_timeout: float | None = None,
-        send_stall_timeout: float | None = None,
         budget: ByteBudget | None = None,
     ) -> None:
         self._stream = stream
@@ -186,15 +188,21 @@ class FramedStream:
         self.max_receive_frame = max_receive_frame
         self.max_send_frame = max_send_frame
         self.frame_timeout = frame_timeout
-        self.send_stall_timeout = send_stall_timeout
         self._budget = budget
         self._send_lock = trio.Lock()
-        self.last_activity = trio.current_time()
+        self.last_received = self.last_sent = trio.current_time()
+        self.sending = False
+        self._poller: select.poll | None = None
+
+    @property
+    def last_activity(self) -> float:
+        """When bytes last moved either way."""
+        return max(self.last_received, self.last_sent)
 
     @property
     def buffered_bytes(self) -> int:
         """Bytes this stream holds for frames not yet returned (what arrived, or the buffer a
-        large frame is being received into: at most four times what arrived, or 64 KiB)."""
+        large frame is being received into: at most four times what arrived, or 256 KiB)."""
         return len(self._frame) if self._frame is not None else len(self._buf)
 
     async def receive(self) -> bytes | bytearray | None:
@@ -226,7 +234,7 @@ class FramedStream:
                 need = 4 - len(buf)
             size = min(max(need, READ_BYTES), MAX_READ_BYTES, 4 + self.max_receive_frame)
             chunk = await self._wait(self._stream.receive_some, size)
-            self.last_activity = trio.current_time()
+            self.last_received = trio.current_time()
             if not chunk:
                 if buf:
                     raise TcpProtocolError(f"connection closed inside a frame ({len(buf)} bytes)")
@@ -257,11 +265,12 @@ class FramedStream:
                 await self._wait(self._budget.acquire, length)
             self._held = length
         buf = self._buf
-        have = len(buf) - 4
-        capacity = min(length, max(DIRECT_RECEIVE_BYTES, have))
-        frame = bytearray(capacity)
-        frame[:have] = buf[4:]
+        with memoryview(buf) as view:
+            frame = bytearray(view[4:])
+        have = len(frame)
         buf.clear()
+        # Reserved, not written: the pages past `have` are touched only as bytes arrive.
+        _resize_bytearray(frame, min(length, max(FIRST_DIRECT_BYTES, GROWTH * have)))
         self._frame, self._frame_length, self._filled = frame, length, have
 
     async def _receive_direct(self) -> None:
@@ -271,7 +280,7 @@ class FramedStream:
             _resize_bytearray(frame, min(self._frame_length, GROWTH * len(frame)))
         with memoryview(frame) as view, view[self._filled :] as free:
             got = await self._wait(self._socket.recv_into, free)
-        self.last_activity = trio.current_time()
+        self.last_received = trio.current_time()
         if not got:
             raise TcpProtocolError(f"connection closed inside a frame ({4 + self._filled} bytes)")
         self._filled += got
@@ -295,9 +304,10 @@ class FramedStream:
             return True
         if self._socket is None:
             return False
-        poller = select.poll()
-        poller.register(self._socket.fileno(), select.POLLIN)
-        return bool(poller.poll(0))
+        if self._poller is None:
+            self._poller = select.poll()
+            self._poller.register(self._socket.fileno(), select.POLLIN)
+        return bool(self._poller.poll(0))
 
     def check_size(self, payload_len: int) -> None:
         if payload_len > self.max_send_frame:
@@ -309,29 +319,19 @@ class FramedStream:
         self.check_size(len(payload))
         header = len(payload).to_bytes(4, "big")
         async with self._send_lock:
-            if len(payload) < 65536:
-                await self._send_chunk(header + payload)
-            elif self.send_stall_timeout is None:
-                await self._send_chunk(header)
-                await self._send_chunk(payload)
-            else:
-                await self._send_chunk(header)
-                with memoryview(payload) as view:
-                    for start in range(0, len(view), SEND_CHUNK_BYTES):
-                        await self._send_chunk(view[start : start + SEND_CHUNK_BYTES])
-
-    async def _send_chunk(self, data: bytes | bytearray | memoryview) -> None:
-        if self.send_stall_timeout is None:
-            await self._stream.send_all(data)
-        else:
+            self.sending, self.last_sent = True, trio.current_time()
             try:
-                with trio.fail_after(self.send_stall_timeout):
-                    await self._stream.send_all(data)
-            except trio.TooSlowError:
-                raise SendStalled(
-                    f"the peer read nothing for {self.send_stall_timeout:g} s"
-                ) from None
-        self.last_activity = trio.current_time()
+                if len(payload) < 65536:
+                    await self._stream.send_all(header + payload)
+                else:
+                    await self._stream.send_all(header)
+                    with memoryview(payload) as view:
+                        # In chunks, so that a watchdog sees the progress of a large frame.
+                        for start in range(0, len(view), SEND_CHUNK_BYTES):
+                            await self._stream.send_all(view[start : start + SEND_CHUNK_BYTES])
+                            self.last_sent = trio.current_time()
+            finally:
+                self.sending, self.last_sent = False, trio.current_time()
 
     async def aclose(self) -> None:
         self._frame = None
@@ -579,7 +579,6 @@ class TcpServer(Generic[ToServer, ToClient]):
             max_receive_frame=HANDSHAKE_FRAME_LENGTH,
             max_send_frame=self.max_send_frame,
             frame_timeout=limits.frame_timeout,
-            send_stall_timeout=limits.send_stall_timeout,
             budget=self._budget,
         )
         address, peer = peer_address(stream)
@@ -675,11 +674,17 @@ class TcpServer(Generic[ToServer, ToClient]):
                 nursery.cancel_scope.cancel()
 
             nursery.start_soon(guard, self._write_loop, framed, connection, inbox)
-            if self.limits.idle_timeout is not None:
-                nursery.start_soon(guard, self._idle_watch, framed, self.limits.idle_timeout)
+            nursery.start_soon(guard, self._watch, framed, self.limits)
             await guard(self._read_loop, framed, connection.client)
         if errors:
-            raise errors[0]
+            error = errors[0]
+            errors.clear()
+            try:
+                raise error
+            finally:
+                # No cycle (error -> traceback -> this frame -> error): the connection's
+                # buffers, referenced from the traceback, are freed as soon as it is handled.
+                del error
 
     async def _read_loop(self, framed: FramedStream, client: bytes) -> None:
         while True:
@@ -704,12 +709,21 @@ class TcpServer(Generic[ToServer, ToClient]):
                 await framed.send(payload)
 
     @staticmethod
-    async def _idle_watch(framed: FramedStream, idle_timeout: float) -> None:
+    async def _watch(framed: FramedStream, limits: ConnectionLimits) -> None:
+        """Raises when the connection has been idle both ways for the idle timeout, or a send
+        has made no progress for the stall timeout (noticed within twice that: the watch
+        wakes at least once a stall timeout, and no send pays for a timer)."""
+        stall, idle = limits.send_stall_timeout, limits.idle_timeout
         while True:
-            deadline = framed.last_activity + idle_timeout
-            if trio.current_time() >= deadline:
-                raise IdleTimeout(f"nothing received or sent for {idle_timeout:g} s")
-            await trio.sleep_until(deadline)
+            now = trio.current_time()
+            if framed.sending and now - framed.last_sent >= stall:
+                raise SendStalled(f"the peer read nothing for {stall:g} s")
+            if idle is not None and now - framed.last_activity >= idle:
+                raise IdleTimeout(f"nothing received or sent for {idle:g} s")
+            wake = framed.last_sent + stall if framed.sending else now + stall
+            if idle is not None:
+                wake = min(wake, framed.last_activity + idle)
+            await trio.sleep_until(wake)
 
 
 # --------------------------------------------------------------------------------------------
