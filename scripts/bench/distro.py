@@ -8,8 +8,12 @@ Every figure is a ratio against a baseline measured in the same run:
 2. time   - DisTrO generate + apply (+ lookahead) as a fraction of the whole train step.
 3. trainer- Trainer tokens/s against a plain PyTorch loop (same model, batch, AdamW).
 4. converge - loss after the same tokens, DisTrO against AdamW (each at its best LR of a sweep).
+5. fastpath - DisTrO generate+apply now against the frozen pre-optimisation code
+            (tests/modeling/distro_reference.py), same run, same inputs: time ratio, and whether
+            every payload byte, parameter bit and momentum bit came out identical.
 
     .venv/bin/python scripts/bench/distro.py --threads 1        # CPU, tiny model
+    .venv/bin/python scripts/bench/distro.py --only fastpath --sizes tiny,20m --threads 1
     .venv/bin/python scripts/bench/distro.py --device cuda --sizes 20m,1b \
         --seq 2048 --batch 16 --micro-batch 4 --converge-size 20m   # realistic GPU steps
 
@@ -20,10 +24,14 @@ synthetic bigram corpus.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -366,6 +374,111 @@ def bench_convergence(size: str, device: str, steps: int, batch: int, seq: int, 
             )
 
 
+# -- 5. fast paths against the frozen reference ------------------------------------------------
+
+
+def load_reference() -> ModuleType:
+    """The pre-optimisation DisTrO code, frozen in the tests (not an installed module)."""
+    path = Path(__file__).resolve().parents[2] / "tests" / "modeling" / "distro_reference.py"
+    spec = importlib.util.spec_from_file_location("distro_reference", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if not a.dtype.is_floating_point:
+        return torch.equal(a, b)
+    view = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(a.detach().contiguous().view(view), b.detach().contiguous().view(view))
+
+
+def _copy(base: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(n, torch.nn.Parameter(t.clone())) for n, t in base]
+
+
+def bench_fastpath(
+    sizes: list[str], device: str, dtypes: list[str], steps: int, peers: int
+) -> None:
+    print(
+        f"\n## 5. DisTrO generate+apply: now vs the pre-optimisation code, same run "
+        f"(chunk 64, top-k 8, apply of {peers + 1} 1-bit results; median of {steps} steps)"
+    )
+    print(
+        f"{'model':>6} {'dtype':>5} {'threads':>7} {'old ms':>9} {'new ms':>9} {'new/old':>8}  bits"
+    )
+    ref = load_reference()
+    opts = (0.999, 64, 8)
+    for size in sizes:
+        for dtype in dtypes:
+            model = build(size, device, dtype)
+            dev = model.device
+            base = [(n, p.detach().clone()) for n, p in model.variables()]
+            del model
+
+            params = {"old": _copy(base), "new": _copy(base)}
+            opt = {
+                "old": ref.Distro(params["old"], *opts),
+                "new": DistroOptimizer(params["new"], *opts),
+            }
+            peer_params = [_copy(base) for _ in range(peers)]
+            peer_opts = [DistroOptimizer(pp, *opts) for pp in peer_params]
+            prev: dict[str, list] = {"old": [], "new": []}  # type: ignore[type-arg]
+            times: dict[str, list[float]] = {"old": [], "new": []}
+            identical = True
+            for step in range(steps + 1):  # step 0 warms up, untimed
+                lr, prev_lr = 1e-3, (1e-3 if step else 0.0)
+                g = torch.Generator().manual_seed(step)
+                grads = [torch.randn(t.shape, generator=g).to(t.dtype).to(dev) for _, t in base]
+                arriving = []  # the other peers' 1-bit results of this round
+                for k, (pp, peer) in enumerate(zip(peer_params, peer_opts)):
+                    for (_, p), grad in zip(pp, grads):
+                        p.grad = grad * (k + 2)
+                    arriving.append(quantize_results(peer.generate([], prev_lr, lr)))
+                outs = {}
+                for side in ("old", "new") if step % 2 else ("new", "old"):  # cancel drift
+                    for (_, p), grad in zip(params[side], grads):
+                        p.grad = grad.clone()
+                    sync(dev)
+                    t = time.perf_counter()
+                    out = opt[side].generate([prev[side]] if prev[side] else [], prev_lr, lr)
+                    opt[side].apply([quantize_results(out), *arriving], lr)
+                    sync(dev)
+                    if step:
+                        times[side].append(time.perf_counter() - t)
+                    outs[side] = prev[side] = out
+                payloads = [
+                    transmittable_distro_result(
+                        quantize_results(outs[side]), step, 7, BatchId(1, 2)
+                    )
+                    for side in ("old", "new")
+                ]
+                identical &= payloads[0].to_bytes() == payloads[1].to_bytes()
+                identical &= all(
+                    _same_bits(a.sparse_val, b.sparse_val)
+                    and _same_bits(a.sparse_idx, b.sparse_idx)
+                    for a, b in zip(outs["old"], outs["new"])  # unquantized values too
+                )
+                identical &= all(
+                    _same_bits(a, b) for (_, a), (_, b) in zip(params["old"], params["new"])
+                )
+                identical &= all(
+                    _same_bits(a, b) for a, b in zip(opt["old"].deltas, opt["new"].deltas)
+                )
+            old_ms = statistics.median(times["old"]) * 1e3
+            new_ms = statistics.median(times["new"]) * 1e3
+            print(
+                f"{size:>6} {dtype:>5} {torch.get_num_threads():>7} {old_ms:>9.1f} "
+                f"{new_ms:>9.1f} {new_ms / old_ms:>8.3f}  "
+                f"{'identical' if identical else 'DIFFERENT'}"
+            )
+            del params, opt, peer_params, peer_opts, prev, outs
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+
+
 # -- main ---------------------------------------------------------------------------------------
 
 
@@ -374,7 +487,9 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--sizes", default="tiny", help="comma list of tiny, 20m, 1b (time share)")
     p.add_argument("--byte-sizes", default="20m,1b", help="models for the bytes table")
-    p.add_argument("--only", default="bytes,time,trainer,converge")
+    p.add_argument("--only", default="bytes,time,trainer,converge,fastpath")
+    p.add_argument("--fastpath-dtypes", default="fp32,bf16", help="model dtypes for section 5")
+    p.add_argument("--fastpath-peers", type=int, default=3, help="other peers' results applied")
     p.add_argument("--threads", type=int, help="torch intra-op threads (CPU)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch", type=int, default=8)
@@ -396,6 +511,14 @@ def main() -> None:
     if "trainer" in only:
         bench_trainer(
             sizes[0], args.device, args.steps, args.batch, args.seq, args.micro_batch, args.reps
+        )
+    if "fastpath" in only:
+        bench_fastpath(
+            sizes,
+            args.device,
+            args.fastpath_dtypes.split(","),
+            min(args.steps, 7),
+            args.fastpath_peers,
         )
     if "converge" in only:
         bench_convergence(

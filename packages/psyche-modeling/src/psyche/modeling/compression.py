@@ -3,10 +3,16 @@
 Indices travel as the raw little-endian bytes of the narrowest unsigned type that holds the block
 size (`uint8` up to 256 coefficients, `uint16` up to 65536, `uint32` beyond); those bytes are what
 the commitment hash covers, so the choice must match upstream exactly.
+
+`decompress` is upstream's dense scatter-mean, but it only takes that route when it must: the
+mean of the values that land on one coefficient is computed from the touched coefficients alone
+whenever that provably gives the same bits (see `_sparse_mean`), which for DisTrO's 1-bit payloads
+is always (the per-coefficient sums of +-1 values are small exact integers).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -14,6 +20,20 @@ import torch
 U8_LIMIT = 256
 U16_LIMIT = 65536
 U32_LIMIT = 4294967296
+
+# Below this many coefficients upstream's dense op costs no more than the index bookkeeping of
+# the sparse route and the column-major layout, so small tensors keep the plain route (both give
+# the same bits; this is only about speed).
+FAST_ROUTE_MIN_NUMEL = 1 << 15
+
+# Largest n such that every integer in [-n, n] is exact in the dtype: a running sum of at most n
+# values of +-1 never rounds there.
+_EXACT_INTEGERS = {
+    torch.bfloat16: 2**8,
+    torch.float16: 2**11,
+    torch.float32: 2**24,
+    torch.float64: 2**53,
+}
 
 
 def index_width(max_value: int) -> int:
@@ -82,17 +102,106 @@ def decompress(
     totalk: int,
     dtype: torch.dtype,
     device: torch.device | str,
+    *,
+    transposed: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Scatter values back into dense blocks; colliding indices average (untouched stay 0)."""
+    """Scatter values back into dense blocks; colliding indices average (untouched stay 0).
+
+    The result has exactly the bits of upstream's `zeros(xshape).scatter_reduce_(-1, idx, val,
+    "mean", include_self=False)`. With `transposed` (encoded 2-D parameters only) each block is
+    stored column-major: same logical shape and values, the last two dims swapped in memory,
+    which is the order `TransformDCT.decode` reads (see `dct.decode_reads_transposed`).
+    `out`, if given, is a flat zero-filled tensor of `prod(xshape)` elements in `dtype` on
+    `device` that is used instead of a fresh zero tensor: the result is a view of it. Tensors of
+    fewer than `FAST_ROUTE_MIN_NUMEL` coefficients always take upstream's plain route (and ignore
+    `transposed`): there it is as fast.
+    """
     totalk = abs(totalk)
     idx = decompress_idx(totalk, idx)
     val = val.to(dtype)
     xshape = list(xshape)
-    x = torch.zeros(xshape, dtype=dtype, device=device)
-    if len(xshape) > 2:
-        x = x.view(*xshape[:-2], xshape[-2] * xshape[-1])
-    x.scatter_reduce_(-1, idx, val, reduce="mean", include_self=False)
-    return x.reshape(xshape)
+    if out is None:
+        out = torch.zeros(math.prod(xshape), dtype=dtype, device=device)
+    elif out.shape != (math.prod(xshape),) or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a flat contiguous {dtype} tensor of {math.prod(xshape)}")
+    # upstream scatters along the last dim of this view (a 2-D parameter's blocks flattened)
+    blocks = [*xshape[:-2], xshape[-2] * xshape[-1]] if len(xshape) > 2 else xshape
+    # small tensors, and indices upstream's scatter rejects (it raises below), take its route
+    fast = out.numel() >= FAST_ROUTE_MIN_NUMEL and _in_range(idx, blocks[-1])
+    transposed = fast and transposed and len(xshape) > 2
+    if transposed:
+        n1, n2 = xshape[-2], xshape[-1]
+        # coefficient k*n2 + l of a block sits at l*n1 + k once the block is column-major
+        idx = (idx % n2) * n1 + idx // n2
+    if not (fast and _sparse_mean(idx, val, blocks, out)):
+        out.view(blocks).scatter_reduce_(-1, idx, val, reduce="mean", include_self=False)
+    if transposed:
+        return out.view(*xshape[:-2], xshape[-1], xshape[-2]).transpose(-1, -2)
+    return out.view(xshape)
+
+
+def _in_range(idx: torch.Tensor, block: int) -> bool:
+    if idx.numel() == 0:
+        return True
+    low, high = torch.aminmax(idx)
+    return int(low) >= 0 and int(high) < block
+
+
+def _sparse_mean(
+    idx: torch.Tensor, val: torch.Tensor, blocks: list[int], out: torch.Tensor
+) -> bool:
+    """Write into `out` (flat, zeros) the scatter-mean along the last dim of `out.view(blocks)`
+    from the touched coefficients alone; False (`out` untouched) where that is not provably
+    bit-identical to upstream's dense op.
+
+    Upstream's mean sets every touched coefficient to +0, adds the values that land on it (in
+    index order on a CPU, in atomic order on CUDA), counts them in the dtype, and divides sum
+    by count in the dtype (untouched ones: 0 / 1 = +0). Two cases reproduce that exactly
+    without a pass over the dense tensor:
+
+    * every touched coefficient got one value `v` (no duplicate index): the mean is
+      `(+0 + v) / 1`, computed here with the same elementwise ops, so the bits agree for
+      every non-NaN `v` (-0 becomes +0 in both); NaN payload bits may differ between kernels,
+      so any NaN takes the dense route;
+    * every value is +1 or -1 (1-bit payloads) and no coefficient got more values than the
+      dtype holds exact integers: then every partial sum is an exact integer, whatever the
+      order, so the sum is `count - 2 * negatives`, counted in int64 here, and the division
+      is the same `div_` of the same two numbers in the dtype. (This is also why upstream's
+      own op is deterministic on CUDA for 1-bit payloads.)
+
+    Only integer sorts and writes to distinct positions are used (deterministic on CUDA too:
+    no float atomics). The caller has checked that every index is in range; shapes that
+    upstream's op would broadcast return False, so that the caller runs upstream's op.
+    """
+    *lead, block = blocks
+    dtype = out.dtype
+    if not dtype.is_floating_point or idx.numel() == 0:
+        return False
+    if list(idx.shape) != [*lead, idx.shape[-1]] or val.shape != idx.shape:
+        return False
+    rows = math.prod(lead)
+    offsets = torch.arange(rows, device=idx.device, dtype=torch.int64).mul_(block)
+    keys = (idx.reshape(rows, -1) + offsets.unsqueeze(1)).reshape(-1)
+    values = val.reshape(-1)
+    touched, counts = torch.unique(keys, sorted=True, return_counts=True)
+    if touched.numel() == keys.numel():
+        if bool(torch.isnan(values).any()):
+            return False
+        # upstream: scatter_(+0), += v, count 1, div_ -- the same three ops, on the values only
+        out[keys] = torch.zeros_like(values).add_(values).div_(torch.ones_like(values))
+        return True
+    limit = _EXACT_INTEGERS.get(dtype)
+    if limit is None or not bool(((values == 1) | (values == -1)).all()):
+        return False
+    if int(counts.max()) > limit:
+        return False
+    neg_keys, neg_counts = torch.unique(keys[values < 0], sorted=True, return_counts=True)
+    negatives = torch.zeros_like(counts)
+    negatives[torch.searchsorted(touched, neg_keys)] = neg_counts
+    sums = counts - 2 * negatives
+    out[touched] = sums.to(dtype).div_(counts.to(dtype))
+    return True
 
 
 def batch_decompress(

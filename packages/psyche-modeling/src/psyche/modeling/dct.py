@@ -127,6 +127,22 @@ def _einsum(equation: str, operands: list[torch.Tensor]) -> torch.Tensor:
     return torch._VF.einsum(equation, operands)  # type: ignore[attr-defined]
 
 
+def decode_reads_transposed(xshape: Sequence[int]) -> bool:
+    """Whether `TransformDCT.decode` of coefficients shaped `xshape` is cheaper, and exactly the
+    same computation, when each block is stored column-major (last two dims swapped in memory).
+
+    The decode einsum first contracts a block's rows (`k`), so libtorch permutes the input to
+    `[..., j, l, k]` and copies it to contiguous memory before its first `bmm`. Coefficients
+    already stored in that order make the copy a view, and the `bmm` receives the same values
+    with the same shape and strides: the same call, so the same bits on any backend. That holds
+    whenever there is more than one block; for a single block (every leading dim 1) libtorch
+    swaps the `bmm` operands and would then see different strides, and for a block dim of 1 the
+    two layouts coincide, so both keep the plain layout. `test_distro_fast_paths` records the
+    `bmm` calls for every combination of unit and non-unit dims.
+    """
+    return len(xshape) > 2 and xshape[-2] > 1 and xshape[-1] > 1 and math.prod(xshape[:-2]) > 1
+
+
 # --------------------------------------------------------------------------------------------
 # The transform
 
