@@ -113,8 +113,8 @@ def test_a_port_in_use_is_named(tmp_path: Path) -> None:
         with pytest.raises(ServerStartError) as error:
             trio.run(start, quick_coordinator(), fast_options(port=port))
         assert str(error.value) == (
-            f"the coordinator port {port} (--server-port) is already in use (another server, "
-            "or another program, listens there)"
+            f"the coordinator port {port} (--server-port) on 127.0.0.1 (--bind-address) is "
+            "already in use (another server, or another program, listens there)"
         )
 
         write_tiny_dataset(
@@ -136,5 +136,6 @@ def test_a_port_in_use_is_named(tmp_path: Path) -> None:
             trio.run(start, hosted, fast_options(data_config=data))
         assert str(error.value).startswith(
             f"the data server's port {port} (data_location 127.0.0.1:{port} in the state file) "
+            "on 127.0.0.1 (--bind-address) "
             "is already in use"
         )

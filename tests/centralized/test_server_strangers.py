@@ -171,3 +171,15 @@ def test_repeated_join_hello_and_endpoint_send_nothing_more() -> None:
                 await client.conn.aclose()
 
     run(main)
+
+
+def test_an_address_the_server_cannot_bind_is_named() -> None:
+    from psyche.centralized.server import ServerStartError
+
+    async def main() -> None:
+        # 192.0.2.1 is TEST-NET-1 (RFC 5737): never an address of this machine
+        with pytest.raises(ServerStartError, match=r"on 192\.0\.2\.1 \(--bind-address\) cannot"):
+            async with open_server(quick_coordinator(), fast_options(host="192.0.2.1")):
+                pass
+
+    run(main)

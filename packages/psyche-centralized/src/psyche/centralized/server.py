@@ -461,6 +461,7 @@ async def open_server(
             address = _llm(core.coordinator).data_location.value
             with _naming_the_port(
                 f"the data server's port {data_port} (data_location {address} in the state file)"
+                + _on(options.data_server_host or options.host)
             ):
                 server.data_server = await stack.enter_async_context(
                     DataProviderTcpServer.start(
@@ -470,13 +471,15 @@ async def open_server(
                     )
                 )
             server.data_server.update_from_coordinator(core.coordinator)
-            log.info("training data server listening on port %d", data_port)
+            log.info("training data server listening on %s:%d", *server.data_server.local_addr)
         if options.events_dir is not None:
             from psyche.centralized.events import EventsWriter
 
             server.events = EventsWriter(options.events_dir)
             stack.callback(server.events.close)
-        with _naming_the_port(f"the coordinator port {options.port} (--server-port)"):
+        with _naming_the_port(
+            f"the coordinator port {options.port} (--server-port)" + _on(options.host)
+        ):
             server.tcp = await stack.enter_async_context(
                 TcpServer.start(
                     to_server=CLIENT_TO_SERVER_CODEC,
@@ -513,6 +516,11 @@ async def open_server(
             saved = server.save()
             if server.finished.is_set():
                 log.info("%s", server.summary(saved))
+
+
+def _on(host: str) -> str:
+    """Where a port is listened on, for error messages (nothing for every interface)."""
+    return "" if host in ("0.0.0.0", "::", "") else f" on {host} (--bind-address)"
 
 
 def who_may_join(authorized_keys: frozenset[bytes] | None) -> str:
