@@ -309,6 +309,9 @@ class CentralizedServer:
     def on_message(self, client: bytes, message: ClientToServerMessage) -> None:
         sender = NodeIdentity.from_single_key(client)
         core = self.core
+        # Only a member's message can change the run's state: the others cost no more than the
+        # handler's check (no state encoding for the events file, no broadcast).
+        member = core.client_index(sender) is not None
         broadcast = False
         match message:
             case ClientToServerMessage.Join(JoinRun(run_id)):
@@ -341,7 +344,8 @@ class CentralizedServer:
                 if self.relay.announce(client, record):
                     self._endpoints_dirty = True  # sent with the next tick, at most once a tick
                 return
-        self.post_state_change(broadcast)
+        if member:
+            self.post_state_change(broadcast)
 
     def on_disconnect(self, client: bytes) -> None:
         self.core.on_disconnect(NodeIdentity.from_single_key(client))
