@@ -196,14 +196,14 @@ async def bench_one_blob(
 
 
 async def bench_gossip_ring(rounds: int) -> list[str]:
-    from psyche.core.merkle_tree import MerkleRoot
-    from psyche.network.broadcast import (
+    from psyche.client.broadcast import (
         Broadcast,
         BroadcastType,
         Commitment,
         CommitteeProof,
         Finished,
     )
+    from psyche.core.merkle_tree import MerkleRoot
 
     async with open_nodes(6) as nodes:
         await connect_pairs(nodes, ring(6))

@@ -93,7 +93,7 @@ class Adversary:
     # ---- the run ---------------------------------------------------------------------------
 
     async def run(self) -> None:
-        from psyche.network.broadcast import Broadcast
+        from psyche.client.broadcast import Broadcast
         from psyche.network.connection import NetworkConfig, NetworkConnection
 
         config = NetworkConfig(run_id=self.args.run_id, secret_key=self.key, bind_host="127.0.0.1")
@@ -203,7 +203,7 @@ class Adversary:
 
     async def listen(self) -> None:
         """Remember the run's training results, to witness like an honest witness would."""
-        from psyche.network.broadcast import BroadcastType
+        from psyche.client.broadcast import BroadcastType
         from psyche.network.connection import MessageReceived
 
         while True:
@@ -250,7 +250,7 @@ class Adversary:
     # ---- payload attacks -------------------------------------------------------------------
 
     async def payload_attack(self, mode: str, step: int, proof: Any, batch_id: Any) -> None:
-        from psyche.network.broadcast import BroadcastType, TrainingResult
+        from psyche.client.broadcast import BroadcastType, TrainingResult
         from psyche.network.ticket import BlobFormat, BlobTicket, blob_hash
         from psyche.network.transmittable import TransmittableDownload
 
@@ -285,7 +285,7 @@ class Adversary:
     def _broadcast(
         self, step: int, proof: Any, data_hash: bytes, data: Any, key: Any = None
     ) -> Any:
-        from psyche.network.broadcast import Broadcast, Commitment
+        from psyche.client.broadcast import Broadcast, Commitment
 
         signer = key or self.key
         return Broadcast(
@@ -297,7 +297,7 @@ class Adversary:
         )
 
     async def unassigned_attack(self, step: int, proof: Any, batch_id: Any) -> None:
-        from psyche.network.broadcast import BroadcastType, TrainingResult
+        from psyche.client.broadcast import BroadcastType, TrainingResult
         from psyche.network.transmittable import TransmittableDownload
 
         payload = _bogus_payload(step, batch_id)
@@ -324,7 +324,7 @@ class Adversary:
     def forged_attacks(self, step: int, proof: Any) -> None:
         from psyche.client import core
         from psyche.core.identity import SecretKey
-        from psyche.network.signed_message import SignedMessage
+        from psyche.core.signed_message import SignedMessage
 
         gossip = self.network.gossip
         action = core.SendFinished(step, core.merkle_root([]), proof, warmup=False)

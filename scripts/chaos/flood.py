@@ -136,9 +136,9 @@ async def _closed(stream: trio.SocketStream) -> bool:
 
 
 async def _login(stream: trio.SocketStream) -> None:
-    """The authenticated TCP handshake with a fresh key (`psyche.network.tcp`)."""
+    """The authenticated TCP handshake with a fresh key (`psyche.core.tcp`)."""
     from psyche.core.identity import SecretKey
-    from psyche.network.tcp import FramedStream, encode_challenge_response
+    from psyche.core.tcp import FramedStream, encode_challenge_response
 
     framed = FramedStream(stream, max_receive_frame=1024, max_send_frame=1024)
     with trio.fail_after(10):

@@ -18,7 +18,7 @@ from psyche.coordinator.coordinator import Witness, WitnessMetadata
 from psyche.coordinator.model import Checkpoint, HubRepo, LLMTrainingDataLocation
 from psyche.coordinator.simulation import integration_test_coordinator, simulated_identity
 from psyche.core.serde import PostcardError, from_bytes, to_bytes
-from psyche.network.tcp import encode_else
+from psyche.core.tcp import encode_else
 
 
 def frame(message: ClientToServerMessage | ServerToClientMessage, tp: type) -> bytes:

@@ -36,15 +36,15 @@ from psyche.coordinator.model import Checkpoint, HubRepo, LLMTrainingDataLocatio
 from psyche.coordinator.simulation import warmup_witness_for
 from psyche.core.batch_id import BatchId
 from psyche.core.identity import SecretKey
-from psyche.data_provider import DataProviderError, DataProviderTcpClient, DataServerInfo
-from psyche.network.discovery import sign_address_record
-from psyche.network.tcp import (
+from psyche.core.tcp import (
     CHALLENGE_LENGTH,
     FramedStream,
     encode_challenge_response,
     encode_else,
     split_envelope,
 )
+from psyche.data_provider import DataProviderError, DataProviderTcpClient, DataServerInfo
+from psyche.network.discovery import sign_address_record
 from psyche.network.ticket import EndpointAddr, TransportAddr
 
 REPO = Path(__file__).resolve().parents[2]
@@ -318,7 +318,7 @@ def test_backend_waits_for_a_server_that_is_not_up_yet_and_gives_up_in_time() ->
 def test_backend_falls_back_when_the_server_is_upstreams() -> None:
     """An upstream server cannot decode the extension hello and drops the connection."""
     from psyche.core.serde import DataEnum, variant
-    from psyche.network.tcp import Message, PostcardCodec, TcpServer
+    from psyche.core.tcp import Message, PostcardCodec, TcpServer
 
     class UpstreamClientMessage(DataEnum):
         Join = variant(ClientToServerMessage.Join.payload_type)

@@ -26,8 +26,8 @@ from psyche.coordinator.backend import OpportunisticData
 from psyche.coordinator.model import Checkpoint, HubRepo
 from psyche.coordinator.simulation import warmup_witness_for
 from psyche.core.identity import SecretKey
+from psyche.core.tcp import ConnectionClosed
 from psyche.network.discovery import sign_address_record
-from psyche.network.tcp import ConnectionClosed
 from psyche.network.ticket import EndpointAddr, TransportAddr
 
 SPAM = 300

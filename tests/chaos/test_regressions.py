@@ -77,7 +77,7 @@ def test_libp2p_addresses_follow_the_announce_host() -> None:
     """partition: a node bound to one address announced its libp2p listener at the bound
     address and its blob listener at the announce host, so peers bypassed the announced route
     (a NAT's public address) for gossip."""
-    from psyche.network.broadcast import Broadcast
+    from psyche.client.broadcast import Broadcast
     from psyche.network.connection import NetworkConfig, NetworkConnection
     from psyche.network.ticket import TransportAddr
 

@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 
 from psyche.client import core
+from psyche.client.broadcast import Broadcast, BroadcastType, Finished, TrainingResult
 from psyche.client.round_state import (
     DeserializedPayload,
     Downloading,
@@ -31,7 +32,6 @@ from psyche.core.identity import SecretKey
 from psyche.core.merkle_tree import MerkleRoot, MerkleTree
 from psyche.core.node_identity import NodeIdentity
 from psyche.core.sha256 import sha256
-from psyche.network.broadcast import Broadcast, BroadcastType, Finished, TrainingResult
 from psyche.network.ticket import BlobFormat, BlobTicket, EndpointAddr
 
 KEYS = [11, 12, 13, 14, 15, 16, 17, 18]

@@ -14,6 +14,7 @@ import pytest
 import torch
 import trio
 
+from psyche.client.broadcast import Broadcast
 from psyche.client.client import Client
 from psyche.client.init import RunInitConfig
 from psyche.client.model_loading import preload_modeling
@@ -32,7 +33,6 @@ from psyche.core.definitions import ConstantLR, Distro, LearningRateSchedule, Op
 from psyche.core.identity import SecretKey
 from psyche.core.node_identity import NodeIdentity
 from psyche.modeling.configs import llama_config_dict
-from psyche.network.broadcast import Broadcast
 from psyche.network.connection import NetworkConfig, NetworkConnection
 
 SEQ = 32

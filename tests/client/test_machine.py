@@ -18,6 +18,7 @@ import torch
 import trio
 
 from psyche.client import core
+from psyche.client.broadcast import Broadcast, BroadcastType, TrainingResult
 from psyche.client.cooldown import live_model_hash
 from psyche.client.steps import MachineSettings, StepStateMachine
 from psyche.client.training import DataFetcher, OwnResult, train_batch_exact
@@ -39,7 +40,6 @@ from psyche.modeling.causal_lm import CausalLM, ModelOptions
 from psyche.modeling.configs import llama_config_dict
 from psyche.modeling.serialized_distro import TransmittableDistroResult
 from psyche.modeling.trainer import Batch, Trainer
-from psyche.network.broadcast import Broadcast, BroadcastType, TrainingResult
 from psyche.network.ticket import BlobFormat, BlobTicket, EndpointAddr
 
 SEQ = 16

@@ -72,9 +72,9 @@ def _ticket() -> Any:
 
 
 def _broadcast(step: int = 3) -> Any:
+    from psyche.client.broadcast import Broadcast, BroadcastType, Commitment, TrainingResult
     from psyche.coordinator.committee_selection import CommitteeProof
     from psyche.core.batch_id import BatchId
-    from psyche.network.broadcast import Broadcast, BroadcastType, Commitment, TrainingResult
 
     key = _key(5)
     digest = bytes(range(32))
@@ -141,7 +141,7 @@ def _targets() -> dict[str, Callable[[], Target]]:
         return Target(lambda b: codec.decode(memoryview(b)), samples)
 
     def tcp_handshake() -> Target:
-        from psyche.network.tcp import (
+        from psyche.core.tcp import (
             TcpProtocolError,
             encode_challenge_response,
             verify_challenge_response,
@@ -162,8 +162,8 @@ def _targets() -> dict[str, Callable[[], Target]]:
         return Target(lambda b: from_bytes(b, Coordinator), [_coordinator().to_bytes()])
 
     def gossip_message() -> Target:
-        from psyche.network.broadcast import Broadcast
-        from psyche.network.signed_message import SignedMessage
+        from psyche.client.broadcast import Broadcast
+        from psyche.core.signed_message import SignedMessage
 
         samples = [SignedMessage.sign_and_encode(_key(5), _broadcast(), Broadcast)]
         return Target(lambda b: SignedMessage.verify_and_decode(b, Broadcast), samples)

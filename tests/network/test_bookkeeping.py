@@ -6,8 +6,9 @@ import pytest
 import trio
 import trio.testing
 
+from psyche.core.allowlist import AllowDynamic
 from psyche.core.identity import SecretKey
-from psyche.network.allowlist import AllowDynamic
+from psyche.core.signed_message import SignedMessageError
 from psyche.network.blob_store import BlobStore, gc_interval_from_env, remove_staled_tags
 from psyche.network.connection_monitor import (
     ConnectionChanged,
@@ -37,7 +38,6 @@ from psyche.network.peer_manager import (
     PeersUnreachable,
     blob_ticket_param_request_task,
 )
-from psyche.network.signed_message import SignedMessageError
 from psyche.network.stats import BandwidthTracker, PeerBandwidth
 from psyche.network.ticket import BlobFormat, BlobTicket, EndpointAddr, TransportAddr, blob_hash
 from psyche.network.transmittable import DownloadType, ModelRequestType
@@ -238,7 +238,7 @@ def test_address_records_are_self_signed(tmp_path) -> None:
     assert verify_address_record(record) == addr
     with pytest.raises(ValueError):
         sign_address_record(other, addr)
-    from psyche.network.signed_message import SignedMessage
+    from psyche.core.signed_message import SignedMessage
 
     forged = SignedMessage.sign_and_encode(other, addr, EndpointAddr)
     with pytest.raises(SignedMessageError):
@@ -260,8 +260,7 @@ def test_address_records_are_self_signed(tmp_path) -> None:
 
 
 def test_rebroadcast_loop_sends_one_bumped_broadcast_per_interval() -> None:
-    from psyche.core.merkle_tree import MerkleRoot
-    from psyche.network.broadcast import (
+    from psyche.client.broadcast import (
         Broadcast,
         BroadcastType,
         Commitment,
@@ -270,6 +269,7 @@ def test_rebroadcast_loop_sends_one_bumped_broadcast_per_interval() -> None:
         Rebroadcaster,
         rebroadcast_periodically,
     )
+    from psyche.core.merkle_tree import MerkleRoot
 
     data = BroadcastType.Finished(Finished(MerkleRoot(), True))
     rebroadcaster = Rebroadcaster()

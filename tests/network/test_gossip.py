@@ -9,9 +9,7 @@ import pytest
 import trio
 from libp2p.network.exceptions import SwarmException
 
-from psyche.core.identity import SecretKey
-from psyche.core.merkle_tree import MerkleRoot
-from psyche.network.broadcast import (
+from psyche.client.broadcast import (
     Broadcast,
     BroadcastType,
     Commitment,
@@ -19,11 +17,13 @@ from psyche.network.broadcast import (
     Finished,
     Rebroadcaster,
 )
+from psyche.core.identity import SecretKey
+from psyche.core.merkle_tree import MerkleRoot
+from psyche.core.signed_message import SignedMessage
 from psyche.network.connection import MessageReceived, NetworkConnection
 from psyche.network.download import DownloadComplete
 from psyche.network.gossip import GossipRejected, gossip_topic
 from psyche.network.identity import peer_id_from_public_key
-from psyche.network.signed_message import SignedMessage
 from psyche.network.testing import connect_pairs, full_mesh, open_nodes, ring, wait_until
 from psyche.network.transmittable import DownloadType
 
@@ -210,8 +210,8 @@ def to_bytes_signed(signed: SignedMessage) -> bytes:
 
 def _huge(key: SecretKey) -> Broadcast:
     """A broadcast whose signed form exceeds 4096 bytes (a ticket with many addresses)."""
+    from psyche.client.broadcast import TrainingResult
     from psyche.core.batch_id import BatchId
-    from psyche.network.broadcast import TrainingResult
     from psyche.network.ticket import BlobFormat, BlobTicket, EndpointAddr, TransportAddr
 
     addrs = [TransportAddr.BlobTcp(f"10.0.{i // 250}.{i % 250}:1234") for i in range(300)]

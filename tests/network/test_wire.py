@@ -6,11 +6,7 @@ import hashlib
 
 import pytest
 
-from psyche.core.batch_id import BatchId
-from psyche.core.identity import SecretKey
-from psyche.core.merkle_tree import MerkleRoot
-from psyche.core.serde import PostcardError, from_bytes, to_bytes
-from psyche.network.broadcast import (
+from psyche.client.broadcast import (
     Broadcast,
     BroadcastType,
     Commitment,
@@ -21,6 +17,11 @@ from psyche.network.broadcast import (
     TrainingResult,
     verify_commitment,
 )
+from psyche.core.batch_id import BatchId
+from psyche.core.identity import SecretKey
+from psyche.core.merkle_tree import MerkleRoot
+from psyche.core.serde import PostcardError, from_bytes, to_bytes
+from psyche.core.signed_message import SignedMessage, SignedMessageError, raw_p2p_verify
 from psyche.network.gossip import gossip_topic
 from psyche.network.identity import (
     IdentityError,
@@ -28,7 +29,6 @@ from psyche.network.identity import (
     peer_id_from_public_key,
     public_key_from_peer_id,
 )
-from psyche.network.signed_message import SignedMessage, SignedMessageError, raw_p2p_verify
 from psyche.network.stats import fmt_bytes
 from psyche.network.ticket import BlobFormat, BlobTicket, EndpointAddr, TransportAddr, blob_hash
 from psyche.network.transmittable import (

@@ -1,7 +1,7 @@
 """Messages of the centralized protocol (upstream `architectures/centralized/shared/src/protocol.rs`).
 
 They travel as postcard inside the authenticated, length-delimited TCP envelope of
-`psyche.network.tcp` (`Else(T)`). Upstream's variants keep their indices and bytes, so a Rust
+`psyche.core.tcp` (`Else(T)`). Upstream's variants keep their indices and bytes, so a Rust
 client can talk to this server and this client to a Rust server.
 
 Port extensions are appended variants (higher indices), which a Rust peer cannot decode:
@@ -27,7 +27,7 @@ from psyche.coordinator.model import Checkpoint as _Checkpoint
 from psyche.coordinator.model import LLMTrainingDataLocation
 from psyche.core.node_identity import NodeIdentity
 from psyche.core.serde import U32, DataEnum, struct, variant
-from psyche.network.tcp import PostcardCodec
+from psyche.core.tcp import PostcardCodec
 
 EXTENSIONS_VERSION = 1
 # A self-signed endpoint record is a few hundred bytes; anything far larger is refused.

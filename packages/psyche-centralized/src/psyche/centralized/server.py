@@ -6,7 +6,7 @@
 
 What runs while the block is open:
 
-* the authenticated TCP server (`psyche.network.tcp`) speaking `protocol`'s messages;
+* the authenticated TCP server (`psyche.core.tcp`) speaking `protocol`'s messages;
 * a tick every 500 ms (the first at once; missed ticks are skipped, not replayed);
 * when the run's data location is `Server(addr)`: the TCP data server on that address's port,
   told the clients of every broadcast state;
@@ -20,7 +20,7 @@ every connected client has disconnected (the clients finish their last checkpoin
 cancelled, the state saved and a summary logged, and `async with` returns normally. A server
 started on a state that is already Finished ends at once. Upstream's server idles until killed.
 
-A bad frame or a broken handshake closes that one connection (`psyche.network.tcp`); a message
+A bad frame or a broken handshake closes that one connection (`psyche.core.tcp`); a message
 the coordinator rejects is logged and ignored. A port that cannot be listened on is a
 `ServerStartError` naming which of the two ports it is.
 
@@ -59,9 +59,9 @@ from psyche.centralized.save_state import save_state
 from psyche.centralized.server_core import DEFAULT_BAN_EPOCHS, ServerCore, TickOutcome
 from psyche.coordinator.coordinator import Coordinator, RunState
 from psyche.coordinator.model import Checkpoint, HubRepo, LLMTrainingDataLocation
+from psyche.core.allowlist import AllowDynamic
 from psyche.core.node_identity import NodeIdentity
-from psyche.network.allowlist import AllowDynamic
-from psyche.network.tcp import (
+from psyche.core.tcp import (
     SERVER_MAX_FRAME_LENGTH,
     Disconnected,
     Message,

@@ -45,8 +45,8 @@ from psyche.coordinator.coordinator import (
 )
 from psyche.coordinator.errors import CoordinatorError, CoordinatorErrorKind, CoordinatorPanic
 from psyche.coordinator.model import Checkpoint
+from psyche.core.connection_limits import DropLog
 from psyche.core.node_identity import NodeIdentity
-from psyche.network.limits import DropLog
 
 log = logging.getLogger(__name__)
 

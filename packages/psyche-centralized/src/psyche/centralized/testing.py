@@ -37,7 +37,7 @@ from psyche.coordinator.simulation import (
 )
 from psyche.core.identity import SecretKey
 from psyche.core.node_identity import NodeIdentity
-from psyche.network.tcp import TcpClient
+from psyche.core.tcp import TcpClient
 
 
 def quick_coordinator(

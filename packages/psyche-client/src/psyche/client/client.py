@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from psyche.client import core
+from psyche.client.broadcast import Broadcast, BroadcastType, Rebroadcaster, TrainingResult
 from psyche.client.init import InitializedRun, RunInitConfig, init_run
 from psyche.client.logs import log_event
 from psyche.client.stats import format_duration
@@ -36,8 +37,7 @@ from psyche.coordinator.backend import Backend, EndpointDiscovery, HealthCheck, 
 from psyche.coordinator.commitment import Commitment
 from psyche.coordinator.coordinator import Coordinator, RunState
 from psyche.coordinator.model import Checkpoint
-from psyche.core.testing import IntegrationTestLogMarker
-from psyche.network.broadcast import Broadcast, BroadcastType, Rebroadcaster, TrainingResult
+from psyche.core.log_markers import IntegrationTestLogMarker
 from psyche.network.connection import (
     MessageReceived,
     ModelConfigRequest,

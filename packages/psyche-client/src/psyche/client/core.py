@@ -13,6 +13,7 @@ import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from psyche.client.broadcast import Broadcast, BroadcastType, Finished
 from psyche.client.round_state import (
     CommitteeInfo,
     Downloading,
@@ -42,7 +43,6 @@ from psyche.core.identity import verify_signature
 from psyche.core.merkle_tree import MerkleRoot, MerkleTree
 from psyche.core.node_identity import NodeIdentity
 from psyche.core.sha256 import sha256
-from psyche.network.broadcast import Broadcast, BroadcastType, Finished
 from psyche.network.ticket import BlobTicket
 
 # --------------------------------------------------------------------------------------------

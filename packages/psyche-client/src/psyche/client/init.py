@@ -28,8 +28,8 @@ from psyche.client.model_loading import (
 from psyche.coordinator.coordinator import Coordinator
 from psyche.coordinator.model import Checkpoint
 from psyche.core.identity import SecretKey
+from psyche.core.log_markers import IntegrationTestLogMarker
 from psyche.core.node_identity import NodeIdentity
-from psyche.core.testing import IntegrationTestLogMarker
 
 if TYPE_CHECKING:
     from psyche.modeling.trainer import Trainer

@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from psyche.client.broadcast import Finished, TrainingResult
 from psyche.coordinator.commitment import Commitment
 from psyche.coordinator.committee_selection import CommitteeProof, CommitteeSelection, WitnessProof
 from psyche.core.batch_id import BatchId
 from psyche.core.bloom import WitnessBloom
 from psyche.core.node_identity import NodeIdentity
-from psyche.network.broadcast import Finished, TrainingResult
 from psyche.network.ticket import BlobTicket
 
 if TYPE_CHECKING:

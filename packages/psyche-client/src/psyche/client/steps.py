@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 import trio
 
 from psyche.client import core
+from psyche.client.broadcast import Broadcast
 from psyche.client.cooldown import (
     CheckpointConfig,
     CheckpointJob,
@@ -43,9 +44,8 @@ from psyche.coordinator.backend import HealthCheck, OpportunisticData
 from psyche.coordinator.coordinator import Coordinator, RunState
 from psyche.coordinator.model import Checkpoint
 from psyche.core.bloom import WitnessBloom
+from psyche.core.log_markers import IntegrationTestLogMarker
 from psyche.core.node_identity import NodeIdentity
-from psyche.core.testing import IntegrationTestLogMarker
-from psyche.network.broadcast import Broadcast
 
 if TYPE_CHECKING:
     import torch

@@ -24,8 +24,8 @@ from psyche.client.round_state import Downloading, PayloadHandle, RoundState
 from psyche.coordinator.committee_selection import CommitteeProof
 from psyche.core.atomic_file import write_atomically
 from psyche.core.batch_id import BatchId
+from psyche.core.log_markers import IntegrationTestLogMarker
 from psyche.core.node_identity import NodeIdentity
-from psyche.core.testing import IntegrationTestLogMarker
 
 if TYPE_CHECKING:
     from psyche.coordinator.coordinator import Coordinator

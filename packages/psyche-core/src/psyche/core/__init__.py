@@ -47,6 +47,7 @@ from psyche.core.fixed import (
 from psyche.core.identity import SecretKey, verify_signature
 from psyche.core.interval_tree import ClosedInterval, IntervalTree
 from psyche.core.lcg import LCG
+from psyche.core.log_markers import IntegrationTestLogMarker
 from psyche.core.merkle_tree import (
     HashWrapper,
     MerkleRoot,
@@ -67,7 +68,6 @@ from psyche.core.similarity import (
     manhattan_distance,
 )
 from psyche.core.swap_or_not import compute_shuffled_index, compute_shuffled_indices
-from psyche.core.testing import IntegrationTestLogMarker
 from psyche.core.token_size import TokenSize
 
 __all__ = [

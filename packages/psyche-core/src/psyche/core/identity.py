@@ -18,7 +18,12 @@ from psyche.core.atomic_file import write_atomically
 
 SECRET_KEY_LEN = 32
 PUBLIC_KEY_LEN = 32
+
 SIGNATURE_LEN = 64
+
+PublicKey = bytes
+"""A 32-byte ed25519 public key (upstream `PublicKey` / `EndpointId`)."""
+
 _HEX_DIGITS = frozenset("0123456789abcdefABCDEF")
 
 

@@ -19,6 +19,13 @@ import trio
 
 from psyche.core.batch_id import BatchId
 from psyche.core.identity import SecretKey
+from psyche.core.tcp import (
+    CLIENT_MAX_FRAME_LENGTH,
+    ConnectionClosed,
+    PostcardCodec,
+    TcpClient,
+    TcpProtocolError,
+)
 from psyche.data_provider.types import (
     DataProviderError,
     TokenizedData,
@@ -34,13 +41,6 @@ from psyche.data_provider.wire import (
     ServerMessageCodec,
     ServerToClientMessage,
     TrainingData,
-)
-from psyche.network.tcp import (
-    CLIENT_MAX_FRAME_LENGTH,
-    ConnectionClosed,
-    PostcardCodec,
-    TcpClient,
-    TcpProtocolError,
 )
 
 log = logging.getLogger(__name__)

@@ -27,6 +27,16 @@ import numpy as np
 import trio
 
 from psyche.core.batch_id import BatchId
+from psyche.core.connection_limits import ConnectionLimits, DropLog
+from psyche.core.tcp import (
+    CLIENT_MAX_FRAME_LENGTH,
+    SERVER_MAX_FRAME_LENGTH,
+    Disconnected,
+    FrameTooLarge,
+    Message,
+    PostcardCodec,
+    TcpServer,
+)
 from psyche.data_provider.types import (
     BatchDataProvider,
     DataProviderError,
@@ -43,16 +53,6 @@ from psyche.data_provider.wire import (
     ServerToClientMessage,
     TrainingData,
     UpstreamRequestCodec,
-)
-from psyche.network.limits import ConnectionLimits, DropLog
-from psyche.network.tcp import (
-    CLIENT_MAX_FRAME_LENGTH,
-    SERVER_MAX_FRAME_LENGTH,
-    Disconnected,
-    FrameTooLarge,
-    Message,
-    PostcardCodec,
-    TcpServer,
 )
 
 log = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ class DataProviderTcpServer:
 
         Replies may be as large as the client's frame limit (upstream's server is capped at its
         own 8 MiB default, so large batches failed there). `limits` bound what connections can
-        make the server hold (`psyche.network.limits`; defaults when None).
+        make the server hold (`psyche.core.connection_limits`; defaults when None).
         """
         requests = UpstreamRequestCodec() if upstream_only else PostcardCodec(ClientToServerMessage)
         async with (

@@ -7,7 +7,7 @@ plain socket several GiB/s; the side channel keeps blobs near socket speed while
 their integrity. Another transport (QUIC, a relay, libp2p streams) can replace it by
 implementing `BlobTransport`.
 
-What peers can make the provider hold is bounded by `BLOB_LIMITS` (`psyche.network.limits`):
+What peers can make the provider hold is bounded by `BLOB_LIMITS` (`psyche.core.connection_limits`):
 before its signed request a connection holds a pending slot (the oldest is closed when they are
 full) and may send two control frames of at most 1 KiB within the handshake timeout; a signed
 request from a run member holds one of a capped number of serving slots while its blob is sent,
@@ -25,11 +25,17 @@ from typing import Any, Protocol
 
 import trio
 
+from psyche.core.connection_limits import (
+    Admission,
+    ConnectionLimits,
+    DropLog,
+    Refused,
+    peer_address,
+)
 from psyche.core.identity import SecretKey
 from psyche.network import blob_protocol
 from psyche.network.blob_protocol import AllowCheck, BlobLookup, ProgressFn
 from psyche.network.identity import fmt_short
-from psyche.network.limits import Admission, ConnectionLimits, DropLog, Refused, peer_address
 from psyche.network.ticket import EndpointAddr, TransportAddr, parse_host_port
 
 logger = logging.getLogger(__name__)

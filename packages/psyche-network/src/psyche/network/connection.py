@@ -24,10 +24,11 @@ import trio
 from libp2p.abc import IHost, INetStream
 from libp2p.tools.anyio_service import background_trio_service
 
+from psyche.core.allowlist import AllowDynamic, Allowlist
+from psyche.core.connection_limits import ConnectionLimits
 from psyche.core.identity import SecretKey
 from psyche.core.serde import from_bytes, prepare_decoder, to_bytes
 from psyche.network import model_sharing, p2p_host, peer_exchange
-from psyche.network.allowlist import AllowDynamic, Allowlist
 from psyche.network.blob_store import DEFAULT_GC_INTERVAL_SECS, BlobStore, remove_staled_tags
 from psyche.network.blob_transport import BLOB_LIMITS, CONNECT_TIMEOUT_SECS, TcpBlobTransport
 from psyche.network.connection_monitor import RTT_PROBE_INTERVAL_SECS, ConnectionMonitor
@@ -45,7 +46,6 @@ from psyche.network.gossip import Gossip, GossipConfig, gossip_topic
 from psyche.network.identity import fmt_short, peer_id_from_public_key
 from psyche.network.interfaces import announce_host, interface_ipv4
 from psyche.network.latency_sorted import LatencySorted
-from psyche.network.limits import ConnectionLimits
 from psyche.network.peer_manager import MODEL_REQUEST_TIMEOUT_SECS
 from psyche.network.stats import (
     STATS_INTERVAL_SECS,

@@ -20,8 +20,8 @@ from pathlib import Path
 
 from psyche.core.atomic_file import write_atomically
 from psyche.core.identity import SecretKey
+from psyche.core.signed_message import SignedMessage, SignedMessageError
 from psyche.network.identity import fmt_short
-from psyche.network.signed_message import SignedMessage, SignedMessageError
 from psyche.network.ticket import EndpointAddr, TransportAddr
 
 logger = logging.getLogger(__name__)

@@ -35,9 +35,9 @@ from libp2p.pubsub.pb import rpc_pb2
 from libp2p.pubsub.pubsub import Pubsub
 
 from psyche.core.identity import SecretKey
+from psyche.core.signed_message import SignedMessage, SignedMessageError
 from psyche.network.identity import fmt_short
 from psyche.network.p2p_host import peer_key
-from psyche.network.signed_message import SignedMessage, SignedMessageError
 
 logger = logging.getLogger(__name__)
 

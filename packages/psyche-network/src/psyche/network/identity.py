@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from psyche.core.identity import PUBLIC_KEY_LEN
+from psyche.core.identity import PUBLIC_KEY_LEN, PublicKey
 
 if TYPE_CHECKING:
     from libp2p.crypto.keys import KeyPair
@@ -21,7 +21,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "IdentityError",
-    "PublicKey",
     "fmt_short",
     "libp2p_key_pair",
     "peer_id_bytes",
@@ -32,9 +31,6 @@ __all__ = [
 # A libp2p peer id for an ed25519 key is the identity multihash (0x00, length 0x24) of the
 # protobuf `PublicKey{Type: Ed25519 (1), Data: 32 bytes}` (0x08 0x01 0x12 0x20 ‖ key).
 _PEER_ID_PREFIX = bytes([0x00, 0x24, 0x08, 0x01, 0x12, 0x20])
-
-PublicKey = bytes
-"""A 32-byte ed25519 public key (upstream `PublicKey` / `EndpointId`)."""
 
 
 class IdentityError(ValueError):

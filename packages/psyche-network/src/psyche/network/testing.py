@@ -9,8 +9,8 @@ from typing import Any
 
 import trio
 
+from psyche.client.broadcast import Broadcast
 from psyche.core.identity import SecretKey
-from psyche.network.broadcast import Broadcast
 from psyche.network.connection import (
     ModelConfigRequest,
     NetworkConfig,

@@ -204,8 +204,8 @@ async def _run(preload: Preload, args: argparse.Namespace, key: Any, identity: A
         before_join=preload.wait,
     ) as backend:
         config = await trio.to_thread.run_sync(run_init_config, args, identity, key)
+        from psyche.client.broadcast import Broadcast
         from psyche.client.client import Client
-        from psyche.network.broadcast import Broadcast
         from psyche.network.connection import NetworkConfig, NetworkConnection
         from psyche.network.discovery import default_local_discovery_dir
 

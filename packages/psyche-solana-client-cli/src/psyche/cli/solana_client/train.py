@@ -283,8 +283,8 @@ async def _run(
     ):
         await preload.wait()
         config = await trio.to_thread.run_sync(run_init_config, args, identity, key)
+        from psyche.client.broadcast import Broadcast
         from psyche.client.client import Client
-        from psyche.network.broadcast import Broadcast
         from psyche.network.connection import NetworkConnection
         from psyche.solana.app import train_on_run
 

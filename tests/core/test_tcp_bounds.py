@@ -1,4 +1,4 @@
-"""What strangers and members can make a `TcpServer` hold (psyche.network.tcp, .limits): frames
+"""What strangers and members can make a `TcpServer` hold (psyche.core.tcp, .limits): frames
 before login capped at the handshake's size, memory that follows the bytes that arrive, caps on
 pending and logged-in connections per address and in total, and the slow-sender, idle and
 stalled-reader timeouts. Real sockets on loopback; timeouts are shortened for the tests, and
@@ -17,10 +17,10 @@ import pytest
 import trio
 import trio.testing
 
+from psyche.core.connection_limits import ByteBudget, ConnectionLimits, DropLog
 from psyche.core.identity import SecretKey
 from psyche.core.serde import DataEnum, variant
-from psyche.network.limits import ByteBudget, ConnectionLimits, DropLog
-from psyche.network.tcp import (
+from psyche.core.tcp import (
     HANDSHAKE_FRAME_LENGTH,
     SERVER_MAX_FRAME_LENGTH,
     Disconnected,

@@ -17,7 +17,7 @@ import trio
 
 from psyche.core.identity import SecretKey
 from psyche.core.serde import DataEnum, variant
-from psyche.network.tcp import (
+from psyche.core.tcp import (
     CLIENT_MAX_FRAME_LENGTH,
     SERVER_MAX_FRAME_LENGTH,
     ConnectionClosed,

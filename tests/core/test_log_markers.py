@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from psyche.core.testing import IntegrationTestLogMarker
+from psyche.core.log_markers import IntegrationTestLogMarker
 
 SPELLINGS = ["state_change", "loss", "loaded_model", "health_check", "untrained_batches",
              "solana_subscription", "witness_elected", "error", "rpc_fallback"]  # fmt: skip

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 from typing import Any, TypeVar
 
-from psyche.core.identity import SecretKey, verify_signature
+from psyche.core.identity import PublicKey, SecretKey, verify_signature
 from psyche.core.serde import FixedBytes, PostcardError, from_bytes, struct, to_bytes
-from psyche.network.identity import PublicKey
 
 T = TypeVar("T")
 

@@ -36,10 +36,8 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import trio
 
-from psyche.core.identity import SecretKey
-from psyche.core.serde import FixedBytes, PostcardError, decode_varint, from_bytes, to_bytes
-from psyche.network.allowlist import Allowlist
-from psyche.network.limits import (
+from psyche.core.allowlist import Allowlist
+from psyche.core.connection_limits import (
     Admission,
     ByteBudget,
     ConnectionLimits,
@@ -47,7 +45,9 @@ from psyche.network.limits import (
     Refused,
     peer_address,
 )
-from psyche.network.signed_message import SignedMessage, SignedMessageError
+from psyche.core.identity import SecretKey
+from psyche.core.serde import FixedBytes, PostcardError, decode_varint, from_bytes, to_bytes
+from psyche.core.signed_message import SignedMessage, SignedMessageError
 
 log = logging.getLogger(__name__)
 
