@@ -2,7 +2,11 @@
 
 The HTTP data provider needs byte ranges and keep-alive, which `http.server` does not offer. This
 server adds both (single ranges: `a-b`, `a-`, `-n`), sends file bodies with `sendfile`, and never
-serves anything outside its root. Tests and benchmarks run it on loopback; a small run can host
+serves anything outside its root. It is bounded against strangers: `http.server` caps a request
+line and its headers (64 KiB, 100 headers), a connection that sends or reads nothing for
+`idle_timeout` seconds is closed, and connections beyond `max_connections` in total or
+`max_per_address` from one address are closed on arrival (one thread each, so this also bounds
+threads). Tests and benchmarks run it on loopback; a small run can host
 its dataset with `python -m psyche.data_provider.static_http DIR --port N`.
 """
 
@@ -52,10 +56,17 @@ class RangeRequestHandler(BaseHTTPRequestHandler):
     """GET/HEAD of files under `server.root`, with single byte ranges and keep-alive."""
 
     protocol_version = "HTTP/1.1"
+    # Applied to the socket by StreamRequestHandler: an idle or stalled peer raises TimeoutError,
+    # which ends the connection (set per server from `StaticFileServer.idle_timeout`).
+    timeout: float | None = None
     # Headers and body go out as separate writes: without TCP_NODELAY every small response
     # waits for the client's delayed ACK (about 40 ms).
     disable_nagle_algorithm = True
     server: StaticFileServer
+
+    def setup(self) -> None:
+        self.timeout = self.server.idle_timeout
+        super().setup()
 
     def log_message(self, format: str, *args: object) -> None:
         log.debug("%s %s", self.address_string(), format % args)
@@ -126,30 +137,47 @@ class StaticFileServer(ThreadingHTTPServer):
         root: str | os.PathLike[str],
         address: tuple[str, int] = ("127.0.0.1", 0),
         handler: type[RangeRequestHandler] = RangeRequestHandler,
+        *,
+        max_connections: int = 64,
+        max_per_address: int = 16,
+        idle_timeout: float = 30.0,
     ) -> None:
         self.root = Path(root).resolve(strict=True)
         self.requests: list[str] = []
         self.connections_accepted = 0
+        self.connections_refused = 0
+        self.max_connections = max_connections
+        self.max_per_address = max_per_address
+        self.idle_timeout = idle_timeout
         self._lock = threading.Lock()
-        self._open: set[socket.socket] = set()
+        self._open: dict[socket.socket, str] = {}
         super().__init__(address, handler)
 
-    def get_request(self) -> tuple[socket.socket, Any]:
-        conn, addr = super().get_request()
+    def verify_request(self, request: Any, client_address: Any) -> bool:
+        """Admit a connection only under both caps (a refused one is closed at once)."""
+        host = str(client_address[0])
         with self._lock:
-            self._open.add(conn)
-            self.connections_accepted += 1
-        return conn, addr
+            from_host = sum(1 for h in self._open.values() if h == host)
+            if len(self._open) >= self.max_connections or from_host >= self.max_per_address:
+                self.connections_refused += 1
+                refused = self.connections_refused
+            else:
+                self._open[request] = host
+                self.connections_accepted += 1
+                return True
+        if refused == 1 or refused % 100 == 0:
+            log.warning("refused %d connections over the caps (latest from %s)", refused, host)
+        return False
 
     def shutdown_request(self, request: Any) -> None:
         with self._lock:
-            self._open.discard(request)
+            self._open.pop(request, None)
         super().shutdown_request(request)
 
     def close_connections(self) -> None:
         """Drop every open keep-alive connection (a stopped server must look gone)."""
         with self._lock:
-            conns, self._open = list(self._open), set()
+            conns, self._open = list(self._open), {}
         for conn in conns:
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
@@ -170,9 +198,11 @@ def serve_directory(
     host: str = "127.0.0.1",
     port: int = 0,
     handler: type[RangeRequestHandler] = RangeRequestHandler,
+    **limits: Any,
 ) -> Iterator[StaticFileServer]:
-    """Serve `root` from a background thread for the duration of the block."""
-    server = StaticFileServer(root, (host, port), handler)
+    """Serve `root` from a background thread for the duration of the block (`limits`: the
+    keyword-only caps of `StaticFileServer`)."""
+    server = StaticFileServer(root, (host, port), handler, **limits)
     thread = threading.Thread(
         target=server.serve_forever, kwargs={"poll_interval": 0.05}, name="static-http", daemon=True
     )
