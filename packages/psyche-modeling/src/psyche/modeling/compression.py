@@ -104,7 +104,6 @@ def decompress(
     device: torch.device | str,
     *,
     transposed: bool = False,
-    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Scatter values back into dense blocks; colliding indices average (untouched stay 0).
 
@@ -112,33 +111,28 @@ def decompress(
     "mean", include_self=False)`. With `transposed` (encoded 2-D parameters only) each block is
     stored column-major: same logical shape and values, the last two dims swapped in memory,
     which is the order `TransformDCT.decode` reads (see `dct.decode_reads_transposed`).
-    `out`, if given, is a flat zero-filled tensor of `prod(xshape)` elements in `dtype` on
-    `device` that is used instead of a fresh zero tensor: the result is a view of it. Tensors of
-    fewer than `FAST_ROUTE_MIN_NUMEL` coefficients always take upstream's plain route (and ignore
-    `transposed`): there it is as fast.
+    Tensors of fewer than `FAST_ROUTE_MIN_NUMEL` coefficients always take upstream's plain
+    route (and ignore `transposed`): there it is as fast.
     """
     totalk = abs(totalk)
     idx = decompress_idx(totalk, idx)
     val = val.to(dtype)
     xshape = list(xshape)
-    if out is None:
-        out = torch.zeros(math.prod(xshape), dtype=dtype, device=device)
-    elif out.shape != (math.prod(xshape),) or out.dtype != dtype or not out.is_contiguous():
-        raise ValueError(f"out must be a flat contiguous {dtype} tensor of {math.prod(xshape)}")
+    dense = torch.zeros(math.prod(xshape), dtype=dtype, device=device)
     # upstream scatters along the last dim of this view (a 2-D parameter's blocks flattened)
     blocks = [*xshape[:-2], xshape[-2] * xshape[-1]] if len(xshape) > 2 else xshape
     # small tensors, and indices upstream's scatter rejects (it raises below), take its route
-    fast = out.numel() >= FAST_ROUTE_MIN_NUMEL and _in_range(idx, blocks[-1])
+    fast = dense.numel() >= FAST_ROUTE_MIN_NUMEL and _in_range(idx, blocks[-1])
     transposed = fast and transposed and len(xshape) > 2
     if transposed:
         n1, n2 = xshape[-2], xshape[-1]
         # coefficient k*n2 + l of a block sits at l*n1 + k once the block is column-major
         idx = (idx % n2) * n1 + idx // n2
-    if not (fast and _sparse_mean(idx, val, blocks, out)):
-        out.view(blocks).scatter_reduce_(-1, idx, val, reduce="mean", include_self=False)
+    if not (fast and _sparse_mean(idx, val, blocks, dense)):
+        dense.view(blocks).scatter_reduce_(-1, idx, val, reduce="mean", include_self=False)
     if transposed:
-        return out.view(*xshape[:-2], xshape[-1], xshape[-2]).transpose(-1, -2)
-    return out.view(xshape)
+        return dense.view(*xshape[:-2], xshape[-1], xshape[-2]).transpose(-1, -2)
+    return dense.view(xshape)
 
 
 def _in_range(idx: torch.Tensor, block: int) -> bool:
@@ -149,11 +143,11 @@ def _in_range(idx: torch.Tensor, block: int) -> bool:
 
 
 def _sparse_mean(
-    idx: torch.Tensor, val: torch.Tensor, blocks: list[int], out: torch.Tensor
+    idx: torch.Tensor, val: torch.Tensor, blocks: list[int], dense: torch.Tensor
 ) -> bool:
-    """Write into `out` (flat, zeros) the scatter-mean along the last dim of `out.view(blocks)`
-    from the touched coefficients alone; False (`out` untouched) where that is not provably
-    bit-identical to upstream's dense op.
+    """Write into `dense` (flat, zeros) the scatter-mean along the last dim of
+    `dense.view(blocks)` from the touched coefficients alone; False (`dense` untouched) where
+    that is not provably bit-identical to upstream's dense op.
 
     Upstream's mean sets every touched coefficient to +0, adds the values that land on it (in
     index order on a CPU, in atomic order on CUDA), counts them in the dtype, and divides sum
@@ -175,7 +169,7 @@ def _sparse_mean(
     upstream's op would broadcast return False, so that the caller runs upstream's op.
     """
     *lead, block = blocks
-    dtype = out.dtype
+    dtype = dense.dtype
     if not dtype.is_floating_point or idx.numel() == 0:
         return False
     if list(idx.shape) != [*lead, idx.shape[-1]] or val.shape != idx.shape:
@@ -189,7 +183,7 @@ def _sparse_mean(
         if bool(torch.isnan(values).any()):
             return False
         # upstream: scatter_(+0), += v, count 1, div_ -- the same three ops, on the values only
-        out[keys] = torch.zeros_like(values).add_(values).div_(torch.ones_like(values))
+        dense[keys] = torch.zeros_like(values).add_(values).div_(torch.ones_like(values))
         return True
     limit = _EXACT_INTEGERS.get(dtype)
     if limit is None or not bool(((values == 1) | (values == -1)).all()):
@@ -200,7 +194,7 @@ def _sparse_mean(
     negatives = torch.zeros_like(counts)
     negatives[torch.searchsorted(touched, neg_keys)] = neg_counts
     sums = counts - 2 * negatives
-    out[touched] = sums.to(dtype).div_(counts.to(dtype))
+    dense[touched] = sums.to(dtype).div_(counts.to(dtype))
     return True
 
 

@@ -18,14 +18,12 @@ must end with the same bits.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from psyche.modeling import compression
 from psyche.modeling.compression import clamp_topk, compress, decompress, index_width
 from psyche.modeling.dct import TransformDCT, decode_reads_transposed, get_smaller_split
 
@@ -171,7 +169,6 @@ class Distro:
             for _, p in self.variables:
                 if p.grad is not None:
                     p.grad.zero_()
-        self._scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         self.transform = TransformDCT(
             ((tuple(p.shape), p.dtype, p.device) for _, p in self.variables), compression_chunk
         )
@@ -298,43 +295,16 @@ class Distro:
         else:
             val = torch.cat([_values_for(v, p.dtype, device) for v in vals], -1)
         first = entries[0]
-        numel = math.prod(first.xshape)
-        out = None
-        if numel >= compression.FAST_ROUTE_MIN_NUMEL:
-            scratch = self._zeros(p)
-            out = scratch[:numel] if scratch is not None and numel <= scratch.numel() else None
-        try:
-            dense = decompress(
-                idx,
-                val,
-                first.xshape,
-                first.totalk,
-                p.dtype,
-                device,
-                transposed=decode_reads_transposed(first.xshape),
-                out=out,
-            )
-            decoded = self.transform.decode(dense)
-            if out is not None and decoded.untyped_storage().data_ptr() == out.data_ptr():
-                decoded = decoded.clone()  # never hand out the scratch (decode allocates anyway)
-        finally:
-            if out is not None:
-                out.zero_()  # cheaper than a fresh zero tensor: no new pages to fault in
-        return decoded
-
-    def _zeros(self, p: torch.Tensor) -> torch.Tensor | None:
-        """A zero-filled flat scratch tensor as large as the largest parameter of `p`'s dtype
-        and device, reused by every decode (which leaves it zeroed again). CPU only: a fresh
-        large CPU tensor costs a page fault per 4 KiB, while CUDA's caching allocator already
-        reuses its blocks (so None there: no memory is held between steps)."""
-        if p.device.type != "cpu":
-            return None
-        key = (p.dtype, p.device)
-        scratch = self._scratch.get(key)
-        if scratch is None:
-            numel = max(q.numel() for _, q in self.variables if (q.dtype, q.device) == key)
-            scratch = self._scratch[key] = torch.zeros(numel, dtype=p.dtype, device=p.device)
-        return scratch
+        dense = decompress(
+            idx,
+            val,
+            first.xshape,
+            first.totalk,
+            p.dtype,
+            device,
+            transposed=decode_reads_transposed(first.xshape),
+        )
+        return self.transform.decode(dense)
 
     def _check_results(self, results: Sequence[Sequence[DistroResult]]) -> None:
         for i, r in enumerate(results):
