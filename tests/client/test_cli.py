@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
 
-from psyche.cli.client.main import build_parser, check_supported, main
+from psyche.cli.client.main import build_parser, main
+from psyche.client.options import TrainOptions, field_docs
 
 # upstream-coordinator.md §4.1: test key n=1
 KEY1_PUBLIC = "4cb5abf6ad79fbf5abbccafcc269d85cd2651ed4b885b5869f241aedf0a5ba29"
@@ -73,7 +75,7 @@ def test_upstream_defaults_and_environment_fallback(monkeypatch: pytest.MonkeyPa
     assert (args.max_concurrent_parameter_requests, args.max_concurrent_downloads) == (8, 4)
     assert (args.hub_max_concurrent_downloads, args.eval_seed, args.data_parallelism) == (3, 42, 1)
     assert args.prompt_task is False and args.oltp_report_interval == 60.0
-    assert check_supported(args) == []
+    assert TrainOptions.from_args(args).problems() == []
     # the command line wins over the environment
     assert parse(["train", "--micro-batch-size", "2"]).micro_batch_size == 2
 
@@ -123,11 +125,13 @@ def test_hub_upload_needs_a_token_and_kept_steps(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     base = ["train", "--run-id", "r", "--server-addr", "h:1", "--checkpoint-dir", str(tmp_path)]
-    problems = check_supported(parse([*base, "--hub-repo", "me/m"]))
+    problems = TrainOptions.from_args(parse([*base, "--hub-repo", "me/m"])).problems()
     assert problems == ["hub-repo and checkpoint-dir set, but no HF_TOKEN env variable."]
     monkeypatch.setenv("HF_TOKEN", "t")
-    assert check_supported(parse([*base, "--hub-repo", "me/m"])) == []
-    problems = check_supported(parse([*base, "--hub-repo", "me/m", "--keep-steps", "0"]))
+    assert TrainOptions.from_args(parse([*base, "--hub-repo", "me/m"])).problems() == []
+    problems = TrainOptions.from_args(
+        parse([*base, "--hub-repo", "me/m", "--keep-steps", "0"])
+    ).problems()
     assert problems == ["keep_steps must be >= 1 for checkpoint uploads (got 0)"]
 
 
@@ -151,3 +155,24 @@ def test_help_is_fast_and_imports_nothing_heavy() -> None:
     help_text = " ".join(help_text.split())
     for flag in ("--run-id", "--server-addr", "--checkpoint-dir", "[env: MICRO_BATCH_SIZE]"):
         assert flag in help_text
+
+
+def test_every_train_option_is_declared_once_with_its_help(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A `TrainOptions` field is the whole declaration of a flag: its docstring is the help
+    both client commands show, its default the `[default: ...]`, its name the flag and the
+    environment variable."""
+    docs = field_docs()
+    assert set(docs) == {f.name for f in fields(TrainOptions)}
+    assert all(docs.values())
+    parser, _ = build_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["train", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    for f in fields(TrainOptions):
+        flag = "--" + f.name.replace("_", "-")
+        assert flag in help_text and f"[env: {f.name.upper()}]" in help_text
+        assert docs[f.name] in help_text
+    assert "[env: KEEP_STEPS] [default: 3]" in help_text
+    assert "[env: DELETE_OLD_STEPS] [default: true]" in help_text

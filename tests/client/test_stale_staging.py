@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from psyche.cli.client.main import build_parser
-from psyche.cli.client.train import run_init_config
 from psyche.client.cooldown import remove_stale_staging
+from psyche.client.options import TrainOptions
+from psyche.client.run import run_init_config
 
 # A checkpoint write that stops inside its staging directory until the process is killed.
 WRITER = """
@@ -81,6 +82,6 @@ def test_a_starting_client_removes_them(tmp_path: Path, monkeypatch: pytest.Monk
          "--checkpoint-dir", str(checkpoints)]
     )  # fmt: skip
     env.resolve(parser, args)
-    config = run_init_config(args, None, None)
+    config = run_init_config(TrainOptions.from_args(args), None, None)
     assert config.checkpoint.checkpoint_dir == checkpoints
     assert staging(checkpoints) == []

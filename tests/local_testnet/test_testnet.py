@@ -177,7 +177,7 @@ def test_random_kill_choice_and_log_dir_name() -> None:
 )
 def test_argument_errors(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["start", *args])
+        build_parser()[0].parse_args(["start", *args])
     assert message in capsys.readouterr().err
 
 

@@ -23,6 +23,11 @@ What it guarantees, however the command was started:
 * **Any other exception is a bug**: its traceback, then one line saying so, exit 1.
 * `--help` shows every option's default (`HelpFormatter`).
 
+The argparse pieces every command shares live here too: `command_parser` (a command with
+subcommands), `EnvOptions` (options that fall back to the environment, as upstream's clap
+`env`), the value parsers `parse_bool` and `parse_unsigned`, and `apply_log_directives`
+(`RUST_LOG`-style levels).
+
 The signal handlers and the root logger's handlers in place before `run_command` are restored
 when it returns, so calling a command's `main` in-process (tests) leaves the caller as it was. Nothing here is third-party.
 """
@@ -37,6 +42,7 @@ import sys
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
@@ -101,6 +107,170 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         ):
             return text
         return f"{text} (default: %(default)s)".strip()
+
+
+def command_parser(
+    prog: str, description: str
+) -> tuple[argparse.ArgumentParser, argparse._SubParsersAction[argparse.ArgumentParser]]:
+    """A command's parser (description as written, defaults shown) and its required
+    `<COMMAND>` subcommands, to which the caller adds its commands (then `add_verbose_flag`)."""
+    parser = argparse.ArgumentParser(
+        prog=prog, description=description, formatter_class=HelpFormatter
+    )
+    commands = parser.add_subparsers(dest="command", metavar="<COMMAND>", required=True)
+    return parser, commands
+
+
+# --------------------------------------------------------------------------------------------
+# Options with environment fallbacks
+
+
+def parse_bool(text: str) -> bool:
+    """`true`/`false` (also 1/0, yes/no, on/off, any case), as clap's bool values."""
+    value = text.strip().lower()
+    if value in ("true", "1", "yes", "on"):
+        return True
+    if value in ("false", "0", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, found {text!r}")
+
+
+def parse_unsigned(bits: int) -> Callable[[str], int]:
+    """A parser of a decimal `u<bits>` (named so in argparse's messages)."""
+    top = (1 << bits) - 1
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text, 10)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, found {text!r}") from None
+        if not 0 <= value <= top:
+            raise argparse.ArgumentTypeError(f"{value} is out of range 0..={top}")
+        return value
+
+    parse.__name__ = f"u{bits}"
+    return parse
+
+
+def env_name(flag: str) -> str:
+    """The environment variable of a flag: its upper snake case (`--run-id` -> `RUN_ID`)."""
+    return flag.lstrip("-").replace("-", "_").upper()
+
+
+@dataclass(frozen=True)
+class _EnvOption:
+    dest: str
+    flag: str
+    env: str
+    parse: Callable[[str], Any]
+    default: Any
+    required: bool
+
+
+class EnvOptions:
+    """Options whose values missing from the command line come from the environment under
+    their upper-snake name, then from their default (upstream's clap `env`); the command line
+    wins. `add` puts an option on a parser (its help ends with `[env: NAME]` and, when it has
+    one, `[default: value]`, as clap shows them); `resolve` fills the parsed namespace once
+    the command line is parsed: an unparsable variable or a missing required option is a usage
+    error naming both the flag and the variable."""
+
+    def __init__(self) -> None:
+        self._options: list[_EnvOption] = []
+
+    def add(
+        self,
+        parser: argparse.ArgumentParser,
+        flag: str,
+        *,
+        short: str | None = None,
+        parse: Callable[[str], Any] = str,
+        default: Any = None,
+        required: bool = False,
+        flag_only: bool = False,
+        optional_value: bool = False,
+        metavar: str | None = None,
+        help: str = "",
+    ) -> None:
+        """`flag_only`: a switch (`--flag` sets True; the variable is parsed with `parse`);
+        `optional_value`: `--flag` alone means True, `--flag VALUE` parses VALUE."""
+        dest = flag.lstrip("-").replace("-", "_")
+        env = env_name(flag)
+        text = f"{help} [env: {env}]"
+        if default is not None and default is not False:
+            shown = str(default).lower() if isinstance(default, bool) else default
+            text += f" [default: {shown}]"
+        kwargs: dict[str, Any] = {"dest": dest, "default": None, "help": text.strip()}
+        if flag_only:
+            kwargs["action"] = "store_const"
+            kwargs["const"] = True
+        else:
+            kwargs["type"] = parse
+            kwargs["metavar"] = metavar or f"<{dest.upper()}>"
+            if optional_value:
+                kwargs["nargs"] = "?"
+                kwargs["const"] = True
+        names = [short, flag] if short else [flag]
+        parser.add_argument(*names, **kwargs)
+        self._options.append(_EnvOption(dest, flag, env, parse, default, required))
+
+    def resolve(self, parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+        for option in self._options:
+            if getattr(args, option.dest, None) is not None:
+                continue
+            raw = os.environ.get(option.env)
+            if raw:
+                try:
+                    value = option.parse(raw)
+                except (ValueError, TypeError, argparse.ArgumentTypeError) as e:
+                    parser.error(f"environment variable {option.env}: {e}")
+                setattr(args, option.dest, value)
+            elif option.required:
+                parser.error(
+                    f"the following arguments are required: {option.flag} (or {option.env})"
+                )
+            else:
+                setattr(args, option.dest, option.default)
+
+
+# --------------------------------------------------------------------------------------------
+# Log levels
+
+
+LOG_DIRECTIVES_ENV = ("PSYCHE_LOG", "RUST_LOG")
+_LEVELS = {
+    "trace": logging.DEBUG,
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warn": logging.WARNING,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+    "off": logging.CRITICAL + 1,
+}
+
+
+def log_directives_from_environment() -> str:
+    """`PSYCHE_LOG`, else `RUST_LOG` (empty when neither is set)."""
+    return next((os.environ[n] for n in LOG_DIRECTIVES_ENV if os.environ.get(n)), "")
+
+
+def apply_log_directives(spec: str) -> None:
+    """Levels from a `RUST_LOG`-style spec (`warn,psyche=debug`): a bare level sets the root
+    logger, `target=level` the logger of that name. A Python name is taken as it is
+    (`psyche.client=debug`); a Rust path (`::`) names its module (`a::b` -> `a.b`), and an
+    upstream crate (`psyche_client::...`) the whole `psyche` package. Unknown levels are
+    ignored."""
+    for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            continue
+        target, _, level = part.rpartition("=")
+        value = _LEVELS.get(level.strip().lower())
+        if value is None:
+            continue
+        name = target.strip().replace("::", ".")
+        if name.split(".")[0].startswith("psyche_"):
+            name = "psyche"
+        logging.getLogger(name or None).setLevel(value)
 
 
 def add_verbose_flag(parser: argparse.ArgumentParser) -> None:
@@ -282,15 +452,23 @@ __all__ = [
     "EXIT_SIGTERM",
     "EXIT_USAGE",
     "EXIT_USER_ERROR",
+    "LOG_DIRECTIVES_ENV",
     "VERBOSE_ENV",
+    "EnvOptions",
     "HelpFormatter",
     "UsageError",
     "UserError",
     "add_verbose_flag",
+    "apply_log_directives",
+    "command_parser",
+    "env_name",
     "error_line",
     "interrupt_exit_code",
     "interrupted_by",
     "is_verbose",
+    "log_directives_from_environment",
+    "parse_bool",
+    "parse_unsigned",
     "report",
     "run_command",
     "single_cause",

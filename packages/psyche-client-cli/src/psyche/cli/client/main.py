@@ -3,10 +3,9 @@
 Flags and defaults follow upstream's `psyche-centralized-client` (shared/client/src/cli.rs
 `TrainArgs` plus `--server-addr`); every flag can also come from the environment under its
 upper-snake name (`--run-id` -> `RUN_ID`). Features the Python port does not build are
-accepted as flags but refused with a clear message when given a non-default value. The shared
-train options live in `psyche.cli.client.train_args` (`psyche-solana-client train` takes them
-too). This module imports nothing heavy, so `--help` is fast; training imports torch when it
-starts.
+accepted as flags but refused with a clear message when given a non-default value. The train
+options are `psyche.client.options` (`psyche-solana-client train` takes them too). This module
+imports nothing heavy, so `--help` is fast; training imports torch when it starts.
 """
 
 from __future__ import annotations
@@ -16,16 +15,14 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from psyche.cli.client.train_args import (
-    LOG_OUTPUTS,
-    EnvOptions,
+from psyche.client.options import (
     OptionError,
+    TrainOptions,
     add_train_options,
-    check_supported,
     parse_seconds,
     read_identity_secret_key,
 )
-from psyche.core.cli import add_verbose_flag, run_command
+from psyche.core.cli import EnvOptions, add_verbose_flag, command_parser, run_command
 
 PROG = "psyche-client"
 
@@ -64,12 +61,7 @@ def _add_server_options(parser: argparse.ArgumentParser, env: EnvOptions) -> Non
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, EnvOptions]:
-    parser = argparse.ArgumentParser(
-        prog=PROG,
-        description=DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    commands = parser.add_subparsers(dest="command", metavar="<COMMAND>", required=True)
+    parser, commands = command_parser(PROG, DESCRIPTION)
     show = commands.add_parser(
         "show-identity",
         help="Displays the client's unique identifier, used to participate in training runs",
@@ -118,23 +110,13 @@ def _main(argv: Sequence[str] | None) -> int:
     if args.command == "show-identity":
         return show_identity(args.identity_secret_key_path)
     env.resolve(parser, args)
-    problems = check_supported(args)
-    if problems:
-        raise OptionError("; ".join(problems))
+    options = TrainOptions.from_args(args).check()
     from psyche.cli.client.train import train
 
-    return train(args)
+    return train(options, args)
 
 
-__all__ = [
-    "LOG_OUTPUTS",
-    "OptionError",
-    "build_parser",
-    "check_supported",
-    "main",
-    "read_identity_secret_key",
-    "show_identity",
-]
+__all__ = ["build_parser", "main", "show_identity"]
 
 
 if __name__ == "__main__":

@@ -18,7 +18,15 @@ from psyche.cli.local_testnet.commands import (
     read_run_id,
     split_args,
 )
-from psyche.core.cli import HelpFormatter, UserError, add_verbose_flag, run_command
+from psyche.core.cli import (
+    EnvOptions,
+    HelpFormatter,
+    UserError,
+    add_verbose_flag,
+    command_parser,
+    parse_bool,
+    run_command,
+)
 
 PROG = "psyche-local-testnet"
 
@@ -58,15 +66,6 @@ def existing_path(text: str) -> Path:
     return path
 
 
-def parse_bool(text: str) -> bool:
-    value = text.strip().lower()
-    if value in ("true", "1", "yes", "on"):
-        return True
-    if value in ("false", "0", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, found {text!r}")
-
-
 def client_numbers(text: str) -> tuple[int, ...]:
     if not text.strip():
         return ()
@@ -78,13 +77,11 @@ def _env(name: str) -> str | None:
     return value if value else None
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=PROG,
-        description=DESCRIPTION,
-        formatter_class=HelpFormatter,
-    )
-    commands = parser.add_subparsers(dest="command", metavar="<COMMAND>", required=True)
+def build_parser() -> tuple[argparse.ArgumentParser, EnvOptions]:
+    """The parser, and the environment fallbacks of `start`'s options (resolved after
+    parsing)."""
+    parser, commands = command_parser(PROG, DESCRIPTION)
+    env = EnvOptions()
     start = commands.add_parser(
         "start",
         help="Starts the local-testnet running each part of the system in a separate pane",
@@ -100,8 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="If provided, write DisTrO data to disk in this path")  # fmt: skip
     add("--server-port", type=non_negative_int, default=20000, metavar="<SERVER_PORT>",
         help="Port the server listens on (the clients connect to it) [default: 20000]")  # fmt: skip
-    add("--tui", type=parse_bool, nargs="?", const=True, metavar="<TUI>",
-        help="Terminal dashboards for the server and clients [env: TUI] [default: true]")  # fmt: skip
+    env.add(start, "--tui", parse=parse_bool, optional_value=True, default=True,
+            help="Terminal dashboards for the server and clients")  # fmt: skip
     add("--random-kill-num", type=non_negative_int, metavar="<RANDOM_KILL_NUM>",
         help="Kill N clients randomly every <RANDOM_KILL_INTERVAL> seconds (and restart them)")  # fmt: skip
     add("--allowed-to-kill", type=client_numbers, default=(), metavar="<ALLOWED_TO_KILL>",
@@ -123,7 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="[env: WANDB_GROUP]")  # fmt: skip
     add("--wandb-entity", default=_env("WANDB_ENTITY"), metavar="<WANDB_ENTITY>",
         help="[env: WANDB_ENTITY]")  # fmt: skip
-    add("--optim-stats", type=non_negative_int, metavar="<OPTIM_STATS>", help="Passed to the clients as --optim-stats-steps [env: OPTIM_STATS]")  # fmt: skip
+    env.add(start, "--optim-stats", parse=non_negative_int,
+            help="Passed to the clients as --optim-stats-steps")  # fmt: skip
     add("--eval-tasks", default=_env("EVAL_TASKS"), metavar="<EVAL_TASKS>",
         help="[env: EVAL_TASKS]")  # fmt: skip
     add("--events-dir", type=Path, metavar="<EVENTS_DIR>",
@@ -137,29 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--client-args", help=argparse.SUPPRESS)
     add("--server-args", help=argparse.SUPPRESS)
     add_verbose_flag(parser)
-    return parser
-
-
-def apply_environment(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    """TUI and OPTIM_STATS from the environment when not given (upstream clap `env`)."""
-    for dest, env, parse, default in (
-        ("tui", "TUI", parse_bool, True),
-        ("optim_stats", "OPTIM_STATS", non_negative_int, None),
-    ):
-        if getattr(args, dest) is not None:
-            continue
-        raw = _env(env)
-        if raw is None:
-            setattr(args, dest, default)
-            continue
-        try:
-            setattr(args, dest, parse(raw))
-        except argparse.ArgumentTypeError as e:
-            parser.error(f"environment variable {env}: {e}")
+    return parser, env
 
 
 def start(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    apply_environment(args, parser)
     if args.random_kill_num is not None and args.random_kill_num > args.num_clients:
         parser.error(
             f"You requested to kill {args.random_kill_num} clients randomly, but you only have "
@@ -245,9 +224,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    parser = build_parser()
+    parser, env = build_parser()
     args = parser.parse_args(argv)
     if args.command == "start":
+        env.resolve(parser, args)
         return start(args, parser)
     raise AssertionError(f"unhandled command {args.command}")
 

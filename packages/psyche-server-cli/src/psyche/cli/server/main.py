@@ -4,13 +4,22 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from psyche.core.cli import add_verbose_flag, run_command, single_cause
+from psyche.core.cli import (
+    EnvOptions,
+    add_verbose_flag,
+    apply_log_directives,
+    command_parser,
+    log_directives_from_environment,
+    parse_bool,
+    parse_unsigned,
+    run_command,
+    single_cause,
+)
 
 PROG = "psyche-server"
 DESCRIPTION = """\
@@ -27,106 +36,9 @@ OLTP_NOTE = "accepted for compatibility and ignored: this port has no OpenTeleme
 log = logging.getLogger("psyche.cli.server")
 
 
-# --------------------------------------------------------------------------------------------
-# Option parsing with environment fallbacks
-
-
-def parse_bool(text: str) -> bool:
-    value = text.strip().lower()
-    if value in ("true", "1", "yes", "on"):
-        return True
-    if value in ("false", "0", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, found {text!r}")
-
-
-def unsigned(bits: int) -> Callable[[str], int]:
-    top = (1 << bits) - 1
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text, 10)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, found {text!r}") from None
-        if not 0 <= value <= top:
-            raise argparse.ArgumentTypeError(f"{value} is out of range 0..={top}")
-        return value
-
-    parse.__name__ = f"u{bits}"
-    return parse
-
-
-def env_name(flag: str) -> str:
-    return flag.lstrip("-").replace("-", "_").upper()
-
-
-class EnvDefaults:
-    """Fill options missing from the command line from the environment (upstream clap `env`)."""
-
-    def __init__(self) -> None:
-        self._options: list[tuple[str, str, Callable[[str], Any]]] = []
-        self._defaults: dict[str, tuple[Any, bool, str]] = {}
-
-    def add(
-        self,
-        parser: argparse.ArgumentParser,
-        flag: str,
-        *names: str,
-        parse: Callable[[str], Any] = str,
-        help: str,
-        optional_value: bool = False,
-        default: Any = None,
-        required: bool = False,
-        metavar: str | None = None,
-    ) -> None:
-        dest = flag.lstrip("-").replace("-", "_")
-        env = env_name(flag)
-        suffix = f" [env: {env}]"
-        if default is not None:
-            suffix += (
-                f" [default: {str(default).lower() if isinstance(default, bool) else default}]"
-            )
-        kwargs: dict[str, Any] = {
-            "dest": dest,
-            "type": parse,
-            "help": help + suffix,
-            "default": None,
-            "metavar": metavar or f"<{dest.upper()}>",
-        }
-        if optional_value:
-            kwargs["nargs"] = "?"
-            kwargs["const"] = True
-        parser.add_argument(*names, flag, **kwargs)
-        self._options.append((dest, env, parse))
-        self._defaults[dest] = (default, required, flag)
-
-    def resolve(self, parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-        for dest, env, parse in self._options:
-            if getattr(args, dest) is not None:
-                continue
-            default, required, flag = self._defaults[dest]
-            raw = os.environ.get(env)
-            if raw is not None and raw != "":
-                try:
-                    setattr(args, dest, parse(raw))
-                except argparse.ArgumentTypeError as e:
-                    parser.error(f"environment variable {env}: {e}")
-            elif required:
-                parser.error(f"the following arguments are required: {flag} (or {env})")
-            else:
-                setattr(args, dest, default)
-
-
-RUN_ENV = EnvDefaults()
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=PROG,
-        description=DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    commands = parser.add_subparsers(dest="command", metavar="<COMMAND>", required=True)
+def build_parser() -> tuple[argparse.ArgumentParser, EnvOptions]:
+    """The parser, and the environment fallbacks of `run`'s options (resolved after parsing)."""
+    parser, commands = command_parser(PROG, DESCRIPTION)
 
     validate = commands.add_parser(
         "validate-config",
@@ -163,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
             "newest state saved there."
         ),
     )
-    env = RUN_ENV
+    env = EnvOptions()
     env.add(
         run,
         "--state",
@@ -175,8 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     env.add(
         run,
         "--server-port",
-        "-s",
-        parse=unsigned(16),
+        short="-s",
+        parse=parse_unsigned(16),
         help=(
             "Port for the server, which clients will use to connect. if not specified, a random "
             "free port will be chosen."
@@ -205,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     env.add(
         run,
         "--ban-epochs",
-        parse=unsigned(16),
+        parse=parse_unsigned(16),
         default=1,
         metavar="<EPOCHS>",
         help=(
@@ -242,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     env.add(
         run,
         "--init-warmup-time",
-        parse=unsigned(64),
+        parse=parse_unsigned(64),
         help=(
             "Sets the warmup time for the run. This overrides the warmup_time declared in the "
             "state file."
@@ -265,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         env.add(run, flag, help=f"{what}; {OLTP_NOTE}")
     add_verbose_flag(parser)
-    return parser
+    return parser, env
 
 
 # --------------------------------------------------------------------------------------------
@@ -313,35 +225,6 @@ def validate_config(state: Path, data_config: Path | None) -> int:
 # run
 
 
-_LEVELS = {
-    "trace": logging.DEBUG,
-    "debug": logging.DEBUG,
-    "info": logging.INFO,
-    "warn": logging.WARNING,
-    "warning": logging.WARNING,
-    "error": logging.ERROR,
-    "off": logging.CRITICAL + 1,
-}
-
-
-def apply_log_directives(spec: str, default: int = logging.INFO) -> None:
-    """Levels from a `RUST_LOG`-style spec (`warn,psyche=debug`): a bare level sets the root,
-    `target=level` a logger (Rust's `psyche_*` crate targets map to the `psyche` package)."""
-    logging.getLogger().setLevel(default)
-    for part in spec.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        target, _, level = part.rpartition("=")
-        value = _LEVELS.get(level.strip().lower())
-        if value is None:
-            continue
-        name = target.strip().split("::")[0]
-        if name.startswith("psyche"):
-            name = "psyche"
-        logging.getLogger(name or None).setLevel(value)
-
-
 def setup_logging(tui: bool) -> Any:
     """Plain logs on stderr, or rich logs above the dashboard; returns the rich console."""
     root = logging.getLogger()
@@ -361,7 +244,8 @@ def setup_logging(tui: bool) -> Any:
             logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
         )
     root.addHandler(handler)
-    apply_log_directives(os.environ.get("RUST_LOG", os.environ.get("PSYCHE_LOG", "")))
+    root.setLevel(logging.INFO)
+    apply_log_directives(log_directives_from_environment())
     return console
 
 
@@ -468,12 +352,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    parser = build_parser()
+    parser, env = build_parser()
     args = parser.parse_args(argv)
     if args.command == "validate-config":
         return validate_config(args.state, args.data_config)
     if args.command == "run":
-        RUN_ENV.resolve(parser, args)
+        env.resolve(parser, args)
         return run(args)
     raise AssertionError(f"unhandled command {args.command}")
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from psyche.core.cli import HelpFormatter, add_verbose_flag, run_command
+from psyche.core.cli import HelpFormatter, add_verbose_flag, command_parser, run_command
 
 PROG = "psyche-solana-client"
 DESCRIPTION = """\
@@ -99,12 +99,7 @@ def add_treasurer_index(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=PROG,
-        description=DESCRIPTION,
-        formatter_class=HelpFormatter,
-    )
-    commands = parser.add_subparsers(dest="command", metavar="<COMMAND>", required=True)
+    parser, commands = command_parser(PROG, DESCRIPTION)
 
     def command(
         name: str, help_text: str, *, wallet: bool = True, aliases: Sequence[str] = ()

@@ -1,8 +1,8 @@
 """`psyche-solana-client train`: the training client (`psyche.client.Client`) on a run whose
 coordinator lives on Solana (upstream solana-client `main.rs` `Train` and `app.rs`).
 
-Options: upstream's `TrainArgs` (shared with `psyche-client train`, `psyche.cli.client.
-train_args`), the cluster (`--rpc`, `--ws-rpc`, backups `--rpc-2/--ws-rpc-2`, `--rpc-3/--ws-rpc-3`),
+Options: upstream's `TrainArgs` (shared with `psyche-client train`: `psyche.client.options`),
+the cluster (`--rpc`, `--ws-rpc`, backups `--rpc-2/--ws-rpc-2`, `--rpc-3/--ws-rpc-3`),
 the wallet, `--authorizer`, and the port's `--bootstrap-peer` (how clients find each other without
 a server; see docs/solana.md).
 
@@ -19,9 +19,15 @@ import ipaddress
 import logging
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from psyche.client.options import TrainOptions
+
+if TYPE_CHECKING:
+    from psyche.client.run import BeforeJoin
 
 log = logging.getLogger("psyche.cli.solana_client")
 
@@ -40,10 +46,15 @@ DISCOVERY_HELP = (
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     """The options after the cluster and wallet ones (which `main` adds)."""
-    from psyche.cli.client.train_args import EnvOptions, add_train_options
+    from psyche.client.options import add_train_options
+    from psyche.core.cli import EnvOptions
 
     env = EnvOptions()
-    add_train_options(parser, env, identity_help=IDENTITY_HELP, discovery_help=DISCOVERY_HELP)
+    add_train_options(
+        parser,
+        env,
+        help={"identity_secret_key_path": IDENTITY_HELP, "iroh_discovery": DISCOVERY_HELP},
+    )
     parser.add_argument(
         "--authorizer",
         default=os.environ.get("AUTHORIZER") or None,
@@ -142,26 +153,18 @@ def backup_clusters(args: argparse.Namespace) -> tuple[Any, ...]:
     return tuple(Cluster(rpc, ws) for rpc, ws in pairs if rpc and ws)
 
 
-def settings_from_args(args: argparse.Namespace, key: Any, wallet: Any) -> SolanaTrainSettings:
+def settings_from_args(
+    args: argparse.Namespace, options: TrainOptions, key: Any, wallet: Any
+) -> SolanaTrainSettings:
     from psyche.cli.solana_client.commands import program_ids
-    from psyche.network.connection import NetworkConfig
-    from psyche.network.discovery import default_local_discovery_dir
+    from psyche.client.run import network_config
     from psyche.solana.admin import pubkey_arg
     from psyche.solana.backend import Cluster
 
     authorizer = pubkey_arg(args.authorizer) if args.authorizer else None
-    network = NetworkConfig(
-        run_id=args.run_id,
-        secret_key=key,
-        interface=args.bind_p2p_interface,
-        port=args.bind_p2p_port or 0,
-        bootstrap_peers=tuple(bootstrap_peers(args.bootstrap_peers)),
-        local_discovery_dir=(
-            default_local_discovery_dir() if args.iroh_discovery == "local" else None
-        ),
-    )
+    network = network_config(options, key, bootstrap_peers(args.bootstrap_peers))
     return SolanaTrainSettings(
-        run_id=args.run_id,
+        run_id=options.run_id,
         wallet=wallet,
         cluster=Cluster(args.rpc, args.ws_rpc),
         backup_clusters=backup_clusters(args),
@@ -177,32 +180,25 @@ def settings_from_args(args: argparse.Namespace, key: Any, wallet: Any) -> Solan
 
 
 def train(args: argparse.Namespace) -> int:
-    from psyche.cli.client.train_args import (
-        OptionError,
-        check_supported,
-        read_identity_secret_key,
-    )
     from psyche.cli.solana_client.render import explain_error, user_error
+    from psyche.client.options import OptionError, read_identity_secret_key
+    from psyche.client.run import setup_logging
     from psyche.core.cli import EXIT_USAGE, UsageError
     from psyche.core.identity import SecretKey
     from psyche.solana.admin import AdminError
     from psyche.solana.keypair import derive_p2p_secret_key, load_wallet
 
     args.train_env.resolve(args.train_parser, args)
-    problems = check_supported(args)
-    if problems:
-        raise OptionError("; ".join(problems))
+    options = TrainOptions.from_args(args).check()
     try:
         wallet = load_wallet(args.wallet_private_key_path)
-        key = read_identity_secret_key(args.identity_secret_key_path) or SecretKey.from_bytes(
-            derive_p2p_secret_key(args.run_id, wallet)
+        key = read_identity_secret_key(options.identity_secret_key_path) or SecretKey.from_bytes(
+            derive_p2p_secret_key(options.run_id, wallet)
         )
-        settings = settings_from_args(args, key, wallet)
+        settings = settings_from_args(args, options, key, wallet)
     except (OptionError, AdminError, ValueError) as e:  # KeypairError is a ValueError
         raise UsageError(explain_error(e, None), exit_code=EXIT_USAGE) from e
-    from psyche.cli.client.train import setup_logging
-
-    setup_logging(args)
+    setup_logging(options)
     log.info("looking up run %r at %s", settings.run_id, settings.cluster.rpc)
     try:
         run = _preflight(settings)
@@ -211,7 +207,7 @@ def train(args: argparse.Namespace) -> int:
         if error is None:
             raise
         raise error from e
-    return _train(args, settings, run, key)
+    return _train(options, settings, run, key)
 
 
 def _preflight(settings: SolanaTrainSettings) -> Any:
@@ -232,8 +228,8 @@ def _preflight(settings: SolanaTrainSettings) -> Any:
     return trio.run(main)
 
 
-def _train(args: argparse.Namespace, settings: SolanaTrainSettings, run: Any, key: Any) -> int:
-    from psyche.cli.client.train import run_client
+def _train(options: TrainOptions, settings: SolanaTrainSettings, run: Any, key: Any) -> int:
+    from psyche.client.run import run_client
     from psyche.core.node_identity import NodeIdentity
 
     log.info("Solana wallet pubkey: %s", settings.wallet.pubkey())
@@ -258,38 +254,39 @@ def _train(args: argparse.Namespace, settings: SolanaTrainSettings, run: Any, ke
         run.run_id,
         run.account,
     )
-    return run_client(args, _run, args, settings, run, identity, key)
+    on_run = OnRun(settings, run, identity)
+    return run_client(options, identity, key, on_run.connect, network, on_run.train)
 
 
-async def _run(
-    preload: Any,
-    args: argparse.Namespace,
-    settings: SolanaTrainSettings,
-    run: Any,
-    identity: Any,
-    key: Any,
-) -> None:
-    """Subscribe to the run while torch loads (`run_client`'s `preload`), then train."""
-    import trio
+@dataclass(frozen=True)
+class OnRun:
+    """The Solana backend of one run, for `run_client`: the runner subscribes to the run while
+    torch loads, and the client trains under `train_on_run` (which joins and rejoins it)."""
 
-    from psyche.cli.client.train import run_init_config
-    from psyche.solana.backend import SolanaBackend
+    settings: SolanaTrainSettings
+    run: Any  # psyche.solana.app.SolanaRun
+    identity: Any  # NodeIdentity
 
-    async with (
-        SolanaBackend(
-            settings.cluster, settings.wallet, settings.backup_clusters, ids=settings.ids
-        ) as backend,
-        backend.start(run.run_id, run.account) as runner,
-    ):
-        await preload.wait()
-        config = await trio.to_thread.run_sync(run_init_config, args, identity, key)
-        from psyche.client.broadcast import Broadcast
-        from psyche.client.client import Client
-        from psyche.network.connection import NetworkConnection
+    @asynccontextmanager
+    async def connect(self, *, before_join: BeforeJoin) -> AsyncIterator[Any]:
+        from psyche.solana.backend import SolanaBackend
+
+        settings = self.settings
+        async with (
+            SolanaBackend(
+                settings.cluster, settings.wallet, settings.backup_clusters, ids=settings.ids
+            ) as backend,
+            backend.start(self.run.run_id, self.run.account) as runner,
+        ):
+            await before_join()
+            yield runner
+
+    async def train(self, runner: Any, client: Any, network: Any) -> None:
         from psyche.solana.app import train_on_run
 
-        async with NetworkConnection.open(settings.network, broadcast_type=Broadcast) as network:
-            address = format_bootstrap_peer(network.endpoint_addr())
-            log.info("P2P address for --bootstrap-peer: %s", address)
-            client = Client(runner, network, config)
-            await train_on_run(runner, identity, run, client.run, authorizer=settings.authorizer)
+        log.info(
+            "P2P address for --bootstrap-peer: %s", format_bootstrap_peer(network.endpoint_addr())
+        )
+        await train_on_run(
+            runner, self.identity, self.run, client.run, authorizer=self.settings.authorizer
+        )

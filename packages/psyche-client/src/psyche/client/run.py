@@ -1,0 +1,238 @@
+"""Running the training client from its options, whatever the backend (what upstream's client
+binaries share: shared/client/src/cli.rs and the `app.rs` of each binary).
+
+A client command parses its options (`psyche.client.options`), sets up logging
+(`setup_logging`), builds its backend's connector and calls `run_client`:
+
+    options = TrainOptions.from_args(args).check()
+    setup_logging(options)
+    connect = partial(CentralizedBackend.connect, addr, key, options.run_id)
+    return run_client(options, identity, key, connect, network_config(options, key))
+
+Start-up order: the client reaches its coordinator first, so that within a second it says what
+it is waiting for, while torch and transformers load in a worker thread (seconds); it joins the
+run once they are loaded (so it is ready when the warmup starts), then starts the network and
+the training client. Nothing here imports torch until the client runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Awaitable, Callable, Sequence
+from contextlib import AbstractAsyncContextManager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from psyche.client.options import OptionError, TrainOptions
+
+if TYPE_CHECKING:
+    from psyche.client.client import Client
+    from psyche.client.init import RunInitConfig
+    from psyche.core.identity import SecretKey
+    from psyche.core.node_identity import NodeIdentity
+    from psyche.network.connection import NetworkConfig, NetworkConnection
+    from psyche.network.ticket import EndpointAddr
+
+log = logging.getLogger("psyche.client.run")
+
+BeforeJoin = Callable[[], Awaitable[None]]
+
+
+class ConnectBackend(Protocol):
+    """Opens the backend (a `psyche.coordinator.backend.Backend`) for the block, and awaits
+    `before_join` (the heavy modules are loaded) before it joins the run."""
+
+    def __call__(self, *, before_join: BeforeJoin) -> AbstractAsyncContextManager[Any]: ...
+
+
+TrainOnBackend = Callable[[Any, "Client", "NetworkConnection"], Awaitable[None]]
+"""Runs the client on the backend until it is done (default: `client.run()`)."""
+
+
+def setup_logging(options: TrainOptions) -> None:
+    """Logging as `--logs`, `--write-log` and `PSYCHE_LOG`/`RUST_LOG` say, plus the notes
+    about options that are accepted but ignored."""
+    from psyche.client.logs import setup_logging as setup_client_logging
+    from psyche.core.cli import apply_log_directives, log_directives_from_environment
+
+    mode = options.logs
+    if mode == "tui-and-console":
+        mode = "tui"
+    setup_client_logging("console" if mode == "none" else mode, write_log=options.write_log)
+    if mode == "none":
+        logging.getLogger().setLevel(logging.CRITICAL + 10)
+    else:
+        apply_log_directives(log_directives_from_environment())
+    if options.metrics_local_port is not None:
+        log.warning(
+            "--metrics-local-port %s: local metrics are not built; ignored",
+            options.metrics_local_port,
+        )
+    if options.iroh_relay != "disabled":
+        log.info("no relays in the Python client: peers connect directly")
+
+
+def network_config(
+    options: TrainOptions, key: SecretKey, bootstrap_peers: Sequence[EndpointAddr] = ()
+) -> NetworkConfig:
+    """The peer-to-peer network's configuration from the options."""
+    from psyche.network.connection import NetworkConfig
+    from psyche.network.discovery import default_local_discovery_dir
+
+    return NetworkConfig(
+        run_id=options.run_id,
+        secret_key=key,
+        interface=options.bind_p2p_interface,
+        port=options.bind_p2p_port or 0,
+        bootstrap_peers=tuple(bootstrap_peers),
+        local_discovery_dir=(
+            default_local_discovery_dir() if options.iroh_discovery == "local" else None
+        ),
+    )
+
+
+def run_init_config(
+    options: TrainOptions, identity: NodeIdentity | None, key: SecretKey | None
+) -> RunInitConfig:
+    """The client's `RunInitConfig` from the options (checks a hub repo is writable and
+    removes checkpoint staging directories a killed client left behind)."""
+    from psyche.client.cooldown import (
+        CheckpointConfig,
+        check_hub_repo_writable,
+        remove_stale_staging,
+    )
+    from psyche.client.init import RunInitConfig
+
+    checkpoint = None
+    if options.checkpoint_dir is not None:
+        token = os.environ.get("HF_TOKEN")
+        if options.hub_repo is not None:
+            assert token is not None  # checked with the options
+            check_hub_repo_writable(options.hub_repo, token)
+        checkpoint = CheckpointConfig(
+            checkpoint_dir=Path(options.checkpoint_dir),
+            hub_repo=options.hub_repo,
+            hub_token=token,
+            delete_old_steps=bool(options.delete_old_steps),
+            keep_steps=options.keep_steps,
+        )
+        remove_stale_staging(checkpoint.checkpoint_dir)
+    return RunInitConfig(
+        identity=identity,  # type: ignore[arg-type]
+        secret_key=key,  # type: ignore[arg-type]
+        device=options.device,
+        micro_batch_size=options.micro_batch_size,
+        grad_accum_in_fp32=bool(options.grad_accum_in_fp32),
+        optim_stats_every_n_steps=options.optim_stats_steps,
+        max_concurrent_parameter_requests=options.max_concurrent_parameter_requests,
+        write_gradients_dir=options.write_gradients_dir,
+        checkpoint=checkpoint,
+    )
+
+
+class Preload:
+    """Torch, transformers and libp2p imported (and `--device` checked) in a worker thread,
+    so the model loads quickly once the run's warmup starts (importing them takes seconds) and
+    the trio loop keeps talking to the coordinator meanwhile. `wait()` returns once they are
+    loaded; an unusable device is an `OptionError` (exit 2)."""
+
+    def __init__(self, device: str) -> None:
+        import trio
+
+        self.device = device
+        self._done = trio.Event()
+
+    async def run(self) -> None:
+        import trio
+
+        await trio.to_thread.run_sync(self._load, abandon_on_cancel=True)
+        self._done.set()
+
+    def _load(self) -> None:
+        from psyche.client.model_loading import check_device, preload_modeling
+        from psyche.modeling.causal_lm import ModelLoadError
+
+        log.debug("loading torch and transformers")
+        preload_modeling()
+        import psyche.network.connection  # noqa: F401
+
+        try:
+            check_device(self.device)
+        except ModelLoadError as e:
+            raise OptionError(str(e)) from None
+
+    async def wait(self) -> None:
+        if not self._done.is_set():
+            log.info("loading torch and transformers before joining (a few seconds)")
+        await self._done.wait()
+
+
+async def _run_on_client(backend: Any, client: Client, network: NetworkConnection) -> None:
+    await client.run()
+
+
+def run_client(
+    options: TrainOptions,
+    identity: NodeIdentity,
+    key: SecretKey,
+    connect: ConnectBackend,
+    network: NetworkConfig,
+    train: TrainOnBackend = _run_on_client,
+) -> int:
+    """Train on the run until it ends: open the backend (`connect`) while `Preload` loads the
+    heavy modules, build the client's `RunInitConfig` once they are loaded, open the network
+    and `train` the `Client` on the backend.
+
+    The exit code: 0; 130 (143 after SIGTERM) when interrupted; a failure with an `exit_code`
+    attribute (another client version) is logged in one line and ends with that code; anything
+    else is raised for the command to report (`psyche.core.cli`: one line for a user error, the
+    traceback for a bug)."""
+    import trio
+
+    from psyche.core.cli import (
+        interrupt_exit_code,
+        interrupted_by,
+        single_cause,
+        user_error_message,
+    )
+
+    async def main(preload: Preload) -> None:
+        async with connect(before_join=preload.wait) as backend:
+            config = await trio.to_thread.run_sync(run_init_config, options, identity, key)
+            from psyche.client.broadcast import open_network
+            from psyche.client.client import Client
+
+            async with open_network(network) as connection:
+                await train(backend, Client(backend, connection, config), connection)
+
+    async def both() -> None:
+        preload = Preload(options.device)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(preload.run)
+            await main(preload)
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(both)
+    except BaseException as e:  # judged by the root cause, not the nursery's exception group
+        root = single_cause(e)
+        if isinstance(root, KeyboardInterrupt):
+            log.info("interrupted by %s; exiting", interrupted_by())
+            return interrupt_exit_code()
+        if user_error_message(root) is None and hasattr(root, "exit_code"):
+            log.error("client stopped: %s", root)
+            return int(root.exit_code)
+        raise
+    return 0
+
+
+__all__ = [
+    "ConnectBackend",
+    "Preload",
+    "TrainOnBackend",
+    "network_config",
+    "run_client",
+    "run_init_config",
+    "setup_logging",
+]
