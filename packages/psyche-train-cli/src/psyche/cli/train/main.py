@@ -40,6 +40,7 @@ from psyche.core.definitions import (
 )
 
 if TYPE_CHECKING:
+    from psyche.core.batch_id import BatchId
     from psyche.core.data_shuffle import Shuffle
     from psyche.modeling.trainer import Batch
 
@@ -213,8 +214,6 @@ def seed_shuffle(seed: int | None) -> Shuffle:
 
 def _open_dataset(args: argparse.Namespace) -> Any:
     """The local provider, else (as upstream) the preprocessed provider's train split."""
-    # psyche-data-provider depends (through psyche-network) on this package, so it is imported
-    # here, at run time, and declared as the `train` extra rather than a dependency.
     from psyche.core.token_size import TokenSize
     from psyche.data_provider import (
         DataProviderError,
@@ -249,20 +248,21 @@ def _open_dataset(args: argparse.Namespace) -> Any:
     return dataset
 
 
-def _read_batch(dataset: Any, start: int, end: int) -> Batch:
-    """Samples `start..=end` as a training batch (int64 token ids)."""
+def _read_batch(dataset: Any, ids: BatchId) -> Batch:
+    """Samples `ids` as a training batch (int64 token ids); a failed read is a `UserError`."""
     import numpy as np
     import torch
     import trio
 
-    from psyche.core.batch_id import BatchId
-    from psyche.data_provider import LocalDataProvider
+    from psyche.data_provider import DataProviderError, LocalDataProvider
     from psyche.modeling.trainer import Batch
 
-    ids = BatchId(start, end)
-    if isinstance(dataset, LocalDataProvider):
-        return Batch(torch.from_numpy(dataset.read_batch(ids)).long())
-    samples = trio.run(dataset.get_samples, ids)  # in memory: the call never waits
+    try:
+        if isinstance(dataset, LocalDataProvider):
+            return Batch(torch.from_numpy(dataset.read_batch(ids)).long())
+        samples = trio.run(dataset.get_samples, ids)  # in memory: the call never waits
+    except DataProviderError as e:
+        raise UserError(str(e)) from e
 
     def stacked(field: str) -> torch.Tensor | None:
         rows = [getattr(s, field) for s in samples]
@@ -273,15 +273,6 @@ def _read_batch(dataset: Any, start: int, end: int) -> Batch:
     input_ids = stacked("input_ids")
     assert input_ids is not None
     return Batch(input_ids, stacked("labels"), stacked("position_ids"))
-
-
-def _rows(batch: Batch, start: int, end: int) -> Batch:
-    from psyche.modeling.trainer import Batch
-
-    def part(t: Any) -> Any:
-        return None if t is None else t[start:end]
-
-    return Batch(batch.input_ids[start:end], part(batch.labels), part(batch.position_ids))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -310,7 +301,10 @@ def _main(argv: Sequence[str] | None) -> int:
 
 
 def _train(args: argparse.Namespace, dataset: Any) -> int:
-    from psyche.data_provider import DataProviderError
+    """Load the replicas, run `psyche.modeling.train_loop.train_steps` on the dataset's
+    batches and report each step; save with --save-path (also when interrupted)."""
+    from psyche.modeling.causal_lm import ModelLoadError
+    from psyche.modeling.train_loop import train_steps
     from psyche.modeling.trainer import Trainer
 
     schedule = LearningRateSchedule.Cosine(
@@ -323,7 +317,6 @@ def _train(args: argparse.Namespace, dataset: Any) -> int:
         )
     )
     optimizer = _optimizer(args)
-    from psyche.modeling.causal_lm import ModelLoadError
 
     print(f"Loading {args.init_config or args.model}", flush=True)
     try:
@@ -342,49 +335,30 @@ def _train(args: argparse.Namespace, dataset: Any) -> int:
         raise UserError(str(e)) from e
     print("Done loading, starting training.", flush=True)
 
-    prev: list[list] | None = [] if args.distro else None  # type: ignore[type-arg]
     tokens_per_step = args.total_batch * args.sequence_length
     started = time.perf_counter()
     steps_done = 0
     interrupted = False
+    steps = train_steps(
+        trainers,
+        lambda ids: _read_batch(dataset, ids),
+        start_step=args.start_step,
+        total_steps=args.total_steps,
+        total_batch=args.total_batch,
+        distro=args.distro,
+        quantize=args.distro_quantization,
+    )
     try:
-        for step in range(args.start_step, args.total_steps + 1):
-            t0 = time.perf_counter()
-            start_id = (step - 1) * args.total_batch
-            end_id = step * args.total_batch - 1
-            try:
-                batch = _read_batch(dataset, start_id, end_id)
-            except DataProviderError as e:
-                raise UserError(str(e)) from e
-            per_peer = len(batch) // len(trainers)
-            outputs = []
-            for i, trainer in enumerate(trainers):
-                own_prev = None if prev is None else ([prev[i]] if prev else [])
-                out = trainer.train(
-                    step,
-                    _rows(batch, i * per_peer, (i + 1) * per_peer),
-                    prev_self_distro_results=own_prev,
-                )
-                outputs.append(out)
-            for trainer in trainers:
-                if prev is None:
-                    trainer.optimize(step)
-                elif step > args.start_step:
-                    sent = [
-                        trainer.quantize_results(r) if args.distro_quantization else r for r in prev
-                    ]
-                    trainer.optimize(step, distro_results=sent)
-            if prev is not None:
-                prev = [out.distro_results for out in outputs]
-            loss = sum(out.loss for out in outputs) / len(outputs)
-            duration = time.perf_counter() - t0
+        for report in steps:
+            ids = report.batch_id
             print(
-                f"step: {step}, duration: {duration:.2f}, batch: B[{start_id}, {end_id}], "
-                f"loss: {loss:.4f}, tokens/s: {tokens_per_step / duration:.0f}",
+                f"step: {report.step}, duration: {report.duration:.2f}, "
+                f"batch: B[{ids.start}, {ids.end}], loss: {report.loss:.4f}, "
+                f"tokens/s: {tokens_per_step / report.duration:.0f}",
                 flush=True,
             )
             steps_done += 1
-            if not math.isfinite(loss):
+            if not math.isfinite(report.loss):
                 print("psyche-train: loss is not finite, stopping", file=sys.stderr)
                 return 1
     except KeyboardInterrupt:  # stop training, keep what was trained (saved with --save-path)

@@ -13,13 +13,21 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from psyche.cli.train.main import _open_dataset, _read_batch, main, seed_shuffle
 from psyche.core.batch_id import BatchId
 from psyche.core.data_shuffle import Shuffle
 from psyche.core.token_size import TokenSize
 from psyche.data_provider import LocalDataProvider
 from psyche.data_provider.rng import ChaCha8Rng, shuffle_permutation
 from psyche.modeling.causal_lm import CausalLM, ModelOptions
-from psyche.modeling.train_cli import _open_dataset, _read_batch, main, seed_shuffle
+
+# `_single_thread`: the modeling tests' autouse fixture (tiny models on one intra-op thread).
+from ..modeling.conftest import _single_thread, bigram_corpus  # noqa: F401
+
+
+@pytest.fixture(scope="module")
+def corpus() -> torch.Tensor:
+    return bigram_corpus(50 * 8)
 
 
 def _write_tokens(directory: Path, corpus: torch.Tensor) -> None:
@@ -42,7 +50,7 @@ def test_batches_come_from_the_data_provider_in_its_shuffled_order(tmp_path: Pat
     args = argparse.Namespace(data_path=tmp_path, token_size=2, sequence_length=10, seed=1234)
     dataset = _open_dataset(args)
     try:
-        batch = _read_batch(dataset, 4, 11)
+        batch = _read_batch(dataset, BatchId(4, 11))
         assert batch.input_ids.dtype == torch.int64 and batch.input_ids.shape == (8, 10)
         perm = shuffle_permutation(39, ChaCha8Rng(bytes(28) + (1234).to_bytes(4, "big")))
         starts = [10 * int(i) for i in perm[4:12]]
