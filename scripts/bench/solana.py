@@ -34,8 +34,8 @@ from solders.transaction import Transaction
 
 from psyche.core.serde import from_bytes, to_bytes
 from psyche.solana import admin
-from psyche.solana import instructions as ix
 from psyche.solana.backend import Cluster, SolanaBackend
+from psyche.solana.instructions import coordinator as coordinator_ix
 from psyche.solana.localnet.ledger import Ledger, ManualClock
 from psyche.solana.localnet.server import start_localnet
 from psyche.solana.retry import RetryPolicy
@@ -117,7 +117,7 @@ def bench_ledger(count: int) -> None:
     ledger = Ledger(clock=ManualClock(1_700_000_000))
     owner, account = trio.run(setup, ledger)
     instance = admin.pda.find_coordinator_instance("e2e")
-    tick = ix.coordinator_tick(instance, account, owner.pubkey())
+    tick = coordinator_ix.coordinator_tick(instance, account, owner.pubkey())
     destination = Pubkey.new_unique()
     transfer = system_program.transfer(
         system_program.TransferParams(from_pubkey=owner.pubkey(), to_pubkey=destination, lamports=1)

@@ -17,16 +17,16 @@ import trio
 from solders.keypair import Keypair
 from solders.pubkey import Pubkey
 
-from psyche.coordinator.backend import OpportunisticData
-from psyche.coordinator.committee_selection import CommitteeSelection, WitnessProof
-from psyche.coordinator.config import CoordinatorConfig
-from psyche.coordinator.coordinator import (
+from psyche.coordinator import (
     ClientState,
     Coordinator,
     RunState,
     Witness,
     WitnessMetadata,
 )
+from psyche.coordinator.backend import OpportunisticData
+from psyche.coordinator.committee_selection import CommitteeSelection, WitnessProof
+from psyche.coordinator.config import CoordinatorConfig
 from psyche.coordinator.model import LLM, Checkpoint, HubRepo, LLMTrainingDataLocation, Model
 from psyche.core.bloom import WitnessBloom
 from psyche.core.definitions import Distro, OptimizerDefinition
@@ -35,14 +35,14 @@ from psyche.core.merkle_tree import MerkleRoot
 from psyche.core.node_identity import NodeIdentity
 from psyche.core.sha256 import sha256
 from psyche.solana import admin
-from psyche.solana import instructions as ix
-from psyche.solana.backend import (
-    Cluster,
+from psyche.solana.backend import Cluster, SolanaBackend
+from psyche.solana.follower import (
     LeftRun,
-    SolanaBackend,
     SolanaBackendRunner,
     follow_membership,
+    follow_run,
 )
+from psyche.solana.instructions import coordinator as coordinator_ix
 from psyche.solana.keypair import derive_p2p_secret_key
 from psyche.solana.localnet.ledger import Ledger
 from psyche.solana.retry import RetryPolicy
@@ -121,8 +121,10 @@ async def create_run(owner: SolanaBackend, run_config: CoordinatorConfig) -> Pub
     await owner.send_and_retry(
         "Update",
         [
-            ix.coordinator_update(RUN_ID, account, payer, config=run_config, model=tiny_model()),
-            ix.coordinator_set_future_epoch_rates(RUN_ID, account, payer, 1000, 10),
+            coordinator_ix.coordinator_update(
+                RUN_ID, account, payer, config=run_config, model=tiny_model()
+            ),
+            coordinator_ix.coordinator_set_future_epoch_rates(RUN_ID, account, payer, 1000, 10),
         ],
     )
     await admin.set_paused(owner, RUN_ID, False)
@@ -147,7 +149,7 @@ class ScriptedClient:
 
     async def run(self, account: Pubkey, *, task_status=trio.TASK_STATUS_IGNORED) -> None:  # type: ignore[no-untyped-def]
         """Follow the run until the client leaves it (`self.left` says why)."""
-        async with self.backend.start(RUN_ID, account) as runner:
+        async with follow_run(self.backend, RUN_ID, account) as runner:
             self.runner = runner
             task_status.started()
             try:

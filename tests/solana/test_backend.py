@@ -6,12 +6,13 @@ from __future__ import annotations
 import pytest
 import trio
 
+from psyche.coordinator import ClientState, RunState
 from psyche.coordinator.backend import Backend
-from psyche.coordinator.coordinator import ClientState, RunState
 from psyche.coordinator.model import Checkpoint, HubRepo
 from psyche.solana import admin
-from psyche.solana import instructions as ix
 from psyche.solana.backend import Cluster, SolanaBackendError
+from psyche.solana.follower import follow_run
+from psyche.solana.instructions import coordinator as coordinator_ix
 from psyche.solana.localnet.ledger import Ledger, ManualClock
 from psyche.solana.localnet.server import start_localnet
 
@@ -42,7 +43,7 @@ def test_three_clients_run_an_epoch_with_a_health_check_and_a_checkpoint() -> No
                 ScriptedClient("b", make_backend(ledger, cluster), lazy_signers),
                 ScriptedClient("lazy", lazy, lazy_signers),
             ]
-            async with owner.start("e2e", account) as observer:
+            async with follow_run(owner, "e2e", account) as observer:
                 assert isinstance(observer, Backend)
                 for client in clients:
                     await nursery.start(client.run, account)
@@ -140,7 +141,7 @@ def test_rpc_going_away_mid_run_is_survived() -> None:
                     await backup.stop()
                     events.append("primary back, backup down")
 
-            async with owner.start("e2e", account) as observer:
+            async with follow_run(owner, "e2e", account) as observer:
                 driver = Driver(ledger, owner, observer)
                 final = await driver.run_epoch(1, between_rounds=outages)
 
@@ -163,7 +164,7 @@ def test_wait_for_new_state_is_cancel_safe() -> None:
             net = await start_localnet(nursery, ledger)
             owner = make_backend(ledger, [Cluster(net.rpc_url, net.ws_url)])
             account = await create_run(owner, config())
-            async with owner.start("e2e", account) as runner:
+            async with follow_run(owner, "e2e", account) as runner:
                 first = await runner.wait_for_new_state()
                 assert first.run_state is RunState.WaitingForMembers
                 with trio.move_on_after(0.2):
@@ -192,7 +193,7 @@ def test_auto_tick_moves_the_run_on_its_clock() -> None:
             owner = make_backend(ledger, cluster)
             account = await create_run(owner, config(init_min_clients=1, min_clients=1))
             client = make_backend(ledger, cluster)
-            async with client.start("e2e", account) as runner:
+            async with follow_run(client, "e2e", account) as runner:
                 nursery.start_soon(lambda: runner.auto_tick(interval=0.02, now=clock.now))
                 await runner.join_run(ScriptedClient("x", client).identity)
                 seen = []
@@ -221,7 +222,7 @@ def test_join_without_authorization_fails_clearly() -> None:
             await owner.send_and_retry(
                 "Configure",
                 [
-                    ix.coordinator_update(
+                    coordinator_ix.coordinator_update(
                         "private",
                         created.account_address,
                         owner.get_payer(),
@@ -267,7 +268,7 @@ def test_a_client_leaves_when_the_run_is_paused() -> None:
             owner = make_backend(ledger, cluster)
             account = await create_run(owner, config(init_min_clients=1, min_clients=1))
             client = ScriptedClient("x", make_backend(ledger, cluster))
-            async with owner.start("e2e", account) as observer:
+            async with follow_run(owner, "e2e", account) as observer:
                 await nursery.start(client.run, account)
                 driver = Driver(ledger, owner, observer)
                 await driver.next_state()

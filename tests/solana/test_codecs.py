@@ -12,9 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from solders.pubkey import Pubkey
 
-from psyche.coordinator.committee_selection import Committee, WitnessProof
-from psyche.coordinator.config import CoordinatorConfig
-from psyche.coordinator.coordinator import (
+from psyche.coordinator import (
     Client,
     ClientState,
     Coordinator,
@@ -25,6 +23,8 @@ from psyche.coordinator.coordinator import (
     WitnessEvalResult,
     WitnessMetadata,
 )
+from psyche.coordinator.committee_selection import Committee, WitnessProof
+from psyche.coordinator.config import CoordinatorConfig
 from psyche.coordinator.model import (
     LLM,
     Checkpoint,
@@ -51,11 +51,12 @@ from psyche.core.definitions import (
 from psyche.core.merkle_tree import MerkleRoot
 from psyche.core.node_identity import NodeIdentity
 from psyche.core.token_size import TokenSize
-from psyche.solana import instructions as ix
 from psyche.solana import pda
 from psyche.solana.anchor import account_discriminator, instruction_discriminator
 from psyche.solana.borsh import BorshError, from_borsh, to_borsh
 from psyche.solana.instructions import INSTRUCTIONS
+from psyche.solana.instructions import coordinator as coordinator_ix
+from psyche.solana.instructions import treasurer as treasurer_ix
 from psyche.solana.state import (
     COORDINATOR_ACCOUNT_SPACE,
     REPR_C,
@@ -140,7 +141,9 @@ def test_borsh_sizes() -> None:
 
 def test_init_coordinator_byte_vector() -> None:
     main, join, account, payer = (Pubkey.from_bytes(bytes([i]) * 32) for i in (1, 2, 3, 4))
-    instruction = ix.coordinator_init_coordinator(payer, "test", "v1.2", account, main, join)
+    instruction = coordinator_ix.coordinator_init_coordinator(
+        payer, "test", "v1.2", account, main, join
+    )
     expected = (
         bytes.fromhex("14399449e8857a19")
         + bytes([1]) * 32
@@ -192,7 +195,7 @@ def test_fixed_vec_and_options_in_witness_metadata() -> None:
 
 def test_health_check_and_set_paused_vectors() -> None:
     identity = NodeIdentity(bytes([9]) * 32, bytes([8]) * 32)
-    args = ix.HealthCheckArgs(identity, Committee.Trainer, 5, 6)
+    args = coordinator_ix.HealthCheckArgs(identity, Committee.Trainer, 5, 6)
     spec = INSTRUCTIONS["coordinator"]["health_check"]
     assert spec.encode(args) == (
         bytes.fromhex("735a63a88a129d83")
@@ -201,10 +204,10 @@ def test_health_check_and_set_paused_vectors() -> None:
         + bytes([2])
         + struct.pack("<QQ", 5, 6)
     )
-    assert INSTRUCTIONS["coordinator"]["set_paused"].encode(ix.SetPausedArgs(True)) == (
+    assert INSTRUCTIONS["coordinator"]["set_paused"].encode(coordinator_ix.SetPausedArgs(True)) == (
         bytes.fromhex("5b3c7dc0b0e1a6da01")
     )
-    assert INSTRUCTIONS["coordinator"]["tick"].encode(ix.TickArgs()) == bytes.fromhex(
+    assert INSTRUCTIONS["coordinator"]["tick"].encode(coordinator_ix.TickArgs()) == bytes.fromhex(
         "5c4f2c0865503f0f"
     )
 
@@ -236,9 +239,9 @@ def test_borsh_rejects_bad_input() -> None:
         from_borsh(bytes([2]) + bytes(10), Checkpoint)  # truncated
     with pytest.raises(BorshError):
         from_borsh(bytes([1]) * 14 + b"\0", CoordinatorProgress)  # trailing byte
-    bad_bool = to_borsh(ix.SetPausedArgs(True))[:-1] + bytes([2])
+    bad_bool = to_borsh(coordinator_ix.SetPausedArgs(True))[:-1] + bytes([2])
     with pytest.raises(BorshError):
-        from_borsh(bad_bool, ix.SetPausedArgs)
+        from_borsh(bad_bool, coordinator_ix.SetPausedArgs)
     with pytest.raises(BorshError):
         to_borsh(CoordinatorProgress(epoch=70_000))
     # A FixedVec whose length field exceeds its capacity.
@@ -374,7 +377,7 @@ def test_model_borsh_and_repr_c_round_trip(model: Model) -> None:
 @settings(max_examples=40, deadline=None)
 @given(
     st.builds(
-        ix.RunUpdateParams,
+        treasurer_ix.RunUpdateParams,
         metadata=st.none() | st.builds(RunMetadata, _name, _name, _u64, _u64),
         model=st.none() | _model,
         progress=st.none() | st.builds(CoordinatorProgress, _u16, _u32, _u64),
@@ -384,9 +387,9 @@ def test_model_borsh_and_repr_c_round_trip(model: Model) -> None:
         client_version=st.none() | _name,
     )
 )
-def test_run_update_round_trip(params: ix.RunUpdateParams) -> None:
+def test_run_update_round_trip(params: treasurer_ix.RunUpdateParams) -> None:
     spec = INSTRUCTIONS["treasurer"]["run_update"]
-    args = ix.RunUpdateArgs(params)
+    args = treasurer_ix.RunUpdateArgs(params)
     assert spec.decode(spec.encode(args)) == args
 
 
@@ -649,20 +652,20 @@ def test_pdas_and_treasurer_index() -> None:
 
 def test_account_metas_follow_upstream_flags() -> None:
     k = Pubkey.new_unique()
-    tick = ix.coordinator_tick(k, k, k)
+    tick = coordinator_ix.coordinator_tick(k, k, k)
     assert [(m.is_signer, m.is_writable) for m in tick.accounts] == [
         (True, False),
         (False, False),
         (False, True),
     ]
-    init = ix.coordinator_init_coordinator(k, "r", "v", k, k, k)
+    init = coordinator_ix.coordinator_init_coordinator(k, "r", "v", k, k, k)
     assert [(m.is_signer, m.is_writable) for m in init.accounts] == [
         (True, True),
         (False, True),
         (False, True),
         (False, False),
     ]
-    claim = ix.treasurer_participant_claim(3, k, k, k, 0)
+    claim = treasurer_ix.treasurer_participant_claim(3, k, k, k, 0)
     assert [(m.is_signer, m.is_writable) for m in claim.accounts] == [
         (True, False),
         (False, True),
@@ -673,5 +676,5 @@ def test_account_metas_follow_upstream_flags() -> None:
         (False, False),
     ]
     identity = NodeIdentity(bytes(Pubkey.new_unique()), bytes(32))
-    join = ix.coordinator_join_run(k, k, k, identity)
+    join = coordinator_ix.coordinator_join_run(k, k, k, identity)
     assert join.accounts[0].pubkey == Pubkey.from_bytes(identity.signer)

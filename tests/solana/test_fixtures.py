@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from psyche.coordinator.coordinator import Round, RunState
+from psyche.coordinator import Round, RunState
 from psyche.coordinator.model import (
     Checkpoint,
     HttpTrainingDataLocation,

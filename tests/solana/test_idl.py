@@ -16,14 +16,14 @@ from anchorpy import Coder
 from pyheck import snake
 from solders.pubkey import Pubkey
 
-from psyche.coordinator.committee_selection import Committee, WitnessProof
-from psyche.coordinator.config import CoordinatorConfig
-from psyche.coordinator.coordinator import (
+from psyche.coordinator import (
     CoordinatorProgress,
     Witness,
     WitnessEvalResult,
     WitnessMetadata,
 )
+from psyche.coordinator.committee_selection import Committee, WitnessProof
+from psyche.coordinator.config import CoordinatorConfig
 from psyche.coordinator.model import (
     LLM,
     Checkpoint,
@@ -49,7 +49,6 @@ from psyche.core.merkle_tree import MerkleRoot
 from psyche.core.node_identity import NodeIdentity
 from psyche.core.serde import DataEnum, RustEnum
 from psyche.core.token_size import TokenSize
-from psyche.solana import instructions as ix
 from psyche.solana.borsh import fixed_str_bytes
 from psyche.solana.idl import (
     PROGRAM_NAMES,
@@ -58,6 +57,9 @@ from psyche.solana.idl import (
     load_idl_text,
 )
 from psyche.solana.instructions import INSTRUCTIONS
+from psyche.solana.instructions import authorizer as authorizer_ix
+from psyche.solana.instructions import coordinator as coordinator_ix
+from psyche.solana.instructions import treasurer as treasurer_ix
 from psyche.solana.state import (
     Authorization,
     CoordinatorInstance,
@@ -124,38 +126,40 @@ METADATA = WitnessMetadata(
 )
 
 SAMPLES: dict[str, Any] = {
-    "init_coordinator": ix.InitCoordinatorArgs(
-        ix.InitCoordinatorParams(_key(1), _key(2), "run", "v1")
+    "init_coordinator": coordinator_ix.InitCoordinatorArgs(
+        coordinator_ix.InitCoordinatorParams(_key(1), _key(2), "run", "v1")
     ),
-    "free_coordinator": ix.FreeCoordinatorArgs(),
-    "update": ix.UpdateArgs(
+    "free_coordinator": coordinator_ix.FreeCoordinatorArgs(),
+    "update": coordinator_ix.UpdateArgs(
         metadata=RunMetadata("name", "desc", 10, 20),
         config=CONFIG,
         model=MODEL,
         progress=CoordinatorProgress(1, 2, 3),
     ),
-    "update_client_version": ix.UpdateClientVersionArgs("v2"),
-    "set_future_epoch_rates": ix.SetFutureEpochRatesArgs(5, None),
-    "join_run": ix.JoinRunArgs(ix.JoinRunParams(IDENTITY)),
-    "set_paused": ix.SetPausedArgs(True),
-    "tick": ix.TickArgs(),
-    "witness": ix.WitnessArgs.from_witness(WITNESS, METADATA),
-    "warmup_witness": ix.WarmupWitnessArgs.from_witness(WITNESS),
-    "health_check": ix.HealthCheckArgs(IDENTITY, Committee.Trainer, 4, 2),
-    "checkpoint": ix.CheckpointArgs(Checkpoint.Gcs(GcsRepo("bucket", "prefix"))),
-    "authorization_create": ix.AuthorizationCreateArgs(
-        ix.AuthorizationCreateParams(_key(3), b"CoordinatorJoinRun")
+    "update_client_version": coordinator_ix.UpdateClientVersionArgs("v2"),
+    "set_future_epoch_rates": coordinator_ix.SetFutureEpochRatesArgs(5, None),
+    "join_run": coordinator_ix.JoinRunArgs(coordinator_ix.JoinRunParams(IDENTITY)),
+    "set_paused": coordinator_ix.SetPausedArgs(True),
+    "tick": coordinator_ix.TickArgs(),
+    "witness": coordinator_ix.WitnessArgs.from_witness(WITNESS, METADATA),
+    "warmup_witness": coordinator_ix.WarmupWitnessArgs.from_witness(WITNESS),
+    "health_check": coordinator_ix.HealthCheckArgs(IDENTITY, Committee.Trainer, 4, 2),
+    "checkpoint": coordinator_ix.CheckpointArgs(Checkpoint.Gcs(GcsRepo("bucket", "prefix"))),
+    "authorization_create": authorizer_ix.AuthorizationCreateArgs(
+        authorizer_ix.AuthorizationCreateParams(_key(3), b"CoordinatorJoinRun")
     ),
-    "authorization_grantor_update": ix.AuthorizationGrantorUpdateArgs(
-        ix.AuthorizationGrantorUpdateParams(True)
+    "authorization_grantor_update": authorizer_ix.AuthorizationGrantorUpdateArgs(
+        authorizer_ix.AuthorizationGrantorUpdateParams(True)
     ),
-    "authorization_grantee_update": ix.AuthorizationGranteeUpdateArgs(
-        ix.AuthorizationGranteeUpdateParams(True, [_key(4), _key(5)])
+    "authorization_grantee_update": authorizer_ix.AuthorizationGranteeUpdateArgs(
+        authorizer_ix.AuthorizationGranteeUpdateParams(True, [_key(4), _key(5)])
     ),
-    "authorization_close": ix.AuthorizationCloseArgs(),
-    "run_create": ix.RunCreateArgs(ix.RunCreateParams(41, "run", "v1", _key(1), _key(2))),
-    "run_update": ix.RunUpdateArgs(
-        ix.RunUpdateParams(
+    "authorization_close": authorizer_ix.AuthorizationCloseArgs(),
+    "run_create": treasurer_ix.RunCreateArgs(
+        treasurer_ix.RunCreateParams(41, "run", "v1", _key(1), _key(2))
+    ),
+    "run_update": treasurer_ix.RunUpdateArgs(
+        treasurer_ix.RunUpdateParams(
             config=CONFIG,
             model=MODEL,
             epoch_earning_rate_total_shared=7,
@@ -163,8 +167,8 @@ SAMPLES: dict[str, Any] = {
             client_version="v3",
         )
     ),
-    "participant_create": ix.ParticipantCreateArgs(),
-    "participant_claim": ix.ParticipantClaimArgs(ix.ParticipantClaimParams(12)),
+    "participant_create": treasurer_ix.ParticipantCreateArgs(),
+    "participant_claim": treasurer_ix.ParticipantClaimArgs(treasurer_ix.ParticipantClaimParams(12)),
 }
 
 

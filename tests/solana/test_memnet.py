@@ -23,14 +23,17 @@ from spl.token.instructions import (
     mint_to,
 )
 
+from psyche.coordinator import RunState, Witness, WitnessMetadata
 from psyche.coordinator.committee_selection import CommitteeSelection, WitnessProof
 from psyche.coordinator.config import CoordinatorConfig
-from psyche.coordinator.coordinator import RunState, Witness, WitnessMetadata
 from psyche.coordinator.model import LLM, Checkpoint, HubRepo, Model
 from psyche.core.definitions import Distro, OptimizerDefinition
 from psyche.core.node_identity import NodeIdentity
-from psyche.solana import instructions as ix
 from psyche.solana import pda
+from psyche.solana.instructions import INSTRUCTIONS
+from psyche.solana.instructions import authorizer as authorizer_ix
+from psyche.solana.instructions import coordinator as coordinator_ix
+from psyche.solana.instructions import treasurer as treasurer_ix
 from psyche.solana.state import (
     COORDINATOR_ACCOUNT_SPACE,
     JOIN_RUN_AUTHORIZATION_SCOPE,
@@ -94,7 +97,7 @@ def _init_run(
     account = endpoint.new_exempt(payer, COORDINATOR_ACCOUNT_SPACE, ids.coordinator_key)
     endpoint.process(
         [
-            ix.coordinator_init_coordinator(
+            coordinator_ix.coordinator_init_coordinator(
                 payer.pubkey(), run_id, "test", account, main.pubkey(), join.pubkey()
             )
         ],
@@ -106,7 +109,9 @@ def _init_run(
 def _tick(
     endpoint: Endpoint, payer: Keypair, ticker: Keypair, instance: Pubkey, account: Pubkey
 ) -> None:
-    endpoint.process([ix.coordinator_tick(instance, account, ticker.pubkey())], payer, [ticker])
+    endpoint.process(
+        [coordinator_ix.coordinator_tick(instance, account, ticker.pubkey())], payer, [ticker]
+    )
 
 
 def _authorize(
@@ -115,8 +120,12 @@ def _authorize(
     scope = JOIN_RUN_AUTHORIZATION_SCOPE
     endpoint.process(
         [
-            ix.authorizer_authorization_create(payer.pubkey(), grantor.pubkey(), grantee, scope),
-            ix.authorizer_authorization_grantor_update(grantor.pubkey(), grantee, scope, True),
+            authorizer_ix.authorizer_authorization_create(
+                payer.pubkey(), grantor.pubkey(), grantee, scope
+            ),
+            authorizer_ix.authorizer_authorization_grantor_update(
+                grantor.pubkey(), grantee, scope, True
+            ),
         ],
         payer,
         [grantor],
@@ -141,7 +150,7 @@ def test_coordinator_init_free(endpoint: Endpoint) -> None:
     spill_before = endpoint.balance(spill)
     endpoint.process(
         [
-            ix._spec("coordinator", "free_coordinator").build(
+            coordinator_ix.SPECS["free_coordinator"].build(
                 endpoint.ledger.program_ids.coordinator,
                 {
                     "authority": main.pubkey(),
@@ -149,7 +158,7 @@ def test_coordinator_init_free(endpoint: Endpoint) -> None:
                     "coordinator_instance": instance,
                     "coordinator_account": account,
                 },
-                ix.FreeCoordinatorArgs(),
+                coordinator_ix.FreeCoordinatorArgs(),
             )
         ],
         payer,
@@ -171,7 +180,11 @@ def test_coordinator_full_round(endpoint: Endpoint) -> None:
     assert _state(endpoint, account).coordinator.run_state is RunState.Uninitialized
 
     endpoint.process(
-        [ix.coordinator_update(run_id, account, main.pubkey(), config=_config(), model=_model())],
+        [
+            coordinator_ix.coordinator_update(
+                run_id, account, main.pubkey(), config=_config(), model=_model()
+            )
+        ],
         payer,
         [main],
     )
@@ -179,7 +192,7 @@ def test_coordinator_full_round(endpoint: Endpoint) -> None:
     # Can't tick yet because paused/uninitialized
     assert (
         endpoint.process_err(
-            [ix.coordinator_tick(instance, account, ticker.pubkey())], payer, [ticker]
+            [coordinator_ix.coordinator_tick(instance, account, ticker.pubkey())], payer, [ticker]
         ).anchor_error
         == "CoordinatorErrorHalted"
     )
@@ -187,7 +200,7 @@ def test_coordinator_full_round(endpoint: Endpoint) -> None:
     client_id = NodeIdentity(bytes(client.pubkey()), bytes(32))
     authorization = _authorize(endpoint, payer, join, client.pubkey())
     # Whitelisted with the wrong account, can't join
-    wrong = ix.INSTRUCTIONS["coordinator"]["join_run"].build(
+    wrong = INSTRUCTIONS["coordinator"]["join_run"].build(
         endpoint.ledger.program_ids.coordinator,
         {
             "user": payer.pubkey(),
@@ -195,21 +208,29 @@ def test_coordinator_full_round(endpoint: Endpoint) -> None:
             "coordinator_instance": instance,
             "coordinator_account": account,
         },
-        ix.JoinRunArgs(ix.JoinRunParams(client_id)),
+        coordinator_ix.JoinRunArgs(coordinator_ix.JoinRunParams(client_id)),
     )
     assert endpoint.process_err([wrong], payer).anchor_error == "ConstraintRaw"
     endpoint.process(
-        [ix.coordinator_join_run(instance, account, authorization, client_id)], payer, [client]
+        [coordinator_ix.coordinator_join_run(instance, account, authorization, client_id)],
+        payer,
+        [client],
     )
     assert _state(endpoint, account).coordinator.run_state is RunState.Uninitialized
-    endpoint.process_err([ix.coordinator_tick(instance, account, ticker.pubkey())], payer, [ticker])
+    endpoint.process_err(
+        [coordinator_ix.coordinator_tick(instance, account, ticker.pubkey())], payer, [ticker]
+    )
 
     endpoint.process(
-        [ix.coordinator_set_paused(run_id, account, main.pubkey(), False)], payer, [main]
+        [coordinator_ix.coordinator_set_paused(run_id, account, main.pubkey(), False)],
+        payer,
+        [main],
     )
     # Rejoin after a while: a no-op
     endpoint.process(
-        [ix.coordinator_join_run(instance, account, authorization, client_id)], payer, [client]
+        [coordinator_ix.coordinator_join_run(instance, account, authorization, client_id)],
+        payer,
+        [client],
     )
     endpoint.forward_clock(WAITING_FOR_MEMBERS_EXTRA_SECONDS)
     _tick(endpoint, payer, ticker, instance, account)
@@ -222,7 +243,7 @@ def test_coordinator_full_round(endpoint: Endpoint) -> None:
     assert coordinator.progress.step == 1
 
     witness = Witness(WitnessProof(0, 0, True))
-    witness_ix = ix.coordinator_witness
+    witness_ix = coordinator_ix.coordinator_witness
     assert (
         endpoint.process_err(
             [witness_ix(instance, account, ticker.pubkey(), witness, WitnessMetadata())],
@@ -258,13 +279,17 @@ def test_coordinator_rewards(endpoint: Endpoint, num_clients: int) -> None:
         waiting_for_members_extra_time=WAITING_FOR_MEMBERS_EXTRA_SECONDS,
     )
     endpoint.process(
-        [ix.coordinator_update(run_id, account, main.pubkey(), config=config, model=_model())],
+        [
+            coordinator_ix.coordinator_update(
+                run_id, account, main.pubkey(), config=config, model=_model()
+            )
+        ],
         payer,
         [main],
     )
     endpoint.process(
         [
-            ix.coordinator_set_future_epoch_rates(
+            coordinator_ix.coordinator_set_future_epoch_rates(
                 run_id, account, main.pubkey(), earned_per_epoch, None
             )
         ],
@@ -272,13 +297,15 @@ def test_coordinator_rewards(endpoint: Endpoint, num_clients: int) -> None:
         [main],
     )
     endpoint.process(
-        [ix.coordinator_set_paused(run_id, account, main.pubkey(), False)], payer, [main]
+        [coordinator_ix.coordinator_set_paused(run_id, account, main.pubkey(), False)],
+        payer,
+        [main],
     )
     for client in clients:
         authorization = _authorize(endpoint, payer, join, client.pubkey(), preflight=False)
         identity = NodeIdentity(bytes(client.pubkey()), bytes(32))
         endpoint.process(
-            [ix.coordinator_join_run(instance, account, authorization, identity)],
+            [coordinator_ix.coordinator_join_run(instance, account, authorization, identity)],
             payer,
             [client],
             preflight=False,
@@ -297,7 +324,7 @@ def test_coordinator_rewards(endpoint: Endpoint, num_clients: int) -> None:
                 continue
             endpoint.process(
                 [
-                    ix.coordinator_witness(
+                    coordinator_ix.coordinator_witness(
                         instance, account, client.pubkey(), Witness(proof), WitnessMetadata()
                     )
                 ],
@@ -332,7 +359,7 @@ def test_authorizer_full_cycle(endpoint: Endpoint) -> None:
     def grantee_update(clear: bool, added: list[Pubkey]) -> None:
         endpoint.process(
             [
-                ix.authorizer_authorization_grantee_update(
+                authorizer_ix.authorizer_authorization_grantee_update(
                     payer.pubkey(), grantor.pubkey(), grantee.pubkey(), scope, clear, added
                 )
             ],
@@ -343,7 +370,7 @@ def test_authorizer_full_cycle(endpoint: Endpoint) -> None:
     def grantor_update(active: bool) -> None:
         endpoint.process(
             [
-                ix.authorizer_authorization_grantor_update(
+                authorizer_ix.authorizer_authorization_grantor_update(
                     grantor.pubkey(), grantee.pubkey(), scope, active
                 )
             ],
@@ -365,7 +392,7 @@ def test_authorizer_full_cycle(endpoint: Endpoint) -> None:
 
     endpoint.process(
         [
-            ix.authorizer_authorization_create(
+            authorizer_ix.authorizer_authorization_create(
                 payer.pubkey(), grantor.pubkey(), grantee.pubkey(), scope
             )
         ],
@@ -401,7 +428,7 @@ def test_authorizer_full_cycle(endpoint: Endpoint) -> None:
     for key in (grantee.pubkey(), delegates[3], delegates[45]):
         assert not auth.is_valid_for(grantor.pubkey(), key, scope)
 
-    close = ix.authorizer_authorization_close(
+    close = authorizer_ix.authorizer_authorization_close(
         grantor.pubkey(), grantee.pubkey(), scope, payer.pubkey()
     )
     # Delegates keep it open (30 days after the grantor's last update).
@@ -446,7 +473,7 @@ def _run_create(
 ) -> Pubkey:
     endpoint.process(
         [
-            ix.treasurer_run_create(
+            treasurer_ix.treasurer_run_create(
                 payer.pubkey(), run_id, "latest", index, mint, account, main, join
             )
         ],
@@ -504,7 +531,7 @@ def test_treasurer_create_claim(endpoint: Endpoint) -> None:
     for client in (client1, client2):
         for index in (41, 42):
             endpoint.process(
-                [ix.treasurer_participant_create(payer.pubkey(), index, client.pubkey())],
+                [treasurer_ix.treasurer_participant_create(payer.pubkey(), index, client.pubkey())],
                 payer,
                 [client],
             )
@@ -517,7 +544,7 @@ def test_treasurer_create_claim(endpoint: Endpoint) -> None:
         coordinator_account: Pubkey,
         points: int,
     ) -> list:
-        instruction = ix.treasurer_participant_claim(
+        instruction = treasurer_ix.treasurer_participant_claim(
             index, mint, coordinator_account, user.pubkey(), points
         )
         # upstream's helper takes the user collateral account explicitly
@@ -555,7 +582,7 @@ def test_treasurer_create_update(endpoint: Endpoint) -> None:
     endpoint.airdrop(payer.pubkey(), 5_000_000_000)
     ids = endpoint.ledger.program_ids
     index, run_id = 42, "This is my run's dummy run_id"
-    params = ix.RunUpdateParams(
+    params = treasurer_ix.RunUpdateParams(
         config=_config(cooldown_time=88, waiting_for_members_extra_time=10),
         model=_model(),
         epoch_earning_rate_total_shared=66,
@@ -567,7 +594,7 @@ def test_treasurer_create_update(endpoint: Endpoint) -> None:
     # No proper coordinator account, no proper mint: both fail
     endpoint.process_err(
         [
-            ix.treasurer_run_create(
+            treasurer_ix.treasurer_run_create(
                 payer.pubkey(),
                 run_id,
                 "latest",
@@ -582,7 +609,7 @@ def test_treasurer_create_update(endpoint: Endpoint) -> None:
     )
     endpoint.process_err(
         [
-            ix.treasurer_run_create(
+            treasurer_ix.treasurer_run_create(
                 payer.pubkey(),
                 run_id,
                 "latest",
@@ -605,14 +632,16 @@ def test_treasurer_create_update(endpoint: Endpoint) -> None:
     wrong = Keypair()
     assert (
         endpoint.process_err(
-            [ix.treasurer_run_update(run_id, index, account, wrong.pubkey(), params)],
+            [treasurer_ix.treasurer_run_update(run_id, index, account, wrong.pubkey(), params)],
             payer,
             [wrong],
         ).anchor_error
         == "ConstraintRaw"
     )
     endpoint.process(
-        [ix.treasurer_run_update(run_id, index, account, main.pubkey(), params)], payer, [main]
+        [treasurer_ix.treasurer_run_update(run_id, index, account, main.pubkey(), params)],
+        payer,
+        [main],
     )
     state = _state(endpoint, account)
     assert state.coordinator.run_state is RunState.WaitingForMembers
@@ -620,7 +649,7 @@ def test_treasurer_create_update(endpoint: Endpoint) -> None:
     # Same coordinator account, same index, same run id: all fail
     endpoint.process_err(
         [
-            ix.treasurer_run_create(
+            treasurer_ix.treasurer_run_create(
                 payer.pubkey(),
                 "another run id",
                 "latest",
@@ -636,7 +665,7 @@ def test_treasurer_create_update(endpoint: Endpoint) -> None:
     account2 = endpoint.new_exempt(payer, COORDINATOR_ACCOUNT_SPACE, ids.coordinator_key)
     endpoint.process_err(
         [
-            ix.treasurer_run_create(
+            treasurer_ix.treasurer_run_create(
                 payer.pubkey(),
                 "another run id",
                 "latest",
@@ -651,7 +680,7 @@ def test_treasurer_create_update(endpoint: Endpoint) -> None:
     )
     endpoint.process_err(
         [
-            ix.treasurer_run_create(
+            treasurer_ix.treasurer_run_create(
                 payer.pubkey(), run_id, "latest", index + 1, mint, account2, main.pubkey(), join
             )
         ],
@@ -675,7 +704,7 @@ def test_a_failing_transaction_changes_nothing_but_the_fee(endpoint: Endpoint) -
         )
     )
     # An over-long run id (the builder refuses it): the program panics deriving the PDA.
-    init = ix.INSTRUCTIONS["coordinator"]["init_coordinator"].build(
+    init = INSTRUCTIONS["coordinator"]["init_coordinator"].build(
         ids.coordinator,
         {
             "payer": payer.pubkey(),
@@ -683,8 +712,10 @@ def test_a_failing_transaction_changes_nothing_but_the_fee(endpoint: Endpoint) -
             "coordinator_account": account,
             "system_program": Pubkey.default(),
         },
-        ix.InitCoordinatorArgs(
-            ix.InitCoordinatorParams(bytes(payer.pubkey()), bytes(payer.pubkey()), "x" * 33, "v")
+        coordinator_ix.InitCoordinatorArgs(
+            coordinator_ix.InitCoordinatorParams(
+                bytes(payer.pubkey()), bytes(payer.pubkey()), "x" * 33, "v"
+            )
         ),
     )
     before = endpoint.balance(payer.pubkey())

@@ -23,8 +23,8 @@ from solders.rpc.responses import AccountNotification, SignatureNotification
 from solders.signature import Signature
 from solders.transaction import Transaction
 
-from psyche.solana import instructions as ix
 from psyche.solana import pda
+from psyche.solana.instructions import coordinator as coordinator_ix
 from psyche.solana.state import (
     COORDINATOR_ACCOUNT_DISCRIMINATOR,
     COORDINATOR_ACCOUNT_SPACE,
@@ -50,7 +50,7 @@ def _create_run(endpoint: Endpoint, payer: Keypair, run_id: str) -> Pubkey:
     account = endpoint.new_exempt(payer, COORDINATOR_ACCOUNT_SPACE, ids.coordinator_key)
     endpoint.process(
         [
-            ix.coordinator_init_coordinator(
+            coordinator_ix.coordinator_init_coordinator(
                 payer.pubkey(), run_id, "test", account, payer.pubkey(), payer.pubkey()
             )
         ],

@@ -21,11 +21,11 @@ from psyche.cli.solana_client.train import (
     format_bootstrap_peer,
     parse_bootstrap_peer,
 )
-from psyche.coordinator.coordinator import Client, ClientState, Coordinator, RunState
+from psyche.coordinator import Client, ClientState, Coordinator, RunState
 from psyche.core.identity import SecretKey
 from psyche.core.node_identity import NodeIdentity
 from psyche.network.ticket import EndpointAddr, TransportAddr
-from psyche.solana import backend as backend_module
+from psyche.solana import follower as follower_module
 from psyche.solana.app import (
     ClientVersionMismatch,
     SolanaRun,
@@ -34,14 +34,14 @@ from psyche.solana.app import (
     train_on_run,
     watch_client_version,
 )
-from psyche.solana.backend import (
-    Cluster,
+from psyche.solana.backend import Cluster, SolanaBackendError
+from psyche.solana.follower import (
     LeftRun,
     Membership,
-    SolanaBackendError,
     StateReceiver,
     epoch_abandoned,
     follow_membership,
+    follow_run,
 )
 from psyche.solana.keypair import write_keypair_file
 from psyche.solana.localnet.ledger import Ledger, ManualClock
@@ -429,7 +429,7 @@ def test_train_on_run_ends_with_the_client_or_with_the_membership() -> None:
 def test_sends_wait_out_an_rpc_outage_and_ticks_do_not_pile_up(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(backend_module, "SEND_RETRY_DELAY", 0.1)
+    monkeypatch.setattr(follower_module, "SEND_RETRY_DELAY", 0.1)
 
     async def scenario() -> None:
         ledger = Ledger(clock=ManualClock(START))
@@ -439,7 +439,7 @@ def test_sends_wait_out_an_rpc_outage_and_ticks_do_not_pile_up(
             owner = make_backend(ledger, cluster)
             account = await create_run(owner, config(init_min_clients=1, min_clients=1))
             client = make_backend(ledger, cluster)
-            async with client.start("e2e", account) as runner:
+            async with follow_run(client, "e2e", account) as runner:
                 await net.stop()
                 # a join while the endpoint is away is retried until it is back
                 membership = Membership()

@@ -189,13 +189,6 @@ class CausalLM:
         return getattr(self.config, "bos_token_id", None)
 
     @property
-    def eos_token_ids(self) -> list[int]:
-        eos = getattr(self.config, "eos_token_id", None)
-        if eos is None:
-            return []
-        return list(eos) if isinstance(eos, list | tuple) else [eos]
-
-    @property
     def max_context_length(self) -> int:
         return int(self.config.max_position_embeddings)
 

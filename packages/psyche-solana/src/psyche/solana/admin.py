@@ -18,14 +18,16 @@ from solders.keypair import Keypair
 from solders.pubkey import Pubkey
 from solders.signature import Signature
 
+from psyche.coordinator import CoordinatorProgress
 from psyche.coordinator.config import CoordinatorConfig
-from psyche.coordinator.coordinator import CoordinatorProgress
 from psyche.coordinator.data_selection import get_data_index_for_step
 from psyche.coordinator.model import Checkpoint, HubRepo, Model
 from psyche.core.fixed import FixedStringError, fixed_str_try_from
-from psyche.solana import instructions as ix
 from psyche.solana import pda
 from psyche.solana.backend import SolanaBackend, SolanaBackendError
+from psyche.solana.instructions import authorizer as authorizer_ix
+from psyche.solana.instructions import coordinator as coordinator_ix
+from psyche.solana.instructions import treasurer as treasurer_ix
 from psyche.solana.pubkey import pubkey_bytes
 from psyche.solana.rpc import AccountNotFound
 from psyche.solana.state import (
@@ -165,7 +167,7 @@ async def create_run(
     )
     if treasurer_collateral_mint is not None:
         index = pda.compute_deterministic_treasurer_index(run_id, treasurer_index)
-        init = ix.treasurer_run_create(
+        init = treasurer_ix.treasurer_run_create(
             payer,
             run_id,
             client_version,
@@ -177,7 +179,7 @@ async def create_run(
             backend.ids,
         )
     else:
-        init = ix.coordinator_init_coordinator(
+        init = coordinator_ix.coordinator_init_coordinator(
             payer,
             run_id,
             client_version,
@@ -201,7 +203,11 @@ async def close_run(backend: SolanaBackend, run_id: str) -> tuple[Signature, int
     before = await backend.get_balance(payer)
     signature = await backend.send_and_retry(
         "Close run",
-        [ix.coordinator_close_run(run.instance_address, run.account_address, payer, backend.ids)],
+        [
+            coordinator_ix.coordinator_close_run(
+                run.instance_address, run.account_address, payer, backend.ids
+            )
+        ],
     )
     after = await backend.get_balance(payer)
     return signature, after - before
@@ -308,12 +314,12 @@ async def update_config(
     payer = backend.get_payer()
     if treasurer_index is not None:
         instructions = [
-            ix.treasurer_run_update(
+            treasurer_ix.treasurer_run_update(
                 run_id,
                 treasurer_index,
                 run.account_address,
                 payer,
-                ix.RunUpdateParams(
+                treasurer_ix.RunUpdateParams(
                     metadata=new_metadata,
                     config=config,
                     model=model,
@@ -327,7 +333,7 @@ async def update_config(
         instructions = []
         if coordinator_update:
             instructions.append(
-                ix.coordinator_update(
+                coordinator_ix.coordinator_update(
                     run_id,
                     run.account_address,
                     payer,
@@ -340,7 +346,7 @@ async def update_config(
             )
         if client_version is not None:
             instructions.append(
-                ix.coordinator_update_client_version(
+                coordinator_ix.coordinator_update_client_version(
                     run_id, run.account_address, payer, client_version, backend.ids
                 )
             )
@@ -356,16 +362,16 @@ async def set_paused(
     await _authority_check(backend, run, treasurer_index)
     payer = backend.get_payer()
     if treasurer_index is not None:
-        instruction = ix.treasurer_run_update(
+        instruction = treasurer_ix.treasurer_run_update(
             run_id,
             treasurer_index,
             run.account_address,
             payer,
-            ix.RunUpdateParams(paused=paused),
+            treasurer_ix.RunUpdateParams(paused=paused),
             backend.ids,
         )
     else:
-        instruction = ix.coordinator_set_paused(
+        instruction = coordinator_ix.coordinator_set_paused(
             run_id, run.account_address, payer, paused, backend.ids
         )
     return await backend.send_and_retry("Set paused", [instruction])
@@ -398,12 +404,12 @@ async def set_future_epoch_rates(
     def native(amount: float | None) -> int | None:
         return None if amount is None else ui_amount_to_native_amount(amount, decimals)
 
-    instruction = ix.treasurer_run_update(
+    instruction = treasurer_ix.treasurer_run_update(
         run_id,
         index,
         run.account_address,
         backend.get_payer(),
-        ix.RunUpdateParams(
+        treasurer_ix.RunUpdateParams(
             epoch_earning_rate_total_shared=native(earning_rate_total_shared),
             epoch_slashing_rate_per_client=native(slashing_rate_per_client),
         ),
@@ -429,7 +435,7 @@ async def checkpoint(
         None if revision is None else fixed_str_from_str_truncated(revision, 64),
     )
     repo_checkpoint = Checkpoint.Hub(hub)
-    instruction = ix.coordinator_checkpoint(
+    instruction = coordinator_ix.coordinator_checkpoint(
         run.instance_address, run.account_address, backend.get_payer(), repo_checkpoint, backend.ids
     )
     return await backend.send_and_retry("Checkpoint", [instruction]), repo_checkpoint
@@ -456,7 +462,11 @@ async def join_authorization_create(
     if await backend.get_balance(address) == 0:
         created = await backend.send_and_retry(
             "Authorization create",
-            [ix.authorizer_authorization_create(payer, grantor, authorizer, ids=backend.ids)],
+            [
+                authorizer_ix.authorizer_authorization_create(
+                    payer, grantor, authorizer, ids=backend.ids
+                )
+            ],
         )
     authorization = await backend.get_authorization(address)
     activated = None
@@ -464,7 +474,7 @@ async def join_authorization_create(
         activated = await backend.send_and_retry(
             "Authorization activate",
             [
-                ix.authorizer_authorization_grantor_update(
+                authorizer_ix.authorizer_authorization_grantor_update(
                     grantor, authorizer, JOIN_RUN_AUTHORIZATION_SCOPE, True, backend.ids
                 )
             ],
@@ -497,7 +507,7 @@ async def join_authorization_set_delegates(
     signature = await backend.send_and_retry(
         "Authorization set delegates",
         [
-            ix.authorizer_authorization_grantee_update(
+            authorizer_ix.authorizer_authorization_grantee_update(
                 grantee,
                 join_authority,
                 grantee,
@@ -540,7 +550,7 @@ async def join_authorization_delete(
         changed = await backend.send_and_retry(
             "Authorization deactivate",
             [
-                ix.authorizer_authorization_grantor_update(
+                authorizer_ix.authorizer_authorization_grantor_update(
                     grantor, authorizer, JOIN_RUN_AUTHORIZATION_SCOPE, False, backend.ids
                 )
             ],

@@ -181,18 +181,6 @@ def error_code(errors: tuple[ProgramErrorSpec, ...], name: str) -> int:
     raise KeyError(f"no program error named {name!r}")
 
 
-def describe_error_code(code: int, errors: tuple[ProgramErrorSpec, ...] = ()) -> str:
-    """`Name: message` for an error number, from the program's table or Anchor's."""
-    index = code - ERROR_CODE_OFFSET
-    if 0 <= index < len(errors):
-        return f"{errors[index].name}: {errors[index].message}"
-    try:
-        anchor = AnchorErrorCode(code)
-    except ValueError:
-        return f"custom program error {code} (0x{code:x})"
-    return f"{anchor.name}: {ANCHOR_ERROR_MESSAGES.get(anchor, '')}".rstrip(": ")
-
-
 _ANCHOR_ERROR_LOG = re.compile(
     r"AnchorError .*?Error Code: (?P<name>\w+)\. Error Number: (?P<number>\d+)\. "
     r"Error Message: (?P<message>.*?)\.?$"

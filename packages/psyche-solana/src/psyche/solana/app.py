@@ -17,15 +17,14 @@ from typing import Any
 import trio
 from solders.pubkey import Pubkey
 
-from psyche.coordinator.coordinator import RunState
+from psyche.coordinator import RunState
 from psyche.core.node_identity import NodeIdentity
 from psyche.solana import pda
-from psyche.solana.backend import (
+from psyche.solana.backend import SolanaBackend, SolanaBackendError
+from psyche.solana.follower import (
     JOIN_RETRY_DELAY,
     TICK_CHECK_INTERVAL,
     Membership,
-    SolanaBackend,
-    SolanaBackendError,
     SolanaBackendRunner,
     follow_membership,
 )

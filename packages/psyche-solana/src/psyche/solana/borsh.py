@@ -212,10 +212,6 @@ def to_borsh(value: Any, tp: Any = None) -> bytes:
     return BORSH.to_bytes(value, tp)
 
 
-def encode_borsh_into(value: Any, tp: Any, out: bytearray) -> None:
-    BORSH.encode_into(value, tp, out)
-
-
 def take_borsh(data: bytes | bytearray | memoryview, tp: type[T] | Any) -> tuple[T, int]:
     """Decode one value from the front of `data`; returns it and the number of bytes used."""
     return BORSH.take_from_bytes(data, tp)  # type: ignore[no-any-return]

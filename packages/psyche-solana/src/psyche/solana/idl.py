@@ -43,7 +43,8 @@ from psyche.solana.anchor import (
     TREASURER_ERRORS,
     ProgramErrorSpec,
 )
-from psyche.solana.instructions import INSTRUCTIONS, InstructionSpec
+from psyche.solana.instructions import INSTRUCTIONS
+from psyche.solana.instructions.spec import InstructionSpec
 from psyche.solana.program_ids import DEFAULT_PROGRAM_IDS, ProgramIds
 from psyche.solana.pubkey import PUBKEY_MARKER
 from psyche.solana.state import (

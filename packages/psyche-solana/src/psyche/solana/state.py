@@ -18,7 +18,7 @@ import enum
 import struct as _struct
 from typing import Any, TypeVar
 
-from psyche.coordinator.coordinator import ClientState, Coordinator, RunState
+from psyche.coordinator import ClientState, Coordinator, RunState
 from psyche.coordinator.model import GcsRepo, HubRepo
 from psyche.core.node_identity import NodeIdentity
 from psyche.core.serde import I64, U8, U64, FixedBytes, FixedStr, FixedVec, SmallBool, struct

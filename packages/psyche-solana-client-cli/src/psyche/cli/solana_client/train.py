@@ -270,13 +270,14 @@ class OnRun:
     @asynccontextmanager
     async def connect(self, *, before_join: BeforeJoin) -> AsyncIterator[Any]:
         from psyche.solana.backend import SolanaBackend
+        from psyche.solana.follower import follow_run
 
         settings = self.settings
         async with (
             SolanaBackend(
                 settings.cluster, settings.wallet, settings.backup_clusters, ids=settings.ids
             ) as backend,
-            backend.start(self.run.run_id, self.run.account) as runner,
+            follow_run(backend, self.run.run_id, self.run.account) as runner,
         ):
             await before_join()
             yield runner

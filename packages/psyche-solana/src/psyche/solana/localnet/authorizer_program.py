@@ -6,8 +6,8 @@ grantee's delegates act within a scope; the coordinator's `join_run` checks one.
 
 from __future__ import annotations
 
-from psyche.solana import instructions as ix
 from psyche.solana.anchor import AUTHORIZER_ERRORS
+from psyche.solana.instructions import authorizer as authorizer_ix
 from psyche.solana.localnet.runtime import (
     SYSTEM_PROGRAM,
     Accounts,
@@ -42,7 +42,9 @@ def _load(ctx: InvokeContext, accounts: Accounts) -> Authorization:
     return load_borsh_account(ctx, meta, Authorization, ctx.program_id, "authorization")
 
 
-def _create(ctx: InvokeContext, accounts: Accounts, args: ix.AuthorizationCreateArgs) -> None:
+def _create(
+    ctx: InvokeContext, accounts: Accounts, args: authorizer_ix.AuthorizationCreateArgs
+) -> None:
     params = args.params
     payer, grantor = accounts["payer"], accounts["grantor"]
     require_signer(payer, "payer")
@@ -73,7 +75,7 @@ def _create(ctx: InvokeContext, accounts: Accounts, args: ix.AuthorizationCreate
 
 
 def _grantor_update(
-    ctx: InvokeContext, accounts: Accounts, args: ix.AuthorizationGrantorUpdateArgs
+    ctx: InvokeContext, accounts: Accounts, args: authorizer_ix.AuthorizationGrantorUpdateArgs
 ) -> None:
     grantor = accounts["grantor"]
     require_signer(grantor, "grantor")
@@ -85,7 +87,7 @@ def _grantor_update(
 
 
 def _grantee_update(
-    ctx: InvokeContext, accounts: Accounts, args: ix.AuthorizationGranteeUpdateArgs
+    ctx: InvokeContext, accounts: Accounts, args: authorizer_ix.AuthorizationGranteeUpdateArgs
 ) -> None:
     params = args.params
     payer, grantee = accounts["payer"], accounts["grantee"]
@@ -106,7 +108,9 @@ def _grantee_update(
     store_borsh_account(ctx, accounts.key("authorization"), authorization)
 
 
-def _close(ctx: InvokeContext, accounts: Accounts, args: ix.AuthorizationCloseArgs) -> None:
+def _close(
+    ctx: InvokeContext, accounts: Accounts, args: authorizer_ix.AuthorizationCloseArgs
+) -> None:
     grantor, spill = accounts["grantor"], accounts["spill"]
     require_signer(grantor, "grantor")
     require_mut(spill, "spill")

@@ -16,11 +16,11 @@ from typing import Any
 from solders.instruction import AccountMeta
 from solders.pubkey import Pubkey
 
-from psyche.coordinator.coordinator import ClientState, RunState, TickResult
+from psyche.coordinator import ClientState, RunState, TickResult
 from psyche.coordinator.errors import CoordinatorError, CoordinatorPanic
-from psyche.solana import instructions as ix
 from psyche.solana.anchor import COORDINATOR_ERRORS, DISCRIMINATOR_LEN, AnchorErrorCode
 from psyche.solana.borsh import fixed_str_bytes
+from psyche.solana.instructions import coordinator as coordinator_ix
 from psyche.solana.localnet.runtime import (
     SYSTEM_PROGRAM,
     Accounts,
@@ -237,7 +237,9 @@ def _find_signer(state: CoordinatorInstanceState, signer: Pubkey) -> Any:
 # Instructions
 
 
-def _init_coordinator(ctx: InvokeContext, accounts: Accounts, args: ix.InitCoordinatorArgs) -> None:
+def _init_coordinator(
+    ctx: InvokeContext, accounts: Accounts, args: coordinator_ix.InitCoordinatorArgs
+) -> None:
     params = args.params
     payer = accounts["payer"]
     require_signer(payer, "payer")
@@ -288,7 +290,9 @@ def _init_coordinator(ctx: InvokeContext, accounts: Accounts, args: ix.InitCoord
     )
 
 
-def _free_coordinator(ctx: InvokeContext, accounts: Accounts, args: ix.FreeCoordinatorArgs) -> None:
+def _free_coordinator(
+    ctx: InvokeContext, accounts: Accounts, args: coordinator_ix.FreeCoordinatorArgs
+) -> None:
     authority = accounts["authority"]
     require_signer(authority, "authority")
     spill = accounts["spill"]
@@ -315,7 +319,7 @@ def _free_coordinator(ctx: InvokeContext, accounts: Accounts, args: ix.FreeCoord
     close_account(ctx, account_meta.pubkey, spill.pubkey)
 
 
-def _update(ctx: InvokeContext, accounts: Accounts, args: ix.UpdateArgs) -> None:
+def _update(ctx: InvokeContext, accounts: Accounts, args: coordinator_ix.UpdateArgs) -> None:
     _, data = _owner_accounts(ctx, accounts)
     account = _load_mut(data)
     _increment_nonce(ctx, account)
@@ -348,7 +352,7 @@ def _update(ctx: InvokeContext, accounts: Accounts, args: ix.UpdateArgs) -> None
 
 
 def _update_client_version(
-    ctx: InvokeContext, accounts: Accounts, args: ix.UpdateClientVersionArgs
+    ctx: InvokeContext, accounts: Accounts, args: coordinator_ix.UpdateClientVersionArgs
 ) -> None:
     _, data = _owner_accounts(ctx, accounts)
     account = _load_mut(data)
@@ -362,7 +366,7 @@ def _update_client_version(
 
 
 def _set_future_epoch_rates(
-    ctx: InvokeContext, accounts: Accounts, args: ix.SetFutureEpochRatesArgs
+    ctx: InvokeContext, accounts: Accounts, args: coordinator_ix.SetFutureEpochRatesArgs
 ) -> None:
     _, data = _owner_accounts(ctx, accounts)
     account = _load_mut(data)
@@ -375,7 +379,7 @@ def _set_future_epoch_rates(
     _store(ctx, accounts.key("coordinator_account"), account)
 
 
-def _join_run(ctx: InvokeContext, accounts: Accounts, args: ix.JoinRunArgs) -> None:
+def _join_run(ctx: InvokeContext, accounts: Accounts, args: coordinator_ix.JoinRunArgs) -> None:
     user = accounts["user"]
     require_signer(user, "user")
     authorization = load_borsh_account(
@@ -418,7 +422,7 @@ def _join_run(ctx: InvokeContext, accounts: Accounts, args: ix.JoinRunArgs) -> N
     _store(ctx, accounts.key("coordinator_account"), account)
 
 
-def _set_paused(ctx: InvokeContext, accounts: Accounts, args: ix.SetPausedArgs) -> None:
+def _set_paused(ctx: InvokeContext, accounts: Accounts, args: coordinator_ix.SetPausedArgs) -> None:
     _, data = _owner_accounts(ctx, accounts)
     account = _load_mut(data)
     _increment_nonce(ctx, account)
@@ -455,7 +459,7 @@ def _set_paused(ctx: InvokeContext, accounts: Accounts, args: ix.SetPausedArgs) 
     _store(ctx, accounts.key("coordinator_account"), account)
 
 
-def _tick_ix(ctx: InvokeContext, accounts: Accounts, args: ix.TickArgs) -> None:
+def _tick_ix(ctx: InvokeContext, accounts: Accounts, args: coordinator_ix.TickArgs) -> None:
     data = _permissionless_accounts(ctx, accounts)
     account = _load_mut(data)
     _increment_nonce(ctx, account)
@@ -490,14 +494,16 @@ def _member_instruction(
     _store(ctx, accounts.key("coordinator_account"), account)
 
 
-def _witness(ctx: InvokeContext, accounts: Accounts, args: ix.WitnessArgs) -> None:
+def _witness(ctx: InvokeContext, accounts: Accounts, args: coordinator_ix.WitnessArgs) -> None:
     def act(state: CoordinatorInstanceState, identity: Any) -> None:
         state.coordinator.witness(identity, args.witness(), ctx.unix_timestamp())
 
     _member_instruction(ctx, accounts, act)
 
 
-def _warmup_witness(ctx: InvokeContext, accounts: Accounts, args: ix.WarmupWitnessArgs) -> None:
+def _warmup_witness(
+    ctx: InvokeContext, accounts: Accounts, args: coordinator_ix.WarmupWitnessArgs
+) -> None:
     def act(state: CoordinatorInstanceState, identity: Any) -> None:
         now = ctx.unix_timestamp()
         seed = random_seed(now, ctx.slot())
@@ -506,14 +512,18 @@ def _warmup_witness(ctx: InvokeContext, accounts: Accounts, args: ix.WarmupWitne
     _member_instruction(ctx, accounts, act)
 
 
-def _health_check(ctx: InvokeContext, accounts: Accounts, args: ix.HealthCheckArgs) -> None:
+def _health_check(
+    ctx: InvokeContext, accounts: Accounts, args: coordinator_ix.HealthCheckArgs
+) -> None:
     def act(state: CoordinatorInstanceState, identity: Any) -> None:
         state.coordinator.health_check(identity, [(args.id, args.proof())])
 
     _member_instruction(ctx, accounts, act)
 
 
-def _checkpoint(ctx: InvokeContext, accounts: Accounts, args: ix.CheckpointArgs) -> None:
+def _checkpoint(
+    ctx: InvokeContext, accounts: Accounts, args: coordinator_ix.CheckpointArgs
+) -> None:
     def act(state: CoordinatorInstanceState, identity: Any) -> None:
         clients = state.coordinator.epoch_state.clients
         index = next((i for i, c in enumerate(clients) if c.id == identity), None)

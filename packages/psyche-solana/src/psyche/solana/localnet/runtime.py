@@ -26,7 +26,8 @@ from psyche.solana.anchor import (
     account_discriminator,
 )
 from psyche.solana.borsh import BorshError, take_borsh
-from psyche.solana.instructions import InstructionDecodeError, spec_for_data
+from psyche.solana.instructions import spec_for_data
+from psyche.solana.instructions.spec import InstructionDecodeError
 from psyche.solana.program_ids import SYSTEM_PROGRAM_ID
 from psyche.solana.state import anchor_account_name
 

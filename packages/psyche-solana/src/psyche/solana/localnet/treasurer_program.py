@@ -12,9 +12,10 @@ from solders.instruction import AccountMeta, Instruction
 from solders.pubkey import Pubkey
 from solders.token.state import Mint, TokenAccount
 
-from psyche.solana import instructions as ix
 from psyche.solana.anchor import TREASURER_ERRORS, AnchorErrorCode
 from psyche.solana.instructions import INSTRUCTIONS
+from psyche.solana.instructions import coordinator as coordinator_ix
+from psyche.solana.instructions import treasurer as treasurer_ix
 from psyche.solana.localnet.runtime import (
     SYSTEM_PROGRAM,
     Accounts,
@@ -101,7 +102,7 @@ def _invoke_coordinator(
     ctx.invoke(instruction, [run])
 
 
-def _run_create(ctx: InvokeContext, accounts: Accounts, args: ix.RunCreateArgs) -> None:
+def _run_create(ctx: InvokeContext, accounts: Accounts, args: treasurer_ix.RunCreateArgs) -> None:
     params = args.params
     payer = accounts["payer"]
     require_signer(payer, "payer")
@@ -165,8 +166,8 @@ def _run_create(ctx: InvokeContext, accounts: Accounts, args: ix.RunCreateArgs) 
             "coordinator_account": account_meta.pubkey,
             "system_program": SYSTEM_PROGRAM,
         },
-        ix.InitCoordinatorArgs(
-            ix.InitCoordinatorParams(
+        coordinator_ix.InitCoordinatorArgs(
+            coordinator_ix.InitCoordinatorParams(
                 main_authority=bytes(run_meta.pubkey),
                 join_authority=params.join_authority,
                 run_id=params.run_id,
@@ -177,7 +178,7 @@ def _run_create(ctx: InvokeContext, accounts: Accounts, args: ix.RunCreateArgs) 
     )
 
 
-def _run_update(ctx: InvokeContext, accounts: Accounts, args: ix.RunUpdateArgs) -> None:
+def _run_update(ctx: InvokeContext, accounts: Accounts, args: treasurer_ix.RunUpdateArgs) -> None:
     params = args.params
     authority = accounts["authority"]
     require_signer(authority, "authority")
@@ -208,7 +209,7 @@ def _run_update(ctx: InvokeContext, accounts: Accounts, args: ix.RunUpdateArgs) 
             ctx,
             "update",
             owner_accounts,
-            ix.UpdateArgs(
+            coordinator_ix.UpdateArgs(
                 metadata=params.metadata,
                 config=params.config,
                 model=params.model,
@@ -224,27 +225,31 @@ def _run_update(ctx: InvokeContext, accounts: Accounts, args: ix.RunUpdateArgs) 
             ctx,
             "set_future_epoch_rates",
             owner_accounts,
-            ix.SetFutureEpochRatesArgs(
+            coordinator_ix.SetFutureEpochRatesArgs(
                 params.epoch_earning_rate_total_shared, params.epoch_slashing_rate_per_client
             ),
             run_meta.pubkey,
         )
     if params.paused is not None:
         _invoke_coordinator(
-            ctx, "set_paused", owner_accounts, ix.SetPausedArgs(params.paused), run_meta.pubkey
+            ctx,
+            "set_paused",
+            owner_accounts,
+            coordinator_ix.SetPausedArgs(params.paused),
+            run_meta.pubkey,
         )
     if params.client_version is not None:
         _invoke_coordinator(
             ctx,
             "update_client_version",
             owner_accounts,
-            ix.UpdateClientVersionArgs(params.client_version),
+            coordinator_ix.UpdateClientVersionArgs(params.client_version),
             run_meta.pubkey,
         )
 
 
 def _participant_create(
-    ctx: InvokeContext, accounts: Accounts, args: ix.ParticipantCreateArgs
+    ctx: InvokeContext, accounts: Accounts, args: treasurer_ix.ParticipantCreateArgs
 ) -> None:
     payer, user = accounts["payer"], accounts["user"]
     require_signer(payer, "payer")
@@ -270,7 +275,7 @@ def _participant_create(
 
 
 def _participant_claim(
-    ctx: InvokeContext, accounts: Accounts, args: ix.ParticipantClaimArgs
+    ctx: InvokeContext, accounts: Accounts, args: treasurer_ix.ParticipantClaimArgs
 ) -> None:
     user = accounts["user"]
     require_signer(user, "user")

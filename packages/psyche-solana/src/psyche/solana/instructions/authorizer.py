@@ -1,0 +1,198 @@
+"""The authorizer program's instructions (upstream `solana-authorizer`): arguments, accounts
+and builders of solders `Instruction`s (upstream `psyche_solana_rpc::instructions`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from solders.instruction import Instruction
+
+from psyche.core.serde import struct
+from psyche.solana import pda
+from psyche.solana.instructions.spec import (
+    InstructionSpec,
+    by_name,
+    readonly,
+    signer,
+    writable,
+    writable_signer,
+)
+from psyche.solana.program_ids import DEFAULT_PROGRAM_IDS, SYSTEM_PROGRAM_ID, ProgramIds
+from psyche.solana.pubkey import Pubkey, pubkey_bytes
+from psyche.solana.state import JOIN_RUN_AUTHORIZATION_SCOPE
+
+# ---------------------------------------------------------------------------------------------
+# Arguments
+
+
+@struct(frozen=True)
+class AuthorizationCreateParams:
+    grantee: Pubkey
+    scope: bytes
+
+
+@struct(frozen=True)
+class AuthorizationGrantorUpdateParams:
+    active: bool
+
+
+@struct(frozen=True)
+class AuthorizationGranteeUpdateParams:
+    delegates_clear: bool
+    delegates_added: list[Pubkey]
+
+
+@struct(frozen=True)
+class AuthorizationCloseParams:
+    pass
+
+
+# One struct per instruction: its fields are the instruction's arguments.
+
+
+@struct(frozen=True)
+class AuthorizationCreateArgs:
+    params: AuthorizationCreateParams
+
+
+@struct(frozen=True)
+class AuthorizationGrantorUpdateArgs:
+    params: AuthorizationGrantorUpdateParams
+
+
+@struct(frozen=True)
+class AuthorizationGranteeUpdateArgs:
+    params: AuthorizationGranteeUpdateParams
+
+
+@struct(frozen=True)
+class AuthorizationCloseArgs:
+    params: AuthorizationCloseParams = AuthorizationCloseParams()
+
+
+# ---------------------------------------------------------------------------------------------
+# Specs
+
+
+SPECS: dict[str, InstructionSpec] = by_name(
+    InstructionSpec(
+        "authorizer",
+        "authorization_create",
+        (
+            writable_signer("payer"),
+            signer("grantor"),
+            writable("authorization"),
+            readonly("system_program"),
+        ),
+        AuthorizationCreateArgs,
+    ),
+    InstructionSpec(
+        "authorizer",
+        "authorization_grantor_update",
+        (signer("grantor"), writable("authorization")),
+        AuthorizationGrantorUpdateArgs,
+    ),
+    InstructionSpec(
+        "authorizer",
+        "authorization_grantee_update",
+        (
+            writable_signer("payer"),
+            signer("grantee"),
+            writable("authorization"),
+            readonly("system_program"),
+        ),
+        AuthorizationGranteeUpdateArgs,
+    ),
+    InstructionSpec(
+        "authorizer",
+        "authorization_close",
+        (
+            signer("grantor"),
+            writable("spill"),
+            writable("authorization"),
+            readonly("system_program"),
+        ),
+        AuthorizationCloseArgs,
+    ),
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Builders
+
+
+def authorizer_authorization_create(
+    payer: Any,
+    grantor: Any,
+    grantee: Any,
+    scope: bytes = JOIN_RUN_AUTHORIZATION_SCOPE,
+    ids: ProgramIds = DEFAULT_PROGRAM_IDS,
+) -> Instruction:
+    return SPECS["authorization_create"].build(
+        ids.authorizer,
+        {
+            "payer": payer,
+            "grantor": grantor,
+            "authorization": pda.find_authorization(grantor, grantee, scope, ids),
+            "system_program": SYSTEM_PROGRAM_ID,
+        },
+        AuthorizationCreateArgs(AuthorizationCreateParams(pubkey_bytes(grantee), bytes(scope))),
+    )
+
+
+def authorizer_authorization_grantor_update(
+    grantor: Any,
+    grantee: Any,
+    scope: bytes,
+    active: bool,
+    ids: ProgramIds = DEFAULT_PROGRAM_IDS,
+) -> Instruction:
+    return SPECS["authorization_grantor_update"].build(
+        ids.authorizer,
+        {"grantor": grantor, "authorization": pda.find_authorization(grantor, grantee, scope, ids)},
+        AuthorizationGrantorUpdateArgs(AuthorizationGrantorUpdateParams(active)),
+    )
+
+
+def authorizer_authorization_grantee_update(
+    payer: Any,
+    grantor: Any,
+    grantee: Any,
+    scope: bytes,
+    delegates_clear: bool,
+    delegates_added: list[Any],
+    ids: ProgramIds = DEFAULT_PROGRAM_IDS,
+) -> Instruction:
+    return SPECS["authorization_grantee_update"].build(
+        ids.authorizer,
+        {
+            "payer": payer,
+            "grantee": grantee,
+            "authorization": pda.find_authorization(grantor, grantee, scope, ids),
+            "system_program": SYSTEM_PROGRAM_ID,
+        },
+        AuthorizationGranteeUpdateArgs(
+            AuthorizationGranteeUpdateParams(
+                delegates_clear, [pubkey_bytes(d) for d in delegates_added]
+            )
+        ),
+    )
+
+
+def authorizer_authorization_close(
+    grantor: Any,
+    grantee: Any,
+    scope: bytes,
+    spill: Any,
+    ids: ProgramIds = DEFAULT_PROGRAM_IDS,
+) -> Instruction:
+    return SPECS["authorization_close"].build(
+        ids.authorizer,
+        {
+            "grantor": grantor,
+            "spill": spill,
+            "authorization": pda.find_authorization(grantor, grantee, scope, ids),
+            "system_program": SYSTEM_PROGRAM_ID,
+        },
+        AuthorizationCloseArgs(),
+    )

@@ -1,0 +1,449 @@
+"""The coordinator program's instructions (upstream `solana-coordinator`): arguments, accounts
+and builders of solders `Instruction`s (upstream `psyche_solana_rpc::instructions`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from solders.instruction import Instruction
+from solders.pubkey import Pubkey as SoldersPubkey
+
+from psyche.coordinator import CoordinatorProgress, Witness, WitnessMetadata
+from psyche.coordinator.committee_selection import Committee, CommitteeProof, WitnessProof
+from psyche.coordinator.config import CoordinatorConfig
+from psyche.coordinator.model import Checkpoint, Model
+from psyche.core.bloom import WitnessBloom
+from psyche.core.merkle_tree import MerkleRoot
+from psyche.core.node_identity import NodeIdentity
+from psyche.core.serde import U64, struct
+from psyche.solana import pda
+from psyche.solana.instructions.spec import (
+    InstructionSpec,
+    by_name,
+    readonly,
+    signer,
+    writable,
+    writable_signer,
+)
+from psyche.solana.program_ids import DEFAULT_PROGRAM_IDS, SYSTEM_PROGRAM_ID, ProgramIds
+from psyche.solana.pubkey import Pubkey, pubkey_bytes
+from psyche.solana.state import RunMetadata
+
+# ---------------------------------------------------------------------------------------------
+# Arguments
+
+
+@struct(frozen=True)
+class InitCoordinatorParams:
+    main_authority: Pubkey
+    join_authority: Pubkey
+    run_id: str
+    client_version: str
+
+
+@struct(frozen=True)
+class FreeCoordinatorParams:
+    pass
+
+
+@struct(frozen=True)
+class JoinRunParams:
+    client_id: NodeIdentity
+
+
+# One struct per instruction: its fields are the instruction's arguments.
+
+
+@struct(frozen=True)
+class InitCoordinatorArgs:
+    params: InitCoordinatorParams
+
+
+@struct(frozen=True)
+class FreeCoordinatorArgs:
+    params: FreeCoordinatorParams = FreeCoordinatorParams()
+
+
+@struct(frozen=True, kw_only=True)
+class UpdateArgs:
+    metadata: RunMetadata | None = None
+    config: CoordinatorConfig | None = None
+    model: Model | None = None
+    progress: CoordinatorProgress | None = None
+
+
+@struct(frozen=True)
+class UpdateClientVersionArgs:
+    new_version: str
+
+
+@struct(frozen=True)
+class SetFutureEpochRatesArgs:
+    epoch_earning_rate_total_shared: U64 | None = None
+    epoch_slashing_rate_per_client: U64 | None = None
+
+
+@struct(frozen=True)
+class JoinRunArgs:
+    params: JoinRunParams
+
+
+@struct(frozen=True)
+class SetPausedArgs:
+    paused: bool
+
+
+@struct(frozen=True)
+class TickArgs:
+    pass
+
+
+@struct
+class WitnessArgs:
+    proof: WitnessProof
+    participant_bloom: WitnessBloom
+    broadcast_bloom: WitnessBloom
+    broadcast_merkle: MerkleRoot
+    # Ignored by the program (kept for indexers).
+    metadata: WitnessMetadata
+
+    @classmethod
+    def from_witness(cls, witness: Witness, metadata: WitnessMetadata) -> WitnessArgs:
+        return cls(
+            witness.proof,
+            witness.participant_bloom,
+            witness.broadcast_bloom,
+            witness.broadcast_merkle,
+            metadata,
+        )
+
+    def witness(self) -> Witness:
+        return Witness(
+            self.proof, self.participant_bloom, self.broadcast_bloom, self.broadcast_merkle
+        )
+
+
+@struct
+class WarmupWitnessArgs:
+    proof: WitnessProof
+    participant_bloom: WitnessBloom
+    broadcast_bloom: WitnessBloom
+    broadcast_merkle: MerkleRoot
+
+    @classmethod
+    def from_witness(cls, witness: Witness) -> WarmupWitnessArgs:
+        return cls(
+            witness.proof,
+            witness.participant_bloom,
+            witness.broadcast_bloom,
+            witness.broadcast_merkle,
+        )
+
+    def witness(self) -> Witness:
+        return Witness(
+            self.proof, self.participant_bloom, self.broadcast_bloom, self.broadcast_merkle
+        )
+
+
+@struct(frozen=True)
+class HealthCheckArgs:
+    id: NodeIdentity
+    committee: Committee
+    position: U64
+    index: U64
+
+    def proof(self) -> CommitteeProof:
+        return CommitteeProof(self.committee, self.position, self.index)
+
+
+@struct(frozen=True)
+class CheckpointArgs:
+    repo: Checkpoint
+
+
+# ---------------------------------------------------------------------------------------------
+# Specs
+
+
+_OWNER = (signer("authority"), readonly("coordinator_instance"), writable("coordinator_account"))
+_PERMISSIONLESS = (
+    signer("user"),
+    readonly("coordinator_instance"),
+    writable("coordinator_account"),
+)
+
+SPECS: dict[str, InstructionSpec] = by_name(
+    InstructionSpec(
+        "coordinator",
+        "init_coordinator",
+        (
+            writable_signer("payer"),
+            writable("coordinator_instance"),
+            writable("coordinator_account"),
+            readonly("system_program"),
+        ),
+        InitCoordinatorArgs,
+    ),
+    InstructionSpec(
+        "coordinator",
+        "free_coordinator",
+        (
+            signer("authority"),
+            writable("spill"),
+            writable("coordinator_instance"),
+            writable("coordinator_account"),
+        ),
+        FreeCoordinatorArgs,
+    ),
+    InstructionSpec("coordinator", "update", _OWNER, UpdateArgs),
+    InstructionSpec("coordinator", "update_client_version", _OWNER, UpdateClientVersionArgs),
+    InstructionSpec("coordinator", "set_future_epoch_rates", _OWNER, SetFutureEpochRatesArgs),
+    InstructionSpec(
+        "coordinator",
+        "join_run",
+        (
+            signer("user"),
+            readonly("authorization"),
+            readonly("coordinator_instance"),
+            writable("coordinator_account"),
+        ),
+        JoinRunArgs,
+    ),
+    InstructionSpec("coordinator", "set_paused", _OWNER, SetPausedArgs),
+    InstructionSpec("coordinator", "tick", _PERMISSIONLESS, TickArgs),
+    InstructionSpec("coordinator", "witness", _PERMISSIONLESS, WitnessArgs),
+    InstructionSpec("coordinator", "warmup_witness", _PERMISSIONLESS, WarmupWitnessArgs),
+    InstructionSpec("coordinator", "health_check", _PERMISSIONLESS, HealthCheckArgs),
+    InstructionSpec("coordinator", "checkpoint", _PERMISSIONLESS, CheckpointArgs),
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Builders
+
+
+def coordinator_init_coordinator(
+    payer: Any,
+    run_id: str,
+    client_version: str,
+    coordinator_account: Any,
+    main_authority: Any,
+    join_authority: Any,
+    ids: ProgramIds = DEFAULT_PROGRAM_IDS,
+) -> Instruction:
+    return SPECS["init_coordinator"].build(
+        ids.coordinator,
+        {
+            "payer": payer,
+            "coordinator_instance": pda.find_coordinator_instance(run_id, ids),
+            "coordinator_account": coordinator_account,
+            "system_program": SYSTEM_PROGRAM_ID,
+        },
+        InitCoordinatorArgs(
+            InitCoordinatorParams(
+                pubkey_bytes(main_authority), pubkey_bytes(join_authority), run_id, client_version
+            )
+        ),
+    )
+
+
+def coordinator_close_run(
+    coordinator_instance: Any,
+    coordinator_account: Any,
+    main_authority: Any,
+    ids: ProgramIds = DEFAULT_PROGRAM_IDS,
+) -> Instruction:
+    """`free_coordinator` with the rent going back to the main authority."""
+    return SPECS["free_coordinator"].build(
+        ids.coordinator,
+        {
+            "authority": main_authority,
+            "spill": main_authority,
+            "coordinator_instance": coordinator_instance,
+            "coordinator_account": coordinator_account,
+        },
+        FreeCoordinatorArgs(),
+    )
+
+
+def _owner_accounts(
+    run_id: str, coordinator_account: Any, main_authority: Any, ids: ProgramIds
+) -> dict[str, Any]:
+    return {
+        "authority": main_authority,
+        "coordinator_instance": pda.find_coordinator_instance(run_id, ids),
+        "coordinator_account": coordinator_account,
+    }
+
+
+def coordinator_update(
+    run_id: str,
+    coordinator_account: Any,
+    main_authority: Any,
+    metadata: RunMetadata | None = None,
+    config: CoordinatorConfig | None = None,
+    model: Model | None = None,
+    progress: CoordinatorProgress | None = None,
+    ids: ProgramIds = DEFAULT_PROGRAM_IDS,
+) -> Instruction:
+    return SPECS["update"].build(
+        ids.coordinator,
+        _owner_accounts(run_id, coordinator_account, main_authority, ids),
+        UpdateArgs(metadata=metadata, config=config, model=model, progress=progress),
+    )
+
+
+def coordinator_update_client_version(
+    run_id: str,
+    coordinator_account: Any,
+    main_authority: Any,
+    new_version: str,
+    ids: ProgramIds = DEFAULT_PROGRAM_IDS,
+) -> Instruction:
+    return SPECS["update_client_version"].build(
+        ids.coordinator,
+        _owner_accounts(run_id, coordinator_account, main_authority, ids),
+        UpdateClientVersionArgs(new_version),
+    )
+
+
+def coordinator_set_future_epoch_rates(
+    run_id: str,
+    coordinator_account: Any,
+    main_authority: Any,
+    epoch_earning_rate_total_shared: int | None,
+    epoch_slashing_rate_per_client: int | None,
+    ids: ProgramIds = DEFAULT_PROGRAM_IDS,
+) -> Instruction:
+    return SPECS["set_future_epoch_rates"].build(
+        ids.coordinator,
+        _owner_accounts(run_id, coordinator_account, main_authority, ids),
+        SetFutureEpochRatesArgs(epoch_earning_rate_total_shared, epoch_slashing_rate_per_client),
+    )
+
+
+def coordinator_set_paused(
+    run_id: str,
+    coordinator_account: Any,
+    main_authority: Any,
+    paused: bool,
+    ids: ProgramIds = DEFAULT_PROGRAM_IDS,
+) -> Instruction:
+    return SPECS["set_paused"].build(
+        ids.coordinator,
+        _owner_accounts(run_id, coordinator_account, main_authority, ids),
+        SetPausedArgs(paused),
+    )
+
+
+def coordinator_join_run(
+    coordinator_instance: Any,
+    coordinator_account: Any,
+    authorization: Any,
+    client_id: NodeIdentity,
+    ids: ProgramIds = DEFAULT_PROGRAM_IDS,
+) -> Instruction:
+    """`join_run`, signed by the client's wallet (the identity's signer key)."""
+    return SPECS["join_run"].build(
+        ids.coordinator,
+        {
+            "user": SoldersPubkey.from_bytes(client_id.signer),
+            "authorization": authorization,
+            "coordinator_instance": coordinator_instance,
+            "coordinator_account": coordinator_account,
+        },
+        JoinRunArgs(JoinRunParams(client_id)),
+    )
+
+
+def _permissionless(
+    name: str,
+    coordinator_instance: Any,
+    coordinator_account: Any,
+    user: Any,
+    args: Any,
+    ids: ProgramIds,
+) -> Instruction:
+    return SPECS[name].build(
+        ids.coordinator,
+        {
+            "user": user,
+            "coordinator_instance": coordinator_instance,
+            "coordinator_account": coordinator_account,
+        },
+        args,
+    )
+
+
+def coordinator_tick(
+    coordinator_instance: Any,
+    coordinator_account: Any,
+    user: Any,
+    ids: ProgramIds = DEFAULT_PROGRAM_IDS,
+) -> Instruction:
+    return _permissionless("tick", coordinator_instance, coordinator_account, user, TickArgs(), ids)
+
+
+def coordinator_witness(
+    coordinator_instance: Any,
+    coordinator_account: Any,
+    user: Any,
+    witness: Witness,
+    metadata: WitnessMetadata,
+    ids: ProgramIds = DEFAULT_PROGRAM_IDS,
+) -> Instruction:
+    return _permissionless(
+        "witness",
+        coordinator_instance,
+        coordinator_account,
+        user,
+        WitnessArgs.from_witness(witness, metadata),
+        ids,
+    )
+
+
+def coordinator_warmup_witness(
+    coordinator_instance: Any,
+    coordinator_account: Any,
+    user: Any,
+    witness: Witness,
+    ids: ProgramIds = DEFAULT_PROGRAM_IDS,
+) -> Instruction:
+    return _permissionless(
+        "warmup_witness",
+        coordinator_instance,
+        coordinator_account,
+        user,
+        WarmupWitnessArgs.from_witness(witness),
+        ids,
+    )
+
+
+def coordinator_health_check(
+    coordinator_instance: Any,
+    coordinator_account: Any,
+    user: Any,
+    client_id: NodeIdentity,
+    check: CommitteeProof,
+    ids: ProgramIds = DEFAULT_PROGRAM_IDS,
+) -> Instruction:
+    return _permissionless(
+        "health_check",
+        coordinator_instance,
+        coordinator_account,
+        user,
+        HealthCheckArgs(client_id, check.committee, check.position, check.index),
+        ids,
+    )
+
+
+def coordinator_checkpoint(
+    coordinator_instance: Any,
+    coordinator_account: Any,
+    user: Any,
+    repo: Checkpoint,
+    ids: ProgramIds = DEFAULT_PROGRAM_IDS,
+) -> Instruction:
+    return _permissionless(
+        "checkpoint", coordinator_instance, coordinator_account, user, CheckpointArgs(repo), ids
+    )

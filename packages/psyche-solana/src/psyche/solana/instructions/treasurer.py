@@ -1,0 +1,255 @@
+"""The treasurer program's instructions (upstream `solana-treasurer`): arguments, accounts
+and builders of solders `Instruction`s (upstream `psyche_solana_rpc::instructions`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from solders.instruction import Instruction
+
+from psyche.coordinator import CoordinatorProgress
+from psyche.coordinator.config import CoordinatorConfig
+from psyche.coordinator.model import Model
+from psyche.core.serde import U64, struct
+from psyche.solana import pda
+from psyche.solana.instructions.spec import (
+    InstructionSpec,
+    by_name,
+    readonly,
+    signer,
+    writable,
+    writable_signer,
+)
+from psyche.solana.program_ids import (
+    ASSOCIATED_TOKEN_PROGRAM_ID,
+    DEFAULT_PROGRAM_IDS,
+    SYSTEM_PROGRAM_ID,
+    TOKEN_PROGRAM_ID,
+    ProgramIds,
+)
+from psyche.solana.pubkey import Pubkey, pubkey_bytes
+from psyche.solana.state import RunMetadata
+
+# ---------------------------------------------------------------------------------------------
+# Arguments
+
+
+@struct(frozen=True)
+class RunCreateParams:
+    index: U64
+    run_id: str
+    client_version: str
+    main_authority: Pubkey
+    join_authority: Pubkey
+
+
+@struct(frozen=True, kw_only=True)
+class RunUpdateParams:
+    metadata: RunMetadata | None = None
+    config: CoordinatorConfig | None = None
+    model: Model | None = None
+    progress: CoordinatorProgress | None = None
+    epoch_earning_rate_total_shared: U64 | None = None
+    epoch_slashing_rate_per_client: U64 | None = None
+    paused: bool | None = None
+    client_version: str | None = None
+
+
+@struct(frozen=True)
+class ParticipantCreateParams:
+    pass
+
+
+@struct(frozen=True)
+class ParticipantClaimParams:
+    claim_earned_points: U64
+
+
+# One struct per instruction: its fields are the instruction's arguments.
+
+
+@struct(frozen=True)
+class RunCreateArgs:
+    params: RunCreateParams
+
+
+@struct(frozen=True)
+class RunUpdateArgs:
+    params: RunUpdateParams
+
+
+@struct(frozen=True)
+class ParticipantCreateArgs:
+    params: ParticipantCreateParams = ParticipantCreateParams()
+
+
+@struct(frozen=True)
+class ParticipantClaimArgs:
+    params: ParticipantClaimParams
+
+
+# ---------------------------------------------------------------------------------------------
+# Specs
+
+
+SPECS: dict[str, InstructionSpec] = by_name(
+    InstructionSpec(
+        "treasurer",
+        "run_create",
+        (
+            writable_signer("payer"),
+            writable("run"),
+            writable("run_collateral"),
+            readonly("collateral_mint"),
+            writable("coordinator_instance"),
+            writable("coordinator_account"),
+            readonly("coordinator_program"),
+            readonly("associated_token_program"),
+            readonly("token_program"),
+            readonly("system_program"),
+        ),
+        RunCreateArgs,
+    ),
+    InstructionSpec(
+        "treasurer",
+        "run_update",
+        (
+            signer("authority"),
+            readonly("run"),
+            readonly("coordinator_instance"),
+            writable("coordinator_account"),
+            readonly("coordinator_program"),
+        ),
+        RunUpdateArgs,
+    ),
+    InstructionSpec(
+        "treasurer",
+        "participant_create",
+        (
+            writable_signer("payer"),
+            signer("user"),
+            readonly("run"),
+            writable("participant"),
+            readonly("system_program"),
+        ),
+        ParticipantCreateArgs,
+    ),
+    InstructionSpec(
+        "treasurer",
+        "participant_claim",
+        (
+            signer("user"),
+            writable("user_collateral"),
+            writable("run"),
+            writable("run_collateral"),
+            readonly("coordinator_account"),
+            writable("participant"),
+            readonly("token_program"),
+        ),
+        ParticipantClaimArgs,
+    ),
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Builders
+
+
+def treasurer_run_create(
+    payer: Any,
+    run_id: str,
+    client_version: str,
+    treasurer_index: int,
+    collateral_mint: Any,
+    coordinator_account: Any,
+    main_authority: Any,
+    join_authority: Any,
+    ids: ProgramIds = DEFAULT_PROGRAM_IDS,
+) -> Instruction:
+    run = pda.find_run(treasurer_index, ids)
+    return SPECS["run_create"].build(
+        ids.treasurer,
+        {
+            "payer": payer,
+            "run": run,
+            "run_collateral": pda.associated_token_address(run, collateral_mint),
+            "collateral_mint": collateral_mint,
+            "coordinator_instance": pda.find_coordinator_instance(run_id, ids),
+            "coordinator_account": coordinator_account,
+            "coordinator_program": ids.coordinator,
+            "associated_token_program": ASSOCIATED_TOKEN_PROGRAM_ID,
+            "token_program": TOKEN_PROGRAM_ID,
+            "system_program": SYSTEM_PROGRAM_ID,
+        },
+        RunCreateArgs(
+            RunCreateParams(
+                treasurer_index,
+                run_id,
+                client_version,
+                pubkey_bytes(main_authority),
+                pubkey_bytes(join_authority),
+            )
+        ),
+    )
+
+
+def treasurer_run_update(
+    run_id: str,
+    treasurer_index: int,
+    coordinator_account: Any,
+    main_authority: Any,
+    params: RunUpdateParams,
+    ids: ProgramIds = DEFAULT_PROGRAM_IDS,
+) -> Instruction:
+    return SPECS["run_update"].build(
+        ids.treasurer,
+        {
+            "authority": main_authority,
+            "run": pda.find_run(treasurer_index, ids),
+            "coordinator_instance": pda.find_coordinator_instance(run_id, ids),
+            "coordinator_account": coordinator_account,
+            "coordinator_program": ids.coordinator,
+        },
+        RunUpdateArgs(params),
+    )
+
+
+def treasurer_participant_create(
+    payer: Any, treasurer_index: int, user: Any, ids: ProgramIds = DEFAULT_PROGRAM_IDS
+) -> Instruction:
+    run = pda.find_run(treasurer_index, ids)
+    return SPECS["participant_create"].build(
+        ids.treasurer,
+        {
+            "payer": payer,
+            "user": user,
+            "run": run,
+            "participant": pda.find_participant(run, user, ids),
+            "system_program": SYSTEM_PROGRAM_ID,
+        },
+        ParticipantCreateArgs(),
+    )
+
+
+def treasurer_participant_claim(
+    treasurer_index: int,
+    collateral_mint: Any,
+    coordinator_account: Any,
+    user: Any,
+    claim_earned_points: int,
+    ids: ProgramIds = DEFAULT_PROGRAM_IDS,
+) -> Instruction:
+    run = pda.find_run(treasurer_index, ids)
+    return SPECS["participant_claim"].build(
+        ids.treasurer,
+        {
+            "user": user,
+            "user_collateral": pda.associated_token_address(user, collateral_mint),
+            "run": run,
+            "run_collateral": pda.associated_token_address(run, collateral_mint),
+            "coordinator_account": coordinator_account,
+            "participant": pda.find_participant(run, user, ids),
+            "token_program": TOKEN_PROGRAM_ID,
+        },
+        ParticipantClaimArgs(ParticipantClaimParams(claim_earned_points)),
+    )
