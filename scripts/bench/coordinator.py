@@ -39,7 +39,7 @@ from psyche.coordinator import (
     assign_data_for_state,
 )
 from psyche.coordinator import committee_selection as committee_module
-from psyche.coordinator.simulation import (
+from psyche.coordinator.testing import (
     integration_test_coordinator,
     round_witness_for,
     simulated_identity,

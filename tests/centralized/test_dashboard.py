@@ -13,7 +13,7 @@ import pytest
 from rich.console import Console
 
 from psyche.centralized.dashboard import DashboardState, render
-from psyche.coordinator.coordinator import RunState
+from psyche.coordinator import RunState
 
 REPO = Path(__file__).resolve().parents[2]
 

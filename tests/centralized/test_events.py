@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from psyche.centralized.events import STATE_FILE, EventsWriter, read_events
-from psyche.centralized.testing import quick_coordinator
-from psyche.coordinator.coordinator import RunState
+from psyche.coordinator import RunState
+from psyche.coordinator.testing import quick_coordinator
 
 
 def test_records_distinct_states_and_survives_a_torn_write(tmp_path: Path) -> None:

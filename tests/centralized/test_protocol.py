@@ -12,11 +12,11 @@ from psyche.centralized.protocol import (
     RunExtras,
     ServerToClientMessage,
 )
+from psyche.coordinator import Witness, WitnessMetadata
 from psyche.coordinator.backend import OpportunisticData
 from psyche.coordinator.committee_selection import Committee, CommitteeProof
-from psyche.coordinator.coordinator import Witness, WitnessMetadata
 from psyche.coordinator.model import Checkpoint, HubRepo, LLMTrainingDataLocation
-from psyche.coordinator.simulation import integration_test_coordinator, simulated_identity
+from psyche.coordinator.testing import integration_test_coordinator, simulated_identity
 from psyche.core.serde import PostcardError, from_bytes, to_bytes
 from psyche.core.tcp import encode_else
 

@@ -15,11 +15,10 @@ from psyche.centralized.save_state import (
     save_file_name,
     save_state,
 )
-from psyche.centralized.server_core import ServerCore
-from psyche.centralized.testing import quick_coordinator
 from psyche.coordinator.backend import OpportunisticData
 from psyche.coordinator.run_config import ConfigFileError
-from psyche.coordinator.simulation import simulated_identity, warmup_witness_for
+from psyche.coordinator.server_core import ServerCore
+from psyche.coordinator.testing import quick_coordinator, simulated_identity, warmup_witness_for
 from psyche.core.numeric import U64_MAX
 
 NOW = 1_700_000_000

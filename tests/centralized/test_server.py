@@ -7,7 +7,6 @@ The server's clock runs 10x the wall clock here (`fast_options`), so a run's tim
 from __future__ import annotations
 
 import itertools
-import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,12 +27,12 @@ from psyche.centralized.server import (
     open_server,
     run_server,
 )
-from psyche.centralized.testing import ProtocolClient, fast_options, quick_coordinator
-from psyche.centralized.tiny_run import write_tiny_dataset
+from psyche.centralized.testing import ProtocolClient, fast_options
+from psyche.coordinator import Coordinator, RunState
 from psyche.coordinator.backend import OpportunisticData
-from psyche.coordinator.coordinator import Coordinator, RunState
 from psyche.coordinator.model import Checkpoint, HubRepo, LLMTrainingDataLocation
-from psyche.coordinator.simulation import warmup_witness_for
+from psyche.coordinator.run_config import load_state_toml
+from psyche.coordinator.testing import quick_coordinator, warmup_witness_for
 from psyche.core.batch_id import BatchId
 from psyche.core.identity import SecretKey
 from psyche.core.tcp import (
@@ -43,11 +42,12 @@ from psyche.core.tcp import (
     encode_else,
     split_envelope,
 )
-from psyche.data_provider import DataProviderError, DataProviderTcpClient, DataServerInfo
+from psyche.data_provider import DataProviderError, DataProviderTcpClient
 from psyche.network.discovery import sign_address_record
 from psyche.network.ticket import EndpointAddr, TransportAddr
 
-REPO = Path(__file__).resolve().parents[2]
+from ..processes import REPO, free_port
+from .hosting import hosted
 
 
 def run(test: Callable[[], Any]) -> None:
@@ -56,12 +56,6 @@ def run(test: Callable[[], Any]) -> None:
 
 def addr(server: CentralizedServer) -> str:
     return f"127.0.0.1:{server.port}"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def eventually(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
@@ -364,23 +358,6 @@ def test_backend_falls_back_when_the_server_is_upstreams() -> None:
 # ---- hosting the data ------------------------------------------------------------------------
 
 
-def hosted(tmp_path: Path, checkpoint: Checkpoint | None = None) -> tuple[Coordinator, Any]:
-    write_tiny_dataset(
-        tmp_path / "data",
-        tokenizer_path=REPO / "configs/tiny-cpu/model/tokenizer.json",
-        seq_len=32,
-        min_sequences=64,
-    )
-    (tmp_path / "data.toml").write_text(
-        f'dir = "data"\ntoken_size = "TwoBytes"\nseq_len = 32\nshuffle_seed = {list(range(32))}\n'
-    )
-    coordinator = quick_coordinator(init_min_clients=1)
-    llm = coordinator.model.value  # type: ignore[attr-defined]
-    llm.data_location = LLMTrainingDataLocation.Server(f"127.0.0.1:{free_port()}")
-    llm.checkpoint = checkpoint or Checkpoint.Dummy(HubRepo(""))
-    return coordinator, DataServerInfo.load(tmp_path / "data.toml")
-
-
 def test_hosts_the_data_for_the_runs_clients_only(tmp_path: Path) -> None:
     coordinator, data = hosted(tmp_path)
     data_addr = coordinator.model.value.data_location.value  # type: ignore[attr-defined]
@@ -474,7 +451,7 @@ def test_saves_at_epoch_end_and_on_exit_then_resumes(tmp_path: Path) -> None:
         return live
 
     live = trio.run(first_run)
-    saved = Coordinator.from_state_toml(saves / (saves / "latest").read_text().strip())
+    saved = load_state_toml(saves / (saves / "latest").read_text().strip())
     assert saved.progress.epoch == 2
     assert saved.progress.step == live.progress.step
     assert [c.id for c in saved.epoch_state.clients] == [c.id for c in live.epoch_state.clients]

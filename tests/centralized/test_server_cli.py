@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,15 +16,10 @@ import trio
 from psyche.centralized.save_state import load_state
 from psyche.centralized.testing import ProtocolClient
 
-REPO = Path(__file__).resolve().parents[2]
+from ..processes import REPO, free_port
+
 TINY = REPO / "configs" / "tiny-cpu"
 SERVING = re.compile(r"serving run '([^']*)' on port (\d+)")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def tiny_state(tmp_path: Path, data_port: int, **replace: str) -> Path:

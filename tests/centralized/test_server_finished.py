@@ -13,13 +13,11 @@ import trio
 
 from psyche.centralized.save_state import load_state
 from psyche.centralized.server import ServerStartError, open_server
-from psyche.centralized.testing import ProtocolClient, fast_options, quick_coordinator
-from psyche.centralized.tiny_run import write_tiny_dataset
-from psyche.coordinator.coordinator import RunState
-from psyche.coordinator.model import Checkpoint, HubRepo, LLMTrainingDataLocation
-from psyche.data_provider import DataServerInfo
+from psyche.centralized.testing import ProtocolClient, fast_options
+from psyche.coordinator import RunState
+from psyche.coordinator.testing import quick_coordinator
 
-REPO = Path(__file__).resolve().parents[2]
+from .hosting import hosted
 
 
 def addr(server) -> str:  # type: ignore[no-untyped-def]
@@ -117,23 +115,9 @@ def test_a_port_in_use_is_named(tmp_path: Path) -> None:
             "already in use (another server, or another program, listens there)"
         )
 
-        write_tiny_dataset(
-            tmp_path / "data",
-            tokenizer_path=REPO / "configs/tiny-cpu/model/tokenizer.json",
-            seq_len=32,
-            min_sequences=64,
-        )
-        (tmp_path / "data.toml").write_text(
-            f'dir = "data"\ntoken_size = "TwoBytes"\nseq_len = 32\n'
-            f"shuffle_seed = {list(range(32))}\n"
-        )
-        hosted = quick_coordinator()
-        llm = hosted.model.value  # type: ignore[attr-defined]
-        llm.data_location = LLMTrainingDataLocation.Server(f"127.0.0.1:{port}")
-        llm.checkpoint = Checkpoint.Dummy(HubRepo(""))
-        data = DataServerInfo.load(tmp_path / "data.toml")
+        coordinator, data = hosted(tmp_path, port=port)
         with pytest.raises(ServerStartError) as error:
-            trio.run(start, hosted, fast_options(data_config=data))
+            trio.run(start, coordinator, fast_options(data_config=data))
         assert str(error.value).startswith(
             f"the data server's port {port} (data_location 127.0.0.1:{port} in the state file) "
             "on 127.0.0.1 (--bind-address) "

@@ -21,10 +21,10 @@ import trio
 
 from psyche.centralized.protocol import ClientToServerMessage, ExtensionHello, ServerToClientMessage
 from psyche.centralized.server import CentralizedServer, open_server, who_may_join
-from psyche.centralized.testing import ProtocolClient, fast_options, quick_coordinator
+from psyche.centralized.testing import ProtocolClient, fast_options
 from psyche.coordinator.backend import OpportunisticData
 from psyche.coordinator.model import Checkpoint, HubRepo
-from psyche.coordinator.simulation import warmup_witness_for
+from psyche.coordinator.testing import quick_coordinator, warmup_witness_for
 from psyche.core.identity import SecretKey
 from psyche.core.tcp import ConnectionClosed
 from psyche.network.discovery import sign_address_record

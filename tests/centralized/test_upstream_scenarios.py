@@ -14,9 +14,9 @@ import trio
 
 from psyche.centralized.server import CentralizedServer, open_server
 from psyche.centralized.testing import DummyTrainer, fast_options
-from psyche.coordinator.coordinator import Coordinator, RunState
+from psyche.coordinator import Coordinator, RunState
 from psyche.coordinator.model import Checkpoint
-from psyche.coordinator.simulation import integration_test_coordinator
+from psyche.coordinator.testing import integration_test_coordinator
 
 SPEED = 20.0
 

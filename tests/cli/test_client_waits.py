@@ -19,7 +19,7 @@ from psyche.centralized.client import (
     join_wait_message,
 )
 from psyche.centralized.save_state import load_state
-from psyche.coordinator.coordinator import Client, RunState
+from psyche.coordinator import Client, RunState
 from psyche.core.cli import UserError
 from psyche.core.identity import SecretKey
 from psyche.core.node_identity import NodeIdentity
@@ -140,7 +140,8 @@ def test_the_client_connects_first_and_joins_after_before_join(
     Join is sent only once `before_join` returns, so a run never starts its warmup with a client
     that is still loading."""
     from psyche.centralized.server import open_server
-    from psyche.centralized.testing import fast_options, quick_coordinator
+    from psyche.centralized.testing import fast_options
+    from psyche.coordinator.testing import quick_coordinator
 
     order: list[str] = []
     join = CentralizedBackend._join

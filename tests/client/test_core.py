@@ -1,6 +1,6 @@
 """The client's functional core: message validation, payload bookkeeping, blooms, apply order
 and consensus, health checks and witness decisions (upstream `state/steps.rs`, `train.rs`,
-`witness.rs`), checked against a coordinator driven by `psyche.coordinator.simulation`."""
+`witness.rs`), checked against a coordinator driven by `psyche.coordinator.testing`."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from psyche.client.round_state import (
 )
 from psyche.coordinator import Committee, CommitteeProof, Coordinator, RunState, Witness
 from psyche.coordinator.commitment import Commitment
-from psyche.coordinator.simulation import (
+from psyche.coordinator.testing import (
     Simulation,
     bloom_of,
     integration_test_coordinator,

@@ -25,7 +25,7 @@ from psyche.client.training import DataFetcher, OwnResult, train_batch_exact
 from psyche.coordinator import RunState
 from psyche.coordinator.backend import HealthCheck, OpportunisticData
 from psyche.coordinator.commitment import Commitment
-from psyche.coordinator.simulation import Simulation, integration_test_coordinator
+from psyche.coordinator.testing import Simulation, integration_test_coordinator
 from psyche.core.batch_id import BatchId
 from psyche.core.definitions import (
     ConstantLR,

@@ -24,6 +24,8 @@ from psyche.coordinator import (
 )
 from psyche.core import BatchId, NodeIdentity
 
+from .examples import CONSILIENCE
+
 
 def node(i: int) -> NodeIdentity:
     key = bytearray(32)
@@ -167,24 +169,6 @@ def test_batch_size_warmup_follows_the_round() -> None:
 
 
 # ---- get_data_index_for_step -------------------------------------------------------------------
-
-
-CONSILIENCE = CoordinatorConfig(
-    warmup_time=3600,
-    cooldown_time=120,
-    max_round_train_time=360,
-    round_witness_time=5,
-    global_batch_size_warmup_tokens=549755813888,
-    epoch_time=100000,
-    total_steps=325000,
-    init_min_clients=16,
-    min_clients=16,
-    witness_nodes=0,
-    global_batch_size_start=12288,
-    global_batch_size_end=32768,
-    verification_percent=0,
-    waiting_for_members_extra_time=10,
-)
 
 
 def with_config(config: CoordinatorConfig, max_seq_len: int) -> Coordinator:

@@ -27,7 +27,7 @@ from psyche.coordinator import (
     WitnessBloom,
     WitnessProof,
 )
-from psyche.coordinator.simulation import (
+from psyche.coordinator.testing import (
     bloom_of,
     health_checks_for,
     integration_test_coordinator,

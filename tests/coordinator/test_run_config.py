@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from psyche.coordinator import Coordinator, RunState
 from psyche.coordinator.config import ConfigError, CoordinatorConfig
-from psyche.coordinator.coordinator import Coordinator, RunState
 from psyche.coordinator.model import (
     Checkpoint,
     HttpTrainingDataLocation,
@@ -20,12 +20,15 @@ from psyche.coordinator.run_config import (
     ConfigFileError,
     dumps_toml,
     load_run_config,
+    load_state_toml,
     parse_run_config,
     run_config_to_obj,
+    state_to_toml_obj,
 )
 from psyche.core.definitions import LearningRateSchedule, OptimizerDefinition
 
 from ..upstream_data import UpstreamData
+from .examples import CONSILIENCE, TEST_STATE
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -49,7 +52,25 @@ global_batch_size_warmup_tokens = 0
 total_steps = 25000
 """
 
-DOC_EXAMPLE_MODEL_SINGLE = """
+# The schedule and optimizer both examples end with.
+DOC_EXAMPLE_TRAINING = """
+[model.LLM.lr_schedule.Cosine]
+base_lr = 4.0e-4
+warmup_steps = 250
+warmup_init_lr = 0.0
+total_steps = 25000
+final_lr = 4.0e-5
+
+[model.LLM.optimizer.Distro]
+clip_grad_norm = 1.0
+compression_decay = 0.999
+compression_chunk = 64
+compression_topk = 8
+quantize_1bit = true
+"""
+
+DOC_EXAMPLE_MODEL_SINGLE = (
+    """
 [model.LLM]
 architecture = "HfLlama"
 data_type = "Pretraining"
@@ -65,23 +86,12 @@ shuffle = "DontShuffle"
 [model.LLM.data_location.Http.location.Gcp]
 bucket_name = "nous-pretraining-public-us"
 filter_directory = "fineweb-edu-tokenized-llama2"
-
-[model.LLM.lr_schedule.Cosine]
-base_lr = 4.0e-4
-warmup_steps = 250
-warmup_init_lr = 0.0
-total_steps = 25000
-final_lr = 4.0e-5
-
-[model.LLM.optimizer.Distro]
-clip_grad_norm = 1.0
-compression_decay = 0.999
-compression_chunk = 64
-compression_topk = 8
-quantize_1bit = true
 """
+    + DOC_EXAMPLE_TRAINING
+)
 
-DOC_EXAMPLE_MODEL_LIST = """
+DOC_EXAMPLE_MODEL_LIST = (
+    """
 [model.LLM]
 architecture = "HfLlama"
 data_type = "Pretraining"
@@ -93,59 +103,9 @@ data_locations = [
 
 [model.LLM.checkpoint.Hub]
 repo_id = "emozilla/llama2-20m-init"
-
-[model.LLM.lr_schedule.Cosine]
-base_lr = 4.0e-4
-warmup_steps = 250
-warmup_init_lr = 0.0
-total_steps = 25000
-final_lr = 4.0e-5
-
-[model.LLM.optimizer.Distro]
-clip_grad_norm = 1.0
-compression_decay = 0.999
-compression_chunk = 64
-compression_topk = 8
-quantize_1bit = true
 """
-
-TEST_STATE = """
-run_id = "test"
-run_state = "WaitingForMembers"
-[config]
-warmup_time = 5
-cooldown_time = 5
-epoch_time = 60
-max_round_train_time = 5
-round_witness_time = 2
-min_clients = 2
-init_min_clients = 2
-global_batch_size_start = 4
-global_batch_size_end = 4
-global_batch_size_warmup_tokens = 0
-verification_percent = 0
-witness_nodes = 1
-total_steps = 10
-waiting_for_members_extra_time = 3
-
-[model.LLM]
-architecture = "HfLlama"
-data_type = "Pretraining"
-max_seq_len = 512
-optimizer = "Dummy"
-data_location = "Dummy"
-cold_start_warmup_steps = 0
-
-[model.LLM.checkpoint.Dummy]
-repo_id = ""
-
-[model.LLM.lr_schedule.Cosine]
-base_lr = 4.0e-4
-warmup_steps = 20
-warmup_init_lr = 0.0
-total_steps = 2000
-final_lr = 4.0e-5
-"""
+    + DOC_EXAMPLE_TRAINING
+)
 
 
 def write(tmp_path: Path, text: str, name: str = "state.toml") -> Path:
@@ -187,11 +147,11 @@ def test_state_file_loads_into_a_coordinator(tmp_path: Path) -> None:
     ]
 
 
-def test_from_state_toml_requires_a_run_id(tmp_path: Path) -> None:
+def test_load_state_toml_requires_a_run_id(tmp_path: Path) -> None:
     path = write(tmp_path, DOC_EXAMPLE_CONFIG + DOC_EXAMPLE_MODEL_SINGLE)
     with pytest.raises(ConfigFileError, match="run_id"):
-        Coordinator.from_state_toml(path)
-    assert Coordinator.from_state_toml(write(tmp_path, TEST_STATE, "s.toml")).run_id == "test"
+        load_state_toml(path)
+    assert load_state_toml(write(tmp_path, TEST_STATE, "s.toml")).run_id == "test"
 
 
 def test_documented_example_with_single_location_and_legacy_keys(tmp_path: Path) -> None:
@@ -242,7 +202,7 @@ def test_both_spellings_give_the_same_model(tmp_path: Path) -> None:
 def test_round_trip_load_dump_load(tmp_path: Path, text: str) -> None:
     first = load_run_config(write(tmp_path, text))
     if first.coordinator is not None:
-        doc = first.coordinator.to_toml_obj()
+        doc = state_to_toml_obj(first.coordinator)
     else:
         doc = run_config_to_obj(first.config, first.model)
     second = load_run_config(write(tmp_path, dumps_toml(doc), "again.toml"))
@@ -451,22 +411,7 @@ def read_toml_text(text: str) -> dict:
 
 def test_batch_size_warmup_matches_upstream_rounding() -> None:
     # consilience: 12288 -> 32768 sequences over 549755813888 tokens [derived vectors]
-    config = CoordinatorConfig(
-        warmup_time=3600,
-        cooldown_time=120,
-        max_round_train_time=360,
-        round_witness_time=5,
-        global_batch_size_warmup_tokens=549755813888,
-        epoch_time=100000,
-        total_steps=325000,
-        init_min_clients=16,
-        min_clients=16,
-        witness_nodes=0,
-        global_batch_size_start=12288,
-        global_batch_size_end=32768,
-        verification_percent=0,
-        waiting_for_members_extra_time=10,
-    )
+    config = CONSILIENCE
     warmup = 549755813888
     assert config.get_batch_size(0) == 12288
     assert config.get_batch_size(warmup // 4) == 17408

@@ -18,7 +18,7 @@ from psyche.coordinator import (
     RunState,
     TickResult,
 )
-from psyche.coordinator.simulation import (
+from psyche.coordinator.testing import (
     Simulation,
     integration_test_coordinator,
     simulated_identity,
@@ -285,6 +285,11 @@ def test_two_clients_join_in_training_and_get_model_using_p2p() -> None:
 # ---- further behaviours ---------------------------------------------------------------------------
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="asserts upstream's kick of the clients a round without witnesses withdrew, which the server's rules (ServerCore.rejoinable, "
+    "tests/chaos/test_regressions.py) replace; kept unchanged for the lead's decision (issue 14)",
+)
 def test_witness_timeout_path_withdraws_everyone() -> None:
     run = Clients(2, 4, 1)
     members = run.spawn(2)
@@ -356,6 +361,11 @@ def test_pause_and_resume() -> None:
     assert run.coordinator.progress.epoch == epoch
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="asserts upstream's kick of a client that reconnects within the epoch it left, which the server's rules (ServerCore.rejoinable, "
+    "tests/chaos/test_regressions.py) replace; kept unchanged for the lead's decision (issue 14)",
+)
 def test_rejoin_in_the_next_epoch() -> None:
     run = Clients(2, 4, 1)
     first, *_ = run.spawn(3)

@@ -27,8 +27,13 @@ from psyche.coordinator import (
     WitnessMetadata,
     WitnessProof,
 )
-from psyche.coordinator.run_config import dumps_toml, parse_run_config
-from psyche.coordinator.simulation import (
+from psyche.coordinator.run_config import (
+    dumps_toml,
+    load_state_toml,
+    parse_run_config,
+    state_to_toml_obj,
+)
+from psyche.coordinator.testing import (
     Simulation,
     integration_test_coordinator,
     simulated_identity,
@@ -38,41 +43,7 @@ from psyche.core.numeric import U64_MAX
 from psyche.core.serde import PostcardError, from_bytes, to_bytes
 
 from ..upstream_data import UpstreamData
-
-TEST_STATE = """
-run_id = "test"
-run_state = "WaitingForMembers"
-[config]
-warmup_time = 5
-cooldown_time = 5
-epoch_time = 60
-max_round_train_time = 5
-round_witness_time = 2
-min_clients = 2
-init_min_clients = 2
-global_batch_size_start = 4
-global_batch_size_end = 4
-global_batch_size_warmup_tokens = 0
-verification_percent = 0
-witness_nodes = 1
-total_steps = 10
-waiting_for_members_extra_time = 3
-[model.LLM]
-architecture = "HfLlama"
-data_type = "Pretraining"
-max_seq_len = 512
-optimizer = "Dummy"
-data_location = "Dummy"
-cold_start_warmup_steps = 0
-[model.LLM.checkpoint.Dummy]
-repo_id = ""
-[model.LLM.lr_schedule.Cosine]
-base_lr = 4.0e-4
-warmup_steps = 20
-warmup_init_lr = 0.0
-total_steps = 2000
-final_lr = 4.0e-5
-"""
+from .examples import TEST_STATE
 
 # spec §3.1, derived from upstream: postcard of config/test/state.toml's Coordinator
 TEST_STATE_POSTCARD = (
@@ -120,7 +91,7 @@ def test_test_state_encodes_to_upstreams_bytes() -> None:
 
 
 def test_upstream_test_state_file(upstream_data: UpstreamData) -> None:
-    coordinator = Coordinator.from_state_toml(upstream_data.path("config", "test", "state.toml"))
+    coordinator = load_state_toml(upstream_data.path("config", "test", "state.toml"))
     assert coordinator.to_bytes().hex() == TEST_STATE_POSTCARD
 
 
@@ -258,10 +229,10 @@ def test_merkle_root_in_witness_is_32_raw_bytes() -> None:
 def test_mid_run_state_round_trips_through_toml(tmp_path: Path) -> None:
     coordinator = mid_run().coordinator
     path = tmp_path / "saved.toml"
-    text = dumps_toml(coordinator.to_toml_obj())
+    text = dumps_toml(state_to_toml_obj(coordinator))
     path.write_text(text)
     # u64 values above i64::MAX (a round seed, bloom keys and words) survive, as strings
     assert f'"{U64_MAX}"' in text
-    restored = Coordinator.from_state_toml(path)
+    restored = load_state_toml(path)
     assert restored == coordinator
     assert restored.to_bytes() == coordinator.to_bytes()

@@ -26,7 +26,7 @@ from psyche.coordinator import (
     WitnessProof,
     assign_data_for_state,
 )
-from psyche.coordinator.simulation import (
+from psyche.coordinator.testing import (
     Simulation,
     health_checks_for,
     integration_test_coordinator,

@@ -23,7 +23,7 @@ from psyche.coordinator import (
     HubRepo,
     RunState,
 )
-from psyche.coordinator.simulation import (
+from psyche.coordinator.testing import (
     Simulation,
     integration_test_coordinator,
     simulated_identity,

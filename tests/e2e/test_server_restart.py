@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from psyche.centralized.save_state import load_state
-from psyche.coordinator.coordinator import RunState
+from psyche.coordinator import RunState
 from psyche.coordinator.model import Checkpoint
 
 pytestmark = pytest.mark.slow

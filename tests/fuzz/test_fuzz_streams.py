@@ -105,7 +105,7 @@ def test_coordinator_server_keeps_serving_after_hostile_connections() -> None:
     """Hypothesis-made byte streams over real sockets to a real server, then an honest client."""
     from psyche.centralized.client import CentralizedBackend
     from psyche.centralized.server import ServerOptions, open_server
-    from psyche.centralized.testing import quick_coordinator
+    from psyche.coordinator.testing import quick_coordinator
 
     streams = st.one_of(
         st.binary(max_size=200),

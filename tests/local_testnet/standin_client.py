@@ -12,7 +12,7 @@ import sys
 import trio
 
 from psyche.centralized.client import BackendDisconnected, CentralizedBackend
-from psyche.coordinator.coordinator import RunState
+from psyche.coordinator import RunState
 from psyche.core.identity import SecretKey
 
 

@@ -3,8 +3,9 @@
 Modules (import what you need; nothing heavy is imported here):
 
 * `protocol`: the messages (upstream's, plus the port's appended extensions);
-* `server_core`: the server's rules without I/O; `server`: the trio server (`open_server`);
-* `save_state`: saving and resuming a run; `events`: the `--events-dir` record file;
+* `server`: the trio server (`open_server`), a shell around the server's rules
+  (`psyche.coordinator.server_core.ServerCore`);
+* `save_state`: the saved-state files; `events`: the `--events-dir` record file;
 * `client`: `CentralizedBackend`, the `Backend` a training client talks to;
 * `dashboard`: the server's terminal dashboard; `tiny_run`: the tiny CPU run's assets.
 

@@ -44,8 +44,8 @@ from psyche.centralized.protocol import (
     RunExtras,
     ServerToClientMessage,
 )
+from psyche.coordinator import Coordinator, RunState
 from psyche.coordinator.backend import HealthCheck, OpportunisticData
-from psyche.coordinator.coordinator import Coordinator, RunState
 from psyche.coordinator.model import Checkpoint, LLMTrainingDataLocation
 from psyche.core.cli import UserError
 from psyche.core.node_identity import NodeIdentity

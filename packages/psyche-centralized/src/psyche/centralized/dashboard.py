@@ -17,7 +17,7 @@ from typing import Any
 
 import trio
 
-from psyche.coordinator.coordinator import RunState
+from psyche.coordinator.run_state import RunState
 
 REFRESH_INTERVAL = 0.15
 CTRL_P = 0x10

@@ -1,17 +1,7 @@
-"""Saving the server's coordinator state and resuming a run from it.
+"""Saving the server's coordinator state to files and finding it again.
 
-What a saved state means (docs/centralized.md, "Saving and resuming"): the run as it would be
-right after an epoch ended, so that a restarted server continues it with the clients that hold
-the model. `resume_snapshot` makes that state from the live coordinator:
-
-* at an epoch end (upstream saves there) it only restores the `--init-warmup-time` override and
-  empties `exited_clients`;
-* mid-epoch (the save on shutdown), the epoch is closed as its cooldown would close it: the next
-  epoch starts after the current round's data, the epoch counter advances, non-healthy clients
-  leave, and a Hub/Gcs checkpoint becomes P2P (the clients now hold a newer model than the repo);
-* the clients of the last epoch keep their identities (upstream zeroes them), so when one of
-  them rejoins, joiners fetch the model from it (P2P) rather than from the initial repo;
-* the state is WaitingForMembers (upstream), except that a Finished run stays Finished.
+What a saved state is (the run as right after an epoch ended) is decided by
+`psyche.coordinator.resume.resume_snapshot`; this module writes and reads the files.
 
 Files: `<dir>/<run_id>-step<N>.toml` with N = `progress.step - 1`, the last completed step
 (upstream writes `FixedString`'s Debug form into the name, quotes and all), then `<dir>/latest`,
@@ -23,11 +13,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from psyche.coordinator.coordinator import ClientState, Coordinator, RunState
-from psyche.coordinator.model import Checkpoint
-from psyche.coordinator.run_config import ConfigFileError, dumps_toml
+from psyche.coordinator.coordinator import Coordinator
+from psyche.coordinator.run_config import dumps_toml, load_state_toml, state_to_toml_obj
 from psyche.core.atomic_file import write_atomically
-from psyche.core.numeric import truncating_cast_unsigned, wrapping_u64
 
 LATEST_POINTER = "latest"
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
@@ -43,48 +31,12 @@ def save_file_name(coordinator: Coordinator) -> str:
     return f"{run_id}-step{step}.toml"
 
 
-def close_epoch(coordinator: Coordinator) -> None:
-    """End a running epoch in place as its cooldown tick would (without the clock)."""
-    if coordinator.run_state not in (
-        RunState.RoundTrain,
-        RunState.RoundWitness,
-        RunState.Cooldown,
-    ):
-        return
-    current = coordinator.current_round()
-    if current is not None:
-        batch_size = coordinator.get_target_global_batch_size(current)
-        coordinator.progress.epoch_start_data_index = wrapping_u64(current.data_index + batch_size)
-    coordinator.progress.epoch = truncating_cast_unsigned(coordinator.progress.epoch + 1, 16)
-    epoch_state = coordinator.epoch_state
-    epoch_state.clients = [c for c in epoch_state.clients if c.state is ClientState.Healthy]
-    llm = coordinator.model.value  # type: ignore[attr-defined]
-    match llm.checkpoint:
-        case Checkpoint.Hub(repo) | Checkpoint.Dummy(repo):
-            llm.checkpoint = Checkpoint.P2P(repo)
-        case Checkpoint.Gcs(repo):
-            llm.checkpoint = Checkpoint.P2PGcs(repo)
-    epoch_state.cold_start_epoch = False
-    coordinator.pending_pause = False
-
-
-def resume_snapshot(coordinator: Coordinator, original_warmup_time: int) -> Coordinator:
-    """The state to write to disk (see the module docstring); `coordinator` is not changed."""
-    state = coordinator.copy()
-    state.config.warmup_time = original_warmup_time
-    close_epoch(state)
-    if state.run_state is not RunState.Finished:
-        state.run_state = RunState.WaitingForMembers
-    state.epoch_state.exited_clients = []
-    return state
-
-
 def save_state(directory: Path | str, state: Coordinator) -> Path:
     """Write `state` (already a `resume_snapshot`) and point `latest` at it."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / save_file_name(state)
-    write_atomically(path, dumps_toml(state.to_toml_obj()))
+    write_atomically(path, dumps_toml(state_to_toml_obj(state)))
     write_atomically(directory / LATEST_POINTER, path.name + "\n")
     return path
 
@@ -115,17 +67,14 @@ def resolve_state_path(path: Path | str) -> Path:
 def load_state(path: Path | str) -> Coordinator:
     """Load a state file or the newest save in a directory; raises ConfigFileError or
     SavedStateError with the path and the problem."""
-    return Coordinator.from_state_toml(resolve_state_path(path))
+    return load_state_toml(resolve_state_path(path))
 
 
 __all__ = [
     "LATEST_POINTER",
-    "ConfigFileError",
     "SavedStateError",
-    "close_epoch",
     "load_state",
     "resolve_state_path",
-    "resume_snapshot",
     "save_file_name",
     "save_state",
 ]

@@ -24,7 +24,7 @@ A bad frame or a broken handshake closes that one connection (`psyche.core.tcp`)
 the coordinator rejects is logged and ignored. A port that cannot be listened on is a
 `ServerStartError` naming which of the two ports it is.
 
-Strangers get nothing (see `server_core` and docs/centralized.md): a private run
+Strangers get nothing (see `psyche.coordinator.server_core` and docs/centralized.md): a private run
 (`authorized_keys`) refuses other keys right after their handshake; messages from non-members
 are dropped unheard; nothing a client sends makes the server send more than a bounded amount:
 the peers' endpoint records go out at most once per tick, an extension hello is answered once
@@ -56,9 +56,10 @@ from psyche.centralized.protocol import (
     ServerToClientMessage,
 )
 from psyche.centralized.save_state import save_state
-from psyche.centralized.server_core import DEFAULT_BAN_EPOCHS, ServerCore, TickOutcome
-from psyche.coordinator.coordinator import Coordinator, RunState
+from psyche.coordinator.coordinator import Coordinator
 from psyche.coordinator.model import Checkpoint, HubRepo, LLMTrainingDataLocation
+from psyche.coordinator.run_state import RunState
+from psyche.coordinator.server_core import DEFAULT_BAN_EPOCHS, ServerCore, TickOutcome
 from psyche.core.allowlist import AllowDynamic
 from psyche.core.node_identity import NodeIdentity
 from psyche.core.tcp import (

@@ -1,6 +1,6 @@
-"""Helpers for driving a server in tests and simulations (upstream's `centralized/testing` crate).
+"""Helpers for driving a server over TCP in tests (upstream's `centralized/testing` crate); the
+coordinators they serve and the witnesses they send come from `psyche.coordinator.testing`.
 
-* `quick_coordinator`: upstream's integration-test coordinator with short timings;
 * `fast_options`: server options whose clock runs `speed` times faster than the wall clock (all
   coordinator timings are whole "seconds" of that clock), on loopback, ticking accordingly;
 * `ProtocolClient`: a client that speaks the raw protocol (no training): join, send any
@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 from typing import Any
 
@@ -29,40 +28,12 @@ from psyche.centralized.protocol import (
 )
 from psyche.centralized.server import ServerOptions
 from psyche.coordinator.backend import OpportunisticData
-from psyche.coordinator.coordinator import Coordinator, RunState, WitnessMetadata
-from psyche.coordinator.simulation import (
-    integration_test_coordinator,
-    round_witness_for,
-    warmup_witness_for,
-)
+from psyche.coordinator.coordinator import Coordinator
+from psyche.coordinator.run_state import RunState, WitnessMetadata
+from psyche.coordinator.testing import round_witness_for, warmup_witness_for
 from psyche.core.identity import SecretKey
 from psyche.core.node_identity import NodeIdentity
 from psyche.core.tcp import TcpClient
-
-
-def quick_coordinator(
-    init_min_clients: int = 2,
-    global_batch_size: int = 4,
-    witness_nodes: int = 1,
-    *,
-    run_id: str = "test-run",
-    **config: int,
-) -> Coordinator:
-    """Upstream's test coordinator (step 0, dummy model) with timings of a few "seconds"."""
-    coordinator = integration_test_coordinator(
-        init_min_clients, global_batch_size, witness_nodes, run_id
-    )
-    timings = {
-        "warmup_time": 2,
-        "cooldown_time": 2,
-        "max_round_train_time": 2,
-        "round_witness_time": 1,
-        "epoch_time": 8,
-        "waiting_for_members_extra_time": 1,
-    }
-    timings.update(config)
-    coordinator.config = dataclasses.replace(coordinator.config, **timings)
-    return coordinator
 
 
 def fast_options(speed: float = 10.0, **options: Any) -> ServerOptions:
@@ -218,4 +189,4 @@ class DummyTrainer:
             await self.client.send(ClientToServerMessage.Witness(data))
 
 
-__all__ = ["DummyTrainer", "ProtocolClient", "fast_options", "quick_coordinator"]
+__all__ = ["DummyTrainer", "ProtocolClient", "fast_options"]

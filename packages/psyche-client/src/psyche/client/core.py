@@ -21,15 +21,15 @@ from psyche.client.round_state import (
     ResultEntry,
     RoundState,
 )
-from psyche.coordinator.commitment import Commitment
-from psyche.coordinator.committee_selection import Committee, CommitteeProof, CommitteeSelection
-from psyche.coordinator.coordinator import (
+from psyche.coordinator import (
     BLOOM_FALSE_RATE,
     Client,
     Coordinator,
     Witness,
     WitnessProof,
 )
+from psyche.coordinator.commitment import Commitment
+from psyche.coordinator.committee_selection import Committee, CommitteeProof, CommitteeSelection
 from psyche.coordinator.data_selection import (
     assign_data_for_state,
     get_batch_ids_for_node,

@@ -10,7 +10,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from psyche.coordinator.coordinator import Coordinator, WitnessMetadata
+from psyche.coordinator import Coordinator, WitnessMetadata
 
 _HISTORY = 16
 

@@ -2,12 +2,14 @@
 
 Research code can drive a coordinator directly::
 
-    coordinator = Coordinator.from_state_toml("state.toml")
+    coordinator = load_state_toml("state.toml")
     coordinator.tick(pending_clients, now, seed)
     selection = CommitteeSelection.from_coordinator(coordinator, 0)
     batches = assign_data_for_state(coordinator, selection)
 
-See docs/coordinator.md and `psyche.coordinator.simulation`.
+(`load_state_toml` is in `psyche.coordinator.run_config`.) The server's rules around the state
+machine are `psyche.coordinator.server_core.ServerCore`; `psyche.coordinator.testing` drives one
+as a server and honest clients would. See docs/coordinator.md.
 """
 
 from psyche.coordinator.commitment import Commitment
@@ -26,26 +28,8 @@ from psyche.coordinator.config import (
     ConfigError,
     CoordinatorConfig,
 )
-from psyche.coordinator.coordinator import (
-    BLOOM_FALSE_RATE,
-    MAX_TOKENS_TO_SEND,
-    NUM_STORED_ROUNDS,
-    SOLANA_RUN_ID_MAX_LEN,
-    WITNESS_QUORUM_RAIO,
-    Client,
-    ClientState,
-    Coordinator,
-    CoordinatorEpochState,
-    CoordinatorProgress,
-    HealthChecks,
-    Round,
-    RunState,
-    TickResult,
-    Witness,
-    WitnessBloom,
-    WitnessEvalResult,
-    WitnessMetadata,
-)
+from psyche.coordinator.consensus import WITNESS_QUORUM_RAIO
+from psyche.coordinator.coordinator import Coordinator
 from psyche.coordinator.data_selection import (
     assign_data_for_state,
     get_batch_ids_for_node,
@@ -70,6 +54,24 @@ from psyche.coordinator.model import (
     LLMTrainingDataType,
     Model,
 )
+from psyche.coordinator.run_state import (
+    BLOOM_FALSE_RATE,
+    MAX_TOKENS_TO_SEND,
+    NUM_STORED_ROUNDS,
+    SOLANA_RUN_ID_MAX_LEN,
+    Client,
+    ClientState,
+    CoordinatorEpochState,
+    CoordinatorProgress,
+    HealthChecks,
+    Round,
+    RunState,
+    TickResult,
+    Witness,
+    WitnessEvalResult,
+    WitnessMetadata,
+)
+from psyche.core.bloom import WitnessBloom
 
 __all__ = [
     "BLOOM_FALSE_RATE",

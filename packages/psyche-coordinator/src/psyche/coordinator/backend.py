@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from psyche.coordinator.coordinator import CommitteeProof, Coordinator, Witness, WitnessMetadata
+from psyche.coordinator.committee_selection import CommitteeProof
+from psyche.coordinator.coordinator import Coordinator
 from psyche.coordinator.model import Checkpoint
+from psyche.coordinator.run_state import Witness, WitnessMetadata
 from psyche.core.node_identity import NodeIdentity
 from psyche.core.serde import DataEnum, variant
 

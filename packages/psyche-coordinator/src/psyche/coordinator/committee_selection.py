@@ -8,21 +8,17 @@ which anyone can recompute.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import lru_cache
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from psyche.coordinator.config import SOLANA_MAX_NUM_WITNESSES
+from psyche.coordinator.config import SOLANA_MAX_NUM_WITNESSES, CoordinatorConfig
 from psyche.coordinator.errors import CoordinatorError, CoordinatorErrorKind, CoordinatorPanic
 from psyche.coordinator.shuffle_cache import shuffle_rounds, shuffled_index
 from psyche.core.node_identity import NodeIdentity
 from psyche.core.numeric import U64_MAX
 from psyche.core.serde import U64, RustEnum, SmallBool, struct
 from psyche.core.sha256 import sha256, sha256v
-
-if TYPE_CHECKING:
-    from collections.abc import Sequence
-
-    from psyche.coordinator.coordinator import Client, Coordinator
 
 COMMITTEE_SALT = "committee"
 WITNESS_SALT = "witness"
@@ -59,6 +55,36 @@ class WitnessProof:
     index: U64 = 0
     # Whether the sender claims to be a witness this round.
     witness: SmallBool = False
+
+
+class Member(Protocol):
+    """What a selection reads of a client of the round (a `run_state.Client`)."""
+
+    @property
+    def id(self) -> NodeIdentity: ...
+
+
+class SelectionRound(Protocol):
+    """What a selection reads of a stored round (a `run_state.Round`)."""
+
+    @property
+    def tie_breaker_tasks(self) -> int: ...
+    @property
+    def clients_len(self) -> int: ...
+    @property
+    def random_seed(self) -> int: ...
+
+
+class RoundHistory(Protocol):
+    """What `CommitteeSelection.from_coordinator` reads of a coordinator (a `Coordinator`): its
+    config and its stored rounds. The rounds' types refer to this module's proofs, so this module
+    names only what it reads."""
+
+    @property
+    def config(self) -> CoordinatorConfig: ...
+    def current_round(self) -> SelectionRound | None: ...
+    def previous_round(self) -> SelectionRound | None: ...
+    def previous_previous_round(self) -> SelectionRound | None: ...
 
 
 def _invalid() -> CoordinatorError:
@@ -132,7 +158,7 @@ class CommitteeSelection:
         raise AttributeError("CommitteeSelection is immutable")
 
     @classmethod
-    def from_coordinator(cls, coordinator: Coordinator, offset: int) -> CommitteeSelection:
+    def from_coordinator(cls, coordinator: RoundHistory, offset: int) -> CommitteeSelection:
         """The selection of the current round (offset 0), the previous (-1) or the one before (-2).
 
         Raises `CoordinatorError(NoActiveRound)` when that round does not exist or the offset is
@@ -204,12 +230,12 @@ class CommitteeSelection:
     # ---- verification ------------------------------------------------------------------------
 
     def verify_committee_for_client(
-        self, client_id: NodeIdentity, proof: CommitteeProof, clients: Sequence[Client]
+        self, client_id: NodeIdentity, proof: CommitteeProof, clients: Sequence[Member]
     ) -> bool:
         return _verify_client(client_id, proof.index, clients) and self.verify_committee(proof)
 
     def verify_witness_for_client(
-        self, client_id: NodeIdentity, proof: WitnessProof, clients: Sequence[Client]
+        self, client_id: NodeIdentity, proof: WitnessProof, clients: Sequence[Member]
     ) -> bool:
         return _verify_client(client_id, proof.index, clients) and self.verify_witness(proof)
 
@@ -262,7 +288,7 @@ def _cached_selection(
     )
 
 
-def _verify_client(client_id: NodeIdentity, index: int, clients: Sequence[Client]) -> bool:
+def _verify_client(client_id: NodeIdentity, index: int, clients: Sequence[Member]) -> bool:
     # Checked before the position, so an index past the clients never reaches the shuffle.
     return 0 <= index < len(clients) and clients[index].id.signer == client_id.signer
 

@@ -9,17 +9,16 @@ each gets a contiguous slice in that order: `batch // n` indices, plus one for t
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 from psyche.coordinator.committee_selection import Committee, CommitteeSelection
+from psyche.coordinator.coordinator import Coordinator
 from psyche.coordinator.errors import CoordinatorPanic, CoordinatorUnimplemented
+from psyche.coordinator.run_state import Client, Round
 from psyche.core.batch_id import BatchId
 from psyche.core.deterministic_shuffle import deterministic_shuffle
 from psyche.core.node_identity import NodeIdentity
 from psyche.core.numeric import U64_MAX, wrapping_u64
-
-if TYPE_CHECKING:
-    from psyche.coordinator.coordinator import Client, Coordinator, Round
 
 V = TypeVar("V")
 

@@ -38,7 +38,8 @@ from psyche.coordinator.config import (
     ConfigError,
     CoordinatorConfig,
 )
-from psyche.coordinator.model import LLM, Model
+from psyche.coordinator.coordinator import Coordinator
+from psyche.coordinator.model import LLM, HttpTrainingDataLocation, LLMTrainingDataLocation, Model
 from psyche.core.definitions import LearningRateSchedule
 from psyche.core.serde import SerdeError, from_obj, struct, to_obj
 
@@ -73,8 +74,8 @@ class RunConfigFile:
     model: Model
     # Set for state files; None for plain run configs.
     run_id: str | None = None
-    # The full snapshot for state files (a `psyche.coordinator.Coordinator`).
-    coordinator: Any = None
+    # The full snapshot for state files.
+    coordinator: Coordinator | None = None
     warnings: list[str] = field(default_factory=list)
 
     @property
@@ -98,8 +99,6 @@ class RunConfigFile:
 
 
 def describe_data_location(location: Any) -> str:
-    from psyche.coordinator.model import HttpTrainingDataLocation, LLMTrainingDataLocation
-
     match location:
         case LLMTrainingDataLocation.Dummy():
             return "Dummy"
@@ -156,6 +155,16 @@ def load_run_config(path: Path | str) -> RunConfigFile:
     return parse_run_config(read_toml(path), path)
 
 
+def load_state_toml(path: Path | str) -> Coordinator:
+    """Load a state file (`state.toml`), fully validated; raises `ConfigFileError`."""
+    loaded = load_run_config(path)
+    if loaded.coordinator is None:
+        raise ConfigFileError(
+            path, [("run_id", "missing: a state file needs run_id and run_state")]
+        )
+    return loaded.coordinator
+
+
 def parse_run_config(raw: dict[str, Any], path: Path | str = "<config>") -> RunConfigFile:
     path = Path(path)
     warnings: list[str] = []
@@ -170,9 +179,8 @@ def parse_run_config(raw: dict[str, Any], path: Path | str = "<config>") -> RunC
 
     is_state = "run_id" in doc or "run_state" in doc
     try:
+        coordinator: Coordinator | None
         if is_state:
-            from psyche.coordinator.coordinator import Coordinator
-
             coordinator = from_obj(doc, Coordinator)
             config, model, run_id = coordinator.config, coordinator.model, coordinator.run_id
         else:
@@ -360,6 +368,13 @@ def _all_ints(values: list[Any]) -> bool:
 def run_config_to_obj(config: CoordinatorConfig, model: Model) -> dict[str, Any]:
     """The TOML document of a run config, with backups written as `data_locations`."""
     return {"config": to_obj(config), "model": model_to_obj(model)}
+
+
+def state_to_toml_obj(coordinator: Coordinator) -> dict[str, Any]:
+    """A state as a TOML document (backup data locations as `data_locations`)."""
+    obj: dict[str, Any] = to_obj(coordinator, Coordinator)
+    obj["model"] = model_to_obj(coordinator.model)
+    return obj
 
 
 def model_to_obj(model: Model) -> dict[str, Any]:

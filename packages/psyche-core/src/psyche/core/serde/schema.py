@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, TypeVar
 
-from psyche.core.numeric import I64_MAX, to_f32
+from psyche.core.numeric import to_f32
 
 T = TypeVar("T")
 
@@ -613,8 +613,3 @@ def _resolve_annotated(base: Any, metadata: list[Any]) -> WireType:
                 return WSeq(wire_type(item), m.capacity)
             return WArray(wire_type(item), m.length)
     return wire_type(base)
-
-
-def u64_exceeds_toml(value: int) -> bool:
-    """TOML integers are signed 64-bit: larger `u64` values need another spelling."""
-    return value > I64_MAX

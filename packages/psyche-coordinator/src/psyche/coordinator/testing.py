@@ -1,10 +1,13 @@
-"""Drive a coordinator as the centralized server and honest clients would, without a network.
+"""Drive a coordinator as the centralized server and honest clients would, without a network
+(for tests and research simulations, as `trio.testing` is for trio).
 
-For research simulations and tests. `Simulation` keeps what the server keeps beside the
-coordinator (the clock, the pending clients) and applies the server's rules (upstream
-`centralized/server/src/app.rs`): a Join puts a client in the pending set; a disconnect removes
-it and withdraws it from the run; every tick first drops exited clients from the pending set.
-The `*_witness_for` and `health_checks_for` functions build the messages an honest client sends.
+`Simulation` is a `ServerCore` (the server's rules: pending set, withdraw on disconnect, kicks,
+members only, bans; `psyche.coordinator.server_core`) on a simulated clock. It adds no rule of
+its own: it only supplies the time and the randomness, sends honest clients' messages and reports
+what the coordinator refused. The `*_witness_for` and `health_checks_for` functions build the
+messages an honest client sends; `integration_test_coordinator` and `simulated_identity` are the
+coordinator and the identities of upstream's integration tests (`quick_coordinator`: the same with
+timings of a few seconds).
 
 Everything is deterministic: randomness (round seeds, bloom keys) comes from the seeded
 `random.Random` given to the simulation.
@@ -12,25 +15,28 @@ Everything is deterministic: randomness (round seeds, bloom keys) comes from the
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import random
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
+from psyche.coordinator.backend import OpportunisticData
 from psyche.coordinator.committee_selection import CommitteeSelection, WitnessProof
 from psyche.coordinator.config import CoordinatorConfig
-from psyche.coordinator.coordinator import (
+from psyche.coordinator.coordinator import Coordinator
+from psyche.coordinator.errors import CoordinatorError, CoordinatorPanic
+from psyche.coordinator.model import LLM, Model
+from psyche.coordinator.run_state import (
     ClientState,
-    Coordinator,
     HealthChecks,
     RunState,
     TickResult,
     Witness,
-    WitnessBloom,
+    WitnessMetadata,
 )
-from psyche.coordinator.errors import CoordinatorError
-from psyche.coordinator.model import LLM, Model
+from psyche.coordinator.server_core import DEFAULT_BAN_EPOCHS, ServerCore
+from psyche.core.bloom import WitnessBloom
 from psyche.core.merkle_tree import MerkleRoot
 from psyche.core.node_identity import NodeIdentity
 from psyche.core.sha256 import sha256
@@ -63,6 +69,31 @@ def integration_test_coordinator(
         waiting_for_members_extra_time=2,
     )
     coordinator.epoch_state.first_round = True
+    return coordinator
+
+
+def quick_coordinator(
+    init_min_clients: int = 2,
+    global_batch_size: int = 4,
+    witness_nodes: int = 1,
+    *,
+    run_id: str = "test-run",
+    **config: int,
+) -> Coordinator:
+    """Upstream's test coordinator (step 0, dummy model) with timings of a few "seconds"."""
+    coordinator = integration_test_coordinator(
+        init_min_clients, global_batch_size, witness_nodes, run_id
+    )
+    timings = {
+        "warmup_time": 2,
+        "cooldown_time": 2,
+        "max_round_train_time": 2,
+        "round_witness_time": 1,
+        "epoch_time": 8,
+        "waiting_for_members_extra_time": 1,
+    }
+    timings.update(config)
+    coordinator.config = dataclasses.replace(coordinator.config, **timings)
     return coordinator
 
 
@@ -127,58 +158,74 @@ def health_checks_for(coordinator: Coordinator) -> HealthChecks:
     return checks
 
 
-@dataclass
 class Simulation:
-    """A coordinator with the centralized server's bookkeeping around it.
+    """A `ServerCore` on a simulated clock (`now`, whole seconds), with honest clients' messages.
 
-    Each call returns what the coordinator returned, or the `CoordinatorError` it raised (the
-    server logs those and carries on). `transcript` hashes the coordinator's postcard bytes after
+    The coordinator is driven as given (no start-up preparation: the caller builds the state the
+    server runs). Each call returns what the coordinator returned, or the `CoordinatorError` it
+    refused the event with (the server logs those and carries on); where upstream would panic,
+    the `CoordinatorPanic` is raised. `transcript` hashes the coordinator's postcard bytes after
     every call, so two runs can be compared by one digest.
     """
 
-    coordinator: Coordinator
-    now: int
-    rng: random.Random
-    pending: dict[bytes, NodeIdentity] = field(default_factory=dict)
-    transcript: Any = field(default_factory=hashlib.sha256)
-    # Encoding after every call costs milliseconds at 256 clients; turn off when not needed.
-    record: bool = True
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        now: int,
+        rng: random.Random,
+        *,
+        record: bool = True,
+        ban_epochs: int = DEFAULT_BAN_EPOCHS,
+    ) -> None:
+        self.core = ServerCore(coordinator, coordinator.config.warmup_time, ban_epochs=ban_epochs)
+        self.now = now
+        self.rng = rng
+        self.transcript: Any = hashlib.sha256()
+        # Encoding after every call costs milliseconds at 256 clients; turn off when not needed.
+        self.record = record
+
+    @property
+    def coordinator(self) -> Coordinator:
+        return self.core.coordinator
+
+    @coordinator.setter
+    def coordinator(self, coordinator: Coordinator) -> None:
+        self.core.coordinator = coordinator
+
+    @property
+    def pending(self) -> dict[bytes, NodeIdentity]:
+        """The server's pending clients, by signer, in the order they joined."""
+        return {identity.signer: identity for identity in self.core.pending_clients}
 
     def _record(self) -> None:
         if self.record:
             self.transcript.update(self.coordinator.to_bytes())
 
+    def _refusal(self) -> CoordinatorError | None:
+        refusal = self.core.refusal
+        if isinstance(refusal, CoordinatorPanic):
+            raise refusal
+        return refusal
+
     def join(self, identity: NodeIdentity) -> None:
-        self.pending[identity.signer] = identity
+        self.core.on_join(identity, self.coordinator.run_id)
         self._record()
 
     def disconnect(self, identity: NodeIdentity) -> CoordinatorError | None:
-        """The server's withdraw-on-disconnect."""
-        self.pending.pop(identity.signer, None)
-        outcome = None
-        for index, client in enumerate(self.coordinator.epoch_state.clients):
-            if client.id.signer == identity.signer:
-                try:
-                    self.coordinator.withdraw(index)
-                except CoordinatorError as e:
-                    outcome = e
-                break
+        """The client's connection drops (the server withdraws it)."""
+        self.core.on_disconnect(identity)
         self._record()
-        return outcome
+        return self._refusal()
 
     def tick(self, seconds: int = 1) -> TickResult | CoordinatorError:
         self.now += seconds
-        for client in self.coordinator.epoch_state.exited_clients:
-            if client.state is not ClientState.Healthy:
-                self.pending.pop(client.id.signer, None)
-        try:
-            result: TickResult | CoordinatorError = self.coordinator.tick(
-                list(self.pending.values()), self.now, self.rng.getrandbits(64)
-            )
-        except CoordinatorError as e:
-            result = e
+        outcome = self.core.on_tick(self.now, self.rng.getrandbits(64))
         self._record()
-        return result
+        refusal = self._refusal()
+        if refusal is not None:
+            return refusal
+        assert outcome.result is not None  # the coordinator ticked
+        return outcome.result
 
     def send_warmup_witnesses(self, indices: Iterable[int] | None = None) -> list[CoordinatorError]:
         """Warmup witnesses from the clients at `indices` (default: all), in order."""
@@ -186,13 +233,10 @@ class Simulation:
         chosen = list(range(len(clients)) if indices is None else indices)
         errors = []
         for index in chosen:
-            sender = clients[index].id
-            try:
-                self.coordinator.warmup_witness(
-                    sender, warmup_witness_for(index), self.now, self.rng.getrandbits(64)
-                )
-            except CoordinatorError as e:
-                errors.append(e)
+            data = OpportunisticData.WarmupStep(warmup_witness_for(index))
+            self.core.on_witness(clients[index].id, data, self.now, self.rng.getrandbits(64))
+            if (refusal := self._refusal()) is not None:
+                errors.append(refusal)
         self._record()
         return errors
 
@@ -224,21 +268,31 @@ class Simulation:
             if not proof.witness:
                 continue
             witness = Witness(proof, participant_bloom.copy(), empty_bloom.copy(), MerkleRoot())
-            try:
-                coordinator.witness(client.id, witness, self.now)
-            except CoordinatorError as e:
-                errors.append(e)
+            data = OpportunisticData.WitnessStep((witness, WitnessMetadata()))
+            # a round witness takes no random seed (only a warmup witness can start a round)
+            self.core.on_witness(client.id, data, self.now, 0)
+            if (refusal := self._refusal()) is not None:
+                errors.append(refusal)
         self._record()
         return errors
 
     def send_health_checks(self, sender: NodeIdentity) -> int | CoordinatorError:
+        """`sender` reports every client that was not a healthy trainer of the previous round;
+        returns how many the coordinator dropped."""
+        clients = self.coordinator.epoch_state.clients
+        healthy = [c for c in clients if c.state is ClientState.Healthy]
         try:
             checks = health_checks_for(self.coordinator)
-            dropped = self.coordinator.health_check(sender, checks) if checks else 0
         except CoordinatorError as e:
-            dropped = e
+            self._record()
+            return e
+        if checks:
+            self.core.on_health_check(sender, checks)
         self._record()
-        return dropped
+        refusal = self._refusal()
+        if refusal is not None:
+            return refusal
+        return sum(1 for c in healthy if c.state is ClientState.Dropped)
 
     def run_until(self, predicate: Callable[[Coordinator], bool], max_seconds: int) -> None:
         """Tick once a second until `predicate(coordinator)` holds (or raise after max_seconds)."""

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import random
 
-from psyche.centralized.save_state import close_epoch, resume_snapshot
-from psyche.centralized.server_core import ServerCore, prepare_for_start
-from psyche.centralized.testing import quick_coordinator
+from psyche.coordinator import ClientState, Coordinator, RunState, WitnessMetadata
 from psyche.coordinator.backend import OpportunisticData
-from psyche.coordinator.coordinator import ClientState, Coordinator, RunState, WitnessMetadata
 from psyche.coordinator.model import Checkpoint, HubRepo
-from psyche.coordinator.simulation import (
+from psyche.coordinator.resume import close_epoch, prepare_for_start, resume_snapshot
+from psyche.coordinator.server_core import ServerCore
+from psyche.coordinator.testing import (
     Simulation,
+    quick_coordinator,
     round_witness_for,
     simulated_identity,
     warmup_witness_for,
@@ -183,7 +183,7 @@ def test_health_check_drops_broadcast() -> None:
         sim.tick(1)
     assert sim.coordinator.run_state is RunState.RoundTrain
     core = ServerCore(sim.coordinator, 2)
-    from psyche.coordinator.simulation import health_checks_for
+    from psyche.coordinator.testing import health_checks_for
 
     checks = health_checks_for(core.coordinator)
     assert [c for c, _ in checks] == [simulated_identity(2)]

@@ -4,10 +4,12 @@
 rules for every event: a Join with the run's id makes a client pending; witnesses, health checks
 and checkpoints go to the coordinator; a disconnect removes the client from the pending set and,
 with `withdraw_on_disconnect`, withdraws it from the run (not once the run is Finished, when
-every client leaves); every tick first drops exited clients
-from the pending set, then ticks the coordinator. Each handler returns whether the new state must
-be broadcast (upstream's broadcast rules). The trio shell (`server.py`) supplies time, randomness
-and I/O.
+every client leaves); every tick first drops exited clients from the pending set, then ticks
+the coordinator. Each handler returns whether the new state must be broadcast (upstream's
+broadcast rules). This is the only copy of these rules: the TCP server
+(`psyche.centralized.server`), the in-process server for client tests (`psyche.client.testing`)
+and the simulation (`psyche.coordinator.testing`) all drive a `ServerCore`, supplying time,
+randomness and I/O.
 
 Coordinator errors are logged and the event ignored, as upstream. Where upstream would panic
 (and crash the server), the coordinator raises `CoordinatorPanic` before changing anything; it
@@ -33,18 +35,13 @@ import logging
 import math
 from dataclasses import dataclass, field
 
-from psyche.centralized.save_state import resume_snapshot
 from psyche.coordinator.backend import OpportunisticData
 from psyche.coordinator.committee_selection import CommitteeSelection
-from psyche.coordinator.coordinator import (
-    ClientState,
-    Coordinator,
-    HealthChecks,
-    RunState,
-    TickResult,
-)
+from psyche.coordinator.coordinator import Coordinator
 from psyche.coordinator.errors import CoordinatorError, CoordinatorErrorKind, CoordinatorPanic
 from psyche.coordinator.model import Checkpoint
+from psyche.coordinator.resume import prepare_for_start, resume_snapshot
+from psyche.coordinator.run_state import ClientState, HealthChecks, RunState, TickResult
 from psyche.core.connection_limits import DropLog
 from psyche.core.node_identity import NodeIdentity
 
@@ -57,23 +54,11 @@ _ROUND_STATES = (RunState.RoundTrain, RunState.RoundWitness)
 
 @dataclass(frozen=True)
 class TickOutcome:
-    """What a tick did: `epoch_end` is None, or the success flag of the epoch that ended."""
+    """What a tick did: `epoch_end` is None, or the success flag of the epoch that ended;
+    `result` is what the coordinator's tick returned (None when it refused to tick)."""
 
     epoch_end: bool | None = None
-
-
-def prepare_for_start(coordinator: Coordinator, now: int) -> Coordinator:
-    """The state a server starts from (upstream `reset_ephemeral`, adapted for resuming).
-
-    A running epoch in the file is closed, exited clients are forgotten and the run waits for
-    members (a finished run stays finished). A saved state (one with a state timestamp) counts
-    its waiting time from now, so every returning client has `waiting_for_members_extra_time` to
-    reconnect before the next epoch starts.
-    """
-    state = resume_snapshot(coordinator, coordinator.config.warmup_time)
-    if state.run_state_start_unix_timestamp != 0:
-        state.run_state_start_unix_timestamp = now
-    return state
+    result: TickResult | None = None
 
 
 @dataclass(frozen=True)
@@ -105,6 +90,10 @@ class ServerCore:
     ignored: DropLog = field(default_factory=lambda: DropLog(log, "messages ignored"))
     # Messages the coordinator refused (late or invalid witnesses, ...), by kind.
     rejected: DropLog = field(default_factory=lambda: DropLog(log, "messages rejected"))
+    # The coordinator's refusal of the latest event (None: it accepted, or the event never
+    # reached it). The server only logs refusals; a driver that reports them to its caller (the
+    # simulation in `psyche.coordinator.testing`) reads them here.
+    refusal: CoordinatorError | CoordinatorPanic | None = None
     # Who sent a witness in the current round, and who disconnected in the current epoch.
     _round: tuple[int, int] | None = None
     _witness_senders: set[NodeIdentity] = field(default_factory=set)
@@ -159,6 +148,7 @@ class ServerCore:
     def on_join(self, sender: NodeIdentity, run_id: str) -> bool:
         """A Join for this run makes `sender` pending (a private run only accepts its authorized
         keys). Never a broadcast; a repeated Join changes nothing and logs nothing."""
+        self.refusal = None
         if run_id != self.coordinator.run_id:
             self.ignored.note(
                 "Join for another run",
@@ -189,6 +179,7 @@ class ServerCore:
     def on_witness(
         self, sender: NodeIdentity, data: OpportunisticData, now: int, random_seed: int
     ) -> bool:
+        self.refusal = None
         if self._member(sender, "Witness") is None:
             return False
         before = self.coordinator.run_state
@@ -204,14 +195,17 @@ class ServerCore:
                 case OpportunisticData.WarmupStep(witness):
                     self.coordinator.warmup_witness(sender, witness, now, random_seed)
         except CoordinatorError as e:
+            self.refusal = e
             self.rejected.note(
                 f"Witness ({e.kind.name})", f"Error when processing witness from {sender}: {e}"
             )
         except CoordinatorPanic as e:
+            self.refusal = e
             log.error("witness from %s would crash upstream's server; ignored: %s", sender, e)
         return self.coordinator.run_state is not before
 
     def on_health_check(self, sender: NodeIdentity, checks: HealthChecks) -> bool:
+        self.refusal = None
         if self._member(sender, "HealthCheck") is None:
             return False
         # An honest sender names each unhealthy client once; a longer list can only be repeats,
@@ -229,12 +223,14 @@ class ServerCore:
         try:
             dropped = self.coordinator.health_check(sender, checks)
         except CoordinatorError as e:
+            self.refusal = e
             self.rejected.note(
                 f"HealthCheck ({e.kind.name})",
                 f"Error when processing health check from {sender}: {e}",
             )
             return False
         except CoordinatorPanic as e:
+            self.refusal = e
             log.error("health check from %s would crash upstream's server; ignored: %s", sender, e)
             return False
         log.info("Dropped %d clients from health check", dropped)
@@ -246,6 +242,7 @@ class ServerCore:
     def on_checkpoint(self, sender: NodeIdentity, checkpoint: Checkpoint) -> bool:
         """A member's new checkpoint; broadcast only when it changed the run's (upstream always
         broadcasts, which let anyone make the server send its state to everyone)."""
+        self.refusal = None
         index = self._member(sender, "Checkpoint")
         if index is None:
             return False
@@ -254,6 +251,7 @@ class ServerCore:
         try:
             self.coordinator.checkpoint(sender, index, checkpoint)
         except CoordinatorError as e:
+            self.refusal = e
             self.rejected.note(
                 f"Checkpoint ({e.kind.name})",
                 f"Error when processing checkpoint from {sender}: {e}",
@@ -261,6 +259,7 @@ class ServerCore:
         return bool(llm.checkpoint != before)
 
     def on_disconnect(self, sender: NodeIdentity) -> None:
+        self.refusal = None
         self._disconnected.add(sender)
         self.pending_clients.pop(sender, None)
         if self.client_index(sender) is not None or any(
@@ -275,19 +274,23 @@ class ServerCore:
                 self.coordinator.withdraw(index)
                 log.info("Withdrew %s", sender)
             except CoordinatorError as e:
+                self.refusal = e
                 log.warning("Coordinator withdraw error: %s", e)
 
     def on_tick(self, now: int, random_seed: int) -> TickOutcome:
+        self.refusal = None
         self.kick_unhealthy_clients()
         self._track_round()
         silent = self.silent_witnesses()
         try:
             result = self.coordinator.tick(self.admissible_pending(), now, random_seed)
         except CoordinatorError as e:
+            self.refusal = e
             if e.kind is not CoordinatorErrorKind.Halted:
                 log.warning("Coordinator tick error: %s", e)
             return TickOutcome()
         except CoordinatorPanic as e:
+            self.refusal = e
             log.error("tick would crash upstream's server; state unchanged: %s", e)
             return TickOutcome()
         finally:
@@ -297,8 +300,8 @@ class ServerCore:
             case TickResult.EpochEnd(success):
                 if not success:
                     log.warning("Epoch abandoned")
-                return TickOutcome(epoch_end=success)
-        return TickOutcome()
+                return TickOutcome(epoch_end=success, result=result)
+        return TickOutcome(result=result)
 
     def kick_unhealthy_clients(self) -> None:
         """Exited clients leave the pending set: they must reconnect and Join again.
@@ -407,12 +410,14 @@ class ServerCore:
             self._witness_senders.clear()
 
     def toggle_pause(self, now: int) -> None:
+        self.refusal = None
         try:
             if self.coordinator.run_state is RunState.Paused:
                 self.coordinator.resume(now)
             else:
                 self.coordinator.pause(now)
         except CoordinatorError as e:
+            self.refusal = e
             log.warning("Error pausing: %s", e)
 
     def after_change(self) -> None:
@@ -421,8 +426,8 @@ class ServerCore:
             self.coordinator.config.warmup_time = self.original_warmup_time
 
     def snapshot(self) -> Coordinator:
-        """The state to save (see `save_state.resume_snapshot`)."""
+        """The state to save (see `psyche.coordinator.resume.resume_snapshot`)."""
         return resume_snapshot(self.coordinator, self.original_warmup_time)
 
 
-__all__ = ["ServerCore", "TickOutcome", "prepare_for_start"]
+__all__ = ["DEFAULT_BAN_EPOCHS", "Ban", "ServerCore", "TickOutcome"]

@@ -10,14 +10,14 @@ from dataclasses import replace
 
 import pytest
 
-from psyche.centralized.server_core import ServerCore
-from psyche.centralized.testing import quick_coordinator
+from psyche.coordinator import ClientState, RunState, WitnessMetadata
 from psyche.coordinator.backend import OpportunisticData
 from psyche.coordinator.committee_selection import CommitteeSelection
-from psyche.coordinator.coordinator import ClientState, RunState, WitnessMetadata
 from psyche.coordinator.model import Checkpoint, HubRepo
-from psyche.coordinator.simulation import (
+from psyche.coordinator.server_core import ServerCore
+from psyche.coordinator.testing import (
     health_checks_for,
+    quick_coordinator,
     round_witness_for,
     simulated_identity,
     warmup_witness_for,
@@ -117,7 +117,7 @@ def test_messages_from_non_members_are_dropped_unheard_and_counted(
     index = epoch_clients(core).index(elected_witness(core))
     witness = round_witness_for(core.coordinator, index, participants=[A, B], bloom_keys=range(8))
     assert witness is not None
-    caplog.set_level(logging.INFO, "psyche.centralized.server_core")
+    caplog.set_level(logging.INFO, "psyche.coordinator.server_core")
     for sender in [stranger, C] * 250:
         assert not core.on_checkpoint(sender, Checkpoint.Hub(HubRepo("spam")))
         assert not core.on_witness(
@@ -151,7 +151,7 @@ def test_a_members_repeated_checkpoint_is_not_broadcast_again() -> None:
 
 def test_a_repeated_join_changes_nothing_and_logs_once(caplog: pytest.LogCaptureFixture) -> None:
     core = started()
-    caplog.set_level(logging.INFO, "psyche.centralized.server_core")
+    caplog.set_level(logging.INFO, "psyche.coordinator.server_core")
     for _ in range(200):
         assert core.on_join(A, RUN) is False
         assert core.on_join(B, "another-run") is False

@@ -1,0 +1,33 @@
+"""A run whose training data its own server hosts (`data_location = Server`): the tiny run's
+dataset written into a test's directory, and a quick coordinator pointing at the data port."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from psyche.centralized.tiny_run import write_tiny_dataset
+from psyche.coordinator.coordinator import Coordinator
+from psyche.coordinator.model import Checkpoint, HubRepo, LLMTrainingDataLocation
+from psyche.coordinator.testing import quick_coordinator
+from psyche.data_provider import DataServerInfo
+
+from ..processes import REPO, free_port
+
+
+def hosted(directory: Path, *, port: int | None = None) -> tuple[Coordinator, DataServerInfo]:
+    """The coordinator (one client starts an epoch, a Dummy checkpoint) and its `data.toml`;
+    the data port is `port`, or a free one."""
+    write_tiny_dataset(
+        directory / "data",
+        tokenizer_path=REPO / "configs/tiny-cpu/model/tokenizer.json",
+        seq_len=32,
+        min_sequences=64,
+    )
+    (directory / "data.toml").write_text(
+        f'dir = "data"\ntoken_size = "TwoBytes"\nseq_len = 32\nshuffle_seed = {list(range(32))}\n'
+    )
+    coordinator = quick_coordinator(init_min_clients=1)
+    llm = coordinator.model.value  # type: ignore[attr-defined]
+    llm.data_location = LLMTrainingDataLocation.Server(f"127.0.0.1:{port or free_port()}")
+    llm.checkpoint = Checkpoint.Dummy(HubRepo(""))
+    return coordinator, DataServerInfo.load(directory / "data.toml")
