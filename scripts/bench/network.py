@@ -27,9 +27,10 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
-from psyche.network.connection import DownloadComplete, MessageReceived
-from psyche.network.model_download import fetch_model_from_peers
-from psyche.network.model_sharing import SharableModel, model_hash
+from psyche.network.download import DownloadComplete
+from psyche.network.events import MessageReceived
+from psyche.network.model_download import ModelDownload
+from psyche.network.sharable_model import SharableModel, model_hash
 from psyche.network.testing import connect_pairs, open_nodes, ring, serve_model, wait_until
 from psyche.network.transmittable import DownloadType
 
@@ -123,11 +124,16 @@ def row(
 
 async def bench_blobs(repeats: int) -> list[str]:
     lines = []
-    async with open_nodes(2, download_type=bytes) as (provider, requester):
+    async with open_nodes(2) as (provider, requester):
         for label, size in (("blob 64 MiB", 64 * MIB), ("blob 83 MB", 83_000_000)):
             blob = os.urandom(size)
             lines.append(await bench_one_blob(repeats, label, provider, requester, blob, size))
-    async with open_nodes(2) as (provider, requester):
+    from psyche.modeling.serialized_distro import TransmittableDistroResult
+
+    async with open_nodes(2, distro_result_type=TransmittableDistroResult) as (
+        provider,
+        requester,
+    ):
         # What the client really fetches: a DisTrO result (16 tensor pairs, 64 MiB of data).
         payload = distro_result(64 * MIB, 16)
         lines.append(
@@ -144,7 +150,6 @@ def distro_result(total: int, count: int):  # type: ignore[no-untyped-def]
         SerializedDistroResult,
         TransmittableDistroResult,
     )
-    from psyche.network.transmittable import TransmittableDownload
 
     each = total // (2 * count)
 
@@ -152,9 +157,7 @@ def distro_result(total: int, count: int):  # type: ignore[no-untyped-def]
         return SerializableTensor([each], 0, False, SerializableTensorData.Full(os.urandom(each)))
 
     results = [SerializedDistroResult(tensor(), tensor(), [64, 64], 4096) for _ in range(count)]
-    return TransmittableDownload.DistroResult(
-        TransmittableDistroResult(1, 0, BatchId(0, 15), results)
-    )
+    return TransmittableDistroResult(1, 0, BatchId(0, 15), results)
 
 
 async def bench_one_blob(
@@ -177,8 +180,8 @@ async def bench_one_blob(
         requester.store.delete_prefix("bench-")
         requester.store.gc()
         start = time.perf_counter()
-        requester.start_download(t, "bench-blob", DownloadType.DistroResult([]))
-        event = await requester.next_event()
+        download = requester.start_download(t, "bench-blob", DownloadType.DistroResult([]))
+        event = await download.finished()
         elapsed = time.perf_counter() - start
         assert isinstance(event, DownloadComplete)
         if expected_len is not None:
@@ -205,7 +208,7 @@ async def bench_gossip_ring(rounds: int) -> list[str]:
     )
     from psyche.core.merkle_tree import MerkleRoot
 
-    async with open_nodes(6) as nodes:
+    async with open_nodes(6, broadcast_type=Broadcast) as nodes:
         await connect_pairs(nodes, ring(6))
         await wait_until(lambda: all(len(n.neighbors()) >= 2 for n in nodes), timeout=15)
         sender, receivers = nodes[0], nodes[1:]
@@ -280,7 +283,7 @@ async def bench_model(repeats: int) -> list[str]:
             joiner.store.delete_prefix("model-")
             joiner.store.gc()
             start = time.perf_counter()
-            got = await fetch_model_from_peers(joiner, ids)
+            got = await ModelDownload(joiner, ids).run()
             elapsed = time.perf_counter() - start
             assert model_hash(got.parameters) == expected
             return elapsed

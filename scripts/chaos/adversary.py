@@ -93,12 +93,12 @@ class Adversary:
     # ---- the run ---------------------------------------------------------------------------
 
     async def run(self) -> None:
-        from psyche.client.broadcast import Broadcast
-        from psyche.network.connection import NetworkConfig, NetworkConnection
+        from psyche.client.broadcast import open_network
+        from psyche.network.connection import NetworkConfig
 
         config = NetworkConfig(run_id=self.args.run_id, secret_key=self.key, bind_host="127.0.0.1")
         async with (
-            NetworkConnection.open(config, broadcast_type=Broadcast) as network,
+            open_network(config) as network,
             trio.open_nursery() as nursery,
         ):
             self.network = network
@@ -147,7 +147,7 @@ class Adversary:
                     return
 
     async def on_state(self, state: Any, backend: Any) -> None:
-        from psyche.coordinator import RunState
+        from psyche.coordinator.coordinator import RunState
 
         if state.run_state is RunState.Warmup and not self.warmup_sent:
             await self.warmup(state, backend)
@@ -158,9 +158,9 @@ class Adversary:
     async def warmup(self, state: Any, backend: Any) -> None:
         """Behave during warmup, so the run starts with this member in it."""
         from psyche.client import core
-        from psyche.coordinator import Witness, WitnessProof
         from psyche.coordinator.backend import OpportunisticData
         from psyche.coordinator.committee_selection import CommitteeProof
+        from psyche.coordinator.coordinator import Witness, WitnessProof
         from psyche.core.bloom import WitnessBloom
 
         self.warmup_sent = True
@@ -204,7 +204,7 @@ class Adversary:
     async def listen(self) -> None:
         """Remember the run's training results, to witness like an honest witness would."""
         from psyche.client.broadcast import BroadcastType
-        from psyche.network.connection import MessageReceived
+        from psyche.network.events import MessageReceived
 
         while True:
             event = await self.network.next_event()
@@ -228,8 +228,8 @@ class Adversary:
     async def witness(self, backend: Any, step: int, witness_proof: Any) -> None:
         """A hostile witness: it vouches for every result it heard of, its own lies included."""
         from psyche.client import core
-        from psyche.coordinator import BLOOM_FALSE_RATE, Witness, WitnessMetadata
         from psyche.coordinator.backend import OpportunisticData
+        from psyche.coordinator.coordinator import BLOOM_FALSE_RATE, Witness, WitnessMetadata
         from psyche.core.bloom import WitnessBloom
         from psyche.core.sha256 import sha256
 
@@ -252,7 +252,6 @@ class Adversary:
     async def payload_attack(self, mode: str, step: int, proof: Any, batch_id: Any) -> None:
         from psyche.client.broadcast import BroadcastType, TrainingResult
         from psyche.network.ticket import BlobFormat, BlobTicket, blob_hash
-        from psyche.network.transmittable import TransmittableDownload
 
         network = self.network
         tag = f"distro-result_{step}"
@@ -265,9 +264,7 @@ class Adversary:
             commitment_hash = hashlib.sha256(data).digest()
         else:
             payload = _bogus_payload(step - 1 if mode == "wrong-step" else step, batch_id)
-            ticket, _ = await network.add_downloadable(
-                TransmittableDownload.DistroResult(payload), tag
-            )
+            ticket, _ = await network.add_downloadable(payload, tag)
             commitment_hash = payload.compute_hash()
             if mode == "hash-mismatch":
                 commitment_hash = hashlib.sha256(b"not the payload" + commitment_hash).digest()
@@ -298,12 +295,9 @@ class Adversary:
 
     async def unassigned_attack(self, step: int, proof: Any, batch_id: Any) -> None:
         from psyche.client.broadcast import BroadcastType, TrainingResult
-        from psyche.network.transmittable import TransmittableDownload
 
         payload = _bogus_payload(step, batch_id)
-        ticket, _ = await self.network.add_downloadable(
-            TransmittableDownload.DistroResult(payload), f"distro-result_{step}"
-        )
+        ticket, _ = await self.network.add_downloadable(payload, f"distro-result_{step}")
         self.network.broadcast(
             self._broadcast(
                 step, proof, payload.compute_hash(),

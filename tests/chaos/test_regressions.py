@@ -10,9 +10,10 @@ from pathlib import Path
 
 import trio
 
-from psyche.coordinator import ClientState, RunState
-from psyche.coordinator.server_core import ServerCore
-from psyche.coordinator.testing import quick_coordinator, simulated_identity
+from psyche.centralized.server_core import ServerCore
+from psyche.centralized.testing import quick_coordinator
+from psyche.coordinator.coordinator import ClientState, RunState
+from psyche.coordinator.simulation import simulated_identity
 
 NOW = 1_000_000
 A, B, C = (simulated_identity(i) for i in range(3))
@@ -50,7 +51,7 @@ def test_a_round_without_witnesses_does_not_lock_everyone_out() -> None:
     the pending set on every tick, and the run never started again although two clients were
     connected and waiting."""
     from psyche.coordinator.backend import OpportunisticData
-    from psyche.coordinator.testing import warmup_witness_for
+    from psyche.coordinator.simulation import warmup_witness_for
 
     core = ServerCore.start(quick_coordinator(init_min_clients=2, witness_nodes=1), now=NOW)
     for client in (A, B, C):
@@ -76,13 +77,13 @@ def test_libp2p_addresses_follow_the_announce_host() -> None:
     """partition: a node bound to one address announced its libp2p listener at the bound
     address and its blob listener at the announce host, so peers bypassed the announced route
     (a NAT's public address) for gossip."""
-    from psyche.client.broadcast import Broadcast
-    from psyche.network.connection import NetworkConfig, NetworkConnection
+    from psyche.client.broadcast import open_network
+    from psyche.network.connection import NetworkConfig
     from psyche.network.ticket import TransportAddr
 
     async def main() -> list[str]:
         config = NetworkConfig(run_id="r", bind_host="127.0.0.1", announce_host="127.0.0.9")
-        async with NetworkConnection.open(config, broadcast_type=Broadcast) as network:
+        async with open_network(config) as network:
             addrs = network.endpoint_addr().addrs
             return [
                 a.value
@@ -146,13 +147,13 @@ else:
 def test_a_saved_state_that_hits_a_full_disk_keeps_the_previous_one(tmp_path: Path) -> None:
     """disk-full on the server: the state file and `latest` are replaced whole or not at all."""
     from psyche.centralized.save_state import load_state, save_state
-    from psyche.coordinator.testing import quick_coordinator
+    from psyche.centralized.testing import quick_coordinator
 
     first = save_state(tmp_path, quick_coordinator())
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     code = f"""
 from psyche.centralized.save_state import save_state
-from psyche.coordinator.testing import quick_coordinator
+from psyche.centralized.testing import quick_coordinator
 state = quick_coordinator()
 state.progress.step = 42
 try:

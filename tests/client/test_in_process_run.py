@@ -14,7 +14,7 @@ import pytest
 import torch
 import trio
 
-from psyche.client.broadcast import Broadcast
+from psyche.client.broadcast import open_network
 from psyche.client.client import Client
 from psyche.client.init import RunInitConfig
 from psyche.client.model_loading import preload_modeling
@@ -23,17 +23,17 @@ from psyche.coordinator import (
     Checkpoint,
     Coordinator,
     CoordinatorConfig,
-    CoordinatorProgress,
     HubRepo,
     LLMTrainingDataLocation,
     RunState,
 )
+from psyche.coordinator.coordinator import CoordinatorProgress
 from psyche.coordinator.model import LLM, LLMArchitecture, LLMTrainingDataType, Model
 from psyche.core.definitions import ConstantLR, Distro, LearningRateSchedule, OptimizerDefinition
 from psyche.core.identity import SecretKey
 from psyche.core.node_identity import NodeIdentity
 from psyche.modeling.configs import llama_config_dict
-from psyche.network.connection import NetworkConfig, NetworkConnection
+from psyche.network.connection import NetworkConfig
 
 SEQ = 32
 RUN_ID = "in-process"
@@ -115,7 +115,7 @@ async def run_client(server: InProcessServer, number: int) -> None:
     identity = NodeIdentity.from_single_key(key.public_key)
     config = NetworkConfig(run_id=RUN_ID, secret_key=key, bind_host="127.0.0.1")
     async with (
-        NetworkConnection.open(config, broadcast_type=Broadcast) as network,
+        open_network(config) as network,
         server.connect(identity, RUN_ID) as backend,
     ):
         await Client(backend, network, RunInitConfig(identity, key, device="cpu")).run()
@@ -188,7 +188,7 @@ async def run_client_until_finished(
     checkpoint = None if checkpoint_dir is None else CheckpointConfig(checkpoint_dir)
     config = NetworkConfig(run_id=RUN_ID, secret_key=key, bind_host="127.0.0.1")
     async with (
-        NetworkConnection.open(config, broadcast_type=Broadcast) as network,
+        open_network(config) as network,
         server.connect(identity, RUN_ID) as backend,
     ):
         client = Client(

@@ -50,7 +50,7 @@ def _key(n: int) -> Any:
 
 
 def _coordinator() -> Any:
-    from psyche.coordinator.testing import quick_coordinator
+    from psyche.centralized.testing import quick_coordinator
 
     return quick_coordinator()
 
@@ -257,13 +257,12 @@ def _targets() -> dict[str, Callable[[], Target]]:
         return Target(decode, samples)
 
     def blob_payload() -> Target:
-        from psyche.core.serde import to_bytes
-        from psyche.network.connection import decode_blob
-        from psyche.network.transmittable import TransmittableDownload
+        from psyche.modeling.serialized_distro import TransmittableDistroResult
+        from psyche.network.transmittable import download_codec
 
+        codec = download_codec(TransmittableDistroResult)
         payload, _ = _good_distro()
-        samples = [to_bytes(TransmittableDownload.DistroResult(payload), TransmittableDownload)]
-        return Target(lambda b: decode_blob(b, TransmittableDownload), samples)
+        return Target(codec.decode, [codec.encode(payload)])
 
     def distro_payload() -> Target:
         from psyche.modeling.serialized_distro import (

@@ -1,5 +1,6 @@
-"""Zero-copy decoding of downloaded blobs (`from_bytes(..., borrow=True)`): the same values and
-errors as a copying decode, with every `Vec<u8>` field a read-only view into the blob."""
+"""Zero-copy decoding of downloaded blobs (`DownloadCodec.decode`, serde's borrow mode): the same
+values and errors as a copying decode, with every `Vec<u8>` field a read-only view into the blob;
+and the blob bytes of upstream's `TransmittableDownload` enum."""
 
 from __future__ import annotations
 
@@ -18,23 +19,38 @@ from psyche.modeling.serialized_distro import (
     TransmittableDistroResult,
     torch_from_serializable_tensor,
 )
-from psyche.network.connection import decode_blob as from_blob
 from psyche.network.transmittable import (
-    TransmittableDownload,
+    DownloadCodec,
     TransmittableModelConfig,
     TransmittableModelParameter,
+    download_codec,
 )
+
+CODEC = download_codec(TransmittableDistroResult)
+"""The client's blobs: upstream's enum with the DisTrO result in its first variant."""
+TransmittableDownload = CODEC.wire_enum
+
+
+class UpstreamTransmittableDownload(DataEnum):
+    """upstream download/manager.rs, declared statically: the bytes every blob must keep."""
+
+    DistroResult = var(TransmittableDistroResult)
+    ModelParameter = var(TransmittableModelParameter)
+    ModelConfig = var(TransmittableModelConfig)
+
+
+def from_blob(blob: bytes | bytearray, tp: object) -> object:
+    """Serde's borrow mode, which `DownloadCodec.decode` uses for every verified blob."""
+    return from_bytes(blob, tp, borrow=True)
 
 
 def tensor(data: bytes, kind: int = 0) -> SerializableTensor:
     return SerializableTensor([len(data)], kind, False, SerializableTensorData.Full(data))
 
 
-def distro(step: int, payloads: list[bytes]) -> TransmittableDownload:
+def distro(step: int, payloads: list[bytes]) -> TransmittableDistroResult:
     results = [SerializedDistroResult(tensor(p), tensor(p[::-1]), [4, 8], 32) for p in payloads]
-    return TransmittableDownload.DistroResult(
-        TransmittableDistroResult(step, 7, BatchId(1, 9), results)
-    )
+    return TransmittableDistroResult(step, 7, BatchId(1, 9), results)
 
 
 def views_into(value: object, blob: bytes | bytearray) -> list[memoryview]:
@@ -58,28 +74,20 @@ def views_into(value: object, blob: bytes | bytearray) -> list[memoryview]:
 
 
 @pytest.mark.parametrize(
-    "value, tp, fields",
+    "value, codec, fields",
     [
-        (b"\x00" * 100_000 + b"end", bytes, 1),
-        (distro(3, [b"abc", bytes(range(256)) * 40]), TransmittableDownload, 4),
-        (
-            TransmittableDownload.ModelParameter(
-                TransmittableModelParameter(b"model.w", b"\x01\x02" * 5000)
-            ),
-            TransmittableDownload,
-            2,
-        ),
-        (
-            TransmittableDownload.ModelConfig(TransmittableModelConfig("{}", "tok", ["a", "b"])),
-            TransmittableDownload,
-            0,
-        ),
+        (b"\x00" * 100_000 + b"end", download_codec(bytes), 1),
+        (distro(3, [b"abc", bytes(range(256)) * 40]), CODEC, 4),
+        (TransmittableModelParameter(b"model.w", b"\x01\x02" * 5000), CODEC, 2),
+        (TransmittableModelConfig("{}", "tok", ["a", "b"]), CODEC, 0),
     ],
 )
-def test_same_values_as_serde_without_copying(value: object, tp: object, fields: int) -> None:
-    blob = bytearray(to_bytes(value, tp))  # a received blob is a bytearray
-    decoded = from_blob(blob, tp)
-    assert decoded == from_bytes(blob, tp) == value
+def test_same_values_as_serde_without_copying(
+    value: object, codec: DownloadCodec, fields: int
+) -> None:
+    blob = bytearray(codec.encode(value))  # a received blob is a bytearray
+    decoded = codec.decode(blob)
+    assert decoded == from_bytes(blob, codec.wire_enum).value == value
     views = views_into(decoded, blob)
     assert len(views) == fields
     base = np.frombuffer(blob, np.uint8)
@@ -90,18 +98,12 @@ def test_same_values_as_serde_without_copying(value: object, tp: object, fields:
 
 def test_views_are_usable_as_bytes() -> None:
     raw = np.arange(12, dtype=np.float32).tobytes()
-    blob = bytearray(to_bytes(distro(1, [raw]), TransmittableDownload))
-    decoded = from_blob(blob, TransmittableDownload)
-    sparse_idx = decoded.value.distro_results[0].sparse_idx
+    blob = bytearray(CODEC.encode(distro(1, [raw])))
+    decoded = CODEC.decode(blob)
+    sparse_idx = decoded.distro_results[0].sparse_idx
     assert torch_from_serializable_tensor(sparse_idx).tolist() == list(raw)
-    assert decoded.value.compute_hash() == distro(1, [raw]).value.compute_hash()
-    parameter = from_blob(
-        to_bytes(
-            TransmittableDownload.ModelParameter(TransmittableModelParameter(b"w.\xc3\xa9", b"x")),
-            TransmittableDownload,
-        ),
-        TransmittableDownload,
-    ).value
+    assert decoded.compute_hash() == distro(1, [raw]).compute_hash()
+    parameter = CODEC.decode(CODEC.encode(TransmittableModelParameter(b"w.\xc3\xa9", b"x")))
     assert parameter.name() == "w.é"
     assert hash(parameter.param_value_bytes) == hash(b"x")
 
@@ -121,15 +123,22 @@ class Shape(DataEnum):
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=40))
 def test_hostile_input_is_refused_exactly_as_serde_refuses_it(data: bytes) -> None:
-    for tp in (Shape, TransmittableDownload, bytes):
+    decoders = [
+        (Shape, lambda b: from_blob(b, Shape)),
+        (bytes, lambda b: from_blob(b, bytes)),
+        (TransmittableDownload, CODEC.decode),
+    ]
+    for tp, decode in decoders:
         try:
             expected = from_bytes(data, tp)
         except PostcardError as e:
             with pytest.raises(PostcardError) as got:
-                from_blob(data, tp)
+                decode(data)
             assert str(got.value) == str(e)
         else:
-            assert from_blob(data, tp) == expected
+            if isinstance(expected, TransmittableDownload):
+                expected = expected.value
+            assert decode(data) == expected
 
 
 def test_truncations_and_trailing_bytes() -> None:
@@ -156,3 +165,28 @@ def test_first_use_from_many_threads_at_once() -> None:
     with ThreadPoolExecutor(8) as pool:
         results = list(pool.map(lambda _: from_blob(data, Fresh), range(64)))
     assert all(r == value for r in results)
+
+
+def test_blobs_keep_upstreams_bytes() -> None:
+    """Each payload travels as its variant of upstream's enum (0 DistroResult, 1 ModelParameter,
+    2 ModelConfig), whichever type the application gives the DisTrO result."""
+    upstream = UpstreamTransmittableDownload
+    cases = [
+        (distro(2, [b"xyz"]), upstream.DistroResult),
+        (TransmittableModelParameter(b"w", b"\x00\x01"), upstream.ModelParameter),
+        (TransmittableModelConfig("{}", "tok", ["w"]), upstream.ModelConfig),
+    ]
+    for payload, variant in cases:
+        blob = CODEC.encode(payload)
+        assert blob == to_bytes(variant(payload), upstream)
+        assert blob[0] == variant.index
+        assert CODEC.decode(blob) == payload
+    raw = download_codec(bytes)
+    assert raw.encode(b"abc") == b"\x00\x03abc"
+    assert raw.encode(TransmittableModelConfig("{}", "", [])) == to_bytes(
+        upstream.ModelConfig(TransmittableModelConfig("{}", "", [])), upstream
+    )
+    with pytest.raises(TypeError, match="not a blob payload"):
+        CODEC.encode(b"abc")  # this codec's DisTrO results are not raw bytes
+    with pytest.raises(PostcardError, match="invalid variant index 3"):
+        CODEC.decode(b"\x03")

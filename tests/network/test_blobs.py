@@ -13,8 +13,7 @@ from psyche.core.identity import SecretKey
 from psyche.network import blob_protocol
 from psyche.network.blob_protocol import BlobRefused, HashMismatch
 from psyche.network.blob_transport import TcpBlobTransport
-from psyche.network.connection import NetworkConnection
-from psyche.network.download import DownloadComplete, DownloadFailed
+from psyche.network.download import Download, DownloadComplete, DownloadFailed, DownloadOutcome
 from psyche.network.testing import connect_pairs, open_nodes
 from psyche.network.ticket import (
     BlobFormat,
@@ -26,23 +25,17 @@ from psyche.network.ticket import (
 from psyche.network.transmittable import (
     DownloadType,
     ModelRequestType,
-    TransmittableDownload,
     TransmittableModelParameter,
 )
 
 
-def payload(size: int, name: str = "w") -> TransmittableDownload:
-    return TransmittableDownload.ModelParameter(
-        TransmittableModelParameter(name.encode(), os.urandom(size))
-    )
+def payload(size: int, name: str = "w") -> TransmittableModelParameter:
+    return TransmittableModelParameter(name.encode(), os.urandom(size))
 
 
-async def next_download_event(node: NetworkConnection) -> DownloadComplete | DownloadFailed:
+async def finished(download: Download) -> DownloadOutcome:
     with trio.fail_after(10):
-        while True:
-            event = await node.next_event()
-            if isinstance(event, DownloadComplete | DownloadFailed):
-                return event
+        return await download.finished()
 
 
 async def serve_truncated(
@@ -102,8 +95,9 @@ def test_download_verifies_serves_onward_and_survives_bad_providers() -> None:
             ticket, size = await a.add_downloadable(data, "distro-result_1")
             assert ticket.provider == a.endpoint_id and ticket.size == size
 
-            b.start_download(ticket, "distro-result_1", DownloadType.DistroResult([]))
-            done = await next_download_event(b)
+            done = await finished(
+                b.start_download(ticket, "distro-result_1", DownloadType.DistroResult([]))
+            )
             assert isinstance(done, DownloadComplete)
             assert done.data == data and done.hash == ticket.hash and done.from_ == a.endpoint_id
             assert a.bytes_served == size
@@ -116,8 +110,11 @@ def test_download_verifies_serves_onward_and_survives_bad_providers() -> None:
             a.store._blobs[ticket.hash] = bytes(corrupted)
             b_addr = b.endpoint_addr()
             c.address_book.add(b_addr)
-            c.start_download(ticket, "distro-result_1", DownloadType.DistroResult([b.endpoint_id]))
-            done = await next_download_event(c)
+            done = await finished(
+                c.start_download(
+                    ticket, "distro-result_1", DownloadType.DistroResult([b.endpoint_id])
+                )
+            )
             assert isinstance(done, DownloadComplete) and done.data == data
             failures = [(p, r) for h, p, r in c.downloader.provider_failures if h == ticket.hash]
             assert failures and failures[0][0] == a.endpoint_id and "corrupted" in failures[0][1]
@@ -138,10 +135,11 @@ def test_download_verifies_serves_onward_and_survives_bad_providers() -> None:
                 ticket.hash,
                 ticket.size,
             )
-            d.start_download(
-                dying_ticket, "distro-result_1", DownloadType.DistroResult([b.endpoint_id])
+            done = await finished(
+                d.start_download(
+                    dying_ticket, "distro-result_1", DownloadType.DistroResult([b.endpoint_id])
+                )
             )
-            done = await next_download_event(d)
             assert isinstance(done, DownloadComplete) and done.data == data
             (failure,) = [f for f in d.downloader.provider_failures if f[1] == dying.public_key]
             assert "closed after" in failure[2]
@@ -149,8 +147,9 @@ def test_download_verifies_serves_onward_and_survives_bad_providers() -> None:
             # with no other provider the download fails, and says so
             d.store.delete_tag("distro-result_1")
             d.store.gc()
-            d.start_download(dying_ticket, "distro-result_1", DownloadType.DistroResult([]))
-            failed = await next_download_event(d)
+            failed = await finished(
+                d.start_download(dying_ticket, "distro-result_1", DownloadType.DistroResult([]))
+            )
             assert isinstance(failed, DownloadFailed) and failed.error == "Download error"
             nursery.cancel_scope.cancel()
 
@@ -166,13 +165,14 @@ def test_outsiders_are_refused_blobs_both_ways() -> None:
                 await outsider.blob_transport.fetch(
                     ticket.addr, ticket.hash, ticket.size, lambda n: None
                 )
-            outsider.start_download(ticket, "t", DownloadType.DistroResult([]))
-            assert isinstance(await next_download_event(outsider), DownloadFailed)
+            download = outsider.start_download(ticket, "t", DownloadType.DistroResult([]))
+            assert isinstance(await finished(download), DownloadFailed)
 
             # nor does a run member download from an outsider, even with the right hash
             theirs, _ = await outsider.add_downloadable(payload(1000), "distro-result_1")
-            a.start_download(theirs, "distro-result_1", DownloadType.DistroResult([]))
-            failed = await next_download_event(a)
+            failed = await finished(
+                a.start_download(theirs, "distro-result_1", DownloadType.DistroResult([]))
+            )
             assert isinstance(failed, DownloadFailed)
             assert [
                 r for _, p, r in a.downloader.provider_failures if p == outsider.endpoint_id
@@ -229,8 +229,9 @@ def test_hostile_blob_requests_do_not_harm_the_provider() -> None:
                 await b.blob_transport.fetch(lying.addr, lying.hash, lying.size, lambda n: None)
 
             # the provider still serves honest requests
-            b.start_download(ticket, "distro-result_1", DownloadType.DistroResult([]))
-            done = await next_download_event(b)
+            done = await finished(
+                b.start_download(ticket, "distro-result_1", DownloadType.DistroResult([]))
+            )
             assert isinstance(done, DownloadComplete) and done.data == data
 
     trio.run(main)
@@ -307,9 +308,9 @@ def test_a_hanging_provider_hits_the_download_timeout() -> None:
             a.set_allowed_peers([silent.public_key])
             addr = EndpointAddr(silent.public_key, [TransportAddr.BlobTcp(f"127.0.0.1:{port}")])
             ticket = BlobTicket(addr, BlobFormat.Raw, bytes(32), 10)
-            a.start_download(ticket, "distro-result_1", DownloadType.DistroResult([]))
+            download = a.start_download(ticket, "distro-result_1", DownloadType.DistroResult([]))
             # the provider never answers, so only the download timeout can end this download
-            failed = await next_download_event(a)
+            failed = await finished(download)
             assert isinstance(failed, DownloadFailed) and "timed out after 0.5 s" in failed.error
             nursery.cancel_scope.cancel()
 

@@ -20,8 +20,9 @@ from psyche.client.broadcast import (
 from psyche.core.identity import SecretKey
 from psyche.core.merkle_tree import MerkleRoot
 from psyche.core.signed_message import SignedMessage
-from psyche.network.connection import MessageReceived, NetworkConnection
+from psyche.network.connection import NetworkConnection
 from psyche.network.download import DownloadComplete
+from psyche.network.events import MessageReceived
 from psyche.network.gossip import GossipRejected, gossip_topic
 from psyche.network.identity import peer_id_from_public_key
 from psyche.network.testing import connect_pairs, full_mesh, open_nodes, ring, wait_until
@@ -88,7 +89,7 @@ async def wait_for_mesh(nodes: list[NetworkConnection], minimum: int) -> None:
 
 def test_gossip_reaches_six_nodes_and_rebroadcast_heals() -> None:
     async def main() -> None:
-        async with open_nodes(6) as nodes:
+        async with open_nodes(6, broadcast_type=Broadcast) as nodes:
             await connect_pairs(nodes, ring(6))  # 0-1-2-3-4-5-0: up to three hops
             await wait_for_mesh(nodes, 2)
             sender = nodes[0]
@@ -149,8 +150,8 @@ def test_gossip_reaches_six_nodes_and_rebroadcast_heals() -> None:
 def test_hostile_gossip_is_dropped_without_harm() -> None:
     async def main() -> None:
         async with (
-            open_nodes(3) as nodes,
-            open_nodes(1, run_id="another-run") as (stranger,),
+            open_nodes(3, broadcast_type=Broadcast) as nodes,
+            open_nodes(1, run_id="another-run", broadcast_type=Broadcast) as (stranger,),
         ):
             a, b, c = nodes
             ids = [n.endpoint_id for n in (*nodes, stranger)]
@@ -228,7 +229,10 @@ def _huge(key: SecretKey) -> Broadcast:
 
 def test_outsider_cannot_connect_or_gossip() -> None:
     async def main() -> None:
-        async with open_nodes(2) as (a, b), open_nodes(1, allow_each_other=False) as (outsider,):
+        async with (
+            open_nodes(2, broadcast_type=Broadcast) as (a, b),
+            open_nodes(1, broadcast_type=Broadcast, allow_each_other=False) as (outsider,),
+        ):
             outsider.set_allowed_peers([a.endpoint_id, b.endpoint_id])  # it would talk to anyone
             await connect_pairs([a, b], [(0, 1)])
             outsider.address_book.add(a.endpoint_addr())
@@ -274,12 +278,12 @@ def test_closing_the_network_leaves_no_threads_or_sockets() -> None:
     before_sockets = _open_sockets()
 
     async def main() -> None:
-        async with open_nodes(3, download_type=bytes) as nodes:
+        async with open_nodes(3) as nodes:
             await connect_pairs(nodes, full_mesh(3))
             ticket, _ = await nodes[0].add_downloadable(b"x" * 1000, "t")
-            nodes[1].start_download(ticket, "t", DownloadType.DistroResult([]))
+            download = nodes[1].start_download(ticket, "t", DownloadType.DistroResult([]))
             with trio.fail_after(5):
-                assert isinstance(await nodes[1].next_event(), DownloadComplete)
+                assert isinstance(await download.finished(), DownloadComplete)
 
     trio.run(main)
     after_threads = {t for t in threading.enumerate() if not t.name.startswith("Trio thread")}

@@ -7,9 +7,9 @@ import torch
 import trio
 
 from psyche.network.connection import NetworkConnection
-from psyche.network.model_download import fetch_model_from_peers
-from psyche.network.model_sharing import SharableModel, model_hash
+from psyche.network.model_download import ModelDownload
 from psyche.network.peer_manager import PeersUnreachable
+from psyche.network.sharable_model import SharableModel, model_hash
 from psyche.network.testing import local_config, open_nodes, serve_model
 from psyche.network.transmittable import (
     ModelRequestType,
@@ -56,9 +56,9 @@ def test_joiner_gets_a_bit_identical_model_from_three_peers() -> None:
                 nursery.start_soon(serve_model, provider, provider_model(parameters))
             await introduce_all(joiner, providers)
             with trio.fail_after(30):
-                model = await fetch_model_from_peers(
+                model = await ModelDownload(
                     joiner, [p.endpoint_id for p in providers], max_concurrent=8
-                )
+                ).run()
             assert model.config.config == CONFIG_JSON and model.config.tokenizer == TOKENIZER_JSON
             assert set(model.parameters) == set(parameters)
             assert all(t.dtype == torch.bfloat16 for t in model.parameters.values())
@@ -82,7 +82,7 @@ def test_peer_dying_mid_download_is_survived() -> None:
 
             async def doomed_provider(*, task_status=trio.TASK_STATUS_IGNORED) -> None:
                 async with NetworkConnection.open(
-                    local_config(), broadcast_type=steady.broadcast_type
+                    local_config(), broadcast_type=bytes, distro_result_type=bytes
                 ) as doomed:
                     ids = [steady.endpoint_id, joiner.endpoint_id, doomed.endpoint_id]
                     for node in (steady, joiner, doomed):
@@ -101,7 +101,7 @@ def test_peer_dying_mid_download_is_survived() -> None:
 
             doomed_id = await nursery.start(doomed_provider)
             with trio.fail_after(60):
-                model = await fetch_model_from_peers(joiner, [doomed_id, steady.endpoint_id])
+                model = await ModelDownload(joiner, [doomed_id, steady.endpoint_id]).run()
             assert doomed_gone.is_set()
             assert any(p == doomed_id for _, p, _ in joiner.downloader.provider_failures)
             assert model_hash(model.parameters) == model_hash(parameters)
@@ -151,7 +151,7 @@ def test_joiner_gives_up_when_no_peer_can_serve() -> None:
                 nursery.start_soon(serve_model, provider, SharableModel())  # nothing to share
                 joiner.address_book.add(provider.endpoint_addr())
             with trio.fail_after(20), pytest.raises(PeersUnreachable):
-                await fetch_model_from_peers(joiner, [a.endpoint_id, b.endpoint_id])
+                await ModelDownload(joiner, [a.endpoint_id, b.endpoint_id]).run()
             nursery.cancel_scope.cancel()
 
     trio.run(main)

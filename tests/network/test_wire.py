@@ -36,8 +36,8 @@ from psyche.network.transmittable import (
     ModelRequestType,
     SharableModelError,
     TicketResult,
-    TransmittableDownload,
     TransmittableModelConfig,
+    download_codec,
 )
 
 # RFC 8032, section 7.1, test 1.
@@ -180,8 +180,8 @@ def test_model_sharing_wire_layouts() -> None:
     assert to_bytes(unknown, TicketResult) == b"\x01\x02\x01x"
     ok = TicketResult.Ok(ticket())
     assert from_bytes(to_bytes(ok, TicketResult), TicketResult) == ok
-    config = TransmittableDownload.ModelConfig(TransmittableModelConfig("{}", "{}", ["a", "b"]))
-    assert to_bytes(config, TransmittableDownload)[0] == 2
+    config = TransmittableModelConfig("{}", "{}", ["a", "b"])
+    assert download_codec(bytes).encode(config)[0] == 2
     assert len(SharableModelError.variants) == 16
     assert DownloadType.DistroResult([]).kind() == "distro_result"
     assert DownloadType.ModelSharing(ModelRequestType.Config()).kind() == "model_sharing"

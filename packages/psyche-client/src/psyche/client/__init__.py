@@ -1,6 +1,6 @@
 """The backend-agnostic Psyche training client (upstream `shared/client`).
 
-    async with NetworkConnection.open(NetworkConfig(run_id, secret_key), broadcast_type=Broadcast) as network:
+    async with open_network(NetworkConfig(run_id, secret_key)) as network:
         await Client(backend, network, RunInitConfig(identity, secret_key)).run()
 
 `backend` is any `psyche.coordinator.backend.Backend` (the centralized TCP backend, or
@@ -11,8 +11,7 @@ docs/client.md. Names are exported lazily: importing this package does not impor
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from psyche.core.lazy import lazy_exports
 
 _EXPORTS = {
     "Client": "psyche.client.client",
@@ -23,15 +22,11 @@ _EXPORTS = {
     "StepDesync": "psyche.client.steps",
     "MachineSettings": "psyche.client.steps",
     "RoundState": "psyche.client.round_state",
+    "InProcessServer": "psyche.client.testing",
+    "InProcessBackend": "psyche.client.testing",
     "setup_logging": "psyche.client.logs",
     "log_event": "psyche.client.logs",
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'psyche.client' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -4,12 +4,15 @@ A broadcast announces either a training result (the commitment to its payload pl
 the blob that carries it) or that the sender finished the round. `Rebroadcaster` re-sends the
 client's own broadcasts with a bumped nonce, because gossip does not guarantee delivery.
 `Commitment`, `Committee` and `CommitteeProof` are psyche.coordinator's (re-exported here).
+`open_network` is the network as the client speaks it: this gossip, and DisTrO results in blobs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -19,7 +22,11 @@ from psyche.core.batch_id import BatchId
 from psyche.core.identity import verify_signature
 from psyche.core.merkle_tree import MerkleRoot
 from psyche.core.serde import U32, DataEnum, struct, variant
+from psyche.modeling.serialized_distro import TransmittableDistroResult
 from psyche.network.ticket import BlobTicket
+
+if TYPE_CHECKING:
+    from psyche.network.connection import NetworkConfig, NetworkConnection
 
 __all__ = [
     "REBROADCAST_SHAREABLE_SECS",
@@ -31,6 +38,7 @@ __all__ = [
     "Finished",
     "Rebroadcaster",
     "TrainingResult",
+    "open_network",
     "rebroadcast_periodically",
     "verify_commitment",
 ]
@@ -113,3 +121,13 @@ async def rebroadcast_periodically(
         broadcast = rebroadcaster.next_to_send()
         if broadcast is not None:
             send(broadcast)
+
+
+def open_network(config: NetworkConfig) -> AbstractAsyncContextManager[NetworkConnection]:
+    """The client's network (upstream `NC = NetworkConnection<Broadcast, TransmittableDownload>`):
+    gossip carries `Broadcast`s, a blob's DistroResult variant a `TransmittableDistroResult`."""
+    from psyche.network.connection import NetworkConnection  # libp2p loads only when needed
+
+    return NetworkConnection.open(
+        config, broadcast_type=Broadcast, distro_result_type=TransmittableDistroResult
+    )

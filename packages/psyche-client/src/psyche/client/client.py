@@ -9,7 +9,7 @@ The run ends when the coordinator reaches `Finished`: the client completes the l
 cooldown (its final checkpoint), logs a summary (`run_finished`) and `run()` returns. Upstream's
 client desyncs there; this is a port addition (docs/client.md).
 
-    async with NetworkConnection.open(NetworkConfig(run_id, secret_key), broadcast_type=Broadcast) as network:
+    async with open_network(NetworkConfig(run_id, secret_key)) as network:
         await Client(backend, network, RunInitConfig(identity, secret_key)).run()
 """
 
@@ -33,29 +33,30 @@ from psyche.client.logs import log_event
 from psyche.client.stats import format_duration
 from psyche.client.steps import MachineSettings, StepStateMachine
 from psyche.client.training import DataFetcher, OwnResult
-from psyche.coordinator import Coordinator, RunState
 from psyche.coordinator.backend import Backend, EndpointDiscovery, HealthCheck, OpportunisticData
 from psyche.coordinator.commitment import Commitment
+from psyche.coordinator.coordinator import Coordinator, RunState
 from psyche.coordinator.model import Checkpoint
 from psyche.core.log_markers import IntegrationTestLogMarker
-from psyche.network.connection import (
+from psyche.modeling.serialized_distro import TransmittableDistroResult
+from psyche.network.connection import NetworkConnection
+from psyche.network.discovery import sign_address_record
+from psyche.network.download import Download, DownloadComplete, DownloadFailed, DownloadOutcome
+from psyche.network.events import (
     MessageReceived,
     ModelConfigRequest,
-    NetworkConnection,
+    NetworkEvent,
     ParameterRequest,
 )
-from psyche.network.discovery import sign_address_record
-from psyche.network.download import DownloadComplete, DownloadFailed
 from psyche.network.gossip import choose_gossip_peers
 from psyche.network.model_download import DownloadedModel, ModelDownload
-from psyche.network.model_sharing import SharableModel, answer_request
 from psyche.network.scheduler import DownloadScheduler, RetryQueueResult
+from psyche.network.sharable_model import SharableModel, answer_request
 from psyche.network.transmittable import (
     DownloadType,
     ModelRequestType,
     SharableModelError,
     TicketResult,
-    TransmittableDownload,
 )
 
 if TYPE_CHECKING:
@@ -78,7 +79,12 @@ class _State:
 
 @dataclass(frozen=True)
 class _Net:
-    event: Any
+    event: NetworkEvent
+
+
+@dataclass(frozen=True)
+class _Downloaded:
+    outcome: DownloadOutcome
 
 
 @dataclass(frozen=True)
@@ -99,7 +105,7 @@ class _InitDone:
     result: InitializedRun | BaseException
 
 
-_Item = _State | _Net | _Tick | _Work | _InitDone
+_Item = _State | _Net | _Downloaded | _Tick | _Work | _InitDone
 
 
 class _LoopIO:
@@ -162,7 +168,6 @@ class Client:
         self.sharable_model = SharableModel()
         self.rebroadcaster = Rebroadcaster()
         self.scheduler = DownloadScheduler(config.max_concurrent_parameter_requests)
-        self.model_download: ModelDownload | None = None
         self._last_gossip_attempt = -math.inf
         self._known_records: set[bytes] = set()
         self.io = _LoopIO(self)
@@ -217,6 +222,8 @@ class Client:
                 await self._on_state(state)
             case _Net(event):
                 self._on_network_event(event)
+            case _Downloaded(outcome):
+                self._on_download(outcome)
             case _Tick(kind):
                 self._on_tick(kind)
             case _Work(_, run):
@@ -374,11 +381,7 @@ class Client:
         download = ModelDownload(
             self.network, peers, max_concurrent=self.config.max_concurrent_parameter_requests
         )
-        self.model_download = download
-        try:
-            model = await download.run()
-        finally:
-            self.model_download = None
+        model = await download.run()
         logger.info("Downloaded %d parameters from peers", len(model.parameters))
         return model
 
@@ -407,31 +410,31 @@ class Client:
 
     # ---- network -------------------------------------------------------------------------------
 
-    def _on_network_event(self, event: Any) -> None:
-        if self.model_download is not None and self.model_download.handle_event(event):
-            return
+    def _on_network_event(self, event: NetworkEvent) -> None:
         match event:
             case MessageReceived(from_, broadcast):
                 self._on_broadcast(from_, broadcast)
-            case DownloadComplete(digest, _, data):
-                self.scheduler.remove_retry(digest)
-                match data:
-                    case TransmittableDownload.DistroResult(payload):
-                        if self.machine is not None:
-                            self.machine.apply_distro_result(digest, payload)
-                    case _:
-                        logger.debug("ignoring a downloaded %s", type(data).__name__)
-            case DownloadFailed(ticket, tag, error, download_type):
-                if isinstance(download_type, DownloadType.DistroResult):
-                    outcome = self.scheduler.queue_failed_download(ticket, tag, download_type)
-                    if outcome == RetryQueueResult.Queued:
-                        logger.info("Distro result download failed (will retry): %s", error)
-                    else:
-                        logger.warning("Distro result download failed (not retrying): %s", error)
             case ParameterRequest(name, reply):
                 self._spawn(self._answer, ModelRequestType.Parameter(name), reply)
             case ModelConfigRequest(reply):
                 self._spawn(self._answer, ModelRequestType.Config(), reply)
+
+    def _on_download(self, outcome: DownloadOutcome) -> None:
+        """A DisTrO result download this client started has finished (see `_start_download`)."""
+        match outcome:
+            case DownloadComplete(digest, _, data):
+                self.scheduler.remove_retry(digest)
+                if not isinstance(data, TransmittableDistroResult):
+                    logger.debug("ignoring a downloaded %s", type(data).__name__)
+                elif self.machine is not None:
+                    self.machine.apply_distro_result(digest, data)
+            case DownloadFailed(ticket, tag, error, download_type):
+                if isinstance(download_type, DownloadType.DistroResult):
+                    queued = self.scheduler.queue_failed_download(ticket, tag, download_type)
+                    if queued == RetryQueueResult.Queued:
+                        logger.info("Distro result download failed (will retry): %s", error)
+                    else:
+                        logger.warning("Distro result download failed (not retrying): %s", error)
 
     def _on_broadcast(self, from_: bytes, broadcast: Broadcast) -> None:
         if self.coordinator is None:
@@ -473,7 +476,11 @@ class Client:
                 if c.id.p2p_identity != me
             ]
             self.rng.shuffle(others)
-        self.network.start_download(ticket, tag, DownloadType.DistroResult(others))
+        download = self.network.start_download(ticket, tag, DownloadType.DistroResult(others))
+        self._spawn(self._deliver, download)
+
+    async def _deliver(self, download: Download) -> None:
+        self._post(_Downloaded(await download.finished()))
 
     # ---- timers --------------------------------------------------------------------------------
 
@@ -513,8 +520,8 @@ class Client:
         self._announce(core.finished_broadcast(action, signature, self.rng.getrandbits(32)))
 
     async def _publish_result(self, result: OwnResult) -> None:
-        download = TransmittableDownload.DistroResult(result.payload)
-        ticket, size = await self.network.add_downloadable(download, f"distro-result_{result.step}")
+        tag = f"distro-result_{result.step}"
+        ticket, size = await self.network.add_downloadable(result.payload, tag)
         logger.debug(
             "Broadcasting payload batch id %s hash 0x%s (%.3f MB)",
             result.batch_id,

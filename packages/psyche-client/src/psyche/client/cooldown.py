@@ -50,7 +50,7 @@ class CheckpointConfig:
 
 def live_model_hash(trainer: Trainer) -> bytes:
     """SHA-256 over the live parameters (name, dtype, shape, bytes): equal hashes, equal weights."""
-    from psyche.network.model_sharing import model_hash
+    from psyche.network.sharable_model import model_hash
 
     return model_hash(dict(trainer.model.variables()))
 

@@ -78,6 +78,8 @@ class Downloading:
     from_: NodeIdentity
     batch_id: BatchId
     ticket: BlobTicket
+    settled: trio.Event = field(default_factory=trio.Event, compare=False, repr=False)
+    """Set once `RoundState.settle` put the payload's `PayloadHandle` in this entry's place."""
 
 
 PayloadState = Downloading | PayloadHandle
@@ -126,3 +128,11 @@ class RoundState:
     def distro_result_blob_downloaded(self, blob_hash: bytes) -> bool:
         """Upstream's name: whether this round knows the payload (announced or downloaded)."""
         return blob_hash in self.downloads
+
+    def settle(self, blob_hash: bytes, handle: PayloadHandle) -> None:
+        """Put a downloaded payload's handle in place of its `Downloading` entry and wake whoever
+        waits for it (`Downloading.settled`)."""
+        previous = self.downloads.get(blob_hash)
+        self.downloads[blob_hash] = handle
+        if isinstance(previous, Downloading):
+            previous.settled.set()

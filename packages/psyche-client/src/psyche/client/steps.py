@@ -40,8 +40,8 @@ from psyche.client.training import (
     TrainJob,
     run_round,
 )
-from psyche.coordinator import Coordinator, RunState
 from psyche.coordinator.backend import HealthCheck, OpportunisticData
+from psyche.coordinator.coordinator import Coordinator, RunState
 from psyche.coordinator.model import Checkpoint
 from psyche.core.bloom import WitnessBloom
 from psyche.core.log_markers import IntegrationTestLogMarker
@@ -609,7 +609,7 @@ class StepStateMachine:
             if isinstance(round_state.downloads.get(blob_hash), Downloading):
                 rejected = PayloadHandle()
                 rejected.set_error(PayloadRejected(problem))
-                round_state.downloads[blob_hash] = rejected
+                round_state.settle(blob_hash, rejected)
             return
         if not isinstance(round_state.downloads.get(blob_hash), Downloading):
             return  # checked twice concurrently, or already applied
@@ -617,7 +617,7 @@ class StepStateMachine:
             round_state, pending.from_, pending.batch_id, pending.commitment.data_hash
         )
         handle = PayloadHandle()
-        round_state.downloads[blob_hash] = handle
+        round_state.settle(blob_hash, handle)
         try:
             value = await trio.to_thread.run_sync(self._deserialize, payload)
         except Exception as e:

@@ -153,23 +153,25 @@ async def wait_for_payload(
 
     Upstream fails at once when the payload is not deserialized yet; waiting a bounded time
     gives the same result whenever upstream succeeds and rides out a slow download otherwise.
+    Nothing polls: a download's entry signals when its checked payload takes its place.
     """
-    while True:
-        state = round_state.downloads.get(blob_hash)
-        if state is None:
-            raise ApplyError(f"unknown consensus payload {blob_hash[:5].hex()}")
-        if isinstance(state, PayloadHandle):
-            with trio.move_on_at(deadline):
-                await state.wait()
-            if not state.done:
-                raise ApplyError(f"payload {blob_hash[:5].hex()} did not finish deserializing")
-            return state
-        assert isinstance(state, Downloading)
-        if trio.current_time() >= deadline:
+    state = round_state.downloads.get(blob_hash)
+    if isinstance(state, Downloading):
+        with trio.move_on_at(deadline):
+            await state.settled.wait()
+        if not state.settled.is_set():
             raise ApplyError(
                 f"payload {blob_hash[:5].hex()} for batch {state.batch_id} was not downloaded in time"
             )
-        await trio.sleep(0.05)
+        state = round_state.downloads.get(blob_hash)
+    if state is None:
+        raise ApplyError(f"unknown consensus payload {blob_hash[:5].hex()}")
+    assert isinstance(state, PayloadHandle)
+    with trio.move_on_at(deadline):
+        await state.wait()
+    if not state.done:
+        raise ApplyError(f"payload {blob_hash[:5].hex()} did not finish deserializing")
+    return state
 
 
 @dataclass(frozen=True)

@@ -26,61 +26,48 @@ The Psyche client uses the split API instead: `Trainer.train` (lookahead, forwar
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from psyche.core.lazy import lazy_exports
 
 _EXPORTS = {
-    "get_divisors": "dct",
-    "get_prime_divisors": "dct",
-    "get_smaller_split": "dct",
-    "TransformDCT": "dct",
-    "CompressDCT": "compression",
-    "compress": "compression",
-    "decompress": "compression",
-    "batch_decompress": "compression",
-    "compress_idx": "compression",
-    "decompress_idx": "compression",
-    "Distro": "distro",
-    "DistroResult": "distro",
-    "ResultLayout": "distro",
-    "quantize_results": "distro",
-    "sorted_variables": "distro",
-    "InvalidDistroResult": "serialized_distro",
-    "SerializableTensor": "serialized_distro",
-    "SerializableTensorData": "serialized_distro",
-    "SerializedDistroResult": "serialized_distro",
-    "TransmittableDistroResult": "serialized_distro",
-    "distro_results_from_transmittable": "serialized_distro",
-    "transmittable_distro_result": "serialized_distro",
-    "decode_transmittable": "serialized_distro",
-    "get_lr": "lr",
-    "LibtorchAdamW": "adamw",
-    "CausalLM": "causal_lm",
-    "ModelOptions": "causal_lm",
-    "ModelLoadError": "causal_lm",
-    "ARCHITECTURES": "causal_lm",
-    "save_checkpoint": "checkpoint",
-    "save_tensors_into_safetensors": "checkpoint",
-    "Batch": "trainer",
-    "Trainer": "trainer",
-    "TrainOutput": "trainer",
-    "DistroLoop": "research",
-    "DistroSettings": "research",
-    "PeerSimulation": "research",
-    "llama_config_dict": "configs",
+    "get_divisors": ".dct",
+    "get_prime_divisors": ".dct",
+    "get_smaller_split": ".dct",
+    "TransformDCT": ".dct",
+    "CompressDCT": ".compression",
+    "compress": ".compression",
+    "decompress": ".compression",
+    "batch_decompress": ".compression",
+    "compress_idx": ".compression",
+    "decompress_idx": ".compression",
+    "Distro": ".distro",
+    "DistroResult": ".distro",
+    "ResultLayout": ".distro",
+    "quantize_results": ".distro",
+    "sorted_variables": ".distro",
+    "InvalidDistroResult": ".serialized_distro",
+    "SerializableTensor": ".serialized_distro",
+    "SerializableTensorData": ".serialized_distro",
+    "SerializedDistroResult": ".serialized_distro",
+    "TransmittableDistroResult": ".serialized_distro",
+    "distro_results_from_transmittable": ".serialized_distro",
+    "transmittable_distro_result": ".serialized_distro",
+    "decode_transmittable": ".serialized_distro",
+    "get_lr": ".lr",
+    "LibtorchAdamW": ".adamw",
+    "CausalLM": ".causal_lm",
+    "ModelOptions": ".causal_lm",
+    "ModelLoadError": ".causal_lm",
+    "ARCHITECTURES": ".causal_lm",
+    "save_checkpoint": ".checkpoint",
+    "save_tensors_into_safetensors": ".checkpoint",
+    "Batch": ".trainer",
+    "Trainer": ".trainer",
+    "TrainOutput": ".trainer",
+    "DistroLoop": ".research",
+    "DistroSettings": ".research",
+    "PeerSimulation": ".research",
+    "llama_config_dict": ".configs",
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'psyche.modeling' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"psyche.modeling.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

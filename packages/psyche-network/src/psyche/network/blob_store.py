@@ -69,9 +69,6 @@ class BlobStore:
     def __len__(self) -> int:
         return len(self._blobs)
 
-    def total_bytes(self) -> int:
-        return sum(len(b) for b in self._blobs.values())
-
     # tags -------------------------------------------------------------------------------------
 
     def set_tag(self, name: str, digest: bytes) -> None:

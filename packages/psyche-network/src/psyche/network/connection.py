@@ -3,9 +3,14 @@
 It owns, inside one trio nursery: the libp2p host (gated by the allowlist), GossipSub on the
 run's topic, the content-addressed blob store with its side-channel server and downloader, the
 model-sharing and peer-exchange protocols, the connection monitor and the stats tick. The
-application reads `NetworkEvent`s from `next_event()` and calls the upstream-named methods.
+application reads `NetworkEvent`s from `next_event()`, awaits the `Download`s it starts and calls
+the upstream-named methods. Its message types are parameters (upstream `NetworkConnection<B, D>`):
+`broadcast_type`, what gossip carries, and `distro_result_type`, what a blob's DistroResult
+variant holds (`transmittable.download_codec`).
 
-    async with NetworkConnection.open(config, broadcast_type=Broadcast) as network:
+    async with NetworkConnection.open(
+        config, broadcast_type=Broadcast, distro_result_type=TransmittableDistroResult
+    ) as network:
         network.set_allowed_peers(ids_from_coordinator)
         network.broadcast(message)
         event = await network.next_event()
@@ -15,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Iterable
-from contextlib import asynccontextmanager, suppress
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,50 +32,28 @@ from libp2p.tools.anyio_service import background_trio_service
 from psyche.core.allowlist import AllowDynamic, Allowlist
 from psyche.core.connection_limits import ConnectionLimits
 from psyche.core.identity import SecretKey
-from psyche.core.serde import from_bytes, prepare_decoder, to_bytes
 from psyche.network import model_sharing, p2p_host, peer_exchange
 from psyche.network.blob_store import DEFAULT_GC_INTERVAL_SECS, BlobStore, remove_staled_tags
 from psyche.network.blob_transport import BLOB_LIMITS, CONNECT_TIMEOUT_SECS, TcpBlobTransport
 from psyche.network.connection_monitor import RTT_PROBE_INTERVAL_SECS, ConnectionMonitor
 from psyche.network.discovery import AddressBook, LocalDiscovery, sign_address_record
-from psyche.network.download import (
-    DOWNLOAD_TIMEOUT_SECS,
-    DownloadComplete,
-    Downloader,
-    DownloadFailed,
-    DownloadState,
-    DownloadUpdate,
-    track_progress,
-)
+from psyche.network.download import DOWNLOAD_TIMEOUT_SECS, Download, Downloader
+from psyche.network.download_manager import INLINE_WORK_BYTES, DownloadManager
+from psyche.network.events import MessageReceived, NetworkEvent
 from psyche.network.gossip import Gossip, GossipConfig, gossip_topic
-from psyche.network.identity import fmt_short, peer_id_from_public_key
+from psyche.network.identity import fmt_short
 from psyche.network.interfaces import announce_host, interface_ipv4
-from psyche.network.latency_sorted import LatencySorted
-from psyche.network.peer_manager import MODEL_REQUEST_TIMEOUT_SECS
 from psyche.network.stats import (
     STATS_INTERVAL_SECS,
     BandwidthTracker,
-    DownloadProgress,
     NetworkStats,
     P2PEndpointInfo,
     PeerBandwidth,
 )
 from psyche.network.ticket import BlobFormat, BlobTicket, EndpointAddr, TransportAddr, blob_hash
-from psyche.network.transmittable import (
-    DownloadType,
-    ModelRequestType,
-    SharableModelError,
-    TicketResult,
-    TransmittableDownload,
-)
+from psyche.network.transmittable import DownloadType, ModelRequestType, download_codec
 
 logger = logging.getLogger(__name__)
-
-
-def decode_blob(blob: bytes | memoryview, tp: Any) -> Any:
-    """A downloaded payload. Its `bytes` fields are read-only views into the blob, which the
-    downloader has already checked against the ticket's hash: no copy of tens of MiB."""
-    return from_bytes(blob, tp, borrow=True)
 
 
 MAX_BLOB_SIZE = 4 << 30
@@ -102,53 +85,6 @@ class NetworkConfig:
     """Connection caps and timeouts of the blob side channel's listener."""
 
 
-# ----------------------------------------------------------------------------------------------
-# Events
-
-
-@dataclass(frozen=True)
-class MessageReceived:
-    from_: bytes
-    message: Any
-
-
-class TicketReply:
-    """One-shot answer to a model-sharing request (upstream's oneshot sender)."""
-
-    def __init__(self) -> None:
-        self._event = trio.Event()
-        self._result: TicketResult | None = None
-
-    def send(self, result: TicketResult) -> None:
-        if self._result is None:
-            self._result = result
-            self._event.set()
-
-    async def receive(self) -> TicketResult:
-        await self._event.wait()
-        assert self._result is not None
-        return self._result
-
-
-@dataclass(frozen=True)
-class ParameterRequest:
-    name: str
-    reply: TicketReply
-
-
-@dataclass(frozen=True)
-class ModelConfigRequest:
-    reply: TicketReply
-
-
-NetworkEvent = (
-    MessageReceived | DownloadComplete | DownloadFailed | ParameterRequest | ModelConfigRequest
-)
-
-
-# ----------------------------------------------------------------------------------------------
-
-
 class NetworkConnection:
     def __init__(
         self,
@@ -157,7 +93,7 @@ class NetworkConnection:
         host: IHost,
         allowlist: Allowlist,
         broadcast_type: Any,
-        download_type: Any,
+        distro_result_type: Any,
         bind_host: str,
     ) -> None:
         self.config = config
@@ -165,9 +101,7 @@ class NetworkConnection:
         self.host = host
         self.allowlist = allowlist
         self.broadcast_type = broadcast_type
-        self.download_type = download_type
-        # Compiled here, on the event loop, before any worker thread decodes.
-        prepare_decoder(download_type, borrow=True)
+        self.codec = download_codec(distro_result_type)
         self.store = BlobStore()
         self.address_book = AddressBook()
         self.local_discovery = (
@@ -194,6 +128,17 @@ class NetworkConnection:
             limits=config.blob_limits,
         )
         self.downloader = Downloader(self.store, self.blob_transport, self._resolve, self._allowed)
+        self.downloads = DownloadManager(
+            self.store,
+            self.downloader,
+            self.codec,
+            self.connection_monitor,
+            self.bandwidth_tracker,
+            self.stats,
+            self._spawn,
+            max_blob_size=config.max_blob_size,
+            timeout_secs=config.download_timeout_secs,
+        )
         self.gossip = Gossip(
             host,
             secret_key,
@@ -214,7 +159,7 @@ class NetworkConnection:
         config: NetworkConfig,
         *,
         broadcast_type: Any,
-        download_type: Any = TransmittableDownload,
+        distro_result_type: Any,
         allowlist: Allowlist | None = None,
     ) -> AsyncIterator[NetworkConnection]:
         secret_key = config.secret_key or SecretKey.generate()
@@ -226,7 +171,7 @@ class NetworkConnection:
             host,
             allowlist if allowlist is not None else AllowDynamic(),
             broadcast_type,
-            download_type,
+            distro_result_type,
             bind_host,
         )
         p2p_host.install_allowlist_gate(host, network._allowed)
@@ -283,11 +228,13 @@ class NetworkConnection:
         if self._nursery is not None:
             self._nursery.cancel_scope.cancel()
 
-    def _spawn(self, fn: Any, *args: Any) -> None:
+    def _spawn(self, fn: Any, *args: Any) -> bool:
+        """Start `fn(*args)` in the network's nursery; False once the network has shut down."""
         if self._nursery is None:
             logger.debug("network is shut down; not starting %s", getattr(fn, "__name__", fn))
-            return
+            return False
         self._nursery.start_soon(fn, *args)
+        return True
 
     # ------------------------------------------------------------------------------------------
     # identity and peers
@@ -312,9 +259,6 @@ class NetworkConnection:
 
     def _allowed(self, peer: bytes) -> bool:
         return peer == self.endpoint_id or self.allowlist.allowed(peer)
-
-    def is_allowlisted(self, peer: bytes) -> bool:
-        return self.allowlist.allowed(peer)
 
     def set_allowed_peers(self, peers: Iterable[bytes]) -> None:
         """Replace the allowlist (the client calls this on every coordinator state) and drop
@@ -393,9 +337,9 @@ class NetworkConnection:
     # blobs
 
     async def add_downloadable(self, data: Any, tag: str) -> tuple[BlobTicket, int]:
-        """Store `postcard(data)` under `tag` and return a ticket naming us as its provider."""
-        encoded = to_bytes(data, self.download_type)
-        if len(encoded) < (1 << 20):
+        """Store the encoded payload under `tag` and return a ticket naming us as its provider."""
+        encoded = self.codec.encode(data)
+        if len(encoded) < INLINE_WORK_BYTES:
             digest = blob_hash(encoded)
         else:
             digest = await trio.to_thread.run_sync(blob_hash, encoded)
@@ -406,89 +350,15 @@ class NetworkConnection:
         )
         return ticket, outcome.size
 
-    def start_download(self, ticket: BlobTicket, tag: str, download_type: DownloadType) -> None:
-        """Fetch the ticket's blob in the background; `DownloadComplete`/`DownloadFailed` follows.
+    def start_download(self, ticket: BlobTicket, tag: str, download_type: DownloadType) -> Download:
+        """Fetch the ticket's blob in the background; the `Download` resolves with
+        `DownloadComplete` (the decoded payload) or `DownloadFailed`.
 
         The blob is tagged first, so once downloaded it is kept and served to other peers.
         """
         self.address_book.add(ticket.addr)
         self.store.set_tag(tag, ticket.hash)
-        self._spawn(self._download, ticket, tag, download_type)
-
-    async def _download(self, ticket: BlobTicket, tag: str, download_type: DownloadType) -> None:
-        state = DownloadState(ticket, tag, download_type)
-        if ticket.size > self.config.max_blob_size:
-            self._on_download_event(
-                DownloadFailed(
-                    ticket, tag, f"blob of {ticket.size} bytes exceeds the limit", download_type
-                )
-            )
-            return
-        extra = download_type.value if isinstance(download_type, DownloadType.DistroResult) else []
-        providers = LatencySorted([ticket.addr.id, *extra], self.connection_monitor)
-        finished = False
-
-        def emit(item: Any) -> None:
-            nonlocal finished
-            if not finished:
-                event = track_progress(state, item)
-                finished = isinstance(event, DownloadFailed) or event.all_done
-                self._on_download_event(event)
-
-        timeout = self.config.download_timeout_secs
-        with trio.move_on_after(timeout):
-            await self.downloader.download(ticket, providers, emit)
-        if not finished:
-            finished = True
-            self._on_download_event(
-                DownloadFailed(
-                    ticket, tag, f"Download timed out after {timeout:g} s", download_type
-                )
-            )
-
-    def _on_download_event(self, event: DownloadUpdate | DownloadFailed) -> None:
-        provider = event.blob_ticket.addr.id
-        digest = event.blob_ticket.hash
-        if isinstance(event, DownloadFailed):
-            self.stats.download_progresses.pop(digest, None)
-            self.connection_monitor.update_peer_bandwidth(provider, PeerBandwidth.Measured(0.0))
-            logger.warning("download of %s failed: %s", event.blob_ticket, event.error)
-            self._events_send.send_nowait(event)
-            return
-        self.bandwidth_tracker.add_event(provider, event.downloaded_size_delta)
-        self.connection_monitor.update_peer_bandwidth(
-            provider, self.bandwidth_tracker.get_peer_bandwidth(provider)
-        )
-        if event.all_done:
-            self.stats.download_progresses.pop(digest, None)
-            self._spawn(self._decode_download, event)
-        else:
-            self.stats.download_progresses[digest] = DownloadProgress(
-                event.downloaded_size, event.total_size
-            )
-
-    async def _decode_download(self, update: DownloadUpdate) -> None:
-        ticket = update.blob_ticket
-        blob = self.store.get(ticket.hash)
-        if blob is None:
-            self._events_send.send_nowait(
-                DownloadFailed(
-                    ticket, update.tag, "blob vanished from the store", update.download_type
-                )
-            )
-            return
-        try:
-            # No copy of the payload: its `bytes` fields are views into the verified blob.
-            if len(blob) < (1 << 20):
-                data = decode_blob(blob, self.download_type)
-            else:
-                data = await trio.to_thread.run_sync(decode_blob, blob, self.download_type)
-        except Exception as e:  # PostcardError, or anything a hostile payload provokes
-            self._events_send.send_nowait(
-                DownloadFailed(ticket, update.tag, f"undecodable blob: {e}", update.download_type)
-            )
-            return
-        self._events_send.send_nowait(DownloadComplete(ticket.hash, ticket.addr.id, data))
+        return self.downloads.start(ticket, tag, download_type)
 
     def remove_staled_tags(self, target_distro_result_step: int) -> int:
         removed = remove_staled_tags(self.store, target_distro_result_step)
@@ -511,83 +381,23 @@ class NetworkConnection:
     async def request_model_blob_ticket(self, peer: bytes, request: ModelRequestType) -> BlobTicket:
         """Ask `peer` for the ticket of a model config or parameter (one stream per request)."""
         await self.connect(peer)
-        stream = await self.host.new_stream(
-            peer_id_from_public_key(peer), [p2p_host.protocol(model_sharing.MODEL_SHARING_PROTOCOL)]
-        )
-        try:
-            await stream.write(model_sharing.encode_request(request))
-            await stream.close()
-            raw = await p2p_host.read_to_end(stream, model_sharing.MAX_RESPONSE_BYTES)
-        finally:
-            await _reset_quietly(stream)
-        ticket = model_sharing.decode_response(raw)
+        ticket = await model_sharing.request_ticket(self.host, peer, request)
         self.address_book.add(ticket.addr)
         return ticket
 
     async def _serve_model_sharing(self, stream: INetStream) -> None:
-        peer = p2p_host.peer_key(stream.muxed_conn.peer_id)
-        if peer is None or not self._allowed(peer):
-            await _reset_quietly(stream)
-            return
-        try:
-            with trio.fail_after(MODEL_REQUEST_TIMEOUT_SECS):
-                request = model_sharing.decode_request(
-                    await p2p_host.read_to_end(stream, model_sharing.MAX_REQUEST_BYTES)
-                )
-            reply = TicketReply()
-            match request:
-                case ModelRequestType.Parameter(name):
-                    self._events_send.send_nowait(ParameterRequest(name, reply))
-                case _:
-                    self._events_send.send_nowait(ModelConfigRequest(reply))
-            result: TicketResult = TicketResult.Err(
-                SharableModelError.ResponseChannelNotInitialized()
-            )
-            with trio.move_on_after(MODEL_REQUEST_TIMEOUT_SECS):
-                result = await reply.receive()
-            await stream.write(model_sharing.encode_response(result))
-            await stream.close()
-        except Exception as e:  # malformed or hostile request, or the peer went away
-            logger.info("dropping model-sharing request from %s: %s", fmt_short(peer), e)
-            await _reset_quietly(stream)
+        await model_sharing.serve(stream, self._allowed, self._events_send.send_nowait)
 
     # ------------------------------------------------------------------------------------------
     # peer exchange
 
     async def _serve_peer_exchange(self, stream: INetStream) -> None:
-        peer = p2p_host.peer_key(stream.muxed_conn.peer_id)
-        if peer is None or not self._allowed(peer):
-            await _reset_quietly(stream)
-            return
-        try:
-            with trio.fail_after(MODEL_REQUEST_TIMEOUT_SECS):
-                wanted = peer_exchange.decode_request(
-                    await p2p_host.read_to_end(stream, peer_exchange.MAX_REQUEST_BYTES)
-                )
-                records = self.address_book.records(wanted or None)
-                await stream.write(peer_exchange.encode_response(records))
-                await stream.close()
-        except Exception as e:  # malformed or hostile request, or the peer went away
-            logger.info("dropping peer-exchange request from %s: %s", fmt_short(peer), e)
-            await _reset_quietly(stream)
+        await peer_exchange.serve(stream, self._allowed, self.address_book)
 
     async def _exchange_records(self, peer: bytes, wanted: list[bytes]) -> None:
-        try:
-            with trio.fail_after(self.config.connect_timeout_secs):
-                stream = await self.host.new_stream(
-                    peer_id_from_public_key(peer),
-                    [p2p_host.protocol(peer_exchange.PEER_EXCHANGE_PROTOCOL)],
-                )
-                try:
-                    await stream.write(peer_exchange.encode_request(wanted))
-                    await stream.close()
-                    raw = await p2p_host.read_to_end(stream, peer_exchange.MAX_RESPONSE_BYTES)
-                finally:
-                    await _reset_quietly(stream)
-            for record in peer_exchange.decode_response(raw):
-                self.address_book.add_record(record)
-        except Exception as e:
-            logger.debug("peer exchange with %s failed: %s", fmt_short(peer), e)
+        await peer_exchange.exchange_records(
+            self.host, peer, wanted, self.address_book, self.config.connect_timeout_secs
+        )
 
     # ------------------------------------------------------------------------------------------
     # connection monitor and stats
@@ -653,8 +463,3 @@ class NetworkConnection:
 
     async def __anext__(self) -> NetworkEvent:
         return await self.next_event()
-
-
-async def _reset_quietly(stream: INetStream) -> None:
-    with suppress(Exception):
-        await stream.reset()

@@ -92,7 +92,7 @@ class DownloadComplete:
     """The ticket's provider (as upstream), even when another peer served the bytes."""
     data: Any
     """The decoded payload; its `bytes` fields are read-only memoryviews into the verified blob
-    (`connection.decode_blob`): no copy of the payload is made."""
+    (`DownloadCodec.decode`): no copy of the payload is made."""
 
 
 @dataclass(frozen=True)
@@ -101,6 +101,46 @@ class DownloadFailed:
     tag: str
     error: str
     download_type: DownloadType
+
+
+DownloadOutcome = DownloadComplete | DownloadFailed
+
+
+class Download:
+    """One started download, resolved exactly once with its outcome.
+
+    Upstream reports outcomes on the network's event stream and the application matches them to
+    its downloads by hash; here whoever started a download awaits `finished()`, so nothing polls
+    and nothing is dispatched by hash. Every download resolves: the network fails the ones it
+    cannot finish, even when it shuts down.
+    """
+
+    __slots__ = ("_event", "_outcome", "download_type", "tag", "ticket")
+
+    def __init__(self, ticket: BlobTicket, tag: str, download_type: DownloadType) -> None:
+        self.ticket = ticket
+        self.tag = tag
+        self.download_type = download_type
+        self._event = trio.Event()
+        self._outcome: DownloadOutcome | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._outcome is not None
+
+    def finish(self, outcome: DownloadOutcome) -> None:
+        """Resolve the download; only the first outcome counts."""
+        if self._outcome is None:
+            self._outcome = outcome
+            self._event.set()
+
+    def failure(self, error: str) -> DownloadFailed:
+        return DownloadFailed(self.ticket, self.tag, error, self.download_type)
+
+    async def finished(self) -> DownloadOutcome:
+        await self._event.wait()
+        assert self._outcome is not None
+        return self._outcome
 
 
 @dataclass

@@ -7,22 +7,20 @@
 3. A failed download releases its capacity, counts against the ticket's provider and is retried
    with a fresh ticket from another peer; a complete one is decoded and kept.
 
-`ModelDownload.handle_event` consumes the download events it is waiting for, so the client can
-feed it from its own event loop; `fetch_model_from_peers` runs it with its own event pump.
+Each step awaits its own `Download`, so the application's event loop has nothing to route here.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import trio
 
-from psyche.network.download import DownloadComplete, DownloadFailed
+from psyche.network.download import DownloadComplete, DownloadFailed, DownloadOutcome
 from psyche.network.identity import fmt_short
-from psyche.network.model_sharing import CONFIG_TAG, SharableModel, parameter_tag
 from psyche.network.peer_manager import (
     MAX_ERRORS_PER_PEER,
     PeerManager,
@@ -30,20 +28,21 @@ from psyche.network.peer_manager import (
     blob_ticket_param_request_task,
 )
 from psyche.network.scheduler import DEFAULT_MAX_CONCURRENT_PARAMETER_REQUESTS, DownloadScheduler
+from psyche.network.sharable_model import CONFIG_TAG, SharableModel, parameter_tag
 from psyche.network.ticket import BlobTicket
 from psyche.network.transmittable import (
     DownloadType,
     ModelRequestType,
     SharableModelError,
     SharableModelFailure,
-    TransmittableDownload,
     TransmittableModelConfig,
+    TransmittableModelParameter,
 )
 
 if TYPE_CHECKING:
     import torch
 
-    from psyche.network.connection import NetworkConnection, NetworkEvent
+    from psyche.network.connection import NetworkConnection
 
 logger = logging.getLogger(__name__)
 
@@ -52,14 +51,6 @@ logger = logging.getLogger(__name__)
 class DownloadedModel:
     config: TransmittableModelConfig
     parameters: dict[str, torch.Tensor]
-
-
-class _Wait:
-    __slots__ = ("event", "result")
-
-    def __init__(self) -> None:
-        self.event = trio.Event()
-        self.result: DownloadComplete | DownloadFailed | None = None
 
 
 class ModelDownload:
@@ -82,39 +73,17 @@ class ModelDownload:
         self.peer_manager.set_peers(p for p in peers if p != network.endpoint_id)
         self.scheduler = DownloadScheduler(max_concurrent)
         self.model = SharableModel()
-        self._waits: dict[bytes, _Wait] = {}
         self.retried_downloads = 0
 
     def _on_exhausted(self) -> None:
         self._exhausted = True
         self._scope.cancel()
 
-    # events -----------------------------------------------------------------------------------
-
-    def handle_event(self, event: NetworkEvent) -> bool:
-        """Take a `DownloadComplete`/`DownloadFailed` this download waits for; False otherwise."""
-        if isinstance(event, DownloadComplete):
-            digest = event.hash
-        elif isinstance(event, DownloadFailed):
-            digest = event.blob_ticket.hash
-        else:
-            return False
-        wait = self._waits.pop(digest, None)
-        if wait is None:
-            return False
-        wait.result = event
-        wait.event.set()
-        return True
-
     async def _download(
         self, ticket: BlobTicket, tag: str, request: ModelRequestType
-    ) -> DownloadComplete | DownloadFailed:
-        wait = _Wait()
-        self._waits[ticket.hash] = wait
-        self._network.start_download(ticket, tag, DownloadType.ModelSharing(request))
-        await wait.event.wait()
-        assert wait.result is not None
-        return wait.result
+    ) -> DownloadOutcome:
+        download = self._network.start_download(ticket, tag, DownloadType.ModelSharing(request))
+        return await download.finished()
 
     async def _request_ticket(self, request: ModelRequestType) -> BlobTicket:
         if self._exhausted:
@@ -167,9 +136,9 @@ class ModelDownload:
             ticket = await self._request_ticket(ModelRequestType.Config())
             result = await self._download(ticket, CONFIG_TAG, ModelRequestType.Config())
             if isinstance(result, DownloadComplete) and isinstance(
-                result.data, TransmittableDownload.ModelConfig
+                result.data, TransmittableModelConfig
             ):
-                return result.data.value
+                return result.data
             self._failed(ticket, result)
 
     async def _complete_parameter(self, name: str, ticket: BlobTicket) -> None:
@@ -195,15 +164,15 @@ class ModelDownload:
                 raise
 
     async def _accept_parameter(self, name: str, data: Any) -> None:
-        if not isinstance(data, TransmittableDownload.ModelParameter):
+        if not isinstance(data, TransmittableModelParameter):
             raise SharableModelFailure(
                 SharableModelError.SerializationError("blob is not a model parameter")
             )
-        if data.value.param_name_bytes != name.encode("utf-8"):
-            raise SharableModelFailure(SharableModelError.ParameterUnknown(data.value.name()))
-        await self.model.add_parameter(data.value)
+        if data.param_name_bytes != name.encode("utf-8"):
+            raise SharableModelFailure(SharableModelError.ParameterUnknown(data.name()))
+        await self.model.add_parameter(data)
 
-    def _failed(self, ticket: BlobTicket, result: DownloadComplete | DownloadFailed) -> None:
+    def _failed(self, ticket: BlobTicket, result: DownloadOutcome) -> None:
         self.retried_downloads += 1
         reason = result.error if isinstance(result, DownloadFailed) else "unexpected payload"
         logger.warning(
@@ -215,37 +184,3 @@ class ModelDownload:
 def _first(group: BaseExceptionGroup) -> BaseException:
     first = group.exceptions[0]
     return _first(first) if isinstance(first, BaseExceptionGroup) else first
-
-
-async def fetch_model_from_peers(
-    network: NetworkConnection,
-    peers: Iterable[bytes],
-    *,
-    max_concurrent: int = DEFAULT_MAX_CONCURRENT_PARAMETER_REQUESTS,
-    on_other_event: Callable[[NetworkEvent], None] | None = None,
-) -> DownloadedModel:
-    """Run a `ModelDownload`, reading the network's events itself until it finishes."""
-    download = ModelDownload(network, peers, max_concurrent=max_concurrent)
-    result: DownloadedModel | None = None
-
-    async def pump() -> None:
-        while True:
-            event = await network.next_event()
-            if not download.handle_event(event):
-                if on_other_event is not None:
-                    on_other_event(event)
-                else:
-                    logger.debug("model download ignores %s", type(event).__name__)
-
-    try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(pump)
-            result = await download.run()
-            nursery.cancel_scope.cancel()
-    except BaseExceptionGroup as group:
-        unreachable, rest = group.split(PeersUnreachable)
-        if unreachable is not None and rest is None:
-            raise _first(unreachable) from None
-        raise
-    assert result is not None
-    return result

@@ -1,52 +1,38 @@
-"""P2P model sharing: peers hand a joining client the model config and every parameter as blobs.
+"""The P2P model-sharing protocol: a joining client asks a peer for the ticket of each blob.
 
 Protocol `/psyche/model-sharing/0` (upstream ALPN `model-sharing/0`), one stream per request:
 the requester writes `postcard(ModelRequestType)` and half-closes; the provider reads at most
-1000 bytes, asks the application for a blob ticket, writes `postcard(Result<BlobTicket,
-SharableModelError>)` (at most 16384 bytes) and closes. The bytes themselves then travel as
-ordinary blobs.
-
-`SharableModel` holds the provider's bf16 parameters (serialized on first request) and, on a
-joining client, the parameters downloaded so far. Tensors travel as single-tensor safetensors
-files (upstream: tch archives), so decoding hostile bytes never runs pickle. torch is imported
-lazily.
+1000 bytes, asks the application for a blob ticket (a `ParameterRequest` or `ModelConfigRequest`
+event), writes `postcard(Result<BlobTicket, SharableModelError>)` (at most 16384 bytes) and
+closes. The bytes themselves then travel as ordinary blobs; what they hold is `sharable_model`'s.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-from collections.abc import Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
 
 import trio
+from libp2p.abc import IHost, INetStream
 
 from psyche.core.serde import PostcardError, from_bytes, to_bytes
+from psyche.network import p2p_host
+from psyche.network.events import ModelConfigRequest, NetworkEvent, ParameterRequest, TicketReply
+from psyche.network.identity import fmt_short
+from psyche.network.peer_manager import MODEL_REQUEST_TIMEOUT_SECS
 from psyche.network.ticket import BlobTicket
 from psyche.network.transmittable import (
     ModelRequestType,
     SharableModelError,
     SharableModelFailure,
     TicketResult,
-    TransmittableDownload,
-    TransmittableModelConfig,
-    TransmittableModelParameter,
 )
-
-if TYPE_CHECKING:
-    import torch
 
 logger = logging.getLogger(__name__)
 
 MODEL_SHARING_PROTOCOL = "/psyche/model-sharing/0"
 MAX_REQUEST_BYTES = 1000
 MAX_RESPONSE_BYTES = 16384
-CONFIG_TAG = "model-config"
-_TENSOR_KEY = "value"
-
-
-def parameter_tag(name: str) -> str:
-    return f"model-{name}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -79,186 +65,39 @@ def decode_response(data: bytes) -> BlobTicket:
 
 
 # ----------------------------------------------------------------------------------------------
-# Tensors
+# Both ends of a stream
 
 
-def serialize_tensor(tensor: torch.Tensor) -> bytes:
-    from safetensors.torch import save
+async def request_ticket(host: IHost, peer: bytes, request: ModelRequestType) -> BlobTicket:
+    """Ask `peer` (already connected) for the ticket of a model config or parameter."""
+    raw = await p2p_host.request(
+        host, peer, MODEL_SHARING_PROTOCOL, encode_request(request), MAX_RESPONSE_BYTES
+    )
+    return decode_response(raw)
 
-    return save({_TENSOR_KEY: tensor.detach().to("cpu").contiguous()})
 
-
-def deserialize_tensor(data: bytes) -> torch.Tensor:
-    from safetensors import SafetensorError
-    from safetensors.torch import load
-
+async def serve(
+    stream: INetStream, allowed: p2p_host.AllowFn, post: Callable[[NetworkEvent], None]
+) -> None:
+    """Answer one inbound request: the application gets it as an event and has
+    `MODEL_REQUEST_TIMEOUT_SECS` to reply (`ResponseChannelNotInitialized` otherwise)."""
+    peer = await p2p_host.stream_peer(stream, allowed)
+    if peer is None:
+        return
     try:
-        tensors = load(bytes(data))
-    except (SafetensorError, ValueError, RuntimeError) as e:
-        raise SharableModelFailure(SharableModelError.SerializationError(str(e))) from e
-    if set(tensors) != {_TENSOR_KEY}:
-        raise SharableModelFailure(
-            SharableModelError.SerializationError("expected exactly one tensor")
-        )
-    return tensors[_TENSOR_KEY]
-
-
-def model_hash(parameters: Mapping[str, torch.Tensor]) -> bytes:
-    """SHA-256 over every parameter (sorted by name): name, dtype, shape and raw bytes.
-
-    Two models with equal hashes hold bit-identical tensors.
-    """
-    hasher = hashlib.sha256()
-    for name in sorted(parameters):
-        tensor = parameters[name].detach().to("cpu").contiguous()
-        hasher.update(name.encode("utf-8") + b"\0")
-        hasher.update(f"{tensor.dtype}|{tuple(tensor.shape)}\0".encode())
-        hasher.update(_raw_bytes(tensor))
-    return hasher.digest()
-
-
-def _raw_bytes(tensor: torch.Tensor) -> bytes:
-    import torch
-
-    flat = tensor.reshape(-1)
-    if flat.dtype in (torch.bfloat16, torch.float16):
-        flat = flat.view(torch.int16)
-    elif flat.dtype == torch.bool:
-        flat = flat.to(torch.uint8)
-    return flat.numpy().tobytes()
-
-
-# ----------------------------------------------------------------------------------------------
-# SharableModel
-
-
-AddDownloadable = Callable[[Any, str], Awaitable[tuple[BlobTicket, int]]]
-"""`NetworkConnection.add_downloadable`: encode a `TransmittableDownload`, store it, ticket it."""
-
-
-class SharableModel:
-    """Provider side: `update_parameters` after cooldown, `clear_cache` on RoundTrain, so peers
-    are served only in between (warmup), as upstream. Joiner side: `initialize_parameters`,
-    `add_parameter`, `add_config`, `take_parameters`."""
-
-    def __init__(self) -> None:
-        self.parameters: dict[str, torch.Tensor | None] | None = None
-        self.serialized_parameters: dict[str, BlobTicket] | None = None
-        self.model_config: str | None = None
-        self.tokenizer_config: str | None = None
-        self.config_ticket: BlobTicket | None = None
-        self.parameters_to_download: list[str] = []
-
-    # provider ---------------------------------------------------------------------------------
-
-    def update_parameters(self, new_parameters: Mapping[str, torch.Tensor]) -> None:
-        if self.parameters is not None and set(new_parameters) != set(self.parameters):
-            raise SharableModelFailure(SharableModelError.InvalidUpdate())
-        self.parameters = dict(new_parameters)
-        self.serialized_parameters = {}
-
-    def update_config(self, model_config: str, tokenizer_config: str) -> None:
-        self.model_config = model_config
-        self.tokenizer_config = tokenizer_config
-        self.config_ticket = None
-
-    async def get_transmittable_parameter(
-        self, name: str, add_downloadable: AddDownloadable
-    ) -> BlobTicket:
-        if self.parameters is None or self.serialized_parameters is None:
-            raise SharableModelFailure(SharableModelError.ParametersNotInitialized())
-        cached = self.serialized_parameters.get(name)
-        if cached is not None:
-            return cached
-        if name not in self.parameters:
-            raise SharableModelFailure(SharableModelError.ParameterUnknown(name))
-        tensor = self.parameters[name]
-        if tensor is None:
-            raise SharableModelFailure(SharableModelError.ParameterNotInitialized(name))
-        serialized = self.serialized_parameters
-        value = await trio.to_thread.run_sync(serialize_tensor, tensor)
-        payload = TransmittableDownload.ModelParameter(
-            TransmittableModelParameter(name.encode("utf-8"), value)
-        )
-        try:
-            ticket, _ = await add_downloadable(payload, parameter_tag(name))
-        except Exception as e:
-            raise SharableModelFailure(SharableModelError.P2PAddDownloadError(str(e))) from e
-        serialized[name] = ticket
-        return ticket
-
-    async def get_transmittable_config(self, add_downloadable: AddDownloadable) -> BlobTicket:
-        if self.config_ticket is not None:
-            return self.config_ticket
-        if self.model_config is None:
-            raise SharableModelFailure(SharableModelError.ModelConfigNotInitialized())
-        if self.tokenizer_config is None:
-            raise SharableModelFailure(SharableModelError.TokenizerConfigNotInitialized())
-        if self.parameters is None:
-            raise SharableModelFailure(SharableModelError.ModelConfigNotInitialized())
-        payload = TransmittableDownload.ModelConfig(
-            TransmittableModelConfig(
-                self.model_config, self.tokenizer_config, list(self.parameters)
-            )
-        )
-        try:
-            ticket, _ = await add_downloadable(payload, CONFIG_TAG)
-        except Exception as e:
-            raise SharableModelFailure(SharableModelError.P2PAddDownloadError(str(e))) from e
-        self.config_ticket = ticket
-        return ticket
-
-    def clear_cache(self) -> None:
-        self.config_ticket = None
-        self.serialized_parameters = None
-
-    # joiner -----------------------------------------------------------------------------------
-
-    def initialize_parameters(self, names: list[str]) -> None:
-        self.parameters = dict.fromkeys(names)
-
-    async def add_parameter(self, parameter: TransmittableModelParameter) -> str:
-        if self.parameters is None:
-            raise SharableModelFailure(SharableModelError.ParametersNotInitialized())
-        name = parameter.name()
-        if name not in self.parameters:
-            raise SharableModelFailure(SharableModelError.ParameterUnknown(name))
-        tensor = await trio.to_thread.run_sync(deserialize_tensor, parameter.param_value_bytes)
-        if self.parameters[name] is not None:
-            logger.warning("Parameter %s was already added to the model, ignoring it", name)
-        self.parameters[name] = tensor
-        return name
-
-    def add_config(self, config: TransmittableModelConfig) -> None:
-        self.model_config = config.config
-        self.tokenizer_config = config.tokenizer
-        self.parameters_to_download = list(config.parameter_names)
-
-    def is_download_complete(self) -> bool:
-        return self.parameters is not None and all(t is not None for t in self.parameters.values())
-
-    def take_parameters(self) -> dict[str, torch.Tensor]:
-        if self.parameters is None:
-            raise SharableModelFailure(SharableModelError.ParametersNotInitialized())
-        out: dict[str, torch.Tensor] = {}
-        for name, tensor in self.parameters.items():
-            if tensor is None:
-                raise SharableModelFailure(SharableModelError.ParameterNotInitialized(name))
-            out[name] = tensor
-        self.parameters = None
-        return out
-
-
-async def answer_request(
-    request: ModelRequestType, model: SharableModel, add_downloadable: AddDownloadable
-) -> TicketResult:
-    """What a provider replies to a parameter or config request."""
-    try:
+        with trio.fail_after(MODEL_REQUEST_TIMEOUT_SECS):
+            request = decode_request(await p2p_host.read_to_end(stream, MAX_REQUEST_BYTES))
+        reply = TicketReply()
         match request:
             case ModelRequestType.Parameter(name):
-                ticket = await model.get_transmittable_parameter(name, add_downloadable)
+                post(ParameterRequest(name, reply))
             case _:
-                ticket = await model.get_transmittable_config(add_downloadable)
-    except SharableModelFailure as failure:
-        return TicketResult.Err(failure.error)
-    return TicketResult.Ok(ticket)
+                post(ModelConfigRequest(reply))
+        result: TicketResult = TicketResult.Err(SharableModelError.ResponseChannelNotInitialized())
+        with trio.move_on_after(MODEL_REQUEST_TIMEOUT_SECS):
+            result = await reply.receive()
+        await stream.write(encode_response(result))
+        await stream.close()
+    except Exception as e:  # malformed or hostile request, or the peer went away
+        logger.info("dropping model-sharing request from %s: %s", fmt_short(peer), e)
+        await p2p_host.reset_quietly(stream)

@@ -248,6 +248,35 @@ def protocol(name: str) -> TProtocol:
     return TProtocol(name)
 
 
+async def reset_quietly(stream: INetStream) -> None:
+    with contextlib.suppress(Exception):
+        await stream.reset()
+
+
+async def request(
+    host: IHost, peer: bytes, protocol_name: str, data: bytes, response_limit: int
+) -> bytes:
+    """One exchange on a fresh stream to `peer`: write `data`, half-close, read the answer (at
+    most `response_limit` bytes) until the peer closes."""
+    stream = await host.new_stream(peer_id_from_public_key(peer), [protocol(protocol_name)])
+    try:
+        await stream.write(data)
+        await stream.close()
+        return await read_to_end(stream, response_limit)
+    finally:
+        await reset_quietly(stream)
+
+
+async def stream_peer(stream: INetStream, allowed: AllowFn) -> bytes | None:
+    """The remote key of an inbound stream if it may talk to us; otherwise the stream is reset
+    and None returned (the protocol handlers' re-check of the allowlist)."""
+    peer = peer_key(stream.muxed_conn.peer_id)
+    if peer is None or not allowed(peer):
+        await reset_quietly(stream)
+        return None
+    return peer
+
+
 __all__ = [
     "ConnectionNotifee",
     "ReadLimitExceeded",
@@ -262,5 +291,8 @@ __all__ = [
     "protocol",
     "read_exactly",
     "read_to_end",
+    "request",
+    "reset_quietly",
+    "stream_peer",
     "transport_addrs",
 ]

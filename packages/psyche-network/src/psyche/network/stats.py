@@ -99,10 +99,6 @@ class NetworkStats:
     )
     download_progresses: dict[bytes, DownloadProgress] = field(default_factory=dict)
 
-    @property
-    def total_data_per_sec(self) -> float:
-        return self.bandwidth_history[-1] if self.bandwidth_history else 0.0
-
 
 def fmt_bytes(num_bytes: float) -> str:
     """Upstream `fmt_bytes`: B below 1 KiB, then KB..PB in 1024 steps with two decimals."""

@@ -9,17 +9,11 @@ from typing import Any
 
 import trio
 
-from psyche.client.broadcast import Broadcast
 from psyche.core.identity import SecretKey
-from psyche.network.connection import (
-    ModelConfigRequest,
-    NetworkConfig,
-    NetworkConnection,
-    NetworkEvent,
-    ParameterRequest,
-)
-from psyche.network.model_sharing import SharableModel, answer_request
-from psyche.network.transmittable import ModelRequestType, TransmittableDownload
+from psyche.network.connection import NetworkConfig, NetworkConnection
+from psyche.network.events import ModelConfigRequest, NetworkEvent, ParameterRequest
+from psyche.network.sharable_model import SharableModel, answer_request
+from psyche.network.transmittable import ModelRequestType
 
 
 def local_config(run_id: str = "test-run", **overrides: Any) -> NetworkConfig:
@@ -31,19 +25,20 @@ async def open_nodes(
     count: int,
     *,
     run_id: str = "test-run",
-    broadcast_type: Any = Broadcast,
-    download_type: Any = TransmittableDownload,
+    broadcast_type: Any = bytes,
+    distro_result_type: Any = bytes,
     allow_each_other: bool = True,
     **config: Any,
 ) -> AsyncIterator[list[NetworkConnection]]:
-    """`count` nodes, each allowing all the others (as clients of one run would)."""
+    """`count` nodes, each allowing all the others (as clients of one run would). Raw `bytes`
+    stand in for the application's gossip messages and DisTrO results unless told otherwise."""
     async with AsyncExitStack() as stack:
         nodes = [
             await stack.enter_async_context(
                 NetworkConnection.open(
                     local_config(run_id, secret_key=SecretKey.generate(), **config),
                     broadcast_type=broadcast_type,
-                    download_type=download_type,
+                    distro_result_type=distro_result_type,
                 )
             )
             for _ in range(count)

@@ -1,13 +1,28 @@
 """Blob payloads and model-sharing wire types (upstream download/manager.rs, p2p_model_sharing.rs).
 
-Variant order is wire order: `TransmittableDownload` is `0 DistroResult`, `1 ModelParameter`,
-`2 ModelConfig`; `SharableModelError` lists upstream's 16 variants in order.
+A blob is upstream's `TransmittableDownload` enum in postcard, generic here in its first
+variant: `TransmittableDownload<D> { DistroResult(D), ModelParameter(..), ModelConfig(..) }`.
+Variant order is wire order (0 DistroResult, 1 ModelParameter, 2 ModelConfig). The model-sharing
+payloads are this package's; the DisTrO result is the application's, so its type reaches the
+network as a parameter (`download_codec(distro_result_type)`) and psyche.network never imports the
+package that defines it. `SharableModelError` lists upstream's 16 variants in order.
 """
 
 from __future__ import annotations
 
-from psyche.core.serde import DataEnum, FixedBytes, struct, variant
-from psyche.modeling.serialized_distro import TransmittableDistroResult
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+from psyche.core.serde import (
+    DataEnum,
+    FixedBytes,
+    from_bytes,
+    prepare_decoder,
+    struct,
+    to_bytes,
+    variant,
+)
 from psyche.network.ticket import BlobTicket
 
 
@@ -30,10 +45,43 @@ class TransmittableModelConfig:
     parameter_names: list[str]
 
 
-class TransmittableDownload(DataEnum):
-    DistroResult = variant(TransmittableDistroResult)
-    ModelParameter = variant(TransmittableModelParameter)
-    ModelConfig = variant(TransmittableModelConfig)
+@dataclass(frozen=True)
+class DownloadCodec:
+    """How blobs are written and read: `TransmittableDownload<D>` for one payload type `D`.
+
+    Payloads travel bare through the network's API (`add_downloadable(payload, tag)`,
+    `DownloadComplete.data`): the variant follows from the payload's type, so the three payload
+    types must differ. `decode` copies nothing: its `bytes` fields are read-only views into the
+    blob, which the downloader has already checked against the ticket's hash.
+    """
+
+    wire_enum: type[DataEnum]
+    """The enum as serde declares it: its bytes are exactly upstream's."""
+
+    def encode(self, payload: Any) -> bytes:
+        for var in self.wire_enum.variants:
+            if type(payload) is var.payload_type:
+                return to_bytes(var(payload), self.wire_enum)  # type: ignore[call-arg]
+        names = ", ".join(v.payload_type.__name__ for v in self.wire_enum.variants)
+        raise TypeError(f"{type(payload).__name__} is not a blob payload (one of {names})")
+
+    def decode(self, blob: bytes | bytearray | memoryview) -> Any:
+        """The payload; `PostcardError` for bytes that are not a `TransmittableDownload<D>`."""
+        return from_bytes(blob, self.wire_enum, borrow=True).value
+
+
+@functools.cache
+def download_codec(distro_result_type: Any) -> DownloadCodec:
+    """The codec whose DistroResult variant carries `distro_result_type` (one per type)."""
+
+    class TransmittableDownload(DataEnum):
+        DistroResult = variant(distro_result_type)
+        ModelParameter = variant(TransmittableModelParameter)
+        ModelConfig = variant(TransmittableModelConfig)
+
+    # Compiled now, on the event loop, before any worker thread decodes.
+    prepare_decoder(TransmittableDownload, borrow=True)
+    return DownloadCodec(TransmittableDownload)
 
 
 class ModelRequestType(DataEnum):
