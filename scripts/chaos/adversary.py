@@ -147,7 +147,7 @@ class Adversary:
                     return
 
     async def on_state(self, state: Any, backend: Any) -> None:
-        from psyche.coordinator.coordinator import RunState
+        from psyche.coordinator import RunState
 
         if state.run_state is RunState.Warmup and not self.warmup_sent:
             await self.warmup(state, backend)
@@ -158,9 +158,9 @@ class Adversary:
     async def warmup(self, state: Any, backend: Any) -> None:
         """Behave during warmup, so the run starts with this member in it."""
         from psyche.client import core
+        from psyche.coordinator import Witness, WitnessProof
         from psyche.coordinator.backend import OpportunisticData
         from psyche.coordinator.committee_selection import CommitteeProof
-        from psyche.coordinator.coordinator import Witness, WitnessProof
         from psyche.core.bloom import WitnessBloom
 
         self.warmup_sent = True
@@ -228,8 +228,8 @@ class Adversary:
     async def witness(self, backend: Any, step: int, witness_proof: Any) -> None:
         """A hostile witness: it vouches for every result it heard of, its own lies included."""
         from psyche.client import core
+        from psyche.coordinator import BLOOM_FALSE_RATE, Witness, WitnessMetadata
         from psyche.coordinator.backend import OpportunisticData
-        from psyche.coordinator.coordinator import BLOOM_FALSE_RATE, Witness, WitnessMetadata
         from psyche.core.bloom import WitnessBloom
         from psyche.core.sha256 import sha256
 

@@ -10,10 +10,9 @@ from pathlib import Path
 
 import trio
 
-from psyche.centralized.server_core import ServerCore
-from psyche.centralized.testing import quick_coordinator
-from psyche.coordinator.coordinator import ClientState, RunState
-from psyche.coordinator.simulation import simulated_identity
+from psyche.coordinator import ClientState, RunState
+from psyche.coordinator.server_core import ServerCore
+from psyche.coordinator.testing import quick_coordinator, simulated_identity
 
 NOW = 1_000_000
 A, B, C = (simulated_identity(i) for i in range(3))
@@ -51,7 +50,7 @@ def test_a_round_without_witnesses_does_not_lock_everyone_out() -> None:
     the pending set on every tick, and the run never started again although two clients were
     connected and waiting."""
     from psyche.coordinator.backend import OpportunisticData
-    from psyche.coordinator.simulation import warmup_witness_for
+    from psyche.coordinator.testing import warmup_witness_for
 
     core = ServerCore.start(quick_coordinator(init_min_clients=2, witness_nodes=1), now=NOW)
     for client in (A, B, C):
@@ -147,13 +146,13 @@ else:
 def test_a_saved_state_that_hits_a_full_disk_keeps_the_previous_one(tmp_path: Path) -> None:
     """disk-full on the server: the state file and `latest` are replaced whole or not at all."""
     from psyche.centralized.save_state import load_state, save_state
-    from psyche.centralized.testing import quick_coordinator
+    from psyche.coordinator.testing import quick_coordinator
 
     first = save_state(tmp_path, quick_coordinator())
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     code = f"""
 from psyche.centralized.save_state import save_state
-from psyche.centralized.testing import quick_coordinator
+from psyche.coordinator.testing import quick_coordinator
 state = quick_coordinator()
 state.progress.step = 42
 try:

@@ -23,11 +23,11 @@ from psyche.coordinator import (
     Checkpoint,
     Coordinator,
     CoordinatorConfig,
+    CoordinatorProgress,
     HubRepo,
     LLMTrainingDataLocation,
     RunState,
 )
-from psyche.coordinator.coordinator import CoordinatorProgress
 from psyche.coordinator.model import LLM, LLMArchitecture, LLMTrainingDataType, Model
 from psyche.core.definitions import ConstantLR, Distro, LearningRateSchedule, OptimizerDefinition
 from psyche.core.identity import SecretKey

@@ -50,7 +50,7 @@ def _key(n: int) -> Any:
 
 
 def _coordinator() -> Any:
-    from psyche.centralized.testing import quick_coordinator
+    from psyche.coordinator.testing import quick_coordinator
 
     return quick_coordinator()
 

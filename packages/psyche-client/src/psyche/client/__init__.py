@@ -22,8 +22,6 @@ _EXPORTS = {
     "StepDesync": "psyche.client.steps",
     "MachineSettings": "psyche.client.steps",
     "RoundState": "psyche.client.round_state",
-    "InProcessServer": "psyche.client.testing",
-    "InProcessBackend": "psyche.client.testing",
     "setup_logging": "psyche.client.logs",
     "log_event": "psyche.client.logs",
 }

@@ -33,9 +33,9 @@ from psyche.client.logs import log_event
 from psyche.client.stats import format_duration
 from psyche.client.steps import MachineSettings, StepStateMachine
 from psyche.client.training import DataFetcher, OwnResult
+from psyche.coordinator import Coordinator, RunState
 from psyche.coordinator.backend import Backend, EndpointDiscovery, HealthCheck, OpportunisticData
 from psyche.coordinator.commitment import Commitment
-from psyche.coordinator.coordinator import Coordinator, RunState
 from psyche.coordinator.model import Checkpoint
 from psyche.core.log_markers import IntegrationTestLogMarker
 from psyche.modeling.serialized_distro import TransmittableDistroResult

@@ -40,8 +40,8 @@ from psyche.client.training import (
     TrainJob,
     run_round,
 )
+from psyche.coordinator import Coordinator, RunState
 from psyche.coordinator.backend import HealthCheck, OpportunisticData
-from psyche.coordinator.coordinator import Coordinator, RunState
 from psyche.coordinator.model import Checkpoint
 from psyche.core.bloom import WitnessBloom
 from psyche.core.log_markers import IntegrationTestLogMarker
