@@ -50,7 +50,7 @@ from psyche.data_provider import (
     HttpDataProvider,
     LocalDataProvider,
 )
-from psyche.data_provider.rng import ChaCha8Rng, shuffle_permutation
+from psyche.core.rng import ChaCha8Rng, shuffle_permutation
 
 SEED = bytes(range(1, 33))
 GOALS = {"local": 0.8, "http": 0.5, "tcp": 0.5}

@@ -17,7 +17,7 @@ import numpy as np
 
 from psyche.core.batch_id import BatchId
 from psyche.core.data_shuffle import Shuffle
-from psyche.data_provider.rng import ChaCha8Rng, backward_fisher_yates_permutation
+from psyche.core.rng import ChaCha8Rng, backward_fisher_yates_permutation
 from psyche.data_provider.types import DataProviderError, TokenizedData, batch_bounds
 
 log = logging.getLogger(__name__)

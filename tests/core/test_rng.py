@@ -7,7 +7,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from psyche.data_provider.rng import (
+from psyche.core.rng import (
     ChaCha8Rng,
     apply_backward_swaps,
     apply_forward_swaps,

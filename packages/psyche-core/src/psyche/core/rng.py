@@ -1,4 +1,5 @@
-"""rand_chacha 0.9's `ChaCha8Rng` and the rand 0.9 algorithms upstream's data providers shuffle with.
+"""rand_chacha 0.9's `ChaCha8Rng` and the rand 0.9 algorithms upstream shuffles with (the data
+providers' sequence order, the evaluations' few-shot examples).
 
 Every node must order a dataset identically, so these reproduce upstream bit for bit:
 
