@@ -7,7 +7,6 @@ The server's clock runs 10x the wall clock here (`fast_options`), so a run's tim
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,21 +46,7 @@ from psyche.network.discovery import sign_address_record
 from psyche.network.ticket import EndpointAddr, TransportAddr
 
 from ..processes import REPO, free_port
-from .hosting import hosted
-
-
-def run(test: Callable[[], Any]) -> None:
-    trio.run(test)
-
-
-def addr(server: CentralizedServer) -> str:
-    return f"127.0.0.1:{server.port}"
-
-
-async def eventually(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    with trio.fail_after(timeout):
-        while not predicate():
-            await trio.sleep(0.01)
+from .servers import addr, eventually, hosted
 
 
 def test_join_by_run_id_and_a_broadcast_every_tick() -> None:
@@ -82,7 +67,7 @@ def test_join_by_run_id_and_a_broadcast_every_tick() -> None:
             # the stranger gets broadcasts too (upstream sends to every connection)
             assert (await stranger.next_coordinator()).run_id == "test-run"
 
-    run(main)
+    trio.run(main)
 
 
 def test_warmup_then_a_disconnect_withdraws_the_client(tmp_path: Path) -> None:
@@ -101,7 +86,7 @@ def test_warmup_then_a_disconnect_withdraws_the_client(tmp_path: Path) -> None:
             assert list(server.core.pending_clients) == [a.identity]
             await a.conn.aclose()
 
-    run(main)
+    trio.run(main)
     # --events-dir recorded every distinct state, the transitions included
     from psyche.centralized.events import STATE_FILE, read_events
 
@@ -186,7 +171,7 @@ def test_hostile_connections_are_closed_and_the_others_keep_going() -> None:
             assert len(server.connected_clients()) == 1
             await good.conn.aclose()
 
-    run(main)
+    trio.run(main)
 
 
 def endpoint_record(key: SecretKey, port: int) -> bytes:
@@ -235,7 +220,7 @@ def test_extension_clients_get_extras_and_each_others_endpoints() -> None:
             for client in (a, upstream):
                 await client.conn.aclose()
 
-    run(main)
+    trio.run(main)
 
 
 def test_backend_follows_the_run_and_reports_a_lost_server() -> None:
@@ -273,7 +258,7 @@ def test_backend_follows_the_run_and_reports_a_lost_server() -> None:
                 with pytest.raises(BackendDisconnected):
                     await backend.send_checkpoint(Checkpoint.Hub(HubRepo("x")))
 
-    run(main)
+    trio.run(main)
 
 
 async def wait_state(backend: CentralizedBackend, state: RunState) -> Coordinator:
@@ -306,7 +291,7 @@ def test_backend_waits_for_a_server_that_is_not_up_yet_and_gives_up_in_time() ->
                 assert (await backend.wait_for_new_state()).run_id == "test-run"
             nursery.cancel_scope.cancel()
 
-    run(main)
+    trio.run(main)
 
 
 def test_backend_falls_back_when_the_server_is_upstreams() -> None:
@@ -352,7 +337,7 @@ def test_backend_falls_back_when_the_server_is_upstreams() -> None:
                     await backend.publish_endpoint(b"ignored: the server cannot relay")
                 nursery.cancel_scope.cancel()
 
-    run(main)
+    trio.run(main)
 
 
 # ---- hosting the data ------------------------------------------------------------------------
@@ -377,7 +362,7 @@ def test_hosts_the_data_for_the_runs_clients_only(tmp_path: Path) -> None:
                     await outsider.get_batch(BatchId(0, 0))
                 await outsider.aclose()
 
-    run(main)
+    trio.run(main)
 
 
 @pytest.mark.parametrize(
@@ -514,4 +499,4 @@ def test_backend_reconnects_to_a_restarted_server(tmp_path: Path) -> None:
                 assert [c.id for c in after.epoch_state.clients] == [backend.identity]
             nursery.cancel_scope.cancel()
 
-    run(main)
+    trio.run(main)

@@ -17,11 +17,7 @@ from psyche.centralized.testing import ProtocolClient, fast_options
 from psyche.coordinator import RunState
 from psyche.coordinator.testing import quick_coordinator
 
-from .hosting import hosted
-
-
-def addr(server) -> str:  # type: ignore[no-untyped-def]
-    return f"127.0.0.1:{server.port}"
+from .servers import addr, hosted
 
 
 def test_a_finished_run_ends_the_server_once_its_clients_left(

@@ -13,14 +13,12 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from typing import Any
 
 import pytest
 import trio
 
 from psyche.centralized.protocol import ClientToServerMessage, ExtensionHello, ServerToClientMessage
-from psyche.centralized.server import CentralizedServer, open_server, who_may_join
+from psyche.centralized.server import open_server, who_may_join
 from psyche.centralized.testing import ProtocolClient, fast_options
 from psyche.coordinator.backend import OpportunisticData
 from psyche.coordinator.model import Checkpoint, HubRepo
@@ -30,21 +28,9 @@ from psyche.core.tcp import ConnectionClosed
 from psyche.network.discovery import sign_address_record
 from psyche.network.ticket import EndpointAddr, TransportAddr
 
+from .servers import addr, eventually
+
 SPAM = 300
-
-
-def run(test: Callable[[], Any]) -> None:
-    trio.run(test)
-
-
-def addr(server: CentralizedServer) -> str:
-    return f"127.0.0.1:{server.port}"
-
-
-async def eventually(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    with trio.fail_after(timeout):
-        while not predicate():
-            await trio.sleep(0.01)
 
 
 def test_a_private_run_refuses_other_keys_at_login(caplog: pytest.LogCaptureFixture) -> None:
@@ -67,7 +53,7 @@ def test_a_private_run_refuses_other_keys_at_login(caplog: pytest.LogCaptureFixt
             await good.next_coordinator()  # the member is served as ever
             await good.conn.aclose()
 
-    run(main)
+    trio.run(main)
     lines = [r.getMessage() for r in caplog.records]
     assert any("private run: 1 authorized key" in line for line in lines), lines
     assert any(
@@ -110,7 +96,7 @@ def test_non_members_messages_are_not_broadcast() -> None:
             for client in (watcher, spammer):
                 await client.conn.aclose()
 
-    run(main)
+    trio.run(main)
 
 
 def test_repeated_join_hello_and_endpoint_send_nothing_more() -> None:
@@ -170,7 +156,7 @@ def test_repeated_join_hello_and_endpoint_send_nothing_more() -> None:
             for client in clients:
                 await client.conn.aclose()
 
-    run(main)
+    trio.run(main)
 
 
 def test_an_address_the_server_cannot_bind_is_named() -> None:
@@ -182,4 +168,4 @@ def test_an_address_the_server_cannot_bind_is_named() -> None:
             async with open_server(quick_coordinator(), fast_options(host="192.0.2.1")):
                 pass
 
-    run(main)
+    trio.run(main)

@@ -30,6 +30,7 @@ from psyche.coordinator import (
 )
 from psyche.coordinator.commitment import Commitment
 from psyche.coordinator.committee_selection import Committee, CommitteeProof, CommitteeSelection
+from psyche.coordinator.consensus import unhealthy_trainers
 from psyche.coordinator.data_selection import (
     assign_data_for_state,
     get_batch_ids_for_node,
@@ -373,16 +374,7 @@ def health_checks(
         raise CoordinatorError(CoordinatorErrorKind.NoActiveRound)
     if coordinator.epoch_state.first_round or not info.witness_proof.witness:
         return []
-    checks = []
-    for index, client in enumerate(coordinator.epoch_state.clients):
-        proof = info.selection.get_committee(index)
-        try:
-            healthy = coordinator.healthy(client.id, proof)
-        except CoordinatorError:
-            healthy = False
-        if not healthy:
-            checks.append((client.id, proof))
-    return checks
+    return unhealthy_trainers(coordinator, info.selection)
 
 
 def merkle_root(broadcasts: Sequence[bytes]) -> MerkleRoot:

@@ -25,6 +25,7 @@ from psyche.coordinator.run_state import (
     Client,
     CoordinatorEpochState,
     CoordinatorProgress,
+    HealthChecks,
     Round,
     RunState,
     Witness,
@@ -33,7 +34,7 @@ from psyche.core.node_identity import NodeIdentity
 from psyche.core.numeric import truncating_cast_unsigned, wrapping_u32, wrapping_u64
 from psyche.core.sha256 import sha256
 
-__all__ = ["WITNESS_QUORUM_RAIO", "CoordinatorQueries"]
+__all__ = ["WITNESS_QUORUM_RAIO", "CoordinatorQueries", "unhealthy_trainers"]
 
 # (sic) upstream's spelling
 WITNESS_QUORUM_RAIO = 2.0 / 3.0
@@ -238,3 +239,21 @@ class CoordinatorQueries:
 
     def is_training_just_starting(self) -> bool:
         return bool(self.epoch_state.first_round) and self.run_state is RunState.RoundTrain
+
+
+def unhealthy_trainers(
+    coordinator: CoordinatorQueries, selection: CommitteeSelection
+) -> HealthChecks:
+    """The health checks an honest witness sends: every current client, with its committee proof
+    under `selection` (the previous round's), that was not a healthy trainer of that round (an
+    error counts as unhealthy; upstream's `start_sending_health_checks`)."""
+    checks: HealthChecks = []
+    for index, client in enumerate(coordinator.epoch_state.clients):
+        proof = selection.get_committee(index)
+        try:
+            healthy = coordinator.healthy(client.id, proof)
+        except CoordinatorError:
+            healthy = False
+        if not healthy:
+            checks.append((client.id, proof))
+    return checks

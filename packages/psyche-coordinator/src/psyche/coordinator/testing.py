@@ -24,6 +24,7 @@ from typing import Any
 from psyche.coordinator.backend import OpportunisticData
 from psyche.coordinator.committee_selection import CommitteeSelection, WitnessProof
 from psyche.coordinator.config import CoordinatorConfig
+from psyche.coordinator.consensus import unhealthy_trainers
 from psyche.coordinator.coordinator import Coordinator
 from psyche.coordinator.errors import CoordinatorError, CoordinatorPanic
 from psyche.coordinator.model import LLM, Model
@@ -145,17 +146,7 @@ def round_witness_for(
 def health_checks_for(coordinator: Coordinator) -> HealthChecks:
     """The health checks an honest witness sends at the start of a round: every current client
     that was not a healthy trainer of the previous round (errors count as unhealthy)."""
-    selection = CommitteeSelection.from_coordinator(coordinator, -1)
-    checks: HealthChecks = []
-    for index, client in enumerate(coordinator.epoch_state.clients):
-        proof = selection.get_committee(index)
-        try:
-            healthy = coordinator.healthy(client.id, proof)
-        except CoordinatorError:
-            healthy = False
-        if not healthy:
-            checks.append((client.id, proof))
-    return checks
+    return unhealthy_trainers(coordinator, CommitteeSelection.from_coordinator(coordinator, -1))
 
 
 class Simulation:

@@ -1,10 +1,15 @@
-"""A run whose training data its own server hosts (`data_location = Server`): the tiny run's
-dataset written into a test's directory, and a quick coordinator pointing at the data port."""
+"""What the server tests share: a running server's loopback address, waiting for a condition, and
+a run whose training data its own server hosts (`data_location = Server`: the tiny run's dataset
+written into a test's directory, and a quick coordinator pointing at the data port)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
+import trio
+
+from psyche.centralized.server import CentralizedServer
 from psyche.centralized.tiny_run import write_tiny_dataset
 from psyche.coordinator.coordinator import Coordinator
 from psyche.coordinator.model import Checkpoint, HubRepo, LLMTrainingDataLocation
@@ -12,6 +17,16 @@ from psyche.coordinator.testing import quick_coordinator
 from psyche.data_provider import DataServerInfo
 
 from ..processes import REPO, free_port
+
+
+def addr(server: CentralizedServer) -> str:
+    return f"127.0.0.1:{server.port}"
+
+
+async def eventually(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+    with trio.fail_after(timeout):
+        while not predicate():
+            await trio.sleep(0.01)
 
 
 def hosted(directory: Path, *, port: int | None = None) -> tuple[Coordinator, DataServerInfo]:
