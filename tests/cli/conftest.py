@@ -3,7 +3,8 @@ would be (SIGINT ignored), with their output in `tmp_path/<name>.log`.
 
 * `processes` fixture -> `tests/processes.Processes` (stops whatever a test started).
 * `start_detached(processes, name, argv, env=...)`: start a command in its own session with SIGINT
-  ignored, as `cmd &` in a non-interactive shell or `nohup cmd` does.
+  ignored, as `cmd &` in a non-interactive shell or `nohup cmd` does; `start_client` starts
+  `psyche-client train` so.
 * `dummy_run(tmp_path)`: a run directory whose `state.toml` needs no model or data (a Dummy
   run), for the server and the testnet launcher.
 """
@@ -96,6 +97,21 @@ def start_detached(
     proc = Proc(name, popen, log_path)
     processes.started.append(proc)
     return proc
+
+
+KEY_1 = f"{1:064x}"
+
+
+def start_client(processes: Processes, server_addr: str, *flags: str, run_id: str = "r") -> Proc:
+    """`psyche-client train` on `server_addr` with console logs and the identity key 1, started
+    as `start_detached` starts it (named `client`)."""
+    return start_detached(
+        processes,
+        "client",
+        [command("psyche-client"), "train", "--run-id", run_id, "--server-addr", server_addr,
+         "--logs", "console", *flags],
+        env={"RAW_IDENTITY_SECRET_KEY": KEY_1},
+    )  # fmt: skip
 
 
 def exit_code(proc: Proc, timeout: float) -> int:

@@ -25,23 +25,14 @@ from psyche.core.identity import SecretKey
 from psyche.core.node_identity import NodeIdentity
 
 from ..processes import Processes, free_port
-from .conftest import DUMMY_STATE, command, exit_code, start_detached
-
-KEY_1 = f"{1:064x}"
+from .conftest import DUMMY_STATE, exit_code, start_client
 
 
 def test_client_says_it_waits_for_the_coordinator_then_gives_up_in_one_line(
     processes: Processes,
 ) -> None:
     port = free_port()
-    client = start_detached(
-        processes,
-        "client",
-        [command("psyche-client"), "train", "--run-id", "r",
-         "--server-addr", f"127.0.0.1:{port}", "--logs", "console",
-         "--server-connect-timeout", "3"],
-        env={"RAW_IDENTITY_SECRET_KEY": KEY_1},
-    )  # fmt: skip
+    client = start_client(processes, f"127.0.0.1:{port}", "--server-connect-timeout", "3")
     waiting = processes.wait_for(
         client,
         rf"waiting for the coordinator at 127\.0\.0\.1:{port} \(connection refused; "
@@ -60,14 +51,9 @@ def test_client_says_it_waits_for_the_coordinator_then_gives_up_in_one_line(
 
 
 def test_verbose_client_adds_the_traceback(processes: Processes) -> None:
-    client = start_detached(
-        processes,
-        "client",
-        [command("psyche-client"), "train", "--run-id", "r", "--verbose",
-         "--server-addr", f"127.0.0.1:{free_port()}", "--logs", "console",
-         "--server-connect-timeout", "0"],
-        env={"RAW_IDENTITY_SECRET_KEY": KEY_1},
-    )  # fmt: skip
+    client = start_client(
+        processes, f"127.0.0.1:{free_port()}", "--verbose", "--server-connect-timeout", "0"
+    )
     assert exit_code(client, 120) == 1, client.text()
     text = client.text()
     assert "Traceback" in text and "BackendDisconnected" in text
@@ -75,13 +61,7 @@ def test_verbose_client_adds_the_traceback(processes: Processes) -> None:
 
 
 def test_a_malformed_address_fails_at_once(processes: Processes) -> None:
-    client = start_detached(
-        processes,
-        "client",
-        [command("psyche-client"), "train", "--run-id", "r", "--server-addr", "localhost",
-         "--logs", "console"],
-        env={"RAW_IDENTITY_SECRET_KEY": KEY_1},
-    )  # fmt: skip
+    client = start_client(processes, "localhost")
     assert exit_code(client, 120) == 1, client.text()
     assert client.text().splitlines()[-1] == (
         "psyche-client: error: bad coordinator address: invalid address 'localhost': "

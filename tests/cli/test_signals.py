@@ -18,12 +18,11 @@ from pathlib import Path
 import pytest
 
 from ..processes import REPO, Processes, free_port
-from .conftest import command, exit_code, start_detached
+from .conftest import command, exit_code, start_client, start_detached
 
 SIGNALS = pytest.mark.parametrize(
     ("signum", "name"), [(signal.SIGINT, "SIGINT"), (signal.SIGTERM, "SIGTERM")]
 )
-KEY_1 = f"{1:064x}"
 STOP_TIMEOUT = 60.0
 
 
@@ -62,13 +61,7 @@ def test_client_waiting_for_the_run(
          "--server-port", str(port), "--tui", "false"],
     )  # fmt: skip
     processes.wait_for(server, r"serving run 'cli-test'", 60)
-    client = start_detached(
-        processes,
-        "client",
-        [command("psyche-client"), "train", "--run-id", "cli-test",
-         "--server-addr", f"127.0.0.1:{port}", "--logs", "console", "--device", "cpu"],
-        env={"RAW_IDENTITY_SECRET_KEY": KEY_1},
-    )  # fmt: skip
+    client = start_client(processes, f"127.0.0.1:{port}", "--device", "cpu", run_id="cli-test")
     processes.wait_for(client, r"waiting for the run to start: 1 of 2 clients joined", 90)
     processes.signal(client, signum)
     code = exit_code(client, STOP_TIMEOUT)
@@ -79,14 +72,7 @@ def test_client_waiting_for_the_run(
 
 @SIGNALS
 def test_client_waiting_for_the_coordinator(processes: Processes, signum: int, name: str) -> None:
-    client = start_detached(
-        processes,
-        "client",
-        [command("psyche-client"), "train", "--run-id", "r",
-         "--server-addr", f"127.0.0.1:{free_port()}", "--logs", "console",
-         "--server-connect-timeout", "600"],
-        env={"RAW_IDENTITY_SECRET_KEY": KEY_1},
-    )  # fmt: skip
+    client = start_client(processes, f"127.0.0.1:{free_port()}", "--server-connect-timeout", "600")
     processes.wait_for(client, r"waiting for the coordinator at", 60)
     processes.signal(client, signum)
     assert exit_code(client, STOP_TIMEOUT) == (130 if signum == signal.SIGINT else 143)

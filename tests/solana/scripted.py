@@ -44,10 +44,12 @@ from psyche.solana.follower import (
 )
 from psyche.solana.instructions import coordinator as coordinator_ix
 from psyche.solana.keypair import derive_p2p_secret_key
-from psyche.solana.localnet.ledger import Ledger
+from psyche.solana.localnet.ledger import Ledger, ManualClock
+from psyche.solana.localnet.server import LocalnetHandle, start_localnet
 from psyche.solana.retry import RetryPolicy
 
 RUN_ID = "e2e"
+START = 1_700_000_000  # the ledgers' clock at the start of a test
 FAST_RETRY = RetryPolicy(initial_delay=0.05, factor=1.5, max_retries=3, max_delay=0.2)
 WAIT = 10.0  # generous: how long the driver waits for an expected transaction
 
@@ -110,6 +112,16 @@ def make_backend(
         confirm_timeout=5.0,
         rpc_timeout=5.0,
     )
+
+
+async def open_localnet(
+    nursery: trio.Nursery, clock: ManualClock | None = None
+) -> tuple[Ledger, LocalnetHandle, list[Cluster]]:
+    """A ledger on `clock` (a manual clock at `START` by default) served on loopback in
+    `nursery`: the ledger, the endpoint (to stop and restart it) and its cluster."""
+    ledger = Ledger(clock=clock or ManualClock(START))
+    net = await start_localnet(nursery, ledger)
+    return ledger, net, [Cluster(net.rpc_url, net.ws_url)]
 
 
 async def create_run(owner: SolanaBackend, run_config: CoordinatorConfig) -> Pubkey:

@@ -16,17 +16,22 @@ from psyche.solana.instructions import coordinator as coordinator_ix
 from psyche.solana.localnet.ledger import Ledger, ManualClock
 from psyche.solana.localnet.server import start_localnet
 
-from .scripted import Driver, ScriptedClient, config, create_run, make_backend, tiny_model
-
-START = 1_700_000_000
+from .scripted import (
+    START,
+    Driver,
+    ScriptedClient,
+    config,
+    create_run,
+    make_backend,
+    open_localnet,
+    tiny_model,
+)
 
 
 def test_three_clients_run_an_epoch_with_a_health_check_and_a_checkpoint() -> None:
     async def main() -> None:
-        ledger = Ledger(clock=ManualClock(START))
         async with trio.open_nursery() as nursery:
-            net = await start_localnet(nursery, ledger)
-            cluster = [Cluster(net.rpc_url, net.ws_url)]
+            ledger, _, cluster = await open_localnet(nursery)
             owner = make_backend(ledger, cluster)
             account = await create_run(owner, config())
 
@@ -159,10 +164,9 @@ def test_rpc_going_away_mid_run_is_survived() -> None:
 
 def test_wait_for_new_state_is_cancel_safe() -> None:
     async def main() -> None:
-        ledger = Ledger(clock=ManualClock(START))
         async with trio.open_nursery() as nursery:
-            net = await start_localnet(nursery, ledger)
-            owner = make_backend(ledger, [Cluster(net.rpc_url, net.ws_url)])
+            ledger, _, cluster = await open_localnet(nursery)
+            owner = make_backend(ledger, cluster)
             account = await create_run(owner, config())
             async with follow_run(owner, "e2e", account) as runner:
                 first = await runner.wait_for_new_state()
@@ -186,10 +190,8 @@ def test_auto_tick_moves_the_run_on_its_clock() -> None:
 
     async def main() -> None:
         clock = ManualClock(START)
-        ledger = Ledger(clock=clock)
         async with trio.open_nursery() as nursery:
-            net = await start_localnet(nursery, ledger)
-            cluster = [Cluster(net.rpc_url, net.ws_url)]
+            ledger, _, cluster = await open_localnet(nursery, clock)
             owner = make_backend(ledger, cluster)
             account = await create_run(owner, config(init_min_clients=1, min_clients=1))
             client = make_backend(ledger, cluster)
@@ -213,10 +215,8 @@ def test_auto_tick_moves_the_run_on_its_clock() -> None:
 
 def test_join_without_authorization_fails_clearly() -> None:
     async def main() -> None:
-        ledger = Ledger(clock=ManualClock(START))
         async with trio.open_nursery() as nursery:
-            net = await start_localnet(nursery, ledger)
-            cluster = [Cluster(net.rpc_url, net.ws_url)]
+            ledger, _, cluster = await open_localnet(nursery)
             owner = make_backend(ledger, cluster)
             created = await admin.create_run(owner, "private", "test")  # no authorization
             await owner.send_and_retry(
@@ -261,10 +261,8 @@ def test_join_without_authorization_fails_clearly() -> None:
 
 def test_a_client_leaves_when_the_run_is_paused() -> None:
     async def main() -> None:
-        ledger = Ledger(clock=ManualClock(START))
         async with trio.open_nursery() as nursery:
-            net = await start_localnet(nursery, ledger)
-            cluster = [Cluster(net.rpc_url, net.ws_url)]
+            ledger, _, cluster = await open_localnet(nursery)
             owner = make_backend(ledger, cluster)
             account = await create_run(owner, config(init_min_clients=1, min_clients=1))
             client = ScriptedClient("x", make_backend(ledger, cluster))

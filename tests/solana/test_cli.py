@@ -111,6 +111,15 @@ def _run(
     return code, out.out, out.err
 
 
+def _ok(
+    capsys: pytest.CaptureFixture[str], net: LocalnetThread, *args: str, wallet: Path | None = None
+) -> str:
+    """`_run` that must succeed; its stdout."""
+    code, out, err = _run(capsys, net, *args, wallet=wallet)
+    assert code == 0, err
+    return out
+
+
 def test_admin_lifecycle(
     net: LocalnetThread, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -119,10 +128,7 @@ def test_admin_lifecycle(
     config = tmp_path / "config.toml"
     config.write_text(RUN_CONFIG)
 
-    code, out, err = _run(
-        capsys, net, "join-authorization-create", "--authorizer", EVERYONE, wallet=wallet
-    )
-    assert code == 0, err
+    out = _ok(capsys, net, "join-authorization-create", "--authorizer", EVERYONE, wallet=wallet)
     assert "Created authorization" in out and "Activated authorization" in out
     assert "Authorization Active: true" in out
     code, out, _ = _run(
@@ -130,12 +136,11 @@ def test_admin_lifecycle(
     )
     assert code == 0 and "Created authorization" not in out  # idempotent
 
-    code, out, err = _run(capsys, net, "create-run", "-r", "test", "-c", "test", wallet=wallet)
-    assert code == 0, err
+    out = _ok(capsys, net, "create-run", "-r", "test", "-c", "test", wallet=wallet)
     assert "Created run test with transaction" in out
     assert "Locked for storage: 0.830244480 SOL" in out
 
-    code, out, err = _run(
+    out = _ok(
         capsys,
         net,
         "update-config",
@@ -149,22 +154,18 @@ def test_admin_lifecycle(
         "32768",
         wallet=wallet,
     )
-    assert code == 0, err
     assert "Updated config of test" in out and "===== Logs =====" in out
 
     code, out, err = _run(capsys, net, "update-config", "-r", "test", wallet=wallet)
     assert code == 1 and "would not update anything" in err
 
-    code, out, err = _run(capsys, net, "set-paused", "-r", "test", "--resume", wallet=wallet)
-    assert code == 0, err
+    out = _ok(capsys, net, "set-paused", "-r", "test", "--resume", wallet=wallet)
     assert "Set pause state to false on run test" in out
 
-    code, out, err = _run(capsys, net, "show", "-r", "test")
-    assert code == 0, err
+    out = _ok(capsys, net, "show", "-r", "test")
     assert "Waiting for members" in out and "1.1B parameters, vocab 32768" in out
     assert "emozilla/llama2-1.1b-gqa-init" in out
-    code, out, err = _run(capsys, net, "show", "-r", "test", "--json")
-    assert code == 0, err
+    out = _ok(capsys, net, "show", "-r", "test", "--json")
     dump = json.loads(out)
     account = dump["coordinator_account"]
     assert account["status"]["state"] == "Waiting for members"
@@ -179,10 +180,9 @@ def test_admin_lifecycle(
     assert dump["coordinator_instance"]["main_authority"] == str(owner.pubkey())
 
     net.ledger.advance_clock(5)
-    code, out, err = _run(
+    out = _ok(
         capsys, net, "tick", "-r", "test", "--count", "2", "--ms-interval", "1", wallet=wallet
     )
-    assert code == 0, err
     assert out.count("Ticked run test with transaction") == 2
     assert "Pre-tick run state: Waiting for members" in out
 
@@ -202,7 +202,7 @@ def test_admin_lifecycle(
     assert code == 1 and "CloseCoordinatorNotHalted" in err
     code, out, err = _run(capsys, net, "set-paused", "-r", "test", wallet=wallet)
     assert code == 0 and "Set pause state to true" in out, err
-    code, out, err = _run(
+    _ok(
         capsys,
         net,
         "update-config",
@@ -214,15 +214,13 @@ def test_admin_lifecycle(
         "v2",
         wallet=wallet,
     )
-    assert code == 0, err
     code, out, _ = _run(capsys, net, "show", "-r", "test", "--json")
     setup = json.loads(out)["coordinator_account"]["setup"]
     assert setup["metadata"]["name"] == "renamed" and setup["client_version"] == "v2"
     assert json.loads(out)["coordinator_account"]["status"]["state"] == "Paused"
 
     balance_before = net.ledger.get_balance(owner.pubkey())
-    code, out, err = _run(capsys, net, "close-run", "-r", "test", wallet=wallet)
-    assert code == 0, err
+    out = _ok(capsys, net, "close-run", "-r", "test", wallet=wallet)
     assert "Recovered 0.83" in out
     assert net.ledger.get_balance(owner.pubkey()) > balance_before
     code, out, err = _run(capsys, net, "show", "-r", "test")
@@ -237,7 +235,7 @@ def test_join_authorization_delegates(
     grantee = _wallet(net, grantee_wallet)
     delegates = [str(Keypair().pubkey()) for _ in range(2)]
 
-    code, out, err = _run(
+    _ok(
         capsys,
         net,
         "join-authorization-create",
@@ -245,8 +243,7 @@ def test_join_authorization_delegates(
         str(grantee.pubkey()),
         wallet=authority_wallet,
     )
-    assert code == 0, err
-    code, out, err = _run(
+    out = _ok(
         capsys,
         net,
         "join-authorization-set-delegates",
@@ -256,9 +253,8 @@ def test_join_authorization_delegates(
         *delegates,
         wallet=grantee_wallet,
     )
-    assert code == 0, err
     assert "Delegates added count: 2" in out
-    code, out, err = _run(
+    out = _ok(
         capsys,
         net,
         "join-authorization-read",
@@ -267,13 +263,9 @@ def test_join_authorization_delegates(
         "--authorizer",
         str(grantee.pubkey()),
     )
-    assert code == 0, err
     assert "Authorization Delegate Count: 2" in out and delegates[1] in out
 
-    code, _, err = _run(
-        capsys, net, "create-run", "-r", "permissioned", "-c", "test", wallet=authority_wallet
-    )
-    assert code == 0, err
+    _ok(capsys, net, "create-run", "-r", "permissioned", "-c", "test", wallet=authority_wallet)
     for who, expected in (
         (delegates[0], 0),
         (str(grantee.pubkey()), 0),
@@ -292,7 +284,7 @@ def test_join_authorization_delegates(
         )
         assert code == expected, (who, out, err)
 
-    code, out, err = _run(
+    _ok(
         capsys,
         net,
         "join-authorization-delegate",
@@ -301,8 +293,7 @@ def test_join_authorization_delegates(
         "--delegates-clear",
         wallet=grantee_wallet,
     )
-    assert code == 0, err
-    code, out, err = _run(
+    out = _ok(
         capsys,
         net,
         "join-authorization-delete",
@@ -310,7 +301,6 @@ def test_join_authorization_delegates(
         str(grantee.pubkey()),
         wallet=authority_wallet,
     )
-    assert code == 0, err
     assert "Deactivated authorization" in out and "Authorization Active: false" in out
     code, out, err = _run(
         capsys,
@@ -476,7 +466,7 @@ def test_treasurer_run_commands(
     config = tmp_path / "config.toml"
     config.write_text(RUN_CONFIG)
 
-    code, out, err = _run(
+    _ok(
         capsys,
         net,
         "create-run",
@@ -488,7 +478,6 @@ def test_treasurer_run_commands(
         str(mint),
         wallet=wallet,
     )
-    assert code == 0, err
     code, out, err = _run(
         capsys,
         net,
@@ -502,7 +491,7 @@ def test_treasurer_run_commands(
         wallet=wallet,
     )
     assert code == 1 and "treasurer_collateral_mint is not" in err
-    code, out, err = _run(
+    _ok(
         capsys,
         net,
         "set-future-epoch-rates",
@@ -514,15 +503,9 @@ def test_treasurer_run_commands(
         "0.25",
         wallet=wallet,
     )
-    assert code == 0, err
-    code, out, err = _run(
-        capsys, net, "update-config", "-r", "paid", "--config-path", str(config), wallet=wallet
-    )
-    assert code == 0, err
-    code, out, err = _run(capsys, net, "set-paused", "-r", "paid", "--resume", wallet=wallet)
-    assert code == 0, err
-    code, out, err = _run(capsys, net, "show", "-r", "paid", "--json")
-    assert code == 0, err
+    _ok(capsys, net, "update-config", "-r", "paid", "--config-path", str(config), wallet=wallet)
+    _ok(capsys, net, "set-paused", "-r", "paid", "--resume", wallet=wallet)
+    out = _ok(capsys, net, "show", "-r", "paid", "--json")
     dump = json.loads(out)
     assert dump["coordinator_account"]["status"]["state"] == "Waiting for members"
     assert dump["coordinator_account"]["epoch"]["rates"]["future"] == {

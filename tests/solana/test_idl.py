@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -217,18 +218,11 @@ def plain_ours(value: Any, t: Any, types: dict[str, Any]) -> Any:
         return {"variant": value.name}
     assert isinstance(value, DataEnum)
     variant = next(v for v in body["variants"] if v["name"] == type(value).variant_name)
-    fields = variant.get("fields")
-    if fields is None:
-        return {"variant": variant["name"]}
-    if isinstance(fields[0], dict) and "name" in fields[0]:
-        return {
-            "variant": variant["name"],
-            "fields": {
-                f["name"]: plain_ours(getattr(value.value, f["name"]), f["type"], types)
-                for f in fields
-            },
-        }
-    return {"variant": variant["name"], "fields": [plain_ours(value.value, fields[0], types)]}
+    return plain_variant(
+        variant,
+        lambda f: plain_ours(getattr(value.value, f["name"]), f["type"], types),
+        lambda t: plain_ours(value.value, t, types),
+    )
 
 
 def plain_anchorpy(value: Any, t: Any, types: dict[str, Any]) -> Any:
@@ -253,20 +247,24 @@ def plain_anchorpy(value: Any, t: Any, types: dict[str, Any]) -> Any:
             return [plain_anchorpy(x, item, types) for x in list(data)[:length]]
         return {f["name"]: plain_anchorpy(_get(value, f["name"]), f["type"], types) for f in fields}
     variant = next(v for v in body["variants"] if v["name"] == type(value).__name__)
+    return plain_variant(
+        variant,
+        lambda f: plain_anchorpy(_get(value, f["name"]), f["type"], types),
+        lambda t: plain_anchorpy(value.tuple_data[0], t, types),
+    )
+
+
+def plain_variant(
+    variant: dict[str, Any], named: Callable[[Any], Any], only: Callable[[Any], Any]
+) -> dict[str, Any]:
+    """An enum value as `{"variant", "fields"}`, whichever decoder read it: `named(field)` gives a
+    named field's plain value, `only(type)` the plain value of a one-field tuple variant."""
     fields = variant.get("fields")
     if fields is None:
         return {"variant": variant["name"]}
     if isinstance(fields[0], dict) and "name" in fields[0]:
-        return {
-            "variant": variant["name"],
-            "fields": {
-                f["name"]: plain_anchorpy(_get(value, f["name"]), f["type"], types) for f in fields
-            },
-        }
-    return {
-        "variant": variant["name"],
-        "fields": [plain_anchorpy(value.tuple_data[0], fields[0], types)],
-    }
+        return {"variant": variant["name"], "fields": {f["name"]: named(f) for f in fields}}
+    return {"variant": variant["name"], "fields": [only(fields[0])]}
 
 
 @pytest.mark.parametrize("program", list(PROGRAM_NAMES))

@@ -44,13 +44,12 @@ from psyche.solana.follower import (
     follow_run,
 )
 from psyche.solana.keypair import write_keypair_file
-from psyche.solana.localnet.ledger import Ledger, ManualClock
-from psyche.solana.localnet.server import LocalnetThread, start_localnet
+from psyche.solana.localnet.ledger import Ledger
+from psyche.solana.localnet.server import LocalnetThread
 from psyche.solana.retry import RetryKind
 
-from .scripted import ScriptedClient, config, create_run, make_backend
+from .scripted import ScriptedClient, config, create_run, make_backend, open_localnet
 
-START = 1_700_000_000
 PEER = SecretKey.from_bytes((7).to_bytes(32, "big")).public_key
 
 
@@ -432,10 +431,8 @@ def test_sends_wait_out_an_rpc_outage_and_ticks_do_not_pile_up(
     monkeypatch.setattr(follower_module, "SEND_RETRY_DELAY", 0.1)
 
     async def scenario() -> None:
-        ledger = Ledger(clock=ManualClock(START))
         async with trio.open_nursery() as nursery:
-            net = await start_localnet(nursery, ledger)
-            cluster = [Cluster(net.rpc_url, net.ws_url)]
+            ledger, net, cluster = await open_localnet(nursery)
             owner = make_backend(ledger, cluster)
             account = await create_run(owner, config(init_min_clients=1, min_clients=1))
             client = make_backend(ledger, cluster)

@@ -101,16 +101,22 @@ def add_treasurer_index(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser, commands = command_parser(PROG, DESCRIPTION)
 
-    def command(
-        name: str, help_text: str, *, wallet: bool = True, aliases: Sequence[str] = ()
+    def plain(
+        name: str, help_text: str, description: str | None = None, aliases: Sequence[str] = ()
     ) -> argparse.ArgumentParser:
-        sub = commands.add_parser(
+        return commands.add_parser(
             name,
             help=help_text,
-            description=help_text,
+            description=description,
             aliases=list(aliases),
             formatter_class=HelpFormatter,
         )
+
+    def command(
+        name: str, help_text: str, *, wallet: bool = True, aliases: Sequence[str] = ()
+    ) -> argparse.ArgumentParser:
+        """A command on the cluster (and, with `wallet`, signed by the wallet)."""
+        sub = plain(name, help_text, help_text, aliases)
         add_cluster_args(sub)
         if wallet:
             add_wallet_args(sub)
@@ -225,12 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_treasurer_index(sub)
     sub.add_argument("--json", action="store_true", help="print JSON instead of text")
 
-    sub = commands.add_parser(
-        "show-identity",
-        help="Print the wallet's public key and the P2P identity it trains with",
-        description="Print the wallet's public key and the P2P identity it trains with",
-        formatter_class=HelpFormatter,
-    )
+    what = "Print the wallet's public key and the P2P identity it trains with"
+    sub = plain("show-identity", what, what)
     add_wallet_args(sub)
     sub.add_argument(
         "-r",
@@ -242,27 +244,17 @@ def build_parser() -> argparse.ArgumentParser:
         "-i", "--identity-secret-key-path", type=Path, default=_env("IDENTITY_SECRET_KEY_PATH")
     )
 
-    sub = commands.add_parser(
-        "show-static-p2p-identity",
-        help="Print a P2P identity key file's key",
-        formatter_class=HelpFormatter,
-    )
+    sub = plain("show-static-p2p-identity", "Print a P2P identity key file's key")
     sub.add_argument("identity_secret_key_path", type=Path, nargs="?")
-    sub = commands.add_parser(
-        "create-static-p2p-identity",
-        help="Write a new P2P identity key",
-        formatter_class=HelpFormatter,
-    )
+    sub = plain("create-static-p2p-identity", "Write a new P2P identity key")
     sub.add_argument("save_path", type=Path)
 
-    sub = commands.add_parser(
+    sub = plain(
         "train",
-        help="Join a run and train (the Psyche training client on a Solana coordinator)",
-        description="Join a run whose coordinator lives on Solana and train until stopped "
-        "(Ctrl+C) or until the coordinator drops this client. Every train option can also be "
-        "given in the environment, named in upper snake case (--micro-batch-size: "
-        "MICRO_BATCH_SIZE).",
-        formatter_class=HelpFormatter,
+        "Join a run and train (the Psyche training client on a Solana coordinator)",
+        "Join a run whose coordinator lives on Solana and train until stopped (Ctrl+C) or until "
+        "the coordinator drops this client. Every train option can also be given in the "
+        "environment, named in upper snake case (--micro-batch-size: MICRO_BATCH_SIZE).",
     )
     add_cluster_args(sub, backups=True)
     add_wallet_args(sub)
@@ -278,19 +270,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("--sol", type=float, default=10.0, help="amount in SOL")
     sub.add_argument("--address", default=None, help="recipient (default: the wallet)")
 
-    sub = commands.add_parser(
-        "create-wallet",
-        help="Write a new solana-keygen style keypair file (like `solana-keygen new`)",
-        formatter_class=HelpFormatter,
+    sub = plain(
+        "create-wallet", "Write a new solana-keygen style keypair file (like `solana-keygen new`)"
     )
     sub.add_argument("save_path", type=Path)
     sub.add_argument("--force", action="store_true", help="replace an existing file")
 
-    sub = commands.add_parser(
-        "localnet",
-        help="Serve a local Solana endpoint with the Psyche programs (Python ports)",
-        formatter_class=HelpFormatter,
-    )
+    sub = plain("localnet", "Serve a local Solana endpoint with the Psyche programs (Python ports)")
     from psyche.solana.localnet.__main__ import add_arguments
 
     add_arguments(sub)

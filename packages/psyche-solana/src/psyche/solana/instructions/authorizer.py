@@ -1,5 +1,7 @@
-"""The authorizer program's instructions (upstream `solana-authorizer`): arguments, accounts
-and builders of solders `Instruction`s (upstream `psyche_solana_rpc::instructions`)."""
+"""The authorizer program (upstream `solana-authorizer`): a grantor lets a grantee (or everyone)
+act within a scope, and the grantee names delegates that may act for it; a run's join authority
+authorizes who may join. Each instruction's arguments, its accounts (`SPECS`) and its builder,
+named as upstream's `psyche_solana_rpc::instructions`."""
 
 from __future__ import annotations
 

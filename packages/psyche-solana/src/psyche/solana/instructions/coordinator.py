@@ -1,5 +1,7 @@
-"""The coordinator program's instructions (upstream `solana-coordinator`): arguments, accounts
-and builders of solders `Instruction`s (upstream `psyche_solana_rpc::instructions`)."""
+"""The coordinator program (upstream `solana-coordinator`), which holds a run's coordinator:
+its owner creates, updates, pauses and frees it; clients join, tick, witness, health-check and
+checkpoint. Each instruction's arguments, its accounts (`SPECS`) and its builder, named as
+upstream's `psyche_solana_rpc::instructions`."""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
-"""The treasurer program's instructions (upstream `solana-treasurer`): arguments, accounts
-and builders of solders `Instruction`s (upstream `psyche_solana_rpc::instructions`)."""
+"""The treasurer program (upstream `solana-treasurer`): a run whose coordinator it owns, with a
+collateral account that pays the participants the points they earned. Each instruction's
+arguments, its accounts (`SPECS`) and its builder, named as upstream's
+`psyche_solana_rpc::instructions`."""
 
 from __future__ import annotations
 

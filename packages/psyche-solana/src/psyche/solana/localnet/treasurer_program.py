@@ -8,6 +8,8 @@ invocations here too: into the Python coordinator, and into LiteSVM's token prog
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 from solders.instruction import AccountMeta, Instruction
 from solders.pubkey import Pubkey
 from solders.token.state import Mint, TokenAccount
@@ -48,6 +50,7 @@ from psyche.solana.state import (
 
 TOKEN_PROGRAM = Pubkey.from_string(TOKEN_PROGRAM_ID)
 ASSOCIATED_TOKEN_PROGRAM = Pubkey.from_string(ASSOCIATED_TOKEN_PROGRAM_ID)
+T = TypeVar("T", TokenAccount, Mint)
 SOLANA_RUN_ID_MAX_LEN = 32
 
 
@@ -63,26 +66,18 @@ def _run_seeds(index: int) -> list[bytes]:
     return [TreasurerRun.SEEDS_PREFIX, index.to_bytes(8, "little")]
 
 
-def _load_token_account(ctx: InvokeContext, meta: AccountMeta, name: str) -> TokenAccount:
+def _load_token_program_account(
+    ctx: InvokeContext, meta: AccountMeta, name: str, kind: type[T]
+) -> T:
+    """A token program account (`TokenAccount` or `Mint`), with Anchor's errors for an
+    absent account, another owner or bytes that do not decode."""
     account = ctx.get(meta.pubkey)
     if account is None:
         raise anchor_error(AnchorErrorCode.AccountNotInitialized, name)
     if account.owner != TOKEN_PROGRAM:
         raise anchor_error(AnchorErrorCode.AccountOwnedByWrongProgram, name)
     try:
-        return TokenAccount.from_bytes(bytes(account.data))
-    except Exception:
-        raise anchor_error(AnchorErrorCode.AccountDidNotDeserialize, name) from None
-
-
-def _load_mint(ctx: InvokeContext, meta: AccountMeta, name: str) -> Mint:
-    account = ctx.get(meta.pubkey)
-    if account is None:
-        raise anchor_error(AnchorErrorCode.AccountNotInitialized, name)
-    if account.owner != TOKEN_PROGRAM:
-        raise anchor_error(AnchorErrorCode.AccountOwnedByWrongProgram, name)
-    try:
-        return Mint.from_bytes(bytes(account.data))
+        return kind.from_bytes(bytes(account.data))
     except Exception:
         raise anchor_error(AnchorErrorCode.AccountDidNotDeserialize, name) from None
 
@@ -131,7 +126,7 @@ def _run_create(ctx: InvokeContext, accounts: Accounts, args: treasurer_ix.RunCr
             ],
         )
     )
-    _load_mint(ctx, mint_meta, "collateral_mint")
+    _load_token_program_account(ctx, mint_meta, "collateral_mint", Mint)
     instance_meta, account_meta = accounts["coordinator_instance"], accounts["coordinator_account"]
     require_mut(instance_meta, "coordinator_instance")
     require_mut(account_meta, "coordinator_account")
@@ -281,13 +276,17 @@ def _participant_claim(
     require_signer(user, "user")
     user_collateral_meta = accounts["user_collateral"]
     require_mut(user_collateral_meta, "user_collateral")
-    user_collateral = _load_token_account(ctx, user_collateral_meta, "user_collateral")
+    user_collateral = _load_token_program_account(
+        ctx, user_collateral_meta, "user_collateral", TokenAccount
+    )
     run_meta = accounts["run"]
     require_mut(run_meta, "run")
     run = load_borsh_account(ctx, run_meta, TreasurerRun, ctx.program_id, "run")
     run_collateral_meta = accounts["run_collateral"]
     require_mut(run_collateral_meta, "run_collateral")
-    run_collateral = _load_token_account(ctx, run_collateral_meta, "run_collateral")
+    run_collateral = _load_token_program_account(
+        ctx, run_collateral_meta, "run_collateral", TokenAccount
+    )
     account_meta = accounts["coordinator_account"]
     coordinator_program = ctx.ledger.program_ids.coordinator_key
     _, coordinator_data = load_account_data(
