@@ -16,9 +16,9 @@ import torch
 from psyche.cli.train.main import _open_dataset, _read_batch, main, seed_shuffle
 from psyche.core.batch_id import BatchId
 from psyche.core.data_shuffle import Shuffle
+from psyche.core.rng import ChaCha8Rng, shuffle_permutation
 from psyche.core.token_size import TokenSize
 from psyche.data_provider import LocalDataProvider
-from psyche.core.rng import ChaCha8Rng, shuffle_permutation
 from psyche.modeling.causal_lm import CausalLM, ModelOptions
 
 # `_single_thread`: the modeling tests' autouse fixture (tiny models on one intra-op thread).
