@@ -315,3 +315,27 @@ def test_a_hanging_provider_hits_the_download_timeout() -> None:
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_every_download_resolves_even_when_the_network_shuts_down() -> None:
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(serve_silently)
+            silent = SecretKey.generate()
+            addr = EndpointAddr(silent.public_key, [TransportAddr.BlobTcp(f"127.0.0.1:{port}")])
+            ticket = BlobTicket(addr, BlobFormat.Raw, bytes(32), 10)
+            async with open_nodes(1) as (a,):
+                a.set_allowed_peers([silent.public_key])
+                # the provider never answers and the timeout is 600 s: only the shutdown ends it
+                hanging = a.start_download(ticket, "distro-result_1", DownloadType.DistroResult([]))
+                a.shutdown()
+                await trio.sleep_forever()  # the shutdown cancels the network's block
+            failed = await finished(hanging)
+            assert isinstance(failed, DownloadFailed) and "shut down" in failed.error
+            late = a.start_download(ticket, "distro-result_1", DownloadType.DistroResult([]))
+            assert late.done
+            failed = await finished(late)
+            assert isinstance(failed, DownloadFailed) and failed.error == "the network is shut down"
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)

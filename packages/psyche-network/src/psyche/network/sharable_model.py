@@ -4,7 +4,7 @@
 joining client, the parameters downloaded so far; `answer_request` is a provider's reply to one
 request of the model-sharing protocol (`model_sharing`). Tensors travel as single-tensor
 safetensors files (upstream: tch archives), so decoding hostile bytes never runs pickle. torch is
-imported lazily.
+imported lazily: an application that shares a model has it, and psyche-network does not install it.
 """
 
 from __future__ import annotations
