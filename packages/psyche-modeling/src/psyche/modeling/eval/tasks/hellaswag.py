@@ -1,0 +1,71 @@
+"""HellaSwag (upstream `tasks/hellaswag.rs`): Rowan/hellaswag, validation split scored, train
+split for few-shot grouped by activity label; context and endings cleaned as upstream does."""
+
+from __future__ import annotations
+
+import re
+
+from psyche.modeling.eval.document import (
+    Document,
+    DocumentError,
+    check_answer,
+    field,
+    rust_trim,
+    string_field,
+    string_list,
+)
+from psyche.modeling.eval.loading import DatasetSource, Row
+from psyche.modeling.eval.traits import LogLikelihoodTask, by_category
+
+REPO = "Rowan/hellaswag"
+_BRACKETED = re.compile(r"\[.*?\]")
+
+
+def preprocess(text: str) -> str:
+    """Upstream's `preprocess`: trim, " [title]" -> ". ", drop "[...]", "  " -> " " (one pass)."""
+    processed = rust_trim(text)
+    processed = processed.replace(" [title]", ". ")
+    processed = _BRACKETED.sub("", processed)
+    return processed.replace("  ", " ")
+
+
+def capitalize(text: str) -> str:
+    """Upper-case the first character (Rust's `to_uppercase`, which may give several)."""
+    return text[:1].upper() + text[1:]
+
+
+class Hellaswag(LogLikelihoodTask):
+    NAME = "Hellaswag"
+
+    def __init__(self, validation_rows: list[Row], train_rows: list[Row]) -> None:
+        self.name = self.NAME
+        self._validation = validation_rows
+        self._train = train_rows
+
+    @classmethod
+    def load(cls, source: DatasetSource) -> Hellaswag:
+        return cls(source.load(REPO, "validation"), source.load(REPO, "train"))
+
+    @classmethod
+    def row_to_document(cls, row: Row) -> Document:
+        activity_label = string_field(row, "activity_label")
+        ctx_a = string_field(row, "ctx_a")
+        ctx_b = capitalize(string_field(row, "ctx_b"))
+        choices = tuple(preprocess(e) for e in string_list(field(row, "endings"), "endings"))
+        label = string_field(row, "label")
+        if not label.isascii() or not label.isdigit():
+            raise DocumentError(f"label {label!r} is not a number")
+        return Document(
+            text=preprocess(f"{activity_label}: {ctx_a} {ctx_b}"),
+            choices=choices,
+            answer=check_answer(int(label), choices),
+            category=activity_label,
+            cot_content=None,
+            eval_name=cls.NAME,
+        )
+
+    def get_documents(self) -> list[Document]:
+        return [self.row_to_document(r) for r in self._validation]
+
+    def get_fewshot_documents(self) -> dict[str, list[Document]]:
+        return by_category([self.row_to_document(r) for r in self._train])
