@@ -475,10 +475,16 @@ def generate_greedy(
                 past = None  # the cache holds positions of the old window
             fed = sequence if past is None else sequence[-1:]
             ids = torch.tensor([fed], dtype=torch.int64, device=model.device)
+            # A cache helps only if the next step keeps this window (no token dropped then).
+            keep_cache = len(sequence) < max_context
             out = model.model(
-                ids, **{cache_name: past}, use_cache=True, logits_to_keep=1, return_dict=True
+                ids,
+                **{cache_name: past},
+                use_cache=keep_cache,
+                logits_to_keep=1,
+                return_dict=True,
             )
-            past = out[cache_name]
+            past = out[cache_name] if keep_cache else None
             token = _last_argmax(out.logits[0, -1])
             sequence.append(token)
             generated.append(token)
