@@ -61,9 +61,6 @@ class ClientToServerMessage(DataEnum):
     ExtensionHello = variant(ExtensionHello)
     AnnounceEndpoint = variant(bytes)
 
-    def is_extension(self) -> bool:
-        return self.index >= EXTENSION_CLIENT_VARIANTS  # type: ignore[attr-defined,no-any-return]
-
 
 class ServerToClientMessage(DataEnum):
     Coordinator = variant(_Coordinator)
