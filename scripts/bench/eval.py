@@ -213,8 +213,11 @@ def upstream_loglikelihood(model: CausalLM, doc: TokenizedLLHDocument) -> None:
         logits.float().log_softmax(-1).gather(-1, torch.tensor([tail[1:]]).unsqueeze(-1)).sum()
 
 
-def upstream_generate(model: CausalLM, prompt: list[int], steps: int) -> list[int]:
-    """Upstream's generation loop: the whole window through the model for every token."""
+def upstream_generate(
+    model: CausalLM, tokenizer: Any, prompt: list[int], steps: int, stops: tuple[str, ...]
+) -> list[int]:
+    """Upstream's generation loop: the whole window through the model for every token, and the
+    generated text decoded for the stop strings after each."""
     sequence, out = list(prompt), []
     for _ in range(steps):
         if len(sequence) > model.max_context_length:
@@ -223,6 +226,8 @@ def upstream_generate(model: CausalLM, prompt: list[int], steps: int) -> list[in
         token = _last_argmax(logits[0, -1])
         sequence.append(token)
         out.append(token)
+        text = tokenizer.decode(out, skip_special_tokens=False)
+        any(stop in text for stop in stops)
     return out
 
 
@@ -270,7 +275,9 @@ def bench_generation(
         run_s += time.perf_counter() - start
         start = time.perf_counter()
         with _inference(model):
-            upstream = upstream_generate(model, list(request.request), len(generated))
+            upstream = upstream_generate(
+                model, tokenizer, list(request.request), len(generated), prepared.stop_tokens
+            )
         upstream_s += time.perf_counter() - start
         assert upstream == generated, "the KV cache changed the greedy tokens"
     return run_s, upstream_s

@@ -19,6 +19,7 @@ from psyche.modeling.eval import (
     EvalRunner,
     Task,
     UnknownTaskError,
+    check_task_names,
     eval_tasks_from_args,
     get_prompt_texts,
     metric_key,
@@ -150,6 +151,14 @@ def test_client_flags(source: DatasetSource, tokenizer: Any) -> None:
     assert (fewshot_for("mmlu_pro"), fewshot_for("MMLU Pro")) == (5, 0)
     with pytest.raises(UnknownTaskError, match="unknown evaluation task 'squad'"):
         eval_tasks_from_args("piqa,squad", 42, source)
+    # Checked without loading anything, for a command line.
+    assert check_task_names("arc_easy,MMLU Pro,ceval-valid") == [
+        "arc_easy",
+        "MMLU Pro",
+        "ceval-valid",
+    ]
+    with pytest.raises(UnknownTaskError, match="unknown evaluation task 'mmlu pro2'"):
+        check_task_names("mmlu,mmlu pro2")
     assert metric_key("ARC-Easy") == "eval/arc_easy"
     assert metric_key("MMLU Pro") == "eval/mmlu_pro"
     assert metric_key("CEval-valid") == "eval/ceval_valid"

@@ -28,6 +28,7 @@ _EXPORTS = {
     "ALL_TASK_NAMES": ".tasks",
     "UnknownTaskError": ".tasks",
     "canonical_task_name": ".tasks",
+    "check_task_names": ".tasks",
     "tasktype_from_name": ".tasks",
     "EvalTaskOptions": ".harness",
     "PreparedTask": ".harness",

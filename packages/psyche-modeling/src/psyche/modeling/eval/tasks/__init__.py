@@ -30,6 +30,7 @@ __all__ = [
     "OpenbookQA",
     "UnknownTaskError",
     "canonical_task_name",
+    "check_task_names",
     "tasktype_from_name",
 ]
 
@@ -61,6 +62,18 @@ def canonical_task_name(name: str) -> str:
 
 
 _BY_KEY = {canonical_task_name(name): load for name, load in _TASKS}
+
+
+def check_task_names(eval_tasks: str) -> list[str]:
+    """The task names of a comma-separated `--eval-tasks` value, each checked against
+    `ALL_TASK_NAMES` without loading anything (for a command line to refuse a typo at once)."""
+    names = eval_tasks.split(",")
+    for name in names:
+        if canonical_task_name(name) not in _BY_KEY:
+            raise UnknownTaskError(
+                f"unknown evaluation task {name!r}; expected one of {', '.join(ALL_TASK_NAMES)}"
+            )
+    return names
 
 
 def tasktype_from_name(name: str, source: DatasetSource | None = None) -> TaskType:
