@@ -122,6 +122,41 @@ class Endpoint:
 
 
 @pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The command reads its flags' environment variables: none leak in from outside."""
+    for name in (
+        "RAW_WALLET_PRIVATE_KEY",
+        "RPC",
+        "WS_RPC",
+        "RUN_ID",
+        "WALLET_PRIVATE_KEY_PATH",
+        "PSYCHE_COORDINATOR_PROGRAM_ID",
+        "CLIENT_VERSION",
+        "CONFIG_PATH",
+        "PSYCHE_AUTHORIZER_PROGRAM_ID",
+        "PSYCHE_TREASURER_PROGRAM_ID",
+        "ADDRESS",
+        "AUTHORIZER",
+        "JOIN_AUTHORITY",
+        "TREASURER_INDEX",
+        "COLLATERAL_AMOUNT",
+        "EARNING_RATE_TOTAL_SHARED",
+        "SLASHING_RATE_PER_CLIENT",
+        "DELEGATES_ADDED",
+        "OUTPUT_DIR",
+        "EXPIRES_IN_SECONDS",
+        "RUN_DOWN_SERVICE_URL",
+    ):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def net() -> Iterator[LocalnetThread]:
+    with LocalnetThread(Ledger(clock=ManualClock(START))) as thread:
+        yield thread
+
+
+@pytest.fixture
 def endpoint() -> Iterator[Endpoint]:
     clock = ManualClock(START)
     with LocalnetThread(Ledger(clock=clock)) as net:

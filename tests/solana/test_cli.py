@@ -7,7 +7,6 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -16,108 +15,16 @@ from solders.keypair import Keypair
 
 from psyche.cli.solana_client.main import main
 from psyche.solana.keypair import write_keypair_file
-from psyche.solana.localnet.ledger import Ledger, ManualClock
+from psyche.solana.localnet.ledger import ManualClock
 from psyche.solana.localnet.server import LocalnetThread
 from psyche.solana.state import RunMetadata
 
-EVERYONE = "11111111111111111111111111111111"
+from .cli_helpers import EVERYONE, RUN_CONFIG
+from .cli_helpers import funded_wallet as _wallet
+from .cli_helpers import ok as _ok
+from .cli_helpers import run_cli as _run
 
-RUN_CONFIG = """
-[config]
-warmup_time = 15
-cooldown_time = 30
-epoch_time = 60
-max_round_train_time = 15
-round_witness_time = 1
-min_clients = 1
-init_min_clients = 1
-verification_percent = 0
-witness_nodes = 0
-global_batch_size_start = 2048
-global_batch_size_end = 2048
-global_batch_size_warmup_tokens = 0
-total_steps = 25000
-waiting_for_members_extra_time = 3
-
-[model.LLM]
-architecture = "HfLlama"
-data_type = "Pretraining"
-max_seq_len = 2048
-cold_start_warmup_steps = 0
-
-[model.LLM.checkpoint.Hub]
-repo_id = "emozilla/llama2-1.1b-gqa-init"
-
-[model.LLM.data_location.Http]
-token_size_in_bytes = "TwoBytes"
-shuffle = "DontShuffle"
-
-[model.LLM.data_location.Http.location.Gcp]
-bucket_name = "nous-pretraining-public-us"
-filter_directory = "fineweb-edu-tokenized-llama2"
-
-[model.LLM.lr_schedule.Cosine]
-base_lr = 4.0e-4
-warmup_steps = 250
-warmup_init_lr = 0.0
-total_steps = 25000
-final_lr = 4.0e-5
-
-[model.LLM.optimizer.Distro]
-clip_grad_norm = 1.0
-compression_decay = 0.999
-compression_chunk = 64
-compression_topk = 2
-quantize_1bit = false
-"""
-
-
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in (
-        "RAW_WALLET_PRIVATE_KEY",
-        "RPC",
-        "WS_RPC",
-        "RUN_ID",
-        "WALLET_PRIVATE_KEY_PATH",
-        "PSYCHE_COORDINATOR_PROGRAM_ID",
-        "CLIENT_VERSION",
-        "CONFIG_PATH",
-    ):
-        monkeypatch.delenv(name, raising=False)
-
-
-@pytest.fixture
-def net() -> Iterator[LocalnetThread]:
-    with LocalnetThread(Ledger(clock=ManualClock(1_700_000_000))) as thread:
-        yield thread
-
-
-def _wallet(net: LocalnetThread, path: Path) -> Keypair:
-    keypair = Keypair()
-    write_keypair_file(keypair, path)
-    net.ledger.airdrop(keypair.pubkey(), 100 * 10**9)
-    return keypair
-
-
-def _run(
-    capsys: pytest.CaptureFixture[str], net: LocalnetThread, *args: str, wallet: Path | None = None
-) -> tuple[int, str, str]:
-    argv = [args[0], "--rpc", net.rpc_url, "--ws-rpc", net.ws_url, *args[1:]]
-    if wallet is not None:
-        argv += ["--wallet-private-key-path", str(wallet)]
-    code = main(argv)
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
-def _ok(
-    capsys: pytest.CaptureFixture[str], net: LocalnetThread, *args: str, wallet: Path | None = None
-) -> str:
-    """`_run` that must succeed; its stdout."""
-    code, out, err = _run(capsys, net, *args, wallet=wallet)
-    assert code == 0, err
-    return out
+pytestmark = pytest.mark.usefixtures("clean_env")
 
 
 def test_admin_lifecycle(
@@ -192,10 +99,14 @@ def test_admin_lifecycle(
     )
     assert code == 1 and "SignerNotAClient" in err
 
-    code, out, err = _run(
-        capsys, net, "can-join", "-r", "test", "--address", str(Keypair().pubkey())
-    )
-    assert code == 0 and "can join run test" in out
+    someone = str(Keypair().pubkey())
+    code, out, err = _run(capsys, net, "can-join", "-r", "test", "--address", someone)
+    assert code == 0 and out.splitlines() == [
+        f"authorization valid for run id test using pubkey {someone}",
+        "Coordinator: run_state: Waiting for members",
+        "Coordinator: is_paused: false",
+        f"✓ Can join run test with pubkey {someone}",
+    ]
 
     # A running run cannot be closed; paused it can.
     code, out, err = _run(capsys, net, "close-run", "-r", "test", wallet=wallet)
@@ -269,7 +180,7 @@ def test_join_authorization_delegates(
     for who, expected in (
         (delegates[0], 0),
         (str(grantee.pubkey()), 0),
-        (str(Keypair().pubkey()), 2),
+        (str(Keypair().pubkey()), 1),
     ):
         code, out, err = _run(
             capsys,
@@ -283,6 +194,13 @@ def test_join_authorization_delegates(
             who,
         )
         assert code == expected, (who, out, err)
+        if expected:
+            assert f"Authorization invalid for run id permissioned using pubkey {who}" in err
+        else:
+            assert "Coordinator: is_paused: true" in out  # never resumed: Uninitialized
+    # Without --authorizer the permissionless authorization is looked for: there is none.
+    code, _, err = _run(capsys, net, "can-join", "-r", "permissioned", "--user", delegates[0])
+    assert code == 1 and "Authorization does not exist for authorizer: None" in err
 
     _ok(
         capsys,

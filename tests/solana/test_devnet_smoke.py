@@ -13,7 +13,7 @@ import pytest
 import trio
 from solders.keypair import Keypair
 
-from psyche.solana import admin
+from psyche.solana import snapshots
 from psyche.solana.backend import DEVNET_RPC, DEVNET_WS_RPC, Cluster, SolanaBackend
 from psyche.solana.program_ids import ProgramIds
 
@@ -28,7 +28,7 @@ def test_show_a_devnet_run() -> None:
 
     async def main() -> None:
         async with SolanaBackend(Cluster(rpc, ws), Keypair(), ids=ProgramIds.from_env()) as backend:
-            snapshot = await admin.fetch_run(backend, RUN_ID)
+            snapshot = await snapshots.fetch_run(backend, RUN_ID)
         account = snapshot.account
         assert account.version == 1
         assert account.state.coordinator.run_id == RUN_ID

@@ -377,8 +377,8 @@ def state_to_toml_obj(coordinator: Coordinator) -> dict[str, Any]:
     return obj
 
 
-def model_to_obj(model: Model) -> dict[str, Any]:
-    obj = to_obj(model, Model)
+def model_to_obj(model: Model, *, json: bool = False) -> dict[str, Any]:
+    obj = to_obj(model, Model, json=json)
     llm = obj["LLM"]
     backups = llm.pop("backup_data_locations", [])
     if backups:

@@ -18,7 +18,7 @@ from solders.keypair import Keypair
 from solders.pubkey import Pubkey
 from solders.signature import Signature
 
-from psyche.coordinator import CoordinatorProgress
+from psyche.coordinator import CoordinatorProgress, RunState
 from psyche.coordinator.config import CoordinatorConfig
 from psyche.coordinator.data_selection import get_data_index_for_step
 from psyche.coordinator.model import Checkpoint, HubRepo, Model
@@ -34,10 +34,8 @@ from psyche.solana.state import (
     COORDINATOR_ACCOUNT_SPACE,
     JOIN_RUN_AUTHORIZATION_SCOPE,
     Authorization,
-    CoordinatorAccount,
     CoordinatorInstance,
     RunMetadata,
-    TreasurerRun,
 )
 
 SOLANA_RUN_ID_MAX_LEN = 32
@@ -560,52 +558,49 @@ async def join_authorization_delete(
 
 
 @dataclass(frozen=True)
-class RunSnapshot:
-    run: RunRef
-    account: CoordinatorAccount
-    treasurer_index: int | None
-    treasurer_run: TreasurerRun | None
-    treasurer_collateral_amount: int | None
-    treasurer_mint_decimals: int | None
+class JoinCheck:
+    """A join authorization covers the address; what the run says about joining now."""
 
+    authorization: Pubkey
+    run_state: RunState
+    in_current_epoch: bool  # the address is a client of the epoch under way
 
-async def fetch_run(
-    backend: SolanaBackend, run_id: str, treasurer_index: int | None = None
-) -> RunSnapshot:
-    run = await load_run(backend, run_id)
-    account = await backend.get_coordinator_account(run.account_address)
-    index = await backend.resolve_treasurer_index(run_id, treasurer_index)
-    treasurer_run = amount = decimals = None
-    if index is not None:
-        address = pda.find_run(index, backend.ids)
-        treasurer_run = await backend.get_treasurer_run(address)
-        mint = Pubkey.from_bytes(treasurer_run.collateral_mint)
-        amount = (
-            await backend.get_token_account(pda.associated_token_address(address, mint))
-        ).amount
-        decimals = (await backend.get_token_mint(mint)).decimals
-    return RunSnapshot(run, account, index, treasurer_run, amount, decimals)
+    @property
+    def is_paused(self) -> bool:
+        return self.run_state in (RunState.Paused, RunState.Uninitialized)
+
+    @property
+    def can_join(self) -> bool:
+        """Upstream's rule: a key already in the current epoch cannot join again (unless the
+        run is halted, when the epoch's clients are stale)."""
+        return self.is_paused or not self.in_current_epoch
 
 
 async def can_join(
     backend: SolanaBackend, run_id: str, address: Pubkey, authorizer: Pubkey | None = None
-) -> tuple[bool, str]:
-    """Whether `address` may join the run now, and why not."""
+) -> JoinCheck:
+    """Whether `address` may join the run with the join authorization granted to `authorizer`
+    (everyone when None), as upstream's `can-join`: AdminError with upstream's message when no
+    authorization exists or it does not cover the address."""
     run = await load_run(backend, run_id)
     authorization_address = pda.find_join_authorization(
         run.instance.join_authority, authorizer, backend.ids
     )
-    try:
-        authorization = await backend.get_authorization(authorization_address)
-    except SolanaBackendError as e:
-        if _is_missing_account(e):
-            return False, f"no join authorization at {authorization_address}"
-        raise
-    if not authorization.is_valid_for(
-        run.instance.join_authority, address, JOIN_RUN_AUTHORIZATION_SCOPE
-    ):
-        return False, f"the authorization at {authorization_address} does not cover {address}"
-    return True, f"authorized by {authorization_address}"
+    join_authority = Pubkey.from_bytes(run.instance.join_authority)
+    if await backend.get_balance(authorization_address) == 0:
+        shown = "None" if authorizer is None else f"Some({authorizer})"
+        raise AdminError(
+            f"Authorization does not exist for authorizer: {shown} (authorization address: "
+            f"{authorization_address}, join authority: {join_authority}). Authorizer must be "
+            "set to grantee pubkey for permissioned runs"
+        )
+    authorization = await backend.get_authorization(authorization_address)
+    if not authorization.is_valid_for(join_authority, address, JOIN_RUN_AUTHORIZATION_SCOPE):
+        raise AdminError(f"Authorization invalid for run id {run_id} using pubkey {address}")
+    coordinator = (await backend.get_coordinator_account(run.account_address)).state.coordinator
+    signer = bytes(address)
+    in_epoch = any(c.id.signer == signer for c in coordinator.epoch_state.clients)
+    return JoinCheck(authorization_address, coordinator.run_state, in_epoch)
 
 
 def pubkey_arg(text: Any) -> Pubkey:

@@ -36,6 +36,7 @@ from psyche.solana.state import (
     Authorization,
     CoordinatorAccount,
     CoordinatorInstance,
+    Participant,
     TreasurerRun,
     coordinator_account_from_bytes,
     decode_anchor_account,
@@ -116,6 +117,10 @@ class SolanaBackend:
     def get_payer(self) -> Pubkey:
         return self.payer.pubkey()
 
+    def sign_message(self, message: bytes) -> Signature:
+        """The wallet's ed25519 signature of `message` (off-chain proof of the wallet)."""
+        return self.payer.sign_message(message)
+
     # ---- fallback ---------------------------------------------------------------------------
 
     async def rpc_with_fallback(
@@ -157,6 +162,13 @@ class SolanaBackend:
             "get_account_info", lambda c: c.get_account_info(address)
         )
 
+    async def get_program_accounts(
+        self, program: Pubkey, *, memcmp: tuple[int, bytes] | None = None
+    ) -> list[tuple[Pubkey, AccountInfo]]:
+        return await self.rpc_with_fallback(
+            "get_program_accounts", lambda c: c.get_program_accounts(program, memcmp=memcmp)
+        )
+
     async def get_data(self, address: Pubkey) -> bytes:
         return await self.rpc_with_fallback("get_data", lambda c: c.get_account_data(address))
 
@@ -183,6 +195,9 @@ class SolanaBackend:
 
     async def get_treasurer_run(self, address: Pubkey) -> TreasurerRun:
         return decode_anchor_account(await self.get_data(address), TreasurerRun)
+
+    async def get_treasurer_participant(self, address: Pubkey) -> Participant:
+        return decode_anchor_account(await self.get_data(address), Participant)
 
     async def get_token_account(self, address: Pubkey) -> TokenAccount:
         return TokenAccount.from_bytes(await self.get_data(address))

@@ -179,6 +179,43 @@ class SolanaRpcClient:
             return None
         return AccountInfo(account.lamports, account.owner, bytes(account.data), account.executable)
 
+    async def get_program_accounts(
+        self, program: Pubkey, *, memcmp: tuple[int, bytes] | None = None
+    ) -> list[tuple[Pubkey, AccountInfo]]:
+        """Every account `program` owns (`getProgramAccounts`), optionally only those whose
+        data holds `memcmp[1]` at offset `memcmp[0]` (e.g. an Anchor discriminator)."""
+        config: dict[str, Any] = {"encoding": "base64", "commitment": self.commitment}
+        if memcmp is not None:
+            offset, expected = memcmp
+            config["filters"] = [
+                {
+                    "memcmp": {
+                        "offset": offset,
+                        "bytes": base64.b64encode(expected).decode(),
+                        "encoding": "base64",
+                    }
+                }
+            ]
+        result = await self.call("getProgramAccounts", [str(program), config])
+        found = []
+        for entry in result:
+            account = entry["account"]
+            data, encoding = account["data"]
+            if encoding != "base64":
+                raise RpcError(f"getProgramAccounts answered {encoding!r} data, asked base64")
+            found.append(
+                (
+                    Pubkey.from_string(entry["pubkey"]),
+                    AccountInfo(
+                        int(account["lamports"]),
+                        Pubkey.from_string(account["owner"]),
+                        base64.b64decode(data),
+                        bool(account["executable"]),
+                    ),
+                )
+            )
+        return found
+
     async def get_account_data(self, address: Pubkey) -> bytes:
         account = await self.get_account_info(address)
         if account is None:

@@ -57,14 +57,15 @@ T = TypeVar("T")
 # Serialization
 
 
-def to_obj(value: Any, tp: Any = None) -> Any:
-    """The serde-data-model form of `value` (dicts, lists, str, int, float, bool)."""
-    return _to_obj(value, wire_type(type(value) if tp is None else tp))
+def to_obj(value: Any, tp: Any = None, *, json: bool = False) -> Any:
+    """The serde-data-model form of `value` (dicts, lists, str, int, float, bool). `json`: as
+    serde_json writes it rather than TOML: `None` fields as `null`, every u64 as a number."""
+    return _to_obj(value, wire_type(type(value) if tp is None else tp), json)
 
 
-def _to_obj(v: Any, wt: WireType) -> Any:
+def _to_obj(v: Any, wt: WireType, json: bool = False) -> Any:
     if isinstance(wt, WInt):
-        if not wt.marker.signed and wt.marker.bits == 64 and v > I64_MAX:
+        if not json and not wt.marker.signed and wt.marker.bits == 64 and v > I64_MAX:
             return str(v)
         return v
     if isinstance(wt, WFloat):
@@ -80,16 +81,16 @@ def _to_obj(v: Any, wt: WireType) -> Any:
     if isinstance(wt, WBytes):
         return list(v)
     if isinstance(wt, WOption):
-        return None if v is None else _to_obj(v, wt.inner)
+        return None if v is None else _to_obj(v, wt.inner, json)
     if isinstance(wt, WSeq | WArray):
-        return [_to_obj(x, wt.item) for x in v]
+        return [_to_obj(x, wt.item, json) for x in v]
     if isinstance(wt, WTuple):
-        return [_to_obj(x, t) for x, t in zip(v, wt.items)]
+        return [_to_obj(x, t, json) for x, t in zip(v, wt.items)]
     if isinstance(wt, WStruct):
         out = {}
         for name, ft in (*wt.fields, *wt.local_fields):
-            item = _to_obj(getattr(v, name), ft)
-            if item is not None:
+            item = _to_obj(getattr(v, name), ft, json)
+            if item is not None or json:
                 out[name] = item
         return out
     if isinstance(wt, WUnitEnum):
@@ -99,10 +100,10 @@ def _to_obj(v: Any, wt: WireType) -> Any:
             if type(v) is var:
                 if payload is None:
                     return var.variant_name
-                return {var.variant_name: _to_obj(v.value, payload)}
+                return {var.variant_name: _to_obj(v.value, payload, json)}
         raise TypeError(f"{v!r} is not a {wt.cls.__name__}")
     if isinstance(wt, WProxy):
-        return _to_obj(wt.to_proxy(v), wt.proxy)
+        return _to_obj(wt.to_proxy(v), wt.proxy, json)
     raise TypeError(f"cannot serialize {wt!r}")
 
 

@@ -4,46 +4,62 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import trio
 
-from psyche.cli.solana_client.render import render_run, run_to_json, user_error
+from psyche.cli.solana_client.render import (
+    format_runs_table,
+    render_run,
+    run_to_json,
+    rust_f64,
+    user_error,
+    user_to_json,
+)
 from psyche.core.cli import UserError
 
 Command = Callable[[argparse.Namespace], int]
 
 
-def program_ids(args: argparse.Namespace) -> Any:
+def program_ids(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Any:
     from psyche.solana.program_ids import ProgramIds
 
     return ProgramIds.from_env(
+        env,
         coordinator=getattr(args, "coordinator_program_id", None),
         authorizer=getattr(args, "authorizer_program_id", None),
         treasurer=getattr(args, "treasurer_program_id", None),
     )
 
 
-def _backend(args: argparse.Namespace, wallet: bool = True) -> Any:
+def _backend(
+    args: argparse.Namespace, wallet: bool = True, env: Mapping[str, str] | None = None
+) -> Any:
     from solders.keypair import Keypair
 
     from psyche.solana.backend import Cluster, SolanaBackend
     from psyche.solana.keypair import load_wallet
 
     # Read-only commands sign nothing: a throwaway keypair, as upstream.
-    payer = load_wallet(args.wallet_private_key_path) if wallet else Keypair()
-    return SolanaBackend(Cluster(args.rpc, args.ws_rpc), payer, ids=program_ids(args))
+    payer = load_wallet(args.wallet_private_key_path, env) if wallet else Keypair()
+    return SolanaBackend(Cluster(args.rpc, args.ws_rpc), payer, ids=program_ids(args, env))
 
 
 def _run(
-    args: argparse.Namespace, body: Callable[[Any], Awaitable[None]], *, wallet: bool = True
+    args: argparse.Namespace,
+    body: Callable[[Any], Awaitable[None]],
+    *,
+    wallet: bool = True,
+    env: Mapping[str, str] | None = None,
 ) -> int:
     """Build the backend and run the command body under trio; a failure the user meets becomes
-    a `UserError` (one line), a bug keeps its traceback (`psyche.core.cli`)."""
+    a `UserError` (one line), a bug keeps its traceback (`psyche.core.cli`). `env`: the
+    environment to read the wallet and program ids from (default: the process's)."""
 
     async def main() -> None:
-        backend = _backend(args, wallet)
+        backend = _backend(args, wallet, env)
         async with backend:
             await body(backend)
 
@@ -278,32 +294,241 @@ def join_authorization_delete(args: argparse.Namespace) -> int:
 
 
 def can_join(args: argparse.Namespace) -> int:
+    """Upstream's `can-join`: exit 0 when the address may join, 1 (one line) when not."""
     from psyche.solana import admin
 
-    outcome: list[bool] = []
-
     async def body(backend: Any) -> None:
-        ok, reason = await admin.can_join(
-            backend, args.run_id, _pubkey(args.address), _pubkey(args.authorizer)
-        )
-        print(f"{args.address} {'can' if ok else 'cannot'} join run {args.run_id}: {reason}")
-        outcome.append(ok)
+        address = _pubkey(args.address)
+        check = await admin.can_join(backend, args.run_id, address, _pubkey(args.authorizer))
+        print(f"authorization valid for run id {args.run_id} using pubkey {address}")
+        print(f"Coordinator: run_state: {check.run_state}")
+        print(f"Coordinator: is_paused: {'true' if check.is_paused else 'false'}")
+        if not check.can_join:
+            raise admin.AdminError(
+                f"A client with our pubkey {address} is in the current epoch, you can't join "
+                "with this key!"
+            )
+        print(f"✓ Can join run {args.run_id} with pubkey {address}")
 
-    code = _run(args, body, wallet=False)
-    return code if code != 0 or all(outcome) else 2
+    return _run(args, body, wallet=False)
+
+
+def _print_json(obj: Any) -> None:
+    """As upstream's `serde_json::to_string_pretty` of a `json!` value: two-space indents and
+    every object's keys in sorted order (serde_json's map is a BTreeMap there)."""
+    print(json.dumps(obj, indent=2, sort_keys=True, allow_nan=False))
 
 
 def show(args: argparse.Namespace) -> int:
-    from psyche.solana import admin
+    """`show`, `show --json` and upstream's `json-dump-run` (the same parser)."""
+    from psyche.solana import snapshots
+
+    as_json = args.json or args.command == "json-dump-run"
 
     async def body(backend: Any) -> None:
-        snapshot = await admin.fetch_run(backend, args.run_id, args.treasurer_index)
-        if args.json:
-            print(json.dumps(run_to_json(snapshot), indent=2))
+        snapshot = await snapshots.fetch_run(backend, args.run_id, args.treasurer_index)
+        if as_json:
+            _print_json(run_to_json(snapshot))
         else:
             print(render_run(snapshot))
 
     return _run(args, body, wallet=False)
+
+
+def json_dump_user(args: argparse.Namespace) -> int:
+    from psyche.solana import snapshots
+
+    async def body(backend: Any) -> None:
+        user = await snapshots.fetch_user(
+            backend, args.run_id, _pubkey(args.address), args.treasurer_index
+        )
+        _print_json(user_to_json(user))
+
+    return _run(args, body, wallet=False)
+
+
+def treasurer_top_up_rewards(args: argparse.Namespace) -> int:
+    from psyche.solana import treasury as treasury_ops
+    from psyche.solana.admin import ui_amount_to_native_amount
+
+    async def body(backend: Any) -> None:
+        treasury = await treasury_ops.load_treasury(backend, args.run_id, args.treasurer_index)
+        ui = _ui_amount(treasury.decimals)
+        _print_treasury(treasury)
+        amount = ui_amount_to_native_amount(args.collateral_amount, treasury.decimals)
+        print(f"User: {backend.get_payer()}")
+        plan = await treasury_ops.prepare_top_up(backend, treasury, amount)
+        print(f"User collateral amount: {ui(plan.user_collateral_amount)}")
+        signature = await treasury_ops.top_up(backend, treasury, plan)
+        print(f"Transfered {ui(amount)} collateral to treasurer in transaction: {signature}")
+
+    return _run(args, body)
+
+
+def treasurer_claim_rewards(args: argparse.Namespace) -> int:
+    from psyche.solana import treasury as treasury_ops
+
+    async def body(backend: Any) -> None:
+        treasury = await treasury_ops.load_treasury(backend, args.run_id, args.treasurer_index)
+        ui = _ui_amount(treasury.decimals)
+        _print_treasury(treasury)
+        print(f"User: {backend.get_payer()}")
+        plan = await treasury_ops.prepare_claim(backend, treasury)
+        if plan.created_user_collateral is not None:
+            print(
+                "Created associated token account for user during transaction: "
+                f"{plan.created_user_collateral}"
+            )
+        print(f"User collateral amount: {ui(plan.user_collateral_amount)}")
+        if plan.created_participant is not None:
+            print(f"Created the participant claim during transaction: {plan.created_participant}")
+        print(f"Total earned points: {plan.earned_points}")
+        print(f"Already claimed earned points: {plan.claimed_earned_points}")
+        print(f"Claimable earned points: {plan.claimable_earned_points}")
+        # 1:1 between earned points and collateral base units
+        print(f"Claimable collateral amount: {ui(plan.claimable_earned_points)}")
+        amount = plan.claim_amount(treasury.collateral_amount)
+        print(f"Claim collateral amount: {ui(amount)}")
+        signature = await treasury_ops.claim(backend, treasury, amount)
+        print(f"Claimed {ui(amount)} collateral in transaction: {signature}")
+
+    return _run(args, body)
+
+
+def _ui_amount(decimals: int) -> Callable[[int], str]:
+    from psyche.solana.admin import native_amount_to_ui_amount
+
+    return lambda native: rust_f64(native_amount_to_ui_amount(native, decimals))
+
+
+def _print_treasury(treasury: Any) -> None:
+    print(f"Found treasurer at index: 0x{treasury.index:08x}")
+    print(f"Treasurer collateral mint: {treasury.collateral_mint}")
+    amount = _ui_amount(treasury.decimals)(treasury.collateral_amount)
+    print(f"Treasurer collateral amount: {amount}")
+
+
+def list_runs(args: argparse.Namespace) -> int:
+    import os
+    import time
+
+    from psyche.solana import runs as runs_ops
+    from psyche.solana.admin import pubkey_arg
+    from psyche.solana.backend import LOCALNET_RPC, LOCALNET_WS_RPC
+
+    try:
+        env = runs_ops.env_with_file(args.env_file, os.environ)
+    except Exception as e:
+        error = user_error(e, None)
+        if error is None:
+            raise
+        raise error from e
+    args.rpc = args.rpc or env.get("RPC") or LOCALNET_RPC
+    args.ws_rpc = args.ws_rpc or env.get("WS_RPC") or LOCALNET_WS_RPC
+    args.wallet_private_key_path = args.wallet_private_key_path or env.get(
+        "WALLET_PRIVATE_KEY_PATH"
+    )
+
+    async def body(backend: Any) -> None:
+        runs = await runs_ops.get_all_runs(backend)
+        if not runs:
+            print(f"No runs found on coordinator program {backend.ids.coordinator}")
+            return
+        authorizer = None if args.authorizer is None else pubkey_arg(args.authorizer)
+        delegate = env.get("AUTHORIZER")
+        delegate_authorizer = pubkey_arg(delegate) if delegate else None
+        joinable = await runs_ops.find_joinable_runs(
+            backend, runs, backend.get_payer(), authorizer, delegate_authorizer
+        )
+        if not joinable:
+            print("No available runs to join")
+            return
+        print(f"Found {len(joinable)} joinable run(s):")
+        for line in format_runs_table([run for run, _ in joinable], int(time.time())):
+            print(line)
+
+    return _run(args, body, env=env)
+
+
+def download_results(args: argparse.Namespace) -> int:
+    import sys
+
+    from psyche.solana import run_down
+
+    output_dir: Path = args.output_dir
+    try:
+        occupied = output_dir.is_dir() and any(output_dir.iterdir())
+    except OSError as e:
+        raise UserError(f"Failed to read output directory {output_dir}: {e.strerror or e}") from e
+    if occupied and not args.overwrite:
+        print(f'Warning: Output directory "{output_dir}" already exists and contains files.')
+        print("Files may be overwritten during download.")
+        print("Continue? [y/N]: ", end="", flush=True)
+        answer = sys.stdin.readline() if sys.stdin is not None else ""
+        if answer.strip().lower() != "y":
+            print("Download cancelled.")
+            return 0
+
+    async def body(backend: Any) -> None:
+        await trio.Path(output_dir).mkdir(parents=True, exist_ok=True)
+        nonce = run_down.random_nonce()
+        signature = run_down.generate_signature(
+            backend.sign_message, args.run_id, args.expires_in_seconds, nonce
+        )
+        async with run_down.new_http_client() as http:
+            found = await run_down.get_download_urls(
+                http,
+                args.run_down_service_url or run_down.RUN_DOWN_SERVICE_BASE_URL,
+                args.run_id,
+                signature,
+                args.expires_in_seconds,
+                nonce,
+            )
+            count = len(found.urls)
+            print(f"Found {count} files to download")
+            for index, entry in enumerate(found.urls, start=1):
+                print(f"Downloading file {index}/{count}: {entry.path}")
+                path = run_down.output_path(output_dir, entry.path)
+                await run_down.download_to(http, entry.url, path)
+                print(f'  Saved to: "{path}"')
+        print(f'Successfully downloaded {count} files to "{output_dir}"')
+
+    return _run(args, body)
+
+
+def upload_data(args: argparse.Namespace) -> int:
+    from psyche.solana import run_down
+
+    async def body(backend: Any) -> None:
+        base_dir, files = run_down.files_to_upload(args.path)
+        if not files:
+            print("No files found to upload")
+            return
+        print(f"Found {len(files)} file(s) to upload")
+        async with run_down.new_http_client() as http:
+            for index, path in enumerate(files, start=1):
+                relative = path.relative_to(base_dir).as_posix()
+                print(f"\n[{index}/{len(files)}] Uploading: {relative}")
+                nonce = run_down.random_nonce()
+                signature = run_down.generate_signature(
+                    backend.sign_message, args.run_id, args.expires_in_seconds, nonce
+                )
+                target = await run_down.get_upload_url(
+                    http,
+                    args.run_down_service_url or run_down.RUN_DOWN_SERVICE_BASE_URL,
+                    args.run_id,
+                    signature,
+                    relative,
+                    args.expires_in_seconds,
+                    nonce,
+                )
+                size = path.stat().st_size
+                print(f"  Uploading {size} bytes...")
+                await run_down.upload_from(http, target.url, path, size)
+                print("  ✓ Upload successful")
+        print(f"\n✓ Successfully uploaded {len(files)} file(s)")
+
+    return _run(args, body)
 
 
 def show_identity(args: argparse.Namespace) -> int:
@@ -433,6 +658,13 @@ HANDLERS: dict[str, Command] = {
     "join-authorization-delete": join_authorization_delete,
     "can-join": can_join,
     "show": show,
+    "json-dump-run": show,
+    "json-dump-user": json_dump_user,
+    "treasurer-top-up-rewards": treasurer_top_up_rewards,
+    "treasurer-claim-rewards": treasurer_claim_rewards,
+    "list-runs": list_runs,
+    "download-results": download_results,
+    "upload-data": upload_data,
     "show-identity": show_identity,
     "show-static-p2p-identity": show_static_p2p_identity,
     "create-static-p2p-identity": create_static_p2p_identity,

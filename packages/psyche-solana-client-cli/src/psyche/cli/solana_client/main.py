@@ -19,6 +19,8 @@ from typing import Any
 from psyche.core.cli import HelpFormatter, add_verbose_flag, command_parser, run_command
 
 PROG = "psyche-solana-client"
+LOCAL_RPC = "http://127.0.0.1:8899"
+LOCAL_WS_RPC = "ws://127.0.0.1:8900"
 DESCRIPTION = """\
 Manage and follow Psyche training runs on Solana.
 
@@ -38,17 +40,25 @@ def _env_flag(name: str) -> bool:
     return str(_env(name, "")).lower() in ("1", "true", "yes", "on")
 
 
-def _env_int(name: str) -> int | None:
+def _env_int(name: str, default: int | None = None) -> int | None:
     value = _env(name)
-    return None if value is None else int(value)
+    return default if value is None else int(value)
 
 
-def add_cluster_args(parser: argparse.ArgumentParser, backups: bool = False) -> None:
+def add_cluster_args(
+    parser: argparse.ArgumentParser, backups: bool = False, *, late_env: bool = False
+) -> None:
+    """`late_env`: --rpc/--ws-rpc default to None and the command reads RPC/WS_RPC itself
+    (list-runs, whose --env-file may set them)."""
     group = parser.add_argument_group("cluster")
-    group.add_argument("--rpc", default=_env("RPC", "http://127.0.0.1:8899"), help="[env: RPC]")
-    group.add_argument(
-        "--ws-rpc", default=_env("WS_RPC", "ws://127.0.0.1:8900"), help="[env: WS_RPC]"
-    )
+    if late_env:
+        group.add_argument("--rpc", default=None, help=f"[env: RPC] [default: {LOCAL_RPC}]")
+        group.add_argument(
+            "--ws-rpc", default=None, help=f"[env: WS_RPC] [default: {LOCAL_WS_RPC}]"
+        )
+    else:
+        group.add_argument("--rpc", default=_env("RPC", LOCAL_RPC), help="[env: RPC]")
+        group.add_argument("--ws-rpc", default=_env("WS_RPC", LOCAL_WS_RPC), help="[env: WS_RPC]")
     if backups:
         for n in (2, 3):
             group.add_argument(f"--rpc-{n}", default=_env(f"RPC_{n}", ""), help=f"[env: RPC_{n}]")
@@ -95,6 +105,48 @@ def add_treasurer_index(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=_env_int("TREASURER_INDEX"),
         help="[env: TREASURER_INDEX]",
+    )
+
+
+def _env_float(name: str) -> float | None:
+    value = _env(name)
+    return None if value is None else float(value)
+
+
+def non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite amount >= 0, found {text!r}")
+    return value
+
+
+def add_address(parser: argparse.ArgumentParser) -> None:
+    """Upstream's `--address` (aliases `--wallet`, `--user`): the public key asked about."""
+    address = _env("ADDRESS")
+    parser.add_argument(
+        "--address",
+        "--wallet",
+        "--user",
+        dest="address",
+        metavar="PUBKEY",
+        default=address,
+        required=address is None,
+        help="[env: ADDRESS]",
+    )
+
+
+def add_run_down_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--expires-in-seconds",
+        type=int,
+        default=_env_int("EXPIRES_IN_SECONDS", 3600),
+        help="how long the signed URLs stay valid [env: EXPIRES_IN_SECONDS]",
+    )
+    parser.add_argument(
+        "--run-down-service-url",
+        default=_env("RUN_DOWN_SERVICE_URL"),
+        help="the run-down service's API, default upstream's (a port addition: upstream's is "
+        "fixed) [env: RUN_DOWN_SERVICE_URL]",
     )
 
 
@@ -168,15 +220,25 @@ def build_parser() -> argparse.ArgumentParser:
     sub = command("set-future-epoch-rates", "Set reward rates from the next epoch (treasurer runs)")
     add_run_id(sub)
     add_treasurer_index(sub)
-    sub.add_argument("--earning-rate-total-shared", type=float)
-    sub.add_argument("--slashing-rate-per-client", type=float)
+    sub.add_argument(
+        "--earning-rate-total-shared",
+        type=non_negative_float,
+        default=_env_float("EARNING_RATE_TOTAL_SHARED"),
+        help="[env: EARNING_RATE_TOTAL_SHARED]",
+    )
+    sub.add_argument(
+        "--slashing-rate-per-client",
+        type=non_negative_float,
+        default=_env_float("SLASHING_RATE_PER_CLIENT"),
+        help="[env: SLASHING_RATE_PER_CLIENT]",
+    )
 
     sub = command("tick", "Send tick transactions to a run")
     add_run_id(sub)
     sub.add_argument(
         "--ms-interval",
         type=int,
-        default=_env_int("MS_INTERVAL") or 1000,
+        default=_env_int("MS_INTERVAL", 1000),
         help="milliseconds between ticks [env: MS_INTERVAL]",
     )
     sub.add_argument(
@@ -211,25 +273,119 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub.add_argument("--delegates-clear", action="store_true", default=_env_flag("DELEGATES_CLEAR"))
     sub.add_argument(
-        "--delegates-added", "--delegate-added", nargs="*", default=[], metavar="PUBKEY"
+        "--delegates-added",
+        "--delegate-added",
+        nargs="*",
+        default=str(_env("DELEGATES_ADDED", "")).split(),
+        metavar="PUBKEY",
+        help="[env: DELEGATES_ADDED (separated by spaces)]",
     )
 
     sub = command("join-authorization-read", "Show a join authorization", wallet=False)
-    sub.add_argument("--join-authority", required=True)
-    sub.add_argument("--authorizer", default=None)
+    sub.add_argument(
+        "--join-authority", default=_env("JOIN_AUTHORITY"), required=_env("JOIN_AUTHORITY") is None
+    )
+    sub.add_argument("--authorizer", default=_env("AUTHORIZER"), help="[env: AUTHORIZER]")
 
     sub = command("join-authorization-delete", "Deactivate the wallet's join authorization")
-    sub.add_argument("--authorizer", required=True)
+    sub.add_argument(
+        "--authorizer",
+        default=_env("AUTHORIZER"),
+        required=_env("AUTHORIZER") is None,
+        help="[env: AUTHORIZER]",
+    )
 
     sub = command("can-join", "Whether an address may join a run", wallet=False)
     add_run_id(sub)
-    sub.add_argument("--authorizer", default=None)
-    sub.add_argument("--address", required=True)
+    sub.add_argument("--authorizer", default=_env("AUTHORIZER"), help="[env: AUTHORIZER]")
+    add_address(sub)
 
-    sub = command("show", "Decode and print a run's on-chain state", wallet=False)
+    sub = command(
+        "show",
+        "Decode and print a run's on-chain state (as JSON with --json or as json-dump-run)",
+        wallet=False,
+        aliases=["json-dump-run"],
+    )
     add_run_id(sub)
     add_treasurer_index(sub)
     sub.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+    sub = command(
+        "json-dump-user",
+        "Print, as JSON, what a run knows of one address (client, epoch, rewards)",
+        wallet=False,
+    )
+    add_run_id(sub)
+    add_treasurer_index(sub)
+    add_address(sub)
+
+    sub = command(
+        "treasurer-top-up-rewards",
+        "Transfer collateral from the wallet into a treasurer run's rewards vault",
+    )
+    add_run_id(sub)
+    add_treasurer_index(sub)
+    collateral = _env_float("COLLATERAL_AMOUNT")
+    sub.add_argument(
+        "--collateral-amount",
+        type=non_negative_float,
+        default=collateral,
+        required=collateral is None,
+        help="in the collateral mint's UI units [env: COLLATERAL_AMOUNT]",
+    )
+
+    sub = command(
+        "treasurer-claim-rewards",
+        "Claim the collateral the wallet earned in a treasurer run (as far as the vault holds)",
+    )
+    add_run_id(sub)
+    add_treasurer_index(sub)
+
+    sub = plain(
+        "list-runs",
+        "List the runs the wallet may join on the coordinator program",
+        "List the runs the wallet may join on the coordinator program: not paused, finished or "
+        "uninitialized, and authorized for everyone, for the wallet, or for the delegate "
+        "authorizer AUTHORIZER; runs waiting for members first. The wallet is "
+        "RAW_WALLET_PRIVATE_KEY or WALLET_PRIVATE_KEY_PATH (or -w), read after --env-file.",
+    )
+    sub.add_argument(
+        "--env-file", type=Path, help="a .env file with RPC and wallet settings (KEY=VALUE lines)"
+    )
+    add_cluster_args(sub, late_env=True)
+    add_wallet_args(sub)
+    sub.add_argument(
+        "--authorizer", default=None, help="only runs whose join authority is this public key"
+    )
+
+    sub = command(
+        "download-results",
+        "Download a run's result files from the run-down service (signed with the wallet)",
+    )
+    add_run_id(sub)
+    sub.add_argument(
+        "-o",
+        "--output-dir",
+        type=Path,
+        default=Path(_env("OUTPUT_DIR", ".")),
+        help="[env: OUTPUT_DIR]",
+    )
+    add_run_down_args(sub)
+    sub.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="do not ask before writing into a non-empty --output-dir",
+    )
+
+    sub = command(
+        "upload-data",
+        "Upload a file or a directory's files to a run through the run-down service",
+    )
+    add_run_id(sub)
+    sub.add_argument(
+        "-p", "--path", type=Path, required=True, help="a single file or a directory to upload"
+    )
+    add_run_down_args(sub)
 
     what = "Print the wallet's public key and the P2P identity it trains with"
     sub = plain("show-identity", what, what)

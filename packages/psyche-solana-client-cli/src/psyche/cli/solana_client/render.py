@@ -1,14 +1,21 @@
-"""Text for people: a run's decoded state, and errors explained in one line."""
+"""What the commands print: a run's decoded state as text or as upstream's JSON, one user's
+JSON, the joinable runs table, and errors explained in one line."""
 
 from __future__ import annotations
 
 import datetime
+import math
+from collections.abc import Sequence
+from decimal import Decimal
 from typing import Any
 
 from solders.pubkey import Pubkey
 
+from psyche.coordinator import Client, RunState
 from psyche.coordinator.coordinator import Coordinator
-from psyche.solana.admin import RunSnapshot, native_amount_to_ui_amount
+from psyche.solana.admin import native_amount_to_ui_amount
+from psyche.solana.runs import RunInfo
+from psyche.solana.snapshots import RunSnapshot, UserSnapshot
 
 
 def _key(raw: bytes) -> str:
@@ -94,21 +101,40 @@ def render_run(snapshot: RunSnapshot) -> str:
             f"    {_key(client.id.signer)} {joined} (active {client.active}), earned "
             f"{client.earned}, slashed {client.slashed}"
         )
-    if snapshot.treasurer_run is not None:
-        treasurer = snapshot.treasurer_run
-        decimals = snapshot.treasurer_mint_decimals or 0
-        funded = native_amount_to_ui_amount(snapshot.treasurer_collateral_amount or 0, decimals)
+    if snapshot.treasury is not None:
+        treasury = snapshot.treasury
+        funded = native_amount_to_ui_amount(treasury.collateral_amount, treasury.decimals)
         lines += [
-            f"  treasurer index {snapshot.treasurer_index}, collateral mint "
-            f"{_key(treasurer.collateral_mint)}, funded {funded}, claimed points "
-            f"{treasurer.total_claimed_earned_points}",
+            f"  treasurer index {treasury.index}, collateral mint {treasury.collateral_mint}, "
+            f"funded {rust_f64(funded)}, claimed points "
+            f"{treasury.run.total_claimed_earned_points}",
         ]
     return "\n".join(lines)
 
 
+def rust_f64(value: float) -> str:
+    """An f64 as Rust's `{}` prints it: shortest round-trip digits, never an exponent, no
+    fraction when integral (`10`, `1.5`, `0.0000001`, `inf`)."""
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    text = format(Decimal(repr(float(value))), "f")
+    if "." in text:
+        text = text.rstrip("0").rstrip(".")
+    return "0" if text == "-0" else text
+
+
+def _json_f64(value: float) -> float | None:
+    """serde_json writes a non-finite f64 as `null`."""
+    return value if math.isfinite(value) else None
+
+
 def run_to_json(snapshot: RunSnapshot) -> dict[str, Any]:
-    """Upstream's `json-dump-run` shape."""
-    from psyche.coordinator.run_config import run_config_to_obj
+    """Upstream's `json-dump-run` document, key for key. Clients are keyed by their full
+    signer public key: upstream keys them by `NodeIdentity`'s Display, the first 4 bytes of the
+    key in hex, which two clients can share (one then hides the other)."""
+    from psyche.coordinator.run_config import model_to_obj
     from psyche.core.serde import to_obj
     from psyche.solana.state import RunMetadata
 
@@ -116,7 +142,7 @@ def run_to_json(snapshot: RunSnapshot) -> dict[str, Any]:
     state = account.state
     c = state.coordinator
     clients = state.clients_state.clients
-    setup = run_config_to_obj(c.config, c.model)
+    rates = state.clients_state
     sum_earned = sum(x.earned for x in clients)
     out: dict[str, Any] = {
         "coordinator_instance": {
@@ -129,12 +155,12 @@ def run_to_json(snapshot: RunSnapshot) -> dict[str, Any]:
             "run_id": c.run_id,
             "setup": {
                 "client_version": state.client_version,
-                "metadata": to_obj(state.metadata, RunMetadata),
-                "model": setup.get("model"),
-                "config": setup.get("config"),
+                "metadata": to_obj(state.metadata, RunMetadata, json=True),
+                "model": model_to_obj(c.model, json=True),
+                "config": to_obj(c.config, json=True),
             },
             "status": {
-                "next_active": state.clients_state.next_active,
+                "next_active": rates.next_active,
                 "state": str(c.run_state),
                 "epoch": c.progress.epoch,
                 "step": c.progress.step,
@@ -148,12 +174,12 @@ def run_to_json(snapshot: RunSnapshot) -> dict[str, Any]:
                 },
                 "rates": {
                     "current": {
-                        "earning": state.clients_state.current_epoch_rates.earning_rate_total_shared,
-                        "slashing": state.clients_state.current_epoch_rates.slashing_rate_per_client,
+                        "earning": rates.current_epoch_rates.earning_rate_total_shared,
+                        "slashing": rates.current_epoch_rates.slashing_rate_per_client,
                     },
                     "future": {
-                        "earning": state.clients_state.future_epoch_rates.earning_rate_total_shared,
-                        "slashing": state.clients_state.future_epoch_rates.slashing_rate_per_client,
+                        "earning": rates.future_epoch_rates.earning_rate_total_shared,
+                        "slashing": rates.future_epoch_rates.slashing_rate_per_client,
                     },
                 },
             },
@@ -170,21 +196,135 @@ def run_to_json(snapshot: RunSnapshot) -> dict[str, Any]:
         },
         "treasurer_run": None,
     }
-    if snapshot.treasurer_run is not None:
-        t = snapshot.treasurer_run
-        decimals = snapshot.treasurer_mint_decimals or 0
+    treasury = snapshot.treasury
+    if treasury is not None:
+        t = treasury.run
+        ui = lambda native: native_amount_to_ui_amount(native, treasury.decimals)  # noqa: E731
+        claimed = t.total_claimed_earned_points
+        unclaimed = max(0, sum_earned - claimed)
+        # 1:1 between earned points and collateral base units
+        burn_per_epoch = rates.current_epoch_rates.earning_rate_total_shared
+        missing = max(0, unclaimed - treasury.collateral_amount)
+        surplus = max(0, treasury.collateral_amount - unclaimed)
         out["treasurer_run"] = {
+            "address": str(treasury.address),
             "index": t.index,
             "main_authority": _key(t.main_authority),
             "join_authority": _key(t.join_authority),
-            "collateral_mint": _key(t.collateral_mint),
-            "total_claimed_earned_points": t.total_claimed_earned_points,
+            "total_claimed_earned_points": claimed,
             "total_claimable_earned_points": sum_earned,
-            "funded_collateral_amount": native_amount_to_ui_amount(
-                snapshot.treasurer_collateral_amount or 0, decimals
+            "total_unclaimed_earned_points": unclaimed,
+            "collateral_mint": str(treasury.collateral_mint),
+            "funded_collateral_amount": ui(treasury.collateral_amount),
+            "total_missing_collateral_amount": ui(missing),
+            "total_surplus_collateral_amount": ui(surplus),
+            "burn_collateral_amount_per_epoch": ui(burn_per_epoch),
+            "estimated_funded_epochs_count": (
+                None if burn_per_epoch == 0 else _json_f64(surplus / burn_per_epoch)
             ),
         }
     return out
+
+
+def _epoch_client(client: Client | None) -> dict[str, Any] | None:
+    if client is None:
+        return None
+    return {"state": str(client.state), "exited_height": client.exited_height}
+
+
+def user_to_json(user: UserSnapshot) -> dict[str, Any]:
+    """Upstream's `json-dump-user` document, key for key."""
+    client = user.client
+    treasurer = None
+    if user.treasurer is not None:
+        decimals = user.treasurer.treasury.decimals
+        participant = user.treasurer.participant
+        treasurer = {
+            "collateral_mint": str(user.treasurer.treasury.collateral_mint),
+            "collateral_amount": native_amount_to_ui_amount(
+                user.treasurer.collateral_amount, decimals
+            ),
+            "claimed_earned_points": None
+            if participant is None
+            else participant.claimed_earned_points,
+            "claimed_collateral_amount": None
+            if participant is None
+            else native_amount_to_ui_amount(participant.claimed_collateral_amount, decimals),
+        }
+    return {
+        "address": str(user.address),
+        "lamports": user.lamports,
+        "coordinator_account": {
+            "client": None
+            if client is None
+            else {"active": client.active, "earned": client.earned, "slashed": client.slashed},
+            "epoch_alive": _epoch_client(user.epoch_alive),
+            "epoch_exited": _epoch_client(user.epoch_exited),
+        },
+        "treasurer_participant": treasurer,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# list-runs
+
+
+def format_duration_secs(secs: int) -> str:
+    """`1h 2m 3s`, leaving out zero parts (`0s` for nothing)."""
+    h, m, s = secs // 3600, (secs % 3600) // 60, secs % 60
+    parts = [f"{h}h"] if h else []
+    if m:
+        parts.append(f"{m}m")
+    if s or not parts:
+        parts.append(f"{s}s")
+    return " ".join(parts)
+
+
+def time_remaining_display(run: RunInfo, now: int) -> str:
+    """Time left in the epoch at unix time `now`; `-` when the run is not in one."""
+    if run.run_state in (
+        RunState.WaitingForMembers,
+        RunState.Finished,
+        RunState.Paused,
+        RunState.Uninitialized,
+    ):
+        return "-"
+    if run.epoch_start_timestamp == 0:
+        return "-"
+    elapsed = max(0, now - run.epoch_start_timestamp)
+    if elapsed >= run.epoch_time_secs:
+        return "overrun"
+    return format_duration_secs(run.epoch_time_secs - elapsed)
+
+
+def clients_display(run: RunInfo) -> str:
+    if run.run_state in (RunState.Paused, RunState.Uninitialized, RunState.Finished):
+        return "-"
+    if run.num_clients < run.min_clients:
+        return f"{run.num_clients}/{run.min_clients} waiting"
+    return f"{run.num_clients} training"
+
+
+def format_runs_table(runs: Sequence[RunInfo], now: int) -> list[str]:
+    """Upstream's `RunInfo::format_table`: a header and one row per run, columns padded."""
+    rows = [
+        (
+            run.run_id,
+            str(run.run_state),
+            clients_display(run),
+            format_duration_secs(run.epoch_time_secs),
+            time_remaining_display(run, now),
+        )
+        for run in runs
+    ]
+    header = ("run-id", "state", "clients", "epoch time", "time left")
+    widths = [max(len(header[i]), *(len(row[i]) for row in rows)) for i in range(4)]
+
+    def line(cells: tuple[str, ...]) -> str:
+        padded = [cell.ljust(width) for cell, width in zip(cells, widths)]
+        return "  " + "   ".join([*padded, cells[4]])
+
+    return [line(header), *(line(row) for row in rows)]
 
 
 # ---------------------------------------------------------------------------------------------
