@@ -1,7 +1,8 @@
 """What strangers and members can make a blob provider hold (psyche.network.blob_transport):
-control frames capped before authentication, pending connections that evict the oldest, a
-capped number of blobs being served, handshake and send-stall timeouts, and no blob kept in
-memory by a requester that stops reading. Real sockets on loopback; timeouts shortened."""
+handshake messages and control frames capped, pending connections that evict the oldest, a
+capped number of blobs being served, handshake and send-stall timeouts, no blob kept in
+memory by a requester that stops reading, and sessions that end when idle. Real sockets on
+loopback; timeouts shortened."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from psyche.core.identity import SecretKey
 from psyche.network import blob_protocol
 from psyche.network.blob_protocol import BlobRefused
 from psyche.network.blob_transport import BLOB_LIMITS, TcpBlobTransport
+from psyche.network.secure_channel import SecureStream, StaticKey, secure_outbound
 from psyche.network.ticket import EndpointAddr, blob_hash
 
 pytestmark = pytest.mark.anyio
@@ -91,29 +93,26 @@ class RawRequester:
     def __init__(self, stream: trio.SocketStream) -> None:
         self.stream = stream
         self.key = SecretKey.generate()
+        self.secure: SecureStream | None = None
 
     @classmethod
     async def open(cls, p: Provider) -> RawRequester:
         return cls(await trio.open_tcp_stream("127.0.0.1", p.port))
 
-    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        await self.stream.send_all(data)
-
-    async def receive_into(self, view: memoryview) -> int:
-        return await self.stream.socket.recv_into(view)
-
-    async def aclose(self) -> None:
-        await self.stream.aclose()
+    async def secure_handshake(self, p: Provider) -> SecureStream:
+        self.secure = await secure_outbound(self.stream, StaticKey(self.key), p.key.public_key)
+        return self.secure
 
     async def ask(self, p: Provider) -> None:
-        """The whole signed request, and nothing read after it."""
+        """The secure handshake and the whole signed request, and nothing read after it."""
+        secure = await self.secure_handshake(p)
         hello = blob_protocol.Hello(0, self.key.public_key, p.key.public_key, os.urandom(32))
-        await blob_protocol.send_frame(self, hello, blob_protocol.Hello)
-        reply = await blob_protocol.read_frame(self, blob_protocol.ServerHello)
+        await blob_protocol.send_frame(secure, hello, blob_protocol.Hello)
+        reply = await blob_protocol.read_frame(secure, blob_protocol.ServerHello)
         assert isinstance(reply, blob_protocol.ServerHello.Challenge)
         transcript = blob_protocol.transcript(b"psyche-blob/0 requester", hello, reply.value.nonce)
         get = blob_protocol.Get(self.key.sign(transcript), p.digest)
-        await blob_protocol.send_frame(self, get, blob_protocol.Get)
+        await blob_protocol.send_frame(secure, get, blob_protocol.Get)
 
     async def closed_by_provider(self) -> bool:
         with trio.fail_after(DEADLINE):
@@ -134,13 +133,25 @@ async def wait_until(predicate) -> None:  # type: ignore[no-untyped-def]
 # -- before authentication
 
 
+async def test_a_handshake_message_past_1_kib_is_refused_at_once() -> None:
+    async with provider() as p:
+        for length in (1025, 0xFFFF):
+            raw = await RawRequester.open(p)
+            await raw.stream.send_all(struct.pack(">H", length))
+            assert await raw.closed_by_provider()
+            await raw.stream.aclose()
+        assert p.transport.drops.counts["bad request"] == 2
+        assert await fetch(p) == p.blob
+
+
 async def test_a_control_frame_past_1_kib_is_refused_at_once() -> None:
     async with provider() as p:
         for length in (blob_protocol.MAX_CONTROL_FRAME + 1, 1 << 30):
             raw = await RawRequester.open(p)
-            await raw.send_all(struct.pack(">I", length))
+            secure = await raw.secure_handshake(p)
+            await secure.send_all(struct.pack(">I", length))
             assert await raw.closed_by_provider()
-            await raw.aclose()
+            await raw.stream.aclose()
         assert p.transport.drops.counts["bad request"] == 2
         assert await fetch(p) == p.blob
 
@@ -150,7 +161,7 @@ async def test_a_silent_stranger_is_closed_after_the_handshake_timeout() -> None
         raw = await RawRequester.open(p)
         assert await raw.closed_by_provider()
         assert p.transport.drops.counts["timeout"] == 1
-        await raw.aclose()
+        await raw.stream.aclose()
 
 
 async def test_a_flood_of_strangers_evicts_itself_and_costs_no_memory() -> None:
@@ -161,7 +172,8 @@ async def test_a_flood_of_strangers_evicts_itself_and_costs_no_memory() -> None:
             flood = []
             for i in range(200):
                 raw = await RawRequester.open(p)
-                await raw.send_all(struct.pack(">I", blob_protocol.MAX_CONTROL_FRAME))
+                # a handshake message announced and never sent: the connection stays pending
+                await raw.stream.send_all(struct.pack(">H", 1024))
                 flood.append(raw)
                 if i % 50 == 49:  # members are served all along
                     assert await fetch(p) == p.blob
@@ -174,7 +186,7 @@ async def test_a_flood_of_strangers_evicts_itself_and_costs_no_memory() -> None:
             tracemalloc.stop()
         assert p.transport.drops.counts["evicted"] >= 184
         for raw in flood:
-            await raw.aclose()
+            await raw.stream.aclose()
 
 
 # -- serving
@@ -192,7 +204,7 @@ async def test_a_requester_that_stops_reading_is_dropped_and_the_blob_released()
         p.blob = None
         gc.collect()
         assert watch() is None
-        await raw.aclose()
+        await raw.stream.aclose()
 
 
 async def test_serving_slots_are_capped_and_refusals_say_busy() -> None:
@@ -202,6 +214,88 @@ async def test_serving_slots_are_capped_and_refusals_say_busy() -> None:
         await wait_until(lambda: p.transport.serving_connections == 1)
         with pytest.raises(BlobRefused, match="busy"):
             await fetch(p)
-        await stuck.aclose()  # its slot is freed once the provider notices
+        await stuck.stream.aclose()  # its slot is freed once the provider notices
         await wait_until(lambda: p.transport.serving_connections == 0)
         assert await fetch(p) == p.blob
+
+
+# -- sessions
+
+
+async def test_a_session_serves_several_blobs_and_ends_when_idle() -> None:
+    async with provider(size=3 * MIB) as p:
+        assert p.blob is not None
+        session = await requester().open_session(p.addr)
+        try:
+            for _ in range(3):
+                with trio.fail_after(DEADLINE):
+                    assert await session.fetch(p.digest, len(p.blob), lambda n: None) == p.blob
+            assert session.fetched == 3
+            assert p.transport.server.sessions == 1
+        finally:
+            await session.stream.aclose()
+        await wait_until(lambda: p.transport.server.sessions == 0)
+
+    async with provider() as p:
+        p.transport.server.idle_timeout = 0.2
+        assert p.blob is not None
+        session = await requester().open_session(p.addr)
+        with trio.fail_after(DEADLINE):
+            await session.fetch(p.digest, len(p.blob), lambda n: None)
+        # the provider closes a session that asks for nothing more
+        await wait_until(lambda: p.transport.server.sessions == 0)
+        with pytest.raises(blob_protocol.BlobProtocolError):
+            with trio.fail_after(DEADLINE):
+                await session.fetch(p.digest, len(p.blob), lambda n: None)
+        await session.stream.aclose()
+
+
+async def test_a_later_request_must_carry_the_sessions_signature() -> None:
+    async with provider() as p:
+        raw = await RawRequester.open(p)
+        await raw.ask(p)
+        assert raw.secure is not None
+        reply = await blob_protocol.read_frame(raw.secure, blob_protocol.Reply)
+        assert isinstance(reply, blob_protocol.Reply.Found)
+        await blob_protocol.read_exactly(raw.secure, reply.value)
+        forged = blob_protocol.Get(bytes(64), p.digest)
+        await blob_protocol.send_frame(raw.secure, forged, blob_protocol.Get)
+        assert await raw.closed_by_provider()
+        assert p.transport.drops.counts["bad request"] == 1
+        await raw.stream.aclose()
+
+
+async def test_a_requester_buffer_grows_as_bytes_arrive() -> None:
+    """A ticket may say 4 GiB; nothing near that is reserved before the bytes come."""
+    size = 40 * MIB
+
+    class Trickle:
+        def __init__(self) -> None:
+            self.sent = 0
+            self.reserved: list[int] = []
+
+        async def receive_into(self, view: memoryview) -> int:
+            if self.sent >= 8 * MIB:
+                return 0  # the provider goes away after 8 MiB
+            n = min(len(view), MIB)
+            self.sent += n
+            return n
+
+    trickle = Trickle()
+    reserved: list[int] = []
+    with pytest.raises(blob_protocol.BlobProtocolError, match="closed after"):
+        await blob_protocol.receive_growing(
+            trickle,
+            size,
+            lambda got: reserved.append(got),  # type: ignore[arg-type]
+        )
+    assert reserved[-1] == 8 * MIB
+    tracemalloc.start()
+    try:
+        with pytest.raises(blob_protocol.BlobProtocolError):
+            await blob_protocol.receive_growing(Trickle(), 4 << 30, lambda got: None)  # type: ignore[arg-type]
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    # at most four times what arrived (8 MiB), never the 4 GiB the "ticket" stated
+    assert peak <= 4 * 8 * MIB + MIB

@@ -14,6 +14,7 @@ from psyche.network import blob_protocol
 from psyche.network.blob_protocol import BlobRefused, HashMismatch
 from psyche.network.blob_transport import TcpBlobTransport
 from psyche.network.download import Download, DownloadComplete, DownloadFailed, DownloadOutcome
+from psyche.network.secure_channel import PeerRefused, StaticKey, secure_inbound
 from psyche.network.testing import connect_pairs, open_nodes
 from psyche.network.ticket import (
     BlobFormat,
@@ -43,10 +44,12 @@ async def serve_truncated(
 ) -> None:
     """A provider that dies halfway through sending the blob (its connection drops)."""
 
+    static = StaticKey(identity)
+
     async def handler(stream: trio.SocketStream) -> None:
-        conn = _Conn(stream)
         try:
             with trio.fail_after(5):
+                conn = await secure_inbound(stream, static, lambda peer: True)
                 hello = await blob_protocol.read_frame(conn, blob_protocol.Hello)
                 nonce = os.urandom(32)
                 sig = identity.sign(
@@ -63,7 +66,7 @@ async def serve_truncated(
                 await blob_protocol.send_frame(
                     conn, blob_protocol.Reply.Found(len(blob)), blob_protocol.Reply
                 )
-                await stream.send_all(blob[: len(blob) // 2])
+                await conn.send_all(blob[: len(blob) // 2])
         finally:
             await stream.aclose()
 
@@ -71,20 +74,6 @@ async def serve_truncated(
     async with trio.open_nursery() as nursery:
         await nursery.start(trio.serve_listeners, handler, listeners)
         task_status.started(listeners[0].socket.getsockname()[1])
-
-
-class _Conn:
-    def __init__(self, stream: trio.SocketStream) -> None:
-        self._stream = stream
-
-    async def send_all(self, data: bytes) -> None:
-        await self._stream.send_all(data)
-
-    async def receive_into(self, view: memoryview) -> int:
-        return await self._stream.socket.recv_into(view)
-
-    async def aclose(self) -> None:
-        await self._stream.aclose()
 
 
 def test_download_verifies_serves_onward_and_survives_bad_providers() -> None:
@@ -161,7 +150,7 @@ def test_outsiders_are_refused_blobs_both_ways() -> None:
         async with open_nodes(2) as (a, _b), open_nodes(1, allow_each_other=False) as (outsider,):
             outsider.set_allowed_peers([a.endpoint_id])
             ticket, _ = await a.add_downloadable(payload(1000), "distro-result_1")
-            with pytest.raises(BlobRefused, match="allowlist"):
+            with pytest.raises(PeerRefused, match="allowlist"):
                 await outsider.blob_transport.fetch(
                     ticket.addr, ticket.hash, ticket.size, lambda n: None
                 )
@@ -215,12 +204,14 @@ def test_hostile_blob_requests_do_not_harm_the_provider() -> None:
                         pass  # a reset is a hang-up too
                 await stream.aclose()
 
-            # an impostor claiming b's identity cannot sign b's transcript
+            # a member claiming b's identity inside the blob protocol cannot sign b's transcript
+            impostor_key = SecretKey.generate()
+            a.set_allowed_peers([b.endpoint_id, impostor_key.public_key])
             impostor = TcpBlobTransport(
-                SecretKey.generate(), lambda h: None, lambda p: True, bind_host="127.0.0.1"
+                impostor_key, lambda h: None, lambda p: True, bind_host="127.0.0.1"
             )
             impostor._identity = _ClaimsToBe(b.secret_key.public_key, impostor._identity)
-            with pytest.raises(blob_protocol.BlobProtocolError):
+            with pytest.raises(BlobRefused, match="bad signature"):
                 await impostor.fetch(ticket.addr, ticket.hash, ticket.size, lambda n: None)
 
             # a lying ticket (wrong size) is refused before any payload is read

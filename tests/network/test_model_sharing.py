@@ -88,13 +88,13 @@ def test_peer_dying_mid_download_is_survived() -> None:
                     for node in (steady, joiner, doomed):
                         node.set_allowed_peers(ids)
                     joiner.address_book.add(doomed.endpoint_addr())
-                    serve_blob = doomed.blob_transport._lookup
+                    serve_blob = doomed.blob_server.lookup
 
                     def die_while_serving(digest: bytes) -> bytes | bytearray | None:
                         doomed.shutdown()  # the whole node goes down mid-transfer
                         return serve_blob(digest)
 
-                    doomed.blob_transport._lookup = die_while_serving
+                    doomed.blob_server.lookup = die_while_serving
                     task_status.started(doomed.endpoint_id)
                     await serve_model(doomed, provider_model(parameters))
                 doomed_gone.set()

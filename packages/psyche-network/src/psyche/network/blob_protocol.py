@@ -1,25 +1,33 @@
 """The blob transfer protocol, independent of the byte stream it runs on.
 
-One blob per connection:
+A session authenticates once and then fetches any number of blobs:
 
     requester -> provider   Hello{version, requester, provider, nonce_r}
     provider  -> requester  Challenge{provider, nonce_p, sig_p}   | Refused(reason)
     requester -> provider   Get{sig_r, hash}
     provider  -> requester  Found(size) + `size` raw bytes        | NotFound | Refused(reason)
+    requester -> provider   Get{sig_r, hash}                        (again, on the same session)
+    ...
 
 Control messages are postcard, each framed by a 4-byte big-endian length and capped at
 `MAX_CONTROL_FRAME` bytes. Each side signs a transcript binding both identities and both fresh
-nonces, so neither a replayed handshake nor a third party can pose as a run member. The payload
-itself is not encrypted (see the package README): its integrity comes from the BLAKE3 hash the
-requester checks before anything uses the bytes.
+nonces, so neither a replayed handshake nor a third party can pose as a run member; every later
+`Get` of the session carries the same requester signature. The streams it runs on are the
+encrypted side channel (`secure_channel`) or a libp2p stream (`blob_transport`), both of which
+authenticate and encrypt on their own; the signed transcript keeps this protocol's guarantees
+whatever carries it. Integrity of the bytes comes from the BLAKE3 hash the requester checks
+before anything uses them. A requester's buffer grows as the bytes arrive, so a ticket's stated
+size is never allocated before its bytes come.
 """
 
 from __future__ import annotations
 
+import hmac
 import math
 import os
 import struct as _struct
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import trio
@@ -36,6 +44,7 @@ from psyche.core.serde import (
     variant,
 )
 from psyche.core.serde import struct as wire_struct
+from psyche.core.tcp import _resize_bytearray as resize_bytearray
 from psyche.network.ticket import blob_hash
 
 PROTOCOL_VERSION = 0
@@ -44,6 +53,8 @@ NONCE_LENGTH = 32
 RECEIVE_CHUNK = 1 << 20
 SEND_CHUNK = 4 << 20  # with a stall timeout, each chunk must leave within it
 HANDSHAKE_TIMEOUT_SECS = 5.0
+FIRST_RECEIVE_BYTES = 1 << 20
+GROWTH = 4
 
 _PROVIDER_DOMAIN = b"psyche-blob/0 provider"
 _REQUESTER_DOMAIN = b"psyche-blob/0 requester"
@@ -109,6 +120,10 @@ class HashMismatch(BlobProtocolError):
     """Downloaded bytes do not hash to the ticket's hash: the provider is faulty or hostile."""
 
 
+class BlobSessionEnded(BlobProtocolError):
+    """The peer closed the stream between two messages."""
+
+
 # ----------------------------------------------------------------------------------------------
 # Streams
 
@@ -130,6 +145,8 @@ async def read_exactly(stream: ByteStream, n: int) -> bytearray:
     while got < n:
         k = await stream.receive_into(view[got:])
         if k == 0:
+            if got == 0:
+                raise BlobSessionEnded("connection closed")
             raise BlobProtocolError(f"connection closed after {got} of {n} bytes")
         got += k
     return buf
@@ -147,7 +164,11 @@ async def read_frame(stream: ByteStream, tp: Any) -> Any:
     if length > MAX_CONTROL_FRAME:
         raise BlobProtocolError(f"control frame of {length} bytes exceeds {MAX_CONTROL_FRAME}")
     try:
-        return from_bytes(await read_exactly(stream, length), tp)
+        body = await read_exactly(stream, length)
+    except BlobSessionEnded:
+        raise BlobProtocolError("connection closed inside a control frame") from None
+    try:
+        return from_bytes(body, tp)
     except PostcardError as e:
         raise BlobProtocolError(f"malformed {getattr(tp, '__name__', tp)}: {e}") from e
 
@@ -158,6 +179,16 @@ async def read_frame(stream: ByteStream, tp: Any) -> Any:
 
 BlobLookup = Callable[[bytes], "bytes | bytearray | None"]
 AllowCheck = Callable[[bytes], bool]
+
+
+@dataclass(frozen=True)
+class Request:
+    """A verified request: who asks, for which blob, and the signature every later `Get` of the
+    session must repeat."""
+
+    requester: bytes
+    hash: bytes
+    signature: bytes
 
 
 async def serve_one(
@@ -173,9 +204,8 @@ async def serve_one(
     request = await accept_request(stream, identity, allowed, timeout=handshake_timeout)
     if request is None:
         return None
-    requester, digest = request
-    sent = await send_blob(stream, lookup, digest, stall_timeout=send_stall_timeout)
-    return None if sent is None else (requester, sent)
+    sent = await send_blob(stream, lookup, request.hash, stall_timeout=send_stall_timeout)
+    return None if sent is None else (request.requester, sent)
 
 
 async def accept_request(
@@ -184,9 +214,9 @@ async def accept_request(
     allowed: AllowCheck,
     *,
     timeout: float = HANDSHAKE_TIMEOUT_SECS,
-) -> tuple[bytes, bytes] | None:
-    """The provider's side of the handshake, all of it within `timeout` seconds: (requester,
-    hash asked for) of a signed request from an allowed peer, or None once a refusal is sent.
+) -> Request | None:
+    """The provider's side of the handshake, all of it within `timeout` seconds: the first
+    signed request of an allowed peer, or None once a refusal is sent.
 
     Before this returns, a peer can make the provider read two control frames of at most
     `MAX_CONTROL_FRAME` bytes and send one; nothing else."""
@@ -216,7 +246,19 @@ async def accept_request(
         ):
             await send_frame(stream, Reply.Refused("bad signature"), Reply)
             return None
-    return bytes(hello.requester), bytes(get.hash)
+    return Request(bytes(hello.requester), bytes(get.hash), bytes(get.signature))
+
+
+async def next_request(stream: ByteStream, session: Request) -> bytes | None:
+    """The hash of the session's next `Get`, or None when the requester ends the session.
+    A `Get` without the session's signature is a protocol error."""
+    try:
+        get: Get = await read_frame(stream, Get)
+    except BlobSessionEnded:
+        return None
+    if not hmac.compare_digest(bytes(get.signature), session.signature):
+        raise BlobProtocolError("a later request of the session is not signed by its requester")
+    return bytes(get.hash)
 
 
 async def send_blob(
@@ -248,6 +290,62 @@ async def send_blob(
 ProgressFn = Callable[[int], None]
 
 
+class BlobSession:
+    """The requester's end of one session with `provider`: the first `fetch` runs the
+    handshake, later ones reuse it. A session that raised is finished (close its stream)."""
+
+    def __init__(self, stream: ByteStream, identity: SecretKey, provider: bytes) -> None:
+        self.stream = stream
+        self.identity = identity
+        self.provider = provider
+        self.signature: bytes | None = None
+        self.fetched = 0
+        """Blobs fetched so far: 0 until the first one is complete."""
+
+    async def fetch(self, digest: bytes, expected_size: int, on_progress: ProgressFn) -> bytearray:
+        """Fetch and verify one blob; raises a `BlobProtocolError` on any deviation."""
+        with trio.fail_after(HANDSHAKE_TIMEOUT_SECS):
+            if self.signature is None:
+                self.signature = await self._handshake()
+            await send_frame(self.stream, Get(self.signature, digest), Get)
+            match await read_frame(self.stream, Reply):
+                case Reply.Found(size):
+                    pass
+                case Reply.NotFound():
+                    raise BlobNotFound("provider does not have the blob")
+                case Reply.Refused(reason):
+                    raise BlobRefused(f"provider refused the request: {reason}")
+        if size != expected_size:
+            raise BlobProtocolError(
+                f"provider offers {size} bytes, the ticket says {expected_size}"
+            )
+        buf = await receive_growing(self.stream, size, on_progress)
+        actual = await verify_hash(buf)
+        if actual != digest:
+            raise HashMismatch(
+                f"received bytes hash to {actual.hex()[:10]}, expected {digest.hex()[:10]}"
+            )
+        self.fetched += 1
+        return buf
+
+    async def _handshake(self) -> bytes:
+        nonce = os.urandom(NONCE_LENGTH)
+        hello = Hello(PROTOCOL_VERSION, self.identity.public_key, self.provider, nonce)
+        await send_frame(self.stream, hello, Hello)
+        match await read_frame(self.stream, ServerHello):
+            case ServerHello.Refused(reason):
+                raise BlobRefused(f"provider refused the handshake: {reason}")
+            case ServerHello.Challenge(challenge):
+                pass
+        if challenge.provider != self.provider or not verify_signature(
+            self.provider,
+            transcript(_PROVIDER_DOMAIN, hello, challenge.nonce),
+            challenge.signature,
+        ):
+            raise BlobProtocolError("provider failed to prove its identity")
+        return self.identity.sign(transcript(_REQUESTER_DOMAIN, hello, challenge.nonce))
+
+
 async def fetch_one(
     stream: ByteStream,
     identity: SecretKey,
@@ -256,45 +354,27 @@ async def fetch_one(
     expected_size: int,
     on_progress: ProgressFn,
 ) -> bytearray:
-    """Fetch and verify one blob; raises a `BlobProtocolError` on any deviation."""
-    nonce = os.urandom(NONCE_LENGTH)
-    hello = Hello(PROTOCOL_VERSION, identity.public_key, provider, nonce)
-    with trio.fail_after(HANDSHAKE_TIMEOUT_SECS):
-        await send_frame(stream, hello, Hello)
-        match await read_frame(stream, ServerHello):
-            case ServerHello.Refused(reason):
-                raise BlobRefused(f"provider refused the handshake: {reason}")
-            case ServerHello.Challenge(challenge):
-                pass
-        if challenge.provider != provider or not verify_signature(
-            provider, transcript(_PROVIDER_DOMAIN, hello, challenge.nonce), challenge.signature
-        ):
-            raise BlobProtocolError("provider failed to prove its identity")
-        signature = identity.sign(transcript(_REQUESTER_DOMAIN, hello, challenge.nonce))
-        await send_frame(stream, Get(signature, digest), Get)
-        match await read_frame(stream, Reply):
-            case Reply.Found(size):
-                pass
-            case Reply.NotFound():
-                raise BlobNotFound("provider does not have the blob")
-            case Reply.Refused(reason):
-                raise BlobRefused(f"provider refused the request: {reason}")
-    if size != expected_size:
-        raise BlobProtocolError(f"provider offers {size} bytes, the ticket says {expected_size}")
-    buf = bytearray(size)
-    view = memoryview(buf)
+    """Fetch and verify one blob on a fresh stream (a session of one)."""
+    return await BlobSession(stream, identity, provider).fetch(digest, expected_size, on_progress)
+
+
+async def receive_growing(stream: ByteStream, size: int, on_progress: ProgressFn) -> bytearray:
+    """Exactly `size` bytes into a buffer that grows as they arrive: reserved at
+    `FIRST_RECEIVE_BYTES` and grown fourfold when full (without writing the new tail, see
+    `psyche.core.tcp`), so a ticket's size, however large, is not allocated before its bytes
+    come; at most four times what arrived is ever reserved."""
+    buf = bytearray()
+    resize_bytearray(buf, min(size, FIRST_RECEIVE_BYTES))
     got = 0
     while got < size:
-        k = await stream.receive_into(view[got : got + RECEIVE_CHUNK])
+        if got == len(buf):
+            resize_bytearray(buf, min(size, GROWTH * len(buf)))
+        with memoryview(buf) as view:
+            k = await stream.receive_into(view[got : min(len(buf), got + RECEIVE_CHUNK)])
         if k == 0:
             raise BlobProtocolError(f"provider closed after {got} of {size} bytes")
         got += k
         on_progress(got)
-    actual = await verify_hash(buf)
-    if actual != digest:
-        raise HashMismatch(
-            f"received bytes hash to {actual.hex()[:10]}, expected {digest.hex()[:10]}"
-        )
     return buf
 
 

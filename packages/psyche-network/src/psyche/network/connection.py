@@ -33,8 +33,16 @@ from psyche.core.allowlist import AllowDynamic, Allowlist
 from psyche.core.connection_limits import ConnectionLimits
 from psyche.core.identity import SecretKey
 from psyche.network import model_sharing, p2p_host, peer_exchange
+from psyche.network.blob_routes import DEFAULT_MAX_FETCHES_PER_PEER, BlobRoutes
 from psyche.network.blob_store import DEFAULT_GC_INTERVAL_SECS, BlobStore, remove_staled_tags
-from psyche.network.blob_transport import BLOB_LIMITS, CONNECT_TIMEOUT_SECS, TcpBlobTransport
+from psyche.network.blob_transport import (
+    BLOB_LIMITS,
+    BLOB_PROTOCOL,
+    CONNECT_TIMEOUT_SECS,
+    BlobServer,
+    Libp2pBlobStreams,
+    TcpBlobTransport,
+)
 from psyche.network.connection_monitor import RTT_PROBE_INTERVAL_SECS, ConnectionMonitor
 from psyche.network.discovery import AddressBook, LocalDiscovery, sign_address_record
 from psyche.network.download import DOWNLOAD_TIMEOUT_SECS, Download, Downloader
@@ -82,7 +90,9 @@ class NetworkConfig:
     connect_timeout_secs: float = CONNECT_TIMEOUT_SECS
     max_blob_size: int = MAX_BLOB_SIZE
     blob_limits: ConnectionLimits = BLOB_LIMITS
-    """Connection caps and timeouts of the blob side channel's listener."""
+    """Connection caps and timeouts of the blob provider (side channel and libp2p streams)."""
+    max_downloads_per_peer: int = DEFAULT_MAX_FETCHES_PER_PEER
+    """Blob fetches from one provider at a time."""
 
 
 class NetworkConnection:
@@ -116,6 +126,13 @@ class NetworkConnection:
         )
         self._nursery: trio.Nursery | None = None
         self.announce_host = announce_host(bind_host, config.announce_host)
+        self.blob_server = BlobServer(
+            secret_key,
+            self.store.get,
+            self._allowed,
+            limits=config.blob_limits,
+            on_served=self._on_served,
+        )
         self.blob_transport = TcpBlobTransport(
             secret_key,
             self.store.get,
@@ -124,10 +141,13 @@ class NetworkConnection:
             port=config.blob_port,
             announce_host=self.announce_host,
             connect_timeout=config.connect_timeout_secs,
-            on_served=self._on_served,
-            limits=config.blob_limits,
+            server=self.blob_server,
         )
-        self.downloader = Downloader(self.store, self.blob_transport, self._resolve, self._allowed)
+        self.blob_streams = Libp2pBlobStreams(host, self.blob_server, self.connect)
+        self.blob_routes = BlobRoutes(
+            self.blob_transport, self.blob_streams, max_per_peer=config.max_downloads_per_peer
+        )
+        self.downloader = Downloader(self.store, self.blob_routes, self._resolve, self._allowed)
         self.downloads = DownloadManager(
             self.store,
             self.downloader,
@@ -184,6 +204,7 @@ class NetworkConnection:
         host.set_stream_handler(
             p2p_host.protocol(peer_exchange.PEER_EXCHANGE_PROTOCOL), network._serve_peer_exchange
         )
+        host.set_stream_handler(p2p_host.protocol(BLOB_PROTOCOL), network.blob_streams.handle)
         listen = p2p_host.listen_multiaddr(bind_host, config.port)
         try:
             # Exit order matters: our tasks stop first, then the host closes its connections
@@ -204,6 +225,7 @@ class NetworkConnection:
                     nursery.start_soon(network._stats_loop)
                     nursery.start_soon(network._gc_loop)
                     nursery.start_soon(network._rtt_loop)
+                    nursery.start_soon(network.blob_routes.run)
                     # Bootstrap peers seed the address book; we dial those already allowed (the
                     # rest once the coordinator admits them and the client calls add_peers).
                     for peer in config.bootstrap_peers:

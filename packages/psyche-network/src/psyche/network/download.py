@@ -3,6 +3,11 @@
 `Downloader.download` is the iroh-blobs downloader as upstream uses it: try each provider in
 `LatencySorted` order, report progress items, verify the bytes against the ticket's hash, keep
 them in the store (so they are served onward) and complete, or fail once no provider is left.
+Limits as upstream's later fixes: each attempt has a timeout that scales with the blob's size
+(`attempt_timeout`), and when every provider failed for a transient reason (unreachable, timed
+out, connection lost) the round is retried, up to `PROVIDER_ROUNDS` rounds with a backoff that
+doubles (`ROUND_BACKOFF_SECS`); a provider that lacks the blob or sends corrupted bytes is not
+what a retry fixes, so a round in which every failure was of that kind ends the download.
 `track_progress` is upstream's `DownloadManager` mapping from progress items to updates.
 """
 
@@ -15,8 +20,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import trio
+from libp2p.network.stream.exceptions import StreamError
 
-from psyche.network.blob_protocol import BlobProtocolError, HashMismatch
+from psyche.network.blob_protocol import BlobNotFound, BlobProtocolError, HashMismatch
 from psyche.network.blob_store import BlobStore
 from psyche.network.blob_transport import BlobTransport
 from psyche.network.identity import fmt_short
@@ -181,6 +187,16 @@ AllowFn = Callable[[bytes], bool]
 EmitFn = Callable[[ProgressItem], None]
 
 PROGRESS_REPORT_BYTES = 1 << 20
+ATTEMPT_BASE_SECS = 10.0
+ATTEMPT_MIN_BYTES_PER_SEC = 1 << 20
+PROVIDER_ROUNDS = 3
+ROUND_BACKOFF_SECS = 1.0
+
+
+def attempt_timeout(size: int) -> float:
+    """How long one provider may take for a blob of `size` bytes: 10 s, plus one second per
+    MiB (a path slower than 1 MiB/s is treated as broken and the next provider tried)."""
+    return ATTEMPT_BASE_SECS + size / ATTEMPT_MIN_BYTES_PER_SEC
 
 
 class Downloader:
@@ -200,19 +216,29 @@ class Downloader:
         if self._store.has(digest):
             emit(PartComplete())
             return
-        for peer in providers.find_providers():
-            emit(TryProvider(peer))
-            addr = ticket.addr if peer == ticket.addr.id else self._resolve(peer)
-            reason = self._unusable(peer, addr)
-            if reason is None and addr is not None:
-                reason = await self._try(addr, ticket, emit)
-                if reason is None:
+        for round_ in range(PROVIDER_ROUNDS):
+            if round_:
+                await trio.sleep(ROUND_BACKOFF_SECS * 2 ** (round_ - 1))
+                if self._store.has(digest):  # another download of the same blob finished
                     emit(PartComplete())
                     return
-            reason = reason or "no address"
-            logger.debug("provider %s failed for %s: %s", fmt_short(peer), ticket, reason)
-            self.provider_failures.append((digest, peer, reason))
-            emit(ProviderFailed(peer, reason))
+            transient = False
+            for peer in providers.find_providers():
+                emit(TryProvider(peer))
+                addr = ticket.addr if peer == ticket.addr.id else self._resolve(peer)
+                reason = self._unusable(peer, addr)
+                if reason is None and addr is not None:
+                    reason, retry = await self._try(addr, ticket, emit)
+                    if reason is None:
+                        emit(PartComplete())
+                        return
+                    transient = transient or retry
+                reason = reason or "no address"
+                logger.debug("provider %s failed for %s: %s", fmt_short(peer), ticket, reason)
+                self.provider_failures.append((digest, peer, reason))
+                emit(ProviderFailed(peer, reason))
+            if not transient:
+                break
         emit(DownloadError())
 
     def _unusable(self, peer: bytes, addr: EndpointAddr | None) -> str | None:
@@ -224,7 +250,10 @@ class Downloader:
             return "no address the blob transport can use"
         return None
 
-    async def _try(self, addr: EndpointAddr, ticket: BlobTicket, emit: EmitFn) -> str | None:
+    async def _try(
+        self, addr: EndpointAddr, ticket: BlobTicket, emit: EmitFn
+    ) -> tuple[str | None, bool]:
+        """(None, _) once the blob is stored, else (why not, whether a retry may help)."""
         reported = 0
 
         def on_progress(received: int) -> None:
@@ -234,14 +263,23 @@ class Downloader:
                 emit(Progress(received))
 
         try:
-            data = await self._transport.fetch(addr, ticket.hash, ticket.size, on_progress)
+            with trio.fail_after(attempt_timeout(ticket.size)):
+                data = await self._transport.fetch(addr, ticket.hash, ticket.size, on_progress)
         except HashMismatch as e:
             logger.warning("provider %s sent corrupted bytes: %s", fmt_short(addr.id), e)
-            return f"corrupted data: {e}"
-        except (BlobProtocolError, OSError, trio.TooSlowError, trio.BrokenResourceError) as e:
-            return str(e) or type(e).__name__
+            return f"corrupted data: {e}", False
+        except BlobNotFound as e:
+            return str(e), False
+        except (
+            BlobProtocolError,
+            OSError,
+            trio.TooSlowError,
+            trio.BrokenResourceError,
+            StreamError,
+        ) as e:
+            return str(e) or type(e).__name__, True
         except Exception as e:  # a hostile provider must never take the downloader down
             logger.warning("unexpected error fetching from %s: %r", fmt_short(addr.id), e)
-            return f"unexpected error: {e!r}"
+            return f"unexpected error: {e!r}", False
         self._store.put(ticket.hash, data)
-        return None
+        return None, False

@@ -148,6 +148,21 @@ def _remote_addr(conn: INetConn) -> str:
     return f"{remote[0]}:{remote[1]}" if remote else "?"
 
 
+def is_relayed(conn: Any) -> bool:
+    """Whether a (muxed or swarm) connection runs through a relay (`/p2p-circuit`)."""
+    try:
+        addrs = conn.get_transport_addresses() or []
+    except Exception:
+        return False
+    return any("/p2p-circuit" in str(a) for a in addrs)
+
+
+def connection_paths(host: IHost, peer: bytes) -> list[str]:
+    """`direct` or `relayed` for each open connection to `peer`."""
+    conns = host.get_network().get_connections(peer_id_from_public_key(peer))
+    return ["relayed" if is_relayed(c) else "direct" for c in conns]
+
+
 def listen_multiaddr(host: str, port: int) -> multiaddr.Multiaddr:
     return multiaddr.Multiaddr(f"/ip4/{host}/tcp/{port}")
 
@@ -283,8 +298,10 @@ __all__ = [
     "StreamError",
     "build_host",
     "connect",
+    "connection_paths",
     "disconnect",
     "install_allowlist_gate",
+    "is_relayed",
     "listen_multiaddr",
     "measure_rtt",
     "peer_key",
