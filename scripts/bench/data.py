@@ -42,6 +42,7 @@ import trio
 from psyche.core.batch_id import BatchId
 from psyche.core.data_shuffle import Shuffle
 from psyche.core.identity import SecretKey
+from psyche.core.rng import ChaCha8Rng, shuffle_permutation
 from psyche.core.token_size import TokenSize
 from psyche.data_provider import (
     DataProviderTcpClient,
@@ -50,7 +51,6 @@ from psyche.data_provider import (
     HttpDataProvider,
     LocalDataProvider,
 )
-from psyche.core.rng import ChaCha8Rng, shuffle_permutation
 
 SEED = bytes(range(1, 33))
 GOALS = {"local": 0.8, "http": 0.5, "tcp": 0.5}

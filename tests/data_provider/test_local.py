@@ -10,10 +10,10 @@ import pytest
 
 from psyche.core.batch_id import BatchId
 from psyche.core.data_shuffle import Shuffle
+from psyche.core.rng import ChaCha8Rng, shuffle_permutation
 from psyche.core.token_size import TokenSize
 from psyche.data_provider import DataProviderError, LocalDataProvider, stack_input_ids
 from psyche.data_provider.local import list_data_files, sequence_offsets
-from psyche.core.rng import ChaCha8Rng, shuffle_permutation
 
 pytestmark = pytest.mark.anyio
 SEED = bytes(range(1, 33))

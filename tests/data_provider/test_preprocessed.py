@@ -11,9 +11,9 @@ import pytest
 
 from psyche.core.batch_id import BatchId
 from psyche.core.data_shuffle import Shuffle
+from psyche.core.rng import ChaCha8Rng, shuffle_permutation
 from psyche.data_provider import DataProviderError, PreprocessedDataProvider, Split
 from psyche.data_provider.preprocessed import select_dataset_files
-from psyche.core.rng import ChaCha8Rng, shuffle_permutation
 
 pytestmark = pytest.mark.anyio
 SEQ = 4

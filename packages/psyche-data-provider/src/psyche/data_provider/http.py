@@ -26,9 +26,9 @@ import trio
 
 from psyche.core.batch_id import BatchId
 from psyche.core.data_shuffle import Shuffle
+from psyche.core.rng import ChaCha8Rng, shuffle_permutation
 from psyche.core.token_size import TokenSize
 from psyche.data_provider.retry import RetryPolicy
-from psyche.core.rng import ChaCha8Rng, shuffle_permutation
 from psyche.data_provider.types import (
     DATA_FILE_EXTENSIONS,
     DataProviderError,

@@ -28,8 +28,8 @@ import numpy as np
 
 from psyche.core.batch_id import BatchId
 from psyche.core.data_shuffle import Shuffle
-from psyche.core.token_size import TokenSize
 from psyche.core.rng import ChaCha8Rng, shuffle_permutation
+from psyche.core.token_size import TokenSize
 from psyche.data_provider.types import (
     DATA_FILE_EXTENSIONS,
     DataProviderError,

@@ -19,8 +19,8 @@ import pyarrow.parquet as pq
 
 from psyche.core.batch_id import BatchId
 from psyche.core.data_shuffle import Shuffle
-from psyche.data_provider.local import list_data_files
 from psyche.core.rng import ChaCha8Rng, shuffle_permutation
+from psyche.data_provider.local import list_data_files
 from psyche.data_provider.types import (
     PARQUET_EXTENSION,
     DataProviderError,
