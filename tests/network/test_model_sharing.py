@@ -15,6 +15,7 @@ from psyche.network.transmittable import (
     ModelRequestType,
     SharableModelError,
     SharableModelFailure,
+    TicketResult,
 )
 
 CONFIG_JSON = '{"architectures": ["LlamaForCausalLM"], "hidden_size": 64}'
@@ -46,6 +47,27 @@ async def introduce_all(joiner: NetworkConnection, providers: list[NetworkConnec
         joiner.address_book.add(provider.endpoint_addr())
 
 
+def count_ticket_requests(
+    joiner: NetworkConnection,
+) -> tuple[list[ModelRequestType], list[tuple[bytes, list[str]]]]:
+    """Record the joiner's single and batch ticket requests (they still go out)."""
+    single: list[ModelRequestType] = []
+    batches: list[tuple[bytes, list[str]]] = []
+    ask_one, ask_many = joiner.request_model_blob_ticket, joiner.request_model_blob_tickets
+
+    async def one(peer: bytes, request: ModelRequestType):  # type: ignore[no-untyped-def]
+        single.append(request)
+        return await ask_one(peer, request)
+
+    async def many(peer: bytes, names: list[str]):  # type: ignore[no-untyped-def]
+        batches.append((peer, list(names)))
+        return await ask_many(peer, names)
+
+    joiner.request_model_blob_ticket = one  # type: ignore[method-assign]
+    joiner.request_model_blob_tickets = many  # type: ignore[method-assign]
+    return single, batches
+
+
 def test_joiner_gets_a_bit_identical_model_from_three_peers() -> None:
     parameters = make_parameters()
 
@@ -55,10 +77,15 @@ def test_joiner_gets_a_bit_identical_model_from_three_peers() -> None:
             for provider in providers:
                 nursery.start_soon(serve_model, provider, provider_model(parameters))
             await introduce_all(joiner, providers)
+            single, batches = count_ticket_requests(joiner)
             with trio.fail_after(30):
                 model = await ModelDownload(
                     joiner, [p.endpoint_id for p in providers], max_concurrent=8
                 ).run()
+            # one request for the config, one batch per peer for the 14 parameters
+            assert single == [ModelRequestType.Config()]
+            assert sorted(len(names) for _, names in batches) == [4, 5, 5]
+            assert len({peer for peer, _ in batches}) == 3
             assert model.config.config == CONFIG_JSON and model.config.tokenizer == TOKENIZER_JSON
             assert set(model.parameters) == set(parameters)
             assert all(t.dtype == torch.bfloat16 for t in model.parameters.values())
@@ -133,6 +160,16 @@ def test_parameters_are_served_only_between_update_and_clear() -> None:
             with pytest.raises(SharableModelFailure) as err:
                 model.update_parameters({"other": torch.ones(3, dtype=torch.bfloat16)})
             assert err.value.error == SharableModelError.InvalidUpdate()
+
+            # a batch answers each name on its own
+            results = await joiner.request_model_blob_tickets(
+                provider.endpoint_id, [name, "nope", name]
+            )
+            assert results == [
+                TicketResult.Ok(ticket),
+                TicketResult.Err(SharableModelError.ParameterUnknown("nope")),
+                TicketResult.Ok(ticket),
+            ]
 
             model.clear_cache()  # entering RoundTrain
             with pytest.raises(SharableModelFailure) as err:

@@ -187,6 +187,25 @@ def test_model_sharing_wire_layouts() -> None:
     assert DownloadType.ModelSharing(ModelRequestType.Config()).kind() == "model_sharing"
 
 
+def test_model_sharing_batch_wire_layouts_and_bounds() -> None:
+    from psyche.network import model_sharing
+
+    assert model_sharing.encode_batch_request(["ab", "c"]) == b"\x02\x02ab\x01c"
+    assert model_sharing.decode_batch_request(b"\x02\x02ab\x01c") == ["ab", "c"]
+    too_many = ["x"] * (model_sharing.MAX_BATCH_NAMES + 1)
+    with pytest.raises(ValueError):
+        model_sharing.encode_batch_request(too_many)
+    with pytest.raises(PostcardError):
+        model_sharing.decode_batch_request(to_bytes(too_many, list[str]))
+    err = TicketResult.Err(SharableModelError.ParametersNotInitialized())
+    results = [TicketResult.Ok(ticket()), err]
+    encoded = model_sharing.encode_batch_response(results)
+    assert encoded[0] == 2 and encoded.endswith(b"\x01\x05")
+    assert model_sharing.decode_batch_response(encoded, 2) == results
+    with pytest.raises(PostcardError, match="2 results for 3 names"):
+        model_sharing.decode_batch_response(encoded, 3)
+
+
 def test_ticket_round_trip_and_hash() -> None:
     t = ticket(3, size=1234)
     assert from_bytes(to_bytes(t, BlobTicket), BlobTicket) == t

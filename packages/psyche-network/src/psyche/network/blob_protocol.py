@@ -54,6 +54,9 @@ RECEIVE_CHUNK = 1 << 20
 SEND_CHUNK = 4 << 20  # with a stall timeout, each chunk must leave within it
 HANDSHAKE_TIMEOUT_SECS = 5.0
 FIRST_RECEIVE_BYTES = 1 << 20
+INLINE_HASH_BYTES = 256 << 10
+"""Blobs at least this large are hashed in a worker thread (BLAKE3 releases the GIL), so the
+event loop keeps moving other transfers' bytes meanwhile."""
 GROWTH = 4
 
 _PROVIDER_DOMAIN = b"psyche-blob/0 provider"
@@ -120,7 +123,11 @@ class HashMismatch(BlobProtocolError):
     """Downloaded bytes do not hash to the ticket's hash: the provider is faulty or hostile."""
 
 
-class BlobSessionEnded(BlobProtocolError):
+class StreamClosed(BlobProtocolError):
+    """The stream ended before the protocol did: the path broke or the peer went away."""
+
+
+class BlobSessionEnded(StreamClosed):
     """The peer closed the stream between two messages."""
 
 
@@ -147,7 +154,7 @@ async def read_exactly(stream: ByteStream, n: int) -> bytearray:
         if k == 0:
             if got == 0:
                 raise BlobSessionEnded("connection closed")
-            raise BlobProtocolError(f"connection closed after {got} of {n} bytes")
+            raise StreamClosed(f"connection closed after {got} of {n} bytes")
         got += k
     return buf
 
@@ -166,7 +173,7 @@ async def read_frame(stream: ByteStream, tp: Any) -> Any:
     try:
         body = await read_exactly(stream, length)
     except BlobSessionEnded:
-        raise BlobProtocolError("connection closed inside a control frame") from None
+        raise StreamClosed("connection closed inside a control frame") from None
     try:
         return from_bytes(body, tp)
     except PostcardError as e:
@@ -372,7 +379,7 @@ async def receive_growing(stream: ByteStream, size: int, on_progress: ProgressFn
         with memoryview(buf) as view:
             k = await stream.receive_into(view[got : min(len(buf), got + RECEIVE_CHUNK)])
         if k == 0:
-            raise BlobProtocolError(f"provider closed after {got} of {size} bytes")
+            raise StreamClosed(f"provider closed after {got} of {size} bytes")
         got += k
         on_progress(got)
     return buf
@@ -380,6 +387,6 @@ async def receive_growing(stream: ByteStream, size: int, on_progress: ProgressFn
 
 async def verify_hash(data: bytearray) -> bytes:
     """BLAKE3 of a received blob, off the event loop when large."""
-    if len(data) < (1 << 20):
+    if len(data) < INLINE_HASH_BYTES:
         return blob_hash(data)
     return await trio.to_thread.run_sync(blob_hash, data)

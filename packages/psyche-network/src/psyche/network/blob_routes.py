@@ -33,6 +33,7 @@ from psyche.network.blob_protocol import (
     BlobSession,
     HashMismatch,
     ProgressFn,
+    StreamClosed,
 )
 from psyche.network.blob_transport import Libp2pBlobStreams, TcpBlobTransport
 from psyche.network.identity import fmt_short
@@ -50,7 +51,7 @@ IDLE_SESSION_SECS = 20.0
 MAX_IDLE_SESSIONS_PER_PEER = 4
 DEFAULT_MAX_FETCHES_PER_PEER = 4
 
-_BROKEN = (OSError, trio.TooSlowError, trio.BrokenResourceError, SecureChannelError)
+_BROKEN = (OSError, trio.TooSlowError, trio.BrokenResourceError, SecureChannelError, StreamClosed)
 """What a broken path raises (as opposed to a provider that answers wrongly)."""
 
 

@@ -59,7 +59,12 @@ from psyche.network.stats import (
     PeerBandwidth,
 )
 from psyche.network.ticket import BlobFormat, BlobTicket, EndpointAddr, TransportAddr, blob_hash
-from psyche.network.transmittable import DownloadType, ModelRequestType, download_codec
+from psyche.network.transmittable import (
+    DownloadType,
+    ModelRequestType,
+    TicketResult,
+    download_codec,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -200,6 +205,10 @@ class NetworkConnection:
         )
         host.set_stream_handler(
             p2p_host.protocol(model_sharing.MODEL_SHARING_PROTOCOL), network._serve_model_sharing
+        )
+        host.set_stream_handler(
+            p2p_host.protocol(model_sharing.MODEL_SHARING_BATCH_PROTOCOL),
+            network._serve_model_sharing_batch,
         )
         host.set_stream_handler(
             p2p_host.protocol(peer_exchange.PEER_EXCHANGE_PROTOCOL), network._serve_peer_exchange
@@ -407,8 +416,20 @@ class NetworkConnection:
         self.address_book.add(ticket.addr)
         return ticket
 
+    async def request_model_blob_tickets(self, peer: bytes, names: list[str]) -> list[TicketResult]:
+        """Ask `peer` for the tickets of many parameters in one stream (one result per name)."""
+        await self.connect(peer)
+        results = await model_sharing.request_tickets(self.host, peer, names)
+        for result in results:
+            if isinstance(result, TicketResult.Ok):
+                self.address_book.add(result.value.addr)
+        return results
+
     async def _serve_model_sharing(self, stream: INetStream) -> None:
         await model_sharing.serve(stream, self._allowed, self._events_send.send_nowait)
+
+    async def _serve_model_sharing_batch(self, stream: INetStream) -> None:
+        await model_sharing.serve_batch(stream, self._allowed, self._events_send.send_nowait)
 
     # ------------------------------------------------------------------------------------------
     # peer exchange

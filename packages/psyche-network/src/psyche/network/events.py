@@ -32,6 +32,11 @@ class TicketReply:
             self._result = result
             self._event.set()
 
+    @property
+    def result(self) -> TicketResult | None:
+        """The answer if it was sent, without waiting."""
+        return self._result
+
     async def receive(self) -> TicketResult:
         await self._event.wait()
         assert self._result is not None

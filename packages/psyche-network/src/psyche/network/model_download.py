@@ -1,11 +1,16 @@
 """A joining client fetching the whole model from its peers (upstream client flow for `P2P`).
 
 1. Ask peers (chosen by `PeerManager`) for the config ticket and download it.
-2. For each parameter name, in one sequential loop: wait for download capacity (at most
-   `max_concurrent` parameter blobs in flight, upstream default 8), ask the next peer for the
-   parameter's ticket (10 s per request, 500 attempts, 5 errors per peer), start its download.
-3. A failed download releases its capacity, counts against the ticket's provider and is retried
-   with a fresh ticket from another peer; a complete one is decoded and kept.
+2. Ask for the parameters' tickets in batches, one batch per peer at a time and all peers at
+   once (`/psyche/model-sharing-batch/0`: one round trip per peer, not per tensor; upstream asks
+   per parameter). A name a peer answers with an error is asked again (of whichever peer is
+   next), and the error counts against that peer (10 s per request, 500 attempts, 5 errors per
+   peer, as upstream).
+3. Download each batch's parameters as soon as its tickets arrive, with at most `max_concurrent`
+   blobs in flight in all (upstream default 8), shared evenly between the peers' batches; the
+   blob sessions are reused, so each provider pays one handshake. Capacity is released when a
+   blob is complete, before its tensor is decoded (as upstream). A failed download releases its capacity, counts against the ticket's provider and
+   is retried with a fresh ticket from another peer; a complete one is decoded and kept.
 
 Each step awaits its own `Download`, so the application's event loop has nothing to route here.
 """
@@ -13,7 +18,8 @@ Each step awaits its own `Download`, so the application's event loop has nothing
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -21,10 +27,12 @@ import trio
 
 from psyche.network.download import DownloadComplete, DownloadFailed, DownloadOutcome
 from psyche.network.identity import fmt_short
+from psyche.network.model_sharing import MAX_BATCH_NAMES, batch_timeout
 from psyche.network.peer_manager import (
     MAX_ERRORS_PER_PEER,
     PeerManager,
     PeersUnreachable,
+    blob_ticket_batch_request_task,
     blob_ticket_param_request_task,
 )
 from psyche.network.scheduler import DEFAULT_MAX_CONCURRENT_PARAMETER_REQUESTS, DownloadScheduler
@@ -35,6 +43,7 @@ from psyche.network.transmittable import (
     ModelRequestType,
     SharableModelError,
     SharableModelFailure,
+    TicketResult,
     TransmittableModelConfig,
     TransmittableModelParameter,
 )
@@ -112,24 +121,52 @@ class ModelDownload:
         config = await self._fetch_config()
         self.model.add_config(config)
         self.model.initialize_parameters(list(config.parameter_names))
-        names = iter(config.parameter_names)
-        # Upstream requests tickets one at a time; here one request may be in flight per peer
-        # (the peer manager hands each peer to one request at a time either way).
-        workers = max(1, min(len(self.peer_manager.available_peers), self.scheduler.max_concurrent))
-        async with trio.open_nursery() as nursery:
-            for _ in range(workers):
-                nursery.start_soon(self._request_parameters, names, nursery)
+        queue = deque(config.parameter_names)
+        async with trio.open_nursery() as downloads:
+            while queue:
+                # The peer manager hands each peer to one request at a time: one batch per peer,
+                # each batch's downloads starting as soon as its tickets arrive.
+                workers = max(1, len(self.peer_manager.available_peers))
+                share = max(1, min(MAX_BATCH_NAMES, -(-len(queue) // workers)))
+                per_provider = max(1, -(-self.scheduler.max_concurrent // workers))
+                batches = []
+                while queue and len(batches) < workers:
+                    batches.append([queue.popleft() for _ in range(min(share, len(queue)))])
+                async with trio.open_nursery() as requests:
+                    for batch in batches:
+                        requests.start_soon(
+                            self._request_batch, batch, queue, per_provider, downloads
+                        )
         return DownloadedModel(config, self.model.take_parameters())
 
-    async def _request_parameters(self, names: Iterator[str], nursery: trio.Nursery) -> None:
-        for name in names:
-            await self.scheduler.wait_for_capacity()
-            try:
-                ticket = await self._request_ticket(ModelRequestType.Parameter(name))
-            except BaseException:
-                self.scheduler.release_capacity()
-                raise
-            nursery.start_soon(self._complete_parameter, name, ticket)
+    async def _request_batch(
+        self, names: list[str], retry: deque[str], per_provider: int, downloads: trio.Nursery
+    ) -> None:
+        """Ask one peer for `names`' tickets and start their downloads, at most `per_provider`
+        of them in flight from this batch (so every peer's batch gets its share of the
+        capacity); names the peer has no ticket for go back to `retry`."""
+        if self._exhausted:
+            raise PeersUnreachable("Peers were unreachable for P2P parameter requests")
+        results, peer = await blob_ticket_batch_request_task(
+            names,
+            self._network.request_model_blob_tickets,
+            self.peer_manager,
+            request_timeout=batch_timeout(len(names)),
+        )
+        failed = []
+        share = trio.Semaphore(per_provider)
+        for name, result in zip(names, results, strict=True):
+            match result:
+                case TicketResult.Ok(ticket):
+                    await share.acquire()
+                    await self.scheduler.wait_for_capacity()
+                    downloads.start_soon(self._complete_parameter, name, ticket, share)
+                case TicketResult.Err(error):
+                    failed.append(name)
+                    logger.debug("peer %s has no ticket for %s: %s", fmt_short(peer), name, error)
+        if failed:
+            retry.extend(failed)
+            self.peer_manager.report_blob_ticket_request_error(peer)
 
     async def _fetch_config(self) -> TransmittableModelConfig:
         while True:
@@ -141,20 +178,29 @@ class ModelDownload:
                 return result.data
             self._failed(ticket, result)
 
-    async def _complete_parameter(self, name: str, ticket: BlobTicket) -> None:
+    async def _complete_parameter(
+        self, name: str, ticket: BlobTicket, share: trio.Semaphore | None = None
+    ) -> None:
+        """Download one parameter (holding a unit of capacity, and of `share`, while its blob
+        is in flight, as upstream releases capacity on `DownloadComplete`), retrying with fresh
+        tickets from other peers until it is decoded and kept."""
         request = ModelRequestType.Parameter(name)
         while True:
-            result = await self._download(ticket, parameter_tag(name), request)
+            try:
+                result = await self._download(ticket, parameter_tag(name), request)
+            finally:
+                self.scheduler.release_capacity()
+                if share is not None:
+                    share.release()
+                    share = None
             if isinstance(result, DownloadComplete):
                 try:
                     await self._accept_parameter(name, result.data)
-                    self.scheduler.release_capacity()
                     return
                 except SharableModelFailure as e:
                     logger.warning(
                         "bad parameter %s from %s: %s", name, fmt_short(ticket.provider), e
                     )
-            self.scheduler.release_capacity()
             self._failed(ticket, result)
             await self.scheduler.wait_for_capacity()
             try:

@@ -5,6 +5,14 @@ the requester writes `postcard(ModelRequestType)` and half-closes; the provider 
 1000 bytes, asks the application for a blob ticket (a `ParameterRequest` or `ModelConfigRequest`
 event), writes `postcard(Result<BlobTicket, SharableModelError>)` (at most 16384 bytes) and
 closes. The bytes themselves then travel as ordinary blobs; what they hold is `sharable_model`'s.
+
+`/psyche/model-sharing-batch/0` (a port extension) asks for many parameters in one stream, so a
+joining client pays one round trip per peer instead of one per tensor: the requester writes
+`postcard(Vec<String>)` (at most `MAX_BATCH_NAMES` names, `MAX_BATCH_REQUEST_BYTES`) and
+half-closes; the provider asks the application for each ticket as for single requests (one
+`ParameterRequest` event per name, answered concurrently) and writes
+`postcard(Vec<Result<BlobTicket, SharableModelError>>)`, one result per name in order (at most
+`MAX_BATCH_RESPONSE_BYTES`).
 """
 
 from __future__ import annotations
@@ -33,6 +41,16 @@ logger = logging.getLogger(__name__)
 MODEL_SHARING_PROTOCOL = "/psyche/model-sharing/0"
 MAX_REQUEST_BYTES = 1000
 MAX_RESPONSE_BYTES = 16384
+MODEL_SHARING_BATCH_PROTOCOL = "/psyche/model-sharing-batch/0"
+MAX_BATCH_NAMES = 256
+MAX_BATCH_REQUEST_BYTES = 64 * 1024
+MAX_BATCH_RESPONSE_BYTES = 1 << 20
+
+
+def batch_timeout(names: int) -> float:
+    """A batch may take the single request's 10 s plus 50 ms per name (first requests
+    serialize their tensors)."""
+    return MODEL_REQUEST_TIMEOUT_SECS + 0.05 * names
 
 
 # ----------------------------------------------------------------------------------------------
@@ -64,6 +82,33 @@ def decode_response(data: bytes) -> BlobTicket:
     raise PostcardError("unreachable")
 
 
+def encode_batch_request(names: list[str]) -> bytes:
+    if len(names) > MAX_BATCH_NAMES:
+        raise ValueError(f"{len(names)} names in one batch; at most {MAX_BATCH_NAMES}")
+    data = to_bytes(names, list[str])
+    if len(data) > MAX_BATCH_REQUEST_BYTES:
+        raise ValueError(f"batch request of {len(data)} bytes exceeds {MAX_BATCH_REQUEST_BYTES}")
+    return data
+
+
+def decode_batch_request(data: bytes) -> list[str]:
+    names = from_bytes(data, list[str])
+    if len(names) > MAX_BATCH_NAMES:
+        raise PostcardError(f"{len(names)} names in one batch; at most {MAX_BATCH_NAMES}")
+    return names
+
+
+def encode_batch_response(results: list[TicketResult]) -> bytes:
+    return to_bytes(results, list[TicketResult])
+
+
+def decode_batch_response(data: bytes, names: int) -> list[TicketResult]:
+    results = from_bytes(data, list[TicketResult])
+    if len(results) != names:
+        raise PostcardError(f"{len(results)} results for {names} names")
+    return results
+
+
 # ----------------------------------------------------------------------------------------------
 # Both ends of a stream
 
@@ -74,6 +119,49 @@ async def request_ticket(host: IHost, peer: bytes, request: ModelRequestType) ->
         host, peer, MODEL_SHARING_PROTOCOL, encode_request(request), MAX_RESPONSE_BYTES
     )
     return decode_response(raw)
+
+
+async def request_tickets(host: IHost, peer: bytes, names: list[str]) -> list[TicketResult]:
+    """Ask `peer` (already connected) for the tickets of `names`, one result per name."""
+    raw = await p2p_host.request(
+        host,
+        peer,
+        MODEL_SHARING_BATCH_PROTOCOL,
+        encode_batch_request(names),
+        MAX_BATCH_RESPONSE_BYTES,
+    )
+    return decode_batch_response(raw, len(names))
+
+
+async def serve_batch(
+    stream: INetStream, allowed: p2p_host.AllowFn, post: Callable[[NetworkEvent], None]
+) -> None:
+    """Answer one inbound batch: one `ParameterRequest` event per name, all answered within
+    `batch_timeout` (a name left unanswered gets `ResponseChannelNotInitialized`)."""
+    peer = await p2p_host.stream_peer(stream, allowed)
+    if peer is None:
+        return
+    try:
+        with trio.fail_after(MODEL_REQUEST_TIMEOUT_SECS):
+            names = decode_batch_request(
+                await p2p_host.read_to_end(stream, MAX_BATCH_REQUEST_BYTES)
+            )
+        replies = [TicketReply() for _ in names]
+        for name, reply in zip(names, replies, strict=True):
+            post(ParameterRequest(name, reply))
+        with trio.move_on_after(batch_timeout(len(names))):
+            for reply in replies:
+                await reply.receive()
+        unanswered = TicketResult.Err(SharableModelError.ResponseChannelNotInitialized())
+        results = [reply.result or unanswered for reply in replies]
+        response = encode_batch_response(results)
+        if len(response) > MAX_BATCH_RESPONSE_BYTES:
+            raise ValueError(f"batch response of {len(response)} bytes")
+        await stream.write(response)
+        await stream.close()
+    except Exception as e:  # malformed or hostile request, or the peer went away
+        logger.info("dropping model-sharing batch from %s: %s", fmt_short(peer), e)
+        await p2p_host.reset_quietly(stream)
 
 
 async def serve(

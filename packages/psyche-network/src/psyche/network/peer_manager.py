@@ -18,7 +18,7 @@ from psyche.network.connection_monitor import ConnectionMonitor
 from psyche.network.identity import fmt_short
 from psyche.network.stats import PeerBandwidth
 from psyche.network.ticket import BlobTicket
-from psyche.network.transmittable import ModelRequestType
+from psyche.network.transmittable import ModelRequestType, TicketResult
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +119,7 @@ class PeersUnreachable(RuntimeError):
 
 
 RequestTicketFn = Callable[[bytes, ModelRequestType], Awaitable[BlobTicket]]
+RequestTicketsFn = Callable[[bytes, list[str]], Awaitable[list[TicketResult]]]
 
 
 async def blob_ticket_param_request_task(
@@ -154,4 +155,41 @@ async def blob_ticket_param_request_task(
         return ticket, request, peer
     raise PeersUnreachable(
         f"Failed to get model parameter blob ticket after {max_attempts} attempts"
+    )
+
+
+async def blob_ticket_batch_request_task(
+    names: list[str],
+    request_tickets: RequestTicketsFn,
+    peer_manager: PeerManager,
+    *,
+    max_attempts: int = MAX_TICKET_REQUEST_ATTEMPTS,
+    request_timeout: float = MODEL_REQUEST_TIMEOUT_SECS,
+) -> tuple[list[TicketResult], bytes]:
+    """`blob_ticket_param_request_task` for many parameters at once (the batch protocol):
+    ask peers until one answers the whole batch; returns (one result per name, peer). A peer
+    that answers is reported successful even if some names came back as errors: the caller
+    judges those."""
+    attempts = 0
+    while attempts < max_attempts:
+        peer = peer_manager.get_next_peer()
+        if peer is None:
+            await trio.sleep(NO_PEER_SLEEP_SECS)
+            attempts += 1
+            continue
+        try:
+            with trio.fail_after(request_timeout):
+                results = await request_tickets(peer, names)
+        except Exception as e:
+            peer_manager.report_blob_ticket_request_error(peer)
+            logger.warning(
+                "Batch request failed for peer %s: %s. Trying next peer", fmt_short(peer), e
+            )
+            attempts += 1
+            await trio.sleep(RETRY_SLEEP_SECS)
+            continue
+        peer_manager.report_success(peer)
+        return results, peer
+    raise PeersUnreachable(
+        f"Failed to get model parameter blob tickets after {max_attempts} attempts"
     )
