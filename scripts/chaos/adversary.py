@@ -157,31 +157,31 @@ class Adversary:
 
     async def warmup(self, state: Any, backend: Any) -> None:
         """Behave during warmup, so the run starts with this member in it."""
-        from psyche.client import core
+        from psyche.client.witness import SendFinished, finished_broadcast, merkle_root
         from psyche.coordinator import Witness, WitnessProof
         from psyche.coordinator.backend import OpportunisticData
         from psyche.coordinator.committee_selection import CommitteeProof
         from psyche.core.bloom import WitnessBloom
 
         self.warmup_sent = True
-        action = core.SendFinished(0, core.merkle_root([]), CommitteeProof(), warmup=True)
+        action = SendFinished(0, merkle_root([]), CommitteeProof(), warmup=True)
         signature = self.key.sign(action.commitment_data_hash)
         # a fresh nonce: the same bytes as last epoch's would be dropped as a gossip duplicate
-        self.network.broadcast(core.finished_broadcast(action, signature, _nonce()))
+        self.network.broadcast(finished_broadcast(action, signature, _nonce()))
         index = next(i for i, c in enumerate(state.epoch_state.clients) if c.id == self.identity)
         proof = WitnessProof(position=index, index=index, witness=False)
-        merkle = core.merkle_root([])
+        merkle = merkle_root([])
         await backend.send_witness(
             OpportunisticData.WarmupStep(Witness(proof, WitnessBloom(), WitnessBloom(), merkle))
         )
 
     async def round(self, state: Any, backend: Any) -> None:
-        from psyche.client import core
+        from psyche.client.train import start_round
         from psyche.coordinator.committee_selection import Committee
 
         clients = state.epoch_state.clients
         index = next(i for i, c in enumerate(clients) if c.id == self.identity)
-        plan = core.start_round(state, self.identity, index)
+        plan = start_round(state, self.identity, index)
         info = plan.state.committee_info
         step = state.progress.step
         if info is None or info.committee_proof.committee is not Committee.Trainer:
@@ -218,16 +218,16 @@ class Adversary:
 
     def finish(self, step: int, proof: Any) -> None:
         """Say we finished the round at once, so the round does not wait for us."""
-        from psyche.client import core
+        from psyche.client.witness import SendFinished, finished_broadcast, merkle_root
 
         hashes = [h for _, h in self.seen.get(step - 1, [])]
-        action = core.SendFinished(step, core.merkle_root(hashes), proof, warmup=False)
+        action = SendFinished(step, merkle_root(hashes), proof, warmup=False)
         signature = self.key.sign(action.commitment_data_hash)
-        self.network.broadcast(core.finished_broadcast(action, signature, _nonce()))
+        self.network.broadcast(finished_broadcast(action, signature, _nonce()))
 
     async def witness(self, backend: Any, step: int, witness_proof: Any) -> None:
         """A hostile witness: it vouches for every result it heard of, its own lies included."""
-        from psyche.client import core
+        from psyche.client.witness import merkle_root
         from psyche.coordinator import BLOOM_FALSE_RATE, Witness, WitnessMetadata
         from psyche.coordinator.backend import OpportunisticData
         from psyche.core.bloom import WitnessBloom
@@ -240,7 +240,7 @@ class Adversary:
         for sender, digest in heard:
             participants.add(sha256(sender))
             broadcasts.add(digest)
-        merkle = core.merkle_root([h for _, h in heard])
+        merkle = merkle_root([h for _, h in heard])
         witness = Witness(witness_proof, participants, broadcasts, merkle)
         await backend.send_witness(
             OpportunisticData.WitnessStep((witness, WitnessMetadata(step=step)))
@@ -316,18 +316,18 @@ class Adversary:
         emit("attack", mode="replay", step=step, replayed_step=old.step)
 
     def forged_attacks(self, step: int, proof: Any) -> None:
-        from psyche.client import core
+        from psyche.client.witness import SendFinished, finished_broadcast, merkle_root
         from psyche.core.identity import SecretKey
         from psyche.core.signed_message import SignedMessage
 
         gossip = self.network.gossip
-        action = core.SendFinished(step, core.merkle_root([]), proof, warmup=False)
+        action = SendFinished(step, merkle_root([]), proof, warmup=False)
         # a commitment signed with another key
         stranger = SecretKey.generate()
-        forged = core.finished_broadcast(action, stranger.sign(action.commitment_data_hash), 7)
+        forged = finished_broadcast(action, stranger.sign(action.commitment_data_hash), 7)
         self.network.broadcast(forged)
         # gossip whose envelope signature is broken, or that claims another sender
-        honest = core.finished_broadcast(action, self.key.sign(action.commitment_data_hash), 8)
+        honest = finished_broadcast(action, self.key.sign(action.commitment_data_hash), 8)
         data = bytearray(gossip.encode(honest))
         data[-1] ^= 0xFF
         other = SignedMessage.sign_and_encode(stranger, honest, gossip._message_type)

@@ -119,7 +119,7 @@ def test_a_checkpoint_that_hits_a_full_disk_leaves_nothing_behind(tmp_path: Path
     code = f"""
 import torch
 from pathlib import Path
-from psyche.client.cooldown import save_checkpoint_locally
+from psyche.client.checkpoint import save_checkpoint_locally
 target = Path({str(tmp_path)!r}) / "run-step7"
 try:
     save_checkpoint_locally(target, {{"w": torch.zeros(100_000)}}, [], "{{}}", "{{}}")
@@ -174,7 +174,7 @@ def test_a_fetch_that_outlives_its_round_does_not_stop_the_client() -> None:
     took the whole client down (exit code 1)."""
     import numpy as np
 
-    from psyche.client.training import DataFetcher
+    from psyche.client.fetch_data import DataFetcher
     from psyche.core.batch_id import BatchId
     from psyche.data_provider import TokenizedData
 

@@ -1,5 +1,6 @@
-"""The client's functional core: message validation, payload bookkeeping, blooms, apply order
-and consensus, health checks and witness decisions (upstream `state/steps.rs`, `train.rs`,
+"""The client's plain decisions, step by step: message validation and payload bookkeeping
+(`payloads`), blooms, apply order and consensus (`apply`), round plans (`train`), health checks
+and witness decisions (`witness`, `warmup`) (upstream `state/steps.rs`, `train.rs`,
 `witness.rs`), checked against a coordinator driven by `psyche.coordinator.testing`."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from psyche.client import core
+from psyche.client import apply, payloads, train, warmup, witness
 from psyche.client.broadcast import Broadcast, BroadcastType, Finished, TrainingResult
 from psyche.client.round_state import (
     DeserializedPayload,
@@ -84,8 +85,8 @@ def index_of(coordinator: Coordinator, identity: NodeIdentity) -> int:
     return next(i for i, c in enumerate(coordinator.epoch_state.clients) if c.id == identity)
 
 
-def plan_for(coordinator: Coordinator, identity: NodeIdentity) -> core.RoundPlan:
-    return core.start_round(
+def plan_for(coordinator: Coordinator, identity: NodeIdentity) -> train.RoundPlan:
+    return train.start_round(
         coordinator, identity, index_of(coordinator, identity), new_bloom=fixed_bloom
     )
 
@@ -146,7 +147,7 @@ class Round:
         return next(b for b, n in self.current.data_assignments.items() if n == identity)
 
     def apply(self, sender: NodeIdentity, broadcast: Broadcast):
-        return core.apply_message(
+        return payloads.apply_message(
             self.current,
             self.previous,
             identity=self.me,
@@ -162,7 +163,7 @@ def test_a_trainers_result_is_recorded_and_downloaded_once(sim: Simulation) -> N
     step = view.current.step
     broadcast = result_broadcast(step, view.proof(peer), view.batch_of(peer), 1)
     outcome, download = view.apply(peer, broadcast)
-    assert outcome is core.ApplyMessageOutcome.Applied
+    assert outcome is payloads.ApplyMessageOutcome.Applied
     assert download is not None and download.ticket == broadcast.data.value.ticket
     assert download.tag.endswith(f"_{step}")
     entry = view.current.results[view.batch_of(peer)]
@@ -171,7 +172,7 @@ def test_a_trainers_result_is_recorded_and_downloaded_once(sim: Simulation) -> N
     assert view.current.broadcasts == [broadcast.commitment.data_hash]
     # the same blob again (a rebroadcast): ignored, nothing new to fetch
     again = replace(broadcast, nonce=1)
-    assert view.apply(peer, again) == (core.ApplyMessageOutcome.Ignored, None)
+    assert view.apply(peer, again) == (payloads.ApplyMessageOutcome.Ignored, None)
     assert view.current.broadcasts == [broadcast.commitment.data_hash]
 
 
@@ -179,16 +180,16 @@ def test_own_result_is_recorded_without_download(sim: Simulation) -> None:
     view = Round(sim)
     broadcast = result_broadcast(view.current.step, view.proof(view.me), view.batch_of(view.me), 9)
     outcome, download = view.apply(view.me, broadcast)
-    assert outcome is core.ApplyMessageOutcome.Applied and download is None
+    assert outcome is payloads.ApplyMessageOutcome.Applied and download is None
 
 
 def test_result_for_a_batch_the_sender_was_not_assigned_is_invalid(sim: Simulation) -> None:
     view = Round(sim)
     peer, other = simulated_identity(1), simulated_identity(2)
     broadcast = result_broadcast(view.current.step, view.proof(peer), view.batch_of(other), 2)
-    assert view.apply(peer, broadcast) == (core.ApplyMessageOutcome.Invalid, None)
+    assert view.apply(peer, broadcast) == (payloads.ApplyMessageOutcome.Invalid, None)
     unknown = result_broadcast(view.current.step, view.proof(peer), BatchId(900, 901), 3)
-    assert view.apply(peer, unknown) == (core.ApplyMessageOutcome.Invalid, None)
+    assert view.apply(peer, unknown) == (payloads.ApplyMessageOutcome.Invalid, None)
     assert view.current.results == {} and view.current.downloads == {}
 
 
@@ -196,7 +197,7 @@ def test_replayed_step_is_invalid(sim: Simulation) -> None:
     view = Round(sim)
     peer = simulated_identity(1)
     old = result_broadcast(view.current.step - 5, view.proof(peer), view.batch_of(peer), 4)
-    assert view.apply(peer, old) == (core.ApplyMessageOutcome.Invalid, None)
+    assert view.apply(peer, old) == (payloads.ApplyMessageOutcome.Invalid, None)
 
 
 def test_forged_committee_proof_is_invalid(sim: Simulation) -> None:
@@ -210,7 +211,7 @@ def test_forged_committee_proof_is_invalid(sim: Simulation) -> None:
         replace(true_proof, committee=Committee.Verifier),
     ):
         broadcast = result_broadcast(view.current.step, forged, batch, 5)
-        assert view.apply(peer, broadcast) == (core.ApplyMessageOutcome.Invalid, None)
+        assert view.apply(peer, broadcast) == (payloads.ApplyMessageOutcome.Invalid, None)
 
 
 def test_forged_commitment_signature_is_detected() -> None:
@@ -220,23 +221,23 @@ def test_forged_commitment_signature_is_detected() -> None:
         result_broadcast(1, CommitteeProof(), BatchId(0, 0), 6),
         commitment=Commitment(data_hash, other.sign(data_hash)),
     )
-    assert not core.verify_broadcast_signature(key.public_key, broadcast)
+    assert not payloads.verify_broadcast_signature(key.public_key, broadcast)
     signed = replace(broadcast, commitment=Commitment(data_hash, key.sign(data_hash)))
-    assert core.verify_broadcast_signature(key.public_key, signed)
+    assert payloads.verify_broadcast_signature(key.public_key, signed)
     # a tampered hash no longer matches its signature
     tampered = replace(signed, commitment=Commitment(sha256(b"other"), signed.commitment.signature))
-    assert not core.verify_broadcast_signature(key.public_key, tampered)
+    assert not payloads.verify_broadcast_signature(key.public_key, tampered)
 
 
 def test_sender_must_be_a_client(sim: Simulation) -> None:
     clients = sim.coordinator.epoch_state.clients
-    assert core.client_for_p2p_key(clients, clients[1].id.p2p_identity) == clients[1].id
-    assert core.client_for_p2p_key(clients, bytes(32)) is None
+    assert payloads.client_for_p2p_key(clients, clients[1].id.p2p_identity) == clients[1].id
+    assert payloads.client_for_p2p_key(clients, bytes(32)) is None
     view = Round(sim)
     stranger = NodeIdentity.from_single_key(sha256(b"stranger"))
     warmup = finished_broadcast(0, CommitteeProof(), warmup=True)
     view.current = RoundState()  # warmup: default round state
-    assert view.apply(stranger, warmup) == (core.ApplyMessageOutcome.Invalid, None)
+    assert view.apply(stranger, warmup) == (payloads.ApplyMessageOutcome.Invalid, None)
 
 
 def test_without_round_info_non_warmup_messages_are_ignored(sim: Simulation) -> None:
@@ -246,15 +247,15 @@ def test_without_round_info_non_warmup_messages_are_ignored(sim: Simulation) -> 
     broadcast = result_broadcast(
         view.current.step, CommitteeProof(Committee.Trainer), BatchId(0, 0), 7
     )
-    assert view.apply(peer, broadcast) == (core.ApplyMessageOutcome.Ignored, None)
+    assert view.apply(peer, broadcast) == (payloads.ApplyMessageOutcome.Ignored, None)
 
 
 def test_finished_is_counted_once_per_client(sim: Simulation) -> None:
     view = Round(sim)
     peer = simulated_identity(2)
     message = finished_broadcast(view.current.step, view.proof(peer), warmup=False)
-    assert view.apply(peer, message)[0] is core.ApplyMessageOutcome.Applied
-    assert view.apply(peer, message)[0] is core.ApplyMessageOutcome.Ignored
+    assert view.apply(peer, message)[0] is payloads.ApplyMessageOutcome.Applied
+    assert view.apply(peer, message)[0] is payloads.ApplyMessageOutcome.Ignored
     assert list(view.current.clients_finished) == [peer]
 
 
@@ -265,7 +266,7 @@ def test_messages_of_the_previous_round_go_there(sim: Simulation) -> None:
     proof = view.previous.committee_info.selection.get_committee(index_of(view.coordinator, peer))
     batch = next(b for b, n in view.previous.data_assignments.items() if n == peer)
     broadcast = result_broadcast(view.previous.step, proof, batch, 8)
-    assert view.apply(peer, broadcast)[0] is core.ApplyMessageOutcome.Applied
+    assert view.apply(peer, broadcast)[0] is payloads.ApplyMessageOutcome.Applied
     assert batch in view.previous.results and view.current.results == {}
 
 
@@ -284,18 +285,18 @@ def _announced(sim: Simulation) -> tuple[Round, NodeIdentity, Broadcast]:
 def test_payload_must_match_its_commitment(sim: Simulation) -> None:
     view, peer, broadcast = _announced(sim)
     blob = broadcast.data.value.ticket.hash
-    pending = core.commitment_for_payload(view.current, blob)
-    assert pending == core.PendingPayload(peer, view.batch_of(peer), broadcast.commitment)
+    pending = payloads.commitment_for_payload(view.current, blob)
+    assert pending == payloads.PendingPayload(peer, view.batch_of(peer), broadcast.commitment)
     good = broadcast.commitment.data_hash
     step, batch = view.current.step, view.batch_of(peer)
-    assert core.payload_problem(good, step, batch, pending, step) is None
-    assert "hash" in core.payload_problem(sha256(b"forged"), step, batch, pending, step)
-    assert "step" in core.payload_problem(good, step + 1, batch, pending, step)
-    assert "batch" in core.payload_problem(good, step, BatchId(99, 99), pending, step)
+    assert payloads.payload_problem(good, step, batch, pending, step) is None
+    assert "hash" in payloads.payload_problem(sha256(b"forged"), step, batch, pending, step)
+    assert "step" in payloads.payload_problem(good, step + 1, batch, pending, step)
+    assert "batch" in payloads.payload_problem(good, step, BatchId(99, 99), pending, step)
     # a blob nobody announced, or one already checked, has no pending commitment
-    assert core.commitment_for_payload(view.current, sha256(b"unknown")) is None
+    assert payloads.commitment_for_payload(view.current, sha256(b"unknown")) is None
     view.current.downloads[blob] = PayloadHandle()
-    assert core.commitment_for_payload(view.current, blob) is None
+    assert payloads.commitment_for_payload(view.current, blob) is None
 
 
 def test_blooms_vote_for_the_first_payload_of_each_batch(sim: Simulation) -> None:
@@ -303,21 +304,23 @@ def test_blooms_vote_for_the_first_payload_of_each_batch(sim: Simulation) -> Non
     state = view.current
     batches = list(state.data_assignments)
     first_owner = state.data_assignments[batches[0]]
-    core.record_verified_payload(state, first_owner, batches[0], b"h0" * 16)
+    payloads.record_verified_payload(state, first_owner, batches[0], b"h0" * 16)
     participant, broadcast = state.blooms
     assert participant.contains(sha256(first_owner.signer))
     assert broadcast.contains(b"h0" * 16)
     assert state.batch_ids_not_yet_trained_on == set(batches[1:])
     # a second payload for a batch already voted on: the sender counts as a participant only
     late = simulated_identity(2)
-    core.record_verified_payload(state, late, batches[0], b"h1" * 16)
+    payloads.record_verified_payload(state, late, batches[0], b"h1" * 16)
     assert participant.contains(sha256(late.signer)) and not broadcast.contains(b"h1" * 16)
     for batch in batches[1:]:
-        core.record_verified_payload(state, state.data_assignments[batch], batch, batch_hash(batch))
+        payloads.record_verified_payload(
+            state, state.data_assignments[batch], batch, batch_hash(batch)
+        )
     assert state.batch_ids_not_yet_trained_on is None
     # after every batch arrived, nothing more is added
     before = (participant.copy(), broadcast.copy())
-    core.record_verified_payload(state, simulated_identity(0), batches[0], b"h2" * 16)
+    payloads.record_verified_payload(state, simulated_identity(0), batches[0], b"h2" * 16)
     assert (participant, broadcast) == before
 
 
@@ -365,7 +368,7 @@ def test_apply_plan_orders_batches_and_follows_the_witnesses() -> None:
         lambda co: co.run_state is RunState.RoundTrain and co.progress.step == step + 1, 30
     )
     assert sim.coordinator.witness_quorum(3) == 2
-    plan = core.plan_apply(round0, sim.coordinator)
+    plan = apply.plan_apply(round0, sim.coordinator)
     assert plan.batch_ids == [a, b, c] and plan.step == step + 1
     assert [(x.batch_id, x.commitment.data_hash) for x in plan.chosen] == [(a, b"A1" * 16)]
     assert plan.chosen[0].blob_hash == round0.results[a][0].result.ticket.hash
@@ -406,9 +409,9 @@ def test_consensus_takes_the_first_matching_commitment_and_ties_go_last() -> Non
 
 
 def test_apply_is_skipped_in_an_epochs_first_two_rounds() -> None:
-    assert not core.needs_apply(RoundState())
-    assert not core.needs_apply(RoundState(height=0, step=4))
-    assert core.needs_apply(RoundState(height=1, step=5))
+    assert not apply.needs_apply(RoundState())
+    assert not apply.needs_apply(RoundState(height=0, step=4))
+    assert apply.needs_apply(RoundState(height=1, step=5))
 
 
 def test_cold_start_filter_only_for_p2p_checkpoints(sim: Simulation) -> None:
@@ -417,10 +420,10 @@ def test_cold_start_filter_only_for_p2p_checkpoints(sim: Simulation) -> None:
     llm = sim.coordinator.model.value
     llm.cold_start_warmup_steps = 3
     llm.checkpoint = Checkpoint.Hub(HubRepo("repo"))
-    assert not core.skip_for_cold_start(sim.coordinator, 0)
+    assert not apply.skip_for_cold_start(sim.coordinator, 0)
     llm.checkpoint = Checkpoint.P2P(HubRepo("repo"))
-    assert core.skip_for_cold_start(sim.coordinator, 2)
-    assert not core.skip_for_cold_start(sim.coordinator, 3)
+    assert apply.skip_for_cold_start(sim.coordinator, 2)
+    assert not apply.skip_for_cold_start(sim.coordinator, 3)
 
 
 # --------------------------------------------------------------------------------------------
@@ -436,14 +439,14 @@ def test_health_checks_name_trainers_the_witnesses_missed() -> None:
     assert sim.send_round_witnesses(missing=[dead]) == []
     sim.run_until(lambda c: c.run_state is RunState.RoundTrain and c.progress.step == step + 1, 30)
     for i, state in views.items():
-        checks = core.health_checks(state, sim.coordinator)
+        checks = witness.health_checks(state, sim.coordinator)
         if state.committee_info.witness_proof.witness:
             assert [node for node, _ in checks] == [dead]
             assert sim.coordinator.health_check(simulated_identity(i), checks) == 1
         else:
             assert checks == []
     # the epoch's first round (height 0) has nothing to check
-    assert core.health_checks(RoundState(), sim.coordinator) == []
+    assert witness.health_checks(RoundState(), sim.coordinator) == []
 
 
 def test_witness_is_sent_once_with_the_previous_rounds_blooms(sim: Simulation) -> None:
@@ -454,15 +457,15 @@ def test_witness_is_sent_once_with_the_previous_rounds_blooms(sim: Simulation) -
     previous.broadcasts = [b"a" * 32, b"b" * 32]
     previous.blooms[0].add(b"participant")
     current = plan_for(coordinator, me).state
-    witness = core.witness_to_send(previous, current)
-    assert witness is not None and witness.proof == current.committee_info.witness_proof
-    assert witness.participant_bloom.contains(b"participant")
-    assert witness.broadcast_merkle == MerkleTree([b"a" * 32, b"b" * 32]).get_root()
-    assert witness.participant_bloom is not previous.blooms[0]  # a copy
-    assert core.witness_to_send(previous, current) is None
+    sent = witness.witness_to_send(previous, current)
+    assert sent is not None and sent.proof == current.committee_info.witness_proof
+    assert sent.participant_bloom.contains(b"participant")
+    assert sent.broadcast_merkle == MerkleTree([b"a" * 32, b"b" * 32]).get_root()
+    assert sent.participant_bloom is not previous.blooms[0]  # a copy
+    assert witness.witness_to_send(previous, current) is None
     # a non-witness never sends
     other = simulated_identity((witness_index + 1) % 3)
-    assert core.witness_to_send(RoundState(), plan_for(coordinator, other).state) is None
+    assert witness.witness_to_send(RoundState(), plan_for(coordinator, other).state) is None
 
 
 def test_opportunistic_witness_waits_for_everyone(sim: Simulation) -> None:
@@ -473,8 +476,8 @@ def test_opportunistic_witness_waits_for_everyone(sim: Simulation) -> None:
     current = plan_for(coordinator, me).state
     previous = RoundState(batch_ids_not_yet_trained_on={BatchId(0, 0)})
 
-    def act(finished: bool) -> core.OpportunisticAction:
-        return core.opportunistic_training_action(
+    def act(finished: bool) -> witness.OpportunisticAction:
+        return witness.opportunistic_training_action(
             current, previous, training_finished=finished, clients=clients
         )
 
@@ -486,13 +489,13 @@ def test_opportunistic_witness_waits_for_everyone(sim: Simulation) -> None:
     assert act(True) is None  # still deserializing
     handle.set_result(DeserializedPayload([], 0))
     action = act(True)
-    assert isinstance(action, core.SendFinished) and not action.warmup
+    assert isinstance(action, witness.SendFinished) and not action.warmup
     assert action.step == current.step and action.commitment_data_hash == sha256(bytes(32))
     assert act(True) is None  # sent once; the others have not finished
     for client in clients:
         current.clients_finished[client.id] = Finished(MerkleRoot(), False)
     sent = act(True)
-    assert isinstance(sent, core.SendWitness)
+    assert isinstance(sent, witness.SendWitness)
     assert act(True) is None
 
 
@@ -504,29 +507,29 @@ def test_warmup_sends_finished_then_one_witness() -> None:
     sim.run_until(lambda c: c.run_state is RunState.Warmup, 10)
     clients = sim.coordinator.epoch_state.clients
     me = simulated_identity(1)
-    state, progress = RoundState(), core.WarmupProgress()
+    state, progress = RoundState(), warmup.WarmupProgress()
 
-    def act() -> core.OpportunisticAction:
-        return core.opportunistic_warmup_action(state, progress, identity=me, clients=clients)
+    def act() -> witness.OpportunisticAction:
+        return warmup.opportunistic_warmup_action(state, progress, identity=me, clients=clients)
 
     first = act()
-    assert isinstance(first, core.SendFinished) and first.warmup and first.step == 0
+    assert isinstance(first, witness.SendFinished) and first.warmup and first.step == 0
     assert act() is None
     for client in clients:
         state.clients_finished[client.id] = Finished(MerkleRoot(), True)
-    witness = act()
-    assert isinstance(witness, core.SendWarmupWitness)
+    sent = act()
+    assert isinstance(sent, witness.SendWarmupWitness)
     index = index_of(sim.coordinator, me)
-    assert (witness.witness.proof.index, witness.witness.proof.position) == (index, index)
-    assert not witness.witness.proof.witness
+    assert (sent.witness.proof.index, sent.witness.proof.position) == (index, index)
+    assert not sent.witness.proof.witness
     assert act() is None
-    sim.coordinator.warmup_witness(me, witness.witness, sim.now, 5)
+    sim.coordinator.warmup_witness(me, sent.witness, sim.now, 5)
 
 
 def test_finished_broadcast_commits_to_the_merkle_root() -> None:
     key = SecretKey.generate()
-    action = core.SendFinished(7, MerkleRoot(sha256(b"root")), CommitteeProof(), warmup=False)
-    message = core.finished_broadcast(action, key.sign(action.commitment_data_hash), 5)
+    action = witness.SendFinished(7, MerkleRoot(sha256(b"root")), CommitteeProof(), warmup=False)
+    message = witness.finished_broadcast(action, key.sign(action.commitment_data_hash), 5)
     assert message.commitment.data_hash == sha256(sha256(b"root"))
-    assert core.verify_broadcast_signature(key.public_key, message)
+    assert payloads.verify_broadcast_signature(key.public_key, message)
     assert message.data == BroadcastType.Finished(Finished(action.merkle, False))

@@ -181,7 +181,7 @@ async def run_client_until_finished(
     server: InProcessServer, number: int, checkpoint_dir: Path | None
 ) -> Client:
     """A client that must end by itself (its `run()` returns) once the run is Finished."""
-    from psyche.client.cooldown import CheckpointConfig
+    from psyche.client.checkpoint import CheckpointConfig
 
     key = SecretKey.from_bytes(number.to_bytes(32, "big"))
     identity = NodeIdentity.from_single_key(key.public_key)

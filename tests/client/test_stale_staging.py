@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from psyche.cli.client.main import build_parser
-from psyche.client.cooldown import remove_stale_staging
+from psyche.client.checkpoint import remove_stale_staging
 from psyche.client.options import TrainOptions
 from psyche.client.run import run_init_config
 
@@ -20,7 +20,7 @@ WRITER = """
 import sys, time
 from pathlib import Path
 import psyche.modeling.checkpoint as checkpoint
-from psyche.client.cooldown import save_checkpoint_locally
+from psyche.client.checkpoint import save_checkpoint_locally
 
 def stuck(variables, directory):
     (directory / "model.safetensors").write_bytes(b"half a model")

@@ -5,7 +5,8 @@
 
 `backend` is any `psyche.coordinator.backend.Backend` (the centralized TCP backend, or
 `psyche.client.testing.InProcessServer(...).connect(...)` for a run inside one process).
-`psyche.client.core` holds the consensus-critical decisions as plain functions. See
+A round reads forward through its modules: `fetch_data`, `train`, `payloads`, `witness`,
+`apply`; `steps` dispatches on the coordinator's states and `client` does the I/O. See
 docs/client.md. Names are exported lazily: importing this package does not import torch.
 """
 
@@ -17,7 +18,7 @@ _EXPORTS = {
     "Client": "psyche.client.client",
     "RunInitConfig": "psyche.client.init",
     "InitRunError": "psyche.client.init",
-    "CheckpointConfig": "psyche.client.cooldown",
+    "CheckpointConfig": "psyche.client.checkpoint",
     "StepStateMachine": "psyche.client.steps",
     "StepDesync": "psyche.client.steps",
     "MachineSettings": "psyche.client.steps",

@@ -26,13 +26,28 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from psyche.client import core
-from psyche.client.broadcast import Broadcast, BroadcastType, Rebroadcaster, TrainingResult
+from psyche.client.broadcast import (
+    REBROADCAST_SHAREABLE_SECS,
+    Broadcast,
+    BroadcastType,
+    Rebroadcaster,
+    TrainingResult,
+    rebroadcast_periodically,
+)
+from psyche.client.cooldown import CheckpointFiles
+from psyche.client.fetch_data import DataFetcher
 from psyche.client.init import InitializedRun, RunInitConfig, init_run
 from psyche.client.logs import log_event
-from psyche.client.stats import format_duration
+from psyche.client.payloads import (
+    ApplyMessageOutcome,
+    DownloadRequest,
+    client_for_p2p_key,
+    verify_broadcast_signature,
+)
+from psyche.client.stats import run_summary
 from psyche.client.steps import MachineSettings, StepStateMachine
-from psyche.client.training import DataFetcher, OwnResult
+from psyche.client.train import OwnResult
+from psyche.client.witness import SendFinished, finished_broadcast
 from psyche.coordinator import Coordinator, RunState
 from psyche.coordinator.backend import Backend, EndpointDiscovery, HealthCheck, OpportunisticData
 from psyche.coordinator.commitment import Commitment
@@ -64,7 +79,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-REBROADCAST_SECS = 10.0
 DOWNLOAD_RETRY_CHECK_SECS = 1.0
 OPPORTUNISTIC_WITNESS_SECS = 0.5
 CHECK_CONNECTION_SECS = 10.0
@@ -126,13 +140,13 @@ class _LoopIO:
     def send_checkpoint(self, checkpoint: Checkpoint) -> None:
         self._queue("checkpoint", lambda: self._client.backend.send_checkpoint(checkpoint))
 
-    def broadcast_finished(self, action: core.SendFinished) -> None:
+    def broadcast_finished(self, action: SendFinished) -> None:
         self._queue("finished", lambda: self._client._broadcast_finished(action))
 
     def publish_result(self, result: OwnResult) -> None:
         self._queue("result", lambda: self._client._publish_result(result))
 
-    def request_download(self, request: core.DownloadRequest) -> None:
+    def request_download(self, request: DownloadRequest) -> None:
         async def download() -> None:
             self._client._start_download(request.ticket, request.tag)
 
@@ -191,7 +205,12 @@ class Client:
             nursery.start_soon(self._pump_states)
             nursery.start_soon(self._pump_network)
             nursery.start_soon(self._ticker, OPPORTUNISTIC_WITNESS_SECS, "opportunistic")
-            nursery.start_soon(self._ticker, REBROADCAST_SECS, "rebroadcast")
+            nursery.start_soon(
+                rebroadcast_periodically,
+                self.rebroadcaster,
+                self.network.broadcast,
+                REBROADCAST_SHAREABLE_SECS,
+            )
             nursery.start_soon(self._ticker, DOWNLOAD_RETRY_CHECK_SECS, "retry")
             nursery.start_soon(self._ticker, CHECK_CONNECTION_SECS, "connection")
             async for item in self._inbox:
@@ -212,6 +231,8 @@ class Client:
             self._post(_Net(await self.network.next_event()))
 
     async def _ticker(self, interval: float, kind: str) -> None:
+        """Upstream's intervals (`OPPROTUNISTIC_WITNESS_INTERVAL`, `DOWNLOAD_RETRY_CHECK_INTERVAL`,
+        `CHECK_CONNECTION_INTERVAL`): timers whose ticks the loop handles like any input."""
         while True:
             await trio.sleep(interval)
             self._post(_Tick(kind))
@@ -320,7 +341,14 @@ class Client:
             self.final_checkpoint = await self.machine.finish_run(state)
         self.finished = True
         fields = self._summary_fields(state)
-        log_event(logger, "run_finished", text=self._summary(state.run_id, fields), **fields)
+        text = run_summary(
+            state.run_id,
+            fields,
+            stage=self.stage,
+            final_checkpoint=self.final_checkpoint,
+            checkpointing=self.config.checkpoint is not None,
+        )
+        log_event(logger, "run_finished", text=text, **fields)
 
     def _summary_fields(self, state: Coordinator) -> dict[str, Any]:
         machine = self.machine
@@ -337,26 +365,6 @@ class Client:
             "wall_secs": round(time.monotonic() - self._started, 1),
             "checkpoint": None if self.final_checkpoint is None else str(self.final_checkpoint),
         }
-
-    def _summary(self, run_id: str, f: dict[str, Any]) -> str:
-        head = f"run {run_id!r} finished at step {f['step']} of {f['total_steps']}"
-        if self.stage == "waiting":
-            return f"{head}; this client joined after it ended: nothing to do"
-        if self.stage == "initializing":
-            return f"{head} while this client was still loading the model"
-        parts = [f"{f['epochs']} epoch" + ("" if f["epochs"] == 1 else "s")]
-        if f["final_loss"] is not None:
-            parts.append(f"final loss {f['final_loss']:.4f}")
-        if f["tokens_per_sec"]:
-            parts.append(f"{f['tokens_per_sec']:,.0f} tok/s overall")
-        parts.append(f"{format_duration(f['wall_secs'])} in all")
-        if self.final_checkpoint is not None:
-            where = f"model saved to {self.final_checkpoint.absolute()}"
-        elif self.config.checkpoint is None:
-            where = "model not saved (no --checkpoint-dir)"
-        else:
-            where = "no model saved (this client did not train in the last epoch)"
-        return f"{head} ({', '.join(parts)}); {where}"
 
     # ---- init ----------------------------------------------------------------------------------
 
@@ -394,12 +402,11 @@ class Client:
         fetcher = DataFetcher(result.data_provider, self._nursery)
         settings = MachineSettings(
             identity=self.identity,
-            quantize=result.quantize,
             write_gradients_dir=self.config.write_gradients_dir,
             checkpoint=self.config.checkpoint,
-            extra_files=list(loaded.extra_files),
-            model_config_json=loaded.config_json,
-            tokenizer_json=loaded.tokenizer_json,
+            files=CheckpointFiles(
+                list(loaded.extra_files), loaded.config_json, loaded.tokenizer_json
+            ),
         )
         self.machine = StepStateMachine(
             settings, result.trainer, fetcher, self.coordinator, self.io, self._nursery
@@ -439,17 +446,17 @@ class Client:
     def _on_broadcast(self, from_: bytes, broadcast: Broadcast) -> None:
         if self.coordinator is None:
             return
-        sender = core.client_for_p2p_key(self.coordinator.epoch_state.clients, from_)
+        sender = client_for_p2p_key(self.coordinator.epoch_state.clients, from_)
         if sender is None:
             logger.debug("broadcast from unknown client %s", from_[:5].hex())
             return
-        if not core.verify_broadcast_signature(from_, broadcast):
+        if not verify_broadcast_signature(from_, broadcast):
             logger.warning("Invalid signature on commitment from %s", from_[:5].hex())
             return
         if self.machine is None:
             return  # not warmed up yet: ignored, as upstream
         outcome = self.machine.apply_message(sender, broadcast)
-        if outcome is core.ApplyMessageOutcome.Invalid:
+        if outcome is ApplyMessageOutcome.Invalid:
             logger.debug("invalid broadcast from %s for step %d", sender, broadcast.step)
 
     async def _answer(self, request: ModelRequestType, reply: Any) -> None:
@@ -488,10 +495,6 @@ class Client:
         if kind == "opportunistic":
             if self.machine is not None:
                 self.machine.try_send_opportunistic_witness()
-        elif kind == "rebroadcast":
-            broadcast = self.rebroadcaster.next_to_send()
-            if broadcast is not None:
-                self.network.broadcast(broadcast)
         elif kind == "retry":
             for retry in self.scheduler.get_due_distro_retries():
                 logger.info("Retrying download for distro result (attempt %d)", retry.retries)
@@ -508,18 +511,21 @@ class Client:
     def _sign(self, data_hash: bytes) -> Commitment:
         return Commitment(data_hash, self.config.secret_key.sign(data_hash))
 
-    def _announce(self, broadcast: Broadcast) -> None:
-        """Gossip our own broadcast, keep it for rebroadcasting, and apply it like anyone's."""
+    def _gossip(self, broadcast: Broadcast) -> None:
+        """Gossip our own broadcast and keep it for rebroadcasting."""
         self.network.broadcast(broadcast)
         self.rebroadcaster.add(broadcast)
+
+    async def _broadcast_finished(self, action: SendFinished) -> None:
+        signature = self.config.secret_key.sign(action.commitment_data_hash)
+        broadcast = finished_broadcast(action, signature, self.rng.getrandbits(32))
+        self._gossip(broadcast)
         if self.machine is not None:
             self.machine.apply_message(self.identity, broadcast)
 
-    async def _broadcast_finished(self, action: core.SendFinished) -> None:
-        signature = self.config.secret_key.sign(action.commitment_data_hash)
-        self._announce(core.finished_broadcast(action, signature, self.rng.getrandbits(32)))
-
     async def _publish_result(self, result: OwnResult) -> None:
+        """Serve our result's payload, sign and gossip its announcement, and hand the signed
+        announcement to the state machine, which records the result in its round directly."""
         tag = f"distro-result_{result.step}"
         ticket, size = await self.network.add_downloadable(result.payload, tag)
         logger.debug(
@@ -535,7 +541,6 @@ class Client:
             nonce=self.rng.getrandbits(32),
             data=BroadcastType.TrainingResult(TrainingResult(result.batch_id, ticket)),
         )
-        self._announce(broadcast)
+        self._gossip(broadcast)
         if self.machine is not None:
-            # The unquantized results: the next round's momentum update subtracts them.
-            self.machine.apply_distro_result(ticket.hash, result.payload, result.original)
+            self.machine.apply_own_result(broadcast, result)

@@ -1,35 +1,27 @@
 """End of an epoch (upstream `state/cooldown.rs`): freeze the model for sharing and checkpoint it.
 
 The weights are rounded through bf16 (so a joiner that receives bf16 tensors gets exactly what
-the others continue from), extracted as bf16 CPU tensors, handed to P2P model sharing, and, with
-`--checkpoint-dir`, written in Hugging Face layout to `{dir}/{run_id}-step{step}`; with
-`--hub-repo` that directory is uploaded and the coordinator is told the new revision. Writing
-and uploading run in the background; the next epoch does not wait for them.
-
-A checkpoint is written into a staging directory `.{run_id}-step{step}.pid{pid}.{random}.tmp`
-next to it and renamed when complete. A client killed meanwhile leaves its staging directory
-behind; `remove_stale_staging` (called when a client starts) removes those whose writer is no
-longer running (on this machine), so they do not pile up.
+the others continue from), extracted as bf16 CPU tensors and handed to P2P model sharing; with
+`--checkpoint-dir` they are written (and with `--hub-repo` uploaded) by `checkpoint`. Writing
+and uploading run in the background: the next epoch does not wait for them, the end of the run
+does (`wait_for_checkpoints`).
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import re
-import shutil
-import tempfile
-import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import trio
 
+from psyche.client.background import Background
+from psyche.client.checkpoint import CheckpointConfig, CheckpointJob, write_and_upload
 from psyche.client.logs import log_event
-from psyche.coordinator.model import Checkpoint, HubRepo
-from psyche.core.atomic_file import fsync_directory
+from psyche.coordinator.model import Checkpoint
+from psyche.core.node_identity import NodeIdentity
 
 if TYPE_CHECKING:
     import torch
@@ -37,15 +29,6 @@ if TYPE_CHECKING:
     from psyche.modeling.trainer import Trainer
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class CheckpointConfig:
-    checkpoint_dir: Path
-    hub_repo: str | None = None
-    hub_token: str | None = None
-    delete_old_steps: bool = True
-    keep_steps: int = 3
 
 
 def live_model_hash(trainer: Trainer) -> bytes:
@@ -65,185 +48,96 @@ def extract_for_sharing(trainer: Trainer) -> tuple[dict[str, torch.Tensor], byte
     return variables, live_model_hash(trainer)
 
 
-def checkpoint_path(config: CheckpointConfig, run_id: str, step: int) -> Path:
-    return config.checkpoint_dir / f"{run_id}-step{step}"
+@dataclass(frozen=True)
+class CheckpointFiles:
+    """What a checkpoint carries besides the weights: the source checkpoint's files, and the
+    config and tokenizer the client knows (written when the source had none)."""
+
+    extra_files: list[Path] = field(default_factory=list)
+    model_config_json: str = "{}"
+    tokenizer_json: str = ""
 
 
-def save_checkpoint_locally(
-    path: Path,
-    variables: dict[str, torch.Tensor],
-    extra_files: Sequence[Path],
-    model_config_json: str,
-    tokenizer_json: str,
-) -> list[Path]:
-    """The safetensors parts, the source checkpoint's config/tokenizer files, and a config.json
-    (and tokenizer.json) written from what the client knows when the source had none.
+class Cooldown:
+    """The cooldown of each epoch: `start` in the background, `finish` before the next epoch."""
 
-    Everything is written into a temporary sibling directory that is renamed to `path` once
-    complete, so a failed save (a full disk) leaves no half checkpoint under a step's name.
-    """
-    from psyche.modeling.checkpoint import save_tensors_into_safetensors
+    def __init__(
+        self,
+        trainer: Trainer,
+        identity: NodeIdentity,
+        checkpoint: CheckpointConfig | None,
+        files: CheckpointFiles,
+        share_model: Callable[[dict[str, torch.Tensor]], None],
+        send_checkpoint: Callable[[Checkpoint], None],
+        nursery: trio.Nursery,
+    ) -> None:
+        self.trainer = trainer
+        self.identity = identity
+        self.checkpoint = checkpoint
+        self.files = files
+        self._share_model = share_model
+        self._send_checkpoint = send_checkpoint
+        self._writes = Background(nursery)
+        self._done: trio.Event | None = None
+        self._error: BaseException | None = None
+        # step -> the directory its checkpoint was written to (None: the write failed)
+        self.checkpoints: dict[int, Path | None] = {}
+        self._kept_steps: list[int] = []
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(
-        tempfile.mkdtemp(prefix=f".{path.name}.pid{os.getpid()}.", suffix=".tmp", dir=path.parent)
-    )
-    try:
-        written = save_tensors_into_safetensors(variables, staging)
-        names = set()
-        for src in extra_files:
-            shutil.copyfile(src, staging / src.name)
-            written.append(staging / src.name)
-            names.add(src.name)
-        if "config.json" not in names:
-            (staging / "config.json").write_text(model_config_json + "\n")
-            written.append(staging / "config.json")
-        if "tokenizer.json" not in names and tokenizer_json:
-            (staging / "tokenizer.json").write_text(tokenizer_json)
-            written.append(staging / "tokenizer.json")
-        for file in written:
-            with open(file, "rb") as f:
-                os.fsync(f.fileno())
-        if path.exists():
-            shutil.rmtree(path)  # the same step saved again
-        os.replace(staging, path)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    fsync_directory(path.parent)
-    return [path / file.name for file in written]
+    def start(self, tasks: Background, run_id: str, epoch: int, step: int) -> None:
+        """Freeze the model that ended `epoch` at `step` (the last trained step) on `tasks`."""
+        done = trio.Event()
+        self._done = done
+        self._error = None
+        tasks.start_soon(self._run, run_id, epoch, step, done)
 
-
-_STAGING = re.compile(r"^\..+-step\d+\.pid(\d+)\.[^.]+\.tmp$")
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process
-    return True
-
-
-def remove_stale_staging(checkpoint_dir: Path) -> list[Path]:
-    """Remove the staging directories in `checkpoint_dir` that a killed client left behind (those
-    whose writing process is gone); returns them. A live writer's, this process's and anything
-    not named like a staging directory are left alone; a missing directory is fine."""
-    removed = []
-    try:
-        entries = list(os.scandir(checkpoint_dir))
-    except (FileNotFoundError, NotADirectoryError):
-        return removed
-    for entry in entries:
-        match = _STAGING.match(entry.name)
-        if match is None or not entry.is_dir(follow_symlinks=False):
-            continue
-        pid = int(match.group(1))
-        if pid == os.getpid() or _running(pid):
-            continue
-        shutil.rmtree(entry.path, ignore_errors=True)
-        if not os.path.exists(entry.path):
-            logger.info("removed %s, left by a client stopped while checkpointing", entry.path)
-            removed.append(Path(entry.path))
-    return removed
-
-
-def upload_to_hub(path: Path, repo_id: str, token: str | None, step: int) -> str:
-    """Upload a checkpoint directory; returns the commit (revision) it created."""
-    from huggingface_hub import HfApi
-
-    info = HfApi(token=token).upload_folder(
-        repo_id=repo_id, folder_path=str(path), commit_message=f"step {step}"
-    )
-    return str(info.oid)
-
-
-def check_hub_repo_writable(repo_id: str, token: str) -> None:
-    """Fail early (as upstream) when the upload repo is not writable with this token."""
-    from huggingface_hub import HfApi
-
-    try:
-        HfApi(token=token).auth_check(repo_id, repo_type="model", write=True)
-    except TypeError:  # older huggingface_hub without `write`
-        HfApi(token=token).auth_check(repo_id, repo_type="model")
-    except Exception as e:
-        raise RuntimeError(
-            f"Checkpoint upload repo {repo_id} is not writable with the passed API key: {e}"
-        ) from e
-
-
-def cleanup_old_steps(config: CheckpointConfig, run_id: str, kept: list[int], step: int) -> None:
-    """Keep the newest `keep_steps` step directories this client wrote (upstream's heap)."""
-    if not config.delete_old_steps:
-        return
-    kept.append(step)
-    kept.sort()
-    while len(kept) > config.keep_steps:
-        old = kept.pop(0)
-        doomed = checkpoint_path(config, run_id, old)
+    async def _run(self, run_id: str, epoch: int, step: int, done: trio.Event) -> None:
         try:
-            shutil.rmtree(doomed)
-            logger.info("Successfully removed %s", doomed)
-        except OSError as e:
-            logger.warning("Error removing %s : %s", doomed, e)
-
-
-@dataclass
-class CheckpointJob:
-    config: CheckpointConfig
-    run_id: str
-    step: int
-    variables: dict[str, torch.Tensor]
-    extra_files: list[Path]
-    model_config_json: str
-    tokenizer_json: str
-
-
-async def write_and_upload(
-    job: CheckpointJob, kept_steps: list[int], send_checkpoint: Callable[[Checkpoint], None]
-) -> Path | None:
-    """Write the checkpoint (then upload it when a hub repo is set); the directory written, or
-    None when the write failed (logged). A failed upload leaves the local copy in place."""
-    path = checkpoint_path(job.config, job.run_id, job.step)
-    started = time.monotonic()
-    try:
-        await trio.to_thread.run_sync(
-            save_checkpoint_locally,
-            path,
-            job.variables,
-            job.extra_files,
-            job.model_config_json,
-            job.tokenizer_json,
-        )
-    except Exception as e:
-        logger.error("Writing the checkpoint to %s failed: %s", path, e)
-        return None
-    secs = time.monotonic() - started
-    log_event(
-        logger,
-        "checkpoint_saved",
-        text=f"saved the model of step {job.step} to {path.absolute()} ({secs:.1f} s)",
-        step=job.step,
-        path=str(path),
-        secs=round(secs, 3),
-    )
-    if job.config.hub_repo is not None:
-        try:
-            revision = await trio.to_thread.run_sync(
-                upload_to_hub, path, job.config.hub_repo, job.config.hub_token, job.step
+            variables, live_hash = await trio.to_thread.run_sync(extract_for_sharing, self.trainer)
+            log_event(
+                logger,
+                "cooldown_model",
+                text=f"epoch {epoch} ended at step {step}: model hash {live_hash.hex()[:16]}",
+                client_id=str(self.identity),
+                epoch=epoch,
+                step=step,
+                model_hash=live_hash,
+                parameters=len(variables),
             )
+            self._share_model(variables)
+            if self.checkpoint is not None:
+                job = CheckpointJob(
+                    self.checkpoint,
+                    run_id,
+                    step,
+                    variables,
+                    list(self.files.extra_files),
+                    self.files.model_config_json,
+                    self.files.tokenizer_json,
+                )
+                self._writes.start_soon(self._write, job)
         except Exception as e:
-            logger.error("Couldn't upload model to huggingface: %s", e)
-            return path
-        log_event(
-            logger,
-            "checkpoint_uploaded",
-            step=job.step,
-            repo=job.config.hub_repo,
-            revision=revision,
-        )
-        send_checkpoint(Checkpoint.Hub(HubRepo(job.config.hub_repo, revision)))
-    cleanup_old_steps(job.config, job.run_id, kept_steps, job.step)
-    return path
+            logger.exception("cooldown failed")
+            self._error = e
+        finally:
+            done.set()
+
+    async def _write(self, job: CheckpointJob) -> None:
+        path = None
+        try:
+            path = await write_and_upload(job, self._kept_steps, self._send_checkpoint)
+        finally:
+            self.checkpoints[job.step] = path
+
+    async def finish(self) -> None:
+        """Wait for the cooldown started last (not for its checkpoint write); raise its error."""
+        done, self._done = self._done, None
+        if done is not None:
+            await done.wait()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    async def wait_for_checkpoints(self) -> None:
+        """Return once every checkpoint write and upload started so far has ended."""
+        await self._writes.wait_idle()

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from psyche.client.cooldown import CheckpointConfig, live_model_hash
+from psyche.client.checkpoint import CheckpointConfig
+from psyche.client.cooldown import live_model_hash
 from psyche.client.logs import log_event
 from psyche.client.model_loading import (
     LoadedModel,
@@ -62,7 +63,6 @@ class InitializedRun:
     trainer: Trainer
     data_provider: Any
     loaded: LoadedModel
-    quantize: bool
 
 
 FetchFromPeers = Callable[[Coordinator], Awaitable["DownloadedModel"]]
@@ -71,7 +71,6 @@ FetchFromPeers = Callable[[Coordinator], Awaitable["DownloadedModel"]]
 async def init_run(
     config: RunInitConfig, state: Coordinator, fetch_from_peers: FetchFromPeers
 ) -> InitializedRun:
-    from psyche.core.definitions import OptimizerDefinition
     from psyche.modeling.causal_lm import ModelLoadError, architecture_name
 
     llm = state.model.value  # type: ignore[attr-defined]
@@ -126,11 +125,7 @@ async def init_run(
         dtype=str(loaded.model.dtype).removeprefix("torch."),
         model_hash=model_hash,
     )
-    optimizer = llm.optimizer
-    quantize = isinstance(optimizer, OptimizerDefinition.Distro) and bool(
-        optimizer.value.quantize_1bit
-    )
-    return InitializedRun(trainer, provider, loaded, quantize)
+    return InitializedRun(trainer, provider, loaded)
 
 
 async def _load_model(

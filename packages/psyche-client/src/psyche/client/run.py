@@ -97,7 +97,7 @@ def run_init_config(
 ) -> RunInitConfig:
     """The client's `RunInitConfig` from the options (checks a hub repo is writable and
     removes checkpoint staging directories a killed client left behind)."""
-    from psyche.client.cooldown import (
+    from psyche.client.checkpoint import (
         CheckpointConfig,
         check_hub_repo_writable,
         remove_stale_staging,

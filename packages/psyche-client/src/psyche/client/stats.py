@@ -1,4 +1,5 @@
-"""Round statistics and the metadata a witness sends with its witness (upstream `stats.rs`).
+"""Round statistics and the metadata a witness sends with its witness (upstream `stats.rs`), and
+what a person reads: the progress line and the run summary.
 
 The coordinator ignores the metadata; it is there for dashboards. No evals or prompt task run
 here, so those fields stay empty.
@@ -6,11 +7,20 @@ here, so those fields stay empty.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
+from psyche.client.logs import log_event
 from psyche.coordinator import Coordinator, WitnessMetadata
+from psyche.core.batch_id import BatchId
+from psyche.core.log_markers import IntegrationTestLogMarker
+from psyche.core.node_identity import NodeIdentity
+
+logger = logging.getLogger(__name__)
 
 _HISTORY = 16
 
@@ -156,3 +166,66 @@ def progress_text(
     if seconds_left is not None:
         parts.append(f"about {format_duration(seconds_left)} left")
     return f"step {step}/{total_steps} (epoch {epoch}): " + ", ".join(parts)
+
+
+def log_round_progress(
+    state: Coordinator,
+    identity: NodeIdentity,
+    step: int,
+    loss: float | None,
+    trained: list[BatchId],
+    stats: StatsLogger,
+    progress: RunProgress,
+    now: float,
+) -> None:
+    """Record that the training phase of `step` ended at `now` and log `client_loss`, whose
+    console form is the progress line."""
+    total = state.config.total_steps
+    batch_tokens = state.get_target_global_batch_size(state.current_round())
+    progress.record(step, now, batch_tokens * state.get_sequence_length())
+    tokens_per_sec = stats.global_tokens_per_second(state) or None
+    seconds_left = progress.seconds_left(step, total)
+    log_event(
+        logger,
+        "client_loss",
+        text=progress_text(step, total, state.progress.epoch, loss, tokens_per_sec, seconds_left),
+        marker=IntegrationTestLogMarker.Loss,
+        client_id=str(identity),
+        epoch=state.progress.epoch,
+        step=step,
+        loss=loss,
+        trained=trained,
+        total_steps=total,
+        tokens_per_sec=None if tokens_per_sec is None else round(tokens_per_sec, 1),
+        seconds_left=None if seconds_left is None else round(seconds_left),
+    )
+
+
+def run_summary(
+    run_id: str,
+    fields: dict[str, Any],
+    *,
+    stage: str,
+    final_checkpoint: Path | None,
+    checkpointing: bool,
+) -> str:
+    """The one-line run summary (`run_finished`) from its fields; `stage` is how far this client
+    got (`waiting`, `initializing`, `running`), `checkpointing` whether it had a checkpoint dir."""
+    head = f"run {run_id!r} finished at step {fields['step']} of {fields['total_steps']}"
+    if stage == "waiting":
+        return f"{head}; this client joined after it ended: nothing to do"
+    if stage == "initializing":
+        return f"{head} while this client was still loading the model"
+    parts = [f"{fields['epochs']} epoch" + ("" if fields["epochs"] == 1 else "s")]
+    if fields["final_loss"] is not None:
+        parts.append(f"final loss {fields['final_loss']:.4f}")
+    if fields["tokens_per_sec"]:
+        parts.append(f"{fields['tokens_per_sec']:,.0f} tok/s overall")
+    parts.append(f"{format_duration(fields['wall_secs'])} in all")
+    if final_checkpoint is not None:
+        where = f"model saved to {final_checkpoint.absolute()}"
+    elif not checkpointing:
+        where = "model not saved (no --checkpoint-dir)"
+    else:
+        where = "no model saved (this client did not train in the last epoch)"
+    return f"{head} ({', '.join(parts)}); {where}"

@@ -1,10 +1,13 @@
 """The per-epoch state machine of a running client (upstream `state/steps.rs`).
 
-`StepStateMachine` follows the coordinator's run state: Warmup -> Training -> Witness ->
-Training ... -> Cooldown -> Warmup. It owns the trainer and the two round states, starts the
-round's work in the background (`training.run_round`, the cooldown extraction) and talks to the
-outside only through a `ClientIO`, whose methods queue work for the client's main loop. Every
-method is called from that loop, one at a time, as upstream's `select!` does.
+`StepStateMachine` follows the coordinator's run state, Warmup -> Training -> Witness ->
+Training ... -> Cooldown -> Warmup, and on each transition ends the step it was in and starts the
+one the new state calls for: a round's training step (`train`, which first applies round N - 2
+through `apply`), the witness (`witness`), the cooldown (`cooldown`), warmup (`warmup`). Gossip
+and payloads go to the round states through `payloads`. It owns the trainer and the round
+states and talks to the outside only through a `ClientIO`, whose methods queue work for the
+client's main loop. Every method is called from that loop, one at a time, as upstream's
+`select!` does; the work it starts runs in the background on `tasks`.
 
 A `Finished` run state is not applied like the others (upstream desyncs on it): the client
 calls `finish_run`, which completes the last epoch's cooldown and waits for its checkpoint.
@@ -21,25 +24,26 @@ from typing import TYPE_CHECKING, Protocol
 
 import trio
 
-from psyche.client import core
+from psyche.client import payloads, witness
+from psyche.client.apply import ApplyJob, needs_apply, plan_apply
+from psyche.client.background import Background
 from psyche.client.broadcast import Broadcast
-from psyche.client.cooldown import (
-    CheckpointConfig,
-    CheckpointJob,
-    extract_for_sharing,
-    write_and_upload,
-)
+from psyche.client.checkpoint import CheckpointConfig
+from psyche.client.cooldown import CheckpointFiles, Cooldown
+from psyche.client.fetch_data import DataFetcher
 from psyche.client.logs import log_event
-from psyche.client.round_state import DeserializedPayload, Downloading, PayloadHandle, RoundState
-from psyche.client.stats import RunProgress, StatsLogger, progress_text
-from psyche.client.training import (
-    ApplyJob,
-    DataFetcher,
+from psyche.client.round_state import RoundState
+from psyche.client.stats import RunProgress, StatsLogger, log_round_progress
+from psyche.client.train import (
+    BloomFactory,
     OwnResult,
     TrainingStep,
     TrainJob,
+    log_round_start,
     run_round,
+    start_round,
 )
+from psyche.client.warmup import WarmupProgress, opportunistic_warmup_action
 from psyche.coordinator import Coordinator, RunState
 from psyche.coordinator.backend import HealthCheck, OpportunisticData
 from psyche.coordinator.model import Checkpoint
@@ -50,7 +54,6 @@ from psyche.core.node_identity import NodeIdentity
 if TYPE_CHECKING:
     import torch
 
-    from psyche.modeling.distro import DistroResult
     from psyche.modeling.serialized_distro import TransmittableDistroResult
     from psyche.modeling.trainer import Trainer
 
@@ -66,11 +69,11 @@ class ClientIO(Protocol):
 
     def send_checkpoint(self, checkpoint: Checkpoint) -> None: ...
 
-    def broadcast_finished(self, action: core.SendFinished) -> None: ...
+    def broadcast_finished(self, action: witness.SendFinished) -> None: ...
 
     def publish_result(self, result: OwnResult) -> None: ...
 
-    def request_download(self, request: core.DownloadRequest) -> None: ...
+    def request_download(self, request: payloads.DownloadRequest) -> None: ...
 
     def share_model(self, parameters: dict[str, torch.Tensor]) -> None: ...
 
@@ -96,10 +99,6 @@ _ALLOWED = {
 _BETWEEN_EPOCHS = (RunState.WaitingForMembers, RunState.Warmup, RunState.Paused)
 
 
-class PayloadRejected(ValueError):
-    """A downloaded payload that does not answer its commitment."""
-
-
 class StepDesync(RuntimeError):
     """The coordinator moved to a state this client cannot follow from where it is."""
 
@@ -111,12 +110,9 @@ class FinalCheckpointError(RuntimeError):
 @dataclass(frozen=True)
 class MachineSettings:
     identity: NodeIdentity
-    quantize: bool
     write_gradients_dir: Path | None = None
     checkpoint: CheckpointConfig | None = None
-    extra_files: list[Path] = field(default_factory=list)
-    model_config_json: str = "{}"
-    tokenizer_json: str = ""
+    files: CheckpointFiles = field(default_factory=CheckpointFiles)
 
 
 def client_index(state: Coordinator, identity: NodeIdentity) -> int | None:
@@ -137,7 +133,7 @@ class StepStateMachine:
         nursery: trio.Nursery,
         *,
         stats: StatsLogger | None = None,
-        new_bloom: core.BloomFactory = WitnessBloom.random,
+        new_bloom: BloomFactory = WitnessBloom.random,
     ) -> None:
         self.settings = settings
         self.identity = settings.identity
@@ -145,7 +141,7 @@ class StepStateMachine:
         self.fetcher = fetcher
         self.coordinator_state = coordinator_state
         self.io = io
-        self.nursery = nursery
+        self.tasks = Background(nursery)
         self.stats = stats or StatsLogger()
         self._new_bloom = new_bloom
         self.layouts = trainer.distro.layouts() if trainer.distro is not None else []
@@ -154,19 +150,27 @@ class StepStateMachine:
         self.previous = RoundState()
         # The round being applied at the start of a training step, until its payloads are used.
         self.applying: RoundState | None = None
-        self.warmup = core.WarmupProgress()
+        self.warmup = WarmupProgress()
         self.training: TrainingStep | None = None
-        self._cooldown_done: trio.Event | None = None
-        self._cooldown_error: BaseException | None = None
+        self.cooldown = Cooldown(
+            trainer,
+            self.identity,
+            settings.checkpoint,
+            settings.files,
+            io.share_model,
+            io.send_checkpoint,
+            nursery,
+        )
         self.step_finish_time: float | None = None
         self.progress = RunProgress()
-        self.pending_uploads = 0
-        self._uploads_idle = trio.Event()
-        self._uploads_idle.set()
-        # step -> the directory its checkpoint was written to (None: the write failed)
-        self.checkpoints: dict[int, Path | None] = {}
-        self._kept_steps: list[int] = []
         self._late_warned: tuple[int, int] | None = None
+
+    async def wait_idle(self) -> None:
+        """Return once no work this machine started is running: the round's training step has
+        ended, every payload it was handed is checked, the cooldown is done (checkpoint writes
+        aside). A simulation driving the coordinator's clock waits for this so that computing
+        takes no simulated time."""
+        await self.tasks.wait_idle()
 
     # ---- coordinator states ------------------------------------------------------------------
 
@@ -180,7 +184,7 @@ class StepStateMachine:
         step = state.progress.step
         if active is ActiveStep.Warmup and run_state is RunState.RoundTrain:
             if self._can_join_round(state):
-                self.warmup = core.WarmupProgress()
+                self.warmup = WarmupProgress()
                 self.step_finish_time = None
                 self._start_training(state, index)
         elif active is ActiveStep.Warmup and run_state in (
@@ -221,7 +225,7 @@ class StepStateMachine:
         elif active is ActiveStep.Witness and run_state is RunState.Cooldown:
             self._start_cooldown(state)
         elif active is ActiveStep.Cooldown and run_state in _BETWEEN_EPOCHS:
-            await self._finish_cooldown()
+            await self.cooldown.finish()
             self._start_warmup()
         elif active in (ActiveStep.Training, ActiveStep.Witness) and run_state in _BETWEEN_EPOCHS:
             # The epoch stopped without a cooldown (a server restarted from saved state, a
@@ -281,7 +285,7 @@ class StepStateMachine:
         if self.active is ActiveStep.Training:
             await self._finish_training(state, log_loss=False)
         elif self.active is ActiveStep.Cooldown:
-            await self._finish_cooldown()
+            await self.cooldown.finish()
         if self.active is not ActiveStep.Warmup:
             logger.warning(
                 "this client is not among the run's clients (epoch %d step %d); back to warmup",
@@ -297,12 +301,15 @@ class StepStateMachine:
         self.training = None
         self.active = ActiveStep.Warmup
 
+    # ---- training ------------------------------------------------------------------------------
+
     def _start_training(self, state: Coordinator, index: int) -> None:
+        """Round N starts: plan the apply of round N - 2, send the health checks of round N - 1
+        (as its witness), plan round N, and start the training step in the background."""
         apply_job = None
-        if core.needs_apply(self.current):
-            plan = core.plan_apply(self.previous, state)
+        if needs_apply(self.current):
             apply_job = ApplyJob(
-                plan,
+                plan_apply(self.previous, state),
                 self.previous,
                 state,
                 state.get_cold_start_warmup_bounds(),
@@ -310,7 +317,7 @@ class StepStateMachine:
                 self.identity,
             )
             self.applying = self.previous
-        checks = core.health_checks(self.current, state)
+        checks = witness.health_checks(self.current, state)
         if checks:
             log_event(
                 logger,
@@ -322,44 +329,27 @@ class StepStateMachine:
             )
             self.io.send_health_check(checks)
         self.previous = self.current
-        plan_round = core.start_round(state, self.identity, index, new_bloom=self._new_bloom)
-        self.current = plan_round.state
-        info = plan_round.state.committee_info
-        assert info is not None
-        round_ = state.current_round()
-        log_event(
-            logger,
-            "round_start",
-            quiet=True,
-            marker=IntegrationTestLogMarker.WitnessElected,
-            client_id=str(self.identity),
-            epoch=state.progress.epoch,
-            step=state.progress.step,
-            round=round_.height if round_ is not None else 0,
-            clients=len(state.epoch_state.clients),
-            index=index,
-            committee=info.committee_proof.committee.name,
-            witness=bool(info.witness_proof.witness),
-            assigned=plan_round.assigned_batches,
-            assignments=[f"{b}={n}" for b, n in plan_round.state.data_assignments.items()],
-        )
+        plan = start_round(state, self.identity, index, new_bloom=self._new_bloom)
+        self.current = plan.state
+        log_round_start(state, self.identity, index, plan)
         train_job = None
-        if plan_round.have_training:
+        if plan.have_training:
+            info = plan.state.committee_info
+            assert info is not None
             train_job = TrainJob(
                 step=state.progress.step,
                 proof=info.committee_proof,
-                assigned_batches=plan_round.assigned_batches,
-                warmup_lr_between=plan_round.warmup_lr_between,
-                zero_optim=plan_round.zero_optim,
+                assigned_batches=plan.assigned_batches,
+                warmup_lr_between=plan.warmup_lr_between,
+                zero_optim=plan.zero_optim,
                 prev_self_results=list(self.previous.self_distro_results),
-                quantize=self.settings.quantize,
                 identity=self.identity,
                 write_gradients_dir=self.settings.write_gradients_dir,
             )
         handle = TrainingStep()
         self.training = handle
         self.active = ActiveStep.Training
-        self.nursery.start_soon(
+        self.tasks.start_soon(
             run_round,
             handle,
             self.trainer,
@@ -383,100 +373,27 @@ class StepStateMachine:
             finished.losses, finished.duration, step_duration, finished.optim_stats
         )
         if log_loss:
-            step, total = self.current.step, state.config.total_steps
-            batch_tokens = state.get_target_global_batch_size(state.current_round())
-            self.progress.record(step, now, batch_tokens * state.get_sequence_length())
-            tokens_per_sec = self.stats.global_tokens_per_second(state) or None
-            seconds_left = self.progress.seconds_left(step, total)
-            log_event(
-                logger,
-                "client_loss",
-                text=progress_text(
-                    step, total, state.progress.epoch, loss, tokens_per_sec, seconds_left
-                ),
-                marker=IntegrationTestLogMarker.Loss,
-                client_id=str(self.identity),
-                epoch=state.progress.epoch,
-                step=step,
-                loss=loss,
-                trained=finished.trained,
-                total_steps=total,
-                tokens_per_sec=None if tokens_per_sec is None else round(tokens_per_sec, 1),
-                seconds_left=None if seconds_left is None else round(seconds_left),
-            )
+            log_round_progress(
+                state, self.identity, self.current.step, loss, finished.trained,
+                self.stats, self.progress, now,
+            )  # fmt: skip
+
+    # ---- witness and cooldown ------------------------------------------------------------------
 
     def _start_witness(self, state: Coordinator) -> None:
-        witness = core.witness_to_send(self.previous, self.current)
-        if witness is not None:
+        sent = witness.witness_to_send(self.previous, self.current)
+        if sent is not None:
             logger.debug("Submitting witness blooms (step %d)", state.progress.step)
             metadata = self.stats.witness_metadata(state)
-            self.io.send_witness(OpportunisticData.WitnessStep((witness, metadata)))
+            self.io.send_witness(OpportunisticData.WitnessStep((sent, metadata)))
         self.active = ActiveStep.Witness
 
     def _start_cooldown(self, state: Coordinator, *, epoch: int | None = None) -> None:
         """Freeze the model of the epoch that ended: `state` is the Cooldown state (or the
         Finished one, with the ended `epoch`); its step is one past the last trained step."""
         self.active = ActiveStep.Cooldown
-        done = trio.Event()
-        self._cooldown_done = done
-        self._cooldown_error = None
         epoch = state.progress.epoch if epoch is None else epoch
-        step = state.progress.step - 1
-        self.nursery.start_soon(self._cooldown, state.run_id, epoch, step, done)
-
-    async def _cooldown(self, run_id: str, epoch: int, step: int, done: trio.Event) -> None:
-        try:
-            variables, live_hash = await trio.to_thread.run_sync(extract_for_sharing, self.trainer)
-            log_event(
-                logger,
-                "cooldown_model",
-                text=f"epoch {epoch} ended at step {step}: model hash {live_hash.hex()[:16]}",
-                client_id=str(self.identity),
-                epoch=epoch,
-                step=step,
-                model_hash=live_hash,
-                parameters=len(variables),
-            )
-            self.io.share_model(variables)
-            config = self.settings.checkpoint
-            if config is not None:
-                job = CheckpointJob(
-                    config,
-                    run_id,
-                    step,
-                    variables,
-                    list(self.settings.extra_files),
-                    self.settings.model_config_json,
-                    self.settings.tokenizer_json,
-                )
-                if self.pending_uploads == 0:
-                    self._uploads_idle = trio.Event()
-                self.pending_uploads += 1
-                self.nursery.start_soon(self._checkpoint, job)
-        except Exception as e:
-            logger.exception("cooldown failed")
-            self._cooldown_error = e
-        finally:
-            done.set()
-
-    async def _checkpoint(self, job: CheckpointJob) -> None:
-        path = None
-        try:
-            path = await write_and_upload(job, self._kept_steps, self.io.send_checkpoint)
-        finally:
-            self.checkpoints[job.step] = path
-            self.pending_uploads -= 1
-            if self.pending_uploads == 0:
-                self._uploads_idle.set()
-
-    async def _finish_cooldown(self) -> None:
-        done = self._cooldown_done
-        self._cooldown_done = None
-        if done is not None:
-            await done.wait()
-        if self._cooldown_error is not None:
-            error, self._cooldown_error = self._cooldown_error, None
-            raise error
+        self.cooldown.start(self.tasks, state.run_id, epoch, state.progress.step - 1)
 
     # ---- the end of the run --------------------------------------------------------------------
 
@@ -500,12 +417,13 @@ class StepStateMachine:
             else:
                 self._start_warmup()
         if self.active is ActiveStep.Cooldown:
-            await self._finish_cooldown()
-        await self._uploads_idle.wait()
+            await self.cooldown.finish()
+        await self.cooldown.wait_for_checkpoints()
         self.coordinator_state = state
-        if self.settings.checkpoint is None or final_step not in self.checkpoints:
+        checkpoints = self.cooldown.checkpoints
+        if self.settings.checkpoint is None or final_step not in checkpoints:
             return None
-        path = self.checkpoints[final_step]
+        path = checkpoints[final_step]
         if path is None:
             raise FinalCheckpointError(
                 f"the run finished, but the final checkpoint (step {final_step}) could not be "
@@ -517,38 +435,38 @@ class StepStateMachine:
 
     def try_send_opportunistic_witness(self) -> None:
         clients = self.coordinator_state.epoch_state.clients
-        action: core.OpportunisticAction = None
+        action: witness.OpportunisticAction = None
         if self.current.committee_info is not None:
             if self.active is ActiveStep.Training and self.training is not None:
-                action = core.opportunistic_training_action(
+                action = witness.opportunistic_training_action(
                     self.current,
                     self.previous,
                     training_finished=self.training.finished,
                     clients=clients,
                 )
         elif self.coordinator_state.run_state is RunState.Warmup:
-            action = core.opportunistic_warmup_action(
+            action = opportunistic_warmup_action(
                 self.current, self.warmup, identity=self.identity, clients=clients
             )
         match action:
-            case core.SendFinished():
+            case witness.SendFinished():
                 self.io.broadcast_finished(action)
-            case core.SendWitness(witness):
+            case witness.SendWitness(sent):
                 logger.debug("Sending opportunistic witness (step %d)", self.current.step)
                 metadata = self.stats.witness_metadata(self.coordinator_state)
-                self.io.send_witness(OpportunisticData.WitnessStep((witness, metadata)))
-            case core.SendWarmupWitness(witness):
+                self.io.send_witness(OpportunisticData.WitnessStep((sent, metadata)))
+            case witness.SendWarmupWitness(sent):
                 logger.debug(
                     "Sending warmup witness (epoch %d)", self.coordinator_state.progress.epoch
                 )
-                self.io.send_witness(OpportunisticData.WarmupStep(witness))
+                self.io.send_witness(OpportunisticData.WarmupStep(sent))
 
-    # ---- messages ------------------------------------------------------------------------------
+    # ---- messages and payloads -----------------------------------------------------------------
 
     def apply_message(
         self, from_id: NodeIdentity, broadcast: Broadcast
-    ) -> core.ApplyMessageOutcome:
-        outcome, download = core.apply_message(
+    ) -> payloads.ApplyMessageOutcome:
+        outcome, download = payloads.apply_message(
             self.current,
             self.previous,
             identity=self.identity,
@@ -560,84 +478,40 @@ class StepStateMachine:
             self.io.request_download(download)
         return outcome
 
-    def apply_distro_result(
-        self,
-        blob_hash: bytes,
-        payload: TransmittableDistroResult,
-        self_result: list[DistroResult] | None = None,
-    ) -> None:
+    def apply_own_result(self, broadcast: Broadcast, result: OwnResult) -> None:
+        """This client's result, as the loop announced it (`broadcast`), into its round state:
+        already hashed and in tensors, it is not downloaded, hashed or deserialized again."""
+        recorded = payloads.record_own_result(
+            self.current,
+            self.previous,
+            identity=self.identity,
+            clients=self.coordinator_state.epoch_state.clients,
+            broadcast=broadcast,
+            payload=result.deserialized(),
+            original=result.original,
+        )
+        if recorded is None:
+            logger.debug("own result for step %d came after its round", result.step)
+
+    def apply_distro_result(self, blob_hash: bytes, payload: TransmittableDistroResult) -> None:
+        """A peer's downloaded payload: checked and deserialized in the background."""
         rounds = [self.current, self.previous]
         if self.applying is not None:
             rounds.append(self.applying)
-        round_state = core.round_for_payload(rounds, blob_hash)
+        round_state = payloads.round_for_payload(rounds, blob_hash)
         if round_state is None:
             logger.debug("Unknown download %s", blob_hash[:5].hex())
             return
-        if self_result is not None:
-            round_state.self_distro_results.append(self_result)
-        pending = core.commitment_for_payload(round_state, blob_hash)
+        pending = payloads.commitment_for_payload(round_state, blob_hash)
         if pending is None:
             logger.debug("No pending commitment for payload %s", blob_hash[:5].hex())
             return
-        self.nursery.start_soon(self._check_payload, round_state, blob_hash, payload, pending)
-
-    async def _check_payload(
-        self,
-        round_state: RoundState,
-        blob_hash: bytes,
-        payload: TransmittableDistroResult,
-        pending: core.PendingPayload,
-    ) -> None:
-        digest = await trio.to_thread.run_sync(payload.compute_hash)
-        problem = core.payload_problem(
-            digest, payload.step, payload.batch_id, pending, round_state.step
+        self.tasks.start_soon(
+            payloads.check_payload,
+            round_state,
+            blob_hash,
+            payload,
+            pending,
+            self.layouts,
+            self.trainer.quantize_1bit,
         )
-        if problem is not None:
-            log_event(
-                logger,
-                "payload_rejected",
-                logging.WARNING,
-                step=round_state.step,
-                batch_id=pending.batch_id,
-                sender=str(pending.from_),
-                reason=problem,
-            )
-            # The blob is content-addressed, so every honest client holds these same bytes and
-            # refuses them: if a (dishonest) witness voted for this commitment anyway, all of
-            # them skip it at apply alike. Upstream keeps waiting for a download that already
-            # happened and then fails the apply.
-            if isinstance(round_state.downloads.get(blob_hash), Downloading):
-                rejected = PayloadHandle()
-                rejected.set_error(PayloadRejected(problem))
-                round_state.settle(blob_hash, rejected)
-            return
-        if not isinstance(round_state.downloads.get(blob_hash), Downloading):
-            return  # checked twice concurrently, or already applied
-        core.record_verified_payload(
-            round_state, pending.from_, pending.batch_id, pending.commitment.data_hash
-        )
-        handle = PayloadHandle()
-        round_state.settle(blob_hash, handle)
-        try:
-            value = await trio.to_thread.run_sync(self._deserialize, payload)
-        except Exception as e:
-            log_event(
-                logger,
-                "payload_invalid",
-                logging.WARNING,
-                step=round_state.step,
-                batch_id=pending.batch_id,
-                sender=str(pending.from_),
-                reason=str(e),
-            )
-            handle.set_error(e)
-        else:
-            handle.set_result(value)
-
-    def _deserialize(self, payload: TransmittableDistroResult) -> DeserializedPayload:
-        from psyche.modeling.serialized_distro import distro_results_from_transmittable
-
-        results = distro_results_from_transmittable(
-            payload, self.layouts, require_1bit=self.settings.quantize
-        )
-        return DeserializedPayload(results, payload.trainer_nonce)

@@ -19,9 +19,11 @@ DisTrO in research code (one process, no network)::
             loss_fn(m(x), y).backward()
         sim.step(step)                        # every peer applies every peer's payload
 
-The Psyche client uses the split API instead: `Trainer.train` (lookahead, forward/backward,
-`Distro.generate`) and `Trainer.optimize` (`Distro.apply` on the witnessed results), with
-`serialized_distro` for the bytes on the wire.
+The Psyche client uses the split API instead: `Trainer.train_exact` (lookahead, forward/backward,
+`Distro.generate`, the lookahead undone exactly), `Trainer.prepare_result` (the payload and its
+commitment hash) and `Trainer.optimize` (`Distro.apply` on the witnessed results), with
+`serialized_distro` for the bytes on the wire. The trainer owns a `ParallelDims`: the model's
+layout over the client's devices (one device today).
 """
 
 from __future__ import annotations
@@ -61,8 +63,11 @@ _EXPORTS = {
     "save_checkpoint": ".checkpoint",
     "save_tensors_into_safetensors": ".checkpoint",
     "Batch": ".trainer",
+    "PreparedResult": ".trainer",
     "Trainer": ".trainer",
     "TrainOutput": ".trainer",
+    "ParallelDims": ".parallel",
+    "ParallelismError": ".parallel",
     "DistroLoop": ".research",
     "DistroSettings": ".research",
     "PeerSimulation": ".research",

@@ -250,8 +250,6 @@ def _open_dataset(args: argparse.Namespace) -> Any:
 
 def _read_batch(dataset: Any, ids: BatchId) -> Batch:
     """Samples `ids` as a training batch (int64 token ids); a failed read is a `UserError`."""
-    import numpy as np
-    import torch
     import trio
 
     from psyche.data_provider import DataProviderError, LocalDataProvider
@@ -259,20 +257,11 @@ def _read_batch(dataset: Any, ids: BatchId) -> Batch:
 
     try:
         if isinstance(dataset, LocalDataProvider):
-            return Batch(torch.from_numpy(dataset.read_batch(ids)).long())
+            return Batch.from_rows(dataset.read_batch(ids))
         samples = trio.run(dataset.get_samples, ids)  # in memory: the call never waits
     except DataProviderError as e:
         raise UserError(str(e)) from e
-
-    def stacked(field: str) -> torch.Tensor | None:
-        rows = [getattr(s, field) for s in samples]
-        if any(r is None for r in rows):
-            return None
-        return torch.from_numpy(np.stack(rows)).long()
-
-    input_ids = stacked("input_ids")
-    assert input_ids is not None
-    return Batch(input_ids, stacked("labels"), stacked("position_ids"))
+    return Batch.from_samples(samples)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

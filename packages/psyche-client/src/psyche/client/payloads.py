@@ -1,0 +1,319 @@
+"""Collecting a round's results: gossip messages and the payloads they announce (upstream
+`StepStateMachine::apply_message` and `apply_distro_result` in `state/steps.rs`).
+
+A verified sender's `Broadcast` is recorded in the round it belongs to (`apply_message`); a
+training result's payload is then downloaded, checked against its commitment
+(`payload_problem`), counted for the witness blooms (`record_verified_payload`) and turned into
+tensors off the loop (`check_payload`), where the apply finds it. This client's own result
+enters its round state directly, already checked and in tensors (`record_own_result`). The
+functions above `check_payload` are plain: they take the round states and return what to do.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import trio
+
+from psyche.client.broadcast import Broadcast, BroadcastType
+from psyche.client.logs import log_event
+from psyche.client.round_state import (
+    DeserializedPayload,
+    Downloading,
+    PayloadHandle,
+    ResultEntry,
+    RoundState,
+)
+from psyche.coordinator import Client
+from psyche.coordinator.commitment import Commitment
+from psyche.coordinator.committee_selection import Committee
+from psyche.core.batch_id import BatchId
+from psyche.core.identity import verify_signature
+from psyche.core.node_identity import NodeIdentity
+from psyche.core.sha256 import sha256
+from psyche.network.ticket import BlobTicket
+
+if TYPE_CHECKING:
+    from psyche.modeling.distro import DistroResult, ResultLayout
+    from psyche.modeling.serialized_distro import TransmittableDistroResult
+
+logger = logging.getLogger(__name__)
+
+# --------------------------------------------------------------------------------------------
+# Gossip
+
+
+class ApplyMessageOutcome(enum.Enum):
+    Applied = "applied"
+    # Not for us yet (not warmed up, no round info) or already known.
+    Ignored = "ignored"
+    Invalid = "invalid"
+
+
+@dataclass(frozen=True)
+class DownloadRequest:
+    ticket: BlobTicket
+    tag: str
+
+
+def client_for_p2p_key(clients: Sequence[Client], p2p_key: bytes) -> NodeIdentity | None:
+    """The run member whose p2p key sent a gossip message (upstream
+    `get_client_for_p2p_public_key`)."""
+    for client in clients:
+        if client.id.p2p_identity == p2p_key:
+            return client.id
+    return None
+
+
+def verify_broadcast_signature(p2p_key: bytes, broadcast: Broadcast) -> bool:
+    """The sender's p2p key must have signed the commitment's hash (upstream `raw_p2p_verify`)."""
+    return verify_signature(p2p_key, broadcast.commitment.data_hash, broadcast.commitment.signature)
+
+
+def round_for_step(current: RoundState, previous: RoundState, step: int) -> RoundState | None:
+    if current.step == step:
+        return current
+    if previous.step == step:
+        return previous
+    return None
+
+
+def apply_message(
+    current: RoundState,
+    previous: RoundState,
+    *,
+    identity: NodeIdentity,
+    clients: Sequence[Client],
+    from_id: NodeIdentity,
+    broadcast: Broadcast,
+) -> tuple[ApplyMessageOutcome, DownloadRequest | None]:
+    """Record a verified sender's broadcast in the round it belongs to (upstream
+    `StepStateMachine::apply_message`); returns the outcome and the payload to fetch, if any.
+
+    A broadcast for any step other than the current or previous round is invalid, so an old
+    message replayed later is refused.
+    """
+    round_state = round_for_step(current, previous, broadcast.step)
+    if round_state is None:
+        return ApplyMessageOutcome.Invalid, None
+    data = broadcast.data
+    is_warmup = isinstance(data, BroadcastType.Finished) and data.value.warmup
+    if not is_warmup and from_id != identity:
+        info = round_state.committee_info
+        if info is None:
+            return ApplyMessageOutcome.Ignored, None
+        if not info.selection.verify_committee_for_client(from_id, broadcast.proof, clients):
+            return ApplyMessageOutcome.Invalid, None
+    elif not any(c.id == from_id for c in clients):
+        return ApplyMessageOutcome.Invalid, None
+    if not is_warmup and broadcast.proof.committee is not Committee.Trainer:
+        # Verifier and tie-breaker broadcasts are not implemented upstream either.
+        return ApplyMessageOutcome.Invalid, None
+
+    download = None
+    match data:
+        case BroadcastType.TrainingResult(result):
+            assignee = round_state.data_assignments.get(result.batch_id)
+            if assignee is None:
+                return ApplyMessageOutcome.Invalid, None
+            blob_hash = result.ticket.hash
+            if round_state.distro_result_blob_downloaded(blob_hash):
+                return ApplyMessageOutcome.Ignored, None
+            if from_id != assignee:
+                return ApplyMessageOutcome.Invalid, None
+            round_state.results.setdefault(result.batch_id, []).append(
+                ResultEntry(from_id, broadcast.commitment, result)
+            )
+            round_state.downloads[blob_hash] = Downloading(from_id, result.batch_id, result.ticket)
+            if from_id != identity:
+                tag = f"downloaded-distro-result-{from_id}_{broadcast.step}"
+                download = DownloadRequest(result.ticket, tag)
+        case BroadcastType.Finished(finished):
+            if from_id in round_state.clients_finished:
+                return ApplyMessageOutcome.Ignored, None
+            round_state.clients_finished[from_id] = finished
+    round_state.broadcasts.append(broadcast.commitment.data_hash)
+    return ApplyMessageOutcome.Applied, download
+
+
+# --------------------------------------------------------------------------------------------
+# Payloads
+
+
+class PayloadRejected(ValueError):
+    """A downloaded payload that does not answer its commitment."""
+
+
+def round_for_payload(rounds: Sequence[RoundState], blob_hash: bytes) -> RoundState | None:
+    """The first round (current, then previous, ...) that announced this blob."""
+    for round_state in rounds:
+        if round_state.distro_result_blob_downloaded(blob_hash):
+            return round_state
+    return None
+
+
+@dataclass(frozen=True)
+class PendingPayload:
+    from_: NodeIdentity
+    batch_id: BatchId
+    commitment: Commitment
+
+
+def commitment_for_payload(round_state: RoundState, blob_hash: bytes) -> PendingPayload | None:
+    """The announcement a downloaded blob answers, if it is still waiting for its payload."""
+    state = round_state.downloads.get(blob_hash)
+    if not isinstance(state, Downloading):
+        return None  # unknown, or a duplicate download of a payload already checked
+    for entry in round_state.results.get(state.batch_id, []):
+        if entry.from_ == state.from_ and entry.result.ticket.hash == blob_hash:
+            return PendingPayload(state.from_, state.batch_id, entry.commitment)
+    return None
+
+
+def payload_problem(
+    payload_hash: bytes,
+    payload_step: int,
+    payload_batch: BatchId,
+    expected: PendingPayload,
+    step: int,
+) -> str | None:
+    """Why a downloaded payload does not answer its commitment, or None.
+
+    Upstream checks only the hash; the step and batch inside the payload are checked too (the
+    hash covers them, so an honest trainer's payload always passes).
+    """
+    if payload_hash != expected.commitment.data_hash:
+        return "payload hash does not match the commitment"
+    if payload_step != step:
+        return f"payload is for step {payload_step}, the announcement for step {step}"
+    if payload_batch != expected.batch_id:
+        return f"payload is for batch {payload_batch}, the announcement for {expected.batch_id}"
+    return None
+
+
+def record_verified_payload(
+    round_state: RoundState, from_id: NodeIdentity, batch_id: BatchId, commitment_hash: bytes
+) -> None:
+    """A checked payload counts for the witness blooms (upstream, after the hash check).
+
+    The sender joins the participant bloom; the first payload for a still-outstanding batch is
+    this client's vote for that commitment in the broadcast bloom.
+    """
+    outstanding = round_state.batch_ids_not_yet_trained_on
+    if outstanding is None:
+        return  # every batch already has a payload: nothing left to vote for
+    if round_state.blooms is not None:
+        participant_bloom, broadcast_bloom = round_state.blooms
+        participant_bloom.add(sha256(from_id.signer))
+        if batch_id in outstanding:
+            broadcast_bloom.add(commitment_hash)
+    outstanding.discard(batch_id)
+    if not outstanding:
+        round_state.batch_ids_not_yet_trained_on = None
+
+
+def record_own_result(
+    current: RoundState,
+    previous: RoundState,
+    *,
+    identity: NodeIdentity,
+    clients: Sequence[Client],
+    broadcast: Broadcast,
+    payload: DeserializedPayload,
+    original: list[DistroResult],
+) -> RoundState | None:
+    """This client's own training result, as it announced it: recorded like anyone's message
+    (`apply_message`), and its payload as checked and in tensors at once: it was hashed for the
+    commitment and `payload` holds the very tensors it serialized. `original` (unquantized) is
+    what the next round's `generate` subtracts from the momentum. Returns the round it went to
+    (None when that round is gone or the message was not applied).
+    """
+    if not isinstance(broadcast.data, BroadcastType.TrainingResult):
+        raise TypeError("an own result is announced with a TrainingResult broadcast")
+    result = broadcast.data.value
+    outcome, _ = apply_message(
+        current, previous, identity=identity, clients=clients, from_id=identity, broadcast=broadcast
+    )
+    if outcome is not ApplyMessageOutcome.Applied:
+        return None
+    round_state = round_for_step(current, previous, broadcast.step)
+    assert round_state is not None  # apply_message found it
+    round_state.self_distro_results.append(original)
+    record_verified_payload(round_state, identity, result.batch_id, broadcast.commitment.data_hash)
+    handle = PayloadHandle()
+    handle.set_result(payload)
+    round_state.settle(result.ticket.hash, handle)
+    return round_state
+
+
+# --------------------------------------------------------------------------------------------
+# Checking a downloaded payload (off the loop)
+
+
+async def check_payload(
+    round_state: RoundState,
+    blob_hash: bytes,
+    payload: TransmittableDistroResult,
+    pending: PendingPayload,
+    layouts: Sequence[ResultLayout],
+    require_1bit: bool,
+) -> None:
+    """Hash a peer's payload (in a worker thread) against its commitment; if it answers it,
+    count it for the blooms and deserialize it, validated against this model's `layouts`
+    (`serialized_distro.distro_results_from_transmittable`), into the round's downloads.
+
+    A payload that does not answer is logged and marked refused in place of its download, so an
+    apply that was waiting for it skips it.
+    """
+    digest = await trio.to_thread.run_sync(payload.compute_hash)
+    problem = payload_problem(digest, payload.step, payload.batch_id, pending, round_state.step)
+    if problem is not None:
+        _log_refusal("payload_rejected", round_state, pending, problem)
+        # The blob is content-addressed, so every honest client holds these same bytes and
+        # refuses them: if a (dishonest) witness voted for this commitment anyway, all of
+        # them skip it at apply alike. Upstream keeps waiting for a download that already
+        # happened and then fails the apply.
+        if isinstance(round_state.downloads.get(blob_hash), Downloading):
+            rejected = PayloadHandle()
+            rejected.set_error(PayloadRejected(problem))
+            round_state.settle(blob_hash, rejected)
+        return
+    if not isinstance(round_state.downloads.get(blob_hash), Downloading):
+        return  # checked twice concurrently, or already applied
+    record_verified_payload(
+        round_state, pending.from_, pending.batch_id, pending.commitment.data_hash
+    )
+    handle = PayloadHandle()
+    round_state.settle(blob_hash, handle)
+    try:
+        value = await trio.to_thread.run_sync(_deserialize, payload, layouts, require_1bit)
+    except Exception as e:
+        _log_refusal("payload_invalid", round_state, pending, str(e))
+        handle.set_error(e)
+    else:
+        handle.set_result(value)
+
+
+def _deserialize(
+    payload: TransmittableDistroResult, layouts: Sequence[ResultLayout], require_1bit: bool
+) -> DeserializedPayload:
+    from psyche.modeling.serialized_distro import distro_results_from_transmittable
+
+    results = distro_results_from_transmittable(payload, layouts, require_1bit=require_1bit)
+    return DeserializedPayload(results, payload.trainer_nonce)
+
+
+def _log_refusal(event: str, round_state: RoundState, pending: PendingPayload, reason: str) -> None:
+    log_event(
+        logger,
+        event,
+        logging.WARNING,
+        step=round_state.step,
+        batch_id=pending.batch_id,
+        sender=str(pending.from_),
+        reason=reason,
+    )

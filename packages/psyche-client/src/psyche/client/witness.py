@@ -1,0 +1,139 @@
+"""Witnessing a round (upstream `state/witness.rs`, the opportunistic check of `steps.rs` and the
+health checks of `train.rs`).
+
+A witness of round N reports, for round N - 1, which clients' payloads it checked (participant
+bloom), which commitment it voted for per batch (broadcast bloom) and the merkle root of the
+broadcasts it saw. During training every client says when it holds everything (`Finished`);
+once all have, a witness sends its witness without waiting for the round's timeout. At the start
+of a round, a witness of the round just finished names the trainers too few witnesses saw.
+Everything here is plain: it reads the round states and returns what to send (and marks it sent).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from psyche.client.broadcast import Broadcast, BroadcastType, Finished
+from psyche.client.round_state import PayloadHandle, RoundState
+from psyche.coordinator import Client, Coordinator, Witness
+from psyche.coordinator.commitment import Commitment
+from psyche.coordinator.committee_selection import CommitteeProof
+from psyche.coordinator.consensus import unhealthy_trainers
+from psyche.coordinator.errors import CoordinatorError, CoordinatorErrorKind
+from psyche.core.bloom import WitnessBloom
+from psyche.core.merkle_tree import MerkleRoot, MerkleTree
+from psyche.core.node_identity import NodeIdentity
+from psyche.core.sha256 import sha256
+
+
+def merkle_root(broadcasts: Sequence[bytes]) -> MerkleRoot:
+    return MerkleTree(broadcasts).get_root() or MerkleRoot()
+
+
+def witness_to_send(previous: RoundState, current: RoundState) -> Witness | None:
+    """The witness for the previous round, once, if this client is a witness of the current one
+    (upstream `WitnessStep::get_witness_to_send`); marks it sent."""
+    if previous.sent_witness:
+        return None
+    info = current.committee_info
+    if info is None or not info.witness_proof.witness:
+        return None
+    if previous.blooms is not None:
+        participant_bloom, broadcast_bloom = (b.copy() for b in previous.blooms)
+    else:
+        participant_bloom, broadcast_bloom = WitnessBloom(), WitnessBloom()
+    previous.sent_witness = True
+    return Witness(
+        info.witness_proof, participant_bloom, broadcast_bloom, merkle_root(previous.broadcasts)
+    )
+
+
+def health_checks(
+    round_state: RoundState, coordinator: Coordinator
+) -> list[tuple[NodeIdentity, CommitteeProof]]:
+    """The trainers of the round just finished that too few witnesses saw (upstream
+    `start_sending_health_checks`); only a witness of that round sends them."""
+    if round_state.height == 0:
+        return []
+    info = round_state.committee_info
+    if info is None:
+        raise CoordinatorError(CoordinatorErrorKind.NoActiveRound)
+    if coordinator.epoch_state.first_round or not info.witness_proof.witness:
+        return []
+    return unhealthy_trainers(coordinator, info.selection)
+
+
+# --------------------------------------------------------------------------------------------
+# The opportunistic check (every 500 ms, upstream's interval)
+
+
+@dataclass(frozen=True)
+class SendFinished:
+    step: int
+    merkle: MerkleRoot
+    proof: CommitteeProof
+    warmup: bool
+
+    @property
+    def commitment_data_hash(self) -> bytes:
+        return sha256(self.merkle.inner)
+
+
+@dataclass(frozen=True)
+class SendWitness:
+    witness: Witness
+
+
+@dataclass(frozen=True)
+class SendWarmupWitness:
+    witness: Witness
+
+
+OpportunisticAction = SendFinished | SendWitness | SendWarmupWitness | None
+
+
+def unfinished_clients(round_state: RoundState, clients: Sequence[Client]) -> list[NodeIdentity]:
+    return [c.id for c in clients if c.id not in round_state.clients_finished]
+
+
+def previous_round_settled(previous: RoundState) -> bool:
+    """Every batch of the previous round has a checked payload and all are deserialized."""
+    if previous.batch_ids_not_yet_trained_on is not None:
+        return False
+    return all(isinstance(s, PayloadHandle) and s.done for s in previous.downloads.values())
+
+
+def opportunistic_training_action(
+    current: RoundState,
+    previous: RoundState,
+    *,
+    training_finished: bool,
+    clients: Sequence[Client],
+) -> OpportunisticAction:
+    """Upstream's 500 ms check during training: once this client has trained and has every
+    payload of the previous round, it says so (`Finished`, once); once everyone has, a witness
+    sends its witness without waiting for the round's timeout. Marks what it returns as sent."""
+    info = current.committee_info
+    if info is None or not training_finished or not previous_round_settled(previous):
+        return None
+    if not current.sent_finished:
+        current.sent_finished = True
+        return SendFinished(
+            current.step, merkle_root(previous.broadcasts), info.committee_proof, warmup=False
+        )
+    if unfinished_clients(current, clients):
+        return None
+    witness = witness_to_send(previous, current)
+    return SendWitness(witness) if witness is not None else None
+
+
+def finished_broadcast(action: SendFinished, signature: bytes, nonce: int) -> Broadcast:
+    """The signed gossip message for a `SendFinished`."""
+    return Broadcast(
+        step=action.step,
+        proof=action.proof,
+        commitment=Commitment(action.commitment_data_hash, signature),
+        nonce=nonce,
+        data=BroadcastType.Finished(Finished(action.merkle, action.warmup)),
+    )
