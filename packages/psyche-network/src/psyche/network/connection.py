@@ -51,6 +51,11 @@ from psyche.network.events import MessageReceived, NetworkEvent
 from psyche.network.gossip import Gossip, GossipConfig, gossip_topic
 from psyche.network.identity import fmt_short
 from psyche.network.interfaces import announce_host, interface_ipv4
+from psyche.network.reachability import (
+    NatTraversal,
+    ReachabilityMode,
+    ReachabilityStatus,
+)
 from psyche.network.stats import (
     STATS_INTERVAL_SECS,
     BandwidthTracker,
@@ -71,6 +76,9 @@ logger = logging.getLogger(__name__)
 
 MAX_BLOB_SIZE = 4 << 30
 SHUTDOWN_TIMEOUT_SECS = 5.0
+DEAD_CONNECTION_PROBES = 2
+"""Consecutive unanswered pings (one per RTT probe interval) after which a connection is
+considered dead and closed."""
 
 
 @dataclass(frozen=True)
@@ -98,6 +106,12 @@ class NetworkConfig:
     """Connection caps and timeouts of the blob provider (side channel and libp2p streams)."""
     max_downloads_per_peer: int = DEFAULT_MAX_FETCHES_PER_PEER
     """Blob fetches from one provider at a time."""
+    relays: tuple[str, ...] = ()
+    """Circuit relays to use (`/ip4/…/tcp/…/p2p/<relay id>`): when this node is not publicly
+    reachable it reserves a slot on each and announces itself through them (`reachability`)."""
+    reachability: ReachabilityMode = ReachabilityMode.AUTO
+    """`auto`: AutoNAT through the relays decides whether to reserve; `private`/`public`: as
+    set."""
 
 
 class NetworkConnection:
@@ -173,6 +187,17 @@ class NetworkConnection:
             config.gossip,
         )
         self._own_record = b""
+        self.record_changed = trio.Event()
+        """Set (and replaced) each time `own_record` changes."""
+        self.nat = NatTraversal(
+            host,
+            list(config.relays),
+            self._direct_libp2p_addrs,
+            mode=config.reachability,
+            on_addresses_changed=self._addresses_changed,
+        )
+        self._paths: dict[bytes, str] = {}
+        self._rtt_failures: dict[bytes, int] = {}
 
     # ------------------------------------------------------------------------------------------
     # lifecycle
@@ -199,7 +224,9 @@ class NetworkConnection:
             distro_result_type,
             bind_host,
         )
-        p2p_host.install_allowlist_gate(host, network._allowed)
+        p2p_host.install_allowlist_gate(host, network._may_connect)
+        inbound_drops = p2p_host.install_inbound_limits(host)
+        p2p_host.install_stream_limits(host)
         host.get_network().register_notifee(
             p2p_host.ConnectionNotifee(network._on_connected, network._on_disconnected)
         )
@@ -229,6 +256,11 @@ class NetworkConnection:
                     await network.gossip.pubsub.wait_until_ready()
                     await network.gossip.pubsub.subscribe(network.gossip.topic)
                     await nursery.start(network.blob_transport.serve)
+                    nursery.start_soon(inbound_drops.run)
+                    await nursery.start(network.nat.run)
+                    if config.relays:
+                        # The first record we announce should already name our relays.
+                        await network.nat.wait_decided()
                     network._publish_own_address()
                     nursery.start_soon(network._pump_gossip)
                     nursery.start_soon(network._stats_loop)
@@ -274,22 +306,53 @@ class NetworkConnection:
     def endpoint_id(self) -> bytes:
         return self.secret_key.public_key
 
+    def _direct_libp2p_addrs(self) -> list[str]:
+        return p2p_host.transport_addrs(self.host, self.announce_host)
+
     def endpoint_addr(self) -> EndpointAddr:
-        libp2p_addrs = p2p_host.transport_addrs(self.host, self.announce_host)
+        """Our addresses: direct libp2p ones, then through each relay that holds a slot for
+        us (`…/p2p-circuit`, announced only while we are not publicly reachable), then the
+        blob side channel."""
+        libp2p_addrs = self._direct_libp2p_addrs() + self.nat.relayed_addrs()
         return EndpointAddr(
             self.endpoint_id,
             [TransportAddr.Libp2p(a) for a in libp2p_addrs] + self.blob_transport.local_addrs(),
         )
 
+    @property
+    def own_record(self) -> bytes:
+        """Our signed address record as last announced (it changes with our relay slots)."""
+        return self._own_record
+
     def _publish_own_address(self) -> None:
         addr = self.endpoint_addr()
         self._own_record = sign_address_record(self.secret_key, addr)
         self.address_book.add_record(self._own_record)
+        self.record_changed.set()
+        self.record_changed = trio.Event()
         if self.local_discovery is not None:
             self.local_discovery.publish(self.secret_key, addr)
 
+    def _addresses_changed(self) -> None:
+        if self._nursery is not None:
+            self._publish_own_address()
+
+    @property
+    def reachability(self) -> ReachabilityStatus:
+        """Public or private, the relays and their slots, hole punches (for status output)."""
+        return self.nat.status
+
+    def add_relays(self, addrs: Iterable[str]) -> None:
+        """Use more relays (e.g. the ones the coordinator announces)."""
+        for addr in addrs:
+            self.nat.add_relay(addr)
+
     def _allowed(self, peer: bytes) -> bool:
         return peer == self.endpoint_id or self.allowlist.allowed(peer)
+
+    def _may_connect(self, peer: bytes) -> bool:
+        """Run members, and our relays (which speak no application protocol to us)."""
+        return self._allowed(peer) or peer in self.nat.relay_ids
 
     def set_allowed_peers(self, peers: Iterable[bytes]) -> None:
         """Replace the allowlist (the client calls this on every coordinator state) and drop
@@ -328,8 +391,15 @@ class NetworkConnection:
         addr = self._resolve(peer) or await self._ask_for_record(peer)
         if addr is None or not addr.libp2p_addrs():
             raise LookupError(f"no known address for {fmt_short(peer)}")
-        with trio.fail_after(self.config.connect_timeout_secs):
-            await p2p_host.connect(self.host, peer, addr.libp2p_addrs())
+        relayed = any(p2p_host.is_circuit(a) for a in addr.libp2p_addrs())
+        # a relayed peer gets the direct attempt's head start on top of the timeout
+        timeout = self.config.connect_timeout_secs + (
+            p2p_host.DIRECT_HEAD_START_SECS if relayed else 0.0
+        )
+        with trio.fail_after(timeout):
+            await p2p_host.connect(
+                self.host, peer, addr.libp2p_addrs(), dial_circuit=self.nat.dial_circuit
+            )
 
     def _resolve(self, peer: bytes) -> EndpointAddr | None:
         addr = self.address_book.get(peer)
@@ -446,19 +516,55 @@ class NetworkConnection:
     # connection monitor and stats
 
     def _on_connected(self, peer: bytes, remote_addr: str) -> None:
+        if peer in self.nat.relay_ids:
+            return
         self.connection_monitor.on_connected(peer, remote_addr)
+        self._note_path(peer)
         self._spawn(self._probe_rtt, peer)
         self._spawn(self._exchange_records, peer, [])
 
     def _on_disconnected(self, peer: bytes) -> None:
+        if peer in self.nat.relay_ids:
+            return
         self.connection_monitor.on_disconnected(peer)
+        self._note_path(peer)
+
+    def _note_path(self, peer: bytes) -> None:
+        """Log, once per change, how we are connected to a peer (direct, relayed, not)."""
+        paths = p2p_host.connection_paths(self.host, peer)
+        path = "direct" if "direct" in paths else "relayed" if paths else "disconnected"
+        if self._paths.get(peer, "disconnected") == path:
+            return
+        self._paths[peer] = path
+        if path == "disconnected":
+            del self._paths[peer]
+        how = {"direct": "directly", "relayed": "through a relay"}.get(path)
+        logger.info("peer %s: %s", fmt_short(peer), f"connected {how}" if how else "disconnected")
+
+    def peer_paths(self) -> dict[bytes, str]:
+        """`direct` or `relayed` for every connected peer."""
+        return dict(self._paths)
 
     async def _probe_rtt(self, peer: bytes) -> None:
         try:
             rtt = await p2p_host.measure_rtt(self.host, peer)
         except Exception as e:
             logger.debug("rtt probe to %s failed: %s", fmt_short(peer), e)
+            failures = self._rtt_failures.get(peer, 0) + 1
+            self._rtt_failures[peer] = failures
+            if failures >= DEAD_CONNECTION_PROBES:
+                # The connection is dead without having been closed (a path that lost its
+                # packets): drop it, so the next connect finds another path (the relay).
+                logger.info(
+                    "peer %s: no answer to %d pings; dropping the connection",
+                    fmt_short(peer),
+                    failures,
+                )
+                self._rtt_failures.pop(peer, None)
+                await p2p_host.disconnect(self.host, peer)
+                self._spawn(self._connect_logged, peer)
             return
+        self._rtt_failures.pop(peer, None)
         self.connection_monitor.on_rtt(peer, rtt)
 
     async def _rtt_loop(self) -> None:

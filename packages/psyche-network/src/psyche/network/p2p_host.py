@@ -5,13 +5,21 @@ the swarm's `add_conn`, which runs right after the Noise handshake has authentic
 peer id, is wrapped: a connection from a peer outside the allowlist is closed before any
 protocol (gossip, model sharing, ping) sees it. This is upstream's `AllowlistHook` (reject
 after handshake) in libp2p terms.
+
+Two more bounds py-libp2p does not offer in a usable form (its resource manager counts streams
+for all peers together and makes inbound streams queue for a global semaphore) are added the
+same way: `install_inbound_limits` caps the connections still in their security and muxer
+upgrade, per remote address and in total, evicting the oldest as the other listening sockets do
+(`psyche.core.connection_limits`); `install_stream_limits` caps the inbound streams one peer
+may hold open (and all peers together), resetting any beyond.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 import multiaddr
@@ -30,9 +38,11 @@ from libp2p.peer.peerinfo import PeerInfo
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 
+from psyche.core.connection_limits import Admission, ConnectionLimits, DropLog
 from psyche.core.identity import SecretKey
 from psyche.network.identity import (
     IdentityError,
+    fmt_short,
     libp2p_key_pair,
     peer_id_from_public_key,
     public_key_from_peer_id,
@@ -45,6 +55,12 @@ AllowFn = Callable[[bytes], bool]
 
 MAX_CONNECTIONS = 1024
 DIAL_TIMEOUT_SECS = 5.0
+DIRECT_HEAD_START_SECS = 1.5
+"""A direct dial's lead over the relayed one when a peer announces both."""
+MAX_INBOUND_STREAMS_PER_PEER = 256
+MAX_INBOUND_STREAMS = 8192
+INBOUND_UPGRADE_LIMITS = ConnectionLimits(max_pending=64, max_pending_per_address=8)
+"""Connections in their Noise + Yamux upgrade (py-libp2p's own timeout ends each after 10 s)."""
 
 
 def build_host(secret_key: SecretKey) -> IHost:
@@ -104,6 +120,74 @@ def install_allowlist_gate(host: IHost, allowed: AllowFn) -> None:
         return await add_conn(muxed_conn, direction)
 
     swarm.add_conn = gated_add_conn
+
+
+def install_inbound_limits(
+    host: IHost, limits: ConnectionLimits = INBOUND_UPGRADE_LIMITS
+) -> DropLog:
+    """Cap the inbound connections still being upgraded (security, then muxer): per remote
+    address and in total, the oldest evicted when full. Returns the drop log (run its `run`
+    for the periodic summary)."""
+    swarm: Any = host.get_network()
+    upgrade = swarm.upgrade_inbound_raw_conn
+    drops = DropLog(logger, "libp2p host: dropped inbound connections")
+    admission = Admission(limits, drops)
+
+    async def limited_upgrade(raw_conn: Any, maddr: Any) -> Any:
+        try:
+            remote = raw_conn.get_remote_address()
+        except Exception:
+            remote = None
+        address = str(remote[0]) if remote else "relayed"
+        with admission.pending_connection(address) as pending:
+            return await upgrade(raw_conn, maddr)
+        if pending.cancelled_caught:  # evicted for a newer connection
+            with contextlib.suppress(Exception):
+                await raw_conn.close()
+        raise SwarmException(f"inbound upgrade from {address} evicted")
+
+    swarm.upgrade_inbound_raw_conn = limited_upgrade
+    swarm.psyche_inbound_admission = admission
+    return drops
+
+
+def install_stream_limits(
+    host: IHost,
+    per_peer: int = MAX_INBOUND_STREAMS_PER_PEER,
+    total: int = MAX_INBOUND_STREAMS,
+) -> None:
+    """Reset inbound streams beyond `per_peer` open at once from one peer, or `total` from
+    all peers together (before protocol negotiation, so a refused stream costs nothing)."""
+    swarm: Any = host.get_network()
+    handle = swarm.common_stream_handler
+    open_streams: dict[Any, int] = {}
+    counts = {"total": 0, "refused": 0}
+
+    async def limited(stream: INetStream) -> None:
+        peer = stream.muxed_conn.peer_id
+        if open_streams.get(peer, 0) >= per_peer or counts["total"] >= total:
+            counts["refused"] += 1
+            if counts["refused"] == 1 or counts["refused"] % 1000 == 0:
+                logger.warning(
+                    "refusing inbound streams from %s: %d open (%d refused so far)",
+                    peer,
+                    open_streams.get(peer, 0),
+                    counts["refused"],
+                )
+            await reset_quietly(stream)
+            return
+        open_streams[peer] = open_streams.get(peer, 0) + 1
+        counts["total"] += 1
+        try:
+            await handle(stream)
+        finally:
+            counts["total"] -= 1
+            open_streams[peer] -= 1
+            if not open_streams[peer]:
+                del open_streams[peer]
+
+    swarm.common_stream_handler = limited
+    swarm.psyche_stream_counts = counts
 
 
 class ConnectionNotifee(INotifee):
@@ -180,11 +264,59 @@ def transport_addrs(host: IHost, announce: str) -> list[str]:
     return out
 
 
-async def connect(host: IHost, peer: bytes, addrs: list[str]) -> None:
+CircuitDialFn = Callable[[str, bytes], Awaitable[None]]
+
+
+def is_circuit(addr: str) -> bool:
+    return "/p2p-circuit" in addr
+
+
+async def connect(
+    host: IHost, peer: bytes, addrs: list[str], dial_circuit: CircuitDialFn | None = None
+) -> None:
+    """Connect to `peer`: its direct addresses first and, when it also announces relayed ones
+    (`…/p2p-circuit`) and `dial_circuit` can use them, through a relay after
+    `DIRECT_HEAD_START_SECS` (or at once when the direct dial has failed). The first
+    connection made wins; the other attempts are cancelled."""
     peer_id = peer_id_from_public_key(peer)
     if host.get_network().get_connections(peer_id):
         return
-    await host.connect(PeerInfo(peer_id, [multiaddr.Multiaddr(a) for a in addrs]))
+    direct = [multiaddr.Multiaddr(a) for a in addrs if not is_circuit(a)]
+    relayed = [a for a in addrs if is_circuit(a)] if dial_circuit is not None else []
+    if not relayed:
+        await host.connect(PeerInfo(peer_id, direct))
+        return
+    errors: list[Exception] = []
+    direct_over = trio.Event()
+
+    async with trio.open_nursery() as nursery:
+
+        async def attempt(dial: Callable[[], Awaitable[None]], after: trio.Event | None) -> None:
+            if after is not None:
+                with trio.move_on_after(DIRECT_HEAD_START_SECS):
+                    await after.wait()
+            try:
+                await dial()
+            except Exception as e:
+                errors.append(e)
+            else:
+                nursery.cancel_scope.cancel()  # the first connection wins
+
+        async def dial_direct() -> None:
+            try:
+                await host.connect(PeerInfo(peer_id, direct))
+            finally:
+                direct_over.set()
+
+        if direct:
+            nursery.start_soon(attempt, dial_direct, None)
+        else:
+            direct_over.set()
+        for addr in relayed:
+            assert dial_circuit is not None
+            nursery.start_soon(attempt, partial(dial_circuit, addr, peer), direct_over)
+    if not host.get_network().get_connections(peer_id):
+        raise SwarmException(f"cannot reach {fmt_short(peer)}: {'; '.join(map(str, errors))}")
 
 
 async def disconnect(host: IHost, peer: bytes) -> None:
@@ -301,6 +433,9 @@ __all__ = [
     "connection_paths",
     "disconnect",
     "install_allowlist_gate",
+    "install_inbound_limits",
+    "install_stream_limits",
+    "is_circuit",
     "is_relayed",
     "listen_multiaddr",
     "measure_rtt",

@@ -28,20 +28,23 @@ async def open_nodes(
     broadcast_type: Any = bytes,
     distro_result_type: Any = bytes,
     allow_each_other: bool = True,
+    keys: Sequence[SecretKey] | None = None,
     **config: Any,
 ) -> AsyncIterator[list[NetworkConnection]]:
     """`count` nodes, each allowing all the others (as clients of one run would). Raw `bytes`
-    stand in for the application's gossip messages and DisTrO results unless told otherwise."""
+    stand in for the application's gossip messages and DisTrO results unless told otherwise.
+    `keys`: the nodes' identities (random by default)."""
+    identities = list(keys) if keys is not None else [SecretKey.generate() for _ in range(count)]
     async with AsyncExitStack() as stack:
         nodes = [
             await stack.enter_async_context(
                 NetworkConnection.open(
-                    local_config(run_id, secret_key=SecretKey.generate(), **config),
+                    local_config(run_id, secret_key=key, **config),
                     broadcast_type=broadcast_type,
                     distro_result_type=distro_result_type,
                 )
             )
-            for _ in range(count)
+            for key in identities[:count]
         ]
         if allow_each_other:
             ids = [n.endpoint_id for n in nodes]

@@ -1,0 +1,153 @@
+"""A circuit relay (v2) for a run's members: what lets clients behind NAT reach each other.
+
+py-libp2p 0.8.1's relay (`CircuitV2Protocol` with the hop role) on a host of its own, keyed by
+the relay's identity and gated like every Psyche host: a connection from a peer that `allowed`
+refuses is closed right after its Noise handshake, so only run members can reserve a slot, be
+reached through one, or ask for anything else; the same host answers AutoNAT dial-back requests
+(`reachability.DialBackAutoNAT`), so the members learn whether they are reachable at all.
+
+    async with open_relay(secret_key, allowed=is_member, options=RelayOptions(port=4001)) as relay:
+        print(relay.multiaddrs())  # what clients take as --iroh-relay
+
+The centralized server runs one (`psyche-server run`, on by default, members = clients of the
+run); `psyche-relay` runs one on its own for Solana runs. Bounds: at most
+`max_reservations` members hold a slot (`RelayOptions`), each reachable through at most
+`max_circuits_per_peer` circuits at once; circuits have no time or byte limit of their own
+(py-libp2p's defaults, 1 hour and 1 GiB, would cut a training run's connections); inbound
+upgrades and streams per peer are capped as on every host (`p2p_host`). Bytes pass through
+the relay encrypted end to end (the two members' own Noise session runs inside the circuit).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+from libp2p.abc import IHost
+from libp2p.pubsub.gossipsub import PROTOCOL_ID as GOSSIP_V10
+from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11 as GOSSIP_V11
+from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
+from libp2p.relay.circuit_v2.resources import RelayLimits
+from libp2p.tools.anyio_service import background_trio_service
+
+from psyche.core.identity import SecretKey
+from psyche.network import p2p_host
+from psyche.network.interfaces import announce_host
+from psyche.network.reachability import DialBackAutoNAT
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_RELAY_PORT = 0
+REPORT_INTERVAL_SECS = 10.0
+SHUTDOWN_TIMEOUT_SECS = 5.0
+
+
+@dataclass(frozen=True)
+class RelayOptions:
+    bind_host: str = "0.0.0.0"
+    port: int = DEFAULT_RELAY_PORT
+    announce_host: str | None = None
+    """The address members dial (a public IP when the relay sits behind port forwarding)."""
+    max_reservations: int = 1024
+    max_circuits_per_peer: int = 64
+    reservation_ttl_secs: int = 3600
+
+
+def relay_limits(options: RelayOptions) -> RelayLimits:
+    # duration 0: no time limit per circuit; the byte limit must be set (py-libp2p treats 0 as
+    # "no bytes at all"), so it is set beyond anything a run moves.
+    return RelayLimits(
+        duration=0,
+        data=1 << 62,
+        max_circuit_conns=options.max_circuits_per_peer,
+        max_reservations=options.max_reservations,
+        reservation_ttl=options.reservation_ttl_secs,
+    )
+
+
+class Relay:
+    def __init__(self, host: IHost, protocol: CircuitV2Protocol, announce: str) -> None:
+        self.host = host
+        self.protocol = protocol
+        self.announce = announce
+
+    @property
+    def endpoint_id(self) -> bytes:
+        from psyche.network.identity import public_key_from_peer_id
+
+        return public_key_from_peer_id(self.host.get_id())
+
+    def multiaddrs(self) -> list[str]:
+        """Where members reach this relay, each ending in `/p2p/<relay id>`."""
+        peer = self.host.get_id().to_base58()
+        return [f"{a}/p2p/{peer}" for a in p2p_host.transport_addrs(self.host, self.announce)]
+
+    def reservations(self) -> int:
+        manager: Any = self.protocol.resource_manager
+        manager._clean_expired()
+        return len(manager._reservations)
+
+    def circuits(self) -> int:
+        return sum(1 for _, dst in self.protocol._active_relays.values() if dst is not None)
+
+    async def report(self) -> None:
+        """Log the number of reservations and circuits when it changes (at most every 10 s)."""
+        last = (0, 0)
+        while True:
+            await trio.sleep(REPORT_INTERVAL_SECS)
+            now = (self.reservations(), self.circuits())
+            if now != last:
+                logger.info("relay: %d reservations, %d circuits", *now)
+                last = now
+
+
+async def _drain(stream: Any) -> None:
+    try:
+        while await stream.read(1 << 16):
+            pass
+    except Exception:
+        pass
+    finally:
+        await p2p_host.reset_quietly(stream)
+
+
+@asynccontextmanager
+async def open_relay(
+    secret_key: SecretKey,
+    allowed: Callable[[bytes], bool],
+    options: RelayOptions = RelayOptions(),
+) -> AsyncIterator[Relay]:
+    """Run a relay for the block; `allowed(key)` says who may use it (the run's members)."""
+    host = p2p_host.build_host(secret_key)
+    p2p_host.install_allowlist_gate(host, allowed)
+    drops = p2p_host.install_inbound_limits(host)
+    p2p_host.install_stream_limits(host)
+    protocol = CircuitV2Protocol(host, relay_limits(options), allow_hop=True)
+    DialBackAutoNAT(host, serve=True, confirmations=1)  # type: ignore[arg-type]
+    # Members' gossip opens a stream to every connected peer, the relay included: accept and
+    # drain it (the relay subscribes to nothing) instead of refusing it, which py-libp2p
+    # reports as an error on every member.
+    for gossip_protocol in (GOSSIP_V11, GOSSIP_V10):
+        host.set_stream_handler(gossip_protocol, _drain)
+    # py-libp2p's hop handler logs the end of every reservation stream as an error; the
+    # relay's own report (reservations, circuits) says what matters.
+    logging.getLogger("libp2p.relay.circuit_v2.protocol").setLevel(logging.CRITICAL)
+    relay = Relay(host, protocol, announce_host(options.bind_host, options.announce_host))
+    listen = p2p_host.listen_multiaddr(options.bind_host, options.port)
+    async with host.run([listen]), background_trio_service(protocol), trio.open_nursery() as n:
+        n.start_soon(drops.run)
+        n.start_soon(relay.report)
+        logger.info("relay listening at %s", ", ".join(relay.multiaddrs()))
+        try:
+            yield relay
+        finally:
+            n.cancel_scope.cancel()
+            with trio.CancelScope(shield=True), trio.move_on_after(SHUTDOWN_TIMEOUT_SECS):
+                await p2p_host.close_all_connections(host)
+
+
+__all__ = ["Relay", "RelayOptions", "open_relay", "relay_limits"]
