@@ -7,20 +7,13 @@ here, so those fields stay empty.
 
 from __future__ import annotations
 
-import logging
 import math
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from psyche.client.logs import log_event
 from psyche.coordinator import Coordinator, WitnessMetadata
-from psyche.core.batch_id import BatchId
-from psyche.core.log_markers import IntegrationTestLogMarker
-from psyche.core.node_identity import NodeIdentity
-
-logger = logging.getLogger(__name__)
 
 _HISTORY = 16
 
@@ -166,39 +159,6 @@ def progress_text(
     if seconds_left is not None:
         parts.append(f"about {format_duration(seconds_left)} left")
     return f"step {step}/{total_steps} (epoch {epoch}): " + ", ".join(parts)
-
-
-def log_round_progress(
-    state: Coordinator,
-    identity: NodeIdentity,
-    step: int,
-    loss: float | None,
-    trained: list[BatchId],
-    stats: StatsLogger,
-    progress: RunProgress,
-    now: float,
-) -> None:
-    """Record that the training phase of `step` ended at `now` and log `client_loss`, whose
-    console form is the progress line."""
-    total = state.config.total_steps
-    batch_tokens = state.get_target_global_batch_size(state.current_round())
-    progress.record(step, now, batch_tokens * state.get_sequence_length())
-    tokens_per_sec = stats.global_tokens_per_second(state) or None
-    seconds_left = progress.seconds_left(step, total)
-    log_event(
-        logger,
-        "client_loss",
-        text=progress_text(step, total, state.progress.epoch, loss, tokens_per_sec, seconds_left),
-        marker=IntegrationTestLogMarker.Loss,
-        client_id=str(identity),
-        epoch=state.progress.epoch,
-        step=step,
-        loss=loss,
-        trained=trained,
-        total_steps=total,
-        tokens_per_sec=None if tokens_per_sec is None else round(tokens_per_sec, 1),
-        seconds_left=None if seconds_left is None else round(seconds_left),
-    )
 
 
 def run_summary(

@@ -33,7 +33,7 @@ from psyche.client.cooldown import CheckpointFiles, Cooldown
 from psyche.client.fetch_data import DataFetcher
 from psyche.client.logs import log_event
 from psyche.client.round_state import RoundState
-from psyche.client.stats import RunProgress, StatsLogger, log_round_progress
+from psyche.client.stats import RunProgress, StatsLogger, progress_text
 from psyche.client.train import (
     BloomFactory,
     OwnResult,
@@ -47,6 +47,7 @@ from psyche.client.warmup import WarmupProgress, opportunistic_warmup_action
 from psyche.coordinator import Coordinator, RunState
 from psyche.coordinator.backend import HealthCheck, OpportunisticData
 from psyche.coordinator.model import Checkpoint
+from psyche.core.batch_id import BatchId
 from psyche.core.bloom import WitnessBloom
 from psyche.core.log_markers import IntegrationTestLogMarker
 from psyche.core.node_identity import NodeIdentity
@@ -373,10 +374,34 @@ class StepStateMachine:
             finished.losses, finished.duration, step_duration, finished.optim_stats
         )
         if log_loss:
-            log_round_progress(
-                state, self.identity, self.current.step, loss, finished.trained,
-                self.stats, self.progress, now,
-            )  # fmt: skip
+            self._log_progress(state, loss, finished.trained, now)
+
+    def _log_progress(
+        self, state: Coordinator, loss: float | None, trained: list[BatchId], now: float
+    ) -> None:
+        """`client_loss`, whose console form is the progress line (from this module's logger,
+        as a person reading the console knows it)."""
+        step, total = self.current.step, state.config.total_steps
+        batch_tokens = state.get_target_global_batch_size(state.current_round())
+        self.progress.record(step, now, batch_tokens * state.get_sequence_length())
+        tokens_per_sec = self.stats.global_tokens_per_second(state) or None
+        seconds_left = self.progress.seconds_left(step, total)
+        log_event(
+            logger,
+            "client_loss",
+            text=progress_text(
+                step, total, state.progress.epoch, loss, tokens_per_sec, seconds_left
+            ),
+            marker=IntegrationTestLogMarker.Loss,
+            client_id=str(self.identity),
+            epoch=state.progress.epoch,
+            step=step,
+            loss=loss,
+            trained=trained,
+            total_steps=total,
+            tokens_per_sec=None if tokens_per_sec is None else round(tokens_per_sec, 1),
+            seconds_left=None if seconds_left is None else round(seconds_left),
+        )
 
     # ---- witness and cooldown ------------------------------------------------------------------
 

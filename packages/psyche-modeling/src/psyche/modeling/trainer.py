@@ -170,7 +170,7 @@ class Trainer:
             case OptimizerDefinition.Distro(value):
                 self.distro = Distro.from_definition(self.model.variables(), value)
                 self.clip_grad_norm = value.clip_grad_norm
-                self.quantize_1bit = value.quantize_1bit
+                self.quantize_1bit = bool(value.quantize_1bit)
             case _:
                 raise TypeError(f"expected an OptimizerDefinition, got {optimizer!r}")
 
