@@ -91,6 +91,7 @@ def test_extensions_are_appended_variants() -> None:
         "Coordinator",
         "PeerEndpoints",
         "RunExtras",
+        "Relays",
     ]
     assert EXTENSION_CLIENT_VARIANTS == 4
     hello = to_bytes(ClientToServerMessage.ExtensionHello(ExtensionHello()), ClientToServerMessage)

@@ -153,7 +153,8 @@ def test_py_libp2p_autonat_reports_any_connected_peer_reachable() -> None:
 
     async def main() -> None:
         server_key, client_key = SecretKey.generate(), SecretKey.generate()
-        server, client = p2p_host.build_host(server_key), p2p_host.build_host(client_key)
+        server = p2p_host.build_host(server_key, "127.0.0.1")
+        client = p2p_host.build_host(client_key, "127.0.0.1")
         stock = AutoNATService(server, serve=True)  # type: ignore[arg-type]
         fixed = DialBackAutoNAT(client, serve=False)  # type: ignore[arg-type]
         listen = p2p_host.listen_multiaddr("127.0.0.1", 0)

@@ -164,6 +164,8 @@ class CentralizedBackend:
         self._endpoint_record: bytes | None = None
         self._peer_endpoints: list[bytes] = []
         self.run_extras: RunExtras | None = None
+        self.relays: list[str] = []
+        """The relays the server hosts for the run (`ServerToClientMessage.Relays`)."""
         self.connections = 0
         self._join_wait: str | None = None
         self._before_join: Callable[[], Awaitable[None]] | None = None
@@ -389,6 +391,8 @@ class CentralizedBackend:
                 self._say_join_wait()
             case ServerToClientMessage.RunExtras(extras):
                 self.run_extras = extras
+            case ServerToClientMessage.Relays(addrs):
+                self.relays = list(addrs)
 
     def _say_join_wait(self) -> None:
         """Log why this client is not training yet, once per reason."""

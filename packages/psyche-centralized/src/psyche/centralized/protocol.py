@@ -16,6 +16,9 @@ Port extensions are appended variants (higher indices), which a Rust peer cannot
 * server to client `PeerEndpoints(records)` (1): the newest record of every other joined client.
 * server to client `RunExtras{version, backup_data_locations}` (2): what upstream's coordinator
   cannot carry (the backup data locations of `data_locations = [...]` run configs).
+* server to client `Relays(addrs)` (3): the circuit relays the server hosts for the run's
+  members (`psyche.network.relay`, multiaddrs ending in `/p2p/<relay id>`); sent just before
+  `RunExtras`, so a client knows them before it opens its network.
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ class ServerToClientMessage(DataEnum):
     # Port extensions (see the module docstring).
     PeerEndpoints = variant(list[bytes])
     RunExtras = variant(RunExtras)
+    Relays = variant(list[str])
 
 
 # Variants from this index on are extensions that an upstream peer cannot decode.

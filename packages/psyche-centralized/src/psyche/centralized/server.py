@@ -12,7 +12,10 @@ What runs while the block is open:
   told the clients of every broadcast state;
 * with `save_state_dir`: the state is saved at every successful epoch end and when the block
   exits (see `save_state`);
-* with `events_dir`: every distinct state is appended to `coordinator/state.bin` (`events`).
+* with `events_dir`: every distinct state is appended to `coordinator/state.bin` (`events`);
+* unless `relay_port` is None: a circuit relay (`psyche.network.relay`) that only clients
+  connected to this server may use, announced to them (`Relays`) so that clients behind NAT
+  reach each other through it.
 
 When the run reaches `Finished` (with `exit_when_finished`, the default), the server waits until
 every connected client has disconnected (the clients finish their last checkpoint and exit) or
@@ -71,9 +74,10 @@ from psyche.core.tcp import (
     parse_address,
 )
 
-if TYPE_CHECKING:  # imported lazily: the data server needs numpy
+if TYPE_CHECKING:  # imported lazily: the data server needs numpy, the relay libp2p
     from psyche.centralized.events import EventsWriter
     from psyche.data_provider import DataProviderTcpServer, DataServerInfo
+    from psyche.network.relay import Relay
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +120,12 @@ class ServerOptions:
     # End the server's block once the run is Finished and its clients have left.
     exit_when_finished: bool = True
     finished_grace: float = FINISHED_GRACE
+    # The circuit relay the server hosts for the run's members (psyche.network.relay; clients
+    # behind NAT reach each other through it): its port (0: a free one), None: no relay.
+    relay_port: int | None = 0
+    # The address members dial for the relay (default: the bind address, or the address of
+    # the default route when bound to every interface).
+    relay_announce_host: str | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -195,6 +205,7 @@ class CentralizedServer:
         self.core = core
         self.options = options
         self.relay = EndpointRelay()
+        self.p2p_relay: Relay | None = None
         self.tcp: TcpServer[ClientToServerMessage, ServerToClientMessage] | None = None
         self.data_server: DataProviderTcpServer | None = None
         self.events: EventsWriter | None = None
@@ -334,6 +345,8 @@ class CentralizedServer:
                 self._greeted.add(client)
                 log.debug("client %s speaks extensions (version %d)", sender, hello.version)
                 self.relay.mark_aware(client)
+                if self.p2p_relay is not None:
+                    self._send(client, ServerToClientMessage.Relays(self.p2p_relay.multiaddrs()))
                 self._send(client, ServerToClientMessage.RunExtras(self.run_extras()))
                 if self.relay.is_joined(client):
                     self._send(
@@ -361,6 +374,11 @@ class CentralizedServer:
         self.core.toggle_pause(self.options.clock())
 
     # -- outputs
+
+    def is_connected(self, key: bytes) -> bool:
+        """Whether `key` has an authenticated connection to this server (a member of the run,
+        or joining it): who may use the server's relay."""
+        return self.tcp is not None and key in self.tcp.connected_clients()
 
     def run_extras(self) -> RunExtras:
         return RunExtras(backup_data_locations=list(_llm(self.coordinator).backup_data_locations))
@@ -500,6 +518,22 @@ async def open_server(
                     ),
                 )
             )
+        if options.relay_port is not None:
+            from psyche.core.identity import SecretKey
+            from psyche.network.relay import RelayOptions, open_relay
+
+            with _naming_the_port(f"the relay port {options.relay_port} (--relay-port)"):
+                server.p2p_relay = await stack.enter_async_context(
+                    open_relay(
+                        SecretKey.generate(),
+                        server.is_connected,
+                        RelayOptions(
+                            bind_host=options.host,
+                            port=options.relay_port,
+                            announce_host=options.relay_announce_host,
+                        ),
+                    )
+                )
         nursery = await stack.enter_async_context(trio.open_nursery())
         nursery.start_soon(server.message_loop)
         nursery.start_soon(server.tick_loop)

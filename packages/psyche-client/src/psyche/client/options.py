@@ -103,6 +103,21 @@ WANDB = "Weights & Biases logging is not built in the Python client"
 EVENTS = "event files are not built in the Python client"
 
 
+def relay_problems(options: TrainOptions) -> list[str]:
+    """What is wrong with `--iroh-relay`'s relay addresses (`n0`'s relays do not exist here)."""
+    if options.iroh_relay == "n0":
+        return ["n0's relays are iroh's; use `psyche`, `disabled` or relay addresses"]
+    from psyche.network.reachability import relay_peer
+
+    problems = []
+    for addr in options.relay_addrs() or ("",):
+        try:
+            relay_peer(addr)
+        except ValueError as e:
+            problems.append(f"{addr!r} is not a relay address ({e})")
+    return problems
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainOptions:
     """What every client command accepts, in upstream's order (shared/client/src/cli.rs
@@ -119,7 +134,10 @@ class TrainOptions:
     """Network interface for the peer-to-peer network (all interfaces if not given)"""
 
     iroh_relay: str = option("psyche")
-    """Relays (iroh): the port has none; only `psyche` (default) or `disabled`"""
+    """Relays for reaching peers behind NAT: `psyche` (default) = the run's own (the relay
+    the centralized server hosts; none for a Solana run), `disabled` = none (peers must be
+    directly reachable), or relay addresses `/ip4/…/tcp/…/p2p/<relay id>` separated by commas
+    (e.g. a `psyche-server relay`)"""
 
     iroh_discovery: str = option("n0")
     """Discovery: `n0` = addresses through the coordinator server; `local` = files in a
@@ -253,6 +271,12 @@ class TrainOptions:
     keep_event_files: int = option(5, parse=parse_unsigned(64), not_built=EVENTS)
     """Event files to keep (not built)"""
 
+    def relay_addrs(self) -> tuple[str, ...]:
+        """The relays `--iroh-relay` names (none for `psyche` and `disabled`)."""
+        if self.iroh_relay in ("psyche", "disabled"):
+            return ()
+        return tuple(a.strip() for a in self.iroh_relay.split(",") if a.strip())
+
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> TrainOptions:
         """The options from a namespace that `add_train_options` filled (and its `EnvOptions`
@@ -269,10 +293,7 @@ class TrainOptions:
             if why is not None and value != f.default:
                 problems.append(f"{_flag_name(f.name)} {value}: {why}")
         if self.iroh_relay not in ("psyche", "disabled"):
-            problems.append(
-                f"--iroh-relay {self.iroh_relay}: relays are not built (clients connect "
-                "directly); use the default or `disabled`"
-            )
+            problems.extend(f"--iroh-relay {self.iroh_relay}: {p}" for p in relay_problems(self))
         if self.iroh_discovery not in ("n0", "local"):
             problems.append(f"--iroh-discovery {self.iroh_discovery}: expected n0 or local")
         device = self.device

@@ -21,6 +21,7 @@ import logging
 import os
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -69,8 +70,6 @@ def setup_logging(options: TrainOptions) -> None:
             "--metrics-local-port %s: local metrics are not built; ignored",
             options.metrics_local_port,
         )
-    if options.iroh_relay != "disabled":
-        log.info("no relays in the Python client: peers connect directly")
 
 
 def network_config(
@@ -86,6 +85,7 @@ def network_config(
         interface=options.bind_p2p_interface,
         port=options.bind_p2p_port or 0,
         bootstrap_peers=tuple(bootstrap_peers),
+        relays=options.relay_addrs(),
         local_discovery_dir=(
             default_local_discovery_dir() if options.iroh_discovery == "local" else None
         ),
@@ -203,7 +203,9 @@ def run_client(
             from psyche.client.broadcast import open_network
             from psyche.client.client import Client
 
-            async with open_network(network) as connection:
+            run_relays = getattr(backend, "relays", []) if options.iroh_relay == "psyche" else []
+            relays = tuple(dict.fromkeys((*network.relays, *run_relays)))
+            async with open_network(replace(network, relays=relays)) as connection:
                 await train(backend, Client(backend, connection, config), connection)
 
     async def both() -> None:

@@ -214,7 +214,9 @@ class NetworkConnection:
     ) -> AsyncIterator[NetworkConnection]:
         secret_key = config.secret_key or SecretKey.generate()
         bind_host = interface_ipv4(config.interface) if config.interface else config.bind_host
-        host = p2p_host.build_host(secret_key)
+        host = p2p_host.build_host(
+            secret_key, bind_host, announce_host(bind_host, config.announce_host)
+        )
         network = cls(
             config,
             secret_key,

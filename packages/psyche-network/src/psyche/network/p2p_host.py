@@ -50,6 +50,11 @@ from psyche.network.identity import (
 
 logger = logging.getLogger(__name__)
 
+# py-libp2p logs every failed TCP dial as an error. Behind NAT, dialing a peer's private address
+# first and then its relay is the normal course; `NetworkConnection.connect` reports a peer it
+# cannot reach at all.
+logging.getLogger("libp2p.transport.tcp.tcp").setLevel(logging.CRITICAL)
+
 AllowFn = Callable[[bytes], bool]
 
 
@@ -63,12 +68,19 @@ INBOUND_UPGRADE_LIMITS = ConnectionLimits(max_pending=64, max_pending_per_addres
 """Connections in their Noise + Yamux upgrade (py-libp2p's own timeout ends each after 10 s)."""
 
 
-def build_host(secret_key: SecretKey) -> IHost:
+def build_host(
+    secret_key: SecretKey, bind_host: str = "0.0.0.0", announce_host: str | None = None
+) -> IHost:
     """TCP only, Noise only, Yamux (py-libp2p's default muxer); QUIC, TLS and SECIO are off.
 
     Which peers to connect to is Psyche's decision (the run's clients, a few gossip bootstrap
     peers), so py-libp2p's auto-dialer, which dials every peer in its peerstore up to 150
     connections, is switched off, and pruning only starts above upstream's 1024 connections.
+
+    What the host advertises (identify, hole punching) is its listen addresses with the
+    wildcard address replaced by `announce_host` (else py-libp2p hands peers `0.0.0.0`, which
+    they dial as their own machine); addresses others observed us at are not advertised (the
+    port a NAT mapped for one connection is no address to dial; DCUtR predicts its own).
     """
     key_pair = libp2p_key_pair(secret_key)
     noise = NoiseTransport(key_pair, noise_privkey=create_x25519_key_pair().private_key)
@@ -80,6 +92,7 @@ def build_host(secret_key: SecretKey) -> IHost:
         enable_quic=False,
         enable_mDNS=False,
         enable_upnp=False,
+        addrs_factory=partial(_advertised, bind_host, announce_host or bind_host),
         connection_config=ConnectionConfig(
             max_connections=MAX_CONNECTIONS,
             high_watermark=MAX_CONNECTIONS,
@@ -94,6 +107,22 @@ def build_host(secret_key: SecretKey) -> IHost:
 
     host.get_network().auto_connector.maybe_connect = no_auto_connect  # type: ignore[attr-defined]
     return host
+
+
+def _advertised(
+    bind_host: str, announce: str, candidates: list[multiaddr.Multiaddr]
+) -> list[multiaddr.Multiaddr]:
+    out: list[multiaddr.Multiaddr] = []
+    for addr in candidates:
+        parts = str(addr).split("/")
+        if len(parts) > 2 and parts[1] == "ip4":
+            if parts[2] not in ("0.0.0.0", bind_host):
+                continue  # an address a peer observed us at
+            parts[2] = announce
+            addr = multiaddr.Multiaddr("/".join(parts))
+        if addr not in out:
+            out.append(addr)
+    return out
 
 
 def peer_key(peer_id: ID) -> bytes | None:

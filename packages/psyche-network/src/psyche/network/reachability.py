@@ -93,10 +93,16 @@ class ReachabilityMode(StrEnum):
 
 def relay_peer(addr: str) -> bytes:
     """The relay's 32-byte identity from its multiaddr (`…/p2p/<id>`); `ValueError` if none."""
-    peer = multiaddr.Multiaddr(addr).get_peer_id()
+    try:
+        peer = multiaddr.Multiaddr(addr).get_peer_id()
+    except Exception as e:  # multiaddr's parse errors
+        raise ValueError(f"not a multiaddr: {e}") from None
     if not peer:
-        raise ValueError(f"relay address {addr!r} names no peer (expected …/p2p/<id>)")
-    return public_key_from_peer_id(ID.from_base58(peer))
+        raise ValueError("it names no peer (expected …/p2p/<relay id>)")
+    try:
+        return public_key_from_peer_id(ID.from_base58(peer))
+    except ValueError as e:
+        raise ValueError(f"the relay id is not an ed25519 key: {e}") from None
 
 
 def circuit_addr(relay_addr: str) -> str:

@@ -122,7 +122,8 @@ async def open_relay(
     options: RelayOptions = RelayOptions(),
 ) -> AsyncIterator[Relay]:
     """Run a relay for the block; `allowed(key)` says who may use it (the run's members)."""
-    host = p2p_host.build_host(secret_key)
+    announce = announce_host(options.bind_host, options.announce_host)
+    host = p2p_host.build_host(secret_key, options.bind_host, announce)
     p2p_host.install_allowlist_gate(host, allowed)
     drops = p2p_host.install_inbound_limits(host)
     p2p_host.install_stream_limits(host)
@@ -136,7 +137,7 @@ async def open_relay(
     # py-libp2p's hop handler logs the end of every reservation stream as an error; the
     # relay's own report (reservations, circuits) says what matters.
     logging.getLogger("libp2p.relay.circuit_v2.protocol").setLevel(logging.CRITICAL)
-    relay = Relay(host, protocol, announce_host(options.bind_host, options.announce_host))
+    relay = Relay(host, protocol, announce)
     listen = p2p_host.listen_multiaddr(options.bind_host, options.port)
     async with host.run([listen]), background_trio_service(protocol), trio.open_nursery() as n:
         n.start_soon(drops.run)

@@ -1,4 +1,5 @@
-"""`psyche-server`: validate run configurations and run a centralized coordinator server."""
+"""`psyche-server`: validate run configurations, run a centralized coordinator server, or run only
+its circuit relay (`relay`, for runs without a centralized server)."""
 
 from __future__ import annotations
 
@@ -135,6 +136,33 @@ def build_parser() -> tuple[argparse.ArgumentParser, EnvOptions]:
         metavar="<TUI>",
         help="Show the live dashboard (Ctrl+P pauses/resumes); false logs plainly",
     )
+    env.add(
+        run,
+        "--relay",
+        parse=parse_bool,
+        optional_value=True,
+        default=True,
+        metavar="<RELAY>",
+        help=(
+            "Host a circuit relay for the run's clients, so that clients behind NAT reach each "
+            "other through it (only clients connected to this server may use it)"
+        ),
+    )
+    env.add(
+        run,
+        "--relay-port",
+        parse=parse_unsigned(16),
+        help="Port of the relay (a random free port if not specified)",
+    )
+    env.add(
+        run,
+        "--relay-announce-address",
+        metavar="<ADDRESS>",
+        help=(
+            "Address clients dial for the relay (default: --bind-address, or the address of "
+            "the default route when that is 0.0.0.0)"
+        ),
+    )
     env.add(run, "--data-config", parse=Path, help="Path to TOML of data server config")
     env.add(
         run,
@@ -176,8 +204,82 @@ def build_parser() -> tuple[argparse.ArgumentParser, EnvOptions]:
         ("--oltp-logs-url", "A URL for sending opentelemetry logs"),
     ):
         env.add(run, flag, help=f"{what}; {OLTP_NOTE}")
+    add_relay_command(commands)
     add_verbose_flag(parser)
     return parser, env
+
+
+def add_relay_command(commands: Any) -> None:
+    """The `relay` subcommand; its environment fallbacks travel in `args.relay_env`."""
+    env = EnvOptions()
+    relay = commands.add_parser(
+        "relay",
+        help="Runs only a circuit relay, for clients behind NAT in runs without this server",
+        description=(
+            "Runs the circuit relay that `run` hosts, on its own (for Solana runs): clients "
+            "behind NAT reserve a slot on it and reach each other through it. Give clients "
+            "its address (printed at start) with --iroh-relay. Only the keys of "
+            "--authorized-keys may use it (re-read when the file changes), or anyone with "
+            "--open. Serves until Ctrl+C or SIGTERM."
+        ),
+    )
+    env.add(
+        relay,
+        "--bind-address",
+        default="0.0.0.0",
+        metavar="<ADDRESS>",
+        help="Address the relay listens on (0.0.0.0: every interface)",
+    )
+    env.add(
+        relay,
+        "--relay-port",
+        parse=parse_unsigned(16),
+        help="Port of the relay (a random free port if not specified)",
+    )
+    env.add(
+        relay,
+        "--relay-announce-address",
+        metavar="<ADDRESS>",
+        help=(
+            "Address clients dial (default: --bind-address, or the address of the default "
+            "route when that is 0.0.0.0)"
+        ),
+    )
+    env.add(
+        relay,
+        "--identity-secret-key-path",
+        parse=Path,
+        metavar="<FILE>",
+        help=(
+            "The relay's 32-byte secret key (`openssl rand 32 > relay.key`); its address "
+            "names the key, so keep one to keep the address (random if not given)"
+        ),
+    )
+    env.add(
+        relay,
+        "--authorized-keys",
+        parse=Path,
+        metavar="<FILE>",
+        help="The run's members: ed25519 public keys, 64 hex digits a line, # comments",
+    )
+    env.add(
+        relay,
+        "--open",
+        parse=parse_bool,
+        optional_value=True,
+        default=False,
+        metavar="<OPEN>",
+        help="Serve any peer (an open run); its caps still bound what each can hold",
+    )
+    env.add(
+        relay,
+        "--max-reservations",
+        parse=parse_unsigned(32),
+        default=1024,
+        metavar="<N>",
+        help="Peers that may hold a slot at once",
+    )
+    relay.set_defaults(relay_env=env)
 
 
 # --------------------------------------------------------------------------------------------
@@ -316,6 +418,8 @@ def run(args: argparse.Namespace) -> int:
         events_dir=args.events_dir,
         init_warmup_time=args.init_warmup_time,
         withdraw_on_disconnect=args.withdraw_on_disconnect,
+        relay_port=(args.relay_port or 0) if args.relay else None,
+        relay_announce_host=args.relay_announce_address,
     )
 
     async def serve() -> None:
@@ -359,6 +463,11 @@ def _main(argv: Sequence[str] | None) -> int:
     if args.command == "run":
         env.resolve(parser, args)
         return run(args)
+    if args.command == "relay":
+        from psyche.cli.server.relay import run_relay
+
+        args.relay_env.resolve(parser, args)
+        return run_relay(args)
     raise AssertionError(f"unhandled command {args.command}")
 
 
