@@ -22,6 +22,7 @@ import torch
 import trio
 
 from psyche.client.apply import ApplyError, ApplyJob, ApplyPlan, ChosenResult, apply_results
+from psyche.client.background import InFlight
 from psyche.client.broadcast import Broadcast, BroadcastType, TrainingResult
 from psyche.client.cooldown import live_model_hash
 from psyche.client.fetch_data import DataFetcher
@@ -35,20 +36,13 @@ from psyche.coordinator.backend import HealthCheck, OpportunisticData
 from psyche.coordinator.commitment import Commitment
 from psyche.coordinator.testing import Simulation, integration_test_coordinator
 from psyche.core.batch_id import BatchId
-from psyche.core.definitions import (
-    ConstantLR,
-    Distro,
-    LearningRateSchedule,
-    OptimizerDefinition,
-)
 from psyche.core.identity import SecretKey
 from psyche.core.node_identity import NodeIdentity
 from psyche.data_provider.types import TokenizedData
-from psyche.modeling.causal_lm import CausalLM, ModelOptions
-from psyche.modeling.configs import llama_config_dict
 from psyche.modeling.serialized_distro import TransmittableDistroResult
-from psyche.modeling.trainer import Trainer
 from psyche.network.ticket import BlobFormat, BlobTicket, EndpointAddr
+
+from ..modeling.tiny_trainer import make_trainer
 
 SEQ = 16
 
@@ -59,27 +53,6 @@ def _single_thread():  # type: ignore[no-untyped-def]
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-def distro(weight_decay: float = 0.0) -> OptimizerDefinition:
-    return OptimizerDefinition.Distro(
-        Distro(
-            clip_grad_norm=1.0,
-            weight_decay=weight_decay,
-            compression_decay=0.999,
-            compression_topk=4,
-            compression_chunk=16,
-            quantize_1bit=True,
-        )
-    )
-
-
-def make_trainer(weight_decay: float = 0.0, lr: float = 1e-3) -> Trainer:
-    model = CausalLM.from_config(
-        llama_config_dict("tiny"), ModelOptions(architecture="HfLlama", device="cpu", seed=1337)
-    )
-    schedule = LearningRateSchedule.Constant(ConstantLR(lr, 0.0, 0))
-    return Trainer(model, schedule, distro(weight_decay), micro_batch_size=2)
 
 
 class FakeData:
@@ -121,14 +94,10 @@ class Bus:
         self.blobs: dict[bytes, TransmittableDistroResult] = {}
         self._send, self._receive = trio.open_memory_channel[Callable[[], None]](1 << 16)
         self.rejected_witnesses: list[str] = []
-        self.in_flight = 0
-        self._drained = trio.Event()
-        self._drained.set()
+        self.in_flight = InFlight()
 
     def post(self, fn: Callable[[], None]) -> None:
-        if self.in_flight == 0:
-            self._drained = trio.Event()
-        self.in_flight += 1
+        self.in_flight.begin()
         self._send.send_nowait(fn)
 
     async def pump(self) -> None:
@@ -136,12 +105,7 @@ class Bus:
             try:
                 fn()
             finally:
-                self.in_flight -= 1
-                if self.in_flight == 0:
-                    self._drained.set()
-
-    async def drained(self) -> None:
-        await self._drained.wait()
+                self.in_flight.end()
 
     def gossip(self, sender: Node, broadcast: Broadcast, *, to_sender: bool = True) -> None:
         """To every machine; the sender's own too, as its client loop applies what it sends
@@ -227,11 +191,11 @@ async def settle(bus: Bus, nodes: list[Node]) -> None:
     """Wait until no message is on the bus and no client is computing (training, checking or
     deserializing a payload): the moment the simulated clock may move."""
     while True:
-        await bus.drained()
+        await bus.in_flight.wait_idle()
         for node in nodes:
             await node.machine.wait_idle()
         await trio.sleep(0)
-        if bus.in_flight == 0 and all(node.machine.tasks.running == 0 for node in nodes):
+        if bus.in_flight.count == 0 and all(node.machine.tasks.running == 0 for node in nodes):
             return
 
 

@@ -13,10 +13,8 @@ import pytest
 import torch
 
 from psyche.core.batch_id import BatchId
-from psyche.core.definitions import ConstantLR, Distro, LearningRateSchedule, OptimizerDefinition
+from psyche.core.definitions import ConstantLR, LearningRateSchedule
 from psyche.data_provider.types import TokenizedData
-from psyche.modeling.causal_lm import CausalLM, ModelOptions
-from psyche.modeling.configs import llama_config_dict
 from psyche.modeling.parallel import ParallelDims, ParallelismError
 from psyche.modeling.serialized_distro import (
     decode_transmittable,
@@ -25,42 +23,9 @@ from psyche.modeling.serialized_distro import (
 from psyche.modeling.trainer import Batch, Trainer
 from psyche.network.sharable_model import model_hash
 
+from .tiny_trainer import distro, make_trainer
+
 SEQ = 16
-
-
-@pytest.fixture(autouse=True)
-def _single_thread():  # type: ignore[no-untyped-def]
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def distro(
-    weight_decay: float = 0.0, quantize: bool = True, chunk: int = 16
-) -> OptimizerDefinition:
-    return OptimizerDefinition.Distro(
-        Distro(
-            clip_grad_norm=1.0,
-            weight_decay=weight_decay,
-            compression_decay=0.999,
-            compression_topk=4,
-            compression_chunk=chunk,
-            quantize_1bit=quantize,
-        )
-    )
-
-
-def make_trainer(
-    weight_decay: float = 0.0, quantize: bool = True, device: str = "cpu", chunk: int = 16
-) -> Trainer:
-    dtype = "bf16" if device == "cuda" else None
-    model = CausalLM.from_config(
-        llama_config_dict("tiny"),
-        ModelOptions(architecture="HfLlama", device=device, dtype=dtype, seed=1337),
-    )
-    schedule = LearningRateSchedule.Constant(ConstantLR(1e-3, 0.0, 0))
-    return Trainer(model, schedule, distro(weight_decay, quantize, chunk), micro_batch_size=2)
 
 
 def corpus() -> torch.Tensor:

@@ -1,0 +1,40 @@
+"""A `Trainer` on the tiny Llama with the DisTrO settings the client and trainer tests share."""
+
+from __future__ import annotations
+
+from psyche.core.definitions import ConstantLR, Distro, LearningRateSchedule, OptimizerDefinition
+from psyche.modeling.causal_lm import CausalLM, ModelOptions
+from psyche.modeling.configs import llama_config_dict
+from psyche.modeling.trainer import Trainer
+
+
+def distro(
+    weight_decay: float = 0.0, quantize: bool = True, chunk: int = 16
+) -> OptimizerDefinition:
+    return OptimizerDefinition.Distro(
+        Distro(
+            clip_grad_norm=1.0,
+            weight_decay=weight_decay,
+            compression_decay=0.999,
+            compression_topk=4,
+            compression_chunk=chunk,
+            quantize_1bit=quantize,
+        )
+    )
+
+
+def make_trainer(
+    weight_decay: float = 0.0,
+    quantize: bool = True,
+    device: str = "cpu",
+    chunk: int = 16,
+    lr: float = 1e-3,
+) -> Trainer:
+    """Seed 1337, like every client's random init; bf16 on CUDA, as clients run there."""
+    dtype = "bf16" if device == "cuda" else None
+    model = CausalLM.from_config(
+        llama_config_dict("tiny"),
+        ModelOptions(architecture="HfLlama", device=device, dtype=dtype, seed=1337),
+    )
+    schedule = LearningRateSchedule.Constant(ConstantLR(lr, 0.0, 0))
+    return Trainer(model, schedule, distro(weight_decay, quantize, chunk), micro_batch_size=2)
