@@ -10,7 +10,8 @@ of the same length first (same sitting, no attack) and prints a markdown table:
 * coordinator, before login: each connection sends a 4-byte header claiming 8 MiB at once;
 * coordinator, after login: each logs in with a fresh key, then claims 8 MiB and sends nothing;
 * data server, before login: as the first, on the run's data port;
-* blob side channel (a client's): each claims an 8 MiB control frame, or says nothing.
+* blob side channel (a client's): each claims a 64 KiB Noise handshake message (the largest its
+  2-byte length can say; the listener takes at most 1 KiB before the handshake), or says nothing.
 
 Figures: MB of VmRSS before the window, its peak during it (VmHWM, reset through
 /proc/<pid>/clear_refs before the window), and after the sockets are closed and `settle` seconds
@@ -155,10 +156,11 @@ async def claim_flood(
     *,
     login: bool = False,
     claim: int = CLAIM,
+    header_bytes: int = 4,
     send: bool = True,
     host: str = "127.0.0.1",
 ) -> Flood:
-    """`count` connections to `port`, each sending a 4-byte header that claims `claim` bytes
+    """`count` connections to `port`, each sending a `header_bytes`-byte length that claims `claim` bytes
     and nothing more (after a handshake with a fresh key when `login`; nothing at all when not
     `send`), held for `hold` seconds, then closed."""
     result = Flood()
@@ -175,7 +177,7 @@ async def claim_flood(
                 if login:
                     await _login(stream)
                 if send:
-                    await stream.send_all(claim.to_bytes(4, "big"))
+                    await stream.send_all(claim.to_bytes(header_bytes, "big"))
             except (OSError, trio.BrokenResourceError, trio.TooSlowError):
                 pass  # closed already: counted below
         await trio.sleep(hold)
@@ -232,7 +234,12 @@ async def attacks(
         ("coordinator, before login", server_pid, ports["coordinator"], {}),
         ("coordinator, fresh keys after login", server_pid, ports["coordinator"], {"login": True}),
         ("data server, before login", server_pid, ports["data"], {}),
-        ("blob side channel, 8 MiB claims", client_pid, ports["blob"], {}),
+        (
+            "blob side channel, 64 KiB handshake claims",
+            client_pid,
+            ports["blob"],
+            {"claim": 0xFFFF, "header_bytes": 2},
+        ),
         ("blob side channel, silent", client_pid, ports["blob"], {"send": False}),
     ]
     rows = []
