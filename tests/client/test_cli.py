@@ -71,7 +71,8 @@ def test_upstream_defaults_and_environment_fallback(monkeypatch: pytest.MonkeyPa
     assert args.server_addr == "127.0.0.1:20000"
     assert args.micro_batch_size == 4 and args.grad_accum_in_fp32 is True
     assert args.delete_old_steps is False
-    assert (args.logs, args.device, args.keep_steps) == ("tui", "auto", 3)
+    # console by default (upstream: tui; a dashboard is opt-in here, docs/client.md)
+    assert (args.logs, args.device, args.keep_steps) == ("console", "auto", 3)
     assert (args.max_concurrent_parameter_requests, args.max_concurrent_downloads) == (8, 4)
     assert (args.hub_max_concurrent_downloads, args.eval_seed, args.data_parallelism) == (3, 42, 1)
     assert args.prompt_task is False and args.oltp_report_interval == 60.0
@@ -89,15 +90,15 @@ def test_required_options(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--wandb-project", "p"], "Weights & Biases"),
-        (["--eval-tasks", "hellaswag"], "evaluations"),
-        (["--prompt-task"], "prompt task"),
+        (["--wandb-project", "p"], "WANDB_API_KEY"),
+        (["--eval-tasks", "hellaswag,nope"], "unknown evaluation task 'nope'"),
+        (["--eval-task-max-docs", "3"], "need --eval-tasks"),
         (["--data-parallelism", "2"], "data parallelism"),
         (["--tensor-parallelism", "2"], "tensor parallelism"),
         (["--sidecar-port", "9"], "sidecars"),
-        (["--gcs-bucket", "b"], "GCS"),
-        (["--oltp-metrics-url", "http://x"], "OpenTelemetry"),
-        (["--events-dir", "events"], "event files"),
+        (["--gcs-bucket", "b"], "--checkpoint-dir"),
+        (["--oltp-metrics-url", "x:4318"], "--oltp-metrics-url must be an http"),
+        (["--oltp-auth-header", "Bearer t"], "without any --oltp-*-url"),
         (["--dummy-training-delay-secs", "2"], "dummy model"),
         (["--iroh-relay", "n0"], "relays"),
         (["--device", "mps"], "--device mps"),
@@ -117,8 +118,10 @@ def test_refusal_also_applies_to_the_environment(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("WANDB_PROJECT", "p")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
     assert main(["train", "--run-id", "r", "--server-addr", "127.0.0.1:1"]) == 2
-    assert "--wandb-project p" in capsys.readouterr().err
+    assert "WANDB_API_KEY" in capsys.readouterr().err
 
 
 def test_hub_upload_needs_a_token_and_kept_steps(

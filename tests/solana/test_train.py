@@ -92,7 +92,7 @@ def test_train_takes_the_shared_train_options_and_the_solana_ones(
     args = parse_train(["-w", "wallet.json", "--rpc", "http://primary:8899", "--device", "cpu"])
     assert args.run_id == "my-run"  # quotes trimmed, as upstream
     assert args.micro_batch_size == 4 and args.device == "cpu"
-    assert (args.logs, args.keep_steps, args.iroh_discovery) == ("tui", 3, "n0")
+    assert (args.logs, args.keep_steps, args.iroh_discovery) == ("console", 3, "n0")
     assert args.wallet_private_key_path == Path("wallet.json")
     assert args.authorizer == "11111111111111111111111111111111"
     from psyche.cli.solana_client.train import backup_clusters

@@ -20,7 +20,7 @@ import math
 import random
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +46,7 @@ from psyche.client.payloads import (
 )
 from psyche.client.stats import run_summary
 from psyche.client.steps import MachineSettings, StepStateMachine
+from psyche.client.telemetry import NetworkNumbers, Observers, RoundReport
 from psyche.client.train import OwnResult
 from psyche.client.witness import SendFinished, finished_broadcast
 from psyche.coordinator import Coordinator, RunState
@@ -76,6 +77,8 @@ from psyche.network.transmittable import (
 
 if TYPE_CHECKING:
     import torch
+
+    from psyche.client.evals import EvalSettings
 
 logger = logging.getLogger(__name__)
 
@@ -167,6 +170,8 @@ class Client:
         config: RunInitConfig,
         *,
         rng: random.Random | None = None,
+        observers: Observers | None = None,
+        evals: EvalSettings | None = None,
     ) -> None:
         self.backend = backend
         self.network = network
@@ -188,6 +193,10 @@ class Client:
         self.finished = False
         self.final_checkpoint: Path | None = None
         self._started = time.monotonic()
+        # Who hears about the run (trackers, the dashboard, the events file), and evaluations.
+        self.observers = observers or Observers()
+        self.eval_settings = evals
+        self.bytes_received = 0
 
     # ---- running -------------------------------------------------------------------------------
 
@@ -277,6 +286,7 @@ class Client:
                 epoch=state.progress.epoch,
                 step=state.progress.step,
             )
+        self.observers.on_state(state)
         clients = state.epoch_state.clients
         self.network.set_allowed_peers(c.id.p2p_identity for c in clients)
         self._learn_peer_addresses()
@@ -349,6 +359,7 @@ class Client:
             checkpointing=self.config.checkpoint is not None,
         )
         log_event(logger, "run_finished", text=text, **fields)
+        self.observers.on_finished(fields)
 
     def _summary_fields(self, state: Coordinator) -> dict[str, Any]:
         machine = self.machine
@@ -400,6 +411,17 @@ class Client:
         loaded = result.loaded
         self.sharable_model.update_config(loaded.config_json, loaded.tokenizer_json)
         fetcher = DataFetcher(result.data_provider, self._nursery)
+        evals = None
+        if self.eval_settings is not None and self.eval_settings.enabled:
+            from psyche.client.evals import EvalWorker
+
+            evals = EvalWorker(
+                self.eval_settings,
+                loaded.tokenizer_json,
+                loaded.model,
+                self._nursery,
+                self._on_eval_scores,
+            )
         settings = MachineSettings(
             identity=self.identity,
             write_gradients_dir=self.config.write_gradients_dir,
@@ -407,6 +429,8 @@ class Client:
             files=CheckpointFiles(
                 list(loaded.extra_files), loaded.config_json, loaded.tokenizer_json
             ),
+            on_round=self._on_round,
+            evals=evals,
         )
         self.machine = StepStateMachine(
             settings, result.trainer, fetcher, self.coordinator, self.io, self._nursery
@@ -414,6 +438,24 @@ class Client:
         self.stage = "running"
         # Upstream applies the state init started with; the newest one is what matters now.
         await self.machine.apply_state(self.coordinator)
+
+    # ---- telemetry -----------------------------------------------------------------------------
+
+    def network_numbers(self) -> NetworkNumbers:
+        infos = self.network.remote_infos()[1:]  # the first is this client
+        return NetworkNumbers(
+            peers=len(self.network.connected_peers()),
+            bytes_sent=self.network.bytes_served,
+            bytes_received=self.bytes_received,
+            bandwidth=sum(info.bandwidth for info in infos),
+        )
+
+    def _on_round(self, report: RoundReport) -> None:
+        self.observers.on_round(replace(report, network=self.network_numbers()))
+
+    def _on_eval_scores(self, scores: dict[str, float]) -> None:
+        step = self.coordinator.progress.step if self.coordinator is not None else 0
+        self.observers.on_evals(step, scores)
 
     # ---- network -------------------------------------------------------------------------------
 
@@ -487,7 +529,10 @@ class Client:
         self._spawn(self._deliver, download)
 
     async def _deliver(self, download: Download) -> None:
-        self._post(_Downloaded(await download.finished()))
+        outcome = await download.finished()
+        if isinstance(outcome, DownloadComplete):
+            self.bytes_received += download.ticket.size
+        self._post(_Downloaded(outcome))
 
     # ---- timers --------------------------------------------------------------------------------
 

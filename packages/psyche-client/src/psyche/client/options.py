@@ -58,6 +58,13 @@ def parse_seconds(text: str) -> float:
     return value
 
 
+def _parse_keep_every(text: str) -> str:
+    from psyche.client.keep_policy import parse_keep_every
+
+    parse_keep_every(text)  # KeepPolicyError (a ValueError) for a bad value
+    return text
+
+
 def trim_quotes(text: str) -> str:
     return text.strip('"')
 
@@ -96,13 +103,6 @@ def option(default: Any = MISSING, **flag: Any) -> Any:
     return field(default=default, metadata={"flag": Flag(**flag)})
 
 
-OTEL = "OpenTelemetry export is not built in the Python client"
-EVALS = "evaluations are not built in the Python client"
-GCS = "GCS checkpoints are not built in the Python client"
-WANDB = "Weights & Biases logging is not built in the Python client"
-EVENTS = "event files are not built in the Python client"
-
-
 def relay_problems(options: TrainOptions) -> list[str]:
     """What is wrong with `--iroh-relay`'s relay addresses (`n0`'s relays do not exist here)."""
     if options.iroh_relay == "n0":
@@ -115,6 +115,40 @@ def relay_problems(options: TrainOptions) -> list[str]:
             relay_peer(addr)
         except ValueError as e:
             problems.append(f"{addr!r} is not a relay address ({e})")
+    return problems
+
+
+def observability_problems(options: TrainOptions) -> list[str]:
+    """What is wrong with the tracker and evaluation options, found without loading anything:
+    a typo in a task name, an OTLP URL that is not http, W&B flags without WANDB_API_KEY (or
+    WANDB_MODE=offline), a tracker whose extra is not installed. Datasets are read later."""
+    from psyche.core.metrics import TrackerConfig, TrackerConfigError, require_extra, wandb_info
+
+    config = TrackerConfig.from_options(options)
+    problems = config.problems()
+    try:
+        wandb = wandb_info(config, options.run_id)
+    except TrackerConfigError as e:
+        problems.append(f"Weights & Biases: {e}")
+        wandb = None
+    try:
+        if wandb is not None:
+            require_extra("wandb")
+        if config.tensorboard_dir is not None:
+            require_extra("tensorboard")
+        if config.wants_otel:
+            require_extra("otel")
+    except TrackerConfigError as e:
+        problems.append(str(e))
+    if options.eval_tasks:
+        from psyche.modeling.eval import UnknownTaskError, check_task_names
+
+        try:
+            check_task_names(options.eval_tasks)
+        except UnknownTaskError as e:
+            problems.append(f"--eval-tasks {options.eval_tasks}: {e}")
+    elif options.eval_task_max_docs is not None or options.eval_data_dir is not None:
+        problems.append("--eval-task-max-docs and --eval-data-dir need --eval-tasks")
     return problems
 
 
@@ -143,23 +177,32 @@ class TrainOptions:
     """Discovery: `n0` = addresses through the coordinator server; `local` = files in a
     directory shared by clients on this machine"""
 
-    logs: str = option("tui", parse=parse_choice(LOG_OUTPUTS))
-    """Log output: tui (not built: console with a note), console, json"""
+    logs: str = option("console", parse=parse_choice(LOG_OUTPUTS))
+    """Log output: console (default), json (one JSON object a line), tui (a terminal
+    dashboard: run state, loss chart, peers, evaluations), tui-and-console (the dashboard, and
+    console lines to --write-log), none"""
 
-    oltp_auth_header: str | None = option(None, not_built=OTEL)
-    """OpenTelemetry export (not built; refused when set)"""
+    oltp_auth_header: str | None = option(None)
+    """`authorization` header sent with every OpenTelemetry (OTLP/HTTP) export"""
 
-    oltp_metrics_url: str | None = option(None, not_built=OTEL)
-    """OpenTelemetry export (not built; refused when set)"""
+    oltp_metrics_url: str | None = option(None)
+    """Export the per-round metrics to this OTLP/HTTP endpoint (usually `.../v1/metrics`)"""
 
-    oltp_tracing_url: str | None = option(None, not_built=OTEL)
-    """OpenTelemetry export (not built; refused when set)"""
+    oltp_tracing_url: str | None = option(None)
+    """Export one span per round to this OTLP/HTTP endpoint (usually `.../v1/traces`)"""
 
-    oltp_logs_url: str | None = option(None, not_built=OTEL)
-    """OpenTelemetry export (not built; refused when set)"""
+    oltp_logs_url: str | None = option(None)
+    """Export the client's log records to this OTLP/HTTP endpoint (usually `.../v1/logs`)"""
 
-    oltp_report_interval: float = option(60.0, parse=parse_seconds, not_built=OTEL)
-    """OpenTelemetry report interval in seconds (not built)"""
+    oltp_report_interval: float = option(60.0, parse=parse_seconds)
+    """Seconds between two OpenTelemetry metric exports"""
+
+    tensorboard_dir: Path | None = option(None, parse=Path)  # noqa: RUF009 (a field)
+    """Write the per-round metrics as TensorBoard event files to this directory (needs
+    psyche-core[tensorboard])"""
+
+    metrics_jsonl: Path | None = option(None, parse=Path)  # noqa: RUF009 (a field)
+    """Append the per-round metrics to this file, one JSON object a line"""
 
     metrics_local_port: int | None = option(None, parse=parse_unsigned(16))
     """Local JSON metrics port (not built; ignored with a warning)"""
@@ -185,49 +228,53 @@ class TrainOptions:
     write_gradients_dir: Path | None = option(None, parse=Path)  # noqa: RUF009 (a field)
     """Write every DisTrO result this client produces to this directory"""
 
-    eval_tasks: str | None = option(None, not_built=EVALS)
-    """Evaluation tasks (not built; refused when set)"""
+    eval_tasks: str | None = option(None)
+    """Evaluation tasks run between rounds, comma-separated (arc_easy, arc_challenge, boolq,
+    hellaswag, mmlu, mmlu_pro, mmlu_cf, openbookqa, piqa, ceval); scores go to the console and
+    the trackers"""
 
-    eval_seed: int = option(42, parse=parse_unsigned(64), not_built=EVALS)
-    """Evaluation seed (not built)"""
+    eval_seed: int = option(42, parse=parse_unsigned(64))
+    """Seed of the evaluations' few-shot shuffles"""
 
-    eval_task_max_docs: int | None = option(None, parse=int, not_built=EVALS)
-    """Evaluation docs per task (not built)"""
+    eval_task_max_docs: int | None = option(None, parse=parse_positive)
+    """Documents per evaluation task (all if not given)"""
 
-    prompt_task: bool = option(
-        False,
-        flag_only=True,
-        parse=parse_bool,
-        not_built="the prompt task is not built in the Python client",
-    )
-    """Run the prompt task (not built; refused when set)"""
+    eval_data_dir: Path | None = option(None, parse=Path)  # noqa: RUF009 (a field)
+    """Read the evaluation datasets from this directory, laid out as the Hugging Face hub's
+    parquet branch (`<repo id>/<subset>/<split>/*.parquet` or `*.jsonl`), instead of the hub"""
+
+    prompt_task: bool = option(False, flag_only=True, parse=parse_bool)
+    """Continue a prompt one token between rounds (its tokens go with the witness metadata)"""
 
     checkpoint_dir: Path | None = option(None, parse=Path)  # noqa: RUF009 (a field)
     """Save the model here (Hugging Face layout) at the end of every epoch"""
 
     hub_repo: str | None = option(None)
-    """Upload each checkpoint to this Hugging Face repo (needs --checkpoint-dir and HF_TOKEN)"""
+    """Upload each checkpoint to this Hugging Face repo (needs --checkpoint-dir and HF_TOKEN), in
+    the background, one commit per checkpoint, retried with backoff"""
 
-    gcs_bucket: str | None = option(None, not_built=GCS)
-    """GCS checkpoint uploads (not built; refused when set)"""
+    gcs_bucket: str | None = option(None)
+    """Upload each checkpoint to this GCS bucket (needs --checkpoint-dir and the `gcs` extra;
+    authenticated with GOOGLE_APPLICATION_CREDENTIALS, else anonymous)"""
 
-    gcs_prefix: str | None = option(None, not_built=GCS)
-    """GCS prefix (not built; refused when set)"""
+    gcs_prefix: str | None = option(None)
+    """Object prefix of the checkpoint in --gcs-bucket"""
 
     hub_max_concurrent_downloads: int = option(3, parse=parse_positive)
     """Parallel file downloads from the hub"""
 
-    wandb_project: str | None = option(None, not_built=WANDB)
-    """Weights & Biases logging (not built; refused when set)"""
+    wandb_project: str | None = option(None)
+    """Weights & Biases project (default `psyche`; W&B is on when WANDB_API_KEY is set, or with
+    WANDB_MODE=offline, which writes the run under ./wandb or WANDB_DIR)"""
 
-    wandb_run: str | None = option(None, not_built=WANDB)
-    """Weights & Biases logging (not built; refused when set)"""
+    wandb_run: str | None = option(None)
+    """Weights & Biases run name (default `<run id>-<client identity>`)"""
 
-    wandb_group: str | None = option(None, not_built=WANDB)
-    """Weights & Biases logging (not built; refused when set)"""
+    wandb_group: str | None = option(None)
+    """Weights & Biases run group"""
 
-    wandb_entity: str | None = option(None, not_built=WANDB)
-    """Weights & Biases logging (not built; refused when set)"""
+    wandb_entity: str | None = option(None)
+    """Weights & Biases entity (user or team)"""
 
     write_log: Path | None = option(None, parse=Path)  # noqa: RUF009 (a field)
     """Also write the logs to this file"""
@@ -265,11 +312,21 @@ class TrainOptions:
     keep_steps: int = option(3, parse=parse_unsigned(32))
     """Checkpoint directories to keep (at least 1 when uploading)"""
 
-    events_dir: Path | None = option(None, parse=Path, not_built=EVENTS)  # noqa: RUF009 (a field)
-    """Event files (not built; refused when set)"""
+    keep_every: str | None = option(None, parse=_parse_keep_every)
+    """Permanent checkpoints, never deleted: EVERY[:UNTIL],... keeps the first checkpoint at or
+    after each multiple of EVERY steps, up to step UNTIL, then the next interval (e.g.
+    `1000:10000,5000`)"""
 
-    keep_event_files: int = option(5, parse=parse_unsigned(64), not_built=EVENTS)
-    """Event files to keep (not built)"""
+    temporary_checkpoint_interval: float | None = option(None, parse=parse_seconds)
+    """Seconds between temporary checkpoints: other checkpoints are written only this long after
+    the last one (the run's final one always), and each deletes the temporary one before it"""
+
+    events_dir: Path | None = option(None, parse=Path)  # noqa: RUF009 (a field)
+    """Write this client's events (state changes, rounds, evaluations) to
+    `<dir>/<client identity>/epoch-<N>.jsonl`, one file per epoch"""
+
+    keep_event_files: int = option(5, parse=parse_unsigned(64))
+    """Epoch event files to keep; older ones are deleted (0: keep all)"""
 
     def relay_addrs(self) -> tuple[str, ...]:
         """The relays `--iroh-relay` names (none for `psyche` and `disabled`)."""
@@ -304,11 +361,17 @@ class TrainOptions:
                 f"--device {device}: supported are auto, cpu, cuda and cuda:N (mps and several "
                 "devices are not built)"
             )
-        if self.hub_repo is not None and self.checkpoint_dir is None:
-            problems.append("--hub-repo was set, but no --checkpoint-dir was passed!")
+        problems.extend(observability_problems(self))
+        if self.hub_repo is not None and self.gcs_bucket is not None:
+            problems.append("Use either GCS or HF hub for checkpoint uploads, not both.")
+        uploading = self.hub_repo is not None or self.gcs_bucket is not None
+        if uploading and self.checkpoint_dir is None:
+            problems.append(
+                "--hub-repo or --gcs-bucket was set, but no --checkpoint-dir was passed!"
+            )
         if self.hub_repo is not None and not os.environ.get("HF_TOKEN"):
             problems.append("hub-repo and checkpoint-dir set, but no HF_TOKEN env variable.")
-        if self.hub_repo is not None and self.keep_steps == 0:
+        if uploading and self.keep_steps == 0:
             problems.append(
                 f"keep_steps must be >= 1 for checkpoint uploads (got {self.keep_steps})"
             )

@@ -13,6 +13,11 @@ Start-up order: the client reaches its coordinator first, so that within a secon
 it is waiting for, while torch and transformers load in a worker thread (seconds); it joins the
 run once they are loaded (so it is ready when the warmup starts), then starts the network and
 the training client. Nothing here imports torch until the client runs.
+
+What the client reports goes to its observers (`psyche.client.telemetry`): the trackers the
+options ask for (built before anything else, so a misconfigured one is a one-line error, and
+finished within their timeout when the client ends), the `--events-dir` files and the
+`--logs tui` dashboard. `--eval-tasks` datasets are read once the coordinator is reached.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from psyche.client.options import OptionError, TrainOptions
 if TYPE_CHECKING:
     from psyche.client.client import Client
     from psyche.client.init import RunInitConfig
+    from psyche.client.telemetry import Observers
     from psyche.core.identity import SecretKey
     from psyche.core.node_identity import NodeIdentity
     from psyche.network.connection import NetworkConfig, NetworkConnection
@@ -103,20 +109,29 @@ def run_init_config(
         remove_stale_staging,
     )
     from psyche.client.init import RunInitConfig
+    from psyche.client.keep_policy import KeepPolicy, parse_keep_every
+    from psyche.client.upload import GcsUpload, HubUpload, UploadTarget
 
     checkpoint = None
     if options.checkpoint_dir is not None:
         token = os.environ.get("HF_TOKEN")
+        upload: UploadTarget | None = None
         if options.hub_repo is not None:
             assert token is not None  # checked with the options
             check_hub_repo_writable(options.hub_repo, token)
-        checkpoint = CheckpointConfig(
-            checkpoint_dir=Path(options.checkpoint_dir),
-            hub_repo=options.hub_repo,
-            hub_token=token,
-            delete_old_steps=bool(options.delete_old_steps),
+            upload = HubUpload(options.hub_repo, token)
+        elif options.gcs_bucket is not None:
+            from psyche.client.gcs import storage_client
+
+            storage_client()  # fails early without google-cloud-storage
+            upload = GcsUpload(options.gcs_bucket, options.gcs_prefix)
+        keep = KeepPolicy(
+            permanent=() if options.keep_every is None else parse_keep_every(options.keep_every),
+            temporary_interval_secs=options.temporary_checkpoint_interval,
             keep_steps=options.keep_steps,
+            delete_old_steps=bool(options.delete_old_steps),
         )
+        checkpoint = CheckpointConfig(Path(options.checkpoint_dir), upload, keep)
         remove_stale_staging(checkpoint.checkpoint_dir)
     return RunInitConfig(
         identity=identity,  # type: ignore[arg-type]
@@ -179,6 +194,9 @@ def run_client(
     connect: ConnectBackend,
     network: NetworkConfig,
     train: TrainOnBackend = _run_on_client,
+    *,
+    service: str = "psyche-client",
+    observers: Sequence[Any] = (),
 ) -> int:
     """Train on the run until it ends: open the backend (`connect`) while `Preload` loads the
     heavy modules, build the client's `RunInitConfig` once they are loaded, open the network
@@ -187,7 +205,10 @@ def run_client(
     The exit code: 0; 130 (143 after SIGTERM) when interrupted; a failure with an `exit_code`
     attribute (another client version) is logged in one line and ends with that code; anything
     else is raised for the command to report (`psyche.core.cli`: one line for a user error, the
-    traceback for a bug)."""
+    traceback for a bug).
+
+    `service` names the client in OpenTelemetry exports; `observers` hear about the run
+    besides the ones the options ask for (`psyche.client.telemetry.RunObserver`)."""
     import trio
 
     from psyche.core.cli import (
@@ -197,16 +218,25 @@ def run_client(
         user_error_message,
     )
 
+    watchers, closers = run_observers(options, identity, service)
+    watchers.observers.extend(observers)
+
     async def main(preload: Preload) -> None:
         async with connect(before_join=preload.wait) as backend:
             config = await trio.to_thread.run_sync(run_init_config, options, identity, key)
+            evals = None
+            if options.eval_tasks or options.prompt_task:
+                from psyche.client.evals import EvalSettings
+
+                evals = await trio.to_thread.run_sync(EvalSettings.from_options, options)
             from psyche.client.broadcast import open_network
             from psyche.client.client import Client
 
             run_relays = getattr(backend, "relays", []) if options.iroh_relay == "psyche" else []
             relays = tuple(dict.fromkeys((*network.relays, *run_relays)))
             async with open_network(replace(network, relays=relays)) as connection:
-                await train(backend, Client(backend, connection, config), connection)
+                client = Client(backend, connection, config, observers=watchers, evals=evals)
+                await train(backend, client, connection)
 
     async def both() -> None:
         preload = Preload(options.device)
@@ -218,6 +248,7 @@ def run_client(
     try:
         trio.run(both)
     except BaseException as e:  # judged by the root cause, not the nursery's exception group
+        _close_all(closers)
         root = single_cause(e)
         if isinstance(root, KeyboardInterrupt):
             log.info("interrupted by %s; exiting", interrupted_by())
@@ -226,7 +257,41 @@ def run_client(
             log.error("client stopped: %s", root)
             return int(root.exit_code)
         raise
+    _close_all(closers)
     return 0
+
+
+def run_observers(
+    options: TrainOptions, identity: NodeIdentity, service: str
+) -> tuple[Observers, list[Callable[[], None]]]:
+    """The observers the options ask for (trackers, `--events-dir`), and how to close each
+    (bounded: the trackers get their finish timeout). A tracker that cannot work is a
+    `TrackerConfigError`, one line."""
+    from psyche.client.telemetry import Observers, TrackerObserver, client_tracker
+
+    tracker = client_tracker(options, identity, service)
+    observers = Observers([TrackerObserver(tracker)])
+    closers: list[Callable[[], None]] = [tracker.finish]
+    if options.events_dir is not None:
+        from psyche.client.event_files import EventFiles
+
+        events = EventFiles(
+            Path(options.events_dir) / str(identity),
+            run_id=options.run_id,
+            node_id=str(identity),
+            keep=options.keep_event_files,
+        )
+        observers.add(events)
+        closers.append(events.close)
+    return observers, closers
+
+
+def _close_all(closers: list[Callable[[], None]]) -> None:
+    for close in closers:
+        try:
+            close()
+        except Exception as e:  # closing must not hide how the run ended
+            log.warning("closing %s failed: %s", getattr(close, "__qualname__", close), e)
 
 
 __all__ = [
@@ -236,5 +301,6 @@ __all__ = [
     "network_config",
     "run_client",
     "run_init_config",
+    "run_observers",
     "setup_logging",
 ]

@@ -1,8 +1,9 @@
 """Round statistics and the metadata a witness sends with its witness (upstream `stats.rs`), and
 what a person reads: the progress line and the run summary.
 
-The coordinator ignores the metadata; it is there for dashboards. No evals or prompt task run
-here, so those fields stay empty.
+The coordinator ignores the metadata; it is there for dashboards. With evaluations running
+(`psyche.client.evals`), it carries their latest scores (at most 8, names cut to 32 bytes) and the
+prompt task's tokens, as upstream's `get_witness_metadata`.
 """
 
 from __future__ import annotations
@@ -11,15 +12,27 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from psyche.coordinator import Coordinator, WitnessMetadata
+from psyche.coordinator.run_state import MAX_TOKENS_TO_SEND, WitnessEvalResult
 
 _HISTORY = 16
 
 
 def _no_nan(value: float, default: float) -> float:
     return default if math.isnan(value) else value
+
+
+class EvalSource(Protocol):
+    """Where the witness metadata's evaluation fields come from (`EvalWorker`)."""
+
+    def scores(self) -> dict[str, float]: ...
+
+    def prompt_results(self) -> tuple[list[int], int]: ...
+
+
+_MAX_EVALS = 8
 
 
 @dataclass
@@ -29,6 +42,7 @@ class StatsLogger:
     round_durations: deque[float] = field(default_factory=lambda: deque(maxlen=_HISTORY))
     last_optim_stats: dict[str, float] = field(default_factory=dict)
     bandwidth_total: float = 0.0
+    evals: EvalSource | None = None
 
     def push_round_stats(
         self,
@@ -71,12 +85,24 @@ class StatsLogger:
 
     def witness_metadata(self, state: Coordinator) -> WitnessMetadata:
         loss = self.losses[-1] if self.losses else math.inf
+        evals: list[WitnessEvalResult] = []
+        prompt_results: list[int] = []
+        prompt_index = 0
+        if self.evals is not None:
+            evals = [
+                WitnessEvalResult.new_trunc_name(name, _no_nan(value, 0.0))
+                for name, value in list(self.evals.scores().items())[:_MAX_EVALS]
+            ]
+            prompt_results, prompt_index = self.evals.prompt_results()
         return WitnessMetadata(
             step=state.progress.step,
             tokens_per_sec=_no_nan(self.global_tokens_per_second(state), 0.0),
             bandwidth_per_sec=_no_nan(self.bandwidth_total, 0.0),
             loss=_no_nan(loss, math.inf),
             efficency=_no_nan(self.efficency(), 0.0),
+            evals=evals,
+            prompt_results=prompt_results[-MAX_TOKENS_TO_SEND:],
+            prompt_index=prompt_index,
         )
 
 

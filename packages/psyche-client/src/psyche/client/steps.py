@@ -11,6 +11,11 @@ client's main loop. Every method is called from that loop, one at a time, as ups
 
 A `Finished` run state is not applied like the others (upstream desyncs on it): the client
 calls `finish_run`, which completes the last epoch's cooldown and waits for its checkpoint.
+
+Each round is measured once into a `telemetry.RoundReport` (the progress line is formatted from
+it) and handed to `MachineSettings.on_round` once the round is over. With `MachineSettings.evals`
+the evaluations run while the trainer is idle: they start when a round's training step ends and
+are stopped before the next one starts (or the epoch's cooldown), as upstream's.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -34,8 +40,10 @@ from psyche.client.fetch_data import DataFetcher
 from psyche.client.logs import log_event
 from psyche.client.round_state import RoundState
 from psyche.client.stats import RunProgress, StatsLogger, progress_text
+from psyche.client.telemetry import RoundClock, RoundReport, complete_report
 from psyche.client.train import (
     BloomFactory,
+    FinishedTraining,
     OwnResult,
     TrainingStep,
     TrainJob,
@@ -47,7 +55,6 @@ from psyche.client.warmup import WarmupProgress, opportunistic_warmup_action
 from psyche.coordinator import Coordinator, RunState
 from psyche.coordinator.backend import HealthCheck, OpportunisticData
 from psyche.coordinator.model import Checkpoint
-from psyche.core.batch_id import BatchId
 from psyche.core.bloom import WitnessBloom
 from psyche.core.log_markers import IntegrationTestLogMarker
 from psyche.core.node_identity import NodeIdentity
@@ -55,6 +62,7 @@ from psyche.core.node_identity import NodeIdentity
 if TYPE_CHECKING:
     import torch
 
+    from psyche.client.evals import EvalWorker
     from psyche.modeling.serialized_distro import TransmittableDistroResult
     from psyche.modeling.trainer import Trainer
 
@@ -98,6 +106,7 @@ _ALLOWED = {
 
 
 _BETWEEN_EPOCHS = (RunState.WaitingForMembers, RunState.Warmup, RunState.Paused)
+_ROUND_STATES = (RunState.RoundTrain, RunState.RoundWitness)
 
 
 class StepDesync(RuntimeError):
@@ -114,6 +123,10 @@ class MachineSettings:
     write_gradients_dir: Path | None = None
     checkpoint: CheckpointConfig | None = None
     files: CheckpointFiles = field(default_factory=CheckpointFiles)
+    on_round: Callable[[RoundReport], None] | None = None
+    """Hears every finished round (trackers, the dashboard, the events file)."""
+    evals: EvalWorker | None = None
+    """Evaluations run while the trainer is idle."""
 
 
 def client_index(state: Coordinator, identity: NodeIdentity) -> int | None:
@@ -165,6 +178,11 @@ class StepStateMachine:
         self.step_finish_time: float | None = None
         self.progress = RunProgress()
         self._late_warned: tuple[int, int] | None = None
+        self.round_clock = RoundClock()
+        self._pending_report: RoundReport | None = None
+        self.evals = settings.evals
+        if self.evals is not None:
+            self.stats.evals = self.evals
 
     async def wait_idle(self) -> None:
         """Return once no work this machine started is running: the round's training step has
@@ -176,6 +194,8 @@ class StepStateMachine:
     # ---- coordinator states ------------------------------------------------------------------
 
     async def apply_state(self, state: Coordinator) -> None:
+        if self.evals is not None and state.run_state not in _ROUND_STATES:
+            await self.evals.stop()  # the cooldown (or leaving) needs the model
         index = client_index(state, self.identity)
         if index is None:
             await self._leave_run(state)
@@ -255,6 +275,8 @@ class StepStateMachine:
                 step=step,
             )
         self.coordinator_state = state
+        if self.active is not ActiveStep.Witness:
+            self._emit_report()
 
     def _check_next_step(self, step: int) -> None:
         if step != self.current.step + 1:
@@ -330,6 +352,7 @@ class StepStateMachine:
             )
             self.io.send_health_check(checks)
         self.previous = self.current
+        self.round_clock.start(state.progress.step)
         plan = start_round(state, self.identity, index, new_bloom=self._new_bloom)
         self.current = plan.state
         log_round_start(state, self.identity, index, plan)
@@ -350,15 +373,20 @@ class StepStateMachine:
         handle = TrainingStep()
         self.training = handle
         self.active = ActiveStep.Training
-        self.tasks.start_soon(
-            run_round,
-            handle,
-            self.trainer,
-            apply_job,
-            train_job,
-            self.fetcher,
-            self.io.publish_result,
+        self.tasks.start_soon(self._run_round, handle, apply_job, train_job)
+
+    async def _run_round(
+        self, handle: TrainingStep, apply_job: ApplyJob | None, train_job: TrainJob | None
+    ) -> None:
+        """The round's training step; evaluations give the model back first and take it
+        again once the step is done (the trainer is idle until the next round)."""
+        if self.evals is not None:
+            await self.evals.stop()
+        await run_round(
+            handle, self.trainer, apply_job, train_job, self.fetcher, self.io.publish_result
         )
+        if self.evals is not None and handle.finished and not handle.cancel.is_set():
+            self.evals.start()
 
     async def _finish_training(self, state: Coordinator, *, log_loss: bool = True) -> None:
         handle = self.training
@@ -374,18 +402,41 @@ class StepStateMachine:
             finished.losses, finished.duration, step_duration, finished.optim_stats
         )
         if log_loss:
-            self._log_progress(state, loss, finished.trained, now)
+            self._log_progress(state, loss, finished, now)
 
     def _log_progress(
-        self, state: Coordinator, loss: float | None, trained: list[BatchId], now: float
+        self, state: Coordinator, loss: float | None, finished: FinishedTraining, now: float
     ) -> None:
         """`client_loss`, whose console form is the progress line (from this module's logger,
-        as a person reading the console knows it)."""
+        as a person reading the console knows it), and the round's report, from the same
+        numbers (handed on once the round is over: `_emit_report`)."""
         step, total = self.current.step, state.config.total_steps
+        trained = finished.trained
         batch_tokens = state.get_target_global_batch_size(state.current_round())
         self.progress.record(step, now, batch_tokens * state.get_sequence_length())
         tokens_per_sec = self.stats.global_tokens_per_second(state) or None
         seconds_left = self.progress.seconds_left(step, total)
+        self._emit_report()  # an earlier round still pending goes first
+        efficiency = self.stats.efficency()
+        self._pending_report = RoundReport(
+            step=step,
+            epoch=state.progress.epoch,
+            total_steps=total,
+            round_height=self.current.height,
+            num_clients=len(state.epoch_state.clients),
+            loss=loss,
+            lr=self.trainer.get_lr(step, state.get_cold_start_warmup_bounds()),
+            tokens_per_sec=tokens_per_sec,
+            total_tokens=self.progress.tokens,
+            global_token_batch_size=batch_tokens * state.get_sequence_length(),
+            efficiency=None if efficiency != efficiency else efficiency,
+            seconds_left=seconds_left,
+            trained=len(trained),
+            train_seconds=finished.duration,
+            distro_seconds=finished.distro_seconds,
+            eval_scores=self.evals.scores() if self.evals is not None else {},
+            optim_stats=dict(finished.optim_stats),
+        )
         log_event(
             logger,
             "client_loss",
@@ -405,10 +456,29 @@ class StepStateMachine:
 
     # ---- witness and cooldown ------------------------------------------------------------------
 
+    def _emit_report(self) -> None:
+        """Hand the pending round's report on, with its witness and download times."""
+        report, self._pending_report = self._pending_report, None
+        if report is None:
+            return
+        report = complete_report(report, self.round_clock.get(report.step))
+        if report.eval_scores:
+            log_event(
+                logger,
+                "eval_scores",
+                text=f"evaluations at step {report.step}: "
+                + ", ".join(f"{name} {score:.4f}" for name, score in report.eval_scores.items()),
+                step=report.step,
+                scores=dict(report.eval_scores),
+            )
+        if self.settings.on_round is not None:
+            self.settings.on_round(report)
+
     def _start_witness(self, state: Coordinator) -> None:
         sent = witness.witness_to_send(self.previous, self.current)
         if sent is not None:
             logger.debug("Submitting witness blooms (step %d)", state.progress.step)
+            self.round_clock.witness_sent(state.progress.step)
             metadata = self.stats.witness_metadata(state)
             self.io.send_witness(OpportunisticData.WitnessStep((sent, metadata)))
         self.active = ActiveStep.Witness
@@ -418,7 +488,9 @@ class StepStateMachine:
         Finished one, with the ended `epoch`); its step is one past the last trained step."""
         self.active = ActiveStep.Cooldown
         epoch = state.progress.epoch if epoch is None else epoch
-        self.cooldown.start(self.tasks, state.run_id, epoch, state.progress.step - 1)
+        # The run ends or pauses here: the keep policy always writes this checkpoint.
+        final = state.progress.step >= state.config.total_steps or bool(state.pending_pause)
+        self.cooldown.start(self.tasks, state.run_id, epoch, state.progress.step - 1, final)
 
     # ---- the end of the run --------------------------------------------------------------------
 
@@ -434,6 +506,8 @@ class StepStateMachine:
         """
         last_epoch, final_step = state.progress.epoch - 1, state.progress.step - 1
         member = client_index(state, self.identity) is not None
+        if self.evals is not None:
+            await self.evals.stop()
         if self.active is ActiveStep.Training:
             await self._finish_training(self.coordinator_state, log_loss=member)
         if self.active in (ActiveStep.Training, ActiveStep.Witness):
@@ -445,6 +519,7 @@ class StepStateMachine:
             await self.cooldown.finish()
         await self.cooldown.wait_for_checkpoints()
         self.coordinator_state = state
+        self._emit_report()
         checkpoints = self.cooldown.checkpoints
         if self.settings.checkpoint is None or final_step not in checkpoints:
             return None
@@ -478,6 +553,7 @@ class StepStateMachine:
                 self.io.broadcast_finished(action)
             case witness.SendWitness(sent):
                 logger.debug("Sending opportunistic witness (step %d)", self.current.step)
+                self.round_clock.witness_sent(self.current.step)
                 metadata = self.stats.witness_metadata(self.coordinator_state)
                 self.io.send_witness(OpportunisticData.WitnessStep((sent, metadata)))
             case witness.SendWarmupWitness(sent):
@@ -531,6 +607,7 @@ class StepStateMachine:
         if pending is None:
             logger.debug("No pending commitment for payload %s", blob_hash[:5].hex())
             return
+        self.round_clock.downloaded(round_state.step)
         self.tasks.start_soon(
             payloads.check_payload,
             round_state,

@@ -185,6 +185,8 @@ class FinishedTraining:
     optim_stats: dict[str, float] = field(default_factory=dict)
     duration: float = 0.0
     trained: list[BatchId] = field(default_factory=list)
+    distro_seconds: float = 0.0
+    """DisTrO's share of `duration`: applying round N - 2 and compressing this round's results."""
 
 
 class TrainingStep:
@@ -251,7 +253,9 @@ async def run_round(
         if train_job is not None and fetcher is not None and train_job.assigned_batches:
             incoming = fetcher.fetch(train_job.assigned_batches)
         if apply_job is not None:
+            apply_start = time.monotonic()
             await apply_results(trainer, apply_job)
+            finished.distro_seconds += time.monotonic() - apply_start
         if incoming is not None and train_job is not None:
             async with incoming:
                 while (item := await handle.next_batch(incoming)) is not None:
@@ -307,6 +311,7 @@ async def _train_one(
         except OSError as e:
             logger.error("Failed to write gradients to disk: %s", e)
     loss = out.loss if math.isfinite(out.loss) else math.nan
+    finished.distro_seconds += timings.get("generate", 0.0)
     finished.losses.append(loss)
     finished.trained.append(batch_id)
     log_event(

@@ -1,0 +1,195 @@
+"""What a client reports, end to end in one process: two real clients (real libp2p on
+loopback, real training of a tiny Llama) with every local tracker on (a JSONL file and
+TensorBoard, read back with TensorBoard's own reader), `--events-dir`, and an evaluation task
+scored between rounds from a local dataset file. The per-step metrics are the numbers of the
+progress line (one source of truth)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import trio
+
+from psyche.client.broadcast import open_network
+from psyche.client.client import Client
+from psyche.client.evals import EvalSettings
+from psyche.client.event_files import read_event_files
+from psyche.client.init import RunInitConfig
+from psyche.client.model_loading import preload_modeling
+from psyche.client.options import TrainOptions
+from psyche.client.run import _close_all, run_observers
+from psyche.client.telemetry import NetworkNumbers, RoundReport, round_metrics
+from psyche.client.testing import InProcessServer
+from psyche.coordinator import RunState
+from psyche.core.identity import SecretKey
+from psyche.core.metrics import names
+from psyche.core.node_identity import NodeIdentity
+from psyche.modeling.configs import llama_config_dict
+from psyche.network.connection import NetworkConfig
+
+from .test_in_process_run import RUN_ID, coordinator, write_run
+
+ROOT = Path(__file__).resolve().parents[2]
+PIQA_ROWS = [
+    {"goal": f"Do thing {i}", "sol1": f"Way {i}.", "sol2": f"Another way {i}.", "label": i % 2}
+    for i in range(4)
+]
+
+
+def test_round_metrics_names_every_number_and_leaves_out_what_a_round_lacks() -> None:
+    report = RoundReport(
+        step=3,
+        epoch=0,
+        total_steps=10,
+        round_height=2,
+        num_clients=2,
+        loss=2.0,
+        lr=1e-3,
+        tokens_per_sec=None,
+        total_tokens=256,
+        global_token_batch_size=128,
+        efficiency=0.5,
+        seconds_left=None,
+        trained=1,
+        train_seconds=0.25,
+        distro_seconds=0.05,
+        witness_seconds=0.5,
+        network=NetworkNumbers(peers=1, bytes_sent=10, bytes_received=20, bandwidth=3.0),
+        eval_scores={"ARC-Easy": 0.5},
+    )
+    metrics = round_metrics(report)
+    assert metrics[names.TRAIN_LOSS] == 2.0
+    assert metrics[names.TRAIN_PERPLEXITY] == pytest.approx(math.exp(2.0))
+    assert metrics[names.TRAIN_LR] == 1e-3
+    assert metrics[names.ROUND_WITNESS_SECONDS] == 0.5
+    assert metrics[names.P2P_DOWNLOAD_BYTES] == 20 and metrics[names.P2P_UPLOAD_BYTES] == 10
+    assert metrics["eval/arc_easy"] == 0.5
+    assert names.TRAIN_TOKENS_PER_SEC not in metrics  # no rate yet: not logged as 0
+    assert names.ROUND_DOWNLOAD_SECONDS not in metrics
+
+
+async def run_client(
+    server: InProcessServer, number: int, options: TrainOptions
+) -> tuple[Client, list[Any]]:
+    key = SecretKey.from_bytes(number.to_bytes(32, "big"))
+    identity = NodeIdentity.from_single_key(key.public_key)
+    observers, closers = run_observers(options, identity, "psyche-test-client")
+    evals = await trio.to_thread.run_sync(EvalSettings.from_options, options)
+    config = NetworkConfig(run_id=RUN_ID, secret_key=key, bind_host="127.0.0.1")
+    try:
+        async with (
+            open_network(config) as network,
+            server.connect(identity, RUN_ID) as backend,
+        ):
+            client = Client(
+                backend,
+                network,
+                RunInitConfig(identity, key, device="cpu"),
+                observers=observers,
+                evals=evals,
+            )
+            await client.run()
+    finally:
+        _close_all(closers)
+    return client, closers
+
+
+def test_a_run_logs_each_round_to_every_tracker_and_scores_evals_between_rounds(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from tests.modeling.eval_support import write_rows
+
+    caplog.set_level(logging.INFO, logger="psyche")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    preload_modeling()
+    model_dir, data_dir = write_run(tmp_path)
+    # the tiny run's tokenizer, so that the evaluation can tokenize its documents
+    (model_dir / "config.json").write_text(json.dumps(llama_config_dict("tiny", vocab_size=512)))
+    shutil.copy(ROOT / "configs" / "tiny-cpu" / "model" / "tokenizer.json", model_dir)
+    evals_dir = tmp_path / "evals"
+    write_rows(evals_dir, "ybisk/piqa", "plain_text", "validation", PIQA_ROWS)
+    write_rows(evals_dir, "ybisk/piqa", "plain_text", "train", PIQA_ROWS)
+    state = coordinator(model_dir, data_dir)
+    state.config.total_steps = 5
+    server = InProcessServer(state)
+    clients: dict[int, Client] = {}
+
+    def options(number: int) -> TrainOptions:
+        out = tmp_path / f"client-{number}"
+        return TrainOptions(
+            run_id=RUN_ID,
+            metrics_jsonl=out / "metrics.jsonl",
+            tensorboard_dir=out / "tb" if number == 1 else None,
+            events_dir=out / "events",
+            eval_tasks="piqa" if number == 1 else None,
+            eval_data_dir=evals_dir if number == 1 else None,
+        )
+
+    async def one(number: int) -> None:
+        clients[number], _ = await run_client(server, number, options(number))
+
+    async def scenario() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server.run)
+            with trio.fail_after(150):
+                async with trio.open_nursery() as both:
+                    both.start_soon(one, 1)
+                    both.start_soon(one, 2)
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(scenario)
+    finally:
+        torch.set_num_threads(before)
+    assert server.coordinator.run_state is RunState.Finished
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+    # the progress lines' numbers are the trackers' numbers
+    progress = {
+        (r.psyche_fields["client_id"], r.psyche_fields["step"]): r.psyche_fields
+        for r in caplog.records
+        if r.getMessage() == "client_loss"
+    }
+    for number, client in clients.items():
+        lines = (tmp_path / f"client-{number}" / "metrics.jsonl").read_text().splitlines()
+        logged = [e for e in map(json.loads, lines) if e["kind"] == "log"]
+        assert logged, lines
+        trained = [e for e in logged if names.TRAIN_LOSS in e["values"]]
+        assert trained
+        for entry in trained:
+            values = entry["values"]
+            line = progress[(str(client.identity), entry["step"])]
+            assert values[names.TRAIN_LOSS] == pytest.approx(line["loss"])
+            assert values[names.TRAIN_LR] == pytest.approx(3e-3)
+            assert values[names.ROUND_TRAIN_SECONDS] > 0
+            assert values[names.P2P_PEERS] >= 1
+        events = read_event_files(tmp_path / f"client-{number}" / "events" / str(client.identity))
+        kinds = [e["event"] for e in events]
+        assert kinds[0] == "run_started" and kinds[-1] == "finished"
+        assert "state_changed" in kinds and "round" in kinds
+        rounds = [e for e in events if e["event"] == "round"]
+        assert [e["step"] for e in rounds] == sorted(e["step"] for e in rounds)
+        assert any(e["network"]["bytes_received"] > 0 for e in rounds)
+
+    # the evaluation ran between rounds on client 1 and its score reached the trackers
+    worker = clients[1].machine.evals  # type: ignore[union-attr]
+    assert worker is not None and worker.slices > 0 and worker.documents >= 4
+    score_key = names.eval_key("PIQA")
+    lines = (tmp_path / "client-1" / "metrics.jsonl").read_text().splitlines()
+    scores = [e["values"].get(score_key) for e in map(json.loads, lines) if e["kind"] == "log"]
+    scores = [s for s in scores if s is not None]
+    assert scores and all(s * 4 == round(s * 4) and 0 <= s <= 1 for s in scores), scores
+    accumulator = EventAccumulator(str(tmp_path / "client-1" / "tb"))
+    accumulator.Reload()
+    assert names.TRAIN_LOSS in accumulator.Tags()["scalars"]
+    assert score_key in accumulator.Tags()["scalars"]
