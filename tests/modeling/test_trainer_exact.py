@@ -6,16 +6,13 @@ the tensors everyone applies), batches from a data provider's samples, and the t
 from __future__ import annotations
 
 import threading
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
 from psyche.core.batch_id import BatchId
-from psyche.core.definitions import ConstantLR, LearningRateSchedule
 from psyche.data_provider.types import TokenizedData
-from psyche.modeling.parallel import ParallelDims, ParallelismError
 from psyche.modeling.serialized_distro import (
     decode_transmittable,
     distro_results_from_transmittable,
@@ -23,7 +20,7 @@ from psyche.modeling.serialized_distro import (
 from psyche.modeling.trainer import Batch, Trainer
 from psyche.network.sharable_model import model_hash
 
-from .tiny_trainer import distro, make_trainer
+from .tiny_trainer import make_trainer
 
 SEQ = 16
 
@@ -169,39 +166,3 @@ def test_batch_from_samples_stacks_int64_rows() -> None:
     with pytest.raises(ValueError, match="empty batch"):
         Batch.from_samples([])
     assert Batch.from_rows(rows.astype(np.uint16)).input_ids.dtype == torch.int64
-
-
-# --------------------------------------------------------------------------------------------
-# ParallelDims
-
-
-def test_parallel_dims_checks_say_how_to_fix() -> None:
-    cpu = torch.device("cpu")
-    dims = ParallelDims(cpu)
-    assert (dims.dp, dims.tp, dims.world_size) == (1, 1, 1)
-    dims.require_single_device()
-    with pytest.raises(ParallelismError, match="--data-parallelism 1"):
-        ParallelDims(cpu, dp=0)
-    with pytest.raises(ParallelismError, match="--tensor-parallelism 1"):
-        ParallelDims(cpu, tp=True)  # type: ignore[arg-type]
-    two = ParallelDims(cpu, dp=2)
-    assert two.world_size == 2
-    with pytest.raises(ParallelismError, match="2 ranks: parallelism inside a client is not built"):
-        two.require_single_device()
-    config = SimpleNamespace(num_attention_heads=6, num_key_value_heads=2, intermediate_size=64)
-    ParallelDims(cpu, tp=2).check_model(config)
-    with pytest.raises(ParallelismError, match=r"num_attention_heads \(6\).*1 or 2 or 3 or 6"):
-        ParallelDims(cpu, tp=4).check_model(config)
-    with pytest.raises(ParallelismError, match="the model is on cpu"):
-        ParallelDims(torch.device("cuda", 0)).check_device(cpu)
-
-
-def test_the_trainer_owns_one_device() -> None:
-    trainer = make_trainer()
-    assert trainer.parallel == ParallelDims(trainer.model.device)
-    model = trainer.model
-    schedule = LearningRateSchedule.Constant(ConstantLR(1e-3, 0.0, 0))
-    with pytest.raises(ParallelismError, match="not built yet"):
-        Trainer(model, schedule, distro(), 2, parallel=ParallelDims(model.device, tp=2))
-    with pytest.raises(ParallelismError, match="this rank's device"):
-        Trainer(model, schedule, distro(), 2, parallel=ParallelDims(torch.device("meta")))

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from psyche.modeling.distro import sorted_variables
+from psyche.modeling.sharding import full_tensor, is_sharded, local_tensor
 
 ARCHITECTURES = ("HfLlama", "HfDeepseek", "HfAuto", "Torchtitan")
 _NATIVE = ("HfLlama", "HfDeepseek")
@@ -235,6 +236,8 @@ class CausalLM:
         grads = [p.grad for _, p in self._variables if p.grad is not None]
         if not grads:
             return 0.0
+        if any(is_sharded(g) for g in grads):
+            return clip_sharded_grad_norm(grads, max_norm, native=self.architecture in _NATIVE)
         if self.architecture in _NATIVE:
             return clip_grad_norm_native(grads, max_norm)
         return float(
@@ -248,11 +251,13 @@ class CausalLM:
         out: dict[str, torch.Tensor] = {}
         seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
         for name, tensor in self.model.state_dict().items():
-            key = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()))
+            local = local_tensor(tensor)
+            key = (local.data_ptr(), tuple(tensor.shape), tuple(local.stride()))
             if key in seen:
                 continue
             seen.add(key)
-            t = tensor.detach().to("cpu", copy=True)
+            # sharded tensors are gathered (a collective: every rank extracts)
+            t = full_tensor(tensor.detach()).to("cpu", copy=True)
             out[name] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
         return out
 
@@ -285,6 +290,33 @@ def clip_grad_norm_native(grads: Sequence[torch.Tensor], max_norm: float) -> flo
         for g in grads:
             g.mul_(scale)
     return total
+
+
+def clip_sharded_grad_norm(
+    grads: Sequence[torch.Tensor], max_norm: float, *, native: bool
+) -> float:
+    """Clipping with sharded gradients: the norm is taken of the gathered full gradients, by
+    the same formula as the unsharded model's (so the total, the scale and the clipped bits of
+    each slice are those of a one-device client given the same gradients), then every local
+    slice is scaled."""
+    full = [full_tensor(g) for g in grads]
+    if native:
+        total_sq = torch.zeros((), dtype=torch.float32, device=full[0].device)
+        for g in full:
+            n = g.norm()
+            total_sq += n * n
+        total = float(total_sq.sqrt().item())
+        if total > max_norm:
+            scale = max_norm / (total + 1e-6)
+            for g in grads:
+                local_tensor(g).mul_(scale)
+        return total
+    norm = torch.nn.utils.get_total_norm(full, 2.0)
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for g in grads:
+        local = local_tensor(g)
+        local.mul_(coef.to(local.device))
+    return float(norm)
 
 
 # --------------------------------------------------------------------------------------------

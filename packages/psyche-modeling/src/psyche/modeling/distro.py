@@ -26,6 +26,7 @@ from torch import nn
 
 from psyche.modeling.compression import clamp_topk, compress, decompress, index_width
 from psyche.modeling.dct import TransformDCT, decode_reads_transposed, get_smaller_split
+from psyche.modeling.sharding import full_tensor, shard_like
 
 
 @dataclass
@@ -225,14 +226,16 @@ class Distro:
         for index, ((name, p), delta) in enumerate(zip(self.variables, self.deltas)):
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
             grad_energy = (
-                torch.linalg.vector_norm(grad, 1, dtype=torch.float32).item() if stats else None
+                torch.linalg.vector_norm(full_tensor(grad), 1, dtype=torch.float32).item()
+                if stats
+                else None
             )
 
             p.add_(delta.sign().mul_(prev_lr))
 
             if prev_self_results:
                 decoded = self._decode_results(prev_self_results, index, p)
-                delta.sub_(decoded)
+                delta.sub_(shard_like(decoded, delta))
 
             if self.weight_decay != 0.0:
                 p.mul_(1.0 - lr * self.weight_decay)
@@ -242,12 +245,15 @@ class Distro:
 
             delta.add_(grad * lr)
 
+            # A sharded momentum is gathered first (upstream `gather_full_tensor`): the payload
+            # is computed on the full tensor, the same bits as on a one-device client.
+            full = full_tensor(delta)
             sparse_idx, sparse_val, xshape, totalk = compress(
-                self.transform.encode(delta), self.compression_topk
+                self.transform.encode(full), self.compression_topk
             )
             result_stats = None
             if stats:
-                delta_energy = torch.linalg.vector_norm(delta, 1, dtype=torch.float32).item()
+                delta_energy = torch.linalg.vector_norm(full, 1, dtype=torch.float32).item()
                 result_stats = {
                     f"{name}.delta_energy": delta_energy,
                     f"{name}.grad_energy": float(grad_energy),  # type: ignore[arg-type]
@@ -268,7 +274,8 @@ class Distro:
         # `p.add_(grad, alpha=-lr)`; the decoded tensor already has the parameter's dtype, so
         # stepping with it directly gives the same bits without the copy.
         for index, (_, p) in enumerate(self.variables):
-            p.add_(self._decode_results(results, index, p).sign_(), alpha=-lr)
+            # A sharded parameter takes its slice of the decoded aggregate (upstream `set_grad`).
+            p.add_(shard_like(self._decode_results(results, index, p), p).sign_(), alpha=-lr)
         for _, p in self.variables:
             if p.grad is not None:
                 p.grad.zero_()

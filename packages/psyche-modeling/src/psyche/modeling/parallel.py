@@ -1,31 +1,33 @@
 """How one client's model is laid out over its devices (torchtitan's `distributed.ParallelDims`).
 
 A Psyche client is one member of a run whatever its hardware: upstream splits a client's work
-over data-parallel (DP) trainers and tensor-parallel (TP) ranks (`--data-parallelism`,
-`--tensor-parallelism`; `shared/modeling/src/parallelism.rs`). `ParallelDims` holds those
-degrees and this rank's device, checks them against the model with errors that say what to
-change, and is where the trainer asks about the layout:
+over data-parallel (DP) and tensor-parallel (TP) ranks (`--data-parallelism`,
+`--tensor-parallelism`; `shared/modeling/src/parallelism.rs`, and FSDP2 + DTensor in its Python
+path, `python/psyche/models/hf_transformers.py`). `ParallelDims` holds those degrees, this
+rank's place among them and its device, the `DeviceMesh` over the ranks, checks them against
+the model with errors that say what to change, and is where the trainer asks about the layout:
 
-* `reduce_gradients`, after the backward pass and before clipping and DisTrO: with DP every
-  rank's gradients become their mean, computed in fp32 (upstream:
-  `g.copy_(allreduce_avg(g.float()).to(g.dtype))`);
+* `local_rows`: the rows of the client's batch this rank trains (DP ranks split the batch;
+  the ranks of one TP group see the same rows);
+* `reduce_gradients`, after the backward pass and before clipping and DisTrO: with replicated
+  DP every rank's gradients become their mean, computed in fp32 (upstream:
+  `g.copy_(allreduce_avg(g.float()).to(g.dtype))`; here an all-reduce sum divided by dp, the
+  same bits for dp = 2). With FSDP2 (`fsdp=True`) the parameters are sharded over the DP ranks
+  and FSDP's reduce-scatter does the mean, so nothing is left to do here;
+* `agree`: one decision for every rank (a cancelled step must stop at the same micro-batch on
+  all of them, or their collectives would no longer pair up);
 * `synchronize`, where a measurement or a hand-over to another thread needs the device's queued
   work done.
 
-DisTrO on sharded parameters goes next to these (issue 15): the momentum lives as its parameter
-does, `generate` gathers the full tensor (`gather_full_tensor`) before the DCT encode, and
-`apply` shards the decoded aggregate back (`set_grad`) so a shard gets exactly the bits that
-slice has on a one-device client.
-
-One device is built today: dp = tp = 1, world size 1, where the gradient mean is the gradients
-themselves. The trainer refuses a larger world (`require_single_device`) with a message that
-says so; the degrees and their checks against the model are complete so the multi-rank trainer
-can start from them.
+Ranks are numbered as upstream: rank = dp_rank * tp + tp_rank (`Devices` in parallelism.rs).
+The mesh has the dimensions of size > 1, named `dp` (`dp_shard` under FSDP, as upstream's
+`build_mesh`) and `tp`. With one rank there is no mesh and nothing moves.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,10 +35,20 @@ import torch
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
+    from torch.distributed.device_mesh import DeviceMesh
+
 
 class ParallelismError(ValueError):
-    """Parallel degrees that cannot work with this model or this build; the message says how
+    """Parallel degrees that cannot work with this model or this machine; the message says how
     to fix them."""
+
+
+def _chunk_count(rows: int, chunks: int) -> int:
+    """How many pieces `torch.chunk` makes of `rows` rows asked for `chunks`."""
+    if rows == 0:
+        return 0
+    size = math.ceil(rows / chunks)
+    return math.ceil(rows / size)
 
 
 def _divisors(n: int) -> list[int]:
@@ -45,11 +57,17 @@ def _divisors(n: int) -> list[int]:
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """The data- and tensor-parallel degrees of one client and the device of this rank."""
+    """The data- and tensor-parallel degrees of one client, this rank and its device."""
 
     device: torch.device
     dp: int = 1
     tp: int = 1
+    fsdp: bool = False
+    """Shard the parameters over the DP ranks with FSDP2 instead of replicating them."""
+    rank: int = 0
+    """This rank in the client's world (0 is the client itself)."""
+    mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
+    """The ranks' `DeviceMesh` (None with one rank); see `psyche.modeling.sharding.build_mesh`."""
 
     def __post_init__(self) -> None:
         for name, flag, value in (
@@ -61,32 +79,63 @@ class ParallelDims:
                     f"{name} must be a whole number of at least 1, got {value!r}: pass "
                     f"{flag} 1 for one rank"
                 )
+        if not 0 <= self.rank < self.world_size:
+            raise ParallelismError(f"rank {self.rank} is outside a world of {self.world_size}")
+        if self.fsdp and self.dp == 1:
+            raise ParallelismError(
+                "--fsdp shards the model over the data-parallel ranks: pass "
+                "--data-parallelism 2 or more with it"
+            )
 
     @property
     def world_size(self) -> int:
         """Ranks of this client: dp * tp (one device each)."""
         return self.dp * self.tp
 
-    def require_single_device(self) -> None:
-        """Refuse a world of more than one rank: parallelism inside a client is not built yet."""
-        if self.world_size > 1:
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.tp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
+
+    @property
+    def is_leader(self) -> bool:
+        """Rank 0: the process that is the client (network, identity, results)."""
+        return self.rank == 0
+
+    @property
+    def dp_mesh_name(self) -> str:
+        return "dp_shard" if self.fsdp else "dp"
+
+    def require_world(self) -> None:
+        """A layout of several ranks needs its mesh (the process group started)."""
+        if self.world_size > 1 and self.mesh is None:
             raise ParallelismError(
                 f"data parallelism {self.dp} x tensor parallelism {self.tp} = "
-                f"{self.world_size} ranks: parallelism inside a client is not built yet; run "
-                "one rank per client (--data-parallelism 1 --tensor-parallelism 1), or one "
-                "client per device"
+                f"{self.world_size} ranks need their process group: start the ranks with "
+                "psyche.modeling.distributed (the client does with --data-parallelism / "
+                "--tensor-parallelism)"
             )
 
     def check_model(self, config: Any) -> None:
         """Tensor parallelism shards the attention heads and the MLP's inner dimension (upstream
-        column/row-parallel Llama layers): each must divide by `tp`."""
+        column/row-parallel Llama layers): each must divide by `tp`; and only Llama-family
+        models have a tensor-parallel plan."""
         if self.tp == 1:
             return
-        for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-            size = getattr(config, field, None)
+        model_type = getattr(config, "model_type", None)
+        if model_type is not None and model_type not in TP_MODEL_TYPES:
+            raise ParallelismError(
+                f"tensor parallelism is built for {' and '.join(TP_MODEL_TYPES)} models, not "
+                f"{model_type!r}: use --tensor-parallelism 1 (and --data-parallelism / --fsdp)"
+            )
+        for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+            size = getattr(config, name, None)
             if isinstance(size, int) and size % self.tp != 0:
                 raise ParallelismError(
-                    f"tensor parallelism {self.tp} does not divide the model's {field} ({size}): "
+                    f"tensor parallelism {self.tp} does not divide the model's {name} ({size}): "
                     f"use --tensor-parallelism {' or '.join(map(str, _divisors(size)))}"
                 )
 
@@ -98,14 +147,81 @@ class ParallelDims:
                 f"model on {self.device} (or the ParallelDims with the model's device)"
             )
 
-    def reduce_gradients(self, parameters: Iterable[torch.Tensor]) -> None:
-        """Make every rank's gradients their mean over the data-parallel ranks, in fp32.
-
-        With one data-parallel rank (all that is built) the mean is the gradients themselves:
-        nothing moves and no bit changes."""
+    def local_rows(self, rows: int) -> tuple[int, int]:
+        """`(start, length)` of this rank's rows of a batch of `rows` (`torch.tensor_split`
+        over the DP ranks: the first `rows % dp` ranks get one more)."""
         if self.dp == 1:
+            return 0, rows
+        base, extra = divmod(rows, self.dp)
+        r = self.dp_rank
+        return r * base + min(r, extra), base + (1 if r < extra else 0)
+
+    def micro_batches(self, rows: int, micro_batch_size: int) -> int:
+        """Micro-batches every rank runs for a batch of `rows`: those of the rank with the most
+        rows (a rank with fewer pads with zero-weight micro-batches, so that every forward's
+        collectives pair up)."""
+        return math.ceil(math.ceil(rows / self.dp) / micro_batch_size)
+
+    def loss_scale(self, rows: int, micro_batch_size: int) -> float:
+        """What each micro-batch's loss is divided by, so that after the DP mean the gradient
+        is the mean over every real micro-batch of the client's batch, whatever the split: the
+        real micro-batches of all ranks / dp. With one rank, or an even split, that is the
+        micro-batch count (upstream's `loss_scale = steps`)."""
+        steps = self.micro_batches(rows, micro_batch_size)
+        if self.dp == 1:
+            return steps
+        base, extra = divmod(rows, self.dp)
+        real = sum(_chunk_count(base + (1 if r < extra else 0), steps) for r in range(self.dp))
+        return real / self.dp
+
+    def _group(self, name: str) -> Any:
+        assert self.mesh is not None
+        return self.mesh.get_group(name)
+
+    def reduce_gradients(self, grads: Iterable[torch.Tensor]) -> None:
+        """Make every rank's gradients their mean over the replicated data-parallel ranks, in
+        fp32: one flat fp32 buffer, all-reduced (sum) and divided by dp, copied back in each
+        gradient's dtype. A no-op with one DP rank and under FSDP (its reduce-scatter already
+        averaged the shards)."""
+        if self.dp == 1 or self.fsdp:
             return
-        self.require_single_device()
+        self.require_world()
+        import torch.distributed as dist
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        from psyche.modeling.sharding import local_tensor
+
+        local = [local_tensor(g) for g in grads]
+        if not local:
+            return
+        flat = _flatten_dense_tensors([g.float() for g in local])
+        dist.all_reduce(flat, group=self._group("dp"))
+        flat.div_(self.dp)
+        with torch.no_grad():
+            for g, mean in zip(local, _unflatten_dense_tensors(flat, local)):
+                g.copy_(mean.to(g.dtype))
+
+    def reduce_loss(self, loss: float) -> float:
+        """The mean of the DP ranks' losses (every TP rank of a group has the same)."""
+        if self.dp == 1:
+            return loss
+        import torch.distributed as dist
+
+        value = torch.tensor([loss], dtype=torch.float64)
+        dist.all_reduce(value, group=self._group(self.dp_mesh_name))
+        return float(value.item()) / self.dp
+
+    def agree(self, flag: bool) -> bool:
+        """True on every rank when it is True on any (the cancel flag only the leader sees)."""
+        if self.world_size == 1:
+            return flag
+        import torch.distributed as dist
+
+        from psyche.modeling.sharding import control_group
+
+        value = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=control_group())
+        return bool(value.item())
 
     def synchronize(self) -> None:
         """Wait for the work queued on this rank's device (CUDA runs asynchronously)."""
@@ -113,4 +229,49 @@ class ParallelDims:
             torch.cuda.synchronize(self.device)
 
 
-__all__ = ["ParallelDims", "ParallelismError"]
+TP_MODEL_TYPES = ("llama", "seed_oss")
+"""Model types with a tensor-parallel plan (upstream's `hf_transformers.py`)."""
+
+
+def parse_devices(spec: str, world_size: int) -> list[torch.device]:
+    """The device of each rank from `--device`: `cpu` (every rank on the CPU), `auto` (one
+    CUDA device per rank when there are enough, else the CPU), `cuda` (CUDA devices 0..n-1) or
+    `cuda:0,1,...` (exactly one per rank, no repeats). The error says what would fit."""
+    spec = spec.strip().lower()
+    if spec == "cpu":
+        return [torch.device("cpu")] * world_size
+    available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if spec == "auto":
+        if available == 0:
+            return [torch.device("cpu")] * world_size
+        spec = "cuda"
+    if spec == "cuda":
+        if available < world_size:
+            raise ParallelismError(
+                f"--device {spec}: {world_size} ranks need {world_size} CUDA devices, "
+                f"{available} present: lower --data-parallelism x --tensor-parallelism to "
+                f"{max(available, 1)} or use --device cpu"
+            )
+        return [torch.device("cuda", i) for i in range(world_size)]
+    if not spec.startswith("cuda:"):
+        raise ParallelismError(
+            f"--device {spec}: expected auto, cpu, cuda, cuda:N or cuda:N,M,... (one per rank)"
+        )
+    parts = spec[5:].split(",")
+    if not all(p.strip().isdigit() for p in parts):
+        raise ParallelismError(f"--device {spec}: expected cuda:N or cuda:N,M,... (numbers)")
+    indices = [int(p) for p in parts]
+    if len(indices) != world_size or len(set(indices)) != len(indices):
+        raise ParallelismError(
+            f"--device {spec} names {len(indices)} devices for data parallelism x tensor "
+            f"parallelism = {world_size} ranks: list {world_size} distinct devices"
+        )
+    missing = [i for i in indices if i >= available]
+    if missing:
+        raise ParallelismError(
+            f"--device {spec}: cuda:{missing[0]} does not exist ({available} CUDA devices)"
+        )
+    return [torch.device("cuda", i) for i in indices]
+
+
+__all__ = ["TP_MODEL_TYPES", "ParallelDims", "ParallelismError", "parse_devices"]

@@ -8,14 +8,16 @@ applies aggregated DisTrO results (or steps AdamW on the last gradients). `train
 `prepare_result` turns a step's results into the payload a client publishes.
 
 The trainer owns a `ParallelDims` (`psyche.modeling.parallel`): the layout of the model over the
-client's devices, where data and tensor parallelism inside a client go. One device is built
-today. N DisTrO peers in one process are N Trainers (see `research`, `train_loop`).
+client's devices. With several ranks each process has a Trainer for its rank: it trains its rows
+of the batch, the gradients are averaged (or reduce-scattered by FSDP2) before DisTrO, and
+DisTrO works on the full tensors (`psyche.modeling.sharding`); `psyche.modeling.distributed`
+runs the ranks together. N DisTrO peers in one process are N Trainers (see `research`,
+`train_loop`).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Iterator, MutableMapping, Sequence
 from dataclasses import dataclass
@@ -28,13 +30,16 @@ from psyche.core.batch_id import BatchId
 from psyche.core.definitions import OptimizerDefinition
 from psyche.modeling.adamw import LibtorchAdamW
 from psyche.modeling.causal_lm import CausalLM
-from psyche.modeling.distro import Distro, DistroResult, quantize_results
+from psyche.modeling.diloco.optimizer import Diloco, inner_ranges
+from psyche.modeling.distro import Distro, DistroResult, ResultLayout, quantize_results
 from psyche.modeling.lr import Schedule, get_lr, prev_lr
 from psyche.modeling.parallel import ParallelDims
 from psyche.modeling.serialized_distro import (
     TransmittableDistroResult,
+    distro_results_from_transmittable,
     transmittable_distro_result,
 )
+from psyche.modeling.sharding import full_tensor, local_tensor
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +144,7 @@ class Trainer:
         if micro_batch_size < 1:
             raise ValueError("micro_batch_size must be at least 1")
         self.parallel = parallel or ParallelDims(model.device)
-        self.parallel.require_single_device()
+        self.parallel.require_world()
         self.parallel.check_device(model.device)
         self.parallel.check_model(model.config)
         self.model = model
@@ -153,6 +158,8 @@ class Trainer:
         self.adamw: LibtorchAdamW | None = None
         self.clip_grad_norm: float | None = None
         self.quantize_1bit = False
+        self.diloco: Diloco | None = None
+        self._distro_layouts: list[ResultLayout] | None = None
         self._setup_optimizer(optimizer)
 
     def _setup_optimizer(self, optimizer: OptimizerDefinition) -> None:
@@ -171,6 +178,19 @@ class Trainer:
                 self.distro = Distro.from_definition(self.model.variables(), value)
                 self.clip_grad_norm = value.clip_grad_norm
                 self.quantize_1bit = bool(value.quantize_1bit)
+            case OptimizerDefinition.DiLoCo(value):
+                # the inner optimizer is `adamw`; `optimize` takes DiLoCo's outer step
+                schedule = getattr(self.lr_schedule, "value", self.lr_schedule)
+                self.diloco = Diloco.from_definition(
+                    self.model.variables(), value, base_lr=getattr(schedule, "base_lr", None)
+                )
+                self.adamw = LibtorchAdamW(
+                    self.diloco.params,
+                    betas=self.diloco.settings.inner_betas,
+                    weight_decay=value.inner_weight_decay,
+                    eps=self.diloco.settings.inner_eps,
+                )
+                self.clip_grad_norm = value.inner_clip_grad_norm or None
             case _:
                 raise TypeError(f"expected an OptimizerDefinition, got {optimizer!r}")
 
@@ -203,18 +223,9 @@ class Trainer:
             raise TrainerError("DisTrO training needs the previous results (possibly empty)")
         if len(batch) == 0:
             raise TrainerError("empty batch")
-        device = self.model.device
-        steps = math.ceil(len(batch) / self.micro_batch_size)
-        input_ids = batch.input_ids.to(device=device, dtype=torch.int64)
-        labels = input_ids.clone() if batch.labels is None else batch.labels.to(device)
-        position_ids = None if batch.position_ids is None else batch.position_ids.to(device)
-        chunks_ids = torch.chunk(input_ids, steps, 0)
-        chunks_labels = torch.chunk(labels, steps, 0)
-        chunks_pos = (
-            torch.chunk(position_ids, steps, 0) if position_ids is not None else [None] * steps
-        )
-        if len(chunks_ids) != steps:
-            raise TrainerError(f"batch of {len(batch)} does not split into {steps} micro-batches")
+        micro_batches = self._micro_batches(batch)
+        loss_scale = self.parallel.loss_scale(len(batch), self.micro_batch_size)
+        steps = len(micro_batches)
 
         lr = self.get_lr(step, warmup_lr_between)
         lookahead_lr = prev_lr(self.lr_schedule, step, warmup_lr_between)
@@ -235,14 +246,17 @@ class Trainer:
 
         loss_sum: torch.Tensor | None = None
         cancelled = False
-        for ids, lab, pos in zip(chunks_ids, chunks_labels, chunks_pos):
-            if cancel is not None and cancel.is_set():
+        for ids, lab, pos, weight in micro_batches:
+            # every rank stops at the same micro-batch (only the leader sees `cancel`)
+            if self.parallel.agree(cancel is not None and cancel.is_set()):
                 cancelled = True
                 break
             # index, not unpack: the logits must not outlive this micro-batch
-            loss = self.model.forward(ids, labels=lab, position_ids=pos, loss_scale=steps)[1]
+            loss = self.model.forward(ids, labels=lab, position_ids=pos, loss_scale=loss_scale)[1]
             if loss is None:
                 raise TrainerError("the model returned no loss")
+            if weight == 0.0:
+                loss = loss * 0.0
             loss.backward()
             loss = loss.detach()
             if bool(torch.isfinite(loss)):
@@ -274,7 +288,41 @@ class Trainer:
         nonce = self.nonce
         self.nonce += 1
         loss_value = float(loss_sum.item()) if loss_sum is not None else 0.0
+        if not cancelled:
+            loss_value = self.parallel.reduce_loss(loss_value)
         return TrainOutput(loss_value, results, cancelled, nonce, time.perf_counter() - start)
+
+    def _micro_batches(
+        self, batch: Batch
+    ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, float]]:
+        """This rank's micro-batches of `batch` as `(ids, labels, position_ids, weight)`.
+
+        One rank: `torch.chunk` into `ceil(B / micro_batch_size)` (upstream). Several DP ranks:
+        each takes its rows (`ParallelDims.local_rows`) and chunks them into the micro-batch
+        count of the rank with the most rows; a rank left with fewer chunks runs zero-weight
+        micro-batches (a row of the batch, loss times 0) so that the collectives inside every
+        forward and backward pair up across ranks. The losses are divided by
+        `ParallelDims.loss_scale` (the micro-batch count with one rank)."""
+        device = self.model.device
+        input_ids = batch.input_ids.to(device=device, dtype=torch.int64)
+        labels = input_ids.clone() if batch.labels is None else batch.labels.to(device)
+        position_ids = None if batch.position_ids is None else batch.position_ids.to(device)
+        steps = self.parallel.micro_batches(len(batch), self.micro_batch_size)
+        start, rows = self.parallel.local_rows(len(batch))
+
+        def split(t: torch.Tensor | None) -> list[torch.Tensor | None]:
+            if t is None:
+                return [None] * steps
+            return list(torch.chunk(t.narrow(0, start, rows), steps, 0)) if rows else []
+
+        ids, labs, pos = split(input_ids), split(labels), split(position_ids)
+        if self.parallel.dp == 1 and len(ids) != steps:
+            raise TrainerError(f"batch of {len(batch)} does not split into {steps} micro-batches")
+        out = [(i, la, p, 1.0) for i, la, p in zip(ids, labs, pos)]
+        while len(out) < steps:
+            pad = None if position_ids is None else position_ids[:1]
+            out.append((input_ids[:1], labels[:1], pad, 0.0))
+        return out  # type: ignore[return-value]
 
     def train_exact(
         self,
@@ -293,8 +341,11 @@ class Trainer:
         weights off by its own rounding error; here the weights are restored from a copy and the
         weight decay that `generate` applies is applied to the restored weights, in the same
         form. The results are unchanged (they depend on the momentum only), and every client
-        keeps bit-identical weights. Without DisTrO this is `train`.
+        keeps bit-identical weights. Without DisTrO this is `train`; with DiLoCo it is the
+        round's inner steps (`_train_diloco`).
         """
+        if self.diloco is not None:
+            return self._train_diloco(step, batch, warmup_lr_between, cancel)
         distro = self.distro
         if distro is None:
             return self.train(
@@ -327,6 +378,65 @@ class Trainer:
                     p.mul_(1.0 - lr * distro.weight_decay)
         return out
 
+    def _train_diloco(
+        self,
+        step: int,
+        batch: Batch,
+        warmup_lr_between: tuple[int, int] | None,
+        cancel: CancelToken | None,
+    ) -> TrainOutput:
+        """A DiLoCo round: the batch split into `inner_steps` contiguous parts
+        (`diloco.inner_ranges`), an inner AdamW step (lr: the schedule at `step`) on each, then
+        the pseudo-gradient in its sent form as the results; the weights are the round's again
+        afterwards. One nonce per round."""
+        diloco, inner = self.diloco, self.adamw
+        assert diloco is not None and inner is not None
+        start = time.perf_counter()
+        nonce = self.nonce
+        lr = self.get_lr(step, warmup_lr_between)
+        diloco.begin_round()
+        losses = []
+        for a, b in inner_ranges(len(batch), diloco.settings.inner_steps):
+            part = Batch(
+                batch.input_ids[a:b],
+                None if batch.labels is None else batch.labels[a:b],
+                None if batch.position_ids is None else batch.position_ids[a:b],
+            )
+            out = self.train(step, part, warmup_lr_between=warmup_lr_between, cancel=cancel)
+            if out.cancelled:
+                inner.zero_grad()
+                diloco.abort_round()
+                self.nonce = nonce + 1
+                return TrainOutput(out.loss, None, True, nonce, time.perf_counter() - start)
+            if self.clip_grad_norm is not None and self.clip_grad_norm > 0.0:
+                self.model.clip_grad_norm(self.clip_grad_norm)
+            inner.step(lr)
+            inner.zero_grad()
+            losses.append(out.loss)
+        results = diloco.end_round()
+        self.nonce = nonce + 1
+        loss = sum(losses) / len(losses)
+        return TrainOutput(loss, results, False, nonce, time.perf_counter() - start)
+
+    def start_epoch(self) -> None:
+        """An epoch's first apply is next: DiLoCo's outer momentum restarts from zero on every
+        client (so a client that joined at this epoch start holds the same state)."""
+        if self.diloco is not None:
+            self.diloco.reset_outer_state()
+
+    def results_from_payload(self, payload: TransmittableDistroResult) -> list[DistroResult]:
+        """A peer's payload checked against this model and run (raises `InvalidDistroResult`
+        with the reason), then as tensors."""
+        if self.diloco is not None:
+            return self.diloco.results_from_transmittable(payload)
+        if self.distro is None:
+            return distro_results_from_transmittable(payload, [])
+        if self._distro_layouts is None:
+            self._distro_layouts = self.distro.layouts()
+        return distro_results_from_transmittable(
+            payload, self._distro_layouts, require_1bit=self.quantize_1bit
+        )
+
     def prepare_result(self, out: TrainOutput, *, step: int, batch_id: BatchId) -> PreparedResult:
         """The payload of a trained batch: its results, 1-bit when the run's DisTrO quantizes
         (none without DisTrO), serialized and hashed for the commitment."""
@@ -346,9 +456,14 @@ class Trainer:
         warmup_lr_between: tuple[int, int] | None = None,
         distro_results: Sequence[Sequence[DistroResult]] | None = None,
     ) -> None:
-        """Apply a round: DisTrO applies `distro_results`; AdamW steps on the current grads."""
+        """Apply a round: DisTrO applies `distro_results`, DiLoCo takes its outer step on them;
+        AdamW steps on the current grads."""
         lr = self.get_lr(step, warmup_lr_between)
-        if self.adamw is not None:
+        if self.diloco is not None:
+            if distro_results is None:
+                raise TrainerError("DiLoCo optimize needs a result list (possibly empty)")
+            self.diloco.apply(distro_results, self.diloco.outer_lr(lr))
+        elif self.adamw is not None:
             if self.clip_grad_norm is not None and self.clip_grad_norm > 0.0:
                 self.model.clip_grad_norm(self.clip_grad_norm)
             self.adamw.step(lr)
@@ -359,7 +474,13 @@ class Trainer:
             self.distro.apply(distro_results, lr)
 
     def extract(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """CPU copies of the whole state dict (sharded tensors gathered: on every rank)."""
         return self.model.extract(dtype)
+
+    def full_variables(self) -> dict[str, torch.Tensor]:
+        """The parameters by name as whole tensors (sharded ones gathered: every rank calls
+        it); what the live model hash covers."""
+        return {name: full_tensor(p) for name, p in self.model.variables()}
 
     def truncate_bf16(self) -> None:
         self.model.truncate_bf16()
@@ -368,7 +489,7 @@ class Trainer:
 
     def _zero_fp32_buffer(self, params: list[tuple[str, torch.nn.Parameter]]) -> None:
         if self._fp32_grads is None:
-            total = sum(p.numel() for _, p in params if p.requires_grad)
+            total = sum(local_tensor(p).numel() for _, p in params if p.requires_grad)
             self._fp32_grads = torch.zeros(total, dtype=torch.float32, device=self.model.device)
         else:
             self._fp32_grads.zero_()
@@ -381,7 +502,7 @@ class Trainer:
         offset = 0
         for _, p in params:
             if p.requires_grad:
-                n = p.numel()
+                n = local_tensor(p).numel()
                 yield p, self._fp32_grads[offset : offset + n]
                 offset += n
 
@@ -389,7 +510,7 @@ class Trainer:
     def _accumulate_fp32(self, params: list[tuple[str, torch.nn.Parameter]]) -> None:
         for p, buffer in self._fp32_slices(params):
             if p.grad is not None:
-                buffer.add_(p.grad.float().reshape(-1))
+                buffer.add_(local_tensor(p.grad).float().reshape(-1))
                 p.grad.zero_()
 
     @torch.no_grad()
@@ -397,4 +518,4 @@ class Trainer:
         for p, buffer in self._fp32_slices(params):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            p.grad.copy_(buffer.to(p.dtype).view_as(p))
+            local_tensor(p.grad).copy_(buffer.to(p.dtype).view_as(local_tensor(p)))

@@ -1,0 +1,240 @@
+"""A model laid out over the ranks of one client: the process group, the mesh, tensor parallelism
+with DTensor, FSDP2, and the tensor helpers DisTrO and checkpoints use on sharded parameters.
+
+What upstream's Python path does (`python/psyche/models/hf_transformers.py`,
+`dtensor_helpers.py`), on torch.distributed alone (no hand-written collectives):
+
+* `init_world` starts the ranks' process group (gloo on the CPU, NCCL on CUDA) and a gloo
+  `control_group` for the leader's commands and the per-micro-batch cancel vote (CPU objects
+  whatever the device);
+* `build_mesh` builds the `DeviceMesh` with the dimensions of size > 1: `dp` (replicated data
+  parallelism) or `dp_shard` (FSDP2), and `tp`;
+* `parallelize` applies upstream's plan: tensor parallelism for Llama-family models
+  (`ColwiseParallel` q/k/v/gate/up, `RowwiseParallel` o/down, `lm_head` column-parallel with a
+  replicated output; embeddings and norms stay replicated), then FSDP2 (`fully_shard` on each
+  `_no_split_modules` block and on the root, `MixedPrecisionPolicy(param_dtype, reduce_dtype)`),
+  and activation checkpointing;
+* `full_tensor` (upstream `gather_full_tensor`), `shard_like` (upstream
+  `calculate_local_tensor_from_full`: every rank holds the same full tensor, so each takes its
+  slice with no communication) and `local_tensor`.
+
+Elementwise ops on a DTensor run the same kernel on the local slice, so they give that slice's
+bits of the unsharded op: this is what keeps a sharded client's DisTrO state and parameters
+bit-identical to a one-device client's given the same gradients.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from psyche.modeling.parallel import TP_MODEL_TYPES, ParallelDims, ParallelismError
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from psyche.modeling.causal_lm import CausalLM
+
+_CONTROL_GROUP: Any = None
+
+
+def is_sharded(tensor: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (a view: writing to it writes the parameter); the tensor
+    itself otherwise."""
+    if is_sharded(tensor):
+        return tensor._local_tensor  # type: ignore[attr-defined, no-any-return]
+    return tensor
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor on every rank (an all-gather for a sharded DTensor; the tensor itself
+    otherwise). A collective: every rank of the tensor's mesh must call it, in the same order."""
+    if is_sharded(tensor):
+        return tensor.full_tensor()  # type: ignore[attr-defined, no-any-return]
+    return tensor
+
+
+def shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`full` laid out as `like` is: for a DTensor, this rank's slice as a DTensor of the same
+    mesh and placements, taken from the full tensor every rank holds (no communication); `full`
+    itself otherwise."""
+    if not is_sharded(like):
+        return full
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(
+        full,
+        like.device_mesh,  # type: ignore[attr-defined]
+        like.placements,  # type: ignore[attr-defined]
+        src_data_rank=None,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# The process group
+
+
+def init_world(
+    rank: int,
+    world_size: int,
+    init_method: str,
+    device: torch.device,
+    timeout: datetime.timedelta = datetime.timedelta(minutes=30),
+) -> None:
+    """Join the client's process group (`init_method`, e.g. `tcp://127.0.0.1:PORT`): NCCL when
+    the ranks are CUDA devices, gloo otherwise; plus the gloo control group."""
+    global _CONTROL_GROUP
+    import torch.distributed as dist
+
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend,
+        init_method=init_method,
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+        device_id=device if device.type == "cuda" else None,
+    )
+    _CONTROL_GROUP = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else None
+
+
+def control_group() -> Any:
+    """The gloo group for CPU-side messages (the default group when it is gloo)."""
+    return _CONTROL_GROUP
+
+
+def close_world() -> None:
+    global _CONTROL_GROUP
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _CONTROL_GROUP = None
+
+
+def build_mesh(dims: ParallelDims) -> DeviceMesh | None:
+    """The mesh of `dims` (dimensions of size > 1, `dp`/`dp_shard` then `tp`); None for one
+    rank. Every rank must call it."""
+    if dims.world_size == 1:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape, names = [], []
+    for size, name in ((dims.dp, dims.dp_mesh_name), (dims.tp, "tp")):
+        if size > 1:
+            shape.append(size)
+            names.append(name)
+    return init_device_mesh(dims.device.type, tuple(shape), mesh_dim_names=tuple(names))
+
+
+# --------------------------------------------------------------------------------------------
+# The model over the ranks
+
+
+@dataclass(frozen=True)
+class ShardingOptions:
+    """How a sharded model computes; each option trades memory for time (docs/client.md).
+
+    * `param_dtype`: the dtype FSDP2 gathers parameters in for the forward and backward
+      (None: the stored dtype). bf16 halves the gathered weights and activations.
+    * `reduce_dtype`: the dtype FSDP2 reduce-scatters gradients in (fp32 as upstream: exact
+      sums, twice bf16's traffic).
+    * `activation_checkpointing`: keep only each block's input and recompute the rest in the
+      backward: activation memory from O(layers x sequence x width x ~10) to O(layers x
+      sequence x width), for about one more forward's time. Recomputation gives the same bits.
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype = torch.float32
+    activation_checkpointing: bool = False
+
+
+def _tp_plan() -> dict[str, Any]:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(),
+    }
+
+
+def parallelize(model: CausalLM, dims: ParallelDims, options: ShardingOptions) -> CausalLM:
+    """`model` (whole, on this rank's device, identical on every rank) laid out as `dims` says,
+    as a new `CausalLM` over the same module. Every rank must call it."""
+    from psyche.modeling.causal_lm import CausalLM
+
+    dims.check_model(model.config)
+    module = model.model
+    if options.activation_checkpointing and getattr(
+        module, "supports_gradient_checkpointing", False
+    ):
+        module.gradient_checkpointing_enable(  # type: ignore[operator]
+            gradient_checkpointing_kwargs={"use_reentrant": False}
+        )
+    if dims.world_size > 1:
+        dims.require_world()
+        mesh = dims.mesh
+        assert mesh is not None
+        if dims.tp > 1:
+            _apply_tp(module, mesh["tp"])
+        if dims.fsdp:
+            _apply_fsdp(module, mesh[dims.dp_mesh_name], options)
+    return CausalLM(module, model.architecture, source_dir=model.source_dir)
+
+
+def _apply_tp(module: Any, tp_mesh: Any) -> None:
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    if module.config.model_type not in TP_MODEL_TYPES:
+        raise ParallelismError(f"no tensor-parallel plan for {module.config.model_type!r}")
+    plan = _tp_plan()
+    for layer in module.model.layers:
+        parallelize_module(layer, tp_mesh, plan)
+    parallelize_module(module, tp_mesh, {"lm_head": ColwiseParallel(output_layouts=Replicate())})
+
+
+def _apply_fsdp(module: Any, dp_mesh: Any, options: ShardingOptions) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(
+        param_dtype=options.param_dtype, reduce_dtype=options.reduce_dtype
+    )
+    inner = getattr(module, "model", None)
+    blocks = set(getattr(inner, "_no_split_modules", None) or module._no_split_modules or [])
+    if not blocks:
+        raise ParallelismError(f"cannot tell the blocks of {type(module).__name__} to shard")
+    for sub in module.modules():
+        if type(sub).__name__ in blocks:
+            fully_shard(sub, mesh=dp_mesh, mp_policy=policy)
+    fully_shard(module, mesh=dp_mesh, mp_policy=policy)
+
+
+__all__ = [
+    "ShardingOptions",
+    "build_mesh",
+    "close_world",
+    "control_group",
+    "full_tensor",
+    "init_world",
+    "is_sharded",
+    "local_tensor",
+    "parallelize",
+    "shard_like",
+]

@@ -1,0 +1,199 @@
+"""One rank of the two-rank determinism scenarios of test_parallel_ranks.py (a script: the test
+starts it twice, `python parallel_ranks.py RANK INIT_FILE OUT_DIR`, gloo on the CPU).
+
+Rank 0 drives each scenario as a client does and also runs a one-rank reference trainer on the
+same batches in the same process; it writes what it found to OUT_DIR/report.pt (and the
+checkpoints of each side to OUT_DIR/<mode>/ and OUT_DIR/<mode>-reference/).
+
+* `dp` (replicated DP) and `fsdp` (FSDP2) through the real protocol (`LeaderTrainer` and
+  `serve`): train_exact + prepare_result + optimize for four steps (the last with one row, which
+  leaves rank 1 a zero-weight micro-batch), payload bytes and parameters compared with the
+  reference after every step, then extract and checkpoint files.
+* `tp` (DTensor tensor parallelism), both ranks running the same code: the row-parallel matmuls
+  sum their halves in another order, so trained gradients are close, not equal; what must be
+  exact is checked exactly: given the reference's gradients and momentum, `generate` gives the
+  reference's results bit for bit, and applying one aggregate gives the reference's parameters.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from psyche.core.batch_id import BatchId
+from psyche.core.definitions import ConstantLR, LearningRateSchedule
+from psyche.modeling.causal_lm import CausalLM, ModelOptions
+from psyche.modeling.checkpoint import save_tensors_into_safetensors
+from psyche.modeling.configs import llama_config_dict
+from psyche.modeling.distributed import LeaderTrainer, serve
+from psyche.modeling.parallel import ParallelDims
+from psyche.modeling.serialized_distro import distro_results_to_bytes
+from psyche.modeling.sharding import (
+    ShardingOptions,
+    build_mesh,
+    close_world,
+    init_world,
+    local_tensor,
+    parallelize,
+    shard_like,
+)
+from psyche.modeling.trainer import Batch, Trainer
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny_trainer import distro, make_trainer
+
+CPU = torch.device("cpu")
+SEQ = 16
+STEPS = 4
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a, b = a.detach().contiguous(), b.detach().contiguous()
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))
+    )
+
+
+def batch_for(step: int) -> Batch:
+    rows = 1 if step == STEPS else 4
+    g = torch.Generator().manual_seed(step)
+    return Batch(torch.randint(0, 256, (rows, SEQ), generator=g))
+
+
+def dims_for(mode: str, rank: int) -> ParallelDims:
+    dims = {
+        "dp": ParallelDims(CPU, dp=2, rank=rank),
+        "fsdp": ParallelDims(CPU, dp=2, fsdp=True, rank=rank),
+        "tp": ParallelDims(CPU, tp=2, rank=rank),
+    }[mode]
+    return replace(dims, mesh=build_mesh(dims))
+
+
+def rank_trainer(mode: str, rank: int, cls: type[Trainer]) -> Trainer:
+    """The tiny trainer's model and settings (seed 1337, micro-batch 2), laid out for `mode`."""
+    dims = dims_for(mode, rank)
+    model = CausalLM.from_config(
+        llama_config_dict("tiny"), ModelOptions(architecture="HfLlama", device="cpu", seed=1337)
+    )
+    model = parallelize(model, dims, ShardingOptions())
+    schedule = LearningRateSchedule.Constant(ConstantLR(1e-3, 0.0, 0))
+    return cls(model, schedule, distro(weight_decay=0.01), micro_batch_size=2, parallel=dims)
+
+
+def protocol_scenario(mode: str, rank: int, out: Path) -> dict:
+    if rank != 0:
+        serve(rank_trainer(mode, rank, Trainer))
+        return {}
+    leader = rank_trainer(mode, rank, LeaderTrainer)
+    assert isinstance(leader, LeaderTrainer)
+    reference = make_trainer(weight_decay=0.01)
+    report: dict = {"payload_equal": [], "params_equal": [], "loss": []}
+    prev_l: list = []
+    prev_r: list = []
+    for step in range(1, STEPS + 1):
+        batch, batch_id = batch_for(step), BatchId(step * 10, step * 10 + 3)
+        kwargs = dict(warmup_lr_between=None, zero_optim=False)
+        out_l = leader.train_exact(step, batch, prev_self_distro_results=prev_l, **kwargs)
+        out_r = reference.train_exact(step, batch, prev_self_distro_results=prev_r, **kwargs)
+        sent_l = leader.prepare_result(out_l, step=step, batch_id=batch_id)
+        sent_r = reference.prepare_result(out_r, step=step, batch_id=batch_id)
+        report["payload_equal"].append(
+            sent_l.commitment_hash == sent_r.commitment_hash
+            and distro_results_to_bytes(sent_l.payload.distro_results)
+            == distro_results_to_bytes(sent_r.payload.distro_results)
+        )
+        report["loss"].append((out_l.loss, out_r.loss))
+        aggregate = [sent_r.sent, sent_l.sent]
+        leader.optimize(step, distro_results=aggregate)
+        reference.optimize(step, distro_results=aggregate)
+        full = leader.full_variables()
+        report["params_equal"].append(
+            all(same_bits(full[name], p) for name, p in reference.model.variables())
+        )
+        prev_l, prev_r = [out_l.distro_results], [out_r.distro_results]
+    leader.truncate_bf16()
+    reference.truncate_bf16()
+    save_tensors_into_safetensors(leader.extract(torch.bfloat16), out / mode)
+    save_tensors_into_safetensors(reference.extract(torch.bfloat16), out / f"{mode}-reference")
+    leader.stop_workers()
+    return report
+
+
+def copy_state(source: Trainer, target: Trainer) -> None:
+    """The reference's parameters, gradients and momentum laid out as the target's."""
+    assert source.distro is not None and target.distro is not None
+    pairs = zip(source.model.variables(), target.model.variables())
+    with torch.no_grad():
+        for ((_, ps), (_, pt)), ds, dt in zip(pairs, source.distro.deltas, target.distro.deltas):
+            local_tensor(pt).copy_(local_tensor(shard_like(ps, pt)))
+            local_tensor(dt).copy_(local_tensor(shard_like(ds, dt)))
+            if pt.grad is None:
+                pt.grad = torch.zeros_like(pt)
+            local_tensor(pt.grad).copy_(local_tensor(shard_like(ps.grad, pt.grad)))
+
+
+def tp_scenario(rank: int) -> dict:
+    tp = rank_trainer("tp", rank, Trainer)
+    reference = make_trainer(weight_decay=0.01)
+    batch = batch_for(1)
+    kwargs = dict(warmup_lr_between=None, zero_optim=False, prev_self_distro_results=[])
+    out_t = tp.train(1, batch, **kwargs)
+    out_r = reference.train(1, batch, **kwargs)
+    grads_t = {n: p.grad for n, p in tp.model.variables()}
+    grad_diff = max(
+        float((tp_full(grads_t[n]) - p.grad).abs().max()) for n, p in reference.model.variables()
+    )
+    sharded = sum(1 for _, p in tp.model.variables() if local_tensor(p) is not p)
+    # exact: the same gradients and momentum give the same results; one aggregate, same bits
+    assert reference.distro is not None and tp.distro is not None
+    copy_state(reference, tp)
+    res_t = tp.distro.generate([out_t.distro_results], 1e-3, 1e-3)
+    res_r = reference.distro.generate([out_t.distro_results], 1e-3, 1e-3)
+    generate_equal = all(
+        same_bits(a.sparse_idx, b.sparse_idx) and same_bits(a.sparse_val, b.sparse_val)
+        for a, b in zip(res_t, res_r)
+    )
+    aggregate = [res_r, out_r.distro_results]
+    tp.optimize(2, distro_results=aggregate)
+    reference.optimize(2, distro_results=aggregate)
+    full = tp.full_variables()
+    apply_equal = all(same_bits(full[n], p) for n, p in reference.model.variables())
+    return {
+        "loss": (out_t.loss, out_r.loss),
+        "grad_max_abs_diff": grad_diff,
+        "sharded_params": sharded,
+        "generate_equal": generate_equal,
+        "apply_equal": apply_equal,
+    }
+
+
+def tp_full(t: torch.Tensor) -> torch.Tensor:
+    from psyche.modeling.sharding import full_tensor
+
+    return full_tensor(t)
+
+
+def main() -> None:
+    rank, init_file, out = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+    torch.set_num_threads(1)
+    init_world(rank, 2, f"file://{init_file}", CPU)
+    report = {}
+    try:
+        for mode in ("dp", "fsdp"):
+            report[mode] = protocol_scenario(mode, rank, out)
+        report["tp"] = tp_scenario(rank)
+    finally:
+        close_world()
+    if rank == 0:
+        torch.save(report, out / "report.pt")
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""Two CPU ranks (gloo, two real processes running tests/modeling/parallel_ranks.py) against a
+one-rank client on the same batches: what a sharded client must reproduce bit for bit.
+
+* Replicated DP=2 and FSDP2 over 2 ranks: the payload bytes (and commitment hash) and every
+  parameter after every apply are those of the one-rank client, over four steps including
+  weight decay, the previous round's results and a one-row batch; the checkpoints they write
+  (bf16, after `truncate_bf16`, as P2P sharing and the cooldown take them) are byte-identical.
+  Why exact: each rank trains one micro-batch of the same rows the one-rank client trains as one
+  of its micro-batches, a sum of two gradients is the same in either order, and scaling by 1/2
+  is exact; DisTrO runs on the gathered full tensors.
+* TP=2: the row-parallel matmuls add their halves in another order than one matmul does, so the
+  trained gradients agree to rounding only (checked with a tolerance); given the same gradients
+  and momentum, `generate` gives the same results bit for bit and applying one aggregate gives
+  the same parameters bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).with_name("parallel_ranks.py")
+DEADLINE = 300.0
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
+    out = tmp_path_factory.mktemp("ranks")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(SCRIPT), str(rank), str(out / "init"), str(out)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        for rank in range(2)
+    ]
+    deadline = time.monotonic() + DEADLINE
+    outputs = []
+    try:
+        for proc in procs:
+            stdout, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            outputs.append(stdout.decode(errors="replace"))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+    codes = [p.returncode for p in procs]
+    assert codes == [0, 0], f"ranks exited {codes}:\n" + "\n".join(o[-3000:] for o in outputs)
+    return torch.load(out / "report.pt", weights_only=False), out
+
+
+@pytest.mark.parametrize("mode", ["dp", "fsdp"])
+def test_a_sharded_client_publishes_and_applies_the_one_rank_bits(
+    ranks: tuple[dict, Path], mode: str
+) -> None:
+    report = ranks[0][mode]
+    assert report["payload_equal"] == [True] * 4
+    assert report["params_equal"] == [True] * 4
+    for sharded, single in report["loss"]:
+        assert sharded == pytest.approx(single, rel=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["dp", "fsdp"])
+def test_a_sharded_client_checkpoints_the_same_bytes(ranks: tuple[dict, Path], mode: str) -> None:
+    out = ranks[1]
+    files = sorted(p.name for p in (out / mode).iterdir())
+    assert files == sorted(p.name for p in (out / f"{mode}-reference").iterdir()) != []
+    for name in files:
+        assert (out / mode / name).read_bytes() == (out / f"{mode}-reference" / name).read_bytes()
+
+
+def test_tensor_parallel_distro_is_exact_and_training_close(ranks: tuple[dict, Path]) -> None:
+    report = ranks[0]["tp"]
+    assert report["sharded_params"] == 2 * 7 + 1  # q/k/v/o/gate/up/down per layer, lm_head
+    assert report["generate_equal"] is True
+    assert report["apply_equal"] is True
+    assert report["loss"][0] == pytest.approx(report["loss"][1], rel=1e-5)
+    assert 0.0 <= report["grad_max_abs_diff"] < 1e-5
