@@ -3,12 +3,14 @@ saves the state, a restart that resumes it, and clear errors."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import trio
@@ -57,6 +59,20 @@ def wait_serving(process: subprocess.Popen[str], lines: list[str]) -> int:
     raise AssertionError("server did not start:\n" + "".join(lines))
 
 
+def wait_status_page(process: subprocess.Popen[str], lines: list[str]) -> int:
+    assert process.stdout is not None
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        match = re.search(r"status page on http://[^:]+:(\d+)/", line)
+        if match:
+            return int(match.group(1))
+    raise AssertionError("no status page:\n" + "".join(lines))
+
+
 def joins(port: int) -> None:
     async def main() -> None:
         async with await ProtocolClient.connect(f"127.0.0.1:{port}") as client:
@@ -75,20 +91,27 @@ def test_run_from_environment_stop_saves_and_restart_resumes(tmp_path: Path) -> 
         "SERVER_PORT": str(port),
         "DATA_CONFIG": str(TINY / "data.toml"),
         "SAVE_STATE_DIR": str(saves),
-        "OLTP_METRICS_URL": "http://example.invalid",
+        "METRICS_JSONL": str(tmp_path / "server-metrics.jsonl"),
+        "STATUS_PORT": "0",
     }
     lines: list[str] = []
     process = server("--state", str(state), env=env)  # not a terminal: --tui falls back
     try:
         assert wait_serving(process, lines) == port
+        status_port = wait_status_page(process, lines)
         joins(port)
+        with urllib.request.urlopen(f"http://127.0.0.1:{status_port}/status.json") as reply:
+            status = json.load(reply)
+        assert status["run_id"] == "tiny-cpu" and status["run_state"] == "WaitingForMembers"
     finally:
         process.send_signal(signal.SIGTERM)
         out, _ = process.communicate(timeout=30)
     log = "".join(lines) + out
     assert process.returncode == 0, log
     assert "running with --tui false" in log
-    assert "--oltp-metrics-url is accepted for compatibility and ignored" in log
+    logged = [json.loads(line) for line in (tmp_path / "server-metrics.jsonl").open()]
+    states = [e["values"]["coordinator/run_state"] for e in logged if e["kind"] == "log"]
+    assert states and states[0] == "WaitingForMembers", logged
     assert "got SIGTERM, shutting down" in log
     assert "Saved state to" in log
     saved = load_state(saves)

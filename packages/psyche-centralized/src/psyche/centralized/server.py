@@ -59,6 +59,7 @@ from psyche.centralized.protocol import (
     ServerToClientMessage,
 )
 from psyche.centralized.save_state import save_state
+from psyche.coordinator.backend import OpportunisticData
 from psyche.coordinator.coordinator import Coordinator
 from psyche.coordinator.model import Checkpoint, HubRepo, LLMTrainingDataLocation
 from psyche.coordinator.run_state import RunState
@@ -223,6 +224,10 @@ class CentralizedServer:
         # Endpoint records changed since the last tick, and who was answered an extension hello.
         self._endpoints_dirty = False
         self._greeted: set[bytes] = set()
+        # Who watches the run (the status page, trackers): `state_changed(server)` after every
+        # change and `witness(sender, metadata)` for each witness's statistics. Called on the
+        # server's loop; they must return at once.
+        self.listeners: list[Any] = []
 
     @property
     def coordinator(self) -> Coordinator:
@@ -335,6 +340,10 @@ class CentralizedServer:
                 broadcast = core.on_witness(
                     sender, data, self.options.clock(), self.options.random_u64()
                 )
+                match data:
+                    case OpportunisticData.WitnessStep((_, metadata)) if member:
+                        for listener in self.listeners:
+                            listener.witness(sender, metadata)
             case ClientToServerMessage.HealthCheck(checks):
                 broadcast = core.on_health_check(sender, checks)
             case ClientToServerMessage.Checkpoint(checkpoint):
@@ -430,6 +439,8 @@ class CentralizedServer:
                 self.data_server.update_from_coordinator(coordinator)
         if self.events is not None:
             self.events.record(encoded if encoded is not None else coordinator.to_bytes())
+        for listener in self.listeners:
+            listener.state_changed(self)
 
     def save(self) -> Path | None:
         directory = self.options.save_state_dir

@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +32,6 @@ clients over TCP. Start by checking a configuration with `validate-config`, then
 Every option of `run` can also be given in the environment, named in upper snake case
 (--server-port: SERVER_PORT). `run` serves until SIGINT (Ctrl+C) or SIGTERM and then exits 0.
 Errors are one line; --verbose (or PSYCHE_VERBOSE=1) adds their traceback."""
-
-OLTP_NOTE = "accepted for compatibility and ignored: this port has no OpenTelemetry export"
 
 log = logging.getLogger("psyche.cli.server")
 
@@ -199,11 +198,47 @@ def build_parser() -> tuple[argparse.ArgumentParser, EnvOptions]:
     )
     for flag, what in (
         ("--oltp-auth-header", "An auth header string for an opentelemetry endpoint"),
-        ("--oltp-metrics-url", "A URL for sending opentelemetry metrics"),
-        ("--oltp-tracing-url", "A URL for sending opentelemetry traces"),
-        ("--oltp-logs-url", "A URL for sending opentelemetry logs"),
+        ("--oltp-metrics-url", "A URL for sending opentelemetry metrics (OTLP/HTTP)"),
+        ("--oltp-tracing-url", "A URL for sending opentelemetry traces (OTLP/HTTP)"),
+        ("--oltp-logs-url", "A URL for sending opentelemetry logs (OTLP/HTTP)"),
     ):
-        env.add(run, flag, help=f"{what}; {OLTP_NOTE}")
+        env.add(run, flag, help=what)
+    env.add(
+        run,
+        "--oltp-report-interval",
+        parse=float,
+        default=60.0,
+        metavar="<SECONDS>",
+        help="Seconds between two OpenTelemetry metric exports",
+    )
+    env.add(
+        run,
+        "--metrics-jsonl",
+        parse=Path,
+        metavar="<FILE>",
+        help=(
+            "Append the run's state, membership and round durations to FILE, one JSON object a "
+            "line (logged whenever they change)"
+        ),
+    )
+    env.add(
+        run,
+        "--status-port",
+        parse=parse_unsigned(16),
+        metavar="<PORT>",
+        help=(
+            "Serve a read-only status page on this port: / (HTML) and /status.json (run state, "
+            "members and their health, round durations, the loss curve clients report). Off "
+            "unless given; 0 picks a free port"
+        ),
+    )
+    env.add(
+        run,
+        "--status-bind-address",
+        default="127.0.0.1",
+        metavar="<ADDRESS>",
+        help="Address the status page listens on (this machine only unless told otherwise)",
+    )
     add_relay_command(commands)
     add_verbose_flag(parser)
     return parser, env
@@ -357,9 +392,21 @@ def run(args: argparse.Namespace) -> int:
         print("psyche-server: not a terminal; running with --tui false", file=sys.stderr)
         tui = False
     console = setup_logging(tui)
-    for flag in ("oltp_auth_header", "oltp_metrics_url", "oltp_tracing_url", "oltp_logs_url"):
-        if getattr(args, flag):
-            log.warning("--%s is %s", flag.replace("_", "-"), OLTP_NOTE)
+    from psyche.core.metrics import ServiceInfo, TrackerConfig, build_tracker
+
+    # before anything else: a tracker that cannot work is one line (TrackerConfigError)
+    tracker = build_tracker(
+        TrackerConfig.from_options(args),
+        service=ServiceInfo.from_env("psyche-centralized-server", "server", scope="psyche_server"),
+        run_name="psyche-server",
+    )
+    try:
+        return _run_server(args, console, tracker)
+    finally:
+        tracker.finish()
+
+
+def _run_server(args: argparse.Namespace, console: Any, tracker: Any) -> int:
 
     from psyche.centralized.save_state import SavedStateError, load_state, resolve_state_path
     from psyche.coordinator.run_config import ConfigFileError
@@ -422,11 +469,32 @@ def run(args: argparse.Namespace) -> int:
         relay_announce_host=args.relay_announce_address,
     )
 
+    from psyche.centralized.status_page import StatusHistory
+
+    history = StatusHistory()
+
     async def serve() -> None:
         import signal
 
+        from psyche.cli.server.telemetry import ServerTracker
+
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async with open_server(coordinator, options) as server, trio.open_nursery() as nursery:
+                server.listeners += [history, ServerTracker(tracker, history)]
+                if args.status_port is not None:
+                    from functools import partial
+
+                    from psyche.centralized.status_page import serve_status, snapshot
+
+                    with _status_port(args):
+                        await nursery.start(
+                            partial(
+                                serve_status,
+                                partial(snapshot, server, history),
+                                args.status_bind_address,
+                                args.status_port,
+                            )
+                        )
                 if console is not None:
                     from psyche.centralized.dashboard import run_dashboard
 
@@ -448,6 +516,17 @@ def run(args: argparse.Namespace) -> int:
             return 1
         raise
     return 0
+
+
+@contextmanager
+def _status_port(args: argparse.Namespace) -> Iterator[None]:
+    try:
+        yield
+    except OSError as e:
+        raise OSError(
+            f"the status page port {args.status_port} (--status-port) on "
+            f"{args.status_bind_address}: {e.strerror or e}"
+        ) from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
