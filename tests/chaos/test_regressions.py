@@ -139,6 +139,7 @@ else:
     assert sorted(p.name for p in (tmp_path / "run-step7").iterdir()) == [
         "config.json",
         "model.safetensors",
+        "psyche-manifest.json",
         "tokenizer.json",
     ]
 

@@ -1,49 +1,121 @@
 """Checkpoints of the model an epoch ended with (upstream `state/cooldown.rs`, its checkpoint
-half): written in Hugging Face layout to `{dir}/{run_id}-step{step}`, uploaded to the hub with
-`--hub-repo` (the coordinator is then told the new revision), old steps removed.
+half): written in Hugging Face layout to `{dir}/{run_id}-step{step}`, uploaded to the hub
+(`--hub-repo`) or a GCS bucket (`--gcs-bucket`) in the background (`upload`; the coordinator is
+then told the new checkpoint), old steps removed by the keep policy (`keep_policy`).
 
-A checkpoint is written into a staging directory `.{run_id}-step{step}.pid{pid}.{random}.tmp`
-next to it and renamed when complete. A client killed meanwhile leaves its staging directory
-behind; `remove_stale_staging` (called when a client starts) removes those whose writer is no
-longer running (on this machine), so they do not pile up.
+A checkpoint is complete when its manifest (`psyche-manifest.json`: run, step, epoch, kind, and
+every file's size and SHA-256) is there and every file matches it. It is written into a staging
+directory `.{run_id}-step{step}.pid{pid}.{random}.tmp` next to it: the files, each fsynced, then
+the manifest, then the directory is renamed to its step's name and the parent fsynced. A client
+killed meanwhile leaves its staging directory behind; `remove_stale_staging` (called when a client
+starts) removes those whose writer is no longer running (on this machine). `latest_complete`
+never chooses a directory whose manifest is missing or does not match its files.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import re
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-import trio
-
-from psyche.client.logs import log_event
-from psyche.coordinator.model import Checkpoint, HubRepo
+from psyche.client.keep_policy import KeepPolicy, Kind
 from psyche.core.atomic_file import fsync_directory
 
 if TYPE_CHECKING:
     import torch
 
+    from psyche.client.upload import UploadTarget
+
 logger = logging.getLogger(__name__)
+
+MANIFEST_NAME = "psyche-manifest.json"
+MANIFEST_VERSION = 1
 
 
 @dataclass(frozen=True)
 class CheckpointConfig:
     checkpoint_dir: Path
-    hub_repo: str | None = None
-    hub_token: str | None = None
-    delete_old_steps: bool = True
-    keep_steps: int = 3
+    upload: UploadTarget | None = None
+    keep: KeepPolicy = field(default_factory=KeepPolicy)
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    run_id: str
+    step: int
+    epoch: int
+    kind: Kind
+    written_at: float
+    files: dict[str, FileEntry]
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "version": MANIFEST_VERSION,
+                "run_id": self.run_id,
+                "step": self.step,
+                "epoch": self.epoch,
+                "kind": self.kind.value,
+                "written_at": self.written_at,
+                "files": {
+                    name: {"size": e.size, "sha256": e.sha256}
+                    for name, e in sorted(self.files.items())
+                },
+            },
+            indent=1,
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> Manifest:
+        """Raises ValueError (or KeyError/TypeError) for anything not a manifest."""
+        doc: Any = json.loads(text)
+        if doc.get("version") != MANIFEST_VERSION:
+            raise ValueError(f"unknown manifest version {doc.get('version')!r}")
+        files = {
+            str(name): FileEntry(int(e["size"]), str(e["sha256"]))
+            for name, e in doc["files"].items()
+        }
+        for name in files:
+            if "/" in name or name in ("", ".", "..", MANIFEST_NAME):
+                raise ValueError(f"bad file name {name!r} in manifest")
+        return cls(
+            str(doc["run_id"]),
+            int(doc["step"]),
+            int(doc["epoch"]),
+            Kind(doc["kind"]),
+            float(doc["written_at"]),
+            files,
+        )
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def checkpoint_path(config: CheckpointConfig, run_id: str, step: int) -> Path:
     return config.checkpoint_dir / f"{run_id}-step{step}"
+
+
+_STEP_DIR = re.compile(r"^(?P<run>.+)-step(?P<step>\d+)$")
 
 
 def save_checkpoint_locally(
@@ -52,15 +124,22 @@ def save_checkpoint_locally(
     extra_files: Sequence[Path],
     model_config_json: str,
     tokenizer_json: str,
+    *,
+    epoch: int = 0,
+    kind: Kind = Kind.recent,
 ) -> list[Path]:
-    """The safetensors parts, the source checkpoint's config/tokenizer files, and a config.json
-    (and tokenizer.json) written from what the client knows when the source had none.
+    """The safetensors parts, the source checkpoint's config/tokenizer files, a config.json
+    (and tokenizer.json) written from what the client knows when the source had none, and the
+    manifest (run and step from the directory's name `{run_id}-step{step}`).
 
     Everything is written into a temporary sibling directory that is renamed to `path` once
     complete, so a failed save (a full disk) leaves no half checkpoint under a step's name.
+    Returns the files written, the manifest last.
     """
     from psyche.modeling.checkpoint import save_tensors_into_safetensors
 
+    match = _STEP_DIR.match(path.name)
+    run_id, step = (match["run"], int(match["step"])) if match else (path.name, -1)
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(
         tempfile.mkdtemp(prefix=f".{path.name}.pid{os.getpid()}.", suffix=".tmp", dir=path.parent)
@@ -69,6 +148,8 @@ def save_checkpoint_locally(
         written = save_tensors_into_safetensors(variables, staging)
         names = set()
         for src in extra_files:
+            if src.name == MANIFEST_NAME:
+                continue
             shutil.copyfile(src, staging / src.name)
             written.append(staging / src.name)
             names.add(src.name)
@@ -78,9 +159,19 @@ def save_checkpoint_locally(
         if "tokenizer.json" not in names and tokenizer_json:
             (staging / "tokenizer.json").write_text(tokenizer_json)
             written.append(staging / "tokenizer.json")
+        entries = {}
         for file in written:
             with open(file, "rb") as f:
                 os.fsync(f.fileno())
+            entries[file.name] = FileEntry(file.stat().st_size, file_sha256(file))
+        manifest = Manifest(run_id, step, epoch, kind, time.time(), entries)
+        manifest_path = staging / MANIFEST_NAME
+        with open(manifest_path, "w") as f:
+            f.write(manifest.to_json())
+            f.flush()
+            os.fsync(f.fileno())
+        written.append(manifest_path)
+        fsync_directory(staging)
         if path.exists():
             shutil.rmtree(path)  # the same step saved again
         os.replace(staging, path)
@@ -89,6 +180,74 @@ def save_checkpoint_locally(
         raise
     fsync_directory(path.parent)
     return [path / file.name for file in written]
+
+
+def read_manifest(path: Path) -> Manifest | None:
+    """The manifest of a checkpoint directory, unchecked (None when absent or unreadable)."""
+    try:
+        return Manifest.from_json((path / MANIFEST_NAME).read_text())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def verify_checkpoint(path: Path) -> Manifest | None:
+    """The manifest when the directory is a complete checkpoint: every file it names is there
+    with its size and SHA-256; None otherwise (logged at debug level)."""
+    manifest = read_manifest(path)
+    if manifest is None:
+        logger.debug("%s: no readable manifest", path)
+        return None
+    for name, entry in manifest.files.items():
+        file = path / name
+        try:
+            if file.stat().st_size != entry.size or file_sha256(file) != entry.sha256:
+                logger.debug("%s: %s does not match the manifest", path, name)
+                return None
+        except OSError:
+            logger.debug("%s: %s is missing", path, name)
+            return None
+    return manifest
+
+
+@dataclass(frozen=True)
+class FoundCheckpoint:
+    path: Path
+    manifest: Manifest
+
+
+def find_checkpoints(checkpoint_dir: Path, run_id: str) -> list[FoundCheckpoint]:
+    """This run's step directories with a readable manifest naming the same run and step,
+    oldest first (files not checked: `verify_checkpoint` does that)."""
+    found = []
+    try:
+        entries = list(os.scandir(checkpoint_dir))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    for entry in entries:
+        match = _STEP_DIR.match(entry.name)
+        if match is None or match["run"] != run_id or not entry.is_dir(follow_symlinks=False):
+            continue
+        manifest = read_manifest(Path(entry.path))
+        if manifest is None or manifest.run_id != run_id or manifest.step != int(match["step"]):
+            continue
+        found.append(FoundCheckpoint(Path(entry.path), manifest))
+    return sorted(found, key=lambda f: f.manifest.step)
+
+
+def latest_complete(
+    checkpoint_dir: Path, run_id: str, step: int | None = None
+) -> FoundCheckpoint | None:
+    """The newest complete checkpoint of `run_id` (at exactly `step` when given): incomplete
+    ones (a file missing or changed, a manifest missing or unreadable) are skipped, with a
+    warning for those with a manifest, never chosen."""
+    for found in reversed(find_checkpoints(checkpoint_dir, run_id)):
+        if step is not None and found.manifest.step != step:
+            continue
+        manifest = verify_checkpoint(found.path)
+        if manifest is not None:
+            return FoundCheckpoint(found.path, manifest)
+        logger.warning("%s is not a complete checkpoint (skipped)", found.path)
+    return None
 
 
 _STAGING = re.compile(r"^\..+-step\d+\.pid(\d+)\.[^.]+\.tmp$")
@@ -127,16 +286,6 @@ def remove_stale_staging(checkpoint_dir: Path) -> list[Path]:
     return removed
 
 
-def upload_to_hub(path: Path, repo_id: str, token: str | None, step: int) -> str:
-    """Upload a checkpoint directory; returns the commit (revision) it created."""
-    from huggingface_hub import HfApi
-
-    info = HfApi(token=token).upload_folder(
-        repo_id=repo_id, folder_path=str(path), commit_message=f"step {step}"
-    )
-    return str(info.oid)
-
-
 def check_hub_repo_writable(repo_id: str, token: str) -> None:
     """Fail early (as upstream) when the upload repo is not writable with this token."""
     from huggingface_hub import HfApi
@@ -151,76 +300,9 @@ def check_hub_repo_writable(repo_id: str, token: str) -> None:
         ) from e
 
 
-def cleanup_old_steps(config: CheckpointConfig, run_id: str, kept: list[int], step: int) -> None:
-    """Keep the newest `keep_steps` step directories this client wrote (upstream's heap)."""
-    if not config.delete_old_steps:
-        return
-    kept.append(step)
-    kept.sort()
-    while len(kept) > config.keep_steps:
-        old = kept.pop(0)
-        doomed = checkpoint_path(config, run_id, old)
-        try:
-            shutil.rmtree(doomed)
-            logger.info("Successfully removed %s", doomed)
-        except OSError as e:
-            logger.warning("Error removing %s : %s", doomed, e)
-
-
-@dataclass
-class CheckpointJob:
-    config: CheckpointConfig
-    run_id: str
-    step: int
-    variables: dict[str, torch.Tensor]
-    extra_files: list[Path]
-    model_config_json: str
-    tokenizer_json: str
-
-
-async def write_and_upload(
-    job: CheckpointJob, kept_steps: list[int], send_checkpoint: Callable[[Checkpoint], None]
-) -> Path | None:
-    """Write the checkpoint (then upload it when a hub repo is set); the directory written, or
-    None when the write failed (logged). A failed upload leaves the local copy in place."""
-    path = checkpoint_path(job.config, job.run_id, job.step)
-    started = time.monotonic()
+def delete_checkpoint(path: Path) -> None:
     try:
-        await trio.to_thread.run_sync(
-            save_checkpoint_locally,
-            path,
-            job.variables,
-            job.extra_files,
-            job.model_config_json,
-            job.tokenizer_json,
-        )
-    except Exception as e:
-        logger.error("Writing the checkpoint to %s failed: %s", path, e)
-        return None
-    secs = time.monotonic() - started
-    log_event(
-        logger,
-        "checkpoint_saved",
-        text=f"saved the model of step {job.step} to {path.absolute()} ({secs:.1f} s)",
-        step=job.step,
-        path=str(path),
-        secs=round(secs, 3),
-    )
-    if job.config.hub_repo is not None:
-        try:
-            revision = await trio.to_thread.run_sync(
-                upload_to_hub, path, job.config.hub_repo, job.config.hub_token, job.step
-            )
-        except Exception as e:
-            logger.error("Couldn't upload model to huggingface: %s", e)
-            return path
-        log_event(
-            logger,
-            "checkpoint_uploaded",
-            step=job.step,
-            repo=job.config.hub_repo,
-            revision=revision,
-        )
-        send_checkpoint(Checkpoint.Hub(HubRepo(job.config.hub_repo, revision)))
-    cleanup_old_steps(job.config, job.run_id, kept_steps, job.step)
-    return path
+        shutil.rmtree(path)
+        logger.info("Successfully removed %s", path)
+    except OSError as e:
+        logger.warning("Error removing %s : %s", path, e)

@@ -2,14 +2,16 @@
 
 The weights are rounded through bf16 (so a joiner that receives bf16 tensors gets exactly what
 the others continue from), extracted as bf16 CPU tensors and handed to P2P model sharing; with
-`--checkpoint-dir` they are written (and with `--hub-repo` uploaded) by `checkpoint`. Writing
-and uploading run in the background: the next epoch does not wait for them, the end of the run
-does (`wait_for_checkpoints`).
+`--checkpoint-dir` they are written (`checkpoint`), kept or deleted by the keep policy
+(`keep_policy`) and with `--hub-repo`/`--gcs-bucket` uploaded (`upload`). Writing and uploading
+run in the background on the client's nursery: the next epoch, a pause or the cooldown's end do
+not wait for them, the end of the run does (`wait_for_checkpoints`).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,8 +20,16 @@ from typing import TYPE_CHECKING
 import trio
 
 from psyche.client.background import Background
-from psyche.client.checkpoint import CheckpointConfig, CheckpointJob, write_and_upload
+from psyche.client.checkpoint import (
+    CheckpointConfig,
+    checkpoint_path,
+    delete_checkpoint,
+    find_checkpoints,
+    save_checkpoint_locally,
+)
+from psyche.client.keep_policy import Kept, Kind, classify, to_delete
 from psyche.client.logs import log_event
+from psyche.client.upload import Uploader, UploadJob
 from psyche.coordinator.model import Checkpoint
 from psyche.core.node_identity import NodeIdentity
 
@@ -58,6 +68,105 @@ class CheckpointFiles:
     tokenizer_json: str = ""
 
 
+@dataclass
+class CheckpointJob:
+    config: CheckpointConfig
+    run_id: str
+    epoch: int
+    step: int
+    kind: Kind
+    variables: dict[str, torch.Tensor]
+    files: CheckpointFiles
+
+
+class Checkpointer:
+    """A client's checkpoints of one run: which to write (`plan`), writing, uploading and
+    deleting them (`write`). The run's complete checkpoints already in the directory (a
+    restarted client) count for the keep policy as if this client had written them."""
+
+    def __init__(self, config: CheckpointConfig, send_checkpoint: Callable[[Checkpoint], None]):
+        self.config = config
+        self.uploader = None if config.upload is None else Uploader(config.upload, send_checkpoint)
+        self.kept: list[Kept] | None = None
+        self.last_written_at: float | None = None
+        self.previous_step: int | None = None
+
+    def _seed(self, run_id: str) -> list[Kept]:
+        if self.kept is None:
+            found = find_checkpoints(self.config.checkpoint_dir, run_id)
+            self.kept = [
+                Kept(f.manifest.step, f.manifest.kind, f.manifest.written_at) for f in found
+            ]
+            if self.kept:
+                self.last_written_at = max(k.written_at for k in self.kept)
+        return self.kept
+
+    def plan(self, run_id: str, step: int, final: bool, now: float | None = None) -> Kind | None:
+        """The kind of the checkpoint of the cooldown at `step` (None: not written); called
+        once per cooldown, in order."""
+        self._seed(run_id)
+        now = time.time() if now is None else now
+        kind = classify(
+            self.config.keep, step, self.previous_step, now, self.last_written_at, final
+        )
+        self.previous_step = step
+        if kind is not None:
+            self.last_written_at = now
+        return kind
+
+    async def write(self, job: CheckpointJob) -> Path | None:
+        """Write the checkpoint, delete what the keep policy no longer keeps, then upload it
+        (when a target is set); the directory written, or None when the write failed (logged).
+        A failed upload leaves the local copy in place."""
+        path = checkpoint_path(self.config, job.run_id, job.step)
+        started = time.monotonic()
+        try:
+            await trio.to_thread.run_sync(
+                lambda: save_checkpoint_locally(
+                    path,
+                    job.variables,
+                    job.files.extra_files,
+                    job.files.model_config_json,
+                    job.files.tokenizer_json,
+                    epoch=job.epoch,
+                    kind=job.kind,
+                )
+            )
+        except Exception as e:
+            logger.error("Writing the checkpoint to %s failed: %s", path, e)
+            return None
+        secs = time.monotonic() - started
+        log_event(
+            logger,
+            "checkpoint_saved",
+            text=f"saved the model of step {job.step} to {path.absolute()} ({secs:.1f} s)",
+            step=job.step,
+            path=str(path),
+            kind=job.kind.value,
+            secs=round(secs, 3),
+        )
+        kept = self._seed(job.run_id)
+        kept[:] = [k for k in kept if k.step != job.step]
+        kept.append(Kept(job.step, job.kind, time.time()))
+        if self.uploader is not None:
+            self.uploader.in_progress.add(job.step)  # kept until its upload is done
+        self.cleanup(job.run_id)
+        if self.uploader is not None:
+            try:
+                await self.uploader.upload(UploadJob(job.run_id, job.epoch, job.step, path))
+            finally:
+                self.cleanup(job.run_id)
+        return path
+
+    def cleanup(self, run_id: str) -> None:
+        """Delete the checkpoints the keep policy lets go (none still uploading)."""
+        kept = self._seed(run_id)
+        protected = set() if self.uploader is None else self.uploader.in_progress
+        for step in to_delete(self.config.keep, kept, protected):
+            kept[:] = [k for k in kept if k.step != step]
+            delete_checkpoint(checkpoint_path(self.config, run_id, step))
+
+
 class Cooldown:
     """The cooldown of each epoch: `start` in the background, `finish` before the next epoch."""
 
@@ -82,16 +191,21 @@ class Cooldown:
         self._error: BaseException | None = None
         # step -> the directory its checkpoint was written to (None: the write failed)
         self.checkpoints: dict[int, Path | None] = {}
-        self._kept_steps: list[int] = []
+        self.checkpointer = (
+            None if checkpoint is None else Checkpointer(checkpoint, send_checkpoint)
+        )
 
-    def start(self, tasks: Background, run_id: str, epoch: int, step: int) -> None:
-        """Freeze the model that ended `epoch` at `step` (the last trained step) on `tasks`."""
+    def start(
+        self, tasks: Background, run_id: str, epoch: int, step: int, final: bool = False
+    ) -> None:
+        """Freeze the model that ended `epoch` at `step` (the last trained step) on `tasks`;
+        `final`: the run ends or pauses here (a checkpoint is written whatever the policy)."""
         done = trio.Event()
         self._done = done
         self._error = None
-        tasks.start_soon(self._run, run_id, epoch, step, done)
+        tasks.start_soon(self._run, run_id, epoch, step, final, done)
 
-    async def _run(self, run_id: str, epoch: int, step: int, done: trio.Event) -> None:
+    async def _run(self, run_id: str, epoch: int, step: int, final: bool, done: trio.Event) -> None:
         try:
             variables, live_hash = await trio.to_thread.run_sync(extract_for_sharing, self.trainer)
             log_event(
@@ -105,17 +219,17 @@ class Cooldown:
                 parameters=len(variables),
             )
             self._share_model(variables)
-            if self.checkpoint is not None:
-                job = CheckpointJob(
-                    self.checkpoint,
-                    run_id,
-                    step,
-                    variables,
-                    list(self.files.extra_files),
-                    self.files.model_config_json,
-                    self.files.tokenizer_json,
-                )
-                self._writes.start_soon(self._write, job)
+            if self.checkpointer is not None:
+                kind = self.checkpointer.plan(run_id, step, final)
+                if kind is None:
+                    logger.info(
+                        "no checkpoint of step %d: the temporary interval has not passed", step
+                    )
+                else:
+                    job = CheckpointJob(
+                        self.checkpointer.config, run_id, epoch, step, kind, variables, self.files
+                    )
+                    self._writes.start_soon(self._write, job)
         except Exception as e:
             logger.exception("cooldown failed")
             self._error = e
@@ -124,8 +238,9 @@ class Cooldown:
 
     async def _write(self, job: CheckpointJob) -> None:
         path = None
+        assert self.checkpointer is not None
         try:
-            path = await write_and_upload(job, self._kept_steps, self._send_checkpoint)
+            path = await self.checkpointer.write(job)
         finally:
             self.checkpoints[job.step] = path
 

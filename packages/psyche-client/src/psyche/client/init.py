@@ -23,8 +23,11 @@ from psyche.client.model_loading import (
     LoadedModel,
     build_from_parameters,
     check_device,
+    load_from_directory,
+    load_gcs_checkpoint,
     load_hub_checkpoint,
     preload_modeling,
+    resume_checkpoint,
 )
 from psyche.coordinator.coordinator import Coordinator
 from psyche.coordinator.model import Checkpoint
@@ -86,7 +89,21 @@ async def init_run(
 
     async def load_model() -> None:
         nonlocal loaded
-        loaded = await _load_model(llm.checkpoint, architecture, device, state, fetch_from_peers)
+        resume = None
+        if config.checkpoint is not None:
+            resume = await trio.to_thread.run_sync(
+                resume_checkpoint,
+                config.checkpoint.checkpoint_dir,
+                str(state.run_id),
+                state.progress.step - 1,
+            )
+        if resume is not None:
+            logger.info("Resuming from the local checkpoint %s", resume)
+            loaded = await _load_local(resume, architecture, device)
+        else:
+            loaded = await _load_model(
+                llm.checkpoint, architecture, device, state, fetch_from_peers
+            )
 
     async def open_data() -> None:
         nonlocal provider
@@ -162,11 +179,29 @@ async def _load_model(
                     "Dummy checkpoints (upstream's test-only dummy model) are not supported by "
                     "the Python client; use a Hub checkpoint (a hub repo or a local directory)"
                 )
-            case Checkpoint.Gcs(_):
-                raise InitRunError("GCS checkpoints are not supported by the Python client yet")
+            case Checkpoint.Gcs(repo):
+                logger.info("Loading model from %s", checkpoint)
+                prefix = None if repo.prefix is None else str(repo.prefix)
+                return await trio.to_thread.run_sync(
+                    load_gcs_checkpoint, str(repo.bucket), prefix, architecture, device
+                )
     except ModelLoadError as e:
         raise InitRunError(f"failed to load model: {e}") from e
     raise InitRunError(f"unknown checkpoint {checkpoint!r}")
+
+
+async def _load_local(path: Path, architecture: str, device: Any) -> LoadedModel:
+    from psyche.modeling.causal_lm import ModelLoadError
+
+    try:
+        loaded = await trio.to_thread.run_sync(load_from_directory, path, architecture, device)
+    except ModelLoadError as e:
+        raise InitRunError(f"failed to load the local checkpoint {path}: {e}") from e
+    loaded.source = f"{path} (resumed)"
+    # The keep policy may delete that directory later: later checkpoints write the config and
+    # tokenizer from what the client holds, as a P2P joiner's do.
+    loaded.extra_files = []
+    return loaded
 
 
 async def _open_data(llm: Any, secret_key: SecretKey) -> Any:

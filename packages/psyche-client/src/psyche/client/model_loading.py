@@ -7,6 +7,10 @@
   (then moved to the device), so every client starts from identical weights.
 * A `P2P` checkpoint is fetched from the run's other clients (config, then every parameter); the
   model is built from the config and the received tensors are loaded into it.
+* A `Gcs` checkpoint is downloaded from the bucket (`gcs`) and read like a local directory.
+* Resume (a port addition): a client whose `--checkpoint-dir` holds a complete checkpoint of
+  this run at the step the epoch starts from loads it instead (`resume_checkpoint`): the same
+  bf16-rounded weights its peers would send.
 
 These functions block (torch, file I/O); the client runs them in a worker thread.
 """
@@ -150,6 +154,35 @@ def load_hub_checkpoint(
     else:
         directory = download_model_repo(repo_id, revision)
     return load_from_directory(directory, architecture, device)
+
+
+def load_gcs_checkpoint(
+    bucket: str, prefix: str | None, architecture: str, device: torch.device
+) -> LoadedModel:
+    """The bucket's newest checkpoint (upstream's manifest, or every model file without one)."""
+    from psyche.client.gcs import GcsError, download_checkpoint_from_gcs
+
+    try:
+        directory = download_checkpoint_from_gcs(bucket, prefix)
+    except GcsError as e:
+        raise ModelLoadError(str(e)) from e
+    except Exception as e:  # the storage client's errors (network, permissions, not found)
+        raise ModelLoadError(f"cannot fetch gs://{bucket}/{prefix or ''}: {e}") from e
+    loaded = load_from_directory(directory, architecture, device)
+    loaded.source = f"gs://{bucket}/{prefix or ''} ({directory})"
+    return loaded
+
+
+def resume_checkpoint(checkpoint_dir: Path, run_id: str, step: int) -> Path | None:
+    """This run's complete local checkpoint of `step` (the model the epoch starts from), if
+    any: the step must match exactly, since an older model would put this client apart from
+    its peers; a partial one is never chosen."""
+    from psyche.client.checkpoint import latest_complete
+
+    if step < 0:
+        return None
+    found = latest_complete(checkpoint_dir, run_id, step)
+    return None if found is None else found.path
 
 
 def build_from_parameters(

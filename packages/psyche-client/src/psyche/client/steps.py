@@ -158,7 +158,6 @@ class StepStateMachine:
         self.tasks = Background(nursery)
         self.stats = stats or StatsLogger()
         self._new_bloom = new_bloom
-        self.layouts = trainer.distro.layouts() if trainer.distro is not None else []
         self.active = ActiveStep.Warmup
         self.current = RoundState()
         self.previous = RoundState()
@@ -614,6 +613,5 @@ class StepStateMachine:
             blob_hash,
             payload,
             pending,
-            self.layouts,
-            self.trainer.quantize_1bit,
+            self.trainer.results_from_payload,
         )
