@@ -114,6 +114,10 @@ class NetworkConfig:
     set."""
 
 
+class PeerUnreachable(ConnectionError):
+    """A peer that announces only a relay path while this node has no relay to take it."""
+
+
 class NetworkConnection:
     def __init__(
         self,
@@ -394,14 +398,31 @@ class NetworkConnection:
         if addr is None or not addr.libp2p_addrs():
             raise LookupError(f"no known address for {fmt_short(peer)}")
         relayed = any(p2p_host.is_circuit(a) for a in addr.libp2p_addrs())
+        can_relay = bool(self.nat.relay_ids)
         # a relayed peer gets the direct attempt's head start on top of the timeout
         timeout = self.config.connect_timeout_secs + (
-            p2p_host.DIRECT_HEAD_START_SECS if relayed else 0.0
+            p2p_host.DIRECT_HEAD_START_SECS if relayed and can_relay else 0.0
         )
-        with trio.fail_after(timeout):
-            await p2p_host.connect(
-                self.host, peer, addr.libp2p_addrs(), dial_circuit=self.nat.dial_circuit
-            )
+        try:
+            with trio.fail_after(timeout):
+                await p2p_host.connect(
+                    self.host,
+                    peer,
+                    addr.libp2p_addrs(),
+                    dial_circuit=self.nat.dial_circuit if can_relay else None,
+                )
+        except Exception as e:
+            if relayed and not can_relay:
+                raise PeerUnreachable(
+                    f"{fmt_short(peer)} is behind NAT (reachable only through a relay) and "
+                    "this node uses no relay (relays disabled)"
+                ) from e
+            if isinstance(e, trio.TooSlowError):
+                raise ConnectionError(
+                    f"{fmt_short(peer)} did not answer within {timeout:.1f} s (at "
+                    f"{', '.join(addr.libp2p_addrs())})"
+                ) from None
+            raise
 
     def _resolve(self, peer: bytes) -> EndpointAddr | None:
         addr = self.address_book.get(peer)
@@ -579,6 +600,8 @@ class NetworkConnection:
     async def _stats_loop(self) -> None:
         while True:
             self.stats.connection_info = self.remote_infos()
+            self.stats.reachability = self.nat.status.summary()
+            self.stats.peer_paths = self.peer_paths()
             self.stats.bandwidth_history.append(self.bandwidth_tracker.get_total_bandwidth())
             await trio.sleep(self.config.stats_interval_secs)
 

@@ -257,6 +257,10 @@ class NatTraversal:
             self._nursery = nursery
             if not self.status.relays:
                 self._decide()
+                logger.info(
+                    "no relays: reachability unknown; peers behind NAT cannot be reached from "
+                    "here, and if this node is behind NAT, no peer can reach it"
+                )
             task_status.started()
             known: set[bytes] = set()
             while True:
@@ -341,7 +345,7 @@ class NatTraversal:
         if verdict != self.status.reachability:
             self.status.reachability = verdict
             how = "AutoNAT through the relays" if self.mode == ReachabilityMode.AUTO else "set"
-            logger.info("reachability: %s (%s); %s", verdict, how, self.status.summary())
+            logger.info("reachability: %s (%s)", verdict, how)
         if not self._wants_relay() or not self.status.relays:
             self._decided.set()
 

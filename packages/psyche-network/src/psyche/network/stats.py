@@ -98,6 +98,11 @@ class NetworkStats:
         default_factory=lambda: deque(maxlen=BANDWIDTH_GRAPH_SIZE)
     )
     download_progresses: dict[bytes, DownloadProgress] = field(default_factory=dict)
+    reachability: str = "reachability unknown"
+    """This node's reachability, its relays and hole punches in one line
+    (`ReachabilityStatus.summary`)."""
+    peer_paths: dict[bytes, str] = field(default_factory=dict)
+    """`direct` or `relayed` for every connected peer."""
 
 
 def fmt_bytes(num_bytes: float) -> str:
