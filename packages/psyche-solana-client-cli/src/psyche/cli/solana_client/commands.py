@@ -23,6 +23,12 @@ from psyche.core.cli import UserError
 Command = Callable[[argparse.Namespace], int]
 
 
+def predownload(args: argparse.Namespace) -> int:
+    from psyche.cli.solana_client.predownload import predownload as run
+
+    return run(args)
+
+
 def program_ids(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Any:
     from psyche.solana.program_ids import ProgramIds
 
@@ -672,4 +678,5 @@ HANDLERS: dict[str, Command] = {
     "airdrop": airdrop,
     "create-wallet": create_wallet,
     "localnet": localnet,
+    "predownload": predownload,
 }

@@ -387,6 +387,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_run_down_args(sub)
 
+    sub = command(
+        "predownload",
+        "Fetch a run's model (--model) and evaluation datasets (--eval-tasks) before joining",
+        wallet=False,
+    )
+    add_run_id(sub)
+    sub.add_argument(
+        "--model",
+        action="store_true",
+        default=_env_flag("MODEL"),
+        help="the model of the run's checkpoint (hub repo or GCS bucket) [env: MODEL]",
+    )
+    sub.add_argument("--eval-tasks", default=_env("EVAL_TASKS"), help="[env: EVAL_TASKS]")
+    sub.add_argument(
+        "--hub-max-concurrent-downloads",
+        type=int,
+        default=_env_int("HUB_MAX_CONCURRENT_DOWNLOADS", 3),
+        help="accepted as upstream's (huggingface_hub picks its own parallelism) "
+        "[env: HUB_MAX_CONCURRENT_DOWNLOADS]",
+    )
+
     what = "Print the wallet's public key and the P2P identity it trains with"
     sub = plain("show-identity", what, what)
     add_wallet_args(sub)

@@ -1,0 +1,83 @@
+"""`psyche-solana-client predownload` (upstream's): fetch a run's model (`--model`) and the
+evaluation datasets it names (`--eval-tasks`) into the local caches before joining, so the
+client's warmup does not wait for them. The run's checkpoint decides the source: a hub repo
+(and revision) into the Hugging Face cache, a GCS bucket into `$HF_HOME/psyche/gcs/...` (the
+cache the client reads when it joins)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from psyche.core.cli import UserError
+
+
+def predownload(args: argparse.Namespace) -> int:
+    from psyche.cli.solana_client.commands import _run
+    from psyche.solana import snapshots
+
+    if not args.model and not args.eval_tasks:
+        raise UserError("nothing to predownload: pass --model and/or --eval-tasks")
+    if args.eval_tasks:
+        from psyche.modeling.eval.tasks import UnknownTaskError, check_task_names
+
+        try:
+            check_task_names(args.eval_tasks)
+        except UnknownTaskError as e:
+            raise UserError(str(e)) from None
+    found: list[Any] = []
+
+    async def body(backend: Any) -> None:
+        snapshot = await snapshots.fetch_run(backend, args.run_id)
+        found.append(snapshot.account.state.coordinator)
+
+    _run(args, body, wallet=False)
+    if args.model:
+        _predownload_model(found[0])
+        print("Model predownloaded successfully.")
+    if args.eval_tasks:
+        from psyche.modeling.eval.tasks import tasktype_from_name
+
+        for name in args.eval_tasks.split(","):
+            tasktype_from_name(name)
+        print(f"Eval tasks `{args.eval_tasks}` predownloaded successfully.")
+    return 0
+
+
+def _predownload_model(coordinator: Any) -> Path:
+    from psyche.coordinator.model import Checkpoint
+
+    llm = coordinator.model.value
+    match llm.checkpoint:
+        case Checkpoint.Ephemeral():
+            raise UserError("Can't predownload model with ephemeral checkpoint.")
+        case Checkpoint.Dummy(repo) | Checkpoint.Hub(repo) | Checkpoint.P2P(repo):
+            repo_id = str(repo.repo_id)
+            revision = None if repo.revision is None else str(repo.revision)
+            print(f"Predownloading model {repo_id} revision {revision or 'main'}")
+            if revision is None and Path(repo_id).is_dir():
+                print(f"{repo_id} is a local directory: nothing to download")
+                return Path(repo_id)
+            from psyche.modeling.causal_lm import ModelLoadError, download_model_repo
+
+            try:
+                path = download_model_repo(repo_id, revision)
+            except ModelLoadError as e:
+                raise UserError(str(e)) from None
+        case Checkpoint.Gcs(repo) | Checkpoint.P2PGcs(repo):
+            bucket = str(repo.bucket)
+            prefix = None if repo.prefix is None else str(repo.prefix)
+            print(f"Predownloading model from gs://{bucket}/{prefix or ''}")
+            from psyche.client.gcs import GcsError, download_checkpoint_from_gcs
+
+            try:
+                path = download_checkpoint_from_gcs(bucket, prefix)
+            except GcsError as e:
+                raise UserError(str(e)) from None
+            except Exception as e:  # the storage client's errors (network, permissions)
+                raise UserError(f"cannot fetch gs://{bucket}/{prefix or ''}: {e}") from None
+        case _:
+            raise UserError(f"unknown checkpoint {llm.checkpoint!r}")
+    print(f"Model files in {path}")
+    return path
