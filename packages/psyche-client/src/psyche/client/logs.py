@@ -1,4 +1,5 @@
-"""Client logging: plain console lines, JSON lines, or (`tui`) the console with a note.
+"""Client logging: plain console lines, JSON lines, or (`tui`) console lines that the terminal
+dashboard (`psyche.client.tui`) takes over into its log panel once it starts.
 
 Events that tools read (the loss per round, model hashes, assignments) are logged with
 `log_event(logger, name, **fields)`: the record's message is the event name and the fields
@@ -111,7 +112,7 @@ class JsonFormatter(logging.Formatter):
 
 def setup_logging(mode: str, *, write_log: Path | None = None, level: int = logging.INFO) -> None:
     """Configure the root logger for `mode`; `write_log` also writes console-format lines to a
-    file. The TUI is not built: `tui` logs to the console and says so once."""
+    file. `tui` starts as `console`; the dashboard swaps the console handler for its own."""
     if mode not in LOG_MODES:
         raise ValueError(f"unknown log mode {mode!r}; expected one of {', '.join(LOG_MODES)}")
     root = logging.getLogger()
@@ -134,8 +135,3 @@ def setup_logging(mode: str, *, write_log: Path | None = None, level: int = logg
     # third-party chatter (libp2p logs every stream at INFO)
     for noisy in ("libp2p", "multiaddr", "httpx", "httpcore", "urllib3", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    if mode == "tui":
-        logging.getLogger("psyche.client").warning(
-            "--logs tui: the terminal dashboard is not built in the Python port; "
-            "logging to the console instead"
-        )

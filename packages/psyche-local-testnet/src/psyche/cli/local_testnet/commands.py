@@ -1,7 +1,7 @@
 """The command lines the local testnet runs (upstream `local-testnet/src/main.rs`), built purely.
 
 Server: `psyche-server run --state DIR/state.toml --server-port P --tui B [--data-config
-DIR/data.toml] [--events-dir D]`. Client i (1-based): environment `RAW_IDENTITY_SECRET_KEY` =
+DIR/data.toml] [--events-dir D] [--metrics-jsonl M/server.jsonl] [--status-port S]`. Client i (1-based): environment `RAW_IDENTITY_SECRET_KEY` =
 64 hex digits of i, `RUST_LOG`, `RUST_BACKTRACE=1` (`HF_TOKEN` when given), then `psyche-client
 train --run-id R --server-addr localhost:P --logs tui|console` and the optional flags in
 upstream's order. Programs run with the testnet's own Python (`python -m psyche.cli.server`), so
@@ -10,7 +10,11 @@ no activated environment is needed in a tmux pane.
 Divergences: upstream also sets `METRICS_LOCAL_PORT` (the port has no local metrics, so the
 client would only warn about it); client 1 always gets `--checkpoint-dir` (`checkpoint_dir`,
 `./checkpoints` by default; upstream only with `--first-client-checkpoint`), so the run's final
-model is kept; and the log default is `warn,psyche=info` (upstream: `psyche=debug`).
+model is kept; and the log default is `warn,psyche=info` (upstream: `psyche=debug`). The
+port's trackers are forwarded too: `metrics_dir` gives the server `--metrics-jsonl
+M/server.jsonl` and client i `--metrics-jsonl M/client-i.jsonl`, `tensorboard_dir` gives client
+i `--tensorboard-dir T/client-i`, and `--eval-data-dir` goes with `--eval-tasks`. Every client
+command line parses with the client's own parser (tests/local_testnet).
 """
 
 from __future__ import annotations
@@ -64,6 +68,10 @@ class TestnetPlan:
     optim_stats: int | None = None
     eval_tasks: str | None = None
     events_dir: Path | None = None
+    eval_data_dir: Path | None = None
+    metrics_dir: Path | None = None
+    tensorboard_dir: Path | None = None
+    status_port: int | None = None
     # Hidden options: another client program (tests), extra client/server arguments.
     client_program: tuple[str, ...] = ()
     client_args: tuple[str, ...] = ()
@@ -93,6 +101,10 @@ class TestnetPlan:
             argv += ["--data-config", str(self.data_path)]
         if self.events_dir is not None:
             argv += ["--events-dir", str(self.events_dir)]
+        if self.metrics_dir is not None:
+            argv += ["--metrics-jsonl", str(self.metrics_dir / "server.jsonl")]
+        if self.status_port is not None:
+            argv += ["--status-port", str(self.status_port)]
         argv += self.server_args
         return Command(tuple(argv), (("RUST_LOG", self.log),))
 
@@ -134,8 +146,14 @@ class TestnetPlan:
             argv += ["--optim-stats-steps", str(self.optim_stats)]
         if self.eval_tasks is not None:
             argv += ["--eval-tasks", self.eval_tasks]
+            if self.eval_data_dir is not None:
+                argv += ["--eval-data-dir", str(self.eval_data_dir)]
         if self.events_dir is not None:
             argv += ["--events-dir", str(self.events_dir)]
+        if self.metrics_dir is not None:
+            argv += ["--metrics-jsonl", str(self.metrics_dir / f"client-{number}.jsonl")]
+        if self.tensorboard_dir is not None:
+            argv += ["--tensorboard-dir", str(self.tensorboard_dir / f"client-{number}")]
         argv += self.client_args
         return Command(tuple(argv), tuple(env))
 

@@ -126,6 +126,15 @@ def build_parser() -> tuple[argparse.ArgumentParser, EnvOptions]:
         help="[env: EVAL_TASKS]")  # fmt: skip
     add("--events-dir", type=Path, metavar="<EVENTS_DIR>",
         help="Event files of the server and each client go under this directory")  # fmt: skip
+    add("--eval-data-dir", type=Path, metavar="<EVAL_DATA_DIR>",
+        help="The clients read the --eval-tasks datasets from this directory (not the hub)")  # fmt: skip
+    add("--metrics-dir", type=Path, metavar="<METRICS_DIR>",
+        help="The server and each client append their metrics to DIR/server.jsonl and "
+        "DIR/client-N.jsonl")  # fmt: skip
+    add("--tensorboard-dir", type=Path, metavar="<TENSORBOARD_DIR>",
+        help="Each client writes TensorBoard event files to DIR/client-N")  # fmt: skip
+    add("--status-port", type=non_negative_int, metavar="<STATUS_PORT>",
+        help="The server serves its status page on this port (http://127.0.0.1:PORT/)")  # fmt: skip
     add("--headless", action="store_true",
         help="No tmux: run everything as child processes, output prefixed with [name]")  # fmt: skip
     # Hidden: for tests and scripted use.
@@ -136,6 +145,44 @@ def build_parser() -> tuple[argparse.ArgumentParser, EnvOptions]:
     add("--server-args", help=argparse.SUPPRESS)
     add_verbose_flag(parser)
     return parser, env
+
+
+def plan_from_args(
+    args: argparse.Namespace,
+    config_path: Path,
+    run_id: str,
+    *,
+    headless: bool,
+    log_dir: Path | None,
+) -> TestnetPlan:
+    """The testnet's command lines from its parsed options (every option that reaches the
+    server or the clients goes through here)."""
+    return TestnetPlan(
+        num_clients=args.num_clients,
+        config_path=config_path,
+        run_id=run_id,
+        server_port=args.server_port,
+        tui=bool(args.tui) and not headless,
+        log=args.log,
+        write_distro_data=args.write_distro_data,
+        first_client_checkpoint=args.first_client_checkpoint,
+        hf_token=args.hf_token,
+        # Headless captures every process's output itself.
+        write_log_dir=None if headless else log_dir,
+        wandb_project=args.wandb_project,
+        wandb_group=args.wandb_group,
+        wandb_entity=args.wandb_entity,
+        optim_stats=args.optim_stats,
+        eval_tasks=args.eval_tasks,
+        events_dir=args.events_dir,
+        eval_data_dir=args.eval_data_dir,
+        metrics_dir=args.metrics_dir,
+        tensorboard_dir=args.tensorboard_dir,
+        status_port=args.status_port,
+        client_program=split_args(args.client_program),
+        client_args=split_args(args.client_args),
+        server_args=split_args(args.server_args),
+    )
 
 
 def start(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -164,28 +211,7 @@ def start(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         log_dir = Path("logs") / log_dir_name(datetime.datetime.now(datetime.UTC))
         log_dir.mkdir(parents=True, exist_ok=True)
 
-    plan = TestnetPlan(
-        num_clients=args.num_clients,
-        config_path=config_path,
-        run_id=run_id,
-        server_port=args.server_port,
-        tui=bool(args.tui) and not headless,
-        log=args.log,
-        write_distro_data=args.write_distro_data,
-        first_client_checkpoint=args.first_client_checkpoint,
-        hf_token=args.hf_token,
-        # Headless captures every process's output itself.
-        write_log_dir=None if headless else log_dir,
-        wandb_project=args.wandb_project,
-        wandb_group=args.wandb_group,
-        wandb_entity=args.wandb_entity,
-        optim_stats=args.optim_stats,
-        eval_tasks=args.eval_tasks,
-        events_dir=args.events_dir,
-        client_program=split_args(args.client_program),
-        client_args=split_args(args.client_args),
-        server_args=split_args(args.server_args),
-    )
+    plan = plan_from_args(args, config_path, run_id, headless=headless, log_dir=log_dir)
     print(f"psyche-local-testnet: run {run_id!r}, {args.num_clients} clients, config {config_path}")
     validate = plan.validate_command()
     if subprocess.run(list(validate.argv)).returncode != 0:
