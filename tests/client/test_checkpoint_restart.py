@@ -1,0 +1,111 @@
+"""Resume after a restart of everything: the server starts from a state saved at an epoch's end
+(`save_state` / `load_state`, as `psyche-server run --save-state-dir` does) and the clients start
+again with the checkpoint directories they wrote. Each loads its complete local checkpoint of
+the epoch's start step (a newer partial one and a staging directory left by a killed write are
+never chosen), both start from the same weights, which are the checkpoint's and not the random
+init, and they train on together."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import trio
+
+from psyche.centralized.save_state import load_state, save_state
+from psyche.client.broadcast import open_network
+from psyche.client.checkpoint import CheckpointConfig, save_checkpoint_locally
+from psyche.client.client import Client
+from psyche.client.init import RunInitConfig
+from psyche.client.model_loading import config_json_of, load_from_directory, preload_modeling
+from psyche.client.testing import InProcessServer
+from psyche.coordinator import CoordinatorProgress, RunState
+from psyche.core.identity import SecretKey
+from psyche.core.node_identity import NodeIdentity
+from psyche.network.connection import NetworkConfig
+from psyche.network.sharable_model import model_hash
+
+from .test_in_process_run import RUN_ID, coordinator, fields, write_run
+
+STEP = 12  # the saved state's step: the epoch starts from the checkpoint of step 11
+
+
+@pytest.fixture(autouse=True)
+def _single_thread():  # type: ignore[no-untyped-def]
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+async def run_client(server: InProcessServer, number: int, checkpoint_dir: Path) -> None:
+    key = SecretKey.from_bytes(number.to_bytes(32, "big"))
+    identity = NodeIdentity.from_single_key(key.public_key)
+    config = NetworkConfig(run_id=RUN_ID, secret_key=key, bind_host="127.0.0.1")
+    init = RunInitConfig(identity, key, device="cpu", checkpoint=CheckpointConfig(checkpoint_dir))
+    async with open_network(config) as network, server.connect(identity, RUN_ID) as backend:
+        await Client(backend, network, init).run()
+
+
+def test_clients_and_server_restarted_resume_from_the_last_complete_checkpoint(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="psyche.client")
+    preload_modeling()
+    model_dir, data_dir = write_run(tmp_path)
+    # the model the last epoch ended with: the random init, moved, rounded through bf16
+    initial = load_from_directory(model_dir, "HfLlama", torch.device("cpu"))
+    trained = {
+        name: (t.detach() + 0.01).to(torch.bfloat16) for name, t in initial.model.variables()
+    }
+    config_json = config_json_of(initial.model)
+    dirs = [tmp_path / "client-1", tmp_path / "client-2"]
+    for directory in dirs:
+        save_checkpoint_locally(
+            directory / f"{RUN_ID}-step{STEP - 1}", trained, [], config_json, ""
+        )
+    # client 1 also holds an older checkpoint; client 2 a newer one whose write was cut short
+    # (a file missing) and the staging directory of a killed writer
+    save_checkpoint_locally(
+        dirs[0] / f"{RUN_ID}-step{STEP - 6}", dict(initial.model.variables()), [], config_json, ""
+    )
+    partial = dirs[1] / f"{RUN_ID}-step{STEP + 5}"
+    shutil.copytree(dirs[1] / f"{RUN_ID}-step{STEP - 1}", partial)
+    (partial / "model.safetensors").unlink()
+    staging = dirs[1] / f".{RUN_ID}-step{STEP + 9}.pid999999999.x.tmp"
+    shutil.copytree(dirs[1] / f"{RUN_ID}-step{STEP - 1}", staging)
+
+    state = coordinator(model_dir, data_dir)
+    state.run_state = RunState.WaitingForMembers
+    state.config.epoch_time = 8  # a valid saved state: longer than a round
+    state.progress = CoordinatorProgress(epoch=3, step=STEP, epoch_start_data_index=40)
+    saved = save_state(tmp_path / "saved", state)
+    server = InProcessServer(load_state(saved))
+
+    async def scenario() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server.run)
+            for number, directory in enumerate(dirs, start=1):
+                nursery.start_soon(run_client, server, number, directory)
+            with trio.fail_after(120):  # until both applied the first round of the epoch
+                while len(fields(caplog.records, "applied_results")) < 2:
+                    await trio.sleep(0.1)
+            nursery.cancel_scope.cancel()
+
+    trio.run(scenario)
+    loaded = fields(caplog.records, "loaded_model")
+    assert len(loaded) == 2
+    expected = f"{RUN_ID}-step{STEP - 1} (resumed)"
+    assert all(f["source"].endswith(expected) for f in loaded), loaded
+    want = model_hash({name: t.to(torch.float32) for name, t in trained.items()})
+    assert [f["model_hash"] for f in loaded] == [want, want]
+    assert want != model_hash(dict(initial.model.variables()))
+    assert all(f["epoch"] == 3 and f["step"] == STEP for f in loaded)
+    applied: dict[int, set[tuple[str, ...]]] = {}
+    for f in fields(caplog.records, "applied_results"):
+        applied.setdefault(f["step"], set()).add(tuple(str(b) for b in f["batches"]))
+    assert applied and all(len(v) == 1 for v in applied.values())
+    assert partial.exists() and staging.exists()  # neither chosen (removal: run_init_config)
