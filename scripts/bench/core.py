@@ -18,7 +18,7 @@ import pickle
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
 
 from psyche.core import (
     MerkleRoot,
@@ -74,7 +74,7 @@ class BenchWitness:
 
 @struct(frozen=True)
 class BenchRound:
-    witnesses: FixedVec[BenchWitness, 32]
+    witnesses: Annotated[list[BenchWitness], FixedVec(32)]
     data_index: U64
     random_seed: U64
     height: U32
@@ -102,13 +102,13 @@ class BenchConfig:
 
 @struct(frozen=True)
 class BenchCoordinator:
-    run_id: FixedStr[64]
+    run_id: Annotated[str, FixedStr(64)]
     run_state: U8
     config: BenchConfig
-    rounds: Array[BenchRound, 4]
+    rounds: Annotated[list[BenchRound], Array(4)]
     rounds_head: U32
-    clients: FixedVec[BenchClient, 256]
-    exited_clients: FixedVec[BenchClient, 256]
+    clients: Annotated[list[BenchClient], FixedVec(256)]
+    exited_clients: Annotated[list[BenchClient], FixedVec(256)]
     step: U32
     start_timestamp: U64
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -74,7 +76,7 @@ def test_deserialize_truncates_silently() -> None:
 
 @struct(frozen=True)
 class Named:
-    name: FixedStr[4]
+    name: Annotated[str, FixedStr(4)]
 
 
 def test_postcard_truncates_lossily_like_upstream() -> None:
@@ -117,12 +119,12 @@ def test_from_obj_reports_overlong_strings() -> None:
 
 @struct(frozen=True)
 class MyOptionalStrStruct:
-    field: FixedStr[64] | None = None
+    field: Annotated[str, FixedStr(64)] | None = None
 
 
 @struct(frozen=True)
 class MyStrStruct:
-    field: FixedStr[64]
+    field: Annotated[str, FixedStr(64)]
 
 
 def test_serialize_deserialize_optional_string_some() -> None:
@@ -227,7 +229,7 @@ def test_clear_empty_vec() -> None:
 
 @struct(frozen=True)
 class Holder:
-    items: FixedVec[U32, 3]
+    items: Annotated[list[U32], FixedVec(3)]
 
 
 def test_fixed_vec_wire_capacity() -> None:

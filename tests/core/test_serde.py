@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Annotated, Any
 
 import pytest
 from hypothesis import given, settings
@@ -78,13 +78,13 @@ class Everything:
     flag: bool
     small: SmallBool
     text: str
-    fixed_text: FixedStr[8]
+    fixed_text: Annotated[str, FixedStr(8)]
     blob: bytes
-    key: FixedBytes[4]
+    key: Annotated[bytes, FixedBytes(4)]
     maybe: U32 | None = None
     seq: list[I32]
-    few: FixedVec[U16, 3]
-    three: Array[U8, 3]
+    few: Annotated[list[U16], FixedVec(3)]
+    three: Annotated[list[U8], Array(3)]
     pair: tuple[U8, str]
     inner: Inner
     nested: list[Inner | None]
@@ -134,11 +134,11 @@ def test_fixed_width_and_small_types() -> None:
 def test_containers() -> None:
     assert to_bytes("test", str).hex() == "0474657374"
     assert to_bytes(b"\x01\x02", bytes).hex() == "020102"
-    assert to_bytes(b"\x01\x02\x03\x04", FixedBytes[4]).hex() == "01020304"
+    assert to_bytes(b"\x01\x02\x03\x04", Annotated[bytes, FixedBytes(4)]).hex() == "01020304"
     assert to_bytes(None, U32 | None) == b"\x00"
     assert to_bytes(300, U32 | None).hex() == "01ac02"
     assert to_bytes([1, 300], list[U32]).hex() == "0201ac02"
-    assert to_bytes([1, 2, 3], Array[U8, 3]).hex() == "010203"
+    assert to_bytes([1, 2, 3], Annotated[list[U8], Array(3)]).hex() == "010203"
     assert to_bytes((7, "a"), tuple[U8, str]).hex() == "070161"
     assert to_bytes(Inner(5, "x")).hex() == "05010178"
     assert to_bytes(Color.Blue, Color) == b"\x02"
@@ -156,7 +156,7 @@ def test_containers() -> None:
         (b"", U64, "end of input"),
         (b"\x80", U32, "end of input"),
         (b"\x05abc", str, "needed 5 bytes"),
-        (b"\x01\x02", FixedBytes[4], "needed 4 bytes"),
+        (b"\x01\x02", Annotated[bytes, FixedBytes(4)], "needed 4 bytes"),
         (b"\x00\x00", F32, "end of input"),
         (b"\x01", U32 | None, "end of input"),
         (b"\xff\xff\x04", U16, "does not fit in 16 bits"),
@@ -166,7 +166,7 @@ def test_containers() -> None:
         (b"\x03", Color, "invalid variant index 3 for Color"),
         (b"\x09", Shape, "invalid variant index 9 for Shape"),
         (b"\xff\xff\xff\xff\xff\x01", Color, "varint"),
-        (b"\x04\x01\x02\x03\x04", FixedVec[U8, 3], "FixedVec is full"),
+        (b"\x04\x01\x02\x03\x04", Annotated[list[U8], FixedVec(3)], "FixedVec is full"),
         (b"\x02", bool, "invalid bool byte 2"),
         (b"\x02\x00", U8 | None, "invalid option tag 2"),
         (b"\x02\xc3\x28", str, "invalid UTF-8"),
@@ -192,9 +192,9 @@ def test_encode_errors() -> None:
     with pytest.raises(PostcardError, match="expected u32"):
         to_bytes(True, U32)
     with pytest.raises(PostcardError, match="expected 4 bytes"):
-        to_bytes(b"abc", FixedBytes[4])
+        to_bytes(b"abc", Annotated[bytes, FixedBytes(4)])
     with pytest.raises(PostcardError, match="expected 3 items"):
-        to_bytes([1, 2], Array[U8, 3])
+        to_bytes([1, 2], Annotated[list[U8], Array(3)])
     with pytest.raises(PostcardError, match="is not a Shape"):
         to_bytes(Color.Red, Shape)
 

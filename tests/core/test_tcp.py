@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Annotated
 
 import pytest
 import trio
@@ -153,7 +154,7 @@ async def test_handshake_bytes() -> None:
     signed = response[3:]
     assert signed[:32] == key.public_key
     assert signed[32] == 0x20 and signed[33:65] == challenge
-    signer, decoded = SignedMessage.verify_and_decode(signed, FixedBytes[32])
+    signer, decoded = SignedMessage.verify_and_decode(signed, Annotated[bytes, FixedBytes(32)])
     assert signer == key.public_key and decoded == challenge
     assert response == encode_challenge_response(key, challenge)  # ed25519 is deterministic
     async with start_server() as server:

@@ -4,6 +4,8 @@ and the blob bytes of upstream's `TransmittableDownload` enum."""
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -111,7 +113,7 @@ def test_views_are_usable_as_bytes() -> None:
 @struct(frozen=True)
 class Inner:
     blob: bytes
-    fixed: FixedBytes[4]
+    fixed: Annotated[bytes, FixedBytes(4)]
 
 
 class Shape(DataEnum):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
+from typing import Annotated
 
 from psyche.coordinator.committee_selection import CommitteeSelection
 from psyche.coordinator.config import (
@@ -57,7 +58,7 @@ __all__ = ["Coordinator"]
 
 @struct(kw_only=True)
 class Coordinator(CoordinatorQueries):
-    run_id: FixedStr[SOLANA_RUN_ID_MAX_LEN]
+    run_id: Annotated[str, FixedStr(SOLANA_RUN_ID_MAX_LEN)]
     run_state: RunState
     model: Model
     config: CoordinatorConfig

@@ -6,6 +6,7 @@ Field order is wire order. Strings have the capacities of upstream's on-chain `F
 from __future__ import annotations
 
 import dataclasses
+from typing import Annotated
 
 from psyche.core.data_shuffle import Shuffle
 from psyche.core.definitions import ConstantLR, LearningRateSchedule, OptimizerDefinition
@@ -33,7 +34,7 @@ class LLMTrainingDataType(RustEnum):
 
 @struct(frozen=True)
 class NumberedFiles:
-    url_template: FixedStr[SOLANA_MAX_STRING_LEN]
+    url_template: Annotated[str, FixedStr(SOLANA_MAX_STRING_LEN)]
     start_index: U32
     n_left_pad_zeros: U8
     num_files: U32
@@ -41,13 +42,13 @@ class NumberedFiles:
 
 @struct(frozen=True)
 class Gcp:
-    bucket_name: FixedStr[SOLANA_MAX_STRING_LEN]
+    bucket_name: Annotated[str, FixedStr(SOLANA_MAX_STRING_LEN)]
     # Empty means the whole bucket.
-    filter_directory: FixedStr[SOLANA_MAX_URL_STRING_LEN]
+    filter_directory: Annotated[str, FixedStr(SOLANA_MAX_URL_STRING_LEN)]
 
 
 class HttpTrainingDataLocation(DataEnum):
-    SingleUrl = variant(FixedStr[SOLANA_MAX_URL_STRING_LEN])
+    SingleUrl = variant(Annotated[str, FixedStr(SOLANA_MAX_URL_STRING_LEN)])
     NumberedFiles = variant(NumberedFiles)
     Gcp = variant(Gcp)
 
@@ -62,12 +63,12 @@ class HttpLLMTrainingDataLocation:
 class LLMTrainingDataLocation(DataEnum):
     Dummy = variant()
     # "ip:port" of the centralized server's TCP data server.
-    Server = variant(FixedStr[SOLANA_MAX_STRING_LEN])
-    Local = variant(FixedStr[SOLANA_MAX_URL_STRING_LEN])
+    Server = variant(Annotated[str, FixedStr(SOLANA_MAX_STRING_LEN)])
+    Local = variant(Annotated[str, FixedStr(SOLANA_MAX_URL_STRING_LEN)])
     Http = variant(HttpLLMTrainingDataLocation)
     # URL of a JSON list of weighted HTTP locations.
-    WeightedHttp = variant(FixedStr[SOLANA_MAX_URL_STRING_LEN])
-    Preprocessed = variant(FixedStr[SOLANA_MAX_URL_STRING_LEN])
+    WeightedHttp = variant(Annotated[str, FixedStr(SOLANA_MAX_URL_STRING_LEN)])
+    Preprocessed = variant(Annotated[str, FixedStr(SOLANA_MAX_URL_STRING_LEN)])
 
     def is_bad(self) -> bool:
         """Upstream `Model::check`'s test of a data location (an empty address or URL)."""
@@ -93,8 +94,8 @@ class LLMTrainingDataLocation(DataEnum):
 
 @struct(frozen=True)
 class HubRepo:
-    repo_id: FixedStr[SOLANA_MAX_STRING_LEN]
-    revision: FixedStr[SOLANA_MAX_STRING_LEN] | None = None
+    repo_id: Annotated[str, FixedStr(SOLANA_MAX_STRING_LEN)]
+    revision: Annotated[str, FixedStr(SOLANA_MAX_STRING_LEN)] | None = None
 
     @classmethod
     def dummy(cls) -> HubRepo:
@@ -103,8 +104,8 @@ class HubRepo:
 
 @struct(frozen=True)
 class GcsRepo:
-    bucket: FixedStr[SOLANA_MAX_STRING_LEN]
-    prefix: FixedStr[SOLANA_MAX_STRING_LEN] | None = None
+    bucket: Annotated[str, FixedStr(SOLANA_MAX_STRING_LEN)]
+    prefix: Annotated[str, FixedStr(SOLANA_MAX_STRING_LEN)] | None = None
 
     @classmethod
     def dummy(cls) -> GcsRepo:

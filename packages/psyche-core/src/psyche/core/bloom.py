@@ -21,7 +21,7 @@ import types
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cache
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 from psyche.core.constants import BITVEC_LSB0, BLOOM_MAX_PRINT_BITS, FNV_PRIME
 from psyche.core.numeric import U64_MAX, saturating_cast_unsigned
@@ -48,7 +48,12 @@ class BitIdx:
 
 @cache
 def _bitarr_type(num_words: int) -> type:
-    annotations = {"order": str, "head": BitIdx, "bits": U64, "data": Array[U64, num_words]}
+    annotations = {
+        "order": str,
+        "head": BitIdx,
+        "bits": U64,
+        "data": Annotated[list[U64], Array(num_words)],
+    }
     namespace = {"__annotations__": annotations, "__module__": __name__}
     return struct(frozen=True)(type(f"BitArr{num_words}", (), namespace))
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from psyche.core.serde import DataEnum, FixedBytes, variant
 
 
 class Shuffle(DataEnum):
     DontShuffle = variant()
-    Seeded = variant(FixedBytes[32])
+    Seeded = variant(Annotated[bytes, FixedBytes(32)])

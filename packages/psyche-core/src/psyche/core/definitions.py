@@ -8,6 +8,7 @@ Steps are `u32`; differences of steps use Rust's (release-build) wrapping arithm
 from __future__ import annotations
 
 import math
+from typing import Annotated
 
 from psyche.core.numeric import f64_div, wrapping_u32
 from psyche.core.serde import F32, F64, U16, U32, Array, DataEnum, struct, variant
@@ -177,7 +178,7 @@ class LearningRateSchedule(DataEnum):
 
 @struct(frozen=True)
 class AdamW:
-    betas: Array[F32, 2]
+    betas: Annotated[list[F32], Array(2)]
     weight_decay: F32
     eps: F32
     clip_grad_norm: F32 | None = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Annotated
 
 from psyche.core.constants import INTERMEDIATE_PREFIX, LEAF_PREFIX
 from psyche.core.serde import FixedBytes, struct
@@ -19,7 +20,7 @@ from psyche.core.sha256 import sha256v
 class HashWrapper:
     """A 32-byte hash (upstream's `MerkleRoot`); zeros by default."""
 
-    inner: FixedBytes[32] = bytes(32)
+    inner: Annotated[bytes, FixedBytes(32)] = bytes(32)
 
     def fmt_short(self) -> str:
         return self.inner[:5].hex()

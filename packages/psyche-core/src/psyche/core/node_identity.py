@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from psyche.core.serde import FixedBytes, struct
 
 
@@ -13,8 +15,8 @@ class NodeIdentity:
     p2p key is still recognised by its signer.
     """
 
-    signer: FixedBytes[32] = bytes(32)
-    p2p_identity: FixedBytes[32] = bytes(32)
+    signer: Annotated[bytes, FixedBytes(32)] = bytes(32)
+    p2p_identity: Annotated[bytes, FixedBytes(32)] = bytes(32)
 
     @classmethod
     def from_single_key(cls, key: bytes) -> NodeIdentity:

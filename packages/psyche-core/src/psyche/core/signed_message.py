@@ -7,7 +7,7 @@ one signature check and nothing more.
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 from psyche.core.identity import PublicKey, SecretKey, verify_signature
 from psyche.core.serde import FixedBytes, PostcardError, from_bytes, struct, to_bytes
@@ -21,9 +21,9 @@ class SignedMessageError(ValueError):
 
 @struct(frozen=True)
 class SignedMessage:
-    from_: FixedBytes[32]
+    from_: Annotated[bytes, FixedBytes(32)]
     data: bytes
-    signature: FixedBytes[64]
+    signature: Annotated[bytes, FixedBytes(64)]
 
     @staticmethod
     def sign_and_encode(secret_key: SecretKey, message: Any, tp: Any = None) -> bytes:

@@ -32,7 +32,7 @@ import select
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Annotated, Any, Generic, Protocol, TypeVar
 
 import trio
 
@@ -72,7 +72,7 @@ CHALLENGE_RESPONSE = 0
 ELSE = 1
 
 _ELSE_TAG = bytes([ELSE])
-_CHALLENGE_TYPE = FixedBytes[CHALLENGE_LENGTH]
+_CHALLENGE_TYPE = Annotated[bytes, FixedBytes(CHALLENGE_LENGTH)]
 
 # The only frame a client sends before its handshake: `ChallengeResponse(Vec<u8>)` of a
 # `SignedMessage<[u8; 32]>` (key, varint-prefixed challenge, signature), 132 bytes.

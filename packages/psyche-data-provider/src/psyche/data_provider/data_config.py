@@ -6,6 +6,7 @@ import dataclasses
 import os
 import tomllib
 from pathlib import Path
+from typing import Annotated
 
 from psyche.core.data_shuffle import Shuffle
 from psyche.core.serde import U64, FixedBytes, SerdeError, from_obj, struct
@@ -23,7 +24,7 @@ class DataServerInfo:
     dir: str
     token_size: TokenSize
     seq_len: U64
-    shuffle_seed: FixedBytes[32]
+    shuffle_seed: Annotated[bytes, FixedBytes(32)]
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> DataServerInfo:

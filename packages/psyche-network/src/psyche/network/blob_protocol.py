@@ -28,7 +28,7 @@ import os
 import struct as _struct
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Annotated, Any, Protocol
 
 import trio
 
@@ -70,16 +70,16 @@ _REQUESTER_DOMAIN = b"psyche-blob/0 requester"
 @wire_struct(frozen=True)
 class Hello:
     version: U8
-    requester: FixedBytes[32]
-    provider: FixedBytes[32]
-    nonce: FixedBytes[32]
+    requester: Annotated[bytes, FixedBytes(32)]
+    provider: Annotated[bytes, FixedBytes(32)]
+    nonce: Annotated[bytes, FixedBytes(32)]
 
 
 @wire_struct(frozen=True)
 class Challenge:
-    provider: FixedBytes[32]
-    nonce: FixedBytes[32]
-    signature: FixedBytes[64]
+    provider: Annotated[bytes, FixedBytes(32)]
+    nonce: Annotated[bytes, FixedBytes(32)]
+    signature: Annotated[bytes, FixedBytes(64)]
 
 
 class ServerHello(DataEnum):
@@ -89,8 +89,8 @@ class ServerHello(DataEnum):
 
 @wire_struct(frozen=True)
 class Get:
-    signature: FixedBytes[64]
-    hash: FixedBytes[32]
+    signature: Annotated[bytes, FixedBytes(64)]
+    hash: Annotated[bytes, FixedBytes(32)]
 
 
 class Reply(DataEnum):

@@ -9,6 +9,7 @@ forge them; the requester verifies each one before using it.
 from __future__ import annotations
 
 import logging
+from typing import Annotated
 
 import trio
 from libp2p.abc import IHost, INetStream
@@ -26,7 +27,7 @@ MAX_REQUEST_BYTES = 64 * 1024
 MAX_RESPONSE_BYTES = 512 * 1024
 MAX_RECORDS = 1024
 
-_Ids = list[FixedBytes[32]]
+_Ids = list[Annotated[bytes, FixedBytes(32)]]
 
 
 def encode_request(ids: list[bytes]) -> bytes:

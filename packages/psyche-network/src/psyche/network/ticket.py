@@ -7,6 +7,8 @@ blob's size so a downloader can refuse an oversized transfer before reading a by
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import blake3
 
 from psyche.core.serde import U64, DataEnum, FixedBytes, RustEnum, struct, variant
@@ -31,7 +33,7 @@ class TransportAddr(DataEnum):
 
 @struct(frozen=True)
 class EndpointAddr:
-    id: FixedBytes[32]
+    id: Annotated[bytes, FixedBytes(32)]
     addrs: list[TransportAddr]
 
     def libp2p_addrs(self) -> list[str]:
@@ -53,7 +55,7 @@ class BlobFormat(RustEnum):
 class BlobTicket:
     addr: EndpointAddr
     format: BlobFormat
-    hash: FixedBytes[32]
+    hash: Annotated[bytes, FixedBytes(32)]
     size: U64
 
     @property

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 from psyche.core.serde import (
     DataEnum,
@@ -92,7 +92,7 @@ class ModelRequestType(DataEnum):
 
 
 class DownloadType(DataEnum):
-    DistroResult = variant(list[FixedBytes[32]])
+    DistroResult = variant(list[Annotated[bytes, FixedBytes(32)]])
     """Other peers to try when the ticket's provider fails."""
     ModelSharing = variant(ModelRequestType)
 

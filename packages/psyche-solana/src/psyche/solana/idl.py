@@ -29,10 +29,10 @@ from psyche.core.bloom import Bloom
 from psyche.core.definitions import OptimizerDefinition
 from psyche.core.serde import DataEnum, RustEnum
 from psyche.core.serde.schema import (
-    ArrayMarker,
-    FixedBytesMarker,
-    FixedStrMarker,
-    FixedVecMarker,
+    Array,
+    FixedBytes,
+    FixedStr,
+    FixedVec,
     FloatMarker,
     IntMarker,
     SmallBoolMarker,
@@ -133,16 +133,16 @@ class _TypeCollector:
                 return f"f{m.bits}"
             if isinstance(m, SmallBoolMarker):
                 return "u8"
-            if isinstance(m, FixedStrMarker):
+            if isinstance(m, FixedStr):
                 return {"array": ["u8", m.capacity]}
-            if isinstance(m, FixedBytesMarker):
+            if isinstance(m, FixedBytes):
                 if any(x is PUBKEY_MARKER for x in meta):
                     return "publicKey"
                 return {"array": ["u8", m.length]}
-            if isinstance(m, ArrayMarker):
+            if isinstance(m, Array):
                 (item,) = typing.get_args(base)
                 return {"array": [self.idl_type(item), m.length]}
-            if isinstance(m, FixedVecMarker):
+            if isinstance(m, FixedVec):
                 (item,) = typing.get_args(base)
                 return {"defined": self._fixed_vec(item, m.capacity)}
         return self.idl_type(base)

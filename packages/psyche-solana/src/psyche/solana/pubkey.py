@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from psyche.core.serde.schema import FixedBytesMarker
+from psyche.core.serde.schema import FixedBytes
 
 
 class PubkeyMarker:
@@ -20,7 +20,7 @@ class PubkeyMarker:
 
 PUBKEY_MARKER = PubkeyMarker()
 
-Pubkey = Annotated[bytes, FixedBytesMarker(32), PUBKEY_MARKER]
+Pubkey = Annotated[bytes, FixedBytes(32), PUBKEY_MARKER]
 
 SYSTEM_PROGRAM_ID = bytes(32)  # "11111111111111111111111111111111"
 

@@ -145,17 +145,19 @@ class ReprC:
             return _bool_layout()
         if isinstance(wt, WStr):
             if wt.capacity is None:
-                raise TypeError("a String has no fixed layout; use FixedStr[N]")
+                raise TypeError("a String has no fixed layout; use Annotated[str, FixedStr(N)]")
             return _fixed_str_layout(wt.capacity)
         if isinstance(wt, WBytes):
             if wt.length is None:
-                raise TypeError("a Vec<u8> has no fixed layout; use FixedBytes[N]")
+                raise TypeError(
+                    "a Vec<u8> has no fixed layout; use Annotated[bytes, FixedBytes(N)]"
+                )
             return _fixed_bytes_layout(wt.length)
         if isinstance(wt, WArray):
             return _array_layout(self._layout(wt.item), wt.length)
         if isinstance(wt, WSeq):
             if wt.capacity is None:
-                raise TypeError("a Vec has no fixed layout; use FixedVec[T, N]")
+                raise TypeError("a Vec has no fixed layout; use Annotated[list[T], FixedVec(N)]")
             return _fixed_vec_layout(self._layout(wt.item), wt.capacity)
         if isinstance(wt, WOption):
             return _option_layout(self._layout(wt.inner))

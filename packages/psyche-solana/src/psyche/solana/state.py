@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import struct as _struct
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 from psyche.coordinator import ClientState, Coordinator, RunState
 from psyche.coordinator.model import GcsRepo, HubRepo
@@ -41,8 +41,8 @@ JOIN_RUN_AUTHORIZATION_SCOPE = b"CoordinatorJoinRun"
 class RunMetadata:
     """What a run shows about itself (name, description, size); changeable while running."""
 
-    name: FixedStr[64] = ""
-    description: FixedStr[280] = ""
+    name: Annotated[str, FixedStr(64)] = ""
+    description: Annotated[str, FixedStr(280)] = ""
     num_parameters: U64 = 0
     vocab_size: U64 = 0
 
@@ -56,7 +56,7 @@ class SolanaClient:
     """
 
     id: NodeIdentity
-    unused: FixedBytes[8] = bytes(8)
+    unused: Annotated[bytes, FixedBytes(8)] = bytes(8)
     earned: U64 = 0
     slashed: U64 = 0
     active: U64 = 0
@@ -70,8 +70,8 @@ class ClientsEpochRates:
 
 @struct
 class ClientsState:
-    clients: FixedVec[SolanaClient, SOLANA_MAX_NUM_PENDING_CLIENTS] = dataclasses.field(
-        default_factory=list
+    clients: Annotated[list[SolanaClient], FixedVec(SOLANA_MAX_NUM_PENDING_CLIENTS)] = (
+        dataclasses.field(default_factory=list)
     )
     next_active: U64 = 0
     current_epoch_rates: ClientsEpochRates = dataclasses.field(default_factory=ClientsEpochRates)
@@ -95,7 +95,7 @@ class CoordinatorInstanceState:
     clients_state: ClientsState = dataclasses.field(default_factory=ClientsState)
     is_warmup_first_tick: SmallBool = False
     is_training_first_tick: SmallBool = False
-    client_version: FixedStr[CLIENT_VERSION_LEN] = ""
+    client_version: Annotated[str, FixedStr(CLIENT_VERSION_LEN)] = ""
 
 
 @struct(kw_only=True)

@@ -22,12 +22,12 @@ from pydantic_core import PydanticCustomError, core_schema
 
 from psyche.core.fixed import fixed_str_serialize
 from psyche.core.numeric import I64_MAX, f32_shortest_repr, to_f32
-from psyche.core.serde.schema import ArrayMarker as _ArrayMarker
+from psyche.core.serde.schema import Array as _ArrayMarker
 from psyche.core.serde.schema import (
     DataEnum,
-    FixedBytesMarker,
-    FixedStrMarker,
-    FixedVecMarker,
+    FixedBytes,
+    FixedStr,
+    FixedVec,
     FloatMarker,
     IntMarker,
     RustEnum,
@@ -312,7 +312,7 @@ def small_bool_schema() -> core_schema.CoreSchema:
     return core_schema.no_info_plain_validator_function(validate)
 
 
-def fixed_str_schema(marker: FixedStrMarker) -> core_schema.CoreSchema:
+def fixed_str_schema(marker: FixedStr) -> core_schema.CoreSchema:
     cap = marker.capacity
 
     def validate(v: Any) -> str:
@@ -331,7 +331,7 @@ def fixed_str_schema(marker: FixedStrMarker) -> core_schema.CoreSchema:
     return core_schema.no_info_plain_validator_function(validate)
 
 
-def bytes_schema(marker: FixedBytesMarker | None) -> core_schema.CoreSchema:
+def bytes_schema(marker: FixedBytes | None) -> core_schema.CoreSchema:
     length = None if marker is None else marker.length
 
     def validate(v: Any) -> bytes:
@@ -360,7 +360,7 @@ def bytes_schema(marker: FixedBytesMarker | None) -> core_schema.CoreSchema:
 
 
 def sized_list_schema(
-    inner: core_schema.CoreSchema, marker: FixedVecMarker | _ArrayMarker
+    inner: core_schema.CoreSchema, marker: FixedVec | _ArrayMarker
 ) -> core_schema.CoreSchema:
     exact = isinstance(marker, _ArrayMarker)
     bound = marker.length if isinstance(marker, _ArrayMarker) else marker.capacity

@@ -3,7 +3,7 @@
 Upstream's types are Rust structs and enums whose serde derive fixes how they look in postcard
 (the TCP and gossip wire format), in TOML (run configs, saved state) and, through Anchor, in borsh.
 Here a type is declared once, as a plain dataclass or enum annotated with the markers below
-(`U16`, `FixedStr[64]`, ...), and each format walks the resulting `WireType` tree:
+(`U16`, `Annotated[str, FixedStr(64)]`, ...), and each format walks the resulting `WireType` tree:
 
 * `postcard.py` encodes and decodes bytes,
 * `obj.py` converts to and from the plain objects of TOML/JSON, validating with pydantic so that a
@@ -78,8 +78,12 @@ class SmallBoolMarker:
 
 
 @dataclass(frozen=True)
-class FixedStrMarker:
-    """Upstream `FixedString<N>`: at most N UTF-8 bytes, NUL padded on chain, a string elsewhere."""
+class FixedStr:
+    """Upstream `FixedString<N>`: at most N UTF-8 bytes, NUL padded on chain, a string elsewhere.
+
+    Written `Annotated[str, FixedStr(64)]`: a type checker sees a `str`; the codecs read the
+    capacity from the annotation.
+    """
 
     capacity: int
 
@@ -90,8 +94,11 @@ class FixedStrMarker:
 
 
 @dataclass(frozen=True)
-class FixedBytesMarker:
-    """`[u8; N]`: N raw bytes in postcard, an array of N integers in TOML."""
+class FixedBytes:
+    """`[u8; N]`: N raw bytes in postcard, an array of N integers in TOML.
+
+    Written `Annotated[bytes, FixedBytes(32)]` (a type checker sees `bytes`).
+    """
 
     length: int
 
@@ -102,8 +109,11 @@ class FixedBytesMarker:
 
 
 @dataclass(frozen=True)
-class FixedVecMarker:
-    """Upstream `FixedVec<T, N>`: a sequence of at most N items."""
+class FixedVec:
+    """Upstream `FixedVec<T, N>`: a sequence of at most N items.
+
+    Written `Annotated[list[Client], FixedVec(256)]` (a type checker sees the list).
+    """
 
     capacity: int
 
@@ -114,8 +124,11 @@ class FixedVecMarker:
 
 
 @dataclass(frozen=True)
-class ArrayMarker:
-    """`[T; N]`: exactly N items, no length prefix in postcard."""
+class Array:
+    """`[T; N]`: exactly N items, no length prefix in postcard.
+
+    Written `Annotated[list[Round], Array(4)]` (a type checker sees the list).
+    """
 
     length: int
 
@@ -136,36 +149,6 @@ I64 = Annotated[int, IntMarker(64, True)]
 F32 = Annotated[float, FloatMarker(32)]
 F64 = Annotated[float, FloatMarker(64)]
 SmallBool = Annotated[bool, SmallBoolMarker()]
-
-
-class FixedStr:
-    """`FixedStr[64]` is a `str` holding at most 64 UTF-8 bytes."""
-
-    def __class_getitem__(cls, capacity: int) -> Any:
-        return Annotated[str, FixedStrMarker(capacity)]
-
-
-class FixedBytes:
-    """`FixedBytes[32]` is `bytes` of exactly 32 bytes (Rust `[u8; 32]`)."""
-
-    def __class_getitem__(cls, length: int) -> Any:
-        return Annotated[bytes, FixedBytesMarker(length)]
-
-
-class FixedVec:
-    """`FixedVec[Client, 256]` is a `list` of at most 256 items."""
-
-    def __class_getitem__(cls, params: tuple[Any, int]) -> Any:
-        item, capacity = params
-        return Annotated[list[item], FixedVecMarker(capacity)]  # type: ignore[valid-type]
-
-
-class Array:
-    """`Array[Round, 4]` is a `list` of exactly 4 items (Rust `[T; 4]`)."""
-
-    def __class_getitem__(cls, params: tuple[Any, int]) -> Any:
-        item, length = params
-        return Annotated[list[item], ArrayMarker(length)]  # type: ignore[valid-type]
 
 
 # --------------------------------------------------------------------------------------------
@@ -195,10 +178,24 @@ def _f32_kind(hint: Any, owner: type) -> str | None:
     return None
 
 
+@typing.overload
+def struct(cls: type[T], /) -> type[T]: ...
+
+
+@typing.overload
+def struct(
+    *, frozen: bool = False, eq: bool = True, kw_only: bool = False
+) -> Callable[[type[T]], type[T]]: ...
+
+
+@typing.dataclass_transform()
 def struct(
     cls: type[T] | None = None, *, frozen: bool = False, eq: bool = True, kw_only: bool = False
-) -> Any:
+) -> type[T] | Callable[[type[T]], type[T]]:
     """A dataclass whose field order is its wire order and whose configs reject unknown keys.
+
+    Type checkers see it as `dataclass` (`dataclass_transform`): the generated `__init__` and
+    fields are checked like any dataclass's.
 
     `kw_only=True` lets optional fields precede required ones, as they do in many upstream
     structs, without changing the wire order.
@@ -603,13 +600,13 @@ def _resolve_annotated(base: Any, metadata: list[Any]) -> WireType:
             return WFloat(m.bits)
         if isinstance(m, SmallBoolMarker):
             return WSmallBool()
-        if isinstance(m, FixedStrMarker):
+        if isinstance(m, FixedStr):
             return WStr(m.capacity)
-        if isinstance(m, FixedBytesMarker):
+        if isinstance(m, FixedBytes):
             return WBytes(m.length)
-        if isinstance(m, FixedVecMarker | ArrayMarker):
+        if isinstance(m, FixedVec | Array):
             (item,) = typing.get_args(base)
-            if isinstance(m, FixedVecMarker):
+            if isinstance(m, FixedVec):
                 return WSeq(wire_type(item), m.capacity)
             return WArray(wire_type(item), m.length)
     return wire_type(base)
