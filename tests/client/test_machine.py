@@ -298,6 +298,7 @@ def test_apply_skips_refused_payloads_and_fails_on_missing_ones() -> None:
             (step, distro_results)
         ),
         synchronize=lambda: None,
+        start_epoch=lambda: None,
     )
     b1, b2 = BatchId(0, 1), BatchId(2, 3)
     h1, h2 = b"1" * 32, b"2" * 32

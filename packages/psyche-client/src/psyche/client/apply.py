@@ -189,6 +189,8 @@ async def apply_results(trainer: Trainer, job: ApplyJob) -> list[BatchId]:
     started = time.perf_counter()
 
     def optimize() -> None:
+        if job.round_state.height == 0:
+            trainer.start_epoch()  # this epoch's first apply (DiLoCo's outer momentum restarts)
         trainer.optimize(plan.step, warmup_lr_between=job.warmup_lr_between, distro_results=results)
         trainer.synchronize()
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -38,7 +38,7 @@ from psyche.core.sha256 import sha256
 from psyche.network.ticket import BlobTicket
 
 if TYPE_CHECKING:
-    from psyche.modeling.distro import DistroResult, ResultLayout
+    from psyche.modeling.distro import DistroResult
     from psyche.modeling.serialized_distro import TransmittableDistroResult
 
 logger = logging.getLogger(__name__)
@@ -259,12 +259,12 @@ async def check_payload(
     blob_hash: bytes,
     payload: TransmittableDistroResult,
     pending: PendingPayload,
-    layouts: Sequence[ResultLayout],
-    require_1bit: bool,
+    results_from_payload: Callable[[TransmittableDistroResult], list[DistroResult]],
 ) -> None:
     """Hash a peer's payload (in a worker thread) against its commitment; if it answers it,
-    count it for the blooms and deserialize it, validated against this model's `layouts`
-    (`serialized_distro.distro_results_from_transmittable`), into the round's downloads.
+    count it for the blooms and deserialize it, validated against this model and run by
+    `results_from_payload` (`Trainer.results_from_payload`: DisTrO's or DiLoCo's checks), into
+    the round's downloads.
 
     A payload that does not answer is logged and marked refused in place of its download, so an
     apply that was waiting for it skips it.
@@ -290,7 +290,7 @@ async def check_payload(
     handle = PayloadHandle()
     round_state.settle(blob_hash, handle)
     try:
-        value = await trio.to_thread.run_sync(_deserialize, payload, layouts, require_1bit)
+        value = await trio.to_thread.run_sync(_deserialize, payload, results_from_payload)
     except Exception as e:
         _log_refusal("payload_invalid", round_state, pending, str(e))
         handle.set_error(e)
@@ -299,12 +299,10 @@ async def check_payload(
 
 
 def _deserialize(
-    payload: TransmittableDistroResult, layouts: Sequence[ResultLayout], require_1bit: bool
+    payload: TransmittableDistroResult,
+    results_from_payload: Callable[[TransmittableDistroResult], list[DistroResult]],
 ) -> DeserializedPayload:
-    from psyche.modeling.serialized_distro import distro_results_from_transmittable
-
-    results = distro_results_from_transmittable(payload, layouts, require_1bit=require_1bit)
-    return DeserializedPayload(results, payload.trainer_nonce)
+    return DeserializedPayload(results_from_payload(payload), payload.trainer_nonce)
 
 
 def _log_refusal(event: str, round_state: RoundState, pending: PendingPayload, reason: str) -> None:

@@ -39,8 +39,9 @@ from psyche.coordinator.config import (
     CoordinatorConfig,
 )
 from psyche.coordinator.coordinator import Coordinator
+from psyche.coordinator.diloco_config import diloco_problems
 from psyche.coordinator.model import LLM, HttpTrainingDataLocation, LLMTrainingDataLocation, Model
-from psyche.core.definitions import LearningRateSchedule
+from psyche.core.definitions import LearningRateSchedule, OptimizerDefinition
 from psyche.core.serde import SerdeError, from_obj, struct, to_obj
 
 
@@ -242,6 +243,8 @@ def semantic_problems(config: CoordinatorConfig, model: Model) -> list[tuple[str
             problems.append(
                 (f"{where}.linear_decay_final_lr", "must be at most cosine_decay_final_lr")
             )
+    if isinstance(llm.optimizer, OptimizerDefinition.DiLoCo):
+        problems.extend(diloco_problems(config, llm.optimizer.value, llm.lr_schedule))
     return problems
 
 

@@ -11,7 +11,7 @@ import math
 from typing import Annotated
 
 from psyche.core.numeric import f64_div, wrapping_u32
-from psyche.core.serde import F32, F64, U16, U32, Array, DataEnum, struct, variant
+from psyche.core.serde import F32, F64, U8, U16, U32, Array, DataEnum, RustEnum, struct, variant
 
 
 def _warmup_lr(warmup_init_lr: float, base_lr: float, step: int, warmup_steps: int) -> float:
@@ -194,7 +194,55 @@ class Distro:
     quantize_1bit: bool
 
 
+class DilocoTransmission(RustEnum):
+    """How a DiLoCo client sends its pseudo-gradient (a port extension, see `DiLoCo`)."""
+
+    # Every value rounded to bf16: 2 bytes per parameter.
+    Bf16 = 0
+    # int8 codes with one f32 scale per group of `compression_chunk**2` values: about 1 byte
+    # per parameter.
+    Int8 = 1
+    # DisTrO's block DCT, top-k per block, `value_bits` bits per kept value and a bf16 scale per
+    # block, with an error-feedback residual kept by the sender (SparseLoCo).
+    Sparse = 2
+
+
+# Inner AdamW settings that do not fit the 28 bytes a variant has in the Solana account (see
+# `DiLoCo`): the values the DiLoCo papers and Psyche's AdamW configs use.
+DILOCO_INNER_BETAS = (0.9, 0.95)
+DILOCO_INNER_EPS = 1e-8
+
+
+@struct(frozen=True, kw_only=True)
+class DiLoCo:
+    """DiLoCo: `inner_steps` local AdamW steps per round, then an outer step (SGD, Nesterov
+    momentum) on the mean pseudo-gradient (weights before minus weights after the inner steps).
+
+    A port extension, not in upstream. The fields are laid out so that the variant takes
+    exactly the 28 bytes the Solana account's `OptimizerDefinition` union has (Distro's size),
+    so appending it changes no existing byte of the account; for that, the inner AdamW's betas
+    and eps are fixed (`DILOCO_INNER_BETAS`, `DILOCO_INNER_EPS`). A clip of 0 means none. The
+    inner learning rate is the run's `lr_schedule` at the round's step; the outer one is
+    `outer_lr`, times `lr_schedule(step) / lr_schedule`'s peak when `outer_lr_follows_schedule`.
+    """
+
+    inner_steps: U16
+    transmission: DilocoTransmission
+    value_bits: U8
+    compression_chunk: U8
+    compression_topk: U8
+    nesterov: bool
+    outer_lr_follows_schedule: bool
+    inner_weight_decay: F32
+    inner_clip_grad_norm: F32
+    outer_lr: F32
+    outer_momentum: F32
+    outer_clip_grad_norm: F32
+
+
 class OptimizerDefinition(DataEnum):
     Dummy = variant()
     AdamW = variant(AdamW)
     Distro = variant(Distro)
+    # Port extension, appended so that the existing variants keep their tags.
+    DiLoCo = variant(DiLoCo)

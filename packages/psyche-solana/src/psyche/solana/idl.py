@@ -78,6 +78,7 @@ _STRUCT_VARIANTS = {
     (HttpTrainingDataLocation, "Gcp"),
     (OptimizerDefinition, "AdamW"),
     (OptimizerDefinition, "Distro"),
+    (OptimizerDefinition, "DiLoCo"),
 }
 _BLOOM_NAMES = {(16, 8): "WitnessBloom"}
 

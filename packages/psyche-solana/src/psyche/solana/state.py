@@ -20,6 +20,7 @@ from typing import Annotated, Any, TypeVar
 
 from psyche.coordinator import ClientState, Coordinator, RunState
 from psyche.coordinator.model import GcsRepo, HubRepo
+from psyche.core.definitions import DilocoTransmission
 from psyche.core.node_identity import NodeIdentity
 from psyche.core.serde import I64, U8, U64, FixedBytes, FixedStr, FixedVec, SmallBool, struct
 from psyche.solana.anchor import DISCRIMINATOR_LEN, account_discriminator
@@ -118,8 +119,9 @@ class CoordinatorAccount:
 
 # `RunState` and `ClientState` are `#[repr(u8)]`; `HubRepo` and `GcsRepo` are not `repr(C)` and
 # rustc stores their `Option` field first (confirmed against the upstream account dumps).
+# `DilocoTransmission` (a port extension) is one byte so that `DiLoCo` fits Distro's 28 bytes.
 COORDINATOR_LAYOUT_RULES = ReprCRules(
-    u8_enums=frozenset({RunState, ClientState}),
+    u8_enums=frozenset({RunState, ClientState, DilocoTransmission}),
     field_orders={HubRepo: ("revision", "repo_id"), GcsRepo: ("prefix", "bucket")},
 )
 REPR_C = ReprC(COORDINATOR_LAYOUT_RULES)

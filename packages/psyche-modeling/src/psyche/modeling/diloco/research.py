@@ -1,0 +1,179 @@
+"""DiLoCo outside the Psyche client: a plain training loop, and N simulated peers.
+
+Each replica takes inner AdamW steps on its own data; every `inner_steps` calls of `step` ends a
+round: each replica turns its pseudo-gradient into a payload (through the postcard wire, its
+commitment hash and the receiver's checks with `through_wire`), and the outer step is taken on
+every replica with the payloads that are due. With `overlap` (the default, Psyche's timing) a
+round's payloads are applied after the next round has trained, as a Psyche client applies round
+N - 2 at the start of round N; without it, at once (the DiLoCo paper's timing).
+
+    sim = DilocoPeerSimulation([model_a, model_b, model_c], DilocoSettings(inner_steps=8), lr=1e-3)
+    for step in range(1, n + 1):
+        sim.zero_grad()
+        for m, batch in zip(sim.models, shards(step)):
+            m(**batch).loss.backward()
+        sim.step(step)           # an inner step on every replica; an outer one every 8th call
+    sim.flush(n)                 # apply what is still in flight
+
+`DilocoLoop` is the same with one model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from psyche.core.batch_id import BatchId
+from psyche.modeling.adamw import LibtorchAdamW
+from psyche.modeling.causal_lm import clip_grad_norm_native
+from psyche.modeling.diloco.optimizer import Diloco, DilocoSettings
+from psyche.modeling.distro import DistroResult
+from psyche.modeling.lr import Schedule
+from psyche.modeling.serialized_distro import decode_transmittable, transmittable_distro_result
+
+
+def _lr_fn(lr: float | Schedule | Callable[[int], float]) -> Callable[[int], float]:
+    if isinstance(lr, int | float):
+        value = float(lr)
+        return lambda _step: value
+    get = getattr(lr, "get_lr", None)
+    return get if get is not None else lr  # type: ignore[return-value]
+
+
+def _base_lr(lr: object) -> float | None:
+    if isinstance(lr, int | float):
+        return float(lr)
+    value = getattr(getattr(lr, "value", lr), "base_lr", None)
+    return None if value is None else float(value)
+
+
+class _Replica:
+    def __init__(self, model: nn.Module, settings: DilocoSettings, base_lr: float | None) -> None:
+        self.model = model
+        self.settings = settings
+        self.diloco = Diloco(model, settings, base_lr=base_lr)
+        self.inner = LibtorchAdamW(
+            self.diloco.params,
+            betas=settings.inner_betas,
+            weight_decay=settings.inner_weight_decay,
+            eps=settings.inner_eps,
+        )
+
+    def zero_grad(self) -> None:
+        self.inner.zero_grad()
+
+    def inner_step(self, lr: float) -> None:
+        clip = self.settings.inner_clip_grad_norm
+        if clip > 0.0:
+            grads = [p.grad for p in self.diloco.params if p.grad is not None]
+            if grads:
+                clip_grad_norm_native(grads, clip)
+        self.inner.step(lr)
+        self.inner.zero_grad()
+
+
+class DilocoPeerSimulation:
+    """N DiLoCo replicas in one process (see the module docstring).
+
+    `last_payload_bytes` holds the size of each replica's last payload when `through_wire`.
+    """
+
+    def __init__(
+        self,
+        models: Sequence[nn.Module],
+        settings: DilocoSettings | None = None,
+        *,
+        lr: float | Schedule | Callable[[int], float],
+        through_wire: bool = False,
+        overlap: bool = True,
+    ) -> None:
+        if not models:
+            raise ValueError("at least one replica is needed")
+        self.settings = settings or DilocoSettings()
+        self.lr = _lr_fn(lr)
+        self.through_wire = through_wire
+        self.overlap = overlap
+        self.replicas = [_Replica(m, self.settings, _base_lr(lr)) for m in models]
+        self.last_payload_bytes: list[int] = []
+        self.outer_steps = 0
+        self._inner = 0
+        self._in_flight: list[list[list[DistroResult]]] = []
+        for r in self.replicas:
+            r.diloco.begin_round()
+
+    @property
+    def models(self) -> list[nn.Module]:
+        return [r.model for r in self.replicas]
+
+    def zero_grad(self) -> None:
+        for r in self.replicas:
+            r.zero_grad()
+
+    @torch.no_grad()
+    def step(self, step: int) -> bool:
+        """An inner step on every replica; at the round's last one, the round ends (payloads
+        out, the due outer step taken). Returns whether a round ended."""
+        lr = self.lr(step)
+        for r in self.replicas:
+            r.inner_step(lr)
+        self._inner += 1
+        if self._inner < self.settings.inner_steps:
+            return False
+        self._inner = 0
+        payloads = [self._send(r.diloco.end_round(), step, i) for i, r in enumerate(self.replicas)]
+        self._in_flight.append(payloads)
+        if not self.overlap or len(self._in_flight) > 1:
+            self._apply(self._in_flight.pop(0), lr)
+        for r in self.replicas:
+            r.diloco.begin_round()
+        return True
+
+    @torch.no_grad()
+    def flush(self, step: int) -> None:
+        """Apply every round still in flight (an epoch's last rounds do this in Psyche)."""
+        lr = self.lr(step)
+        for r in self.replicas:
+            r.diloco.abort_round()
+        while self._in_flight:
+            self._apply(self._in_flight.pop(0), lr)
+        for r in self.replicas:
+            r.diloco.begin_round()
+
+    def _apply(self, payloads: list[list[DistroResult]], lr: float) -> None:
+        for r in self.replicas:
+            r.diloco.apply(payloads, r.diloco.outer_lr(lr))
+        self.outer_steps += 1
+
+    def _send(self, results: list[DistroResult], step: int, index: int) -> list[DistroResult]:
+        if not self.through_wire:
+            return results
+        payload = transmittable_distro_result(results, step, 0, BatchId(index, index))
+        blob = payload.to_bytes()
+        if len(self.last_payload_bytes) == len(self.replicas):
+            self.last_payload_bytes = []
+        self.last_payload_bytes.append(len(blob))
+        received = decode_transmittable(blob)
+        if received.compute_hash() != payload.compute_hash():
+            raise AssertionError("commitment hash changed on the wire")
+        return self.replicas[0].diloco.results_from_transmittable(received)
+
+
+class DilocoLoop(DilocoPeerSimulation):
+    """DiLoCo for one model in a plain loop: `zero_grad`, backward, `step(step)`."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        settings: DilocoSettings | None = None,
+        *,
+        lr: float | Schedule | Callable[[int], float],
+        through_wire: bool = False,
+        overlap: bool = True,
+    ) -> None:
+        super().__init__([model], settings, lr=lr, through_wire=through_wire, overlap=overlap)
+
+    @property
+    def diloco(self) -> Diloco:
+        return self.replicas[0].diloco

@@ -1,0 +1,53 @@
+"""`OptimizerDefinition::DiLoCo` (a port extension) in the Solana account: it fits the 28 bytes
+of the union Distro already sizes, so the enum, `LLM`, `Model` and the account keep upstream's
+size and every existing offset (the upstream tables of `test_codecs` still hold)."""
+
+from __future__ import annotations
+
+import struct
+
+from psyche.core.definitions import DiLoCo, DilocoTransmission, OptimizerDefinition
+from psyche.solana.borsh import from_borsh, to_borsh
+from psyche.solana.state import REPR_C
+
+DILOCO = DiLoCo(
+    inner_steps=500,
+    transmission=DilocoTransmission.Int8,
+    value_bits=2,
+    compression_chunk=64,
+    compression_topk=4,
+    nesterov=True,
+    outer_lr_follows_schedule=True,
+    inner_weight_decay=0.1,
+    inner_clip_grad_norm=1.0,
+    outer_lr=0.7,
+    outer_momentum=0.9,
+    outer_clip_grad_norm=2.0,
+)
+
+
+def test_diloco_fits_the_union() -> None:
+    assert REPR_C.layout(DiLoCo).size == 28
+    assert REPR_C.layout(DiLoCo).align == 4
+    layout = REPR_C.layout(OptimizerDefinition)
+    assert (layout.size, layout.align) == (32, 4)
+
+
+def test_diloco_repr_c_bytes() -> None:
+    value = OptimizerDefinition.DiLoCo(DILOCO)
+    encoded = REPR_C.encode(value, OptimizerDefinition)
+    assert encoded == (
+        struct.pack("<I", 3)  # tag
+        + struct.pack("<HBBBBBB", 500, 1, 2, 64, 4, 1, 1)
+        + struct.pack("<fffff", 0.1, 1.0, 0.7, 0.9, 2.0)
+    )
+    assert REPR_C.decode(encoded, OptimizerDefinition) == value
+
+
+def test_diloco_borsh_bytes() -> None:
+    value = OptimizerDefinition.DiLoCo(DILOCO)
+    encoded = to_borsh(value, OptimizerDefinition)
+    assert encoded == bytes([3]) + struct.pack(
+        "<HBBBBBBfffff", 500, 1, 2, 64, 4, 1, 1, 0.1, 1.0, 0.7, 0.9, 2.0
+    )
+    assert from_borsh(encoded, OptimizerDefinition) == value
