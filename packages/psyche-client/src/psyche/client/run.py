@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from psyche.client.client import Client
     from psyche.client.init import RunInitConfig
     from psyche.client.telemetry import Observers
+    from psyche.client.tui import Dashboard
     from psyche.core.identity import SecretKey
     from psyche.core.node_identity import NodeIdentity
     from psyche.network.connection import NetworkConfig, NetworkConnection
@@ -220,6 +221,9 @@ def run_client(
 
     watchers, closers = run_observers(options, identity, service)
     watchers.observers.extend(observers)
+    dashboard = open_dashboard(options, identity)
+    if dashboard is not None:
+        watchers.add(dashboard.observer)
 
     async def main(preload: Preload) -> None:
         async with connect(before_join=preload.wait) as backend:
@@ -246,7 +250,13 @@ def run_client(
             nursery.cancel_scope.cancel()
 
     try:
-        trio.run(both)
+        if dashboard is None:
+            trio.run(both)
+        else:
+            try:
+                dashboard.run_trio(both)
+            finally:
+                dashboard.give_back_console_logging()
     except BaseException as e:  # judged by the root cause, not the nursery's exception group
         _close_all(closers)
         root = single_cause(e)
@@ -284,6 +294,23 @@ def run_observers(
         observers.add(events)
         closers.append(events.close)
     return observers, closers
+
+
+def open_dashboard(options: TrainOptions, identity: NodeIdentity) -> Dashboard | None:
+    """The `--logs tui` dashboard, taking the console's log lines into its panel; None for
+    the other log modes, or (with a warning) when stdout is not a terminal."""
+    import sys
+
+    if options.logs not in ("tui", "tui-and-console"):
+        return None
+    if not (sys.stdout.isatty() and sys.stdin.isatty()):
+        log.warning("--logs %s: not a terminal; logging to the console instead", options.logs)
+        return None
+    from psyche.client.tui import Dashboard, DashboardState
+
+    dashboard = Dashboard(DashboardState(options.run_id, str(identity)))
+    dashboard.take_console_logging()
+    return dashboard
 
 
 def _close_all(closers: list[Callable[[], None]]) -> None:
