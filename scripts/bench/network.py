@@ -10,8 +10,15 @@ receiver share a CPU and the GIL in every measurement, baseline included:
   views into the blob, not copies). Ratio = raw time / blob time (goal >= 0.5).
 * gossip: delivery latency of a signed broadcast from one node to all of 6 nodes in a ring
   (up to three hops), against the one-way latency of a small message on a raw socket.
+* paths (a 40 MB blob, the size of a 20M-parameter bf16 model): the encrypted side channel
+  (Noise handshake + AES-GCM), a libp2p stream on a direct connection (the carrier that takes
+  over where the side channel cannot reach), and a libp2p stream through a circuit relay
+  (both peers reserved on an in-process relay, hole punching switched off so the path stays
+  relayed), each against a raw socket; the relayed one also against its anchor, a raw socket
+  through a plain in-process TCP forwarder (what any relay in this loop costs at least).
 * model sharing: a joining node fetching a 20M-parameter bf16 model from 3 peers (config,
-  ticket requests and parameter blobs), against one raw socket carrying the same bytes.
+  batched ticket requests and parameter blobs), against one raw socket carrying the same bytes;
+  `--only model300` does the same for a 300M-parameter model (600 MB, not in the default run).
 
 Run: .venv/bin/python scripts/bench/network.py [--repeats N]
 """
@@ -90,6 +97,45 @@ async def raw_one_way_latency(size: int, rounds: int) -> list[float]:
         await stream.aclose()
         nursery.cancel_scope.cancel()
     return samples
+
+
+async def forwarded_transfer_seconds(data: bytes) -> float:
+    """`raw_transfer_seconds` through a plain TCP forwarder in the same loop: the floor of
+    what relaying the bytes once in user space costs."""
+    size = len(data)
+
+    async def sender(stream: trio.SocketStream) -> None:
+        await stream.send_all(memoryview(data))
+        await stream.aclose()
+
+    async def pipe(src: trio.SocketStream, dst: trio.SocketStream) -> None:
+        while chunk := await src.receive_some(MIB):
+            await dst.send_all(chunk)
+        await dst.aclose()
+
+    async def forward(stream: trio.SocketStream) -> None:
+        upstream = await trio.open_tcp_stream("127.0.0.1", source_port)
+        await pipe(upstream, stream)
+
+    sources = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    source_port = sources[0].socket.getsockname()[1]
+    forwarders = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = forwarders[0].socket.getsockname()[1]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(trio.serve_listeners, sender, sources)
+        await nursery.start(trio.serve_listeners, forward, forwarders)
+        start = time.perf_counter()
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        buf = bytearray(size)
+        view = memoryview(buf)
+        got = 0
+        while got < size:
+            got += await stream.socket.recv_into(view[got : got + MIB])
+        elapsed = time.perf_counter() - start
+        await stream.aclose()
+        nursery.cancel_scope.cancel()
+    assert buf == data
+    return elapsed
 
 
 # ---- helpers --------------------------------------------------------------------------------
@@ -195,6 +241,104 @@ async def bench_one_blob(
     return row(label, base, [("side channel", side), ("NetworkConnection", full)], size)
 
 
+# ---- paths: side channel, libp2p stream, relay ----------------------------------------------
+
+
+async def bench_paths(repeats: int) -> list[str]:
+    from libp2p.relay.circuit_v2.dcutr import MAX_HOLE_PUNCH_ATTEMPTS
+
+    from psyche.core.identity import SecretKey
+    from psyche.network.identity import peer_id_from_public_key
+    from psyche.network.relay import RelayOptions, open_relay
+    from psyche.network.ticket import EndpointAddr, TransportAddr
+
+    size = 40_000_000  # a 20M-parameter model in bf16
+    blob = os.urandom(size)
+    keys = [SecretKey.generate() for _ in range(4)]
+    members = {k.public_key for k in keys}
+    async with (
+        open_relay(keys[0].generate(), members.__contains__, RelayOptions("127.0.0.1")) as relay,
+        open_nodes(4, keys=keys, relays=tuple(relay.multiaddrs()), reachability="private") as (
+            provider,
+            requester,
+            relayed_provider,
+            relayed_requester,
+        ),
+    ):
+        ticket, _ = await provider.add_downloadable(blob, "bench-path")
+        await relayed_provider.add_downloadable(blob, "bench-path")
+        record = provider.endpoint_addr()
+        direct = EndpointAddr(
+            record.id, [a for a in record.addrs if "/p2p-circuit" not in str(a.value)]
+        )
+        requester.address_book._addrs[provider.endpoint_id] = direct
+        await requester.connect(provider.endpoint_id)
+        # the relayed pair: no hole punching (it would find the direct path on loopback), and
+        # the requester knows the provider only through the relay
+        for a, b in ((relayed_requester, relayed_provider), (relayed_provider, relayed_requester)):
+            a.nat.dcutr._hole_punch_attempts[peer_id_from_public_key(b.endpoint_id)] = (
+                MAX_HOLE_PUNCH_ATTEMPTS
+            )
+        far = relayed_provider.endpoint_addr()
+        relayed_requester.address_book._addrs[far.id] = EndpointAddr(
+            far.id,
+            [
+                a
+                for a in far.addrs
+                if isinstance(a, TransportAddr.Libp2p) and "/p2p-circuit" in a.value
+            ],
+        )
+        await relayed_requester.connect(far.id)
+
+        async def side_channel() -> float:
+            start = time.perf_counter()
+            got = await requester.blob_transport.fetch(
+                direct, ticket.hash, ticket.size, lambda n: None
+            )
+            elapsed = time.perf_counter() - start
+            assert len(got) == ticket.size
+            return elapsed
+
+        async def on_stream(node, peer: bytes, want_relayed: bool) -> float:  # type: ignore[no-untyped-def]
+            start = time.perf_counter()
+            session, relayed = await node.blob_streams.open_session(peer)
+            assert relayed == want_relayed
+            try:
+                got = await session.fetch(ticket.hash, ticket.size, lambda n: None)
+            finally:
+                await session.stream.aclose()
+            elapsed = time.perf_counter() - start
+            assert len(got) == ticket.size
+            return elapsed
+
+        async def libp2p_direct() -> float:
+            return await on_stream(requester, provider.endpoint_id, False)
+
+        async def libp2p_relayed() -> float:
+            return await on_stream(relayed_requester, far.id, True)
+
+        async def raw() -> float:
+            return await raw_transfer_seconds(blob)
+
+        async def forwarded() -> float:
+            return await forwarded_transfer_seconds(blob)
+
+        await side_channel()
+        await libp2p_direct()
+        await libp2p_relayed()
+        base, fwd, side, stream, relayed = await interleaved_medians(
+            repeats, raw, forwarded, side_channel, libp2p_direct, libp2p_relayed
+        )
+    label = "blob 40 MB (20M bf16)"
+    return [
+        row(label, base, [("side channel", side), ("libp2p stream", stream)], size),
+        row(label, base, [("libp2p via relay", relayed), ("TCP forwarder", fwd)], size),
+        f"{'':<24} relay vs direct libp2p stream: ratio {stream / relayed:5.2f} | relay vs TCP "
+        f"forwarder (its anchor): ratio {fwd / relayed:5.2f} | side channel vs libp2p stream: "
+        f"{stream / side:5.2f} times faster",
+    ]
+
+
 # ---- gossip ---------------------------------------------------------------------------------
 
 
@@ -263,8 +407,10 @@ def raw_bytes(tensor) -> bytes:
     return tensor.reshape(-1).view(torch.int16).numpy().tobytes()
 
 
-async def bench_model(repeats: int) -> list[str]:
-    parameters = make_model(20_000_000, 40)
+async def bench_model(repeats: int, millions: int = 20) -> list[str]:
+    # 40 tensors for 20M as before; larger models get tensors of the same ~0.5M-parameter size
+    # order as a 300M Llama's (about 2 tensors per million parameters)
+    parameters = make_model(millions * 1_000_000, 40 if millions <= 20 else 2 * millions)
     flat = b"".join(raw_bytes(t) for t in parameters.values())
     total = len(flat)
     lines = []
@@ -292,7 +438,7 @@ async def bench_model(repeats: int) -> list[str]:
         base, warm = await interleaved_medians(repeats, lambda: raw_transfer_seconds(flat), fetch)
         lines.append(
             row(
-                f"model 20M bf16 ({total / MIB:.0f} MiB)",
+                f"model {millions}M bf16 ({total / MIB:.0f} MiB)",
                 base,
                 [("3 peers cold", cold), ("3 peers warm", warm)],
                 total,
@@ -302,24 +448,32 @@ async def bench_model(repeats: int) -> list[str]:
     return lines
 
 
-async def main(repeats: int, gossip_rounds: int) -> None:
+async def main(repeats: int, gossip_rounds: int, only: str | None) -> None:
     print(
         f"psyche.network benchmark (median of {repeats}, interleaved; "
         "ratio = raw socket time / our time)"
     )
-    for line in await bench_blobs(repeats):
-        print(line)
-    for line in await bench_gossip_ring(gossip_rounds):
-        print(line)
-    for line in await bench_model(repeats):
-        print(line)
+    parts = {
+        "blobs": lambda: bench_blobs(repeats),
+        "paths": lambda: bench_paths(repeats),
+        "gossip": lambda: bench_gossip_ring(gossip_rounds),
+        "model": lambda: bench_model(repeats),
+        "model300": lambda: bench_model(max(1, repeats // 2), 300),
+    }
+    for name, part in parts.items():
+        if only == name or (only is None and name != "model300"):
+            for line in await part():
+                print(line, flush=True)
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--gossip-rounds", type=int, default=30)
+    parser.add_argument(
+        "--only", choices=["blobs", "paths", "gossip", "model", "model300"], help="run one part"
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)  # shutdown races it reports as errors
-    trio.run(main, args.repeats, args.gossip_rounds)
+    trio.run(main, args.repeats, args.gossip_rounds, args.only)

@@ -65,6 +65,10 @@ RELAY_CHECK_SECS = 2.0
 RESERVATION_REFRESH_MARGIN_SECS = 60.0
 DIAL_BACK_TIMEOUT_SECS = 5.0
 CIRCUIT_ADDR_TTL_SECS = 600
+HOLE_PUNCH_DIAL_TIMEOUT_SECS = 3
+"""DCUtR's dial timeout (py-libp2p's default is 10 s). Its first step dials the peer's announced
+addresses, which a NAT drops without a word, so this wait precedes every hole punch; the punch's
+own simultaneous dials answer within a round trip or not at all."""
 INITIAL_DECISION_SECS = 10.0
 """How long `NetworkConnection.open` waits for the first verdict and reservations, so that the
 first address record the node announces already names its relays."""
@@ -166,7 +170,7 @@ class ReportedDCUtR(DCUtRProtocol):
     """DCUtR whose outcomes are counted and logged once per attempt."""
 
     def __init__(self, host: IHost, on_outcome: Callable[[ID, bool], None]) -> None:
-        super().__init__(host)
+        super().__init__(host, dial_timeout=HOLE_PUNCH_DIAL_TIMEOUT_SECS)
         self._on_outcome = on_outcome
 
     async def _perform_hole_punch(
