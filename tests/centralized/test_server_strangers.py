@@ -1,8 +1,9 @@
 """Issue 13 on a real server over loopback TCP: what strangers and spamming members get.
 
-* a private run refuses a key it does not list right after the handshake (the connection is
-  closed before it costs anything more), and takes the keys it lists; the start-up line says
-  who may join;
+* a private run refuses a key it does not list right after the handshake (one frame saying
+  why, then the connection is closed before it costs anything more), and takes the keys it
+  lists; the start-up line says who may join; a client backend with such a key stops at once
+  with that reason instead of retrying;
 * non-members' Checkpoint, Witness and HealthCheck messages are not broadcast: a connected
   client receives one state per tick however many are sent;
 * a joined client cannot make the server resend endpoint records or run extras by repeating
@@ -17,6 +18,7 @@ import logging
 import pytest
 import trio
 
+from psyche.centralized.client import BackendDisconnected, CentralizedBackend
 from psyche.centralized.protocol import ClientToServerMessage, ExtensionHello, ServerToClientMessage
 from psyche.centralized.server import open_server, who_may_join
 from psyche.centralized.testing import ProtocolClient, fast_options
@@ -24,7 +26,7 @@ from psyche.coordinator.backend import OpportunisticData
 from psyche.coordinator.model import Checkpoint, HubRepo
 from psyche.coordinator.testing import quick_coordinator, warmup_witness_for
 from psyche.core.identity import SecretKey
-from psyche.core.tcp import ConnectionClosed
+from psyche.core.tcp import LoginRefused
 from psyche.network.discovery import sign_address_record
 from psyche.network.ticket import EndpointAddr, TransportAddr
 
@@ -44,11 +46,20 @@ def test_a_private_run_refuses_other_keys_at_login(caplog: pytest.LogCaptureFixt
             await good.join("test-run")
             await eventually(lambda: len(server.core.pending_clients) == 1)
             bad = await ProtocolClient.connect(addr(server), stranger)  # its handshake is fine
-            with trio.fail_after(10), pytest.raises(ConnectionClosed):
+            with trio.fail_after(10), pytest.raises(LoginRefused) as refused:
                 await bad.join("test-run")
-                await bad.next_coordinator()  # ... but the server closed the connection
+                await bad.next_coordinator()  # ... but the server says no and closes
+            assert refused.value.permanent
+            assert f"key {stranger.public_key.hex()} is not allowed" in refused.value.reason
+            # The client backend gives up at once, saying why (it would retry for 120 s on a
+            # connection that is merely closed).
+            with trio.fail_after(30), pytest.raises(BackendDisconnected) as stopped:
+                async with CentralizedBackend.connect(addr(server), stranger, "test-run"):
+                    pass
+            assert "refused this client" in str(stopped.value), stopped.value
+            assert "authorized keys" in str(stopped.value), stopped.value
             assert server.connected_clients() == [member.public_key]
-            assert server.tcp is not None and server.tcp.drops.counts["refused"] == 1
+            assert server.tcp is not None and server.tcp.drops.counts["refused"] == 2
             assert [c.signer for c in server.core.pending_clients] == [member.public_key]
             await good.next_coordinator()  # the member is served as ever
             await good.conn.aclose()

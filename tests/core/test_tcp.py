@@ -15,6 +15,8 @@ from psyche.core.identity import SecretKey
 from psyche.core.serde import DataEnum, FixedBytes, from_bytes, struct, to_bytes, variant
 from psyche.core.signed_message import SignedMessage
 from psyche.core.tcp import (
+    MAX_REFUSED_REASON,
+    REFUSED,
     ConnectionClosed,
     ConnectionLimits,
     Disconnected,
@@ -25,9 +27,12 @@ from psyche.core.tcp import (
     TcpClient,
     TcpProtocolError,
     TcpServer,
+    decode_refused,
     encode_challenge_response,
     encode_else,
+    encode_refused,
     parse_address,
+    split_envelope,
 )
 
 pytestmark = pytest.mark.anyio
@@ -377,3 +382,20 @@ async def test_large_frames_are_received_in_place_and_cancel_safely() -> None:
         await writer.aclose()
         with pytest.raises(TcpProtocolError, match="closed inside a frame"):
             await reader.receive()
+
+
+def test_a_refusal_frame_carries_its_reason_within_its_cap() -> None:
+    frame = encode_refused("key 00ab is not allowed", permanent=True)
+    tag, payload = split_envelope(frame)
+    assert tag == REFUSED
+    refused = decode_refused(payload)
+    assert (refused.reason, refused.permanent) == ("key 00ab is not allowed", True)
+    assert not decode_refused(split_envelope(encode_refused("full", permanent=False))[1]).permanent
+    # the reason is cut at the cap, never longer
+    long = encode_refused("x" * (MAX_REFUSED_REASON + 1), permanent=False)
+    assert len(long) == 2 + MAX_REFUSED_REASON
+    assert decode_refused(split_envelope(long)[1]).reason == "x" * MAX_REFUSED_REASON
+    # malformed: empty, a permanence byte that is not 0/1, a reason one past the cap
+    for bad in (b"", b"\x02why", b"\x00" + b"x" * (MAX_REFUSED_REASON + 1)):
+        with pytest.raises(TcpProtocolError):
+            decode_refused(memoryview(bad))

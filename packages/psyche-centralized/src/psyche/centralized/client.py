@@ -49,7 +49,13 @@ from psyche.coordinator.backend import HealthCheck, OpportunisticData
 from psyche.coordinator.model import Checkpoint, LLMTrainingDataLocation
 from psyche.core.cli import UserError
 from psyche.core.node_identity import NodeIdentity
-from psyche.core.tcp import ConnectionClosed, TcpClient, TcpProtocolError, parse_address
+from psyche.core.tcp import (
+    ConnectionClosed,
+    LoginRefused,
+    TcpClient,
+    TcpProtocolError,
+    parse_address,
+)
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +91,8 @@ def describe_connect_error(error: BaseException) -> str:
     `no route to host`), a name that does not resolve, or what the peer did."""
     if isinstance(error, trio.TooSlowError):
         return "no answer"
+    if isinstance(error, LoginRefused):
+        return f"the server refused this client: {error.reason}"
     if isinstance(error, ConnectionClosed | trio.BrokenResourceError | trio.ClosedResourceError):
         return "the server closed the connection during the handshake"
     if isinstance(error, TcpProtocolError):
@@ -290,6 +298,11 @@ class CentralizedBackend:
                 return
             except _CONNECTION_ERRORS as e:
                 reason = describe_connect_error(e)
+                if isinstance(e, LoginRefused) and e.permanent:
+                    # The same key will be refused again: say so now instead of retrying.
+                    raise BackendDisconnected(
+                        f"the coordinator at {self.server_addr} refused this client: {e.reason}"
+                    ) from None
                 now = trio.current_time()
                 if now >= deadline:
                     raise BackendDisconnected(
@@ -322,6 +335,8 @@ class CentralizedBackend:
                 if self._extensions is not False:
                     try:
                         await self._hello(conn)
+                    except LoginRefused:
+                        raise
                     except (ConnectionClosed, trio.BrokenResourceError) as e:
                         if self._extensions is None:
                             log.info(

@@ -156,7 +156,12 @@ class ByteBudget:
 
 
 class Refused(Exception):
-    """An authenticated connection over a cap (the message says which)."""
+    """An authenticated connection refused (the message says why): over a cap, or, when
+    `permanent`, a key the listener will never admit (a private run's list)."""
+
+    def __init__(self, reason: str, *, permanent: bool = False) -> None:
+        super().__init__(reason)
+        self.permanent = permanent
 
 
 class Admission:

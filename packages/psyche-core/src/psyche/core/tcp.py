@@ -9,6 +9,10 @@ Used by the centralized coordinator and by the TCP data server. Wire format, as 
 * handshake: the server sends 32 random bytes; the client answers with
   `SignedMessage<[u8; 32]>` of them (`from` 32 bytes ‖ varint 32 ‖ challenge ‖ 64-byte ed25519
   signature = 129 bytes); the connection's identity is the signer's public key.
+* port extension: a server that refuses an authenticated key (a private run's list, or its
+  connection caps) sends one last frame, tag 2 `Refused{permanent: u8, reason: UTF-8}`, before
+  it closes, so the client can say why instead of retrying blindly. An upstream client reads it
+  as an unknown variant and drops the connection, which the server closes anyway.
 
 The envelope enums are written by hand (a varint tag, then the payload) rather than as serde
 enums over `T`, because payloads go through a pluggable `Codec`: the data server encodes its
@@ -25,6 +29,7 @@ can make it hold (see `TcpServer`).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import secrets
@@ -70,6 +75,9 @@ SEND_CHUNK_BYTES = 1024 * 1024  # large frames are sent in such chunks (progress
 CHALLENGE = 0
 CHALLENGE_RESPONSE = 0
 ELSE = 1
+REFUSED = 2  # server to client, a port extension (module docstring)
+MAX_REFUSED_REASON = 200  # bytes of the reason a refusal carries
+REFUSED_SEND_TIMEOUT = 1.0
 
 _ELSE_TAG = bytes([ELSE])
 _CHALLENGE_TYPE = Annotated[bytes, FixedBytes(CHALLENGE_LENGTH)]
@@ -94,6 +102,31 @@ class FrameTooLarge(TcpProtocolError):
 
 class ConnectionClosed(Exception):
     """The other side closed the connection."""
+
+
+class LoginRefused(ConnectionClosed):
+    """The server authenticated this key and then refused it, saying why (`REFUSED`).
+
+    `permanent`: retrying with the same key cannot help (a private run that does not list it);
+    otherwise the server was full and a later attempt may get in."""
+
+    def __init__(self, reason: str, *, permanent: bool) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.permanent = permanent
+
+
+def encode_refused(reason: str, *, permanent: bool) -> bytes:
+    """The `REFUSED` frame: tag, permanence byte, the reason (truncated to its cap)."""
+    text = reason.encode()[:MAX_REFUSED_REASON]
+    return bytes([REFUSED, int(permanent)]) + text
+
+
+def decode_refused(payload: memoryview) -> LoginRefused:
+    if len(payload) < 1 or payload[0] > 1 or len(payload) > 1 + MAX_REFUSED_REASON:
+        raise TcpProtocolError("malformed Refused frame")
+    reason = bytes(payload[1:]).decode(errors="replace")
+    return LoginRefused(reason, permanent=bool(payload[0]))
 
 
 class Codec(Protocol[T]):
@@ -588,7 +621,11 @@ class TcpServer(Generic[ToServer, ToClient]):
             if client is None:
                 return
             if self.allowlist is not None and not self.allowlist.allowed(client):
-                raise Refused(f"key {client.hex()} is not allowed to log in")
+                raise Refused(
+                    f"key {client.hex()} is not allowed to log in (a private run: it is not on "
+                    "the server's authorized keys)",
+                    permanent=True,
+                )
             replacing = client in self._clients
             with self._admission.established_connection(address, replacing=replacing):
                 framed.max_receive_frame = self._max_receive_frame
@@ -607,6 +644,14 @@ class TcpServer(Generic[ToServer, ToClient]):
                     await self._serve_client(framed, connection, inbox)
         except Refused as e:
             self.drops.note("refused", f"refusing the connection from {peer}: {e}")
+            # Tell the client why (it authenticated, so it is owed the reason), bounded in time.
+            with (
+                trio.move_on_after(REFUSED_SEND_TIMEOUT),
+                contextlib.suppress(
+                    trio.BrokenResourceError, trio.ClosedResourceError, OSError, TcpProtocolError
+                ),
+            ):
+                await framed.send(encode_refused(str(e), permanent=e.permanent))
         except (TcpProtocolError, SignedMessageError, PostcardError, ValueError) as e:
             who = connection.client.hex() if connection else peer
             kind = type(e).__name__ if connection else "bad handshake"
@@ -799,6 +844,8 @@ class TcpClient(Generic[ToServer, ToClient]):
         tag, payload = split_envelope(frame)
         if tag == CHALLENGE:
             raise TcpProtocolError("Unexpected challenge message")
+        if tag == REFUSED:
+            raise decode_refused(payload)
         if tag != ELSE:
             raise TcpProtocolError(f"invalid server-to-client variant {tag}")
         return self._to_client.decode(payload)
@@ -834,6 +881,7 @@ __all__ = [
     "FrameTooLarge",
     "FramedStream",
     "IdleTimeout",
+    "LoginRefused",
     "Message",
     "PostcardCodec",
     "SendStalled",
