@@ -8,6 +8,7 @@ and changes them is in `coordinator.py`; what is read off them, in `consensus.py
 from __future__ import annotations
 
 import dataclasses
+from typing import Annotated
 
 from psyche.coordinator.committee_selection import CommitteeProof, WitnessProof
 from psyche.coordinator.config import SOLANA_MAX_NUM_CLIENTS, SOLANA_MAX_NUM_WITNESSES
@@ -124,7 +125,7 @@ class Witness:
 
 @struct
 class WitnessEvalResult:
-    name: FixedStr[32]
+    name: Annotated[str, FixedStr(32)]
     value: F32
 
     @classmethod
@@ -141,8 +142,10 @@ class WitnessMetadata:
     tokens_per_sec: F32 = 0.0
     bandwidth_per_sec: F32 = 0.0
     loss: F32 = 0.0
-    evals: FixedVec[WitnessEvalResult, 8] = dataclasses.field(default_factory=list)
-    prompt_results: FixedVec[I32, MAX_TOKENS_TO_SEND] = dataclasses.field(default_factory=list)
+    evals: Annotated[list[WitnessEvalResult], FixedVec(8)] = dataclasses.field(default_factory=list)
+    prompt_results: Annotated[list[I32], FixedVec(MAX_TOKENS_TO_SEND)] = dataclasses.field(
+        default_factory=list
+    )
     prompt_index: U8 = 0
     # (sic) upstream's spelling
     efficency: F32 = 0.0
@@ -150,7 +153,9 @@ class WitnessMetadata:
 
 @struct
 class Round:
-    witnesses: FixedVec[Witness, SOLANA_MAX_NUM_WITNESSES] = dataclasses.field(default_factory=list)
+    witnesses: Annotated[list[Witness], FixedVec(SOLANA_MAX_NUM_WITNESSES)] = dataclasses.field(
+        default_factory=list
+    )
     data_index: U64 = 0
     random_seed: U64 = 0
     height: U32 = 0
@@ -174,11 +179,15 @@ def _empty_rounds() -> list[Round]:
 
 @struct
 class CoordinatorEpochState:
-    rounds: Array[Round, NUM_STORED_ROUNDS] = dataclasses.field(default_factory=_empty_rounds)
+    rounds: Annotated[list[Round], Array(NUM_STORED_ROUNDS)] = dataclasses.field(
+        default_factory=_empty_rounds
+    )
     # The current clients. A message about an earlier round must look clients up through
     # `Coordinator.get_client_at_historical_index`: this list may have changed since.
-    clients: FixedVec[Client, SOLANA_MAX_NUM_CLIENTS] = dataclasses.field(default_factory=list)
-    exited_clients: FixedVec[Client, SOLANA_MAX_NUM_CLIENTS] = dataclasses.field(
+    clients: Annotated[list[Client], FixedVec(SOLANA_MAX_NUM_CLIENTS)] = dataclasses.field(
+        default_factory=list
+    )
+    exited_clients: Annotated[list[Client], FixedVec(SOLANA_MAX_NUM_CLIENTS)] = dataclasses.field(
         default_factory=list
     )
     rounds_head: U32 = 0
