@@ -41,6 +41,15 @@ PIQA_ROWS = [
     {"goal": f"Do thing {i}", "sol1": f"Way {i}.", "sol2": f"Another way {i}.", "label": i % 2}
     for i in range(4)
 ]
+ARC_ROWS = [
+    {
+        "id": f"q{i}",
+        "question": f"Which one is {i}?",
+        "choices": {"text": [f"a {i}", f"b {i}", f"c {i}"], "label": ["A", "B", "C"]},
+        "answerKey": "ABC"[i % 3],
+    }
+    for i in range(6)
+]
 
 
 def test_round_metrics_names_every_number_and_leaves_out_what_a_round_lacks() -> None:
@@ -119,8 +128,11 @@ def test_a_run_logs_each_round_to_every_tracker_and_scores_evals_between_rounds(
     evals_dir = tmp_path / "evals"
     write_rows(evals_dir, "ybisk/piqa", "plain_text", "validation", PIQA_ROWS)
     write_rows(evals_dir, "ybisk/piqa", "plain_text", "train", PIQA_ROWS)
+    write_rows(evals_dir, "allenai/ai2_arc", "ARC-Easy", "test", ARC_ROWS)
+    write_rows(evals_dir, "allenai/ai2_arc", "ARC-Easy", "train", ARC_ROWS)
     state = coordinator(model_dir, data_dir)
-    state.config.total_steps = 5
+    state.config.total_steps = 4
+    state.config.warmup_time = 2
     server = InProcessServer(state)
     clients: dict[int, Client] = {}
 
@@ -131,7 +143,7 @@ def test_a_run_logs_each_round_to_every_tracker_and_scores_evals_between_rounds(
             metrics_jsonl=out / "metrics.jsonl",
             tensorboard_dir=out / "tb" if number == 1 else None,
             events_dir=out / "events",
-            eval_tasks="piqa" if number == 1 else None,
+            eval_tasks="piqa,arc_easy" if number == 1 else None,
             eval_data_dir=evals_dir if number == 1 else None,
         )
 
@@ -183,12 +195,16 @@ def test_a_run_logs_each_round_to_every_tracker_and_scores_evals_between_rounds(
 
     # the evaluation ran between rounds on client 1 and its score reached the trackers
     worker = clients[1].machine.evals  # type: ignore[union-attr]
-    assert worker is not None and worker.slices > 0 and worker.documents >= 4
-    score_key = names.eval_key("PIQA")
+    assert worker is not None and worker.slices > 0 and worker.documents >= 10
     lines = (tmp_path / "client-1" / "metrics.jsonl").read_text().splitlines()
-    scores = [e["values"].get(score_key) for e in map(json.loads, lines) if e["kind"] == "log"]
-    scores = [s for s in scores if s is not None]
-    assert scores and all(s * 4 == round(s * 4) and 0 <= s <= 1 for s in scores), scores
+    logged = [e["values"] for e in map(json.loads, lines) if e["kind"] == "log"]
+    # each score is a share of the task's documents (4 and 6 here), as a hand count gives
+    for task, count in (("PIQA", 4), ("ARC-Easy", 6)):
+        scores = [v[names.eval_key(task)] for v in logged if names.eval_key(task) in v]
+        assert scores and all(
+            abs(s * count - round(s * count)) < 1e-6 and 0 <= s <= 1 for s in scores
+        ), (task, scores)
+    score_key = names.eval_key("PIQA")
     accumulator = EventAccumulator(str(tmp_path / "client-1" / "tb"))
     accumulator.Reload()
     assert names.TRAIN_LOSS in accumulator.Tags()["scalars"]
