@@ -45,7 +45,7 @@ def live_model_hash(trainer: Trainer) -> bytes:
     """SHA-256 over the live parameters (name, dtype, shape, bytes): equal hashes, equal weights."""
     from psyche.network.sharable_model import model_hash
 
-    return model_hash(dict(trainer.model.variables()))
+    return model_hash(trainer.full_variables())
 
 
 def extract_for_sharing(trainer: Trainer) -> tuple[dict[str, torch.Tensor], bytes]:

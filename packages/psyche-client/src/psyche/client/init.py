@@ -36,6 +36,7 @@ from psyche.core.log_markers import IntegrationTestLogMarker
 from psyche.core.node_identity import NodeIdentity
 
 if TYPE_CHECKING:
+    from psyche.client.workers import WorkerGroup
     from psyche.modeling.trainer import Trainer
     from psyche.network.model_download import DownloadedModel
 
@@ -59,6 +60,8 @@ class RunInitConfig:
     max_concurrent_parameter_requests: int = 8
     write_gradients_dir: Path | None = None
     checkpoint: CheckpointConfig | None = None
+    workers: WorkerGroup | None = None
+    """The client's ranks when it has several (or a memory option): they build the trainer."""
 
 
 @dataclass
@@ -116,6 +119,9 @@ async def init_run(
 
     def make_trainer() -> Trainer:
         from psyche.modeling.trainer import Trainer
+
+        if config.workers is not None:
+            return config.workers.build_trainer(loaded, llm, config)
 
         return Trainer(
             loaded.model,

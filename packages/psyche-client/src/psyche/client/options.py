@@ -210,20 +210,29 @@ class TrainOptions:
     run_id: str = option(parse=trim_quotes, required=True)
     """The id of the training run to join (surrounding quotes are trimmed)"""
 
-    data_parallelism: int = option(
-        1, parse=parse_positive, not_built="data parallelism is not built: one trainer per client"
-    )
-    """Data-parallel trainers on this machine (only 1 is built)"""
+    data_parallelism: int = option(1, parse=parse_positive)
+    """Data parallel ranks on this machine: the client's batch is split over them and their
+    gradients averaged (one worker process per rank; see docs/client.md, Parallelism)"""
 
-    tensor_parallelism: int = option(
-        1,
-        parse=parse_positive,
-        not_built="tensor parallelism is not built: one device per client",
-    )
-    """Tensor-parallel ranks per trainer (only 1 is built)"""
+    tensor_parallelism: int = option(1, parse=parse_positive)
+    """Tensor parallel ranks per data parallel rank (Llama models; the attention heads and
+    the intermediate size must divide by it)"""
+
+    fsdp: bool = option(False, flag_only=True, parse=parse_bool)
+    """Shard parameters, gradients and DisTrO's momentum over the data parallel ranks (FSDP2)
+    instead of replicating them"""
+
+    param_dtype: str = option("auto", parse=parse_choice(("auto", "bf16", "fp32")))
+    """With --fsdp, the dtype parameters are gathered and computed in (auto: the model's)"""
+
+    reduce_dtype: str = option("fp32", parse=parse_choice(("fp32", "bf16")))
+    """With --fsdp, the dtype gradients are reduce-scattered in"""
+
+    activation_checkpointing: bool = option(False, flag_only=True, parse=parse_bool)
+    """Recompute each block's activations in the backward pass instead of keeping them"""
 
     micro_batch_size: int = option(1, parse=parse_positive)
-    """Samples per forward/backward pass (gradients accumulate over the batch)"""
+    """Samples per forward/backward pass on each rank (gradients accumulate over the batch)"""
 
     write_gradients_dir: Path | None = option(None, parse=Path)  # noqa: RUF009 (a field)
     """Write every DisTrO result this client produces to this directory"""
@@ -297,7 +306,8 @@ class TrainOptions:
     """Accepted for compatibility (unused, as upstream)"""
 
     device: str = option("auto")
-    """Device: auto, cpu, cuda or cuda:N"""
+    """Device: auto, cpu, cuda or cuda:N; with several ranks cpu, auto, cuda (devices 0..n-1)
+    or cuda:N,M,... (one per rank)"""
 
     sidecar_port: int | None = option(
         None,
@@ -353,14 +363,9 @@ class TrainOptions:
             problems.extend(f"--iroh-relay {self.iroh_relay}: {p}" for p in relay_problems(self))
         if self.iroh_discovery not in ("n0", "local"):
             problems.append(f"--iroh-discovery {self.iroh_discovery}: expected n0 or local")
-        device = self.device
-        if device not in ("auto", "cpu", "cuda") and not (
-            device.startswith("cuda:") and device[5:].isdigit()
-        ):
-            problems.append(
-                f"--device {device}: supported are auto, cpu, cuda and cuda:N (mps and several "
-                "devices are not built)"
-            )
+        from psyche.client.workers import parallel_problems
+
+        problems.extend(parallel_problems(self))
         problems.extend(observability_problems(self))
         if self.hub_repo is not None and self.gcs_bucket is not None:
             problems.append("Use either GCS or HF hub for checkpoint uploads, not both.")

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from psyche.client.init import RunInitConfig
     from psyche.client.telemetry import Observers
     from psyche.client.tui import Dashboard
+    from psyche.client.workers import WorkerGroup
     from psyche.core.identity import SecretKey
     from psyche.core.node_identity import NodeIdentity
     from psyche.network.connection import NetworkConfig, NetworkConnection
@@ -151,12 +152,14 @@ class Preload:
     """Torch, transformers and libp2p imported (and `--device` checked) in a worker thread,
     so the model loads quickly once the run's warmup starts (importing them takes seconds) and
     the trio loop keeps talking to the coordinator meanwhile. `wait()` returns once they are
-    loaded; an unusable device is an `OptionError` (exit 2)."""
+    loaded; an unusable device is an `OptionError` (exit 2). With several ranks (`workers`)
+    it also starts them and joins their process group."""
 
-    def __init__(self, device: str) -> None:
+    def __init__(self, device: str, workers: WorkerGroup | None = None) -> None:
         import trio
 
         self.device = device
+        self.workers = workers
         self._done = trio.Event()
 
     async def run(self) -> None:
@@ -172,16 +175,26 @@ class Preload:
         log.debug("loading torch and transformers")
         preload_modeling()
         import psyche.network.connection  # noqa: F401
+        from psyche.modeling.parallel import ParallelismError
 
         try:
-            check_device(self.device)
-        except ModelLoadError as e:
+            if self.workers is not None:
+                self.workers.start()
+            else:
+                check_device(self.device)
+        except (ModelLoadError, ParallelismError) as e:
             raise OptionError(str(e)) from None
 
     async def wait(self) -> None:
         if not self._done.is_set():
             log.info("loading torch and transformers before joining (a few seconds)")
         await self._done.wait()
+
+
+async def _watch_workers(preload: Preload, workers: WorkerGroup) -> None:
+    """Once the ranks have started, a rank that exits stops the client (`WorkerDied`)."""
+    await preload._done.wait()
+    await workers.watch()
 
 
 async def _run_on_client(backend: Any, client: Client, network: NetworkConnection) -> None:
@@ -225,9 +238,19 @@ def run_client(
     if dashboard is not None:
         watchers.add(dashboard.observer)
 
+    from psyche.client.workers import RankLayout, WorkerGroup
+
+    layout = RankLayout.from_options(options)
+    workers = WorkerGroup(layout) if layout.needed else None
+    if workers is not None:
+        closers.append(workers.close)
+
     async def main(preload: Preload) -> None:
         async with connect(before_join=preload.wait) as backend:
             config = await trio.to_thread.run_sync(run_init_config, options, identity, key)
+            if workers is not None:
+                assert workers.dims is not None
+                config = replace(config, device=str(workers.dims.device), workers=workers)
             evals = None
             if options.eval_tasks or options.prompt_task:
                 from psyche.client.evals import EvalSettings
@@ -243,9 +266,11 @@ def run_client(
                 await train(backend, client, connection)
 
     async def both() -> None:
-        preload = Preload(options.device)
+        preload = Preload(options.device, workers)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(preload.run)
+            if workers is not None:
+                nursery.start_soon(_watch_workers, preload, workers)
             await main(preload)
             nursery.cancel_scope.cancel()
 

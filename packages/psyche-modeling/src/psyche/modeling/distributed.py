@@ -24,6 +24,7 @@ tensors from the leader to every rank once, when the ranks build their model.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -79,14 +80,15 @@ class LeaderTrainer(Trainer):
 
     @contextmanager
     def _command(self, name: str, **kwargs: Any) -> Iterator[None]:
-        # only the outermost call is announced (train_exact calls train)
-        if self._depth == 0:
-            broadcast_object((name, {k: v for k, v in kwargs.items() if k not in _LOCAL_ONLY}))
-        self._depth += 1
-        try:
-            yield
-        finally:
-            self._depth -= 1
+        with COMMAND_LOCK:
+            # only the outermost call is announced (train_exact calls train)
+            if self._depth == 0:
+                send_command(name, **{k: v for k, v in kwargs.items() if k not in _LOCAL_ONLY})
+            self._depth += 1
+            try:
+                yield
+            finally:
+                self._depth -= 1
 
     def train(self, step: int, batch: Any, **kwargs: Any) -> Any:  # type: ignore[override]
         with self._command("train", step=step, batch=batch, **kwargs):
@@ -113,19 +115,41 @@ class LeaderTrainer(Trainer):
             super().truncate_bf16()
 
     def stop_workers(self) -> None:
-        """Tell every worker to leave its loop (the last command)."""
-        broadcast_object((EXIT, {}))
+        """Tell every worker to leave its loop (the last message)."""
+        send_command(EXIT)
 
 
-def serve(trainer: Trainer) -> None:
-    """A worker's loop: run each command of the leader on this rank's trainer until `exit`."""
+COMMAND_LOCK = threading.RLock()
+"""One message at a time on the leader, whatever thread sends it (a command's broadcast and the
+leader's own part must not interleave with another command's)."""
+
+
+def send_command(name: str, **kwargs: Any) -> None:
+    """The leader's message `(name, kwargs)` to every worker."""
+    with COMMAND_LOCK:
+        broadcast_object((name, kwargs))
+
+
+def serve(trainer: Trainer | None) -> tuple[str, dict[str, Any]]:
+    """A worker's loop: run each trainer command of the leader on this rank's trainer; returns
+    the first message that is not one (`exit`, or what the caller's own protocol sends, such as
+    building a trainer)."""
     while True:
         name, kwargs = broadcast_object()
-        if name == EXIT:
-            return
         if name not in COMMANDS:
-            raise RuntimeError(f"unknown command {name!r} from the leader")
+            return name, kwargs
+        if trainer is None:
+            raise RuntimeError(f"the leader sent {name!r} before any trainer was built")
         getattr(trainer, name)(**kwargs)
 
 
-__all__ = ["COMMANDS", "LeaderTrainer", "broadcast_object", "broadcast_state", "serve"]
+__all__ = [
+    "COMMANDS",
+    "COMMAND_LOCK",
+    "EXIT",
+    "LeaderTrainer",
+    "broadcast_object",
+    "broadcast_state",
+    "send_command",
+    "serve",
+]

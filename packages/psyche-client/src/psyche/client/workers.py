@@ -1,0 +1,405 @@
+"""A client that is a whole machine: its data-, tensor- and fully-sharded-parallel ranks.
+
+`--data-parallelism N --tensor-parallelism M` (and `--fsdp`) make the client N x M ranks, one
+device each. This process is rank 0: the client (one identity, one result per round, one set of
+network connections). Ranks 1..N*M-1 are worker processes it spawns (`multiprocessing`'s spawn
+start method), which only train: they join the client's process group (gloo on the CPU, NCCL
+on CUDA, rendezvous through a file in a private temporary directory, so no port is opened
+beyond the ranks' own connections), build the model from the tensors the leader broadcasts
+(`psyche.modeling.distributed.broadcast_state`; so a model fetched from peers reaches every
+rank) and run the leader's trainer commands (`serve`) until told to exit.
+
+Lifetimes: a worker exits when the leader says so, when the leader process disappears (it
+watches its parent), or when a collective fails because a peer died. The leader watches its
+workers (`WorkerGroup.watch`): a worker that exits takes the whole client down with one line
+(`WorkerDied`), as any departed client is then treated by the run. `close` tells the workers to
+exit, waits a bounded time and terminates whatever is left: no orphan processes.
+
+This module imports nothing heavy at import time (`parallel_problems` runs on `--help` paths).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from multiprocessing.process import BaseProcess
+
+    import torch
+
+    from psyche.client.init import RunInitConfig
+    from psyche.client.model_loading import LoadedModel
+    from psyche.client.options import TrainOptions
+    from psyche.modeling.parallel import ParallelDims
+    from psyche.modeling.sharding import ShardingOptions
+    from psyche.modeling.trainer import Trainer
+
+log = logging.getLogger(__name__)
+
+BUILD = "build"
+CLOSE_TIMEOUT = 20.0
+PARENT_POLL_SECS = 0.5
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """The client's ranks as its options give them."""
+
+    dp: int = 1
+    tp: int = 1
+    fsdp: bool = False
+    device: str = "auto"
+    param_dtype: str = "auto"
+    reduce_dtype: str = "fp32"
+    activation_checkpointing: bool = False
+
+    @classmethod
+    def from_options(cls, options: TrainOptions) -> RankLayout:
+        return cls(
+            dp=options.data_parallelism,
+            tp=options.tensor_parallelism,
+            fsdp=bool(options.fsdp),
+            device=options.device,
+            param_dtype=options.param_dtype,
+            reduce_dtype=options.reduce_dtype,
+            activation_checkpointing=bool(options.activation_checkpointing),
+        )
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp
+
+    @property
+    def needed(self) -> bool:
+        """Whether the trainer is built through a `WorkerGroup` (several ranks, or a memory
+        option the one-rank path applies the same way)."""
+        return self.world_size > 1 or self.activation_checkpointing
+
+    def sharding(self) -> ShardingOptions:
+        import torch
+
+        from psyche.modeling.sharding import ShardingOptions
+
+        dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
+        return ShardingOptions(
+            param_dtype=dtypes.get(self.param_dtype),
+            reduce_dtype=dtypes[self.reduce_dtype],
+            activation_checkpointing=self.activation_checkpointing,
+        )
+
+
+def parallel_problems(options: TrainOptions) -> list[str]:
+    """What is wrong with the parallelism and device options, as one-line messages (checked
+    before anything heavy loads; devices that do not exist are found when the ranks start)."""
+    problems = []
+    dp, tp = options.data_parallelism, options.tensor_parallelism
+    world = dp * tp
+    device = options.device.strip().lower()
+    if device.startswith("cuda:"):
+        parts = device[5:].split(",")
+        if not all(p.strip().isdigit() for p in parts):
+            problems.append(f"--device {options.device}: expected cuda:N or cuda:N,M,...")
+        elif len(parts) != world:
+            problems.append(
+                f"--device {options.device} names {len(parts)} device(s) for "
+                f"--data-parallelism {dp} x --tensor-parallelism {tp} = {world} rank(s): "
+                f"list {world} devices, or use --device cuda / auto"
+            )
+        elif len(set(map(int, parts))) != len(parts):
+            problems.append(f"--device {options.device}: a device is listed twice")
+    elif device not in ("auto", "cpu", "cuda"):
+        problems.append(
+            f"--device {options.device}: supported are auto, cpu, cuda, cuda:N and "
+            "cuda:N,M,... (one per rank)"
+        )
+    if options.fsdp and dp < 2:
+        problems.append("--fsdp shards over the data-parallel ranks: add --data-parallelism 2+")
+    if not options.fsdp and (options.param_dtype != "auto" or options.reduce_dtype != "fp32"):
+        problems.append("--param-dtype and --reduce-dtype apply to --fsdp only")
+    if world > 1 and (options.eval_tasks or options.prompt_task):
+        problems.append(
+            "evaluations (--eval-tasks, --prompt-task) run on one rank: they are not built "
+            "for a client of several ranks"
+        )
+    return problems
+
+
+class WorkerDied(RuntimeError):
+    """A rank of this client stopped: the client stops with it."""
+
+    exit_code = 1
+
+
+class WorkerGroup:
+    """Ranks 1..n-1 of this client as child processes, and this process as rank 0."""
+
+    def __init__(self, layout: RankLayout) -> None:
+        self.layout = layout
+        self.processes: list[BaseProcess] = []
+        self.dims: ParallelDims | None = None
+        self._dir: str | None = None
+        self._closed = threading.Event()
+
+    # -- start ---------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Resolve the devices, spawn the workers and join their process group (blocks until
+        every rank has joined). A device that cannot serve is a `ParallelismError`."""
+        import multiprocessing
+
+        import torch
+
+        from psyche.modeling.parallel import ParallelDims, parse_devices
+        from psyche.modeling.sharding import build_mesh, init_world
+
+        layout = self.layout
+        devices = parse_devices(layout.device, layout.world_size)
+        if layout.world_size == 1:
+            self.dims = ParallelDims(devices[0])
+            return
+        _cpu_threads(devices[0], layout.world_size)
+        self._dir = tempfile.mkdtemp(prefix="psyche-ranks-")
+        init_method = "file://" + os.path.join(self._dir, "rendezvous")
+        context = multiprocessing.get_context("spawn")
+        for rank in range(1, layout.world_size):
+            process = context.Process(
+                target=_worker_main,
+                args=(rank, layout, str(devices[rank]), init_method, os.getpid()),
+                name=f"psyche-rank-{rank}",
+                daemon=True,
+            )
+            process.start()
+            self.processes.append(process)
+        log.info(
+            "started %d worker rank(s) (data parallelism %d x tensor parallelism %d%s on %s); "
+            "waiting for them to join",
+            len(self.processes),
+            layout.dp,
+            layout.tp,
+            ", FSDP" if layout.fsdp else "",
+            ", ".join(str(d) for d in devices),
+        )
+        init_world(0, layout.world_size, init_method, devices[0])
+        dims = ParallelDims(devices[0], layout.dp, layout.tp, layout.fsdp, rank=0)
+        self.dims = _with_mesh(dims, build_mesh)
+        del torch
+
+    # -- the trainer ---------------------------------------------------------------------------
+
+    def build_trainer(self, loaded: LoadedModel, llm: Any, config: RunInitConfig) -> Trainer:
+        """Rank 0's trainer over the whole group: the model's tensors go to every rank, each
+        builds and lays out its part, and rank 0 gets a `LeaderTrainer`. `loaded.model`
+        becomes the laid-out model."""
+        from psyche.modeling.causal_lm import architecture_name
+        from psyche.modeling.distributed import COMMAND_LOCK, LeaderTrainer, broadcast_state
+        from psyche.modeling.distributed import send_command as send
+        from psyche.modeling.trainer import Trainer
+
+        assert self.dims is not None, "start the group first"
+        spec = RankSpec(
+            config_json=loaded.config_json,
+            tokenizer_json=loaded.tokenizer_json,
+            architecture=architecture_name(llm.architecture),
+            lr_schedule=llm.lr_schedule,
+            optimizer=llm.optimizer,
+            micro_batch_size=config.micro_batch_size,
+            grad_accum_in_fp32=config.grad_accum_in_fp32,
+            optim_stats_every_n_steps=config.optim_stats_every_n_steps,
+        )
+        if self.layout.world_size == 1:
+            trainer = _build_rank(spec, None, loaded, self.dims, self.layout, Trainer)
+        else:
+            with COMMAND_LOCK:
+                send(BUILD, spec=spec)
+                state = broadcast_state(loaded.model.extract())
+                trainer = _build_rank(spec, state, None, self.dims, self.layout, LeaderTrainer)
+        loaded.model = trainer.model
+        return trainer
+
+    # -- lifetimes -----------------------------------------------------------------------------
+
+    def wait_for_a_death(self) -> tuple[int, int | None] | None:
+        """Block until a worker exits (its rank and exit code), or the group closes (None)."""
+        from multiprocessing.connection import wait
+
+        while not self._closed.is_set():
+            alive = [p for p in self.processes if p.exitcode is None]
+            dead = [p for p in self.processes if p.exitcode is not None]
+            if dead:
+                process = dead[0]
+                return self.processes.index(process) + 1, process.exitcode
+            if not alive:
+                return None
+            wait([p.sentinel for p in alive], timeout=1.0)
+        return None
+
+    async def watch(self) -> None:
+        """Return never while the workers live; raise `WorkerDied` when one exits."""
+        import trio
+
+        if not self.processes:
+            await trio.sleep_forever()
+        death = await trio.to_thread.run_sync(self.wait_for_a_death, abandon_on_cancel=True)
+        if death is None:
+            await trio.sleep_forever()
+        assert death is not None
+        rank, code = death
+        raise WorkerDied(
+            f"rank {rank} of this client's {self.layout.world_size} ranks exited "
+            f"(code {code}): the client stops with it"
+        )
+
+    def close(self, timeout: float = CLOSE_TIMEOUT) -> None:
+        """Tell the workers to exit, wait up to `timeout` seconds, then terminate (and kill)
+        what is left; leave the process group. Safe to call twice."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        if self.processes:
+            from psyche.modeling.distributed import EXIT, send_command
+
+            if all(p.exitcode is None for p in self.processes):
+                sender = threading.Thread(target=_quietly, args=(send_command, EXIT), daemon=True)
+                sender.start()
+                sender.join(timeout / 2)
+            deadline = time.monotonic() + timeout / 2
+            for process in self.processes:
+                process.join(max(0.0, deadline - time.monotonic()))
+            for process in self.processes:
+                if process.exitcode is None:
+                    log.warning("rank %s did not exit; terminating it", process.name)
+                    process.terminate()
+                    process.join(2.0)
+                if process.exitcode is None:
+                    process.kill()
+                    process.join(2.0)
+            if all(p.exitcode == 0 for p in self.processes):
+                from psyche.modeling.sharding import close_world
+
+                _quietly(close_world)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What each rank needs to build its trainer besides the tensors (picklable)."""
+
+    config_json: str
+    tokenizer_json: str
+    architecture: str
+    lr_schedule: Any
+    optimizer: Any
+    micro_batch_size: int
+    grad_accum_in_fp32: bool
+    optim_stats_every_n_steps: int | None
+
+
+def _build_rank(
+    spec: RankSpec,
+    state: dict[str, torch.Tensor] | None,
+    loaded: LoadedModel | None,
+    dims: ParallelDims,
+    layout: RankLayout,
+    cls: type[Trainer],
+) -> Trainer:
+    """This rank's trainer: the model from `state` (or `loaded`, with one rank), laid out as
+    `dims` says. Errors about the layout and the model become `InitRunError`s (one line)."""
+    from psyche.client.init import InitRunError
+    from psyche.client.model_loading import build_from_parameters
+    from psyche.modeling.causal_lm import ModelLoadError
+    from psyche.modeling.parallel import ParallelismError
+    from psyche.modeling.sharding import parallelize
+
+    try:
+        if loaded is None:
+            assert state is not None
+            loaded = build_from_parameters(
+                spec.config_json, spec.tokenizer_json, state, spec.architecture, dims.device
+            )
+        model = parallelize(loaded.model, dims, layout.sharding())
+        return cls(
+            model,
+            spec.lr_schedule,
+            spec.optimizer,
+            spec.micro_batch_size,
+            optim_stats_every_n_steps=spec.optim_stats_every_n_steps,
+            grad_accum_in_fp32=spec.grad_accum_in_fp32,
+            parallel=dims,
+        )
+    except (ParallelismError, ModelLoadError) as e:
+        raise InitRunError(str(e)) from e
+
+
+def _with_mesh(dims: ParallelDims, build_mesh: Any) -> ParallelDims:
+    from dataclasses import replace
+
+    return replace(dims, mesh=build_mesh(dims))
+
+
+def _cpu_threads(device: torch.device, world_size: int) -> None:
+    """CPU ranks share the machine's cores instead of each taking all of them."""
+    import torch
+
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+
+
+def _quietly(fn: Any, *args: Any) -> None:
+    try:
+        fn(*args)
+    except Exception as e:  # the group is going away; a failed goodbye changes nothing
+        log.debug("while closing the ranks: %s", e)
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exit this worker as soon as the leader process is gone (it would wait forever)."""
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(1)
+        time.sleep(PARENT_POLL_SECS)
+
+
+def _worker_main(
+    rank: int, layout: RankLayout, device_name: str, init_method: str, parent_pid: int
+) -> None:
+    """A worker rank: join the group, then build trainers and serve the leader until `exit`."""
+    import signal
+
+    # Ctrl+C reaches the whole terminal's process group: the leader decides when ranks stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    import torch
+
+    from psyche.modeling.distributed import EXIT, broadcast_state, serve
+    from psyche.modeling.parallel import ParallelDims
+    from psyche.modeling.sharding import build_mesh, close_world, init_world
+    from psyche.modeling.trainer import Trainer
+
+    device = torch.device(device_name)
+    _cpu_threads(device, layout.world_size)
+    init_world(rank, layout.world_size, init_method, device)
+    dims = _with_mesh(
+        ParallelDims(device, layout.dp, layout.tp, layout.fsdp, rank=rank), build_mesh
+    )
+    trainer: Trainer | None = None
+    name, kwargs = serve(trainer)
+    while name != EXIT:
+        if name != BUILD:
+            raise RuntimeError(f"unknown message {name!r} from the leader")
+        state = broadcast_state(None)
+        trainer = None
+        trainer = _build_rank(kwargs["spec"], state, None, dims, layout, Trainer)
+        del state
+        name, kwargs = serve(trainer)
+    close_world()
+
+
+__all__ = ["RankLayout", "WorkerDied", "WorkerGroup", "parallel_problems"]

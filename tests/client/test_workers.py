@@ -1,0 +1,150 @@
+"""A client of several ranks (`psyche.client.workers`): the option checks, and real worker
+processes (gloo on the CPU) started by rank 0 through tests/client/workers_leader.py: the
+trainer built through the group publishes a one-rank client's payload and holds its
+parameters; a rank killed mid-training stops the whole client within a bounded time, leaving no
+process behind; a killed client takes its workers with it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from psyche.client.options import TrainOptions
+from psyche.modeling.configs import llama_config_dict
+
+LEADER = Path(__file__).with_name("workers_leader.py")
+DEADLINE = 240.0
+
+
+def problems(**kwargs: object) -> list[str]:
+    return TrainOptions(run_id="r", **kwargs).problems()  # type: ignore[arg-type]
+
+
+def test_the_ranks_options_say_what_is_wrong_in_one_line() -> None:
+    assert problems(data_parallelism=2, tensor_parallelism=2, device="cpu") == []
+    assert problems(data_parallelism=2, fsdp=True, param_dtype="bf16", device="cuda:0,1") == []
+    [line] = problems(data_parallelism=2, tensor_parallelism=2, device="cuda:0,1")
+    assert line == (
+        "--device cuda:0,1 names 2 device(s) for --data-parallelism 2 x --tensor-parallelism 2 "
+        "= 4 rank(s): list 4 devices, or use --device cuda / auto"
+    )
+    assert problems(fsdp=True) == [
+        "--fsdp shards over the data-parallel ranks: add --data-parallelism 2+"
+    ]
+    assert problems(reduce_dtype="bf16") == [
+        "--param-dtype and --reduce-dtype apply to --fsdp only"
+    ]
+    assert problems(device="cuda:x") == ["--device cuda:x: expected cuda:N or cuda:N,M,..."]
+    assert "evaluations" in problems(tensor_parallelism=2, prompt_task=True)[0]
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie child of someone else still answers kill 0; read its state
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def wait_until(condition, what: str, timeout: float = 60.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+class Leader:
+    """workers_leader.py in its own session, its output lines collected as they come."""
+
+    def __init__(self, mode: str, model_dir: Path, log: Path) -> None:
+        self.log = log
+        self.out = open(log, "wb")  # noqa: SIM115 (closed in stop)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(LEADER), mode, str(model_dir)],
+            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"},
+            stdout=self.out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def lines(self) -> list[str]:
+        return self.log.read_text(errors="replace").splitlines()
+
+    def line(self, prefix: str, timeout: float = DEADLINE) -> list[str]:
+        found: list[list[str]] = []
+
+        def seen() -> bool:
+            found[:] = [ln.split()[1:] for ln in self.lines() if ln.split()[:1] == [prefix]]
+            if not found and self.proc.poll() is not None:
+                raise AssertionError(f"leader exited before {prefix}:\n" + self.tail())
+            return bool(found)
+
+        wait_until(seen, prefix, timeout)
+        return found[0]
+
+    def tail(self) -> str:
+        return "\n".join(self.lines()[-40:])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        self.out.close()
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    directory = tmp_path / "model"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(llama_config_dict("tiny")))
+    return directory
+
+
+@pytest.fixture
+def leaders() -> Iterator[list[Leader]]:
+    started: list[Leader] = []
+    yield started
+    for leader in started:
+        leader.stop()
+
+
+def test_a_two_rank_client_trains_as_one_and_stops_with_a_dead_rank(
+    model_dir: Path, tmp_path: Path, leaders: list[Leader]
+) -> None:
+    leader = Leader("train", model_dir, tmp_path / "leader.log")
+    leaders.append(leader)
+    [worker] = map(int, leader.line("WORKERS"))
+    assert leader.line("PAYLOAD_EQUAL") == ["True"], leader.tail()
+    assert leader.line("PARAMS_EQUAL") == ["True"], leader.tail()
+    leader.line("TRAINING")
+    time.sleep(1.0)  # let a training step be under way (the test holds either way)
+    os.kill(worker, signal.SIGKILL)
+    stopped = leader.line("STOPPED", timeout=60.0)
+    assert set(stopped) <= {"WorkerDied", "RuntimeError", "DistBackendError"}, stopped
+    assert leader.proc.wait(timeout=60.0) == 3, leader.tail()
+    assert "CLOSED" in leader.lines()
+    wait_until(lambda: not pid_alive(worker), "the killed rank to be gone")
+
+
+def test_a_killed_client_takes_its_workers_with_it(
+    model_dir: Path, tmp_path: Path, leaders: list[Leader]
+) -> None:
+    leader = Leader("orphan", model_dir, tmp_path / "leader.log")
+    leaders.append(leader)
+    [worker] = map(int, leader.line("WORKERS"))
+    assert pid_alive(worker)
+    os.kill(leader.proc.pid, signal.SIGKILL)
+    leader.proc.wait()
+    wait_until(lambda: not pid_alive(worker), "the worker to exit after its client", 30.0)

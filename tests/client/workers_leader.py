@@ -1,0 +1,99 @@
+"""A client's rank 0 with one worker rank (DP=2 on the CPU, gloo), for test_workers.py:
+`python workers_leader.py MODE MODEL_DIR`.
+
+* `train`: build the trainer through the `WorkerGroup` (the model's tensors broadcast to the
+  worker), train and apply a step, compare payload and parameters with a one-rank trainer
+  (`PAYLOAD_EQUAL`, `PARAMS_EQUAL`); then train in a loop while `WorkerGroup.watch` waits
+  (`TRAINING`), so the test can SIGKILL the worker: prints `STOPPED <exceptions>` when the
+  rank's death stops it (the watch's `WorkerDied`, or the collective that lost its peer), closes
+  the group (`CLOSED`) and exits 3.
+* `orphan`: prints `WORKERS <pids>` then waits to be killed (the test kills this process and
+  checks the worker goes too).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from functools import partial
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import trio
+
+from psyche.client.init import RunInitConfig
+from psyche.client.model_loading import load_from_directory
+from psyche.client.workers import RankLayout, WorkerGroup
+from psyche.core.batch_id import BatchId
+from psyche.core.definitions import ConstantLR, LearningRateSchedule
+from psyche.modeling.trainer import Batch
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "modeling"))
+from tiny_trainer import distro, make_trainer
+
+
+def say(*words: object) -> None:
+    print(*words, flush=True)
+
+
+def batch(step: int) -> Batch:
+    return Batch(torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(step)))
+
+
+def main() -> int:
+    mode, model_dir = sys.argv[1], Path(sys.argv[2])
+    torch.set_num_threads(1)
+    group = WorkerGroup(RankLayout(dp=2, device="cpu"))
+    group.start()
+    say("WORKERS", *(p.pid for p in group.processes))
+    if mode == "orphan":
+        time.sleep(600)
+        return 1
+    llm = SimpleNamespace(
+        architecture="HfLlama",
+        lr_schedule=LearningRateSchedule.Constant(ConstantLR(1e-3, 0.0, 0)),
+        optimizer=distro(),
+    )
+    config = RunInitConfig(identity=None, secret_key=None, micro_batch_size=2)  # type: ignore[arg-type]
+    loaded = load_from_directory(model_dir, "HfLlama", torch.device("cpu"))
+    trainer = group.build_trainer(loaded, llm, config)
+    kwargs = dict(warmup_lr_between=None, zero_optim=False)
+    reference = make_trainer()
+    out_t = trainer.train_exact(1, batch(1), prev_self_distro_results=[], **kwargs)
+    out_r = reference.train_exact(1, batch(1), prev_self_distro_results=[], **kwargs)
+    sent_t = trainer.prepare_result(out_t, step=1, batch_id=BatchId(1, 1))
+    sent_r = reference.prepare_result(out_r, step=1, batch_id=BatchId(1, 1))
+    say("PAYLOAD_EQUAL", sent_t.payload.to_bytes() == sent_r.payload.to_bytes())
+    trainer.optimize(1, distro_results=[sent_t.sent, sent_r.sent])
+    reference.optimize(1, distro_results=[sent_t.sent, sent_r.sent])
+    full = trainer.full_variables()
+    say("PARAMS_EQUAL", all(torch.equal(full[n], p) for n, p in reference.model.variables()))
+
+    def train_forever() -> None:
+        step = 2
+        while True:
+            trainer.train_exact(step, batch(step), prev_self_distro_results=[], **kwargs)
+            step += 1
+
+    async def run() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(group.watch)
+            nursery.start_soon(
+                partial(trio.to_thread.run_sync, abandon_on_cancel=True), train_forever
+            )
+            say("TRAINING")
+
+    try:
+        trio.run(run)
+    except BaseExceptionGroup as e:
+        say("STOPPED", *(type(x).__name__ for x in e.exceptions))
+    except Exception as e:
+        say("STOPPED", type(e).__name__)
+    group.close(timeout=10)
+    say("CLOSED")
+    return 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())
