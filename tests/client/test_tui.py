@@ -41,7 +41,13 @@ def report(step: int, loss: float | None) -> RoundReport:
         distro_seconds=0.125,
         download_seconds=0.75,
         witness_seconds=1.25,
-        network=NetworkNumbers(peers=3, bytes_sent=2_500_000, bytes_received=1_200, bandwidth=0),
+        network=NetworkNumbers(
+            peers=3,
+            bytes_sent=2_500_000,
+            bytes_received=1_200,
+            bandwidth=0,
+            reachability="reachability private; relays: 64af3b8827 reserved",
+        ),
     )
 
 
@@ -80,6 +86,7 @@ def test_the_dashboard_shows_run_state_rounds_loss_peers_evals_and_logs() -> Non
             assert list(app.query_one("#loss-chart").data) == [5.5, 5.25]
             network = text(app, "#network")
             assert "peers 3" in network and "sent 2.5 MB" in network and "1.2 KB" in network
+            assert "reachability private; relays: 64af3b8827 reserved" in network
             assert text(app, "#evals") == "evaluations: none yet"
 
             # what happens next shows at the next redraw

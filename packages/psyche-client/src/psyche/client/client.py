@@ -448,6 +448,7 @@ class Client:
             bytes_sent=self.network.bytes_served,
             bytes_received=self.bytes_received,
             bandwidth=sum(info.bandwidth for info in infos),
+            reachability=self.network.reachability.summary(),
         )
 
     def _on_round(self, report: RoundReport) -> None:

@@ -45,6 +45,9 @@ class NetworkNumbers:
     """Bytes of peers' results downloaded since the start."""
     bandwidth: float = 0.0
     """Current receive bandwidth, bytes per second."""
+    reachability: str = ""
+    """Whether peers can dial this client, its relays and hole punches, in one line
+    (`ReachabilityStatus.summary`)."""
 
 
 @dataclass(frozen=True)

@@ -172,7 +172,7 @@ def network_text(s: DashboardState) -> str:
     return (
         f"peers {n.peers}  ·  received {_bytes(n.bytes_received)}  ·  sent {_bytes(n.bytes_sent)}"
         f"  ·  {_bytes(n.bandwidth)}/s"
-    )
+    ) + (f"\n{n.reachability}" if n.reachability else "")
 
 
 def evals_text(s: DashboardState) -> str:
