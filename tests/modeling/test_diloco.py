@@ -425,3 +425,34 @@ def test_loop_learns_and_payloads_are_small(tiny_llama: Callable, corpus: torch.
     assert sum(losses[-4:]) < sum(losses[:4]) * 0.8
     dense_bf16 = 2 * sum(p.numel() for p in model.model.parameters())
     assert loop.last_payload_bytes[0] * 20 < dense_bf16
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("transmission", list(T))
+def test_cpu_and_cuda_take_the_same_outer_step(transmission: T) -> None:
+    """The aggregation's rules (elementwise ops, fixed order, software basis) give the same bits
+    on a GPU as on the CPU, clipping and momentum included."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    shapes = [("a", torch.zeros(64, 96)), ("b", torch.zeros(96))]
+    settings = DilocoSettings(
+        transmission=transmission, compression_chunk=16, value_bits=2, outer_clip_grad_norm=0.5
+    )
+    sender = Diloco(_Params(*shapes), settings)
+    g = torch.Generator().manual_seed(8)
+    payloads = []
+    for _ in range(3):
+        sender.begin_round()
+        with torch.no_grad():
+            for p in sender.params:
+                p.add_(torch.randn(p.shape, generator=g) * 1e-2)
+        payloads.append(sender.end_round())
+    finals = []
+    for device in ("cpu", "cuda"):
+        model = _Params(*shapes).to(device)
+        diloco = Diloco(model, settings)
+        for _ in range(3):
+            diloco.apply(payloads, 0.7)
+        finals.append([p.detach().cpu() for p in model.parameters()])
+    for a, b in zip(*finals):
+        assert torch.equal(a, b)

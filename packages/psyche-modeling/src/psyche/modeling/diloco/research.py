@@ -107,7 +107,9 @@ class DilocoPeerSimulation:
     def models(self) -> list[nn.Module]:
         return [r.model for r in self.replicas]
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, step: int | None = None) -> None:
+        """Zero every replica's gradients (`step` is accepted, and unused, as in DisTrO's
+        `PeerSimulation.zero_grad`)."""
         for r in self.replicas:
             r.zero_grad()
 
