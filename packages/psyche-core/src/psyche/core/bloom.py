@@ -21,7 +21,7 @@ import types
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cache
-from typing import Annotated, Any, ClassVar
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
 from psyche.core.constants import BITVEC_LSB0, BLOOM_MAX_PRINT_BITS, FNV_PRIME
 from psyche.core.numeric import U64_MAX, saturating_cast_unsigned
@@ -311,4 +311,8 @@ def _rebuild(num_words: int, num_keys: int, keys: Iterable[int], words: Iterable
     return _bloom_class(num_words, num_keys)(list(keys), list(words))
 
 
-WitnessBloom = Bloom[16, 8]
+if TYPE_CHECKING:
+    # A type checker cannot subscript a class with sizes (values): it sees a plain Bloom.
+    WitnessBloom = Bloom
+else:
+    WitnessBloom = Bloom[16, 8]

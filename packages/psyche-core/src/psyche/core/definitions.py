@@ -167,13 +167,13 @@ class LearningRateSchedule(DataEnum):
     WarmupStableDecay = variant(WarmupStableDecayLR)
 
     def get_lr(self, step: int) -> float:
-        return self.value.get_lr(step)  # type: ignore[attr-defined]
+        return self.value.get_lr(step)
 
     def get_warmup_steps(self) -> int:
-        return self.value.warmup_steps  # type: ignore[attr-defined]
+        return self.value.warmup_steps
 
     def get_warmup_init_lr(self) -> float:
-        return self.value.warmup_init_lr  # type: ignore[attr-defined]
+        return self.value.warmup_init_lr
 
 
 @struct(frozen=True)

@@ -7,7 +7,7 @@ one signature check and nothing more.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, TypeVar, overload
 
 from psyche.core.identity import PublicKey, SecretKey, verify_signature
 from psyche.core.serde import FixedBytes, PostcardError, from_bytes, struct, to_bytes
@@ -33,10 +33,19 @@ class SignedMessage:
         )
         return to_bytes(signed)
 
+    # A class gives its instances' type; any other type form (Annotated, unions, ...) gives Any.
+    @overload
     @staticmethod
     def verify_and_decode(
-        raw: bytes | bytearray | memoryview, tp: type[T] | Any
-    ) -> tuple[PublicKey, T]:
+        raw: bytes | bytearray | memoryview, tp: type[T]
+    ) -> tuple[PublicKey, T]: ...
+    @overload
+    @staticmethod
+    def verify_and_decode(
+        raw: bytes | bytearray | memoryview, tp: Any
+    ) -> tuple[PublicKey, Any]: ...
+    @staticmethod
+    def verify_and_decode(raw: bytes | bytearray | memoryview, tp: Any) -> tuple[PublicKey, Any]:
         try:
             signed = from_bytes(raw, SignedMessage)
         except PostcardError as e:

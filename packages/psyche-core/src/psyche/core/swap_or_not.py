@@ -69,7 +69,7 @@ def compute_shuffled_indices(index_count: int, seed: bytes) -> list[int]:
         sources = b"".join(
             sha256(_source_input(prefix, block << 8)).digest() for block in range(blocks)
         )
-        nxt = []
+        nxt: list[int] = []
         append = nxt.append
         for c in current:
             flip = (pivot - c) % n

@@ -17,7 +17,7 @@ every length against the remaining input and raises `BorshError`.
 from __future__ import annotations
 
 import struct as _struct
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 from psyche.core.bloom import Bloom
 from psyche.core.fixed import fixed_str_from_bytes
@@ -212,12 +212,21 @@ def to_borsh(value: Any, tp: Any = None) -> bytes:
     return BORSH.to_bytes(value, tp)
 
 
-def take_borsh(data: bytes | bytearray | memoryview, tp: type[T] | Any) -> tuple[T, int]:
+# A class gives its instances' type; any other type form (Annotated, unions, ...) gives Any.
+@overload
+def take_borsh(data: bytes | bytearray | memoryview, tp: type[T]) -> tuple[T, int]: ...
+@overload
+def take_borsh(data: bytes | bytearray | memoryview, tp: Any) -> tuple[Any, int]: ...
+def take_borsh(data: bytes | bytearray | memoryview, tp: Any) -> tuple[Any, int]:
     """Decode one value from the front of `data`; returns it and the number of bytes used."""
-    return BORSH.take_from_bytes(data, tp)  # type: ignore[no-any-return]
+    return BORSH.take_from_bytes(data, tp)
 
 
-def from_borsh(data: bytes | bytearray | memoryview, tp: type[T] | Any) -> T:
+@overload
+def from_borsh(data: bytes | bytearray | memoryview, tp: type[T]) -> T: ...
+@overload
+def from_borsh(data: bytes | bytearray | memoryview, tp: Any) -> Any: ...
+def from_borsh(data: bytes | bytearray | memoryview, tp: Any) -> Any:
     """Decode a value that must use all of `data` (Anchor's instruction decoder allows trailing
     bytes; use `take_borsh` for that)."""
-    return BORSH.from_bytes(data, tp)  # type: ignore[no-any-return]
+    return BORSH.from_bytes(data, tp)

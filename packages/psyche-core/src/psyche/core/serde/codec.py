@@ -392,19 +392,21 @@ class BinaryCodec:
             return dec_str
 
         if isinstance(wt, WBytes):
-            take = self.take_view if borrow else self.take
-            length = wt.length
-            if length is not None:
+            take_bytes: Callable[[memoryview, int, int], tuple[Any, int]] = (
+                self.take_view if borrow else self.take
+            )
+            fixed_length = wt.length
+            if fixed_length is not None:
 
                 def dec_fixed_bytes(b: memoryview, p: int) -> tuple[Any, int]:
-                    return take(b, p, length)
+                    return take_bytes(b, p, fixed_length)
 
                 return dec_fixed_bytes
             decode_len = self.decode_len
 
             def dec_bytes(b: memoryview, p: int) -> tuple[Any, int]:
                 n, p = decode_len(b, p)
-                return take(b, p, n)
+                return take_bytes(b, p, n)
 
             return dec_bytes
 
@@ -502,7 +504,8 @@ class BinaryCodec:
             return dec_unit_enum
 
         if isinstance(wt, WDataEnum):
-            table = [
+            # A variant class takes its payload (`_NewtypeVariant`) or nothing (`_UnitVariant`).
+            table: list[tuple[Callable[..., Any], Decoder | None]] = [
                 (var, None if payload is None else self.decoder(payload, borrow))
                 for var, payload in wt.variants
             ]

@@ -13,9 +13,9 @@ Two deliberate departures from upstream, both because upstream's behaviour loses
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import cache
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 from pydantic import TypeAdapter, ValidationError
 from pydantic_core import PydanticCustomError, core_schema
@@ -130,7 +130,12 @@ def _adapter(tp: Any) -> TypeAdapter[Any]:
     return TypeAdapter(tp)
 
 
-def from_obj(obj: Any, tp: type[T] | Any, *, source: str | None = None) -> T:
+# A class gives its instances' type; any other type form (Annotated, unions, ...) gives Any.
+@overload
+def from_obj(obj: Any, tp: type[T], *, source: str | None = None) -> T: ...
+@overload
+def from_obj(obj: Any, tp: Any, *, source: str | None = None) -> Any: ...
+def from_obj(obj: Any, tp: Any, *, source: str | None = None) -> Any:
     """Validate a serde-data-model object into `tp`; raises `SerdeError` naming every bad field."""
     try:
         return _adapter(tp).validate_python(_prepare(obj, wire_type(tp)))
@@ -405,20 +410,25 @@ def data_enum_schema(cls: type[DataEnum], handler: Any) -> core_schema.CoreSchem
     choices: dict[Any, core_schema.CoreSchema] = {}
     for var in enum_cls.variants:
         if var.payload_type is None:
-            choices[var.variant_name] = core_schema.no_info_plain_validator_function(
-                lambda v, var=var: v if isinstance(v, var) else var()
-            )
+
+            def unit(v: Any, var: type[DataEnum] = var) -> Any:
+                return v if isinstance(v, var) else var()
+
+            choices[var.variant_name] = core_schema.no_info_plain_validator_function(unit)
         else:
             inner = handler.generate_schema(var.resolved_payload_type())
 
             def unwrap(v: Any, var: type[DataEnum] = var) -> Any:
                 if isinstance(v, var):
-                    return v.value  # type: ignore[attr-defined]
+                    return v.value
                 return v[var.variant_name]
 
+            # A newtype variant class takes its payload (`_NewtypeVariant.__init__`).
+            def wrap(x: Any, var: Callable[[Any], DataEnum] = var) -> Any:
+                return var(x)
+
             choices[var.variant_name] = core_schema.no_info_after_validator_function(
-                lambda x, var=var: var(x),
-                core_schema.no_info_before_validator_function(unwrap, inner),
+                wrap, core_schema.no_info_before_validator_function(unwrap, inner)
             )
 
     def tag_of(v: Any) -> str | None:

@@ -10,7 +10,7 @@ serializes as a string and `FixedVec` as a sequence of its used items.
 from __future__ import annotations
 
 import struct
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 from psyche.core.fixed import fixed_str_from_bytes, fixed_str_serialize
 from psyche.core.serde.codec import BinaryCodec, Decoder, Encoder
@@ -152,21 +152,32 @@ def prepare_decoder(tp: Any, *, borrow: bool = False) -> None:
     POSTCARD.decoder(wire_type(tp), borrow)
 
 
+# A class gives its instances' type; any other type form (Annotated, unions, ...) gives Any.
+@overload
 def take_from_bytes(
-    data: bytes | bytearray | memoryview, tp: type[T] | Any, *, borrow: bool = False
-) -> tuple[T, int]:
+    data: bytes | bytearray | memoryview, tp: type[T], *, borrow: bool = False
+) -> tuple[T, int]: ...
+@overload
+def take_from_bytes(
+    data: bytes | bytearray | memoryview, tp: Any, *, borrow: bool = False
+) -> tuple[Any, int]: ...
+def take_from_bytes(
+    data: bytes | bytearray | memoryview, tp: Any, *, borrow: bool = False
+) -> tuple[Any, int]:
     """Decode one value from the front of `data`; returns it and the number of bytes used.
 
     With `borrow=True` every `bytes` (`Vec<u8>`) field is a read-only `memoryview` into `data`
     instead of a copy: for payloads of many MiB that are already integrity-checked. The views
     keep `data` alive; `bytes(view)` makes an owned copy where one is needed.
     """
-    return POSTCARD.take_from_bytes(data, tp, borrow=borrow)  # type: ignore[no-any-return]
+    return POSTCARD.take_from_bytes(data, tp, borrow=borrow)
 
 
-def from_bytes(
-    data: bytes | bytearray | memoryview, tp: type[T] | Any, *, borrow: bool = False
-) -> T:
+@overload
+def from_bytes(data: bytes | bytearray | memoryview, tp: type[T], *, borrow: bool = False) -> T: ...
+@overload
+def from_bytes(data: bytes | bytearray | memoryview, tp: Any, *, borrow: bool = False) -> Any: ...
+def from_bytes(data: bytes | bytearray | memoryview, tp: Any, *, borrow: bool = False) -> Any:
     """Decode a value that must use all of `data` (stricter than Rust's `from_bytes`, which ignores
     trailing bytes; use `take_from_bytes` for that behaviour). `borrow` as in `take_from_bytes`."""
-    return POSTCARD.from_bytes(data, tp, borrow=borrow)  # type: ignore[no-any-return]
+    return POSTCARD.from_bytes(data, tp, borrow=borrow)

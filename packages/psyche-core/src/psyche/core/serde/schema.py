@@ -227,7 +227,7 @@ def struct(
                     user_post_init(self)
 
             c.__post_init__ = __post_init__  # type: ignore[attr-defined]
-        dc = dataclass(c, frozen=frozen, eq=eq, kw_only=kw_only)  # type: ignore[call-overload]
+        dc: type[Any] = dataclass(c, frozen=frozen, eq=eq, kw_only=kw_only)
         dc.__pydantic_config__ = ConfigDict(extra="forbid")
         return dc
 
@@ -295,6 +295,8 @@ class DataEnum:
     variant_name: ClassVar[str]
     payload_type: ClassVar[Any]  # None for a unit variant
     enum_class: ClassVar[type[DataEnum]]
+    # Set on each value of a newtype variant (a unit variant has none): its payload.
+    value: Any
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -362,24 +364,25 @@ class _UnitVariant:
 
 class _NewtypeVariant:
     __slots__ = ()
+    value: Any  # the variant class declares the slot
 
     def __init__(self, value: Any) -> None:
         object.__setattr__(self, "value", value)
 
     def __eq__(self, other: object) -> bool:
-        return type(self) is type(other) and self.value == other.value  # type: ignore[attr-defined]
+        return type(self) is type(other) and self.value == other.value
 
     def __hash__(self) -> int:
-        return hash((type(self).__qualname__, self.value))  # type: ignore[attr-defined]
+        return hash((type(self).__qualname__, self.value))
 
     def __repr__(self) -> str:
-        return f"{type(self).__qualname__}({self.value!r})"  # type: ignore[attr-defined]
+        return f"{type(self).__qualname__}({self.value!r})"
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"{type(self).__qualname__} is immutable")
 
     def __reduce__(self) -> Any:
-        return (type(self), (self.value,))  # type: ignore[attr-defined]
+        return (type(self), (self.value,))
 
 
 # --------------------------------------------------------------------------------------------
