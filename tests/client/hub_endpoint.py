@@ -13,7 +13,9 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -52,6 +54,8 @@ class HubEndpoint:
         self.repos: dict[str, Repo] = {}
         self.lock = threading.Lock()
         self.fail_commits = 0
+        # a slow link: a commit's answer waits len(body) / bytes_per_sec seconds
+        self.bytes_per_sec: float | None = None
         self.hold_commits: threading.Event | None = None
         self.commit_started = threading.Event()
         self.requests: list[str] = []
@@ -225,6 +229,8 @@ class _Handler(BaseHTTPRequestHandler):
     def _commit(self, repo_id: str, repo: Repo, body: bytes) -> None:
         hub = self.hub
         hub.commit_started.set()
+        if hub.bytes_per_sec:
+            time.sleep(len(body) / hub.bytes_per_sec)
         if hub.hold_commits is not None:
             hub.hold_commits.wait(60)
         with hub.lock:
@@ -295,3 +301,20 @@ def point_huggingface_hub_at(monkeypatch: Any, url: str, home: Any) -> None:
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(home / "hub"))
     monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+
+
+def main() -> None:
+    """`python tests/client/hub_endpoint.py REPO [BYTES_PER_SEC]`: serve an empty REPO in this
+    process (benchmarks keep the hub's work out of the client's process); prints the URL, stops
+    when stdin closes."""
+    endpoint = HubEndpoint()
+    endpoint.create_repo(sys.argv[1])
+    if len(sys.argv) > 2:
+        endpoint.bytes_per_sec = float(sys.argv[2])
+    with endpoint.serving():
+        print(endpoint.url, flush=True)
+        sys.stdin.read()
+
+
+if __name__ == "__main__":
+    main()
