@@ -37,7 +37,7 @@ def test_upload_at_cooldown_then_join_from_gcs(
         config = CheckpointConfig(tmp_path / "ckpt", GcsUpload(BUCKET, "runs/a"))
         checkpointer = Checkpointer(config, sent.append)
         files = CheckpointFiles([], config_json_of(trainer.model), "")
-        job = CheckpointJob(config, "run", 3, 39, Kind.recent, variables, files)
+        job = CheckpointJob("run", 3, 39, Kind.recent, variables, files)
         path = trio.run(checkpointer.write, job)
         assert path is not None
         assert sent == [Checkpoint.Gcs(GcsRepo(BUCKET, "runs/a"))]

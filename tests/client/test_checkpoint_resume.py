@@ -99,8 +99,6 @@ def test_a_restarted_client_keeps_counting_its_checkpoints(tmp_path: Path) -> No
     checkpointer = Checkpointer(config, lambda _: None)
     kind = checkpointer.plan(RUN, 29, final=False)
     assert kind is Kind.recent
-    job = CheckpointJob(
-        config, RUN, 2, 29, kind, {"w": torch.zeros(64)}, CheckpointFiles([], "{}", "")
-    )
+    job = CheckpointJob(RUN, 2, 29, kind, {"w": torch.zeros(64)}, CheckpointFiles([], "{}", ""))
     assert trio.run(checkpointer.write, job) == tmp_path / f"{RUN}-step29"
     assert sorted(os.listdir(tmp_path)) == [f"{RUN}-step19", f"{RUN}-step29"]

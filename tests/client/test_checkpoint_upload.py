@@ -54,7 +54,7 @@ def test_a_failing_hub_is_retried_and_never_left_partial(hub: HubEndpoint, tmp_p
     assert checkpointer.uploader is not None
     checkpointer.uploader.retry = FAST_RETRY
     job = CheckpointJob(
-        config, RUN, 1, 9, Kind.recent, {"w": torch.ones(32)}, CheckpointFiles([], "{}", "")
+        RUN, 1, 9, Kind.recent, {"w": torch.ones(32)}, CheckpointFiles([], "{}", "")
     )
     path = trio.run(checkpointer.write, job)
     assert path is not None and verify_checkpoint(path) is not None

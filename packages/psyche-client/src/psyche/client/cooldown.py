@@ -70,7 +70,6 @@ class CheckpointFiles:
 
 @dataclass
 class CheckpointJob:
-    config: CheckpointConfig
     run_id: str
     epoch: int
     step: int
@@ -226,9 +225,7 @@ class Cooldown:
                         "no checkpoint of step %d: the temporary interval has not passed", step
                     )
                 else:
-                    job = CheckpointJob(
-                        self.checkpointer.config, run_id, epoch, step, kind, variables, self.files
-                    )
+                    job = CheckpointJob(run_id, epoch, step, kind, variables, self.files)
                     self._writes.start_soon(self._write, job)
         except Exception as e:
             logger.exception("cooldown failed")

@@ -106,11 +106,11 @@ def _cache_dir(bucket: str, prefix: str | None, leaf: str) -> Path:
 def _download(blob: Any, path: Path, size: int | None = None) -> None:
     tmp = path.with_name(f".{path.name}.part")
     blob.download_to_filename(str(tmp))
-    if size is not None and tmp.stat().st_size != size:
+    got = tmp.stat().st_size
+    if size is not None and got != size:
         tmp.unlink()
         raise GcsError(
-            f"gs://{blob.bucket.name}/{blob.name}: {tmp.stat().st_size if tmp.exists() else '?'} "
-            f"bytes, the manifest says {size}"
+            f"gs://{blob.bucket.name}/{blob.name}: {got} bytes, the manifest says {size}"
         )
     os.replace(tmp, path)
 
