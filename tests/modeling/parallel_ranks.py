@@ -1,5 +1,6 @@
 """One rank of the two-rank determinism scenarios of test_parallel_ranks.py (a script: the test
-starts it twice, `python parallel_ranks.py RANK INIT_FILE OUT_DIR`, gloo on the CPU).
+starts it twice, `python parallel_ranks.py RANK INIT_FILE OUT_DIR [cpu|cuda]`: gloo on the CPU,
+or NCCL with rank r on cuda:r and bf16 parameters).
 
 Rank 0 drives each scenario as a client does and also runs a one-rank reference trainer on the
 same batches in the same process; it writes what it found to OUT_DIR/report.pt (and the
@@ -46,7 +47,7 @@ from psyche.modeling.trainer import Batch, Trainer
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny_trainer import distro, make_trainer
 
-CPU = torch.device("cpu")
+DEVICE = "cpu"
 SEQ = 16
 STEPS = 4
 
@@ -66,11 +67,16 @@ def batch_for(step: int) -> Batch:
     return Batch(torch.randint(0, 256, (rows, SEQ), generator=g))
 
 
+def rank_device(rank: int) -> torch.device:
+    return torch.device("cpu") if DEVICE == "cpu" else torch.device("cuda", rank)
+
+
 def dims_for(mode: str, rank: int) -> ParallelDims:
+    device = rank_device(rank)
     dims = {
-        "dp": ParallelDims(CPU, dp=2, rank=rank),
-        "fsdp": ParallelDims(CPU, dp=2, fsdp=True, rank=rank),
-        "tp": ParallelDims(CPU, tp=2, rank=rank),
+        "dp": ParallelDims(device, dp=2, rank=rank),
+        "fsdp": ParallelDims(device, dp=2, fsdp=True, rank=rank),
+        "tp": ParallelDims(device, tp=2, rank=rank),
     }[mode]
     return replace(dims, mesh=build_mesh(dims))
 
@@ -78,12 +84,23 @@ def dims_for(mode: str, rank: int) -> ParallelDims:
 def rank_trainer(mode: str, rank: int, cls: type[Trainer]) -> Trainer:
     """The tiny trainer's model and settings (seed 1337, micro-batch 2), laid out for `mode`."""
     dims = dims_for(mode, rank)
-    model = CausalLM.from_config(
-        llama_config_dict("tiny"), ModelOptions(architecture="HfLlama", device="cpu", seed=1337)
-    )
+    # built on the CPU in fp32 (the reference's random draws), then cast and moved
+    options = ModelOptions(architecture="HfLlama", device="cpu", seed=1337)
+    model = CausalLM.from_config(llama_config_dict("tiny"), options)
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    model = CausalLM(model.model.to(dtype).to(dims.device), model.architecture)
     model = parallelize(model, dims, ShardingOptions())
     schedule = LearningRateSchedule.Constant(ConstantLR(1e-3, 0.0, 0))
     return cls(model, schedule, distro(weight_decay=0.01), micro_batch_size=2, parallel=dims)
+
+
+def make_reference() -> Trainer:
+    """The one-rank client (on this rank's device)."""
+    if DEVICE == "cpu":
+        return make_trainer(weight_decay=0.01)
+    trainer = make_trainer(weight_decay=0.01, device="cpu")
+    model = CausalLM(trainer.model.model.to(torch.bfloat16).to("cuda"), "HfLlama")
+    return Trainer(model, trainer.lr_schedule, distro(weight_decay=0.01), micro_batch_size=2)
 
 
 def protocol_scenario(mode: str, rank: int, out: Path) -> dict:
@@ -92,7 +109,7 @@ def protocol_scenario(mode: str, rank: int, out: Path) -> dict:
         return {}
     leader = rank_trainer(mode, rank, LeaderTrainer)
     assert isinstance(leader, LeaderTrainer)
-    reference = make_trainer(weight_decay=0.01)
+    reference = make_reference()
     report: dict = {"payload_equal": [], "params_equal": [], "loss": []}
     prev_l: list = []
     prev_r: list = []
@@ -140,7 +157,7 @@ def copy_state(source: Trainer, target: Trainer) -> None:
 
 def tp_scenario(rank: int) -> dict:
     tp = rank_trainer("tp", rank, Trainer)
-    reference = make_trainer(weight_decay=0.01)
+    reference = make_reference()
     batch = batch_for(1)
     kwargs = dict(warmup_lr_between=None, zero_optim=False, prev_self_distro_results=[])
     out_t = tp.train(1, batch, **kwargs)
@@ -180,9 +197,11 @@ def tp_full(t: torch.Tensor) -> torch.Tensor:
 
 
 def main() -> None:
+    global DEVICE
     rank, init_file, out = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+    DEVICE = sys.argv[4] if len(sys.argv) > 4 else "cpu"
     torch.set_num_threads(1)
-    init_world(rank, 2, f"file://{init_file}", CPU)
+    init_world(rank, 2, f"file://{init_file}", rank_device(rank))
     report = {}
     try:
         for mode in ("dp", "fsdp"):

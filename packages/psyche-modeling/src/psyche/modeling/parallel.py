@@ -202,14 +202,17 @@ class ParallelDims:
                 g.copy_(mean.to(g.dtype))
 
     def reduce_loss(self, loss: float) -> float:
-        """The mean of the DP ranks' losses (every TP rank of a group has the same)."""
+        """The mean of the DP ranks' losses: a mean over every rank on the CPU control group
+        (the TP ranks of one DP rank report the same loss, so they weigh alike)."""
         if self.dp == 1:
             return loss
         import torch.distributed as dist
 
+        from psyche.modeling.sharding import control_group
+
         value = torch.tensor([loss], dtype=torch.float64)
-        dist.all_reduce(value, group=self._group(self.dp_mesh_name))
-        return float(value.item()) / self.dp
+        dist.all_reduce(value, group=control_group())
+        return float(value.item()) / self.world_size
 
     def agree(self, flag: bool) -> bool:
         """True on every rank when it is True on any (the cancel flag only the leader sees)."""

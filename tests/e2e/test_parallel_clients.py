@@ -1,0 +1,100 @@
+"""Clients of different layouts in one run (issue 15): a real `psyche-server` and three
+`psyche-client` processes on the CPU, one with one rank, one with `--data-parallelism 2` and one
+with `--tensor-parallelism 2` (each of those two spawns a worker rank; gloo). Through the first
+epoch every batch any of them trained is applied by all three (so every payload decoded and
+verified at its peers, whatever layout produced it), and the three models are hash-identical at
+cooldown (the live-model hash gathers the sharded tensors). Interrupted, a two-rank client exits
+with its worker gone before anything is killed."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ..processes import events, wait_event
+
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+
+LAYOUTS = {1: [], 2: ["--data-parallelism", "2"], 3: ["--tensor-parallelism", "2"]}
+
+
+def client_command(port: int, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "psyche.cli.client", "train", "--run-id", "tiny-cpu",
+        "--server-addr", f"127.0.0.1:{port}", "--logs", "json", "--device", "cpu",
+        "--bind-p2p-interface", "lo", "--server-reconnect-timeout", "0", *extra,
+    ]  # fmt: skip
+
+
+def children(pid: int) -> list[int]:
+    """Live processes whose parent is `pid` (zombies excluded)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            out.append(int(stat.parent.name))
+    return out
+
+
+def test_one_rank_dp_and_tp_clients_train_one_identical_model(
+    tiny_run: Callable[..., Path], processes: Any, free_port: Callable[[], int]
+) -> None:
+    config = tiny_run(init_min_clients=3)
+    port = free_port()
+    server = processes.start(
+        "server",
+        [sys.executable, "-m", "psyche.cli.server", "run", "--state", str(config / "state.toml"),
+         "--data-config", str(config / "data.toml"), "--server-port", str(port), "--tui", "false"],
+    )  # fmt: skip
+    processes.wait_for(server, r"serving run 'tiny-cpu'", 60)
+    clients = {
+        number: processes.start(
+            f"client-{number}",
+            client_command(port, *extra),
+            env={"RAW_IDENTITY_SECRET_KEY": f"{number:064x}", "OMP_NUM_THREADS": "1"},
+        )
+        for number, extra in LAYOUTS.items()
+    }
+    # generous: five ranks import torch and train on a busy 2-core machine
+    hashes = {
+        number: wait_event(proc, "cooldown_model", lambda e: e["epoch"] == 0, 360)["model_hash"]
+        for number, proc in clients.items()
+    }
+    assert len(set(hashes.values())) == 1, hashes
+
+    applied = {
+        number: {e["step"]: set(e["batches"]) for e in events(proc, "applied_results")}
+        for number, proc in clients.items()
+    }
+    trained = {
+        number: [(e["step"], e["batch_id"]) for e in events(proc, "trained_batch")]
+        for number, proc in clients.items()
+    }
+    assert all(trained.values()), trained  # every layout trained
+    checked = 0
+    for step, batch in (item for items in trained.values() for item in items):
+        if all(step + 2 in steps for steps in applied.values()):
+            for number in clients:
+                assert batch in applied[number][step + 2], (number, step, batch)
+            checked += 1
+    assert checked >= 3, (trained, applied)
+
+    # SIGINT to the two-rank client's group: it exits and its worker is gone, nothing killed
+    leader = clients[2]
+    workers = children(leader.pid)
+    assert len(workers) >= 1, workers  # the worker rank (and multiprocessing's tracker)
+    processes.signal(leader, signal.SIGINT)
+    leader.popen.wait(60)
+    deadline = time.monotonic() + 30
+    while children(leader.pid) or any(Path(f"/proc/{w}").exists() for w in workers):
+        assert time.monotonic() < deadline, "the worker outlived its client"
+        time.sleep(0.2)
