@@ -8,13 +8,14 @@ each arm, one after the other in the same invocation:
 * `evals`: client 1 evaluates PIQA, ARC-Easy and HellaSwag (local datasets, 40 documents each)
   between rounds.
 
-Per arm, over client 1's rounds after the first two (warm-up): the median step interval (one
-round: the time between two progress lines), the median training step (`train_seconds`: apply
-+ train + compress), the run's tokens/s, the time the client loop spent handing each round to
+Each arm runs `--repeat` times, the arms interleaved, pooled. Per arm, over client 1's rounds
+after the first two (warm-up): the mean step interval (the time between the progress lines of
+consecutive steps of one epoch; a mean, since rounds last whole coordinator ticks, 1 or 2 s
+here, and a median jumps between them), the mean time to train a batch, the run's tokens/s, the time the client loop spent handing each round to
 its observers (`on_round`: the trackers' `log`), and with evaluations, how long each round's
 training step waited for the evaluation to give the model back (`EvalWorker.stop`).
 
-Run: .venv/bin/python scripts/bench/client_telemetry.py [--steps 14]
+Run: .venv/bin/python scripts/bench/client_telemetry.py [--steps 14] [--repeat 2]
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ def run_arm(arm: str, directory: Path, steps: int, collector_url: str) -> dict[s
 
     torch.set_num_threads(1)
     root = directory / arm
-    root.mkdir()
+    root.mkdir(parents=True)
     model_dir, data_dir = write_run(root)
     (model_dir / "config.json").write_text(json.dumps(llama_config_dict("tiny", vocab_size=512)))
     shutil.copy(REPO / "configs" / "tiny-cpu" / "model" / "tokenizer.json", model_dir)
@@ -206,8 +207,13 @@ def run_arm(arm: str, directory: Path, steps: int, collector_url: str) -> dict[s
     losses = [
         r for r in records if r.getMessage() == "client_loss" and r.psyche_fields["client_id"] == me
     ]
-    times = [r.created for r in losses][2:]
-    intervals = [b - a for a, b in itertools.pairwise(times)]
+    # consecutive steps of one epoch only (an epoch boundary adds the cooldown and warmup)
+    points = [(r.psyche_fields["epoch"], r.psyche_fields["step"], r.created) for r in losses][2:]
+    intervals = [
+        t1 - t0
+        for (e0, s0, t0), (e1, s1, t1) in itertools.pairwise(points)
+        if e0 == e1 and s1 == s0 + 1
+    ]
     trained = [
         r.psyche_fields["train_secs"]
         for r in records
@@ -216,8 +222,8 @@ def run_arm(arm: str, directory: Path, steps: int, collector_url: str) -> dict[s
     worker = clients[1].machine.evals if clients[1].machine is not None else None
     return {
         "rounds": len(intervals),
-        "step_s": statistics.median(intervals) if intervals else float("nan"),
-        "train_s": statistics.median(trained) if trained else float("nan"),
+        "step_s": statistics.fmean(intervals) if intervals else float("nan"),
+        "train_s": statistics.fmean(trained) if trained else float("nan"),
         "tokens_per_s": clients[1].machine.progress.tokens_per_second() or 0.0,
         "on_round_us": [s * 1e6 for s in timers["on_round"].seconds],
         "stop_ms": [s * 1e3 for s in timers["stop"].seconds] if "stop" in timers else [],
@@ -226,10 +232,28 @@ def run_arm(arm: str, directory: Path, steps: int, collector_url: str) -> dict[s
     }
 
 
+def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The runs of one arm as one: means weighted by rounds, lists joined."""
+    rounds = sum(r["rounds"] for r in runs) or 1
+    return {
+        "rounds": sum(r["rounds"] for r in runs),
+        "step_s": sum(r["step_s"] * r["rounds"] for r in runs) / rounds,
+        "train_s": statistics.fmean(r["train_s"] for r in runs),
+        "tokens_per_s": statistics.fmean(r["tokens_per_s"] for r in runs),
+        "on_round_us": [x for r in runs for x in r["on_round_us"]],
+        "stop_ms": [x for r in runs for x in r["stop_ms"]],
+        "eval_docs": sum(r["eval_docs"] for r in runs),
+        "eval_scores": runs[-1]["eval_scores"],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=14)
     parser.add_argument("--arms", default="none,trackers,evals")
+    parser.add_argument(
+        "--repeat", type=int, default=2, help="runs of each arm, interleaved (pooled)"
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     from trackers import DiscardingCollector
@@ -246,12 +270,15 @@ def main() -> None:
         os.environ["WANDB_CONFIG_DIR"] = str(directory / "wandb-config")
         os.environ["WANDB_CACHE_DIR"] = str(directory / "wandb-cache")
         collector = DiscardingCollector()
-        results = {}
+        runs: dict[str, list[dict[str, Any]]] = {}
         try:
-            for arm in args.arms.split(","):
-                results[arm] = run_arm(arm, directory, args.steps, collector.url)
+            for repeat in range(args.repeat):
+                for arm in args.arms.split(","):
+                    run = run_arm(arm, directory / str(repeat), args.steps, collector.url)
+                    runs.setdefault(arm, []).append(run)
         finally:
             collector.close()
+    results = {arm: pooled(r) for arm, r in runs.items()}
     load = os.getloadavg()[0]
     print(f"# client rounds: tiny Llama, 2 in-process clients, CPU, load {load:.1f}")
     print(
@@ -260,7 +287,7 @@ def main() -> None:
     )
     base = results.get("none")
     for arm, r in results.items():
-        # throughput ratio: the baseline's median step over this arm's (same tokens per step)
+        # throughput ratio: the baseline's mean step over this arm's (same tokens per step)
         ratio = base["step_s"] / r["step_s"] if base else 1.0
         on_round = r["on_round_us"] or [0.0]
         stops = r["stop_ms"]
@@ -270,7 +297,11 @@ def main() -> None:
             f"{r['tokens_per_s']:7.0f} {ratio:7.3f} "
             f"{statistics.median(on_round):12.0f} / {max(on_round):8.0f}   {stop}"
         )
-    print("* tok/s: the run's tokens over the time from this client's first to last step")
+    print(
+        "step s: mean interval between consecutive steps of one epoch; train s: mean per batch;"
+        " * tok/s: the run's tokens over the time from "
+        "this client's first to last step (epoch boundaries included)"
+    )
     if "evals" in results:
         r = results["evals"]
         print(f"evals: {r['eval_docs']} documents scored between rounds; scores {r['eval_scores']}")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -384,7 +385,14 @@ class StepStateMachine:
         await run_round(
             handle, self.trainer, apply_job, train_job, self.fetcher, self.io.publish_result
         )
-        if self.evals is not None and handle.finished and not handle.cancel.is_set():
+        # the trainer is idle until the next round (a newer round's step, if one has started
+        # meanwhile, stopped the evaluations before its own work and keeps the model)
+        if (
+            self.evals is not None
+            and handle.finished
+            and not handle.cancel.is_set()
+            and self.training in (handle, None)
+        ):
             self.evals.start()
 
     async def _finish_training(self, state: Coordinator, *, log_loss: bool = True) -> None:
@@ -428,7 +436,7 @@ class StepStateMachine:
             tokens_per_sec=tokens_per_sec,
             total_tokens=self.progress.tokens,
             global_token_batch_size=batch_tokens * state.get_sequence_length(),
-            efficiency=None if efficiency != efficiency else efficiency,
+            efficiency=None if math.isnan(efficiency) else efficiency,
             seconds_left=seconds_left,
             trained=len(trained),
             train_seconds=finished.duration,

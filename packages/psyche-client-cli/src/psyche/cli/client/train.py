@@ -33,4 +33,11 @@ def train(options: TrainOptions, args: argparse.Namespace) -> int:
         connect_timeout=args.server_connect_timeout,
         reconnect_timeout=args.server_reconnect_timeout or None,
     )
-    return run_client(options, identity, key, connect, network_config(options, key))
+    return run_client(
+        options,
+        identity,
+        key,
+        connect,
+        network_config(options, key),
+        service="psyche-centralized-client",  # upstream's OpenTelemetry service name
+    )
