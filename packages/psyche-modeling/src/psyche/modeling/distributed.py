@@ -6,8 +6,9 @@ trainer operation that involves the model's collectives must run on all ranks to
 same order. Upstream's Python sidecars get their operations as JSON under TCPStore keys plus
 NCCL broadcasts; here the protocol is as small:
 
-* the leader's trainer is a `LeaderTrainer`: each entry point the client calls (`train`,
-  `train_exact`, `optimize`, `extract`, `full_variables`, `truncate_bf16`) first broadcasts
+* the leader's trainer is a `LeaderTrainer`: each entry point the client calls that changes or
+  reads the model (`train`, `train_exact`, `optimize`, `start_epoch`, `extract`,
+  `full_variables`, `truncate_bf16`; a new such trainer method belongs here too) first broadcasts
   `(name, arguments)` to the workers over the gloo control group
   (`torch.distributed.broadcast_object_list`), then does its own part;
 * a worker runs `serve(trainer)`: it receives each command and calls the same method on its
@@ -37,7 +38,15 @@ from psyche.modeling.trainer import Trainer
 log = logging.getLogger(__name__)
 
 EXIT = "exit"
-COMMANDS = ("train", "train_exact", "optimize", "extract", "full_variables", "truncate_bf16")
+COMMANDS = (
+    "train",
+    "train_exact",
+    "optimize",
+    "start_epoch",
+    "extract",
+    "full_variables",
+    "truncate_bf16",
+)
 """The trainer methods a leader forwards (all others are local to the leader)."""
 
 _LOCAL_ONLY = ("cancel", "timings")
@@ -90,17 +99,21 @@ class LeaderTrainer(Trainer):
             finally:
                 self._depth -= 1
 
-    def train(self, step: int, batch: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+    def train(self, step: int, batch: Any, **kwargs: Any) -> Any:
         with self._command("train", step=step, batch=batch, **kwargs):
             return super().train(step, batch, **kwargs)
 
-    def train_exact(self, step: int, batch: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+    def train_exact(self, step: int, batch: Any, **kwargs: Any) -> Any:
         with self._command("train_exact", step=step, batch=batch, **kwargs):
             return super().train_exact(step, batch, **kwargs)
 
-    def optimize(self, step: int, **kwargs: Any) -> None:  # type: ignore[override]
+    def optimize(self, step: int, **kwargs: Any) -> None:
         with self._command("optimize", step=step, **kwargs):
             super().optimize(step, **kwargs)
+
+    def start_epoch(self) -> None:
+        with self._command("start_epoch"):
+            super().start_epoch()  # type: ignore[misc]
 
     def extract(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         with self._command("extract", dtype=dtype):
