@@ -195,5 +195,7 @@ def test_the_page_in_a_headless_browser() -> None:
         page.feed(dom)
         members = {str(c.id) for c in server.coordinator.epoch_state.clients}
         assert {m["id"] for m in page.members} == members
+        assert page.by_id["run-id"] == server.coordinator.run_id
+        assert page.by_id["run-state"] in ("RoundTrain", "RoundWitness", "Cooldown")
 
     trio.run(live_run, check)
