@@ -109,3 +109,28 @@ def test_one_rank_micro_batches_are_upstreams_chunks() -> None:
         t.tolist() for t in torch.chunk(batch.input_ids, 3, 0)
     ]
     assert all(c[3] == 1.0 for c in chunks)
+
+
+def test_activation_checkpointing_recomputes_the_same_bits() -> None:
+    from psyche.core.batch_id import BatchId
+    from psyche.modeling.sharding import ShardingOptions, parallelize
+
+    plain = make_trainer()
+    checkpointed = make_trainer()
+    model = parallelize(
+        checkpointed.model, checkpointed.parallel, ShardingOptions(activation_checkpointing=True)
+    )
+    assert model.model.is_gradient_checkpointing
+    checkpointed = Trainer(
+        model, plain.lr_schedule, distro(), micro_batch_size=2, parallel=checkpointed.parallel
+    )
+    batch = Batch(torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(3)))
+    payloads = []
+    for trainer in (plain, checkpointed):
+        out = trainer.train_exact(
+            1, batch, warmup_lr_between=None, zero_optim=False, prev_self_distro_results=[]
+        )
+        payloads.append(trainer.prepare_result(out, step=1, batch_id=BatchId(1, 1)))
+    assert payloads[0].payload.to_bytes() == payloads[1].payload.to_bytes()
+    grads = [[p.grad for _, p in t.model.variables()] for t in (plain, checkpointed)]
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
