@@ -84,6 +84,35 @@ def test_round_metrics_names_every_number_and_leaves_out_what_a_round_lacks() ->
     assert names.ROUND_DOWNLOAD_SECONDS not in metrics
 
 
+class FakeEvals:
+    def __init__(self) -> None:
+        self.taken = 0
+
+    def scores(self) -> dict[str, float]:
+        return {f"a task with a very long name number {i}": i / 10 for i in range(10)}
+
+    def prompt_results(self) -> tuple[list[int], int]:
+        self.taken += 1
+        return list(range(20)), 3
+
+
+def test_witness_metadata_carries_eval_scores_and_prompt_tokens_within_upstreams_bounds() -> None:
+    from psyche.client.stats import StatsLogger
+    from psyche.coordinator.run_state import WitnessMetadata
+    from psyche.coordinator.testing import quick_coordinator
+    from psyche.core.serde import from_bytes, to_bytes
+
+    evals = FakeEvals()
+    metadata = StatsLogger(evals=evals).witness_metadata(quick_coordinator())
+    assert len(metadata.evals) == 8  # upstream's FixedVec<_, 8>: the rest are left out
+    assert all(len(e.name.encode()) <= 32 for e in metadata.evals)
+    assert metadata.evals[1].value == pytest.approx(0.1)
+    assert metadata.prompt_results == list(range(4, 20)) and metadata.prompt_index == 3
+    assert evals.taken == 1
+    decoded = from_bytes(to_bytes(metadata), WitnessMetadata)  # fits the wire format
+    assert decoded.prompt_index == 3 and len(decoded.evals) == 8
+
+
 async def run_client(
     server: InProcessServer, number: int, options: TrainOptions
 ) -> tuple[Client, list[Any]]:
@@ -145,6 +174,7 @@ def test_a_run_logs_each_round_to_every_tracker_and_scores_evals_between_rounds(
             events_dir=out / "events",
             eval_tasks="piqa,arc_easy" if number == 1 else None,
             eval_data_dir=evals_dir if number == 1 else None,
+            prompt_task=number == 1,
         )
 
     async def one(number: int) -> None:
@@ -196,6 +226,8 @@ def test_a_run_logs_each_round_to_every_tracker_and_scores_evals_between_rounds(
     # the evaluation ran between rounds on client 1 and its score reached the trackers
     worker = clients[1].machine.evals  # type: ignore[union-attr]
     assert worker is not None and worker.slices > 0 and worker.documents >= 10
+    assert worker.runner is not None and worker.runner.prompt is not None
+    assert worker.prompt_tokens > 0  # the prompt task generated between rounds too
     lines = (tmp_path / "client-1" / "metrics.jsonl").read_text().splitlines()
     logged = [e["values"] for e in map(json.loads, lines) if e["kind"] == "log"]
     # each score is a share of the task's documents (4 and 6 here), as a hand count gives

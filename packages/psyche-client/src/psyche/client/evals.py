@@ -100,6 +100,7 @@ class EvalWorker:
         self.failed = False
         self.slices = 0
         self.documents = 0
+        self.prompt_tokens = 0
         self._tokenizer_json = tokenizer_json
         self._nursery = nursery
         self._on_scores = on_scores
@@ -129,13 +130,15 @@ class EvalWorker:
             )
 
         try:
-            self.runner = await trio.to_thread.run_sync(make, abandon_on_cancel=True)
+            # trio-stubs (trio-typing's, a libp2p dependency) predate abandon_on_cancel.
+            runner: EvalRunner = await trio.to_thread.run_sync(make, abandon_on_cancel=True)  # type: ignore[call-arg]
         except Exception as e:
             self._fail(e)
             return
+        self.runner = runner
         log.info(
             "evaluations ready: %s",
-            ", ".join([*self.runner.task_names, *(["prompt"] if self.runner.prompt else [])]),
+            ", ".join([*runner.task_names, *(["prompt"] if runner.prompt else [])]),
         )
 
     def _fail(self, error: BaseException) -> None:
@@ -164,6 +167,7 @@ class EvalWorker:
                 )
                 self.slices += 1
                 self.documents += report.documents
+                self.prompt_tokens += report.prompt_tokens
                 self._report_scores(runner)
                 if report.stopped_by == "idle":
                     break
