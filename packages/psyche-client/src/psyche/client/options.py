@@ -59,9 +59,12 @@ def parse_seconds(text: str) -> float:
 
 
 def _parse_keep_every(text: str) -> str:
-    from psyche.client.keep_policy import parse_keep_every
+    from psyche.client.keep_policy import KeepPolicyError, parse_keep_every
 
-    parse_keep_every(text)  # KeepPolicyError (a ValueError) for a bad value
+    try:
+        parse_keep_every(text)
+    except KeepPolicyError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return text
 
 
