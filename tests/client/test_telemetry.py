@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 import trio
+import trio.testing
 
 from psyche.client.broadcast import open_network
 from psyche.client.client import Client
@@ -241,3 +242,35 @@ def test_a_run_logs_each_round_to_every_tracker_and_scores_evals_between_rounds(
     accumulator.Reload()
     assert names.TRAIN_LOSS in accumulator.Tags()["scalars"]
     assert score_key in accumulator.Tags()["scalars"]
+
+
+def test_a_long_wait_logs_its_progress_and_a_short_one_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from types import SimpleNamespace
+
+    from psyche.client.client import model_download_progress
+    from psyche.client.telemetry import log_progress
+
+    parameters: dict[str, Any] = {"a": None, "b": None}
+    download = SimpleNamespace(model=SimpleNamespace(parameters=None))
+    logger = logging.getLogger("test.progress")
+    caplog.set_level(logging.INFO, logger="test.progress")
+
+    async def wait(seconds: float) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(log_progress, logger, lambda: model_download_progress(download))
+            await trio.sleep(seconds)
+            if seconds > 6:
+                download.model.parameters = parameters
+                parameters["a"] = torch.zeros(1000, dtype=torch.bfloat16)
+                await trio.sleep(5)
+            nursery.cancel_scope.cancel()
+
+    trio.run(wait, 3.0, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert caplog.messages == []
+    trio.run(wait, 7.0, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert caplog.messages == [
+        "downloading the model from peers: waiting for its configuration",
+        "downloading the model from peers: 1/2 parameters (0.0 MB)",
+    ]

@@ -19,8 +19,9 @@ import logging
 import math
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -46,7 +47,7 @@ from psyche.client.payloads import (
 )
 from psyche.client.stats import run_summary
 from psyche.client.steps import MachineSettings, StepStateMachine
-from psyche.client.telemetry import NetworkNumbers, Observers, RoundReport
+from psyche.client.telemetry import NetworkNumbers, Observers, RoundReport, log_progress
 from psyche.client.train import OwnResult
 from psyche.client.witness import SendFinished, finished_broadcast
 from psyche.coordinator import Coordinator, RunState
@@ -160,6 +161,19 @@ class _LoopIO:
             self._client.sharable_model.update_parameters(parameters)
 
         self._queue("share_model", share)
+
+
+def model_download_progress(download: ModelDownload) -> str:
+    """How far a model download from peers is, for a person waiting on it."""
+    parameters = download.model.parameters
+    if not parameters:
+        return "downloading the model from peers: waiting for its configuration"
+    done = [t for t in parameters.values() if t is not None]
+    size = sum(t.numel() * t.element_size() for t in done)
+    return (
+        f"downloading the model from peers: {len(done)}/{len(parameters)} parameters "
+        f"({size / 1e6:,.1f} MB)"
+    )
 
 
 class Client:
@@ -385,7 +399,7 @@ class Client:
             # The run's backup data locations travel beside the coordinator state (a port
             # extension of the centralized protocol).
             state = state.copy()
-            state.model.value.backup_data_locations = backups  # type: ignore[attr-defined]
+            state.model.value.backup_data_locations = backups
         try:
             result: InitializedRun | BaseException = await init_run(
                 self.config, state, self._fetch_model_from_peers
@@ -400,7 +414,10 @@ class Client:
         download = ModelDownload(
             self.network, peers, max_concurrent=self.config.max_concurrent_parameter_requests
         )
-        model = await download.run()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(log_progress, logger, partial(model_download_progress, download))
+            model = await download.run()
+            nursery.cancel_scope.cancel()
         logger.info("Downloaded %d parameters from peers", len(model.parameters))
         return model
 
@@ -454,7 +471,7 @@ class Client:
     def _on_round(self, report: RoundReport) -> None:
         self.observers.on_round(replace(report, network=self.network_numbers()))
 
-    def _on_eval_scores(self, scores: dict[str, float]) -> None:
+    def _on_eval_scores(self, scores: Mapping[str, float]) -> None:
         step = self.coordinator.progress.step if self.coordinator is not None else 0
         self.observers.on_evals(step, scores)
 

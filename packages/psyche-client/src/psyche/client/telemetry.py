@@ -261,6 +261,25 @@ class TrackerObserver:
             self.tracker.log_summary(values)
 
 
+PROGRESS_INTERVAL = 5.0
+"""Seconds between two progress lines of a long wait (a model download from peers)."""
+
+
+async def log_progress(
+    logger: logging.Logger, describe: Callable[[], str | None], interval: float = PROGRESS_INTERVAL
+) -> None:
+    """Until cancelled, every `interval` seconds log what `describe` says (nothing when it says
+    None): a person watching a long wait sees it move. Start it beside the wait and cancel it
+    when the wait ends; a wait shorter than `interval` logs nothing."""
+    import trio
+
+    while True:
+        await trio.sleep(interval)
+        text = describe()
+        if text is not None:
+            logger.info("%s", text)
+
+
 def client_tracker(options: TrainOptions, identity: NodeIdentity | str, service: str) -> Tracker:
     """The trackers `options` ask for (`psyche.core.metrics.build_tracker`; a `NoopTracker`
     when none). `service` is the OpenTelemetry service name (upstream's
@@ -294,5 +313,6 @@ __all__ = [
     "TrackerObserver",
     "client_tracker",
     "complete_report",
+    "log_progress",
     "round_metrics",
 ]
