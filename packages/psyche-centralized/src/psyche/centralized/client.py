@@ -174,6 +174,9 @@ class CentralizedBackend:
         self.run_extras: RunExtras | None = None
         self.relays: list[str] = []
         """The relays the server hosts for the run (`ServerToClientMessage.Relays`)."""
+        self.relays_changed = trio.Event()
+        """Set (and replaced) when the server names other relays (a restarted server's relay
+        has a new identity)."""
         self.connections = 0
         self._join_wait: str | None = None
         self._before_join: Callable[[], Awaitable[None]] | None = None
@@ -407,7 +410,10 @@ class CentralizedBackend:
             case ServerToClientMessage.RunExtras(extras):
                 self.run_extras = extras
             case ServerToClientMessage.Relays(addrs):
-                self.relays = list(addrs)
+                if list(addrs) != self.relays:
+                    self.relays = list(addrs)
+                    self.relays_changed.set()
+                    self.relays_changed = trio.Event()
 
     def _say_join_wait(self) -> None:
         """Log why this client is not training yet, once per reason."""
@@ -434,14 +440,14 @@ class CentralizedBackend:
             raise self._failure
         conn = self._conn
         if conn is None:
-            log.warning("not connected to the server: %s dropped", message.variant_name)  # type: ignore[attr-defined]
+            log.warning("not connected to the server: %s dropped", message.variant_name)
             return
         try:
             await conn.send(message)
         except _CONNECTION_ERRORS as e:
             if self.reconnect_timeout is None:
                 raise BackendDisconnected(f"lost the coordinator server: {e}") from e
-            log.warning("sending %s failed (%s); dropped", message.variant_name, e)  # type: ignore[attr-defined]
+            log.warning("sending %s failed (%s); dropped", message.variant_name, e)
 
     async def _close_connection(self) -> None:
         conn, self._conn = self._conn, None

@@ -134,7 +134,7 @@ class ServerOptions:
 
 
 def _llm(coordinator: Coordinator) -> Any:
-    return coordinator.model.value  # type: ignore[attr-defined]
+    return coordinator.model.value
 
 
 def data_server_port(coordinator: Coordinator) -> int | None:
@@ -491,21 +491,23 @@ async def open_server(
         if provider is not None:
             from psyche.data_provider import DataProviderTcpServer
 
+            assert data_port is not None  # a provider is opened only for a data port
             stack.callback(provider.close)
             address = _llm(core.coordinator).data_location.value
             with _naming_the_port(
                 f"the data server's port {data_port} (data_location {address} in the state file)"
                 + _on(options.data_server_host or options.host)
             ):
-                server.data_server = await stack.enter_async_context(
+                data_server = await stack.enter_async_context(
                     DataProviderTcpServer.start(
                         provider,
                         host=options.data_server_host or options.host,
                         port=data_port,
                     )
                 )
-            server.data_server.update_from_coordinator(core.coordinator)
-            log.info("training data server listening on %s:%d", *server.data_server.local_addr)
+            server.data_server = data_server
+            data_server.update_from_coordinator(core.coordinator)
+            log.info("training data server listening on %s:%d", *data_server.local_addr)
         if options.events_dir is not None:
             from psyche.centralized.events import EventsWriter
 
@@ -608,7 +610,8 @@ async def run_server(
     coordinator: Coordinator,
     options: ServerOptions | None = None,
     *,
-    task_status: trio.TaskStatus[CentralizedServer] = trio.TASK_STATUS_IGNORED,
+    # trio-stubs (trio-typing's, a libp2p dependency) predate trio.TaskStatus.
+    task_status: trio.TaskStatus[CentralizedServer] = trio.TASK_STATUS_IGNORED,  # type: ignore[name-defined]
 ) -> None:
     """Serve until cancelled (`nursery.start(run_server, ...)` returns the running server)."""
     async with open_server(coordinator, options) as server:

@@ -324,7 +324,8 @@ async def serve_status(
     *,
     limits: ConnectionLimits = STATUS_LIMITS,
     refresh_seconds: int = DEFAULT_REFRESH_SECONDS,
-    task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
+    # trio-stubs (trio-typing's, a libp2p dependency) predate trio.TaskStatus.
+    task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,  # type: ignore[name-defined]
 ) -> None:
     """Serve the page until cancelled; `task_status.started` gets the bound (host, port)."""
     listeners = await trio.open_tcp_listeners(port, host=host)

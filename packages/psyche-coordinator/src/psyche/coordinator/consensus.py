@@ -53,7 +53,7 @@ class CoordinatorQueries:
     epoch_state: CoordinatorEpochState
 
     def _llm(self) -> LLM:
-        return self.model.value  # type: ignore[attr-defined,no-any-return]
+        return self.model.value
 
     # ---- health and consensus ------------------------------------------------------------------
 

@@ -53,7 +53,7 @@ def diloco_problems(
             bad("compression_topk", "must be at least 1 (values kept per DCT block)")
     if d.transmission is not DilocoTransmission.Bf16 and d.compression_chunk < 1:
         bad("compression_chunk", f"must be at least 1 for {d.transmission.name}")
-    if d.outer_lr_follows_schedule and not lr_schedule.value.base_lr > 0.0:  # type: ignore[attr-defined]
+    if d.outer_lr_follows_schedule and not lr_schedule.value.base_lr > 0.0:
         bad(
             "outer_lr_follows_schedule",
             "the outer lr follows lr_schedule / lr_schedule.base_lr, so base_lr must be > 0",

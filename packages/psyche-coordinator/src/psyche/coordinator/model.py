@@ -202,7 +202,7 @@ class Model(DataEnum):
 
     def check_problems(self) -> list[str]:
         """Why `check` fails, in upstream's order (empty when the model is usable)."""
-        llm: LLM = self.value  # type: ignore[attr-defined]
+        llm: LLM = self.value
         problems = []
         if llm.max_seq_len == 0:
             problems.append("max_seq_len is 0")

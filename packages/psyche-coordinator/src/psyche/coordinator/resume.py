@@ -39,7 +39,7 @@ def close_epoch(coordinator: Coordinator) -> None:
     coordinator.progress.epoch = truncating_cast_unsigned(coordinator.progress.epoch + 1, 16)
     epoch_state = coordinator.epoch_state
     epoch_state.clients = [c for c in epoch_state.clients if c.state is ClientState.Healthy]
-    llm = coordinator.model.value  # type: ignore[attr-defined]
+    llm = coordinator.model.value
     match llm.checkpoint:
         case Checkpoint.Hub(repo) | Checkpoint.Dummy(repo):
             llm.checkpoint = Checkpoint.P2P(repo)

@@ -28,7 +28,7 @@ import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import tomli_w
 
@@ -81,7 +81,7 @@ class RunConfigFile:
 
     @property
     def llm(self) -> LLM:
-        return self.model.value  # type: ignore[attr-defined,no-any-return]
+        return self.model.value
 
     @property
     def is_state_file(self) -> bool:
@@ -233,7 +233,7 @@ def semantic_problems(config: CoordinatorConfig, model: Model) -> list[tuple[str
                 f"must be at most 100, found {config.verification_percent}",
             )
         )
-    llm: LLM = model.value  # type: ignore[attr-defined]
+    llm: LLM = model.value
     if isinstance(llm.lr_schedule, LearningRateSchedule.WarmupStableDecay):
         wsd = llm.lr_schedule.value
         where = "model.LLM.lr_schedule.WarmupStableDecay"
@@ -290,7 +290,7 @@ def _normalize(
                     config.get(k)
                     for k in ("warmup_time", "max_round_train_time", "round_witness_time")
                 ]
-                if _all_ints([rounds, *parts]):
+                if _all_ints(parts) and _all_ints([rounds]):
                     warmup, train, witness = parts
                     config["epoch_time"] = warmup + rounds * (train + witness)
                     warnings.append(
@@ -360,7 +360,7 @@ def _normalize(
     return remap
 
 
-def _all_ints(values: list[Any]) -> bool:
+def _all_ints(values: list[Any]) -> TypeGuard[list[int]]:
     return all(isinstance(v, int) and not isinstance(v, bool) for v in values)
 
 
@@ -386,7 +386,7 @@ def model_to_obj(model: Model, *, json: bool = False) -> dict[str, Any]:
     backups = llm.pop("backup_data_locations", [])
     if backups:
         llm["data_locations"] = [llm.pop("data_location"), *backups]
-    return obj  # type: ignore[no-any-return]
+    return obj
 
 
 def dumps_toml(doc: dict[str, Any]) -> str:

@@ -246,7 +246,7 @@ class ServerCore:
         index = self._member(sender, "Checkpoint")
         if index is None:
             return False
-        llm = self.coordinator.model.value  # type: ignore[attr-defined]
+        llm = self.coordinator.model.value
         before = llm.checkpoint
         try:
             self.coordinator.checkpoint(sender, index, checkpoint)

@@ -57,8 +57,9 @@ class RangeRequestHandler(BaseHTTPRequestHandler):
 
     protocol_version = "HTTP/1.1"
     # Applied to the socket by StreamRequestHandler: an idle or stalled peer raises TimeoutError,
-    # which ends the connection (set per server from `StaticFileServer.idle_timeout`).
-    timeout: float | None = None
+    # which ends the connection (set per server from `StaticFileServer.idle_timeout`). typeshed
+    # declares it a ClassVar, but StreamRequestHandler.setup reads it from the instance.
+    timeout: float | None = None  # type: ignore[misc]
     # Headers and body go out as separate writes: without TCP_NODELAY every small response
     # waits for the client's delayed ACK (about 40 ms).
     disable_nagle_algorithm = True
@@ -189,6 +190,7 @@ class StaticFileServer(ThreadingHTTPServer):
     @property
     def url(self) -> str:
         host, port = self.server_address[:2]
+        assert isinstance(host, str)  # an AF_INET server's address (bytes only for AF_UNIX)
         return f"http://{host}:{port}"
 
 

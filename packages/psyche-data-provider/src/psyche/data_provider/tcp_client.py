@@ -45,7 +45,7 @@ from psyche.data_provider.wire import (
 
 log = logging.getLogger(__name__)
 
-_REQUEST_CODEC = PostcardCodec(ClientToServerMessage)
+_REQUEST_CODEC: PostcardCodec[ClientToServerMessage] = PostcardCodec(ClientToServerMessage)
 _REPLY_CODEC = ServerMessageCodec()
 
 _CONNECTION_ERRORS = (

@@ -31,6 +31,7 @@ from psyche.core.connection_limits import ConnectionLimits, DropLog
 from psyche.core.tcp import (
     CLIENT_MAX_FRAME_LENGTH,
     SERVER_MAX_FRAME_LENGTH,
+    Codec,
     Disconnected,
     FrameTooLarge,
     Message,
@@ -104,7 +105,9 @@ class DataProviderTcpServer:
         own 8 MiB default, so large batches failed there). `limits` bound what connections can
         make the server hold (`psyche.core.connection_limits`; defaults when None).
         """
-        requests = UpstreamRequestCodec() if upstream_only else PostcardCodec(ClientToServerMessage)
+        requests: Codec[ClientToServerMessage] = (
+            UpstreamRequestCodec() if upstream_only else PostcardCodec(ClientToServerMessage)
+        )
         async with (
             TcpServer.start(
                 to_server=requests,

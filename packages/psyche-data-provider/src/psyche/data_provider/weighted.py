@@ -123,8 +123,8 @@ class WeightedDataProvider:
                     runs.append([item])
             for run in runs:
                 samples = await self.providers[provider].get_samples(BatchId(run[0][1], run[-1][1]))
-                for (position, _), sample in zip(run, samples):
-                    results[position] = sample
+                for (slot, _), data in zip(run, samples):
+                    results[slot] = data
         if any(r is None or len(r.input_ids) == 0 for r in results):
             raise DataProviderError("Failed to get all requested samples")
         return results  # type: ignore[return-value]

@@ -198,11 +198,11 @@ def _encode_any(v: np.ndarray) -> bytes:
             break
         nbytes += more
     width = int(nbytes.max())
-    k = np.arange(width, dtype=np.uint64)
-    groups = (v[:, None] >> (np.uint64(7) * k)) & np.uint64(0x7F)
-    continued = k[None, :].astype(np.int64) < (nbytes[:, None] - 1)
+    digits = np.arange(width, dtype=np.uint64)
+    groups = (v[:, None] >> (np.uint64(7) * digits)) & np.uint64(0x7F)
+    continued = digits[None, :].astype(np.int64) < (nbytes[:, None] - 1)
     groups |= continued.astype(np.uint64) << np.uint64(7)
-    present = k[None, :].astype(np.int64) < nbytes[:, None]
+    present = digits[None, :].astype(np.int64) < nbytes[:, None]
     return groups[present].astype(np.uint8).tobytes()
 
 

@@ -267,7 +267,7 @@ async def update_config(
     if config_path is not None:
         config, model = load_config_file(config_path)
     if switch_to_hub:
-        llm = (model if model is not None else coordinator.model).value  # type: ignore[attr-defined]
+        llm = (model if model is not None else coordinator.model).value
         match llm.checkpoint:
             case Checkpoint.P2P(repo) | Checkpoint.Dummy(repo):
                 llm = dataclasses.replace(llm, checkpoint=Checkpoint.Hub(repo))
@@ -446,7 +446,7 @@ class AuthorizationResult:
     grantee: Pubkey
     created: Signature | None
     changed: Signature | None
-    authorization: Authorization | None
+    authorization: Authorization
 
 
 async def join_authorization_create(

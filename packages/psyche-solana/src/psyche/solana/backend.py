@@ -10,6 +10,7 @@ confirmed at the backend's commitment.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -130,7 +131,7 @@ class SolanaBackend:
         for index, client in enumerate(self.clients):
             try:
                 return await retry_with_backoff(
-                    name, lambda c=client: operation(c), self.retry_policy
+                    name, functools.partial(operation, client), self.retry_policy
                 )
             except RetryFailed as failed:
                 if failed.kind is RetryKind.NonRetryable:

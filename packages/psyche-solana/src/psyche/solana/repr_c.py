@@ -30,6 +30,8 @@ from typing import Any
 
 from psyche.core.bloom import Bloom
 from psyche.core.serde.schema import (
+    DataEnum,
+    RustEnum,
     WArray,
     WBool,
     WBytes,
@@ -324,8 +326,8 @@ def _option_layout(inner: Layout) -> Layout:
     return Layout(size, inner.align, encode, decode)
 
 
-def _unit_enum_layout(cls: type, as_u8: bool) -> Layout:
-    members = list(cls)  # type: ignore[call-overload]
+def _unit_enum_layout(cls: type[RustEnum], as_u8: bool) -> Layout:
+    members = list(cls)
     s = _U8 if as_u8 else _U32
 
     def encode(v: Any, buf: bytearray, off: int) -> None:
@@ -342,14 +344,16 @@ def _unit_enum_layout(cls: type, as_u8: bool) -> Layout:
     return Layout(s.size, s.size, encode, decode)
 
 
-def _data_enum_layout(cls: type, variants: list[tuple[type, Layout | None]]) -> Layout:
+def _data_enum_layout(
+    cls: type[DataEnum], variants: list[tuple[type[DataEnum], Layout | None]]
+) -> Layout:
     payloads = [lay for _, lay in variants if lay is not None]
     union_align = max((lay.align for lay in payloads), default=1)
     union_size = align_up(max((lay.size for lay in payloads), default=0), union_align)
     union_offset = align_up(4, union_align)
     align = max(4, union_align)
     size = align_up(union_offset + union_size, align)
-    table = {var: (var.index, lay) for var, lay in variants}  # type: ignore[attr-defined]
+    table = {var: (var.index, lay) for var, lay in variants}
     by_tag = variants
 
     def encode(v: Any, buf: bytearray, off: int) -> None:

@@ -174,6 +174,8 @@ class SolanaRpcClient:
         parsed = GetAccountInfoResp.from_json(
             json.dumps({"jsonrpc": "2.0", "id": 0, "result": result})
         )
+        # A document without "error" parses as the response or raises, never as an RPC error.
+        assert isinstance(parsed, GetAccountInfoResp)
         account = parsed.value
         if account is None:
             return None

@@ -50,7 +50,7 @@ class InstructionSpec:
     program: str  # "coordinator", "authorizer" or "treasurer"
     name: str
     accounts: tuple[AccountSpec, ...]
-    args: type
+    args: type[Any]
 
     @property
     def discriminator(self) -> bytes:

@@ -11,6 +11,7 @@ from psyche.solana.instructions import authorizer as authorizer_ix
 from psyche.solana.localnet.runtime import (
     SYSTEM_PROGRAM,
     Accounts,
+    Handler,
     InvokeContext,
     close_account,
     dispatch_anchor_instruction,
@@ -127,7 +128,7 @@ def _close(
     close_account(ctx, accounts.key("authorization"), spill.pubkey)
 
 
-_HANDLERS = {
+_HANDLERS: dict[str, Handler] = {
     "authorization_create": _create,
     "authorization_grantor_update": _grantor_update,
     "authorization_grantee_update": _grantee_update,

@@ -24,6 +24,7 @@ from psyche.solana.instructions import coordinator as coordinator_ix
 from psyche.solana.localnet.runtime import (
     SYSTEM_PROGRAM,
     Accounts,
+    Handler,
     InvokeContext,
     ProgramPanic,
     anchor_error,
@@ -534,7 +535,7 @@ def _checkpoint(
     _member_instruction(ctx, accounts, act, tick_when_halted=False)
 
 
-_HANDLERS = {
+_HANDLERS: dict[str, Handler] = {
     "init_coordinator": _init_coordinator,
     "free_coordinator": _free_coordinator,
     "update": _update,

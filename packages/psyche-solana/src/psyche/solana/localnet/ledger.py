@@ -39,6 +39,7 @@ from solders.message import Message, MessageV0
 from solders.pubkey import Pubkey
 from solders.signature import Signature
 from solders.transaction import Transaction, VersionedTransaction
+from solders.transaction_metadata import FailedTransactionMetadata
 
 from psyche.solana.localnet.runtime import (
     AnchorError,
@@ -414,7 +415,7 @@ class Ledger:
 
         self._sync_clock()
         snapshot = self._snapshot(keys)
-        pre_balances = [0 if snapshot.get(k) is None else snapshot[k].lamports for k in keys]
+        pre_balances = [0 if (acc := snapshot.get(k)) is None else acc.lamports for k in keys]
         self._svm.set_account(
             fee_payer, _with_lamports(payer_account, payer_account.lamports - fee)
         )
@@ -532,10 +533,10 @@ class Ledger:
             message, [Signature.default()] * message.header.num_required_signatures
         )
         result = self._svm.send_transaction(tx)
-        meta = result.meta() if hasattr(result, "err") else result
-        for line in meta.logs():
+        tx_meta = result.meta() if isinstance(result, FailedTransactionMetadata) else result
+        for line in tx_meta.logs():
             logs.append(_INVOKE_DEPTH.sub(lambda m: f" invoke [{int(m[1]) + depth - 1}]", line))
-        if hasattr(result, "err"):
+        if isinstance(result, FailedTransactionMetadata):
             err = litesvm_error_json(result.err())
             if isinstance(err, dict) and "InstructionError" in err:
                 raise InstructionFailure(err["InstructionError"][1])
@@ -545,7 +546,7 @@ class Ledger:
                 else "GenericError",
                 str(err),
             )
-        return int(meta.compute_units_consumed())
+        return int(tx_meta.compute_units_consumed())
 
     def write_account(self, key: Pubkey, account: Account) -> None:
         self._svm.set_account(key, account)

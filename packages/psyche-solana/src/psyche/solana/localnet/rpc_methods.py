@@ -317,7 +317,7 @@ class RpcMethods:
         signatures = _arg(params, 0, "signatures")
         if not isinstance(signatures, list) or len(signatures) > 256:
             raise _params_error("Invalid param: expected at most 256 signatures")
-        statuses = []
+        statuses: list[dict[str, Any] | None] = []
         for text in signatures:
             record = self.ledger.get_transaction(_signature(text))
             if record is None:

@@ -10,6 +10,7 @@ checks Anchor's `#[derive(Accounts)]` generates (signer, mut, owner, discriminat
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -107,7 +108,7 @@ class InvokeContext:
     def set(self, key: Pubkey, account: Account) -> None:
         self.ledger.write_account(key, account)
 
-    def signers(self) -> set[Pubkey]:
+    def signers(self) -> builtins.set[Pubkey]:  # `set` here is the method above
         return {m.pubkey for m in self.metas if m.is_signer}
 
     # ---- sysvars ----------------------------------------------------------------------------
@@ -402,6 +403,3 @@ def write_data(ctx: InvokeContext, key: Pubkey, data: bytes) -> None:
     assert account is not None and account.owner == ctx.program_id, "not this program's account"
     assert len(data) == len(account.data), "a program cannot resize an account by writing"
     ctx.set(key, _with_data(account, data))
-
-
-Handler = Callable[[InvokeContext, Accounts, Any], None]

@@ -21,6 +21,7 @@ from psyche.solana.instructions import treasurer as treasurer_ix
 from psyche.solana.localnet.runtime import (
     SYSTEM_PROGRAM,
     Accounts,
+    Handler,
     InvokeContext,
     ProgramPanic,
     anchor_error,
@@ -357,7 +358,7 @@ def _participant_claim(
     )
 
 
-_HANDLERS = {
+_HANDLERS: dict[str, Handler] = {
     "run_create": _run_create,
     "run_update": _run_update,
     "participant_create": _participant_create,
