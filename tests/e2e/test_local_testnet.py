@@ -100,7 +100,9 @@ def test_tmux_testnet_panes_come_up(
         keys = [SecretKey.from_hex(f"{n:064x}").public_key.hex() for n in (1, 2)]
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:  # each client logs its key once it runs
-            if all(f"(public key {k})" in capture(p) for p, k in zip(clients, keys)):
+            if all(f"(public key {k})" in capture(p) for p, k in zip(clients, keys)) and (
+                "serving run 'tiny-cpu'" in capture(server)  # after its relay is up
+            ):
                 break
             time.sleep(0.5)
         for number, (pane, key) in enumerate(zip(clients, keys), start=1):
