@@ -380,7 +380,10 @@ def _mean_loss(events: Sequence[dict[str, Any]], last: bool) -> float | None:
     losses = [e["loss"] for e in metrics.of(events, "client_loss") if e.get("trained")]
     if not losses:
         return None
-    window = losses[-3:] if last else losses[:3]
+    # Up to 3 rounds each end, never overlapping (a slow machine may train only a few rounds:
+    # then the first and the last are compared).
+    k = max(1, min(3, len(losses) // 2))
+    window = losses[-k:] if last else losses[:k]
     return sum(window) / len(window)
 
 
