@@ -486,6 +486,8 @@ def test_backend_reconnects_to_a_restarted_server(tmp_path: Path) -> None:
                 await wait_state(backend, RunState.Warmup)
                 await backend.send_witness(OpportunisticData.WarmupStep(warmup_witness_for(0)))
                 before = await wait_state(backend, RunState.RoundTrain)
+                relays_before, relays_changed = backend.relays, backend.relays_changed
+                assert relays_before  # the server hosts a relay and names it
                 first.cancel()  # the server stops (and saves)
                 await trio.sleep(0.2)
                 await backend.send_witness(OpportunisticData.WarmupStep(warmup_witness_for(0)))
@@ -497,6 +499,10 @@ def test_backend_reconnects_to_a_restarted_server(tmp_path: Path) -> None:
                 assert after.progress.step == before.progress.step
                 assert after.progress.epoch == before.progress.epoch + 1
                 assert [c.id for c in after.epoch_state.clients] == [backend.identity]
+                # the restarted server's relay has a new identity: the backend says so
+                with trio.fail_after(10):
+                    await relays_changed.wait()
+                assert backend.relays and backend.relays != relays_before
             nursery.cancel_scope.cancel()
 
     trio.run(main)

@@ -202,3 +202,37 @@ def test_a_relayed_connection_is_upgraded_to_a_direct_one(caplog) -> None:
         assert any("connected directly" in line for line in lines)
 
     trio.run(main)
+
+
+def test_a_relay_named_later_takes_over_from_one_that_is_gone() -> None:
+    """What a client does when its coordinator server restarts: the old relay vanishes, the
+    server names a new one (`add_relays`), and the node reserves there and announces it."""
+
+    async def main() -> None:
+        key = SecretKey.generate()
+        first_scope = trio.CancelScope()
+
+        async def first_relay(*, task_status=trio.TASK_STATUS_IGNORED) -> None:  # type: ignore[no-untyped-def]
+            with first_scope:
+                async with relay_for({key.public_key}) as relay:
+                    task_status.started(relay)
+                    await trio.sleep_forever()
+
+        async with trio.open_nursery() as nursery:
+            first = await nursery.start(first_relay)
+            old = f"{first.multiaddrs()[0]}/p2p-circuit"
+            async with open_nodes(
+                1, keys=[key], relays=tuple(first.multiaddrs()), reachability="private"
+            ) as (node,):
+                assert node.reachability.relayed_addrs() == [old]
+                first_scope.cancel()
+                await wait_until(lambda: not node.reachability.relayed_addrs(), DEADLINE)
+                async with relay_for({key.public_key}) as second:
+                    new = f"{second.multiaddrs()[0]}/p2p-circuit"
+                    node.add_relays(second.multiaddrs())
+                    await wait_until(lambda: node.reachability.relayed_addrs() == [new], DEADLINE)
+                    assert second.reservations() == 1
+                    announced = node.endpoint_addr().libp2p_addrs()
+                    assert new in announced and old not in announced
+
+    trio.run(main)

@@ -165,7 +165,8 @@ class Preload:
     async def run(self) -> None:
         import trio
 
-        await trio.to_thread.run_sync(self._load, abandon_on_cancel=True)
+        # trio-stubs (trio-typing's, a libp2p dependency) predate abandon_on_cancel.
+        await trio.to_thread.run_sync(self._load, abandon_on_cancel=True)  # type: ignore[call-arg]
         self._done.set()
 
     def _load(self) -> None:
@@ -259,11 +260,18 @@ def run_client(
             from psyche.client.broadcast import open_network
             from psyche.client.client import Client
 
+            follow = options.iroh_relay == "psyche" and hasattr(backend, "relays_changed")
             run_relays = getattr(backend, "relays", []) if options.iroh_relay == "psyche" else []
             relays = tuple(dict.fromkeys((*network.relays, *run_relays)))
-            async with open_network(replace(network, relays=relays)) as connection:
+            async with (
+                open_network(replace(network, relays=relays)) as connection,
+                trio.open_nursery() as nursery,
+            ):
+                if follow:  # the relay a restarted server hosts has a new address
+                    nursery.start_soon(_follow_relays, backend, connection)
                 client = Client(backend, connection, config, observers=watchers, evals=evals)
                 await train(backend, client, connection)
+                nursery.cancel_scope.cancel()
 
     async def both() -> None:
         preload = Preload(options.device, workers)
@@ -344,6 +352,13 @@ def _close_all(closers: list[Callable[[], None]]) -> None:
             close()
         except Exception as e:  # closing must not hide how the run ended
             log.warning("closing %s failed: %s", getattr(close, "__qualname__", close), e)
+
+
+async def _follow_relays(backend: Any, connection: NetworkConnection) -> None:
+    """Hand the network every relay the coordinator server names from now on."""
+    while True:
+        await backend.relays_changed.wait()
+        connection.add_relays(backend.relays)
 
 
 __all__ = [
