@@ -26,10 +26,10 @@ import tempfile
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parents[2] / "tests"
-sys.path.insert(0, str(TESTS))
+sys.path[:0] = [str(TESTS), str(TESTS / "network")]
 
 import netns  # noqa: E402
-from network.nat_roles import wait_file  # noqa: E402
+from nat_roles import wait_file  # noqa: E402
 
 ROLES = TESTS / "network" / "nat_roles.py"
 """The nodes (relay, provider, requesters, raw-socket ends), shared with the NAT tests."""
