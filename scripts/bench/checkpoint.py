@@ -1,7 +1,8 @@
 """Checkpoint cost: save and upload time of a cooldown checkpoint, and the client's round time while
 an upload runs in the background.
 
-Part 1, the 20M model's bf16 weights (the cooldown's `extract`), median of `--repeats`:
+Part 1, the 20M model's bf16 weights (the cooldown's `extract`), median of `--repeats` (the
+baseline and the local checkpoint alternate, each into a new path, after an untimed round):
 
 * baseline: one bare `safetensors.torch.save_file` of the weights (no staging, fsync or hashes);
 * local: `save_checkpoint_locally` (staging directory, fsync of every file, the manifest's
@@ -148,11 +149,19 @@ def save_and_upload(args: argparse.Namespace, work: Path) -> None:
     config_json = config_json_of(model)
     n = args.repeats
 
-    bare = work / "bare"
-    bare.mkdir(parents=True)
-    baseline = timed(lambda: save_file(variables, str(bare / "model.safetensors")), n)
-    path = work / "run-step9"
-    local = timed(lambda: save_checkpoint_locally(path, variables, [], config_json, ""), n)
+    # alternated, each into a new path, after one untimed round of both
+    work.mkdir(parents=True)
+    bare_times, local_times = [], []
+    for i in range(n + 1):
+        started = time.perf_counter()
+        save_file(variables, str(work / f"bare-{i}.safetensors"))
+        bare_times.append(time.perf_counter() - started)
+        path = work / f"run-step{i}"
+        started = time.perf_counter()
+        save_checkpoint_locally(path, variables, [], config_json, "")
+        local_times.append(time.perf_counter() - started)
+    baseline = statistics.median(bare_times[1:])
+    local = statistics.median(local_times[1:])
     files = sorted(p for p in path.iterdir() if p.is_file())
     with gcs_process("bench"):
         gcs_up = timed(lambda: upload_checkpoint_to_gcs("bench", "ckpt", files, "run", 0, 9), n)
@@ -370,7 +379,7 @@ def rounds_with_uploads(args: argparse.Namespace, work: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--round-model", choices=("tiny", "20m"), default="tiny")
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--epochs", type=int, default=4, help="uploads to wait for in part 2")
