@@ -154,8 +154,6 @@ class WorkerGroup:
         every rank has joined). A device that cannot serve is a `ParallelismError`."""
         import multiprocessing
 
-        import torch
-
         from psyche.modeling.parallel import ParallelDims, parse_devices
         from psyche.modeling.sharding import build_mesh, init_world
 
@@ -189,7 +187,6 @@ class WorkerGroup:
         init_world(0, layout.world_size, init_method, devices[0])
         dims = ParallelDims(devices[0], layout.dp, layout.tp, layout.fsdp, rank=0)
         self.dims = _with_mesh(dims, build_mesh)
-        del torch
 
     # -- the trainer ---------------------------------------------------------------------------
 
@@ -246,7 +243,8 @@ class WorkerGroup:
 
         if not self.processes:
             await trio.sleep_forever()
-        death = await trio.to_thread.run_sync(self.wait_for_a_death, abandon_on_cancel=True)
+        # trio-stubs (trio-typing's, a libp2p dependency) predate abandon_on_cancel.
+        death = await trio.to_thread.run_sync(self.wait_for_a_death, abandon_on_cancel=True)  # type: ignore[call-arg]
         if death is None:
             await trio.sleep_forever()
         assert death is not None
