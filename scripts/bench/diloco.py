@@ -8,8 +8,9 @@ Every figure is a ratio against a baseline measured in the same run:
 2. converge - N peers on the same tokens (the synthetic bigram corpus of scripts/bench/distro.py,
               split evenly among the peers): AdamW (one model on the whole batch, which is what
               data-parallel AdamW computes), DisTrO (PeerSimulation) and DiLoCo in each form
-              (DilocoPeerSimulation, Psyche's one-round overlap), each at the best LR of a small
-              sweep; the loss is that of the final shared model on held-out sequences. Bytes per
+              (DilocoPeerSimulation: Psyche's one-round overlap with the lookahead, and for bf16
+              also without the lookahead and with the paper's timing), each at the best LR of a
+              small sweep; the loss is that of the final shared model on held-out sequences. Bytes per
               token are what one peer sends per token it trains on.
 
     .venv/bin/python scripts/bench/diloco.py --threads 1
@@ -59,6 +60,7 @@ FORMS: dict[str, DilocoSettings] = {
     "bf16": DilocoSettings(transmission=T.Bf16),
     "int8": DilocoSettings(transmission=T.Int8, compression_chunk=64),
     "sparse c16 k8 2b": DilocoSettings(compression_chunk=16, compression_topk=8, value_bits=2),
+    "sparse c16 k16 2b": DilocoSettings(compression_chunk=16, compression_topk=16, value_bits=2),
     "sparse c64 k64 2b": DilocoSettings(compression_chunk=64, compression_topk=64, value_bits=2),
     "sparse c64 k4 2b": DilocoSettings(compression_chunk=64, compression_topk=4, value_bits=2),
 }
@@ -187,7 +189,7 @@ def _run_distro(size, device, lr, data, steps, batch, peers, held_out) -> tuple[
 
 
 def _run_diloco(
-    size, device, form, outer, overlap, inner, lr, data, steps, batch, peers, held_out
+    size, device, form, outer, timing, inner, lr, data, steps, batch, peers, held_out
 ) -> tuple[float, float]:  # type: ignore[no-untyped-def]
     models = [D.build(size, device).model for _ in range(peers)]
     sim = DilocoPeerSimulation(
@@ -195,7 +197,8 @@ def _run_diloco(
         _settings(form, inner, outer),
         lr=_schedule(lr, steps),
         through_wire=True,
-        overlap=overlap,
+        overlap=timing != "no-overlap",
+        lookahead=timing == "",
     )
     sizes: list[int] = []
     _run_peers(sim, peers, data, steps, batch, sizes)
@@ -244,10 +247,12 @@ def bench_convergence(
         t = time.perf_counter()
         loss, per_step = _run_distro(size, device, lr, data, steps, batch, peers, held_out)
         record("DisTrO c16 k4 1-bit", lr, loss, per_step, time.perf_counter() - t)
-    runs = [(form, True) for form in forms]
+    # Psyche's timing with the lookahead; for reference (bf16), without the lookahead and with
+    # the DiLoCo paper's timing (no overlap)
+    runs = [(form, "") for form in forms]
     if "bf16" in forms:
-        runs.append(("bf16", False))  # the DiLoCo paper's timing, for reference
-    for form, overlap in runs:
+        runs += [("bf16", "no-lookahead"), ("bf16", "no-overlap")]
+    for form, timing in runs:
         for outer in OUTER:
             for lr in (3e-3, 1e-2):
                 t = time.perf_counter()
@@ -256,7 +261,7 @@ def bench_convergence(
                     device,
                     form,
                     outer,
-                    overlap,
+                    timing,
                     inner,
                     lr,
                     data,
@@ -265,7 +270,7 @@ def bench_convergence(
                     peers,
                     held_out,
                 )
-                name = f"DiLoCo {form} {outer}" + ("" if overlap else " no-overlap")
+                name = f"DiLoCo {form} {outer} {timing}".rstrip()
                 record(name, lr, loss, per_step, time.perf_counter() - t)
     base, _, base_bytes = results["AdamW (dense fp32 grads)"]
     _, _, distro_bytes = results["DisTrO c16 k4 1-bit"]
@@ -292,7 +297,9 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--peers", type=int, default=4)
     p.add_argument("--inner-steps", type=int, default=8)
-    p.add_argument("--forms", default="bf16,int8,sparse c16 k8 2b,sparse c64 k4 2b")
+    p.add_argument(
+        "--forms", default="bf16,int8,sparse c16 k16 2b,sparse c16 k8 2b,sparse c64 k4 2b"
+    )
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -140,6 +140,30 @@ def test_inner_ranges() -> None:
     assert inner_ranges(0, 4) == []
 
 
+def test_lookahead_starts_from_the_pending_step_and_leaves_the_run_weights() -> None:
+    model = _Params(("w", torch.zeros(4)))
+    settings = DilocoSettings(transmission=T.Bf16, outer_lr=0.5, outer_momentum=0.0, nesterov=False)
+    diloco = Diloco(model, settings)
+    layout = diloco.layouts()[0]
+    diloco.begin_round(0, lookahead_lr=0.5)  # nothing of ours is pending
+    assert model.w.tolist() == [0.0] * 4
+    with torch.no_grad():
+        model.w.sub_(torch.tensor([1.0, 2.0, 4.0, 8.0]))  # the inner steps
+    diloco.end_round(0)
+    assert model.w.tolist() == [0.0] * 4
+    # round 0's payload is pending: start from the step it would take alone (0.5 x delta)
+    diloco.begin_round(1, lookahead_lr=0.5)
+    assert model.w.tolist() == [-0.5, -1.0, -2.0, -4.0]
+    with torch.no_grad():
+        model.w.sub_(1.0)
+    (sent,) = diloco.end_round(1)
+    assert codec.decode(sent, layout, "cpu").tolist() == [1.0] * 4  # from the shifted start
+    assert model.w.tolist() == [0.0] * 4
+    # round 2 sent nothing of ours (an epoch's end, a cancelled round): no lookahead
+    diloco.begin_round(3, lookahead_lr=0.5)
+    assert model.w.tolist() == [0.0] * 4
+
+
 # --------------------------------------------------------------------------------------------
 # The sent forms
 
@@ -403,6 +427,8 @@ def test_simulation_matches_client_style_trainers_bit_for_bit(
             for t in trainers:
                 t.optimize(r, distro_results=[t.results_from_payload(p) for p in due])
     assert sim.outer_steps == rounds - 1
+    for replica in sim.replicas:  # between rounds a replica holds its lookahead start
+        replica.diloco.abort_round()
     for t in trainers:
         mine = dict(t.model.variables())
         for name, q in sim.models[0].named_parameters():

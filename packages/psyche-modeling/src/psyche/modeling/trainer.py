@@ -394,7 +394,8 @@ class Trainer:
         start = time.perf_counter()
         nonce = self.nonce
         lr = self.get_lr(step, warmup_lr_between)
-        diloco.begin_round()
+        # round `step - 1`'s own payload is still to be applied: start from the lookahead
+        diloco.begin_round(step, lookahead_lr=diloco.outer_lr(lr))
         losses = []
         for a, b in inner_ranges(len(batch), diloco.settings.inner_steps):
             part = Batch(
@@ -413,7 +414,7 @@ class Trainer:
             inner.step(lr)
             inner.zero_grad()
             losses.append(out.loss)
-        results = diloco.end_round()
+        results = diloco.end_round(step)
         self.nonce = nonce + 1
         loss = sum(losses) / len(losses)
         return TrainOutput(loss, results, False, nonce, time.perf_counter() - start)

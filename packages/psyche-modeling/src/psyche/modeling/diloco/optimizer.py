@@ -245,6 +245,10 @@ class Diloco:
         self.outer = OuterSGD(self.params, settings.outer_momentum, settings.nesterov)
         self.residuals: list[torch.Tensor] | None = None
         self._snapshot: list[torch.Tensor] | None = None
+        self._lookahead: list[torch.Tensor] | None = None
+        # this replica's last sent pseudo-gradient (decoded) and its round: the lookahead's input
+        self._own_update: list[torch.Tensor] | None = None
+        self._own_round: int | None = None
         self.outer_steps = 0
 
     @classmethod
@@ -263,9 +267,42 @@ class Diloco:
     # ---- the round on this client ------------------------------------------------------
 
     @torch.no_grad()
-    def begin_round(self) -> None:
-        """Keep the run's weights; the inner steps may now change the model."""
+    def begin_round(self, round_index: int | None = None, lookahead_lr: float = 0.0) -> None:
+        """Keep the run's weights; the inner steps may now change the model.
+
+        With `lookahead_lr` > 0, when this replica's payload of round `round_index - 1` is
+        still to be applied (Psyche's one-round overlap), the inner steps start from the run's
+        weights minus an estimate of that pending outer step: the step `OuterSGD` would take
+        with this replica's own sent pseudo-gradient as the mean, the (run-wide) momentum
+        included, at `lookahead_lr` (as DisTrO's lookahead stands in for a node's own pending
+        contribution). The estimate moves only this replica's starting point: it is not part
+        of its pseudo-gradient (measured from the shifted start) and never touches the run's
+        weights, which `end_round` puts back.
+        """
         self._snapshot = [p.detach().clone() for p in self.params]
+        self._lookahead = None
+        own = self._own_update
+        if (
+            lookahead_lr <= 0.0
+            or own is None
+            or round_index is None
+            or self._own_round is None
+            or self._own_round != round_index - 1
+        ):
+            return
+        lookahead = []
+        momentum = self.outer.momentum
+        buffers = self.outer.buffers
+        for i, (p, g) in enumerate(zip(self.params, own)):
+            if momentum == 0.0:
+                direction = g
+            else:
+                buf = g if buffers is None else buffers[i] * momentum + g
+                direction = g + buf * momentum if self.outer.nesterov else buf
+            shift = direction * to_f32(lookahead_lr)
+            p.copy_(p.detach().to(torch.float32) - shift)
+            lookahead.append(shift)
+        self._lookahead = lookahead
 
     @torch.no_grad()
     def abort_round(self) -> None:
@@ -274,25 +311,33 @@ class Diloco:
             for p, saved in zip(self.params, self._snapshot):
                 p.copy_(saved)
         self._snapshot = None
+        self._lookahead = None
 
     @torch.no_grad()
-    def end_round(self) -> list[DistroResult]:
+    def end_round(self, round_index: int | None = None) -> list[DistroResult]:
         """The round's pseudo-gradient in its sent form (one entry per parameter); the weights
         are the run's again afterwards."""
         if self._snapshot is None:
             raise RuntimeError("end_round without begin_round")
         if self.residuals is None:
             self.residuals = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
-        out = []
-        for p, saved, residual, layout in zip(
-            self.params, self._snapshot, self.residuals, self._layouts
+        out, own = [], []
+        for i, (p, saved, residual, layout) in enumerate(
+            zip(self.params, self._snapshot, self.residuals, self._layouts)
         ):
-            residual.add_(saved.to(torch.float32) - p.detach().to(torch.float32))
+            delta = saved.to(torch.float32) - p.detach().to(torch.float32)
+            if self._lookahead is not None:
+                delta = delta - self._lookahead[i]  # measured from the shifted start
+            residual.add_(delta)
             sent = encode(residual, layout)
-            residual.sub_(decode(sent, layout, residual.device))
+            decoded = decode(sent, layout, residual.device)
+            residual.sub_(decoded)
             out.append(sent)
+            own.append(decoded)
             p.copy_(saved)
         self._snapshot = None
+        self._lookahead = None
+        self._own_update, self._own_round = own, round_index
         return out
 
     # ---- the outer step, on every client -----------------------------------------------

@@ -5,7 +5,9 @@ round: each replica turns its pseudo-gradient into a payload (through the postca
 commitment hash and the receiver's checks with `through_wire`), and the outer step is taken on
 every replica with the payloads that are due. With `overlap` (the default, Psyche's timing) a
 round's payloads are applied after the next round has trained, as a Psyche client applies round
-N - 2 at the start of round N; without it, at once (the DiLoCo paper's timing).
+N - 2 at the start of round N; without it, at once (the DiLoCo paper's timing). With `overlap`
+each replica starts its inner steps from the run's weights shifted by its estimate of the outer
+step still pending (`lookahead`, as the client's trainer does; see `Diloco.begin_round`).
 
     sim = DilocoPeerSimulation([model_a, model_b, model_c], DilocoSettings(inner_steps=8), lr=1e-3)
     for step in range(1, n + 1):
@@ -15,7 +17,9 @@ N - 2 at the start of round N; without it, at once (the DiLoCo paper's timing).
         sim.step(step)           # an inner step on every replica; an outer one every 8th call
     sim.flush(n)                 # apply what is still in flight
 
-`DilocoLoop` is the same with one model.
+Between rounds a replica holds its inner steps' starting point (the run's weights shifted by
+the lookahead); `flush` leaves every replica with the run's weights. `DilocoLoop` is the same
+with one model.
 """
 
 from __future__ import annotations
@@ -88,6 +92,7 @@ class DilocoPeerSimulation:
         lr: float | Schedule | Callable[[int], float],
         through_wire: bool = False,
         overlap: bool = True,
+        lookahead: bool = True,
     ) -> None:
         if not models:
             raise ValueError("at least one replica is needed")
@@ -95,13 +100,15 @@ class DilocoPeerSimulation:
         self.lr = _lr_fn(lr)
         self.through_wire = through_wire
         self.overlap = overlap
+        self.lookahead = lookahead and overlap
         self.replicas = [_Replica(m, self.settings, _base_lr(lr)) for m in models]
         self.last_payload_bytes: list[int] = []
         self.outer_steps = 0
         self._inner = 0
+        self._round = 0
         self._in_flight: list[list[list[DistroResult]]] = []
         for r in self.replicas:
-            r.diloco.begin_round()
+            r.diloco.begin_round(self._round)
 
     @property
     def models(self) -> list[nn.Module]:
@@ -124,12 +131,17 @@ class DilocoPeerSimulation:
         if self._inner < self.settings.inner_steps:
             return False
         self._inner = 0
-        payloads = [self._send(r.diloco.end_round(), step, i) for i, r in enumerate(self.replicas)]
+        payloads = [
+            self._send(r.diloco.end_round(self._round), step, i)
+            for i, r in enumerate(self.replicas)
+        ]
         self._in_flight.append(payloads)
         if not self.overlap or len(self._in_flight) > 1:
             self._apply(self._in_flight.pop(0), lr)
+        self._round += 1
         for r in self.replicas:
-            r.diloco.begin_round()
+            ahead = r.diloco.outer_lr(lr) if self.lookahead else 0.0
+            r.diloco.begin_round(self._round, lookahead_lr=ahead)
         return True
 
     @torch.no_grad()
@@ -140,8 +152,9 @@ class DilocoPeerSimulation:
             r.diloco.abort_round()
         while self._in_flight:
             self._apply(self._in_flight.pop(0), lr)
+        self._round += 2  # nothing is pending any more: no lookahead next round
         for r in self.replicas:
-            r.diloco.begin_round()
+            r.diloco.begin_round(self._round)
 
     def _apply(self, payloads: list[list[DistroResult]], lr: float) -> None:
         for r in self.replicas:
