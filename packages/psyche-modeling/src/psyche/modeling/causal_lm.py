@@ -146,7 +146,10 @@ class CausalLM:
         device = resolve_device(options.device)
         dtype = resolve_dtype(options.dtype, device)
         torch.manual_seed(options.seed)
-        model, info = AutoModelForCausalLM.from_pretrained(
+        # transformers types the result as the model alone; output_loading_info adds the info.
+        model: nn.Module
+        info: dict[str, list[str]]
+        model, info = AutoModelForCausalLM.from_pretrained(  # type: ignore[misc]
             directory,
             config=config,
             dtype=dtype,

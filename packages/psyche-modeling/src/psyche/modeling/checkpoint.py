@@ -6,6 +6,7 @@ interrupted save never leaves a truncated file under a real name.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import secrets
@@ -116,7 +117,7 @@ def save_checkpoint(
         dest = out_dir / src.name
         if src.resolve() == dest.resolve():
             continue
-        _atomic_write(dest, lambda tmp, src=src: shutil.copyfile(src, tmp))
+        _atomic_write(dest, functools.partial(shutil.copyfile, src))
         paths.append(dest)
     if not any(p.name == "config.json" for p in extras):
         config = model.config.to_dict()

@@ -113,7 +113,7 @@ class LeaderTrainer(Trainer):
 
     def start_epoch(self) -> None:
         with self._command("start_epoch"):
-            super().start_epoch()  # type: ignore[misc]
+            super().start_epoch()
 
     def extract(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         with self._command("extract", dtype=dtype):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, overload
 
 import torch
 from torch import nn
@@ -27,6 +28,9 @@ from torch import nn
 from psyche.modeling.compression import clamp_topk, compress, decompress, index_width
 from psyche.modeling.dct import TransformDCT, decode_reads_transposed, get_smaller_split
 from psyche.modeling.sharding import full_tensor, shard_like
+
+if TYPE_CHECKING:
+    from psyche.core import definitions
 
 
 @dataclass
@@ -93,9 +97,15 @@ def result_layouts(
     return out
 
 
+@overload
+def sorted_variables(source: nn.Module) -> list[tuple[str, nn.Parameter]]: ...
+@overload
+def sorted_variables(
+    source: Iterable[tuple[str, torch.Tensor]],
+) -> list[tuple[str, torch.Tensor]]: ...
 def sorted_variables(
     source: nn.Module | Iterable[tuple[str, torch.Tensor]],
-) -> list[tuple[str, torch.Tensor]]:
+) -> list[tuple[str, Any]]:
     """Named parameters in upstream's variable order: ascending byte-wise by name.
 
     Wrapper prefixes from activation checkpointing and `torch.compile` are stripped so that the
@@ -176,16 +186,18 @@ class Distro:
 
     @classmethod
     def from_definition(
-        cls, variables: nn.Module | Iterable[tuple[str, torch.Tensor]], definition: object
+        cls,
+        variables: nn.Module | Iterable[tuple[str, torch.Tensor]],
+        definition: definitions.Distro,
     ) -> Distro:
         """Build from `psyche.core.definitions.Distro` (its f32 fields are already f32 values)."""
         d = definition
         return cls(
             variables,
-            compression_decay=float(d.compression_decay),  # type: ignore[attr-defined]
-            compression_chunk=int(d.compression_chunk),  # type: ignore[attr-defined]
-            compression_topk=int(d.compression_topk),  # type: ignore[attr-defined]
-            weight_decay=float(d.weight_decay or 0.0),  # type: ignore[attr-defined]
+            compression_decay=float(d.compression_decay),
+            compression_chunk=int(d.compression_chunk),
+            compression_topk=int(d.compression_topk),
+            weight_decay=float(d.weight_decay or 0.0),
         )
 
     # ----------------------------------------------------------------------------------------

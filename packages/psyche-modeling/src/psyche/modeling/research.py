@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -29,6 +30,9 @@ from psyche.modeling.serialized_distro import (
     distro_results_from_transmittable,
     transmittable_distro_result,
 )
+
+if TYPE_CHECKING:
+    from psyche.core import definitions
 
 
 @dataclass(frozen=True)
@@ -54,15 +58,15 @@ class DistroSettings:
                 object.__setattr__(self, name, to_f32(value))
 
     @classmethod
-    def from_definition(cls, definition: object) -> DistroSettings:
+    def from_definition(cls, definition: definitions.Distro) -> DistroSettings:
         d = definition
         return cls(
-            compression_chunk=int(d.compression_chunk),  # type: ignore[attr-defined]
-            compression_topk=int(d.compression_topk),  # type: ignore[attr-defined]
-            compression_decay=float(d.compression_decay),  # type: ignore[attr-defined]
-            weight_decay=float(d.weight_decay or 0.0),  # type: ignore[attr-defined]
-            quantize_1bit=bool(d.quantize_1bit),  # type: ignore[attr-defined]
-            clip_grad_norm=d.clip_grad_norm,  # type: ignore[attr-defined]
+            compression_chunk=int(d.compression_chunk),
+            compression_topk=int(d.compression_topk),
+            compression_decay=float(d.compression_decay),
+            weight_decay=float(d.weight_decay or 0.0),
+            quantize_1bit=bool(d.quantize_1bit),
+            clip_grad_norm=d.clip_grad_norm,
         )
 
     def build(self, model: nn.Module | Sequence[tuple[str, torch.Tensor]]) -> Distro:
@@ -81,7 +85,7 @@ def _lr_fn(lr: float | Schedule | Callable[[int], float]) -> Callable[[int], flo
         return lambda _step: value
     get = getattr(lr, "get_lr", None)
     if get is not None:
-        return get  # type: ignore[no-any-return]
+        return get
     return lr  # type: ignore[return-value]
 
 

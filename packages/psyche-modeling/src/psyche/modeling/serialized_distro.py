@@ -144,7 +144,7 @@ class SerializableTensor:
 
     def raw_tensor_data(self) -> bytes:
         """The bytes the commitment hash covers (packed bits for bool tensors)."""
-        return self.data.value  # type: ignore[attr-defined, no-any-return]
+        return self.data.value
 
     @property
     def numel(self) -> int:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 
@@ -35,13 +35,14 @@ from psyche.modeling.parallel import TP_MODEL_TYPES, ParallelDims, ParallelismEr
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
 
     from psyche.modeling.causal_lm import CausalLM
 
 _CONTROL_GROUP: Any = None
 
 
-def is_sharded(tensor: torch.Tensor) -> bool:
+def is_sharded(tensor: torch.Tensor) -> TypeGuard[DTensor]:
     from torch.distributed.tensor import DTensor
 
     return isinstance(tensor, DTensor)
@@ -51,7 +52,7 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a DTensor (a view: writing to it writes the parameter); the tensor
     itself otherwise."""
     if is_sharded(tensor):
-        return tensor._local_tensor  # type: ignore[attr-defined, no-any-return]
+        return tensor._local_tensor
     return tensor
 
 
@@ -59,7 +60,7 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The whole tensor on every rank (an all-gather for a sharded DTensor; the tensor itself
     otherwise). A collective: every rank of the tensor's mesh must call it, in the same order."""
     if is_sharded(tensor):
-        return tensor.full_tensor()  # type: ignore[attr-defined, no-any-return]
+        return tensor.full_tensor()
     return tensor
 
 
@@ -73,8 +74,8 @@ def shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
     return distribute_tensor(
         full,
-        like.device_mesh,  # type: ignore[attr-defined]
-        like.placements,  # type: ignore[attr-defined]
+        like.device_mesh,
+        like.placements,
         src_data_rank=None,
     )
 

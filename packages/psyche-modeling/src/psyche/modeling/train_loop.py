@@ -21,6 +21,8 @@ from psyche.modeling.trainer import Batch, Trainer
 if TYPE_CHECKING:
     import torch
 
+    from psyche.modeling.distro import DistroResult
+
 
 @dataclass(frozen=True)
 class StepReport:
@@ -59,7 +61,7 @@ def train_steps(
     applies every replica's results of the step before (1-bit with `quantize`), else its own
     optimizer step. Every replica must start from the same weights; `total_batch` must be a
     multiple of their number."""
-    prev: list[list] | None = [] if distro else None  # type: ignore[type-arg]
+    prev: list[list[DistroResult]] | None = [] if distro else None
     for step in range(start_step, total_steps + 1):
         started = time.perf_counter()
         batch_id = BatchId((step - 1) * total_batch, step * total_batch - 1)
@@ -81,7 +83,11 @@ def train_steps(
                 sent = [trainer.quantize_results(r) if quantize else r for r in prev]
                 trainer.optimize(step, distro_results=sent)
         if prev is not None:
-            prev = [out.distro_results for out in outputs]
+            prev = []
+            for out in outputs:
+                # A DisTrO trainer's step returns its results unless cancelled (nothing cancels).
+                assert out.distro_results is not None, "distro=True needs DisTrO trainers"
+                prev.append(out.distro_results)
         loss = sum(out.loss for out in outputs) / len(outputs)
         yield StepReport(step, batch_id, loss, time.perf_counter() - started)
 

@@ -129,7 +129,7 @@ class ModelDownload:
                 workers = max(1, len(self.peer_manager.available_peers))
                 share = max(1, min(MAX_BATCH_NAMES, -(-len(queue) // workers)))
                 per_provider = max(1, -(-self.scheduler.max_concurrent // workers))
-                batches = []
+                batches: list[list[str]] = []
                 while queue and len(batches) < workers:
                     batches.append([queue.popleft() for _ in range(min(share, len(queue)))])
                 async with trio.open_nursery() as requests:

@@ -175,7 +175,7 @@ class ReportedDCUtR(DCUtRProtocol):
 
     async def _perform_hole_punch(
         self, peer_id: ID, addrs: list[Any], as_responder: bool = False
-    ) -> bool:  # type: ignore[override]
+    ) -> bool:
         try:
             success = await super()._perform_hole_punch(peer_id, addrs, as_responder)
         except Exception:

@@ -373,7 +373,7 @@ def setup_logging(tui: bool) -> Any:
         from rich.logging import RichHandler
 
         console = Console()
-        handler: logging.Handler = RichHandler(console=console, show_path=False)
+        handler = RichHandler(console=console, show_path=False)
         handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
     else:
         handler = logging.StreamHandler(sys.stderr)

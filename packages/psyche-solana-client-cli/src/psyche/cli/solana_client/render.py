@@ -42,7 +42,7 @@ def render_run(snapshot: RunSnapshot) -> str:
     run, account = snapshot.run, snapshot.account
     state = account.state
     c: Coordinator = state.coordinator
-    llm = c.model.value  # type: ignore[attr-defined]
+    llm = c.model.value
     config = c.config
     lines = [
         f"Run {run.run_id!r}",
@@ -95,11 +95,11 @@ def render_run(snapshot: RunSnapshot) -> str:
         f"{rates.slashing_rate_per_client}, next epoch {future.earning_rate_total_shared} / "
         f"{future.slashing_rate_per_client}"
     )
-    for client in clients_state.clients:
-        joined = "joined" if client.active == clients_state.next_active else "not joined"
+    for known in clients_state.clients:
+        joined = "joined" if known.active == clients_state.next_active else "not joined"
         lines.append(
-            f"    {_key(client.id.signer)} {joined} (active {client.active}), earned "
-            f"{client.earned}, slashed {client.slashed}"
+            f"    {_key(known.id.signer)} {joined} (active {known.active}), earned "
+            f"{known.earned}, slashed {known.slashed}"
         )
     if snapshot.treasury is not None:
         treasury = snapshot.treasury

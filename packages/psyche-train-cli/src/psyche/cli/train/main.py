@@ -42,6 +42,7 @@ from psyche.core.definitions import (
 if TYPE_CHECKING:
     from psyche.core.batch_id import BatchId
     from psyche.core.data_shuffle import Shuffle
+    from psyche.modeling.causal_lm import CausalLM
     from psyche.modeling.trainer import Batch
 
 PROG = "psyche-train"
@@ -178,7 +179,7 @@ def _optimizer(args: argparse.Namespace) -> OptimizerDefinition:
     )
 
 
-def _load_model(args: argparse.Namespace, seed: int):  # type: ignore[no-untyped-def]
+def _load_model(args: argparse.Namespace, seed: int) -> CausalLM:
     from psyche.modeling.causal_lm import CausalLM, ModelOptions, load_config_json
     from psyche.modeling.configs import PRESETS, llama_config_dict
 
@@ -223,6 +224,7 @@ def _open_dataset(args: argparse.Namespace) -> Any:
     )
 
     shuffle = seed_shuffle(args.seed)
+    dataset: LocalDataProvider | PreprocessedDataProvider
     try:
         dataset = LocalDataProvider.new_from_directory(
             args.data_path,
