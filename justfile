@@ -11,7 +11,7 @@ setup *ARGS:
 test *ARGS:
     ./scripts/test.sh {{ARGS}}
 
-# ruff lint and format check (`just lint --fix` rewrites)
+# ruff lint and format check (`just lint --fix` rewrites), the layer rule and mypy
 lint *ARGS:
     ./scripts/lint.sh {{ARGS}}
 

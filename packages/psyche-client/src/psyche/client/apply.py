@@ -103,7 +103,7 @@ def plan_apply(previous: RoundState, coordinator: Coordinator) -> ApplyPlan:
 def skip_for_cold_start(coordinator: Coordinator, trainer_nonce: int) -> bool:
     """A trainer still warming up its optimizer after joining a running model is not applied
     (only with a P2P checkpoint: in a fresh run everyone starts together)."""
-    llm = coordinator.model.value  # type: ignore[attr-defined]
+    llm = coordinator.model.value
     is_p2p = isinstance(llm.checkpoint, Checkpoint.P2P | Checkpoint.P2PGcs)
     return is_p2p and trainer_nonce < llm.cold_start_warmup_steps
 

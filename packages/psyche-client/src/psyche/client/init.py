@@ -79,7 +79,7 @@ async def init_run(
 ) -> InitializedRun:
     from psyche.modeling.causal_lm import ModelLoadError, architecture_name
 
-    llm = state.model.value  # type: ignore[attr-defined]
+    llm = state.model.value
     await trio.to_thread.run_sync(preload_modeling)
     try:
         architecture = architecture_name(llm.architecture)

@@ -77,7 +77,8 @@ class InProcessServer:
 
     # ---- the loop ------------------------------------------------------------------------------
 
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    # trio-stubs (trio-typing's, a libp2p dependency) predate trio.TaskStatus.
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:  # type: ignore[name-defined]
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self.core.ignored.run)
