@@ -3,9 +3,11 @@ residual, and the outer optimizer (SGD with Nesterov momentum) every client runs
 
 A round (one outer step) on a client:
 
-* `begin_round` keeps a copy of the weights `W` (the run's weights: identical on every client);
+* `begin_round` keeps a copy of the weights `W` (the run's weights: identical on every client)
+  and, while this client's previous payload is still to be applied, shifts its own starting
+  point by the outer step that payload would take alone (the lookahead);
 * the trainer takes `inner_steps` inner AdamW steps on its batch (`inner_ranges` splits it);
-* `end_round` forms the pseudo-gradient `W - W_local` (float32), adds the residual of what
+* `end_round` forms the pseudo-gradient `start - W_local` (float32), adds the residual of what
   earlier rounds did not get across, encodes it (`codec.encode`), keeps the new residual
   (`sum - decode(sent)`), and puts `W` back: the client's weights stay the run's;
 * `apply` (two rounds later, as DisTrO's apply) averages the accepted payloads and takes the
