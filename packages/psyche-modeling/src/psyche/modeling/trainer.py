@@ -391,6 +391,8 @@ class Trainer:
         afterwards. One nonce per round."""
         diloco, inner = self.diloco, self.adamw
         assert diloco is not None and inner is not None
+        if len(batch) == 0:
+            raise TrainerError("empty batch")
         start = time.perf_counter()
         nonce = self.nonce
         lr = self.get_lr(step, warmup_lr_between)
