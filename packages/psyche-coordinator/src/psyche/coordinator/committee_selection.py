@@ -193,14 +193,18 @@ class CommitteeSelection:
         return shuffled_index(index, self.total_nodes, salted_seed)
 
     def committee_position(self, index: int) -> int:
-        if self._committee_seed is None:
-            object.__setattr__(self, "_committee_seed", sha256v((self.seed, _COMMITTEE_SALT_BYTES)))
-        return self._position(index, self._committee_seed)  # type: ignore[arg-type]
+        seed = self._committee_seed
+        if seed is None:
+            seed = sha256v((self.seed, _COMMITTEE_SALT_BYTES))
+            object.__setattr__(self, "_committee_seed", seed)
+        return self._position(index, seed)
 
     def witness_position(self, index: int) -> int:
-        if self._witness_seed is None:
-            object.__setattr__(self, "_witness_seed", sha256v((self.seed, _WITNESS_SALT_BYTES)))
-        return self._position(index, self._witness_seed)  # type: ignore[arg-type]
+        seed = self._witness_seed
+        if seed is None:
+            seed = sha256v((self.seed, _WITNESS_SALT_BYTES))
+            object.__setattr__(self, "_witness_seed", seed)
+        return self._position(index, seed)
 
     def get_witness(self, index: int) -> WitnessProof:
         position = self.witness_position(index)

@@ -337,12 +337,12 @@ def single_cause(error: BaseException) -> BaseException:
     """The exception that matters inside nested exception groups: the only member, or the first
     that is not an interrupt."""
     while isinstance(error, BaseExceptionGroup):
-        members = error.exceptions
+        members: Sequence[BaseException] = error.exceptions
         if len(members) != 1:
             others = [e for e in members if not _is_interrupt(e)]
             if not others:
                 return KeyboardInterrupt()
-            members = others  # type: ignore[assignment]
+            members = others
         error = members[0]
     return error
 
