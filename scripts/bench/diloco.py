@@ -5,6 +5,8 @@ Every figure is a ratio against a baseline measured in the same run:
 1. bytes    - one DiLoCo payload (a round: `inner_steps` steps) in each sent form, against a
               dense fp32 gradient and a 1-bit DisTrO payload (one step), for the given model
               sizes; real postcard payloads of a random pseudo-gradient, not formulas.
+3. apply    - DiLoCo's outer step on N payloads (decode, mean, momentum, update: the device-exact
+              route) against DisTrO's apply of N results, per round and per step.
 2. converge - N peers on the same tokens (the synthetic bigram corpus of scripts/bench/distro.py,
               split evenly among the peers): AdamW (one model on the whole batch, which is what
               data-parallel AdamW computes), DisTrO (PeerSimulation) and DiLoCo in each form
@@ -133,6 +135,63 @@ def bench_bytes(sizes: list[str], inner_steps: int) -> None:
                 f"  {form:<18} {payload:>11} {fp32 / payload:>8.1f}x {distro / payload:>9.2f}x "
                 f"{fp32 * inner_steps / payload:>16.0f}x {distro * inner_steps / payload:>18.2f}x"
             )
+
+
+# -- 3. apply time ------------------------------------------------------------------------------
+
+
+def _median_time(fn, reps: int) -> float:  # type: ignore[no-untyped-def]
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def bench_apply(size: str, device: str, peers: int, inner_steps: int, reps: int) -> None:
+    print(
+        f"\n## 3. Apply time: the outer step on {peers} payloads vs DisTrO's apply of {peers} "
+        f"results (model {size}, {device})"
+    )
+    dev = torch.device(device)
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    trainer = Trainer(D.build(size, device), D.constant(1e-3), D.distro_def(64, 8), 1)
+    data = D.bigram_corpus(1, 16, trainer.model.config.vocab_size).to(dev)
+    out = trainer.train(1, Batch(data), prev_self_distro_results=[])
+    results = [quantize_results(out.distro_results)] * peers
+    assert trainer.distro is not None
+    distro = trainer.distro
+
+    def distro_apply() -> None:
+        distro.apply(results, 1e-3)
+        sync()
+
+    base = _median_time(distro_apply, reps)
+    print(f"  DisTrO c64 k8 1-bit apply: {base * 1000:9.1f} ms per step")
+    print(f"  {'form':<18} {'ms per round':>12} {'vs DisTrO':>10} {'per step vs DisTrO':>19}")
+    for form in FORMS:
+        model = D.build(size, device)
+        sim = DilocoPeerSimulation([model.model], _settings(form, inner_steps), lr=1e-3)
+        diloco = sim.replicas[0].diloco
+        g = torch.Generator().manual_seed(1)
+        payloads = []
+        for _ in range(peers):
+            diloco.begin_round()
+            with torch.no_grad():
+                for p in diloco.params:
+                    p.add_(torch.randn(p.shape, generator=g).to(dev) * 1e-3)
+            payloads.append(diloco.end_round())
+
+        def diloco_apply(diloco=diloco, payloads=payloads) -> None:  # type: ignore[no-untyped-def]
+            diloco.apply(payloads, 0.7)
+            sync()
+
+        took = _median_time(diloco_apply, reps)
+        print(
+            f"  {form:<18} {took * 1000:12.1f} {took / base:9.2f}x "
+            f"{took / inner_steps / base:18.2f}x"
+        )
 
 
 # -- 2. convergence -----------------------------------------------------------------------------
@@ -288,7 +347,9 @@ def bench_convergence(
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--only", default="bytes,converge")
+    p.add_argument("--only", default="bytes,apply,converge")
+    p.add_argument("--apply-size", default="20m")
+    p.add_argument("--reps", type=int, default=3)
     p.add_argument("--threads", type=int, help="torch intra-op threads (CPU)")
     p.add_argument("--byte-sizes", default="tiny,20m")
     p.add_argument("--converge-size", default="tiny")
@@ -307,6 +368,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, device {args.device}, threads {torch.get_num_threads()}")
     if "bytes" in only:
         bench_bytes(args.byte_sizes.split(","), args.inner_steps)
+    if "apply" in only:
+        bench_apply(args.apply_size, args.device, args.peers, args.inner_steps, args.reps)
     if "converge" in only:
         bench_convergence(
             args.converge_size,
