@@ -120,7 +120,7 @@ def test_activation_checkpointing_recomputes_the_same_bits() -> None:
     model = parallelize(
         checkpointed.model, checkpointed.parallel, ShardingOptions(activation_checkpointing=True)
     )
-    assert model.model.is_gradient_checkpointing
+    assert model.model.is_activation_checkpointing
     checkpointed = Trainer(
         model, plain.lr_schedule, distro(), micro_batch_size=2, parallel=checkpointed.parallel
     )
