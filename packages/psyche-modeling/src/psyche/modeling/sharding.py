@@ -185,9 +185,13 @@ def parallelize(model: CausalLM, dims: ParallelDims, options: ShardingOptions) -
     if options.activation_checkpointing and getattr(
         module, "supports_gradient_checkpointing", False
     ):
-        module.gradient_checkpointing_enable(  # type: ignore[operator]
-            gradient_checkpointing_kwargs={"use_reentrant": False}
-        )
+        enable = getattr(module, "activation_checkpointing_enable", None)
+        if enable is not None:  # transformers >= 5.x's name
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            module.gradient_checkpointing_enable(  # type: ignore[operator]
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
     if dims.world_size > 1:
         dims.require_world()
         mesh = dims.mesh
