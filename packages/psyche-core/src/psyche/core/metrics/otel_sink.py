@@ -274,7 +274,9 @@ class OtelSink:
         if delta > 0:
             made.add(delta, attributes)
 
-    def _span(self, name: str, metrics: dict[str, MetricValue], step: int | None, timestamp: float):
+    def _span(
+        self, name: str, metrics: dict[str, MetricValue], step: int | None, timestamp: float
+    ) -> None:
         end = int(timestamp * 1e9)
         start = self._last_time_ns if self._last_time_ns is not None else end
         self._last_time_ns = end
