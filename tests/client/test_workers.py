@@ -138,12 +138,23 @@ def test_a_two_rank_client_trains_as_one_and_stops_with_a_dead_rank(
     wait_until(lambda: not pid_alive(worker), "the killed rank to be gone")
 
 
-def test_a_killed_client_takes_its_workers_with_it(
-    model_dir: Path, tmp_path: Path, leaders: list[Leader]
+def test_a_layout_the_model_cannot_take_and_a_killed_client(
+    tmp_path: Path, leaders: list[Leader]
 ) -> None:
+    """TP=2 of a model with one key/value head: one line from the leader, the worker waits;
+    then the client is SIGKILLed and its worker exits by itself."""
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    config = llama_config_dict("tiny", num_key_value_heads=1)
+    (model_dir / "config.json").write_text(json.dumps(config))
     leader = Leader("orphan", model_dir, tmp_path / "leader.log")
     leaders.append(leader)
     [worker] = map(int, leader.line("WORKERS"))
+    error = " ".join(leader.line("INIT_ERROR"))
+    assert error == (
+        "tensor parallelism 2 does not divide the model's num_key_value_heads (1): use "
+        "--tensor-parallelism 1"
+    )
     assert pid_alive(worker)
     os.kill(leader.proc.pid, signal.SIGKILL)
     leader.proc.wait()

@@ -7,8 +7,10 @@
   (`TRAINING`), so the test can SIGKILL the worker: prints `STOPPED <exceptions>` when the
   rank's death stops it (the watch's `WorkerDied`, or the collective that lost its peer), closes
   the group (`CLOSED`) and exits 3.
-* `orphan`: prints `WORKERS <pids>` then waits to be killed (the test kills this process and
-  checks the worker goes too).
+* `orphan`: a TP=2 group asked to build a model whose key/value heads (MODEL_DIR's config) do
+  not divide by 2: prints `INIT_ERROR <message>` (the worker fails the same check and waits),
+  then `WORKERS <pids>`, then waits to be killed (the test kills this process and checks the
+  worker goes too).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from types import SimpleNamespace
 import torch
 import trio
 
-from psyche.client.init import RunInitConfig
+from psyche.client.init import InitRunError, RunInitConfig
 from psyche.client.model_loading import load_from_directory
 from psyche.client.workers import RankLayout, WorkerGroup
 from psyche.core.batch_id import BatchId
@@ -44,12 +46,10 @@ def batch(step: int) -> Batch:
 def main() -> int:
     mode, model_dir = sys.argv[1], Path(sys.argv[2])
     torch.set_num_threads(1)
-    group = WorkerGroup(RankLayout(dp=2, device="cpu"))
+    group = WorkerGroup(
+        RankLayout(dp=1 if mode == "orphan" else 2, tp=2 if mode == "orphan" else 1, device="cpu")
+    )
     group.start()
-    say("WORKERS", *(p.pid for p in group.processes))
-    if mode == "orphan":
-        time.sleep(600)
-        return 1
     llm = SimpleNamespace(
         architecture="HfLlama",
         lr_schedule=LearningRateSchedule.Constant(ConstantLR(1e-3, 0.0, 0)),
@@ -57,6 +57,15 @@ def main() -> int:
     )
     config = RunInitConfig(identity=None, secret_key=None, micro_batch_size=2)  # type: ignore[arg-type]
     loaded = load_from_directory(model_dir, "HfLlama", torch.device("cpu"))
+    if mode == "orphan":
+        try:
+            group.build_trainer(loaded, llm, config)
+        except InitRunError as e:
+            say("INIT_ERROR", e)
+        say("WORKERS", *(p.pid for p in group.processes))
+        time.sleep(600)
+        return 1
+    say("WORKERS", *(p.pid for p in group.processes))
     trainer = group.build_trainer(loaded, llm, config)
     kwargs = dict(warmup_lr_between=None, zero_optim=False)
     reference = make_trainer()

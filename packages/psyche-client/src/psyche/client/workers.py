@@ -20,6 +20,7 @@ This module imports nothing heavy at import time (`parallel_problems` runs on `-
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -376,6 +377,7 @@ def _worker_main(
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     import torch
 
+    from psyche.client.init import InitRunError
     from psyche.modeling.distributed import EXIT, broadcast_state, serve
     from psyche.modeling.parallel import ParallelDims
     from psyche.modeling.sharding import build_mesh, close_world, init_world
@@ -394,7 +396,10 @@ def _worker_main(
             raise RuntimeError(f"unknown message {name!r} from the leader")
         state = broadcast_state(None)
         trainer = None
-        trainer = _build_rank(kwargs["spec"], state, None, dims, layout, Trainer)
+        # a layout the model cannot take fails the same check on the leader, before any
+        # collective, and the leader says why: this rank waits for what comes next
+        with contextlib.suppress(InitRunError):
+            trainer = _build_rank(kwargs["spec"], state, None, dims, layout, Trainer)
         del state
         name, kwargs = serve(trainer)
     close_world()
