@@ -20,6 +20,7 @@ command line parses with the client's own parser (tests/local_testnet).
 from __future__ import annotations
 
 import datetime
+import random
 import shlex
 import sys
 import tomllib
@@ -190,12 +191,12 @@ def split_args(text: str | None) -> tuple[str, ...]:
 
 
 def pick_victims(
-    candidates: Sequence[int], allowed: Sequence[int], count: int, rng: object
+    candidates: Sequence[int], allowed: Sequence[int], count: int, rng: random.Random
 ) -> list[int]:
     """Upstream's random kill choice: allowed clients (all when `allowed` is empty), shuffled,
     the first `count`."""
     pool = [c for c in candidates if not allowed or c in allowed]
-    rng.shuffle(pool)  # type: ignore[attr-defined]
+    rng.shuffle(pool)
     return pool[:count]
 
 
