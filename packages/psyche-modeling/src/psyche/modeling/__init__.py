@@ -23,7 +23,8 @@ The Psyche client uses the split API instead: `Trainer.train_exact` (lookahead, 
 `Distro.generate`, the lookahead undone exactly), `Trainer.prepare_result` (the payload and its
 commitment hash) and `Trainer.optimize` (`Distro.apply` on the witnessed results), with
 `serialized_distro` for the bytes on the wire. The trainer owns a `ParallelDims`: the model's
-layout over the client's devices (one device today).
+layout over the client's ranks (data, tensor and fully-sharded parallelism: `sharding` lays the
+model out, `distributed` runs the ranks as one).
 """
 
 from __future__ import annotations
