@@ -170,6 +170,7 @@ class CausalLM:
         if options.gradient_checkpointing and getattr(
             model, "supports_gradient_checkpointing", False
         ):
+            # nn.Module types attributes as Tensor | Module; a transformers model has the method.
             model.gradient_checkpointing_enable()  # type: ignore[operator]
         model.train()
         return cls(model, arch, source_dir=source_dir)

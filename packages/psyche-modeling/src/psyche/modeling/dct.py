@@ -124,6 +124,7 @@ def idct(x: torch.Tensor, ortho: bool = True) -> torch.Tensor:
 
 def _einsum(equation: str, operands: list[torch.Tensor]) -> torch.Tensor:
     # No path argument: libtorch contracts left to right, as upstream's tch call does.
+    # torch._VF (the bindings behind torch.einsum) has no type stubs.
     return torch._VF.einsum(equation, operands)  # type: ignore[attr-defined]
 
 

@@ -189,6 +189,7 @@ def parallelize(model: CausalLM, dims: ParallelDims, options: ShardingOptions) -
         if enable is not None:  # transformers >= 5.x's name
             enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
+            # nn.Module types attributes as Tensor | Module; a transformers model has the method.
             module.gradient_checkpointing_enable(  # type: ignore[operator]
                 gradient_checkpointing_kwargs={"use_reentrant": False}
             )

@@ -135,6 +135,7 @@ class Gossip:
             degree=config.degree,
             degree_low=config.degree_low,
             degree_high=config.degree_high,
+            # py-libp2p annotates whole seconds (int); it sleeps on the value, so a float works.
             heartbeat_interval=config.heartbeat_interval,  # type: ignore[arg-type]
             gossip_window=config.history_gossip,
             gossip_history=config.history_length,

@@ -105,6 +105,7 @@ def build_host(
     async def no_auto_connect() -> None:
         return None
 
+    # py-libp2p's INetwork does not declare the auto_connector its Swarm has.
     host.get_network().auto_connector.maybe_connect = no_auto_connect  # type: ignore[attr-defined]
     return host
 
@@ -255,6 +256,7 @@ class ConnectionNotifee(INotifee):
 
 def _remote_addr(conn: INetConn) -> str:
     try:
+        # py-libp2p's IMuxedConn does not declare get_remote_address (its muxers have it).
         remote = conn.muxed_conn.get_remote_address()  # type: ignore[attr-defined]
     except Exception:
         remote = None

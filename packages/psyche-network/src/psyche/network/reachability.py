@@ -211,6 +211,7 @@ class NatTraversal:
             RelayConfig(roles=RelayRole.STOP | RelayRole.CLIENT, limits=CLIENT_RELAY_LIMITS),
         )
         self.dcutr = ReportedDCUtR(host, self._on_hole_punch)
+        # py-libp2p's AutoNATService types its host as BasicHost; ours is an IHost.
         self.autonat = DialBackAutoNAT(host, serve=False, confirmations=1)  # type: ignore[arg-type]
         for addr in relays:
             self.add_relay(addr)

@@ -128,6 +128,7 @@ async def open_relay(
     drops = p2p_host.install_inbound_limits(host)
     p2p_host.install_stream_limits(host)
     protocol = CircuitV2Protocol(host, relay_limits(options), allow_hop=True)
+    # py-libp2p's AutoNATService types its host as BasicHost; ours is an IHost.
     DialBackAutoNAT(host, serve=True, confirmations=1)  # type: ignore[arg-type]
     # Members' gossip opens a stream to every connected peer, the relay included: accept and
     # drain it (the relay subscribes to nothing) instead of refusing it, which py-libp2p

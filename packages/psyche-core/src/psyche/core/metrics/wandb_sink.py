@@ -47,7 +47,7 @@ class WandbSink:
             group=info.group,
             config=self._run_config,
             dir=None if info.dir is None else str(info.dir),
-            mode=info.mode,  # type: ignore[arg-type]
+            mode=info.mode,  # type: ignore[arg-type]  # wandb's Literal; ours comes from WANDB_MODE
             reinit="create_new",
             settings=wandb.Settings(**settings),
         )
