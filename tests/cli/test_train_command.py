@@ -91,7 +91,7 @@ def test_an_uncached_hub_model_offline_ends_in_one_line(tmp_path: Path) -> None:
             ["psyche-train"],
             ["(default: configs/tiny-cpu/model)", "(default: data/tiny-cpu)", "(default: 128)"],
         ),
-        (["psyche-client", "train"], ["[default: 30.0]", "[default: 120.0]", "[default: tui]"]),
+        (["psyche-client", "train"], ["[default: 30.0]", "[default: 120.0]", "[default: console]"]),
         (["psyche-server", "run"], ["[default: true]"]),
         (["psyche-local-testnet", "start"], ["[default: 20000]", "[default: 120]"]),
         (["psyche-solana-client", "tick"], ["(default: 1000)", "(default: http://127.0.0.1:8899)"]),

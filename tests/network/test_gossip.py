@@ -22,7 +22,7 @@ from psyche.core.merkle_tree import MerkleRoot
 from psyche.core.signed_message import SignedMessage
 from psyche.network.connection import NetworkConnection
 from psyche.network.download import DownloadComplete
-from psyche.network.events import MessageReceived
+from psyche.network.events import MessageReceived, NetworkEvent, PeerConnected
 from psyche.network.gossip import GossipRejected, gossip_topic
 from psyche.network.identity import peer_id_from_public_key
 from psyche.network.testing import connect_pairs, full_mesh, open_nodes, ring, wait_until
@@ -47,13 +47,22 @@ def drain(node: NetworkConnection) -> list[MessageReceived]:
             event = node._events_receive.receive_nowait()
         except trio.WouldBlock:
             return out
+        if isinstance(event, PeerConnected):
+            continue
         assert isinstance(event, MessageReceived)
         out.append(event)
 
 
+async def next_gossip(node: NetworkConnection) -> NetworkEvent:
+    """The node's next event other than a peer connecting."""
+    while isinstance(event := await node.next_event(), PeerConnected):
+        pass
+    return event
+
+
 async def next_message(node: NetworkConnection, timeout: float = 10) -> Broadcast:
     with trio.fail_after(timeout):
-        event = await node.next_event()
+        event = await next_gossip(node)
     assert isinstance(event, MessageReceived), event
     return event.message
 
@@ -99,7 +108,7 @@ def test_gossip_reaches_six_nodes_and_rebroadcast_heals() -> None:
             sender.broadcast(first)
             for node in nodes[1:]:
                 with trio.fail_after(5):
-                    event = await node.next_event()
+                    event = await next_gossip(node)
                 assert isinstance(event, MessageReceived)
                 assert event.from_ == sender.endpoint_id and event.message == first
             # each node got the message exactly once: the next thing each node hears is a later one
@@ -116,7 +125,7 @@ def test_gossip_reaches_six_nodes_and_rebroadcast_heals() -> None:
             sender.broadcast(missed)
             for i in (1, 2, 4, 5):
                 with trio.fail_after(5):
-                    event = await nodes[i].next_event()
+                    event = await next_gossip(nodes[i])
                 assert isinstance(event, MessageReceived) and event.message == missed
             await wait_until(lambda: nodes[3].gossip.rejected >= 1)
             assert drain(nodes[3]) == []
@@ -137,11 +146,11 @@ def test_gossip_reaches_six_nodes_and_rebroadcast_heals() -> None:
             assert again is not None and again.nonce == 11
             sender.broadcast(again)
             with trio.fail_after(5):
-                event = await nodes[3].next_event()
+                event = await next_gossip(nodes[3])
             assert isinstance(event, MessageReceived) and event.message == again
             for i in (1, 2, 4, 5):
                 with trio.fail_after(5):
-                    event = await nodes[i].next_event()
+                    event = await next_gossip(nodes[i])
                 assert isinstance(event, MessageReceived) and event.message.nonce == 11
 
     trio.run(main)
@@ -183,7 +192,7 @@ def test_hostile_gossip_is_dropped_without_harm() -> None:
             b.broadcast(msg)
             for node in (a, c):
                 with trio.fail_after(10):
-                    event = await node.next_event()
+                    event = await next_gossip(node)
                 assert isinstance(event, MessageReceived)
                 assert event.from_ == kb.public_key and event.message == msg
             # the other run's node hears what was sent on its own topic, and nothing of this run's
@@ -289,3 +298,34 @@ def test_closing_the_network_leaves_no_threads_or_sockets() -> None:
     after_threads = {t for t in threading.enumerate() if not t.name.startswith("Trio thread")}
     assert after_threads == before_threads
     assert _open_sockets() == before_sockets
+
+
+def test_a_newly_connected_peer_is_announced_once() -> None:
+    """`PeerConnected` on both sides when two members first connect (the client re-sends its
+    stored broadcasts then), not again for a second connection to the same peer."""
+
+    async def main() -> None:
+        async with open_nodes(2, broadcast_type=Broadcast) as (a, b):
+            await connect_pairs([a, b], [(0, 1)])
+            for node, other in ((a, b), (b, a)):
+                with trio.fail_after(10):
+                    event = await node.next_event()
+                assert event == PeerConnected(other.endpoint_id)
+            await connect_pairs([a, b], [(1, 0)])  # the other direction: already connected
+            marker = finished(a.secret_key, step=1)
+            await wait_for_mesh([a, b], 1)
+            a.broadcast(marker)
+            with trio.fail_after(10):
+                assert await b.next_event() == MessageReceived(a.endpoint_id, marker)
+
+    trio.run(main)
+
+
+def test_rebroadcaster_all_to_send_bumps_every_nonce() -> None:
+    key = SecretKey.generate()
+    rebroadcaster = Rebroadcaster()
+    for step, nonce in ((1, 0), (2, 0xFFFFFFFF)):
+        rebroadcaster.add(finished(key, step, nonce))
+    again = rebroadcaster.all_to_send()
+    assert [(b.step, b.nonce) for b in again] == [(1, 1), (2, 0)]
+    assert rebroadcaster.broadcasts == again  # the round robin continues from the new nonces

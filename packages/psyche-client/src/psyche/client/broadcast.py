@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "REBROADCAST_SHAREABLE_SECS",
+    "RESEND_ON_CONNECT_SECS",
     "Broadcast",
     "BroadcastType",
     "Commitment",
@@ -45,6 +46,11 @@ __all__ = [
 
 REBROADCAST_SHAREABLE_SECS = 10.0
 """Upstream re-sends one stored broadcast every 10 s, round robin."""
+RESEND_ON_CONNECT_SECS = 1.0
+"""A port addition: this long after a run member newly connects (time for the gossip layer to
+learn its subscription), every stored broadcast is re-sent once. A peer that connected after
+a result was gossiped would otherwise see it only at the round robin's pace, possibly after
+the round that applies it, and leave the run's model (upstream logs `DESYNC` then)."""
 
 
 def verify_commitment(commitment: Commitment, signer: bytes) -> bool:
@@ -104,6 +110,12 @@ class Rebroadcaster:
         bumped = replace(current, nonce=(current.nonce + 1) & 0xFFFFFFFF)
         self.broadcasts[self.index] = bumped
         return bumped
+
+    def all_to_send(self) -> list[Broadcast]:
+        """Every stored broadcast once, each with a fresh nonce (for a newly connected peer)."""
+        for i, current in enumerate(self.broadcasts):
+            self.broadcasts[i] = replace(current, nonce=(current.nonce + 1) & 0xFFFFFFFF)
+        return list(self.broadcasts)
 
     def retain_from_step(self, min_step: int) -> None:
         """On entering RoundTrain upstream keeps the broadcasts of `step - 2` onwards."""

@@ -29,6 +29,7 @@ import trio
 
 from psyche.client.broadcast import (
     REBROADCAST_SHAREABLE_SECS,
+    RESEND_ON_CONNECT_SECS,
     Broadcast,
     BroadcastType,
     Rebroadcaster,
@@ -64,6 +65,7 @@ from psyche.network.events import (
     ModelConfigRequest,
     NetworkEvent,
     ParameterRequest,
+    PeerConnected,
 )
 from psyche.network.gossip import choose_gossip_peers
 from psyche.network.model_download import DownloadedModel, ModelDownload
@@ -200,6 +202,7 @@ class Client:
         self.machine: StepStateMachine | None = None
         self.sharable_model = SharableModel()
         self.rebroadcaster = Rebroadcaster()
+        self._resend_pending = False
         self.scheduler = DownloadScheduler(config.max_concurrent_parameter_requests)
         self._last_gossip_attempt = -math.inf
         self._known_records: set[bytes] = set()
@@ -485,6 +488,10 @@ class Client:
                 self._spawn(self._answer, ModelRequestType.Parameter(name), reply)
             case ModelConfigRequest(reply):
                 self._spawn(self._answer, ModelRequestType.Config(), reply)
+            case PeerConnected():
+                if not self._resend_pending:
+                    self._resend_pending = True  # one re-send covers peers connecting meanwhile
+                    self._spawn(self._resend_after_connect)
 
     def _on_download(self, outcome: DownloadOutcome) -> None:
         """A DisTrO result download this client started has finished (see `_start_download`)."""
@@ -573,6 +580,12 @@ class Client:
 
     def _sign(self, data_hash: bytes) -> Commitment:
         return Commitment(data_hash, self.config.secret_key.sign(data_hash))
+
+    async def _resend_after_connect(self) -> None:
+        await trio.sleep(RESEND_ON_CONNECT_SECS)
+        self._resend_pending = False
+        for broadcast in self.rebroadcaster.all_to_send():
+            self.network.broadcast(broadcast)
 
     def _gossip(self, broadcast: Broadcast) -> None:
         """Gossip our own broadcast and keep it for rebroadcasting."""

@@ -47,7 +47,7 @@ from psyche.network.connection_monitor import RTT_PROBE_INTERVAL_SECS, Connectio
 from psyche.network.discovery import AddressBook, LocalDiscovery, sign_address_record
 from psyche.network.download import DOWNLOAD_TIMEOUT_SECS, Download, Downloader
 from psyche.network.download_manager import INLINE_WORK_BYTES, DownloadManager
-from psyche.network.events import MessageReceived, NetworkEvent
+from psyche.network.events import MessageReceived, NetworkEvent, PeerConnected
 from psyche.network.gossip import Gossip, GossipConfig, gossip_topic
 from psyche.network.identity import fmt_short
 from psyche.network.interfaces import announce_host, interface_ipv4
@@ -541,8 +541,11 @@ class NetworkConnection:
     def _on_connected(self, peer: bytes, remote_addr: str) -> None:
         if peer in self.nat.relay_ids:
             return
+        was_connected = peer in self._paths
         self.connection_monitor.on_connected(peer, remote_addr)
         self._note_path(peer)
+        if not was_connected and peer in self._paths:
+            self._events_send.send_nowait(PeerConnected(peer))
         self._spawn(self._probe_rtt, peer)
         self._spawn(self._exchange_records, peer, [])
 

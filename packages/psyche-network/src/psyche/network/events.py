@@ -54,4 +54,13 @@ class ModelConfigRequest:
     reply: TicketReply
 
 
-NetworkEvent = MessageReceived | ParameterRequest | ModelConfigRequest
+@dataclass(frozen=True)
+class PeerConnected:
+    """A run member is newly connected (it had no connection to us before). Gossip reaches only
+    peers connected when a message is published, so the client re-sends what a newcomer may
+    have missed."""
+
+    peer: bytes
+
+
+NetworkEvent = MessageReceived | ParameterRequest | ModelConfigRequest | PeerConnected
