@@ -6,6 +6,7 @@ waits; the coordinator is told the revision, and a joiner loads the model from i
 
 from __future__ import annotations
 
+import logging
 import threading
 from pathlib import Path
 
@@ -70,8 +71,9 @@ def test_a_failing_hub_is_retried_and_never_left_partial(hub: HubEndpoint, tmp_p
 
 
 def test_uploads_run_behind_the_epochs_and_the_newest_wins(
-    hub: HubEndpoint, tmp_path: Path
+    hub: HubEndpoint, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO, logger="psyche.client.upload")
     hub.create_repo(REPO)
     hub.hold_commits = threading.Event()
     trainer = make_trainer()
@@ -91,6 +93,7 @@ def test_uploads_run_behind_the_epochs_and_the_newest_wins(
             )
             assert cooldown.checkpointer is not None and cooldown.checkpointer.uploader
             cooldown.checkpointer.uploader.retry = FAST_RETRY
+            cooldown.checkpointer.uploader.progress_interval = 0.2
             cooldown.start(tasks, RUN, 0, 9)
             await cooldown.finish()
             # the upload of step 9 is under way and held by the hub
@@ -103,6 +106,13 @@ def test_uploads_run_behind_the_epochs_and_the_newest_wins(
                     await trio.sleep(0.05)
             assert sent == []
             assert hub.commit_messages(REPO) == ["initial commit"]
+            with trio.fail_after(60):  # a person watching sees the held upload go on
+                while not any(
+                    r.getMessage().startswith(f"uploading the model of step 9 to hub repo {REPO}")
+                    and "s so far)" in r.getMessage()
+                    for r in caplog.records
+                ):
+                    await trio.sleep(0.05)
             hub.hold_commits.set()
             with trio.fail_after(120):
                 await cooldown.wait_for_checkpoints()

@@ -24,6 +24,7 @@ from pathlib import Path
 import trio
 
 from psyche.client.logs import log_event
+from psyche.client.telemetry import PROGRESS_INTERVAL, log_progress
 from psyche.coordinator.model import Checkpoint, GcsRepo, HubRepo
 
 logger = logging.getLogger(__name__)
@@ -101,6 +102,8 @@ class Uploader:
     # Steps whose upload is waiting or under way: their local directories must stay.
     in_progress: set[int] = field(default_factory=set)
     uploaded: list[int] = field(default_factory=list)
+    # While an upload runs, say so this often (size and time so far) for a person watching.
+    progress_interval: float = PROGRESS_INTERVAL
     _newest: int = -1
     _lock: trio.Lock = field(default_factory=trio.Lock)
 
@@ -123,7 +126,7 @@ class Uploader:
                 return False
             started = time.monotonic()
             try:
-                checkpoint = await trio.to_thread.run_sync(self.target.upload, job)
+                checkpoint = await self._upload_once(job, where, started)
             except Exception as e:
                 if attempt == self.retry.attempts:
                     logger.error(
@@ -163,6 +166,33 @@ class Uploader:
             self.send_checkpoint(checkpoint)
             return True
         return False
+
+    async def _upload_once(self, job: UploadJob, where: str, started: float) -> Checkpoint:
+        """One attempt in a worker thread, with a progress line every `progress_interval`."""
+        megabytes = sum(p.stat().st_size for p in job.path.iterdir() if p.is_file()) / 1e6
+        outcome: list[Checkpoint | Exception] = []
+
+        def describe() -> str:
+            return (
+                f"uploading the model of step {job.step} to {where} "
+                f"({megabytes:.0f} MB, {time.monotonic() - started:.0f} s so far)"
+            )
+
+        async with trio.open_nursery() as nursery:
+
+            async def attempt() -> None:
+                try:
+                    outcome.append(await trio.to_thread.run_sync(self.target.upload, job))
+                except Exception as e:  # returned below, outside the nursery's group
+                    outcome.append(e)
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(attempt)
+            nursery.start_soon(log_progress, logger, describe, self.progress_interval)
+        (result,) = outcome
+        if isinstance(result, Exception):
+            raise result
+        return result
 
 
 def _revision(checkpoint: Checkpoint) -> str | None:
