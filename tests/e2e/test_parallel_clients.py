@@ -48,7 +48,9 @@ def children(pid: int) -> list[int]:
 def test_one_rank_dp_and_tp_clients_train_one_identical_model(
     tiny_run: Callable[..., Path], processes: Any, free_port: Callable[[], int]
 ) -> None:
-    config = tiny_run(init_min_clients=3)
+    # a longer warmup than the other e2e tests': the multi-rank clients join last (their ranks
+    # start first), and their peers need their addresses before the first round's payloads
+    config = tiny_run(init_min_clients=3, warmup_time=20, epoch_time=30)
     port = free_port()
     server = processes.start(
         "server",
