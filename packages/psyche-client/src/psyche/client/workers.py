@@ -167,15 +167,19 @@ class WorkerGroup:
         self._dir = tempfile.mkdtemp(prefix="psyche-ranks-")
         init_method = "file://" + os.path.join(self._dir, "rendezvous")
         context = multiprocessing.get_context("spawn")
+        readers = []
         for rank in range(1, layout.world_size):
+            reader, writer = context.Pipe(duplex=False)
             process = context.Process(
                 target=_worker_main,
-                args=(rank, layout, str(devices[rank]), init_method, os.getpid()),
+                args=(rank, layout, str(devices[rank]), init_method, os.getpid(), writer),
                 name=f"psyche-rank-{rank}",
                 daemon=True,
             )
             process.start()
+            writer.close()
             self.processes.append(process)
+            readers.append(reader)
         log.info(
             "started %d worker rank(s) (data parallelism %d x tensor parallelism %d%s on %s); "
             "waiting for them to join",
@@ -185,9 +189,38 @@ class WorkerGroup:
             ", FSDP" if layout.fsdp else "",
             ", ".join(str(d) for d in devices),
         )
+        self._wait_ready(readers)
         init_world(0, layout.world_size, init_method, devices[0])
         dims = ParallelDims(devices[0], layout.dp, layout.tp, layout.fsdp, rank=0)
         self.dims = _with_mesh(dims, build_mesh)
+
+    def _wait_ready(self, readers: list[Any]) -> None:
+        """Wait until every worker has loaded torch and is about to join the group; a worker
+        that exits first is a `WorkerDied` (the group's rendezvous would wait for it)."""
+        from multiprocessing.connection import wait
+
+        pending: dict[Any, int] = dict(zip(readers, range(1, len(readers) + 1)))
+        while pending:
+            sentinels = {self.processes[rank - 1].sentinel: rank for rank in pending.values()}
+            for ready in wait([*pending, *sentinels]):
+                conn: Any = ready
+                if conn in pending:
+                    rank = pending.pop(conn)
+                    try:
+                        conn.recv()
+                        continue
+                    except EOFError:
+                        pass
+                else:
+                    rank = sentinels[conn]
+                    if rank not in pending.values():
+                        continue  # it said ready first: the rendezvous will tell
+                process = self.processes[rank - 1]
+                process.join(5.0)
+                raise WorkerDied(
+                    f"rank {rank} of this client's {self.layout.world_size} ranks exited while "
+                    f"starting (code {process.exitcode})"
+                )
 
     # -- the trainer ---------------------------------------------------------------------------
 
@@ -367,7 +400,12 @@ def _watch_parent(parent_pid: int) -> None:
 
 
 def _worker_main(
-    rank: int, layout: RankLayout, device_name: str, init_method: str, parent_pid: int
+    rank: int,
+    layout: RankLayout,
+    device_name: str,
+    init_method: str,
+    parent_pid: int,
+    ready: Any,
 ) -> None:
     """A worker rank: join the group, then build trainers and serve the leader until `exit`."""
     import signal
@@ -385,6 +423,8 @@ def _worker_main(
 
     device = torch.device(device_name)
     _cpu_threads(device, layout.world_size)
+    ready.send(rank)
+    ready.close()
     init_world(rank, layout.world_size, init_method, device)
     dims = _with_mesh(
         ParallelDims(device, layout.dp, layout.tp, layout.fsdp, rank=rank), build_mesh
