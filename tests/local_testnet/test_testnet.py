@@ -242,12 +242,14 @@ def test_headless_runs_server_and_clients_and_stops_them_all(tmp_path: Path) -> 
     text = "".join(lines)
     assert process.returncode == 0, text
     pids = [int(p) for p in re.findall(r"started \(pid (\d+)\)", text)]
-    assert len(pids) == 4  # server, two clients, one restart
+    # server, two clients, one process per restart (a kill every 2 s can land again before
+    # the test stops the testnet)
+    restarts = text.count("[testnet] random kill: restarting client-2")
+    assert restarts >= 1 and len(pids) == 3 + restarts == len(set(pids)), text
     assert not any(alive(pid) for pid in pids)
     keys = re.findall(r"\[client-2\] standin key=(\w+)", text)
-    assert len(keys) == 2 and keys[0] == keys[1]
     expected = SecretKey.from_hex(identity_secret_key_hex(2)).public_key.hex()
-    assert keys[0] == expected
+    assert len(keys) >= 2 and set(keys) == {expected}  # every start with client 2's key
     assert "[server] " in text and "serving run 'testnet-test'" in text
     (log_dir,) = (tmp_path / "logs").iterdir()
     assert sorted(p.name for p in log_dir.iterdir()) == [
