@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 import shutil
+import signal
 import subprocess
 import time
 from dataclasses import dataclass
@@ -26,12 +27,23 @@ SESSION = "psyche"
 SESSION_SIZE = ("240", "70")
 
 
+def _default_signals() -> None:
+    """In the child, before exec: Ctrl+C and termination act as on a fresh terminal."""
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT):
+        signal.signal(signum, signal.SIG_DFL)
+
+
 class Tmux:
     def __init__(self, socket_name: str | None = None) -> None:
         self.base = ["tmux"] + (["-L", socket_name] if socket_name else [])
 
     def run(self, *args: str) -> str:
-        result = subprocess.run([*self.base, *args], capture_output=True, text=True)
+        # The first command starts the tmux server, whose panes' shells inherit its signal
+        # dispositions: a testnet started with SIGINT ignored (a script's `&`, nohup) would give
+        # panes where Ctrl+C, and so the random kills, do nothing.
+        result = subprocess.run(
+            [*self.base, *args], capture_output=True, text=True, preexec_fn=_default_signals
+        )
         if result.returncode != 0:
             raise TestnetError(f"tmux {' '.join(args)} failed: {result.stderr.strip()}")
         return result.stdout
