@@ -76,45 +76,12 @@ def hub_process(repo: str, bytes_per_sec: float | None = None) -> Iterator[str]:
 
 @contextmanager
 def gcs_process(bucket: str) -> Iterator[None]:
-    import socket
+    from psyche.client.testing import gcs_emulator_process
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gcp_storage_emulator",
-            "start",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--in-memory",
-            "-q",
-            "--default-bucket",
-            bucket,
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), 0.5).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or process.poll() is not None:
-                    raise SystemExit("the GCS emulator did not start") from None
-                time.sleep(0.05)
-        os.environ["STORAGE_EMULATOR_HOST"] = f"http://127.0.0.1:{port}"
+    with gcs_emulator_process(bucket) as url:
+        os.environ["STORAGE_EMULATOR_HOST"] = url
         os.environ.pop("GOOGLE_APPLICATION_CREDENTIALS", None)
         yield
-    finally:
-        process.terminate()
-        process.wait(10)
 
 
 def use_hub(url: str, home: Path) -> None:
