@@ -44,6 +44,27 @@ def test_a_client_restarted_with_the_same_key_is_not_kicked_from_pending() -> No
     assert A not in core.pending_clients and C in core.pending_clients
 
 
+def test_a_dropped_client_that_joins_again_is_not_kicked_from_pending() -> None:
+    """hostile_members (a loaded machine): an honest client too slow for a round was dropped by
+    a health check and stayed connected; upstream's kick undid every later Join, so it sat out
+    the rest of the run (and a run that needed it waited for good). A Join sent after it left
+    the epoch is kept; one sent before (its old pending entry) is still kicked."""
+    core = ServerCore.start(quick_coordinator(), now=NOW)
+    for client in (A, B, C):
+        core.on_join(client, core.run_id)
+    core.on_tick(NOW + 2, 1)
+    assert core.coordinator.run_state is RunState.Warmup
+    core.coordinator.epoch_state.clients[0].state = ClientState.Dropped
+    core.on_join(A, core.run_id)  # still in the epoch: this is no new request
+    core.coordinator._move_clients_to_exited(0)
+    core.kick_unhealthy_clients()
+    assert A not in core.pending_clients
+    core.on_join(A, core.run_id)  # it left, and asks to come back
+    for _ in range(3):
+        core.kick_unhealthy_clients()
+    assert A in core.pending_clients
+
+
 def test_a_round_without_witnesses_does_not_lock_everyone_out() -> None:
     """sigkill: the one elected witness (witness_nodes = 1) was killed; the round had no
     witness, the coordinator withdrew every client (upstream), the server kicked them all from

@@ -110,7 +110,13 @@ def coordinator(model_dir: Path, data_dir: Path) -> Coordinator:
     )
 
 
-async def run_client(server: InProcessServer, number: int) -> None:
+async def run_client(
+    server: InProcessServer,
+    number: int,
+    kind: type[Client] = Client,
+    started: list[Client] | None = None,
+) -> None:
+    """Client `number` (a `kind`, appended to `started`) until cancelled or it ends."""
     key = SecretKey.from_bytes(number.to_bytes(32, "big"))
     identity = NodeIdentity.from_single_key(key.public_key)
     config = NetworkConfig(run_id=RUN_ID, secret_key=key, bind_host="127.0.0.1")
@@ -118,7 +124,10 @@ async def run_client(server: InProcessServer, number: int) -> None:
         open_network(config) as network,
         server.connect(identity, RUN_ID) as backend,
     ):
-        await Client(backend, network, RunInitConfig(identity, key, device="cpu")).run()
+        client = kind(backend, network, RunInitConfig(identity, key, device="cpu"))
+        if started is not None:
+            started.append(client)
+        await client.run()
 
 
 def fields(records: list[logging.LogRecord], name: str) -> list[dict]:  # type: ignore[type-arg]
@@ -273,3 +282,94 @@ def test_a_client_joining_a_finished_run_ends_at_once(
     assert record.psyche_text.endswith("this client joined after it ended: nothing to do")
     assert not fields(caplog.records, "loaded_model")  # nothing was loaded
     assert not (tmp_path / "checkpoints").exists()
+
+
+# ---- a client the run went on without --------------------------------------------------------
+
+
+class LateClient(Client):
+    """A client whose results stop reaching the others while `late` is set (as a machine too
+    slow for `max_round_train_time` would): the round's witness health-checks it out."""
+
+    late = False
+
+    async def _publish_result(self, result) -> None:  # type: ignore[no-untyped-def]
+        if not self.late:
+            await super()._publish_result(result)
+
+    async def _rejoin(self, state: Coordinator) -> None:
+        self.late = False  # the machine is fast again
+        await super()._rejoin(state)
+
+
+def test_a_dropped_client_joins_again_and_reloads_the_model(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A health check drops a client that stays connected: it says so, sends Join again, and at
+    the next epoch loads the run's model from its peers (its own fell behind while the others
+    trained on), trains, and ends that epoch with the others' weights. Before, it went back to
+    warmup without a Join: left out for good, and a run needing it waited forever."""
+    caplog.set_level(logging.INFO, logger="psyche")
+    preload_modeling()
+    model_dir, data_dir = write_run(tmp_path)
+    state = coordinator(model_dir, data_dir)
+    state.config.epoch_time = 10  # room for health checks (sent from an epoch's third round)
+    state.config.init_min_clients = 3
+    server = InProcessServer(state, ban_epochs=0)
+    late: list[Client] = []
+
+    def left() -> list[dict]:  # type: ignore[type-arg]
+        return fields(caplog.records, "left_run")
+
+    async def scenario() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server.run)
+            nursery.start_soon(run_client, server, 1)
+            nursery.start_soon(run_client, server, 2)
+            nursery.start_soon(run_client, server, 3, LateClient, late)
+            with trio.fail_after(150):
+                while not (
+                    server.coordinator.run_state is RunState.RoundTrain
+                    and server.coordinator.current_round().height >= 1
+                ):
+                    await trio.sleep(0.1)
+                assert isinstance(late[0], LateClient)
+                late[0].late = True
+                while not left():
+                    await trio.sleep(0.1)
+                back = left()[0]["epoch"] + 1
+                # the epoch it is back in has ended (its cooldown model is out)
+                while not (
+                    server.coordinator.progress.epoch > back
+                    and server.coordinator.run_state is RunState.RoundTrain
+                ):
+                    await trio.sleep(0.1)
+            nursery.cancel_scope.cancel()
+
+    trio.run(scenario)
+    records = caplog.records
+    me = str(late[0].identity)
+    (gone,) = left()
+    assert f"{me[:8]} did not deliver" not in caplog.text  # no ban with --ban-epochs 0
+    assert "Dropped 1 clients from health check" in caplog.text
+    back = gone["epoch"] + 1
+    # back in the next epoch with everyone, its model loaded from the peers
+    reload = [f for f in fields(records, "loaded_model") if f["epoch"] == back]
+    assert len(reload) == 1 and reload[0]["source"] == "peers (P2P)", reload
+    rounds = [f for f in fields(records, "round_start") if f["epoch"] == back]
+    assert rounds and {f["clients"] for f in rounds} == {3}
+    trained = [f for f in fields(records, "client_loss") if f["epoch"] == back and f["trained"]]
+    assert {f["client_id"] for f in trained} == {str(c) for c in _identities(1, 2, 3)}
+    # what it loaded is what the others ended the previous epoch with; all three end this one
+    # with the same weights
+    cooldown = [f for f in fields(records, "cooldown_model") if f["epoch"] == back - 1]
+    assert reload[0]["model_hash"] in {f["model_hash"] for f in cooldown}
+    ended = [f for f in fields(records, "cooldown_model") if f["epoch"] == back]
+    assert len(ended) == 3 and len({f["model_hash"] for f in ended}) == 1, ended
+
+
+def _identities(*numbers: int) -> list[NodeIdentity]:
+    return [
+        NodeIdentity.from_single_key(SecretKey.from_bytes(n.to_bytes(32, "big")).public_key)
+        for n in numbers
+    ]

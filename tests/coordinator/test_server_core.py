@@ -108,15 +108,19 @@ def test_the_newest_witness_loss_is_kept_for_the_summary() -> None:
         assert core.last_reported_loss == (None if index == 0 else 4.5)
 
 
-def test_exited_clients_are_kicked_from_pending_every_tick() -> None:
+def test_exited_clients_are_kicked_from_pending_unless_they_join_again() -> None:
     core = started()
     now = to_warmup(core, A, B, C)
     core.coordinator.withdraw(2)
     core.on_tick(now + 1, 3)  # warmup moves C to the exited clients
     assert [c.id for c in core.coordinator.epoch_state.exited_clients] == [C]
-    core.on_join(C, "test-run")  # still connected: it cannot come back by joining again
     core.on_tick(now + 1, 4)
-    assert C not in core.pending_clients
+    assert C not in core.pending_clients  # its Join from before the epoch is undone
+    # a Join sent after it left asks to come back: kept on every later tick (upstream undid it)
+    core.on_join(C, "test-run")
+    for seed in (5, 6, 7):
+        core.on_tick(now + 1, seed)
+    assert C in core.pending_clients
 
 
 def test_init_warmup_time_lasts_until_the_run_is_active() -> None:

@@ -11,7 +11,8 @@ processes on a shortened tiny CPU run, and the actors of `scripts/chaos/hostile_
   It is dropped (a health check, or the round it should have witnessed ends without a witness)
   and named; the next epoch runs with the two honest clients only, although it is connected and
   has joined again, and every batch of that epoch is trained and applied. The run finishes, both
-  clients exit 0 with the same model.
+  clients exit 0 with the same model. No honest client is taken for a silent witness (one late
+  with a result on a starved machine may be dropped by a health check; it joins again).
 
 Without the fixes the first test fails on the traffic factor (one broadcast per Checkpoint) and
 on the refused key (served), the second because the silent member is back in the next epoch.
@@ -175,5 +176,11 @@ def test_a_silent_member_is_dropped_and_sits_out_the_next_epoch(
     applying = range(first_step + 2, last + 1)
     untrained = [e for e in events(clients[0], "untrained_batch") if e["step"] in applying]
     assert not untrained, untrained
-    # only the silent member was ever banned
-    assert set(re.findall(r"(\w+) did not deliver", server.text())) == {short_id(SILENT)}
+    # An honest client is never taken for a silent witness. On a starved machine one may be late
+    # with a result and dropped by a health check: then it joins again (and reloads the model).
+    bans = re.findall(r"(\w+) did not deliver \(([^)]*)\)", server.text())
+    assert short_id(SILENT) in {who for who, _ in bans}
+    for who, why in bans:
+        if who != short_id(SILENT):
+            assert why.startswith("dropped by a health check"), server.text()[-4000:]
+            assert any(events(c, "left_run") for c in clients), bans

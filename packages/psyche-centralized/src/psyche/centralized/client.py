@@ -14,7 +14,7 @@ When the server goes away, `wait_for_new_state` raises `BackendDisconnected` (up
 exits then). With `reconnect_timeout`, the backend instead keeps reconnecting for that long
 (a restarted server resumes a saved run, see docs/centralized.md), joins again and carries on;
 messages sent while it is disconnected are dropped with a warning, since the coordinator they
-were meant for is gone.
+were meant for is gone. `rejoin` sends Join again when the run went on without this client.
 
 Every wait says what it waits for: "connecting to the coordinator at HOST:PORT" before the first
 attempt, "waiting for the coordinator at HOST:PORT (connection refused; retrying for N s)" at the
@@ -245,6 +245,20 @@ class CentralizedBackend:
 
     async def send_checkpoint(self, checkpoint: Checkpoint) -> None:
         await self._send(ClientToServerMessage.Checkpoint(checkpoint))
+
+    # -- Rejoin
+
+    async def rejoin(self) -> None:
+        """Join the run again after the coordinator went on without this client: a Join on the
+        same connection (a Python server keeps a Join sent after the client left the epoch;
+        upstream's takes it back on its next tick, and so only a restarted client returns)."""
+        conn = self._conn
+        if conn is None:
+            return  # reconnecting: that joins again
+        try:
+            await self._join(conn)
+        except _CONNECTION_ERRORS as e:
+            log.warning("could not join again (%s); the receive loop sees the connection end", e)
 
     # -- EndpointDiscovery
 

@@ -52,7 +52,13 @@ from psyche.client.telemetry import NetworkNumbers, Observers, RoundReport, log_
 from psyche.client.train import OwnResult
 from psyche.client.witness import SendFinished, finished_broadcast
 from psyche.coordinator import Coordinator, RunState
-from psyche.coordinator.backend import Backend, EndpointDiscovery, HealthCheck, OpportunisticData
+from psyche.coordinator.backend import (
+    Backend,
+    EndpointDiscovery,
+    HealthCheck,
+    OpportunisticData,
+    Rejoin,
+)
 from psyche.coordinator.commitment import Commitment
 from psyche.coordinator.model import Checkpoint
 from psyche.core.log_markers import IntegrationTestLogMarker
@@ -328,10 +334,32 @@ class Client:
         elif self.stage == "running":
             assert self.machine is not None
             await self.machine.apply_state(state)
+            if self.machine.left_run:
+                await self._rejoin(state)
         if self.machine is not None:
             self.machine.stats.bandwidth_total = sum(
                 info.bandwidth for info in self.network.remote_infos()
             )
+
+    async def _rejoin(self, state: Coordinator) -> None:
+        """The run went on without this client (dropped by a health check, or an epoch started
+        without it): its model is behind now. Drop the machine and wait as a new client would:
+        join again (when the backend can) and load the model from the run's peers or
+        checkpoint at the next epoch this client is in."""
+        log_event(
+            logger,
+            "left_run",
+            text=f"the run went on without this client (epoch {state.progress.epoch}, step "
+            f"{state.progress.step}); its model is behind from here, so it joins again and "
+            "loads the model anew at the next epoch it is in",
+            epoch=state.progress.epoch,
+            step=state.progress.step,
+        )
+        self.machine = None
+        self.stage = "waiting"
+        self.sharable_model.stop_sharing()
+        if isinstance(self.backend, Rejoin):
+            await self.backend.rejoin()
 
     def _learn_peer_addresses(self) -> None:
         if not isinstance(self.backend, EndpointDiscovery):

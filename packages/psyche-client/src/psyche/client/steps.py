@@ -180,6 +180,8 @@ class StepStateMachine:
         self._late_warned: tuple[int, int] | None = None
         self.round_clock = RoundClock()
         self._pending_report: RoundReport | None = None
+        self.left_run = False
+        """Set once the run went on without this machine: its model is behind from then on."""
         self.evals = settings.evals
         if self.evals is not None:
             self.stats.evals = self.evals
@@ -304,7 +306,11 @@ class StepStateMachine:
         return False
 
     async def _leave_run(self, state: Coordinator) -> None:
-        """Not (or no longer) among the run's clients: stop what we do and wait in warmup."""
+        """Not (or no longer) among the run's clients: stop what we do and wait in warmup.
+
+        The run goes on without this machine, so from here its model falls behind the others':
+        `left_run` tells the client to drop it and load the model afresh when it is in an
+        epoch again (training on stale weights would end with a model no other client has)."""
         if self.active is ActiveStep.Training:
             await self._finish_training(state, log_loss=False)
         elif self.active is ActiveStep.Cooldown:
@@ -316,6 +322,7 @@ class StepStateMachine:
                 state.progress.step,
             )
             self._start_warmup()
+            self.left_run = True
 
     def _start_warmup(self) -> None:
         self.current = RoundState()

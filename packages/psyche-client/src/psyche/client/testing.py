@@ -127,7 +127,7 @@ class InProcessServer:
     @asynccontextmanager
     async def connect(self, identity: NodeIdentity, run_id: str) -> AsyncIterator[InProcessBackend]:
         """A backend for `identity`, joined to `run_id`; leaving the block disconnects it."""
-        backend = InProcessBackend(self, identity)
+        backend = InProcessBackend(self, identity, run_id)
         self.backends[identity.signer] = backend
         self.join(identity, run_id)
         try:
@@ -141,9 +141,10 @@ class InProcessServer:
 class InProcessBackend:
     """One client's view of an `InProcessServer` (upstream's centralized client backend)."""
 
-    def __init__(self, server: InProcessServer, identity: NodeIdentity) -> None:
+    def __init__(self, server: InProcessServer, identity: NodeIdentity, run_id: str) -> None:
         self.server = server
         self.identity = identity
+        self.run_id = run_id
         self._send, self._receive = trio.open_memory_channel[Coordinator](math.inf)
         self.connected = True
 
@@ -176,6 +177,10 @@ class InProcessBackend:
     async def send_checkpoint(self, checkpoint: Checkpoint) -> None:
         self._check()
         self.server.checkpoint(self.identity, checkpoint)
+
+    async def rejoin(self) -> None:
+        self._check()
+        self.server.join(self.identity, self.run_id)
 
     async def publish_endpoint(self, record: bytes) -> None:
         self._check()

@@ -61,3 +61,16 @@ class EndpointDiscovery(Protocol):
     def peer_endpoints(self) -> list[bytes]:
         """The newest record of every other client known to the backend."""
         ...
+
+
+@runtime_checkable
+class Rejoin(Protocol):
+    """Optional backend capability: join the run again after the coordinator went on without
+    this client (a health check dropped it, or an epoch started while it was not pending).
+
+    A backend without it leaves this client out for good; the Solana backend's client exits
+    then, as upstream's does, and a person restarts it."""
+
+    async def rejoin(self) -> None:
+        """Ask to be in the run's next epoch; returns once the request is on its way."""
+        ...

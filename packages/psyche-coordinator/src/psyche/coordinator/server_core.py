@@ -26,7 +26,9 @@ Beyond upstream (docs/centralized.md, "Members, strangers and non-delivering mem
   ended without any witness while it stayed connected and silent) is barred from the next
   `ban_epochs` epochs: its Join is kept, but it is left out of the clients the coordinator
   starts an epoch with. A client that disconnected during the epoch is never barred (a crash
-  or a restart is not a refusal to deliver), nor one the coordinator withdrew with the others.
+  or a restart is not a refusal to deliver), nor one the coordinator withdrew with the others;
+* a client that left the epoch and sends Join again is pending again (upstream undid that Join
+  on every tick, so a dropped client that stayed connected never came back).
 """
 
 from __future__ import annotations
@@ -147,7 +149,9 @@ class ServerCore:
 
     def on_join(self, sender: NodeIdentity, run_id: str) -> bool:
         """A Join for this run makes `sender` pending (a private run only accepts its authorized
-        keys). Never a broadcast; a repeated Join changes nothing and logs nothing."""
+        keys). Never a broadcast; a repeated Join changes nothing and logs nothing, except from a
+        client that left the epoch unhealthy (dropped, withdrawn): it asks to come back, so its
+        Join is kept (`rejoinable`) instead of being kicked with its old one."""
         self.refusal = None
         if run_id != self.coordinator.run_id:
             self.ignored.note(
@@ -162,6 +166,11 @@ class ServerCore:
                 f"refusing the Join of {sender}: its key is not among the run's authorized keys",
             )
             return False
+        if any(
+            c.id == sender and c.state is not ClientState.Healthy
+            for c in self.coordinator.epoch_state.exited_clients
+        ):
+            self.rejoinable.add(sender)
         if sender not in self.pending_clients:
             self.pending_clients[sender] = None
             ban = self.banned.get(sender)
@@ -306,12 +315,14 @@ class ServerCore:
     def kick_unhealthy_clients(self) -> None:
         """Exited clients leave the pending set: they must reconnect and Join again.
 
-        Upstream kicks them on every tick until the next epoch clears `exited_clients`. Two
+        Upstream kicks them on every tick until the next epoch clears `exited_clients`. Three
         cases it gets wrong are exempt here (`rejoinable`): a client that reconnected (a
         restarted process with the same key: its one Join was undone and it never trained
-        again), and clients the coordinator withdrew all at once because a round had no witness
-        (still connected and blameless, they were all kicked and the run never started again).
-        A client dropped by a health check that stays connected is still kicked, as upstream.
+        again), one that sent Join again after it left (a dropped client asking to come back:
+        upstream kicked that Join too, so only a restart brought it back), and clients the
+        coordinator withdrew all at once because a round had no witness (still connected and
+        blameless, they were all kicked and the run never started again). A client dropped by a
+        health check that stays connected and says nothing is still kicked, as upstream.
         """
         epoch_state = self.coordinator.epoch_state
         # Forget the exemption once the client is a healthy member of an epoch again.

@@ -169,6 +169,12 @@ class SharableModel:
         self.config_ticket = None
         self.serialized_parameters = None
 
+    def stop_sharing(self) -> None:
+        """Serve nothing until the next `update_parameters`: the run went on without this
+        client, so the model it holds is no longer the run's (a joiner must not load it)."""
+        self.clear_cache()
+        self.parameters = None
+
     # joiner -----------------------------------------------------------------------------------
 
     def initialize_parameters(self, names: list[str]) -> None:
