@@ -4,8 +4,10 @@ fixed choices, or by generating an answer and extracting a letter from it."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import ClassVar, Self
 
-from psyche.modeling.eval.document import Document
+from psyche.modeling.eval.document import Document, check_answer
+from psyche.modeling.eval.loading import DatasetSource, Row
 
 
 class LogLikelihoodTask(ABC):
@@ -59,3 +61,61 @@ def by_category(documents: list[Document]) -> dict[str, list[Document]]:
         if doc.category is not None:
             groups.setdefault(doc.category, []).append(doc)
     return groups
+
+
+class SplitsTask:
+    """A task over two splits of one dataset: the rows of `SCORED_SPLIT` are its documents, the
+    rows of `FEWSHOT_SPLIT` its few-shot examples, grouped by category when
+    `FEWSHOT_BY_CATEGORY` (else all under "default", as upstream). A task names its dataset
+    (`REPO`, `SUBSET`) and says how one row becomes a document (`row_to_document`); mixed in
+    before `LogLikelihoodTask` or `GenerateUntilTask`."""
+
+    NAME: ClassVar[str]
+    REPO: ClassVar[str]
+    SUBSET: ClassVar[str | None] = None
+    SCORED_SPLIT: ClassVar[str]
+    FEWSHOT_SPLIT: ClassVar[str]
+    FEWSHOT_BY_CATEGORY: ClassVar[bool] = False
+
+    def __init__(self, scored_rows: list[Row], fewshot_rows: list[Row]) -> None:
+        self.name = self.NAME
+        self._scored = scored_rows
+        self._fewshot = fewshot_rows
+
+    @classmethod
+    def load(cls, source: DatasetSource) -> Self:
+        return cls(
+            source.load(cls.REPO, cls.SCORED_SPLIT, cls.SUBSET),
+            source.load(cls.REPO, cls.FEWSHOT_SPLIT, cls.SUBSET),
+        )
+
+    @classmethod
+    def row_to_document(cls, row: Row) -> Document:
+        raise NotImplementedError
+
+    @classmethod
+    def document(
+        cls,
+        text: str,
+        choices: tuple[str, ...],
+        answer: int,
+        *,
+        category: str | None = None,
+        cot_content: str | None = None,
+    ) -> Document:
+        """This task's document; `answer` (an index into `choices`) is checked."""
+        return Document(
+            text=text,
+            choices=choices,
+            answer=check_answer(answer, choices),
+            category=category,
+            cot_content=cot_content,
+            eval_name=cls.NAME,
+        )
+
+    def get_documents(self) -> list[Document]:
+        return [self.row_to_document(r) for r in self._scored]
+
+    def get_fewshot_documents(self) -> dict[str, list[Document]]:
+        documents = [self.row_to_document(r) for r in self._fewshot]
+        return by_category(documents) if self.FEWSHOT_BY_CATEGORY else {"default": documents}

@@ -8,16 +8,14 @@ import re
 from psyche.modeling.eval.document import (
     Document,
     DocumentError,
-    check_answer,
     field,
     rust_trim,
     string_field,
     string_list,
 )
-from psyche.modeling.eval.loading import DatasetSource, Row
-from psyche.modeling.eval.traits import LogLikelihoodTask, by_category
+from psyche.modeling.eval.loading import Row
+from psyche.modeling.eval.traits import LogLikelihoodTask, SplitsTask
 
-REPO = "Rowan/hellaswag"
 _BRACKETED = re.compile(r"\[.*?\]")
 
 
@@ -34,17 +32,12 @@ def capitalize(text: str) -> str:
     return text[:1].upper() + text[1:]
 
 
-class Hellaswag(LogLikelihoodTask):
+class Hellaswag(SplitsTask, LogLikelihoodTask):
     NAME = "Hellaswag"
-
-    def __init__(self, validation_rows: list[Row], train_rows: list[Row]) -> None:
-        self.name = self.NAME
-        self._validation = validation_rows
-        self._train = train_rows
-
-    @classmethod
-    def load(cls, source: DatasetSource) -> Hellaswag:
-        return cls(source.load(REPO, "validation"), source.load(REPO, "train"))
+    REPO = "Rowan/hellaswag"
+    SCORED_SPLIT = "validation"
+    FEWSHOT_SPLIT = "train"
+    FEWSHOT_BY_CATEGORY = True
 
     @classmethod
     def row_to_document(cls, row: Row) -> Document:
@@ -55,17 +48,9 @@ class Hellaswag(LogLikelihoodTask):
         label = string_field(row, "label")
         if not label.isascii() or not label.isdigit():
             raise DocumentError(f"label {label!r} is not a number")
-        return Document(
-            text=preprocess(f"{activity_label}: {ctx_a} {ctx_b}"),
-            choices=choices,
-            answer=check_answer(int(label), choices),
+        return cls.document(
+            preprocess(f"{activity_label}: {ctx_a} {ctx_b}"),
+            choices,
+            int(label),
             category=activity_label,
-            cot_content=None,
-            eval_name=cls.NAME,
         )
-
-    def get_documents(self) -> list[Document]:
-        return [self.row_to_document(r) for r in self._validation]
-
-    def get_fewshot_documents(self) -> dict[str, list[Document]]:
-        return by_category([self.row_to_document(r) for r in self._train])

@@ -6,30 +6,21 @@ from __future__ import annotations
 from psyche.modeling.eval.document import (
     Document,
     DocumentError,
-    check_answer,
     field,
     letter_index,
     string_field,
     string_list,
 )
-from psyche.modeling.eval.loading import DatasetSource, Row
-from psyche.modeling.eval.traits import LogLikelihoodTask
-
-REPO = "allenai/openbookqa"
-SUBSET = "main"
+from psyche.modeling.eval.loading import Row
+from psyche.modeling.eval.traits import LogLikelihoodTask, SplitsTask
 
 
-class OpenbookQA(LogLikelihoodTask):
+class OpenbookQA(SplitsTask, LogLikelihoodTask):
     NAME = "OpenBookQA"
-
-    def __init__(self, test_rows: list[Row], validation_rows: list[Row]) -> None:
-        self.name = self.NAME
-        self._test = test_rows
-        self._validation = validation_rows
-
-    @classmethod
-    def load(cls, source: DatasetSource) -> OpenbookQA:
-        return cls(source.load(REPO, "test", SUBSET), source.load(REPO, "validation", SUBSET))
+    REPO = "allenai/openbookqa"
+    SUBSET = "main"
+    SCORED_SPLIT = "test"
+    FEWSHOT_SPLIT = "validation"
 
     @classmethod
     def row_to_document(cls, row: Row) -> Document:
@@ -39,17 +30,4 @@ class OpenbookQA(LogLikelihoodTask):
         choices = tuple(string_list(group.get("text"), "choices.text"))
         # Upstream accepts A-D only.
         answer = letter_index(string_field(row, "answerKey"), "answerKey", letters=4)
-        return Document(
-            text=string_field(row, "question_stem"),
-            choices=choices,
-            answer=check_answer(answer, choices),
-            category=None,
-            cot_content=None,
-            eval_name=cls.NAME,
-        )
-
-    def get_documents(self) -> list[Document]:
-        return [self.row_to_document(r) for r in self._test]
-
-    def get_fewshot_documents(self) -> dict[str, list[Document]]:
-        return {"default": [self.row_to_document(r) for r in self._validation]}
+        return cls.document(string_field(row, "question_stem"), choices, answer)
