@@ -13,8 +13,9 @@ What it guarantees, however the command was started:
   the command exits **130**.
 * **SIGTERM** takes the same path: it is re-raised as SIGINT, so the same cleanups run, and the
   command exits **143** (128 + 15, what a shell reports for a process SIGTERM ended).
-  Commands whose job is to serve until stopped (`psyche-server run`, `psyche-local-testnet`)
-  receive both signals themselves (`trio.open_signal_receiver`) and exit 0.
+  Commands whose job is to serve until stopped (`psyche-server run`, `psyche-server relay`,
+  `psyche-local-testnet`) receive both signals themselves (`trio.open_signal_receiver`, then
+  `serve_until_signalled`) and exit 0.
 * A **`UserError`** (something the user caused and can fix: an unreachable address, a missing
   file, a malformed key) is one line on stderr, `<prog>: error: <message>`, exit 1;
   `UsageError` exits 2, as argparse's usage errors do. So is a file-system error naming a file
@@ -40,11 +41,14 @@ import os
 import signal
 import sys
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import trio
 
 VERBOSE_ENV = "PSYCHE_VERBOSE"
 EXIT_USER_ERROR = 1
@@ -406,6 +410,18 @@ def stop_signals() -> Iterator[None]:
         for signum, handler in previous.items():
             if handler is not None:
                 signal.signal(signum, handler)
+
+
+async def serve_until_signalled(
+    signals: AsyncIterator[int], nursery: trio.Nursery, log: logging.Logger
+) -> None:
+    """A serving command's last step: wait for SIGINT or SIGTERM (`signals`, from a
+    `trio.open_signal_receiver` opened before serving began, so that a signal during start-up
+    counts too), say so, and cancel `nursery`, whose block holds what serves."""
+    async for signum in signals:
+        log.info("got %s, shutting down", signal.Signals(signum).name)
+        break
+    nursery.cancel_scope.cancel()
 
 
 def run_command(

@@ -20,6 +20,7 @@ from psyche.core.cli import (
     parse_bool,
     parse_unsigned,
     run_command,
+    serve_until_signalled,
     single_cause,
 )
 
@@ -499,10 +500,7 @@ def _run_server(args: argparse.Namespace, console: Any, tracker: Any) -> int:
                     from psyche.centralized.dashboard import run_dashboard
 
                     nursery.start_soon(run_dashboard, server, console)
-                async for signum in signals:
-                    log.info("got %s, shutting down", signal.Signals(signum).name)
-                    nursery.cancel_scope.cancel()
-                    break
+                await serve_until_signalled(signals, nursery, log)
 
     try:
         trio.run(serve)

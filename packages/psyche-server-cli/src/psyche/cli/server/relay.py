@@ -13,6 +13,8 @@ import argparse
 import logging
 from pathlib import Path
 
+from psyche.core.cli import serve_until_signalled, single_cause
+
 log = logging.getLogger("psyche.cli.server.relay")
 
 
@@ -84,12 +86,7 @@ def run_relay(args: argparse.Namespace) -> int:
                 log.info(
                     "serving %s; clients take --iroh-relay %s", who, ",".join(relay.multiaddrs())
                 )
-                async for signum in signals:
-                    log.info("got %s, shutting down", signal.Signals(signum).name)
-                    nursery.cancel_scope.cancel()
-                    break
-
-    from psyche.core.cli import single_cause
+                await serve_until_signalled(signals, nursery, log)
 
     try:
         trio.run(serve)
