@@ -200,8 +200,10 @@ async def settle(bus: Bus, nodes: list[Node]) -> None:
 
 
 async def run_simulated(
-    clients: int, rounds: int, *, corrupt: int | None = None
+    clients: int, rounds: int, *, corrupt: int | None = None, late: int | None = None
 ) -> tuple[Bus, list[Node]]:
+    """`late`: that client sees each new coordinator state only after the others have trained
+    and gossiped in it (their broadcasts reach it while it is still a round behind)."""
     coordinator = integration_test_coordinator(clients, 2 * clients, 1)
     coordinator.config.max_round_train_time = 20
     coordinator.config.epoch_time = 1_000
@@ -233,10 +235,12 @@ async def run_simulated(
             while (sim.coordinator.progress.step < last_step and sim.coordinator.active()) or (
                 sim.coordinator.run_state is RunState.Warmup
             ):
-                for node in nodes:
-                    await node.machine.apply_state(sim.coordinator.copy())
-                    node.machine.try_send_opportunistic_witness()
-                await settle(bus, nodes)
+                ordered = [n for i, n in enumerate(nodes) if i != late]
+                for group in (ordered, [nodes[late]] if late is not None else []):
+                    for node in group:
+                        await node.machine.apply_state(sim.coordinator.copy())
+                        node.machine.try_send_opportunistic_witness()
+                    await settle(bus, nodes)
                 sim.tick()
         for node in nodes:  # finish the last round
             await node.machine.apply_state(sim.coordinator.copy())
@@ -266,6 +270,21 @@ def test_clients_stay_bit_identical_through_rounds(caplog: pytest.LogCaptureFixt
     applied = [r for r in caplog.records if r.getMessage() == "applied_results"]
     assert applied and all(len(r.psyche_fields["batches"]) == 3 for r in applied)
     assert bus.rejected_witnesses == []
+
+
+def test_a_client_a_moment_behind_keeps_the_results_sent_before_its_round_started(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A client that learns of each new round after its peers have already gossiped their
+    results for it (a slower link to the coordinator): the results are held until its round
+    starts, so it applies the same results as everyone (before, it dropped them as being for
+    an unknown step, applied fewer batches and its weights left the run's)."""
+    caplog.set_level(logging.INFO, logger="psyche.client")
+    _bus, nodes = trio.run(lambda: run_simulated(3, 6, late=2))
+    assert len({live_model_hash(node.machine.trainer) for node in nodes}) == 1
+    assert not [r for r in caplog.records if r.getMessage() == "untrained_batch"]
+    applied = [r for r in caplog.records if r.getMessage() == "applied_results"]
+    assert applied and all(len(r.psyche_fields["batches"]) == 3 for r in applied)
 
 
 def test_a_payload_that_does_not_match_its_commitment_is_refused(

@@ -52,6 +52,8 @@ class ApplyMessageOutcome(enum.Enum):
     # Not for us yet (not warmed up, no round info) or already known.
     Ignored = "ignored"
     Invalid = "invalid"
+    # For the round after this client's current one: kept until that round starts here.
+    Held = "held"
 
 
 @dataclass(frozen=True)

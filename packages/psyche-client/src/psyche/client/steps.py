@@ -34,7 +34,7 @@ import trio
 from psyche.client import payloads, witness
 from psyche.client.apply import ApplyJob, needs_apply, plan_apply
 from psyche.client.background import Background
-from psyche.client.broadcast import Broadcast
+from psyche.client.broadcast import Broadcast, BroadcastType
 from psyche.client.checkpoint import CheckpointConfig
 from psyche.client.cooldown import CheckpointFiles, Cooldown
 from psyche.client.fetch_data import DataFetcher
@@ -68,6 +68,10 @@ if TYPE_CHECKING:
     from psyche.modeling.trainer import Trainer
 
 logger = logging.getLogger(__name__)
+
+EARLY_BROADCASTS_PER_SENDER = 8
+"""How many broadcasts for the next round one client may have waiting here (its result and its
+Finished, and re-sent copies); more are dropped until that round starts."""
 
 
 class ClientIO(Protocol):
@@ -181,6 +185,11 @@ class StepStateMachine:
         self.round_clock = RoundClock()
         self._pending_report: RoundReport | None = None
         self.left_run = False
+        # Broadcasts for the round after the current one, by sender: a peer that saw the next
+        # round start a moment before this client did sends its result before this client can
+        # place it (upstream drops it; its rebroadcast comes a round-robin cycle later, often
+        # after the round it belongs to).
+        self._early: dict[NodeIdentity, list[Broadcast]] = {}
         """Set once the run went on without this machine: its model is behind from then on."""
         self.evals = settings.evals
         if self.evals is not None:
@@ -325,6 +334,7 @@ class StepStateMachine:
             self.left_run = True
 
     def _start_warmup(self) -> None:
+        self._early.clear()
         self.current = RoundState()
         self.previous = RoundState()
         self.applying = None
@@ -380,6 +390,7 @@ class StepStateMachine:
         handle = TrainingStep()
         self.training = handle
         self.active = ActiveStep.Training
+        self._replay_early()
         self.tasks.start_soon(self._run_round, handle, apply_job, train_job)
 
     async def _run_round(
@@ -581,6 +592,17 @@ class StepStateMachine:
     def apply_message(
         self, from_id: NodeIdentity, broadcast: Broadcast
     ) -> payloads.ApplyMessageOutcome:
+        """A verified run member's broadcast into its round. One for the round after this
+        client's current one is held (bounded per sender) and applied, checked as any other,
+        once that round starts here."""
+        if self._is_early(broadcast) and any(
+            c.id == from_id for c in self.coordinator_state.epoch_state.clients
+        ):
+            held = self._early.setdefault(from_id, [])
+            if len(held) < EARLY_BROADCASTS_PER_SENDER:
+                held.append(broadcast)
+                return payloads.ApplyMessageOutcome.Held
+            return payloads.ApplyMessageOutcome.Ignored
         outcome, download = payloads.apply_message(
             self.current,
             self.previous,
@@ -592,6 +614,24 @@ class StepStateMachine:
         if download is not None:
             self.io.request_download(download)
         return outcome
+
+    def _is_early(self, broadcast: Broadcast) -> bool:
+        """For the round this client has not started yet: the epoch's first one while it warms
+        up (warmup Finished messages aside, which belong to the warmup), else the next one."""
+        data = broadcast.data
+        if isinstance(data, BroadcastType.Finished) and data.value.warmup:
+            return False
+        if self.active is ActiveStep.Warmup:
+            return broadcast.step == self.coordinator_state.progress.step
+        return broadcast.step == self.current.step + 1
+
+    def _replay_early(self) -> None:
+        """The held broadcasts of the round that just started; the others are dropped."""
+        early, self._early = self._early, {}
+        for from_id, held in early.items():
+            for broadcast in held:
+                if broadcast.step == self.current.step:
+                    self.apply_message(from_id, broadcast)
 
     def apply_own_result(self, broadcast: Broadcast, result: OwnResult) -> None:
         """This client's result, as the loop announced it (`broadcast`), into its round state:
