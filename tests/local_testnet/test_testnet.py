@@ -402,27 +402,41 @@ def test_tmux_random_kill_retypes_the_same_command(tmp_path: Path) -> None:
     # a running stand-in interrupted, then the command typed again and running again
     killed_and_back = re.compile(r"standin got SIGINT\n(?:.*\n)*?standin key=")
     # `script` gives the testnet a terminal, so it attaches and runs its random kills
-    testnet = subprocess.Popen(
-        ["script", "-qfec", command, "/dev/null"],
-        cwd=tmp_path, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    output = tmp_path / "testnet.out"
+    with output.open("wb") as out:
+        testnet = subprocess.Popen(
+            ["script", "-qfec", command, "/dev/null"],
+            cwd=tmp_path, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+
+    def panes() -> list[str]:
+        listing = subprocess.run(
+            [*tmux, "list-panes", "-t", "psyche", "-F", "#{pane_id}"],
+            capture_output=True, text=True,
+        ).stdout.split()  # fmt: skip
+        capture = [*tmux, "capture-pane", "-p", "-J", "-S", "-", "-t"]
+        return [
+            subprocess.run([*capture, pane], capture_output=True, text=True).stdout
+            for pane in listing
+        ]
+
     try:
         deadline = time.monotonic() + 120
         first = ""
         while time.monotonic() < deadline and testnet.poll() is None:
-            listing = subprocess.run(
-                [*tmux, "list-panes", "-t", "psyche", "-F", "#{pane_id}"],
-                capture_output=True, text=True,
-            ).stdout.split()  # fmt: skip
-            if len(listing) == 4:  # server, monitor, client 1 (right column, top), client 2
-                first = subprocess.run(
-                    [*tmux, "capture-pane", "-p", "-J", "-t", listing[2], "-S", "-"],
-                    capture_output=True, text=True,
-                ).stdout  # fmt: skip
+            texts = panes()
+            if len(texts) == 4:  # server, monitor, client 1 (right column, top), client 2
+                first = texts[2]
                 if killed_and_back.search(first):
                     break
             time.sleep(0.5)
-        assert killed_and_back.search(first), (testnet.poll(), first)
+        if not killed_and_back.search(first):
+            seen = "\n".join(f"--- pane {i}:\n{text[-1500:]}" for i, text in enumerate(panes()))
+            said = output.read_bytes().decode(errors="replace")[-3000:]
+            raise AssertionError(
+                f"no kill and restart seen (testnet exit {testnet.poll()})\n{seen}\n"
+                f"--- testnet:\n{said}"
+            )
         # every start in client 1's pane ran with client 1's key
         keys = re.findall(r"standin key=(\w+)", first)
         assert len(keys) >= 2
