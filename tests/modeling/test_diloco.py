@@ -164,6 +164,25 @@ def test_lookahead_starts_from_the_pending_step_and_leaves_the_run_weights() -> 
     assert model.w.tolist() == [0.0] * 4
 
 
+def test_the_lookahead_reads_the_measured_pseudo_gradient_not_the_sparse_payload() -> None:
+    model = _Params(("w", torch.zeros(16)))
+    settings = DilocoSettings(
+        compression_chunk=16, compression_topk=1, value_bits=2,
+        outer_lr=1.0, outer_momentum=0.0, nesterov=False,
+    )  # fmt: skip
+    diloco = Diloco(model, settings)
+    layout = diloco.layouts()[0]
+    delta = torch.linspace(1.0, 2.0, 16)
+    diloco.begin_round(0, lookahead_lr=1.0)
+    with torch.no_grad():
+        model.w.sub_(delta)
+    (sent,) = diloco.end_round(0)
+    # one DCT coefficient of sixteen was sent: far from what was measured
+    assert not torch.allclose(codec.decode(sent, layout, "cpu"), delta, atol=0.1)
+    diloco.begin_round(1, lookahead_lr=1.0)
+    torch.testing.assert_close(model.w.detach(), -delta)
+
+
 # --------------------------------------------------------------------------------------------
 # The sent forms
 

@@ -5,7 +5,8 @@ A round (one outer step) on a client:
 
 * `begin_round` keeps a copy of the weights `W` (the run's weights: identical on every client)
   and, while this client's previous payload is still to be applied, shifts its own starting
-  point by the outer step that payload would take alone (the lookahead);
+  point by the outer step its own pseudo-gradient of that round would take alone (the
+  lookahead);
 * the trainer takes `inner_steps` inner AdamW steps on its batch (`inner_ranges` splits it);
 * `end_round` forms the pseudo-gradient `start - W_local` (float32), adds the residual of what
   earlier rounds did not get across, encodes it (`codec.encode`), keeps the new residual
@@ -248,7 +249,8 @@ class Diloco:
         self.residuals: list[torch.Tensor] | None = None
         self._snapshot: list[torch.Tensor] | None = None
         self._lookahead: list[torch.Tensor] | None = None
-        # this replica's last sent pseudo-gradient (decoded) and its round: the lookahead's input
+        # this replica's last measured pseudo-gradient (before compression) and its round: the
+        # lookahead's input
         self._own_update: list[torch.Tensor] | None = None
         self._own_round: int | None = None
         self.outer_steps = 0
@@ -275,9 +277,12 @@ class Diloco:
         With `lookahead_lr` > 0, when this replica's payload of round `round_index - 1` is
         still to be applied (Psyche's one-round overlap), the inner steps start from the run's
         weights minus an estimate of that pending outer step: the step `OuterSGD` would take
-        with this replica's own sent pseudo-gradient as the mean, the (run-wide) momentum
-        included, at `lookahead_lr` (as DisTrO's lookahead stands in for a node's own pending
-        contribution). The estimate moves only this replica's starting point: it is not part
+        with this replica's own pseudo-gradient of that round as the mean, the (run-wide)
+        momentum included, at `lookahead_lr` (as DisTrO's lookahead stands in for a node's own
+        pending contribution). The pseudo-gradient is the one measured, before compression: the
+        run's mean averages every peer's, so it is a closer estimate than this replica's sparse
+        payload alone (on the tiny run, sparse 2-bit c16 k8: +4.9 % of AdamW's loss instead of
+        +8.3 %; docs/benchmarks.md). The estimate moves only this replica's starting point: it is not part
         of its pseudo-gradient (measured from the shifted start) and never touches the run's
         weights, which `end_round` puts back.
         """
@@ -332,10 +337,9 @@ class Diloco:
                 delta = delta - self._lookahead[i]  # measured from the shifted start
             residual.add_(delta)
             sent = encode(residual, layout)
-            decoded = decode(sent, layout, residual.device)
-            residual.sub_(decoded)
+            residual.sub_(decode(sent, layout, residual.device))
             out.append(sent)
-            own.append(decoded)
+            own.append(delta)
             p.copy_(saved)
         self._snapshot = None
         self._lookahead = None
