@@ -18,7 +18,9 @@ receiver share a CPU and the GIL in every measurement, baseline included:
   through a plain in-process TCP forwarder (what any relay in this loop costs at least).
 * model sharing: a joining node fetching a 20M-parameter bf16 model from 3 peers (config,
   batched ticket requests and parameter blobs), against one raw socket carrying the same bytes;
-  `--only model300` does the same for a 300M-parameter model (600 MB, not in the default run).
+  `--only model300` does the same for a 300M-parameter model (600 MB, not in the default run);
+  `--only model-processes` (and `model300-processes`) put each provider in a process of its own,
+  the baseline a raw socket between processes.
 
 Run: .venv/bin/python scripts/bench/network.py [--repeats N]
 """
@@ -408,9 +410,7 @@ def raw_bytes(tensor) -> bytes:
 
 
 async def bench_model(repeats: int, millions: int = 20) -> list[str]:
-    # 40 tensors for 20M as before; larger models get tensors of the same ~0.5M-parameter size
-    # order as a 300M Llama's (about 2 tensors per million parameters)
-    parameters = make_model(millions * 1_000_000, 40 if millions <= 20 else 2 * millions)
+    parameters = make_model(millions * 1_000_000, model_tensors(millions))
     flat = b"".join(raw_bytes(t) for t in parameters.values())
     total = len(flat)
     lines = []
@@ -448,6 +448,130 @@ async def bench_model(repeats: int, millions: int = 20) -> list[str]:
     return lines
 
 
+# ---- model sharing, one process per node --------------------------------------------------------
+
+
+async def serve_model_process(millions: int, key_hex: str, joiner_hex: str) -> None:
+    """A provider in a process of its own (`--serve-model`): prints its signed address record,
+    then serves the model until stdin closes; a line `raw PORT` makes it send the model's raw
+    bytes once over a plain TCP connection to PORT (the baseline, between processes too)."""
+    import sys
+
+    from psyche.core.identity import SecretKey
+
+    parameters = make_model(millions * 1_000_000, model_tensors(millions))
+    flat = b"".join(raw_bytes(t) for t in parameters.values())
+    key = SecretKey.from_bytes(bytes.fromhex(key_hex))
+    async with open_nodes(1, keys=[key], allow_each_other=False) as (node,):
+        node.set_allowed_peers([bytes.fromhex(joiner_hex)])
+        model = SharableModel()
+        model.update_parameters(parameters)
+        model.update_config("{}", "{}")
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(serve_model, node, model)
+            await wait_until(lambda: bool(node.own_record), 30)
+            print(node.own_record.hex(), flush=True)
+            stdin = trio.lowlevel.FdStream(os.dup(sys.stdin.fileno()))
+            pending = b""
+            while chunk := await stdin.receive_some():
+                pending += chunk
+                *lines, pending = pending.split(b"\n")
+                for line in lines:
+                    port = int(line.split()[1])
+                    stream = await trio.open_tcp_stream("127.0.0.1", port)
+                    await stream.send_all(memoryview(flat))
+                    await stream.aclose()
+            nursery.cancel_scope.cancel()
+
+
+def model_tensors(millions: int) -> int:
+    # 40 tensors for 20M as before; larger models get tensors of the same ~0.5M-parameter size
+    # order as a 300M Llama's (about 2 tensors per million parameters)
+    return 40 if millions <= 20 else 2 * millions
+
+
+async def bench_model_processes(repeats: int, millions: int = 20) -> list[str]:
+    """`bench_model` with each provider in a process of its own, as on separate machines
+    (sharing this machine's cores): the joiner's own costs against one raw socket from a
+    provider process."""
+    import subprocess
+    import sys
+
+    from psyche.core.identity import SecretKey
+
+    parameters = make_model(millions * 1_000_000, model_tensors(millions))
+    expected = model_hash(parameters)
+    total = sum(t.numel() * t.element_size() for t in parameters.values())
+    del parameters
+    joiner_key = SecretKey.generate()
+    keys = [SecretKey.generate() for _ in range(3)]
+    command = [sys.executable, __file__, "--serve-model", str(millions)]
+    providers = [
+        subprocess.Popen(
+            [*command, k.to_bytes().hex(), joiner_key.public_key.hex()],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for k in keys
+    ]
+    try:
+        records = [
+            bytes.fromhex(await trio.to_thread.run_sync(p.stdout.readline))  # type: ignore[union-attr]
+            for p in providers
+        ]
+        async with open_nodes(1, keys=[joiner_key], allow_each_other=False) as (joiner,):
+            joiner.set_allowed_peers([k.public_key for k in keys])
+            for record in records:
+                joiner.address_book.add_record(record)
+            ids = [k.public_key for k in keys]
+
+            async def fetch() -> float:
+                joiner.store.delete_prefix("model-")
+                joiner.store.gc()
+                start = time.perf_counter()
+                got = await ModelDownload(joiner, ids).run()
+                elapsed = time.perf_counter() - start
+                assert model_hash(got.parameters) == expected
+                return elapsed
+
+            async def raw() -> float:
+                listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+                port = listeners[0].socket.getsockname()[1]
+                buf = bytearray(total)
+                view = memoryview(buf)
+                start = time.perf_counter()
+                providers[0].stdin.write(f"raw {port}\n")  # type: ignore[union-attr]
+                providers[0].stdin.flush()  # type: ignore[union-attr]
+                stream = await listeners[0].accept()
+                got = 0
+                while got < total:
+                    got += await stream.socket.recv_into(view[got : got + MIB])
+                elapsed = time.perf_counter() - start
+                await stream.aclose()
+                await listeners[0].aclose()
+                return elapsed
+
+            cold = await fetch()
+            base, warm = await interleaved_medians(repeats, raw, fetch)
+    finally:
+        for p in providers:
+            p.stdin.close()  # type: ignore[union-attr]
+        for p in providers:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    return [
+        row(
+            f"model {millions}M, 1 process/node",
+            base,
+            [("3 peers cold", cold), ("3 peers warm", warm)],
+            total,
+        )
+    ]
+
+
 async def main(repeats: int, gossip_rounds: int, only: str | None) -> None:
     print(
         f"psyche.network benchmark (median of {repeats}, interleaved; "
@@ -458,10 +582,12 @@ async def main(repeats: int, gossip_rounds: int, only: str | None) -> None:
         "paths": lambda: bench_paths(repeats),
         "gossip": lambda: bench_gossip_ring(gossip_rounds),
         "model": lambda: bench_model(repeats),
+        "model-processes": lambda: bench_model_processes(repeats),
         "model300": lambda: bench_model(max(1, repeats // 2), 300),
+        "model300-processes": lambda: bench_model_processes(max(1, repeats // 2), 300),
     }
     for name, part in parts.items():
-        if only == name or (only is None and name != "model300"):
+        if only == name or (only is None and not name.startswith("model300")):
             for line in await part():
                 print(line, flush=True)
 
@@ -471,9 +597,20 @@ if __name__ == "__main__":
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--gossip-rounds", type=int, default=30)
     parser.add_argument(
-        "--only", choices=["blobs", "paths", "gossip", "model", "model300"], help="run one part"
-    )
+        "--only",
+        choices=[
+            "blobs", "paths", "gossip", "model", "model-processes", "model300",
+            "model300-processes",
+        ],
+        help="run one part",
+    )  # fmt: skip
+    parser.add_argument("--serve-model", nargs=3, metavar=("MILLIONS", "KEY", "JOINER"),
+                        help=argparse.SUPPRESS)  # fmt: skip
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)  # shutdown races it reports as errors
-    trio.run(main, args.repeats, args.gossip_rounds, args.only)
+    if args.serve_model:
+        millions, key, joiner = args.serve_model
+        trio.run(serve_model_process, int(millions), key, joiner)
+    else:
+        trio.run(main, args.repeats, args.gossip_rounds, args.only)
