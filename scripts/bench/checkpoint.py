@@ -193,24 +193,8 @@ def rounds_with_uploads(args: argparse.Namespace, work: Path) -> None:
     from psyche.client.init import RunInitConfig
     from psyche.client.keep_policy import KeepPolicy
     from psyche.client.model_loading import preload_modeling
-    from psyche.client.testing import InProcessServer
+    from psyche.client.testing import InProcessServer, local_run_state
     from psyche.client.upload import HubUpload
-    from psyche.coordinator import (
-        Checkpoint,
-        Coordinator,
-        CoordinatorConfig,
-        CoordinatorProgress,
-        HubRepo,
-        LLMTrainingDataLocation,
-        RunState,
-    )
-    from psyche.coordinator.model import LLM, LLMArchitecture, LLMTrainingDataType, Model
-    from psyche.core.definitions import (
-        ConstantLR,
-        Distro,
-        LearningRateSchedule,
-        OptimizerDefinition,
-    )
     from psyche.core.identity import SecretKey
     from psyche.core.node_identity import NodeIdentity
     from psyche.modeling.configs import llama_config_dict
@@ -229,46 +213,16 @@ def rounds_with_uploads(args: argparse.Namespace, work: Path) -> None:
     vocab = 256 if args.round_model == "tiny" else 32000
     tokens = rng.integers(0, vocab, size=seq * 4000).astype("<u2")
     (data_dir / "tokens.ds").write_bytes(tokens.tobytes())
-    llm = LLM(
-        max_seq_len=seq,
-        cold_start_warmup_steps=0,
-        architecture=LLMArchitecture.HfLlama,
-        checkpoint=Checkpoint.Hub(HubRepo(str(model_dir))),
-        data_type=LLMTrainingDataType.Pretraining,
-        data_location=LLMTrainingDataLocation.Local(str(data_dir)),
-        lr_schedule=LearningRateSchedule.Constant(ConstantLR(1e-3, 0.0, 0)),
-        optimizer=OptimizerDefinition.Distro(
-            Distro(
-                clip_grad_norm=1.0,
-                compression_decay=0.999,
-                compression_topk=8,
-                compression_chunk=16,
-                quantize_1bit=True,
-            )
-        ),
-    )
-    config = CoordinatorConfig(
+    state = local_run_state(
+        model_dir,
+        data_dir,
+        run_id="bench",
+        seq_len=seq,
+        lr=1e-3,
         warmup_time=3,
-        cooldown_time=1,
         max_round_train_time=20,
-        round_witness_time=1,
-        global_batch_size_warmup_tokens=0,
         epoch_time=args.epoch_time,
         total_steps=100_000,
-        init_min_clients=2,
-        min_clients=1,
-        witness_nodes=1,
-        global_batch_size_start=4,
-        global_batch_size_end=4,
-        verification_percent=0,
-        waiting_for_members_extra_time=1,
-    )
-    state = Coordinator(
-        run_id="bench",
-        run_state=RunState.WaitingForMembers,
-        model=Model.LLM(llm),
-        config=config,
-        progress=CoordinatorProgress(),
     )
     events = Events()
     psyche_logger = logging.getLogger("psyche")

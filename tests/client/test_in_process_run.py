@@ -18,18 +18,11 @@ from psyche.client.broadcast import open_network
 from psyche.client.client import Client
 from psyche.client.init import RunInitConfig
 from psyche.client.model_loading import preload_modeling
-from psyche.client.testing import InProcessServer
+from psyche.client.testing import InProcessServer, local_run_state
 from psyche.coordinator import (
-    Checkpoint,
     Coordinator,
-    CoordinatorConfig,
-    CoordinatorProgress,
-    HubRepo,
-    LLMTrainingDataLocation,
     RunState,
 )
-from psyche.coordinator.model import LLM, LLMArchitecture, LLMTrainingDataType, Model
-from psyche.core.definitions import ConstantLR, Distro, LearningRateSchedule, OptimizerDefinition
 from psyche.core.identity import SecretKey
 from psyche.core.node_identity import NodeIdentity
 from psyche.modeling.configs import llama_config_dict
@@ -65,49 +58,7 @@ def write_run(tmp_path: Path) -> tuple[Path, Path]:
 
 
 def coordinator(model_dir: Path, data_dir: Path) -> Coordinator:
-    llm = LLM(
-        max_seq_len=SEQ,
-        cold_start_warmup_steps=0,
-        architecture=LLMArchitecture.HfLlama,
-        checkpoint=Checkpoint.Hub(HubRepo(str(model_dir))),
-        data_type=LLMTrainingDataType.Pretraining,
-        data_location=LLMTrainingDataLocation.Local(str(data_dir)),
-        lr_schedule=LearningRateSchedule.Constant(ConstantLR(3e-3, 0.0, 0)),
-        optimizer=OptimizerDefinition.Distro(
-            Distro(
-                clip_grad_norm=1.0,
-                compression_decay=0.999,
-                compression_topk=8,
-                compression_chunk=16,
-                quantize_1bit=True,
-            )
-        ),
-    )
-    config = CoordinatorConfig(
-        warmup_time=4,
-        cooldown_time=1,
-        max_round_train_time=5,
-        round_witness_time=1,
-        global_batch_size_warmup_tokens=0,
-        epoch_time=5,
-        total_steps=1000,
-        init_min_clients=2,
-        min_clients=1,
-        witness_nodes=1,
-        global_batch_size_start=4,
-        global_batch_size_end=4,
-        verification_percent=0,
-        waiting_for_members_extra_time=1,
-    )
-    from psyche.coordinator import RunState as _RunState
-
-    return Coordinator(
-        run_id=RUN_ID,
-        run_state=_RunState.WaitingForMembers,
-        model=Model.LLM(llm),
-        config=config,
-        progress=CoordinatorProgress(),
-    )
+    return local_run_state(model_dir, data_dir, run_id=RUN_ID, seq_len=SEQ, lr=3e-3)
 
 
 async def run_client(

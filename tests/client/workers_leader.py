@@ -105,4 +105,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from psyche.core.cli import exit_process
+
+    exit_process(main())

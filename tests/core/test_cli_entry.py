@@ -262,3 +262,33 @@ def test_a_signal_stops_a_command_that_started_with_sigint_ignored(
     assert "cleanup ran" in text
     assert text.splitlines()[-1] == f"waiter: interrupted by {name}; stopped"
     assert "Traceback" not in text
+
+
+NATIVE_THREAD_STUCK = """
+import logging, sys, threading, time
+from psyche.core.cli import run_command, skip_finalization
+
+logging.basicConfig(level=logging.INFO, format="%(message)s")
+
+def main(argv):
+    # stands in for a collective that waits on a dead rank: a thread that never ends
+    threading.Thread(target=time.sleep, args=(3600,), daemon=False).start()
+    logging.getLogger("x").info("the rank died; stopping")
+    print("said before exiting", end="")  # no newline: only a flush gets it out
+    skip_finalization()
+    return 3
+
+sys.exit(run_command("prog", main))
+"""
+
+
+def test_a_process_that_cannot_finalize_still_exits_with_its_status() -> None:
+    """A command left with a thread that never ends (as a collective waiting on a dead rank) asks
+    for `skip_finalization`: it exits at once with its status, its output flushed (a plain exit
+    would wait for the thread forever; torch.distributed's would abort with SIGABRT)."""
+    done = subprocess.run(
+        [sys.executable, "-c", NATIVE_THREAD_STUCK], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 3, done
+    assert done.stdout == "said before exiting"
+    assert "the rank died; stopping" in done.stderr

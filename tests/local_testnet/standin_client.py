@@ -16,6 +16,14 @@ from psyche.coordinator import RunState
 from psyche.core.identity import SecretKey
 
 
+def journal(event: str, key: str) -> None:
+    """One line `event key pane` appended to `standin-journal.log` in the working directory
+    (`pane`: tmux's `$TMUX_PANE`, `-` outside tmux): what a test reads instead of a terminal's
+    screen, which a narrow pane may redraw over."""
+    with open("standin-journal.log", "a") as f:
+        f.write(f"{event} {key} {os.environ.get('TMUX_PANE', '-')}\n")
+
+
 async def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("command", choices=["train"])
@@ -26,6 +34,7 @@ async def main() -> int:
     args, rest = parser.parse_known_args()
     key = SecretKey.from_hex(os.environ["RAW_IDENTITY_SECRET_KEY"])
     print(f"standin key={key.public_key.hex()} logs={args.logs} extra={rest}", flush=True)
+    journal("start", key.public_key.hex())
     if args.exit_with is not None:
         return int(args.exit_with)
     code = 0
@@ -35,6 +44,7 @@ async def main() -> int:
             async def stop() -> None:
                 async for signum in signals:
                     print(f"standin got {signal.Signals(signum).name}", flush=True)
+                    journal(signal.Signals(signum).name, key.public_key.hex())
                     nursery.cancel_scope.cancel()
                     return
 

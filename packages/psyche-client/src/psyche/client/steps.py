@@ -185,6 +185,7 @@ class StepStateMachine:
         self.round_clock = RoundClock()
         self._pending_report: RoundReport | None = None
         self.left_run = False
+        """Set once the run trained a round without this machine: its model is behind."""
         # Broadcasts for the round after the current one, by sender: a peer that saw the next
         # round start a moment before this client did sends its result before this client can
         # place it (upstream drops it; its rebroadcast comes a round-robin cycle later, often
@@ -209,6 +210,9 @@ class StepStateMachine:
             await self.evals.stop()  # the cooldown (or leaving) needs the model
         index = client_index(state, self.identity)
         if index is None:
+            if state.run_state in _ROUND_STATES:
+                # The run trains without this machine: its model falls behind from here.
+                self.left_run = True
             await self._leave_run(state)
             return
         run_state = state.run_state
@@ -317,9 +321,11 @@ class StepStateMachine:
     async def _leave_run(self, state: Coordinator) -> None:
         """Not (or no longer) among the run's clients: stop what we do and wait in warmup.
 
-        The run goes on without this machine, so from here its model falls behind the others':
-        `left_run` tells the client to drop it and load the model afresh when it is in an
-        epoch again (training on stale weights would end with a model no other client has)."""
+        Between epochs (an epoch ended with every client withdrawn, a restarted server) the
+        model is still the run's and is kept. Once the run trains a round without this machine
+        (`left_run`, set by `apply_state`) its model falls behind: the client drops it and loads
+        the model afresh when it is in an epoch again (training on stale weights would end with
+        a model no other client has)."""
         if self.active is ActiveStep.Training:
             await self._finish_training(state, log_loss=False)
         elif self.active is ActiveStep.Cooldown:
@@ -331,7 +337,6 @@ class StepStateMachine:
                 state.progress.step,
             )
             self._start_warmup()
-            self.left_run = True
 
     def _start_warmup(self) -> None:
         self._early.clear()

@@ -12,12 +12,16 @@ to every connected backend whenever the rules say to broadcast. It adds no rule 
         nursery.start_soon(server.run)
         async with server.connect(identity, "my-run") as backend:
             await Client(backend, network, config).run()
+
+`local_run_state` is the state such a run starts from when its model and tokens are files on
+this machine (tests, benchmarks, notebooks).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 import random
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -29,6 +33,7 @@ from psyche.coordinator.backend import HealthCheck, OpportunisticData
 from psyche.coordinator.coordinator import Coordinator
 from psyche.coordinator.model import Checkpoint
 from psyche.coordinator.server_core import DEFAULT_BAN_EPOCHS, ServerCore
+from psyche.core.definitions import ConstantLR, Distro, LearningRateSchedule, OptimizerDefinition
 from psyche.core.node_identity import NodeIdentity
 
 logger = logging.getLogger(__name__)
@@ -194,6 +199,76 @@ class InProcessBackend:
         if self.connected:
             self.server.disconnect(self.identity)
             self._close()
+
+
+def local_run_state(
+    model_dir: str | os.PathLike[str],
+    data_dir: str | os.PathLike[str],
+    *,
+    run_id: str,
+    seq_len: int,
+    lr: float,
+    **config: int,
+) -> Coordinator:
+    """A run waiting for members: the Hugging Face Llama whose `config.json` is in `model_dir`
+    (no weights: every client builds the same ones from the fixed seed), the token files in
+    `data_dir`, DisTrO (chunk 16, top-k 8, 1-bit) at a constant `lr`, one witness a round and
+    batches of 4 sequences of `seq_len` tokens. `config` overrides `CoordinatorConfig` fields
+    (times in seconds; two clients start the run, one keeps it going)."""
+    from psyche.coordinator import (
+        CoordinatorConfig,
+        CoordinatorProgress,
+        HubRepo,
+        LLMTrainingDataLocation,
+        RunState,
+    )
+    from psyche.coordinator.model import LLM, LLMArchitecture, LLMTrainingDataType, Model
+
+    llm = LLM(
+        max_seq_len=seq_len,
+        cold_start_warmup_steps=0,
+        architecture=LLMArchitecture.HfLlama,
+        checkpoint=Checkpoint.Hub(HubRepo(str(model_dir))),
+        data_type=LLMTrainingDataType.Pretraining,
+        data_location=LLMTrainingDataLocation.Local(str(data_dir)),
+        lr_schedule=LearningRateSchedule.Constant(ConstantLR(lr, 0.0, 0)),
+        optimizer=OptimizerDefinition.Distro(
+            Distro(
+                clip_grad_norm=1.0,
+                compression_decay=0.999,
+                compression_topk=8,
+                compression_chunk=16,
+                quantize_1bit=True,
+            )
+        ),
+    )
+    settings = {
+        "warmup_time": 4,
+        "cooldown_time": 1,
+        "max_round_train_time": 5,
+        "round_witness_time": 1,
+        "global_batch_size_warmup_tokens": 0,
+        "epoch_time": 5,
+        "total_steps": 1000,
+        "init_min_clients": 2,
+        "min_clients": 1,
+        "witness_nodes": 1,
+        "global_batch_size_start": 4,
+        "global_batch_size_end": 4,
+        "verification_percent": 0,
+        "waiting_for_members_extra_time": 1,
+    }
+    unknown = set(config) - set(settings)
+    if unknown:
+        raise TypeError(f"local_run_state: unknown config fields {sorted(unknown)}")
+    settings.update(config)
+    return Coordinator(
+        run_id=run_id,
+        run_state=RunState.WaitingForMembers,
+        model=Model.LLM(llm),
+        config=CoordinatorConfig(**settings),
+        progress=CoordinatorProgress(),
+    )
 
 
 @contextmanager

@@ -316,6 +316,12 @@ class WorkerGroup:
                 from psyche.modeling.sharding import close_world
 
                 _quietly(close_world)
+            else:
+                # A rank died: a collective of this process may wait on it forever, and the
+                # interpreter's finalization would abort under it (SIGABRT, not our status).
+                from psyche.core.cli import skip_finalization
+
+                skip_finalization()
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
 

@@ -23,6 +23,9 @@ What it guarantees, however the command was started:
   for: `--verbose`/`-v` (`add_verbose_flag`) or `PSYCHE_VERBOSE=1`, the same in every command.
 * **Any other exception is a bug**: its traceback, then one line saying so, exit 1.
 * `--help` shows every option's default (`HelpFormatter`).
+* A process left with native threads nothing can stop (a torch.distributed collective waiting
+  on a rank that died) calls `skip_finalization`: it then ends with its status through
+  `os._exit` after flushing logs, instead of aborting in the interpreter's finalization.
 
 The argparse pieces every command shares live here too: `command_parser` (a command with
 subcommands), `EnvOptions` (options that fall back to the environment, as upstream's clap
@@ -36,6 +39,7 @@ when it returns, so calling a command's `main` in-process (tests) leaves the cal
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -45,7 +49,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 if TYPE_CHECKING:
     import trio
@@ -91,6 +95,7 @@ class UsageError(UserError):
 class _State:
     verbose = False
     terminated = False  # the interrupt being handled came from SIGTERM
+    skip_finalization = False  # see `skip_finalization`
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -424,6 +429,30 @@ async def serve_until_signalled(
     nursery.cancel_scope.cancel()
 
 
+def skip_finalization() -> None:
+    """Ask for the process to end without the interpreter's finalization (`exit_process`).
+
+    For a process that holds native threads nothing can stop: a collective of a
+    torch.distributed group waiting on a rank that died. Finalizing the interpreter destroys
+    the group under that thread and the C++ runtime aborts ("terminate called without an
+    active exception", SIGABRT) instead of exiting with the command's status."""
+    _State.skip_finalization = True
+
+
+def exit_process(code: int) -> NoReturn:
+    """`sys.exit(code)`; after `skip_finalization`, `os._exit(code)` once the log handlers and
+    the standard streams are flushed (only from the main thread: elsewhere, `sys.exit`)."""
+    import threading
+
+    if _State.skip_finalization and threading.current_thread() is threading.main_thread():
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 def run_command(
     prog: str,
     main: Callable[[Sequence[str] | None], int | None],
@@ -431,18 +460,22 @@ def run_command(
 ) -> int:
     """Run a command's `main(argv)` under `stop_signals` and turn how it ended into an exit
     status: its return value (None is 0), or what `report` says for an exception. SystemExit
-    passes through (argparse's usage errors and `--help` already printed what they had to)."""
+    passes through (argparse's usage errors and `--help` already printed what they had to).
+    After `skip_finalization` the process ends here (`exit_process`)."""
     _State.verbose = False
     with stop_signals(), _root_logging_kept():
         try:
-            return int(main(argv) or 0)
+            code = int(main(argv) or 0)
         except SystemExit:
             raise
         except BaseException as e:
             try:
-                return report(prog, e)
+                code = report(prog, e)
             except KeyboardInterrupt:  # a second Ctrl-C while reporting
-                return interrupt_exit_code()
+                code = interrupt_exit_code()
+    if _State.skip_finalization:
+        exit_process(code)
+    return code
 
 
 @contextmanager
