@@ -33,6 +33,7 @@ import os
 import statistics
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 
 import trio
 
@@ -409,6 +410,18 @@ def raw_bytes(tensor) -> bytes:
     return tensor.reshape(-1).view(torch.int16).numpy().tobytes()
 
 
+async def timed_model_fetch(joiner, ids: list[bytes], expected: bytes) -> float:  # type: ignore[no-untyped-def]
+    """Seconds for `joiner` to fetch the whole model from `ids`, its blob store emptied first
+    (a warm fetch: connections and the providers' serialized tensors are kept)."""
+    joiner.store.delete_prefix("model-")
+    joiner.store.gc()
+    start = time.perf_counter()
+    got = await ModelDownload(joiner, ids).run()
+    elapsed = time.perf_counter() - start
+    assert model_hash(got.parameters) == expected
+    return elapsed
+
+
 async def bench_model(repeats: int, millions: int = 20) -> list[str]:
     parameters = make_model(millions * 1_000_000, model_tensors(millions))
     flat = b"".join(raw_bytes(t) for t in parameters.values())
@@ -423,16 +436,7 @@ async def bench_model(repeats: int, millions: int = 20) -> list[str]:
             nursery.start_soon(serve_model, provider, model)
             joiner.address_book.add(provider.endpoint_addr())
         ids = [p.endpoint_id for p in providers]
-        expected = model_hash(parameters)
-
-        async def fetch() -> float:
-            joiner.store.delete_prefix("model-")
-            joiner.store.gc()
-            start = time.perf_counter()
-            got = await ModelDownload(joiner, ids).run()
-            elapsed = time.perf_counter() - start
-            assert model_hash(got.parameters) == expected
-            return elapsed
+        fetch = partial(timed_model_fetch, joiner, ids, model_hash(parameters))
 
         cold = await fetch()  # dials the 3 peers; providers serialize on first request
         base, warm = await interleaved_medians(repeats, lambda: raw_transfer_seconds(flat), fetch)
@@ -524,16 +528,7 @@ async def bench_model_processes(repeats: int, millions: int = 20) -> list[str]:
             joiner.set_allowed_peers([k.public_key for k in keys])
             for record in records:
                 joiner.address_book.add_record(record)
-            ids = [k.public_key for k in keys]
-
-            async def fetch() -> float:
-                joiner.store.delete_prefix("model-")
-                joiner.store.gc()
-                start = time.perf_counter()
-                got = await ModelDownload(joiner, ids).run()
-                elapsed = time.perf_counter() - start
-                assert model_hash(got.parameters) == expected
-                return elapsed
+            fetch = partial(timed_model_fetch, joiner, [k.public_key for k in keys], expected)
 
             async def raw() -> float:
                 listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
