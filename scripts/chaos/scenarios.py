@@ -16,7 +16,7 @@ import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -419,7 +419,8 @@ async def run_scenario(
     observe: Callable[[Context], None] | None = None,
 ) -> ScenarioResult:
     """Runs one scenario; `observe` sees the settled cluster (its nodes' output) before the
-    figures are taken and the processes stopped."""
+    figures are taken and the processes stopped; the checkpoint and save directories are
+    checked for partial files after they stopped."""
     workdir.mkdir(parents=True, exist_ok=True)
     async with Cluster.open(workdir, scenario.run) as cluster:
         ctx = Context(cluster, random.Random(seed))
@@ -445,7 +446,10 @@ async def run_scenario(
         await _settle(ctx, t1)
         if observe is not None:
             observe(ctx)
-        return _result(scenario, ctx, t0, t1)
+        result = _result(scenario, ctx, t0, t1)
+    # Leftovers are judged once every process has stopped: a checkpoint being written while the
+    # figures were taken is not a partial file (its temporary directory is still in use).
+    return replace(result, partial_files=partial_files(cluster))
 
 
 async def run_testnet_scenario(
