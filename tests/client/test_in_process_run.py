@@ -324,3 +324,76 @@ def _identities(*numbers: int) -> list[NodeIdentity]:
         NodeIdentity.from_single_key(SecretKey.from_bytes(n.to_bytes(32, "big")).public_key)
         for n in numbers
     ]
+
+
+class WitnessDroppingServer(InProcessServer):
+    """Loses every witness while `drop_witnesses` is set: a round with no witness at all makes
+    the coordinator withdraw every client and end the epoch (upstream's rule)."""
+
+    drop_witnesses = False
+
+    def witness(self, identity, data) -> None:  # type: ignore[no-untyped-def]
+        if not self.drop_witnesses:
+            super().witness(identity, data)
+
+
+def test_an_epoch_that_starts_from_the_stored_checkpoint_is_loaded_by_every_client(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Client 3 is health-checked out of epoch 0 and joins again; then a round of that epoch gets
+    no witness, so the coordinator withdraws everyone and ends it. No client of epoch 0 is back
+    as one of its clients, so epoch 1 starts from the run's stored checkpoint (the coordinator
+    goes back from P2P to Hub). Every client loads it: 1 and 2 drop the models they trained, as
+    3 does, and all three end epoch 1 with the same weights. Before, 1 and 2 kept theirs while 3
+    loaded the stored one: three clients, two models (seen in an end-to-end run under load)."""
+    caplog.set_level(logging.INFO, logger="psyche")
+    preload_modeling()
+    model_dir, data_dir = write_run(tmp_path)
+    state = coordinator(model_dir, data_dir)
+    state.config.epoch_time = 60  # epoch 0 ends when its witnesses are lost, not before
+    state.config.init_min_clients = 3
+    server = WitnessDroppingServer(state, ban_epochs=0)
+    late: list[Client] = []
+
+    async def scenario() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server.run)
+            nursery.start_soon(run_client, server, 1)
+            nursery.start_soon(run_client, server, 2)
+            nursery.start_soon(run_client, server, 3, LateClient, late)
+            with trio.fail_after(180):
+                while not (
+                    server.coordinator.run_state is RunState.RoundTrain
+                    and server.coordinator.current_round().height >= 1
+                ):
+                    await trio.sleep(0.1)
+                assert isinstance(late[0], LateClient)
+                late[0].late = True
+                while not fields(caplog.records, "left_run"):
+                    await trio.sleep(0.1)
+                assert server.coordinator.progress.epoch == 0
+                server.drop_witnesses = True
+                while server.coordinator.run_state is not RunState.Cooldown:
+                    await trio.sleep(0.1)
+                server.drop_witnesses = False
+                server.coordinator.config.epoch_time = 8
+                while not (
+                    server.coordinator.progress.epoch > 1
+                    and server.coordinator.run_state is RunState.RoundTrain
+                ):
+                    await trio.sleep(0.1)
+            nursery.cancel_scope.cancel()
+
+    trio.run(scenario)
+    records = caplog.records
+    # all three load epoch 1's model from where epoch 0's came from: the stored checkpoint
+    first = [f for f in fields(records, "loaded_model") if f["epoch"] == 0]
+    loaded = [f for f in fields(records, "loaded_model") if f["epoch"] == 1]
+    assert len(first) == 3 and len(loaded) == 3, (first, loaded)
+    assert {(f["source"], f["model_hash"]) for f in loaded} == {
+        (f["source"], f["model_hash"]) for f in first
+    }, (first, loaded)
+    reloading = fields(records, "reloading_model")
+    assert sorted(f["epoch"] for f in reloading) == [1, 1], reloading
+    ended = [f for f in fields(records, "cooldown_model") if f["epoch"] == 1]
+    assert len(ended) == 3 and len({f["model_hash"] for f in ended}) == 1, ended

@@ -83,6 +83,8 @@ class Node:
     machine: StepStateMachine | None = None
     sent_results: list[OwnResult] = field(default_factory=list)
     corrupt_payloads: bool = False
+    lose_downloads: bool = False
+    """Once it has sent two results, the payloads it asks for never arrive."""
 
 
 class Bus:
@@ -179,6 +181,8 @@ class BusIO:
         self.bus.post(lambda: machine.apply_own_result(broadcast, result))
 
     def request_download(self, request: DownloadRequest) -> None:
+        if self.node.lose_downloads and len(self.node.sent_results) >= 2:
+            return
         blob = request.ticket.hash
         machine = self.node.machine
         self.bus.post(lambda: machine.apply_distro_result(blob, self.bus.blobs[blob]))
@@ -200,12 +204,21 @@ async def settle(bus: Bus, nodes: list[Node]) -> None:
 
 
 async def run_simulated(
-    clients: int, rounds: int, *, corrupt: int | None = None, late: int | None = None
+    clients: int,
+    rounds: int,
+    *,
+    corrupt: int | None = None,
+    late: int | None = None,
+    lose_downloads: int | None = None,
+    max_round_train_time: int = 20,
 ) -> tuple[Bus, list[Node]]:
     """`late`: that client sees each new coordinator state only after the others have trained
-    and gossiped in it (their broadcasts reach it while it is still a round behind)."""
+    and gossiped in it (their broadcasts reach it while it is still a round behind).
+    `lose_downloads`: that client's downloads stop arriving after its second result.
+    `max_round_train_time` also bounds (in real seconds) how long an apply waits for a
+    payload."""
     coordinator = integration_test_coordinator(clients, 2 * clients, 1)
-    coordinator.config.max_round_train_time = 20
+    coordinator.config.max_round_train_time = max_round_train_time
     coordinator.config.epoch_time = 1_000
     coordinator.config.min_clients = 1
     sim = Simulation(coordinator, now=1_000_000, rng=random.Random(5))
@@ -215,6 +228,7 @@ async def run_simulated(
         key = SecretKey.from_bytes(bytes(31) + bytes([i + 1]))
         node = Node(key, NodeIdentity.from_single_key(key.public_key))
         node.corrupt_payloads = i == corrupt
+        node.lose_downloads = i == lose_downloads
         bus.nodes[node.identity] = node
         nodes.append(node)
         sim.join(node.identity)
@@ -305,6 +319,24 @@ def test_a_payload_that_does_not_match_its_commitment_is_refused(
             assert not cheater_batches & set(record.psyche_fields["batches"])
     # the honest clients applied the same results (the cheater applies its own payloads, which
     # only it holds in their committed form, whenever it is the round's witness)
+    assert len({live_model_hash(node.machine.trainer) for node in nodes[:2]}) == 1
+
+
+def test_a_client_that_cannot_apply_the_agreed_results_stops_with_its_model_stale(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A client whose downloads stop arriving cannot apply what the run agreed on: it says so
+    (`apply_failed`), stops training and marks its model stale (`left_run`: the client joins
+    again and reloads it), where it ended with "unexpected ApplyError" before (seen when a
+    punched path died mid-round). The others go on with identical weights."""
+    caplog.set_level(logging.INFO, logger="psyche.client")
+    _bus, nodes = trio.run(lambda: run_simulated(3, 7, lose_downloads=2, max_round_train_time=3))
+    failed = [r.psyche_fields for r in caplog.records if r.getMessage() == "apply_failed"]
+    assert len(failed) == 1 and "not downloaded in time" in failed[0]["error"], failed
+    assert nodes[2].machine.left_run and not any(n.machine.left_run for n in nodes[:2])
+    stopped_at = failed[0]["step"]
+    assert nodes[2].sent_results and all(r.step < stopped_at for r in nodes[2].sent_results)
+    assert "training step failed" not in caplog.text  # an outcome, not a crash: no traceback
     assert len({live_model_hash(node.machine.trainer) for node in nodes[:2]}) == 1
 
 

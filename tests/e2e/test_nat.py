@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -81,14 +82,24 @@ def client_command(*extra: str) -> list[str]:
     ]  # fmt: skip
 
 
-def public_run(tiny_run: Callable[..., Path]) -> Path:
+def public_run(tiny_run: Callable[..., Path], **config_values: int) -> Path:
     """The tiny run with its data server on the public segment (the server's address)."""
-    config = tiny_run(**CONFIG)
+    config = tiny_run(**config_values)
     state = config / "state.toml"
     text, count = re.subn(r"127\.0\.0\.1:(\d+)", rf"{netns.WAN_IP}:\1", state.read_text())
     assert count == 1
     state.write_text(text)
     return config
+
+
+def server_command(net: netns.Topology, config: Path) -> list[str]:
+    """`psyche-server run` on the public segment, hosting the run's relay."""
+    return net.exec(net.wan, [
+        sys.executable, "-m", "psyche.cli.server", "run",
+        "--state", str(config / "state.toml"), "--data-config", str(config / "data.toml"),
+        "--server-port", str(SERVER_PORT), "--relay-port", str(RELAY_PORT),
+        "--relay-announce-address", netns.WAN_IP, "--tui", "false",
+    ])  # fmt: skip
 
 
 def network_lines(proc: Any) -> list[str]:
@@ -105,17 +116,9 @@ def test_clients_behind_nat_train_through_the_relay(
     reason = netns.unavailable()
     if reason is not None:
         pytest.skip(reason)
-    config = public_run(tiny_run)
+    config = public_run(tiny_run, **CONFIG)
     with netns.nat_topology(nat_hosts=4, public_hosts=1, symmetric=[JOINER]) as net:
-        server = processes.start(
-            "server",
-            net.exec(net.wan, [
-                sys.executable, "-m", "psyche.cli.server", "run",
-                "--state", str(config / "state.toml"), "--data-config", str(config / "data.toml"),
-                "--server-port", str(SERVER_PORT), "--relay-port", str(RELAY_PORT),
-                "--relay-announce-address", netns.WAN_IP, "--tui", "false",
-            ]),
-        )  # fmt: skip
+        server = processes.start("server", server_command(net, config))
         relay = processes.wait_for(server, r"relay listening at (\S+)", 60).group(1)
         processes.wait_for(server, r"serving run 'tiny-cpu'", 30)
 
@@ -184,3 +187,79 @@ def test_clients_behind_nat_train_through_the_relay(
     assert f"refusing inbound connection from {refused['peer']}: not in allowlist" in (
         server.text()
     )
+
+
+FALLBACK_CONFIG = {
+    "init_min_clients": 2,
+    "min_clients": 2,
+    "warmup_time": 8,
+    "epoch_time": 35,
+    "max_round_train_time": 4,
+    "cooldown_time": 3,
+}
+
+
+def test_a_client_whose_punched_path_dies_goes_on_through_the_relay(
+    tiny_run: Callable[..., Path], processes: Any
+) -> None:
+    """Clients 1 and 2, behind cone NATs, meet through the relay, punch a direct path and move
+    their payloads onto it; mid-epoch, client 1's router starts dropping everything between them
+    (the path dies without a word). Each notices within seconds (a payload fetch that receives
+    nothing on the direct connection moves to the relayed one kept beside it; pings on the
+    direct one go unanswered and it is closed), and the run goes on through the relay without
+    losing a round: no batch goes untrained, no health check names either client, no payload
+    misses its apply, and their models at cooldown agree."""
+    reason = netns.unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    config = public_run(tiny_run, **FALLBACK_CONFIG)
+    with netns.nat_topology(nat_hosts=2) as net:
+        server = processes.start("server", server_command(net, config))
+        processes.wait_for(server, r"serving run 'tiny-cpu'", 60)
+        clients = {}
+        for number in (1, 2):
+            env = {"RAW_IDENTITY_SECRET_KEY": f"{number:064x}", "OMP_NUM_THREADS": "1"}
+            argv = net.exec(net.nat[number - 1], client_command())
+            clients[number] = processes.start(f"client-{number}", argv, env=env)
+        for n, other in ((1, 2), (2, 1)):
+            processes.wait_for(
+                clients[n],
+                rf"blobs from {client_id(other)} now come by libp2p stream \(direct connection\)",
+                120,
+            )
+        assert net.nat[0].router is not None and net.nat[1].router_wan_ip is not None
+        net.block(net.nat[0], net.nat[1].router_wan_ip)
+        blocked = time.time()
+        cooldown = {
+            n: wait_event(clients[n], "cooldown_model", lambda e: e["epoch"] == 0, 150)
+            for n in (1, 2)
+        }
+        for proc in [*clients.values(), server]:
+            processes.stop(proc)
+
+    for n, other in ((1, 2), (2, 1)):
+        peer = client_id(other)
+        said = network_lines(clients[n])
+        assert f"hole punch with {peer}: direct connection established" in said, said
+        after = [
+            str(e["message"])
+            for e in events(clients[n])
+            if e["ts"] > blocked and str(e.get("logger", "")).startswith("psyche.network")
+        ]
+        # the payloads moved to the relay at once, and the dead direct connection was closed
+        assert (
+            f"blobs from {peer} now come by libp2p stream (through a relay) (the direct "
+            "connection stalled)" in after
+        ), after
+        assert any(
+            line.startswith(f"peer {peer}: no answer to 2 pings on the direct connection")
+            for line in after
+        ), after
+        assert f"peer {peer}: connected through a relay" in after, after
+        # ... and no round was lost
+        trained = [e for e in events(clients[n], "client_loss") if e["ts"] > blocked]
+        assert len([e for e in trained if e["trained"]]) >= 3, trained
+        for name in ("untrained_batch", "health_check", "left_run"):
+            assert not events(clients[n], name), (n, name, events(clients[n], name))
+        assert "not downloaded in time" not in clients[n].text()
+    assert cooldown[1]["model_hash"] == cooldown[2]["model_hash"]

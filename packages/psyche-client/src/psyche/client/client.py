@@ -184,6 +184,27 @@ def model_download_progress(download: ModelDownload) -> str:
     )
 
 
+def loads_from_storage_again(state: Coordinator, identity: Any, loaded_epoch: int) -> bool:
+    """Whether a client that holds a model must drop it and load the run's checkpoint from
+    storage: a new epoch (later than the one it loaded the model in) starts, this client is in
+    it, and the coordinator names a Hub or GCS checkpoint.
+
+    After its first epoch a run's checkpoint is P2P; the coordinator goes back to the storage
+    one only when no client of the last epoch is back (an epoch that ended with every client
+    withdrawn, a resumed pause), so nobody in the new epoch is known to hold the run's model.
+    Upstream's clients keep whatever they hold, and a client that sat out an epoch or more then
+    trains different weights from one that did not (seen: two honest clients ending a run with
+    different models). Here every client of that epoch loads the stored checkpoint, so they
+    start it with the same weights; what the run trained since that checkpoint was written is
+    lost, as it is for any client that joins then. A divergence from upstream."""
+    return (
+        state.run_state is RunState.Warmup
+        and state.progress.epoch > loaded_epoch
+        and isinstance(state.model.value.checkpoint, (Checkpoint.Hub, Checkpoint.Gcs))
+        and any(c.id == identity for c in state.epoch_state.clients)
+    )
+
+
 class Client:
     def __init__(
         self,
@@ -205,6 +226,10 @@ class Client:
         self.coordinator: Coordinator | None = None
         self._last_state_bytes: bytes | None = None
         self.stage = "waiting"  # -> initializing -> running
+        self._loaded_epoch = -1
+        self._join_again = False
+        """Set when this client must send `Join` again once it is off the epoch's list."""
+        """The epoch whose warmup this client last loaded (or fetched) the model in."""
         self.machine: StepStateMachine | None = None
         self.sharable_model = SharableModel()
         self.rebroadcaster = Rebroadcaster()
@@ -327,37 +352,75 @@ class Client:
             await self._finish_run(state)
             return
         if self.stage == "waiting":
+            await self._join_again_once_out(state)
             if state.run_state is RunState.Warmup and any(c.id == self.identity for c in clients):
-                self.stage = "initializing"
-                assert self._nursery is not None
-                self._nursery.start_soon(self._initialize, state)
+                self._start_initializing(state)
         elif self.stage == "running":
             assert self.machine is not None
-            await self.machine.apply_state(state)
-            if self.machine.left_run:
-                await self._rejoin(state)
+            if loads_from_storage_again(state, self.identity, self._loaded_epoch):
+                await self._load_from_storage_again(state)
+            else:
+                await self.machine.apply_state(state)
+                if self.machine.left_run:
+                    await self._rejoin(state)
         if self.machine is not None:
             self.machine.stats.bandwidth_total = sum(
                 info.bandwidth for info in self.network.remote_infos()
             )
 
+    def _start_initializing(self, state: Coordinator) -> None:
+        self.stage = "initializing"
+        self._join_again = False
+        self._loaded_epoch = state.progress.epoch
+        assert self._nursery is not None
+        self._nursery.start_soon(self._initialize, state)
+
+    async def _load_from_storage_again(self, state: Coordinator) -> None:
+        """The epoch starts from the run's checkpoint in storage (`loads_from_storage_again`):
+        drop the model this client holds and load that one, as every client of the epoch does."""
+        assert self.machine is not None
+        log_event(
+            logger,
+            "reloading_model",
+            text=f"epoch {state.progress.epoch} starts from the run's checkpoint in storage (no "
+            "client of the last epoch is back to share its model): every client of this epoch "
+            "loads it, this one too",
+            epoch=state.progress.epoch,
+            step=state.progress.step,
+        )
+        await self.machine.stop_work(state)
+        self.machine = None
+        self.sharable_model.stop_sharing()
+        self._start_initializing(state)
+
     async def _rejoin(self, state: Coordinator) -> None:
-        """The run went on without this client (dropped by a health check, or an epoch started
-        without it): its model is behind now. Drop the machine and wait as a new client would:
-        join again (when the backend can) and load the model from the run's peers or
-        checkpoint at the next epoch this client is in."""
+        """This client's model is behind the run's: the run trained a round without it (a
+        health check dropped it, or an epoch started without it), or it could not apply what
+        the run agreed on. Drop the machine and wait as a new client would: join again (when
+        the backend can) and load the model from the run's peers or checkpoint at the next
+        epoch this client is in."""
         log_event(
             logger,
             "left_run",
-            text=f"the run went on without this client (epoch {state.progress.epoch}, step "
-            f"{state.progress.step}); its model is behind from here, so it joins again and "
-            "loads the model anew at the next epoch it is in",
+            text=f"this client's model is behind the run's (epoch {state.progress.epoch}, step "
+            f"{state.progress.step}): it joins again and loads the model anew at the next epoch "
+            "it is in",
             epoch=state.progress.epoch,
             step=state.progress.step,
         )
         self.machine = None
         self.stage = "waiting"
         self.sharable_model.stop_sharing()
+        self._join_again = True
+        await self._join_again_once_out(state)
+
+    async def _join_again_once_out(self, state: Coordinator) -> None:
+        """Send `Join` again once this client is off the epoch's client list. While it is
+        still listed (it stopped training; the witnesses will drop it) a `Join` changes nothing,
+        and the server kicks a dropped client whose last `Join` came before it left."""
+        if not self._join_again or any(c.id == self.identity for c in state.epoch_state.clients):
+            return
+        self._join_again = False
         if isinstance(self.backend, Rejoin):
             await self.backend.rejoin()
 

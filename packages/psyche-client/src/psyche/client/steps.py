@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Protocol
 import trio
 
 from psyche.client import payloads, witness
-from psyche.client.apply import ApplyJob, needs_apply, plan_apply
+from psyche.client.apply import ApplyError, ApplyJob, needs_apply, plan_apply
 from psyche.client.background import Background
 from psyche.client.broadcast import Broadcast, BroadcastType
 from psyche.client.checkpoint import CheckpointConfig
@@ -208,6 +208,8 @@ class StepStateMachine:
     async def apply_state(self, state: Coordinator) -> None:
         if self.evals is not None and state.run_state not in _ROUND_STATES:
             await self.evals.stop()  # the cooldown (or leaving) needs the model
+        if self.left_run:
+            return  # the client drops this machine and joins again
         index = client_index(state, self.identity)
         if index is None:
             if state.run_state in _ROUND_STATES:
@@ -215,8 +217,30 @@ class StepStateMachine:
                 self.left_run = True
             await self._leave_run(state)
             return
-        run_state = state.run_state
         active = self.active
+        step = state.progress.step
+        try:
+            await self._transition(state, index, active)
+        except ApplyError as e:
+            self._apply_failed(state, e)
+            return
+        if self.active is not active:
+            log_event(
+                logger,
+                "step_change",
+                quiet=True,
+                old=active.value,
+                new=self.active.value,
+                epoch=state.progress.epoch,
+                step=step,
+            )
+        self.coordinator_state = state
+        if self.active is not ActiveStep.Witness:
+            self._emit_report()
+
+    async def _transition(self, state: Coordinator, index: int, active: ActiveStep) -> None:
+        """Move from the step this machine is in (`active`) to the one `state` calls for."""
+        run_state = state.run_state
         step = state.progress.step
         if active is ActiveStep.Warmup and run_state is RunState.RoundTrain:
             if self._can_join_round(state):
@@ -279,19 +303,26 @@ class StepStateMachine:
             raise StepDesync(
                 f"Desync: we're in step {active.value} but next RunState is {run_state}"
             )
-        if self.active is not active:
-            log_event(
-                logger,
-                "step_change",
-                quiet=True,
-                old=active.value,
-                new=self.active.value,
-                epoch=state.progress.epoch,
-                step=step,
-            )
-        self.coordinator_state = state
-        if self.active is not ActiveStep.Witness:
-            self._emit_report()
+
+    def _apply_failed(self, state: Coordinator, e: ApplyError) -> None:
+        """A result the run agreed on never arrived (or never finished checking): applying the
+        others would give this client weights no other client has. Its model is stale
+        (`left_run`) from here, as if the run had gone on without it."""
+        step = state.progress.step
+        log_event(
+            logger,
+            "apply_failed",
+            logging.WARNING,
+            text=f"could not apply the results the run agreed on (epoch "
+            f"{state.progress.epoch}, step {step}): {e}; this client's model would leave "
+            "the run's, so it stops training, joins again and loads the model at the next "
+            "epoch it is in",
+            epoch=state.progress.epoch,
+            step=step,
+            error=str(e),
+        )
+        self.left_run = True
+        self._start_warmup()
 
     def _check_next_step(self, step: int) -> None:
         if step != self.current.step + 1:
@@ -322,14 +353,12 @@ class StepStateMachine:
         """Not (or no longer) among the run's clients: stop what we do and wait in warmup.
 
         Between epochs (an epoch ended with every client withdrawn, a restarted server) the
-        model is still the run's and is kept. Once the run trains a round without this machine
+        model is still the run's and is kept (unless the next epoch starts from the stored
+        checkpoint: `psyche.client.client.loads_from_storage_again`). Once the run trains a round without this machine
         (`left_run`, set by `apply_state`) its model falls behind: the client drops it and loads
         the model afresh when it is in an epoch again (training on stale weights would end with
         a model no other client has)."""
-        if self.active is ActiveStep.Training:
-            await self._finish_training(state, log_loss=False)
-        elif self.active is ActiveStep.Cooldown:
-            await self.cooldown.finish()
+        await self.stop_work(state)
         if self.active is not ActiveStep.Warmup:
             logger.warning(
                 "this client is not among the run's clients (epoch %d step %d); back to warmup",
@@ -337,6 +366,13 @@ class StepStateMachine:
                 state.progress.step,
             )
             self._start_warmup()
+
+    async def stop_work(self, state: Coordinator) -> None:
+        """End the round's training or the cooldown this machine is in (its checkpoint written)."""
+        if self.active is ActiveStep.Training:
+            await self._finish_training(state, log_loss=False)
+        elif self.active is ActiveStep.Cooldown:
+            await self.cooldown.finish()
 
     def _start_warmup(self) -> None:
         self._early.clear()

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from psyche.client.apply import ApplyJob, apply_results
+from psyche.client.apply import ApplyError, ApplyJob, apply_results
 from psyche.client.fetch_data import DataFetcher
 from psyche.client.logs import log_event
 from psyche.client.round_state import CommitteeInfo, DeserializedPayload, RoundState
@@ -264,6 +264,8 @@ async def run_round(
         finished.duration = time.monotonic() - start
         handle.finished = True
         handle.complete(finished)
+    except ApplyError as e:  # the machine says what it means (`apply_failed`)
+        handle.complete(e)
     except Exception as e:
         logger.exception("training step failed")
         handle.complete(e)

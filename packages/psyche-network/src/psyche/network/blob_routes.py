@@ -8,6 +8,15 @@
    the stream goes over whatever libp2p connection joins the two peers (direct, hole punched,
    or through a relay), so bulk data goes wherever the peer connection goes.
 
+A peer behind NAT is first reached through a relay; once hole punching opens a direct
+connection beside the relayed one (both stay open), new sessions take the direct one and idle
+sessions on the relay are not reused. A punched path can die without a word (a NAT drops the
+mapping): a fetch on it that receives nothing for `DIRECT_STALL_SECS` while the relayed
+connection is open is moved to the relay at once, the peer's direct path is suspect (sessions
+use the relay) for `DIRECT_SUSPECT_SECS`, and `on_direct_stalled` asks the network to check the
+path (it closes the direct connection when pings go unanswered). So a dead punched path costs a
+fetch a few seconds, not the attempt timeout, and the round goes on over the relay.
+
 The switch is automatic: a provider whose side channel failed is fetched over libp2p for
 `SIDE_CHANNEL_RETRY_SECS` before the side channel is tried again, and the route a provider's
 blobs take is logged once each time it changes. A fetch whose side channel breaks mid-transfer
@@ -20,6 +29,7 @@ bounded concurrent downloads per peer), so no provider is swamped by one request
 from __future__ import annotations
 
 import logging
+import math
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,6 +57,12 @@ LIBP2P_DIRECT = "libp2p stream (direct connection)"
 LIBP2P_RELAYED = "libp2p stream (through a relay)"
 
 SIDE_CHANNEL_RETRY_SECS = 60.0
+DIRECT_STALL_SECS = 3.0
+"""How long a fetch on a direct connection may receive nothing before it moves to the relayed
+connection to the same peer (when there is one): long enough for a loaded provider to start
+sending, short enough that a payload still arrives within its round."""
+DIRECT_SUSPECT_SECS = 30.0
+"""How long after a stall new sessions to that peer take the relayed connection."""
 IDLE_SESSION_SECS = 20.0
 MAX_IDLE_SESSIONS_PER_PEER = 4
 DEFAULT_MAX_FETCHES_PER_PEER = 4
@@ -67,6 +83,10 @@ class _Idle:
     since: float
 
 
+class DirectPathStalled(trio.BrokenResourceError):
+    """Nothing came over a direct connection for `DIRECT_STALL_SECS`."""
+
+
 class BlobRoutes:
     def __init__(
         self,
@@ -75,11 +95,16 @@ class BlobRoutes:
         *,
         max_per_peer: int = DEFAULT_MAX_FETCHES_PER_PEER,
         clock: Callable[[], float] = trio.current_time,
+        on_direct_stalled: Callable[[bytes], None] = lambda peer: None,
+        direct_stall_secs: float = DIRECT_STALL_SECS,
     ) -> None:
         self.side_channel = side_channel
         self.libp2p = libp2p
         self.max_per_peer = max_per_peer
         self._clock = clock
+        self._on_direct_stalled = on_direct_stalled
+        self.direct_stall_secs = direct_stall_secs
+        self._direct_suspect: dict[bytes, float] = {}
         self._slots: dict[bytes, trio.Semaphore] = {}
         self._idle: defaultdict[bytes, list[_Idle]] = defaultdict(list)
         self._side_channel_down: dict[bytes, float] = {}
@@ -146,21 +171,35 @@ class BlobRoutes:
         """Fetch on an idle session of `route` (None: libp2p) or a new one. A reused session
         the provider has closed meanwhile is replaced once, transparently."""
         peer = provider.id
-        for fresh in (False, True):
+        fresh = stalled = False
+        while True:
             idle = None if fresh else self._take_idle(peer, route)
             if idle is not None:
                 session, used = idle.session, idle.route
             else:
                 session, used = await self._open(route, provider)
             try:
-                data = await session.fetch(digest, size, on_progress)
+                if used == LIBP2P_DIRECT and self._relay_beside(peer):
+                    data = await self._fetch_watching_direct(
+                        session, peer, digest, size, on_progress
+                    )
+                else:
+                    data = await session.fetch(digest, size, on_progress)
             except (BlobNotFound, BlobRefused, HashMismatch):
                 await self._close(session)
                 raise
+            except DirectPathStalled as e:
+                await self._close(session)
+                if stalled:
+                    raise
+                stalled = fresh = True  # once more, through the relay
+                why = e
+                continue
             except (*_BROKEN, BlobProtocolError):
                 await self._close(session)
                 if idle is not None and not fresh:
-                    continue  # an idle session the provider closed: one more, fresh
+                    fresh = True  # an idle session the provider closed: one more, fresh
+                    continue
                 raise
             except BaseException:
                 await self._close(session)
@@ -168,20 +207,59 @@ class BlobRoutes:
             self._note_route(peer, used, why)
             self._keep_idle(peer, session, used)
             return data
-        raise AssertionError("unreachable")
+
+    def _relay_beside(self, peer: bytes) -> bool:
+        return self.libp2p is not None and self.libp2p.has_path(peer, "relayed")
+
+    def _direct_suspected(self, peer: bytes) -> bool:
+        since = self._direct_suspect.get(peer)
+        if since is not None and trio.current_time() - since >= DIRECT_SUSPECT_SECS:
+            del self._direct_suspect[peer]
+            since = None
+        return since is not None
+
+    async def _fetch_watching_direct(
+        self, session: BlobSession, peer: bytes, digest: bytes, size: int, on_progress: ProgressFn
+    ) -> bytearray:
+        """`session.fetch`, given up (`DirectPathStalled`) once nothing arrives for
+        `direct_stall_secs` before the last byte."""
+        watch = trio.CancelScope(deadline=trio.current_time() + self.direct_stall_secs)
+
+        def progress(received: int) -> None:
+            watch.deadline = (
+                math.inf if received >= size else trio.current_time() + self.direct_stall_secs
+            )
+            on_progress(received)
+
+        with watch:
+            return await session.fetch(digest, size, progress)
+        self._direct_suspect[peer] = trio.current_time()
+        logger.info(
+            "blobs from %s: nothing came over the direct connection for %.0f s; fetching "
+            "through the relay",
+            fmt_short(peer),
+            self.direct_stall_secs,
+        )
+        self._on_direct_stalled(peer)
+        raise DirectPathStalled(f"the direct path to {fmt_short(peer)} stalled")
 
     async def _open(self, route: str | None, provider: EndpointAddr) -> tuple[BlobSession, str]:
         if route == SIDE_CHANNEL:
             return await self.side_channel.open_session(provider), SIDE_CHANNEL
         assert self.libp2p is not None
-        session, relayed = await self.libp2p.open_session(provider.id)
+        session, relayed = await self.libp2p.open_session(
+            provider.id, relayed=self._direct_suspected(provider.id)
+        )
         return session, LIBP2P_RELAYED if relayed else LIBP2P_DIRECT
 
     def _note_route(self, peer: bytes, route: str, why: Exception | None) -> None:
         if self.routes.get(peer) == route:
             return
         self.routes[peer] = route
-        reason = f" (side channel unreachable: {why})" if why is not None else ""
+        if isinstance(why, DirectPathStalled):
+            reason = " (the direct connection stalled)"
+        else:
+            reason = f" (side channel unreachable: {why})" if why is not None else ""
         logger.info("blobs from %s now come by %s%s", fmt_short(peer), route, reason)
 
     # idle sessions -----------------------------------------------------------------------------
@@ -194,10 +272,21 @@ class BlobRoutes:
             if now - idle.since >= IDLE_SESSION_SECS:
                 self._close_later(idle.session)
                 continue
-            if (route == SIDE_CHANNEL) == (idle.route == SIDE_CHANNEL):
+            if (route == SIDE_CHANNEL) == (idle.route == SIDE_CHANNEL) and not self._outdated(
+                peer, idle.route
+            ):
                 return idle
             self._close_later(idle.session)
         return None
+
+    def _outdated(self, peer: bytes, route: str) -> bool:
+        """An idle libp2p session on the other path than the one new sessions take: on the
+        relay once a (trusted) direct connection is open, on a suspect direct one."""
+        if self.libp2p is None or route == SIDE_CHANNEL:
+            return False
+        if route == LIBP2P_DIRECT:
+            return self._direct_suspected(peer)
+        return self.libp2p.has_path(peer, "direct") and not self._direct_suspected(peer)
 
     def _keep_idle(self, peer: bytes, session: BlobSession, route: str) -> None:
         sessions = self._idle[peer]
@@ -250,9 +339,11 @@ class BlobRoutes:
 
 
 __all__ = [
+    "DIRECT_STALL_SECS",
     "LIBP2P_DIRECT",
     "LIBP2P_RELAYED",
     "SIDE_CHANNEL",
     "BlobRoutes",
+    "DirectPathStalled",
     "is_relayed_record",
 ]

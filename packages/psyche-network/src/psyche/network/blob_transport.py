@@ -370,15 +370,26 @@ class Libp2pBlobStreams:
     def connected(self, peer: bytes) -> bool:
         return bool(self.host.get_network().get_connections(peer_id_from_public_key(peer)))
 
-    async def open_session(self, provider: bytes) -> tuple[BlobSession, bool]:
+    def has_path(self, peer: bytes, path: str) -> bool:
+        """Whether a `direct` (or `relayed`) connection to `peer` is open."""
+        return bool(p2p_host.connections_on(self.host, peer, path))
+
+    async def open_session(
+        self, provider: bytes, *, relayed: bool = False
+    ) -> tuple[BlobSession, bool]:
         """A session on a new stream to `provider`, and whether its connection is relayed;
-        raises `ConnectionError` when no connection can be made or the stream is refused."""
+        raises `ConnectionError` when no connection can be made or the stream is refused.
+        `relayed`: on a relayed connection already open (else on the one py-libp2p prefers,
+        a direct one over a relayed one)."""
+        protocols = [p2p_host.protocol(BLOB_PROTOCOL)]
         try:
-            await self._connect(provider)
-            stream = await self.host.new_stream(
-                peer_id_from_public_key(provider), [p2p_host.protocol(BLOB_PROTOCOL)]
-            )
-        except (LookupError, PermissionError, BaseLibp2pError) as e:
+            on_relay = p2p_host.connections_on(self.host, provider, "relayed") if relayed else []
+            if on_relay:
+                stream = await p2p_host.new_stream_on(self.host, on_relay[0], protocols)
+            else:
+                await self._connect(provider)
+                stream = await self.host.new_stream(peer_id_from_public_key(provider), protocols)
+        except (LookupError, PermissionError, BaseLibp2pError, trio.TooSlowError) as e:
             raise ConnectionError(f"no libp2p stream to {fmt_short(provider)}: {e}") from e
         relayed = p2p_host.is_relayed(stream.muxed_conn)
         return BlobSession(Libp2pByteStream(stream), self.server.identity, provider), relayed

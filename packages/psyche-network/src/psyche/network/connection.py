@@ -79,6 +79,8 @@ SHUTDOWN_TIMEOUT_SECS = 5.0
 DEAD_CONNECTION_PROBES = 2
 """Consecutive unanswered pings (one per RTT probe interval) after which a connection is
 considered dead and closed."""
+DIRECT_PATH_PROBE_SECS = 2.0
+"""How long each ping of a stalled direct path may take (`_check_direct_path`)."""
 
 
 @dataclass(frozen=True)
@@ -168,7 +170,10 @@ class NetworkConnection:
         )
         self.blob_streams = Libp2pBlobStreams(host, self.blob_server, self.connect)
         self.blob_routes = BlobRoutes(
-            self.blob_transport, self.blob_streams, max_per_peer=config.max_downloads_per_peer
+            self.blob_transport,
+            self.blob_streams,
+            max_per_peer=config.max_downloads_per_peer,
+            on_direct_stalled=self._on_direct_stalled,
         )
         self.downloader = Downloader(self.store, self.blob_routes, self._resolve, self._allowed)
         self.downloads = DownloadManager(
@@ -202,6 +207,7 @@ class NetworkConnection:
         )
         self._paths: dict[bytes, str] = {}
         self._rtt_failures: dict[bytes, int] = {}
+        self._checking_direct: set[bytes] = set()
 
     # ------------------------------------------------------------------------------------------
     # lifecycle
@@ -579,6 +585,9 @@ class NetworkConnection:
             failures = self._rtt_failures.get(peer, 0) + 1
             self._rtt_failures[peer] = failures
             if failures >= DEAD_CONNECTION_PROBES:
+                self._rtt_failures.pop(peer, None)
+                if await self._close_dead_direct_path(peer, failures):
+                    return
                 # The connection is dead without having been closed (a path that lost its
                 # packets): drop it, so the next connect finds another path (the relay).
                 logger.info(
@@ -586,12 +595,54 @@ class NetworkConnection:
                     fmt_short(peer),
                     failures,
                 )
-                self._rtt_failures.pop(peer, None)
                 await p2p_host.disconnect(self.host, peer)
                 self._spawn(self._connect_logged, peer)
             return
         self._rtt_failures.pop(peer, None)
         self.connection_monitor.on_rtt(peer, rtt)
+
+    async def _close_dead_direct_path(self, peer: bytes, unanswered: int) -> bool:
+        """Close the direct connections to `peer` when a relayed one stays open beside them
+        (a punched path that died): the relayed one carries on, nothing to dial. False when
+        there is no relayed connection to fall back on."""
+        direct = p2p_host.connections_on(self.host, peer, "direct")
+        if not direct or not p2p_host.connections_on(self.host, peer, "relayed"):
+            return False
+        logger.info(
+            "peer %s: no answer to %d pings on the direct connection; closing it, the relay "
+            "carries on",
+            fmt_short(peer),
+            unanswered,
+        )
+        await p2p_host.close_connections(direct)
+        self._note_path(peer)
+        return True
+
+    def _on_direct_stalled(self, peer: bytes) -> None:
+        self._spawn(self._check_direct_path, peer)
+
+    async def _check_direct_path(self, peer: bytes) -> None:
+        """A fetch stalled on the direct connection to `peer`: ping on that connection now
+        (`DEAD_CONNECTION_PROBES` tries, `DIRECT_PATH_PROBE_SECS` each) rather than at the next
+        RTT probe, and close it if none is answered."""
+        if peer in self._checking_direct:
+            return
+        self._checking_direct.add(peer)
+        try:
+            for _ in range(DEAD_CONNECTION_PROBES):
+                direct = p2p_host.connections_on(self.host, peer, "direct")
+                if not direct:
+                    return
+                try:
+                    await p2p_host.measure_rtt(
+                        self.host, peer, DIRECT_PATH_PROBE_SECS, conn=direct[0]
+                    )
+                    return
+                except Exception as e:
+                    logger.debug("direct-path ping to %s failed: %s", fmt_short(peer), e)
+            await self._close_dead_direct_path(peer, DEAD_CONNECTION_PROBES)
+        finally:
+            self._checking_direct.discard(peer)
 
     async def _rtt_loop(self) -> None:
         while True:

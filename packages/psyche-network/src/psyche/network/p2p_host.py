@@ -278,6 +278,42 @@ def connection_paths(host: IHost, peer: bytes) -> list[str]:
     return ["relayed" if is_relayed(c) else "direct" for c in conns]
 
 
+def connections_on(host: IHost, peer: bytes, path: str) -> list[INetConn]:
+    """The open connections to `peer` that are `direct` or `relayed`."""
+    conns = host.get_network().get_connections(peer_id_from_public_key(peer))
+    return [c for c in conns if ("relayed" if is_relayed(c) else "direct") == path]
+
+
+async def new_stream_on(
+    host: IHost, conn: INetConn, protocols: list[TProtocol], timeout: float = DIAL_TIMEOUT_SECS
+) -> INetStream:
+    """A stream on this very connection (`host.new_stream` picks one itself: a direct one over
+    a relayed one), its protocol negotiated as `host.new_stream` does."""
+    from libp2p.protocol_muxer.multiselect_client import MultiselectClient
+    from libp2p.protocol_muxer.multiselect_communicator import MultiselectCommunicator
+
+    with trio.fail_after(timeout):
+        stream = await conn.new_stream()
+        try:
+            protocol = await MultiselectClient().select_one_of(
+                protocols, MultiselectCommunicator(stream), int(max(1, timeout))
+            )
+        except BaseException:
+            with trio.CancelScope(shield=True), contextlib.suppress(Exception):
+                await stream.reset()
+            raise
+    stream.set_protocol(protocol)
+    return stream
+
+
+async def close_connections(conns: list[INetConn]) -> None:
+    for conn in conns:
+        try:
+            await conn.close()
+        except Exception as e:
+            logger.debug("closing a connection: %s", e)
+
+
 def listen_multiaddr(host: str, port: int) -> multiaddr.Multiaddr:
     return multiaddr.Multiaddr(f"/ip4/{host}/tcp/{port}")
 
@@ -372,12 +408,18 @@ async def close_all_connections(host: IHost) -> None:
     await swarm.close()
 
 
-async def measure_rtt(host: IHost, peer: bytes, timeout: float = 5.0) -> float:
-    """One ping round trip in seconds, timed here (py-libp2p's ping rounds to whole ms)."""
+async def measure_rtt(
+    host: IHost, peer: bytes, timeout: float = 5.0, conn: INetConn | None = None
+) -> float:
+    """One ping round trip in seconds, timed here (py-libp2p's ping rounds to whole ms), on
+    `conn` when given, else on the connection py-libp2p picks."""
     import os
 
     with trio.fail_after(timeout):
-        stream = await host.new_stream(peer_id_from_public_key(peer), [PING_PROTOCOL_ID])
+        if conn is not None:
+            stream = await new_stream_on(host, conn, [PING_PROTOCOL_ID], timeout)
+        else:
+            stream = await host.new_stream(peer_id_from_public_key(peer), [PING_PROTOCOL_ID])
         try:
             payload = os.urandom(PING_LENGTH)
             start = trio.current_time()
