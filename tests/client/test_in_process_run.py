@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import pytest
@@ -29,6 +31,7 @@ from psyche.modeling.configs import llama_config_dict
 from psyche.network.connection import NetworkConfig
 
 SEQ = 32
+ServerT = TypeVar("ServerT", bound=InProcessServer)
 RUN_ID = "in-process"
 
 
@@ -253,6 +256,52 @@ class LateClient(Client):
         await super()._rejoin(state)
 
 
+def three_client_run(tmp_path: Path, kind: type[ServerT], epoch_time: int) -> ServerT:
+    """A server (`kind`, no bans) for a run that starts with three clients."""
+    preload_modeling()
+    state = coordinator(*write_run(tmp_path))
+    state.config.epoch_time = epoch_time
+    state.config.init_min_clients = 3
+    return kind(state, ban_epochs=0)
+
+
+async def wait_until(condition: Callable[[], bool]) -> None:
+    while not condition():
+        await trio.sleep(0.1)
+
+
+def in_training(server: InProcessServer, after_epoch: int) -> bool:
+    """The run trains a round of an epoch after `after_epoch`."""
+    return (
+        server.coordinator.progress.epoch > after_epoch
+        and server.coordinator.run_state is RunState.RoundTrain
+    )
+
+
+async def drop_a_late_client(
+    nursery: trio.Nursery,
+    server: InProcessServer,
+    late: list[Client],
+    caplog: pytest.LogCaptureFixture,
+) -> dict:  # type: ignore[type-arg]
+    """Start `server` and clients 1, 2 and 3 (a `LateClient`, appended to `late`); once the run
+    trains its second round, make 3 late; return the fields of the `left_run` it then logs."""
+    nursery.start_soon(server.run)
+    nursery.start_soon(run_client, server, 1)
+    nursery.start_soon(run_client, server, 2)
+    nursery.start_soon(run_client, server, 3, LateClient, late)
+    await wait_until(
+        lambda: (
+            server.coordinator.run_state is RunState.RoundTrain
+            and server.coordinator.current_round().height >= 1
+        )
+    )
+    assert isinstance(late[0], LateClient)
+    late[0].late = True
+    await wait_until(lambda: bool(fields(caplog.records, "left_run")))
+    return fields(caplog.records, "left_run")[0]
+
+
 def test_a_dropped_client_joins_again_and_reloads_the_model(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -261,46 +310,22 @@ def test_a_dropped_client_joins_again_and_reloads_the_model(
     trained on), trains, and ends that epoch with the others' weights. Before, it went back to
     warmup without a Join: left out for good, and a run needing it waited forever."""
     caplog.set_level(logging.INFO, logger="psyche")
-    preload_modeling()
-    model_dir, data_dir = write_run(tmp_path)
-    state = coordinator(model_dir, data_dir)
-    state.config.epoch_time = 10  # room for health checks (sent from an epoch's third round)
-    state.config.init_min_clients = 3
-    server = InProcessServer(state, ban_epochs=0)
+    # room for health checks (sent from an epoch's third round)
+    server = three_client_run(tmp_path, InProcessServer, epoch_time=10)
     late: list[Client] = []
-
-    def left() -> list[dict]:  # type: ignore[type-arg]
-        return fields(caplog.records, "left_run")
 
     async def scenario() -> None:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(server.run)
-            nursery.start_soon(run_client, server, 1)
-            nursery.start_soon(run_client, server, 2)
-            nursery.start_soon(run_client, server, 3, LateClient, late)
             with trio.fail_after(150):
-                while not (
-                    server.coordinator.run_state is RunState.RoundTrain
-                    and server.coordinator.current_round().height >= 1
-                ):
-                    await trio.sleep(0.1)
-                assert isinstance(late[0], LateClient)
-                late[0].late = True
-                while not left():
-                    await trio.sleep(0.1)
-                back = left()[0]["epoch"] + 1
+                gone = await drop_a_late_client(nursery, server, late, caplog)
                 # the epoch it is back in has ended (its cooldown model is out)
-                while not (
-                    server.coordinator.progress.epoch > back
-                    and server.coordinator.run_state is RunState.RoundTrain
-                ):
-                    await trio.sleep(0.1)
+                await wait_until(lambda: in_training(server, after_epoch=gone["epoch"] + 1))
             nursery.cancel_scope.cancel()
 
     trio.run(scenario)
     records = caplog.records
     me = str(late[0].identity)
-    (gone,) = left()
+    (gone,) = fields(records, "left_run")
     assert f"{me[:8]} did not deliver" not in caplog.text  # no ban with --ban-epochs 0
     assert "Dropped 1 clients from health check" in caplog.text
     back = gone["epoch"] + 1
@@ -347,41 +372,20 @@ def test_an_epoch_that_starts_from_the_stored_checkpoint_is_loaded_by_every_clie
     3 does, and all three end epoch 1 with the same weights. Before, 1 and 2 kept theirs while 3
     loaded the stored one: three clients, two models (seen in an end-to-end run under load)."""
     caplog.set_level(logging.INFO, logger="psyche")
-    preload_modeling()
-    model_dir, data_dir = write_run(tmp_path)
-    state = coordinator(model_dir, data_dir)
-    state.config.epoch_time = 60  # epoch 0 ends when its witnesses are lost, not before
-    state.config.init_min_clients = 3
-    server = WitnessDroppingServer(state, ban_epochs=0)
+    # epoch 0 ends when its witnesses are lost, not before
+    server = three_client_run(tmp_path, WitnessDroppingServer, epoch_time=60)
     late: list[Client] = []
 
     async def scenario() -> None:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(server.run)
-            nursery.start_soon(run_client, server, 1)
-            nursery.start_soon(run_client, server, 2)
-            nursery.start_soon(run_client, server, 3, LateClient, late)
             with trio.fail_after(180):
-                while not (
-                    server.coordinator.run_state is RunState.RoundTrain
-                    and server.coordinator.current_round().height >= 1
-                ):
-                    await trio.sleep(0.1)
-                assert isinstance(late[0], LateClient)
-                late[0].late = True
-                while not fields(caplog.records, "left_run"):
-                    await trio.sleep(0.1)
-                assert server.coordinator.progress.epoch == 0
+                gone = await drop_a_late_client(nursery, server, late, caplog)
+                assert gone["epoch"] == 0 and server.coordinator.progress.epoch == 0
                 server.drop_witnesses = True
-                while server.coordinator.run_state is not RunState.Cooldown:
-                    await trio.sleep(0.1)
+                await wait_until(lambda: server.coordinator.run_state is RunState.Cooldown)
                 server.drop_witnesses = False
                 server.coordinator.config.epoch_time = 8
-                while not (
-                    server.coordinator.progress.epoch > 1
-                    and server.coordinator.run_state is RunState.RoundTrain
-                ):
-                    await trio.sleep(0.1)
+                await wait_until(lambda: in_training(server, after_epoch=1))
             nursery.cancel_scope.cancel()
 
     trio.run(scenario)
