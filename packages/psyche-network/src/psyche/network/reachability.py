@@ -23,7 +23,7 @@ fixes written here because the shipped versions get them wrong:
    connection to the relay comes back;
 4. DCUtR runs on every relayed connection: both sides dial each other at once from their listen
    port (TCP simultaneous open through the NATs), and once a direct connection verifies, new
-   streams use it and the relayed one is closed after a grace period.
+   streams use it; the relayed one stays open as the fallback path (`ReportedDCUtR`).
 
 Every change of reachability or of the relay slots is logged in one line and kept in `status`
 (what the client's status output shows); `on_addresses_changed` lets the network re-sign and
@@ -167,11 +167,23 @@ class DialBackAutoNAT(AutoNATService):
 
 
 class ReportedDCUtR(DCUtRProtocol):
-    """DCUtR whose outcomes are counted and logged once per attempt."""
+    """DCUtR whose outcomes are counted and logged once per attempt, and which keeps the relayed
+    connection open beside the punched one.
+
+    py-libp2p closes the relayed connection 60 s after a punch succeeds. Kept, it is the path a
+    payload takes at once when the punched one dies without a word (a NAT that drops the
+    mapping): `BlobRoutes` moves a fetch that stalls on the direct connection to it within
+    seconds, where dialling the relay again after the dead connection is noticed by pings
+    costs 10 to 20 s, more than a round (iroh keeps its relay path for the same reason). New
+    streams prefer the direct connection, so the relayed one stays idle: one circuit per
+    punched peer on the relay, no traffic."""
 
     def __init__(self, host: IHost, on_outcome: Callable[[ID, bool], None]) -> None:
         super().__init__(host, dial_timeout=HOLE_PUNCH_DIAL_TIMEOUT_SECS)
         self._on_outcome = on_outcome
+
+    def _schedule_relay_close(self, peer_id: ID) -> None:
+        return None  # the relayed connection stays as the fallback path (see the class doc)
 
     async def _perform_hole_punch(
         self, peer_id: ID, addrs: list[Any], as_responder: bool = False
