@@ -70,6 +70,30 @@ def test_join_by_run_id_and_a_broadcast_every_tick() -> None:
     trio.run(main)
 
 
+def test_a_disconnect_overtaken_by_the_clients_new_connection_changes_nothing() -> None:
+    """A client that reconnects at once: its old connection's `Disconnected` event can reach the
+    server after the new connection's `Join` (the transport delivers it from a task of its own).
+    It must not undo that Join: before, the client sat connected and never pending for the rest
+    of the run (an end-to-end run under load: a banned member that came back)."""
+
+    async def main() -> None:
+        async with open_server(quick_coordinator(init_min_clients=3), fast_options()) as server:
+            key = SecretKey.generate()
+            async with await ProtocolClient.connect(addr(server), key) as first:
+                await first.join("test-run")
+                await eventually(lambda: first.identity in server.core.pending_clients)
+            async with await ProtocolClient.connect(addr(server), key) as second:
+                await second.join("test-run")
+                await eventually(lambda: server.tcp.connected_clients() == [key.public_key])
+                await eventually(lambda: second.identity in server.core.pending_clients)
+                server.on_disconnect(key.public_key)  # the first connection's event, late
+                assert second.identity in server.core.pending_clients
+            # a disconnect of the live connection still counts
+            await eventually(lambda: second.identity not in server.core.pending_clients)
+
+    trio.run(main)
+
+
 def test_warmup_then_a_disconnect_withdraws_the_client(tmp_path: Path) -> None:
     async def main() -> None:
         async with open_server(quick_coordinator(), fast_options(events_dir=tmp_path)) as server:

@@ -371,6 +371,13 @@ class CentralizedServer:
             self.post_state_change(broadcast)
 
     def on_disconnect(self, client: bytes) -> None:
+        if self.tcp is not None and client in self.tcp.connected_clients():
+            # The client is connected again: this is its old connection's event, delivered
+            # after the new connection's first messages (the transport sends it from a task of
+            # its own). Acting on it would undo the new connection's Join: the client would sit
+            # connected and never pending for the rest of the run (seen under load).
+            log.debug("client %s: a disconnect that its new connection overtook", client.hex())
+            return
         self.core.on_disconnect(NodeIdentity.from_single_key(client))
         self._greeted.discard(client)
         if self.relay.forget(client):

@@ -186,8 +186,8 @@ def model_download_progress(download: ModelDownload) -> str:
 
 def loads_from_storage_again(state: Coordinator, identity: Any, loaded_epoch: int) -> bool:
     """Whether a client that holds a model must drop it and load the run's checkpoint from
-    storage: a new epoch (later than the one it loaded the model in) starts, this client is in
-    it, and the coordinator names a Hub or GCS checkpoint.
+    storage: a new epoch (later than the one it loaded the model in) has started, this client
+    is in it, and the coordinator names a Hub or GCS checkpoint.
 
     After its first epoch a run's checkpoint is P2P; the coordinator goes back to the storage
     one only when no client of the last epoch is back (an epoch that ended with every client
@@ -198,7 +198,9 @@ def loads_from_storage_again(state: Coordinator, identity: Any, loaded_epoch: in
     start it with the same weights; what the run trained since that checkpoint was written is
     lost, as it is for any client that joins then. A divergence from upstream."""
     return (
-        state.run_state is RunState.Warmup
+        # a client that missed the warmup (the backend hands over the newest state only) finds
+        # out in the epoch's first rounds, and sits the epoch out once it has loaded
+        state.run_state in (RunState.Warmup, RunState.RoundTrain, RunState.RoundWitness)
         and state.progress.epoch > loaded_epoch
         and isinstance(state.model.value.checkpoint, (Checkpoint.Hub, Checkpoint.Gcs))
         and any(c.id == identity for c in state.epoch_state.clients)
