@@ -211,13 +211,14 @@ async def run_simulated(
     late: int | None = None,
     lose_downloads: int | None = None,
     max_round_train_time: int = 20,
+    witness_nodes: int = 1,
 ) -> tuple[Bus, list[Node]]:
     """`late`: that client sees each new coordinator state only after the others have trained
     and gossiped in it (their broadcasts reach it while it is still a round behind).
     `lose_downloads`: that client's downloads stop arriving after its second result.
     `max_round_train_time` also bounds (in real seconds) how long an apply waits for a
-    payload."""
-    coordinator = integration_test_coordinator(clients, 2 * clients, 1)
+    payload; `witness_nodes`: the witnesses elected per round (0: every client)."""
+    coordinator = integration_test_coordinator(clients, 2 * clients, witness_nodes)
     coordinator.config.max_round_train_time = max_round_train_time
     coordinator.config.epoch_time = 1_000
     coordinator.config.min_clients = 1
@@ -328,9 +329,13 @@ def test_a_client_that_cannot_apply_the_agreed_results_stops_with_its_model_stal
     """A client whose downloads stop arriving cannot apply what the run agreed on: it says so
     (`apply_failed`), stops training and marks its model stale (`left_run`: the client joins
     again and reloads it), where it ended with "unexpected ApplyError" before (seen when a
-    punched path died mid-round). The others go on with identical weights."""
+    punched path died mid-round). The others go on with identical weights. Every client
+    witnesses every round, so the one that stops leaves the round's other witnesses (with one
+    witness a round, its silence would end the epoch for everyone: another test)."""
     caplog.set_level(logging.INFO, logger="psyche.client")
-    _bus, nodes = trio.run(lambda: run_simulated(3, 7, lose_downloads=2, max_round_train_time=3))
+    _bus, nodes = trio.run(
+        lambda: run_simulated(3, 7, lose_downloads=2, max_round_train_time=3, witness_nodes=0)
+    )
     failed = [r.psyche_fields for r in caplog.records if r.getMessage() == "apply_failed"]
     assert len(failed) == 1 and "not downloaded in time" in failed[0]["error"], failed
     assert nodes[2].machine.left_run and not any(n.machine.left_run for n in nodes[:2])
