@@ -246,11 +246,17 @@ def test_a_client_whose_punched_path_dies_goes_on_through_the_relay(
             for e in events(clients[n])
             if e["ts"] > blocked and str(e.get("logger", "")).startswith("psyche.network")
         ]
-        # the payloads moved to the relay at once, and the dead direct connection was closed
-        assert (
-            f"blobs from {peer} now come by libp2p stream (through a relay) (the direct "
-            "connection stalled)" in after
-        ), after
+        # the payloads moved to the relay when a fetch stalled on the direct connection (on a
+        # loaded machine a slow provider can trip that before the block: the route is then the
+        # relay already), and the dead direct connection was closed
+        assert any(
+            line.startswith(f"blobs from {peer}: nothing came over the direct connection")
+            for line in said
+        ), said
+        routes = [line for line in said if line.startswith(f"blobs from {peer} now come by")]
+        assert routes[-1].startswith(
+            f"blobs from {peer} now come by libp2p stream (through a relay)"
+        ), routes
         assert any(
             line.startswith(f"peer {peer}: no answer to 2 pings on the direct connection")
             for line in after
