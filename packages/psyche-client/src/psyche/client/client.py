@@ -184,29 +184,6 @@ def model_download_progress(download: ModelDownload) -> str:
     )
 
 
-def loads_from_storage_again(state: Coordinator, identity: Any, loaded_epoch: int) -> bool:
-    """Whether a client that holds a model must drop it and load the run's checkpoint from
-    storage: a new epoch (later than the one it loaded the model in) has started, this client
-    is in it, and the coordinator names a Hub or GCS checkpoint.
-
-    After its first epoch a run's checkpoint is P2P; the coordinator goes back to the storage
-    one only when no client of the last epoch is back (an epoch that ended with every client
-    withdrawn, a resumed pause), so nobody in the new epoch is known to hold the run's model.
-    Upstream's clients keep whatever they hold, and a client that sat out an epoch or more then
-    trains different weights from one that did not (seen: two honest clients ending a run with
-    different models). Here every client of that epoch loads the stored checkpoint, so they
-    start it with the same weights; what the run trained since that checkpoint was written is
-    lost, as it is for any client that joins then. A divergence from upstream."""
-    return (
-        # a client that missed the warmup (the backend hands over the newest state only) finds
-        # out in the epoch's first rounds, and sits the epoch out once it has loaded
-        state.run_state in (RunState.Warmup, RunState.RoundTrain, RunState.RoundWitness)
-        and state.progress.epoch > loaded_epoch
-        and isinstance(state.model.value.checkpoint, (Checkpoint.Hub, Checkpoint.Gcs))
-        and any(c.id == identity for c in state.epoch_state.clients)
-    )
-
-
 class Client:
     def __init__(
         self,
@@ -228,10 +205,8 @@ class Client:
         self.coordinator: Coordinator | None = None
         self._last_state_bytes: bytes | None = None
         self.stage = "waiting"  # -> initializing -> running
-        self._loaded_epoch = -1
         self._join_again = False
         """Set when this client must send `Join` again once it is off the epoch's list."""
-        """The epoch whose warmup this client last loaded (or fetched) the model in."""
         self.machine: StepStateMachine | None = None
         self.sharable_model = SharableModel()
         self.rebroadcaster = Rebroadcaster()
@@ -359,12 +334,9 @@ class Client:
                 self._start_initializing(state)
         elif self.stage == "running":
             assert self.machine is not None
-            if loads_from_storage_again(state, self.identity, self._loaded_epoch):
-                await self._load_from_storage_again(state)
-            else:
-                await self.machine.apply_state(state)
-                if self.machine.left_run:
-                    await self._rejoin(state)
+            await self.machine.apply_state(state)
+            if self.machine.left_run:
+                await self._rejoin(state)
         if self.machine is not None:
             self.machine.stats.bandwidth_total = sum(
                 info.bandwidth for info in self.network.remote_infos()
@@ -373,27 +345,8 @@ class Client:
     def _start_initializing(self, state: Coordinator) -> None:
         self.stage = "initializing"
         self._join_again = False
-        self._loaded_epoch = state.progress.epoch
         assert self._nursery is not None
         self._nursery.start_soon(self._initialize, state)
-
-    async def _load_from_storage_again(self, state: Coordinator) -> None:
-        """The epoch starts from the run's checkpoint in storage (`loads_from_storage_again`):
-        drop the model this client holds and load that one, as every client of the epoch does."""
-        assert self.machine is not None
-        log_event(
-            logger,
-            "reloading_model",
-            text=f"epoch {state.progress.epoch} starts from the run's checkpoint in storage (no "
-            "client of the last epoch is back to share its model): every client of this epoch "
-            "loads it, this one too",
-            epoch=state.progress.epoch,
-            step=state.progress.step,
-        )
-        await self.machine.stop_work(state)
-        self.machine = None
-        self.sharable_model.stop_sharing()
-        self._start_initializing(state)
 
     async def _rejoin(self, state: Coordinator) -> None:
         """This client's model is behind the run's: the run trained a round without it (a

@@ -353,8 +353,7 @@ class StepStateMachine:
         """Not (or no longer) among the run's clients: stop what we do and wait in warmup.
 
         Between epochs (an epoch ended with every client withdrawn, a restarted server) the
-        model is still the run's and is kept (unless the next epoch starts from the stored
-        checkpoint: `psyche.client.client.loads_from_storage_again`). Once the run trains a round without this machine
+        model is still the run's and is kept. Once the run trains a round without this machine
         (`left_run`, set by `apply_state`) its model falls behind: the client drops it and loads
         the model afresh when it is in an epoch again (training on stale weights would end with
         a model no other client has)."""
