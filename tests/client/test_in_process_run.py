@@ -9,7 +9,6 @@ import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
 
 import numpy as np
 import pytest
@@ -31,7 +30,6 @@ from psyche.modeling.configs import llama_config_dict
 from psyche.network.connection import NetworkConfig
 
 SEQ = 32
-ServerT = TypeVar("ServerT", bound=InProcessServer)
 RUN_ID = "in-process"
 
 
@@ -256,13 +254,13 @@ class LateClient(Client):
         await super()._rejoin(state)
 
 
-def three_client_run(tmp_path: Path, kind: type[ServerT], epoch_time: int) -> ServerT:
-    """A server (`kind`, no bans) for a run that starts with three clients."""
+def three_client_run(tmp_path: Path, epoch_time: int) -> InProcessServer:
+    """A server (no bans) for a run that starts with three clients."""
     preload_modeling()
     state = coordinator(*write_run(tmp_path))
     state.config.epoch_time = epoch_time
     state.config.init_min_clients = 3
-    return kind(state, ban_epochs=0)
+    return InProcessServer(state, ban_epochs=0)
 
 
 async def wait_until(condition: Callable[[], bool]) -> None:
@@ -311,7 +309,7 @@ def test_a_dropped_client_joins_again_and_reloads_the_model(
     warmup without a Join: left out for good, and a run needing it waited forever."""
     caplog.set_level(logging.INFO, logger="psyche")
     # room for health checks (sent from an epoch's third round)
-    server = three_client_run(tmp_path, InProcessServer, epoch_time=10)
+    server = three_client_run(tmp_path, epoch_time=10)
     late: list[Client] = []
 
     async def scenario() -> None:

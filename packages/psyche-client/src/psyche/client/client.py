@@ -331,7 +331,10 @@ class Client:
         if self.stage == "waiting":
             await self._join_again_once_out(state)
             if state.run_state is RunState.Warmup and any(c.id == self.identity for c in clients):
-                self._start_initializing(state)
+                self.stage = "initializing"
+                self._join_again = False
+                assert self._nursery is not None
+                self._nursery.start_soon(self._initialize, state)
         elif self.stage == "running":
             assert self.machine is not None
             await self.machine.apply_state(state)
@@ -341,12 +344,6 @@ class Client:
             self.machine.stats.bandwidth_total = sum(
                 info.bandwidth for info in self.network.remote_infos()
             )
-
-    def _start_initializing(self, state: Coordinator) -> None:
-        self.stage = "initializing"
-        self._join_again = False
-        assert self._nursery is not None
-        self._nursery.start_soon(self._initialize, state)
 
     async def _rejoin(self, state: Coordinator) -> None:
         """This client's model is behind the run's: the run trained a round without it (a

@@ -357,7 +357,10 @@ class StepStateMachine:
         (`left_run`, set by `apply_state`) its model falls behind: the client drops it and loads
         the model afresh when it is in an epoch again (training on stale weights would end with
         a model no other client has)."""
-        await self.stop_work(state)
+        if self.active is ActiveStep.Training:
+            await self._finish_training(state, log_loss=False)
+        elif self.active is ActiveStep.Cooldown:
+            await self.cooldown.finish()
         if self.active is not ActiveStep.Warmup:
             logger.warning(
                 "this client is not among the run's clients (epoch %d step %d); back to warmup",
@@ -365,13 +368,6 @@ class StepStateMachine:
                 state.progress.step,
             )
             self._start_warmup()
-
-    async def stop_work(self, state: Coordinator) -> None:
-        """End the round's training or the cooldown this machine is in (its checkpoint written)."""
-        if self.active is ActiveStep.Training:
-            await self._finish_training(state, log_loss=False)
-        elif self.active is ActiveStep.Cooldown:
-            await self.cooldown.finish()
 
     def _start_warmup(self) -> None:
         self._early.clear()
