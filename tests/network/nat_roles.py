@@ -12,15 +12,19 @@ with what it measured. Identities are test keys (`key(n)`); the provider allows 
 * `requester` (`--mode bench`): connects to the provider (through its relay), waits up to
   `--punch-wait` s for hole punching to make the path direct, then fetches the blob
   `--repeats` times on libp2p streams, timing each;
-* `requester` (`--mode fallback`): connects, waits for the direct path, writes `direct`, waits
-  for the test to cut that path (file `blocked`), then downloads the blob as a client does
-  (`start_download`: routes, attempt timeouts, retries) and reports the route it took.
+* `requester` (`--mode fallback`): connects, waits for the direct path, gossips `before` (and
+  waits for the provider to have it), writes `direct`, waits for the test to cut that path (file
+  `blocked`), gossips `after` at once, then downloads the blob as a client does
+  (`start_download`: routes, attempt timeouts, retries) and reports the route it took. The
+  provider writes each message it receives to `received-<message>` (JSON: how many messages
+  came first by their mirrored copy on the relay).
 * `raw-sink` / `raw-source`: a raw TCP transfer of the same bytes (the benchmarks' baseline).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import random
@@ -28,6 +32,7 @@ import socket
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -37,9 +42,6 @@ MIB = 1 << 20
 PROVIDER_KEY = 1
 RELAY_PORT = 20002
 RAW_PORT = 20900
-RTT_PROBE_SECS = 1.0
-"""The requesters probe their connections every second (the client: every 5 s), so a dead
-path is noticed within a few seconds."""
 
 
 def key(number: int):  # type: ignore[no-untyped-def]
@@ -79,20 +81,22 @@ def open_node(workdir: Path, number: int):  # type: ignore[no-untyped-def]
         run_id="nat",
         secret_key=key(number),
         relays=((workdir / "relay").read_text(),),
-        rtt_probe_interval_secs=RTT_PROBE_SECS,
     )
     return NetworkConnection.open(config, broadcast_type=bytes, distro_result_type=bytes)
 
 
 async def role_provider(workdir: Path, members: int, size: int) -> None:
-    import trio
+    from psyche.network.events import MessageReceived
 
     async with open_node(workdir, PROVIDER_KEY) as node:
         node.set_allowed_peers(key(n).public_key for n in range(1, members + 1))
         ticket, _ = await node.add_downloadable(blob(size), "blob")
         info = {"record": node.own_record.hex(), "hash": ticket.hash.hex(), "size": ticket.size}
         (workdir / "provider.json").write_text(json.dumps(info))
-        await trio.sleep_forever()
+        async for event in node:
+            if isinstance(event, MessageReceived):
+                said = {"mirrored_first": node.gossip.mirrored_first}
+                (workdir / f"received-{event.message.decode()}").write_text(json.dumps(said))
 
 
 async def role_requester(
@@ -127,8 +131,10 @@ async def role_requester(
                 await trio.sleep(0.05)
             result["punched_after_secs"] = time.perf_counter() - start - result["connect_secs"]
         if mode == "fallback":
+            await gossip_on_the_direct_connection(node, provider, workdir)
             (workdir / "direct").write_text(str(result["punched_after_secs"]))
             await trio.to_thread.run_sync(wait_file, workdir / "blocked")
+            node.broadcast(b"after")
             start = time.perf_counter()
             with trio.fail_after(120):
                 done = await node.start_download(
@@ -139,6 +145,10 @@ async def role_requester(
                 len(done.data)
             )
             result["route"] = node.blob_routes.routes.get(provider)
+            result["direct_suspected"] = node.blob_routes.direct_suspected(provider)
+            with trio.move_on_after(30):  # the pings that follow the stall close it
+                while "direct" in connection_paths(node.host, provider):
+                    await trio.sleep(0.1)
             result["paths_after"] = connection_paths(node.host, provider)
         else:
             await trio.sleep(0.5)
@@ -155,6 +165,36 @@ async def role_requester(
                 assert len(got) == ticket.size
             result["fetch_secs"], result["paths"] = times, paths
     print(json.dumps(result), flush=True)
+
+
+async def gossip_on_the_direct_connection(node: Any, peer: bytes, workdir: Path) -> None:
+    """Move gossip's stream to `peer` onto the punched connection and see a message arrive on it.
+
+    py-libp2p keeps one gossip stream per peer, opened on the first connection (here the relayed
+    one), and opens it again, on the direct connection it prefers, whenever that stream fails
+    (a reset, a muxer error): in a long run gossip ends up on the punched path. Resetting the
+    stream here makes that happen now (both sides re-open theirs)."""
+    import trio
+
+    from psyche.network.identity import peer_id_from_public_key
+    from psyche.network.p2p_host import is_relayed
+
+    pubsub = node.gossip.pubsub
+    pid = peer_id_from_public_key(peer)
+    await pubsub.peers[pid].reset()
+    first_on_direct = None
+    with trio.fail_after(60):  # re-opened streams and the mesh form on heartbeats
+        for attempt in itertools.count():
+            stream = pubsub.peers.get(pid)
+            if stream is not None and not is_relayed(stream.muxed_conn):
+                first_on_direct = attempt if first_on_direct is None else first_on_direct
+                if any(
+                    int(f.name.rsplit("-", 1)[1]) >= first_on_direct
+                    for f in workdir.glob("received-before-*")
+                ):
+                    return
+            node.broadcast(f"before-{attempt}".encode())
+            await trio.sleep(1)
 
 
 def role_raw_sink(workdir: Path, size: int, count: int) -> None:

@@ -329,3 +329,29 @@ def test_rebroadcaster_all_to_send_bumps_every_nonce() -> None:
     again = rebroadcaster.all_to_send()
     assert [(b.step, b.nonce) for b in again] == [(1, 1), (2, 0)]
     assert rebroadcaster.broadcasts == again  # the round robin continues from the new nonces
+
+
+def test_gossip_goes_on_after_the_stream_to_a_peer_fails() -> None:
+    """When the stream a node writes gossip on fails while the peer stays connected (a reset, a
+    muxer error, the connection it ran on closed beside another), every message still reaches
+    the peer, the one whose write found the stream failed included: py-libp2p 0.8.1 forgot the
+    peer's subscription then and sent it nothing more, and dropped that message."""
+
+    async def main() -> None:
+        async with open_nodes(2, broadcast_type=Broadcast) as (a, b):
+            await connect_pairs([a, b], [(0, 1)])
+            await wait_for_mesh([a, b], 1)
+            first = finished(a.secret_key, step=1)
+            a.broadcast(first)
+            assert await next_message(b) == first
+            pubsub = a.gossip.pubsub
+            b_id = peer_id_from_public_key(b.endpoint_id)
+            await pubsub.peers[b_id].reset()
+            for step in range(2, 5):
+                message = finished(a.secret_key, step=step)
+                a.broadcast(message)
+                assert await next_message(b) == message
+            assert b_id in pubsub.peers  # the stream was opened again
+            assert b.gossip.mirrored_first == 0  # no relay here: it all came by gossip
+
+    trio.run(main)

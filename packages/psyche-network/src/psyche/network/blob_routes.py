@@ -11,8 +11,8 @@
 A peer behind NAT is first reached through a relay; once hole punching opens a direct
 connection beside the relayed one (both stay open), new sessions take the direct one and idle
 sessions on the relay are not reused. A punched path can die without a word (a NAT drops the
-mapping): a fetch on it that receives nothing for `DIRECT_STALL_SECS` while the relayed
-connection is open is moved to the relay at once, the peer's direct path is suspect (sessions
+mapping): a fetch on it that receives nothing (or cannot open its stream) for
+`DIRECT_STALL_SECS` while the relayed connection is open is moved to the relay at once, the peer's direct path is suspect (sessions
 use the relay) for `DIRECT_SUSPECT_SECS`, and `on_direct_stalled` asks the network to check the
 path (it closes the direct connection when pings go unanswered). So a dead punched path costs a
 fetch a few seconds, not the attempt timeout, and the round goes on over the relay.
@@ -177,7 +177,14 @@ class BlobRoutes:
             if idle is not None:
                 session, used = idle.session, idle.route
             else:
-                session, used = await self._open(route, provider)
+                try:
+                    session, used = await self._open(route, provider)
+                except DirectPathStalled as e:
+                    if stalled:
+                        raise
+                    stalled = fresh = True  # once more, through the relay
+                    why = e
+                    continue
             try:
                 if used == LIBP2P_DIRECT and self._relay_beside(peer):
                     data = await self._fetch_watching_direct(
@@ -211,7 +218,8 @@ class BlobRoutes:
     def _relay_beside(self, peer: bytes) -> bool:
         return self.libp2p is not None and self.libp2p.has_path(peer, "relayed")
 
-    def _direct_suspected(self, peer: bytes) -> bool:
+    def direct_suspected(self, peer: bytes) -> bool:
+        """Whether new sessions to `peer` take the relay (its direct path stalled lately)."""
         since = self._direct_suspect.get(peer)
         if since is not None and trio.current_time() - since >= DIRECT_SUSPECT_SECS:
             del self._direct_suspect[peer]
@@ -233,23 +241,36 @@ class BlobRoutes:
 
         with watch:
             return await session.fetch(digest, size, progress)
+        raise self._direct_stalled(peer, "nothing came over the direct connection")
+
+    def _direct_stalled(self, peer: bytes, what: str) -> DirectPathStalled:
+        """Mark the direct path to `peer` suspect, have it checked, and say so."""
         self._direct_suspect[peer] = trio.current_time()
         logger.info(
-            "blobs from %s: nothing came over the direct connection for %.0f s; fetching "
-            "through the relay",
+            "blobs from %s: %s for %.0f s; fetching through the relay",
             fmt_short(peer),
+            what,
             self.direct_stall_secs,
         )
         self._on_direct_stalled(peer)
-        raise DirectPathStalled(f"the direct path to {fmt_short(peer)} stalled")
+        return DirectPathStalled(f"the direct path to {fmt_short(peer)} stalled")
 
     async def _open(self, route: str | None, provider: EndpointAddr) -> tuple[BlobSession, str]:
+        """A new session. On a direct connection with a relayed one beside it, opening the
+        stream is watched as a fetch is: on a dead path it would wait for the connection to
+        be closed."""
         if route == SIDE_CHANNEL:
             return await self.side_channel.open_session(provider), SIDE_CHANNEL
         assert self.libp2p is not None
-        session, relayed = await self.libp2p.open_session(
-            provider.id, relayed=self._direct_suspected(provider.id)
-        )
+        peer = provider.id
+        relayed = self.direct_suspected(peer)
+        if relayed or not self._relay_beside(peer):
+            session, relayed = await self.libp2p.open_session(peer, relayed=relayed)
+        else:
+            with trio.move_on_after(self.direct_stall_secs):
+                session, relayed = await self.libp2p.open_session(peer, relayed=False)
+                return session, LIBP2P_RELAYED if relayed else LIBP2P_DIRECT
+            raise self._direct_stalled(peer, "no stream opened on the direct connection")
         return session, LIBP2P_RELAYED if relayed else LIBP2P_DIRECT
 
     def _note_route(self, peer: bytes, route: str, why: Exception | None) -> None:
@@ -285,8 +306,8 @@ class BlobRoutes:
         if self.libp2p is None or route == SIDE_CHANNEL:
             return False
         if route == LIBP2P_DIRECT:
-            return self._direct_suspected(peer)
-        return self.libp2p.has_path(peer, "direct") and not self._direct_suspected(peer)
+            return self.direct_suspected(peer)
+        return self.libp2p.has_path(peer, "direct") and not self.direct_suspected(peer)
 
     def _keep_idle(self, peer: bytes, session: BlobSession, route: str) -> None:
         sessions = self._idle[peer]

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import trio
-from libp2p.abc import IHost, INetStream
+from libp2p.abc import IHost, INetConn, INetStream
 from libp2p.tools.anyio_service import background_trio_service
 
 from psyche.core.allowlist import AllowDynamic, Allowlist
@@ -48,7 +48,13 @@ from psyche.network.discovery import AddressBook, LocalDiscovery, sign_address_r
 from psyche.network.download import DOWNLOAD_TIMEOUT_SECS, Download, Downloader
 from psyche.network.download_manager import INLINE_WORK_BYTES, DownloadManager
 from psyche.network.events import MessageReceived, NetworkEvent, PeerConnected
-from psyche.network.gossip import Gossip, GossipConfig, gossip_topic
+from psyche.network.gossip import (
+    GOSSIP_MIRROR_PROTOCOL,
+    Gossip,
+    GossipConfig,
+    GossipRejected,
+    gossip_topic,
+)
 from psyche.network.identity import fmt_short
 from psyche.network.interfaces import announce_host, interface_ipv4
 from psyche.network.reachability import (
@@ -81,6 +87,13 @@ DEAD_CONNECTION_PROBES = 2
 considered dead and closed."""
 DIRECT_PATH_PROBE_SECS = 2.0
 """How long each ping of a stalled direct path may take (`_check_direct_path`)."""
+MIRROR_AFTER_DIRECT_CLOSED_SECS = 30.0
+"""How long after closing a dead punched path this node still mirrors its own gossip on the
+relay: gossip's stream to the peer was on the dead connection, and py-libp2p re-opens it on the
+relayed one only after a write to the old one fails (that write is lost) and the peer re-announces
+its subscription."""
+MIRROR_TIMEOUT_SECS = 5.0
+"""Sending or receiving one mirrored copy (`gossip.GOSSIP_MIRROR_PROTOCOL`)."""
 
 
 @dataclass(frozen=True)
@@ -208,6 +221,7 @@ class NetworkConnection:
         self._paths: dict[bytes, str] = {}
         self._rtt_failures: dict[bytes, int] = {}
         self._checking_direct: set[bytes] = set()
+        self._direct_closed_at: dict[bytes, float] = {}
 
     # ------------------------------------------------------------------------------------------
     # lifecycle
@@ -253,6 +267,9 @@ class NetworkConnection:
             p2p_host.protocol(peer_exchange.PEER_EXCHANGE_PROTOCOL), network._serve_peer_exchange
         )
         host.set_stream_handler(p2p_host.protocol(BLOB_PROTOCOL), network.blob_streams.handle)
+        host.set_stream_handler(
+            p2p_host.protocol(GOSSIP_MIRROR_PROTOCOL), network._serve_gossip_mirror
+        )
         listen = p2p_host.listen_multiaddr(bind_host, config.port)
         try:
             # Exit order matters: our tasks stop first, then the host closes its connections
@@ -454,10 +471,63 @@ class NetworkConnection:
         self._spawn(self._publish, data)
 
     async def _publish(self, data: bytes) -> None:
+        for peer, conn in self._mirror_targets():
+            self._spawn(self._mirror, peer, conn, data)
         try:
             await self.gossip.publish_raw(data)
         except Exception as e:
             logger.warning("gossip publish failed: %s", e)
+
+    def _mirror_targets(self) -> list[tuple[bytes, INetConn]]:
+        """The peers our own gossip is also sent to on the relay (`gossip` module doc), each
+        with its relayed connection: those with a punched (direct) connection beside it, which
+        may be dead without our knowing yet, and those whose punched path we closed as dead
+        within `MIRROR_AFTER_DIRECT_CLOSED_SECS`."""
+        now = trio.current_time()
+        targets = []
+        for peer in self.connection_monitor.connected_peers():
+            relayed = p2p_host.connections_on(self.host, peer, "relayed")
+            if not relayed:
+                continue
+            closed_at = self._direct_closed_at.get(peer)
+            recently_closed = (
+                closed_at is not None and now - closed_at < MIRROR_AFTER_DIRECT_CLOSED_SECS
+            )
+            if recently_closed or p2p_host.connections_on(self.host, peer, "direct"):
+                targets.append((peer, relayed[0]))
+        return targets
+
+    async def _mirror(self, peer: bytes, conn: INetConn, data: bytes) -> None:
+        try:
+            with trio.fail_after(MIRROR_TIMEOUT_SECS):
+                stream = await p2p_host.new_stream_on(
+                    self.host, conn, [p2p_host.protocol(GOSSIP_MIRROR_PROTOCOL)]
+                )
+                try:
+                    await stream.write(data)
+                    await stream.close()  # the receiver closes its half once it has read it
+                except BaseException:
+                    await p2p_host.reset_quietly(stream)
+                    raise
+        except Exception as e:  # the gossiped copy may still arrive
+            logger.debug("mirroring gossip to %s failed: %s", fmt_short(peer), e)
+
+    async def _serve_gossip_mirror(self, stream: INetStream) -> None:
+        peer = await p2p_host.stream_peer(stream, self._allowed)
+        if peer is None:
+            return
+        try:
+            with trio.fail_after(MIRROR_TIMEOUT_SECS):
+                data = await p2p_host.read_to_end(stream, self.config.gossip.max_message_size)
+            if self.gossip.deliver_mirrored(peer, data):
+                logger.debug("gossip from %s came first by its relayed copy", fmt_short(peer))
+            await stream.close()
+        except (GossipRejected, p2p_host.ReadLimitExceeded) as e:
+            logger.warning("dropping mirrored gossip from %s: %s", fmt_short(peer), e)
+            await p2p_host.reset_quietly(stream)
+        except Exception as e:  # a slow or vanished peer
+            logger.debug("mirrored gossip from %s not received: %s", fmt_short(peer), e)
+            await p2p_host.reset_quietly(stream)
 
     async def _pump_gossip(self) -> None:
         async for received in self.gossip.received:
@@ -560,6 +630,8 @@ class NetworkConnection:
             return
         self.connection_monitor.on_disconnected(peer)
         self._note_path(peer)
+        if peer not in self._paths:
+            self._direct_closed_at.pop(peer, None)
 
     def _note_path(self, peer: bytes) -> None:
         """Log, once per change, how we are connected to a peer (direct, relayed, not)."""
@@ -615,6 +687,7 @@ class NetworkConnection:
             unanswered,
         )
         await p2p_host.close_connections(direct)
+        self._direct_closed_at[peer] = trio.current_time()
         self._note_path(peer)
         return True
 

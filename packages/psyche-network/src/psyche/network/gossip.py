@@ -6,10 +6,21 @@ py-libp2p 0.8.1 defaults that break Psyche (measured, see the spec §4.4) and wh
   envelope already bound who may publish);
 * adaptive gossip, which can stretch the heartbeat to 30-60 s: off; IP-diversity ("eclipse")
   protection, meaningless when every peer shares one IP in tests: off;
+* own messages sent to the mesh only: to every subscribed peer (`_PsycheGossipSub`), and a
+  peer's subscriptions forgotten when only our stream to it failed: kept (`_PsychePubsub`);
 * a 32-message subscription queue that drops on overflow: bypassed, every validated message is
   handed to an unbounded channel, so there is no `Lagged` case;
 * message ids from sender+seqno: replaced by the BLAKE3 of the content, as iroh-gossip does, so
   the same bytes relayed by different peers are delivered once.
+
+**Mirrored copies** (`GOSSIP_MIRROR_PROTOCOL`, a port addition): a node also sends its *own*
+messages, as they are, on the relayed connection it keeps beside a hole-punched one (see
+`NetworkConnection._mirror_targets`). A punched path can die without a word; TCP then swallows
+what gossip writes until the death is noticed (seconds: pings, a stalled fetch), and the message
+is lost with the connection. iroh's connections carry their relay path inside the same QUIC
+connection and retransmit over it; libp2p's TCP connections are bound to one path, so the copy
+on the relay is this port's equivalent. A copy passes the same checks as a gossiped message, its
+sender must be its signer, and each content is delivered once whichever copy comes first.
 
 Validation order for every message, before anything else touches it: size (≤ 4096 bytes),
 forwarder in the allowlist, signature (upstream `SignedMessage`), then the signer must be in the
@@ -22,13 +33,13 @@ import hashlib
 import logging
 import random
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import blake3
 import trio
-from libp2p.abc import IHost
+from libp2p.abc import IHost, INetStream
 from libp2p.peer.id import ID
 from libp2p.pubsub.gossipsub import PROTOCOL_ID, PROTOCOL_ID_V11, GossipSub
 from libp2p.pubsub.pb import rpc_pb2
@@ -43,6 +54,13 @@ logger = logging.getLogger(__name__)
 
 GOSSIP_TOPIC_PREFIX = b"psyche gossip"
 MAX_MESSAGE_SIZE = 4096
+GOSSIP_MIRROR_PROTOCOL = "/psyche/gossip-mirror/0"
+"""One stream per copy: the sender writes one signed message and half-closes."""
+REOPEN_WAIT_SECS = 10.0
+"""How long a message whose write failed waits for gossip's stream to the peer to re-open."""
+DELIVERED_IDS_KEPT = 4096
+"""Content ids remembered to deliver a message once when both its gossiped and its mirrored copy
+arrive (they come seconds apart; a later duplicate is harmless, as a rebroadcast is)."""
 
 
 MAX_NUM_BOOTSTRAP_PEERS = 3
@@ -90,17 +108,79 @@ class GossipRejected(ValueError):
 
 
 class _PsychePubsub(Pubsub):
-    """`Pubsub` that hands validated messages to a callback instead of a 32-slot queue."""
+    """`Pubsub` that hands validated messages to a callback instead of a 32-slot queue, and
+    keeps a still-connected peer's subscriptions when only our stream to it failed.
+
+    py-libp2p 0.8.1 forgets a peer's subscriptions whenever the stream *we* write to it fails
+    (a reset, a muxer error, its connection closed while another stays open), then re-opens that
+    stream. But subscriptions arrive on the peer's stream to us, which is still alive, and the
+    peer does not announce them again: we would never again send it a message (measured: one
+    reset stream, no message through in 15 s). Subscriptions are forgotten only once the peer
+    has no connection left."""
 
     def __init__(self, *args: Any, deliver: Callable[[rpc_pb2.Message], None], **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._deliver = deliver
+        self._reopening = False
+
+    def _handle_dead_peer(self, peer_id: ID) -> None:
+        self._reopening = self._peer_is_connected(peer_id)
+        try:
+            super()._handle_dead_peer(peer_id)
+        finally:
+            self._reopening = False
+
+    def _forget_all_subscriptions(self, peer_id: ID) -> None:
+        if not self._reopening:
+            super()._forget_all_subscriptions(peer_id)
+
+    async def write_msg(self, stream: INetStream, rpc_msg: rpc_pb2.RPC) -> bool:
+        """py-libp2p drops the messages whose write found the stream failed (then re-opens it);
+        they are written again on the re-opened stream (control messages come again with the
+        next heartbeats)."""
+        written = await super().write_msg(stream, rpc_msg)
+        if not written and rpc_msg.publish:
+            self.manager.run_task(self._write_after_reopen, stream.muxed_conn.peer_id, rpc_msg)
+        return written
+
+    async def _write_after_reopen(self, peer_id: ID, rpc_msg: rpc_pb2.RPC) -> None:
+        try:
+            await self.wait_for_peer(peer_id, REOPEN_WAIT_SECS)
+        except trio.TooSlowError:
+            return  # the peer is gone; gossip's other paths and rebroadcasts remain
+        queue = self.peer_queues.get(peer_id)
+        if queue is not None:
+            queue.push(rpc_msg)
 
     def notify_subscriptions(self, publish_message: rpc_pb2.Message) -> None:
         if ID(publish_message.from_id) == self.my_id:
             return  # iroh-gossip does not echo our own broadcasts; the client self-applies them
         if any(topic in self.topic_ids for topic in publish_message.topicIDs):
             self._deliver(publish_message)
+
+
+class _PsycheGossipSub(GossipSub):
+    """GossipSub that sends a node's *own* messages to every peer it knows subscribes to the
+    topic, not only to its mesh (go-libp2p's `floodPublish`, on by default there; iroh-gossip
+    pushes to its whole active view). py-libp2p 0.8.1 sends only to the mesh, which is rebuilt
+    on heartbeats: a peer whose stream was just re-opened, or that just connected, is in no mesh
+    yet and got nothing published meanwhile (measured: a message published right after a
+    re-open was lost)."""
+
+    def _get_peers_to_send(
+        self,
+        topic_ids: Iterable[str],
+        msg_forwarder: ID,
+        origin: ID,
+        msg_id: bytes | None = None,
+    ) -> Iterable[ID]:
+        topic_ids = list(topic_ids)
+        peers = set(super()._get_peers_to_send(topic_ids, msg_forwarder, origin, msg_id))
+        if self.pubsub is not None and origin == self.pubsub.my_id:
+            for topic in topic_ids:
+                subscribed = self.pubsub.peer_topics.get(topic, set())
+                peers |= {p for p in subscribed if p in self.peer_protocol and p != origin}
+        return peers
 
 
 @dataclass(frozen=True)
@@ -130,7 +210,7 @@ class Gossip:
         self._message_type = message_type
         self._allowed = allowed
         self._config = config
-        self.router = GossipSub(
+        self.router = _PsycheGossipSub(
             protocols=[PROTOCOL_ID_V11, PROTOCOL_ID],
             degree=config.degree,
             degree_low=config.degree_low,
@@ -154,7 +234,10 @@ class Gossip:
         self.pubsub.set_topic_validator(self.topic, self._validate, False)
         self._send, self.received = trio.open_memory_channel[GossipMessage](float("inf"))
         self._validated: OrderedDict[bytes, tuple[bytes, Any]] = OrderedDict()
+        self._delivered: OrderedDict[bytes, None] = OrderedDict()
         self.rejected = 0
+        self.mirrored_first = 0
+        """Messages whose mirrored copy arrived before the gossiped one (or without it)."""
 
     # inbound ------------------------------------------------------------------------------------
 
@@ -170,30 +253,58 @@ class Gossip:
         return True
 
     def _check(self, forwarder: ID, msg: rpc_pb2.Message) -> tuple[bytes, Any]:
-        if len(msg.data) > self._config.max_message_size:
-            raise GossipRejected(f"{len(msg.data)} bytes exceed {self._config.max_message_size}")
+        return self._check_signed(peer_key(forwarder), peer_key(ID(msg.from_id)), msg.data)
+
+    def _check_signed(
+        self, forwarder: bytes | None, origin: bytes | None, data: bytes
+    ) -> tuple[bytes, Any]:
+        if len(data) > self._config.max_message_size:
+            raise GossipRejected(f"{len(data)} bytes exceed {self._config.max_message_size}")
         me = self._secret_key.public_key
-        forwarder_key = peer_key(forwarder)
-        if forwarder_key is None or (forwarder_key != me and not self._allowed(forwarder_key)):
+        if forwarder is None or (forwarder != me and not self._allowed(forwarder)):
             raise GossipRejected("forwarder not in allowlist")
         try:
-            sender, message = SignedMessage.verify_and_decode(msg.data, self._message_type)
+            sender, message = SignedMessage.verify_and_decode(data, self._message_type)
         except SignedMessageError as e:
             raise GossipRejected(str(e)) from e
         if sender != me and not self._allowed(sender):
             raise GossipRejected(f"signer {fmt_short(sender)} not in allowlist")
-        if peer_key(ID(msg.from_id)) != sender:
+        if origin != sender:
             raise GossipRejected("signer is not the message's origin")
         return sender, message
 
     def _on_delivered(self, msg: rpc_pb2.Message) -> None:
-        checked = self._validated.pop(_content_id(msg), None)
+        content_id = _content_id(msg)
+        checked = self._validated.pop(content_id, None)
         if checked is None:  # validated long ago and evicted: check again
             try:
                 checked = self._check(ID(msg.from_id), msg)
             except Exception:
                 return
-        sender, message = checked
+        self._deliver_once(content_id, *checked)
+
+    def deliver_mirrored(self, sender: bytes, data: bytes) -> bool:
+        """A mirrored copy of `sender`'s own message (module doc): checked as a gossiped one with
+        `sender` as forwarder and origin; False when it was delivered already. Raises
+        `GossipRejected` for a copy that fails a check."""
+        try:
+            checked = self._check_signed(sender, sender, data)
+        except GossipRejected:
+            self.rejected += 1
+            raise
+        content_id = blake3.blake3(data).digest()
+        if content_id in self._delivered:
+            return False
+        self.mirrored_first += 1
+        self._deliver_once(content_id, *checked)
+        return True
+
+    def _deliver_once(self, content_id: bytes, sender: bytes, message: Any) -> None:
+        if content_id in self._delivered:
+            return
+        self._delivered[content_id] = None
+        while len(self._delivered) > DELIVERED_IDS_KEPT:
+            self._delivered.popitem(last=False)
         self._send.send_nowait(GossipMessage(sender, message))
 
     # outbound -----------------------------------------------------------------------------------
