@@ -214,6 +214,40 @@ def test_a_silent_witness_sits_out_the_next_epoch_and_the_others_go_on() -> None
     assert silent in epoch_clients(core) and not core.banned
 
 
+def test_a_member_that_fails_again_soon_after_its_ban_is_banned_twice_as_long(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A first offence costs `ban_epochs`; one within as many epochs after the ban as it lasted
+    doubles the last ban (up to MAX_BAN_EPOCHS); a member clean for that long starts afresh."""
+    core = started(clients=2, ban_epochs=2)
+    silent, _ = silent_witness_epoch(core)
+    assert (core.banned[silent].epochs, core.banned[silent].until_epoch) == (2, 3)
+    caplog.set_level(logging.WARNING, "psyche.coordinator.server_core")
+    # the same member fails again (dropped by a health check) in the epochs that follow
+    offences = []
+    for epoch in (3, 6, 11, 20, 37, 70, 135):
+        core.coordinator.progress.epoch = epoch
+        core._disconnected.clear()
+        core._ban(silent, "dropped by a health check from someone")
+        core._ban(silent, "elected witness of a later step")  # same epoch: no second ban
+        ban = core.banned[silent]
+        offences.append((ban.epochs, ban.until_epoch))
+    assert offences == [(4, 8), (8, 15), (16, 28), (32, 53), (64, 102), (64, 135), (64, 200)]
+    assert (
+        caplog.records[-1]
+        .getMessage()
+        .endswith(
+            "left out of the run's epochs before 200 (64 epochs; it did so again soon after its last ban)"
+        )
+    )
+    # clean for as long after its last ban as that ban lasted: the record is forgotten
+    core.coordinator.progress.epoch = 200 + 64
+    core.admissible_pending()
+    assert not core.banned and not core.ban_record
+    core._ban(silent, "dropped by a health check from someone")
+    assert core.banned[silent].epochs == 2
+
+
 def test_ban_epochs_zero_keeps_upstreams_rules() -> None:
     core = started(clients=2, ban_epochs=0)
     silent, now = silent_witness_epoch(core)

@@ -24,7 +24,8 @@ Beyond upstream (docs/centralized.md, "Members, strangers and non-delivering mem
 * a private run (`authorized` keys) refuses every other key's Join;
 * a member dropped for not delivering (by a health check, or elected witness of a round that
   ended without any witness while it stayed connected and silent) is barred from the next
-  `ban_epochs` epochs: its Join is kept, but it is left out of the clients the coordinator
+  `ban_epochs` epochs, twice as many as its last ban when it offends again soon after one (up to
+  `MAX_BAN_EPOCHS`): its Join is kept, but it is left out of the clients the coordinator
   starts an epoch with. A client that disconnected during the epoch is never barred (a crash
   or a restart is not a refusal to deliver), nor one the coordinator withdrew with the others;
 * a client that left the epoch and sends Join again is pending again (upstream undid that Join
@@ -63,12 +64,28 @@ class TickOutcome:
     result: TickResult | None = None
 
 
+MAX_BAN_EPOCHS = 64
+"""The longest a ban grows (`ServerCore._ban`)."""
+
+
 @dataclass(frozen=True)
 class Ban:
-    """A member dropped for not delivering: left out of every epoch before `until_epoch`."""
+    """A member dropped for not delivering in epoch `epoch`: left out of the `epochs` epochs
+    after it, every epoch before `until_epoch`."""
 
-    until_epoch: int
+    epoch: int
+    epochs: int
     reason: str
+
+    @property
+    def until_epoch(self) -> int:
+        return self.epoch + 1 + self.epochs
+
+    @property
+    def remembered_until(self) -> int:
+        """A member that offends again before this epoch (as long after its ban as the ban
+        lasted) gets twice the ban."""
+        return self.until_epoch + self.epochs
 
 
 @dataclass
@@ -86,6 +103,8 @@ class ServerCore:
     rejoinable: set[NodeIdentity] = field(default_factory=set)
     # Members dropped for not delivering, and until when they sit out.
     banned: dict[NodeIdentity, Ban] = field(default_factory=dict)
+    # The last ban of each member banned lately (kept until `Ban.remembered_until`).
+    ban_record: dict[NodeIdentity, Ban] = field(default_factory=dict)
     # The loss in the newest witness's metadata (for the run summary; the coordinator ignores it).
     last_reported_loss: float | None = None
     # Messages dropped unheard (non-members, other runs, unauthorized keys), by kind.
@@ -380,15 +399,30 @@ class ServerCore:
         ]
 
     def _ban(self, identity: NodeIdentity, reason: str) -> None:
+        """Bar `identity` from the next `ban_epochs` epochs, or from twice as many as its last
+        ban when it offends again soon after that one (`Ban.remembered_until`), up to
+        `MAX_BAN_EPOCHS`: a member that keeps failing to deliver costs the run an epoch now
+        and then, less and less often, instead of every other epoch. One ban per epoch."""
         if self.ban_epochs == 0 or identity in self._disconnected:
             return  # upstream's rules; or a client that left (a crash is no refusal to deliver)
-        until = self.coordinator.progress.epoch + 1 + self.ban_epochs
-        self.banned[identity] = Ban(until, reason)
+        epoch = self.coordinator.progress.epoch
+        last = self.ban_record.get(identity)
+        if last is not None and last.epoch == epoch:
+            return  # banned already for what it did in this epoch
+        epochs = self.ban_epochs
+        if last is not None and epoch < last.remembered_until:
+            epochs = min(max(last.epochs * 2, epochs), MAX_BAN_EPOCHS)
+        ban = Ban(epoch, epochs, reason)
+        self.banned[identity] = self.ban_record[identity] = ban
+        again = "" if epochs == self.ban_epochs else "; it did so again soon after its last ban"
         log.warning(
-            "%s did not deliver (%s): left out of the run's epochs before %d",
+            "%s did not deliver (%s): left out of the run's epochs before %d (%d epoch%s%s)",
             identity,
             reason,
-            until,
+            ban.until_epoch,
+            epochs,
+            "" if epochs == 1 else "s",
+            again,
         )
 
     def admissible_pending(self) -> list[NodeIdentity]:
@@ -400,6 +434,9 @@ class ServerCore:
             if ban.until_epoch <= epoch:
                 del self.banned[identity]
                 log.info("%s may join the run again (its ban ended)", identity)
+        for identity, ban in list(self.ban_record.items()):
+            if ban.remembered_until <= epoch:
+                del self.ban_record[identity]
         pending = list(self.pending_clients)
         if not self.banned or self.coordinator.run_state is not RunState.WaitingForMembers:
             return pending
@@ -441,4 +478,4 @@ class ServerCore:
         return resume_snapshot(self.coordinator, self.original_warmup_time)
 
 
-__all__ = ["DEFAULT_BAN_EPOCHS", "Ban", "ServerCore", "TickOutcome"]
+__all__ = ["DEFAULT_BAN_EPOCHS", "MAX_BAN_EPOCHS", "Ban", "ServerCore", "TickOutcome"]

@@ -124,7 +124,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, EnvOptions]:
         help=(
             "Epochs a member sits out after being dropped for not delivering (its training "
             "missing at a health check, or elected witness of a round that ended without a "
-            "witness); 0 re-admits it at once, as upstream"
+            "witness); twice its last ban when it does so again soon after one (up to 64); "
+            "0 re-admits it at once, as upstream"
         ),
     )
     env.add(
