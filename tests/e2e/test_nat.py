@@ -217,7 +217,6 @@ FALLBACK_CONFIG = {
 }
 
 
-@pytest.mark.known_gap
 def test_a_client_whose_punched_path_dies_goes_on_through_the_relay(
     tiny_run: Callable[..., Path], processes: Any
 ) -> None:
@@ -229,11 +228,10 @@ def test_a_client_whose_punched_path_dies_goes_on_through_the_relay(
     losing a round: no batch goes untrained, no health check names either client, no payload
     misses its apply, and their models at cooldown agree.
 
-    A known gap: this passed 3 of 4 runs (one of them under CI load). In the fourth the
-    payloads moved to the relay as designed, but one client's training result of the round in
-    which the path died never reached the other (no consensus for that batch), so the other
-    health-checked it out and the epoch ended: a broadcast sent in the seconds between the
-    path's death and its detection can be lost. Skipped unless selected (`-m known_gap`)."""
+    This found, in turn: payloads that kept coming through the relay after the punch, a dead
+    path that cost more than a round, a payload session whose stream was opened on the dead
+    connection (it waited for the connection to be closed), and gossip lost with the dead
+    connection (py-libp2p's pubsub also stopped sending to a peer whose stream had failed)."""
     reason = netns.unavailable()
     if reason is not None:
         pytest.skip(reason)
