@@ -10,6 +10,11 @@ receiver share a CPU and the GIL in every measurement, baseline included:
   views into the blob, not copies). Ratio = raw time / blob time (goal >= 0.5).
 * gossip: delivery latency of a signed broadcast from one node to all of 6 nodes in a ring
   (up to three hops), against the one-way latency of a small message on a raw socket.
+* gossip-mirror: two nodes joined through an in-process relay and then directly (hole punched
+  on loopback), gossip's stream on the punched connection: the sender's own broadcasts also
+  copied on the relayed connection (what a client does then) against the same without the
+  copy: delivery latency and the CPU time of the whole process per broadcast (sender, relay and
+  receiver share it).
 * paths (a 40 MB blob, the size of a 20M-parameter bf16 model): the encrypted side channel
   (Noise handshake + AES-GCM), a libp2p stream on a direct connection (the carrier that takes
   over where the side channel cannot reach), and a libp2p stream through a circuit relay
@@ -34,9 +39,11 @@ import statistics
 import time
 from collections.abc import Awaitable, Callable
 from functools import partial
+from typing import Any
 
 import trio
 
+from psyche.network.connection import NetworkConnection
 from psyche.network.download import DownloadComplete
 from psyche.network.events import MessageReceived
 from psyche.network.model_download import ModelDownload
@@ -345,6 +352,13 @@ async def bench_paths(repeats: int) -> list[str]:
 # ---- gossip ---------------------------------------------------------------------------------
 
 
+async def next_message(node: NetworkConnection) -> Any:
+    """The node's next gossiped message (skipping `PeerConnected`)."""
+    while not isinstance(event := await node.next_event(), MessageReceived):
+        pass
+    return event.message
+
+
 async def bench_gossip_ring(rounds: int) -> list[str]:
     from psyche.client.broadcast import (
         Broadcast,
@@ -374,8 +388,7 @@ async def bench_gossip_ring(rounds: int) -> list[str]:
             start = time.perf_counter()
             sender.broadcast(message)
             for node in receivers:
-                event = await node.next_event()
-                assert isinstance(event, MessageReceived) and event.message == message
+                assert await next_message(node) == message
             samples.append(time.perf_counter() - start)
             await trio.sleep(0.02)
     raw = await raw_one_way_latency(size, rounds)
@@ -386,6 +399,118 @@ async def bench_gossip_ring(rounds: int) -> list[str]:
         f"gossip 6 nodes (ring)    raw socket one-way {base * 1000:6.3f} ms | "
         f"all 5 peers received: median {med * 1000:6.2f} ms, p90 {p90 * 1000:6.2f} ms "
         f"({size} B signed) | ratio {base / med:6.4f}"
+    ]
+
+
+async def bench_gossip_mirror(rounds: int) -> list[str]:
+    from psyche.client.broadcast import (
+        Broadcast,
+        BroadcastType,
+        Commitment,
+        CommitteeProof,
+        Finished,
+    )
+    from psyche.core.identity import SecretKey
+    from psyche.core.merkle_tree import MerkleRoot
+    from psyche.network import p2p_host
+    from psyche.network.identity import peer_id_from_public_key
+    from psyche.network.relay import RelayOptions, open_relay
+    from psyche.network.ticket import EndpointAddr, TransportAddr
+
+    keys = [SecretKey.generate() for _ in range(2)]
+    members = {k.public_key for k in keys}
+    async with (
+        open_relay(SecretKey.generate(), members.__contains__, RelayOptions("127.0.0.1")) as relay,
+        open_nodes(
+            2,
+            keys=keys,
+            relays=tuple(relay.multiaddrs()),
+            reachability="private",
+            broadcast_type=Broadcast,
+        ) as (sender, receiver),
+    ):
+        far = receiver.endpoint_addr()
+        sender.address_book._addrs[far.id] = EndpointAddr(
+            far.id,
+            [
+                a
+                for a in far.addrs
+                if isinstance(a, TransportAddr.Libp2p) and "/p2p-circuit" in a.value
+            ],
+        )
+        await sender.connect(far.id)
+
+        def punched() -> bool:
+            return all(
+                p2p_host.connections_on(sender.host, far.id, path) for path in ("direct", "relayed")
+            )
+
+        await wait_until(punched, timeout=30)
+        # gossip's stream opened on the relayed connection; move it to the punched one (as a
+        # failed stream does in a long run), where the copies are sent
+        peer_id = peer_id_from_public_key(far.id)
+        await sender.gossip.pubsub.peers[peer_id].reset()
+
+        def broadcast(i: int) -> Broadcast:
+            data_hash = os.urandom(32)
+            return Broadcast(
+                i,
+                CommitteeProof(),
+                Commitment(data_hash, sender.secret_key.sign(data_hash)),
+                i,
+                BroadcastType.Finished(Finished(MerkleRoot(), False)),
+            )
+
+        with trio.fail_after(15):  # py-libp2p re-opens the stream once a write finds it failed
+            while not (
+                peer_id in sender.gossip.pubsub.peers
+                and not sender.gossip.sends_through_relay(far.id)
+            ):
+                sender.broadcast(broadcast(0))
+                await trio.sleep(0.2)
+        await trio.sleep(1)
+        while True:  # drop what arrived meanwhile
+            try:
+                receiver._events_receive.receive_nowait()
+            except trio.WouldBlock:
+                break
+        await wait_until(lambda: len(sender.neighbors()) >= 1, timeout=15)
+        assert sender._mirror_targets(), "gossip to the peer does not run on the punched path"
+        mirror_targets = sender._mirror_targets
+
+        async def block(mirrored: bool, count: int, first: int) -> tuple[list[float], float]:
+            sender._mirror_targets = mirror_targets if mirrored else list  # type: ignore[method-assign]
+            latencies = []
+            cpu = time.process_time()
+            for i in range(first, first + count):
+                message = broadcast(i)
+                start = time.perf_counter()
+                sender.broadcast(message)
+                assert await next_message(receiver) == message
+                latencies.append(time.perf_counter() - start)
+                await trio.sleep(0.05)  # the other copy lands and is dropped
+            return latencies, (time.process_time() - cpu) / count
+
+        plain: list[float] = []
+        mirrored: list[float] = []
+        cpu_plain: list[float] = []
+        cpu_mirrored: list[float] = []
+        step = 10
+        for first in range(1, rounds + 1, step):  # blocks interleaved
+            got, cpu = await block(False, step, 2 * first)
+            plain += got
+            cpu_plain.append(cpu)
+            got, cpu = await block(True, step, 2 * first + step)
+            mirrored += got
+            cpu_mirrored.append(cpu)
+        first_by_copy = receiver.gossip.mirrored_first
+    med_plain, med_mirrored = statistics.median(plain), statistics.median(mirrored)
+    cpu_p, cpu_m = statistics.median(cpu_plain), statistics.median(cpu_mirrored)
+    return [
+        f"gossip + relayed copy    plain median {med_plain * 1000:6.2f} ms | with the copy "
+        f"{med_mirrored * 1000:6.2f} ms ratio {med_plain / med_mirrored:5.2f} | CPU per broadcast "
+        f"{cpu_p * 1000:5.2f} ms plain, {cpu_m * 1000:5.2f} ms with the copy (ratio "
+        f"{cpu_p / cpu_m:5.2f}) | {first_by_copy} of {len(mirrored)} came first by the copy"
     ]
 
 
@@ -576,6 +701,7 @@ async def main(repeats: int, gossip_rounds: int, only: str | None) -> None:
         "blobs": lambda: bench_blobs(repeats),
         "paths": lambda: bench_paths(repeats),
         "gossip": lambda: bench_gossip_ring(gossip_rounds),
+        "gossip-mirror": lambda: bench_gossip_mirror(gossip_rounds),
         "model": lambda: bench_model(repeats),
         "model-processes": lambda: bench_model_processes(repeats),
         "model300": lambda: bench_model(max(1, repeats // 2), 300),
@@ -594,7 +720,7 @@ if __name__ == "__main__":
     parser.add_argument(
         "--only",
         choices=[
-            "blobs", "paths", "gossip", "model", "model-processes", "model300",
+            "blobs", "paths", "gossip", "gossip-mirror", "model", "model-processes", "model300",
             "model300-processes",
         ],
         help="run one part",

@@ -87,11 +87,6 @@ DEAD_CONNECTION_PROBES = 2
 considered dead and closed."""
 DIRECT_PATH_PROBE_SECS = 2.0
 """How long each ping of a stalled direct path may take (`_check_direct_path`)."""
-MIRROR_AFTER_DIRECT_CLOSED_SECS = 30.0
-"""How long after closing a dead punched path this node still mirrors its own gossip on the
-relay: gossip's stream to the peer was on the dead connection, and py-libp2p re-opens it on the
-relayed one only after a write to the old one fails (that write is lost) and the peer re-announces
-its subscription."""
 MIRROR_TIMEOUT_SECS = 5.0
 """Sending or receiving one mirrored copy (`gossip.GOSSIP_MIRROR_PROTOCOL`)."""
 
@@ -221,7 +216,6 @@ class NetworkConnection:
         self._paths: dict[bytes, str] = {}
         self._rtt_failures: dict[bytes, int] = {}
         self._checking_direct: set[bytes] = set()
-        self._direct_closed_at: dict[bytes, float] = {}
 
     # ------------------------------------------------------------------------------------------
     # lifecycle
@@ -471,29 +465,22 @@ class NetworkConnection:
         self._spawn(self._publish, data)
 
     async def _publish(self, data: bytes) -> None:
-        for peer, conn in self._mirror_targets():
-            self._spawn(self._mirror, peer, conn, data)
         try:
             await self.gossip.publish_raw(data)
         except Exception as e:
             logger.warning("gossip publish failed: %s", e)
+        for peer, conn in self._mirror_targets():
+            self._spawn(self._mirror, peer, conn, data)
 
     def _mirror_targets(self) -> list[tuple[bytes, INetConn]]:
         """The peers our own gossip is also sent to on the relay (`gossip` module doc), each
-        with its relayed connection: those with a punched (direct) connection beside it, which
-        may be dead without our knowing yet, and those whose punched path we closed as dead
-        within `MIRROR_AFTER_DIRECT_CLOSED_SECS`."""
-        now = trio.current_time()
+        with its relayed connection: those with a relayed connection whose gossip stream is
+        not on one (it is on a punched connection, which may be dead without our knowing yet,
+        or on one we closed as dead and not yet re-opened)."""
         targets = []
         for peer in self.connection_monitor.connected_peers():
             relayed = p2p_host.connections_on(self.host, peer, "relayed")
-            if not relayed:
-                continue
-            closed_at = self._direct_closed_at.get(peer)
-            recently_closed = (
-                closed_at is not None and now - closed_at < MIRROR_AFTER_DIRECT_CLOSED_SECS
-            )
-            if recently_closed or p2p_host.connections_on(self.host, peer, "direct"):
+            if relayed and not self.gossip.sends_through_relay(peer):
                 targets.append((peer, relayed[0]))
         return targets
 
@@ -630,8 +617,6 @@ class NetworkConnection:
             return
         self.connection_monitor.on_disconnected(peer)
         self._note_path(peer)
-        if peer not in self._paths:
-            self._direct_closed_at.pop(peer, None)
 
     def _note_path(self, peer: bytes) -> None:
         """Log, once per change, how we are connected to a peer (direct, relayed, not)."""
@@ -687,7 +672,6 @@ class NetworkConnection:
             unanswered,
         )
         await p2p_host.close_connections(direct)
-        self._direct_closed_at[peer] = trio.current_time()
         self._note_path(peer)
         return True
 

@@ -13,9 +13,10 @@ py-libp2p 0.8.1 defaults that break Psyche (measured, see the spec §4.4) and wh
 * message ids from sender+seqno: replaced by the BLAKE3 of the content, as iroh-gossip does, so
   the same bytes relayed by different peers are delivered once.
 
-**Mirrored copies** (`GOSSIP_MIRROR_PROTOCOL`, a port addition): a node also sends its *own*
-messages, as they are, on the relayed connection it keeps beside a hole-punched one (see
-`NetworkConnection._mirror_targets`). A punched path can die without a word; TCP then swallows
+**Mirrored copies** (`GOSSIP_MIRROR_PROTOCOL`, a port addition): when its gossip stream to a peer
+runs on a hole-punched connection (py-libp2p re-opens it on the direct connection whenever it
+fails), a node also sends its *own* messages, as they are, on the relayed connection it keeps
+beside it (`NetworkConnection._mirror_targets`). A punched path can die without a word; TCP then swallows
 what gossip writes until the death is noticed (seconds: pings, a stalled fetch), and the message
 is lost with the connection. iroh's connections carry their relay path inside the same QUIC
 connection and retransmit over it; libp2p's TCP connections are bound to one path, so the copy
@@ -47,8 +48,8 @@ from libp2p.pubsub.pubsub import Pubsub
 
 from psyche.core.identity import SecretKey
 from psyche.core.signed_message import SignedMessage, SignedMessageError
-from psyche.network.identity import fmt_short
-from psyche.network.p2p_host import peer_key
+from psyche.network.identity import fmt_short, peer_id_from_public_key
+from psyche.network.p2p_host import is_relayed, peer_key
 
 logger = logging.getLogger(__name__)
 
@@ -323,6 +324,11 @@ class Gossip:
     def close(self) -> None:
         """Stop py-libp2p's seen-cache sweeper thread (the pubsub service leaves it running)."""
         self.pubsub.seen_messages.stop()
+
+    def sends_through_relay(self, peer: bytes) -> bool:
+        """Whether our gossip stream to `peer` runs on a relayed connection."""
+        stream = self.pubsub.peers.get(peer_id_from_public_key(peer))
+        return stream is not None and is_relayed(stream.muxed_conn)
 
     def neighbors(self) -> list[bytes]:
         peers = self.router.mesh.get(self.topic, set())
