@@ -48,7 +48,14 @@ from psyche.network.download import DownloadComplete
 from psyche.network.events import MessageReceived
 from psyche.network.model_download import ModelDownload
 from psyche.network.sharable_model import SharableModel, model_hash
-from psyche.network.testing import connect_pairs, open_nodes, ring, serve_model, wait_until
+from psyche.network.testing import (
+    connect_pairs,
+    only_relayed,
+    open_nodes,
+    ring,
+    serve_model,
+    wait_until,
+)
 from psyche.network.transmittable import DownloadType
 
 MIB = 1 << 20
@@ -260,7 +267,7 @@ async def bench_paths(repeats: int) -> list[str]:
     from psyche.core.identity import SecretKey
     from psyche.network.identity import peer_id_from_public_key
     from psyche.network.relay import RelayOptions, open_relay
-    from psyche.network.ticket import EndpointAddr, TransportAddr
+    from psyche.network.ticket import EndpointAddr
 
     size = 40_000_000  # a 20M-parameter model in bf16
     blob = os.urandom(size)
@@ -290,14 +297,7 @@ async def bench_paths(repeats: int) -> list[str]:
                 MAX_HOLE_PUNCH_ATTEMPTS
             )
         far = relayed_provider.endpoint_addr()
-        relayed_requester.address_book._addrs[far.id] = EndpointAddr(
-            far.id,
-            [
-                a
-                for a in far.addrs
-                if isinstance(a, TransportAddr.Libp2p) and "/p2p-circuit" in a.value
-            ],
-        )
+        relayed_requester.address_book._addrs[far.id] = only_relayed(far)
         await relayed_requester.connect(far.id)
 
         async def side_channel() -> float:
@@ -415,7 +415,6 @@ async def bench_gossip_mirror(rounds: int) -> list[str]:
     from psyche.network import p2p_host
     from psyche.network.identity import peer_id_from_public_key
     from psyche.network.relay import RelayOptions, open_relay
-    from psyche.network.ticket import EndpointAddr, TransportAddr
 
     keys = [SecretKey.generate() for _ in range(2)]
     members = {k.public_key for k in keys}
@@ -430,14 +429,7 @@ async def bench_gossip_mirror(rounds: int) -> list[str]:
         ) as (sender, receiver),
     ):
         far = receiver.endpoint_addr()
-        sender.address_book._addrs[far.id] = EndpointAddr(
-            far.id,
-            [
-                a
-                for a in far.addrs
-                if isinstance(a, TransportAddr.Libp2p) and "/p2p-circuit" in a.value
-            ],
-        )
+        sender.address_book._addrs[far.id] = only_relayed(far)
         await sender.connect(far.id)
 
         def punched() -> bool:

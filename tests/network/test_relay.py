@@ -24,8 +24,8 @@ from psyche.network.download import DownloadComplete
 from psyche.network.identity import peer_id_from_public_key
 from psyche.network.reachability import DialBackAutoNAT, Reachability, relay_peer
 from psyche.network.relay import Relay, RelayOptions, open_relay
-from psyche.network.testing import open_nodes, wait_until
-from psyche.network.ticket import BlobFormat, BlobTicket, EndpointAddr, TransportAddr
+from psyche.network.testing import only_relayed, open_nodes, wait_until
+from psyche.network.ticket import BlobFormat, BlobTicket
 from psyche.network.transmittable import DownloadType
 
 DEADLINE = 30
@@ -37,17 +37,6 @@ async def relay_for(members: set[bytes]) -> AsyncIterator[Relay]:
         SecretKey.generate(), lambda key: key in members, RelayOptions(bind_host="127.0.0.1")
     ) as relay:
         yield relay
-
-
-def only_relayed(addr: EndpointAddr) -> EndpointAddr:
-    return EndpointAddr(
-        addr.id,
-        [
-            a
-            for a in addr.addrs
-            if isinstance(a, TransportAddr.Libp2p) and "/p2p-circuit" in a.value
-        ],
-    )
 
 
 async def reserved(*nodes: NetworkConnection) -> None:

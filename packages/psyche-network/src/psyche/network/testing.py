@@ -13,7 +13,21 @@ from psyche.core.identity import SecretKey
 from psyche.network.connection import NetworkConfig, NetworkConnection
 from psyche.network.events import ModelConfigRequest, NetworkEvent, ParameterRequest
 from psyche.network.sharable_model import SharableModel, answer_request
+from psyche.network.ticket import EndpointAddr, TransportAddr
 from psyche.network.transmittable import ModelRequestType
+
+
+def only_relayed(addr: EndpointAddr) -> EndpointAddr:
+    """`addr` with its relayed (`/p2p-circuit`) libp2p addresses only: a peer known so is
+    reached through its relay, as one behind NAT is."""
+    return EndpointAddr(
+        addr.id,
+        [
+            a
+            for a in addr.addrs
+            if isinstance(a, TransportAddr.Libp2p) and "/p2p-circuit" in a.value
+        ],
+    )
 
 
 def local_config(run_id: str = "test-run", **overrides: Any) -> NetworkConfig:
