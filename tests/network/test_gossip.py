@@ -355,3 +355,47 @@ def test_gossip_goes_on_after_the_stream_to_a_peer_fails() -> None:
             assert b.gossip.mirrored_first == 0  # no relay here: it all came by gossip
 
     trio.run(main)
+
+
+def test_a_mirrored_copy_is_checked_as_gossip_and_delivered_once() -> None:
+    """A copy sent on the relay (`GOSSIP_MIRROR_PROTOCOL`) must be signed by the member that
+    sent it, fit the size limit and come from a member; its message is delivered once, whether
+    the copy or the gossiped message comes first."""
+
+    async def main() -> None:
+        async with open_nodes(3, broadcast_type=Broadcast) as (a, b, c):
+            own = SignedMessage.sign_and_encode(a.secret_key, finished(a.secret_key, 1), Broadcast)
+            assert b.gossip.deliver_mirrored(a.endpoint_id, own)
+            assert not b.gossip.deliver_mirrored(a.endpoint_id, own)  # once
+            assert (await next_message(b)).step == 1
+            # another member's message passed on as a's copy: a copy is its sender's own only
+            relayed = SignedMessage.sign_and_encode(
+                c.secret_key, finished(c.secret_key, 2), Broadcast
+            )
+            with pytest.raises(GossipRejected, match="origin"):
+                b.gossip.deliver_mirrored(a.endpoint_id, relayed)
+            stranger = SecretKey.generate()
+            foreign = SignedMessage.sign_and_encode(stranger, finished(stranger, 3), Broadcast)
+            with pytest.raises(GossipRejected, match="allowlist"):
+                b.gossip.deliver_mirrored(stranger.public_key, foreign)
+            with pytest.raises(GossipRejected, match="exceed"):
+                b.gossip.deliver_mirrored(
+                    a.endpoint_id,
+                    SignedMessage.sign_and_encode(a.secret_key, _huge(a.secret_key), Broadcast),
+                )
+            tampered = bytearray(own)
+            tampered[-1] ^= 1
+            with pytest.raises(GossipRejected):
+                b.gossip.deliver_mirrored(a.endpoint_id, bytes(tampered))
+            assert b.gossip.rejected == 4
+            # the gossiped message first, then its copy: delivered once
+            await connect_pairs([a, b], [(0, 1)])
+            await wait_for_mesh([a, b], 1)
+            message = finished(a.secret_key, 4)
+            a.broadcast(message)
+            assert await next_message(b) == message
+            again = SignedMessage.sign_and_encode(a.secret_key, message, Broadcast)
+            assert not b.gossip.deliver_mirrored(a.endpoint_id, again)
+            assert b.gossip.mirrored_first == 1
+
+    trio.run(main)
