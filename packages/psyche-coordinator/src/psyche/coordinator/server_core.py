@@ -409,12 +409,12 @@ class ServerCore:
         last = self.ban_record.get(identity)
         if last is not None and last.epoch == epoch:
             return  # banned already for what it did in this epoch
+        again = last is not None and epoch < last.remembered_until
         epochs = self.ban_epochs
-        if last is not None and epoch < last.remembered_until:
+        if last is not None and again:
             epochs = min(max(last.epochs * 2, epochs), MAX_BAN_EPOCHS)
         ban = Ban(epoch, epochs, reason)
         self.banned[identity] = self.ban_record[identity] = ban
-        again = "" if epochs == self.ban_epochs else "; it did so again soon after its last ban"
         log.warning(
             "%s did not deliver (%s): left out of the run's epochs before %d (%d epoch%s%s)",
             identity,
@@ -422,7 +422,7 @@ class ServerCore:
             ban.until_epoch,
             epochs,
             "" if epochs == 1 else "s",
-            again,
+            "; it did so again soon after its last ban" if again else "",
         )
 
     def admissible_pending(self) -> list[NodeIdentity]:

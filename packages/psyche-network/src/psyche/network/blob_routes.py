@@ -12,8 +12,8 @@ A peer behind NAT is first reached through a relay; once hole punching opens a d
 connection beside the relayed one (both stay open), new sessions take the direct one and idle
 sessions on the relay are not reused. A punched path can die without a word (a NAT drops the
 mapping): a fetch on it that receives nothing (or cannot open its stream) for
-`DIRECT_STALL_SECS` while the relayed connection is open is moved to the relay at once, the peer's direct path is suspect (sessions
-use the relay) for `DIRECT_SUSPECT_SECS`, and `on_direct_stalled` asks the network to check the
+`DIRECT_STALL_SECS` while the relayed connection is open is moved to the relay at once, the
+peer's direct path is suspect (sessions use the relay) for `DIRECT_SUSPECT_SECS`, and `on_direct_stalled` asks the network to check the
 path (it closes the direct connection when pings go unanswered). So a dead punched path costs a
 fetch a few seconds, not the attempt timeout, and the round goes on over the relay.
 
@@ -263,15 +263,12 @@ class BlobRoutes:
             return await self.side_channel.open_session(provider), SIDE_CHANNEL
         assert self.libp2p is not None
         peer = provider.id
-        relayed = self.direct_suspected(peer)
-        if relayed or not self._relay_beside(peer):
-            session, relayed = await self.libp2p.open_session(peer, relayed=relayed)
-        else:
-            with trio.move_on_after(self.direct_stall_secs):
-                session, relayed = await self.libp2p.open_session(peer, relayed=False)
-                return session, LIBP2P_RELAYED if relayed else LIBP2P_DIRECT
-            raise self._direct_stalled(peer, "no stream opened on the direct connection")
-        return session, LIBP2P_RELAYED if relayed else LIBP2P_DIRECT
+        suspected = self.direct_suspected(peer)
+        watched = not suspected and self._relay_beside(peer)
+        with trio.move_on_after(self.direct_stall_secs if watched else math.inf):
+            session, relayed = await self.libp2p.open_session(peer, relayed=suspected)
+            return session, LIBP2P_RELAYED if relayed else LIBP2P_DIRECT
+        raise self._direct_stalled(peer, "no stream opened on the direct connection")
 
     def _note_route(self, peer: bytes, route: str, why: Exception | None) -> None:
         if self.routes.get(peer) == route:

@@ -16,9 +16,9 @@ py-libp2p 0.8.1 defaults that break Psyche (measured, see the spec §4.4) and wh
 **Mirrored copies** (`GOSSIP_MIRROR_PROTOCOL`, a port addition): when its gossip stream to a peer
 runs on a hole-punched connection (py-libp2p re-opens it on the direct connection whenever it
 fails), a node also sends its *own* messages, as they are, on the relayed connection it keeps
-beside it (`NetworkConnection._mirror_targets`). A punched path can die without a word; TCP then swallows
-what gossip writes until the death is noticed (seconds: pings, a stalled fetch), and the message
-is lost with the connection. iroh's connections carry their relay path inside the same QUIC
+beside it (`NetworkConnection._mirror_targets`). A punched path can die without a word; TCP
+then swallows what gossip writes until the death is noticed (seconds: pings, a stalled fetch),
+and the message is lost with the connection. iroh's connections carry their relay path inside the same QUIC
 connection and retransmit over it; libp2p's TCP connections are bound to one path, so the copy
 on the relay is this port's equivalent. A copy passes the same checks as a gossiped message, its
 sender must be its signer, and each content is delivered once whichever copy comes first.
@@ -190,8 +190,13 @@ class GossipMessage:
     message: Any
 
 
+def _data_id(data: bytes) -> bytes:
+    """A message's id: the BLAKE3 of its signed bytes (as iroh-gossip)."""
+    return blake3.blake3(data).digest()
+
+
 def _content_id(msg: rpc_pb2.Message) -> bytes:
-    return blake3.blake3(msg.data).digest()
+    return _data_id(msg.data)
 
 
 class Gossip:
@@ -293,20 +298,18 @@ class Gossip:
         except GossipRejected:
             self.rejected += 1
             raise
-        content_id = blake3.blake3(data).digest()
+        delivered = self._deliver_once(_data_id(data), *checked)
+        self.mirrored_first += delivered
+        return delivered
+
+    def _deliver_once(self, content_id: bytes, sender: bytes, message: Any) -> bool:
         if content_id in self._delivered:
             return False
-        self.mirrored_first += 1
-        self._deliver_once(content_id, *checked)
-        return True
-
-    def _deliver_once(self, content_id: bytes, sender: bytes, message: Any) -> None:
-        if content_id in self._delivered:
-            return
         self._delivered[content_id] = None
         while len(self._delivered) > DELIVERED_IDS_KEPT:
             self._delivered.popitem(last=False)
         self._send.send_nowait(GossipMessage(sender, message))
+        return True
 
     # outbound -----------------------------------------------------------------------------------
 
