@@ -19,6 +19,10 @@ lint *ARGS:
 bench:
     for script in scripts/bench/*.py; do echo "== $script"; .venv/bin/python "$script" || exit 1; done
 
+# Check and measure everything GPU-only on this machine's GPU (`just gpu --dry-run`: tiny, on the CPU)
+gpu *ARGS:
+    ./scripts/gpu.sh {{ARGS}}
+
 # Train the tiny CPU model with three clients (tmux panes; add --headless for one terminal)
 local-testnet *ARGS:
     .venv/bin/python scripts/make_tiny_dataset.py

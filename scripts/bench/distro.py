@@ -12,6 +12,9 @@ Every figure is a ratio against a baseline measured in the same run:
             (tests/modeling/distro_reference.py), same run, same inputs: time ratio, and whether
             every payload byte, parameter bit and momentum bit came out identical.
 
+`--only profile` prints torch.profiler tables of generate and apply instead (by device and host
+time): where the optimizer's share of the step goes.
+
     .venv/bin/python scripts/bench/distro.py --threads 1        # CPU, tiny model
     .venv/bin/python scripts/bench/distro.py --only fastpath --sizes tiny,20m --threads 1
     .venv/bin/python scripts/bench/distro.py --device cuda --sizes 20m,1b \
@@ -198,47 +201,96 @@ class Timed:
         return out
 
 
+def measure_distro_share(
+    size: str, device: str, steps: int, batch: int, seq: int, mbs: int
+) -> tuple[float, float]:
+    """(mean train step ms, DisTrO generate + apply + error-correction ms per step) of the
+    client's step: `Trainer.train` on one batch, then `optimize` with the previous step's own
+    quantized result (as a one-client round applies), after two warm-up steps. Also used by
+    scripts/gpu.py."""
+    model = build(size, device)
+    dev = model.device
+    vocab = model.config.vocab_size
+    data = bigram_corpus((steps + 2) * batch, seq, vocab).to(dev)
+    trainer = Trainer(model, constant(1e-3), distro_def(64, 8), micro_batch_size=mbs)
+    assert trainer.distro is not None
+    timers = {
+        name: Timed(getattr(trainer.distro, name), dev)
+        for name in ("generate", "apply", "error_correction")
+    }
+    for name, timer in timers.items():
+        setattr(trainer.distro, name, timer)
+    prev: list = []  # type: ignore[type-arg]
+    step_times = []
+    for step in range(1, steps + 3):
+        if step == 3:  # two warm-up steps
+            for timer in timers.values():
+                timer.total = 0.0
+        sync(dev)
+        t = time.perf_counter()
+        out = trainer.train(
+            step, Batch(data[(step - 1) * batch : step * batch]), prev_self_distro_results=prev
+        )
+        if step > 1:
+            trainer.optimize(step, distro_results=[quantize_results(prev[0])])
+        sync(dev)
+        if step >= 3:
+            step_times.append(time.perf_counter() - t)
+        prev = [out.distro_results]
+    step_ms = statistics.mean(step_times) * 1e3
+    distro_ms = sum(t.total for t in timers.values()) / steps * 1e3
+    del trainer, model, prev, out
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return step_ms, distro_ms
+
+
+def profile_distro(size: str, device: str, batch: int, seq: int, mbs: int, rows: int = 30) -> str:
+    """torch.profiler tables of DisTrO's generate and apply alone (one step each, after a warm-up
+    step), sorted by device time and by host time: where the optimizer's share goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = build(size, device)
+    dev = model.device
+    data = bigram_corpus(3 * batch, seq, model.config.vocab_size).to(dev)
+    trainer = Trainer(model, constant(1e-3), distro_def(64, 8), micro_batch_size=mbs)
+    assert trainer.distro is not None
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    out = trainer.train(1, Batch(data[:batch]), prev_self_distro_results=[])
+    trainer.optimize(2, distro_results=[quantize_results(out.distro_results)])
+    prev = [out.distro_results]
+    trainer.train(2, Batch(data[batch : 2 * batch]), prev_self_distro_results=prev)  # fills grads
+    sections = []
+    distro = trainer.distro
+    for name, fn in (
+        ("generate", lambda: distro.generate(prev, 1e-3, 1e-3)),
+        ("apply", lambda: distro.apply([quantize_results(prev[0])], 1e-3)),
+    ):
+        sync(dev)
+        with profile(activities=activities) as prof:
+            fn()
+            sync(dev)
+        averages = prof.key_averages()
+        for key in (["self_cuda_time_total"] if dev.type == "cuda" else []) + [
+            "self_cpu_time_total"
+        ]:
+            sections.append(f"### {name}, {size}, sorted by {key}\n")
+            sections.append(averages.table(sort_by=key, row_limit=rows, max_name_column_width=60))
+    del trainer, model
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return "\n".join(sections)
+
+
 def bench_time(sizes: list[str], device: str, steps: int, batch: int, seq: int, mbs: int) -> None:
     print("\n## 2. DisTrO generate+apply share of the train step (chunk 64, top-k 8, 1-bit)")
     print(f"{'model':>6} {'device':>6} {'step ms':>9} {'distro ms':>10} {'share':>7}")
     for size in sizes:
-        model = build(size, device)
-        dev = model.device
-        vocab = model.config.vocab_size
-        data = bigram_corpus((steps + 2) * batch, seq, vocab).to(dev)
-        trainer = Trainer(model, constant(1e-3), distro_def(64, 8), micro_batch_size=mbs)
-        assert trainer.distro is not None
-        timers = {
-            name: Timed(getattr(trainer.distro, name), dev)
-            for name in ("generate", "apply", "error_correction")
-        }
-        for name, timer in timers.items():
-            setattr(trainer.distro, name, timer)
-        prev: list = []  # type: ignore[type-arg]
-        step_times = []
-        for step in range(1, steps + 3):
-            if step == 3:  # two warm-up steps
-                for timer in timers.values():
-                    timer.total = 0.0
-            sync(dev)
-            t = time.perf_counter()
-            out = trainer.train(
-                step, Batch(data[(step - 1) * batch : step * batch]), prev_self_distro_results=prev
-            )
-            if step > 1:
-                trainer.optimize(step, distro_results=[quantize_results(prev[0])])
-            sync(dev)
-            if step >= 3:
-                step_times.append(time.perf_counter() - t)
-            prev = [out.distro_results]
-        step_ms = statistics.mean(step_times) * 1e3
-        distro_ms = sum(t.total for t in timers.values()) / steps * 1e3
+        step_ms, distro_ms = measure_distro_share(size, device, steps, batch, seq, mbs)
         print(
-            f"{size:>6} {dev.type:>6} {step_ms:>9.1f} {distro_ms:>10.1f} {distro_ms / step_ms:>6.1%}"
+            f"{size:>6} {torch.device(device).type:>6} {step_ms:>9.1f} {distro_ms:>10.1f} "
+            f"{distro_ms / step_ms:>6.1%}"
         )
-        del trainer, model
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
 
 
 # -- 3. trainer vs plain loop -----------------------------------------------------------------
@@ -525,6 +577,8 @@ def main() -> None:
             min(args.steps, 7),
             args.fastpath_peers,
         )
+    if "profile" in only:  # not in the default set: a table to read, not a figure
+        print(profile_distro(sizes[0], args.device, args.batch, args.seq, args.micro_batch))
     if "converge" in only:
         bench_convergence(
             args.converge_size, args.device, args.converge_steps, args.batch, 32, args.micro_batch

@@ -69,6 +69,17 @@ def test_compress_4d_blocks_flatten_the_last_two_dims() -> None:
     assert val[1, 2, 0].item() == -5.0
 
 
+def test_compress_takes_an_encoded_tensor_that_is_not_contiguous() -> None:
+    """On CUDA the DCT encode returns a permuted view of its einsum output (found on an H200:
+    DiLoCo's sparse encode raised there); compress gives what it gives for a contiguous copy."""
+    x = torch.randn(2, 16, 3, 16).permute(0, 2, 1, 3)  # [2, 3, 16, 16], not contiguous
+    assert not x.is_contiguous()
+    idx, val, xshape, totalk = compress(x, 5)
+    c_idx, c_val, c_xshape, c_totalk = compress(x.contiguous(), 5)
+    assert (xshape, totalk) == (c_xshape, c_totalk) == ([2, 3, 16, 16], 256)
+    assert torch.equal(idx, c_idx) and torch.equal(val, c_val)
+
+
 def test_topk_is_clamped() -> None:
     assert compress(torch.ones(5), 0)[0].shape == (1,)
     assert compress(torch.ones(5), 99)[0].shape == (5,)

@@ -87,7 +87,9 @@ def compress(x: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor, li
     """
     xshape = list(x.shape)
     if len(xshape) > 2:
-        x = x.view(*xshape[:-2], xshape[-2] * xshape[-1])
+        # `reshape`, not `view`: the encoded tensor is contiguous on the CPU but a permuted view
+        # of the einsum's output on CUDA (the values, and so the top-k, are the same either way)
+        x = x.reshape(*xshape[:-2], xshape[-2] * xshape[-1])
     totalk = x.shape[-1]
     k = clamp_topk(totalk, topk)
     idx = x.abs().topk(k, dim=-1, largest=True, sorted=False).indices

@@ -371,7 +371,11 @@ class Diloco:
             acc = new_accumulator(layout, p.device)
             for entries in ordered:
                 accumulate(acc, entries[index], layout)
-            means.append(finish(acc, layout).div_(float(len(ordered))))
+            # The count as a tensor on the accumulator's device, not a Python scalar: CUDA
+            # divides by a host scalar as a multiplication by its reciprocal, which rounds
+            # differently from the CPU's true division (seen on an H200: no CPU/CUDA agreement).
+            count = torch.tensor(float(len(ordered)), dtype=torch.float32, device=acc.device)
+            means.append(finish(acc, layout).div_(count))
         return means
 
     @torch.no_grad()
