@@ -15,9 +15,9 @@ import pytest
 import torch
 import trio
 
-from psyche.centralized.save_state import load_state, save_state
+from psyche.centralized.save_state import load_state, save_state, saved_run_identity
 from psyche.client.broadcast import open_network
-from psyche.client.checkpoint import CheckpointConfig, save_checkpoint_locally
+from psyche.client.checkpoint import CheckpointConfig, RunInstance, save_checkpoint_locally
 from psyche.client.client import Client
 from psyche.client.init import RunInitConfig
 from psyche.client.model_loading import config_json_of, load_from_directory, preload_modeling
@@ -31,6 +31,7 @@ from psyche.network.sharable_model import model_hash
 from .test_in_process_run import RUN_ID, coordinator, fields, write_run
 
 STEP = 12  # the saved state's step: the epoch starts from the checkpoint of step 11
+INSTANCE = RunInstance(RUN_ID, "saved-instance")
 
 
 @pytest.fixture(autouse=True)
@@ -45,7 +46,9 @@ async def run_client(server: InProcessServer, number: int, checkpoint_dir: Path)
     key = SecretKey.from_bytes(number.to_bytes(32, "big"))
     identity = NodeIdentity.from_single_key(key.public_key)
     config = NetworkConfig(run_id=RUN_ID, secret_key=key, bind_host="127.0.0.1")
-    init = RunInitConfig(identity, key, device="cpu", checkpoint=CheckpointConfig(checkpoint_dir))
+    init = RunInitConfig(
+        identity, key, RUN_ID, device="cpu", checkpoint=CheckpointConfig(checkpoint_dir)
+    )
     async with open_network(config) as network, server.connect(identity, RUN_ID) as backend:
         await Client(backend, network, init).run()
 
@@ -65,12 +68,24 @@ def test_clients_and_server_restarted_resume_from_the_last_complete_checkpoint(
     dirs = [tmp_path / "client-1", tmp_path / "client-2"]
     for directory in dirs:
         save_checkpoint_locally(
-            directory / f"{RUN_ID}-step{STEP - 1}", trained, [], config_json, ""
+            directory / f"{RUN_ID}-step{STEP - 1}",
+            trained,
+            [],
+            config_json,
+            "",
+            run=INSTANCE,
+            step=STEP - 1,
         )
     # client 1 also holds an older checkpoint; client 2 a newer one whose write was cut short
     # (a file missing) and the staging directory of a killed writer
     save_checkpoint_locally(
-        dirs[0] / f"{RUN_ID}-step{STEP - 6}", dict(initial.model.variables()), [], config_json, ""
+        dirs[0] / f"{RUN_ID}-step{STEP - 6}",
+        dict(initial.model.variables()),
+        [],
+        config_json,
+        "",
+        run=INSTANCE,
+        step=STEP - 6,
     )
     partial = dirs[1] / f"{RUN_ID}-step{STEP + 5}"
     shutil.copytree(dirs[1] / f"{RUN_ID}-step{STEP - 1}", partial)
@@ -82,8 +97,9 @@ def test_clients_and_server_restarted_resume_from_the_last_complete_checkpoint(
     state.run_state = RunState.WaitingForMembers
     state.config.epoch_time = 8  # a valid saved state: longer than a round
     state.progress = CoordinatorProgress(epoch=3, step=STEP, epoch_start_data_index=40)
-    saved = save_state(tmp_path / "saved", state)
-    server = InProcessServer(load_state(saved))
+    # the server resumed from its save keeps the run's identity
+    saved = save_state(tmp_path / "saved", state, INSTANCE.identity)
+    server = InProcessServer(load_state(saved), run_identity=saved_run_identity(saved))
 
     async def scenario() -> None:
         async with trio.open_nursery() as nursery:

@@ -76,7 +76,7 @@ async def run_client(
         open_network(config) as network,
         server.connect(identity, RUN_ID) as backend,
     ):
-        client = kind(backend, network, RunInitConfig(identity, key, device="cpu"))
+        client = kind(backend, network, RunInitConfig(identity, key, RUN_ID, device="cpu"))
         if started is not None:
             started.append(client)
         await client.run()
@@ -153,7 +153,9 @@ async def run_client_until_finished(
         server.connect(identity, RUN_ID) as backend,
     ):
         client = Client(
-            backend, network, RunInitConfig(identity, key, device="cpu", checkpoint=checkpoint)
+            backend,
+            network,
+            RunInitConfig(identity, key, RUN_ID, device="cpu", checkpoint=checkpoint),
         )
         await client.run()
     return client

@@ -130,7 +130,7 @@ async def run_client(
             client = Client(
                 backend,
                 network,
-                RunInitConfig(identity, key, device="cpu"),
+                RunInitConfig(identity, key, RUN_ID, device="cpu"),
                 observers=observers,
                 evals=evals,
             )

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from psyche.client.checkpoint import CheckpointConfig
+from psyche.client.checkpoint import CheckpointConfig, RunInstance
 from psyche.client.cooldown import live_model_hash
 from psyche.client.logs import log_event
 from psyche.client.model_loading import (
@@ -53,6 +53,8 @@ class RunInitConfig:
 
     identity: NodeIdentity
     secret_key: SecretKey
+    run_id: str
+    """`--run-id`: the run this client joined; a coordinator state of any other is refused."""
     device: str = "auto"
     micro_batch_size: int = 1
     grad_accum_in_fp32: bool = False
@@ -75,8 +77,10 @@ FetchFromPeers = Callable[[Coordinator], Awaitable["DownloadedModel"]]
 
 
 async def init_run(
-    config: RunInitConfig, state: Coordinator, fetch_from_peers: FetchFromPeers
+    config: RunInitConfig, run: RunInstance, state: Coordinator, fetch_from_peers: FetchFromPeers
 ) -> InitializedRun:
+    """The model (this instance's local checkpoint of the epoch's start, else the run's
+    checkpoint), the data provider and the trainer, for the client of `run` at `state`."""
     from psyche.modeling.causal_lm import ModelLoadError, architecture_name
 
     llm = state.model.value
@@ -95,10 +99,7 @@ async def init_run(
         resume = None
         if config.checkpoint is not None:
             resume = await trio.to_thread.run_sync(
-                resume_checkpoint,
-                config.checkpoint.checkpoint_dir,
-                str(state.run_id),
-                state.progress.step - 1,
+                resume_checkpoint, config.checkpoint.checkpoint_dir, run, state.progress.step - 1
             )
         if resume is not None:
             logger.info("Resuming from the local checkpoint %s", resume)

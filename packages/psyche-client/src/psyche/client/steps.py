@@ -35,7 +35,7 @@ from psyche.client import payloads, witness
 from psyche.client.apply import ApplyError, ApplyJob, needs_apply, plan_apply
 from psyche.client.background import Background
 from psyche.client.broadcast import Broadcast, BroadcastType
-from psyche.client.checkpoint import CheckpointConfig
+from psyche.client.checkpoint import CheckpointConfig, RunInstance
 from psyche.client.cooldown import CheckpointFiles, Cooldown
 from psyche.client.fetch_data import DataFetcher
 from psyche.client.logs import log_event
@@ -127,6 +127,9 @@ class MachineSettings:
     identity: NodeIdentity
     write_gradients_dir: Path | None = None
     checkpoint: CheckpointConfig | None = None
+    run: RunInstance = field(default_factory=lambda: RunInstance("", ""))
+    """Whose checkpoints this machine writes (needed with `checkpoint`; the default owns
+    nothing)."""
     files: CheckpointFiles = field(default_factory=CheckpointFiles)
     on_round: Callable[[RoundReport], None] | None = None
     """Hears every finished round (trackers, the dashboard, the events file)."""
@@ -173,6 +176,7 @@ class StepStateMachine:
         self.cooldown = Cooldown(
             trainer,
             self.identity,
+            settings.run,
             settings.checkpoint,
             settings.files,
             io.share_model,
@@ -551,7 +555,7 @@ class StepStateMachine:
         epoch = state.progress.epoch if epoch is None else epoch
         # The run ends or pauses here: the keep policy always writes this checkpoint.
         final = state.progress.step >= state.config.total_steps or bool(state.pending_pause)
-        self.cooldown.start(self.tasks, state.run_id, epoch, state.progress.step - 1, final)
+        self.cooldown.start(self.tasks, epoch, state.progress.step - 1, final)
 
     # ---- the end of the run --------------------------------------------------------------------
 
