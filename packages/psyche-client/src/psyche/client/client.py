@@ -80,6 +80,7 @@ from psyche.network.events import (
 )
 from psyche.network.gossip import choose_gossip_peers
 from psyche.network.model_download import DownloadedModel, ModelDownload
+from psyche.network.peer_manager import PeersUnreachable
 from psyche.network.scheduler import DownloadScheduler, RetryQueueResult
 from psyche.network.sharable_model import SharableModel, answer_request
 from psyche.network.transmittable import (
@@ -492,16 +493,38 @@ class Client:
             result = e
         self._post(_InitDone(result))
 
-    async def _fetch_model_from_peers(self, state: Coordinator) -> DownloadedModel:
+    async def _fetch_model_from_peers(
+        self, state: Coordinator, give_up_at: float | None = None
+    ) -> DownloadedModel:
+        """The model from the epoch's other clients (`init.FetchFromPeers`): raises
+        `PeersUnreachable` when every peer failed, or when none has served the model's
+        configuration by `give_up_at` (a download under way is not cut short)."""
         me = self.network.endpoint_id
         peers = [c.id.p2p_identity for c in state.epoch_state.clients if c.id.p2p_identity != me]
         download = ModelDownload(
             self.network, peers, max_concurrent=self.config.max_concurrent_parameter_requests
         )
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(log_progress, logger, partial(model_download_progress, download))
-            model = await download.run()
-            nursery.cancel_scope.cancel()
+
+        async def give_up(scope: trio.CancelScope, at: float) -> None:
+            await trio.sleep_until(at)
+            if download.model.model_config is None:
+                scope.cancel()
+
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(log_progress, logger, partial(model_download_progress, download))
+                with trio.CancelScope() as waiting:
+                    if give_up_at is not None:
+                        nursery.start_soon(give_up, waiting, give_up_at)
+                    model = await download.run()
+                nursery.cancel_scope.cancel()
+        except BaseExceptionGroup as group:  # the nursery's wrapping of the download's error
+            unreachable, rest = group.split(PeersUnreachable)
+            if unreachable is not None and rest is None:
+                raise PeersUnreachable(str(unreachable.exceptions[0])) from None
+            raise
+        if waiting.cancelled_caught:
+            raise PeersUnreachable("no peer served the model's configuration in time")
         logger.info("Downloaded %d parameters from peers", len(model.parameters))
         return model
 
@@ -511,6 +534,8 @@ class Client:
         assert self._nursery is not None and self.coordinator is not None
         loaded = result.loaded
         self.sharable_model.update_config(loaded.config_json, loaded.tokenizer_json)
+        if result.shared is not None:  # the run's model: the epoch's other joiners may take it
+            self.sharable_model.update_parameters(result.shared)
         fetcher = DataFetcher(result.data_provider, self._nursery)
         evals = None
         if self.eval_settings is not None and self.eval_settings.enabled:

@@ -75,6 +75,9 @@ class LoadedModel:
     # Files of the source checkpoint that checkpoints of this model should carry.
     extra_files: list[Path] = field(default_factory=list)
     source: str = ""
+    from_run: bool = False
+    """The run's model as its clients hold it (bf16-rounded): the peers' model, or this
+    instance's local checkpoint. A client can serve such weights to others at once."""
 
 
 def check_device(device: str) -> torch.device:
@@ -233,7 +236,9 @@ def build_from_parameters(
                 )
             target.copy_(value.to(target.dtype))
     model = _move(model, device)
-    return LoadedModel(model, config_json_of(model), tokenizer_json, [], "peers (P2P)")
+    return LoadedModel(
+        model, config_json_of(model), tokenizer_json, [], "peers (P2P)", from_run=True
+    )
 
 
 def _seeded(build: Callable[..., CausalLM], *args: Any) -> CausalLM:
