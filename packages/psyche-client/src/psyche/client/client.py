@@ -581,9 +581,9 @@ class Client:
     def _on_round(self, report: RoundReport) -> None:
         self.observers.on_round(replace(report, network=self.network_numbers()))
 
-    def _on_eval_scores(self, scores: Mapping[str, float]) -> None:
+    def _on_eval_scores(self, scores: Mapping[str, float], partial: frozenset[str]) -> None:
         step = self.coordinator.progress.step if self.coordinator is not None else 0
-        self.observers.on_evals(step, scores)
+        self.observers.on_evals(step, scores, partial)
 
     # ---- network -------------------------------------------------------------------------------
 

@@ -37,6 +37,7 @@ from psyche.client.background import Background
 from psyche.client.broadcast import Broadcast, BroadcastType
 from psyche.client.checkpoint import CheckpointConfig, RunInstance
 from psyche.client.cooldown import CheckpointFiles, Cooldown
+from psyche.client.evals import split_scores
 from psyche.client.fetch_data import DataFetcher
 from psyche.client.logs import log_event
 from psyche.client.round_state import RoundState
@@ -483,6 +484,7 @@ class StepStateMachine:
         seconds_left = self.progress.seconds_left(step, total)
         self._emit_report()  # an earlier round still pending goes first
         efficiency = self.stats.efficency()
+        scores, partial = split_scores(self.evals.task_scores() if self.evals is not None else {})
         self._pending_report = RoundReport(
             step=step,
             epoch=state.progress.epoch,
@@ -499,7 +501,8 @@ class StepStateMachine:
             trained=len(trained),
             train_seconds=finished.duration,
             distro_seconds=finished.distro_seconds,
-            eval_scores=self.evals.scores() if self.evals is not None else {},
+            eval_scores=scores,
+            eval_partial=tuple(sorted(partial)),
             optim_stats=dict(finished.optim_stats),
         )
         log_event(
@@ -532,9 +535,13 @@ class StepStateMachine:
                 logger,
                 "eval_scores",
                 text=f"evaluations at step {report.step}: "
-                + ", ".join(f"{name} {score:.4f}" for name, score in report.eval_scores.items()),
+                + ", ".join(
+                    f"{name} {score:.4f}" + (" (partial)" if name in report.eval_partial else "")
+                    for name, score in report.eval_scores.items()
+                ),
                 step=report.step,
                 scores=dict(report.eval_scores),
+                partial=list(report.eval_partial),
             )
         if self.settings.on_round is not None:
             self.settings.on_round(report)
