@@ -29,20 +29,12 @@ from psyche.coordinator.model import Checkpoint, HubRepo
 from psyche.core.node_identity import NodeIdentity
 
 from ..modeling.tiny_trainer import make_trainer
-from .hub_endpoint import HubEndpoint, point_huggingface_hub_at
+from .hub_endpoint import HubEndpoint
 
 REPO = "org/model"
 RUN = "run"
 INSTANCE = RunInstance(RUN, "instance-1")
 FAST_RETRY = RetryPolicy(attempts=4, first_delay=0.01)
-
-
-@pytest.fixture
-def hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> HubEndpoint:
-    endpoint = HubEndpoint()
-    with endpoint.serving():
-        point_huggingface_hub_at(monkeypatch, endpoint.url, tmp_path / "hf-home")
-        yield endpoint
 
 
 def test_a_failing_hub_is_retried_and_never_left_partial(hub: HubEndpoint, tmp_path: Path) -> None:

@@ -16,20 +16,16 @@ import pytest
 import torch
 import trio
 
-from psyche.client.checkpoint import CheckpointConfig
-from psyche.client.client import Client, WrongRun
+from psyche.client.client import WrongRun
 from psyche.client.gcs import _cache_dir, cache_base
-from psyche.client.init import RunInitConfig
 from psyche.client.model_loading import load_hub_checkpoint, preload_modeling
 from psyche.client.testing import InProcessServer
 from psyche.core.cli import single_cause, user_error_message
-from psyche.core.identity import SecretKey
-from psyche.core.node_identity import NodeIdentity
 from psyche.modeling.causal_lm import ModelLoadError
 from psyche.modeling.configs import llama_config_dict
-from psyche.network.connection import NetworkConfig
 
-from .hub_endpoint import HubEndpoint, point_huggingface_hub_at
+from .hub_endpoint import HubEndpoint
+from .test_checkpoint_restart import run_client
 from .test_in_process_run import RUN_ID, coordinator, write_run
 
 
@@ -45,19 +41,6 @@ class RenamingServer(InProcessServer):
                 state = self.coordinator.copy()
                 state.run_id = self.forged_run_id
                 backend._deliver(state)
-
-
-async def run_client(server: InProcessServer, number: int, checkpoint_dir: Path) -> None:
-    key = SecretKey.from_bytes(number.to_bytes(32, "big"))
-    identity = NodeIdentity.from_single_key(key.public_key)
-    config = NetworkConfig(run_id=RUN_ID, secret_key=key, bind_host="127.0.0.1")
-    from psyche.client.broadcast import open_network
-
-    init = RunInitConfig(
-        identity, key, RUN_ID, device="cpu", checkpoint=CheckpointConfig(checkpoint_dir)
-    )
-    async with open_network(config) as network, server.connect(identity, RUN_ID) as backend:
-        await Client(backend, network, init).run()
 
 
 def test_a_state_of_another_run_is_refused_and_nothing_is_written_outside(
@@ -126,14 +109,6 @@ def test_a_bucket_and_prefix_never_take_a_gcs_download_outside_its_cache(
 
 
 # ---- hub downloads ---------------------------------------------------------------------------
-
-
-@pytest.fixture
-def hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> HubEndpoint:
-    endpoint = HubEndpoint()
-    with endpoint.serving():
-        point_huggingface_hub_at(monkeypatch, endpoint.url, tmp_path / "hf-home")
-        yield endpoint
 
 
 def tiny_repo() -> dict[str, bytes]:
