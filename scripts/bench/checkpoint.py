@@ -101,7 +101,7 @@ def save_and_upload(args: argparse.Namespace, work: Path) -> None:
     from huggingface_hub import snapshot_download
     from safetensors.torch import save_file
 
-    from psyche.client.checkpoint import save_checkpoint_locally
+    from psyche.client.checkpoint import RunInstance, save_checkpoint_locally
     from psyche.client.gcs import download_checkpoint_from_gcs, upload_checkpoint_to_gcs
     from psyche.client.model_loading import config_json_of
     from psyche.client.upload import HubUpload, UploadJob
@@ -125,7 +125,9 @@ def save_and_upload(args: argparse.Namespace, work: Path) -> None:
         bare_times.append(time.perf_counter() - started)
         path = work / f"run-step{i}"
         started = time.perf_counter()
-        save_checkpoint_locally(path, variables, [], config_json, "")
+        save_checkpoint_locally(
+            path, variables, [], config_json, "", run=RunInstance("run", "bench"), step=i
+        )
         local_times.append(time.perf_counter() - started)
     baseline = statistics.median(bare_times[1:])
     local = statistics.median(local_times[1:])
@@ -236,7 +238,7 @@ def rounds_with_uploads(args: argparse.Namespace, work: Path) -> None:
         key = SecretKey.from_bytes(number.to_bytes(32, "big"))
         identity = NodeIdentity.from_single_key(key.public_key)
         network = NetworkConfig(run_id="bench", secret_key=key, bind_host="127.0.0.1")
-        init = RunInitConfig(identity, key, device="cpu", checkpoint=checkpoint)
+        init = RunInitConfig(identity, key, "bench", device="cpu", checkpoint=checkpoint)
         async with open_network(network) as net, server.connect(identity, "bench") as backend:
             await Client(backend, net, init).run()
 

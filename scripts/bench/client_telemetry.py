@@ -162,7 +162,7 @@ def run_arm(arm: str, directory: Path, steps: int, collector_url: str) -> dict[s
         try:
             async with open_network(config) as network, server.connect(identity, RUN_ID) as b:
                 client = Client(
-                    b, network, RunInitConfig(identity, key, device="cpu"),
+                    b, network, RunInitConfig(identity, key, RUN_ID, device="cpu"),
                     observers=observers, evals=evals,
                 )  # fmt: skip
                 clients[number] = client

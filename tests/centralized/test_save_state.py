@@ -9,11 +9,13 @@ import pytest
 
 from psyche.centralized.save_state import (
     LATEST_POINTER,
+    RUN_IDENTITY_FILE,
     SavedStateError,
     load_state,
     resolve_state_path,
     save_file_name,
     save_state,
+    saved_run_identity,
 )
 from psyche.coordinator.backend import OpportunisticData
 from psyche.coordinator.run_config import ConfigFileError
@@ -54,6 +56,18 @@ def test_save_then_load_is_exact(tmp_path: Path) -> None:
         assert loaded.to_bytes() == state.to_bytes()
     # no temporary files left behind
     assert sorted(p.name for p in path.parent.iterdir()) == [LATEST_POINTER, path.name]
+
+
+def test_the_run_identity_is_saved_beside_the_state(tmp_path: Path) -> None:
+    """A server resumed from its saves runs the same instance of the run (its clients'
+    checkpoints stay theirs); a state file without a saved identity beside it starts a new one."""
+    state = mid_epoch_snapshot()
+    path = save_state(tmp_path / "saves", state, "0123abcd")
+    assert saved_run_identity(path) == "0123abcd"
+    assert saved_run_identity(tmp_path / "saves" / LATEST_POINTER) == "0123abcd"
+    assert saved_run_identity(tmp_path / "elsewhere.toml") is None
+    (tmp_path / "saves" / RUN_IDENTITY_FILE).write_text("../not one\n")
+    assert saved_run_identity(path) is None
 
 
 def test_latest_follows_the_newest_save(tmp_path: Path) -> None:

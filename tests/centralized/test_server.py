@@ -234,6 +234,8 @@ def test_extension_clients_get_extras_and_each_others_endpoints() -> None:
             extras = [m for m in a.received if isinstance(m, ServerToClientMessage.RunExtras)]
             assert len(extras) == 1
             assert extras[0].value.backup_data_locations == backups
+            assert extras[0].value.run_identity == server.run_identity
+            assert len(server.run_identity) == 32
             # the client that never spoke an extension only ever gets upstream's variant
             for _ in range(5):
                 await upstream.next_coordinator()
@@ -265,6 +267,7 @@ def test_backend_follows_the_run_and_reports_a_lost_server() -> None:
             async with CentralizedBackend.connect(addr(server), key, "test-run") as backend:
                 assert backend.extensions_enabled
                 assert backend.backup_data_locations == []
+                assert backend.run_identity() == server.run_identity
                 state = await backend.wait_for_new_state()
                 assert state.run_id == "test-run"
                 warmup = await wait_state(backend, RunState.Warmup)

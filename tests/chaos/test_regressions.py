@@ -140,10 +140,13 @@ def test_a_checkpoint_that_hits_a_full_disk_leaves_nothing_behind(tmp_path: Path
     code = f"""
 import torch
 from pathlib import Path
-from psyche.client.checkpoint import save_checkpoint_locally
+from psyche.client.checkpoint import RunInstance, save_checkpoint_locally
 target = Path({str(tmp_path)!r}) / "run-step7"
 try:
-    save_checkpoint_locally(target, {{"w": torch.zeros(100_000)}}, [], "{{}}", "{{}}")
+    save_checkpoint_locally(
+        target, {{"w": torch.zeros(100_000)}}, [], "{{}}", "{{}}",
+        run=RunInstance("run", "instance"), step=7,
+    )
 except Exception as e:  # safetensors reports the I/O error as its own type
     print("failed:", e)
 else:

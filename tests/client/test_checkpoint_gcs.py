@@ -12,7 +12,7 @@ import pytest
 import torch
 import trio
 
-from psyche.client.checkpoint import CheckpointConfig
+from psyche.client.checkpoint import CheckpointConfig, RunInstance
 from psyche.client.cooldown import Checkpointer, CheckpointFiles, CheckpointJob, extract_for_sharing
 from psyche.client.gcs import download_checkpoint_from_gcs, storage_client
 from psyche.client.keep_policy import Kind
@@ -35,9 +35,9 @@ def test_upload_at_cooldown_then_join_from_gcs(
     with gcs_emulator(monkeypatch, BUCKET):
         sent: list[Checkpoint] = []
         config = CheckpointConfig(tmp_path / "ckpt", GcsUpload(BUCKET, "runs/a"))
-        checkpointer = Checkpointer(config, sent.append)
+        checkpointer = Checkpointer(config, RunInstance("run", "instance-1"), sent.append)
         files = CheckpointFiles([], config_json_of(trainer.model), "")
-        job = CheckpointJob("run", 3, 39, Kind.recent, variables, files)
+        job = CheckpointJob(3, 39, Kind.recent, variables, files)
         path = trio.run(checkpointer.write, job)
         assert path is not None
         assert sent == [Checkpoint.Gcs(GcsRepo(BUCKET, "runs/a"))]

@@ -1,9 +1,11 @@
 """Resume after a restart of everything: the server starts from a state saved at an epoch's end
 (`save_state` / `load_state`, as `psyche-server run --save-state-dir` does) and the clients start
 again with the checkpoint directories they wrote. Each loads its complete local checkpoint of
-the epoch's start step (a newer partial one and a staging directory left by a killed write are
-never chosen), both start from the same weights, which are the checkpoint's and not the random
-init, and they train on together."""
+the epoch's start step (a newer partial one, a staging directory left by a killed write and
+another run instance's checkpoint of that step are never chosen), both start from the same
+weights, which are the checkpoint's and not the random init, and they train on together. A
+third client without a checkpoint takes that model from them, although the saved state names
+the stored checkpoint (the random init)."""
 
 from __future__ import annotations
 
@@ -15,9 +17,14 @@ import pytest
 import torch
 import trio
 
-from psyche.centralized.save_state import load_state, save_state
+from psyche.centralized.save_state import load_state, save_state, saved_run_identity
 from psyche.client.broadcast import open_network
-from psyche.client.checkpoint import CheckpointConfig, save_checkpoint_locally
+from psyche.client.checkpoint import (
+    CheckpointConfig,
+    RunInstance,
+    checkpoint_path,
+    save_checkpoint_locally,
+)
 from psyche.client.client import Client
 from psyche.client.init import RunInitConfig
 from psyche.client.model_loading import config_json_of, load_from_directory, preload_modeling
@@ -28,9 +35,10 @@ from psyche.core.node_identity import NodeIdentity
 from psyche.network.connection import NetworkConfig
 from psyche.network.sharable_model import model_hash
 
-from .test_in_process_run import RUN_ID, coordinator, fields, write_run
+from .test_in_process_run import RUN_ID, _identities, coordinator, fields, write_run
 
 STEP = 12  # the saved state's step: the epoch starts from the checkpoint of step 11
+INSTANCE = RunInstance(RUN_ID, "saved-instance")
 
 
 @pytest.fixture(autouse=True)
@@ -41,11 +49,12 @@ def _single_thread():  # type: ignore[no-untyped-def]
     torch.set_num_threads(before)
 
 
-async def run_client(server: InProcessServer, number: int, checkpoint_dir: Path) -> None:
+async def run_client(server: InProcessServer, number: int, checkpoint_dir: Path | None) -> None:
     key = SecretKey.from_bytes(number.to_bytes(32, "big"))
     identity = NodeIdentity.from_single_key(key.public_key)
     config = NetworkConfig(run_id=RUN_ID, secret_key=key, bind_host="127.0.0.1")
-    init = RunInitConfig(identity, key, device="cpu", checkpoint=CheckpointConfig(checkpoint_dir))
+    checkpoint = None if checkpoint_dir is None else CheckpointConfig(checkpoint_dir)
+    init = RunInitConfig(identity, key, RUN_ID, device="cpu", checkpoint=checkpoint)
     async with open_network(config) as network, server.connect(identity, RUN_ID) as backend:
         await Client(backend, network, init).run()
 
@@ -63,47 +72,78 @@ def test_clients_and_server_restarted_resume_from_the_last_complete_checkpoint(
     }
     config_json = config_json_of(initial.model)
     dirs = [tmp_path / "client-1", tmp_path / "client-2"]
+    # client 2's directory also holds another instance's checkpoint of that step (the same run
+    # config run before, from the random init) under the plain name
+    other = RunInstance(RUN_ID, "an-earlier-instance")
+    save_checkpoint_locally(
+        checkpoint_path(dirs[1], other, STEP - 1),
+        dict(initial.model.variables()),
+        [],
+        config_json,
+        "",
+        run=other,
+        step=STEP - 1,
+    )
     for directory in dirs:
         save_checkpoint_locally(
-            directory / f"{RUN_ID}-step{STEP - 1}", trained, [], config_json, ""
+            checkpoint_path(directory, INSTANCE, STEP - 1),
+            trained,
+            [],
+            config_json,
+            "",
+            run=INSTANCE,
+            step=STEP - 1,
         )
     # client 1 also holds an older checkpoint; client 2 a newer one whose write was cut short
     # (a file missing) and the staging directory of a killed writer
     save_checkpoint_locally(
-        dirs[0] / f"{RUN_ID}-step{STEP - 6}", dict(initial.model.variables()), [], config_json, ""
+        dirs[0] / f"{RUN_ID}-step{STEP - 6}",
+        dict(initial.model.variables()),
+        [],
+        config_json,
+        "",
+        run=INSTANCE,
+        step=STEP - 6,
     )
+    mine = checkpoint_path(dirs[1], INSTANCE, STEP - 1)
+    assert mine.name == f"{RUN_ID}-{INSTANCE.tag}-step{STEP - 1}"
     partial = dirs[1] / f"{RUN_ID}-step{STEP + 5}"
-    shutil.copytree(dirs[1] / f"{RUN_ID}-step{STEP - 1}", partial)
+    shutil.copytree(mine, partial)
     (partial / "model.safetensors").unlink()
     staging = dirs[1] / f".{RUN_ID}-step{STEP + 9}.pid999999999.x.tmp"
-    shutil.copytree(dirs[1] / f"{RUN_ID}-step{STEP - 1}", staging)
+    shutil.copytree(mine, staging)
 
     state = coordinator(model_dir, data_dir)
     state.run_state = RunState.WaitingForMembers
-    state.config.epoch_time = 8  # a valid saved state: longer than a round
+    state.config.epoch_time = 30  # a valid saved state: longer than a round and the warmup
+    state.config.init_min_clients = 3
+    state.config.warmup_time = 20  # ends once all three are ready
     state.progress = CoordinatorProgress(epoch=3, step=STEP, epoch_start_data_index=40)
-    saved = save_state(tmp_path / "saved", state)
-    server = InProcessServer(load_state(saved))
+    # the server resumed from its save keeps the run's identity
+    saved = save_state(tmp_path / "saved", state, INSTANCE.identity)
+    server = InProcessServer(load_state(saved), run_identity=saved_run_identity(saved))
 
     async def scenario() -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(server.run)
-            for number, directory in enumerate(dirs, start=1):
+            for number, directory in enumerate([*dirs, None], start=1):
                 nursery.start_soon(run_client, server, number, directory)
-            with trio.fail_after(120):  # until both applied the first round of the epoch
-                while len(fields(caplog.records, "applied_results")) < 2:
+            with trio.fail_after(120):  # until all three applied the first round of the epoch
+                while len(fields(caplog.records, "applied_results")) < 3:
                     await trio.sleep(0.1)
             nursery.cancel_scope.cancel()
 
     trio.run(scenario)
-    loaded = fields(caplog.records, "loaded_model")
-    assert len(loaded) == 2
-    expected = f"{RUN_ID}-step{STEP - 1} (resumed)"
-    assert all(f["source"].endswith(expected) for f in loaded), loaded
+    loaded = {f["client_id"]: f for f in fields(caplog.records, "loaded_model")}
+    assert len(loaded) == 3
+    first, second, third = (loaded[str(i)] for i in _identities(1, 2, 3))
+    assert first["source"].endswith(f"{RUN_ID}-step{STEP - 1} (resumed)"), first
+    assert second["source"].endswith(f"{mine.name} (resumed)"), second
+    assert third["source"] == "peers (P2P)", third  # not the stored checkpoint
     want = model_hash({name: t.to(torch.float32) for name, t in trained.items()})
-    assert [f["model_hash"] for f in loaded] == [want, want]
+    assert [f["model_hash"] for f in (first, second, third)] == [want, want, want]
     assert want != model_hash(dict(initial.model.variables()))
-    assert all(f["epoch"] == 3 and f["step"] == STEP for f in loaded)
+    assert all(f["epoch"] == 3 and f["step"] == STEP for f in loaded.values())
     applied: dict[int, set[tuple[str, ...]]] = {}
     for f in fields(caplog.records, "applied_results"):
         applied.setdefault(f["step"], set()).add(tuple(str(b) for b in f["batches"]))

@@ -15,7 +15,12 @@ import torch
 import trio
 
 from psyche.client.background import Background
-from psyche.client.checkpoint import MANIFEST_NAME, CheckpointConfig, verify_checkpoint
+from psyche.client.checkpoint import (
+    MANIFEST_NAME,
+    CheckpointConfig,
+    RunInstance,
+    verify_checkpoint,
+)
 from psyche.client.cooldown import Checkpointer, CheckpointFiles, CheckpointJob, Cooldown
 from psyche.client.keep_policy import KeepPolicy, Kind
 from psyche.client.model_loading import config_json_of, load_hub_checkpoint
@@ -24,19 +29,12 @@ from psyche.coordinator.model import Checkpoint, HubRepo
 from psyche.core.node_identity import NodeIdentity
 
 from ..modeling.tiny_trainer import make_trainer
-from .hub_endpoint import HubEndpoint, point_huggingface_hub_at
+from .hub_endpoint import HubEndpoint
 
 REPO = "org/model"
 RUN = "run"
+INSTANCE = RunInstance(RUN, "instance-1")
 FAST_RETRY = RetryPolicy(attempts=4, first_delay=0.01)
-
-
-@pytest.fixture
-def hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> HubEndpoint:
-    endpoint = HubEndpoint()
-    with endpoint.serving():
-        point_huggingface_hub_at(monkeypatch, endpoint.url, tmp_path / "hf-home")
-        yield endpoint
 
 
 def test_a_failing_hub_is_retried_and_never_left_partial(hub: HubEndpoint, tmp_path: Path) -> None:
@@ -51,12 +49,10 @@ def test_a_failing_hub_is_retried_and_never_left_partial(hub: HubEndpoint, tmp_p
     hub.fail_commits = 2
     sent: list[Checkpoint] = []
     config = CheckpointConfig(tmp_path / "ckpt", HubUpload(REPO, "token"))
-    checkpointer = Checkpointer(config, sent.append)
+    checkpointer = Checkpointer(config, INSTANCE, sent.append)
     assert checkpointer.uploader is not None
     checkpointer.uploader.retry = FAST_RETRY
-    job = CheckpointJob(
-        RUN, 1, 9, Kind.recent, {"w": torch.ones(32)}, CheckpointFiles([], "{}", "")
-    )
+    job = CheckpointJob(1, 9, Kind.recent, {"w": torch.ones(32)}, CheckpointFiles([], "{}", ""))
     path = trio.run(checkpointer.write, job)
     assert path is not None and verify_checkpoint(path) is not None
     assert hub.fail_commits == 0  # both failures were met, then a retry went through
@@ -89,17 +85,17 @@ def test_uploads_run_behind_the_epochs_and_the_newest_wins(
         async with trio.open_nursery() as nursery:
             tasks = Background(nursery)
             cooldown = Cooldown(
-                trainer, identity, config, files, lambda _: None, sent.append, nursery
+                trainer, identity, INSTANCE, config, files, lambda _: None, sent.append, nursery
             )
             assert cooldown.checkpointer is not None and cooldown.checkpointer.uploader
             cooldown.checkpointer.uploader.retry = FAST_RETRY
             cooldown.checkpointer.uploader.progress_interval = 0.2
-            cooldown.start(tasks, RUN, 0, 9)
+            cooldown.start(tasks, 0, 9)
             await cooldown.finish()
             # the upload of step 9 is under way and held by the hub
             assert await trio.to_thread.run_sync(hub.commit_started.wait, 60)
             for epoch, step in ((1, 19), (2, 29)):  # the next epochs end meanwhile
-                cooldown.start(tasks, RUN, epoch, step, step == 29)
+                cooldown.start(tasks, epoch, step, step == 29)
                 await cooldown.finish()
             with trio.fail_after(60):
                 while len(saved()) < 3:  # written, waiting for their uploads: all kept

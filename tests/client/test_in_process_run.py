@@ -76,7 +76,7 @@ async def run_client(
         open_network(config) as network,
         server.connect(identity, RUN_ID) as backend,
     ):
-        client = kind(backend, network, RunInitConfig(identity, key, device="cpu"))
+        client = kind(backend, network, RunInitConfig(identity, key, RUN_ID, device="cpu"))
         if started is not None:
             started.append(client)
         await client.run()
@@ -153,7 +153,9 @@ async def run_client_until_finished(
         server.connect(identity, RUN_ID) as backend,
     ):
         client = Client(
-            backend, network, RunInitConfig(identity, key, device="cpu", checkpoint=checkpoint)
+            backend,
+            network,
+            RunInitConfig(identity, key, RUN_ID, device="cpu", checkpoint=checkpoint),
         )
         await client.run()
     return client
@@ -254,13 +256,15 @@ class LateClient(Client):
         await super()._rejoin(state)
 
 
-def three_client_run(tmp_path: Path, epoch_time: int) -> InProcessServer:
-    """A server (no bans) for a run that starts with three clients."""
+def three_client_run(
+    tmp_path: Path, epoch_time: int, server: type[InProcessServer] = InProcessServer
+) -> InProcessServer:
+    """A `server` (no bans) for a run that starts with three clients."""
     preload_modeling()
     state = coordinator(*write_run(tmp_path))
     state.config.epoch_time = epoch_time
     state.config.init_min_clients = 3
-    return InProcessServer(state, ban_epochs=0)
+    return server(state, ban_epochs=0)
 
 
 async def wait_until(condition: Callable[[], bool]) -> None:
@@ -347,3 +351,61 @@ def _identities(*numbers: int) -> list[NodeIdentity]:
         NodeIdentity.from_single_key(SecretKey.from_bytes(n.to_bytes(32, "big")).public_key)
         for n in numbers
     ]
+
+
+class WitnessDroppingServer(InProcessServer):
+    """Loses every witness while `drop_witnesses` is set: a round with no witness at all makes
+    the coordinator withdraw every client and end the epoch (upstream's rule)."""
+
+    drop_witnesses = False
+
+    def witness(self, identity, data) -> None:  # type: ignore[no-untyped-def]
+        if not self.drop_witnesses:
+            super().witness(identity, data)
+
+
+def test_a_run_that_goes_back_to_its_stored_checkpoint_restarts_from_the_trained_model(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 24, item 9. Client 3 is health-checked out of epoch 0 and joins again (its model
+    fell behind: it needs the run's). Then a round of epoch 0 gets no witness, so the
+    coordinator withdraws everyone and ends it; no client of epoch 0 is back as one of its
+    clients, so epoch 1 names the run's stored checkpoint (Hub: the initial weights) again,
+    while clients 1 and 2 still hold the trained model. Client 3 asks the epoch's peers first
+    and takes the trained model from them: the run restarts from it, never from the initial
+    weights, and the three end epoch 1 with identical models. Before, client 3 loaded the
+    initial weights and trained on them beside the others (two models in one run)."""
+    caplog.set_level(logging.INFO, logger="psyche")
+    # epoch 0 ends when its witnesses are lost, not before
+    server = three_client_run(tmp_path, epoch_time=60, server=WitnessDroppingServer)
+    late: list[Client] = []
+
+    async def scenario() -> None:
+        async with trio.open_nursery() as nursery:
+            with trio.fail_after(240):
+                gone = await drop_a_late_client(nursery, server, late, caplog)
+                assert gone["epoch"] == 0 and server.coordinator.progress.epoch == 0
+                server.drop_witnesses = True
+                await wait_until(lambda: server.coordinator.run_state is RunState.Cooldown)
+                server.drop_witnesses = False
+                server.coordinator.config.epoch_time = 8
+                await wait_until(lambda: in_training(server, after_epoch=1))
+            nursery.cancel_scope.cancel()
+
+    trio.run(scenario)
+    records = caplog.records
+    initial = {f["model_hash"] for f in fields(records, "loaded_model") if f["epoch"] == 0}
+    assert len(initial) == 1  # the seeded initial weights, on all three
+    trained = {f["model_hash"] for f in fields(records, "cooldown_model") if f["epoch"] == 0}
+    assert len(trained) == 1 and trained != initial  # 1 and 2 ended epoch 0 alike
+    # epoch 1 names the stored checkpoint; client 3 took the trained model from its peers
+    reload = [f for f in fields(records, "loaded_model") if f["epoch"] == 1]
+    assert len(reload) == 1 and reload[0]["client_id"] == str(late[0].identity), reload
+    assert not reload[0]["checkpoint"].startswith("P2P"), reload  # the stored one (Hub)
+    assert reload[0]["source"] == "peers (P2P)" and reload[0]["model_hash"] in trained, reload
+    assert not fields(records, "stored_checkpoint_loaded")
+    # all three trained epoch 1 and ended it with one model
+    rounds = [f for f in fields(records, "round_start") if f["epoch"] == 1]
+    assert rounds and {f["clients"] for f in rounds} == {3}
+    ended = [f for f in fields(records, "cooldown_model") if f["epoch"] == 1]
+    assert len(ended) == 3 and len({f["model_hash"] for f in ended}) == 1, ended

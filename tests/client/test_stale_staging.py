@@ -20,7 +20,7 @@ WRITER = """
 import sys, time
 from pathlib import Path
 import psyche.modeling.checkpoint as checkpoint
-from psyche.client.checkpoint import save_checkpoint_locally
+from psyche.client.checkpoint import RunInstance, save_checkpoint_locally
 
 def stuck(variables, directory):
     (directory / "model.safetensors").write_bytes(b"half a model")
@@ -28,7 +28,10 @@ def stuck(variables, directory):
     time.sleep(600)
 
 checkpoint.save_tensors_into_safetensors = stuck
-save_checkpoint_locally(Path(sys.argv[1]) / "tiny-cpu-step7", {}, [], "{}", "{}")
+save_checkpoint_locally(
+    Path(sys.argv[1]) / "tiny-cpu-step7", {}, [], "{}", "{}",
+    run=RunInstance("tiny-cpu", "instance"), step=7,
+)
 """
 
 

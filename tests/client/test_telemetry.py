@@ -53,23 +53,34 @@ ARC_ROWS = [
 ]
 
 
+def round_report(**fields: Any) -> RoundReport:
+    """A round's report with plain numbers, `fields` replacing them."""
+    values: dict[str, Any] = {
+        "step": 3,
+        "epoch": 0,
+        "total_steps": 10,
+        "round_height": 2,
+        "num_clients": 2,
+        "loss": None,
+        "lr": None,
+        "tokens_per_sec": None,
+        "total_tokens": 256,
+        "global_token_batch_size": 128,
+        "efficiency": None,
+        "seconds_left": None,
+        "trained": 0,
+        "train_seconds": 0.25,
+        "distro_seconds": 0.05,
+    }
+    return RoundReport(**{**values, **fields})
+
+
 def test_round_metrics_names_every_number_and_leaves_out_what_a_round_lacks() -> None:
-    report = RoundReport(
-        step=3,
-        epoch=0,
-        total_steps=10,
-        round_height=2,
-        num_clients=2,
+    report = round_report(
         loss=2.0,
         lr=1e-3,
-        tokens_per_sec=None,
-        total_tokens=256,
-        global_token_batch_size=128,
         efficiency=0.5,
-        seconds_left=None,
         trained=1,
-        train_seconds=0.25,
-        distro_seconds=0.05,
         witness_seconds=0.5,
         network=NetworkNumbers(peers=1, bytes_sent=10, bytes_received=20, bandwidth=3.0),
         eval_scores={"ARC-Easy": 0.5},
@@ -83,6 +94,20 @@ def test_round_metrics_names_every_number_and_leaves_out_what_a_round_lacks() ->
     assert metrics["eval/arc_easy"] == 0.5
     assert names.TRAIN_TOKENS_PER_SEC not in metrics  # no rate yet: not logged as 0
     assert names.ROUND_DOWNLOAD_SECONDS not in metrics
+
+
+def test_a_partial_evaluation_reaches_the_trackers_under_its_own_name() -> None:
+    """Issue 24, item 13: a score over fewer documents than its task holds (a task cut short by
+    `--eval-task-max-docs`, or a pass not complete) is `eval_partial/<task>`, never
+    `eval/<task>`; OpenTelemetry records it with `partial="true"`. Before, it was logged as the
+    task's full score."""
+    report = round_report(eval_scores={"ARC-Easy": 0.5, "PIQA": 0.25}, eval_partial=("PIQA",))
+    metrics = round_metrics(report)
+    assert metrics["eval/arc_easy"] == 0.5 and metrics["eval_partial/piqa"] == 0.25
+    assert "eval/piqa" not in metrics
+    instrument = names.otel_instrument("eval_partial/piqa")
+    assert instrument.name == "psyche_eval_metrics"
+    assert instrument.attributes == {"metric": "piqa", "partial": "true"}
 
 
 class FakeEvals:
@@ -130,7 +155,7 @@ async def run_client(
             client = Client(
                 backend,
                 network,
-                RunInitConfig(identity, key, device="cpu"),
+                RunInitConfig(identity, key, RUN_ID, device="cpu"),
                 observers=observers,
                 evals=evals,
             )
@@ -231,12 +256,16 @@ def test_a_run_logs_each_round_to_every_tracker_and_scores_evals_between_rounds(
     assert worker.prompt_tokens > 0  # the prompt task generated between rounds too
     lines = (tmp_path / "client-1" / "metrics.jsonl").read_text().splitlines()
     logged = [e["values"] for e in map(json.loads, lines) if e["kind"] == "log"]
-    # each score is a share of the task's documents (4 and 6 here), as a hand count gives
+    # each full score is a share of the task's documents (4 and 6 here), as a hand count
+    # gives; one before the first whole pass is logged as partial, never as the task's
     for task, count in (("PIQA", 4), ("ARC-Easy", 6)):
         scores = [v[names.eval_key(task)] for v in logged if names.eval_key(task) in v]
         assert scores and all(
             abs(s * count - round(s * count)) < 1e-6 and 0 <= s <= 1 for s in scores
         ), (task, scores)
+        partial = [v for v in logged if names.eval_key(task, partial=True) in v]
+        first_full = next(i for i, v in enumerate(logged) if names.eval_key(task) in v)
+        assert all(logged.index(v) < first_full for v in partial), task
     score_key = names.eval_key("PIQA")
     accumulator = EventAccumulator(str(tmp_path / "client-1" / "tb"))
     accumulator.Reload()

@@ -55,7 +55,7 @@ def main() -> int:
         lr_schedule=LearningRateSchedule.Constant(ConstantLR(1e-3, 0.0, 0)),
         optimizer=distro(),
     )
-    config = RunInitConfig(identity=None, secret_key=None, micro_batch_size=2)  # type: ignore[arg-type]
+    config = RunInitConfig(identity=None, secret_key=None, run_id="", micro_batch_size=2)  # type: ignore[arg-type]
     loaded = load_from_directory(model_dir, "HfLlama", torch.device("cpu"))
     if mode == "orphan":
         try:

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from psyche.centralized.save_state import load_state
+from psyche.centralized.save_state import load_state, saved_run_identity
 from psyche.coordinator import RunState
 from psyche.coordinator.model import Checkpoint
 
@@ -74,6 +74,9 @@ def test_server_restart_resumes_at_the_saved_step(
     assert isinstance(saved.model.value.checkpoint, Checkpoint.P2P)  # type: ignore[attr-defined]
     ids = sorted(c.id.signer.hex() for c in saved.epoch_state.clients)
     assert len(ids) == 2
+    # the run's identity (its clients' checkpoints name it) is saved beside the state
+    identity = saved_run_identity(saves / (saves / "latest").read_text().strip())
+    assert identity is not None
 
     # the clients notice and keep reconnecting (`--server-reconnect-timeout`, 120 s by default);
     # a client that exits instead cannot carry on, and that is a failure of this test
@@ -105,3 +108,7 @@ def test_server_restart_resumes_at_the_saved_step(
         assert after_restart and min(after_restart) >= killed_at_step, text[-3000:]
         resumed_losses.extend(after_restart.values())
     assert max(resumed_losses) < min(first) - 0.15, (first, resumed_losses)
+    # the resumed server ran the same instance of the run: it kept the saved identity
+    processes.signal(restarted, signal.SIGTERM)
+    assert restarted.popen.wait(30) == 0, restarted.text()[-3000:]
+    assert saved_run_identity(saves / (saves / "latest").read_text().strip()) == identity

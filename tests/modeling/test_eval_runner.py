@@ -191,3 +191,26 @@ def test_confident_only_holds_back_partial_averages(
         )
     )
     assert results.sample("acc") is not None
+
+
+def test_a_score_over_fewer_documents_than_its_task_is_partial(
+    source: DatasetSource, tokenizer: Any, model: Any
+) -> None:
+    """Issue 24, item 13: a score reported before a whole pass over the task, or over a task
+    that `--eval-task-max-docs` cut short, says so (`TaskScore.partial`); the client logs it
+    under its own name. Before, such a score went to the trackers as the task's."""
+    runner = piqa_runner(source, tokenizer)
+    runner.run_some(model, max_docs=3)  # reported (over half), but 3 of 5 documents
+    (score,) = runner.task_scores().values()
+    assert (score.documents, score.total, score.partial) == (3, 5, True)
+    assert runner.scores() == {"PIQA": score.value}
+    runner.run_some(model, max_docs=2)  # the pass is complete
+    (score,) = runner.task_scores().values()
+    assert (score.documents, score.total, score.partial) == (5, 5, False)
+    runner.run_some(model, max_docs=7)  # a window of one pass, whatever the cycling
+    assert runner.task_scores()["PIQA"].documents == 5
+    # a task cut to 4 of its 5 documents stays partial after any number of passes
+    short = EvalRunner.from_args("piqa", tokenizer, source=source, eval_task_max_docs=4)
+    short.run_some(model, max_docs=12)
+    (score,) = short.task_scores().values()
+    assert (score.documents, score.total, score.partial) == (4, 5, True)

@@ -4,11 +4,13 @@ hub stand-in) have their model fetched into the caches the client reads when it 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from psyche.client.gcs import upload_checkpoint_to_gcs
+from psyche.modeling.configs import llama_config_dict
 from psyche.solana.localnet.server import LocalnetThread
 
 from ..client.gcs_emulator import gcs_emulator
@@ -43,7 +45,9 @@ def test_predownload_from_gcs_and_the_hub(
     wallet = tmp_path / "wallet.json"
     funded_wallet(net, wallet)
     ok(capsys, net, "join-authorization-create", "--authorizer", EVERYONE, wallet=wallet)
-    files = {"model.safetensors": b"weights" * 100, "config.json": b'{"a": 1}'}
+    # a hub download is bounded by the model its config.json declares: a real (tiny) one
+    config_json = json.dumps(llama_config_dict("tiny")).encode()
+    files = {"model.safetensors": b"weights" * 100, "config.json": config_json}
     source = tmp_path / "source"
     source.mkdir()
     for name, data in files.items():

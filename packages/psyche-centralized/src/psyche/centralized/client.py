@@ -278,6 +278,11 @@ class CentralizedBackend:
         """The run's backup data locations (empty against an upstream server)."""
         return list(self.run_extras.backup_data_locations) if self.run_extras else []
 
+    def run_identity(self) -> str | None:
+        """Which instance of the run the server runs (`RunIdentity`; None against an upstream
+        server)."""
+        return (self.run_extras.run_identity or None) if self.run_extras else None
+
     @property
     def extensions_enabled(self) -> bool:
         return bool(self._extensions)

@@ -14,8 +14,10 @@ Port extensions are appended variants (higher indices), which a Rust peer cannot
 * client to server `AnnounceEndpoint(record)` (5): the client's self-signed network address record
   (`psyche.network.discovery`), relayed by the server to the run's other clients.
 * server to client `PeerEndpoints(records)` (1): the newest record of every other joined client.
-* server to client `RunExtras{version, backup_data_locations}` (2): what upstream's coordinator
-  cannot carry (the backup data locations of `data_locations = [...]` run configs).
+* server to client `RunExtras{version, backup_data_locations, run_identity}` (2): what
+  upstream's coordinator cannot carry (the backup data locations of `data_locations = [...]`
+  run configs; which instance of the run this server runs: new when a run starts afresh, kept
+  when the server resumes from its saved state).
 * server to client `Relays(addrs)` (3): the circuit relays the server hosts for the run's
   members (`psyche.network.relay`, multiaddrs ending in `/p2p/<relay id>`); sent just before
   `RunExtras`, so a client knows them before it opens its network.
@@ -53,6 +55,7 @@ class ExtensionHello:
 class RunExtras:
     version: U32 = EXTENSIONS_VERSION
     backup_data_locations: list[LLMTrainingDataLocation]
+    run_identity: str = ""
 
 
 class ClientToServerMessage(DataEnum):

@@ -107,6 +107,9 @@ class ServerOptions:
     # The data server's dataset (`data.toml`), required when the data location is Server.
     data_config: DataServerInfo | None = None
     save_state_dir: Path | None = None
+    # Which instance of the run this is (`RunExtras.run_identity`): the saved one when the
+    # server resumes from its saved state, else None for a new one.
+    run_identity: str | None = None
     events_dir: Path | None = None
     init_warmup_time: int | None = None
     withdraw_on_disconnect: bool = True
@@ -205,6 +208,7 @@ class CentralizedServer:
     def __init__(self, core: ServerCore, options: ServerOptions) -> None:
         self.core = core
         self.options = options
+        self.run_identity = options.run_identity or secrets.token_hex(16)
         self.relay = EndpointRelay()
         self.p2p_relay: Relay | None = None
         self.tcp: TcpServer[ClientToServerMessage, ServerToClientMessage] | None = None
@@ -397,7 +401,10 @@ class CentralizedServer:
         return self.tcp is not None and key in self.tcp.connected_clients()
 
     def run_extras(self) -> RunExtras:
-        return RunExtras(backup_data_locations=list(_llm(self.coordinator).backup_data_locations))
+        return RunExtras(
+            backup_data_locations=list(_llm(self.coordinator).backup_data_locations),
+            run_identity=self.run_identity,
+        )
 
     def _send(self, client: bytes, message: ServerToClientMessage) -> None:
         if self.tcp is not None:
@@ -454,7 +461,7 @@ class CentralizedServer:
         if directory is None:
             return None
         try:
-            path = save_state(directory, self.core.snapshot())
+            path = save_state(directory, self.core.snapshot(), self.run_identity)
         except (OSError, ValueError) as e:
             log.error("Error saving state to %s: %s", directory, e)
             return None

@@ -1,7 +1,7 @@
 """The backend-agnostic Psyche training client (upstream `shared/client`).
 
     async with open_network(NetworkConfig(run_id, secret_key)) as network:
-        await Client(backend, network, RunInitConfig(identity, secret_key)).run()
+        await Client(backend, network, RunInitConfig(identity, secret_key, run_id)).run()
 
 `backend` is any `psyche.coordinator.backend.Backend` (the centralized TCP backend, or
 `psyche.client.testing.InProcessServer(...).connect(...)` for a run inside one process).

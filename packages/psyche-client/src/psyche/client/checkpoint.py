@@ -3,8 +3,16 @@ half): written in Hugging Face layout to `{dir}/{run_id}-step{step}`, uploaded t
 (`--hub-repo`) or a GCS bucket (`--gcs-bucket`) in the background (`upload`; the coordinator is
 then told the new checkpoint), old steps removed by the keep policy (`keep_policy`).
 
-A checkpoint is complete when its manifest (`psyche-manifest.json`: run, step, epoch, kind, and
-every file's size and SHA-256) is there and every file matches it. It is written into a staging
+A checkpoint belongs to one instance of a run (`RunInstance`): its run id and the coordinator's
+identity of that instance, both in its manifest. The same run config started twice is two
+instances; a server resumed from its saved state is the same one. Only the instance's own
+checkpoints are resumed, counted by the keep policy or deleted; another instance's are left as
+they are, and when one holds the plain directory name a checkpoint of this instance is written
+as `{run_id}-{tag}-step{step}` instead (`RunInstance.tag`). The run id is made a safe file name
+(`psyche.core.safe_path`): the coordinator's state never chooses where a checkpoint goes.
+
+A checkpoint is complete when its manifest (`psyche-manifest.json`: run, instance, step, epoch,
+kind, and every file's size and SHA-256) is there and every file matches it. It is written into a staging
 directory `.{run_id}-step{step}.pid{pid}.{random}.tmp` next to it: the files, each fsynced, then
 the manifest, then the directory is renamed to its step's name and the parent fsynced. A client
 killed meanwhile leaves its staging directory behind; `remove_stale_staging` (called when a client
@@ -29,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from psyche.client.keep_policy import KeepPolicy, Kind
 from psyche.core.atomic_file import fsync_directory
+from psyche.core.safe_path import path_component
 
 if TYPE_CHECKING:
     import torch
@@ -38,7 +47,34 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MANIFEST_NAME = "psyche-manifest.json"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
+"""2 adds `run_identity`; a version 1 manifest (written before) belongs to no instance known
+now: its checkpoint is never resumed or deleted."""
+_READABLE_VERSIONS = (1, 2)
+
+
+@dataclass(frozen=True)
+class RunInstance:
+    """One instance of a run: its id (`--run-id`, which every coordinator state must carry) and
+    the coordinator's identity of the instance (`psyche.coordinator.backend.RunIdentity`; a
+    token of this client process when the backend names none, so that nothing written by
+    another process is taken for this instance's)."""
+
+    run_id: str
+    identity: str
+
+    @property
+    def tag(self) -> str:
+        """8 hex digits of the identity's hash: the directory name's mark when the plain name
+        is another instance's."""
+        return hashlib.sha256(self.identity.encode("utf-8")).hexdigest()[:8]
+
+    def owns(self, manifest: Manifest) -> bool:
+        return (
+            bool(self.identity)
+            and manifest.run_id == self.run_id
+            and manifest.run_identity == self.identity
+        )
 
 
 @dataclass(frozen=True)
@@ -62,12 +98,15 @@ class Manifest:
     kind: Kind
     written_at: float
     files: dict[str, FileEntry]
+    run_identity: str = ""
+    """The coordinator's identity of the run instance ("" in a version 1 manifest)."""
 
     def to_json(self) -> str:
         return json.dumps(
             {
                 "version": MANIFEST_VERSION,
                 "run_id": self.run_id,
+                "run_identity": self.run_identity,
                 "step": self.step,
                 "epoch": self.epoch,
                 "kind": self.kind.value,
@@ -84,7 +123,7 @@ class Manifest:
     def from_json(cls, text: str) -> Manifest:
         """Raises ValueError (or KeyError/TypeError) for anything not a manifest."""
         doc: Any = json.loads(text)
-        if doc.get("version") != MANIFEST_VERSION:
+        if doc.get("version") not in _READABLE_VERSIONS:
             raise ValueError(f"unknown manifest version {doc.get('version')!r}")
         files = {
             str(name): FileEntry(int(e["size"]), str(e["sha256"]))
@@ -100,6 +139,7 @@ class Manifest:
             Kind(doc["kind"]),
             float(doc["written_at"]),
             files,
+            str(doc.get("run_identity", "")),
         )
 
 
@@ -111,11 +151,22 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def checkpoint_path(config: CheckpointConfig, run_id: str, step: int) -> Path:
-    return config.checkpoint_dir / f"{run_id}-step{step}"
+def checkpoint_path(checkpoint_dir: Path, run: RunInstance, step: int) -> Path:
+    """Where this instance's checkpoint of `step` goes: `{run_id}-step{step}` (the run id made
+    a safe file name: whatever it is, the checkpoint lands in `checkpoint_dir`), unless that
+    directory holds anything but this instance's checkpoint (another instance's, one from
+    before instances were recorded, something unreadable): then `{run_id}-{tag}-step{step}`."""
+    name = path_component(run.run_id, "run")
+    plain = checkpoint_dir / f"{name}-step{step}"
+    if not os.path.lexists(plain):
+        return plain
+    manifest = read_manifest(plain) if plain.is_dir() and not plain.is_symlink() else None
+    if manifest is not None and run.owns(manifest) and manifest.step == step:
+        return plain
+    return checkpoint_dir / f"{name}-{run.tag}-step{step}"
 
 
-_STEP_DIR = re.compile(r"^(?P<run>.+)-step(?P<step>\d+)$")
+_STEP_DIR = re.compile(r"^(?P<name>[^.].*)-step(?P<step>\d+)$")
 
 
 def save_checkpoint_locally(
@@ -125,12 +176,15 @@ def save_checkpoint_locally(
     model_config_json: str,
     tokenizer_json: str,
     *,
+    run: RunInstance,
+    step: int,
     epoch: int = 0,
     kind: Kind = Kind.recent,
 ) -> list[Path]:
     """The safetensors parts, the source checkpoint's config/tokenizer files, a config.json
     (and tokenizer.json) written from what the client knows when the source had none, and the
-    manifest (run and step from the directory's name `{run_id}-step{step}`).
+    manifest (`run`'s id and identity, `step`, `epoch`, `kind`). `path` is replaced when it
+    exists: the caller chose it (`checkpoint_path`).
 
     Everything is written into a temporary sibling directory that is renamed to `path` once
     complete, so a failed save (a full disk) leaves no half checkpoint under a step's name.
@@ -138,8 +192,6 @@ def save_checkpoint_locally(
     """
     from psyche.modeling.checkpoint import save_tensors_into_safetensors
 
-    match = _STEP_DIR.match(path.name)
-    run_id, step = (match["run"], int(match["step"])) if match else (path.name, -1)
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(
         tempfile.mkdtemp(prefix=f".{path.name}.pid{os.getpid()}.", suffix=".tmp", dir=path.parent)
@@ -164,7 +216,9 @@ def save_checkpoint_locally(
             with open(file, "rb") as f:
                 os.fsync(f.fileno())
             entries[file.name] = FileEntry(file.stat().st_size, file_sha256(file))
-        manifest = Manifest(run_id, step, epoch, kind, time.time(), entries)
+        manifest = Manifest(
+            run.run_id, step, epoch, kind, time.time(), entries, run_identity=run.identity
+        )
         manifest_path = staging / MANIFEST_NAME
         with open(manifest_path, "w") as f:
             f.write(manifest.to_json())
@@ -215,9 +269,10 @@ class FoundCheckpoint:
     manifest: Manifest
 
 
-def find_checkpoints(checkpoint_dir: Path, run_id: str) -> list[FoundCheckpoint]:
-    """This run's step directories with a readable manifest naming the same run and step,
-    oldest first (files not checked: `verify_checkpoint` does that)."""
+def find_checkpoints(checkpoint_dir: Path, run: RunInstance) -> list[FoundCheckpoint]:
+    """This run instance's step directories (`*-step{N}`, not symlinks) whose readable manifest
+    names its run id, its identity and step N, oldest first (files not checked:
+    `verify_checkpoint` does that). Other runs' and instances' are not listed."""
     found = []
     try:
         entries = list(os.scandir(checkpoint_dir))
@@ -225,22 +280,22 @@ def find_checkpoints(checkpoint_dir: Path, run_id: str) -> list[FoundCheckpoint]
         return []
     for entry in entries:
         match = _STEP_DIR.match(entry.name)
-        if match is None or match["run"] != run_id or not entry.is_dir(follow_symlinks=False):
+        if match is None or not entry.is_dir(follow_symlinks=False):
             continue
         manifest = read_manifest(Path(entry.path))
-        if manifest is None or manifest.run_id != run_id or manifest.step != int(match["step"]):
+        if manifest is None or not run.owns(manifest) or manifest.step != int(match["step"]):
             continue
         found.append(FoundCheckpoint(Path(entry.path), manifest))
     return sorted(found, key=lambda f: f.manifest.step)
 
 
 def latest_complete(
-    checkpoint_dir: Path, run_id: str, step: int | None = None
+    checkpoint_dir: Path, run: RunInstance, step: int | None = None
 ) -> FoundCheckpoint | None:
-    """The newest complete checkpoint of `run_id` (at exactly `step` when given): incomplete
+    """The newest complete checkpoint of `run` (at exactly `step` when given): incomplete
     ones (a file missing or changed, a manifest missing or unreadable) are skipped, with a
     warning for those with a manifest, never chosen."""
-    for found in reversed(find_checkpoints(checkpoint_dir, run_id)):
+    for found in reversed(find_checkpoints(checkpoint_dir, run)):
         if step is not None and found.manifest.step != step:
             continue
         manifest = verify_checkpoint(found.path)

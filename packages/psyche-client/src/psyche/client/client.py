@@ -10,7 +10,7 @@ cooldown (its final checkpoint), logs a summary (`run_finished`) and `run()` ret
 client desyncs there; this is a port addition (docs/client.md).
 
     async with open_network(NetworkConfig(run_id, secret_key)) as network:
-        await Client(backend, network, RunInitConfig(identity, secret_key)).run()
+        await Client(backend, network, RunInitConfig(identity, secret_key, run_id)).run()
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from __future__ import annotations
 import logging
 import math
 import random
+import re
+import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
@@ -36,6 +38,7 @@ from psyche.client.broadcast import (
     TrainingResult,
     rebroadcast_periodically,
 )
+from psyche.client.checkpoint import RunInstance
 from psyche.client.cooldown import CheckpointFiles
 from psyche.client.fetch_data import DataFetcher
 from psyche.client.init import InitializedRun, RunInitConfig, init_run
@@ -58,9 +61,11 @@ from psyche.coordinator.backend import (
     HealthCheck,
     OpportunisticData,
     Rejoin,
+    RunIdentity,
 )
 from psyche.coordinator.commitment import Commitment
 from psyche.coordinator.model import Checkpoint
+from psyche.core.cli import UserError
 from psyche.core.log_markers import IntegrationTestLogMarker
 from psyche.modeling.serialized_distro import TransmittableDistroResult
 from psyche.network.connection import NetworkConnection
@@ -75,6 +80,7 @@ from psyche.network.events import (
 )
 from psyche.network.gossip import choose_gossip_peers
 from psyche.network.model_download import DownloadedModel, ModelDownload
+from psyche.network.peer_manager import PeersUnreachable
 from psyche.network.scheduler import DownloadScheduler, RetryQueueResult
 from psyche.network.sharable_model import SharableModel, answer_request
 from psyche.network.transmittable import (
@@ -184,6 +190,36 @@ def model_download_progress(download: ModelDownload) -> str:
     )
 
 
+class WrongRun(UserError):
+    """The coordinator sent the state of another run than the one this client joined: a
+    misconfigured or hostile coordinator (or someone on the plaintext link). Nothing of that
+    state is used: its run id would name this client's files and its model what it loads."""
+
+
+_RUN_IDENTITY = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def run_instance(backend: Backend, run_id: str) -> RunInstance:
+    """This client's run instance: `run_id` and the backend's identity of the instance
+    (`RunIdentity`: up to 64 letters, digits, `_` or `-`); without one, a token of this process
+    (its checkpoints are then this process's only: never resumed or deleted by a later one)."""
+    identity = backend.run_identity() if isinstance(backend, RunIdentity) else None
+    if identity is not None and not _RUN_IDENTITY.match(identity):
+        logger.warning("the coordinator's run identity is not one: ignored")
+        identity = None
+    return RunInstance(run_id, identity or f"process-{secrets.token_hex(8)}")
+
+
+def check_run_id(state: Coordinator, run_id: str) -> None:
+    """Raise `WrongRun` unless `state` is the state of `run_id` (`--run-id`)."""
+    if state.run_id != run_id:
+        raise WrongRun(
+            f"the coordinator sent the state of run {state.run_id[:64]!r}, but this client "
+            f"joined run {run_id!r} (--run-id): refusing it (a misconfigured or hostile "
+            "coordinator)"
+        )
+
+
 class Client:
     def __init__(
         self,
@@ -199,6 +235,8 @@ class Client:
         self.network = network
         self.config = config
         self.identity = config.identity
+        self.instance = run_instance(backend, config.run_id)
+        """Whose checkpoints this client writes and may resume."""
         self.rng = rng or random.Random()
         self._send, self._inbox = trio.open_memory_channel[_Item](math.inf)
         self._nursery: trio.Nursery | None = None
@@ -292,6 +330,7 @@ class Client:
         encoded = state.to_bytes()
         if encoded == self._last_state_bytes:
             return
+        check_run_id(state, self.config.run_id)
         self._last_state_bytes = encoded
         old = self.coordinator
         if old is None or old.run_state is not state.run_state:
@@ -448,22 +487,44 @@ class Client:
             state.model.value.backup_data_locations = backups
         try:
             result: InitializedRun | BaseException = await init_run(
-                self.config, state, self._fetch_model_from_peers
+                self.config, self.instance, state, self._fetch_model_from_peers
             )
         except Exception as e:
             result = e
         self._post(_InitDone(result))
 
-    async def _fetch_model_from_peers(self, state: Coordinator) -> DownloadedModel:
+    async def _fetch_model_from_peers(
+        self, state: Coordinator, give_up_at: float | None = None
+    ) -> DownloadedModel:
+        """The model from the epoch's other clients (`init.FetchFromPeers`): raises
+        `PeersUnreachable` when every peer failed, or when none has served the model's
+        configuration by `give_up_at` (a download under way is not cut short)."""
         me = self.network.endpoint_id
         peers = [c.id.p2p_identity for c in state.epoch_state.clients if c.id.p2p_identity != me]
         download = ModelDownload(
             self.network, peers, max_concurrent=self.config.max_concurrent_parameter_requests
         )
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(log_progress, logger, partial(model_download_progress, download))
-            model = await download.run()
-            nursery.cancel_scope.cancel()
+
+        async def give_up(scope: trio.CancelScope, at: float) -> None:
+            await trio.sleep_until(at)
+            if download.model.model_config is None:
+                scope.cancel()
+
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(log_progress, logger, partial(model_download_progress, download))
+                with trio.CancelScope() as waiting:
+                    if give_up_at is not None:
+                        nursery.start_soon(give_up, waiting, give_up_at)
+                    model = await download.run()
+                nursery.cancel_scope.cancel()
+        except BaseExceptionGroup as group:  # the nursery's wrapping of the download's error
+            unreachable, rest = group.split(PeersUnreachable)
+            if unreachable is not None and rest is None:
+                raise PeersUnreachable(str(unreachable.exceptions[0])) from None
+            raise
+        if waiting.cancelled_caught:
+            raise PeersUnreachable("no peer served the model's configuration in time")
         logger.info("Downloaded %d parameters from peers", len(model.parameters))
         return model
 
@@ -473,6 +534,8 @@ class Client:
         assert self._nursery is not None and self.coordinator is not None
         loaded = result.loaded
         self.sharable_model.update_config(loaded.config_json, loaded.tokenizer_json)
+        if result.shared is not None:  # the run's model: the epoch's other joiners may take it
+            self.sharable_model.update_parameters(result.shared)
         fetcher = DataFetcher(result.data_provider, self._nursery)
         evals = None
         if self.eval_settings is not None and self.eval_settings.enabled:
@@ -489,6 +552,7 @@ class Client:
             identity=self.identity,
             write_gradients_dir=self.config.write_gradients_dir,
             checkpoint=self.config.checkpoint,
+            run=self.instance,
             files=CheckpointFiles(
                 list(loaded.extra_files), loaded.config_json, loaded.tokenizer_json
             ),
@@ -517,9 +581,9 @@ class Client:
     def _on_round(self, report: RoundReport) -> None:
         self.observers.on_round(replace(report, network=self.network_numbers()))
 
-    def _on_eval_scores(self, scores: Mapping[str, float]) -> None:
+    def _on_eval_scores(self, scores: Mapping[str, float], partial: frozenset[str]) -> None:
         step = self.coordinator.progress.step if self.coordinator is not None else 0
-        self.observers.on_evals(step, scores)
+        self.observers.on_evals(step, scores, partial)
 
     # ---- network -------------------------------------------------------------------------------
 

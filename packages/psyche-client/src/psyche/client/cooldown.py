@@ -22,6 +22,7 @@ import trio
 from psyche.client.background import Background
 from psyche.client.checkpoint import (
     CheckpointConfig,
+    RunInstance,
     checkpoint_path,
     delete_checkpoint,
     find_checkpoints,
@@ -70,7 +71,6 @@ class CheckpointFiles:
 
 @dataclass
 class CheckpointJob:
-    run_id: str
     epoch: int
     step: int
     kind: Kind
@@ -79,31 +79,41 @@ class CheckpointJob:
 
 
 class Checkpointer:
-    """A client's checkpoints of one run: which to write (`plan`), writing, uploading and
-    deleting them (`write`). The run's complete checkpoints already in the directory (a
-    restarted client) count for the keep policy as if this client had written them."""
+    """A client's checkpoints of one run instance (`run`): which to write (`plan`), writing,
+    uploading and deleting them (`write`). The instance's complete checkpoints already in the
+    directory (a restarted client) count for the keep policy as if this client had written
+    them; another run's or instance's are never counted, replaced or deleted."""
 
-    def __init__(self, config: CheckpointConfig, send_checkpoint: Callable[[Checkpoint], None]):
+    def __init__(
+        self,
+        config: CheckpointConfig,
+        run: RunInstance,
+        send_checkpoint: Callable[[Checkpoint], None],
+    ):
         self.config = config
+        self.run = run
         self.uploader = None if config.upload is None else Uploader(config.upload, send_checkpoint)
         self.kept: list[Kept] | None = None
+        # step -> its directory (the plain name, or the tagged one beside another instance's)
+        self.paths: dict[int, Path] = {}
         self.last_written_at: float | None = None
         self.previous_step: int | None = None
 
-    def _seed(self, run_id: str) -> list[Kept]:
+    def _seed(self) -> list[Kept]:
         if self.kept is None:
-            found = find_checkpoints(self.config.checkpoint_dir, run_id)
+            found = find_checkpoints(self.config.checkpoint_dir, self.run)
             self.kept = [
                 Kept(f.manifest.step, f.manifest.kind, f.manifest.written_at) for f in found
             ]
+            self.paths.update((f.manifest.step, f.path) for f in found)
             if self.kept:
                 self.last_written_at = max(k.written_at for k in self.kept)
         return self.kept
 
-    def plan(self, run_id: str, step: int, final: bool, now: float | None = None) -> Kind | None:
+    def plan(self, step: int, final: bool, now: float | None = None) -> Kind | None:
         """The kind of the checkpoint of the cooldown at `step` (None: not written); called
         once per cooldown, in order."""
-        self._seed(run_id)
+        self._seed()
         now = time.time() if now is None else now
         kind = classify(
             self.config.keep, step, self.previous_step, now, self.last_written_at, final
@@ -117,7 +127,8 @@ class Checkpointer:
         """Write the checkpoint, delete what the keep policy no longer keeps, then upload it
         (when a target is set); the directory written, or None when the write failed (logged).
         A failed upload leaves the local copy in place."""
-        path = checkpoint_path(self.config, job.run_id, job.step)
+        self._seed()
+        path = checkpoint_path(self.config.checkpoint_dir, self.run, job.step)
         started = time.monotonic()
         try:
             await trio.to_thread.run_sync(
@@ -127,6 +138,8 @@ class Checkpointer:
                     job.files.extra_files,
                     job.files.model_config_json,
                     job.files.tokenizer_json,
+                    run=self.run,
+                    step=job.step,
                     epoch=job.epoch,
                     kind=job.kind,
                 )
@@ -144,26 +157,30 @@ class Checkpointer:
             kind=job.kind.value,
             secs=round(secs, 3),
         )
-        kept = self._seed(job.run_id)
+        kept = self._seed()
         kept[:] = [k for k in kept if k.step != job.step]
         kept.append(Kept(job.step, job.kind, time.time()))
+        self.paths[job.step] = path
         if self.uploader is not None:
             self.uploader.in_progress.add(job.step)  # kept until its upload is done
-        self.cleanup(job.run_id)
+        self.cleanup()
         if self.uploader is not None:
             try:
-                await self.uploader.upload(UploadJob(job.run_id, job.epoch, job.step, path))
+                await self.uploader.upload(UploadJob(self.run.run_id, job.epoch, job.step, path))
             finally:
-                self.cleanup(job.run_id)
+                self.cleanup()
         return path
 
-    def cleanup(self, run_id: str) -> None:
-        """Delete the checkpoints the keep policy lets go (none still uploading)."""
-        kept = self._seed(run_id)
+    def cleanup(self) -> None:
+        """Delete the checkpoints the keep policy lets go (none still uploading): this
+        instance's only, each where it was found or written."""
+        kept = self._seed()
         protected = set() if self.uploader is None else self.uploader.in_progress
         for step in to_delete(self.config.keep, kept, protected):
             kept[:] = [k for k in kept if k.step != step]
-            delete_checkpoint(checkpoint_path(self.config, run_id, step))
+            path = self.paths.pop(step, None)
+            if path is not None:
+                delete_checkpoint(path)
 
 
 class Cooldown:
@@ -173,6 +190,7 @@ class Cooldown:
         self,
         trainer: Trainer,
         identity: NodeIdentity,
+        run: RunInstance,
         checkpoint: CheckpointConfig | None,
         files: CheckpointFiles,
         share_model: Callable[[dict[str, torch.Tensor]], None],
@@ -191,20 +209,18 @@ class Cooldown:
         # step -> the directory its checkpoint was written to (None: the write failed)
         self.checkpoints: dict[int, Path | None] = {}
         self.checkpointer = (
-            None if checkpoint is None else Checkpointer(checkpoint, send_checkpoint)
+            None if checkpoint is None else Checkpointer(checkpoint, run, send_checkpoint)
         )
 
-    def start(
-        self, tasks: Background, run_id: str, epoch: int, step: int, final: bool = False
-    ) -> None:
+    def start(self, tasks: Background, epoch: int, step: int, final: bool = False) -> None:
         """Freeze the model that ended `epoch` at `step` (the last trained step) on `tasks`;
         `final`: the run ends or pauses here (a checkpoint is written whatever the policy)."""
         done = trio.Event()
         self._done = done
         self._error = None
-        tasks.start_soon(self._run, run_id, epoch, step, final, done)
+        tasks.start_soon(self._run, epoch, step, final, done)
 
-    async def _run(self, run_id: str, epoch: int, step: int, final: bool, done: trio.Event) -> None:
+    async def _run(self, epoch: int, step: int, final: bool, done: trio.Event) -> None:
         try:
             variables, live_hash = await trio.to_thread.run_sync(extract_for_sharing, self.trainer)
             log_event(
@@ -219,13 +235,13 @@ class Cooldown:
             )
             self._share_model(variables)
             if self.checkpointer is not None:
-                kind = self.checkpointer.plan(run_id, step, final)
+                kind = self.checkpointer.plan(step, final)
                 if kind is None:
                     logger.info(
                         "no checkpoint of step %d: the temporary interval has not passed", step
                     )
                 else:
-                    job = CheckpointJob(run_id, epoch, step, kind, variables, self.files)
+                    job = CheckpointJob(epoch, step, kind, variables, self.files)
                     self._writes.start_soon(self._write, job)
         except Exception as e:
             logger.exception("cooldown failed")

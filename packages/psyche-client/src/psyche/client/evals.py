@@ -15,7 +15,8 @@ What is guaranteed:
   so the wait is about one document's forward pass, as upstream's);
 * tokenizing the tasks (which may take long for large datasets) happens once, in its own thread,
   and never holds up `stop()`: until it is done, `start()` does nothing;
-* an evaluation that fails is switched off with one warning; training goes on.
+* an evaluation that fails is switched off with one warning; training goes on;
+* a score over fewer documents than its task holds is reported as partial (`split_scores`).
 """
 
 from __future__ import annotations
@@ -32,12 +33,20 @@ import trio
 if TYPE_CHECKING:
     from psyche.client.options import TrainOptions
     from psyche.modeling.causal_lm import CausalLM
-    from psyche.modeling.eval import EvalRunner, Task
+    from psyche.modeling.eval import EvalRunner, Task, TaskScore
 
 log = logging.getLogger(__name__)
 
 EVAL_SLICE_SECONDS = 2.0
 """Seconds of one `run_some` call: scores are reported after each slice."""
+
+
+def split_scores(task_scores: Mapping[str, TaskScore]) -> tuple[dict[str, float], frozenset[str]]:
+    """Each task's score, and the tasks whose score is partial (over fewer documents than the
+    task holds: `--eval-task-max-docs` cut it short, or its first pass is not done). Trackers
+    log a partial score under its own name (`psyche.core.metrics.names.eval_key`)."""
+    scores = {name: score.value for name, score in task_scores.items()}
+    return scores, frozenset(name for name, score in task_scores.items() if score.partial)
 
 
 class EvalSetupError(ValueError):
@@ -90,7 +99,7 @@ class EvalWorker:
         tokenizer_json: str,
         model: CausalLM,
         nursery: trio.Nursery,
-        on_scores: Callable[[Mapping[str, float]], None] | None = None,
+        on_scores: Callable[[Mapping[str, float], frozenset[str]], None] | None = None,
         *,
         slice_seconds: float = EVAL_SLICE_SECONDS,
     ) -> None:
@@ -179,15 +188,19 @@ class EvalWorker:
                 self._cancel = self._stopped = None
 
     def _report_scores(self, runner: EvalRunner) -> None:
-        scores = runner.scores()
+        scores, partial = split_scores(runner.task_scores())
         if scores and scores != self._last_scores:
             self._last_scores = dict(scores)
             if self._on_scores is not None:
-                self._on_scores(dict(scores))
+                self._on_scores(scores, partial)
 
     def scores(self) -> dict[str, float]:
         """Each task's latest score (empty until enough documents are in)."""
         return {} if self.runner is None else self.runner.scores()
+
+    def task_scores(self) -> dict[str, TaskScore]:
+        """`scores` with the documents each averages and its task's size (`partial`)."""
+        return {} if self.runner is None else self.runner.task_scores()
 
     def prompt_results(self) -> tuple[list[int], int]:
         """The prompt task's tokens since the last call, and which prompt (for the witness
@@ -207,4 +220,4 @@ class EvalWorker:
         await stopped.wait()
 
 
-__all__ = ["EVAL_SLICE_SECONDS", "EvalSettings", "EvalSetupError", "EvalWorker"]
+__all__ = ["EVAL_SLICE_SECONDS", "EvalSettings", "EvalSetupError", "EvalWorker", "split_scores"]

@@ -8,7 +8,8 @@ seconds) and `event`:
 * `state_changed`: `old`, `new` (run state names), `epoch`, `step`, `clients`;
 * `round`: a finished round (`psyche.client.telemetry.RoundReport`'s fields, the network's
   numbers under `network`);
-* `evals`: `step`, `scores` (task -> score) whenever the evaluation scores change;
+* `evals`: `step`, `scores` (task -> score), `partial` (the tasks whose score is over fewer
+  documents than the task holds) whenever the evaluation scores change;
 * `finished`: the run summary's fields.
 
 Upstream writes its own postcard event records (readable by its Rust tools only); this port
@@ -139,8 +140,11 @@ class EventFiles:
     def on_round(self, report: RoundReport) -> None:
         self._emit(report.epoch, {"event": "round", **asdict(report)})
 
-    def on_evals(self, step: int, scores: Mapping[str, float]) -> None:
-        self._emit(self.epoch or 0, {"event": "evals", "step": step, "scores": dict(scores)})
+    def on_evals(
+        self, step: int, scores: Mapping[str, float], partial: frozenset[str] = frozenset()
+    ) -> None:
+        event = {"event": "evals", "step": step, "scores": dict(scores), "partial": sorted(partial)}
+        self._emit(self.epoch or 0, event)
 
     def on_finished(self, summary: Mapping[str, Any]) -> None:
         self._emit(self.epoch or 0, {"event": "finished", **summary})

@@ -5,7 +5,8 @@ Upload: the checkpoint's `.safetensors` files, then its `.json`/`.py` files (con
 then upstream's `manifest.json` (metadata and each safetensors file's generation and size) last,
 so a reader that follows the manifest never sees a half-uploaded step. Download: with a manifest,
 its files into `$HF_HOME/psyche/gcs/{bucket}/{prefix}/step-{step}-{generation}` (a complete copy
-there is reused), then the `.json`/`.py` files by listing; without one (an old checkpoint), every
+there is reused; bucket, prefix and file names come from the coordinator's state and the bucket,
+so each is made a safe relative path first: `psyche.core.safe_path`), then the `.json`/`.py` files by listing; without one (an old checkpoint), every
 model file by listing into `.../no_manifest`. Each file is written to a temporary name and
 renamed, and its size checked against the manifest, so an interrupted download is fetched again.
 
@@ -22,6 +23,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+from psyche.core.safe_path import path_component, relative_path
 
 logger = logging.getLogger(__name__)
 
@@ -95,12 +98,12 @@ def upload_checkpoint_to_gcs(
 def cache_base(bucket: str) -> Path:
     home = os.environ.get("HF_HOME")
     base = Path(home) if home else Path(os.environ.get("HOME", ".")) / ".cache"
-    return base / "psyche" / "gcs" / bucket
+    return base / "psyche" / "gcs" / path_component(bucket, "bucket")
 
 
 def _cache_dir(bucket: str, prefix: str | None, leaf: str) -> Path:
     base = cache_base(bucket)
-    return (base / prefix.strip("/") if prefix else base) / leaf
+    return (base / relative_path(prefix) if prefix else base) / leaf
 
 
 def _download(blob: Any, path: Path, size: int | None = None) -> None:
@@ -141,7 +144,7 @@ def download_checkpoint_from_gcs(bucket: str, prefix: str | None) -> Path:
         if not any(b.name.endswith(".safetensors") for b in blobs):
             raise GcsError(f"gs://{bucket}/{prefix or ''} holds no manifest and no safetensors")
         for blob in blobs:
-            _download(blob, directory / _relative(blob.name, prefix))
+            _download(blob, directory / path_component(_relative(blob.name, prefix)))
         return directory
     try:
         manifest = json.loads(manifest_blob.download_as_bytes())
@@ -174,7 +177,7 @@ def download_checkpoint_from_gcs(bucket: str, prefix: str | None) -> Path:
         )
         _download(source.blob(_object(prefix, name), generation=generation), local, size)
     for blob in _list(client, bucket, prefix, CONFIG_EXTENSIONS):
-        name = _relative(blob.name, prefix)
+        name = path_component(_relative(blob.name, prefix))
         if name == MANIFEST or (directory / name).is_file():
             continue
         _download(blob, directory / name)

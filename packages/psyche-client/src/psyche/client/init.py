@@ -4,6 +4,21 @@ Runs when the client first sees a Warmup state that lists it. The model and the 
 are set up concurrently; model loading runs in a worker thread. With a P2P checkpoint the model
 comes from the other clients, through `fetch_from_peers` (the client loop feeds that download
 its network events).
+
+Where the model comes from, first that applies:
+
+1. this run instance's local checkpoint of the epoch's start step (`--checkpoint-dir`);
+2. the epoch's other clients, when the checkpoint is P2P, and also when it is the stored one
+   (Hub, GCS) after the run has trained (a port addition, issue 24 item 9): the coordinator
+   names the stored checkpoint again when no client of the last epoch is back as one of the
+   new epoch's (an epoch that ended with every client withdrawn), although clients that trained
+   on may be among the new epoch's and still hold the run's latest model. They are asked
+   first, for a bounded time (`peer_wait_secs`), so that the run goes on from the trained model
+   rather than from the stored one, and honest clients start the epoch with identical weights;
+3. the stored checkpoint, when no peer serves the model.
+
+A model the run's clients hold as it is (from peers, or this instance's checkpoint) is served to
+the epoch's other joiners at once (`InitializedRun.shared`), as a cooldown's is.
 """
 
 from __future__ import annotations
@@ -16,8 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from psyche.client.checkpoint import CheckpointConfig
-from psyche.client.cooldown import live_model_hash
+from psyche.client.checkpoint import CheckpointConfig, RunInstance
+from psyche.client.cooldown import extract_for_sharing, live_model_hash
 from psyche.client.logs import log_event
 from psyche.client.model_loading import (
     LoadedModel,
@@ -36,6 +51,8 @@ from psyche.core.log_markers import IntegrationTestLogMarker
 from psyche.core.node_identity import NodeIdentity
 
 if TYPE_CHECKING:
+    import torch
+
     from psyche.client.workers import WorkerGroup
     from psyche.modeling.trainer import Trainer
     from psyche.network.model_download import DownloadedModel
@@ -53,6 +70,8 @@ class RunInitConfig:
 
     identity: NodeIdentity
     secret_key: SecretKey
+    run_id: str
+    """`--run-id`: the run this client joined; a coordinator state of any other is refused."""
     device: str = "auto"
     micro_batch_size: int = 1
     grad_accum_in_fp32: bool = False
@@ -69,14 +88,36 @@ class InitializedRun:
     trainer: Trainer
     data_provider: Any
     loaded: LoadedModel
+    shared: dict[str, torch.Tensor] | None = None
+    """The weights to serve to the epoch's joiners now (bf16), when they are the run's."""
 
 
-FetchFromPeers = Callable[[Coordinator], Awaitable["DownloadedModel"]]
+FetchFromPeers = Callable[[Coordinator, "float | None"], Awaitable["DownloadedModel"]]
+"""Fetch the model from the epoch's other clients; the second argument is when to give up
+(`trio.current_time()`) if no peer has served its configuration by then. Raises
+`psyche.network.peer_manager.PeersUnreachable` when no peer serves it."""
+
+PEER_RETRY_SECS = 1.0
+
+
+def peer_wait_secs(state: Coordinator) -> float:
+    """How long a client at a stored-checkpoint epoch asks its peers for the run's model before
+    it loads the stored checkpoint: half the warmup (3 to 60 s), so it still starts the epoch.
+    A peer that restarted with this instance's checkpoint serves it once it has loaded it."""
+    return min(max(state.config.warmup_time / 2, 3.0), 60.0)
+
+
+def peers_may_hold_the_model(state: Coordinator, identity: NodeIdentity) -> bool:
+    """Whether the epoch's other clients may hold a newer model than the stored checkpoint: the
+    run has trained (its step is past the first), and someone else is in the epoch."""
+    return state.progress.step > 1 and any(c.id != identity for c in state.epoch_state.clients)
 
 
 async def init_run(
-    config: RunInitConfig, state: Coordinator, fetch_from_peers: FetchFromPeers
+    config: RunInitConfig, run: RunInstance, state: Coordinator, fetch_from_peers: FetchFromPeers
 ) -> InitializedRun:
+    """The model (this instance's local checkpoint of the epoch's start, else the run's
+    checkpoint), the data provider and the trainer, for the client of `run` at `state`."""
     from psyche.modeling.causal_lm import ModelLoadError, architecture_name
 
     llm = state.model.value
@@ -95,17 +136,14 @@ async def init_run(
         resume = None
         if config.checkpoint is not None:
             resume = await trio.to_thread.run_sync(
-                resume_checkpoint,
-                config.checkpoint.checkpoint_dir,
-                str(state.run_id),
-                state.progress.step - 1,
+                resume_checkpoint, config.checkpoint.checkpoint_dir, run, state.progress.step - 1
             )
         if resume is not None:
             logger.info("Resuming from the local checkpoint %s", resume)
             loaded = await _load_local(resume, architecture, device)
         else:
             loaded = await _load_model(
-                llm.checkpoint, architecture, device, state, fetch_from_peers
+                llm.checkpoint, architecture, device, state, fetch_from_peers, config.identity
             )
 
     async def open_data() -> None:
@@ -133,7 +171,11 @@ async def init_run(
         )
 
     trainer = await trio.to_thread.run_sync(make_trainer)
-    model_hash = await trio.to_thread.run_sync(live_model_hash, trainer)
+    shared = None
+    if loaded.from_run:  # bf16 already: rounding changes nothing, as at a cooldown
+        shared, model_hash = await trio.to_thread.run_sync(extract_for_sharing, trainer)
+    else:
+        model_hash = await trio.to_thread.run_sync(live_model_hash, trainer)
     log_event(
         logger,
         "loaded_model",
@@ -148,7 +190,49 @@ async def init_run(
         dtype=str(loaded.model.dtype).removeprefix("torch."),
         model_hash=model_hash,
     )
-    return InitializedRun(trainer, provider, loaded)
+    return InitializedRun(trainer, provider, loaded, shared)
+
+
+async def _from_peers(
+    fetch_from_peers: FetchFromPeers,
+    state: Coordinator,
+    architecture: str,
+    device: Any,
+    give_up_at: float | None = None,
+) -> LoadedModel:
+    downloaded = await fetch_from_peers(state, give_up_at)
+    return await trio.to_thread.run_sync(
+        build_from_parameters,
+        downloaded.config.config,
+        downloaded.config.tokenizer,
+        downloaded.parameters,
+        architecture,
+        device,
+    )
+
+
+async def _from_peers_while_they_may_serve(
+    fetch_from_peers: FetchFromPeers, state: Coordinator, architecture: str, device: Any
+) -> LoadedModel | None:
+    """The run's model from the epoch's other clients, asked again every second for
+    `peer_wait_secs`; None when none served it by then."""
+    from psyche.network.peer_manager import PeersUnreachable
+
+    deadline = trio.current_time() + peer_wait_secs(state)
+    logger.info(
+        "epoch %d starts from the stored checkpoint, but the run trained to step %d: asking the "
+        "epoch's other clients for the run's model first (for up to %.0f s)",
+        state.progress.epoch,
+        state.progress.step - 1,
+        peer_wait_secs(state),
+    )
+    while True:
+        try:
+            return await _from_peers(fetch_from_peers, state, architecture, device, deadline)
+        except PeersUnreachable:
+            if trio.current_time() >= deadline:
+                return None
+            await trio.sleep(PEER_RETRY_SECS)
 
 
 async def _load_model(
@@ -157,10 +241,29 @@ async def _load_model(
     device: Any,
     state: Coordinator,
     fetch_from_peers: FetchFromPeers,
+    identity: NodeIdentity,
 ) -> LoadedModel:
     from psyche.modeling.causal_lm import ModelLoadError
 
     try:
+        if isinstance(checkpoint, Checkpoint.Hub | Checkpoint.Gcs) and peers_may_hold_the_model(
+            state, identity
+        ):
+            loaded = await _from_peers_while_they_may_serve(
+                fetch_from_peers, state, architecture, device
+            )
+            if loaded is not None:
+                return loaded
+            log_event(
+                logger,
+                "stored_checkpoint_loaded",
+                logging.WARNING,
+                text=f"no client of epoch {state.progress.epoch} served the run's model: "
+                f"loading the stored checkpoint {checkpoint} (what the run trained since it was "
+                "written is not in it)",
+                epoch=state.progress.epoch,
+                step=state.progress.step,
+            )
         match checkpoint:
             case Checkpoint.Hub(repo):
                 logger.info("Loading model from %s", repo.repo_id)
@@ -169,15 +272,7 @@ async def _load_model(
                 )
             case Checkpoint.P2P(_) | Checkpoint.P2PGcs(_):
                 logger.info("Checkpoint is p2p, requesting the model from peers")
-                downloaded = await fetch_from_peers(state)
-                return await trio.to_thread.run_sync(
-                    build_from_parameters,
-                    downloaded.config.config,
-                    downloaded.config.tokenizer,
-                    downloaded.parameters,
-                    architecture,
-                    device,
-                )
+                return await _from_peers(fetch_from_peers, state, architecture, device)
             case Checkpoint.Ephemeral():
                 raise InitRunError("Model is Ephemeral, it's impossible to join this run.")
             case Checkpoint.Dummy(_):
@@ -204,6 +299,7 @@ async def _load_local(path: Path, architecture: str, device: Any) -> LoadedModel
     except ModelLoadError as e:
         raise InitRunError(f"failed to load the local checkpoint {path}: {e}") from e
     loaded.source = f"{path} (resumed)"
+    loaded.from_run = True
     # The keep policy may delete that directory later: later checkpoints write the config and
     # tokenizer from what the client holds, as a P2P joiner's do.
     loaded.extra_files = []

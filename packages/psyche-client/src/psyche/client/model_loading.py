@@ -9,8 +9,9 @@
   model is built from the config and the received tensors are loaded into it.
 * A `Gcs` checkpoint is downloaded from the bucket (`gcs`) and read like a local directory.
 * Resume (a port addition): a client whose `--checkpoint-dir` holds a complete checkpoint of
-  this run at the step the epoch starts from loads it instead (`resume_checkpoint`): the same
-  bf16-rounded weights its peers would send.
+  this run instance at the step the epoch starts from loads it instead (`resume_checkpoint`):
+  the same bf16-rounded weights its peers would send. Another instance's (the same run config
+  started afresh) is never taken.
 
 These functions block (torch, file I/O); the client runs them in a worker thread.
 """
@@ -36,6 +37,8 @@ from psyche.modeling.causal_lm import (
 
 if TYPE_CHECKING:
     import torch
+
+    from psyche.client.checkpoint import RunInstance
 
 INIT_SEED = 1337
 TOKENIZER_FILE = "tokenizer.json"
@@ -72,6 +75,9 @@ class LoadedModel:
     # Files of the source checkpoint that checkpoints of this model should carry.
     extra_files: list[Path] = field(default_factory=list)
     source: str = ""
+    from_run: bool = False
+    """The run's model as its clients hold it (bf16-rounded): the peers' model, or this
+    instance's local checkpoint. A client can serve such weights to others at once."""
 
 
 def check_device(device: str) -> torch.device:
@@ -147,12 +153,14 @@ def load_hub_checkpoint(
     architecture: str,
     device: torch.device,
 ) -> LoadedModel:
-    """Upstream's rule: a repo id that is an existing path (and no revision) is local."""
+    """Upstream's rule: a repo id that is an existing path (and no revision) is local; anything
+    else is downloaded, bounded by the model the repo's config.json declares
+    (`download_model_repo`)."""
     local = Path(repo_id)
     if revision is None and local.is_dir():
         directory = local
     else:
-        directory = download_model_repo(repo_id, revision)
+        directory = download_model_repo(repo_id, revision, architecture=architecture)
     return load_from_directory(directory, architecture, device)
 
 
@@ -173,15 +181,15 @@ def load_gcs_checkpoint(
     return loaded
 
 
-def resume_checkpoint(checkpoint_dir: Path, run_id: str, step: int) -> Path | None:
-    """This run's complete local checkpoint of `step` (the model the epoch starts from), if
-    any: the step must match exactly, since an older model would put this client apart from
-    its peers; a partial one is never chosen."""
+def resume_checkpoint(checkpoint_dir: Path, run: RunInstance, step: int) -> Path | None:
+    """This run instance's complete local checkpoint of `step` (the model the epoch starts
+    from), if any: the step must match exactly, since an older model would put this client
+    apart from its peers; a partial one, or another instance's, is never chosen."""
     from psyche.client.checkpoint import latest_complete
 
     if step < 0:
         return None
-    found = latest_complete(checkpoint_dir, run_id, step)
+    found = latest_complete(checkpoint_dir, run, step)
     return None if found is None else found.path
 
 
@@ -228,7 +236,9 @@ def build_from_parameters(
                 )
             target.copy_(value.to(target.dtype))
     model = _move(model, device)
-    return LoadedModel(model, config_json_of(model), tokenizer_json, [], "peers (P2P)")
+    return LoadedModel(
+        model, config_json_of(model), tokenizer_json, [], "peers (P2P)", from_run=True
+    )
 
 
 def _seeded(build: Callable[..., CausalLM], *args: Any) -> CausalLM:

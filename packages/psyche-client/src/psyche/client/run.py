@@ -138,6 +138,7 @@ def run_init_config(
     return RunInitConfig(
         identity=identity,  # type: ignore[arg-type]
         secret_key=key,  # type: ignore[arg-type]
+        run_id=options.run_id,
         device=options.device,
         micro_batch_size=options.micro_batch_size,
         grad_accum_in_fp32=bool(options.grad_accum_in_fp32),

@@ -35,8 +35,9 @@ from psyche.client import payloads, witness
 from psyche.client.apply import ApplyError, ApplyJob, needs_apply, plan_apply
 from psyche.client.background import Background
 from psyche.client.broadcast import Broadcast, BroadcastType
-from psyche.client.checkpoint import CheckpointConfig
+from psyche.client.checkpoint import CheckpointConfig, RunInstance
 from psyche.client.cooldown import CheckpointFiles, Cooldown
+from psyche.client.evals import split_scores
 from psyche.client.fetch_data import DataFetcher
 from psyche.client.logs import log_event
 from psyche.client.round_state import RoundState
@@ -127,6 +128,9 @@ class MachineSettings:
     identity: NodeIdentity
     write_gradients_dir: Path | None = None
     checkpoint: CheckpointConfig | None = None
+    run: RunInstance = field(default_factory=lambda: RunInstance("", ""))
+    """Whose checkpoints this machine writes (needed with `checkpoint`; the default owns
+    nothing)."""
     files: CheckpointFiles = field(default_factory=CheckpointFiles)
     on_round: Callable[[RoundReport], None] | None = None
     """Hears every finished round (trackers, the dashboard, the events file)."""
@@ -173,6 +177,7 @@ class StepStateMachine:
         self.cooldown = Cooldown(
             trainer,
             self.identity,
+            settings.run,
             settings.checkpoint,
             settings.files,
             io.share_model,
@@ -479,6 +484,7 @@ class StepStateMachine:
         seconds_left = self.progress.seconds_left(step, total)
         self._emit_report()  # an earlier round still pending goes first
         efficiency = self.stats.efficency()
+        scores, partial = split_scores(self.evals.task_scores() if self.evals is not None else {})
         self._pending_report = RoundReport(
             step=step,
             epoch=state.progress.epoch,
@@ -495,7 +501,8 @@ class StepStateMachine:
             trained=len(trained),
             train_seconds=finished.duration,
             distro_seconds=finished.distro_seconds,
-            eval_scores=self.evals.scores() if self.evals is not None else {},
+            eval_scores=scores,
+            eval_partial=tuple(sorted(partial)),
             optim_stats=dict(finished.optim_stats),
         )
         log_event(
@@ -528,9 +535,13 @@ class StepStateMachine:
                 logger,
                 "eval_scores",
                 text=f"evaluations at step {report.step}: "
-                + ", ".join(f"{name} {score:.4f}" for name, score in report.eval_scores.items()),
+                + ", ".join(
+                    f"{name} {score:.4f}" + (" (partial)" if name in report.eval_partial else "")
+                    for name, score in report.eval_scores.items()
+                ),
                 step=report.step,
                 scores=dict(report.eval_scores),
+                partial=list(report.eval_partial),
             )
         if self.settings.on_round is not None:
             self.settings.on_round(report)
@@ -551,7 +562,7 @@ class StepStateMachine:
         epoch = state.progress.epoch if epoch is None else epoch
         # The run ends or pauses here: the keep policy always writes this checkpoint.
         final = state.progress.step >= state.config.total_steps or bool(state.pending_pause)
-        self.cooldown.start(self.tasks, state.run_id, epoch, state.progress.step - 1, final)
+        self.cooldown.start(self.tasks, epoch, state.progress.step - 1, final)
 
     # ---- the end of the run --------------------------------------------------------------------
 

@@ -78,6 +78,8 @@ class RoundReport:
     witness_seconds: float | None = None
     network: NetworkNumbers = field(default_factory=NetworkNumbers)
     eval_scores: Mapping[str, float] = field(default_factory=dict)
+    eval_partial: tuple[str, ...] = ()
+    """The tasks of `eval_scores` whose score is partial (fewer documents than the task)."""
     optim_stats: Mapping[str, float] = field(default_factory=dict)
     at: float = field(default_factory=time.time)
     """Unix time the report was made."""
@@ -121,7 +123,7 @@ def round_metrics(report: RoundReport) -> dict[str, MetricValue]:
             out[key] = value
     for task, score in report.eval_scores.items():
         if _finite(score):
-            out[names.eval_key(task)] = score
+            out[names.eval_key(task, partial=task in report.eval_partial)] = score
     for stat, value in report.optim_stats.items():
         if _finite(value):
             out[names.OPTIM_PREFIX + stat] = value
@@ -195,7 +197,11 @@ class RunObserver(Protocol):
 
     def on_round(self, report: RoundReport) -> None: ...
 
-    def on_evals(self, step: int, scores: Mapping[str, float]) -> None: ...
+    def on_evals(
+        self, step: int, scores: Mapping[str, float], partial: frozenset[str] = frozenset()
+    ) -> None:
+        """`partial`: the tasks whose score is over fewer documents than the task holds."""
+        ...
 
     def on_finished(self, summary: Mapping[str, Any]) -> None: ...
 
@@ -229,8 +235,10 @@ class Observers:
     def on_round(self, report: RoundReport) -> None:
         self._each("on_round", report)
 
-    def on_evals(self, step: int, scores: Mapping[str, float]) -> None:
-        self._each("on_evals", step, scores)
+    def on_evals(
+        self, step: int, scores: Mapping[str, float], partial: frozenset[str] = frozenset()
+    ) -> None:
+        self._each("on_evals", step, scores, partial)
 
     def on_finished(self, summary: Mapping[str, Any]) -> None:
         self._each("on_finished", summary)
@@ -248,7 +256,9 @@ class TrackerObserver:
     def on_round(self, report: RoundReport) -> None:
         self.tracker.log(round_metrics(report), report.step)
 
-    def on_evals(self, step: int, scores: Mapping[str, float]) -> None:
+    def on_evals(
+        self, step: int, scores: Mapping[str, float], partial: frozenset[str] = frozenset()
+    ) -> None:
         pass  # the next round's report carries them
 
     def on_finished(self, summary: Mapping[str, Any]) -> None:

@@ -5,7 +5,8 @@
 rules, `psyche.coordinator.server_core`) on the real clock, ticked every 500 ms, whose states go
 to every connected backend whenever the rules say to broadcast. It adds no rule of its own. Each
 `InProcessBackend` is one client's `psyche.coordinator.backend.Backend` (and
-`EndpointDiscovery`): it receives every state the server broadcasts, in order.
+`EndpointDiscovery`, `Rejoin`, `RunIdentity`): it receives every state the server broadcasts,
+in order.
 
     server = InProcessServer(load_state_toml("state.toml"))
     async with trio.open_nursery() as nursery:
@@ -23,6 +24,7 @@ import logging
 import math
 import os
 import random
+import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
@@ -59,8 +61,12 @@ class InProcessServer:
         ban_epochs: int = DEFAULT_BAN_EPOCHS,
         clock: Callable[[], float] = time.time,
         rng: random.Random | None = None,
+        run_identity: str | None = None,
     ) -> None:
         self.tick_interval = tick_interval
+        # which instance of the run this is (`RunIdentity`): a new one unless given, as a
+        # server started afresh (give the same one to stand for a server resumed from its save)
+        self.run_identity = run_identity or secrets.token_hex(16)
         self.clock = clock
         self.rng = rng or random.Random()
         self.core = ServerCore.start(
@@ -186,6 +192,9 @@ class InProcessBackend:
     async def rejoin(self) -> None:
         self._check()
         self.server.join(self.identity, self.run_id)
+
+    def run_identity(self) -> str:
+        return self.server.run_identity
 
     async def publish_endpoint(self, record: bytes) -> None:
         self._check()

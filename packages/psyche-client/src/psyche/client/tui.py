@@ -55,6 +55,7 @@ class DashboardState:
     losses: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=MAX_LOSSES))
     last_round: RoundReport | None = None
     eval_scores: dict[str, float] = field(default_factory=dict)
+    eval_partial: frozenset[str] = frozenset()
     eval_step: int | None = None
     log_lines: deque[str] = field(default_factory=lambda: deque(maxlen=MAX_LOG_LINES))
     log_total: int = 0
@@ -94,10 +95,14 @@ class DashboardObserver:
             s.losses.append((report.step, report.loss))
         if report.eval_scores:
             s.eval_scores = dict(report.eval_scores)
+            s.eval_partial = frozenset(report.eval_partial)
         s.version += 1
 
-    def on_evals(self, step: int, scores: Mapping[str, float]) -> None:
+    def on_evals(
+        self, step: int, scores: Mapping[str, float], partial: frozenset[str] = frozenset()
+    ) -> None:
         self.state.eval_scores = dict(scores)
+        self.state.eval_partial = frozenset(partial)
         self.state.eval_step = step
         self.state.version += 1
 
@@ -179,7 +184,10 @@ def evals_text(s: DashboardState) -> str:
     if not s.eval_scores:
         return "evaluations: none yet"
     at = "" if s.eval_step is None else f" (step {s.eval_step})"
-    return f"evaluations{at}: " + ", ".join(f"{k} {v:.4f}" for k, v in s.eval_scores.items())
+    return f"evaluations{at}: " + ", ".join(
+        f"{k} {v:.4f}" + (" (partial)" if k in s.eval_partial else "")
+        for k, v in s.eval_scores.items()
+    )
 
 
 def loss_text(s: DashboardState) -> str:

@@ -74,3 +74,16 @@ class Rejoin(Protocol):
     async def rejoin(self) -> None:
         """Ask to be in the run's next epoch; returns once the request is on its way."""
         ...
+
+
+@runtime_checkable
+class RunIdentity(Protocol):
+    """Optional backend capability: which instance of the run this coordinator runs. The same
+    run config started twice gives two instances with different identities; a server resumed
+    from its saved state keeps its identity. Every client of the instance sees the same one.
+    A client's checkpoints carry it, so that it never resumes, counts or deletes another
+    instance's (psyche.client.checkpoint)."""
+
+    def run_identity(self) -> str | None:
+        """The identity (a short printable string), or None when the coordinator names none."""
+        ...

@@ -133,7 +133,7 @@ class CausalLM:
         arch = architecture_name(options.architecture)
         directory = Path(source)
         if not directory.is_dir():
-            directory = download_model_repo(str(source))
+            directory = download_model_repo(str(source), architecture=arch)
         config_path = directory / "config.json"
         if not config_path.is_file():
             raise ModelLoadError(f"no config.json in {directory}")
@@ -370,20 +370,116 @@ def _check_safetensors_format(directory: Path) -> None:
             raise ModelLoadError(f"{path.name} is not a PyTorch safetensors file")
 
 
-def download_model_repo(repo_id: str, revision: str | None = None) -> Path:
-    """Fetch a hub repo's safetensors, JSON and Python files (needs network; never in tests)."""
-    from huggingface_hub import snapshot_download
+REPO_FILE_SUFFIXES = (".safetensors", ".json", ".py")
+MAX_REPO_FILES = 256
+MAX_AUX_FILE_BYTES = 64 * 2**20
+"""The most a repo's `.json` or `.py` file may hold (a large tokenizer.json is tens of MB)."""
+WEIGHT_HEADER_ALLOWANCE = 16 * 2**20
+"""Bytes the safetensors files may hold beyond their tensors (their JSON headers, together)."""
 
+
+def declared_weight_bytes(config: Mapping[str, Any], architecture: str = "HfAuto") -> int:
+    """The bytes of the model `config` (a config.json) declares, every state-dict entry (tied
+    ones once per name) at 4 bytes a value: the most its safetensors can hold, headers aside.
+    The model is built on the meta device (nothing allocated)."""
+    from transformers import AutoModelForCausalLM
+
+    arch = architecture_name(architecture)
+    prepared = _prepare_config(_as_config(config), arch, ModelOptions(architecture=arch))
     try:
-        path = snapshot_download(
-            repo_id,
-            revision=revision,
-            allow_patterns=["*.safetensors", "*.json", "*.py"],
-            token=os.environ.get("HF_TOKEN"),
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(prepared)
+    except Exception as e:  # transformers' errors for a config it cannot build
+        raise ModelLoadError(f"cannot build the model its config.json declares: {e}") from e
+    return sum(t.numel() * 4 for t in model.state_dict().values())
+
+
+def download_model_repo(
+    repo_id: str, revision: str | None = None, *, architecture: str = "HfAuto"
+) -> Path:
+    """Fetch a hub repo's model files, bounded by the model its `config.json` declares (the
+    repo id comes from a coordinator's state, which may be hostile; needs network, or a hub
+    stand-in in tests):
+
+    1. the revision is resolved to one commit, whose file list (with sizes) is read;
+    2. only top-level `.safetensors`, `.json` and `.py` files with plain names are taken (at
+       most 256), each `.json`/`.py` at most 64 MiB;
+    3. `config.json` is fetched first, and the safetensors together may hold at most
+       `declared_weight_bytes` of its model plus 16 MiB of headers: a repo with more is
+       refused before any weight is fetched;
+    4. the files are fetched at that commit and checked against the listed sizes.
+
+    Every failure is a `ModelLoadError` naming the repo."""
+    from huggingface_hub import HfApi, hf_hub_download, snapshot_download
+    from huggingface_hub.hf_api import RepoFile
+    from huggingface_hub.utils import validate_repo_id
+
+    token = os.environ.get("HF_TOKEN")
+    api = HfApi(token=token)
+    try:
+        validate_repo_id(repo_id)
+        commit = api.model_info(repo_id, revision=revision or "main", token=token).sha
+        if commit is None or len(commit) != 40 or any(c not in "0123456789abcdef" for c in commit):
+            raise ModelLoadError(f"the hub named no commit for {repo_id!r} at {revision!r}")
+        listed = {
+            entry.path: entry.size
+            for entry in api.list_repo_tree(repo_id, revision=commit, token=token)
+            if isinstance(entry, RepoFile)
+        }
+    except ModelLoadError:
+        raise
+    except Exception as e:  # huggingface_hub's errors (validation, network, not found)
+        raise ModelLoadError(f"cannot fetch {repo_id!r} from the hub: {e}") from e
+    files = {
+        name: int(size)
+        for name, size in listed.items()
+        if name.endswith(REPO_FILE_SUFFIXES) and "/" not in name and not name.startswith(".")
+    }
+    if "config.json" not in files:
+        raise ModelLoadError(f"the hub repo {repo_id!r} has no config.json")
+    if len(files) > MAX_REPO_FILES:
+        raise ModelLoadError(
+            f"the hub repo {repo_id!r} lists {len(files)} model files (limit {MAX_REPO_FILES})"
+        )
+    for name, size in files.items():
+        if not name.endswith(".safetensors") and size > MAX_AUX_FILE_BYTES:
+            raise ModelLoadError(
+                f"{name} of the hub repo {repo_id!r} holds {size:,} bytes "
+                f"(limit {MAX_AUX_FILE_BYTES:,})"
+            )
+    try:
+        config_path = Path(hf_hub_download(repo_id, "config.json", revision=commit, token=token))
+    except Exception as e:
+        raise ModelLoadError(f"cannot fetch {repo_id!r} from the hub: {e}") from e
+    _check_size(config_path, files["config.json"], repo_id)
+    weights = sum(size for name, size in files.items() if name.endswith(".safetensors"))
+    limit = declared_weight_bytes(load_config_json(config_path), architecture)
+    limit += WEIGHT_HEADER_ALLOWANCE
+    if weights > limit:
+        raise ModelLoadError(
+            f"the hub repo {repo_id!r} holds {weights:,} bytes of safetensors, more than the "
+            f"model its config.json declares can ({limit:,} bytes): not downloaded"
+        )
+    try:
+        path = Path(
+            snapshot_download(repo_id, revision=commit, allow_patterns=sorted(files), token=token)
         )
     except Exception as e:
         raise ModelLoadError(f"cannot fetch {repo_id!r} from the hub: {e}") from e
-    return Path(path)
+    for name, size in files.items():
+        _check_size(path / name, size, repo_id)
+    return path
+
+
+def _check_size(path: Path, size: int, repo_id: str) -> None:
+    try:
+        got = path.stat().st_size
+    except OSError as e:
+        raise ModelLoadError(f"{path.name} of the hub repo {repo_id!r} is missing: {e}") from e
+    if got != size:
+        raise ModelLoadError(
+            f"{path.name} of the hub repo {repo_id!r} has {got:,} bytes, the hub listed {size:,}"
+        )
 
 
 def load_config_json(path: Path) -> dict[str, Any]:

@@ -180,6 +180,11 @@ class SolanaBackendRunner:
 
     # ---- Backend protocol ---------------------------------------------------------------------
 
+    def run_identity(self) -> str:
+        """The run's coordinator account (`RunIdentity`): created with the run, so a run
+        created again under the same id is another instance."""
+        return str(self.account)
+
     async def wait_for_new_state(self) -> Coordinator:
         if self._init is not None:
             init, self._init = self._init, None

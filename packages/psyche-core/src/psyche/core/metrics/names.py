@@ -32,6 +32,10 @@ COORDINATOR_ROUND = "coordinator/round"
 EVAL_PREFIX = "eval/"
 """`eval/<task>`: a task's main metric; upstream lowercases the task name and replaces every
 character that is not ASCII alphanumeric with `_` (`eval_key`)."""
+EVAL_PARTIAL_PREFIX = "eval_partial/"
+"""`eval_partial/<task>` (a port addition): a task's main metric over fewer documents than the
+task holds (`--eval-task-max-docs` cut it short, or the first pass is not done), kept apart
+from `eval/<task>` so that a dashboard never mistakes it for a full score."""
 OPTIM_PREFIX = "optim/"
 """`optim/<stat>`: an optimizer statistic."""
 
@@ -62,10 +66,11 @@ COORDINATOR_HEALTHY_CLIENTS = "coordinator/healthy_clients"
 """Members that delivered in the last round (server)."""
 
 
-def eval_key(task_name: str) -> str:
-    """The key of an evaluation task's score, as upstream forms it."""
+def eval_key(task_name: str, *, partial: bool = False) -> str:
+    """The key of an evaluation task's score, as upstream forms it (`eval/<task>`), or of a
+    partial one (`eval_partial/<task>`)."""
     cleaned = "".join(c if c.isascii() and c.isalnum() else "_" for c in task_name.lower())
-    return EVAL_PREFIX + cleaned
+    return (EVAL_PARTIAL_PREFIX if partial else EVAL_PREFIX) + cleaned
 
 
 # ---- OpenTelemetry ---------------------------------------------------------------------------
@@ -141,6 +146,13 @@ def otel_instrument(key: str) -> Instrument:
             "gauge",
             "Training eval metrics",
             {"metric": key[len(EVAL_PREFIX) :]},
+        )
+    if key.startswith(EVAL_PARTIAL_PREFIX):
+        return Instrument(
+            "psyche_eval_metrics",
+            "gauge",
+            "Training eval metrics",
+            {"metric": key[len(EVAL_PARTIAL_PREFIX) :], "partial": "true"},
         )
     if key.startswith(OPTIM_PREFIX):
         return Instrument(

@@ -40,6 +40,7 @@ _EXPORTS = {
     "DEFAULT_EVAL_SEED": ".runner",
     "EvalRunner": ".runner",
     "RunReport": ".runner",
+    "TaskScore": ".runner",
     "eval_tasks_from_args": ".runner",
     "evaluate": ".runner",
     "metric_key": ".runner",

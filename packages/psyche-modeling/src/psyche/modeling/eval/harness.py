@@ -258,6 +258,7 @@ class Task:
         tokenizer = as_tokenizer(tokenizer)
         task = self.task_type
         docs = task.get_documents()
+        total = len(docs)
         if limit is not None:
             docs = docs[:limit]
         fewshot = task.get_fewshot_documents()
@@ -270,7 +271,7 @@ class Task:
                 )
                 for doc in docs
             ]
-            return PreparedTask(self.name, llh_docs=llh)
+            return PreparedTask(self.name, llh_docs=llh, total_docs=total)
         requests = []
         for doc in docs:
             if doc.category not in fewshot:
@@ -285,6 +286,7 @@ class Task:
             tokenizer=tokenizer,
             stop_tokens=tuple(task.get_stop_string()),
             answer_regex=re.compile(task.get_answer_extraction_regex()),
+            total_docs=total,
         )
 
 
@@ -339,6 +341,8 @@ class PreparedTask:
     generate_max_tokens: int = GENERATE_UNTIL_MAX_TOKENS
     # Generated tokens of interrupted generations, by document index.
     cache: dict[int, list[int]] = field(default_factory=dict)
+    total_docs: int | None = None
+    """The task's documents before `prepare`'s limit (None: as many as prepared)."""
 
     @property
     def num(self) -> int:

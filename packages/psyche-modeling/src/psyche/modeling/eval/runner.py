@@ -61,6 +61,21 @@ class _RunningTask:
 
 
 @dataclass(frozen=True)
+class TaskScore:
+    """A task's reported score: its value, how many documents it averages and how many the
+    task holds. Partial when fewer: `--eval-task-max-docs` cut the task short, or its first
+    pass is not done; a tracker must not show it as the task's score."""
+
+    value: float
+    documents: int
+    total: int
+
+    @property
+    def partial(self) -> bool:
+        return self.documents < self.total
+
+
+@dataclass(frozen=True)
 class RunReport:
     """What one `run_some` did: documents scored, prompt tokens generated, seconds, and why it
     returned ("max_docs", "deadline", "cancelled", or "idle": nothing left that it could do)."""
@@ -127,11 +142,19 @@ class EvalRunner:
     def scores(self) -> dict[str, float]:
         """Each task's main metric (acc_norm where upstream has it, else acc), for the tasks
         with enough documents scored to report (upstream `current_eval_results`)."""
+        return {name: score.value for name, score in self.task_scores().items()}
+
+    def task_scores(self) -> dict[str, TaskScore]:
+        """`scores` with how many documents each averages and how many its task holds."""
         out = {}
         for t in self._tasks:
-            value = t.results.sample(t.task.main_metric_name())
+            metric = t.task.main_metric_name()
+            value = t.results.sample(metric)
             if value is not None:
-                out[t.task.name] = value
+                # the average is over the last `num` documents (its window), once that many
+                documents = min(t.results.all_time_pushes(metric) or 0, t.task.num)
+                total = t.task.num if t.task.total_docs is None else t.task.total_docs
+                out[t.task.name] = TaskScore(value, documents, total)
         return out
 
     def all_scores(self) -> dict[str, dict[str, float]]:

@@ -410,7 +410,12 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_server(args: argparse.Namespace, console: Any, tracker: Any) -> int:
 
-    from psyche.centralized.save_state import SavedStateError, load_state, resolve_state_path
+    from psyche.centralized.save_state import (
+        SavedStateError,
+        load_state,
+        resolve_state_path,
+        saved_run_identity,
+    )
     from psyche.coordinator.run_config import ConfigFileError
 
     try:
@@ -428,6 +433,7 @@ def _run_server(args: argparse.Namespace, console: Any, tracker: Any) -> int:
         except DataConfigError as e:
             log.error("Error found in data config: %s", e)
             return 1
+    run_identity = None  # a state file a person wrote starts a new instance of the run
     if coordinator.run_state_start_unix_timestamp != 0:
         log.info(
             "resuming run %r from %s: epoch %d, step %d",
@@ -436,6 +442,7 @@ def _run_server(args: argparse.Namespace, console: Any, tracker: Any) -> int:
             coordinator.progress.epoch,
             coordinator.progress.step,
         )
+        run_identity = saved_run_identity(state_path)
 
     import trio
 
@@ -464,6 +471,7 @@ def _run_server(args: argparse.Namespace, console: Any, tracker: Any) -> int:
         port=args.server_port or 0,
         data_config=data_config,
         save_state_dir=args.save_state_dir,
+        run_identity=run_identity,
         events_dir=args.events_dir,
         init_warmup_time=args.init_warmup_time,
         withdraw_on_disconnect=args.withdraw_on_disconnect,

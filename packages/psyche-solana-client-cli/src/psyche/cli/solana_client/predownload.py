@@ -59,10 +59,15 @@ def _predownload_model(coordinator: Any) -> Path:
             if revision is None and Path(repo_id).is_dir():
                 print(f"{repo_id} is a local directory: nothing to download")
                 return Path(repo_id)
-            from psyche.modeling.causal_lm import ModelLoadError, download_model_repo
+            from psyche.modeling.causal_lm import (
+                ModelLoadError,
+                architecture_name,
+                download_model_repo,
+            )
 
             try:
-                path = download_model_repo(repo_id, revision)
+                architecture = architecture_name(llm.architecture)
+                path = download_model_repo(repo_id, revision, architecture=architecture)
             except ModelLoadError as e:
                 raise UserError(str(e)) from None
         case Checkpoint.Gcs(repo) | Checkpoint.P2PGcs(repo):
