@@ -30,7 +30,7 @@ from libp2p.abc import IHost, INetConn, INetStream
 from libp2p.tools.anyio_service import background_trio_service
 
 from psyche.core.allowlist import AllowDynamic, Allowlist
-from psyche.core.connection_limits import ConnectionLimits
+from psyche.core.connection_limits import ConnectionLimits, DropLog
 from psyche.core.identity import SecretKey
 from psyche.network import model_sharing, p2p_host, peer_exchange
 from psyche.network.blob_routes import DEFAULT_MAX_FETCHES_PER_PEER, BlobRoutes
@@ -213,6 +213,8 @@ class NetworkConnection:
             mode=config.reachability,
             on_addresses_changed=self._addresses_changed,
         )
+        self.connection_drops: DropLog = p2p_host.drop_log()
+        """Connections the libp2p host refused or dropped, by kind (`counts`)."""
         self._paths: dict[bytes, str] = {}
         self._rtt_failures: dict[bytes, int] = {}
         self._checking_direct: set[bytes] = set()
@@ -244,9 +246,7 @@ class NetworkConnection:
             distro_result_type,
             bind_host,
         )
-        p2p_host.install_allowlist_gate(host, network._may_connect)
-        inbound_drops = p2p_host.install_inbound_limits(host)
-        p2p_host.install_stream_limits(host)
+        p2p_host.harden(host, network._may_connect, network.connection_drops)
         host.get_network().register_notifee(
             p2p_host.ConnectionNotifee(network._on_connected, network._on_disconnected)
         )
@@ -279,7 +279,7 @@ class NetworkConnection:
                     await network.gossip.pubsub.wait_until_ready()
                     await network.gossip.pubsub.subscribe(network.gossip.topic)
                     await nursery.start(network.blob_transport.serve)
-                    nursery.start_soon(inbound_drops.run)
+                    nursery.start_soon(network.connection_drops.run)
                     await nursery.start(network.nat.run)
                     if config.relays:
                         # The first record we announce should already name our relays.

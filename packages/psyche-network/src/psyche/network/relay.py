@@ -124,9 +124,7 @@ async def open_relay(
     """Run a relay for the block; `allowed(key)` says who may use it (the run's members)."""
     announce = announce_host(options.bind_host, options.announce_host)
     host = p2p_host.build_host(secret_key, options.bind_host, announce)
-    p2p_host.install_allowlist_gate(host, allowed)
-    drops = p2p_host.install_inbound_limits(host)
-    p2p_host.install_stream_limits(host)
+    drops = p2p_host.harden(host, allowed)
     protocol = CircuitV2Protocol(host, relay_limits(options), allow_hop=True)
     # py-libp2p's AutoNATService types its host as BasicHost; ours is an IHost.
     DialBackAutoNAT(host, serve=True, confirmations=1)  # type: ignore[arg-type]
