@@ -537,15 +537,23 @@ class NetworkConnection:
         )
         return ticket, outcome.size
 
-    def start_download(self, ticket: BlobTicket, tag: str, download_type: DownloadType) -> Download:
+    def start_download(
+        self,
+        ticket: BlobTicket,
+        tag: str,
+        download_type: DownloadType,
+        max_size: int | None = None,
+    ) -> Download:
         """Fetch the ticket's blob in the background; the `Download` resolves with
         `DownloadComplete` (the decoded payload) or `DownloadFailed`.
 
         The blob is tagged first, so once downloaded it is kept and served to other peers.
+        `max_size`: the largest blob the caller can use (the client passes the largest result
+        its run can produce); a ticket announcing more fails at once, `permanent`.
         """
         self.address_book.add(ticket.addr)
         self.store.set_tag(tag, ticket.hash)
-        return self.downloads.start(ticket, tag, download_type)
+        return self.downloads.start(ticket, tag, download_type, max_size)
 
     def remove_staled_tags(self, target_distro_result_step: int) -> int:
         removed = remove_staled_tags(self.store, target_distro_result_step)
