@@ -22,7 +22,6 @@ from typing import Any, ClassVar
 import pytest
 import trio
 
-from psyche.client.broadcast import Broadcast, BroadcastType, TrainingResult
 from psyche.client.client import Client
 from psyche.client.train import OwnResult
 from psyche.network.ticket import BlobFormat, BlobTicket, blob_hash
@@ -63,14 +62,7 @@ class JunkResultClient(Client):
         self.network.store.put(digest, junk, f"distro-result_{result.step}")
         ticket = BlobTicket(self.network.endpoint_addr(), BlobFormat.Raw, digest, size)
         self.published.append((digest, size))
-        broadcast = Broadcast(
-            step=result.step,
-            proof=result.proof,
-            commitment=self._sign(result.commitment_data_hash),
-            nonce=self.rng.getrandbits(32),
-            data=BroadcastType.TrainingResult(TrainingResult(result.batch_id, ticket)),
-        )
-        self._gossip(broadcast)
+        self._announce_result(result, ticket)  # under the real payload's commitment
 
 
 def test_junk_results_are_refused_and_never_fetched_again(

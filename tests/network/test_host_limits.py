@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections import deque
 from typing import Any
 
 import trio
@@ -20,7 +19,7 @@ from libp2p.network.exceptions import SwarmException
 from psyche.core.identity import SecretKey
 from psyche.network import p2p_host
 from psyche.network.relay import RelayOptions, open_relay
-from psyche.network.testing import introduce, open_nodes, wait_until
+from psyche.network.testing import introduce, open_nodes, silent_flood, wait_until
 
 FLOOD = 2000
 HELD = 50
@@ -34,17 +33,9 @@ def tcp_port(multiaddr: str) -> int:
     return int(parts[parts.index("tcp") + 1])
 
 
-async def silent_flood(port: int, count: int = FLOOD) -> None:
-    """`count` TCP connections from 127.0.0.1 that never send a byte, `HELD` open at once: the
-    host evicts the older ones while they wait for their handshake."""
-    held: deque[trio.SocketStream] = deque()
+async def flood(port: int) -> None:
     with trio.fail_after(DEADLINE):
-        for _ in range(count):
-            held.append(await trio.open_tcp_stream("127.0.0.1", port))
-            if len(held) > HELD:
-                await held.popleft().aclose()
-        for stream in held:
-            await stream.aclose()
+        await silent_flood(port, FLOOD, HELD)
 
 
 def swarm(node: Any) -> Any:
@@ -59,7 +50,7 @@ def test_a_flood_of_silent_connections_leaves_a_client_open_to_its_members() -> 
     async def main() -> None:
         async with open_nodes(3) as (victim, member, other):
             port = tcp_port(victim.host.get_transport_addrs()[0].__str__())
-            await silent_flood(port)
+            await flood(port)
             await no_pending_upgrades(victim)
             # a member dials in, and the flooded host dials out to another
             introduce(member, victim)
@@ -80,7 +71,7 @@ def test_a_flood_of_silent_connections_leaves_a_relay_open_to_its_member() -> No
             lambda key: key == member.public_key,
             RelayOptions(bind_host="127.0.0.1"),
         ) as relay:
-            await silent_flood(tcp_port(relay.multiaddrs()[0]))
+            await flood(tcp_port(relay.multiaddrs()[0]))
             await no_pending_upgrades(relay)
             async with open_nodes(
                 1, keys=[member], relays=tuple(relay.multiaddrs()), reachability="private"

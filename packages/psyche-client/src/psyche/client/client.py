@@ -77,6 +77,7 @@ from psyche.network.gossip import choose_gossip_peers
 from psyche.network.model_download import DownloadedModel, ModelDownload
 from psyche.network.scheduler import DownloadScheduler, RetryQueueResult
 from psyche.network.sharable_model import SharableModel, answer_request
+from psyche.network.ticket import BlobTicket
 from psyche.network.transmittable import (
     DownloadType,
     ModelRequestType,
@@ -666,6 +667,12 @@ class Client:
             ticket.hash.hex(),
             size / 1e6,
         )
+        broadcast = self._announce_result(result, ticket)
+        if self.machine is not None:
+            self.machine.apply_own_result(broadcast, result)
+
+    def _announce_result(self, result: OwnResult, ticket: BlobTicket) -> Broadcast:
+        """Sign and gossip the announcement of our result, its payload named by `ticket`."""
         broadcast = Broadcast(
             step=result.step,
             proof=result.proof,
@@ -674,5 +681,4 @@ class Client:
             data=BroadcastType.TrainingResult(TrainingResult(result.batch_id, ticket)),
         )
         self._gossip(broadcast)
-        if self.machine is not None:
-            self.machine.apply_own_result(broadcast, result)
+        return broadcast
