@@ -15,6 +15,7 @@ import multiaddr
 import trio
 from libp2p.host.autonat.autonat import AutoNATService
 from libp2p.peer.peerinfo import PeerInfo
+from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11 as GOSSIP_V11
 
 from psyche.core.identity import SecretKey
 from psyche.network import p2p_host
@@ -223,5 +224,44 @@ def test_a_relay_named_later_takes_over_from_one_that_is_gone() -> None:
                     assert second.reservations() == 1
                     announced = node.endpoint_addr().libp2p_addrs()
                     assert new in announced and old not in announced
+
+    trio.run(main)
+
+
+def test_the_relay_drains_a_members_gossip_within_its_budget() -> None:
+    """The relay accepts the gossip stream every member opens to it and discards what comes,
+    at most a burst and then a slow rate per member; a member that pumps bytes into it has its
+    stream reset (before: the relay drained whatever came, ~2 GB in 45 s from one member)."""
+    pump = 32 * 1024 * 1024
+
+    async def main() -> None:
+        key = SecretKey.generate()
+        async with (
+            relay_for({key.public_key}) as relay,
+            open_nodes(1, keys=[key], relays=tuple(relay.multiaddrs()), reachability="private") as (
+                member,
+            ),
+        ):
+            await reserved(member)
+            relay_id = peer_id_from_public_key(relay_peer(relay.multiaddrs()[0]))
+            stream = await member.host.new_stream(relay_id, [GOSSIP_V11])
+            chunk = bytes(64 * 1024)
+            sent = 0
+            start = trio.current_time()
+            with trio.move_on_after(DEADLINE):
+                try:
+                    while sent < pump:
+                        await stream.write(chunk)
+                        sent += len(chunk)
+                except Exception:  # the relay reset the stream
+                    pass
+            elapsed = trio.current_time() - start
+            # what the member got written: the budget plus one Yamux window (256 KiB)
+            assert sent < 2 * 1024 * 1024, sent
+            budget = relay.gossip.burst + relay.gossip.rate * (elapsed + 1)
+            assert relay.gossip.drained.get(key.public_key, 0) <= budget
+            assert relay.gossip.resets >= 1
+            # the member keeps its slot: its honest traffic is not what is refused
+            assert relay.reservations() == 1
 
     trio.run(main)

@@ -13,9 +13,10 @@ What runs while the block is open:
 * with `save_state_dir`: the state is saved at every successful epoch end and when the block
   exits (see `save_state`);
 * with `events_dir`: every distinct state is appended to `coordinator/state.bin` (`events`);
-* unless `relay_port` is None: a circuit relay (`psyche.network.relay`) that only clients
-  connected to this server may use, announced to them (`Relays`) so that clients behind NAT
-  reach each other through it.
+* unless `relay_port` is None: a circuit relay (`psyche.network.relay`) that only the run's
+  members may use (connected to this server, and clients of the epoch or joining it:
+  `may_use_relay`), announced to them (`Relays`) so that clients behind NAT reach each other
+  through it.
 
 When the run reaches `Finished` (with `exit_when_finished`, the default), the server waits until
 every connected client has disconnected (the clients finish their last checkpoint and exit) or
@@ -396,9 +397,17 @@ class CentralizedServer:
     # -- outputs
 
     def is_connected(self, key: bytes) -> bool:
-        """Whether `key` has an authenticated connection to this server (a member of the run,
-        or joining it): who may use the server's relay."""
+        """Whether `key` has an authenticated connection to this server."""
         return self.tcp is not None and key in self.tcp.connected_clients()
+
+    def may_use_relay(self, key: bytes) -> bool:
+        """Who the server's relay serves: a key connected to this server that is a client of
+        the run's epoch or has joined it (pending). A key that merely logged in is refused, and
+        one that leaves loses its relay connections (the relay asks again every second)."""
+        if not self.is_connected(key):
+            return False
+        identity = NodeIdentity.from_single_key(key)
+        return identity in self.core.pending_clients or self.core.client_index(identity) is not None
 
     def run_extras(self) -> RunExtras:
         return RunExtras(
@@ -553,7 +562,7 @@ async def open_server(
                 server.p2p_relay = await stack.enter_async_context(
                     open_relay(
                         SecretKey.generate(),
-                        server.is_connected,
+                        server.may_use_relay,
                         RelayOptions(
                             bind_host=options.host,
                             port=options.relay_port,

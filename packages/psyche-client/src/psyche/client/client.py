@@ -83,6 +83,7 @@ from psyche.network.model_download import DownloadedModel, ModelDownload
 from psyche.network.peer_manager import PeersUnreachable
 from psyche.network.scheduler import DownloadScheduler, RetryQueueResult
 from psyche.network.sharable_model import SharableModel, answer_request
+from psyche.network.ticket import BlobTicket
 from psyche.network.transmittable import (
     DownloadType,
     ModelRequestType,
@@ -609,8 +610,15 @@ class Client:
                     logger.debug("ignoring a downloaded %s", type(data).__name__)
                 elif self.machine is not None:
                     self.machine.apply_distro_result(digest, data)
-            case DownloadFailed(ticket, tag, error, download_type):
-                if isinstance(download_type, DownloadType.DistroResult):
+            case DownloadFailed(ticket, tag, error, download_type, permanent):
+                if not isinstance(download_type, DownloadType.DistroResult):
+                    return
+                if permanent:  # over the run's largest payload, or undecodable: never again
+                    self.scheduler.remove_retry(ticket.hash)
+                    if self.machine is not None:
+                        self.machine.refuse_distro_result(ticket.hash, error)
+                    logger.warning("Distro result download refused (not retrying): %s", error)
+                else:
                     queued = self.scheduler.queue_failed_download(ticket, tag, download_type)
                     if queued == RetryQueueResult.Queued:
                         logger.info("Distro result download failed (will retry): %s", error)
@@ -657,7 +665,11 @@ class Client:
                 if c.id.p2p_identity != me
             ]
             self.rng.shuffle(others)
-        download = self.network.start_download(ticket, tag, DownloadType.DistroResult(others))
+        # no result of this run is larger than its model and compression can make it
+        max_size = self.machine.trainer.max_payload_size() if self.machine is not None else None
+        download = self.network.start_download(
+            ticket, tag, DownloadType.DistroResult(others), max_size
+        )
         self._spawn(self._deliver, download)
 
     async def _deliver(self, download: Download) -> None:
@@ -674,6 +686,8 @@ class Client:
                 self.machine.try_send_opportunistic_witness()
         elif kind == "retry":
             for retry in self.scheduler.get_due_distro_retries():
+                if self.machine is None or not self.machine.awaits_payload(retry.hash):
+                    continue  # its round is over (or it was refused): nothing would use it
                 logger.info("Retrying download for distro result (attempt %d)", retry.retries)
                 self._start_download(retry.ticket, retry.tag)
         elif kind == "connection" and self.coordinator is not None:
@@ -717,6 +731,12 @@ class Client:
             ticket.hash.hex(),
             size / 1e6,
         )
+        broadcast = self._announce_result(result, ticket)
+        if self.machine is not None:
+            self.machine.apply_own_result(broadcast, result)
+
+    def _announce_result(self, result: OwnResult, ticket: BlobTicket) -> Broadcast:
+        """Sign and gossip the announcement of our result, its payload named by `ticket`."""
         broadcast = Broadcast(
             step=result.step,
             proof=result.proof,
@@ -725,5 +745,4 @@ class Client:
             data=BroadcastType.TrainingResult(TrainingResult(result.batch_id, ticket)),
         )
         self._gossip(broadcast)
-        if self.machine is not None:
-            self.machine.apply_own_result(broadcast, result)
+        return broadcast

@@ -279,10 +279,7 @@ async def check_payload(
         # refuses them: if a (dishonest) witness voted for this commitment anyway, all of
         # them skip it at apply alike. Upstream keeps waiting for a download that already
         # happened and then fails the apply.
-        if isinstance(round_state.downloads.get(blob_hash), Downloading):
-            rejected = PayloadHandle()
-            rejected.set_error(PayloadRejected(problem))
-            round_state.settle(blob_hash, rejected)
+        refuse_payload(round_state, blob_hash, problem)
         return
     if not isinstance(round_state.downloads.get(blob_hash), Downloading):
         return  # checked twice concurrently, or already applied
@@ -298,6 +295,18 @@ async def check_payload(
         handle.set_error(e)
     else:
         handle.set_result(value)
+
+
+def refuse_payload(round_state: RoundState, blob_hash: bytes, reason: str) -> bool:
+    """Mark a payload the round still waits for as refused (`PayloadRejected(reason)`): the
+    apply skips it at once, and since the round knows the hash, announcing it again in this
+    round downloads nothing. False when the round was not waiting for it."""
+    if not isinstance(round_state.downloads.get(blob_hash), Downloading):
+        return False
+    rejected = PayloadHandle()
+    rejected.set_error(PayloadRejected(reason))
+    round_state.settle(blob_hash, rejected)
+    return True
 
 
 def _deserialize(

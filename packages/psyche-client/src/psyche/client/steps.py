@@ -40,7 +40,7 @@ from psyche.client.cooldown import CheckpointFiles, Cooldown
 from psyche.client.evals import split_scores
 from psyche.client.fetch_data import DataFetcher
 from psyche.client.logs import log_event
-from psyche.client.round_state import RoundState
+from psyche.client.round_state import Downloading, RoundState
 from psyche.client.stats import RunProgress, StatsLogger, progress_text
 from psyche.client.telemetry import RoundClock, RoundReport, complete_report
 from psyche.client.train import (
@@ -695,12 +695,30 @@ class StepStateMachine:
         if recorded is None:
             logger.debug("own result for step %d came after its round", result.step)
 
-    def apply_distro_result(self, blob_hash: bytes, payload: TransmittableDistroResult) -> None:
-        """A peer's downloaded payload: checked and deserialized in the background."""
+    def _payload_rounds(self) -> list[RoundState]:
         rounds = [self.current, self.previous]
         if self.applying is not None:
             rounds.append(self.applying)
-        round_state = payloads.round_for_payload(rounds, blob_hash)
+        return rounds
+
+    def awaits_payload(self, blob_hash: bytes) -> bool:
+        """Whether a round still waits for this payload (a download retry is worth it)."""
+        round_state = payloads.round_for_payload(self._payload_rounds(), blob_hash)
+        return round_state is not None and isinstance(
+            round_state.downloads.get(blob_hash), Downloading
+        )
+
+    def refuse_distro_result(self, blob_hash: bytes, reason: str) -> None:
+        """A peer's payload that can never be used (its ticket announces more than the run's
+        largest result, or its blob does not decode): its round skips it, and remembers the
+        hash, so it is not downloaded again."""
+        round_state = payloads.round_for_payload(self._payload_rounds(), blob_hash)
+        if round_state is not None:
+            payloads.refuse_payload(round_state, blob_hash, reason)
+
+    def apply_distro_result(self, blob_hash: bytes, payload: TransmittableDistroResult) -> None:
+        """A peer's downloaded payload: checked and deserialized in the background."""
+        round_state = payloads.round_for_payload(self._payload_rounds(), blob_hash)
         if round_state is None:
             logger.debug("Unknown download %s", blob_hash[:5].hex())
             return

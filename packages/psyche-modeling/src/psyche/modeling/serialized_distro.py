@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, BinaryIO
 
 from psyche.core.batch_id import BatchId
@@ -26,6 +27,7 @@ from psyche.core.serde import (
     U32,
     DataEnum,
     PostcardError,
+    encode_varint,
     struct,
     take_from_bytes,
     to_bytes,
@@ -359,6 +361,79 @@ def distro_results_from_transmittable(
     for result, layout in zip(payload.distro_results, layouts):
         validate_serialized_distro_result(result, layout, require_1bit=require_1bit)
     return [distro_result_from_serialized(r) for r in payload.distro_results]
+
+
+# --------------------------------------------------------------------------------------------
+# The largest payload a run can produce
+
+
+@dataclass(frozen=True)
+class EntryBound:
+    """The largest form of one payload entry (`SerializedDistroResult`) a receiver accepts:
+    its tensors' dims and the most data bytes each may carry."""
+
+    idx_dims: tuple[int, ...]
+    idx_bytes: int
+    val_dims: tuple[int, ...]
+    val_bytes: int
+    xshape: tuple[int, ...]
+    totalk: int
+
+
+def _varint_len(value: int) -> int:
+    out = bytearray()
+    encode_varint(value, out)
+    return len(out)
+
+
+def _no_data(dims: tuple[int, ...]) -> SerializableTensor:
+    return SerializableTensor(
+        dims=list(dims), kind=0, requires_grad=False, data=SerializableTensorData.Full(b"")
+    )
+
+
+def payload_size_bound(entries: Sequence[EntryBound]) -> int:
+    """The size in bytes of the largest `TransmittableDistroResult` whose entries fit `entries`
+    (step, nonce and batch id at their widest encodings): no payload a receiver with these
+    layouts accepts is larger, so a ticket announcing more is refused before any download.
+    The framing is encoded for real; only the data bytes are counted."""
+
+    def data(n: int) -> int:  # n data bytes and their length prefix, over none
+        return n + _varint_len(n) - _varint_len(0)
+
+    widest = TransmittableDistroResult(
+        step=0xFFFF_FFFF,
+        trainer_nonce=0xFFFF_FFFF,
+        batch_id=BatchId(2**64 - 1, 2**64 - 1),
+        distro_results=[],
+    )
+    size = len(widest.to_bytes()) - _varint_len(0) + _varint_len(len(entries))
+    for e in entries:
+        skeleton = SerializedDistroResult(
+            sparse_idx=_no_data(e.idx_dims),
+            sparse_val=_no_data(e.val_dims),
+            xshape=list(e.xshape),
+            totalk=e.totalk,
+        )
+        size += len(to_bytes(skeleton, SerializedDistroResult))
+        size += data(e.idx_bytes) + data(e.val_bytes)
+    return size
+
+
+def distro_entry_bound(layout: ResultLayout, *, require_1bit: bool | None = None) -> EntryBound:
+    """The largest entry `validate_serialized_distro_result` accepts for `layout`: the index
+    bytes its shape fixes, and values as sign bits (1-bit runs) or at the widest float kind a
+    receiver accepts (8 bytes)."""
+    values = math.prod(layout.val_shape)
+    val_bytes = (values + 7) // 8 if require_1bit is True else values * 8
+    return EntryBound(
+        idx_dims=layout.idx_shape,
+        idx_bytes=math.prod(layout.idx_shape),
+        val_dims=layout.val_shape,
+        val_bytes=val_bytes,
+        xshape=layout.xshape,
+        totalk=layout.totalk,
+    )
 
 
 def decode_transmittable(data: bytes | bytearray | memoryview) -> TransmittableDistroResult:

@@ -30,13 +30,16 @@ from psyche.core.batch_id import BatchId
 from psyche.core.definitions import OptimizerDefinition
 from psyche.modeling.adamw import LibtorchAdamW
 from psyche.modeling.causal_lm import CausalLM
+from psyche.modeling.diloco.codec import entry_bound as diloco_entry_bound
 from psyche.modeling.diloco.optimizer import Diloco, inner_ranges
 from psyche.modeling.distro import Distro, DistroResult, ResultLayout, quantize_results
 from psyche.modeling.lr import Schedule, get_lr, prev_lr
 from psyche.modeling.parallel import ParallelDims
 from psyche.modeling.serialized_distro import (
     TransmittableDistroResult,
+    distro_entry_bound,
     distro_results_from_transmittable,
+    payload_size_bound,
     transmittable_distro_result,
 )
 from psyche.modeling.sharding import full_tensor, local_tensor
@@ -160,6 +163,7 @@ class Trainer:
         self.quantize_1bit = False
         self.diloco: Diloco | None = None
         self._distro_layouts: list[ResultLayout] | None = None
+        self._max_payload_size: int | None = None
         self._setup_optimizer(optimizer)
 
     def _setup_optimizer(self, optimizer: OptimizerDefinition) -> None:
@@ -439,6 +443,29 @@ class Trainer:
         return distro_results_from_transmittable(
             payload, self._distro_layouts, require_1bit=self.quantize_1bit
         )
+
+    def max_payload_size(self) -> int:
+        """The size in bytes of the largest payload `results_from_payload` accepts (this
+        model's layouts under the run's DisTrO or DiLoCo settings; no DisTrO: an empty one):
+        a peer's result ticket announcing more is refused before it is downloaded."""
+        if self._max_payload_size is None:
+            self._max_payload_size = self._payload_size_bound()
+        return self._max_payload_size
+
+    def _payload_size_bound(self) -> int:
+        if self.diloco is not None:
+            entries = [diloco_entry_bound(layout) for layout in self.diloco.layouts()]
+        elif self.distro is None:
+            entries = []
+        else:
+            if self._distro_layouts is None:
+                self._distro_layouts = self.distro.layouts()
+            require_1bit = self.quantize_1bit
+            entries = [
+                distro_entry_bound(layout, require_1bit=require_1bit)
+                for layout in self._distro_layouts
+            ]
+        return payload_size_bound(entries)
 
     def prepare_result(self, out: TrainOutput, *, step: int, batch_id: BatchId) -> PreparedResult:
         """The payload of a trained batch: its results, 1-bit when the run's DisTrO quantizes

@@ -66,6 +66,15 @@ class BlobStore:
     def has(self, digest: bytes) -> bool:
         return digest in self._blobs
 
+    def release(self, tag: str, digest: bytes) -> None:
+        """Drop `tag` if it names `digest`, and the blob too unless another tag keeps it (at
+        once, not at the next GC): what a download of unusable bytes leaves behind. A blob
+        someone else tagged (our own model's, say) stays whatever hash a peer names."""
+        if self._tags.get(tag) == digest:
+            del self._tags[tag]
+        if digest not in self._tags.values():
+            self._blobs.pop(digest, None)
+
     def __len__(self) -> int:
         return len(self._blobs)
 

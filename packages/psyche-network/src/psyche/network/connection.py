@@ -30,7 +30,7 @@ from libp2p.abc import IHost, INetConn, INetStream
 from libp2p.tools.anyio_service import background_trio_service
 
 from psyche.core.allowlist import AllowDynamic, Allowlist
-from psyche.core.connection_limits import ConnectionLimits
+from psyche.core.connection_limits import ConnectionLimits, DropLog
 from psyche.core.identity import SecretKey
 from psyche.network import model_sharing, p2p_host, peer_exchange
 from psyche.network.blob_routes import DEFAULT_MAX_FETCHES_PER_PEER, BlobRoutes
@@ -213,6 +213,8 @@ class NetworkConnection:
             mode=config.reachability,
             on_addresses_changed=self._addresses_changed,
         )
+        self.connection_drops: DropLog = p2p_host.drop_log()
+        """Connections the libp2p host refused or dropped, by kind (`counts`)."""
         self._paths: dict[bytes, str] = {}
         self._rtt_failures: dict[bytes, int] = {}
         self._checking_direct: set[bytes] = set()
@@ -244,9 +246,7 @@ class NetworkConnection:
             distro_result_type,
             bind_host,
         )
-        p2p_host.install_allowlist_gate(host, network._may_connect)
-        inbound_drops = p2p_host.install_inbound_limits(host)
-        p2p_host.install_stream_limits(host)
+        p2p_host.harden(host, network._may_connect, network.connection_drops)
         host.get_network().register_notifee(
             p2p_host.ConnectionNotifee(network._on_connected, network._on_disconnected)
         )
@@ -279,7 +279,7 @@ class NetworkConnection:
                     await network.gossip.pubsub.wait_until_ready()
                     await network.gossip.pubsub.subscribe(network.gossip.topic)
                     await nursery.start(network.blob_transport.serve)
-                    nursery.start_soon(inbound_drops.run)
+                    nursery.start_soon(network.connection_drops.run)
                     await nursery.start(network.nat.run)
                     if config.relays:
                         # The first record we announce should already name our relays.
@@ -537,15 +537,23 @@ class NetworkConnection:
         )
         return ticket, outcome.size
 
-    def start_download(self, ticket: BlobTicket, tag: str, download_type: DownloadType) -> Download:
+    def start_download(
+        self,
+        ticket: BlobTicket,
+        tag: str,
+        download_type: DownloadType,
+        max_size: int | None = None,
+    ) -> Download:
         """Fetch the ticket's blob in the background; the `Download` resolves with
         `DownloadComplete` (the decoded payload) or `DownloadFailed`.
 
         The blob is tagged first, so once downloaded it is kept and served to other peers.
+        `max_size`: the largest blob the caller can use (the client passes the largest result
+        its run can produce); a ticket announcing more fails at once, `permanent`.
         """
         self.address_book.add(ticket.addr)
         self.store.set_tag(tag, ticket.hash)
-        return self.downloads.start(ticket, tag, download_type)
+        return self.downloads.start(ticket, tag, download_type, max_size)
 
     def remove_staled_tags(self, target_distro_result_step: int) -> int:
         removed = remove_staled_tags(self.store, target_distro_result_step)

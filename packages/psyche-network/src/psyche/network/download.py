@@ -107,6 +107,9 @@ class DownloadFailed:
     tag: str
     error: str
     download_type: DownloadType
+    permanent: bool = False
+    """The blob itself is refused (larger than allowed, or undecodable): the same hash can never
+    succeed, so it must not be fetched again (a port addition: upstream retries any failure)."""
 
 
 DownloadOutcome = DownloadComplete | DownloadFailed
@@ -140,8 +143,8 @@ class Download:
             self._outcome = outcome
             self._event.set()
 
-    def failure(self, error: str) -> DownloadFailed:
-        return DownloadFailed(self.ticket, self.tag, error, self.download_type)
+    def failure(self, error: str, *, permanent: bool = False) -> DownloadFailed:
+        return DownloadFailed(self.ticket, self.tag, error, self.download_type, permanent)
 
     async def finished(self) -> DownloadOutcome:
         await self._event.wait()

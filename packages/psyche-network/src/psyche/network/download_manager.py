@@ -4,6 +4,12 @@
 which resolves exactly once: `DownloadComplete` with the decoded payload, or `DownloadFailed`
 (blob over the size limit, every provider failed, timed out, undecodable, or the network shut
 down first). On the way, progress feeds the peers' bandwidth figures and the stats' download list.
+
+A blob larger than the download's limit (`max_size`, e.g. the largest result the run's model
+can produce, else the network's `max_blob_size`) is refused before a byte is fetched, and a
+blob that does not decode loses the download's tag and leaves the store at once (unless
+another tag keeps it); both failures are `permanent`: the hash names bytes this download can
+never use.
 """
 
 from __future__ import annotations
@@ -64,23 +70,33 @@ class DownloadManager:
         self.max_blob_size = max_blob_size
         self.timeout_secs = timeout_secs
 
-    def start(self, ticket: BlobTicket, tag: str, download_type: DownloadType) -> Download:
+    def start(
+        self,
+        ticket: BlobTicket,
+        tag: str,
+        download_type: DownloadType,
+        max_size: int | None = None,
+    ) -> Download:
+        """`max_size`: the largest blob this download may fetch (at most `max_blob_size`)."""
         download = Download(ticket, tag, download_type)
-        if not self._spawn(self._run, download):
+        limit = self.max_blob_size if max_size is None else min(max_size, self.max_blob_size)
+        if not self._spawn(self._run, download, limit):
             download.finish(download.failure("the network is shut down"))
         return download
 
-    async def _run(self, download: Download) -> None:
+    async def _run(self, download: Download, limit: int) -> None:
         try:
-            download.finish(await self._fetch(download))
+            download.finish(await self._fetch(download, limit))
         finally:
             if not download.done:  # cancelled: the network is shutting down
                 download.finish(download.failure("the network shut down first"))
 
-    async def _fetch(self, download: Download) -> DownloadOutcome:
+    async def _fetch(self, download: Download, limit: int) -> DownloadOutcome:
         ticket = download.ticket
-        if ticket.size > self.max_blob_size:
-            return self._failed(download.failure(f"blob of {ticket.size} bytes exceeds the limit"))
+        if ticket.size > limit:
+            self._store.release(download.tag, ticket.hash)
+            error = f"blob of {ticket.size} bytes exceeds the limit of {limit} bytes"
+            return self._failed(download.failure(error, permanent=True))
         extra = (
             download.download_type.value
             if isinstance(download.download_type, DownloadType.DistroResult)
@@ -136,7 +152,8 @@ class DownloadManager:
             else:
                 data = await trio.to_thread.run_sync(self._codec.decode, blob)
         except Exception as e:  # PostcardError, or anything a hostile payload provokes
-            return download.failure(f"undecodable blob: {e}")
+            self._store.release(download.tag, ticket.hash)  # unusable: not kept, not served
+            return download.failure(f"undecodable blob: {e}", permanent=True)
         return DownloadComplete(ticket.hash, ticket.addr.id, data)
 
 

@@ -2,16 +2,26 @@
 
 py-libp2p 0.8.1 (pinned) has no peer-id connection gate (its `ConnectionGate` filters IPs), so
 the swarm's `add_conn`, which runs right after the Noise handshake has authenticated the remote
-peer id, is wrapped: a connection from a peer outside the allowlist is closed before any
-protocol (gossip, model sharing, ping) sees it. This is upstream's `AllowlistHook` (reject
-after handshake) in libp2p terms.
+peer id (and the muxer is negotiated), is wrapped: a connection from a peer outside the
+allowlist is closed before any protocol (gossip, model sharing, ping) sees it. This is
+upstream's `AllowlistHook` (reject after handshake) in libp2p terms.
 
-Two more bounds py-libp2p does not offer in a usable form (its resource manager counts streams
-for all peers together and makes inbound streams queue for a global semaphore) are added the
-same way: `install_inbound_limits` caps the connections still in their security and muxer
-upgrade, per remote address and in total, evicting the oldest as the other listening sockets do
-(`psyche.core.connection_limits`); `install_stream_limits` caps the inbound streams one peer
-may hold open (and all peers together), resetting any beyond.
+The other bounds py-libp2p does not offer in a usable form are added the same way (`harden`
+installs them all): `install_inbound_limits` caps the connections still in their security and
+muxer upgrade, per remote address and in total, evicting the oldest as the other listening
+sockets do (`psyche.core.connection_limits`), and gives back the swarm's inbound slot when an
+inbound connection closes (py-libp2p holds it until the swarm stops); `install_stream_limits`
+caps the inbound streams one peer may hold open (and all peers together), resetting any
+beyond. Refusals are logged through one `DropLog` per host: the first of each kind in 10 s,
+the rest as one summary line.
+
+Every slot these hold is released in a `finally` or a `with`, whatever raises. The hosts run
+without py-libp2p's own resource manager (`build_host`): its connection slots leaked whenever
+an upgrade was cancelled (its cleanup awaits a close that raises `Cancelled` before it releases
+the slot: an evicted pending upgrade, a dial that lost its race), and whenever the allowlist
+refused a connection (the slot it attached to the connection is released only by a connection
+the swarm registered); 1000 leaked slots and the host refused every connection, inbound and
+outbound. Its caps are the ones above, and `ConnectionConfig`'s (total, per peer).
 """
 
 from __future__ import annotations
@@ -105,8 +115,12 @@ def build_host(
     async def no_auto_connect() -> None:
         return None
 
+    swarm: Any = host.get_network()
     # py-libp2p's INetwork does not declare the auto_connector its Swarm has.
-    host.get_network().auto_connector.maybe_connect = no_auto_connect  # type: ignore[attr-defined]
+    swarm.auto_connector.maybe_connect = no_auto_connect
+    # Its default resource manager leaks a connection slot on every cancelled upgrade and every
+    # refused peer (module docstring); the host's own caps replace it.
+    swarm.set_resource_manager(None)
     return host
 
 
@@ -134,15 +148,40 @@ def peer_key(peer_id: ID) -> bytes | None:
         return None
 
 
-def install_allowlist_gate(host: IHost, allowed: AllowFn) -> None:
+def drop_log() -> DropLog:
+    """Where a host logs what it refuses and drops (run its `run` for the periodic summary)."""
+    return DropLog(logger, "libp2p host: refused or dropped connections")
+
+
+def harden(host: IHost, allowed: AllowFn, drops: DropLog | None = None) -> DropLog:
+    """Every bound of this module on `host`: the allowlist gate, the inbound upgrade caps and
+    the per-peer stream caps, logged through `drops` (a new `drop_log()` if None), which is
+    returned."""
+    drops = drops or drop_log()
+    install_allowlist_gate(host, allowed, drops)
+    install_inbound_limits(host, drops=drops)
+    install_stream_limits(host)
+    return drops
+
+
+def install_allowlist_gate(host: IHost, allowed: AllowFn, drops: DropLog) -> None:
+    """Close a connection from a peer `allowed` refuses before the swarm registers it; logged
+    through `drops`, so a flood of strangers logs one line per interval.
+
+    The gate is the swarm's `add_conn`, after the muxer, not the security step right after
+    Noise: a refusal there would fail the dialer's muxer negotiation, which py-libp2p counts as
+    a failed dial and blocks the peer for 60 s (its negative cache), so a member refused once
+    (a peer that had not yet heard it joined) could not connect for a minute."""
     swarm: Any = host.get_network()
     add_conn = swarm.add_conn
 
     async def gated_add_conn(muxed_conn: Any, direction: str = "unknown") -> Any:
         key = peer_key(muxed_conn.peer_id)
         if key is None or not allowed(key):
-            logger.info(
-                "refusing %s connection from %s: not in allowlist", direction, muxed_conn.peer_id
+            drops.note(
+                "not in allowlist",
+                f"refusing {direction} connection from {muxed_conn.peer_id}: not in allowlist",
+                logging.INFO,
             )
             with contextlib.suppress(Exception):
                 await muxed_conn.close()
@@ -152,16 +191,39 @@ def install_allowlist_gate(host: IHost, allowed: AllowFn) -> None:
     swarm.add_conn = gated_add_conn
 
 
+class _Inbound:
+    """One inbound connection's handler: the raw stream it upgrades, and the muxed connection
+    once the upgrade succeeded."""
+
+    __slots__ = ("muxed", "stream", "upgraded")
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.muxed: Any = None
+        self.upgraded = trio.Event()
+
+
 def install_inbound_limits(
-    host: IHost, limits: ConnectionLimits = INBOUND_UPGRADE_LIMITS
+    host: IHost,
+    limits: ConnectionLimits = INBOUND_UPGRADE_LIMITS,
+    drops: DropLog | None = None,
 ) -> DropLog:
     """Cap the inbound connections still being upgraded (security, then muxer): per remote
-    address and in total, the oldest evicted when full. Returns the drop log (run its `run`
-    for the periodic summary)."""
+    address and in total, the oldest evicted when full; and end each inbound connection's
+    handler when its connection closes. Returns the drop log (run its `run` for the periodic
+    summary).
+
+    py-libp2p's handler of an inbound connection holds one of the swarm's inbound slots
+    (`max_connections` of them) and, once the upgrade succeeded, waits for the swarm to stop:
+    every inbound connection ever accepted kept its slot, and after `max_connections` of them
+    (members reconnecting over a long run) the host refused every inbound connection. The
+    handler is ended here when its connection closes, which releases the slot."""
     swarm: Any = host.get_network()
     upgrade = swarm.upgrade_inbound_raw_conn
-    drops = DropLog(logger, "libp2p host: dropped inbound connections")
+    handle = swarm._do_handle_inbound_connection
+    drops = drops or drop_log()
     admission = Admission(limits, drops)
+    handlers: dict[int, _Inbound] = {}
 
     async def limited_upgrade(raw_conn: Any, maddr: Any) -> Any:
         try:
@@ -170,13 +232,38 @@ def install_inbound_limits(
             remote = None
         address = str(remote[0]) if remote else "relayed"
         with admission.pending_connection(address) as pending:
-            return await upgrade(raw_conn, maddr)
+            muxed = await upgrade(raw_conn, maddr)
+            inbound = handlers.get(id(getattr(raw_conn, "stream", None)))
+            if inbound is not None and inbound.stream is raw_conn.stream:
+                inbound.muxed = muxed
+                inbound.upgraded.set()
+            return muxed
         if pending.cancelled_caught:  # evicted for a newer connection
             with contextlib.suppress(Exception):
                 await raw_conn.close()
         raise SwarmException(f"inbound upgrade from {address} evicted")
 
+    async def handle_until_closed(read_write_closer: Any, maddr: Any, failure_event: Any) -> None:
+        inbound = _Inbound(read_write_closer)
+        handlers[id(read_write_closer)] = inbound
+        try:
+            async with trio.open_nursery() as nursery:
+
+                async def end_when_closed() -> None:
+                    await inbound.upgraded.wait()
+                    closed = getattr(inbound.muxed, "event_closed", None)
+                    if closed is not None:  # Yamux (the only muxer these hosts use)
+                        await closed.wait()
+                        nursery.cancel_scope.cancel()
+
+                nursery.start_soon(end_when_closed)
+                await handle(read_write_closer, maddr, failure_event)
+                nursery.cancel_scope.cancel()
+        finally:
+            del handlers[id(read_write_closer)]
+
     swarm.upgrade_inbound_raw_conn = limited_upgrade
+    swarm._do_handle_inbound_connection = handle_until_closed
     swarm.psyche_inbound_admission = admission
     return drops
 
@@ -505,6 +592,8 @@ __all__ = [
     "connect",
     "connection_paths",
     "disconnect",
+    "drop_log",
+    "harden",
     "install_allowlist_gate",
     "install_inbound_limits",
     "install_stream_limits",

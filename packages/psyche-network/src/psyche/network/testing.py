@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import replace
@@ -87,6 +88,21 @@ def ring(n: int) -> list[tuple[int, int]]:
 
 def full_mesh(n: int) -> list[tuple[int, int]]:
     return [(i, j) for i in range(n) for j in range(i + 1, n)]
+
+
+async def silent_flood(port: int, count: int, held: int = 50) -> None:
+    """`count` TCP connections from 127.0.0.1 to `port` that never send a byte, at most `held`
+    open at once (the oldest closed to open the next): what a stranger with no key can do to
+    a listener; a libp2p host evicts the older ones while they wait for their handshake."""
+    open_now: deque[trio.SocketStream] = deque()
+    try:
+        for _ in range(count):
+            open_now.append(await trio.open_tcp_stream("127.0.0.1", port))
+            if len(open_now) > held:
+                await open_now.popleft().aclose()
+    finally:
+        for stream in open_now:
+            await stream.aclose()
 
 
 async def wait_until(

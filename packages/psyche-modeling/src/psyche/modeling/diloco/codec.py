@@ -46,6 +46,7 @@ from psyche.modeling.serialized_distro import (
     KIND_BFLOAT16,
     KIND_NAMES,
     KIND_UINT8,
+    EntryBound,
     InvalidDistroResult,
     SerializedDistroResult,
     _check_tensor_bytes,
@@ -401,3 +402,26 @@ def sent_bytes(layout: DilocoLayout) -> int:
             blocks = math.prod(layout.sparse.block_shape)
             width = index_width(layout.sparse.totalk)
             return blocks * (layout.sparse.topk * width + layout.row_bytes)
+
+
+def entry_bound(layout: DilocoLayout) -> EntryBound:
+    """The one entry `validate` accepts for `layout`, as a size bound (the forms fix every
+    tensor's kind and dims, so the bound is exact)."""
+    match layout.transmission:
+        case DilocoTransmission.Bf16:
+            return EntryBound((0,), 0, layout.shape, 2 * layout.numel, (), 0)
+        case DilocoTransmission.Int8:
+            groups = layout.groups
+            return EntryBound((groups,), 4 * groups, layout.shape, layout.numel, (), layout.group)
+        case _:
+            sparse = layout.sparse
+            assert sparse is not None
+            rows = (*sparse.block_shape, layout.row_bytes)
+            return EntryBound(
+                sparse.idx_shape,
+                math.prod(sparse.idx_shape),
+                rows,
+                math.prod(rows),
+                sparse.xshape,
+                sparse.totalk,
+            )
