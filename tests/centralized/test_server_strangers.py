@@ -33,7 +33,12 @@ from psyche.centralized.protocol import (
     ServerToClientMessage,
 )
 from psyche.centralized.server import open_server, who_may_join
-from psyche.centralized.testing import DummyTrainer, ProtocolClient, fast_options
+from psyche.centralized.testing import (
+    DummyTrainer,
+    ProtocolClient,
+    fast_options,
+    health_check_payload,
+)
 from psyche.coordinator.backend import OpportunisticData
 from psyche.coordinator.model import Checkpoint, HubRepo
 from psyche.coordinator.run_state import RunState
@@ -41,7 +46,6 @@ from psyche.coordinator.server_core import JOIN_LOG_BURST
 from psyche.coordinator.testing import quick_coordinator, warmup_witness_for
 from psyche.core.cli import single_cause
 from psyche.core.identity import SecretKey
-from psyche.core.serde import encode_varint
 from psyche.core.tcp import SERVER_MAX_FRAME_LENGTH, ConnectionClosed, LoginRefused
 from psyche.network.discovery import sign_address_record
 from psyche.network.ticket import EndpointAddr, TransportAddr
@@ -199,16 +203,6 @@ def test_an_address_the_server_cannot_bind_is_named() -> None:
 
 
 # ---- issue 24: what one message may hold, what a login may log, a Join for another run ----------
-
-
-def health_check_payload(size: int) -> bytes:
-    """A well-formed HealthCheck message of about `size` bytes (variant, length, entries of an
-    identity and a committee proof: 67 bytes each), as issue 24's attacker sent at 8 MiB."""
-    entry = bytes(range(64)) + b"\x00\x01\x01"
-    count = (size - 2 - 3) // len(entry)
-    length = bytearray()
-    encode_varint(count, length)
-    return b"\x02" + bytes(length) + entry * count
 
 
 async def closed_unread(client: ProtocolClient) -> None:

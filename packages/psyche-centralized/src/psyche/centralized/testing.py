@@ -5,6 +5,7 @@ coordinators they serve and the witnesses they send come from `psyche.coordinato
   coordinator timings are whole "seconds" of that clock), on loopback, ticking accordingly;
 * `ProtocolClient`: a client that speaks the raw protocol (no training): join, send any
   message (or any frame payload, for hostile tests), read what the server sends;
+  `health_check_payload` is such a payload: a well-formed HealthCheck of any size;
 * `DummyTrainer`: a protocol client that behaves like upstream's dummy-training client (no
   model): a warmup witness `warmup_delay` seconds into every warmup (upstream's clients first
   load the model and wait for each other), and, when elected witness, a round witness naming
@@ -36,6 +37,7 @@ from psyche.coordinator.run_state import RunState, WitnessMetadata
 from psyche.coordinator.testing import round_witness_for, warmup_witness_for
 from psyche.core.identity import SecretKey
 from psyche.core.node_identity import NodeIdentity
+from psyche.core.serde import encode_varint
 from psyche.core.tcp import ConnectionClosed, TcpClient
 
 
@@ -51,6 +53,18 @@ def fast_options(speed: float = 10.0, **options: Any) -> ServerOptions:
     }
     defaults.update(options)
     return ServerOptions(**defaults)
+
+
+def health_check_payload(size: int) -> bytes:
+    """A well-formed HealthCheck message of about `size` bytes (at most): its variant, its
+    length and entries of an identity and a committee proof (67 bytes each). At 8 MiB it is
+    issue 24's attack: 125,202 entries that the server used to decode before it looked at who
+    sent them."""
+    entry = bytes(range(64)) + b"\x00\x01\x01"
+    count = (size - 2 - 10) // len(entry)
+    header = bytearray([ClientToServerMessage.HealthCheck.index])
+    encode_varint(count, header)
+    return bytes(header) + entry * count
 
 
 class ProtocolClient:
@@ -221,4 +235,4 @@ class DummyTrainer:
             await self.client.send(ClientToServerMessage.Witness(data))
 
 
-__all__ = ["DummyTrainer", "ProtocolClient", "fast_options"]
+__all__ = ["DummyTrainer", "ProtocolClient", "fast_options", "health_check_payload"]
