@@ -32,7 +32,7 @@ from psyche.centralized.protocol import (
     ExtensionHello,
     ServerToClientMessage,
 )
-from psyche.centralized.server import open_server, who_may_join
+from psyche.centralized.server import CentralizedServer, open_server, who_may_join
 from psyche.centralized.testing import (
     DummyTrainer,
     ProtocolClient,
@@ -267,14 +267,22 @@ def test_8_mib_health_checks_close_the_connection_unread_and_the_run_trains_on()
 
 def test_a_login_flood_logs_a_bounded_number_of_lines(caplog: pytest.LogCaptureFixture) -> None:
     """Issue 24, item 8: 200 logins with fresh keys that join and leave (and reset their
-    connection), and 30 reconnects of one key, log a few lines, not one or two per login."""
+    connection, or first announce an endpoint record signed by another key), and 30 reconnects
+    of one key, log a few lines, not one or two per login."""
     logins, reconnects = 200, 30
     caplog.set_level(logging.INFO, logger="psyche")
+    other = SecretKey.generate()
+    not_its_own = sign_address_record(
+        other, EndpointAddr(other.public_key, [TransportAddr.BlobTcp("127.0.0.1:1")])
+    )
 
-    async def login(address: str, key: SecretKey, reset: bool) -> None:
-        client = await ProtocolClient.connect(address, key)
+    async def login(server: CentralizedServer, key: SecretKey, reset: bool) -> None:
+        client = await ProtocolClient.connect(addr(server), key)
         await client.join("test-run")
+        await client.send(ClientToServerMessage.AnnounceEndpoint(not_its_own))
         if reset:  # a reset, not a close: the server sees the connection fail
+            refused = server.relay.refused.counts["not its own"]
+            await eventually(lambda: server.relay.refused.counts["not its own"] > refused)
             client.conn._framed._stream.socket.setsockopt(  # type: ignore[attr-defined]
                 socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
             )
@@ -287,7 +295,7 @@ def test_a_login_flood_logs_a_bounded_number_of_lines(caplog: pytest.LogCaptureF
             caplog.clear()
             with trio.fail_after(120):
                 for i in range(logins):
-                    await login(address, SecretKey.generate(), reset=i % 2 == 0)
+                    await login(server, SecretKey.generate(), reset=i % 2 == 0)
                 key = SecretKey.generate()
                 clients = [await ProtocolClient.connect(address, key) for _ in range(reconnects)]
                 await eventually(lambda: server.core.joins.counts["added pending client"] == logins)
@@ -296,6 +304,7 @@ def test_a_login_flood_logs_a_bounded_number_of_lines(caplog: pytest.LogCaptureF
                     await client.conn.aclose()
             assert server.tcp is not None
             assert server.tcp.drops.counts["replaced"] == reconnects - 1
+            assert server.relay.refused.counts["not its own"] == logins
 
     trio.run(main)
     lines = [

@@ -583,7 +583,7 @@ async def open_server(
         nursery = await stack.enter_async_context(trio.open_nursery())
         nursery.start_soon(server.message_loop)
         nursery.start_soon(server.tick_loop)
-        for drop_log in core.drop_logs:
+        for drop_log in (*core.drop_logs, server.relay.refused):
             nursery.start_soon(drop_log.run)
         if options.exit_when_finished:
             nursery.start_soon(server.end_when_finished, nursery.cancel_scope)
