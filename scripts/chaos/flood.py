@@ -2,6 +2,8 @@
 memory of the process listening (VmRSS from /proc) before, at its peak during, and after.
 
     uv run --no-sync python scripts/chaos/flood.py [--connections 100] [--hold 3]
+    uv run --no-sync python scripts/chaos/flood.py --attack health-checks [--connections 1]
+        [--hold 20] [--old-src OLD/packages]
 
 starts a tiny CPU run on loopback (`psyche-server run` and two `psyche-client train`, the second
 with a known blob port), waits for its first round, then for each attack measures a quiet window
@@ -12,6 +14,13 @@ of the same length first (same sitting, no attack) and prints a markdown table:
 * data server, before login: as the first, on the run's data port;
 * blob side channel (a client's): each claims a 64 KiB Noise handshake message (the largest its
   2-byte length can say; the listener takes at most 1 KiB before the handshake), or says nothing.
+
+`--attack health-checks` (issue 24, item 2) instead: `--connections` strangers log in with fresh
+keys and send well-formed 8 MiB HealthCheck frames (125,202 entries) one after the other for
+`--hold` seconds, logging in again with a new key whenever the server closes the connection. A
+watcher logged in beside them counts the states the server broadcasts (one per tick) and the
+steps the run advanced, in the quiet window and in the attack window; with `--old-src` (the
+`packages/` of an older checkout) the server runs that code, the clients this checkout's.
 
 Figures: MB of VmRSS before the window, its peak during it (VmHWM, reset through
 /proc/<pid>/clear_refs before the window), and after the sockets are closed and `settle` seconds
@@ -190,6 +199,144 @@ async def claim_flood(
     return result
 
 
+@dataclass
+class Ticks:
+    """What a logged-in watcher saw in a window: the states the server broadcast (one a tick)
+    and the steps the run advanced."""
+
+    seconds: float
+    states: int = 0
+    steps: int = 0
+    log_bytes: int = 0  # what the server's log grew by meanwhile
+
+    @property
+    def per_second(self) -> float:
+        return self.states / self.seconds
+
+    @property
+    def steps_per_minute(self) -> float:
+        return 60 * self.steps / self.seconds
+
+    def row(self) -> str:
+        return (
+            f"{self.per_second:.2f} ticks/s, {self.steps_per_minute:.1f} steps/min, "
+            f"log +{self.log_bytes:,} B"
+        )
+
+
+async def count_ticks(watcher: Any, seconds: float) -> Ticks:
+    """Count the states a logged-in `ProtocolClient` receives for `seconds` (one a tick, more
+    when messages change the state) and the steps the run advances meanwhile."""
+    ticks = Ticks(seconds)
+    first: int | None = None
+    with trio.move_on_after(seconds):
+        while True:
+            state = await watcher.next_coordinator()
+            watcher.received.clear()
+            ticks.states += 1
+            first = state.progress.step if first is None else first
+            ticks.steps = state.progress.step - first
+    return ticks
+
+
+async def logged_in_watcher(port: int, host: str = "127.0.0.1") -> Any:
+    """A stranger logged in with a fresh key (it never joins) that has received a state. Logged
+    in before an attack starts: a flood of logins from its own address would evict it while
+    its handshake is pending."""
+    from psyche.centralized.testing import ProtocolClient
+
+    watcher = await ProtocolClient.connect(f"{host}:{port}")
+    await watcher.next_coordinator()
+    return watcher
+
+
+@dataclass
+class Barrage:
+    """What a barrage of 8 MiB frames got: frames sent whole, logins (each a fresh key), and
+    the connections the server closed."""
+
+    frames: int = 0
+    logins: int = 0
+    closed_by_peer: int = 0
+
+
+async def health_check_barrage(
+    port: int, connections: int, hold: float, host: str = "127.0.0.1", max_logins: int = 20_000
+) -> Barrage:
+    """`connections` strangers sending 8 MiB HealthCheck frames back to back for `hold`
+    seconds, logging in again (a new key) whenever the server closes; at most `max_logins`."""
+    from psyche.centralized.testing import health_check_payload
+    from psyche.core.tcp import SERVER_MAX_FRAME_LENGTH, encode_else
+
+    frame = encode_else(health_check_payload(SERVER_MAX_FRAME_LENGTH - 1))
+    frame = len(frame).to_bytes(4, "big") + frame
+    result = Barrage()
+
+    async def attacker() -> None:
+        while result.logins < max_logins:
+            try:
+                stream = await trio.open_tcp_stream(host, port)
+            except OSError:
+                await trio.sleep(0.1)
+                continue
+            result.logins += 1
+            try:
+                async with stream:
+                    await _login(stream)
+                    while True:
+                        await stream.send_all(frame)
+                        result.frames += 1
+            except (OSError, trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError):
+                result.closed_by_peer += 1
+
+    with trio.move_on_after(hold):
+        async with trio.open_nursery() as nursery:
+            for _ in range(connections):
+                nursery.start_soon(attacker)
+    return result
+
+
+async def health_check_attack(
+    server_pid: int,
+    port: int,
+    connections: int,
+    hold: float,
+    settle: float,
+    server_log: Path | None = None,
+) -> tuple[Window, Ticks, Window, Ticks, Barrage]:
+    """A quiet window, then the barrage, each `hold` seconds with a watcher counting ticks
+    (and the bytes `server_log` grew by)."""
+    watcher = await logged_in_watcher(port)
+
+    def log_size() -> int:
+        return server_log.stat().st_size if server_log is not None else 0
+
+    async def count(seconds: float) -> Ticks:
+        size = log_size()
+        ticks = await count_ticks(watcher, seconds)
+        ticks.log_bytes = log_size() - size
+        return ticks
+
+    async def quiet() -> Ticks:
+        return await count(hold)
+
+    async def attack() -> tuple[Ticks, Barrage]:
+        barrage: list[Barrage] = []
+
+        async def run_barrage() -> None:
+            barrage.append(await health_check_barrage(port, connections, hold))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run_barrage)
+            ticks = await count(hold)
+        return ticks, barrage[0]
+
+    async with watcher:
+        quiet_window, quiet_ticks = await measure(server_pid, quiet, settle)
+        attack_window, (attack_ticks, barrage) = await measure(server_pid, attack, settle)
+    return quiet_window, quiet_ticks, attack_window, attack_ticks, barrage
+
+
 # ---- the standalone run --------------------------------------------------------------------
 
 
@@ -265,12 +412,41 @@ def table(rows: list[tuple[str, Window, Window, Flood]], connections: int) -> st
     return "\n".join(lines)
 
 
+def health_check_table(
+    quiet: Window,
+    quiet_ticks: Ticks,
+    window: Window,
+    ticks: Ticks,
+    barrage: Barrage,
+    *,
+    connections: int,
+    old: bool,
+) -> str:
+    return "\n".join(
+        [
+            "| 8 MiB HealthCheck frames | quiet: RSS before / peak / after (MB), ticks | "
+            "attack: RSS before / peak / after (MB), ticks | frames sent whole, logins |",
+            "|---|---|---|---|",
+            f"| {connections} stranger{'s' if connections > 1 else ''}, "
+            f"{'before (--old-src)' if old else 'after'} | {quiet.row()}, {quiet_ticks.row()} "
+            f"| {window.row()}, {ticks.row()} | {barrage.frames}, {barrage.logins} |",
+        ]
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--connections", type=int, default=100)
-    parser.add_argument("--hold", type=float, default=3.0, help="seconds each flood is held")
+    parser.add_argument("--attack", choices=("claims", "health-checks"), default="claims")
+    parser.add_argument("--connections", type=int, default=None, help="(100; health-checks: 1)")
+    parser.add_argument("--hold", type=float, default=None, help="seconds each flood (3; 20)")
     parser.add_argument("--settle", type=float, default=2.0, help="seconds after closing")
+    parser.add_argument("--old-src", type=Path, help="the packages/ the server runs instead")
     args = parser.parse_args()
+    health = args.attack == "health-checks"
+    connections = args.connections or (1 if health else 100)
+    hold = args.hold or (20.0 if health else 3.0)
+    from hostile_members import old_code_env  # the sibling script
+
     with tempfile.TemporaryDirectory(prefix="psyche-flood-") as tmp:
         work = Path(tmp)
         ports = {"coordinator": _free_port(), "data": _free_port(), "blob": _free_port()}
@@ -292,7 +468,7 @@ def main() -> int:
                 [sys.executable, "-m", "psyche.cli.server", "run",
                  "--state", str(work / "state.toml"), "--data-config", str(work / "data.toml"),
                  "--server-port", str(ports["coordinator"]), "--tui", "false"],
-                {},
+                old_code_env(args.old_src),
             )  # fmt: skip
             _wait_for(work / "server.log", r"serving run", 60)
             clients = []
@@ -308,10 +484,18 @@ def main() -> int:
                     )
                 )  # fmt: skip
             _wait_for(work / "server.log", r"-> RoundTrain", 240)
-            rows = trio.run(
-                attacks, server.pid, clients[1].pid, ports, args.connections, args.hold, args.settle
-            )
-            print(table(rows, args.connections))
+            if health:
+                found = trio.run(
+                    health_check_attack,
+                    server.pid, ports["coordinator"], connections, hold, args.settle,
+                    work / "server.log",
+                )  # fmt: skip
+                print(health_check_table(*found, connections=connections, old=bool(args.old_src)))
+            else:
+                rows = trio.run(
+                    attacks, server.pid, clients[1].pid, ports, connections, hold, args.settle
+                )
+                print(table(rows, connections))
             alive = all(p.poll() is None for p in procs)
             print(f"\nall processes still running after the floods: {alive}")
         finally:

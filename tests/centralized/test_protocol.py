@@ -14,10 +14,10 @@ from psyche.centralized.protocol import (
 )
 from psyche.coordinator import Witness, WitnessMetadata
 from psyche.coordinator.backend import OpportunisticData
-from psyche.coordinator.committee_selection import Committee, CommitteeProof
+from psyche.coordinator.committee_selection import Committee, CommitteeProof, WitnessProof
 from psyche.coordinator.model import Checkpoint, HubRepo, LLMTrainingDataLocation
 from psyche.coordinator.testing import integration_test_coordinator, simulated_identity
-from psyche.core.serde import PostcardError, from_bytes, to_bytes
+from psyche.core.serde import PostcardError, encode_varint, from_bytes, to_bytes
 from psyche.core.tcp import encode_else
 
 
@@ -123,3 +123,66 @@ def test_extensions_are_appended_variants() -> None:
 def test_malformed_client_messages_are_rejected(payload: bytes) -> None:
     with pytest.raises(PostcardError):
         from_bytes(payload, ClientToServerMessage)
+
+
+def test_each_message_kind_is_bounded_by_what_it_can_legitimately_hold() -> None:
+    """Issue 24: the server reads a message's variant and length before decoding it. Each
+    kind's limit is what its fullest honest message takes (a health check naming the run's
+    256 clients, a witness with full blooms and metadata, ...); one byte more is refused
+    unread, and the decoder itself refuses a longer health check before reading it."""
+    from psyche.centralized.protocol import (
+        CLIENT_FRAME_LIMIT,
+        CLIENT_MESSAGE_LIMITS,
+        MAX_JOIN_RUN_ID_LEN,
+        screen_client_message,
+    )
+    from psyche.coordinator.config import SOLANA_MAX_NUM_CLIENTS
+    from psyche.coordinator.run_state import MAX_TOKENS_TO_SEND, WitnessEvalResult
+    from psyche.core.bloom import WitnessBloom
+    from psyche.core.numeric import U64_MAX
+    from psyche.core.tcp import SERVER_MAX_FRAME_LENGTH, FrameTooLarge, TcpProtocolError
+
+    def encoded(message: ClientToServerMessage) -> bytes:
+        return to_bytes(message, ClientToServerMessage)
+
+    identity = simulated_identity(1)
+    proof = CommitteeProof(Committee.TieBreaker, U64_MAX, U64_MAX)
+    bloom = WitnessBloom([U64_MAX] * 8, [U64_MAX] * 16)
+    witness = Witness(WitnessProof(U64_MAX, U64_MAX, True), bloom, bloom)
+    metadata = WitnessMetadata(
+        step=2**32 - 1,
+        evals=[WitnessEvalResult("e" * 32, 1.0)] * 8,
+        prompt_results=[-(2**31)] * MAX_TOKENS_TO_SEND,
+        prompt_index=255,
+    )
+    fullest = {
+        ClientToServerMessage.Join: ClientToServerMessage.Join(JoinRun("r" * MAX_JOIN_RUN_ID_LEN)),
+        ClientToServerMessage.Witness: ClientToServerMessage.Witness(
+            OpportunisticData.WitnessStep((witness, metadata))
+        ),
+        ClientToServerMessage.HealthCheck: ClientToServerMessage.HealthCheck(
+            [(identity, proof)] * SOLANA_MAX_NUM_CLIENTS
+        ),
+        ClientToServerMessage.Checkpoint: ClientToServerMessage.Checkpoint(
+            Checkpoint.Hub(HubRepo("h" * 64, "v" * 64))
+        ),
+        ClientToServerMessage.ExtensionHello: ClientToServerMessage.ExtensionHello(
+            ExtensionHello(2**32 - 1)
+        ),
+        ClientToServerMessage.AnnounceEndpoint: ClientToServerMessage.AnnounceEndpoint(bytes(4096)),
+    }
+    for kind, message in fullest.items():
+        payload = encoded(message)
+        assert len(payload) == CLIENT_MESSAGE_LIMITS[kind.index], kind
+        assert screen_client_message(memoryview(payload)) is kind
+        with pytest.raises(FrameTooLarge, match=kind.variant_name):
+            screen_client_message(memoryview(payload + b"\x00"))
+    assert 1 + len(encoded(fullest[ClientToServerMessage.HealthCheck])) == CLIENT_FRAME_LIMIT
+    assert CLIENT_FRAME_LIMIT < SERVER_MAX_FRAME_LENGTH // 300  # about 22 KB against 8 MiB
+    with pytest.raises(TcpProtocolError, match="variant 9"):
+        screen_client_message(memoryview(b"\x09"))
+    # one entry more than the run can have clients: refused by its length, before any entry
+    too_many = bytearray(b"\x02")
+    encode_varint(SOLANA_MAX_NUM_CLIENTS + 1, too_many)
+    with pytest.raises(PostcardError, match="FixedVec is full"):
+        from_bytes(bytes(too_many), ClientToServerMessage)

@@ -37,6 +37,7 @@ from psyche.core.identity import SecretKey
 from psyche.core.tcp import (
     CHALLENGE_LENGTH,
     FramedStream,
+    LoginRefused,
     encode_challenge_response,
     encode_else,
     split_envelope,
@@ -54,17 +55,29 @@ def test_join_by_run_id_and_a_broadcast_every_tick() -> None:
         async with (
             open_server(quick_coordinator(init_min_clients=3), fast_options()) as server,
             await ProtocolClient.connect(addr(server)) as good,
+            await ProtocolClient.connect(addr(server)) as lost,
             await ProtocolClient.connect(addr(server)) as stranger,
         ):
             await good.join("test-run")
-            await stranger.join("another-run")
-            await eventually(lambda: len(server.core.pending_clients) == 1)
+            await lost.join("another-run")
+            # a Join for another run is answered: refused for good, and the connection closed
+            with trio.fail_after(10), pytest.raises(LoginRefused) as refused:
+                while True:
+                    await lost.receive()
+            assert refused.value.permanent
+            assert refused.value.reason == (
+                "unknown run id 'another-run': this server runs 'test-run'"
+            )
+            await eventually(lambda: lost.conn.identity not in server.connected_clients())
             assert list(server.core.pending_clients) == [good.identity]
+            with trio.move_on_after(0.1):  # the states sent meanwhile
+                while True:
+                    await good.receive()
             ticks = server.ticks
             states = [await good.next_coordinator() for _ in range(4)]
             assert server.ticks >= ticks + 3  # every tick broadcasts (0.05 s apart here)
             assert all(s.run_state is RunState.WaitingForMembers for s in states)
-            # the stranger gets broadcasts too (upstream sends to every connection)
+            # a connected stranger gets broadcasts too (upstream sends to every connection)
             assert (await stranger.next_coordinator()).run_id == "test-run"
 
     trio.run(main)
@@ -165,7 +178,7 @@ def test_hostile_connections_are_closed_and_the_others_keep_going() -> None:
                 encode_else(b"\x00\x02\xff\xfe"),  # not UTF-8
                 b"\x05",  # an unknown envelope variant
                 b"\x00\x01\x00",  # a second ChallengeResponse
-                encode_else(b"\x01\x01" + b"\x00" * 10),  # a truncated witness
+                encode_else(b"\x02" + b"\x00" * 30_000),  # longer than any health check
             ]
             for payload in hostile_frames:
                 framed = await raw_handshake(port)

@@ -8,25 +8,45 @@
   client receives one state per tick however many are sent;
 * a joined client cannot make the server resend endpoint records or run extras by repeating
   Join, ExtensionHello or AnnounceEndpoint: the records go out at most once per tick, the hello
-  is answered once per connection.
+  is answered once per connection;
+* (issue 24) a frame longer than any message a client can legitimately send is cut off at its
+  header, from a stranger or a member, and the run trains on; a login flood logs a bounded
+  number of lines; a Join for another run is refused with the reason.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import socket
+import struct
 
 import pytest
 import trio
 
 from psyche.centralized.client import BackendDisconnected, CentralizedBackend
-from psyche.centralized.protocol import ClientToServerMessage, ExtensionHello, ServerToClientMessage
-from psyche.centralized.server import open_server, who_may_join
-from psyche.centralized.testing import ProtocolClient, fast_options
+from psyche.centralized.protocol import (
+    CLIENT_FRAME_LIMIT,
+    CLIENT_MESSAGE_LIMITS,
+    ClientToServerMessage,
+    ExtensionHello,
+    ServerToClientMessage,
+)
+from psyche.centralized.server import CentralizedServer, open_server, who_may_join
+from psyche.centralized.testing import (
+    DummyTrainer,
+    ProtocolClient,
+    fast_options,
+    health_check_payload,
+)
 from psyche.coordinator.backend import OpportunisticData
 from psyche.coordinator.model import Checkpoint, HubRepo
+from psyche.coordinator.run_state import RunState
+from psyche.coordinator.server_core import JOIN_LOG_BURST
 from psyche.coordinator.testing import quick_coordinator, warmup_witness_for
+from psyche.core.cli import single_cause
 from psyche.core.identity import SecretKey
-from psyche.core.tcp import LoginRefused
+from psyche.core.tcp import SERVER_MAX_FRAME_LENGTH, ConnectionClosed, LoginRefused
 from psyche.network.discovery import sign_address_record
 from psyche.network.ticket import EndpointAddr, TransportAddr
 
@@ -178,5 +198,144 @@ def test_an_address_the_server_cannot_bind_is_named() -> None:
         with pytest.raises(ServerStartError, match=r"on 192\.0\.2\.1 \(--bind-address\) cannot"):
             async with open_server(quick_coordinator(), fast_options(host="192.0.2.1")):
                 pass
+
+    trio.run(main)
+
+
+# ---- issue 24: what one message may hold, what a login may log, a Join for another run ----------
+
+
+async def closed_unread(client: ProtocolClient) -> None:
+    """Read what the server sends until it closes the connection (within 10 s)."""
+    with trio.fail_after(10):
+        try:
+            while True:
+                await client.receive()
+        except (ConnectionClosed, trio.BrokenResourceError):
+            return
+
+
+def test_8_mib_health_checks_close_the_connection_unread_and_the_run_trains_on() -> None:
+    """Issue 24, item 2: a logged-in stranger, and a member, sending 8 MiB HealthCheck frames
+    (125,202 entries, ~1 s of decoding on the server's only thread before) are cut off at the
+    frame header, before the frame is received or decoded; the run trains on."""
+    attack = health_check_payload(SERVER_MAX_FRAME_LENGTH - 1)
+    assert len(attack) + 1 <= SERVER_MAX_FRAME_LENGTH  # a frame the transport's 8 MiB cap lets in
+    assert len(attack) > 100 * CLIENT_FRAME_LIMIT
+    # three join; the epoch goes on with two when the third is cut off
+    coordinator = quick_coordinator(init_min_clients=3, min_clients=2, epoch_time=60)
+
+    async def main() -> None:
+        async with open_server(coordinator, fast_options()) as server, trio.open_nursery() as n:
+            address = addr(server)
+            keys = [SecretKey.generate() for _ in range(3)]
+            honest = [await DummyTrainer.start(n, address, "test-run", key=k) for k in keys[:2]]
+            hostile = await DummyTrainer.start(n, address, "test-run", key=keys[2])
+            await eventually(lambda: server.coordinator.run_state is RunState.RoundTrain, 30)
+            assert len(server.coordinator.epoch_state.clients) == 3
+            stranger = await ProtocolClient.connect(address)
+            await stranger.next_coordinator()  # logged in
+            for sender in (stranger, hostile.client):
+                with contextlib.suppress(trio.BrokenResourceError, ConnectionClosed):
+                    await sender.send_payload(attack)  # the server may reset it midway
+            await closed_unread(stranger)
+            await eventually(lambda: hostile.closed_by_server)
+            # cut off at the header: nothing decoded, nothing reached the rules
+            assert server.tcp is not None and server.tcp.drops.counts["FrameTooLarge"] == 2
+            assert "HealthCheck from non-members" not in server.core.ignored.counts
+            assert "HealthCheck (too long)" not in server.core.rejected.counts
+            assert server.tcp.receiving_bytes == 0
+            # the run trains on: two more rounds, the honest ones in it
+            step = server.coordinator.progress.step
+            honest_ids = {t.identity for t in honest}
+            await eventually(
+                lambda: (
+                    server.coordinator.progress.step >= step + 2
+                    and honest_ids <= {c.id for c in server.coordinator.epoch_state.clients}
+                ),
+                60,
+            )
+            # a member's message longer than its kind can be closes its connection too
+            witness_sized = b"\x01" + bytes(CLIENT_MESSAGE_LIMITS[1])
+            await honest[0].client.send_payload(witness_sized)
+            await eventually(lambda: honest[0].closed_by_server)
+            assert server.tcp.drops.counts["FrameTooLarge"] == 3
+            n.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_a_login_flood_logs_a_bounded_number_of_lines(caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 24, item 8: 200 logins with fresh keys that join and leave (and reset their
+    connection, or first announce an endpoint record signed by another key), and 30 reconnects
+    of one key, log a few lines, not one or two per login."""
+    logins, reconnects = 200, 30
+    caplog.set_level(logging.INFO, logger="psyche")
+    other = SecretKey.generate()
+    not_its_own = sign_address_record(
+        other, EndpointAddr(other.public_key, [TransportAddr.BlobTcp("127.0.0.1:1")])
+    )
+
+    async def login(server: CentralizedServer, key: SecretKey, reset: bool) -> None:
+        client = await ProtocolClient.connect(addr(server), key)
+        await client.join("test-run")
+        await client.send(ClientToServerMessage.AnnounceEndpoint(not_its_own))
+        if reset:  # a reset, not a close: the server sees the connection fail
+            refused = server.relay.refused.counts["not its own"]
+            await eventually(lambda: server.relay.refused.counts["not its own"] > refused)
+            client.conn._framed._stream.socket.setsockopt(  # type: ignore[attr-defined]
+                socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+            )
+        await client.conn.aclose()
+
+    async def main() -> None:
+        options = fast_options(speed=1.0)
+        async with open_server(quick_coordinator(init_min_clients=500), options) as server:
+            address = addr(server)
+            caplog.clear()
+            with trio.fail_after(120):
+                for i in range(logins):
+                    await login(server, SecretKey.generate(), reset=i % 2 == 0)
+                key = SecretKey.generate()
+                clients = [await ProtocolClient.connect(address, key) for _ in range(reconnects)]
+                await eventually(lambda: server.core.joins.counts["added pending client"] == logins)
+                await eventually(lambda: not server.core.pending_clients)
+                for client in clients:
+                    await client.conn.aclose()
+            assert server.tcp is not None
+            assert server.tcp.drops.counts["replaced"] == reconnects - 1
+            assert server.relay.refused.counts["not its own"] == logins
+
+    trio.run(main)
+    lines = [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno >= logging.INFO and r.funcName != "connect"  # not the clients' own lines
+    ]
+    # at most a burst of each kind (8 joins, 1 of the others) before the interval's summary
+    assert len(lines) <= JOIN_LOG_BURST + 4, lines
+    assert sum("added pending client" in line for line in lines) == JOIN_LOG_BURST
+
+
+def test_a_join_for_another_run_is_refused_with_the_reason() -> None:
+    """Issue 24, item 11: a client with a wrong run id is told so (a `Refused` frame, for
+    good) and stops with that one line, instead of waiting forever."""
+
+    async def main() -> None:
+        async with open_server(quick_coordinator(), fast_options()) as server:
+            with trio.fail_after(30), pytest.raises(BaseException) as stopped:
+                async with CentralizedBackend.connect(
+                    addr(server), SecretKey.generate(), "tinny", reconnect_timeout=60
+                ) as backend:
+                    while True:
+                        await backend.wait_for_new_state()
+            failure = single_cause(stopped.value)
+            assert isinstance(failure, BackendDisconnected), failure
+            assert str(failure) == (
+                f"the coordinator at {addr(server)} refused this client: unknown run id "
+                "'tinny': this server runs 'test-run'"
+            )
+            assert not server.core.pending_clients
+            await eventually(lambda: not server.connected_clients())
 
     trio.run(main)

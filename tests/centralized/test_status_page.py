@@ -14,6 +14,7 @@ from typing import Any
 
 import trio
 
+from psyche.centralized.protocol import ClientToServerMessage
 from psyche.centralized.server import CentralizedServer, open_server
 from psyche.centralized.status_page import (
     MAX_REQUEST_BYTES,
@@ -25,11 +26,14 @@ from psyche.centralized.status_page import (
     status_json,
 )
 from psyche.centralized.testing import DummyTrainer, fast_options
-from psyche.coordinator.run_state import RunState
+from psyche.coordinator.backend import OpportunisticData
+from psyche.coordinator.committee_selection import WitnessProof
+from psyche.coordinator.run_state import RunState, Witness, WitnessMetadata
 from psyche.coordinator.testing import integration_test_coordinator
 from psyche.core.connection_limits import ConnectionLimits
 
 SPEED = 20.0
+ROUNDS = (RunState.RoundTrain, RunState.RoundWitness)
 
 
 async def http_get(port: int, path: str, raw: bytes | None = None) -> tuple[str, bytes]:
@@ -199,3 +203,63 @@ def test_the_page_in_a_headless_browser() -> None:
         assert page.by_id["run-state"] in ("RoundTrain", "RoundWitness", "Cooldown")
 
     trio.run(live_run, check)
+
+
+def test_a_member_cannot_rewrite_the_loss_curve() -> None:
+    """Issue 24, item 7: a member (training honestly besides) sends 200 Witness messages a round
+    with made-up steps and losses of +-1e30. The page shows only the witnesses the coordinator
+    accepted, at the step they were accepted in: every point is what the honest witnesses
+    reported (0.0), at a step the run has trained."""
+    coordinator = integration_test_coordinator(3, 4, 1)
+
+    async def spam(hostile: DummyTrainer) -> None:
+        """200 made-up witnesses in every round the hostile member sees."""
+        spammed: set[tuple[int, int]] = set()
+        while True:
+            await trio.sleep(0.01)
+            state = hostile.latest
+            current = None if state is None else state.current_round()
+            if state is None or current is None or state.run_state not in ROUNDS:
+                continue
+            if (state.progress.epoch, current.height) in spammed:
+                continue
+            spammed.add((state.progress.epoch, current.height))
+            for i in range(200):
+                fake = Witness(WitnessProof(position=i, index=i, witness=False))
+                made_up = WitnessMetadata(
+                    step=1000 + 7 * i, loss=1e30 if i % 2 else -1e30, tokens_per_sec=1e30
+                )
+                data = OpportunisticData.WitnessStep((fake, made_up))
+                await hostile.client.send(ClientToServerMessage.Witness(data))
+
+    async def main() -> None:
+        async with (
+            open_server(coordinator, fast_options(SPEED, init_warmup_time=20)) as server,
+            trio.open_nursery() as nursery,
+        ):
+            history = StatusHistory()
+            server.listeners.append(history)
+            _, port = await nursery.start(
+                partial(serve_status, partial(snapshot, server, history), "127.0.0.1", 0)
+            )
+            address = f"127.0.0.1:{server.port}"
+            trainers = [await DummyTrainer.start(nursery, address, "test-run") for _ in range(3)]
+            nursery.start_soon(spam, trainers[2])
+            with trio.fail_after(90):  # three rounds spammed, four measured
+                while server.core.rejected.counts["Witness (InvalidWitness)"] < 600:
+                    await trio.sleep(0.05)
+                while history.rounds_measured < 4:
+                    await trio.sleep(0.05)
+            status, body = await http_get(port, "/status.json")
+            assert status == "HTTP/1.0 200 OK"
+            doc = json.loads(body)
+            trained = server.coordinator.progress.step
+            curve = doc["loss_curve"]
+            assert curve and all(p["loss"] == 0.0 for p in curve), curve
+            assert all(p["step"] <= trained for p in curve), (curve, trained)
+            reports = [m["report"] for m in doc["members"] if m["report"] is not None]
+            assert reports and all(r["loss"] == 0.0 and r["step"] <= trained for r in reports)
+            assert all(r["tokens_per_sec"] < 1e30 for r in reports)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)

@@ -25,7 +25,7 @@ from psyche.core.identity import SecretKey
 from psyche.core.node_identity import NodeIdentity
 
 from ..processes import Processes, free_port
-from .conftest import DUMMY_STATE, exit_code, start_client
+from .conftest import DUMMY_STATE, command, exit_code, start_client, start_detached
 
 
 def test_client_says_it_waits_for_the_coordinator_then_gives_up_in_one_line(
@@ -194,3 +194,26 @@ def test_why_a_joined_client_is_not_training_yet(state) -> None:  # type: ignore
     state.epoch_state.clients = []
     state.run_state = RunState.Finished
     assert join_wait_message(state, me, 1) is None
+
+
+def test_a_wrong_run_id_ends_the_client_with_one_line(
+    processes: Processes, dummy_run: Path
+) -> None:
+    """Issue 24, item 11: `--run-id` naming a run the server does not serve. Before, the client
+    printed "joined run" and waited forever (only the server logged the unknown run)."""
+    port = free_port()
+    server = start_detached(
+        processes, "server",
+        [command("psyche-server"), "run", "--state", str(dummy_run / "state.toml"),
+         "--server-port", str(port), "--tui", "false"],
+    )  # fmt: skip
+    processes.wait_for(server, r"serving run 'cli-test'", 60)
+    client = start_client(processes, f"127.0.0.1:{port}", "--device", "cpu", run_id="cli-tset")
+    assert exit_code(client, 120) == 1, client.text()
+    text = client.text()
+    assert text.splitlines()[-1] == (
+        f"psyche-client: error: the coordinator at 127.0.0.1:{port} refused this client: "
+        "unknown run id 'cli-tset': this server runs 'cli-test'"
+    )
+    assert "Traceback" not in text and text.count("unknown run id") == 1
+    processes.wait_for(server, r"unknown run id 'cli-tset'", 10)

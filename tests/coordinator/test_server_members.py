@@ -350,3 +350,94 @@ def test_a_client_that_left_is_not_banned_by_a_later_health_check() -> None:
     assert [c for c, _ in checks] == [crashed]
     assert core.on_health_check(elected_witness(core), checks) is True
     assert not core.banned
+
+
+# ---- issue 24: a late witness is not a silent one; a banned member's Join is kept -------------
+
+
+def late_witness_epoch(core: ServerCore) -> tuple[NodeIdentity, OpportunisticData, int]:
+    """An epoch of A, B, C whose first round's elected witness sends its witness only after the
+    round ended (held back here: a loaded machine). Returns it, its witness, the time reached
+    (the run in Cooldown)."""
+    now = start_epoch(core, NOW, A, B, C)
+    late = elected_witness(core)
+    index = epoch_clients(core).index(late)
+    witness = round_witness_for(
+        core.coordinator, index, participants=[A, B, C], bloom_keys=range(8)
+    )
+    assert witness is not None
+    metadata = WitnessMetadata(step=core.coordinator.progress.step)
+    now = witness_round(core, now, silent=frozenset({late}))
+    assert core.coordinator.run_state is RunState.Cooldown
+    assert late in core.banned  # silent so far
+    return late, OpportunisticData.WitnessStep((witness, metadata)), now
+
+
+def test_a_witness_that_arrives_after_its_round_lifts_the_ban_and_the_run_goes_on() -> None:
+    """Issue 24, item 3: the round ended without a witness (every client withdrawn), then the
+    elected witness's message arrives. Before, it was banned and dropped from the pending set,
+    and a run that needs it waited forever with the client connected."""
+    core = started(clients=3)  # the next epoch needs all three
+    late, data, now = late_witness_epoch(core)
+    now = finish_epoch(core, now)  # it arrives even later: after the cooldown
+    core.on_witness(late, data, now, 1)
+    assert not core.banned and late not in core.ban_record
+    start_epoch(core, now)  # nobody joins again
+    assert core.coordinator.progress.epoch == 1
+    assert set(epoch_clients(core)) == {A, B, C}
+
+
+def test_a_witness_later_than_the_next_epochs_start_does_not_lift_the_ban() -> None:
+    core = started(clients=2)
+    late, data, now = late_witness_epoch(core)
+    now = start_epoch(core, finish_epoch(core, now))
+    assert late not in epoch_clients(core)
+    core.on_witness(late, data, now, 1)
+    assert late in core.banned
+
+
+def test_a_banned_witness_is_back_after_its_ban_without_joining_again() -> None:
+    """Issue 24, item 3: docs/centralized.md says a banned member's Join is kept; it was kicked
+    when the cooldown passed in one tick (a loaded server skips ticks), and a client that does
+    not know it was banned (it stays connected, joined) never came back."""
+    core = started(clients=2)
+    now = start_epoch(core, NOW, A, B, C)
+    silent = elected_witness(core)
+    step = core.coordinator.progress.step
+    while core.coordinator.progress.step == step:  # its round, one tick per phase
+        now += 10
+        core.on_tick(now, now)
+    assert core.coordinator.run_state is RunState.Cooldown and silent in core.banned
+    now += 10
+    core.on_tick(now, now)  # the whole cooldown in one tick
+    assert core.coordinator.run_state is RunState.WaitingForMembers
+    now = start_epoch(core, now)  # epoch 1: the others, without it
+    assert silent not in epoch_clients(core) and silent in core.pending_clients
+    while core.coordinator.run_state is not RunState.Cooldown:
+        now = witness_round(core, now)
+    start_epoch(core, finish_epoch(core, now))
+    assert core.coordinator.progress.epoch == 2 and silent in epoch_clients(core)
+
+
+def test_a_member_dropped_by_a_health_check_is_back_after_its_ban_without_joining_again() -> None:
+    core = started(clients=2)
+    dropped, now = health_check_epoch(core)
+    assert dropped in core.pending_clients  # its Join kept, not kicked
+    now = start_epoch(core, now)
+    assert dropped not in epoch_clients(core)
+    while core.coordinator.run_state is not RunState.Cooldown:
+        now = witness_round(core, now)
+    start_epoch(core, finish_epoch(core, now))
+    assert dropped in epoch_clients(core)
+
+
+def test_ban_epochs_zero_still_kicks_a_dropped_member_that_says_nothing() -> None:
+    core = started(clients=2, ban_epochs=0)
+    now = start_epoch(core, NOW, A, B, C)
+    idle = never_elected(core, now, 3)
+    while (round_ := core.coordinator.current_round()) is not None and round_.height < 2:
+        now = witness_round(core, now, silent=frozenset({idle}))
+    assert core.on_health_check(elected_witness(core), health_checks_for(core.coordinator))
+    now = witness_round(core, now)
+    core.on_tick(now + 1, 1)
+    assert idle not in core.pending_clients  # upstream's rule

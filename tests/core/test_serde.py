@@ -33,11 +33,13 @@ from psyche.core.serde import (
     SmallBool,
     from_bytes,
     from_obj,
+    max_encoded_size,
     struct,
     take_from_bytes,
     to_bytes,
     to_obj,
     variant,
+    varint_len,
 )
 
 
@@ -374,3 +376,34 @@ def test_corrupted_encodings_fail_cleanly(value: Everything, data: st.DataObject
     except PostcardError:
         return
     assert isinstance(decoded, Everything)
+
+
+@struct
+class _Fullest:
+    a: U8
+    b: U16
+    c: U64
+    d: I32
+    e: F32
+    f: Annotated[str, FixedStr(10)]
+    g: Annotated[list[U32], FixedVec(3)]
+    h: U64 | None
+    i: Annotated[bytes, FixedBytes(4)]
+    j: Annotated[list[I8], Array(2)]
+
+
+def test_max_encoded_size_is_what_the_fullest_value_takes() -> None:
+    """What a receiver may accept for a message before decoding it (issue 24): every integer at
+    its widest varint, every fixed container full, every option present."""
+    fullest = _Fullest(255, 65535, U64_MAX, -(2**31), 1.0, "x" * 10, [2**32 - 1] * 3, U64_MAX,
+                       b"abcd", [-1, -1])  # fmt: skip
+    assert max_encoded_size(_Fullest) == len(to_bytes(fullest))
+    small = _Fullest(0, 0, 0, 0, 0.0, "", [], None, bytes(4), [0, 0])
+    assert len(to_bytes(small)) < len(to_bytes(fullest))
+    for unbounded in (str, bytes, list[U8], tuple[U8, str]):
+        assert max_encoded_size(unbounded) is None
+    # a bloom filter states its own bound: its keys and words are fixed
+    bloom = Bloom[16, 8]
+    assert max_encoded_size(bloom) == len(to_bytes(bloom([U64_MAX] * 8, [U64_MAX] * 16)))
+    assert varint_len(0) == 1 and varint_len(127) == 1 and varint_len(128) == 2
+    assert varint_len(U64_MAX) == 10

@@ -11,7 +11,10 @@ extras. Against an upstream (Rust) server, which drops a connection on a message
 decode, it reconnects once without extensions and remembers that.
 
 When the server goes away, `wait_for_new_state` raises `BackendDisconnected` (upstream's client
-exits then). With `reconnect_timeout`, the backend instead keeps reconnecting for that long
+exits then). So it does, whatever `reconnect_timeout`, when the server refuses this client for
+good (`Refused`, permanent): a private run that does not list its key, or a Join for a run id
+the server does not serve ("the coordinator at HOST:PORT refused this client: unknown run id
+'x': this server runs 'tiny'"); retrying could only wait forever. With `reconnect_timeout`, the backend instead keeps reconnecting for that long
 (a restarted server resumes a saved run, see docs/centralized.md), joins again and carries on;
 messages sent while it is disconnected are dropped with a warning, since the coordinator they
 were meant for is gone. `rejoin` sends Join again when the run went on without this client.
@@ -322,9 +325,7 @@ class CentralizedBackend:
                 reason = describe_connect_error(e)
                 if isinstance(e, LoginRefused) and e.permanent:
                     # The same key will be refused again: say so now instead of retrying.
-                    raise BackendDisconnected(
-                        f"the coordinator at {self.server_addr} refused this client: {e.reason}"
-                    ) from None
+                    raise self._refused(e) from None
                 now = trio.current_time()
                 if now >= deadline:
                     raise BackendDisconnected(
@@ -400,6 +401,9 @@ class CentralizedBackend:
             except _CONNECTION_ERRORS as e:
                 self._conn = None
                 await conn.aclose()
+                if isinstance(e, LoginRefused) and e.permanent:
+                    self._fail(self._refused(e), say=False)  # the caller's one line says it
+                    return
                 if self.reconnect_timeout is None:
                     self._fail(BackendDisconnected(f"lost the coordinator server: {e}"))
                     return
@@ -445,12 +449,18 @@ class CentralizedBackend:
             log.info("%s", message)
         self._join_wait = message
 
+    def _refused(self, refusal: LoginRefused) -> BackendDisconnected:
+        return BackendDisconnected(
+            f"the coordinator at {self.server_addr} refused this client: {refusal.reason}"
+        )
+
     def _wake(self) -> None:
         self._changed.set()
         self._changed = trio.Event()
 
-    def _fail(self, failure: BackendDisconnected) -> None:
-        log.error("%s", failure)
+    def _fail(self, failure: BackendDisconnected, *, say: bool = True) -> None:
+        if say:
+            log.error("%s", failure)
         self._failure = failure
         self._wake()
 

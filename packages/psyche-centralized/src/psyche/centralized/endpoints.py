@@ -4,7 +4,8 @@ Each client announces its self-signed address record (`psyche.network.discovery`
 keeps the newest valid one per connected client and sends every extension-aware client that has
 joined the run the records of the run's other joined clients. A record must be signed by the
 connection's own key (the client's p2p identity in a centralized run), so no client can announce
-an address for another.
+an address for another. A refused record is logged through a `DropLog` (any logged-in key can
+send them).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import logging
 
 from psyche.centralized.protocol import MAX_ENDPOINT_RECORD_LEN
+from psyche.core.connection_limits import DropLog
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +35,7 @@ class EndpointRelay:
         self._records: dict[bytes, bytes] = {}
         self._aware: set[bytes] = set()
         self._joined: dict[bytes, None] = {}
+        self.refused = DropLog(log, "endpoint records refused")
 
     def mark_aware(self, client: bytes) -> None:
         self._aware.add(client)
@@ -46,10 +49,14 @@ class EndpointRelay:
     def announce(self, client: bytes, record: bytes) -> bool:
         """Store `client`'s record; False (and logged) when it is refused or unchanged."""
         if len(record) > MAX_ENDPOINT_RECORD_LEN:
-            log.warning("endpoint record of %d bytes from %s refused", len(record), client.hex())
+            self.refused.note(
+                "too long", f"endpoint record of {len(record)} bytes from {client.hex()} refused"
+            )
             return False
         if record_signer(record) != client:
-            log.warning("endpoint record from %s is not signed by it; refused", client.hex())
+            self.refused.note(
+                "not its own", f"endpoint record from {client.hex()} is not signed by it; refused"
+            )
             return False
         if self._records.get(client) == record:
             return False

@@ -21,22 +21,46 @@ Port extensions are appended variants (higher indices), which a Rust peer cannot
 * server to client `Relays(addrs)` (3): the circuit relays the server hosts for the run's
   members (`psyche.network.relay`, multiaddrs ending in `/p2p/<relay id>`); sent just before
   `RunExtras`, so a client knows them before it opens its network.
+
+What a client may send is bounded by what each message can legitimately hold
+(`CLIENT_MESSAGE_LIMITS`, from the types' capacities: the run's most clients for a health
+check, the bloom filters' sizes for a witness, ...). The largest is a health check naming all
+256 clients, about 22 KB: `CLIENT_FRAME_LIMIT`, the server's frame cap, far below the
+transport's 8 MiB default. `screen_client_message` reads a frame's variant and checks its
+length against its limit before anything is decoded; `MEMBER_VARIANTS` are the messages only a
+member of the run's epoch is heard for, which the server drops unread from anyone else.
 """
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from psyche.coordinator.backend import OpportunisticData
 from psyche.coordinator.committee_selection import CommitteeProof
+from psyche.coordinator.config import SOLANA_MAX_NUM_CLIENTS
 from psyche.coordinator.coordinator import Coordinator as _Coordinator
 from psyche.coordinator.model import Checkpoint as _Checkpoint
 from psyche.coordinator.model import LLMTrainingDataLocation
 from psyche.core.node_identity import NodeIdentity
-from psyche.core.serde import U32, DataEnum, struct, variant
-from psyche.core.tcp import PostcardCodec
+from psyche.core.serde import (
+    U32,
+    DataEnum,
+    FixedVec,
+    PostcardError,
+    decode_varint,
+    max_encoded_size,
+    struct,
+    variant,
+    varint_len,
+)
+from psyche.core.tcp import FrameTooLarge, PostcardCodec, TcpProtocolError
 
 EXTENSIONS_VERSION = 1
 # A self-signed endpoint record is a few hundred bytes; anything far larger is refused.
 MAX_ENDPOINT_RECORD_LEN = 4096
+# A run id is at most 32 bytes (SOLANA_RUN_ID_MAX_LEN); a Join naming a longer one is still
+# read, up to this, so that its sender hears "unknown run" rather than a closed connection.
+MAX_JOIN_RUN_ID_LEN = 1024
 
 
 @struct(frozen=True)
@@ -61,7 +85,11 @@ class RunExtras:
 class ClientToServerMessage(DataEnum):
     Join = variant(JoinRun)
     Witness = variant(OpportunisticData)
-    HealthCheck = variant(list[tuple[NodeIdentity, CommitteeProof]])
+    # A FixedVec is a sequence on the wire (upstream's Vec): the capacity only makes the
+    # decoder refuse a longer list before reading it.
+    HealthCheck = variant(
+        Annotated[list[tuple[NodeIdentity, CommitteeProof]], FixedVec(SOLANA_MAX_NUM_CLIENTS)]
+    )
     Checkpoint = variant(_Checkpoint)
     # Port extensions (see the module docstring).
     ExtensionHello = variant(ExtensionHello)
@@ -83,16 +111,76 @@ EXTENSION_SERVER_VARIANTS = 1
 CLIENT_TO_SERVER_CODEC: PostcardCodec[ClientToServerMessage] = PostcardCodec(ClientToServerMessage)
 SERVER_TO_CLIENT_CODEC: PostcardCodec[ServerToClientMessage] = PostcardCodec(ServerToClientMessage)
 
+
+def _client_message_limits() -> dict[int, int]:
+    """Per variant index, the most bytes of a client's message (tag and body)."""
+    bodies: dict[type[DataEnum], int | None] = {
+        kind: max_encoded_size(kind.resolved_payload_type())
+        for kind in ClientToServerMessage.variants
+    }
+    # The two bodies of unbounded types, bounded by what they legitimately carry.
+    bodies[ClientToServerMessage.Join] = varint_len(MAX_JOIN_RUN_ID_LEN) + MAX_JOIN_RUN_ID_LEN
+    bodies[ClientToServerMessage.AnnounceEndpoint] = (
+        varint_len(MAX_ENDPOINT_RECORD_LEN) + MAX_ENDPOINT_RECORD_LEN
+    )
+    limits = {}
+    for kind, body in bodies.items():
+        if body is None:  # a new message type must say what bounds it
+            raise TypeError(f"{kind.variant_name} has no size bound")
+        limits[kind.index] = varint_len(kind.index) + body
+    return limits
+
+
+CLIENT_MESSAGE_LIMITS: dict[int, int] = _client_message_limits()
+"""The most bytes each client-to-server message (by variant index) can legitimately take."""
+CLIENT_FRAME_LIMIT = 1 + max(CLIENT_MESSAGE_LIMITS.values())
+"""The server's frame cap: the largest message in its `Else` envelope (one tag byte)."""
+MEMBER_VARIANTS = frozenset(
+    v.index
+    for v in (
+        ClientToServerMessage.Witness,
+        ClientToServerMessage.HealthCheck,
+        ClientToServerMessage.Checkpoint,
+    )
+)
+"""Messages only a client of the run's current epoch is heard for."""
+
+
+def screen_client_message(payload: memoryview) -> type[DataEnum]:
+    """The variant of a client's message (its `Else` payload), read without decoding it;
+    raises `FrameTooLarge` when the message is longer than its variant can be, and
+    `TcpProtocolError` for an unknown variant. Both close the sender's connection."""
+    try:
+        index, _ = decode_varint(payload, 0, 32)
+    except PostcardError as e:
+        raise TcpProtocolError(f"bad message variant: {e}") from None
+    limit = CLIENT_MESSAGE_LIMITS.get(index)
+    if limit is None:
+        raise TcpProtocolError(f"invalid client-to-server message variant {index}")
+    kind = ClientToServerMessage.variants[index]
+    if len(payload) > limit:
+        raise FrameTooLarge(
+            f"a {kind.variant_name} message of {len(payload)} bytes (at most {limit} "
+            "can be legitimate)"
+        )
+    return kind
+
+
 __all__ = [
+    "CLIENT_FRAME_LIMIT",
+    "CLIENT_MESSAGE_LIMITS",
     "CLIENT_TO_SERVER_CODEC",
     "EXTENSIONS_VERSION",
     "EXTENSION_CLIENT_VARIANTS",
     "EXTENSION_SERVER_VARIANTS",
     "MAX_ENDPOINT_RECORD_LEN",
+    "MAX_JOIN_RUN_ID_LEN",
+    "MEMBER_VARIANTS",
     "SERVER_TO_CLIENT_CODEC",
     "ClientToServerMessage",
     "ExtensionHello",
     "JoinRun",
     "RunExtras",
     "ServerToClientMessage",
+    "screen_client_message",
 ]

@@ -29,8 +29,12 @@ the coordinator rejects is logged and ignored. A port that cannot be listened on
 `ServerStartError` naming which of the two ports it is.
 
 Strangers get nothing (see `psyche.coordinator.server_core` and docs/centralized.md): a private run
-(`authorized_keys`) refuses other keys right after their handshake; messages from non-members
-are dropped unheard; nothing a client sends makes the server send more than a bounded amount:
+(`authorized_keys`) refuses other keys right after their handshake; a Join for another run is
+answered with a refusal that says so, and the connection closed; every message is screened
+before it is decoded (`screen`): a frame longer than the largest message a client can
+legitimately send (`protocol.CLIENT_FRAME_LIMIT`, about 22 KB) or than its own kind allows
+closes the connection, and a non-member's Witness, HealthCheck or Checkpoint is dropped unread;
+nothing a client sends makes the server send more than a bounded amount:
 the peers' endpoint records go out at most once per tick, an extension hello is answered once
 per connection, and a state broadcast follows only a message that changed the state.
 """
@@ -52,15 +56,17 @@ import trio
 
 from psyche.centralized.endpoints import EndpointRelay
 from psyche.centralized.protocol import (
+    CLIENT_FRAME_LIMIT,
     CLIENT_TO_SERVER_CODEC,
+    MEMBER_VARIANTS,
     SERVER_TO_CLIENT_CODEC,
     ClientToServerMessage,
     JoinRun,
     RunExtras,
     ServerToClientMessage,
+    screen_client_message,
 )
 from psyche.centralized.save_state import save_state
-from psyche.coordinator.backend import OpportunisticData
 from psyche.coordinator.coordinator import Coordinator
 from psyche.coordinator.model import Checkpoint, HubRepo, LLMTrainingDataLocation
 from psyche.coordinator.run_state import RunState
@@ -68,7 +74,6 @@ from psyche.coordinator.server_core import DEFAULT_BAN_EPOCHS, ServerCore, TickO
 from psyche.core.allowlist import AllowDynamic
 from psyche.core.node_identity import NodeIdentity
 from psyche.core.tcp import (
-    SERVER_MAX_FRAME_LENGTH,
     Disconnected,
     Message,
     TcpServer,
@@ -116,7 +121,8 @@ class ServerOptions:
     withdraw_on_disconnect: bool = True
     tick_interval: float = TICK_INTERVAL
     data_server_host: str | None = None
-    max_receive_frame: int = SERVER_MAX_FRAME_LENGTH
+    # The largest frame a client may send: its largest legitimate message (upstream: 8 MiB).
+    max_receive_frame: int = CLIENT_FRAME_LIMIT
     # Whole unix seconds and round seeds; replaceable for tests.
     clock: Callable[[], int] = field(default=lambda: int(time.time()))
     random_u64: Callable[[], int] = field(default=lambda: secrets.randbits(64))
@@ -230,8 +236,9 @@ class CentralizedServer:
         self._endpoints_dirty = False
         self._greeted: set[bytes] = set()
         # Who watches the run (the status page, trackers): `state_changed(server)` after every
-        # change and `witness(sender, metadata)` for each witness's statistics. Called on the
-        # server's loop; they must return at once.
+        # change and `witness(sender, step, metadata)` for the statistics of each witness the
+        # coordinator accepted, reported for the current step `step` (nothing else a member
+        # sends reaches them). Called on the server's loop; they must return at once.
         self.listeners: list[Any] = []
 
     @property
@@ -314,6 +321,19 @@ class CentralizedServer:
 
     # -- events
 
+    def screen(self, client: bytes, payload: memoryview) -> bool:
+        """The transport's `Screen`, before a message is decoded: a message longer than its
+        kind can legitimately be, or of no known kind, closes the connection (raises); a
+        Witness, HealthCheck or Checkpoint from a key the run does not hear (no client of the
+        current epoch) is dropped unread and counted. True: decode it."""
+        variant = screen_client_message(payload)
+        if variant.index in MEMBER_VARIANTS:
+            sender = NodeIdentity.from_single_key(client)
+            if not self.core.hears(sender):
+                self.core.ignore_non_member(sender, variant.variant_name)
+                return False
+        return True
+
     def tick(self) -> TickOutcome:
         self.ticks += 1
         if self._endpoints_dirty:
@@ -338,6 +358,11 @@ class CentralizedServer:
         match message:
             case ClientToServerMessage.Join(JoinRun(run_id)):
                 core.on_join(sender, run_id)
+                unknown = core.unknown_run(run_id)
+                if unknown is not None and self.tcp is not None:
+                    # It would wait forever for a run that is not here: say so, and close.
+                    self.tcp.refuse(client, unknown, permanent=True)
+                    return
                 if sender in core.pending_clients and not self.relay.is_joined(client):
                     self.relay.join(client)
                     self._endpoints_dirty = True
@@ -345,10 +370,10 @@ class CentralizedServer:
                 broadcast = core.on_witness(
                     sender, data, self.options.clock(), self.options.random_u64()
                 )
-                match data:
-                    case OpportunisticData.WitnessStep((_, metadata)) if member:
-                        for listener in self.listeners:
-                            listener.witness(sender, metadata)
+                if core.accepted_witness is not None:  # only what the coordinator accepted
+                    _, step, metadata = core.accepted_witness
+                    for listener in self.listeners:
+                        listener.witness(sender, step, metadata)
             case ClientToServerMessage.HealthCheck(checks):
                 broadcast = core.on_health_check(sender, checks)
             case ClientToServerMessage.Checkpoint(checkpoint):
@@ -546,6 +571,7 @@ async def open_server(
                     host=options.host,
                     port=options.port,
                     max_receive_frame=options.max_receive_frame,
+                    screen=server.screen,
                     # a private run refuses other keys right after their handshake
                     allowlist=(
                         None
@@ -573,8 +599,8 @@ async def open_server(
         nursery = await stack.enter_async_context(trio.open_nursery())
         nursery.start_soon(server.message_loop)
         nursery.start_soon(server.tick_loop)
-        nursery.start_soon(core.ignored.run)
-        nursery.start_soon(core.rejected.run)
+        for drop_log in (*core.drop_logs, server.relay.refused):
+            nursery.start_soon(drop_log.run)
         if options.exit_when_finished:
             nursery.start_soon(server.end_when_finished, nursery.cancel_scope)
         log.info(

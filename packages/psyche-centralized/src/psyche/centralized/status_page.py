@@ -4,9 +4,11 @@ HTML page at `/` (rendered here, no JavaScript; it reloads itself with a meta re
 Three layers, each with one job:
 
 * `StatusHistory` listens to the server (`CentralizedServer.listeners`): it measures round
-  durations (from one RoundTrain to the next) and keeps what each member reported in its
-  witness metadata (loss, tokens/s, bandwidth, evaluation scores), and the run's loss curve
-  (the mean of the members' reported losses, per step). Bounded: at most `MAX_POINTS` steps.
+  durations (from one RoundTrain to the next) and keeps what each member reported in the
+  metadata of its witnesses (loss, tokens/s, bandwidth, evaluation scores), and the run's loss
+  curve (the median of the reported losses, per step). It hears only witnesses the coordinator
+  accepted, at the step they were accepted in (one per member and round), so a member cannot
+  add points, steps or outliers by sending more. Bounded: at most `MAX_POINTS` steps.
 * `snapshot(server, history)` copies what a page shows into a `StatusSnapshot`;
   `status_json` and `render_html` are pure functions of a snapshot.
 * `serve_status` is the HTTP shell: HTTP/1.0 `GET` only, one request per connection, the
@@ -22,6 +24,7 @@ import html
 import json
 import logging
 import math
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable
@@ -95,10 +98,12 @@ class StatusHistory:
         elif coordinator.run_state not in (RunState.RoundWitness, RunState.RoundTrain):
             self._round_start = None
 
-    def witness(self, sender: NodeIdentity, metadata: WitnessMetadata) -> None:
+    def witness(self, sender: NodeIdentity, step: int, metadata: WitnessMetadata) -> None:
+        """A witness the coordinator accepted at `step` (the current step), and what its sender
+        reported with it."""
         loss = float(metadata.loss) if math.isfinite(metadata.loss) else None
         self.reports[str(sender)] = MemberReport(
-            step=int(metadata.step),
+            step=step,
             loss=loss,
             tokens_per_sec=float(metadata.tokens_per_sec),
             bandwidth_per_sec=float(metadata.bandwidth_per_sec),
@@ -106,7 +111,7 @@ class StatusHistory:
             at=time.time(),
         )
         if loss is not None:
-            self._step_losses.setdefault(int(metadata.step), []).append(loss)
+            self._step_losses.setdefault(step, []).append(loss)
             while len(self._step_losses) > MAX_POINTS:
                 del self._step_losses[min(self._step_losses)]
 
@@ -114,8 +119,9 @@ class StatusHistory:
         return self._clock() - self.started
 
     def loss_curve(self) -> list[tuple[int, float]]:
-        """(step, mean of the losses members reported with that step's witnesses)."""
-        return [(s, sum(v) / len(v)) for s, v in sorted(self._step_losses.items())]
+        """(step, median of the losses members reported with that step's accepted witnesses:
+        one member lying among three cannot move it)."""
+        return [(s, statistics.median(v)) for s, v in sorted(self._step_losses.items())]
 
 
 # --------------------------------------------------------------------------------------------

@@ -4,11 +4,15 @@ coordinators they serve and the witnesses they send come from `psyche.coordinato
 * `fast_options`: server options whose clock runs `speed` times faster than the wall clock (all
   coordinator timings are whole "seconds" of that clock), on loopback, ticking accordingly;
 * `ProtocolClient`: a client that speaks the raw protocol (no training): join, send any
-  message, read what the server sends;
+  message (or any frame payload, for hostile tests), read what the server sends;
+  `health_check_payload` is such a payload: a well-formed HealthCheck of any size;
 * `DummyTrainer`: a protocol client that behaves like upstream's dummy-training client (no
   model): a warmup witness `warmup_delay` seconds into every warmup (upstream's clients first
   load the model and wait for each other), and, when elected witness, a round witness naming
-  every current client, sent `training_delay` seconds into the round.
+  every current client, sent `training_delay` seconds into the round (or, `late`, only once
+  the round is over: a witness delayed past its round). It reports the step as real clients
+  do (the coordinator's `progress.step`), and stops quietly when the server closes its
+  connection (`closed_by_server`).
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ from psyche.coordinator.run_state import RunState, WitnessMetadata
 from psyche.coordinator.testing import round_witness_for, warmup_witness_for
 from psyche.core.identity import SecretKey
 from psyche.core.node_identity import NodeIdentity
-from psyche.core.tcp import TcpClient
+from psyche.core.serde import encode_varint
+from psyche.core.tcp import ConnectionClosed, TcpClient
 
 
 def fast_options(speed: float = 10.0, **options: Any) -> ServerOptions:
@@ -48,6 +53,18 @@ def fast_options(speed: float = 10.0, **options: Any) -> ServerOptions:
     }
     defaults.update(options)
     return ServerOptions(**defaults)
+
+
+def health_check_payload(size: int) -> bytes:
+    """A well-formed HealthCheck message of about `size` bytes (at most): its variant, its
+    length and entries of an identity and a committee proof (67 bytes each). At 8 MiB it is
+    issue 24's attack: 125,202 entries that the server used to decode before it looked at who
+    sent them."""
+    entry = bytes(range(64)) + b"\x00\x01\x01"
+    count = (size - 2 - 10) // len(entry)
+    header = bytearray([ClientToServerMessage.HealthCheck.index])
+    encode_varint(count, header)
+    return bytes(header) + entry * count
 
 
 class ProtocolClient:
@@ -76,6 +93,10 @@ class ProtocolClient:
     async def send(self, message: ClientToServerMessage) -> None:
         await self.conn.send(message)
 
+    async def send_payload(self, payload: bytes) -> None:
+        """Any bytes as a message (its `Else` envelope added): what a hostile client sends."""
+        await self.conn.send_encoded(payload)
+
     async def join(self, run_id: str) -> None:
         await self.send(ClientToServerMessage.Join(JoinRun(run_id)))
 
@@ -99,19 +120,30 @@ class ProtocolClient:
                     return state
 
 
+_ROUND_STATES = (RunState.RoundTrain, RunState.RoundWitness)
+
+
 class DummyTrainer:
     """Runs a `ProtocolClient` as an honest client without a model; use inside a nursery:
     `trainer = await DummyTrainer.start(nursery, address, run_id)`; `stop()` drops it."""
 
     def __init__(
-        self, client: ProtocolClient, run_id: str, training_delay: float, warmup_delay: float
+        self,
+        client: ProtocolClient,
+        run_id: str,
+        training_delay: float,
+        warmup_delay: float,
+        late: bool = False,
     ) -> None:
         self.client = client
         self.run_id = run_id
         self.training_delay = training_delay
         self.warmup_delay = warmup_delay
+        self.late = late
         self.latest: Coordinator | None = None
         self.sent: list[tuple[str, int, int]] = []  # (kind, epoch, height)
+        self.closed_by_server = False
+        self._held: tuple[tuple[int, int], OpportunisticData] | None = None  # a late witness
         self._scope = trio.CancelScope()
 
     @property
@@ -128,9 +160,10 @@ class DummyTrainer:
         key: Any = None,
         training_delay: float = 0.0,
         warmup_delay: float = 0.0,
+        late: bool = False,
     ) -> DummyTrainer:
         client = await ProtocolClient.connect(address, key)
-        trainer = cls(client, run_id, training_delay, warmup_delay)
+        trainer = cls(client, run_id, training_delay, warmup_delay, late)
         await client.join(run_id)
         nursery.start_soon(trainer._run)
         return trainer
@@ -144,7 +177,11 @@ class DummyTrainer:
             try:
                 async with trio.open_nursery() as nursery:
                     while True:
-                        state = await self.client.next_coordinator()
+                        try:
+                            state = await self.client.next_coordinator()
+                        except (ConnectionClosed, trio.BrokenResourceError):
+                            self.closed_by_server = True
+                            return
                         self.latest = state
                         self._react(state, nursery)
             finally:
@@ -158,19 +195,24 @@ class DummyTrainer:
         return None
 
     def _react(self, state: Coordinator, nursery: trio.Nursery) -> None:
-        index = self._my_index(state)
-        if index is None:
-            return
         epoch = state.progress.epoch
         current = state.current_round()
         height = current.height if current is not None else 0
+        if self._held is not None and (
+            self._held[0] != (epoch, height) or state.run_state not in _ROUND_STATES
+        ):  # its round is over: the late witness goes now
+            nursery.start_soon(self._send, self._held[1], 0.0)
+            self._held = None
+        index = self._my_index(state)
+        if index is None:
+            return
         if state.run_state is RunState.Warmup:
             key = ("warmup", epoch, 0)
             if key not in self.sent:
                 self.sent.append(key)
                 data = OpportunisticData.WarmupStep(warmup_witness_for(index))
                 nursery.start_soon(self._send, data, self.warmup_delay)
-        elif state.run_state in (RunState.RoundTrain, RunState.RoundWitness):
+        elif state.run_state in _ROUND_STATES:
             key = ("witness", epoch, height)
             if key in self.sent:
                 return
@@ -180,8 +222,12 @@ class DummyTrainer:
                 state, index, participants=participants, bloom_keys=range(8)
             )
             if witness is not None:
-                data = OpportunisticData.WitnessStep((witness, WitnessMetadata(step=height)))
-                nursery.start_soon(self._send, data, self.training_delay)
+                metadata = WitnessMetadata(step=state.progress.step)
+                data = OpportunisticData.WitnessStep((witness, metadata))
+                if self.late:
+                    self._held = ((epoch, height), data)
+                else:
+                    nursery.start_soon(self._send, data, self.training_delay)
 
     async def _send(self, data: OpportunisticData, delay: float) -> None:
         await trio.sleep(delay)
@@ -189,4 +235,4 @@ class DummyTrainer:
             await self.client.send(ClientToServerMessage.Witness(data))
 
 
-__all__ = ["DummyTrainer", "ProtocolClient", "fast_options"]
+__all__ = ["DummyTrainer", "ProtocolClient", "fast_options", "health_check_payload"]

@@ -92,8 +92,8 @@ class InProcessServer:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:  # type: ignore[name-defined]
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self.core.ignored.run)
-                nursery.start_soon(self.core.rejected.run)
+                for drop_log in self.core.drop_logs:
+                    nursery.start_soon(drop_log.run)
                 task_status.started()
                 while True:
                     self.tick()

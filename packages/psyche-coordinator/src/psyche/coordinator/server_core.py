@@ -22,14 +22,23 @@ Beyond upstream (docs/centralized.md, "Members, strangers and non-delivering mem
   Checkpoint is broadcast only when it changed the run's checkpoint. Ignored and rejected
   messages are logged through a `DropLog` (one line per kind, then one summary per interval);
 * a private run (`authorized` keys) refuses every other key's Join;
+* a Join for another run is refused (`unknown_run`: the server tells the client and closes);
 * a member dropped for not delivering (by a health check, or elected witness of a round that
   ended without any witness while it stayed connected and silent) is barred from the next
   `ban_epochs` epochs, twice as many as its last ban when it offends again soon after one (up to
   `MAX_BAN_EPOCHS`): its Join is kept, but it is left out of the clients the coordinator
-  starts an epoch with. A client that disconnected during the epoch is never barred (a crash
-  or a restart is not a refusal to deliver), nor one the coordinator withdrew with the others;
+  starts an epoch with, and it is back after the ban without doing anything. A client that
+  disconnected during the epoch is never barred (a crash or a restart is not a refusal to
+  deliver), nor one the coordinator withdrew with the others. A witness cannot say when it was
+  sent (upstream's message carries no time), so one that arrives after its round ended, before
+  the next epoch starts (the cooldown and the wait for members: a loaded machine or network
+  delays messages, it does not lose them), lifts the ban its silence earned;
 * a client that left the epoch and sends Join again is pending again (upstream undid that Join
-  on every tick, so a dropped client that stayed connected never came back).
+  on every tick, so a dropped client that stayed connected never came back);
+* what a member reports with its witness (loss, throughput: `accepted_witness`) counts only
+  for a witness the coordinator accepted, reported for the current step;
+* every log line a peer's message causes goes through a `DropLog` (at most a few lines per kind
+  and interval), so no flood of logins or messages floods the log.
 """
 
 from __future__ import annotations
@@ -44,7 +53,13 @@ from psyche.coordinator.coordinator import Coordinator
 from psyche.coordinator.errors import CoordinatorError, CoordinatorErrorKind, CoordinatorPanic
 from psyche.coordinator.model import Checkpoint
 from psyche.coordinator.resume import prepare_for_start, resume_snapshot
-from psyche.coordinator.run_state import ClientState, HealthChecks, RunState, TickResult
+from psyche.coordinator.run_state import (
+    ClientState,
+    HealthChecks,
+    RunState,
+    TickResult,
+    WitnessMetadata,
+)
 from psyche.core.connection_limits import DropLog
 from psyche.core.node_identity import NodeIdentity
 
@@ -53,6 +68,8 @@ log = logging.getLogger(__name__)
 # Epochs a member dropped for not delivering sits out (`--ban-epochs`; 0: upstream's rules).
 DEFAULT_BAN_EPOCHS = 1
 _ROUND_STATES = (RunState.RoundTrain, RunState.RoundWitness)
+# Joins logged in detail per interval; more are summed up (a run's clients joining together fit).
+JOIN_LOG_BURST = 8
 
 
 @dataclass(frozen=True)
@@ -111,6 +128,12 @@ class ServerCore:
     ignored: DropLog = field(default_factory=lambda: DropLog(log, "messages ignored"))
     # Messages the coordinator refused (late or invalid witnesses, ...), by kind.
     rejected: DropLog = field(default_factory=lambda: DropLog(log, "messages rejected"))
+    # Joins (any key that logs in may send one).
+    joins: DropLog = field(default_factory=lambda: DropLog(log, "joins", burst=JOIN_LOG_BURST))
+    # The witness the latest `on_witness` had the coordinator accept, reported for the step it
+    # was accepted in: (sender, step, metadata); None when it accepted none (for the status
+    # page: nothing else a member sends reaches it).
+    accepted_witness: tuple[NodeIdentity, int, WitnessMetadata] | None = None
     # The coordinator's refusal of the latest event (None: it accepted, or the event never
     # reached it). The server only logs refusals; a driver that reports them to its caller (the
     # simulation in `psyche.coordinator.testing`) reads them here.
@@ -120,6 +143,9 @@ class ServerCore:
     _witness_senders: set[NodeIdentity] = field(default_factory=set)
     _epoch: tuple[int, int] | None = None
     _disconnected: set[NodeIdentity] = field(default_factory=set)
+    # Banned as silent witnesses of the round that just ended, until the next epoch starts:
+    # the step, and the ban record each had before (restored if its witness arrives late).
+    _unheard: dict[NodeIdentity, tuple[int, Ban | None]] = field(default_factory=dict)
 
     @classmethod
     def start(
@@ -152,16 +178,39 @@ class ServerCore:
         """Whether `key` may join: anyone in an open run, the listed keys in a private one."""
         return self.authorized is None or bytes(key) in self.authorized
 
+    def unknown_run(self, run_id: str) -> str | None:
+        """Why a Join naming `run_id` is refused (this server serves another run), or None."""
+        if run_id == self.coordinator.run_id:
+            return None
+        shown = run_id if len(run_id) <= 64 else run_id[:64] + "..."
+        return f"unknown run id {shown!r}: this server runs {self.coordinator.run_id!r}"
+
+    @property
+    def drop_logs(self) -> tuple[DropLog, ...]:
+        """The rate-limited logs whose `run` a shell keeps running (their summary lines)."""
+        return (self.ignored, self.rejected, self.joins)
+
+    def hears(self, sender: NodeIdentity) -> bool:
+        """Whether a Witness, HealthCheck or Checkpoint from `sender` reaches these rules: a
+        client of the current epoch, or a witness banned as silent whose late witness would
+        lift its ban (`_heard_late`). A shell may drop the others' messages unread."""
+        return sender in self._unheard or self.client_index(sender) is not None
+
+    def ignore_non_member(self, sender: NodeIdentity, what: str) -> None:
+        """Count (and log, rate-limited) a `what` message from a key that is no client of the
+        current epoch, dropped unheard (here, or unread by the server: `protocol`)."""
+        self.ignored.note(
+            f"{what} from non-members",
+            f"ignoring a {what} from {sender}: not a client of the run's current epoch "
+            "(more are counted and summed up once per interval)",
+        )
+
     def _member(self, sender: NodeIdentity, what: str) -> int | None:
         """`sender`'s index among the epoch's clients; None (and counted) for a non-member,
         whose message is then dropped unheard."""
         index = self.client_index(sender)
         if index is None:
-            self.ignored.note(
-                f"{what} from non-members",
-                f"ignoring a {what} from {sender}: not a client of the run's current epoch "
-                "(more are counted and summed up once per interval)",
-            )
+            self.ignore_non_member(sender, what)
         return index
 
     # -- events ---------------------------------------------------------------------------------
@@ -172,11 +221,10 @@ class ServerCore:
         client that left the epoch unhealthy (dropped, withdrawn): it asks to come back, so its
         Join is kept (`rejoinable`) instead of being kicked with its old one."""
         self.refusal = None
-        if run_id != self.coordinator.run_id:
+        unknown = self.unknown_run(run_id)
+        if unknown is not None:
             self.ignored.note(
-                "Join for another run",
-                f"{sender} tried to join unknown run {run_id!r}",
-                logging.INFO,
+                "Join for another run", f"refusing the Join of {sender}: {unknown}", logging.INFO
             )
             return False
         if not self.is_authorized(sender.signer):
@@ -193,21 +241,23 @@ class ServerCore:
         if sender not in self.pending_clients:
             self.pending_clients[sender] = None
             ban = self.banned.get(sender)
-            if ban is None:
-                log.info("added pending client %s", sender)
-            else:
-                log.info(
-                    "added pending client %s; it sits out the epochs before %d (%s)",
-                    sender,
-                    ban.until_epoch,
-                    ban.reason,
-                )
+            sits_out = (
+                ""
+                if ban is None
+                else f"; it sits out the epochs before {ban.until_epoch} ({ban.reason})"
+            )
+            self.joins.note(
+                "added pending client", f"added pending client {sender}{sits_out}", logging.INFO
+            )
         return False
 
     def on_witness(
         self, sender: NodeIdentity, data: OpportunisticData, now: int, random_seed: int
     ) -> bool:
         self.refusal = None
+        self.accepted_witness = None
+        if sender in self._unheard:
+            self._heard_late(sender)
         if self._member(sender, "Witness") is None:
             return False
         before = self.coordinator.run_state
@@ -218,8 +268,12 @@ class ServerCore:
             match data:
                 case OpportunisticData.WitnessStep((witness, metadata)):
                     self.coordinator.witness(sender, witness, now)
-                    if math.isfinite(metadata.loss):
-                        self.last_reported_loss = float(metadata.loss)
+                    step = self.coordinator.progress.step
+                    # What it reports counts for the step it witnessed, and only that one.
+                    if metadata.step == step:
+                        self.accepted_witness = (sender, step, metadata)
+                        if math.isfinite(metadata.loss):
+                            self.last_reported_loss = float(metadata.loss)
                 case OpportunisticData.WarmupStep(witness):
                     self.coordinator.warmup_witness(sender, witness, now, random_seed)
         except CoordinatorError as e:
@@ -261,7 +315,8 @@ class ServerCore:
             self.refusal = e
             log.error("health check from %s would crash upstream's server; ignored: %s", sender, e)
             return False
-        log.info("Dropped %d clients from health check", dropped)
+        if dropped:  # at most once per client and epoch: an empty check logs nothing
+            log.info("Dropped %d clients from health check", dropped)
         for client in clients:
             if client.id in healthy and client.state is ClientState.Dropped:
                 self._ban(client.id, f"dropped by a health check from {sender}")
@@ -324,6 +379,8 @@ class ServerCore:
         finally:
             self._track_round()
         self._forgive_mass_withdrawal(silent)
+        if self.coordinator.run_state not in (RunState.Cooldown, RunState.WaitingForMembers):
+            self._unheard.clear()  # the next epoch started: too late to be heard
         match result:
             case TickResult.EpochEnd(success):
                 if not success:
@@ -340,8 +397,10 @@ class ServerCore:
         again), one that sent Join again after it left (a dropped client asking to come back:
         upstream kicked that Join too, so only a restart brought it back), and clients the
         coordinator withdrew all at once because a round had no witness (still connected and
-        blameless, they were all kicked and the run never started again). A client dropped by a
-        health check that stays connected and says nothing is still kicked, as upstream.
+        blameless, they were all kicked and the run never started again). A banned member is
+        exempt too (`_ban`: its Join is kept while it sits out). Without bans (`ban_epochs` 0),
+        a client dropped by a health check that stays connected and says nothing is still
+        kicked, as upstream.
         """
         epoch_state = self.coordinator.epoch_state
         # Forget the exemption once the client is a healthy member of an epoch again.
@@ -356,7 +415,8 @@ class ServerCore:
     def _forgive_mass_withdrawal(self, silent: list[NodeIdentity]) -> None:
         """A round without witnesses ends the epoch by withdrawing every client (upstream).
         The others are forgiven; the witnesses that kept silent (`silent`, taken before the
-        tick) are banned instead."""
+        tick) are banned instead, unless their witness arrives before the next epoch starts
+        (`_heard_late`). Everyone's Join is kept."""
         coordinator = self.coordinator
         clients = coordinator.epoch_state.clients
         if (
@@ -366,10 +426,27 @@ class ServerCore:
         ):
             step = coordinator.progress.step - 1
             for identity in silent:
-                self._ban(identity, f"elected witness of step {step}, it sent no witness")
-            self.rejoinable |= {
-                c.id for c in clients if c.id in self.pending_clients and c.id not in silent
-            }
+                before = self.ban_record.get(identity)
+                if self._ban(identity, f"elected witness of step {step}, it sent no witness"):
+                    self._unheard[identity] = (step, before)
+            self.rejoinable |= {c.id for c in clients if c.id in self.pending_clients}
+
+    def _heard_late(self, identity: NodeIdentity) -> None:
+        """A witness from a member banned as silent, arriving after its round ended but before
+        the next epoch: it was late, not silent (a loaded machine, a slow link), so the ban is
+        lifted and its earlier ban record restored."""
+        step, before = self._unheard.pop(identity)
+        self.banned.pop(identity, None)
+        if before is None:
+            self.ban_record.pop(identity, None)
+        else:
+            self.ban_record[identity] = before
+        log.info(
+            "%s's witness of step %d arrived after its round ended: it was late, not silent; "
+            "its ban is lifted",
+            identity,
+            step,
+        )
 
     # -- members that do not deliver ------------------------------------------------------------
 
@@ -398,23 +475,26 @@ class ServerCore:
             and selection.get_witness(index).witness
         ]
 
-    def _ban(self, identity: NodeIdentity, reason: str) -> None:
+    def _ban(self, identity: NodeIdentity, reason: str) -> bool:
         """Bar `identity` from the next `ban_epochs` epochs, or from twice as many as its last
         ban when it offends again soon after that one (`Ban.remembered_until`), up to
         `MAX_BAN_EPOCHS`: a member that keeps failing to deliver costs the run an epoch now
-        and then, less and less often, instead of every other epoch. One ban per epoch."""
+        and then, less and less often, instead of every other epoch. One ban per epoch. Its
+        Join is kept (it is back after the ban by itself). Whether it was banned now."""
         if self.ban_epochs == 0 or identity in self._disconnected:
-            return  # upstream's rules; or a client that left (a crash is no refusal to deliver)
+            return False  # upstream's rules; or a client that left (a crash is no refusal)
         epoch = self.coordinator.progress.epoch
         last = self.ban_record.get(identity)
         if last is not None and last.epoch == epoch:
-            return  # banned already for what it did in this epoch
+            return False  # banned already for what it did in this epoch
         again = last is not None and epoch < last.remembered_until
         epochs = self.ban_epochs
         if last is not None and again:
             epochs = min(max(last.epochs * 2, epochs), MAX_BAN_EPOCHS)
         ban = Ban(epoch, epochs, reason)
         self.banned[identity] = self.ban_record[identity] = ban
+        if identity in self.pending_clients:
+            self.rejoinable.add(identity)
         log.warning(
             "%s did not deliver (%s): left out of the run's epochs before %d (%d epoch%s%s)",
             identity,
@@ -424,6 +504,7 @@ class ServerCore:
             "" if epochs == 1 else "s",
             "; it did so again soon after its last ban" if again else "",
         )
+        return True
 
     def admissible_pending(self) -> list[NodeIdentity]:
         """The pending clients an epoch may start with: banned ones are left out, unless the
@@ -478,4 +559,11 @@ class ServerCore:
         return resume_snapshot(self.coordinator, self.original_warmup_time)
 
 
-__all__ = ["DEFAULT_BAN_EPOCHS", "MAX_BAN_EPOCHS", "Ban", "ServerCore", "TickOutcome"]
+__all__ = [
+    "DEFAULT_BAN_EPOCHS",
+    "JOIN_LOG_BURST",
+    "MAX_BAN_EPOCHS",
+    "Ban",
+    "ServerCore",
+    "TickOutcome",
+]

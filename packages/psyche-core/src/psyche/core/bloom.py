@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
 from psyche.core.constants import BITVEC_LSB0, BLOOM_MAX_PRINT_BITS, FNV_PRIME
 from psyche.core.numeric import U64_MAX, saturating_cast_unsigned
-from psyche.core.serde import U8, U64, Array, SerdeProxy, struct
+from psyche.core.serde import U8, U64, Array, SerdeProxy, struct, to_bytes
 
 _LANE_BITS = 128  # every key hashes in its own 128-bit lane of one big integer
 
@@ -265,6 +265,13 @@ class Bloom(SerdeProxy):
                 data=self.words,
             ),
         )
+
+    @classmethod
+    def max_postcard_size(cls) -> int:
+        """The most postcard bytes a bloom of this size takes (every key and word at its
+        widest): what a receiver may accept for one before decoding it
+        (`psyche.core.serde.max_encoded_size`)."""
+        return len(to_bytes(cls([U64_MAX] * cls.num_keys, [U64_MAX] * cls.num_words)))
 
     @classmethod
     def from_serde_proxy(cls, proxy: Any) -> Bloom:

@@ -84,27 +84,33 @@ class ConnectionLimits:
 
 
 class DropLog:
-    """Logs refused and dropped connections without letting a flood flood the log.
+    """Logs what peers make a server do (refused and dropped connections, ignored messages,
+    joins) without letting a flood flood the log: every line a remote peer can cause goes
+    through one.
 
-    The first drop of each kind in an interval is logged with its detail; the rest are counted
-    and reported in one line when the interval ends (`run` must be running for that)."""
+    The first `burst` events of each kind in an interval are logged with their detail; the rest
+    are counted and reported in one line when the interval ends (`run` must be running for
+    that). So a kind costs at most `burst` + 1 lines per interval, however many peers cause it."""
 
-    def __init__(self, logger: logging.Logger, what: str, interval: float = 10.0) -> None:
+    def __init__(
+        self, logger: logging.Logger, what: str, interval: float = 10.0, *, burst: int = 1
+    ) -> None:
         self._logger = logger
         self._what = what
         self.interval = interval
+        self.burst = burst
         self.counts: Counter[str] = Counter()
-        """Every drop so far, by kind (for tests and figures)."""
+        """Every event so far, by kind (for tests and figures)."""
         self._suppressed: Counter[str] = Counter()
-        self._seen: set[str] = set()
+        self._seen: Counter[str] = Counter()
         self._started = trio.Event()
 
     def note(self, kind: str, detail: str, level: int = logging.WARNING) -> None:
         self.counts[kind] += 1
-        if kind in self._seen:
+        if self._seen[kind] >= self.burst:
             self._suppressed[kind] += 1
             return
-        self._seen.add(kind)
+        self._seen[kind] += 1
         self._logger.log(level, "%s", detail)
         self._started.set()
 

@@ -10,9 +10,10 @@ Used by the centralized coordinator and by the TCP data server. Wire format, as 
   `SignedMessage<[u8; 32]>` of them (`from` 32 bytes ‖ varint 32 ‖ challenge ‖ 64-byte ed25519
   signature = 129 bytes); the connection's identity is the signer's public key.
 * port extension: a server that refuses an authenticated key (a private run's list, or its
-  connection caps) sends one last frame, tag 2 `Refused{permanent: u8, reason: UTF-8}`, before
-  it closes, so the client can say why instead of retrying blindly. An upstream client reads it
-  as an unknown variant and drops the connection, which the server closes anyway.
+  connection caps), or what it asked for later (`TcpServer.refuse`: a Join for a run the
+  server does not serve), sends one last frame, tag 2 `Refused{permanent: u8, reason: UTF-8}`,
+  before it closes, so the client can say why instead of retrying blindly. An upstream client
+  reads it as an unknown variant and drops the connection, which the server closes anyway.
 
 The envelope enums are written by hand (a varint tag, then the payload) rather than as serde
 enums over `T`, because payloads go through a pluggable `Codec`: the data server encodes its
@@ -24,7 +25,8 @@ a late second `ChallengeResponse` or a handshake that times out closes that one 
 is logged (at most one line per kind and interval, `limits.DropLog`), and the server keeps
 serving everyone else. Nothing a peer sends makes the server allocate more than the bytes that
 actually arrive, and `ConnectionLimits` bounds how many connections, bytes and seconds peers
-can make it hold (see `TcpServer`).
+can make it hold (see `TcpServer`). A server whose messages have known bounds also screens
+each frame before decoding it (`Screen`: its variant, its length, who sent it).
 """
 
 from __future__ import annotations
@@ -127,6 +129,17 @@ def decode_refused(payload: memoryview) -> LoginRefused:
         raise TcpProtocolError("malformed Refused frame")
     reason = bytes(payload[1:]).decode(errors="replace")
     return LoginRefused(reason, permanent=bool(payload[0]))
+
+
+class Screen(Protocol):
+    """Looks at a logged-in client's message before it is decoded (the server's rules of who
+    may send what, and how much of it).
+
+    Returns whether to decode the message (False: it is dropped unread); raises
+    `TcpProtocolError` (or ValueError) to close the connection. Called on the server's loop
+    for every message, so it must be cheap: the variant tag and the length, not the body."""
+
+    def __call__(self, client: bytes, payload: memoryview) -> bool: ...
 
 
 class Codec(Protocol[T]):
@@ -366,6 +379,13 @@ class FramedStream:
             finally:
                 self.sending, self.last_sent = False, trio.current_time()
 
+    async def send_eof(self) -> None:
+        """Half-close: the peer reads what was sent, then the end of the stream (a close with
+        unread input would reset the connection, and the peer could lose the last frame)."""
+        async with self._send_lock:
+            if isinstance(self._stream, trio.abc.HalfCloseableStream):
+                await self._stream.send_eof()
+
     async def aclose(self) -> None:
         self._frame = None
         self._release()
@@ -445,9 +465,12 @@ class IdleTimeout(TcpProtocolError):
 @dataclass(eq=False)
 class _Connection:
     client: bytes
-    outbox: trio.MemorySendChannel[bytes]
+    # Frames to send; None: the last one was a refusal, close after it.
+    outbox: trio.MemorySendChannel[bytes | None]
     cancel_scope: trio.CancelScope
     queued_bytes: int = 0
+    # Refused (`TcpServer.refuse`): what the client still sends is read and dropped.
+    refused: bool = False
 
 
 class TcpServer(Generic[ToServer, ToClient]):
@@ -461,6 +484,7 @@ class TcpServer(Generic[ToServer, ToClient]):
     frames up to `max_receive_frame` arrive within the frame timeout into buffers that grow with
     the bytes received (large frames within a budget shared by all connections), replies
     queue up to `max_queued_bytes`, and a connection idle both ways or not reading is closed.
+    With a `screen`, every message is screened before it is decoded (`Screen`).
     """
 
     def __init__(
@@ -474,12 +498,14 @@ class TcpServer(Generic[ToServer, ToClient]):
         limits: ConnectionLimits,
         events_buffer: int,
         allowlist: Allowlist | None = None,
+        screen: Screen | None = None,
     ) -> None:
         self._nursery = nursery
         self._to_server = to_server
         self._to_client = to_client
         # Keys allowed to log in (None: any key that proves it holds itself).
         self.allowlist = allowlist
+        self.screen = screen
         self._max_receive_frame = max_receive_frame
         self.max_send_frame = max_send_frame
         self.limits = limits
@@ -506,6 +532,7 @@ class TcpServer(Generic[ToServer, ToClient]):
         limits: ConnectionLimits | None = None,
         events_buffer: int = 256,
         allowlist: Allowlist | None = None,
+        screen: Screen | None = None,
     ) -> AsyncIterator[TcpServer[ToServer, ToClient]]:
         async with trio.open_nursery() as nursery:
             server = cls(
@@ -517,6 +544,7 @@ class TcpServer(Generic[ToServer, ToClient]):
                 limits=limits or ConnectionLimits(),
                 events_buffer=events_buffer,
                 allowlist=allowlist,
+                screen=screen,
             )
             listeners = await trio.open_tcp_listeners(port, host=host)
             sockname = listeners[0].socket.getsockname()
@@ -581,6 +609,18 @@ class TcpServer(Generic[ToServer, ToClient]):
         for connection in list(self._clients.values()):
             self._enqueue(connection, payload)
 
+    def refuse(self, client: bytes, reason: str, *, permanent: bool) -> None:
+        """Send `client` one last `Refused` frame saying why (at most `MAX_REFUSED_REASON`
+        bytes of it), then close its connection; what it sends meanwhile is dropped unread.
+        Nothing happens for an unknown client or one refused already. The caller logs."""
+        connection = self._clients.get(client)
+        if connection is None or connection.refused:
+            return
+        connection.refused = True
+        self._enqueue(connection, encode_refused(reason, permanent=permanent))
+        with contextlib.suppress(trio.WouldBlock, trio.ClosedResourceError):
+            connection.outbox.send_nowait(None)
+
     def _enqueue(self, connection: _Connection, payload: bytes) -> None:
         limit = self.limits.max_queued_bytes
         if connection.queued_bytes and connection.queued_bytes + len(payload) > limit:
@@ -629,15 +669,17 @@ class TcpServer(Generic[ToServer, ToClient]):
             replacing = client in self._clients
             with self._admission.established_connection(address, replacing=replacing):
                 framed.max_receive_frame = self._max_receive_frame
-                outbox, inbox = trio.open_memory_channel[bytes](limits.max_queued_frames)
+                outbox, inbox = trio.open_memory_channel[bytes | None](limits.max_queued_frames)
                 with trio.CancelScope() as scope:
                     connection = _Connection(client, outbox, scope)
                     old = self._clients.get(client)
                     if old is not None:
                         # One connection per key: the old one is closed (upstream left it open).
-                        log.info(
-                            "client %s reconnected; the new connection replaces the old",
-                            client.hex(),
+                        self.drops.note(
+                            "replaced",
+                            f"client {client.hex()} reconnected; the new connection replaces "
+                            "the old",
+                            logging.INFO,
                         )
                         old.cancel_scope.cancel()
                     self._clients[client] = connection
@@ -658,7 +700,7 @@ class TcpServer(Generic[ToServer, ToClient]):
             self.drops.note(kind, f"dropping connection from {who}: {e}")
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
             who = connection.client.hex() if connection else peer
-            log.info("connection from %s ended: %s", who, e)
+            self.drops.note("ended", f"connection from {who} ended: {e}", logging.INFO)
         except Exception:
             # A codec bug must not take the whole server down with it.
             who = connection.client.hex() if connection else peer
@@ -705,7 +747,7 @@ class TcpServer(Generic[ToServer, ToClient]):
         self,
         framed: FramedStream,
         connection: _Connection,
-        inbox: trio.MemoryReceiveChannel[bytes],
+        inbox: trio.MemoryReceiveChannel[bytes | None],
     ) -> None:
         """Read and write until either side fails; re-raise the first error unwrapped."""
         errors: list[Exception] = []
@@ -720,7 +762,7 @@ class TcpServer(Generic[ToServer, ToClient]):
 
             nursery.start_soon(guard, self._write_loop, framed, connection, inbox)
             nursery.start_soon(guard, self._watch, framed, self.limits)
-            await guard(self._read_loop, framed, connection.client)
+            await guard(self._read_loop, framed, connection)
         if errors:
             error = errors[0]
             errors.clear()
@@ -731,7 +773,8 @@ class TcpServer(Generic[ToServer, ToClient]):
                 # buffers, referenced from the traceback, are freed as soon as it is handled.
                 del error
 
-    async def _read_loop(self, framed: FramedStream, client: bytes) -> None:
+    async def _read_loop(self, framed: FramedStream, connection: _Connection) -> None:
+        client = connection.client
         while True:
             frame = await framed.receive()
             if frame is None:
@@ -741,15 +784,27 @@ class TcpServer(Generic[ToServer, ToClient]):
                 raise TcpProtocolError("Unexpected challenge message")
             if tag != ELSE:
                 raise TcpProtocolError(f"invalid client-to-server variant {tag}")
+            if connection.refused:
+                continue  # it is being told why it is closed: nothing more is heard
+            if self.screen is not None and not self.screen(client, payload):
+                continue  # dropped unread (the screen counted it)
             message = self._to_server.decode(payload)
             await self._events_send.send(Message(client, message))
 
     @staticmethod
     async def _write_loop(
-        framed: FramedStream, connection: _Connection, inbox: trio.MemoryReceiveChannel[bytes]
+        framed: FramedStream,
+        connection: _Connection,
+        inbox: trio.MemoryReceiveChannel[bytes | None],
     ) -> None:
         async with inbox:
             async for payload in inbox:
+                if payload is None:
+                    # The refusal before it is sent: let the client read it, then close (the
+                    # read loop ends the connection at once when the client closes first).
+                    await framed.send_eof()
+                    await trio.sleep(REFUSED_SEND_TIMEOUT)
+                    return
                 connection.queued_bytes -= len(payload)  # in flight now: no longer queued
                 await framed.send(payload)
 
@@ -827,7 +882,11 @@ class TcpClient(Generic[ToServer, ToClient]):
         return cls(framed, bytes(secret_key.public_key), to_server, to_client)
 
     async def send(self, message: ToServer) -> None:
-        payload = encode_else(self._to_server.encode(message))
+        await self.send_encoded(self._to_server.encode(message))
+
+    async def send_encoded(self, body: bytes) -> None:
+        """A message already encoded (its codec's bytes, any bytes in a hostile test)."""
+        payload = encode_else(body)
         try:
             await self._framed.send(payload)
         except (trio.BrokenResourceError, trio.ClosedResourceError) as e:
@@ -884,6 +943,7 @@ __all__ = [
     "LoginRefused",
     "Message",
     "PostcardCodec",
+    "Screen",
     "SendStalled",
     "TcpClient",
     "TcpProtocolError",

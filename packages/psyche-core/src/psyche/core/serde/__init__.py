@@ -9,9 +9,11 @@ from psyche.core.serde.postcard import (
     decode_varint,
     encode_varint,
     from_bytes,
+    max_encoded_size,
     prepare_decoder,
     take_from_bytes,
     to_bytes,
+    varint_len,
 )
 from psyche.core.serde.schema import (
     F32,
@@ -63,11 +65,13 @@ __all__ = [
     "format_path",
     "from_bytes",
     "from_obj",
+    "max_encoded_size",
     "prepare_decoder",
     "struct",
     "take_from_bytes",
     "to_bytes",
     "to_obj",
     "variant",
+    "varint_len",
     "wire_type",
 ]

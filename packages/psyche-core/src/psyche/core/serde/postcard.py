@@ -13,6 +13,7 @@ import struct
 from typing import Any, TypeVar, overload
 
 from psyche.core.fixed import fixed_str_from_bytes, fixed_str_serialize
+from psyche.core.serde import schema as w
 from psyche.core.serde.codec import BinaryCodec, Decoder, Encoder
 from psyche.core.serde.schema import IntMarker, wire_type
 
@@ -48,6 +49,11 @@ def decode_varint(buf: memoryview, pos: int, bits: int) -> tuple[int, int]:
             return result, pos
         shift += 7
     raise PostcardError(f"varint longer than {max_bytes} bytes for a {bits}-bit integer")
+
+
+def varint_len(value: int) -> int:
+    """How many bytes `encode_varint(value)` writes."""
+    return max(1, (value.bit_length() + 6) // 7)
 
 
 def _zigzag(value: int, bits: int) -> int:
@@ -181,3 +187,67 @@ def from_bytes(data: bytes | bytearray | memoryview, tp: Any, *, borrow: bool = 
     """Decode a value that must use all of `data` (stricter than Rust's `from_bytes`, which ignores
     trailing bytes; use `take_from_bytes` for that behaviour). `borrow` as in `take_from_bytes`."""
     return POSTCARD.from_bytes(data, tp, borrow=borrow)
+
+
+def max_encoded_size(tp: Any) -> int | None:
+    """The most bytes an honest encoder writes for a value of `tp`, or None when nothing bounds
+    it (a `String`, `Vec` or `Vec<u8>` without a capacity).
+
+    What a receiver may accept before decoding a message: every integer at its widest varint,
+    every `FixedString`/`FixedVec` full, every option present, every enum at its largest
+    variant. A custom type (`SerdeProxy`) whose proxy has unbounded parts states its own bound
+    with a classmethod `max_postcard_size()` (a bloom filter: its keys and words are fixed)."""
+    return _max_size(wire_type(tp), set())
+
+
+def _max_size(wt: w.WireType, visiting: set[int]) -> int | None:
+    if id(wt) in visiting:
+        return None  # a type that contains itself has no bound
+    visiting.add(id(wt))
+    try:
+        return _max_size_of(wt, visiting)
+    finally:
+        visiting.discard(id(wt))
+
+
+def _max_size_of(wt: w.WireType, visiting: set[int]) -> int | None:
+    def total(parts: list[w.WireType]) -> int | None:
+        sizes = [_max_size(p, visiting) for p in parts]
+        return None if any(s is None for s in sizes) else sum(s for s in sizes if s is not None)
+
+    if isinstance(wt, w.WInt):
+        return 1 if wt.marker.bits == 8 else varint_len((1 << wt.marker.bits) - 1)
+    if isinstance(wt, w.WFloat):
+        return wt.bits // 8
+    if isinstance(wt, w.WBool | w.WSmallBool):
+        return 1
+    if isinstance(wt, w.WStr):
+        return None if wt.capacity is None else varint_len(wt.capacity) + wt.capacity
+    if isinstance(wt, w.WBytes):
+        return wt.length
+    if isinstance(wt, w.WOption):
+        inner = _max_size(wt.inner, visiting)
+        return None if inner is None else 1 + inner
+    if isinstance(wt, w.WSeq):
+        item = _max_size(wt.item, visiting)
+        if wt.capacity is None or item is None:
+            return None
+        return varint_len(wt.capacity) + wt.capacity * item
+    if isinstance(wt, w.WArray):
+        item = _max_size(wt.item, visiting)
+        return None if item is None else wt.length * item
+    if isinstance(wt, w.WTuple):
+        return total(list(wt.items))
+    if isinstance(wt, w.WStruct):
+        return total([f for _, f in wt.fields])
+    if isinstance(wt, w.WUnitEnum):
+        return varint_len(max(len(wt.cls) - 1, 0))
+    if isinstance(wt, w.WDataEnum):
+        payloads = [0 if p is None else _max_size(p, visiting) for _, p in wt.variants]
+        if any(p is None for p in payloads):
+            return None
+        return varint_len(max(len(payloads) - 1, 0)) + max((p or 0 for p in payloads), default=0)
+    if isinstance(wt, w.WProxy):
+        own = getattr(wt.cls, "max_postcard_size", None)
+        return int(own()) if own is not None else _max_size(wt.proxy, visiting)
+    raise TypeError(f"no postcard size bound for {wt!r}")

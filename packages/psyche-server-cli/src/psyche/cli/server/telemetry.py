@@ -62,5 +62,5 @@ class ServerTracker:
             metrics[names.ROUND_DURATION_SECONDS] = durations[-1][1]
         self.tracker.log(metrics, coordinator.progress.step)
 
-    def witness(self, sender: Any, metadata: Any) -> None:
+    def witness(self, sender: Any, step: int, metadata: Any) -> None:
         pass
