@@ -141,6 +141,18 @@ def test_groups_hold_same_shaped_parameters_and_single_blocks_stay_alone() -> No
     assert sorted(i for g in distro.groups for i in g) == list(range(len(names)))
 
 
+def test_a_group_larger_than_the_stack_limit_is_split(monkeypatch: pytest.MonkeyPatch) -> None:
+    from psyche.modeling import distro as distro_module
+
+    monkeypatch.setattr(distro_module, "MAX_STACK_NUMEL", 2 * 48 * 32)  # two mlp weights
+    distro = Distro(_params(torch.float32, 0, "cpu"), 0.999, 16, 4, batched=True)
+    names = [n for n, _ in distro.variables]
+    assert distro.groups is not None
+    named = [[names[i] for i in g] for g in distro.groups]
+    assert ["layers.0.mlp", "layers.1.mlp"] in named and ["layers.2.mlp"] in named
+    assert ["embed"] in named  # larger than the limit alone: a stack of one
+
+
 def test_the_per_parameter_route_is_the_default_on_the_cpu() -> None:
     assert Distro(_params(torch.float32, 0, "cpu"), 0.999, 16, 4).groups is None
 

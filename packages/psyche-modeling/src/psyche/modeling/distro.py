@@ -47,6 +47,12 @@ if TYPE_CHECKING:
 # batched route on the CPU through code that builds its own `Distro` (the sharded-rank scenarios).
 BATCHED_ROUTE: bool | None = None
 
+# The most elements one stack of the batched route holds (256 MiB in bf16): a group of
+# same-shaped parameters larger than this is split into consecutive stacks, so that the route's
+# transient memory (the stack, its coefficients and their magnitudes) stays a few times this
+# whatever the model's size, as the per-parameter route's stays a few times one parameter.
+MAX_STACK_NUMEL = 1 << 27
+
 
 @dataclass
 class DistroResult:
@@ -499,17 +505,21 @@ def _block_view(xshape: Sequence[int]) -> list[int]:
 def _same_shape_groups(
     variables: Sequence[tuple[str, torch.Tensor]], transform: TransformDCT
 ) -> list[list[int]]:
-    """Indices of `variables` grouped by (shape, dtype, device), in order of first appearance.
+    """Indices of `variables` grouped by (shape, dtype, device), in order of first appearance,
+    at most `MAX_STACK_NUMEL` elements a group (at least one parameter).
 
     Single-block parameters (for which libtorch's einsum swaps its operands, see
     `decode_reads_transposed`) stay alone."""
-    groups: dict[tuple[object, ...], list[int]] = {}
+    groups: dict[tuple[object, ...], list[list[int]]] = {}
     for index, (_, p) in enumerate(variables):
         xshape, _totalk = transform.encoded_shape(p.shape)
         alone = len(xshape) > 2 and math.prod(xshape[:-2]) == 1
         key: tuple[object, ...] = (index,) if alone else (tuple(p.shape), p.dtype, p.device)
-        groups.setdefault(key, []).append(index)
-    return list(groups.values())
+        stacks = groups.setdefault(key, [[]])
+        if stacks[-1] and (len(stacks[-1]) + 1) * p.numel() > MAX_STACK_NUMEL:
+            stacks.append([])
+        stacks[-1].append(index)
+    return [stack for stacks in groups.values() for stack in stacks]
 
 
 def quantize_results(results: Sequence[DistroResult]) -> list[DistroResult]:
