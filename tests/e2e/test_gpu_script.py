@@ -24,7 +24,8 @@ def test_the_gpu_script_runs_every_section_at_tiny_sizes(tmp_path: Path) -> None
         "device-to-device copy",
         "plain forward+backward, tiny",
         "client training step (DisTrO), tiny",
-        "DisTrO generate+apply share of the tiny step",
+        "DisTrO generate+apply share of the tiny step, per-parameter route (baseline)",
+        "DisTrO generate+apply share of the tiny step, batched route",
         "DiLoCo CPU/CUDA bit agreement (dry run)",
         "round overhead, tiny on the CPU (dry run)",
     ):

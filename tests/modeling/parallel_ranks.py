@@ -1,6 +1,7 @@
 """One rank of the two-rank determinism scenarios of test_parallel_ranks.py (a script: the test
-starts it twice, `python parallel_ranks.py RANK INIT_FILE OUT_DIR [cpu|cuda]`: gloo on the CPU,
-or NCCL with rank r on cuda:r and bf16 parameters).
+starts it twice, `python parallel_ranks.py RANK INIT_FILE OUT_DIR [cpu|cuda] [batched]`: gloo on
+the CPU, or NCCL with rank r on cuda:r and bf16 parameters; `batched` runs DisTrO's batched route,
+the default on CUDA, everywhere).
 
 Rank 0 drives each scenario as a client does and also runs a one-rank reference trainer on the
 same batches in the same process; it writes what it found to OUT_DIR/report.pt (and the
@@ -27,6 +28,7 @@ import torch
 
 from psyche.core.batch_id import BatchId
 from psyche.core.definitions import ConstantLR, LearningRateSchedule
+from psyche.modeling import distro as distro_module
 from psyche.modeling.causal_lm import CausalLM, ModelOptions
 from psyche.modeling.checkpoint import save_tensors_into_safetensors
 from psyche.modeling.configs import llama_config_dict
@@ -200,6 +202,8 @@ def main() -> None:
     global DEVICE
     rank, init_file, out = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
     DEVICE = sys.argv[4] if len(sys.argv) > 4 else "cpu"
+    if len(sys.argv) > 5:  # "batched" or "per-parameter": DisTrO's route on every trainer
+        distro_module.BATCHED_ROUTE = sys.argv[5] == "batched"
     torch.set_num_threads(1)
     init_world(rank, 2, f"file://{init_file}", rank_device(rank))
     report = {}

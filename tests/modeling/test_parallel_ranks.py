@@ -29,12 +29,14 @@ SCRIPT = Path(__file__).with_name("parallel_ranks.py")
 DEADLINE = 300.0
 
 
-def run_ranks(out: Path, device: str) -> tuple[dict, Path]:
-    """Both ranks of parallel_ranks.py on `device`; their report and output directory."""
+def run_ranks(out: Path, device: str, route: str = "") -> tuple[dict, Path]:
+    """Both ranks of parallel_ranks.py on `device` (DisTrO's `route`: "batched" or "per-parameter";
+    the device's default when empty); their report and output directory."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     procs = [
         subprocess.Popen(
-            [sys.executable, str(SCRIPT), str(rank), str(out / "init"), str(out), device],
+            [sys.executable, str(SCRIPT), str(rank), str(out / "init"), str(out), device]
+            + ([route] if route else []),
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -58,9 +60,13 @@ def run_ranks(out: Path, device: str) -> tuple[dict, Path]:
     return torch.load(out / "report.pt", weights_only=False), out
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
-    return run_ranks(tmp_path_factory.mktemp("ranks"), "cpu")
+@pytest.fixture(scope="module", params=["per-parameter", "batched"])
+def ranks(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[dict, Path]:
+    """Both DisTrO routes: the per-parameter one (the CPU's default) and the batched one (the
+    default on CUDA, where sharded and one-rank clients must agree through it too)."""
+    return run_ranks(tmp_path_factory.mktemp("ranks"), "cpu", request.param)
 
 
 @pytest.mark.parametrize("mode", ["dp", "fsdp"])

@@ -231,6 +231,24 @@ class TransformDCT:
         y = _einsum("...ij, jb -> ...ib", [x, b1])
         return y.reshape(y.shape[0] * y.shape[1])
 
+    def encode_stacked(self, x: torch.Tensor) -> torch.Tensor:
+        """`encode` of every `x[g]` of a stack `[G, *shape]` in one call, as `[G, *encoded]`:
+        the same contractions per block, with one more leading dimension (a 1-D parameter's
+        blocks are rows, so a stack of them is more rows)."""
+        if x.dim() == 2:
+            n1 = self.shape_dict[x.shape[1]]
+            f1 = self._basis(self._f, n1, x)
+            return _einsum("...ij, jb -> ...ib", [x.reshape(-1, n1), f1]).view(x.shape[0], -1, n1)
+        return self.encode(x)
+
+    def decode_stacked(self, x: torch.Tensor) -> torch.Tensor:
+        """`decode` of every `x[g]` of a stack `[G, *encoded]` in one call, as `[G, *shape]`."""
+        if x.dim() == 3:
+            n1 = x.shape[-1]
+            b1 = self._basis(self._b, n1, x)
+            return _einsum("...ij, jb -> ...ib", [x.reshape(-1, n1), b1]).view(x.shape[0], -1)
+        return self.decode(x)
+
     def encoded_shape(self, shape: Sequence[int]) -> tuple[list[int], int]:
         """`(xshape, totalk)` that `encode` + `compress` produce for a parameter of `shape`."""
         shape = list(shape)
