@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from psyche.core.cli import env_option, parse_bool, parse_unsigned
 
@@ -26,11 +26,33 @@ EVERY_INTERFACE = "0.0.0.0"
 DEFAULT_BAN_EPOCHS = 1  # psyche.coordinator.server_core's (not imported: --help stays light)
 
 
+def switch_option(default: bool, *, help: str) -> Any:
+    """A true/false option: `--flag` alone means true, `--flag false` false."""
+    return env_option(default, parse=parse_bool, optional_value=True, help=help)
+
+
+def relay_port_option() -> Any:
+    return env_option(
+        None,
+        parse=parse_unsigned(16),
+        help="Port of the relay (a random free port if not specified)",
+    )
+
+
+def announce_address_option(what: str) -> Any:
+    return env_option(
+        None,
+        metavar="<ADDRESS>",
+        help=f"{what} (default: --bind-address, or the address of the default route when that "
+        "is 0.0.0.0)",
+    )
+
+
 @dataclass(frozen=True, kw_only=True)
 class ServerRunOptions:
     """`psyche-server run`: serve the run in `state` until SIGINT or SIGTERM (or its end)."""
 
-    state: Path = env_option(  # noqa: RUF009 (a field)
+    state: Path = env_option(
         parse=Path,
         required=True,
         metavar="<STATE>",
@@ -49,7 +71,7 @@ class ServerRunOptions:
         help="Address the coordinator and its data server listen on (0.0.0.0: every "
         "interface, as upstream; 127.0.0.1: this machine only)",
     )
-    authorized_keys: Path | None = env_option(  # noqa: RUF009 (a field)
+    authorized_keys: Path | None = env_option(
         None,
         parse=Path,
         metavar="<FILE>",
@@ -66,41 +88,28 @@ class ServerRunOptions:
         "witness); twice its last ban when it does so again soon after one (up to 64); 0 "
         "re-admits it at once, as upstream",
     )
-    tui: bool = env_option(
+    tui: bool = switch_option(
         True,
-        parse=parse_bool,
-        optional_value=True,
-        metavar="<TUI>",
         help="Show the live dashboard (Ctrl+P pauses/resumes); false logs plainly",
     )
-    relay: bool = env_option(
+    relay: bool = switch_option(
         True,
-        parse=parse_bool,
-        optional_value=True,
-        metavar="<RELAY>",
         help="Host a circuit relay for the run's clients, so that clients behind NAT reach "
         "each other through it (only clients connected to this server may use it)",
     )
-    relay_port: int | None = env_option(
-        None,
-        parse=parse_unsigned(16),
-        help="Port of the relay (a random free port if not specified)",
+    relay_port: int | None = relay_port_option()
+    relay_announce_address: str | None = announce_address_option(
+        "Address clients dial for the relay"
     )
-    relay_announce_address: str | None = env_option(
-        None,
-        metavar="<ADDRESS>",
-        help="Address clients dial for the relay (default: --bind-address, or the address of "
-        "the default route when that is 0.0.0.0)",
-    )
-    data_config: Path | None = env_option(  # noqa: RUF009 (a field)
+    data_config: Path | None = env_option(
         None, parse=Path, help="Path to TOML of data server config"
     )
-    save_state_dir: Path | None = env_option(  # noqa: RUF009 (a field)
+    save_state_dir: Path | None = env_option(
         None,
         parse=Path,
         help="Path to save the server and coordinator state (at each epoch end and on exit)",
     )
-    events_dir: Path | None = env_option(  # noqa: RUF009 (a field)
+    events_dir: Path | None = env_option(
         None,
         parse=Path,
         help="Directory to write event files for the observer. Coordinator state changes are "
@@ -112,11 +121,8 @@ class ServerRunOptions:
         help="Sets the warmup time for the run. This overrides the warmup_time declared in "
         "the state file.",
     )
-    withdraw_on_disconnect: bool = env_option(
+    withdraw_on_disconnect: bool = switch_option(
         True,
-        parse=parse_bool,
-        optional_value=True,
-        metavar="<WITHDRAW_ON_DISCONNECT>",
         help="Automatically withdraw clients that disconnect from the server",
     )
     oltp_auth_header: str | None = env_option(
@@ -137,7 +143,7 @@ class ServerRunOptions:
         metavar="<SECONDS>",
         help="Seconds between two OpenTelemetry metric exports",
     )
-    metrics_jsonl: Path | None = env_option(  # noqa: RUF009 (a field)
+    metrics_jsonl: Path | None = env_option(
         None,
         parse=Path,
         metavar="<FILE>",
@@ -174,35 +180,23 @@ class StandaloneRelayOptions:
         metavar="<ADDRESS>",
         help="Address the relay listens on (0.0.0.0: every interface)",
     )
-    relay_port: int | None = env_option(
-        None,
-        parse=parse_unsigned(16),
-        help="Port of the relay (a random free port if not specified)",
-    )
-    relay_announce_address: str | None = env_option(
-        None,
-        metavar="<ADDRESS>",
-        help="Address clients dial (default: --bind-address, or the address of the default "
-        "route when that is 0.0.0.0)",
-    )
-    identity_secret_key_path: Path | None = env_option(  # noqa: RUF009 (a field)
+    relay_port: int | None = relay_port_option()
+    relay_announce_address: str | None = announce_address_option("Address clients dial")
+    identity_secret_key_path: Path | None = env_option(
         None,
         parse=Path,
         metavar="<FILE>",
         help="The relay's 32-byte secret key (`openssl rand 32 > relay.key`); its address "
         "names the key, so keep one to keep the address (random if not given)",
     )
-    authorized_keys: Path | None = env_option(  # noqa: RUF009 (a field)
+    authorized_keys: Path | None = env_option(
         None,
         parse=Path,
         metavar="<FILE>",
         help="The run's members: ed25519 public keys, 64 hex digits a line, # comments",
     )
-    open: bool = env_option(
+    open: bool = switch_option(
         False,
-        parse=parse_bool,
-        optional_value=True,
-        metavar="<OPEN>",
         help="Serve any peer (an open run); its caps still bound what each can hold",
     )
     max_reservations: int = env_option(

@@ -149,7 +149,7 @@ def _serve_until_signalled(
     import trio
 
     from psyche.centralized.server import ServerStartError
-    from psyche.core.cli import serve_until_signalled, single_cause
+    from psyche.core.cli import run_serving, serve_until_signalled
 
     async def serve() -> None:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -159,18 +159,7 @@ def _serve_until_signalled(
             ):
                 await serve_until_signalled(signals, nursery, log)
 
-    try:
-        trio.run(serve)
-    except BaseException as e:
-        cause = single_cause(e)
-        if isinstance(cause, ServerStartError):
-            log.error("%s", cause)
-            return 1
-        if isinstance(cause, OSError):
-            log.error("cannot start the server: %s", cause)
-            return 1
-        raise
-    return 0
+    return run_serving(serve, log, {ServerStartError: "%s", OSError: "cannot start the server: %s"})
 
 
 @asynccontextmanager

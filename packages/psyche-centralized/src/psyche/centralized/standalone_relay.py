@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 
 from psyche.centralized.options import StandaloneRelayOptions
-from psyche.core.cli import serve_until_signalled, single_cause
+from psyche.core.cli import run_serving, serve_until_signalled
 
 log = logging.getLogger(__name__)
 
@@ -93,15 +93,9 @@ def run_relay(options: StandaloneRelayOptions) -> int:
                 )
                 await serve_until_signalled(signals, nursery, log)
 
-    try:
-        trio.run(serve)
-    except BaseException as e:
-        cause = single_cause(e)
-        if isinstance(cause, OSError):
-            log.error("cannot start the relay on port %s: %s", relay_options.port, cause)
-            return 1
-        raise
-    return 0
+    return run_serving(
+        serve, log, {OSError: f"cannot start the relay on port {relay_options.port}: %s"}
+    )
 
 
 __all__ = ["run_relay"]

@@ -47,7 +47,7 @@ import os
 import signal
 import sys
 import traceback
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import MISSING, Field, dataclass, field, fields
 from types import FrameType
@@ -536,6 +536,28 @@ async def serve_until_signalled(
     nursery.cancel_scope.cancel()
 
 
+def run_serving(
+    main: Callable[[], Awaitable[None]],
+    log: logging.Logger,
+    failures: Mapping[type[BaseException], str],
+) -> int:
+    """`trio.run(main)` for a command that serves until SIGINT or SIGTERM (which `main` handles,
+    `serve_until_signalled`): 0 when it returns; 1 when it raised one of `failures`, logged as
+    one line (its message, a %-format of the cause); anything else propagates."""
+    import trio
+
+    try:
+        trio.run(main)
+    except BaseException as e:
+        cause = single_cause(e)
+        for kind, message in failures.items():
+            if isinstance(cause, kind):
+                log.error(message, cause)
+                return EXIT_USER_ERROR
+        raise
+    return 0
+
+
 def skip_finalization() -> None:
     """Ask for the process to end without the interpreter's finalization (`exit_process`).
 
@@ -637,6 +659,7 @@ __all__ = [
     "parse_unsigned",
     "report",
     "run_command",
+    "run_serving",
     "single_cause",
     "stop_signals",
     "user_error_message",
