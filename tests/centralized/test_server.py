@@ -24,7 +24,7 @@ from psyche.centralized.server import (
     ServerStartError,
     check_checkpoint_for_hosting,
     open_server,
-    run_server,
+    serve_coordinator,
 )
 from psyche.centralized.testing import ProtocolClient, fast_options
 from psyche.coordinator import Coordinator, RunState
@@ -270,7 +270,7 @@ def test_backend_follows_the_run_and_reports_a_lost_server() -> None:
 
             async def serve(task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
                 with server_scope:
-                    await run_server(
+                    await serve_coordinator(
                         quick_coordinator(init_min_clients=1),
                         fast_options(),
                         task_status=task_status,

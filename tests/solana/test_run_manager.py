@@ -28,15 +28,15 @@ from spl.token.instructions import (
 )
 
 from psyche.cli.solana_client.main import main
-from psyche.cli.solana_client.render import (
-    clients_display,
-    format_duration_secs,
-    time_remaining_display,
-)
 from psyche.coordinator import RunState, Witness, WitnessMetadata
 from psyche.coordinator.committee_selection import CommitteeSelection
 from psyche.core.node_identity import NodeIdentity
 from psyche.solana import pda
+from psyche.solana.commands.render import (
+    clients_display,
+    format_duration_secs,
+    time_remaining_display,
+)
 from psyche.solana.instructions import authorizer as authorizer_ix
 from psyche.solana.instructions import coordinator as coordinator_ix
 from psyche.solana.localnet.ledger import ManualClock

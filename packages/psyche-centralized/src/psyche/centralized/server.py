@@ -655,14 +655,16 @@ def _duration(seconds: float) -> str:
     return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
 
 
-async def run_server(
+async def serve_coordinator(
     coordinator: Coordinator,
     options: ServerOptions | None = None,
     *,
     # trio-stubs (trio-typing's, a libp2p dependency) predate trio.TaskStatus.
     task_status: trio.TaskStatus[CentralizedServer] = trio.TASK_STATUS_IGNORED,  # type: ignore[name-defined]
 ) -> None:
-    """Serve until cancelled (`nursery.start(run_server, ...)` returns the running server)."""
+    """Serve `coordinator` until cancelled (`nursery.start(serve_coordinator, ...)` returns the
+    running server). The whole `psyche-server run`, from its options, is
+    `psyche.centralized.run.run_server`."""
     async with open_server(coordinator, options) as server:
         task_status.started(server)
         await trio.sleep_forever()
@@ -677,6 +679,6 @@ __all__ = [
     "data_server_port",
     "ensure_hub_repo",
     "open_server",
-    "run_server",
+    "serve_coordinator",
     "who_may_join",
 ]

@@ -29,8 +29,10 @@ What it guarantees, however the command was started:
 
 The argparse pieces every command shares live here too: `command_parser` (a command with
 subcommands), `EnvOptions` (options that fall back to the environment, as upstream's clap
-`env`), the value parsers `parse_bool` and `parse_unsigned`, and `apply_log_directives`
-(`RUST_LOG`-style levels).
+`env`), options declared as the fields of a dataclass (`env_option`, `nested`; `add_options`
+puts them on a parser and `options_from_args` builds the dataclass back, so that a library
+owns its command's options and the command only parses), the value parsers `parse_bool` and
+`parse_unsigned`, and `apply_log_directives` (`RUST_LOG`-style levels).
 
 The signal handlers and the root logger's handlers in place before `run_command` are restored
 when it returns, so calling a command's `main` in-process (tests) leaves the caller as it was. Nothing here is third-party.
@@ -45,14 +47,17 @@ import os
 import signal
 import sys
 import traceback
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import MISSING, Field, dataclass, field, fields
 from types import FrameType
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol, TypeVar
 
 if TYPE_CHECKING:
     import trio
+    from _typeshed import DataclassInstance
+
+T = TypeVar("T", bound="DataclassInstance")
 
 VERBOSE_ENV = "PSYCHE_VERBOSE"
 EXIT_USER_ERROR = 1
@@ -243,6 +248,108 @@ class EnvOptions:
 
 
 # --------------------------------------------------------------------------------------------
+# Options declared as dataclass fields
+
+
+CLI_FIELD = "psyche.core.cli"
+"""The metadata key of a field's `CommandLineField`."""
+
+
+class CommandLineField(Protocol):
+    """How one field of an options dataclass is given on a command line: `add` declares it on
+    a parser, `value` reads it back from the parsed namespace."""
+
+    def add(self, parser: argparse.ArgumentParser, env: EnvOptions, field: Field[Any]) -> None: ...
+
+    def value(self, args: argparse.Namespace, field: Field[Any]) -> Any: ...
+
+
+def flag_name(name: str) -> str:
+    """A field's long flag: `--` and its name in kebab case (`run_id` -> `--run-id`)."""
+    return "--" + name.replace("_", "-")
+
+
+def field_default(field: Field[Any]) -> Any:
+    """A field's default value (its factory's product), or None when it has none."""
+    if field.default is not MISSING:
+        return field.default
+    if field.default_factory is not MISSING:
+        return field.default_factory()
+    return None
+
+
+@dataclass(frozen=True)
+class EnvFlag:
+    """A field given as `--field-name`, falling back to the environment (`EnvOptions.add`'s
+    keywords; the field's default is the option's)."""
+
+    parse: Callable[[str], Any] = str
+    short: str | None = None
+    required: bool = False
+    flag_only: bool = False
+    optional_value: bool = False
+    metavar: str | None = None
+    help: str = ""
+
+    def add(self, parser: argparse.ArgumentParser, env: EnvOptions, field: Field[Any]) -> None:
+        env.add(
+            parser,
+            flag_name(field.name),
+            short=self.short,
+            parse=self.parse,
+            default=field_default(field),
+            required=self.required,
+            flag_only=self.flag_only,
+            optional_value=self.optional_value,
+            metavar=self.metavar,
+            help=self.help,
+        )
+
+    def value(self, args: argparse.Namespace, field: Field[Any]) -> Any:
+        return getattr(args, field.name)
+
+
+def env_option(default: Any = MISSING, **flag: Any) -> Any:
+    """An options field given as `--field-name` or in the environment (`EnvFlag`'s keywords:
+    parse, short, required, flag_only, optional_value, metavar, help)."""
+    return field(default=default, metadata={CLI_FIELD: EnvFlag(**flag)})
+
+
+@dataclass(frozen=True)
+class Nested:
+    """A field holding options of their own (a component's settings object), declared on the
+    same parser as the fields around it."""
+
+    options: type[Any]
+
+    def add(self, parser: argparse.ArgumentParser, env: EnvOptions, field: Field[Any]) -> None:
+        add_options(parser, env, self.options)
+
+    def value(self, args: argparse.Namespace, field: Field[Any]) -> Any:
+        return options_from_args(self.options, args)
+
+
+def nested(options: type[Any]) -> Any:
+    """A field holding an `options` object (every field of which has a default), given by
+    the flags of its own fields."""
+    return field(default_factory=options, metadata={CLI_FIELD: Nested(options)})
+
+
+def add_options(parser: argparse.ArgumentParser, env: EnvOptions, options: type[Any]) -> None:
+    """Every field of the `options` dataclass on `parser`, in their order (environment
+    fallbacks in `env`, resolved after parsing: `EnvOptions.resolve`)."""
+    for f in fields(options):
+        f.metadata[CLI_FIELD].add(parser, env, f)
+
+
+def options_from_args(options: type[T], args: argparse.Namespace) -> T:
+    """The `options` dataclass from a namespace that `add_options` filled (and its
+    `EnvOptions` resolved)."""
+    values = {f.name: f.metadata[CLI_FIELD].value(args, f) for f in fields(options) if f.init}
+    return options(**values)
+
+
+# --------------------------------------------------------------------------------------------
 # Log levels
 
 
@@ -429,6 +536,28 @@ async def serve_until_signalled(
     nursery.cancel_scope.cancel()
 
 
+def run_serving(
+    main: Callable[[], Awaitable[None]],
+    log: logging.Logger,
+    failures: Mapping[type[BaseException], str],
+) -> int:
+    """`trio.run(main)` for a command that serves until SIGINT or SIGTERM (which `main` handles,
+    `serve_until_signalled`): 0 when it returns; 1 when it raised one of `failures`, logged as
+    one line (its message, a %-format of the cause); anything else propagates."""
+    import trio
+
+    try:
+        trio.run(main)
+    except BaseException as e:
+        cause = single_cause(e)
+        for kind, message in failures.items():
+            if isinstance(cause, kind):
+                log.error(message, cause)
+                return EXIT_USER_ERROR
+        raise
+    return 0
+
+
 def skip_finalization() -> None:
     """Ask for the process to end without the interpreter's finalization (`exit_process`).
 
@@ -497,29 +626,40 @@ def _root_logging_kept() -> Iterator[None]:
 
 
 __all__ = [
+    "CLI_FIELD",
     "EXIT_SIGINT",
     "EXIT_SIGTERM",
     "EXIT_USAGE",
     "EXIT_USER_ERROR",
     "LOG_DIRECTIVES_ENV",
     "VERBOSE_ENV",
+    "CommandLineField",
+    "EnvFlag",
     "EnvOptions",
     "HelpFormatter",
+    "Nested",
     "UsageError",
     "UserError",
+    "add_options",
     "add_verbose_flag",
     "apply_log_directives",
     "command_parser",
     "env_name",
+    "env_option",
     "error_line",
+    "field_default",
+    "flag_name",
     "interrupt_exit_code",
     "interrupted_by",
     "is_verbose",
     "log_directives_from_environment",
+    "nested",
+    "options_from_args",
     "parse_bool",
     "parse_unsigned",
     "report",
     "run_command",
+    "run_serving",
     "single_cause",
     "stop_signals",
     "user_error_message",

@@ -1,6 +1,8 @@
 """What a Solana training client does around the training itself (upstream solana-client
-`app.rs`): find the run, check the client version, then, while the training client runs, join
-every epoch, tick the run when its clock says so, and stop when the coordinator is done with us.
+`app.rs`): find the run, check the client version (`preflight`), follow it as the client's backend
+(`connect_run`), then, while the training client runs, join every epoch, tick the run when its
+clock says so, and stop when the coordinator is done with us (`train_on_run`). Its settings are
+`SolanaTrainSettings`.
 
 The training client is passed in as an async callable, so this module needs neither torch nor
 the network stack: `psyche-solana-client train` supplies `psyche.client.Client(...).run`, tests
@@ -10,17 +12,20 @@ can supply anything.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import trio
+from solders.keypair import Keypair
 from solders.pubkey import Pubkey
 
 from psyche.coordinator import RunState
 from psyche.core.node_identity import NodeIdentity
-from psyche.solana import pda
+from psyche.solana import follower, pda
 from psyche.solana.backend import SolanaBackend, SolanaBackendError
+from psyche.solana.cluster import Cluster
 from psyche.solana.follower import (
     JOIN_RETRY_DELAY,
     TICK_CHECK_INTERVAL,
@@ -28,6 +33,7 @@ from psyche.solana.follower import (
     SolanaBackendRunner,
     follow_membership,
 )
+from psyche.solana.program_ids import ProgramIds
 from psyche.solana.rpc import AccountNotFound
 
 log = logging.getLogger(__name__)
@@ -100,6 +106,52 @@ async def find_run(backend: SolanaBackend, run_id: str) -> SolanaRun:
             ) from None
         raise
     return SolanaRun(run_id, instance_address, account_address, str(account.state.client_version))
+
+
+@dataclass(frozen=True)
+class SolanaTrainSettings:
+    """What the Solana side of a training client needs (upstream solana-client's `AppParams`)."""
+
+    run_id: str
+    wallet: Keypair
+    cluster: Cluster
+    backup_clusters: tuple[Cluster, ...]
+    ids: ProgramIds
+    authorizer: Pubkey | None
+    """The grantee of the join authorization to join with (None: everyone's)."""
+    client_version: str | None
+    """`CLIENT_VERSION`, checked against the run's (None: not checked)."""
+
+    def backend(self) -> SolanaBackend:
+        return SolanaBackend(self.cluster, self.wallet, self.backup_clusters, ids=self.ids)
+
+
+def preflight(settings: SolanaTrainSettings) -> SolanaRun:
+    """Find the run and check the client version, before anything heavy is imported (so a
+    wrong run id or an unreachable RPC fails in a second): `RunNotFound`,
+    `ClientVersionMismatch`."""
+
+    async def main() -> SolanaRun:
+        async with settings.backend() as backend:
+            run = await find_run(backend, settings.run_id)
+        check_client_version(settings.client_version, run.client_version)
+        return run
+
+    return trio.run(main)
+
+
+@asynccontextmanager
+async def connect_run(
+    settings: SolanaTrainSettings, run: SolanaRun, *, before_join: Callable[[], Awaitable[None]]
+) -> AsyncIterator[SolanaBackendRunner]:
+    """The run followed as the training client's backend (`psyche.client.run.ConnectBackend`):
+    subscribed to the run while `before_join` (the heavy modules loading) is awaited."""
+    async with (
+        settings.backend() as backend,
+        follower.follow_run(backend, run.run_id, run.account) as runner,
+    ):
+        await before_join()
+        yield runner
 
 
 async def watch_client_version(
@@ -178,10 +230,13 @@ __all__ = [
     "ClientVersionMismatch",
     "RunNotFound",
     "SolanaRun",
+    "SolanaTrainSettings",
     "check_client_version",
     "check_version_unchanged",
+    "connect_run",
     "find_run",
     "follow_run",
+    "preflight",
     "train_on_run",
     "watch_client_version",
 ]

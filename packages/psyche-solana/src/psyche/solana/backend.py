@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import trio
@@ -28,6 +27,13 @@ from solders.transaction import Transaction
 from psyche.coordinator.backend import OpportunisticData
 from psyche.core.node_identity import NodeIdentity
 from psyche.solana import pda
+from psyche.solana.cluster import (
+    DEVNET_RPC,
+    DEVNET_WS_RPC,
+    LOCALNET_RPC,
+    LOCALNET_WS_RPC,
+    Cluster,
+)
 from psyche.solana.instructions import coordinator as coordinator_ix
 from psyche.solana.program_ids import DEFAULT_PROGRAM_IDS, ProgramIds
 from psyche.solana.retry import RetryFailed, RetryKind, RetryPolicy, retry_with_backoff
@@ -50,23 +56,6 @@ T = TypeVar("T")
 
 JOIN_RUN_TIMEOUT = 5.0
 UPSTREAM_RETRY_POLICY = RetryPolicy()
-LOCALNET_RPC = "http://127.0.0.1:8899"
-LOCALNET_WS_RPC = "ws://127.0.0.1:8900"
-DEVNET_RPC = "https://api.devnet.solana.com"
-DEVNET_WS_RPC = "wss://api.devnet.solana.com"
-
-
-@dataclass(frozen=True)
-class Cluster:
-    """An RPC endpoint and its websocket twin."""
-
-    rpc: str = LOCALNET_RPC
-    ws_rpc: str = LOCALNET_WS_RPC
-
-    def __post_init__(self) -> None:
-        # Upstream trims surrounding quotes (values often come from .env files).
-        object.__setattr__(self, "rpc", self.rpc.strip().strip('"'))
-        object.__setattr__(self, "ws_rpc", self.ws_rpc.strip().strip('"'))
 
 
 class SolanaBackendError(Exception):

@@ -2,46 +2,42 @@
 evaluation datasets it names (`--eval-tasks`) into the local caches before joining, so the
 client's warmup does not wait for them. The run's checkpoint decides the source: a hub repo
 (and revision) into the Hugging Face cache, a GCS bucket into `$HF_HOME/psyche/gcs/...` (the
-cache the client reads when it joins)."""
+cache the client reads when it joins). Composed here: the checkpoint is the Solana library's
+(`psyche.solana.commands.predownload`), the downloads the trainer's and the client's."""
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from psyche.core.cli import UserError
 
+if TYPE_CHECKING:
+    from psyche.solana.commands.predownload import PredownloadOptions
 
-def predownload(args: argparse.Namespace) -> int:
-    from psyche.cli.solana_client.commands import _run
-    from psyche.solana import snapshots
 
-    if not args.model and not args.eval_tasks:
+def predownload(options: PredownloadOptions) -> int:
+    from psyche.solana.commands.predownload import fetch_coordinator
+
+    if not options.model and not options.eval_tasks:
         raise UserError("nothing to predownload: pass --model and/or --eval-tasks")
-    if args.eval_tasks:
+    if options.eval_tasks:
         from psyche.modeling.eval.tasks import UnknownTaskError, check_task_names
 
         try:
-            check_task_names(args.eval_tasks)
+            check_task_names(options.eval_tasks)
         except UnknownTaskError as e:
             raise UserError(str(e)) from None
-    found: list[Any] = []
-
-    async def body(backend: Any) -> None:
-        snapshot = await snapshots.fetch_run(backend, args.run_id)
-        found.append(snapshot.account.state.coordinator)
-
-    _run(args, body, wallet=False)
-    if args.model:
-        _predownload_model(found[0])
+    coordinator = fetch_coordinator(options.cluster, options.run_id)
+    if options.model:
+        _predownload_model(coordinator)
         print("Model predownloaded successfully.")
-    if args.eval_tasks:
+    if options.eval_tasks:
         from psyche.modeling.eval.tasks import tasktype_from_name
 
-        for name in args.eval_tasks.split(","):
+        for name in options.eval_tasks.split(","):
             tasktype_from_name(name)
-        print(f"Eval tasks `{args.eval_tasks}` predownloaded successfully.")
+        print(f"Eval tasks `{options.eval_tasks}` predownloaded successfully.")
     return 0
 
 

@@ -1,10 +1,12 @@
-"""`psyche-solana-client train`: the training client (`psyche.client.Client`) on a run whose
-coordinator lives on Solana (upstream solana-client `main.rs` `Train` and `app.rs`).
+"""`psyche-solana-client train`: the training client (`psyche.client.run.run_client`) on a run
+whose coordinator lives on Solana (upstream solana-client `main.rs` `Train` and `app.rs`), composed
+here because it needs both: the client's options and runner, and the Solana side's settings,
+preflight and backend (`psyche.solana.app`).
 
-Options: upstream's `TrainArgs` (shared with `psyche-client train`: `psyche.client.options`),
-the cluster (`--rpc`, `--ws-rpc`, backups `--rpc-2/--ws-rpc-2`, `--rpc-3/--ws-rpc-3`),
-the wallet, `--authorizer`, and the port's `--bootstrap-peer` (how clients find each other without
-a server; see docs/solana.md).
+Options: the cluster (`--rpc`, `--ws-rpc`, backups `--rpc-2/--ws-rpc-2`, `--rpc-3/--ws-rpc-3`:
+`psyche.solana.commands.args.TrainClusterOptions`), the wallet, upstream's `TrainArgs` (shared
+with `psyche-client train`: `psyche.client.options`), `--authorizer`, and the port's
+`--bootstrap-peer` (how clients find each other without a server; see docs/solana.md).
 
 The P2P identity is `-i`/`RAW_IDENTITY_SECRET_KEY` when given, else derived from the run id and
 the wallet as upstream does, so a restarted client keeps its identity. The run is looked up (and
@@ -22,17 +24,21 @@ import socket
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from psyche.client.options import TrainOptions
+from psyche.core.cli import nested
+from psyche.solana.commands.args import TrainClusterOptions, wallet_arg
+from psyche.solana.commands.authorization import EVERYONE
 
 if TYPE_CHECKING:
     from psyche.client.run import BeforeJoin
+    from psyche.solana.app import SolanaRun, SolanaTrainSettings
 
 log = logging.getLogger("psyche.cli.solana_client")
 
 BOOTSTRAP_PEERS_ENV = "BOOTSTRAP_PEERS"
-EVERYONE = "11111111111111111111111111111111"
 
 IDENTITY_HELP = (
     "Path to the client's 32-byte P2P secret key (`openssl rand 32 > secret.key`); derived from "
@@ -44,12 +50,22 @@ DISCOVERY_HELP = (
 )
 
 
+@dataclass(frozen=True, kw_only=True)
+class ChainOptions:
+    """Where the run lives and who pays: the options before the client's."""
+
+    cluster: TrainClusterOptions = nested(TrainClusterOptions)
+    wallet_private_key_path: Path | None = wallet_arg()
+
+
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options after the cluster and wallet ones (which `main` adds)."""
+    """Every option of `train`; the client's fall back to the environment once parsed
+    (`args.train_env`, resolved by `train`)."""
     from psyche.client.options import add_train_options
-    from psyche.core.cli import EnvOptions
+    from psyche.core.cli import EnvOptions, add_options
 
     env = EnvOptions()
+    add_options(parser, env, ChainOptions)
     add_train_options(
         parser,
         env,
@@ -131,47 +147,29 @@ def format_bootstrap_peer(addr: Any) -> str | None:
 # Settings
 
 
-@dataclass(frozen=True)
-class SolanaTrainSettings:
-    """Everything the Solana side of `train` needs, resolved from the options."""
-
-    run_id: str
-    wallet: Any  # solders Keypair
-    cluster: Any  # psyche.solana.backend.Cluster
-    backup_clusters: tuple[Any, ...]
-    ids: Any  # psyche.solana.program_ids.ProgramIds
-    authorizer: Any | None  # solders Pubkey
-    client_version: str | None
-    network: Any  # psyche.network.connection.NetworkConfig
-
-
 def backup_clusters(args: argparse.Namespace) -> tuple[Any, ...]:
     """`--rpc-N`/`--ws-rpc-N` pairs where both are set (upstream ignores half pairs)."""
-    from psyche.solana.backend import Cluster
+    from psyche.core.cli import options_from_args
+    from psyche.solana.commands.args import BackupRpcOptions
 
-    pairs = [(args.rpc_2, args.ws_rpc_2), (args.rpc_3, args.ws_rpc_3)]
-    return tuple(Cluster(rpc, ws) for rpc, ws in pairs if rpc and ws)
+    return options_from_args(BackupRpcOptions, args).clusters()
 
 
-def settings_from_args(
-    args: argparse.Namespace, options: TrainOptions, key: Any, wallet: Any
-) -> SolanaTrainSettings:
-    from psyche.cli.solana_client.commands import program_ids
-    from psyche.client.run import network_config
+def settings_from_args(args: argparse.Namespace, options: TrainOptions, wallet: Any) -> Any:
+    """The Solana side's settings (`psyche.solana.app.SolanaTrainSettings`)."""
+    from psyche.core.cli import options_from_args
     from psyche.solana.admin import pubkey_arg
-    from psyche.solana.backend import Cluster
+    from psyche.solana.app import SolanaTrainSettings
 
-    authorizer = pubkey_arg(args.authorizer) if args.authorizer else None
-    network = network_config(options, key, bootstrap_peers(args.bootstrap_peers))
+    cluster = options_from_args(ChainOptions, args).cluster
     return SolanaTrainSettings(
         run_id=options.run_id,
         wallet=wallet,
-        cluster=Cluster(args.rpc, args.ws_rpc),
-        backup_clusters=backup_clusters(args),
-        ids=program_ids(args),
-        authorizer=authorizer,
+        cluster=cluster.cluster(),
+        backup_clusters=cluster.backups.clusters(),
+        ids=cluster.ids.program_ids(),
+        authorizer=pubkey_arg(args.authorizer) if args.authorizer else None,
         client_version=os.environ.get("CLIENT_VERSION") or None,
-        network=network,
     )
 
 
@@ -180,12 +178,14 @@ def settings_from_args(
 
 
 def train(args: argparse.Namespace) -> int:
-    from psyche.cli.solana_client.render import explain_error, user_error
     from psyche.client.options import OptionError, read_identity_secret_key
-    from psyche.client.run import setup_logging
+    from psyche.client.run import network_config, setup_logging
     from psyche.core.cli import EXIT_USAGE, UsageError
     from psyche.core.identity import SecretKey
     from psyche.solana.admin import AdminError
+    from psyche.solana.app import preflight
+    from psyche.solana.commands.render import explain_error
+    from psyche.solana.commands.shell import raise_user_error
     from psyche.solana.keypair import derive_p2p_secret_key, load_wallet
 
     args.train_env.resolve(args.train_parser, args)
@@ -195,40 +195,22 @@ def train(args: argparse.Namespace) -> int:
         key = read_identity_secret_key(options.identity_secret_key_path) or SecretKey.from_bytes(
             derive_p2p_secret_key(options.run_id, wallet)
         )
-        settings = settings_from_args(args, options, key, wallet)
+        settings = settings_from_args(args, options, wallet)
+        network = network_config(options, key, bootstrap_peers(args.bootstrap_peers))
     except (OptionError, AdminError, ValueError) as e:  # KeypairError is a ValueError
         raise UsageError(explain_error(e, None), exit_code=EXIT_USAGE) from e
     setup_logging(options)
     log.info("looking up run %r at %s", settings.run_id, settings.cluster.rpc)
     try:
-        run = _preflight(settings)
+        run = preflight(settings)
     except Exception as e:
-        error = user_error(e, settings.cluster.rpc)
-        if error is None:
-            raise
-        raise error from e
-    return _train(options, settings, run, key)
+        raise_user_error(e, settings.cluster.rpc)
+    return _train(options, settings, run, key, network)
 
 
-def _preflight(settings: SolanaTrainSettings) -> Any:
-    """Find the run and check `CLIENT_VERSION` before anything heavy is imported."""
-    import trio
-
-    from psyche.solana.app import check_client_version, find_run
-    from psyche.solana.backend import SolanaBackend
-
-    async def main() -> Any:
-        async with SolanaBackend(
-            settings.cluster, settings.wallet, settings.backup_clusters, ids=settings.ids
-        ) as backend:
-            run = await find_run(backend, settings.run_id)
-        check_client_version(settings.client_version, run.client_version)
-        return run
-
-    return trio.run(main)
-
-
-def _train(options: TrainOptions, settings: SolanaTrainSettings, run: Any, key: Any) -> int:
+def _train(
+    options: TrainOptions, settings: SolanaTrainSettings, run: SolanaRun, key: Any, network: Any
+) -> int:
     from psyche.client.run import run_client
     from psyche.core.node_identity import NodeIdentity
 
@@ -241,7 +223,6 @@ def _train(options: TrainOptions, settings: SolanaTrainSettings, run: Any, key: 
         )
     else:
         log.info("client version %s: version check passed", settings.client_version)
-    network = settings.network
     if not network.bootstrap_peers and network.local_discovery_dir is None:
         log.info(
             "no --bootstrap-peer: this client finds the others once one of them connects to it"
@@ -261,25 +242,18 @@ def _train(options: TrainOptions, settings: SolanaTrainSettings, run: Any, key: 
 @dataclass(frozen=True)
 class OnRun:
     """The Solana backend of one run, for `run_client`: the runner subscribes to the run while
-    torch loads, and the client trains under `train_on_run` (which joins and rejoins it)."""
+    torch loads (`psyche.solana.app.connect_run`), and the client trains under `train_on_run`
+    (which joins and rejoins it)."""
 
     settings: SolanaTrainSettings
-    run: Any  # psyche.solana.app.SolanaRun
+    run: SolanaRun
     identity: Any  # NodeIdentity
 
     @asynccontextmanager
     async def connect(self, *, before_join: BeforeJoin) -> AsyncIterator[Any]:
-        from psyche.solana.backend import SolanaBackend
-        from psyche.solana.follower import follow_run
+        from psyche.solana.app import connect_run
 
-        settings = self.settings
-        async with (
-            SolanaBackend(
-                settings.cluster, settings.wallet, settings.backup_clusters, ids=settings.ids
-            ) as backend,
-            follow_run(backend, self.run.run_id, self.run.account) as runner,
-        ):
-            await before_join()
+        async with connect_run(self.settings, self.run, before_join=before_join) as runner:
             yield runner
 
     async def train(self, runner: Any, client: Any, network: Any) -> None:

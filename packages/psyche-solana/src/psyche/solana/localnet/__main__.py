@@ -1,13 +1,35 @@
-"""`python -m psyche.solana.localnet`: serve a local Solana endpoint until interrupted."""
+"""`python -m psyche.solana.localnet` (and `psyche-solana-client localnet`): serve a local Solana
+endpoint until interrupted. `LocalnetOptions` declares its flags; `run_localnet` serves."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
+from psyche.core.cli import EnvOptions, add_options, options_from_args
+from psyche.solana.commands.args import arg
+
 DEFAULT_FUND_SOL = 1000
+
+
+@dataclass(frozen=True, kw_only=True)
+class LocalnetOptions:
+    host: str = arg(default="127.0.0.1", help="address to listen on")
+    port: int = arg(type=int, default=8899, help="JSON-RPC port (0 picks a free one)")
+    ws_port: int | None = arg(type=int, default=None, help="websocket port (default: --port + 1)")
+    fund: list[Path] = arg(
+        action="append",
+        default_factory=list,
+        type=Path,
+        metavar="KEYPAIR_PATH",
+        help=f"give {DEFAULT_FUND_SOL} SOL to this keypair at start (created if missing)",
+    )
+    coordinator_program_id: str | None = arg(default=None)
+    authorizer_program_id: str | None = arg(default=None)
+    treasurer_program_id: str | None = arg(default=None)
 
 
 def build_parser(prog: str = "python -m psyche.solana.localnet") -> argparse.ArgumentParser:
@@ -19,47 +41,31 @@ def build_parser(prog: str = "python -m psyche.solana.localnet") -> argparse.Arg
             "Python ports, not the deployed SBF binaries. State lives in memory only."
         ),
     )
-    add_arguments(parser)
+    add_options(parser, EnvOptions(), LocalnetOptions)
     return parser
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--port", type=int, default=8899, help="JSON-RPC port (0 picks a free one)")
-    parser.add_argument(
-        "--ws-port", type=int, default=None, help="websocket port (default: --port + 1)"
-    )
-    parser.add_argument(
-        "--fund",
-        action="append",
-        default=[],
-        type=Path,
-        metavar="KEYPAIR_PATH",
-        help=f"give {DEFAULT_FUND_SOL} SOL to this keypair at start (created if missing)",
-    )
-    parser.add_argument("--coordinator-program-id", default=None)
-    parser.add_argument("--authorizer-program-id", default=None)
-    parser.add_argument("--treasurer-program-id", default=None)
-
-
-def run(args: argparse.Namespace) -> int:
+def serve(options: LocalnetOptions) -> int:
+    """Fund the keypairs, print the endpoint's URLs and serve until interrupted (a
+    KeyboardInterrupt); 1 when it cannot listen."""
     from psyche.solana.keypair import read_or_create_keypair_file
     from psyche.solana.localnet.ledger import Ledger
     from psyche.solana.localnet.server import LocalnetServer, run_forever
     from psyche.solana.program_ids import ProgramIds
 
     ids = ProgramIds.from_env(
-        coordinator=args.coordinator_program_id,
-        authorizer=args.authorizer_program_id,
-        treasurer=args.treasurer_program_id,
+        coordinator=options.coordinator_program_id,
+        authorizer=options.authorizer_program_id,
+        treasurer=options.treasurer_program_id,
     )
     ledger = Ledger(ids)
-    for path in args.fund:
+    for path in options.fund:
         keypair = read_or_create_keypair_file(path)
         ledger.airdrop(keypair.pubkey(), DEFAULT_FUND_SOL * 1_000_000_000)
         print(f"funded {keypair.pubkey()} ({path}) with {DEFAULT_FUND_SOL} SOL", flush=True)
-    ws_port = args.ws_port if args.ws_port is not None else (args.port + 1 if args.port else 0)
-    server = LocalnetServer(ledger, args.host, args.port, ws_port)
+    port = options.port
+    ws_port = options.ws_port if options.ws_port is not None else (port + 1 if port else 0)
+    server = LocalnetServer(ledger, options.host, port, ws_port)
 
     def ready(server: LocalnetServer) -> None:
         print(f"JSON-RPC: {server.rpc_url}", flush=True)
@@ -73,13 +79,25 @@ def run(args: argparse.Namespace) -> int:
     try:
         run_forever(server, ready)
     except OSError as e:
-        print(f"error: cannot serve on {args.host}:{args.port}: {e}", file=sys.stderr)
+        print(f"error: cannot serve on {options.host}:{port}: {e}", file=sys.stderr)
         return 1
     return 0
 
 
+def run_localnet(options: LocalnetOptions) -> int:
+    """`serve` until SIGINT or SIGTERM, which end it normally (exit 0)."""
+    from psyche.core.cli import single_cause
+
+    try:
+        return serve(options)
+    except BaseException as e:
+        if isinstance(single_cause(e), KeyboardInterrupt):
+            return 0
+        raise
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    return run(build_parser().parse_args(argv))
+    return serve(options_from_args(LocalnetOptions, build_parser().parse_args(argv)))
 
 
 if __name__ == "__main__":
