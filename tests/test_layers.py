@@ -1,4 +1,5 @@
-"""Which packages pull torch: the network, the data provider and the centralized server never do.
+"""Which packages pull torch: the transport, the network, the data provider and the centralized
+server never do.
 
 `pip install packages/psyche-data-provider` (or psyche-centralized, or psyche-network) must not
 install torch or transformers. Two checks per package:
@@ -24,6 +25,7 @@ from packaging.requirements import Requirement
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = {"torch", "transformers"}
 LIGHT_PACKAGES = {
+    "psyche-transport": "psyche.transport",
     "psyche-network": "psyche.network",
     "psyche-data-provider": "psyche.data_provider",
     "psyche-centralized": "psyche.centralized",

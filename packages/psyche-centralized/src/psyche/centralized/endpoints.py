@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 
 from psyche.centralized.protocol import MAX_ENDPOINT_RECORD_LEN
-from psyche.core.connection_limits import DropLog
+from psyche.core.drop_log import DropLog
 
 log = logging.getLogger(__name__)
 
