@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from psyche.core.cli import env_option, parse_bool, parse_unsigned
 
 if TYPE_CHECKING:
-    from psyche.core.metrics import TrackerConfig
+    from psyche.metrics import TrackerConfig
     from psyche.network.relay import RelayOptions
 
 EVERY_INTERFACE = "0.0.0.0"
@@ -166,7 +166,7 @@ class ServerRunOptions:
 
     def tracker_config(self) -> TrackerConfig:
         """The trackers' settings (`--oltp-*`, `--metrics-jsonl`)."""
-        from psyche.core.metrics import TrackerConfig
+        from psyche.metrics import TrackerConfig
 
         return TrackerConfig.from_options(self)
 
