@@ -20,7 +20,7 @@ from psyche.core.cli import env_option, parse_bool, parse_unsigned
 
 if TYPE_CHECKING:
     from psyche.metrics import TrackerConfig
-    from psyche.network.relay import RelayOptions
+    from psyche.network import RelayOptions
 
 EVERY_INTERFACE = "0.0.0.0"
 DEFAULT_BAN_EPOCHS = 1  # psyche.coordinator.server_core's (not imported: --help stays light)
@@ -208,7 +208,7 @@ class StandaloneRelayOptions:
 
     def relay_options(self) -> RelayOptions:
         """The relay's own settings."""
-        from psyche.network.relay import RelayOptions
+        from psyche.network import RelayOptions
 
         return RelayOptions(
             bind_host=self.bind_address,

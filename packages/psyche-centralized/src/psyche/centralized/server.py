@@ -84,7 +84,7 @@ from psyche.transport import (
 if TYPE_CHECKING:  # imported lazily: the data server needs numpy, the relay libp2p
     from psyche.centralized.events import EventsWriter
     from psyche.data_provider import DataProviderTcpServer, DataServerInfo
-    from psyche.network.relay import Relay
+    from psyche.network import Relay
 
 log = logging.getLogger(__name__)
 
@@ -582,7 +582,7 @@ async def open_server(
             )
         if options.relay_port is not None:
             from psyche.core.identity import SecretKey
-            from psyche.network.relay import RelayOptions, open_relay
+            from psyche.network import RelayOptions, open_relay
 
             with _naming_the_port(f"the relay port {options.relay_port} (--relay-port)"):
                 server.p2p_relay = await stack.enter_async_context(

@@ -110,7 +110,7 @@ def relay_problems(options: TrainOptions) -> list[str]:
     """What is wrong with `--iroh-relay`'s relay addresses (`n0`'s relays do not exist here)."""
     if options.iroh_relay == "n0":
         return ["n0's relays are iroh's; use `psyche`, `disabled` or relay addresses"]
-    from psyche.network.reachability import relay_peer
+    from psyche.network import relay_peer
 
     problems = []
     for addr in options.relay_addrs() or ("",):
