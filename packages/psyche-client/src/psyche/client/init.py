@@ -95,7 +95,7 @@ class InitializedRun:
 FetchFromPeers = Callable[[Coordinator, "float | None"], Awaitable["DownloadedModel"]]
 """Fetch the model from the epoch's other clients; the second argument is when to give up
 (`trio.current_time()`) if no peer has served its configuration by then. Raises
-`psyche.network.peer_manager.PeersUnreachable` when no peer serves it."""
+`psyche.network.PeersUnreachable` when no peer serves it."""
 
 PEER_RETRY_SECS = 1.0
 
