@@ -202,12 +202,3 @@ def peer_address(stream: trio.SocketStream) -> tuple[str, str]:
     except OSError:
         return "?", "?"
     return str(host), f"{host}:{port}"
-
-
-__all__ = [
-    "Admission",
-    "ByteBudget",
-    "ConnectionLimits",
-    "Refused",
-    "peer_address",
-]

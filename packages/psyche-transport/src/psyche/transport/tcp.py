@@ -924,35 +924,3 @@ class TcpClient(Generic[ToServer, ToClient]):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
-
-
-__all__ = [
-    "CHALLENGE_LENGTH",
-    "CLIENT_MAX_FRAME_LENGTH",
-    "HANDSHAKE_FRAME_LENGTH",
-    "SERVER_MAX_FRAME_LENGTH",
-    "ClientNotification",
-    "Codec",
-    "ConnectionClosed",
-    "ConnectionLimits",
-    "Disconnected",
-    "FrameTimeout",
-    "FrameTooLarge",
-    "FramedStream",
-    "IdleTimeout",
-    "LoginRefused",
-    "Message",
-    "PostcardCodec",
-    "Screen",
-    "SendStalled",
-    "TcpClient",
-    "TcpProtocolError",
-    "TcpServer",
-    "encode_challenge",
-    "encode_challenge_response",
-    "encode_else",
-    "parse_address",
-    "resize_bytearray",
-    "split_envelope",
-    "verify_challenge_response",
-]
