@@ -1,11 +1,13 @@
-"""Which packages pull torch: the network, the data provider and the centralized server never do.
+"""Which packages pull torch: the transport, the metrics, the network, the data provider and the
+centralized server never do.
 
-`pip install packages/psyche-data-provider` (or psyche-centralized, or psyche-network) must not
-install torch or transformers. Two checks per package:
+`pip install packages/psyche-data-provider` (or any package below) must not install torch or
+transformers. Two checks per package:
 
 * what it declares, followed through the workspace's pyproject files and then through the
   installed distributions' metadata (markers evaluated, extras followed), never reaches them;
-* importing every one of its modules in a fresh interpreter leaves them out of `sys.modules`.
+* importing every one of its modules (but those that drive an opt-in extra's library) in a fresh
+  interpreter leaves them out of `sys.modules`.
 """
 
 from __future__ import annotations
@@ -24,10 +26,16 @@ from packaging.requirements import Requirement
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = {"torch", "transformers"}
 LIGHT_PACKAGES = {
+    "psyche-transport": "psyche.transport",
+    "psyche-metrics": "psyche.metrics",
     "psyche-network": "psyche.network",
     "psyche-data-provider": "psyche.data_provider",
     "psyche-centralized": "psyche.centralized",
 }
+# Modules that exist to drive an opt-in extra's library, left out of the import check: with
+# torch installed, tensorboardX (psyche-metrics[tensorboard]) imports it. The extra is not a
+# declared dependency, so the dependency walk above still covers psyche-metrics.
+EXTRA_MODULES = {"psyche.metrics.tensorboard_sink"}
 
 
 def canonical(name: str) -> str:
@@ -95,7 +103,8 @@ import importlib, pkgutil, sys
 for name in {sorted(LIGHT_PACKAGES.values())!r}:
     package = importlib.import_module(name)
     for module in pkgutil.walk_packages(package.__path__, name + "."):
-        importlib.import_module(module.name)
+        if module.name not in {sorted(EXTRA_MODULES)!r}:
+            importlib.import_module(module.name)
 print(sorted(m for m in sys.modules if m.split(".")[0] in {sorted(HEAVY)!r}))
 """
     result = subprocess.run(

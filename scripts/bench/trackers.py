@@ -34,7 +34,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from psyche.core.metrics import (
+from psyche.metrics import (
     NoopTracker,
     ServiceInfo,
     ThreadedTracker,

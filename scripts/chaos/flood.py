@@ -146,9 +146,9 @@ async def _closed(stream: trio.SocketStream) -> bool:
 
 
 async def _login(stream: trio.SocketStream) -> None:
-    """The authenticated TCP handshake with a fresh key (`psyche.core.tcp`)."""
+    """The authenticated TCP handshake with a fresh key (`psyche.transport`)."""
     from psyche.core.identity import SecretKey
-    from psyche.core.tcp import FramedStream, encode_challenge_response
+    from psyche.transport import FramedStream, encode_challenge_response
 
     framed = FramedStream(stream, max_receive_frame=1024, max_send_frame=1024)
     with trio.fail_after(10):
@@ -266,7 +266,7 @@ async def health_check_barrage(
     """`connections` strangers sending 8 MiB HealthCheck frames back to back for `hold`
     seconds, logging in again (a new key) whenever the server closes; at most `max_logins`."""
     from psyche.centralized.testing import health_check_payload
-    from psyche.core.tcp import SERVER_MAX_FRAME_LENGTH, encode_else
+    from psyche.transport import SERVER_MAX_FRAME_LENGTH, encode_else
 
     frame = encode_else(health_check_payload(SERVER_MAX_FRAME_LENGTH - 1))
     frame = len(frame).to_bytes(4, "big") + frame

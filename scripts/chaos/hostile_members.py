@@ -77,7 +77,7 @@ async def spam(server_addr: str, key_number: int, count: int, go_file: Path | No
     from psyche.coordinator.backend import OpportunisticData
     from psyche.coordinator.model import Checkpoint, HubRepo
     from psyche.coordinator.testing import warmup_witness_for
-    from psyche.core.tcp import ConnectionClosed
+    from psyche.transport import ConnectionClosed
 
     client = await ProtocolClient.connect(server_addr, test_key(key_number))
     try:

@@ -18,7 +18,7 @@ from psyche.coordinator.committee_selection import Committee, CommitteeProof, Wi
 from psyche.coordinator.model import Checkpoint, HubRepo, LLMTrainingDataLocation
 from psyche.coordinator.testing import integration_test_coordinator, simulated_identity
 from psyche.core.serde import PostcardError, encode_varint, from_bytes, to_bytes
-from psyche.core.tcp import encode_else
+from psyche.transport import encode_else
 
 
 def frame(message: ClientToServerMessage | ServerToClientMessage, tp: type) -> bytes:
@@ -140,7 +140,7 @@ def test_each_message_kind_is_bounded_by_what_it_can_legitimately_hold() -> None
     from psyche.coordinator.run_state import MAX_TOKENS_TO_SEND, WitnessEvalResult
     from psyche.core.bloom import WitnessBloom
     from psyche.core.numeric import U64_MAX
-    from psyche.core.tcp import SERVER_MAX_FRAME_LENGTH, FrameTooLarge, TcpProtocolError
+    from psyche.transport import SERVER_MAX_FRAME_LENGTH, FrameTooLarge, TcpProtocolError
 
     def encoded(message: ClientToServerMessage) -> bytes:
         return to_bytes(message, ClientToServerMessage)

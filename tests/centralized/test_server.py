@@ -34,7 +34,10 @@ from psyche.coordinator.run_config import load_state_toml
 from psyche.coordinator.testing import quick_coordinator, warmup_witness_for
 from psyche.core.batch_id import BatchId
 from psyche.core.identity import SecretKey
-from psyche.core.tcp import (
+from psyche.data_provider import DataProviderError, DataProviderTcpClient
+from psyche.network.discovery import sign_address_record
+from psyche.network.ticket import EndpointAddr, TransportAddr
+from psyche.transport import (
     CHALLENGE_LENGTH,
     FramedStream,
     LoginRefused,
@@ -42,9 +45,6 @@ from psyche.core.tcp import (
     encode_else,
     split_envelope,
 )
-from psyche.data_provider import DataProviderError, DataProviderTcpClient
-from psyche.network.discovery import sign_address_record
-from psyche.network.ticket import EndpointAddr, TransportAddr
 
 from ..processes import REPO, free_port
 from .servers import addr, eventually, hosted
@@ -337,7 +337,7 @@ def test_backend_waits_for_a_server_that_is_not_up_yet_and_gives_up_in_time() ->
 def test_backend_falls_back_when_the_server_is_upstreams() -> None:
     """An upstream server cannot decode the extension hello and drops the connection."""
     from psyche.core.serde import DataEnum, variant
-    from psyche.core.tcp import Message, PostcardCodec, TcpServer
+    from psyche.transport import Message, PostcardCodec, TcpServer
 
     class UpstreamClientMessage(DataEnum):
         Join = variant(ClientToServerMessage.Join.payload_type)

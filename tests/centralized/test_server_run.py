@@ -25,7 +25,7 @@ from psyche.centralized.run import open_run, run_server
 from psyche.centralized.save_state import load_state
 from psyche.centralized.testing import ProtocolClient
 from psyche.coordinator import Coordinator, RunState
-from psyche.core.metrics import ServiceInfo, build_tracker
+from psyche.metrics import ServiceInfo, build_tracker
 
 from ..processes import REPO, free_port
 

@@ -46,9 +46,9 @@ from psyche.coordinator.server_core import JOIN_LOG_BURST
 from psyche.coordinator.testing import quick_coordinator, warmup_witness_for
 from psyche.core.cli import single_cause
 from psyche.core.identity import SecretKey
-from psyche.core.tcp import SERVER_MAX_FRAME_LENGTH, ConnectionClosed, LoginRefused
 from psyche.network.discovery import sign_address_record
 from psyche.network.ticket import EndpointAddr, TransportAddr
+from psyche.transport import SERVER_MAX_FRAME_LENGTH, ConnectionClosed, LoginRefused
 
 from .servers import addr, eventually
 

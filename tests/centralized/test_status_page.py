@@ -30,7 +30,7 @@ from psyche.coordinator.backend import OpportunisticData
 from psyche.coordinator.committee_selection import WitnessProof
 from psyche.coordinator.run_state import RunState, Witness, WitnessMetadata
 from psyche.coordinator.testing import integration_test_coordinator
-from psyche.core.connection_limits import ConnectionLimits
+from psyche.transport import ConnectionLimits
 
 SPEED = 20.0
 ROUNDS = (RunState.RoundTrain, RunState.RoundWitness)

@@ -30,8 +30,8 @@ from psyche.client.telemetry import NetworkNumbers, RoundReport, round_metrics
 from psyche.client.testing import InProcessServer
 from psyche.coordinator import RunState
 from psyche.core.identity import SecretKey
-from psyche.core.metrics import names
 from psyche.core.node_identity import NodeIdentity
+from psyche.metrics import names
 from psyche.modeling.configs import llama_config_dict
 from psyche.network.connection import NetworkConfig
 

@@ -17,7 +17,6 @@ from psyche.core.batch_id import BatchId
 from psyche.core.data_shuffle import Shuffle
 from psyche.core.identity import SecretKey
 from psyche.core.node_identity import NodeIdentity
-from psyche.core.tcp import encode_challenge_response
 from psyche.core.token_size import TokenSize
 from psyche.data_provider import (
     DataProviderError,
@@ -29,6 +28,7 @@ from psyche.data_provider import (
 from psyche.data_provider.server import main as server_main
 from psyche.data_provider.server import read_allow_file, watch_allow_file
 from psyche.data_provider.wire import RawTrainingData, TrainingData
+from psyche.transport import encode_challenge_response
 
 pytestmark = pytest.mark.anyio
 SEED = bytes(range(1, 33))
@@ -337,8 +337,8 @@ async def test_samples_with_extras_travel_in_upstreams_form() -> None:
 
 
 async def test_a_raw_reply_that_lies_about_its_length_is_refused() -> None:
-    from psyche.core.tcp import Message, PostcardCodec, TcpServer
     from psyche.data_provider.wire import ClientToServerMessage
+    from psyche.transport import Message, PostcardCodec, TcpServer
 
     class Verbatim:
         def encode(self, value: bytes) -> bytes:

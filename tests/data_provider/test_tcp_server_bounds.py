@@ -1,4 +1,4 @@
-"""The data server's bounds (psyche.data_provider.tcp_server over psyche.core.tcp): strangers'
+"""The data server's bounds (psyche.data_provider.tcp_server over psyche.transport): strangers'
 claims cost nothing, a member that asks without reading is dropped, rejections do not flood the
 log, an idle connection is closed and its client reconnects by itself, and the limits given to
 `start` are the ones applied. Real sockets on loopback; every wait is bounded."""
@@ -15,16 +15,8 @@ import trio
 import trio.testing
 
 from psyche.core.batch_id import BatchId
-from psyche.core.connection_limits import ConnectionLimits
 from psyche.core.data_shuffle import Shuffle
 from psyche.core.identity import SecretKey
-from psyche.core.tcp import (
-    SERVER_MAX_FRAME_LENGTH,
-    FramedStream,
-    PostcardCodec,
-    encode_challenge_response,
-    encode_else,
-)
 from psyche.core.token_size import TokenSize
 from psyche.data_provider import (
     DataProviderError,
@@ -33,6 +25,14 @@ from psyche.data_provider import (
     LocalDataProvider,
 )
 from psyche.data_provider.wire import ClientToServerMessage, RequestTrainingData
+from psyche.transport import (
+    SERVER_MAX_FRAME_LENGTH,
+    ConnectionLimits,
+    FramedStream,
+    PostcardCodec,
+    encode_challenge_response,
+    encode_else,
+)
 
 pytestmark = pytest.mark.anyio
 

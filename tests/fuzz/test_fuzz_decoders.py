@@ -141,7 +141,7 @@ def _targets() -> dict[str, Callable[[], Target]]:
         return Target(lambda b: codec.decode(memoryview(b)), samples)
 
     def tcp_handshake() -> Target:
-        from psyche.core.tcp import (
+        from psyche.transport import (
             TcpProtocolError,
             encode_challenge_response,
             verify_challenge_response,

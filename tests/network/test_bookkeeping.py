@@ -6,7 +6,6 @@ import pytest
 import trio
 import trio.testing
 
-from psyche.core.allowlist import AllowDynamic
 from psyche.core.identity import SecretKey
 from psyche.core.signed_message import SignedMessageError
 from psyche.network.blob_store import BlobStore, gc_interval_from_env, remove_staled_tags
@@ -41,6 +40,7 @@ from psyche.network.peer_manager import (
 from psyche.network.stats import BandwidthTracker, PeerBandwidth
 from psyche.network.ticket import BlobFormat, BlobTicket, EndpointAddr, TransportAddr, blob_hash
 from psyche.network.transmittable import DownloadType, ModelRequestType
+from psyche.transport import AllowDynamic
 
 A, B, C, D = (bytes([i]) * 32 for i in range(1, 5))
 

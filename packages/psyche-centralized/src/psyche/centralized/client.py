@@ -4,7 +4,7 @@
         state = await backend.wait_for_new_state()
         await backend.send_witness(OpportunisticData.WarmupStep(witness))
 
-`connect` authenticates with the client's ed25519 key (`psyche.core.tcp`), says it speaks the
+`connect` authenticates with the client's ed25519 key (`psyche.transport`), says it speaks the
 port's extensions (`protocol`), sends `Join{run_id}` once per connection, and keeps receiving
 in the background: the newest coordinator state, the peers' endpoint records and the run's
 extras. Against an upstream (Rust) server, which drops a connection on a message it cannot
@@ -52,7 +52,7 @@ from psyche.coordinator.backend import HealthCheck, OpportunisticData
 from psyche.coordinator.model import Checkpoint, LLMTrainingDataLocation
 from psyche.core.cli import UserError
 from psyche.core.node_identity import NodeIdentity
-from psyche.core.tcp import (
+from psyche.transport import (
     ConnectionClosed,
     LoginRefused,
     TcpClient,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 
 from psyche.centralized.protocol import MAX_ENDPOINT_RECORD_LEN
-from psyche.core.connection_limits import DropLog
+from psyche.core.drop_log import DropLog
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 def record_signer(record: bytes) -> bytes | None:
     """The endpoint a valid self-signed address record describes, else None."""
     from psyche.core.signed_message import SignedMessageError
-    from psyche.network.discovery import verify_address_record
+    from psyche.network import verify_address_record
 
     try:
         return bytes(verify_address_record(record).id)

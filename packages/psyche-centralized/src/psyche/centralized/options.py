@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 from psyche.core.cli import env_option, parse_bool, parse_unsigned
 
 if TYPE_CHECKING:
-    from psyche.core.metrics import TrackerConfig
-    from psyche.network.relay import RelayOptions
+    from psyche.metrics import TrackerConfig
+    from psyche.network import RelayOptions
 
 EVERY_INTERFACE = "0.0.0.0"
 DEFAULT_BAN_EPOCHS = 1  # psyche.coordinator.server_core's (not imported: --help stays light)
@@ -166,7 +166,7 @@ class ServerRunOptions:
 
     def tracker_config(self) -> TrackerConfig:
         """The trackers' settings (`--oltp-*`, `--metrics-jsonl`)."""
-        from psyche.core.metrics import TrackerConfig
+        from psyche.metrics import TrackerConfig
 
         return TrackerConfig.from_options(self)
 
@@ -208,7 +208,7 @@ class StandaloneRelayOptions:
 
     def relay_options(self) -> RelayOptions:
         """The relay's own settings."""
-        from psyche.network.relay import RelayOptions
+        from psyche.network import RelayOptions
 
         return RelayOptions(
             bind_host=self.bind_address,

@@ -1,7 +1,7 @@
 """Messages of the centralized protocol (upstream `architectures/centralized/shared/src/protocol.rs`).
 
 They travel as postcard inside the authenticated, length-delimited TCP envelope of
-`psyche.core.tcp` (`Else(T)`). Upstream's variants keep their indices and bytes, so a Rust
+`psyche.transport` (`Else(T)`). Upstream's variants keep their indices and bytes, so a Rust
 client can talk to this server and this client to a Rust server.
 
 Port extensions are appended variants (higher indices), which a Rust peer cannot decode:
@@ -53,7 +53,7 @@ from psyche.core.serde import (
     variant,
     varint_len,
 )
-from psyche.core.tcp import FrameTooLarge, PostcardCodec, TcpProtocolError
+from psyche.transport import FrameTooLarge, PostcardCodec, TcpProtocolError
 
 EXTENSIONS_VERSION = 1
 # A self-signed endpoint record is a few hundred bytes; anything far larger is refused.

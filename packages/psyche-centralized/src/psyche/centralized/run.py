@@ -36,8 +36,8 @@ if TYPE_CHECKING:
 
     from psyche.centralized.server import CentralizedServer, ServerOptions
     from psyche.coordinator.coordinator import Coordinator
-    from psyche.core.metrics import Tracker
     from psyche.data_provider.data_config import DataServerInfo
+    from psyche.metrics import Tracker
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ def run_server(options: ServerRunOptions) -> int:
         print("psyche-server: not a terminal; running with --tui false", file=sys.stderr)
         tui = False
     console = setup_logging(tui)
-    from psyche.core.metrics import ServiceInfo, build_tracker
+    from psyche.metrics import ServiceInfo, build_tracker
 
     # before anything else: a tracker that cannot work is one line (TrackerConfigError)
     tracker = build_tracker(

@@ -6,7 +6,7 @@
 
 What runs while the block is open:
 
-* the authenticated TCP server (`psyche.core.tcp`) speaking `protocol`'s messages;
+* the authenticated TCP server (`psyche.transport`) speaking `protocol`'s messages;
 * a tick every 500 ms (the first at once; missed ticks are skipped, not replayed);
 * when the run's data location is `Server(addr)`: the TCP data server on that address's port,
   told the clients of every broadcast state;
@@ -24,7 +24,7 @@ every connected client has disconnected (the clients finish their last checkpoin
 cancelled, the state saved and a summary logged, and `async with` returns normally. A server
 started on a state that is already Finished ends at once. Upstream's server idles until killed.
 
-A bad frame or a broken handshake closes that one connection (`psyche.core.tcp`); a message
+A bad frame or a broken handshake closes that one connection (`psyche.transport`); a message
 the coordinator rejects is logged and ignored. A port that cannot be listened on is a
 `ServerStartError` naming which of the two ports it is.
 
@@ -71,9 +71,9 @@ from psyche.coordinator.coordinator import Coordinator
 from psyche.coordinator.model import Checkpoint, HubRepo, LLMTrainingDataLocation
 from psyche.coordinator.run_state import RunState
 from psyche.coordinator.server_core import DEFAULT_BAN_EPOCHS, ServerCore, TickOutcome
-from psyche.core.allowlist import AllowDynamic
 from psyche.core.node_identity import NodeIdentity
-from psyche.core.tcp import (
+from psyche.transport import (
+    AllowDynamic,
     Disconnected,
     Message,
     TcpServer,
@@ -84,7 +84,7 @@ from psyche.core.tcp import (
 if TYPE_CHECKING:  # imported lazily: the data server needs numpy, the relay libp2p
     from psyche.centralized.events import EventsWriter
     from psyche.data_provider import DataProviderTcpServer, DataServerInfo
-    from psyche.network.relay import Relay
+    from psyche.network import Relay
 
 log = logging.getLogger(__name__)
 
@@ -582,7 +582,7 @@ async def open_server(
             )
         if options.relay_port is not None:
             from psyche.core.identity import SecretKey
-            from psyche.network.relay import RelayOptions, open_relay
+            from psyche.network import RelayOptions, open_relay
 
             with _naming_the_port(f"the relay port {options.relay_port} (--relay-port)"):
                 server.p2p_relay = await stack.enter_async_context(

@@ -69,7 +69,7 @@ def run_relay(options: StandaloneRelayOptions) -> int:
 
     import trio
 
-    from psyche.network.relay import open_relay
+    from psyche.network import open_relay
 
     members = _Members()
     allowed = (lambda key: True) if options.open else members.allowed

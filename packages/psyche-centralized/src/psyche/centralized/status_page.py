@@ -13,7 +13,7 @@ Three layers, each with one job:
   `status_json` and `render_html` are pure functions of a snapshot.
 * `serve_status` is the HTTP shell: HTTP/1.0 `GET` only, one request per connection, the
   request (line and headers) at most `MAX_REQUEST_BYTES` and complete within the limits'
-  handshake timeout, connections admitted through `psyche.core.connection_limits.Admission`
+  handshake timeout, connections admitted through `psyche.transport.Admission`
   (a cap per remote address and in total, the oldest evicted), so a stranger holds at most a
   few small buffers for a few seconds. It binds to loopback unless told otherwise.
 """
@@ -34,7 +34,8 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from psyche.coordinator.run_state import RunState
-from psyche.core.connection_limits import Admission, ConnectionLimits, DropLog
+from psyche.core.drop_log import DropLog
+from psyche.transport import Admission, ConnectionLimits
 
 if TYPE_CHECKING:
     from psyche.centralized.server import CentralizedServer

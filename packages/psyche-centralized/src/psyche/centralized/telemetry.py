@@ -12,12 +12,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from psyche.coordinator.run_state import ClientState
-from psyche.core.metrics import names
+from psyche.metrics import names
 
 if TYPE_CHECKING:
     from psyche.centralized.server import CentralizedServer
     from psyche.centralized.status_page import StatusHistory
-    from psyche.core.metrics import MetricValue, Tracker
+    from psyche.metrics import MetricValue, Tracker
 
 PENDING_CLIENTS = "coordinator/pending_clients"
 CONNECTED_CLIENTS = "coordinator/connected_clients"

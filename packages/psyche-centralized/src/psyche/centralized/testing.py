@@ -38,7 +38,7 @@ from psyche.coordinator.testing import round_witness_for, warmup_witness_for
 from psyche.core.identity import SecretKey
 from psyche.core.node_identity import NodeIdentity
 from psyche.core.serde import encode_varint
-from psyche.core.tcp import ConnectionClosed, TcpClient
+from psyche.transport import ConnectionClosed, TcpClient
 
 
 def fast_options(speed: float = 10.0, **options: Any) -> ServerOptions:

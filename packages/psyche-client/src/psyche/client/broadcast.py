@@ -23,10 +23,10 @@ from psyche.core.identity import verify_signature
 from psyche.core.merkle_tree import MerkleRoot
 from psyche.core.serde import U32, DataEnum, struct, variant
 from psyche.modeling.serialized_distro import TransmittableDistroResult
-from psyche.network.ticket import BlobTicket
+from psyche.network import BlobTicket
 
 if TYPE_CHECKING:
-    from psyche.network.connection import NetworkConfig, NetworkConnection
+    from psyche.network import NetworkConfig, NetworkConnection
 
 __all__ = [
     "REBROADCAST_SHAREABLE_SECS",
@@ -138,7 +138,7 @@ async def rebroadcast_periodically(
 def open_network(config: NetworkConfig) -> AbstractAsyncContextManager[NetworkConnection]:
     """The client's network (upstream `NC = NetworkConnection<Broadcast, TransmittableDownload>`):
     gossip carries `Broadcast`s, a blob's DistroResult variant a `TransmittableDistroResult`."""
-    from psyche.network.connection import NetworkConnection  # libp2p loads only when needed
+    from psyche.network import NetworkConnection  # libp2p loads only when needed
 
     return NetworkConnection.open(
         config, broadcast_type=Broadcast, distro_result_type=TransmittableDistroResult

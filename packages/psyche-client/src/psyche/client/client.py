@@ -68,27 +68,31 @@ from psyche.coordinator.model import Checkpoint
 from psyche.core.cli import UserError
 from psyche.core.log_markers import IntegrationTestLogMarker
 from psyche.modeling.serialized_distro import TransmittableDistroResult
-from psyche.network.connection import NetworkConnection
-from psyche.network.discovery import sign_address_record
-from psyche.network.download import Download, DownloadComplete, DownloadFailed, DownloadOutcome
-from psyche.network.events import (
+from psyche.network import (
+    BlobTicket,
+    Download,
+    DownloadComplete,
+    DownloadedModel,
+    DownloadFailed,
+    DownloadOutcome,
+    DownloadScheduler,
+    DownloadType,
     MessageReceived,
     ModelConfigRequest,
+    ModelDownload,
+    ModelRequestType,
+    NetworkConnection,
     NetworkEvent,
     ParameterRequest,
     PeerConnected,
-)
-from psyche.network.gossip import choose_gossip_peers
-from psyche.network.model_download import DownloadedModel, ModelDownload
-from psyche.network.peer_manager import PeersUnreachable
-from psyche.network.scheduler import DownloadScheduler, RetryQueueResult
-from psyche.network.sharable_model import SharableModel, answer_request
-from psyche.network.ticket import BlobTicket
-from psyche.network.transmittable import (
-    DownloadType,
-    ModelRequestType,
+    PeersUnreachable,
+    RetryQueueResult,
+    SharableModel,
     SharableModelError,
     TicketResult,
+    answer_request,
+    choose_gossip_peers,
+    sign_address_record,
 )
 
 if TYPE_CHECKING:

@@ -44,7 +44,7 @@ EVAL_SLICE_SECONDS = 2.0
 def split_scores(task_scores: Mapping[str, TaskScore]) -> tuple[dict[str, float], frozenset[str]]:
     """Each task's score, and the tasks whose score is partial (over fewer documents than the
     task holds: `--eval-task-max-docs` cut it short, or its first pass is not done). Trackers
-    log a partial score under its own name (`psyche.core.metrics.names.eval_key`)."""
+    log a partial score under its own name (`psyche.metrics.names.eval_key`)."""
     scores = {name: score.value for name, score in task_scores.items()}
     return scores, frozenset(name for name, score in task_scores.items() if score.partial)
 

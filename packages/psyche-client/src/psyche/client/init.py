@@ -55,7 +55,7 @@ if TYPE_CHECKING:
 
     from psyche.client.workers import WorkerGroup
     from psyche.modeling.trainer import Trainer
-    from psyche.network.model_download import DownloadedModel
+    from psyche.network import DownloadedModel
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ class InitializedRun:
 FetchFromPeers = Callable[[Coordinator, "float | None"], Awaitable["DownloadedModel"]]
 """Fetch the model from the epoch's other clients; the second argument is when to give up
 (`trio.current_time()`) if no peer has served its configuration by then. Raises
-`psyche.network.peer_manager.PeersUnreachable` when no peer serves it."""
+`psyche.network.PeersUnreachable` when no peer serves it."""
 
 PEER_RETRY_SECS = 1.0
 
@@ -216,7 +216,7 @@ async def _from_peers_while_they_may_serve(
 ) -> LoadedModel | None:
     """The run's model from the epoch's other clients, asked again every second for
     `peer_wait_secs`; None when none served it by then."""
-    from psyche.network.peer_manager import PeersUnreachable
+    from psyche.network import PeersUnreachable
 
     deadline = trio.current_time() + peer_wait_secs(state)
     logger.info(

@@ -110,7 +110,7 @@ def relay_problems(options: TrainOptions) -> list[str]:
     """What is wrong with `--iroh-relay`'s relay addresses (`n0`'s relays do not exist here)."""
     if options.iroh_relay == "n0":
         return ["n0's relays are iroh's; use `psyche`, `disabled` or relay addresses"]
-    from psyche.network.reachability import relay_peer
+    from psyche.network import relay_peer
 
     problems = []
     for addr in options.relay_addrs() or ("",):
@@ -125,7 +125,7 @@ def observability_problems(options: TrainOptions) -> list[str]:
     """What is wrong with the tracker and evaluation options, found without loading anything:
     a typo in a task name, an OTLP URL that is not http, W&B flags without WANDB_API_KEY (or
     WANDB_MODE=offline), a tracker whose extra is not installed. Datasets are read later."""
-    from psyche.core.metrics import TrackerConfig, TrackerConfigError, require_extra, wandb_info
+    from psyche.metrics import TrackerConfig, TrackerConfigError, require_extra, wandb_info
 
     config = TrackerConfig.from_options(options)
     problems = config.problems()
@@ -202,7 +202,7 @@ class TrainOptions:
 
     tensorboard_dir: Path | None = option(None, parse=Path)  # noqa: RUF009 (a field)
     """Write the per-round metrics as TensorBoard event files to this directory (needs
-    psyche-core[tensorboard])"""
+    psyche-metrics[tensorboard])"""
 
     metrics_jsonl: Path | None = option(None, parse=Path)  # noqa: RUF009 (a field)
     """Append the per-round metrics to this file, one JSON object a line"""

@@ -35,7 +35,7 @@ from psyche.core.batch_id import BatchId
 from psyche.core.identity import verify_signature
 from psyche.core.node_identity import NodeIdentity
 from psyche.core.sha256 import sha256
-from psyche.network.ticket import BlobTicket
+from psyche.network import BlobTicket
 
 if TYPE_CHECKING:
     from psyche.modeling.distro import DistroResult

@@ -18,7 +18,7 @@ from psyche.coordinator.committee_selection import CommitteeProof, CommitteeSele
 from psyche.core.batch_id import BatchId
 from psyche.core.bloom import WitnessBloom
 from psyche.core.node_identity import NodeIdentity
-from psyche.network.ticket import BlobTicket
+from psyche.network import BlobTicket
 
 if TYPE_CHECKING:
     from psyche.modeling.distro import DistroResult

@@ -40,8 +40,7 @@ if TYPE_CHECKING:
     from psyche.client.workers import WorkerGroup
     from psyche.core.identity import SecretKey
     from psyche.core.node_identity import NodeIdentity
-    from psyche.network.connection import NetworkConfig, NetworkConnection
-    from psyche.network.ticket import EndpointAddr
+    from psyche.network import EndpointAddr, NetworkConfig, NetworkConnection
 
 log = logging.getLogger("psyche.client.run")
 
@@ -84,8 +83,7 @@ def network_config(
     options: TrainOptions, key: SecretKey, bootstrap_peers: Sequence[EndpointAddr] = ()
 ) -> NetworkConfig:
     """The peer-to-peer network's configuration from the options."""
-    from psyche.network.connection import NetworkConfig
-    from psyche.network.discovery import default_local_discovery_dir
+    from psyche.network import NetworkConfig, default_local_discovery_dir
 
     return NetworkConfig(
         run_id=options.run_id,
@@ -176,8 +174,8 @@ class Preload:
 
         log.debug("loading torch and transformers")
         preload_modeling()
-        import psyche.network.connection  # noqa: F401
         from psyche.modeling.parallel import ParallelismError
+        from psyche.network import NetworkConnection  # noqa: F401  (loads libp2p here)
 
         try:
             if self.workers is not None:

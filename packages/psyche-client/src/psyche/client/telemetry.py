@@ -3,7 +3,7 @@
 
 One source of truth: the state machine (`steps`) measures a round once, into a `RoundReport`;
 the progress line is formatted from it, and the same report goes to every `RunObserver`.
-`round_metrics` turns a report into the tracker keys of `psyche.core.metrics.names` (upstream's
+`round_metrics` turns a report into the tracker keys of `psyche.metrics.names` (upstream's
 W&B keys, plus this port's round timings and byte counts), a pure function.
 
 A report is handed over when its round is over (the client left the round's witness step),
@@ -23,13 +23,13 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
-from psyche.core.metrics import names
+from psyche.metrics import names
 
 if TYPE_CHECKING:
     from psyche.client.options import TrainOptions
     from psyche.coordinator import Coordinator
-    from psyche.core.metrics import MetricValue, Tracker
     from psyche.core.node_identity import NodeIdentity
+    from psyche.metrics import MetricValue, Tracker
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ def _finite(value: float | None) -> bool:
 
 
 def round_metrics(report: RoundReport) -> dict[str, MetricValue]:
-    """The tracker values of one round (names from `psyche.core.metrics.names`); a value the
+    """The tracker values of one round (names from `psyche.metrics.names`); a value the
     round does not have is left out rather than logged as 0."""
     out: dict[str, MetricValue] = {
         names.COORDINATOR_STEP: report.step,
@@ -291,12 +291,12 @@ async def log_progress(
 
 
 def client_tracker(options: TrainOptions, identity: NodeIdentity | str, service: str) -> Tracker:
-    """The trackers `options` ask for (`psyche.core.metrics.build_tracker`; a `NoopTracker`
+    """The trackers `options` ask for (`psyche.metrics.build_tracker`; a `NoopTracker`
     when none). `service` is the OpenTelemetry service name (upstream's
     `psyche-centralized-client` / `psyche-solana-client`); the W&B run defaults to
     `<run id>-<identity>` as upstream. A tracker that cannot work is a `TrackerConfigError`
     (one line); nothing here touches the network."""
-    from psyche.core.metrics import ServiceInfo, TrackerConfig, build_tracker
+    from psyche.metrics import ServiceInfo, TrackerConfig, build_tracker
 
     return build_tracker(
         TrackerConfig.from_options(options),

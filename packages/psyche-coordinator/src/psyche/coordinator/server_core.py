@@ -60,7 +60,7 @@ from psyche.coordinator.run_state import (
     TickResult,
     WitnessMetadata,
 )
-from psyche.core.connection_limits import DropLog
+from psyche.core.drop_log import DropLog
 from psyche.core.node_identity import NodeIdentity
 
 log = logging.getLogger(__name__)

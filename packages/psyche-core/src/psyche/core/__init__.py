@@ -1,4 +1,16 @@
-"""Deterministic primitives shared by every Psyche component: identities, intervals, shuffles, bloom filters, merkle trees, LR schedules and the postcard codec.
+"""Deterministic primitives shared by every Psyche component.
+
+What every honest client must compute identically lives here (the main names exported below):
+identities and signatures, batch intervals, the LCG, ChaCha and swap-or-not shuffles, bloom
+filters, merkle trees, similarity distances, LR schedules, fixed-capacity strings and vectors,
+small containers (a bounded queue, running averages, a cancellable barrier),
+and (`psyche.core.serde`) the one type declaration read and written as postcard, TOML or JSON.
+
+Beside them, in their own modules and not exported here, are the few process helpers every
+package needs: `atomic_file`, `safe_path`, `drop_log` (a log peers cannot flood), `lazy`
+(PEP 562 exports) and `cli` (signals, exit codes and one-line errors for every command, and
+the option declarations the libraries own their commands' options with). Authenticated TCP is
+`psyche.transport`, experiment trackers `psyche.metrics`.
 
 Importing this package loads neither torch nor numpy.
 """

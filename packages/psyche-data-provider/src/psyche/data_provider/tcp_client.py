@@ -19,13 +19,6 @@ import trio
 
 from psyche.core.batch_id import BatchId
 from psyche.core.identity import SecretKey
-from psyche.core.tcp import (
-    CLIENT_MAX_FRAME_LENGTH,
-    ConnectionClosed,
-    PostcardCodec,
-    TcpClient,
-    TcpProtocolError,
-)
 from psyche.data_provider.types import (
     DataProviderError,
     TokenizedData,
@@ -41,6 +34,13 @@ from psyche.data_provider.wire import (
     ServerMessageCodec,
     ServerToClientMessage,
     TrainingData,
+)
+from psyche.transport import (
+    CLIENT_MAX_FRAME_LENGTH,
+    ConnectionClosed,
+    PostcardCodec,
+    TcpClient,
+    TcpProtocolError,
 )
 
 log = logging.getLogger(__name__)

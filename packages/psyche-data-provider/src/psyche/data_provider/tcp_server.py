@@ -27,17 +27,7 @@ import numpy as np
 import trio
 
 from psyche.core.batch_id import BatchId
-from psyche.core.connection_limits import ConnectionLimits, DropLog
-from psyche.core.tcp import (
-    CLIENT_MAX_FRAME_LENGTH,
-    SERVER_MAX_FRAME_LENGTH,
-    Codec,
-    Disconnected,
-    FrameTooLarge,
-    Message,
-    PostcardCodec,
-    TcpServer,
-)
+from psyche.core.drop_log import DropLog
 from psyche.data_provider.types import (
     BatchDataProvider,
     DataProviderError,
@@ -54,6 +44,17 @@ from psyche.data_provider.wire import (
     ServerToClientMessage,
     TrainingData,
     UpstreamRequestCodec,
+)
+from psyche.transport import (
+    CLIENT_MAX_FRAME_LENGTH,
+    SERVER_MAX_FRAME_LENGTH,
+    Codec,
+    ConnectionLimits,
+    Disconnected,
+    FrameTooLarge,
+    Message,
+    PostcardCodec,
+    TcpServer,
 )
 
 log = logging.getLogger(__name__)
@@ -103,7 +104,7 @@ class DataProviderTcpServer:
 
         Replies may be as large as the client's frame limit (upstream's server is capped at its
         own 8 MiB default, so large batches failed there). `limits` bound what connections can
-        make the server hold (`psyche.core.connection_limits`; defaults when None).
+        make the server hold (`psyche.transport`; defaults when None).
         """
         requests: Codec[ClientToServerMessage] = (
             UpstreamRequestCodec() if upstream_only else PostcardCodec(ClientToServerMessage)

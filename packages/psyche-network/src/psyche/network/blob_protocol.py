@@ -44,8 +44,8 @@ from psyche.core.serde import (
     variant,
 )
 from psyche.core.serde import struct as wire_struct
-from psyche.core.tcp import _resize_bytearray as resize_bytearray
 from psyche.network.ticket import blob_hash
+from psyche.transport import resize_bytearray
 
 PROTOCOL_VERSION = 0
 MAX_CONTROL_FRAME = 1024
@@ -368,7 +368,7 @@ async def fetch_one(
 async def receive_growing(stream: ByteStream, size: int, on_progress: ProgressFn) -> bytearray:
     """Exactly `size` bytes into a buffer that grows as they arrive: reserved at
     `FIRST_RECEIVE_BYTES` and grown fourfold when full (without writing the new tail, see
-    `psyche.core.tcp`), so a ticket's size, however large, is not allocated before its bytes
+    `psyche.transport`), so a ticket's size, however large, is not allocated before its bytes
     come; at most four times what arrived is ever reserved."""
     buf = bytearray()
     resize_bytearray(buf, min(size, FIRST_RECEIVE_BYTES))

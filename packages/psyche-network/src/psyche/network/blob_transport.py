@@ -10,7 +10,7 @@
   connection goes.
 
 Both hand their sessions to one `BlobServer`, so what a peer can make a provider hold is the
-same on either: bounded by `BLOB_LIMITS` (`psyche.core.connection_limits`). Before its signed
+same on either: bounded by `BLOB_LIMITS` (`psyche.transport`). Before its signed
 request a side-channel connection holds a pending slot (the oldest is closed when they are full)
 and must finish the Noise handshake and the request within the handshake timeout, sending at
 most two handshake messages and two control frames of at most 1 KiB; each blob being sent holds
@@ -33,13 +33,7 @@ from libp2p.abc import IHost, INetStream
 from libp2p.exceptions import BaseLibp2pError
 from libp2p.network.stream.exceptions import StreamEOF, StreamError, StreamReset
 
-from psyche.core.connection_limits import (
-    Admission,
-    ConnectionLimits,
-    DropLog,
-    Refused,
-    peer_address,
-)
+from psyche.core.drop_log import DropLog
 from psyche.core.identity import SecretKey
 from psyche.network import blob_protocol, p2p_host
 from psyche.network.blob_protocol import AllowCheck, BlobLookup, BlobSession, ProgressFn
@@ -53,6 +47,7 @@ from psyche.network.secure_channel import (
     secure_outbound,
 )
 from psyche.network.ticket import EndpointAddr, TransportAddr, parse_host_port
+from psyche.transport import Admission, ConnectionLimits, Refused, peer_address
 
 logger = logging.getLogger(__name__)
 

@@ -29,8 +29,7 @@ import trio
 from libp2p.abc import IHost, INetConn, INetStream
 from libp2p.tools.anyio_service import background_trio_service
 
-from psyche.core.allowlist import AllowDynamic, Allowlist
-from psyche.core.connection_limits import ConnectionLimits, DropLog
+from psyche.core.drop_log import DropLog
 from psyche.core.identity import SecretKey
 from psyche.network import model_sharing, p2p_host, peer_exchange
 from psyche.network.blob_routes import DEFAULT_MAX_FETCHES_PER_PEER, BlobRoutes
@@ -76,6 +75,7 @@ from psyche.network.transmittable import (
     TicketResult,
     download_codec,
 )
+from psyche.transport import AllowDynamic, Allowlist, ConnectionLimits
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ upstream's `AllowlistHook` (reject after handshake) in libp2p terms.
 The other bounds py-libp2p does not offer in a usable form are added the same way (`harden`
 installs them all): `install_inbound_limits` caps the connections still in their security and
 muxer upgrade, per remote address and in total, evicting the oldest as the other listening
-sockets do (`psyche.core.connection_limits`), and gives back the swarm's inbound slot when an
+sockets do (`psyche.transport`), and gives back the swarm's inbound slot when an
 inbound connection closes (py-libp2p holds it until the swarm stops); `install_stream_limits`
 caps the inbound streams one peer may hold open (and all peers together), resetting any
 beyond. Refusals are logged through one `DropLog` per host: the first of each kind in 10 s,
@@ -48,7 +48,7 @@ from libp2p.peer.peerinfo import PeerInfo
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 
-from psyche.core.connection_limits import Admission, ConnectionLimits, DropLog
+from psyche.core.drop_log import DropLog
 from psyche.core.identity import SecretKey
 from psyche.network.identity import (
     IdentityError,
@@ -57,6 +57,7 @@ from psyche.network.identity import (
     peer_id_from_public_key,
     public_key_from_peer_id,
 )
+from psyche.transport import Admission, ConnectionLimits
 
 logger = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
 from libp2p.relay.circuit_v2.resources import RelayLimits
 from libp2p.tools.anyio_service import background_trio_service
 
-from psyche.core.connection_limits import DropLog
+from psyche.core.drop_log import DropLog
 from psyche.core.identity import SecretKey
 from psyche.network import p2p_host
 from psyche.network.identity import fmt_short

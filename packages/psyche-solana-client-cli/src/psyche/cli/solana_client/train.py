@@ -99,7 +99,7 @@ def parse_bootstrap_peer(text: str) -> Any:
     """`<64 hex endpoint id>@<host>:<port>` as an `EndpointAddr` with one libp2p address; a
     host name is resolved (IPv4) now."""
     from psyche.core.identity import parse_hex_key
-    from psyche.network.ticket import EndpointAddr, TransportAddr, parse_host_port
+    from psyche.network import EndpointAddr, TransportAddr, parse_host_port
 
     text = text.strip()
     ident, sep, host_port = text.partition("@")

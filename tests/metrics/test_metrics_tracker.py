@@ -1,4 +1,4 @@
-"""psyche.core.metrics without third-party trackers: the threaded sink's guarantees (never
+"""psyche.metrics without third-party trackers: the threaded sink's guarantees (never
 blocks the caller, drops with a counted warning, a failing sink is switched off with one
 warning, a bounded finish), the composite, the JSONL file read back, upstream's W&B rule and
 the settings' checks, the missing-extra error and the OpenTelemetry names."""
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from psyche.core.cli import UserError
-from psyche.core.metrics import (
+from psyche.metrics import (
     CompositeTracker,
     JsonlSink,
     MissingExtraError,
@@ -31,7 +31,7 @@ from psyche.core.metrics import (
     names,
     wandb_info,
 )
-from psyche.core.metrics.names import otel_instrument
+from psyche.metrics.names import otel_instrument
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -122,7 +122,7 @@ def test_log_copies_the_callers_dictionary() -> None:
 
 
 def test_full_queue_drops_with_one_counted_warning(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="psyche.core.metrics")
+    caplog.set_level(logging.WARNING, logger="psyche.metrics")
     gate = threading.Event()
     sink = RecordingSink(gate=gate)
     tracker = ThreadedTracker(sink, queue_size=4, drop_warning_interval=3600)
@@ -142,7 +142,7 @@ def test_full_queue_drops_with_one_counted_warning(caplog: pytest.LogCaptureFixt
 
 
 def test_drops_are_reported_again_after_the_interval(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="psyche.core.metrics")
+    caplog.set_level(logging.WARNING, logger="psyche.metrics")
     gate = threading.Event()
     sink = RecordingSink(gate=gate)
     tracker = ThreadedTracker(sink, queue_size=1, drop_warning_interval=0.0)
@@ -162,7 +162,7 @@ def test_drops_are_reported_again_after_the_interval(caplog: pytest.LogCaptureFi
 def test_a_sink_that_fails_is_switched_off_with_one_warning(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="psyche.core.metrics")
+    caplog.set_level(logging.WARNING, logger="psyche.metrics")
     sink = FailingSink(fail_at_write=3)
     tracker = ThreadedTracker(sink)
     for i, values in enumerate(steps(10)):
@@ -177,7 +177,7 @@ def test_a_sink_that_fails_is_switched_off_with_one_warning(
 
 
 def test_a_sink_that_cannot_start_is_switched_off(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="psyche.core.metrics")
+    caplog.set_level(logging.WARNING, logger="psyche.metrics")
     sink = FailingSink(fail_open=True)
     tracker = ThreadedTracker(sink)
     deadline = time.monotonic() + WAIT
@@ -198,7 +198,7 @@ def test_a_sink_that_cannot_start_is_switched_off(caplog: pytest.LogCaptureFixtu
 def test_finish_returns_within_its_timeout_when_a_sink_hangs(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="psyche.core.metrics")
+    caplog.set_level(logging.WARNING, logger="psyche.metrics")
     gate = threading.Event()  # never set before finish: the sink is stuck in write
     stuck = RecordingSink("stuck", gate=gate)
     healthy = RecordingSink("healthy")
@@ -253,7 +253,7 @@ class RaisingTracker(Tracker):
 def test_composite_gives_every_tracker_the_same_values_and_drops_a_raising_one(
     caplog: pytest.LogCaptureFixture, tmp_path: Path
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="psyche.core.metrics")
+    caplog.set_level(logging.WARNING, logger="psyche.metrics")
     first, second = RecordingSink("first"), RecordingSink("second")
     raising = RaisingTracker()
     jsonl = tmp_path / "metrics.jsonl"
@@ -432,7 +432,7 @@ def test_a_missing_extra_is_one_error_naming_it(
         build_tracker(config, service=SERVICE, run_name="r", env=env)
     message = str(error.value)
     assert isinstance(error.value, UserError) and "\n" not in message
-    assert message.endswith(f"pip install 'psyche-core[{extra}]'")
+    assert message.endswith(f"pip install 'psyche-metrics[{extra}]'")
     assert f"needs the '{extra}' extra" in message
 
 

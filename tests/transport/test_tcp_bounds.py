@@ -1,7 +1,7 @@
-"""What strangers and members can make a `TcpServer` hold (psyche.core.tcp, .limits): frames
-before login capped at the handshake's size, memory that follows the bytes that arrive, caps on
-pending and logged-in connections per address and in total, and the slow-sender, idle and
-stalled-reader timeouts. Real sockets on loopback; timeouts are shortened for the tests, and
+"""What strangers and members can make a `TcpServer` hold (psyche.transport's tcp and
+connection_limits): frames before login capped at the handshake's size, memory that follows the
+bytes that arrive, caps on pending and logged-in connections per address and in total, and the
+slow-sender, idle and stalled-reader timeouts. Real sockets on loopback; timeouts are shortened for the tests, and
 every wait is bounded."""
 
 from __future__ import annotations
@@ -17,12 +17,14 @@ import pytest
 import trio
 import trio.testing
 
-from psyche.core.connection_limits import ByteBudget, ConnectionLimits, DropLog
+from psyche.core.drop_log import DropLog
 from psyche.core.identity import SecretKey
 from psyche.core.serde import DataEnum, variant
-from psyche.core.tcp import (
+from psyche.transport import (
     HANDSHAKE_FRAME_LENGTH,
     SERVER_MAX_FRAME_LENGTH,
+    ByteBudget,
+    ConnectionLimits,
     Disconnected,
     FramedStream,
     FrameTimeout,

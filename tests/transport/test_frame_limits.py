@@ -17,7 +17,7 @@ import trio
 
 from psyche.core.identity import SecretKey
 from psyche.core.serde import DataEnum, variant
-from psyche.core.tcp import (
+from psyche.transport import (
     CLIENT_MAX_FRAME_LENGTH,
     SERVER_MAX_FRAME_LENGTH,
     ConnectionClosed,

@@ -2,7 +2,7 @@
 out to several (Levanter's `CompositeTracker`, torchtitan's `BaseLogger`).
 
 A tracker takes one flat dictionary of scalars per step. Keys are slash-separated names
-(`train/loss`, `coordinator/epoch`: see `psyche.core.metrics.names`); values are numbers
+(`train/loss`, `coordinator/epoch`: see `psyche.metrics.names`); values are numbers
 (`int`, `float`, `bool`) or short strings. Every tracker here promises the same three things to
 its caller, which is a training loop or a server tick:
 

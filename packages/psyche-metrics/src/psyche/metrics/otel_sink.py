@@ -2,7 +2,7 @@
 URL, as upstream's `--oltp-metrics-url`, `--oltp-tracing-url` and `--oltp-logs-url`.
 
 * **Metrics**: every number logged is recorded on upstream's instrument for its key
-  (`psyche.core.metrics.names.otel_instrument`: `train/loss` -> gauge `psyche_training_loss`),
+  (`psyche.metrics.names.otel_instrument`: `train/loss` -> gauge `psyche_training_loss`),
   and the step on `psyche_round_step`; a periodic reader exports them every
   `--oltp-report-interval` seconds (cumulative temporality, upstream's default).
 * **Traces**: one span `step` per logged step, from the previous `log` call to this one, with

@@ -1,6 +1,7 @@
 """Experiment trackers: W&B, TensorBoard, a JSONL file and OpenTelemetry, several at once.
 
-The client and the server log through this one interface (it sits in psyche.core, below both):
+The client and the server log through this one interface (upstream's `shared/metrics`; this
+package sits below both and imports only `psyche.core`):
 
     config = TrackerConfig.from_options(options)          # upstream's --wandb-* / --oltp-* flags
     tracker = build_tracker(
@@ -15,8 +16,11 @@ The client and the server log through this one interface (it sits in psyche.core
 `NoopTracker` when none is): `log` copies the values onto each sink's bounded queue and
 returns; each sink writes from its own thread, drops with a counted warning when it falls
 behind, and is switched off with one warning when it fails. The third-party libraries are
-optional extras of psyche-core (`wandb`, `tensorboard`, `otel`), imported only when their
+optional extras of psyche-metrics (`wandb`, `tensorboard`, `otel`), imported only when their
 tracker is asked for; a missing one is a `MissingExtraError` naming the extra to install.
+
+This is the package's public face: other packages import these names, and the `names` module
+of metric keys, from `psyche.metrics`, never its other modules (an import-linter contract).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from psyche.core.metrics import ServiceInfo, TrackerConfig, build_tracker, names
+from psyche.metrics import ServiceInfo, TrackerConfig, build_tracker, names
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -385,7 +385,7 @@ def test_otel_metrics_traces_and_logs_reach_a_collector(collector: Collector) ->
 def test_otel_export_failure_switches_that_export_off_with_one_warning(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="psyche.core.metrics")
+    caplog.set_level(logging.WARNING, logger="psyche.metrics")
     refusing = Collector(status=400)  # not retried by the exporter
     try:
         config = refusing.config(
@@ -398,7 +398,7 @@ def test_otel_export_failure_switches_that_export_off_with_one_warning(
         warnings = [
             r.getMessage()
             for r in caplog.records
-            if r.name.startswith("psyche.core.metrics") and "OpenTelemetry" in r.getMessage()
+            if r.name.startswith("psyche.metrics") and "OpenTelemetry" in r.getMessage()
         ]
         assert warnings == [
             f"OpenTelemetry metrics export to {refusing.url}/v1/metrics failed; "
@@ -438,7 +438,7 @@ class BrokenSink:
 def test_every_tracker_at_once_gets_the_same_values_and_a_broken_one_stops_alone(
     tmp_path: Path, collector: Collector, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="psyche.core.metrics")
+    caplog.set_level(logging.WARNING, logger="psyche.metrics")
     config = collector.config(
         oltp_tracing_url=None,
         oltp_logs_url=None,

@@ -1,4 +1,4 @@
-"""The authenticated TCP transport (psyche.core.tcp): upstream's four tcp.rs tests, the wire
+"""The authenticated TCP transport (psyche.transport.tcp): upstream's four tcp.rs tests, the wire
 bytes, and hostile peers that must only ever lose their own connection."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import trio.testing
 from psyche.core.identity import SecretKey
 from psyche.core.serde import DataEnum, FixedBytes, from_bytes, struct, to_bytes, variant
 from psyche.core.signed_message import SignedMessage
-from psyche.core.tcp import (
+from psyche.transport.tcp import (
     MAX_REFUSED_REASON,
     REFUSED,
     ConnectionClosed,
@@ -358,7 +358,7 @@ async def test_receive_is_cancel_safe() -> None:
 async def test_large_frames_are_received_in_place_and_cancel_safely() -> None:
     """Frames above DIRECT_RECEIVE_BYTES go straight into their own buffer on a socket; a
     receive cancelled halfway loses nothing, and frames around it stay intact."""
-    from psyche.core.tcp import DIRECT_RECEIVE_BYTES
+    from psyche.transport.tcp import DIRECT_RECEIVE_BYTES
 
     left, right = trio.socket.socketpair()
     writer = trio.SocketStream(left)

@@ -44,7 +44,7 @@ class MissingExtraError(TrackerConfigError):
     def __init__(self, what: str, extra: str) -> None:
         super().__init__(
             f"{what} needs the '{extra}' extra, which is not installed: "
-            f"pip install 'psyche-core[{extra}]'"
+            f"pip install 'psyche-metrics[{extra}]'"
         )
         self.extra = extra
 

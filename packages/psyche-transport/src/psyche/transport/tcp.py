@@ -22,11 +22,11 @@ speed. `PostcardCodec(T)` is the serde encoding and the default everywhere else.
 
 Hostile input never takes the server down: an oversized or undecodable frame, a bad signature,
 a late second `ChallengeResponse` or a handshake that times out closes that one connection and
-is logged (at most one line per kind and interval, `limits.DropLog`), and the server keeps
-serving everyone else. Nothing a peer sends makes the server allocate more than the bytes that
-actually arrive, and `ConnectionLimits` bounds how many connections, bytes and seconds peers
-can make it hold (see `TcpServer`). A server whose messages have known bounds also screens
-each frame before decoding it (`Screen`: its variant, its length, who sent it).
+is logged (at most one line per kind and interval, `psyche.core.drop_log.DropLog`), and the
+server keeps serving everyone else. Nothing a peer sends makes the server allocate more than
+the bytes that actually arrive, and `ConnectionLimits` bounds how many connections, bytes and
+seconds peers can make it hold (see `TcpServer`). A server whose messages have known bounds
+also screens each frame before decoding it (`Screen`: its variant, its length, who sent it).
 """
 
 from __future__ import annotations
@@ -43,18 +43,18 @@ from typing import Annotated, Any, Generic, Protocol, TypeVar
 
 import trio
 
-from psyche.core.allowlist import Allowlist
-from psyche.core.connection_limits import (
-    Admission,
-    ByteBudget,
-    ConnectionLimits,
-    DropLog,
-    Refused,
-    peer_address,
-)
+from psyche.core.drop_log import DropLog
 from psyche.core.identity import SecretKey
 from psyche.core.serde import FixedBytes, PostcardError, decode_varint, from_bytes, to_bytes
 from psyche.core.signed_message import SignedMessage, SignedMessageError
+from psyche.transport.allowlist import Allowlist
+from psyche.transport.connection_limits import (
+    Admission,
+    ByteBudget,
+    ConnectionLimits,
+    Refused,
+    peer_address,
+)
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +176,7 @@ _bytearray_resize.argtypes = [ctypes.py_object, ctypes.c_ssize_t]
 _bytearray_resize.restype = ctypes.c_int
 
 
-def _resize_bytearray(frame: bytearray, size: int) -> None:
+def resize_bytearray(frame: bytearray, size: int) -> None:
     """Grow `frame` to `size` bytes without writing the new tail.
 
     Python can only grow a bytearray by writing into it, which would touch (and zero) every page
@@ -316,14 +316,14 @@ class FramedStream:
         have = len(frame)
         buf.clear()
         # Reserved, not written: the pages past `have` are touched only as bytes arrive.
-        _resize_bytearray(frame, min(length, max(FIRST_DIRECT_BYTES, GROWTH * have)))
+        resize_bytearray(frame, min(length, max(FIRST_DIRECT_BYTES, GROWTH * have)))
         self._frame, self._frame_length, self._filled = frame, length, have
 
     async def _receive_direct(self) -> None:
         frame = self._frame
         assert frame is not None and self._socket is not None
         if self._filled == len(frame):
-            _resize_bytearray(frame, min(self._frame_length, GROWTH * len(frame)))
+            resize_bytearray(frame, min(self._frame_length, GROWTH * len(frame)))
         with memoryview(frame) as view, view[self._filled :] as free:
             got = await self._wait(self._socket.recv_into, free)
         self.last_received = trio.current_time()
@@ -924,34 +924,3 @@ class TcpClient(Generic[ToServer, ToClient]):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
-
-
-__all__ = [
-    "CHALLENGE_LENGTH",
-    "CLIENT_MAX_FRAME_LENGTH",
-    "HANDSHAKE_FRAME_LENGTH",
-    "SERVER_MAX_FRAME_LENGTH",
-    "ClientNotification",
-    "Codec",
-    "ConnectionClosed",
-    "ConnectionLimits",
-    "Disconnected",
-    "FrameTimeout",
-    "FrameTooLarge",
-    "FramedStream",
-    "IdleTimeout",
-    "LoginRefused",
-    "Message",
-    "PostcardCodec",
-    "Screen",
-    "SendStalled",
-    "TcpClient",
-    "TcpProtocolError",
-    "TcpServer",
-    "encode_challenge",
-    "encode_challenge_response",
-    "encode_else",
-    "parse_address",
-    "split_envelope",
-    "verify_challenge_response",
-]

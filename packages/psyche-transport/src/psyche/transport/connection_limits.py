@@ -12,8 +12,9 @@ built from a `ConnectionLimits`:
   refused; identities already connected keep their connections (and may replace them), so
   strangers never push out members that have logged in.
 
-Refusals and drops are logged through a `DropLog`: the first of each kind in an interval with
-its detail, the rest as one summary line, so that a flood cannot flood the log as well.
+Refusals and drops are logged through a `DropLog` (`psyche.core.drop_log`): the first of each
+kind in an interval with its detail, the rest as one summary line, so that a flood cannot flood
+the log as well.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import trio
+
+from psyche.core.drop_log import DropLog
 
 MIB = 1 << 20
 
@@ -81,54 +84,6 @@ class ConnectionLimits:
     together. A connection whose frame would go past it waits, its frame timeout running, until
     others' frames have arrived. Memory follows the bytes that arrive, so this is an upper
     bound; each connection may also hold up to 64 KiB of smaller frames."""
-
-
-class DropLog:
-    """Logs what peers make a server do (refused and dropped connections, ignored messages,
-    joins) without letting a flood flood the log: every line a remote peer can cause goes
-    through one.
-
-    The first `burst` events of each kind in an interval are logged with their detail; the rest
-    are counted and reported in one line when the interval ends (`run` must be running for
-    that). So a kind costs at most `burst` + 1 lines per interval, however many peers cause it."""
-
-    def __init__(
-        self, logger: logging.Logger, what: str, interval: float = 10.0, *, burst: int = 1
-    ) -> None:
-        self._logger = logger
-        self._what = what
-        self.interval = interval
-        self.burst = burst
-        self.counts: Counter[str] = Counter()
-        """Every event so far, by kind (for tests and figures)."""
-        self._suppressed: Counter[str] = Counter()
-        self._seen: Counter[str] = Counter()
-        self._started = trio.Event()
-
-    def note(self, kind: str, detail: str, level: int = logging.WARNING) -> None:
-        self.counts[kind] += 1
-        if self._seen[kind] >= self.burst:
-            self._suppressed[kind] += 1
-            return
-        self._seen[kind] += 1
-        self._logger.log(level, "%s", detail)
-        self._started.set()
-
-    async def run(self) -> None:
-        while True:
-            await self._started.wait()
-            await trio.sleep(self.interval)
-            self.flush()
-
-    def flush(self) -> None:
-        if self._suppressed:
-            summary = ", ".join(f"{n} {kind}" for kind, n in sorted(self._suppressed.items()))
-            self._logger.warning(
-                "%s in the last %.0f s besides those above: %s", self._what, self.interval, summary
-            )
-        self._suppressed.clear()
-        self._seen.clear()
-        self._started = trio.Event()
 
 
 class ByteBudget:
@@ -247,13 +202,3 @@ def peer_address(stream: trio.SocketStream) -> tuple[str, str]:
     except OSError:
         return "?", "?"
     return str(host), f"{host}:{port}"
-
-
-__all__ = [
-    "Admission",
-    "ByteBudget",
-    "ConnectionLimits",
-    "DropLog",
-    "Refused",
-    "peer_address",
-]
