@@ -8,6 +8,10 @@ started, with its process group.
 * `json_events(text, name)` / `events(proc, name)`: the JSON log lines of a `--logs json`
   process; `wait_event(proc, name, predicate, timeout)`: the first such line that matches;
   `wait_events(proc, name, count, timeout)`: the first `count` lines of that name.
+
+Every `timeout` is in seconds on an idle two-core machine, stretched to this one's measured
+speed when it runs out (`tests/timing.py`'s `Deadline`). The clients started here train on one
+thread (`CPU_THREADS=1`, the client's `--cpu-threads`), as several share the machine.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from .timing import Deadline
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -61,7 +67,7 @@ class Processes:
             popen = subprocess.Popen(
                 argv,
                 cwd=cwd,
-                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                env={**os.environ, "PYTHONUNBUFFERED": "1", "CPU_THREADS": "1", **(env or {})},
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -76,7 +82,7 @@ class Processes:
     ) -> re.Match[str]:
         """The first match of `pattern` in `proc`'s output past character `after`."""
         regex = re.compile(pattern)
-        deadline = time.monotonic() + timeout
+        deadline = Deadline(timeout)
         while True:
             match = regex.search(proc.text(), after)
             if match:
@@ -89,9 +95,9 @@ class Processes:
                     f"{proc.name} exited ({proc.popen.returncode}) before printing "
                     f"{pattern!r}:\n{proc.text()[-4000:]}"
                 )
-            if time.monotonic() > deadline:
+            if deadline.expired():
                 raise AssertionError(
-                    f"{proc.name} did not print {pattern!r} in {timeout} s:\n{proc.text()[-4000:]}"
+                    f"{proc.name} did not print {pattern!r} in {deadline}:\n{proc.text()[-4000:]}"
                 )
             time.sleep(0.2)
 
@@ -137,31 +143,31 @@ def events(proc: Proc, name: str | None = None) -> list[dict[str, Any]]:
 def wait_event(
     proc: Proc, name: str, predicate: Callable[[dict[str, Any]], bool], timeout: float
 ) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
+    deadline = Deadline(timeout)
     while True:
         for doc in events(proc, name):
             if predicate(doc):
                 return doc
         if proc.popen.poll() is not None:
             raise AssertionError(f"{proc.name} exited:\n{proc.text()[-4000:]}")
-        if time.monotonic() > deadline:
+        if deadline.expired():
             raise AssertionError(
-                f"{proc.name}: no {name} event as expected in {timeout} s:\n{proc.text()[-4000:]}"
+                f"{proc.name}: no {name} event as expected in {deadline}:\n{proc.text()[-4000:]}"
             )
         time.sleep(0.2)
 
 
 def wait_events(proc: Proc, name: str, count: int, timeout: float) -> list[dict[str, Any]]:
-    deadline = time.monotonic() + timeout
+    deadline = Deadline(timeout)
     while True:
         found = events(proc, name)
         if len(found) >= count:
             return found[:count]
         if proc.popen.poll() is not None:
             raise AssertionError(f"{proc.name} exited:\n{proc.text()[-4000:]}")
-        if time.monotonic() > deadline:
+        if deadline.expired():
             raise AssertionError(
-                f"{proc.name}: {len(found)} {name} events of {count} in {timeout} s:\n"
+                f"{proc.name}: {len(found)} {name} events of {count} in {deadline}:\n"
                 f"{proc.text()[-4000:]}"
             )
         time.sleep(0.2)

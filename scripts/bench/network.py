@@ -26,6 +26,10 @@ receiver share a CPU and the GIL in every measurement, baseline included:
   `--only model300` does the same for a 300M-parameter model (600 MB, not in the default run);
   `--only model-processes` (and `model300-processes`) put each provider in a process of its own,
   the baseline a raw socket between processes.
+* tracker: the CPU cost of one download progress update in the bandwidth tracker (record the
+  bytes, read the peer's rate) with a full 15 s window of 64 KiB frames from one peer at
+  100 Mbit/s and 1 Gbit/s, against the tracker's old definition (re-sum the window on every
+  read) on the same events; CPU time, ratio = old time / new time.
 
 Run: .venv/bin/python scripts/bench/network.py [--repeats N]
 """
@@ -33,6 +37,7 @@ Run: .venv/bin/python scripts/bench/network.py [--repeats N]
 from __future__ import annotations
 
 import argparse
+import collections
 import logging
 import os
 import statistics
@@ -48,6 +53,7 @@ from psyche.network.download import DownloadComplete
 from psyche.network.events import MessageReceived
 from psyche.network.model_download import ModelDownload
 from psyche.network.sharable_model import SharableModel, model_hash
+from psyche.network.stats import BANDWIDTH_AVERAGE_PERIOD_SECS, BandwidthTracker
 from psyche.network.testing import (
     connect_pairs,
     only_relayed,
@@ -506,6 +512,64 @@ async def bench_gossip_mirror(rounds: int) -> list[str]:
     ]
 
 
+# ---- bandwidth tracker ----------------------------------------------------------------------
+
+
+def resumming_update(events: collections.deque[tuple[float, int]], now: float, size: int) -> float:
+    """The tracker's old progress update: append, drop what left the window, re-sum it."""
+    events.append((now, size))
+    while events and now - events[0][0] > BANDWIDTH_AVERAGE_PERIOD_SECS:
+        events.popleft()
+    seconds = now - events[0][0]
+    return sum(n for _, n in events) / seconds if seconds > 0 else 0.0
+
+
+def tracker_update_seconds(frames_per_sec: int, updates: int, resum: bool) -> float:
+    """CPU seconds per progress update, the window first filled with 15 s of frames."""
+    frame = 64 * 1024
+    clock = [0.0]
+    tracker = BandwidthTracker(clock=lambda: clock[0])
+    events: collections.deque[tuple[float, int]] = collections.deque()
+    peer = b"p" * 32
+    warm = int(BANDWIDTH_AVERAGE_PERIOD_SECS * frames_per_sec)
+    for i in range(warm):
+        clock[0] = i / frames_per_sec
+        if resum:
+            events.append((clock[0], frame))
+        else:
+            tracker.add_event(peer, frame)
+    start = time.process_time()
+    for i in range(warm, warm + updates):
+        clock[0] = i / frames_per_sec
+        if resum:
+            resumming_update(events, clock[0], frame)
+        else:
+            tracker.add_event(peer, frame)
+            tracker.get_peer_bandwidth(peer)
+    return (time.process_time() - start) / updates
+
+
+async def bench_tracker(repeats: int) -> list[str]:
+    lines = []
+    # One peer sending 64 KiB frames at 100 Mbit/s and at 1 Gbit/s for longer than the window
+    # (a 1B-parameter bf16 model, 2 GB, takes 16 s at 1 Gbit/s).
+    for label, frames_per_sec in (("peer at 100 Mbit/s", 191), ("peer at 1 Gbit/s", 1907)):
+        updates = 1000
+        old, new = (
+            statistics.median(
+                tracker_update_seconds(frames_per_sec, updates, r) for _ in range(repeats)
+            )
+            for r in (True, False)
+        )
+        lines.append(
+            f"tracker {label:<22} window {int(BANDWIDTH_AVERAGE_PERIOD_SECS * frames_per_sec):>6} "
+            f"frames | re-sum {old * 1e6:8.2f} us/update ({old * frames_per_sec:6.1%} of a core) | "
+            f"running totals {new * 1e6:6.2f} us/update ({new * frames_per_sec:6.2%}) "
+            f"ratio {old / new:7.1f}"
+        )
+    return lines
+
+
 # ---- model sharing --------------------------------------------------------------------------
 
 
@@ -694,6 +758,7 @@ async def main(repeats: int, gossip_rounds: int, only: str | None) -> None:
         "paths": lambda: bench_paths(repeats),
         "gossip": lambda: bench_gossip_ring(gossip_rounds),
         "gossip-mirror": lambda: bench_gossip_mirror(gossip_rounds),
+        "tracker": lambda: bench_tracker(repeats),
         "model": lambda: bench_model(repeats),
         "model-processes": lambda: bench_model_processes(repeats),
         "model300": lambda: bench_model(max(1, repeats // 2), 300),
@@ -712,7 +777,7 @@ if __name__ == "__main__":
     parser.add_argument(
         "--only",
         choices=[
-            "blobs", "paths", "gossip", "gossip-mirror", "model", "model-processes", "model300",
+            "blobs", "paths", "gossip", "gossip-mirror", "tracker", "model", "model-processes", "model300",
             "model300-processes",
         ],
         help="run one part",

@@ -15,8 +15,15 @@ rounds and clients. The coordinator's timing is part of every round: the witness
 that trains in milliseconds (tiny, CPU) the overhead is mostly those waits; the goal (<= 10 %)
 is for the 20M model on a GPU, where training dominates.
 
+Threads (issue 28): each client runs torch on `cores / clients` threads (`--cpu-threads`, as
+`psyche-local-testnet` gives them); `--threads default` leaves torch's default (every core, in
+every client), `--threads both` runs the two alternately (`--repeats` times each) and prints the
+ratio of their median round times. `--busy N` keeps N pure-Python spin loops running beside the
+run (a machine with N cores taken), killed at the end.
+
 Run: .venv/bin/python scripts/bench/round.py [--model tiny|20m] [--device cpu|cuda]
      [--clients 3] [--rounds 10] [--batch 8] [--seq-len 128]
+     [--threads capped|default|both] [--repeats 1] [--busy 0]
 """
 
 from __future__ import annotations
@@ -34,8 +41,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from psyche.client.cpu_threads import available_cores, threads_per_client
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny-cpu"
@@ -103,13 +113,32 @@ def round_starts(path: Path) -> int:
     return sum(1 for e in events(path) if e.get("message") == "round_start" and e["assigned"])
 
 
-def run(args: argparse.Namespace, directory: Path) -> list[Path]:
+@contextlib.contextmanager
+def busy_cores(count: int, seconds: float) -> Iterator[None]:
+    """`count` CPU-bound processes (pure-Python spin loops, each ending after `seconds`)."""
+    spin = f"import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end: pass"
+    procs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def run(args: argparse.Namespace, directory: Path, threads: str) -> list[Path]:
+    """The run with every client's torch threads `capped` (cores / clients) or at torch's
+    `default`; the clients' logs."""
     write_run(directory, args)
     port = free_port()
     logs = []
     procs: list[subprocess.Popen[bytes]] = []
-    threads = max(1, (os.cpu_count() or 1) // args.clients)
-    base_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads)}
+    base_env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "CPU_THREADS"):
+        base_env.pop(name, None)
+    thread_args: list[str] = []
+    if threads == "capped":
+        thread_args = ["--cpu-threads", str(threads_per_client(available_cores(), args.clients))]
 
     def start(name: str, argv: list[str], env: dict[str, str]) -> None:
         log = directory / f"{name}.log"
@@ -139,7 +168,7 @@ def run(args: argparse.Namespace, directory: Path) -> list[Path]:
                     sys.executable, "-m", "psyche.cli.client", "train", "--run-id", "tiny-cpu",
                     "--server-addr", f"127.0.0.1:{port}", "--logs", "json", "--device",
                     args.device, "--bind-p2p-interface", "lo",
-                    "--micro-batch-size", str(args.micro_batch_size),
+                    "--micro-batch-size", str(args.micro_batch_size), *thread_args,
                 ],
                 {**base_env, "RAW_IDENTITY_SECRET_KEY": f"{n:064x}"},
             )  # fmt: skip
@@ -211,21 +240,44 @@ def main() -> None:
     parser.add_argument("--micro-batch-size", type=int, default=1)
     parser.add_argument("--max-round-train-time", type=int, default=30)
     parser.add_argument("--timeout", type=float, default=900.0)
+    parser.add_argument("--threads", choices=("capped", "default", "both"), default="capped",
+                        help="each client's torch threads: cores / clients, torch's default, or "
+                        "both alternately")  # fmt: skip
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each --threads mode")
+    parser.add_argument("--busy", type=int, default=0, help="CPU-bound processes beside the run")
     parser.add_argument("--keep", action="store_true", help="keep the run directory and logs")
     args = parser.parse_args()
-    directory = Path(tempfile.mkdtemp(prefix="psyche-round-bench-"))
-    try:
-        rows = measure(run(args, directory), args.rounds)
-    finally:
-        if args.keep:
-            print(f"logs: {directory}")
-        else:
-            shutil.rmtree(directory, ignore_errors=True)
+    modes = ("capped", "default") if args.threads == "both" else (args.threads,)
+    results: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes}
+    with busy_cores(args.busy, args.timeout * args.repeats * len(modes)):
+        for _ in range(args.repeats):
+            for mode in modes:
+                directory = Path(tempfile.mkdtemp(prefix="psyche-round-bench-"))
+                try:
+                    results[mode] += measure(run(args, directory, mode), args.rounds)
+                finally:
+                    if args.keep:
+                        print(f"logs ({mode}): {directory}")
+                    else:
+                        shutil.rmtree(directory, ignore_errors=True)
+    for mode, rows in results.items():
+        report(args, mode, rows)
+    if len(modes) == 2:
+        capped, default = (statistics.median(r["round"] for r in results[m]) for m in modes)
+        print(
+            f"round time, torch's default threads / capped at cores / clients: "
+            f"{default:.2f} s / {capped:.2f} s = {default / capped:.2f} "
+            f"({available_cores()} cores, {args.clients} clients, {args.busy} busy)"
+        )
+
+
+def report(args: argparse.Namespace, threads: str, rows: list[dict[str, float]]) -> None:
     if not rows:
-        raise SystemExit("no complete training rounds were measured")
+        raise SystemExit(f"no complete training rounds were measured ({threads} threads)")
     print(
         f"round overhead: {args.model} model, {args.clients} clients, device {args.device}, "
-        f"batch {args.batch} x {args.seq_len} tokens, {len(rows)} client-rounds"
+        f"batch {args.batch} x {args.seq_len} tokens, {len(rows)} client-rounds, "
+        f"threads {threads}, {args.busy} busy processes"
     )
     print(f"{'':>22}{'median':>10}{'mean':>10}   (seconds per round and client)")
     for key in ("round", "fwd_bwd", "apply", "compress", "serialize", "rest"):

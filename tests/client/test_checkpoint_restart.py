@@ -35,6 +35,7 @@ from psyche.core.node_identity import NodeIdentity
 from psyche.network.connection import NetworkConfig
 from psyche.network.sharable_model import model_hash
 
+from ..timing import scaled, scaled_timer
 from .test_in_process_run import RUN_ID, _identities, coordinator, fields, write_run
 
 STEP = 12  # the saved state's step: the epoch starts from the checkpoint of step 11
@@ -115,9 +116,10 @@ def test_clients_and_server_restarted_resume_from_the_last_complete_checkpoint(
 
     state = coordinator(model_dir, data_dir)
     state.run_state = RunState.WaitingForMembers
-    state.config.epoch_time = 30  # a valid saved state: longer than a round and the warmup
+    # a valid saved state: longer than a round and the warmup
+    state.config.epoch_time = scaled_timer(30)
     state.config.init_min_clients = 3
-    state.config.warmup_time = 20  # ends once all three are ready
+    state.config.warmup_time = scaled_timer(20)  # ends once all three are ready
     state.progress = CoordinatorProgress(epoch=3, step=STEP, epoch_start_data_index=40)
     # the server resumed from its save keeps the run's identity
     saved = save_state(tmp_path / "saved", state, INSTANCE.identity)
@@ -128,7 +130,8 @@ def test_clients_and_server_restarted_resume_from_the_last_complete_checkpoint(
             nursery.start_soon(server.run)
             for number, directory in enumerate([*dirs, None], start=1):
                 nursery.start_soon(run_client, server, number, directory)
-            with trio.fail_after(120):  # until all three applied the first round of the epoch
+            # until all three applied the first round of the epoch
+            with trio.fail_after(scaled(120)):
                 while len(fields(caplog.records, "applied_results")) < 3:
                     await trio.sleep(0.1)
             nursery.cancel_scope.cancel()

@@ -29,6 +29,8 @@ from psyche.core.node_identity import NodeIdentity
 from psyche.modeling.configs import llama_config_dict
 from psyche.network.connection import NetworkConfig
 
+from ..timing import scale_config_timers, scaled, scaled_timer
+
 SEQ = 32
 RUN_ID = "in-process"
 
@@ -59,7 +61,10 @@ def write_run(tmp_path: Path) -> tuple[Path, Path]:
 
 
 def coordinator(model_dir: Path, data_dir: Path) -> Coordinator:
-    return local_run_state(model_dir, data_dir, run_id=RUN_ID, seq_len=SEQ, lr=3e-3)
+    """The run, its timers scaled to this machine's speed (`tests/timing.py`)."""
+    state = local_run_state(model_dir, data_dir, run_id=RUN_ID, seq_len=SEQ, lr=3e-3)
+    scale_config_timers(state.config)
+    return state
 
 
 async def run_client(
@@ -99,7 +104,7 @@ def test_two_clients_train_and_a_third_joins_from_peers(
             nursery.start_soon(server.run)
             nursery.start_soon(run_client, server, 1)
             nursery.start_soon(run_client, server, 2)
-            with trio.fail_after(90):
+            with trio.fail_after(scaled(90)):
                 # the joiner waits (pending) while the first epoch trains
                 while server.coordinator.run_state is not RunState.RoundTrain:
                     await trio.sleep(0.1)
@@ -181,7 +186,7 @@ def test_clients_end_by_themselves_at_finished_and_keep_the_final_model(
     async def scenario() -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(server.run)
-            with trio.fail_after(120):  # both return by themselves
+            with trio.fail_after(scaled(120)):  # both return by themselves
                 async with trio.open_nursery() as both:
                     both.start_soon(one, 1, checkpoints)
                     both.start_soon(one, 2, None)
@@ -225,7 +230,7 @@ def test_a_client_joining_a_finished_run_ends_at_once(
     async def scenario() -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(server.run)
-            with trio.fail_after(60):
+            with trio.fail_after(scaled(60)):
                 await run_client_until_finished(server, 1, tmp_path / "checkpoints")
             nursery.cancel_scope.cancel()
 
@@ -262,7 +267,7 @@ def three_client_run(
     """A `server` (no bans) for a run that starts with three clients."""
     preload_modeling()
     state = coordinator(*write_run(tmp_path))
-    state.config.epoch_time = epoch_time
+    state.config.epoch_time = scaled_timer(epoch_time)
     state.config.init_min_clients = 3
     return server(state, ban_epochs=0)
 
@@ -318,7 +323,7 @@ def test_a_dropped_client_joins_again_and_reloads_the_model(
 
     async def scenario() -> None:
         async with trio.open_nursery() as nursery:
-            with trio.fail_after(150):
+            with trio.fail_after(scaled(150)):
                 gone = await drop_a_late_client(nursery, server, late, caplog)
                 # the epoch it is back in has ended (its cooldown model is out)
                 await wait_until(lambda: in_training(server, after_epoch=gone["epoch"] + 1))
@@ -382,13 +387,13 @@ def test_a_run_that_goes_back_to_its_stored_checkpoint_restarts_from_the_trained
 
     async def scenario() -> None:
         async with trio.open_nursery() as nursery:
-            with trio.fail_after(240):
+            with trio.fail_after(scaled(240)):
                 gone = await drop_a_late_client(nursery, server, late, caplog)
                 assert gone["epoch"] == 0 and server.coordinator.progress.epoch == 0
                 server.drop_witnesses = True
                 await wait_until(lambda: server.coordinator.run_state is RunState.Cooldown)
                 server.drop_witnesses = False
-                server.coordinator.config.epoch_time = 8
+                server.coordinator.config.epoch_time = scaled_timer(8)
                 await wait_until(lambda: in_training(server, after_epoch=1))
             nursery.cancel_scope.cancel()
 

@@ -35,6 +35,7 @@ from psyche.metrics import names
 from psyche.modeling.configs import llama_config_dict
 from psyche.network.connection import NetworkConfig
 
+from ..timing import scaled, scaled_timer
 from .test_in_process_run import RUN_ID, coordinator, write_run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -187,7 +188,7 @@ def test_a_run_logs_each_round_to_every_tracker_and_scores_evals_between_rounds(
     write_rows(evals_dir, "allenai/ai2_arc", "ARC-Easy", "train", ARC_ROWS)
     state = coordinator(model_dir, data_dir)
     state.config.total_steps = 4
-    state.config.warmup_time = 2
+    state.config.warmup_time = scaled_timer(2)
     server = InProcessServer(state)
     clients: dict[int, Client] = {}
 
@@ -209,7 +210,7 @@ def test_a_run_logs_each_round_to_every_tracker_and_scores_evals_between_rounds(
     async def scenario() -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(server.run)
-            with trio.fail_after(150):
+            with trio.fail_after(scaled(150)):
                 async with trio.open_nursery() as both:
                     both.start_soon(one, 1)
                     both.start_soon(one, 2)

@@ -6,7 +6,8 @@ the client (the training tests); each test file may append its own fixtures here
 * `free_port` fixture: `tests/processes.py`'s `free_port`, a free TCP port on 127.0.0.1.
 * `tiny_run(tmp_path)` fixture -> `make(**config) -> Path`: a run directory with `state.toml`
   (the tiny CPU model with short timings, its data server on a free port; keyword arguments
-  override `[config]` values) and `data.toml` (a freshly written dataset). Processes must run
+  override `[config]` values; every timer is stretched to this machine's speed,
+  `tests/timing.py`) and `data.toml` (a freshly written dataset). Processes must run
   with the repository root as working directory (the model path is relative to it).
 * `processes` fixture -> `Processes`: starts commands (`start(name, argv, env=...)`) with their
   output in `tmp_path/<name>.log`, waits for log lines (`wait_for(proc, regex, timeout)`),
@@ -23,10 +24,12 @@ from pathlib import Path
 import pytest
 
 from ..processes import REPO, Processes, free_port
+from ..timing import scaled_timers
 
 TINY = REPO / "configs" / "tiny-cpu"
 
-# Short timings for the tiny run; clients take ~10 s to import torch before they join.
+# Short timings for the tiny run (on an idle two-core machine; `write_tiny_run` scales them);
+# clients take ~10 s to import torch before they join.
 E2E_CONFIG = {
     "warmup_time": 8,
     "cooldown_time": 3,
@@ -45,13 +48,14 @@ def free_port_fixture() -> Callable[[], int]:
 
 
 def write_tiny_run(directory: Path, **config: int) -> Path:
-    """`directory/state.toml` + `directory/data.toml` (+ `directory/data/`) for the tiny model."""
+    """`directory/state.toml` + `directory/data.toml` (+ `directory/data/`) for the tiny model,
+    its timers (`E2E_CONFIG` with `config` over it) scaled to this machine's speed."""
     from psyche.centralized.tiny_run import write_tiny_dataset
 
     directory.mkdir(parents=True, exist_ok=True)
     text = (TINY / "state.toml").read_text()
     text = text.replace("127.0.0.1:20001", f"127.0.0.1:{free_port()}")
-    for key, value in {**E2E_CONFIG, **config}.items():
+    for key, value in scaled_timers({**E2E_CONFIG, **config}).items():
         text, count = re.subn(rf"(?m)^{key} = .*$", f"{key} = {value}", text)
         assert count == 1, key
     (directory / "state.toml").write_text(text)

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from ..timing import scaled
 from .conftest import TINY
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
@@ -52,7 +53,7 @@ def test_the_testnet_ends_by_itself_with_the_final_model(
         cwd=tmp_path,
     )  # fmt: skip
     # generous: two clients import torch, load and train on a busy 2-core machine
-    code = testnet.popen.wait(timeout=420)
+    code = testnet.popen.wait(timeout=scaled(420))
     text = testnet.text()
     assert code == 0, text[-6000:]
     for name in ("server", "client-1", "client-2"):

@@ -18,13 +18,14 @@ from pathlib import Path
 
 import pytest
 
+from psyche.cli.local_testnet import main as testnet_main
 from psyche.cli.local_testnet.commands import (
     TestnetPlan,
     identity_secret_key_hex,
     log_dir_name,
     pick_victims,
 )
-from psyche.cli.local_testnet.main import build_parser
+from psyche.cli.local_testnet.main import build_parser, client_cpu_threads
 from psyche.core.identity import SecretKey
 
 STANDIN = Path(__file__).with_name("standin_client.py")
@@ -155,6 +156,23 @@ def test_server_and_client_commands(tmp_path: Path) -> None:
         num_clients=1, config_path=config, run_id="r", python="/py", checkpoint_dir=None
     )
     assert "--checkpoint-dir" not in nowhere.client_command(1).argv
+
+
+def test_each_client_gets_its_share_of_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 28: N clients on one machine each run torch on cores / N threads (at least one),
+    not every core each; `--cpu-threads` overrides the share and 0 leaves torch's default."""
+    monkeypatch.setattr(testnet_main, "available_cores", lambda: 2)
+    assert [client_cpu_threads(None, n) for n in (1, 2, 3)] == [2, 1, 1]
+    monkeypatch.setattr(testnet_main, "available_cores", lambda: 16)
+    assert [client_cpu_threads(None, n) for n in (1, 3, 4, 32)] == [16, 5, 4, 1]
+    assert client_cpu_threads(6, 3) == 6 and client_cpu_threads(0, 3) is None
+    config = Path("config")
+    capped = TestnetPlan(num_clients=3, config_path=config, run_id="r", cpu_threads=5)
+    for number in (1, 2, 3):
+        argv = capped.client_command(number).argv
+        assert argv[argv.index("--cpu-threads") + 1] == "5"
+    default = TestnetPlan(num_clients=3, config_path=config, run_id="r")
+    assert "--cpu-threads" not in default.client_command(1).argv
 
 
 def test_random_kill_choice_and_log_dir_name() -> None:

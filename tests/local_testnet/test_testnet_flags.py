@@ -38,6 +38,7 @@ EVERY_FLAG: dict[str, str | None] = {
     "--metrics-dir": "metrics",
     "--tensorboard-dir": "tb",
     "--status-port": "20080",
+    "--cpu-threads": "3",
     "--headless": None,
     "--tmux-socket": "sock",
     "--no-attach": None,
@@ -101,6 +102,7 @@ def test_every_flag_reaches_commands_the_client_and_server_accept(
             "entity",
         )
         assert options.optim_stats_steps == 5 and options.micro_batch_size == 2
+        assert options.cpu_threads == 3
         assert options.write_gradients_dir == Path("distro")
         assert options.logs == "console"  # --tui false
         assert options.write_log == tmp_path / "logs" / f"client-{number}.txt"

@@ -34,6 +34,7 @@ from psyche.cli.solana_client.main import main as solana_client
 from psyche.core.identity import SecretKey
 from psyche.solana.keypair import derive_p2p_secret_key, write_keypair_file
 
+from ..timing import scaled_timers
 from .processes import REPO, Processes, Proxy, free_port, json_events, wait_event
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(240)]
@@ -55,9 +56,10 @@ OUTAGE_SECS = 6.0
 
 
 def run_config(data_url: str) -> str:
-    """The tiny CPU run with short timings and its data over HTTP (there is no server)."""
+    """The tiny CPU run with short timings (scaled to this machine's speed, tests/timing.py) and
+    its data over HTTP (there is no server)."""
     text = (TINY / "state.toml").read_text()
-    for key, value in CONFIG.items():
+    for key, value in scaled_timers(CONFIG).items():
         text, count = re.subn(rf"(?m)^{key} = .*$", f"{key} = {value}", text)
         assert count == 1, key
     http = (

@@ -312,6 +312,11 @@ class TrainOptions:
     """Device: auto, cpu, cuda or cuda:N; with several ranks cpu, auto, cuda (devices 0..n-1)
     or cuda:N,M,... (one per rank)"""
 
+    cpu_threads: int | None = option(None, parse=parse_positive)
+    """CPU threads torch (OpenMP, MKL) uses in this client, split among its ranks (default:
+    torch's, every core; ranks on the CPU split the cores). Set it when several clients share a
+    machine: psyche-local-testnet gives each cores / clients"""
+
     sidecar_port: int | None = option(
         None,
         parse=parse_unsigned(16),

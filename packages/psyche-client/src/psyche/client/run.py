@@ -152,13 +152,17 @@ class Preload:
     so the model loads quickly once the run's warmup starts (importing them takes seconds) and
     the trio loop keeps talking to the coordinator meanwhile. `wait()` returns once they are
     loaded; an unusable device is an `OptionError` (exit 2). With several ranks (`workers`)
-    it also starts them and joins their process group."""
+    it also starts them and joins their process group. Torch's CPU threads are set here, with
+    the device (`psyche.client.cpu_threads`), before any model is built."""
 
-    def __init__(self, device: str, workers: WorkerGroup | None = None) -> None:
+    def __init__(
+        self, device: str, workers: WorkerGroup | None = None, cpu_threads: int | None = None
+    ) -> None:
         import trio
 
         self.device = device
         self.workers = workers
+        self.cpu_threads = cpu_threads
         self._done = trio.Event()
 
     async def run(self) -> None:
@@ -169,6 +173,7 @@ class Preload:
         self._done.set()
 
     def _load(self) -> None:
+        from psyche.client.cpu_threads import set_cpu_threads
         from psyche.client.model_loading import check_device, preload_modeling
         from psyche.modeling.causal_lm import ModelLoadError
 
@@ -181,7 +186,7 @@ class Preload:
             if self.workers is not None:
                 self.workers.start()
             else:
-                check_device(self.device)
+                set_cpu_threads(self.cpu_threads, check_device(self.device))
         except (ModelLoadError, ParallelismError) as e:
             raise OptionError(str(e)) from None
 
@@ -273,7 +278,7 @@ def run_client(
                 nursery.cancel_scope.cancel()
 
     async def both() -> None:
-        preload = Preload(options.device, workers)
+        preload = Preload(options.device, workers, options.cpu_threads)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(preload.run)
             if workers is not None:

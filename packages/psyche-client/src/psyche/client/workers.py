@@ -57,6 +57,7 @@ class RankLayout:
     tp: int = 1
     fsdp: bool = False
     device: str = "auto"
+    cpu_threads: int | None = None
     param_dtype: str = "auto"
     reduce_dtype: str = "fp32"
     activation_checkpointing: bool = False
@@ -68,6 +69,7 @@ class RankLayout:
             tp=options.tensor_parallelism,
             fsdp=bool(options.fsdp),
             device=options.device,
+            cpu_threads=options.cpu_threads,
             param_dtype=options.param_dtype,
             reduce_dtype=options.reduce_dtype,
             activation_checkpointing=bool(options.activation_checkpointing),
@@ -155,15 +157,16 @@ class WorkerGroup:
         every rank has joined). A device that cannot serve is a `ParallelismError`."""
         import multiprocessing
 
+        from psyche.client.cpu_threads import set_cpu_threads
         from psyche.modeling.parallel import ParallelDims, parse_devices
         from psyche.modeling.sharding import build_mesh, init_world
 
         layout = self.layout
         devices = parse_devices(layout.device, layout.world_size)
+        set_cpu_threads(layout.cpu_threads, devices[0], layout.world_size)
         if layout.world_size == 1:
             self.dims = ParallelDims(devices[0])
             return
-        _cpu_threads(devices[0], layout.world_size)
         self._dir = tempfile.mkdtemp(prefix="psyche-ranks-")
         init_method = "file://" + os.path.join(self._dir, "rendezvous")
         context = multiprocessing.get_context("spawn")
@@ -382,14 +385,6 @@ def _with_mesh(dims: ParallelDims, build_mesh: Any) -> ParallelDims:
     return replace(dims, mesh=build_mesh(dims))
 
 
-def _cpu_threads(device: torch.device, world_size: int) -> None:
-    """CPU ranks share the machine's cores instead of each taking all of them."""
-    import torch
-
-    if device.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-
-
 def _quietly(fn: Any, *args: Any) -> None:
     try:
         fn(*args)
@@ -421,6 +416,7 @@ def _worker_main(
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     import torch
 
+    from psyche.client.cpu_threads import set_cpu_threads
     from psyche.client.init import InitRunError
     from psyche.modeling.distributed import EXIT, broadcast_state, serve
     from psyche.modeling.parallel import ParallelDims
@@ -428,7 +424,7 @@ def _worker_main(
     from psyche.modeling.trainer import Trainer
 
     device = torch.device(device_name)
-    _cpu_threads(device, layout.world_size)
+    set_cpu_threads(layout.cpu_threads, device, layout.world_size)
     ready.send(rank)
     ready.close()
     init_world(rank, layout.world_size, init_method, device)

@@ -21,13 +21,23 @@ class PeerBandwidth(DataEnum):
 
 
 @dataclass
-class _Event:
-    at: float
-    num_bytes: int
+class _PeerWindow:
+    """One peer's progress events of the window (oldest first) and their byte total, kept in
+    step so a query costs O(1) instead of a re-sum of the window."""
+
+    events: deque[tuple[float, int]] = field(default_factory=deque)
+    total: int = 0
 
 
 class BandwidthTracker:
-    """Bytes received per peer over a sliding window; `clock` is injected so tests control time."""
+    """Bytes received per peer over a sliding window; `clock` is injected so tests control time.
+
+    A peer's bandwidth is upstream's definition: the bytes of the events in its window divided by
+    the seconds since the oldest of them (0 when none have passed); the window drops events older
+    than `average_period_secs` when an event is added. The byte total is kept as events enter and
+    leave (integers, so it equals the window's sum exactly): `add_event` is amortised O(1) and
+    `get_peer_bandwidth` O(1), where re-summing made every progress update cost the whole window
+    (quadratic in a long fetch)."""
 
     def __init__(
         self,
@@ -37,33 +47,38 @@ class BandwidthTracker:
     ) -> None:
         self.average_period_secs = average_period_secs
         self._clock = clock
-        self._events: dict[bytes, deque[_Event]] = {}
+        self._peers: dict[bytes, _PeerWindow] = {}
 
     def add_event(self, peer: bytes, num_bytes: int) -> None:
         now = self._clock()
-        events = self._events.setdefault(peer, deque())
-        events.append(_Event(now, num_bytes))
-        while events and now - events[0].at > self.average_period_secs:
-            events.popleft()
+        window = self._peers.get(peer)
+        if window is None:
+            window = self._peers[peer] = _PeerWindow()
+        events = window.events
+        events.append((now, num_bytes))
+        window.total += num_bytes
+        while events and now - events[0][0] > self.average_period_secs:
+            window.total -= events.popleft()[1]
 
     def clear(self) -> None:
-        self._events.clear()
+        self._peers.clear()
 
     def get_total_bandwidth(self) -> float:
-        return sum(self._bandwidth(events) for events in self._events.values())
+        now = self._clock()
+        return sum(_bandwidth(window, now) for window in self._peers.values())
 
     def get_peer_bandwidth(self, peer: bytes) -> PeerBandwidth:
-        events = self._events.get(peer)
-        if not events:
+        window = self._peers.get(peer)
+        if window is None or not window.events:
             return PeerBandwidth.NotMeasured()
-        return PeerBandwidth.Measured(self._bandwidth(events))
+        return PeerBandwidth.Measured(_bandwidth(window, self._clock()))
 
-    def _bandwidth(self, events: deque[_Event]) -> float:
-        if not events:
-            return 0.0
-        seconds = self._clock() - events[0].at
-        total = sum(e.num_bytes for e in events)
-        return total / seconds if seconds > 0 else 0.0
+
+def _bandwidth(window: _PeerWindow, now: float) -> float:
+    if not window.events:
+        return 0.0
+    seconds = now - window.events[0][0]
+    return window.total / seconds if seconds > 0 else 0.0
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,9 @@ client would only warn about it); client 1 always gets `--checkpoint-dir` (`chec
 model is kept; and the log default is `warn,psyche=info` (upstream: `psyche=debug`). The
 port's trackers are forwarded too: `metrics_dir` gives the server `--metrics-jsonl
 M/server.jsonl` and client i `--metrics-jsonl M/client-i.jsonl`, `tensorboard_dir` gives client
-i `--tensorboard-dir T/client-i`, and `--eval-data-dir` goes with `--eval-tasks`. Every client
+i `--tensorboard-dir T/client-i`, and `--eval-data-dir` goes with `--eval-tasks`. Each client
+gets `--cpu-threads` (the testnet's share of the cores per client, so N clients do not each run
+torch on every core; upstream's clients train on GPUs). Every client
 command line parses with the client's own parser (tests/local_testnet).
 """
 
@@ -73,6 +75,8 @@ class TestnetPlan:
     metrics_dir: Path | None = None
     tensorboard_dir: Path | None = None
     status_port: int | None = None
+    # Each client's `--cpu-threads` (None: torch's default, every core).
+    cpu_threads: int | None = None
     # Hidden options: another client program (tests), extra client/server arguments.
     client_program: tuple[str, ...] = ()
     client_args: tuple[str, ...] = ()
@@ -123,6 +127,8 @@ class TestnetPlan:
         argv = [*program, "train", "--run-id", self.run_id]
         argv += ["--server-addr", f"localhost:{self.server_port}"]
         argv += ["--logs", "tui" if self.tui else "console"]
+        if self.cpu_threads is not None:
+            argv += ["--cpu-threads", str(self.cpu_threads)]
         if self.write_distro_data is not None:
             argv += ["--write-gradients-dir", str(self.write_distro_data)]
         if number == 1:

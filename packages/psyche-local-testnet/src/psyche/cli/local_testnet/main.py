@@ -18,6 +18,7 @@ from psyche.cli.local_testnet.commands import (
     read_run_id,
     split_args,
 )
+from psyche.client.cpu_threads import available_cores, threads_per_client
 from psyche.core.cli import (
     EnvOptions,
     HelpFormatter,
@@ -135,6 +136,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, EnvOptions]:
         help="Each client writes TensorBoard event files to DIR/client-N")  # fmt: skip
     add("--status-port", type=non_negative_int, metavar="<STATUS_PORT>",
         help="The server serves its status page on this port (http://127.0.0.1:PORT/)")  # fmt: skip
+    add("--cpu-threads", type=non_negative_int, metavar="<CPU_THREADS>",
+        help="CPU threads each client's torch uses (0: torch's default, every core) "
+        "[default: the cores this process may use / NUM_CLIENTS, at least 1]")  # fmt: skip
     add("--headless", action="store_true",
         help="No tmux: run everything as child processes, output prefixed with [name]")  # fmt: skip
     # Hidden: for tests and scripted use.
@@ -145,6 +149,14 @@ def build_parser() -> tuple[argparse.ArgumentParser, EnvOptions]:
     add("--server-args", help=argparse.SUPPRESS)
     add_verbose_flag(parser)
     return parser, env
+
+
+def client_cpu_threads(requested: int | None, num_clients: int) -> int | None:
+    """Each client's `--cpu-threads`: as requested (0: none, torch's default), else an equal
+    share of this machine's cores (three clients each on every core starve each other)."""
+    if requested is not None:
+        return requested or None
+    return threads_per_client(available_cores(), num_clients)
 
 
 def plan_from_args(
@@ -179,6 +191,7 @@ def plan_from_args(
         metrics_dir=args.metrics_dir,
         tensorboard_dir=args.tensorboard_dir,
         status_port=args.status_port,
+        cpu_threads=client_cpu_threads(args.cpu_threads, args.num_clients),
         client_program=split_args(args.client_program),
         client_args=split_args(args.client_args),
         server_args=split_args(args.server_args),
