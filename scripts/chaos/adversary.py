@@ -14,6 +14,8 @@ same batch):
 * `wrong-step`: a payload for another step, hashed honestly;
 * `garbage-blob`: random bytes instead of a payload;
 * `oversized-blob`: a ticket announcing a blob larger than any client downloads;
+* `junk-result`: `--junk-mib` MiB of random bytes (512 by default: issue 24, item 4), held and
+  offered as the result (one junk blob, made once, offered every time);
 
 and, every round, message attacks: a result for a batch assigned to someone else, its previous
 round's broadcast replayed, a commitment signed with another key, gossip whose signature is
@@ -23,8 +25,10 @@ truncated, garbage) and a Join for another run.
 
 When elected witness it vouches for every result it heard of, its own lies included.
 
-Each attack is printed as a JSON line (`{"message": "attack", "mode": ..., "step": ...}`).
-When the coordinator drops it, it reconnects to come back the next epoch with the next mode.
+Each attack is printed as a JSON line (`{"message": "attack", "mode": ..., "step": ...}`), and
+so is every request a peer makes for one of its junk blobs (`{"message": "blob_requested",
+"mode": ..., "blob": ...}`: the re-downloads item 4 measured). When the coordinator drops it, it
+reconnects to come back the next epoch with the next mode.
 """
 
 from __future__ import annotations
@@ -50,7 +54,16 @@ def _nonce() -> int:
     return int.from_bytes(os.urandom(4), "little")
 
 
-PAYLOAD_MODES = ("invalid-payload", "hash-mismatch", "wrong-step", "garbage-blob", "oversized-blob")
+PAYLOAD_MODES = (
+    "invalid-payload",
+    "hash-mismatch",
+    "wrong-step",
+    "garbage-blob",
+    "oversized-blob",
+    "junk-result",
+)
+BLOB_MODES = ("garbage-blob", "oversized-blob", "junk-result")
+MIB = 1 << 20
 
 
 def _bogus_payload(step: int, batch_id: Any) -> Any:
@@ -89,6 +102,10 @@ class Adversary:
         """Per step: (sender p2p key, commitment hash) of every training result gossiped."""
         self.nursery: Any = None
         self.raw_done = False
+        self.junk: tuple[bytes, bytes, bytes] | None = None
+        """The `junk-result` blob: (bytes, BLAKE3 digest, SHA-256 commitment), made once."""
+        self.blob_modes: dict[bytes, str] = {}
+        """Digest of every junk blob offered -> its mode (to report requests for it)."""
 
     # ---- the run ---------------------------------------------------------------------------
 
@@ -105,6 +122,7 @@ class Adversary:
             self.nursery = nursery
             # Our own node would refuse to send junk: drop its validator of the run's topic.
             network.gossip.pubsub.remove_topic_validator(network.gossip.topic)
+            self.count_requests(network.blob_server)
             nursery.start_soon(self.listen)
             while True:
                 await self.membership()
@@ -249,19 +267,45 @@ class Adversary:
 
     # ---- payload attacks -------------------------------------------------------------------
 
+    def count_requests(self, server: Any) -> None:
+        """Report every request a peer makes for one of the junk blobs (the blob provider looks
+        each requested digest up once)."""
+        lookup = server.lookup
+
+        def counting(digest: bytes) -> Any:
+            mode = self.blob_modes.get(digest)
+            if mode is not None:
+                emit("blob_requested", mode=mode, blob=digest.hex()[:16])
+            return lookup(digest)
+
+        server.lookup = counting
+
+    def junk_blob(self) -> tuple[bytes, bytes, bytes]:
+        from psyche.network.ticket import blob_hash
+
+        if self.junk is None:
+            data = os.urandom(self.args.junk_mib * MIB)
+            self.junk = (data, blob_hash(data), hashlib.sha256(data).digest())
+        return self.junk
+
     async def payload_attack(self, mode: str, step: int, proof: Any, batch_id: Any) -> None:
         from psyche.client.broadcast import BroadcastType, TrainingResult
         from psyche.network.ticket import BlobFormat, BlobTicket, blob_hash
 
         network = self.network
-        tag = f"distro-result_{step}"
-        if mode in ("garbage-blob", "oversized-blob"):
-            data = os.urandom(4096)
-            digest = blob_hash(data)
+        # A tag of its own per blob: one tag naming a later blob would leave this one untagged,
+        # and the store's GC (every 10 s) would drop it before every peer asked for it.
+        tag = f"distro-result_{step}_{mode}"
+        if mode in BLOB_MODES:
+            if mode == "junk-result":
+                data, digest, commitment_hash = self.junk_blob()
+            else:
+                data = os.urandom(4096)
+                digest, commitment_hash = blob_hash(data), hashlib.sha256(data).digest()
             network.store.put(digest, data, tag)
+            self.blob_modes[digest] = mode
             size = (1 << 40) if mode == "oversized-blob" else len(data)
             ticket = BlobTicket(network.endpoint_addr(), BlobFormat.Raw, digest, size)
-            commitment_hash = hashlib.sha256(data).digest()
         else:
             payload = _bogus_payload(step - 1 if mode == "wrong-step" else step, batch_id)
             ticket, _ = await network.add_downloadable(payload, tag)
@@ -277,7 +321,7 @@ class Adversary:
         network.broadcast(broadcast)
         self.seen.setdefault(step, []).append((self.key.public_key, commitment_hash))
         self.previous_broadcast = broadcast
-        emit("attack", mode=mode, step=step, batch=str(batch_id))
+        emit("attack", mode=mode, step=step, batch=str(batch_id), size=ticket.size)
 
     def _broadcast(
         self, step: int, proof: Any, data_hash: bytes, data: Any, key: Any = None
@@ -297,7 +341,7 @@ class Adversary:
         from psyche.client.broadcast import BroadcastType, TrainingResult
 
         payload = _bogus_payload(step, batch_id)
-        ticket, _ = await self.network.add_downloadable(payload, f"distro-result_{step}")
+        ticket, _ = await self.network.add_downloadable(payload, f"distro-result_{step}_unassigned")
         self.network.broadcast(
             self._broadcast(
                 step, proof, payload.compute_hash(),
@@ -387,6 +431,9 @@ def main() -> int:
     parser.add_argument("--modes", default=",".join(PAYLOAD_MODES))
     parser.add_argument("--data-addr", default="")
     parser.add_argument("--peers", default="", help="blob host:port of peers to send raw junk to")
+    parser.add_argument(
+        "--junk-mib", type=int, default=512, help="size of the junk-result blob, in MiB"
+    )
     args = parser.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     try:

@@ -282,6 +282,20 @@ class Cluster:
         await process.wait()
         self.net.sources.forget(process.pid)
 
+    def cpu_seconds(self, name: str) -> tuple[int, float] | None:
+        """(pid, CPU seconds used so far: user + system) of a running process; None when it
+        is not running or /proc does not say."""
+        node = self.nodes.get(name)
+        if node is None or not node.running or node.process is None:
+            return None
+        pid = node.process.pid
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            return None
+        # utime and stime are the 14th and 15th fields; the split starts at the 3rd
+        return pid, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def signal(self, name: str, signum: int) -> None:
         node = self.nodes[name]
         if node.process is not None:

@@ -1,9 +1,13 @@
 """Hostile strangers against a live run: floods of connections that claim 8 MiB frames, and the
 memory of the process listening (VmRSS from /proc) before, at its peak during, and after.
 
-    uv run --no-sync python scripts/chaos/flood.py [--connections 100] [--hold 3]
-    uv run --no-sync python scripts/chaos/flood.py --attack health-checks [--connections 1]
+    .venv/bin/python scripts/chaos/flood.py [--connections 100] [--hold 3]
+    .venv/bin/python scripts/chaos/flood.py --attack health-checks [--connections 1]
         [--hold 20] [--old-src OLD/packages]
+    .venv/bin/python scripts/chaos/flood.py --attack health-checks --target HOST:PORT
+        [--bind ADDR] [--connections 1] [--hold 20] [--max-logins N]
+    .venv/bin/python scripts/chaos/flood.py --attack silent --target 127.0.0.1:PORT
+        [--connections 2000]
 
 starts a tiny CPU run on loopback (`psyche-server run` and two `psyche-client train`, the second
 with a known blob port), waits for its first round, then for each attack measures a quiet window
@@ -25,12 +29,20 @@ steps the run advanced, in the quiet window and in the attack window; with `--ol
 Figures: MB of VmRSS before the window, its peak during it (VmHWM, reset through
 /proc/<pid>/clear_refs before the window), and after the sockets are closed and `settle` seconds
 have passed. tests/e2e/test_hostile_strangers.py uses the functions below.
+
+With `--target` no run is started: the attack is made once on that address (a live run's
+coordinator, or a client's libp2p port for `--attack silent`: `--connections` TCP connections
+that never send a byte, 50 open at once; issue 24, item 1), and what it got is printed as one
+JSON line (`{"message": "barrage", ...}` or `{"message": "silent_flood", ...}`). The chaos
+scenario `attacks` (scenarios.py) starts it so; it ends by itself after `--hold` seconds (or
+`--max-logins` logins), or the flood.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import re
 import signal
@@ -39,7 +51,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -261,10 +273,17 @@ class Barrage:
 
 
 async def health_check_barrage(
-    port: int, connections: int, hold: float, host: str = "127.0.0.1", max_logins: int = 20_000
+    port: int,
+    connections: int,
+    hold: float,
+    host: str = "127.0.0.1",
+    max_logins: int = 20_000,
+    local_address: str | None = None,
 ) -> Barrage:
     """`connections` strangers sending 8 MiB HealthCheck frames back to back for `hold`
-    seconds, logging in again (a new key) whenever the server closes; at most `max_logins`."""
+    seconds, logging in again (a new key) whenever the server closes; at most `max_logins`
+    (then it returns early). From `local_address` when given (another loopback address: the
+    per-address caps the strangers meet are then their own)."""
     from psyche.centralized.testing import health_check_payload
     from psyche.transport import SERVER_MAX_FRAME_LENGTH, encode_else
 
@@ -275,7 +294,7 @@ async def health_check_barrage(
     async def attacker() -> None:
         while result.logins < max_logins:
             try:
-                stream = await trio.open_tcp_stream(host, port)
+                stream = await trio.open_tcp_stream(host, port, local_address=local_address)
             except OSError:
                 await trio.sleep(0.1)
                 continue
@@ -335,6 +354,30 @@ async def health_check_attack(
         quiet_window, quiet_ticks = await measure(server_pid, quiet, settle)
         attack_window, (attack_ticks, barrage) = await measure(server_pid, attack, settle)
     return quiet_window, quiet_ticks, attack_window, attack_ticks, barrage
+
+
+async def attack_target(
+    attack: str,
+    target: str,
+    connections: int,
+    hold: float,
+    local_address: str | None,
+    max_logins: int,
+) -> dict[str, Any]:
+    """One attack on `target` (HOST:PORT) of a run started elsewhere; what it got, as a dict."""
+    from psyche.network.testing import silent_flood
+
+    host, _, port = target.rpartition(":")
+    started = time.monotonic()
+    if attack == "silent":
+        await silent_flood(int(port), connections)
+        found: dict[str, Any] = {"message": "silent_flood", "connections": connections}
+    else:
+        barrage = await health_check_barrage(
+            int(port), connections, hold, host, max_logins, local_address
+        )
+        found = {"message": "barrage", **asdict(barrage)}
+    return {**found, "target": target, "secs": round(time.monotonic() - started, 2)}
 
 
 # ---- the standalone run --------------------------------------------------------------------
@@ -436,15 +479,24 @@ def health_check_table(
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--attack", choices=("claims", "health-checks"), default="claims")
-    parser.add_argument("--connections", type=int, default=None, help="(100; health-checks: 1)")
+    parser.add_argument("--attack", choices=("claims", "health-checks", "silent"), default="claims")
+    parser.add_argument(
+        "--connections", type=int, default=None, help="(100; health-checks: 1; silent: 2000)"
+    )
     parser.add_argument("--hold", type=float, default=None, help="seconds each flood (3; 20)")
     parser.add_argument("--settle", type=float, default=2.0, help="seconds after closing")
     parser.add_argument("--old-src", type=Path, help="the packages/ the server runs instead")
+    parser.add_argument(
+        "--target", help="HOST:PORT of a live run to attack once (no run is started)"
+    )
+    parser.add_argument("--bind", help="the local address the strangers connect from")
+    parser.add_argument("--max-logins", type=int, default=20_000, help="health-checks: at most")
     args = parser.parse_args()
     health = args.attack == "health-checks"
-    connections = args.connections or (1 if health else 100)
+    connections = args.connections or {"health-checks": 1, "silent": 2000}.get(args.attack, 100)
     hold = args.hold or (20.0 if health else 3.0)
+    if args.target is not None or args.attack == "silent":
+        return _attack_target(args, connections, hold)
     from hostile_members import old_code_env  # the sibling script
 
     with tempfile.TemporaryDirectory(prefix="psyche-flood-") as tmp:
@@ -507,6 +559,33 @@ def main() -> int:
                     proc.wait(15)
                 except subprocess.TimeoutExpired:
                     proc.kill()
+    return 0
+
+
+def _attack_target(args: argparse.Namespace, connections: int, hold: float) -> int:
+    host, _, port = (args.target or "").rpartition(":")
+    if not port.isdigit() or (args.attack == "silent" and host != "127.0.0.1"):
+        print(
+            f"--attack {args.attack} needs --target HOST:PORT"
+            + (" with HOST 127.0.0.1" if args.attack == "silent" else ""),
+            file=sys.stderr,
+        )
+        return 2
+    if args.attack == "claims":
+        print("--target takes --attack health-checks or silent", file=sys.stderr)
+        return 2
+    try:
+        found = trio.run(
+            attack_target, args.attack, args.target, connections, hold, args.bind,
+            args.max_logins,
+        )  # fmt: skip
+    except KeyboardInterrupt:
+        print(json.dumps({"message": "stopped", "target": args.target}), flush=True)
+        return 130
+    except OSError as e:
+        print(f"cannot attack {args.target}: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(found), flush=True)
     return 0
 
 

@@ -6,7 +6,9 @@ Inputs are plain lists of event dicts (`round_start`, `applied_results`, `loaded
 
 from __future__ import annotations
 
+import itertools
 import re
+import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +46,18 @@ def applied_tokens(events: Iterable[Event], seq_len: int, t0: float, t1: float) 
         if t0 <= e["ts"] < t1:
             total += sum(batch_sequences(b) for b in e["batches"]) * seq_len
     return total
+
+
+def median_round_seconds(rounds: Sequence[tuple[float, int]]) -> float | None:
+    """The median time between the starts of consecutive rounds of one epoch, from the server's
+    (time, epoch) of each `RoundTrain` transition: how fast the run trains while it trains,
+    leaving out the epoch boundaries (cooldown, waiting for members, warmup)."""
+    gaps = [
+        later - earlier
+        for (earlier, epoch), (later, next_epoch) in itertools.pairwise(rounds)
+        if epoch == next_epoch
+    ]
+    return statistics.median(gaps) if gaps else None
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """Run chaos scenarios back to back and print their figures (`just chaos`).
 
-    uv run --no-sync python scripts/chaos/run.py                  # the 10-minute soak
-    uv run --no-sync python scripts/chaos/run.py --scenarios all  # every scenario, then the soak
-    uv run --no-sync python scripts/chaos/run.py --scenarios sigkill,partition --duration 120
+    .venv/bin/python scripts/chaos/run.py                  # the 10-minute soak
+    .venv/bin/python scripts/chaos/run.py --scenarios all  # every scenario, then the soak
+    .venv/bin/python scripts/chaos/run.py --scenarios sigkill,partition --duration 120
 
 The fault-free `baseline` always runs first, in the same sitting and with the same config, so
 every scenario's throughput is a ratio against it. Results go to `--out` (JSON, one object per
@@ -41,11 +41,12 @@ def _fmt(value: Any) -> str:
 
 def table(results: list[ScenarioResult]) -> str:
     head = (
-        "| scenario | faults | rounds | epochs | tokens/s | vs fault-free | lost per departure "
+        "| scenario | faults | rounds | epochs | median round s | server CPU s/min | tokens/s "
+        "| vs fault-free | lost per departure "
         "| lost (all faults) | rejoin s (rounds waited) | rejoined hash-identical "
         "| models identical | unexpected exits | partial files |"
     )
-    rows = [head, "|" + "---|" * 13]
+    rows = [head, "|" + "---|" * 15]
     for r in results:
         rejoin = ", ".join(f"{_fmt(j['seconds'])} ({_fmt(j['rounds_waited'])})" for j in r.rejoins)
         hashes = {j["hash_identical"] for j in r.rejoins}
@@ -57,6 +58,8 @@ def table(results: list[ScenarioResult]) -> str:
                     ", ".join(f"{k} {v}" for k, v in r.fault_counts.items()) or "0",
                     str(r.rounds),
                     str(r.epochs),
+                    _fmt(r.round_seconds),
+                    _fmt(r.server_cpu_per_min),
                     f"{r.tokens_per_s:.0f}",
                     _fmt(r.throughput_ratio),
                     f"max {max(r.lost_per_departure)}" if r.lost_per_departure else "–",
@@ -135,7 +138,9 @@ async def main_async(args: argparse.Namespace) -> int:
             result.throughput_ratio = result.tokens_per_s / baseline_tps
         results.append(result)
         print(
-            f"   {result.rounds} rounds, {result.tokens_per_s:.0f} tokens/s "
+            f"   {result.rounds} rounds (median {_fmt(result.round_seconds)} s), server CPU "
+            f"{_fmt(result.server_cpu_per_min)} s/min, "
+            f"{result.tokens_per_s:.0f} tokens/s "
             f"(ratio {_fmt(result.throughput_ratio)}), faults {result.fault_counts}, "
             f"lost per departure {result.lost_per_departure}, models identical "
             f"{result.models_identical}, {time.time() - started:.0f} s wall",

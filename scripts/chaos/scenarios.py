@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -222,6 +223,116 @@ def data_outage(secs: float) -> Action:
     return act
 
 
+# ---- attacks (issue 24, items 1 and 2; item 4 is the adversary's `junk-result`) ------------
+
+STRANGERS_HOST = "127.0.0.3"
+"""Where strangers connect from: the honest clients' coordinator proxies connect from 127.0.0.1,
+and a per-address cap shared with them would measure the loopback test, not the attack."""
+
+
+async def run_attacker(ctx: Context, prefix: str, args: Sequence[str]) -> dict[str, Any]:
+    """Runs `flood.py ARGS` as its own process (an attacker competes for the CPU as a separate
+    machine's would not, but the harness's proxies stay responsive) until it ends by itself;
+    returns the JSON line it printed last (what the attack got), or {} if it printed none.
+    Stopped with the scenario's window when that closes first."""
+    name = f"{prefix}-{sum(1 for n in ctx.cluster.nodes if n.startswith(prefix + '-')) + 1}"
+    ctx.expected_exits.add(name)
+    node = await ctx.cluster.start(name, [sys.executable, str(CHAOS_DIR / "flood.py"), *args])
+    try:
+        assert node.process is not None
+        await node.process.wait()
+    finally:
+        with trio.CancelScope(shield=True):
+            await ctx.cluster.stop(name, grace=3)
+    await trio.sleep(0.3)  # its last lines
+    found = node.events()
+    return dict(found[-1]) if found else {}
+
+
+def health_check_flood(secs: float, connections: int = 1, max_logins: int = 20_000) -> Action:
+    """Issue 24, item 2: `connections` strangers log in to the coordinator with fresh keys and
+    send well-formed 8 MiB `HealthCheck` frames back to back for `secs` (logging in again with
+    a new key whenever the server closes them; at most `max_logins` logins). Before the fix one
+    froze the server's only thread for a second per frame; ten took its RSS to 892 MB."""
+
+    async def act(ctx: Context) -> None:
+        t = time.time()
+        got: dict[str, Any] = {}
+        try:
+            got = await run_attacker(
+                ctx,
+                "strangers",
+                [
+                    "--attack", "health-checks",
+                    "--target", f"127.0.0.1:{ctx.cluster.server_port}",
+                    "--bind", STRANGERS_HOST, "--connections", str(connections),
+                    "--hold", f"{secs:g}", "--max-logins", str(max_logins),
+                ],
+            )  # fmt: skip
+        finally:
+            detail = (
+                f"{got.get('logins', '?')} logins, {got.get('frames', '?')} 8 MiB frames sent "
+                f"whole, {got.get('closed_by_peer', '?')} closed by the server"
+            )
+            ctx.record("health-check-flood", "server", detail, t=t, until=time.time())
+
+    return act
+
+
+def silent_flood(connections: int = 2000, *, rejoin: bool = True) -> Action:
+    """Issue 24, item 1: `connections` TCP connections that never send a byte (50 open at once)
+    at one client's libp2p port, from 127.0.0.1 as its peers' proxies. With `rejoin`, another
+    client is then SIGKILLed and its replacement started, which must dial the flooded client
+    and be dialed by it. Before the fix every pending upgrade the flood's newer connections
+    evicted leaked a slot of py-libp2p's resource manager, and the flooded host refused every
+    connection, in and out, for good (a replacement exited with `PeersUnreachable`)."""
+
+    async def act(ctx: Context) -> None:
+        # clients that loaded the model since they started: their libp2p hosts listen
+        targets = [
+            n
+            for n in ctx.targets()
+            if (node := ctx.cluster.nodes[Cluster.client_name(n)]).events(
+                "loaded_model", since=node.started_at
+            )
+        ]
+        if not targets:
+            return
+        number = ctx.rng.choice(targets)
+        name = Cluster.client_name(number)
+        ctx.busy.add(name)
+        t = time.time()
+        got: dict[str, Any] = {}
+        try:
+            port = ctx.cluster.p2p_ports[number][0]
+            got = await run_attacker(
+                ctx,
+                "silent-flood",
+                ["--attack", "silent", "--target", f"127.0.0.1:{port}",
+                 "--connections", str(connections)],
+            )  # fmt: skip
+        finally:
+            ctx.busy.discard(name)
+            ctx.record("silent-flood", name,
+                       f"{got.get('connections', 'no')} silent connections at its libp2p port",
+                       t=t, until=time.time(), number=number)  # fmt: skip
+        others = [n for n in ctx.targets() if n != number]
+        if not (rejoin and got and others):
+            return
+        other = ctx.rng.choice(others)
+        other_name = Cluster.client_name(other)
+        ctx.busy.add(other_name)
+        t = time.time()
+        try:
+            await ctx.restart_client(other, kill=True)
+        finally:
+            ctx.busy.discard(other_name)
+        ctx.record("sigkill", other_name, f"the replacement dials the flooded {name}", t=t,
+                   until=time.time(), number=other)  # fmt: skip
+
+    return act
+
+
 def every(interval: float, actions: Sequence[Action]) -> Action:
     """Run `actions` in turn, one starting every `interval` seconds."""
 
@@ -317,7 +428,15 @@ EVIDENCE = {
     "dropped by health check": "Dropped 1 clients",
     "download retries": "Retrying download for distro result",
     "data fetch retries": "retrying",
+    "results over the run's bound refused": r"not retrying\): blob of \d+ bytes exceeds",
+    "undecodable results dropped": r"not retrying\): undecodable blob",
+    "junk results requested": '"message": "blob_requested", "mode": "junk-result"',
+    "undecodable blobs requested": '"message": "blob_requested", "mode": "garbage-blob"',
+    "frames refused at the header (logged)": r"frame of \d+ bytes exceeds the limit",
+    "pending libp2p upgrades evicted (logged)": "pending connections full",
 }
+"""Regular expressions counted in every process's output (lines a `DropLog` rate-limits count
+once per interval: their summary lines are not counted)."""
 
 
 @dataclass
@@ -346,6 +465,10 @@ class ScenarioResult:
     loss_first: float | None
     loss_last: float | None
     evidence: dict[str, int]
+    round_seconds: float | None = None
+    """The median round in the window (`metrics.median_round_seconds`)."""
+    server_cpu_per_min: float | None = None
+    """CPU seconds the server process used per minute of the window (None when it restarted)."""
     throughput_ratio: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -387,9 +510,10 @@ def _mean_loss(events: Sequence[dict[str, Any]], last: bool) -> float | None:
     return sum(window) / len(window)
 
 
-def start_adversary(key_number: int, modes: str) -> Extra:
+def start_adversary(key_number: int, modes: str, junk_mib: int = 512) -> Extra:
     """A scenario's `extra`: a hostile member (adversary.py) playing `modes`, its coordinator
-    link and its junk to the peers' blob ports through the proxies."""
+    link and its junk to the peers' blob ports through the proxies (`junk_mib`: the size of its
+    `junk-result` blob)."""
 
     async def start(cluster: Cluster) -> list[str]:
         port = await cluster.coordinator_proxy()
@@ -404,6 +528,7 @@ def start_adversary(key_number: int, modes: str) -> Extra:
                 "--server-addr", f"127.0.0.1:{port}", "--run-id", "tiny-cpu",
                 "--key-number", str(key_number), "--modes", modes,
                 "--data-addr", f"127.0.0.1:{cluster.data_port}", "--peers", peers,
+                "--junk-mib", str(junk_mib),
             ],
         )  # fmt: skip
         return ["adversary"]
@@ -430,6 +555,7 @@ async def run_scenario(
         )
         await cluster.wait_line("server", r"-> RoundTrain \(", 180)
         t0 = time.time()
+        cpu0 = cluster.cpu_seconds("server")
         async with trio.open_nursery() as nursery:
             if scenario.inject is not None:
                 nursery.start_soon(scenario.inject, ctx)
@@ -439,6 +565,7 @@ async def run_scenario(
             await trio.sleep(scenario.duration)
             nursery.cancel_scope.cancel()
         t1 = time.time()
+        cpu1 = cluster.cpu_seconds("server")
         # lift every fault, then let the run reach a cooldown everyone can be compared at
         cluster.net.clear()
         for name in cluster.nodes:
@@ -447,9 +574,28 @@ async def run_scenario(
         if observe is not None:
             observe(ctx)
         result = _result(scenario, ctx, t0, t1)
+        if cpu0 is not None and cpu1 is not None and cpu0[0] == cpu1[0]:
+            result.server_cpu_per_min = 60 * (cpu1[1] - cpu0[1]) / (t1 - t0)
     # Leftovers are judged once every process has stopped: a checkpoint being written while the
     # figures were taken is not a partial file (its temporary directory is still in use).
     return replace(result, partial_files=partial_files(cluster))
+
+
+def run_captured(scenario: Scenario, workdir: Path) -> dict[str, Any]:
+    """Runs `scenario` (from synchronous code: the tests' fixtures) and returns its result with
+    what the settled run left: `result`, `nodes` (each process's name -> its JSON events and
+    its whole output), `running` (name -> whether it still ran) and `checkpoints` (the
+    checkpoint directory)."""
+    captured: dict[str, Any] = {}
+
+    def observe(ctx: Context) -> None:
+        nodes = ctx.cluster.nodes
+        captured["nodes"] = {name: (node.events(), node.text()) for name, node in nodes.items()}
+        captured["running"] = {name: node.running for name, node in nodes.items()}
+        captured["checkpoints"] = ctx.cluster.checkpoints
+
+    captured["result"] = trio.run(partial(run_scenario, scenario, workdir, observe=observe))
+    return captured
 
 
 async def run_testnet_scenario(
@@ -544,6 +690,11 @@ def _result(scenario: Scenario, ctx: Context, t0: float, t1: float) -> ScenarioR
         1 for line in server_lines if t0 <= line.t < t1 and "finished at step" in line.text
     )
     in_window = [t for t in rounds if t0 <= t < t1]
+    round_epochs = [
+        (line.t, int(found.group(1)))
+        for line in server_lines
+        if t0 <= line.t < t1 and (found := re.search(r"-> RoundTrain \(epoch (\d+)", line.text))
+    ]
     round_secs = (t1 - t0) / max(1, len(in_window))
     tokens = metrics.applied_tokens(reference, SEQ_LEN, t0, t1)
     lost = metrics.lost_assignments(reference)
@@ -586,10 +737,66 @@ def _result(scenario: Scenario, ctx: Context, t0: float, t1: float) -> ScenarioR
         loss_last=_mean_loss(reference, last=True),
         evidence={
             name: sum(
-                line.text.count(text) for node in cluster.nodes.values() for line in node.lines
+                len(re.findall(pattern, line.text))
+                for node in cluster.nodes.values()
+                for line in node.lines
             )
-            for name, text in EVIDENCE.items()
+            for name, pattern in EVIDENCE.items()
         },
+        round_seconds=metrics.median_round_seconds(round_epochs),
+    )
+
+
+ADVERSARY_KEY = 66
+ATTACK_MODES = "junk-result+garbage-blob"
+"""Issue 24, item 4: each round the hostile member trains in it offers, for its batch, its junk
+result (512 MiB of random bytes) and a 4 KiB blob that does not decode."""
+
+
+def attack_scenario(
+    name: str,
+    duration: float,
+    flood_at: Sequence[float],
+    *,
+    config: dict[str, int],
+    junk_mib: int = 512,
+    max_logins: int = 20_000,
+    member_joins_late: bool = False,
+) -> Scenario:
+    """Issue 24's items 1, 2 and 4 together against a live run of three honest clients and a
+    hostile member: strangers' 8 MiB `HealthCheck` frames at the coordinator for the whole
+    window (but its last 8 s), a silent flood of a client's libp2p port at each of `flood_at`
+    (seconds into the window; the first followed by another client's restart), and the
+    member's junk results whenever it trains. `config` must give a joiner a warmup well beyond
+    the 10 s it loses asking the hostile member for a part of the model (`warmup_time` just
+    under `epoch_time`); the hostile member never delivers, so rounds of epochs it is in run to
+    `max_round_train_time`.
+
+    The member starts with the run, for its first epoch (which must then wait for four
+    clients, `init_min_clients` 4: as long as three honest clients cannot start an epoch
+    alone, its bans yield), or, `member_joins_late`, when the window opens: it joins the
+    running run's next epoch, as an attacker would, and the first epoch is the honest
+    clients' alone (it joins in a second; with `init_min_clients` 3 an epoch that started as
+    soon as it and two clients were in left the third out)."""
+    floods = ", ".join(f"{t:g}" for t in flood_at)
+    member = start_adversary(ADVERSARY_KEY, ATTACK_MODES, junk_mib)
+
+    async def join_late(ctx: Context) -> None:
+        await member(ctx.cluster)
+
+    return Scenario(
+        name,
+        f"issue 24 items 1, 2, 4: strangers' 8 MiB HealthChecks for {duration - 8:g} s, 2000 "
+        f"silent connections at a client's libp2p port at {floods} s (after the first another "
+        f"client restarted), a member's {junk_mib} MiB junk results",
+        duration,
+        together(
+            *([join_late] if member_joins_late else []),
+            health_check_flood(duration - 8, max_logins=max_logins),
+            *(at(t, silent_flood(rejoin=i == 0)) for i, t in enumerate(flood_at)),
+        ),
+        RunSpec(num_clients=3, config=config),
+        extra=None if member_joins_late else member,
     )
 
 
@@ -662,5 +869,10 @@ def catalogue(duration: float, interval: float) -> dict[str, Scenario]:
         "soak": Scenario(
             "soak", f"one fault every {interval:g} s, cycling through the client faults",
             duration, every(interval, soak_faults),
+        ),
+        "attacks": attack_scenario(
+            "attacks", duration,
+            [5, *range(int(interval), int(duration) - 10, int(interval))],
+            config={"warmup_time": 19}, max_logins=1_000_000, member_joins_late=True,
         ),
     }  # fmt: skip

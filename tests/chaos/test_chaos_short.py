@@ -19,12 +19,10 @@ trainer miss its batch, and the health check then drops them all).
 
 from __future__ import annotations
 
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
-import trio
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
@@ -75,20 +73,9 @@ def _scenario() -> Any:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from scenarios import run_scenario
+    from scenarios import run_captured
 
-    captured: dict[str, Any] = {}
-
-    def observe(ctx: Any) -> None:
-        captured["nodes"] = {
-            name: (node.events(), node.text()) for name, node in ctx.cluster.nodes.items()
-        }
-        captured["checkpoints"] = ctx.cluster.checkpoints
-
-    captured["result"] = trio.run(
-        partial(run_scenario, _scenario(), tmp_path_factory.mktemp("short"), observe=observe)
-    )
-    return captured
+    return run_captured(_scenario(), tmp_path_factory.mktemp("short"))
 
 
 def test_no_process_falls_over(run: dict[str, Any]) -> None:

@@ -8,11 +8,9 @@ and no process falls over."""
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
 import pytest
-import trio
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.chaos_long]
 
@@ -23,14 +21,7 @@ MODES = "invalid-payload,hash-mismatch,wrong-step,garbage-blob,oversized-blob,in
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     from cluster import RunSpec
-    from scenarios import Scenario, run_scenario, start_adversary
-
-    captured: dict[str, Any] = {}
-
-    def observe(ctx: Any) -> None:
-        captured["nodes"] = {
-            name: (node.events(), node.text()) for name, node in ctx.cluster.nodes.items()
-        }
+    from scenarios import Scenario, run_captured, start_adversary
 
     scenario = Scenario(
         "hostile",
@@ -40,10 +31,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         RunSpec(num_clients=3, config={"init_min_clients": 4, "witness_nodes": 0}),
         extra=start_adversary(ADVERSARY, MODES),
     )
-    captured["result"] = trio.run(
-        partial(run_scenario, scenario, tmp_path_factory.mktemp("hostile"), observe=observe)
-    )
-    return captured
+    return run_captured(scenario, tmp_path_factory.mktemp("hostile"))
 
 
 def test_no_process_falls_over(run: dict[str, Any]) -> None:
@@ -100,7 +88,8 @@ def test_every_lie_is_refused_and_logged(run: dict[str, Any]) -> None:
         "dropping gossip message",  # broken envelope, impersonation, junk
     ):
         assert evidence in honest, evidence
-    assert "tried to join unknown run" in nodes["server"][1]
+    # a Join for another run is refused, with the reason (since issue 24, item 11)
+    assert "unknown run id 'another-run'" in nodes["server"][1]
 
 
 def test_the_offender_loses_its_place(run: dict[str, Any]) -> None:

@@ -11,6 +11,7 @@ from metrics import (
     batch_bounds,
     lost_assignments,
     lost_per_fault,
+    median_round_seconds,
     model_agreement,
     rejoin,
 )
@@ -109,3 +110,11 @@ def test_rejoin_counts_rounds_between_the_model_and_training() -> None:
     assert late.rounds_waited == 3
     wrong = [{**events[0], "model_hash": "x"}, *events[1:]]
     assert rejoin("c2", 40.0, wrong, peers, [64.9]).hash_identical is False
+
+
+def test_median_round_seconds_leaves_out_epoch_boundaries() -> None:
+    # epoch 0: rounds 3 s apart; 20 s to epoch 1's first round (not a round); then 8 and 3 s
+    starts = [(0.0, 0), (3.0, 0), (6.0, 0), (26.0, 1), (34.0, 1), (37.0, 1)]
+    assert median_round_seconds(starts) == 3.0
+    assert median_round_seconds([(0.0, 0), (3.0, 0), (11.0, 0)]) == 5.5
+    assert median_round_seconds([(0.0, 0), (20.0, 1)]) is None

@@ -7,7 +7,7 @@ checkpoint flip, an error path) or in the encoding changes the digest.
 If the digest changes: find out why first. A behaviour or encoding change must be deliberate and
 match upstream; then regenerate with
 
-    uv run --no-sync python tests/coordinator/test_transcript.py
+    .venv/bin/python tests/coordinator/test_transcript.py
 
 and replace TRANSCRIPT_DIGEST (say in the commit message which behaviour changed).
 """

@@ -59,6 +59,13 @@ def test_headless_testnet_runs_an_epoch(
     assert steps >= 2
     for number in (1, 2):  # both trained in the epoch
         assert any(client == number for client, _ in losses), text[-4000:]
+    hashes = {  # and ended it with the same model (each logs its hash at the cooldown)
+        processes.wait_for(
+            run, rf"\[client-{number}\] .*epoch 0 ended at step \d+: model hash (\w+)", 60
+        ).group(1)
+        for number in (1, 2)
+    }
+    assert len(hashes) == 1, hashes
     assert processes.stop(run) == 0
     final = run.text()
     assert "[testnet] got SIGINT; stopping" in final

@@ -71,6 +71,17 @@ def test_the_testnet_ends_by_itself_with_the_final_model(
         assert steps == sorted(set(steps)), steps  # once per step, in order
         assert steps[-1] == TOTAL_STEPS - 1, steps  # the last step the run trains
 
+    # both end with the same model: the last cooldown's hash, as each logged it
+    finals = {
+        client: re.findall(
+            rf"^\[client-{client}\] .*: epoch (\d+) ended at step (\d+): model hash (\w+)$",
+            text,
+            re.MULTILINE,
+        )[-1:]
+        for client in (1, 2)
+    }
+    assert finals[1] and finals[1] == finals[2], finals
+
     # each client's summary; the first one names the model's directory
     summaries = dict(re.findall(r"^\[client-(\d)\] .*: (run 'tiny-cpu' finished .*)$", text, re.M))
     assert set(summaries) == {"1", "2"}, text[-6000:]

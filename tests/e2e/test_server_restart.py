@@ -108,6 +108,12 @@ def test_server_restart_resumes_at_the_saved_step(
         assert after_restart and min(after_restart) >= killed_at_step, text[-3000:]
         resumed_losses.extend(after_restart.values())
     assert max(resumed_losses) < min(first) - 0.15, (first, resumed_losses)
+    # and they end the resumed epoch with the same model (the hash each logs at its cooldown)
+    hashes = {
+        processes.wait_for(client, r"epoch 1 ended at step \d+: model hash (\w+)", 120).group(1)
+        for client in clients
+    }
+    assert len(hashes) == 1, hashes
     # the resumed server ran the same instance of the run: it kept the saved identity
     processes.signal(restarted, signal.SIGTERM)
     assert restarted.popen.wait(30) == 0, restarted.text()[-3000:]
