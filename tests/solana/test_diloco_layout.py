@@ -4,9 +4,11 @@ size and every existing offset (the upstream tables of `test_codecs` still hold)
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 
 from psyche.core.definitions import DiLoCo, DilocoTransmission, OptimizerDefinition
+from psyche.core.serde import from_bytes, to_bytes, to_obj
 from psyche.solana.borsh import from_borsh, to_borsh
 from psyche.solana.state import REPR_C
 
@@ -51,3 +53,18 @@ def test_diloco_borsh_bytes() -> None:
         "<HBBBBBBfffff", 500, 1, 2, 64, 4, 1, 1, 0.1, 1.0, 0.7, 0.9, 2.0
     )
     assert from_borsh(encoded, OptimizerDefinition) == value
+
+
+def test_peer_clip_multiple_travels_in_postcard_only() -> None:
+    """The bounded aggregate's setting is appended to DiLoCo's postcard form (the centralized
+    protocol); borsh and the Solana account keep the 28 bytes (`tests/solana`), and decode it
+    as 0, off."""
+    bounded = OptimizerDefinition.DiLoCo(dataclasses.replace(DILOCO, peer_clip_multiple=2.0))
+    encoded = to_bytes(bounded, OptimizerDefinition)
+    assert encoded[-4:] == struct.pack("<f", 2.0)
+    assert from_bytes(encoded, OptimizerDefinition) == bounded
+    plain = OptimizerDefinition.DiLoCo(DILOCO)
+    assert to_borsh(bounded, OptimizerDefinition) == to_borsh(plain, OptimizerDefinition)
+    assert REPR_C.encode(bounded, OptimizerDefinition) == REPR_C.encode(plain, OptimizerDefinition)
+    assert from_borsh(to_borsh(bounded, OptimizerDefinition), OptimizerDefinition) == plain
+    assert to_obj(bounded, OptimizerDefinition)["DiLoCo"]["peer_clip_multiple"] == 2.0
