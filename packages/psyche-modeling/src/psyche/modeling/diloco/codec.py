@@ -342,21 +342,40 @@ def new_accumulator(layout: DilocoLayout, device: torch.device | str) -> torch.T
     return torch.zeros(layout.shape, dtype=torch.float32, device=device)
 
 
-def accumulate(acc: torch.Tensor, result: DistroResult, layout: DilocoLayout) -> None:
-    """`acc += decode(result)`, elementwise, in the entry's slot order."""
-    device = acc.device
+def entry_values(result: DistroResult, layout: DilocoLayout, device: torch.device) -> torch.Tensor:
+    """The float32 values an entry carries, flat: the parameter's values for the dense forms,
+    the kept DCT coefficients (block by block, in slot order) for the sparse one. The DCT is
+    orthonormal, so their L2 norm is the decoded update's in every form."""
     match layout.transmission:
         case DilocoTransmission.Bf16:
-            acc.add_(result.sparse_val.to(device).to(torch.float32))
+            return result.sparse_val.to(device).reshape(-1).to(torch.float32)
         case DilocoTransmission.Int8:
             scales = result.sparse_idx.to(device)
             per_value = scales.repeat_interleave(layout.group)[: layout.numel]
-            codes = result.sparse_val.to(device).reshape(-1).to(torch.float32)
-            acc.add_((codes * per_value).view(layout.shape))
+            return result.sparse_val.to(device).reshape(-1).to(torch.float32) * per_value
+        case _:
+            return _sparse_values(result, layout, device).reshape(-1)
+
+
+def accumulate(
+    acc: torch.Tensor, result: DistroResult, layout: DilocoLayout, scale: float = 1.0
+) -> None:
+    """`acc += decode(result) * scale`, elementwise, in the entry's slot order (each value is
+    multiplied by `scale`, rounded to float32, before it is added; a scale of 1 multiplies
+    nothing)."""
+    device = acc.device
+    match layout.transmission:
+        case DilocoTransmission.Bf16 | DilocoTransmission.Int8:
+            values = entry_values(result, layout, device)
+            if scale != 1.0:
+                values = values * scale
+            acc.add_(values.view(layout.shape))
         case DilocoTransmission.Sparse:
             sparse = layout.sparse
             assert sparse is not None
             values = _sparse_values(result, layout, device)
+            if scale != 1.0:
+                values = values * scale
             indices = _sparse_indices(result, layout, device)
             if len(layout.shape) == 2:
                 rows, cols, n1, n2 = sparse.xshape

@@ -1,0 +1,548 @@
+"""A witness's checks of a peer's result before it attests it (a port extension).
+
+Upstream's witness attests every result whose bytes hash to their commitment, so a member with
+a valid key can send a well-formed but poisoned update and every client applies it. Here a
+witness first compares each decoded result with what it knows of the run:
+
+* **agreement**: the first-order effect of the result along the witness's own estimate of the
+  descent direction, one dot product per result. The direction is the witness's own update of
+  that round, measured before compression (DisTrO: its momentum as `generate` left it; DiLoCo:
+  its pseudo-gradient), plus the results it accepted in recent rounds (decayed by
+  `aggregate_decay` a round), each normalized, read in the domain the payloads live in (DCT
+  coefficients for DisTrO and sparse DiLoCo, the values for bf16 and int8). The statistic is
+  self-normalized, `t = sum(v_i r_i) / sqrt(sum((v_i r_i)^2))` over the result's values `v` and
+  the direction `r` at the same positions: a result independent of the direction (random
+  signs, a fixed push) has `t` about N(0, 1) whatever the model size, a sign-flipped one a `t`
+  as negative as an honest one's is positive, and scaling a result does not change it. A
+  result is refused when `t` is below `min_agreement`, below `a * median - b` where the median
+  is that of the `t`s of the results that passed here in the previous round
+  (`relative_agreement`: while the run's results agree strongly, one that does not stands out), or when the `t`s of the
+  sender's last `window_rounds` results here sum to less than `min_window_z * sqrt(n)` (late in
+  a run a DisTrO result's own `t` is too noisy to judge alone, a consistently opposed sender's
+  is not);
+* **norm**: within `max_norm_ratio` of the witness's own sent update's norm either way (a
+  result scaled to the format's bound, an all-zero free rider; the DCT is orthonormal, so the
+  norm read in the payload's domain is the update's);
+* **not a copy**: a count-sketch fingerprint of every result seen (this round's that came
+  earlier, the witness's own first, and the last `history_rounds` rounds') is compared by
+  cosine; at `duplicate_cosine` or above the later one is refused (a copy of another member's
+  result, a replay of an older one).
+
+`WitnessScreen` is one witness's memory over a run, `RoundScreen` one round of it. The client
+puts only results that pass into its witness blooms (`psyche.client.payloads`). Nothing here
+decides what a client applies: that is the coordinator's consensus over the witnesses' blooms,
+the same for every client, so honest witnesses may disagree here without any client's weights
+diverging (docs/reliability.md, "Poisoned results"). The screening state lives in host memory:
+for DisTrO about three float32 copies of the model (the own momentum's DCT, the recent
+aggregate, the direction).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import threading
+from collections import deque
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from psyche.coordinator.consensus import witness_quorum_for
+from psyche.core.definitions import DilocoTransmission
+from psyche.modeling.compression import decompress_idx
+from psyche.modeling.diloco.codec import (
+    DilocoLayout,
+    _encode_dct,
+    _sparse_indices,
+    entry_values,
+)
+from psyche.modeling.diloco.optimizer import Diloco
+from psyche.modeling.distro import Distro, DistroResult, unpack_tensor_sign_from_boolean
+
+# count-sketch hashing: products stay below 2^63 for models of up to 2^47 values
+_PRIME = 2_147_483_647
+_MULTIPLIERS = ((48_271, 11), (69_621, 7))
+_CPU = torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class ScreeningSettings:
+    """Thresholds of the checks (see the module docstring). The agreement thresholds are set
+    against the statistic's spread when results carry no common signal at all (an honest result
+    then has `t` about N(0, 1.4^2): measured on random tokens), so that an honest result is
+    refused with a probability of about 1e-5 or less even then."""
+
+    min_agreement: float = -6.0
+    relative_agreement: tuple[float, float] | None = None
+    window_rounds: int = 16
+    min_window_z: float = -6.0
+    """The window test: `sum(t) / sqrt(n)` over the sender's last `n` results here."""
+    window_min_results: int = 4
+    """The window test waits for this many of the sender's results."""
+    max_norm_ratio: float = 8.0
+    duplicate_cosine: float = 0.95
+    history_rounds: int = 4
+    aggregate_decay: float = 0.75
+    aggregate_weight: float = 1.0
+    """The recent accepted results' share of the direction (the own update's is 1)."""
+    sketch_size: int = 4096
+
+
+DISTRO_SCREENING = ScreeningSettings(relative_agreement=(0.7, 6.0))
+"""DisTrO: an honest 1-bit result's `t` is 5 to 15 early in a run and about N(2, 1.3^2) late
+(tiny run, c16 k4; docs/reliability.md): one round alone refuses only a clearly opposed result,
+the sender's window a consistently opposed one."""
+DILOCO_SCREENING = ScreeningSettings(relative_agreement=(0.4, 6.0))
+"""DiLoCo: honest pseudo-gradients agree with `t` of 10 to 130 on the tiny run, the lowest of a
+round at least 0.43 of its median."""
+
+
+def screening_settings(reader: ResultReader) -> ScreeningSettings:
+    """The thresholds for the run's optimizer."""
+    return DISTRO_SCREENING if reader.distro else DILOCO_SCREENING
+
+
+@dataclass(frozen=True)
+class Reference:
+    """A witness's own update of one round as its optimizer left it (one tensor per
+    parameter: DisTrO's momentum in the DCT domain, DiLoCo's float32 pseudo-gradient); taking
+    one copies nothing, `RoundScreen.set_reference` reads it into the payloads' domain."""
+
+    tensors: list[torch.Tensor]
+
+
+@dataclass(frozen=True)
+class _Own:
+    """A reference read into the payloads' domain (flat float32 CPU tensors) and the norm of
+    what the witness sent."""
+
+    tensors: list[torch.Tensor]
+    own_norm: float
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    sketch: torch.Tensor
+    norm: float
+
+    def cosine(self, other: Fingerprint) -> float:
+        if self.norm == 0.0 or other.norm == 0.0:
+            return 0.0
+        return float(torch.dot(self.sketch, other.sketch)) / (self.norm * other.norm)
+
+
+@dataclass(frozen=True)
+class Measure:
+    agreement: float
+    norm: float
+    fingerprint: Fingerprint
+
+
+@dataclass(frozen=True)
+class Verdict:
+    measure: Measure
+    problem: str | None
+    """Why the result is refused; None when it passes."""
+    checked: bool = True
+    """False when the witness had no update of its own that round (only the copy check ran)."""
+
+    @property
+    def passed(self) -> bool:
+        return self.problem is None
+
+
+class ResultReader:
+    """Reads one run's result entries as values at flat positions of each parameter's payload
+    domain: DCT coefficients for DisTrO and sparse DiLoCo, the parameter's values for the dense
+    DiLoCo forms."""
+
+    def __init__(self, distro: Distro | None = None, diloco: Diloco | None = None) -> None:
+        if (distro is None) == (diloco is None):
+            raise ValueError("a reader reads DisTrO or DiLoCo results")
+        self.distro = distro is not None
+        self.layouts: list[DilocoLayout] | None = diloco.layouts() if diloco else None
+        if distro is not None:
+            self.sizes = [
+                math.prod(distro.transform.encoded_shape(tuple(p.shape))[0])
+                for _, p in distro.variables
+            ]
+        else:
+            self.sizes = [_domain_numel(layout) for layout in self.layouts or []]
+        self.offsets = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
+
+    @classmethod
+    def of(cls, optimizer: Distro | Diloco) -> ResultReader:
+        if isinstance(optimizer, Diloco):
+            return cls(diloco=optimizer)
+        return cls(distro=optimizer)
+
+    def entry(self, r: DistroResult, i: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(flat positions, or None for a dense entry; float32 values) of entry `i`."""
+        if self.distro:
+            idx = decompress_idx(r.totalk, r.sparse_idx.to(_CPU))
+            k = idx.shape[-1] if idx.dim() else 1
+            idx = idx.reshape(-1)
+            rows = torch.arange(idx.numel(), dtype=torch.int64) // max(k, 1)
+            val = r.sparse_val.to(_CPU)
+            if val.dtype == torch.bool:
+                val = unpack_tensor_sign_from_boolean(val, torch.float32)
+            return rows * r.totalk + idx, val.reshape(-1).float()
+        assert self.layouts is not None
+        layout = self.layouts[i]
+        values = entry_values(r, layout, _CPU)
+        if layout.transmission is not DilocoTransmission.Sparse:
+            return None, values
+        assert layout.sparse is not None
+        idx = _sparse_indices(r, layout, _CPU)
+        rows = torch.arange(idx.shape[0], dtype=torch.int64).unsqueeze(1)
+        return (rows * layout.sparse.totalk + idx).reshape(-1), values
+
+    def dense(self, results: Sequence[DistroResult]) -> list[torch.Tensor]:
+        """The results as flat float32 tensors of the payload domain (positions summed)."""
+        out = []
+        for i, r in enumerate(results):
+            positions, values = self.entry(r, i)
+            if positions is None:
+                out.append(values.clone())
+            else:
+                out.append(torch.zeros(self.sizes[i]).index_add_(0, positions, values))
+        return out
+
+    # ---- the witness's reference ------------------------------------------------------------
+
+    def reference(self, optimizer: Distro | Diloco) -> Reference:
+        """This replica's own update of the round that just ended (`Distro.generate` with
+        `keep_encoded`, or `Diloco.end_round`); raises `ValueError` when there is none."""
+        if isinstance(optimizer, Diloco):
+            own = optimizer.last_pseudo_gradient
+            if own is None:
+                raise ValueError("no DiLoCo round has ended on this replica")
+            return Reference(list(own))
+        if optimizer.encoded is None:
+            raise ValueError("DisTrO did not keep its encoded momentum (keep_encoded)")
+        return Reference(list(optimizer.encoded))
+
+    def _own(self, reference: Reference, own_sent: Sequence[DistroResult]) -> _Own:
+        tensors = []
+        for i, x in enumerate(reference.tensors):
+            x = x.detach().to(_CPU, torch.float32)
+            if self.layouts is not None:
+                layout = self.layouts[i]
+                if layout.transmission is DilocoTransmission.Sparse:
+                    x = _encode_dct(x, layout)
+            tensors.append(x.reshape(-1))
+        return _Own(tensors, self.norm(own_sent))
+
+    # ---- measures ----------------------------------------------------------------------------
+
+    def norm(self, results: Sequence[DistroResult]) -> float:
+        total = 0.0
+        for i, r in enumerate(results):
+            _, v = self.entry(r, i)
+            total += float(torch.dot(v.double(), v.double()))
+        return math.sqrt(total)
+
+    def measure(
+        self,
+        results: Sequence[DistroResult],
+        direction: Sequence[torch.Tensor] | None,
+        sketch_size: int,
+    ) -> Measure:
+        """Agreement with `direction` (0 without one), norm and fingerprint of `results`."""
+        num = den = sq = 0.0
+        sketch = torch.zeros(sketch_size, dtype=torch.float64)
+        for i, r in enumerate(results):
+            positions, v = self.entry(r, i)
+            v64 = v.double()
+            sq += float(torch.dot(v64, v64))
+            if direction is not None:
+                ref = direction[i]
+                at = (ref if positions is None else ref[positions]).double()
+                prod = v64 * at
+                num += float(prod.sum())
+                den += float(torch.dot(prod, prod))
+            flat = positions if positions is not None else torch.arange(v.numel())
+            bucket, sign = _hash(flat + self.offsets[i], sketch_size)
+            sketch.index_add_(0, bucket, v64 * sign)
+        agreement = num / math.sqrt(den) if den > 0.0 else 0.0
+        fingerprint = Fingerprint(sketch, float(torch.linalg.vector_norm(sketch)))
+        return Measure(agreement, math.sqrt(sq), fingerprint)
+
+
+def _domain_numel(layout: DilocoLayout) -> int:
+    if layout.transmission is DilocoTransmission.Sparse:
+        assert layout.sparse is not None
+        return math.prod(layout.sparse.xshape)
+    return layout.numel
+
+
+def _hash(positions: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A bucket in [0, size) and a sign for each position (the same on every machine)."""
+    (a1, b1), (a2, b2) = _MULTIPLIERS
+    p = positions.to(torch.int64)
+    bucket = ((p * a1 + b1) % _PRIME) % size
+    sign = (((p * a2 + b2) % _PRIME) % 2).double() * 2.0 - 1.0
+    return bucket, sign
+
+
+def _norm(tensors: Iterable[torch.Tensor]) -> float:
+    return math.sqrt(sum(float(torch.dot(t.double(), t.double())) for t in tensors))
+
+
+# --------------------------------------------------------------------------------------------
+# One witness over a run
+
+
+class WitnessScreen:
+    """One witness's checks over a run: what it remembers of earlier rounds (the results it
+    accepted, every sender's recent agreements, fingerprints) and the rounds it screens.
+
+    Thread-safe: a round's results may be checked from several threads at once."""
+
+    def __init__(self, reader: ResultReader, settings: ScreeningSettings) -> None:
+        self.reader = reader
+        self.settings = settings
+        self._lock = threading.Lock()
+        self._aggregate: list[torch.Tensor] | None = None
+        self._agreements: dict[Hashable, deque[float]] = {}
+        self._previous_round: list[float] = []
+        self._fingerprints: deque[list[Fingerprint]] = deque(maxlen=settings.history_rounds)
+
+    def open_round(self) -> RoundScreen:
+        return RoundScreen(self)
+
+    def _direction(self, reference: _Own) -> list[torch.Tensor]:
+        own = _norm(reference.tensors)
+        with self._lock:
+            aggregate = self._aggregate
+        scale_own = 1.0 / own if own > 0.0 else 0.0
+        weight = self.settings.aggregate_weight
+        if weight == 0.0 or aggregate is None or (total := _norm(aggregate)) == 0.0:
+            return [t * scale_own for t in reference.tensors]
+        return [t * scale_own + a * (weight / total) for t, a in zip(reference.tensors, aggregate)]
+
+    def _decide(self, sender: Hashable, measure: Measure, screen: RoundScreen) -> Verdict:
+        settings = self.settings
+        earlier = [*screen.seen, *(fp for rnd in self._fingerprints for fp in rnd)]
+        reference = screen.reference
+        problem = None
+        if reference is not None:
+            history = self._agreements.setdefault(sender, deque(maxlen=settings.window_rounds))
+            history.append(measure.agreement)
+            problem = self._first_order_problem(measure, reference, history)
+        if problem is None:
+            for fingerprint in earlier:
+                cosine = measure.fingerprint.cosine(fingerprint)
+                if cosine >= settings.duplicate_cosine:
+                    problem = f"a copy of an earlier result (cosine {cosine:.3f})"
+                    break
+        if reference is not None:
+            (screen.agreements if problem is None else screen.refused_agreements).append(
+                measure.agreement
+            )
+        screen.seen.append(measure.fingerprint)
+        return Verdict(measure, problem, checked=reference is not None)
+
+    def _first_order_problem(
+        self, measure: Measure, reference: _Own, history: Sequence[float]
+    ) -> str | None:
+        settings = self.settings
+        if measure.norm == 0.0:
+            return "the update is zero"
+        if reference.own_norm > 0.0:
+            ratio = measure.norm / reference.own_norm
+            if not 1.0 / settings.max_norm_ratio <= ratio <= settings.max_norm_ratio:
+                return (
+                    f"norm {measure.norm:.4g} is {ratio:.3g}x this witness's own "
+                    f"({reference.own_norm:.4g}); at most {settings.max_norm_ratio:g}x either way"
+                )
+        t = measure.agreement
+        if t < settings.min_agreement:
+            return f"agreement t = {t:.2f} is below {settings.min_agreement:g}"
+        if settings.relative_agreement is not None and self._previous_round:
+            a, b = settings.relative_agreement
+            level = statistics.median(self._previous_round)
+            if t < a * level - b:
+                return (
+                    f"agreement t = {t:.2f} is below {a:g} x {level:.2f} (the median of this "
+                    f"witness's previous round) - {b:g}"
+                )
+        if len(history) >= settings.window_min_results:
+            z = sum(history) / math.sqrt(len(history))
+            if z < settings.min_window_z:
+                return (
+                    f"the sender's agreement over its last {len(history)} results sums to "
+                    f"{z:.2f} x sqrt({len(history)}), below {settings.min_window_z:g}"
+                )
+        return None
+
+    def _close(self, screen: RoundScreen) -> None:
+        decay = self.settings.aggregate_decay
+        total: list[torch.Tensor] | None = None
+        for results in screen.accepted:
+            dense = self.reader.dense(results)
+            total = dense if total is None else [a.add_(b) for a, b in zip(total, dense)]
+        with self._lock:
+            previous = self._aggregate
+        if total is not None and previous is not None:
+            total = [a * decay + t for a, t in zip(previous, total)]
+        with self._lock:
+            if total is not None:
+                self._aggregate = total
+            # the level of the round's results that passed (all of them if none did)
+            level = screen.agreements or screen.refused_agreements
+            if level:
+                self._previous_round = list(level)
+            self._fingerprints.append(list(screen.seen))
+
+
+class RoundScreen:
+    """One round as one witness screens it: its own update (`set_reference`, or `no_reference`
+    when it has none), then `check` for each peer's result in the order they came, then
+    `close` once the round's witnessing is over."""
+
+    def __init__(self, witness: WitnessScreen) -> None:
+        self.witness = witness
+        self.reference: _Own | None = None
+        self.direction: list[torch.Tensor] | None = None
+        self.seen: list[Fingerprint] = []
+        self.agreements: list[float] = []
+        """The `t` of each result that passed (and, below, of each refused one)."""
+        self.refused_agreements: list[float] = []
+        self.accepted: list[Sequence[DistroResult]] = []
+        self.closed = False
+
+    def set_reference(self, reference: Reference, own_sent: Sequence[DistroResult]) -> None:
+        """This witness's own update and sent result of the round (a second own result of the
+        round only joins the fingerprints and the accepted results)."""
+        w = self.witness
+        own = w.reader.measure(own_sent, None, w.settings.sketch_size)
+        if self.reference is None:
+            mine = w.reader._own(reference, own_sent)
+            direction = w._direction(mine)
+        with w._lock:
+            if self.reference is None:
+                self.reference, self.direction = mine, direction
+            self.seen.insert(0, own.fingerprint)
+            self.accepted.append(own_sent)
+
+    def check(self, sender: Hashable, results: Sequence[DistroResult]) -> Verdict:
+        """Whether `sender`'s result may be attested (measured outside the lock, decided and
+        remembered inside it)."""
+        w = self.witness
+        measure = w.reader.measure(results, self.direction, w.settings.sketch_size)
+        with w._lock:
+            verdict = w._decide(sender, measure, self)
+            if verdict.passed:
+                self.accepted.append(results)
+        return verdict
+
+    def close(self) -> None:
+        """Fold the round into the witness's memory (once)."""
+        w = self.witness
+        with w._lock:
+            if self.closed:
+                return
+            self.closed = True
+        w._close(self)
+
+
+# --------------------------------------------------------------------------------------------
+# Witnessing in one process (the research simulations)
+
+
+class RoundTamper(Protocol):
+    """Hostile members of a simulation (`psyche.modeling.hostile.HostileMembers`): called once a
+    round with every member's sent results and the optimizer, returns what each one sends."""
+
+    indices: frozenset[int]
+    late: frozenset[int]
+
+    def __call__(
+        self, sent: Sequence[Sequence[DistroResult]], source: Distro | Diloco
+    ) -> list[list[DistroResult]]: ...
+
+
+@dataclass
+class Tally:
+    """What a simulation's witnesses decided, by the sender's honesty."""
+
+    honest_checks: int = 0
+    honest_refused: int = 0
+    hostile_checks: int = 0
+    hostile_refused: int = 0
+    lowest_honest_agreement: float = math.inf
+    refusals: list[str] = field(default_factory=list)
+    """Why honest results were refused."""
+    hostile_applied: list[tuple[int, int]] = field(default_factory=list)
+    """(round, member) of every hostile result a quorum vouched for, rounds counted from 0."""
+    rounds: int = 0
+
+
+class WitnessPanel:
+    """Every member of a simulated run witnesses every round (`witness_nodes = 0`): an honest
+    member screens the others' results against its own update (a `WitnessScreen` each) and
+    keeps its own; a hostile one vouches for every result. A result is applied when at least
+    the coordinator's quorum of witnesses vouch for it (`witness_quorum_for`). Results are
+    checked in the order they would arrive: the `late` members' (copiers) last."""
+
+    def __init__(
+        self,
+        optimizer: Distro | Diloco,
+        settings: ScreeningSettings,
+        members: int,
+        hostile: RoundTamper | None = None,
+    ) -> None:
+        self.reader = ResultReader.of(optimizer)
+        self.settings = settings
+        self.members = members
+        self.hostile = hostile.indices if hostile is not None else frozenset()
+        self.late = hostile.late if hostile is not None else frozenset()
+        self.quorum = witness_quorum_for(0, members)
+        self.tally = Tally()
+        self.screens = {
+            w: WitnessScreen(self.reader, settings) for w in range(members) if w not in self.hostile
+        }
+
+    def accepted(
+        self,
+        results: Sequence[Sequence[DistroResult]],
+        own: Mapping[int, tuple[Reference, Sequence[DistroResult]]],
+    ) -> list[int]:
+        """Which members' results of this round the run applies, ascending. `own`: each honest
+        member's reference and honest sent result."""
+        order = sorted(range(len(results)), key=lambda i: (i in self.late, i))
+        votes = [0] * len(results)
+        for w in range(self.members):
+            screen = self.screens.get(w)
+            if screen is None:
+                votes = [v + 1 for v in votes]
+                continue
+            votes[w] += 1  # its own result
+            rnd = screen.open_round()
+            rnd.set_reference(*own[w])
+            for i in order:
+                if i != w:
+                    verdict = rnd.check(i, results[i])
+                    self._count(i, verdict)
+                    votes[i] += 1 if verdict.passed else 0
+            rnd.close()
+        accepted = [i for i, v in enumerate(votes) if v >= self.quorum]
+        tally = self.tally
+        tally.hostile_applied += [(tally.rounds, i) for i in accepted if i in self.hostile]
+        tally.rounds += 1
+        return accepted
+
+    def _count(self, sender: int, verdict: Verdict) -> None:
+        t = self.tally
+        if sender in self.hostile:
+            t.hostile_checks += 1
+            t.hostile_refused += 0 if verdict.passed else 1
+            return
+        t.honest_checks += 1
+        t.lowest_honest_agreement = min(t.lowest_honest_agreement, verdict.measure.agreement)
+        if not verdict.passed:
+            t.honest_refused += 1
+            t.refusals.append(str(verdict.problem))
