@@ -1,0 +1,158 @@
+"""A hostile client beside honest ones, through the client's round (real trainers on the tiny
+Llama, the in-memory bus and the simulated coordinator of `test_machine`, every client a
+witness): its well-formed but poisoned results (`psyche.modeling.hostile.make_hostile`: they hash
+to their commitments and pass every check of their bytes) are refused by the honest witnesses
+from the round it starts lying, so no honest client applies them; the health checks then drop
+it as for a missing result; the honest clients refuse no honest result and end bit-identical."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+import trio
+
+from psyche.client.cooldown import live_model_hash
+from psyche.client.fetch_data import DataFetcher
+from psyche.client.steps import MachineSettings, StepStateMachine
+from psyche.coordinator import RunState
+from psyche.coordinator.testing import Simulation, integration_test_coordinator
+from psyche.core.batch_id import BatchId
+from psyche.core.definitions import OptimizerDefinition
+from psyche.data_provider.types import TokenizedData
+from psyche.modeling.hostile import Attack, HostileMember, make_hostile
+from psyche.modeling.trainer import Trainer
+
+from ..modeling.tiny_trainer import make_trainer
+from .test_diloco import diloco_trainer, new_node
+from .test_machine import SEQ, Bus, BusIO, Node, settle
+
+CLIENTS = 4
+HOSTILE = 3
+
+
+@pytest.fixture(autouse=True)
+def _single_thread():  # type: ignore[no-untyped-def]
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+class BigramData:
+    """Deterministic sequences per data index with a structure to learn (each token has two
+    possible successors): the clients' results share a direction, as on real text."""
+
+    successors = np.random.default_rng(0).integers(0, 256, (256, 2))
+
+    async def get_samples(self, batch: BatchId) -> list[TokenizedData]:
+        rows = []
+        for i in batch:
+            rng = np.random.default_rng(i)
+            row = [int(rng.integers(0, 256))]
+            for choice in rng.integers(0, 2, SEQ - 1):
+                row.append(int(self.successors[row[-1], choice]))
+            rows.append(np.array(row, dtype=np.int32))
+        return TokenizedData.from_rows(np.stack(rows))
+
+
+async def run_with_hostile(
+    make: Callable[[], Trainer], member: HostileMember, rounds: int
+) -> tuple[list[Node], Simulation]:
+    """`CLIENTS` clients, the last one hostile (`member`), for `rounds` rounds of one epoch."""
+    coordinator = integration_test_coordinator(CLIENTS, 2 * CLIENTS, 0)
+    coordinator.config.epoch_time = 1_000
+    coordinator.config.min_clients = 1
+    sim = Simulation(coordinator, now=1_000_000, rng=random.Random(5))
+    bus = Bus(sim)
+    nodes = [new_node(i) for i in range(CLIENTS)]
+    for node in nodes:
+        bus.nodes[node.identity] = node
+        sim.join(node.identity)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(bus.pump)
+        sim.run_until(lambda c: c.run_state is RunState.Warmup, 10)
+        for i, node in enumerate(nodes):
+            trainer = make()
+            if i == HOSTILE:
+                make_hostile(trainer, member)
+            # the hostile client's witness vouches for every result (it does not screen)
+            settings = MachineSettings(identity=node.identity, screen_results=i != HOSTILE)
+            node.machine = StepStateMachine(
+                settings,
+                trainer,
+                DataFetcher(BigramData(), nursery),
+                sim.coordinator.copy(),
+                BusIO(bus, node),
+                nursery,
+            )
+        last_step = sim.coordinator.progress.step + rounds
+        with trio.fail_after(600):  # a hang guard only: the simulated clock waits for the work
+            while (sim.coordinator.progress.step < last_step and sim.coordinator.active()) or (
+                sim.coordinator.run_state is RunState.Warmup
+            ):
+                for node in nodes:
+                    await node.machine.apply_state(sim.coordinator.copy())  # type: ignore[union-attr]
+                    node.machine.try_send_opportunistic_witness()  # type: ignore[union-attr]
+                await settle(bus, nodes)
+                sim.tick()
+        nursery.cancel_scope.cancel()
+    return nodes, sim
+
+
+def bounded_diloco_trainer() -> Trainer:
+    trainer = diloco_trainer()
+    assert trainer.diloco is not None
+    definition = trainer.diloco.settings.definition()
+    bounded = dataclasses.replace(definition, peer_clip_multiple=2.0)
+    return Trainer(
+        trainer.model,
+        trainer.lr_schedule,
+        OptimizerDefinition.DiLoCo(bounded),
+        micro_batch_size=trainer.micro_batch_size,
+    )
+
+
+@pytest.mark.parametrize(
+    ("make", "attack", "start"),
+    [(make_trainer, Attack.SignFlip, 2), (bounded_diloco_trainer, Attack.Scaled, 1)],
+    ids=["distro-sign-flip", "diloco-scaled"],
+)
+def test_a_hostile_clients_results_are_refused_and_it_is_dropped(
+    make: Callable[[], Trainer], attack: Attack, start: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="psyche.client")
+    member = HostileMember(attack, start=start)
+    nodes, sim = trio.run(lambda: run_with_hostile(make, member, rounds=8))
+    hostile, honest = nodes[HOSTILE], nodes[:HOSTILE]
+    cheater = str(hostile.identity)
+    # it lied from round `start` of its results on
+    assert member.lies and member.lies[0] == start
+    lies = {hostile.sent_results[r].batch_id for r in member.lies}
+    honest_ids = {str(n.identity) for n in honest}
+    applied = [
+        r
+        for r in caplog.records
+        if r.getMessage() == "applied_results" and r.psyche_fields["client_id"] in honest_ids
+    ]
+    assert applied
+    for record in applied:
+        assert not lies & set(record.psyche_fields["batches"]), record.psyche_fields
+    # its honest rounds were applied (the checks refuse the lies, not the member)
+    truths = {r.batch_id for i, r in enumerate(hostile.sent_results) if i not in member.lies}
+    assert truths & {b for r in applied for b in r.psyche_fields["batches"]}
+    refused = [r for r in caplog.records if r.getMessage() == "payload_refused"]
+    assert refused and {r.psyche_fields["sender"] for r in refused} == {cheater}
+    # health-checked out as for a missing result
+    checks = [r for r in caplog.records if r.getMessage() == "health_check"]
+    assert any(cheater in r.psyche_fields["unhealthy"] for r in checks)
+    assert hostile.identity not in {c.id for c in sim.coordinator.epoch_state.clients}
+    for record in checks:
+        assert set(record.psyche_fields["unhealthy"]) <= {cheater}
+    # the honest clients hold the same weights
+    assert len({live_model_hash(n.machine.trainer) for n in honest}) == 1  # type: ignore[union-attr]
