@@ -162,6 +162,8 @@ def honest_results(form: str, members: int = 4) -> tuple[Diloco, list[list]]:  #
             ids = data[start : start + ROWS]
             m(ids, labels=ids, use_cache=False).loss.backward()
             r.inner_step(3e-3)
+    for r in sim.replicas:
+        r.diloco.keep_encoded = True  # a witness's reference
     sent = [r.diloco.end_round(0) for r in sim.replicas]
     return sim.replicas[0].diloco, sent
 

@@ -43,7 +43,7 @@ import math
 import statistics
 import threading
 from collections import deque
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -54,16 +54,17 @@ from psyche.core.definitions import DilocoTransmission
 from psyche.modeling.compression import decompress_idx
 from psyche.modeling.diloco.codec import (
     DilocoLayout,
-    _encode_dct,
     _sparse_indices,
     entry_values,
 )
 from psyche.modeling.diloco.optimizer import Diloco
 from psyche.modeling.distro import Distro, DistroResult, unpack_tensor_sign_from_boolean
 
-# count-sketch hashing: products stay below 2^63 for models of up to 2^47 values
-_PRIME = 2_147_483_647
-_MULTIPLIERS = ((48_271, 11), (69_621, 7))
+# count-sketch hashing: a position times an odd constant (below 2^63 for positions below 2^31),
+# the bucket and the sign from bits of the product
+_HASH_MULTIPLIER = 0x9E3779B1
+_BUCKET_SHIFT = 16
+_SIGN_SHIFT = 40
 _CPU = torch.device("cpu")
 
 
@@ -88,6 +89,7 @@ class ScreeningSettings:
     aggregate_weight: float = 1.0
     """The recent accepted results' share of the direction (the own update's is 1)."""
     sketch_size: int = 4096
+    """Buckets of a fingerprint (a power of two)."""
 
 
 DISTRO_SCREENING = ScreeningSettings(relative_agreement=(0.7, 6.0))
@@ -115,10 +117,11 @@ class Reference:
 
 @dataclass(frozen=True)
 class _Own:
-    """A reference read into the payloads' domain (flat float32 CPU tensors) and the norm of
-    what the witness sent."""
+    """A reference read into the payloads' domain (`ResultReader.domain`), 1 / its norm, and
+    the norm of what the witness sent."""
 
     tensors: list[torch.Tensor]
+    scale: float
     own_norm: float
 
 
@@ -153,24 +156,41 @@ class Verdict:
         return self.problem is None
 
 
+@dataclass(frozen=True)
+class Flat:
+    """A result read as values at positions of the whole model's payload domain (the
+    parameters' domains one after the other); `positions` None: every position, in order.
+    `parts` are the same per parameter, positions within the parameter's domain."""
+
+    positions: torch.Tensor | None
+    values: torch.Tensor
+    parts: list[tuple[torch.Tensor | None, torch.Tensor]]
+
+
 class ResultReader:
-    """Reads one run's result entries as values at flat positions of each parameter's payload
-    domain: DCT coefficients for DisTrO and sparse DiLoCo, the parameter's values for the dense
-    DiLoCo forms."""
+    """Reads one run's results as values at flat positions of the model's payload domain: DCT
+    coefficients for DisTrO and sparse DiLoCo, the parameters' values for the dense DiLoCo
+    forms."""
 
     def __init__(self, distro: Distro | None = None, diloco: Diloco | None = None) -> None:
         if (distro is None) == (diloco is None):
             raise ValueError("a reader reads DisTrO or DiLoCo results")
-        self.distro = distro is not None
         self.layouts: list[DilocoLayout] | None = diloco.layouts() if diloco else None
         if distro is not None:
-            self.sizes = [
+            sizes = [
                 math.prod(distro.transform.encoded_shape(tuple(p.shape))[0])
                 for _, p in distro.variables
             ]
         else:
-            self.sizes = [_domain_numel(layout) for layout in self.layouts or []]
-        self.offsets = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
+            sizes = [_domain_numel(layout) for layout in self.layouts or []]
+        self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        self.size = sum(sizes)
+        self.dense_form = self.layouts is not None and all(
+            layout.transmission is not DilocoTransmission.Sparse for layout in self.layouts
+        )
+        # a dense result's fingerprint reads every `stride`-th value (about 64k of them)
+        self._stride = max(1, self.size // 65_536) if self.dense_form else 1
+        self._sampled_hash: tuple[int, torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def of(cls, optimizer: Distro | Diloco) -> ResultReader:
@@ -178,18 +198,20 @@ class ResultReader:
             return cls(diloco=optimizer)
         return cls(distro=optimizer)
 
-    def entry(self, r: DistroResult, i: int) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """(flat positions, or None for a dense entry; float32 values) of entry `i`."""
-        if self.distro:
+    @property
+    def distro(self) -> bool:
+        return self.layouts is None
+
+    def _entry(self, r: DistroResult, i: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(positions in parameter `i`'s domain, or None for a dense entry; float32 values)."""
+        if self.layouts is None:
             idx = decompress_idx(r.totalk, r.sparse_idx.to(_CPU))
-            k = idx.shape[-1] if idx.dim() else 1
-            idx = idx.reshape(-1)
-            rows = torch.arange(idx.numel(), dtype=torch.int64) // max(k, 1)
+            k = max(idx.shape[-1] if idx.dim() else 1, 1)
+            rows = torch.arange(idx.numel(), dtype=torch.int64).floor_divide_(k)
             val = r.sparse_val.to(_CPU)
             if val.dtype == torch.bool:
                 val = unpack_tensor_sign_from_boolean(val, torch.float32)
-            return rows * r.totalk + idx, val.reshape(-1).float()
-        assert self.layouts is not None
+            return rows.mul_(r.totalk).add_(idx.reshape(-1)), val.reshape(-1).float()
         layout = self.layouts[i]
         values = entry_values(r, layout, _CPU)
         if layout.transmission is not DilocoTransmission.Sparse:
@@ -199,76 +221,56 @@ class ResultReader:
         rows = torch.arange(idx.shape[0], dtype=torch.int64).unsqueeze(1)
         return (rows * layout.sparse.totalk + idx).reshape(-1), values
 
-    def dense(self, results: Sequence[DistroResult]) -> list[torch.Tensor]:
-        """The results as flat float32 tensors of the payload domain (positions summed)."""
-        out = []
-        for i, r in enumerate(results):
-            positions, values = self.entry(r, i)
-            if positions is None:
-                out.append(values.clone())
-            else:
-                out.append(torch.zeros(self.sizes[i]).index_add_(0, positions, values))
-        return out
+    def flat(self, results: Sequence[DistroResult]) -> Flat:
+        parts = [self._entry(r, i) for i, r in enumerate(results)]
+        values = torch.cat([v for _, v in parts])
+        if self.dense_form:
+            return Flat(None, values, parts)
+        shifted = [p + offset for (p, _), offset in zip(parts, self.offsets) if p is not None]
+        return Flat(torch.cat(shifted), values, parts)
+
+    def add_into(self, total: torch.Tensor, flat: Flat, alpha: float = 1.0) -> None:
+        """`total += flat * alpha` (float32 over the whole domain)."""
+        if flat.positions is None:
+            total.add_(flat.values, alpha=alpha)
+        else:
+            total.index_add_(0, flat.positions, flat.values, alpha=alpha)
 
     # ---- the witness's reference ------------------------------------------------------------
 
     def reference(self, optimizer: Distro | Diloco) -> Reference:
-        """This replica's own update of the round that just ended (`Distro.generate` with
-        `keep_encoded`, or `Diloco.end_round`); raises `ValueError` when there is none."""
-        if isinstance(optimizer, Diloco):
-            own = optimizer.last_pseudo_gradient
-            if own is None:
-                raise ValueError("no DiLoCo round has ended on this replica")
-            return Reference(list(own))
+        """This replica's own update of the step or round that just ended, as it compressed it
+        (`keep_encoded`: DisTrO's momentum in the DCT domain, DiLoCo's pseudo-gradient plus its
+        residual in the payloads' domain); raises `ValueError` when there is none."""
         if optimizer.encoded is None:
-            raise ValueError("DisTrO did not keep its encoded momentum (keep_encoded)")
+            raise ValueError("the optimizer kept no update (keep_encoded, or nothing yet)")
         return Reference(list(optimizer.encoded))
 
-    def _own(self, reference: Reference, own_sent: Sequence[DistroResult]) -> _Own:
-        tensors = []
-        for i, x in enumerate(reference.tensors):
-            x = x.detach().to(_CPU, torch.float32)
-            if self.layouts is not None:
-                layout = self.layouts[i]
-                if layout.transmission is DilocoTransmission.Sparse:
-                    x = _encode_dct(x, layout)
-            tensors.append(x.reshape(-1))
-        return _Own(tensors, self.norm(own_sent))
+    def domain(self, reference: Reference) -> list[torch.Tensor]:
+        """A reference as flat float32 CPU tensors, one per parameter (no copy where it is one
+        already)."""
+        return [x.detach().reshape(-1).to(_CPU, torch.float32) for x in reference.tensors]
 
     # ---- measures ----------------------------------------------------------------------------
 
-    def norm(self, results: Sequence[DistroResult]) -> float:
-        total = 0.0
-        for i, r in enumerate(results):
-            _, v = self.entry(r, i)
-            total += float(torch.dot(v.double(), v.double()))
-        return math.sqrt(total)
+    def describe(self, flat: Flat, sketch_size: int) -> tuple[float, Fingerprint]:
+        """A result's norm and fingerprint."""
+        values = flat.values
+        norm = float(torch.linalg.vector_norm(values))
+        if flat.positions is None:
+            _, bucket, sign = self._dense_hash(sketch_size)
+            values = values[:: self._stride]
+        else:
+            bucket, sign = _hash(flat.positions, sketch_size)
+        sketch = torch.zeros(sketch_size).index_add_(0, bucket, values * sign)
+        return norm, Fingerprint(sketch, float(torch.linalg.vector_norm(sketch)))
 
-    def measure(
-        self,
-        results: Sequence[DistroResult],
-        direction: Sequence[torch.Tensor] | None,
-        sketch_size: int,
-    ) -> Measure:
-        """Agreement with `direction` (0 without one), norm and fingerprint of `results`."""
-        num = den = sq = 0.0
-        sketch = torch.zeros(sketch_size, dtype=torch.float64)
-        for i, r in enumerate(results):
-            positions, v = self.entry(r, i)
-            v64 = v.double()
-            sq += float(torch.dot(v64, v64))
-            if direction is not None:
-                ref = direction[i]
-                at = (ref if positions is None else ref[positions]).double()
-                prod = v64 * at
-                num += float(prod.sum())
-                den += float(torch.dot(prod, prod))
-            flat = positions if positions is not None else torch.arange(v.numel())
-            bucket, sign = _hash(flat + self.offsets[i], sketch_size)
-            sketch.index_add_(0, bucket, v64 * sign)
-        agreement = num / math.sqrt(den) if den > 0.0 else 0.0
-        fingerprint = Fingerprint(sketch, float(torch.linalg.vector_norm(sketch)))
-        return Measure(agreement, math.sqrt(sq), fingerprint)
+    def _dense_hash(self, sketch_size: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+        cached = self._sampled_hash
+        if cached is None or cached[0] != sketch_size:
+            bucket, sign = _hash(torch.arange(0, self.size, self._stride), sketch_size)
+            cached = self._sampled_hash = (sketch_size, bucket, sign)
+        return cached
 
 
 def _domain_numel(layout: DilocoLayout) -> int:
@@ -279,16 +281,16 @@ def _domain_numel(layout: DilocoLayout) -> int:
 
 
 def _hash(positions: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A bucket in [0, size) and a sign for each position (the same on every machine)."""
-    (a1, b1), (a2, b2) = _MULTIPLIERS
-    p = positions.to(torch.int64)
-    bucket = ((p * a1 + b1) % _PRIME) % size
-    sign = (((p * a2 + b2) % _PRIME) % 2).double() * 2.0 - 1.0
+    """A bucket in [0, size) (a power of two) and a sign for each position (the same on every
+    machine)."""
+    product = positions.to(torch.int64) * _HASH_MULTIPLIER
+    bucket = (product >> _BUCKET_SHIFT) & (size - 1)
+    sign = ((product >> _SIGN_SHIFT) & 1).to(torch.float32).mul_(2.0).sub_(1.0)
     return bucket, sign
 
 
-def _norm(tensors: Iterable[torch.Tensor]) -> float:
-    return math.sqrt(sum(float(torch.dot(t.double(), t.double())) for t in tensors))
+def _at(t: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+    return t.clone() if positions is None else t[positions]
 
 
 # --------------------------------------------------------------------------------------------
@@ -305,7 +307,9 @@ class WitnessScreen:
         self.reader = reader
         self.settings = settings
         self._lock = threading.Lock()
-        self._aggregate: list[torch.Tensor] | None = None
+        self._aggregate: torch.Tensor | None = None
+        self._aggregate_scale = 1.0
+        self._aggregate_norm = 0.0
         self._agreements: dict[Hashable, deque[float]] = {}
         self._previous_round: list[float] = []
         self._fingerprints: deque[list[Fingerprint]] = deque(maxlen=settings.history_rounds)
@@ -313,15 +317,28 @@ class WitnessScreen:
     def open_round(self) -> RoundScreen:
         return RoundScreen(self)
 
-    def _direction(self, reference: _Own) -> list[torch.Tensor]:
-        own = _norm(reference.tensors)
+    def _agreement(self, flat: Flat, own: _Own) -> float:
+        """`t` of a result along the direction: the own update over its norm, plus the recent
+        aggregate over its norm times `aggregate_weight`, read at the result's positions."""
+        weight = self.settings.aggregate_weight
+        num = den = 0.0
         with self._lock:
             aggregate = self._aggregate
-        scale_own = 1.0 / own if own > 0.0 else 0.0
-        weight = self.settings.aggregate_weight
-        if weight == 0.0 or aggregate is None or (total := _norm(aggregate)) == 0.0:
-            return [t * scale_own for t in reference.tensors]
-        return [t * scale_own + a * (weight / total) for t, a in zip(reference.tensors, aggregate)]
+            if not weight or aggregate is None or self._aggregate_norm == 0.0:
+                aggregate = None
+            factor = (
+                0.0 if aggregate is None else weight * self._aggregate_scale / self._aggregate_norm
+            )
+            for i, (positions, values) in enumerate(flat.parts):
+                direction = _at(own.tensors[i], positions).mul_(own.scale)
+                if aggregate is not None:
+                    offset = self.reader.offsets[i]
+                    part = aggregate[offset : offset + own.tensors[i].numel()]
+                    direction.add_(_at(part, positions), alpha=factor)
+                prod = direction.mul_(values)
+                num += float(prod.sum())
+                den += float(torch.dot(prod, prod))
+        return num / math.sqrt(den) if den > 0.0 else 0.0
 
     def _decide(self, sender: Hashable, measure: Measure, screen: RoundScreen) -> Verdict:
         settings = self.settings
@@ -379,18 +396,22 @@ class WitnessScreen:
         return None
 
     def _close(self, screen: RoundScreen) -> None:
-        decay = self.settings.aggregate_decay
-        total: list[torch.Tensor] | None = None
-        for results in screen.accepted:
-            dense = self.reader.dense(results)
-            total = dense if total is None else [a.add_(b) for a, b in zip(total, dense)]
+        """Fold a round in: its accepted results into the decayed aggregate (kept as
+        `scale * A`, so a round costs its results' values and one norm), its level, its
+        fingerprints."""
         with self._lock:
-            previous = self._aggregate
-        if total is not None and previous is not None:
-            total = [a * decay + t for a, t in zip(previous, total)]
-        with self._lock:
-            if total is not None:
-                self._aggregate = total
+            if screen.accepted:
+                if self._aggregate is None:
+                    self._aggregate, self._aggregate_scale = torch.zeros(self.reader.size), 1.0
+                aggregate = self._aggregate
+                self._aggregate_scale *= self.settings.aggregate_decay
+                for flat in screen.accepted:
+                    self.reader.add_into(aggregate, flat, 1.0 / self._aggregate_scale)
+                if self._aggregate_scale < 1e-6:
+                    aggregate.mul_(self._aggregate_scale)
+                    self._aggregate_scale = 1.0
+                norm = float(torch.linalg.vector_norm(aggregate))
+                self._aggregate_norm = self._aggregate_scale * norm
             # the level of the round's results that passed (all of them if none did)
             level = screen.agreements or screen.refused_agreements
             if level:
@@ -406,37 +427,43 @@ class RoundScreen:
     def __init__(self, witness: WitnessScreen) -> None:
         self.witness = witness
         self.reference: _Own | None = None
-        self.direction: list[torch.Tensor] | None = None
         self.seen: list[Fingerprint] = []
         self.agreements: list[float] = []
         """The `t` of each result that passed (and, below, of each refused one)."""
         self.refused_agreements: list[float] = []
-        self.accepted: list[Sequence[DistroResult]] = []
+        self.accepted: list[Flat] = []
         self.closed = False
 
     def set_reference(self, reference: Reference, own_sent: Sequence[DistroResult]) -> None:
         """This witness's own update and sent result of the round (a second own result of the
         round only joins the fingerprints and the accepted results)."""
         w = self.witness
-        own = w.reader.measure(own_sent, None, w.settings.sketch_size)
+        flat = w.reader.flat(own_sent)
+        norm, fingerprint = w.reader.describe(flat, w.settings.sketch_size)
+        mine = None
         if self.reference is None:
-            mine = w.reader._own(reference, own_sent)
-            direction = w._direction(mine)
+            tensors = w.reader.domain(reference)
+            size = math.sqrt(sum(float(torch.dot(t, t)) for t in tensors))
+            mine = _Own(tensors, 1.0 / size if size > 0.0 else 0.0, norm)
         with w._lock:
             if self.reference is None:
-                self.reference, self.direction = mine, direction
-            self.seen.insert(0, own.fingerprint)
-            self.accepted.append(own_sent)
+                self.reference = mine
+            self.seen.insert(0, fingerprint)
+            self.accepted.append(flat)
 
     def check(self, sender: Hashable, results: Sequence[DistroResult]) -> Verdict:
         """Whether `sender`'s result may be attested (measured outside the lock, decided and
         remembered inside it)."""
         w = self.witness
-        measure = w.reader.measure(results, self.direction, w.settings.sketch_size)
+        flat = w.reader.flat(results)
+        norm, fingerprint = w.reader.describe(flat, w.settings.sketch_size)
+        own = self.reference
+        agreement = w._agreement(flat, own) if own is not None else 0.0
+        measure = Measure(agreement, norm, fingerprint)
         with w._lock:
             verdict = w._decide(sender, measure, self)
             if verdict.passed:
-                self.accepted.append(results)
+                self.accepted.append(flat)
         return verdict
 
     def close(self) -> None:

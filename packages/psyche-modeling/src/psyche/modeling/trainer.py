@@ -457,8 +457,7 @@ class Trainer:
         optimizer: Distro | Diloco | None = self.distro or self.diloco
         if optimizer is None:
             return None
-        if self.distro is not None:
-            self.distro.keep_encoded = True
+        optimizer.keep_encoded = True
         if self._screening_reader is None:
             self._screening_reader = ResultReader.of(optimizer)
         return self._screening_reader

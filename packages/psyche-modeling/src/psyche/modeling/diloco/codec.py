@@ -173,11 +173,17 @@ def _encode_dct(x: torch.Tensor, layout: DilocoLayout) -> torch.Tensor:
     return x.reshape(count, n1) @ dct_basis(n1).to(x.device)
 
 
-def encode(x: torch.Tensor, layout: DilocoLayout) -> DistroResult:
+def encode(
+    x: torch.Tensor, layout: DilocoLayout, domain: list[torch.Tensor] | None = None
+) -> DistroResult:
     """One parameter's pseudo-gradient (float32, the parameter's shape) in its sent form.
 
-    Values beyond `MAX_ABS_VALUE` are clamped first (the receiver would refuse them)."""
+    Values beyond `MAX_ABS_VALUE` are clamped first (the receiver would refuse them). With
+    `domain`, what was compressed is appended to it as the payloads' domain reads it (the
+    sparse form's DCT coefficients, the clamped values otherwise): a witness's reference."""
     x = x.detach().to(torch.float32).clamp(-MAX_ABS_VALUE, MAX_ABS_VALUE)
+    if domain is not None and layout.transmission is not DilocoTransmission.Sparse:
+        domain.append(x)
     device = x.device
     match layout.transmission:
         case DilocoTransmission.Bf16:
@@ -197,7 +203,10 @@ def encode(x: torch.Tensor, layout: DilocoLayout) -> DistroResult:
             return DistroResult(scale, values, [], group)
         case DilocoTransmission.Sparse:
             assert layout.sparse is not None
-            idx, val, xshape, totalk = compress(_encode_dct(x, layout), layout.sparse.topk)
+            coefficients = _encode_dct(x, layout)
+            if domain is not None:
+                domain.append(coefficients)
+            idx, val, xshape, totalk = compress(coefficients, layout.sparse.topk)
             blocks = layout.sparse.block_shape
             k = val.shape[-1]
             rows = val.reshape(-1, k)

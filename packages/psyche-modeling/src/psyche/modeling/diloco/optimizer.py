@@ -261,6 +261,10 @@ class Diloco:
         # lookahead's input
         self._own_update: list[torch.Tensor] | None = None
         self._own_round: int | None = None
+        self.keep_encoded = False
+        """Keep what `end_round` compressed (`encoded`: the pseudo-gradient plus the residual, as
+        the payloads' domain reads it): a witness's reference (`psyche.modeling.screening`)."""
+        self.encoded: list[torch.Tensor] | None = None
         self.outer_steps = 0
 
     @classmethod
@@ -275,12 +279,6 @@ class Diloco:
 
     def layouts(self) -> list[DilocoLayout]:
         return list(self._layouts)
-
-    @property
-    def last_pseudo_gradient(self) -> list[torch.Tensor] | None:
-        """This replica's pseudo-gradient of its last round as `end_round` measured it (float32,
-        before compression): the lookahead's input, and a witness's reference."""
-        return self._own_update
 
     # ---- the round on this client ------------------------------------------------------
 
@@ -343,6 +341,7 @@ class Diloco:
         if self.residuals is None:
             self.residuals = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
         out, own = [], []
+        encoded: list[torch.Tensor] | None = [] if self.keep_encoded else None
         for i, (p, saved, residual, layout) in enumerate(
             zip(self.params, self._snapshot, self.residuals, self._layouts)
         ):
@@ -350,7 +349,7 @@ class Diloco:
             if self._lookahead is not None:
                 delta = delta - self._lookahead[i]  # measured from the shifted start
             residual.add_(delta)
-            sent = encode(residual, layout)
+            sent = encode(residual, layout, encoded)
             residual.sub_(decode(sent, layout, residual.device))
             out.append(sent)
             own.append(delta)
@@ -358,6 +357,7 @@ class Diloco:
         self._snapshot = None
         self._lookahead = None
         self._own_update, self._own_round = own, round_index
+        self.encoded = encoded
         return out
 
     # ---- the outer step, on every client -----------------------------------------------

@@ -115,6 +115,8 @@ class DilocoPeerSimulation:
         self.hostile = hostile
         self.witnesses: WitnessPanel | None = None
         if screening is not None:
+            for r in self.replicas:
+                r.diloco.keep_encoded = True
             diloco = self.replicas[0].diloco
             self.witnesses = WitnessPanel(diloco, screening, len(self.replicas), hostile)
         self.last_accepted: list[int] = []
