@@ -214,3 +214,23 @@ def test_a_copy_is_refused_in_whichever_round_it_comes() -> None:
     later = screen.open_round()
     replayed = later.check(3, sent[3])  # no reference this round: only the copy check runs
     assert not replayed.checked and not replayed.passed and "copy" in str(replayed.problem)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", ("bf16", "int8", "sparse"))
+def test_the_bounded_aggregate_takes_the_same_bits_on_cpu_and_cuda(form: str) -> None:
+    """The payload norms (`deterministic_norm` of the payloads' values), the median and the
+    per-payload scale are the same on every device, so is the clipped mean."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    diloco, sent = honest_results(form)
+    fmt = DilocoFormat(diloco.layouts())
+    poisoned = [*sent[:3], [fmt.at_bound(r, i) for i, r in enumerate(sent[3])]]
+    settings = dataclasses.replace(diloco.settings, peer_clip_multiple=2.0)
+    means = []
+    for device in ("cpu", "cuda"):
+        replica = Diloco(
+            [(n, p.detach().clone().to(device)) for n, p in diloco.variables], settings
+        )
+        means.append([m.cpu() for m in replica.mean_pseudo_gradient(poisoned)])
+    assert all(torch.equal(a, b) for a, b in zip(*means))
