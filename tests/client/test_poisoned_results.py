@@ -11,24 +11,32 @@ import dataclasses
 import logging
 import random
 from collections.abc import Callable
+from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import pytest
 import torch
 import trio
 
+from psyche.client.client import Client
 from psyche.client.cooldown import live_model_hash
 from psyche.client.fetch_data import DataFetcher
+from psyche.client.model_loading import preload_modeling
 from psyche.client.steps import MachineSettings, StepStateMachine
+from psyche.client.testing import InProcessServer
+from psyche.client.train import OwnResult
 from psyche.coordinator import RunState
 from psyche.coordinator.testing import Simulation, integration_test_coordinator
 from psyche.core.batch_id import BatchId
 from psyche.core.definitions import OptimizerDefinition
 from psyche.data_provider.types import TokenizedData
-from psyche.modeling.hostile import Attack, HostileMember, make_hostile
+from psyche.modeling.hostile import Attack, HostileMember, make_hostile, payload_format
+from psyche.modeling.serialized_distro import transmittable_distro_result
 from psyche.modeling.trainer import Trainer
 
 from ..modeling.tiny_trainer import make_trainer
+from . import test_in_process_run as in_process
 from .test_diloco import diloco_trainer, new_node
 from .test_machine import SEQ, Bus, BusIO, Node, settle
 
@@ -156,3 +164,72 @@ def test_a_hostile_clients_results_are_refused_and_it_is_dropped(
         assert set(record.psyche_fields["unhealthy"]) <= {cheater}
     # the honest clients hold the same weights
     assert len({live_model_hash(n.machine.trainer) for n in honest}) == 1  # type: ignore[union-attr]
+
+
+# ---- whole clients in one process (real libp2p on loopback, the server's rules) -------------
+
+
+class SignFlippingClient(Client):
+    """A client whose published results are its honest ones sign-flipped from its second on
+    (committed to, so they hash right and pass every check of their bytes)."""
+
+    member: ClassVar[HostileMember]
+    lies: ClassVar[list[BatchId]]
+
+    async def _publish_result(self, result: OwnResult) -> None:
+        assert self.machine is not None
+        fmt = payload_format(self.machine.trainer)
+        lying = self.member.lying
+        sent = self.member.tamper(result.sent, fmt)
+        if lying:
+            self.lies.append(result.batch_id)
+        payload = transmittable_distro_result(
+            sent, result.step, result.payload.trainer_nonce, result.batch_id
+        )
+        await super()._publish_result(
+            dataclasses.replace(
+                result, payload=payload, commitment_data_hash=payload.compute_hash(), sent=sent
+            )
+        )
+
+
+def test_in_process_a_hostile_clients_results_are_not_applied_and_honest_clients_agree(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Three honest clients and a sign-flipping one (every client a witness): the honest
+    clients never apply its lies, the health checks drop it, and they end the epoch with the
+    same weights."""
+    caplog.set_level(logging.INFO, logger="psyche")
+    preload_modeling()
+    state = in_process.coordinator(*in_process.write_run(tmp_path))
+    state.config.init_min_clients = 4
+    state.config.witness_nodes = 0
+    state.config.epoch_time = 40
+    server = InProcessServer(state, ban_epochs=1)
+    SignFlippingClient.member = HostileMember(Attack.SignFlip, start=1)
+    SignFlippingClient.lies = []
+
+    async def scenario() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server.run)
+            for number in (1, 2, 3):
+                nursery.start_soon(in_process.run_client, server, number)
+            nursery.start_soon(in_process.run_client, server, 4, SignFlippingClient)
+            with trio.fail_after(240):
+                while server.coordinator.progress.epoch < 1:
+                    await trio.sleep(0.2)
+            nursery.cancel_scope.cancel()
+
+    trio.run(scenario)
+    records = caplog.records
+    lies = {str(b) for b in SignFlippingClient.lies}
+    assert lies
+    honest = {str(c) for c in in_process._identities(1, 2, 3)}
+    applied = [f for f in in_process.fields(records, "applied_results") if f["client_id"] in honest]
+    assert applied
+    for f in applied:
+        assert not lies & {str(b) for b in f["batches"]}, f
+    assert "Dropped 1 clients from health check" in caplog.text
+    ended = [f for f in in_process.fields(records, "cooldown_model") if f["epoch"] == 0]
+    assert {f["client_id"] for f in ended} >= honest
+    assert len({f["model_hash"] for f in ended if f["client_id"] in honest}) == 1, ended
