@@ -156,9 +156,11 @@ def test_a_hostile_clients_results_are_refused_and_it_is_dropped(
     assert truths & {b for r in applied for b in r.psyche_fields["batches"]}
     refused = [r for r in caplog.records if r.getMessage() == "payload_refused"]
     assert refused and {r.psyche_fields["sender"] for r in refused} == {cheater}
-    # health-checked out as for a missing result
+    # health-checked out as for a missing result, two rounds after its first lie
     checks = [r for r in caplog.records if r.getMessage() == "health_check"]
-    assert any(cheater in r.psyche_fields["unhealthy"] for r in checks)
+    first_lie = hostile.sent_results[member.lies[0]].step
+    named = [r.psyche_fields["step"] for r in checks if cheater in r.psyche_fields["unhealthy"]]
+    assert named and min(named) == first_lie + 2, (first_lie, named)
     assert hostile.identity not in {c.id for c in sim.coordinator.epoch_state.clients}
     for record in checks:
         assert set(record.psyche_fields["unhealthy"]) <= {cheater}
