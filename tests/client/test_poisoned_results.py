@@ -9,25 +9,20 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import random
 from collections.abc import Callable
 from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
 import pytest
-import torch
 import trio
 
 from psyche.client.client import Client
 from psyche.client.cooldown import live_model_hash
-from psyche.client.fetch_data import DataFetcher
 from psyche.client.model_loading import preload_modeling
-from psyche.client.steps import MachineSettings, StepStateMachine
 from psyche.client.testing import InProcessServer
 from psyche.client.train import OwnResult
-from psyche.coordinator import RunState
-from psyche.coordinator.testing import Simulation, integration_test_coordinator
+from psyche.coordinator.testing import Simulation
 from psyche.core.batch_id import BatchId
 from psyche.core.definitions import OptimizerDefinition
 from psyche.data_provider.types import TokenizedData
@@ -37,22 +32,14 @@ from psyche.modeling.trainer import Trainer
 
 from ..modeling.tiny_trainer import make_trainer
 from . import test_in_process_run as in_process
-from .test_diloco import diloco_trainer, new_node
-from .test_machine import SEQ, Bus, BusIO, Node, settle
+from .test_diloco import diloco_trainer
+from .test_machine import SEQ, FakeData, Node, _single_thread, run_simulated  # noqa: F401 (a fixture)
 
 CLIENTS = 4
 HOSTILE = 3
 
 
-@pytest.fixture(autouse=True)
-def _single_thread():  # type: ignore[no-untyped-def]
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-class BigramData:
+class BigramData(FakeData):
     """Deterministic sequences per data index with a structure to learn (each token has two
     possible successors): the clients' results share a direction, as on real text."""
 
@@ -69,48 +56,29 @@ class BigramData:
         return TokenizedData.from_rows(np.stack(rows))
 
 
-async def run_with_hostile(
+def run_with_hostile(
     make: Callable[[], Trainer], member: HostileMember, rounds: int
 ) -> tuple[list[Node], Simulation]:
-    """`CLIENTS` clients, the last one hostile (`member`), for `rounds` rounds of one epoch."""
-    coordinator = integration_test_coordinator(CLIENTS, 2 * CLIENTS, 0)
-    coordinator.config.epoch_time = 1_000
-    coordinator.config.min_clients = 1
-    sim = Simulation(coordinator, now=1_000_000, rng=random.Random(5))
-    bus = Bus(sim)
-    nodes = [new_node(i) for i in range(CLIENTS)]
-    for node in nodes:
-        bus.nodes[node.identity] = node
-        sim.join(node.identity)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(bus.pump)
-        sim.run_until(lambda c: c.run_state is RunState.Warmup, 10)
-        for i, node in enumerate(nodes):
-            trainer = make()
-            if i == HOSTILE:
-                make_hostile(trainer, member)
-            # the hostile client's witness vouches for every result (it does not screen)
-            settings = MachineSettings(identity=node.identity, screen_results=i != HOSTILE)
-            node.machine = StepStateMachine(
-                settings,
-                trainer,
-                DataFetcher(BigramData(), nursery),
-                sim.coordinator.copy(),
-                BusIO(bus, node),
-                nursery,
-            )
-        last_step = sim.coordinator.progress.step + rounds
-        with trio.fail_after(600):  # a hang guard only: the simulated clock waits for the work
-            while (sim.coordinator.progress.step < last_step and sim.coordinator.active()) or (
-                sim.coordinator.run_state is RunState.Warmup
-            ):
-                for node in nodes:
-                    await node.machine.apply_state(sim.coordinator.copy())  # type: ignore[union-attr]
-                    node.machine.try_send_opportunistic_witness()  # type: ignore[union-attr]
-                await settle(bus, nodes)
-                sim.tick()
-        nursery.cancel_scope.cancel()
-    return nodes, sim
+    """`CLIENTS` clients, every one a witness, the last one hostile (`member`; its witness
+    vouches for every result: it does not screen), for `rounds` rounds of one epoch."""
+
+    def trainer(i: int) -> Trainer:
+        made = make()
+        if i == HOSTILE:
+            make_hostile(made, member)
+        return made
+
+    bus, nodes = trio.run(
+        lambda: run_simulated(
+            CLIENTS,
+            rounds,
+            witness_nodes=0,
+            trainer=trainer,
+            data=BigramData,
+            screens=lambda i: i != HOSTILE,
+        )
+    )
+    return nodes, bus.sim
 
 
 def bounded_diloco_trainer() -> Trainer:
@@ -136,7 +104,7 @@ def test_a_hostile_clients_results_are_refused_and_it_is_dropped(
 ) -> None:
     caplog.set_level(logging.INFO, logger="psyche.client")
     member = HostileMember(attack, start=start)
-    nodes, sim = trio.run(lambda: run_with_hostile(make, member, rounds=8))
+    nodes, sim = run_with_hostile(make, member, rounds=8)
     hostile, honest = nodes[HOSTILE], nodes[:HOSTILE]
     cheater = str(hostile.identity)
     # it lied from round `start` of its results on

@@ -26,34 +26,19 @@ from psyche.modeling.screening import (
     WitnessScreen,
 )
 
+from .conftest import SEQ, bigram_corpus
+
 T = DilocoTransmission
-SEQ = 32
 ROWS = 2  # per member per step
 
 
-@pytest.fixture(autouse=True)
-def _single_thread():  # type: ignore[no-untyped-def]
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def model() -> torch.nn.Module:
     """The tiny Llama every member starts from (the same random init)."""
     options = ModelOptions(architecture="HfLlama", device="cpu", seed=1337)
     return CausalLM.from_config(llama_config_dict("tiny"), options).model
-
-
-def bigram_rows(n: int, seed: int) -> torch.Tensor:
-    """Sequences with a learnable structure (each token has two possible successors)."""
-    g = torch.Generator().manual_seed(seed)
-    successors = torch.randint(0, 256, (256, 2), generator=torch.Generator().manual_seed(0))
-    x = torch.empty(n, SEQ, dtype=torch.int64)
-    x[:, 0] = torch.randint(0, 256, (n,), generator=g)
-    for t in range(1, SEQ):
-        x[:, t] = successors[x[:, t - 1], torch.randint(0, 2, (n,), generator=g)]
-    return x
 
 
 def constant(lr: float) -> LearningRateSchedule:
@@ -88,7 +73,7 @@ def run(
             models, settings_d, lr=constant(3e-3), through_wire=True, hostile=tamper,
             screening=DILOCO_SCREENING,
         )  # fmt: skip
-    data = bigram_rows(steps * members * ROWS, seed=1)
+    data = bigram_corpus(steps * members * ROWS, SEQ, seed=1)
     for step in range(1, steps + 1):
         sim.zero_grad(step)
         for i, m in enumerate(sim.models):
@@ -155,7 +140,7 @@ def honest_results(form: str, members: int = 4) -> tuple[Diloco, list[list]]:  #
     transmission = {"bf16": T.Bf16, "int8": T.Int8, "sparse": T.Sparse}[form]
     settings = DilocoSettings(inner_steps=2, transmission=transmission, compression_topk=8)
     sim = DilocoPeerSimulation([model() for _ in range(members)], settings, lr=3e-3)
-    data = bigram_rows(2 * members * ROWS, seed=2)
+    data = bigram_corpus(2 * members * ROWS, SEQ, seed=2)
     for step in (1, 2):
         for i, (m, r) in enumerate(zip(sim.models, sim.replicas)):
             start = ((step - 1) * members + i) * ROWS

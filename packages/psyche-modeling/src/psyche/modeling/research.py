@@ -25,7 +25,12 @@ from psyche.core.numeric import to_f32
 from psyche.modeling.causal_lm import clip_grad_norm_native
 from psyche.modeling.distro import Distro, DistroResult, quantize_results, sorted_variables
 from psyche.modeling.lr import Schedule
-from psyche.modeling.screening import RoundTamper, ScreeningSettings, WitnessPanel
+from psyche.modeling.screening import (
+    RoundTamper,
+    ScreeningSettings,
+    WitnessPanel,
+    simulate_round,
+)
 from psyche.modeling.serialized_distro import (
     decode_transmittable,
     distro_results_from_transmittable,
@@ -200,27 +205,19 @@ class PeerSimulation:
         prev_lr = self.lr(_prev(step))
         fresh = [peer.generate(self.settings, prev_lr, lr) for peer in self.peers]
         sent = [quantize_results(r) if self.settings.quantize_1bit else r for r in fresh]
-        own = {}
-        if self.witnesses is not None:
-            reader = self.witnesses.reader
-            own = {
-                i: (reader.reference(peer.distro), sent[i])
-                for i, peer in enumerate(self.peers)
-                if i not in self.witnesses.hostile
-            }
         if self._outbox is not None:
             for peer in self.peers:
                 peer.distro.apply(self._outbox, lr)
         for peer, results in zip(self.peers, fresh):
             peer.prev_results = results
-        if self.hostile is not None:
-            sent = self.hostile(sent, self.peers[0].distro)
-        received = [self._send(results, step, i) for i, results in enumerate(sent)]
-        accepted = list(range(len(received)))
-        if self.witnesses is not None:
-            accepted = self.witnesses.accepted(received, own)
-        self.last_accepted = accepted
-        self._outbox = [received[i] for i in accepted]
+        received, self.last_accepted = simulate_round(
+            sent,
+            [peer.distro for peer in self.peers],
+            lambda results, i: self._send(results, step, i),
+            self.hostile,
+            self.witnesses,
+        )
+        self._outbox = [received[i] for i in self.last_accepted]
 
     def _send(self, sent: list[DistroResult], step: int, index: int) -> list[DistroResult]:
         if not self.through_wire:

@@ -43,7 +43,7 @@ import math
 import statistics
 import threading
 from collections import deque
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -573,3 +573,29 @@ class WitnessPanel:
         if not verdict.passed:
             t.honest_refused += 1
             t.refusals.append(str(verdict.problem))
+
+
+def simulate_round(
+    sent: Sequence[list[DistroResult]],
+    optimizers: Sequence[Distro | Diloco],
+    send: Callable[[list[DistroResult], int], list[DistroResult]],
+    hostile: RoundTamper | None,
+    witnesses: WitnessPanel | None,
+) -> tuple[list[list[DistroResult]], list[int]]:
+    """One round's exchange in a simulation: each honest member's reference (its optimizer's
+    own update, taken before anything else runs on it), the hostile members' rewrite, every
+    result through `send(result, member)` (the wire), and the witnesses' verdict. Returns what
+    was received and which members' results the run applies."""
+    own = {}
+    if witnesses is not None:
+        own = {
+            i: (witnesses.reader.reference(optimizer), sent[i])
+            for i, optimizer in enumerate(optimizers)
+            if i not in witnesses.hostile
+        }
+    if hostile is not None:
+        sent = hostile(sent, optimizers[0])
+    received = [send(results, i) for i, results in enumerate(sent)]
+    if witnesses is None:
+        return received, list(range(len(received)))
+    return received, witnesses.accepted(received, own)

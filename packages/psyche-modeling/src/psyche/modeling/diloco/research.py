@@ -35,7 +35,12 @@ from psyche.modeling.causal_lm import clip_grad_norm_native
 from psyche.modeling.diloco.optimizer import Diloco, DilocoSettings
 from psyche.modeling.distro import DistroResult
 from psyche.modeling.lr import Schedule
-from psyche.modeling.screening import RoundTamper, ScreeningSettings, WitnessPanel
+from psyche.modeling.screening import (
+    RoundTamper,
+    ScreeningSettings,
+    WitnessPanel,
+    simulate_round,
+)
 from psyche.modeling.serialized_distro import decode_transmittable, transmittable_distro_result
 
 
@@ -168,22 +173,14 @@ class DilocoPeerSimulation:
         """Every replica's payload of the round, as sent (hostile ones rewritten) and received;
         with screening, only those a quorum of witnesses vouched for."""
         sent = [r.diloco.end_round(self._round) for r in self.replicas]
-        own = {}
-        if self.witnesses is not None:
-            reader = self.witnesses.reader
-            own = {
-                i: (reader.reference(r.diloco), sent[i])
-                for i, r in enumerate(self.replicas)
-                if i not in self.witnesses.hostile
-            }
-        if self.hostile is not None:
-            sent = self.hostile(sent, self.replicas[0].diloco)
-        received = [self._send(results, step, i) for i, results in enumerate(sent)]
-        accepted = list(range(len(received)))
-        if self.witnesses is not None:
-            accepted = self.witnesses.accepted(received, own)
-        self.last_accepted = accepted
-        return [received[i] for i in accepted]
+        received, self.last_accepted = simulate_round(
+            sent,
+            [r.diloco for r in self.replicas],
+            lambda results, i: self._send(results, step, i),
+            self.hostile,
+            self.witnesses,
+        )
+        return [received[i] for i in self.last_accepted]
 
     def _apply(self, payloads: list[list[DistroResult]], lr: float) -> None:
         for r in self.replicas:
