@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -41,13 +41,15 @@ from psyche.modeling.diloco.codec import (
     _levels,
     _pack_codes,
     _unpack_codes,
-    decode,
     encode,
+    entry_values,
 )
 from psyche.modeling.diloco.optimizer import Diloco
 from psyche.modeling.distro import Distro, DistroResult, quantize_nozeros_tensor_to_boolean_sign
 from psyche.modeling.serialized_distro import transmittable_distro_result
 from psyche.modeling.trainer import PreparedResult, Trainer, TrainOutput
+
+_CPU = torch.device("cpu")
 
 
 class Attack(enum.Enum):
@@ -104,7 +106,7 @@ class DistroFormat(PayloadFormat):
         return tuple(self.distro.variables[i][1].shape)
 
     def _with(self, r: DistroResult, val: torch.Tensor) -> DistroResult:
-        return DistroResult(r.sparse_idx.clone(), val, list(r.xshape), r.totalk)
+        return _entry(r, r.sparse_idx.clone(), val)
 
     def negate(self, r: DistroResult, i: int) -> DistroResult:
         v = r.sparse_val
@@ -151,9 +153,7 @@ class DilocoFormat(PayloadFormat):
         layout = self.layouts[i]
         if layout.transmission is DilocoTransmission.Sparse:
             return self._map_codes(r, layout, lambda codes, levels: levels - codes)
-        if layout.transmission is DilocoTransmission.Int8:
-            return _entry(r, r.sparse_idx.clone(), -r.sparse_val)
-        return _entry(r, r.sparse_idx.clone(), -r.sparse_val)
+        return _entry(r, r.sparse_idx.clone(), -r.sparse_val)  # bf16 values, int8 codes
 
     def random_signs(self, r: DistroResult, i: int, g: torch.Generator) -> DistroResult:
         layout = self.layouts[i]
@@ -185,13 +185,15 @@ class DilocoFormat(PayloadFormat):
                 return _entry(r, r.sparse_idx.clone(), rows.reshape(r.sparse_val.shape))
 
     def norm(self, r: DistroResult, i: int) -> float:
-        return float(torch.linalg.vector_norm(decode(r, self.layouts[i], "cpu")))
+        return float(torch.linalg.vector_norm(entry_values(r, self.layouts[i], _CPU)))
 
     def encode_dense(self, x: torch.Tensor, i: int) -> DistroResult:
         return encode(x.float(), self.layouts[i])
 
     @staticmethod
-    def _map_codes(r: DistroResult, layout: DilocoLayout, fn) -> DistroResult:  # type: ignore[no-untyped-def]
+    def _map_codes(
+        r: DistroResult, layout: DilocoLayout, fn: Callable[[torch.Tensor, int], torch.Tensor]
+    ) -> DistroResult:
         assert layout.sparse is not None
         k = layout.sparse.topk
         rows = r.sparse_val.reshape(-1, layout.row_bytes)

@@ -5,21 +5,22 @@ a valid key can send a well-formed but poisoned update and every client applies 
 witness first compares each decoded result with what it knows of the run:
 
 * **agreement**: the first-order effect of the result along the witness's own estimate of the
-  descent direction, one dot product per result. The direction is the witness's own update of
-  that round, measured before compression (DisTrO: its momentum as `generate` left it; DiLoCo:
-  its pseudo-gradient), plus the results it accepted in recent rounds (decayed by
-  `aggregate_decay` a round), each normalized, read in the domain the payloads live in (DCT
-  coefficients for DisTrO and sparse DiLoCo, the values for bf16 and int8). The statistic is
+  descent direction, one gather and dot product per result. The direction is the witness's own
+  update of that round as it compressed it (DisTrO: its momentum as `generate` left it; DiLoCo:
+  its pseudo-gradient plus its error-feedback residual), plus the results it accepted in recent
+  rounds (decayed by `aggregate_decay` a round), each normalized, read in the domain the
+  payloads live in (DCT coefficients for DisTrO and sparse DiLoCo, the values for bf16 and
+  int8). The statistic is
   self-normalized, `t = sum(v_i r_i) / sqrt(sum((v_i r_i)^2))` over the result's values `v` and
   the direction `r` at the same positions: a result independent of the direction (random
   signs, a fixed push) has `t` about N(0, 1) whatever the model size, a sign-flipped one a `t`
   as negative as an honest one's is positive, and scaling a result does not change it. A
   result is refused when `t` is below `min_agreement`, below `a * median - b` where the median
   is that of the `t`s of the results that passed here in the previous round
-  (`relative_agreement`: while the run's results agree strongly, one that does not stands out), or when the `t`s of the
-  sender's last `window_rounds` results here sum to less than `min_window_z * sqrt(n)` (late in
-  a run a DisTrO result's own `t` is too noisy to judge alone, a consistently opposed sender's
-  is not);
+  (`relative_agreement`: while the run's results agree strongly, one that does not stands
+  out), or when the `t`s of the sender's last `window_rounds` results here sum to less than
+  `min_window_z * sqrt(n)` (late in a run a DisTrO result's own `t` is too noisy to judge
+  alone, a consistently opposed sender's is not);
 * **norm**: within `max_norm_ratio` of the witness's own sent update's norm either way (a
   result scaled to the format's bound, an all-zero free rider; the DCT is orthonormal, so the
   norm read in the payload's domain is the update's);
@@ -33,8 +34,8 @@ puts only results that pass into its witness blooms (`psyche.client.payloads`). 
 decides what a client applies: that is the coordinator's consensus over the witnesses' blooms,
 the same for every client, so honest witnesses may disagree here without any client's weights
 diverging (docs/reliability.md, "Poisoned results"). The screening state lives in host memory:
-for DisTrO about three float32 copies of the model (the own momentum's DCT, the recent
-aggregate, the direction).
+about two float32 copies of the model (the own update of the round being screened, the recent
+aggregate).
 """
 
 from __future__ import annotations
@@ -108,9 +109,9 @@ def screening_settings(reader: ResultReader) -> ScreeningSettings:
 
 @dataclass(frozen=True)
 class Reference:
-    """A witness's own update of one round as its optimizer left it (one tensor per
-    parameter: DisTrO's momentum in the DCT domain, DiLoCo's float32 pseudo-gradient); taking
-    one copies nothing, `RoundScreen.set_reference` reads it into the payloads' domain."""
+    """A witness's own update of one round as its optimizer compressed it, in the payloads'
+    domain (one tensor per parameter: `Distro.encoded`, `Diloco.encoded`); taking one copies
+    nothing, `RoundScreen.set_reference` reads it onto the host as float32."""
 
     tensors: list[torch.Tensor]
 
@@ -420,9 +421,9 @@ class WitnessScreen:
 
 
 class RoundScreen:
-    """One round as one witness screens it: its own update (`set_reference`, or `no_reference`
-    when it has none), then `check` for each peer's result in the order they came, then
-    `close` once the round's witnessing is over."""
+    """One round as one witness screens it: its own update (`set_reference`; without one only
+    the copy check runs), then `check` for each peer's result in the order they came, then
+    `close` once the round has left the witness's hands."""
 
     def __init__(self, witness: WitnessScreen) -> None:
         self.witness = witness
