@@ -2,9 +2,8 @@
 a hostile member among three real clients for 60 s, rejoining every epoch after it is dropped,
 playing every payload lie in turn. Each lie is refused, the honest clients' models stay identical
 and never take in the offender's batches, the offender loses its place through the honest
-witnesses' health checks whenever its payload fails the hash (a payload that hashes right but is
-no result of the model keeps it healthy, as upstream: blooms are filled after the hash check),
-and no process falls over."""
+witnesses' health checks (a witness attests only a payload that hashes right, decodes for this
+model and passes its checks: `psyche.modeling.screening`), and no process falls over."""
 
 from __future__ import annotations
 

@@ -40,6 +40,7 @@ from psyche.core.identity import SecretKey
 from psyche.core.node_identity import NodeIdentity
 from psyche.data_provider.types import TokenizedData
 from psyche.modeling.serialized_distro import TransmittableDistroResult
+from psyche.modeling.trainer import Trainer
 from psyche.network.ticket import BlobFormat, BlobTicket, EndpointAddr
 
 from ..modeling.tiny_trainer import make_trainer
@@ -212,12 +213,17 @@ async def run_simulated(
     lose_downloads: int | None = None,
     max_round_train_time: int = 20,
     witness_nodes: int = 1,
+    trainer: Callable[[int], Trainer] = lambda _: make_trainer(),
+    data: Callable[[], FakeData] = FakeData,
+    screens: Callable[[int], bool] = lambda _: True,
 ) -> tuple[Bus, list[Node]]:
     """`late`: that client sees each new coordinator state only after the others have trained
     and gossiped in it (their broadcasts reach it while it is still a round behind).
     `lose_downloads`: that client's downloads stop arriving after its second result.
     `max_round_train_time` also bounds (in real seconds) how long an apply waits for a
-    payload; `witness_nodes`: the witnesses elected per round (0: every client)."""
+    payload; `witness_nodes`: the witnesses elected per round (0: every client). `trainer`,
+    `data` and `screens` give client `i` its trainer, its data and whether its witness checks
+    results (`MachineSettings.screen_results`)."""
     coordinator = integration_test_coordinator(clients, 2 * clients, witness_nodes)
     coordinator.config.max_round_train_time = max_round_train_time
     coordinator.config.epoch_time = 1_000
@@ -236,11 +242,11 @@ async def run_simulated(
     async with trio.open_nursery() as nursery:
         nursery.start_soon(bus.pump)
         sim.run_until(lambda c: c.run_state is RunState.Warmup, 10)
-        for node in nodes:
+        for i, node in enumerate(nodes):
             node.machine = StepStateMachine(
-                MachineSettings(identity=node.identity),
-                make_trainer(),
-                DataFetcher(FakeData(), nursery),
+                MachineSettings(identity=node.identity, screen_results=screens(i)),
+                trainer(i),
+                DataFetcher(data(), nursery),
                 sim.coordinator.copy(),
                 BusIO(bus, node),
                 nursery,

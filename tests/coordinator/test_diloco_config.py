@@ -64,6 +64,8 @@ def test_a_diloco_run_config_loads() -> None:
         ({"compression_chunk": 0}, "compression_chunk", "at least 1"),
         ({"inner_clip_grad_norm": -1.0}, "inner_clip_grad_norm", ">= 0"),
         ({"outer_clip_grad_norm": float("nan")}, "outer_clip_grad_norm", "finite"),
+        ({"peer_clip_multiple": 0.5}, "peer_clip_multiple", ">= 1"),
+        ({"peer_clip_multiple": float("inf")}, "peer_clip_multiple", "0 (off) or a finite"),
     ],
 )
 def test_bad_settings_are_named(changes: dict[str, Any], where: str, says: str) -> None:
@@ -101,3 +103,20 @@ def test_dense_forms_ignore_the_sparse_settings() -> None:
     assert _problems(copy.deepcopy(_doc(transmission="Int8", compression_chunk=0)))[0][0].endswith(
         "compression_chunk"
     )
+
+
+def test_the_bounded_aggregate_is_off_unless_set_and_on_in_tiny_cpu_diloco() -> None:
+    """`peer_clip_multiple` (appended to DiLoCo, postcard and TOML only): absent means 0, off;
+    the project's DiLoCo config turns it on."""
+    loaded = parse_run_config(_doc(), "state.toml")
+    assert loaded.llm.optimizer.value.peer_clip_multiple == 0.0
+    assert (
+        parse_run_config(
+            _doc(peer_clip_multiple=2.0), "state.toml"
+        ).llm.optimizer.value.peer_clip_multiple
+        == 2.0
+    )
+    tiny = tomllib.loads((REPO / "configs/tiny-cpu-diloco/state.toml").read_text())
+    optimizer = parse_run_config(tiny, "state.toml").llm.optimizer
+    assert isinstance(optimizer, OptimizerDefinition.DiLoCo)
+    assert optimizer.value.peer_clip_multiple == 2.0

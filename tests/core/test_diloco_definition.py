@@ -53,6 +53,7 @@ def test_diloco_postcard_bytes() -> None:
     assert encoded == (
         bytes([3, 100, 2, 2, 64, 4, 1, 0])  # tag, u16 varint, enum varint, u8s, bools
         + struct.pack("<fffff", 0.1, 1.0, 0.7, 0.9, 0.0)
+        + struct.pack("<f", 0.0)  # peer_clip_multiple, appended (postcard only)
     )
     assert from_bytes(encoded, OptimizerDefinition) == value
 

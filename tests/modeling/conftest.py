@@ -51,3 +51,12 @@ def _single_thread():  # type: ignore[no-untyped-def]
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def single_thread():  # type: ignore[no-untyped-def]
+    """One torch thread for the test (simulations of several peers are many small ops)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -3,8 +3,9 @@
 
 A verified sender's `Broadcast` is recorded in the round it belongs to (`apply_message`); a
 training result's payload is then downloaded, checked against its commitment
-(`payload_problem`), counted for the witness blooms (`record_verified_payload`) and turned into
-tensors off the loop (`check_payload`), where the apply finds it. This client's own result
+(`payload_problem`), turned into tensors off the loop and screened by this client's witness
+checks (`check_payload`), counted for the witness blooms if it passed
+(`record_verified_payload`), and kept where the apply finds it. This client's own result
 enters its round state directly, already checked and in tensors (`record_own_result`). The
 functions above `check_payload` are plain: they take the round states and return what to do.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -39,6 +40,7 @@ from psyche.network import BlobTicket
 
 if TYPE_CHECKING:
     from psyche.modeling.distro import DistroResult
+    from psyche.modeling.screening import Verdict
     from psyche.modeling.serialized_distro import TransmittableDistroResult
 
 logger = logging.getLogger(__name__)
@@ -198,17 +200,26 @@ def payload_problem(
 
 
 def record_verified_payload(
-    round_state: RoundState, from_id: NodeIdentity, batch_id: BatchId, commitment_hash: bytes
+    round_state: RoundState,
+    from_id: NodeIdentity,
+    batch_id: BatchId,
+    commitment_hash: bytes,
+    *,
+    attest: bool = True,
 ) -> None:
-    """A checked payload counts for the witness blooms (upstream, after the hash check).
+    """A checked payload settles its batch; one this client attests counts for its witness
+    blooms (upstream attests every payload whose hash matched; here only one that passed the
+    witness's checks: `check_payload`).
 
-    The sender joins the participant bloom; the first payload for a still-outstanding batch is
-    this client's vote for that commitment in the broadcast bloom.
+    An attested sender joins the participant bloom; the first attested payload for a
+    still-outstanding batch is this client's vote for that commitment in the broadcast bloom. A
+    refused payload settles its batch all the same (this client has judged it: the opportunistic
+    witness need not wait for it).
     """
     outstanding = round_state.batch_ids_not_yet_trained_on
     if outstanding is None:
         return  # every batch already has a payload: nothing left to vote for
-    if round_state.blooms is not None:
+    if attest and round_state.blooms is not None:
         participant_bloom, broadcast_bloom = round_state.blooms
         participant_bloom.add(sha256(from_id.signer))
         if batch_id in outstanding:
@@ -256,20 +267,32 @@ def record_own_result(
 # Checking a downloaded payload (off the loop)
 
 
+ScreenResult = Callable[
+    [RoundState, NodeIdentity, "list[DistroResult]"], Awaitable["Verdict | None"]
+]
+"""A witness's checks of a peer's decoded result (`StepStateMachine.screen_result`): its
+verdict, or None when this client does not screen."""
+
+
 async def check_payload(
     round_state: RoundState,
     blob_hash: bytes,
     payload: TransmittableDistroResult,
     pending: PendingPayload,
     results_from_payload: Callable[[TransmittableDistroResult], list[DistroResult]],
+    screen_result: ScreenResult | None = None,
 ) -> None:
     """Hash a peer's payload (in a worker thread) against its commitment; if it answers it,
-    count it for the blooms and deserialize it, validated against this model and run by
-    `results_from_payload` (`Trainer.results_from_payload`: DisTrO's or DiLoCo's checks), into
-    the round's downloads.
+    deserialize it, validated against this model and run by `results_from_payload`
+    (`Trainer.results_from_payload`: DisTrO's or DiLoCo's checks), screen the decoded result
+    (`screen_result`: agreement, norm, copies; `psyche.modeling.screening`), and only then count
+    it for the blooms; it goes into the round's downloads either way.
 
-    A payload that does not answer is logged and marked refused in place of its download, so an
-    apply that was waiting for it skips it.
+    Whatever this client thinks of a result, what is applied is the coordinator's consensus
+    over every witness's blooms, which an honest client follows even where its own witness
+    judged otherwise: so a refused result is kept for the apply. A payload that does not answer
+    its commitment is logged and marked refused in place of its download, so an apply that was
+    waiting for it skips it; one that does not decode or validate is kept as refused.
     """
     digest = await trio.to_thread.run_sync(payload.compute_hash)
     problem = payload_problem(digest, payload.step, payload.batch_id, pending, round_state.step)
@@ -283,18 +306,28 @@ async def check_payload(
         return
     if not isinstance(round_state.downloads.get(blob_hash), Downloading):
         return  # checked twice concurrently, or already applied
-    record_verified_payload(
-        round_state, pending.from_, pending.batch_id, pending.commitment.data_hash
-    )
     handle = PayloadHandle()
     round_state.settle(blob_hash, handle)
+    commitment_hash = pending.commitment.data_hash
     try:
         value = await trio.to_thread.run_sync(_deserialize, payload, results_from_payload)
     except Exception as e:
         _log_refusal("payload_invalid", round_state, pending, str(e))
+        record_verified_payload(
+            round_state, pending.from_, pending.batch_id, commitment_hash, attest=False
+        )
         handle.set_error(e)
-    else:
-        handle.set_result(value)
+        return
+    verdict = None
+    if screen_result is not None:
+        verdict = await screen_result(round_state, pending.from_, value.results)
+    if verdict is not None and not verdict.passed:
+        _log_refusal("payload_refused", round_state, pending, str(verdict.problem))
+    attest = verdict is None or verdict.passed
+    record_verified_payload(
+        round_state, pending.from_, pending.batch_id, commitment_hash, attest=attest
+    )
+    handle.set_result(value)
 
 
 def refuse_payload(round_state: RoundState, blob_hash: bytes, reason: str) -> bool:

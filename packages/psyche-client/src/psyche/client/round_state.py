@@ -22,6 +22,7 @@ from psyche.network import BlobTicket
 
 if TYPE_CHECKING:
     from psyche.modeling.distro import DistroResult
+    from psyche.modeling.screening import RoundScreen
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,13 @@ class RoundState:
     batch_ids_not_yet_trained_on: set[BatchId] | None = None
     # This client's own unquantized results (the residual the next `generate` subtracts).
     self_distro_results: list[list[DistroResult]] = field(default_factory=list)
+    # This client's witness checks of the round's results (None: it does not screen) and
+    # whether they can start: set once its own update of the round is the screen's reference,
+    # or once it is known there will be none (`StepStateMachine`).
+    screen: RoundScreen | None = None
+    reference_ready: trio.Event = field(default_factory=trio.Event, compare=False, repr=False)
+    reference_pending: bool = False
+    """Its own update is being read into the screen (`reference_ready` is set once it is)."""
 
     def distro_result_blob_downloaded(self, blob_hash: bytes) -> bool:
         """Upstream's name: whether this round knows the payload (announced or downloaded)."""

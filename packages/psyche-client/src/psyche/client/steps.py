@@ -65,6 +65,8 @@ if TYPE_CHECKING:
     import torch
 
     from psyche.client.evals import EvalWorker
+    from psyche.modeling.distro import DistroResult
+    from psyche.modeling.screening import RoundScreen, Verdict, WitnessScreen
     from psyche.modeling.serialized_distro import TransmittableDistroResult
     from psyche.modeling.trainer import Trainer
 
@@ -136,6 +138,10 @@ class MachineSettings:
     """Hears every finished round (trackers, the dashboard, the events file)."""
     evals: EvalWorker | None = None
     """Evaluations run while the trainer is idle."""
+    screen_results: bool = True
+    """Witness checks (`psyche.modeling.screening`): a peer's result enters this client's
+    blooms only if it passes them. Off, every result whose bytes check out is attested, as
+    upstream does."""
 
 
 def client_index(state: Coordinator, identity: NodeIdentity) -> int | None:
@@ -200,6 +206,8 @@ class StepStateMachine:
         self.evals = settings.evals
         if self.evals is not None:
             self.stats.evals = self.evals
+        self._witness_screen: WitnessScreen | None = None
+        """This client's witness checks: what it remembers of the results it screened."""
 
     async def wait_idle(self) -> None:
         """Return once no work this machine started is running: the round's training step has
@@ -376,6 +384,8 @@ class StepStateMachine:
 
     def _start_warmup(self) -> None:
         self._early.clear()
+        for round_state in (self.current, self.previous):
+            round_state.reference_ready.set()  # checks still waiting end (their round is gone)
         self.current = RoundState()
         self.previous = RoundState()
         self.applying = None
@@ -409,10 +419,14 @@ class StepStateMachine:
                 unhealthy=[str(node) for node, _ in checks],
             )
             self.io.send_health_check(checks)
+        leaving = self.previous.screen
+        if leaving is not None:
+            self.tasks.start_soon(trio.to_thread.run_sync, leaving.close)
         self.previous = self.current
         self.round_clock.start(state.progress.step)
         plan = start_round(state, self.identity, index, new_bloom=self._new_bloom)
         self.current = plan.state
+        self.current.screen = self._open_screen()
         log_round_start(state, self.identity, index, plan)
         train_job = None
         if plan.have_training:
@@ -459,7 +473,13 @@ class StepStateMachine:
         self.training = None
         if handle is None:
             return
-        finished = await handle.finish()
+        try:
+            finished = await handle.finish()
+        finally:
+            # every own result of the round has been announced (and recorded) by now: checks
+            # still waiting for this client's own update run without one if none is coming
+            if not self.current.reference_pending:
+                self.current.reference_ready.set()
         self.applying = None
         now = time.monotonic()
         step_duration = None if self.step_finish_time is None else now - self.step_finish_time
@@ -694,6 +714,49 @@ class StepStateMachine:
         )
         if recorded is None:
             logger.debug("own result for step %d came after its round", result.step)
+            return
+        screen = recorded.screen
+        if screen is None or recorded.reference_ready.is_set():
+            return
+        if result.reference is None:
+            recorded.reference_ready.set()
+            return
+        reference = result.reference
+        recorded.reference_pending = True
+
+        async def set_reference() -> None:
+            try:
+                await trio.to_thread.run_sync(screen.set_reference, reference, result.sent)
+            finally:
+                recorded.reference_ready.set()
+
+        self.tasks.start_soon(set_reference)
+
+    # ---- witness checks ------------------------------------------------------------------------
+
+    def _open_screen(self) -> RoundScreen | None:
+        """This client's checks of a round it starts (None when it does not screen)."""
+        if not self.settings.screen_results:
+            return None
+        if self._witness_screen is None:
+            from psyche.modeling.screening import WitnessScreen, screening_settings
+
+            reader = self.trainer.screening_reader()
+            if reader is None:
+                return None
+            self._witness_screen = WitnessScreen(reader, screening_settings(reader))
+        return self._witness_screen.open_round()
+
+    async def screen_result(
+        self, round_state: RoundState, sender: NodeIdentity, results: list[DistroResult]
+    ) -> Verdict | None:
+        """This client's witness checks of a peer's decoded result (`payloads.check_payload`),
+        once its own update of that round is known (or known to be missing)."""
+        screen = round_state.screen
+        if screen is None:
+            return None
+        await round_state.reference_ready.wait()
+        return await trio.to_thread.run_sync(screen.check, sender, results)
 
     def _payload_rounds(self) -> list[RoundState]:
         rounds = [self.current, self.previous]
@@ -734,4 +797,5 @@ class StepStateMachine:
             payload,
             pending,
             self.trainer.results_from_payload,
+            self.screen_result,
         )

@@ -42,6 +42,7 @@ from psyche.core.node_identity import NodeIdentity
 
 if TYPE_CHECKING:
     from psyche.modeling.distro import DistroResult
+    from psyche.modeling.screening import Reference
     from psyche.modeling.serialized_distro import TransmittableDistroResult
     from psyche.modeling.trainer import Batch, Trainer
 
@@ -173,6 +174,9 @@ class OwnResult:
     sent: list[DistroResult]
     # Unquantized: what the next round's `generate` subtracts from the momentum.
     original: list[DistroResult]
+    # This client's own update, the reference of its witness checks of the round (None when it
+    # does not screen).
+    reference: Reference | None = None
 
     def deserialized(self) -> DeserializedPayload:
         """The payload as a peer holds it once checked, without the bytes' round trip."""
@@ -305,6 +309,7 @@ async def _train_one(
         lambda: trainer.prepare_result(out, step=job.step, batch_id=batch_id)
     )
     serialize_secs = time.perf_counter() - serialize_start
+    reference = trainer.screening_reference()
     if job.write_gradients_dir is not None:
         try:
             await trio.to_thread.run_sync(
@@ -338,6 +343,7 @@ async def _train_one(
             prepared.payload,
             prepared.sent,
             out.distro_results or [],
+            reference,
         )
     )
 

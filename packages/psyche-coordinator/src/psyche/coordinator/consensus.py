@@ -34,13 +34,34 @@ from psyche.core.node_identity import NodeIdentity
 from psyche.core.numeric import truncating_cast_unsigned, wrapping_u32, wrapping_u64
 from psyche.core.sha256 import sha256
 
-__all__ = ["WITNESS_QUORUM_RAIO", "CoordinatorQueries", "unhealthy_trainers"]
+__all__ = [
+    "WITNESS_QUORUM_RAIO",
+    "CoordinatorQueries",
+    "unhealthy_trainers",
+    "witness_quorum_for",
+]
 
 # (sic) upstream's spelling
 WITNESS_QUORUM_RAIO = 2.0 / 3.0
 
 _HALTED = frozenset((RunState.Uninitialized, RunState.Finished, RunState.Paused))
 _ACTIVE = frozenset((RunState.RoundTrain, RunState.RoundWitness, RunState.Cooldown))
+
+
+def witness_quorum_for(witness_nodes: int, num_witnesses: int) -> int:
+    """Upstream `Coordinator::witness_quorum` for a run configured with `witness_nodes` (0:
+    every client witnesses, and the quorum depends on how many reported)."""
+    witness_nodes = witness_nodes or truncating_cast_unsigned(num_witnesses, 16)
+    if witness_nodes == 0:
+        raise CoordinatorPanic(
+            "internal error: entered unreachable code (witness quorum of zero witnesses)"
+        )
+    if witness_nodes == 1:
+        return 1
+    if witness_nodes in (2, 3):
+        return 2
+    # f64 product truncated by `as u16`, at least 1
+    return max(int(witness_nodes * WITNESS_QUORUM_RAIO), 1)
 
 
 class CoordinatorQueries:
@@ -86,17 +107,7 @@ class CoordinatorQueries:
 
     def witness_quorum(self, num_witnesses: int) -> int:
         """Witnesses needed to agree; with `witness_nodes` 0 it depends on who showed up."""
-        witness_nodes = self.config.witness_nodes or truncating_cast_unsigned(num_witnesses, 16)
-        if witness_nodes == 0:
-            raise CoordinatorPanic(
-                "internal error: entered unreachable code (witness quorum of zero witnesses)"
-            )
-        if witness_nodes == 1:
-            return 1
-        if witness_nodes in (2, 3):
-            return 2
-        # f64 product truncated by `as u16`, at least 1
-        return max(int(witness_nodes * WITNESS_QUORUM_RAIO), 1)
+        return witness_quorum_for(self.config.witness_nodes, num_witnesses)
 
     def trainer_healthy(self, node_id: NodeIdentity) -> bool:
         round_ = self.previous_round()

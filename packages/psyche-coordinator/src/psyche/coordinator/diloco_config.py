@@ -40,6 +40,16 @@ def diloco_problems(
         value = getattr(d, name)
         if not (math.isfinite(value) and value >= 0.0):
             bad(name, f"must be a finite number >= 0 (0 = none), found {value}")
+    if not (
+        math.isfinite(d.peer_clip_multiple)
+        and (d.peer_clip_multiple in (0.0, 1.0) or d.peer_clip_multiple > 1.0)
+    ):
+        bad(
+            "peer_clip_multiple",
+            "must be 0 (off) or a finite number >= 1 (a payload's norm bound in multiples of "
+            f"the round's median; 2 to 3 leaves honest payloads untouched), found "
+            f"{d.peer_clip_multiple}",
+        )
     if not (math.isfinite(d.outer_lr) and d.outer_lr > 0.0):
         bad("outer_lr", f"must be a finite number > 0 (DiLoCo uses about 0.7), found {d.outer_lr}")
     if not (math.isfinite(d.outer_momentum) and 0.0 <= d.outer_momentum < 1.0):

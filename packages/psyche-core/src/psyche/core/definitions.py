@@ -7,6 +7,7 @@ Steps are `u32`; differences of steps use Rust's (release-build) wrapping arithm
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Annotated
 
@@ -224,6 +225,9 @@ class DiLoCo:
     and eps are fixed (`DILOCO_INNER_BETAS`, `DILOCO_INNER_EPS`). A clip of 0 means none. The
     inner learning rate is the run's `lr_schedule` at the round's step; the outer one is
     `outer_lr`, times `lr_schedule(step) / lr_schedule`'s peak when `outer_lr_follows_schedule`.
+    `peer_clip_multiple` > 0 turns on the bounded aggregate (each accepted pseudo-gradient
+    scaled down to at most that multiple of the round's median payload norm before the mean;
+    0 = off, upstream's plain mean).
     """
 
     inner_steps: U16
@@ -238,6 +242,9 @@ class DiLoCo:
     outer_lr: F32
     outer_momentum: F32
     outer_clip_grad_norm: F32
+    # Appended after the 28 bytes: in TOML and postcard (the centralized protocol), not in borsh
+    # or the Solana account, which has no room for it (a Solana run cannot turn it on).
+    peer_clip_multiple: F32 = dataclasses.field(default=0.0, metadata={"wire": "postcard"})
 
 
 class OptimizerDefinition(DataEnum):

@@ -195,6 +195,10 @@ class Distro:
         self.compression_chunk = int(compression_chunk)
         self.compression_topk = int(compression_topk)
         self.weight_decay = float(weight_decay)
+        self.keep_encoded = False
+        """Keep the momentum's DCT (`encoded`) at each `generate`: a witness's reference
+        (`psyche.modeling.screening`); off by default (it holds a copy of the model)."""
+        self.encoded: list[torch.Tensor] | None = None
         with torch.no_grad():
             # Upstream's native models get uninitialised memory here; real zeros are what its
             # Python models (and every test) use, and what a fresh joiner must agree on.
@@ -264,6 +268,7 @@ class Distro:
         if self.groups is not None and not stats:
             return self._generate_batched(prev_self_results, prev_lr, lr)
         out: list[DistroResult] = []
+        encoded: list[torch.Tensor] = []
         for index, ((name, p), delta) in enumerate(zip(self.variables, self.deltas)):
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
             grad_energy = (
@@ -289,9 +294,10 @@ class Distro:
             # A sharded momentum is gathered first (upstream `gather_full_tensor`): the payload
             # is computed on the full tensor, the same bits as on a one-device client.
             full = full_tensor(delta)
-            sparse_idx, sparse_val, xshape, totalk = compress(
-                self.transform.encode(full), self.compression_topk
-            )
+            coefficients = self.transform.encode(full)
+            sparse_idx, sparse_val, xshape, totalk = compress(coefficients, self.compression_topk)
+            if self.keep_encoded:
+                encoded.append(coefficients)
             result_stats = None
             if stats:
                 delta_energy = torch.linalg.vector_norm(full, 1, dtype=torch.float32).item()
@@ -300,6 +306,7 @@ class Distro:
                     f"{name}.grad_energy": float(grad_energy),  # type: ignore[arg-type]
                 }
             out.append(DistroResult(sparse_idx, sparse_val, xshape, totalk, result_stats))
+        self.encoded = encoded if self.keep_encoded else None
         return out
 
     @torch.no_grad()

@@ -25,6 +25,12 @@ from psyche.core.numeric import to_f32
 from psyche.modeling.causal_lm import clip_grad_norm_native
 from psyche.modeling.distro import Distro, DistroResult, quantize_results, sorted_variables
 from psyche.modeling.lr import Schedule
+from psyche.modeling.screening import (
+    RoundTamper,
+    ScreeningSettings,
+    WitnessPanel,
+    simulate_round,
+)
 from psyche.modeling.serialized_distro import (
     decode_transmittable,
     distro_results_from_transmittable,
@@ -164,6 +170,8 @@ class PeerSimulation:
         *,
         lr: float | Schedule | Callable[[int], float],
         through_wire: bool = False,
+        hostile: RoundTamper | None = None,
+        screening: ScreeningSettings | None = None,
     ) -> None:
         if not models:
             raise ValueError("at least one peer is needed")
@@ -173,6 +181,14 @@ class PeerSimulation:
         self.peers = [_Peer(m, self.settings) for m in models]
         self.last_payload_bytes: list[int] = []
         self._outbox: list[list[DistroResult]] | None = None
+        self.hostile = hostile
+        self.witnesses: WitnessPanel | None = None
+        if screening is not None:
+            for peer in self.peers:
+                peer.distro.keep_encoded = True
+            self.witnesses = WitnessPanel(self.peers[0].distro, screening, len(self.peers), hostile)
+        self.last_accepted: list[int] = []
+        """The peers whose results of the last step every peer applies next step."""
 
     @property
     def models(self) -> list[nn.Module]:
@@ -188,15 +204,22 @@ class PeerSimulation:
         lr = self.lr(step)
         prev_lr = self.lr(_prev(step))
         fresh = [peer.generate(self.settings, prev_lr, lr) for peer in self.peers]
+        sent = [quantize_results(r) if self.settings.quantize_1bit else r for r in fresh]
         if self._outbox is not None:
             for peer in self.peers:
                 peer.distro.apply(self._outbox, lr)
         for peer, results in zip(self.peers, fresh):
             peer.prev_results = results
-        self._outbox = [self._send(results, step, i) for i, results in enumerate(fresh)]
+        received, self.last_accepted = simulate_round(
+            sent,
+            [peer.distro for peer in self.peers],
+            lambda results, i: self._send(results, step, i),
+            self.hostile,
+            self.witnesses,
+        )
+        self._outbox = [received[i] for i in self.last_accepted]
 
-    def _send(self, results: list[DistroResult], step: int, index: int) -> list[DistroResult]:
-        sent = quantize_results(results) if self.settings.quantize_1bit else results
+    def _send(self, sent: list[DistroResult], step: int, index: int) -> list[DistroResult]:
         if not self.through_wire:
             return sent
         payload = transmittable_distro_result(sent, step, 0, BatchId(index, index))

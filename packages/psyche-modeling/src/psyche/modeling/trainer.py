@@ -35,6 +35,7 @@ from psyche.modeling.diloco.optimizer import Diloco, inner_ranges
 from psyche.modeling.distro import Distro, DistroResult, ResultLayout, quantize_results
 from psyche.modeling.lr import Schedule, get_lr, prev_lr
 from psyche.modeling.parallel import ParallelDims
+from psyche.modeling.screening import Reference, ResultReader
 from psyche.modeling.serialized_distro import (
     TransmittableDistroResult,
     distro_entry_bound,
@@ -164,6 +165,7 @@ class Trainer:
         self.diloco: Diloco | None = None
         self._distro_layouts: list[ResultLayout] | None = None
         self._max_payload_size: int | None = None
+        self._screening_reader: ResultReader | None = None
         self._setup_optimizer(optimizer)
 
     def _setup_optimizer(self, optimizer: OptimizerDefinition) -> None:
@@ -474,6 +476,31 @@ class Trainer:
         sent = self.quantize_results(results) if self.quantize_1bit else list(results)
         payload = transmittable_distro_result(sent, step, out.nonce, batch_id)
         return PreparedResult(payload, payload.compute_hash(), sent)
+
+    def screening_reader(self) -> ResultReader | None:
+        """How this run's results read for a witness's checks (None when the optimizer sends
+        none); turns on keeping the reference `screening_reference` reads. Only the leader of a
+        several-rank client needs it (the reference is the full momentum, on every rank)."""
+        optimizer: Distro | Diloco | None = self.distro or self.diloco
+        if optimizer is None:
+            return None
+        optimizer.keep_encoded = True
+        if self._screening_reader is None:
+            self._screening_reader = ResultReader.of(optimizer)
+        return self._screening_reader
+
+    def screening_reference(self) -> Reference | None:
+        """This client's own update of the batch it just trained (no copy), a witness's
+        reference for the round's other results (`psyche.modeling.screening`); None when not
+        screening or when the last step produced nothing."""
+        reader = self._screening_reader
+        optimizer: Distro | Diloco | None = self.distro or self.diloco
+        if reader is None or optimizer is None:
+            return None
+        try:
+            return reader.reference(optimizer)
+        except ValueError:
+            return None
 
     def synchronize(self) -> None:
         """Wait until the device has done the work queued so far (a no-op on the CPU)."""

@@ -22,6 +22,7 @@ from psyche.coordinator import CoordinatorProgress, RunState
 from psyche.coordinator.config import CoordinatorConfig
 from psyche.coordinator.data_selection import get_data_index_for_step
 from psyche.coordinator.model import Checkpoint, HubRepo, Model
+from psyche.core.definitions import OptimizerDefinition
 from psyche.core.fixed import FixedStringError, fixed_str_try_from
 from psyche.solana import pda
 from psyche.solana.backend import SolanaBackend, SolanaBackendError
@@ -241,6 +242,13 @@ def load_config_file(path: Path) -> tuple[CoordinatorConfig, Model]:
         raise AdminError(
             f"invalid config {path}: a Solana run has exactly one data location; "
             f"{len(loaded.llm.data_locations)} were given"
+        )
+    optimizer = loaded.llm.optimizer
+    if isinstance(optimizer, OptimizerDefinition.DiLoCo) and optimizer.value.peer_clip_multiple:
+        raise AdminError(
+            f"invalid config {path}: model.LLM.optimizer.DiLoCo.peer_clip_multiple (the bounded "
+            "aggregate) cannot be set for a Solana run: the coordinator account has no room for "
+            "it; set it to 0 or run with the centralized server"
         )
     return loaded.config, loaded.model
 

@@ -94,7 +94,7 @@ class _TypeCollector:
         return [
             {"name": f.name, "type": self.idl_type(hints[f.name])}
             for f in dataclasses.fields(cls)
-            if f.metadata.get("wire", True)
+            if f.metadata.get("wire", True) is True  # what borsh carries
         ]
 
     def idl_type(self, tp: Any) -> Any:

@@ -48,6 +48,8 @@ class BinaryCodec:
 
     name = "binary"
     error: type[ValueError] = ValueError
+    postcard_fields = False
+    """Whether struct fields declared postcard-only (`WStruct.postcard_fields`) are written."""
 
     def __init__(self) -> None:
         self._encoders: dict[int, Encoder] = {}
@@ -55,6 +57,9 @@ class BinaryCodec:
         self._building_encoders: dict[int, Encoder] = {}
         self._building_decoders: dict[tuple[int, bool], Decoder] = {}
         self._lock = threading.RLock()
+
+    def _struct_fields(self, wt: WStruct) -> list[tuple[str, WireType]]:
+        return [*wt.fields, *wt.postcard_fields] if self.postcard_fields else wt.fields
 
     # ---- public API ---------------------------------------------------------------------------
 
@@ -287,7 +292,7 @@ class BinaryCodec:
             return enc_tuple
 
         if isinstance(wt, WStruct):
-            fields = [(name, self.encoder(f)) for name, f in wt.fields]
+            fields = [(name, self.encoder(f)) for name, f in self._struct_fields(wt)]
 
             def enc_struct(v: Any, out: bytearray) -> None:
                 for name, e in fields:
@@ -476,7 +481,7 @@ class BinaryCodec:
             return dec_tuple
 
         if isinstance(wt, WStruct):
-            fields = [(name, self.decoder(f, borrow)) for name, f in wt.fields]
+            fields = [(name, self.decoder(f, borrow)) for name, f in self._struct_fields(wt)]
             cls = wt.cls
 
             def dec_struct(b: memoryview, p: int) -> tuple[Any, int]:

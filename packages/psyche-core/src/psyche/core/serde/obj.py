@@ -88,7 +88,7 @@ def _to_obj(v: Any, wt: WireType, json: bool = False) -> Any:
         return [_to_obj(x, t, json) for x, t in zip(v, wt.items)]
     if isinstance(wt, WStruct):
         out = {}
-        for name, ft in (*wt.fields, *wt.local_fields):
+        for name, ft in (*wt.fields, *wt.local_fields, *wt.postcard_fields):
             item = _to_obj(getattr(v, name), ft, json)
             if item is not None or json:
                 out[name] = item
@@ -157,7 +157,7 @@ def _prepare(obj: Any, wt: WireType) -> Any:
     if isinstance(wt, WStruct) and isinstance(obj, dict):
         out = None
         optional = _options_without_default(wt.cls)
-        for name, ft in (*wt.fields, *wt.local_fields):
+        for name, ft in (*wt.fields, *wt.local_fields, *wt.postcard_fields):
             if name not in obj:
                 if name in optional:
                     out = dict(obj) if out is None else out
@@ -194,7 +194,7 @@ def _options_without_default(cls: type) -> frozenset[str]:
     """Fields of type `T | None` that have no Python default (a default wins over None)."""
     wt = wire_type(cls)
     assert isinstance(wt, WStruct)
-    kinds = dict((*wt.fields, *wt.local_fields))
+    kinds = dict((*wt.fields, *wt.local_fields, *wt.postcard_fields))
     return frozenset(
         f.name
         for f in dataclasses.fields(cls)

@@ -67,6 +67,7 @@ def _unzigzag(value: int) -> int:
 class Postcard(BinaryCodec):
     name = "postcard"
     error = PostcardError
+    postcard_fields = True
 
     def int_codec(self, marker: IntMarker) -> tuple[Encoder, Decoder]:
         check, bits, signed = self.check_int, marker.bits, marker.signed

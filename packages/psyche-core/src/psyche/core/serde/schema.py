@@ -481,6 +481,11 @@ class WStruct(WireType):
     # Fields declared with `metadata={"wire": False}`: kept in TOML/JSON, absent from binary
     # formats (they are port extensions that upstream's byte layouts have no room for).
     local_fields: list[tuple[str, WireType]] = dataclasses.field(default_factory=list)
+    # Fields declared with `metadata={"wire": "postcard"}` (after every other field): in TOML,
+    # JSON and postcard, absent from borsh and the Solana account (port extensions appended to a
+    # port-only struct, which the account has no room for; a decoder of those formats gives the
+    # field its default).
+    postcard_fields: list[tuple[str, WireType]] = dataclasses.field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -588,7 +593,13 @@ def _resolve(tp: Any) -> WireType:
             _cache[key] = st
             hints = typing.get_type_hints(tp, include_extras=True)
             for f in dataclasses.fields(tp):
-                target = st.fields if f.metadata.get("wire", True) else st.local_fields
+                wire = f.metadata.get("wire", True)
+                if wire == "postcard":
+                    target = st.postcard_fields
+                elif st.postcard_fields and wire is True:
+                    raise TypeError(f"{tp.__name__}.{f.name}: postcard-only fields come last")
+                else:
+                    target = st.fields if wire else st.local_fields
                 target.append((f.name, wire_type(hints[f.name])))
             return st
 

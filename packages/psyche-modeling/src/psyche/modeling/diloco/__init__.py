@@ -10,6 +10,9 @@ few-bit values, error feedback: SparseLoCo). See docs/diloco.md.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from psyche.core.lazy import lazy_exports
 from psyche.modeling.diloco.codec import MAX_ABS_VALUE, DilocoLayout, diloco_layouts
 from psyche.modeling.diloco.optimizer import (
     Diloco,
@@ -19,7 +22,15 @@ from psyche.modeling.diloco.optimizer import (
     inner_ranges,
     payload_digest,
 )
-from psyche.modeling.diloco.research import DilocoLoop, DilocoPeerSimulation
+
+if TYPE_CHECKING:
+    from psyche.modeling.diloco.research import DilocoLoop, DilocoPeerSimulation
+
+# The research loops load on first use: they import the witness checks
+# (`psyche.modeling.screening`), which import this package's codec.
+__getattr__, __dir__ = lazy_exports(
+    __name__, {"DilocoLoop": ".research", "DilocoPeerSimulation": ".research"}
+)
 
 __all__ = [
     "MAX_ABS_VALUE",

@@ -174,11 +174,17 @@ def _encode_dct(x: torch.Tensor, layout: DilocoLayout) -> torch.Tensor:
     return x.reshape(count, n1) @ dct_basis(n1).to(x.device)
 
 
-def encode(x: torch.Tensor, layout: DilocoLayout) -> DistroResult:
+def encode(
+    x: torch.Tensor, layout: DilocoLayout, domain: list[torch.Tensor] | None = None
+) -> DistroResult:
     """One parameter's pseudo-gradient (float32, the parameter's shape) in its sent form.
 
-    Values beyond `MAX_ABS_VALUE` are clamped first (the receiver would refuse them)."""
+    Values beyond `MAX_ABS_VALUE` are clamped first (the receiver would refuse them). With
+    `domain`, what was compressed is appended to it as the payloads' domain reads it (the
+    sparse form's DCT coefficients, the clamped values otherwise): a witness's reference."""
     x = x.detach().to(torch.float32).clamp(-MAX_ABS_VALUE, MAX_ABS_VALUE)
+    if domain is not None and layout.transmission is not DilocoTransmission.Sparse:
+        domain.append(x)
     device = x.device
     match layout.transmission:
         case DilocoTransmission.Bf16:
@@ -198,7 +204,10 @@ def encode(x: torch.Tensor, layout: DilocoLayout) -> DistroResult:
             return DistroResult(scale, values, [], group)
         case DilocoTransmission.Sparse:
             assert layout.sparse is not None
-            idx, val, xshape, totalk = compress(_encode_dct(x, layout), layout.sparse.topk)
+            coefficients = _encode_dct(x, layout)
+            if domain is not None:
+                domain.append(coefficients)
+            idx, val, xshape, totalk = compress(coefficients, layout.sparse.topk)
             blocks = layout.sparse.block_shape
             k = val.shape[-1]
             rows = val.reshape(-1, k)
@@ -343,21 +352,40 @@ def new_accumulator(layout: DilocoLayout, device: torch.device | str) -> torch.T
     return torch.zeros(layout.shape, dtype=torch.float32, device=device)
 
 
-def accumulate(acc: torch.Tensor, result: DistroResult, layout: DilocoLayout) -> None:
-    """`acc += decode(result)`, elementwise, in the entry's slot order."""
-    device = acc.device
+def entry_values(result: DistroResult, layout: DilocoLayout, device: torch.device) -> torch.Tensor:
+    """The float32 values an entry carries, flat: the parameter's values for the dense forms,
+    the kept DCT coefficients (block by block, in slot order) for the sparse one. The DCT is
+    orthonormal, so their L2 norm is the decoded update's in every form."""
     match layout.transmission:
         case DilocoTransmission.Bf16:
-            acc.add_(result.sparse_val.to(device).to(torch.float32))
+            return result.sparse_val.to(device).reshape(-1).to(torch.float32)
         case DilocoTransmission.Int8:
             scales = result.sparse_idx.to(device)
             per_value = scales.repeat_interleave(layout.group)[: layout.numel]
-            codes = result.sparse_val.to(device).reshape(-1).to(torch.float32)
-            acc.add_((codes * per_value).view(layout.shape))
+            return result.sparse_val.to(device).reshape(-1).to(torch.float32) * per_value
+        case _:
+            return _sparse_values(result, layout, device).reshape(-1)
+
+
+def accumulate(
+    acc: torch.Tensor, result: DistroResult, layout: DilocoLayout, scale: float = 1.0
+) -> None:
+    """`acc += decode(result) * scale`, elementwise, in the entry's slot order (each value is
+    multiplied by `scale`, rounded to float32, before it is added; a scale of 1 multiplies
+    nothing)."""
+    device = acc.device
+    match layout.transmission:
+        case DilocoTransmission.Bf16 | DilocoTransmission.Int8:
+            values = entry_values(result, layout, device)
+            if scale != 1.0:
+                values = values * scale
+            acc.add_(values.view(layout.shape))
         case DilocoTransmission.Sparse:
             sparse = layout.sparse
             assert sparse is not None
             values = _sparse_values(result, layout, device)
+            if scale != 1.0:
+                values = values * scale
             indices = _sparse_indices(result, layout, device)
             if len(layout.shape) == 2:
                 rows, cols, n1, n2 = sparse.xshape

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -45,6 +46,7 @@ from psyche.modeling.diloco.codec import (
     decode,
     diloco_layouts,
     encode,
+    entry_values,
     finish,
     new_accumulator,
 )
@@ -72,6 +74,9 @@ class DilocoSettings:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     outer_clip_grad_norm: float = 0.0
+    peer_clip_multiple: float = 0.0
+    """The bounded aggregate (0 = off): each accepted pseudo-gradient is scaled down to at most
+    this multiple of the round's median payload norm before the mean (`Diloco.apply`)."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -80,6 +85,7 @@ class DilocoSettings:
             "outer_lr",
             "outer_momentum",
             "outer_clip_grad_norm",
+            "peer_clip_multiple",
         ):
             object.__setattr__(self, name, to_f32(float(getattr(self, name))))
         if self.inner_steps < 1:
@@ -100,6 +106,7 @@ class DilocoSettings:
             outer_lr=float(d.outer_lr),
             outer_momentum=float(d.outer_momentum),
             outer_clip_grad_norm=float(d.outer_clip_grad_norm),
+            peer_clip_multiple=float(d.peer_clip_multiple),
         )
 
     def definition(self) -> DiLoCo:
@@ -116,6 +123,7 @@ class DilocoSettings:
             outer_lr=self.outer_lr,
             outer_momentum=self.outer_momentum,
             outer_clip_grad_norm=self.outer_clip_grad_norm,
+            peer_clip_multiple=self.peer_clip_multiple,
         )
 
     @property
@@ -253,6 +261,10 @@ class Diloco:
         # lookahead's input
         self._own_update: list[torch.Tensor] | None = None
         self._own_round: int | None = None
+        self.keep_encoded = False
+        """Keep what `end_round` compressed (`encoded`: the pseudo-gradient plus the residual, as
+        the payloads' domain reads it): a witness's reference (`psyche.modeling.screening`)."""
+        self.encoded: list[torch.Tensor] | None = None
         self.outer_steps = 0
 
     @classmethod
@@ -329,6 +341,7 @@ class Diloco:
         if self.residuals is None:
             self.residuals = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
         out, own = [], []
+        encoded: list[torch.Tensor] | None = [] if self.keep_encoded else None
         for i, (p, saved, residual, layout) in enumerate(
             zip(self.params, self._snapshot, self.residuals, self._layouts)
         ):
@@ -336,7 +349,7 @@ class Diloco:
             if self._lookahead is not None:
                 delta = delta - self._lookahead[i]  # measured from the shifted start
             residual.add_(delta)
-            sent = encode(residual, layout)
+            sent = encode(residual, layout, encoded)
             residual.sub_(decode(sent, layout, residual.device))
             out.append(sent)
             own.append(delta)
@@ -344,6 +357,7 @@ class Diloco:
         self._snapshot = None
         self._lookahead = None
         self._own_update, self._own_round = own, round_index
+        self.encoded = encoded
         return out
 
     # ---- the outer step, on every client -----------------------------------------------
@@ -363,20 +377,42 @@ class Diloco:
     def mean_pseudo_gradient(self, results: Sequence[Sequence[DistroResult]]) -> list[torch.Tensor]:
         """The float32 mean of the payloads, the same bits whatever their order and device:
         peers are taken in ascending `payload_digest` order, each payload decoded into float32
-        accumulators by elementwise ops (`codec.accumulate`), the sum divided by the count."""
+        accumulators by elementwise ops (`codec.accumulate`), the sum divided by the count.
+        With `peer_clip_multiple`, each payload is first scaled by `peer_scales`."""
         self._check_results(results)
         ordered = sorted(results, key=payload_digest)
+        scales = self.peer_scales(ordered)
         means = []
         for index, (p, layout) in enumerate(zip(self.params, self._layouts)):
             acc = new_accumulator(layout, p.device)
-            for entries in ordered:
-                accumulate(acc, entries[index], layout)
+            for entries, scale in zip(ordered, scales):
+                accumulate(acc, entries[index], layout, scale)
             # The count as a tensor on the accumulator's device, not a Python scalar: CUDA
             # divides by a host scalar as a multiplication by its reciprocal, which rounds
             # differently from the CPU's true division (seen on an H200: no CPU/CUDA agreement).
             count = torch.tensor(float(len(ordered)), dtype=torch.float32, device=acc.device)
             means.append(finish(acc, layout).div_(count))
         return means
+
+    def payload_norm(self, entries: Sequence[DistroResult]) -> float:
+        """A payload's L2 norm (its decoded pseudo-gradient's), the same float on every device
+        (`deterministic_norm` of `codec.entry_values`)."""
+        device = self.params[0].device
+        return deterministic_norm(
+            entry_values(r, layout, device) for r, layout in zip(entries, self._layouts)
+        )
+
+    def peer_scales(self, results: Sequence[Sequence[DistroResult]]) -> list[float]:
+        """The bounded aggregate: the factor (float32, at most 1) each payload is multiplied by
+        so that its norm is at most `peer_clip_multiple` x the round's median payload norm (the
+        lower median: with one payload in two inflated, the bound is still an honest one's). All
+        ones when the setting is 0, or for a lone payload."""
+        multiple = self.settings.peer_clip_multiple
+        if multiple <= 0.0 or len(results) < 2:
+            return [1.0] * len(results)
+        norms = [self.payload_norm(r) for r in results]
+        bound = multiple * statistics.median_low(norms)
+        return [to_f32(bound / n) if n > bound else 1.0 for n in norms]
 
     @torch.no_grad()
     def apply(self, results: Sequence[Sequence[DistroResult]], lr: float) -> None:

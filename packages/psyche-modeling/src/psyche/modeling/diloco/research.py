@@ -35,6 +35,12 @@ from psyche.modeling.causal_lm import clip_grad_norm_native
 from psyche.modeling.diloco.optimizer import Diloco, DilocoSettings
 from psyche.modeling.distro import DistroResult
 from psyche.modeling.lr import Schedule
+from psyche.modeling.screening import (
+    RoundTamper,
+    ScreeningSettings,
+    WitnessPanel,
+    simulate_round,
+)
 from psyche.modeling.serialized_distro import decode_transmittable, transmittable_distro_result
 
 
@@ -93,6 +99,8 @@ class DilocoPeerSimulation:
         through_wire: bool = False,
         overlap: bool = True,
         lookahead: bool = True,
+        hostile: RoundTamper | None = None,
+        screening: ScreeningSettings | None = None,
     ) -> None:
         if not models:
             raise ValueError("at least one replica is needed")
@@ -109,6 +117,15 @@ class DilocoPeerSimulation:
         self._in_flight: list[list[list[DistroResult]]] = []
         for r in self.replicas:
             r.diloco.begin_round(self._round)
+        self.hostile = hostile
+        self.witnesses: WitnessPanel | None = None
+        if screening is not None:
+            for r in self.replicas:
+                r.diloco.keep_encoded = True
+            diloco = self.replicas[0].diloco
+            self.witnesses = WitnessPanel(diloco, screening, len(self.replicas), hostile)
+        self.last_accepted: list[int] = []
+        """The replicas whose payloads of the last round ended the run applies."""
 
     @property
     def models(self) -> list[nn.Module]:
@@ -131,11 +148,7 @@ class DilocoPeerSimulation:
         if self._inner < self.settings.inner_steps:
             return False
         self._inner = 0
-        payloads = [
-            self._send(r.diloco.end_round(self._round), step, i)
-            for i, r in enumerate(self.replicas)
-        ]
-        self._in_flight.append(payloads)
+        self._in_flight.append(self._end_round(step))
         if not self.overlap or len(self._in_flight) > 1:
             self._apply(self._in_flight.pop(0), lr)
         self._round += 1
@@ -155,6 +168,19 @@ class DilocoPeerSimulation:
         self._round += 2  # nothing is pending any more: no lookahead next round
         for r in self.replicas:
             r.diloco.begin_round(self._round)
+
+    def _end_round(self, step: int) -> list[list[DistroResult]]:
+        """Every replica's payload of the round, as sent (hostile ones rewritten) and received;
+        with screening, only those a quorum of witnesses vouched for."""
+        sent = [r.diloco.end_round(self._round) for r in self.replicas]
+        received, self.last_accepted = simulate_round(
+            sent,
+            [r.diloco for r in self.replicas],
+            lambda results, i: self._send(results, step, i),
+            self.hostile,
+            self.witnesses,
+        )
+        return [received[i] for i in self.last_accepted]
 
     def _apply(self, payloads: list[list[DistroResult]], lr: float) -> None:
         for r in self.replicas:

@@ -1,0 +1,602 @@
+"""A witness's checks of a peer's result before it attests it (a port extension).
+
+Upstream's witness attests every result whose bytes hash to their commitment, so a member with
+a valid key can send a well-formed but poisoned update and every client applies it. Here a
+witness first compares each decoded result with what it knows of the run:
+
+* **agreement**: the first-order effect of the result along the witness's own estimate of the
+  descent direction, one gather and dot product per result. The direction is the witness's own
+  update of that round as it compressed it (DisTrO: its momentum as `generate` left it; DiLoCo:
+  its pseudo-gradient plus its error-feedback residual), plus the results it accepted in recent
+  rounds (decayed by `aggregate_decay` a round), each normalized, read in the domain the
+  payloads live in (DCT coefficients for DisTrO and sparse DiLoCo, the values for bf16 and
+  int8). The statistic is
+  self-normalized, `t = sum(v_i r_i) / sqrt(sum((v_i r_i)^2))` over the result's values `v` and
+  the direction `r` at the same positions: a result independent of the direction (random
+  signs, a fixed push) has `t` about N(0, 1) whatever the model size, a sign-flipped one a `t`
+  as negative as an honest one's is positive, and scaling a result does not change it. A
+  result is refused when `t` is below `min_agreement`, below `a * median - b` where the median
+  is that of the `t`s of the results that passed here in the previous round
+  (`relative_agreement`: while the run's results agree strongly, one that does not stands
+  out), or when the `t`s of the sender's last `window_rounds` results here sum to less than
+  `min_window_z * sqrt(n)` (late in a run a DisTrO result's own `t` is too noisy to judge
+  alone, a consistently opposed sender's is not);
+* **norm**: within `max_norm_ratio` of the witness's own sent update's norm either way (a
+  result scaled to the format's bound, an all-zero free rider; the DCT is orthonormal, so the
+  norm read in the payload's domain is the update's);
+* **not a copy**: a count-sketch fingerprint of every result seen (this round's that came
+  earlier, the witness's own first, and the last `history_rounds` rounds') is compared by
+  cosine; at `duplicate_cosine` or above the later one is refused (a copy of another member's
+  result, a replay of an older one).
+
+`WitnessScreen` is one witness's memory over a run, `RoundScreen` one round of it. The client
+puts only results that pass into its witness blooms (`psyche.client.payloads`). Nothing here
+decides what a client applies: that is the coordinator's consensus over the witnesses' blooms,
+the same for every client, so honest witnesses may disagree here without any client's weights
+diverging (docs/reliability.md, "Poisoned results"). The screening state lives in host memory:
+about two float32 copies of the model (the own update of the round being screened, the recent
+aggregate).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import threading
+from collections import deque
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from psyche.coordinator.consensus import witness_quorum_for
+from psyche.core.definitions import DilocoTransmission
+from psyche.modeling.compression import decompress_idx
+from psyche.modeling.diloco.codec import (
+    DilocoLayout,
+    _sparse_indices,
+    entry_values,
+)
+from psyche.modeling.diloco.optimizer import Diloco
+from psyche.modeling.distro import Distro, DistroResult, unpack_tensor_sign_from_boolean
+
+# count-sketch hashing: a position times an odd constant (below 2^63 for positions below 2^31),
+# the bucket and the sign from bits of the product
+_HASH_MULTIPLIER = 0x9E3779B1
+_BUCKET_SHIFT = 16
+_SIGN_SHIFT = 40
+_CPU = torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class ScreeningSettings:
+    """Thresholds of the checks (see the module docstring). The agreement thresholds are set
+    against the statistic's spread when results carry no common signal at all (an honest result
+    then has `t` about N(0, 1.4^2): measured on random tokens), so that an honest result is
+    refused with a probability of about 1e-5 or less even then."""
+
+    min_agreement: float = -6.0
+    relative_agreement: tuple[float, float] | None = None
+    window_rounds: int = 16
+    min_window_z: float = -6.0
+    """The window test: `sum(t) / sqrt(n)` over the sender's last `n` results here."""
+    window_min_results: int = 4
+    """The window test waits for this many of the sender's results."""
+    max_norm_ratio: float = 8.0
+    duplicate_cosine: float = 0.95
+    history_rounds: int = 4
+    aggregate_decay: float = 0.75
+    aggregate_weight: float = 1.0
+    """The recent accepted results' share of the direction (the own update's is 1)."""
+    sketch_size: int = 4096
+    """Buckets of a fingerprint (a power of two)."""
+
+
+DISTRO_SCREENING = ScreeningSettings(relative_agreement=(0.7, 6.0))
+"""DisTrO: an honest 1-bit result's `t` is 5 to 15 early in a run and about N(2, 1.3^2) late
+(tiny run, c16 k4; docs/reliability.md): one round alone refuses only a clearly opposed result,
+the sender's window a consistently opposed one."""
+DILOCO_SCREENING = ScreeningSettings(relative_agreement=(0.4, 6.0))
+"""DiLoCo: honest pseudo-gradients agree with `t` of 10 to 130 on the tiny run, the lowest of a
+round at least 0.43 of its median."""
+
+
+def screening_settings(reader: ResultReader) -> ScreeningSettings:
+    """The thresholds for the run's optimizer."""
+    return DISTRO_SCREENING if reader.distro else DILOCO_SCREENING
+
+
+@dataclass(frozen=True)
+class Reference:
+    """A witness's own update of one round as its optimizer compressed it, in the payloads'
+    domain (one tensor per parameter: `Distro.encoded`, `Diloco.encoded`); taking one copies
+    nothing, `RoundScreen.set_reference` reads it onto the host as float32."""
+
+    tensors: list[torch.Tensor]
+
+
+@dataclass(frozen=True)
+class _Own:
+    """A reference read into the payloads' domain (`ResultReader.domain`), 1 / its norm, and
+    the norm of what the witness sent."""
+
+    tensors: list[torch.Tensor]
+    scale: float
+    own_norm: float
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    sketch: torch.Tensor
+    norm: float
+
+    def cosine(self, other: Fingerprint) -> float:
+        if self.norm == 0.0 or other.norm == 0.0:
+            return 0.0
+        return float(torch.dot(self.sketch, other.sketch)) / (self.norm * other.norm)
+
+
+@dataclass(frozen=True)
+class Measure:
+    agreement: float
+    norm: float
+    fingerprint: Fingerprint
+
+
+@dataclass(frozen=True)
+class Verdict:
+    measure: Measure
+    problem: str | None
+    """Why the result is refused; None when it passes."""
+    checked: bool = True
+    """False when the witness had no update of its own that round (only the copy check ran)."""
+
+    @property
+    def passed(self) -> bool:
+        return self.problem is None
+
+
+@dataclass(frozen=True)
+class Flat:
+    """A result read as values at positions of the whole model's payload domain (the
+    parameters' domains one after the other); `positions` None: every position, in order.
+    `parts` are the same per parameter, positions within the parameter's domain."""
+
+    positions: torch.Tensor | None
+    values: torch.Tensor
+    parts: list[tuple[torch.Tensor | None, torch.Tensor]]
+
+
+class ResultReader:
+    """Reads one run's results as values at flat positions of the model's payload domain: DCT
+    coefficients for DisTrO and sparse DiLoCo, the parameters' values for the dense DiLoCo
+    forms."""
+
+    def __init__(self, distro: Distro | None = None, diloco: Diloco | None = None) -> None:
+        if (distro is None) == (diloco is None):
+            raise ValueError("a reader reads DisTrO or DiLoCo results")
+        self.layouts: list[DilocoLayout] | None = diloco.layouts() if diloco else None
+        if distro is not None:
+            sizes = [
+                math.prod(distro.transform.encoded_shape(tuple(p.shape))[0])
+                for _, p in distro.variables
+            ]
+        else:
+            sizes = [_domain_numel(layout) for layout in self.layouts or []]
+        self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        self.size = sum(sizes)
+        self.dense_form = self.layouts is not None and all(
+            layout.transmission is not DilocoTransmission.Sparse for layout in self.layouts
+        )
+        # a dense result's fingerprint reads every `stride`-th value (about 64k of them)
+        self._stride = max(1, self.size // 65_536) if self.dense_form else 1
+        self._sampled_hash: tuple[int, torch.Tensor, torch.Tensor] | None = None
+
+    @classmethod
+    def of(cls, optimizer: Distro | Diloco) -> ResultReader:
+        if isinstance(optimizer, Diloco):
+            return cls(diloco=optimizer)
+        return cls(distro=optimizer)
+
+    @property
+    def distro(self) -> bool:
+        return self.layouts is None
+
+    def _entry(self, r: DistroResult, i: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(positions in parameter `i`'s domain, or None for a dense entry; float32 values)."""
+        if self.layouts is None:
+            idx = decompress_idx(r.totalk, r.sparse_idx.to(_CPU))
+            k = max(idx.shape[-1] if idx.dim() else 1, 1)
+            rows = torch.arange(idx.numel(), dtype=torch.int64).floor_divide_(k)
+            val = r.sparse_val.to(_CPU)
+            if val.dtype == torch.bool:
+                val = unpack_tensor_sign_from_boolean(val, torch.float32)
+            return rows.mul_(r.totalk).add_(idx.reshape(-1)), val.reshape(-1).float()
+        layout = self.layouts[i]
+        values = entry_values(r, layout, _CPU)
+        if layout.transmission is not DilocoTransmission.Sparse:
+            return None, values
+        assert layout.sparse is not None
+        idx = _sparse_indices(r, layout, _CPU)
+        rows = torch.arange(idx.shape[0], dtype=torch.int64).unsqueeze(1)
+        return (rows * layout.sparse.totalk + idx).reshape(-1), values
+
+    def flat(self, results: Sequence[DistroResult]) -> Flat:
+        parts = [self._entry(r, i) for i, r in enumerate(results)]
+        values = torch.cat([v for _, v in parts])
+        if self.dense_form:
+            return Flat(None, values, parts)
+        shifted = [p + offset for (p, _), offset in zip(parts, self.offsets) if p is not None]
+        return Flat(torch.cat(shifted), values, parts)
+
+    def add_into(self, total: torch.Tensor, flat: Flat, alpha: float = 1.0) -> None:
+        """`total += flat * alpha` (float32 over the whole domain)."""
+        if flat.positions is None:
+            total.add_(flat.values, alpha=alpha)
+        else:
+            total.index_add_(0, flat.positions, flat.values, alpha=alpha)
+
+    # ---- the witness's reference ------------------------------------------------------------
+
+    def reference(self, optimizer: Distro | Diloco) -> Reference:
+        """This replica's own update of the step or round that just ended, as it compressed it
+        (`keep_encoded`: DisTrO's momentum in the DCT domain, DiLoCo's pseudo-gradient plus its
+        residual in the payloads' domain); raises `ValueError` when there is none."""
+        if optimizer.encoded is None:
+            raise ValueError("the optimizer kept no update (keep_encoded, or nothing yet)")
+        return Reference(list(optimizer.encoded))
+
+    def domain(self, reference: Reference) -> list[torch.Tensor]:
+        """A reference as flat float32 CPU tensors, one per parameter (no copy where it is one
+        already)."""
+        return [x.detach().reshape(-1).to(_CPU, torch.float32) for x in reference.tensors]
+
+    # ---- measures ----------------------------------------------------------------------------
+
+    def describe(self, flat: Flat, sketch_size: int) -> tuple[float, Fingerprint]:
+        """A result's norm and fingerprint."""
+        values = flat.values
+        norm = float(torch.linalg.vector_norm(values))
+        if flat.positions is None:
+            _, bucket, sign = self._dense_hash(sketch_size)
+            values = values[:: self._stride]
+        else:
+            bucket, sign = _hash(flat.positions, sketch_size)
+        sketch = torch.zeros(sketch_size).index_add_(0, bucket, values * sign)
+        return norm, Fingerprint(sketch, float(torch.linalg.vector_norm(sketch)))
+
+    def _dense_hash(self, sketch_size: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+        cached = self._sampled_hash
+        if cached is None or cached[0] != sketch_size:
+            bucket, sign = _hash(torch.arange(0, self.size, self._stride), sketch_size)
+            cached = self._sampled_hash = (sketch_size, bucket, sign)
+        return cached
+
+
+def _domain_numel(layout: DilocoLayout) -> int:
+    if layout.transmission is DilocoTransmission.Sparse:
+        assert layout.sparse is not None
+        return math.prod(layout.sparse.xshape)
+    return layout.numel
+
+
+def _hash(positions: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A bucket in [0, size) (a power of two) and a sign for each position (the same on every
+    machine)."""
+    product = positions.to(torch.int64) * _HASH_MULTIPLIER
+    bucket = (product >> _BUCKET_SHIFT) & (size - 1)
+    sign = ((product >> _SIGN_SHIFT) & 1).to(torch.float32).mul_(2.0).sub_(1.0)
+    return bucket, sign
+
+
+def _at(t: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+    return t.clone() if positions is None else t[positions]
+
+
+# --------------------------------------------------------------------------------------------
+# One witness over a run
+
+
+class WitnessScreen:
+    """One witness's checks over a run: what it remembers of earlier rounds (the results it
+    accepted, every sender's recent agreements, fingerprints) and the rounds it screens.
+
+    Thread-safe: a round's results may be checked from several threads at once."""
+
+    def __init__(self, reader: ResultReader, settings: ScreeningSettings) -> None:
+        self.reader = reader
+        self.settings = settings
+        self._lock = threading.Lock()
+        self._aggregate: torch.Tensor | None = None
+        self._aggregate_scale = 1.0
+        self._aggregate_norm = 0.0
+        self._agreements: dict[Hashable, deque[float]] = {}
+        self._previous_round: list[float] = []
+        self._fingerprints: deque[list[Fingerprint]] = deque(maxlen=settings.history_rounds)
+
+    def open_round(self) -> RoundScreen:
+        return RoundScreen(self)
+
+    def _agreement(self, flat: Flat, own: _Own) -> float:
+        """`t` of a result along the direction: the own update over its norm, plus the recent
+        aggregate over its norm times `aggregate_weight`, read at the result's positions."""
+        weight = self.settings.aggregate_weight
+        num = den = 0.0
+        with self._lock:
+            aggregate = self._aggregate
+            if not weight or aggregate is None or self._aggregate_norm == 0.0:
+                aggregate = None
+            factor = (
+                0.0 if aggregate is None else weight * self._aggregate_scale / self._aggregate_norm
+            )
+            for i, (positions, values) in enumerate(flat.parts):
+                direction = _at(own.tensors[i], positions).mul_(own.scale)
+                if aggregate is not None:
+                    offset = self.reader.offsets[i]
+                    part = aggregate[offset : offset + own.tensors[i].numel()]
+                    direction.add_(_at(part, positions), alpha=factor)
+                prod = direction.mul_(values)
+                num += float(prod.sum())
+                den += float(torch.dot(prod, prod))
+        return num / math.sqrt(den) if den > 0.0 else 0.0
+
+    def _decide(self, sender: Hashable, measure: Measure, screen: RoundScreen) -> Verdict:
+        settings = self.settings
+        earlier = [*screen.seen, *(fp for rnd in self._fingerprints for fp in rnd)]
+        reference = screen.reference
+        problem = None
+        if reference is not None:
+            history = self._agreements.setdefault(sender, deque(maxlen=settings.window_rounds))
+            history.append(measure.agreement)
+            problem = self._first_order_problem(measure, reference, history)
+        if problem is None:
+            for fingerprint in earlier:
+                cosine = measure.fingerprint.cosine(fingerprint)
+                if cosine >= settings.duplicate_cosine:
+                    problem = f"a copy of an earlier result (cosine {cosine:.3f})"
+                    break
+        if reference is not None:
+            (screen.agreements if problem is None else screen.refused_agreements).append(
+                measure.agreement
+            )
+        screen.seen.append(measure.fingerprint)
+        return Verdict(measure, problem, checked=reference is not None)
+
+    def _first_order_problem(
+        self, measure: Measure, reference: _Own, history: Sequence[float]
+    ) -> str | None:
+        settings = self.settings
+        if measure.norm == 0.0:
+            return "the update is zero"
+        if reference.own_norm > 0.0:
+            ratio = measure.norm / reference.own_norm
+            if not 1.0 / settings.max_norm_ratio <= ratio <= settings.max_norm_ratio:
+                return (
+                    f"norm {measure.norm:.4g} is {ratio:.3g}x this witness's own "
+                    f"({reference.own_norm:.4g}); at most {settings.max_norm_ratio:g}x either way"
+                )
+        t = measure.agreement
+        if t < settings.min_agreement:
+            return f"agreement t = {t:.2f} is below {settings.min_agreement:g}"
+        if settings.relative_agreement is not None and self._previous_round:
+            a, b = settings.relative_agreement
+            level = statistics.median(self._previous_round)
+            if t < a * level - b:
+                return (
+                    f"agreement t = {t:.2f} is below {a:g} x {level:.2f} (the median of this "
+                    f"witness's previous round) - {b:g}"
+                )
+        if len(history) >= settings.window_min_results:
+            z = sum(history) / math.sqrt(len(history))
+            if z < settings.min_window_z:
+                return (
+                    f"the sender's agreement over its last {len(history)} results sums to "
+                    f"{z:.2f} x sqrt({len(history)}), below {settings.min_window_z:g}"
+                )
+        return None
+
+    def _close(self, screen: RoundScreen) -> None:
+        """Fold a round in: its accepted results into the decayed aggregate (kept as
+        `scale * A`, so a round costs its results' values and one norm), its level, its
+        fingerprints."""
+        with self._lock:
+            if screen.accepted:
+                if self._aggregate is None:
+                    self._aggregate, self._aggregate_scale = torch.zeros(self.reader.size), 1.0
+                aggregate = self._aggregate
+                self._aggregate_scale *= self.settings.aggregate_decay
+                for flat in screen.accepted:
+                    self.reader.add_into(aggregate, flat, 1.0 / self._aggregate_scale)
+                if self._aggregate_scale < 1e-6:
+                    aggregate.mul_(self._aggregate_scale)
+                    self._aggregate_scale = 1.0
+                norm = float(torch.linalg.vector_norm(aggregate))
+                self._aggregate_norm = self._aggregate_scale * norm
+            # the level of the round's results that passed (all of them if none did)
+            level = screen.agreements or screen.refused_agreements
+            if level:
+                self._previous_round = list(level)
+            self._fingerprints.append(list(screen.seen))
+
+
+class RoundScreen:
+    """One round as one witness screens it: its own update (`set_reference`; without one only
+    the copy check runs), then `check` for each peer's result in the order they came, then
+    `close` once the round has left the witness's hands."""
+
+    def __init__(self, witness: WitnessScreen) -> None:
+        self.witness = witness
+        self.reference: _Own | None = None
+        self.seen: list[Fingerprint] = []
+        self.agreements: list[float] = []
+        """The `t` of each result that passed (and, below, of each refused one)."""
+        self.refused_agreements: list[float] = []
+        self.accepted: list[Flat] = []
+        self.closed = False
+
+    def set_reference(self, reference: Reference, own_sent: Sequence[DistroResult]) -> None:
+        """This witness's own update and sent result of the round (a second own result of the
+        round only joins the fingerprints and the accepted results)."""
+        w = self.witness
+        flat = w.reader.flat(own_sent)
+        norm, fingerprint = w.reader.describe(flat, w.settings.sketch_size)
+        mine = None
+        if self.reference is None:
+            tensors = w.reader.domain(reference)
+            size = math.sqrt(sum(float(torch.dot(t, t)) for t in tensors))
+            mine = _Own(tensors, 1.0 / size if size > 0.0 else 0.0, norm)
+        with w._lock:
+            if self.reference is None:
+                self.reference = mine
+            self.seen.insert(0, fingerprint)
+            self.accepted.append(flat)
+
+    def check(self, sender: Hashable, results: Sequence[DistroResult]) -> Verdict:
+        """Whether `sender`'s result may be attested (measured outside the lock, decided and
+        remembered inside it)."""
+        w = self.witness
+        flat = w.reader.flat(results)
+        norm, fingerprint = w.reader.describe(flat, w.settings.sketch_size)
+        own = self.reference
+        agreement = w._agreement(flat, own) if own is not None else 0.0
+        measure = Measure(agreement, norm, fingerprint)
+        with w._lock:
+            verdict = w._decide(sender, measure, self)
+            if verdict.passed:
+                self.accepted.append(flat)
+        return verdict
+
+    def close(self) -> None:
+        """Fold the round into the witness's memory (once)."""
+        w = self.witness
+        with w._lock:
+            if self.closed:
+                return
+            self.closed = True
+        w._close(self)
+
+
+# --------------------------------------------------------------------------------------------
+# Witnessing in one process (the research simulations)
+
+
+class RoundTamper(Protocol):
+    """Hostile members of a simulation (`psyche.modeling.hostile.HostileMembers`): called once a
+    round with every member's sent results and the optimizer, returns what each one sends."""
+
+    indices: frozenset[int]
+    late: frozenset[int]
+
+    def __call__(
+        self, sent: Sequence[Sequence[DistroResult]], source: Distro | Diloco
+    ) -> list[list[DistroResult]]: ...
+
+
+@dataclass
+class Tally:
+    """What a simulation's witnesses decided, by the sender's honesty."""
+
+    honest_checks: int = 0
+    honest_refused: int = 0
+    hostile_checks: int = 0
+    hostile_refused: int = 0
+    lowest_honest_agreement: float = math.inf
+    refusals: list[str] = field(default_factory=list)
+    """Why honest results were refused."""
+    hostile_applied: list[tuple[int, int]] = field(default_factory=list)
+    """(round, member) of every hostile result a quorum vouched for, rounds counted from 0."""
+    rounds: int = 0
+
+
+class WitnessPanel:
+    """Every member of a simulated run witnesses every round (`witness_nodes = 0`): an honest
+    member screens the others' results against its own update (a `WitnessScreen` each) and
+    keeps its own; a hostile one vouches for every result. A result is applied when at least
+    the coordinator's quorum of witnesses vouch for it (`witness_quorum_for`). Results are
+    checked in the order they would arrive: the `late` members' (copiers) last."""
+
+    def __init__(
+        self,
+        optimizer: Distro | Diloco,
+        settings: ScreeningSettings,
+        members: int,
+        hostile: RoundTamper | None = None,
+    ) -> None:
+        self.reader = ResultReader.of(optimizer)
+        self.settings = settings
+        self.members = members
+        self.hostile = hostile.indices if hostile is not None else frozenset()
+        self.late = hostile.late if hostile is not None else frozenset()
+        self.quorum = witness_quorum_for(0, members)
+        self.tally = Tally()
+        self.screens = {
+            w: WitnessScreen(self.reader, settings) for w in range(members) if w not in self.hostile
+        }
+
+    def accepted(
+        self,
+        results: Sequence[Sequence[DistroResult]],
+        own: Mapping[int, tuple[Reference, Sequence[DistroResult]]],
+    ) -> list[int]:
+        """Which members' results of this round the run applies, ascending. `own`: each honest
+        member's reference and honest sent result."""
+        order = sorted(range(len(results)), key=lambda i: (i in self.late, i))
+        votes = [0] * len(results)
+        for w in range(self.members):
+            screen = self.screens.get(w)
+            if screen is None:
+                votes = [v + 1 for v in votes]
+                continue
+            votes[w] += 1  # its own result
+            rnd = screen.open_round()
+            rnd.set_reference(*own[w])
+            for i in order:
+                if i != w:
+                    verdict = rnd.check(i, results[i])
+                    self._count(i, verdict)
+                    votes[i] += 1 if verdict.passed else 0
+            rnd.close()
+        accepted = [i for i, v in enumerate(votes) if v >= self.quorum]
+        tally = self.tally
+        tally.hostile_applied += [(tally.rounds, i) for i in accepted if i in self.hostile]
+        tally.rounds += 1
+        return accepted
+
+    def _count(self, sender: int, verdict: Verdict) -> None:
+        t = self.tally
+        if sender in self.hostile:
+            t.hostile_checks += 1
+            t.hostile_refused += 0 if verdict.passed else 1
+            return
+        t.honest_checks += 1
+        t.lowest_honest_agreement = min(t.lowest_honest_agreement, verdict.measure.agreement)
+        if not verdict.passed:
+            t.honest_refused += 1
+            t.refusals.append(str(verdict.problem))
+
+
+def simulate_round(
+    sent: Sequence[list[DistroResult]],
+    optimizers: Sequence[Distro | Diloco],
+    send: Callable[[list[DistroResult], int], list[DistroResult]],
+    hostile: RoundTamper | None,
+    witnesses: WitnessPanel | None,
+) -> tuple[list[list[DistroResult]], list[int]]:
+    """One round's exchange in a simulation: each honest member's reference (its optimizer's
+    own update, taken before anything else runs on it), the hostile members' rewrite, every
+    result through `send(result, member)` (the wire), and the witnesses' verdict. Returns what
+    was received and which members' results the run applies."""
+    own = {}
+    if witnesses is not None:
+        own = {
+            i: (witnesses.reader.reference(optimizer), sent[i])
+            for i, optimizer in enumerate(optimizers)
+            if i not in witnesses.hostile
+        }
+    if hostile is not None:
+        sent = hostile(sent, optimizers[0])
+    received = [send(results, i) for i, results in enumerate(sent)]
+    if witnesses is None:
+        return received, list(range(len(received)))
+    return received, witnesses.accepted(received, own)

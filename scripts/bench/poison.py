@@ -1,0 +1,366 @@
+"""Poisoned results: every attack of `psyche.modeling.hostile` against DisTrO and DiLoCo, with and
+without the defences, held out against the honest members alone, in one sitting.
+
+For each optimizer (DisTrO 1-bit c16 k4; DiLoCo bf16, int8 and sparse, 4 inner steps) and each
+setup (1 hostile member of 4, 2 colluding of 8), N simulated members train a tiny Llama through
+the real payloads (postcard, commitment hash, the receiver's checks; `PeerSimulation` /
+`DilocoPeerSimulation`) on a synthetic bigram corpus, each on its own share of every step's
+batch:
+
+* honest-only: the honest members alone, on the same shares (the baseline of every ratio);
+* honest, defended: all N members honest, with the witnesses' checks (and for DiLoCo the bounded
+  aggregate): its loss against the same run undefended, and its honest checks (none refused is
+  the goal);
+* each attack, undefended and defended: the hostile members' results rewritten before they are
+  encoded (they pass every check of the bytes), every member witnessing every round (an honest
+  one screens, a hostile one vouches for everything; a result is applied with the coordinator's
+  quorum of vouchers).
+
+The loss is an honest member's held-out loss at the end. Ratios are against honest-only of the
+same optimizer and setup, measured in this run.
+
+    .venv/bin/python scripts/bench/poison.py --threads 1
+    .venv/bin/python scripts/bench/poison.py --optimizers distro --setups 1of4 --attacks sign-flip
+
+No downloads: random-init Llama configs and a synthetic corpus.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from psyche.core.batch_id import BatchId
+from psyche.core.definitions import DilocoTransmission, LearningRateSchedule
+from psyche.modeling.diloco import DilocoPeerSimulation, DilocoSettings
+from psyche.modeling.hostile import Attack, HostileMember, HostileMembers
+from psyche.modeling.research import DistroSettings, PeerSimulation
+from psyche.modeling.screening import (
+    DILOCO_SCREENING,
+    DISTRO_SCREENING,
+    Tally,
+    WitnessScreen,
+    screening_settings,
+)
+from psyche.modeling.trainer import Batch, Trainer
+
+T = DilocoTransmission
+
+
+sys.path.insert(0, str(Path(__file__).parent))
+import diloco as bench_diloco  # noqa: E402 (scripts/bench/diloco.py: its corpus and model builder)
+
+D = bench_diloco.D
+_schedule = bench_diloco._schedule
+_held_out_loss = bench_diloco._held_out_loss
+
+OPTIMIZERS = {
+    "distro": "DisTrO 1-bit c16 k4",
+    "bf16": "DiLoCo bf16",
+    "int8": "DiLoCo int8 c64",
+    "sparse": "DiLoCo sparse c16 k8 2-bit",
+}
+SETUPS = {"1of4": (4, 1), "2of8": (8, 2)}
+GOAL_LOSS = 0.03
+
+
+@dataclass
+class Outcome:
+    loss: float
+    lies_applied: int
+    lies: int
+    tally: Tally | None
+    seconds: float
+    screen_seconds: float
+
+
+def _diloco_settings(name: str, inner: int, bounded: bool) -> DilocoSettings:
+    transmission = {"bf16": T.Bf16, "int8": T.Int8, "sparse": T.Sparse}[name]
+    return DilocoSettings(
+        inner_steps=inner,
+        transmission=transmission,
+        compression_chunk=64 if transmission is T.Int8 else 16,
+        compression_topk=8,
+        value_bits=2,
+        outer_lr=0.7,
+        outer_momentum=0.5,
+        nesterov=True,
+        peer_clip_multiple=2.0 if bounded else 0.0,
+    )
+
+
+class Runner:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        vocab = D.build("tiny", "cpu").config.vocab_size
+        self.per_member = args.rows_per_member
+        self.data = D.bigram_corpus(args.steps * 8 * self.per_member, args.seq, vocab)
+        self.held_out = D.bigram_corpus(64, args.seq, vocab, seed=99)
+
+    def rows(self, step: int, member: int) -> torch.Tensor:
+        """Member `member`'s share of step `step` (the same whoever else is in the run)."""
+        start = ((step - 1) * 8 + member) * self.per_member
+        return self.data[start : start + self.per_member]
+
+    def run(
+        self,
+        optimizer: str,
+        members: list[int],
+        hostile: dict[int, HostileMember] | None,
+        defended: bool,
+    ) -> Outcome:
+        """`members`: the indices (data shares) of the run's members; `hostile` by position in
+        `members`."""
+        a = self.args
+        started = time.perf_counter()
+        models = [D.build("tiny", "cpu").model for _ in members]
+        tamper = HostileMembers(hostile) if hostile else None
+        if optimizer == "distro":
+            settings = DistroSettings(compression_chunk=16, compression_topk=4, clip_grad_norm=1.0)
+            sim: PeerSimulation | DilocoPeerSimulation = PeerSimulation(
+                models,
+                settings,
+                lr=_schedule(a.distro_lr, a.steps),
+                through_wire=True,
+                hostile=tamper,
+                screening=DISTRO_SCREENING if defended else None,
+            )
+        else:
+            sim = DilocoPeerSimulation(
+                models,
+                _diloco_settings(optimizer, a.inner_steps, bounded=defended),
+                lr=_schedule(a.diloco_lr, a.steps),
+                through_wire=True,
+                hostile=tamper,
+                screening=DILOCO_SCREENING if defended else None,
+            )
+        panel = sim.witnesses
+        screen_seconds = 0.0
+        if panel is not None:
+            accepted_fn = panel.accepted
+
+            def timed(*args, **kwargs):  # type: ignore[no-untyped-def]
+                nonlocal screen_seconds
+                t = time.perf_counter()
+                out = accepted_fn(*args, **kwargs)
+                screen_seconds += time.perf_counter() - t
+                return out
+
+            panel.accepted = timed  # type: ignore[method-assign]
+        lies_applied = 0
+        indices = tamper.indices if tamper else frozenset()
+        for step in range(1, a.steps + 1):
+            sim.zero_grad(step)
+            for position, (member, model) in enumerate(zip(members, sim.models)):
+                ids = self.rows(step, member)
+                if tamper is not None:
+                    ids = ids[: tamper.lazy_rows(position, len(ids))]
+                model(ids, labels=ids, use_cache=False).loss.backward()
+            ended = sim.step(step)
+            if ended is not False and hostile:
+                for i in indices.intersection(sim.last_accepted):
+                    member = hostile[i]  # its round just sent: was it a lie?
+                    lies_applied += bool(member.lies) and member.lies[-1] == member.rounds - 1
+        if isinstance(sim, DilocoPeerSimulation):
+            sim.flush(a.steps)
+        honest = next(i for i in range(len(members)) if i not in indices)
+        loss = _held_out_loss(sim.models[honest], self.held_out)
+        tally = panel.tally if panel is not None else None
+        lies = sum(len(m.lies) for m in (hostile or {}).values())
+        seconds = time.perf_counter() - started
+        return Outcome(loss, lies_applied, lies, tally, seconds, screen_seconds)
+
+
+# -- the cost of the checks on an honest round ------------------------------------------------
+
+
+def _cost_trainer(size: str, optimizer: str) -> Trainer:
+    from psyche.core.definitions import ConstantLR, DiLoCo, OptimizerDefinition
+
+    model = D.build(size, "cpu")
+    schedule = LearningRateSchedule.Constant(ConstantLR(1e-3, 0.0, 0))
+    if optimizer == "distro":  # configs/tiny-cpu's
+        definition = D.distro_def(16, 8)
+    else:  # configs/tiny-cpu-diloco's
+        definition = OptimizerDefinition.DiLoCo(
+            DiLoCo(
+                inner_steps=4, transmission=T.Sparse, value_bits=2, compression_chunk=16,
+                compression_topk=8, nesterov=True, outer_lr_follows_schedule=False,
+                inner_weight_decay=0.0, inner_clip_grad_norm=1.0, outer_lr=0.7,
+                outer_momentum=0.5, outer_clip_grad_norm=0.0, peer_clip_multiple=2.0,
+            )
+        )  # fmt: skip
+    return Trainer(model, schedule, definition, micro_batch_size=1)
+
+
+def bench_cost(sizes: list[str], clients: int, rows: int, seq: int, rounds: int) -> None:
+    """One honest round of one witness, the configs' optimizers, real `Trainer`s: its training
+    (forward/backward, `generate` or the inner steps, the payload) against its checks of the
+    round's other results (own reference, `clients - 1` checks, closing the round) and its apply
+    of the round's results, medians over `rounds`."""
+    print(
+        f"\n## Cost of the checks on an honest round ({clients} clients, {rows}x{seq} tokens "
+        f"per client per round, CPU): median over {rounds} rounds"
+    )
+    print(
+        f"  {'model':<6} {'optimizer':<24} {'train ms':>9} {'apply ms':>9} {'checks ms':>10} "
+        f"{'checks / (train + apply)':>25}"
+    )
+    for size in sizes:
+        vocab = D.build(size, "cpu").config.vocab_size
+        for optimizer in ("distro", "sparse"):
+            own, peer = _cost_trainer(size, optimizer), _cost_trainer(size, optimizer)
+            reader = own.screening_reader()
+            assert reader is not None
+            screen = WitnessScreen(reader, screening_settings(reader))
+            data = D.bigram_corpus(2 * rounds * rows, seq, vocab)
+            prev: dict[int, list] = {0: [], 1: []}  # type: ignore[type-arg]
+            train, check, apply = [], [], []
+            for step in range(1, rounds + 1):
+                results = []
+                for i, trainer in enumerate((own, peer)):
+                    rows_i = data[((step - 1) * 2 + i) * rows : ((step - 1) * 2 + i + 1) * rows]
+                    t = time.perf_counter()
+                    out = trainer.train_exact(
+                        step, Batch(rows_i), warmup_lr_between=None, zero_optim=False,
+                        prev_self_distro_results=prev[i],
+                    )  # fmt: skip
+                    prepared = trainer.prepare_result(out, step=step, batch_id=BatchId(i, i))
+                    if i == 0:
+                        train.append(time.perf_counter() - t)
+                        reference = trainer.screening_reference()
+                    prev[i] = [out.distro_results or []]
+                    results.append(prepared.sent)
+                t = time.perf_counter()
+                rnd = screen.open_round()
+                assert reference is not None
+                rnd.set_reference(reference, results[0])
+                for sender in range(1, clients):
+                    rnd.check(sender, results[1])
+                rnd.close()
+                check.append(time.perf_counter() - t)
+                t = time.perf_counter()
+                own.optimize(step, distro_results=[results[0]] + [results[1]] * (clients - 1))
+                apply.append(time.perf_counter() - t)
+            tr, ap, ch = (statistics.median(x) * 1000 for x in (train, apply, check))
+            name = OPTIMIZERS[optimizer] if optimizer == "distro" else "DiLoCo sparse c16 k8 2-bit"
+            if optimizer == "distro":
+                name = "DisTrO 1-bit c16 k8"
+            print(f"  {size:<6} {name:<24} {tr:9.1f} {ap:9.1f} {ch:10.1f} {ch / (tr + ap):24.1%}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--threads", type=int, help="torch intra-op threads")
+    p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--rows-per-member", type=int, default=2)
+    p.add_argument("--inner-steps", type=int, default=4)
+    p.add_argument("--distro-lr", type=float, default=1e-2)
+    p.add_argument("--diloco-lr", type=float, default=3e-3)
+    p.add_argument("--optimizers", default=",".join(OPTIMIZERS))
+    p.add_argument("--setups", default=",".join(SETUPS))
+    p.add_argument("--attacks", default=",".join(a.value for a in Attack))
+    p.add_argument("--only", default="attacks,cost")
+    p.add_argument("--cost-sizes", default="tiny,20m")
+    p.add_argument("--cost-seq", type=int, default=128)
+    p.add_argument("--cost-rows", type=int, default=3, help="sequences per client per round")
+    p.add_argument("--cost-clients", type=int, default=3)
+    p.add_argument("--cost-rounds", type=int, default=6)
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    only = set(args.only.split(","))
+    if "cost" in only:
+        bench_cost(
+            args.cost_sizes.split(","), args.cost_clients, args.cost_rows, args.cost_seq,
+            args.cost_rounds,
+        )  # fmt: skip
+    if "attacks" in only:
+        bench_attacks(args)
+
+
+def bench_attacks(args: argparse.Namespace) -> None:
+    attacks = [Attack(name) for name in args.attacks.split(",")]
+    runner = Runner(args)
+    print(
+        f"torch {torch.__version__}, threads {torch.get_num_threads()}; tiny Llama, "
+        f"{args.steps} steps, {args.rows_per_member}x{args.seq} tokens per member per step, "
+        f"cosine LR (DisTrO {args.distro_lr:g}, DiLoCo inner {args.diloco_lr:g}, "
+        f"{args.inner_steps} inner steps, outer 0.7/0.5 Nesterov)"
+    )
+    total_honest_checks = total_honest_refused = 0
+    summary: list[tuple[str, str, str, float, float, int]] = []
+    for optimizer in args.optimizers.split(","):
+        for setup in args.setups.split(","):
+            n, bad = SETUPS[setup]
+            everyone = list(range(n))
+            hostile_at = list(range(n - bad, n))
+            print(f"\n## {OPTIMIZERS[optimizer]}, {bad} hostile of {n}")
+            base = runner.run(optimizer, everyone[: n - bad], None, defended=False)
+            print(f"  {'honest only':<34} loss {base.loss:.4f}  ({base.seconds:.0f} s)")
+            plain = runner.run(optimizer, everyone, None, defended=False)
+            guarded = runner.run(optimizer, everyone, None, defended=True)
+            tally = guarded.tally
+            assert tally is not None
+            total_honest_checks += tally.honest_checks
+            total_honest_refused += tally.honest_refused
+            print(
+                f"  {'all honest, undefended':<34} loss {plain.loss:.4f} {plain.loss / base.loss - 1:+7.2%}"
+            )
+            print(
+                f"  {'all honest, defended':<34} loss {guarded.loss:.4f} "
+                f"{guarded.loss / base.loss - 1:+7.2%}  (vs undefended {guarded.loss / plain.loss - 1:+.4%}); "
+                f"honest checks {tally.honest_checks}, refused {tally.honest_refused}, lowest "
+                f"agreement {tally.lowest_honest_agreement:.2f}; screening "
+                f"{guarded.screen_seconds / n / guarded.seconds:.2%} of a member's time"
+            )
+            for problem in tally.refusals[:3]:
+                print(f"      refused: {problem}")
+            for attack in attacks:
+                open_run, shut = (
+                    runner.run(
+                        optimizer,
+                        everyone,
+                        {p: HostileMember(attack, seed=p) for p in hostile_at},  # fresh each run
+                        defended=defended,
+                    )
+                    for defended in (False, True)
+                )
+                tally = shut.tally
+                assert tally is not None
+                ratio_open = open_run.loss / base.loss - 1
+                ratio_shut = shut.loss / base.loss - 1
+                verdict = "ok" if ratio_shut <= GOAL_LOSS else "MISSED"
+                print(
+                    f"  {attack.value:<14} undefended {open_run.loss:.4f} {ratio_open:+8.2%}   "
+                    f"defended {shut.loss:.4f} {ratio_shut:+7.2%} {verdict:<6}  lies applied "
+                    f"{shut.lies_applied} of {shut.lies} (undefended {open_run.lies_applied}), "
+                    f"honest refused {tally.honest_refused}/{tally.honest_checks}"
+                )
+                total_honest_checks += tally.honest_checks
+                total_honest_refused += tally.honest_refused
+                summary.append(
+                    (optimizer, setup, attack.value, ratio_open, ratio_shut, shut.lies_applied)
+                )
+    print(
+        f"\nhonest results refused: {total_honest_refused} of {total_honest_checks} checks "
+        f"(goal 0 of >= 2000)"
+    )
+    missed = [s for s in summary if s[4] > GOAL_LOSS]
+    print(
+        f"attacks within {GOAL_LOSS:.0%} of honest-only, defended: {len(summary) - len(missed)} of {len(summary)}"
+    )
+    for optimizer, setup, attack, _, shut, _ in missed:
+        print(f"  missed: {optimizer} {setup} {attack}: {shut:+.2%}")
+
+
+if __name__ == "__main__":
+    main()

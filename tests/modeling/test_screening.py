@@ -1,0 +1,221 @@
+"""The witnesses' checks (`psyche.modeling.screening`) against hostile members beside honest ones:
+real training of tiny Llamas through the research simulations (every payload through postcard,
+its commitment hash and the receiver's checks), every member a witness, a result applied when a
+quorum of witnesses vouch for it. Each check refuses the attack it is for, from the round the
+attack starts, and refuses no honest result; the bounded aggregate bounds what gets through."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+import torch
+
+from psyche.core.definitions import ConstantLR, DilocoTransmission, LearningRateSchedule
+from psyche.modeling.causal_lm import CausalLM, ModelOptions
+from psyche.modeling.configs import llama_config_dict
+from psyche.modeling.diloco import Diloco, DilocoPeerSimulation, DilocoSettings
+from psyche.modeling.hostile import Attack, DilocoFormat, HostileMember, HostileMembers
+from psyche.modeling.research import DistroSettings, PeerSimulation
+from psyche.modeling.screening import (
+    DILOCO_SCREENING,
+    DISTRO_SCREENING,
+    ResultReader,
+    Tally,
+    WitnessScreen,
+)
+
+from .conftest import SEQ, bigram_corpus
+
+T = DilocoTransmission
+ROWS = 2  # per member per step
+
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def model() -> torch.nn.Module:
+    """The tiny Llama every member starts from (the same random init)."""
+    options = ModelOptions(architecture="HfLlama", device="cpu", seed=1337)
+    return CausalLM.from_config(llama_config_dict("tiny"), options).model
+
+
+def constant(lr: float) -> LearningRateSchedule:
+    return LearningRateSchedule.Constant(ConstantLR(lr, 0.0, 0))
+
+
+def run(
+    form: str,
+    members: int,
+    hostile: dict[int, HostileMember],
+    steps: int,
+    *,
+    bounded: float = 0.0,
+) -> tuple[Tally, list[torch.nn.Module]]:
+    """`steps` training steps of `members` tiny Llamas, each on its own bigram rows."""
+    models = [model() for _ in range(members)]
+    tamper = HostileMembers(hostile) if hostile else None
+    sim: PeerSimulation | DilocoPeerSimulation
+    if form == "distro":
+        settings = DistroSettings(compression_chunk=16, compression_topk=4, clip_grad_norm=1.0)
+        sim = PeerSimulation(
+            models, settings, lr=constant(1e-2), through_wire=True, hostile=tamper,
+            screening=DISTRO_SCREENING,
+        )  # fmt: skip
+    else:
+        transmission = {"bf16": T.Bf16, "int8": T.Int8, "sparse": T.Sparse}[form]
+        settings_d = DilocoSettings(
+            inner_steps=2, transmission=transmission, compression_chunk=16, compression_topk=8,
+            outer_lr=0.7, outer_momentum=0.5, peer_clip_multiple=bounded,
+        )  # fmt: skip
+        sim = DilocoPeerSimulation(
+            models, settings_d, lr=constant(3e-3), through_wire=True, hostile=tamper,
+            screening=DILOCO_SCREENING,
+        )  # fmt: skip
+    data = bigram_corpus(steps * members * ROWS, SEQ, seed=1)
+    for step in range(1, steps + 1):
+        sim.zero_grad(step)
+        for i, m in enumerate(sim.models):
+            start = ((step - 1) * members + i) * ROWS
+            ids = data[start : start + (tamper.lazy_rows(i, ROWS) if tamper else ROWS)]
+            m(ids, labels=ids, use_cache=False).loss.backward()
+        sim.step(step)
+    assert sim.witnesses is not None
+    return sim.witnesses.tally, sim.models
+
+
+FORMS = ("distro", "bf16", "int8", "sparse")
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_a_sign_flipping_member_is_refused_from_the_round_it_starts(form: str) -> None:
+    """It plays honest for 3 rounds (its witnesses know it), then flips its update: no result
+    of it is applied from that round on, and no honest result is refused."""
+    tally, _ = run(form, 4, {3: HostileMember(Attack.SignFlip, start=3)}, steps=16)
+    assert tally.hostile_applied == [(0, 3), (1, 3), (2, 3)]  # its honest rounds
+    assert tally.honest_refused == 0, tally.refusals
+    assert tally.honest_checks > 0
+
+
+# what each attack is refused by: the format bound and the zero update by the norm check (DiLoCo;
+# a 1-bit result has no norm to lie with), random signs and a fixed push by the agreement while
+# the run's results agree, copies and replays by the fingerprints
+ATTACKS = {
+    "distro": (Attack.Zero, Attack.Copy, Attack.Replay, Attack.Targeted),
+    "bf16": (Attack.RandomSigns, Attack.Scaled, Attack.Zero, Attack.Copy, Attack.Targeted),
+    "int8": (Attack.Scaled, Attack.Zero, Attack.Replay),
+    "sparse": (Attack.RandomSigns, Attack.Scaled, Attack.Copy, Attack.Targeted),
+}
+
+
+@pytest.mark.parametrize(
+    ("form", "attack"), [(f, a) for f, attacks in ATTACKS.items() for a in attacks]
+)
+def test_each_attack_is_refused_beside_honest_members(form: str, attack: Attack) -> None:
+    """Two colluding hostile members of six, lying from the start (their witnesses vouch for
+    everything): from the second round on (the first a witness can compare with) none of their
+    lies is applied; random signs from the fourth (they are refused relative to how strongly
+    the previous round's results agreed, which grows over the first rounds of this run). No
+    honest result is refused."""
+    members = {4: HostileMember(attack, seed=4), 5: HostileMember(attack, seed=5, copy_from=1)}
+    tally, _ = run(form, 6, members, steps=10 if form == "distro" else 12)
+    assert all(m.lies for m in members.values())
+    first = 3 if attack is Attack.RandomSigns else 1
+    applied = [(r, i) for r, i in tally.hostile_applied if r >= first and r in members[i].lies]
+    assert applied == [], applied
+    assert tally.honest_refused == 0, tally.refusals
+
+
+def test_a_lazy_member_passes_and_costs_little() -> None:
+    """Training on a quarter of its batch is an honest update with more noise: the first-order
+    checks cannot tell, and pass it (a verifier recomputing the batch could)."""
+    tally, _ = run("bf16", 4, {3: HostileMember(Attack.Lazy)}, steps=8)
+    assert tally.hostile_refused == 0
+    assert tally.honest_refused == 0
+
+
+def honest_results(form: str, members: int = 4) -> tuple[Diloco, list[list]]:  # type: ignore[type-arg]
+    """One DiLoCo round of `members` replicas on their own rows, as sent."""
+    transmission = {"bf16": T.Bf16, "int8": T.Int8, "sparse": T.Sparse}[form]
+    settings = DilocoSettings(inner_steps=2, transmission=transmission, compression_topk=8)
+    sim = DilocoPeerSimulation([model() for _ in range(members)], settings, lr=3e-3)
+    data = bigram_corpus(2 * members * ROWS, SEQ, seed=2)
+    for step in (1, 2):
+        for i, (m, r) in enumerate(zip(sim.models, sim.replicas)):
+            start = ((step - 1) * members + i) * ROWS
+            ids = data[start : start + ROWS]
+            m(ids, labels=ids, use_cache=False).loss.backward()
+            r.inner_step(3e-3)
+    for r in sim.replicas:
+        r.diloco.keep_encoded = True  # a witness's reference
+    sent = [r.diloco.end_round(0) for r in sim.replicas]
+    return sim.replicas[0].diloco, sent
+
+
+@pytest.mark.parametrize("form", ("bf16", "int8", "sparse"))
+def test_the_bounded_aggregate_bounds_one_members_share_and_leaves_honest_rounds_alone(
+    form: str,
+) -> None:
+    diloco, sent = honest_results(form)
+    bounded = Diloco(
+        [(n, p.detach().clone()) for n, p in diloco.variables],
+        dataclasses.replace(diloco.settings, peer_clip_multiple=2.0),
+    )
+    plain = Diloco([(n, p.detach().clone()) for n, p in diloco.variables], diloco.settings)
+    # honest payloads are within 2x the median: the same bits as the plain mean
+    for a, b in zip(bounded.mean_pseudo_gradient(sent), plain.mean_pseudo_gradient(sent)):
+        assert torch.equal(a, b)
+    # one payload at the format's bound: its share is scaled to 2x the median norm, whatever
+    # the order the payloads come in, and the mean's norm stays within 2.5x an honest mean's
+    fmt = DilocoFormat(diloco.layouts())
+    poisoned = [*sent[:3], [fmt.at_bound(r, i) for i, r in enumerate(sent[3])]]
+    norms = [bounded.payload_norm(p) for p in poisoned]
+    scales = bounded.peer_scales(poisoned)
+    median = sorted(norms)[1]
+    assert scales[:3] == [1.0, 1.0, 1.0] and scales[3] < 1.0
+    assert norms[3] * scales[3] == pytest.approx(2.0 * median, rel=1e-3)
+    means = [bounded.mean_pseudo_gradient(list(p)) for p in itertools.permutations(poisoned)]
+    for other in means[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(means[0], other))
+    total = sum(float((g * g).sum()) for g in means[0]) ** 0.5
+    unbounded = sum(float((g * g).sum()) for g in plain.mean_pseudo_gradient(poisoned)) ** 0.5
+    assert total < 0.01 * unbounded
+
+
+def test_a_copy_is_refused_in_whichever_round_it_comes() -> None:
+    """Fingerprints: an exact copy of a result this witness saw earlier in the round (its own
+    first) or in the last rounds is refused; distinct honest results are not."""
+    diloco, sent = honest_results("bf16")
+    screen = WitnessScreen(ResultReader.of(diloco), DILOCO_SCREENING)
+    first = screen.open_round()
+    first.set_reference(ResultReader.of(diloco).reference(diloco), sent[0])
+    assert all(first.check(i, sent[i]).passed for i in (1, 2, 3))
+    copied = first.check(9, sent[2])
+    assert not copied.passed and "copy" in str(copied.problem)
+    mine = first.check(9, sent[0])
+    assert not mine.passed and "copy" in str(mine.problem)
+    first.close()
+    later = screen.open_round()
+    replayed = later.check(3, sent[3])  # no reference this round: only the copy check runs
+    assert not replayed.checked and not replayed.passed and "copy" in str(replayed.problem)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", ("bf16", "int8", "sparse"))
+def test_the_bounded_aggregate_takes_the_same_bits_on_cpu_and_cuda(form: str) -> None:
+    """The payload norms (`deterministic_norm` of the payloads' values), the median and the
+    per-payload scale are the same on every device, so is the clipped mean."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    diloco, sent = honest_results(form)
+    fmt = DilocoFormat(diloco.layouts())
+    poisoned = [*sent[:3], [fmt.at_bound(r, i) for i, r in enumerate(sent[3])]]
+    settings = dataclasses.replace(diloco.settings, peer_clip_multiple=2.0)
+    means = []
+    for device in ("cpu", "cuda"):
+        replica = Diloco(
+            [(n, p.detach().clone().to(device)) for n, p in diloco.variables], settings
+        )
+        means.append([m.cpu() for m in replica.mean_pseudo_gradient(poisoned)])
+    assert all(torch.equal(a, b) for a, b in zip(*means))
