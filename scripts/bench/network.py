@@ -366,7 +366,7 @@ async def next_message(node: NetworkConnection) -> Any:
 
 
 async def bench_gossip_ring(rounds: int) -> list[str]:
-    from psyche.client.broadcast import (
+    from psyche.client.round.broadcast import (
         Broadcast,
         BroadcastType,
         Commitment,
@@ -409,7 +409,7 @@ async def bench_gossip_ring(rounds: int) -> list[str]:
 
 
 async def bench_gossip_mirror(rounds: int) -> list[str]:
-    from psyche.client.broadcast import (
+    from psyche.client.round.broadcast import (
         Broadcast,
         BroadcastType,
         Commitment,

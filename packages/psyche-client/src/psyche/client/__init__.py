@@ -16,15 +16,15 @@ from psyche.core.lazy import lazy_exports
 
 _EXPORTS = {
     "Client": "psyche.client.client",
-    "RunInitConfig": "psyche.client.init",
-    "InitRunError": "psyche.client.init",
-    "CheckpointConfig": "psyche.client.checkpoint",
-    "StepStateMachine": "psyche.client.steps",
-    "StepDesync": "psyche.client.steps",
-    "MachineSettings": "psyche.client.steps",
-    "RoundState": "psyche.client.round_state",
-    "setup_logging": "psyche.client.logs",
-    "log_event": "psyche.client.logs",
+    "RunInitConfig": "psyche.client.setup.init",
+    "InitRunError": "psyche.client.setup.init",
+    "CheckpointConfig": "psyche.client.checkpoints.store",
+    "StepStateMachine": "psyche.client.round.steps",
+    "StepDesync": "psyche.client.round.steps",
+    "MachineSettings": "psyche.client.round.steps",
+    "RoundState": "psyche.client.round.state",
+    "setup_logging": "psyche.client.observe.logs",
+    "log_event": "psyche.client.observe.logs",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -29,7 +29,12 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from psyche.client.broadcast import (
+from psyche.client.checkpoints.cooldown import CheckpointFiles
+from psyche.client.checkpoints.store import RunInstance
+from psyche.client.observe.logs import log_event
+from psyche.client.observe.stats import run_summary
+from psyche.client.observe.telemetry import NetworkNumbers, Observers, RoundReport, log_progress
+from psyche.client.round.broadcast import (
     REBROADCAST_SHAREABLE_SECS,
     RESEND_ON_CONNECT_SECS,
     Broadcast,
@@ -38,22 +43,17 @@ from psyche.client.broadcast import (
     TrainingResult,
     rebroadcast_periodically,
 )
-from psyche.client.checkpoint import RunInstance
-from psyche.client.cooldown import CheckpointFiles
-from psyche.client.fetch_data import DataFetcher
-from psyche.client.init import InitializedRun, RunInitConfig, init_run
-from psyche.client.logs import log_event
-from psyche.client.payloads import (
+from psyche.client.round.fetch import DataFetcher
+from psyche.client.round.payloads import (
     ApplyMessageOutcome,
     DownloadRequest,
     client_for_p2p_key,
     verify_broadcast_signature,
 )
-from psyche.client.stats import run_summary
-from psyche.client.steps import MachineSettings, StepStateMachine
-from psyche.client.telemetry import NetworkNumbers, Observers, RoundReport, log_progress
-from psyche.client.train import OwnResult
-from psyche.client.witness import SendFinished, finished_broadcast
+from psyche.client.round.steps import MachineSettings, StepStateMachine
+from psyche.client.round.train import OwnResult
+from psyche.client.round.witness import SendFinished, finished_broadcast
+from psyche.client.setup.init import InitializedRun, RunInitConfig, init_run
 from psyche.coordinator import Coordinator, RunState
 from psyche.coordinator.backend import (
     Backend,
@@ -98,7 +98,7 @@ from psyche.network import (
 if TYPE_CHECKING:
     import torch
 
-    from psyche.client.evals import EvalSettings
+    from psyche.client.observe.evals import EvalSettings
 
 logger = logging.getLogger(__name__)
 
@@ -544,7 +544,7 @@ class Client:
         fetcher = DataFetcher(result.data_provider, self._nursery)
         evals = None
         if self.eval_settings is not None and self.eval_settings.enabled:
-            from psyche.client.evals import EvalWorker
+            from psyche.client.observe.evals import EvalWorker
 
             evals = EvalWorker(
                 self.eval_settings,

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from psyche.metrics import names
 
 if TYPE_CHECKING:
-    from psyche.client.options import TrainOptions
+    from psyche.client.setup.options import TrainOptions
     from psyche.coordinator import Coordinator
     from psyche.core.node_identity import NodeIdentity
     from psyche.metrics import MetricValue, Tracker

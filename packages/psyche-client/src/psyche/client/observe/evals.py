@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import trio
 
 if TYPE_CHECKING:
-    from psyche.client.options import TrainOptions
+    from psyche.client.setup.options import TrainOptions
     from psyche.modeling.causal_lm import CausalLM
     from psyche.modeling.eval import EvalRunner, Task, TaskScore
 

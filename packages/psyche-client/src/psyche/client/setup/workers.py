@@ -35,9 +35,9 @@ if TYPE_CHECKING:
 
     import torch
 
-    from psyche.client.init import RunInitConfig
-    from psyche.client.model_loading import LoadedModel
-    from psyche.client.options import TrainOptions
+    from psyche.client.setup.init import RunInitConfig
+    from psyche.client.setup.model_loading import LoadedModel
+    from psyche.client.setup.options import TrainOptions
     from psyche.modeling.parallel import ParallelDims
     from psyche.modeling.sharding import ShardingOptions
     from psyche.modeling.trainer import Trainer
@@ -157,7 +157,7 @@ class WorkerGroup:
         every rank has joined). A device that cannot serve is a `ParallelismError`."""
         import multiprocessing
 
-        from psyche.client.cpu_threads import set_cpu_threads
+        from psyche.client.setup.cpu_threads import set_cpu_threads
         from psyche.modeling.parallel import ParallelDims, parse_devices
         from psyche.modeling.sharding import build_mesh, init_world
 
@@ -353,8 +353,8 @@ def _build_rank(
 ) -> Trainer:
     """This rank's trainer: the model from `state` (or `loaded`, with one rank), laid out as
     `dims` says. Errors about the layout and the model become `InitRunError`s (one line)."""
-    from psyche.client.init import InitRunError
-    from psyche.client.model_loading import build_from_parameters
+    from psyche.client.setup.init import InitRunError
+    from psyche.client.setup.model_loading import build_from_parameters
     from psyche.modeling.causal_lm import ModelLoadError
     from psyche.modeling.parallel import ParallelismError
     from psyche.modeling.sharding import parallelize
@@ -416,8 +416,8 @@ def _worker_main(
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     import torch
 
-    from psyche.client.cpu_threads import set_cpu_threads
-    from psyche.client.init import InitRunError
+    from psyche.client.setup.cpu_threads import set_cpu_threads
+    from psyche.client.setup.init import InitRunError
     from psyche.modeling.distributed import EXIT, broadcast_state, serve
     from psyche.modeling.parallel import ParallelDims
     from psyche.modeling.sharding import build_mesh, close_world, init_world

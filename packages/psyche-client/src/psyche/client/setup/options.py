@@ -59,7 +59,7 @@ def parse_seconds(text: str) -> float:
 
 
 def _parse_keep_every(text: str) -> str:
-    from psyche.client.keep_policy import KeepPolicyError, parse_keep_every
+    from psyche.client.checkpoints.keep_policy import KeepPolicyError, parse_keep_every
 
     try:
         parse_keep_every(text)
@@ -371,7 +371,7 @@ class TrainOptions:
             problems.extend(f"--iroh-relay {self.iroh_relay}: {p}" for p in relay_problems(self))
         if self.iroh_discovery not in ("n0", "local"):
             problems.append(f"--iroh-discovery {self.iroh_discovery}: expected n0 or local")
-        from psyche.client.workers import parallel_problems
+        from psyche.client.setup.workers import parallel_problems
 
         problems.extend(parallel_problems(self))
         problems.extend(observability_problems(self))

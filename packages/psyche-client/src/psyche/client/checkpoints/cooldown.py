@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING
 import trio
 
 from psyche.client.background import Background
-from psyche.client.checkpoint import (
+from psyche.client.checkpoints.keep_policy import Kept, Kind, classify, to_delete
+from psyche.client.checkpoints.store import (
     CheckpointConfig,
     RunInstance,
     checkpoint_path,
@@ -28,9 +29,8 @@ from psyche.client.checkpoint import (
     find_checkpoints,
     save_checkpoint_locally,
 )
-from psyche.client.keep_policy import Kept, Kind, classify, to_delete
-from psyche.client.logs import log_event
-from psyche.client.upload import Uploader, UploadJob
+from psyche.client.checkpoints.upload import Uploader, UploadJob
+from psyche.client.observe.logs import log_event
 from psyche.coordinator.model import Checkpoint
 from psyche.core.node_identity import NodeIdentity
 

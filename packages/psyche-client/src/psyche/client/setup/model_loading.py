@@ -38,7 +38,7 @@ from psyche.modeling.causal_lm import (
 if TYPE_CHECKING:
     import torch
 
-    from psyche.client.checkpoint import RunInstance
+    from psyche.client.checkpoints.store import RunInstance
 
 INIT_SEED = 1337
 TOKENIZER_FILE = "tokenizer.json"
@@ -168,7 +168,7 @@ def load_gcs_checkpoint(
     bucket: str, prefix: str | None, architecture: str, device: torch.device
 ) -> LoadedModel:
     """The bucket's newest checkpoint (upstream's manifest, or every model file without one)."""
-    from psyche.client.gcs import GcsError, download_checkpoint_from_gcs
+    from psyche.client.checkpoints.gcs import GcsError, download_checkpoint_from_gcs
 
     try:
         directory = download_checkpoint_from_gcs(bucket, prefix)
@@ -185,7 +185,7 @@ def resume_checkpoint(checkpoint_dir: Path, run: RunInstance, step: int) -> Path
     """This run instance's complete local checkpoint of `step` (the model the epoch starts
     from), if any: the step must match exactly, since an older model would put this client
     apart from its peers; a partial one, or another instance's, is never chosen."""
-    from psyche.client.checkpoint import latest_complete
+    from psyche.client.checkpoints.store import latest_complete
 
     if step < 0:
         return None

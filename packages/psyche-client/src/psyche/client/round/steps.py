@@ -31,19 +31,19 @@ from typing import TYPE_CHECKING, Protocol
 
 import trio
 
-from psyche.client import payloads, witness
-from psyche.client.apply import ApplyError, ApplyJob, needs_apply, plan_apply
 from psyche.client.background import Background
-from psyche.client.broadcast import Broadcast, BroadcastType
-from psyche.client.checkpoint import CheckpointConfig, RunInstance
-from psyche.client.cooldown import CheckpointFiles, Cooldown
-from psyche.client.evals import split_scores
-from psyche.client.fetch_data import DataFetcher
-from psyche.client.logs import log_event
-from psyche.client.round_state import Downloading, RoundState
-from psyche.client.stats import RunProgress, StatsLogger, progress_text
-from psyche.client.telemetry import RoundClock, RoundReport, complete_report
-from psyche.client.train import (
+from psyche.client.checkpoints.cooldown import CheckpointFiles, Cooldown
+from psyche.client.checkpoints.store import CheckpointConfig, RunInstance
+from psyche.client.observe.evals import split_scores
+from psyche.client.observe.logs import log_event
+from psyche.client.observe.stats import RunProgress, StatsLogger, progress_text
+from psyche.client.observe.telemetry import RoundClock, RoundReport, complete_report
+from psyche.client.round import payloads, witness
+from psyche.client.round.apply import ApplyError, ApplyJob, needs_apply, plan_apply
+from psyche.client.round.broadcast import Broadcast, BroadcastType
+from psyche.client.round.fetch import DataFetcher
+from psyche.client.round.state import Downloading, RoundState
+from psyche.client.round.train import (
     BloomFactory,
     FinishedTraining,
     OwnResult,
@@ -53,7 +53,7 @@ from psyche.client.train import (
     run_round,
     start_round,
 )
-from psyche.client.warmup import WarmupProgress, opportunistic_warmup_action
+from psyche.client.round.warmup import WarmupProgress, opportunistic_warmup_action
 from psyche.coordinator import Coordinator, RunState
 from psyche.coordinator.backend import HealthCheck, OpportunisticData
 from psyche.coordinator.model import Checkpoint
@@ -64,7 +64,7 @@ from psyche.core.node_identity import NodeIdentity
 if TYPE_CHECKING:
     import torch
 
-    from psyche.client.evals import EvalWorker
+    from psyche.client.observe.evals import EvalWorker
     from psyche.modeling.distro import DistroResult
     from psyche.modeling.screening import RoundScreen, Verdict, WitnessScreen
     from psyche.modeling.serialized_distro import TransmittableDistroResult

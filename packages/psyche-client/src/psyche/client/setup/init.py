@@ -31,10 +31,10 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from psyche.client.checkpoint import CheckpointConfig, RunInstance
-from psyche.client.cooldown import extract_for_sharing, live_model_hash
-from psyche.client.logs import log_event
-from psyche.client.model_loading import (
+from psyche.client.checkpoints.cooldown import extract_for_sharing, live_model_hash
+from psyche.client.checkpoints.store import CheckpointConfig, RunInstance
+from psyche.client.observe.logs import log_event
+from psyche.client.setup.model_loading import (
     LoadedModel,
     build_from_parameters,
     check_device,
@@ -53,7 +53,7 @@ from psyche.core.node_identity import NodeIdentity
 if TYPE_CHECKING:
     import torch
 
-    from psyche.client.workers import WorkerGroup
+    from psyche.client.setup.workers import WorkerGroup
     from psyche.modeling.trainer import Trainer
     from psyche.network import DownloadedModel
 
