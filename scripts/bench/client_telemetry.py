@@ -155,7 +155,7 @@ def run_arm(arm: str, directory: Path, steps: int, collector_url: str) -> dict[s
         identity = NodeIdentity.from_single_key(key.public_key)
         opts = options(number)
         observers, closers = run_observers(opts, identity, "psyche-bench-client")
-        evals = await trio.to_thread.run_sync(EvalSettings.from_options, opts)
+        evals = await trio.to_thread.run_sync(EvalSettings.from_options, opts.evals)
         if number == 1:
             timers["on_round"] = Timed(observers, "on_round")
         config = NetworkConfig(run_id=RUN_ID, secret_key=key, bind_host="127.0.0.1")

@@ -146,7 +146,7 @@ async def run_client(
     key = SecretKey.from_bytes(number.to_bytes(32, "big"))
     identity = NodeIdentity.from_single_key(key.public_key)
     observers, closers = run_observers(options, identity, "psyche-test-client")
-    evals = await trio.to_thread.run_sync(EvalSettings.from_options, options)
+    evals = await trio.to_thread.run_sync(EvalSettings.from_options, options.evals)
     config = NetworkConfig(run_id=RUN_ID, secret_key=key, bind_host="127.0.0.1")
     try:
         async with (
@@ -279,8 +279,7 @@ def test_a_long_wait_logs_its_progress_and_a_short_one_nothing(
 ) -> None:
     from types import SimpleNamespace
 
-    from psyche.client.client import model_download_progress
-    from psyche.client.observe.telemetry import log_progress
+    from psyche.client.observe.progress import log_progress, model_download_progress
 
     parameters: dict[str, Any] = {"a": None, "b": None}
     download = SimpleNamespace(model=SimpleNamespace(parameters=None))

@@ -26,7 +26,8 @@ import trio
 
 from psyche.client.setup.init import InitRunError, RunInitConfig
 from psyche.client.setup.model_loading import load_from_directory
-from psyche.client.setup.workers import RankLayout, WorkerGroup
+from psyche.client.setup.ranks import RankLayout
+from psyche.client.setup.workers import WorkerGroup
 from psyche.core.batch_id import BatchId
 from psyche.core.definitions import ConstantLR, LearningRateSchedule
 from psyche.modeling.trainer import Batch

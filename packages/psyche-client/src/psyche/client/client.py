@@ -31,9 +31,12 @@ import trio
 
 from psyche.client.checkpoints.cooldown import CheckpointFiles
 from psyche.client.checkpoints.store import RunInstance
+from psyche.client.observe.eval_worker import EvalWorker
+from psyche.client.observe.evals import EvalSettings
 from psyche.client.observe.logs import log_event
+from psyche.client.observe.progress import log_progress, model_download_progress
 from psyche.client.observe.stats import run_summary
-from psyche.client.observe.telemetry import NetworkNumbers, Observers, RoundReport, log_progress
+from psyche.client.observe.telemetry import NetworkNumbers, Observers, RoundReport
 from psyche.client.round.broadcast import (
     REBROADCAST_SHAREABLE_SECS,
     RESEND_ON_CONNECT_SECS,
@@ -98,7 +101,6 @@ from psyche.network import (
 if TYPE_CHECKING:
     import torch
 
-    from psyche.client.observe.evals import EvalSettings
 
 logger = logging.getLogger(__name__)
 
@@ -180,19 +182,6 @@ class _LoopIO:
             self._client.sharable_model.update_parameters(parameters)
 
         self._queue("share_model", share)
-
-
-def model_download_progress(download: ModelDownload) -> str:
-    """How far a model download from peers is, for a person waiting on it."""
-    parameters = download.model.parameters
-    if not parameters:
-        return "downloading the model from peers: waiting for its configuration"
-    done = [t for t in parameters.values() if t is not None]
-    size = sum(t.numel() * t.element_size() for t in done)
-    return (
-        f"downloading the model from peers: {len(done)}/{len(parameters)} parameters "
-        f"({size / 1e6:,.1f} MB)"
-    )
 
 
 class WrongRun(UserError):
@@ -544,8 +533,6 @@ class Client:
         fetcher = DataFetcher(result.data_provider, self._nursery)
         evals = None
         if self.eval_settings is not None and self.eval_settings.enabled:
-            from psyche.client.observe.evals import EvalWorker
-
             evals = EvalWorker(
                 self.eval_settings,
                 loaded.tokenizer_json,

@@ -29,8 +29,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from psyche.client.observe.telemetry import RoundReport
+
 if TYPE_CHECKING:
-    from psyche.client.observe.telemetry import RoundReport
     from psyche.coordinator import Coordinator
 
 log = logging.getLogger(__name__)

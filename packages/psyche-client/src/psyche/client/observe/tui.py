@@ -29,10 +29,11 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from psyche.client.observe.logs import ConsoleFormatter, QuietEventFilter
 from psyche.client.observe.stats import format_duration
+from psyche.client.observe.telemetry import RoundReport
 
 if TYPE_CHECKING:
-    from psyche.client.observe.telemetry import RoundReport
     from psyche.coordinator import Coordinator
 
 REFRESH_SECONDS = 0.25
@@ -288,8 +289,6 @@ class Dashboard:
     def take_console_logging(self) -> None:
         """Log lines go to the dashboard's panel instead of the terminal (a `--write-log`
         file keeps its lines), formatted as on the console."""
-        from psyche.client.observe.logs import ConsoleFormatter, QuietEventFilter
-
         self.log_handler.setFormatter(ConsoleFormatter())
         self.log_handler.addFilter(QuietEventFilter())
         root = logging.getLogger()

@@ -34,6 +34,7 @@ import trio
 from psyche.client.background import Background
 from psyche.client.checkpoints.cooldown import CheckpointFiles, Cooldown
 from psyche.client.checkpoints.store import CheckpointConfig, RunInstance
+from psyche.client.observe.eval_worker import EvalWorker
 from psyche.client.observe.evals import split_scores
 from psyche.client.observe.logs import log_event
 from psyche.client.observe.stats import RunProgress, StatsLogger, progress_text
@@ -64,7 +65,6 @@ from psyche.core.node_identity import NodeIdentity
 if TYPE_CHECKING:
     import torch
 
-    from psyche.client.observe.evals import EvalWorker
     from psyche.modeling.distro import DistroResult
     from psyche.modeling.screening import RoundScreen, Verdict, WitnessScreen
     from psyche.modeling.serialized_distro import TransmittableDistroResult
