@@ -18,6 +18,8 @@ Sections, each a figure against a baseline measured in the same run:
 5. diloco   - CPU and CUDA take the same DiLoCo outer step bit for bit (from the tests of 1.).
 6. round    - round overhead of a real centralized run on this machine (`psyche-server run` and two
               `psyche-client train --device cuda` processes, 20M model; `scripts/bench/round.py`).
+7. screening - a witness's checks of an honest round against its training and apply, 20M and 1B
+              (`scripts/bench/poison.py --only cost`; goal <= 5 %).
 
 Everything it writes goes to `--out-dir` (default: a temporary directory, printed): the pytest
 log and JUnit XML, the round benchmark's log and `gpu-table.md`.
@@ -409,6 +411,41 @@ def round_overhead(
     )
 
 
+# -- 7. the witness checks' cost -------------------------------------------------------------------
+
+
+def screening_cost(
+    args: argparse.Namespace, device: torch.device, out: Path, report: Report
+) -> None:
+    """`scripts/bench/poison.py --only cost` on this device: a witness's checks of an honest
+    round against its training and apply (goal <= +5 %)."""
+    print("\n## 7. the witness checks' cost on an honest round", flush=True)
+    if args.dry_run:
+        extra = ["--cost-sizes", "tiny", "--cost-rounds", "2", "--cost-device", "cpu"]
+    else:
+        extra = [
+            "--cost-sizes", "20m,1b", "--cost-rows", "8", "--cost-seq", "2048",
+            "--cost-rounds", "3", "--cost-device", "cuda",
+        ]  # fmt: skip
+    cmd = [sys.executable, str(REPO / "scripts" / "bench" / "poison.py"), "--only", "cost", *extra]
+    log = out / "screening.log"
+    with open(log, "wb") as handle:
+        proc = subprocess.run(cmd, cwd=REPO, stdout=handle, stderr=subprocess.STDOUT, check=False)
+    if proc.returncode != 0:
+        report.add("witness checks' cost", f"the benchmark failed (exit {proc.returncode})")
+        return
+    for line in log.read_text(errors="replace").splitlines():
+        cells = line.split()
+        if len(cells) >= 6 and cells[-1].endswith("%") and cells[0] in ("tiny", "20m", "1b"):
+            share = float(cells[-1].rstrip("%")) / 100
+            report.add(
+                f"witness checks' cost, {cells[0]} {' '.join(cells[1:-4])}",
+                f"{share:.1%} of the round's training + apply ({cells[-2]} ms)",
+                "<= 5 %",
+                verdict(share <= 0.05),
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
@@ -416,7 +453,7 @@ def main() -> None:
     parser.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU (for CI)")
     parser.add_argument("--out-dir", type=Path, help="where logs and gpu-table.md go")
     parser.add_argument(
-        "--only", default="tests,ceiling,mfu,diloco,round", help="comma list of sections"
+        "--only", default="tests,ceiling,mfu,diloco,round,screening", help="comma list of sections"
     )
     parser.add_argument("--mfu-size", default="1b", choices=("20m", "1b"))
     parser.add_argument("--seq", type=int, default=2048)
@@ -425,7 +462,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--round-batch", type=int, default=32)
-    parser.add_argument("--round-timeout", type=int, default=240)
+    parser.add_argument("--round-timeout", type=int, default=180)
     args = parser.parse_args()
     if not args.dry_run and not torch.cuda.is_available():
         raise SystemExit("gpu: error: no CUDA device here (use --dry-run to check the script)")
@@ -443,7 +480,9 @@ def main() -> None:
         measure_mfu(args, device, matmul, report)
     if "diloco" in only:
         diloco_agreement(args, outcomes, report)
-    if "round" in only:
+    if "screening" in only:
+        screening_cost(args, device, out, report)
+    if "round" in only:  # last: the longest, and what a GPU changes least
         round_overhead(args, device, out, report)
     table = report.markdown()
     (out / "gpu-table.md").write_text(table)

@@ -180,10 +180,10 @@ class Runner:
 # -- the cost of the checks on an honest round ------------------------------------------------
 
 
-def _cost_trainer(size: str, optimizer: str) -> Trainer:
+def _cost_trainer(size: str, optimizer: str, device: str = "cpu") -> Trainer:
     from psyche.core.definitions import ConstantLR, DiLoCo, OptimizerDefinition
 
-    model = D.build(size, "cpu")
+    model = D.build(size, device)
     schedule = LearningRateSchedule.Constant(ConstantLR(1e-3, 0.0, 0))
     if optimizer == "distro":  # configs/tiny-cpu's
         definition = D.distro_def(16, 8)
@@ -199,32 +199,41 @@ def _cost_trainer(size: str, optimizer: str) -> Trainer:
     return Trainer(model, schedule, definition, micro_batch_size=1)
 
 
-def bench_cost(sizes: list[str], clients: int, rows: int, seq: int, rounds: int) -> None:
+def bench_cost(
+    sizes: list[str], clients: int, rows: int, seq: int, rounds: int, device: str = "cpu"
+) -> None:
     """One honest round of one witness, the configs' optimizers, real `Trainer`s: its training
     (forward/backward, `generate` or the inner steps, the payload) against its checks of the
     round's other results (own reference, `clients - 1` checks, closing the round) and its apply
     of the round's results, medians over `rounds`."""
     print(
         f"\n## Cost of the checks on an honest round ({clients} clients, {rows}x{seq} tokens "
-        f"per client per round, CPU): median over {rounds} rounds"
+        f"per client per round, {device}): median over {rounds} rounds"
     )
     print(
         f"  {'model':<6} {'optimizer':<24} {'train ms':>9} {'apply ms':>9} {'checks ms':>10} "
         f"{'checks / (train + apply)':>25}"
     )
     for size in sizes:
-        vocab = D.build(size, "cpu").config.vocab_size
+        from psyche.modeling.configs import llama_config_dict
+
+        vocab = llama_config_dict(size)["vocab_size"]
         for optimizer in ("distro", "sparse"):
-            own, peer = _cost_trainer(size, optimizer), _cost_trainer(size, optimizer)
+            own = _cost_trainer(size, optimizer, device)
+            peer = _cost_trainer(size, optimizer, device)
+            sync = (
+                (lambda: torch.cuda.synchronize()) if device.startswith("cuda") else (lambda: None)
+            )
             reader = own.screening_reader()
             assert reader is not None
             screen = WitnessScreen(reader, screening_settings(reader))
-            data = D.bigram_corpus(2 * rounds * rows, seq, vocab)
+            data = D.bigram_corpus(2 * rounds * rows, seq, vocab).to(own.model.device)
             prev: dict[int, list] = {0: [], 1: []}  # type: ignore[type-arg]
             train, check, apply = [], [], []
             for step in range(1, rounds + 1):
                 results = []
                 for i, trainer in enumerate((own, peer)):
+                    sync()
                     rows_i = data[((step - 1) * 2 + i) * rows : ((step - 1) * 2 + i + 1) * rows]
                     t = time.perf_counter()
                     out = trainer.train_exact(
@@ -233,6 +242,7 @@ def bench_cost(sizes: list[str], clients: int, rows: int, seq: int, rounds: int)
                     )  # fmt: skip
                     prepared = trainer.prepare_result(out, step=step, batch_id=BatchId(i, i))
                     if i == 0:
+                        sync()
                         train.append(time.perf_counter() - t)
                         reference = trainer.screening_reference()
                     prev[i] = [out.distro_results or []]
@@ -244,9 +254,11 @@ def bench_cost(sizes: list[str], clients: int, rows: int, seq: int, rounds: int)
                 for sender in range(1, clients):
                     rnd.check(sender, results[1])
                 rnd.close()
+                sync()
                 check.append(time.perf_counter() - t)
                 t = time.perf_counter()
                 own.optimize(step, distro_results=[results[0]] + [results[1]] * (clients - 1))
+                sync()
                 apply.append(time.perf_counter() - t)
             tr, ap, ch = (statistics.median(x) * 1000 for x in (train, apply, check))
             name = OPTIMIZERS[optimizer] if optimizer == "distro" else "DiLoCo sparse c16 k8 2-bit"
@@ -272,6 +284,7 @@ def main() -> None:
     p.add_argument("--cost-seq", type=int, default=128)
     p.add_argument("--cost-rows", type=int, default=3, help="sequences per client per round")
     p.add_argument("--cost-clients", type=int, default=3)
+    p.add_argument("--cost-device", default="cpu")
     p.add_argument("--cost-rounds", type=int, default=6)
     args = p.parse_args()
     if args.threads:
@@ -281,7 +294,7 @@ def main() -> None:
     if "cost" in only:
         bench_cost(
             args.cost_sizes.split(","), args.cost_clients, args.cost_rows, args.cost_seq,
-            args.cost_rounds,
+            args.cost_rounds, args.cost_device,
         )  # fmt: skip
     if "attacks" in only:
         bench_attacks(args)

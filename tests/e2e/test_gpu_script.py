@@ -28,6 +28,7 @@ def test_the_gpu_script_runs_every_section_at_tiny_sizes(tmp_path: Path) -> None
         "DisTrO generate+apply share of the tiny step, batched route",
         "DiLoCo CPU/CUDA bit agreement (dry run)",
         "round overhead, tiny on the CPU (dry run)",
+        "witness checks' cost, tiny DisTrO 1-bit c16 k8",
     ):
         assert row in table, table
     assert "the run failed" not in table

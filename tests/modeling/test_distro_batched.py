@@ -62,6 +62,7 @@ def _run(
     wd = rng.choice([0.0, 0.1])
     distro = Distro(params, 0.999, chunk, topk, wd, batched=batched_route)
     assert (distro.groups is not None) == batched_route
+    distro.keep_encoded = True  # what a witness reads as its reference (the screening)
     peers = [_params(dtype, seed + k + 1, device) for k in range(3)]
     peer_distros = [Distro(p, 0.999, chunk, topk, wd, batched=False) for p in peers]
     prev: list[list[DistroResult]] = []
@@ -84,18 +85,25 @@ def _run(
         distro.apply(arriving, lr)
         assert all(p.grad is None or not p.grad.any() for _, p in params)
         weights = [p.detach().clone() for _, p in params]
-        steps.append(([out], weights, [d.clone() for d in distro.deltas]))
+        assert distro.encoded is not None and len(distro.encoded) == len(params)
+        for result, coefficients in zip(out, distro.encoded):
+            assert list(coefficients.shape) == list(result.xshape)
+        encoded = [c.clone() for c in distro.encoded]
+        steps.append(([out, encoded], weights, [d.clone() for d in distro.deltas]))
         # next round: own unquantized results, sometimes two batches' worth
         prev = [out] if rng.random() < 0.7 else [out, out]
     return steps
 
 
 def _assert_identical(a: list, b: list) -> None:  # type: ignore[type-arg]
+    """Payloads, kept coefficients, weights and momentum, step by step, bit for bit."""
     for step, ((out_a, w_a, m_a), (out_b, w_b, m_b)) in enumerate(zip(a, b), 1):
         for x, y in zip(out_a[0], out_b[0]):
             assert torch.equal(x.sparse_idx, y.sparse_idx), f"step {step} indices"
             assert_same_bits(x.sparse_val, y.sparse_val, f"step {step} values")
             assert (x.xshape, x.totalk) == (y.xshape, y.totalk)
+        for x, y in zip(out_a[1], out_b[1]):  # the kept coefficients (a witness's reference)
+            assert_same_bits(x, y, f"step {step} encoded")
         for x, y in zip(w_a, w_b):
             assert_same_bits(x, y, f"step {step} weights")
         for x, y in zip(m_a, m_b):

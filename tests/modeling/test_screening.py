@@ -98,6 +98,19 @@ def test_a_sign_flipping_member_is_refused_from_the_round_it_starts(form: str) -
     assert tally.honest_checks > 0
 
 
+def test_the_checks_work_on_distros_batched_route(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The batched route (the default on CUDA) keeps the coefficients a witness reads as its
+    reference, as the per-parameter route does (found on an H200: without them no result could
+    be checked on a GPU client)."""
+    from psyche.modeling import distro as distro_module
+
+    monkeypatch.setattr(distro_module, "BATCHED_ROUTE", True)
+    tally, _ = run("distro", 4, {3: HostileMember(Attack.SignFlip, start=3)}, steps=8)
+    assert tally.hostile_applied == [(0, 3), (1, 3), (2, 3)]
+    assert tally.honest_refused == 0, tally.refusals
+    assert tally.honest_checks > 0
+
+
 # what each attack is refused by: the format bound and the zero update by the norm check (DiLoCo;
 # a 1-bit result has no norm to lie with), random signs and a fixed push by the agreement while
 # the run's results agree, copies and replays by the fingerprints

@@ -379,6 +379,7 @@ class Distro:
             torch._foreach_mul_(deltas, self.compression_decay)
         torch._foreach_add_(deltas, torch._foreach_mul(grads, lr))
         out: list[DistroResult | None] = [None] * len(params)
+        encoded: list[torch.Tensor | None] = [None] * len(params)
         for group in self.groups:
             # a sharded momentum is gathered first (a collective, in group order on every rank)
             stacked = torch.stack([full_tensor(self.deltas[i]) for i in group])
@@ -391,6 +392,9 @@ class Distro:
                 idx = magnitudes[j].topk(k, dim=-1, largest=True, sorted=False).indices
                 val = coefficients[j].gather(-1, idx)
                 out[index] = DistroResult(compress_idx(totalk, idx), val, list(xshape), totalk)
+                if self.keep_encoded:  # a witness's reference, as the per-parameter route keeps it
+                    encoded[index] = coefficients[j].view(xshape)
+        self.encoded = [e for e in encoded if e is not None] if self.keep_encoded else None
         return [r for r in out if r is not None]
 
     def _apply_batched(self, results: Sequence[Sequence[DistroResult]], lr: float) -> None:
