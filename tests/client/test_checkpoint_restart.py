@@ -32,8 +32,8 @@ from psyche.client.testing import InProcessServer
 from psyche.coordinator import CoordinatorProgress, RunState
 from psyche.core.identity import SecretKey
 from psyche.core.node_identity import NodeIdentity
+from psyche.modeling.sharing import model_hash
 from psyche.network.connection import NetworkConfig
-from psyche.network.sharable_model import model_hash
 
 from ..timing import scaled, scaled_timer
 from .test_in_process_run import RUN_ID, _identities, coordinator, fields, write_run

@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 def live_model_hash(trainer: Trainer) -> bytes:
     """SHA-256 over the live parameters (name, dtype, shape, bytes): equal hashes, equal weights."""
-    from psyche.network import model_hash
+    from psyche.modeling.sharing import model_hash
 
     return model_hash(trainer.full_variables())
 
