@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 
+from psyche.client.background import in_abandoned_thread
 from psyche.client.checkpoints.gcs import storage_client
 from psyche.client.checkpoints.store import (
     CheckpointConfig,
@@ -119,9 +120,7 @@ def network_config(
     )
 
 
-def run_init_config(
-    options: TrainOptions, identity: NodeIdentity | None, key: SecretKey | None
-) -> RunInitConfig:
+def run_init_config(options: TrainOptions, identity: NodeIdentity, key: SecretKey) -> RunInitConfig:
     """The client's `RunInitConfig` from the options (checks a hub repo is writable and
     removes checkpoint staging directories a killed client left behind)."""
     from psyche.client.setup.init import RunInitConfig  # torch: called in a worker thread
@@ -140,8 +139,8 @@ def run_init_config(
         checkpoint = CheckpointConfig(Path(options.checkpoint_dir), upload, options.keep_policy)
         remove_stale_staging(checkpoint.checkpoint_dir)
     return RunInitConfig(
-        identity=identity,  # type: ignore[arg-type]
-        secret_key=key,  # type: ignore[arg-type]
+        identity=identity,
+        secret_key=key,
         run_id=options.run_id,
         device=options.device,
         micro_batch_size=options.micro_batch_size,
@@ -170,8 +169,7 @@ class Preload:
         self._done = trio.Event()
 
     async def run(self) -> None:
-        # trio-stubs (trio-typing's, a libp2p dependency) predate abandon_on_cancel.
-        await trio.to_thread.run_sync(self._load, abandon_on_cancel=True)  # type: ignore[call-arg]
+        await in_abandoned_thread(self._load)
         self._done.set()
 
     def _load(self) -> None:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from psyche.client.background import in_abandoned_thread
 from psyche.client.observe.evals import EvalSettings, split_scores
 
 if TYPE_CHECKING:
@@ -88,8 +89,7 @@ class EvalWorker:
             )
 
         try:
-            # trio-stubs (trio-typing's, a libp2p dependency) predate abandon_on_cancel.
-            runner: EvalRunner = await trio.to_thread.run_sync(make, abandon_on_cancel=True)  # type: ignore[call-arg]
+            runner = await in_abandoned_thread(make)
         except Exception as e:
             self._fail(e)
             return

@@ -483,7 +483,9 @@ def field_docs() -> dict[str, str]:
         source = textwrap.dedent(inspect.getsource(TrainOptions))
     except (OSError, TypeError):
         return {}
-    body = ast.parse(source).body[0].body  # type: ignore[attr-defined]
+    (cls,) = ast.parse(source).body
+    assert isinstance(cls, ast.ClassDef)
+    body = cls.body
     docs = {}
     for node, after in itertools.pairwise(body):
         if (

@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from psyche.client.background import in_abandoned_thread
 from psyche.client.setup.cpu_threads import set_cpu_threads
 from psyche.client.setup.ranks import RankLayout
 
@@ -210,8 +211,7 @@ class WorkerGroup:
 
         if not self.processes:
             await trio.sleep_forever()
-        # trio-stubs (trio-typing's, a libp2p dependency) predate abandon_on_cancel.
-        death = await trio.to_thread.run_sync(self.wait_for_a_death, abandon_on_cancel=True)  # type: ignore[call-arg]
+        death = await in_abandoned_thread(self.wait_for_a_death)
         if death is None:
             await trio.sleep_forever()
         assert death is not None
