@@ -5,9 +5,9 @@
 
 `backend` is any `psyche.coordinator.backend.Backend` (the centralized TCP backend, or
 `psyche.client.testing.InProcessServer(...).connect(...)` for a run inside one process).
-A round reads forward through its modules: `fetch_data`, `train`, `payloads`, `witness`,
-`apply`; `steps` dispatches on the coordinator's states and `client` does the I/O. See
-docs/client.md. Names are exported lazily: importing this package does not import torch.
+A round reads forward through `round/`'s modules: `fetch`, `train`, `payloads`, `witness`,
+`apply`; `round.steps` dispatches on the coordinator's states and `client` does the I/O, with
+`setup/`, `checkpoints/` and `observe/` below. See docs/client.md. Names are exported lazily: importing this package does not import torch.
 """
 
 from __future__ import annotations
