@@ -17,7 +17,6 @@ half-closes; the provider answers each name as a single request (all concurrentl
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Awaitable, Callable
 
 import trio
@@ -25,7 +24,6 @@ from libp2p.abc import IHost, INetStream
 
 from psyche.core.serde import PostcardError, from_bytes, to_bytes
 from psyche.network import p2p_host
-from psyche.network.identity import fmt_short
 from psyche.network.peer_manager import MODEL_REQUEST_TIMEOUT_SECS
 from psyche.network.ticket import BlobTicket
 from psyche.network.transmittable import (
@@ -34,8 +32,6 @@ from psyche.network.transmittable import (
     SharableModelFailure,
     TicketResult,
 )
-
-logger = logging.getLogger(__name__)
 
 MODEL_SHARING_PROTOCOL = "/psyche/model-sharing/0"
 MAX_REQUEST_BYTES = 1000
@@ -139,10 +135,8 @@ async def request_tickets(host: IHost, peer: bytes, names: list[str]) -> list[Ti
 async def serve_batch(stream: INetStream, allowed: p2p_host.AllowFn, answer: AnswerFn) -> None:
     """Answer one inbound batch: every name answered concurrently, all within `batch_timeout`
     (a name left unanswered gets `ResponseChannelNotInitialized`)."""
-    peer = await p2p_host.stream_peer(stream, allowed)
-    if peer is None:
-        return
-    try:
+
+    async def handle() -> None:
         with trio.fail_after(MODEL_REQUEST_TIMEOUT_SECS):
             names = decode_batch_request(
                 await p2p_host.read_to_end(stream, MAX_BATCH_REQUEST_BYTES)
@@ -162,18 +156,15 @@ async def serve_batch(stream: INetStream, allowed: p2p_host.AllowFn, answer: Ans
             raise ValueError(f"batch response of {len(response)} bytes")
         await stream.write(response)
         await stream.close()
-    except Exception as e:  # malformed or hostile request, or the peer went away
-        logger.info("dropping model-sharing batch from %s: %s", fmt_short(peer), e)
-        await p2p_host.reset_quietly(stream)
+
+    await p2p_host.serve_member(stream, allowed, "model-sharing batch", handle)
 
 
 async def serve(stream: INetStream, allowed: p2p_host.AllowFn, answer: AnswerFn) -> None:
     """Answer one inbound request within `MODEL_REQUEST_TIMEOUT_SECS`
     (`ResponseChannelNotInitialized` otherwise)."""
-    peer = await p2p_host.stream_peer(stream, allowed)
-    if peer is None:
-        return
-    try:
+
+    async def handle() -> None:
         with trio.fail_after(MODEL_REQUEST_TIMEOUT_SECS):
             request = decode_request(await p2p_host.read_to_end(stream, MAX_REQUEST_BYTES))
         result: TicketResult = TicketResult.Err(SharableModelError.ResponseChannelNotInitialized())
@@ -181,6 +172,5 @@ async def serve(stream: INetStream, allowed: p2p_host.AllowFn, answer: AnswerFn)
             result = await answer(request)
         await stream.write(encode_response(result))
         await stream.close()
-    except Exception as e:  # malformed or hostile request, or the peer went away
-        logger.info("dropping model-sharing request from %s: %s", fmt_short(peer), e)
-        await p2p_host.reset_quietly(stream)
+
+    await p2p_host.serve_member(stream, allowed, "model-sharing request", handle)

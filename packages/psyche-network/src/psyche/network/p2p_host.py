@@ -592,6 +592,22 @@ async def stream_peer(stream: INetStream, allowed: AllowFn) -> bytes | None:
     return peer
 
 
+async def serve_member(
+    stream: INetStream, allowed: AllowFn, what: str, handle: Callable[[], Awaitable[None]]
+) -> None:
+    """Run `handle()` on an inbound stream from a run member (others are reset unheard); when it
+    fails (a malformed or hostile request, or the peer went away), the stream is reset and one
+    line logged: `dropping <what> from <peer>`."""
+    peer = await stream_peer(stream, allowed)
+    if peer is None:
+        return
+    try:
+        await handle()
+    except Exception as e:
+        logger.info("dropping %s from %s: %s", what, fmt_short(peer), e)
+        await reset_quietly(stream)
+
+
 __all__ = [
     "ConnectionNotifee",
     "ReadLimitExceeded",

@@ -23,7 +23,7 @@ import trio
 
 from psyche.network.download import Download, DownloadComplete, DownloadOutcome
 from psyche.network.download_manager import SpawnFn
-from psyche.network.scheduler import DownloadScheduler, RetryConfig, RetryQueueResult
+from psyche.network.scheduler import DownloadScheduler, RetryQueueResult
 from psyche.network.ticket import BlobTicket
 from psyche.network.transmittable import DownloadType
 
@@ -50,18 +50,12 @@ class _Job:
 
 
 class ResultDownloads:
-    def __init__(
-        self,
-        start: StartFn,
-        spawn: SpawnFn,
-        retry_config: RetryConfig | None = None,
-        *,
-        check_secs: float = DOWNLOAD_RETRY_CHECK_SECS,
-    ) -> None:
-        self.scheduler = DownloadScheduler(retry_config=retry_config)
+    def __init__(self, start: StartFn, spawn: SpawnFn) -> None:
+        self.scheduler = DownloadScheduler()
+        """Upstream's retry rules (`RetryConfig`: 2 s backoff base)."""
         self._start = start
         self._spawn = spawn
-        self.check_secs = check_secs
+        self.check_secs = DOWNLOAD_RETRY_CHECK_SECS
         self._waiting: dict[bytes, list[_Job]] = {}
         """Jobs whose last attempt failed, by blob hash, until the scheduler says they are due."""
 
