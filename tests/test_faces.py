@@ -68,7 +68,7 @@ def test_network_face_loads_libp2p_only_for_the_names_that_need_it() -> None:
 import sys
 import psyche.network
 print({heavy})
-from psyche.network import BlobTicket, EndpointAddr, DownloadType, model_hash
+from psyche.network import BlobTicket, EndpointAddr, DownloadType, ParameterCodec
 print({heavy})
 from psyche.network import NetworkConnection, ModelDownload, open_relay
 print({heavy})

@@ -101,10 +101,10 @@ def save_and_upload(args: argparse.Namespace, work: Path) -> None:
     from huggingface_hub import snapshot_download
     from safetensors.torch import save_file
 
-    from psyche.client.checkpoint import RunInstance, save_checkpoint_locally
-    from psyche.client.gcs import download_checkpoint_from_gcs, upload_checkpoint_to_gcs
-    from psyche.client.model_loading import config_json_of
-    from psyche.client.upload import HubUpload, UploadJob
+    from psyche.client.checkpoints.gcs import download_checkpoint_from_gcs, upload_checkpoint_to_gcs
+    from psyche.client.checkpoints.store import RunInstance, save_checkpoint_locally
+    from psyche.client.checkpoints.upload import HubUpload, UploadJob
+    from psyche.client.setup.model_loading import config_json_of
     from psyche.modeling.causal_lm import CausalLM, ModelOptions
     from psyche.modeling.configs import llama_config_dict
 
@@ -189,14 +189,14 @@ def rounds_with_uploads(args: argparse.Namespace, work: Path) -> None:
     import torch
     import trio
 
-    from psyche.client.broadcast import open_network
-    from psyche.client.checkpoint import CheckpointConfig
+    from psyche.client.checkpoints.keep_policy import KeepPolicy
+    from psyche.client.checkpoints.store import CheckpointConfig
+    from psyche.client.checkpoints.upload import HubUpload
     from psyche.client.client import Client
-    from psyche.client.init import RunInitConfig
-    from psyche.client.keep_policy import KeepPolicy
-    from psyche.client.model_loading import preload_modeling
+    from psyche.client.round.broadcast import open_network
+    from psyche.client.setup.init import RunInitConfig
+    from psyche.client.setup.model_loading import preload_modeling
     from psyche.client.testing import InProcessServer, local_run_state
-    from psyche.client.upload import HubUpload
     from psyche.core.identity import SecretKey
     from psyche.core.node_identity import NodeIdentity
     from psyche.modeling.configs import llama_config_dict

@@ -104,12 +104,12 @@ def run_arm(arm: str, directory: Path, steps: int, collector_url: str) -> dict[s
     import torch
     import trio
 
-    from psyche.client.broadcast import open_network
     from psyche.client.client import Client
-    from psyche.client.evals import EvalSettings
-    from psyche.client.init import RunInitConfig
-    from psyche.client.options import TrainOptions
+    from psyche.client.observe.evals import EvalSettings
+    from psyche.client.round.broadcast import open_network
     from psyche.client.run import _close_all, run_observers
+    from psyche.client.setup.init import RunInitConfig
+    from psyche.client.setup.options import TrainOptions
     from psyche.client.testing import InProcessServer
     from psyche.core.identity import SecretKey
     from psyche.core.node_identity import NodeIdentity
@@ -155,7 +155,7 @@ def run_arm(arm: str, directory: Path, steps: int, collector_url: str) -> dict[s
         identity = NodeIdentity.from_single_key(key.public_key)
         opts = options(number)
         observers, closers = run_observers(opts, identity, "psyche-bench-client")
-        evals = await trio.to_thread.run_sync(EvalSettings.from_options, opts)
+        evals = await trio.to_thread.run_sync(EvalSettings.from_options, opts.evals)
         if number == 1:
             timers["on_round"] = Timed(observers, "on_round")
         config = NetworkConfig(run_id=RUN_ID, secret_key=key, bind_host="127.0.0.1")
@@ -258,7 +258,7 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     from trackers import DiscardingCollector
 
-    from psyche.client.model_loading import preload_modeling
+    from psyche.client.setup.model_loading import preload_modeling
 
     preload_modeling()
     for var in ("WANDB_API_KEY",):

@@ -52,7 +52,7 @@ from psyche.network.connection import NetworkConnection
 from psyche.network.download import DownloadComplete
 from psyche.network.events import MessageReceived
 from psyche.network.model_download import ModelDownload
-from psyche.network.sharable_model import SharableModel, model_hash
+from psyche.network.sharable_model import SharableModel
 from psyche.network.stats import BANDWIDTH_AVERAGE_PERIOD_SECS, BandwidthTracker
 from psyche.network.testing import (
     connect_pairs,
@@ -366,7 +366,7 @@ async def next_message(node: NetworkConnection) -> Any:
 
 
 async def bench_gossip_ring(rounds: int) -> list[str]:
-    from psyche.client.broadcast import (
+    from psyche.client.round.broadcast import (
         Broadcast,
         BroadcastType,
         Commitment,
@@ -409,7 +409,7 @@ async def bench_gossip_ring(rounds: int) -> list[str]:
 
 
 async def bench_gossip_mirror(rounds: int) -> list[str]:
-    from psyche.client.broadcast import (
+    from psyche.client.round.broadcast import (
         Broadcast,
         BroadcastType,
         Commitment,
@@ -573,6 +573,19 @@ async def bench_tracker(repeats: int) -> list[str]:
 # ---- model sharing --------------------------------------------------------------------------
 
 
+def model_hash(parameters: Any) -> bytes:
+    """`psyche.modeling.sharing.model_hash` (torch loads only for the model benchmarks)."""
+    from psyche.modeling.sharing import model_hash as hash_parameters
+
+    return hash_parameters(parameters)
+
+
+def tensor_codec() -> Any:
+    from psyche.modeling.sharing import TENSOR_CODEC
+
+    return TENSOR_CODEC
+
+
 def make_model(num_params: int, num_tensors: int):
     import torch
 
@@ -608,7 +621,7 @@ async def bench_model(repeats: int, millions: int = 20) -> list[str]:
     flat = b"".join(raw_bytes(t) for t in parameters.values())
     total = len(flat)
     lines = []
-    async with open_nodes(4) as nodes, trio.open_nursery() as nursery:
+    async with open_nodes(4, model_codec=tensor_codec()) as nodes, trio.open_nursery() as nursery:
         *providers, joiner = nodes
         for provider in providers:
             model = SharableModel()
@@ -647,7 +660,9 @@ async def serve_model_process(millions: int, key_hex: str, joiner_hex: str) -> N
     parameters = make_model(millions * 1_000_000, model_tensors(millions))
     flat = b"".join(raw_bytes(t) for t in parameters.values())
     key = SecretKey.from_bytes(bytes.fromhex(key_hex))
-    async with open_nodes(1, keys=[key], allow_each_other=False) as (node,):
+    async with open_nodes(1, keys=[key], allow_each_other=False, model_codec=tensor_codec()) as (
+        node,
+    ):
         node.set_allowed_peers([bytes.fromhex(joiner_hex)])
         model = SharableModel()
         model.update_parameters(parameters)
@@ -705,7 +720,9 @@ async def bench_model_processes(repeats: int, millions: int = 20) -> list[str]:
             bytes.fromhex(await trio.to_thread.run_sync(p.stdout.readline))  # type: ignore[union-attr]
             for p in providers
         ]
-        async with open_nodes(1, keys=[joiner_key], allow_each_other=False) as (joiner,):
+        async with open_nodes(
+            1, keys=[joiner_key], allow_each_other=False, model_codec=tensor_codec()
+        ) as (joiner,):
             joiner.set_allowed_peers([k.public_key for k in keys])
             for record in records:
                 joiner.address_book.add_record(record)

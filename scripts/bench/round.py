@@ -45,7 +45,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from psyche.client.cpu_threads import available_cores, threads_per_client
+from psyche.client.setup.cpu_threads import available_cores, threads_per_client
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny-cpu"

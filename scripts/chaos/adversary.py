@@ -110,7 +110,7 @@ class Adversary:
     # ---- the run ---------------------------------------------------------------------------
 
     async def run(self) -> None:
-        from psyche.client.broadcast import open_network
+        from psyche.client.round.broadcast import open_network
         from psyche.network.connection import NetworkConfig
 
         config = NetworkConfig(run_id=self.args.run_id, secret_key=self.key, bind_host="127.0.0.1")
@@ -175,7 +175,7 @@ class Adversary:
 
     async def warmup(self, state: Any, backend: Any) -> None:
         """Behave during warmup, so the run starts with this member in it."""
-        from psyche.client.witness import SendFinished, finished_broadcast, merkle_root
+        from psyche.client.round.witness import SendFinished, finished_broadcast, merkle_root
         from psyche.coordinator import Witness, WitnessProof
         from psyche.coordinator.backend import OpportunisticData
         from psyche.coordinator.committee_selection import CommitteeProof
@@ -194,7 +194,7 @@ class Adversary:
         )
 
     async def round(self, state: Any, backend: Any) -> None:
-        from psyche.client.train import start_round
+        from psyche.client.round.train import start_round
         from psyche.coordinator.committee_selection import Committee
 
         clients = state.epoch_state.clients
@@ -221,7 +221,7 @@ class Adversary:
 
     async def listen(self) -> None:
         """Remember the run's training results, to witness like an honest witness would."""
-        from psyche.client.broadcast import BroadcastType
+        from psyche.client.round.broadcast import BroadcastType
         from psyche.network.events import MessageReceived
 
         while True:
@@ -236,7 +236,7 @@ class Adversary:
 
     def finish(self, step: int, proof: Any) -> None:
         """Say we finished the round at once, so the round does not wait for us."""
-        from psyche.client.witness import SendFinished, finished_broadcast, merkle_root
+        from psyche.client.round.witness import SendFinished, finished_broadcast, merkle_root
 
         hashes = [h for _, h in self.seen.get(step - 1, [])]
         action = SendFinished(step, merkle_root(hashes), proof, warmup=False)
@@ -245,7 +245,7 @@ class Adversary:
 
     async def witness(self, backend: Any, step: int, witness_proof: Any) -> None:
         """A hostile witness: it vouches for every result it heard of, its own lies included."""
-        from psyche.client.witness import merkle_root
+        from psyche.client.round.witness import merkle_root
         from psyche.coordinator import BLOOM_FALSE_RATE, Witness, WitnessMetadata
         from psyche.coordinator.backend import OpportunisticData
         from psyche.core.bloom import WitnessBloom
@@ -289,7 +289,7 @@ class Adversary:
         return self.junk
 
     async def payload_attack(self, mode: str, step: int, proof: Any, batch_id: Any) -> None:
-        from psyche.client.broadcast import BroadcastType, TrainingResult
+        from psyche.client.round.broadcast import BroadcastType, TrainingResult
         from psyche.network.ticket import BlobFormat, BlobTicket, blob_hash
 
         network = self.network
@@ -326,7 +326,7 @@ class Adversary:
     def _broadcast(
         self, step: int, proof: Any, data_hash: bytes, data: Any, key: Any = None
     ) -> Any:
-        from psyche.client.broadcast import Broadcast, Commitment
+        from psyche.client.round.broadcast import Broadcast, Commitment
 
         signer = key or self.key
         return Broadcast(
@@ -338,7 +338,7 @@ class Adversary:
         )
 
     async def unassigned_attack(self, step: int, proof: Any, batch_id: Any) -> None:
-        from psyche.client.broadcast import BroadcastType, TrainingResult
+        from psyche.client.round.broadcast import BroadcastType, TrainingResult
 
         payload = _bogus_payload(step, batch_id)
         ticket, _ = await self.network.add_downloadable(payload, f"distro-result_{step}_unassigned")
@@ -360,7 +360,7 @@ class Adversary:
         emit("attack", mode="replay", step=step, replayed_step=old.step)
 
     def forged_attacks(self, step: int, proof: Any) -> None:
-        from psyche.client.witness import SendFinished, finished_broadcast, merkle_root
+        from psyche.client.round.witness import SendFinished, finished_broadcast, merkle_root
         from psyche.core.identity import SecretKey
         from psyche.core.signed_message import SignedMessage
 

@@ -97,7 +97,7 @@ def test_libp2p_addresses_follow_the_announce_host() -> None:
     """partition: a node bound to one address announced its libp2p listener at the bound
     address and its blob listener at the announce host, so peers bypassed the announced route
     (a NAT's public address) for gossip."""
-    from psyche.client.broadcast import open_network
+    from psyche.client.round.broadcast import open_network
     from psyche.network.connection import NetworkConfig
     from psyche.network.ticket import TransportAddr
 
@@ -140,7 +140,7 @@ def test_a_checkpoint_that_hits_a_full_disk_leaves_nothing_behind(tmp_path: Path
     code = f"""
 import torch
 from pathlib import Path
-from psyche.client.checkpoint import RunInstance, save_checkpoint_locally
+from psyche.client.checkpoints.store import RunInstance, save_checkpoint_locally
 target = Path({str(tmp_path)!r}) / "run-step7"
 try:
     save_checkpoint_locally(
@@ -199,7 +199,7 @@ def test_a_fetch_that_outlives_its_round_does_not_stop_the_client() -> None:
     took the whole client down (exit code 1)."""
     import numpy as np
 
-    from psyche.client.fetch_data import DataFetcher
+    from psyche.client.round.fetch import DataFetcher
     from psyche.core.batch_id import BatchId
     from psyche.data_provider import TokenizedData
 

@@ -12,12 +12,17 @@ import pytest
 import torch
 import trio
 
-from psyche.client.checkpoint import CheckpointConfig, RunInstance
-from psyche.client.cooldown import Checkpointer, CheckpointFiles, CheckpointJob, extract_for_sharing
-from psyche.client.gcs import download_checkpoint_from_gcs, storage_client
-from psyche.client.keep_policy import Kind
-from psyche.client.model_loading import config_json_of, load_gcs_checkpoint
-from psyche.client.upload import GcsUpload
+from psyche.client.checkpoints.cooldown import (
+    Checkpointer,
+    CheckpointFiles,
+    CheckpointJob,
+    extract_for_sharing,
+)
+from psyche.client.checkpoints.gcs import download_checkpoint_from_gcs, storage_client
+from psyche.client.checkpoints.keep_policy import Kind
+from psyche.client.checkpoints.store import CheckpointConfig, RunInstance
+from psyche.client.checkpoints.upload import GcsUpload
+from psyche.client.setup.model_loading import config_json_of, load_gcs_checkpoint
 from psyche.coordinator.model import Checkpoint, GcsRepo
 
 from ..modeling.tiny_trainer import make_trainer

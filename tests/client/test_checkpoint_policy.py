@@ -1,11 +1,11 @@
-"""Keep policies (`psyche.client.keep_policy`): permanent step intervals, temporary checkpoints
+"""Keep policies (`psyche.client.checkpoints.keep_policy`): permanent step intervals, temporary checkpoints
 by time, upstream's keep-last-N, and checkpoints still uploading left alone."""
 
 from __future__ import annotations
 
 import pytest
 
-from psyche.client.keep_policy import (
+from psyche.client.checkpoints.keep_policy import (
     KeepPolicy,
     KeepPolicyError,
     Kept,

@@ -18,22 +18,22 @@ import torch
 import trio
 
 from psyche.centralized.save_state import load_state, save_state, saved_run_identity
-from psyche.client.broadcast import open_network
-from psyche.client.checkpoint import (
+from psyche.client.checkpoints.store import (
     CheckpointConfig,
     RunInstance,
     checkpoint_path,
     save_checkpoint_locally,
 )
 from psyche.client.client import Client
-from psyche.client.init import RunInitConfig
-from psyche.client.model_loading import config_json_of, load_from_directory, preload_modeling
+from psyche.client.round.broadcast import open_network
+from psyche.client.setup.init import RunInitConfig
+from psyche.client.setup.model_loading import config_json_of, load_from_directory, preload_modeling
 from psyche.client.testing import InProcessServer
 from psyche.coordinator import CoordinatorProgress, RunState
 from psyche.core.identity import SecretKey
 from psyche.core.node_identity import NodeIdentity
+from psyche.modeling.sharing import model_hash
 from psyche.network.connection import NetworkConfig
-from psyche.network.sharable_model import model_hash
 
 from ..timing import scaled, scaled_timer
 from .test_in_process_run import RUN_ID, _identities, coordinator, fields, write_run

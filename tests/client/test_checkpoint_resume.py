@@ -14,7 +14,9 @@ import pytest
 import torch
 import trio
 
-from psyche.client.checkpoint import (
+from psyche.client.checkpoints.cooldown import Checkpointer, CheckpointFiles, CheckpointJob
+from psyche.client.checkpoints.keep_policy import KeepPolicy, Kind
+from psyche.client.checkpoints.store import (
     MANIFEST_NAME,
     CheckpointConfig,
     RunInstance,
@@ -24,9 +26,7 @@ from psyche.client.checkpoint import (
     save_checkpoint_locally,
     verify_checkpoint,
 )
-from psyche.client.cooldown import Checkpointer, CheckpointFiles, CheckpointJob
-from psyche.client.keep_policy import KeepPolicy, Kind
-from psyche.client.model_loading import resume_checkpoint
+from psyche.client.setup.model_loading import resume_checkpoint
 
 RUN = "run"
 INSTANCE = RunInstance(RUN, "instance-1")

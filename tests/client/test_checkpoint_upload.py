@@ -15,16 +15,21 @@ import torch
 import trio
 
 from psyche.client.background import Background
-from psyche.client.checkpoint import (
+from psyche.client.checkpoints.cooldown import (
+    Checkpointer,
+    CheckpointFiles,
+    CheckpointJob,
+    Cooldown,
+)
+from psyche.client.checkpoints.keep_policy import KeepPolicy, Kind
+from psyche.client.checkpoints.store import (
     MANIFEST_NAME,
     CheckpointConfig,
     RunInstance,
     verify_checkpoint,
 )
-from psyche.client.cooldown import Checkpointer, CheckpointFiles, CheckpointJob, Cooldown
-from psyche.client.keep_policy import KeepPolicy, Kind
-from psyche.client.model_loading import config_json_of, load_hub_checkpoint
-from psyche.client.upload import HubUpload, RetryPolicy
+from psyche.client.checkpoints.upload import HubUpload, RetryPolicy
+from psyche.client.setup.model_loading import config_json_of, load_hub_checkpoint
 from psyche.coordinator.model import Checkpoint, HubRepo
 from psyche.core.node_identity import NodeIdentity
 
@@ -69,7 +74,7 @@ def test_a_failing_hub_is_retried_and_never_left_partial(hub: HubEndpoint, tmp_p
 def test_uploads_run_behind_the_epochs_and_the_newest_wins(
     hub: HubEndpoint, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="psyche.client.upload")
+    caplog.set_level(logging.INFO, logger="psyche.client.checkpoints.upload")
     hub.create_repo(REPO)
     hub.hold_commits = threading.Event()
     trainer = make_trainer()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from psyche.cli.client.main import build_parser, main
-from psyche.client.options import TrainOptions, field_docs
+from psyche.client.setup.options import TrainOptions, field_docs
 
 # upstream-coordinator.md §4.1: test key n=1
 KEY1_PUBLIC = "4cb5abf6ad79fbf5abbccafcc269d85cd2651ed4b885b5869f241aedf0a5ba29"

@@ -10,9 +10,9 @@ from dataclasses import replace
 
 import pytest
 
-from psyche.client import apply, payloads, train, warmup, witness
-from psyche.client.broadcast import Broadcast, BroadcastType, Finished, TrainingResult
-from psyche.client.round_state import (
+from psyche.client.round import apply, payloads, train, warmup, witness
+from psyche.client.round.broadcast import Broadcast, BroadcastType, Finished, TrainingResult
+from psyche.client.round.state import (
     DeserializedPayload,
     Downloading,
     PayloadHandle,

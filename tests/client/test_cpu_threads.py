@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from psyche.cli.client.main import build_parser
-from psyche.client.cpu_threads import available_cores, rank_threads, threads_per_client
-from psyche.client.options import TrainOptions
 from psyche.client.run import Preload
+from psyche.client.setup.cpu_threads import available_cores, rank_threads, threads_per_client
+from psyche.client.setup.options import TrainOptions
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 

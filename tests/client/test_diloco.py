@@ -14,10 +14,10 @@ import pytest
 import torch
 import trio
 
-from psyche.client.cooldown import live_model_hash
-from psyche.client.fetch_data import DataFetcher
-from psyche.client.steps import MachineSettings, StepStateMachine
-from psyche.client.train import OwnResult
+from psyche.client.checkpoints.cooldown import live_model_hash
+from psyche.client.round.fetch import DataFetcher
+from psyche.client.round.steps import MachineSettings, StepStateMachine
+from psyche.client.round.train import OwnResult
 from psyche.coordinator import RunState
 from psyche.coordinator.testing import Simulation, integration_test_coordinator
 from psyche.core.definitions import (

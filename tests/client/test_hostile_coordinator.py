@@ -16,9 +16,9 @@ import pytest
 import torch
 import trio
 
+from psyche.client.checkpoints.gcs import _cache_dir, cache_base
 from psyche.client.client import WrongRun
-from psyche.client.gcs import _cache_dir, cache_base
-from psyche.client.model_loading import load_hub_checkpoint, preload_modeling
+from psyche.client.setup.model_loading import load_hub_checkpoint, preload_modeling
 from psyche.client.testing import InProcessServer
 from psyche.core.cli import single_cause, user_error_message
 from psyche.modeling.causal_lm import ModelLoadError

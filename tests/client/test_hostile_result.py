@@ -23,7 +23,7 @@ import pytest
 import trio
 
 from psyche.client.client import Client
-from psyche.client.train import OwnResult
+from psyche.client.round.train import OwnResult
 from psyche.network.ticket import BlobFormat, BlobTicket, blob_hash
 
 from .test_in_process_run import fields, run_client, three_client_run, wait_until

@@ -15,10 +15,10 @@ import pytest
 import torch
 import trio
 
-from psyche.client.broadcast import open_network
 from psyche.client.client import Client
-from psyche.client.init import RunInitConfig
-from psyche.client.model_loading import preload_modeling
+from psyche.client.round.broadcast import open_network
+from psyche.client.setup.init import RunInitConfig
+from psyche.client.setup.model_loading import preload_modeling
 from psyche.client.testing import InProcessServer, local_run_state
 from psyche.coordinator import (
     Coordinator,
@@ -147,7 +147,7 @@ async def run_client_until_finished(
     server: InProcessServer, number: int, checkpoint_dir: Path | None
 ) -> Client:
     """A client that must end by itself (its `run()` returns) once the run is Finished."""
-    from psyche.client.checkpoint import CheckpointConfig
+    from psyche.client.checkpoints.store import CheckpointConfig
 
     key = SecretKey.from_bytes(number.to_bytes(32, "big"))
     identity = NodeIdentity.from_single_key(key.public_key)

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from psyche.client.logs import ConsoleFormatter, JsonFormatter, QuietEventFilter, log_event
-from psyche.client.stats import RunProgress, format_duration, progress_text
+from psyche.client.observe.logs import ConsoleFormatter, JsonFormatter, QuietEventFilter, log_event
+from psyche.client.observe.stats import RunProgress, format_duration, progress_text
 
 
 @pytest.fixture

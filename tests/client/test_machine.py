@@ -21,16 +21,16 @@ import pytest
 import torch
 import trio
 
-from psyche.client.apply import ApplyError, ApplyJob, ApplyPlan, ChosenResult, apply_results
 from psyche.client.background import InFlight
-from psyche.client.broadcast import Broadcast, BroadcastType, TrainingResult
-from psyche.client.cooldown import live_model_hash
-from psyche.client.fetch_data import DataFetcher
-from psyche.client.payloads import DownloadRequest, PayloadRejected
-from psyche.client.round_state import DeserializedPayload, Downloading, PayloadHandle, RoundState
-from psyche.client.steps import MachineSettings, StepStateMachine
-from psyche.client.train import OwnResult
-from psyche.client.witness import SendFinished, finished_broadcast
+from psyche.client.checkpoints.cooldown import live_model_hash
+from psyche.client.round.apply import ApplyError, ApplyJob, ApplyPlan, ChosenResult, apply_results
+from psyche.client.round.broadcast import Broadcast, BroadcastType, TrainingResult
+from psyche.client.round.fetch import DataFetcher
+from psyche.client.round.payloads import DownloadRequest, PayloadRejected
+from psyche.client.round.state import DeserializedPayload, Downloading, PayloadHandle, RoundState
+from psyche.client.round.steps import MachineSettings, StepStateMachine
+from psyche.client.round.train import OwnResult
+from psyche.client.round.witness import SendFinished, finished_broadcast
 from psyche.coordinator import RunState
 from psyche.coordinator.backend import HealthCheck, OpportunisticData
 from psyche.coordinator.commitment import Commitment

@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 import trio
 
+from psyche.client.checkpoints.cooldown import live_model_hash
 from psyche.client.client import Client
-from psyche.client.cooldown import live_model_hash
-from psyche.client.model_loading import preload_modeling
+from psyche.client.round.train import OwnResult
+from psyche.client.setup.model_loading import preload_modeling
 from psyche.client.testing import InProcessServer
-from psyche.client.train import OwnResult
 from psyche.coordinator.testing import Simulation
 from psyche.core.batch_id import BatchId
 from psyche.core.definitions import OptimizerDefinition

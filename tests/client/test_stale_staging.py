@@ -11,16 +11,16 @@ from pathlib import Path
 import pytest
 
 from psyche.cli.client.main import build_parser
-from psyche.client.checkpoint import remove_stale_staging
-from psyche.client.options import TrainOptions
+from psyche.client.checkpoints.store import remove_stale_staging
 from psyche.client.run import run_init_config
+from psyche.client.setup.options import TrainOptions
 
 # A checkpoint write that stops inside its staging directory until the process is killed.
 WRITER = """
 import sys, time
 from pathlib import Path
 import psyche.modeling.checkpoint as checkpoint
-from psyche.client.checkpoint import RunInstance, save_checkpoint_locally
+from psyche.client.checkpoints.store import RunInstance, save_checkpoint_locally
 
 def stuck(variables, directory):
     (directory / "model.safetensors").write_bytes(b"half a model")

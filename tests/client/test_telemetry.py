@@ -18,15 +18,15 @@ import torch
 import trio
 import trio.testing
 
-from psyche.client.broadcast import open_network
 from psyche.client.client import Client
-from psyche.client.evals import EvalSettings
-from psyche.client.event_files import read_event_files
-from psyche.client.init import RunInitConfig
-from psyche.client.model_loading import preload_modeling
-from psyche.client.options import TrainOptions
+from psyche.client.observe.evals import EvalSettings
+from psyche.client.observe.event_files import read_event_files
+from psyche.client.observe.telemetry import NetworkNumbers, RoundReport, round_metrics
+from psyche.client.round.broadcast import open_network
 from psyche.client.run import _close_all, run_observers
-from psyche.client.telemetry import NetworkNumbers, RoundReport, round_metrics
+from psyche.client.setup.init import RunInitConfig
+from psyche.client.setup.model_loading import preload_modeling
+from psyche.client.setup.options import TrainOptions
 from psyche.client.testing import InProcessServer
 from psyche.coordinator import RunState
 from psyche.core.identity import SecretKey
@@ -124,7 +124,7 @@ class FakeEvals:
 
 
 def test_witness_metadata_carries_eval_scores_and_prompt_tokens_within_upstreams_bounds() -> None:
-    from psyche.client.stats import StatsLogger
+    from psyche.client.observe.stats import StatsLogger
     from psyche.coordinator.run_state import WitnessMetadata
     from psyche.coordinator.testing import quick_coordinator
     from psyche.core.serde import from_bytes, to_bytes
@@ -146,7 +146,7 @@ async def run_client(
     key = SecretKey.from_bytes(number.to_bytes(32, "big"))
     identity = NodeIdentity.from_single_key(key.public_key)
     observers, closers = run_observers(options, identity, "psyche-test-client")
-    evals = await trio.to_thread.run_sync(EvalSettings.from_options, options)
+    evals = await trio.to_thread.run_sync(EvalSettings.from_options, options.evals)
     config = NetworkConfig(run_id=RUN_ID, secret_key=key, bind_host="127.0.0.1")
     try:
         async with (
@@ -279,8 +279,7 @@ def test_a_long_wait_logs_its_progress_and_a_short_one_nothing(
 ) -> None:
     from types import SimpleNamespace
 
-    from psyche.client.client import model_download_progress
-    from psyche.client.telemetry import log_progress
+    from psyche.client.observe.progress import log_progress, model_download_progress
 
     parameters: dict[str, Any] = {"a": None, "b": None}
     download = SimpleNamespace(model=SimpleNamespace(parameters=None))

@@ -10,8 +10,8 @@ import logging
 import pytest
 import trio
 
-from psyche.client.telemetry import NetworkNumbers, RoundReport
-from psyche.client.tui import (
+from psyche.client.observe.telemetry import NetworkNumbers, RoundReport
+from psyche.client.observe.tui import (
     Dashboard,
     DashboardLogHandler,
     DashboardObserver,

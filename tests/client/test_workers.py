@@ -1,4 +1,4 @@
-"""A client of several ranks (`psyche.client.workers`): the option checks, and real worker
+"""A client of several ranks (`psyche.client.setup.workers`): the option checks, and real worker
 processes (gloo on the CPU) started by rank 0 through tests/client/workers_leader.py: the
 trainer built through the group publishes a one-rank client's payload and holds its
 parameters; a rank killed mid-training stops the whole client within a bounded time, leaving no
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from psyche.client.options import TrainOptions
+from psyche.client.setup.options import TrainOptions
 from psyche.modeling.configs import llama_config_dict
 
 LEADER = Path(__file__).with_name("workers_leader.py")

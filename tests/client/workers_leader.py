@@ -24,9 +24,10 @@ from types import SimpleNamespace
 import torch
 import trio
 
-from psyche.client.init import InitRunError, RunInitConfig
-from psyche.client.model_loading import load_from_directory
-from psyche.client.workers import RankLayout, WorkerGroup
+from psyche.client.setup.init import InitRunError, RunInitConfig
+from psyche.client.setup.model_loading import load_from_directory
+from psyche.client.setup.ranks import RankLayout
+from psyche.client.setup.workers import WorkerGroup
 from psyche.core.batch_id import BatchId
 from psyche.core.definitions import ConstantLR, LearningRateSchedule
 from psyche.modeling.trainer import Batch

@@ -195,7 +195,7 @@ def test_models_are_identical_at_cooldown_and_the_checkpoint_loads(run: Run) -> 
     import torch
     from transformers import AutoModelForCausalLM
 
-    from psyche.network.sharable_model import model_hash
+    from psyche.modeling.sharing import model_hash
 
     assert run.checkpoint["step"] == run.of(1, "cooldown_model")[0]["step"]
     path = Path(run.checkpoint["path"])

@@ -72,7 +72,7 @@ def _ticket() -> Any:
 
 
 def _broadcast(step: int = 3) -> Any:
-    from psyche.client.broadcast import Broadcast, BroadcastType, Commitment, TrainingResult
+    from psyche.client.round.broadcast import Broadcast, BroadcastType, Commitment, TrainingResult
     from psyche.coordinator.committee_selection import CommitteeProof
     from psyche.core.batch_id import BatchId
 
@@ -162,7 +162,7 @@ def _targets() -> dict[str, Callable[[], Target]]:
         return Target(lambda b: from_bytes(b, Coordinator), [_coordinator().to_bytes()])
 
     def gossip_message() -> Target:
-        from psyche.client.broadcast import Broadcast
+        from psyche.client.round.broadcast import Broadcast
         from psyche.core.signed_message import SignedMessage
 
         samples = [SignedMessage.sign_and_encode(_key(5), _broadcast(), Broadcast)]

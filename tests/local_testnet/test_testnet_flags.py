@@ -12,7 +12,7 @@ import pytest
 from psyche.cli.client.main import build_parser as client_parser
 from psyche.cli.local_testnet.main import build_parser, plan_from_args
 from psyche.cli.server.main import build_parser as server_parser
-from psyche.client.options import TrainOptions
+from psyche.client.setup.options import TrainOptions
 
 # A value for every flag of `start` (None: a switch); a new flag must be added here.
 EVERY_FLAG: dict[str, str | None] = {

@@ -17,8 +17,8 @@ from psyche.modeling.serialized_distro import (
     decode_transmittable,
     distro_results_from_transmittable,
 )
+from psyche.modeling.sharing import model_hash
 from psyche.modeling.trainer import Batch, Trainer
-from psyche.network.sharable_model import model_hash
 
 from .tiny_trainer import make_trainer
 

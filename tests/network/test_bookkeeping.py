@@ -260,7 +260,7 @@ def test_address_records_are_self_signed(tmp_path) -> None:
 
 
 def test_rebroadcast_loop_sends_one_bumped_broadcast_per_interval() -> None:
-    from psyche.client.broadcast import (
+    from psyche.client.round.broadcast import (
         Broadcast,
         BroadcastType,
         Commitment,

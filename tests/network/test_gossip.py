@@ -9,7 +9,7 @@ import pytest
 import trio
 from libp2p.network.exceptions import SwarmException
 
-from psyche.client.broadcast import (
+from psyche.client.round.broadcast import (
     Broadcast,
     BroadcastType,
     Commitment,
@@ -220,7 +220,7 @@ def to_bytes_signed(signed: SignedMessage) -> bytes:
 
 def _huge(key: SecretKey) -> Broadcast:
     """A broadcast whose signed form exceeds 4096 bytes (a ticket with many addresses)."""
-    from psyche.client.broadcast import TrainingResult
+    from psyche.client.round.broadcast import TrainingResult
     from psyche.core.batch_id import BatchId
     from psyche.network.ticket import BlobFormat, BlobTicket, EndpointAddr, TransportAddr
 

@@ -6,10 +6,11 @@ import pytest
 import torch
 import trio
 
+from psyche.modeling.sharing import TENSOR_CODEC, model_hash
 from psyche.network.connection import NetworkConnection
 from psyche.network.model_download import ModelDownload
 from psyche.network.peer_manager import PeersUnreachable
-from psyche.network.sharable_model import SharableModel, model_hash
+from psyche.network.sharable_model import SharableModel
 from psyche.network.testing import local_config, open_nodes, serve_model
 from psyche.network.transmittable import (
     ModelRequestType,
@@ -72,7 +73,7 @@ def test_joiner_gets_a_bit_identical_model_from_three_peers() -> None:
     parameters = make_parameters()
 
     async def main() -> None:
-        async with open_nodes(4) as nodes, trio.open_nursery() as nursery:
+        async with open_nodes(4, model_codec=TENSOR_CODEC) as nodes, trio.open_nursery() as nursery:
             *providers, joiner = nodes
             for provider in providers:
                 nursery.start_soon(serve_model, provider, provider_model(parameters))
@@ -102,14 +103,20 @@ def test_peer_dying_mid_download_is_survived() -> None:
     parameters = make_parameters(1)
 
     async def main() -> None:
-        async with open_nodes(2) as (steady, joiner), trio.open_nursery() as nursery:
+        async with (
+            open_nodes(2, model_codec=TENSOR_CODEC) as (steady, joiner),
+            trio.open_nursery() as nursery,
+        ):
             nursery.start_soon(serve_model, steady, provider_model(parameters))
             await introduce_all(joiner, [steady])
             doomed_gone = trio.Event()
 
             async def doomed_provider(*, task_status=trio.TASK_STATUS_IGNORED) -> None:
                 async with NetworkConnection.open(
-                    local_config(), broadcast_type=bytes, distro_result_type=bytes
+                    local_config(),
+                    broadcast_type=bytes,
+                    distro_result_type=bytes,
+                    model_codec=TENSOR_CODEC,
                 ) as doomed:
                     ids = [steady.endpoint_id, joiner.endpoint_id, doomed.endpoint_id]
                     for node in (steady, joiner, doomed):
@@ -139,7 +146,10 @@ def test_peer_dying_mid_download_is_survived() -> None:
 
 def test_parameters_are_served_only_between_update_and_clear() -> None:
     async def main() -> None:
-        async with open_nodes(2) as (provider, joiner), trio.open_nursery() as nursery:
+        async with (
+            open_nodes(2, model_codec=TENSOR_CODEC) as (provider, joiner),
+            trio.open_nursery() as nursery,
+        ):
             model = SharableModel()
             nursery.start_soon(serve_model, provider, model)
             joiner.address_book.add(provider.endpoint_addr())
@@ -183,7 +193,10 @@ def test_parameters_are_served_only_between_update_and_clear() -> None:
 
 def test_joiner_gives_up_when_no_peer_can_serve() -> None:
     async def main() -> None:
-        async with open_nodes(3) as (a, b, joiner), trio.open_nursery() as nursery:
+        async with (
+            open_nodes(3, model_codec=TENSOR_CODEC) as (a, b, joiner),
+            trio.open_nursery() as nursery,
+        ):
             for provider in (a, b):
                 nursery.start_soon(serve_model, provider, SharableModel())  # nothing to share
                 joiner.address_book.add(provider.endpoint_addr())

@@ -6,7 +6,7 @@ import hashlib
 
 import pytest
 
-from psyche.client.broadcast import (
+from psyche.client.round.broadcast import (
     Broadcast,
     BroadcastType,
     Commitment,

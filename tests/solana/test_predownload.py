@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from psyche.client.gcs import upload_checkpoint_to_gcs
+from psyche.client.checkpoints.gcs import upload_checkpoint_to_gcs
 from psyche.modeling.configs import llama_config_dict
 from psyche.solana.localnet.server import LocalnetThread
 

@@ -5,9 +5,9 @@
 
 `backend` is any `psyche.coordinator.backend.Backend` (the centralized TCP backend, or
 `psyche.client.testing.InProcessServer(...).connect(...)` for a run inside one process).
-A round reads forward through its modules: `fetch_data`, `train`, `payloads`, `witness`,
-`apply`; `steps` dispatches on the coordinator's states and `client` does the I/O. See
-docs/client.md. Names are exported lazily: importing this package does not import torch.
+A round reads forward through `round/`'s modules: `fetch`, `train`, `payloads`, `witness`,
+`apply`; `round.steps` dispatches on the coordinator's states and `client` does the I/O, with
+`setup/`, `checkpoints/` and `observe/` below. See docs/client.md. Names are exported lazily: importing this package does not import torch.
 """
 
 from __future__ import annotations
@@ -16,15 +16,15 @@ from psyche.core.lazy import lazy_exports
 
 _EXPORTS = {
     "Client": "psyche.client.client",
-    "RunInitConfig": "psyche.client.init",
-    "InitRunError": "psyche.client.init",
-    "CheckpointConfig": "psyche.client.checkpoint",
-    "StepStateMachine": "psyche.client.steps",
-    "StepDesync": "psyche.client.steps",
-    "MachineSettings": "psyche.client.steps",
-    "RoundState": "psyche.client.round_state",
-    "setup_logging": "psyche.client.logs",
-    "log_event": "psyche.client.logs",
+    "RunInitConfig": "psyche.client.setup.init",
+    "InitRunError": "psyche.client.setup.init",
+    "CheckpointConfig": "psyche.client.checkpoints.store",
+    "StepStateMachine": "psyche.client.round.steps",
+    "StepDesync": "psyche.client.round.steps",
+    "MachineSettings": "psyche.client.round.steps",
+    "RoundState": "psyche.client.round.state",
+    "setup_logging": "psyche.client.observe.logs",
+    "log_event": "psyche.client.observe.logs",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,11 +1,27 @@
-"""Work that is counted while under way, so whoever started it can wait until none is left."""
+"""Work in the background: counted while under way, so whoever started it can wait until none
+is left (`Background`), and blocking calls in a thread a cancellation abandons
+(`in_abandoned_thread`)."""
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
+
+T = TypeVar("T")
+
+_to_thread: Callable[..., Awaitable[Any]] = trio.to_thread.run_sync
+"""`trio.to_thread.run_sync` as trio types it: mypy reads trio-stubs (trio-typing's, a libp2p
+dependency) before trio's own types, and they predate `abandon_on_cancel`."""
+
+
+async def in_abandoned_thread(fn: Callable[[], T]) -> T:
+    """`fn()` in a worker thread that a cancellation abandons (it finishes on its own and its
+    result is dropped): for blocking calls that nothing can interrupt (a wait on processes, a
+    model load)."""
+    result: T = await _to_thread(fn, abandon_on_cancel=True)
+    return result
 
 
 class InFlight:

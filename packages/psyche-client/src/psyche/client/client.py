@@ -29,7 +29,15 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from psyche.client.broadcast import (
+from psyche.client.checkpoints.cooldown import CheckpointFiles
+from psyche.client.checkpoints.store import RunInstance
+from psyche.client.observe.eval_worker import EvalWorker
+from psyche.client.observe.evals import EvalSettings
+from psyche.client.observe.logs import log_event
+from psyche.client.observe.progress import log_progress, model_download_progress
+from psyche.client.observe.stats import run_summary
+from psyche.client.observe.telemetry import NetworkNumbers, Observers, RoundReport
+from psyche.client.round.broadcast import (
     REBROADCAST_SHAREABLE_SECS,
     RESEND_ON_CONNECT_SECS,
     Broadcast,
@@ -38,22 +46,17 @@ from psyche.client.broadcast import (
     TrainingResult,
     rebroadcast_periodically,
 )
-from psyche.client.checkpoint import RunInstance
-from psyche.client.cooldown import CheckpointFiles
-from psyche.client.fetch_data import DataFetcher
-from psyche.client.init import InitializedRun, RunInitConfig, init_run
-from psyche.client.logs import log_event
-from psyche.client.payloads import (
+from psyche.client.round.fetch import DataFetcher
+from psyche.client.round.payloads import (
     ApplyMessageOutcome,
     DownloadRequest,
     client_for_p2p_key,
     verify_broadcast_signature,
 )
-from psyche.client.stats import run_summary
-from psyche.client.steps import MachineSettings, StepStateMachine
-from psyche.client.telemetry import NetworkNumbers, Observers, RoundReport, log_progress
-from psyche.client.train import OwnResult
-from psyche.client.witness import SendFinished, finished_broadcast
+from psyche.client.round.steps import MachineSettings, StepStateMachine
+from psyche.client.round.train import OwnResult
+from psyche.client.round.witness import SendFinished, finished_broadcast
+from psyche.client.setup.init import InitializedRun, RunInitConfig, init_run
 from psyche.coordinator import Coordinator, RunState
 from psyche.coordinator.backend import (
     Backend,
@@ -75,22 +78,11 @@ from psyche.network import (
     DownloadedModel,
     DownloadFailed,
     DownloadOutcome,
-    DownloadScheduler,
-    DownloadType,
     MessageReceived,
-    ModelConfigRequest,
-    ModelDownload,
-    ModelRequestType,
     NetworkConnection,
     NetworkEvent,
-    ParameterRequest,
     PeerConnected,
     PeersUnreachable,
-    RetryQueueResult,
-    SharableModel,
-    SharableModelError,
-    TicketResult,
-    answer_request,
     choose_gossip_peers,
     sign_address_record,
 )
@@ -98,11 +90,9 @@ from psyche.network import (
 if TYPE_CHECKING:
     import torch
 
-    from psyche.client.evals import EvalSettings
 
 logger = logging.getLogger(__name__)
 
-DOWNLOAD_RETRY_CHECK_SECS = 1.0
 OPPORTUNISTIC_WITNESS_SECS = 0.5
 CHECK_CONNECTION_SECS = 10.0
 GOSSIP_CONNECT_MIN_INTERVAL_SECS = 6.0
@@ -177,22 +167,9 @@ class _LoopIO:
 
     def share_model(self, parameters: dict[str, torch.Tensor]) -> None:
         async def share() -> None:
-            self._client.sharable_model.update_parameters(parameters)
+            self._client.network.shared_model.update_parameters(parameters)
 
         self._queue("share_model", share)
-
-
-def model_download_progress(download: ModelDownload) -> str:
-    """How far a model download from peers is, for a person waiting on it."""
-    parameters = download.model.parameters
-    if not parameters:
-        return "downloading the model from peers: waiting for its configuration"
-    done = [t for t in parameters.values() if t is not None]
-    size = sum(t.numel() * t.element_size() for t in done)
-    return (
-        f"downloading the model from peers: {len(done)}/{len(parameters)} parameters "
-        f"({size / 1e6:,.1f} MB)"
-    )
 
 
 class WrongRun(UserError):
@@ -251,10 +228,8 @@ class Client:
         self._join_again = False
         """Set when this client must send `Join` again once it is off the epoch's list."""
         self.machine: StepStateMachine | None = None
-        self.sharable_model = SharableModel()
         self.rebroadcaster = Rebroadcaster()
         self._resend_pending = False
-        self.scheduler = DownloadScheduler(config.max_concurrent_parameter_requests)
         self._last_gossip_attempt = -math.inf
         self._known_records: set[bytes] = set()
         self.io = _LoopIO(self)
@@ -288,7 +263,6 @@ class Client:
                 self.network.broadcast,
                 REBROADCAST_SHAREABLE_SECS,
             )
-            nursery.start_soon(self._ticker, DOWNLOAD_RETRY_CHECK_SECS, "retry")
             nursery.start_soon(self._ticker, CHECK_CONNECTION_SECS, "connection")
             async for item in self._inbox:
                 await self._handle(item)
@@ -308,8 +282,9 @@ class Client:
             self._post(_Net(await self.network.next_event()))
 
     async def _ticker(self, interval: float, kind: str) -> None:
-        """Upstream's intervals (`OPPROTUNISTIC_WITNESS_INTERVAL`, `DOWNLOAD_RETRY_CHECK_INTERVAL`,
-        `CHECK_CONNECTION_INTERVAL`): timers whose ticks the loop handles like any input."""
+        """Upstream's intervals (`OPPROTUNISTIC_WITNESS_INTERVAL`, `CHECK_CONNECTION_INTERVAL`):
+        timers whose ticks the loop handles like any input (`DOWNLOAD_RETRY_CHECK_INTERVAL` is
+        the network's: its DisTrO result downloads retry by themselves)."""
         while True:
             await trio.sleep(interval)
             self._post(_Tick(kind))
@@ -366,7 +341,7 @@ class Client:
             last_needed_step = max(0, state.progress.step - 2)
             self.network.remove_staled_tags(last_needed_step)
             self.rebroadcaster.retain_from_step(last_needed_step)
-            self.sharable_model.clear_cache()
+            self.network.shared_model.clear_cache()
             self.network.clear_bandwidth_tracking()
         self.coordinator = state
         if state.run_state is RunState.Finished:
@@ -406,7 +381,7 @@ class Client:
         )
         self.machine = None
         self.stage = "waiting"
-        self.sharable_model.stop_sharing()
+        self.network.shared_model.stop_sharing()
         self._join_again = True
         await self._join_again_once_out(state)
 
@@ -506,30 +481,19 @@ class Client:
         configuration by `give_up_at` (a download under way is not cut short)."""
         me = self.network.endpoint_id
         peers = [c.id.p2p_identity for c in state.epoch_state.clients if c.id.p2p_identity != me]
-        download = ModelDownload(
-            self.network, peers, max_concurrent=self.config.max_concurrent_parameter_requests
+        download = self.network.model_download(
+            peers, max_concurrent=self.config.max_concurrent_parameter_requests
         )
-
-        async def give_up(scope: trio.CancelScope, at: float) -> None:
-            await trio.sleep_until(at)
-            if download.model.model_config is None:
-                scope.cancel()
-
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(log_progress, logger, partial(model_download_progress, download))
-                with trio.CancelScope() as waiting:
-                    if give_up_at is not None:
-                        nursery.start_soon(give_up, waiting, give_up_at)
-                    model = await download.run()
+                model = await download.run(give_up_at)
                 nursery.cancel_scope.cancel()
         except BaseExceptionGroup as group:  # the nursery's wrapping of the download's error
             unreachable, rest = group.split(PeersUnreachable)
             if unreachable is not None and rest is None:
                 raise PeersUnreachable(str(unreachable.exceptions[0])) from None
             raise
-        if waiting.cancelled_caught:
-            raise PeersUnreachable("no peer served the model's configuration in time")
         logger.info("Downloaded %d parameters from peers", len(model.parameters))
         return model
 
@@ -538,14 +502,13 @@ class Client:
             raise result
         assert self._nursery is not None and self.coordinator is not None
         loaded = result.loaded
-        self.sharable_model.update_config(loaded.config_json, loaded.tokenizer_json)
+        shared = self.network.shared_model
+        shared.update_config(loaded.config_json, loaded.tokenizer_json)
         if result.shared is not None:  # the run's model: the epoch's other joiners may take it
-            self.sharable_model.update_parameters(result.shared)
+            shared.update_parameters(result.shared)
         fetcher = DataFetcher(result.data_provider, self._nursery)
         evals = None
         if self.eval_settings is not None and self.eval_settings.enabled:
-            from psyche.client.evals import EvalWorker
-
             evals = EvalWorker(
                 self.eval_settings,
                 loaded.tokenizer_json,
@@ -596,38 +559,25 @@ class Client:
         match event:
             case MessageReceived(from_, broadcast):
                 self._on_broadcast(from_, broadcast)
-            case ParameterRequest(name, reply):
-                self._spawn(self._answer, ModelRequestType.Parameter(name), reply)
-            case ModelConfigRequest(reply):
-                self._spawn(self._answer, ModelRequestType.Config(), reply)
             case PeerConnected():
                 if not self._resend_pending:
                     self._resend_pending = True  # one re-send covers peers connecting meanwhile
                     self._spawn(self._resend_after_connect)
 
     def _on_download(self, outcome: DownloadOutcome) -> None:
-        """A DisTrO result download this client started has finished (see `_start_download`)."""
+        """A DisTrO result download this client started has ended (see `_start_download`): the
+        network retried it as long as it was worth it, so a failure is final."""
         match outcome:
             case DownloadComplete(digest, _, data):
-                self.scheduler.remove_retry(digest)
                 if not isinstance(data, TransmittableDistroResult):
                     logger.debug("ignoring a downloaded %s", type(data).__name__)
                 elif self.machine is not None:
                     self.machine.apply_distro_result(digest, data)
-            case DownloadFailed(ticket, tag, error, download_type, permanent):
-                if not isinstance(download_type, DownloadType.DistroResult):
-                    return
-                if permanent:  # over the run's largest payload, or undecodable: never again
-                    self.scheduler.remove_retry(ticket.hash)
-                    if self.machine is not None:
-                        self.machine.refuse_distro_result(ticket.hash, error)
-                    logger.warning("Distro result download refused (not retrying): %s", error)
-                else:
-                    queued = self.scheduler.queue_failed_download(ticket, tag, download_type)
-                    if queued == RetryQueueResult.Queued:
-                        logger.info("Distro result download failed (will retry): %s", error)
-                    else:
-                        logger.warning("Distro result download failed (not retrying): %s", error)
+            case DownloadFailed(ticket, _, error, _, permanent=True):
+                # over the run's largest payload, or undecodable: never again
+                if self.machine is not None:
+                    self.machine.refuse_distro_result(ticket.hash, error)
+                logger.warning("Distro result download refused (not retrying): %s", error)
 
     def _on_broadcast(self, from_: bytes, broadcast: Broadcast) -> None:
         if self.coordinator is None:
@@ -645,36 +595,38 @@ class Client:
         if outcome is ApplyMessageOutcome.Invalid:
             logger.debug("invalid broadcast from %s for step %d", sender, broadcast.step)
 
-    async def _answer(self, request: ModelRequestType, reply: Any) -> None:
-        try:
-            result = await answer_request(
-                request, self.sharable_model, self.network.add_downloadable
-            )
-        except Exception as e:  # a peer's request must never take the client down
-            logger.warning("cannot answer model-sharing request %s: %s", request, e)
-            result = TicketResult.Err(SharableModelError.SerializationError(str(e)))
-        reply.send(result)
-
     def _spawn(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
         assert self._nursery is not None
         self._nursery.start_soon(fn, *args)
 
-    def _start_download(self, ticket: Any, tag: str) -> None:
-        me = self.network.endpoint_id
-        others = []
-        if self.coordinator is not None:
-            others = [
-                c.id.p2p_identity
-                for c in self.coordinator.epoch_state.clients
-                if c.id.p2p_identity != me
-            ]
-            self.rng.shuffle(others)
+    def _start_download(self, ticket: BlobTicket, tag: str) -> None:
         # no result of this run is larger than its model and compression can make it
         max_size = self.machine.trainer.max_payload_size() if self.machine is not None else None
-        download = self.network.start_download(
-            ticket, tag, DownloadType.DistroResult(others), max_size
+        download = self.network.download_result(
+            ticket,
+            tag,
+            providers=self._other_members,
+            max_size=max_size,
+            wanted=self._awaits_payload,
         )
         self._spawn(self._deliver, download)
+
+    def _other_members(self) -> list[bytes]:
+        """The epoch's other clients, shuffled: who else may hold a result (upstream)."""
+        if self.coordinator is None:
+            return []
+        me = self.network.endpoint_id
+        others = [
+            c.id.p2p_identity
+            for c in self.coordinator.epoch_state.clients
+            if c.id.p2p_identity != me
+        ]
+        self.rng.shuffle(others)
+        return others
+
+    def _awaits_payload(self, digest: bytes) -> bool:
+        """Whether a download retry is worth it: a round still waits for this payload."""
+        return self.machine is not None and self.machine.awaits_payload(digest)
 
     async def _deliver(self, download: Download) -> None:
         outcome = await download.finished()
@@ -688,12 +640,6 @@ class Client:
         if kind == "opportunistic":
             if self.machine is not None:
                 self.machine.try_send_opportunistic_witness()
-        elif kind == "retry":
-            for retry in self.scheduler.get_due_distro_retries():
-                if self.machine is None or not self.machine.awaits_payload(retry.hash):
-                    continue  # its round is over (or it was refused): nothing would use it
-                logger.info("Retrying download for distro result (attempt %d)", retry.retries)
-                self._start_download(retry.ticket, retry.tag)
         elif kind == "connection" and self.coordinator is not None:
             self._ensure_gossip_connected(self.coordinator)
 

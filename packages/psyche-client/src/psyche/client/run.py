@@ -1,7 +1,7 @@
 """Running the training client from its options, whatever the backend (what upstream's client
 binaries share: shared/client/src/cli.rs and the `app.rs` of each binary).
 
-A client command parses its options (`psyche.client.options`), sets up logging
+A client command parses its options (`psyche.client.setup.options`), sets up logging
 (`setup_logging`), builds its backend's connector and calls `run_client`:
 
     options = TrainOptions.from_args(args).check()
@@ -14,7 +14,7 @@ it is waiting for, while torch and transformers load in a worker thread (seconds
 run once they are loaded (so it is ready when the warmup starts), then starts the network and
 the training client. Nothing here imports torch until the client runs.
 
-What the client reports goes to its observers (`psyche.client.telemetry`): the trackers the
+What the client reports goes to its observers (`psyche.client.observe.telemetry`): the trackers the
 options ask for (built before anything else, so a misconfigured one is a one-line error, and
 finished within their timeout when the client ends), the `--events-dir` files and the
 `--logs tui` dashboard. `--eval-tasks` datasets are read once the coordinator is reached.
@@ -30,14 +30,39 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from psyche.client.options import OptionError, TrainOptions
+import trio
+
+from psyche.client.background import in_abandoned_thread
+from psyche.client.checkpoints.gcs import storage_client
+from psyche.client.checkpoints.store import (
+    CheckpointConfig,
+    check_hub_repo_writable,
+    remove_stale_staging,
+)
+from psyche.client.checkpoints.upload import GcsUpload, HubUpload, UploadTarget
+from psyche.client.observe.evals import EvalSettings
+from psyche.client.observe.event_files import EventFiles
+from psyche.client.observe.logs import setup_logging as setup_client_logging
+from psyche.client.observe.telemetry import Observers, TrackerObserver, client_tracker
+from psyche.client.observe.tui import Dashboard, DashboardState
+from psyche.client.round.broadcast import open_network
+from psyche.client.setup.cpu_threads import set_cpu_threads
+from psyche.client.setup.options import OptionError, TrainOptions
+from psyche.client.setup.workers import WorkerGroup
+from psyche.core.cli import (
+    apply_log_directives,
+    interrupt_exit_code,
+    interrupted_by,
+    log_directives_from_environment,
+    single_cause,
+    user_error_message,
+)
 
 if TYPE_CHECKING:
+    # The client, its set-up and the model loaders import torch and libp2p: they are imported
+    # where they are used, in a worker thread or once the coordinator is reached (module doc).
     from psyche.client.client import Client
-    from psyche.client.init import RunInitConfig
-    from psyche.client.telemetry import Observers
-    from psyche.client.tui import Dashboard
-    from psyche.client.workers import WorkerGroup
+    from psyche.client.setup.init import RunInitConfig
     from psyche.core.identity import SecretKey
     from psyche.core.node_identity import NodeIdentity
     from psyche.network import EndpointAddr, NetworkConfig, NetworkConnection
@@ -61,9 +86,6 @@ TrainOnBackend = Callable[[Any, "Client", "NetworkConnection"], Awaitable[None]]
 def setup_logging(options: TrainOptions) -> None:
     """Logging as `--logs`, `--write-log` and `PSYCHE_LOG`/`RUST_LOG` say, plus the notes
     about options that are accepted but ignored."""
-    from psyche.client.logs import setup_logging as setup_client_logging
-    from psyche.core.cli import apply_log_directives, log_directives_from_environment
-
     mode = options.logs
     if mode == "tui-and-console":
         mode = "tui"
@@ -98,19 +120,10 @@ def network_config(
     )
 
 
-def run_init_config(
-    options: TrainOptions, identity: NodeIdentity | None, key: SecretKey | None
-) -> RunInitConfig:
+def run_init_config(options: TrainOptions, identity: NodeIdentity, key: SecretKey) -> RunInitConfig:
     """The client's `RunInitConfig` from the options (checks a hub repo is writable and
     removes checkpoint staging directories a killed client left behind)."""
-    from psyche.client.checkpoint import (
-        CheckpointConfig,
-        check_hub_repo_writable,
-        remove_stale_staging,
-    )
-    from psyche.client.init import RunInitConfig
-    from psyche.client.keep_policy import KeepPolicy, parse_keep_every
-    from psyche.client.upload import GcsUpload, HubUpload, UploadTarget
+    from psyche.client.setup.init import RunInitConfig  # torch: called in a worker thread
 
     checkpoint = None
     if options.checkpoint_dir is not None:
@@ -121,21 +134,13 @@ def run_init_config(
             check_hub_repo_writable(options.hub_repo, token)
             upload = HubUpload(options.hub_repo, token)
         elif options.gcs_bucket is not None:
-            from psyche.client.gcs import storage_client
-
             storage_client()  # fails early without google-cloud-storage
             upload = GcsUpload(options.gcs_bucket, options.gcs_prefix)
-        keep = KeepPolicy(
-            permanent=() if options.keep_every is None else parse_keep_every(options.keep_every),
-            temporary_interval_secs=options.temporary_checkpoint_interval,
-            keep_steps=options.keep_steps,
-            delete_old_steps=bool(options.delete_old_steps),
-        )
-        checkpoint = CheckpointConfig(Path(options.checkpoint_dir), upload, keep)
+        checkpoint = CheckpointConfig(Path(options.checkpoint_dir), upload, options.keep_policy)
         remove_stale_staging(checkpoint.checkpoint_dir)
     return RunInitConfig(
-        identity=identity,  # type: ignore[arg-type]
-        secret_key=key,  # type: ignore[arg-type]
+        identity=identity,
+        secret_key=key,
         run_id=options.run_id,
         device=options.device,
         micro_batch_size=options.micro_batch_size,
@@ -153,28 +158,22 @@ class Preload:
     the trio loop keeps talking to the coordinator meanwhile. `wait()` returns once they are
     loaded; an unusable device is an `OptionError` (exit 2). With several ranks (`workers`)
     it also starts them and joins their process group. Torch's CPU threads are set here, with
-    the device (`psyche.client.cpu_threads`), before any model is built."""
+    the device (`psyche.client.setup.cpu_threads`), before any model is built."""
 
     def __init__(
         self, device: str, workers: WorkerGroup | None = None, cpu_threads: int | None = None
     ) -> None:
-        import trio
-
         self.device = device
         self.workers = workers
         self.cpu_threads = cpu_threads
         self._done = trio.Event()
 
     async def run(self) -> None:
-        import trio
-
-        # trio-stubs (trio-typing's, a libp2p dependency) predate abandon_on_cancel.
-        await trio.to_thread.run_sync(self._load, abandon_on_cancel=True)  # type: ignore[call-arg]
+        await in_abandoned_thread(self._load)
         self._done.set()
 
     def _load(self) -> None:
-        from psyche.client.cpu_threads import set_cpu_threads
-        from psyche.client.model_loading import check_device, preload_modeling
+        from psyche.client.setup.model_loading import check_device, preload_modeling
         from psyche.modeling.causal_lm import ModelLoadError
 
         log.debug("loading torch and transformers")
@@ -227,25 +226,14 @@ def run_client(
     traceback for a bug).
 
     `service` names the client in OpenTelemetry exports; `observers` hear about the run
-    besides the ones the options ask for (`psyche.client.telemetry.RunObserver`)."""
-    import trio
-
-    from psyche.core.cli import (
-        interrupt_exit_code,
-        interrupted_by,
-        single_cause,
-        user_error_message,
-    )
-
+    besides the ones the options ask for (`psyche.client.observe.telemetry.RunObserver`)."""
     watchers, closers = run_observers(options, identity, service)
     watchers.observers.extend(observers)
     dashboard = open_dashboard(options, identity)
     if dashboard is not None:
         watchers.add(dashboard.observer)
 
-    from psyche.client.workers import RankLayout, WorkerGroup
-
-    layout = RankLayout.from_options(options)
+    layout = options.ranks
     workers = WorkerGroup(layout) if layout.needed else None
     if workers is not None:
         closers.append(workers.close)
@@ -257,12 +245,9 @@ def run_client(
                 assert workers.dims is not None
                 config = replace(config, device=str(workers.dims.device), workers=workers)
             evals = None
-            if options.eval_tasks or options.prompt_task:
-                from psyche.client.evals import EvalSettings
-
-                evals = await trio.to_thread.run_sync(EvalSettings.from_options, options)
-            from psyche.client.broadcast import open_network
-            from psyche.client.client import Client
+            if options.evals.enabled:
+                evals = await trio.to_thread.run_sync(EvalSettings.from_options, options.evals)
+            from psyche.client.client import Client  # libp2p and torch: loaded by now
 
             follow = options.iroh_relay == "psyche" and hasattr(backend, "relays_changed")
             run_relays = getattr(backend, "relays", []) if options.iroh_relay == "psyche" else []
@@ -314,14 +299,16 @@ def run_observers(
     """The observers the options ask for (trackers, `--events-dir`), and how to close each
     (bounded: the trackers get their finish timeout). A tracker that cannot work is a
     `TrackerConfigError`, one line."""
-    from psyche.client.telemetry import Observers, TrackerObserver, client_tracker
-
-    tracker = client_tracker(options, identity, service)
+    tracker = client_tracker(
+        options.trackers,
+        identity,
+        service,
+        run_id=options.run_id,
+        run_config={"micro_batch_size": options.micro_batch_size, "device": options.device},
+    )
     observers = Observers([TrackerObserver(tracker)])
     closers: list[Callable[[], None]] = [tracker.finish]
     if options.events_dir is not None:
-        from psyche.client.event_files import EventFiles
-
         events = EventFiles(
             Path(options.events_dir) / str(identity),
             run_id=options.run_id,
@@ -343,8 +330,6 @@ def open_dashboard(options: TrainOptions, identity: NodeIdentity) -> Dashboard |
     if not (sys.stdout.isatty() and sys.stdin.isatty()):
         log.warning("--logs %s: not a terminal; logging to the console instead", options.logs)
         return None
-    from psyche.client.tui import Dashboard, DashboardState
-
     dashboard = Dashboard(DashboardState(options.run_id, str(identity)))
     dashboard.take_console_logging()
     return dashboard

@@ -28,6 +28,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
+from typing import Any
 
 import trio
 
@@ -88,8 +89,8 @@ class InProcessServer:
 
     # ---- the loop ------------------------------------------------------------------------------
 
-    # trio-stubs (trio-typing's, a libp2p dependency) predate trio.TaskStatus.
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:  # type: ignore[name-defined]
+    # `Any`: trio-stubs (trio-typing's, a libp2p dependency) predate trio.TaskStatus.
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         try:
             async with trio.open_nursery() as nursery:
                 for drop_log in self.core.drop_logs:

@@ -82,7 +82,7 @@ class RunIdentity(Protocol):
     run config started twice gives two instances with different identities; a server resumed
     from its saved state keeps its identity. Every client of the instance sees the same one.
     A client's checkpoints carry it, so that it never resumes, counts or deletes another
-    instance's (psyche.client.checkpoint)."""
+    instance's (psyche.client.checkpoints.store)."""
 
     def run_identity(self) -> str | None:
         """The identity (a short printable string), or None when the coordinator names none."""

@@ -30,7 +30,7 @@ witness first compares each decoded result with what it knows of the run:
   result, a replay of an older one).
 
 `WitnessScreen` is one witness's memory over a run, `RoundScreen` one round of it. The client
-puts only results that pass into its witness blooms (`psyche.client.payloads`). Nothing here
+puts only results that pass into its witness blooms (`psyche.client.round.payloads`). Nothing here
 decides what a client applies: that is the coordinator's consensus over the witnesses' blooms,
 the same for every client, so honest witnesses may disagree here without any client's weights
 diverging (docs/reliability.md, "Poisoned results"). The screening state lives in host memory:

@@ -1,8 +1,10 @@
 """Peer-to-peer networking for Psyche: signed gossip, content-addressed blobs and model sharing.
 
-`NetworkConnection` is the facade (upstream `NetworkConnection<B, D>`); this module is the
-package's public face: other packages import from `psyche.network`, never from its modules (an
-import-linter contract in the root pyproject.toml; tests may reach in).
+`NetworkConnection` is the facade (upstream `NetworkConnection<B, D>`): gossip, DisTrO result
+downloads that retry themselves, and P2P model sharing (serving from `shared_model`, fetching
+with `model_download`) all go through it. This module is the package's public face: other
+packages import from `psyche.network`, never from its modules (an import-linter contract in the
+root pyproject.toml; tests may reach in).
 
     from psyche.network import BlobTicket, NetworkConfig, NetworkConnection
 
@@ -10,7 +12,8 @@ Names load lazily (PEP 562): `import psyche.network` costs nothing, and libp2p i
 the first time a name whose module needs it (`NetworkConnection`, `ModelDownload`, the relay)
 is used, so a client that only reads tickets never loads it. The package imports only
 `psyche.core` and `psyche.transport`, never torch: what gossip and blobs carry (the client's
-`Broadcast` and DisTrO results) reaches it as parameters of `NetworkConnection.open`.
+`Broadcast`, DisTrO results and model parameters, the last through a `ParameterCodec`)
+reaches it as parameters of `NetworkConnection.open`.
 """
 
 # ruff: noqa: F401  (the imports below are the face's names for the type checker; `__all__` is
@@ -35,21 +38,14 @@ if TYPE_CHECKING:  # the names of _MODULES, each from its module (tests/test_fac
         DownloadFailed,
         DownloadOutcome,
     )
-    from psyche.network.events import (
-        MessageReceived,
-        ModelConfigRequest,
-        NetworkEvent,
-        ParameterRequest,
-        PeerConnected,
-    )
+    from psyche.network.events import MessageReceived, NetworkEvent, PeerConnected
     from psyche.network.gossip import choose_gossip_peers
     from psyche.network.identity import peer_id_from_public_key
     from psyche.network.model_download import DownloadedModel, ModelDownload
     from psyche.network.peer_manager import PeersUnreachable
     from psyche.network.reachability import relay_peer
     from psyche.network.relay import Relay, RelayOptions, open_relay
-    from psyche.network.scheduler import DownloadScheduler, RetryQueueResult
-    from psyche.network.sharable_model import SharableModel, answer_request, model_hash
+    from psyche.network.sharable_model import ParameterCodec
     from psyche.network.ticket import (
         BlobFormat,
         BlobTicket,
@@ -69,21 +65,14 @@ _MODULES = {
     ".connection": ("NetworkConfig", "NetworkConnection"),
     ".discovery": ("default_local_discovery_dir", "sign_address_record", "verify_address_record"),
     ".download": ("Download", "DownloadComplete", "DownloadFailed", "DownloadOutcome"),
-    ".events": (
-        "MessageReceived",
-        "ModelConfigRequest",
-        "NetworkEvent",
-        "ParameterRequest",
-        "PeerConnected",
-    ),
+    ".events": ("MessageReceived", "NetworkEvent", "PeerConnected"),
     ".gossip": ("choose_gossip_peers",),
     ".identity": ("peer_id_from_public_key",),
     ".model_download": ("DownloadedModel", "ModelDownload"),
     ".peer_manager": ("PeersUnreachable",),
     ".reachability": ("relay_peer",),
     ".relay": ("Relay", "RelayOptions", "open_relay"),
-    ".scheduler": ("DownloadScheduler", "RetryQueueResult"),
-    ".sharable_model": ("SharableModel", "answer_request", "model_hash"),
+    ".sharable_model": ("ParameterCodec",),
     ".ticket": (
         "BlobFormat",
         "BlobTicket",

@@ -6,10 +6,20 @@ model-sharing and peer-exchange protocols, the connection monitor and the stats 
 application reads `NetworkEvent`s from `next_event()`, awaits the `Download`s it starts and calls
 the upstream-named methods. Its message types are parameters (upstream `NetworkConnection<B, D>`):
 `broadcast_type`, what gossip carries, and `distro_result_type`, what a blob's DistroResult
-variant holds (`transmittable.download_codec`).
+variant holds (`transmittable.download_codec`); `model_codec` turns the application's model
+parameters into bytes and back (`sharable_model.ParameterCodec`), so that the network never
+imports torch.
+
+It is the package's one face for what the application does with peers: gossip (`broadcast`,
+`next_event`), DisTrO results (`add_downloadable` to serve one, `download_result` to fetch one,
+retrying by itself: `result_downloads`), and P2P model sharing: it answers peers' requests from
+`shared_model` by itself, and `model_download` fetches the run's model from peers.
 
     async with NetworkConnection.open(
-        config, broadcast_type=Broadcast, distro_result_type=TransmittableDistroResult
+        config,
+        broadcast_type=Broadcast,
+        distro_result_type=TransmittableDistroResult,
+        model_codec=TENSOR_CODEC,
     ) as network:
         network.set_allowed_peers(ids_from_coordinator)
         network.broadcast(message)
@@ -56,10 +66,19 @@ from psyche.network.gossip import (
 )
 from psyche.network.identity import fmt_short
 from psyche.network.interfaces import announce_host, interface_ipv4
+from psyche.network.model_download import ModelDownload
 from psyche.network.reachability import (
     NatTraversal,
     ReachabilityMode,
     ReachabilityStatus,
+)
+from psyche.network.result_downloads import ResultDownloads
+from psyche.network.scheduler import DEFAULT_MAX_CONCURRENT_PARAMETER_REQUESTS
+from psyche.network.sharable_model import (
+    NoModelCodec,
+    ParameterCodec,
+    SharableModel,
+    answer_request,
 )
 from psyche.network.stats import (
     STATS_INTERVAL_SECS,
@@ -72,6 +91,7 @@ from psyche.network.ticket import BlobFormat, BlobTicket, EndpointAddr, Transpor
 from psyche.network.transmittable import (
     DownloadType,
     ModelRequestType,
+    SharableModelError,
     TicketResult,
     download_codec,
 )
@@ -138,6 +158,7 @@ class NetworkConnection:
         broadcast_type: Any,
         distro_result_type: Any,
         bind_host: str,
+        model_codec: ParameterCodec | None = None,
     ) -> None:
         self.config = config
         self.secret_key = secret_key
@@ -145,6 +166,10 @@ class NetworkConnection:
         self.allowlist = allowlist
         self.broadcast_type = broadcast_type
         self.codec = download_codec(distro_result_type)
+        self.model_codec: ParameterCodec = model_codec or NoModelCodec()
+        self.shared_model = SharableModel()
+        """The model this node serves to peers that ask (`model_sharing`): the application
+        updates it (`update_parameters` after a cooldown, `clear_cache` on RoundTrain)."""
         self.store = BlobStore()
         self.address_book = AddressBook()
         self.local_discovery = (
@@ -195,6 +220,11 @@ class NetworkConnection:
             max_blob_size=config.max_blob_size,
             timeout_secs=config.download_timeout_secs,
         )
+        self.result_downloads = ResultDownloads(self.start_download, self._spawn)
+        self.download_result = self.result_downloads.start
+        """Fetch a DisTrO result's blob, retrying by itself (`result_downloads`): the `Download`
+        resolves once, with the decoded result or the failure after which nothing more is
+        tried."""
         self.gossip = Gossip(
             host,
             secret_key,
@@ -230,6 +260,7 @@ class NetworkConnection:
         *,
         broadcast_type: Any,
         distro_result_type: Any,
+        model_codec: ParameterCodec | None = None,
         allowlist: Allowlist | None = None,
     ) -> AsyncIterator[NetworkConnection]:
         secret_key = config.secret_key or SecretKey.generate()
@@ -245,6 +276,7 @@ class NetworkConnection:
             broadcast_type,
             distro_result_type,
             bind_host,
+            model_codec,
         )
         p2p_host.harden(host, network._may_connect, network.connection_drops)
         host.get_network().register_notifee(
@@ -290,6 +322,7 @@ class NetworkConnection:
                     nursery.start_soon(network._gc_loop)
                     nursery.start_soon(network._rtt_loop)
                     nursery.start_soon(network.blob_routes.run)
+                    nursery.start_soon(network.result_downloads.run)
                     # Bootstrap peers seed the address book; we dial those already allowed (the
                     # rest once the coordinator admits them and the client calls add_peers).
                     for peer in config.bootstrap_peers:
@@ -589,11 +622,29 @@ class NetworkConnection:
                 self.address_book.add(result.value.addr)
         return results
 
+    def model_download(
+        self,
+        peers: Iterable[bytes],
+        *,
+        max_concurrent: int = DEFAULT_MAX_CONCURRENT_PARAMETER_REQUESTS,
+    ) -> ModelDownload:
+        """The run's model from `peers` (`ModelDownload.run`), decoded with `model_codec`."""
+        return ModelDownload(self, peers, max_concurrent=max_concurrent)
+
+    async def _answer_model_request(self, request: ModelRequestType) -> TicketResult:
+        try:
+            return await answer_request(
+                request, self.shared_model, self.add_downloadable, self.model_codec
+            )
+        except Exception as e:  # a peer's request must never take the node down
+            logger.warning("cannot answer model-sharing request %s: %s", request, e)
+            return TicketResult.Err(SharableModelError.SerializationError(str(e)))
+
     async def _serve_model_sharing(self, stream: INetStream) -> None:
-        await model_sharing.serve(stream, self._allowed, self._events_send.send_nowait)
+        await model_sharing.serve(stream, self._allowed, self._answer_model_request)
 
     async def _serve_model_sharing_batch(self, stream: INetStream) -> None:
-        await model_sharing.serve_batch(stream, self._allowed, self._events_send.send_nowait)
+        await model_sharing.serve_batch(stream, self._allowed, self._answer_model_request)
 
     # ------------------------------------------------------------------------------------------
     # peer exchange

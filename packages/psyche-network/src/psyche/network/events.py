@@ -1,7 +1,9 @@
 """What the network tells the application (upstream `NetworkEvent`), from `next_event()`.
 
-Gossip the run's members sent, and model-sharing requests that the application answers through
-their `TicketReply`. Downloads are not events: each `start_download` returns its own `Download`.
+Gossip the run's members sent, and newly connected members. Model-sharing requests are not
+events (upstream's `ParameterRequest`/`ModelConfigRequest`): the network answers them from the
+model it shares (`NetworkConnection.shared_model`). Downloads are not events either: each
+`start_download` or `download_result` returns its own `Download`.
 """
 
 from __future__ import annotations
@@ -9,49 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import trio
-
-from psyche.network.transmittable import TicketResult
-
 
 @dataclass(frozen=True)
 class MessageReceived:
     from_: bytes
     message: Any
-
-
-class TicketReply:
-    """One-shot answer to a model-sharing request (upstream's oneshot sender)."""
-
-    def __init__(self) -> None:
-        self._event = trio.Event()
-        self._result: TicketResult | None = None
-
-    def send(self, result: TicketResult) -> None:
-        if self._result is None:
-            self._result = result
-            self._event.set()
-
-    @property
-    def result(self) -> TicketResult | None:
-        """The answer if it was sent, without waiting."""
-        return self._result
-
-    async def receive(self) -> TicketResult:
-        await self._event.wait()
-        assert self._result is not None
-        return self._result
-
-
-@dataclass(frozen=True)
-class ParameterRequest:
-    name: str
-    reply: TicketReply
-
-
-@dataclass(frozen=True)
-class ModelConfigRequest:
-    reply: TicketReply
 
 
 @dataclass(frozen=True)
@@ -63,4 +27,4 @@ class PeerConnected:
     peer: bytes
 
 
-NetworkEvent = MessageReceived | ParameterRequest | ModelConfigRequest | PeerConnected
+NetworkEvent = MessageReceived | PeerConnected

@@ -13,11 +13,15 @@
    is retried with a fresh ticket from another peer; a complete one is decoded and kept.
 
 Each step awaits its own `Download`, so the application's event loop has nothing to route here.
+The parameters are decoded with the network's `ParameterCodec` (the application's tensors); a
+download is started with `NetworkConnection.model_download` and given up when no peer has served
+the model's configuration by `give_up_at`.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -49,8 +53,6 @@ from psyche.network.transmittable import (
 )
 
 if TYPE_CHECKING:
-    import torch
-
     from psyche.network.connection import NetworkConnection
 
 logger = logging.getLogger(__name__)
@@ -59,7 +61,8 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class DownloadedModel:
     config: TransmittableModelConfig
-    parameters: dict[str, torch.Tensor]
+    parameters: dict[str, Any]
+    """Each parameter as the network's `ParameterCodec` decodes it."""
 
 
 class ModelDownload:
@@ -104,12 +107,14 @@ class ModelDownload:
 
     # flow -------------------------------------------------------------------------------------
 
-    async def run(self) -> DownloadedModel:
+    async def run(self, give_up_at: float | None = None) -> DownloadedModel:
         """The whole model; raises `PeersUnreachable` once every peer failed too often (the
-        peer manager's verdict cancels all requests at once, like upstream's cancel token)."""
+        peer manager's verdict cancels all requests at once, like upstream's cancel token), or
+        when none has served the model's configuration by `give_up_at` (`trio.current_time()`;
+        a download under way is not cut short)."""
         with self._scope:
             try:
-                return await self._run()
+                return await self._run(math.inf if give_up_at is None else give_up_at)
             except BaseExceptionGroup as group:
                 unreachable, rest = group.split(PeersUnreachable)
                 if unreachable is not None and rest is None:
@@ -117,8 +122,11 @@ class ModelDownload:
                 raise
         raise PeersUnreachable("Peers were unreachable for P2P parameter requests")
 
-    async def _run(self) -> DownloadedModel:
-        config = await self._fetch_config()
+    async def _run(self, give_up_at: float) -> DownloadedModel:
+        with trio.move_on_at(give_up_at) as waiting:
+            config = await self._fetch_config()
+        if waiting.cancelled_caught:
+            raise PeersUnreachable("no peer served the model's configuration in time")
         self.model.add_config(config)
         self.model.initialize_parameters(list(config.parameter_names))
         queue = deque(config.parameter_names)
@@ -216,7 +224,7 @@ class ModelDownload:
             )
         if data.param_name_bytes != name.encode("utf-8"):
             raise SharableModelFailure(SharableModelError.ParameterUnknown(data.name()))
-        await self.model.add_parameter(data)
+        await self.model.add_parameter(data, self._network.model_codec)
 
     def _failed(self, ticket: BlobTicket, result: DownloadOutcome) -> None:
         self.retried_downloads += 1

@@ -2,31 +2,28 @@
 
 Protocol `/psyche/model-sharing/0` (upstream ALPN `model-sharing/0`), one stream per request:
 the requester writes `postcard(ModelRequestType)` and half-closes; the provider reads at most
-1000 bytes, asks the application for a blob ticket (a `ParameterRequest` or `ModelConfigRequest`
-event), writes `postcard(Result<BlobTicket, SharableModelError>)` (at most 16384 bytes) and
-closes. The bytes themselves then travel as ordinary blobs; what they hold is `sharable_model`'s.
+1000 bytes, answers it from the model the node shares (`NetworkConnection.shared_model`;
+upstream asks the application through `ParameterRequest`/`ModelConfigRequest` events), writes
+`postcard(Result<BlobTicket, SharableModelError>)` (at most 16384 bytes) and closes. The bytes
+themselves then travel as ordinary blobs; what they hold is `sharable_model`'s.
 
 `/psyche/model-sharing-batch/0` (a port extension) asks for many parameters in one stream, so a
 joining client pays one round trip per peer instead of one per tensor: the requester writes
 `postcard(Vec<String>)` (at most `MAX_BATCH_NAMES` names, `MAX_BATCH_REQUEST_BYTES`) and
-half-closes; the provider asks the application for each ticket as for single requests (one
-`ParameterRequest` event per name, answered concurrently) and writes
+half-closes; the provider answers each name as a single request (all concurrently) and writes
 `postcard(Vec<Result<BlobTicket, SharableModelError>>)`, one result per name in order (at most
 `MAX_BATCH_RESPONSE_BYTES`).
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import trio
 from libp2p.abc import IHost, INetStream
 
 from psyche.core.serde import PostcardError, from_bytes, to_bytes
 from psyche.network import p2p_host
-from psyche.network.events import ModelConfigRequest, NetworkEvent, ParameterRequest, TicketReply
-from psyche.network.identity import fmt_short
 from psyche.network.peer_manager import MODEL_REQUEST_TIMEOUT_SECS
 from psyche.network.ticket import BlobTicket
 from psyche.network.transmittable import (
@@ -36,8 +33,6 @@ from psyche.network.transmittable import (
     TicketResult,
 )
 
-logger = logging.getLogger(__name__)
-
 MODEL_SHARING_PROTOCOL = "/psyche/model-sharing/0"
 MAX_REQUEST_BYTES = 1000
 MAX_RESPONSE_BYTES = 16384
@@ -45,6 +40,10 @@ MODEL_SHARING_BATCH_PROTOCOL = "/psyche/model-sharing-batch/0"
 MAX_BATCH_NAMES = 256
 MAX_BATCH_REQUEST_BYTES = 64 * 1024
 MAX_BATCH_RESPONSE_BYTES = 1 << 20
+
+
+AnswerFn = Callable[[ModelRequestType], Awaitable[TicketResult]]
+"""The provider's answer to one request (`NetworkConnection._answer_model_request`)."""
 
 
 def batch_timeout(names: int) -> float:
@@ -133,59 +132,45 @@ async def request_tickets(host: IHost, peer: bytes, names: list[str]) -> list[Ti
     return decode_batch_response(raw, len(names))
 
 
-async def serve_batch(
-    stream: INetStream, allowed: p2p_host.AllowFn, post: Callable[[NetworkEvent], None]
-) -> None:
-    """Answer one inbound batch: one `ParameterRequest` event per name, all answered within
-    `batch_timeout` (a name left unanswered gets `ResponseChannelNotInitialized`)."""
-    peer = await p2p_host.stream_peer(stream, allowed)
-    if peer is None:
-        return
-    try:
+async def serve_batch(stream: INetStream, allowed: p2p_host.AllowFn, answer: AnswerFn) -> None:
+    """Answer one inbound batch: every name answered concurrently, all within `batch_timeout`
+    (a name left unanswered gets `ResponseChannelNotInitialized`)."""
+
+    async def handle() -> None:
         with trio.fail_after(MODEL_REQUEST_TIMEOUT_SECS):
             names = decode_batch_request(
                 await p2p_host.read_to_end(stream, MAX_BATCH_REQUEST_BYTES)
             )
-        replies = [TicketReply() for _ in names]
-        for name, reply in zip(names, replies, strict=True):
-            post(ParameterRequest(name, reply))
-        with trio.move_on_after(batch_timeout(len(names))):
-            for reply in replies:
-                await reply.receive()
         unanswered = TicketResult.Err(SharableModelError.ResponseChannelNotInitialized())
-        results = [reply.result or unanswered for reply in replies]
+        results: list[TicketResult] = [unanswered] * len(names)
+
+        async def answer_one(index: int, name: str) -> None:
+            results[index] = await answer(ModelRequestType.Parameter(name))
+
+        with trio.move_on_after(batch_timeout(len(names))):
+            async with trio.open_nursery() as nursery:
+                for index, name in enumerate(names):
+                    nursery.start_soon(answer_one, index, name)
         response = encode_batch_response(results)
         if len(response) > MAX_BATCH_RESPONSE_BYTES:
             raise ValueError(f"batch response of {len(response)} bytes")
         await stream.write(response)
         await stream.close()
-    except Exception as e:  # malformed or hostile request, or the peer went away
-        logger.info("dropping model-sharing batch from %s: %s", fmt_short(peer), e)
-        await p2p_host.reset_quietly(stream)
+
+    await p2p_host.serve_member(stream, allowed, "model-sharing batch", handle)
 
 
-async def serve(
-    stream: INetStream, allowed: p2p_host.AllowFn, post: Callable[[NetworkEvent], None]
-) -> None:
-    """Answer one inbound request: the application gets it as an event and has
-    `MODEL_REQUEST_TIMEOUT_SECS` to reply (`ResponseChannelNotInitialized` otherwise)."""
-    peer = await p2p_host.stream_peer(stream, allowed)
-    if peer is None:
-        return
-    try:
+async def serve(stream: INetStream, allowed: p2p_host.AllowFn, answer: AnswerFn) -> None:
+    """Answer one inbound request within `MODEL_REQUEST_TIMEOUT_SECS`
+    (`ResponseChannelNotInitialized` otherwise)."""
+
+    async def handle() -> None:
         with trio.fail_after(MODEL_REQUEST_TIMEOUT_SECS):
             request = decode_request(await p2p_host.read_to_end(stream, MAX_REQUEST_BYTES))
-        reply = TicketReply()
-        match request:
-            case ModelRequestType.Parameter(name):
-                post(ParameterRequest(name, reply))
-            case _:
-                post(ModelConfigRequest(reply))
         result: TicketResult = TicketResult.Err(SharableModelError.ResponseChannelNotInitialized())
         with trio.move_on_after(MODEL_REQUEST_TIMEOUT_SECS):
-            result = await reply.receive()
+            result = await answer(request)
         await stream.write(encode_response(result))
         await stream.close()
-    except Exception as e:  # malformed or hostile request, or the peer went away
-        logger.info("dropping model-sharing request from %s: %s", fmt_short(peer), e)
-        await p2p_host.reset_quietly(stream)
+
+    await p2p_host.serve_member(stream, allowed, "model-sharing request", handle)

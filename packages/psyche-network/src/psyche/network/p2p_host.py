@@ -30,7 +30,7 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import multiaddr
 import trio
@@ -342,10 +342,17 @@ class ConnectionNotifee(INotifee):
         return None
 
 
+@runtime_checkable
+class _RemoteAddressed(Protocol):
+    """What py-libp2p's muxers have and its IMuxedConn does not declare."""
+
+    def get_remote_address(self) -> tuple[str, int] | None: ...
+
+
 def _remote_addr(conn: INetConn) -> str:
+    muxed = conn.muxed_conn
     try:
-        # py-libp2p's IMuxedConn does not declare get_remote_address (its muxers have it).
-        remote = conn.muxed_conn.get_remote_address()  # type: ignore[attr-defined]
+        remote = muxed.get_remote_address() if isinstance(muxed, _RemoteAddressed) else None
     except Exception:
         remote = None
     return f"{remote[0]}:{remote[1]}" if remote else "?"
@@ -583,6 +590,22 @@ async def stream_peer(stream: INetStream, allowed: AllowFn) -> bytes | None:
         await reset_quietly(stream)
         return None
     return peer
+
+
+async def serve_member(
+    stream: INetStream, allowed: AllowFn, what: str, handle: Callable[[], Awaitable[None]]
+) -> None:
+    """Run `handle()` on an inbound stream from a run member (others are reset unheard); when it
+    fails (a malformed or hostile request, or the peer went away), the stream is reset and one
+    line logged: `dropping <what> from <peer>`."""
+    peer = await stream_peer(stream, allowed)
+    if peer is None:
+        return
+    try:
+        await handle()
+    except Exception as e:
+        logger.info("dropping %s from %s: %s", what, fmt_short(peer), e)
+        await reset_quietly(stream)
 
 
 __all__ = [

@@ -71,15 +71,12 @@ async def exchange_records(
 
 async def serve(stream: INetStream, allowed: p2p_host.AllowFn, address_book: AddressBook) -> None:
     """Answer one inbound request from a run member with the records we hold."""
-    peer = await p2p_host.stream_peer(stream, allowed)
-    if peer is None:
-        return
-    try:
+
+    async def handle() -> None:
         with trio.fail_after(MODEL_REQUEST_TIMEOUT_SECS):
             wanted = decode_request(await p2p_host.read_to_end(stream, MAX_REQUEST_BYTES))
             records = address_book.records(wanted or None)
             await stream.write(encode_response(records))
             await stream.close()
-    except Exception as e:  # malformed or hostile request, or the peer went away
-        logger.info("dropping peer-exchange request from %s: %s", fmt_short(peer), e)
-        await p2p_host.reset_quietly(stream)
+
+    await p2p_host.serve_member(stream, allowed, "peer-exchange request", handle)

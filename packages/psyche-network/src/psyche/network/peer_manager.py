@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
+from typing import TypeVar
 
 import trio
 
@@ -21,6 +22,8 @@ from psyche.network.ticket import BlobTicket
 from psyche.network.transmittable import ModelRequestType, TicketResult
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 MAX_ERRORS_PER_PEER = 5
 MODEL_REQUEST_TIMEOUT_SECS = 10.0
@@ -135,27 +138,15 @@ async def blob_ticket_param_request_task(
     Waiting for a free peer counts as an attempt, as upstream. Raises `PeersUnreachable` after
     `max_attempts`.
     """
-    attempts = 0
-    while attempts < max_attempts:
-        peer = peer_manager.get_next_peer()
-        if peer is None:
-            await trio.sleep(NO_PEER_SLEEP_SECS)
-            attempts += 1
-            continue
-        try:
-            with trio.fail_after(request_timeout):
-                ticket = await request_ticket(peer, request)
-        except Exception as e:
-            peer_manager.report_blob_ticket_request_error(peer)
-            logger.warning("Request failed for peer %s: %s. Trying next peer", fmt_short(peer), e)
-            attempts += 1
-            await trio.sleep(RETRY_SLEEP_SECS)
-            continue
-        peer_manager.report_success(peer)
-        return ticket, request, peer
-    raise PeersUnreachable(
-        f"Failed to get model parameter blob ticket after {max_attempts} attempts"
+    ticket, peer = await _ask_peers(
+        lambda peer: request_ticket(peer, request),
+        peer_manager,
+        max_attempts,
+        request_timeout,
+        "Request",
+        "Failed to get model parameter blob ticket",
     )
+    return ticket, request, peer
 
 
 async def blob_ticket_batch_request_task(
@@ -170,6 +161,25 @@ async def blob_ticket_batch_request_task(
     ask peers until one answers the whole batch; returns (one result per name, peer). A peer
     that answers is reported successful even if some names came back as errors: the caller
     judges those."""
+    return await _ask_peers(
+        lambda peer: request_tickets(peer, names),
+        peer_manager,
+        max_attempts,
+        request_timeout,
+        "Batch request",
+        "Failed to get model parameter blob tickets",
+    )
+
+
+async def _ask_peers(
+    ask: Callable[[bytes], Awaitable[T]],
+    peer_manager: PeerManager,
+    max_attempts: int,
+    request_timeout: float,
+    what: str,
+    gave_up: str,
+) -> tuple[T, bytes]:
+    """`ask` the peer manager's next peer until one answers; (the answer, that peer)."""
     attempts = 0
     while attempts < max_attempts:
         peer = peer_manager.get_next_peer()
@@ -179,17 +189,13 @@ async def blob_ticket_batch_request_task(
             continue
         try:
             with trio.fail_after(request_timeout):
-                results = await request_tickets(peer, names)
+                answer = await ask(peer)
         except Exception as e:
             peer_manager.report_blob_ticket_request_error(peer)
-            logger.warning(
-                "Batch request failed for peer %s: %s. Trying next peer", fmt_short(peer), e
-            )
+            logger.warning("%s failed for peer %s: %s. Trying next peer", what, fmt_short(peer), e)
             attempts += 1
             await trio.sleep(RETRY_SLEEP_SECS)
             continue
         peer_manager.report_success(peer)
-        return results, peer
-    raise PeersUnreachable(
-        f"Failed to get model parameter blob tickets after {max_attempts} attempts"
-    )
+        return answer, peer
+    raise PeersUnreachable(f"{gave_up} after {max_attempts} attempts")

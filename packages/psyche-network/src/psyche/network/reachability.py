@@ -45,6 +45,7 @@ import multiaddr
 import trio
 from libp2p.abc import IHost
 from libp2p.host.autonat.autonat import AutoNATService, AutoNATStatus
+from libp2p.host.basic_host import BasicHost
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
@@ -152,6 +153,13 @@ class ReachabilityStatus:
 class DialBackAutoNAT(AutoNATService):
     """py-libp2p's AutoNAT with a real dial-back (see the module docstring)."""
 
+    def __init__(self, host: IHost, serve: bool = True, confirmations: int | None = None) -> None:
+        # py-libp2p's AutoNATService types its host as BasicHost (what `new_host` builds), its
+        # factory as IHost.
+        if not isinstance(host, BasicHost):
+            raise TypeError(f"AutoNAT needs a BasicHost, not {type(host).__name__}")
+        super().__init__(host, serve=serve, confirmations=confirmations)
+
     async def _try_dial(self, peer_id: ID, addrs: list[bytes]) -> bytes | None:
         network: Any = self.host.get_network()
         for raw in addrs:
@@ -236,8 +244,7 @@ class NatTraversal:
             RelayConfig(roles=RelayRole.STOP | RelayRole.CLIENT, limits=CLIENT_RELAY_LIMITS),
         )
         self.dcutr = ReportedDCUtR(host, self._on_hole_punch)
-        # py-libp2p's AutoNATService types its host as BasicHost; ours is an IHost.
-        self.autonat = DialBackAutoNAT(host, serve=False, confirmations=1)  # type: ignore[arg-type]
+        self.autonat = DialBackAutoNAT(host, serve=False, confirmations=1)
         for addr in relays:
             self.add_relay(addr)
 

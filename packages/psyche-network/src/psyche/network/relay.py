@@ -239,8 +239,7 @@ async def open_relay(
     host = p2p_host.build_host(secret_key, options.bind_host, announce)
     drops = p2p_host.harden(host, allowed)
     protocol = CircuitV2Protocol(host, relay_limits(options), allow_hop=True)
-    # py-libp2p's AutoNATService types its host as BasicHost; ours is an IHost.
-    DialBackAutoNAT(host, serve=True, confirmations=1)  # type: ignore[arg-type]
+    DialBackAutoNAT(host, serve=True, confirmations=1)
     relay = Relay(host, protocol, announce, allowed, drops)
     for gossip_protocol in (GOSSIP_V11, GOSSIP_V10):
         host.set_stream_handler(gossip_protocol, relay.gossip.handle)

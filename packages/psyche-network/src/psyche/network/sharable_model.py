@@ -1,18 +1,18 @@
 """What P2P model sharing hands out and collects: the model config and every parameter as blobs.
 
-`SharableModel` holds the provider's bf16 parameters (serialized on first request) and, on a
-joining client, the parameters downloaded so far; `answer_request` is a provider's reply to one
-request of the model-sharing protocol (`model_sharing`). Tensors travel as single-tensor
-safetensors files (upstream: tch archives), so decoding hostile bytes never runs pickle. torch is
-imported lazily: an application that shares a model has it, and psyche-network does not install it.
+`SharableModel` holds the provider's parameters (serialized on first request) and, on a joining
+client, the parameters downloaded so far; `answer_request` is a provider's reply to one request
+of the model-sharing protocol (`model_sharing`). What a parameter is, and how it becomes bytes,
+is the application's: a `ParameterCodec` it hands `NetworkConnection.open` (the client's is
+`psyche.modeling.sharing.TENSOR_CODEC`: one-tensor safetensors files, so decoding hostile bytes
+never runs pickle), as it hands it the DisTrO payload type. psyche.network never imports torch.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import trio
 
@@ -26,13 +26,9 @@ from psyche.network.transmittable import (
     TransmittableModelParameter,
 )
 
-if TYPE_CHECKING:
-    import torch
-
 logger = logging.getLogger(__name__)
 
 CONFIG_TAG = "model-config"
-_TENSOR_KEY = "value"
 
 
 def parameter_tag(name: str) -> str:
@@ -40,53 +36,27 @@ def parameter_tag(name: str) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# Tensors
+# Parameters
 
 
-def serialize_tensor(tensor: torch.Tensor) -> bytes:
-    from safetensors.torch import save
+class ParameterCodec(Protocol):
+    """How the application's model parameters become blob bytes and back."""
 
-    return save({_TENSOR_KEY: tensor.detach().to("cpu").contiguous()})
+    def encode(self, parameter: Any) -> bytes: ...
 
-
-def deserialize_tensor(data: bytes) -> torch.Tensor:
-    from safetensors import SafetensorError
-    from safetensors.torch import load
-
-    try:
-        tensors = load(bytes(data))
-    except (SafetensorError, ValueError, RuntimeError) as e:
-        raise SharableModelFailure(SharableModelError.SerializationError(str(e))) from e
-    if set(tensors) != {_TENSOR_KEY}:
-        raise SharableModelFailure(
-            SharableModelError.SerializationError("expected exactly one tensor")
-        )
-    return tensors[_TENSOR_KEY]
+    def decode(self, data: bytes | memoryview) -> Any:
+        """The parameter; `ValueError` for bytes that are not one."""
+        ...
 
 
-def model_hash(parameters: Mapping[str, torch.Tensor]) -> bytes:
-    """SHA-256 over every parameter (sorted by name): name, dtype, shape and raw bytes.
+class NoModelCodec:
+    """The codec of a node opened without one: it shares and fetches no parameters."""
 
-    Two models with equal hashes hold bit-identical tensors.
-    """
-    hasher = hashlib.sha256()
-    for name in sorted(parameters):
-        tensor = parameters[name].detach().to("cpu").contiguous()
-        hasher.update(name.encode("utf-8") + b"\0")
-        hasher.update(f"{tensor.dtype}|{tuple(tensor.shape)}\0".encode())
-        hasher.update(_raw_bytes(tensor))
-    return hasher.digest()
+    def encode(self, parameter: Any) -> bytes:
+        raise ValueError("this node was opened without a model codec: it shares no parameters")
 
-
-def _raw_bytes(tensor: torch.Tensor) -> bytes:
-    import torch
-
-    flat = tensor.reshape(-1)
-    if flat.dtype in (torch.bfloat16, torch.float16):
-        flat = flat.view(torch.int16)
-    elif flat.dtype == torch.bool:
-        flat = flat.to(torch.uint8)
-    return flat.numpy().tobytes()
+    def decode(self, data: bytes | memoryview) -> Any:
+        raise ValueError("this node was opened without a model codec: it fetches no parameters")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -103,7 +73,7 @@ class SharableModel:
     `add_parameter`, `add_config`, `take_parameters`."""
 
     def __init__(self) -> None:
-        self.parameters: dict[str, torch.Tensor | None] | None = None
+        self.parameters: dict[str, Any | None] | None = None
         self.serialized_parameters: dict[str, BlobTicket] | None = None
         self.model_config: str | None = None
         self.tokenizer_config: str | None = None
@@ -112,7 +82,7 @@ class SharableModel:
 
     # provider ---------------------------------------------------------------------------------
 
-    def update_parameters(self, new_parameters: Mapping[str, torch.Tensor]) -> None:
+    def update_parameters(self, new_parameters: Mapping[str, Any]) -> None:
         if self.parameters is not None and set(new_parameters) != set(self.parameters):
             raise SharableModelFailure(SharableModelError.InvalidUpdate())
         self.parameters = dict(new_parameters)
@@ -124,7 +94,7 @@ class SharableModel:
         self.config_ticket = None
 
     async def get_transmittable_parameter(
-        self, name: str, add_downloadable: AddDownloadable
+        self, name: str, add_downloadable: AddDownloadable, codec: ParameterCodec
     ) -> BlobTicket:
         if self.parameters is None or self.serialized_parameters is None:
             raise SharableModelFailure(SharableModelError.ParametersNotInitialized())
@@ -137,7 +107,7 @@ class SharableModel:
         if tensor is None:
             raise SharableModelFailure(SharableModelError.ParameterNotInitialized(name))
         serialized = self.serialized_parameters
-        value = await trio.to_thread.run_sync(serialize_tensor, tensor)
+        value = await trio.to_thread.run_sync(codec.encode, tensor)
         payload = TransmittableModelParameter(name.encode("utf-8"), value)
         try:
             ticket, _ = await add_downloadable(payload, parameter_tag(name))
@@ -180,13 +150,18 @@ class SharableModel:
     def initialize_parameters(self, names: list[str]) -> None:
         self.parameters = dict.fromkeys(names)
 
-    async def add_parameter(self, parameter: TransmittableModelParameter) -> str:
+    async def add_parameter(
+        self, parameter: TransmittableModelParameter, codec: ParameterCodec
+    ) -> str:
         if self.parameters is None:
             raise SharableModelFailure(SharableModelError.ParametersNotInitialized())
         name = parameter.name()
         if name not in self.parameters:
             raise SharableModelFailure(SharableModelError.ParameterUnknown(name))
-        tensor = await trio.to_thread.run_sync(deserialize_tensor, parameter.param_value_bytes)
+        try:
+            tensor = await trio.to_thread.run_sync(codec.decode, parameter.param_value_bytes)
+        except ValueError as e:
+            raise SharableModelFailure(SharableModelError.SerializationError(str(e))) from e
         if self.parameters[name] is not None:
             logger.warning("Parameter %s was already added to the model, ignoring it", name)
         self.parameters[name] = tensor
@@ -197,10 +172,10 @@ class SharableModel:
         self.tokenizer_config = config.tokenizer
         self.parameters_to_download = list(config.parameter_names)
 
-    def take_parameters(self) -> dict[str, torch.Tensor]:
+    def take_parameters(self) -> dict[str, Any]:
         if self.parameters is None:
             raise SharableModelFailure(SharableModelError.ParametersNotInitialized())
-        out: dict[str, torch.Tensor] = {}
+        out: dict[str, Any] = {}
         for name, tensor in self.parameters.items():
             if tensor is None:
                 raise SharableModelFailure(SharableModelError.ParameterNotInitialized(name))
@@ -210,13 +185,16 @@ class SharableModel:
 
 
 async def answer_request(
-    request: ModelRequestType, model: SharableModel, add_downloadable: AddDownloadable
+    request: ModelRequestType,
+    model: SharableModel,
+    add_downloadable: AddDownloadable,
+    codec: ParameterCodec,
 ) -> TicketResult:
     """What a provider replies to a parameter or config request."""
     try:
         match request:
             case ModelRequestType.Parameter(name):
-                ticket = await model.get_transmittable_parameter(name, add_downloadable)
+                ticket = await model.get_transmittable_parameter(name, add_downloadable, codec)
             case _:
                 ticket = await model.get_transmittable_config(add_downloadable)
     except SharableModelFailure as failure:

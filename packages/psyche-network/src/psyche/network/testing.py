@@ -12,10 +12,9 @@ import trio
 
 from psyche.core.identity import SecretKey
 from psyche.network.connection import NetworkConfig, NetworkConnection
-from psyche.network.events import ModelConfigRequest, NetworkEvent, ParameterRequest
-from psyche.network.sharable_model import SharableModel, answer_request
+from psyche.network.events import NetworkEvent
+from psyche.network.sharable_model import ParameterCodec, SharableModel
 from psyche.network.ticket import EndpointAddr, TransportAddr
-from psyche.network.transmittable import ModelRequestType
 
 
 def only_relayed(addr: EndpointAddr) -> EndpointAddr:
@@ -42,13 +41,15 @@ async def open_nodes(
     run_id: str = "test-run",
     broadcast_type: Any = bytes,
     distro_result_type: Any = bytes,
+    model_codec: ParameterCodec | None = None,
     allow_each_other: bool = True,
     keys: Sequence[SecretKey] | None = None,
     **config: Any,
 ) -> AsyncIterator[list[NetworkConnection]]:
     """`count` nodes, each allowing all the others (as clients of one run would). Raw `bytes`
-    stand in for the application's gossip messages and DisTrO results unless told otherwise.
-    `keys`: the nodes' identities (random by default)."""
+    stand in for the application's gossip messages and DisTrO results unless told otherwise;
+    `model_codec`: the model parameters' (none shared by default). `keys`: the nodes'
+    identities (random by default)."""
     identities = list(keys) if keys is not None else [SecretKey.generate() for _ in range(count)]
     async with AsyncExitStack() as stack:
         nodes = [
@@ -57,6 +58,7 @@ async def open_nodes(
                     local_config(run_id, secret_key=key, **config),
                     broadcast_type=broadcast_type,
                     distro_result_type=distro_result_type,
+                    model_codec=model_codec,
                 )
             )
             for key in identities[:count]
@@ -119,19 +121,10 @@ async def serve_model(
     *,
     on_other_event: Callable[[NetworkEvent], None] | None = None,
 ) -> None:
-    """A provider's event loop: answer model-sharing requests from `model` (until cancelled)."""
+    """A provider: `network` serves `model` (it answers model-sharing requests by itself) while
+    this reads its events (until cancelled), handing them to `on_other_event` if given."""
+    network.shared_model = model
     while True:
         event = await network.next_event()
-        match event:
-            case ParameterRequest(name, reply):
-                reply.send(
-                    await answer_request(
-                        ModelRequestType.Parameter(name), model, network.add_downloadable
-                    )
-                )
-            case ModelConfigRequest(reply):
-                reply.send(
-                    await answer_request(ModelRequestType.Config(), model, network.add_downloadable)
-                )
-            case _ if on_other_event is not None:
-                on_other_event(event)
+        if on_other_event is not None:
+            on_other_event(event)

@@ -11,6 +11,7 @@ package that defines it. `SharableModelError` lists upstream's 16 variants in or
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -57,13 +58,15 @@ class DownloadCodec:
 
     wire_enum: type[DataEnum]
     """The enum as serde declares it: its bytes are exactly upstream's."""
+    variant_of: Mapping[type, Callable[[Any], DataEnum]]
+    """Each payload type's variant of `wire_enum` (the payload's exact type picks it)."""
 
     def encode(self, payload: Any) -> bytes:
-        for var in self.wire_enum.variants:
-            if type(payload) is var.payload_type:
-                return to_bytes(var(payload), self.wire_enum)  # type: ignore[call-arg]
-        names = ", ".join(v.payload_type.__name__ for v in self.wire_enum.variants)
-        raise TypeError(f"{type(payload).__name__} is not a blob payload (one of {names})")
+        variant_of = self.variant_of.get(type(payload))
+        if variant_of is None:
+            names = ", ".join(t.__name__ for t in self.variant_of)
+            raise TypeError(f"{type(payload).__name__} is not a blob payload (one of {names})")
+        return to_bytes(variant_of(payload), self.wire_enum)
 
     def decode(self, blob: bytes | bytearray | memoryview) -> Any:
         """The payload; `PostcardError` for bytes that are not a `TransmittableDownload<D>`."""
@@ -81,7 +84,14 @@ def download_codec(distro_result_type: Any) -> DownloadCodec:
 
     # Compiled now, on the event loop, before any worker thread decodes.
     prepare_decoder(TransmittableDownload, borrow=True)
-    return DownloadCodec(TransmittableDownload)
+    return DownloadCodec(
+        TransmittableDownload,
+        {
+            distro_result_type: TransmittableDownload.DistroResult,
+            TransmittableModelParameter: TransmittableDownload.ModelParameter,
+            TransmittableModelConfig: TransmittableDownload.ModelConfig,
+        },
+    )
 
 
 class ModelRequestType(DataEnum):

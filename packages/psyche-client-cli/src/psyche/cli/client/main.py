@@ -4,7 +4,7 @@ Flags and defaults follow upstream's `psyche-centralized-client` (shared/client/
 `TrainArgs` plus `--server-addr`); every flag can also come from the environment under its
 upper-snake name (`--run-id` -> `RUN_ID`). Features the Python port does not build are
 accepted as flags but refused with a clear message when given a non-default value. The train
-options are `psyche.client.options` (`psyche-solana-client train` takes them too). This module
+options are `psyche.client.setup.options` (`psyche-solana-client train` takes them too). This module
 imports nothing heavy, so `--help` is fast; training imports torch when it starts.
 """
 
@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from psyche.client.options import (
+from psyche.client.setup.options import (
     OptionError,
     TrainOptions,
     add_train_options,

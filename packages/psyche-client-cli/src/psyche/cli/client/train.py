@@ -7,7 +7,7 @@ import argparse
 import logging
 from functools import partial
 
-from psyche.client.options import TrainOptions
+from psyche.client.setup.options import TrainOptions
 
 log = logging.getLogger("psyche.cli.client")
 
@@ -16,8 +16,8 @@ def train(options: TrainOptions, args: argparse.Namespace) -> int:
     """Train with `options` on the coordinator server of `args` (`--server-addr` and its
     timeouts); the exit code is `run_client`'s."""
     from psyche.centralized.client import CentralizedBackend
-    from psyche.client.options import read_identity_secret_key
     from psyche.client.run import network_config, run_client, setup_logging
+    from psyche.client.setup.options import read_identity_secret_key
     from psyche.core.identity import SecretKey
     from psyche.core.node_identity import NodeIdentity
 

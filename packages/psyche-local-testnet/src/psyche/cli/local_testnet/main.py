@@ -18,7 +18,7 @@ from psyche.cli.local_testnet.commands import (
     read_run_id,
     split_args,
 )
-from psyche.client.cpu_threads import available_cores, threads_per_client
+from psyche.client.setup.cpu_threads import available_cores, threads_per_client
 from psyche.core.cli import (
     EnvOptions,
     HelpFormatter,

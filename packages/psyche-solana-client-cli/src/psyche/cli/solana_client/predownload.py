@@ -70,7 +70,7 @@ def _predownload_model(coordinator: Any) -> Path:
             bucket = str(repo.bucket)
             prefix = None if repo.prefix is None else str(repo.prefix)
             print(f"Predownloading model from gs://{bucket}/{prefix or ''}")
-            from psyche.client.gcs import GcsError, download_checkpoint_from_gcs
+            from psyche.client.checkpoints.gcs import GcsError, download_checkpoint_from_gcs
 
             try:
                 path = download_checkpoint_from_gcs(bucket, prefix)

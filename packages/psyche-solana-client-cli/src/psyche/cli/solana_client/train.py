@@ -5,7 +5,7 @@ preflight and backend (`psyche.solana.app`).
 
 Options: the cluster (`--rpc`, `--ws-rpc`, backups `--rpc-2/--ws-rpc-2`, `--rpc-3/--ws-rpc-3`:
 `psyche.solana.commands.args.TrainClusterOptions`), the wallet, upstream's `TrainArgs` (shared
-with `psyche-client train`: `psyche.client.options`), `--authorizer`, and the port's
+with `psyche-client train`: `psyche.client.setup.options`), `--authorizer`, and the port's
 `--bootstrap-peer` (how clients find each other without a server; see docs/solana.md).
 
 The P2P identity is `-i`/`RAW_IDENTITY_SECRET_KEY` when given, else derived from the run id and
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from psyche.client.options import TrainOptions
+from psyche.client.setup.options import TrainOptions
 from psyche.core.cli import nested
 from psyche.solana.commands.args import TrainClusterOptions, wallet_arg
 from psyche.solana.commands.authorization import EVERYONE
@@ -61,7 +61,7 @@ class ChainOptions:
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     """Every option of `train`; the client's fall back to the environment once parsed
     (`args.train_env`, resolved by `train`)."""
-    from psyche.client.options import add_train_options
+    from psyche.client.setup.options import add_train_options
     from psyche.core.cli import EnvOptions, add_options
 
     env = EnvOptions()
@@ -178,8 +178,8 @@ def settings_from_args(args: argparse.Namespace, options: TrainOptions, wallet: 
 
 
 def train(args: argparse.Namespace) -> int:
-    from psyche.client.options import OptionError, read_identity_secret_key
     from psyche.client.run import network_config, setup_logging
+    from psyche.client.setup.options import OptionError, read_identity_secret_key
     from psyche.core.cli import EXIT_USAGE, UsageError
     from psyche.core.identity import SecretKey
     from psyche.solana.admin import AdminError

@@ -15,7 +15,10 @@ workers (`WorkerGroup.watch`): a worker that exits takes the whole client down w
 (`WorkerDied`), as any departed client is then treated by the run. `close` tells the workers to
 exit, waits a bounded time and terminates whatever is left: no orphan processes.
 
-This module imports nothing heavy at import time (`parallel_problems` runs on `--help` paths).
+The group takes its settings as a `ranks.RankLayout` and builds trainers with a
+`TrainerSettings`. It imports nothing heavy at import time (`run_client` builds the group before
+the client reaches its coordinator, while torch loads in a worker thread): torch, the modeling
+package and `init`'s error are imported where a rank uses them.
 """
 
 from __future__ import annotations
@@ -28,18 +31,19 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
+
+from psyche.client.background import in_abandoned_thread
+from psyche.client.setup.cpu_threads import set_cpu_threads
+from psyche.client.setup.ranks import RankLayout
 
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
 
     import torch
 
-    from psyche.client.init import RunInitConfig
-    from psyche.client.model_loading import LoadedModel
-    from psyche.client.options import TrainOptions
+    from psyche.client.setup.model_loading import LoadedModel
     from psyche.modeling.parallel import ParallelDims
-    from psyche.modeling.sharding import ShardingOptions
     from psyche.modeling.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -49,89 +53,17 @@ CLOSE_TIMEOUT = 20.0
 PARENT_POLL_SECS = 0.5
 
 
-@dataclass(frozen=True)
-class RankLayout:
-    """The client's ranks as its options give them."""
-
-    dp: int = 1
-    tp: int = 1
-    fsdp: bool = False
-    device: str = "auto"
-    cpu_threads: int | None = None
-    param_dtype: str = "auto"
-    reduce_dtype: str = "fp32"
-    activation_checkpointing: bool = False
-
-    @classmethod
-    def from_options(cls, options: TrainOptions) -> RankLayout:
-        return cls(
-            dp=options.data_parallelism,
-            tp=options.tensor_parallelism,
-            fsdp=bool(options.fsdp),
-            device=options.device,
-            cpu_threads=options.cpu_threads,
-            param_dtype=options.param_dtype,
-            reduce_dtype=options.reduce_dtype,
-            activation_checkpointing=bool(options.activation_checkpointing),
-        )
+class TrainerSettings(Protocol):
+    """How each rank's trainer trains (`init.RunInitConfig` carries them)."""
 
     @property
-    def world_size(self) -> int:
-        return self.dp * self.tp
+    def micro_batch_size(self) -> int: ...
 
     @property
-    def needed(self) -> bool:
-        """Whether the trainer is built through a `WorkerGroup` (several ranks, or a memory
-        option the one-rank path applies the same way)."""
-        return self.world_size > 1 or self.activation_checkpointing
+    def grad_accum_in_fp32(self) -> bool: ...
 
-    def sharding(self) -> ShardingOptions:
-        import torch
-
-        from psyche.modeling.sharding import ShardingOptions
-
-        dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
-        return ShardingOptions(
-            param_dtype=dtypes.get(self.param_dtype),
-            reduce_dtype=dtypes[self.reduce_dtype],
-            activation_checkpointing=self.activation_checkpointing,
-        )
-
-
-def parallel_problems(options: TrainOptions) -> list[str]:
-    """What is wrong with the parallelism and device options, as one-line messages (checked
-    before anything heavy loads; devices that do not exist are found when the ranks start)."""
-    problems = []
-    dp, tp = options.data_parallelism, options.tensor_parallelism
-    world = dp * tp
-    device = options.device.strip().lower()
-    if device.startswith("cuda:"):
-        parts = device[5:].split(",")
-        if not all(p.strip().isdigit() for p in parts):
-            problems.append(f"--device {options.device}: expected cuda:N or cuda:N,M,...")
-        elif len(parts) != world:
-            problems.append(
-                f"--device {options.device} names {len(parts)} device(s) for "
-                f"--data-parallelism {dp} x --tensor-parallelism {tp} = {world} rank(s): "
-                f"list {world} devices, or use --device cuda / auto"
-            )
-        elif len(set(map(int, parts))) != len(parts):
-            problems.append(f"--device {options.device}: a device is listed twice")
-    elif device not in ("auto", "cpu", "cuda"):
-        problems.append(
-            f"--device {options.device}: supported are auto, cpu, cuda, cuda:N and "
-            "cuda:N,M,... (one per rank)"
-        )
-    if options.fsdp and dp < 2:
-        problems.append("--fsdp shards over the data-parallel ranks: add --data-parallelism 2+")
-    if not options.fsdp and (options.param_dtype != "auto" or options.reduce_dtype != "fp32"):
-        problems.append("--param-dtype and --reduce-dtype apply to --fsdp only")
-    if world > 1 and (options.eval_tasks or options.prompt_task):
-        problems.append(
-            "evaluations (--eval-tasks, --prompt-task) run on one rank: they are not built "
-            "for a client of several ranks"
-        )
-    return problems
+    @property
+    def optim_stats_every_n_steps(self) -> int | None: ...
 
 
 class WorkerDied(RuntimeError):
@@ -157,7 +89,6 @@ class WorkerGroup:
         every rank has joined). A device that cannot serve is a `ParallelismError`."""
         import multiprocessing
 
-        from psyche.client.cpu_threads import set_cpu_threads
         from psyche.modeling.parallel import ParallelDims, parse_devices
         from psyche.modeling.sharding import build_mesh, init_world
 
@@ -227,7 +158,7 @@ class WorkerGroup:
 
     # -- the trainer ---------------------------------------------------------------------------
 
-    def build_trainer(self, loaded: LoadedModel, llm: Any, config: RunInitConfig) -> Trainer:
+    def build_trainer(self, loaded: LoadedModel, llm: Any, config: TrainerSettings) -> Trainer:
         """Rank 0's trainer over the whole group: the model's tensors go to every rank, each
         builds and lays out its part, and rank 0 gets a `LeaderTrainer`. `loaded.model`
         becomes the laid-out model."""
@@ -280,8 +211,7 @@ class WorkerGroup:
 
         if not self.processes:
             await trio.sleep_forever()
-        # trio-stubs (trio-typing's, a libp2p dependency) predate abandon_on_cancel.
-        death = await trio.to_thread.run_sync(self.wait_for_a_death, abandon_on_cancel=True)  # type: ignore[call-arg]
+        death = await in_abandoned_thread(self.wait_for_a_death)
         if death is None:
             await trio.sleep_forever()
         assert death is not None
@@ -353,8 +283,8 @@ def _build_rank(
 ) -> Trainer:
     """This rank's trainer: the model from `state` (or `loaded`, with one rank), laid out as
     `dims` says. Errors about the layout and the model become `InitRunError`s (one line)."""
-    from psyche.client.init import InitRunError
-    from psyche.client.model_loading import build_from_parameters
+    from psyche.client.setup.init import InitRunError
+    from psyche.client.setup.model_loading import build_from_parameters
     from psyche.modeling.causal_lm import ModelLoadError
     from psyche.modeling.parallel import ParallelismError
     from psyche.modeling.sharding import parallelize
@@ -416,8 +346,7 @@ def _worker_main(
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     import torch
 
-    from psyche.client.cpu_threads import set_cpu_threads
-    from psyche.client.init import InitRunError
+    from psyche.client.setup.init import InitRunError
     from psyche.modeling.distributed import EXIT, broadcast_state, serve
     from psyche.modeling.parallel import ParallelDims
     from psyche.modeling.sharding import build_mesh, close_world, init_world
@@ -447,4 +376,4 @@ def _worker_main(
     close_world()
 
 
-__all__ = ["RankLayout", "WorkerDied", "WorkerGroup", "parallel_problems"]
+__all__ = ["TrainerSettings", "WorkerDied", "WorkerGroup"]

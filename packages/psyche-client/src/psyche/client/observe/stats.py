@@ -2,7 +2,7 @@
 what a person reads: the progress line and the run summary.
 
 The coordinator ignores the metadata; it is there for dashboards. With evaluations running
-(`psyche.client.evals`), it carries their latest scores (at most 8, names cut to 32 bytes) and the
+(`psyche.client.observe.evals`), it carries their latest scores (at most 8, names cut to 32 bytes) and the
 prompt task's tokens, as upstream's `get_witness_metadata`.
 """
 

@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from psyche.client.apply import ApplyError, ApplyJob, apply_results
-from psyche.client.fetch_data import DataFetcher
-from psyche.client.logs import log_event
-from psyche.client.round_state import CommitteeInfo, DeserializedPayload, RoundState
+from psyche.client.observe.logs import log_event
+from psyche.client.round.apply import ApplyError, ApplyJob, apply_results
+from psyche.client.round.fetch import DataFetcher
+from psyche.client.round.state import CommitteeInfo, DeserializedPayload, RoundState
 from psyche.coordinator import BLOOM_FALSE_RATE, Coordinator
 from psyche.coordinator.committee_selection import CommitteeProof, CommitteeSelection
 from psyche.coordinator.data_selection import (

@@ -1,5 +1,5 @@
 """Client logging: plain console lines, JSON lines, or (`tui`) console lines that the terminal
-dashboard (`psyche.client.tui`) takes over into its log panel once it starts.
+dashboard (`psyche.client.observe.tui`) takes over into its log panel once it starts.
 
 Events that tools read (the loss per round, model hashes, assignments) are logged with
 `log_event(logger, name, **fields)`: the record's message is the event name and the fields

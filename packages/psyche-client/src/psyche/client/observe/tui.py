@@ -29,10 +29,11 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from psyche.client.stats import format_duration
+from psyche.client.observe.logs import ConsoleFormatter, QuietEventFilter
+from psyche.client.observe.stats import format_duration
+from psyche.client.observe.telemetry import RoundReport
 
 if TYPE_CHECKING:
-    from psyche.client.telemetry import RoundReport
     from psyche.coordinator import Coordinator
 
 REFRESH_SECONDS = 0.25
@@ -288,8 +289,6 @@ class Dashboard:
     def take_console_logging(self) -> None:
         """Log lines go to the dashboard's panel instead of the terminal (a `--write-log`
         file keeps its lines), formatted as on the console."""
-        from psyche.client.logs import ConsoleFormatter, QuietEventFilter
-
         self.log_handler.setFormatter(ConsoleFormatter())
         self.log_handler.addFilter(QuietEventFilter())
         root = logging.getLogger()
@@ -344,12 +343,18 @@ class Dashboard:
                 # not possible off the main thread: the keys still stop the client
                 with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
                     loop.add_signal_handler(signum, self.request_quit)
-            # trio-stubs (trio-typing's, a libp2p dependency) type these callbacks narrower
-            # than trio does (theirs return None, asyncio's return a Handle).
+
+            # trio types these callbacks as returning None; asyncio's return a Handle
+            def soon_threadsafe(fn: Callable[[], object]) -> None:
+                loop.call_soon_threadsafe(fn)
+
+            def soon(fn: Callable[[], object]) -> None:
+                loop.call_soon(fn)
+
             trio.lowlevel.start_guest_run(
                 guest,
-                run_sync_soon_threadsafe=loop.call_soon_threadsafe,  # type: ignore[arg-type]
-                run_sync_soon_not_threadsafe=loop.call_soon,  # type: ignore[arg-type]
+                run_sync_soon_threadsafe=soon_threadsafe,
+                run_sync_soon_not_threadsafe=soon,
                 done_callback=done,
                 host_uses_signal_set_wakeup_fd=True,
             )

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING
 import trio
 
 from psyche.client.background import Background
-from psyche.client.checkpoint import (
+from psyche.client.checkpoints.keep_policy import Kept, Kind, classify, to_delete
+from psyche.client.checkpoints.store import (
     CheckpointConfig,
     RunInstance,
     checkpoint_path,
@@ -28,9 +29,8 @@ from psyche.client.checkpoint import (
     find_checkpoints,
     save_checkpoint_locally,
 )
-from psyche.client.keep_policy import Kept, Kind, classify, to_delete
-from psyche.client.logs import log_event
-from psyche.client.upload import Uploader, UploadJob
+from psyche.client.checkpoints.upload import Uploader, UploadJob
+from psyche.client.observe.logs import log_event
 from psyche.coordinator.model import Checkpoint
 from psyche.core.node_identity import NodeIdentity
 
@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 def live_model_hash(trainer: Trainer) -> bytes:
     """SHA-256 over the live parameters (name, dtype, shape, bytes): equal hashes, equal weights."""
-    from psyche.network import model_hash
+    from psyche.modeling.sharing import model_hash
 
     return model_hash(trainer.full_variables())
 

@@ -6,7 +6,7 @@ seconds) and `event`:
 
 * `run_started` (first line of every file): `run_id`, `node_id`, `epoch`;
 * `state_changed`: `old`, `new` (run state names), `epoch`, `step`, `clients`;
-* `round`: a finished round (`psyche.client.telemetry.RoundReport`'s fields, the network's
+* `round`: a finished round (`psyche.client.observe.telemetry.RoundReport`'s fields, the network's
   numbers under `network`);
 * `evals`: `step`, `scores` (task -> score), `partial` (the tasks whose score is over fewer
   documents than the task holds) whenever the evaluation scores change;
@@ -29,8 +29,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from psyche.client.observe.telemetry import RoundReport
+
 if TYPE_CHECKING:
-    from psyche.client.telemetry import RoundReport
     from psyche.coordinator import Coordinator
 
 log = logging.getLogger(__name__)

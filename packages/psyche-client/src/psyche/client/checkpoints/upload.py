@@ -23,8 +23,9 @@ from pathlib import Path
 
 import trio
 
-from psyche.client.logs import log_event
-from psyche.client.telemetry import PROGRESS_INTERVAL, log_progress
+from psyche.client.checkpoints.gcs import upload_checkpoint_to_gcs
+from psyche.client.observe.logs import log_event
+from psyche.client.observe.progress import PROGRESS_INTERVAL, log_progress
 from psyche.coordinator.model import Checkpoint, GcsRepo, HubRepo
 
 logger = logging.getLogger(__name__)
@@ -72,8 +73,6 @@ class GcsUpload:
         return f"gs://{self.bucket}/{self.prefix or ''}"
 
     def upload(self, job: UploadJob) -> Checkpoint:
-        from psyche.client.gcs import upload_checkpoint_to_gcs
-
         files = sorted(p for p in job.path.iterdir() if p.is_file())
         upload_checkpoint_to_gcs(self.bucket, self.prefix, files, job.run_id, job.epoch, job.step)
         return Checkpoint.Gcs(GcsRepo(self.bucket, self.prefix))

@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from psyche.client.broadcast import Broadcast, BroadcastType
-from psyche.client.logs import log_event
-from psyche.client.round_state import (
+from psyche.client.observe.logs import log_event
+from psyche.client.round.broadcast import Broadcast, BroadcastType
+from psyche.client.round.state import (
     DeserializedPayload,
     Downloading,
     PayloadHandle,

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from psyche.client.logs import log_event
-from psyche.client.round_state import Downloading, PayloadHandle, RoundState
+from psyche.client.observe.logs import log_event
+from psyche.client.round.state import Downloading, PayloadHandle, RoundState
 from psyche.coordinator import Coordinator
 from psyche.coordinator.commitment import Commitment
 from psyche.coordinator.data_selection import get_batch_ids_for_round

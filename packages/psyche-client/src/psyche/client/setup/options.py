@@ -10,7 +10,13 @@ upstream's doc comments are clap's. `add_train_options` puts every field on a pa
 Every option can also come from the environment under its upper-snake name (`--run-id` ->
 `RUN_ID`); the command line wins (`psyche.core.cli.EnvOptions`). Features the Python port does
 not build are accepted as flags but refused with a clear message when given a non-default value
-(`TrainOptions.problems`). This module imports nothing heavy, so `--help` stays fast.
+(`TrainOptions.problems`).
+
+Components never take the options: each owns a plain settings object, and `TrainOptions`
+composes them from its fields (`ranks`: `ranks.RankLayout`, `evals`: `observe.evals.EvalOptions`,
+`keep_policy`: `checkpoints.keep_policy.KeepPolicy`, `trackers`: `psyche.metrics.TrackerConfig`),
+each checked by its own `problems()`. This module and those settings import nothing heavy, so
+`--help` stays fast.
 """
 
 from __future__ import annotations
@@ -27,10 +33,14 @@ from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from psyche.client.checkpoints.keep_policy import KeepPolicy, KeepPolicyError, parse_keep_every
+from psyche.client.observe.evals import EvalOptions
+from psyche.client.setup.ranks import RankLayout
 from psyche.core.cli import EnvOptions, UsageError, parse_bool, parse_unsigned
 
 if TYPE_CHECKING:
     from psyche.core.identity import SecretKey
+    from psyche.metrics import TrackerConfig
 
 LOG_OUTPUTS = ("tui", "console", "json", "tui-and-console", "none")
 
@@ -59,8 +69,6 @@ def parse_seconds(text: str) -> float:
 
 
 def _parse_keep_every(text: str) -> str:
-    from psyche.client.keep_policy import KeepPolicyError, parse_keep_every
-
     try:
         parse_keep_every(text)
     except KeepPolicyError as e:
@@ -121,16 +129,15 @@ def relay_problems(options: TrainOptions) -> list[str]:
     return problems
 
 
-def observability_problems(options: TrainOptions) -> list[str]:
-    """What is wrong with the tracker and evaluation options, found without loading anything:
-    a typo in a task name, an OTLP URL that is not http, W&B flags without WANDB_API_KEY (or
-    WANDB_MODE=offline), a tracker whose extra is not installed. Datasets are read later."""
-    from psyche.metrics import TrackerConfig, TrackerConfigError, require_extra, wandb_info
+def tracker_problems(config: TrackerConfig, run_id: str) -> list[str]:
+    """What is wrong with the tracker options, found without loading anything: an OTLP URL
+    that is not http, W&B flags without WANDB_API_KEY (or WANDB_MODE=offline), a tracker whose
+    extra is not installed."""
+    from psyche.metrics import TrackerConfigError, require_extra, wandb_info
 
-    config = TrackerConfig.from_options(options)
     problems = config.problems()
     try:
-        wandb = wandb_info(config, options.run_id)
+        wandb = wandb_info(config, run_id)
     except TrackerConfigError as e:
         problems.append(f"Weights & Biases: {e}")
         wandb = None
@@ -143,15 +150,6 @@ def observability_problems(options: TrainOptions) -> list[str]:
             require_extra("otel")
     except TrackerConfigError as e:
         problems.append(str(e))
-    if options.eval_tasks:
-        from psyche.modeling.eval import UnknownTaskError, check_task_names
-
-        try:
-            check_task_names(options.eval_tasks)
-        except UnknownTaskError as e:
-            problems.append(f"--eval-tasks {options.eval_tasks}: {e}")
-    elif options.eval_task_max_docs is not None or options.eval_data_dir is not None:
-        problems.append("--eval-task-max-docs and --eval-data-dir need --eval-tasks")
     return problems
 
 
@@ -346,6 +344,50 @@ class TrainOptions:
     keep_event_files: int = option(5, parse=parse_unsigned(64))
     """Epoch event files to keep; older ones are deleted (0: keep all)"""
 
+    # ---- the settings of each component, composed from the fields above --------------------
+
+    @property
+    def ranks(self) -> RankLayout:
+        """The client's ranks (`workers.WorkerGroup`)."""
+        return RankLayout(
+            dp=self.data_parallelism,
+            tp=self.tensor_parallelism,
+            fsdp=bool(self.fsdp),
+            device=self.device,
+            cpu_threads=self.cpu_threads,
+            param_dtype=self.param_dtype,
+            reduce_dtype=self.reduce_dtype,
+            activation_checkpointing=bool(self.activation_checkpointing),
+        )
+
+    @property
+    def evals(self) -> EvalOptions:
+        """The evaluations between rounds (`observe.evals.EvalSettings.from_options`)."""
+        return EvalOptions(
+            tasks=self.eval_tasks,
+            seed=self.eval_seed,
+            max_docs=self.eval_task_max_docs,
+            data_dir=self.eval_data_dir,
+            prompt_task=bool(self.prompt_task),
+        )
+
+    @property
+    def keep_policy(self) -> KeepPolicy:
+        """Which checkpoints are kept (`checkpoints.keep_policy`)."""
+        return KeepPolicy(
+            permanent=() if self.keep_every is None else parse_keep_every(self.keep_every),
+            temporary_interval_secs=self.temporary_checkpoint_interval,
+            keep_steps=self.keep_steps,
+            delete_old_steps=bool(self.delete_old_steps),
+        )
+
+    @property
+    def trackers(self) -> TrackerConfig:
+        """The experiment trackers (`psyche.metrics`, imported here: it is not light)."""
+        from psyche.metrics import TrackerConfig
+
+        return TrackerConfig.from_options(self)
+
     def relay_addrs(self) -> tuple[str, ...]:
         """The relays `--iroh-relay` names (none for `psyche` and `disabled`)."""
         if self.iroh_relay in ("psyche", "disabled"):
@@ -371,10 +413,15 @@ class TrainOptions:
             problems.extend(f"--iroh-relay {self.iroh_relay}: {p}" for p in relay_problems(self))
         if self.iroh_discovery not in ("n0", "local"):
             problems.append(f"--iroh-discovery {self.iroh_discovery}: expected n0 or local")
-        from psyche.client.workers import parallel_problems
-
-        problems.extend(parallel_problems(self))
-        problems.extend(observability_problems(self))
+        ranks = self.ranks
+        problems.extend(ranks.problems())
+        if ranks.world_size > 1 and self.evals.enabled:
+            problems.append(
+                "evaluations (--eval-tasks, --prompt-task) run on one rank: they are not built "
+                "for a client of several ranks"
+            )
+        problems.extend(tracker_problems(self.trackers, self.run_id))
+        problems.extend(self.evals.problems())
         if self.hub_repo is not None and self.gcs_bucket is not None:
             problems.append("Use either GCS or HF hub for checkpoint uploads, not both.")
         uploading = self.hub_repo is not None or self.gcs_bucket is not None
@@ -436,7 +483,9 @@ def field_docs() -> dict[str, str]:
         source = textwrap.dedent(inspect.getsource(TrainOptions))
     except (OSError, TypeError):
         return {}
-    body = ast.parse(source).body[0].body  # type: ignore[attr-defined]
+    (cls,) = ast.parse(source).body
+    assert isinstance(cls, ast.ClassDef)
+    body = cls.body
     docs = {}
     for node, after in itertools.pairwise(body):
         if (

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from psyche.client.checkpoints.gcs import GcsError, download_checkpoint_from_gcs
+from psyche.client.checkpoints.store import RunInstance, latest_complete
 from psyche.modeling.causal_lm import (
     CausalLM,
     ModelLoadError,
@@ -38,7 +40,6 @@ from psyche.modeling.causal_lm import (
 if TYPE_CHECKING:
     import torch
 
-    from psyche.client.checkpoint import RunInstance
 
 INIT_SEED = 1337
 TOKENIZER_FILE = "tokenizer.json"
@@ -168,8 +169,6 @@ def load_gcs_checkpoint(
     bucket: str, prefix: str | None, architecture: str, device: torch.device
 ) -> LoadedModel:
     """The bucket's newest checkpoint (upstream's manifest, or every model file without one)."""
-    from psyche.client.gcs import GcsError, download_checkpoint_from_gcs
-
     try:
         directory = download_checkpoint_from_gcs(bucket, prefix)
     except GcsError as e:
@@ -185,8 +184,6 @@ def resume_checkpoint(checkpoint_dir: Path, run: RunInstance, step: int) -> Path
     """This run instance's complete local checkpoint of `step` (the model the epoch starts
     from), if any: the step must match exactly, since an older model would put this client
     apart from its peers; a partial one, or another instance's, is never chosen."""
-    from psyche.client.checkpoint import latest_complete
-
     if step < 0:
         return None
     found = latest_complete(checkpoint_dir, run, step)

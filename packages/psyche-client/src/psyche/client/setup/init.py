@@ -27,14 +27,14 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 
-from psyche.client.checkpoint import CheckpointConfig, RunInstance
-from psyche.client.cooldown import extract_for_sharing, live_model_hash
-from psyche.client.logs import log_event
-from psyche.client.model_loading import (
+from psyche.client.checkpoints.cooldown import extract_for_sharing, live_model_hash
+from psyche.client.checkpoints.store import CheckpointConfig, RunInstance
+from psyche.client.observe.logs import log_event
+from psyche.client.setup.model_loading import (
     LoadedModel,
     build_from_parameters,
     check_device,
@@ -53,7 +53,6 @@ from psyche.core.node_identity import NodeIdentity
 if TYPE_CHECKING:
     import torch
 
-    from psyche.client.workers import WorkerGroup
     from psyche.modeling.trainer import Trainer
     from psyche.network import DownloadedModel
 
@@ -62,6 +61,13 @@ logger = logging.getLogger(__name__)
 
 class InitRunError(RuntimeError):
     """The client cannot take part in this run (model, data or configuration)."""
+
+
+class TrainerBuilder(Protocol):
+    """What builds the trainer when the client has several ranks (`workers.WorkerGroup`):
+    every rank builds its part of the model and trainer from `loaded`."""
+
+    def build_trainer(self, loaded: LoadedModel, llm: Any, config: RunInitConfig) -> Trainer: ...
 
 
 @dataclass(frozen=True)
@@ -79,7 +85,7 @@ class RunInitConfig:
     max_concurrent_parameter_requests: int = 8
     write_gradients_dir: Path | None = None
     checkpoint: CheckpointConfig | None = None
-    workers: WorkerGroup | None = None
+    workers: TrainerBuilder | None = None
     """The client's ranks when it has several (or a memory option): they build the trainer."""
 
 

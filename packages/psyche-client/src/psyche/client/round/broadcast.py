@@ -137,9 +137,14 @@ async def rebroadcast_periodically(
 
 def open_network(config: NetworkConfig) -> AbstractAsyncContextManager[NetworkConnection]:
     """The client's network (upstream `NC = NetworkConnection<Broadcast, TransmittableDownload>`):
-    gossip carries `Broadcast`s, a blob's DistroResult variant a `TransmittableDistroResult`."""
+    gossip carries `Broadcast`s, a blob's DistroResult variant a `TransmittableDistroResult`, and
+    model sharing torch tensors (`TENSOR_CODEC`)."""
+    from psyche.modeling.sharing import TENSOR_CODEC
     from psyche.network import NetworkConnection  # libp2p loads only when needed
 
     return NetworkConnection.open(
-        config, broadcast_type=Broadcast, distro_result_type=TransmittableDistroResult
+        config,
+        broadcast_type=Broadcast,
+        distro_result_type=TransmittableDistroResult,
+        model_codec=TENSOR_CODEC,
     )

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from psyche.client.round_state import RoundState
-from psyche.client.witness import (
+from psyche.client.round.state import RoundState
+from psyche.client.round.witness import (
     OpportunisticAction,
     SendFinished,
     SendWarmupWitness,

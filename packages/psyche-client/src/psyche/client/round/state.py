@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from psyche.client.broadcast import Finished, TrainingResult
+from psyche.client.round.broadcast import Finished, TrainingResult
 from psyche.coordinator.commitment import Commitment
 from psyche.coordinator.committee_selection import CommitteeProof, CommitteeSelection, WitnessProof
 from psyche.core.batch_id import BatchId

@@ -35,14 +35,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from psyche.client.keep_policy import KeepPolicy, Kind
+from psyche.client.checkpoints.keep_policy import KeepPolicy, Kind
+from psyche.client.checkpoints.upload import UploadTarget
 from psyche.core.atomic_file import fsync_directory
 from psyche.core.safe_path import path_component
 
 if TYPE_CHECKING:
     import torch
 
-    from psyche.client.upload import UploadTarget
 
 logger = logging.getLogger(__name__)
 

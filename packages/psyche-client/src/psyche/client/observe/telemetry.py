@@ -21,15 +21,15 @@ import math
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Protocol
 
 from psyche.metrics import names
 
 if TYPE_CHECKING:
-    from psyche.client.options import TrainOptions
     from psyche.coordinator import Coordinator
     from psyche.core.node_identity import NodeIdentity
-    from psyche.metrics import MetricValue, Tracker
+    from psyche.metrics import MetricValue, Tracker, TrackerConfig
 
 log = logging.getLogger(__name__)
 
@@ -271,45 +271,27 @@ class TrackerObserver:
             self.tracker.log_summary(values)
 
 
-PROGRESS_INTERVAL = 5.0
-"""Seconds between two progress lines of a long wait (a model download from peers)."""
-
-
-async def log_progress(
-    logger: logging.Logger, describe: Callable[[], str | None], interval: float = PROGRESS_INTERVAL
-) -> None:
-    """Until cancelled, every `interval` seconds log what `describe` says (nothing when it says
-    None): a person watching a long wait sees it move. Start it beside the wait and cancel it
-    when the wait ends; a wait shorter than `interval` logs nothing."""
-    import trio
-
-    while True:
-        await trio.sleep(interval)
-        text = describe()
-        if text is not None:
-            logger.info("%s", text)
-
-
-def client_tracker(options: TrainOptions, identity: NodeIdentity | str, service: str) -> Tracker:
-    """The trackers `options` ask for (`psyche.metrics.build_tracker`; a `NoopTracker`
-    when none). `service` is the OpenTelemetry service name (upstream's
-    `psyche-centralized-client` / `psyche-solana-client`); the W&B run defaults to
-    `<run id>-<identity>` as upstream. A tracker that cannot work is a `TrackerConfigError`
-    (one line); nothing here touches the network."""
-    from psyche.metrics import ServiceInfo, TrackerConfig, build_tracker
+def client_tracker(
+    trackers: TrackerConfig,
+    identity: NodeIdentity | str,
+    service: str,
+    *,
+    run_id: str,
+    run_config: Mapping[str, Any] = MappingProxyType({}),
+) -> Tracker:
+    """The trackers `trackers` asks for (`psyche.metrics.build_tracker`; a `NoopTracker`
+    when none), for this client of run `run_id`. `service` is the OpenTelemetry service name
+    (upstream's `psyche-centralized-client` / `psyche-solana-client`); the W&B run defaults to
+    `<run id>-<identity>` as upstream, its config is the run and identity and `run_config`. A
+    tracker that cannot work is a `TrackerConfigError` (one line); nothing here touches the
+    network."""
+    from psyche.metrics import ServiceInfo, build_tracker
 
     return build_tracker(
-        TrackerConfig.from_options(options),
-        service=ServiceInfo.from_env(
-            service, str(identity), run_id=options.run_id, scope="psyche_client"
-        ),
-        run_name=f"{options.run_id}-{identity}",
-        run_config={
-            "run_id": options.run_id,
-            "identity": str(identity),
-            "micro_batch_size": options.micro_batch_size,
-            "device": options.device,
-        },
+        trackers,
+        service=ServiceInfo.from_env(service, str(identity), run_id=run_id, scope="psyche_client"),
+        run_name=f"{run_id}-{identity}",
+        run_config={"run_id": run_id, "identity": str(identity), **run_config},
     )
 
 
@@ -323,6 +305,5 @@ __all__ = [
     "TrackerObserver",
     "client_tracker",
     "complete_report",
-    "log_progress",
     "round_metrics",
 ]

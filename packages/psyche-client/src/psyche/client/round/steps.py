@@ -3,8 +3,11 @@
 `StepStateMachine` follows the coordinator's run state, Warmup -> Training -> Witness ->
 Training ... -> Cooldown -> Warmup, and on each transition ends the step it was in and starts the
 one the new state calls for: a round's training step (`train`, which first applies round N - 2
-through `apply`), the witness (`witness`), the cooldown (`cooldown`), warmup (`warmup`). Gossip
-and payloads go to the round states through `payloads`. It owns the trainer and the round
+through `apply`), the witness (`witness`), the cooldown (`checkpoints.cooldown`), warmup
+(`warmup`). The transitions are a table, `TRANSITIONS`, keyed by (the step it is in, the new run
+state), each a small method; a pair the table leaves out is a desync. Gossip and payloads go to
+the round states through `payloads`, peers' results through this client's witness checks
+(`screening`). It owns the trainer and the round
 states and talks to the outside only through a `ClientIO`, whose methods queue work for the
 client's main loop. Every method is called from that loop, one at a time, as upstream's
 `select!` does; the work it starts runs in the background on `tasks`.
@@ -24,26 +27,28 @@ import enum
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import trio
 
-from psyche.client import payloads, witness
-from psyche.client.apply import ApplyError, ApplyJob, needs_apply, plan_apply
 from psyche.client.background import Background
-from psyche.client.broadcast import Broadcast, BroadcastType
-from psyche.client.checkpoint import CheckpointConfig, RunInstance
-from psyche.client.cooldown import CheckpointFiles, Cooldown
-from psyche.client.evals import split_scores
-from psyche.client.fetch_data import DataFetcher
-from psyche.client.logs import log_event
-from psyche.client.round_state import Downloading, RoundState
-from psyche.client.stats import RunProgress, StatsLogger, progress_text
-from psyche.client.telemetry import RoundClock, RoundReport, complete_report
-from psyche.client.train import (
+from psyche.client.checkpoints.cooldown import CheckpointFiles, Cooldown
+from psyche.client.checkpoints.store import CheckpointConfig, RunInstance
+from psyche.client.observe.eval_worker import EvalWorker
+from psyche.client.observe.evals import split_scores
+from psyche.client.observe.logs import log_event
+from psyche.client.observe.stats import RunProgress, StatsLogger, progress_text
+from psyche.client.observe.telemetry import RoundClock, RoundReport, complete_report
+from psyche.client.round import payloads, screening, witness
+from psyche.client.round.apply import ApplyError, ApplyJob, needs_apply, plan_apply
+from psyche.client.round.broadcast import Broadcast, BroadcastType
+from psyche.client.round.fetch import DataFetcher
+from psyche.client.round.screening import WitnessScreening
+from psyche.client.round.state import Downloading, RoundState
+from psyche.client.round.train import (
     BloomFactory,
     FinishedTraining,
     OwnResult,
@@ -53,7 +58,7 @@ from psyche.client.train import (
     run_round,
     start_round,
 )
-from psyche.client.warmup import WarmupProgress, opportunistic_warmup_action
+from psyche.client.round.warmup import WarmupProgress, opportunistic_warmup_action
 from psyche.coordinator import Coordinator, RunState
 from psyche.coordinator.backend import HealthCheck, OpportunisticData
 from psyche.coordinator.model import Checkpoint
@@ -64,9 +69,6 @@ from psyche.core.node_identity import NodeIdentity
 if TYPE_CHECKING:
     import torch
 
-    from psyche.client.evals import EvalWorker
-    from psyche.modeling.distro import DistroResult
-    from psyche.modeling.screening import RoundScreen, Verdict, WitnessScreen
     from psyche.modeling.serialized_distro import TransmittableDistroResult
     from psyche.modeling.trainer import Trainer
 
@@ -100,17 +102,6 @@ class ActiveStep(enum.Enum):
     Training = "Training"
     Witness = "Witness"
     Cooldown = "Cooldown"
-
-    def allowed_in(self, run_state: RunState) -> bool:
-        return run_state in _ALLOWED[self]
-
-
-_ALLOWED = {
-    ActiveStep.Warmup: (RunState.Warmup, RunState.WaitingForMembers, RunState.Paused),
-    ActiveStep.Training: (RunState.RoundTrain,),
-    ActiveStep.Witness: (RunState.RoundWitness,),
-    ActiveStep.Cooldown: (RunState.Cooldown,),
-}
 
 
 _BETWEEN_EPOCHS = (RunState.WaitingForMembers, RunState.Warmup, RunState.Paused)
@@ -206,8 +197,8 @@ class StepStateMachine:
         self.evals = settings.evals
         if self.evals is not None:
             self.stats.evals = self.evals
-        self._witness_screen: WitnessScreen | None = None
-        """This client's witness checks: what it remembers of the results it screened."""
+        self.screening = WitnessScreening(trainer, settings.screen_results)
+        """This client's witness checks of its peers' results."""
 
     async def wait_idle(self) -> None:
         """Return once no work this machine started is running: the round's training step has
@@ -252,70 +243,82 @@ class StepStateMachine:
             self._emit_report()
 
     async def _transition(self, state: Coordinator, index: int, active: ActiveStep) -> None:
-        """Move from the step this machine is in (`active`) to the one `state` calls for."""
-        run_state = state.run_state
-        step = state.progress.step
-        if active is ActiveStep.Warmup and run_state is RunState.RoundTrain:
-            if self._can_join_round(state):
-                self.warmup = WarmupProgress()
-                self.step_finish_time = None
-                self._start_training(state, index)
-        elif active is ActiveStep.Warmup and run_state in (
-            RunState.RoundWitness,
-            RunState.Cooldown,
-        ):
-            self._can_join_round(state)  # warns; waits for the next epoch
-        elif active is ActiveStep.Training and run_state is RunState.RoundWitness:
-            if step != self.current.step:
-                self._check_next_step(step)
-                await self._finish_training(state)  # its witness phase went by unseen
-                self._start_training(state, index)
-            await self._finish_training(state)
-            self._start_witness(state)
-        elif (
-            active is ActiveStep.Training
-            and run_state is RunState.RoundTrain
-            and (step != self.current.step)
-        ):
-            self._check_next_step(step)
-            await self._finish_training(state)
-            self._start_training(state, index)
-        elif active is ActiveStep.Training and run_state is RunState.Cooldown:
-            await self._finish_training(state)
-            self._start_cooldown(state)
-        elif active is ActiveStep.Witness and run_state is RunState.RoundTrain:
-            self._check_next_step(step)
-            self._start_training(state, index)
-        elif (
-            active is ActiveStep.Witness
-            and run_state is RunState.RoundWitness
-            and (step != self.current.step)
-        ):
-            self._check_next_step(step)
-            self._start_training(state, index)
-            await self._finish_training(state)
-            self._start_witness(state)
-        elif active is ActiveStep.Witness and run_state is RunState.Cooldown:
-            self._start_cooldown(state)
-        elif active is ActiveStep.Cooldown and run_state in _BETWEEN_EPOCHS:
-            await self.cooldown.finish()
-            self._start_warmup()
-        elif active in (ActiveStep.Training, ActiveStep.Witness) and run_state in _BETWEEN_EPOCHS:
-            # The epoch stopped without a cooldown (a server restarted from saved state, a
-            # pause): upstream desyncs here; the model is kept and the next epoch starts.
-            logger.warning(
-                "the round was abandoned (%s, epoch %d step %d); waiting for the next epoch",
-                run_state,
-                state.progress.epoch,
-                step,
-            )
-            if active is ActiveStep.Training:
-                await self._finish_training(state, log_loss=False)
-            self._start_warmup()
-        elif not active.allowed_in(run_state):
+        """Move from the step this machine is in (`active`) to the one `state` calls for: the
+        transition `TRANSITIONS` names for the pair; a pair it does not name is a desync."""
+        transition = TRANSITIONS.get((active, state.run_state))
+        if transition is None:
             raise StepDesync(
-                f"Desync: we're in step {active.value} but next RunState is {run_state}"
+                f"Desync: we're in step {active.value} but next RunState is {state.run_state}"
             )
+        await transition(self, state, index)
+
+    # ---- the transitions (`TRANSITIONS`), one per (step, run state) ------------------------
+
+    async def _stay(self, state: Coordinator, index: int) -> None:
+        """The run is still in the state this step belongs to."""
+
+    async def _join_first_round(self, state: Coordinator, index: int) -> None:
+        """Warmup -> RoundTrain: train, if this is the epoch's first round."""
+        if self._can_join_round(state):
+            self.warmup = WarmupProgress()
+            self.step_finish_time = None
+            self._start_training(state, index)
+
+    async def _wait_for_next_epoch(self, state: Coordinator, index: int) -> None:
+        """Warmup -> a later round or the cooldown: too late for this epoch (it warns)."""
+        self._can_join_round(state)
+
+    async def _next_round(self, state: Coordinator, index: int) -> None:
+        """Training -> RoundTrain: a new round (its witness phase went by unseen)."""
+        if state.progress.step != self.current.step:
+            self._check_next_step(state.progress.step)
+            await self._finish_training(state)
+            self._start_training(state, index)
+
+    async def _train_to_witness(self, state: Coordinator, index: int) -> None:
+        """Training -> RoundWitness: finish training and witness (of the next round, when its
+        training phase went by unseen: that round is trained first)."""
+        if state.progress.step != self.current.step:
+            await self._next_round(state, index)
+        await self._finish_training(state)
+        self._start_witness(state)
+
+    async def _train_to_cooldown(self, state: Coordinator, index: int) -> None:
+        await self._finish_training(state)
+        self._start_cooldown(state)
+
+    async def _witness_to_train(self, state: Coordinator, index: int) -> None:
+        self._check_next_step(state.progress.step)
+        self._start_training(state, index)
+
+    async def _next_witness(self, state: Coordinator, index: int) -> None:
+        """Witness -> RoundWitness: the next round's witness phase (its training phase went by
+        unseen: that round is trained first)."""
+        if state.progress.step != self.current.step:
+            await self._witness_to_train(state, index)
+            await self._finish_training(state)
+            self._start_witness(state)
+
+    async def _witness_to_cooldown(self, state: Coordinator, index: int) -> None:
+        self._start_cooldown(state)
+
+    async def _cooldown_to_warmup(self, state: Coordinator, index: int) -> None:
+        await self.cooldown.finish()
+        self._start_warmup()
+
+    async def _round_abandoned(self, state: Coordinator, index: int) -> None:
+        """A round -> between epochs: the epoch stopped without a cooldown (a server restarted
+        from saved state, a pause). Upstream desyncs here; the model is kept and the next epoch
+        starts."""
+        logger.warning(
+            "the round was abandoned (%s, epoch %d step %d); waiting for the next epoch",
+            state.run_state,
+            state.progress.epoch,
+            state.progress.step,
+        )
+        if self.active is ActiveStep.Training:
+            await self._finish_training(state, log_loss=False)
+        self._start_warmup()
 
     def _apply_failed(self, state: Coordinator, e: ApplyError) -> None:
         """A result the run agreed on never arrived (or never finished checking): applying the
@@ -419,14 +422,12 @@ class StepStateMachine:
                 unhealthy=[str(node) for node, _ in checks],
             )
             self.io.send_health_check(checks)
-        leaving = self.previous.screen
-        if leaving is not None:
-            self.tasks.start_soon(trio.to_thread.run_sync, leaving.close)
+        screening.close_round(self.previous, self.tasks)
         self.previous = self.current
         self.round_clock.start(state.progress.step)
         plan = start_round(state, self.identity, index, new_bloom=self._new_bloom)
         self.current = plan.state
-        self.current.screen = self._open_screen()
+        self.current.screen = self.screening.open_round()
         log_round_start(state, self.identity, index, plan)
         train_job = None
         if plan.have_training:
@@ -715,48 +716,7 @@ class StepStateMachine:
         if recorded is None:
             logger.debug("own result for step %d came after its round", result.step)
             return
-        screen = recorded.screen
-        if screen is None or recorded.reference_ready.is_set():
-            return
-        if result.reference is None:
-            recorded.reference_ready.set()
-            return
-        reference = result.reference
-        recorded.reference_pending = True
-
-        async def set_reference() -> None:
-            try:
-                await trio.to_thread.run_sync(screen.set_reference, reference, result.sent)
-            finally:
-                recorded.reference_ready.set()
-
-        self.tasks.start_soon(set_reference)
-
-    # ---- witness checks ------------------------------------------------------------------------
-
-    def _open_screen(self) -> RoundScreen | None:
-        """This client's checks of a round it starts (None when it does not screen)."""
-        if not self.settings.screen_results:
-            return None
-        if self._witness_screen is None:
-            from psyche.modeling.screening import WitnessScreen, screening_settings
-
-            reader = self.trainer.screening_reader()
-            if reader is None:
-                return None
-            self._witness_screen = WitnessScreen(reader, screening_settings(reader))
-        return self._witness_screen.open_round()
-
-    async def screen_result(
-        self, round_state: RoundState, sender: NodeIdentity, results: list[DistroResult]
-    ) -> Verdict | None:
-        """This client's witness checks of a peer's decoded result (`payloads.check_payload`),
-        once its own update of that round is known (or known to be missing)."""
-        screen = round_state.screen
-        if screen is None:
-            return None
-        await round_state.reference_ready.wait()
-        return await trio.to_thread.run_sync(screen.check, sender, results)
+        screening.set_reference(recorded, result, self.tasks)
 
     def _payload_rounds(self) -> list[RoundState]:
         rounds = [self.current, self.previous]
@@ -797,5 +757,36 @@ class StepStateMachine:
             payload,
             pending,
             self.trainer.results_from_payload,
-            self.screen_result,
+            screening.screen_result,
         )
+
+
+Transition = Callable[[StepStateMachine, Coordinator, int], Awaitable[None]]
+"""A transition of the machine to what a coordinator state calls for (the state, and this
+client's index among the epoch's clients)."""
+
+_S, _R = ActiveStep, RunState
+TRANSITIONS: Mapping[tuple[ActiveStep, RunState], Transition] = {
+    **{(_S.Warmup, run_state): StepStateMachine._stay for run_state in _BETWEEN_EPOCHS},
+    (_S.Warmup, _R.RoundTrain): StepStateMachine._join_first_round,
+    (_S.Warmup, _R.RoundWitness): StepStateMachine._wait_for_next_epoch,
+    (_S.Warmup, _R.Cooldown): StepStateMachine._wait_for_next_epoch,
+    (_S.Training, _R.RoundTrain): StepStateMachine._next_round,
+    (_S.Training, _R.RoundWitness): StepStateMachine._train_to_witness,
+    (_S.Training, _R.Cooldown): StepStateMachine._train_to_cooldown,
+    **{
+        (_S.Training, run_state): StepStateMachine._round_abandoned for run_state in _BETWEEN_EPOCHS
+    },
+    (_S.Witness, _R.RoundTrain): StepStateMachine._witness_to_train,
+    (_S.Witness, _R.RoundWitness): StepStateMachine._next_witness,
+    (_S.Witness, _R.Cooldown): StepStateMachine._witness_to_cooldown,
+    **{(_S.Witness, run_state): StepStateMachine._round_abandoned for run_state in _BETWEEN_EPOCHS},
+    (_S.Cooldown, _R.Cooldown): StepStateMachine._stay,
+    **{
+        (_S.Cooldown, run_state): StepStateMachine._cooldown_to_warmup
+        for run_state in _BETWEEN_EPOCHS
+    },
+}
+"""Upstream's `step_state_machine` transitions, keyed by (the step this machine is in, the run
+state the coordinator moved to); the pairs it leaves out are desyncs (`StepDesync`): a state this
+client cannot follow from where it is (`Finished` is not applied here: `finish_run`)."""

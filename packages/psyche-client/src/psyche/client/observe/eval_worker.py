@@ -1,9 +1,8 @@
-"""Evaluations between rounds (upstream `shared/client/src/state/evals.rs`): while the trainer
-is idle (its round's training is done, the next round has not started), a worker thread scores
-the `--eval-tasks` on the model with `psyche.modeling.eval.EvalRunner`; the next round's
+"""Evaluations between rounds (upstream `shared/client/src/state/evals.rs`), run: while the
+trainer is idle (its round's training is done, the next round has not started), a worker thread
+scores the `--eval-tasks` on the model with `psyche.modeling.eval.EvalRunner`; the next round's
 training step stops it first and gets the model back.
 
-    settings = EvalSettings.from_options(options)        # datasets read here (blocking)
     worker = EvalWorker(settings, tokenizer_json, model, nursery, on_scores)
     worker.start()          # the trainer is idle: evaluate in a thread
     await worker.stop()     # the trainer needs the model: cancel, wait for the thread
@@ -15,8 +14,7 @@ What is guaranteed:
   so the wait is about one document's forward pass, as upstream's);
 * tokenizing the tasks (which may take long for large datasets) happens once, in its own thread,
   and never holds up `stop()`: until it is done, `start()` does nothing;
-* an evaluation that fails is switched off with one warning; training goes on;
-* a score over fewer documents than its task holds is reported as partial (`split_scores`).
+* an evaluation that fails is switched off with one warning; training goes on.
 """
 
 from __future__ import annotations
@@ -24,69 +22,21 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import trio
 
+from psyche.client.background import in_abandoned_thread
+from psyche.client.observe.evals import EvalSettings, split_scores
+
 if TYPE_CHECKING:
-    from psyche.client.options import TrainOptions
     from psyche.modeling.causal_lm import CausalLM
-    from psyche.modeling.eval import EvalRunner, Task, TaskScore
+    from psyche.modeling.eval import EvalRunner, TaskScore
 
 log = logging.getLogger(__name__)
 
 EVAL_SLICE_SECONDS = 2.0
 """Seconds of one `run_some` call: scores are reported after each slice."""
-
-
-def split_scores(task_scores: Mapping[str, TaskScore]) -> tuple[dict[str, float], frozenset[str]]:
-    """Each task's score, and the tasks whose score is partial (over fewer documents than the
-    task holds: `--eval-task-max-docs` cut it short, or its first pass is not done). Trackers
-    log a partial score under its own name (`psyche.metrics.names.eval_key`)."""
-    scores = {name: score.value for name, score in task_scores.items()}
-    return scores, frozenset(name for name, score in task_scores.items() if score.partial)
-
-
-class EvalSetupError(ValueError):
-    """`--eval-tasks` names a task whose dataset cannot be read; the message says which."""
-
-
-@dataclass(frozen=True)
-class EvalSettings:
-    """What the client evaluates: tasks with their datasets loaded, and the prompt task."""
-
-    tasks: tuple[Task, ...]
-    max_docs: int | None = None
-    prompt_task: bool = False
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.tasks) or self.prompt_task
-
-    @classmethod
-    def from_options(cls, options: TrainOptions) -> EvalSettings:
-        """The tasks of `--eval-tasks` (datasets from `--eval-data-dir`, else the Hugging Face
-        hub) with `--eval-seed`, `--eval-task-max-docs` and `--prompt-task`. Blocking: reads
-        the datasets. Raises `EvalSetupError` for a dataset that cannot be read."""
-        from psyche.modeling.eval import (
-            DatasetLoadError,
-            DatasetSource,
-            UnknownTaskError,
-            eval_tasks_from_args,
-        )
-
-        tasks: list[Task] = []
-        if options.eval_tasks:
-            source = DatasetSource(
-                root=Path(options.eval_data_dir) if options.eval_data_dir else None
-            )
-            try:
-                tasks = eval_tasks_from_args(options.eval_tasks, options.eval_seed, source)
-            except (DatasetLoadError, UnknownTaskError) as e:
-                raise EvalSetupError(f"--eval-tasks {options.eval_tasks}: {e}") from None
-        return cls(tuple(tasks), options.eval_task_max_docs, bool(options.prompt_task))
 
 
 class EvalWorker:
@@ -139,8 +89,7 @@ class EvalWorker:
             )
 
         try:
-            # trio-stubs (trio-typing's, a libp2p dependency) predate abandon_on_cancel.
-            runner: EvalRunner = await trio.to_thread.run_sync(make, abandon_on_cancel=True)  # type: ignore[call-arg]
+            runner = await in_abandoned_thread(make)
         except Exception as e:
             self._fail(e)
             return
@@ -220,4 +169,4 @@ class EvalWorker:
         await stopped.wait()
 
 
-__all__ = ["EVAL_SLICE_SECONDS", "EvalSettings", "EvalSetupError", "EvalWorker", "split_scores"]
+__all__ = ["EVAL_SLICE_SECONDS", "EvalWorker"]

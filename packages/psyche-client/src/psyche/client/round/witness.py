@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from psyche.client.broadcast import Broadcast, BroadcastType, Finished
-from psyche.client.round_state import PayloadHandle, RoundState
+from psyche.client.round.broadcast import Broadcast, BroadcastType, Finished
+from psyche.client.round.state import PayloadHandle, RoundState
 from psyche.coordinator import Client, Coordinator, Witness
 from psyche.coordinator.commitment import Commitment
 from psyche.coordinator.committee_selection import CommitteeProof
