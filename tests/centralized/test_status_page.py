@@ -111,11 +111,13 @@ def test_status_json_and_page_show_the_live_runs_members_and_state() -> None:
         doc = json.loads(body)
         assert doc["run_id"] == server.coordinator.run_id
         assert doc["run_state"] in (RunState.RoundTrain.name, RunState.RoundWitness.name)
-        assert {m["id"] for m in doc["members"]} == members and len(members) == 2
+        assert {m["id"] for m in doc["members"]} == members
+        assert len(members) == 2
         assert all(m["state"] == "Healthy" and m["connected"] for m in doc["members"])
         assert len(doc["round_durations"]) >= 2
         assert all(r["seconds"] > 0 for r in doc["round_durations"])
-        assert doc["loss_curve"] and doc["loss_curve"][0]["loss"] == 0.0  # what they reported
+        assert doc["loss_curve"]
+        assert doc["loss_curve"][0]["loss"] == 0.0
 
         status, body = await http_get(port, "/")
         assert status == "HTTP/1.0 200 OK"
@@ -175,7 +177,8 @@ def test_the_page_escapes_what_clients_report() -> None:
         [MemberStatus("abc", "Healthy", True, report)], 0, 1, [(2, 1.5)], [(1, 3.0), (2, 2.5)], 1.0,
     )  # fmt: skip
     page = render_html(snap)
-    assert "<script>" not in page and "&lt;script&gt;" in page
+    assert "<script>" not in page
+    assert "&lt;script&gt;" in page
     assert "<b>run</b>" not in page
     assert json.loads(json.dumps(status_json(snap)))["members"][0]["report"]["loss"] == 2.5
 
@@ -255,10 +258,12 @@ def test_a_member_cannot_rewrite_the_loss_curve() -> None:
             doc = json.loads(body)
             trained = server.coordinator.progress.step
             curve = doc["loss_curve"]
-            assert curve and all(p["loss"] == 0.0 for p in curve), curve
+            assert curve, curve
+            assert all(p["loss"] == 0.0 for p in curve), curve
             assert all(p["step"] <= trained for p in curve), (curve, trained)
             reports = [m["report"] for m in doc["members"] if m["report"] is not None]
-            assert reports and all(r["loss"] == 0.0 and r["step"] <= trained for r in reports)
+            assert reports
+            assert all(r["loss"] == 0.0 and r["step"] <= trained for r in reports)
             assert all(r["tokens_per_sec"] < 1e30 for r in reports)
             nursery.cancel_scope.cancel()
 

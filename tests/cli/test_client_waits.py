@@ -56,7 +56,8 @@ def test_verbose_client_adds_the_traceback(processes: Processes) -> None:
     )
     assert exit_code(client, 120) == 1, client.text()
     text = client.text()
-    assert "Traceback" in text and "BackendDisconnected" in text
+    assert "Traceback" in text
+    assert "BackendDisconnected" in text
     assert text.splitlines()[-1].startswith("psyche-client: error: cannot connect")
 
 
@@ -215,5 +216,6 @@ def test_a_wrong_run_id_ends_the_client_with_one_line(
         f"psyche-client: error: the coordinator at 127.0.0.1:{port} refused this client: "
         "unknown run id 'cli-tset': this server runs 'cli-test'"
     )
-    assert "Traceback" not in text and text.count("unknown run id") == 1
+    assert "Traceback" not in text
+    assert text.count("unknown run id") == 1
     processes.wait_for(server, r"unknown run id 'cli-tset'", 10)

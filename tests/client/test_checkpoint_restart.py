@@ -150,5 +150,7 @@ def test_clients_and_server_restarted_resume_from_the_last_complete_checkpoint(
     applied: dict[int, set[tuple[str, ...]]] = {}
     for f in fields(caplog.records, "applied_results"):
         applied.setdefault(f["step"], set()).add(tuple(str(b) for b in f["batches"]))
-    assert applied and all(len(v) == 1 for v in applied.values())
-    assert partial.exists() and staging.exists()  # neither chosen (removal: run_init_config)
+    assert applied
+    assert all(len(v) == 1 for v in applied.values())
+    assert partial.exists()
+    assert staging.exists()

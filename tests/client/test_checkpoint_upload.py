@@ -59,13 +59,15 @@ def test_a_failing_hub_is_retried_and_never_left_partial(hub: HubEndpoint, tmp_p
     checkpointer.uploader.retry = FAST_RETRY
     job = CheckpointJob(1, 9, Kind.recent, {"w": torch.ones(32)}, CheckpointFiles([], "{}", ""))
     path = trio.run(checkpointer.write, job)
-    assert path is not None and verify_checkpoint(path) is not None
+    assert path is not None
+    assert verify_checkpoint(path) is not None
     assert hub.fail_commits == 0  # both failures were met, then a retry went through
     assert hub.commit_messages(REPO) == ["initial commit", "step 9"]
     files = hub.head_files(REPO)
     local = {p.name: p.read_bytes() for p in path.iterdir()}
     assert {k: v for k, v in files.items() if k not in (".gitattributes", "README.md")} == local
-    assert MANIFEST_NAME in files and files["README.md"] == b"model card"
+    assert MANIFEST_NAME in files
+    assert files["README.md"] == b"model card"
     head = hub.repos[REPO].head
     assert head is not None
     assert sent == [Checkpoint.Hub(HubRepo(REPO, head.oid))]
@@ -92,7 +94,8 @@ def test_uploads_run_behind_the_epochs_and_the_newest_wins(
             cooldown = Cooldown(
                 trainer, identity, INSTANCE, config, files, lambda _: None, sent.append, nursery
             )
-            assert cooldown.checkpointer is not None and cooldown.checkpointer.uploader
+            assert cooldown.checkpointer is not None
+            assert cooldown.checkpointer.uploader
             cooldown.checkpointer.uploader.retry = FAST_RETRY
             cooldown.checkpointer.uploader.progress_interval = 0.2
             cooldown.start(tasks, 0, 9)

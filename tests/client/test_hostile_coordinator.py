@@ -84,10 +84,13 @@ def test_a_state_of_another_run_is_refused_and_nothing_is_written_outside(
     trio.run(scenario)
     assert list(outside.iterdir()) == []
     assert not checkpoints.exists()
-    assert len(errors) == 2 and all(isinstance(e, WrongRun) for e in errors), errors
+    assert len(errors) == 2, errors
+    assert all(isinstance(e, WrongRun) for e in errors), errors
     line = user_error_message(errors[0])
-    assert line is not None and "\n" not in line
-    assert f"joined run {RUN_ID!r}" in line and "refusing" in line
+    assert line is not None
+    assert "\n" not in line
+    assert f"joined run {RUN_ID!r}" in line
+    assert "refusing" in line
     assert not [r for r in caplog.records if r.getMessage() == "loaded_model"]
 
 
@@ -103,7 +106,8 @@ def test_a_bucket_and_prefix_never_take_a_gcs_download_outside_its_cache(
         ("b", "a/./b//c"),
     ):
         directory = _cache_dir(bucket, prefix, "step-1-2")
-        assert directory.is_relative_to(base) and ".." not in directory.parts, directory
+        assert directory.is_relative_to(base), directory
+        assert ".." not in directory.parts, directory
         assert cache_base(bucket).parent == base
     assert _cache_dir("b", "a/./b//c", "leaf") == base / "b" / "a" / "b" / "c" / "leaf"
 
@@ -134,7 +138,8 @@ def test_a_hub_repo_larger_than_its_declared_model_is_not_downloaded(hub: HubEnd
     with pytest.raises(ModelLoadError, match=r"more than the model its config\.json declares"):
         load_hub_checkpoint("org/junk", None, "HfLlama", torch.device("cpu"))
     fetched = [r for r in hub.requests if "/resolve/" in r and r.startswith("GET")]
-    assert fetched and all(r.endswith("/config.json") for r in fetched), fetched
+    assert fetched, fetched
+    assert all(r.endswith("/config.json") for r in fetched), fetched
 
 
 def test_a_hub_repo_with_an_oversized_config_file_is_not_downloaded(hub: HubEndpoint) -> None:

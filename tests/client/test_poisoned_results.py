@@ -108,7 +108,8 @@ def test_a_hostile_clients_results_are_refused_and_it_is_dropped(
     hostile, honest = nodes[HOSTILE], nodes[:HOSTILE]
     cheater = str(hostile.identity)
     # it lied from round `start` of its results on
-    assert member.lies and member.lies[0] == start
+    assert member.lies
+    assert member.lies[0] == start
     lies = {hostile.sent_results[r].batch_id for r in member.lies}
     honest_ids = {str(n.identity) for n in honest}
     applied = [
@@ -123,12 +124,14 @@ def test_a_hostile_clients_results_are_refused_and_it_is_dropped(
     truths = {r.batch_id for i, r in enumerate(hostile.sent_results) if i not in member.lies}
     assert truths & {b for r in applied for b in r.psyche_fields["batches"]}
     refused = [r for r in caplog.records if r.getMessage() == "payload_refused"]
-    assert refused and {r.psyche_fields["sender"] for r in refused} == {cheater}
+    assert refused
+    assert {r.psyche_fields["sender"] for r in refused} == {cheater}
     # health-checked out as for a missing result, two rounds after its first lie
     checks = [r for r in caplog.records if r.getMessage() == "health_check"]
     first_lie = hostile.sent_results[member.lies[0]].step
     named = [r.psyche_fields["step"] for r in checks if cheater in r.psyche_fields["unhealthy"]]
-    assert named and min(named) == first_lie + 2, (first_lie, named)
+    assert named, (first_lie, named)
+    assert min(named) == first_lie + 2, (first_lie, named)
     assert hostile.identity not in {c.id for c in sim.coordinator.epoch_state.clients}
     for record in checks:
         assert set(record.psyche_fields["unhealthy"]) <= {cheater}

@@ -82,7 +82,8 @@ def test_three_clients_run_an_epoch_with_a_health_check_and_a_checkpoint() -> No
             assert final.progress.epoch == 1
             assert final.run_state is RunState.WaitingForMembers
             assert driver.history.count(RunState.RoundWitness) >= 6
-            assert RunState.Cooldown in driver.history and RunState.RoundWitness in driver.history
+            assert RunState.Cooldown in driver.history
+            assert RunState.RoundWitness in driver.history
             assert final.progress.step > 4
             # The lazy trainer was dropped at height 2 and left the epoch.
             assert [c.state for c in final.epoch_state.exited_clients] == [ClientState.Dropped]
@@ -96,7 +97,8 @@ def test_three_clients_run_an_epoch_with_a_health_check_and_a_checkpoint() -> No
             assert earned[bytes(lazy.get_payer())] == 0
             # The lazy client learnt it was dropped and left, as upstream's client exits.
             assert clients[2].left == "the coordinator says this client is Dropped"
-            assert clients[0].left is None and clients[1].left is None
+            assert clients[0].left is None
+            assert clients[1].left is None
             for client in clients:
                 assert client.runner is not None
                 assert client.runner.failed_sends == 0, client.name
@@ -153,7 +155,8 @@ def test_rpc_going_away_mid_run_is_survived() -> None:
             assert events == ["primary down", "primary back, backup down"]
             assert final.progress.epoch == 1
             assert final.run_state is RunState.WaitingForMembers
-            assert client.runner is not None and client.runner.failed_sends == 0
+            assert client.runner is not None
+            assert client.runner.failed_sends == 0
             account_state = (await owner.get_coordinator_account(account)).state
             (solo,) = account_state.clients_state.clients
             assert solo.earned == 1000  # the only finished client gets the whole epoch's reward
