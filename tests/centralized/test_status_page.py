@@ -32,6 +32,8 @@ from psyche.coordinator.run_state import RunState, Witness, WitnessMetadata
 from psyche.coordinator.testing import integration_test_coordinator
 from psyche.transport import ConnectionLimits
 
+from ..polling import poll_until
+
 SPEED = 20.0
 ROUNDS = (RunState.RoundTrain, RunState.RoundWitness)
 
@@ -97,8 +99,7 @@ async def live_run(body: Callable[[CentralizedServer, int], Any]) -> None:
         for _ in range(2):
             await DummyTrainer.start(nursery, f"127.0.0.1:{server.port}", coordinator.run_id)
         with trio.fail_after(60):
-            while not (history.rounds_measured >= 2 and history.reports):
-                await trio.sleep(0.01)
+            await poll_until(lambda: history.rounds_measured >= 2 and history.reports, 0.01)
             await body(server, port[1])
         nursery.cancel_scope.cancel()
 
@@ -249,10 +250,10 @@ def test_a_member_cannot_rewrite_the_loss_curve() -> None:
             trainers = [await DummyTrainer.start(nursery, address, "test-run") for _ in range(3)]
             nursery.start_soon(spam, trainers[2])
             with trio.fail_after(90):  # three rounds spammed, four measured
-                while server.core.rejected.counts["Witness (InvalidWitness)"] < 600:
-                    await trio.sleep(0.05)
-                while history.rounds_measured < 4:
-                    await trio.sleep(0.05)
+                await poll_until(
+                    lambda: server.core.rejected.counts["Witness (InvalidWitness)"] >= 600, 0.05
+                )
+                await poll_until(lambda: history.rounds_measured >= 4, 0.05)
             status, body = await http_get(port, "/status.json")
             assert status == "HTTP/1.0 200 OK"
             doc = json.loads(body)

@@ -24,6 +24,7 @@ from psyche.core.cli import UserError
 from psyche.core.identity import SecretKey
 from psyche.core.node_identity import NodeIdentity
 
+from ..polling import poll_until
 from ..processes import Processes, free_port
 from .conftest import DUMMY_STATE, command, exit_code, start_client, start_detached
 
@@ -144,8 +145,7 @@ def test_the_client_connects_first_and_joins_after_before_join(
                 async with CentralizedBackend.connect(
                     f"127.0.0.1:{port}", SecretKey.generate(), "test-run", before_join=before_join
                 ) as backend:
-                    while not server.core.pending_clients:
-                        await trio.sleep(0.05)
+                    await poll_until(lambda: server.core.pending_clients, 0.05)
                     assert backend.connections == 1
         assert order == ["before_join (pending 0)", "join"]
 

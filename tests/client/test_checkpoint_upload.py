@@ -34,6 +34,7 @@ from psyche.coordinator.model import Checkpoint, HubRepo
 from psyche.core.node_identity import NodeIdentity
 
 from ..modeling.tiny_trainer import make_trainer
+from ..polling import poll_until
 from .hub_endpoint import HubEndpoint
 
 REPO = "org/model"
@@ -106,17 +107,21 @@ def test_uploads_run_behind_the_epochs_and_the_newest_wins(
                 cooldown.start(tasks, epoch, step, step == 29)
                 await cooldown.finish()
             with trio.fail_after(60):
-                while len(saved()) < 3:  # written, waiting for their uploads: all kept
-                    await trio.sleep(0.05)
+                # written, waiting for their uploads: all kept
+                await poll_until(lambda: len(saved()) >= 3, 0.05)
             assert sent == []
             assert hub.commit_messages(REPO) == ["initial commit"]
             with trio.fail_after(60):  # a person watching sees the held upload go on
-                while not any(
-                    r.getMessage().startswith(f"uploading the model of step 9 to hub repo {REPO}")
-                    and "s so far)" in r.getMessage()
-                    for r in caplog.records
-                ):
-                    await trio.sleep(0.05)
+                await poll_until(
+                    lambda: any(
+                        r.getMessage().startswith(
+                            f"uploading the model of step 9 to hub repo {REPO}"
+                        )
+                        and "s so far)" in r.getMessage()
+                        for r in caplog.records
+                    ),
+                    0.05,
+                )
             hub.hold_commits.set()
             with trio.fail_after(120):
                 await cooldown.wait_for_checkpoints()

@@ -24,6 +24,7 @@ from psyche.core.cli import single_cause, user_error_message
 from psyche.modeling.causal_lm import ModelLoadError
 from psyche.modeling.configs import llama_config_dict
 
+from ..polling import poll_until
 from .hub_endpoint import HubEndpoint
 from .test_checkpoint_restart import run_client
 from .test_in_process_run import RUN_ID, coordinator, write_run
@@ -71,13 +72,11 @@ def test_a_state_of_another_run_is_refused_and_nothing_is_written_outside(
                     clients.start_soon(one, 2)
 
                     async def watch() -> None:
-                        while not list(outside.iterdir()):
-                            await trio.sleep(0.2)
+                        await poll_until(lambda: list(outside.iterdir()), 0.2)
                         clients.cancel_scope.cancel()
 
                     clients.start_soon(watch)
-                    while len(errors) < 2:
-                        await trio.sleep(0.1)
+                    await poll_until(lambda: len(errors) >= 2, 0.1)
                     clients.cancel_scope.cancel()
             nursery.cancel_scope.cancel()
 

@@ -29,6 +29,7 @@ from psyche.core.node_identity import NodeIdentity
 from psyche.modeling.configs import llama_config_dict
 from psyche.network.connection import NetworkConfig
 
+from ..polling import poll_until
 from ..timing import scale_config_timers, scaled, scaled_timer
 
 SEQ = 32
@@ -106,16 +107,17 @@ def test_two_clients_train_and_a_third_joins_from_peers(
             nursery.start_soon(run_client, server, 2)
             with trio.fail_after(scaled(90)):
                 # the joiner waits (pending) while the first epoch trains
-                while server.coordinator.run_state is not RunState.RoundTrain:
-                    await trio.sleep(0.1)
+                await poll_until(lambda: server.coordinator.run_state is RunState.RoundTrain, 0.1)
                 nursery.start_soon(run_client, server, 3)
                 # until the second epoch has trained a round with three clients
-                while not (
-                    server.coordinator.progress.epoch == 1
-                    and server.coordinator.run_state is RunState.RoundTrain
-                    and server.coordinator.current_round().height >= 1
-                ):
-                    await trio.sleep(0.1)
+                await poll_until(
+                    lambda: (
+                        server.coordinator.progress.epoch == 1
+                        and server.coordinator.run_state is RunState.RoundTrain
+                        and server.coordinator.current_round().height >= 1
+                    ),
+                    0.1,
+                )
             nursery.cancel_scope.cancel()
 
     trio.run(scenario)
@@ -280,8 +282,7 @@ def three_client_run(
 
 
 async def wait_until(condition: Callable[[], bool]) -> None:
-    while not condition():
-        await trio.sleep(0.1)
+    await poll_until(condition, 0.1)
 
 
 def in_training(server: InProcessServer, after_epoch: int) -> bool:

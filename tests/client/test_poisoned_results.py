@@ -31,6 +31,7 @@ from psyche.modeling.serialized_distro import transmittable_distro_result
 from psyche.modeling.trainer import Trainer
 
 from ..modeling.tiny_trainer import make_trainer
+from ..polling import poll_until
 from . import test_in_process_run as in_process
 from .test_diloco import diloco_trainer
 from .test_machine import SEQ, FakeData, Node, _single_thread, run_simulated  # noqa: F401 (a fixture)
@@ -189,8 +190,7 @@ def test_in_process_a_hostile_clients_results_are_not_applied_and_honest_clients
                 nursery.start_soon(in_process.run_client, server, number)
             nursery.start_soon(in_process.run_client, server, 4, SignFlippingClient)
             with trio.fail_after(240):
-                while server.coordinator.progress.epoch < 1:
-                    await trio.sleep(0.2)
+                await poll_until(lambda: server.coordinator.progress.epoch >= 1, 0.2)
             nursery.cancel_scope.cancel()
 
     trio.run(scenario)

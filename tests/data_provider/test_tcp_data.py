@@ -30,6 +30,8 @@ from psyche.data_provider.server import read_allow_file, watch_allow_file
 from psyche.data_provider.wire import RawTrainingData, TrainingData
 from psyche.transport import encode_challenge_response
 
+from ..polling import poll_until
+
 pytestmark = pytest.mark.anyio
 SEED = bytes(range(1, 33))
 
@@ -178,8 +180,7 @@ async def test_allow_file_is_followed(
 
     async def until(predicate) -> None:
         with trio.fail_after(20):
-            while not predicate():
-                await trio.sleep(0.02)
+            await poll_until(predicate, 0.02)
 
     async with (
         DataProviderTcpServer.start(local, host="127.0.0.1") as server,

@@ -29,6 +29,8 @@ from psyche.network.transmittable import (
     TransmittableModelParameter,
 )
 
+from ..polling import poll_until
+
 
 def payload(size: int, name: str = "w") -> TransmittableModelParameter:
     return TransmittableModelParameter(name.encode(), os.urandom(size))
@@ -278,8 +280,7 @@ def test_untagged_blobs_are_collected_and_no_longer_served() -> None:
             model, _ = await a.add_downloadable(payload(1000, "c"), "model-c")
             assert a.remove_staled_tags(4) == 2
             with trio.fail_after(10):  # the GC runs every 0.05 s; one pass drops both
-                while a.store.get(old.hash) is not None:
-                    await trio.sleep(0.01)
+                await poll_until(lambda: a.store.get(old.hash) is None, 0.01)
             assert a.store.get(model.hash) is None
             assert a.store.get(new.hash) is not None
             with pytest.raises(blob_protocol.BlobNotFound):

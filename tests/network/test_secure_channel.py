@@ -28,6 +28,8 @@ from psyche.network.secure_channel import (
     secure_outbound,
 )
 
+from ..polling import poll_until
+
 pytestmark = pytest.mark.anyio
 DEADLINE = 30
 MIB = 1 << 20
@@ -183,8 +185,7 @@ async def test_an_impostor_never_learns_who_dialled_it() -> None:
             await secure_outbound(stream, StaticKey(client), expected.public_key)
         await stream.aclose()
         with trio.fail_after(DEADLINE):
-            while not seen:
-                await trio.sleep(0.01)
+            await poll_until(lambda: seen, 0.01)
     assert isinstance(seen[0], SecureChannelError)
     assert not isinstance(seen[0], PeerRefused)
 
@@ -238,8 +239,7 @@ async def test_a_tampered_stream_fails_its_tag() -> None:
         with trio.fail_after(DEADLINE):
             secure = await secure_outbound(stream, StaticKey(client_key), server_key.public_key)
             await secure.send_all(data)
-            while not outcome:
-                await trio.sleep(0.01)
+            await poll_until(lambda: outcome, 0.01)
         await stream.aclose()
     assert isinstance(outcome[0], SecureChannelError)
     assert "tampered" in str(outcome[0])

@@ -16,6 +16,7 @@ from psyche.solana.instructions import coordinator as coordinator_ix
 from psyche.solana.localnet.ledger import Ledger, ManualClock
 from psyche.solana.localnet.server import start_localnet
 
+from ..polling import poll_until
 from .scripted import (
     START,
     Driver,
@@ -143,8 +144,7 @@ def test_rpc_going_away_mid_run_is_survived() -> None:
                     await primary.start()
                     # wait until the client's websocket is subscribed to the primary again
                     with trio.fail_after(10):
-                        while not primary.server.websocket_clients:
-                            await trio.sleep(0.05)
+                        await poll_until(lambda: primary.server.websocket_clients, 0.05)
                     await backup.stop()
                     events.append("primary back, backup down")
 
@@ -209,8 +209,7 @@ def test_auto_tick_moves_the_run_on_its_clock() -> None:
                         seen.append((await runner.wait_for_new_state()).run_state)
                 # the tick that did it was the runner's own (the join's tick came too early)
                 with trio.fail_after(10):
-                    while runner.completed_sends < 1:
-                        await trio.sleep(0.01)
+                    await poll_until(lambda: runner.completed_sends >= 1, 0.01)
             nursery.cancel_scope.cancel()
 
     trio.run(main)
@@ -276,8 +275,7 @@ def test_a_client_leaves_when_the_run_is_paused() -> None:
                 await driver._wait_for_joins(1)
                 await admin.set_paused(owner, "e2e", True)  # not mid-round: pauses at once
                 with trio.fail_after(10):
-                    while client.left is None:
-                        await trio.sleep(0.01)
+                    await poll_until(lambda: client.left is not None, 0.01)
             assert client.left == "the run is Paused"
             nursery.cancel_scope.cancel()
 

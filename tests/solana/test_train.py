@@ -48,6 +48,7 @@ from psyche.solana.localnet.ledger import Ledger
 from psyche.solana.localnet.server import LocalnetThread
 from psyche.solana.retry import RetryKind
 
+from ..polling import poll_until
 from .scripted import ScriptedClient, config, create_run, make_backend, open_localnet
 
 PEER = SecretKey.from_bytes((7).to_bytes(32, "big")).public_key
@@ -358,8 +359,7 @@ def test_a_join_failing_for_a_passing_reason_is_retried_a_refused_one_raises() -
                 lambda: follow_membership(runner, ME, None, membership, join_retry_delay=0.01)
             )
             with trio.fail_after(5):
-                while membership.joins == 0:
-                    await trio.sleep(0.01)
+                await poll_until(lambda: membership.joins != 0, 0.01)
             assert (runner.join_attempts, membership.failed_joins) == (3, 2)
             nursery.cancel_scope.cancel()
 
@@ -456,14 +456,16 @@ def test_sends_wait_out_an_rpc_outage_and_ticks_do_not_pile_up(
                 runner.send_tick()
                 runner.send_tick()
                 with trio.fail_after(10):
-                    while runner.failed_sends < 1 or membership.failed_joins < 1:
-                        await trio.sleep(0.02)
+                    await poll_until(
+                        lambda: runner.failed_sends >= 1 and membership.failed_joins >= 1, 0.02
+                    )
                 assert runner.failed_sends == 1  # the one tick that was sent
                 assert runner.resent_after_outage >= 1
                 await net.start()
                 with trio.fail_after(10):
-                    while runner.completed_sends < 1 or membership.joins < 1:
-                        await trio.sleep(0.02)
+                    await poll_until(
+                        lambda: runner.completed_sends >= 1 and membership.joins >= 1, 0.02
+                    )
                 assert runner.failed_sends == 1
                 state_ = (await owner.get_coordinator_account(account)).state
                 assert [c.id.signer for c in state_.clients_state.clients] == [me.signer]

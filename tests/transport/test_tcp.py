@@ -35,6 +35,8 @@ from psyche.transport.tcp import (
     split_envelope,
 )
 
+from ..polling import poll_until
+
 pytestmark = pytest.mark.anyio
 
 
@@ -68,8 +70,7 @@ async def connect(server: TcpServer, key: SecretKey | None = None, **kwargs) -> 
 
 async def wait_for(predicate, timeout: float = 2.0) -> None:
     with trio.fail_after(timeout):
-        while not predicate():
-            await trio.sleep(0.005)
+        await poll_until(predicate, 0.005)
 
 
 class RawPeer:

@@ -37,6 +37,8 @@ from psyche.transport import (
     encode_else,
 )
 
+from ..polling import poll_until
+
 pytestmark = pytest.mark.anyio
 
 DEADLINE = 30  # seconds: generous, for a busy 2-core machine
@@ -110,8 +112,7 @@ class Peer:
 
 async def wait_until(predicate, timeout: float = DEADLINE) -> None:  # type: ignore[no-untyped-def]
     with trio.fail_after(timeout):
-        while not predicate():
-            await trio.sleep(0.01)
+        await poll_until(predicate, 0.01)
 
 
 async def next_disconnect(server: TcpServer) -> Disconnected:
