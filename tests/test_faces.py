@@ -53,7 +53,8 @@ def test_network_face_lists_the_same_names_for_the_type_checker() -> None:
     for node in tree.body:
         if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
             for imp in node.body:
-                assert isinstance(imp, ast.ImportFrom) and imp.module is not None
+                assert isinstance(imp, ast.ImportFrom)
+                assert imp.module is not None
                 for alias in imp.names:
                     static[alias.asname or alias.name] = imp.module
     import psyche.network

@@ -49,7 +49,8 @@ def _distro_bench() -> ModuleType:
     """scripts/bench/distro.py: its corpus, model builder and optimizer definitions."""
     path = Path(__file__).with_name("distro.py")
     spec = importlib.util.spec_from_file_location("bench_distro", path)
-    assert spec is not None and spec.loader is not None
+    assert spec is not None
+    assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)

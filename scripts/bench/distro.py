@@ -433,7 +433,8 @@ def load_reference() -> ModuleType:
     """The pre-optimisation DisTrO code, frozen in the tests (not an installed module)."""
     path = Path(__file__).resolve().parents[2] / "tests" / "modeling" / "distro_reference.py"
     spec = importlib.util.spec_from_file_location("distro_reference", path)
-    assert spec is not None and spec.loader is not None
+    assert spec is not None
+    assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)

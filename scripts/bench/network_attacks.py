@@ -84,7 +84,8 @@ def this_checkouts_flood() -> Any:
     measured (the previous one has no such helper)."""
     path = REPO / "packages/psyche-network/src/psyche/network/testing.py"
     spec = importlib.util.spec_from_file_location("_this_checkouts_testing", path)
-    assert spec is not None and spec.loader is not None
+    assert spec is not None
+    assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.silent_flood

@@ -16,6 +16,7 @@ from psyche.coordinator.model import Checkpoint, HubRepo, LLMTrainingDataLocatio
 from psyche.coordinator.testing import quick_coordinator
 from psyche.data_provider import DataServerInfo
 
+from ..polling import poll_until
 from ..processes import REPO, free_port
 
 
@@ -25,8 +26,7 @@ def addr(server: CentralizedServer) -> str:
 
 async def eventually(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
     with trio.fail_after(timeout):
-        while not predicate():
-            await trio.sleep(0.01)
+        await poll_until(predicate, 0.01)
 
 
 def hosted(directory: Path, *, port: int | None = None) -> tuple[Coordinator, DataServerInfo]:

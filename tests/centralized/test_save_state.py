@@ -75,7 +75,9 @@ def test_latest_follows_the_newest_save(tmp_path: Path) -> None:
     first = save_state(tmp_path, state)
     state.progress.step = 50
     second = save_state(tmp_path, state)
-    assert first.exists() and second.exists() and first != second
+    assert first.exists()
+    assert second.exists()
+    assert first != second
     assert resolve_state_path(tmp_path) == second
     assert load_state(tmp_path).progress.step == 50
 
@@ -121,4 +123,5 @@ def test_a_corrupt_saved_state_names_the_file(tmp_path: Path) -> None:
     path.write_text(path.read_text().replace("[progress]", "[progress]\nbogus = 1"))
     with pytest.raises(ConfigFileError) as info:
         load_state(tmp_path)
-    assert str(path) in str(info.value) and "progress.bogus" in str(info.value)
+    assert str(path) in str(info.value)
+    assert "progress.bogus" in str(info.value)

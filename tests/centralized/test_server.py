@@ -62,8 +62,7 @@ def test_join_by_run_id_and_a_broadcast_every_tick() -> None:
             await lost.join("another-run")
             # a Join for another run is answered: refused for good, and the connection closed
             with trio.fail_after(10), pytest.raises(LoginRefused) as refused:
-                while True:
-                    await lost.receive()
+                await receive_forever(lost)
             assert refused.value.permanent
             assert refused.value.reason == (
                 "unknown run id 'another-run': this server runs 'test-run'"
@@ -141,7 +140,8 @@ async def raw_handshake(port: int, key: SecretKey | None = None) -> FramedStream
     frame = await framed.receive()
     assert frame is not None
     tag, challenge = split_envelope(frame)
-    assert tag == 0 and len(challenge) == CHALLENGE_LENGTH
+    assert tag == 0
+    assert len(challenge) == CHALLENGE_LENGTH
     await framed.send(encode_challenge_response(key or SecretKey.generate(), bytes(challenge)))
     return framed
 
@@ -293,12 +293,23 @@ def test_backend_follows_the_run_and_reports_a_lost_server() -> None:
                 assert (await backend.wait_for_new_state()).run_id == "test-run"
                 server_scope.cancel()  # the server goes away
                 with pytest.raises(BackendDisconnected), trio.fail_after(5):
-                    while True:
-                        await backend.wait_for_new_state()
+                    await states_forever(backend)
                 with pytest.raises(BackendDisconnected):
                     await backend.send_checkpoint(Checkpoint.Hub(HubRepo("x")))
 
     trio.run(main)
+
+
+async def receive_forever(client: ProtocolClient) -> None:
+    """Reads until the connection ends: what ends it is what the caller checks."""
+    while True:
+        await client.receive()
+
+
+async def states_forever(backend: CentralizedBackend) -> None:
+    """Waits for states until the backend fails: how it fails is what the caller checks."""
+    while True:
+        await backend.wait_for_new_state()
 
 
 async def wait_state(backend: CentralizedBackend, state: RunState) -> Coordinator:
@@ -459,7 +470,8 @@ def test_saves_at_epoch_end_and_on_exit_then_resumes(tmp_path: Path) -> None:
             # an epoch without witnesses: everyone withdrawn, it still ends (upstream); the
             # withdrawn clients stay kicked while the old epoch names them (upstream quirk 14)
             await early[0].wait_for(lambda s: s.progress.epoch == 1, timeout=20)
-            assert len(server.saved) == 1 and server.saved[0].exists()
+            assert len(server.saved) == 1
+            assert server.saved[0].exists()
             # a second epoch with other clients; stop the server in its first round
             a, b = [await ProtocolClient.connect(addr(server), k) for k in keys]
             for client in (a, b):
@@ -542,7 +554,8 @@ def test_backend_reconnects_to_a_restarted_server(tmp_path: Path) -> None:
                 # the restarted server's relay has a new identity: the backend says so
                 with trio.fail_after(10):
                     await relays_changed.wait()
-                assert backend.relays and backend.relays != relays_before
+                assert backend.relays
+                assert backend.relays != relays_before
             nursery.cancel_scope.cancel()
 
     trio.run(main)

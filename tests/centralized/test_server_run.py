@@ -97,18 +97,22 @@ def test_open_run_serves_a_client_its_status_page_and_trackers(tmp_path: Path) -
                     state = await client.wait_for(training, timeout=DEADLINE)
                     assert [c.id for c in state.epoch_state.clients] == [client.identity]
                     page = await trio.to_thread.run_sync(status)
-                    assert page["run_id"] == "tiny-cpu" and page["run_state"] == "RoundTrain"
+                    assert page["run_id"] == "tiny-cpu"
+                    assert page["run_state"] == "RoundTrain"
 
     try:
         trio.run(main)
     finally:
         tracker.finish()
-    assert RunState.Warmup in seen and seen[-1] is RunState.RoundTrain, seen
+    assert RunState.Warmup in seen, seen
+    assert seen[-1] is RunState.RoundTrain, seen
     saved = load_state(saves)  # when the block exited: a state to resume from
-    assert saved.run_id == "tiny-cpu" and saved.run_state_start_unix_timestamp != 0
+    assert saved.run_id == "tiny-cpu"
+    assert saved.run_state_start_unix_timestamp != 0
     logged = [json.loads(line) for line in metrics.open()]
     states = [e["values"]["coordinator/run_state"] for e in logged if e["kind"] == "log"]
-    assert states[0] == "WaitingForMembers" and states[-1] == "RoundTrain", states
+    assert states[0] == "WaitingForMembers", states
+    assert states[-1] == "RoundTrain", states
 
 
 def test_run_server_serves_until_sigint(
@@ -161,7 +165,8 @@ def test_run_server_ends_with_the_run_and_fails_in_one_line(
 
     assert run_server(loopback(tmp_path / "absent.toml")) == 1
     err = capfd.readouterr().err
-    assert "Error found in config" in err and "file not found" in err
+    assert "Error found in config" in err
+    assert "file not found" in err
     keys = tmp_path / "keys"
     keys.write_text("# nobody yet\n")
     assert run_server(loopback(finished, authorized_keys=keys)) == 1

@@ -32,6 +32,8 @@ from psyche.coordinator.run_state import RunState, Witness, WitnessMetadata
 from psyche.coordinator.testing import integration_test_coordinator
 from psyche.transport import ConnectionLimits
 
+from ..polling import poll_until
+
 SPEED = 20.0
 ROUNDS = (RunState.RoundTrain, RunState.RoundWitness)
 
@@ -97,8 +99,7 @@ async def live_run(body: Callable[[CentralizedServer, int], Any]) -> None:
         for _ in range(2):
             await DummyTrainer.start(nursery, f"127.0.0.1:{server.port}", coordinator.run_id)
         with trio.fail_after(60):
-            while not (history.rounds_measured >= 2 and history.reports):
-                await trio.sleep(0.01)
+            await poll_until(lambda: history.rounds_measured >= 2 and history.reports, 0.01)
             await body(server, port[1])
         nursery.cancel_scope.cancel()
 
@@ -111,11 +112,13 @@ def test_status_json_and_page_show_the_live_runs_members_and_state() -> None:
         doc = json.loads(body)
         assert doc["run_id"] == server.coordinator.run_id
         assert doc["run_state"] in (RunState.RoundTrain.name, RunState.RoundWitness.name)
-        assert {m["id"] for m in doc["members"]} == members and len(members) == 2
+        assert {m["id"] for m in doc["members"]} == members
+        assert len(members) == 2
         assert all(m["state"] == "Healthy" and m["connected"] for m in doc["members"])
         assert len(doc["round_durations"]) >= 2
         assert all(r["seconds"] > 0 for r in doc["round_durations"])
-        assert doc["loss_curve"] and doc["loss_curve"][0]["loss"] == 0.0  # what they reported
+        assert doc["loss_curve"]
+        assert doc["loss_curve"][0]["loss"] == 0.0
 
         status, body = await http_get(port, "/")
         assert status == "HTTP/1.0 200 OK"
@@ -175,7 +178,8 @@ def test_the_page_escapes_what_clients_report() -> None:
         [MemberStatus("abc", "Healthy", True, report)], 0, 1, [(2, 1.5)], [(1, 3.0), (2, 2.5)], 1.0,
     )  # fmt: skip
     page = render_html(snap)
-    assert "<script>" not in page and "&lt;script&gt;" in page
+    assert "<script>" not in page
+    assert "&lt;script&gt;" in page
     assert "<b>run</b>" not in page
     assert json.loads(json.dumps(status_json(snap)))["members"][0]["report"]["loss"] == 2.5
 
@@ -246,19 +250,21 @@ def test_a_member_cannot_rewrite_the_loss_curve() -> None:
             trainers = [await DummyTrainer.start(nursery, address, "test-run") for _ in range(3)]
             nursery.start_soon(spam, trainers[2])
             with trio.fail_after(90):  # three rounds spammed, four measured
-                while server.core.rejected.counts["Witness (InvalidWitness)"] < 600:
-                    await trio.sleep(0.05)
-                while history.rounds_measured < 4:
-                    await trio.sleep(0.05)
+                await poll_until(
+                    lambda: server.core.rejected.counts["Witness (InvalidWitness)"] >= 600, 0.05
+                )
+                await poll_until(lambda: history.rounds_measured >= 4, 0.05)
             status, body = await http_get(port, "/status.json")
             assert status == "HTTP/1.0 200 OK"
             doc = json.loads(body)
             trained = server.coordinator.progress.step
             curve = doc["loss_curve"]
-            assert curve and all(p["loss"] == 0.0 for p in curve), curve
+            assert curve, curve
+            assert all(p["loss"] == 0.0 for p in curve), curve
             assert all(p["step"] <= trained for p in curve), (curve, trained)
             reports = [m["report"] for m in doc["members"] if m["report"] is not None]
-            assert reports and all(r["loss"] == 0.0 and r["step"] <= trained for r in reports)
+            assert reports
+            assert all(r["loss"] == 0.0 and r["step"] <= trained for r in reports)
             assert all(r["tokens_per_sec"] < 1e30 for r in reports)
             nursery.cancel_scope.cancel()
 

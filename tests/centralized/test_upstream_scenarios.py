@@ -18,6 +18,8 @@ from psyche.coordinator import Coordinator, RunState
 from psyche.coordinator.model import Checkpoint
 from psyche.coordinator.testing import integration_test_coordinator
 
+from ..polling import poll_until
+
 SPEED = 20.0
 
 
@@ -63,8 +65,7 @@ def scenario(
 
 
 async def until(server: CentralizedServer, predicate: Callable[[Coordinator], bool]) -> None:
-    while not predicate(server.coordinator):
-        await trio.sleep(0.005)
+    await poll_until(lambda: predicate(server.coordinator), 0.005)
 
 
 async def reached(server: CentralizedServer, state: RunState, since: int = 0) -> int:

@@ -97,7 +97,8 @@ def test_honest_models_stay_identical(run: dict[str, Any]) -> None:
 
 def test_a_departure_costs_at_most_two_assignments(run: dict[str, Any]) -> None:
     result = run["result"]
-    assert result.lost_per_departure and max(result.lost_per_departure) <= 2, result
+    assert result.lost_per_departure, result
+    assert max(result.lost_per_departure) <= 2, result
 
 
 def test_the_replacement_rejoins_with_its_peers_model(run: dict[str, Any]) -> None:

@@ -50,7 +50,8 @@ def test_honest_models_stay_identical_without_the_offenders_batches(run: dict[st
 
     result = run["result"]
     assert result.epochs_checked >= 1, result.model_problems  # no cooldown compared proves nothing
-    assert result.models_identical and not result.applied_problems, result
+    assert result.models_identical, result
+    assert not result.applied_problems, result
     offender = client_short_id(ADVERSARY)
     nodes = run["nodes"]
     events = nodes["client-1"][0]

@@ -61,7 +61,9 @@ def test_model_agreement_and_joiners() -> None:
         ],
     }
     agreement = model_agreement(same)
-    assert agreement.identical and agreement.epochs_checked == 1 and agreement.joiners_checked == 1
+    assert agreement.identical
+    assert agreement.epochs_checked == 1
+    assert agreement.joiners_checked == 1
     differ = {**same, "c3": [ev("loaded_model", 2, epoch=1, checkpoint="P2P", model_hash="zz")]}
     assert not model_agreement(differ).identical
     split = {**same, "c3": [ev("cooldown_model", 1, epoch=0, model_hash="other")]}
@@ -71,7 +73,8 @@ def test_model_agreement_and_joiners() -> None:
 def test_model_agreement_needs_an_epoch_compared() -> None:
     """No cooldown at all, or one logged by a single client, is no evidence of agreement."""
     nothing = model_agreement({"c1": [], "c2": []})
-    assert not nothing.identical and nothing.epochs_checked == 0
+    assert not nothing.identical
+    assert nothing.epochs_checked == 0
     assert "nothing compared" in nothing.problems[0]
     alone = model_agreement(
         {
@@ -79,14 +82,17 @@ def test_model_agreement_needs_an_epoch_compared() -> None:
             "c2": [ev("cooldown_model", 2, epoch=1, model_hash="h1")],
         }
     )
-    assert not alone.identical and alone.epochs_checked == 0
+    assert not alone.identical
+    assert alone.epochs_checked == 0
     two = model_agreement(
         {
             "c1": [ev("cooldown_model", 1, epoch=0, model_hash="h0")],
             "c2": [ev("cooldown_model", 1, epoch=0, model_hash="h0")],
         }
     )
-    assert two.identical and two.epochs_checked == 1 and two.problems == []
+    assert two.identical
+    assert two.epochs_checked == 1
+    assert two.problems == []
 
 
 def test_applied_agreement() -> None:
@@ -105,7 +111,9 @@ def test_rejoin_counts_rounds_between_the_model_and_training() -> None:
         ev("trained_batch", 66, step=9, batch_id="B[0, 1]"),
     ]
     info = rejoin("c2", 40.0, events, peers, round_starts=[30, 64.9, 70])
-    assert info.hash_identical is True and info.rounds_waited == 0 and info.seconds == 26
+    assert info.hash_identical is True
+    assert info.rounds_waited == 0
+    assert info.seconds == 26
     late = rejoin("c2", 40.0, events, peers, round_starts=[61, 62, 63, 64.9])
     assert late.rounds_waited == 3
     wrong = [{**events[0], "model_hash": "x"}, *events[1:]]

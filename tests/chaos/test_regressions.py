@@ -41,7 +41,8 @@ def test_a_client_restarted_with_the_same_key_is_not_kicked_from_pending() -> No
     assert A in core.pending_clients  # not exited yet
     core.coordinator._move_clients_to_exited(0)
     core.kick_unhealthy_clients()
-    assert A not in core.pending_clients and C in core.pending_clients
+    assert A not in core.pending_clients
+    assert C in core.pending_clients
 
 
 def test_a_dropped_client_that_joins_again_is_not_kicked_from_pending() -> None:
@@ -153,7 +154,8 @@ else:
     print("saved")
 """
     done = _run_with_file_size_limit(code, 64 * 1024, str(tmp_path))
-    assert "failed:" in done.stdout and "os error 27" in done.stdout, done.stdout + done.stderr
+    assert "failed:" in done.stdout, done.stdout + done.stderr
+    assert "os error 27" in done.stdout, done.stdout + done.stderr
     assert list(tmp_path.iterdir()) == [], list(tmp_path.iterdir())
     # with room enough, the same call writes a complete checkpoint
     done = _run_with_file_size_limit(code, 16 << 20, str(tmp_path))

@@ -24,6 +24,7 @@ from psyche.core.cli import UserError
 from psyche.core.identity import SecretKey
 from psyche.core.node_identity import NodeIdentity
 
+from ..polling import poll_until
 from ..processes import Processes, free_port
 from .conftest import DUMMY_STATE, command, exit_code, start_client, start_detached
 
@@ -56,7 +57,8 @@ def test_verbose_client_adds_the_traceback(processes: Processes) -> None:
     )
     assert exit_code(client, 120) == 1, client.text()
     text = client.text()
-    assert "Traceback" in text and "BackendDisconnected" in text
+    assert "Traceback" in text
+    assert "BackendDisconnected" in text
     assert text.splitlines()[-1].startswith("psyche-client: error: cannot connect")
 
 
@@ -143,8 +145,7 @@ def test_the_client_connects_first_and_joins_after_before_join(
                 async with CentralizedBackend.connect(
                     f"127.0.0.1:{port}", SecretKey.generate(), "test-run", before_join=before_join
                 ) as backend:
-                    while not server.core.pending_clients:
-                        await trio.sleep(0.05)
+                    await poll_until(lambda: server.core.pending_clients, 0.05)
                     assert backend.connections == 1
         assert order == ["before_join (pending 0)", "join"]
 
@@ -215,5 +216,6 @@ def test_a_wrong_run_id_ends_the_client_with_one_line(
         f"psyche-client: error: the coordinator at 127.0.0.1:{port} refused this client: "
         "unknown run id 'cli-tset': this server runs 'cli-test'"
     )
-    assert "Traceback" not in text and text.count("unknown run id") == 1
+    assert "Traceback" not in text
+    assert text.count("unknown run id") == 1
     processes.wait_for(server, r"unknown run id 'cli-tset'", 10)

@@ -92,4 +92,5 @@ def test_the_solana_client_parses_the_options_python_builds(
         count=3,
     )
     parsed = solana(["join-authorization-set-delegates", "--join-authority", "j"])
-    assert list(parsed.delegates_added) == ["a", "b"] and parsed.cluster == cluster
+    assert list(parsed.delegates_added) == ["a", "b"]
+    assert parsed.cluster == cluster

@@ -88,7 +88,8 @@ def test_help_names_the_variable_and_the_default(capsys: pytest.CaptureFixture[s
     assert "Dashboard [env: TUI] [default: true]" in text
     with pytest.raises(SystemExit) as no_command:
         parser.parse_args([])
-    assert no_command.value.code == 2 and "<COMMAND>" in capsys.readouterr().err
+    assert no_command.value.code == 2
+    assert "<COMMAND>" in capsys.readouterr().err
 
 
 def test_value_parsers() -> None:

@@ -53,7 +53,8 @@ def test_help_describes_the_commands() -> None:
     assert result.returncode == 0
     assert "validate-config" in result.stdout
     sub = run_cli("validate-config", "--help")
-    assert "--state" in sub.stdout and "--data-config" in sub.stdout
+    assert "--state" in sub.stdout
+    assert "--data-config" in sub.stdout
 
 
 def test_cli_start_does_not_import_heavy_packages() -> None:
@@ -114,7 +115,8 @@ def test_data_config_is_checked(tmp_path: Path) -> None:
         str(REPO / "configs/tiny-cpu/data.toml"),
     )
     assert result.returncode == 0, result.stderr
-    assert "data server:" in result.stdout and "TwoBytes, seq_len 128" in result.stdout
+    assert "data server:" in result.stdout
+    assert "TwoBytes, seq_len 128" in result.stdout
 
     broken = tmp_path / "data.toml"
     broken.write_text(
@@ -122,5 +124,6 @@ def test_data_config_is_checked(tmp_path: Path) -> None:
     )
     result = run_cli("validate-config", "--state", state, "--data-config", str(broken))
     assert result.returncode == 1
-    assert "token_size" in result.stderr and "shuffle_seed" in result.stderr
+    assert "token_size" in result.stderr
+    assert "shuffle_seed" in result.stderr
     assert str(broken) in result.stderr

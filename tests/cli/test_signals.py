@@ -105,7 +105,8 @@ def test_headless_testnet_stops_every_child(
     )  # fmt: skip
     processes.wait_for(testnet, r"\[client-2\] started \(pid \d+\)", 90)
     pids = [int(p) for p in re.findall(r"started \(pid (\d+)\)", testnet.text())]
-    assert len(pids) == 3 and all(alive(pid) for pid in pids)
+    assert len(pids) == 3
+    assert all(alive(pid) for pid in pids)
     processes.signal(testnet, signum)
     assert exit_code(testnet, STOP_TIMEOUT) == 0, testnet.text()
     assert f"[testnet] got {name}; stopping" in testnet.text()
@@ -132,8 +133,10 @@ def test_train_saves_what_it_trained(
     processes.signal(train, signum)
     assert exit_code(train, STOP_TIMEOUT) == (130 if signum == signal.SIGINT else 143)
     text = train.text()
-    assert f"interrupted by {name}, stopping" in text and "Traceback" not in text
-    assert "Saved checkpoint to" in text and (save / "config.json").is_file()
+    assert f"interrupted by {name}, stopping" in text
+    assert "Traceback" not in text
+    assert "Saved checkpoint to" in text
+    assert (save / "config.json").is_file()
 
 
 @pytest.fixture

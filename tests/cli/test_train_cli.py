@@ -51,7 +51,8 @@ def test_batches_come_from_the_data_provider_in_its_shuffled_order(tmp_path: Pat
     dataset = _open_dataset(args)
     try:
         batch = _read_batch(dataset, BatchId(4, 11))
-        assert batch.input_ids.dtype == torch.int64 and batch.input_ids.shape == (8, 10)
+        assert batch.input_ids.dtype == torch.int64
+        assert batch.input_ids.shape == (8, 10)
         perm = shuffle_permutation(39, ChaCha8Rng(bytes(28) + (1234).to_bytes(4, "big")))
         starts = [10 * int(i) for i in perm[4:12]]
         assert batch.input_ids[:, 0].tolist() == starts
@@ -113,7 +114,8 @@ def test_psyche_train_runs_and_saves(
     lines = [line for line in out.splitlines() if line.startswith("step: ")]
     assert len(lines) == 6
     assert lines[0].startswith("step: 1, duration: ")
-    assert "batch: B[40, 47]" in lines[5] and "tokens/s: " in lines[5]
+    assert "batch: B[40, 47]" in lines[5]
+    assert "tokens/s: " in lines[5]
     assert "Saved checkpoint" in out
     model = CausalLM.from_pretrained(save, ModelOptions(architecture="HfLlama", device="cpu"))
     assert model.max_context_length == 32
@@ -122,7 +124,8 @@ def test_psyche_train_runs_and_saves(
 def test_psyche_train_argument_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as usage:
         main(["--peers", "2", "--data-path", str(tmp_path)])
-    assert usage.value.code == 2 and "needs --distro" in capsys.readouterr().err
+    assert usage.value.code == 2
+    assert "needs --distro" in capsys.readouterr().err
     assert main(["--data-path", str(tmp_path), "--init-config", "tiny"]) == 1
     assert re.search(
         r"psyche-train: error: No training data files.*preprocessed data", capsys.readouterr().err

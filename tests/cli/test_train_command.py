@@ -52,7 +52,8 @@ def test_defaults_train_the_tiny_model_offline_from_inside_the_repository(tmp_pa
     assert f"Loading {root / 'configs' / 'tiny-cpu' / 'model'}" in out
     steps = [line for line in out.splitlines() if line.startswith("step: ")]
     assert [s.split(",")[0] for s in steps] == ["step: 1", "step: 2"]
-    assert "batch: B[8, 15]" in steps[1] and "loss: " in steps[1]
+    assert "batch: B[8, 15]" in steps[1]
+    assert "loss: " in steps[1]
     assert "trained 2 steps" in out
 
 

@@ -55,7 +55,8 @@ def test_upload_at_cooldown_then_join_from_gcs(
             "runs/a/psyche-manifest.json",
         ]
         manifest = json.loads(bucket.blob("runs/a/manifest.json").download_as_bytes())
-        assert manifest["metadata"]["step"] == 39 and manifest["metadata"]["epoch"] == 3
+        assert manifest["metadata"]["step"] == 39
+        assert manifest["metadata"]["epoch"] == 3
         assert manifest["metadata"]["run_id"] == "run"
         [entry] = manifest["files"]
         assert entry["filename"] == "model.safetensors"

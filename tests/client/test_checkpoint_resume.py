@@ -90,7 +90,9 @@ def test_a_partial_checkpoint_is_never_chosen(tmp_path: Path, damage: str) -> No
             (newest / MANIFEST_NAME).write_text("{")
     assert verify_checkpoint(newest) is None
     found = latest_complete(tmp_path, INSTANCE)
-    assert found is not None and found.path == older and found.manifest.step == 9
+    assert found is not None
+    assert found.path == older
+    assert found.manifest.step == 9
     assert latest_complete(tmp_path, INSTANCE, 19) is None
     assert resume_checkpoint(tmp_path, INSTANCE, 19) is None
     assert resume_checkpoint(tmp_path, INSTANCE, 9) == older
@@ -157,7 +159,8 @@ def test_a_second_run_in_the_same_directory_keeps_its_checkpoints_and_leaves_the
         )
         written.append(path)
         if step == 15:
-            assert path.is_dir() and verify_checkpoint(path) is not None  # not deleted
+            assert path.is_dir()
+            assert verify_checkpoint(path) is not None
     # keep-steps 3 counted the second run's own: its step 15 went once it had four
     assert [p.exists() for p in written] == [False, True, True, True]
     # the first run's (and the old) checkpoints are exactly as they were
@@ -177,12 +180,14 @@ def test_a_run_id_never_takes_a_checkpoint_outside_its_directory(tmp_path: Path)
     directory = tmp_path / "checkpoints"
     for run_id in ("/tmp/elsewhere", "../up", "..", "", "a/b/../../c", ".hidden", "x" * 300):
         path = checkpoint_path(directory, RunInstance(run_id, "i"), 7)
-        assert path.parent == directory and path.name.endswith("-step7"), path
+        assert path.parent == directory, path
+        assert path.name.endswith("-step7"), path
         assert not path.name.startswith("."), path
     save(directory, 7, run=RunInstance("/tmp/elsewhere", "i"))
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoints"]
     found = latest_complete(directory, RunInstance("/tmp/elsewhere", "i"))
-    assert found is not None and found.manifest.run_id == "/tmp/elsewhere"
+    assert found is not None
+    assert found.manifest.run_id == "/tmp/elsewhere"
 
 
 def snapshot(path: Path) -> dict[str, bytes]:

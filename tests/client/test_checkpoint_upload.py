@@ -34,6 +34,7 @@ from psyche.coordinator.model import Checkpoint, HubRepo
 from psyche.core.node_identity import NodeIdentity
 
 from ..modeling.tiny_trainer import make_trainer
+from ..polling import poll_until
 from .hub_endpoint import HubEndpoint
 
 REPO = "org/model"
@@ -59,13 +60,15 @@ def test_a_failing_hub_is_retried_and_never_left_partial(hub: HubEndpoint, tmp_p
     checkpointer.uploader.retry = FAST_RETRY
     job = CheckpointJob(1, 9, Kind.recent, {"w": torch.ones(32)}, CheckpointFiles([], "{}", ""))
     path = trio.run(checkpointer.write, job)
-    assert path is not None and verify_checkpoint(path) is not None
+    assert path is not None
+    assert verify_checkpoint(path) is not None
     assert hub.fail_commits == 0  # both failures were met, then a retry went through
     assert hub.commit_messages(REPO) == ["initial commit", "step 9"]
     files = hub.head_files(REPO)
     local = {p.name: p.read_bytes() for p in path.iterdir()}
     assert {k: v for k, v in files.items() if k not in (".gitattributes", "README.md")} == local
-    assert MANIFEST_NAME in files and files["README.md"] == b"model card"
+    assert MANIFEST_NAME in files
+    assert files["README.md"] == b"model card"
     head = hub.repos[REPO].head
     assert head is not None
     assert sent == [Checkpoint.Hub(HubRepo(REPO, head.oid))]
@@ -92,7 +95,8 @@ def test_uploads_run_behind_the_epochs_and_the_newest_wins(
             cooldown = Cooldown(
                 trainer, identity, INSTANCE, config, files, lambda _: None, sent.append, nursery
             )
-            assert cooldown.checkpointer is not None and cooldown.checkpointer.uploader
+            assert cooldown.checkpointer is not None
+            assert cooldown.checkpointer.uploader
             cooldown.checkpointer.uploader.retry = FAST_RETRY
             cooldown.checkpointer.uploader.progress_interval = 0.2
             cooldown.start(tasks, 0, 9)
@@ -103,17 +107,21 @@ def test_uploads_run_behind_the_epochs_and_the_newest_wins(
                 cooldown.start(tasks, epoch, step, step == 29)
                 await cooldown.finish()
             with trio.fail_after(60):
-                while len(saved()) < 3:  # written, waiting for their uploads: all kept
-                    await trio.sleep(0.05)
+                # written, waiting for their uploads: all kept
+                await poll_until(lambda: len(saved()) >= 3, 0.05)
             assert sent == []
             assert hub.commit_messages(REPO) == ["initial commit"]
             with trio.fail_after(60):  # a person watching sees the held upload go on
-                while not any(
-                    r.getMessage().startswith(f"uploading the model of step 9 to hub repo {REPO}")
-                    and "s so far)" in r.getMessage()
-                    for r in caplog.records
-                ):
-                    await trio.sleep(0.05)
+                await poll_until(
+                    lambda: any(
+                        r.getMessage().startswith(
+                            f"uploading the model of step 9 to hub repo {REPO}"
+                        )
+                        and "s so far)" in r.getMessage()
+                        for r in caplog.records
+                    ),
+                    0.05,
+                )
             hub.hold_commits.set()
             with trio.fail_after(120):
                 await cooldown.wait_for_checkpoints()

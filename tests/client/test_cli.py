@@ -69,13 +69,15 @@ def test_upstream_defaults_and_environment_fallback(monkeypatch: pytest.MonkeyPa
     args = parse(["train", "--grad-accum-in-fp32"])
     assert args.run_id == "my-run"  # quotes trimmed, as upstream
     assert args.server_addr == "127.0.0.1:20000"
-    assert args.micro_batch_size == 4 and args.grad_accum_in_fp32 is True
+    assert args.micro_batch_size == 4
+    assert args.grad_accum_in_fp32 is True
     assert args.delete_old_steps is False
     # console by default (upstream: tui; a dashboard is opt-in here, docs/client.md)
     assert (args.logs, args.device, args.keep_steps) == ("console", "auto", 3)
     assert (args.max_concurrent_parameter_requests, args.max_concurrent_downloads) == (8, 4)
     assert (args.hub_max_concurrent_downloads, args.eval_seed, args.data_parallelism) == (3, 42, 1)
-    assert args.prompt_task is False and args.oltp_report_interval == 60.0
+    assert args.prompt_task is False
+    assert args.oltp_report_interval == 60.0
     assert TrainOptions.from_args(args).problems() == []
     # the command line wins over the environment
     assert parse(["train", "--micro-batch-size", "2"]).micro_batch_size == 2
@@ -178,7 +180,8 @@ def test_every_train_option_is_declared_once_with_its_help(
     help_text = " ".join(capsys.readouterr().out.split())
     for f in fields(TrainOptions):
         flag = "--" + f.name.replace("_", "-")
-        assert flag in help_text and f"[env: {f.name.upper()}]" in help_text
+        assert flag in help_text
+        assert f"[env: {f.name.upper()}]" in help_text
         assert docs[f.name] in help_text
     assert "[env: KEEP_STEPS] [default: 3]" in help_text
     assert "[env: DELETE_OLD_STEPS] [default: true]" in help_text

@@ -112,7 +112,8 @@ def test_round_plan_matches_the_coordinators_assignment(sim: Simulation) -> None
     round_ = coordinator.current_round()
     assert indices == list(range(round_.data_index, round_.data_index + 6))
     assert first.batch_ids_not_yet_trained_on == set(first.data_assignments)
-    assert first.step == coordinator.progress.step and first.height == 0
+    assert first.step == coordinator.progress.step
+    assert first.height == 0
     assert all(p.have_training and not p.zero_optim for p in plans.values())
     witnesses = [p for p in plans.values() if p.state.committee_info.witness_proof.witness]
     assert len(witnesses) == 1  # witness_nodes = 1
@@ -121,8 +122,10 @@ def test_round_plan_matches_the_coordinators_assignment(sim: Simulation) -> None
 def test_no_training_in_the_epochs_last_two_rounds(sim: Simulation) -> None:
     sim.coordinator.epoch_state.last_step = sim.coordinator.progress.step + 1
     plan = plan_for(sim.coordinator, simulated_identity(0))
-    assert not plan.have_training and plan.assigned_batches == []
-    assert plan.state.batch_ids_not_yet_trained_on is None and plan.state.data_assignments == {}
+    assert not plan.have_training
+    assert plan.assigned_batches == []
+    assert plan.state.batch_ids_not_yet_trained_on is None
+    assert plan.state.data_assignments == {}
 
 
 # --------------------------------------------------------------------------------------------
@@ -164,7 +167,8 @@ def test_a_trainers_result_is_recorded_and_downloaded_once(sim: Simulation) -> N
     broadcast = result_broadcast(step, view.proof(peer), view.batch_of(peer), 1)
     outcome, download = view.apply(peer, broadcast)
     assert outcome is payloads.ApplyMessageOutcome.Applied
-    assert download is not None and download.ticket == broadcast.data.value.ticket
+    assert download is not None
+    assert download.ticket == broadcast.data.value.ticket
     assert download.tag.endswith(f"_{step}")
     entry = view.current.results[view.batch_of(peer)]
     assert entry == [ResultEntry(peer, broadcast.commitment, broadcast.data.value)]
@@ -180,7 +184,8 @@ def test_own_result_is_recorded_without_download(sim: Simulation) -> None:
     view = Round(sim)
     broadcast = result_broadcast(view.current.step, view.proof(view.me), view.batch_of(view.me), 9)
     outcome, download = view.apply(view.me, broadcast)
-    assert outcome is payloads.ApplyMessageOutcome.Applied and download is None
+    assert outcome is payloads.ApplyMessageOutcome.Applied
+    assert download is None
 
 
 def test_result_for_a_batch_the_sender_was_not_assigned_is_invalid(sim: Simulation) -> None:
@@ -190,7 +195,8 @@ def test_result_for_a_batch_the_sender_was_not_assigned_is_invalid(sim: Simulati
     assert view.apply(peer, broadcast) == (payloads.ApplyMessageOutcome.Invalid, None)
     unknown = result_broadcast(view.current.step, view.proof(peer), BatchId(900, 901), 3)
     assert view.apply(peer, unknown) == (payloads.ApplyMessageOutcome.Invalid, None)
-    assert view.current.results == {} and view.current.downloads == {}
+    assert view.current.results == {}
+    assert view.current.downloads == {}
 
 
 def test_replayed_step_is_invalid(sim: Simulation) -> None:
@@ -267,7 +273,8 @@ def test_messages_of_the_previous_round_go_there(sim: Simulation) -> None:
     batch = next(b for b, n in view.previous.data_assignments.items() if n == peer)
     broadcast = result_broadcast(view.previous.step, proof, batch, 8)
     assert view.apply(peer, broadcast)[0] is payloads.ApplyMessageOutcome.Applied
-    assert batch in view.previous.results and view.current.results == {}
+    assert batch in view.previous.results
+    assert view.current.results == {}
 
 
 # --------------------------------------------------------------------------------------------
@@ -312,7 +319,8 @@ def test_blooms_vote_for_the_first_payload_of_each_batch(sim: Simulation) -> Non
     # a second payload for a batch already voted on: the sender counts as a participant only
     late = simulated_identity(2)
     payloads.record_verified_payload(state, late, batches[0], b"h1" * 16)
-    assert participant.contains(sha256(late.signer)) and not broadcast.contains(b"h1" * 16)
+    assert participant.contains(sha256(late.signer))
+    assert not broadcast.contains(b"h1" * 16)
     for batch in batches[1:]:
         payloads.record_verified_payload(
             state, state.data_assignments[batch], batch, batch_hash(batch)
@@ -369,7 +377,8 @@ def test_apply_plan_orders_batches_and_follows_the_witnesses() -> None:
     )
     assert sim.coordinator.witness_quorum(3) == 2
     plan = apply.plan_apply(round0, sim.coordinator)
-    assert plan.batch_ids == [a, b, c] and plan.step == step + 1
+    assert plan.batch_ids == [a, b, c]
+    assert plan.step == step + 1
     assert [(x.batch_id, x.commitment.data_hash) for x in plan.chosen] == [(a, b"A1" * 16)]
     assert plan.chosen[0].blob_hash == round0.results[a][0].result.ticket.hash
     assert plan.no_consensus == [b]  # no witness saw B1
@@ -458,7 +467,8 @@ def test_witness_is_sent_once_with_the_previous_rounds_blooms(sim: Simulation) -
     previous.blooms[0].add(b"participant")
     current = plan_for(coordinator, me).state
     sent = witness.witness_to_send(previous, current)
-    assert sent is not None and sent.proof == current.committee_info.witness_proof
+    assert sent is not None
+    assert sent.proof == current.committee_info.witness_proof
     assert sent.participant_bloom.contains(b"participant")
     assert sent.broadcast_merkle == MerkleTree([b"a" * 32, b"b" * 32]).get_root()
     assert sent.participant_bloom is not previous.blooms[0]  # a copy
@@ -489,8 +499,10 @@ def test_opportunistic_witness_waits_for_everyone(sim: Simulation) -> None:
     assert act(True) is None  # still deserializing
     handle.set_result(DeserializedPayload([], 0))
     action = act(True)
-    assert isinstance(action, witness.SendFinished) and not action.warmup
-    assert action.step == current.step and action.commitment_data_hash == sha256(bytes(32))
+    assert isinstance(action, witness.SendFinished)
+    assert not action.warmup
+    assert action.step == current.step
+    assert action.commitment_data_hash == sha256(bytes(32))
     assert act(True) is None  # sent once; the others have not finished
     for client in clients:
         current.clients_finished[client.id] = Finished(MerkleRoot(), False)
@@ -513,7 +525,9 @@ def test_warmup_sends_finished_then_one_witness() -> None:
         return warmup.opportunistic_warmup_action(state, progress, identity=me, clients=clients)
 
     first = act()
-    assert isinstance(first, witness.SendFinished) and first.warmup and first.step == 0
+    assert isinstance(first, witness.SendFinished)
+    assert first.warmup
+    assert first.step == 0
     assert act() is None
     for client in clients:
         state.clients_finished[client.id] = Finished(MerkleRoot(), True)

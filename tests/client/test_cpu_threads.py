@@ -24,10 +24,12 @@ def _restore_threads() -> Iterator[None]:
 
 def test_the_budget_is_split_among_the_ranks() -> None:
     assert [threads_per_client(4, n) for n in (1, 2, 3, 4, 8)] == [4, 2, 1, 1, 1]
-    assert rank_threads(4, CPU, 2) == 2 and rank_threads(1, CPU, 4) == 1
+    assert rank_threads(4, CPU, 2) == 2
+    assert rank_threads(1, CPU, 4) == 1
     assert rank_threads(3, CUDA, 1) == 3  # asked for: the CPU work of a GPU client too
     # unset: one rank keeps torch's default; ranks on the CPU share the cores
-    assert rank_threads(None, CPU, 1) is None and rank_threads(None, CUDA, 2) is None
+    assert rank_threads(None, CPU, 1) is None
+    assert rank_threads(None, CUDA, 2) is None
     assert rank_threads(None, CPU, 2) == max(1, available_cores() // 2)
 
 

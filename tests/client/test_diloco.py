@@ -191,7 +191,8 @@ def test_three_clients_two_epochs_bit_identical_after_every_outer_step(
     results: list[OwnResult] = [r for n in nodes for r in n.sent_results]
     assert {r.payload.trainer_nonce for r in results} >= {0, 1, 2}
     applied = [r for r in caplog.records if r.getMessage() == "applied_results"]
-    assert applied and max(len(r.psyche_fields["batches"]) for r in applied) == CLIENTS + 1
+    assert applied
+    assert max(len(r.psyche_fields["batches"]) for r in applied) == CLIENTS + 1
     assert not [r for r in caplog.records if r.getMessage() == "payload_invalid"]
 
 
@@ -200,7 +201,8 @@ def test_a_hostile_pseudo_gradient_is_refused(caplog: pytest.LogCaptureFixture) 
     nodes, logs, _sim = trio.run(lambda: run_epochs(1, hostile=2))
     invalid = [r for r in caplog.records if r.getMessage() == "payload_invalid"]
     cheater = str(nodes[2].identity)
-    assert invalid and {r.psyche_fields["sender"] for r in invalid} == {cheater}
+    assert invalid
+    assert {r.psyche_fields["sender"] for r in invalid} == {cheater}
     assert all("repeats within a block" in r.psyche_fields["reason"] for r in invalid)
     cheater_batches = {r.batch_id for r in nodes[2].sent_results}
     honest = {str(n.identity) for n in nodes[:2]}
@@ -209,4 +211,5 @@ def test_a_hostile_pseudo_gradient_is_refused(caplog: pytest.LogCaptureFixture) 
             record.psyche_fields["client_id"] in honest
         ):
             assert not cheater_batches & set(record.psyche_fields["batches"])
-    assert logs[0] and logs[0] == logs[1]
+    assert logs[0]
+    assert logs[0] == logs[1]

@@ -24,6 +24,7 @@ from psyche.core.cli import single_cause, user_error_message
 from psyche.modeling.causal_lm import ModelLoadError
 from psyche.modeling.configs import llama_config_dict
 
+from ..polling import poll_until
 from .hub_endpoint import HubEndpoint
 from .test_checkpoint_restart import run_client
 from .test_in_process_run import RUN_ID, coordinator, write_run
@@ -71,23 +72,24 @@ def test_a_state_of_another_run_is_refused_and_nothing_is_written_outside(
                     clients.start_soon(one, 2)
 
                     async def watch() -> None:
-                        while not list(outside.iterdir()):
-                            await trio.sleep(0.2)
+                        await poll_until(lambda: list(outside.iterdir()), 0.2)
                         clients.cancel_scope.cancel()
 
                     clients.start_soon(watch)
-                    while len(errors) < 2:
-                        await trio.sleep(0.1)
+                    await poll_until(lambda: len(errors) >= 2, 0.1)
                     clients.cancel_scope.cancel()
             nursery.cancel_scope.cancel()
 
     trio.run(scenario)
     assert list(outside.iterdir()) == []
     assert not checkpoints.exists()
-    assert len(errors) == 2 and all(isinstance(e, WrongRun) for e in errors), errors
+    assert len(errors) == 2, errors
+    assert all(isinstance(e, WrongRun) for e in errors), errors
     line = user_error_message(errors[0])
-    assert line is not None and "\n" not in line
-    assert f"joined run {RUN_ID!r}" in line and "refusing" in line
+    assert line is not None
+    assert "\n" not in line
+    assert f"joined run {RUN_ID!r}" in line
+    assert "refusing" in line
     assert not [r for r in caplog.records if r.getMessage() == "loaded_model"]
 
 
@@ -103,7 +105,8 @@ def test_a_bucket_and_prefix_never_take_a_gcs_download_outside_its_cache(
         ("b", "a/./b//c"),
     ):
         directory = _cache_dir(bucket, prefix, "step-1-2")
-        assert directory.is_relative_to(base) and ".." not in directory.parts, directory
+        assert directory.is_relative_to(base), directory
+        assert ".." not in directory.parts, directory
         assert cache_base(bucket).parent == base
     assert _cache_dir("b", "a/./b//c", "leaf") == base / "b" / "a" / "b" / "c" / "leaf"
 
@@ -134,7 +137,8 @@ def test_a_hub_repo_larger_than_its_declared_model_is_not_downloaded(hub: HubEnd
     with pytest.raises(ModelLoadError, match=r"more than the model its config\.json declares"):
         load_hub_checkpoint("org/junk", None, "HfLlama", torch.device("cpu"))
     fetched = [r for r in hub.requests if "/resolve/" in r and r.startswith("GET")]
-    assert fetched and all(r.endswith("/config.json") for r in fetched), fetched
+    assert fetched, fetched
+    assert all(r.endswith("/config.json") for r in fetched), fetched
 
 
 def test_a_hub_repo_with_an_oversized_config_file_is_not_downloaded(hub: HubEndpoint) -> None:

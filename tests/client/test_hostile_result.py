@@ -97,7 +97,8 @@ def test_junk_results_are_refused_and_never_fetched_again(
     assert set(asked[OVERSIZED]) == {0}, asked
     assert all(n <= len(HONEST) for sizes in asked.values() for n in sizes), asked
     limits = {int(n) for n in re.findall(r"exceeds the limit of (\d+) bytes", caplog.text)}
-    assert len(limits) == 1 and UNDECODABLE < limits.pop() < OVERSIZED
+    assert len(limits) == 1
+    assert UNDECODABLE < limits.pop() < OVERSIZED
     assert "undecodable blob" in caplog.text
     assert "Retrying download for distro result" not in caplog.text
     for client in honest:  # nothing of the junk kept
@@ -107,4 +108,5 @@ def test_junk_results_are_refused_and_never_fetched_again(
     for f in fields(caplog.records, "applied_results"):
         if f["client_id"] != str(hostile.identity):
             applied.setdefault(f["step"], set()).add(tuple(str(b) for b in f["batches"]))
-    assert len(applied) >= 2 and all(len(v) == 1 for v in applied.values()), applied
+    assert len(applied) >= 2, applied
+    assert all(len(v) == 1 for v in applied.values()), applied

@@ -29,6 +29,7 @@ from psyche.core.node_identity import NodeIdentity
 from psyche.modeling.configs import llama_config_dict
 from psyche.network.connection import NetworkConfig
 
+from ..polling import poll_until
 from ..timing import scale_config_timers, scaled, scaled_timer
 
 SEQ = 32
@@ -106,28 +107,31 @@ def test_two_clients_train_and_a_third_joins_from_peers(
             nursery.start_soon(run_client, server, 2)
             with trio.fail_after(scaled(90)):
                 # the joiner waits (pending) while the first epoch trains
-                while server.coordinator.run_state is not RunState.RoundTrain:
-                    await trio.sleep(0.1)
+                await poll_until(lambda: server.coordinator.run_state is RunState.RoundTrain, 0.1)
                 nursery.start_soon(run_client, server, 3)
                 # until the second epoch has trained a round with three clients
-                while not (
-                    server.coordinator.progress.epoch == 1
-                    and server.coordinator.run_state is RunState.RoundTrain
-                    and server.coordinator.current_round().height >= 1
-                ):
-                    await trio.sleep(0.1)
+                await poll_until(
+                    lambda: (
+                        server.coordinator.progress.epoch == 1
+                        and server.coordinator.run_state is RunState.RoundTrain
+                        and server.coordinator.current_round().height >= 1
+                    ),
+                    0.1,
+                )
             nursery.cancel_scope.cancel()
 
     trio.run(scenario)
     records = caplog.records
     cooldown = [f for f in fields(records, "cooldown_model") if f["epoch"] == 0]
-    assert len(cooldown) == 2 and cooldown[0]["model_hash"] == cooldown[1]["model_hash"]
+    assert len(cooldown) == 2
+    assert cooldown[0]["model_hash"] == cooldown[1]["model_hash"]
     loaded = fields(records, "loaded_model")
     assert len(loaded) == 3
     initial = {f["model_hash"] for f in loaded if f["epoch"] == 0}
     assert len(initial) == 1  # seed 1337: both first clients built the same weights
     joiner = [f for f in loaded if f["epoch"] == 1]
-    assert len(joiner) == 1 and joiner[0]["source"] == "peers (P2P)"
+    assert len(joiner) == 1
+    assert joiner[0]["source"] == "peers (P2P)"
     assert joiner[0]["model_hash"] == cooldown[0]["model_hash"]
     # the joiner trained in epoch 1, and everyone applied the same results
     second_epoch = [f for f in fields(records, "round_start") if f["epoch"] == 1]
@@ -135,9 +139,11 @@ def test_two_clients_train_and_a_third_joins_from_peers(
     applied: dict[int, set[tuple[str, ...]]] = {}
     for f in fields(records, "applied_results"):
         applied.setdefault(f["step"], set()).add(tuple(str(b) for b in f["batches"]))
-    assert applied and all(len(v) == 1 for v in applied.values())
+    assert applied
+    assert all(len(v) == 1 for v in applied.values())
     losses = [f["loss"] for f in fields(records, "client_loss") if f["trained"]]
-    assert losses and all(np.isfinite(losses))
+    assert losses
+    assert all(np.isfinite(losses))
 
 
 # ---- the end of a run ------------------------------------------------------------------------
@@ -200,7 +206,8 @@ def test_clients_end_by_themselves_at_finished_and_keep_the_final_model(
     final_step = server.coordinator.progress.step - 1
     first = summaries[str(clients[1].identity)]
     assert first["checkpoint"] == str(checkpoints / f"{RUN_ID}-step{final_step}")
-    assert first["trained"] and first["final_loss"] is not None
+    assert first["trained"]
+    assert first["final_loss"] is not None
     assert summaries[str(clients[2].identity)]["checkpoint"] is None
     # what the summary names is a Hugging Face checkpoint of the model the run ended with
     loaded = AutoModelForCausalLM.from_pretrained(first["checkpoint"], local_files_only=True)
@@ -212,7 +219,8 @@ def test_clients_end_by_themselves_at_finished_and_keep_the_final_model(
         assert torch.equal(saved[name].to(torch.bfloat16), tensor.to(torch.bfloat16)), name
     # every trained step printed one progress line, "no batch" rounds said so
     progress = [f for f in fields(caplog.records, "client_loss")]
-    assert progress and all(f["total_steps"] == 4 for f in progress)
+    assert progress
+    assert all(f["total_steps"] == 4 for f in progress)
     texts = [r.psyche_text for r in caplog.records if r.getMessage() == "client_loss"]
     assert all(t.startswith("step ") and "/4 (epoch " in t for t in texts), texts
     assert all(("no batch this round" in t) == (not f["trained"]) for t, f in zip(texts, progress))
@@ -236,7 +244,8 @@ def test_a_client_joining_a_finished_run_ends_at_once(
 
     trio.run(scenario)
     (summary,) = fields(caplog.records, "run_finished")
-    assert not summary["trained"] and summary["checkpoint"] is None
+    assert not summary["trained"]
+    assert summary["checkpoint"] is None
     (record,) = [r for r in caplog.records if r.getMessage() == "run_finished"]
     assert record.psyche_text.endswith("this client joined after it ended: nothing to do")
     assert not fields(caplog.records, "loaded_model")  # nothing was loaded
@@ -273,8 +282,7 @@ def three_client_run(
 
 
 async def wait_until(condition: Callable[[], bool]) -> None:
-    while not condition():
-        await trio.sleep(0.1)
+    await poll_until(condition, 0.1)
 
 
 def in_training(server: InProcessServer, after_epoch: int) -> bool:
@@ -338,9 +346,11 @@ def test_a_dropped_client_joins_again_and_reloads_the_model(
     back = gone["epoch"] + 1
     # back in the next epoch with everyone, its model loaded from the peers
     reload = [f for f in fields(records, "loaded_model") if f["epoch"] == back]
-    assert len(reload) == 1 and reload[0]["source"] == "peers (P2P)", reload
+    assert len(reload) == 1, reload
+    assert reload[0]["source"] == "peers (P2P)", reload
     rounds = [f for f in fields(records, "round_start") if f["epoch"] == back]
-    assert rounds and {f["clients"] for f in rounds} == {3}
+    assert rounds
+    assert {f["clients"] for f in rounds} == {3}
     trained = [f for f in fields(records, "client_loss") if f["epoch"] == back and f["trained"]]
     assert {f["client_id"] for f in trained} == {str(c) for c in _identities(1, 2, 3)}
     # what it loaded is what the others ended the previous epoch with; all three end this one
@@ -348,7 +358,8 @@ def test_a_dropped_client_joins_again_and_reloads_the_model(
     cooldown = [f for f in fields(records, "cooldown_model") if f["epoch"] == back - 1]
     assert reload[0]["model_hash"] in {f["model_hash"] for f in cooldown}
     ended = [f for f in fields(records, "cooldown_model") if f["epoch"] == back]
-    assert len(ended) == 3 and len({f["model_hash"] for f in ended}) == 1, ended
+    assert len(ended) == 3, ended
+    assert len({f["model_hash"] for f in ended}) == 1, ended
 
 
 def _identities(*numbers: int) -> list[NodeIdentity]:
@@ -389,7 +400,8 @@ def test_a_run_that_goes_back_to_its_stored_checkpoint_restarts_from_the_trained
         async with trio.open_nursery() as nursery:
             with trio.fail_after(scaled(240)):
                 gone = await drop_a_late_client(nursery, server, late, caplog)
-                assert gone["epoch"] == 0 and server.coordinator.progress.epoch == 0
+                assert gone["epoch"] == 0
+                assert server.coordinator.progress.epoch == 0
                 server.drop_witnesses = True
                 await wait_until(lambda: server.coordinator.run_state is RunState.Cooldown)
                 server.drop_witnesses = False
@@ -402,15 +414,20 @@ def test_a_run_that_goes_back_to_its_stored_checkpoint_restarts_from_the_trained
     initial = {f["model_hash"] for f in fields(records, "loaded_model") if f["epoch"] == 0}
     assert len(initial) == 1  # the seeded initial weights, on all three
     trained = {f["model_hash"] for f in fields(records, "cooldown_model") if f["epoch"] == 0}
-    assert len(trained) == 1 and trained != initial  # 1 and 2 ended epoch 0 alike
+    assert len(trained) == 1
+    assert trained != initial
     # epoch 1 names the stored checkpoint; client 3 took the trained model from its peers
     reload = [f for f in fields(records, "loaded_model") if f["epoch"] == 1]
-    assert len(reload) == 1 and reload[0]["client_id"] == str(late[0].identity), reload
+    assert len(reload) == 1, reload
+    assert reload[0]["client_id"] == str(late[0].identity), reload
     assert not reload[0]["checkpoint"].startswith("P2P"), reload  # the stored one (Hub)
-    assert reload[0]["source"] == "peers (P2P)" and reload[0]["model_hash"] in trained, reload
+    assert reload[0]["source"] == "peers (P2P)", reload
+    assert reload[0]["model_hash"] in trained, reload
     assert not fields(records, "stored_checkpoint_loaded")
     # all three trained epoch 1 and ended it with one model
     rounds = [f for f in fields(records, "round_start") if f["epoch"] == 1]
-    assert rounds and {f["clients"] for f in rounds} == {3}
+    assert rounds
+    assert {f["clients"] for f in rounds} == {3}
     ended = [f for f in fields(records, "cooldown_model") if f["epoch"] == 1]
-    assert len(ended) == 3 and len({f["model_hash"] for f in ended}) == 1, ended
+    assert len(ended) == 3, ended
+    assert len({f["model_hash"] for f in ended}) == 1, ended

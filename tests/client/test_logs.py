@@ -51,9 +51,13 @@ def test_text_replaces_the_fields_on_the_console_only(streams) -> None:  # type:
     assert "step=3" not in shown[0]
     assert shown[1].endswith("psyche.test_logs: plain_event step=4 ids=[1,2]")
     first, second = json_lines(lines)
-    assert first["message"] == "client_loss" and first["step"] == 3 and first["loss"] == 5.0
-    assert "text" not in first and "psyche_text" not in first
-    assert second["message"] == "plain_event" and second["ids"] == [1, 2]
+    assert first["message"] == "client_loss"
+    assert first["step"] == 3
+    assert first["loss"] == 5.0
+    assert "text" not in first
+    assert "psyche_text" not in first
+    assert second["message"] == "plain_event"
+    assert second["ids"] == [1, 2]
 
 
 def test_quiet_events_reach_the_console_only_at_debug(streams) -> None:  # type: ignore[no-untyped-def]
@@ -88,7 +92,8 @@ def test_durations(seconds: float, text: str) -> None:
 
 def test_time_left_follows_the_recent_step_rate() -> None:
     progress = RunProgress(window=3)
-    assert progress.seconds_left(1, 10) is None and progress.tokens_per_second() is None
+    assert progress.seconds_left(1, 10) is None
+    assert progress.tokens_per_second() is None
     progress.record(1, 100.0, 512)
     assert progress.seconds_left(1, 10) is None  # one step: no rate yet
     progress.record(2, 102.0, 512)

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 import trio
+import trio.lowlevel
 
 from psyche.client.background import InFlight
 from psyche.client.checkpoints.cooldown import live_model_hash
@@ -199,7 +200,7 @@ async def settle(bus: Bus, nodes: list[Node]) -> None:
         await bus.in_flight.wait_idle()
         for node in nodes:
             await node.machine.wait_idle()
-        await trio.sleep(0)
+        await trio.lowlevel.checkpoint()
         if bus.in_flight.count == 0 and all(node.machine.tasks.running == 0 for node in nodes):
             return
 
@@ -289,7 +290,8 @@ def test_clients_stay_bit_identical_through_rounds(caplog: pytest.LogCaptureFixt
         indices = sorted(i for b in batches for i in b)
         assert indices == list(range(indices[0], indices[0] + 6))
     applied = [r for r in caplog.records if r.getMessage() == "applied_results"]
-    assert applied and all(len(r.psyche_fields["batches"]) == 3 for r in applied)
+    assert applied
+    assert all(len(r.psyche_fields["batches"]) == 3 for r in applied)
     assert bus.rejected_witnesses == []
 
 
@@ -305,7 +307,8 @@ def test_a_client_a_moment_behind_keeps_the_results_sent_before_its_round_starte
     assert len({live_model_hash(node.machine.trainer) for node in nodes}) == 1
     assert not [r for r in caplog.records if r.getMessage() == "untrained_batch"]
     applied = [r for r in caplog.records if r.getMessage() == "applied_results"]
-    assert applied and all(len(r.psyche_fields["batches"]) == 3 for r in applied)
+    assert applied
+    assert all(len(r.psyche_fields["batches"]) == 3 for r in applied)
 
 
 def test_a_payload_that_does_not_match_its_commitment_is_refused(
@@ -314,7 +317,8 @@ def test_a_payload_that_does_not_match_its_commitment_is_refused(
     caplog.set_level(logging.INFO, logger="psyche.client")
     _bus, nodes = trio.run(lambda: run_simulated(3, 5, corrupt=2))
     rejected = [r for r in caplog.records if r.getMessage() == "payload_rejected"]
-    assert rejected and all("hash" in r.psyche_fields["reason"] for r in rejected)
+    assert rejected
+    assert all("hash" in r.psyche_fields["reason"] for r in rejected)
     cheater = str(nodes[2].identity)
     assert {r.psyche_fields["sender"] for r in rejected} == {cheater}
     cheater_batches = {r.batch_id for r in nodes[2].sent_results}
@@ -343,10 +347,13 @@ def test_a_client_that_cannot_apply_the_agreed_results_stops_with_its_model_stal
         lambda: run_simulated(3, 7, lose_downloads=2, max_round_train_time=3, witness_nodes=0)
     )
     failed = [r.psyche_fields for r in caplog.records if r.getMessage() == "apply_failed"]
-    assert len(failed) == 1 and "not downloaded in time" in failed[0]["error"], failed
-    assert nodes[2].machine.left_run and not any(n.machine.left_run for n in nodes[:2])
+    assert len(failed) == 1, failed
+    assert "not downloaded in time" in failed[0]["error"], failed
+    assert nodes[2].machine.left_run
+    assert not any(n.machine.left_run for n in nodes[:2])
     stopped_at = failed[0]["step"]
-    assert nodes[2].sent_results and all(r.step < stopped_at for r in nodes[2].sent_results)
+    assert nodes[2].sent_results
+    assert all(r.step < stopped_at for r in nodes[2].sent_results)
     assert "training step failed" not in caplog.text  # an outcome, not a crash: no traceback
     assert len({live_model_hash(node.machine.trainer) for node in nodes[:2]}) == 1
 

@@ -31,6 +31,7 @@ from psyche.modeling.serialized_distro import transmittable_distro_result
 from psyche.modeling.trainer import Trainer
 
 from ..modeling.tiny_trainer import make_trainer
+from ..polling import poll_until
 from . import test_in_process_run as in_process
 from .test_diloco import diloco_trainer
 from .test_machine import SEQ, FakeData, Node, _single_thread, run_simulated  # noqa: F401 (a fixture)
@@ -108,7 +109,8 @@ def test_a_hostile_clients_results_are_refused_and_it_is_dropped(
     hostile, honest = nodes[HOSTILE], nodes[:HOSTILE]
     cheater = str(hostile.identity)
     # it lied from round `start` of its results on
-    assert member.lies and member.lies[0] == start
+    assert member.lies
+    assert member.lies[0] == start
     lies = {hostile.sent_results[r].batch_id for r in member.lies}
     honest_ids = {str(n.identity) for n in honest}
     applied = [
@@ -123,12 +125,14 @@ def test_a_hostile_clients_results_are_refused_and_it_is_dropped(
     truths = {r.batch_id for i, r in enumerate(hostile.sent_results) if i not in member.lies}
     assert truths & {b for r in applied for b in r.psyche_fields["batches"]}
     refused = [r for r in caplog.records if r.getMessage() == "payload_refused"]
-    assert refused and {r.psyche_fields["sender"] for r in refused} == {cheater}
+    assert refused
+    assert {r.psyche_fields["sender"] for r in refused} == {cheater}
     # health-checked out as for a missing result, two rounds after its first lie
     checks = [r for r in caplog.records if r.getMessage() == "health_check"]
     first_lie = hostile.sent_results[member.lies[0]].step
     named = [r.psyche_fields["step"] for r in checks if cheater in r.psyche_fields["unhealthy"]]
-    assert named and min(named) == first_lie + 2, (first_lie, named)
+    assert named, (first_lie, named)
+    assert min(named) == first_lie + 2, (first_lie, named)
     assert hostile.identity not in {c.id for c in sim.coordinator.epoch_state.clients}
     for record in checks:
         assert set(record.psyche_fields["unhealthy"]) <= {cheater}
@@ -186,8 +190,7 @@ def test_in_process_a_hostile_clients_results_are_not_applied_and_honest_clients
                 nursery.start_soon(in_process.run_client, server, number)
             nursery.start_soon(in_process.run_client, server, 4, SignFlippingClient)
             with trio.fail_after(240):
-                while server.coordinator.progress.epoch < 1:
-                    await trio.sleep(0.2)
+                await poll_until(lambda: server.coordinator.progress.epoch >= 1, 0.2)
             nursery.cancel_scope.cancel()
 
     trio.run(scenario)

@@ -61,7 +61,9 @@ def test_staging_left_by_a_killed_writer_is_removed_and_a_live_ones_kept(tmp_pat
         removed = remove_stale_staging(tmp_path)
         assert [p.name for p in removed] == [f for f in names if f".pid{killed.pid}." in f]
         left = sorted(p.name for p in tmp_path.iterdir())
-        assert len(left) == 3 and "tiny-cpu-step3" in left and ".notes.tmp" in left
+        assert len(left) == 3
+        assert "tiny-cpu-step3" in left
+        assert ".notes.tmp" in left
         assert any(f".pid{live.pid}." in n for n in left)  # its writer still runs
     finally:
         for process in (killed, live):

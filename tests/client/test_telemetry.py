@@ -91,7 +91,8 @@ def test_round_metrics_names_every_number_and_leaves_out_what_a_round_lacks() ->
     assert metrics[names.TRAIN_PERPLEXITY] == pytest.approx(math.exp(2.0))
     assert metrics[names.TRAIN_LR] == 1e-3
     assert metrics[names.ROUND_WITNESS_SECONDS] == 0.5
-    assert metrics[names.P2P_DOWNLOAD_BYTES] == 20 and metrics[names.P2P_UPLOAD_BYTES] == 10
+    assert metrics[names.P2P_DOWNLOAD_BYTES] == 20
+    assert metrics[names.P2P_UPLOAD_BYTES] == 10
     assert metrics["eval/arc_easy"] == 0.5
     assert names.TRAIN_TOKENS_PER_SEC not in metrics  # no rate yet: not logged as 0
     assert names.ROUND_DOWNLOAD_SECONDS not in metrics
@@ -104,7 +105,8 @@ def test_a_partial_evaluation_reaches_the_trackers_under_its_own_name() -> None:
     task's full score."""
     report = round_report(eval_scores={"ARC-Easy": 0.5, "PIQA": 0.25}, eval_partial=("PIQA",))
     metrics = round_metrics(report)
-    assert metrics["eval/arc_easy"] == 0.5 and metrics["eval_partial/piqa"] == 0.25
+    assert metrics["eval/arc_easy"] == 0.5
+    assert metrics["eval_partial/piqa"] == 0.25
     assert "eval/piqa" not in metrics
     instrument = names.otel_instrument("eval_partial/piqa")
     assert instrument.name == "psyche_eval_metrics"
@@ -134,10 +136,12 @@ def test_witness_metadata_carries_eval_scores_and_prompt_tokens_within_upstreams
     assert len(metadata.evals) == 8  # upstream's FixedVec<_, 8>: the rest are left out
     assert all(len(e.name.encode()) <= 32 for e in metadata.evals)
     assert metadata.evals[1].value == pytest.approx(0.1)
-    assert metadata.prompt_results == list(range(4, 20)) and metadata.prompt_index == 3
+    assert metadata.prompt_results == list(range(4, 20))
+    assert metadata.prompt_index == 3
     assert evals.taken == 1
     decoded = from_bytes(to_bytes(metadata), WitnessMetadata)  # fits the wire format
-    assert decoded.prompt_index == 3 and len(decoded.evals) == 8
+    assert decoded.prompt_index == 3
+    assert len(decoded.evals) == 8
 
 
 async def run_client(
@@ -244,16 +248,21 @@ def test_a_run_logs_each_round_to_every_tracker_and_scores_evals_between_rounds(
             assert values[names.P2P_PEERS] >= 1
         events = read_event_files(tmp_path / f"client-{number}" / "events" / str(client.identity))
         kinds = [e["event"] for e in events]
-        assert kinds[0] == "run_started" and kinds[-1] == "finished"
-        assert "state_changed" in kinds and "round" in kinds
+        assert kinds[0] == "run_started"
+        assert kinds[-1] == "finished"
+        assert "state_changed" in kinds
+        assert "round" in kinds
         rounds = [e for e in events if e["event"] == "round"]
         assert [e["step"] for e in rounds] == sorted(e["step"] for e in rounds)
         assert any(e["network"]["bytes_received"] > 0 for e in rounds)
 
     # the evaluation ran between rounds on client 1 and its score reached the trackers
     worker = clients[1].machine.evals  # type: ignore[union-attr]
-    assert worker is not None and worker.slices > 0 and worker.documents >= 10
-    assert worker.runner is not None and worker.runner.prompt is not None
+    assert worker is not None
+    assert worker.slices > 0
+    assert worker.documents >= 10
+    assert worker.runner is not None
+    assert worker.runner.prompt is not None
     assert worker.prompt_tokens > 0  # the prompt task generated between rounds too
     lines = (tmp_path / "client-1" / "metrics.jsonl").read_text().splitlines()
     logged = [e["values"] for e in map(json.loads, lines) if e["kind"] == "log"]
@@ -261,9 +270,9 @@ def test_a_run_logs_each_round_to_every_tracker_and_scores_evals_between_rounds(
     # gives; one before the first whole pass is logged as partial, never as the task's
     for task, count in (("PIQA", 4), ("ARC-Easy", 6)):
         scores = [v[names.eval_key(task)] for v in logged if names.eval_key(task) in v]
-        assert scores and all(
-            abs(s * count - round(s * count)) < 1e-6 and 0 <= s <= 1 for s in scores
-        ), (task, scores)
+        assert scores, (task, scores)
+        assert all(abs(s * count - round(s * count)) < 1e-6 for s in scores), (task, scores)
+        assert all(0 <= s <= 1 for s in scores), (task, scores)
         partial = [v for v in logged if names.eval_key(task, partial=True) in v]
         first_full = next(i for i, v in enumerate(logged) if names.eval_key(task) in v)
         assert all(logged.index(v) < first_full for v in partial), task

@@ -76,16 +76,22 @@ def test_the_dashboard_shows_run_state_rounds_loss_peers_evals_and_logs() -> Non
         async with app.run_test() as pilot:
             await pilot.pause()
             header = text(app, "#header")
-            assert "run tiny-cpu" in header and "client client-1" in header
-            assert "state RoundTrain" in header and "step 3/" in header
+            assert "run tiny-cpu" in header
+            assert "client client-1" in header
+            assert "state RoundTrain" in header
+            assert "step 3/" in header
             round_ = text(app, "#round")
-            assert "step 3: loss 5.2500" in round_ and "1,234 tok/s" in round_
+            assert "step 3: loss 5.2500" in round_
+            assert "1,234 tok/s" in round_
             assert "about 1m15s left" in round_
-            assert "download 0.75s" in round_ and "witness 1.25s" in round_
+            assert "download 0.75s" in round_
+            assert "witness 1.25s" in round_
             assert "loss 5.2500 (min 5.2500, 2 steps)" in text(app, "#loss-label")
             assert list(app.query_one("#loss-chart").data) == [5.5, 5.25]
             network = text(app, "#network")
-            assert "peers 3" in network and "sent 2.5 MB" in network and "1.2 KB" in network
+            assert "peers 3" in network
+            assert "sent 2.5 MB" in network
+            assert "1.2 KB" in network
             assert "reachability private; relays: 64af3b8827 reserved" in network
             assert text(app, "#evals") == "evaluations: none yet"
 

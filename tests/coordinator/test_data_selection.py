@@ -103,7 +103,8 @@ def test_assignment_is_ascending_contiguous_and_starts_at_the_round() -> None:
     assignments = assignments_of(coordinator)
     batches = list(assignments)
     assert batches == sorted(batches)
-    assert batches[0].start == 1000 and batches[-1].end == 1049
+    assert batches[0].start == 1000
+    assert batches[-1].end == 1049
     assert all(a.end + 1 == b.start for a, b in itertools.pairwise(batches))
     assert sorted(n.signer[0] for n in assignments.values()) == list(range(7))
 

@@ -147,7 +147,8 @@ def test_new_epoch_zeroes_the_epoch_state_but_keeps_cold_start() -> None:
     assert epoch_state.exited_clients == []
     assert all(r == Round() for r in epoch_state.rounds)
     assert (epoch_state.rounds_head, epoch_state.start_step, epoch_state.last_step) == (0, 17, 0)
-    assert epoch_state.cold_start_epoch and epoch_state.first_round
+    assert epoch_state.cold_start_epoch
+    assert epoch_state.first_round
     assert coordinator.get_cold_start_warmup_bounds() is None  # LLM.dummy has 0 steps
     coordinator.model.value.cold_start_warmup_steps = 5
     assert coordinator.get_cold_start_warmup_bounds() == (17, 22)
@@ -210,7 +211,9 @@ def test_warmup_witness_quorum_starts_training() -> None:
     assert coordinator.run_state is RunState.RoundTrain
     assert coordinator.run_state_start_unix_timestamp == 106
     round_ = coordinator.current_round()
-    assert round_ is not None and round_.random_seed == 78 and round_.witnesses == []
+    assert round_ is not None
+    assert round_.random_seed == 78
+    assert round_.witnesses == []
     # late warmup witnesses are ignored
     before = coordinator.copy()
     coordinator.warmup_witness(clients[0], warmup_witness_for(0), 107, 79)
@@ -277,7 +280,8 @@ def test_witness_opportunistic_switch_and_later_witnesses() -> None:
     assert coordinator.run_state is RunState.RoundWitness
     assert coordinator.run_state_start_unix_timestamp == 122
     round_ = coordinator.current_round()
-    assert round_ is not None and len(round_.witnesses) == 2
+    assert round_ is not None
+    assert len(round_.witnesses) == 2
 
 
 def test_witness_rejects_wrong_proofs() -> None:
@@ -304,7 +308,8 @@ def test_witness_rejects_wrong_proofs() -> None:
     fake = WitnessProof(proofs[other_index].position, other_index, True)
     raises(Kind.InvalidWitness, attempt, clients[other_index], fake)
     round_ = coordinator.current_round()
-    assert round_ is not None and round_.witnesses == []
+    assert round_ is not None
+    assert round_.witnesses == []
     attempt(sender, good)
 
 
@@ -350,7 +355,8 @@ def test_round_below_witness_quorum_ends_the_epoch() -> None:
     coordinator.tick(None, 127, 1)
     assert coordinator.run_state is RunState.Cooldown
     round_ = coordinator.current_round()
-    assert round_ is not None and round_.witnesses == []  # cleared for reuse
+    assert round_ is not None
+    assert round_.witnesses == []
     assert coordinator.tick(None, 129, 1) == TickResult.Ticked()
     assert coordinator.tick(None, 130, 1) == TickResult.EpochEnd(True)
     assert coordinator.run_state is RunState.WaitingForMembers
@@ -370,7 +376,8 @@ def test_epoch_timeout_runs_two_more_rounds() -> None:
     assert log[:5] == [(122, 1, 0), (124, 2, 0), (126, 3, 0), (128, 4, 0), (130, 5, 7)]
     assert log[5:] == [(132, 6, 7), (134, 7, 7)]
     round_ = coordinator.current_round()
-    assert round_ is not None and round_.height == 6  # the round of step 7 was not started
+    assert round_ is not None
+    assert round_.height == 6
 
 
 def test_last_step_needs_at_least_four() -> None:
@@ -384,7 +391,8 @@ def test_last_step_needs_at_least_four() -> None:
     now = next_round(coordinator, now, 1)
     assert coordinator.run_state is RunState.RoundTrain
     next_round(coordinator, now, 1)
-    assert coordinator.run_state is RunState.Cooldown and coordinator.progress.step == 4
+    assert coordinator.run_state is RunState.Cooldown
+    assert coordinator.progress.step == 4
 
 
 def test_total_steps_finishes_the_run() -> None:
@@ -393,7 +401,8 @@ def test_total_steps_finishes_the_run() -> None:
     now = 120
     while coordinator.run_state is RunState.RoundTrain:
         now = next_round(coordinator, now, 1)
-    assert coordinator.run_state is RunState.Cooldown and coordinator.progress.step == 3
+    assert coordinator.run_state is RunState.Cooldown
+    assert coordinator.progress.step == 3
     assert coordinator.tick(None, now + 3, 1) == TickResult.EpochEnd(True)
     assert coordinator.run_state is RunState.Finished
     raises(Kind.Halted, coordinator.tick, ids(2), now + 10, 1)
@@ -536,11 +545,13 @@ def test_pause_while_waiting_or_warming_up_is_immediate() -> None:
 def test_pause_while_training_waits_for_the_epoch_end() -> None:
     coordinator = in_training(2)
     coordinator.pause(121)
-    assert coordinator.pending_pause and coordinator.run_state is RunState.RoundTrain
+    assert coordinator.pending_pause
+    assert coordinator.run_state is RunState.RoundTrain
     now = next_round(coordinator, 121, 1)
     assert coordinator.run_state is RunState.Cooldown
     assert coordinator.tick(None, now + 3, 1) == TickResult.EpochEnd(True)
-    assert coordinator.run_state is RunState.Paused and not coordinator.pending_pause
+    assert coordinator.run_state is RunState.Paused
+    assert not coordinator.pending_pause
     assert coordinator.epoch_state.cold_start_epoch
     assert all(c.state is ClientState.Withdrawn for c in coordinator.epoch_state.clients)
     raises(Kind.CannotResume, in_training(2).resume, 1)
@@ -658,7 +669,8 @@ def test_health_score_exactly_at_the_quorum_is_healthy_one_below_is_not(witness_
         previous = coordinator.previous_round()
         assert previous is not None
         quorum = coordinator.witness_quorum(len(previous.witnesses))
-        assert len(previous.witnesses) == witness_nodes and quorum >= 2  # the precondition
+        assert len(previous.witnesses) == witness_nodes
+        assert quorum >= 2
         # Exactly `quorum - below_quorum` witnesses saw the accused trainer; the others did not.
         seen_by = quorum - below_quorum
         everyone_else = [
@@ -740,7 +752,8 @@ def test_historical_clients() -> None:
 def test_previous_rounds() -> None:
     coordinator = Coordinator.zeroed()
     rounds = coordinator.epoch_state.rounds
-    assert coordinator.previous_round() is None and coordinator.previous_previous_round() is None
+    assert coordinator.previous_round() is None
+    assert coordinator.previous_previous_round() is None
     rounds[0].height = 1
     assert coordinator.previous_round() is rounds[3]
     assert coordinator.previous_previous_round() is None
@@ -754,12 +767,14 @@ def test_previous_rounds() -> None:
     rounds[0].height = 4
     assert coordinator.previous_previous_round() is rounds[2]
     coordinator.epoch_state.rounds_head = 4
-    assert coordinator.current_round() is None and coordinator.previous_round() is None
+    assert coordinator.current_round() is None
+    assert coordinator.previous_round() is None
 
 
 def test_queries() -> None:
     coordinator = integration_test_coordinator(2, 4, 1)
-    assert not coordinator.active() and not coordinator.halted()
+    assert not coordinator.active()
+    assert not coordinator.halted()
     coordinator.run_state = RunState.Cooldown
     assert coordinator.active()
     coordinator.run_state = RunState.Uninitialized

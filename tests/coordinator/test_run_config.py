@@ -124,7 +124,8 @@ def problems_of(path: Path) -> list[tuple[str, str]]:
 
 def test_state_file_loads_into_a_coordinator(tmp_path: Path) -> None:
     loaded = load_run_config(write(tmp_path, TEST_STATE))
-    assert loaded.is_state_file and loaded.run_id == "test"
+    assert loaded.is_state_file
+    assert loaded.run_id == "test"
     coordinator = loaded.coordinator
     assert isinstance(coordinator, Coordinator)
     assert coordinator.run_state is RunState.WaitingForMembers
@@ -169,7 +170,8 @@ def test_documented_example_with_single_location_and_legacy_keys(tmp_path: Path)
     assert isinstance(gcp, HttpTrainingDataLocation.Gcp)
     assert gcp.value.bucket_name == "nous-pretraining-public-us"
     distro = loaded.llm.optimizer.value
-    assert distro.compression_topk == 8 and distro.quantize_1bit is True
+    assert distro.compression_topk == 8
+    assert distro.quantize_1bit is True
     assert distro.compression_decay == pytest.approx(0.999, rel=1e-7)
     assert distro.weight_decay is None
 
@@ -248,7 +250,8 @@ def test_unknown_variant_lists_the_expected_ones(tmp_path: Path) -> None:
     text = TEST_STATE.replace('architecture = "HfLlama"', 'architecture = "HfLLama"')
     ((where, msg),) = problems_of(write(tmp_path, text))
     assert where == "model.LLM.architecture"
-    assert "'HfLLama'" in msg and "'HfLlama', 'HfDeepseek', 'HfAuto', 'Torchtitan'" in msg
+    assert "'HfLLama'" in msg
+    assert "'HfLlama', 'HfDeepseek', 'HfAuto', 'Torchtitan'" in msg
 
     text = TEST_STATE.replace("[model.LLM.checkpoint.Dummy]", "[model.LLM.checkpoint.Hubb]")
     ((where, msg),) = problems_of(write(tmp_path, text, "b.toml"))
@@ -303,7 +306,8 @@ def test_data_location_and_data_locations_together_is_an_error(tmp_path: Path) -
 def test_string_too_long_for_its_fixed_capacity(tmp_path: Path) -> None:
     text = TEST_STATE.replace('run_id = "test"', f'run_id = "{"r" * 33}"')
     ((where, msg),) = problems_of(write(tmp_path, text))
-    assert where == "run_id" and "FixedString<32>" in msg
+    assert where == "run_id"
+    assert "FixedString<32>" in msg
 
 
 def test_coordinator_rules_run_in_upstream_order(tmp_path: Path) -> None:
@@ -313,7 +317,8 @@ def test_coordinator_rules_run_in_upstream_order(tmp_path: Path) -> None:
     )
     ((where, msg),) = problems_of(write(tmp_path, text))
     assert where == "config.warmup_time"
-    assert "WarmupTime" in msg and "found 60" in msg
+    assert "WarmupTime" in msg
+    assert "found 60" in msg
 
 
 def test_verification_percent_above_100_is_rejected(tmp_path: Path) -> None:
@@ -324,7 +329,8 @@ def test_verification_percent_above_100_is_rejected(tmp_path: Path) -> None:
 
 def test_syntax_errors_and_missing_files(tmp_path: Path) -> None:
     ((where, msg),) = problems_of(write(tmp_path, "run_id = \n"))
-    assert where == "" and msg.startswith("invalid TOML")
+    assert where == ""
+    assert msg.startswith("invalid TOML")
     ((_, msg),) = problems_of(tmp_path / "nope.toml")
     assert msg == "file not found"
 
@@ -363,7 +369,8 @@ def test_a_global_batch_smaller_than_init_min_clients_is_rejected(tmp_path: Path
     text = TEST_STATE.replace("init_min_clients = 2", "init_min_clients = 6")
     ((where, msg),) = problems_of(write(tmp_path, text))
     assert where == "config.global_batch_size_start"
-    assert "global_batch_size_start (4)" in msg and "init_min_clients (6)" in msg
+    assert "global_batch_size_start (4)" in msg
+    assert "init_min_clients (6)" in msg
     load_run_config(write(tmp_path, text.replace("= 4\n", "= 6\n")))  # equal is fine
 
 
@@ -372,7 +379,8 @@ def test_a_global_batch_smaller_than_init_min_clients_is_rejected(tmp_path: Path
 )
 def test_toml_nested_too_deeply_is_one_clear_error(tmp_path: Path, nesting: str) -> None:
     ((where, msg),) = problems_of(write(tmp_path, f"run_id = {nesting}\n"))
-    assert where == "" and msg == "invalid TOML: arrays or tables nested too deeply"
+    assert where == ""
+    assert msg == "invalid TOML: arrays or tables nested too deeply"
     deep: dict = {}
     for _ in range(100_000):
         deep = {"a": deep}
@@ -443,7 +451,8 @@ def test_every_upstream_config_loads(upstream_data: UpstreamData) -> None:
         if path.parent.name == "solana-test":
             assert not loaded.is_state_file
         else:
-            assert loaded.is_state_file and loaded.run_id
+            assert loaded.is_state_file
+            assert loaded.run_id
 
 
 def test_consilience_values(upstream_data: UpstreamData) -> None:

@@ -389,7 +389,8 @@ def test_health_check_ejects_a_silent_trainer() -> None:
     assert lazy.signer in run.sim.pending
     run.second()  # the server kicks exited clients at the start of each tick, but not a banned
     # one: its Join is kept while it sits out its ban (`--ban-epochs 0`: kicked, as upstream)
-    assert lazy.signer in run.sim.pending and lazy in run.sim.core.banned
+    assert lazy.signer in run.sim.pending
+    assert lazy in run.sim.core.banned
 
 
 def test_simulation_run_until() -> None:

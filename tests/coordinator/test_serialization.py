@@ -100,7 +100,8 @@ def test_zeroed_is_all_zero_bytes() -> None:
     assert set(encoded) == {0}
     decoded = from_bytes(encoded, Coordinator)
     assert decoded == Coordinator.zeroed()
-    assert decoded.progress.step == 0 and not decoded.epoch_state.first_round
+    assert decoded.progress.step == 0
+    assert not decoded.epoch_state.first_round
 
 
 def test_mid_run_round_trips_through_postcard() -> None:
@@ -113,7 +114,8 @@ def test_mid_run_round_trips_through_postcard() -> None:
 def test_equality_is_equality_of_encodings() -> None:
     a = mid_run().coordinator
     b = a.copy()
-    assert a == b and a is not b
+    assert a == b
+    assert a is not b
     b.epoch_state.clients[0].state = ClientState.Dropped
     # upstream's Client equality looks at ids only; the coordinators differ all the same
     assert b.epoch_state.clients[0] == a.epoch_state.clients[0]

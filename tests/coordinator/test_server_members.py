@@ -138,7 +138,8 @@ def test_messages_from_non_members_are_dropped_unheard_and_counted(
     core.ignored.flush()
     (summary,) = [r.getMessage() for r in caplog.records]
     assert "499 Checkpoint from non-members" in summary, summary
-    assert "499 HealthCheck from non-members" in summary and "499 Witness" in summary
+    assert "499 HealthCheck from non-members" in summary
+    assert "499 Witness" in summary
 
 
 def test_a_members_repeated_checkpoint_is_not_broadcast_again() -> None:
@@ -166,7 +167,8 @@ def test_a_repeated_join_changes_nothing_and_logs_once(caplog: pytest.LogCapture
 
 def test_a_private_run_admits_only_its_authorized_keys() -> None:
     core = started(clients=2, authorized=frozenset({A.signer, B.signer}))
-    assert core.is_authorized(A.signer) and not core.is_authorized(C.signer)
+    assert core.is_authorized(A.signer)
+    assert not core.is_authorized(C.signer)
     for client in (C, A, B, C):
         core.on_join(client, RUN)
     assert list(core.pending_clients) == [A, B]
@@ -211,7 +213,8 @@ def test_a_silent_witness_sits_out_the_next_epoch_and_the_others_go_on() -> None
     now = finish_epoch(core, now)
     start_epoch(core, now)
     assert core.coordinator.progress.epoch == 2
-    assert silent in epoch_clients(core) and not core.banned
+    assert silent in epoch_clients(core)
+    assert not core.banned
 
 
 def test_a_member_that_fails_again_soon_after_its_ban_is_banned_twice_as_long(
@@ -243,7 +246,8 @@ def test_a_member_that_fails_again_soon_after_its_ban_is_banned_twice_as_long(
     # clean for as long after its last ban as that ban lasted: the record is forgotten
     core.coordinator.progress.epoch = 200 + 64
     core.admissible_pending()
-    assert not core.banned and not core.ban_record
+    assert not core.banned
+    assert not core.ban_record
     core._ban(silent, "dropped by a health check from someone")
     assert core.banned[silent].epochs == 2
 
@@ -253,7 +257,8 @@ def test_ban_epochs_zero_keeps_upstreams_rules() -> None:
     silent, now = silent_witness_epoch(core)
     assert not core.banned
     start_epoch(core, now)
-    assert silent in epoch_clients(core) and len(epoch_clients(core)) == 3
+    assert silent in epoch_clients(core)
+    assert len(epoch_clients(core)) == 3
 
 
 def test_a_witness_that_sent_a_witness_or_disconnected_is_never_banned() -> None:
@@ -268,7 +273,8 @@ def test_a_witness_that_sent_a_witness_or_disconnected_is_never_banned() -> None
     core.on_witness(witness, OpportunisticData.WitnessStep((invalid, WitnessMetadata())), now, 1)
     assert core.rejected.counts == {"Witness (InvalidWitness)": 1}
     now = witness_round(core, now, silent=frozenset({witness}))
-    assert core.coordinator.run_state is RunState.Cooldown and not core.banned
+    assert core.coordinator.run_state is RunState.Cooldown
+    assert not core.banned
     # it lost its connection during the epoch (kept in the run: no withdraw on disconnect)
     core = started(clients=2, withdraw_on_disconnect=False)
     now = start_epoch(core, NOW, A, B, C)
@@ -276,7 +282,8 @@ def test_a_witness_that_sent_a_witness_or_disconnected_is_never_banned() -> None
     core.on_disconnect(witness)
     core.on_join(witness, RUN)  # the restarted process is back within the round
     now = witness_round(core, now, silent=frozenset({witness}))
-    assert core.coordinator.run_state is RunState.Cooldown and not core.banned
+    assert core.coordinator.run_state is RunState.Cooldown
+    assert not core.banned
 
 
 def test_a_ban_never_keeps_a_run_waiting_that_could_start_with_it() -> None:
@@ -302,7 +309,8 @@ def health_check_epoch(core: ServerCore) -> tuple[NodeIdentity, int]:
     checks = health_checks_for(core.coordinator)
     assert [c for c, _ in checks] == [idle]
     assert core.on_health_check(elected_witness(core), checks) is True
-    assert idle in core.banned and core.banned[idle].reason.startswith("dropped by a health check")
+    assert idle in core.banned
+    assert core.banned[idle].reason.startswith("dropped by a health check")
     while core.coordinator.run_state is not RunState.Cooldown:
         now = witness_round(core, now)
     return idle, finish_epoch(core, now)
@@ -316,7 +324,8 @@ def test_a_member_dropped_by_a_health_check_cannot_come_straight_back_by_reconne
     core.on_join(dropped, RUN)
     assert dropped in core.pending_clients
     now = start_epoch(core, now)
-    assert dropped not in epoch_clients(core) and len(epoch_clients(core)) == 2
+    assert dropped not in epoch_clients(core)
+    assert len(epoch_clients(core)) == 2
     while core.coordinator.run_state is not RunState.Cooldown:
         now = witness_round(core, now)
     start_epoch(core, finish_epoch(core, now))
@@ -343,7 +352,8 @@ def test_a_client_that_left_is_not_banned_by_a_later_health_check() -> None:
     while True:
         now = witness_round(core, now, silent=frozenset({crashed}))
         round_ = core.coordinator.current_round()
-        assert round_ is not None and core.coordinator.run_state is RunState.RoundTrain
+        assert round_ is not None
+        assert core.coordinator.run_state is RunState.RoundTrain
         if round_.height >= 2:
             break
     checks = health_checks_for(core.coordinator)
@@ -381,7 +391,8 @@ def test_a_witness_that_arrives_after_its_round_lifts_the_ban_and_the_run_goes_o
     late, data, now = late_witness_epoch(core)
     now = finish_epoch(core, now)  # it arrives even later: after the cooldown
     core.on_witness(late, data, now, 1)
-    assert not core.banned and late not in core.ban_record
+    assert not core.banned
+    assert late not in core.ban_record
     start_epoch(core, now)  # nobody joins again
     assert core.coordinator.progress.epoch == 1
     assert set(epoch_clients(core)) == {A, B, C}
@@ -407,16 +418,19 @@ def test_a_banned_witness_is_back_after_its_ban_without_joining_again() -> None:
     while core.coordinator.progress.step == step:  # its round, one tick per phase
         now += 10
         core.on_tick(now, now)
-    assert core.coordinator.run_state is RunState.Cooldown and silent in core.banned
+    assert core.coordinator.run_state is RunState.Cooldown
+    assert silent in core.banned
     now += 10
     core.on_tick(now, now)  # the whole cooldown in one tick
     assert core.coordinator.run_state is RunState.WaitingForMembers
     now = start_epoch(core, now)  # epoch 1: the others, without it
-    assert silent not in epoch_clients(core) and silent in core.pending_clients
+    assert silent not in epoch_clients(core)
+    assert silent in core.pending_clients
     while core.coordinator.run_state is not RunState.Cooldown:
         now = witness_round(core, now)
     start_epoch(core, finish_epoch(core, now))
-    assert core.coordinator.progress.epoch == 2 and silent in epoch_clients(core)
+    assert core.coordinator.progress.epoch == 2
+    assert silent in epoch_clients(core)
 
 
 def test_a_member_dropped_by_a_health_check_is_back_after_its_ban_without_joining_again() -> None:

@@ -66,5 +66,5 @@ def test_order_hash_iter_len() -> None:
     assert len(BatchId(7, 7)) == 1
     assert BatchId.from_interval(ClosedInterval(1, 2)).interval == ClosedInterval(1, 2)
     assert BatchId(1, 2) != ClosedInterval(1, 2)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="has end < start"):
         len(BatchId(5, 4))

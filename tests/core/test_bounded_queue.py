@@ -58,5 +58,5 @@ def test_queue_with_max_len_one() -> None:
 
 
 def test_negative_max_len_is_rejected() -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="max_len must be >= 0, got -1"):
         BoundedQueue(-1)

@@ -105,7 +105,8 @@ def test_size_must_be_positive() -> None:
 def test_state_machine() -> None:
     state = BarrierState(2)
     generation = state.arrive()
-    assert generation == 0 and state.must_wait(0)
+    assert generation == 0
+    assert state.must_wait(0)
     assert state.arrive() is None  # the second arrival completes generation 0
     assert not state.must_wait(0)
     state.cancel()

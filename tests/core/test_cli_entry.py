@@ -141,7 +141,8 @@ def test_previous_signal_handlers_are_restored() -> None:
         return 0
 
     assert run_command("p", main, []) == 0
-    assert seen[0][0] is signal.default_int_handler and callable(seen[0][1])
+    assert seen[0][0] is signal.default_int_handler
+    assert callable(seen[0][1])
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
 
 

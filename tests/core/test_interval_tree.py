@@ -85,7 +85,8 @@ def test_insert_edges() -> None:
     tree.insert(ClosedInterval.new(0, 4), "C")
     assert [v for _, v in tree] == ["C", "A", "B"]
     tree.clear()
-    assert len(tree) == 0 and tree.get(5) is None
+    assert len(tree) == 0
+    assert tree.get(5) is None
 
 
 def test_display() -> None:

@@ -80,7 +80,7 @@ def test_lcg_wraps_at_u64() -> None:
 def test_lcg_rejects_zero_range_and_bad_seed() -> None:
     with pytest.raises(ValueError, match="max > 0"):
         LCG(1).next_range(0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="LCG seed -1 is not a u64"):
         LCG(-1)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=f"LCG seed {2**64} is not a u64"):
         LCG(2**64)

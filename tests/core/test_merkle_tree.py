@@ -59,24 +59,28 @@ def test_path_verify_bad() -> None:
 def test_proof_entry_instantiation_lsib_set() -> None:
     sibling, me = hash_leaf(b"left"), hash_leaf(b"me")
     entry = ProofEntry(hash_intermediate(sibling, me), sibling, None)
-    assert entry.left_sibling == sibling and entry.right_sibling is None
+    assert entry.left_sibling == sibling
+    assert entry.right_sibling is None
     assert Proof((entry,)).verify(me)
     # the side matters: the same sibling on the other side proves nothing
     assert not Proof((ProofEntry(entry.target, None, sibling),)).verify(me)
     # in a tree, an odd leaf's first sibling is on its left
     first = MerkleTree(TEST).find_path(1).entries[0]
-    assert first.left_sibling == hash_leaf(TEST[0]) and first.right_sibling is None
+    assert first.left_sibling == hash_leaf(TEST[0])
+    assert first.right_sibling is None
 
 
 def test_proof_entry_instantiation_rsib_set() -> None:
     sibling, me = hash_leaf(b"right"), hash_leaf(b"me")
     entry = ProofEntry(hash_intermediate(me, sibling), None, sibling)
-    assert entry.right_sibling == sibling and entry.left_sibling is None
+    assert entry.right_sibling == sibling
+    assert entry.left_sibling is None
     assert Proof((entry,)).verify(me)
     assert not Proof((ProofEntry(entry.target, sibling, None),)).verify(me)
     # in a tree, an even leaf's first sibling is on its right
     first = MerkleTree(TEST).find_path(0).entries[0]
-    assert first.right_sibling == hash_leaf(TEST[1]) and first.left_sibling is None
+    assert first.right_sibling == hash_leaf(TEST[1])
+    assert first.left_sibling is None
 
 
 def test_proof_entry_instantiation_both_clear() -> None:

@@ -45,7 +45,8 @@ def test_wire_forms() -> None:
     encoded = to_bytes(ident)
     assert encoded == bytes([1] * 32) + bytes([2] * 32)
     decoded = from_bytes(encoded, NodeIdentity)
-    assert decoded.signer == ident.signer and decoded.p2p_identity == ident.p2p_identity
+    assert decoded.signer == ident.signer
+    assert decoded.p2p_identity == ident.p2p_identity
     obj = to_obj(ident)
     assert obj == {"signer": [1] * 32, "p2p_identity": [2] * 32}
     assert from_obj(obj, NodeIdentity).p2p_identity == ident.p2p_identity

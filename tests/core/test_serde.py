@@ -405,5 +405,7 @@ def test_max_encoded_size_is_what_the_fullest_value_takes() -> None:
     # a bloom filter states its own bound: its keys and words are fixed
     bloom = Bloom[16, 8]
     assert max_encoded_size(bloom) == len(to_bytes(bloom([U64_MAX] * 8, [U64_MAX] * 16)))
-    assert varint_len(0) == 1 and varint_len(127) == 1 and varint_len(128) == 2
+    assert varint_len(0) == 1
+    assert varint_len(127) == 1
+    assert varint_len(128) == 2
     assert varint_len(U64_MAX) == 10

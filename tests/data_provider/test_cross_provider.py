@@ -41,7 +41,8 @@ async def test_local_http_and_tcp_agree(http_root: Path, http_server, write_toke
     )
 
     info = DataServerInfo.load(config)
-    assert Path(info.dir) == data and info.token_size is TokenSize.FourBytes
+    assert Path(info.dir) == data
+    assert info.token_size is TokenSize.FourBytes
     local = info.open_provider()
     n = local.num_sequences()
     assert n == 6 + 4 + 10
@@ -80,7 +81,9 @@ def test_data_toml_errors_name_the_file_and_field(tmp_path: Path) -> None:
     with pytest.raises(DataConfigError) as err:
         DataServerInfo.load(config)
     text = str(err.value)
-    assert str(config) in text and "seq_len" in text and "shuffle_seed" in text
+    assert str(config) in text
+    assert "seq_len" in text
+    assert "shuffle_seed" in text
     config.write_text("dir = \n")
     with pytest.raises(DataConfigError, match="not valid TOML"):
         DataServerInfo.load(config)

@@ -215,7 +215,8 @@ async def test_fallback_mid_run_gives_the_same_tokens(
         assert provider.current == 0
         stop.cancel()
     after = await provider.get_samples(BatchId(0, 7))
-    assert provider.current == 1 and after == before
+    assert provider.current == 1
+    assert after == before
     assert "moving to the next one" in caplog.text
     await provider.aclose()
     local.close()
@@ -248,11 +249,9 @@ async def test_retry_loop_like_upstreams_client() -> None:
     assert len(await get_samples_with_retries(flaky, BatchId(0, 0), RetryPolicy(2, 0.001))) == 1
     with pytest.raises(DataProviderError, match=r"after 1 retries: transient #2"):
         await get_samples_with_retries(FailsTwice(), BatchId(0, 0), RetryPolicy(1, 0.001))
-    assert (
-        RetryPolicy().max_retries == 7
-        and RetryPolicy().delay(1) == 0
-        and RetryPolicy().delay(3) == 4.0
-    )
+    assert RetryPolicy().max_retries == 7
+    assert RetryPolicy().delay(1) == 0
+    assert RetryPolicy().delay(3) == 4.0
 
 
 async def test_dummy_accepts_id_equal_to_count() -> None:

@@ -262,5 +262,5 @@ def test_parse_range() -> None:
     assert parse_range("bytes=-4", 16) == (12, 15)
     assert parse_range("bytes=3-100", 16) == (3, 15)
     assert parse_range("bytes=16-20", 16) is None
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="unsupported Range header"):
         parse_range("bytes=1-2,5-6", 16)

@@ -179,7 +179,9 @@ async def test_batch_path_is_bit_identical_to_the_reference_layout(
         for batch in batches:
             got = await p.get_batch(batch)
             expected = everything[batch.start : batch.end + 1]
-            assert got.dtype == np.int32 and got.flags.c_contiguous and got.flags.writeable
+            assert got.dtype == np.int32
+            assert got.flags.c_contiguous
+            assert got.flags.writeable
             assert np.array_equal(got, expected), batch
             samples = await p.get_samples(batch)
             assert [s.input_ids.tolist() for s in samples] == expected.tolist()

@@ -46,8 +46,10 @@ async def test_ad_hoc_layout_rows_in_file_then_row_order(tmp_path: Path) -> None
     samples = await p.get_samples(BatchId(0, 4))
     assert [int(s.input_ids[0]) for s in samples] == [0, 1, 2, 100, 101]  # files sorted by stem
     s = samples[0]
-    assert s.labels.tolist() == [-100] * SEQ and s.position_ids.tolist() == list(range(SEQ))
-    assert s.sequence_lengths.tolist() == [SEQ] and s.input_ids.dtype == np.int32
+    assert s.labels.tolist() == [-100] * SEQ
+    assert s.position_ids.tolist() == list(range(SEQ))
+    assert s.sequence_lengths.tolist() == [SEQ]
+    assert s.input_ids.dtype == np.int32
 
 
 async def test_batches_wrap_around_and_shuffle_is_seeded(tmp_path: Path) -> None:
@@ -74,9 +76,11 @@ def test_split_selection_rules(tmp_path: Path) -> None:
         tmp_path / "other" / "train" / "1.parquet",
     ]
     chosen, split = select_dataset_files(files, None, None)
-    assert split is Split.Train and [f.parent.name for f in chosen] == ["train-00", "train"]
+    assert split is Split.Train
+    assert [f.parent.name for f in chosen] == ["train-00", "train"]
     chosen, split = select_dataset_files(files, Split.Test, None)
-    assert chosen == [files[1]] and split is Split.Test
+    assert chosen == [files[1]]
+    assert split is Split.Test
     chosen, _ = select_dataset_files(files, Split.Train, "other")
     assert chosen == [files[2]]
     with pytest.raises(DataProviderError, match="Could not determine split"):

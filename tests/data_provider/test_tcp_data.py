@@ -30,6 +30,8 @@ from psyche.data_provider.server import read_allow_file, watch_allow_file
 from psyche.data_provider.wire import RawTrainingData, TrainingData
 from psyche.transport import encode_challenge_response
 
+from ..polling import poll_until
+
 pytestmark = pytest.mark.anyio
 SEED = bytes(range(1, 33))
 
@@ -178,8 +180,7 @@ async def test_allow_file_is_followed(
 
     async def until(predicate) -> None:
         with trio.fail_after(20):
-            while not predicate():
-                await trio.sleep(0.02)
+            await poll_until(predicate, 0.02)
 
     async with (
         DataProviderTcpServer.start(local, host="127.0.0.1") as server,
@@ -197,7 +198,8 @@ async def test_allow_file_is_followed(
         with caplog.at_level("WARNING", logger="psyche.data_provider.server"):
             allow.write_text("not a key\n")
             await until(lambda: "cannot read allowlist" in caplog.text)
-        assert server.is_allowed(b.public_key) and not server.is_allowed(a.public_key)
+        assert server.is_allowed(b.public_key)
+        assert not server.is_allowed(a.public_key)
         nursery.cancel_scope.cancel()
 
 
@@ -240,7 +242,8 @@ async def test_standalone_server_cli(tmp_path: Path, write_tokens) -> None:
             try:
                 client = await DataProviderTcpClient.connect(f"127.0.0.1:{port}", key)
             except DataProviderError:
-                assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+                assert proc.poll() is None, proc.communicate()[0]
+                assert time.monotonic() < deadline, proc.communicate()[0]
                 await trio.sleep(0.1)
         expected = LocalDataProvider.new_from_directory(
             tmp_path / "tokens", TokenSize.TwoBytes, 16, Shuffle.Seeded(SEED)
@@ -257,9 +260,9 @@ def test_standalone_server_cli_reports_a_bad_config(tmp_path: Path, caplog) -> N
     bad = tmp_path / "bad.toml"
     bad.write_text('dir = "."\ntoken_size = "ThreeBytes"\nseq_len = 16\nshuffle_seed = [1]\n')
     assert server_main(["--data-config", str(bad), "--port", "0"]) == 1
-    assert (
-        "bad.toml" in caplog.text and "token_size" in caplog.text and "shuffle_seed" in caplog.text
-    )
+    assert "bad.toml" in caplog.text
+    assert "token_size" in caplog.text
+    assert "shuffle_seed" in caplog.text
     assert server_main(["--data-config", str(tmp_path / "none.toml"), "--port", "0"]) == 1
     assert "cannot read data config" in caplog.text
     assert server_main(["--data-config", str(bad), "--port", "1", "--allow", "zz"]) == 1
@@ -280,7 +283,8 @@ async def test_python_peers_use_raw_tokens_with_identical_results(
         for batch in (BatchId(0, 0), BatchId(3, 40), BatchId(100, 123)):
             expected = local.read_batch(batch)
             got = await client.get_batch(batch)
-            assert got.dtype == np.int32 and np.array_equal(got, expected)
+            assert got.dtype == np.int32
+            assert np.array_equal(got, expected)
             assert await client.get_samples(batch) == await local.get_samples(batch)
         assert client.raw_replies is True
         assert isinstance(await client._fetch(BatchId(1, 2)), RawTrainingData)

@@ -34,6 +34,8 @@ from psyche.transport import (
     encode_else,
 )
 
+from ..polling import poll_until
+
 pytestmark = pytest.mark.anyio
 
 DEADLINE = 30  # seconds: generous, for a busy 2-core machine
@@ -79,8 +81,7 @@ async def closed_by_server(stream: trio.SocketStream) -> bool:
 
 async def wait_until(predicate) -> None:  # type: ignore[no-untyped-def]
     with trio.fail_after(DEADLINE):
-        while not predicate():
-            await trio.sleep(0.01)
+        await poll_until(predicate, 0.01)
 
 
 async def test_strangers_claiming_8_mib_cost_nothing_and_members_keep_fetching(

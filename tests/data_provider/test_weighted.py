@@ -142,8 +142,11 @@ async def test_small_dataset_is_exhausted_before_it_repeats() -> None:
     p1 = [v % 1000 for v in values if v // 1000 == 1]
     p2 = [v % 1000 for v in values if v // 1000 == 2]
     assert values[:4] == [1000, 2000, 1001, 2001]  # alternating
-    assert len(p1) == 13 and p1[:5] == [0, 1, 2, 3, 4] and set(p1) == set(range(5))
-    assert len(p2) == 12 and len(set(p2)) == 12
+    assert len(p1) == 13
+    assert p1[:5] == [0, 1, 2, 3, 4]
+    assert set(p1) == set(range(5))
+    assert len(p2) == 12
+    assert len(set(p2)) == 12
 
 
 def test_build_weighted_index_ties_go_to_the_first_provider() -> None:
@@ -158,7 +161,8 @@ async def test_runs_of_consecutive_samples_are_one_request() -> None:
     a, b = Mock(1, 4, [0]), Mock(2, 4, [0])
     weighted = WeightedDataProvider([a, b], [0.5, 0.5], Shuffle.DontShuffle())
     await weighted.get_samples(BatchId(0, 7))
-    assert a.requests == [BatchId(0, 3)] and b.requests == [BatchId(0, 3)]
+    assert a.requests == [BatchId(0, 3)]
+    assert b.requests == [BatchId(0, 3)]
     # Past the end: provider 0's sample 0 (upstream quirk).
     (extra,) = await weighted.get_samples(BatchId(8, 8))
     assert int(extra.input_ids[0]) == 1000
@@ -228,7 +232,8 @@ def test_weighted_config_forms_and_errors() -> None:
     bare = WeightedHttpProvidersConfig.from_obj(
         {"shuffle": "DontShuffle", "providers": [location]}, "cfg"
     )
-    assert bare.weights is None and len(bare.providers) == 1
+    assert bare.weights is None
+    assert len(bare.providers) == 1
     assert bare.providers[0].token_size_in_bytes is TokenSize.FourBytes
     with pytest.raises(DataProviderError, match="neither"):
         WeightedHttpProvidersConfig.from_obj(

@@ -51,7 +51,8 @@ def test_training_data_bytes_equal_serde(start: int, end: int, raw: list[Tokeniz
     assert encoded == to_bytes(to_wire(message), ServerToClientMessageWire)
     back = CODEC.decode(encoded)
     assert isinstance(back, TrainingData)
-    assert back.data_ids == message.data_ids and back.raw_data == raw
+    assert back.data_ids == message.data_ids
+    assert back.raw_data == raw
 
 
 @given(u64, u64, st.sampled_from(list(RejectionReason)))
@@ -125,7 +126,7 @@ def assert_fast_agrees_with_generic(data: bytes) -> None:
 
 
 @pytest.mark.parametrize(
-    "raw, problem",
+    ("raw", "problem"),
     [
         ("03000000", "invalid variant index 3"),
         ("01000002", "invalid variant index 2 for RejectionReason"),
@@ -177,8 +178,10 @@ def test_raw_training_data_round_trips_in_the_narrowest_width(
     body = tokens.astype("<u2" if width == 2 else "<i4").tobytes()
     assert encoded == raw_wire(start, start + n - 1, seq_len, width, body)
     back = CODEC.decode(encoded)
-    assert isinstance(back, RawTrainingData) and back.data_ids == message.data_ids
-    assert back.tokens.dtype == np.int32 and np.array_equal(back.tokens, tokens)
+    assert isinstance(back, RawTrainingData)
+    assert back.data_ids == message.data_ids
+    assert back.tokens.dtype == np.int32
+    assert np.array_equal(back.tokens, tokens)
     assert to_wire(back) == from_bytes(encoded, ServerToClientMessageWire)
 
 
@@ -196,7 +199,7 @@ def test_raw_known_bytes_and_request() -> None:
 
 
 @pytest.mark.parametrize(
-    "start, end, seq_len, width, nbytes, extra, problem",
+    ("start", "end", "seq_len", "width", "nbytes", "extra", "problem"),
     [
         (0, 1, 2, 3, 12, b"", "token width 3"),
         (0, 1, 2, 2, 6, b"", "needs 8"),
@@ -232,4 +235,5 @@ def test_truncated_and_corrupted_raw_replies_are_refused_or_exact() -> None:
             continue
         if isinstance(back, RawTrainingData):  # accepted: the shape is what the header says
             n = back.data_ids.end - back.data_ids.start + 1
-            assert back.tokens.shape[0] == n and back.tokens.dtype == np.int32
+            assert back.tokens.shape[0] == n
+            assert back.tokens.dtype == np.int32

@@ -166,7 +166,8 @@ def test_clients_behind_nat_train_through_the_relay(
     assert cooldown[1]["model_hash"] == cooldown[2]["model_hash"]
 
     # the joiner got the model its peers had at the end of the previous epoch, by the relay
-    assert loaded["source"] == "peers (P2P)" and loaded["epoch"] >= 1
+    assert loaded["source"] == "peers (P2P)"
+    assert loaded["epoch"] >= 1
     previous = [
         e for e in events(clients[1], "cooldown_model") if e["epoch"] == loaded["epoch"] - 1
     ]
@@ -250,7 +251,8 @@ def test_a_client_whose_punched_path_dies_goes_on_through_the_relay(
                 rf"blobs from {client_id(other)} now come by libp2p stream \(direct connection\)",
                 120,
             )
-        assert net.nat[0].router is not None and net.nat[1].router_wan_ip is not None
+        assert net.nat[0].router is not None
+        assert net.nat[1].router_wan_ip is not None
         net.block(net.nat[0], net.nat[1].router_wan_ip)
         blocked = time.time()
         cooldown = {n: cooldown_after_rounds(clients[n], blocked) for n in (1, 2)}

@@ -58,7 +58,8 @@ def test_the_testnet_ends_by_itself_with_the_final_model(
     assert code == 0, text[-6000:]
     for name in ("server", "client-1", "client-2"):
         assert f"[{name}] exited with code 0" in text, text[-6000:]
-    assert "ERROR" not in text and "Traceback" not in text, text[-6000:]
+    assert "ERROR" not in text, text[-6000:]
+    assert "Traceback" not in text, text[-6000:]
     assert " DEBUG " not in text  # debug logging only when asked for
 
     # one progress line per trained step from each client, steps counting up to the total
@@ -80,7 +81,8 @@ def test_the_testnet_ends_by_itself_with_the_final_model(
         )[-1:]
         for client in (1, 2)
     }
-    assert finals[1] and finals[1] == finals[2], finals
+    assert finals[1], finals
+    assert finals[1] == finals[2], finals
 
     # each client's summary; the first one names the model's directory
     summaries = dict(re.findall(r"^\[client-(\d)\] .*: (run 'tiny-cpu' finished .*)$", text, re.M))
@@ -93,7 +95,8 @@ def test_the_testnet_ends_by_itself_with_the_final_model(
     assert re.search(rf"finished at step {TOTAL_STEPS} of {TOTAL_STEPS} \(\d+ epochs?, "
                      r"final loss [\d.]+, [\d,]+ tok/s overall, \w+ in all\)", summaries["1"])  # fmt: skip
     last = text.strip().splitlines()[-1]
-    assert last.startswith("[testnet] done in ") and str(tmp_path / "checkpoints") in last, last
+    assert last.startswith("[testnet] done in "), last
+    assert str(tmp_path / "checkpoints") in last, last
 
     import torch
     from transformers import AutoModelForCausalLM
@@ -102,4 +105,5 @@ def test_the_testnet_ends_by_itself_with_the_final_model(
     model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
     with torch.no_grad():
         logits = model(torch.tensor([[1, 2, 3, 4]])).logits
-    assert logits.shape[:2] == (1, 4) and torch.isfinite(logits).all()
+    assert logits.shape[:2] == (1, 4)
+    assert torch.isfinite(logits).all()

@@ -61,7 +61,8 @@ def test_server_restart_resumes_at_the_saved_step(
         match = processes.wait_for(server, ROUND_TRAIN, 90, after=after)
         after, rounds = match.end(), rounds + 1
     killed_at_step = int(match.group(2))
-    assert int(match.group(1)) == 0 and killed_at_step >= 8
+    assert int(match.group(1)) == 0
+    assert killed_at_step >= 8
 
     # stop the server mid-round: it saves the run as if the epoch had ended there
     processes.signal(server, signal.SIGTERM)
@@ -105,7 +106,8 @@ def test_server_restart_resumes_at_the_saved_step(
         }
         first.append(losses[(0, 1)])
         after_restart = {s: v for (e, s), v in losses.items() if e == 1}
-        assert after_restart and min(after_restart) >= killed_at_step, text[-3000:]
+        assert after_restart, text[-3000:]
+        assert min(after_restart) >= killed_at_step, text[-3000:]
         resumed_losses.extend(after_restart.values())
     assert max(resumed_losses) < min(first) - 0.15, (first, resumed_losses)
     # and they end the resumed epoch with the same model (the hash each logs at its cooldown)

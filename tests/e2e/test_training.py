@@ -199,7 +199,8 @@ def test_models_are_identical_at_cooldown_and_the_checkpoint_loads(run: Run) -> 
 
     assert run.checkpoint["step"] == run.of(1, "cooldown_model")[0]["step"]
     path = Path(run.checkpoint["path"])
-    assert (path / "model.safetensors").is_file() and (path / "config.json").is_file()
+    assert (path / "model.safetensors").is_file()
+    assert (path / "config.json").is_file()
     assert (path / "tokenizer.json").is_file()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     assert model_hash(dict(model.named_parameters())).hex() == hashes[1][0]
@@ -211,13 +212,17 @@ def test_models_are_identical_at_cooldown_and_the_checkpoint_loads(run: Run) -> 
 
 def test_joiner_gets_the_model_from_peers(run: Run) -> None:
     loaded = run.of(JOINER, "loaded_model")
-    assert len(loaded) == 1 and loaded[0]["epoch"] == 1
-    assert loaded[0]["source"] == "peers (P2P)" and loaded[0]["checkpoint"].startswith("P2P")
+    assert len(loaded) == 1
+    assert loaded[0]["epoch"] == 1
+    assert loaded[0]["source"] == "peers (P2P)"
+    assert loaded[0]["checkpoint"].startswith("P2P")
     cooldown = run.of(1, "cooldown_model")[0]
     assert loaded[0]["model_hash"] == cooldown["model_hash"]
     # and it trains with the others from the epoch's first round
     rounds = [e for e in run.of(JOINER, "round_start") if e["epoch"] == 1]
-    assert rounds and rounds[0]["round"] == 0 and rounds[0]["clients"] == 4
+    assert rounds
+    assert rounds[0]["round"] == 0
+    assert rounds[0]["clients"] == 4
     assert run.of(JOINER, "trained_batch")
     # it applies exactly what the others apply
     mine = {e["step"]: e["batches"] for e in run.of(JOINER, "applied_results")}
@@ -238,7 +243,8 @@ def test_killed_client_is_dropped_and_the_run_continues(run: Run) -> None:
     after = [r for s, r in rounds.items() if s > run.kill_step]
     assert after, rounds
     for r in after:
-        assert r["clients"] == 3 and not any(a.endswith(f"={killed}") for a in r["assignments"])
+        assert r["clients"] == 3
+        assert not any(a.endswith(f"={killed}") for a in r["assignments"])
     assert f"Withdrew {killed}" in run.server_log or "Dropped" in run.server_log
     # its assignments: at most two lost (announced but never applied)
     applied: dict[int, set[str]] = {

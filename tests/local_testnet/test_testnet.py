@@ -142,7 +142,8 @@ def test_server_and_client_commands(tmp_path: Path) -> None:
         "--eval-tasks", "hellaswag", "--events-dir", "ev",
     )  # fmt: skip
     # only the first client checkpoints (the run's final model is kept by default)
-    assert "--hub-repo" not in second.argv and "--checkpoint-dir" not in second.argv
+    assert "--hub-repo" not in second.argv
+    assert "--checkpoint-dir" not in second.argv
     assert first.shell().startswith("HF_TOKEN=tok RUST_LOG=")
     assert "'warn,psyche=info'" not in first.shell()  # no quoting needed for this one
     tui = TestnetPlan(num_clients=1, config_path=config, run_id="r", python="/py")
@@ -165,7 +166,8 @@ def test_each_client_gets_its_share_of_the_cores(monkeypatch: pytest.MonkeyPatch
     assert [client_cpu_threads(None, n) for n in (1, 2, 3)] == [2, 1, 1]
     monkeypatch.setattr(testnet_main, "available_cores", lambda: 16)
     assert [client_cpu_threads(None, n) for n in (1, 3, 4, 32)] == [16, 5, 4, 1]
-    assert client_cpu_threads(6, 3) == 6 and client_cpu_threads(0, 3) is None
+    assert client_cpu_threads(6, 3) == 6
+    assert client_cpu_threads(0, 3) is None
     config = Path("config")
     capped = TestnetPlan(num_clients=3, config_path=config, run_id="r", cpu_threads=5)
     for number in (1, 2, 3):
@@ -179,7 +181,8 @@ def test_random_kill_choice_and_log_dir_name() -> None:
     rng = random.Random(4)
     for _ in range(20):
         victims = pick_victims([1, 2, 3, 4], [2, 4], 1, rng)
-        assert len(victims) == 1 and victims[0] in (2, 4)
+        assert len(victims) == 1
+        assert victims[0] in (2, 4)
     assert sorted(pick_victims([1, 2, 3], [], 3, rng)) == [1, 2, 3]
     start = datetime.datetime(2025, 1, 2, 3, 4, 5, tzinfo=datetime.UTC)
     assert log_dir_name(start) == "2025-01-02_03:04:05"
@@ -263,12 +266,15 @@ def test_headless_runs_server_and_clients_and_stops_them_all(tmp_path: Path) -> 
     # server, two clients, one process per restart (a kill every 2 s can land again before
     # the test stops the testnet)
     restarts = text.count("[testnet] random kill: restarting client-2")
-    assert restarts >= 1 and len(pids) == 3 + restarts == len(set(pids)), text
+    assert restarts >= 1, text
+    assert len(pids) == 3 + restarts == len(set(pids)), text
     assert not any(alive(pid) for pid in pids)
     keys = re.findall(r"\[client-2\] standin key=(\w+)", text)
     expected = SecretKey.from_hex(identity_secret_key_hex(2)).public_key.hex()
-    assert len(keys) >= 2 and set(keys) == {expected}  # every start with client 2's key
-    assert "[server] " in text and "serving run 'testnet-test'" in text
+    assert len(keys) >= 2
+    assert set(keys) == {expected}
+    assert "[server] " in text
+    assert "serving run 'testnet-test'" in text
     (log_dir,) = (tmp_path / "logs").iterdir()
     assert sorted(p.name for p in log_dir.iterdir()) == [
         "client-1.txt",
@@ -303,7 +309,8 @@ def test_headless_ends_by_itself_when_the_run_finishes(tmp_path: Path) -> None:
         assert f"[client-{number}] exited with code 0" in text
     assert "[server] exited with code 0" in text
     # the server's summary (the step counts from 1 in a state file: one step ends at step 2)
-    assert "[server] " in text and "run 'testnet-test' finished at step 2 of 1" in text
+    assert "[server] " in text
+    assert "run 'testnet-test' finished at step 2 of 1" in text
     last = result.stdout.strip().splitlines()[-1]
     assert re.fullmatch(
         r"\[testnet\] done in \d+s: the server and 2 clients exited 0; client-1 saved the "
@@ -311,7 +318,8 @@ def test_headless_ends_by_itself_when_the_run_finishes(tmp_path: Path) -> None:
         last,
     ), last
     pids = [int(p) for p in re.findall(r"started \(pid (\d+)\)", text)]
-    assert len(pids) == 3 and not any(alive(pid) for pid in pids)
+    assert len(pids) == 3
+    assert not any(alive(pid) for pid in pids)
 
 
 def test_headless_names_the_processes_that_failed(tmp_path: Path) -> None:
@@ -388,7 +396,8 @@ def test_tmux_panes_come_up(tmp_path: Path) -> None:
         ).stdout.split("\n")  # fmt: skip
         where = {p: (int(x), int(y)) for p, x, y in (line.split() for line in layout if line)}
         assert where[server] == (0, 0)
-        assert where[monitor][0] == 0 and where[monitor][1] > 0  # bottom left
+        assert where[monitor][0] == 0
+        assert where[monitor][1] > 0
         assert all(where[c][0] > 0 for c in clients)  # right column
         assert where[clients[0]][1] < where[clients[1]][1]
     finally:
@@ -452,7 +461,8 @@ def test_tmux_random_kill_retypes_the_same_command(tmp_path: Path) -> None:
         pane = next(line.split()[2] for line in lines if line.startswith(f"start {key} "))
         starts = [line.split()[1] for line in lines if line.startswith("start ")
                   and line.endswith(f" {pane}")]  # fmt: skip
-        assert len(starts) >= 2 and set(starts) == {key}, lines
+        assert len(starts) >= 2, lines
+        assert set(starts) == {key}, lines
     finally:
         kill_tmux_server(socket_name)
         try:

@@ -78,7 +78,8 @@ def test_every_flag_reaches_commands_the_client_and_server_accept(
     server_args = server_parser()[0].parse_args(list(plan.server_command().argv[3:]))
     assert server_args.events_dir == Path("events")
     assert server_args.metrics_jsonl == Path("metrics/server.jsonl")
-    assert server_args.status_port == 20080 and server_args.ban_epochs == 0
+    assert server_args.status_port == 20080
+    assert server_args.ban_epochs == 0
 
     # W&B writes offline without a key; the hub upload needs HF_TOKEN, as the testnet gives it
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -101,7 +102,8 @@ def test_every_flag_reaches_commands_the_client_and_server_accept(
             "group",
             "entity",
         )
-        assert options.optim_stats_steps == 5 and options.micro_batch_size == 2
+        assert options.optim_stats_steps == 5
+        assert options.micro_batch_size == 2
         assert options.cpu_threads == 3
         assert options.write_gradients_dir == Path("distro")
         assert options.logs == "console"  # --tui false

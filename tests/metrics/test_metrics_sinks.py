@@ -312,9 +312,11 @@ def test_wandb_offline_run_directory_reads_back(tmp_path: Path) -> None:
         "group-1",
         "run-1-node-1",
     )
-    assert run["config"]["total_steps"] == 4 and run["config"]["run_id"] == "run-1"
+    assert run["config"]["total_steps"] == 4
+    assert run["config"]["run_id"] == "run-1"
     assert run["history"] == {step: values for step, values in enumerate(STEPS, start=1)}
-    assert run["summary"]["train/loss"] == 2.0 and run["summary"]["train/steps"] == 4
+    assert run["summary"]["train/loss"] == 2.0
+    assert run["summary"]["train/steps"] == 4
 
 
 def test_tensorboard_event_files_read_back(tmp_path: Path) -> None:
@@ -345,13 +347,11 @@ def test_otel_metrics_traces_and_logs_reach_a_collector(collector: Collector) ->
     tracker.finish(FINISH)
 
     # every post carries the auth header and upstream's resource attributes
-    assert collector.headers and all(
-        h.get("authorization") == "Bearer test-token" for h in collector.headers
-    )
+    assert collector.headers
+    assert all(h.get("authorization") == "Bearer test-token" for h in collector.headers)
     for kind in ("metrics", "traces", "logs"):
-        assert collector.resources(kind) and all(
-            r == SERVICE.attributes() for r in collector.resources(kind)
-        ), kind
+        assert collector.resources(kind), kind
+        assert all(r == SERVICE.attributes() for r in collector.resources(kind)), kind
 
     # metrics: upstream's instruments, the last value of each gauge, the counter's total
     points = collector.metric_points()
@@ -377,7 +377,8 @@ def test_otel_metrics_traces_and_logs_reach_a_collector(collector: Collector) ->
 
     # logs: the psyche loggers' records, not other loggers'
     bodies = {r.body.string_value: r for r in collector.log_records()}
-    assert "hello collector" in bodies and "not a psyche logger" not in bodies
+    assert "hello collector" in bodies
+    assert "not a psyche logger" not in bodies
     assert bodies["hello collector"].severity_text == "WARN"
     assert bodies["hello collector"].severity_number == 13
 

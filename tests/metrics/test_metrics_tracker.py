@@ -105,10 +105,12 @@ def test_threaded_tracker_writes_everything_in_order_and_closes() -> None:
         tracker.log(values, step=i)
     tracker.log_summary({"train/loss": 1.0})
     tracker.finish()
-    assert sink.opened and sink.closed
+    assert sink.opened
+    assert sink.closed
     assert sink.logs == [(values, i) for i, values in enumerate(steps(20))]
     assert sink.summaries == [{"train/loss": 1.0}]
-    assert tracker.written == 21 and tracker.dropped == 0
+    assert tracker.written == 21
+    assert tracker.dropped == 0
 
 
 def test_log_copies_the_callers_dictionary() -> None:
@@ -229,7 +231,8 @@ def test_log_after_finish_is_ignored_and_finish_twice_is_harmless() -> None:
     tracker.log({"x": 2}, step=2)
     tracker.log_summary({"x": 3})
     tracker.finish()
-    assert sink.logs == [({"x": 1}, 1)] and sink.summaries == []
+    assert sink.logs == [({"x": 1}, 1)]
+    assert sink.summaries == []
 
 
 # ---- CompositeTracker ------------------------------------------------------------------------
@@ -270,7 +273,8 @@ def test_composite_gives_every_tracker_the_same_values_and_drops_a_raising_one(
             composite.log(values, step=i)
         composite.log_summary({"train/loss": 2.2})
     expected = [(values, i) for i, values in enumerate(steps(8))]
-    assert first.logs == expected and second.logs == expected
+    assert first.logs == expected
+    assert second.logs == expected
     assert first.summaries == second.summaries == [{"train/loss": 2.2}]
     lines = [json.loads(line) for line in jsonl.read_text().splitlines()]
     assert [(line["values"], line["step"]) for line in lines if line["kind"] == "log"] == expected
@@ -306,7 +310,8 @@ def test_jsonl_file_reads_back_with_config_steps_and_summary(tmp_path: Path) -> 
     }
     assert lines[2]["values"] == {"train/loss": "NaN", "train/lr": "Infinity", "x": "-Infinity"}
     assert math.isnan(float(lines[2]["values"]["train/loss"]))
-    assert lines[3]["values"] == {"train/loss": 2.0} and "step" not in lines[3]
+    assert lines[3]["values"] == {"train/loss": 2.0}
+    assert "step" not in lines[3]
     assert all(before - 1 <= line["time"] <= time.time() + 1 for line in lines)
 
 
@@ -358,7 +363,8 @@ def test_wandb_follows_upstreams_rule() -> None:
         "run-abc",
         env={"WANDB_API_KEY": "k"},
     )
-    assert info is not None and (info.project, info.run, info.entity, info.group) == (
+    assert info is not None
+    assert (info.project, info.run, info.entity, info.group) == (
         "p",
         "r",
         "e",
@@ -366,9 +372,12 @@ def test_wandb_follows_upstreams_rule() -> None:
     )
     # offline: the flags need no key
     info = wandb_info(flags, "run-abc", env={"WANDB_MODE": "offline"})
-    assert info is not None and info.mode == "offline" and info.api_key is None
+    assert info is not None
+    assert info.mode == "offline"
+    assert info.api_key is None
     info = wandb_info(flags, "run-abc", env={"WANDB_MODE": "dryrun"})
-    assert info is not None and info.mode == "offline"
+    assert info is not None
+    assert info.mode == "offline"
     # disabled: off whatever else is set
     assert wandb_info(flags, "r", env={"WANDB_MODE": "disabled", "WANDB_API_KEY": "k"}) is None
     with pytest.raises(TrackerConfigError, match="WANDB_MODE='ofline' is not a W&B mode"):
@@ -431,7 +440,8 @@ def test_a_missing_extra_is_one_error_naming_it(
     with pytest.raises(MissingExtraError) as error:
         build_tracker(config, service=SERVICE, run_name="r", env=env)
     message = str(error.value)
-    assert isinstance(error.value, UserError) and "\n" not in message
+    assert isinstance(error.value, UserError)
+    assert "\n" not in message
     assert message.endswith(f"pip install 'psyche-metrics[{extra}]'")
     assert f"needs the '{extra}' extra" in message
 

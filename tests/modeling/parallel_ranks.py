@@ -146,7 +146,8 @@ def protocol_scenario(mode: str, rank: int, out: Path) -> dict:
 
 def copy_state(source: Trainer, target: Trainer) -> None:
     """The reference's parameters, gradients and momentum laid out as the target's."""
-    assert source.distro is not None and target.distro is not None
+    assert source.distro is not None
+    assert target.distro is not None
     pairs = zip(source.model.variables(), target.model.variables())
     with torch.no_grad():
         for ((_, ps), (_, pt)), ds, dt in zip(pairs, source.distro.deltas, target.distro.deltas):
@@ -170,7 +171,8 @@ def tp_scenario(rank: int) -> dict:
     )
     sharded = sum(1 for _, p in tp.model.variables() if local_tensor(p) is not p)
     # exact: the same gradients and momentum give the same results; one aggregate, same bits
-    assert reference.distro is not None and tp.distro is not None
+    assert reference.distro is not None
+    assert tp.distro is not None
     copy_state(reference, tp)
     res_t = tp.distro.generate([out_t.distro_results], 1e-3, 1e-3)
     res_r = reference.distro.generate([out_t.distro_results], 1e-3, 1e-3)

@@ -56,7 +56,8 @@ def test_save_load_roundtrip_identical_logits(
 
     again = CausalLM.from_pretrained(tmp_path, ModelOptions(architecture="HfLlama", device="cpu"))
     for (n1, a), (n2, b) in zip(again.variables(), model.variables()):
-        assert n1 == n2 and torch.equal(a, b)
+        assert n1 == n2
+        assert torch.equal(a, b)
 
 
 def test_parts_are_sorted_and_greedy(tmp_path: Path) -> None:

@@ -77,7 +77,8 @@ def test_compress_takes_an_encoded_tensor_that_is_not_contiguous() -> None:
     idx, val, xshape, totalk = compress(x, 5)
     c_idx, c_val, c_xshape, c_totalk = compress(x.contiguous(), 5)
     assert (xshape, totalk) == (c_xshape, c_totalk) == ([2, 3, 16, 16], 256)
-    assert torch.equal(idx, c_idx) and torch.equal(val, c_val)
+    assert torch.equal(idx, c_idx)
+    assert torch.equal(val, c_val)
 
 
 def test_topk_is_clamped() -> None:
@@ -235,7 +236,8 @@ def test_compress_matches_a_numpy_magnitude_top_k(shape: tuple[int, ...]) -> Non
     assert any(set(a) != set(b) for a, b in zip(order, signed))  # signed top-k would differ
 
     idx, val, xshape, totalk = compress(torch.from_numpy(x), topk)
-    assert xshape == list(shape) and totalk == blocks.shape[-1]
+    assert xshape == list(shape)
+    assert totalk == blocks.shape[-1]
     assert _selected(idx, val, totalk) == expected
     # and what decompresses is x with everything outside each block's top-k zeroed
     dense = decompress(idx, val, xshape, totalk, torch.float32, "cpu").numpy().reshape(blocks.shape)

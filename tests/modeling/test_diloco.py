@@ -405,7 +405,9 @@ def test_trainer_round_restores_weights_and_counts_one_nonce(
     out = trainer.train_exact(
         1, Batch(corpus[:8]), warmup_lr_between=None, zero_optim=False, prev_self_distro_results=[]
     )
-    assert out.nonce == 0 and trainer.nonce == 1 and math.isfinite(out.loss)
+    assert out.nonce == 0
+    assert trainer.nonce == 1
+    assert math.isfinite(out.loss)
     assert all(torch.equal(a, p) for a, (_, p) in zip(before, trainer.model.variables()))
     prepared = trainer.prepare_result(out, step=1, batch_id=BatchId(0, 7))
     back = trainer.results_from_payload(decode_transmittable(prepared.payload.to_bytes()))

@@ -49,7 +49,8 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def assert_same_bits(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
-    assert a.dtype == b.dtype and a.shape == b.shape, what
+    assert a.dtype == b.dtype, what
+    assert a.shape == b.shape, what
     if a.dtype.is_floating_point:
         assert torch.equal(bits(a), bits(b)), what
     else:
@@ -225,7 +226,8 @@ def test_decompress_matches_upstreams_scatter_mean_on_random_cases() -> None:
             fast += log.scatter_reduces == 0
             dense_route += log.scatter_reduces == 1
     # both routes were exercised: most cases are sparse, hostile/NaN/overflow ones are not
-    assert fast > 500 and dense_route > 20, (fast, dense_route)
+    assert fast > 500, (fast, dense_route)
+    assert dense_route > 20, (fast, dense_route)
 
 
 @pytest.mark.parametrize(("dtype", "most"), [(torch.bfloat16, 256), (torch.float32, 96)])

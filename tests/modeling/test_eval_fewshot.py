@@ -106,7 +106,8 @@ def test_max_docs_keeps_the_first_documents(tmp_path: Path, tokenizer: Any) -> N
     task_type = piqa(tmp_path)
     full = Task(task_type, 2, 42).prepare(tokenizer)
     limited = Task(task_type, 2, 42).prepare(tokenizer, limit=2)
-    assert limited.num == 2 and full.num == 3
+    assert limited.num == 2
+    assert full.num == 3
     assert [d.requests for d in limited.llh_docs] == [d.requests for d in full.llh_docs[:2]]
 
 

@@ -108,7 +108,8 @@ def test_greedy_decoding_equals_recomputing_everything(tokenizer: Any, prompt_le
     ]
     generated: list[int] = []
     done = generate_greedy(model, tokenizer, prompt, generated, stop_strings=(), max_tokens=12)
-    assert done and len(generated) == 12
+    assert done
+    assert len(generated) == 12
     assert generated == hand_greedy(model, prompt, 12)
     assert model.model.training  # the train mode is restored
 
@@ -173,8 +174,10 @@ def test_score_is_the_last_answer_in_the_generated_text(tmp_path: Path, tokenize
     results = RunningAverage()
     out = prepared.run(EvalTaskOptions(model=model, live_results=results, confident_only=False))
     # Answers are C, A, C: two hits.
-    assert out.documents == 3 and out.scores == {"acc": pytest.approx(2 / 3)}
-    assert out.next_index == 3 and not prepared.cache
+    assert out.documents == 3
+    assert out.scores == {"acc": pytest.approx(2 / 3)}
+    assert out.next_index == 3
+    assert not prepared.cache
 
 
 def test_a_deadline_keeps_the_partial_generation_for_the_next_run(
@@ -185,8 +188,12 @@ def test_a_deadline_keeps_the_partial_generation_for_the_next_run(
     prepared = Task(mmlu_pro(tmp_path), 0, 42).prepare(tokenizer)
     results = RunningAverage()
     first = prepared.run(EvalTaskOptions(model=model, live_results=results, deadline=0.0))
-    assert first.cancelled and first.documents == 0 and first.next_index == 0
+    assert first.cancelled
+    assert first.documents == 0
+    assert first.next_index == 0
     out = prepared.run(
         EvalTaskOptions(model=model, live_results=results, confident_only=False, limit=1)
     )
-    assert out.documents == 1 and out.next_index == 1 and out.scores == {"acc": 1.0}
+    assert out.documents == 1
+    assert out.next_index == 1
+    assert out.scores == {"acc": 1.0}

@@ -122,7 +122,8 @@ def test_cancel_from_another_thread_stops_a_running_slice(
     cancel.set()
     worker.join(timeout=120)
     assert not worker.is_alive()
-    assert reports[0].stopped_by == "cancelled" and reports[0].documents >= 6
+    assert reports[0].stopped_by == "cancelled"
+    assert reports[0].documents >= 6
     assert set(runner.scores()) == {"PIQA", "BoolQ"}
 
 
@@ -133,7 +134,8 @@ def test_the_prompt_task_fills_its_buffer_and_hands_it_over(tokenizer: Any, mode
     # 16 tokens (MAX_TOKENS_TO_SEND) wait for the client; then there is nothing to do.
     assert (report.prompt_tokens, report.stopped_by) == (16, "idle")
     tokens = runner.take_prompt_results()
-    assert len(tokens) == 16 and all(0 <= t < 512 for t in tokens)
+    assert len(tokens) == 16
+    assert all(0 <= t < 512 for t in tokens)
     assert runner.take_prompt_results() == []
     assert runner.run_some(model, max_docs=1).prompt_tokens == 16
     same = EvalRunner([], tokenizer, prompt_task=True, rng=random.Random(3))
@@ -164,7 +166,8 @@ def test_client_flags(source: DatasetSource, tokenizer: Any) -> None:
     assert metric_key("CEval-valid") == "eval/ceval_valid"
     runner = EvalRunner.from_args("piqa,boolq", tokenizer, source=source, eval_task_max_docs=2)
     assert runner.task_names == ["PIQA", "BoolQ"]
-    assert runner.prompt is None and runner.prompt_index == 0
+    assert runner.prompt is None
+    assert runner.prompt_index == 0
 
 
 def test_missing_datasets_are_one_clear_error(tmp_path: Path) -> None:
@@ -184,7 +187,9 @@ def test_confident_only_holds_back_partial_averages(
     results = RunningAverage()
     out = prepared.run(EvalTaskOptions(model=model, live_results=results, limit=2))
     # 4 documents: reported after more than int(0.5 * 4) = 2.
-    assert out.documents == 2 and out.scores == {"acc": 0.0} and results.sample("acc") is None
+    assert out.documents == 2
+    assert out.scores == {"acc": 0.0}
+    assert results.sample("acc") is None
     prepared.run(
         EvalTaskOptions(
             model=model, live_results=results, skip_and_step_by=(out.next_index, 1), limit=1

@@ -35,7 +35,8 @@ def run_task(name: str, root: Path, model: Any, tokenizer: Any) -> tuple[Any, di
     prepared = Task(task_type, 0, 42).prepare(tokenizer)
     results = RunningAverage()
     out = prepared.run(EvalTaskOptions(model=model, live_results=results, confident_only=False))
-    assert out.documents == prepared.num and not out.cancelled
+    assert out.documents == prepared.num
+    assert not out.cancelled
     return task_type.get_documents(), out.scores
 
 

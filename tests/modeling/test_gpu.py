@@ -67,7 +67,8 @@ def _run(model: CausalLM, corpus: torch.Tensor, steps: int) -> tuple[list[float]
 
 def test_models_default_to_bf16_on_cuda() -> None:
     model = _cuda_model()
-    assert model.device.type == "cuda" and model.dtype == torch.bfloat16
+    assert model.device.type == "cuda"
+    assert model.dtype == torch.bfloat16
 
 
 def test_cuda_bf16_determinism(corpus: torch.Tensor) -> None:

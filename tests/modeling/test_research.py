@@ -50,7 +50,8 @@ def test_distro_loop_matches_the_trainer_bit_for_bit(
             trainer.optimize(step, distro_results=[trainer.quantize_results(prev[0])])
         prev = [out.distro_results]
     for (n1, p1), (n2, p2) in zip(a.variables(), b.variables()):
-        assert n1 == n2 and torch.equal(p1, p2), n1
+        assert n1 == n2, n1
+        assert torch.equal(p1, p2), n1
 
 
 def _simulate(
@@ -78,7 +79,8 @@ def test_simulated_peers_learn_and_the_wire_is_lossless(
     wired, losses = _simulate([tiny_llama() for _ in range(2)], corpus, 30, wire=True)
     direct, _ = _simulate([tiny_llama() for _ in range(2)], corpus, 30, wire=False)
     assert sum(losses[-5:]) / 5 < losses[0] - 0.8
-    assert len(set(wired.last_payload_bytes)) == 1 and wired.last_payload_bytes[0] > 0
+    assert len(set(wired.last_payload_bytes)) == 1
+    assert wired.last_payload_bytes[0] > 0
     for ma, mb in zip(wired.models, direct.models):
         for pa, pb in zip(ma.parameters(), mb.parameters()):
             assert torch.equal(pa, pb)

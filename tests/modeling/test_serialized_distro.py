@@ -66,7 +66,8 @@ def test_bool_tensors_pack_lsb_first() -> None:
     assert bits.data == SerializableTensorData.OneBit(bytes([118]))
     bits = serializable_tensor_from_torch(torch.tensor([1, 0, 0, 1, 0, 1, 1, 1, 1]).bool())
     assert bits.raw_tensor_data() == bytes([0b11101001, 0b00000001])
-    assert bits.kind == 11 and bits.dims == [9]
+    assert bits.kind == 11
+    assert bits.dims == [9]
 
 
 def test_tensor_wire_bytes() -> None:
@@ -180,7 +181,8 @@ def test_payload_size_formula(quantized: bool, topk: int) -> None:
         for r in payload.distro_results
     )
     a = layouts[0]  # a.weight 128x192 -> 2x3 blocks of 64x64
-    assert a.block_shape == (2, 3) and a.index_bytes == 2
+    assert a.block_shape == (2, 3)
+    assert a.index_bytes == 2
     per_block = topk * 2 + (topk / 8 if quantized else topk * 2)
     assert raw >= 6 * per_block
 

@@ -94,7 +94,8 @@ def test_two_trainers_are_bit_identical(
     assert l1 == l2
     assert p1 == p2
     for (n1, a), (n2, b) in zip(m1.variables(), m2.variables()):
-        assert n1 == n2 and a.dtype == b.dtype
+        assert n1 == n2
+        assert a.dtype == b.dtype
         assert torch.equal(a, b)
 
 
@@ -130,7 +131,9 @@ def test_cancelled_training_produces_no_results(tiny_llama: Callable, corpus: to
 
     trainer = Trainer(tiny_llama(), constant(1e-3), distro_def(), micro_batch_size=4)
     out = trainer.train(1, Batch(corpus[:4]), prev_self_distro_results=[], cancel=Cancelled())
-    assert out.cancelled and out.distro_results is None and out.loss == 0.0
+    assert out.cancelled
+    assert out.distro_results is None
+    assert out.loss == 0.0
     assert trainer.nonce == 1
 
 
@@ -179,7 +182,8 @@ def test_architecture_checks(tiny_llama: Callable) -> None:
         tiny_llama(architecture="HfDeepseek")
     tied = tiny_llama(architecture="HfAuto", tie_word_embeddings=True)
     names = [n for n, _ in tied.variables()]
-    assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names
+    assert "lm_head.weight" not in names
+    assert "model.embed_tokens.weight" in names
 
 
 def test_deepseek_trains_with_distro(corpus: torch.Tensor) -> None:

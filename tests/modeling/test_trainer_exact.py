@@ -75,7 +75,8 @@ def test_train_times_generate_only_when_asked() -> None:
         1, Batch(corpus()), warmup_lr_between=None, zero_optim=False,
         prev_self_distro_results=[], timings=timings,
     )  # fmt: skip
-    assert set(timings) == {"generate"} and timings["generate"] > 0
+    assert set(timings) == {"generate"}
+    assert timings["generate"] > 0
     out = trainer.train(2, Batch(corpus()), prev_self_distro_results=[])
     assert out.distro_results is not None
 
@@ -136,7 +137,8 @@ def test_prepare_result_holds_the_tensors_a_peer_decodes(quantize: bool, chunk: 
     for mine, theirs, original in zip(prepared.sent, decoded, out.distro_results):
         assert mine.sparse_val.dtype == (torch.bool if quantize else original.sparse_val.dtype)
         for a, b in ((mine.sparse_idx, theirs.sparse_idx), (mine.sparse_val, theirs.sparse_val)):
-            assert (a.dtype, a.shape) == (b.dtype, b.shape) and torch.equal(a, b)
+            assert (a.dtype, a.shape) == (b.dtype, b.shape)
+            assert torch.equal(a, b)
         assert (list(mine.xshape), mine.totalk) == (list(theirs.xshape), theirs.totalk)
     # applying one or the other moves a model to the same bits
     one, other = (make_trainer(quantize=quantize, chunk=chunk) for _ in range(2))
@@ -152,12 +154,17 @@ def test_prepare_result_holds_the_tensors_a_peer_decodes(quantize: bool, chunk: 
 def test_batch_from_samples_stacks_int64_rows() -> None:
     rows = np.arange(12, dtype=np.int32).reshape(3, 4)
     batch = Batch.from_samples(TokenizedData.from_rows(rows))
-    assert batch.input_ids.dtype == torch.int64 and batch.input_ids.tolist() == rows.tolist()
-    assert batch.labels is None and batch.position_ids is None and len(batch) == 3
+    assert batch.input_ids.dtype == torch.int64
+    assert batch.input_ids.tolist() == rows.tolist()
+    assert batch.labels is None
+    assert batch.position_ids is None
+    assert len(batch) == 3
     with_labels = [TokenizedData(r, labels=-r, position_ids=np.arange(4)) for r in rows]
     batch = Batch.from_samples(with_labels)
-    assert batch.labels is not None and batch.labels.tolist() == (-rows).tolist()
-    assert batch.position_ids is not None and batch.position_ids.dtype == torch.int64
+    assert batch.labels is not None
+    assert batch.labels.tolist() == (-rows).tolist()
+    assert batch.position_ids is not None
+    assert batch.position_ids.dtype == torch.int64
     # labels only when every sample has them
     mixed = [with_labels[0], TokenizedData(rows[1])]
     assert Batch.from_samples(mixed).labels is None

@@ -26,6 +26,8 @@ from psyche.network.blob_transport import BLOB_LIMITS, TcpBlobTransport
 from psyche.network.secure_channel import SecureStream, StaticKey, secure_outbound
 from psyche.network.ticket import EndpointAddr, blob_hash
 
+from ..polling import poll_until
+
 pytestmark = pytest.mark.anyio
 
 DEADLINE = 30  # seconds: generous, for a busy 2-core machine
@@ -126,8 +128,7 @@ class RawRequester:
 
 async def wait_until(predicate) -> None:  # type: ignore[no-untyped-def]
     with trio.fail_after(DEADLINE):
-        while not predicate():
-            await trio.sleep(0.01)
+        await poll_until(predicate, 0.01)
 
 
 # -- before authentication

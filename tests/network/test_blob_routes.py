@@ -53,7 +53,8 @@ def test_an_unreachable_side_channel_falls_back_to_libp2p_once_and_logs_it(caplo
             done = await finished(
                 b.start_download(unreachable, "distro-result_1", DownloadType.DistroResult([]))
             )
-            assert isinstance(done, DownloadComplete) and bytes(done.data) == data
+            assert isinstance(done, DownloadComplete)
+            assert bytes(done.data) == data
             assert b.blob_routes.routes[a.endpoint_id] == LIBP2P_DIRECT
             assert a.bytes_served == size
             # the next blob goes straight to libp2p (the side channel is remembered as down)
@@ -64,7 +65,8 @@ def test_an_unreachable_side_channel_falls_back_to_libp2p_once_and_logs_it(caplo
             )
             assert isinstance(done, DownloadComplete)
         changes = [r for r in caplog.records if "now come by" in r.getMessage()]
-        assert len(changes) == 1 and "side channel unreachable" in changes[0].getMessage()
+        assert len(changes) == 1
+        assert "side channel unreachable" in changes[0].getMessage()
 
     trio.run(main)
 
@@ -104,7 +106,8 @@ def test_a_side_channel_that_breaks_mid_transfer_continues_on_libp2p() -> None:
             done = await finished(
                 b.start_download(dying, "distro-result_1", DownloadType.DistroResult([]))
             )
-            assert isinstance(done, DownloadComplete) and bytes(done.data) == data
+            assert isinstance(done, DownloadComplete)
+            assert bytes(done.data) == data
             assert b.blob_routes.routes[a.endpoint_id] == LIBP2P_DIRECT
             # one provider, one attempt: the break was absorbed inside it
             assert not [f for f in b.downloader.provider_failures if f[1] == a.endpoint_id]
@@ -124,7 +127,8 @@ def test_one_session_carries_many_blobs_from_a_provider() -> None:
                 done = await finished(
                     b.start_download(ticket, f"model-{i}", DownloadType.DistroResult([]))
                 )
-                assert isinstance(done, DownloadComplete) and bytes(done.data) == payloads[i]
+                assert isinstance(done, DownloadComplete)
+                assert bytes(done.data) == payloads[i]
             assert b.blob_routes.routes[a.endpoint_id] == SIDE_CHANNEL
             assert a.blob_server.sessions == 1
             assert b.blob_routes.idle_sessions() == 1
@@ -153,7 +157,8 @@ def test_fetches_per_provider_are_bounded(limit: int) -> None:
                         finished,
                         b.start_download(ticket, f"model-{i}", DownloadType.DistroResult([])),
                     )
-            assert len(serving) == 8 and max(serving) <= limit  # blobs being sent at once
+            assert len(serving) == 8
+            assert max(serving) <= limit
             assert a.blob_server.sessions <= limit
 
     trio.run(main)

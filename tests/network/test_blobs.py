@@ -29,6 +29,8 @@ from psyche.network.transmittable import (
     TransmittableModelParameter,
 )
 
+from ..polling import poll_until
+
 
 def payload(size: int, name: str = "w") -> TransmittableModelParameter:
     return TransmittableModelParameter(name.encode(), os.urandom(size))
@@ -82,13 +84,16 @@ def test_download_verifies_serves_onward_and_survives_bad_providers() -> None:
             await connect_pairs([a, b, c, d], [(2, 0), (1, 0)])
             data = payload(3_000_000)
             ticket, size = await a.add_downloadable(data, "distro-result_1")
-            assert ticket.provider == a.endpoint_id and ticket.size == size
+            assert ticket.provider == a.endpoint_id
+            assert ticket.size == size
 
             done = await finished(
                 b.start_download(ticket, "distro-result_1", DownloadType.DistroResult([]))
             )
             assert isinstance(done, DownloadComplete)
-            assert done.data == data and done.hash == ticket.hash and done.from_ == a.endpoint_id
+            assert done.data == data
+            assert done.hash == ticket.hash
+            assert done.from_ == a.endpoint_id
             assert a.bytes_served == size
 
             # a's copy rots; c must notice and fetch b's copy (b serves what it downloaded)
@@ -104,9 +109,12 @@ def test_download_verifies_serves_onward_and_survives_bad_providers() -> None:
                     ticket, "distro-result_1", DownloadType.DistroResult([b.endpoint_id])
                 )
             )
-            assert isinstance(done, DownloadComplete) and done.data == data
+            assert isinstance(done, DownloadComplete)
+            assert done.data == data
             failures = [(p, r) for h, p, r in c.downloader.provider_failures if h == ticket.hash]
-            assert failures and failures[0][0] == a.endpoint_id and "corrupted" in failures[0][1]
+            assert failures
+            assert failures[0][0] == a.endpoint_id
+            assert "corrupted" in failures[0][1]
             assert b.bytes_served == size
 
             # d (connected to nobody over libp2p) first meets a provider that dies mid-transfer
@@ -129,7 +137,8 @@ def test_download_verifies_serves_onward_and_survives_bad_providers() -> None:
                     dying_ticket, "distro-result_1", DownloadType.DistroResult([b.endpoint_id])
                 )
             )
-            assert isinstance(done, DownloadComplete) and done.data == data
+            assert isinstance(done, DownloadComplete)
+            assert done.data == data
             (failure,) = [f for f in d.downloader.provider_failures if f[1] == dying.public_key]
             assert "closed after" in failure[2]
 
@@ -139,7 +148,8 @@ def test_download_verifies_serves_onward_and_survives_bad_providers() -> None:
             failed = await finished(
                 d.start_download(dying_ticket, "distro-result_1", DownloadType.DistroResult([]))
             )
-            assert isinstance(failed, DownloadFailed) and failed.error == "Download error"
+            assert isinstance(failed, DownloadFailed)
+            assert failed.error == "Download error"
             nursery.cancel_scope.cancel()
 
     trio.run(main)
@@ -223,7 +233,8 @@ def test_hostile_blob_requests_do_not_harm_the_provider() -> None:
             done = await finished(
                 b.start_download(ticket, "distro-result_1", DownloadType.DistroResult([]))
             )
-            assert isinstance(done, DownloadComplete) and done.data == data
+            assert isinstance(done, DownloadComplete)
+            assert done.data == data
 
     trio.run(main)
 
@@ -269,8 +280,7 @@ def test_untagged_blobs_are_collected_and_no_longer_served() -> None:
             model, _ = await a.add_downloadable(payload(1000, "c"), "model-c")
             assert a.remove_staled_tags(4) == 2
             with trio.fail_after(10):  # the GC runs every 0.05 s; one pass drops both
-                while a.store.get(old.hash) is not None:
-                    await trio.sleep(0.01)
+                await poll_until(lambda: a.store.get(old.hash) is None, 0.01)
             assert a.store.get(model.hash) is None
             assert a.store.get(new.hash) is not None
             with pytest.raises(blob_protocol.BlobNotFound):
@@ -302,7 +312,8 @@ def test_a_hanging_provider_hits_the_download_timeout() -> None:
             download = a.start_download(ticket, "distro-result_1", DownloadType.DistroResult([]))
             # the provider never answers, so only the download timeout can end this download
             failed = await finished(download)
-            assert isinstance(failed, DownloadFailed) and "timed out after 0.5 s" in failed.error
+            assert isinstance(failed, DownloadFailed)
+            assert "timed out after 0.5 s" in failed.error
             nursery.cancel_scope.cancel()
 
     trio.run(main)
@@ -322,11 +333,13 @@ def test_every_download_resolves_even_when_the_network_shuts_down() -> None:
                 a.shutdown()
                 await trio.sleep_forever()  # the shutdown cancels the network's block
             failed = await finished(hanging)
-            assert isinstance(failed, DownloadFailed) and "shut down" in failed.error
+            assert isinstance(failed, DownloadFailed)
+            assert "shut down" in failed.error
             late = a.start_download(ticket, "distro-result_1", DownloadType.DistroResult([]))
             assert late.done
             failed = await finished(late)
-            assert isinstance(failed, DownloadFailed) and failed.error == "the network is shut down"
+            assert isinstance(failed, DownloadFailed)
+            assert failed.error == "the network is shut down"
             nursery.cancel_scope.cancel()
 
     trio.run(main)

@@ -49,14 +49,17 @@ def test_store_tags_and_gc() -> None:
     store = BlobStore()
     kept = store.add_bytes(b"kept", "distro-result_5")
     loose = store.add_bytes(b"loose")
-    assert kept.hash == blob_hash(b"kept") and kept.size == 4
+    assert kept.hash == blob_hash(b"kept")
+    assert kept.size == 4
     assert store.get(loose.hash) == b"loose"
     assert store.gc() == 1
-    assert store.get(loose.hash) is None and store.get(kept.hash) == b"kept"
+    assert store.get(loose.hash) is None
+    assert store.get(kept.hash) == b"kept"
     # a tag may name a blob before it arrives (a download in flight survives GC)
     store.set_tag("distro-result_6", blob_hash(b"later"))
     store.put(blob_hash(b"later"), b"later")
-    assert store.gc() == 0 and len(store) == 2
+    assert store.gc() == 0
+    assert len(store) == 2
 
 
 def test_remove_staled_tags_follows_upstream() -> None:
@@ -118,7 +121,9 @@ def test_connection_monitor_events_and_disconnect() -> None:
     monitor.update_peer_bandwidth(A, PeerBandwidth.Measured(5.0))
     monitor.on_disconnected(A)
     data = monitor.get_connection(A)
-    assert data is not None and data.selected_path is None and not data.connected
+    assert data is not None
+    assert data.selected_path is None
+    assert not data.connected
     assert data.bandwidth == PeerBandwidth.Measured(5.0)
     monitor.on_connected(A, "10.0.0.1:2")  # bandwidth survives a reconnect
     assert monitor.get_bandwidth(A) == PeerBandwidth.Measured(5.0)
@@ -159,9 +164,11 @@ def test_peer_manager_drops_failing_peers_then_gives_up() -> None:
     assert (manager.get_next_peer(), manager.get_next_peer()) == (A, B)
     for peer in (A, A, B):
         manager.report_blob_ticket_request_error(peer)  # a failing peer goes back in the pool
-    assert list(manager.available_peers) == [B] and not exhausted
+    assert list(manager.available_peers) == [B]
+    assert not exhausted
     manager.report_blob_ticket_request_error(B)
-    assert list(manager.available_peers) == [] and exhausted == [1]
+    assert list(manager.available_peers) == []
+    assert exhausted == [1]
 
 
 def test_request_task_tries_other_peers_and_budgets_attempts() -> None:
@@ -181,7 +188,9 @@ def test_request_task_tries_other_peers_and_budgets_attempts() -> None:
         got, _req, peer = await blob_ticket_param_request_task(
             ModelRequestType.Parameter("w"), request, manager
         )
-        assert got == ticket and peer == B and asked == [A, B]
+        assert got == ticket
+        assert peer == B
+        assert asked == [A, B]
         assert manager.errors_per_peer[A] == 1
 
         async def hang(peer: bytes, req: ModelRequestType) -> BlobTicket:
@@ -212,20 +221,26 @@ def test_track_progress_maps_items_like_upstream() -> None:
     assert not isinstance(track_progress(state, ProviderFailed(A, "x")), DownloadFailed)
     done = track_progress(state, PartComplete())
     assert not isinstance(done, DownloadFailed)
-    assert done.all_done and done.downloaded_size == 100
+    assert done.all_done
+    assert done.downloaded_size == 100
     failed = track_progress(state, DownloadError())
-    assert isinstance(failed, DownloadFailed) and failed.error == "Download error"
+    assert isinstance(failed, DownloadFailed)
+    assert failed.error == "Download error"
     assert track_progress(state, ProgressError("boom")).error == "boom"  # type: ignore[union-attr]
 
 
 def test_allow_dynamic() -> None:
     allow = AllowDynamic([A])
-    assert allow.allowed(A) and not allow.allowed(B)
+    assert allow.allowed(A)
+    assert not allow.allowed(B)
     allow.force_allow(C)
     allow.set([B])
-    assert allow.allowed(B) and allow.allowed(C) and not allow.allowed(A)
+    assert allow.allowed(B)
+    assert allow.allowed(C)
+    assert not allow.allowed(A)
     allow.clear()
-    assert not allow.allowed(B) and allow.allowed(C)
+    assert not allow.allowed(B)
+    assert allow.allowed(C)
 
 
 def test_address_records_are_self_signed(tmp_path) -> None:
@@ -236,7 +251,7 @@ def test_address_records_are_self_signed(tmp_path) -> None:
     )
     record = sign_address_record(key, addr)
     assert verify_address_record(record) == addr
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="signed by the endpoint it describes"):
         sign_address_record(other, addr)
     from psyche.core.signed_message import SignedMessage
 
@@ -244,8 +259,10 @@ def test_address_records_are_self_signed(tmp_path) -> None:
     with pytest.raises(SignedMessageError):
         verify_address_record(forged)
     book = AddressBook()
-    assert book.add_record(forged) is None and key.public_key not in book
-    assert book.add_record(record) == addr and book.records() == [record]
+    assert book.add_record(forged) is None
+    assert key.public_key not in book
+    assert book.add_record(record) == addr
+    assert book.records() == [record]
 
     discovery = LocalDiscovery(tmp_path)
     discovery.publish(key, addr)
@@ -296,5 +313,7 @@ def test_choose_gossip_peers_tops_up_to_three() -> None:
     rng = random.Random(0)
     assert choose_gossip_peers(everyone, [], bytes(32), rng) == []  # not a participant
     chosen = choose_gossip_peers(everyone, [B], A, rng)
-    assert len(chosen) == 2 and A not in chosen and B not in chosen
+    assert len(chosen) == 2
+    assert A not in chosen
+    assert B not in chosen
     assert choose_gossip_peers(everyone, [B, C, D], A, rng) == []

@@ -124,5 +124,6 @@ def test_rounds_are_bounded_and_permanent_failures_end_the_download_at_once() ->
         {a: lambda n: BlobNotFound("no such blob"), b: lambda n: BlobNotFound("no such blob")}
     )
     assert isinstance(items[-1], DownloadError)
-    assert len(transport.attempts) == 2 and took == 0
+    assert len(transport.attempts) == 2
+    assert took == 0
     assert sum(isinstance(i, ProviderFailed) for i in items) == 2

@@ -110,7 +110,8 @@ def test_gossip_reaches_six_nodes_and_rebroadcast_heals() -> None:
                 with trio.fail_after(5):
                     event = await next_gossip(node)
                 assert isinstance(event, MessageReceived)
-                assert event.from_ == sender.endpoint_id and event.message == first
+                assert event.from_ == sender.endpoint_id
+                assert event.message == first
             # each node got the message exactly once: the next thing each node hears is a later one
             marker = finished(keys[0], step=1, nonce=1)
             sender.broadcast(marker)
@@ -126,7 +127,8 @@ def test_gossip_reaches_six_nodes_and_rebroadcast_heals() -> None:
             for i in (1, 2, 4, 5):
                 with trio.fail_after(5):
                     event = await next_gossip(nodes[i])
-                assert isinstance(event, MessageReceived) and event.message == missed
+                assert isinstance(event, MessageReceived)
+                assert event.message == missed
             await wait_until(lambda: nodes[3].gossip.rejected >= 1)
             assert drain(nodes[3]) == []
 
@@ -143,15 +145,18 @@ def test_gossip_reaches_six_nodes_and_rebroadcast_heals() -> None:
             # The coordinator admits the sender; the periodic rebroadcast (nonce + 1) heals.
             nodes[3].set_allowed_peers([n.endpoint_id for n in nodes])
             again = rebroadcaster.next_to_send()
-            assert again is not None and again.nonce == 11
+            assert again is not None
+            assert again.nonce == 11
             sender.broadcast(again)
             with trio.fail_after(5):
                 event = await next_gossip(nodes[3])
-            assert isinstance(event, MessageReceived) and event.message == again
+            assert isinstance(event, MessageReceived)
+            assert event.message == again
             for i in (1, 2, 4, 5):
                 with trio.fail_after(5):
                     event = await next_gossip(nodes[i])
-                assert isinstance(event, MessageReceived) and event.message.nonce == 11
+                assert isinstance(event, MessageReceived)
+                assert event.message.nonce == 11
 
     trio.run(main)
 
@@ -194,7 +199,8 @@ def test_hostile_gossip_is_dropped_without_harm() -> None:
                 with trio.fail_after(10):
                     event = await next_gossip(node)
                 assert isinstance(event, MessageReceived)
-                assert event.from_ == kb.public_key and event.message == msg
+                assert event.from_ == kb.public_key
+                assert event.message == msg
             # the other run's node hears what was sent on its own topic, and nothing of this run's
             assert await next_message(stranger) == msg
             marker = finished(kb, 2)

@@ -87,7 +87,8 @@ def test_joiner_gets_a_bit_identical_model_from_three_peers() -> None:
             assert single == [ModelRequestType.Config()]
             assert sorted(len(names) for _, names in batches) == [4, 5, 5]
             assert len({peer for peer, _ in batches}) == 3
-            assert model.config.config == CONFIG_JSON and model.config.tokenizer == TOKENIZER_JSON
+            assert model.config.config == CONFIG_JSON
+            assert model.config.tokenizer == TOKENIZER_JSON
             assert set(model.parameters) == set(parameters)
             assert all(t.dtype == torch.bfloat16 for t in model.parameters.values())
             assert model_hash(model.parameters) == model_hash(parameters)

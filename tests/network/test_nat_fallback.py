@@ -51,7 +51,8 @@ def test_a_lost_direct_path_falls_back_to_the_relay(tmp_path: Path) -> None:
             wait_file(tmp_path / "direct", 120)
             punched = (tmp_path / "direct").read_text()
             assert punched != "None", f"no hole punch through a cone NAT:\n{requester.text()}"
-            assert requester_host.router is not None and provider_host.router_wan_ip is not None
+            assert requester_host.router is not None
+            assert provider_host.router_wan_ip is not None
             net.block(requester_host, provider_host.router_wan_ip)
             (tmp_path / "blocked").write_text("")
             assert requester.popen.wait(150) == 0, requester.text()

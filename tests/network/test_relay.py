@@ -75,7 +75,8 @@ def test_members_reach_a_private_member_through_the_relay() -> None:
                 done = await a.start_download(
                     relayed_ticket, "distro-result_1", DownloadType.DistroResult([])
                 ).finished()
-            assert isinstance(done, DownloadComplete) and bytes(done.data) == data
+            assert isinstance(done, DownloadComplete)
+            assert bytes(done.data) == data
             # no side channel for a peer that announces itself through a relay
             assert a.blob_routes.routes[b.endpoint_id] in (LIBP2P_RELAYED, LIBP2P_DIRECT)
 
@@ -104,7 +105,8 @@ def test_the_relay_serves_only_members(caplog) -> None:
                 await reserved(stranger)
                 assert relay.reservations() == 1
         states = [r.getMessage() for r in caplog.records if "relay " in r.getMessage()]
-        assert any("unreachable" in s for s in states) and any("reserved" in s for s in states)
+        assert any("unreachable" in s for s in states)
+        assert any("reserved" in s for s in states)
 
     trio.run(main)
 
@@ -223,7 +225,8 @@ def test_a_relay_named_later_takes_over_from_one_that_is_gone() -> None:
                     await wait_until(lambda: node.reachability.relayed_addrs() == [new], DEADLINE)
                     assert second.reservations() == 1
                     announced = node.endpoint_addr().libp2p_addrs()
-                    assert new in announced and old not in announced
+                    assert new in announced
+                    assert old not in announced
 
     trio.run(main)
 

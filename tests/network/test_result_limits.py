@@ -55,7 +55,8 @@ def test_an_undecodable_blob_fails_for_good_and_is_not_kept() -> None:
             introduce(requester, provider)
             junk = os.urandom(LIMIT // 2)
             failed = await failure(requester, offer(provider, junk), "result_1")
-            assert failed.permanent and failed.error.startswith("undecodable blob")
+            assert failed.permanent
+            assert failed.error.startswith("undecodable blob")
             await wait_until(lambda: provider.bytes_served == len(junk))  # counted once sent
             assert not requester.store.has(blob_hash(junk))
             assert "result_1" not in requester.store.tags()

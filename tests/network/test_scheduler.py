@@ -124,7 +124,8 @@ def test_model_sharing_retry_respects_capacity() -> None:
         assert scheduler.start_parameter_retry() is None, "no retry while at capacity"
         scheduler.release_capacity()
         retry = scheduler.start_parameter_retry()
-        assert retry is not None and retry.retries == 1
+        assert retry is not None
+        assert retry.retries == 1
         assert scheduler.active_downloads == 1
 
     run(main)

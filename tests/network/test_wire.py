@@ -83,7 +83,8 @@ def test_key_file_is_32_raw_bytes(tmp_path) -> None:
     path = tmp_path / "secret.key"
     key = SecretKey.generate()
     key.write_file(path)
-    assert path.read_bytes() == key.to_bytes() and len(path.read_bytes()) == 32
+    assert path.read_bytes() == key.to_bytes()
+    assert len(path.read_bytes()) == 32
     assert SecretKey.read_file(path).public_key == key.public_key
     path.write_bytes(b"\x01" * 31)
     with pytest.raises(ValueError, match="32"):
@@ -97,7 +98,8 @@ def test_signed_message_layout_and_verification() -> None:
     # from (32 raw bytes) | data (varint length + bytes) | signature (64 raw bytes)
     assert raw == RFC_PUBLIC + bytes([len(data)]) + data + key.sign(data)
     sender, message = SignedMessage.verify_and_decode(raw, ModelRequestType)
-    assert sender == RFC_PUBLIC and message == ModelRequestType.Parameter("w")
+    assert sender == RFC_PUBLIC
+    assert message == ModelRequestType.Parameter("w")
 
     forged = bytearray(raw)
     forged[33] ^= 1  # flip a bit of the signed payload
@@ -147,7 +149,8 @@ def test_broadcast_round_trip_and_commitment_encoding() -> None:
         1, CommitteeProof(), commitment, 0, BroadcastType.Finished(Finished(MerkleRoot(), True))
     )
     assert from_bytes(to_bytes(finished, Broadcast), Broadcast) == finished
-    assert finished.data.kind() == "finished" and broadcast.data.kind() == "training_result"
+    assert finished.data.kind() == "finished"
+    assert broadcast.data.kind() == "training_result"
     assert len(SignedMessage.sign_and_encode(key, broadcast, Broadcast)) < 4096
 
 
@@ -163,9 +166,11 @@ def test_rebroadcaster_bumps_nonce_round_robin_and_wraps() -> None:
     rebroadcaster.add(finished(1, 5))
     rebroadcaster.add(finished(2, 0xFFFFFFFF))
     first = rebroadcaster.next_to_send()  # upstream advances the index before sending
-    assert first is not None and (first.step, first.nonce) == (2, 0)
+    assert first is not None
+    assert (first.step, first.nonce) == (2, 0)
     second = rebroadcaster.next_to_send()
-    assert second is not None and (second.step, second.nonce) == (1, 6)
+    assert second is not None
+    assert (second.step, second.nonce) == (1, 6)
     assert to_bytes(second, Broadcast) != to_bytes(finished(1, 5), Broadcast)
     rebroadcaster.retain_from_step(2)
     assert [b.step for b in rebroadcaster.broadcasts] == [2]
@@ -193,14 +198,15 @@ def test_model_sharing_batch_wire_layouts_and_bounds() -> None:
     assert model_sharing.encode_batch_request(["ab", "c"]) == b"\x02\x02ab\x01c"
     assert model_sharing.decode_batch_request(b"\x02\x02ab\x01c") == ["ab", "c"]
     too_many = ["x"] * (model_sharing.MAX_BATCH_NAMES + 1)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="names in one batch; at most"):
         model_sharing.encode_batch_request(too_many)
     with pytest.raises(PostcardError):
         model_sharing.decode_batch_request(to_bytes(too_many, list[str]))
     err = TicketResult.Err(SharableModelError.ParametersNotInitialized())
     results = [TicketResult.Ok(ticket()), err]
     encoded = model_sharing.encode_batch_response(results)
-    assert encoded[0] == 2 and encoded.endswith(b"\x01\x05")
+    assert encoded[0] == 2
+    assert encoded.endswith(b"\x01\x05")
     assert model_sharing.decode_batch_response(encoded, 2) == results
     with pytest.raises(PostcardError, match="2 results for 3 names"):
         model_sharing.decode_batch_response(encoded, 3)

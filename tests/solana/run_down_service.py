@@ -141,7 +141,8 @@ class RunDownStandIn:
         return f"{self.origin}/v1"
 
     def stop(self) -> None:
-        assert self._server is not None and self._thread is not None
+        assert self._server is not None
+        assert self._thread is not None
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=10)

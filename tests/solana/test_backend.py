@@ -16,6 +16,7 @@ from psyche.solana.instructions import coordinator as coordinator_ix
 from psyche.solana.localnet.ledger import Ledger, ManualClock
 from psyche.solana.localnet.server import start_localnet
 
+from ..polling import poll_until
 from .scripted import (
     START,
     Driver,
@@ -82,7 +83,8 @@ def test_three_clients_run_an_epoch_with_a_health_check_and_a_checkpoint() -> No
             assert final.progress.epoch == 1
             assert final.run_state is RunState.WaitingForMembers
             assert driver.history.count(RunState.RoundWitness) >= 6
-            assert RunState.Cooldown in driver.history and RunState.RoundWitness in driver.history
+            assert RunState.Cooldown in driver.history
+            assert RunState.RoundWitness in driver.history
             assert final.progress.step > 4
             # The lazy trainer was dropped at height 2 and left the epoch.
             assert [c.state for c in final.epoch_state.exited_clients] == [ClientState.Dropped]
@@ -96,7 +98,8 @@ def test_three_clients_run_an_epoch_with_a_health_check_and_a_checkpoint() -> No
             assert earned[bytes(lazy.get_payer())] == 0
             # The lazy client learnt it was dropped and left, as upstream's client exits.
             assert clients[2].left == "the coordinator says this client is Dropped"
-            assert clients[0].left is None and clients[1].left is None
+            assert clients[0].left is None
+            assert clients[1].left is None
             for client in clients:
                 assert client.runner is not None
                 assert client.runner.failed_sends == 0, client.name
@@ -141,8 +144,7 @@ def test_rpc_going_away_mid_run_is_survived() -> None:
                     await primary.start()
                     # wait until the client's websocket is subscribed to the primary again
                     with trio.fail_after(10):
-                        while not primary.server.websocket_clients:
-                            await trio.sleep(0.05)
+                        await poll_until(lambda: primary.server.websocket_clients, 0.05)
                     await backup.stop()
                     events.append("primary back, backup down")
 
@@ -153,7 +155,8 @@ def test_rpc_going_away_mid_run_is_survived() -> None:
             assert events == ["primary down", "primary back, backup down"]
             assert final.progress.epoch == 1
             assert final.run_state is RunState.WaitingForMembers
-            assert client.runner is not None and client.runner.failed_sends == 0
+            assert client.runner is not None
+            assert client.runner.failed_sends == 0
             account_state = (await owner.get_coordinator_account(account)).state
             (solo,) = account_state.clients_state.clients
             assert solo.earned == 1000  # the only finished client gets the whole epoch's reward
@@ -206,8 +209,7 @@ def test_auto_tick_moves_the_run_on_its_clock() -> None:
                         seen.append((await runner.wait_for_new_state()).run_state)
                 # the tick that did it was the runner's own (the join's tick came too early)
                 with trio.fail_after(10):
-                    while runner.completed_sends < 1:
-                        await trio.sleep(0.01)
+                    await poll_until(lambda: runner.completed_sends >= 1, 0.01)
             nursery.cancel_scope.cancel()
 
     trio.run(main)
@@ -273,8 +275,7 @@ def test_a_client_leaves_when_the_run_is_paused() -> None:
                 await driver._wait_for_joins(1)
                 await admin.set_paused(owner, "e2e", True)  # not mid-round: pauses at once
                 with trio.fail_after(10):
-                    while client.left is None:
-                        await trio.sleep(0.01)
+                    await poll_until(lambda: client.left is not None, 0.01)
             assert client.left == "the run is Paused"
             nursery.cancel_scope.cancel()
 

@@ -36,12 +36,14 @@ def test_admin_lifecycle(
     config.write_text(RUN_CONFIG)
 
     out = _ok(capsys, net, "join-authorization-create", "--authorizer", EVERYONE, wallet=wallet)
-    assert "Created authorization" in out and "Activated authorization" in out
+    assert "Created authorization" in out
+    assert "Activated authorization" in out
     assert "Authorization Active: true" in out
     code, out, _ = _run(
         capsys, net, "join-authorization-create", "--authorizer", EVERYONE, wallet=wallet
     )
-    assert code == 0 and "Created authorization" not in out  # idempotent
+    assert code == 0
+    assert "Created authorization" not in out
 
     out = _ok(capsys, net, "create-run", "-r", "test", "-c", "test", wallet=wallet)
     assert "Created run test with transaction" in out
@@ -61,16 +63,19 @@ def test_admin_lifecycle(
         "32768",
         wallet=wallet,
     )
-    assert "Updated config of test" in out and "===== Logs =====" in out
+    assert "Updated config of test" in out
+    assert "===== Logs =====" in out
 
     code, out, err = _run(capsys, net, "update-config", "-r", "test", wallet=wallet)
-    assert code == 1 and "would not update anything" in err
+    assert code == 1
+    assert "would not update anything" in err
 
     out = _ok(capsys, net, "set-paused", "-r", "test", "--resume", wallet=wallet)
     assert "Set pause state to false on run test" in out
 
     out = _ok(capsys, net, "show", "-r", "test")
-    assert "Waiting for members" in out and "1.1B parameters, vocab 32768" in out
+    assert "Waiting for members" in out
+    assert "1.1B parameters, vocab 32768" in out
     assert "emozilla/llama2-1.1b-gqa-init" in out
     out = _ok(capsys, net, "show", "-r", "test", "--json")
     dump = json.loads(out)
@@ -97,11 +102,13 @@ def test_admin_lifecycle(
     code, out, err = _run(
         capsys, net, "checkpoint", "-r", "test", "--repo", "org/model", wallet=wallet
     )
-    assert code == 1 and "SignerNotAClient" in err
+    assert code == 1
+    assert "SignerNotAClient" in err
 
     someone = str(Keypair().pubkey())
     code, out, err = _run(capsys, net, "can-join", "-r", "test", "--address", someone)
-    assert code == 0 and out.splitlines() == [
+    assert code == 0
+    assert out.splitlines() == [
         f"authorization valid for run id test using pubkey {someone}",
         "Coordinator: run_state: Waiting for members",
         "Coordinator: is_paused: false",
@@ -110,9 +117,11 @@ def test_admin_lifecycle(
 
     # A running run cannot be closed; paused it can.
     code, out, err = _run(capsys, net, "close-run", "-r", "test", wallet=wallet)
-    assert code == 1 and "CloseCoordinatorNotHalted" in err
+    assert code == 1
+    assert "CloseCoordinatorNotHalted" in err
     code, out, err = _run(capsys, net, "set-paused", "-r", "test", wallet=wallet)
-    assert code == 0 and "Set pause state to true" in out, err
+    assert code == 0, err
+    assert "Set pause state to true" in out, err
     _ok(
         capsys,
         net,
@@ -127,7 +136,8 @@ def test_admin_lifecycle(
     )
     code, out, _ = _run(capsys, net, "show", "-r", "test", "--json")
     setup = json.loads(out)["coordinator_account"]["setup"]
-    assert setup["metadata"]["name"] == "renamed" and setup["client_version"] == "v2"
+    assert setup["metadata"]["name"] == "renamed"
+    assert setup["client_version"] == "v2"
     assert json.loads(out)["coordinator_account"]["status"]["state"] == "Paused"
 
     balance_before = net.ledger.get_balance(owner.pubkey())
@@ -135,7 +145,8 @@ def test_admin_lifecycle(
     assert "Recovered 0.83" in out
     assert net.ledger.get_balance(owner.pubkey()) > balance_before
     code, out, err = _run(capsys, net, "show", "-r", "test")
-    assert code == 1 and "run 'test' not found" in err
+    assert code == 1
+    assert "run 'test' not found" in err
 
 
 def test_join_authorization_delegates(
@@ -174,7 +185,8 @@ def test_join_authorization_delegates(
         "--authorizer",
         str(grantee.pubkey()),
     )
-    assert "Authorization Delegate Count: 2" in out and delegates[1] in out
+    assert "Authorization Delegate Count: 2" in out
+    assert delegates[1] in out
 
     _ok(capsys, net, "create-run", "-r", "permissioned", "-c", "test", wallet=authority_wallet)
     for who, expected in (
@@ -200,7 +212,8 @@ def test_join_authorization_delegates(
             assert "Coordinator: is_paused: true" in out  # never resumed: Uninitialized
     # Without --authorizer the permissionless authorization is looked for: there is none.
     code, _, err = _run(capsys, net, "can-join", "-r", "permissioned", "--user", delegates[0])
-    assert code == 1 and "Authorization does not exist for authorizer: None" in err
+    assert code == 1
+    assert "Authorization does not exist for authorizer: None" in err
 
     _ok(
         capsys,
@@ -219,7 +232,8 @@ def test_join_authorization_delegates(
         str(grantee.pubkey()),
         wallet=authority_wallet,
     )
-    assert "Deactivated authorization" in out and "Authorization Active: false" in out
+    assert "Deactivated authorization" in out
+    assert "Authorization Active: false" in out
     code, out, err = _run(
         capsys,
         net,
@@ -228,7 +242,8 @@ def test_join_authorization_delegates(
         str(Keypair().pubkey()),
         wallet=grantee_wallet,
     )
-    assert code == 1 and "no join authorization" in err
+    assert code == 1
+    assert "no join authorization" in err
 
 
 def test_clear_errors(
@@ -242,22 +257,27 @@ def test_clear_errors(
     )
 
     code, _, err = _run(capsys, net, "set-paused", "-r", "missing", "--resume", wallet=owner_wallet)
-    assert code == 1 and "run 'missing' not found" in err
+    assert code == 1
+    assert "run 'missing' not found" in err
 
     code, _, err = _run(capsys, net, "set-paused", "-r", "errors", "--resume", wallet=other_wallet)
-    assert code == 1 and f"wallet {other.pubkey()} is not the main authority" in err
+    assert code == 1
+    assert f"wallet {other.pubkey()} is not the main authority" in err
 
     bad = tmp_path / "bad.toml"
     bad.write_text(RUN_CONFIG.replace("total_steps = 25000\nwaiting", "total_steps = -1\nwaiting"))
     code, _, err = _run(
         capsys, net, "update-config", "-r", "errors", "--config-path", str(bad), wallet=owner_wallet
     )
-    assert code == 1 and "invalid config" in err and "total_steps" in err
+    assert code == 1
+    assert "invalid config" in err
+    assert "total_steps" in err
     bad.write_text(RUN_CONFIG.replace("epoch_time = 60", "epoch_time = 10"))
     code, _, err = _run(
         capsys, net, "update-config", "-r", "errors", "--config-path", str(bad), wallet=owner_wallet
     )
-    assert code == 1 and "warmup_time" in err
+    assert code == 1
+    assert "warmup_time" in err
     code, _, err = _run(
         capsys,
         net,
@@ -268,27 +288,33 @@ def test_clear_errors(
         str(tmp_path / "nope.toml"),
         wallet=owner_wallet,
     )
-    assert code == 1 and "nope.toml" in err
+    assert code == 1
+    assert "nope.toml" in err
 
     # Resuming a run without a config fails on chain (the program's own check).
     code, _, err = _run(capsys, net, "set-paused", "-r", "errors", "--resume", wallet=owner_wallet)
-    assert code == 1 and "ConfigSanityCheckFailed" in err
+    assert code == 1
+    assert "ConfigSanityCheckFailed" in err
 
     code, _, err = _run(
         capsys, net, "create-run", "-r", "x" * 33, "-c", "test", wallet=owner_wallet
     )
-    assert code == 1 and "32 bytes or less" in err
+    assert code == 1
+    assert "32 bytes or less" in err
     code, _, err = _run(
         capsys, net, "create-run", "-r", "errors", "-c", "test", wallet=owner_wallet
     )
-    assert code == 1 and "already exists" in err
+    assert code == 1
+    assert "already exists" in err
     code, _, err = _run(capsys, net, "create-run", "-r", "nowallet", "-c", "test")
-    assert code == 1 and "No wallet private key!" in err
+    assert code == 1
+    assert "No wallet private key!" in err
     long_name = "n" * 65
     code, _, err = _run(
         capsys, net, "update-config", "-r", "errors", "--name", long_name, wallet=owner_wallet
     )
-    assert code == 1 and "FixedString<64>" in err
+    assert code == 1
+    assert "FixedString<64>" in err
     assert RunMetadata.__name__  # the metadata type checks the same capacity
 
     with socket.socket() as s:
@@ -296,7 +322,8 @@ def test_clear_errors(
         closed_port = s.getsockname()[1]
     code = main(["show", "-r", "errors", "--rpc", f"http://127.0.0.1:{closed_port}"])
     err = capsys.readouterr().err
-    assert code == 1 and f"cannot reach the Solana RPC at http://127.0.0.1:{closed_port}" in err
+    assert code == 1
+    assert f"cannot reach the Solana RPC at http://127.0.0.1:{closed_port}" in err
 
 
 def test_identity_commands(
@@ -309,7 +336,8 @@ def test_identity_commands(
     out = capsys.readouterr().out
     assert f"Wallet (signer) public key: {keypair.pubkey()}" in out
     derived = [line for line in out.splitlines() if line.startswith("P2P identity")]
-    assert len(derived) == 1 and "derived from run 'test'" in derived[0]
+    assert len(derived) == 1
+    assert "derived from run 'test'" in derived[0]
     monkeypatch.setenv("RAW_WALLET_PRIVATE_KEY", json.dumps(list(bytes(keypair))))
     assert main(["show-identity", "--run-id", "test"]) == 0
     assert derived[0] in capsys.readouterr().out  # same wallet, same derived key
@@ -408,7 +436,8 @@ def test_treasurer_run_commands(
         "7",
         wallet=wallet,
     )
-    assert code == 1 and "treasurer_collateral_mint is not" in err
+    assert code == 1
+    assert "treasurer_collateral_mint is not" in err
     _ok(
         capsys,
         net,
@@ -436,4 +465,5 @@ def test_treasurer_run_commands(
     # The run PDA, not the wallet, is the coordinator's main authority.
     assert dump["coordinator_instance"]["main_authority"] != str(owner.pubkey())
     code, out, err = _run(capsys, net, "show", "-r", "paid")
-    assert code == 0 and "treasurer index" in out
+    assert code == 0
+    assert "treasurer index" in out

@@ -64,7 +64,8 @@ def test_a_run_created_configured_and_resumed_through_the_library(
     assert account["status"]["state"] == "Waiting for members"
     assert account["setup"]["config"]["total_steps"] == 25000
     coordinator = fetch_coordinator(cluster, "lib")  # predownload's half: a read, no wallet
-    assert coordinator.run_id == "lib" and coordinator.run_state is RunState.WaitingForMembers
+    assert coordinator.run_id == "lib"
+    assert coordinator.run_state is RunState.WaitingForMembers
 
     assert run_tick(TickOptions(**signed, run_id="lib", count=1, ms_interval=0)) == 0
     assert capsys.readouterr().out.count("Ticked run lib with transaction") == 1

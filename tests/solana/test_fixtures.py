@@ -106,7 +106,8 @@ def test_v1_fixture_values(v1: bytes) -> None:
     assert (c.progress.epoch, c.progress.step, c.progress.epoch_start_data_index) == (0, 0, 0)
     epoch = c.epoch_state
     assert epoch.rounds == [Round() for _ in range(4)]
-    assert epoch.clients == [] and epoch.exited_clients == []
+    assert epoch.clients == []
+    assert epoch.exited_clients == []
     assert (epoch.rounds_head, epoch.start_step, epoch.last_step, epoch.start_timestamp) == (
         0,
         0,
@@ -152,5 +153,6 @@ def test_v1_fixture_runs_in_the_local_endpoint(v1: bytes) -> None:
     key = Pubkey.new_unique()
     ledger.set_account(key, Account(10**9, v1, ledger.program_ids.coordinator_key))
     stored = ledger.get_account(key)
-    assert stored is not None and bytes(stored.data) == v1
+    assert stored is not None
+    assert bytes(stored.data) == v1
     assert coordinator_account_from_bytes(bytes(stored.data)).nonce == 2

@@ -35,7 +35,8 @@ def test_keypair_file_round_trip(tmp_path: Path) -> None:
     path = tmp_path / "id.json"
     write_keypair_file(keypair, path)
     values = json.loads(path.read_text())
-    assert len(values) == 64 and values[32:] == list(bytes(keypair.pubkey()))
+    assert len(values) == 64
+    assert values[32:] == list(bytes(keypair.pubkey()))
     assert read_keypair_file(path).pubkey() == keypair.pubkey()
 
 
@@ -155,7 +156,8 @@ def test_retry_with_backoff() -> None:
 
         with pytest.raises(RetryFailed) as info:
             await retry_with_backoff("down", always_down, policy)
-        assert info.value.kind is RetryKind.Retryable and len(calls) == 4
+        assert info.value.kind is RetryKind.Retryable
+        assert len(calls) == 4
 
         calls.clear()
 
@@ -165,6 +167,7 @@ def test_retry_with_backoff() -> None:
 
         with pytest.raises(RetryFailed) as info:
             await retry_with_backoff("bad", rejected, policy)
-        assert info.value.kind is RetryKind.NonRetryable and len(calls) == 1
+        assert info.value.kind is RetryKind.NonRetryable
+        assert len(calls) == 1
 
     trio.run(main)

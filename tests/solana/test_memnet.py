@@ -734,7 +734,8 @@ def test_a_failing_transaction_changes_nothing_but_the_fee(endpoint: Endpoint) -
     tx = Transaction([payer], Message([transfer, init], payer.pubkey()), blockhash)
     signature = endpoint.client.send_transaction(tx, opts=TxOpts(skip_preflight=True)).value
     status = endpoint.client.get_signature_statuses([signature]).value[0]
-    assert status is not None and status.err is not None
+    assert status is not None
+    assert status.err is not None
     assert endpoint.balance(destination) == 0
     assert endpoint.balance(payer.pubkey()) == before - FEE
     data = bytes(endpoint.account(account).data)

@@ -82,8 +82,11 @@ def test_predownload_from_gcs_and_the_hub(
         assert {p.name: p.read_bytes() for p in snapshot.iterdir()} == files
 
         code, _, err = run_cli(capsys, net, "predownload", "-r", "hub-run")
-        assert code == 1 and "nothing to predownload" in err
+        assert code == 1
+        assert "nothing to predownload" in err
         code, _, err = run_cli(capsys, net, "predownload", "-r", "hub-run", "--eval-tasks", "nope")
-        assert code == 1 and "unknown evaluation task 'nope'" in err
+        assert code == 1
+        assert "unknown evaluation task 'nope'" in err
         code, _, err = run_cli(capsys, net, "predownload", "-r", "absent", "--model")
-        assert code == 1 and err.count("\n") == 1
+        assert code == 1
+        assert err.count("\n") == 1

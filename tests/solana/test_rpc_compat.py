@@ -73,7 +73,8 @@ def test_solana_py_reads_and_writes(endpoint: Endpoint) -> None:
         decoded = coordinator_account_from_bytes(bytes(info.data))
         assert decoded.state.coordinator.run_id == "compat"
     many = client.get_multiple_accounts([account, Pubkey.new_unique()]).value
-    assert many[0] is not None and many[1] is None
+    assert many[0] is not None
+    assert many[1] is None
 
     program = endpoint.ledger.program_ids.coordinator_key
     discriminator = based58.b58encode(COORDINATOR_ACCOUNT_DISCRIMINATOR).decode()
@@ -99,10 +100,12 @@ def test_solana_py_reads_and_writes(endpoint: Endpoint) -> None:
     )
     tx = Transaction([payer], Message([transfer], payer.pubkey()), blockhash)
     simulated = client.simulate_transaction(tx).value
-    assert simulated.err is None and simulated.logs
+    assert simulated.err is None
+    assert simulated.logs
     signature = client.send_transaction(tx, opts=TxOpts(skip_confirmation=False)).value
     status = client.get_signature_statuses([signature]).value[0]
-    assert status is not None and status.err is None
+    assert status is not None
+    assert status.err is None
     fetched = client.get_transaction(signature).value
     assert fetched is not None
     assert any("invoke [1]" in line for line in fetched.transaction.meta.log_messages)
@@ -122,7 +125,8 @@ def test_solana_py_reads_and_writes(endpoint: Endpoint) -> None:
         )
     failure = info.value.args[0]
     assert "custom program error: 0x1" in failure.message
-    assert failure.data.err is not None and failure.data.logs
+    assert failure.data.err is not None
+    assert failure.data.logs
 
 
 def test_bad_signature_and_stale_blockhash(endpoint: Endpoint) -> None:

@@ -271,7 +271,9 @@ def test_treasurer_rewards_and_json_dumps(
         "1000",
         wallet=owner_wallet,
     )
-    assert code == 1 and "holds 99000000 base units" in err and "cannot top up 1000000000" in err
+    assert code == 1
+    assert "holds 99000000 base units" in err
+    assert "cannot top up 1000000000" in err
     code, _, err = run_cli(
         capsys,
         net,
@@ -281,7 +283,8 @@ def test_treasurer_rewards_and_json_dumps(
         "1",
         wallet=user_wallet,
     )
-    assert code == 1 and f"wallet {user.pubkey()} has no token account" in err
+    assert code == 1
+    assert f"wallet {user.pubkey()} has no token account" in err
     with pytest.raises(SystemExit) as usage:
         run_cli(capsys, net, "treasurer-top-up-rewards", *run, "--collateral-amount", "-1")
     assert usage.value.code == 2
@@ -304,7 +307,8 @@ def test_treasurer_rewards_and_json_dumps(
     out = ok(capsys, net, "treasurer-claim-rewards", *run, wallet=user_wallet)
     assert "Created associated token account for user during transaction: " in out
     assert "Created the participant claim during transaction: " in out
-    assert "Total earned points: 0\n" in out and "Claim collateral amount: 0\n" in out
+    assert "Total earned points: 0\n" in out
+    assert "Claim collateral amount: 0\n" in out
     assert "Claimed 0 collateral in transaction: " in out
     participant_address = pda.find_participant(treasurer_address, user.pubkey())
     user_collateral = get_associated_token_address(user.pubkey(), mint)
@@ -365,7 +369,8 @@ def test_treasurer_rewards_and_json_dumps(
         "Claimable collateral amount: 1.5",
         "Claim collateral amount: 1",
     ]
-    assert lines[10].startswith("Claimed 1 collateral in transaction: ") and len(lines) == 11
+    assert lines[10].startswith("Claimed 1 collateral in transaction: ")
+    assert len(lines) == 11
     assert _token_amount(endpoint, user_collateral) == 1_000_000
     assert _token_amount(endpoint, vault) == 0
     participant = decode_anchor_account(
@@ -388,10 +393,12 @@ def test_treasurer_rewards_and_json_dumps(
     )
     out = ok(capsys, net, "treasurer-claim-rewards", *run, wallet=user_wallet)
     assert "Already claimed earned points: 1000000\n" in out
-    assert "Claim collateral amount: 0.5\n" in out and "Claimed 0.5 collateral" in out
+    assert "Claim collateral amount: 0.5\n" in out
+    assert "Claimed 0.5 collateral" in out
     assert "Created" not in out  # its accounts exist now
     out = ok(capsys, net, "treasurer-claim-rewards", *run, wallet=user_wallet)
-    assert "Claimable earned points: 0\n" in out and "Claimed 0 collateral" in out
+    assert "Claimable earned points: 0\n" in out
+    assert "Claimed 0 collateral" in out
     assert _token_amount(endpoint, user_collateral) == 1_500_000
     assert _token_amount(endpoint, vault) == 1_500_000
     treasurer = decode_anchor_account(bytes(endpoint.account(treasurer_address).data), TreasurerRun)
@@ -439,7 +446,8 @@ def test_treasurer_rewards_and_json_dumps(
         "epoch": 1,
         "step": state.coordinator.progress.step,
     }
-    assert account["nonce"] > 0 and account["run_id"] == "paid"
+    assert account["nonce"] > 0
+    assert account["run_id"] == "paid"
     assert set(account["setup"]) == {"client_version", "config", "metadata", "model"}
     assert account["setup"]["config"]["cooldown_time"] == 88
     # serde_json's shapes: None is null (upstream writes every field), not left out. (The
@@ -489,7 +497,8 @@ def test_json_dumps_without_treasurer(
     assert dumped["treasurer_participant"] is None
     assert dumped["lamports"] == net.ledger.get_balance(owner.pubkey())
     code, _, err = run_cli(capsys, net, "treasurer-claim-rewards", "-r", "plain", wallet=wallet)
-    assert code == 1 and "Failed to resolve treasurer: run 'plain' has no treasurer run" in err
+    assert code == 1
+    assert "Failed to resolve treasurer: run 'plain' has no treasurer run" in err
     with pytest.raises(SystemExit) as usage:
         run_cli(capsys, net, "json-dump-user", "-r", "plain")
     assert usage.value.code == 2
@@ -578,7 +587,8 @@ def test_list_runs(
     code, out, err = run_cli(
         capsys, net, "can-join", "-r", "busy", "--wallet", str(trainer.pubkey())
     )
-    assert code == 1 and out.splitlines() == [
+    assert code == 1
+    assert out.splitlines() == [
         f"authorization valid for run id busy using pubkey {trainer.pubkey()}",
         "Coordinator: run_state: Warmup",
         "Coordinator: is_paused: false",
@@ -631,12 +641,15 @@ def test_list_runs(
     monkeypatch.setenv("RAW_WALLET_PRIVATE_KEY", json.dumps(list(bytes(keys["user"]))))
     code = main(["list-runs", "--rpc", net.rpc_url])
     out = capsys.readouterr()
-    assert code == 0 and out.out.startswith("Found 3 joinable run(s):")
+    assert code == 0
+    assert out.out.startswith("Found 3 joinable run(s):")
     monkeypatch.delenv("RAW_WALLET_PRIVATE_KEY")
     code = main(["list-runs", "--rpc", net.rpc_url])
-    assert code == 1 and "No wallet private key!" in capsys.readouterr().err
+    assert code == 1
+    assert "No wallet private key!" in capsys.readouterr().err
     code = main(["list-runs", "--env-file", str(tmp_path / "missing.env")])
-    assert code == 1 and "Failed to read env file" in capsys.readouterr().err
+    assert code == 1
+    assert "Failed to read env file" in capsys.readouterr().err
 
 
 def test_runs_table_columns() -> None:
@@ -715,7 +728,8 @@ def test_upload_and_download(
     assert all(c.signature_valid and c.body["expiresInSeconds"] == 3600 for c in service.calls)
     assert [c.body["filename"] for c in service.calls] == ["README.txt", "shards/00000.bin"]
     nonces = [c.body["nonce"] for c in service.calls]
-    assert len(set(nonces)) == 2 and all(isinstance(n, str) and int(n) >= 0 for n in nonces)
+    assert len(set(nonces)) == 2
+    assert all(isinstance(n, str) and int(n) >= 0 for n in nonces)
 
     # A single file is named by its file name; --expires-in-seconds reaches the service.
     code, out, err = command(
@@ -759,25 +773,31 @@ def test_upload_and_download(
         "README.txt",
         "shards",
     ]
-    assert service.calls[calls].kind == "download" and service.calls[calls].signature_valid
+    assert service.calls[calls].kind == "download"
+    assert service.calls[calls].signature_valid
 
     # A non-empty output directory: asked first; "n" (or no answer) cancels before any request.
     (out_dir / "README.txt").write_bytes(b"local edit")
     calls = len(service.calls)
     monkeypatch.setattr("sys.stdin", io.StringIO("n\n"))
     code, out, _ = command("download-results", "-r", "test", "-o", str(out_dir), *url)
-    assert code == 0 and out.endswith("Continue? [y/N]: Download cancelled.\n")
+    assert code == 0
+    assert out.endswith("Continue? [y/N]: Download cancelled.\n")
     assert f'Warning: Output directory "{out_dir}" already exists and contains files.' in out
-    assert len(service.calls) == calls and (out_dir / "README.txt").read_bytes() == b"local edit"
+    assert len(service.calls) == calls
+    assert (out_dir / "README.txt").read_bytes() == b"local edit"
     monkeypatch.setattr("sys.stdin", io.StringIO("y\n"))
     code, out, _ = command("download-results", "-r", "test", "-o", str(out_dir), *url)
-    assert code == 0 and "Successfully downloaded 3 files" in out
+    assert code == 0
+    assert "Successfully downloaded 3 files" in out
     assert (out_dir / "README.txt").read_bytes() == small
     (out_dir / "README.txt").write_bytes(b"local edit")
     code, out, _ = command(
         "download-results", "-r", "test", "-o", str(out_dir), "--overwrite", *url
     )
-    assert code == 0 and "Continue?" not in out and (out_dir / "README.txt").read_bytes() == small
+    assert code == 0
+    assert "Continue?" not in out
+    assert (out_dir / "README.txt").read_bytes() == small
 
     # The service cannot make the command write outside the output directory.
     escape = tmp_path / "escape.txt"
@@ -785,16 +805,19 @@ def test_upload_and_download(
         {"path": "../escape.txt", "url": service.signed_url("GET", "test", "README.txt")}
     )
     code, out, err = command("download-results", "-r", "test", "-o", str(tmp_path / "fresh"), *url)
-    assert code == 1 and "refusing to write '../escape.txt' outside the output directory" in err
+    assert code == 1
+    assert "refusing to write '../escape.txt' outside the output directory" in err
     assert not escape.exists()
 
     # Another wallet's signature is refused by the service: one clear line.
     monkeypatch.setenv("RAW_WALLET_PRIVATE_KEY", json.dumps(list(bytes(Keypair()))))
     code, _, err = command("upload-data", "-r", "test", "-p", str(data), *url)
-    assert code == 1 and "API request failed with status 401" in err
+    assert code == 1
+    assert "API request failed with status 401" in err
     assert not service.calls[-1].signature_valid
     code, _, err = command("upload-data", "-r", "test", "-p", str(tmp_path / "nothing"), *url)
-    assert code == 1 and "Path does not exist or is not a file or directory" in err
+    assert code == 1
+    assert "Path does not exist or is not a file or directory" in err
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         closed = f"http://127.0.0.1:{s.getsockname()[1]}/v1"  # nothing listens there
@@ -807,4 +830,5 @@ def test_upload_and_download(
         "--run-down-service-url",
         closed,
     )
-    assert code == 1 and "Failed to send request to run-down service" in err
+    assert code == 1
+    assert "Failed to send request to run-down service" in err

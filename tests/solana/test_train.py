@@ -48,6 +48,7 @@ from psyche.solana.localnet.ledger import Ledger
 from psyche.solana.localnet.server import LocalnetThread
 from psyche.solana.retry import RetryKind
 
+from ..polling import poll_until
 from .scripted import ScriptedClient, config, create_run, make_backend, open_localnet
 
 PEER = SecretKey.from_bytes((7).to_bytes(32, "big")).public_key
@@ -91,7 +92,8 @@ def test_train_takes_the_shared_train_options_and_the_solana_ones(
     monkeypatch.setenv("AUTHORIZER", "11111111111111111111111111111111")
     args = parse_train(["-w", "wallet.json", "--rpc", "http://primary:8899", "--device", "cpu"])
     assert args.run_id == "my-run"  # quotes trimmed, as upstream
-    assert args.micro_batch_size == 4 and args.device == "cpu"
+    assert args.micro_batch_size == 4
+    assert args.device == "cpu"
     assert (args.logs, args.keep_steps, args.iroh_discovery) == ("console", 3, "n0")
     assert args.wallet_private_key_path == Path("wallet.json")
     assert args.authorizer == "11111111111111111111111111111111"
@@ -293,7 +295,8 @@ def test_membership_joins_each_epoch_and_stays_through_an_abandoned_one() -> Non
         async with trio.open_nursery() as nursery:
             nursery.start_soon(follow_membership, runner, ME, None, membership)
             await settle()
-            assert membership.joins == 1 and membership.ever_joined
+            assert membership.joins == 1
+            assert membership.ever_joined
             healthy = {ME: ClientState.Healthy, OTHER: ClientState.Healthy}
             runner.push(state(RunState.Warmup, healthy))
             runner.push(state(RunState.RoundTrain, healthy))
@@ -340,7 +343,8 @@ def test_membership_leaves_when_the_coordinator_is_done_with_us(
     with pytest.raises(BaseExceptionGroup) as info:
         trio.run(scenario)
     (error,) = info.value.exceptions
-    assert isinstance(error, LeftRun) and reason in str(error)
+    assert isinstance(error, LeftRun)
+    assert reason in str(error)
 
 
 def test_a_join_failing_for_a_passing_reason_is_retried_a_refused_one_raises() -> None:
@@ -355,8 +359,7 @@ def test_a_join_failing_for_a_passing_reason_is_retried_a_refused_one_raises() -
                 lambda: follow_membership(runner, ME, None, membership, join_retry_delay=0.01)
             )
             with trio.fail_after(5):
-                while membership.joins == 0:
-                    await trio.sleep(0.01)
+                await poll_until(lambda: membership.joins != 0, 0.01)
             assert (runner.join_attempts, membership.failed_joins) == (3, 2)
             nursery.cancel_scope.cancel()
 
@@ -387,7 +390,8 @@ def test_a_new_client_version_on_a_paused_run_ends_a_client_that_never_joined() 
     with pytest.raises(BaseExceptionGroup) as info:
         trio.run(scenario, Membership())
     (error,) = info.value.exceptions
-    assert isinstance(error, ClientVersionMismatch) and error.exit_code == 10
+    assert isinstance(error, ClientVersionMismatch)
+    assert error.exit_code == 10
     trio.run(scenario, Membership(ever_joined=True))  # a member leaves through LeftRun instead
 
 
@@ -452,14 +456,16 @@ def test_sends_wait_out_an_rpc_outage_and_ticks_do_not_pile_up(
                 runner.send_tick()
                 runner.send_tick()
                 with trio.fail_after(10):
-                    while runner.failed_sends < 1 or membership.failed_joins < 1:
-                        await trio.sleep(0.02)
+                    await poll_until(
+                        lambda: runner.failed_sends >= 1 and membership.failed_joins >= 1, 0.02
+                    )
                 assert runner.failed_sends == 1  # the one tick that was sent
                 assert runner.resent_after_outage >= 1
                 await net.start()
                 with trio.fail_after(10):
-                    while runner.completed_sends < 1 or membership.joins < 1:
-                        await trio.sleep(0.02)
+                    await poll_until(
+                        lambda: runner.completed_sends >= 1 and membership.joins >= 1, 0.02
+                    )
                 assert runner.failed_sends == 1
                 state_ = (await owner.get_coordinator_account(account)).state
                 assert [c.id.signer for c in state_.clients_state.clients] == [me.signer]
@@ -481,7 +487,8 @@ def test_admin_helpers_used_by_the_recipes(
         cluster = ["--rpc", net.rpc_url, "--ws-rpc", net.ws_url]
         assert main(["airdrop", "-w", str(wallet), "--sol", "2.5", *cluster]) == 0
         out = capsys.readouterr().out
-        assert f"to {pubkey}" in out and "Balance: 2.500000000 SOL" in out
+        assert f"to {pubkey}" in out
+        assert "Balance: 2.500000000 SOL" in out
         other = str(Keypair().pubkey())
         assert main(["airdrop", "--address", other, *cluster]) == 0
         assert "Balance: 10.000000000 SOL" in capsys.readouterr().out

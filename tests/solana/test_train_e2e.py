@@ -245,7 +245,8 @@ def test_clients_found_each_other_without_a_server(run: Run) -> None:
     assert len(owners) == 2, owners
     for name in ("a", "b"):
         assert run.of(name, "trained_batch"), name
-        assert not run.of(name, "payload_rejected") and not run.of(name, "untrained_batch")
+        assert not run.of(name, "payload_rejected")
+        assert not run.of(name, "untrained_batch")
     assert "no --bootstrap-peer" in run.logs["a"]
     assert "no --bootstrap-peer" not in run.logs["b"]
 
@@ -254,13 +255,15 @@ def test_the_run_recorded_both_clients_on_chain(run: Run) -> None:
     account = run.show["coordinator_account"]
     assert set(account["clients"]) == set(run.signers.values()), account["clients"]
     status = account["status"]
-    assert status["epoch"] >= 1 and status["step"] > run.outage_step, status
+    assert status["epoch"] >= 1, status
+    assert status["step"] > run.outage_step, status
     # `next_active` went up at the resume and when each epoch's training began; both clients
     # joined epoch 1 (their `active` is that epoch's counter, or the next one's if they already
     # joined epoch 2)
     assert status["next_active"] >= 3, status
     actives = {c["active"] for c in account["clients"].values()}
-    assert len(actives) == 1 and actives.pop() in (status["next_active"] - 1, status["next_active"])
+    assert len(actives) == 1
+    assert actives.pop() in (status["next_active"] - 1, status["next_active"])
 
 
 def test_the_rpc_going_away_mid_epoch_is_survived(run: Run) -> None:

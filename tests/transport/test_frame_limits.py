@@ -31,6 +31,8 @@ from psyche.transport import (
     encode_else,
 )
 
+from ..polling import poll_until
+
 pytestmark = pytest.mark.anyio
 
 DEADLINE = 30  # seconds: generous, for a busy 2-core machine
@@ -186,8 +188,7 @@ async def test_server_sends_exactly_its_default_cap_and_refuses_one_byte_more() 
     past_limit = sized(LimitToClient.Pong, TO_CLIENT, SERVER_MAX_FRAME_LENGTH + 1)
     with trio.fail_after(DEADLINE):
         async with server_and_client(key) as (server, client):
-            while key.public_key not in server.connected_clients():
-                await trio.sleep(0.01)
+            await poll_until(lambda: key.public_key in server.connected_clients(), 0.01)
             with pytest.raises(FrameTooLarge):
                 server.send_to(key.public_key, past_limit)
             with pytest.raises(FrameTooLarge):
@@ -218,8 +219,7 @@ async def test_client_receives_exactly_its_default_cap_and_refuses_one_byte_more
             server,
             client,
         ):
-            while key.public_key not in server.connected_clients():
-                await trio.sleep(0.01)
+            await poll_until(lambda: key.public_key in server.connected_clients(), 0.01)
             server.send_to(key.public_key, at_limit)
             assert await client.receive() == at_limit
             server.send_to(key.public_key, past_limit)

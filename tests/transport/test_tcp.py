@@ -35,6 +35,8 @@ from psyche.transport.tcp import (
     split_envelope,
 )
 
+from ..polling import poll_until
+
 pytestmark = pytest.mark.anyio
 
 
@@ -68,8 +70,7 @@ async def connect(server: TcpServer, key: SecretKey | None = None, **kwargs) -> 
 
 async def wait_for(predicate, timeout: float = 2.0) -> None:
     with trio.fail_after(timeout):
-        while not predicate():
-            await trio.sleep(0.005)
+        await poll_until(predicate, 0.005)
 
 
 class RawPeer:
@@ -85,7 +86,9 @@ class RawPeer:
 
     async def challenge(self) -> bytes:
         frame = await self.framed.receive()
-        assert frame is not None and len(frame) == 33 and frame[0] == 0
+        assert frame is not None
+        assert len(frame) == 33
+        assert frame[0] == 0
         return frame[1:]
 
     async def handshake(self, key: SecretKey) -> None:
@@ -155,12 +158,15 @@ async def test_handshake_bytes() -> None:
     )
     challenge = bytes(range(32))
     response = encode_challenge_response(key, challenge)
-    assert response[:3] == bytes([0x00, 0x81, 0x01]) and len(response) == 3 + 129
+    assert response[:3] == bytes([0x00, 0x81, 0x01])
+    assert len(response) == 3 + 129
     signed = response[3:]
     assert signed[:32] == key.public_key
-    assert signed[32] == 0x20 and signed[33:65] == challenge
+    assert signed[32] == 0x20
+    assert signed[33:65] == challenge
     signer, decoded = SignedMessage.verify_and_decode(signed, Annotated[bytes, FixedBytes(32)])
-    assert signer == key.public_key and decoded == challenge
+    assert signer == key.public_key
+    assert decoded == challenge
     assert response == encode_challenge_response(key, challenge)  # ed25519 is deterministic
     async with start_server() as server:
         peer = await RawPeer.open(server)
@@ -195,7 +201,7 @@ def test_parse_address() -> None:
     assert parse_address("127.0.0.1:20001") == ("127.0.0.1", 20001)
     assert parse_address("[::1]:5") == ("::1", 5)
     for bad in ("127.0.0.1", "host:0", "host:x", ":80"):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match="expected host:port"):
             parse_address(bad)
 
 
@@ -375,7 +381,8 @@ async def test_large_frames_are_received_in_place_and_cancel_safely() -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(writer.send_all, stream[half:])
             got = await reader.receive()
-            assert isinstance(got, bytearray) and got == big
+            assert isinstance(got, bytearray)
+            assert got == big
             assert await reader.receive() == small
         async with trio.open_nursery() as nursery:
             nursery.start_soon(writer.send_all, len(big).to_bytes(4, "big") + big[:1000])

@@ -15,6 +15,7 @@ from contextlib import asynccontextmanager
 
 import pytest
 import trio
+import trio.lowlevel
 import trio.testing
 
 from psyche.core.drop_log import DropLog
@@ -35,6 +36,8 @@ from psyche.transport import (
     encode_challenge_response,
     encode_else,
 )
+
+from ..polling import poll_until
 
 pytestmark = pytest.mark.anyio
 
@@ -88,7 +91,8 @@ class Peer:
     async def login(self, key: SecretKey | None = None) -> SecretKey:
         key = key or SecretKey.generate()
         challenge = await self.framed.receive()
-        assert challenge is not None and len(challenge) == 33
+        assert challenge is not None
+        assert len(challenge) == 33
         await self.framed.send(encode_challenge_response(key, bytes(challenge[1:])))
         return key
 
@@ -108,8 +112,7 @@ class Peer:
 
 async def wait_until(predicate, timeout: float = DEADLINE) -> None:  # type: ignore[no-untyped-def]
     with trio.fail_after(timeout):
-        while not predicate():
-            await trio.sleep(0.01)
+        await poll_until(predicate, 0.01)
 
 
 async def next_disconnect(server: TcpServer) -> Disconnected:
@@ -138,7 +141,8 @@ async def test_a_pre_login_header_claiming_8_mib_is_refused_at_once() -> None:
         await one_past.framed.receive()
         await one_past.stream.send_all((HANDSHAKE_FRAME_LENGTH + 1).to_bytes(4, "big"))
         assert await one_past.closed_by_server()
-        assert server.connected_clients() == [] and server.receiving_bytes == 0
+        assert server.connected_clients() == []
+        assert server.receiving_bytes == 0
         assert server.drops.counts["bad handshake"] == 2
 
 
@@ -200,7 +204,8 @@ async def test_a_large_frame_grows_with_the_bytes_that_arrive() -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(writer.send_all, payload[arrived:])
             frame = await reader.receive()  # the cancelled receive lost nothing
-        assert frame == payload and reader.buffered_bytes == 0
+        assert frame == payload
+        assert reader.buffered_bytes == 0
 
 
 async def test_the_byte_budget_makes_a_second_large_frame_wait() -> None:
@@ -227,10 +232,12 @@ async def test_the_byte_budget_makes_a_second_large_frame_wait() -> None:
             nursery.start_soon(writers[1].send_all, len(second).to_bytes(4, "big") + second)
             await trio.testing.wait_all_tasks_blocked()
             # The first frame holds 2 of the 3 MiB: the second waits, holding at most a read.
-            assert not got and budget.used == 2 * MIB
+            assert not got
+            assert budget.used == 2 * MIB
             assert readers[1].buffered_bytes <= 64 * 1024
             await writers[0].send_all(first[MIB // 2 :])
-        assert got == [first, second] and budget.used == 0
+        assert got == [first, second]
+        assert budget.used == 0
 
 
 async def test_a_member_trickling_a_frame_is_dropped_after_the_frame_timeout(caplog) -> None:
@@ -330,7 +337,7 @@ async def test_queued_bytes_are_capped(caplog) -> None:
         with trio.fail_after(DEADLINE):
             while server.connected_clients():
                 server.send_to(key.public_key, big)
-                await trio.sleep(0)
+                await trio.lowlevel.checkpoint()
         assert "bytes queued" in caplog.text
         await client.aclose()
 
@@ -394,7 +401,8 @@ async def test_logged_in_connections_are_capped_and_members_are_kept() -> None:
                 events.append(await server.next())
         assert not any(isinstance(e, Disconnected) for e in events)
         connected = server.connected_clients()
-        assert len(connected) == 3 and keys[0].public_key in connected
+        assert len(connected) == 3
+        assert keys[0].public_key in connected
         assert keys[1].public_key in connected
         for peer in (*members, third, other, fourth, again):
             await peer.aclose()

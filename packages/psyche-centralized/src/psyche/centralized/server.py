@@ -71,6 +71,7 @@ from psyche.coordinator.coordinator import Coordinator
 from psyche.coordinator.model import Checkpoint, HubRepo, LLMTrainingDataLocation
 from psyche.coordinator.run_state import RunState
 from psyche.coordinator.server_core import DEFAULT_BAN_EPOCHS, ServerCore, TickOutcome
+from psyche.core.cli import short_duration
 from psyche.core.node_identity import NodeIdentity
 from psyche.transport import (
     AllowDynamic,
@@ -82,6 +83,10 @@ from psyche.transport import (
 )
 
 if TYPE_CHECKING:  # imported lazily: the data server needs numpy, the relay libp2p
+    # trio-stubs (trio-typing's, a libp2p dependency) shadow trio's own types and predate
+    # trio.TaskStatus: the type is trio_typing's there.
+    from trio_typing import TaskStatus
+
     from psyche.centralized.events import EventsWriter
     from psyche.data_provider import DataProviderTcpServer, DataServerInfo
     from psyche.network import Relay
@@ -301,7 +306,7 @@ class CentralizedServer:
         parts = [epochs, f"{tokens:,} tokens"]
         if self.core.last_reported_loss is not None:
             parts.append(f"last loss reported {self.core.last_reported_loss:.4f}")
-        parts.append(f"{_duration(time.monotonic() - self._started)} served")
+        parts.append(f"{short_duration(time.monotonic() - self._started)} served")
         text = (
             f"run {coordinator.run_id!r} finished at step {progress.step} of "
             f"{coordinator.config.total_steps} ({', '.join(parts)})"
@@ -650,17 +655,11 @@ def _naming_the_port(what: str) -> Iterator[None]:
         raise ServerStartError(f"{what} {problem}") from None
 
 
-def _duration(seconds: float) -> str:
-    minutes, secs = divmod(round(seconds), 60)
-    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
-
-
 async def serve_coordinator(
     coordinator: Coordinator,
     options: ServerOptions | None = None,
     *,
-    # trio-stubs (trio-typing's, a libp2p dependency) predate trio.TaskStatus.
-    task_status: trio.TaskStatus[CentralizedServer] = trio.TASK_STATUS_IGNORED,  # type: ignore[name-defined]
+    task_status: TaskStatus[CentralizedServer] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve `coordinator` until cancelled (`nursery.start(serve_coordinator, ...)` returns the
     running server). The whole `psyche-server run`, from its options, is

@@ -38,6 +38,10 @@ from psyche.core.drop_log import DropLog
 from psyche.transport import Admission, ConnectionLimits
 
 if TYPE_CHECKING:
+    # trio-stubs (trio-typing's, a libp2p dependency) shadow trio's own types and predate
+    # trio.TaskStatus: the type is trio_typing's there.
+    from trio_typing import TaskStatus
+
     from psyche.centralized.server import CentralizedServer
     from psyche.coordinator.run_state import WitnessMetadata
     from psyche.core.node_identity import NodeIdentity
@@ -201,7 +205,7 @@ def status_json(snap: StatusSnapshot) -> dict[str, Any]:
     doc = asdict(snap)
     doc["round_durations"] = [{"step": s, "seconds": d} for s, d in snap.round_durations]
     doc["loss_curve"] = [{"step": s, "loss": v} for s, v in snap.loss_curve]
-    return _clean(doc)
+    return {k: _clean(v) for k, v in doc.items()}
 
 
 def _loss_svg(points: list[tuple[int, float]], width: int = 600, height: int = 160) -> str:
@@ -331,8 +335,7 @@ async def serve_status(
     *,
     limits: ConnectionLimits = STATUS_LIMITS,
     refresh_seconds: int = DEFAULT_REFRESH_SECONDS,
-    # trio-stubs (trio-typing's, a libp2p dependency) predate trio.TaskStatus.
-    task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,  # type: ignore[name-defined]
+    task_status: TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the page until cancelled; `task_status.started` gets the bound (host, port)."""
     listeners = await trio.open_tcp_listeners(port, host=host)

@@ -109,7 +109,8 @@ class ProtocolClient:
         while True:
             match await self.receive():
                 case ServerToClientMessage.Coordinator(state):
-                    return state
+                    coordinator: Coordinator = state
+                    return coordinator
 
     async def wait_for(self, predicate: Any, timeout: float = 10.0) -> Coordinator:
         """The first coordinator state satisfying `predicate`."""

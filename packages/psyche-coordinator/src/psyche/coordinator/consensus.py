@@ -74,7 +74,8 @@ class CoordinatorQueries:
     epoch_state: CoordinatorEpochState
 
     def _llm(self) -> LLM:
-        return self.model.value
+        llm: LLM = self.model.value
+        return llm
 
     # ---- health and consensus ------------------------------------------------------------------
 

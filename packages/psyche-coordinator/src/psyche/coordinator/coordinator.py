@@ -119,7 +119,7 @@ class Coordinator(CoordinatorQueries):
             return NotImplemented
         return self.to_bytes() == other.to_bytes()
 
-    __hash__ = None  # type: ignore[assignment]
+    # (defining __eq__ without __hash__ leaves instances unhashable: they are mutable)
     # ---- the state machine -------------------------------------------------------------------
 
     def tick(

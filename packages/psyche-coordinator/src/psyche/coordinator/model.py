@@ -80,15 +80,15 @@ class LLMTrainingDataLocation(DataEnum):
                 | LLMTrainingDataLocation.WeightedHttp(text)
                 | LLMTrainingDataLocation.Preprocessed(text)
             ):
-                return text == ""
+                return bool(text == "")
             case LLMTrainingDataLocation.Http(http):
                 match http.location:
                     case HttpTrainingDataLocation.SingleUrl(url):
-                        return url == ""
+                        return bool(url == "")
                     case HttpTrainingDataLocation.NumberedFiles(numbered):
-                        return numbered.url_template == "" or numbered.num_files == 0
+                        return bool(numbered.url_template == "" or numbered.num_files == 0)
                     case HttpTrainingDataLocation.Gcp(gcp):
-                        return gcp.bucket_name == ""
+                        return bool(gcp.bucket_name == "")
         raise TypeError(f"not a data location: {self!r}")
 
 
@@ -130,7 +130,7 @@ class Checkpoint(DataEnum):
             case Checkpoint.Ephemeral():
                 return "Ephemeral"
             case Checkpoint.Hub(repo):
-                return repo.repo_id
+                return str(repo.repo_id)
             case Checkpoint.P2P(repo):
                 return f"P2P - Hub repo: {repo.repo_id}"
             case Checkpoint.Gcs(repo) | Checkpoint.P2PGcs(repo):
@@ -147,9 +147,9 @@ class Checkpoint(DataEnum):
             case Checkpoint.Ephemeral():
                 return True
             case Checkpoint.Hub(repo) | Checkpoint.P2P(repo):
-                return repo.repo_id == ""
+                return bool(repo.repo_id == "")
             case Checkpoint.Gcs(repo) | Checkpoint.P2PGcs(repo):
-                return repo.bucket == ""
+                return bool(repo.bucket == "")
         raise TypeError(f"not a checkpoint: {self!r}")
 
 

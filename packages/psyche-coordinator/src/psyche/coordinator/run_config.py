@@ -81,7 +81,8 @@ class RunConfigFile:
 
     @property
     def llm(self) -> LLM:
-        return self.model.value
+        llm: LLM = self.model.value
+        return llm
 
     @property
     def is_state_file(self) -> bool:
@@ -381,7 +382,7 @@ def state_to_toml_obj(coordinator: Coordinator) -> dict[str, Any]:
 
 
 def model_to_obj(model: Model, *, json: bool = False) -> dict[str, Any]:
-    obj = to_obj(model, Model, json=json)
+    obj: dict[str, Any] = to_obj(model, Model, json=json)
     llm = obj["LLM"]
     backups = llm.pop("backup_data_locations", [])
     if backups:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 from functools import lru_cache
+from typing import Any
 
 from psyche.core.constants import SHUFFLE_ROUND_COUNT
 from psyche.core.swap_or_not import compute_shuffled_index
@@ -45,7 +46,7 @@ class ShuffleRounds:
         from_bytes = int.from_bytes
         blocks = (count + 255) // 256
         block_suffixes = [block.to_bytes(4, "little") for block in range(blocks)]
-        rounds: list[tuple[int, object]] = []
+        rounds: list[tuple[int, Any]] = []
         for current_round in range(SHUFFLE_ROUND_COUNT):
             prefix = seed + bytes((current_round,))
             pivot = from_bytes(sha256(prefix).digest()[:8], "little") % count
@@ -79,7 +80,7 @@ class ShuffleRounds:
                 flip = pivot - current
                 if flip < 0:
                     flip += n
-                if (bits >> (current if current > flip else flip)) & 1:  # type: ignore[operator]
+                if (bits >> (current if current > flip else flip)) & 1:
                     current = flip
             return current
         for pivot, sources in self._rounds:
@@ -87,7 +88,7 @@ class ShuffleRounds:
             if flip < 0:
                 flip += n
             position = current if current > flip else flip
-            if (sources[position >> 8] >> (position & 255)) & 1:  # type: ignore[index]
+            if (sources[position >> 8] >> (position & 255)) & 1:
                 current = flip
         return current
 

@@ -233,7 +233,7 @@ class Bloom(SerdeProxy):
             and self._bits == other._bits
         )
 
-    __hash__ = None  # type: ignore[assignment]  # mutable
+    # (defining __eq__ without __hash__ leaves instances unhashable: they are mutable)
 
     def copy(self) -> Bloom:
         return type(self)(self._keys, self.words)

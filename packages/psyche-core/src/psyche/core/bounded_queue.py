@@ -12,16 +12,17 @@ T = TypeVar("T")
 class BoundedQueue(Generic[T]):
     """Holds at most `max_len` items; pushing onto a full queue drops the oldest."""
 
-    __slots__ = ("_queue",)
+    __slots__ = ("_max_len", "_queue")
 
     def __init__(self, max_len: int) -> None:
         if max_len < 0:
             raise ValueError(f"BoundedQueue max_len must be >= 0, got {max_len}")
+        self._max_len = max_len
         self._queue: deque[T] = deque(maxlen=max_len)
 
     @property
     def max_len(self) -> int:
-        return self._queue.maxlen  # type: ignore[return-value]
+        return self._max_len
 
     def push(self, item: T) -> None:
         self._queue.append(item)

@@ -434,6 +434,12 @@ def interrupt_exit_code() -> int:
     return EXIT_SIGTERM if _State.terminated else EXIT_SIGINT
 
 
+def short_duration(seconds: float) -> str:
+    """A wall-clock span as a person reads it in a status line: `42s`, `3m05s`."""
+    minutes, secs = divmod(round(seconds), 60)
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
 def error_line(prog: str, message: object) -> str:
     """`<prog>: error: <message>` on one line (newlines in the message become `; `)."""
     text = "; ".join(part.strip() for part in str(message).splitlines() if part.strip())
@@ -660,6 +666,7 @@ __all__ = [
     "report",
     "run_command",
     "run_serving",
+    "short_duration",
     "single_cause",
     "stop_signals",
     "user_error_message",

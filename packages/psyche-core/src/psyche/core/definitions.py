@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Annotated
+from typing import Annotated, Self
 
 from psyche.core.numeric import f64_div, wrapping_u32
 from psyche.core.serde import F32, F64, U8, U16, U32, Array, DataEnum, RustEnum, struct, variant
@@ -37,7 +37,10 @@ class ConstantLR:
 
 
 @struct(frozen=True)
-class LinearLR:
+class _DecayingLR:
+    """What the linear and cosine schedules share: a warmup ramp to `base_lr`, then a decay to
+    `final_lr` at `total_steps` (the fields in upstream's order, and its constructor)."""
+
     base_lr: F64
     warmup_init_lr: F64
     final_lr: F64
@@ -52,9 +55,12 @@ class LinearLR:
         warmup_init_lr: float,
         total_steps: int,
         final_lr: float,
-    ) -> LinearLR:
+    ) -> Self:
         return cls(base_lr, warmup_init_lr, final_lr, warmup_steps, total_steps)
 
+
+@struct(frozen=True)
+class LinearLR(_DecayingLR):
     def get_lr(self, step: int) -> float:
         if step < self.warmup_steps:
             return _warmup_lr(self.warmup_init_lr, self.base_lr, step, self.warmup_steps)
@@ -65,24 +71,7 @@ class LinearLR:
 
 
 @struct(frozen=True)
-class CosineLR:
-    base_lr: F64
-    warmup_init_lr: F64
-    final_lr: F64
-    warmup_steps: U32
-    total_steps: U32
-
-    @classmethod
-    def new(
-        cls,
-        base_lr: float,
-        warmup_steps: int,
-        warmup_init_lr: float,
-        total_steps: int,
-        final_lr: float,
-    ) -> CosineLR:
-        return cls(base_lr, warmup_init_lr, final_lr, warmup_steps, total_steps)
-
+class CosineLR(_DecayingLR):
     def get_lr(self, step: int) -> float:
         if step < self.warmup_steps:
             return _warmup_lr(self.warmup_init_lr, self.base_lr, step, self.warmup_steps)
@@ -168,13 +157,13 @@ class LearningRateSchedule(DataEnum):
     WarmupStableDecay = variant(WarmupStableDecayLR)
 
     def get_lr(self, step: int) -> float:
-        return self.value.get_lr(step)
+        return float(self.value.get_lr(step))
 
     def get_warmup_steps(self) -> int:
-        return self.value.warmup_steps
+        return int(self.value.warmup_steps)
 
     def get_warmup_init_lr(self) -> float:
-        return self.value.warmup_init_lr
+        return float(self.value.warmup_init_lr)
 
 
 @struct(frozen=True)

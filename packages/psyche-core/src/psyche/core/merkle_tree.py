@@ -82,11 +82,10 @@ def _verify(entries: Sequence[ProofEntry | OwnedProofEntry], candidate: HashWrap
     return True
 
 
-@dataclass(frozen=True)
-class Proof:
-    """The path from a leaf to the root, as `MerkleTree.find_path` builds it."""
+class _Verifies:
+    """Checking a candidate leaf hash against a proof's entries (`Proof` and `OwnedProof`)."""
 
-    entries: tuple[ProofEntry, ...] = ()
+    entries: Sequence[ProofEntry | OwnedProofEntry]
 
     def verify(self, candidate: HashWrapper) -> bool:
         return _verify(self.entries, candidate)
@@ -98,8 +97,15 @@ class Proof:
         return self.entries[-1].target if self.entries else None
 
 
+@dataclass(frozen=True)
+class Proof(_Verifies):
+    """The path from a leaf to the root, as `MerkleTree.find_path` builds it."""
+
+    entries: tuple[ProofEntry, ...] = ()
+
+
 @struct(frozen=True)
-class OwnedProof:
+class OwnedProof(_Verifies):
     """A serializable `Proof`.
 
     Upstream's `OwnedProof::verify` swaps the two siblings, so a converted proof of any
@@ -114,15 +120,6 @@ class OwnedProof:
         return cls(
             [OwnedProofEntry(e.target, e.left_sibling, e.right_sibling) for e in proof.entries]
         )
-
-    def verify(self, candidate: HashWrapper) -> bool:
-        return _verify(self.entries, candidate)
-
-    def verify_item(self, item: bytes) -> bool:
-        return self.verify(hash_leaf(item))
-
-    def get_root(self) -> HashWrapper | None:
-        return self.entries[-1].target if self.entries else None
 
 
 class MerkleTree:

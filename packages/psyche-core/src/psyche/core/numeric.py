@@ -58,7 +58,7 @@ _F32_OVERFLOW = 2.0**128 - 2.0**103
 def to_f32(value: float) -> float:
     """The nearest `f32` to `value`, as a Python float (raises OverflowError beyond f32 range)."""
     try:
-        return struct.unpack("<f", struct.pack("<f", value))[0]
+        return float(struct.unpack("<f", struct.pack("<f", value))[0])
     except OverflowError:
         # `struct` refuses anything above f32::MAX, even values that round down to it.
         if abs(value) < _F32_OVERFLOW:

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
+import trio
 
 from psyche.core.batch_id import BatchId
 from psyche.core.data_shuffle import Shuffle
@@ -200,7 +200,7 @@ async def data_provider_from_location(
             config = await fetch_weighted_config(url, options.http)
             return await open_weighted_http_provider(config, options.max_seq_len, options.http)
         case LLMTrainingDataLocation.Preprocessed(path):
-            if not os.path.exists(path):
+            if not await trio.Path(path).exists():
                 raise DataProviderError(
                     f"preprocessed dataset {path!r} is not a local path (downloading datasets "
                     "from the Hugging Face hub is not supported here)"

@@ -226,11 +226,13 @@ class LocalDataProvider:
             self._files[file].check_still_whole()
             row = self._row.item(start)
             # astype always copies: the result never aliases the map.
-            return self._rows[file][row : row + end - start + 1].astype(np.int32)
+            window: np.ndarray = self._rows[file][row : row + end - start + 1].astype(np.int32)
+            return window
         rows = self._row[start : end + 1]
         if self._one_file:
             self._files[0].check_still_whole()
-            return self._rows[0][rows].astype(np.int32)
+            picked: np.ndarray = self._rows[0][rows].astype(np.int32)
+            return picked
         files = self._file_index[start : end + 1]
         out = np.empty((end - start + 1, self.seq_len), dtype=np.int32)
         for file in np.unique(files).tolist():

@@ -56,18 +56,16 @@ class RangeRequestHandler(BaseHTTPRequestHandler):
     """GET/HEAD of files under `server.root`, with single byte ranges and keep-alive."""
 
     protocol_version = "HTTP/1.1"
-    # Applied to the socket by StreamRequestHandler: an idle or stalled peer raises TimeoutError,
-    # which ends the connection (set per server from `StaticFileServer.idle_timeout`). typeshed
-    # declares it a ClassVar, but StreamRequestHandler.setup reads it from the instance.
-    timeout: float | None = None  # type: ignore[misc]
     # Headers and body go out as separate writes: without TCP_NODELAY every small response
     # waits for the client's delayed ACK (about 40 ms).
     disable_nagle_algorithm = True
     server: StaticFileServer
 
     def setup(self) -> None:
-        self.timeout = self.server.idle_timeout
         super().setup()
+        # The server's `idle_timeout` on the socket: an idle or stalled peer raises TimeoutError,
+        # which ends the connection.
+        self.connection.settimeout(self.server.idle_timeout)
 
     def log_message(self, format: str, *args: object) -> None:
         log.debug("%s %s", self.address_string(), format % args)

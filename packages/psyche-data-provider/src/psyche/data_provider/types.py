@@ -96,7 +96,7 @@ class TokenizedData:
             and _equal(self.sequence_lengths, other.sequence_lengths)
         )
 
-    __hash__ = None  # type: ignore[assignment]
+    # (defining __eq__ without __hash__ leaves instances unhashable: they are mutable)
 
 
 def stack_input_ids(samples: Sequence[TokenizedData]) -> np.ndarray:

@@ -125,9 +125,10 @@ class WeightedDataProvider:
                 samples = await self.providers[provider].get_samples(BatchId(run[0][1], run[-1][1]))
                 for (slot, _), data in zip(run, samples):
                     results[slot] = data
-        if any(r is None or len(r.input_ids) == 0 for r in results):
+        complete = [r for r in results if r is not None and len(r.input_ids) > 0]
+        if len(complete) != len(results):
             raise DataProviderError("Failed to get all requested samples")
-        return results  # type: ignore[return-value]
+        return complete
 
     async def aclose(self) -> None:
         for p in self.providers:

@@ -113,8 +113,9 @@ class UpstreamRequestCodec:
         return to_bytes(value, ClientToServerMessage)
 
     def decode(self, data: bytes | memoryview) -> ClientToServerMessage:
-        message = from_bytes(data, ClientToServerMessage)
-        if not isinstance(message, ClientToServerMessage.RequestTrainingData):
+        message: ClientToServerMessage = from_bytes(data, ClientToServerMessage)
+        requested = isinstance(message, ClientToServerMessage.RequestTrainingData)
+        if not requested:
             raise PostcardError("invalid variant index 1 for ClientToServerMessage")
         return message
 
@@ -203,7 +204,8 @@ def _encode_any(v: np.ndarray) -> bytes:
     continued = digits[None, :].astype(np.int64) < (nbytes[:, None] - 1)
     groups |= continued.astype(np.uint64) << np.uint64(7)
     present = digits[None, :].astype(np.int64) < nbytes[:, None]
-    return groups[present].astype(np.uint8).tobytes()
+    encoded: bytes = groups[present].astype(np.uint8).tobytes()
+    return encoded
 
 
 def decode_varints(data: bytes | memoryview) -> tuple[np.ndarray, np.ndarray]:
@@ -404,16 +406,18 @@ class _Reader:
 
 def to_wire(message: ServerToClientMessage) -> ServerToClientMessageWire:
     """The serde form of a reply (for checks against the serde codec; slow for big batches)."""
+    wire: ServerToClientMessageWire
     if isinstance(message, RequestRejected):
-        return ServerToClientMessageWire.RequestRejected(message)
+        wire = ServerToClientMessageWire.RequestRejected(message)
+        return wire
     if isinstance(message, RawTrainingData):
-        encoded = encode_raw_training_data(message)
-        return from_bytes(encoded, ServerToClientMessageWire)
+        wire = from_bytes(encode_raw_training_data(message), ServerToClientMessageWire)
+        return wire
 
     def lst(a: np.ndarray | None) -> list[int] | None:
         return None if a is None else a.tolist()
 
-    return ServerToClientMessageWire.TrainingData(
+    wire = ServerToClientMessageWire.TrainingData(
         TrainingDataWire(
             message.data_ids,
             [
@@ -427,3 +431,4 @@ def to_wire(message: ServerToClientMessage) -> ServerToClientMessageWire:
             ],
         )
     )
+    return wire

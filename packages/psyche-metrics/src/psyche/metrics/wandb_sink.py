@@ -13,12 +13,14 @@ the command's output stays its own, and nothing but what is logged is recorded.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal, cast
 
 import wandb
 
 from .config import WandbInfo
 from .tracker import MetricValue
+
+WandbMode = Literal["online", "offline", "disabled", "shared"]
 
 
 class WandbSink:
@@ -47,7 +49,8 @@ class WandbSink:
             group=info.group,
             config=self._run_config,
             dir=None if info.dir is None else str(info.dir),
-            mode=info.mode,  # type: ignore[arg-type]  # wandb's Literal; ours comes from WANDB_MODE
+            # wandb types the mode as a Literal; ours is WANDB_MODE as given, which wandb checks.
+            mode=cast(WandbMode, info.mode),
             reinit="create_new",
             settings=wandb.Settings(**settings),
         )

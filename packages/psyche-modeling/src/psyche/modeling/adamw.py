@@ -40,7 +40,8 @@ class LibtorchAdamW:
                 self.exp_avg[i] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 self.exp_avg_sq[i] = torch.zeros_like(p, memory_format=torch.preserve_format)
             exp_avg, exp_avg_sq = self.exp_avg[i], self.exp_avg_sq[i]
-            assert exp_avg is not None and exp_avg_sq is not None
+            assert exp_avg is not None
+            assert exp_avg_sq is not None
             self.steps[i] += 1
             t = self.steps[i]
             if self.weight_decay != 0.0:

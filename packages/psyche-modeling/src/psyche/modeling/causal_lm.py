@@ -147,15 +147,16 @@ class CausalLM:
         dtype = resolve_dtype(options.dtype, device)
         torch.manual_seed(options.seed)
         # transformers types the result as the model alone; output_loading_info adds the info.
-        model: nn.Module
-        info: dict[str, list[str]]
-        model, info = AutoModelForCausalLM.from_pretrained(  # type: ignore[misc]
+        loaded: Any = AutoModelForCausalLM.from_pretrained(
             directory,
             config=config,
             dtype=dtype,
             attn_implementation=options.attn_implementation,
             output_loading_info=True,
         )
+        model: nn.Module
+        info: dict[str, list[str]]
+        model, info = loaded
         missing = sorted(info.get("missing_keys", []))
         if missing:
             raise ModelLoadError(
@@ -171,7 +172,7 @@ class CausalLM:
             model, "supports_gradient_checkpointing", False
         ):
             # nn.Module types attributes as Tensor | Module; a transformers model has the method.
-            model.gradient_checkpointing_enable()  # type: ignore[operator]
+            getattr(model, "gradient_checkpointing_enable")()  # noqa: B009
         model.train()
         return cls(model, arch, source_dir=source_dir)
 
@@ -282,15 +283,21 @@ class CausalLM:
         )
 
 
-def clip_grad_norm_native(grads: Sequence[torch.Tensor], max_norm: float) -> float:
-    """Upstream's native-model clipping (see `CausalLM.clip_grad_norm`)."""
+def _native_norm(grads: Sequence[torch.Tensor], max_norm: float) -> tuple[float, float | None]:
+    """Upstream's native-model total norm of `grads`, and the factor that clips them to
+    `max_norm` (None when they are within it)."""
     total_sq = torch.zeros((), dtype=torch.float32, device=grads[0].device)
     for g in grads:
         n = g.norm()
         total_sq += n * n
     total = float(total_sq.sqrt().item())
-    if total > max_norm:
-        scale = max_norm / (total + 1e-6)
+    return total, (max_norm / (total + 1e-6) if total > max_norm else None)
+
+
+def clip_grad_norm_native(grads: Sequence[torch.Tensor], max_norm: float) -> float:
+    """Upstream's native-model clipping (see `CausalLM.clip_grad_norm`)."""
+    total, scale = _native_norm(grads, max_norm)
+    if scale is not None:
         for g in grads:
             g.mul_(scale)
     return total
@@ -305,13 +312,8 @@ def clip_sharded_grad_norm(
     slice is scaled."""
     full = [full_tensor(g) for g in grads]
     if native:
-        total_sq = torch.zeros((), dtype=torch.float32, device=full[0].device)
-        for g in full:
-            n = g.norm()
-            total_sq += n * n
-        total = float(total_sq.sqrt().item())
-        if total > max_norm:
-            scale = max_norm / (total + 1e-6)
+        total, scale = _native_norm(full, max_norm)
+        if scale is not None:
             for g in grads:
                 local_tensor(g).mul_(scale)
         return total

@@ -11,7 +11,7 @@ contractions through opt_einsum, which changes bf16 bits).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -124,8 +124,9 @@ def idct(x: torch.Tensor, ortho: bool = True) -> torch.Tensor:
 
 def _einsum(equation: str, operands: list[torch.Tensor]) -> torch.Tensor:
     # No path argument: libtorch contracts left to right, as upstream's tch call does.
-    # torch._VF (the bindings behind torch.einsum) has no type stubs.
-    return torch._VF.einsum(equation, operands)  # type: ignore[attr-defined]
+    # torch._VF (the bindings behind torch.einsum) has no type stubs: the binding by name.
+    einsum: Callable[[str, list[torch.Tensor]], torch.Tensor] = getattr(torch._VF, "einsum")  # noqa: B009
+    return einsum(equation, operands)
 
 
 def decode_reads_transposed(xshape: Sequence[int]) -> bool:

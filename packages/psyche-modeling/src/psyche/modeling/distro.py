@@ -303,7 +303,7 @@ class Distro:
                 delta_energy = torch.linalg.vector_norm(full, 1, dtype=torch.float32).item()
                 result_stats = {
                     f"{name}.delta_energy": delta_energy,
-                    f"{name}.grad_energy": float(grad_energy),  # type: ignore[arg-type]
+                    f"{name}.grad_energy": float(grad_energy or 0.0),  # set whenever stats is
                 }
             out.append(DistroResult(sparse_idx, sparse_val, xshape, totalk, result_stats))
         self.encoded = encoded if self.keep_encoded else None

@@ -382,4 +382,4 @@ def make_hostile(trainer: Trainer, member: HostileMember) -> None:
         payload = transmittable_distro_result(sent, step, out.nonce, batch_id)
         return PreparedResult(payload, payload.compute_hash(), sent)
 
-    trainer.prepare_result = prepare_hostile  # type: ignore[method-assign]
+    setattr(trainer, "prepare_result", prepare_hostile)  # noqa: B010 (mypy forbids method assignment)

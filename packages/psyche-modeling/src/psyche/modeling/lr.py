@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
 
+@runtime_checkable
 class Schedule(Protocol):
     def get_lr(self, step: int) -> float: ...
+
+
+def lr_function(lr: float | Schedule | Callable[[int], float]) -> Callable[[int], float]:
+    """The learning rate at a step, from a constant, a schedule (its `get_lr`) or a function."""
+    if isinstance(lr, int | float):
+        value = float(lr)
+        return lambda _step: value
+    if isinstance(lr, Schedule):
+        return lr.get_lr
+    return lr
 
 
 def get_lr(

@@ -24,7 +24,7 @@ from psyche.core.batch_id import BatchId
 from psyche.core.numeric import to_f32
 from psyche.modeling.causal_lm import clip_grad_norm_native
 from psyche.modeling.distro import Distro, DistroResult, quantize_results, sorted_variables
-from psyche.modeling.lr import Schedule
+from psyche.modeling.lr import Schedule, lr_function
 from psyche.modeling.screening import (
     RoundTamper,
     ScreeningSettings,
@@ -85,16 +85,6 @@ class DistroSettings:
         )
 
 
-def _lr_fn(lr: float | Schedule | Callable[[int], float]) -> Callable[[int], float]:
-    if isinstance(lr, int | float):
-        value = float(lr)
-        return lambda _step: value
-    get = getattr(lr, "get_lr", None)
-    if get is not None:
-        return get
-    return lr  # type: ignore[return-value]
-
-
 def _prev(step: int) -> int:
     return 0 if step == 0 else step - 1
 
@@ -132,7 +122,7 @@ class DistroLoop:
         lr: float | Schedule | Callable[[int], float],
     ) -> None:
         self.settings = settings or DistroSettings()
-        self.lr = _lr_fn(lr)
+        self.lr = lr_function(lr)
         self._peer = _Peer(model, self.settings)
 
     @property
@@ -176,7 +166,7 @@ class PeerSimulation:
         if not models:
             raise ValueError("at least one peer is needed")
         self.settings = settings or DistroSettings()
-        self.lr = _lr_fn(lr)
+        self.lr = lr_function(lr)
         self.through_wire = through_wire
         self.peers = [_Peer(m, self.settings) for m in models]
         self.last_payload_bytes: list[int] = []

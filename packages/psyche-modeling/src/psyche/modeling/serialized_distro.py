@@ -121,7 +121,8 @@ def kind_of(dtype: torch.dtype) -> int:
 def _dtype_of(kind: int) -> torch.dtype:
     import torch
 
-    return getattr(torch, _PLAIN_KINDS[kind][0])
+    dtype: torch.dtype = getattr(torch, _PLAIN_KINDS[kind][0])
+    return dtype
 
 
 # --------------------------------------------------------------------------------------------
@@ -146,7 +147,8 @@ class SerializableTensor:
 
     def raw_tensor_data(self) -> bytes:
         """The bytes the commitment hash covers (packed bits for bool tensors)."""
-        return self.data.value
+        data: bytes = self.data.value
+        return data
 
     @property
     def numel(self) -> int:

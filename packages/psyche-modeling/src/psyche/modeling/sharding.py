@@ -190,7 +190,7 @@ def parallelize(model: CausalLM, dims: ParallelDims, options: ShardingOptions) -
             enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
             # nn.Module types attributes as Tensor | Module; a transformers model has the method.
-            module.gradient_checkpointing_enable(  # type: ignore[operator]
+            getattr(module, "gradient_checkpointing_enable")(  # noqa: B009
                 gradient_checkpointing_kwargs={"use_reentrant": False}
             )
     if dims.world_size > 1:

@@ -82,12 +82,12 @@ class Batch:
         ids only when every sample has them."""
         if not samples:
             raise ValueError("empty batch")
-        labels = [s.labels for s in samples]
-        positions = [s.position_ids for s in samples]
+        labels = [s.labels for s in samples if s.labels is not None]
+        positions = [s.position_ids for s in samples if s.position_ids is not None]
         return cls(
             _int64_rows([s.input_ids for s in samples]),
-            None if any(x is None for x in labels) else _int64_rows(labels),  # type: ignore[arg-type]
-            None if any(x is None for x in positions) else _int64_rows(positions),  # type: ignore[arg-type]
+            _int64_rows(labels) if len(labels) == len(samples) else None,
+            _int64_rows(positions) if len(positions) == len(samples) else None,
         )
 
     @classmethod
@@ -316,19 +316,20 @@ class Trainer:
         steps = self.parallel.micro_batches(len(batch), self.micro_batch_size)
         start, rows = self.parallel.local_rows(len(batch))
 
-        def split(t: torch.Tensor | None) -> list[torch.Tensor | None]:
-            if t is None:
-                return [None] * steps
+        def split(t: torch.Tensor) -> list[torch.Tensor]:
             return list(torch.chunk(t.narrow(0, start, rows), steps, 0)) if rows else []
 
-        ids, labs, pos = split(input_ids), split(labels), split(position_ids)
+        ids, labs = split(input_ids), split(labels)
+        pos: list[torch.Tensor | None] = (
+            [None] * steps if position_ids is None else list(split(position_ids))
+        )
         if self.parallel.dp == 1 and len(ids) != steps:
             raise TrainerError(f"batch of {len(batch)} does not split into {steps} micro-batches")
         out = [(i, la, p, 1.0) for i, la, p in zip(ids, labs, pos)]
         while len(out) < steps:
             pad = None if position_ids is None else position_ids[:1]
             out.append((input_ids[:1], labels[:1], pad, 0.0))
-        return out  # type: ignore[return-value]
+        return out
 
     def train_exact(
         self,
@@ -396,7 +397,8 @@ class Trainer:
         the pseudo-gradient in its sent form as the results; the weights are the round's again
         afterwards. One nonce per round."""
         diloco, inner = self.diloco, self.adamw
-        assert diloco is not None and inner is not None
+        assert diloco is not None
+        assert inner is not None
         if len(batch) == 0:
             raise TrainerError("empty batch")
         start = time.perf_counter()

@@ -21,23 +21,9 @@ from typing import Any, TypeVar, overload
 
 from psyche.core.bloom import Bloom
 from psyche.core.fixed import fixed_str_from_bytes
+from psyche.core.serde import schema
 from psyche.core.serde.codec import BinaryCodec, Decoder, Encoder
-from psyche.core.serde.schema import (
-    IntMarker,
-    WArray,
-    WBool,
-    WBytes,
-    WFloat,
-    WInt,
-    WireType,
-    WProxy,
-    WSeq,
-    WSmallBool,
-    WStr,
-    WStruct,
-    WTuple,
-    WUnitEnum,
-)
+from psyche.core.serde.schema import IntMarker
 
 T = TypeVar("T")
 
@@ -64,28 +50,28 @@ def fixed_str_decode(raw: bytes, capacity: int) -> str:
 # Static sizes (needed to zero-fill the unused slots of a FixedVec)
 
 
-def static_size(wt: WireType) -> int | None:
+def static_size(wt: schema.WireType) -> int | None:
     """The borsh size of every value of `wt`, or None when it varies."""
-    if isinstance(wt, WInt):
+    if isinstance(wt, schema.WInt):
         return wt.marker.bits // 8
-    if isinstance(wt, WFloat):
+    if isinstance(wt, schema.WFloat):
         return wt.bits // 8
-    if isinstance(wt, WBool | WSmallBool | WUnitEnum):
+    if isinstance(wt, schema.WBool | schema.WSmallBool | schema.WUnitEnum):
         return 1
-    if isinstance(wt, WStr):
+    if isinstance(wt, schema.WStr):
         return wt.capacity
-    if isinstance(wt, WBytes):
+    if isinstance(wt, schema.WBytes):
         return wt.length
-    if isinstance(wt, WArray):
+    if isinstance(wt, schema.WArray):
         item = static_size(wt.item)
         return None if item is None else item * wt.length
-    if isinstance(wt, WSeq):
+    if isinstance(wt, schema.WSeq):
         if wt.capacity is None:
             return None
         item = static_size(wt.item)
         return None if item is None else item * wt.capacity + 8
-    if isinstance(wt, WTuple | WStruct):
-        parts = wt.items if isinstance(wt, WTuple) else [f for _, f in wt.fields]
+    if isinstance(wt, schema.WTuple | schema.WStruct):
+        parts = wt.items if isinstance(wt, schema.WTuple) else [f for _, f in wt.fields]
         total = 0
         for part in parts:
             size = static_size(part)
@@ -93,7 +79,7 @@ def static_size(wt: WireType) -> int | None:
                 return None
             total += size
         return total
-    if isinstance(wt, WProxy) and issubclass(wt.cls, Bloom):
+    if isinstance(wt, schema.WProxy) and issubclass(wt.cls, Bloom):
         return 8 * (wt.cls.num_keys + wt.cls.num_words)
     return None
 
@@ -150,7 +136,7 @@ class Borsh(BinaryCodec):
 
         return enc_fixed_str, dec_fixed_str
 
-    def fixed_vec_codec(self, wt: WSeq, borrow: bool) -> tuple[Encoder, Decoder]:
+    def fixed_vec_codec(self, wt: schema.WSeq, borrow: bool) -> tuple[Encoder, Decoder]:
         # `FixedVec<T, N>` is `{data: [T; N], len: u64}`: every slot, unused ones zeroed.
         cap = wt.capacity
         assert cap is not None
@@ -181,7 +167,7 @@ class Borsh(BinaryCodec):
 
         return enc_fixed_vec, dec_fixed_vec
 
-    def proxy_codec(self, wt: WProxy, borrow: bool) -> tuple[Encoder, Decoder] | None:
+    def proxy_codec(self, wt: schema.WProxy, borrow: bool) -> tuple[Encoder, Decoder] | None:
         if not issubclass(wt.cls, Bloom):
             return None
         # Bloom's hand-written borsh: the K keys, then the U words, all u64.

@@ -29,25 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from psyche.core.bloom import Bloom
-from psyche.core.serde.schema import (
-    DataEnum,
-    RustEnum,
-    WArray,
-    WBool,
-    WBytes,
-    WDataEnum,
-    WFloat,
-    WInt,
-    WireType,
-    WOption,
-    WProxy,
-    WSeq,
-    WSmallBool,
-    WStr,
-    WStruct,
-    WUnitEnum,
-    wire_type,
-)
+from psyche.core.serde import schema
+from psyche.core.serde.schema import DataEnum, RustEnum, wire_type
 from psyche.solana.borsh import fixed_str_bytes, fixed_str_decode
 
 Encode = Callable[[Any, bytearray, int], None]
@@ -131,53 +114,53 @@ class ReprC:
 
     # ---- compilation ---------------------------------------------------------------------
 
-    def _layout(self, wt: WireType) -> Layout:
+    def _layout(self, wt: schema.WireType) -> Layout:
         cached = self._cache.get(id(wt))
         if cached is None:
             cached = self._build(wt)
             self._cache[id(wt)] = cached
         return cached
 
-    def _build(self, wt: WireType) -> Layout:
-        if isinstance(wt, WInt):
+    def _build(self, wt: schema.WireType) -> Layout:
+        if isinstance(wt, schema.WInt):
             return _primitive(_int_struct(wt.marker.bits, wt.marker.signed), wt.marker.rust_name)
-        if isinstance(wt, WFloat):
+        if isinstance(wt, schema.WFloat):
             return _primitive(_struct.Struct("<f" if wt.bits == 32 else "<d"), f"f{wt.bits}")
-        if isinstance(wt, WBool | WSmallBool):
+        if isinstance(wt, schema.WBool | schema.WSmallBool):
             return _bool_layout()
-        if isinstance(wt, WStr):
+        if isinstance(wt, schema.WStr):
             if wt.capacity is None:
                 raise TypeError("a String has no fixed layout; use Annotated[str, FixedStr(N)]")
             return _fixed_str_layout(wt.capacity)
-        if isinstance(wt, WBytes):
+        if isinstance(wt, schema.WBytes):
             if wt.length is None:
                 raise TypeError(
                     "a Vec<u8> has no fixed layout; use Annotated[bytes, FixedBytes(N)]"
                 )
             return _fixed_bytes_layout(wt.length)
-        if isinstance(wt, WArray):
+        if isinstance(wt, schema.WArray):
             return _array_layout(self._layout(wt.item), wt.length)
-        if isinstance(wt, WSeq):
+        if isinstance(wt, schema.WSeq):
             if wt.capacity is None:
                 raise TypeError("a Vec has no fixed layout; use Annotated[list[T], FixedVec(N)]")
             return _fixed_vec_layout(self._layout(wt.item), wt.capacity)
-        if isinstance(wt, WOption):
+        if isinstance(wt, schema.WOption):
             return _option_layout(self._layout(wt.inner))
-        if isinstance(wt, WStruct):
+        if isinstance(wt, schema.WStruct):
             return self._struct_layout(wt)
-        if isinstance(wt, WUnitEnum):
+        if isinstance(wt, schema.WUnitEnum):
             return _unit_enum_layout(wt.cls, wt.cls in self.rules.u8_enums)
-        if isinstance(wt, WDataEnum):
+        if isinstance(wt, schema.WDataEnum):
             variants = [
                 (var, None if payload is None else self._layout(payload))
                 for var, payload in wt.variants
             ]
             return _data_enum_layout(wt.cls, variants)
-        if isinstance(wt, WProxy) and issubclass(wt.cls, Bloom):
+        if isinstance(wt, schema.WProxy) and issubclass(wt.cls, Bloom):
             return _bloom_layout(wt.cls)
         raise TypeError(f"no repr(C) layout for {wt!r}")
 
-    def _struct_layout(self, wt: WStruct) -> Layout:
+    def _struct_layout(self, wt: schema.WStruct) -> Layout:
         by_name = dict(wt.fields)
         order = self.rules.field_orders.get(wt.cls, tuple(by_name))
         if sorted(order) != sorted(by_name):

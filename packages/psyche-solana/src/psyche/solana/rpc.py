@@ -243,7 +243,8 @@ class SolanaRpcClient:
         result = await self.call(
             "getSignatureStatuses", [[str(signature)], {"searchTransactionHistory": True}]
         )
-        return result["value"][0]
+        status: dict[str, Any] | None = result["value"][0]
+        return status
 
     async def get_transaction_logs(self, signature: Signature) -> list[str]:
         result = await self.call(

@@ -164,7 +164,8 @@ class PostcardCodec(Generic[T]):
         return to_bytes(value, self.tp)
 
     def decode(self, data: bytes | memoryview) -> T:
-        return from_bytes(data, self.tp)
+        value: T = from_bytes(data, self.tp)
+        return value
 
 
 # --------------------------------------------------------------------------------------------
@@ -321,7 +322,8 @@ class FramedStream:
 
     async def _receive_direct(self) -> None:
         frame = self._frame
-        assert frame is not None and self._socket is not None
+        assert frame is not None
+        assert self._socket is not None
         if self._filled == len(frame):
             resize_bytearray(frame, min(self._frame_length, GROWTH * len(frame)))
         with memoryview(frame) as view, view[self._filled :] as free:

@@ -19,25 +19,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from psyche.core.serde.schema import (
-    IntMarker,
-    WArray,
-    WBool,
-    WBytes,
-    WDataEnum,
-    WFloat,
-    WInt,
-    WireType,
-    WOption,
-    WProxy,
-    WSeq,
-    WSmallBool,
-    WStr,
-    WStruct,
-    WTuple,
-    WUnitEnum,
-    wire_type,
-)
+from psyche.core.serde import schema
+from psyche.core.serde.schema import IntMarker, wire_type
 
 Encoder = Callable[[Any, bytearray], None]
 Decoder = Callable[[memoryview, int], tuple[Any, int]]
@@ -49,7 +32,7 @@ class BinaryCodec:
     name = "binary"
     error: type[ValueError] = ValueError
     postcard_fields = False
-    """Whether struct fields declared postcard-only (`WStruct.postcard_fields`) are written."""
+    """Whether struct fields declared postcard-only (`schema.WStruct.postcard_fields`) are written."""
 
     def __init__(self) -> None:
         self._encoders: dict[int, Encoder] = {}
@@ -58,7 +41,7 @@ class BinaryCodec:
         self._building_decoders: dict[tuple[int, bool], Decoder] = {}
         self._lock = threading.RLock()
 
-    def _struct_fields(self, wt: WStruct) -> list[tuple[str, WireType]]:
+    def _struct_fields(self, wt: schema.WStruct) -> list[tuple[str, schema.WireType]]:
         return [*wt.fields, *wt.postcard_fields] if self.postcard_fields else wt.fields
 
     # ---- public API ---------------------------------------------------------------------------
@@ -93,7 +76,7 @@ class BinaryCodec:
 
     # ---- compilation --------------------------------------------------------------------------
 
-    def encoder(self, wt: WireType) -> Encoder:
+    def encoder(self, wt: schema.WireType) -> Encoder:
         key = id(wt)
         enc = self._encoders.get(key)
         if enc is not None:
@@ -113,7 +96,7 @@ class BinaryCodec:
             self._encoders[key] = enc
             return enc
 
-    def decoder(self, wt: WireType, borrow: bool = False) -> Decoder:
+    def decoder(self, wt: schema.WireType, borrow: bool = False) -> Decoder:
         """`borrow=True`: `bytes` fields are read-only views into the input instead of copies."""
         key = (id(wt), borrow)
         dec = self._decoders.get(key)
@@ -156,11 +139,11 @@ class BinaryCodec:
         """Upstream's `FixedString<L>`."""
         raise NotImplementedError
 
-    def fixed_vec_codec(self, wt: WSeq, borrow: bool) -> tuple[Encoder, Decoder] | None:
+    def fixed_vec_codec(self, wt: schema.WSeq, borrow: bool) -> tuple[Encoder, Decoder] | None:
         """Upstream's `FixedVec<T, N>`; None lays it out as a sequence with a capacity check."""
         return None
 
-    def proxy_codec(self, wt: WProxy, borrow: bool) -> tuple[Encoder, Decoder] | None:
+    def proxy_codec(self, wt: schema.WProxy, borrow: bool) -> tuple[Encoder, Decoder] | None:
         """A format-specific layout for a custom type; None uses its serde proxy."""
         return None
 
@@ -184,12 +167,12 @@ class BinaryCodec:
             raise self.error(f"unexpected end of input: needed {n} bytes, {len(b) - p} left")
         return b[p:end], end
 
-    def build_encoder(self, wt: WireType) -> Encoder:
+    def build_encoder(self, wt: schema.WireType) -> Encoder:
         err = self.error
-        if isinstance(wt, WInt):
+        if isinstance(wt, schema.WInt):
             return self.int_codec(wt.marker)[0]
 
-        if isinstance(wt, WFloat):
+        if isinstance(wt, schema.WFloat):
             packf = struct.Struct("<f" if wt.bits == 32 else "<d").pack
             bits = wt.bits
 
@@ -201,14 +184,14 @@ class BinaryCodec:
 
             return enc_float
 
-        if isinstance(wt, WBool | WSmallBool):
+        if isinstance(wt, schema.WBool | schema.WSmallBool):
 
             def enc_bool(v: Any, out: bytearray) -> None:
                 out.append(1 if v else 0)
 
             return enc_bool
 
-        if isinstance(wt, WStr):
+        if isinstance(wt, schema.WStr):
             if wt.capacity is not None:
                 return self.fixed_str_codec(wt.capacity)[0]
             encode_len = self.encode_len
@@ -220,7 +203,7 @@ class BinaryCodec:
 
             return enc_str
 
-        if isinstance(wt, WBytes):
+        if isinstance(wt, schema.WBytes):
             length = wt.length
             if length is not None:
 
@@ -238,7 +221,7 @@ class BinaryCodec:
 
             return enc_bytes
 
-        if isinstance(wt, WOption):
+        if isinstance(wt, schema.WOption):
             inner = self.encoder(wt.inner)
 
             def enc_option(v: Any, out: bytearray) -> None:
@@ -250,7 +233,7 @@ class BinaryCodec:
 
             return enc_option
 
-        if isinstance(wt, WSeq):
+        if isinstance(wt, schema.WSeq):
             if wt.capacity is not None:
                 custom = self.fixed_vec_codec(wt, False)
                 if custom is not None:
@@ -268,7 +251,7 @@ class BinaryCodec:
 
             return enc_seq
 
-        if isinstance(wt, WArray):
+        if isinstance(wt, schema.WArray):
             item = self.encoder(wt.item)
             length = wt.length
 
@@ -280,7 +263,7 @@ class BinaryCodec:
 
             return enc_array
 
-        if isinstance(wt, WTuple):
+        if isinstance(wt, schema.WTuple):
             items = [self.encoder(i) for i in wt.items]
 
             def enc_tuple(v: Any, out: bytearray) -> None:
@@ -291,7 +274,7 @@ class BinaryCodec:
 
             return enc_tuple
 
-        if isinstance(wt, WStruct):
+        if isinstance(wt, schema.WStruct):
             fields = [(name, self.encoder(f)) for name, f in self._struct_fields(wt)]
 
             def enc_struct(v: Any, out: bytearray) -> None:
@@ -300,7 +283,7 @@ class BinaryCodec:
 
             return enc_struct
 
-        if isinstance(wt, WUnitEnum):
+        if isinstance(wt, schema.WUnitEnum):
             enum_cls = wt.cls
             encode_tag = self.encode_tag
 
@@ -311,7 +294,7 @@ class BinaryCodec:
 
             return enc_unit_enum
 
-        if isinstance(wt, WDataEnum):
+        if isinstance(wt, schema.WDataEnum):
             table = {
                 var: (var.index, None if payload is None else self.encoder(payload))
                 for var, payload in wt.variants
@@ -330,7 +313,7 @@ class BinaryCodec:
 
             return enc_data_enum
 
-        if isinstance(wt, WProxy):
+        if isinstance(wt, schema.WProxy):
             custom = self.proxy_codec(wt, False)
             if custom is not None:
                 return custom[0]
@@ -344,12 +327,12 @@ class BinaryCodec:
 
         raise TypeError(f"no {self.name} encoder for {wt!r}")
 
-    def build_decoder(self, wt: WireType, borrow: bool) -> Decoder:
+    def build_decoder(self, wt: schema.WireType, borrow: bool) -> Decoder:
         err = self.error
-        if isinstance(wt, WInt):
+        if isinstance(wt, schema.WInt):
             return self.int_codec(wt.marker)[1]
 
-        if isinstance(wt, WFloat):
+        if isinstance(wt, schema.WFloat):
             s = struct.Struct("<f" if wt.bits == 32 else "<d")
             size, unpackf = s.size, s.unpack_from
 
@@ -360,7 +343,7 @@ class BinaryCodec:
 
             return dec_float
 
-        if isinstance(wt, WBool):
+        if isinstance(wt, schema.WBool):
 
             def dec_bool(b: memoryview, p: int) -> tuple[bool, int]:
                 if p >= len(b):
@@ -372,7 +355,7 @@ class BinaryCodec:
 
             return dec_bool
 
-        if isinstance(wt, WSmallBool):
+        if isinstance(wt, schema.WSmallBool):
             # Upstream's SmallBoolean is a u8: any non-zero value reads as true.
             def dec_small_bool(b: memoryview, p: int) -> tuple[bool, int]:
                 if p >= len(b):
@@ -381,7 +364,7 @@ class BinaryCodec:
 
             return dec_small_bool
 
-        if isinstance(wt, WStr):
+        if isinstance(wt, schema.WStr):
             if wt.capacity is not None:
                 return self.fixed_str_codec(wt.capacity)[1]
             decode_len, take = self.decode_len, self.take
@@ -396,7 +379,7 @@ class BinaryCodec:
 
             return dec_str
 
-        if isinstance(wt, WBytes):
+        if isinstance(wt, schema.WBytes):
             take_bytes: Callable[[memoryview, int, int], tuple[Any, int]] = (
                 self.take_view if borrow else self.take
             )
@@ -415,7 +398,7 @@ class BinaryCodec:
 
             return dec_bytes
 
-        if isinstance(wt, WOption):
+        if isinstance(wt, schema.WOption):
             inner = self.decoder(wt.inner, borrow)
 
             def dec_option(b: memoryview, p: int) -> tuple[Any, int]:
@@ -430,7 +413,7 @@ class BinaryCodec:
 
             return dec_option
 
-        if isinstance(wt, WSeq):
+        if isinstance(wt, schema.WSeq):
             if wt.capacity is not None:
                 custom = self.fixed_vec_codec(wt, borrow)
                 if custom is not None:
@@ -455,7 +438,7 @@ class BinaryCodec:
 
             return dec_seq
 
-        if isinstance(wt, WArray):
+        if isinstance(wt, schema.WArray):
             item = self.decoder(wt.item, borrow)
             length = wt.length
 
@@ -468,7 +451,7 @@ class BinaryCodec:
 
             return dec_array
 
-        if isinstance(wt, WTuple):
+        if isinstance(wt, schema.WTuple):
             items = [self.decoder(i, borrow) for i in wt.items]
 
             def dec_tuple(b: memoryview, p: int) -> tuple[tuple[Any, ...], int]:
@@ -480,7 +463,7 @@ class BinaryCodec:
 
             return dec_tuple
 
-        if isinstance(wt, WStruct):
+        if isinstance(wt, schema.WStruct):
             fields = [(name, self.decoder(f, borrow)) for name, f in self._struct_fields(wt)]
             cls = wt.cls
 
@@ -495,7 +478,7 @@ class BinaryCodec:
 
             return dec_struct
 
-        if isinstance(wt, WUnitEnum):
+        if isinstance(wt, schema.WUnitEnum):
             members = list(wt.cls)
             enum_name = wt.cls.__name__
             decode_tag = self.decode_tag
@@ -508,7 +491,7 @@ class BinaryCodec:
 
             return dec_unit_enum
 
-        if isinstance(wt, WDataEnum):
+        if isinstance(wt, schema.WDataEnum):
             # A variant class takes its payload (`_NewtypeVariant`) or nothing (`_UnitVariant`).
             table: list[tuple[Callable[..., Any], Decoder | None]] = [
                 (var, None if payload is None else self.decoder(payload, borrow))
@@ -529,7 +512,7 @@ class BinaryCodec:
 
             return dec_data_enum
 
-        if isinstance(wt, WProxy):
+        if isinstance(wt, schema.WProxy):
             custom = self.proxy_codec(wt, borrow)
             if custom is not None:
                 return custom[1]

@@ -22,6 +22,7 @@ from pydantic_core import PydanticCustomError, core_schema
 
 from psyche.core.fixed import fixed_str_serialize
 from psyche.core.numeric import I64_MAX, f32_shortest_repr, to_f32
+from psyche.core.serde import schema
 from psyche.core.serde.schema import Array as _ArrayMarker
 from psyche.core.serde.schema import (
     DataEnum,
@@ -32,21 +33,7 @@ from psyche.core.serde.schema import (
     IntMarker,
     RustEnum,
     SerdeProxy,
-    WArray,
-    WBool,
-    WBytes,
-    WDataEnum,
-    WFloat,
-    WInt,
-    WireType,
-    WOption,
-    WProxy,
-    WSeq,
-    WSmallBool,
-    WStr,
-    WStruct,
-    WTuple,
-    WUnitEnum,
+    SizedListMarker,
     wire_type,
 )
 
@@ -63,46 +50,46 @@ def to_obj(value: Any, tp: Any = None, *, json: bool = False) -> Any:
     return _to_obj(value, wire_type(type(value) if tp is None else tp), json)
 
 
-def _to_obj(v: Any, wt: WireType, json: bool = False) -> Any:
-    if isinstance(wt, WInt):
+def _to_obj(v: Any, wt: schema.WireType, json: bool = False) -> Any:
+    if isinstance(wt, schema.WInt):
         if not json and not wt.marker.signed and wt.marker.bits == 64 and v > I64_MAX:
             return str(v)
         return v
-    if isinstance(wt, WFloat):
+    if isinstance(wt, schema.WFloat):
         if wt.bits == 32:
             return float(f32_shortest_repr(v))
         return float(v)
-    if isinstance(wt, WBool):
+    if isinstance(wt, schema.WBool):
         return bool(v)
-    if isinstance(wt, WSmallBool):
+    if isinstance(wt, schema.WSmallBool):
         return 1 if v else 0
-    if isinstance(wt, WStr):
+    if isinstance(wt, schema.WStr):
         return v if wt.capacity is None else fixed_str_serialize(v, wt.capacity)
-    if isinstance(wt, WBytes):
+    if isinstance(wt, schema.WBytes):
         return list(v)
-    if isinstance(wt, WOption):
+    if isinstance(wt, schema.WOption):
         return None if v is None else _to_obj(v, wt.inner, json)
-    if isinstance(wt, WSeq | WArray):
+    if isinstance(wt, schema.WSeq | schema.WArray):
         return [_to_obj(x, wt.item, json) for x in v]
-    if isinstance(wt, WTuple):
+    if isinstance(wt, schema.WTuple):
         return [_to_obj(x, t, json) for x, t in zip(v, wt.items)]
-    if isinstance(wt, WStruct):
+    if isinstance(wt, schema.WStruct):
         out = {}
         for name, ft in (*wt.fields, *wt.local_fields, *wt.postcard_fields):
             item = _to_obj(getattr(v, name), ft, json)
             if item is not None or json:
                 out[name] = item
         return out
-    if isinstance(wt, WUnitEnum):
+    if isinstance(wt, schema.WUnitEnum):
         return v.name
-    if isinstance(wt, WDataEnum):
+    if isinstance(wt, schema.WDataEnum):
         for var, payload in wt.variants:
             if type(v) is var:
                 if payload is None:
                     return var.variant_name
                 return {var.variant_name: _to_obj(v.value, payload, json)}
         raise TypeError(f"{v!r} is not a {wt.cls.__name__}")
-    if isinstance(wt, WProxy):
+    if isinstance(wt, schema.WProxy):
         return _to_obj(wt.to_proxy(v), wt.proxy, json)
     raise TypeError(f"cannot serialize {wt!r}")
 
@@ -143,18 +130,18 @@ def from_obj(obj: Any, tp: Any, *, source: str | None = None) -> Any:
         raise SerdeError([_describe(err) for err in e.errors()], source) from None
 
 
-def _prepare(obj: Any, wt: WireType) -> Any:
+def _prepare(obj: Any, wt: schema.WireType) -> Any:
     """Bring serde's readings that pydantic does not know into `obj` before validation:
 
     * a struct's missing `Option` field reads as None (and `to_obj` leaves None out);
     * a `Vec<u8>` (`bytes`) is an array of integers, as `to_obj` writes it.
 
     Returns a copy where anything changed; the caller's object is never modified."""
-    if isinstance(wt, WBytes) and wt.length is None and isinstance(obj, list):
+    if isinstance(wt, schema.WBytes) and wt.length is None and isinstance(obj, list):
         if all(type(x) is int and 0 <= x <= 255 for x in obj):
             return bytes(obj)
         return obj
-    if isinstance(wt, WStruct) and isinstance(obj, dict):
+    if isinstance(wt, schema.WStruct) and isinstance(obj, dict):
         out = None
         optional = _options_without_default(wt.cls)
         for name, ft in (*wt.fields, *wt.local_fields, *wt.postcard_fields):
@@ -168,23 +155,23 @@ def _prepare(obj: Any, wt: WireType) -> Any:
                 out = dict(obj) if out is None else out
                 out[name] = item
         return obj if out is None else out
-    if isinstance(wt, WOption):
+    if isinstance(wt, schema.WOption):
         return obj if obj is None else _prepare(obj, wt.inner)
-    if isinstance(wt, WSeq | WArray) and isinstance(obj, list):
+    if isinstance(wt, schema.WSeq | schema.WArray) and isinstance(obj, list):
         items = [_prepare(x, wt.item) for x in obj]
         return obj if all(a is b for a, b in zip(items, obj)) else items
-    if isinstance(wt, WTuple) and isinstance(obj, list | tuple):
+    if isinstance(wt, schema.WTuple) and isinstance(obj, list | tuple):
         items = [_prepare(x, t) for x, t in zip(obj, wt.items)]
         items.extend(obj[len(items) :])
         return obj if all(a is b for a, b in zip(items, obj)) else type(obj)(items)
-    if isinstance(wt, WDataEnum) and isinstance(obj, dict) and len(obj) == 1:
+    if isinstance(wt, schema.WDataEnum) and isinstance(obj, dict) and len(obj) == 1:
         ((tag, payload),) = obj.items()
         for var, payload_wt in wt.variants:
             if var.variant_name == tag and payload_wt is not None:
                 item = _prepare(payload, payload_wt)
                 return obj if item is payload else {tag: item}
         return obj
-    if isinstance(wt, WProxy):
+    if isinstance(wt, schema.WProxy):
         return _prepare(obj, wt.proxy)
     return obj
 
@@ -193,12 +180,12 @@ def _prepare(obj: Any, wt: WireType) -> Any:
 def _options_without_default(cls: type) -> frozenset[str]:
     """Fields of type `T | None` that have no Python default (a default wins over None)."""
     wt = wire_type(cls)
-    assert isinstance(wt, WStruct)
+    assert isinstance(wt, schema.WStruct)
     kinds = dict((*wt.fields, *wt.local_fields, *wt.postcard_fields))
     return frozenset(
         f.name
         for f in dataclasses.fields(cls)
-        if isinstance(kinds.get(f.name), WOption)
+        if isinstance(kinds.get(f.name), schema.WOption)
         and f.default is dataclasses.MISSING
         and f.default_factory is dataclasses.MISSING
     )
@@ -365,10 +352,14 @@ def bytes_schema(marker: FixedBytes | None) -> core_schema.CoreSchema:
 
 
 def sized_list_schema(
-    inner: core_schema.CoreSchema, marker: FixedVec | _ArrayMarker
+    inner: core_schema.CoreSchema, marker: SizedListMarker
 ) -> core_schema.CoreSchema:
-    exact = isinstance(marker, _ArrayMarker)
-    bound = marker.length if isinstance(marker, _ArrayMarker) else marker.capacity
+    if isinstance(marker, _ArrayMarker):
+        exact, bound = True, marker.length
+    elif isinstance(marker, FixedVec):
+        exact, bound = False, marker.capacity
+    else:
+        raise TypeError(f"not a list size marker: {marker!r}")
 
     def check(v: list[Any]) -> list[Any]:
         if exact and len(v) != bound:
@@ -433,11 +424,13 @@ def data_enum_schema(cls: type[DataEnum], handler: Any) -> core_schema.CoreSchem
 
     def tag_of(v: Any) -> str | None:
         if isinstance(v, enum_cls):
-            return type(v).variant_name
+            name: str = type(v).variant_name
+            return name
         if isinstance(v, str):
             return v
         if isinstance(v, dict) and len(v) == 1:
-            return next(iter(v))
+            key: str = next(iter(v))
+            return key
         return None
 
     def check(v: Any) -> Any:

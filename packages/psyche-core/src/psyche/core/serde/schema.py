@@ -108,8 +108,17 @@ class FixedBytes:
         return obj.bytes_schema(self)
 
 
+class SizedListMarker:
+    """A list marker whose pydantic schema checks the list's size (`FixedVec`, `Array`)."""
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: Any) -> Any:
+        from psyche.core.serde import obj
+
+        return obj.sized_list_schema(handler(source), self)
+
+
 @dataclass(frozen=True)
-class FixedVec:
+class FixedVec(SizedListMarker):
     """Upstream `FixedVec<T, N>`: a sequence of at most N items.
 
     Written `Annotated[list[Client], FixedVec(256)]` (a type checker sees the list).
@@ -117,25 +126,15 @@ class FixedVec:
 
     capacity: int
 
-    def __get_pydantic_core_schema__(self, source: Any, handler: Any) -> Any:
-        from psyche.core.serde import obj
-
-        return obj.sized_list_schema(handler(source), self)
-
 
 @dataclass(frozen=True)
-class Array:
+class Array(SizedListMarker):
     """`[T; N]`: exactly N items, no length prefix in postcard.
 
     Written `Annotated[list[Round], Array(4)]` (a type checker sees the list).
     """
 
     length: int
-
-    def __get_pydantic_core_schema__(self, source: Any, handler: Any) -> Any:
-        from psyche.core.serde import obj
-
-        return obj.sized_list_schema(handler(source), self)
 
 
 U8 = Annotated[int, IntMarker(8, False)]
@@ -226,7 +225,7 @@ def struct(
                 if user_post_init is not None:
                     user_post_init(self)
 
-            c.__post_init__ = __post_init__  # type: ignore[attr-defined]
+            setattr(c, "__post_init__", __post_init__)  # noqa: B010 (a method mypy cannot see)
         dc: type[Any] = dataclass(c, frozen=frozen, eq=eq, kw_only=kw_only)
         dc.__pydantic_config__ = ConfigDict(extra="forbid")
         return dc

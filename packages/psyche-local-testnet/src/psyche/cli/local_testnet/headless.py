@@ -31,6 +31,7 @@ from typing import IO, Any
 import trio
 
 from psyche.cli.local_testnet.commands import Command, TestnetPlan, pick_victims
+from psyche.core.cli import short_duration
 
 STOP_GRACE_SECONDS = 10.0
 SERVER_START_TIMEOUT = 120.0
@@ -72,7 +73,7 @@ class Supervisor:
         env["PYTHONUNBUFFERED"] = "1"
         if self._log_dir is not None and child._log is None:
             child.log_path = self._log_dir / f"{child.name}.txt"
-            child._log = open(child.log_path, "ab")  # noqa: SIM115 (closed in close())
+            child._log = open(child.log_path, "ab")  # noqa: SIM115, ASYNC230 (closed in close(); a local log)
         child.process = await trio.lowlevel.open_process(
             list(child.command.argv),
             stdin=subprocess.DEVNULL,
@@ -216,16 +217,11 @@ def _outcome(
         supervisor.echo("testnet", f"the run did not end cleanly: {'; '.join(failed)}")
         return 1
     clients = len(children) - 1
-    line = f"done in {_duration(seconds)}: the server and {clients} clients exited 0"
+    line = f"done in {short_duration(seconds)}: the server and {clients} clients exited 0"
     if plan.checkpoint_dir is not None:
         line += f"; client-1 saved the model under {plan.checkpoint_dir.absolute()}"
     supervisor.echo("testnet", line)
     return 0
-
-
-def _duration(seconds: float) -> str:
-    minutes, secs = divmod(round(seconds), 60)
-    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
 
 
 async def run_headless(

@@ -34,7 +34,7 @@ from psyche.modeling.adamw import LibtorchAdamW
 from psyche.modeling.causal_lm import clip_grad_norm_native
 from psyche.modeling.diloco.optimizer import Diloco, DilocoSettings
 from psyche.modeling.distro import DistroResult
-from psyche.modeling.lr import Schedule
+from psyche.modeling.lr import Schedule, lr_function
 from psyche.modeling.screening import (
     RoundTamper,
     ScreeningSettings,
@@ -42,14 +42,6 @@ from psyche.modeling.screening import (
     simulate_round,
 )
 from psyche.modeling.serialized_distro import decode_transmittable, transmittable_distro_result
-
-
-def _lr_fn(lr: float | Schedule | Callable[[int], float]) -> Callable[[int], float]:
-    if isinstance(lr, int | float):
-        value = float(lr)
-        return lambda _step: value
-    get = getattr(lr, "get_lr", None)
-    return get if get is not None else lr  # type: ignore[return-value]
 
 
 def _base_lr(lr: object) -> float | None:
@@ -105,7 +97,7 @@ class DilocoPeerSimulation:
         if not models:
             raise ValueError("at least one replica is needed")
         self.settings = settings or DilocoSettings()
-        self.lr = _lr_fn(lr)
+        self.lr = lr_function(lr)
         self.through_wire = through_wire
         self.overlap = overlap
         self.lookahead = lookahead and overlap

@@ -7,6 +7,7 @@ prompts and scores from documents alone, so tasks never see a model or a tokeniz
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 ASCII_UPPERCASE: tuple[str, ...] = tuple("ABCDEFGHIJKLMNOPQRSTUVWXYZ")
 
@@ -44,10 +45,10 @@ class Document:
     eval_name: str
 
 
-def field(row: object, name: str) -> object:
+def field(row: Any, name: str) -> object:
     """`row[name]`, or a `DocumentError` that names the column."""
     try:
-        return row[name]  # type: ignore[index]
+        return row[name]
     except (KeyError, TypeError, IndexError) as e:
         raise DocumentError(f"dataset row has no column {name!r}") from e
 

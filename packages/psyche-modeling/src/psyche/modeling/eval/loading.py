@@ -76,7 +76,8 @@ def read_rows(path: Path) -> list[Row]:
                 "reading parquet evaluation datasets needs pyarrow: "
                 "pip install 'psyche-modeling[eval]'"
             ) from e
-        return pq.read_table(path).to_pylist()
+        table_rows: list[dict[str, Any]] = pq.read_table(path).to_pylist()
+        return table_rows
     except DatasetLoadError:
         raise
     except (OSError, ValueError) as e:

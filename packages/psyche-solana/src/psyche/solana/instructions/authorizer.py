@@ -19,7 +19,7 @@ from psyche.solana.instructions.spec import (
     writable,
     writable_signer,
 )
-from psyche.solana.program_ids import DEFAULT_PROGRAM_IDS, SYSTEM_PROGRAM_ID, ProgramIds
+from psyche.solana.program_ids import DEFAULT_PROGRAM_IDS, ProgramIds
 from psyche.solana.pubkey import Pubkey, pubkey_bytes
 from psyche.solana.state import JOIN_RUN_AUTHORIZATION_SCOPE
 
@@ -130,13 +130,12 @@ def authorizer_authorization_create(
     scope: bytes = JOIN_RUN_AUTHORIZATION_SCOPE,
     ids: ProgramIds = DEFAULT_PROGRAM_IDS,
 ) -> Instruction:
-    return SPECS["authorization_create"].build(
-        ids.authorizer,
+    return SPECS["authorization_create"].call(
+        ids,
         {
             "payer": payer,
             "grantor": grantor,
             "authorization": pda.find_authorization(grantor, grantee, scope, ids),
-            "system_program": SYSTEM_PROGRAM_ID,
         },
         AuthorizationCreateArgs(AuthorizationCreateParams(pubkey_bytes(grantee), bytes(scope))),
     )
@@ -149,8 +148,8 @@ def authorizer_authorization_grantor_update(
     active: bool,
     ids: ProgramIds = DEFAULT_PROGRAM_IDS,
 ) -> Instruction:
-    return SPECS["authorization_grantor_update"].build(
-        ids.authorizer,
+    return SPECS["authorization_grantor_update"].call(
+        ids,
         {"grantor": grantor, "authorization": pda.find_authorization(grantor, grantee, scope, ids)},
         AuthorizationGrantorUpdateArgs(AuthorizationGrantorUpdateParams(active)),
     )
@@ -165,13 +164,12 @@ def authorizer_authorization_grantee_update(
     delegates_added: list[Any],
     ids: ProgramIds = DEFAULT_PROGRAM_IDS,
 ) -> Instruction:
-    return SPECS["authorization_grantee_update"].build(
-        ids.authorizer,
+    return SPECS["authorization_grantee_update"].call(
+        ids,
         {
             "payer": payer,
             "grantee": grantee,
             "authorization": pda.find_authorization(grantor, grantee, scope, ids),
-            "system_program": SYSTEM_PROGRAM_ID,
         },
         AuthorizationGranteeUpdateArgs(
             AuthorizationGranteeUpdateParams(
@@ -188,13 +186,12 @@ def authorizer_authorization_close(
     spill: Any,
     ids: ProgramIds = DEFAULT_PROGRAM_IDS,
 ) -> Instruction:
-    return SPECS["authorization_close"].build(
-        ids.authorizer,
+    return SPECS["authorization_close"].call(
+        ids,
         {
             "grantor": grantor,
             "spill": spill,
             "authorization": pda.find_authorization(grantor, grantee, scope, ids),
-            "system_program": SYSTEM_PROGRAM_ID,
         },
         AuthorizationCloseArgs(),
     )

@@ -27,7 +27,7 @@ from psyche.solana.instructions.spec import (
     writable,
     writable_signer,
 )
-from psyche.solana.program_ids import DEFAULT_PROGRAM_IDS, SYSTEM_PROGRAM_ID, ProgramIds
+from psyche.solana.program_ids import DEFAULT_PROGRAM_IDS, ProgramIds
 from psyche.solana.pubkey import Pubkey, pubkey_bytes
 from psyche.solana.state import RunMetadata
 
@@ -233,13 +233,12 @@ def coordinator_init_coordinator(
     join_authority: Any,
     ids: ProgramIds = DEFAULT_PROGRAM_IDS,
 ) -> Instruction:
-    return SPECS["init_coordinator"].build(
-        ids.coordinator,
+    return SPECS["init_coordinator"].call(
+        ids,
         {
             "payer": payer,
             "coordinator_instance": pda.find_coordinator_instance(run_id, ids),
             "coordinator_account": coordinator_account,
-            "system_program": SYSTEM_PROGRAM_ID,
         },
         InitCoordinatorArgs(
             InitCoordinatorParams(
@@ -256,8 +255,8 @@ def coordinator_close_run(
     ids: ProgramIds = DEFAULT_PROGRAM_IDS,
 ) -> Instruction:
     """`free_coordinator` with the rent going back to the main authority."""
-    return SPECS["free_coordinator"].build(
-        ids.coordinator,
+    return SPECS["free_coordinator"].call(
+        ids,
         {
             "authority": main_authority,
             "spill": main_authority,
@@ -288,8 +287,8 @@ def coordinator_update(
     progress: CoordinatorProgress | None = None,
     ids: ProgramIds = DEFAULT_PROGRAM_IDS,
 ) -> Instruction:
-    return SPECS["update"].build(
-        ids.coordinator,
+    return SPECS["update"].call(
+        ids,
         _owner_accounts(run_id, coordinator_account, main_authority, ids),
         UpdateArgs(metadata=metadata, config=config, model=model, progress=progress),
     )
@@ -302,8 +301,8 @@ def coordinator_update_client_version(
     new_version: str,
     ids: ProgramIds = DEFAULT_PROGRAM_IDS,
 ) -> Instruction:
-    return SPECS["update_client_version"].build(
-        ids.coordinator,
+    return SPECS["update_client_version"].call(
+        ids,
         _owner_accounts(run_id, coordinator_account, main_authority, ids),
         UpdateClientVersionArgs(new_version),
     )
@@ -317,8 +316,8 @@ def coordinator_set_future_epoch_rates(
     epoch_slashing_rate_per_client: int | None,
     ids: ProgramIds = DEFAULT_PROGRAM_IDS,
 ) -> Instruction:
-    return SPECS["set_future_epoch_rates"].build(
-        ids.coordinator,
+    return SPECS["set_future_epoch_rates"].call(
+        ids,
         _owner_accounts(run_id, coordinator_account, main_authority, ids),
         SetFutureEpochRatesArgs(epoch_earning_rate_total_shared, epoch_slashing_rate_per_client),
     )
@@ -331,8 +330,8 @@ def coordinator_set_paused(
     paused: bool,
     ids: ProgramIds = DEFAULT_PROGRAM_IDS,
 ) -> Instruction:
-    return SPECS["set_paused"].build(
-        ids.coordinator,
+    return SPECS["set_paused"].call(
+        ids,
         _owner_accounts(run_id, coordinator_account, main_authority, ids),
         SetPausedArgs(paused),
     )
@@ -346,8 +345,8 @@ def coordinator_join_run(
     ids: ProgramIds = DEFAULT_PROGRAM_IDS,
 ) -> Instruction:
     """`join_run`, signed by the client's wallet (the identity's signer key)."""
-    return SPECS["join_run"].build(
-        ids.coordinator,
+    return SPECS["join_run"].call(
+        ids,
         {
             "user": SoldersPubkey.from_bytes(client_id.signer),
             "authorization": authorization,
@@ -366,8 +365,8 @@ def _permissionless(
     args: Any,
     ids: ProgramIds,
 ) -> Instruction:
-    return SPECS[name].build(
-        ids.coordinator,
+    return SPECS[name].call(
+        ids,
         {
             "user": user,
             "coordinator_instance": coordinator_instance,

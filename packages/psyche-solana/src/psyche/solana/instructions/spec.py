@@ -15,6 +15,12 @@ from solders.instruction import AccountMeta, Instruction
 
 from psyche.solana.anchor import DISCRIMINATOR_LEN, instruction_discriminator
 from psyche.solana.borsh import BorshError, take_borsh, to_borsh
+from psyche.solana.program_ids import (
+    ASSOCIATED_TOKEN_PROGRAM_ID,
+    SYSTEM_PROGRAM_ID,
+    TOKEN_PROGRAM_ID,
+    ProgramIds,
+)
 from psyche.solana.pubkey import to_solders
 
 
@@ -83,6 +89,24 @@ class InstructionSpec:
 
     def build(self, program_id: Any, accounts: Mapping[str, Any], args: Any) -> Instruction:
         return Instruction(to_solders(program_id), self.encode(args), self.metas(accounts))
+
+    def call(self, ids: ProgramIds, accounts: Mapping[str, Any], args: Any) -> Instruction:
+        """This instruction of its program as `ids` deploys it, with the program accounts it
+        names (system, token, associated token, coordinator) filled in: `accounts` gives the
+        others."""
+        names = {a.name for a in self.accounts}
+        known = {k: v for k, v in program_accounts(ids).items() if k in names}
+        return self.build(getattr(ids, self.program), {**known, **accounts}, args)
+
+
+def program_accounts(ids: ProgramIds) -> dict[str, Any]:
+    """The accounts that are a program, by the name every instruction gives them."""
+    return {
+        "system_program": SYSTEM_PROGRAM_ID,
+        "token_program": TOKEN_PROGRAM_ID,
+        "associated_token_program": ASSOCIATED_TOKEN_PROGRAM_ID,
+        "coordinator_program": ids.coordinator,
+    }
 
 
 def by_name(*specs: InstructionSpec) -> dict[str, InstructionSpec]:

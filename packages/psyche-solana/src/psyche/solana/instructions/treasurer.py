@@ -23,10 +23,7 @@ from psyche.solana.instructions.spec import (
     writable_signer,
 )
 from psyche.solana.program_ids import (
-    ASSOCIATED_TOKEN_PROGRAM_ID,
     DEFAULT_PROGRAM_IDS,
-    SYSTEM_PROGRAM_ID,
-    TOKEN_PROGRAM_ID,
     ProgramIds,
 )
 from psyche.solana.pubkey import Pubkey, pubkey_bytes
@@ -169,8 +166,8 @@ def treasurer_run_create(
     ids: ProgramIds = DEFAULT_PROGRAM_IDS,
 ) -> Instruction:
     run = pda.find_run(treasurer_index, ids)
-    return SPECS["run_create"].build(
-        ids.treasurer,
+    return SPECS["run_create"].call(
+        ids,
         {
             "payer": payer,
             "run": run,
@@ -178,10 +175,6 @@ def treasurer_run_create(
             "collateral_mint": collateral_mint,
             "coordinator_instance": pda.find_coordinator_instance(run_id, ids),
             "coordinator_account": coordinator_account,
-            "coordinator_program": ids.coordinator,
-            "associated_token_program": ASSOCIATED_TOKEN_PROGRAM_ID,
-            "token_program": TOKEN_PROGRAM_ID,
-            "system_program": SYSTEM_PROGRAM_ID,
         },
         RunCreateArgs(
             RunCreateParams(
@@ -203,14 +196,13 @@ def treasurer_run_update(
     params: RunUpdateParams,
     ids: ProgramIds = DEFAULT_PROGRAM_IDS,
 ) -> Instruction:
-    return SPECS["run_update"].build(
-        ids.treasurer,
+    return SPECS["run_update"].call(
+        ids,
         {
             "authority": main_authority,
             "run": pda.find_run(treasurer_index, ids),
             "coordinator_instance": pda.find_coordinator_instance(run_id, ids),
             "coordinator_account": coordinator_account,
-            "coordinator_program": ids.coordinator,
         },
         RunUpdateArgs(params),
     )
@@ -220,14 +212,13 @@ def treasurer_participant_create(
     payer: Any, treasurer_index: int, user: Any, ids: ProgramIds = DEFAULT_PROGRAM_IDS
 ) -> Instruction:
     run = pda.find_run(treasurer_index, ids)
-    return SPECS["participant_create"].build(
-        ids.treasurer,
+    return SPECS["participant_create"].call(
+        ids,
         {
             "payer": payer,
             "user": user,
             "run": run,
             "participant": pda.find_participant(run, user, ids),
-            "system_program": SYSTEM_PROGRAM_ID,
         },
         ParticipantCreateArgs(),
     )
@@ -242,8 +233,8 @@ def treasurer_participant_claim(
     ids: ProgramIds = DEFAULT_PROGRAM_IDS,
 ) -> Instruction:
     run = pda.find_run(treasurer_index, ids)
-    return SPECS["participant_claim"].build(
-        ids.treasurer,
+    return SPECS["participant_claim"].call(
+        ids,
         {
             "user": user,
             "user_collateral": pda.associated_token_address(user, collateral_mint),
@@ -251,7 +242,6 @@ def treasurer_participant_claim(
             "run_collateral": pda.associated_token_address(run, collateral_mint),
             "coordinator_account": coordinator_account,
             "participant": pda.find_participant(run, user, ids),
-            "token_program": TOKEN_PROGRAM_ID,
         },
         ParticipantClaimArgs(ParticipantClaimParams(claim_earned_points)),
     )

@@ -21,6 +21,7 @@ from psyche.solana.localnet.runtime import (
     realloc,
     require,
     require_mut,
+    require_payer,
     require_program,
     require_signer,
     require_system_account,
@@ -44,12 +45,12 @@ def _load(ctx: InvokeContext, accounts: Accounts) -> Authorization:
 
 
 def _create(
-    ctx: InvokeContext, accounts: Accounts, args: authorizer_ix.AuthorizationCreateArgs
+    ctx: InvokeContext,
+    accounts: Accounts,
+    args: authorizer_ix.AuthorizationCreateArgs,
 ) -> None:
     params = args.params
-    payer, grantor = accounts["payer"], accounts["grantor"]
-    require_signer(payer, "payer")
-    require_mut(payer, "payer")
+    payer, grantor = require_payer(accounts), accounts["grantor"]
     require_signer(grantor, "grantor")
     meta = accounts["authorization"]
     bump = init_pda(
@@ -76,7 +77,9 @@ def _create(
 
 
 def _grantor_update(
-    ctx: InvokeContext, accounts: Accounts, args: authorizer_ix.AuthorizationGrantorUpdateArgs
+    ctx: InvokeContext,
+    accounts: Accounts,
+    args: authorizer_ix.AuthorizationGrantorUpdateArgs,
 ) -> None:
     grantor = accounts["grantor"]
     require_signer(grantor, "grantor")
@@ -88,12 +91,12 @@ def _grantor_update(
 
 
 def _grantee_update(
-    ctx: InvokeContext, accounts: Accounts, args: authorizer_ix.AuthorizationGranteeUpdateArgs
+    ctx: InvokeContext,
+    accounts: Accounts,
+    args: authorizer_ix.AuthorizationGranteeUpdateArgs,
 ) -> None:
     params = args.params
-    payer, grantee = accounts["payer"], accounts["grantee"]
-    require_signer(payer, "payer")
-    require_mut(payer, "payer")
+    payer, grantee = require_payer(accounts), accounts["grantee"]
     require_signer(grantee, "grantee")
     authorization = _load(ctx, accounts)
     require(authorization.grantee == bytes(grantee.pubkey), "authorization")
@@ -110,7 +113,9 @@ def _grantee_update(
 
 
 def _close(
-    ctx: InvokeContext, accounts: Accounts, args: authorizer_ix.AuthorizationCloseArgs
+    ctx: InvokeContext,
+    accounts: Accounts,
+    args: authorizer_ix.AuthorizationCloseArgs,
 ) -> None:
     grantor, spill = accounts["grantor"], accounts["spill"]
     require_signer(grantor, "grantor")

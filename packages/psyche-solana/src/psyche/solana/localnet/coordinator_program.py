@@ -37,6 +37,7 @@ from psyche.solana.localnet.runtime import (
     require,
     require_mut,
     require_owner,
+    require_payer,
     require_program,
     require_seeds,
     require_signer,
@@ -109,7 +110,11 @@ def _load_instance(ctx: InvokeContext, meta: AccountMeta) -> CoordinatorInstance
 
 
 def _check_account(
-    ctx: InvokeContext, meta: AccountMeta, instance: CoordinatorInstance, *, version: bool = True
+    ctx: InvokeContext,
+    meta: AccountMeta,
+    instance: CoordinatorInstance,
+    *,
+    version: bool = True,
 ) -> bytes:
     """`AccountLoader<CoordinatorAccount>`, `mut`, the instance's account, version 1."""
     require_mut(meta, "coordinator_account")
@@ -137,6 +142,15 @@ def _permissionless_accounts(ctx: InvokeContext, accounts: Accounts) -> bytes:
     require_signer(accounts["user"], "user")
     instance = _load_instance(ctx, accounts["coordinator_instance"])
     return _check_account(ctx, accounts["coordinator_account"], instance)
+
+
+def _owner_account(ctx: InvokeContext, accounts: Accounts) -> CoordinatorAccount:
+    """The coordinator account an owner's instruction changes, its nonce already counted up
+    (the first thing those instructions do upstream)."""
+    _, data = _owner_accounts(ctx, accounts)
+    account = _load_mut(data)
+    _increment_nonce(ctx, account)
+    return account
 
 
 def _load_mut(data: bytes) -> CoordinatorAccount:
@@ -242,9 +256,7 @@ def _init_coordinator(
     ctx: InvokeContext, accounts: Accounts, args: coordinator_ix.InitCoordinatorArgs
 ) -> None:
     params = args.params
-    payer = accounts["payer"]
-    require_signer(payer, "payer")
-    require_mut(payer, "payer")
+    payer = require_payer(accounts)
     instance_meta = accounts["coordinator_instance"]
     bump = init_pda(
         ctx,
@@ -321,9 +333,7 @@ def _free_coordinator(
 
 
 def _update(ctx: InvokeContext, accounts: Accounts, args: coordinator_ix.UpdateArgs) -> None:
-    _, data = _owner_accounts(ctx, accounts)
-    account = _load_mut(data)
-    _increment_nonce(ctx, account)
+    account = _owner_account(ctx, accounts)
     state = account.state
     coordinator = state.coordinator
     changes_run = args.config is not None or args.model is not None or args.progress is not None
@@ -353,7 +363,9 @@ def _update(ctx: InvokeContext, accounts: Accounts, args: coordinator_ix.UpdateA
 
 
 def _update_client_version(
-    ctx: InvokeContext, accounts: Accounts, args: coordinator_ix.UpdateClientVersionArgs
+    ctx: InvokeContext,
+    accounts: Accounts,
+    args: coordinator_ix.UpdateClientVersionArgs,
 ) -> None:
     _, data = _owner_accounts(ctx, accounts)
     account = _load_mut(data)
@@ -367,11 +379,11 @@ def _update_client_version(
 
 
 def _set_future_epoch_rates(
-    ctx: InvokeContext, accounts: Accounts, args: coordinator_ix.SetFutureEpochRatesArgs
+    ctx: InvokeContext,
+    accounts: Accounts,
+    args: coordinator_ix.SetFutureEpochRatesArgs,
 ) -> None:
-    _, data = _owner_accounts(ctx, accounts)
-    account = _load_mut(data)
-    _increment_nonce(ctx, account)
+    account = _owner_account(ctx, accounts)
     rates = account.state.clients_state.future_epoch_rates
     if args.epoch_earning_rate_total_shared is not None:
         rates.earning_rate_total_shared = args.epoch_earning_rate_total_shared
@@ -424,9 +436,7 @@ def _join_run(ctx: InvokeContext, accounts: Accounts, args: coordinator_ix.JoinR
 
 
 def _set_paused(ctx: InvokeContext, accounts: Accounts, args: coordinator_ix.SetPausedArgs) -> None:
-    _, data = _owner_accounts(ctx, accounts)
-    account = _load_mut(data)
-    _increment_nonce(ctx, account)
+    account = _owner_account(ctx, accounts)
     state = account.state
     coordinator = state.coordinator
     now = ctx.unix_timestamp()

@@ -68,7 +68,8 @@ def _signature(value: Any) -> Signature:
 
 def _config(params: list[Any], index: int) -> dict[str, Any]:
     if len(params) > index and isinstance(params[index], dict):
-        return params[index]
+        config: dict[str, Any] = params[index]
+        return config
     return {}
 
 
@@ -391,7 +392,7 @@ def _filter_matches(flt: Any, data: bytes) -> bool:
     if not isinstance(flt, dict):
         raise _params_error("Invalid param: bad filter")
     if "dataSize" in flt:
-        return len(data) == flt["dataSize"]
+        return bool(len(data) == flt["dataSize"])
     if "memcmp" in flt:
         memcmp = flt["memcmp"]
         offset = int(memcmp.get("offset", 0))

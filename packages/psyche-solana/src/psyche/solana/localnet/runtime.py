@@ -193,6 +193,15 @@ def require_mut(meta: AccountMeta, name: str) -> None:
         raise anchor_error(AnchorErrorCode.ConstraintMut, name)
 
 
+def require_payer(accounts: Accounts) -> AccountMeta:
+    """The `payer` account of an instruction that creates one: a mutable signer (Anchor's
+    `#[account(mut)] payer: Signer`)."""
+    payer = accounts["payer"]
+    require_signer(payer, "payer")
+    require_mut(payer, "payer")
+    return payer
+
+
 def require(
     condition: bool, name: str, code: AnchorErrorCode = AnchorErrorCode.ConstraintRaw
 ) -> None:
@@ -400,6 +409,7 @@ def _with_lamports(account: Account, lamports: int) -> Account:
 def write_data(ctx: InvokeContext, key: Pubkey, data: bytes) -> None:
     """Replace the data of an account this program owns (same size)."""
     account = ctx.get(key)
-    assert account is not None and account.owner == ctx.program_id, "not this program's account"
+    assert account is not None, "not this program's account"
+    assert account.owner == ctx.program_id, "not this program's account"
     assert len(data) == len(account.data), "a program cannot resize an account by writing"
     ctx.set(key, _with_data(account, data))

@@ -459,14 +459,10 @@ class _TooLarge(Exception):
 # Running a server
 
 
-class LocalnetHandle:
-    """A server running in a nursery, which can be stopped and started again (same ports)."""
+class _Served:
+    """The addresses of the server a handle runs."""
 
-    def __init__(self, server: LocalnetServer, nursery: trio.Nursery) -> None:
-        self.server = server
-        self._nursery = nursery
-        self._scope: trio.CancelScope | None = None
-        self._stopped: trio.Event | None = None
+    server: LocalnetServer
 
     @property
     def rpc_url(self) -> str:
@@ -475,6 +471,16 @@ class LocalnetHandle:
     @property
     def ws_url(self) -> str:
         return self.server.ws_url
+
+
+class LocalnetHandle(_Served):
+    """A server running in a nursery, which can be stopped and started again (same ports)."""
+
+    def __init__(self, server: LocalnetServer, nursery: trio.Nursery) -> None:
+        self.server = server
+        self._nursery = nursery
+        self._scope: trio.CancelScope | None = None
+        self._stopped: trio.Event | None = None
 
     async def start(self) -> None:
         if self._scope is not None:
@@ -513,7 +519,7 @@ async def start_localnet(
     return handle
 
 
-class LocalnetThread:
+class LocalnetThread(_Served):
     """A localnet served from a background thread (context manager)."""
 
     def __init__(
@@ -533,14 +539,6 @@ class LocalnetThread:
     @property
     def ledger(self) -> Ledger:
         return self.server.ledger
-
-    @property
-    def rpc_url(self) -> str:
-        return self.server.rpc_url
-
-    @property
-    def ws_url(self) -> str:
-        return self.server.ws_url
 
     def __enter__(self) -> LocalnetThread:
         self._thread = threading.Thread(target=self._run, name="psyche-localnet", daemon=True)

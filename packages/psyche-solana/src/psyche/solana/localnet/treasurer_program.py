@@ -32,6 +32,7 @@ from psyche.solana.localnet.runtime import (
     program_error,
     require,
     require_mut,
+    require_payer,
     require_program,
     require_seeds,
     require_signer,
@@ -100,9 +101,7 @@ def _invoke_coordinator(
 
 def _run_create(ctx: InvokeContext, accounts: Accounts, args: treasurer_ix.RunCreateArgs) -> None:
     params = args.params
-    payer = accounts["payer"]
-    require_signer(payer, "payer")
-    require_mut(payer, "payer")
+    payer = require_payer(accounts)
     run_meta = accounts["run"]
     bump = init_pda(
         ctx, payer.pubkey, run_meta, _run_seeds(params.index), TreasurerRun.SPACE, "run"
@@ -247,9 +246,7 @@ def _run_update(ctx: InvokeContext, accounts: Accounts, args: treasurer_ix.RunUp
 def _participant_create(
     ctx: InvokeContext, accounts: Accounts, args: treasurer_ix.ParticipantCreateArgs
 ) -> None:
-    payer, user = accounts["payer"], accounts["user"]
-    require_signer(payer, "payer")
-    require_mut(payer, "payer")
+    payer, user = require_payer(accounts), accounts["user"]
     require_signer(user, "user")
     run_meta = accounts["run"]
     load_borsh_account(ctx, run_meta, TreasurerRun, ctx.program_id, "run")

@@ -158,8 +158,9 @@ def resolve_defaults(args: argparse.Namespace, start: Path | None = None) -> Non
 
 def _optimizer(args: argparse.Namespace) -> OptimizerDefinition:
     clip = None if args.max_grad_norm == 0 else args.max_grad_norm
+    optimizer: OptimizerDefinition
     if args.distro:
-        return OptimizerDefinition.Distro(
+        optimizer = OptimizerDefinition.Distro(
             Distro(
                 clip_grad_norm=clip,
                 weight_decay=args.weight_decay,
@@ -169,7 +170,8 @@ def _optimizer(args: argparse.Namespace) -> OptimizerDefinition:
                 quantize_1bit=args.distro_quantization,
             )
         )
-    return OptimizerDefinition.AdamW(
+        return optimizer
+    optimizer = OptimizerDefinition.AdamW(
         AdamW(
             betas=[args.beta1, args.beta2],
             weight_decay=args.weight_decay,
@@ -177,6 +179,7 @@ def _optimizer(args: argparse.Namespace) -> OptimizerDefinition:
             clip_grad_norm=clip,
         )
     )
+    return optimizer
 
 
 def _load_model(args: argparse.Namespace, seed: int) -> CausalLM:
@@ -208,9 +211,12 @@ def seed_shuffle(seed: int | None) -> Shuffle:
     """Upstream's `--seed` -> `Shuffle`: the u32's big-endian bytes end a zeroed 32-byte seed."""
     from psyche.core.data_shuffle import Shuffle
 
-    if seed is None:
-        return Shuffle.DontShuffle()
-    return Shuffle.Seeded(bytes(28) + seed.to_bytes(4, "big"))
+    shuffle: Shuffle = (
+        Shuffle.DontShuffle()
+        if seed is None
+        else Shuffle.Seeded(bytes(28) + seed.to_bytes(4, "big"))
+    )
+    return shuffle
 
 
 def _open_dataset(args: argparse.Namespace) -> Any:

@@ -16,6 +16,16 @@ from psyche.modeling.eval.loading import Row
 from psyche.modeling.eval.traits import LogLikelihoodTask, SplitsTask
 
 
+def mmlu_fields(row: Row) -> tuple[str, list[str], int, str]:
+    """A cais/mmlu row's question (trimmed), options, answer index and subject (its category)."""
+    return (
+        rust_trim(string_field(row, "question")),
+        string_list(field(row, "choices"), "choices"),
+        int_field(row, "answer"),
+        string_field(row, "subject").replace("_", " "),
+    )
+
+
 def mmlu_preamble(category: str) -> str:
     return f"The following are multiple choice questions (with answers) about {category}.\n\n"
 
@@ -30,14 +40,13 @@ class MMLU(SplitsTask, LogLikelihoodTask):
 
     @classmethod
     def row_to_document(cls, row: Row) -> Document:
-        question = rust_trim(string_field(row, "question"))
-        options = string_list(field(row, "choices"), "choices")
+        question, options, answer, subject = mmlu_fields(row)
         lettered = [f"{ASCII_UPPERCASE[i]}. {o}" for i, o in enumerate(options)]
         return cls.document(
             f"{question}\n{chr(10).join(lettered)}\nAnswer:",
             tuple(ASCII_UPPERCASE[i] for i in range(len(options))),
-            int_field(row, "answer"),
-            category=string_field(row, "subject").replace("_", " "),
+            answer,
+            category=subject,
         )
 
     def get_preamble(self, category: str) -> str:

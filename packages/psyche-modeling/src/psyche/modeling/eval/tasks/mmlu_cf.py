@@ -4,36 +4,21 @@ option's full text instead of its letter."""
 
 from __future__ import annotations
 
-from psyche.modeling.eval.document import (
-    Document,
-    field,
-    int_field,
-    rust_trim,
-    string_field,
-    string_list,
-)
+from psyche.modeling.eval.document import Document
 from psyche.modeling.eval.loading import Row
-from psyche.modeling.eval.tasks.mmlu import MMLU, mmlu_preamble
-from psyche.modeling.eval.traits import LogLikelihoodTask, SplitsTask
+from psyche.modeling.eval.tasks.mmlu import MMLU, mmlu_fields
 
 
-class MMLUCF(SplitsTask, LogLikelihoodTask):
+class MMLUCF(MMLU):
+    """MMLU's dataset, subject few-shot and preamble; the few-shot examples from the validation
+    split, and each option's text scored."""
+
     NAME = "MMLU CF"
-    REPO = MMLU.REPO
-    SUBSET = MMLU.SUBSET
-    SCORED_SPLIT = "test"
     FEWSHOT_SPLIT = "validation"
-    FEWSHOT_BY_CATEGORY = True
 
     @classmethod
     def row_to_document(cls, row: Row) -> Document:
-        question = rust_trim(string_field(row, "question"))
+        question, options, answer, subject = mmlu_fields(row)
         return cls.document(
-            f"Question: {question}\nAnswer:",
-            tuple(string_list(field(row, "choices"), "choices")),
-            int_field(row, "answer"),
-            category=string_field(row, "subject").replace("_", " "),
+            f"Question: {question}\nAnswer:", tuple(options), answer, category=subject
         )
-
-    def get_preamble(self, category: str) -> str:
-        return mmlu_preamble(category)
