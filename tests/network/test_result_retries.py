@@ -73,7 +73,8 @@ def test_a_result_is_retried_while_it_is_wanted() -> None:
             with trio.fail_after(DEADLINE):
                 outcome = await download.finished()
             assert isinstance(outcome, DownloadFailed), outcome
-            assert outcome.error == "no longer wanted" and not outcome.permanent
+            assert outcome.error == "no longer wanted"
+            assert not outcome.permanent
             assert attempts(requester, ticket) == 4, "the first attempt and three retries"
 
     trio.run(main)
