@@ -500,7 +500,8 @@ class Client:
     async def _on_init_done(self, result: InitializedRun | BaseException) -> None:
         if isinstance(result, BaseException):
             raise result
-        assert self._nursery is not None and self.coordinator is not None
+        assert self._nursery is not None
+        assert self.coordinator is not None
         loaded = result.loaded
         shared = self.network.shared_model
         shared.update_config(loaded.config_json, loaded.tokenizer_json)

@@ -638,7 +638,8 @@ class NetworkConnection:
             )
         except Exception as e:  # a peer's request must never take the node down
             logger.warning("cannot answer model-sharing request %s: %s", request, e)
-            return TicketResult.Err(SharableModelError.SerializationError(str(e)))
+            refused: TicketResult = TicketResult.Err(SharableModelError.SerializationError(str(e)))
+            return refused
 
     async def _serve_model_sharing(self, stream: INetStream) -> None:
         await model_sharing.serve(stream, self._allowed, self._answer_model_request)

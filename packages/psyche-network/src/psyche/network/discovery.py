@@ -119,8 +119,10 @@ def _to_loopback(addr: TransportAddr) -> TransportAddr:
             parts = text.split("/")
             if len(parts) > 2 and parts[1] == "ip4":
                 parts[2] = "127.0.0.1"
-            return TransportAddr.Libp2p("/".join(parts))
+            loopback: TransportAddr = TransportAddr.Libp2p("/".join(parts))
+            return loopback
         case TransportAddr.BlobTcp(text):
             _, _, port = text.rpartition(":")
-            return TransportAddr.BlobTcp(f"127.0.0.1:{port}")
+            loopback = TransportAddr.BlobTcp(f"127.0.0.1:{port}")
+            return loopback
     return addr

@@ -75,7 +75,8 @@ def decode_response(data: bytes) -> BlobTicket:
     """The ticket, or `SharableModelFailure` for the peer's error / `PostcardError` for garbage."""
     match from_bytes(data, TicketResult):
         case TicketResult.Ok(ticket):
-            return ticket
+            answered: BlobTicket = ticket
+            return answered
         case TicketResult.Err(error):
             raise SharableModelFailure(error)
     raise PostcardError("unreachable")

@@ -198,5 +198,7 @@ async def answer_request(
             case _:
                 ticket = await model.get_transmittable_config(add_downloadable)
     except SharableModelFailure as failure:
-        return TicketResult.Err(failure.error)
-    return TicketResult.Ok(ticket)
+        refused: TicketResult = TicketResult.Err(failure.error)
+        return refused
+    answered: TicketResult = TicketResult.Ok(ticket)
+    return answered

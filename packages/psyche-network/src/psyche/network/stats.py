@@ -69,9 +69,12 @@ class BandwidthTracker:
 
     def get_peer_bandwidth(self, peer: bytes) -> PeerBandwidth:
         window = self._peers.get(peer)
+        measured: PeerBandwidth
         if window is None or not window.events:
-            return PeerBandwidth.NotMeasured()
-        return PeerBandwidth.Measured(_bandwidth(window, self._clock()))
+            measured = PeerBandwidth.NotMeasured()
+        else:
+            measured = PeerBandwidth.Measured(_bandwidth(window, self._clock()))
+        return measured
 
 
 def _bandwidth(window: _PeerWindow, now: float) -> float:

@@ -61,7 +61,8 @@ class HubUpload:
             commit_message=f"step {job.step}",
             delete_patterns=HUB_REPLACED,
         )
-        return Checkpoint.Hub(HubRepo(self.repo, str(info.oid)))
+        uploaded: Checkpoint = Checkpoint.Hub(HubRepo(self.repo, str(info.oid)))
+        return uploaded
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,8 @@ class GcsUpload:
     def upload(self, job: UploadJob) -> Checkpoint:
         files = sorted(p for p in job.path.iterdir() if p.is_file())
         upload_checkpoint_to_gcs(self.bucket, self.prefix, files, job.run_id, job.epoch, job.step)
-        return Checkpoint.Gcs(GcsRepo(self.bucket, self.prefix))
+        uploaded: Checkpoint = Checkpoint.Gcs(GcsRepo(self.bucket, self.prefix))
+        return uploaded
 
 
 UploadTarget = HubUpload | GcsUpload
@@ -88,7 +90,7 @@ class RetryPolicy:
     max_delay: float = 120.0
 
     def delay(self, failed_attempts: int) -> float:
-        return min(self.first_delay * 2 ** (failed_attempts - 1), self.max_delay)
+        return min(self.first_delay * 2.0 ** (failed_attempts - 1), self.max_delay)
 
 
 @dataclass

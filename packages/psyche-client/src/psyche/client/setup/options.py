@@ -468,7 +468,8 @@ def add_train_options(
 
 
 def _flag(name: str) -> Flag:
-    return TrainOptions.__dataclass_fields__[name].metadata["flag"]
+    flag: Flag = TrainOptions.__dataclass_fields__[name].metadata["flag"]
+    return flag
 
 
 def _flag_name(name: str) -> str:
