@@ -324,7 +324,7 @@ class CentralizedServer:
     def screen(self, client: bytes, payload: memoryview) -> bool:
         """The transport's `Screen`, before a message is decoded: a message longer than its
         kind can legitimately be, or of no known kind, closes the connection (raises); a
-        Witness, HealthCheck or Checkpoint from a key the run does not hear (no client of the
+        Witness, HealthCheck, Checkpoint or Verification from a key the run does not hear (no client of the
         current epoch) is dropped unread and counted. True: decode it."""
         variant = screen_client_message(payload)
         if variant.index in MEMBER_VARIANTS:
@@ -378,6 +378,8 @@ class CentralizedServer:
                 broadcast = core.on_health_check(sender, checks)
             case ClientToServerMessage.Checkpoint(checkpoint):
                 broadcast = core.on_checkpoint(sender, checkpoint)
+            case ClientToServerMessage.Verification(report):
+                broadcast = core.on_verification(sender, report)
             case ClientToServerMessage.ExtensionHello(hello):
                 if client in self._greeted:
                     return  # answered once per connection: a repeated hello gets nothing
