@@ -4,10 +4,13 @@ and bans the trainer. A stranger's report and a member's flood of reports change
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import trio
 
 from psyche.centralized.protocol import ClientToServerMessage
-from psyche.centralized.server import open_server
+from psyche.centralized.server import ServerStartError, open_server
 from psyche.centralized.testing import DummyTrainer, ProtocolClient, fast_options
 from psyche.coordinator.run_state import ClientState
 from psyche.coordinator.testing import quick_coordinator
@@ -66,3 +69,32 @@ def test_an_accused_trainer_is_dropped_and_banned_over_tcp() -> None:
             n.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_validate_config_and_the_server_refuse_a_run_without_a_verifier(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from psyche.centralized.run import validate_config
+    from psyche.coordinator.run_config import load_state_toml
+
+    from ..processes import free_port
+    from .test_server_cli import tiny_state
+
+    # the tiny run: min_clients 1, so 25 % elects no verifier beside the tie-breaker
+    state = tiny_state(
+        tmp_path, free_port(), **{"verification_percent = 0": "verification_percent = 25"}
+    )
+    assert validate_config(state, None) == 1
+    err = capsys.readouterr().err
+    assert "config.verification_percent" in err and "elects no verifier" in err, err
+    coordinator = load_state_toml(state)  # it loads, as upstream's configs do
+
+    async def main() -> None:
+        async with open_server(coordinator, fast_options()):
+            pass
+
+    with pytest.raises(ServerStartError, match=r"config\.verification_percent"):
+        trio.run(main)
+    # at 0 (upstream) the same file is fine
+    (tmp_path / "ok").mkdir()
+    assert validate_config(tiny_state(tmp_path / "ok", free_port()), None) == 0

@@ -71,6 +71,7 @@ from psyche.coordinator.coordinator import Coordinator
 from psyche.coordinator.model import Checkpoint, HubRepo, LLMTrainingDataLocation
 from psyche.coordinator.run_state import RunState
 from psyche.coordinator.server_core import DEFAULT_BAN_EPOCHS, ServerCore, TickOutcome
+from psyche.coordinator.verification import verification_problem
 from psyche.core.node_identity import NodeIdentity
 from psyche.transport import (
     AllowDynamic,
@@ -521,6 +522,9 @@ async def open_server(
         authorized=options.authorized_keys,
         ban_epochs=options.ban_epochs,
     )
+    unrunnable = verification_problem(core.coordinator.config)
+    if unrunnable is not None:
+        raise ServerStartError(f"{unrunnable[0]}: {unrunnable[1]}")
     server = CentralizedServer(core, options)
     data_port = data_server_port(core.coordinator)
     provider: Any = None

@@ -41,7 +41,6 @@ from psyche.coordinator.config import (
 from psyche.coordinator.coordinator import Coordinator
 from psyche.coordinator.diloco_config import diloco_problems
 from psyche.coordinator.model import LLM, HttpTrainingDataLocation, LLMTrainingDataLocation, Model
-from psyche.coordinator.verification import verification_problem
 from psyche.core.definitions import LearningRateSchedule, OptimizerDefinition
 from psyche.core.serde import SerdeError, from_obj, struct, to_obj
 
@@ -234,9 +233,6 @@ def semantic_problems(config: CoordinatorConfig, model: Model) -> list[tuple[str
                 f"must be at most 100, found {config.verification_percent}",
             )
         )
-    verification = verification_problem(config)
-    if verification is not None:
-        problems.append(verification)
     llm: LLM = model.value
     if isinstance(llm.lr_schedule, LearningRateSchedule.WarmupStableDecay):
         wsd = llm.lr_schedule.value
