@@ -11,6 +11,7 @@ import trio
 
 from psyche.centralized.protocol import ClientToServerMessage
 from psyche.centralized.server import ServerStartError, open_server
+from psyche.centralized.status_page import StatusHistory, render_html, snapshot, status_json
 from psyche.centralized.testing import DummyTrainer, ProtocolClient, fast_options
 from psyche.coordinator.run_state import ClientState
 from psyche.coordinator.testing import quick_coordinator
@@ -66,6 +67,14 @@ def test_an_accused_trainer_is_dropped_and_banned_over_tcp() -> None:
                 )
 
             await eventually(liar_out, 30)
+            # the status page says who was verified, what was found, who was punished
+            snap = snapshot(server, StatusHistory())
+            kinds = {(v.kind, v.subject, v.matches) for v in snap.verification}
+            assert ("punished", str(liar), None) in kinds
+            assert ("verified", str(liar), False) in kinds
+            page = render_html(snap)
+            assert 'id="verification"' in page and "punished" in page
+            assert status_json(snap)["verification"][0]["kind"] == "punished"
             n.cancel_scope.cancel()
 
     trio.run(main)
