@@ -11,49 +11,24 @@ Lean on purpose (the suite's time budget): it stops at the punishment, not at th
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
-from ..processes import REPO, Processes, events, free_port
-
-sys.path.insert(0, str(REPO / "scripts" / "chaos"))
-import hostile_members as hm
+from ..processes import Processes, events
+from .hostile_run import HONEST, HOSTILE, short_id, start_hostile_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
-
-HONEST = (1, 2, 3)
-HOSTILE = 4
-HOSTILE_SCRIPT = REPO / "tests" / "e2e" / "hostile_client.py"
-
-
-def short_id(number: int) -> str:
-    return hm.test_key(number).public_key[:4].hex()
 
 
 def test_a_verifier_catches_a_lying_trainer_and_the_tie_breaker_confirms(
     processes: Processes, tmp_path: Path
 ) -> None:
-    run = hm.write_run(
-        tmp_path / "run", total_steps=20, epoch_time=60, witness_nodes=0, init_min_clients=4,
-        min_clients=3, verification_percent=50,
+    run = start_hostile_run(
+        processes, tmp_path / "run", "sign-flip", 0, total_steps=20, epoch_time=60,
+        witness_nodes=0, init_min_clients=4, min_clients=3, verification_percent=50,
     )  # fmt: skip
-    port = free_port()
-    server = processes.start("server", hm.server_command(run, port, "--bind-address", "127.0.0.1"))
-    processes.wait_for(server, r"serving run 'tiny-cpu'", 60)
-    honest = [
-        processes.start(
-            f"client-{n}", hm.client_command(port), env={"RAW_IDENTITY_SECRET_KEY": f"{n:064x}"}
-        )
-        for n in HONEST
-    ]
-    hostile_argv = [sys.executable, str(HOSTILE_SCRIPT), "sign-flip", "0", "--"]
-    hostile = processes.start(
-        "hostile", hostile_argv + hm.client_command(port)[3:],
-        env={"RAW_IDENTITY_SECRET_KEY": f"{HOSTILE:064x}"},
-    )  # fmt: skip
-    processes.wait_for(server, r"-> RoundTrain \(epoch 0", 240)
+    server, honest, hostile = run.server, run.honest, run.hostile
     punished = processes.wait_for(
         server, rf"verification: {short_id(HOSTILE)} loses \(trainer\).*? at step (\d+)", 240
     )
