@@ -31,11 +31,16 @@ class HostileRun:
 
 
 def start_hostile_run(
-    processes: Processes, directory: Path, attack: str, start: int, **config: int
+    processes: Processes,
+    directory: Path,
+    attack: str,
+    start: int,
+    hostile_env: dict[str, str] | None = None,
+    **config: int,
 ) -> HostileRun:
     """The tiny run (`config` over its `[config]`) with clients `HONEST` and `HOSTILE`, the
-    hostile one sending what `attack` makes of its results from its `start`th on; returns once
-    the first round started."""
+    hostile one sending what `attack` makes of its results from its `start`th on (and with
+    `hostile_env` in its environment); returns once the first round started."""
     run = hm.write_run(directory, **config)
     port = free_port()
     server = processes.start("server", hm.server_command(run, port, "--bind-address", "127.0.0.1"))
@@ -49,7 +54,7 @@ def start_hostile_run(
     hostile_argv = [sys.executable, str(HOSTILE_SCRIPT), attack, str(start), "--"]
     hostile = processes.start(
         "hostile", hostile_argv + hm.client_command(port)[3:],
-        env={"RAW_IDENTITY_SECRET_KEY": f"{HOSTILE:064x}"},
+        env={"RAW_IDENTITY_SECRET_KEY": f"{HOSTILE:064x}", **(hostile_env or {})},
     )  # fmt: skip
     processes.wait_for(server, r"-> RoundTrain \(epoch 0", 240)
     return HostileRun(server, honest, hostile)

@@ -113,24 +113,31 @@ async def recompute_duties(
     out: Recomputations,
 ) -> None:
     """Recompute every batch `job` needs into `out` (see the module docstring); stops when the
-    round's training step is finished."""
+    round's training step is finished. A failure ends this round's verification (logged), never
+    the training step: the client's own duties go on."""
+    if trainer.screening_reader() is None:
+        logger.warning("the run's optimizer sends no results to verify: not verifying")
+        return
     incoming = fetcher.fetch(list(reversed(job.batches())))  # the fetcher pops from the end
-    async with incoming:
-        while (item := await handle.next_batch(incoming)) is not None:
-            batch_id, batch = item
+    try:
+        async with incoming:
+            while (item := await handle.next_batch(incoming)) is not None:
+                batch_id, batch = item
 
-            def recompute_one(batch: Any = batch) -> list[torch.Tensor]:
-                from psyche.modeling.verification import recompute, recomputed_domain
+                def recompute_one(batch: Any = batch) -> list[torch.Tensor]:
+                    from psyche.modeling.verification import recompute, recomputed_domain
 
-                recomputed = recompute(
-                    trainer, batch, step=job.step, warmup_lr_between=job.warmup_lr_between
+                    recomputed = recompute(
+                        trainer, batch, step=job.step, warmup_lr_between=job.warmup_lr_between
+                    )
+                    return recomputed_domain(trainer, recomputed)
+
+                out.domains[batch_id] = await trio.to_thread.run_sync(recompute_one)
+                log_event(
+                    logger, "verification_recomputed", quiet=True, step=job.step, batch_id=batch_id
                 )
-                return recomputed_domain(trainer, recomputed)
-
-            out.domains[batch_id] = await trio.to_thread.run_sync(recompute_one)
-            log_event(
-                logger, "verification_recomputed", quiet=True, step=job.step, batch_id=batch_id
-            )
+    except Exception:
+        logger.exception("verification of step %d failed; this round is not verified", job.step)
 
 
 def _published(round_state: RoundState, duty: VerificationDuty) -> bytes | None:
@@ -176,9 +183,13 @@ async def compare_and_report(
             findings.append(Finding(duty.batch_id, False, 0.0))
             _log_finding(job, duty, False, 0.0, f"its payload does not decode: {e}")
             continue
-        verdict = await trio.to_thread.run_sync(
-            lambda: compare(reader, own, decoy, published, settings)  # noqa: B023
-        )
+        try:
+            verdict = await trio.to_thread.run_sync(
+                lambda: compare(reader, own, decoy, published, settings)  # noqa: B023
+            )
+        except Exception:
+            logger.exception("comparing %s's result for %s failed", duty.trainer, duty.batch_id)
+            continue
         findings.append(Finding(duty.batch_id, verdict.matches, float(verdict.score)))
         _log_finding(job, duty, verdict.matches, verdict.score, verdict.detail)
     report = VerificationReport(job.step, findings)
