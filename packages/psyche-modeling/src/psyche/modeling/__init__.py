@@ -75,6 +75,7 @@ _EXPORTS = {
     "llama_config_dict": ".configs",
     "DILOCO_VERIFICATION": ".verification",
     "DISTRO_VERIFICATION": ".verification",
+    "DILOCO_SPARSE_VERIFICATION": ".verification",
     "Evidence": ".verification",
     "Recomputed": ".verification",
     "VerificationSettings": ".verification",

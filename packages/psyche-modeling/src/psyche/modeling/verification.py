@@ -54,7 +54,7 @@ in docs/reliability.md for what is and is not caught).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -66,6 +66,7 @@ from psyche.modeling.diloco.optimizer import Diloco
 from psyche.modeling.distro import Distro, DistroResult
 from psyche.modeling.screening import ResultReader, _at, agreement
 from psyche.modeling.sharding import full_tensor
+from psyche.modeling.train_loop import rows
 from psyche.modeling.trainer import Batch, Trainer, TrainerError
 
 
@@ -76,8 +77,9 @@ class VerificationSettings:
 
     min_agreement: float
     """A round's result is refused when its agreement `t` is below this."""
-    min_cosine: float = -1.0
-    """DiLoCo: refused when the cosine of the payload with the recompute is below this."""
+    max_balance: float = 0.0
+    """Refused when the agreement along the difference of the batch's two parts is beyond
+    this either way (a trainer that trained one part only; 0: no balance check)."""
     max_norm_ratio: float = 0.0
     """DiLoCo: refused when the payload's norm is not within this factor of the recompute's
     either way (0: no norm check; 1-bit DisTrO has no magnitude)."""
@@ -87,15 +89,27 @@ class VerificationSettings:
     window_rounds: int = 3
 
 
-DISTRO_VERIFICATION = VerificationSettings(min_agreement=3.0)
-DILOCO_VERIFICATION = VerificationSettings(min_agreement=3.0, min_cosine=0.3, max_norm_ratio=2.0)
+DISTRO_VERIFICATION = VerificationSettings(min_agreement=10.0, max_balance=15.0)
+"""DisTrO 1-bit (tiny run, c16 k4, 4 rows a trainer; docs/reliability.md, "Verifiers"): an honest
+result's agreement is 16 to 30 over the first 125 rounds, one trained on other data's about
+N(0, 4^2); the balance of an honest one about N(0, 3.6^2), of a half batch's 20 to 28."""
+DILOCO_VERIFICATION = VerificationSettings(min_agreement=20.0, max_norm_ratio=64.0)
+"""DiLoCo's dense forms: an honest pseudo-gradient's agreement is 40 to 200, another batch's
+below 10. No balance check: the inner AdamW weighs a round's first rows more than its last, so
+an honest result's balance is itself 10 to 110 and a half batch's overlaps it."""
+DILOCO_SPARSE_VERIFICATION = VerificationSettings(min_agreement=-6.0, max_norm_ratio=64.0)
+"""DiLoCo's sparse form: an honest result's agreement falls to 2 to 15 after the first rounds
+(its error feedback carries earlier rounds), another batch's is about N(0, 4^2); one round
+alone refuses only an opposed result."""
 
 
 def verification_settings(trainer: Trainer) -> VerificationSettings:
     """The thresholds for the run's optimizer."""
-    if trainer.diloco is not None:
-        return DILOCO_VERIFICATION
-    return DISTRO_VERIFICATION
+    if trainer.diloco is None:
+        return DISTRO_VERIFICATION
+    if any(lay.transmission is DilocoTransmission.Sparse for lay in trainer.diloco.layouts()):
+        return DILOCO_SPARSE_VERIFICATION
+    return DILOCO_VERIFICATION
 
 
 @dataclass(frozen=True)
@@ -109,24 +123,50 @@ class VerificationVerdict:
     threshold: float
     """The threshold that `score` was held against."""
     check: str | None
-    """The check that failed ("agreement", "cosine", "norm", "zero"); None when it matches."""
+    """The check that failed ("zero", "norm", "agreement", "balance", or `Evidence`'s
+    "window"); None when it matches."""
     detail: str
     """In words, for logs and the status page."""
-    agreement: float = 0.0
-    """The agreement `t` (every verdict has one: `Evidence` sums them)."""
-    cosine: float | None = None
-    """DiLoCo: the cosine of the payload with the recompute at the payload's positions."""
+    measures: Measures
+    """Every statistic of the comparison."""
+
+    @property
+    def agreement(self) -> float:
+        return self.measures.agreement
 
 
 @dataclass(frozen=True)
 class Recomputed:
-    """The round's own contribution to a trainer's update, as the verifier recomputed it: one
-    float32 tensor per parameter (whole tensors, in DisTrO's variable order). DisTrO: `lr x`
-    the clipped gradient; DiLoCo: the pseudo-gradient (weights before minus after the inner
-    steps, from a fresh inner AdamW)."""
+    """A batch's update as the verifier recomputed it, in two parts: the batch's first rows
+    (whole micro-batches, about half) and the rest, each one float32 tensor per parameter
+    (whole tensors, in DisTrO's variable order). DisTrO: `lr x` the mean gradient of the
+    part's rows; DiLoCo: the pseudo-gradient of the round's inner steps on the part's rows,
+    from the round's weights and a fresh inner AdamW. A batch of one row has one part."""
 
-    update: list[torch.Tensor]
+    parts: list[list[torch.Tensor]]
+    rows: list[int]
     loss: float
+
+    @property
+    def update(self) -> list[torch.Tensor]:
+        """The whole batch's update: the parts' mean weighted by their rows (a global scale
+        and the order of the sums aside, the trainer's own: the statistics ignore both)."""
+        total = sum(self.rows)
+        out = [x * (self.rows[0] / total) for x in self.parts[0]]
+        for part, n in zip(self.parts[1:], self.rows[1:]):
+            for acc, x in zip(out, part):
+                acc.add_(x * (n / total))
+        return out
+
+
+def split_rows(rows: int, micro_batch_size: int) -> list[int]:
+    """How `recompute` parts a batch of `rows`: the first half of its micro-batches (rounded
+    up) and the rest; one part for a single micro-batch of one row."""
+    if rows < 2:
+        return [rows]
+    micro = -(-rows // micro_batch_size)
+    first = min(rows - 1, micro_batch_size * -(-micro // 2)) if micro > 1 else rows // 2
+    return [first, rows - first]
 
 
 def recompute(
@@ -136,26 +176,42 @@ def recompute(
     step: int,
     warmup_lr_between: tuple[int, int] | None = None,
 ) -> Recomputed:
-    """The exact part of a verification (see the module docstring); `trainer` is left as it
-    was (weights bit for bit, gradients zero, optimizer state untouched). Every rank of a
-    several-rank verifier calls it (collectives inside)."""
+    """The exact part of a verification (see the module docstring): a pure function of the
+    weights `trainer` holds, `batch` and the run's settings, computed by the trainer's own code
+    (`Trainer.accumulate_gradients`, `Trainer.inner_steps`) on each part of `split_rows`.
+    `trainer` is left as it was (weights bit for bit, gradients zero, optimizer state
+    untouched). Every rank of a several-rank verifier calls it (collectives inside)."""
     lr = trainer.get_lr(step, warmup_lr_between)
-    optimizer = _optimizer(trainer)
-    params = [p for _, p in optimizer.variables]
-    if trainer.diloco is not None:
-        return _recompute_diloco(trainer, batch, lr, params)
-    loss, _ = trainer.accumulate_gradients(batch)
+    params = [p for _, p in _optimizer(trainer).variables]
+    parts, sizes, losses = [], split_rows(len(batch), trainer.micro_batch_size), []
+    start = 0
+    for size in sizes:
+        part = rows(batch, start, start + size)
+        start += size
+        if trainer.diloco is not None:
+            update, loss = _recompute_diloco(trainer, part, lr, params)
+        else:
+            update, loss = _recompute_distro(trainer, part, lr, params)
+        parts.append(update)
+        losses.append(loss * size)
+    return Recomputed(parts, sizes, sum(losses) / len(batch))
+
+
+def _recompute_distro(
+    trainer: Trainer, batch: Batch, lr: float, params: list[torch.Tensor]
+) -> tuple[list[torch.Tensor], float]:
     try:
-        if trainer.clip_grad_norm is not None and trainer.clip_grad_norm > 0.0:
-            trainer.model.clip_grad_norm(trainer.clip_grad_norm)
-        update = []
+        loss, _ = trainer.accumulate_gradients(batch)
         with torch.no_grad():
-            for p in params:
-                grad = full_tensor(p.grad) if p.grad is not None else torch.zeros_like(p)
-                update.append(grad.to(torch.float32) * lr)
+            update = [
+                full_tensor(p.grad).to(torch.float32) * lr
+                if p.grad is not None
+                else torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                for p in params
+            ]
     finally:
         _zero_grads(params)
-    return Recomputed(update, loss)
+    return update, loss
 
 
 def _optimizer(trainer: Trainer) -> Distro | Diloco:
@@ -163,6 +219,11 @@ def _optimizer(trainer: Trainer) -> Distro | Diloco:
     if optimizer is None:
         raise TrainerError("the run's optimizer sends no results to verify")
     return optimizer
+
+
+def result_reader(trainer: Trainer) -> ResultReader:
+    """How the run's payloads read (`compare`'s first argument)."""
+    return ResultReader.of(_optimizer(trainer))
 
 
 def _zero_grads(params: Sequence[torch.Tensor]) -> None:
@@ -173,9 +234,9 @@ def _zero_grads(params: Sequence[torch.Tensor]) -> None:
 
 def _recompute_diloco(
     trainer: Trainer, batch: Batch, lr: float, params: list[torch.Tensor]
-) -> Recomputed:
-    diloco, own = trainer.diloco, trainer.adamw
-    assert diloco is not None and own is not None
+) -> tuple[list[torch.Tensor], float]:
+    own = trainer.adamw
+    assert own is not None
     saved = [p.detach().clone() for p in params]
     fresh = LibtorchAdamW(params, (own.beta1, own.beta2), own.weight_decay, own.eps)
     try:
@@ -191,13 +252,13 @@ def _recompute_diloco(
             for p, s in zip(params, saved):
                 p.copy_(s)
         _zero_grads(params)
-    return Recomputed(update, sum(losses) / len(losses))
+    return update, sum(losses) / len(losses)
 
 
-def recomputed_domain(trainer: Trainer, recomputed: Recomputed) -> list[torch.Tensor]:
-    """The recompute in the payloads' domain, flat float32 on the host, one per parameter:
-    DisTrO's DCT coefficients, DiLoCo's sparse form's, the values for its dense forms."""
-    update = recomputed.update
+def recomputed_domain(trainer: Trainer, update: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """An update (one float32 tensor per parameter) in the payloads' domain, flat float32 on
+    the host, one per parameter: DisTrO's DCT coefficients, DiLoCo's sparse form's, the values
+    for its dense forms."""
     out: list[torch.Tensor] = []
     if trainer.diloco is not None:
         for x, layout in zip(update, trainer.diloco.layouts()):
@@ -212,74 +273,122 @@ def recomputed_domain(trainer: Trainer, recomputed: Recomputed) -> list[torch.Te
     return [t.detach().reshape(-1).to("cpu", torch.float32) for t in out]
 
 
+@dataclass(frozen=True)
+class Domain:
+    """A `Recomputed` read in the payloads' domain (`domain_of`): the whole update and the
+    difference of its two parts (None for a one-part batch)."""
+
+    whole: list[torch.Tensor]
+    halves: list[torch.Tensor] | None
+
+
+def domain_of(trainer: Trainer, recomputed: Recomputed) -> Domain:
+    parts = [recomputed_domain(trainer, part) for part in recomputed.parts]
+    whole = recomputed_domain(trainer, recomputed.update)
+    if len(parts) < 2:
+        return Domain(whole, None)
+    return Domain(whole, [a - b for a, b in zip(parts[0], parts[1])])
+
+
+def _agreement_along(
+    flat_parts: Sequence[tuple[torch.Tensor | None, torch.Tensor]],
+    direction: Sequence[torch.Tensor],
+    minus: Sequence[torch.Tensor] | None = None,
+) -> float:
+    def pairs() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for i, (positions, values) in enumerate(flat_parts):
+            d = _at(direction[i], positions)
+            if minus is not None:
+                d.sub_(_at(minus[i], positions))
+            yield d, values
+
+    return agreement(pairs())
+
+
+@dataclass(frozen=True)
+class Measures:
+    """Every statistic of one comparison (whichever decided)."""
+
+    agreement: float
+    """`t` along the difference of the batch's and the decoy's updates."""
+    balance: float | None
+    """`t` along the difference of the batch's two parts (None: one part)."""
+    cosine: float
+    """The cosine of the payload with the recompute at the payload's positions."""
+    norm_ratio: float | None
+    """DiLoCo: the payload's norm over the recompute's."""
+
+    def __str__(self) -> str:
+        words = [f"agreement t = {self.agreement:.2f}"]
+        if self.balance is not None:
+            words.append(f"balance t = {self.balance:.2f}")
+        words.append(f"cosine {self.cosine:.3f}")
+        if self.norm_ratio is not None:
+            words.append(f"norm {self.norm_ratio:.3g}x")
+        return ", ".join(words)
+
+
 def compare(
     reader: ResultReader,
-    domain: Sequence[torch.Tensor],
-    decoy: Sequence[torch.Tensor],
+    own: Domain,
+    decoy: Domain,
     published: Sequence[DistroResult],
     settings: VerificationSettings,
 ) -> VerificationVerdict:
-    """The statistical part: `published` against the recompute of its batch and of the decoy
-    batch, both in the payloads' domain (`recomputed_domain`); checks in order zero, norm
-    (DiLoCo), agreement along the difference, cosine with the recompute (DiLoCo)."""
+    """The statistical part: `published` against the recompute of its batch (`own`) and of a
+    decoy batch (`domain_of`); checks in order zero and norm (DiLoCo), agreement along the
+    difference of the two batches' updates, balance of the batch's two parts."""
     flat = reader.flat(published)
-    t = agreement(
-        (_at(d, positions).sub_(_at(e, positions)), values)
-        for d, e, (positions, values) in zip(domain, decoy, flat.parts)
-    )
-    cosine = None
+    t = _agreement_along(flat.parts, own.whole, decoy.whole)
+    balance = None if own.halves is None else _agreement_along(flat.parts, own.halves)
     norm = float(torch.linalg.vector_norm(flat.values))
+    at = torch.cat([_at(d, positions) for d, (positions, _) in zip(own.whole, flat.parts)])
+    reference = float(torch.linalg.vector_norm(at))
+    cosine = float(torch.dot(at, flat.values)) / (reference * norm) if reference * norm else 0.0
+    measures = Measures(t, balance, cosine, None)
     if reader.layouts is not None:
-        at = torch.cat([_at(d, positions) for d, (positions, _) in zip(domain, flat.parts)])
-        reference = float(torch.linalg.vector_norm(at))
-        whole = math.sqrt(sum(float(torch.dot(d, d)) for d in domain))
-        cosine = float(torch.dot(at, flat.values)) / (reference * norm) if reference * norm else 0.0
         if norm == 0.0:
-            return _refused("zero", 0.0, 0.0, "the update is zero", t, cosine)
-        if settings.max_norm_ratio > 0.0 and whole > 0.0:
-            dense = all(lay.transmission is not DilocoTransmission.Sparse for lay in reader.layouts)
-            expected = whole if dense else reference
-            ratio = norm / expected
-            bound = settings.max_norm_ratio
-            if not 1.0 / bound <= ratio <= bound:
-                return _refused(
-                    "norm",
-                    ratio,
-                    bound,
-                    f"norm {norm:.4g} is {ratio:.3g}x the recompute's ({expected:.4g}); at most "
-                    f"{bound:g}x either way",
-                    t,
-                    cosine,
-                )
+            return _refused("zero", 0.0, 0.0, "the update is zero", measures)
+        sparse = any(lay.transmission is DilocoTransmission.Sparse for lay in reader.layouts)
+        # the sparse form's payload is the top-k of its update: its norm is compared with the
+        # recompute's at the same positions; a dense form's with the whole recompute's
+        expected = reference if sparse else math.sqrt(sum(float(x.dot(x)) for x in own.whole))
+        ratio = norm / expected if expected > 0.0 else math.inf
+        measures = Measures(t, balance, cosine, ratio)
+        bound = settings.max_norm_ratio
+        if bound > 0.0 and not 1.0 / bound <= ratio <= bound:
+            return _refused(
+                "norm",
+                ratio,
+                bound,
+                f"norm {norm:.4g} is {ratio:.3g}x the recompute's ({expected:.4g}); at most "
+                f"{bound:g}x either way",
+                measures,
+            )
     if t < settings.min_agreement:
         return _refused(
             "agreement",
             t,
             settings.min_agreement,
-            f"agreement with the recomputed update t = {t:.2f}, below {settings.min_agreement:g}",
-            t,
-            cosine,
+            f"agreement with this batch's own update t = {t:.2f}, below {settings.min_agreement:g}",
+            measures,
         )
-    if cosine is not None and cosine < settings.min_cosine:
+    if balance is not None and settings.max_balance > 0.0 and abs(balance) > settings.max_balance:
         return _refused(
-            "cosine",
-            cosine,
-            settings.min_cosine,
-            f"cosine with the recomputed update {cosine:.3f}, below {settings.min_cosine:g}",
-            t,
-            cosine,
+            "balance",
+            balance,
+            settings.max_balance,
+            f"the batch's two halves are not carried alike (t = {balance:.2f} along their "
+            f"difference; at most {settings.max_balance:g} either way)",
+            measures,
         )
-    words = f"agreement t = {t:.2f}" + ("" if cosine is None else f", cosine {cosine:.3f}")
-    score, threshold = (
-        (t, settings.min_agreement) if cosine is None else (cosine, settings.min_cosine)
-    )
-    return VerificationVerdict(True, score, threshold, None, words, t, cosine)
+    return VerificationVerdict(True, t, settings.min_agreement, None, str(measures), measures)
 
 
 def _refused(
-    check: str, score: float, threshold: float, detail: str, t: float, cosine: float | None
+    check: str, score: float, threshold: float, detail: str, measures: Measures
 ) -> VerificationVerdict:
-    return VerificationVerdict(False, score, threshold, check, detail, t, cosine)
+    return VerificationVerdict(False, score, threshold, check, detail, measures)
 
 
 def verify_result(
@@ -306,17 +415,11 @@ def verify_result(
     Costs one training step of `batch` (DiLoCo: its inner steps; plus one for a `Batch` decoy)
     and a DCT of the update; `trainer` is left as it was."""
     settings = settings or verification_settings(trainer)
-    reader = ResultReader.of(_optimizer(trainer))
+    reader = result_reader(trainer)
     own = recompute(trainer, batch, step=step, warmup_lr_between=warmup_lr_between)
     if isinstance(decoy, Batch):
         decoy = recompute(trainer, decoy, step=step, warmup_lr_between=warmup_lr_between)
-    return compare(
-        reader,
-        recomputed_domain(trainer, own),
-        recomputed_domain(trainer, decoy),
-        published,
-        settings,
-    )
+    return compare(reader, domain_of(trainer, own), domain_of(trainer, decoy), published, settings)
 
 
 @dataclass
@@ -343,7 +446,6 @@ class Evidence:
                 self.settings.min_window_agreement,
                 f"agreement over the last {n} rounds sums to {z:.2f} x sqrt({n}), below "
                 f"{self.settings.min_window_agreement:g}",
-                verdict.agreement,
-                verdict.cosine,
+                verdict.measures,
             )
         return verdict
