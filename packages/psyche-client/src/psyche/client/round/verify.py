@@ -40,10 +40,9 @@ from psyche.core.batch_id import BatchId
 from psyche.core.node_identity import NodeIdentity
 
 if TYPE_CHECKING:
-    import torch
-
     from psyche.client.round.train import TrainingStep
     from psyche.modeling.trainer import Trainer
+    from psyche.modeling.verification import Domain
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +69,7 @@ class VerifyJob:
 class Recomputations:
     """The recomputed updates of a round's batches, in the payloads' domain (by batch)."""
 
-    domains: dict[BatchId, list[torch.Tensor]] = field(default_factory=dict)
+    domains: dict[BatchId, Domain] = field(default_factory=dict)
 
 
 def plan_verification(state: Coordinator, identity: NodeIdentity) -> VerifyJob | None:
@@ -115,7 +114,7 @@ async def recompute_duties(
     """Recompute every batch `job` needs into `out` (see the module docstring); stops when the
     round's training step is finished. A failure ends this round's verification (logged), never
     the training step: the client's own duties go on."""
-    if trainer.screening_reader() is None:
+    if trainer.distro is None and trainer.diloco is None:
         logger.warning("the run's optimizer sends no results to verify: not verifying")
         return
     incoming = fetcher.fetch(list(reversed(job.batches())))  # the fetcher pops from the end
@@ -124,13 +123,13 @@ async def recompute_duties(
             while (item := await handle.next_batch(incoming)) is not None:
                 batch_id, batch = item
 
-                def recompute_one(batch: Any = batch) -> list[torch.Tensor]:
-                    from psyche.modeling.verification import recompute, recomputed_domain
+                def recompute_one(batch: Any = batch) -> Domain:
+                    from psyche.modeling.verification import domain_of, recompute
 
                     recomputed = recompute(
                         trainer, batch, step=job.step, warmup_lr_between=job.warmup_lr_between
                     )
-                    return recomputed_domain(trainer, recomputed)
+                    return domain_of(trainer, recomputed)
 
                 out.domains[batch_id] = await trio.to_thread.run_sync(recompute_one)
                 log_event(
@@ -158,15 +157,15 @@ async def compare_and_report(
 ) -> VerificationReport:
     """Compare each recomputed duty with the trainer's payload (waiting until `deadline`, trio
     clock, for it to arrive), log each finding and `send` the round's report."""
-    from psyche.modeling.verification import compare, verification_settings
+    from psyche.modeling.verification import compare, result_reader, verification_settings
 
-    reader = trainer.screening_reader()
+    reader = result_reader(trainer)
     settings = verification_settings(trainer)
     findings: list[Finding] = []
     for duty in job.duties:
         own = recomputed.domains.get(duty.batch_id)
         decoy = recomputed.domains.get(job.decoys[duty.batch_id])
-        if own is None or decoy is None or reader is None:
+        if own is None or decoy is None:
             continue  # not recomputed before the round ended: nothing to say
         blob_hash = None
         with trio.move_on_at(deadline):
