@@ -137,3 +137,13 @@ def test_duties_are_kept_for_the_latest_rounds_only() -> None:
         steps |= set(core.verification)
         assert len(core.verification) <= VERIFIED_ROUNDS
     assert len(steps) > VERIFIED_ROUNDS  # rounds went by, each recorded once
+
+
+def test_a_round_is_recorded_before_its_first_tick() -> None:
+    # the round started by the last warmup witness, no tick since: a report still finds it
+    core, _ = verifying_round()
+    core.verification.clear()
+    step = core.coordinator.progress.step
+    record_again = core.on_verification(CLIENTS[0], VerificationReport(step, []))
+    assert record_again is False
+    assert step in core.verification

@@ -363,6 +363,7 @@ class ServerCore:
         self.refusal = None
         if self._member(sender, "Verification") is None:
             return False
+        self._record_duties()  # a round that started since the last tick (by a witness)
         record = self.verification.get(report.step)
         problem = (
             f"step {report.step} is not a recent verified round"
@@ -425,11 +426,13 @@ class ServerCore:
         return dropped
 
     def _record_duties(self) -> None:
-        """Record who verifies what in a round that just started (the last `VERIFIED_ROUNDS`)."""
+        """Record who verifies what in the current round, once (the last `VERIFIED_ROUNDS`
+        rounds are kept): on every tick and before every report, so a round that started and
+        moved on to its witness phase between two ticks is recorded too."""
         coordinator = self.coordinator
         if (
             coordinator.config.verification_percent == 0
-            or coordinator.run_state is not RunState.RoundTrain
+            or coordinator.run_state not in _ROUND_STATES
         ):
             return
         step = coordinator.progress.step
