@@ -283,11 +283,15 @@ class Domain:
 
 
 def domain_of(trainer: Trainer, recomputed: Recomputed) -> Domain:
+    """`recomputed` in the payloads' domain; the whole update's is the parts' weighted mean
+    there (the transforms are linear), so each part is transformed once."""
     parts = [recomputed_domain(trainer, part) for part in recomputed.parts]
-    whole = recomputed_domain(trainer, recomputed.update)
     if len(parts) < 2:
-        return Domain(whole, None)
-    return Domain(whole, [a - b for a, b in zip(parts[0], parts[1])])
+        return Domain(parts[0], None)
+    total = sum(recomputed.rows)
+    a, b = (n / total for n in recomputed.rows)
+    whole = [x * a + y * b for x, y in zip(parts[0], parts[1])]
+    return Domain(whole, [x - y for x, y in zip(parts[0], parts[1])])
 
 
 def _agreement_along(
