@@ -86,6 +86,7 @@ def test_extensions_are_appended_variants() -> None:
         "Checkpoint",
         "ExtensionHello",
         "AnnounceEndpoint",
+        "Verification",
     ]
     assert [v.variant_name for v in ServerToClientMessage.variants] == [
         "Coordinator",
@@ -138,6 +139,8 @@ def test_each_message_kind_is_bounded_by_what_it_can_legitimately_hold() -> None
     )
     from psyche.coordinator.config import SOLANA_MAX_NUM_CLIENTS
     from psyche.coordinator.run_state import MAX_TOKENS_TO_SEND, WitnessEvalResult
+    from psyche.coordinator.verification import MAX_FINDINGS, Finding, VerificationReport
+    from psyche.core.batch_id import BatchId
     from psyche.core.bloom import WitnessBloom
     from psyche.core.numeric import U64_MAX
     from psyche.transport import SERVER_MAX_FRAME_LENGTH, FrameTooLarge, TcpProtocolError
@@ -170,6 +173,12 @@ def test_each_message_kind_is_bounded_by_what_it_can_legitimately_hold() -> None
             ExtensionHello(2**32 - 1)
         ),
         ClientToServerMessage.AnnounceEndpoint: ClientToServerMessage.AnnounceEndpoint(bytes(4096)),
+        ClientToServerMessage.Verification: ClientToServerMessage.Verification(
+            VerificationReport(
+                2**32 - 1,
+                [Finding(BatchId(U64_MAX, U64_MAX), False, float("inf"))] * MAX_FINDINGS,
+            )
+        ),
     }
     for kind, message in fullest.items():
         payload = encoded(message)

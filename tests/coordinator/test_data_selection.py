@@ -16,7 +16,6 @@ from psyche.coordinator import (
     Coordinator,
     CoordinatorConfig,
     CoordinatorPanic,
-    CoordinatorUnimplemented,
     assign_data_for_state,
     get_batch_ids_for_node,
     get_batch_ids_for_round,
@@ -139,12 +138,21 @@ def test_batch_ids_for_round_match_the_assignment() -> None:
         get_batch_ids_for_round(round_, coordinator, 0)
 
 
-def test_verifiers_are_not_implemented_upstream() -> None:
+def test_verifiers_train_nothing() -> None:
+    # upstream asserts verification_percent == 0 here; the port's verifiers recompute instead
     coordinator = create_test_coordinator(10, 20, 10)
     coordinator.config.verification_percent = 50
-    with pytest.raises(CoordinatorUnimplemented, match="verification_percent"):
-        assignments_of(coordinator)
-    # a percentage too small to make anyone a verifier is fine
+    selection = CommitteeSelection.from_coordinator(coordinator, 0)
+    trainers = {
+        c.id
+        for i, c in enumerate(coordinator.epoch_state.clients)
+        if selection.get_committee(i).committee.name == "Trainer"
+    }
+    assert len(trainers) == 5
+    assignments = assignments_of(coordinator)
+    assert set(assignments.values()) == trainers
+    assert sum(sizes(assignments)) == 20
+    # a percentage too small to make anyone a verifier: everyone trains
     coordinator.config.verification_percent = 9
     assert len(assignments_of(coordinator)) == 10
 

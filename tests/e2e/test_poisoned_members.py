@@ -14,26 +14,15 @@ the simulations), not asserted here: two runs of real processes train different 
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from ..processes import REPO, Proc, Processes, events, free_port
-
-sys.path.insert(0, str(REPO / "scripts" / "chaos"))
-import hostile_members as hm
+from ..processes import Proc, Processes, events
+from .hostile_run import HOSTILE, short_id, start_hostile_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
-
-HONEST = (1, 2, 3)
-HOSTILE = 4
-HOSTILE_SCRIPT = REPO / "tests" / "e2e" / "hostile_client.py"
-
-
-def short_id(number: int) -> str:
-    return hm.test_key(number).public_key[:4].hex()
 
 
 def assignees(client: Proc) -> dict[tuple[int, str], str]:
@@ -49,25 +38,11 @@ def assignees(client: Proc) -> dict[tuple[int, str], str]:
 def test_a_hostile_members_lies_are_never_applied_and_the_honest_clients_agree(
     processes: Processes, tmp_path: Path
 ) -> None:
-    run = hm.write_run(
-        tmp_path / "run", total_steps=14, epoch_time=40, witness_nodes=0, init_min_clients=4,
-        min_clients=3,
+    run = start_hostile_run(
+        processes, tmp_path / "run", "sign-flip", 1, total_steps=14, epoch_time=40,
+        witness_nodes=0, init_min_clients=4, min_clients=3,
     )  # fmt: skip
-    port = free_port()
-    server = processes.start("server", hm.server_command(run, port, "--bind-address", "127.0.0.1"))
-    processes.wait_for(server, r"serving run 'tiny-cpu'", 60)
-    honest = [
-        processes.start(
-            f"client-{n}", hm.client_command(port), env={"RAW_IDENTITY_SECRET_KEY": f"{n:064x}"}
-        )
-        for n in HONEST
-    ]
-    hostile_argv = [sys.executable, str(HOSTILE_SCRIPT), "sign-flip", "1", "--"]
-    hostile = processes.start(
-        "hostile", hostile_argv + hm.client_command(port)[3:],
-        env={"RAW_IDENTITY_SECRET_KEY": f"{HOSTILE:064x}"},
-    )  # fmt: skip
-    processes.wait_for(server, r"-> RoundTrain \(epoch 0", 240)
+    server, honest, hostile = run.server, run.honest, run.hostile
     # the coordinator drops it: its lies get no witness quorum
     processes.wait_for(server, rf"{short_id(HOSTILE)} did not deliver", 240)
     outcomes: list[Any] = []

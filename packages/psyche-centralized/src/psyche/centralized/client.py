@@ -50,6 +50,7 @@ from psyche.centralized.protocol import (
 from psyche.coordinator import Coordinator, RunState
 from psyche.coordinator.backend import HealthCheck, OpportunisticData
 from psyche.coordinator.model import Checkpoint, LLMTrainingDataLocation
+from psyche.coordinator.verification import VerificationReport
 from psyche.core.cli import UserError
 from psyche.core.node_identity import NodeIdentity
 from psyche.transport import (
@@ -245,6 +246,9 @@ class CentralizedBackend:
 
     async def send_health_check(self, health_checks: list[HealthCheck]) -> None:
         await self._send(ClientToServerMessage.HealthCheck(list(health_checks)))
+
+    async def send_verification(self, report: VerificationReport) -> None:
+        await self._send(ClientToServerMessage.Verification(report))
 
     async def send_checkpoint(self, checkpoint: Checkpoint) -> None:
         await self._send(ClientToServerMessage.Checkpoint(checkpoint))

@@ -13,6 +13,11 @@ Port extensions are appended variants (higher indices), which a Rust peer cannot
   reconnects without extensions.
 * client to server `AnnounceEndpoint(record)` (5): the client's self-signed network address record
   (`psyche.network.discovery`), relayed by the server to the run's other clients.
+* client to server `Verification(report)` (6): a verifier's or tie-breaker's findings for a round
+  (`psyche.coordinator.verification.VerificationReport`), only sent in runs with
+  `verification_percent > 0` (which a Rust server cannot run: its data selection asserts it is 0).
+  Bounded like a health check: at most one finding per client of the run, heard only from a
+  member, once per sender and round (`ServerCore.on_verification`).
 * server to client `PeerEndpoints(records)` (1): the newest record of every other joined client.
 * server to client `RunExtras{version, backup_data_locations, run_identity}` (2): what
   upstream's coordinator cannot carry (the backup data locations of `data_locations = [...]`
@@ -41,6 +46,7 @@ from psyche.coordinator.config import SOLANA_MAX_NUM_CLIENTS
 from psyche.coordinator.coordinator import Coordinator as _Coordinator
 from psyche.coordinator.model import Checkpoint as _Checkpoint
 from psyche.coordinator.model import LLMTrainingDataLocation
+from psyche.coordinator.verification import VerificationReport
 from psyche.core.node_identity import NodeIdentity
 from psyche.core.serde import (
     U32,
@@ -94,6 +100,7 @@ class ClientToServerMessage(DataEnum):
     # Port extensions (see the module docstring).
     ExtensionHello = variant(ExtensionHello)
     AnnounceEndpoint = variant(bytes)
+    Verification = variant(VerificationReport)
 
 
 class ServerToClientMessage(DataEnum):
@@ -141,6 +148,7 @@ MEMBER_VARIANTS = frozenset(
         ClientToServerMessage.Witness,
         ClientToServerMessage.HealthCheck,
         ClientToServerMessage.Checkpoint,
+        ClientToServerMessage.Verification,
     )
 )
 """Messages only a client of the run's current epoch is heard for."""

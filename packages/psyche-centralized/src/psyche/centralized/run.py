@@ -54,6 +54,7 @@ def validate_config(state: Path, data_config: Path | None) -> int:
     one-line summary on stdout and 0 when valid, every problem on stderr and 1 otherwise."""
     from psyche.centralized.save_state import SavedStateError, resolve_state_path
     from psyche.coordinator.run_config import ConfigFileError, load_run_config
+    from psyche.coordinator.verification import verification_problem
 
     try:
         # the same path as `run --state`: a file, or the newest save of a save-state directory
@@ -63,6 +64,12 @@ def validate_config(state: Path, data_config: Path | None) -> int:
         return 1
     for warning in loaded.warnings:
         print(f"warning: {state}: {warning}", file=sys.stderr)
+    # A config upstream loads but no run can honour (upstream panics once it runs): refused.
+    unrunnable = verification_problem(loaded.config)
+    if unrunnable is not None:
+        where, why = unrunnable
+        print(f"Error found in config: {state}: {where}: {why}", file=sys.stderr)
+        return 1
     lines = [loaded.summary()]
     if data_config is not None:
         from psyche.data_provider.data_config import DataConfigError, DataServerInfo

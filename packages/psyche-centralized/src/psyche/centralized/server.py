@@ -71,6 +71,7 @@ from psyche.coordinator.coordinator import Coordinator
 from psyche.coordinator.model import Checkpoint, HubRepo, LLMTrainingDataLocation
 from psyche.coordinator.run_state import RunState
 from psyche.coordinator.server_core import DEFAULT_BAN_EPOCHS, ServerCore, TickOutcome
+from psyche.coordinator.verification import verification_problem
 from psyche.core.cli import short_duration
 from psyche.core.node_identity import NodeIdentity
 from psyche.transport import (
@@ -329,7 +330,7 @@ class CentralizedServer:
     def screen(self, client: bytes, payload: memoryview) -> bool:
         """The transport's `Screen`, before a message is decoded: a message longer than its
         kind can legitimately be, or of no known kind, closes the connection (raises); a
-        Witness, HealthCheck or Checkpoint from a key the run does not hear (no client of the
+        Witness, HealthCheck, Checkpoint or Verification from a key the run does not hear (no client of the
         current epoch) is dropped unread and counted. True: decode it."""
         variant = screen_client_message(payload)
         if variant.index in MEMBER_VARIANTS:
@@ -383,6 +384,8 @@ class CentralizedServer:
                 broadcast = core.on_health_check(sender, checks)
             case ClientToServerMessage.Checkpoint(checkpoint):
                 broadcast = core.on_checkpoint(sender, checkpoint)
+            case ClientToServerMessage.Verification(report):
+                broadcast = core.on_verification(sender, report)
             case ClientToServerMessage.ExtensionHello(hello):
                 if client in self._greeted:
                     return  # answered once per connection: a repeated hello gets nothing
@@ -524,6 +527,9 @@ async def open_server(
         authorized=options.authorized_keys,
         ban_epochs=options.ban_epochs,
     )
+    unrunnable = verification_problem(core.coordinator.config)
+    if unrunnable is not None:
+        raise ServerStartError(f"{unrunnable[0]}: {unrunnable[1]}")
     server = CentralizedServer(core, options)
     data_port = data_server_port(core.coordinator)
     provider: Any = None

@@ -143,6 +143,21 @@ class MemberStatus:
 
 
 @dataclass(frozen=True)
+class VerificationStatus:
+    """One thing verification did (`ServerCore.verification_log`): `kind` "verified" (`by`
+    recomputed `subject`'s result of `batch`: `matches`, `score`) or "punished" (`reason`)."""
+
+    step: int
+    kind: str
+    subject: str
+    by: str | None
+    batch: str
+    matches: bool | None
+    score: float | None
+    reason: str
+
+
+@dataclass(frozen=True)
 class StatusSnapshot:
     run_id: str
     run_state: str
@@ -158,6 +173,8 @@ class StatusSnapshot:
     loss_curve: list[tuple[int, float]]
     uptime_seconds: float
     generated_at: float = field(default_factory=time.time)
+    verification: list[VerificationStatus] = field(default_factory=list)
+    """Verifiers' findings and punishments, newest first (runs with verification_percent > 0)."""
 
 
 def snapshot(server: CentralizedServer, history: StatusHistory) -> StatusSnapshot:
@@ -187,6 +204,19 @@ def snapshot(server: CentralizedServer, history: StatusHistory) -> StatusSnapsho
         round_durations=list(history.round_durations),
         loss_curve=history.loss_curve(),
         uptime_seconds=history.uptime(),
+        verification=[
+            VerificationStatus(
+                e.step,
+                e.kind,
+                str(e.subject),
+                None if e.by is None else str(e.by),
+                e.batch,
+                e.matches,
+                e.score,
+                e.reason,
+            )
+            for e in reversed(server.core.verification_log)
+        ],
     )
 
 
@@ -232,6 +262,30 @@ def _num(value: float | None, digits: int = 4) -> str:
     return "–" if value is None or not math.isfinite(value) else f"{value:.{digits}f}"
 
 
+def _verification_html(events: list[VerificationStatus]) -> str:
+    """Who verified whom, what was found, who was punished (nothing in a run without it)."""
+    if not events:
+        return ""
+    e = html.escape
+    rows = []
+    for v in events[:40]:
+        if v.kind == "punished":
+            found = f"<b>punished</b>: {e(v.reason)}"
+        else:
+            verdict = "matches" if v.matches else "<b>does not match</b>"
+            found = f"{e(v.by or '')} recomputed it: {verdict} (score {_num(v.score, 3)})"
+        rows.append(
+            f'<tr class="verification {e(v.kind)}"><td>{v.step}</td><td>{e(v.subject)}</td>'
+            f"<td>{e(v.batch)}</td><td>{found}</td></tr>"
+        )
+    return (
+        '<h2>Verification</h2>\n<table id="verification"><thead><tr><th>step</th>'
+        "<th>trainer / member</th><th>batch</th><th>found</th></tr></thead><tbody>\n"
+        + "".join(rows)
+        + "\n</tbody></table>\n"
+    )
+
+
 def render_html(snap: StatusSnapshot, refresh_seconds: int = DEFAULT_REFRESH_SECONDS) -> str:
     """The HTML page: run state, progress, members with their health and latest report, round
     durations and the loss curve (an inline SVG). Every value from clients is escaped."""
@@ -251,6 +305,7 @@ def render_html(snap: StatusSnapshot, refresh_seconds: int = DEFAULT_REFRESH_SEC
         f"<tr><td>{s}</td><td>{d:.2f}</td></tr>" for s, d in reversed(durations)
     )
     height = "–" if snap.round_height is None else str(snap.round_height)
+    verification = _verification_html(snap.verification)
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
 <meta http-equiv="refresh" content="{int(refresh_seconds)}">
@@ -267,7 +322,7 @@ round {height}; {snap.connected} connected, {snap.pending} waiting to join; up
 <th>loss</th><th>tokens/s</th><th>evals</th></tr></thead><tbody>
 {"".join(rows)}
 </tbody></table>
-<h2>Loss</h2>
+{verification}<h2>Loss</h2>
 {_loss_svg(snap.loss_curve)}
 <h2>Round durations</h2>
 <table id="rounds"><thead><tr><th>step</th><th>seconds</th></tr></thead><tbody>

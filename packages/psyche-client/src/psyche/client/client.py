@@ -65,9 +65,11 @@ from psyche.coordinator.backend import (
     OpportunisticData,
     Rejoin,
     RunIdentity,
+    VerificationReports,
 )
 from psyche.coordinator.commitment import Commitment
 from psyche.coordinator.model import Checkpoint
+from psyche.coordinator.verification import VerificationReport
 from psyche.core.cli import UserError
 from psyche.core.log_markers import IntegrationTestLogMarker
 from psyche.modeling.serialized_distro import TransmittableDistroResult
@@ -153,6 +155,9 @@ class _LoopIO:
     def send_checkpoint(self, checkpoint: Checkpoint) -> None:
         self._queue("checkpoint", lambda: self._client.backend.send_checkpoint(checkpoint))
 
+    def send_verification(self, report: VerificationReport) -> None:
+        self._queue("verification", lambda: self._client._send_verification(report))
+
     def broadcast_finished(self, action: SendFinished) -> None:
         self._queue("finished", lambda: self._client._broadcast_finished(action))
 
@@ -230,6 +235,7 @@ class Client:
         self.machine: StepStateMachine | None = None
         self.rebroadcaster = Rebroadcaster()
         self._resend_pending = False
+        self._verification_unsent = False  # warned once that the backend drops reports
         self._last_gossip_attempt = -math.inf
         self._known_records: set[bytes] = set()
         self.io = _LoopIO(self)
@@ -649,6 +655,16 @@ class Client:
     async def _send_witness(self, data: OpportunisticData) -> None:
         await self.backend.send_witness(data)
         log_event(logger, "witness_sent", quiet=True, kind=data.kind)
+
+    async def _send_verification(self, report: VerificationReport) -> None:
+        if isinstance(self.backend, VerificationReports):
+            await self.backend.send_verification(report)
+        elif not self._verification_unsent:
+            self._verification_unsent = True
+            logger.warning(
+                "this coordinator backend carries no verification reports: this client's "
+                "findings as a verifier stay in its log"
+            )
 
     def _sign(self, data_hash: bytes) -> Commitment:
         return Commitment(data_hash, self.config.secret_key.sign(data_hash))

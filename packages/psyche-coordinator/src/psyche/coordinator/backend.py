@@ -13,6 +13,7 @@ from psyche.coordinator.committee_selection import CommitteeProof
 from psyche.coordinator.coordinator import Coordinator
 from psyche.coordinator.model import Checkpoint
 from psyche.coordinator.run_state import Witness, WitnessMetadata
+from psyche.coordinator.verification import VerificationReport
 from psyche.core.node_identity import NodeIdentity
 from psyche.core.serde import DataEnum, variant
 
@@ -87,3 +88,12 @@ class RunIdentity(Protocol):
     def run_identity(self) -> str | None:
         """The identity (a short printable string), or None when the coordinator names none."""
         ...
+
+
+@runtime_checkable
+class VerificationReports(Protocol):
+    """Optional backend capability: carry a verifier's or tie-breaker's findings of a round to
+    the coordinator (`psyche.coordinator.verification`; runs with `verification_percent > 0`).
+    The centralized backend has it; a backend without it drops the reports (logged once)."""
+
+    async def send_verification(self, report: VerificationReport) -> None: ...

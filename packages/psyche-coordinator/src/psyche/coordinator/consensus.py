@@ -84,7 +84,8 @@ class CoordinatorQueries:
 
         Raises `CoordinatorError(InvalidCommitteeProof)` for a proof that does not belong to
         `node_id`, and `CoordinatorUnimplemented` for tie-breakers and verifiers (upstream's
-        `todo!()`).
+        `todo!()`), except in a verifying run, where they are healthy (nothing of theirs is
+        witnessed: the tie-breakers judge them).
         """
         round_ = self.previous_round()
         if round_ is None:
@@ -102,6 +103,10 @@ class CoordinatorQueries:
             raise CoordinatorError(CoordinatorErrorKind.InvalidCommitteeProof)
         if proof.committee is Committee.Trainer:
             return self.trainer_healthy(client.id)
+        if self.config.verification_percent != 0:
+            # Verifiers and tie-breakers train nothing the witnesses could attest: they answer
+            # to the tie-breakers' decisions instead (`psyche.coordinator.verification`).
+            return True
         raise CoordinatorUnimplemented(
             f"not yet implemented: health of a {proof.committee.name} (upstream `todo!()`)"
         )

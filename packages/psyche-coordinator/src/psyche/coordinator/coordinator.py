@@ -48,6 +48,7 @@ from psyche.coordinator.run_state import (
     TickResult,
     Witness,
 )
+from psyche.coordinator.verification import tie_breaker_tasks_for
 from psyche.core.definitions import ConstantLR, LearningRateSchedule, OptimizerDefinition
 from psyche.core.node_identity import NodeIdentity
 from psyche.core.numeric import U64_MAX, truncating_cast_unsigned, wrapping_u32, wrapping_u64
@@ -188,7 +189,7 @@ class Coordinator(CoordinatorQueries):
 
     def _tick_warmup(self, unix_timestamp: int, random_seed: int) -> TickResult:
         if self._check_timeout(unix_timestamp, self.config.warmup_time):
-            self._start_round_train(unix_timestamp, random_seed, 0)
+            self._start_round_train(unix_timestamp, random_seed, self._tie_breaker_tasks())
         else:
             self._move_clients_to_exited(0)
         if len(self.epoch_state.clients) < self.config.min_clients:
@@ -243,7 +244,7 @@ class Coordinator(CoordinatorQueries):
             self._start_cooldown(unix_timestamp)
             return TickResult.Ticked()
 
-        self._start_round_train(unix_timestamp, random_seed, 0)
+        self._start_round_train(unix_timestamp, random_seed, self._tie_breaker_tasks())
         return TickResult.Ticked()
 
     def _tick_cooldown(self, unix_timestamp: int) -> TickResult:
@@ -292,6 +293,11 @@ class Coordinator(CoordinatorQueries):
         # The slot's witnesses are cleared for reuse by the next warmup.
         self._current_round_unchecked().witnesses.clear()
         self._change_state(unix_timestamp, RunState.Cooldown)
+
+    def _tie_breaker_tasks(self) -> int:
+        """Upstream starts every round with none; a verifying run with its tie-breakers
+        (`psyche.coordinator.verification`)."""
+        return tie_breaker_tasks_for(self.config, len(self.epoch_state.clients))
 
     def _start_round_train(
         self, unix_timestamp: int, random_seed: int, tie_breaker_tasks: int
@@ -404,7 +410,7 @@ class Coordinator(CoordinatorQueries):
             raise CoordinatorError(CoordinatorErrorKind.WitnessesFull)
         round_.witnesses.append(witness)
         if len(round_.witnesses) == witness_nodes:
-            self._start_round_train(unix_timestamp, random_seed, 0)
+            self._start_round_train(unix_timestamp, random_seed, self._tie_breaker_tasks())
 
     def witness(self, from_: NodeIdentity, witness: Witness, unix_timestamp: int) -> None:
         """A witness attests the current round (its blooms say which trainers and results it

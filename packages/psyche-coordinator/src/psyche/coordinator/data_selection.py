@@ -15,6 +15,7 @@ from psyche.coordinator.committee_selection import Committee, CommitteeSelection
 from psyche.coordinator.coordinator import Coordinator
 from psyche.coordinator.errors import CoordinatorPanic, CoordinatorUnimplemented
 from psyche.coordinator.run_state import Client, Round
+from psyche.coordinator.verification import RoundDuties, round_duties
 from psyche.core.batch_id import BatchId
 from psyche.core.deterministic_shuffle import deterministic_shuffle
 from psyche.core.node_identity import NodeIdentity
@@ -36,20 +37,20 @@ def _trainers(coordinator: Coordinator, selection: CommitteeSelection) -> list[C
         return list(clients)
     round_ = coordinator.current_round()
     assert round_ is not None  # checked by the caller
+    # Upstream asserts `verification_percent == 0` for a verifier; here verifiers and
+    # tie-breakers of a verifying run train nothing.
+    verifying = coordinator.config.verification_percent != 0
     trainers = []
     for index, client in enumerate(clients):
         committee = selection.get_committee(index).committee
         if committee is Committee.Trainer:
             trainers.append(client)
+        elif verifying:
+            continue  # it recomputes others' results instead (psyche.coordinator.verification)
         elif committee is Committee.TieBreaker and round_.tie_breaker_tasks != 0:
             raise CoordinatorUnimplemented(
                 "assertion `left == right` failed: round.tie_breaker_tasks == 0 "
                 "(tie-breaker data assignment is not implemented upstream)"
-            )
-        elif committee is Committee.Verifier and coordinator.config.verification_percent != 0:
-            raise CoordinatorUnimplemented(
-                "assertion `left == right` failed: config.verification_percent == 0 "
-                "(verifier data assignment is not implemented upstream)"
             )
     return trainers
 
@@ -60,8 +61,10 @@ def assign_data_for_state(
     """The current round's batches and who trains each, ascending by batch (upstream's
     `BTreeMap`).
 
-    Raises `CoordinatorUnimplemented` if a verifier or tie-breaker would need data (upstream
-    asserts that none does) and `CoordinatorPanic` where upstream panics otherwise.
+    With `verification_percent > 0` the verifiers and tie-breakers get none (they recompute the
+    trainers' results: `psyche.coordinator.verification`). Otherwise raises
+    `CoordinatorUnimplemented` if a tie-breaker would need data (upstream asserts that none does)
+    and `CoordinatorPanic` where upstream panics.
     """
     round_ = coordinator.current_round()
     if round_ is None:
@@ -142,3 +145,18 @@ def get_data_index_for_step(coordinator: Coordinator, target_step: int) -> int:
         current = wrapping_u64(current + batch_size)
         remaining -= 1
     return current
+
+
+def verification_duties_for_state(coordinator: Coordinator) -> RoundDuties:
+    """Who recomputes what in the current round (`psyche.coordinator.verification`): none when
+    verification is off or the round trains nothing (the epoch's last two rounds)."""
+    round_ = coordinator.current_round()
+    if round_ is None:
+        raise CoordinatorPanic("called `Option::unwrap()` on a `None` value (current round)")
+    step = coordinator.progress.step
+    if coordinator.config.verification_percent == 0 or coordinator.epoch_state.last_step_set():
+        return RoundDuties(step, (), ())
+    selection = CommitteeSelection.from_coordinator(coordinator, 0)
+    assignments = assign_data_for_state(coordinator, selection)
+    clients = coordinator.epoch_state.clients[: round_.clients_len]
+    return round_duties(step, clients, selection, assignments)

@@ -37,6 +37,12 @@ Beyond upstream (docs/centralized.md, "Members, strangers and non-delivering mem
   on every tick, so a dropped client that stayed connected never came back);
 * what a member reports with its witness (loss, throughput: `accepted_witness`) counts only
   for a witness the coordinator accepted, reported for the current step;
+* verification (`psyche.coordinator.verification`, with `verification_percent > 0`): the duties of
+  each round are recorded when it starts (the last `VERIFIED_ROUNDS`); a member's
+  `VerificationReport` is heard once per round and only about its own duties; a dispute the
+  tie-breakers decide drops the loser (the trainer, or the verifier that accused falsely) and
+  bans it as a member that did not deliver (`_ban`). What was verified, found and punished is
+  kept for the status page (`verification_log`);
 * every log line a peer's message causes goes through a `DropLog` (at most a few lines per kind
   and interval), so no flood of logins or messages floods the log.
 """
@@ -45,11 +51,13 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import deque
 from dataclasses import dataclass, field
 
 from psyche.coordinator.backend import OpportunisticData
 from psyche.coordinator.committee_selection import CommitteeSelection
 from psyche.coordinator.coordinator import Coordinator
+from psyche.coordinator.data_selection import verification_duties_for_state
 from psyche.coordinator.errors import CoordinatorError, CoordinatorErrorKind, CoordinatorPanic
 from psyche.coordinator.model import Checkpoint
 from psyche.coordinator.resume import prepare_for_start, resume_snapshot
@@ -60,6 +68,7 @@ from psyche.coordinator.run_state import (
     TickResult,
     WitnessMetadata,
 )
+from psyche.coordinator.verification import Resolution, RoundVerification, VerificationReport
 from psyche.core.drop_log import DropLog
 from psyche.core.node_identity import NodeIdentity
 
@@ -83,6 +92,26 @@ class TickOutcome:
 
 MAX_BAN_EPOCHS = 64
 """The longest a ban grows (`ServerCore._ban`)."""
+VERIFIED_ROUNDS = 3
+"""Rounds whose verification reports are still heard: a verifier recomputes while the round
+trains, and its report may arrive during the next two (a loaded machine is slow, not wrong)."""
+VERIFICATION_LOG_LEN = 64
+"""Verification events the server keeps for the status page."""
+
+
+@dataclass(frozen=True)
+class VerificationEvent:
+    """One thing verification did, for people: `kind` "verified" (a finding: `matches`, `score`),
+    or "punished" (`reason`)."""
+
+    step: int
+    kind: str
+    subject: NodeIdentity
+    by: NodeIdentity | None = None
+    batch: str = ""
+    matches: bool | None = None
+    score: float | None = None
+    reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -146,6 +175,11 @@ class ServerCore:
     # Banned as silent witnesses of the round that just ended, until the next epoch starts:
     # the step, and the ban record each had before (restored if its witness arrives late).
     _unheard: dict[NodeIdentity, tuple[int, Ban | None]] = field(default_factory=dict)
+    # The verification reports of the latest rounds (by step) and what verification did.
+    verification: dict[int, RoundVerification] = field(default_factory=dict)
+    verification_log: deque[VerificationEvent] = field(
+        default_factory=lambda: deque(maxlen=VERIFICATION_LOG_LEN)
+    )
 
     @classmethod
     def start(
@@ -322,6 +356,97 @@ class ServerCore:
                 self._ban(client.id, f"dropped by a health check from {sender}")
         return dropped > 0
 
+    def on_verification(self, sender: NodeIdentity, report: VerificationReport) -> bool:
+        """A verifier's or tie-breaker's findings for a recent round: kept once per sender and
+        round, and only about its own duties; the disputes it lets the tie-breakers decide drop
+        and ban their losers. Whether the state changed (someone was dropped)."""
+        self.refusal = None
+        if self._member(sender, "Verification") is None:
+            return False
+        self._record_duties()  # a round that started since the last tick (by a witness)
+        record = self.verification.get(report.step)
+        problem = (
+            f"step {report.step} is not a recent verified round"
+            if record is None
+            else record.add(sender, report)
+        )
+        if problem is not None or record is None:
+            self.rejected.note(
+                "Verification", f"verification report from {sender} refused: {problem}"
+            )
+            return False
+        trainers = record.duties.trainers()
+        for finding in report.findings:
+            trainer = trainers[finding.batch_id]
+            self.verification_log.append(
+                VerificationEvent(
+                    report.step,
+                    "verified",
+                    trainer,
+                    sender,
+                    str(finding.batch_id),
+                    bool(finding.matches),
+                    float(finding.score),
+                )
+            )
+            if not finding.matches:
+                log.warning(
+                    "%s finds %s's result for %s at step %d wrong (score %.3g)",
+                    sender,
+                    trainer,
+                    finding.batch_id,
+                    report.step,
+                    finding.score,
+                )
+        dropped = False
+        for resolution in record.resolve():
+            dropped |= self._punish(resolution)
+        return dropped
+
+    def _punish(self, resolution: Resolution) -> bool:
+        """Drop the loser of a decided dispute (if still a healthy member) and ban it; whether
+        it was dropped."""
+        loser = resolution.loser
+        self.verification_log.append(
+            VerificationEvent(
+                resolution.step,
+                "punished",
+                loser,
+                batch=str(resolution.batch_id),
+                reason=f"{resolution.role}: {resolution.reason}",
+            )
+        )
+        log.warning("verification: %s loses (%s): %s", loser, resolution.role, resolution.reason)
+        dropped = False
+        for client in self.coordinator.epoch_state.clients:
+            if client.id == loser and client.state is ClientState.Healthy:
+                client.state = ClientState.Dropped
+                dropped = True
+        self._ban(loser, f"verification, as {resolution.role}: {resolution.reason}")
+        return dropped
+
+    def _record_duties(self) -> None:
+        """Record who verifies what in the current round, once (the last `VERIFIED_ROUNDS`
+        rounds are kept): on every tick and before every report, so a round that started and
+        moved on to its witness phase between two ticks is recorded too."""
+        coordinator = self.coordinator
+        if (
+            coordinator.config.verification_percent == 0
+            or coordinator.run_state not in _ROUND_STATES
+        ):
+            return
+        step = coordinator.progress.step
+        if step in self.verification:
+            return
+        try:
+            duties = verification_duties_for_state(coordinator)
+        except (CoordinatorError, CoordinatorPanic) as e:
+            log.error("cannot derive the verification duties of step %d: %s", step, e)
+            return
+        self.verification[step] = RoundVerification(duties)
+        for old in sorted(self.verification)[:-VERIFIED_ROUNDS]:
+            del self.verification[old]
+
     def on_checkpoint(self, sender: NodeIdentity, checkpoint: Checkpoint) -> bool:
         """A member's new checkpoint; broadcast only when it changed the run's (upstream always
         broadcasts, which let anyone make the server send its state to everyone)."""
@@ -378,6 +503,7 @@ class ServerCore:
             return TickOutcome()
         finally:
             self._track_round()
+        self._record_duties()
         self._forgive_mass_withdrawal(silent)
         if self.coordinator.run_state not in (RunState.Cooldown, RunState.WaitingForMembers):
             self._unheard.clear()  # the next epoch started: too late to be heard
@@ -563,7 +689,9 @@ __all__ = [
     "DEFAULT_BAN_EPOCHS",
     "JOIN_LOG_BURST",
     "MAX_BAN_EPOCHS",
+    "VERIFIED_ROUNDS",
     "Ban",
     "ServerCore",
     "TickOutcome",
+    "VerificationEvent",
 ]

@@ -73,6 +73,16 @@ _EXPORTS = {
     "DistroSettings": ".research",
     "PeerSimulation": ".research",
     "llama_config_dict": ".configs",
+    "DILOCO_VERIFICATION": ".verification",
+    "DISTRO_VERIFICATION": ".verification",
+    "DILOCO_SPARSE_VERIFICATION": ".verification",
+    "Evidence": ".verification",
+    "Recomputed": ".verification",
+    "VerificationSettings": ".verification",
+    "VerificationVerdict": ".verification",
+    "recompute": ".verification",
+    "verification_settings": ".verification",
+    "verify_result": ".verification",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -14,7 +14,9 @@ into a payload that passes every check a receiver makes of its bytes (`serialize
 | `Copy` | another member's result of the same round, tensor for tensor |
 | `Replay` | what it sent `replay_lag` rounds earlier (honest results until it has sent that many) |
 | `Targeted` | one fixed random direction every round, at the honest update's norm per parameter |
-| `Lazy` | its honest result on `lazy_fraction` of its batch: the caller trains on `lazy_rows(n)` rows |
+| `Lazy` | its honest result on `lazy_fraction` of its batch: the caller trains on `lazy_rows(n)` rows (`lazy_fraction=0.5`: the issue's "half batch") |
+| `OtherData` | its honest result on a batch other than its assignment: the caller trains on `training_batch(assigned, other)` |
+| `Bias` | its honest update plus `bias_fraction` (1 %) of its norm in one fixed random direction, per parameter (1-bit DisTrO: the signs of the payload's coefficients set to the direction's, those where that moves the update most first, until the update has moved that far along it) |
 
 `HostileMembers` plays them in the research simulations (`PeerSimulation(hostile=...)`,
 `DilocoPeerSimulation(hostile=...)`; the poisoning benchmark, `scripts/bench/poison.py`), and
@@ -33,7 +35,7 @@ import torch
 
 from psyche.core.batch_id import BatchId
 from psyche.core.definitions import DilocoTransmission
-from psyche.modeling.compression import compress
+from psyche.modeling.compression import compress, decompress_idx
 from psyche.modeling.diloco.codec import (
     MAX_ABS_VALUE,
     DilocoLayout,
@@ -41,13 +43,20 @@ from psyche.modeling.diloco.codec import (
     _levels,
     _pack_codes,
     _unpack_codes,
+    decode,
     encode,
     entry_values,
 )
 from psyche.modeling.diloco.optimizer import Diloco
-from psyche.modeling.distro import Distro, DistroResult, quantize_nozeros_tensor_to_boolean_sign
+from psyche.modeling.distro import (
+    Distro,
+    DistroResult,
+    quantize_nozeros_tensor_to_boolean_sign,
+    unpack_tensor_sign_from_boolean,
+)
 from psyche.modeling.serialized_distro import transmittable_distro_result
-from psyche.modeling.trainer import PreparedResult, Trainer, TrainOutput
+from psyche.modeling.train_loop import rows
+from psyche.modeling.trainer import Batch, PreparedResult, Trainer, TrainOutput
 
 _CPU = torch.device("cpu")
 
@@ -61,6 +70,8 @@ class Attack(enum.Enum):
     Replay = "replay"
     Targeted = "targeted"
     Lazy = "lazy"
+    OtherData = "other-data"
+    Bias = "bias"
 
 
 # --------------------------------------------------------------------------------------------
@@ -88,6 +99,13 @@ class PayloadFormat:
         raise NotImplementedError
 
     def shape(self, i: int) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def biased(
+        self, r: DistroResult, i: int, direction: torch.Tensor, fraction: float
+    ) -> DistroResult:
+        """The entry's update plus `fraction` of its norm along `direction` (a unit tensor of
+        the parameter's shape)."""
         raise NotImplementedError
 
 
@@ -138,6 +156,32 @@ class DistroFormat(PayloadFormat):
         if self.quantize_1bit:
             val = quantize_nozeros_tensor_to_boolean_sign(val)
         return DistroResult(idx, val, xshape, totalk)
+
+    def biased(
+        self, r: DistroResult, i: int, direction: torch.Tensor, fraction: float
+    ) -> DistroResult:
+        # the direction in the DCT domain (orthonormal: still a unit vector), at the payload's
+        # positions, block by block
+        p = self.distro.variables[i][1]
+        coefficients = self.distro.transform.encode(direction.to(p.dtype)).float()
+        idx = decompress_idx(r.totalk, r.sparse_idx)
+        along = coefficients.reshape(*idx.shape[:-1], -1).gather(-1, idx)
+        v = r.sparse_val
+        if v.dtype != torch.bool:
+            size = float(torch.linalg.vector_norm(v.float()))
+            norm = float(torch.linalg.vector_norm(along))
+            shift = along * (fraction * size / norm) if norm > 0.0 else along * 0.0
+            return self._with(r, (v.float() + shift).to(v.dtype))
+        signs = unpack_tensor_sign_from_boolean(v, torch.float32)
+        # setting a sign that disagrees with the direction moves the update 2|d_i| along it
+        gain = torch.where(signs * along < 0, 2.0 * along.abs(), torch.zeros_like(along))
+        order = gain.reshape(-1).argsort(descending=True)
+        moved = gain.reshape(-1)[order].cumsum(0)
+        count = int(torch.searchsorted(moved, fraction * math.sqrt(v.numel()))) + 1
+        flat = signs.reshape(-1).clone()
+        chosen = order[: min(count, int((gain > 0).sum()))]
+        flat[chosen] = along.reshape(-1)[chosen].sign()
+        return self._with(r, quantize_nozeros_tensor_to_boolean_sign(flat.reshape(v.shape)))
 
 
 class DilocoFormat(PayloadFormat):
@@ -190,6 +234,13 @@ class DilocoFormat(PayloadFormat):
     def encode_dense(self, x: torch.Tensor, i: int) -> DistroResult:
         return encode(x.float(), self.layouts[i])
 
+    def biased(
+        self, r: DistroResult, i: int, direction: torch.Tensor, fraction: float
+    ) -> DistroResult:
+        update = decode(r, self.layouts[i], _CPU)
+        size = float(torch.linalg.vector_norm(update))
+        return self.encode_dense(update + direction * (fraction * size), i)
+
     @staticmethod
     def _map_codes(
         r: DistroResult, layout: DilocoLayout, fn: Callable[[torch.Tensor, int], torch.Tensor]
@@ -227,6 +278,8 @@ class HostileMember:
     """Rounds it plays honest before it starts lying."""
     replay_lag: int = 2
     lazy_fraction: float = 0.25
+    bias_fraction: float = 0.01
+    """`Bias`: the bias's norm as a fraction of the honest update's."""
     copy_from: int = 0
     """`Copy`: which of the other members' results to copy (an index into `others`)."""
     rounds: int = 0
@@ -247,6 +300,14 @@ class HostileMember:
         if self.attack is not Attack.Lazy or not self.lying:
             return rows
         return max(1, round(rows * self.lazy_fraction))
+
+    def training_batch(self, assigned: Batch, other: Batch) -> Batch:
+        """What it trains on when assigned `assigned`: `other` (another batch of the round that
+        no one was assigned) for `OtherData`, its first `lazy_rows` rows for `Lazy`, else
+        `assigned`."""
+        if self.attack is Attack.OtherData and self.lying:
+            return other
+        return rows(assigned, 0, self.lazy_rows(len(assigned)))
 
     def tamper(
         self,
@@ -298,8 +359,14 @@ class HostileMember:
                     size = fmt.norm(r, i)
                     out.append(fmt.encode_dense(d * size, i))
                 return out
-            case Attack.Lazy:
-                return honest  # the lie is in the training (`lazy_rows`)
+            case Attack.Lazy | Attack.OtherData:
+                return honest  # the lie is in the training (`lazy_rows`, `training_batch`)
+            case Attack.Bias:
+                direction = self._fixed_direction(fmt, len(honest))
+                return [
+                    fmt.biased(r, i, d, self.bias_fraction)
+                    for i, (r, d) in enumerate(zip(honest, direction))
+                ]
         raise ValueError(f"unknown attack {self.attack!r}")
 
     def _rng(self) -> torch.Generator:

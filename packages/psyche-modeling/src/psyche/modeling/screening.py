@@ -44,7 +44,7 @@ import math
 import statistics
 import threading
 from collections import deque
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -294,6 +294,20 @@ def _at(t: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
     return t.clone() if positions is None else t[positions]
 
 
+def agreement(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """The self-normalized agreement `t = sum(v_i r_i) / sqrt(sum((v_i r_i)^2))` of a result's
+    values `v` with a direction `r` read at the same positions, over `(r, v)` pairs of equal
+    shapes (one per parameter; `r` is overwritten). About N(0, 1) when the values' signs are
+    independent of the direction, whatever the scale of either (the module docstring): the
+    witness's checks and a verifier's (`psyche.modeling.verification`) both read results so."""
+    num = den = 0.0
+    for direction, values in pairs:
+        prod = direction.mul_(values)
+        num += float(prod.sum())
+        den += float(torch.dot(prod, prod))
+    return num / math.sqrt(den) if den > 0.0 else 0.0
+
+
 # --------------------------------------------------------------------------------------------
 # One witness over a run
 
@@ -322,7 +336,6 @@ class WitnessScreen:
         """`t` of a result along the direction: the own update over its norm, plus the recent
         aggregate over its norm times `aggregate_weight`, read at the result's positions."""
         weight = self.settings.aggregate_weight
-        num = den = 0.0
         with self._lock:
             aggregate = self._aggregate
             if not weight or aggregate is None or self._aggregate_norm == 0.0:
@@ -330,16 +343,17 @@ class WitnessScreen:
             factor = (
                 0.0 if aggregate is None else weight * self._aggregate_scale / self._aggregate_norm
             )
-            for i, (positions, values) in enumerate(flat.parts):
-                direction = _at(own.tensors[i], positions).mul_(own.scale)
-                if aggregate is not None:
-                    offset = self.reader.offsets[i]
-                    part = aggregate[offset : offset + own.tensors[i].numel()]
-                    direction.add_(_at(part, positions), alpha=factor)
-                prod = direction.mul_(values)
-                num += float(prod.sum())
-                den += float(torch.dot(prod, prod))
-        return num / math.sqrt(den) if den > 0.0 else 0.0
+
+            def pairs() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+                for i, (positions, values) in enumerate(flat.parts):
+                    direction = _at(own.tensors[i], positions).mul_(own.scale)
+                    if aggregate is not None:
+                        offset = self.reader.offsets[i]
+                        part = aggregate[offset : offset + own.tensors[i].numel()]
+                        direction.add_(_at(part, positions), alpha=factor)
+                    yield direction, values
+
+            return agreement(pairs())
 
     def _decide(self, sender: Hashable, measure: Measure, screen: RoundScreen) -> Verdict:
         settings = self.settings

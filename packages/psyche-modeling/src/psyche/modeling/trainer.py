@@ -229,23 +229,53 @@ class Trainer:
             raise TrainerError("DisTrO training needs the previous results (possibly empty)")
         if len(batch) == 0:
             raise TrainerError("empty batch")
-        micro_batches = self._micro_batches(batch)
-        loss_scale = self.parallel.loss_scale(len(batch), self.micro_batch_size)
-        steps = len(micro_batches)
-
         lr = self.get_lr(step, warmup_lr_between)
         lookahead_lr = prev_lr(self.lr_schedule, step, warmup_lr_between)
-
-        params = self.model.variables()
-        for _, p in params:
-            if p.grad is not None:
-                p.grad.zero_()
         if self.distro is not None:
             if zero_optim:
                 self.distro.zero_optim()
             self.distro.error_correction(lookahead_lr)
         elif zero_optim and self.adamw is not None:
             log.warning("zeroing optimizer state is not supported for AdamW")
+        loss_value, cancelled = self.accumulate_gradients(batch, cancel=cancel)
+
+        results = None
+        if not cancelled and self.distro is not None:
+            if self.clip_grad_norm is not None and self.clip_grad_norm > 0.0:
+                self.model.clip_grad_norm(self.clip_grad_norm)
+            stats = bool(
+                self.optim_stats_every_n_steps and step % self.optim_stats_every_n_steps == 0
+            )
+            if timings is not None:
+                self.parallel.synchronize()
+                generate_start = time.perf_counter()
+            results = self.distro.generate(
+                prev_self_distro_results or [], lookahead_lr, lr, stats=stats
+            )
+            if timings is not None:
+                self.parallel.synchronize()
+                elapsed = time.perf_counter() - generate_start
+                timings["generate"] = timings.get("generate", 0.0) + elapsed
+        nonce = self.nonce
+        self.nonce += 1
+        return TrainOutput(loss_value, results, cancelled, nonce, time.perf_counter() - start)
+
+    def accumulate_gradients(
+        self, batch: Batch, *, cancel: CancelToken | None = None
+    ) -> tuple[float, bool]:
+        """The batch's gradients in the parameters' `.grad` (zeroed first), as `train` takes
+        them: micro-batches, the loss scale, the fp32 buffer, the ranks' reduction (not the
+        clipping). Returns (the loss, reduced over the ranks; whether `cancel` stopped it).
+        A verifier's recompute (`psyche.modeling.verification`) is this same code."""
+        if len(batch) == 0:
+            raise TrainerError("empty batch")
+        micro_batches = self._micro_batches(batch)
+        loss_scale = self.parallel.loss_scale(len(batch), self.micro_batch_size)
+        steps = len(micro_batches)
+        params = self.model.variables()
+        for _, p in params:
+            if p.grad is not None:
+                p.grad.zero_()
         use_fp32_accum = self.grad_accum_in_fp32 and steps != 1
         if use_fp32_accum:
             self._zero_fp32_buffer(params)
@@ -271,32 +301,11 @@ class Trainer:
                 self._accumulate_fp32(params)
         if use_fp32_accum:
             self._apply_fp32(params)
-        if not cancelled:
-            self.parallel.reduce_gradients(p.grad for _, p in params if p.grad is not None)
-
-        results = None
-        if not cancelled and self.distro is not None:
-            if self.clip_grad_norm is not None and self.clip_grad_norm > 0.0:
-                self.model.clip_grad_norm(self.clip_grad_norm)
-            stats = bool(
-                self.optim_stats_every_n_steps and step % self.optim_stats_every_n_steps == 0
-            )
-            if timings is not None:
-                self.parallel.synchronize()
-                generate_start = time.perf_counter()
-            results = self.distro.generate(
-                prev_self_distro_results or [], lookahead_lr, lr, stats=stats
-            )
-            if timings is not None:
-                self.parallel.synchronize()
-                elapsed = time.perf_counter() - generate_start
-                timings["generate"] = timings.get("generate", 0.0) + elapsed
-        nonce = self.nonce
-        self.nonce += 1
         loss_value = float(loss_sum.item()) if loss_sum is not None else 0.0
         if not cancelled:
+            self.parallel.reduce_gradients(p.grad for _, p in params if p.grad is not None)
             loss_value = self.parallel.reduce_loss(loss_value)
-        return TrainOutput(loss_value, results, cancelled, nonce, time.perf_counter() - start)
+        return loss_value, cancelled
 
     def _micro_batches(
         self, batch: Batch
@@ -406,6 +415,30 @@ class Trainer:
         lr = self.get_lr(step, warmup_lr_between)
         # round `step - 1`'s own payload is still to be applied: start from the lookahead
         diloco.begin_round(step, lookahead_lr=diloco.outer_lr(lr))
+        losses = self.inner_steps(batch, inner, lr, cancel=cancel)
+        if losses is None:
+            diloco.abort_round()
+            self.nonce = nonce + 1
+            return TrainOutput(0.0, None, True, nonce, time.perf_counter() - start)
+        results = diloco.end_round(step)
+        self.nonce = nonce + 1
+        loss = sum(losses) / len(losses)
+        return TrainOutput(loss, results, False, nonce, time.perf_counter() - start)
+
+    def inner_steps(
+        self,
+        batch: Batch,
+        inner: LibtorchAdamW,
+        lr: float,
+        *,
+        cancel: CancelToken | None = None,
+    ) -> list[float] | None:
+        """A DiLoCo round's inner steps on `batch` with `inner` (the trainer's own inner AdamW,
+        or a verifier's fresh one: `psyche.modeling.verification`): each part of
+        `diloco.inner_ranges` accumulated, clipped and stepped at `lr`. Returns each part's loss;
+        None when `cancel` stopped it (the gradients zeroed, the weights left as they are)."""
+        diloco = self.diloco
+        assert diloco is not None
         losses = []
         for a, b in inner_ranges(len(batch), diloco.settings.inner_steps):
             part = Batch(
@@ -413,21 +446,16 @@ class Trainer:
                 None if batch.labels is None else batch.labels[a:b],
                 None if batch.position_ids is None else batch.position_ids[a:b],
             )
-            out = self.train(step, part, warmup_lr_between=warmup_lr_between, cancel=cancel)
-            if out.cancelled:
+            loss, cancelled = self.accumulate_gradients(part, cancel=cancel)
+            if cancelled:
                 inner.zero_grad()
-                diloco.abort_round()
-                self.nonce = nonce + 1
-                return TrainOutput(out.loss, None, True, nonce, time.perf_counter() - start)
+                return None
             if self.clip_grad_norm is not None and self.clip_grad_norm > 0.0:
                 self.model.clip_grad_norm(self.clip_grad_norm)
             inner.step(lr)
             inner.zero_grad()
-            losses.append(out.loss)
-        results = diloco.end_round(step)
-        self.nonce = nonce + 1
-        loss = sum(losses) / len(losses)
-        return TrainOutput(loss, results, False, nonce, time.perf_counter() - start)
+            losses.append(loss)
+        return losses
 
     def start_epoch(self) -> None:
         """An epoch's first apply is next: DiLoCo's outer momentum restarts from zero on every

@@ -129,8 +129,8 @@ def apply_message(
                 return ApplyMessageOutcome.Ignored, None
             if from_id != assignee:
                 return ApplyMessageOutcome.Invalid, None
-            round_state.results.setdefault(result.batch_id, []).append(
-                ResultEntry(from_id, broadcast.commitment, result)
+            round_state.announce_result(
+                result.batch_id, ResultEntry(from_id, broadcast.commitment, result)
             )
             round_state.downloads[blob_hash] = Downloading(from_id, result.batch_id, result.ticket)
             if from_id != identity:

@@ -133,6 +133,16 @@ class RoundState:
     reference_pending: bool = False
     """Its own update is being read into the screen (`reference_ready` is set once it is)."""
 
+    results_announced: trio.Event = field(default_factory=trio.Event, compare=False, repr=False)
+    """Set, and replaced by a fresh one, whenever a result joins `results`: a task waiting for a
+    particular trainer's announcement (a verifier) re-checks `results` when it fires."""
+
+    def announce_result(self, batch_id: BatchId, entry: ResultEntry) -> None:
+        """Record an announced result and wake whoever waits for announcements."""
+        self.results.setdefault(batch_id, []).append(entry)
+        announced, self.results_announced = self.results_announced, trio.Event()
+        announced.set()
+
     def distro_result_blob_downloaded(self, blob_hash: bytes) -> bool:
         """Upstream's name: whether this round knows the payload (announced or downloaded)."""
         return blob_hash in self.downloads

@@ -42,7 +42,7 @@ from psyche.client.observe.evals import split_scores
 from psyche.client.observe.logs import log_event
 from psyche.client.observe.stats import RunProgress, StatsLogger, progress_text
 from psyche.client.observe.telemetry import RoundClock, RoundReport, complete_report
-from psyche.client.round import payloads, screening, witness
+from psyche.client.round import payloads, screening, verify, witness
 from psyche.client.round.apply import ApplyError, ApplyJob, needs_apply, plan_apply
 from psyche.client.round.broadcast import Broadcast, BroadcastType
 from psyche.client.round.fetch import DataFetcher
@@ -62,6 +62,7 @@ from psyche.client.round.warmup import WarmupProgress, opportunistic_warmup_acti
 from psyche.coordinator import Coordinator, RunState
 from psyche.coordinator.backend import HealthCheck, OpportunisticData
 from psyche.coordinator.model import Checkpoint
+from psyche.coordinator.verification import VerificationReport
 from psyche.core.bloom import WitnessBloom
 from psyche.core.log_markers import IntegrationTestLogMarker
 from psyche.core.node_identity import NodeIdentity
@@ -87,6 +88,8 @@ class ClientIO(Protocol):
     def send_health_check(self, checks: list[HealthCheck]) -> None: ...
 
     def send_checkpoint(self, checkpoint: Checkpoint) -> None: ...
+
+    def send_verification(self, report: VerificationReport) -> None: ...
 
     def broadcast_finished(self, action: witness.SendFinished) -> None: ...
 
@@ -428,6 +431,11 @@ class StepStateMachine:
         plan = start_round(state, self.identity, index, new_bloom=self._new_bloom)
         self.current = plan.state
         self.current.screen = self.screening.open_round()
+        if state.config.verification_percent != 0 and not plan.assigned_batches:
+            # A verifier or tie-breaker trains nothing: no own update will be the witness
+            # checks' reference, so they start now instead of at the round's end (which held
+            # its witness, and with it the round, until the round's timeout).
+            self.current.reference_ready.set()
         log_round_start(state, self.identity, index, plan)
         train_job = None
         if plan.have_training:
@@ -447,18 +455,52 @@ class StepStateMachine:
         self.training = handle
         self.active = ActiveStep.Training
         self._replay_early()
-        self.tasks.start_soon(self._run_round, handle, apply_job, train_job)
+        verify_job = verify.plan_verification(state, self.identity) if plan.have_training else None
+        self.tasks.start_soon(self._run_round, handle, apply_job, train_job, verify_job)
 
     async def _run_round(
-        self, handle: TrainingStep, apply_job: ApplyJob | None, train_job: TrainJob | None
+        self,
+        handle: TrainingStep,
+        apply_job: ApplyJob | None,
+        train_job: TrainJob | None,
+        verify_job: verify.VerifyJob | None = None,
     ) -> None:
         """The round's training step; evaluations give the model back first and take it
-        again once the step is done (the trainer is idle until the next round)."""
+        again once the step is done (the trainer is idle until the next round). A verifier
+        or tie-breaker recomputes its duties in the step, then compares them on its own
+        (`round.verify`)."""
         if self.evals is not None:
             await self.evals.stop()
+        recomputed = verify.Recomputations()
+        recompute = None
+        if verify_job is not None and self.fetcher is not None:
+            job, fetcher = verify_job, self.fetcher
+
+            async def recompute() -> None:
+                await verify.recompute_duties(handle, self.trainer, job, fetcher, recomputed)
+
+        round_state = self.current
         await run_round(
-            handle, self.trainer, apply_job, train_job, self.fetcher, self.io.publish_result
+            handle,
+            self.trainer,
+            apply_job,
+            train_job,
+            self.fetcher,
+            self.io.publish_result,
+            recompute,
         )
+        if verify_job is not None and recomputed.domains:
+            config = self.coordinator_state.config
+            deadline = trio.current_time() + config.max_round_train_time + config.round_witness_time
+            self.tasks.start_soon(
+                verify.compare_and_report,
+                self.trainer,
+                verify_job,
+                recomputed,
+                round_state,
+                deadline,
+                self.io.send_verification,
+            )
         # the trainer is idle until the next round (a newer round's step, if one has started
         # meanwhile, stopped the evaluations before its own work and keeps the model)
         if (

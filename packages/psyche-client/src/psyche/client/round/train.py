@@ -15,7 +15,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -247,9 +247,12 @@ async def run_round(
     train_job: TrainJob | None,
     fetcher: DataFetcher | None,
     publish: Callable[[OwnResult], None],
+    verify: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
-    """The body of a training step: apply (if due), then train each assigned batch and publish
-    its result. Stores the outcome in `handle`; never raises into the nursery."""
+    """The body of a training step: apply (if due), then `verify` (a verifier's or
+    tie-breaker's recompute, `round.verify`: it needs the weights the round trains from), then
+    train each assigned batch and publish its result. Stores the outcome in `handle`; never
+    raises into the nursery."""
     start = time.monotonic()
     finished = FinishedTraining()
     try:
@@ -260,6 +263,8 @@ async def run_round(
             apply_start = time.monotonic()
             await apply_results(trainer, apply_job)
             finished.distro_seconds += time.monotonic() - apply_start
+        if verify is not None:
+            await verify()
         if incoming is not None and train_job is not None:
             async with incoming:
                 while (item := await handle.next_batch(incoming)) is not None:

@@ -1,0 +1,217 @@
+"""A verifier's and a tie-breaker's round (issue 27; `psyche.coordinator.verification` says who
+verifies whom, `psyche.modeling.verification` how a result is recomputed and compared).
+
+`plan_verification` is plain: from the coordinator state it derives this client's duties in the
+round (none unless it is the round's verifier or tie-breaker in a run with
+`verification_percent > 0`) and, for each duty, a decoy batch of the same round that the
+verified trainer was not assigned (the comparison reads the payload along the difference of the
+two recomputed updates; `psyche.modeling.verification.verify_result`).
+
+The work is in two parts, because only the first needs the round's weights:
+
+* `recompute_duties` runs inside the round's training step (`run_round`, right after the apply
+  of round N - 2, when the model holds exactly the weights the round's trainers train from): it
+  fetches each batch it needs and recomputes the round's own update of it (one training step of
+  the batch each; the trainer's weights, gradients and optimizer state are left as they were).
+  The round's end stops it (`TrainingStep.finish`): a batch not reached is not reported.
+* `compare_and_report` runs afterwards on its own: it waits (until `deadline`) for each verified
+  trainer's payload to be downloaded and checked, compares it with the recompute, and sends one
+  `VerificationReport` with every finding (a non-matching one is an accusation), logging each
+  (`verification` events: who was verified, what was found).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from psyche.client.observe.logs import log_event
+from psyche.client.round.apply import ApplyError, wait_for_payload
+from psyche.client.round.fetch import DataFetcher
+from psyche.client.round.state import RoundState
+from psyche.coordinator import Coordinator
+from psyche.coordinator.data_selection import verification_duties_for_state
+from psyche.coordinator.verification import Finding, VerificationDuty, VerificationReport
+from psyche.core.batch_id import BatchId
+from psyche.core.node_identity import NodeIdentity
+
+if TYPE_CHECKING:
+    from psyche.client.round.train import TrainingStep
+    from psyche.modeling.trainer import Trainer
+    from psyche.modeling.verification import Domain
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class VerifyJob:
+    """This client's duties in round `step`: the batches it recomputes and compares, and the
+    decoy each one is read against."""
+
+    step: int
+    duties: tuple[VerificationDuty, ...]
+    decoys: Mapping[BatchId, BatchId]
+    tie_breaker: bool
+    warmup_lr_between: tuple[int, int] | None
+
+    def batches(self) -> list[BatchId]:
+        """Every batch to recompute, each once: the duties', then the decoys not among them."""
+        out = [d.batch_id for d in self.duties]
+        out += [b for b in dict.fromkeys(self.decoys.values()) if b not in out]
+        return out
+
+
+@dataclass
+class Recomputations:
+    """The recomputed updates of a round's batches, in the payloads' domain (by batch)."""
+
+    domains: dict[BatchId, Domain] = field(default_factory=dict)
+
+
+def plan_verification(state: Coordinator, identity: NodeIdentity) -> VerifyJob | None:
+    """This client's verification duties in the coordinator's current round, or None."""
+    if state.config.verification_percent == 0:
+        return None
+    duties = verification_duties_for_state(state)
+    mine = tuple(duties.of(identity))
+    if not mine:
+        return None
+    trainers = duties.trainers()
+    return VerifyJob(
+        step=state.progress.step,
+        duties=mine,
+        decoys={d.batch_id: decoy_for(d, trainers) for d in mine},
+        tie_breaker=duties.is_tie_breaker(identity),
+        warmup_lr_between=state.get_cold_start_warmup_bounds(),
+    )
+
+
+def decoy_for(duty: VerificationDuty, trainers: Mapping[BatchId, NodeIdentity]) -> BatchId:
+    """The decoy of a duty: the next batch of the round (ascending, wrapping) that another
+    trainer trained; with a single trainer, as many indices right after the round's data (a
+    batch nobody trained this round)."""
+    batches = sorted(trainers)
+    start = batches.index(duty.batch_id) if duty.batch_id in batches else 0
+    for batch in batches[start + 1 :] + batches[:start]:
+        if trainers[batch] != duty.trainer:
+            return batch
+    last = batches[-1].end if batches else duty.batch_id.end
+    size = duty.batch_id.end - duty.batch_id.start
+    return BatchId(last + 1, last + 1 + size)
+
+
+async def recompute_duties(
+    handle: TrainingStep,
+    trainer: Trainer,
+    job: VerifyJob,
+    fetcher: DataFetcher,
+    out: Recomputations,
+) -> None:
+    """Recompute every batch `job` needs into `out` (see the module docstring); stops when the
+    round's training step is finished. A failure ends this round's verification (logged), never
+    the training step: the client's own duties go on."""
+    if trainer.distro is None and trainer.diloco is None:
+        logger.warning("the run's optimizer sends no results to verify: not verifying")
+        return
+    incoming = fetcher.fetch(list(reversed(job.batches())))  # the fetcher pops from the end
+    try:
+        async with incoming:
+            while (item := await handle.next_batch(incoming)) is not None:
+                batch_id, batch = item
+
+                def recompute_one(batch: Any = batch) -> Domain:
+                    from psyche.modeling.verification import domain_of, recompute
+
+                    recomputed = recompute(
+                        trainer, batch, step=job.step, warmup_lr_between=job.warmup_lr_between
+                    )
+                    return domain_of(trainer, recomputed)
+
+                out.domains[batch_id] = await trio.to_thread.run_sync(recompute_one)
+                log_event(
+                    logger, "verification_recomputed", quiet=True, step=job.step, batch_id=batch_id
+                )
+    except Exception:
+        logger.exception("verification of step %d failed; this round is not verified", job.step)
+
+
+def _published(round_state: RoundState, duty: VerificationDuty) -> bytes | None:
+    """The blob hash of the result `duty.trainer` announced for its batch (its first)."""
+    for entry in round_state.results.get(duty.batch_id, []):
+        if entry.from_ == duty.trainer:
+            return entry.result.ticket.hash
+    return None
+
+
+async def compare_and_report(
+    trainer: Trainer,
+    job: VerifyJob,
+    recomputed: Recomputations,
+    round_state: RoundState,
+    deadline: float,
+    send: Callable[[VerificationReport], None],
+) -> VerificationReport:
+    """Compare each recomputed duty with the trainer's payload (waiting until `deadline`, trio
+    clock, for it to arrive), log each finding and `send` the round's report."""
+    from psyche.modeling.verification import compare, result_reader, verification_settings
+
+    reader = result_reader(trainer)
+    settings = verification_settings(trainer)
+    findings: list[Finding] = []
+    for duty in job.duties:
+        own = recomputed.domains.get(duty.batch_id)
+        decoy = recomputed.domains.get(job.decoys[duty.batch_id])
+        if own is None or decoy is None:
+            continue  # not recomputed before the round ended: nothing to say
+        blob_hash = None
+        with trio.move_on_at(deadline):
+            while (blob_hash := _published(round_state, duty)) is None:
+                await round_state.results_announced.wait()
+        if blob_hash is None:
+            continue  # never announced: the witnesses' health checks deal with it
+        try:
+            handle = await wait_for_payload(round_state, blob_hash, deadline)
+            published = handle.outcome().results
+        except ApplyError:
+            continue  # not downloaded in time: no finding
+        except Exception as e:  # it does not decode: what it published is no result of it
+            findings.append(Finding(duty.batch_id, False, 0.0))
+            _log_finding(job, duty, False, 0.0, f"its payload does not decode: {e}")
+            continue
+        try:
+            verdict = await trio.to_thread.run_sync(
+                lambda: compare(reader, own, decoy, published, settings)  # noqa: B023
+            )
+        except Exception:
+            logger.exception("comparing %s's result for %s failed", duty.trainer, duty.batch_id)
+            continue
+        findings.append(Finding(duty.batch_id, verdict.matches, float(verdict.score)))
+        _log_finding(job, duty, verdict.matches, verdict.score, verdict.detail)
+    report = VerificationReport(job.step, findings)
+    if findings:
+        send(report)
+    return report
+
+
+def _log_finding(
+    job: VerifyJob, duty: VerificationDuty, matches: bool, score: float, detail: str
+) -> None:
+    role = "tie-breaker" if job.tie_breaker else "verifier"
+    found = "matches" if matches else "does NOT match"
+    log_event(
+        logger,
+        "verification",
+        logging.INFO if matches else logging.WARNING,
+        text=f"{role}, step {job.step}: {duty.trainer}'s result for {duty.batch_id} {found} "
+        f"the recompute ({detail})",
+        step=job.step,
+        role=role,
+        trainer=str(duty.trainer),
+        batch_id=str(duty.batch_id),
+        matches=matches,
+        score=round(float(score), 4),
+    )

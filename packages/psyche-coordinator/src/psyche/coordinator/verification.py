@@ -1,0 +1,340 @@
+"""Verifiers and tie-breakers (the book's third duty): who recomputes whose result, what they
+report, and who loses a dispute. Pure functions; upstream stops at electing the committees.
+
+With `verification_percent > 0` every round is started with `VERIFICATION_TIE_BREAKERS`
+tie-breaker tasks (`tie_breaker_tasks_for`, the round's existing `tie_breaker_tasks` field,
+always 0 upstream), so `CommitteeSelection` elects one tie-breaker, `(n - 1) *
+verification_percent // 100` verifiers and trainers for the rest. Neither verifiers nor
+tie-breakers train (`data_selection`). At 0 nothing changes: no tie-breaker, no verifier.
+
+Who verifies whom (`verification_duties`), from the round's seed, so anyone can check it: the
+round's batches (ascending) are shuffled with a seed derived from the committee seed and the salt
+"verification", then dealt round-robin to the verifiers in client-index order. Every batch is
+recomputed by exactly one verifier, each verifier recomputes at most `ceil(batches / verifiers)`
+of them, and every tie-breaker recomputes every batch (`tie_breaker_duties`): it is the arbiter,
+and it cannot know in advance which result will be disputed (it must recompute from the round's
+own model state, which it holds only during that round).
+
+What they report (`VerificationReport`): one message per sender and round, naming for each batch
+it recomputed whether its recomputation matched the published result, and the evidence score (the comparison's distance). A verifier's non-matching finding is an accusation.
+`check_report` bounds it: only a round's verifier or tie-breaker, only its own duties, each once,
+finite scores, at most one report per sender and round (`RoundVerification.add`).
+
+Who loses (`resolve`): the tie-breakers decide, by majority of those that recomputed the batch
+(ties: no decision). A trainer whose result the tie-breakers found wrong loses; a verifier that
+accused a result the tie-breakers found right loses. A batch no tie-breaker reported on is not
+decided (nobody is punished on one client's word).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Annotated
+
+from psyche.coordinator.committee_selection import Committee, CommitteeSelection, Member
+from psyche.coordinator.config import SOLANA_MAX_NUM_CLIENTS, CoordinatorConfig
+from psyche.core.batch_id import BatchId
+from psyche.core.deterministic_shuffle import deterministic_shuffle
+from psyche.core.node_identity import NodeIdentity
+from psyche.core.serde import F32, U32, FixedVec, SmallBool, struct
+from psyche.core.sha256 import sha256v
+
+VERIFICATION_SALT = b"verification"
+VERIFICATION_TIE_BREAKERS = 1
+"""Tie-breakers per round of a run with `verification_percent > 0` (the arbiter of disputes)."""
+MAX_FINDINGS = SOLANA_MAX_NUM_CLIENTS
+"""A report names at most one finding per batch, and a round has at most one batch per client."""
+
+
+def tie_breaker_tasks_for(config: CoordinatorConfig, num_clients: int) -> int:
+    """The `tie_breaker_tasks` a round starts with: 0 (upstream) unless verification is on."""
+    if config.verification_percent == 0:
+        return 0
+    return min(VERIFICATION_TIE_BREAKERS, num_clients)
+
+
+def verifiers_for(config: CoordinatorConfig, num_clients: int) -> int:
+    """How many verifiers `CommitteeSelection` elects in a round of `num_clients` clients."""
+    free = num_clients - tie_breaker_tasks_for(config, num_clients)
+    return (free * config.verification_percent) // 100
+
+
+def verification_problem(config: CoordinatorConfig) -> tuple[str, str] | None:
+    """Why a run cannot honour its `verification_percent` (config field, message), or None:
+    with its fewest clients (`min_clients`), one tie-breaker aside, it must elect a verifier
+    and keep a trainer."""
+    percent = config.verification_percent
+    if percent == 0 or percent > 100:
+        return None  # off, or refused as out of range elsewhere
+    least = config.min_clients
+    verifiers = verifiers_for(config, least)
+    ties = tie_breaker_tasks_for(config, least)
+    if verifiers == 0:
+        return (
+            "config.verification_percent",
+            f"{percent} % of min_clients ({least}) less the {ties} tie-breaker elects no "
+            f"verifier: raise it to at least {math.ceil(100 / max(least - ties, 1))} or "
+            f"min_clients to at least {ties + math.ceil(100 / percent)}",
+        )
+    if least - ties - verifiers == 0:
+        return (
+            "config.verification_percent",
+            f"{percent} % of min_clients ({least}) less the {ties} tie-breaker leaves no "
+            "trainer: lower it",
+        )
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Duties
+
+
+@dataclass(frozen=True, order=True)
+class VerificationDuty:
+    """`verifier` recomputes the result `trainer` published for `batch_id`."""
+
+    batch_id: BatchId
+    trainer: NodeIdentity
+    verifier: NodeIdentity
+
+
+def _members(
+    clients: Sequence[Member], selection: CommitteeSelection, committee: Committee
+) -> list[NodeIdentity]:
+    if selection.everyone_trains():
+        return []
+    return [
+        client.id
+        for index, client in enumerate(clients[: selection.total_nodes])
+        if selection.get_committee(index).committee is committee
+    ]
+
+
+def verification_seed(selection: CommitteeSelection) -> int:
+    """The u64 that orders the round's batches for dealing (from the committee seed)."""
+    return int.from_bytes(sha256v((selection.get_seed(), VERIFICATION_SALT))[:8], "little")
+
+
+def verification_duties(
+    clients: Sequence[Member],
+    selection: CommitteeSelection,
+    assignments: Mapping[BatchId, NodeIdentity],
+) -> list[VerificationDuty]:
+    """Every verifier's duties in the round (see the module docstring), in dealing order."""
+    verifiers = _members(clients, selection, Committee.Verifier)
+    if not verifiers:
+        return []
+    batches = list(assignments)
+    deterministic_shuffle(batches, verification_seed(selection))
+    return [
+        VerificationDuty(batch, assignments[batch], verifiers[k % len(verifiers)])
+        for k, batch in enumerate(batches)
+    ]
+
+
+def tie_breaker_duties(
+    clients: Sequence[Member],
+    selection: CommitteeSelection,
+    assignments: Mapping[BatchId, NodeIdentity],
+) -> list[VerificationDuty]:
+    """Every tie-breaker recomputes every batch of the round (ascending)."""
+    return [
+        VerificationDuty(batch, trainer, tie_breaker)
+        for tie_breaker in _members(clients, selection, Committee.TieBreaker)
+        for batch, trainer in assignments.items()
+    ]
+
+
+@dataclass(frozen=True)
+class RoundDuties:
+    """Who recomputes what in one round (`step`), as every client and the server derive it."""
+
+    step: int
+    verifiers: tuple[VerificationDuty, ...]
+    tie_breakers: tuple[VerificationDuty, ...]
+
+    def of(self, node: NodeIdentity) -> list[VerificationDuty]:
+        """`node`'s duties, as verifier or as tie-breaker (one of the two, or none)."""
+        return [d for d in (*self.verifiers, *self.tie_breakers) if d.verifier == node]
+
+    def trainers(self) -> dict[BatchId, NodeIdentity]:
+        """Who trained each batch under verification."""
+        return {d.batch_id: d.trainer for d in (*self.verifiers, *self.tie_breakers)}
+
+    def is_tie_breaker(self, node: NodeIdentity) -> bool:
+        return any(d.verifier == node for d in self.tie_breakers)
+
+
+def round_duties(
+    step: int,
+    clients: Sequence[Member],
+    selection: CommitteeSelection,
+    assignments: Mapping[BatchId, NodeIdentity],
+) -> RoundDuties:
+    return RoundDuties(
+        step,
+        tuple(verification_duties(clients, selection, assignments)),
+        tuple(tie_breaker_duties(clients, selection, assignments)),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Reports
+
+
+@struct(frozen=True)
+class Finding:
+    """One recomputed batch: whether the recomputation matched the result its trainer published
+    (the round's assignment names the trainer), and the comparison's score (its distance; what a
+    tolerance is measured against)."""
+
+    batch_id: BatchId
+    matches: SmallBool
+    score: F32
+
+
+@struct(frozen=True)
+class VerificationReport:
+    """What a verifier or tie-breaker found in round `step` (sent once per round; the sender is
+    the authenticated connection's key). A verifier's `matches = False` is an accusation."""
+
+    step: U32
+    findings: Annotated[list[Finding], FixedVec(MAX_FINDINGS)]
+
+    def accusations(self) -> list[Finding]:
+        return [f for f in self.findings if not f.matches]
+
+
+def check_report(
+    duties: RoundDuties, sender: NodeIdentity, report: VerificationReport
+) -> str | None:
+    """Why `report` from `sender` is refused, or None: it must be about `duties`' round, from one
+    of its verifiers or tie-breakers, name only that sender's duties, each at most once, with
+    finite scores."""
+    if report.step != duties.step:
+        return f"about step {report.step}, not {duties.step}"
+    own = {d.batch_id for d in duties.of(sender)}
+    if not own:
+        return f"{sender} is no verifier or tie-breaker of step {duties.step}"
+    seen: set[BatchId] = set()
+    for finding in report.findings:
+        if finding.batch_id not in own:
+            return f"names {finding.batch_id}, not among its duties"
+        if finding.batch_id in seen:
+            return f"names {finding.batch_id} twice"
+        if not math.isfinite(finding.score):
+            return f"a non-finite score for {finding.batch_id}"
+        seen.add(finding.batch_id)
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Resolution
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """A decided dispute (or a wrong result a tie-breaker found): `loser` is removed and banned."""
+
+    step: int
+    batch_id: BatchId
+    loser: NodeIdentity
+    role: str  # "trainer" or "verifier"
+    reason: str
+
+
+@dataclass
+class RoundVerification:
+    """The reports of one round received so far (at most one per sender), and what was decided."""
+
+    duties: RoundDuties
+    reports: dict[NodeIdentity, VerificationReport] = field(default_factory=dict)
+    decided: set[tuple[BatchId, NodeIdentity]] = field(default_factory=set)
+
+    def add(self, sender: NodeIdentity, report: VerificationReport) -> str | None:
+        """Record `report`; why it is refused (a second report, or `check_report`), or None."""
+        if sender in self.reports:
+            return "a second report for the round"
+        problem = check_report(self.duties, sender, report)
+        if problem is None:
+            self.reports[sender] = report
+        return problem
+
+    def resolve(self) -> list[Resolution]:
+        """The decisions the reports received so far allow that were not made before."""
+        new = [
+            r
+            for r in resolve(self.duties, self.reports.items())
+            if (r.batch_id, r.loser) not in self.decided
+        ]
+        self.decided.update((r.batch_id, r.loser) for r in new)
+        return new
+
+
+def resolve(
+    duties: RoundDuties, reports: Iterable[tuple[NodeIdentity, VerificationReport]]
+) -> list[Resolution]:
+    """Who loses, from checked reports (see the module docstring), ordered by batch."""
+    tie_votes: dict[BatchId, list[bool]] = {}
+    accusers: dict[BatchId, list[tuple[NodeIdentity, Finding]]] = {}
+    trainer_of = duties.trainers()
+    for sender, report in reports:
+        tie_breaker = duties.is_tie_breaker(sender)
+        for finding in report.findings:
+            if tie_breaker:
+                tie_votes.setdefault(finding.batch_id, []).append(bool(finding.matches))
+            elif not finding.matches:
+                accusers.setdefault(finding.batch_id, []).append((sender, finding))
+    out: list[Resolution] = []
+    for batch in sorted(tie_votes):
+        votes = tie_votes[batch]
+        wrong, right = votes.count(False), votes.count(True)
+        if wrong > right:
+            out.append(
+                Resolution(
+                    duties.step,
+                    batch,
+                    trainer_of[batch],
+                    "trainer",
+                    f"its result for {batch} at step {duties.step} does not match the "
+                    f"recomputation of {wrong} of {len(votes)} tie-breakers",
+                )
+            )
+        elif right > wrong:
+            for accuser, finding in accusers.get(batch, []):
+                out.append(
+                    Resolution(
+                        duties.step,
+                        batch,
+                        accuser,
+                        "verifier",
+                        f"it accused {trainer_of[batch]} of a wrong result for {batch} at step "
+                        f"{duties.step} (score {finding.score:.3g}); {right} of {len(votes)} "
+                        "tie-breakers found the result right",
+                    )
+                )
+    return out
+
+
+__all__ = [
+    "MAX_FINDINGS",
+    "VERIFICATION_SALT",
+    "VERIFICATION_TIE_BREAKERS",
+    "Finding",
+    "Resolution",
+    "RoundDuties",
+    "RoundVerification",
+    "VerificationDuty",
+    "VerificationReport",
+    "check_report",
+    "resolve",
+    "round_duties",
+    "tie_breaker_duties",
+    "tie_breaker_tasks_for",
+    "verification_duties",
+    "verification_problem",
+    "verification_seed",
+    "verifiers_for",
+]

@@ -1,0 +1,455 @@
+"""A verifier's recompute of a trainer's result, and its comparison with what the trainer
+published (the book's third duty: "recompute and compare training results").
+
+What a verifier passes (`verify_result`):
+
+* `trainer`: its own `Trainer` of the run (same model config, optimizer settings, micro-batch
+  size and parallelism rules as every client's), its model holding the weights the round's
+  trainers trained from (the run's weights of that round, before any lookahead: every client
+  holds the same bits). Nothing of it changes: the weights are put back bit for bit, the
+  gradients are zeroed, its DisTrO momentum, DiLoCo residual and inner AdamW state are not read
+  or written.
+* `batch`: the rows the trainer was assigned (`Batch`, as the data provider gives them).
+* `published`: the trainer's result as every client received it, decoded and checked
+  (`Trainer.results_from_payload(payload)`: one `DistroResult` per parameter).
+* `decoy`: another batch of the same round that the trainer was not assigned (the verifier's
+  own, another verified trainer's), or its `recompute` (shared by a round's verifications).
+* `step`: the round's step (the learning rate's), `warmup_lr_between` as the trainer got it.
+* `settings`: the thresholds (`verification_settings(trainer)` picks the run optimizer's).
+
+What is exact, what is statistical:
+
+* **Exact: the recompute** (`recompute`). The round's own contribution to the trainer's
+  update is a pure function of the weights, the batch and the run's settings, and the
+  verifier computes it with the trainer's own code (`Trainer.accumulate_gradients`,
+  `Trainer.inner_steps`): DisTrO's `lr x` clipped gradient of the batch; DiLoCo's
+  pseudo-gradient of the round's inner steps from a fresh inner AdamW. Two verifiers with the
+  same device kind and dtype get the same bits (tested), and so does a verifier whose data or
+  fully-sharded parallelism differs on the CPU (the ranks' gradients are reduced exactly as
+  one rank's: tests/modeling/test_parallel_ranks.py).
+* **Statistical: the comparison.** A trainer's payload is not a function of that alone.
+  DisTrO sends the top-k DCT coefficients (1-bit signs) of its momentum, `decay x (momentum -
+  what it sent last round) + lr x gradient`, whose residual is the trainer's own history, and
+  its gradient was taken at the weights minus its own lookahead (`sign(momentum) x prev_lr`);
+  DiLoCo's payload carries the trainer's error-feedback residual, its inner AdamW state from
+  earlier rounds and its lookahead. None of these is published, so no verifier can rebuild the
+  payload's bits. What it can test is whether the payload carries this batch's own gradient:
+  the self-normalized agreement `t` (`screening.agreement`, the witness's statistic) of the
+  payload's values, at the payload's own positions (DCT coefficients for DisTrO and sparse
+  DiLoCo), with the difference of the recomputed updates of the batch and of a decoy batch of
+  the same round. What all batches' gradients share cancels in that difference (a result
+  trained on other data carries it too: its plain agreement with the batch's gradient is half
+  an honest one's), so a result that does not carry this batch (other data, random or flipped
+  signs, a fixed direction) has `t` about N(0, 4^2) or below; an honest one is well above.
+  DiLoCo's dense forms add a norm check (within `max_norm_ratio` of the recompute's) and the
+  cosine of the two updates (printed, and what `score` is for DiLoCo), which is much tighter
+  than DisTrO's (the pseudo-gradient is mostly this round's; docs/reliability.md, "Verifiers").
+
+Evidence over rounds (`Evidence`): a verifier keeps one per trainer and adds every verdict; the
+sum of the `t`s over `n` rounds divided by `sqrt(n)` is compared with `min_window_agreement`,
+so a persistent small lie that no single round shows is caught when it repeats (see the figures
+in docs/reliability.md for what is and is not caught).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from psyche.core.definitions import DilocoTransmission
+from psyche.modeling.adamw import LibtorchAdamW
+from psyche.modeling.diloco.codec import encode
+from psyche.modeling.diloco.optimizer import Diloco
+from psyche.modeling.distro import Distro, DistroResult
+from psyche.modeling.screening import ResultReader, _at, agreement
+from psyche.modeling.sharding import full_tensor
+from psyche.modeling.train_loop import rows
+from psyche.modeling.trainer import Batch, Trainer, TrainerError
+
+
+@dataclass(frozen=True)
+class VerificationSettings:
+    """Thresholds of a verifier's comparison (calibrated on honest recomputations: the module
+    docstring and docs/reliability.md, "Verifiers")."""
+
+    min_agreement: float
+    """A round's result is refused when its agreement `t` is below this."""
+    max_balance: float = 0.0
+    """Refused when the agreement along the difference of the batch's two parts is beyond
+    this either way (a trainer that trained one part only; 0: no balance check)."""
+    max_norm_ratio: float = 0.0
+    """DiLoCo: refused when the payload's norm is not within this factor of the recompute's
+    either way (0: no norm check; 1-bit DisTrO has no magnitude)."""
+    min_window_agreement: float = 0.0
+    """`Evidence`: a trainer is caught when the sum of its last `window_rounds` `t`s over
+    `sqrt(n)` is below this (0: off)."""
+    window_rounds: int = 3
+
+
+DISTRO_VERIFICATION = VerificationSettings(min_agreement=10.0, max_balance=15.0)
+"""DisTrO 1-bit (tiny run, c16 k4, 4 rows a trainer; docs/reliability.md, "Verifiers"): an honest
+result's agreement is 16 to 30 over the first 125 rounds, one trained on other data's about
+N(0, 4^2); the balance of an honest one about N(0, 3.6^2), of a half batch's 20 to 28."""
+DILOCO_VERIFICATION = VerificationSettings(min_agreement=20.0, max_norm_ratio=64.0)
+"""DiLoCo's dense forms: an honest pseudo-gradient's agreement is 40 to 200, another batch's
+below 10. No balance check: the inner AdamW weighs a round's first rows more than its last, so
+an honest result's balance is itself 10 to 110 and a half batch's overlaps it."""
+DILOCO_SPARSE_VERIFICATION = VerificationSettings(min_agreement=-6.0, max_norm_ratio=64.0)
+"""DiLoCo's sparse form: an honest result's agreement falls to 2 to 15 after the first rounds
+(its error feedback carries earlier rounds), another batch's is about N(0, 4^2); one round
+alone refuses only an opposed result."""
+
+
+def verification_settings(trainer: Trainer) -> VerificationSettings:
+    """The thresholds for the run's optimizer."""
+    if trainer.diloco is None:
+        return DISTRO_VERIFICATION
+    if any(lay.transmission is DilocoTransmission.Sparse for lay in trainer.diloco.layouts()):
+        return DILOCO_SPARSE_VERIFICATION
+    return DILOCO_VERIFICATION
+
+
+@dataclass(frozen=True)
+class VerificationVerdict:
+    """What a verifier found of one trainer's result of one round."""
+
+    matches: bool
+    """Whether the result is what the trainer's batch gives (within the thresholds)."""
+    score: float
+    """The statistic of the check that decided (the failed one, or the agreement `t`)."""
+    threshold: float
+    """The threshold that `score` was held against."""
+    check: str | None
+    """The check that failed ("zero", "norm", "agreement", "balance", or `Evidence`'s
+    "window"); None when it matches."""
+    detail: str
+    """In words, for logs and the status page."""
+    measures: Measures
+    """Every statistic of the comparison."""
+
+    @property
+    def agreement(self) -> float:
+        return self.measures.agreement
+
+
+@dataclass(frozen=True)
+class Recomputed:
+    """A batch's update as the verifier recomputed it, in two parts: the batch's first rows
+    (whole micro-batches, about half) and the rest, each one float32 tensor per parameter
+    (whole tensors, in DisTrO's variable order). DisTrO: `lr x` the mean gradient of the
+    part's rows; DiLoCo: the pseudo-gradient of the round's inner steps on the part's rows,
+    from the round's weights and a fresh inner AdamW. A batch of one row has one part."""
+
+    parts: list[list[torch.Tensor]]
+    rows: list[int]
+    loss: float
+
+    @property
+    def update(self) -> list[torch.Tensor]:
+        """The whole batch's update: the parts' mean weighted by their rows (a global scale
+        and the order of the sums aside, the trainer's own: the statistics ignore both)."""
+        total = sum(self.rows)
+        out = [x * (self.rows[0] / total) for x in self.parts[0]]
+        for part, n in zip(self.parts[1:], self.rows[1:]):
+            for acc, x in zip(out, part):
+                acc.add_(x * (n / total))
+        return out
+
+
+def split_rows(rows: int, micro_batch_size: int) -> list[int]:
+    """How `recompute` parts a batch of `rows`: the first half of its micro-batches (rounded
+    up) and the rest; one part for a single micro-batch of one row."""
+    if rows < 2:
+        return [rows]
+    micro = -(-rows // micro_batch_size)
+    first = min(rows - 1, micro_batch_size * -(-micro // 2)) if micro > 1 else rows // 2
+    return [first, rows - first]
+
+
+def recompute(
+    trainer: Trainer,
+    batch: Batch,
+    *,
+    step: int,
+    warmup_lr_between: tuple[int, int] | None = None,
+) -> Recomputed:
+    """The exact part of a verification (see the module docstring): a pure function of the
+    weights `trainer` holds, `batch` and the run's settings, computed by the trainer's own code
+    (`Trainer.accumulate_gradients`, `Trainer.inner_steps`) on each part of `split_rows`.
+    `trainer` is left as it was (weights bit for bit, gradients zero, optimizer state
+    untouched). Every rank of a several-rank verifier calls it (collectives inside)."""
+    lr = trainer.get_lr(step, warmup_lr_between)
+    params = [p for _, p in _optimizer(trainer).variables]
+    parts, sizes, losses = [], split_rows(len(batch), trainer.micro_batch_size), []
+    start = 0
+    for size in sizes:
+        part = rows(batch, start, start + size)
+        start += size
+        if trainer.diloco is not None:
+            update, loss = _recompute_diloco(trainer, part, lr, params)
+        else:
+            update, loss = _recompute_distro(trainer, part, lr, params)
+        parts.append(update)
+        losses.append(loss * size)
+    return Recomputed(parts, sizes, sum(losses) / len(batch))
+
+
+def _recompute_distro(
+    trainer: Trainer, batch: Batch, lr: float, params: list[torch.Tensor]
+) -> tuple[list[torch.Tensor], float]:
+    try:
+        loss, _ = trainer.accumulate_gradients(batch)
+        with torch.no_grad():
+            update = [
+                full_tensor(p.grad).to(torch.float32) * lr
+                if p.grad is not None
+                else torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                for p in params
+            ]
+    finally:
+        _zero_grads(params)
+    return update, loss
+
+
+def _optimizer(trainer: Trainer) -> Distro | Diloco:
+    optimizer = trainer.distro or trainer.diloco
+    if optimizer is None:
+        raise TrainerError("the run's optimizer sends no results to verify")
+    return optimizer
+
+
+def result_reader(trainer: Trainer) -> ResultReader:
+    """How the run's payloads read (`compare`'s first argument)."""
+    return ResultReader.of(_optimizer(trainer))
+
+
+def _zero_grads(params: Sequence[torch.Tensor]) -> None:
+    for p in params:
+        if p.grad is not None:
+            p.grad.zero_()
+
+
+def _recompute_diloco(
+    trainer: Trainer, batch: Batch, lr: float, params: list[torch.Tensor]
+) -> tuple[list[torch.Tensor], float]:
+    own = trainer.adamw
+    assert own is not None
+    saved = [p.detach().clone() for p in params]
+    fresh = LibtorchAdamW(params, (own.beta1, own.beta2), own.weight_decay, own.eps)
+    try:
+        losses = trainer.inner_steps(batch, fresh, lr)
+        assert losses is not None
+        with torch.no_grad():
+            update = [
+                full_tensor(s).to(torch.float32) - full_tensor(p.detach()).to(torch.float32)
+                for s, p in zip(saved, params)
+            ]
+    finally:
+        with torch.no_grad():
+            for p, s in zip(params, saved):
+                p.copy_(s)
+        _zero_grads(params)
+    return update, sum(losses) / len(losses)
+
+
+def recomputed_domain(trainer: Trainer, update: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """An update (one float32 tensor per parameter) in the payloads' domain, flat float32 on
+    the host, one per parameter: DisTrO's DCT coefficients, DiLoCo's sparse form's, the values
+    for its dense forms."""
+    out: list[torch.Tensor] = []
+    if trainer.diloco is not None:
+        for x, layout in zip(update, trainer.diloco.layouts()):
+            domain: list[torch.Tensor] = []
+            encode(x, layout, domain)
+            out.append(domain[0])
+    else:
+        distro = trainer.distro
+        assert distro is not None
+        for x, (_, p) in zip(update, distro.variables):
+            out.append(distro.transform.encode(x.to(p.dtype)))
+    return [t.detach().reshape(-1).to("cpu", torch.float32) for t in out]
+
+
+@dataclass(frozen=True)
+class Domain:
+    """A `Recomputed` read in the payloads' domain (`domain_of`): the whole update and the
+    difference of its two parts (None for a one-part batch)."""
+
+    whole: list[torch.Tensor]
+    halves: list[torch.Tensor] | None
+
+
+def domain_of(trainer: Trainer, recomputed: Recomputed) -> Domain:
+    """`recomputed` in the payloads' domain; the whole update's is the parts' weighted mean
+    there (the transforms are linear), so each part is transformed once."""
+    parts = [recomputed_domain(trainer, part) for part in recomputed.parts]
+    if len(parts) < 2:
+        return Domain(parts[0], None)
+    total = sum(recomputed.rows)
+    a, b = (n / total for n in recomputed.rows)
+    whole = [x * a + y * b for x, y in zip(parts[0], parts[1])]
+    return Domain(whole, [x - y for x, y in zip(parts[0], parts[1])])
+
+
+def _agreement_along(
+    flat_parts: Sequence[tuple[torch.Tensor | None, torch.Tensor]],
+    direction: Sequence[torch.Tensor],
+    minus: Sequence[torch.Tensor] | None = None,
+) -> float:
+    def pairs() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for i, (positions, values) in enumerate(flat_parts):
+            d = _at(direction[i], positions)
+            if minus is not None:
+                d.sub_(_at(minus[i], positions))
+            yield d, values
+
+    return agreement(pairs())
+
+
+@dataclass(frozen=True)
+class Measures:
+    """Every statistic of one comparison (whichever decided)."""
+
+    agreement: float
+    """`t` along the difference of the batch's and the decoy's updates."""
+    balance: float | None
+    """`t` along the difference of the batch's two parts (None: one part)."""
+    cosine: float
+    """The cosine of the payload with the recompute at the payload's positions."""
+    norm_ratio: float | None
+    """DiLoCo: the payload's norm over the recompute's."""
+
+    def __str__(self) -> str:
+        words = [f"agreement t = {self.agreement:.2f}"]
+        if self.balance is not None:
+            words.append(f"balance t = {self.balance:.2f}")
+        words.append(f"cosine {self.cosine:.3f}")
+        if self.norm_ratio is not None:
+            words.append(f"norm {self.norm_ratio:.3g}x")
+        return ", ".join(words)
+
+
+def compare(
+    reader: ResultReader,
+    own: Domain,
+    decoy: Domain,
+    published: Sequence[DistroResult],
+    settings: VerificationSettings,
+) -> VerificationVerdict:
+    """The statistical part: `published` against the recompute of its batch (`own`) and of a
+    decoy batch (`domain_of`); checks in order zero and norm (DiLoCo), agreement along the
+    difference of the two batches' updates, balance of the batch's two parts."""
+    flat = reader.flat(published)
+    t = _agreement_along(flat.parts, own.whole, decoy.whole)
+    balance = None if own.halves is None else _agreement_along(flat.parts, own.halves)
+    norm = float(torch.linalg.vector_norm(flat.values))
+    at = torch.cat([_at(d, positions) for d, (positions, _) in zip(own.whole, flat.parts)])
+    reference = float(torch.linalg.vector_norm(at))
+    cosine = float(torch.dot(at, flat.values)) / (reference * norm) if reference * norm else 0.0
+    measures = Measures(t, balance, cosine, None)
+    if reader.layouts is not None:
+        if norm == 0.0:
+            return _refused("zero", 0.0, 0.0, "the update is zero", measures)
+        sparse = any(lay.transmission is DilocoTransmission.Sparse for lay in reader.layouts)
+        # the sparse form's payload is the top-k of its update: its norm is compared with the
+        # recompute's at the same positions; a dense form's with the whole recompute's
+        expected = reference if sparse else math.sqrt(sum(float(x.dot(x)) for x in own.whole))
+        ratio = norm / expected if expected > 0.0 else math.inf
+        measures = Measures(t, balance, cosine, ratio)
+        bound = settings.max_norm_ratio
+        if bound > 0.0 and not 1.0 / bound <= ratio <= bound:
+            return _refused(
+                "norm",
+                ratio,
+                bound,
+                f"norm {norm:.4g} is {ratio:.3g}x the recompute's ({expected:.4g}); at most "
+                f"{bound:g}x either way",
+                measures,
+            )
+    if t < settings.min_agreement:
+        return _refused(
+            "agreement",
+            t,
+            settings.min_agreement,
+            f"agreement with this batch's own update t = {t:.2f}, below {settings.min_agreement:g}",
+            measures,
+        )
+    if balance is not None and settings.max_balance > 0.0 and abs(balance) > settings.max_balance:
+        return _refused(
+            "balance",
+            balance,
+            settings.max_balance,
+            f"the batch's two halves are not carried alike (t = {balance:.2f} along their "
+            f"difference; at most {settings.max_balance:g} either way)",
+            measures,
+        )
+    return VerificationVerdict(True, t, settings.min_agreement, None, str(measures), measures)
+
+
+def _refused(
+    check: str, score: float, threshold: float, detail: str, measures: Measures
+) -> VerificationVerdict:
+    return VerificationVerdict(False, score, threshold, check, detail, measures)
+
+
+def verify_result(
+    trainer: Trainer,
+    batch: Batch,
+    published: Sequence[DistroResult],
+    *,
+    step: int,
+    decoy: Batch | Recomputed,
+    warmup_lr_between: tuple[int, int] | None = None,
+    settings: VerificationSettings | None = None,
+) -> VerificationVerdict:
+    """Recompute a trainer's update of `batch` from the round's weights held by `trainer` and
+    compare it with `published` (see the module docstring for what each argument must be, what
+    is exact and what is statistical).
+
+    `decoy` is another batch of the same round that this trainer was not assigned (the
+    verifier's own, or another verified trainer's), or its `recompute`: the comparison reads
+    the payload along the difference of the two updates, so that what every batch's gradient
+    shares (which a result trained on other data carries too) cancels, and only what is this
+    batch's own counts. A verifier checking several trainers of a round recomputes each batch
+    once and passes the `Recomputed` of one as the others' decoy.
+
+    Costs one training step of `batch` (DiLoCo: its inner steps; plus one for a `Batch` decoy)
+    and a DCT of the update; `trainer` is left as it was."""
+    settings = settings or verification_settings(trainer)
+    reader = result_reader(trainer)
+    own = recompute(trainer, batch, step=step, warmup_lr_between=warmup_lr_between)
+    if isinstance(decoy, Batch):
+        decoy = recompute(trainer, decoy, step=step, warmup_lr_between=warmup_lr_between)
+    return compare(reader, domain_of(trainer, own), domain_of(trainer, decoy), published, settings)
+
+
+@dataclass
+class Evidence:
+    """A verifier's memory of one trainer's verdicts: a lie too small for one round is caught
+    when it repeats (`add` returns a refusing verdict once the window's agreement is too low)."""
+
+    settings: VerificationSettings
+    agreements: list[float] = field(default_factory=list)
+
+    def add(self, verdict: VerificationVerdict) -> VerificationVerdict:
+        """Remember `verdict`; returns it, or a refusal ("window") when the trainer's last
+        `window_rounds` agreements sum to less than `min_window_agreement x sqrt(n)`."""
+        self.agreements.append(verdict.agreement)
+        del self.agreements[: -self.settings.window_rounds]
+        if not verdict.matches or self.settings.min_window_agreement <= 0.0:
+            return verdict
+        n = len(self.agreements)
+        z = sum(self.agreements) / math.sqrt(n)
+        if n >= self.settings.window_rounds and z < self.settings.min_window_agreement:
+            return _refused(
+                "window",
+                z,
+                self.settings.min_window_agreement,
+                f"agreement over the last {n} rounds sums to {z:.2f} x sqrt({n}), below "
+                f"{self.settings.min_window_agreement:g}",
+                verdict.measures,
+            )
+        return verdict

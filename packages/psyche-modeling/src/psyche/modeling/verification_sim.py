@@ -1,0 +1,182 @@
+"""Trainers of a run and one verifier in one process, as Psyche clients run them (tests and the
+verification benchmark, `scripts/bench/verify.py`; no command reaches this module).
+
+Every round each member trains its assigned batch with `Trainer.train_exact` (its own DisTrO
+momentum or DiLoCo residual and lookahead, as a client), publishes `prepare_result`'s payload
+(a hostile member's rewritten by `psyche.modeling.hostile`, or trained on other rows), and the
+verifier, holding the run's weights of the round, decodes each payload as every client does
+(`Trainer.results_from_payload`) and verifies it as `verification.verify_result` does
+(`recompute`, then `compare`), each batch recomputed once and the next member's recompute its
+decoy. Then every trainer and the verifier
+apply the round's results that the verifier did not refuse, one round late, as clients do
+(`train_loop`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from psyche.core.batch_id import BatchId
+from psyche.modeling.distro import DistroResult
+from psyche.modeling.hostile import HostileMember, make_hostile
+from psyche.modeling.trainer import Batch, Trainer
+from psyche.modeling.verification import (
+    Evidence,
+    VerificationSettings,
+    VerificationVerdict,
+    compare,
+    domain_of,
+    recompute,
+    result_reader,
+    verification_settings,
+)
+
+
+@dataclass
+class VerifiedRound:
+    step: int
+    verdicts: dict[int, VerificationVerdict]
+    """Each member's verdict of the round (after its `Evidence`)."""
+    single: dict[int, VerificationVerdict]
+    """Each member's verdict of the round alone."""
+    train_seconds: float
+    """The members' mean `train_exact` time."""
+    verify_seconds: float
+    """The verifier's mean time per verification (its recomputes and comparisons)."""
+
+
+@dataclass
+class VerificationRun:
+    """`trainers` (the members, all at the same weights) and `verifier` (a trainer of the same
+    run at the same weights); `batch(step, i)` is member `i`'s assignment of `step`, and
+    `batch(step, len(trainers))` a batch of the round no one was assigned (what an
+    `OtherData` member trains on). `verifier_threads`: the verifier's torch threads (a verifier
+    whose intra-op parallelism differs from the trainers')."""
+
+    trainers: Sequence[Trainer]
+    verifier: Trainer
+    batch: Callable[[int, int], Batch]
+    hostile: Mapping[int, HostileMember] = field(default_factory=dict)
+    settings: VerificationSettings | None = None
+    verifier_threads: int | None = None
+    evidence: dict[int, Evidence] = field(default_factory=dict)
+    _prev: list[list[DistroResult]] = field(default_factory=list)
+    _pending: list[list[DistroResult]] | None = None
+
+    def __post_init__(self) -> None:
+        for i, member in self.hostile.items():
+            make_hostile(self.trainers[i], member)
+        self.settings = self.settings or verification_settings(self.verifier)
+        self._prev = [[] for _ in self.trainers]
+
+    def round(self, step: int) -> VerifiedRound:
+        n = len(self.trainers)
+        published, train_seconds = [], 0.0
+        other = self.batch(step, n)
+        for i, trainer in enumerate(self.trainers):
+            assigned = self.batch(step, i)
+            member = self.hostile.get(i)
+            rows = member.training_batch(assigned, other) if member else assigned
+            out = trainer.train_exact(
+                step,
+                rows,
+                warmup_lr_between=None,
+                zero_optim=False,
+                prev_self_distro_results=[self._prev[i]] if self._prev[i] else [],
+            )
+            train_seconds += out.duration
+            prepared = trainer.prepare_result(out, step=step, batch_id=BatchId(i, i))
+            self._prev[i] = out.distro_results or []
+            published.append(self.verifier.results_from_payload(prepared.payload))
+        started = time.perf_counter()
+        verdicts, single = self._verify(step, published)
+        verify_seconds = (time.perf_counter() - started) / n
+        if self._pending is not None:
+            for trainer in [*self.trainers, self.verifier]:
+                trainer.optimize(step, distro_results=self._pending)
+        # a refused result is not applied (the protocol removes the trainer it caught)
+        self._pending = [published[i] for i in range(n) if verdicts[i].matches]
+        return VerifiedRound(step, verdicts, single, train_seconds / n, verify_seconds)
+
+    def _verify(
+        self, step: int, published: Sequence[Sequence[DistroResult]]
+    ) -> tuple[dict[int, VerificationVerdict], dict[int, VerificationVerdict]]:
+        before = torch.get_num_threads()
+        if self.verifier_threads is not None:
+            torch.set_num_threads(self.verifier_threads)
+        try:
+            n = len(self.trainers)
+            verifier, settings = self.verifier, self.settings
+            assert settings is not None
+            reader = result_reader(verifier)
+            domains = [
+                domain_of(verifier, recompute(verifier, self.batch(step, i), step=step))
+                for i in range(n)
+            ]
+            verdicts, single = {}, {}
+            for i in range(n):
+                verdict = compare(reader, domains[i], domains[(i + 1) % n], published[i], settings)
+                single[i] = verdict
+                verdicts[i] = self.evidence.setdefault(i, Evidence(settings)).add(verdict)
+            return verdicts, single
+        finally:
+            torch.set_num_threads(before)
+
+
+FORMS = ("distro", "bf16", "int8", "sparse")
+"""The run optimizers `tiny_trainer` builds: DisTrO 1-bit c16 k4, DiLoCo in each sent form."""
+
+
+def tiny_trainer(form: str, *, lr: float | None = None, inner_steps: int = 2) -> Trainer:
+    """A trainer of the tiny Llama (random init, seed 1337: every member the same) with `form`'s
+    optimizer (`FORMS`), micro-batches of 2 rows; nothing is downloaded."""
+    from psyche.core.definitions import (
+        ConstantLR,
+        DilocoTransmission,
+        Distro,
+        LearningRateSchedule,
+        OptimizerDefinition,
+    )
+    from psyche.modeling.causal_lm import CausalLM, ModelOptions
+    from psyche.modeling.configs import llama_config_dict
+    from psyche.modeling.diloco.optimizer import DilocoSettings
+
+    model = CausalLM.from_config(
+        llama_config_dict("tiny"), ModelOptions(architecture="HfLlama", device="cpu", seed=1337)
+    )
+    optimizer: OptimizerDefinition
+    if form == "distro":
+        optimizer = OptimizerDefinition.Distro(
+            Distro(
+                clip_grad_norm=1.0,
+                weight_decay=0.0,
+                compression_decay=0.999,
+                compression_topk=4,
+                compression_chunk=16,
+                quantize_1bit=True,
+            )
+        )
+        lr = 1e-3 if lr is None else lr
+    else:
+        transmission = {
+            "bf16": DilocoTransmission.Bf16,
+            "int8": DilocoTransmission.Int8,
+            "sparse": DilocoTransmission.Sparse,
+        }[form]
+        settings = DilocoSettings(
+            inner_steps=inner_steps,
+            transmission=transmission,
+            value_bits=2,
+            compression_chunk=64 if form == "int8" else 16,
+            compression_topk=8,
+            outer_lr=0.7,
+            outer_momentum=0.5,
+        )
+        optimizer = OptimizerDefinition.DiLoCo(settings.definition())
+        lr = 3e-3 if lr is None else lr
+    schedule = LearningRateSchedule.Constant(ConstantLR(lr, 0.0, 0))
+    return Trainer(model, schedule, optimizer, micro_batch_size=2)

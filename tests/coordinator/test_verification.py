@@ -1,0 +1,305 @@
+"""Verifiers and tie-breakers (`psyche.coordinator.verification`): who verifies whom, the bounds
+of a report, and who loses a dispute."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from psyche.coordinator import (
+    Client,
+    Committee,
+    CommitteeSelection,
+    RunState,
+    TickResult,
+)
+from psyche.coordinator.data_selection import assign_data_for_state
+from psyche.coordinator.run_config import semantic_problems
+from psyche.coordinator.testing import integration_test_coordinator, simulated_identity
+from psyche.coordinator.verification import (
+    MAX_FINDINGS,
+    Finding,
+    RoundDuties,
+    RoundVerification,
+    VerificationReport,
+    round_duties,
+    tie_breaker_tasks_for,
+    verification_duties,
+    verification_problem,
+)
+from psyche.core import BatchId, NodeIdentity
+from psyche.core.serde import PostcardError, from_bytes, max_encoded_size, to_bytes
+
+
+def ids(n: int) -> list[NodeIdentity]:
+    return [simulated_identity(i) for i in range(n)]
+
+
+def duties_for(
+    n: int, percent: int, seed: int, batch: int = 32
+) -> tuple[RoundDuties, dict[BatchId, NodeIdentity]]:
+    """A round of `n` clients with `percent` % verifiers, started by the coordinator itself."""
+    coordinator = integration_test_coordinator(n, batch, 0)
+    coordinator.config.min_clients = coordinator.config.init_min_clients = n
+    coordinator.config.verification_percent = percent
+    assert coordinator.tick(ids(n), 100, 1) == TickResult.Ticked()
+    assert coordinator.tick(ids(n), 125, seed) == TickResult.Ticked()
+    assert coordinator.run_state is RunState.RoundTrain
+    selection = CommitteeSelection.from_coordinator(coordinator, 0)
+    assignments = assign_data_for_state(coordinator, selection)
+    return round_duties(0, coordinator.epoch_state.clients, selection, assignments), assignments
+
+
+def committees(n: int, percent: int, seed: int) -> dict[NodeIdentity, Committee]:
+    coordinator = integration_test_coordinator(n, 32, 0)
+    coordinator.config.min_clients = coordinator.config.init_min_clients = n
+    coordinator.config.verification_percent = percent
+    coordinator.tick(ids(n), 100, 1)
+    coordinator.tick(ids(n), 125, seed)
+    selection = CommitteeSelection.from_coordinator(coordinator, 0)
+    return {
+        c.id: selection.get_committee(i).committee
+        for i, c in enumerate(coordinator.epoch_state.clients)
+    }
+
+
+# ---- the committees and who verifies whom -------------------------------------------------------
+
+
+def test_upstream_rounds_have_no_tie_breaker_and_no_verifier() -> None:
+    duties, assignments = duties_for(4, 0, 7)
+    assert duties.verifiers == ()
+    assert duties.tie_breakers == ()
+    assert len(set(assignments.values())) == 4  # everyone trains, as upstream
+
+
+def test_a_verifying_round_elects_one_tie_breaker_and_its_verifiers() -> None:
+    by_committee = committees(5, 25, 7)
+    counts = {c: list(by_committee.values()).count(c) for c in Committee}
+    assert counts == {Committee.TieBreaker: 1, Committee.Verifier: 1, Committee.Trainer: 3}
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(3, 24),
+    percent=st.integers(1, 100),
+    seed=st.integers(0, 2**64 - 1),
+)
+def test_every_batch_is_verified_once_and_every_tie_breaker_recomputes_all(
+    n: int, percent: int, seed: int
+) -> None:
+    duties, assignments = duties_for(n, percent, seed, batch=max(n, 8))
+    by_committee = committees(n, percent, seed)
+    verifiers = [c for c, k in by_committee.items() if k is Committee.Verifier]
+    trainers = {c for c, k in by_committee.items() if k is Committee.Trainer}
+    assert set(assignments.values()) <= trainers  # nobody else trains
+    if not verifiers:
+        assert duties.verifiers == ()
+    else:
+        # coverage: every batch exactly once, by a verifier, naming its trainer
+        assert sorted(d.batch_id for d in duties.verifiers) == sorted(assignments)
+        for d in duties.verifiers:
+            assert assignments[d.batch_id] == d.trainer
+            assert by_committee[d.verifier] is Committee.Verifier
+        # the load is dealt evenly
+        loads = [sum(d.verifier == v for d in duties.verifiers) for v in verifiers]
+        assert max(loads) - min(loads) <= 1
+    tie_breakers = [c for c, k in by_committee.items() if k is Committee.TieBreaker]
+    assert len(tie_breakers) == 1
+    assert len(duties.tie_breakers) == len(assignments)
+    # no one verifies its own result
+    assert all(d.verifier != d.trainer for d in (*duties.verifiers, *duties.tie_breakers))
+
+
+def test_the_assignment_is_a_function_of_the_round_only() -> None:
+    first, _ = duties_for(9, 40, 12345)
+    again, _ = duties_for(9, 40, 12345)
+    assert first == again  # anyone can recompute who verified whom
+    # and the seed decides it: over several seeds, different verifiers get a given batch
+    pairings = {
+        tuple((d.batch_id, d.verifier) for d in sorted(duties_for(9, 40, seed)[0].verifiers))
+        for seed in range(8)
+    }
+    assert len(pairings) > 1
+
+
+def test_no_batches_no_duties() -> None:
+    # the epoch's last rounds train nothing: nobody verifies either
+    selection = CommitteeSelection(1, 0, 50, 4, 99)
+    clients = [Client(i) for i in ids(4)]
+    assert verification_duties(clients, selection, {}) == []
+    assert round_duties(0, clients, selection, {}).tie_breakers == ()
+
+
+# ---- config refusals ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("min_clients", "percent", "refused"),
+    [(4, 0, False), (4, 25, True), (5, 25, False), (4, 34, False), (2, 100, True), (3, 50, False)],
+)
+def test_a_run_without_a_verifier_or_trainer_is_refused(
+    min_clients: int, percent: int, refused: bool
+) -> None:
+    coordinator = integration_test_coordinator(min_clients, 32, 0)
+    coordinator.config.verification_percent = percent
+    problem = verification_problem(coordinator.config)
+    assert (problem is not None) is refused
+    if problem is not None:
+        assert problem[0] == "config.verification_percent"
+    # loading stays upstream's (upstream's own configs include such a run); validate-config
+    # and the server refuse it (tests/centralized/test_server_verification.py)
+    assert not semantic_problems(coordinator.config, coordinator.model)
+
+
+def test_tie_breakers_only_when_verifying() -> None:
+    config = integration_test_coordinator(4, 8, 0).config
+    assert tie_breaker_tasks_for(config, 4) == 0
+    config.verification_percent = 30
+    assert tie_breaker_tasks_for(config, 4) == 1
+    assert tie_breaker_tasks_for(config, 0) == 0
+
+
+# ---- reports -----------------------------------------------------------------------------------
+
+
+def a_round() -> tuple[RoundDuties, NodeIdentity, NodeIdentity, list[BatchId]]:
+    """A round of 5 clients at 25 %: its verifier, its tie-breaker, its batches."""
+    duties, assignments = duties_for(5, 25, 7)
+    (verifier,) = {d.verifier for d in duties.verifiers}
+    (tie_breaker,) = {d.verifier for d in duties.tie_breakers}
+    return duties, verifier, tie_breaker, list(assignments)
+
+
+def report(
+    duties: RoundDuties, sender: NodeIdentity, wrong: set[BatchId], score: float = 0.5
+) -> VerificationReport:
+    return VerificationReport(
+        duties.step,
+        [
+            Finding(d.batch_id, d.batch_id not in wrong, score if d.batch_id in wrong else 0.0)
+            for d in duties.of(sender)
+        ],
+    )
+
+
+def test_a_report_round_trips_and_is_bounded() -> None:
+    duties, verifier, _, _ = a_round()
+    sent = report(duties, verifier, set())
+    assert from_bytes(to_bytes(sent, VerificationReport), VerificationReport) == sent
+    # the encoder's bound: a full report is smaller than a health check naming every client
+    size = max_encoded_size(VerificationReport)
+    assert size is not None
+    assert size < 256 * 30
+    with pytest.raises(PostcardError, match="FixedVec is full"):
+        to_bytes(VerificationReport(0, [sent.findings[0]] * (MAX_FINDINGS + 1)), VerificationReport)
+
+
+def test_reports_are_checked_against_the_senders_duties() -> None:
+    duties, verifier, tie_breaker, batches = a_round()
+    trainer = next(d.trainer for d in duties.verifiers)
+    stranger = simulated_identity(99)
+    record = RoundVerification(duties)
+    assert record.add(trainer, VerificationReport(0, [])) is not None  # a trainer has no duty
+    assert record.add(stranger, VerificationReport(0, [])) is not None
+    assert record.add(verifier, VerificationReport(1, [])) is not None  # another round
+    own = duties.of(verifier)[0]
+    not_own = Finding(BatchId(10**6, 10**6), False, 1.0)  # no batch of the round
+    assert record.add(verifier, VerificationReport(0, [not_own])) is not None
+    twice = Finding(own.batch_id, False, 1.0)
+    assert "twice" in (record.add(verifier, VerificationReport(0, [twice, twice])) or "")
+    nan = Finding(own.batch_id, False, float("nan"))
+    assert "finite" in (record.add(verifier, VerificationReport(0, [nan])) or "")
+    assert record.reports == {}  # nothing refused was kept
+    assert record.add(verifier, report(duties, verifier, set())) is None
+    # one report per sender and round: a flood of them costs one dict lookup each
+    assert (
+        record.add(verifier, report(duties, verifier, set(batches)))
+        == "a second report for the round"
+    )
+    assert record.add(tie_breaker, report(duties, tie_breaker, set())) is None
+
+
+# ---- resolution --------------------------------------------------------------------------------
+
+
+def test_a_trainer_that_lied_loses() -> None:
+    duties, verifier, tie_breaker, _ = a_round()
+    lie = next(d for d in duties.verifiers)
+    record = RoundVerification(duties)
+    assert record.add(verifier, report(duties, verifier, {lie.batch_id})) is None
+    assert record.resolve() == []  # one client's word decides nothing
+    assert record.add(tie_breaker, report(duties, tie_breaker, {lie.batch_id})) is None
+    (decided,) = record.resolve()
+    assert (decided.loser, decided.role, decided.batch_id) == (lie.trainer, "trainer", lie.batch_id)
+    assert record.resolve() == []  # decided once
+
+
+def test_a_verifier_that_lied_loses() -> None:
+    duties, verifier, tie_breaker, _ = a_round()
+    honest = next(d for d in duties.verifiers)
+    record = RoundVerification(duties)
+    # the tie-breaker's report may come first
+    assert record.add(tie_breaker, report(duties, tie_breaker, set())) is None
+    assert record.resolve() == []
+    assert record.add(verifier, report(duties, verifier, {honest.batch_id}, 3.0)) is None
+    (decided,) = record.resolve()
+    assert (decided.loser, decided.role) == (verifier, "verifier")
+    assert str(honest.trainer) in decided.reason
+
+
+def test_honest_reports_punish_nobody() -> None:
+    duties, verifier, tie_breaker, _ = a_round()
+    record = RoundVerification(duties)
+    record.add(verifier, report(duties, verifier, set()))
+    record.add(tie_breaker, report(duties, tie_breaker, set()))
+    assert record.resolve() == []
+
+
+def test_tie_breakers_decide_by_majority() -> None:
+    # three tie-breakers (a state could elect them): two against one convicts; a tie does not
+    selection = CommitteeSelection(3, 0, 25, 8, 5)
+    clients = [Client(i) for i in ids(8)]
+    trainers = [
+        c.id
+        for i, c in enumerate(clients)
+        if selection.get_committee(i).committee is Committee.Trainer
+    ]
+    assignments = {BatchId(k * 4, k * 4 + 3): t for k, t in enumerate(trainers)}
+    duties = round_duties(3, clients, selection, assignments)
+    ties = sorted({d.verifier for d in duties.tie_breakers}, key=lambda i: i.signer)
+    assert len(ties) == 3
+    target = next(iter(assignments))
+    for votes, convicted in [((False, False, True), True), ((False, True, True), False)]:
+        record = RoundVerification(duties)
+        for tie, vote in zip(ties, votes, strict=True):
+            record.add(tie, report(duties, tie, set() if vote else {target}))
+        losers = [r.loser for r in record.resolve()]
+        assert (assignments[target] in losers) is convicted
+    # nothing else is decided on any mix of honest votes
+    for votes in itertools.product([True], repeat=3):
+        record = RoundVerification(duties)
+        for tie, _ in zip(ties, votes, strict=True):
+            record.add(tie, report(duties, tie, set()))
+        assert record.resolve() == []
+
+
+def test_verifiers_and_tie_breakers_are_healthy_in_a_verifying_run() -> None:
+    # upstream's `todo!()` (a health check naming one crashed every witness of a verifying run)
+    from psyche.coordinator.consensus import unhealthy_trainers
+
+    coordinator = integration_test_coordinator(5, 8, 1)
+    coordinator.config.verification_percent = 25
+    coordinator.tick(ids(5), 100, 1)
+    coordinator.tick(ids(5), 125, 3)
+    assert coordinator.run_state is RunState.RoundTrain
+    coordinator.epoch_state.rounds[1] = coordinator.epoch_state.rounds[0]  # as the previous
+    coordinator.epoch_state.rounds_head = 1
+    selection = CommitteeSelection.from_coordinator(coordinator, -1)
+    checks = unhealthy_trainers(coordinator, selection)
+    named = {selection.get_committee(p.index).committee for _, p in checks}
+    assert Committee.Trainer in named  # nobody witnessed the trainers
+    assert named == {Committee.Trainer}  # the verifier and the tie-breaker are healthy

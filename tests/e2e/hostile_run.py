@@ -1,0 +1,60 @@
+"""A run of real client processes on loopback with one hostile member (tests/e2e/hostile_client.py
+beside honest `psyche-client train` processes), shared by the end-to-end tests of hostile
+results (test_poisoned_members.py, test_verifiers.py)."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..processes import REPO, Proc, Processes, free_port
+
+sys.path.insert(0, str(REPO / "scripts" / "chaos"))
+import hostile_members as hm
+
+HONEST = (1, 2, 3)
+HOSTILE = 4
+HOSTILE_SCRIPT = REPO / "tests" / "e2e" / "hostile_client.py"
+
+
+def short_id(number: int) -> str:
+    """How the logs name client `number` (`RAW_IDENTITY_SECRET_KEY` = `number`)."""
+    return hm.test_key(number).public_key[:4].hex()
+
+
+@dataclass(frozen=True)
+class HostileRun:
+    server: Proc
+    honest: list[Proc]
+    hostile: Proc
+
+
+def start_hostile_run(
+    processes: Processes,
+    directory: Path,
+    attack: str,
+    start: int,
+    hostile_env: dict[str, str] | None = None,
+    **config: int,
+) -> HostileRun:
+    """The tiny run (`config` over its `[config]`) with clients `HONEST` and `HOSTILE`, the
+    hostile one sending what `attack` makes of its results from its `start`th on (and with
+    `hostile_env` in its environment); returns once the first round started."""
+    run = hm.write_run(directory, **config)
+    port = free_port()
+    server = processes.start("server", hm.server_command(run, port, "--bind-address", "127.0.0.1"))
+    processes.wait_for(server, r"serving run 'tiny-cpu'", 60)
+    honest = [
+        processes.start(
+            f"client-{n}", hm.client_command(port), env={"RAW_IDENTITY_SECRET_KEY": f"{n:064x}"}
+        )
+        for n in HONEST
+    ]
+    hostile_argv = [sys.executable, str(HOSTILE_SCRIPT), attack, str(start), "--"]
+    hostile = processes.start(
+        "hostile", hostile_argv + hm.client_command(port)[3:],
+        env={"RAW_IDENTITY_SECRET_KEY": f"{HOSTILE:064x}", **(hostile_env or {})},
+    )  # fmt: skip
+    processes.wait_for(server, r"-> RoundTrain \(epoch 0", 240)
+    return HostileRun(server, honest, hostile)

@@ -1,0 +1,63 @@
+"""Issue 27, end to end: four real `psyche-client train` processes on loopback in a run with
+`verification_percent = 50` (each round: one tie-breaker, one verifier, two trainers), one of
+them hostile twice over (`tests/e2e/hostile_client.py`): as a trainer every result it sends is
+sign flipped, as a verifier it accuses every result it verified (as tie-breaker it is honest).
+In the first round it is trainer or verifier, the honest verifier's accusation or its own false
+one meets the honest tie-breaker's verdict, and the server drops and bans it as the liar it
+was in that round: within three rounds of its first lie. No honest member is accused. (Which
+role it has first is the round seed's choice; tests/coordinator/test_server_verification.py
+and tests/centralized/test_server_verification.py take both paths every time.)
+
+Lean on purpose (the suite's time budget): it stops at the punishment, not at the run's end.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from ..processes import Processes, events
+from .hostile_run import HONEST, HOSTILE, short_id, start_hostile_run
+
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+
+
+def test_the_tie_breaker_punishes_whoever_lied_trainer_or_verifier(
+    processes: Processes, tmp_path: Path
+) -> None:
+    run = start_hostile_run(
+        processes, tmp_path / "run", "sign-flip", 0, {"HOSTILE_VERIFIER": "1"},
+        total_steps=20, epoch_time=60, witness_nodes=0, init_min_clients=4, min_clients=3,
+        verification_percent=50,
+    )  # fmt: skip
+    server, honest, hostile = run.server, run.honest, run.hostile
+    punished = processes.wait_for(
+        server,
+        rf"verification: {short_id(HOSTILE)} loses \((trainer|verifier)\).*? at step (\d+)",
+        240,
+    )
+    role, step = punished.group(1), int(punished.group(2))
+    # it was punished for what it was in that round, within three rounds of its first lie
+    committees = {e["step"]: e["committee"] for e in events(hostile, "round_start")}
+    assert committees[step] == role.capitalize(), (role, step, committees)
+    lied = [e["step"] for e in events(hostile, "trained_batch")]
+    lied += [s for s, committee in committees.items() if committee == "Verifier"]
+    assert step <= min(lied) + 2, (step, lied)
+    # the server banned it, and nobody else lost anything
+    assert re.search(
+        rf"{short_id(HOSTILE)} did not deliver \(verification, as {role}", server.text()
+    )
+    losers = set(re.findall(r"verification: (\w+) loses", server.text()))
+    assert losers == {short_id(HOSTILE)}, losers
+    # what the honest verifiers and tie-breakers found: honest results as honest, and the lie
+    findings = [e for client in honest for e in events(client, "verification")]
+    honest_ids = {short_id(n) for n in HONEST}
+    assert all(e["matches"] for e in findings if e["trainer"] in honest_ids), findings
+    at_step = [e for e in findings if e["step"] == step]
+    if role == "trainer":  # the honest verifier and tie-breaker found its lie
+        assert any(not e["matches"] and e["trainer"] == short_id(HOSTILE) for e in at_step)
+    else:  # the honest tie-breaker found right what it accused
+        assert at_step
+        assert all(e["matches"] and e["trainer"] in honest_ids for e in at_step)
