@@ -56,6 +56,11 @@ from psyche.core.serde import U64, FixedStr, SmallBool, struct, to_bytes
 
 __all__ = ["Coordinator"]
 
+# What a tick returns: the variants are frozen values, named once with their type.
+_TICKED: TickResult = TickResult.Ticked()
+_EPOCH_FAILED: TickResult = TickResult.EpochEnd(False)
+_EPOCH_SUCCEEDED: TickResult = TickResult.EpochEnd(True)
+
 
 @struct(kw_only=True)
 class Coordinator(CoordinatorQueries):
@@ -152,7 +157,7 @@ class Coordinator(CoordinatorQueries):
         self, pending_clients: Iterable[NodeIdentity] | None, unix_timestamp: int
     ) -> TickResult:
         if pending_clients is None:
-            return TickResult.Ticked()
+            return _TICKED
         pending = list(pending_clients)
         # The extra time counts from entering WaitingForMembers, not from reaching the minimum
         # (upstream behaviour); `len as u16` truncates.
@@ -185,7 +190,7 @@ class Coordinator(CoordinatorQueries):
             epoch_state.clients = [Client(i) for i in pending[:SOLANA_MAX_NUM_CLIENTS]]
             self.epoch_state = epoch_state
             self._start_warmup(unix_timestamp)
-        return TickResult.Ticked()
+        return _TICKED
 
     def _tick_warmup(self, unix_timestamp: int, random_seed: int) -> TickResult:
         if self._check_timeout(unix_timestamp, self.config.warmup_time):
@@ -196,17 +201,17 @@ class Coordinator(CoordinatorQueries):
             # Upstream quirk: when warmup times out, the round is started first and abandoned
             # here in the same tick; its data indices are not consumed (no cooldown).
             self._start_waiting_for_members(unix_timestamp)
-            return TickResult.EpochEnd(False)
-        return TickResult.Ticked()
+            return _EPOCH_FAILED
+        return _TICKED
 
     def _tick_round_train(self, unix_timestamp: int) -> TickResult:
         if self._check_timeout(unix_timestamp, self.config.max_round_train_time):
             self._change_state(unix_timestamp, RunState.RoundWitness)
-        return TickResult.Ticked()
+        return _TICKED
 
     def _tick_round_witness(self, unix_timestamp: int, random_seed: int) -> TickResult:
         if not self._check_timeout(unix_timestamp, self.config.round_witness_time):
-            return TickResult.Ticked()
+            return _TICKED
         current = self._current_round_unchecked()
         height = current.height
         num_witnesses = len(current.witnesses)
@@ -222,7 +227,7 @@ class Coordinator(CoordinatorQueries):
         if num_witnesses == 0:
             self.withdraw_all()
             self._start_cooldown(unix_timestamp)
-            return TickResult.Ticked()
+            return _TICKED
 
         # Once the epoch's time is up, two more rounds run (the pipeline needs them); the
         # "at least 4" guard keeps very short epochs from ending too early.
@@ -233,7 +238,7 @@ class Coordinator(CoordinatorQueries):
 
         if epoch_state.last_step_set() and self.progress.step == epoch_state.last_step:
             self._start_cooldown(unix_timestamp)
-            return TickResult.Ticked()
+            return _TICKED
 
         if (
             len(epoch_state.clients) < self.config.min_clients
@@ -242,14 +247,14 @@ class Coordinator(CoordinatorQueries):
             or self.pending_pause
         ):
             self._start_cooldown(unix_timestamp)
-            return TickResult.Ticked()
+            return _TICKED
 
         self._start_round_train(unix_timestamp, random_seed, self._tie_breaker_tasks())
-        return TickResult.Ticked()
+        return _TICKED
 
     def _tick_cooldown(self, unix_timestamp: int) -> TickResult:
         if not self._check_timeout(unix_timestamp, self.config.cooldown_time):
-            return TickResult.Ticked()
+            return _TICKED
         current = self._current_round_unchecked()
         leaving = self._leaving_clients()
 
@@ -276,7 +281,7 @@ class Coordinator(CoordinatorQueries):
         else:
             self._start_waiting_for_members(unix_timestamp)
             self.epoch_state.cold_start_epoch = False
-        return TickResult.EpochEnd(True)
+        return _EPOCH_SUCCEEDED
 
     def _check_timeout(self, unix_timestamp: int, duration: int) -> bool:
         # The `!=` guard: nothing fires in the second the state was entered, even for 0 s.
