@@ -105,14 +105,6 @@ class Leader:
 
 
 @pytest.fixture
-def model_dir(tmp_path: Path) -> Path:
-    directory = tmp_path / "model"
-    directory.mkdir()
-    (directory / "config.json").write_text(json.dumps(llama_config_dict("tiny")))
-    return directory
-
-
-@pytest.fixture
 def leaders() -> Iterator[list[Leader]]:
     started: list[Leader] = []
     yield started

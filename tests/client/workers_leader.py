@@ -7,6 +7,9 @@
   (`TRAINING`), so the test can SIGKILL the worker: prints `STOPPED <exceptions>` when the
   rank's death stops it (the watch's `WorkerDied`, or the collective that lost its peer), closes
   the group (`CLOSED`) and exits 3.
+* `hosts`: as `train`, but the client spans hosts: DP=2 with rank 0 here and rank 1 joining
+  from a `psyche-client sidecar` on another host (argv[3]: this host's address, the
+  `--main-host`); the test kills the other host's rank.
 * `orphan`: a TP=2 group asked to build a model whose key/value heads (MODEL_DIR's config) do
   not divide by 2: prints `INIT_ERROR <message>` (the worker fails the same check and waits),
   then `WORKERS <pids>`, then waits to be killed (the test kills this process and checks the
@@ -47,9 +50,13 @@ def batch(step: int) -> Batch:
 def main() -> int:
     mode, model_dir = sys.argv[1], Path(sys.argv[2])
     torch.set_num_threads(1)
-    group = WorkerGroup(
-        RankLayout(dp=1 if mode == "orphan" else 2, tp=2 if mode == "orphan" else 1, device="cpu")
-    )
+    if mode == "hosts":
+        layout = RankLayout(dp=2, device="cpu", main_host=sys.argv[3], local_ranks=1)
+    elif mode == "orphan":
+        layout = RankLayout(tp=2, device="cpu")
+    else:
+        layout = RankLayout(dp=2, device="cpu")
+    group = WorkerGroup(layout)
     group.start()
     llm = SimpleNamespace(
         architecture="HfLlama",

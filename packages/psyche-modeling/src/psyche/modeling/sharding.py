@@ -87,12 +87,14 @@ def shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 def init_world(
     rank: int,
     world_size: int,
-    init_method: str,
+    init_method: str | None,
     device: torch.device,
     timeout: datetime.timedelta = datetime.timedelta(minutes=30),
+    store: Any = None,
 ) -> None:
-    """Join the client's process group (`init_method`, e.g. `tcp://127.0.0.1:PORT`): NCCL when
-    the ranks are CUDA devices, gloo otherwise; plus the gloo control group."""
+    """Join the client's process group (`init_method`, e.g. `tcp://127.0.0.1:PORT`, or a
+    `torch.distributed.Store` this process serves): NCCL when the ranks are CUDA devices, gloo
+    otherwise; plus the gloo control group."""
     global _CONTROL_GROUP
     import torch.distributed as dist
 
@@ -102,6 +104,7 @@ def init_world(
     dist.init_process_group(
         backend,
         init_method=init_method,
+        store=store,
         rank=rank,
         world_size=world_size,
         timeout=timeout,

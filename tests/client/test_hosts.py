@@ -1,0 +1,128 @@
+"""A client across hosts (`--main-host`; `psyche.client.setup.hosts`, `sidecar`), in two network
+namespaces the test builds (`tests/netns.py`: two hosts on one private segment, 198.18.0.0/15,
+no route out, deleted after):
+
+* host A runs the client's rank 0 (tests/client/workers_leader.py `hosts`: DP=2, one local
+  rank, the ranks' TCP store at A's address); host B runs `psyche-client sidecar --main-host A
+  --world-size 2 --start-rank 1`, whose rank joins over gloo between the namespaces;
+* the client trains and applies a step: its payload bytes and its parameters are those of a
+  one-rank client, bit for bit (DP=2 trains each half of the batch as one of the one-rank
+  client's micro-batches; 2 x 2 ranks would sum four gradients in another order, as on one host);
+* the rank on host B is SIGKILLed mid-training: the client stops with one line within a bounded
+  time (its sidecar reports the death through the store), the sidecar exits 1, no process is
+  left in either namespace;
+* a client killed on host A takes host B's sidecar and rank with it.
+
+Needs root with `ip` and `nft` (`.ci/run` installs them); skips with the reason elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from .. import netns
+from .test_workers import LEADER, Leader, pid_alive, wait_until
+
+pytestmark = [pytest.mark.slow]
+
+WHY_NOT = netns.unavailable()
+
+
+class NamespacedLeader(Leader):
+    """workers_leader.py `hosts` inside host A's namespace."""
+
+    def __init__(self, net: netns.Topology, host: netns.Host, model_dir: Path, log: Path) -> None:
+        self.log = log
+        self.out = open(log, "wb")  # noqa: SIM115 (closed in stop)
+        argv = [sys.executable, str(LEADER), "hosts", str(model_dir), host.ip]
+        self.proc = subprocess.Popen(
+            net.exec(host, argv),
+            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"},
+            stdout=self.out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def start_sidecar(net: netns.Topology, host: netns.Host, main: netns.Host, log: Path):  # type: ignore[no-untyped-def]
+    argv = [
+        sys.executable, "-m", "psyche.cli.client", "sidecar", "--main-host", main.ip,
+        "--world-size", "2", "--start-rank", "1", "--device", "cpu", "--cpu-threads", "1",
+    ]  # fmt: skip
+    return subprocess.Popen(
+        net.exec(host, argv),
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"},
+        stdout=open(log, "wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def namespace_pids(host: netns.Host) -> list[int]:
+    listed = netns.run("ip", "netns", "pids", host.ns, check=False).stdout.split()
+    return [int(p) for p in listed if pid_alive(int(p))]
+
+
+@pytest.fixture
+def hosts() -> Iterator[tuple[netns.Topology, netns.Host, netns.Host]]:
+    if WHY_NOT is not None:
+        pytest.skip(WHY_NOT)
+    with netns.nat_topology(nat_hosts=0, public_hosts=2) as net:
+        a, b = net.public
+        yield net, a, b
+
+
+def test_a_client_across_two_hosts_trains_as_one_rank_and_stops_with_a_dead_remote_rank(
+    hosts: tuple[netns.Topology, netns.Host, netns.Host], model_dir: Path, tmp_path: Path
+) -> None:
+    net, a, b = hosts
+    sidecar_log = tmp_path / "sidecar.log"
+    sidecar = start_sidecar(net, b, a, sidecar_log)  # first: it waits for the client's store
+    leader = NamespacedLeader(net, a, model_dir, tmp_path / "leader.log")
+    try:
+        assert leader.line("PAYLOAD_EQUAL") == ["True"], leader.tail()
+        assert leader.line("PARAMS_EQUAL") == ["True"], leader.tail()
+        leader.line("TRAINING")
+        [rank] = map(int, re.findall(r"rank\(s\) 1 \(pid (\d+)\)", sidecar_log.read_text()))
+        time.sleep(1.0)
+        os.kill(rank, signal.SIGKILL)
+        stopped = leader.line("STOPPED", timeout=60.0)
+        assert set(stopped) <= {"WorkerDied", "RuntimeError", "DistBackendError"}, stopped
+        assert leader.proc.wait(timeout=60.0) == 3, leader.tail()
+        assert sidecar.wait(timeout=60.0) == 1, sidecar_log.read_text()
+        assert "rank 1 exited (code -9)" in sidecar_log.read_text()
+        wait_until(lambda: not namespace_pids(a) and not namespace_pids(b), "no process left")
+    finally:
+        leader.stop()
+        if sidecar.poll() is None:
+            os.killpg(sidecar.pid, signal.SIGKILL)
+            sidecar.wait()
+
+
+def test_a_killed_client_takes_the_other_hosts_ranks_with_it(
+    hosts: tuple[netns.Topology, netns.Host, netns.Host], model_dir: Path, tmp_path: Path
+) -> None:
+    net, a, b = hosts
+    sidecar_log = tmp_path / "sidecar.log"
+    sidecar = start_sidecar(net, b, a, sidecar_log)
+    leader = NamespacedLeader(net, a, model_dir, tmp_path / "leader.log")
+    try:
+        leader.line("TRAINING")
+        os.killpg(leader.proc.pid, signal.SIGKILL)
+        leader.proc.wait()
+        assert sidecar.wait(timeout=60.0) == 1, sidecar_log.read_text()
+        wait_until(lambda: not namespace_pids(b), "host B's rank to exit", 30.0)
+    finally:
+        leader.stop()
+        if sidecar.poll() is None:
+            os.killpg(sidecar.pid, signal.SIGKILL)
+            sidecar.wait()
