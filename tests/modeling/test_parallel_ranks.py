@@ -98,6 +98,20 @@ def test_tensor_parallel_distro_is_exact_and_training_close(ranks: tuple[dict, P
     assert 0.0 <= report["grad_max_abs_diff"] < 1e-5
 
 
+def test_tensor_parallel_deepseek_is_exact_in_distro_and_close_in_training(
+    ranks: tuple[dict, Path],
+) -> None:
+    """DeepSeek-V3 (MLA, a dense layer, an MoE layer) at TP=2 with the Llama test's tolerance:
+    q_proj, kv_b_proj and o_proj sharded, the dense MLP and the shared experts as Llama's MLP,
+    lm_head column-parallel; the router and routed experts replicated."""
+    report = ranks[0]["tp-deepseek"]
+    assert report["sharded_params"] == 2 * (3 + 3) + 1
+    assert report["generate_equal"] is True
+    assert report["apply_equal"] is True
+    assert report["loss"][0] == pytest.approx(report["loss"][1], rel=1e-5)
+    assert 0.0 <= report["grad_max_abs_diff"] < 1e-5
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_the_same_on_two_gpus_with_nccl(tmp_path: Path) -> None:
