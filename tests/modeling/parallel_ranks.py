@@ -215,7 +215,7 @@ def main() -> None:
     init_world(rank, 2, f"file://{init_file}", rank_device(rank))
     report = {}
     try:
-        for mode in () if os.environ.get("ONLY_TP") else ("dp", "fsdp"):
+        for mode in ("dp", "fsdp"):
             report[mode] = protocol_scenario(mode, rank, out)
         report["tp"] = tp_scenario(rank)
         report["tp-deepseek"] = tp_scenario(rank, "tp-deepseek")

@@ -209,6 +209,11 @@ def parallelize(model: CausalLM, dims: ParallelDims, options: ShardingOptions) -
     as a new `CausalLM` over the same module. Every rank must call it."""
     from psyche.modeling.causal_lm import CausalLM
 
+    if model.architecture == "Torchtitan" and (dims.tp > 1 or dims.fsdp):
+        raise ParallelismError(
+            "Torchtitan models have no tensor-parallel or FSDP layout here yet (torchtitan's "
+            "parallelize functions are not built): use --data-parallelism without --fsdp"
+        )
     dims.check_model(model.config)
     module = model.model
     if options.activation_checkpointing and getattr(
