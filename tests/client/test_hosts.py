@@ -91,6 +91,7 @@ def test_a_client_across_two_hosts_trains_as_one_rank_and_stops_with_a_dead_remo
     try:
         assert leader.line("PAYLOAD_EQUAL") == ["True"], leader.tail()
         assert leader.line("PARAMS_EQUAL") == ["True"], leader.tail()
+        assert leader.line("EVAL_EQUAL") == ["True"], leader.tail()
         leader.line("TRAINING")
         [rank] = map(int, re.findall(r"rank\(s\) 1 \(pid (\d+)\)", sidecar_log.read_text()))
         time.sleep(1.0)

@@ -3,7 +3,9 @@
 
 * `train`: build the trainer through the `WorkerGroup` (the model's tensors broadcast to the
   worker), train and apply a step, compare payload and parameters with a one-rank trainer
-  (`PAYLOAD_EQUAL`, `PARAMS_EQUAL`); then train in a loop while `WorkerGroup.watch` waits
+  (`PAYLOAD_EQUAL`, `PARAMS_EQUAL`), and a forward pass of rank 0's replica alone, as an
+  evaluation between rounds runs it, with the one-rank model's logits (`EVAL_EQUAL`); then
+  train in a loop while `WorkerGroup.watch` waits
   (`TRAINING`), so the test can SIGKILL the worker: prints `STOPPED <exceptions>` when the
   rank's death stops it (the watch's `WorkerDied`, or the collective that lost its peer), closes
   the group (`CLOSED`) and exits 3.
@@ -86,6 +88,12 @@ def main() -> int:
     reference.optimize(1, distro_results=[sent_t.sent, sent_r.sent])
     full = trainer.full_variables()
     say("PARAMS_EQUAL", all(torch.equal(full[n], p) for n, p in reference.model.variables()))
+    # what an evaluation does between rounds, on rank 0 alone while the other rank waits for
+    # the next command: a forward pass of its whole replica, the one-rank client's bits
+    with torch.no_grad():
+        tokens = batch(99).input_ids
+        logits = [t.model.forward(tokens, num_logits_to_keep=1)[0] for t in (trainer, reference)]
+    say("EVAL_EQUAL", torch.equal(*logits))
 
     def train_forever() -> None:
         step = 2

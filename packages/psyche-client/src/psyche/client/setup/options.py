@@ -425,10 +425,10 @@ class TrainOptions:
             problems.append(f"--iroh-discovery {self.iroh_discovery}: expected n0 or local")
         ranks = self.ranks
         problems.extend(ranks.problems())
-        if ranks.world_size > 1 and self.evals.enabled:
+        if not ranks.whole_on_rank_0 and self.evals.enabled:
             problems.append(
-                "evaluations (--eval-tasks, --prompt-task) run on one rank: they are not built "
-                "for a client of several ranks"
+                "evaluations (--eval-tasks, --prompt-task) run on rank 0's whole model: with "
+                "--tensor-parallelism or --fsdp rank 0 holds only part of it (not built)"
             )
         problems.extend(tracker_problems(self.trackers, self.run_id))
         problems.extend(self.evals.problems())

@@ -52,6 +52,13 @@ class RankLayout:
         return self.dp * self.tp
 
     @property
+    def whole_on_rank_0(self) -> bool:
+        """Whether rank 0 holds the whole model (replicated data parallelism or one rank): then
+        it evaluates alone between rounds (a forward pass needs no other rank), as a one-rank
+        client does, on the same bits every rank holds."""
+        return self.tp == 1 and not self.fsdp
+
+    @property
     def ranks_here(self) -> int:
         """The ranks this host runs (all of them without `main_host`)."""
         return self.world_size if self.local_ranks is None else self.local_ranks
