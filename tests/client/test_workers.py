@@ -44,6 +44,10 @@ def test_the_ranks_options_say_what_is_wrong_in_one_line() -> None:
     ]
     assert problems(device="cuda:x") == ["--device cuda:x: expected cuda:N or cuda:N,M,..."]
     assert "evaluations" in problems(tensor_parallelism=2, prompt_task=True)[0]
+    assert (
+        problems(data_parallelism=4, main_host="10.0.0.1", num_local_ranks=2, device="cuda:0,1")
+        == []
+    )
     # replicated DP: rank 0 holds the whole model and evaluates it alone
     assert problems(data_parallelism=2, device="cpu", prompt_task=True) == []
 

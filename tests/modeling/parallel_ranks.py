@@ -11,6 +11,7 @@ checkpoints of each side to OUT_DIR/<mode>/ and OUT_DIR/<mode>-reference/).
   `serve`): train_exact + prepare_result + optimize for four steps (the last with one row, which
   leaves rank 1 a zero-weight micro-batch), payload bytes and parameters compared with the
   reference after every step, then extract and checkpoint files.
+* `dp-torchtitan`: `dp` with the Torchtitan architecture (when the extra is installed).
 * `tp` and `tp-deepseek` (DTensor tensor parallelism of the tiny Llama and the tiny
   DeepSeek-V3), both ranks running the same code: the row-parallel matmuls
   sum their halves in another order, so trained gradients are close, not equal; what must be
@@ -30,6 +31,7 @@ import torch
 from psyche.core.batch_id import BatchId
 from psyche.core.definitions import ConstantLR, LearningRateSchedule
 from psyche.modeling import distro as distro_module
+from psyche.modeling import torchtitan
 from psyche.modeling.causal_lm import CausalLM, ModelOptions
 from psyche.modeling.checkpoint import save_tensors_into_safetensors
 from psyche.modeling.configs import deepseek_config_dict, llama_config_dict
@@ -51,7 +53,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tiny_trainer import distro, make_trainer
 
 DEVICE = "cpu"
-ARCHITECTURES = {"dp": "HfLlama", "fsdp": "HfLlama", "tp": "HfLlama", "tp-deepseek": "HfDeepseek"}
+ARCHITECTURES = {
+    "dp": "HfLlama",
+    "fsdp": "HfLlama",
+    "tp": "HfLlama",
+    "tp-deepseek": "HfDeepseek",
+    "dp-torchtitan": "Torchtitan",
+}
 SEQ = 16
 STEPS = 4
 
@@ -82,6 +90,7 @@ def dims_for(mode: str, rank: int) -> ParallelDims:
         "fsdp": ParallelDims(device, dp=2, fsdp=True, rank=rank),
         "tp": ParallelDims(device, tp=2, rank=rank),
         "tp-deepseek": ParallelDims(device, tp=2, rank=rank),
+        "dp-torchtitan": ParallelDims(device, dp=2, rank=rank),
     }[mode]
     return replace(dims, mesh=build_mesh(dims))
 
@@ -95,7 +104,8 @@ def rank_trainer(mode: str, rank: int, cls: type[Trainer]) -> Trainer:
     config = deepseek_config_dict() if architecture == "HfDeepseek" else llama_config_dict("tiny")
     model = CausalLM.from_config(config, options)
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
-    model = CausalLM(model.model.to(dtype).to(dims.device), model.architecture)
+    module = model.model if model.dtype == dtype else model.model.to(dtype)
+    model = CausalLM(module.to(dims.device), model.architecture)
     model = parallelize(model, dims, ShardingOptions())
     schedule = LearningRateSchedule.Constant(ConstantLR(1e-3, 0.0, 0))
     return cls(model, schedule, distro(weight_decay=0.01), micro_batch_size=2, parallel=dims)
@@ -116,7 +126,7 @@ def protocol_scenario(mode: str, rank: int, out: Path) -> dict:
         return {}
     leader = rank_trainer(mode, rank, LeaderTrainer)
     assert isinstance(leader, LeaderTrainer)
-    reference = make_reference()
+    reference = make_reference(ARCHITECTURES[mode])
     report: dict = {"payload_equal": [], "params_equal": [], "loss": []}
     prev_l: list = []
     prev_r: list = []
@@ -217,6 +227,10 @@ def main() -> None:
     try:
         for mode in ("dp", "fsdp"):
             report[mode] = protocol_scenario(mode, rank, out)
+        # torchtitan (an optional extra) on the CPU: its RoPE table is a complex buffer that a
+        # bf16 cast of the whole module would ruin
+        if DEVICE == "cpu" and torchtitan.available() is None:
+            report["dp-torchtitan"] = protocol_scenario("dp-torchtitan", rank, out)
         report["tp"] = tp_scenario(rank)
         report["tp-deepseek"] = tp_scenario(rank, "tp-deepseek")
     finally:

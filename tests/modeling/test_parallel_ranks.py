@@ -89,6 +89,20 @@ def test_a_sharded_client_checkpoints_the_same_bytes(ranks: tuple[dict, Path], m
         assert (out / mode / name).read_bytes() == (out / f"{mode}-reference" / name).read_bytes()
 
 
+def test_a_torchtitan_client_of_two_dp_ranks_publishes_and_applies_the_one_rank_bits(
+    ranks: tuple[dict, Path],
+) -> None:
+    """The Torchtitan architecture's llama3 at DP=2 against one rank (needs the extra)."""
+    from psyche.modeling import torchtitan
+
+    why = torchtitan.available()
+    if why is not None:
+        pytest.skip(why)
+    report = ranks[0]["dp-torchtitan"]
+    assert report["payload_equal"] == [True] * 4
+    assert report["params_equal"] == [True] * 4
+
+
 def test_tensor_parallel_distro_is_exact_and_training_close(ranks: tuple[dict, Path]) -> None:
     report = ranks[0]["tp"]
     assert report["sharded_params"] == 2 * 7 + 1  # q/k/v/o/gate/up/down per layer, lm_head

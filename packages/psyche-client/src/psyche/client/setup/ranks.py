@@ -111,7 +111,13 @@ class RankLayout:
             parts = device[5:].split(",")
             if not all(p.strip().isdigit() for p in parts):
                 problems.append(f"--device {self.device}: expected cuda:N or cuda:N,M,...")
-            elif len(parts) != world:
+            elif self.local_ranks is not None and len(parts) != self.local_ranks:
+                problems.append(
+                    f"--device {self.device} names {len(parts)} device(s) for "
+                    f"--num-local-ranks {self.local_ranks}: list {self.local_ranks} devices, "
+                    "or use --device cuda / auto"
+                )
+            elif self.local_ranks is None and len(parts) != world:
                 problems.append(
                     f"--device {self.device} names {len(parts)} device(s) for "
                     f"--data-parallelism {dp} x --tensor-parallelism {tp} = {world} rank(s): "
