@@ -11,13 +11,15 @@ no route out, deleted after):
 * the rank on host B is SIGKILLed mid-training: the client stops with one line within a bounded
   time (its sidecar reports the death through the store), the sidecar exits 1, no process is
   left in either namespace;
-* a client killed on host A takes host B's sidecar and rank with it.
+* a client killed on host A takes host B's sidecar and rank with it;
+* a frozen host B (SIGSTOP: nothing exits, no socket closes) is noticed by its silent heartbeat.
 
 Needs root with `ip` and `nft` (`.ci/run` installs them); skips with the reason elsewhere.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -127,3 +129,31 @@ def test_a_killed_client_takes_the_other_hosts_ranks_with_it(
         if sidecar.poll() is None:
             os.killpg(sidecar.pid, signal.SIGKILL)
             sidecar.wait()
+
+
+def test_a_frozen_host_is_noticed_by_its_silence(
+    hosts: tuple[netns.Topology, netns.Host, netns.Host], model_dir: Path, tmp_path: Path
+) -> None:
+    """Host B stops answering (its sidecar and rank SIGSTOPped: no exit, no closed socket):
+    the client notices the heartbeat that stopped and stops with one line."""
+    net, a, b = hosts
+    sidecar_log = tmp_path / "sidecar.log"
+    sidecar = start_sidecar(net, b, a, sidecar_log)
+    leader = NamespacedLeader(net, a, model_dir, tmp_path / "leader.log")
+    frozen = []
+    try:
+        leader.line("TRAINING")
+        frozen = namespace_pids(b)
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+        stopped = leader.line("STOPPED", timeout=90.0)
+        assert "WorkerDied" in stopped, leader.tail()
+        assert leader.proc.wait(timeout=60.0) == 3, leader.tail()
+    finally:
+        for pid in frozen:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        leader.stop()
+        if sidecar.poll() is None:
+            os.killpg(sidecar.pid, signal.SIGKILL)
+        sidecar.wait()
