@@ -1,9 +1,10 @@
-"""The `Torchtitan` architecture (`psyche.modeling.torchtitan`): torchtitan's llama3 model
-definition trained with DisTrO on the CPU. Needs the optional `torchtitan` extra
+"""The `Torchtitan` architecture (`psyche.modeling.torchtitan`): torchtitan's llama3 and
+deepseek_v3 model definitions trained with DisTrO on the CPU. Needs the optional `torchtitan` extra
 (`./scripts/setup.sh --extra torchtitan`, plus triton on a CPU-only torch): skips, saying so,
 without it.
 
-* two clients of a Torchtitan run (seed 1337, each its own batch) train a step, exchange their
+* two clients of a Torchtitan run (llama3 or deepseek_v3 with MoE; seed 1337, each its own
+  batch) train a step, exchange their
   payloads and apply both: their parameters are the same bits, and their DisTrO variables are
   torchtitan's parameter names;
 * a Torchtitan model loads a Hugging Face Llama checkpoint (torchtitan's state-dict adapter)
@@ -22,13 +23,14 @@ import pytest
 import torch
 
 from psyche.core.batch_id import BatchId
+from psyche.core.definitions import ConstantLR, LearningRateSchedule
 from psyche.modeling import torchtitan
 from psyche.modeling.causal_lm import CausalLM, ModelLoadError, ModelOptions
 from psyche.modeling.configs import deepseek_config_dict, llama_config_dict
-from psyche.modeling.trainer import Batch
+from psyche.modeling.trainer import Batch, Trainer
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tiny_trainer import make_trainer
+from tiny_trainer import distro, make_trainer
 
 WHY_NOT = torchtitan.available()
 pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
@@ -38,11 +40,33 @@ def batch(seed: int) -> Batch:
     return Batch(torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(seed)))
 
 
-def test_two_torchtitan_clients_apply_bit_identical_results() -> None:
-    a, b = make_trainer(architecture="Torchtitan"), make_trainer(architecture="Torchtitan")
-    names = [n for n, _ in a.model.variables()]
-    assert "layers.0.attention.qkv_linear.wq.weight" in names and "tok_embeddings.weight" in names
-    assert names == sorted(names)
+def torchtitan_trainer(model_type: str) -> Trainer:
+    if model_type == "llama":
+        return make_trainer(architecture="Torchtitan")
+    options = ModelOptions(architecture="Torchtitan", device="cpu", seed=1337)
+    model = CausalLM.from_config(deepseek_config_dict(), options)
+    schedule = LearningRateSchedule.Constant(ConstantLR(1e-3, 0.0, 0))
+    return Trainer(model, schedule, distro(), micro_batch_size=2)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "names"),
+    [
+        ("llama", ["layers.0.attention.qkv_linear.wq.weight", "tok_embeddings.weight"]),
+        (
+            "deepseek_v3",
+            ["layers.0.attention.wkv_a.weight", "layers.1.moe.routed_experts.inner_experts.w1_EFD"],
+        ),
+    ],
+)
+def test_two_torchtitan_clients_apply_bit_identical_results(
+    model_type: str, names: list[str]
+) -> None:
+    """torchtitan's llama3, and its deepseek_v3 (MLA attention, a dense layer, an MoE layer of
+    grouped experts, shared experts and a router)."""
+    a, b = torchtitan_trainer(model_type), torchtitan_trainer(model_type)
+    variables = [n for n, _ in a.model.variables()]
+    assert set(names) <= set(variables) and variables == sorted(variables)
     kwargs = dict(warmup_lr_between=None, zero_optim=False, prev_self_distro_results=[])
     losses = []
     for step in (1, 2, 3):
@@ -85,8 +109,8 @@ def test_a_torchtitan_model_loads_and_writes_hugging_face_checkpoints(tmp_path: 
 
 def test_configs_torchtitan_cannot_take_are_one_line() -> None:
     options = ModelOptions(architecture="Torchtitan", device="cpu")
-    with pytest.raises(ModelLoadError, match="not 'deepseek_v3'"):
-        CausalLM.from_config(deepseek_config_dict(), options)
+    with pytest.raises(ModelLoadError, match="not 'mistral'"):
+        CausalLM.from_config(llama_config_dict("tiny", model_type="mistral"), options)
     scaled = llama_config_dict("tiny", rope_scaling={"rope_type": "linear", "factor": 2.0})
     with pytest.raises(ModelLoadError, match="RoPE scaling 'linear' is not built"):
         CausalLM.from_config(scaled, options)
