@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -55,7 +56,9 @@ class NamespacedLeader(Leader):
         )
 
 
-def start_sidecar(net: netns.Topology, host: netns.Host, main: netns.Host, log: Path):  # type: ignore[no-untyped-def]
+def start_sidecar(
+    net: netns.Topology, host: netns.Host, main: netns.Host, log: Path
+) -> subprocess.Popen[bytes]:
     argv = [
         sys.executable, "-m", "psyche.cli.client", "sidecar", "--main-host", main.ip,
         "--world-size", "2", "--start-rank", "1", "--device", "cpu", "--cpu-threads", "1",
@@ -74,86 +77,75 @@ def namespace_pids(host: netns.Host) -> list[int]:
     return [int(p) for p in listed if pid_alive(int(p))]
 
 
+@dataclass
+class Client:
+    """The client across the test's two hosts: rank 0 on A, the sidecar (rank 1) on B."""
+
+    a: netns.Host
+    b: netns.Host
+    leader: NamespacedLeader
+    sidecar: subprocess.Popen[bytes]
+    sidecar_log: Path
+
+
 @pytest.fixture
-def hosts() -> Iterator[tuple[netns.Topology, netns.Host, netns.Host]]:
+def client(model_dir: Path, tmp_path: Path) -> Iterator[Client]:
+    """Started in two fresh namespaces; whatever is left is killed, and the namespaces
+    deleted, at the end."""
     if WHY_NOT is not None:
         pytest.skip(WHY_NOT)
     with netns.nat_topology(nat_hosts=0, public_hosts=2) as net:
         a, b = net.public
-        yield net, a, b
+        log = tmp_path / "sidecar.log"
+        sidecar = start_sidecar(net, b, a, log)  # first: it waits for the client's store
+        leader = NamespacedLeader(net, a, model_dir, tmp_path / "leader.log")
+        try:
+            yield Client(a, b, leader, sidecar, log)
+        finally:
+            for pid in namespace_pids(b):  # a frozen host's processes too
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            leader.stop()
+            if sidecar.poll() is None:
+                os.killpg(sidecar.pid, signal.SIGKILL)
+            sidecar.wait()
 
 
 def test_a_client_across_two_hosts_trains_as_one_rank_and_stops_with_a_dead_remote_rank(
-    hosts: tuple[netns.Topology, netns.Host, netns.Host], model_dir: Path, tmp_path: Path
+    client: Client,
 ) -> None:
-    net, a, b = hosts
-    sidecar_log = tmp_path / "sidecar.log"
-    sidecar = start_sidecar(net, b, a, sidecar_log)  # first: it waits for the client's store
-    leader = NamespacedLeader(net, a, model_dir, tmp_path / "leader.log")
-    try:
-        assert leader.line("PAYLOAD_EQUAL") == ["True"], leader.tail()
-        assert leader.line("PARAMS_EQUAL") == ["True"], leader.tail()
-        assert leader.line("EVAL_EQUAL") == ["True"], leader.tail()
-        leader.line("TRAINING")
-        [rank] = map(int, re.findall(r"rank\(s\) 1 \(pid (\d+)\)", sidecar_log.read_text()))
-        time.sleep(1.0)
-        os.kill(rank, signal.SIGKILL)
-        stopped = leader.line("STOPPED", timeout=60.0)
-        assert set(stopped) <= {"WorkerDied", "RuntimeError", "DistBackendError"}, stopped
-        assert leader.proc.wait(timeout=60.0) == 3, leader.tail()
-        assert sidecar.wait(timeout=60.0) == 1, sidecar_log.read_text()
-        assert "rank 1 exited (code -9)" in sidecar_log.read_text()
-        wait_until(lambda: not namespace_pids(a) and not namespace_pids(b), "no process left")
-    finally:
-        leader.stop()
-        if sidecar.poll() is None:
-            os.killpg(sidecar.pid, signal.SIGKILL)
-            sidecar.wait()
+    leader, sidecar, log = client.leader, client.sidecar, client.sidecar_log
+    assert leader.line("PAYLOAD_EQUAL") == ["True"], leader.tail()
+    assert leader.line("PARAMS_EQUAL") == ["True"], leader.tail()
+    assert leader.line("EVAL_EQUAL") == ["True"], leader.tail()
+    leader.line("TRAINING")
+    [rank] = map(int, re.findall(r"rank\(s\) 1 \(pid (\d+)\)", log.read_text()))
+    time.sleep(1.0)
+    os.kill(rank, signal.SIGKILL)
+    stopped = leader.line("STOPPED", timeout=60.0)
+    assert set(stopped) <= {"WorkerDied", "RuntimeError", "DistBackendError"}, stopped
+    assert leader.proc.wait(timeout=60.0) == 3, leader.tail()
+    assert sidecar.wait(timeout=60.0) == 1, log.read_text()
+    assert "rank 1 exited (code -9)" in log.read_text()
+    wait_until(
+        lambda: not namespace_pids(client.a) and not namespace_pids(client.b), "no process left"
+    )
 
 
-def test_a_killed_client_takes_the_other_hosts_ranks_with_it(
-    hosts: tuple[netns.Topology, netns.Host, netns.Host], model_dir: Path, tmp_path: Path
-) -> None:
-    net, a, b = hosts
-    sidecar_log = tmp_path / "sidecar.log"
-    sidecar = start_sidecar(net, b, a, sidecar_log)
-    leader = NamespacedLeader(net, a, model_dir, tmp_path / "leader.log")
-    try:
-        leader.line("TRAINING")
-        os.killpg(leader.proc.pid, signal.SIGKILL)
-        leader.proc.wait()
-        assert sidecar.wait(timeout=60.0) == 1, sidecar_log.read_text()
-        wait_until(lambda: not namespace_pids(b), "host B's rank to exit", 30.0)
-    finally:
-        leader.stop()
-        if sidecar.poll() is None:
-            os.killpg(sidecar.pid, signal.SIGKILL)
-            sidecar.wait()
+def test_a_killed_client_takes_the_other_hosts_ranks_with_it(client: Client) -> None:
+    client.leader.line("TRAINING")
+    os.killpg(client.leader.proc.pid, signal.SIGKILL)
+    client.leader.proc.wait()
+    assert client.sidecar.wait(timeout=60.0) == 1, client.sidecar_log.read_text()
+    wait_until(lambda: not namespace_pids(client.b), "host B's rank to exit", 30.0)
 
 
-def test_a_frozen_host_is_noticed_by_its_silence(
-    hosts: tuple[netns.Topology, netns.Host, netns.Host], model_dir: Path, tmp_path: Path
-) -> None:
+def test_a_frozen_host_is_noticed_by_its_silence(client: Client) -> None:
     """Host B stops answering (its sidecar and rank SIGSTOPped: no exit, no closed socket):
     the client notices the heartbeat that stopped and stops with one line."""
-    net, a, b = hosts
-    sidecar_log = tmp_path / "sidecar.log"
-    sidecar = start_sidecar(net, b, a, sidecar_log)
-    leader = NamespacedLeader(net, a, model_dir, tmp_path / "leader.log")
-    frozen = []
-    try:
-        leader.line("TRAINING")
-        frozen = namespace_pids(b)
-        for pid in frozen:
-            os.kill(pid, signal.SIGSTOP)
-        stopped = leader.line("STOPPED", timeout=90.0)
-        assert "WorkerDied" in stopped, leader.tail()
-        assert leader.proc.wait(timeout=60.0) == 3, leader.tail()
-    finally:
-        for pid in frozen:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        leader.stop()
-        if sidecar.poll() is None:
-            os.killpg(sidecar.pid, signal.SIGKILL)
-        sidecar.wait()
+    client.leader.line("TRAINING")
+    for pid in namespace_pids(client.b):
+        os.kill(pid, signal.SIGSTOP)
+    stopped = client.leader.line("STOPPED", timeout=90.0)
+    assert "WorkerDied" in stopped, client.leader.tail()
+    assert client.leader.proc.wait(timeout=60.0) == 3, client.leader.tail()
