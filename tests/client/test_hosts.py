@@ -149,3 +149,27 @@ def test_a_frozen_host_is_noticed_by_its_silence(client: Client) -> None:
     stopped = client.leader.line("STOPPED", timeout=90.0)
     assert "WorkerDied" in stopped, client.leader.tail()
     assert client.leader.proc.wait(timeout=60.0) == 3, client.leader.tail()
+
+
+def test_a_sidecar_for_another_world_size_says_so_in_one_line() -> None:
+    """On loopback (no namespaces): a client's store with its layout (DP=2), and a sidecar
+    started with --world-size 3: one line naming both, exit 1, before any rank starts."""
+    import socket
+
+    from psyche.client.setup.hosts import open_store
+    from psyche.client.setup.ranks import RankLayout
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    store = open_store(RankLayout(dp=2, main_host="127.0.0.1", port=port))
+    argv = [
+        sys.executable, "-m", "psyche.cli.client", "sidecar", "--main-host", "127.0.0.1",
+        "--port", str(port), "--world-size", "3", "--start-rank", "1", "--device", "cpu",
+    ]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        "psyche-client: error: --world-size 3, but the client at 127.0.0.1 has 2 x 1 = 2 ranks"
+    )
+    del store
