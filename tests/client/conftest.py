@@ -17,3 +17,16 @@ def hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[HubEndpoint
     with endpoint.serving():
         point_huggingface_hub_at(monkeypatch, endpoint.url, tmp_path / "hf-home")
         yield endpoint
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    """A tiny Llama's config.json in a directory (the ranks build it from its config)."""
+    import json
+
+    from psyche.modeling.configs import llama_config_dict
+
+    directory = tmp_path / "model"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(llama_config_dict("tiny")))
+    return directory

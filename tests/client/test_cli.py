@@ -98,8 +98,23 @@ def test_required_options(capsys: pytest.CaptureFixture[str]) -> None:
         (["--data-parallelism", "2", "--device", "cuda:0"], "names 1 device(s) for --data-"),
         (["--tensor-parallelism", "2", "--fsdp"], "--fsdp shards over the data-parallel"),
         (["--param-dtype", "bf16"], "apply to --fsdp only"),
-        (["--data-parallelism", "2", "--eval-tasks", "hellaswag"], "run on one rank"),
-        (["--sidecar-port", "9"], "sidecars"),
+        (["--tensor-parallelism", "2", "--eval-tasks", "hellaswag"], "rank 0 holds only part"),
+        (["--data-parallelism", "2", "--fsdp", "--prompt-task"], "rank 0 holds only part"),
+        (["--num-local-ranks", "1"], "--num-local-ranks needs --main-host"),
+        (["--main-host", "10.0.0.1", "--num-local-ranks", "3"], "exceeds --data-parallelism 1"),
+        (
+            [
+                "--main-host",
+                "10.0.0.1",
+                "--data-parallelism",
+                "4",
+                "--num-local-ranks",
+                "2",
+                "--device",
+                "cuda:0,1,2,3",
+            ],
+            "names 4 device(s) for --num-local-ranks 2",
+        ),
         (["--gcs-bucket", "b"], "--checkpoint-dir"),
         (["--oltp-metrics-url", "x:4318"], "--oltp-metrics-url must be an http"),
         (["--oltp-auth-header", "Bearer t"], "without any --oltp-*-url"),
@@ -185,3 +200,21 @@ def test_every_train_option_is_declared_once_with_its_help(
         assert docs[f.name] in help_text
     assert "[env: KEEP_STEPS] [default: 3]" in help_text
     assert "[env: DELETE_OLD_STEPS] [default: true]" in help_text
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--start-rank", "2"], "runs ranks up to 2, beyond --world-size 2"),
+        (["--start-rank", "1", "--num-local-ranks", "2"], "runs ranks up to 2, beyond"),
+        (["--start-rank", "0"], "--start-rank must be at least 1 (rank 0 is the client itself)"),
+    ],
+)
+def test_sidecar_options_say_what_is_wrong_in_one_line(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`psyche-client sidecar` (upstream's psyche-sidecar flags): a rank range that does not
+    fit the world is refused before anything connects; train's required options are not."""
+    argv = ["sidecar", "--main-host", "127.0.0.1", "--world-size", "2", *flags]
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err

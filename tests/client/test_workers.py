@@ -44,6 +44,12 @@ def test_the_ranks_options_say_what_is_wrong_in_one_line() -> None:
     ]
     assert problems(device="cuda:x") == ["--device cuda:x: expected cuda:N or cuda:N,M,..."]
     assert "evaluations" in problems(tensor_parallelism=2, prompt_task=True)[0]
+    assert (
+        problems(data_parallelism=4, main_host="10.0.0.1", num_local_ranks=2, device="cuda:0,1")
+        == []
+    )
+    # replicated DP: rank 0 holds the whole model and evaluates it alone
+    assert problems(data_parallelism=2, device="cpu", prompt_task=True) == []
 
 
 def pid_alive(pid: int) -> bool:
@@ -105,14 +111,6 @@ class Leader:
 
 
 @pytest.fixture
-def model_dir(tmp_path: Path) -> Path:
-    directory = tmp_path / "model"
-    directory.mkdir()
-    (directory / "config.json").write_text(json.dumps(llama_config_dict("tiny")))
-    return directory
-
-
-@pytest.fixture
 def leaders() -> Iterator[list[Leader]]:
     started: list[Leader] = []
     yield started
@@ -128,6 +126,7 @@ def test_a_two_rank_client_trains_as_one_and_stops_with_a_dead_rank(
     [worker] = map(int, leader.line("WORKERS"))
     assert leader.line("PAYLOAD_EQUAL") == ["True"], leader.tail()
     assert leader.line("PARAMS_EQUAL") == ["True"], leader.tail()
+    assert leader.line("EVAL_EQUAL") == ["True"], leader.tail()
     leader.line("TRAINING")
     time.sleep(1.0)  # let a training step be under way (the test holds either way)
     os.kill(worker, signal.SIGKILL)

@@ -3,10 +3,15 @@
 
 * `train`: build the trainer through the `WorkerGroup` (the model's tensors broadcast to the
   worker), train and apply a step, compare payload and parameters with a one-rank trainer
-  (`PAYLOAD_EQUAL`, `PARAMS_EQUAL`); then train in a loop while `WorkerGroup.watch` waits
+  (`PAYLOAD_EQUAL`, `PARAMS_EQUAL`), and a forward pass of rank 0's replica alone, as an
+  evaluation between rounds runs it, with the one-rank model's logits (`EVAL_EQUAL`); then
+  train in a loop while `WorkerGroup.watch` waits
   (`TRAINING`), so the test can SIGKILL the worker: prints `STOPPED <exceptions>` when the
   rank's death stops it (the watch's `WorkerDied`, or the collective that lost its peer), closes
   the group (`CLOSED`) and exits 3.
+* `hosts`: as `train`, but the client spans hosts: DP=2 with rank 0 here and rank 1 joining
+  from a `psyche-client sidecar` on another host (argv[3]: this host's address, the
+  `--main-host`); the test kills the other host's rank.
 * `orphan`: a TP=2 group asked to build a model whose key/value heads (MODEL_DIR's config) do
   not divide by 2: prints `INIT_ERROR <message>` (the worker fails the same check and waits),
   then `WORKERS <pids>`, then waits to be killed (the test kills this process and checks the
@@ -47,9 +52,13 @@ def batch(step: int) -> Batch:
 def main() -> int:
     mode, model_dir = sys.argv[1], Path(sys.argv[2])
     torch.set_num_threads(1)
-    group = WorkerGroup(
-        RankLayout(dp=1 if mode == "orphan" else 2, tp=2 if mode == "orphan" else 1, device="cpu")
-    )
+    if mode == "hosts":
+        layout = RankLayout(dp=2, device="cpu", main_host=sys.argv[3], local_ranks=1)
+    elif mode == "orphan":
+        layout = RankLayout(tp=2, device="cpu")
+    else:
+        layout = RankLayout(dp=2, device="cpu")
+    group = WorkerGroup(layout)
     group.start()
     llm = SimpleNamespace(
         architecture="HfLlama",
@@ -79,6 +88,12 @@ def main() -> int:
     reference.optimize(1, distro_results=[sent_t.sent, sent_r.sent])
     full = trainer.full_variables()
     say("PARAMS_EQUAL", all(torch.equal(full[n], p) for n, p in reference.model.variables()))
+    # what an evaluation does between rounds, on rank 0 alone while the other rank waits for
+    # the next command: a forward pass of its whole replica, the one-rank client's bits
+    with torch.no_grad():
+        tokens = batch(99).input_ids
+        logits = [t.model.forward(tokens, num_logits_to_keep=1)[0] for t in (trainer, reference)]
+    say("EVAL_EQUAL", torch.equal(*logits))
 
     def train_forever() -> None:
         step = 2

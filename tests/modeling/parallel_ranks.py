@@ -11,7 +11,9 @@ checkpoints of each side to OUT_DIR/<mode>/ and OUT_DIR/<mode>-reference/).
   `serve`): train_exact + prepare_result + optimize for four steps (the last with one row, which
   leaves rank 1 a zero-weight micro-batch), payload bytes and parameters compared with the
   reference after every step, then extract and checkpoint files.
-* `tp` (DTensor tensor parallelism), both ranks running the same code: the row-parallel matmuls
+* `dp-torchtitan`: `dp` with the Torchtitan architecture (when the extra is installed).
+* `tp` and `tp-deepseek` (DTensor tensor parallelism of the tiny Llama and the tiny
+  DeepSeek-V3), both ranks running the same code: the row-parallel matmuls
   sum their halves in another order, so trained gradients are close, not equal; what must be
   exact is checked exactly: given the reference's gradients and momentum, `generate` gives the
   reference's results bit for bit, and applying one aggregate gives the reference's parameters.
@@ -29,9 +31,10 @@ import torch
 from psyche.core.batch_id import BatchId
 from psyche.core.definitions import ConstantLR, LearningRateSchedule
 from psyche.modeling import distro as distro_module
+from psyche.modeling import torchtitan
 from psyche.modeling.causal_lm import CausalLM, ModelOptions
 from psyche.modeling.checkpoint import save_tensors_into_safetensors
-from psyche.modeling.configs import llama_config_dict
+from psyche.modeling.configs import deepseek_config_dict, llama_config_dict
 from psyche.modeling.distributed import LeaderTrainer, serve
 from psyche.modeling.parallel import ParallelDims
 from psyche.modeling.serialized_distro import distro_results_to_bytes
@@ -50,6 +53,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tiny_trainer import distro, make_trainer
 
 DEVICE = "cpu"
+ARCHITECTURES = {
+    "dp": "HfLlama",
+    "fsdp": "HfLlama",
+    "tp": "HfLlama",
+    "tp-deepseek": "HfDeepseek",
+    "dp-torchtitan": "Torchtitan",
+}
 SEQ = 16
 STEPS = 4
 
@@ -79,6 +89,8 @@ def dims_for(mode: str, rank: int) -> ParallelDims:
         "dp": ParallelDims(device, dp=2, rank=rank),
         "fsdp": ParallelDims(device, dp=2, fsdp=True, rank=rank),
         "tp": ParallelDims(device, tp=2, rank=rank),
+        "tp-deepseek": ParallelDims(device, tp=2, rank=rank),
+        "dp-torchtitan": ParallelDims(device, dp=2, rank=rank),
     }[mode]
     return replace(dims, mesh=build_mesh(dims))
 
@@ -87,21 +99,24 @@ def rank_trainer(mode: str, rank: int, cls: type[Trainer]) -> Trainer:
     """The tiny trainer's model and settings (seed 1337, micro-batch 2), laid out for `mode`."""
     dims = dims_for(mode, rank)
     # built on the CPU in fp32 (the reference's random draws), then cast and moved
-    options = ModelOptions(architecture="HfLlama", device="cpu", seed=1337)
-    model = CausalLM.from_config(llama_config_dict("tiny"), options)
+    architecture = ARCHITECTURES[mode]
+    options = ModelOptions(architecture=architecture, device="cpu", seed=1337)
+    config = deepseek_config_dict() if architecture == "HfDeepseek" else llama_config_dict("tiny")
+    model = CausalLM.from_config(config, options)
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
-    model = CausalLM(model.model.to(dtype).to(dims.device), model.architecture)
+    module = model.model if model.dtype == dtype else model.model.to(dtype)
+    model = CausalLM(module.to(dims.device), model.architecture)
     model = parallelize(model, dims, ShardingOptions())
     schedule = LearningRateSchedule.Constant(ConstantLR(1e-3, 0.0, 0))
     return cls(model, schedule, distro(weight_decay=0.01), micro_batch_size=2, parallel=dims)
 
 
-def make_reference() -> Trainer:
+def make_reference(architecture: str = "HfLlama") -> Trainer:
     """The one-rank client (on this rank's device)."""
     if DEVICE == "cpu":
-        return make_trainer(weight_decay=0.01)
-    trainer = make_trainer(weight_decay=0.01, device="cpu")
-    model = CausalLM(trainer.model.model.to(torch.bfloat16).to("cuda"), "HfLlama")
+        return make_trainer(weight_decay=0.01, architecture=architecture)
+    trainer = make_trainer(weight_decay=0.01, device="cpu", architecture=architecture)
+    model = CausalLM(trainer.model.model.to(torch.bfloat16).to("cuda"), architecture)
     return Trainer(model, trainer.lr_schedule, distro(weight_decay=0.01), micro_batch_size=2)
 
 
@@ -111,7 +126,7 @@ def protocol_scenario(mode: str, rank: int, out: Path) -> dict:
         return {}
     leader = rank_trainer(mode, rank, LeaderTrainer)
     assert isinstance(leader, LeaderTrainer)
-    reference = make_reference()
+    reference = make_reference(ARCHITECTURES[mode])
     report: dict = {"payload_equal": [], "params_equal": [], "loss": []}
     prev_l: list = []
     prev_r: list = []
@@ -158,17 +173,18 @@ def copy_state(source: Trainer, target: Trainer) -> None:
             local_tensor(pt.grad).copy_(local_tensor(shard_like(ps.grad, pt.grad)))
 
 
-def tp_scenario(rank: int) -> dict:
-    tp = rank_trainer("tp", rank, Trainer)
-    reference = make_reference()
+def tp_scenario(rank: int, mode: str = "tp") -> dict:
+    tp = rank_trainer(mode, rank, Trainer)
+    reference = make_reference(ARCHITECTURES[mode])
     batch = batch_for(1)
     kwargs = dict(warmup_lr_between=None, zero_optim=False, prev_self_distro_results=[])
     out_t = tp.train(1, batch, **kwargs)
     out_r = reference.train(1, batch, **kwargs)
     grads_t = {n: p.grad for n, p in tp.model.variables()}
-    grad_diff = max(
-        float((tp_full(grads_t[n]) - p.grad).abs().max()) for n, p in reference.model.variables()
-    )
+    diffs = {
+        n: float((tp_full(grads_t[n]) - p.grad).abs().max()) for n, p in reference.model.variables()
+    }
+    grad_diff = max(diffs.values())
     sharded = sum(1 for _, p in tp.model.variables() if local_tensor(p) is not p)
     # exact: the same gradients and momentum give the same results; one aggregate, same bits
     assert reference.distro is not None
@@ -188,6 +204,7 @@ def tp_scenario(rank: int) -> dict:
     return {
         "loss": (out_t.loss, out_r.loss),
         "grad_max_abs_diff": grad_diff,
+        "grad_worst": max(diffs, key=diffs.__getitem__),
         "sharded_params": sharded,
         "generate_equal": generate_equal,
         "apply_equal": apply_equal,
@@ -212,7 +229,12 @@ def main() -> None:
     try:
         for mode in ("dp", "fsdp"):
             report[mode] = protocol_scenario(mode, rank, out)
+        # torchtitan (an optional extra) on the CPU: its RoPE table is a complex buffer that a
+        # bf16 cast of the whole module would ruin
+        if DEVICE == "cpu" and torchtitan.available() is None:
+            report["dp-torchtitan"] = protocol_scenario("dp-torchtitan", rank, out)
         report["tp"] = tp_scenario(rank)
+        report["tp-deepseek"] = tp_scenario(rank, "tp-deepseek")
     finally:
         close_world()
     if rank == 0:

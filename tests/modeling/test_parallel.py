@@ -43,7 +43,17 @@ def test_parallel_dims_checks_say_how_to_fix() -> None:
     config.intermediate_size = 65
     with pytest.raises(ParallelismError, match=r"intermediate_size \(65\)"):
         ParallelDims(CPU, tp=2).check_model(config)
-    with pytest.raises(ParallelismError, match="built for llama and seed_oss models, not 'gpt2'"):
+    deepseek = SimpleNamespace(
+        model_type="deepseek_v3", num_attention_heads=4, num_key_value_heads=4,
+        intermediate_size=64, moe_intermediate_size=6, n_shared_experts=1,
+    )  # fmt: skip
+    with pytest.raises(ParallelismError, match=r"moe_intermediate_size x n_shared_experts \(6\)"):
+        ParallelDims(CPU, tp=4).check_model(deepseek)
+    ParallelDims(CPU, tp=2).check_model(deepseek)
+    with pytest.raises(
+        ParallelismError,
+        match="built for llama, seed_oss, deepseek_v2, deepseek_v3 models, not 'gpt2'",
+    ):
         ParallelDims(CPU, tp=2).check_model(SimpleNamespace(model_type="gpt2"))
     with pytest.raises(ParallelismError, match="the model is on cpu"):
         ParallelDims(torch.device("cuda", 0)).check_device(CPU)

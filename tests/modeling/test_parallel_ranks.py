@@ -89,9 +89,37 @@ def test_a_sharded_client_checkpoints_the_same_bytes(ranks: tuple[dict, Path], m
         assert (out / mode / name).read_bytes() == (out / f"{mode}-reference" / name).read_bytes()
 
 
+def test_a_torchtitan_client_of_two_dp_ranks_publishes_and_applies_the_one_rank_bits(
+    ranks: tuple[dict, Path],
+) -> None:
+    """The Torchtitan architecture's llama3 at DP=2 against one rank (needs the extra)."""
+    from psyche.modeling import torchtitan
+
+    why = torchtitan.available()
+    if why is not None:
+        pytest.skip(why)
+    report = ranks[0]["dp-torchtitan"]
+    assert report["payload_equal"] == [True] * 4
+    assert report["params_equal"] == [True] * 4
+
+
 def test_tensor_parallel_distro_is_exact_and_training_close(ranks: tuple[dict, Path]) -> None:
     report = ranks[0]["tp"]
     assert report["sharded_params"] == 2 * 7 + 1  # q/k/v/o/gate/up/down per layer, lm_head
+    assert report["generate_equal"] is True
+    assert report["apply_equal"] is True
+    assert report["loss"][0] == pytest.approx(report["loss"][1], rel=1e-5)
+    assert 0.0 <= report["grad_max_abs_diff"] < 1e-5
+
+
+def test_tensor_parallel_deepseek_is_exact_in_distro_and_close_in_training(
+    ranks: tuple[dict, Path],
+) -> None:
+    """DeepSeek-V3 (MLA, a dense layer, an MoE layer) at TP=2 with the Llama test's tolerance:
+    q_proj, kv_b_proj and o_proj sharded, the dense MLP and the shared experts as Llama's MLP,
+    lm_head column-parallel; the router and routed experts replicated."""
+    report = ranks[0]["tp-deepseek"]
+    assert report["sharded_params"] == 2 * (3 + 3) + 1
     assert report["generate_equal"] is True
     assert report["apply_equal"] is True
     assert report["loss"][0] == pytest.approx(report["loss"][1], rel=1e-5)

@@ -18,6 +18,7 @@ from psyche.core.definitions import (
 )
 from psyche.modeling.adamw import LibtorchAdamW
 from psyche.modeling.causal_lm import CausalLM, ModelLoadError, ModelOptions, clip_grad_norm_native
+from psyche.modeling.configs import deepseek_config_dict
 from psyche.modeling.lr import get_lr
 from psyche.modeling.serialized_distro import transmittable_distro_result
 from psyche.modeling.trainer import Batch, Trainer, TrainerError
@@ -172,8 +173,6 @@ def test_libtorch_adamw_matches_torch_adamw_semantics() -> None:
 
 
 def test_architecture_checks(tiny_llama: Callable) -> None:
-    with pytest.raises(ModelLoadError, match=r"Torchtitan.*not supported yet"):
-        tiny_llama(architecture="Torchtitan")
     with pytest.raises(ModelLoadError, match="unknown architecture"):
         tiny_llama(architecture="Native")
     with pytest.raises(ModelLoadError, match="tied embeddings"):
@@ -187,29 +186,7 @@ def test_architecture_checks(tiny_llama: Callable) -> None:
 
 
 def test_deepseek_trains_with_distro(corpus: torch.Tensor) -> None:
-    config = {
-        "model_type": "deepseek_v3",
-        "vocab_size": 256,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "moe_intermediate_size": 32,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 4,
-        "n_routed_experts": 4,
-        "n_shared_experts": 1,
-        "num_experts_per_tok": 2,
-        "n_group": 1,
-        "topk_group": 1,
-        "first_k_dense_replace": 1,
-        "q_lora_rank": None,
-        "kv_lora_rank": 16,
-        "qk_rope_head_dim": 8,
-        "qk_nope_head_dim": 8,
-        "v_head_dim": 16,
-        "max_position_embeddings": 64,
-        "tie_word_embeddings": False,
-    }
+    config = deepseek_config_dict()
     model = CausalLM.from_config(config, ModelOptions(architecture="HfDeepseek", device="cpu"))
     trainer = Trainer(model, constant(1e-3), distro_def(chunk=16, topk=4), micro_batch_size=4)
     losses, payloads = run_distro(trainer, corpus, 3)
@@ -222,5 +199,4 @@ def test_run_config_architecture_enum_is_accepted() -> None:
     from psyche.modeling.causal_lm import architecture_name
 
     assert architecture_name(LLMArchitecture.HfDeepseek) == "HfDeepseek"
-    with pytest.raises(ModelLoadError, match="not supported yet"):
-        architecture_name(LLMArchitecture.Torchtitan)
+    assert architecture_name(LLMArchitecture.Torchtitan) == "Torchtitan"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from psyche.core.definitions import ConstantLR, Distro, LearningRateSchedule, OptimizerDefinition
 from psyche.modeling.causal_lm import CausalLM, ModelOptions
-from psyche.modeling.configs import llama_config_dict
+from psyche.modeling.configs import deepseek_config_dict, llama_config_dict
 from psyche.modeling.trainer import Trainer
 
 
@@ -29,12 +29,14 @@ def make_trainer(
     device: str = "cpu",
     chunk: int = 16,
     lr: float = 1e-3,
+    architecture: str = "HfLlama",
 ) -> Trainer:
-    """Seed 1337, like every client's random init; bf16 on CUDA, as clients run there."""
+    """Seed 1337, like every client's random init; bf16 on CUDA, as clients run there. The
+    tiny Llama, or with `architecture="HfDeepseek"` the tiny DeepSeek-V3."""
     dtype = "bf16" if device == "cuda" else None
+    config = deepseek_config_dict() if architecture == "HfDeepseek" else llama_config_dict("tiny")
     model = CausalLM.from_config(
-        llama_config_dict("tiny"),
-        ModelOptions(architecture="HfLlama", device=device, dtype=dtype, seed=1337),
+        config, ModelOptions(architecture=architecture, device=device, dtype=dtype, seed=1337)
     )
     schedule = LearningRateSchedule.Constant(ConstantLR(lr, 0.0, 0))
     return Trainer(model, schedule, distro(weight_decay, quantize, chunk), micro_batch_size=2)

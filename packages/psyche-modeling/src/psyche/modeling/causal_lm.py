@@ -3,7 +3,8 @@
 Upstream has native Llama and DeepSeek implementations (`HfLlama`, `HfDeepseek`) and a Python
 path for anything transformers can build (`HfAuto`). Here all three are transformers models; the
 architecture name still selects upstream's checks (model type, no tied embeddings for Llama) and
-its gradient-clipping formula. `Torchtitan` is not supported yet.
+its gradient-clipping formula. `Torchtitan` builds torchtitan's model definitions
+(`psyche.modeling.torchtitan`, the optional `torchtitan` extra) behind the same interface.
 """
 
 from __future__ import annotations
@@ -44,11 +45,6 @@ def architecture_name(architecture: object) -> str:
     if not isinstance(name, str) or name not in ARCHITECTURES:
         raise ModelLoadError(
             f"unknown architecture {architecture!r}; expected one of {', '.join(ARCHITECTURES)}"
-        )
-    if name == "Torchtitan":
-        raise ModelLoadError(
-            "the Torchtitan architecture is not supported yet by the Python port; "
-            "use HfAuto (same checkpoints, Hugging Face transformers models)"
         )
     return name
 
@@ -115,6 +111,10 @@ class CausalLM:
         config = _prepare_config(_as_config(config), arch, options)
         device = resolve_device(options.device)
         dtype = resolve_dtype(options.dtype, device)
+        if arch == "Torchtitan":
+            return cls._finish(
+                _titan_build(config, device, dtype, options.seed), arch, options, None
+            )
         torch.manual_seed(options.seed)
         model = AutoModelForCausalLM.from_config(
             config, attn_implementation=options.attn_implementation, dtype=dtype
@@ -145,6 +145,10 @@ class CausalLM:
         config = _prepare_config(AutoConfig.from_pretrained(directory), arch, options)
         device = resolve_device(options.device)
         dtype = resolve_dtype(options.dtype, device)
+        if arch == "Torchtitan":
+            titan = _titan_build(config, device, dtype, options.seed)
+            _titan_load(titan, directory)
+            return cls._finish(titan, arch, options, directory)
         torch.manual_seed(options.seed)
         # transformers types the result as the model alone; output_loading_info adds the info.
         loaded: Any = AutoModelForCausalLM.from_pretrained(
@@ -180,7 +184,9 @@ class CausalLM:
 
     @property
     def config(self) -> Any:
-        return self.model.config
+        """The Hugging Face config (a Torchtitan model keeps it beside torchtitan's own)."""
+        hf_config = getattr(self.model, "hf_config", None)
+        return self.model.config if hf_config is None else hf_config
 
     @property
     def device(self) -> torch.device:
@@ -327,6 +333,37 @@ def clip_sharded_grad_norm(
 
 # --------------------------------------------------------------------------------------------
 # Helpers
+
+
+def _titan_build(config: Any, device: torch.device, dtype: torch.dtype, seed: int) -> nn.Module:
+    from psyche.modeling import torchtitan
+
+    try:
+        return torchtitan.build(config, device, dtype, seed)
+    except torchtitan.TorchtitanError as e:
+        raise ModelLoadError(str(e)) from e
+
+
+def _titan_load(model: nn.Module, directory: Path) -> None:
+    """Copy a Hugging Face checkpoint's tensors into a Torchtitan model (torchtitan's adapter
+    renames them); every parameter must be present, as for the other architectures."""
+    from safetensors.torch import load_file
+
+    from psyche.modeling import torchtitan
+
+    hf_state: dict[str, torch.Tensor] = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        hf_state.update(load_file(path))
+    state = torchtitan.from_hf(model, hf_state)
+    own = model.state_dict()
+    missing = sorted(set(own) - set(state))
+    if missing:
+        raise ModelLoadError(
+            f"checkpoint {directory} lacks {len(missing)} parameters, e.g. {missing[:3]}"
+        )
+    with torch.no_grad():
+        for name, tensor in own.items():
+            tensor.copy_(state[name])
 
 
 def _as_config(config: Any) -> Any:

@@ -120,19 +120,28 @@ class ParallelDims:
             )
 
     def check_model(self, config: Any) -> None:
-        """Tensor parallelism shards the attention heads and the MLP's inner dimension (upstream
-        column/row-parallel Llama layers): each must divide by `tp`; and only Llama-family
-        models have a tensor-parallel plan."""
+        """Tensor parallelism shards the attention heads and the MLPs' inner dimensions
+        (upstream's column/row-parallel Llama and DeepSeek layers): each must divide by `tp`;
+        and only those models have a tensor-parallel plan."""
         if self.tp == 1:
             return
         model_type = getattr(config, "model_type", None)
         if model_type is not None and model_type not in TP_MODEL_TYPES:
             raise ParallelismError(
-                f"tensor parallelism is built for {' and '.join(TP_MODEL_TYPES)} models, not "
+                f"tensor parallelism is built for {', '.join(TP_MODEL_TYPES)} models, not "
                 f"{model_type!r}: use --tensor-parallelism 1 (and --data-parallelism / --fsdp)"
             )
-        for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-            size = getattr(config, name, None)
+        sizes = {
+            name: getattr(config, name, None)
+            for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+        }
+        if model_type in DEEPSEEK_MODEL_TYPES:  # the shared experts are one MLP this wide
+            moe, shared = (
+                getattr(config, n, None) for n in ("moe_intermediate_size", "n_shared_experts")
+            )
+            if isinstance(moe, int) and isinstance(shared, int):
+                sizes["moe_intermediate_size x n_shared_experts"] = moe * shared
+        for name, size in sizes.items():
             if isinstance(size, int) and size % self.tp != 0:
                 raise ParallelismError(
                     f"tensor parallelism {self.tp} does not divide the model's {name} ({size}): "
@@ -232,8 +241,10 @@ class ParallelDims:
             torch.cuda.synchronize(self.device)
 
 
-TP_MODEL_TYPES = ("llama", "seed_oss")
-"""Model types with a tensor-parallel plan (upstream's `hf_transformers.py`)."""
+DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
+TP_MODEL_TYPES = ("llama", "seed_oss", *DEEPSEEK_MODEL_TYPES)
+"""Model types with a tensor-parallel plan (upstream's `hf_transformers.py` for Llama, its native
+DeepSeek's column/row-parallel layers for DeepSeek)."""
 
 
 def parse_devices(spec: str, world_size: int) -> list[torch.device]:
@@ -277,4 +288,10 @@ def parse_devices(spec: str, world_size: int) -> list[torch.device]:
     return [torch.device("cuda", i) for i in indices]
 
 
-__all__ = ["TP_MODEL_TYPES", "ParallelDims", "ParallelismError", "parse_devices"]
+__all__ = [
+    "DEEPSEEK_MODEL_TYPES",
+    "TP_MODEL_TYPES",
+    "ParallelDims",
+    "ParallelismError",
+    "parse_devices",
+]

@@ -87,12 +87,14 @@ def shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 def init_world(
     rank: int,
     world_size: int,
-    init_method: str,
+    init_method: str | None,
     device: torch.device,
     timeout: datetime.timedelta = datetime.timedelta(minutes=30),
+    store: Any = None,
 ) -> None:
-    """Join the client's process group (`init_method`, e.g. `tcp://127.0.0.1:PORT`): NCCL when
-    the ranks are CUDA devices, gloo otherwise; plus the gloo control group."""
+    """Join the client's process group (`init_method`, e.g. `tcp://127.0.0.1:PORT`, or a
+    `torch.distributed.Store` this process serves): NCCL when the ranks are CUDA devices, gloo
+    otherwise; plus the gloo control group."""
     global _CONTROL_GROUP
     import torch.distributed as dist
 
@@ -102,6 +104,7 @@ def init_world(
     dist.init_process_group(
         backend,
         init_method=init_method,
+        store=store,
         rank=rank,
         world_size=world_size,
         timeout=timeout,
@@ -161,17 +164,43 @@ class ShardingOptions:
     activation_checkpointing: bool = False
 
 
-def _tp_plan() -> dict[str, Any]:
+def _mlp_plan(prefix: str) -> dict[str, Any]:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+    return {
+        f"{prefix}.gate_proj": ColwiseParallel(),
+        f"{prefix}.up_proj": ColwiseParallel(),
+        f"{prefix}.down_proj": RowwiseParallel(),
+    }
+
+
+def _tp_plan(layer: Any) -> dict[str, Any]:
+    """The plan of one decoder layer. Llama (upstream's `hf_transformers.py`): q/k/v and
+    gate/up column-parallel, o and down row-parallel. DeepSeek (upstream's native
+    `deepseek.rs`): the heads' projections (`q_proj`, or `q_b_proj` after the low-rank
+    `q_a_proj`, and `kv_b_proj`) column-parallel, `o_proj` row-parallel; the low-rank
+    `q_a_proj`/`kv_a_proj_with_mqa` and their norms replicated (they are small and every head
+    reads them); a dense layer's MLP and an MoE layer's shared experts as Llama's MLP; the
+    router and the routed experts (transformers keeps them as one 3-D tensor per projection)
+    replicated, each rank computing all of them on its replicated input."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    attention = layer.self_attn
+    if hasattr(attention, "kv_b_proj"):
+        query = "q_proj" if getattr(attention, "q_proj", None) is not None else "q_b_proj"
+        plan = {
+            f"self_attn.{query}": ColwiseParallel(),
+            "self_attn.kv_b_proj": ColwiseParallel(),
+            "self_attn.o_proj": RowwiseParallel(),
+        }
+        shared = hasattr(layer.mlp, "shared_experts")
+        return {**plan, **_mlp_plan("mlp.shared_experts" if shared else "mlp")}
     return {
         "self_attn.q_proj": ColwiseParallel(),
         "self_attn.k_proj": ColwiseParallel(),
         "self_attn.v_proj": ColwiseParallel(),
         "self_attn.o_proj": RowwiseParallel(),
-        "mlp.gate_proj": ColwiseParallel(),
-        "mlp.up_proj": ColwiseParallel(),
-        "mlp.down_proj": RowwiseParallel(),
+        **_mlp_plan("mlp"),
     }
 
 
@@ -180,6 +209,11 @@ def parallelize(model: CausalLM, dims: ParallelDims, options: ShardingOptions) -
     as a new `CausalLM` over the same module. Every rank must call it."""
     from psyche.modeling.causal_lm import CausalLM
 
+    if model.architecture == "Torchtitan" and (dims.tp > 1 or dims.fsdp):
+        raise ParallelismError(
+            "Torchtitan models have no tensor-parallel or FSDP layout here yet (torchtitan's "
+            "parallelize functions are not built): use --data-parallelism without --fsdp"
+        )
     dims.check_model(model.config)
     module = model.model
     if options.activation_checkpointing and getattr(
@@ -210,10 +244,38 @@ def _apply_tp(module: Any, tp_mesh: Any) -> None:
 
     if module.config.model_type not in TP_MODEL_TYPES:
         raise ParallelismError(f"no tensor-parallel plan for {module.config.model_type!r}")
-    plan = _tp_plan()
     for layer in module.model.layers:
-        parallelize_module(layer, tp_mesh, plan)
+        parallelize_module(layer, tp_mesh, _tp_plan(layer))
+        latent = getattr(layer.self_attn, "kv_a_proj_with_mqa", None)
+        if latent is not None:
+            width = layer.self_attn.qk_rope_head_dim
+            latent.register_forward_hook(
+                lambda _m, _i, out, width=width: _SumGradTail.apply(out, width, tp_mesh.get_group())
+            )
     parallelize_module(module, tp_mesh, {"lm_head": ColwiseParallel(output_layouts=Replicate())})
+
+
+class _SumGradTail(torch.autograd.Function):
+    """DeepSeek's MLA under TP: `kv_a_proj_with_mqa`'s output is replicated, its head `kv_nope`
+    feeds the column-parallel `kv_b_proj` (whose input gradient DTensor sums over the ranks),
+    but its tail `k_rot` (the rotary key every head shares) is read by this rank's heads only,
+    so its gradient is a partial sum. Identity forward; backward sums the last `width` columns
+    of the gradient over `group` (upstream's `copy_to_model_parallel`, on that part only)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, width: int, group: Any) -> torch.Tensor:
+        ctx.width, ctx.group = width, group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        import torch.distributed as dist
+
+        grad = grad.clone()
+        tail = grad[..., -ctx.width :].contiguous()
+        dist.all_reduce(tail, group=ctx.group)
+        grad[..., -ctx.width :] = tail
+        return grad, None, None
 
 
 def _apply_fsdp(module: Any, dp_mesh: Any, options: ShardingOptions) -> None:

@@ -19,10 +19,18 @@ from psyche.client.setup.options import (
     OptionError,
     TrainOptions,
     add_train_options,
+    parse_positive,
     parse_seconds,
     read_identity_secret_key,
 )
-from psyche.core.cli import EnvOptions, add_verbose_flag, command_parser, run_command
+from psyche.client.setup.ranks import DEFAULT_PORT, SidecarLayout
+from psyche.core.cli import (
+    EnvOptions,
+    add_verbose_flag,
+    command_parser,
+    parse_unsigned,
+    run_command,
+)
 
 PROG = "psyche-client"
 
@@ -60,6 +68,46 @@ def _add_server_options(parser: argparse.ArgumentParser, env: EnvOptions) -> Non
     )
 
 
+def _add_sidecar_options(parser: argparse.ArgumentParser, env: EnvOptions) -> None:
+    add = env.add
+    add(parser, "--main-host", required=True, help="Address of the client's host (its --main-host)")
+    add(
+        parser,
+        "--port",
+        parse=parse_unsigned(16),
+        default=DEFAULT_PORT,
+        help="Port of the client's rank store (its --sidecar-port)",
+    )
+    add(
+        parser,
+        "--world-size",
+        parse=parse_positive,
+        required=True,
+        help="All of the client's ranks (its --data-parallelism x --tensor-parallelism)",
+    )
+    add(
+        parser,
+        "--start-rank",
+        parse=parse_unsigned(32),
+        required=True,
+        help="The first rank this host runs",
+    )
+    add(
+        parser,
+        "--num-local-ranks",
+        parse=parse_positive,
+        default=1,
+        help="How many ranks this host runs (one device each)",
+    )
+    add(parser, "--device", default="auto", help="auto, cpu, cuda or cuda:N,M,... (one per rank)")
+    add(
+        parser,
+        "--cpu-threads",
+        parse=parse_positive,
+        help="CPU threads torch uses on this host, split among its ranks",
+    )
+
+
 def build_parser() -> tuple[argparse.ArgumentParser, EnvOptions]:
     parser, commands = command_parser(PROG, DESCRIPTION)
     show = commands.add_parser(
@@ -84,6 +132,17 @@ def build_parser() -> tuple[argparse.ArgumentParser, EnvOptions]:
     env = EnvOptions()
     add_train_options(train, env)
     _add_server_options(train, env)
+    sidecar = commands.add_parser(
+        "sidecar",
+        help="Runs ranks of a client whose rank 0 runs on another host (--main-host)",
+        description="Join the ranks of the client started with `train --main-host ADDR` on "
+        "another host: run ranks --start-rank .. --start-rank + --num-local-ranks - 1 of its "
+        "--world-size until that client closes them (exit 0), or one of them or the client "
+        "dies (exit 1). Upstream's psyche-sidecar python.",
+    )
+    sidecar_env = EnvOptions()
+    _add_sidecar_options(sidecar, sidecar_env)
+    sidecar.set_defaults(sidecar_env=sidecar_env)
     add_verbose_flag(parser)
     return parser, env
 
@@ -99,6 +158,26 @@ def show_identity(path: Path | None) -> int:
     return 0
 
 
+def sidecar(args: argparse.Namespace) -> int:
+    layout = SidecarLayout(
+        main_host=args.main_host,
+        port=args.port,
+        world_size=args.world_size,
+        start_rank=args.start_rank,
+        num_local_ranks=args.num_local_ranks,
+        device=args.device,
+        cpu_threads=args.cpu_threads,
+    )
+    problems = layout.problems()
+    if problems:
+        raise OptionError("; ".join(problems))
+    from psyche.client.observe.logs import setup_logging
+    from psyche.client.setup.sidecar import run_sidecar
+
+    setup_logging("console")
+    return run_sidecar(layout)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """The `psyche-client` command (exit codes and signals: `psyche.core.cli`)."""
     return run_command(PROG, _main, argv)
@@ -109,6 +188,9 @@ def _main(argv: Sequence[str] | None) -> int:
     args = parser.parse_args(argv)
     if args.command == "show-identity":
         return show_identity(args.identity_secret_key_path)
+    if args.command == "sidecar":
+        args.sidecar_env.resolve(parser, args)
+        return sidecar(args)
     env.resolve(parser, args)
     options = TrainOptions.from_args(args).check()
     from psyche.cli.client.train import train

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from psyche.client.checkpoints.keep_policy import KeepPolicy, KeepPolicyError, parse_keep_every
 from psyche.client.observe.evals import EvalOptions
-from psyche.client.setup.ranks import RankLayout
+from psyche.client.setup.ranks import DEFAULT_PORT, RankLayout
 from psyche.core.cli import EnvOptions, UsageError, parse_bool, parse_unsigned
 
 if TYPE_CHECKING:
@@ -315,12 +315,19 @@ class TrainOptions:
     torch's, every core; ranks on the CPU split the cores). Set it when several clients share a
     machine: psyche-local-testnet gives each cores / clients"""
 
-    sidecar_port: int | None = option(
-        None,
-        parse=parse_unsigned(16),
-        not_built="Python sidecars (multi-process parallelism) are not built",
-    )
-    """Python sidecar port (not built; refused when set)"""
+    main_host: str | None = option(None)
+    """Spread this client's ranks over several hosts: the address (of this host) where they
+    meet, on a TCP store this client serves at --sidecar-port; the other hosts' ranks join with
+    `psyche-client sidecar --main-host ADDR --world-size N --start-rank R` (see docs/client.md,
+    Parallelism). The store and the ranks' traffic are unauthenticated, as upstream's: use an
+    address only the client's hosts reach"""
+
+    sidecar_port: int | None = option(None, parse=parse_unsigned(16))
+    """With --main-host, the port of the ranks' TCP store (default 34567)"""
+
+    num_local_ranks: int | None = option(None, parse=parse_positive)
+    """With --main-host, the ranks on this host (ranks 0..N-1; default all of them); the
+    others join from other hosts"""
 
     delete_old_steps: bool = option(True, parse=parse_bool, optional_value=True)
     """Delete checkpoint directories older than the newest --keep-steps"""
@@ -358,6 +365,9 @@ class TrainOptions:
             param_dtype=self.param_dtype,
             reduce_dtype=self.reduce_dtype,
             activation_checkpointing=bool(self.activation_checkpointing),
+            main_host=self.main_host,
+            port=DEFAULT_PORT if self.sidecar_port is None else self.sidecar_port,
+            local_ranks=self.num_local_ranks,
         )
 
     @property
@@ -415,10 +425,10 @@ class TrainOptions:
             problems.append(f"--iroh-discovery {self.iroh_discovery}: expected n0 or local")
         ranks = self.ranks
         problems.extend(ranks.problems())
-        if ranks.world_size > 1 and self.evals.enabled:
+        if not ranks.whole_on_rank_0 and self.evals.enabled:
             problems.append(
-                "evaluations (--eval-tasks, --prompt-task) run on one rank: they are not built "
-                "for a client of several ranks"
+                "evaluations (--eval-tasks, --prompt-task) run on rank 0's whole model: with "
+                "--tensor-parallelism or --fsdp rank 0 holds only part of it (not built)"
             )
         problems.extend(tracker_problems(self.trackers, self.run_id))
         problems.extend(self.evals.problems())

@@ -15,6 +15,10 @@ workers (`WorkerGroup.watch`): a worker that exits takes the whole client down w
 (`WorkerDied`), as any departed client is then treated by the run. `close` tells the workers to
 exit, waits a bounded time and terminates whatever is left: no orphan processes.
 
+With `--main-host` the ranks meet on a TCP store the leader serves instead, and ranks on other
+hosts join it from a `psyche-client sidecar` each (`hosts`, `sidecar`); the leader notices
+their deaths through the store's heartbeats as it notices its children's.
+
 The group takes its settings as a `ranks.RankLayout` and builds trainers with a
 `TrainerSettings`. It imports nothing heavy at import time (`run_client` builds the group before
 the client reaches its coordinator, while torch loads in a worker thread): torch, the modeling
@@ -35,6 +39,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from psyche.client.background import in_abandoned_thread
 from psyche.client.setup.cpu_threads import set_cpu_threads
+from psyche.client.setup.hosts import (
+    CONNECT_TRY_SECS,
+    JOIN_TIMEOUT,
+    Heartbeats,
+    connect_store,
+    open_store,
+    use_interface_towards,
+    wait_for_remote,
+)
 from psyche.client.setup.ranks import RankLayout
 
 if TYPE_CHECKING:
@@ -80,6 +93,7 @@ class WorkerGroup:
         self.processes: list[BaseProcess] = []
         self.dims: ParallelDims | None = None
         self._dir: str | None = None
+        self._beats: Heartbeats | None = None
         self._closed = threading.Event()
 
     # -- start ---------------------------------------------------------------------------------
@@ -93,16 +107,26 @@ class WorkerGroup:
         from psyche.modeling.sharding import build_mesh, init_world
 
         layout = self.layout
-        devices = parse_devices(layout.device, layout.world_size)
-        set_cpu_threads(layout.cpu_threads, devices[0], layout.world_size)
+        devices = parse_devices(layout.device, layout.ranks_here)
+        set_cpu_threads(layout.cpu_threads, devices[0], layout.ranks_here)
         if layout.world_size == 1:
             self.dims = ParallelDims(devices[0])
             return
-        self._dir = tempfile.mkdtemp(prefix="psyche-ranks-")
-        init_method = "file://" + os.path.join(self._dir, "rendezvous")
+        store = None
+        if layout.main_host is None:
+            self._dir = tempfile.mkdtemp(prefix="psyche-ranks-")
+            init_method = "file://" + os.path.join(self._dir, "rendezvous")
+        else:
+            use_interface_towards(layout.main_host, layout.port)
+            store = open_store(layout)
+            init_method = f"tcp://{layout.main_host}:{layout.port}"
+            # its own connection: a collective's rendezvous holds the group's while it waits
+            own = connect_store(layout.main_host, layout.port, CONNECT_TRY_SECS)
+            self._beats = Heartbeats(own, own=[0], watched=layout.remote_ranks)
+            self._beats.start()
         context = multiprocessing.get_context("spawn")
         readers = []
-        for rank in range(1, layout.world_size):
+        for rank in range(1, layout.ranks_here):
             reader, writer = context.Pipe(duplex=False)
             process = context.Process(
                 target=_worker_main,
@@ -124,7 +148,17 @@ class WorkerGroup:
             ", ".join(str(d) for d in devices),
         )
         self._wait_ready(readers)
-        init_world(0, layout.world_size, init_method, devices[0])
+        if self._beats is not None:
+            wait_for_remote(self._beats, layout, JOIN_TIMEOUT.total_seconds())
+        if store is None:
+            init_world(0, layout.world_size, init_method, devices[0])
+        else:
+            from torch.distributed import PrefixStore
+
+            # the prefix torch gives a `tcp://` rendezvous's store, as the other ranks use
+            init_world(
+                0, layout.world_size, None, devices[0], store=PrefixStore("default_pg", store)
+            )
         dims = ParallelDims(devices[0], layout.dp, layout.tp, layout.fsdp, rank=0)
         self.dims = _with_mesh(dims, build_mesh)
 
@@ -191,16 +225,25 @@ class WorkerGroup:
     # -- lifetimes -----------------------------------------------------------------------------
 
     def wait_for_a_death(self) -> tuple[int, int | None] | None:
-        """Block until a worker exits (its rank and exit code), or the group closes (None)."""
+        """Block until a rank exits (its rank and exit code; None for a rank of another host
+        gone silent), or the group closes (None)."""
         from multiprocessing.connection import wait
 
+        beats = self._beats
         while not self._closed.is_set():
             alive = [p for p in self.processes if p.exitcode is None]
             dead = [p for p in self.processes if p.exitcode is not None]
             if dead:
                 process = dead[0]
                 return self.processes.index(process) + 1, process.exitcode
-            if not alive:
+            if beats is not None:
+                try:
+                    remote = beats.died() or _silent(beats)
+                except Exception:  # the store is this process's: it fails only as we close
+                    remote = None
+                if remote is not None:
+                    return remote
+            elif not alive:
                 return None
             wait([p.sentinel for p in alive], timeout=1.0)
         return None
@@ -209,16 +252,18 @@ class WorkerGroup:
         """Return never while the workers live; raise `WorkerDied` when one exits."""
         import trio
 
-        if not self.processes:
+        if not self.processes and self._beats is None:
             await trio.sleep_forever()
         death = await in_abandoned_thread(self.wait_for_a_death)
         if death is None:
             await trio.sleep_forever()
         assert death is not None
         rank, code = death
+        where = " (on another host)" if rank in self.layout.remote_ranks else ""
+        what = "went silent" if code is None else f"exited (code {code})"
         raise WorkerDied(
-            f"rank {rank} of this client's {self.layout.world_size} ranks exited "
-            f"(code {code}): the client stops with it"
+            f"rank {rank} of this client's {self.layout.world_size} ranks{where} {what}: "
+            "the client stops with it"
         )
 
     def close(self, timeout: float = CLOSE_TIMEOUT) -> None:
@@ -227,10 +272,12 @@ class WorkerGroup:
         if self._closed.is_set():
             return
         self._closed.set()
+        if self._beats is not None:
+            self._beats.stop()
         if self.processes:
             from psyche.modeling.distributed import EXIT, send_command
 
-            if all(p.exitcode is None for p in self.processes):
+            if all(p.exitcode is None for p in self.processes) and not self._remote_died():
                 sender = threading.Thread(target=_quietly, args=(send_command, EXIT), daemon=True)
                 sender.start()
                 sender.join(timeout / 2)
@@ -245,7 +292,7 @@ class WorkerGroup:
                 if process.exitcode is None:
                     process.kill()
                     process.join(2.0)
-            if all(p.exitcode == 0 for p in self.processes):
+            if all(p.exitcode == 0 for p in self.processes) and not self._remote_died():
                 from psyche.modeling.sharding import close_world
 
                 _quietly(close_world)
@@ -257,6 +304,14 @@ class WorkerGroup:
                 skip_finalization()
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
+
+    def _remote_died(self) -> bool:
+        if self._beats is None:
+            return False
+        try:
+            return self._beats.died() is not None or self._beats.silent() is not None
+        except Exception:
+            return True
 
 
 @dataclass(frozen=True)
@@ -309,6 +364,11 @@ def _build_rank(
         raise InitRunError(str(e)) from e
 
 
+def _silent(beats: Heartbeats) -> tuple[int, None] | None:
+    rank = beats.silent()
+    return None if rank is None else (rank, None)
+
+
 def _with_mesh(dims: ParallelDims, build_mesh: Any) -> ParallelDims:
     from dataclasses import replace
 
@@ -353,7 +413,7 @@ def _worker_main(
     from psyche.modeling.trainer import Trainer
 
     device = torch.device(device_name)
-    set_cpu_threads(layout.cpu_threads, device, layout.world_size)
+    set_cpu_threads(layout.cpu_threads, device, layout.ranks_here)
     ready.send(rank)
     ready.close()
     init_world(rank, layout.world_size, init_method, device)

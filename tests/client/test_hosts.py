@@ -1,0 +1,175 @@
+"""A client across hosts (`--main-host`; `psyche.client.setup.hosts`, `sidecar`), in two network
+namespaces the test builds (`tests/netns.py`: two hosts on one private segment, 198.18.0.0/15,
+no route out, deleted after):
+
+* host A runs the client's rank 0 (tests/client/workers_leader.py `hosts`: DP=2, one local
+  rank, the ranks' TCP store at A's address); host B runs `psyche-client sidecar --main-host A
+  --world-size 2 --start-rank 1`, whose rank joins over gloo between the namespaces;
+* the client trains and applies a step: its payload bytes and its parameters are those of a
+  one-rank client, bit for bit (DP=2 trains each half of the batch as one of the one-rank
+  client's micro-batches; 2 x 2 ranks would sum four gradients in another order, as on one host);
+* the rank on host B is SIGKILLed mid-training: the client stops with one line within a bounded
+  time (its sidecar reports the death through the store), the sidecar exits 1, no process is
+  left in either namespace;
+* a client killed on host A takes host B's sidecar and rank with it;
+* a frozen host B (SIGSTOP: nothing exits, no socket closes) is noticed by its silent heartbeat.
+
+Needs root with `ip` and `nft` (`.ci/run` installs them); skips with the reason elsewhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from .. import netns
+from .test_workers import LEADER, Leader, pid_alive, wait_until
+
+pytestmark = [pytest.mark.slow]
+
+WHY_NOT = netns.unavailable()
+
+
+class NamespacedLeader(Leader):
+    """workers_leader.py `hosts` inside host A's namespace."""
+
+    def __init__(self, net: netns.Topology, host: netns.Host, model_dir: Path, log: Path) -> None:
+        self.log = log
+        self.out = open(log, "wb")  # noqa: SIM115 (closed in stop)
+        argv = [sys.executable, str(LEADER), "hosts", str(model_dir), host.ip]
+        self.proc = subprocess.Popen(
+            net.exec(host, argv),
+            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"},
+            stdout=self.out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def start_sidecar(
+    net: netns.Topology, host: netns.Host, main: netns.Host, log: Path
+) -> subprocess.Popen[bytes]:
+    argv = [
+        sys.executable, "-m", "psyche.cli.client", "sidecar", "--main-host", main.ip,
+        "--world-size", "2", "--start-rank", "1", "--device", "cpu", "--cpu-threads", "1",
+    ]  # fmt: skip
+    return subprocess.Popen(
+        net.exec(host, argv),
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"},
+        stdout=open(log, "wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def namespace_pids(host: netns.Host) -> list[int]:
+    listed = netns.run("ip", "netns", "pids", host.ns, check=False).stdout.split()
+    return [int(p) for p in listed if pid_alive(int(p))]
+
+
+@dataclass
+class Client:
+    """The client across the test's two hosts: rank 0 on A, the sidecar (rank 1) on B."""
+
+    a: netns.Host
+    b: netns.Host
+    leader: NamespacedLeader
+    sidecar: subprocess.Popen[bytes]
+    sidecar_log: Path
+
+
+@pytest.fixture
+def client(model_dir: Path, tmp_path: Path) -> Iterator[Client]:
+    """Started in two fresh namespaces; whatever is left is killed, and the namespaces
+    deleted, at the end."""
+    if WHY_NOT is not None:
+        pytest.skip(WHY_NOT)
+    with netns.nat_topology(nat_hosts=0, public_hosts=2) as net:
+        a, b = net.public
+        log = tmp_path / "sidecar.log"
+        sidecar = start_sidecar(net, b, a, log)  # first: it waits for the client's store
+        leader = NamespacedLeader(net, a, model_dir, tmp_path / "leader.log")
+        try:
+            yield Client(a, b, leader, sidecar, log)
+        finally:
+            for pid in namespace_pids(b):  # a frozen host's processes too
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            leader.stop()
+            if sidecar.poll() is None:
+                os.killpg(sidecar.pid, signal.SIGKILL)
+            sidecar.wait()
+
+
+def test_a_client_across_two_hosts_trains_as_one_rank_and_stops_with_a_dead_remote_rank(
+    client: Client,
+) -> None:
+    leader, sidecar, log = client.leader, client.sidecar, client.sidecar_log
+    assert leader.line("PAYLOAD_EQUAL") == ["True"], leader.tail()
+    assert leader.line("PARAMS_EQUAL") == ["True"], leader.tail()
+    assert leader.line("EVAL_EQUAL") == ["True"], leader.tail()
+    leader.line("TRAINING")
+    [rank] = map(int, re.findall(r"rank\(s\) 1 \(pid (\d+)\)", log.read_text()))
+    time.sleep(1.0)
+    os.kill(rank, signal.SIGKILL)
+    stopped = leader.line("STOPPED", timeout=60.0)
+    assert set(stopped) <= {"WorkerDied", "RuntimeError", "DistBackendError"}, stopped
+    assert leader.proc.wait(timeout=60.0) == 3, leader.tail()
+    assert sidecar.wait(timeout=60.0) == 1, log.read_text()
+    assert "rank 1 exited (code -9)" in log.read_text()
+    wait_until(
+        lambda: not namespace_pids(client.a) and not namespace_pids(client.b), "no process left"
+    )
+
+
+def test_a_killed_client_takes_the_other_hosts_ranks_with_it(client: Client) -> None:
+    client.leader.line("TRAINING")
+    os.killpg(client.leader.proc.pid, signal.SIGKILL)
+    client.leader.proc.wait()
+    assert client.sidecar.wait(timeout=60.0) == 1, client.sidecar_log.read_text()
+    wait_until(lambda: not namespace_pids(client.b), "host B's rank to exit", 30.0)
+
+
+def test_a_frozen_host_is_noticed_by_its_silence(client: Client) -> None:
+    """Host B stops answering (its sidecar and rank SIGSTOPped: no exit, no closed socket):
+    the client notices the heartbeat that stopped and stops with one line."""
+    client.leader.line("TRAINING")
+    for pid in namespace_pids(client.b):
+        os.kill(pid, signal.SIGSTOP)
+    stopped = client.leader.line("STOPPED", timeout=90.0)
+    assert "WorkerDied" in stopped, client.leader.tail()
+    assert client.leader.proc.wait(timeout=60.0) == 3, client.leader.tail()
+
+
+def test_a_sidecar_for_another_world_size_says_so_in_one_line() -> None:
+    """On loopback (no namespaces): a client's store with its layout (DP=2), and a sidecar
+    started with --world-size 3: one line naming both, exit 1, before any rank starts."""
+    import socket
+
+    from psyche.client.setup.hosts import open_store
+    from psyche.client.setup.ranks import RankLayout
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    store = open_store(RankLayout(dp=2, main_host="127.0.0.1", port=port))
+    argv = [
+        sys.executable, "-m", "psyche.cli.client", "sidecar", "--main-host", "127.0.0.1",
+        "--port", str(port), "--world-size", "3", "--start-rank", "1", "--device", "cpu",
+    ]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        "psyche-client: error: --world-size 3, but the client at 127.0.0.1 has 2 x 1 = 2 ranks"
+    )
+    del store
