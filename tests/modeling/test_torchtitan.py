@@ -66,7 +66,8 @@ def test_two_torchtitan_clients_apply_bit_identical_results(
     grouped experts, shared experts and a router)."""
     a, b = torchtitan_trainer(model_type), torchtitan_trainer(model_type)
     variables = [n for n, _ in a.model.variables()]
-    assert set(names) <= set(variables) and variables == sorted(variables)
+    assert set(names) <= set(variables)
+    assert variables == sorted(variables)
     kwargs = dict(warmup_lr_between=None, zero_optim=False, prev_self_distro_results=[])
     losses = []
     for step in (1, 2, 3):
@@ -98,7 +99,8 @@ def test_a_torchtitan_model_loads_and_writes_hugging_face_checkpoints(tmp_path: 
         hf_logits, hf_loss = hf.forward(tokens, labels=tokens)
         titan_logits, titan_loss = titan.forward(tokens, labels=tokens)
     torch.testing.assert_close(titan_logits, hf_logits, rtol=1e-5, atol=1e-5)
-    assert titan_loss is not None and hf_loss is not None
+    assert titan_loss is not None
+    assert hf_loss is not None
     assert float(titan_loss) == pytest.approx(float(hf_loss), rel=1e-5)
     back = torchtitan.to_hf(titan.model, titan.extract())
     expected = hf.extract()

@@ -249,7 +249,7 @@ def build(config: Any, device: torch.device, dtype: torch.dtype, seed: int) -> n
     `model.hf_config` is the Hugging Face config, `model.titan_config` torchtitan's."""
     titan_config = model_config(config)
     torch.manual_seed(seed)
-    model = titan_config.build()
+    model = titan_config.build()  # torchtitan's module: its own methods (init_states) below
     model.init_states()
     model.__class__ = _lm_class(type(model))
     model.titan_config = titan_config
@@ -258,7 +258,8 @@ def build(config: Any, device: torch.device, dtype: torch.dtype, seed: int) -> n
     with torch.no_grad():  # parameters only: the RoPE table is a complex buffer
         for p in model.parameters():
             p.data = p.data.to(dtype)
-    return model
+    built: torch.nn.Module = model
+    return built
 
 
 def _adapter(model: nn.Module) -> Any:
