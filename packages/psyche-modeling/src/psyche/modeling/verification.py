@@ -137,11 +137,12 @@ class VerificationVerdict:
 
 @dataclass(frozen=True)
 class Recomputed:
-    """A batch's update as the verifier recomputed it, in two parts: the batch's first rows
-    (whole micro-batches, about half) and the rest, each one float32 tensor per parameter
-    (whole tensors, in DisTrO's variable order). DisTrO: `lr x` the mean gradient of the
-    part's rows; DiLoCo: the pseudo-gradient of the round's inner steps on the part's rows,
-    from the round's weights and a fresh inner AdamW. A batch of one row has one part."""
+    """A batch's update as the verifier recomputed it, one float32 tensor per parameter (whole
+    tensors, in DisTrO's variable order) for each part of the batch. DisTrO: two parts, the
+    batch's first rows (whole micro-batches, about half; `split_rows`) and the rest, each `lr x`
+    the mean gradient of its rows (a batch of one row: one part); DiLoCo: one part, the
+    pseudo-gradient of the round's inner steps on the whole batch from the round's weights and
+    a fresh inner AdamW."""
 
     parts: list[list[torch.Tensor]]
     rows: list[int]
@@ -183,7 +184,9 @@ def recompute(
     untouched). Every rank of a several-rank verifier calls it (collectives inside)."""
     lr = trainer.get_lr(step, warmup_lr_between)
     params = [p for _, p in _optimizer(trainer).variables]
-    parts, sizes, losses = [], split_rows(len(batch), trainer.micro_batch_size), []
+    # DiLoCo: one part (no balance check: see DILOCO_VERIFICATION), the trainer's own rounds
+    sizes = split_rows(len(batch), trainer.micro_batch_size) if trainer.distro else [len(batch)]
+    parts, losses = [], []
     start = 0
     for size in sizes:
         part = rows(batch, start, start + size)
