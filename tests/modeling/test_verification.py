@@ -18,6 +18,10 @@ from psyche.modeling.diloco.codec import decode
 from psyche.modeling.hostile import Attack, DilocoFormat, HostileMember, payload_format
 from psyche.modeling.trainer import Batch, Trainer
 from psyche.modeling.verification import (
+    Evidence,
+    Measures,
+    VerificationSettings,
+    VerificationVerdict,
     recompute,
     split_rows,
     verification_settings,
@@ -78,7 +82,9 @@ def test_two_verifiers_recompute_the_same_bits_and_leave_their_trainer_alone(for
     before = state(trainer)
     a = recompute(trainer, batch(2, 1), step=2)
     b = recompute(other, batch(2, 1), step=2)
-    assert a.rows == b.rows == split_rows(ROWS, trainer.micro_batch_size) == [2, 2]
+    # DisTrO: two parts (its balance check); DiLoCo: the trainer's round on the whole batch
+    parts = split_rows(ROWS, trainer.micro_batch_size) if form == "distro" else [ROWS]
+    assert a.rows == b.rows == parts == ([2, 2] if form == "distro" else [4])
     for x, y in zip(a.parts, b.parts):
         assert same_bits(x, y)
     assert any(bool(t.abs().sum() > 0) for t in a.update)
@@ -207,3 +213,20 @@ def test_the_bias_attack_moves_the_update_one_percent_of_its_norm_along_its_dire
             moved.append(float(((decoded[1] - decoded[0]).float() * d).sum()) / size)
     assert statistics.median(moved) >= 0.0099
     assert max(moved) < 0.2
+
+
+def test_evidence_refuses_a_trainer_whose_window_of_agreements_is_too_low() -> None:
+    settings = VerificationSettings(min_agreement=-6.0, min_window_agreement=5.0, window_rounds=3)
+
+    def verdict(t: float) -> VerificationVerdict:
+        return VerificationVerdict(True, t, -6.0, None, "", Measures(t, None, 0.0, None))
+
+    low, recovering = Evidence(settings), Evidence(settings)
+    # each round alone passes; three rounds of t = 2 sum to 2 x sqrt(3) = 3.46 < 5
+    assert [low.add(verdict(2.0)).matches for _ in range(3)] == [True, True, False]
+    refused = low.add(verdict(2.0))
+    assert refused.check == "window" and refused.score < refused.threshold == 5.0
+    # (-1 + 3 + 3) / sqrt(3) = 2.9 is refused; once the low round leaves the window,
+    # 3 x 3 / sqrt(3) = 5.2 passes
+    ts = (-1.0, 3.0, 3.0, 3.0)
+    assert [recovering.add(verdict(t)).matches for t in ts] == [True, True, False, True]

@@ -75,6 +75,20 @@ class DistroSettings:
             clip_grad_norm=d.clip_grad_norm,
         )
 
+    def definition(self) -> definitions.Distro:
+        """The run config's `Distro` optimizer with these settings (`from_definition`'s
+        inverse)."""
+        from psyche.core import definitions
+
+        return definitions.Distro(
+            clip_grad_norm=self.clip_grad_norm,
+            weight_decay=self.weight_decay,
+            compression_decay=self.compression_decay,
+            compression_topk=self.compression_topk,
+            compression_chunk=self.compression_chunk,
+            quantize_1bit=self.quantize_1bit,
+        )
+
     def build(self, model: nn.Module | Sequence[tuple[str, torch.Tensor]]) -> Distro:
         return Distro(
             model,

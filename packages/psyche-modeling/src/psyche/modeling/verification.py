@@ -20,35 +20,44 @@ What a verifier passes (`verify_result`):
 What is exact, what is statistical:
 
 * **Exact: the recompute** (`recompute`). The round's own contribution to the trainer's
-  update is a pure function of the weights, the batch and the run's settings, and the
-  verifier computes it with the trainer's own code (`Trainer.accumulate_gradients`,
-  `Trainer.inner_steps`): DisTrO's `lr x` clipped gradient of the batch; DiLoCo's
-  pseudo-gradient of the round's inner steps from a fresh inner AdamW. Two verifiers with the
-  same device kind and dtype get the same bits (tested), and so does a verifier whose data or
-  fully-sharded parallelism differs on the CPU (the ranks' gradients are reduced exactly as
-  one rank's: tests/modeling/test_parallel_ranks.py).
-* **Statistical: the comparison.** A trainer's payload is not a function of that alone.
-  DisTrO sends the top-k DCT coefficients (1-bit signs) of its momentum, `decay x (momentum -
-  what it sent last round) + lr x gradient`, whose residual is the trainer's own history, and
-  its gradient was taken at the weights minus its own lookahead (`sign(momentum) x prev_lr`);
-  DiLoCo's payload carries the trainer's error-feedback residual, its inner AdamW state from
-  earlier rounds and its lookahead. None of these is published, so no verifier can rebuild the
-  payload's bits. What it can test is whether the payload carries this batch's own gradient:
-  the self-normalized agreement `t` (`screening.agreement`, the witness's statistic) of the
-  payload's values, at the payload's own positions (DCT coefficients for DisTrO and sparse
-  DiLoCo), with the difference of the recomputed updates of the batch and of a decoy batch of
-  the same round. What all batches' gradients share cancels in that difference (a result
-  trained on other data carries it too: its plain agreement with the batch's gradient is half
-  an honest one's), so a result that does not carry this batch (other data, random or flipped
-  signs, a fixed direction) has `t` about N(0, 4^2) or below; an honest one is well above.
-  DiLoCo's dense forms add a norm check (within `max_norm_ratio` of the recompute's) and the
-  cosine of the two updates (printed, and what `score` is for DiLoCo), which is much tighter
-  than DisTrO's (the pseudo-gradient is mostly this round's; docs/reliability.md, "Verifiers").
+  update is a pure function of the weights, the rows and the run's settings, and the verifier
+  computes it with the trainer's own code (`Trainer.accumulate_gradients`,
+  `Trainer.inner_steps`): DisTrO's `lr x` gradient of each half of the batch; DiLoCo's
+  pseudo-gradient of the round's inner steps on the batch from a fresh inner AdamW. Two
+  verifiers with the same device kind and dtype get the same bits (tested), and so does a
+  verifier whose data or fully-sharded parallelism differs, on the CPU (the ranks' gradients
+  are reduced exactly as one rank's: tests/modeling/test_parallel_ranks.py). Another intra-op
+  thread count may change the last bits; the comparison does not notice.
+* **Statistical: the comparison** (`compare`). A trainer's payload is not a function of that
+  alone. DisTrO sends the top-k DCT coefficients (1-bit signs) of its momentum, `decay x
+  (momentum - what it sent last round) + lr x gradient`, whose residual is the trainer's own
+  history, and its gradient was taken at the weights minus its own lookahead
+  (`sign(momentum) x prev_lr`); DiLoCo's payload carries the trainer's inner AdamW state from
+  earlier rounds, its lookahead and (int8, sparse) its error-feedback residual. None of these
+  is published, so no verifier can rebuild the payload's bits (a DiLoCo trainer's first round
+  it does: cosine 1.00). What it tests is whether the payload carries this batch's own
+  gradient, with the witness's statistic (`screening.agreement`): the self-normalized
+  agreement `t` of the payload's values, at the payload's own positions (DCT coefficients for
+  DisTrO and sparse DiLoCo), with
+  - *agreement*: the difference of the recomputed updates of the batch and of a decoy batch
+    of the same round. What all batches' gradients share cancels (a result trained on other
+    data carries it too: its plain agreement with the batch's gradient is half an honest
+    one's), so a result that does not carry this batch (other data, random or flipped signs,
+    a fixed direction, a replay) has `t` about N(0, 4^2) or below; an honest one is well
+    above;
+  - *balance* (DisTrO): the difference of the batch's two halves' updates. An honest result
+    carries both alike; one trained on one half carries one (the whole batch's agreement does
+    not show it: a half's gradient is the whole's direction, noisier).
+  DiLoCo adds a *norm* check (within `max_norm_ratio` of the recompute's) and *zero*. The
+  thresholds (`DISTRO_VERIFICATION`, `DILOCO_VERIFICATION`, `DILOCO_SPARSE_VERIFICATION`) were
+  calibrated on honest recomputations (docs/reliability.md, "Verifiers").
 
-Evidence over rounds (`Evidence`): a verifier keeps one per trainer and adds every verdict; the
-sum of the `t`s over `n` rounds divided by `sqrt(n)` is compared with `min_window_agreement`,
-so a persistent small lie that no single round shows is caught when it repeats (see the figures
-in docs/reliability.md for what is and is not caught).
+Evidence over rounds (`Evidence`): a verifier may keep one per trainer and add every verdict;
+the sum of the trainer's last `window_rounds` `t`s over `sqrt(n)` is compared with
+`min_window_agreement`. It is off in every shipped setting: the lie it would be for (a bias of
+1 % of the update's norm in a fixed direction) moves an honest result's `t` less than honest
+results vary, and an honest trainer's own momentum is itself a persistent direction
+(docs/reliability.md has the measured detection rates).
 """
 
 from __future__ import annotations
@@ -91,8 +100,9 @@ class VerificationSettings:
 
 DISTRO_VERIFICATION = VerificationSettings(min_agreement=10.0, max_balance=15.0)
 """DisTrO 1-bit (tiny run, c16 k4, 4 rows a trainer; docs/reliability.md, "Verifiers"): an honest
-result's agreement is 16 to 30 over the first 125 rounds, one trained on other data's about
-N(0, 4^2); the balance of an honest one about N(0, 3.6^2), of a half batch's 20 to 28."""
+result's agreement is 16 to 30 in the first 25 rounds (none below 10 in 500 verifications over
+125), one trained on other data's about N(0, 4^2); the balance of an honest one is about
+N(0, 3.6^2), of a half batch's 20 to 28."""
 DILOCO_VERIFICATION = VerificationSettings(min_agreement=20.0, max_norm_ratio=64.0)
 """DiLoCo's dense forms: an honest pseudo-gradient's agreement is 40 to 200, another batch's
 below 10. No balance check: the inner AdamW weighs a round's first rows more than its last, so
@@ -137,11 +147,12 @@ class VerificationVerdict:
 
 @dataclass(frozen=True)
 class Recomputed:
-    """A batch's update as the verifier recomputed it, in two parts: the batch's first rows
-    (whole micro-batches, about half) and the rest, each one float32 tensor per parameter
-    (whole tensors, in DisTrO's variable order). DisTrO: `lr x` the mean gradient of the
-    part's rows; DiLoCo: the pseudo-gradient of the round's inner steps on the part's rows,
-    from the round's weights and a fresh inner AdamW. A batch of one row has one part."""
+    """A batch's update as the verifier recomputed it, one float32 tensor per parameter (whole
+    tensors, in DisTrO's variable order) for each part of the batch. DisTrO: two parts, the
+    batch's first rows (whole micro-batches, about half; `split_rows`) and the rest, each `lr x`
+    the mean gradient of its rows (a batch of one row: one part); DiLoCo: one part, the
+    pseudo-gradient of the round's inner steps on the whole batch from the round's weights and
+    a fresh inner AdamW."""
 
     parts: list[list[torch.Tensor]]
     rows: list[int]
@@ -183,7 +194,9 @@ def recompute(
     untouched). Every rank of a several-rank verifier calls it (collectives inside)."""
     lr = trainer.get_lr(step, warmup_lr_between)
     params = [p for _, p in _optimizer(trainer).variables]
-    parts, sizes, losses = [], split_rows(len(batch), trainer.micro_batch_size), []
+    # DiLoCo: one part (no balance check: see DILOCO_VERIFICATION), the trainer's own rounds
+    sizes = split_rows(len(batch), trainer.micro_batch_size) if trainer.distro else [len(batch)]
+    parts, losses = [], []
     start = 0
     for size in sizes:
         part = rows(batch, start, start + size)

@@ -137,29 +137,21 @@ def tiny_trainer(form: str, *, lr: float | None = None, inner_steps: int = 2) ->
     from psyche.core.definitions import (
         ConstantLR,
         DilocoTransmission,
-        Distro,
         LearningRateSchedule,
         OptimizerDefinition,
     )
     from psyche.modeling.causal_lm import CausalLM, ModelOptions
     from psyche.modeling.configs import llama_config_dict
     from psyche.modeling.diloco.optimizer import DilocoSettings
+    from psyche.modeling.research import DistroSettings
 
     model = CausalLM.from_config(
         llama_config_dict("tiny"), ModelOptions(architecture="HfLlama", device="cpu", seed=1337)
     )
     optimizer: OptimizerDefinition
     if form == "distro":
-        optimizer = OptimizerDefinition.Distro(
-            Distro(
-                clip_grad_norm=1.0,
-                weight_decay=0.0,
-                compression_decay=0.999,
-                compression_topk=4,
-                compression_chunk=16,
-                quantize_1bit=True,
-            )
-        )
+        settings = DistroSettings(compression_chunk=16, compression_topk=4, clip_grad_norm=1.0)
+        optimizer = OptimizerDefinition.Distro(settings.definition())
         lr = 1e-3 if lr is None else lr
     else:
         transmission = {
@@ -167,7 +159,7 @@ def tiny_trainer(form: str, *, lr: float | None = None, inner_steps: int = 2) ->
             "int8": DilocoTransmission.Int8,
             "sparse": DilocoTransmission.Sparse,
         }[form]
-        settings = DilocoSettings(
+        diloco = DilocoSettings(
             inner_steps=inner_steps,
             transmission=transmission,
             value_bits=2,
@@ -176,7 +168,7 @@ def tiny_trainer(form: str, *, lr: float | None = None, inner_steps: int = 2) ->
             outer_lr=0.7,
             outer_momentum=0.5,
         )
-        optimizer = OptimizerDefinition.DiLoCo(settings.definition())
+        optimizer = OptimizerDefinition.DiLoCo(diloco.definition())
         lr = 3e-3 if lr is None else lr
     schedule = LearningRateSchedule.Constant(ConstantLR(lr, 0.0, 0))
     return Trainer(model, schedule, optimizer, micro_batch_size=2)
