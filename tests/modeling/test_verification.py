@@ -225,7 +225,8 @@ def test_evidence_refuses_a_trainer_whose_window_of_agreements_is_too_low() -> N
     # each round alone passes; three rounds of t = 2 sum to 2 x sqrt(3) = 3.46 < 5
     assert [low.add(verdict(2.0)).matches for _ in range(3)] == [True, True, False]
     refused = low.add(verdict(2.0))
-    assert refused.check == "window" and refused.score < refused.threshold == 5.0
+    assert refused.check == "window"
+    assert refused.score < refused.threshold == 5.0
     # (-1 + 3 + 3) / sqrt(3) = 2.9 is refused; once the low round leaves the window,
     # 3 x 3 / sqrt(3) = 5.2 passes
     ts = (-1.0, 3.0, 3.0, 3.0)
