@@ -31,6 +31,10 @@ deadline (`--max-seconds` for the whole run); loopback only; Ctrl-C stops the ch
 exits. The machine's load average is printed at the start and per N (other work shares the
 cores: CPU time, not wall time, is the figure to compare).
 
+Diagnosis: `SWARM_LOG=WARNING` shows the nodes' logs (a failed fetch's reason included);
+`SWARM_PROFILE=path` writes process 0's cProfile stats there; `--connect-timeout S` overrides the
+client's 5 s connect timeout (on a machine too loaded for the handshakes the meshes do not form).
+
 Run: .venv/bin/python scripts/bench/swarm.py [--sizes 8,16,32] [--per-process 4] [--rounds 3]
      [--compare] [--max-seconds 1500]
 """
@@ -272,7 +276,7 @@ class Child:
             result.fetched[sender] = time.time() - self.round_start
         else:
             result.failed += 1
-            if os.environ.get("SWARM_DEBUG"):
+            if os.environ.get("SWARM_LOG"):
                 print(f"fetch failed: {outcome.error}", file=sys.stderr)
         if all(len(r.fetched) == self.n - 1 for r in self.results.values()):
             self.complete.set()
@@ -283,7 +287,7 @@ def child_main(args: argparse.Namespace) -> None:
 
     import trio
 
-    logging.basicConfig(level=logging.DEBUG if os.environ.get("SWARM_DEBUG") else logging.ERROR)
+    logging.basicConfig(level=os.environ.get("SWARM_LOG", "ERROR"))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us (stop, or stdin closed)
     profile = os.environ.get("SWARM_PROFILE")  # a path: process 0's cProfile stats go there
     try:
@@ -378,6 +382,14 @@ class Swarm:
         return dict(json.loads(line))
 
     def close(self) -> None:
+        """Stop every child (a second Ctrl-C does not cut this short)."""
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            self._stop_children()
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+    def _stop_children(self) -> None:
         for child in self.children:
             try:
                 assert child.stdin is not None
@@ -399,7 +411,14 @@ def run_swarm(
     n: int, args: argparse.Namespace, gossip: dict[str, Any], deadline: float
 ) -> tuple[list[RoundResult], float, float]:
     """The rounds of one swarm, and how long its meshes took to form."""
-    swarm = Swarm(n, args.per_process, args.seed, gossip, args.payload, args.connect_timeout)
+    swarm = Swarm(
+        n,
+        args.per_process,
+        args.seed,
+        gossip,
+        args.payload,
+        args.connect_timeout,
+    )
     try:
         start = time.time()
         for child in swarm.children:  # each says ready once its nodes are open
