@@ -601,7 +601,9 @@ def main() -> None:
                     continue
                 results, mesh_secs, idle = run_swarm(n, args, gossip, deadline)
                 report(label, n, results, mesh_secs, floor, idle)
-                per_node[label] += [(n, r.cpu_per_node) for r in results]
+                # only rounds in which every member got everything: a swarm that never formed
+                # does little work and would flatten the slope
+                per_node[label] += [(n, r.cpu_per_node) for r in results if r.complete_nodes == n]
     except KeyboardInterrupt:
         print("\ninterrupted; the swarm's processes were stopped")
         sys.exit(130)
@@ -612,7 +614,10 @@ def main() -> None:
     for label, points in per_node.items():
         s = slope(points)
         if s is not None:
-            print(f"{label}: per-node CPU per round grows {s * 1e3:.2f} ms per added node")
+            print(
+                f"{label}: per-node CPU per round grows {s * 1e3:.2f} ms per added node "
+                "(rounds in which every member got everything)"
+            )
 
 
 if __name__ == "__main__":
