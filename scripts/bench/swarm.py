@@ -185,6 +185,12 @@ class Child:
                 {
                     "neighbors": [len(node.neighbors()) for node in self.nodes],
                     "connected": [len(node.connected_peers()) for node in self.nodes],
+                    # gossip streams open, and peers known to subscribe to the run's topic
+                    "streams": [len(node.gossip.pubsub.peers) for node in self.nodes],
+                    "subscribed": [
+                        len(node.gossip.pubsub.peer_topics.get(node.gossip.topic, ()))
+                        for node in self.nodes
+                    ],
                 }
             )
         elif command["cmd"] == "round":
@@ -430,12 +436,16 @@ def run_swarm(
             replies = swarm.ask({"cmd": "neighbors"}, deadline)
             counts = [c for r in replies for c in r["neighbors"]]
             connected = [c for r in replies for c in r["connected"]]
+            streams = [c for r in replies for c in r["streams"]]
+            subscribed = [c for r in replies for c in r["subscribed"]]
             if min(counts) >= want or time.time() - mesh_start > MESH_WAIT_SECS:
                 break
             time.sleep(0.5)
         print(
             f"  N = {n}: gossip neighbours min {min(counts)} median {statistics.median(counts)}, "
-            f"connections min {min(connected)} median {statistics.median(connected)}",
+            f"connections min {min(connected)} median {statistics.median(connected)}, "
+            f"gossip streams median {statistics.median(streams)}, "
+            f"subscribed peers median {statistics.median(subscribed)}",
             flush=True,
         )
         idle = swarm.ask({"cmd": "idle", "secs": SETTLE_SECS}, deadline)
