@@ -23,7 +23,7 @@ from psyche.core.signed_message import SignedMessage
 from psyche.network.connection import NetworkConnection
 from psyche.network.download import DownloadComplete
 from psyche.network.events import MessageReceived, NetworkEvent, PeerConnected
-from psyche.network.gossip import GossipRejected, gossip_topic
+from psyche.network.gossip import GossipConfig, GossipRejected, _ContentMessageCache, gossip_topic
 from psyche.network.identity import peer_id_from_public_key
 from psyche.network.testing import connect_pairs, full_mesh, open_nodes, ring, wait_until
 from psyche.network.transmittable import DownloadType
@@ -403,5 +403,39 @@ def test_a_mirrored_copy_is_checked_as_gossip_and_delivered_once() -> None:
             again = SignedMessage.sign_and_encode(a.secret_key, message, Broadcast)
             assert not b.gossip.deliver_mirrored(a.endpoint_id, again)
             assert b.gossip.mirrored_first == 1
+
+    trio.run(main)
+
+
+@pytest.mark.parametrize("repair_window", [30])
+def test_a_peer_the_push_missed_gets_the_message_by_repair(repair_window: int) -> None:
+    """A node that joins after a message was pushed (it was in no mesh then) still gets it
+    while the message is in its neighbour's repair window: the neighbour advertises (IHAVE) what
+    it holds to every gossip peer, mesh included, and the node asks (IWANT) for what it lacks.
+    GossipSub's own gossip advertises a message for `history_gossip` heartbeats only, to peers
+    outside the mesh, and py-libp2p hands a new peer only those: without the repair
+    (`repair_window=0`) the node never gets it (this test then times out)."""
+
+    async def main() -> None:
+        gossip = GossipConfig(repair_window=repair_window)
+        async with open_nodes(3, broadcast_type=Broadcast, gossip=gossip) as (a, b, c):
+            await connect_pairs([a, b, c], [(0, 1)])
+            await wait_for_mesh([a, b], 1)
+            message = finished(a.secret_key, step=1)
+            a.broadcast(message)
+            assert await next_message(b) == message
+            # The message leaves b's GossipSub gossip window (what a new peer is handed and what
+            # peers outside the mesh are told of), and is still in b's repair window.
+            cache = b.gossip.router.mcache
+            topic = b.gossip.topic
+            await wait_until(lambda: not cache.window(topic), timeout=30)
+            assert isinstance(cache, _ContentMessageCache)
+            assert cache.recent(topic, repair_window)
+            await connect_pairs([a, b, c], [(2, 1)])  # c hears of it from b only
+            assert await next_message(c, timeout=30) == message
+            # and once: the next thing c hears is a later message
+            marker = finished(a.secret_key, step=2)
+            a.broadcast(marker)
+            assert await next_message(c, timeout=30) == marker
 
     trio.run(main)
