@@ -28,8 +28,6 @@ from typing import Any
 
 import pytest
 
-from .conftest import scaled_run_config
-
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 HONEST = ("client-1", "client-2", "client-3")
@@ -50,9 +48,7 @@ model, and the attacks slow its loading (`attack_scenario`)."""
 def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     from scenarios import attack_scenario, run_captured
 
-    scenario = attack_scenario(
-        "attacks-short", 25, [3], config=scaled_run_config(CONFIG), junk_mib=64
-    )
+    scenario = attack_scenario("attacks-short", 25, [3], config=CONFIG, junk_mib=64)
     return run_captured(scenario, tmp_path_factory.mktemp("attacks"))
 
 

@@ -24,8 +24,6 @@ from typing import Any
 
 import pytest
 
-from .conftest import scaled_run_config
-
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 ADVERSARY = 66
@@ -60,16 +58,14 @@ def _scenario() -> Any:
         RunSpec(
             num_clients=3,
             checkpoint_client=1,
-            config=scaled_run_config(
-                {
-                    "init_min_clients": 4,
-                    "witness_nodes": 0,
-                    "epoch_time": 18,
-                    "warmup_time": 14,
-                    "max_round_train_time": 4,
-                    "round_witness_time": 2,
-                }
-            ),
+            config={
+                "init_min_clients": 4,
+                "witness_nodes": 0,
+                "epoch_time": 18,
+                "warmup_time": 14,
+                "max_round_train_time": 4,
+                "round_witness_time": 2,
+            },
         ),
         extra=start_adversary(ADVERSARY, MODES),
     )
