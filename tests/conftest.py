@@ -1,10 +1,49 @@
-"""Shared test configuration: GPU skipping and access to upstream's reference data."""
+"""Shared test configuration: GPU skipping, the end-to-end files' order (longest first) and
+access to upstream's reference data."""
 
 from __future__ import annotations
+
+import math
+import statistics
 
 import pytest
 
 from .upstream_data import UpstreamData
+
+E2E_SECONDS = {
+    "tests/e2e/test_gpu_script.py": 365,
+    "tests/e2e/test_nat.py": 274,
+    "tests/e2e/test_hostile_members.py": 212,
+    "tests/e2e/test_server_restart.py": 211,
+    "tests/e2e/test_hostile_strangers.py": 194,
+    "tests/solana/test_train_e2e.py": 159,
+    "tests/e2e/test_parallel_clients.py": 140,
+    "tests/chaos/test_chaos_attacks.py": 121,
+    "tests/e2e/test_training.py": 119,
+    "tests/e2e/test_poisoned_members.py": 111,
+    "tests/chaos/test_chaos_short.py": 108,
+    "tests/e2e/test_local_testnet.py": 93,
+    "tests/e2e/test_run_finishes.py": 91,
+    "tests/chaos/test_hostile_peer.py": 0,  # `just chaos` only: skipped here
+}
+"""How long each end-to-end file took (`--durations=0`, both e2e workers of one run on a loaded
+two-core machine): only their order matters. scripts/test.sh hands whole files to its two e2e
+workers in collection order (`--dist loadfile --no-loadscope-reorder`), so the longest go first
+and the short ones fill in at the end; in xdist's own order (most tests first) a 6-minute file
+could start last and run alone. A file not listed counts as a middling one."""
+
+
+def e2e_order(items: list[pytest.Item]) -> list[pytest.Item]:
+    """`items` with the end-to-end files longest first (`E2E_SECONDS`), each file's tests kept
+    together and in order; the other tests ahead of them, as collected."""
+    default = statistics.median(E2E_SECONDS.values())
+
+    def cost(item: pytest.Item) -> float:
+        if "e2e" not in item.keywords:
+            return math.inf  # first: the unit tests keep their order
+        return E2E_SECONDS.get(item.nodeid.split("::", 1)[0], default)
+
+    return sorted(items, key=lambda item: -cost(item))  # stable: a file's tests stay in order
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -16,6 +55,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         # The long chaos scenarios (about 10 minutes each) run only when asked for by marker.
         if "chaos_long" in item.keywords and "chaos_long" not in selection:
             item.add_marker(pytest.mark.skip(reason="long chaos scenario: run `just chaos`"))
+    items[:] = e2e_order(items)
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if not gpu_items:
         return

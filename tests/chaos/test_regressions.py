@@ -14,6 +14,8 @@ from psyche.coordinator import ClientState, RunState
 from psyche.coordinator.server_core import ServerCore
 from psyche.coordinator.testing import quick_coordinator, simulated_identity
 
+from ..timing import scaled
+
 NOW = 1_000_000
 A, B, C = (simulated_identity(i) for i in range(3))
 
@@ -131,7 +133,7 @@ def _run_with_file_size_limit(code: str, limit: int, cwd: str) -> subprocess.Com
         capture_output=True,
         text=True,
         preexec_fn=limit_files,
-        timeout=120,
+        timeout=scaled(120),  # an interpreter that imports torch, on a busy machine
     )
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from ..processes import REPO
+from ..timing import scaled
 from .conftest import command
 
 TINY_MODEL = REPO / "configs" / "tiny-cpu" / "model"
@@ -29,7 +30,7 @@ def train(args: list[str], cwd: Path, tmp_path: Path) -> subprocess.CompletedPro
         env=offline(tmp_path),
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=scaled(300),
     )
 
 

@@ -26,6 +26,7 @@ from psyche.client.client import Client
 from psyche.client.round.train import OwnResult
 from psyche.network.ticket import BlobFormat, BlobTicket, blob_hash
 
+from ..timing import scaled
 from .test_in_process_run import fields, run_client, three_client_run, wait_until
 
 OVERSIZED = 16 * 1024 * 1024
@@ -79,7 +80,7 @@ def test_junk_results_are_refused_and_never_fetched_again(
             for number in HONEST:
                 nursery.start_soon(run_client, server, number, Client, started)
             nursery.start_soon(run_client, server, 3, JunkResultClient, started)
-            with trio.fail_after(240):
+            with trio.fail_after(scaled(240)):
                 # two junk blobs of each kind announced, then two rounds more for any retry
                 await wait_until(lambda: len(JunkResultClient.published) >= 4)
                 step = server.coordinator.progress.step

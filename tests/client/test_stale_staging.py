@@ -35,13 +35,19 @@ save_checkpoint_locally(
 """
 
 
-def start_writer(directory: Path) -> subprocess.Popen[str]:
-    process = subprocess.Popen(
-        [sys.executable, "-c", WRITER, str(directory)], stdout=subprocess.PIPE, text=True
-    )
-    assert process.stdout is not None
-    assert process.stdout.readline() == "writing\n"
-    return process
+def start_writers(directory: Path, count: int = 1) -> list[subprocess.Popen[str]]:
+    """`count` writers, each stopped inside its staging directory. They start side by side:
+    each imports torch, seconds of CPU."""
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-c", WRITER, str(directory)], stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(count)
+    ]
+    for process in processes:
+        assert process.stdout is not None
+        assert process.stdout.readline() == "writing\n"
+    return processes
 
 
 def staging(directory: Path) -> list[str]:
@@ -49,7 +55,7 @@ def staging(directory: Path) -> list[str]:
 
 
 def test_staging_left_by_a_killed_writer_is_removed_and_a_live_ones_kept(tmp_path: Path) -> None:
-    killed, live = start_writer(tmp_path), start_writer(tmp_path)
+    killed, live = start_writers(tmp_path, 2)
     try:
         killed.send_signal(signal.SIGKILL)
         killed.wait(30)
@@ -75,7 +81,7 @@ def test_staging_left_by_a_killed_writer_is_removed_and_a_live_ones_kept(tmp_pat
 def test_a_starting_client_removes_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     checkpoints = tmp_path / "checkpoints"
     checkpoints.mkdir()
-    writer = start_writer(checkpoints)
+    (writer,) = start_writers(checkpoints)
     writer.send_signal(signal.SIGKILL)
     writer.wait(30)
     assert len(staging(checkpoints)) == 1

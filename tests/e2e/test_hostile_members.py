@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 
 from ..processes import REPO, Processes, events, free_port, wait_event
+from ..timing import scaled
 
 sys.path.insert(0, str(REPO / "scripts" / "chaos"))
 import hostile_members as hm
@@ -58,7 +59,7 @@ def start_honest(processes: Processes, port: int, *, proxy_port: int | None = No
 def finish_with_the_same_model(processes: Processes, clients: list[Any], timeout: float) -> None:
     """Both clients reach Finished, exit 0 and end with the same model."""
     for client in clients:
-        code = client.popen.wait(timeout)
+        code = client.popen.wait(scaled(timeout))
         assert code == 0, client.text()[-4000:]
     finals = []
     for client in clients:

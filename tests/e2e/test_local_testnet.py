@@ -1,5 +1,7 @@
-"""Issue test 5: the local testnet with the real client. Headless, it runs a whole epoch of the
-tiny model; in tmux, the panes come up with the server and the clients running in them."""
+"""Issue test 5: the local testnet with the real client. Headless, both clients train the tiny
+model and SIGINT stops the testnet and every process it started (a run to its end, the clients'
+identical models and their exits: test_run_finishes.py); in tmux, the panes come up with the
+server and the clients running in them."""
 
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from ..timing import Deadline
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +40,7 @@ def kill_tmux_server(socket_name: str) -> None:
         Path(found.stdout.strip()).unlink(missing_ok=True)
 
 
-def test_headless_testnet_runs_an_epoch(
+def test_headless_testnet_trains_and_stops_on_sigint(
     tiny_run: Callable[..., Path], processes: Any, free_port: Callable[[], int]
 ) -> None:
     config = tiny_run()
@@ -49,23 +53,9 @@ def test_headless_testnet_runs_an_epoch(
     for number in (1, 2):
         processes.wait_for(run, rf"\[client-{number}\] .*joined run 'tiny-cpu'", 90)
     processes.wait_for(run, r"\[server\] .*run state: WaitingForMembers -> Warmup", 60)
-    end = processes.wait_for(run, r"\[server\] .*epoch 0 finished at step (\d+)", 120)
-    text = run.text()
-    losses = {
-        (int(m.group(1)), int(m.group(2)))
-        for m in re.finditer(r"\[client-(\d)\] .*: step (\d+)/\d+ \(epoch \d+\): loss \d", text)
-    }
-    steps = int(end.group(1))
-    assert steps >= 2
-    for number in (1, 2):  # both trained in the epoch
-        assert any(client == number for client, _ in losses), text[-4000:]
-    hashes = {  # and ended it with the same model (each logs its hash at the cooldown)
-        processes.wait_for(
-            run, rf"\[client-{number}\] .*epoch 0 ended at step \d+: model hash (\w+)", 60
-        ).group(1)
-        for number in (1, 2)
-    }
-    assert len(hashes) == 1, hashes
+    for number in (1, 2):  # both train (an epoch to its end: test_run_finishes.py)
+        loss = rf"\[client-{number}\] .*: step \d+/\d+ \(epoch 0\): loss \d"
+        processes.wait_for(run, loss, 120)
     assert processes.stop(run) == 0
     final = run.text()
     assert "[testnet] got SIGINT; stopping" in final
@@ -105,8 +95,8 @@ def test_tmux_testnet_panes_come_up(
         from psyche.core.identity import SecretKey
 
         keys = [SecretKey.from_hex(f"{n:064x}").public_key.hex() for n in (1, 2)]
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:  # each client logs its key once it runs
+        deadline = Deadline(60)
+        while not deadline.expired():  # each client logs its key once it runs
             if all(f"(public key {k})" in capture(p) for p, k in zip(clients, keys)) and (
                 "serving run 'tiny-cpu'" in capture(server)  # after its relay is up
             ):

@@ -21,7 +21,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 TOTAL_STEPS = 10
 PROGRESS = re.compile(
-    r"^\[client-(\d)\] [\d:.]+ INFO  psyche\.client\.round\.steps: step (\d+)/(\d+) \(epoch (\d+)\): "
+    r"^\[client-(\d)\] [\d:.]+ INFO  psyche\.client\.round\.steps: "
+    r"step (\d+)/(\d+) \(epoch (\d+)\): "
     r"(?:loss [\d.]+|no batch this round)(?:, [\d,]+ tok/s)?(?:, about \w+ left)?$",
     re.MULTILINE,
 )

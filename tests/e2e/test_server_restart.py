@@ -21,6 +21,8 @@ from psyche.centralized.save_state import load_state, saved_run_identity
 from psyche.coordinator import RunState
 from psyche.coordinator.model import Checkpoint
 
+from ..timing import scaled
+
 pytestmark = pytest.mark.slow
 
 ROUND_TRAIN = r"run state: \w+ -> RoundTrain \(epoch (\d+), step (\d+), (\d+) clients\)"
@@ -44,7 +46,9 @@ def client_command(port: int) -> list[str]:
 def test_server_restart_resumes_at_the_saved_step(
     tiny_run: Callable[..., Path], processes: Any, free_port: Callable[[], int], tmp_path: Path
 ) -> None:
-    config = tiny_run(epoch_time=60)
+    # epoch 0 holds the eight rounds before the stop (~2 s each) with room to spare; the resumed
+    # epoch 1 runs as long before the cooldown the test waits for, so no longer than that
+    config = tiny_run(epoch_time=40)
     saves = tmp_path / "saves"
     port = free_port()
     server = processes.start("server-1", server_command(config, port, saves))
@@ -66,7 +70,7 @@ def test_server_restart_resumes_at_the_saved_step(
 
     # stop the server mid-round: it saves the run as if the epoch had ended there
     processes.signal(server, signal.SIGTERM)
-    assert server.popen.wait(30) == 0, server.text()[-3000:]
+    assert server.popen.wait(scaled(30)) == 0, server.text()[-3000:]
     assert "Saved state to" in server.text()
     saved = load_state(saves)
     assert saved.run_state is RunState.WaitingForMembers
@@ -118,5 +122,5 @@ def test_server_restart_resumes_at_the_saved_step(
     assert len(hashes) == 1, hashes
     # the resumed server ran the same instance of the run: it kept the saved identity
     processes.signal(restarted, signal.SIGTERM)
-    assert restarted.popen.wait(30) == 0, restarted.text()[-3000:]
+    assert restarted.popen.wait(scaled(30)) == 0, restarted.text()[-3000:]
     assert saved_run_identity(saves / (saves / "latest").read_text().strip()) == identity

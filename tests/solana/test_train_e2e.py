@@ -34,10 +34,12 @@ from psyche.cli.solana_client.main import main as solana_client
 from psyche.core.identity import SecretKey
 from psyche.solana.keypair import derive_p2p_secret_key, write_keypair_file
 
-from ..timing import scaled_timers
+from ..timing import MAX_SCALE, scaled_timers
 from .processes import REPO, Processes, Proxy, free_port, json_events, wait_event
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(240)]
+# a bound for a hung run, not a timing: the run's own waits stretch up to MAX_SCALE times on a
+# busy machine (tests/timing.py), and the module's run is the first test's setup
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(240 * MAX_SCALE)]
 
 RUN_ID = "solana-e2e"
 EVERYONE = "11111111111111111111111111111111"
