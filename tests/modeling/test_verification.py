@@ -134,9 +134,10 @@ def run_rounds(
     return out, refused
 
 
+# Lazy (half a batch) is caught only by the balance check, off by default for DisTrO since an
+# honest trainer failed it in a real run (verification.DISTRO_VERIFICATION).
 DISTRO_ATTACKS = [
     Attack.OtherData,
-    Attack.Lazy,
     Attack.SignFlip,
     Attack.RandomSigns,
     Attack.Targeted,
@@ -178,7 +179,8 @@ def test_no_honest_result_is_refused_by_a_verifier_with_other_threads() -> None:
 
 def test_the_thresholds_are_the_run_optimizers() -> None:
     distro, diloco = tiny_trainer("distro"), tiny_trainer("bf16")
-    assert verification_settings(distro).max_balance > 0.0
+    assert verification_settings(distro).min_agreement > 0.0
+    assert verification_settings(distro).max_balance == 0.0  # off until calibrated (see module)
     assert verification_settings(diloco).max_norm_ratio > 0.0
 
 

@@ -98,11 +98,16 @@ class VerificationSettings:
     window_rounds: int = 3
 
 
-DISTRO_VERIFICATION = VerificationSettings(min_agreement=10.0, max_balance=15.0)
+DISTRO_VERIFICATION = VerificationSettings(min_agreement=10.0)
 """DisTrO 1-bit (tiny run, c16 k4, 4 rows a trainer; docs/reliability.md, "Verifiers"): an honest
 result's agreement is 16 to 30 in the first 25 rounds (none below 10 in 500 verifications over
-125), one trained on other data's about N(0, 4^2); the balance of an honest one is about
-N(0, 3.6^2), of a half batch's 20 to 28."""
+125), one trained on other data's about N(0, 4^2). No balance check by default: in the benchmark
+an honest result's balance was about N(0, 3.6^2) and a half batch's 20 to 28, but a real run (the
+e2e test, a trainer's first round after two rounds as a verifier) gave an honest balance of 17.3,
+and the tie-breaker convicted it. `DISTRO_BALANCE_CHECK` keeps the check for research until
+it is calibrated on such rounds."""
+DISTRO_BALANCE_CHECK = VerificationSettings(min_agreement=10.0, max_balance=15.0)
+"""DisTrO with the half-batch balance check (|t| <= 15): not safe for honest members yet (above)."""
 DILOCO_VERIFICATION = VerificationSettings(min_agreement=20.0, max_norm_ratio=64.0)
 """DiLoCo's dense forms: an honest pseudo-gradient's agreement is 40 to 200, another batch's
 below 10. No balance check: the inner AdamW weighs a round's first rows more than its last, so
