@@ -178,16 +178,17 @@ def test_a_second_run_in_the_same_directory_keeps_its_checkpoints_and_leaves_the
 
 def test_a_run_id_never_takes_a_checkpoint_outside_its_directory(tmp_path: Path) -> None:
     directory = tmp_path / "checkpoints"
-    for run_id in ("/tmp/elsewhere", "../up", "..", "", "a/b/../../c", ".hidden", "x" * 300):
+    elsewhere = str(tmp_path / "elsewhere")  # an absolute path beside the checkpoint directory
+    for run_id in (elsewhere, "../up", "..", "", "a/b/../../c", ".hidden", "x" * 300):
         path = checkpoint_path(directory, RunInstance(run_id, "i"), 7)
         assert path.parent == directory, path
         assert path.name.endswith("-step7"), path
         assert not path.name.startswith("."), path
-    save(directory, 7, run=RunInstance("/tmp/elsewhere", "i"))
+    save(directory, 7, run=RunInstance(elsewhere, "i"))
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoints"]
-    found = latest_complete(directory, RunInstance("/tmp/elsewhere", "i"))
+    found = latest_complete(directory, RunInstance(elsewhere, "i"))
     assert found is not None
-    assert found.manifest.run_id == "/tmp/elsewhere"
+    assert found.manifest.run_id == elsewhere
 
 
 def snapshot(path: Path) -> dict[str, bytes]:
