@@ -196,15 +196,14 @@ def test_the_page_in_a_headless_browser() -> None:
         # a new epoch's warmup): the page must show a state the run was in meanwhile
         states_seen: set[str] = set()
 
-        async def watch_states(task_status: trio.TaskStatus[None]) -> None:
-            states_seen.add(server.coordinator.run_state.name)
-            task_status.started()
+        async def watch_states() -> None:
             while True:
                 states_seen.add(server.coordinator.run_state.name)
                 await trio.sleep(0.005)
 
         async with trio.open_nursery() as watcher:
-            await watcher.start(watch_states)
+            states_seen.add(server.coordinator.run_state.name)
+            watcher.start_soon(watch_states)
             dom = await trio.to_thread.run_sync(
                 lambda: subprocess.run(
                     [browser, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom",
