@@ -28,6 +28,8 @@ from psyche.cli.local_testnet.commands import (
 from psyche.cli.local_testnet.main import build_parser, client_cpu_threads
 from psyche.core.identity import SecretKey
 
+from ..timing import scaled
+
 STANDIN = Path(__file__).with_name("standin_client.py")
 STANDIN_PROGRAM = f"{sys.executable} {STANDIN}"
 
@@ -244,21 +246,21 @@ def test_headless_runs_server_and_clients_and_stops_them_all(tmp_path: Path) -> 
     process = subprocess.Popen(
         [sys.executable, "-m", "psyche.cli.local_testnet", "start", "--num-clients", "2",
          "--config-path", str(fast_config(tmp_path)), "--server-port", str(port), "--headless",
-         "--write-log", "--random-kill-num", "1", "--random-kill-interval", "2",
+         "--write-log", "--random-kill-num", "1", "--random-kill-interval", str(round(scaled(2))),
          "--allowed-to-kill", "2", "--client-program", STANDIN_PROGRAM],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     lines: list[str] = []
     try:
-        read_until(process, r"\[client-1\] standin state=Warmup .*clients=2", lines, 60)
+        read_until(process, r"\[client-1\] standin state=Warmup .*clients=2", lines, scaled(60))
         # client 2 is killed and started again with the same key
-        read_until(process, r"\[testnet\] random kill: restarting client-2", lines, 30)
-        read_until(process, r"\[client-2\] standin got SIGINT", lines, 30)
-        read_until(process, r"\[client-2\] started \(pid", lines, 30)
-        read_until(process, r"\[client-2\] standin state=", lines, 30)
+        read_until(process, r"\[testnet\] random kill: restarting client-2", lines, scaled(30))
+        read_until(process, r"\[client-2\] standin got SIGINT", lines, scaled(30))
+        read_until(process, r"\[client-2\] started \(pid", lines, scaled(30))
+        read_until(process, r"\[client-2\] standin state=", lines, scaled(30))
     finally:
         process.send_signal(signal.SIGINT)
-        out, _ = process.communicate(timeout=30)
+        out, _ = process.communicate(timeout=scaled(30))
     lines.append(out)
     text = "".join(lines)
     assert process.returncode == 0, text
@@ -300,7 +302,7 @@ def test_headless_ends_by_itself_when_the_run_finishes(tmp_path: Path) -> None:
         [sys.executable, "-m", "psyche.cli.local_testnet", "start", "--num-clients", "2",
          "--config-path", str(finishing_config(tmp_path)), "--server-port", str(free_port()),
          "--headless", "--client-program", STANDIN_PROGRAM],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        cwd=tmp_path, capture_output=True, text=True, timeout=scaled(120),
     )  # fmt: skip
     text = result.stdout + result.stderr
     assert result.returncode == 0, text
@@ -327,7 +329,7 @@ def test_headless_names_the_processes_that_failed(tmp_path: Path) -> None:
         [sys.executable, "-m", "psyche.cli.local_testnet", "start", "--num-clients", "2",
          "--config-path", str(fast_config(tmp_path)), "--server-port", str(free_port()),
          "--headless", "--client-program", STANDIN_PROGRAM, "--client-args", "--exit-with 3"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        cwd=tmp_path, capture_output=True, text=True, timeout=scaled(120),
     )  # fmt: skip
     text = result.stdout + result.stderr
     assert result.returncode == 1, text
@@ -346,7 +348,7 @@ def test_headless_refuses_a_port_in_use(tmp_path: Path) -> None:
             [sys.executable, "-m", "psyche.cli.local_testnet", "start", "--num-clients", "1",
              "--config-path", str(fast_config(tmp_path)), "--server-port", str(port),
              "--headless", "--client-program", STANDIN_PROGRAM],
-            cwd=tmp_path, capture_output=True, text=True, timeout=60,
+            cwd=tmp_path, capture_output=True, text=True, timeout=scaled(60),
         )  # fmt: skip
     assert result.returncode == 1
     assert f"[testnet] error: port {port} (--server-port) is already in use" in result.stdout
@@ -366,7 +368,7 @@ def test_tmux_panes_come_up(tmp_path: Path) -> None:
              "--config-path", str(fast_config(tmp_path)), "--server-port", str(port),
              "--tui", "false", "--tmux-socket", socket_name, "--no-attach",
              "--client-program", STANDIN_PROGRAM],
-            cwd=tmp_path, capture_output=True, text=True, timeout=90,
+            cwd=tmp_path, capture_output=True, text=True, timeout=scaled(90),
         )  # fmt: skip
         assert result.returncode == 0, result.stdout + result.stderr
         match = re.search(
@@ -423,7 +425,7 @@ def test_tmux_random_kill_retypes_the_same_command(tmp_path: Path) -> None:
         [sys.executable, "-m", "psyche.cli.local_testnet", "start", "--num-clients", "2",
          "--config-path", str(fast_config(tmp_path)), "--server-port", str(free_port()),
          "--tui", "false", "--tmux-socket", socket_name, "--random-kill-num", "1",
-         "--random-kill-interval", "2", "--allowed-to-kill", "1",
+         "--random-kill-interval", str(round(scaled(2))), "--allowed-to-kill", "1",
          "--client-program", f"'{STANDIN_PROGRAM}'"]
     )  # fmt: skip
     key = SecretKey.from_hex(identity_secret_key_hex(1)).public_key.hex()
@@ -447,7 +449,7 @@ def test_tmux_random_kill_retypes_the_same_command(tmp_path: Path) -> None:
             cwd=tmp_path, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
         )  # fmt: skip
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + scaled(120)
         while time.monotonic() < deadline and testnet.poll() is None and not killed_and_back():
             time.sleep(0.5)
         lines = journal.read_text().splitlines() if journal.exists() else []
