@@ -26,7 +26,8 @@ import logging
 import threading
 import time
 import traceback
-from typing import Any
+from enum import Enum
+from typing import Any, ClassVar, cast
 
 from opentelemetry._logs import LogRecord, SeverityNumber
 from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter
@@ -78,46 +79,37 @@ class _Switch:
         )
 
 
-class _MetricExporter(OTLPMetricExporter):
+class _ExportsUntilItFails:
+    """Mixed in before an OTLP exporter (with its result enum's `SUCCESS` and `FAILURE`): an
+    export fails at once while `switch` is off, and the first failed export turns it off."""
+
+    SUCCESS: ClassVar[Enum]
+    FAILURE: ClassVar[Enum]
+
     def __init__(self, switch: _Switch, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.switch = switch
 
-    def export(self, *args: Any, **kwargs: Any) -> MetricExportResult:
+    def export(self, *args: Any, **kwargs: Any) -> Any:
         if not self.switch.on:
-            return MetricExportResult.FAILURE
-        result = super().export(*args, **kwargs)
-        if result is not MetricExportResult.SUCCESS:
+            return self.FAILURE
+        # The exporter this is mixed into (next in the MRO) does the export.
+        result = cast(Any, super()).export(*args, **kwargs)
+        if result is not self.SUCCESS:
             self.switch.failed()
         return result
 
 
-class _SpanExporter(OTLPSpanExporter):
-    def __init__(self, switch: _Switch, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.switch = switch
-
-    def export(self, *args: Any, **kwargs: Any) -> SpanExportResult:
-        if not self.switch.on:
-            return SpanExportResult.FAILURE
-        result = super().export(*args, **kwargs)
-        if result is not SpanExportResult.SUCCESS:
-            self.switch.failed()
-        return result
+class _MetricExporter(_ExportsUntilItFails, OTLPMetricExporter):
+    SUCCESS, FAILURE = MetricExportResult.SUCCESS, MetricExportResult.FAILURE
 
 
-class _LogExporter(OTLPLogExporter):
-    def __init__(self, switch: _Switch, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.switch = switch
+class _SpanExporter(_ExportsUntilItFails, OTLPSpanExporter):
+    SUCCESS, FAILURE = SpanExportResult.SUCCESS, SpanExportResult.FAILURE
 
-    def export(self, *args: Any, **kwargs: Any) -> LogRecordExportResult:
-        if not self.switch.on:
-            return LogRecordExportResult.FAILURE
-        result = super().export(*args, **kwargs)
-        if result is not LogRecordExportResult.SUCCESS:
-            self.switch.failed()
-        return result
+
+class _LogExporter(_ExportsUntilItFails, OTLPLogExporter):
+    SUCCESS, FAILURE = LogRecordExportResult.SUCCESS, LogRecordExportResult.FAILURE
 
 
 # ---- log records -----------------------------------------------------------------------------
