@@ -353,31 +353,37 @@ class PreparedTask:
         return "acc_norm" if self.name in TASKS_WITH_ACC_NORM else "acc"
 
     def run(self, options: EvalTaskOptions) -> PreparedTaskResult:
+        """Score the documents `options` picks into `options.live_results` (else a fresh
+        average), with an entry for each metric of the task over all its documents."""
+        results = options.live_results if options.live_results is not None else RunningAverage()
+        floor = min_samples(self.name, self.num) if options.confident_only else None
+        for metric in self._metrics():
+            results.add_entry_if_needed(metric, self.num, floor)
+        walk = _Walk(options, self.num)
+        if not self.num:
+            return PreparedTaskResult(_averages(results), walk.skip, False, 0)
         with _inference(options.model):
             if self.llh_docs is not None:
-                return self._run_log_likelihood(options)
-            return self._run_generate_until(options)
+                return self._run_log_likelihood(options, results, walk)
+            return self._run_generate_until(options, results, walk)
 
-    def _live_results(self, options: EvalTaskOptions, count: int, *metrics: str) -> RunningAverage:
-        """Where a run's scores go (`options.live_results`, else a fresh one), with an entry
-        for each of `metrics` over `count` documents."""
-        results = options.live_results if options.live_results is not None else RunningAverage()
-        floor = min_samples(self.name, count) if options.confident_only else None
-        for metric in metrics:
-            results.add_entry_if_needed(metric, count, floor)
-        return results
+    def _metrics(self) -> list[str]:
+        if self.llh_docs is None:
+            return ["acc"]
+        return [
+            "acc",
+            *(["acc_norm"] if self.name in TASKS_WITH_ACC_NORM else []),
+            *(["acc_uncond"] if self.name in TASKS_WITH_ACC_UNCOND else []),
+        ]
 
     # -- loglikelihood ------------------------------------------------------------------------
 
-    def _run_log_likelihood(self, options: EvalTaskOptions) -> PreparedTaskResult:
+    def _run_log_likelihood(
+        self, options: EvalTaskOptions, results: RunningAverage, walk: _Walk
+    ) -> PreparedTaskResult:
         docs = self.llh_docs or []
         norm = self.name in TASKS_WITH_ACC_NORM
         uncond = self.name in TASKS_WITH_ACC_UNCOND
-        metrics = ["acc", *(["acc_norm"] if norm else []), *(["acc_uncond"] if uncond else [])]
-        results = self._live_results(options, len(docs), *metrics)
-        walk = _Walk(options, len(docs))
-        if not docs:
-            return PreparedTaskResult(_averages(results), walk.skip, False, 0)
         done = 0
         for doc_index in walk:
             doc = docs[doc_index]
@@ -399,12 +405,10 @@ class PreparedTask:
 
     # -- generation ---------------------------------------------------------------------------
 
-    def _run_generate_until(self, options: EvalTaskOptions) -> PreparedTaskResult:
+    def _run_generate_until(
+        self, options: EvalTaskOptions, results: RunningAverage, walk: _Walk
+    ) -> PreparedTaskResult:
         requests = self.generate_requests or []
-        results = self._live_results(options, len(requests), "acc")
-        walk = _Walk(options, len(requests))
-        if not requests:
-            return PreparedTaskResult(_averages(results), walk.skip, False, 0)
         processed = 0
         for doc_index in walk:
             request = requests[doc_index]
