@@ -28,6 +28,15 @@ _F = TypeVar("_F", Encoder, Decoder)
 _K = TypeVar("_K", int, tuple[int, bool])
 
 
+def _decode_items(item: Decoder, n: int, b: memoryview, p: int) -> tuple[list[Any], int]:
+    """`n` items back to back from `b[p:]` (a sequence's or an array's), and where they end."""
+    out = []
+    for _ in range(n):
+        x, p = item(b, p)
+        out.append(x)
+    return out, p
+
+
 class BinaryCodec:
     """Compiles encoders and decoders for one byte format; subclasses override the hooks."""
 
@@ -441,11 +450,7 @@ class BinaryCodec:
                     # Every item takes at least one byte: a larger count is a lie, not a reason
                     # to allocate.
                     raise err(f"sequence claims {n} items but only {len(b) - p} bytes remain")
-                out = []
-                for _ in range(n):
-                    x, p = item(b, p)
-                    out.append(x)
-                return out, p
+                return _decode_items(item, n, b, p)
 
             return dec_seq
 
@@ -454,11 +459,7 @@ class BinaryCodec:
             length = wt.length
 
             def dec_array(b: memoryview, p: int) -> tuple[list[Any], int]:
-                out = []
-                for _ in range(length):
-                    x, p = item(b, p)
-                    out.append(x)
-                return out, p
+                return _decode_items(item, length, b, p)
 
             return dec_array
 
