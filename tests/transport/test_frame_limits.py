@@ -16,7 +16,6 @@ import pytest
 import trio
 
 from psyche.core.identity import SecretKey
-from psyche.core.serde import DataEnum, variant
 from psyche.transport import (
     CLIENT_MAX_FRAME_LENGTH,
     SERVER_MAX_FRAME_LENGTH,
@@ -32,6 +31,7 @@ from psyche.transport import (
 )
 
 from ..polling import poll_until
+from .conftest import CODECS, ToClient, ToServer
 
 pytestmark = pytest.mark.anyio
 
@@ -39,23 +39,6 @@ DEADLINE = 30  # seconds: generous, for a busy 2-core machine
 
 # A small cap, and one above the size from which frames are received straight into their buffer.
 LIMITS = [1000, 1 << 20]
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "trio"
-
-
-class LimitToServer(DataEnum):
-    Ping = variant(str)
-
-
-class LimitToClient(DataEnum):
-    Pong = variant(str)
-
-
-TO_SERVER = PostcardCodec(LimitToServer)
-TO_CLIENT = PostcardCodec(LimitToClient)
 
 
 def test_the_caps_are_upstreams() -> None:
@@ -151,18 +134,22 @@ async def server_and_client(
     key: SecretKey, **server_limits: int
 ) -> AsyncIterator[tuple[TcpServer, TcpClient]]:
     async with TcpServer.start(
-        to_server=TO_SERVER, to_client=TO_CLIENT, host="127.0.0.1", port=0, **server_limits
+        to_server=CODECS["to_server"],
+        to_client=CODECS["to_client"],
+        host="127.0.0.1",
+        port=0,
+        **server_limits,
     ) as server:
         address = f"127.0.0.1:{server.local_addr[1]}"
         async with await TcpClient.connect(
-            address, key, to_server=TO_SERVER, to_client=TO_CLIENT
+            address, key, to_server=CODECS["to_server"], to_client=CODECS["to_client"]
         ) as client:
             yield server, client
 
 
 async def test_server_receives_a_message_of_exactly_its_default_cap() -> None:
     key = SecretKey.generate()
-    at_limit = sized(LimitToServer.Ping, TO_SERVER, SERVER_MAX_FRAME_LENGTH)
+    at_limit = sized(ToServer.Ping, CODECS["to_server"], SERVER_MAX_FRAME_LENGTH)
     with trio.fail_after(DEADLINE):
         async with server_and_client(key) as (server, client):
             await client.send(at_limit)
@@ -171,7 +158,7 @@ async def test_server_receives_a_message_of_exactly_its_default_cap() -> None:
 
 async def test_server_drops_a_client_sending_one_byte_past_its_default_cap() -> None:
     key = SecretKey.generate()
-    past_limit = sized(LimitToServer.Ping, TO_SERVER, SERVER_MAX_FRAME_LENGTH + 1)
+    past_limit = sized(ToServer.Ping, CODECS["to_server"], SERVER_MAX_FRAME_LENGTH + 1)
     with trio.fail_after(DEADLINE):
         async with server_and_client(key) as (server, client):
             # Within the client's own (larger) cap, so it is sent; the server refuses it.
@@ -184,8 +171,8 @@ async def test_server_drops_a_client_sending_one_byte_past_its_default_cap() -> 
 
 async def test_server_sends_exactly_its_default_cap_and_refuses_one_byte_more() -> None:
     key = SecretKey.generate()
-    at_limit = sized(LimitToClient.Pong, TO_CLIENT, SERVER_MAX_FRAME_LENGTH)
-    past_limit = sized(LimitToClient.Pong, TO_CLIENT, SERVER_MAX_FRAME_LENGTH + 1)
+    at_limit = sized(ToClient.Pong, CODECS["to_client"], SERVER_MAX_FRAME_LENGTH)
+    past_limit = sized(ToClient.Pong, CODECS["to_client"], SERVER_MAX_FRAME_LENGTH + 1)
     with trio.fail_after(DEADLINE):
         async with server_and_client(key) as (server, client):
             await poll_until(lambda: key.public_key in server.connected_clients(), 0.01)
@@ -199,20 +186,20 @@ async def test_server_sends_exactly_its_default_cap_and_refuses_one_byte_more() 
 
 async def test_client_refuses_to_send_one_byte_past_its_default_cap() -> None:
     key = SecretKey.generate()
-    past_limit = sized(LimitToServer.Ping, TO_SERVER, CLIENT_MAX_FRAME_LENGTH + 1)
+    past_limit = sized(ToServer.Ping, CODECS["to_server"], CLIENT_MAX_FRAME_LENGTH + 1)
     with trio.fail_after(DEADLINE):
         async with server_and_client(key) as (server, client):
             with pytest.raises(FrameTooLarge):
                 await client.send(past_limit)
             # The connection is intact: nothing of the refused frame was written.
-            await client.send(LimitToServer.Ping("after"))
-            assert await server.next() == Message(key.public_key, LimitToServer.Ping("after"))
+            await client.send(ToServer.Ping("after"))
+            assert await server.next() == Message(key.public_key, ToServer.Ping("after"))
 
 
 async def test_client_receives_exactly_its_default_cap_and_refuses_one_byte_more() -> None:
     key = SecretKey.generate()
-    at_limit = sized(LimitToClient.Pong, TO_CLIENT, CLIENT_MAX_FRAME_LENGTH)
-    past_limit = sized(LimitToClient.Pong, TO_CLIENT, CLIENT_MAX_FRAME_LENGTH + 1)
+    at_limit = sized(ToClient.Pong, CODECS["to_client"], CLIENT_MAX_FRAME_LENGTH)
+    past_limit = sized(ToClient.Pong, CODECS["to_client"], CLIENT_MAX_FRAME_LENGTH + 1)
     with trio.fail_after(DEADLINE):
         # A server allowed to send more than any client accepts.
         async with server_and_client(key, max_send_frame=CLIENT_MAX_FRAME_LENGTH + 1) as (

@@ -36,24 +36,9 @@ from psyche.transport.tcp import (
 )
 
 from ..polling import poll_until
+from .conftest import CODECS, ToClient, ToServer
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "trio"
-
-
-class TestToServer(DataEnum):
-    Ping = variant(str)
-
-
-class TestToClient(DataEnum):
-    Pong = variant(str)
-
-
-CODECS = {"to_server": PostcardCodec(TestToServer), "to_client": PostcardCodec(TestToClient)}
 
 
 def start_server(**kwargs):
@@ -139,10 +124,10 @@ async def test_message_exchange_after_handshake() -> None:
     async with start_server() as server:
         key = SecretKey.generate()
         client = await connect(server, key)
-        await client.send(TestToServer.Ping("hiiii"))
-        assert await server.next() == Message(key.public_key, TestToServer.Ping("hiiii"))
-        server.send_to(key.public_key, TestToClient.Pong("hewwo :3"))
-        assert await client.receive() == TestToClient.Pong("hewwo :3")
+        await client.send(ToServer.Ping("hiiii"))
+        assert await server.next() == Message(key.public_key, ToServer.Ping("hiiii"))
+        server.send_to(key.public_key, ToClient.Pong("hewwo :3"))
+        assert await client.receive() == ToClient.Pong("hewwo :3")
         await client.aclose()
         assert await server.next() == Disconnected(key.public_key)
 
@@ -172,9 +157,9 @@ async def test_handshake_bytes() -> None:
         peer = await RawPeer.open(server)
         header = await peer.stream.receive_some(4)
         assert header == (33).to_bytes(4, "big")
-    frame = to_bytes(TestToServer.Ping("hi"), TestToServer)
+    frame = to_bytes(ToServer.Ping("hi"), ToServer)
     assert frame == bytes([0, 2]) + b"hi"
-    assert from_bytes(frame, TestToServer) == TestToServer.Ping("hi")
+    assert from_bytes(frame, ToServer) == ToServer.Ping("hi")
 
 
 @struct(frozen=True)
@@ -240,12 +225,12 @@ async def test_bad_frames_close_only_that_connection(caplog) -> None:
         await silent.challenge()
         assert await silent.closed_by_server()  # handshake timeout
 
-        await good.send(TestToServer.Ping("still here"))
+        await good.send(ToServer.Ping("still here"))
         events = []
         with trio.fail_after(2):
             while not any(isinstance(e, Message) for e in events):
                 events.append(await server.next())
-        assert Message(good_key.public_key, TestToServer.Ping("still here")) in events
+        assert Message(good_key.public_key, ToServer.Ping("still here")) in events
         assert server.connected_clients() == [good_key.public_key]
         await good.aclose()
     for text in (
@@ -265,11 +250,11 @@ async def test_frames_split_into_single_bytes_still_arrive() -> None:
         challenge = await peer.challenge()
         data = encode_challenge_response(key, challenge)
         frame = len(data).to_bytes(4, "big") + data
-        payload = bytes([1]) + to_bytes(TestToServer.Ping("slow"), TestToServer)
+        payload = bytes([1]) + to_bytes(ToServer.Ping("slow"), ToServer)
         frame += len(payload).to_bytes(4, "big") + payload
         for b in frame:
             await peer.stream.send_all(bytes([b]))
-        assert await server.next() == Message(key.public_key, TestToServer.Ping("slow"))
+        assert await server.next() == Message(key.public_key, ToServer.Ping("slow"))
 
 
 async def test_reconnect_with_the_same_key_replaces_the_old_connection() -> None:
@@ -284,10 +269,10 @@ async def test_reconnect_with_the_same_key_replaces_the_old_connection() -> None
         # The old connection's end must not unregister the new one (upstream removes by key),
         # nor report the client as gone.
         assert server.connected_clients() == [key.public_key]
-        server.send_to(key.public_key, TestToClient.Pong("to the new one"))
-        assert await new.receive() == TestToClient.Pong("to the new one")
-        await new.send(TestToServer.Ping("new"))
-        assert await server.next() == Message(key.public_key, TestToServer.Ping("new"))
+        server.send_to(key.public_key, ToClient.Pong("to the new one"))
+        assert await new.receive() == ToClient.Pong("to the new one")
+        await new.send(ToServer.Ping("new"))
+        assert await server.next() == Message(key.public_key, ToServer.Ping("new"))
         await new.aclose()
         assert await server.next() == Disconnected(key.public_key)
 
@@ -296,15 +281,15 @@ async def test_broadcast_send_limits_and_unknown_clients() -> None:
     async with start_server(max_send_frame=1000) as server:
         clients = [await connect(server) for _ in range(3)]
         await wait_for(lambda: len(server.connected_clients()) == 3)
-        server.broadcast(TestToClient.Pong("all"))
+        server.broadcast(ToClient.Pong("all"))
         for c in clients:
-            assert await c.receive() == TestToClient.Pong("all")
-        server.send_to(SecretKey.generate().public_key, TestToClient.Pong("nobody"))  # no-op
+            assert await c.receive() == ToClient.Pong("all")
+        server.send_to(SecretKey.generate().public_key, ToClient.Pong("nobody"))  # no-op
         with pytest.raises(FrameTooLarge):
-            server.broadcast(TestToClient.Pong("x" * 2000))
-        server.broadcast(TestToClient.Pong("after"))
+            server.broadcast(ToClient.Pong("x" * 2000))
+        server.broadcast(ToClient.Pong("after"))
         for c in clients:
-            assert await c.receive() == TestToClient.Pong("after")
+            assert await c.receive() == ToClient.Pong("after")
             await c.aclose()
 
 
@@ -313,7 +298,7 @@ async def test_client_limits_and_server_going_away() -> None:
         key = SecretKey.generate()
         client = await connect(server, key, max_frame=150)  # the limit applies both ways
         await wait_for(lambda: server.connected_clients() == [key.public_key])
-        server.send_to(key.public_key, TestToClient.Pong("y" * 200))
+        server.send_to(key.public_key, ToClient.Pong("y" * 200))
         with pytest.raises(FrameTooLarge):
             await client.receive()
         await client.aclose()
@@ -329,7 +314,7 @@ async def test_client_that_never_reads_is_dropped(caplog) -> None:
         key = SecretKey.generate()
         client = await connect(server, key)
         await wait_for(lambda: server.connected_clients() == [key.public_key])
-        big = TestToClient.Pong("z" * 500_000)
+        big = ToClient.Pong("z" * 500_000)
         with trio.fail_after(5):
             while server.connected_clients():
                 server.send_to(key.public_key, big)

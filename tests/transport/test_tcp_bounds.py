@@ -20,7 +20,6 @@ import trio.testing
 
 from psyche.core.drop_log import DropLog
 from psyche.core.identity import SecretKey
-from psyche.core.serde import DataEnum, variant
 from psyche.transport import (
     HANDSHAKE_FRAME_LENGTH,
     SERVER_MAX_FRAME_LENGTH,
@@ -30,7 +29,6 @@ from psyche.transport import (
     FramedStream,
     FrameTimeout,
     Message,
-    PostcardCodec,
     TcpClient,
     TcpServer,
     encode_challenge_response,
@@ -38,27 +36,12 @@ from psyche.transport import (
 )
 
 from ..polling import poll_until
+from .conftest import CODECS, ToClient, ToServer
 
 pytestmark = pytest.mark.anyio
 
 DEADLINE = 30  # seconds: generous, for a busy 2-core machine
 MIB = 1 << 20
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "trio"
-
-
-class ToServer(DataEnum):
-    Ping = variant(str)
-
-
-class ToClient(DataEnum):
-    Pong = variant(str)
-
-
-CODECS = {"to_server": PostcardCodec(ToServer), "to_client": PostcardCodec(ToClient)}
 
 
 @asynccontextmanager

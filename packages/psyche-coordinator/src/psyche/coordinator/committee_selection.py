@@ -192,19 +192,19 @@ class CommitteeSelection:
             )
         return shuffled_index(index, self.total_nodes, salted_seed)
 
-    def committee_position(self, index: int) -> int:
-        seed = self._committee_seed
+    def _salted_seed(self, slot: str, salt: bytes) -> bytes:
+        """`sha256(seed, salt)`, computed once and kept in `slot`."""
+        seed: bytes | None = getattr(self, slot)
         if seed is None:
-            seed = sha256v((self.seed, _COMMITTEE_SALT_BYTES))
-            object.__setattr__(self, "_committee_seed", seed)
-        return self._position(index, seed)
+            seed = sha256v((self.seed, salt))
+            object.__setattr__(self, slot, seed)
+        return seed
+
+    def committee_position(self, index: int) -> int:
+        return self._position(index, self._salted_seed("_committee_seed", _COMMITTEE_SALT_BYTES))
 
     def witness_position(self, index: int) -> int:
-        seed = self._witness_seed
-        if seed is None:
-            seed = sha256v((self.seed, _WITNESS_SALT_BYTES))
-            object.__setattr__(self, "_witness_seed", seed)
-        return self._position(index, seed)
+        return self._position(index, self._salted_seed("_witness_seed", _WITNESS_SALT_BYTES))
 
     def get_witness(self, index: int) -> WitnessProof:
         position = self.witness_position(index)

@@ -108,6 +108,21 @@ def list_data_files(
     return [Path(entry.path) for entry in entries if Path(entry.name).suffix[1:] in extensions]
 
 
+def data_directory(
+    directory: str | os.PathLike[str], extensions: tuple[str, ...] = DATA_FILE_EXTENSIONS
+) -> tuple[Path, list[Path]]:
+    """A data directory, resolved, and its data files (`list_data_files`); a
+    `DataProviderError` when it cannot be opened or holds none."""
+    try:
+        root = Path(directory).resolve(strict=True)
+    except OSError as e:
+        raise DataProviderError(f"Failed to open data directory {directory}: {e}") from e
+    paths = list_data_files(root, extensions)
+    if not paths:
+        raise DataProviderError(f"No training data files in directory {root}")
+    return root, paths
+
+
 def sequence_offsets(file_size: int, seq_bytes: int) -> np.ndarray:
     """Upstream's `(0..size - seq_bytes).step_by(seq_bytes)`; empty for files of one sequence or
     less (where upstream's unsigned subtraction would underflow)."""
@@ -155,13 +170,7 @@ class LocalDataProvider:
     ) -> LocalDataProvider:
         if seq_len <= 0:
             raise DataProviderError(f"seq_len must be positive, got {seq_len}")
-        try:
-            root = Path(directory).resolve(strict=True)
-        except OSError as e:
-            raise DataProviderError(f"Failed to open data directory {directory}: {e}") from e
-        paths = list_data_files(root)
-        if not paths:
-            raise DataProviderError(f"No training data files in directory {root}")
+        root, paths = data_directory(directory)
         token_bytes = token_size.num_bytes
         seq_bytes = seq_len * token_bytes
         files: list[_MappedFile] = []

@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 from psyche.core.batch_id import BatchId
 from psyche.core.data_shuffle import Shuffle
 from psyche.core.rng import ChaCha8Rng, shuffle_permutation
-from psyche.data_provider.local import list_data_files
+from psyche.data_provider.local import data_directory
 from psyche.data_provider.types import (
     PARQUET_EXTENSION,
     DataProviderError,
@@ -155,13 +155,7 @@ class PreprocessedDataProvider:
         split: Split | None,
         subset: str | None,
     ) -> PreprocessedDataProvider:
-        try:
-            root = Path(directory).resolve(strict=True)
-        except OSError as e:
-            raise DataProviderError(f"Failed to open data directory {directory}: {e}") from e
-        files = list_data_files(root, (PARQUET_EXTENSION,))
-        if not files:
-            raise DataProviderError(f"No training data files in directory {root}")
+        _, files = data_directory(directory, (PARQUET_EXTENSION,))
         chosen, _ = select_dataset_files(files, split, subset)
         samples = load_samples(chosen, seq_len)
         match shuffle:

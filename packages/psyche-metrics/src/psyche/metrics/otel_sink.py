@@ -26,7 +26,8 @@ import logging
 import threading
 import time
 import traceback
-from typing import Any
+from enum import Enum
+from typing import Any, ClassVar, TypeVar, cast
 
 from opentelemetry._logs import LogRecord, SeverityNumber
 from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter
@@ -78,46 +79,40 @@ class _Switch:
         )
 
 
-class _MetricExporter(OTLPMetricExporter):
+class _ExportsUntilItFails:
+    """Mixed in before an OTLP exporter (with its result enum's `SUCCESS` and `FAILURE`): an
+    export fails at once while `switch` is off, and the first failed export turns it off."""
+
+    SUCCESS: ClassVar[Enum]
+    FAILURE: ClassVar[Enum]
+
     def __init__(self, switch: _Switch, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.switch = switch
 
-    def export(self, *args: Any, **kwargs: Any) -> MetricExportResult:
+    def export(self, *args: Any, **kwargs: Any) -> Any:
         if not self.switch.on:
-            return MetricExportResult.FAILURE
-        result = super().export(*args, **kwargs)
-        if result is not MetricExportResult.SUCCESS:
+            return self.FAILURE
+        # The exporter this is mixed into (next in the MRO) does the export.
+        result = cast(Any, super()).export(*args, **kwargs)
+        if result is not self.SUCCESS:
             self.switch.failed()
         return result
 
 
-class _SpanExporter(OTLPSpanExporter):
-    def __init__(self, switch: _Switch, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.switch = switch
-
-    def export(self, *args: Any, **kwargs: Any) -> SpanExportResult:
-        if not self.switch.on:
-            return SpanExportResult.FAILURE
-        result = super().export(*args, **kwargs)
-        if result is not SpanExportResult.SUCCESS:
-            self.switch.failed()
-        return result
+class _MetricExporter(_ExportsUntilItFails, OTLPMetricExporter):
+    SUCCESS, FAILURE = MetricExportResult.SUCCESS, MetricExportResult.FAILURE
 
 
-class _LogExporter(OTLPLogExporter):
-    def __init__(self, switch: _Switch, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.switch = switch
+class _SpanExporter(_ExportsUntilItFails, OTLPSpanExporter):
+    SUCCESS, FAILURE = SpanExportResult.SUCCESS, SpanExportResult.FAILURE
 
-    def export(self, *args: Any, **kwargs: Any) -> LogRecordExportResult:
-        if not self.switch.on:
-            return LogRecordExportResult.FAILURE
-        result = super().export(*args, **kwargs)
-        if result is not LogRecordExportResult.SUCCESS:
-            self.switch.failed()
-        return result
+
+class _LogExporter(_ExportsUntilItFails, OTLPLogExporter):
+    SUCCESS, FAILURE = LogRecordExportResult.SUCCESS, LogRecordExportResult.FAILURE
+
+
+_E = TypeVar("_E", bound=_ExportsUntilItFails)
 
 
 # ---- log records -----------------------------------------------------------------------------
@@ -204,11 +199,13 @@ class OtelSink:
         self._last_time_ns: int | None = None
         self._start()
 
-    def _exporter_kwargs(self, url: str) -> dict[str, Any]:
+    def _exporter(self, cls: type[_E], signal: str, url: str) -> _E:
+        """`signal`'s exporter to `url`, with the run's auth header and `EXPORT_TIMEOUT`, off
+        after its first failed export."""
         kwargs: dict[str, Any] = {"endpoint": url, "timeout": EXPORT_TIMEOUT}
         if self.config.oltp_auth_header is not None:
             kwargs["headers"] = {"authorization": self.config.oltp_auth_header}
-        return kwargs
+        return cls(_Switch(signal, url), **kwargs)
 
     def _start(self) -> None:
         """Providers, exporters and the log handler, made when the sink is: no network (the
@@ -219,7 +216,7 @@ class OtelSink:
         scope = self.service.scope
         if config.oltp_metrics_url is not None:
             url = config.oltp_metrics_url
-            exporter = _MetricExporter(_Switch("metrics", url), **self._exporter_kwargs(url))
+            exporter = self._exporter(_MetricExporter, "metrics", url)
             reader = PeriodicExportingMetricReader(
                 exporter,
                 export_interval_millis=config.oltp_report_interval * 1000,
@@ -233,18 +230,14 @@ class OtelSink:
             url = config.oltp_tracing_url
             self._tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=False)
             self._tracer_provider.add_span_processor(
-                BatchSpanProcessor(
-                    _SpanExporter(_Switch("traces", url), **self._exporter_kwargs(url))
-                )
+                BatchSpanProcessor(self._exporter(_SpanExporter, "traces", url))
             )
             self._tracer = self._tracer_provider.get_tracer(scope)
         if config.oltp_logs_url is not None:
             url = config.oltp_logs_url
             self._logger_provider = LoggerProvider(resource=resource, shutdown_on_exit=False)
             self._logger_provider.add_log_record_processor(
-                BatchLogRecordProcessor(
-                    _LogExporter(_Switch("logs", url), **self._exporter_kwargs(url))
-                )
+                BatchLogRecordProcessor(self._exporter(_LogExporter, "logs", url))
             )
             self._log_handler = OtelLogHandler(self._logger_provider)
             logging.getLogger(self.logs_logger).addHandler(self._log_handler)

@@ -39,6 +39,8 @@ from psyche.modeling.serialized_distro import (
 
 if TYPE_CHECKING:
     from psyche.core import definitions
+    from psyche.modeling.diloco.optimizer import Diloco
+    from psyche.modeling.serialized_distro import TransmittableDistroResult
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,72 @@ def _prev(step: int) -> int:
     return 0 if step == 0 else step - 1
 
 
+def clip_gradients(params: Sequence[torch.Tensor], max_norm: float | None) -> None:
+    """Clip the gradients of `params` to `max_norm` in place (as the trainer does); nothing when
+    `max_norm` is None or not positive, or no parameter has a gradient."""
+    if max_norm is not None and max_norm > 0.0:
+        grads = [p.grad for p in params if p.grad is not None]
+        if grads:
+            clip_grad_norm_native(grads, max_norm)
+
+
+class ResultExchange:
+    """What the DisTrO and DiLoCo peer simulations share: one round's exchange of every
+    member's results (`simulate_round`: the hostile members' rewrite, the wire, the witnesses'
+    verdict). With `through_wire`, every result goes through the postcard payload, its
+    commitment hash and the receiver's validation (`_from_wire`), as between real peers;
+    `last_payload_bytes` then holds each member's last payload size. `last_accepted`: the
+    members whose results of the last exchange the run applies."""
+
+    def __init__(
+        self,
+        optimizers: Sequence[Distro | Diloco],
+        *,
+        through_wire: bool,
+        hostile: RoundTamper | None,
+        screening: ScreeningSettings | None,
+    ) -> None:
+        self.through_wire = through_wire
+        self.last_payload_bytes: list[int] = []
+        self.hostile = hostile
+        self.witnesses: WitnessPanel | None = None
+        if screening is not None:
+            for optimizer in optimizers:
+                optimizer.keep_encoded = True
+            self.witnesses = WitnessPanel(optimizers[0], screening, len(optimizers), hostile)
+        self.last_accepted: list[int] = []
+        self._optimizers = list(optimizers)
+
+    def _exchange(self, sent: list[list[DistroResult]], step: int) -> list[list[DistroResult]]:
+        """Every member's `sent` results of `step` as received; with screening, only those a
+        quorum of witnesses vouched for (their members in `last_accepted`)."""
+        received, self.last_accepted = simulate_round(
+            sent,
+            self._optimizers,
+            lambda results, i: self._send(results, step, i),
+            self.hostile,
+            self.witnesses,
+        )
+        return [received[i] for i in self.last_accepted]
+
+    def _send(self, results: list[DistroResult], step: int, index: int) -> list[DistroResult]:
+        if not self.through_wire:
+            return results
+        payload = transmittable_distro_result(results, step, 0, BatchId(index, index))
+        blob = payload.to_bytes()
+        if len(self.last_payload_bytes) == len(self._optimizers):
+            self.last_payload_bytes = []
+        self.last_payload_bytes.append(len(blob))
+        received = decode_transmittable(blob)
+        if received.comptue_hash() != payload.comptue_hash():
+            raise AssertionError("commitment hash changed on the wire")
+        return self._from_wire(received)
+
+    def _from_wire(self, received: TransmittableDistroResult) -> list[DistroResult]:
+        """A received payload's results, as the receiving member validates them."""
+        raise NotImplementedError
+
+
 class _Peer:
     def __init__(self, model: nn.Module, settings: DistroSettings) -> None:
         self.model = model
@@ -117,10 +185,7 @@ class _Peer:
         self.distro.error_correction(prev_lr)
 
     def generate(self, settings: DistroSettings, prev_lr: float, lr: float) -> list[DistroResult]:
-        if settings.clip_grad_norm is not None and settings.clip_grad_norm > 0.0:
-            grads = [p.grad for p in self.params if p.grad is not None]
-            if grads:
-                clip_grad_norm_native(grads, settings.clip_grad_norm)
+        clip_gradients(self.params, settings.clip_grad_norm)
         prev = [self.prev_results] if self.prev_results is not None else []
         return self.distro.generate(prev, prev_lr, lr)
 
@@ -159,7 +224,7 @@ class DistroLoop:
         return results
 
 
-class PeerSimulation:
+class PeerSimulation(ResultExchange):
     """N DisTrO peers in one process, each with its own replica, exchanging results.
 
     Each peer trains on its own data between `zero_grad` and `step`. With `through_wire`, every
@@ -181,18 +246,14 @@ class PeerSimulation:
             raise ValueError("at least one peer is needed")
         self.settings = settings or DistroSettings()
         self.lr = lr_function(lr)
-        self.through_wire = through_wire
         self.peers = [_Peer(m, self.settings) for m in models]
-        self.last_payload_bytes: list[int] = []
         self._outbox: list[list[DistroResult]] | None = None
-        self.hostile = hostile
-        self.witnesses: WitnessPanel | None = None
-        if screening is not None:
-            for peer in self.peers:
-                peer.distro.keep_encoded = True
-            self.witnesses = WitnessPanel(self.peers[0].distro, screening, len(self.peers), hostile)
-        self.last_accepted: list[int] = []
-        """The peers whose results of the last step every peer applies next step."""
+        super().__init__(
+            [peer.distro for peer in self.peers],
+            through_wire=through_wire,
+            hostile=hostile,
+            screening=screening,
+        )
 
     @property
     def models(self) -> list[nn.Module]:
@@ -214,26 +275,9 @@ class PeerSimulation:
                 peer.distro.apply(self._outbox, lr)
         for peer, results in zip(self.peers, fresh):
             peer.prev_results = results
-        received, self.last_accepted = simulate_round(
-            sent,
-            [peer.distro for peer in self.peers],
-            lambda results, i: self._send(results, step, i),
-            self.hostile,
-            self.witnesses,
-        )
-        self._outbox = [received[i] for i in self.last_accepted]
+        self._outbox = self._exchange(sent, step)
 
-    def _send(self, sent: list[DistroResult], step: int, index: int) -> list[DistroResult]:
-        if not self.through_wire:
-            return sent
-        payload = transmittable_distro_result(sent, step, 0, BatchId(index, index))
-        blob = payload.to_bytes()
-        if len(self.last_payload_bytes) == len(self.peers):
-            self.last_payload_bytes = []
-        self.last_payload_bytes.append(len(blob))
-        received = decode_transmittable(blob)
-        if received.comptue_hash() != payload.comptue_hash():
-            raise AssertionError("commitment hash changed on the wire")
+    def _from_wire(self, received: TransmittableDistroResult) -> list[DistroResult]:
         layouts = self.peers[0].distro.layouts()
         return distro_results_from_transmittable(
             received, layouts, require_1bit=self.settings.quantize_1bit

@@ -17,13 +17,24 @@ from __future__ import annotations
 import struct
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from psyche.core.serde import schema
 from psyche.core.serde.schema import IntMarker, wire_type
 
 Encoder = Callable[[Any, bytearray], None]
 Decoder = Callable[[memoryview, int], tuple[Any, int]]
+_F = TypeVar("_F", Encoder, Decoder)
+_K = TypeVar("_K", int, tuple[int, bool])
+
+
+def _decode_items(item: Decoder, n: int, b: memoryview, p: int) -> tuple[list[Any], int]:
+    """`n` items back to back from `b[p:]` (a sequence's or an array's), and where they end."""
+    out = []
+    for _ in range(n):
+        x, p = item(b, p)
+        out.append(x)
+    return out, p
 
 
 class BinaryCodec:
@@ -79,42 +90,51 @@ class BinaryCodec:
     def encoder(self, wt: schema.WireType) -> Encoder:
         key = id(wt)
         enc = self._encoders.get(key)
-        if enc is not None:
-            return enc
-        with self._lock:
-            enc = self._encoders.get(key) or self._building_encoders.get(key)
-            if enc is not None:
-                return enc
-            # A placeholder, private to this thread, ends recursion in self-referencing types.
-            holder: list[Encoder] = []
-            self._building_encoders[key] = lambda v, out: holder[0](v, out)
-            try:
-                enc = self.build_encoder(wt)
-            finally:
-                del self._building_encoders[key]
-            holder.append(enc)
-            self._encoders[key] = enc
-            return enc
+        if enc is None:
+            enc = self._compile(
+                self._encoders, self._building_encoders, key, self.build_encoder, wt
+            )
+        return enc
 
     def decoder(self, wt: schema.WireType, borrow: bool = False) -> Decoder:
         """`borrow=True`: `bytes` fields are read-only views into the input instead of copies."""
         key = (id(wt), borrow)
         dec = self._decoders.get(key)
-        if dec is not None:
-            return dec
+        if dec is None:
+            dec = self._compile(
+                self._decoders,
+                self._building_decoders,
+                key,
+                lambda wt: self.build_decoder(wt, borrow),
+                wt,
+            )
+        return dec
+
+    def _compile(
+        self,
+        done: dict[_K, _F],
+        building: dict[_K, _F],
+        key: _K,
+        build: Callable[[schema.WireType], _F],
+        wt: schema.WireType,
+    ) -> _F:
+        """`build(wt)`, published in `done` under `key` once finished (a thread that finds it
+        there uses it without the lock). While it builds, `building` holds a placeholder that
+        forwards to the finished closure, which ends recursion in self-referencing types; the
+        lock (re-entrant) keeps the placeholder to the building thread."""
         with self._lock:
-            dec = self._decoders.get(key) or self._building_decoders.get(key)
-            if dec is not None:
-                return dec
-            holder: list[Decoder] = []
-            self._building_decoders[key] = lambda b, p: holder[0](b, p)
+            fn = done.get(key) or building.get(key)
+            if fn is not None:
+                return fn
+            holder: list[_F] = []
+            building[key] = cast(_F, lambda *args: holder[0](*args))
             try:
-                dec = self.build_decoder(wt, borrow)
+                fn = build(wt)
             finally:
-                del self._building_decoders[key]
-            holder.append(dec)
-            self._decoders[key] = dec
-            return dec
+                del building[key]
+            holder.append(fn)
+            done[key] = fn
+            return fn
 
     # ---- hooks: what formats write differently ------------------------------------------------
 
@@ -430,11 +450,7 @@ class BinaryCodec:
                     # Every item takes at least one byte: a larger count is a lie, not a reason
                     # to allocate.
                     raise err(f"sequence claims {n} items but only {len(b) - p} bytes remain")
-                out = []
-                for _ in range(n):
-                    x, p = item(b, p)
-                    out.append(x)
-                return out, p
+                return _decode_items(item, n, b, p)
 
             return dec_seq
 
@@ -443,11 +459,7 @@ class BinaryCodec:
             length = wt.length
 
             def dec_array(b: memoryview, p: int) -> tuple[list[Any], int]:
-                out = []
-                for _ in range(length):
-                    x, p = item(b, p)
-                    out.append(x)
-                return out, p
+                return _decode_items(item, length, b, p)
 
             return dec_array
 

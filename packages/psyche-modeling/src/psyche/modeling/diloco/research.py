@@ -29,19 +29,13 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from psyche.core.batch_id import BatchId
 from psyche.modeling.adamw import LibtorchAdamW
-from psyche.modeling.causal_lm import clip_grad_norm_native
 from psyche.modeling.diloco.optimizer import Diloco, DilocoSettings
 from psyche.modeling.distro import DistroResult
 from psyche.modeling.lr import Schedule, lr_function
-from psyche.modeling.screening import (
-    RoundTamper,
-    ScreeningSettings,
-    WitnessPanel,
-    simulate_round,
-)
-from psyche.modeling.serialized_distro import decode_transmittable, transmittable_distro_result
+from psyche.modeling.research import ResultExchange, clip_gradients
+from psyche.modeling.screening import RoundTamper, ScreeningSettings
+from psyche.modeling.serialized_distro import TransmittableDistroResult
 
 
 def _base_lr(lr: object) -> float | None:
@@ -67,16 +61,12 @@ class _Replica:
         self.inner.zero_grad()
 
     def inner_step(self, lr: float) -> None:
-        clip = self.settings.inner_clip_grad_norm
-        if clip > 0.0:
-            grads = [p.grad for p in self.diloco.params if p.grad is not None]
-            if grads:
-                clip_grad_norm_native(grads, clip)
+        clip_gradients(self.diloco.params, self.settings.inner_clip_grad_norm)
         self.inner.step(lr)
         self.inner.zero_grad()
 
 
-class DilocoPeerSimulation:
+class DilocoPeerSimulation(ResultExchange):
     """N DiLoCo replicas in one process (see the module docstring).
 
     `last_payload_bytes` holds the size of each replica's last payload when `through_wire`.
@@ -98,26 +88,21 @@ class DilocoPeerSimulation:
             raise ValueError("at least one replica is needed")
         self.settings = settings or DilocoSettings()
         self.lr = lr_function(lr)
-        self.through_wire = through_wire
         self.overlap = overlap
         self.lookahead = lookahead and overlap
         self.replicas = [_Replica(m, self.settings, _base_lr(lr)) for m in models]
-        self.last_payload_bytes: list[int] = []
         self.outer_steps = 0
         self._inner = 0
         self._round = 0
         self._in_flight: list[list[list[DistroResult]]] = []
         for r in self.replicas:
             r.diloco.begin_round(self._round)
-        self.hostile = hostile
-        self.witnesses: WitnessPanel | None = None
-        if screening is not None:
-            for r in self.replicas:
-                r.diloco.keep_encoded = True
-            diloco = self.replicas[0].diloco
-            self.witnesses = WitnessPanel(diloco, screening, len(self.replicas), hostile)
-        self.last_accepted: list[int] = []
-        """The replicas whose payloads of the last round ended the run applies."""
+        super().__init__(
+            [r.diloco for r in self.replicas],
+            through_wire=through_wire,
+            hostile=hostile,
+            screening=screening,
+        )
 
     @property
     def models(self) -> list[nn.Module]:
@@ -140,7 +125,8 @@ class DilocoPeerSimulation:
         if self._inner < self.settings.inner_steps:
             return False
         self._inner = 0
-        self._in_flight.append(self._end_round(step))
+        sent = [r.diloco.end_round(self._round) for r in self.replicas]
+        self._in_flight.append(self._exchange(sent, step))
         if not self.overlap or len(self._in_flight) > 1:
             self._apply(self._in_flight.pop(0), lr)
         self._round += 1
@@ -161,35 +147,12 @@ class DilocoPeerSimulation:
         for r in self.replicas:
             r.diloco.begin_round(self._round)
 
-    def _end_round(self, step: int) -> list[list[DistroResult]]:
-        """Every replica's payload of the round, as sent (hostile ones rewritten) and received;
-        with screening, only those a quorum of witnesses vouched for."""
-        sent = [r.diloco.end_round(self._round) for r in self.replicas]
-        received, self.last_accepted = simulate_round(
-            sent,
-            [r.diloco for r in self.replicas],
-            lambda results, i: self._send(results, step, i),
-            self.hostile,
-            self.witnesses,
-        )
-        return [received[i] for i in self.last_accepted]
-
     def _apply(self, payloads: list[list[DistroResult]], lr: float) -> None:
         for r in self.replicas:
             r.diloco.apply(payloads, r.diloco.outer_lr(lr))
         self.outer_steps += 1
 
-    def _send(self, results: list[DistroResult], step: int, index: int) -> list[DistroResult]:
-        if not self.through_wire:
-            return results
-        payload = transmittable_distro_result(results, step, 0, BatchId(index, index))
-        blob = payload.to_bytes()
-        if len(self.last_payload_bytes) == len(self.replicas):
-            self.last_payload_bytes = []
-        self.last_payload_bytes.append(len(blob))
-        received = decode_transmittable(blob)
-        if received.compute_hash() != payload.compute_hash():
-            raise AssertionError("commitment hash changed on the wire")
+    def _from_wire(self, received: TransmittableDistroResult) -> list[DistroResult]:
         return self.replicas[0].diloco.results_from_transmittable(received)
 
 

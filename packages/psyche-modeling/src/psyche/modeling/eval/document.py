@@ -73,6 +73,19 @@ def string_list(value: object, name: str) -> list[str]:
     return list(value)
 
 
+def choices_group(row: object) -> dict[str, object]:
+    """The `choices` column of AllenAI's multiple-choice datasets (ARC, OpenBookQA): one group
+    of parallel `text` and `label` lists."""
+    group = field(row, "choices")
+    if not isinstance(group, dict):
+        raise DocumentError("column 'choices' should hold 'text' and 'label' lists")
+    return group
+
+
+def choice_texts(group: dict[str, object]) -> tuple[str, ...]:
+    return tuple(string_list(group.get("text"), "choices.text"))
+
+
 def letter_index(letter: str, name: str, letters: int = len(ASCII_UPPERCASE)) -> int:
     """ "A" -> 0, "B" -> 1, ... (the first `letters` letters)."""
     if letter in ASCII_UPPERCASE[:letters]:

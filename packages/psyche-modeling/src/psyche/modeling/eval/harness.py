@@ -353,43 +353,43 @@ class PreparedTask:
         return "acc_norm" if self.name in TASKS_WITH_ACC_NORM else "acc"
 
     def run(self, options: EvalTaskOptions) -> PreparedTaskResult:
+        """Score the documents `options` picks into `options.live_results` (else a fresh
+        average), with an entry for each metric of the task over all its documents."""
+        results = options.live_results if options.live_results is not None else RunningAverage()
+        floor = min_samples(self.name, self.num) if options.confident_only else None
+        for metric in self._metrics():
+            results.add_entry_if_needed(metric, self.num, floor)
+        walk = _Walk(options, self.num)
+        if not self.num:
+            return PreparedTaskResult(_averages(results), walk.skip, False, 0)
         with _inference(options.model):
             if self.llh_docs is not None:
-                return self._run_log_likelihood(options)
-            return self._run_generate_until(options)
+                return self._run_log_likelihood(options, results, walk)
+            return self._run_generate_until(options, results, walk)
+
+    def _metrics(self) -> list[str]:
+        if self.llh_docs is None:
+            return ["acc"]
+        return [
+            "acc",
+            *(["acc_norm"] if self.name in TASKS_WITH_ACC_NORM else []),
+            *(["acc_uncond"] if self.name in TASKS_WITH_ACC_UNCOND else []),
+        ]
 
     # -- loglikelihood ------------------------------------------------------------------------
 
-    def _run_log_likelihood(self, options: EvalTaskOptions) -> PreparedTaskResult:
+    def _run_log_likelihood(
+        self, options: EvalTaskOptions, results: RunningAverage, walk: _Walk
+    ) -> PreparedTaskResult:
         docs = self.llh_docs or []
-        results = options.live_results if options.live_results is not None else RunningAverage()
-        floor = min_samples(self.name, len(docs)) if options.confident_only else None
-        results.add_entry_if_needed("acc", len(docs), floor)
-        if self.name in TASKS_WITH_ACC_NORM:
-            results.add_entry_if_needed("acc_norm", len(docs), floor)
+        norm = self.name in TASKS_WITH_ACC_NORM
         uncond = self.name in TASKS_WITH_ACC_UNCOND
-        if uncond:
-            results.add_entry_if_needed("acc_uncond", len(docs), floor)
-        skip, step_by = options.skip_and_step_by or (0, 1)
-        if not docs:
-            return PreparedTaskResult(_averages(results), skip, False, 0)
-        next_index = skip
-        fast_forward = (skip // len(docs)) * len(docs)
-        cancelled = False
         done = 0
-        for num_iterations, doc_index in enumerate(_doc_indices(skip - fast_forward, step_by)):
-            next_index = doc_index
-            if options.stopped():
-                cancelled = True
-                break
-            if doc_index >= len(docs) or (
-                options.limit is not None and num_iterations >= options.limit
-            ):
-                break
+        for doc_index in walk:
             doc = docs[doc_index]
             scores = choice_loglikelihoods(options.model, doc)
             results.push("acc", float(_first_argmax(scores) == doc.answer))
-            if self.name in TASKS_WITH_ACC_NORM:
+            if norm:
                 lengths = torch.tensor(
                     [len(c.encode("utf-8")) for c in doc.choices_str], dtype=torch.float32
                 )
@@ -399,30 +399,18 @@ class PreparedTask:
                 margins = scores - unconditional_loglikelihoods(options.model, doc)
                 results.push("acc_uncond", float(_first_argmax(margins) == doc.answer))
             done += 1
-        return PreparedTaskResult(_averages(results), next_index + fast_forward, cancelled, done)
+        return PreparedTaskResult(
+            _averages(results), walk.index + walk.fast_forward, walk.cancelled, done
+        )
 
     # -- generation ---------------------------------------------------------------------------
 
-    def _run_generate_until(self, options: EvalTaskOptions) -> PreparedTaskResult:
+    def _run_generate_until(
+        self, options: EvalTaskOptions, results: RunningAverage, walk: _Walk
+    ) -> PreparedTaskResult:
         requests = self.generate_requests or []
-        results = options.live_results if options.live_results is not None else RunningAverage()
-        floor = min_samples(self.name, len(requests)) if options.confident_only else None
-        results.add_entry_if_needed("acc", len(requests), floor)
-        skip, step_by = options.skip_and_step_by or (0, 1)
-        if not requests:
-            return PreparedTaskResult(_averages(results), skip, False, 0)
-        fast_forward = (skip // len(requests)) * len(requests)
-        skip -= fast_forward
-        cancelled = False
         processed = 0
-        for num_iterations, doc_index in enumerate(_doc_indices(skip, step_by)):
-            if options.stopped():
-                cancelled = True
-                break
-            if doc_index >= len(requests) or (
-                options.limit is not None and num_iterations >= options.limit
-            ):
-                break
+        for doc_index in walk:
             request = requests[doc_index]
             generated = self.cache.pop(doc_index, [])
             complete = generate_greedy(
@@ -444,8 +432,8 @@ class PreparedTask:
             answer = ASCII_UPPERCASE.index(letter) if letter in ASCII_UPPERCASE else None
             results.push("acc", float(answer == request.answer))
             processed += 1
-        next_index = fast_forward + skip + processed * step_by
-        return PreparedTaskResult(_averages(results), next_index, cancelled, processed)
+        next_index = walk.fast_forward + walk.skip + processed * walk.step_by
+        return PreparedTaskResult(_averages(results), next_index, walk.cancelled, processed)
 
 
 def generate_greedy(
@@ -523,6 +511,36 @@ def _cache_argument(module: torch.nn.Module) -> str:
     `past_key_values` is deprecated), `past_key_values` before."""
     parameters = inspect.signature(module.forward).parameters
     return "cache" if "cache" in parameters else "past_key_values"
+
+
+class _Walk:
+    """The documents one run visits, as upstream iterates them: `options.skip_and_step_by`'s
+    start with whole passes over the `count` documents folded away (`fast_forward` of them),
+    then every `step_by`-th, until the end of the documents, `options.limit` of them, or
+    `options.stopped()` (then `cancelled`). `index`: the last document index reached (where a
+    stopped run stopped)."""
+
+    def __init__(self, options: EvalTaskOptions, count: int) -> None:
+        skip, self.step_by = options.skip_and_step_by or (0, 1)
+        self.fast_forward = (skip // count) * count if count else 0
+        self.skip = skip - self.fast_forward
+        self.index = self.skip
+        self.cancelled = False
+        self._options = options
+        self._count = count
+
+    def __iter__(self) -> Iterator[int]:
+        options = self._options
+        for num_iterations, doc_index in enumerate(_doc_indices(self.skip, self.step_by)):
+            self.index = doc_index
+            if options.stopped():
+                self.cancelled = True
+                return
+            if doc_index >= self._count or (
+                options.limit is not None and num_iterations >= options.limit
+            ):
+                return
+            yield doc_index
 
 
 def _doc_indices(skip: int, step_by: int) -> Iterator[int]:

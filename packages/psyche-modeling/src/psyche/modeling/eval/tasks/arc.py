@@ -6,7 +6,8 @@ from __future__ import annotations
 from psyche.modeling.eval.document import (
     Document,
     DocumentError,
-    field,
+    choice_texts,
+    choices_group,
     string_field,
     string_list,
 )
@@ -24,11 +25,9 @@ class Arc(SplitsTask, LogLikelihoodTask):
     @classmethod
     def row_to_document(cls, row: Row) -> Document:
         question = string_field(row, "question")
-        choices_and_labels = field(row, "choices")
-        if not isinstance(choices_and_labels, dict):
-            raise DocumentError("column 'choices' should hold 'text' and 'label' lists")
-        choices = tuple(string_list(choices_and_labels.get("text"), "choices.text"))
-        labels = string_list(choices_and_labels.get("label"), "choices.label")
+        group = choices_group(row)
+        choices = choice_texts(group)
+        labels = string_list(group.get("label"), "choices.label")
         answer_key = string_field(row, "answerKey")
         if answer_key not in labels:
             raise DocumentError(f"answerKey {answer_key!r} is not one of the labels {labels}")

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 from psyche.modeling.eval.document import (
     Document,
-    DocumentError,
-    field,
+    choice_texts,
+    choices_group,
     letter_index,
     string_field,
-    string_list,
 )
 from psyche.modeling.eval.loading import Row
 from psyche.modeling.eval.traits import LogLikelihoodTask, SplitsTask
@@ -24,10 +23,7 @@ class OpenbookQA(SplitsTask, LogLikelihoodTask):
 
     @classmethod
     def row_to_document(cls, row: Row) -> Document:
-        group = field(row, "choices")
-        if not isinstance(group, dict):
-            raise DocumentError("column 'choices' should hold 'text' and 'label' lists")
-        choices = tuple(string_list(group.get("text"), "choices.text"))
+        choices = choice_texts(choices_group(row))
         # Upstream accepts A-D only.
         answer = letter_index(string_field(row, "answerKey"), "answerKey", letters=4)
         return cls.document(string_field(row, "question_stem"), choices, answer)
