@@ -32,7 +32,7 @@ from psyche.client.round.state import DeserializedPayload, Downloading, PayloadH
 from psyche.client.round.steps import MachineSettings, StepStateMachine
 from psyche.client.round.train import OwnResult
 from psyche.client.round.witness import SendFinished, finished_broadcast
-from psyche.coordinator import RunState
+from psyche.coordinator import Coordinator, RunState
 from psyche.coordinator.backend import HealthCheck, OpportunisticData
 from psyche.coordinator.commitment import Commitment
 from psyche.coordinator.testing import Simulation, integration_test_coordinator
@@ -217,6 +217,8 @@ async def run_simulated(
     trainer: Callable[[int], Trainer] = lambda _: make_trainer(),
     data: Callable[[], FakeData] = FakeData,
     screens: Callable[[int], bool] = lambda _: True,
+    epoch_time: int = 1_000,
+    blind: Callable[[int, Coordinator], bool] = lambda _i, _c: False,
 ) -> tuple[Bus, list[Node]]:
     """`late`: that client sees each new coordinator state only after the others have trained
     and gossiped in it (their broadcasts reach it while it is still a round behind).
@@ -224,10 +226,11 @@ async def run_simulated(
     `max_round_train_time` also bounds (in real seconds) how long an apply waits for a
     payload; `witness_nodes`: the witnesses elected per round (0: every client). `trainer`,
     `data` and `screens` give client `i` its trainer, its data and whether its witness checks
-    results (`MachineSettings.screen_results`)."""
+    results (`MachineSettings.screen_results`). `blind(i, state)`: client `i` never sees that
+    coordinator state (it was busy while the state went by)."""
     coordinator = integration_test_coordinator(clients, 2 * clients, witness_nodes)
     coordinator.config.max_round_train_time = max_round_train_time
-    coordinator.config.epoch_time = 1_000
+    coordinator.config.epoch_time = epoch_time
     coordinator.config.min_clients = 1
     sim = Simulation(coordinator, now=1_000_000, rng=random.Random(5))
     bus = Bus(sim)
@@ -255,11 +258,13 @@ async def run_simulated(
         last_step = sim.coordinator.progress.step + rounds
         with trio.fail_after(300):  # a hang guard only: the simulated clock waits for the work
             while (sim.coordinator.progress.step < last_step and sim.coordinator.active()) or (
-                sim.coordinator.run_state is RunState.Warmup
+                sim.coordinator.run_state is RunState.Warmup and sim.coordinator.progress.epoch == 0
             ):
                 ordered = [n for i, n in enumerate(nodes) if i != late]
                 for group in (ordered, [nodes[late]] if late is not None else []):
                     for node in group:
+                        if blind(nodes.index(node), sim.coordinator):
+                            continue
                         await node.machine.apply_state(sim.coordinator.copy())
                         node.machine.try_send_opportunistic_witness()
                     await settle(bus, nodes)
@@ -439,3 +444,46 @@ def test_only_a_round_trained_without_the_client_makes_its_model_stale() -> None
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_a_client_that_missed_the_epochs_last_round_does_not_freeze_its_model(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A client busy while the epoch's last round went by (its RoundTrain and RoundWitness
+    states replaced by the Cooldown before it looked) never applied that round's results. It
+    froze its model anyway: its cooldown hash, under the same step as its peers', differed from
+    theirs (a model a round behind, shared to joiners and checkpointed). Now it says so
+    (`missed_round`) and its model is stale (`left_run`: the client joins again and loads the
+    run's model); the others' cooldown hashes agree."""
+    caplog.set_level(logging.INFO, logger="psyche.client")
+
+    def last_round(i: int, state: Coordinator) -> bool:
+        epoch = state.epoch_state
+        return (
+            i == 2
+            and state.run_state in (RunState.RoundTrain, RunState.RoundWitness)
+            and epoch.last_step_set()
+            and state.progress.step == epoch.last_step - 1
+        )
+
+    _bus, nodes = trio.run(
+        lambda: run_simulated(3, 100, witness_nodes=0, epoch_time=20, blind=last_round)
+    )
+    frozen = [r.psyche_fields for r in caplog.records if r.getMessage() == "cooldown_model"]
+    missed = [r.psyche_fields for r in caplog.records if r.getMessage() == "missed_round"]
+    blind_id = str(nodes[2].identity)
+    hashes = {f["client_id"]: f["model_hash"].hex()[:16] for f in frozen if f["epoch"] == 0}
+    assert len(set(hashes.values())) == 1, hashes  # before: the blind client's differed
+    assert set(hashes) == {str(n.identity) for n in nodes[:2]}, hashes
+    assert len(missed) == 1, missed
+    assert missed[0]["last_seen"] == missed[0]["step"] - 2, missed
+    assert nodes[2].machine.left_run
+    assert not any(n.machine.left_run for n in nodes[:2])
+    applied = {
+        (r.psyche_fields["client_id"], r.psyche_fields["step"])
+        for r in caplog.records
+        if r.getMessage() == "applied_results"
+    }
+    last = missed[0]["step"] - 1  # the round it did not see, whose apply the others ran
+    assert {c for c, step in applied if step == last} == {str(n.identity) for n in nodes[:2]}
+    assert blind_id not in {c for c, _ in applied if _ == last}

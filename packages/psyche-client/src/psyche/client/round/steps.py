@@ -288,7 +288,8 @@ class StepStateMachine:
 
     async def _train_to_cooldown(self, state: Coordinator, index: int) -> None:
         await self._finish_training(state)
-        self._start_cooldown(state)
+        if not self._missed_last_round(state):
+            self._start_cooldown(state)
 
     async def _witness_to_train(self, state: Coordinator, index: int) -> None:
         self._check_next_step(state.progress.step)
@@ -303,7 +304,8 @@ class StepStateMachine:
             self._start_witness(state)
 
     async def _witness_to_cooldown(self, state: Coordinator, index: int) -> None:
-        self._start_cooldown(state)
+        if not self._missed_last_round(state):
+            self._start_cooldown(state)
 
     async def _cooldown_to_warmup(self, state: Coordinator, index: int) -> None:
         await self.cooldown.finish()
@@ -342,6 +344,32 @@ class StepStateMachine:
         )
         self.left_run = True
         self._start_warmup()
+
+    def _missed_last_round(self, state: Coordinator) -> bool:
+        """Whether the epoch ended (`state`, the Cooldown) more than one step after the round
+        this client is in: the epoch's last round (or rounds) went by unseen while it was busy
+        (the backend hands over only the newest state), so the run applied results this client
+        never applied. Its model is behind: freezing it would hash, share and checkpoint weights
+        no other client has, under the step the others' carry. It is stale (`left_run`) from
+        here instead, as after a failed apply: the client joins again and loads the run's
+        model."""
+        if state.progress.step == self.current.step + 1:
+            return False
+        log_event(
+            logger,
+            "missed_round",
+            logging.WARNING,
+            text=f"the epoch ended at step {state.progress.step} but this client last saw step "
+            f"{self.current.step}: it missed the results applied since, so its model is "
+            "behind the run's; it stops, joins again and loads the model at the next epoch "
+            "it is in",
+            epoch=state.progress.epoch,
+            step=state.progress.step,
+            last_seen=self.current.step,
+        )
+        self.left_run = True
+        self._start_warmup()
+        return True
 
     def _check_next_step(self, step: int) -> None:
         if step != self.current.step + 1:
