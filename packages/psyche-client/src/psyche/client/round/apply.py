@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import trio
 
 from psyche.client.observe.logs import log_event
+from psyche.client.round.broadcast import Broadcast, BroadcastType
 from psyche.client.round.state import Downloading, PayloadHandle, RoundState
-from psyche.coordinator import Coordinator
+from psyche.coordinator import Client, Coordinator
 from psyche.coordinator.commitment import Commitment
 from psyche.coordinator.data_selection import get_batch_ids_for_round
 from psyche.coordinator.errors import CoordinatorError, CoordinatorErrorKind
@@ -100,6 +102,43 @@ def plan_apply(previous: RoundState, coordinator: Coordinator) -> ApplyPlan:
     return ApplyPlan(coordinator.progress.step, batch_ids, chosen, untrained, no_consensus)
 
 
+def agreed_but_unapplied(
+    job: ApplyJob, from_id: NodeIdentity, broadcast: Broadcast, clients: Sequence[Client]
+) -> bool:
+    """Whether `broadcast`, a result arriving after `job` (the apply of its round) was planned,
+    is one the run agreed on that the plan left out as untrained.
+
+    The plan can only take what this client had received when the round two later started;
+    the witnesses may have seen more. A batch's commitment that reaches the witnesses' quorum
+    is applied by every client that holds its announcement, so a client that had none for it
+    applied a different set: its model has left the run's. The check is the consensus itself
+    (`select_consensus_commitment_by_witnesses` over the witnesses the plan used), evaluated
+    on the announcement from the batch's assigned trainer, so it is exact: no other client
+    decided otherwise on the same message.
+    """
+    data = broadcast.data
+    if not isinstance(data, BroadcastType.TrainingResult) or broadcast.step != job.round_state.step:
+        return False
+    batch_id = data.value.batch_id
+    info = job.round_state.committee_info
+    if (
+        batch_id not in job.plan.untrained
+        or job.round_state.data_assignments.get(batch_id) != from_id
+        or info is None
+        or not info.selection.verify_committee_for_client(from_id, broadcast.proof, clients)
+    ):
+        return False
+    previous_round = job.coordinator.previous_round()
+    if previous_round is None:
+        return False
+    witnesses = previous_round.witnesses
+    quorum = job.coordinator.witness_quorum(len(witnesses))
+    chosen = Coordinator.select_consensus_commitment_by_witnesses(
+        [broadcast.commitment], witnesses, quorum
+    )
+    return chosen is not None
+
+
 def skip_for_cold_start(coordinator: Coordinator, trainer_nonce: int) -> bool:
     """A trainer still warming up its optimizer after joining a running model is not applied
     (only with a P2P checkpoint: in a fresh run everyone starts together)."""
@@ -169,6 +208,8 @@ async def apply_results(trainer: Trainer, job: ApplyJob) -> list[BatchId]:
         logger.warning("No consensus commitment for batch %s", batch_id)
     results: list[list[DistroResult]] = []
     applied: list[BatchId] = []
+    refused: list[BatchId] = []
+    warming_up: list[BatchId] = []
     for chosen in plan.chosen:
         handle = await wait_for_payload(job.round_state, chosen.blob_hash, job.deadline)
         try:
@@ -180,9 +221,11 @@ async def apply_results(trainer: Trainer, job: ApplyJob) -> list[BatchId]:
                 chosen.commitment.data_hash.hex(),
                 e,
             )
+            refused.append(chosen.batch_id)
             continue
         if skip_for_cold_start(job.coordinator, payload.trainer_nonce):
             logger.info("Skipping apply of batch %s, trainer warming up", chosen.batch_id)
+            warming_up.append(chosen.batch_id)
             continue
         results.append(payload.results)
         applied.append(chosen.batch_id)
@@ -196,6 +239,8 @@ async def apply_results(trainer: Trainer, job: ApplyJob) -> list[BatchId]:
 
     await trio.to_thread.run_sync(optimize)
     job.round_state.downloads.clear()
+    # what was left out, and why, in the same event: two clients' events of one step tell
+    # whether (and where) they applied different sets
     log_event(
         logger,
         "applied_results",
@@ -203,6 +248,10 @@ async def apply_results(trainer: Trainer, job: ApplyJob) -> list[BatchId]:
         client_id=str(job.identity),
         step=plan.step,
         batches=applied,
+        untrained=plan.untrained,
+        no_consensus=plan.no_consensus,
+        refused=refused,
+        warming_up=warming_up,
         apply_secs=round(time.perf_counter() - started, 4),
     )
     return applied
