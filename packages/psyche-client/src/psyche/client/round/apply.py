@@ -20,7 +20,7 @@ import trio
 from psyche.client.observe.logs import log_event
 from psyche.client.round.broadcast import Broadcast, BroadcastType
 from psyche.client.round.state import Downloading, PayloadHandle, RoundState
-from psyche.coordinator import Client, Coordinator
+from psyche.coordinator import Client, Coordinator, Witness
 from psyche.coordinator.commitment import Commitment
 from psyche.coordinator.data_selection import get_batch_ids_for_round
 from psyche.coordinator.errors import CoordinatorError, CoordinatorErrorKind
@@ -76,12 +76,10 @@ def plan_apply(previous: RoundState, coordinator: Coordinator) -> ApplyPlan:
     round N - 2 itself. For each batch (in `get_batch_ids_for_round` order) the commitment most
     witnesses saw wins, with ties to the last (`select_consensus_commitment_by_witnesses`).
     """
-    previous_round = coordinator.previous_round()
     round_before = coordinator.previous_previous_round()
-    if previous_round is None or round_before is None or previous.committee_info is None:
+    if round_before is None or previous.committee_info is None:
         raise CoordinatorError(CoordinatorErrorKind.NoActiveRound)
-    witnesses = previous_round.witnesses
-    quorum = coordinator.witness_quorum(len(witnesses))
+    witnesses, quorum = deciding_witnesses(coordinator)
     batch_ids = get_batch_ids_for_round(
         round_before, coordinator, previous.committee_info.selection.get_num_trainer_nodes()
     )
@@ -100,6 +98,16 @@ def plan_apply(previous: RoundState, coordinator: Coordinator) -> ApplyPlan:
         entry = entries[index]
         chosen.append(ChosenResult(batch_id, entry.commitment, entry.result.ticket.hash))
     return ApplyPlan(coordinator.progress.step, batch_ids, chosen, untrained, no_consensus)
+
+
+def deciding_witnesses(coordinator: Coordinator) -> tuple[Sequence[Witness], int]:
+    """The witnesses whose blooms decide round N - 2's apply (those of round N - 1, the
+    coordinator being at round N) and how many of them must agree."""
+    previous_round = coordinator.previous_round()
+    if previous_round is None:
+        raise CoordinatorError(CoordinatorErrorKind.NoActiveRound)
+    witnesses = previous_round.witnesses
+    return witnesses, coordinator.witness_quorum(len(witnesses))
 
 
 def agreed_but_unapplied(
@@ -128,11 +136,7 @@ def agreed_but_unapplied(
         or not info.selection.verify_committee_for_client(from_id, broadcast.proof, clients)
     ):
         return False
-    previous_round = job.coordinator.previous_round()
-    if previous_round is None:
-        return False
-    witnesses = previous_round.witnesses
-    quorum = job.coordinator.witness_quorum(len(witnesses))
+    witnesses, quorum = deciding_witnesses(job.coordinator)  # as the plan found them
     chosen = Coordinator.select_consensus_commitment_by_witnesses(
         [broadcast.commitment], witnesses, quorum
     )
