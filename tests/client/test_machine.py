@@ -32,7 +32,7 @@ from psyche.client.round.state import DeserializedPayload, Downloading, PayloadH
 from psyche.client.round.steps import MachineSettings, StepStateMachine
 from psyche.client.round.train import OwnResult
 from psyche.client.round.witness import SendFinished, finished_broadcast
-from psyche.coordinator import RunState
+from psyche.coordinator import Coordinator, RunState
 from psyche.coordinator.backend import HealthCheck, OpportunisticData
 from psyche.coordinator.commitment import Commitment
 from psyche.coordinator.testing import Simulation, integration_test_coordinator
@@ -99,6 +99,10 @@ class Bus:
         self._send, self._receive = trio.open_memory_channel[Callable[[], None]](1 << 16)
         self.rejected_witnesses: list[str] = []
         self.in_flight = InFlight()
+        self.hold: Callable[[Node, Node, Broadcast], bool] = lambda _s, _r, _b: False
+        """Whether a gossip message from the first node to the second is held back until the
+        receiver has started the round two after the message's (`deliver_held`)."""
+        self.held: list[tuple[Node, Node, Broadcast]] = []
 
     def post(self, fn: Callable[[], None]) -> None:
         self.in_flight.begin()
@@ -116,7 +120,17 @@ class Bus:
         (except its training results, which go into its round state directly)."""
         for node in self.nodes.values():
             if node.machine is not None and (to_sender or node is not sender):
+                if self.hold(sender, node, broadcast):
+                    self.held.append((sender, node, broadcast))
+                    continue
                 self.post(lambda n=node: n.machine.apply_message(sender.identity, broadcast))
+
+    def deliver_held(self) -> None:
+        """The held messages whose receiver has started the round two after theirs."""
+        due = [h for h in self.held if h[1].machine.current.step >= h[2].step + 2]
+        for sender, node, broadcast in due:
+            self.held.remove((sender, node, broadcast))
+            self.post(lambda n=node, s=sender, b=broadcast: n.machine.apply_message(s.identity, b))
 
     def witness(self, sender: Node, data: OpportunisticData) -> None:
         coordinator = self.sim.coordinator
@@ -217,6 +231,9 @@ async def run_simulated(
     trainer: Callable[[int], Trainer] = lambda _: make_trainer(),
     data: Callable[[], FakeData] = FakeData,
     screens: Callable[[int], bool] = lambda _: True,
+    epoch_time: int = 1_000,
+    blind: Callable[[int, Coordinator], bool] = lambda _i, _c: False,
+    hold: Callable[[int, int, Broadcast], bool] = lambda _s, _r, _b: False,
 ) -> tuple[Bus, list[Node]]:
     """`late`: that client sees each new coordinator state only after the others have trained
     and gossiped in it (their broadcasts reach it while it is still a round behind).
@@ -224,14 +241,18 @@ async def run_simulated(
     `max_round_train_time` also bounds (in real seconds) how long an apply waits for a
     payload; `witness_nodes`: the witnesses elected per round (0: every client). `trainer`,
     `data` and `screens` give client `i` its trainer, its data and whether its witness checks
-    results (`MachineSettings.screen_results`)."""
+    results (`MachineSettings.screen_results`). `blind(i, state)`: client `i` never sees that
+    coordinator state (it was busy while the state went by). `hold(i, j, broadcast)`: that gossip
+    message from client `i` reaches client `j` only once `j` has started the round two after
+    the message's (a slow or broken gossip path)."""
     coordinator = integration_test_coordinator(clients, 2 * clients, witness_nodes)
     coordinator.config.max_round_train_time = max_round_train_time
-    coordinator.config.epoch_time = 1_000
+    coordinator.config.epoch_time = epoch_time
     coordinator.config.min_clients = 1
     sim = Simulation(coordinator, now=1_000_000, rng=random.Random(5))
     bus = Bus(sim)
-    nodes = []
+    nodes: list[Node] = []
+    bus.hold = lambda s, r, b: hold(nodes.index(s), nodes.index(r), b)
     for i in range(clients):
         key = SecretKey.from_bytes(bytes(31) + bytes([i + 1]))
         node = Node(key, NodeIdentity.from_single_key(key.public_key))
@@ -255,13 +276,16 @@ async def run_simulated(
         last_step = sim.coordinator.progress.step + rounds
         with trio.fail_after(300):  # a hang guard only: the simulated clock waits for the work
             while (sim.coordinator.progress.step < last_step and sim.coordinator.active()) or (
-                sim.coordinator.run_state is RunState.Warmup
+                sim.coordinator.run_state is RunState.Warmup and sim.coordinator.progress.epoch == 0
             ):
                 ordered = [n for i, n in enumerate(nodes) if i != late]
                 for group in (ordered, [nodes[late]] if late is not None else []):
                     for node in group:
+                        if blind(nodes.index(node), sim.coordinator):
+                            continue
                         await node.machine.apply_state(sim.coordinator.copy())
                         node.machine.try_send_opportunistic_witness()
+                    bus.deliver_held()
                     await settle(bus, nodes)
                 sim.tick()
         for node in nodes:  # finish the last round
@@ -439,3 +463,83 @@ def test_only_a_round_trained_without_the_client_makes_its_model_stale() -> None
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_a_client_that_missed_the_epochs_last_round_does_not_freeze_its_model(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A client busy while the epoch's last round went by (its RoundTrain and RoundWitness
+    states replaced by the Cooldown before it looked) never applied that round's results. It
+    froze its model anyway: its cooldown hash, under the same step as its peers', differed from
+    theirs (a model a round behind, shared to joiners and checkpointed). Now it says so
+    (`missed_round`) and its model is stale (`left_run`: the client joins again and loads the
+    run's model); the others' cooldown hashes agree."""
+    caplog.set_level(logging.INFO, logger="psyche.client")
+
+    def last_round(i: int, state: Coordinator) -> bool:
+        epoch = state.epoch_state
+        return (
+            i == 2
+            and state.run_state in (RunState.RoundTrain, RunState.RoundWitness)
+            and epoch.last_step_set()
+            and state.progress.step == epoch.last_step - 1
+        )
+
+    _bus, nodes = trio.run(
+        lambda: run_simulated(3, 100, witness_nodes=0, epoch_time=20, blind=last_round)
+    )
+    frozen = [r.psyche_fields for r in caplog.records if r.getMessage() == "cooldown_model"]
+    missed = [r.psyche_fields for r in caplog.records if r.getMessage() == "missed_round"]
+    blind_id = str(nodes[2].identity)
+    hashes = {f["client_id"]: f["model_hash"].hex()[:16] for f in frozen if f["epoch"] == 0}
+    assert len(set(hashes.values())) == 1, hashes  # before: the blind client's differed
+    assert set(hashes) == {str(n.identity) for n in nodes[:2]}, hashes
+    assert len(missed) == 1, missed
+    assert missed[0]["last_seen"] == missed[0]["step"] - 2, missed
+    assert nodes[2].machine.left_run
+    assert not any(n.machine.left_run for n in nodes[:2])
+    applied = {
+        (r.psyche_fields["client_id"], r.psyche_fields["step"])
+        for r in caplog.records
+        if r.getMessage() == "applied_results"
+    }
+    last = missed[0]["step"] - 1  # the round it did not see, whose apply the others ran
+    assert {c for c, step in applied if step == last} == {str(n.identity) for n in nodes[:2]}
+    assert blind_id not in {c for c, _ in applied if _ == last}
+
+
+def test_a_result_the_run_agreed_on_that_arrived_after_the_apply_makes_the_model_stale(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Client 0 gets client 1's result of one round only after it has started the round that
+    applies it (a slow gossip path under load): its apply plan, made from what it held, left
+    the batch out as untrained, while the witnesses' quorum (clients 1 and 2) voted for it and
+    the others applied it. Client 0 went on with a model no other client had (three such
+    clients, each missing a different peer's result, end with three different models). Now
+    the late announcement is checked against the consensus the plan used: client 0 logs
+    `missed_result` and its model is stale (`left_run`: the client joins again and loads the
+    run's model); the clients still in the run hold identical weights."""
+    caplog.set_level(logging.INFO, logger="psyche.client")
+    held_steps: list[int] = []
+
+    def late_result(sender: int, receiver: int, broadcast: Broadcast) -> bool:
+        if sender != 1 or receiver != 0:
+            return False
+        if not isinstance(broadcast.data, BroadcastType.TrainingResult):
+            return False
+        if not held_steps:
+            held_steps.append(broadcast.step + 1)  # the second round client 1 trains
+        return broadcast.step == held_steps[0]
+
+    _bus, nodes = trio.run(lambda: run_simulated(3, 6, witness_nodes=0, hold=late_result))
+    in_run = [n for n in nodes if not n.machine.left_run]
+    assert len({live_model_hash(n.machine.trainer) for n in in_run}) == 1  # before: two models
+    assert nodes[0].machine.left_run
+    missed = [r.psyche_fields for r in caplog.records if r.getMessage() == "missed_result"]
+    assert len(missed) == 1, missed
+    assert missed[0]["step"] == held_steps[0], missed
+    assert missed[0]["trainer"] == str(nodes[1].identity), missed
+    untrained = [r.psyche_fields for r in caplog.records if r.getMessage() == "untrained_batch"]
+    # its plan had left the batch out (the others' later ones miss client 0's batches)
+    assert untrained[0]["step"] == held_steps[0] + 2, untrained
+    assert untrained[0]["expected_trainer"] == str(nodes[1].identity), untrained

@@ -33,6 +33,44 @@ def client_command(port: int, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
+NOTED = ("apply_failed", "untrained_batch", "health_check", "payload_rejected", "payload_invalid")
+"""Events that explain why a client's model could leave the others' (with every WARNING)."""
+
+
+def apply_history(proc: Any) -> dict[int, dict[str, list[str]]]:
+    """Per step, what the client applied and what it left out (`applied_results`)."""
+    keys = ("batches", "untrained", "no_consensus", "refused", "warming_up")
+    return {e["step"]: {k: e.get(k, []) for k in keys} for e in events(proc, "applied_results")}
+
+
+def divergence_report(clients: dict[int, Any]) -> str:
+    """What each client did, step by step: the rounds it started, what it applied at each step
+    (and left out, and why), its cooldown hashes with their steps, and its warnings; then the
+    first step at which two clients' applies differ. Printed whenever the clients' models or
+    applies disagree, so a failure under load explains itself from its own logs."""
+    lines = []
+    histories = {number: apply_history(proc) for number, proc in clients.items()}
+    for number, proc in clients.items():
+        layout = " ".join(LAYOUTS[number]) or "one rank"
+        started = [e["step"] for e in events(proc, "round_start")]
+        cooldowns = [
+            (e["epoch"], e["step"], e["model_hash"][:16]) for e in events(proc, "cooldown_model")
+        ]
+        lines.append(f"client-{number} ({layout}): rounds started {started}; cooldowns {cooldowns}")
+        for step, applied in sorted(histories[number].items()):
+            lines.append(f"  step {step}: {applied}")
+        for e in events(proc):
+            if e.get("message") in NOTED or e.get("level") in ("WARNING", "ERROR"):
+                lines.append(f"  ! {e}"[:400])
+    steps = sorted({step for history in histories.values() for step in history})
+    for step in steps:
+        seen = {number: history.get(step) for number, history in histories.items()}
+        if len({repr(a and sorted(a["batches"])) for a in seen.values()}) > 1:
+            lines.append(f"first divergence at step {step}: {seen}")
+            break
+    return "\n".join(lines)
+
+
 def children(pid: int) -> list[int]:
     """Live processes whose parent is `pid` (zombies excluded)."""
     out = []
@@ -68,16 +106,30 @@ def test_one_rank_dp_and_tp_clients_train_one_identical_model(
         for number, extra in LAYOUTS.items()
     }
     # generous: five ranks import torch and train on a busy 2-core machine
-    hashes = {
-        number: wait_event(proc, "cooldown_model", lambda e: e["epoch"] == 0, 360)["model_hash"]
-        for number, proc in clients.items()
-    }
-    assert len(set(hashes.values())) == 1, hashes
-
+    try:
+        cooldowns = {
+            number: wait_event(proc, "cooldown_model", lambda e: e["epoch"] == 0, 360)
+            for number, proc in clients.items()
+        }
+    except AssertionError as e:  # a client left epoch 0 (a health check): say what each did
+        raise AssertionError(f"{e}\n{divergence_report(clients)}") from e
+    hashes = {number: e["model_hash"] for number, e in cooldowns.items()}
+    cooldown_step = {number: e["step"] for number, e in cooldowns.items()}
+    assert len(set(hashes.values())) == 1, (hashes, cooldown_step, divergence_report(clients))
+    # the same model because the same applies: every client applied the same batches at the
+    # same steps up to the cooldown (a difference is a determinism fault even where the hashes
+    # happen to agree; why a batch was left out may differ: its trainer's own client holds an
+    # entry the witnesses did not vote for, the others none)
     applied = {
-        number: {e["step"]: set(e["batches"]) for e in events(proc, "applied_results")}
+        number: {
+            step: set(h["batches"])
+            for step, h in apply_history(proc).items()
+            if step <= cooldown_step[number]
+        }
         for number, proc in clients.items()
     }
+    assert len({repr(sorted(a.items())) for a in applied.values()}) == 1, divergence_report(clients)
+
     trained = {
         number: [(e["step"], e["batch_id"]) for e in events(proc, "trained_batch")]
         for number, proc in clients.items()

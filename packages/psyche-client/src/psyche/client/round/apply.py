@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import trio
 
 from psyche.client.observe.logs import log_event
+from psyche.client.round.broadcast import Broadcast, BroadcastType
 from psyche.client.round.state import Downloading, PayloadHandle, RoundState
-from psyche.coordinator import Coordinator
+from psyche.coordinator import Client, Coordinator, Witness
 from psyche.coordinator.commitment import Commitment
 from psyche.coordinator.data_selection import get_batch_ids_for_round
 from psyche.coordinator.errors import CoordinatorError, CoordinatorErrorKind
@@ -74,12 +76,10 @@ def plan_apply(previous: RoundState, coordinator: Coordinator) -> ApplyPlan:
     round N - 2 itself. For each batch (in `get_batch_ids_for_round` order) the commitment most
     witnesses saw wins, with ties to the last (`select_consensus_commitment_by_witnesses`).
     """
-    previous_round = coordinator.previous_round()
     round_before = coordinator.previous_previous_round()
-    if previous_round is None or round_before is None or previous.committee_info is None:
+    if round_before is None or previous.committee_info is None:
         raise CoordinatorError(CoordinatorErrorKind.NoActiveRound)
-    witnesses = previous_round.witnesses
-    quorum = coordinator.witness_quorum(len(witnesses))
+    witnesses, quorum = deciding_witnesses(coordinator)
     batch_ids = get_batch_ids_for_round(
         round_before, coordinator, previous.committee_info.selection.get_num_trainer_nodes()
     )
@@ -98,6 +98,49 @@ def plan_apply(previous: RoundState, coordinator: Coordinator) -> ApplyPlan:
         entry = entries[index]
         chosen.append(ChosenResult(batch_id, entry.commitment, entry.result.ticket.hash))
     return ApplyPlan(coordinator.progress.step, batch_ids, chosen, untrained, no_consensus)
+
+
+def deciding_witnesses(coordinator: Coordinator) -> tuple[Sequence[Witness], int]:
+    """The witnesses whose blooms decide round N - 2's apply (those of round N - 1, the
+    coordinator being at round N) and how many of them must agree."""
+    previous_round = coordinator.previous_round()
+    if previous_round is None:
+        raise CoordinatorError(CoordinatorErrorKind.NoActiveRound)
+    witnesses = previous_round.witnesses
+    return witnesses, coordinator.witness_quorum(len(witnesses))
+
+
+def agreed_but_unapplied(
+    job: ApplyJob, from_id: NodeIdentity, broadcast: Broadcast, clients: Sequence[Client]
+) -> bool:
+    """Whether `broadcast`, a result arriving after `job` (the apply of its round) was planned,
+    is one the run agreed on that the plan left out as untrained.
+
+    The plan can only take what this client had received when the round two later started;
+    the witnesses may have seen more. A batch's commitment that reaches the witnesses' quorum
+    is applied by every client that holds its announcement, so a client that had none for it
+    applied a different set: its model has left the run's. The check is the consensus itself
+    (`select_consensus_commitment_by_witnesses` over the witnesses the plan used), evaluated
+    on the announcement from the batch's assigned trainer, so it is exact: no other client
+    decided otherwise on the same message.
+    """
+    data = broadcast.data
+    if not isinstance(data, BroadcastType.TrainingResult) or broadcast.step != job.round_state.step:
+        return False
+    batch_id = data.value.batch_id
+    info = job.round_state.committee_info
+    if (
+        batch_id not in job.plan.untrained
+        or job.round_state.data_assignments.get(batch_id) != from_id
+        or info is None
+        or not info.selection.verify_committee_for_client(from_id, broadcast.proof, clients)
+    ):
+        return False
+    witnesses, quorum = deciding_witnesses(job.coordinator)  # as the plan found them
+    chosen = Coordinator.select_consensus_commitment_by_witnesses(
+        [broadcast.commitment], witnesses, quorum
+    )
+    return chosen is not None
 
 
 def skip_for_cold_start(coordinator: Coordinator, trainer_nonce: int) -> bool:
@@ -169,6 +212,8 @@ async def apply_results(trainer: Trainer, job: ApplyJob) -> list[BatchId]:
         logger.warning("No consensus commitment for batch %s", batch_id)
     results: list[list[DistroResult]] = []
     applied: list[BatchId] = []
+    refused: list[BatchId] = []
+    warming_up: list[BatchId] = []
     for chosen in plan.chosen:
         handle = await wait_for_payload(job.round_state, chosen.blob_hash, job.deadline)
         try:
@@ -180,9 +225,11 @@ async def apply_results(trainer: Trainer, job: ApplyJob) -> list[BatchId]:
                 chosen.commitment.data_hash.hex(),
                 e,
             )
+            refused.append(chosen.batch_id)
             continue
         if skip_for_cold_start(job.coordinator, payload.trainer_nonce):
             logger.info("Skipping apply of batch %s, trainer warming up", chosen.batch_id)
+            warming_up.append(chosen.batch_id)
             continue
         results.append(payload.results)
         applied.append(chosen.batch_id)
@@ -196,6 +243,8 @@ async def apply_results(trainer: Trainer, job: ApplyJob) -> list[BatchId]:
 
     await trio.to_thread.run_sync(optimize)
     job.round_state.downloads.clear()
+    # what was left out, and why, in the same event: two clients' events of one step tell
+    # whether (and where) they applied different sets
     log_event(
         logger,
         "applied_results",
@@ -203,6 +252,10 @@ async def apply_results(trainer: Trainer, job: ApplyJob) -> list[BatchId]:
         client_id=str(job.identity),
         step=plan.step,
         batches=applied,
+        untrained=plan.untrained,
+        no_consensus=plan.no_consensus,
+        refused=refused,
+        warming_up=warming_up,
         apply_secs=round(time.perf_counter() - started, 4),
     )
     return applied

@@ -23,6 +23,7 @@ are stopped before the next one starts (or the epoch's cooldown), as upstream's.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import math
@@ -43,7 +44,13 @@ from psyche.client.observe.logs import log_event
 from psyche.client.observe.stats import RunProgress, StatsLogger, progress_text
 from psyche.client.observe.telemetry import RoundClock, RoundReport, complete_report
 from psyche.client.round import payloads, screening, verify, witness
-from psyche.client.round.apply import ApplyError, ApplyJob, needs_apply, plan_apply
+from psyche.client.round.apply import (
+    ApplyError,
+    ApplyJob,
+    agreed_but_unapplied,
+    needs_apply,
+    plan_apply,
+)
 from psyche.client.round.broadcast import Broadcast, BroadcastType
 from psyche.client.round.fetch import DataFetcher
 from psyche.client.round.screening import WitnessScreening
@@ -172,6 +179,12 @@ class StepStateMachine:
         self.previous = RoundState()
         # The round being applied at the start of a training step, until its payloads are used.
         self.applying: RoundState | None = None
+        self.last_apply: ApplyJob | None = None
+        """The last apply planned: a result of its round arriving later is checked against it
+        (`agreed_but_unapplied`)."""
+        self.missed_result: str | None = None
+        """Why this machine's model left the run's (a result the run agreed on arrived after its
+        apply was planned); the next state stops it (`left_run`)."""
         self.warmup = WarmupProgress()
         self.training: TrainingStep | None = None
         self.cooldown = Cooldown(
@@ -217,6 +230,12 @@ class StepStateMachine:
             await self.evals.stop()  # the cooldown (or leaving) needs the model
         if self.left_run:
             return  # the client drops this machine and joins again
+        if self.missed_result is not None:
+            with contextlib.suppress(ApplyError):  # its model is dropped either way
+                await self._stop_step(state)
+            self.left_run = True
+            self._start_warmup()
+            return
         index = client_index(state, self.identity)
         if index is None:
             if state.run_state in _ROUND_STATES:
@@ -288,7 +307,8 @@ class StepStateMachine:
 
     async def _train_to_cooldown(self, state: Coordinator, index: int) -> None:
         await self._finish_training(state)
-        self._start_cooldown(state)
+        if not self._missed_last_round(state):
+            self._start_cooldown(state)
 
     async def _witness_to_train(self, state: Coordinator, index: int) -> None:
         self._check_next_step(state.progress.step)
@@ -303,7 +323,8 @@ class StepStateMachine:
             self._start_witness(state)
 
     async def _witness_to_cooldown(self, state: Coordinator, index: int) -> None:
-        self._start_cooldown(state)
+        if not self._missed_last_round(state):
+            self._start_cooldown(state)
 
     async def _cooldown_to_warmup(self, state: Coordinator, index: int) -> None:
         await self.cooldown.finish()
@@ -343,6 +364,32 @@ class StepStateMachine:
         self.left_run = True
         self._start_warmup()
 
+    def _missed_last_round(self, state: Coordinator) -> bool:
+        """Whether the epoch ended (`state`, the Cooldown) more than one step after the round
+        this client is in: the epoch's last round (or rounds) went by unseen while it was busy
+        (the backend hands over only the newest state), so the run applied results this client
+        never applied. Its model is behind: freezing it would hash, share and checkpoint weights
+        no other client has, under the step the others' carry. It is stale (`left_run`) from
+        here instead, as after a failed apply: the client joins again and loads the run's
+        model."""
+        if state.progress.step == self.current.step + 1:
+            return False
+        log_event(
+            logger,
+            "missed_round",
+            logging.WARNING,
+            text=f"the epoch ended at step {state.progress.step} but this client last saw step "
+            f"{self.current.step}: it missed the results applied since, so its model is "
+            "behind the run's; it stops, joins again and loads the model at the next epoch "
+            "it is in",
+            epoch=state.progress.epoch,
+            step=state.progress.step,
+            last_seen=self.current.step,
+        )
+        self.left_run = True
+        self._start_warmup()
+        return True
+
     def _check_next_step(self, step: int) -> None:
         if step != self.current.step + 1:
             raise StepDesync(
@@ -376,10 +423,7 @@ class StepStateMachine:
         (`left_run`, set by `apply_state`) its model falls behind: the client drops it and loads
         the model afresh when it is in an epoch again (training on stale weights would end with
         a model no other client has)."""
-        if self.active is ActiveStep.Training:
-            await self._finish_training(state, log_loss=False)
-        elif self.active is ActiveStep.Cooldown:
-            await self.cooldown.finish()
+        await self._stop_step(state)
         if self.active is not ActiveStep.Warmup:
             logger.warning(
                 "this client is not among the run's clients (epoch %d step %d); back to warmup",
@@ -388,6 +432,13 @@ class StepStateMachine:
             )
             self._start_warmup()
 
+    async def _stop_step(self, state: Coordinator) -> None:
+        """End the training step or the cooldown this machine is in (it is leaving the run)."""
+        if self.active is ActiveStep.Training:
+            await self._finish_training(state, log_loss=False)
+        elif self.active is ActiveStep.Cooldown:
+            await self.cooldown.finish()
+
     def _start_warmup(self) -> None:
         self._early.clear()
         for round_state in (self.current, self.previous):
@@ -395,6 +446,7 @@ class StepStateMachine:
         self.current = RoundState()
         self.previous = RoundState()
         self.applying = None
+        self.last_apply = None
         self.training = None
         self.active = ActiveStep.Warmup
 
@@ -414,6 +466,7 @@ class StepStateMachine:
                 self.identity,
             )
             self.applying = self.previous
+        self.last_apply = apply_job
         checks = witness.health_checks(self.current, state)
         if checks:
             log_event(
@@ -723,7 +776,38 @@ class StepStateMachine:
         )
         if download is not None:
             self.io.request_download(download)
+        if outcome is payloads.ApplyMessageOutcome.Invalid:
+            self._check_late_result(from_id, broadcast)
         return outcome
+
+    def _check_late_result(self, from_id: NodeIdentity, broadcast: Broadcast) -> None:
+        """A result for the round whose apply was already planned, which the run agreed on and
+        the plan left out (`agreed_but_unapplied`): the others applied it, this client did not,
+        so its model has left the run's. Upstream goes on with it; here the next state stops
+        the machine (`left_run`: the client joins again and loads the run's model)."""
+        job = self.last_apply
+        clients = self.coordinator_state.epoch_state.clients
+        if job is None or self.missed_result is not None:
+            return
+        if not agreed_but_unapplied(job, from_id, broadcast, clients):
+            return
+        data = broadcast.data
+        assert isinstance(data, BroadcastType.TrainingResult)
+        self.missed_result = (
+            f"the result for batch {data.value.batch_id} of step {broadcast.step} arrived after "
+            f"the apply at step {job.plan.step} was planned without it, and the run agreed on it"
+        )
+        log_event(
+            logger,
+            "missed_result",
+            logging.WARNING,
+            text=f"{self.missed_result}: this client's model has left the run's; it stops, joins "
+            "again and loads the model at the next epoch it is in",
+            step=broadcast.step,
+            applied_at=job.plan.step,
+            batch_id=data.value.batch_id,
+            trainer=str(from_id),
+        )
 
     def _is_early(self, broadcast: Broadcast) -> bool:
         """For the round this client has not started yet: the epoch's first one while it warms
