@@ -425,8 +425,10 @@ async def set_future_epoch_rates(
 
 
 async def tick(backend: SolanaBackend, run: RunRef) -> Signature:
+    account = await backend.get_coordinator_account(run.account_address)
+    verification = backend.verification_account(run.account_address, account)
     return await backend.send_and_retry(
-        "Tick", [backend.tick_instruction(run.instance_address, run.account_address)]
+        "Tick", [backend.tick_instruction(run.instance_address, run.account_address, verification)]
     )
 
 

@@ -1,0 +1,232 @@
+"""Verification on the Solana coordinator (issue 27), end to end on the local endpoint: four
+scripted members follow a run with `verification_percent = 50` over JSON-RPC and websockets; a
+hostile trainer's result is disputed, the tie-breaker's report decides, and the program drops,
+bans and slashes the loser and credits the members that found it out. A stranger's report, a
+member's report about duties it does not have, a second report and a flood of them are refused
+and change nothing."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import trio
+from solders.pubkey import Pubkey
+
+from psyche.cli.solana_client.main import main as solana_client
+from psyche.coordinator import ClientState, RunState
+from psyche.coordinator.server_core import VERIFIED_ROUNDS
+from psyche.coordinator.verification import Finding, RoundDuties, VerificationReport
+from psyche.core.batch_id import BatchId
+from psyche.solana import pda
+from psyche.solana.anchor import COORDINATOR_ERRORS, error_code
+from psyche.solana.backend import SolanaBackend, SolanaBackendError
+from psyche.solana.follower import follow_run
+from psyche.solana.instructions import coordinator as coordinator_ix
+from psyche.solana.state import decode_anchor_account
+from psyche.solana.verification import RunVerification
+
+from .scripted import (
+    RUN_ID,
+    Driver,
+    ScriptedClient,
+    config,
+    create_run,
+    make_backend,
+    open_localnet,
+)
+
+SLASHING_RATE = 10  # `create_run`'s `set_future_epoch_rates`
+FLOOD = 12
+
+
+async def verification_state(backend: SolanaBackend, account: Pubkey) -> RunVerification:
+    data = await backend.get_data(pda.find_run_verification(account, backend.ids))
+    return decode_anchor_account(data, RunVerification)
+
+
+async def send_report(backend: SolanaBackend, account: Pubkey, report: VerificationReport) -> None:
+    instruction = coordinator_ix.coordinator_verification_report(
+        pda.find_coordinator_instance(RUN_ID, backend.ids),
+        account,
+        backend.get_payer(),
+        report,
+        backend.ids,
+    )
+    await backend.send_and_retry("Verification report", [instruction])
+
+
+def error_text(name: str) -> str:
+    """How the RPC error names the coordinator program's error `name`."""
+    return f"custom program error: 0x{error_code(COORDINATOR_ERRORS, name):x}"
+
+
+async def refused(backend: SolanaBackend, account: Pubkey, report: VerificationReport) -> str:
+    with pytest.raises(SolanaBackendError) as info:
+        await send_report(backend, account, report)
+    return str(info.value)
+
+
+def test_a_disputed_result_is_decided_by_the_tie_breaker_and_the_loser_slashed(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            ledger, _, cluster = await open_localnet(nursery)
+            owner = make_backend(ledger, cluster)
+            account = await create_run(
+                owner, config(verification_percent=50, init_min_clients=4, min_clients=3)
+            )
+            clients = [ScriptedClient(n, make_backend(ledger, cluster)) for n in "abcd"]
+            by_signer = {bytes(c.backend.get_payer()): c for c in clients}
+            stranger = make_backend(ledger, cluster)
+            seen: dict[str, object] = {}
+
+            async with follow_run(owner, RUN_ID, account) as observer:
+                for client in clients:
+                    await nursery.start(client.run, account)
+                driver = Driver(ledger, owner, observer)
+
+                async def dispute(d: Driver) -> None:
+                    if seen:
+                        return
+                    assert d.state is not None
+                    step = d.state.progress.step
+                    stored = (await verification_state(owner, account)).round(step)
+                    assert stored is not None, "the witness recorded the round's duties"
+                    duties: RoundDuties = stored.record().duties
+                    # 4 clients: 1 tie-breaker, 1 verifier (both trainers' batches), 2 trainers
+                    assert {d.verifier for d in duties.verifiers} == {duties.verifiers[0].verifier}
+                    duty = duties.verifiers[0]
+                    tie_breaker = duties.tie_breakers[0].verifier
+                    hostile = duty.trainer
+                    verifier = by_signer[duty.verifier.signer]
+                    trainer_backend = by_signer[hostile.signer].backend
+                    accusation = VerificationReport(step, [Finding(duty.batch_id, False, 57.0)])
+
+                    # Refused, and nothing changes: a stranger, a trainer (no duties), a report
+                    # about a batch that is not the sender's, a report about an old round.
+                    before = await owner.get_data(pda.find_run_verification(account, owner.ids))
+                    assert error_text("SignerNotAClient") in await refused(
+                        stranger, account, accusation
+                    )
+                    assert error_text("VerificationReportRefused") in await refused(
+                        trainer_backend, account, accusation
+                    )
+                    other = BatchId(10_000, 10_001)
+                    foreign = VerificationReport(step, [Finding(other, False, 1.0)])
+                    assert error_text("VerificationReportRefused") in await refused(
+                        verifier.backend, account, foreign
+                    )
+                    old = dataclasses.replace(accusation, step=step + 100)
+                    assert error_text("VerificationReportRefused") in await refused(
+                        verifier.backend, account, old
+                    )
+                    after = await owner.get_data(pda.find_run_verification(account, owner.ids))
+                    assert after == before
+
+                    # The verifier's accusation goes through the client's backend.
+                    assert verifier.runner is not None
+                    await verifier.runner.send_verification(accusation)
+                    with trio.fail_after(10):
+                        while True:
+                            found = (await verification_state(owner, account)).round(step)
+                            assert found is not None
+                            if found.reports:
+                                break
+                            await trio.sleep(0.05)
+
+                    # A flood: the same verifier again, a stranger, a trainer: all refused, the
+                    # account unchanged (each attempt costs its sender a fee).
+                    before = await owner.get_data(pda.find_run_verification(account, owner.ids))
+                    for k in range(FLOOD):
+                        sender = (verifier.backend, stranger, trainer_backend)[k % 3]
+                        await refused(sender, account, accusation)
+                    after = await owner.get_data(pda.find_run_verification(account, owner.ids))
+                    assert after == before
+
+                    # The tie-breaker recomputed every batch: the hostile one is wrong.
+                    verdict = VerificationReport(
+                        step,
+                        [
+                            Finding(
+                                d.batch_id,
+                                d.trainer != hostile,
+                                50.0 if d.trainer == hostile else 2.0,
+                            )
+                            for d in duties.tie_breakers
+                        ],
+                    )
+                    await send_report(by_signer[tie_breaker.signer].backend, account, verdict)
+                    seen.update(
+                        step=step, hostile=hostile, verifier=duty.verifier, tie_breaker=tie_breaker
+                    )
+                    state = (await owner.get_coordinator_account(account)).state
+                    loser = next(
+                        c for c in state.coordinator.epoch_state.clients if c.id == hostile
+                    )
+                    assert loser.state is ClientState.Dropped
+                    # Banned: its join is refused by the program.
+                    with pytest.raises(SolanaBackendError, match=error_text("ClientBanned")):
+                        await by_signer[hostile.signer].backend.join_run(
+                            pda.find_coordinator_instance(RUN_ID, owner.ids),
+                            account,
+                            by_signer[hostile.signer].identity,
+                        )
+
+                final = await driver.run_epoch(4, between_rounds=dispute)
+
+            assert seen, "no round to dispute"
+            assert final.run_state is RunState.WaitingForMembers
+            hostile, verifier, tie_breaker = seen["hostile"], seen["verifier"], seen["tie_breaker"]
+            # The loser left the epoch as a dropped client.
+            assert [c.id for c in final.epoch_state.exited_clients] == [hostile]
+            clients_state = (await owner.get_coordinator_account(account)).state.clients_state
+            slashed = {c.id: c.slashed for c in clients_state.clients}
+            earned = {c.id: c.earned for c in clients_state.clients}
+            assert slashed[hostile] == SLASHING_RATE
+            assert sum(slashed.values()) == SLASHING_RATE
+            # The verifier and the tie-breaker share the slashed points (on top of the epoch's
+            # reward shared by the healthy members, the loser excluded).
+            share = 1000 // 3
+            assert earned[verifier] == share + SLASHING_RATE // 2
+            assert earned[tie_breaker] == share + SLASHING_RATE // 2
+            assert earned[hostile] == 0
+            record = await verification_state(owner, account)
+            (punished,) = [e for e in record.log if e.kind == "punished"]
+            assert punished.subject == hostile
+            assert punished.role == "trainer"
+            assert punished.credited == [verifier, tie_breaker]
+            assert punished.slashed == SLASHING_RATE
+            verified = [(e.by, e.subject, e.matches) for e in record.log if e.kind == "verified"]
+            assert (verifier, hostile, False) in verified
+            assert (tie_breaker, hostile, False) in verified
+            assert [b.signer for b in record.bans] == [hostile.signer]
+
+            # What `psyche-solana-client json-dump-run` shows (the command, in a thread).
+            capsys.readouterr()
+            argv = ["json-dump-run", "--rpc", cluster[0].rpc, "--ws-rpc", cluster[0].ws_rpc]
+            code = await trio.to_thread.run_sync(solana_client, [*argv, "--run-id", RUN_ID])
+            out = capsys.readouterr().out
+            assert code == 0, out
+            dumped = json.loads(out)["verification"]
+            key = lambda identity: str(Pubkey.from_bytes(identity.signer))  # noqa: E731
+            (punished_json,) = [e for e in dumped["log"] if e["kind"] == "punished"]
+            assert punished_json["subject"] == key(hostile)
+            assert punished_json["slashed"] == SLASHING_RATE
+            assert punished_json["credited"] == [key(verifier), key(tie_breaker)]
+            assert {"by": key(verifier), "subject": key(hostile), "matches": False}.items() <= next(
+                e for e in dumped["log"] if e["kind"] == "verified"
+            ).items()
+            assert list(dumped["bans"]) == [key(hostile)]
+            # The last rounds' duties (the disputed one is older than the account keeps).
+            assert 0 < len(dumped["rounds"]) <= VERIFIED_ROUNDS
+            for round_json in dumped["rounds"]:
+                roles = {d["role"] for d in round_json["duties"]}
+                assert roles <= {"verifier", "tie_breaker"}
+            slashed_json = json.loads(out)["coordinator_account"]["clients"][key(hostile)]
+            assert slashed_json["slashed"] == SLASHING_RATE
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
