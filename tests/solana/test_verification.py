@@ -9,24 +9,28 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from functools import partial
 
 import pytest
 import trio
 from solders.pubkey import Pubkey
 
 from psyche.cli.solana_client.main import main as solana_client
+from psyche.client.observe.verification import VerificationEvents, VerificationTally
 from psyche.coordinator import ClientState, RunState
 from psyche.coordinator.server_core import VERIFIED_ROUNDS
 from psyche.coordinator.verification import Finding, RoundDuties, VerificationReport
 from psyche.core.batch_id import BatchId
 from psyche.solana import pda
 from psyche.solana.anchor import COORDINATOR_ERRORS, error_code
+from psyche.solana.app import watch_verification
 from psyche.solana.backend import SolanaBackend, SolanaBackendError
 from psyche.solana.follower import follow_run
 from psyche.solana.instructions import coordinator as coordinator_ix
 from psyche.solana.state import decode_anchor_account
 from psyche.solana.verification import RunVerification
 
+from ..polling import poll_until
 from .scripted import (
     RUN_ID,
     Driver,
@@ -175,7 +179,17 @@ def test_a_disputed_result_is_decided_by_the_tie_breaker_and_the_loser_slashed(
                             by_signer[hostile.signer].identity,
                         )
 
-                final = await driver.run_epoch(4, between_rounds=dispute)
+                # What a person sees: the client's watcher logs the punishment, which its
+                # trackers' tally counts (psyche.client.observe.verification).
+                tally = VerificationTally()
+                events = VerificationEvents(tally).attach()
+                nursery.start_soon(partial(watch_verification, observer, interval=0.2))
+                try:
+                    final = await driver.run_epoch(4, between_rounds=dispute)
+                    with trio.fail_after(10):
+                        await poll_until(lambda: bool(tally.punished), 0.1)
+                finally:
+                    events.detach()
 
             assert seen, "no round to dispute"
             assert final.run_state is RunState.WaitingForMembers
@@ -203,6 +217,10 @@ def test_a_disputed_result_is_decided_by_the_tie_breaker_and_the_loser_slashed(
             assert (verifier, hostile, False) in verified
             assert (tie_breaker, hostile, False) in verified
             assert [b.signer for b in record.bans] == [hostile.signer]
+            (punished_seen,) = tally.punished
+            assert punished_seen.loser == str(hostile)
+            assert punished_seen.slashed == SLASHING_RATE
+            assert punished_seen.step == seen["step"]
 
             # What `psyche-solana-client json-dump-run` shows (the command, in a thread).
             capsys.readouterr()
