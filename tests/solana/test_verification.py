@@ -21,6 +21,7 @@ from psyche.coordinator import ClientState, RunState
 from psyche.coordinator.server_core import VERIFIED_ROUNDS
 from psyche.coordinator.verification import Finding, RoundDuties, VerificationReport
 from psyche.core.batch_id import BatchId
+from psyche.core.node_identity import NodeIdentity
 from psyche.solana import pda
 from psyche.solana.anchor import COORDINATOR_ERRORS, error_code
 from psyche.solana.app import watch_verification
@@ -245,6 +246,70 @@ def test_a_disputed_result_is_decided_by_the_tie_breaker_and_the_loser_slashed(
                 assert roles <= {"verifier", "tie_breaker"}
             slashed_json = json.loads(out)["coordinator_account"]["clients"][key(hostile)]
             assert slashed_json["slashed"] == SLASHING_RATE
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_a_verifier_that_accuses_an_honest_result_is_punished_instead() -> None:
+    """The tie-breaker finds the accused result right: the accuser loses (dropped, banned,
+    slashed) and the tie-breaker alone is credited; the trainer keeps its place."""
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            ledger, _, cluster = await open_localnet(nursery)
+            owner = make_backend(ledger, cluster)
+            account = await create_run(
+                owner, config(verification_percent=50, init_min_clients=4, min_clients=3)
+            )
+            clients = [ScriptedClient(n, make_backend(ledger, cluster)) for n in "abcd"]
+            by_signer = {bytes(c.backend.get_payer()): c for c in clients}
+            parties: dict[str, NodeIdentity] = {}
+
+            async with follow_run(owner, RUN_ID, account) as observer:
+                for client in clients:
+                    await nursery.start(client.run, account)
+
+                async def false_accusation(d: Driver) -> None:
+                    if parties:
+                        return
+                    assert d.state is not None
+                    step = d.state.progress.step
+                    stored = (await verification_state(owner, account)).round(step)
+                    assert stored is not None
+                    duties = stored.record().duties
+                    duty = duties.verifiers[0]
+                    accusation = VerificationReport(step, [Finding(duty.batch_id, False, 30.0)])
+                    await send_report(by_signer[duty.verifier.signer].backend, account, accusation)
+                    tie_breaker = duties.tie_breakers[0].verifier
+                    verdict = VerificationReport(
+                        step, [Finding(d.batch_id, True, 2.0) for d in duties.tie_breakers]
+                    )
+                    await send_report(by_signer[tie_breaker.signer].backend, account, verdict)
+                    parties.update(
+                        accuser=duty.verifier, trainer=duty.trainer, tie_breaker=tie_breaker
+                    )
+
+                final = await Driver(ledger, owner, observer).run_epoch(
+                    4, between_rounds=false_accusation
+                )
+
+            assert parties, "no round to dispute"
+            accuser, trainer = parties["accuser"], parties["trainer"]
+            assert [c.id for c in final.epoch_state.exited_clients] == [accuser]
+            assert [c.state for c in final.epoch_state.exited_clients] == [ClientState.Dropped]
+            clients_state = (await owner.get_coordinator_account(account)).state.clients_state
+            slashed = {c.id: c.slashed for c in clients_state.clients}
+            earned = {c.id: c.earned for c in clients_state.clients}
+            assert slashed[accuser] == SLASHING_RATE
+            assert sum(slashed.values()) == SLASHING_RATE
+            assert earned[parties["tie_breaker"]] == 1000 // 3 + SLASHING_RATE
+            assert earned[trainer] == 1000 // 3
+            record = await verification_state(owner, account)
+            (punished,) = [e for e in record.log if e.kind == "punished"]
+            assert punished.subject == accuser
+            assert punished.role == "verifier"
+            assert punished.credited == [parties["tie_breaker"]]
             nursery.cancel_scope.cancel()
 
     trio.run(main)
