@@ -7,8 +7,10 @@ and change nothing."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+from collections.abc import AsyncIterator
 from functools import partial
 
 import pytest
@@ -25,9 +27,10 @@ from psyche.core.node_identity import NodeIdentity
 from psyche.solana import pda
 from psyche.solana.anchor import COORDINATOR_ERRORS, error_code
 from psyche.solana.app import watch_verification
-from psyche.solana.backend import SolanaBackend, SolanaBackendError
+from psyche.solana.backend import Cluster, SolanaBackend, SolanaBackendError
 from psyche.solana.follower import follow_run
 from psyche.solana.instructions import coordinator as coordinator_ix
+from psyche.solana.localnet.ledger import Ledger
 from psyche.solana.state import decode_anchor_account
 from psyche.solana.verification import RunVerification
 
@@ -73,34 +76,65 @@ async def refused(backend: SolanaBackend, account: Pubkey, report: VerificationR
     return str(info.value)
 
 
+@dataclasses.dataclass
+class VerifiedRun:
+    """A run at `verification_percent = 50` on a local endpoint, four scripted members
+    following it (1 tie-breaker, 1 verifier, 2 trainers a round)."""
+
+    ledger: Ledger
+    cluster: list[Cluster]
+    owner: SolanaBackend
+    account: Pubkey
+    clients: list[ScriptedClient]
+
+    @property
+    def by_signer(self) -> dict[bytes, ScriptedClient]:
+        return {bytes(c.backend.get_payer()): c for c in self.clients}
+
+    @contextlib.asynccontextmanager
+    async def followed(self, nursery: trio.Nursery) -> AsyncIterator[Driver]:
+        """The members following the run, and a driver of its clock (the owner observing)."""
+        async with follow_run(self.owner, RUN_ID, self.account) as observer:
+            for client in self.clients:
+                await nursery.start(client.run, self.account)
+            yield Driver(self.ledger, self.owner, observer)
+
+    async def duties(self, step: int) -> RoundDuties:
+        """The duties the program recorded for `step`."""
+        stored = (await verification_state(self.owner, self.account)).round(step)
+        assert stored is not None, "the round's witness recorded its duties"
+        return stored.record().duties
+
+
+async def verified_run(nursery: trio.Nursery) -> VerifiedRun:
+    ledger, _, cluster = await open_localnet(nursery)
+    owner = make_backend(ledger, cluster)
+    account = await create_run(
+        owner, config(verification_percent=50, init_min_clients=4, min_clients=3)
+    )
+    clients = [ScriptedClient(n, make_backend(ledger, cluster)) for n in "abcd"]
+    return VerifiedRun(ledger, cluster, owner, account, clients)
+
+
 def test_a_disputed_result_is_decided_by_the_tie_breaker_and_the_loser_slashed(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            ledger, _, cluster = await open_localnet(nursery)
-            owner = make_backend(ledger, cluster)
-            account = await create_run(
-                owner, config(verification_percent=50, init_min_clients=4, min_clients=3)
-            )
-            clients = [ScriptedClient(n, make_backend(ledger, cluster)) for n in "abcd"]
-            by_signer = {bytes(c.backend.get_payer()): c for c in clients}
-            stranger = make_backend(ledger, cluster)
+            run = await verified_run(nursery)
+            cluster, owner, account, by_signer = run.cluster, run.owner, run.account, run.by_signer
+            stranger = make_backend(run.ledger, cluster)
             seen: dict[str, object] = {}
 
-            async with follow_run(owner, RUN_ID, account) as observer:
-                for client in clients:
-                    await nursery.start(client.run, account)
-                driver = Driver(ledger, owner, observer)
+            async with run.followed(nursery) as driver:
+                observer = driver.observer
 
                 async def dispute(d: Driver) -> None:
                     if seen:
                         return
                     assert d.state is not None
                     step = d.state.progress.step
-                    stored = (await verification_state(owner, account)).round(step)
-                    assert stored is not None, "the witness recorded the round's duties"
-                    duties: RoundDuties = stored.record().duties
+                    duties = await run.duties(step)
                     # 4 clients: 1 tie-breaker, 1 verifier (both trainers' batches), 2 trainers
                     assert {d.verifier for d in duties.verifiers} == {duties.verifiers[0].verifier}
                     duty = duties.verifiers[0]
@@ -257,27 +291,18 @@ def test_a_verifier_that_accuses_an_honest_result_is_punished_instead() -> None:
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            ledger, _, cluster = await open_localnet(nursery)
-            owner = make_backend(ledger, cluster)
-            account = await create_run(
-                owner, config(verification_percent=50, init_min_clients=4, min_clients=3)
-            )
-            clients = [ScriptedClient(n, make_backend(ledger, cluster)) for n in "abcd"]
-            by_signer = {bytes(c.backend.get_payer()): c for c in clients}
+            run = await verified_run(nursery)
+            owner, account, by_signer = run.owner, run.account, run.by_signer
             parties: dict[str, NodeIdentity] = {}
 
-            async with follow_run(owner, RUN_ID, account) as observer:
-                for client in clients:
-                    await nursery.start(client.run, account)
+            async with run.followed(nursery) as driver:
 
                 async def false_accusation(d: Driver) -> None:
                     if parties:
                         return
                     assert d.state is not None
                     step = d.state.progress.step
-                    stored = (await verification_state(owner, account)).round(step)
-                    assert stored is not None
-                    duties = stored.record().duties
+                    duties = await run.duties(step)
                     duty = duties.verifiers[0]
                     accusation = VerificationReport(step, [Finding(duty.batch_id, False, 30.0)])
                     await send_report(by_signer[duty.verifier.signer].backend, account, accusation)
@@ -290,9 +315,7 @@ def test_a_verifier_that_accuses_an_honest_result_is_punished_instead() -> None:
                         accuser=duty.verifier, trainer=duty.trainer, tie_breaker=tie_breaker
                     )
 
-                final = await Driver(ledger, owner, observer).run_epoch(
-                    4, between_rounds=false_accusation
-                )
+                final = await driver.run_epoch(4, between_rounds=false_accusation)
 
             assert parties, "no round to dispute"
             accuser, trainer = parties["accuser"], parties["trainer"]
