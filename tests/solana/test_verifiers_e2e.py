@@ -1,0 +1,190 @@
+"""Issue 27 on Solana, end to end: four real `psyche-solana-client train` processes on a local
+endpoint (its own process) in a run with `verification_percent = 50` (each round one
+tie-breaker, one verifier, two trainers), one of them hostile twice over
+(tests/solana/hostile_solana_client.py: sign-flipped results as a trainer, every verified result
+accused as a verifier, honest as tie-breaker). The clients' own verifiers and tie-breakers
+recompute, send their reports as `verification_report` transactions, and the coordinator
+program decides: the hostile member is dropped and slashed, the members that found it out
+credited, whichever role it lied in first; `show --json` and the honest clients' logs say so.
+
+Lean on purpose (the suite's time budget): it stops at the punishment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from solders.keypair import Keypair
+
+from psyche.cli.solana_client.main import main as solana_client
+from psyche.core.identity import SecretKey
+from psyche.solana import admin
+from psyche.solana.backend import Cluster, SolanaBackend
+from psyche.solana.instructions import coordinator as coordinator_ix
+from psyche.solana.keypair import derive_p2p_secret_key, write_keypair_file
+
+from ..timing import MAX_SCALE, scaled_timers
+from .processes import REPO, Processes, free_port, wait_event
+from .test_train_e2e import EVERYONE, TINY
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(420 * MAX_SCALE)]
+
+RUN_ID = "solana-verify"
+HOSTILE_SCRIPT = REPO / "tests" / "solana" / "hostile_solana_client.py"
+SLASHING_RATE = 10
+CONFIG = {
+    "warmup_time": 10,
+    "cooldown_time": 3,
+    "epoch_time": 60,
+    "max_round_train_time": 20,
+    "round_witness_time": 2,
+    "min_clients": 3,
+    "init_min_clients": 4,
+    "waiting_for_members_extra_time": 2,
+    "verification_percent": 50,
+    "witness_nodes": 0,
+}
+
+
+def run_config(data_url: str) -> str:
+    text = (TINY / "state.toml").read_text()
+    for key, value in scaled_timers(CONFIG).items():
+        text, count = re.subn(rf"(?m)^{key} = .*$", f"{key} = {value}", text)
+        assert count == 1, key
+    http = (
+        f'location = {{ SingleUrl = "{data_url}" }}, token_size_in_bytes = "TwoBytes", '
+        'shuffle = "DontShuffle"'
+    )
+    text, count = re.subn(
+        r"(?m)^data_location = .*$", f"data_location = {{ Http = {{ {http} }} }}", text
+    )
+    assert count == 1
+    return text
+
+
+def show(rpc: str, ws: str) -> dict[str, Any]:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert (
+            solana_client(["show", "--run-id", RUN_ID, "--json", "--rpc", rpc, "--ws-rpc", ws]) == 0
+        )
+    return dict(json.loads(out.getvalue()))
+
+
+def p2p_id(wallet: Keypair) -> str:
+    return SecretKey.from_bytes(derive_p2p_secret_key(RUN_ID, wallet)).public_key.hex()
+
+
+async def set_rates(cluster: Cluster, owner_wallet: Keypair) -> None:
+    async with SolanaBackend(cluster, owner_wallet) as owner:
+        account = (await admin.load_run(owner, RUN_ID)).account_address
+        rates = coordinator_ix.coordinator_set_future_epoch_rates(
+            RUN_ID, account, owner.get_payer(), 1000, SLASHING_RATE, owner.ids
+        )
+        await owner.send_and_retry("Set future epoch rates", [rates])
+
+
+def test_the_program_punishes_the_member_that_lied(tmp_path: Path) -> None:
+    from psyche.centralized.tiny_run import write_tiny_dataset
+
+    processes = Processes(tmp_path)
+    try:
+        dataset = write_tiny_dataset(
+            tmp_path / "data", tokenizer_path=TINY / "model" / "tokenizer.json"
+        )
+        data_port = free_port()
+        data = processes.start(
+            "data",
+            [sys.executable, "-m", "psyche.data_provider.static_http", str(dataset.parent),
+             "--host", "127.0.0.1", "--port", str(data_port)],
+        )  # fmt: skip
+        names = ("owner", "a", "b", "c", "hostile")
+        wallets = {name: Keypair() for name in names}
+        paths = {name: tmp_path / f"{name}.json" for name in names}
+        for name in names:
+            write_keypair_file(wallets[name], paths[name])
+        rpc_port = free_port()
+        localnet = processes.start(
+            "localnet",
+            [sys.executable, "-m", "psyche.cli.solana_client.main", "localnet",
+             "--port", str(rpc_port), "--ws-port", str(free_port()),
+             *(x for name in names for x in ("--fund", str(paths[name])))],
+        )  # fmt: skip
+        ws_port = int(processes.wait_for(localnet, r"websocket: ws://127\.0\.0\.1:(\d+)", 60)[1])
+        processes.wait_for(data, r"serving", 30)
+        rpc, ws = f"http://127.0.0.1:{rpc_port}", f"ws://127.0.0.1:{ws_port}"
+        config_path = tmp_path / "run.toml"
+        config_path.write_text(run_config(f"http://127.0.0.1:{data_port}/{dataset.name}"))
+        cluster = ["--rpc", rpc, "--ws-rpc", ws, "-w", str(paths["owner"])]
+        for argv in (
+            ["join-authorization-create", "--authorizer", EVERYONE],
+            ["create-run", "--run-id", RUN_ID, "--client-version", "test"],
+            ["update-config", "--run-id", RUN_ID, "--config-path", str(config_path)],
+        ):
+            assert solana_client([*argv, *cluster]) == 0, argv
+        # The rates (the command sets them only through a treasurer).
+        trio.run(set_rates, Cluster(rpc, ws), wallets["owner"])
+        assert solana_client(["set-paused", "--run-id", RUN_ID, "--resume", *cluster]) == 0
+
+        # Every member listens on a known port and knows every other's address.
+        members = ("a", "b", "c", "hostile")
+        ports = {name: free_port() for name in members}
+
+        def train(name: str) -> list[str]:
+            peers = [
+                x
+                for other in members
+                if other != name
+                for x in ("--bootstrap-peer", f"{p2p_id(wallets[other])}@127.0.0.1:{ports[other]}")
+            ]
+            return ["train", "--rpc", rpc, "--ws-rpc", ws, "-w", str(paths[name]),
+                    "--run-id", RUN_ID, "--authorizer", EVERYONE, "--logs", "json",
+                    "--device", "cpu", "--bind-p2p-interface", "lo",
+                    "--bind-p2p-port", str(ports[name]), *peers]  # fmt: skip
+
+        env = {"OMP_NUM_THREADS": "1", "CLIENT_VERSION": "test"}
+        honest = [
+            processes.start(
+                f"client-{n}", [sys.executable, "-m", "psyche.cli.solana_client.main", *train(n)],
+                env=env,
+            )
+            for n in "abc"
+        ]  # fmt: skip
+        processes.start(
+            "hostile",
+            [sys.executable, str(HOSTILE_SCRIPT), "sign-flip", "0", "--", *train("hostile")],
+            env={**env, "HOSTILE_VERIFIER": "1"},
+        )
+        hostile = str(wallets["hostile"].pubkey())
+        # The honest clients' watcher logs the program's punishment.
+        punished = wait_event(honest[0], "verification_punished", lambda e: True, 360 * MAX_SCALE)
+        dumped = show(rpc, ws)
+    finally:
+        processes.stop_all()
+
+    log = dumped["verification"]["log"]
+    (punishment,) = [e for e in log if e["kind"] == "punished"]
+    assert punishment["subject"] == hostile
+    assert punishment["role"] in ("trainer", "verifier")
+    assert punishment["slashed"] == SLASHING_RATE
+    assert hostile not in punishment["credited"]
+    assert punishment["credited"]
+    assert punished["step"] == punishment["step"]
+    clients = dumped["coordinator_account"]["clients"]
+    assert clients[hostile]["slashed"] == SLASHING_RATE
+    assert sum(c["slashed"] for c in clients.values()) == SLASHING_RATE
+    for credited in punishment["credited"]:
+        assert clients[credited]["earned"] >= punishment["credit_each"] > 0
+    # No honest member was accused: every "does not match" finding is about the hostile one,
+    # and every finding about an honest member matched.
+    verified = [e for e in log if e["kind"] == "verified"]
+    assert all(e["subject"] == hostile for e in verified if not e["matches"])
+    assert hostile in dumped["verification"]["bans"]
