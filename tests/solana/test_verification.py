@@ -286,8 +286,9 @@ def test_a_disputed_result_is_decided_by_the_tie_breaker_and_the_loser_slashed(
 
 
 def test_a_verifier_that_accuses_an_honest_result_is_punished_instead() -> None:
-    """The tie-breaker finds the accused result right: the accuser loses (dropped, banned,
-    slashed) and the tie-breaker alone is credited; the trainer keeps its place."""
+    """The tie-breaker finds the accused results right: the accuser loses both disputes
+    (dropped, banned, and slashed once: once per epoch, as the ban) and the tie-breaker alone is
+    credited; the trainers keep their places."""
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
@@ -304,7 +305,10 @@ def test_a_verifier_that_accuses_an_honest_result_is_punished_instead() -> None:
                     step = d.state.progress.step
                     duties = await run.duties(step)
                     duty = duties.verifiers[0]
-                    accusation = VerificationReport(step, [Finding(duty.batch_id, False, 30.0)])
+                    # It accuses every result it verified (both trainers').
+                    accusation = VerificationReport(
+                        step, [Finding(d.batch_id, False, 30.0) for d in duties.verifiers]
+                    )
                     await send_report(by_signer[duty.verifier.signer].backend, account, accusation)
                     tie_breaker = duties.tie_breakers[0].verifier
                     verdict = VerificationReport(
@@ -329,10 +333,15 @@ def test_a_verifier_that_accuses_an_honest_result_is_punished_instead() -> None:
             assert earned[parties["tie_breaker"]] == 1000 // 3 + SLASHING_RATE
             assert earned[trainer] == 1000 // 3
             record = await verification_state(owner, account)
-            (punished,) = [e for e in record.log if e.kind == "punished"]
-            assert punished.subject == accuser
-            assert punished.role == "verifier"
-            assert punished.credited == [parties["tie_breaker"]]
+            punished = [e for e in record.log if e.kind == "punished"]
+            assert len(punished) == 2  # one per dispute it lost
+            assert {e.subject for e in punished} == {accuser}
+            assert {e.role for e in punished} == {"verifier"}
+            assert [e.credited for e in punished] == [[parties["tie_breaker"]]] * 2
+            assert [(e.slashed, e.credit) for e in punished] == [
+                (SLASHING_RATE, SLASHING_RATE),
+                (0, 0),
+            ]
             nursery.cancel_scope.cancel()
 
     trio.run(main)

@@ -12,28 +12,22 @@ Lean on purpose (the suite's time budget): it stops at the punishment.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
-import re
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 import trio
 from solders.keypair import Keypair
 
 from psyche.cli.solana_client.main import main as solana_client
-from psyche.core.identity import SecretKey
 from psyche.solana import admin
 from psyche.solana.backend import Cluster, SolanaBackend
 from psyche.solana.instructions import coordinator as coordinator_ix
-from psyche.solana.keypair import derive_p2p_secret_key, write_keypair_file
 
-from ..timing import MAX_SCALE, scaled_timers
-from .processes import REPO, Processes, free_port, wait_event
-from .test_train_e2e import EVERYONE, TINY
+from ..timing import MAX_SCALE
+from .processes import REPO, Processes, free_port, p2p_id, run_config, start_endpoint, wait_event
+from .test_train_e2e import EVERYONE, solana_client_output
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(420 * MAX_SCALE)]
 
@@ -54,35 +48,6 @@ CONFIG = {
 }
 
 
-def run_config(data_url: str) -> str:
-    text = (TINY / "state.toml").read_text()
-    for key, value in scaled_timers(CONFIG).items():
-        text, count = re.subn(rf"(?m)^{key} = .*$", f"{key} = {value}", text)
-        assert count == 1, key
-    http = (
-        f'location = {{ SingleUrl = "{data_url}" }}, token_size_in_bytes = "TwoBytes", '
-        'shuffle = "DontShuffle"'
-    )
-    text, count = re.subn(
-        r"(?m)^data_location = .*$", f"data_location = {{ Http = {{ {http} }} }}", text
-    )
-    assert count == 1
-    return text
-
-
-def show(rpc: str, ws: str) -> dict[str, Any]:
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        assert (
-            solana_client(["show", "--run-id", RUN_ID, "--json", "--rpc", rpc, "--ws-rpc", ws]) == 0
-        )
-    return dict(json.loads(out.getvalue()))
-
-
-def p2p_id(wallet: Keypair) -> str:
-    return SecretKey.from_bytes(derive_p2p_secret_key(RUN_ID, wallet)).public_key.hex()
-
-
 async def set_rates(cluster: Cluster, owner_wallet: Keypair) -> None:
     async with SolanaBackend(cluster, owner_wallet) as owner:
         account = (await admin.load_run(owner, RUN_ID)).account_address
@@ -93,36 +58,13 @@ async def set_rates(cluster: Cluster, owner_wallet: Keypair) -> None:
 
 
 def test_the_program_punishes_the_member_that_lied(tmp_path: Path) -> None:
-    from psyche.centralized.tiny_run import write_tiny_dataset
-
     processes = Processes(tmp_path)
     try:
-        dataset = write_tiny_dataset(
-            tmp_path / "data", tokenizer_path=TINY / "model" / "tokenizer.json"
-        )
-        data_port = free_port()
-        data = processes.start(
-            "data",
-            [sys.executable, "-m", "psyche.data_provider.static_http", str(dataset.parent),
-             "--host", "127.0.0.1", "--port", str(data_port)],
-        )  # fmt: skip
         names = ("owner", "a", "b", "c", "hostile")
-        wallets = {name: Keypair() for name in names}
-        paths = {name: tmp_path / f"{name}.json" for name in names}
-        for name in names:
-            write_keypair_file(wallets[name], paths[name])
-        rpc_port = free_port()
-        localnet = processes.start(
-            "localnet",
-            [sys.executable, "-m", "psyche.cli.solana_client.main", "localnet",
-             "--port", str(rpc_port), "--ws-port", str(free_port()),
-             *(x for name in names for x in ("--fund", str(paths[name])))],
-        )  # fmt: skip
-        ws_port = int(processes.wait_for(localnet, r"websocket: ws://127\.0\.0\.1:(\d+)", 60)[1])
-        processes.wait_for(data, r"serving", 30)
-        rpc, ws = f"http://127.0.0.1:{rpc_port}", f"ws://127.0.0.1:{ws_port}"
+        endpoint = start_endpoint(processes, tmp_path, names)
+        wallets, paths, rpc, ws = endpoint.wallets, endpoint.paths, endpoint.rpc, endpoint.ws
         config_path = tmp_path / "run.toml"
-        config_path.write_text(run_config(f"http://127.0.0.1:{data_port}/{dataset.name}"))
+        config_path.write_text(run_config(endpoint.data_url, CONFIG))
         cluster = ["--rpc", rpc, "--ws-rpc", ws, "-w", str(paths["owner"])]
         for argv in (
             ["join-authorization-create", "--authorizer", EVERYONE],
@@ -143,7 +85,10 @@ def test_the_program_punishes_the_member_that_lied(tmp_path: Path) -> None:
                 x
                 for other in members
                 if other != name
-                for x in ("--bootstrap-peer", f"{p2p_id(wallets[other])}@127.0.0.1:{ports[other]}")
+                for x in (
+                    "--bootstrap-peer",
+                    f"{p2p_id(RUN_ID, wallets[other])}@127.0.0.1:{ports[other]}",
+                )
             ]
             return ["train", "--rpc", rpc, "--ws-rpc", ws, "-w", str(paths[name]),
                     "--run-id", RUN_ID, "--authorizer", EVERYONE, "--logs", "json",
@@ -166,17 +111,26 @@ def test_the_program_punishes_the_member_that_lied(tmp_path: Path) -> None:
         hostile = str(wallets["hostile"].pubkey())
         # The honest clients' watcher logs the program's punishment.
         punished = wait_event(honest[0], "verification_punished", lambda e: True, 360 * MAX_SCALE)
-        dumped = show(rpc, ws)
+        dumped = json.loads(
+            solana_client_output(
+                ["show", "--run-id", RUN_ID, "--json", "--rpc", rpc, "--ws-rpc", ws]
+            )
+        )
     finally:
         processes.stop_all()
 
     log = dumped["verification"]["log"]
-    (punishment,) = [e for e in log if e["kind"] == "punished"]
-    assert punishment["subject"] == hostile
-    assert punishment["role"] in ("trainer", "verifier")
+    # One punishment per dispute it lost (a lying verifier accused both trainers), slashed
+    # once.
+    punishments = [e for e in log if e["kind"] == "punished"]
+    assert punishments
+    assert {e["subject"] for e in punishments} == {hostile}
+    assert {e["role"] for e in punishments} <= {"trainer", "verifier"}
+    assert sum(e["slashed"] for e in punishments) == SLASHING_RATE
+    punishment = punishments[0]
     assert punishment["slashed"] == SLASHING_RATE
-    assert hostile not in punishment["credited"]
     assert punishment["credited"]
+    assert hostile not in punishment["credited"]
     assert punished["step"] == punishment["step"]
     clients = dumped["coordinator_account"]["clients"]
     assert clients[hostile]["slashed"] == SLASHING_RATE

@@ -717,11 +717,13 @@ def _punish(
     resolution: Resolution,
 ) -> VerificationEntry:
     """The loser of a decided dispute is dropped (if still healthy), banned as the server bans,
-    slashed the epoch's `slashing_rate_per_client`, and that credited to the deciders."""
-    entry = punishment(
-        record, resolution, state.clients_state.current_epoch_rates.slashing_rate_per_client
-    )
+    slashed the epoch's `slashing_rate_per_client`, and that credited to the deciders. Once per
+    loser and epoch, as the ban: a verifier that falsely accused two results of a round loses
+    two disputes, and is slashed once."""
     loser = resolution.loser
+    ban = verification.value.ban(loser.signer, state.coordinator.progress.epoch)
+    rate = state.clients_state.current_epoch_rates.slashing_rate_per_client
+    entry = punishment(record, resolution, 0 if ban is None else rate)
     for client in state.coordinator.epoch_state.clients:
         if client.id == loser and client.state is ClientState.Healthy:
             client.state = ClientState.Dropped
@@ -731,7 +733,6 @@ def _punish(
             known.slashed = _checked_add(known.slashed, entry.slashed)
         if known.id in credited:
             known.earned = _checked_add(known.earned, entry.credit)
-    ban = verification.value.ban(loser.signer, state.coordinator.progress.epoch)
     if ban is not None:
         ctx.log(f"{loser} banned from the run's epochs before {ban.until_epoch}")
     ctx.log(entry_line(entry))
