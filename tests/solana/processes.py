@@ -6,17 +6,117 @@ take an RPC endpoint away and bring it back.
 * `Proxy`: forwards a loopback port to another; `down()` closes the listener and every
   forwarded connection (clients see the endpoint vanish), `up()` listens on the same port again.
 * `json_events(text, name)`: the JSON log lines of a `--logs json` client.
+* `start_endpoint(processes, directory, names)`: the tiny run's dataset served over HTTP, a
+  wallet per name and the local endpoint (its own process) funding them; `run_config` the tiny
+  CPU run's config with its data there and `config` over its `[config]`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 import socket
+import sys
 import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from solders.keypair import Keypair
+
+from psyche.core.identity import SecretKey
+from psyche.solana.keypair import derive_p2p_secret_key, write_keypair_file
 
 from ..processes import REPO, Processes, free_port, json_events, wait_event
+from ..timing import scaled_timers
 
-__all__ = ["REPO", "Processes", "Proxy", "free_port", "json_events", "wait_event"]
+__all__ = [
+    "REPO",
+    "TINY",
+    "Endpoint",
+    "Processes",
+    "Proxy",
+    "free_port",
+    "json_events",
+    "p2p_id",
+    "run_config",
+    "start_endpoint",
+    "wait_event",
+]
+
+TINY = REPO / "configs" / "tiny-cpu"
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """A local endpoint process and what it serves: the tiny dataset's URL, funded wallets."""
+
+    rpc_port: int
+    ws_port: int
+    data_url: str
+    wallets: dict[str, Keypair]
+    paths: dict[str, Path]
+
+    @property
+    def rpc(self) -> str:
+        return f"http://127.0.0.1:{self.rpc_port}"
+
+    @property
+    def ws(self) -> str:
+        return f"ws://127.0.0.1:{self.ws_port}"
+
+
+def start_endpoint(processes: Processes, directory: Path, names: Sequence[str]) -> Endpoint:
+    """The tiny dataset over HTTP and the local endpoint, a funded wallet file per name."""
+    from psyche.centralized.tiny_run import write_tiny_dataset
+
+    dataset = write_tiny_dataset(
+        directory / "data", tokenizer_path=TINY / "model" / "tokenizer.json"
+    )
+    data_port = free_port()
+    data = processes.start(
+        "data",
+        [sys.executable, "-m", "psyche.data_provider.static_http", str(dataset.parent),
+         "--host", "127.0.0.1", "--port", str(data_port)],
+    )  # fmt: skip
+    wallets = {name: Keypair() for name in names}
+    paths = {name: directory / f"{name}.json" for name in names}
+    for name in names:
+        write_keypair_file(wallets[name], paths[name])
+    rpc_port = free_port()
+    localnet = processes.start(
+        "localnet",
+        [sys.executable, "-m", "psyche.cli.solana_client.main", "localnet",
+         "--port", str(rpc_port), "--ws-port", str(free_port()),
+         *(x for name in names for x in ("--fund", str(paths[name])))],
+    )  # fmt: skip
+    ws_port = int(processes.wait_for(localnet, r"websocket: ws://127\.0\.0\.1:(\d+)", 60)[1])
+    processes.wait_for(data, r"serving", 30)
+    url = f"http://127.0.0.1:{data_port}/{dataset.name}"
+    return Endpoint(rpc_port, ws_port, url, wallets, paths)
+
+
+def p2p_id(run_id: str, wallet: Keypair) -> str:
+    """The P2P identity a Solana client of `run_id` derives from its wallet."""
+    return SecretKey.from_bytes(derive_p2p_secret_key(run_id, wallet)).public_key.hex()
+
+
+def run_config(data_url: str, config: Mapping[str, Any]) -> str:
+    """The tiny CPU run with `config` over its `[config]` (timings scaled to this machine's
+    speed, tests/timing.py) and its data over HTTP at `data_url` (there is no server)."""
+    text = (TINY / "state.toml").read_text()
+    for key, value in scaled_timers(config).items():
+        text, count = re.subn(rf"(?m)^{key} = .*$", f"{key} = {value}", text)
+        assert count == 1, key
+    http = (
+        f'location = {{ SingleUrl = "{data_url}" }}, token_size_in_bytes = "TwoBytes", '
+        'shuffle = "DontShuffle"'
+    )
+    location = f"data_location = {{ Http = {{ {http} }} }}"
+    text, count = re.subn(r"(?m)^data_location = .*$", location, text)
+    assert count == 1
+    return text
 
 
 class Proxy:

@@ -278,6 +278,14 @@ def test_clear_errors(
     )
     assert code == 1
     assert "warmup_time" in err
+    # A run too small for a verifier (issue 27): refused with the field named.
+    bad.write_text(RUN_CONFIG.replace("verification_percent = 0", "verification_percent = 50"))
+    code, _, err = _run(
+        capsys, net, "update-config", "-r", "errors", "--config-path", str(bad), wallet=owner_wallet
+    )
+    assert code == 1
+    assert "config.verification_percent" in err
+    assert "elects no verifier" in err
     code, _, err = _run(
         capsys,
         net,

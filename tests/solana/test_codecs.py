@@ -106,6 +106,9 @@ INSTRUCTION_DISCRIMINATORS = {
     "run_update": "33562e740d42149d",
     "participant_create": "32b18e2875b046b5",
     "participant_claim": "a096e8563b6bad26",
+    # Beyond upstream (issue 27): Anchor's rule, sha256("global:<name>")[..8].
+    "init_verification": "8c3d060b7bbc1e29",
+    "verification_report": "024def0e125fc8c7",
 }
 
 

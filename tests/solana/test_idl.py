@@ -38,6 +38,13 @@ from psyche.coordinator.model import (
     LLMTrainingDataType,
     Model,
 )
+from psyche.coordinator.verification import (
+    Finding,
+    RoundDuties,
+    RoundVerification,
+    VerificationDuty,
+)
+from psyche.core.batch_id import BatchId
 from psyche.core.bloom import WitnessBloom
 from psyche.core.data_shuffle import Shuffle
 from psyche.core.definitions import (
@@ -68,6 +75,12 @@ from psyche.solana.state import (
     RunMetadata,
     TreasurerRun,
     encode_anchor_account,
+)
+from psyche.solana.verification import (
+    BanRecord,
+    RunVerification,
+    VerificationEntry,
+    VerifiedRound,
 )
 
 from .anchorpy_idl import load_anchorpy_idl
@@ -126,6 +139,7 @@ METADATA = WitnessMetadata(
     efficency=0.75,
 )
 
+DUTY = VerificationDuty(BatchId(4, 7), IDENTITY, IDENTITY)
 SAMPLES: dict[str, Any] = {
     "init_coordinator": coordinator_ix.InitCoordinatorArgs(
         coordinator_ix.InitCoordinatorParams(_key(1), _key(2), "run", "v1")
@@ -146,6 +160,10 @@ SAMPLES: dict[str, Any] = {
     "warmup_witness": coordinator_ix.WarmupWitnessArgs.from_witness(WITNESS),
     "health_check": coordinator_ix.HealthCheckArgs(IDENTITY, Committee.Trainer, 4, 2),
     "checkpoint": coordinator_ix.CheckpointArgs(Checkpoint.Gcs(GcsRepo("bucket", "prefix"))),
+    "init_verification": coordinator_ix.InitVerificationArgs(),
+    "verification_report": coordinator_ix.VerificationReportArgs(
+        7, [Finding(BatchId(4, 7), False, 12.5), Finding(BatchId(8, 9), True, 0.25)]
+    ),
     "authorization_create": authorizer_ix.AuthorizationCreateArgs(
         authorizer_ix.AuthorizationCreateParams(_key(3), b"CoordinatorJoinRun")
     ),
@@ -338,6 +356,16 @@ def test_anchorpy_builds_the_same_bytes() -> None:
     ("program", "value"),
     [
         ("coordinator", CoordinatorInstance(254, _key(1), _key(2), _key(3), "run")),
+        (
+            "coordinator",
+            RunVerification(
+                253,
+                _key(4),
+                [VerifiedRound.of(RoundVerification(RoundDuties(7, (DUTY,), (DUTY,))))],
+                [BanRecord(_key(5), 2, 1)],
+                [VerificationEntry(7, "punished", IDENTITY, BatchId(4, 7), credited=[IDENTITY])],
+            ),
+        ),
         ("authorizer", Authorization(3, _key(1), _key(2), b"scope", True, [_key(5)], 99)),
         ("treasurer", TreasurerRun(1, 41, _key(1), _key(2), _key(3), _key(4), _key(5), 6, 7)),
         ("treasurer", Participant(2, 3, 4)),

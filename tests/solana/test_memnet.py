@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from solders.account import Account
 from solders.keypair import Keypair
 from solders.pubkey import Pubkey
 from solders.token.state import TokenAccount
@@ -38,7 +39,9 @@ from psyche.solana.state import (
     COORDINATOR_ACCOUNT_SPACE,
     JOIN_RUN_AUTHORIZATION_SCOPE,
     Authorization,
+    SolanaClient,
     coordinator_account_from_bytes,
+    coordinator_account_to_bytes,
     decode_anchor_account,
 )
 
@@ -740,3 +743,47 @@ def test_a_failing_transaction_changes_nothing_but_the_fee(endpoint: Endpoint) -
     assert endpoint.balance(payer.pubkey()) == before - FEE
     data = bytes(endpoint.account(account).data)
     assert data == bytes(COORDINATOR_ACCOUNT_SPACE)  # still all zero
+
+
+def test_treasurer_pays_earned_less_slashed(endpoint: Endpoint) -> None:
+    """Beyond upstream (issue 27): a client slashed for losing a verification dispute is paid
+    `earned - slashed` (`SolanaClient.claimable`). The coordinator account is given a client
+    that earned 100 points and was slashed 30 (what the coordinator program's verification does:
+    tests/solana/test_verification.py); the treasurer then pays 70 and refuses a point more."""
+    payer, mint_authority, main, join, user = (Keypair() for _ in range(5))
+    endpoint.airdrop(payer.pubkey(), 5_000_000_000)
+    ids = endpoint.ledger.program_ids
+    mint = _mint(endpoint, payer, mint_authority.pubkey(), 6)
+    account = endpoint.new_exempt(payer, COORDINATOR_ACCOUNT_SPACE, ids.coordinator_key)
+    run = _run_create(
+        endpoint, payer, mint, account, 43, "slashed run", main.pubkey(), join.pubkey()
+    )
+    vault = _ata(endpoint, payer, run, mint)
+    endpoint.process(
+        [mint_to(MintToParams(TOKEN_PROGRAM_ID, mint, vault, mint_authority.pubkey(), 1000))],
+        payer,
+        [mint_authority],
+    )
+    endpoint.process(
+        [treasurer_ix.treasurer_participant_create(payer.pubkey(), 43, user.pubkey())],
+        payer,
+        [user],
+    )
+    stored = endpoint.ledger.get_account(account)
+    assert stored is not None
+    state = coordinator_account_from_bytes(bytes(stored.data))
+    client = SolanaClient(NodeIdentity(bytes(user.pubkey()), bytes(32)), earned=100, slashed=30)
+    state.state.clients_state.clients.append(client)
+    data = coordinator_account_to_bytes(state)
+    endpoint.ledger.set_account(
+        account, Account(stored.lamports, data, stored.owner, stored.executable, stored.rent_epoch)
+    )
+    user_collateral = _ata(endpoint, payer, user.pubkey(), mint)
+
+    def claim(points: int) -> list:
+        return [treasurer_ix.treasurer_participant_claim(43, mint, account, user.pubkey(), points)]
+
+    assert endpoint.process_err(claim(71), payer, [user]).anchor_error == "InvalidParameter"
+    endpoint.process(claim(70), payer, [user])
+    assert _amount(endpoint, user_collateral) == 70
+    assert endpoint.process_err(claim(1), payer, [user]).anchor_error == "InvalidParameter"

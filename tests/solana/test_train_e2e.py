@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import re
 import sys
 import time
 from collections.abc import Iterator
@@ -28,14 +27,20 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from solders.keypair import Keypair
 
 from psyche.cli.solana_client.main import main as solana_client
-from psyche.core.identity import SecretKey
-from psyche.solana.keypair import derive_p2p_secret_key, write_keypair_file
 
-from ..timing import MAX_SCALE, scaled_timers
-from .processes import REPO, Processes, Proxy, free_port, json_events, wait_event
+from ..timing import MAX_SCALE
+from .processes import (
+    Processes,
+    Proxy,
+    free_port,
+    json_events,
+    p2p_id,
+    run_config,
+    start_endpoint,
+    wait_event,
+)
 
 # a bound for a hung run, not a timing: the run's own waits stretch up to MAX_SCALE times on a
 # busy machine (tests/timing.py), and the module's run is the first test's setup
@@ -43,7 +48,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(240 * MAX_S
 
 RUN_ID = "solana-e2e"
 EVERYONE = "11111111111111111111111111111111"
-TINY = REPO / "configs" / "tiny-cpu"
 CONFIG = {
     "warmup_time": 8,
     "cooldown_time": 3,
@@ -55,27 +59,6 @@ CONFIG = {
     "waiting_for_members_extra_time": 1,
 }
 OUTAGE_SECS = 6.0
-
-
-def run_config(data_url: str) -> str:
-    """The tiny CPU run with short timings (scaled to this machine's speed, tests/timing.py) and
-    its data over HTTP (there is no server)."""
-    text = (TINY / "state.toml").read_text()
-    for key, value in scaled_timers(CONFIG).items():
-        text, count = re.subn(rf"(?m)^{key} = .*$", f"{key} = {value}", text)
-        assert count == 1, key
-    http = (
-        f'location = {{ SingleUrl = "{data_url}" }}, token_size_in_bytes = "TwoBytes", '
-        'shuffle = "DontShuffle"'
-    )
-    location = f"data_location = {{ Http = {{ {http} }} }}"
-    text, count = re.subn(r"(?m)^data_location = .*$", location, text)
-    assert count == 1
-    return text
-
-
-def p2p_id(wallet: Keypair) -> str:
-    return SecretKey.from_bytes(derive_p2p_secret_key(RUN_ID, wallet)).public_key.hex()
 
 
 @dataclass
@@ -103,35 +86,14 @@ def processes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Processes]:
 
 @pytest.fixture(scope="module")
 def run(processes: Processes, tmp_path_factory: pytest.TempPathFactory) -> Run:
-    from psyche.centralized.tiny_run import write_tiny_dataset
-
     tmp = tmp_path_factory.mktemp("solana-run")
-    dataset = write_tiny_dataset(tmp / "data", tokenizer_path=TINY / "model" / "tokenizer.json")
-    data_port = free_port()
-    data = processes.start(
-        "data",
-        [sys.executable, "-m", "psyche.data_provider.static_http", str(dataset.parent),
-         "--host", "127.0.0.1", "--port", str(data_port)],
-    )  # fmt: skip
-    wallets = {name: Keypair() for name in ("owner", "a", "b")}
-    paths = {}
-    for name, keypair in wallets.items():
-        paths[name] = tmp / f"{name}.json"
-        write_keypair_file(keypair, paths[name])
-    rpc_port = free_port()
-    localnet = processes.start(
-        "localnet",
-        [sys.executable, "-m", "psyche.cli.solana_client.main", "localnet",
-         "--port", str(rpc_port), "--ws-port", str(free_port()),
-         *(x for name in paths for x in ("--fund", str(paths[name])))],
-    )  # fmt: skip
-    ws_port = int(processes.wait_for(localnet, r"websocket: ws://127\.0\.0\.1:(\d+)", 60)[1])
-    processes.wait_for(data, r"serving", 30)
-    rpc, ws = f"http://127.0.0.1:{rpc_port}", f"ws://127.0.0.1:{ws_port}"
+    endpoint = start_endpoint(processes, tmp, ("owner", "a", "b"))
+    wallets, paths = endpoint.wallets, endpoint.paths
+    rpc_port, ws_port, rpc, ws = endpoint.rpc_port, endpoint.ws_port, endpoint.rpc, endpoint.ws
 
     # ---- the run, set up with the admin commands (in this process, over real RPC)
     config_path = tmp / "run.toml"
-    config_path.write_text(run_config(f"http://127.0.0.1:{data_port}/{dataset.name}"))
+    config_path.write_text(run_config(endpoint.data_url, CONFIG))
     cluster = ["--rpc", rpc, "--ws-rpc", ws, "-w", str(paths["owner"])]
     for argv in (
         ["join-authorization-create", "--authorizer", EVERYONE],
@@ -158,7 +120,9 @@ def run(processes: Processes, tmp_path_factory: pytest.TempPathFactory) -> Run:
 
         clients = {
             "a": client("a", "--bind-p2p-port", str(a_port)),
-            "b": client("b", "--bootstrap-peer", f"{p2p_id(wallets['a'])}@127.0.0.1:{a_port}"),
+            "b": client(
+                "b", "--bootstrap-peer", f"{p2p_id(RUN_ID, wallets['a'])}@127.0.0.1:{a_port}"
+            ),
         }
         # epoch 0 ends with a cooldown on both
         for proc in clients.values():

@@ -226,6 +226,7 @@ def load_config_file(path: Path) -> tuple[CoordinatorConfig, Model]:
     """A run config TOML (`[config]` and `[model]`), fully validated, including the checks the
     program makes before it accepts a config."""
     from psyche.coordinator.run_config import ConfigFileError, load_run_config
+    from psyche.coordinator.verification import verification_problem
 
     try:
         loaded = load_run_config(path)
@@ -236,6 +237,9 @@ def load_config_file(path: Path) -> tuple[CoordinatorConfig, Model]:
     if error is not None:
         problems.append(f"[config] {error.field}: {error.value}")
     problems += [f"[model] {p}" for p in loaded.model.check_problems()]
+    unrunnable = verification_problem(loaded.config)
+    if unrunnable is not None:  # a run with too few clients for a verifier (issue 27)
+        problems.append(f"[{unrunnable[0]}]: {unrunnable[1]}")
     if problems:
         raise AdminError(f"invalid config {path}: " + "; ".join(problems))
     if loaded.llm.backup_data_locations:
@@ -425,8 +429,10 @@ async def set_future_epoch_rates(
 
 
 async def tick(backend: SolanaBackend, run: RunRef) -> Signature:
+    account = await backend.get_coordinator_account(run.account_address)
+    verification = backend.verification_account(run.account_address, account)
     return await backend.send_and_retry(
-        "Tick", [backend.tick_instruction(run.instance_address, run.account_address)]
+        "Tick", [backend.tick_instruction(run.instance_address, run.account_address, verification)]
     )
 
 

@@ -157,6 +157,11 @@ COORDINATOR_ERRORS: tuple[ProgramErrorSpec, ...] = tuple(
         ("CoordinatorErrorInvalidCommitteeProof", "Coordinator error: Invalid committee proof"),
         ("MoreClientsThanBatches", "There are more clients than total number of batches to assign"),
         ("RunIdInvalidLength", "run_id must be 32 bytes or less"),
+        # Beyond upstream (issue 27, `psyche.solana.verification`): appended, so upstream's
+        # codes are unchanged.
+        ("VerificationOff", "The run does not verify (verification_percent is 0)"),
+        ("VerificationReportRefused", "Verification report refused"),
+        ("ClientBanned", "Client banned for losing a verification dispute"),
     )
 )
 

@@ -170,6 +170,55 @@ async def watch_client_version(
             check_version_unchanged(initial, str(state.client_version))
 
 
+VERIFICATION_WATCH_INTERVAL = 5.0
+"""Seconds between two reads of the run's verification account (`watch_verification`)."""
+
+
+async def watch_verification(
+    runner: SolanaBackendRunner, *, interval: float = VERIFICATION_WATCH_INTERVAL
+) -> None:
+    """In a run with verification, log what the coordinator's verification did since the last
+    read (`psyche.solana.verification`: findings at INFO, punishments at WARNING, one line
+    each): a person watching a client sees who was verified, what was found and who was
+    punished, slashed and credited. A read that fails is tried again at the next interval."""
+    from psyche.solana.state import decode_anchor_account
+    from psyche.solana.verification import RunVerification, entry_line
+
+    seen: list[Any] = []
+    while True:
+        await trio.sleep(interval)
+        address = runner.backend.verification_account(runner.account, runner.latest)
+        if address is None:
+            continue
+        try:
+            info = await runner.backend.get_account_info(address)
+        except SolanaBackendError as e:
+            log.debug("could not read the verification account: %s", e)
+            continue
+        if info is None:
+            continue
+        entries = decode_anchor_account(info.data, RunVerification).log
+        for entry in entries:
+            if entry in seen:
+                continue
+            if entry.kind != "punished":
+                log.info("verification: %s", entry_line(entry))
+                continue
+            # The client's `log_event` shape (psyche.client.observe.logs, which this package
+            # cannot import): its trackers count the punishment (observe.verification).
+            fields = {
+                "step": entry.step,
+                "loser": str(entry.subject),
+                "role": entry.role,
+                "slashed": entry.slashed,
+            }
+            text = f"verification: {entry_line(entry)}"
+            log.warning(
+                "verification_punished", extra={"psyche_fields": fields, "psyche_text": text}
+            )
+        seen = list(entries)
+
+
 async def follow_run(
     runner: SolanaBackendRunner,
     identity: NodeIdentity,
@@ -185,6 +234,7 @@ async def follow_run(
     membership = membership if membership is not None else Membership()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(lambda: runner.auto_tick(interval=tick_interval))
+        nursery.start_soon(watch_verification, runner)
         nursery.start_soon(
             lambda: watch_client_version(
                 runner, run.client_version, membership, interval=tick_interval
@@ -239,4 +289,5 @@ __all__ = [
     "preflight",
     "train_on_run",
     "watch_client_version",
+    "watch_verification",
 ]

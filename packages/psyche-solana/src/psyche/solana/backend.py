@@ -264,8 +264,14 @@ class SolanaBackend:
         instance = await self.get_coordinator_instance(coordinator_instance)
         authorization = self.find_join_authorization(instance.join_authority, authorizer)
         await self.check_join_authorization(instance, authorization, client_id, authorizer)
-        instruction = coordinator_ix.coordinator_join_run(
-            coordinator_instance, coordinator_account, authorization, client_id, self.ids
+        verification = self.verification_account(
+            coordinator_account, await self.get_coordinator_account(coordinator_account)
+        )
+        instruction = coordinator_ix.with_verification(
+            coordinator_ix.coordinator_join_run(
+                coordinator_instance, coordinator_account, authorization, client_id, self.ids
+            ),
+            verification,
         )
         with trio.move_on_after(JOIN_RUN_TIMEOUT) as scope:
             return await self.send_and_retry("Join run", [instruction])
@@ -304,31 +310,86 @@ class SolanaBackend:
                 None,
             )
 
-    def tick_instruction(
+    def verification_account(
+        self, coordinator_account: Pubkey, account: CoordinatorAccount
+    ) -> Pubkey | None:
+        """The run's verification account, which its member instructions need, in a run with
+        `verification_percent > 0` (`psyche.solana.verification`); None in a run without."""
+        if account.state.coordinator.config.verification_percent == 0:
+            return None
+        return pda.find_run_verification(coordinator_account, self.ids)
+
+    async def ensure_verification_account(
         self, coordinator_instance: Pubkey, coordinator_account: Pubkey
+    ) -> Pubkey | None:
+        """Create the run's verification account when the run verifies and nobody has yet (the
+        wallet pays its rent); its address, or None in a run without verification."""
+        address = self.verification_account(
+            coordinator_account, await self.get_coordinator_account(coordinator_account)
+        )
+        if address is None or await self.get_account_info(address) is not None:
+            return address
+        try:
+            await self.send_and_retry(
+                "Init verification",
+                [
+                    coordinator_ix.coordinator_init_verification(
+                        self.get_payer(), coordinator_instance, coordinator_account, self.ids
+                    )
+                ],
+            )
+        except SolanaBackendError:
+            if await self.get_account_info(address) is None:
+                raise  # else another member created it first
+        return address
+
+    def tick_instruction(
+        self,
+        coordinator_instance: Pubkey,
+        coordinator_account: Pubkey,
+        verification: Pubkey | None = None,
     ) -> Instruction:
-        return coordinator_ix.coordinator_tick(
-            coordinator_instance, coordinator_account, self.get_payer(), self.ids
+        return coordinator_ix.with_verification(
+            coordinator_ix.coordinator_tick(
+                coordinator_instance, coordinator_account, self.get_payer(), self.ids
+            ),
+            verification,
         )
 
     def witness_instruction(
-        self, coordinator_instance: Pubkey, coordinator_account: Pubkey, data: OpportunisticData
+        self,
+        coordinator_instance: Pubkey,
+        coordinator_account: Pubkey,
+        data: OpportunisticData,
+        verification: Pubkey | None = None,
     ) -> tuple[str, Instruction]:
         match data:
             case OpportunisticData.WitnessStep((witness, metadata)):
-                return "Witness", coordinator_ix.coordinator_witness(
-                    coordinator_instance,
-                    coordinator_account,
-                    self.get_payer(),
-                    witness,
-                    metadata,
-                    self.ids,
+                name, instruction = (
+                    "Witness",
+                    coordinator_ix.coordinator_witness(
+                        coordinator_instance,
+                        coordinator_account,
+                        self.get_payer(),
+                        witness,
+                        metadata,
+                        self.ids,
+                    ),
                 )
             case OpportunisticData.WarmupStep(witness):
-                return "Warmup witness", coordinator_ix.coordinator_warmup_witness(
-                    coordinator_instance, coordinator_account, self.get_payer(), witness, self.ids
+                name, instruction = (
+                    "Warmup witness",
+                    coordinator_ix.coordinator_warmup_witness(
+                        coordinator_instance,
+                        coordinator_account,
+                        self.get_payer(),
+                        witness,
+                        self.ids,
+                    ),
                 )
-        raise TypeError(f"not opportunistic data: {data!r}")
+            case _:
+                raise TypeError(f"not opportunistic data: {data!r}")
+        return name, coordinator_ix.with_verification(instruction, verification)
 
 
 __all__ = [

@@ -30,6 +30,7 @@ from psyche.coordinator import ClientState, Coordinator, RunState
 from psyche.coordinator.backend import HealthCheck, OpportunisticData
 from psyche.coordinator.errors import CoordinatorError, CoordinatorPanic
 from psyche.coordinator.model import Checkpoint
+from psyche.coordinator.verification import VerificationReport
 from psyche.core.node_identity import NodeIdentity
 from psyche.solana import pda
 from psyche.solana.backend import SolanaBackend, SolanaBackendError
@@ -56,6 +57,7 @@ async def follow_run(
     log.info("coordinator account address: %s", coordinator_account)
     log.info("coordinator instance address for run %r: %s", run_id, coordinator_instance)
     init = await backend.get_coordinator_account(coordinator_account)
+    await backend.ensure_verification_account(coordinator_instance, coordinator_account)
     async with trio.open_nursery() as nursery:
         runner = SolanaBackendRunner(
             backend, nursery, run_id, coordinator_instance, coordinator_account, init
@@ -191,9 +193,14 @@ class SolanaBackendRunner:
             return init
         return await self._primary.receive()
 
+    def _verification(self) -> Pubkey | None:
+        """The verification account the run's member instructions need (None: it verifies
+        nothing)."""
+        return self.backend.verification_account(self.account, self.latest)
+
     async def send_witness(self, opportunistic_data: OpportunisticData) -> None:
         name, instruction = self.backend.witness_instruction(
-            self.instance, self.account, opportunistic_data
+            self.instance, self.account, opportunistic_data, self._verification()
         )
         self.spawn_scheduled_send(name, [instruction])
 
@@ -207,13 +214,26 @@ class SolanaBackendRunner:
                 proof,
                 self.backend.ids,
             )
-            self.spawn_scheduled_send("Health check", [instruction])
+            self.spawn_scheduled_send(
+                "Health check",
+                [coordinator_ix.with_verification(instruction, self._verification())],
+            )
 
     async def send_checkpoint(self, checkpoint: Checkpoint) -> None:
         instruction = coordinator_ix.coordinator_checkpoint(
             self.instance, self.account, self.backend.get_payer(), checkpoint, self.backend.ids
         )
-        self.spawn_scheduled_send("Checkpoint", [instruction])
+        self.spawn_scheduled_send(
+            "Checkpoint", [coordinator_ix.with_verification(instruction, self._verification())]
+        )
+
+    async def send_verification(self, report: VerificationReport) -> None:
+        """`VerificationReports`: a verifier's or tie-breaker's findings of a round, sent as
+        the `verification_report` instruction (a refusal by the program is logged)."""
+        instruction = coordinator_ix.coordinator_verification_report(
+            self.instance, self.account, self.backend.get_payer(), report, self.backend.ids
+        )
+        self.spawn_scheduled_send("Verification report", [instruction])
 
     # ---- extras the Solana client uses --------------------------------------------------------
 
@@ -230,7 +250,7 @@ class SolanaBackendRunner:
 
         self.spawn_scheduled_send(
             "Tick",
-            [self.backend.tick_instruction(self.instance, self.account)],
+            [self.backend.tick_instruction(self.instance, self.account, self._verification())],
             retry_window=0.0,
             on_done=done,
         )

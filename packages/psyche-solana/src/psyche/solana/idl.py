@@ -54,6 +54,7 @@ from psyche.solana.state import (
     TreasurerRun,
     anchor_account_name,
 )
+from psyche.solana.verification import RunVerification
 
 IDL_VERSION = "0.1.0"
 PROGRAM_NAMES = {
@@ -62,7 +63,7 @@ PROGRAM_NAMES = {
     "treasurer": "psyche_solana_treasurer",
 }
 _ACCOUNTS: dict[str, tuple[type, ...]] = {
-    "coordinator": (CoordinatorInstance,),
+    "coordinator": (CoordinatorInstance, RunVerification),
     "authorizer": (Authorization,),
     "treasurer": (TreasurerRun, Participant),
 }

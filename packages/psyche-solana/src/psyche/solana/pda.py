@@ -56,6 +56,17 @@ def find_coordinator_instance(run_id: str, ids: ProgramIds = DEFAULT_PROGRAM_IDS
     return find_coordinator_instance_with_bump(run_id, ids)[0]
 
 
+def find_run_verification(
+    coordinator_account: Any, ids: ProgramIds = DEFAULT_PROGRAM_IDS
+) -> Pubkey:
+    """The run's verification account (`psyche.solana.verification`, beyond upstream):
+    `["verification", coordinator_account]` of the coordinator program."""
+    from psyche.solana.verification import RunVerification
+
+    seeds = [RunVerification.SEEDS_PREFIX, bytes(to_solders(coordinator_account))]
+    return Pubkey.find_program_address(seeds, ids.coordinator_key)[0]
+
+
 def find_authorization(
     grantor: Any, grantee: Any, scope: bytes, ids: ProgramIds = DEFAULT_PROGRAM_IDS
 ) -> Pubkey:

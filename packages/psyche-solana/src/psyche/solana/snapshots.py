@@ -11,8 +11,9 @@ from psyche.coordinator import Client
 from psyche.solana import pda
 from psyche.solana.admin import RunRef, load_run
 from psyche.solana.backend import SolanaBackend
-from psyche.solana.state import CoordinatorAccount, Participant, SolanaClient
+from psyche.solana.state import CoordinatorAccount, Participant, SolanaClient, decode_anchor_account
 from psyche.solana.treasury import Treasury, find_participant, find_treasury, token_amount
+from psyche.solana.verification import RunVerification
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,8 @@ class RunSnapshot:
     run: RunRef
     account: CoordinatorAccount
     treasury: Treasury | None
+    verification: RunVerification | None = None
+    """The run's verification account (`psyche.solana.verification`), when it has one."""
 
 
 async def fetch_run(
@@ -27,7 +30,13 @@ async def fetch_run(
 ) -> RunSnapshot:
     run = await load_run(backend, run_id)
     account = await backend.get_coordinator_account(run.account_address)
-    return RunSnapshot(run, account, await find_treasury(backend, run_id, treasurer_index))
+    treasury = await find_treasury(backend, run_id, treasurer_index)
+    address = pda.find_run_verification(run.account_address, backend.ids)
+    info = await backend.get_account_info(address)
+    verification = None
+    if info is not None and info.owner == backend.ids.coordinator_key:
+        verification = decode_anchor_account(info.data, RunVerification)
+    return RunSnapshot(run, account, treasury, verification)
 
 
 @dataclass(frozen=True)

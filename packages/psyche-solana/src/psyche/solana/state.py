@@ -62,6 +62,13 @@ class SolanaClient:
     slashed: U64 = 0
     active: U64 = 0
 
+    def claimable(self) -> int:
+        """The points the treasurer pays for: `earned` less `slashed` (never below 0).
+        Upstream pays `earned`; its clients are never slashed (nothing ejects one), so the two
+        agree there; a member slashed for losing a verification dispute
+        (`psyche.solana.verification`) loses that much of its reward."""
+        return max(0, self.earned - self.slashed)
+
 
 @struct
 class ClientsEpochRates:

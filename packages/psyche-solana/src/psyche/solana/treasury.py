@@ -98,9 +98,10 @@ async def find_participant(
 
 
 def earned_points(clients: Sequence[SolanaClient], user: Pubkey) -> int:
-    """What `user` earned in the run (0 when it never joined)."""
+    """What the treasurer pays `user` for in the run (`SolanaClient.claimable`; 0 when it
+    never joined)."""
     signer = bytes(user)
-    return next((c.earned for c in clients if c.id.signer == signer), 0)
+    return next((c.claimable() for c in clients if c.id.signer == signer), 0)
 
 
 # ---------------------------------------------------------------------------------------------

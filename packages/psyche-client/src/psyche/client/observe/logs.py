@@ -46,6 +46,11 @@ def log_event(
         logger.log(level, name, extra={_FIELDS: fields, _TEXT: text, _QUIET: quiet})
 
 
+def event_fields(record: logging.LogRecord) -> dict[str, Any]:
+    """The fields a `log_event` record carries (empty for any other record)."""
+    return dict(getattr(record, _FIELDS, None) or {})
+
+
 class QuietEventFilter(logging.Filter):
     """Drops `quiet` events unless their logger is enabled for DEBUG (for console handlers)."""
 

@@ -176,15 +176,19 @@ def progress_text(
     loss: float | None,
     tokens_per_sec: float | None,
     seconds_left: float | None,
+    verification: str = "",
 ) -> str:
     """The per-step progress line: `step 12/200 (epoch 0): loss 5.6507, 1,229 tok/s, about
-    8m20s left`; a round this client had no batch in says so instead of a loss."""
+    8m20s left`; a round this client had no batch in says so instead of a loss. `verification`
+    (`VerificationSummary.text`, in a run with verifiers) follows after a semicolon:
+    `...; verified 2 (1 mismatch: fd50b8e3 B[4, 7]), punished fd50b8e3 (trainer)`."""
     parts = ["no batch this round" if loss is None else f"loss {loss:.4f}"]
     if tokens_per_sec:
         parts.append(f"{tokens_per_sec:,.0f} tok/s")
     if seconds_left is not None:
         parts.append(f"about {format_duration(seconds_left)} left")
-    return f"step {step}/{total_steps} (epoch {epoch}): " + ", ".join(parts)
+    line = f"step {step}/{total_steps} (epoch {epoch}): " + ", ".join(parts)
+    return f"{line}; {verification}" if verification else line
 
 
 def run_summary(

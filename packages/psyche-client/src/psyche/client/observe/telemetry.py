@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from psyche.metrics import names
 
 if TYPE_CHECKING:
+    from psyche.client.observe.verification import VerificationTally
     from psyche.coordinator import Coordinator
     from psyche.core.node_identity import NodeIdentity
     from psyche.metrics import MetricValue, Tracker, TrackerConfig
@@ -245,16 +246,29 @@ class Observers:
 
 
 class TrackerObserver:
-    """Rounds into a `Tracker` (`round_metrics` per step), the run summary as its summary."""
+    """Rounds into a `Tracker` (`round_metrics` per step, with what verification did by then:
+    `psyche.client.observe.verification`), the run summary as its summary.
 
-    def __init__(self, tracker: Tracker) -> None:
+    Without a `verification` tally of its own, it makes one and hears this process's
+    verification events until the run's end (`on_finished`)."""
+
+    def __init__(self, tracker: Tracker, verification: VerificationTally | None = None) -> None:
+        from psyche.client.observe.verification import VerificationEvents, VerificationTally
+
         self.tracker = tracker
+        self._events: VerificationEvents | None = None
+        if verification is None:
+            verification = VerificationTally()
+            self._events = VerificationEvents(verification).attach()
+        self.verification = verification
 
     def on_state(self, state: Coordinator) -> None:
         pass
 
     def on_round(self, report: RoundReport) -> None:
-        self.tracker.log(round_metrics(report), report.step)
+        values = round_metrics(report)
+        values.update(self.verification.take(report.step).metrics())
+        self.tracker.log(values, report.step)
 
     def on_evals(
         self, step: int, scores: Mapping[str, float], partial: frozenset[str] = frozenset()
@@ -262,6 +276,9 @@ class TrackerObserver:
         pass  # the next round's report carries them
 
     def on_finished(self, summary: Mapping[str, Any]) -> None:
+        if self._events is not None:
+            self._events.detach()
+            self._events = None
         values: dict[str, MetricValue] = {}
         for key in ("step", "epochs", "final_loss", "tokens_per_sec", "wall_secs"):
             value = summary.get(key)

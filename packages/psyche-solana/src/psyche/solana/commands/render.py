@@ -109,7 +109,22 @@ def render_run(snapshot: RunSnapshot) -> str:
             f"funded {rust_f64(funded)}, claimed points "
             f"{treasury.run.total_claimed_earned_points}",
         ]
+    if snapshot.verification is not None:
+        lines += _verification_lines(snapshot)
     return "\n".join(lines)
+
+
+def _verification_lines(snapshot: RunSnapshot) -> list[str]:
+    """Who verified whom, what was found, who was punished (`psyche.solana.verification`)."""
+    from psyche.solana.verification import entry_line
+
+    value = snapshot.verification
+    assert value is not None
+    steps = ", ".join(str(r.step) for r in value.rounds) or "none"
+    lines = [f"  verification  rounds kept {steps}; {len(value.bans)} banned"]
+    lines += [f"    banned {_key(b.signer)} until epoch {b.ban().until_epoch}" for b in value.bans]
+    lines += [f"    {entry_line(e)}" for e in value.log]
+    return lines
 
 
 def rust_f64(value: float) -> str:
@@ -223,6 +238,11 @@ def run_to_json(snapshot: RunSnapshot) -> dict[str, Any]:
                 None if burn_per_epoch == 0 else _json_f64(surplus / burn_per_epoch)
             ),
         }
+    if snapshot.verification is not None:
+        from psyche.solana.verification import verification_to_json
+
+        # Beyond upstream's document: only in a run with a verification account.
+        out["verification"] = verification_to_json(snapshot.verification)
     return out
 
 

@@ -7,17 +7,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from solders.instruction import Instruction
+from solders.instruction import AccountMeta, Instruction
 from solders.pubkey import Pubkey as SoldersPubkey
 
 from psyche.coordinator import CoordinatorProgress, Witness, WitnessMetadata
 from psyche.coordinator.committee_selection import Committee, CommitteeProof, WitnessProof
 from psyche.coordinator.config import CoordinatorConfig
 from psyche.coordinator.model import Checkpoint, Model
+from psyche.coordinator.verification import Finding, VerificationReport
 from psyche.core.bloom import WitnessBloom
 from psyche.core.merkle_tree import MerkleRoot
 from psyche.core.node_identity import NodeIdentity
-from psyche.core.serde import U64, struct
+from psyche.core.serde import U32, U64, struct
 from psyche.solana import pda
 from psyche.solana.instructions.spec import (
     InstructionSpec,
@@ -28,7 +29,7 @@ from psyche.solana.instructions.spec import (
     writable_signer,
 )
 from psyche.solana.program_ids import DEFAULT_PROGRAM_IDS, ProgramIds
-from psyche.solana.pubkey import Pubkey, pubkey_bytes
+from psyche.solana.pubkey import Pubkey, pubkey_bytes, to_solders
 from psyche.solana.state import RunMetadata
 
 # ---------------------------------------------------------------------------------------------
@@ -163,6 +164,23 @@ class CheckpointArgs:
     repo: Checkpoint
 
 
+@struct(frozen=True)
+class InitVerificationArgs:
+    pass
+
+
+@struct(frozen=True)
+class VerificationReportArgs:
+    """A `VerificationReport` as a borsh `Vec` of findings (its `FixedVec` would fill every
+    slot: more than a transaction holds)."""
+
+    step: U32
+    findings: list[Finding]
+
+    def report(self) -> VerificationReport:
+        return VerificationReport(self.step, list(self.findings))
+
+
 # ---------------------------------------------------------------------------------------------
 # Specs
 
@@ -217,6 +235,25 @@ SPECS: dict[str, InstructionSpec] = by_name(
     InstructionSpec("coordinator", "warmup_witness", _PERMISSIONLESS, WarmupWitnessArgs),
     InstructionSpec("coordinator", "health_check", _PERMISSIONLESS, HealthCheckArgs),
     InstructionSpec("coordinator", "checkpoint", _PERMISSIONLESS, CheckpointArgs),
+    # Beyond upstream (issue 27, `psyche.solana.verification`).
+    InstructionSpec(
+        "coordinator",
+        "init_verification",
+        (
+            writable_signer("payer"),
+            readonly("coordinator_instance"),
+            readonly("coordinator_account"),
+            writable("verification"),
+            readonly("system_program"),
+        ),
+        InitVerificationArgs,
+    ),
+    InstructionSpec(
+        "coordinator",
+        "verification_report",
+        (*_PERMISSIONLESS, writable("verification")),
+        VerificationReportArgs,
+    ),
 )
 
 
@@ -447,4 +484,55 @@ def coordinator_checkpoint(
 ) -> Instruction:
     return _permissionless(
         "checkpoint", coordinator_instance, coordinator_account, user, CheckpointArgs(repo), ids
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Verification (beyond upstream: `psyche.solana.verification`)
+
+
+def with_verification(instruction: Instruction, verification: Any | None) -> Instruction:
+    """`instruction` with the run's verification account appended (writable), which `tick`,
+    `witness`, `warmup_witness`, `health_check`, `checkpoint` and `join_run` need in a run with
+    `verification_percent > 0`; unchanged when `verification` is None."""
+    if verification is None:
+        return instruction
+    meta = AccountMeta(to_solders(verification), is_signer=False, is_writable=True)
+    return Instruction(instruction.program_id, instruction.data, [*instruction.accounts, meta])
+
+
+def coordinator_init_verification(
+    payer: Any,
+    coordinator_instance: Any,
+    coordinator_account: Any,
+    ids: ProgramIds = DEFAULT_PROGRAM_IDS,
+) -> Instruction:
+    return SPECS["init_verification"].call(
+        ids,
+        {
+            "payer": payer,
+            "coordinator_instance": coordinator_instance,
+            "coordinator_account": coordinator_account,
+            "verification": pda.find_run_verification(coordinator_account, ids),
+        },
+        InitVerificationArgs(),
+    )
+
+
+def coordinator_verification_report(
+    coordinator_instance: Any,
+    coordinator_account: Any,
+    user: Any,
+    report: VerificationReport,
+    ids: ProgramIds = DEFAULT_PROGRAM_IDS,
+) -> Instruction:
+    return SPECS["verification_report"].call(
+        ids,
+        {
+            "user": user,
+            "coordinator_instance": coordinator_instance,
+            "coordinator_account": coordinator_account,
+            "verification": pda.find_run_verification(coordinator_account, ids),
+        },
+        VerificationReportArgs(report.step, list(report.findings)),
     )

@@ -5,6 +5,13 @@ instruction with `psyche.coordinator`'s state machine on the decoded `Coordinato
 writes the account back in its on-chain layout. Behaviour follows upstream's `lib.rs`,
 `instance_state.rs` and `logic/*.rs`, including the nonce bump, the automatic tick after joins,
 witnesses and health checks, the seed derived from the clock, and epoch rewards.
+
+Beyond upstream (issue 27, `psyche.solana.verification`): in a run with `verification_percent >
+0`, `tick`, `witness`, `warmup_witness`, `health_check`, `checkpoint` and `join_run` need the
+run's verification account after their own accounts. Each of them records the duties of the
+round it finds (as `ServerCore` does on every tick), `join_run` refuses a banned member, and
+`verification_report` hears a member's report and applies what the tie-breakers decide: the loser
+dropped, banned, slashed, and the members that found it out credited.
 """
 
 from __future__ import annotations
@@ -16,8 +23,10 @@ from typing import Any
 from solders.instruction import AccountMeta
 from solders.pubkey import Pubkey
 
-from psyche.coordinator import ClientState, RunState, TickResult
+from psyche.coordinator import ClientState, Coordinator, RunState, TickResult
+from psyche.coordinator.data_selection import verification_duties_for_state
 from psyche.coordinator.errors import CoordinatorError, CoordinatorPanic
+from psyche.coordinator.verification import Resolution, RoundVerification
 from psyche.solana.anchor import COORDINATOR_ERRORS, DISCRIMINATOR_LEN, AnchorErrorCode
 from psyche.solana.borsh import fixed_str_bytes
 from psyche.solana.instructions import coordinator as coordinator_ix
@@ -42,6 +51,7 @@ from psyche.solana.localnet.runtime import (
     require_seeds,
     require_signer,
     require_system_account,
+    store_borsh_account,
     write_data,
 )
 from psyche.solana.pda import bytes_from_string
@@ -59,6 +69,15 @@ from psyche.solana.state import (
     coordinator_account_from_bytes,
     coordinator_account_to_bytes,
     encode_anchor_account,
+)
+from psyche.solana.verification import (
+    RUN_VERIFICATION_SPACE,
+    RunVerification,
+    VerificationEntry,
+    entry_line,
+    finding_limit,
+    findings_entries,
+    punishment,
 )
 
 SOLANA_RUN_ID_MAX_LEN = 32
@@ -416,6 +435,12 @@ def _join_run(ctx: InvokeContext, accounts: Accounts, args: coordinator_ix.JoinR
     account = _load_mut(data)
     _increment_nonce(ctx, account)
     state = account.state
+    verification = _Verification.of(ctx, accounts, state)
+    if verification is not None:
+        until = verification.value.banned_until(client_id.signer)
+        if until is not None and state.coordinator.progress.epoch < until:
+            ctx.log(f"{client_id} is banned from the run's epochs before {until}")
+            raise _error("ClientBanned")
     clients_state = state.clients_state
     existing = next((c for c in clients_state.clients if c.id == client_id), None)
     if existing is not None:
@@ -474,25 +499,35 @@ def _tick_ix(ctx: InvokeContext, accounts: Accounts, args: coordinator_ix.TickAr
     data = _permissionless_accounts(ctx, accounts)
     account = _load_mut(data)
     _increment_nonce(ctx, account)
+    verification = _Verification.of(ctx, accounts, account.state)
+    if verification is not None:
+        verification.record_duties(account.state.coordinator)
     _tick(ctx, account.state)
+    if verification is not None:
+        verification.record_duties(account.state.coordinator)
+        verification.store(ctx)
     _store(ctx, accounts.key("coordinator_account"), account)
 
 
 def _member_instruction(
     ctx: InvokeContext,
     accounts: Accounts,
-    act: Callable[[CoordinatorInstanceState, Any], None],
+    act: Callable[[CoordinatorInstanceState, Any, _Verification | None], None],
     *,
     tick_when_halted: bool = True,
 ) -> None:
     """The shell of the instructions a run member signs: nonce, signer lookup, the coordinator
-    call (its errors become program errors), then a tick."""
+    call (its errors become program errors), then a tick; in a verified run the round's duties
+    are recorded before and after, and the verification account stored."""
     account = _load_mut(_permissionless_accounts(ctx, accounts))
     _increment_nonce(ctx, account)
     state = account.state
     identity = _find_signer(state, accounts.key("user"))
+    verification = _Verification.of(ctx, accounts, state)
+    if verification is not None:
+        verification.record_duties(state.coordinator)
     try:
-        act(state, identity)
+        act(state, identity, verification)
     except CoordinatorError as e:
         raise _from_coordinator_error(e) from None
     if tick_when_halted or not state.coordinator.halted():
@@ -502,11 +537,14 @@ def _member_instruction(
             f"Checkpoint recorded while halted (state: {state.coordinator.run_state}), "
             "skipping tick"
         )
+    if verification is not None:
+        verification.record_duties(state.coordinator)
+        verification.store(ctx)
     _store(ctx, accounts.key("coordinator_account"), account)
 
 
 def _witness(ctx: InvokeContext, accounts: Accounts, args: coordinator_ix.WitnessArgs) -> None:
-    def act(state: CoordinatorInstanceState, identity: Any) -> None:
+    def act(state: CoordinatorInstanceState, identity: Any, _: _Verification | None) -> None:
         state.coordinator.witness(identity, args.witness(), ctx.unix_timestamp())
 
     _member_instruction(ctx, accounts, act)
@@ -515,7 +553,7 @@ def _witness(ctx: InvokeContext, accounts: Accounts, args: coordinator_ix.Witnes
 def _warmup_witness(
     ctx: InvokeContext, accounts: Accounts, args: coordinator_ix.WarmupWitnessArgs
 ) -> None:
-    def act(state: CoordinatorInstanceState, identity: Any) -> None:
+    def act(state: CoordinatorInstanceState, identity: Any, _: _Verification | None) -> None:
         now = ctx.unix_timestamp()
         seed = random_seed(now, ctx.slot())
         state.coordinator.warmup_witness(identity, args.witness(), now, seed)
@@ -526,7 +564,7 @@ def _warmup_witness(
 def _health_check(
     ctx: InvokeContext, accounts: Accounts, args: coordinator_ix.HealthCheckArgs
 ) -> None:
-    def act(state: CoordinatorInstanceState, identity: Any) -> None:
+    def act(state: CoordinatorInstanceState, identity: Any, _: _Verification | None) -> None:
         state.coordinator.health_check(identity, [(args.id, args.proof())])
 
     _member_instruction(ctx, accounts, act)
@@ -535,7 +573,7 @@ def _health_check(
 def _checkpoint(
     ctx: InvokeContext, accounts: Accounts, args: coordinator_ix.CheckpointArgs
 ) -> None:
-    def act(state: CoordinatorInstanceState, identity: Any) -> None:
+    def act(state: CoordinatorInstanceState, identity: Any, _: _Verification | None) -> None:
         clients = state.coordinator.epoch_state.clients
         index = next((i for i, c in enumerate(clients) if c.id == identity), None)
         if index is None:
@@ -543,6 +581,162 @@ def _checkpoint(
         state.coordinator.checkpoint(identity, index, args.repo)
 
     _member_instruction(ctx, accounts, act, tick_when_halted=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Verification (beyond upstream: `psyche.solana.verification`)
+
+
+class _Verification:
+    """The run's verification account as an instruction found it, and its address."""
+
+    def __init__(self, ctx: InvokeContext, meta: AccountMeta, value: RunVerification) -> None:
+        self.log = ctx.log
+        self.meta = meta
+        self.value = value
+
+    @classmethod
+    def load(
+        cls, ctx: InvokeContext, meta: AccountMeta, coordinator_account: Pubkey
+    ) -> _Verification:
+        require_mut(meta, "verification")
+        require_seeds(
+            meta,
+            [RunVerification.SEEDS_PREFIX, bytes(coordinator_account)],
+            ctx.program_id,
+            "verification",
+        )
+        value = load_borsh_account(ctx, meta, RunVerification, ctx.program_id, "verification")
+        return cls(ctx, meta, value)
+
+    @classmethod
+    def of(
+        cls, ctx: InvokeContext, accounts: Accounts, state: CoordinatorInstanceState
+    ) -> _Verification | None:
+        """The account in a run with `verification_percent > 0` (named `verification`, or
+        after the instruction's own accounts); None in a run without."""
+        if state.coordinator.config.verification_percent == 0:
+            return None
+        meta = accounts.metas.get("verification")
+        if meta is None:
+            if len(ctx.metas) <= len(accounts.metas):
+                raise anchor_error(AnchorErrorCode.AccountNotEnoughKeys, "verification")
+            meta = ctx.metas[len(accounts.metas)]
+        return cls.load(ctx, meta, accounts.key("coordinator_account"))
+
+    def record_duties(self, coordinator: Coordinator) -> None:
+        """Record who verifies what in the current round, once (`ServerCore._record_duties`)."""
+        if coordinator.run_state not in (RunState.RoundTrain, RunState.RoundWitness):
+            return
+        step = coordinator.progress.step
+        if self.value.round(step) is not None:
+            return
+        try:
+            duties = verification_duties_for_state(coordinator)
+        except (CoordinatorError, CoordinatorPanic) as e:
+            self.log(f"cannot derive the verification duties of step {step}: {e}")
+            return
+        self.value.keep_round(RoundVerification(duties))
+
+    def store(self, ctx: InvokeContext) -> None:
+        store_borsh_account(ctx, self.meta.pubkey, self.value)
+
+
+def _init_verification(
+    ctx: InvokeContext, accounts: Accounts, args: coordinator_ix.InitVerificationArgs
+) -> None:
+    payer = require_payer(accounts)
+    instance = _load_instance(ctx, accounts["coordinator_instance"])
+    account_meta = accounts["coordinator_account"]
+    load_account_data(
+        ctx, account_meta, ctx.program_id, "CoordinatorAccount", "coordinator_account"
+    )
+    require(bytes(account_meta.pubkey) == instance.coordinator_account, "coordinator_account")
+    require_program(accounts["system_program"], SYSTEM_PROGRAM, "system_program")
+    meta = accounts["verification"]
+    bump = init_pda(
+        ctx,
+        payer.pubkey,
+        meta,
+        [RunVerification.SEEDS_PREFIX, bytes(account_meta.pubkey)],
+        RUN_VERIFICATION_SPACE,
+        "verification",
+    )
+    write_data(
+        ctx,
+        meta.pubkey,
+        encode_anchor_account(
+            RunVerification(bump, bytes(account_meta.pubkey)),
+            RunVerification,
+            RUN_VERIFICATION_SPACE,
+        ),
+    )
+
+
+def _verification_report(
+    ctx: InvokeContext, accounts: Accounts, args: coordinator_ix.VerificationReportArgs
+) -> None:
+    """A member's report (`ServerCore.on_verification`): refused unless it is a client of the
+    epoch, about a recent round's own duties, its first for that round; the disputes it lets the
+    tie-breakers decide are applied (`_punish`)."""
+    too_many = finding_limit(args.findings)
+    if too_many is not None:
+        ctx.log(f"verification report refused: {too_many}")
+        raise _error("VerificationReportRefused")
+    report = args.report()
+
+    def act(state: CoordinatorInstanceState, sender: Any, found: _Verification | None) -> None:
+        if found is None:
+            raise _error("VerificationOff")
+        if all(c.id != sender for c in state.coordinator.epoch_state.clients):
+            raise _error("SignerNotAClient")
+        verification = found.value
+        stored = verification.round(report.step)
+        record = None if stored is None else stored.record()
+        problem = (
+            f"step {report.step} is not a recent verified round"
+            if record is None
+            else record.add(sender, report)
+        )
+        if problem is not None or record is None:
+            ctx.log(f"verification report from {sender} refused: {problem}")
+            raise _error("VerificationReportRefused")
+        entries = findings_entries(record, sender, report)
+        entries += [_punish(ctx, state, found, record, r) for r in record.resolve()]
+        verification.keep_round(record)
+        verification.note(entries)
+
+    _member_instruction(ctx, accounts, act)
+
+
+def _punish(
+    ctx: InvokeContext,
+    state: CoordinatorInstanceState,
+    verification: _Verification,
+    record: RoundVerification,
+    resolution: Resolution,
+) -> VerificationEntry:
+    """The loser of a decided dispute is dropped (if still healthy), banned as the server bans,
+    slashed the epoch's `slashing_rate_per_client`, and that credited to the deciders. Once per
+    loser and epoch, as the ban: a verifier that falsely accused two results of a round loses
+    two disputes, and is slashed once."""
+    loser = resolution.loser
+    ban = verification.value.ban(loser.signer, state.coordinator.progress.epoch)
+    rate = state.clients_state.current_epoch_rates.slashing_rate_per_client
+    entry = punishment(record, resolution, 0 if ban is None else rate)
+    for client in state.coordinator.epoch_state.clients:
+        if client.id == loser and client.state is ClientState.Healthy:
+            client.state = ClientState.Dropped
+    credited = set(entry.credited)
+    for known in state.clients_state.clients:
+        if known.id == loser:
+            known.slashed = _checked_add(known.slashed, entry.slashed)
+        if known.id in credited:
+            known.earned = _checked_add(known.earned, entry.credit)
+    if ban is not None:
+        ctx.log(f"{loser} banned from the run's epochs before {ban.until_epoch}")
+    ctx.log(entry_line(entry))
+    return entry
 
 
 _HANDLERS: dict[str, Handler] = {
@@ -558,6 +752,8 @@ _HANDLERS: dict[str, Handler] = {
     "warmup_witness": _warmup_witness,
     "health_check": _health_check,
     "checkpoint": _checkpoint,
+    "init_verification": _init_verification,
+    "verification_report": _verification_report,
 }
 
 

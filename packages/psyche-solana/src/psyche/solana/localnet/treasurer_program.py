@@ -319,17 +319,21 @@ def _participant_claim(
     )
 
     coordinator_account = coordinator_account_from_bytes(coordinator_data)
-    earned = next(
+    client = next(
         (
-            c.earned
+            c
             for c in coordinator_account.state.clients_state.clients
             if c.id.signer == bytes(user.pubkey)
         ),
-        0,
+        None,
     )
+    earned = 0 if client is None else client.earned
     if earned < participant.claimed_earned_points:
         raise ProgramPanic("attempt to subtract with overflow")
-    unclaimed = earned - participant.claimed_earned_points
+    # Beyond upstream: points slashed for losing a verification dispute are not paid
+    # (`SolanaClient.claimable`; upstream never slashes, so this is upstream's rule there).
+    claimable = 0 if client is None else client.claimable()
+    unclaimed = max(0, claimable - participant.claimed_earned_points)
     claim = args.params.claim_earned_points
     if claim > unclaimed:
         raise _error("InvalidParameter")

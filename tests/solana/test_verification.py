@@ -1,0 +1,347 @@
+"""Verification on the Solana coordinator (issue 27), end to end on the local endpoint: four
+scripted members follow a run with `verification_percent = 50` over JSON-RPC and websockets; a
+hostile trainer's result is disputed, the tie-breaker's report decides, and the program drops,
+bans and slashes the loser and credits the members that found it out. A stranger's report, a
+member's report about duties it does not have, a second report and a flood of them are refused
+and change nothing."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+from collections.abc import AsyncIterator
+from functools import partial
+
+import pytest
+import trio
+from solders.pubkey import Pubkey
+
+from psyche.cli.solana_client.main import main as solana_client
+from psyche.client.observe.verification import VerificationEvents, VerificationTally
+from psyche.coordinator import ClientState, RunState
+from psyche.coordinator.server_core import VERIFIED_ROUNDS
+from psyche.coordinator.verification import Finding, RoundDuties, VerificationReport
+from psyche.core.batch_id import BatchId
+from psyche.core.node_identity import NodeIdentity
+from psyche.solana import pda
+from psyche.solana.anchor import COORDINATOR_ERRORS, error_code
+from psyche.solana.app import watch_verification
+from psyche.solana.backend import Cluster, SolanaBackend, SolanaBackendError
+from psyche.solana.follower import follow_run
+from psyche.solana.instructions import coordinator as coordinator_ix
+from psyche.solana.localnet.ledger import Ledger
+from psyche.solana.state import decode_anchor_account
+from psyche.solana.verification import RunVerification
+
+from ..polling import poll_until
+from .scripted import (
+    RUN_ID,
+    Driver,
+    ScriptedClient,
+    config,
+    create_run,
+    make_backend,
+    open_localnet,
+)
+
+SLASHING_RATE = 10  # `create_run`'s `set_future_epoch_rates`
+FLOOD = 12
+
+
+async def verification_state(backend: SolanaBackend, account: Pubkey) -> RunVerification:
+    data = await backend.get_data(pda.find_run_verification(account, backend.ids))
+    return decode_anchor_account(data, RunVerification)
+
+
+async def send_report(backend: SolanaBackend, account: Pubkey, report: VerificationReport) -> None:
+    instruction = coordinator_ix.coordinator_verification_report(
+        pda.find_coordinator_instance(RUN_ID, backend.ids),
+        account,
+        backend.get_payer(),
+        report,
+        backend.ids,
+    )
+    await backend.send_and_retry("Verification report", [instruction])
+
+
+def error_text(name: str) -> str:
+    """How the RPC error names the coordinator program's error `name`."""
+    return f"custom program error: 0x{error_code(COORDINATOR_ERRORS, name):x}"
+
+
+async def refused(backend: SolanaBackend, account: Pubkey, report: VerificationReport) -> str:
+    with pytest.raises(SolanaBackendError) as info:
+        await send_report(backend, account, report)
+    return str(info.value)
+
+
+@dataclasses.dataclass
+class VerifiedRun:
+    """A run at `verification_percent = 50` on a local endpoint, four scripted members
+    following it (1 tie-breaker, 1 verifier, 2 trainers a round)."""
+
+    ledger: Ledger
+    cluster: list[Cluster]
+    owner: SolanaBackend
+    account: Pubkey
+    clients: list[ScriptedClient]
+
+    @property
+    def by_signer(self) -> dict[bytes, ScriptedClient]:
+        return {bytes(c.backend.get_payer()): c for c in self.clients}
+
+    @contextlib.asynccontextmanager
+    async def followed(self, nursery: trio.Nursery) -> AsyncIterator[Driver]:
+        """The members following the run, and a driver of its clock (the owner observing)."""
+        async with follow_run(self.owner, RUN_ID, self.account) as observer:
+            for client in self.clients:
+                await nursery.start(client.run, self.account)
+            yield Driver(self.ledger, self.owner, observer)
+
+    async def duties(self, step: int) -> RoundDuties:
+        """The duties the program recorded for `step`."""
+        stored = (await verification_state(self.owner, self.account)).round(step)
+        assert stored is not None, "the round's witness recorded its duties"
+        return stored.record().duties
+
+
+async def verified_run(nursery: trio.Nursery) -> VerifiedRun:
+    ledger, _, cluster = await open_localnet(nursery)
+    owner = make_backend(ledger, cluster)
+    account = await create_run(
+        owner, config(verification_percent=50, init_min_clients=4, min_clients=3)
+    )
+    clients = [ScriptedClient(n, make_backend(ledger, cluster)) for n in "abcd"]
+    return VerifiedRun(ledger, cluster, owner, account, clients)
+
+
+def test_a_disputed_result_is_decided_by_the_tie_breaker_and_the_loser_slashed(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            run = await verified_run(nursery)
+            cluster, owner, account, by_signer = run.cluster, run.owner, run.account, run.by_signer
+            stranger = make_backend(run.ledger, cluster)
+            seen: dict[str, object] = {}
+
+            async with run.followed(nursery) as driver:
+                observer = driver.observer
+
+                async def dispute(d: Driver) -> None:
+                    if seen:
+                        return
+                    assert d.state is not None
+                    step = d.state.progress.step
+                    duties = await run.duties(step)
+                    # 4 clients: 1 tie-breaker, 1 verifier (both trainers' batches), 2 trainers
+                    assert {d.verifier for d in duties.verifiers} == {duties.verifiers[0].verifier}
+                    duty = duties.verifiers[0]
+                    tie_breaker = duties.tie_breakers[0].verifier
+                    hostile = duty.trainer
+                    verifier = by_signer[duty.verifier.signer]
+                    trainer_backend = by_signer[hostile.signer].backend
+                    accusation = VerificationReport(step, [Finding(duty.batch_id, False, 57.0)])
+
+                    # Refused, and nothing changes: a stranger, a trainer (no duties), a report
+                    # about a batch that is not the sender's, a report about an old round.
+                    before = await owner.get_data(pda.find_run_verification(account, owner.ids))
+                    assert error_text("SignerNotAClient") in await refused(
+                        stranger, account, accusation
+                    )
+                    assert error_text("VerificationReportRefused") in await refused(
+                        trainer_backend, account, accusation
+                    )
+                    other = BatchId(10_000, 10_001)
+                    foreign = VerificationReport(step, [Finding(other, False, 1.0)])
+                    assert error_text("VerificationReportRefused") in await refused(
+                        verifier.backend, account, foreign
+                    )
+                    old = dataclasses.replace(accusation, step=step + 100)
+                    assert error_text("VerificationReportRefused") in await refused(
+                        verifier.backend, account, old
+                    )
+                    after = await owner.get_data(pda.find_run_verification(account, owner.ids))
+                    assert after == before
+
+                    # The verifier's accusation goes through the client's backend.
+                    assert verifier.runner is not None
+                    await verifier.runner.send_verification(accusation)
+                    with trio.fail_after(10):
+                        while True:
+                            found = (await verification_state(owner, account)).round(step)
+                            assert found is not None
+                            if found.reports:
+                                break
+                            await trio.sleep(0.05)
+
+                    # A flood: the same verifier again, a stranger, a trainer: all refused, the
+                    # account unchanged (each attempt costs its sender a fee).
+                    before = await owner.get_data(pda.find_run_verification(account, owner.ids))
+                    for k in range(FLOOD):
+                        sender = (verifier.backend, stranger, trainer_backend)[k % 3]
+                        await refused(sender, account, accusation)
+                    after = await owner.get_data(pda.find_run_verification(account, owner.ids))
+                    assert after == before
+
+                    # The tie-breaker recomputed every batch: the hostile one is wrong.
+                    verdict = VerificationReport(
+                        step,
+                        [
+                            Finding(
+                                d.batch_id,
+                                d.trainer != hostile,
+                                50.0 if d.trainer == hostile else 2.0,
+                            )
+                            for d in duties.tie_breakers
+                        ],
+                    )
+                    await send_report(by_signer[tie_breaker.signer].backend, account, verdict)
+                    seen.update(
+                        step=step, hostile=hostile, verifier=duty.verifier, tie_breaker=tie_breaker
+                    )
+                    state = (await owner.get_coordinator_account(account)).state
+                    loser = next(
+                        c for c in state.coordinator.epoch_state.clients if c.id == hostile
+                    )
+                    assert loser.state is ClientState.Dropped
+                    # Banned: its join is refused by the program.
+                    with pytest.raises(SolanaBackendError, match=error_text("ClientBanned")):
+                        await by_signer[hostile.signer].backend.join_run(
+                            pda.find_coordinator_instance(RUN_ID, owner.ids),
+                            account,
+                            by_signer[hostile.signer].identity,
+                        )
+
+                # What a person sees: the client's watcher logs the punishment, which its
+                # trackers' tally counts (psyche.client.observe.verification).
+                tally = VerificationTally()
+                events = VerificationEvents(tally).attach()
+                nursery.start_soon(partial(watch_verification, observer, interval=0.2))
+                try:
+                    final = await driver.run_epoch(4, between_rounds=dispute)
+                    with trio.fail_after(10):
+                        await poll_until(lambda: bool(tally.punished), 0.1)
+                finally:
+                    events.detach()
+
+            assert seen, "no round to dispute"
+            assert final.run_state is RunState.WaitingForMembers
+            hostile, verifier, tie_breaker = seen["hostile"], seen["verifier"], seen["tie_breaker"]
+            # The loser left the epoch as a dropped client.
+            assert [c.id for c in final.epoch_state.exited_clients] == [hostile]
+            clients_state = (await owner.get_coordinator_account(account)).state.clients_state
+            slashed = {c.id: c.slashed for c in clients_state.clients}
+            earned = {c.id: c.earned for c in clients_state.clients}
+            assert slashed[hostile] == SLASHING_RATE
+            assert sum(slashed.values()) == SLASHING_RATE
+            # The verifier and the tie-breaker share the slashed points (on top of the epoch's
+            # reward shared by the healthy members, the loser excluded).
+            share = 1000 // 3
+            assert earned[verifier] == share + SLASHING_RATE // 2
+            assert earned[tie_breaker] == share + SLASHING_RATE // 2
+            assert earned[hostile] == 0
+            record = await verification_state(owner, account)
+            (punished,) = [e for e in record.log if e.kind == "punished"]
+            assert punished.subject == hostile
+            assert punished.role == "trainer"
+            assert punished.credited == [verifier, tie_breaker]
+            assert punished.slashed == SLASHING_RATE
+            verified = [(e.by, e.subject, e.matches) for e in record.log if e.kind == "verified"]
+            assert (verifier, hostile, False) in verified
+            assert (tie_breaker, hostile, False) in verified
+            assert [b.signer for b in record.bans] == [hostile.signer]
+            (punished_seen,) = tally.punished
+            assert punished_seen.loser == str(hostile)
+            assert punished_seen.slashed == SLASHING_RATE
+            assert punished_seen.step == seen["step"]
+
+            # What `psyche-solana-client json-dump-run` shows (the command, in a thread).
+            capsys.readouterr()
+            argv = ["json-dump-run", "--rpc", cluster[0].rpc, "--ws-rpc", cluster[0].ws_rpc]
+            code = await trio.to_thread.run_sync(solana_client, [*argv, "--run-id", RUN_ID])
+            out = capsys.readouterr().out
+            assert code == 0, out
+            dumped = json.loads(out)["verification"]
+            key = lambda identity: str(Pubkey.from_bytes(identity.signer))  # noqa: E731
+            (punished_json,) = [e for e in dumped["log"] if e["kind"] == "punished"]
+            assert punished_json["subject"] == key(hostile)
+            assert punished_json["slashed"] == SLASHING_RATE
+            assert punished_json["credited"] == [key(verifier), key(tie_breaker)]
+            assert {"by": key(verifier), "subject": key(hostile), "matches": False}.items() <= next(
+                e for e in dumped["log"] if e["kind"] == "verified"
+            ).items()
+            assert list(dumped["bans"]) == [key(hostile)]
+            # The last rounds' duties (the disputed one is older than the account keeps).
+            assert 0 < len(dumped["rounds"]) <= VERIFIED_ROUNDS
+            for round_json in dumped["rounds"]:
+                roles = {d["role"] for d in round_json["duties"]}
+                assert roles <= {"verifier", "tie_breaker"}
+            slashed_json = json.loads(out)["coordinator_account"]["clients"][key(hostile)]
+            assert slashed_json["slashed"] == SLASHING_RATE
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_a_verifier_that_accuses_an_honest_result_is_punished_instead() -> None:
+    """The tie-breaker finds the accused results right: the accuser loses both disputes
+    (dropped, banned, and slashed once: once per epoch, as the ban) and the tie-breaker alone is
+    credited; the trainers keep their places."""
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            run = await verified_run(nursery)
+            owner, account, by_signer = run.owner, run.account, run.by_signer
+            parties: dict[str, NodeIdentity] = {}
+
+            async with run.followed(nursery) as driver:
+
+                async def false_accusation(d: Driver) -> None:
+                    if parties:
+                        return
+                    assert d.state is not None
+                    step = d.state.progress.step
+                    duties = await run.duties(step)
+                    duty = duties.verifiers[0]
+                    # It accuses every result it verified (both trainers').
+                    accusation = VerificationReport(
+                        step, [Finding(d.batch_id, False, 30.0) for d in duties.verifiers]
+                    )
+                    await send_report(by_signer[duty.verifier.signer].backend, account, accusation)
+                    tie_breaker = duties.tie_breakers[0].verifier
+                    verdict = VerificationReport(
+                        step, [Finding(d.batch_id, True, 2.0) for d in duties.tie_breakers]
+                    )
+                    await send_report(by_signer[tie_breaker.signer].backend, account, verdict)
+                    parties.update(
+                        accuser=duty.verifier, trainer=duty.trainer, tie_breaker=tie_breaker
+                    )
+
+                final = await driver.run_epoch(4, between_rounds=false_accusation)
+
+            assert parties, "no round to dispute"
+            accuser, trainer = parties["accuser"], parties["trainer"]
+            assert [c.id for c in final.epoch_state.exited_clients] == [accuser]
+            assert [c.state for c in final.epoch_state.exited_clients] == [ClientState.Dropped]
+            clients_state = (await owner.get_coordinator_account(account)).state.clients_state
+            slashed = {c.id: c.slashed for c in clients_state.clients}
+            earned = {c.id: c.earned for c in clients_state.clients}
+            assert slashed[accuser] == SLASHING_RATE
+            assert sum(slashed.values()) == SLASHING_RATE
+            assert earned[parties["tie_breaker"]] == 1000 // 3 + SLASHING_RATE
+            assert earned[trainer] == 1000 // 3
+            record = await verification_state(owner, account)
+            punished = [e for e in record.log if e.kind == "punished"]
+            assert len(punished) == 2  # one per dispute it lost
+            assert {e.subject for e in punished} == {accuser}
+            assert {e.role for e in punished} == {"verifier"}
+            assert [e.credited for e in punished] == [[parties["tie_breaker"]]] * 2
+            assert [(e.slashed, e.credit) for e in punished] == [
+                (SLASHING_RATE, SLASHING_RATE),
+                (0, 0),
+            ]
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)

@@ -1,0 +1,145 @@
+"""Issue 27 on Solana, end to end: four real `psyche-solana-client train` processes on a local
+endpoint (its own process) in a run with `verification_percent = 50` (each round one
+tie-breaker, one verifier, two trainers), one of them hostile twice over
+(tests/solana/hostile_solana_client.py: sign-flipped results as a trainer, every verified result
+accused as a verifier, honest as tie-breaker). The clients' own verifiers and tie-breakers
+recompute, send their reports as `verification_report` transactions, and the coordinator
+program decides: the hostile member is dropped and slashed, the members that found it out
+credited, whichever role it lied in first; `show --json` and the honest clients' logs say so.
+
+Lean on purpose (the suite's time budget): it stops at the punishment.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import trio
+from solders.keypair import Keypair
+
+from psyche.cli.solana_client.main import main as solana_client
+from psyche.solana import admin
+from psyche.solana.backend import Cluster, SolanaBackend
+from psyche.solana.instructions import coordinator as coordinator_ix
+
+from ..timing import MAX_SCALE
+from .processes import REPO, Processes, free_port, p2p_id, run_config, start_endpoint, wait_event
+from .test_train_e2e import EVERYONE, solana_client_output
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(420 * MAX_SCALE)]
+
+RUN_ID = "solana-verify"
+HOSTILE_SCRIPT = REPO / "tests" / "solana" / "hostile_solana_client.py"
+SLASHING_RATE = 10
+CONFIG = {
+    "warmup_time": 10,
+    "cooldown_time": 3,
+    "epoch_time": 60,
+    "max_round_train_time": 20,
+    "round_witness_time": 2,
+    "min_clients": 3,
+    "init_min_clients": 4,
+    "waiting_for_members_extra_time": 2,
+    "verification_percent": 50,
+    "witness_nodes": 0,
+}
+
+
+async def set_rates(cluster: Cluster, owner_wallet: Keypair) -> None:
+    async with SolanaBackend(cluster, owner_wallet) as owner:
+        account = (await admin.load_run(owner, RUN_ID)).account_address
+        rates = coordinator_ix.coordinator_set_future_epoch_rates(
+            RUN_ID, account, owner.get_payer(), 1000, SLASHING_RATE, owner.ids
+        )
+        await owner.send_and_retry("Set future epoch rates", [rates])
+
+
+def test_the_program_punishes_the_member_that_lied(tmp_path: Path) -> None:
+    processes = Processes(tmp_path)
+    try:
+        names = ("owner", "a", "b", "c", "hostile")
+        endpoint = start_endpoint(processes, tmp_path, names)
+        wallets, paths, rpc, ws = endpoint.wallets, endpoint.paths, endpoint.rpc, endpoint.ws
+        config_path = tmp_path / "run.toml"
+        config_path.write_text(run_config(endpoint.data_url, CONFIG))
+        cluster = ["--rpc", rpc, "--ws-rpc", ws, "-w", str(paths["owner"])]
+        for argv in (
+            ["join-authorization-create", "--authorizer", EVERYONE],
+            ["create-run", "--run-id", RUN_ID, "--client-version", "test"],
+            ["update-config", "--run-id", RUN_ID, "--config-path", str(config_path)],
+        ):
+            assert solana_client([*argv, *cluster]) == 0, argv
+        # The rates (the command sets them only through a treasurer).
+        trio.run(set_rates, Cluster(rpc, ws), wallets["owner"])
+        assert solana_client(["set-paused", "--run-id", RUN_ID, "--resume", *cluster]) == 0
+
+        # Every member listens on a known port and knows every other's address.
+        members = ("a", "b", "c", "hostile")
+        ports = {name: free_port() for name in members}
+
+        def train(name: str) -> list[str]:
+            peers = [
+                x
+                for other in members
+                if other != name
+                for x in (
+                    "--bootstrap-peer",
+                    f"{p2p_id(RUN_ID, wallets[other])}@127.0.0.1:{ports[other]}",
+                )
+            ]
+            return ["train", "--rpc", rpc, "--ws-rpc", ws, "-w", str(paths[name]),
+                    "--run-id", RUN_ID, "--authorizer", EVERYONE, "--logs", "json",
+                    "--device", "cpu", "--bind-p2p-interface", "lo",
+                    "--bind-p2p-port", str(ports[name]), *peers]  # fmt: skip
+
+        env = {"OMP_NUM_THREADS": "1", "CLIENT_VERSION": "test"}
+        honest = [
+            processes.start(
+                f"client-{n}", [sys.executable, "-m", "psyche.cli.solana_client.main", *train(n)],
+                env=env,
+            )
+            for n in "abc"
+        ]  # fmt: skip
+        processes.start(
+            "hostile",
+            [sys.executable, str(HOSTILE_SCRIPT), "sign-flip", "0", "--", *train("hostile")],
+            env={**env, "HOSTILE_VERIFIER": "1"},
+        )
+        hostile = str(wallets["hostile"].pubkey())
+        # The honest clients' watcher logs the program's punishment.
+        punished = wait_event(honest[0], "verification_punished", lambda e: True, 360 * MAX_SCALE)
+        dumped = json.loads(
+            solana_client_output(
+                ["show", "--run-id", RUN_ID, "--json", "--rpc", rpc, "--ws-rpc", ws]
+            )
+        )
+    finally:
+        processes.stop_all()
+
+    log = dumped["verification"]["log"]
+    # One punishment per dispute it lost (a lying verifier accused both trainers), slashed
+    # once.
+    punishments = [e for e in log if e["kind"] == "punished"]
+    assert punishments
+    assert {e["subject"] for e in punishments} == {hostile}
+    assert {e["role"] for e in punishments} <= {"trainer", "verifier"}
+    assert sum(e["slashed"] for e in punishments) == SLASHING_RATE
+    punishment = punishments[0]
+    assert punishment["slashed"] == SLASHING_RATE
+    assert punishment["credited"]
+    assert hostile not in punishment["credited"]
+    assert punished["step"] == punishment["step"]
+    clients = dumped["coordinator_account"]["clients"]
+    assert clients[hostile]["slashed"] == SLASHING_RATE
+    assert sum(c["slashed"] for c in clients.values()) == SLASHING_RATE
+    for credited in punishment["credited"]:
+        assert clients[credited]["earned"] >= punishment["credit_each"] > 0
+    # No honest member accused an honest member: every "does not match" finding is about the
+    # hostile one, or the hostile one's lie.
+    verified = [e for e in log if e["kind"] == "verified"]
+    assert verified
+    assert all(hostile in (e["subject"], e["by"]) for e in verified if not e["matches"])
+    assert hostile in dumped["verification"]["bans"]
