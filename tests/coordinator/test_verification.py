@@ -139,7 +139,17 @@ def test_no_batches_no_duties() -> None:
 
 @pytest.mark.parametrize(
     ("min_clients", "percent", "refused"),
-    [(4, 0, False), (4, 25, True), (5, 25, False), (4, 34, False), (2, 100, True), (3, 50, False)],
+    [
+        (4, 0, False),
+        (4, 25, False),  # rounded up: 1 tie-breaker, 1 verifier, 2 trainers
+        (5, 25, False),
+        (4, 34, False),
+        (2, 100, True),
+        (3, 100, True),
+        (3, 50, False),
+        (2, 25, True),  # 1 tie-breaker, 1 verifier, no trainer
+        (1, 25, True),  # no verifier
+    ],
 )
 def test_a_run_without_a_verifier_or_trainer_is_refused(
     min_clients: int, percent: int, refused: bool

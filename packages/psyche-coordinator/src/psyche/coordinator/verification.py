@@ -3,8 +3,10 @@ report, and who loses a dispute. Pure functions; upstream stops at electing the 
 
 With `verification_percent > 0` every round is started with `VERIFICATION_TIE_BREAKERS`
 tie-breaker tasks (`tie_breaker_tasks_for`, the round's existing `tie_breaker_tasks` field,
-always 0 upstream), so `CommitteeSelection` elects one tie-breaker, `(n - 1) *
-verification_percent // 100` verifiers and trainers for the rest. Neither verifiers nor
+always 0 upstream), so `CommitteeSelection` elects one tie-breaker, `ceil((n - 1) *
+verification_percent / 100)` verifiers (`verifier_nodes_for`: upstream rounds down, which elects
+no verifier in 4 clients at 25 %; the two agree at 0 and on every upstream test vector) and
+trainers for the rest. Neither verifiers nor
 tie-breakers train (`data_selection`). At 0 nothing changes: no tie-breaker, no verifier.
 
 Who verifies whom (`verification_duties`), from the round's seed, so anyone can check it: the
@@ -33,7 +35,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated
 
-from psyche.coordinator.committee_selection import Committee, CommitteeSelection, Member
+from psyche.coordinator.committee_selection import (
+    Committee,
+    CommitteeSelection,
+    Member,
+    verifier_nodes_for,
+)
 from psyche.coordinator.config import SOLANA_MAX_NUM_CLIENTS, CoordinatorConfig
 from psyche.core.batch_id import BatchId
 from psyche.core.deterministic_shuffle import deterministic_shuffle
@@ -58,33 +65,40 @@ def tie_breaker_tasks_for(config: CoordinatorConfig, num_clients: int) -> int:
 def verifiers_for(config: CoordinatorConfig, num_clients: int) -> int:
     """How many verifiers `CommitteeSelection` elects in a round of `num_clients` clients."""
     free = num_clients - tie_breaker_tasks_for(config, num_clients)
-    return (free * config.verification_percent) // 100
+    return verifier_nodes_for(free, config.verification_percent)
 
 
 def verification_problem(config: CoordinatorConfig) -> tuple[str, str] | None:
     """Why a run cannot honour its `verification_percent` (config field, message), or None:
     with its fewest clients (`min_clients`), one tie-breaker aside, it must elect a verifier
-    and keep a trainer."""
+    and keep a trainer (more clients only add trainers and verifiers, in that proportion)."""
     percent = config.verification_percent
     if percent == 0 or percent > 100:
         return None  # off, or refused as out of range elsewhere
     least = config.min_clients
-    verifiers = verifiers_for(config, least)
+    if _runnable(percent, least):
+        return None
     ties = tie_breaker_tasks_for(config, least)
-    if verifiers == 0:
-        return (
-            "config.verification_percent",
-            f"{percent} % of min_clients ({least}) less the {ties} tie-breaker elects no "
-            f"verifier: raise it to at least {math.ceil(100 / max(least - ties, 1))} or "
-            f"min_clients to at least {ties + math.ceil(100 / percent)}",
-        )
-    if least - ties - verifiers == 0:
-        return (
-            "config.verification_percent",
-            f"{percent} % of min_clients ({least}) less the {ties} tie-breaker leaves no "
-            "trainer: lower it",
-        )
-    return None
+    found = "elects no verifier" if least <= ties else "leaves no trainer"
+    fixes = []
+    lower = max((p for p in range(1, percent) if _runnable(p, least)), default=None)
+    if lower is not None:
+        fixes.append(f"lower it to at most {lower}")
+    enough = next((n for n in range(least, MAX_FINDINGS + 1) if _runnable(percent, n)), None)
+    if enough is not None:
+        fixes.append(f"raise min_clients to at least {enough}")
+    return (
+        "config.verification_percent",
+        f"{percent} % of min_clients ({least}) less the {ties} tie-breaker {found}: "
+        + (" or ".join(fixes) or "lower it and raise min_clients (3 clients run 50 %)"),
+    )
+
+
+def _runnable(percent: int, clients: int) -> bool:
+    """Whether a round of `clients` at `percent` elects a tie-breaker, a verifier and a trainer."""
+    free = clients - VERIFICATION_TIE_BREAKERS
+    verifiers = verifier_nodes_for(max(free, 0), percent)
+    return verifiers > 0 and free - verifiers > 0
 
 
 # --------------------------------------------------------------------------------------------
