@@ -11,11 +11,17 @@ tie-breakers train (`data_selection`). At 0 nothing changes: no tie-breaker, no 
 
 Who verifies whom (`verification_duties`), from the round's seed, so anyone can check it: the
 round's batches (ascending) are shuffled with a seed derived from the committee seed and the salt
-"verification", then dealt round-robin to the verifiers in client-index order. Every batch is
-recomputed by exactly one verifier, each verifier recomputes at most `ceil(batches / verifiers)`
-of them, and every tie-breaker recomputes every batch (`tie_breaker_duties`): it is the arbiter,
-and it cannot know in advance which result will be disputed (it must recompute from the round's
-own model state, which it holds only during that round).
+"verification"; the first `VERIFIED_BATCHES_PER_VERIFIER` (2) per verifier are the round's
+checked batches, dealt round-robin to the verifiers in client-index order. Every checked batch is
+recomputed by exactly one verifier, each verifier recomputes at most 2 (each the other's decoy,
+so checking two costs what checking one does: two recomputes), and every tie-breaker recomputes
+every checked batch (`tie_breaker_duties`): it is the arbiter, and it cannot know in advance
+which result will be disputed (it must recompute from the round's own model state, which it
+holds only during that round). A round checks `min(trainers' batches, 2 x verifiers)` batches:
+all of them while verifiers are at least half as many as trainers (4 clients at 25 %), and a
+seed-drawn share of them otherwise (at 10 %, about 2 in 9 a round), so that a verifier's and the
+tie-breaker's work stay within a round (docs/reliability.md, "recompute and punish": coverage
+against cost).
 
 What they report (`VerificationReport`): one message per sender and round, naming for each batch
 it recomputed whether its recomputation matched the published result, and the evidence score (the comparison's distance). A verifier's non-matching finding is an accusation.
@@ -51,6 +57,8 @@ from psyche.core.sha256 import sha256v
 VERIFICATION_SALT = b"verification"
 VERIFICATION_TIE_BREAKERS = 1
 """Tie-breakers per round of a run with `verification_percent > 0` (the arbiter of disputes)."""
+VERIFIED_BATCHES_PER_VERIFIER = 2
+"""Batches a verifier checks a round (the seed draws which): two, each the other's decoy."""
 MAX_FINDINGS = SOLANA_MAX_NUM_CLIENTS
 """A report names at most one finding per batch, and a round has at most one batch per client."""
 
@@ -142,9 +150,10 @@ def verification_duties(
         return []
     batches = list(assignments)
     deterministic_shuffle(batches, verification_seed(selection))
+    checked = batches[: VERIFIED_BATCHES_PER_VERIFIER * len(verifiers)]
     return [
         VerificationDuty(batch, assignments[batch], verifiers[k % len(verifiers)])
-        for k, batch in enumerate(batches)
+        for k, batch in enumerate(checked)
     ]
 
 
@@ -153,11 +162,12 @@ def tie_breaker_duties(
     selection: CommitteeSelection,
     assignments: Mapping[BatchId, NodeIdentity],
 ) -> list[VerificationDuty]:
-    """Every tie-breaker recomputes every batch of the round (ascending)."""
+    """Every tie-breaker recomputes every batch the round's verifiers check (ascending)."""
+    checked = sorted(d.batch_id for d in verification_duties(clients, selection, assignments))
     return [
-        VerificationDuty(batch, trainer, tie_breaker)
+        VerificationDuty(batch, assignments[batch], tie_breaker)
         for tie_breaker in _members(clients, selection, Committee.TieBreaker)
-        for batch, trainer in assignments.items()
+        for batch in checked
     ]
 
 
@@ -168,13 +178,15 @@ class RoundDuties:
     step: int
     verifiers: tuple[VerificationDuty, ...]
     tie_breakers: tuple[VerificationDuty, ...]
+    assigned: tuple[tuple[BatchId, NodeIdentity], ...] = ()
+    """Every batch of the round and its trainer, checked or not (where a decoy comes from)."""
 
     def of(self, node: NodeIdentity) -> list[VerificationDuty]:
         """`node`'s duties, as verifier or as tie-breaker (one of the two, or none)."""
         return [d for d in (*self.verifiers, *self.tie_breakers) if d.verifier == node]
 
     def trainers(self) -> dict[BatchId, NodeIdentity]:
-        """Who trained each batch under verification."""
+        """Who trained each batch under verification (the checked ones)."""
         return {d.batch_id: d.trainer for d in (*self.verifiers, *self.tie_breakers)}
 
     def is_tie_breaker(self, node: NodeIdentity) -> bool:
@@ -191,6 +203,7 @@ def round_duties(
         step,
         tuple(verification_duties(clients, selection, assignments)),
         tuple(tie_breaker_duties(clients, selection, assignments)),
+        tuple(sorted(assignments.items())),
     )
 
 
@@ -336,6 +349,7 @@ __all__ = [
     "MAX_FINDINGS",
     "VERIFICATION_SALT",
     "VERIFICATION_TIE_BREAKERS",
+    "VERIFIED_BATCHES_PER_VERIFIER",
     "Finding",
     "Resolution",
     "RoundDuties",
