@@ -115,6 +115,10 @@ an honest result's balance was about N(0, 3.6^2) and a half batch's 20 to 28, bu
 e2e test, a trainer's first round after two rounds as a verifier) gave an honest balance of 17.3,
 and the tie-breaker convicted it. `DISTRO_BALANCE_CHECK` keeps the check for research until
 it is calibrated on such rounds."""
+# With trainers switching roles (a trainer's first round after rounds as a verifier) an honest
+# result's agreement fell to 6.9 and 9.99 in 191 such rounds (docs/reliability.md, "Verifiers"):
+# the client trains that round with no previous results of its own, so DisTrO's momentum still
+# holds what it sent before; kept across the rounds it sat out, 17.7 and up.
 DISTRO_BALANCE_CHECK = VerificationSettings(min_agreement=10.0, max_balance=15.0)
 """DisTrO with the half-batch balance check (|t| <= 15): not safe for honest members yet (above)."""
 DISTRO_PARTS_CHECK = VerificationSettings(min_agreement=10.0, min_part_agreement=6.0)
