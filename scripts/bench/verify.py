@@ -16,8 +16,21 @@ its decoy; the verifier on `--verifier-threads` intra-op threads where the membe
   rounds refused (a round alone), the share refused with the verifier's `Evidence` over rounds,
   whether it was caught within 3 rounds, and the honest members' refusals beside it.
 
+* `--switch-roles`: in the honest rounds 2 of the 4 members sit each round out (a round's
+  verifier and tie-breaker at 4 clients; drawn from the seed), as clients do: a member's first
+  round back trains with no previous results of its own;
+* `--cost`: a round's work per client at `verification_percent` 10 against 0 (the same
+  sitting): one member's `train_exact` time per row and the verifier's recompute-and-compare
+  time per row, measured, then each client's work a round for runs of 21 and 101 clients with
+  8 rows per client (the committees and checked batches as `psyche.coordinator.verification`
+  deals them): the trainers' (rows per trainer grow as verifiers stop training), a verifier's
+  (its checked batches) and the tie-breaker's (every checked batch). Each client runs on its
+  own machine, so a round's time is the slowest client's work, and verifiers and the
+  tie-breaker only need to finish inside the round.
+
     .venv/bin/python scripts/bench/verify.py            # full: 500 honest verifications each
     .venv/bin/python scripts/bench/verify.py --quick    # a smoke check (seconds to a minute)
+    .venv/bin/python scripts/bench/verify.py --cost --optimizers distro
 
 No downloads: random-init Llama configs and a synthetic corpus.
 """
@@ -25,14 +38,22 @@ No downloads: random-init Llama configs and a synthetic corpus.
 from __future__ import annotations
 
 import argparse
+import math
+import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from psyche.coordinator.committee_selection import verifier_nodes_for
+from psyche.coordinator.verification import (
+    VERIFICATION_TIE_BREAKERS,
+    VERIFIED_BATCHES_PER_VERIFIER,
+)
 from psyche.modeling.hostile import Attack, HostileMember
 from psyche.modeling.trainer import Batch
 from psyche.modeling.verification_sim import FORMS, VerificationRun, tiny_trainer
@@ -68,7 +89,14 @@ class Outcome:
     verify: list[float] = field(default_factory=list)
 
 
-def play(form: str, attack: Attack | None, rounds: int, threads: int, seed: int) -> Outcome:
+def play(
+    form: str,
+    attack: Attack | None,
+    rounds: int,
+    threads: int,
+    seed: int,
+    switch_roles: bool = False,
+) -> Outcome:
     vocab = D.build("tiny", "cpu").config.vocab_size
     data = D.bigram_corpus((rounds + 1) * (MEMBERS + 1) * ROWS, 32, vocab, seed=seed)
 
@@ -85,6 +113,7 @@ def play(form: str, attack: Attack | None, rounds: int, threads: int, seed: int)
         batch,
         hostile,
         verifier_threads=threads,
+        sits_out=sits_out(seed) if switch_roles else None,
     )
     out = Outcome()
     for step in range(1, rounds + 1):
@@ -108,6 +137,45 @@ def play(form: str, attack: Attack | None, rounds: int, threads: int, seed: int)
     return out
 
 
+def sits_out(seed: int) -> Callable[[int, int], bool]:
+    """2 of the 4 members sit each round out (drawn from the seed), as a 4-client verifying run's
+    verifier and tie-breaker do."""
+
+    def out(step: int, i: int) -> bool:
+        return i in random.Random(seed * 7919 + step).sample(range(MEMBERS), 2)
+
+    return out
+
+
+def cost(form: str, threads: int, seed: int, reps: int) -> None:
+    """`--cost` (see the module docstring)."""
+    honest = play(form, None, reps, threads, seed)
+    train = statistics.median(honest.train) / ROWS  # seconds per row, one member
+    check = statistics.median(honest.verify) / ROWS  # recompute + compare, per row
+    print(
+        f"  per row: train {train * 1000:.1f} ms, recompute-and-compare {check * 1000:.1f} ms "
+        f"({check / train:.2f}x)"
+    )
+    for clients in (21, 101):
+        rows = 8 * clients
+        base = math.ceil(rows / clients) * train
+        free = clients - VERIFICATION_TIE_BREAKERS
+        verifiers = verifier_nodes_for(free, 10)
+        trainers = free - verifiers
+        per = math.ceil(rows / trainers)
+        checked = min(trainers, VERIFIED_BATCHES_PER_VERIFIER * verifiers)
+        trainer = per * train / base
+        verifier = VERIFIED_BATCHES_PER_VERIFIER * per * check / base
+        tie = checked * per * check / base
+        print(
+            f"  {clients} clients at 10 %: 1 tie-breaker, {verifiers} verifiers, {trainers} "
+            f"trainers ({per} rows each, {math.ceil(rows / clients)} at 0 %); work a round "
+            f"against a trainer's at 0 %: trainer {trainer:.2f}x, verifier {verifier:.2f}x, "
+            f"tie-breaker {tie:.2f}x; {checked} of {trainers} trainers checked a round "
+            f"({checked / trainers:.0%})"
+        )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--quick", action="store_true", help="a smoke check: few rounds, two forms")
@@ -117,6 +185,8 @@ def main() -> None:
     p.add_argument("--attack-rounds", type=int, default=20)
     p.add_argument("--verifier-threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=5)
+    p.add_argument("--switch-roles", action="store_true", help="honest members sit rounds out")
+    p.add_argument("--cost", action="store_true", help="a round's work per client at 10 %%")
     args = p.parse_args()
     torch.set_num_threads(1)
     forms = args.optimizers.split(",")
@@ -133,9 +203,16 @@ def main() -> None:
         f"# Verifiers: {MEMBERS} members x {ROWS} rows a round, the verifier on "
         f"{args.verifier_threads} threads (members: 1); CPU, torch {torch.__version__}"
     )
+    if args.cost:
+        for form in forms:
+            print(f"\n## {NAMES[form]}: a round's work per client, verification_percent 10")
+            cost(form, args.verifier_threads, args.seed, 4 if args.quick else 12)
+        return
     for form in forms:
         started = time.perf_counter()
-        honest = play(form, None, honest_rounds, args.verifier_threads, args.seed)
+        honest = play(
+            form, None, honest_rounds, args.verifier_threads, args.seed, args.switch_roles
+        )
         ratio = statistics.median(honest.verify) / statistics.median(honest.train)
         print(
             f"\n## {NAMES[form]}: honest {honest.honest_refused} refused of {honest.honest} "

@@ -71,7 +71,7 @@ def test_cli_start_does_not_import_heavy_packages() -> None:
 
 # Upstream configs no run can honour, refused by name (issue 27): upstream's own data selection
 # asserts `verification_percent == 0`, so it cannot run this one either; here its 50 % of 2
-# clients, less the tie-breaker, elects no verifier.
+# clients, less the tie-breaker, elects the one client left as verifier and leaves no trainer.
 REFUSED_UPSTREAM = {
     "llama2-20m-dolma-verify-first-checkpointer": "config.verification_percent",
 }

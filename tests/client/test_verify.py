@@ -30,7 +30,7 @@ def test_no_duties_in_an_upstream_run() -> None:
 def test_the_plan_is_the_coordinators_duties_with_decoys_of_other_trainers() -> None:
     coordinator = round_of(40)
     duties = verification_duties_for_state(coordinator)
-    trainers = duties.trainers()
+    trainers = dict(duties.assigned)
     plans = {i: plan_verification(coordinator, i) for i in IDS}
     planned = [p for p in plans.values() if p is not None]
     assert sum(p.tie_breaker for p in planned) == 1
@@ -46,6 +46,8 @@ def test_the_plan_is_the_coordinators_duties_with_decoys_of_other_trainers() -> 
             assert trainers[decoy] != duty.trainer
         # each batch recomputed once, decoys included
         assert len(plan.batches()) == len(set(plan.batches()))
+        if len({d.trainer for d in plan.duties}) > 1:  # its duties are each other's decoys
+            assert set(plan.batches()) == {d.batch_id for d in plan.duties}
 
 
 def test_a_lone_trainers_decoy_is_the_data_after_the_round() -> None:
@@ -54,3 +56,15 @@ def test_a_lone_trainers_decoy_is_the_data_after_the_round() -> None:
     two = {BatchId(0, 3): IDS[0], BatchId(4, 7): IDS[0], BatchId(8, 11): IDS[2]}
     assert decoy_for(VerificationDuty(BatchId(4, 7), IDS[0], IDS[1]), two) == BatchId(8, 11)
     assert decoy_for(VerificationDuty(BatchId(8, 11), IDS[2], IDS[1]), two) == BatchId(0, 3)
+
+
+def test_a_verifiers_own_duties_are_its_decoys_first() -> None:
+    # two duties of two trainers: each the other's decoy (no third recompute), although another
+    # trainer's batch comes first in ascending order
+    three = {BatchId(0, 3): IDS[0], BatchId(4, 7): IDS[2], BatchId(8, 11): IDS[3]}
+    own = [BatchId(0, 3), BatchId(8, 11)]
+    assert decoy_for(VerificationDuty(BatchId(0, 3), IDS[0], IDS[1]), three, own) == own[1]
+    assert decoy_for(VerificationDuty(BatchId(8, 11), IDS[3], IDS[1]), three, own) == own[0]
+    # its own duties all one trainer's: the round's next batch of another trainer
+    one = [BatchId(0, 3)]
+    assert decoy_for(VerificationDuty(BatchId(0, 3), IDS[0], IDS[1]), three, one) == BatchId(4, 7)

@@ -67,8 +67,12 @@ def test_upstream_runs_record_no_duties() -> None:
 def test_a_trainer_that_lied_is_dropped_and_banned() -> None:
     core, record = verifying_round()
     verifier, tie_breaker, trainer = roles(record)
-    # the verifier covers every trainer of the round (one verifier at 25 % of 5 clients)
-    assert len(record.duties.verifiers) == len({d.trainer for d in record.duties.verifiers}) == 3
+    # one verifier at 25 % of 5 clients checks two of the round's three trainers (seed-drawn),
+    # the tie-breaker the same two
+    assert len(record.duties.verifiers) == len({d.trainer for d in record.duties.verifiers}) == 2
+    assert {d.batch_id for d in record.duties.tie_breakers} == {
+        d.batch_id for d in record.duties.verifiers
+    }
     accusation = VerificationReport(record.duties.step, [
         Finding(d.batch_id, d.trainer != trainer, 0.0 if d.trainer != trainer else 2.0)
         for d in record.duties.verifiers

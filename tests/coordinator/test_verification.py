@@ -21,6 +21,7 @@ from psyche.coordinator.run_config import semantic_problems
 from psyche.coordinator.testing import integration_test_coordinator, simulated_identity
 from psyche.coordinator.verification import (
     MAX_FINDINGS,
+    VERIFIED_BATCHES_PER_VERIFIER,
     Finding,
     RoundDuties,
     RoundVerification,
@@ -88,7 +89,7 @@ def test_a_verifying_round_elects_one_tie_breaker_and_its_verifiers() -> None:
     percent=st.integers(1, 100),
     seed=st.integers(0, 2**64 - 1),
 )
-def test_every_batch_is_verified_once_and_every_tie_breaker_recomputes_all(
+def test_a_bounded_sample_is_verified_once_and_the_tie_breaker_recomputes_it(
     n: int, percent: int, seed: int
 ) -> None:
     duties, assignments = duties_for(n, percent, seed, batch=max(n, 8))
@@ -96,22 +97,40 @@ def test_every_batch_is_verified_once_and_every_tie_breaker_recomputes_all(
     verifiers = [c for c, k in by_committee.items() if k is Committee.Verifier]
     trainers = {c for c, k in by_committee.items() if k is Committee.Trainer}
     assert set(assignments.values()) <= trainers  # nobody else trains
+    checked = sorted(d.batch_id for d in duties.verifiers)
     if not verifiers:
         assert duties.verifiers == ()
     else:
-        # coverage: every batch exactly once, by a verifier, naming its trainer
-        assert sorted(d.batch_id for d in duties.verifiers) == sorted(assignments)
+        # coverage: min(batches, 2 per verifier), each exactly once, naming its trainer
+        assert len(checked) == len(set(checked))
+        assert set(checked) <= set(assignments)
+        per = VERIFIED_BATCHES_PER_VERIFIER
+        assert len(checked) == min(len(assignments), per * len(verifiers))
         for d in duties.verifiers:
             assert assignments[d.batch_id] == d.trainer
             assert by_committee[d.verifier] is Committee.Verifier
-        # the load is dealt evenly
+        # the load is dealt evenly, and bounded
         loads = [sum(d.verifier == v for d in duties.verifiers) for v in verifiers]
         assert max(loads) - min(loads) <= 1
+        assert max(loads) <= per
     tie_breakers = [c for c, k in by_committee.items() if k is Committee.TieBreaker]
     assert len(tie_breakers) == 1
-    assert len(duties.tie_breakers) == len(assignments)
+    assert sorted(d.batch_id for d in duties.tie_breakers) == checked
+    assert dict(duties.assigned) == assignments
     # no one verifies its own result
     assert all(d.verifier != d.trainer for d in (*duties.verifiers, *duties.tie_breakers))
+
+
+def test_a_round_with_few_verifiers_checks_a_seed_drawn_share() -> None:
+    # 21 clients at 10 %: 1 tie-breaker, 2 verifiers, 18 trainers: 4 batches checked a round,
+    # which ones drawn from the seed, so over rounds every trainer's turn comes
+    checked: set[BatchId] = set()
+    for seed in range(12):
+        duties, _ = duties_for(21, 10, seed, batch=36)
+        assert len({d.verifier for d in duties.verifiers}) == 2
+        assert len(duties.verifiers) == 4 == len(duties.tie_breakers)
+        checked.update(d.batch_id for d in duties.verifiers)
+    assert len(checked) > 4
 
 
 def test_the_assignment_is_a_function_of_the_round_only() -> None:
@@ -139,7 +158,17 @@ def test_no_batches_no_duties() -> None:
 
 @pytest.mark.parametrize(
     ("min_clients", "percent", "refused"),
-    [(4, 0, False), (4, 25, True), (5, 25, False), (4, 34, False), (2, 100, True), (3, 50, False)],
+    [
+        (4, 0, False),
+        (4, 25, False),  # rounded up: 1 tie-breaker, 1 verifier, 2 trainers
+        (5, 25, False),
+        (4, 34, False),
+        (2, 100, True),
+        (3, 100, True),
+        (3, 50, False),
+        (2, 25, True),  # 1 tie-breaker, 1 verifier, no trainer
+        (1, 25, True),  # no verifier
+    ],
 )
 def test_a_run_without_a_verifier_or_trainer_is_refused(
     min_clients: int, percent: int, refused: bool

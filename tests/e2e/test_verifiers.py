@@ -1,5 +1,6 @@
 """Issue 27, end to end: four real `psyche-client train` processes on loopback in a run with
-`verification_percent = 50` (each round: one tie-breaker, one verifier, two trainers), one of
+`verification_percent = 25`, the issue's goal (each round: one tie-breaker, one verifier, rounded
+up from 25 % of the other three, and two trainers; 50 % elects the same committees), one of
 them hostile twice over (`tests/e2e/hostile_client.py`): as a trainer every result it sends is
 sign flipped, as a verifier it accuses every result it verified (as tie-breaker it is honest).
 In the first round it is trainer or verifier, the honest verifier's accusation or its own false
@@ -30,7 +31,7 @@ def test_the_tie_breaker_punishes_whoever_lied_trainer_or_verifier(
     run = start_hostile_run(
         processes, tmp_path / "run", "sign-flip", 0, {"HOSTILE_VERIFIER": "1"},
         total_steps=20, epoch_time=60, witness_nodes=0, init_min_clients=4, min_clients=3,
-        verification_percent=50,
+        verification_percent=25,
     )  # fmt: skip
     server, honest, hostile = run.server, run.honest, run.hostile
     punished = processes.wait_for(
@@ -45,6 +46,14 @@ def test_the_tie_breaker_punishes_whoever_lied_trainer_or_verifier(
     lied = [e["step"] for e in events(hostile, "trained_batch")]
     lied += [s for s, committee in committees.items() if committee == "Verifier"]
     assert step <= min(lied) + 2, (step, lied)
+    # every round of the four: one tie-breaker, one verifier, two trainers
+    by_step: dict[int, list[str]] = {}
+    for client in (*honest, hostile):
+        for e in events(client, "round_start"):
+            by_step.setdefault(e["step"], []).append(e["committee"])
+    rounds_of_four = [sorted(c) for c in by_step.values() if len(c) == 4]
+    assert rounds_of_four, by_step
+    assert all(c == ["TieBreaker", "Trainer", "Trainer", "Verifier"] for c in rounds_of_four)
     # the server banned it, and nobody else lost anything
     assert re.search(
         rf"{short_id(HOSTILE)} did not deliver \(verification, as {role}", server.text()

@@ -8,7 +8,9 @@ attack starts."""
 
 from __future__ import annotations
 
+import random
 import statistics
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ from psyche.modeling.diloco.codec import decode
 from psyche.modeling.hostile import Attack, DilocoFormat, HostileMember, payload_format
 from psyche.modeling.trainer import Batch, Trainer
 from psyche.modeling.verification import (
+    DISTRO_PARTS_CHECK,
     Evidence,
     Measures,
     VerificationSettings,
@@ -116,7 +119,12 @@ def test_an_honest_result_matches_and_one_of_another_batch_does_not(form: str) -
 
 
 def run_rounds(
-    form: str, hostile: dict[int, HostileMember], rounds: int, verifier_threads: int | None = None
+    form: str,
+    hostile: dict[int, HostileMember],
+    rounds: int,
+    verifier_threads: int | None = None,
+    sits_out: Callable[[int, int], bool] | None = None,
+    settings: VerificationSettings | None = None,
 ) -> tuple[list[dict[int, bool]], int]:
     """Each round's verdicts (member -> matched); and how many honest ones were refused."""
     run = VerificationRun(
@@ -125,6 +133,8 @@ def run_rounds(
         corpus_batches(rounds),
         hostile,
         verifier_threads=verifier_threads,
+        sits_out=sits_out,
+        settings=settings,
     )
     out, refused = [], 0
     for step in range(1, rounds + 1):
@@ -175,6 +185,29 @@ def test_no_honest_result_is_refused_by_a_verifier_with_other_threads() -> None:
     rounds, refused = run_rounds("distro", {}, rounds=12, verifier_threads=2)
     assert len(rounds) * MEMBERS == 48
     assert refused == 0
+
+
+def test_no_honest_result_is_refused_when_trainers_switch_roles() -> None:
+    """The e2e run's case (an honest trainer's first round after rounds as a verifier): 2 of
+    the 4 members sit each round out, drawn from a seed, and train their next round with no
+    previous results of their own, as clients do; the verifier on two threads."""
+
+    def sits_out(step: int, i: int) -> bool:
+        return i in random.Random(step).sample(range(MEMBERS), 2)
+
+    rounds, refused = run_rounds("distro", {}, rounds=12, verifier_threads=2, sits_out=sits_out)
+    assert sum(len(r) for r in rounds) == 24
+    assert any(sits_out(s, i) and not sits_out(s + 1, i) for s in range(1, 12) for i in range(4))
+    assert refused == 0
+
+
+def test_the_parts_check_refuses_a_half_batch_and_no_honest_result() -> None:
+    # the half a lazy trainer skipped is not carried (DISTRO_PARTS_CHECK, off by default)
+    member = HostileMember(Attack.Lazy, start=1, lazy_fraction=0.5, seed=7)
+    rounds, refused = run_rounds("distro", {MEMBERS - 1: member}, 4, settings=DISTRO_PARTS_CHECK)
+    assert refused == 0
+    assert member.lies == [1, 2, 3]
+    assert [r[MEMBERS - 1] for r in rounds] == [True, False, False, False]
 
 
 def test_the_thresholds_are_the_run_optimizers() -> None:

@@ -87,6 +87,16 @@ class RoundHistory(Protocol):
     def previous_previous_round(self) -> SelectionRound | None: ...
 
 
+def verifier_nodes_for(free_nodes: int, verification_percent: int) -> int:
+    """How many of a round's `free_nodes` (its clients less its tie-breakers) are verifiers:
+    `verification_percent` of them, rounded up. Upstream rounds down; the two agree wherever
+    upstream can run (`verification_percent = 0`: its data selection asserts it) and wherever
+    the percentage of the free nodes is whole (every upstream test vector). Rounding up is what
+    lets a small run verify at all: 4 clients at 25 % are one tie-breaker, one verifier and two
+    trainers (rounding down, `3 x 25 // 100` elects no verifier)."""
+    return -(-(free_nodes * verification_percent) // 100)
+
+
 def _invalid() -> CoordinatorError:
     return CoordinatorError(CoordinatorErrorKind.InvalidCommitteeSelection)
 
@@ -146,7 +156,7 @@ class CommitteeSelection:
         free_nodes = total_nodes - tie_breaker_nodes
         init = object.__setattr__  # immutable once built: selections are shared per round
         init(self, "tie_breaker_nodes", tie_breaker_nodes)
-        init(self, "verifier_nodes", (free_nodes * verification_percent) // 100)
+        init(self, "verifier_nodes", verifier_nodes_for(free_nodes, verification_percent))
         init(self, "total_nodes", total_nodes)
         init(self, "witness_nodes", witness_nodes)
         init(self, "seed", sha256(seed.to_bytes(8, "little")))

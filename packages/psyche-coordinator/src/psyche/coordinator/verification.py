@@ -3,17 +3,25 @@ report, and who loses a dispute. Pure functions; upstream stops at electing the 
 
 With `verification_percent > 0` every round is started with `VERIFICATION_TIE_BREAKERS`
 tie-breaker tasks (`tie_breaker_tasks_for`, the round's existing `tie_breaker_tasks` field,
-always 0 upstream), so `CommitteeSelection` elects one tie-breaker, `(n - 1) *
-verification_percent // 100` verifiers and trainers for the rest. Neither verifiers nor
+always 0 upstream), so `CommitteeSelection` elects one tie-breaker, `ceil((n - 1) *
+verification_percent / 100)` verifiers (`verifier_nodes_for`: upstream rounds down, which elects
+no verifier in 4 clients at 25 %; the two agree at 0 and on every upstream test vector) and
+trainers for the rest. Neither verifiers nor
 tie-breakers train (`data_selection`). At 0 nothing changes: no tie-breaker, no verifier.
 
 Who verifies whom (`verification_duties`), from the round's seed, so anyone can check it: the
 round's batches (ascending) are shuffled with a seed derived from the committee seed and the salt
-"verification", then dealt round-robin to the verifiers in client-index order. Every batch is
-recomputed by exactly one verifier, each verifier recomputes at most `ceil(batches / verifiers)`
-of them, and every tie-breaker recomputes every batch (`tie_breaker_duties`): it is the arbiter,
-and it cannot know in advance which result will be disputed (it must recompute from the round's
-own model state, which it holds only during that round).
+"verification"; the first `VERIFIED_BATCHES_PER_VERIFIER` (2) per verifier are the round's
+checked batches, dealt round-robin to the verifiers in client-index order. Every checked batch is
+recomputed by exactly one verifier, each verifier recomputes at most 2 (each the other's decoy,
+so checking two costs what checking one does: two recomputes), and every tie-breaker recomputes
+every checked batch (`tie_breaker_duties`): it is the arbiter, and it cannot know in advance
+which result will be disputed (it must recompute from the round's own model state, which it
+holds only during that round). A round checks `min(trainers' batches, 2 x verifiers)` batches:
+all of them while verifiers are at least half as many as trainers (4 clients at 25 %), and a
+seed-drawn share of them otherwise (at 10 %, about 2 in 9 a round), so that a verifier's and the
+tie-breaker's work stay within a round (docs/reliability.md, "recompute and punish": coverage
+against cost).
 
 What they report (`VerificationReport`): one message per sender and round, naming for each batch
 it recomputed whether its recomputation matched the published result, and the evidence score (the comparison's distance). A verifier's non-matching finding is an accusation.
@@ -33,7 +41,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated
 
-from psyche.coordinator.committee_selection import Committee, CommitteeSelection, Member
+from psyche.coordinator.committee_selection import (
+    Committee,
+    CommitteeSelection,
+    Member,
+    verifier_nodes_for,
+)
 from psyche.coordinator.config import SOLANA_MAX_NUM_CLIENTS, CoordinatorConfig
 from psyche.core.batch_id import BatchId
 from psyche.core.deterministic_shuffle import deterministic_shuffle
@@ -44,6 +57,8 @@ from psyche.core.sha256 import sha256v
 VERIFICATION_SALT = b"verification"
 VERIFICATION_TIE_BREAKERS = 1
 """Tie-breakers per round of a run with `verification_percent > 0` (the arbiter of disputes)."""
+VERIFIED_BATCHES_PER_VERIFIER = 2
+"""Batches a verifier checks a round (the seed draws which): two, each the other's decoy."""
 MAX_FINDINGS = SOLANA_MAX_NUM_CLIENTS
 """A report names at most one finding per batch, and a round has at most one batch per client."""
 
@@ -58,33 +73,40 @@ def tie_breaker_tasks_for(config: CoordinatorConfig, num_clients: int) -> int:
 def verifiers_for(config: CoordinatorConfig, num_clients: int) -> int:
     """How many verifiers `CommitteeSelection` elects in a round of `num_clients` clients."""
     free = num_clients - tie_breaker_tasks_for(config, num_clients)
-    return (free * config.verification_percent) // 100
+    return verifier_nodes_for(free, config.verification_percent)
 
 
 def verification_problem(config: CoordinatorConfig) -> tuple[str, str] | None:
     """Why a run cannot honour its `verification_percent` (config field, message), or None:
     with its fewest clients (`min_clients`), one tie-breaker aside, it must elect a verifier
-    and keep a trainer."""
+    and keep a trainer (more clients only add trainers and verifiers, in that proportion)."""
     percent = config.verification_percent
     if percent == 0 or percent > 100:
         return None  # off, or refused as out of range elsewhere
     least = config.min_clients
-    verifiers = verifiers_for(config, least)
+    if _runnable(percent, least):
+        return None
     ties = tie_breaker_tasks_for(config, least)
-    if verifiers == 0:
-        return (
-            "config.verification_percent",
-            f"{percent} % of min_clients ({least}) less the {ties} tie-breaker elects no "
-            f"verifier: raise it to at least {math.ceil(100 / max(least - ties, 1))} or "
-            f"min_clients to at least {ties + math.ceil(100 / percent)}",
-        )
-    if least - ties - verifiers == 0:
-        return (
-            "config.verification_percent",
-            f"{percent} % of min_clients ({least}) less the {ties} tie-breaker leaves no "
-            "trainer: lower it",
-        )
-    return None
+    found = "elects no verifier" if least <= ties else "leaves no trainer"
+    fixes = []
+    lower = max((p for p in range(1, percent) if _runnable(p, least)), default=None)
+    if lower is not None:
+        fixes.append(f"lower it to at most {lower}")
+    enough = next((n for n in range(least, MAX_FINDINGS + 1) if _runnable(percent, n)), None)
+    if enough is not None:
+        fixes.append(f"raise min_clients to at least {enough}")
+    return (
+        "config.verification_percent",
+        f"{percent} % of min_clients ({least}) less the {ties} tie-breaker {found}: "
+        + (" or ".join(fixes) or "lower it and raise min_clients (3 clients run 50 %)"),
+    )
+
+
+def _runnable(percent: int, clients: int) -> bool:
+    """Whether a round of `clients` at `percent` elects a tie-breaker, a verifier and a trainer."""
+    free = clients - VERIFICATION_TIE_BREAKERS
+    verifiers = verifier_nodes_for(max(free, 0), percent)
+    return verifiers > 0 and free - verifiers > 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -128,9 +150,10 @@ def verification_duties(
         return []
     batches = list(assignments)
     deterministic_shuffle(batches, verification_seed(selection))
+    checked = batches[: VERIFIED_BATCHES_PER_VERIFIER * len(verifiers)]
     return [
         VerificationDuty(batch, assignments[batch], verifiers[k % len(verifiers)])
-        for k, batch in enumerate(batches)
+        for k, batch in enumerate(checked)
     ]
 
 
@@ -139,11 +162,12 @@ def tie_breaker_duties(
     selection: CommitteeSelection,
     assignments: Mapping[BatchId, NodeIdentity],
 ) -> list[VerificationDuty]:
-    """Every tie-breaker recomputes every batch of the round (ascending)."""
+    """Every tie-breaker recomputes every batch the round's verifiers check (ascending)."""
+    checked = sorted(d.batch_id for d in verification_duties(clients, selection, assignments))
     return [
-        VerificationDuty(batch, trainer, tie_breaker)
+        VerificationDuty(batch, assignments[batch], tie_breaker)
         for tie_breaker in _members(clients, selection, Committee.TieBreaker)
-        for batch, trainer in assignments.items()
+        for batch in checked
     ]
 
 
@@ -154,13 +178,15 @@ class RoundDuties:
     step: int
     verifiers: tuple[VerificationDuty, ...]
     tie_breakers: tuple[VerificationDuty, ...]
+    assigned: tuple[tuple[BatchId, NodeIdentity], ...] = ()
+    """Every batch of the round and its trainer, checked or not (where a decoy comes from)."""
 
     def of(self, node: NodeIdentity) -> list[VerificationDuty]:
         """`node`'s duties, as verifier or as tie-breaker (one of the two, or none)."""
         return [d for d in (*self.verifiers, *self.tie_breakers) if d.verifier == node]
 
     def trainers(self) -> dict[BatchId, NodeIdentity]:
-        """Who trained each batch under verification."""
+        """Who trained each batch under verification (the checked ones)."""
         return {d.batch_id: d.trainer for d in (*self.verifiers, *self.tie_breakers)}
 
     def is_tie_breaker(self, node: NodeIdentity) -> bool:
@@ -177,6 +203,7 @@ def round_duties(
         step,
         tuple(verification_duties(clients, selection, assignments)),
         tuple(tie_breaker_duties(clients, selection, assignments)),
+        tuple(sorted(assignments.items())),
     )
 
 
@@ -322,6 +349,7 @@ __all__ = [
     "MAX_FINDINGS",
     "VERIFICATION_SALT",
     "VERIFICATION_TIE_BREAKERS",
+    "VERIFIED_BATCHES_PER_VERIFIER",
     "Finding",
     "Resolution",
     "RoundDuties",

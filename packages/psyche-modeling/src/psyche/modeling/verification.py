@@ -47,7 +47,13 @@ What is exact, what is statistical:
     above;
   - *balance* (DisTrO): the difference of the batch's two halves' updates. An honest result
     carries both alike; one trained on one half carries one (the whole batch's agreement does
-    not show it: a half's gradient is the whole's direction, noisier).
+    not show it: a half's gradient is the whole's direction, noisier). Its honest expectation is
+    zero only while the halves' gradients are alike in size, which a few rows need not be;
+  - *parts* (DisTrO): each half's update less the decoy's, the lesser `t`: an honest result
+    carries both halves (well above zero), a lazy one not the half it skipped (about N(0, 3^2)).
+  The halves are the micro-batches' (`split_rows`) or, with `order`, a permutation's (`recompute`):
+  a permutation hides them from the trainer, but then a trainer that skips half its rows skips
+  about as many in each half in most rounds (docs/reliability.md, "Verifiers").
   DiLoCo adds a *norm* check (within `max_norm_ratio` of the recompute's) and *zero*. The
   thresholds (`DISTRO_VERIFICATION`, `DILOCO_VERIFICATION`, `DILOCO_SPARSE_VERIFICATION`) were
   calibrated on honest recomputations (docs/reliability.md, "Verifiers").
@@ -89,6 +95,9 @@ class VerificationSettings:
     max_balance: float = 0.0
     """Refused when the agreement along the difference of the batch's two parts is beyond
     this either way (a trainer that trained one part only; 0: no balance check)."""
+    min_part_agreement: float = 0.0
+    """Refused when the agreement along the difference of either part's update and the decoy's
+    is below this (a trainer that skipped that part's rows; 0: no parts check)."""
     max_norm_ratio: float = 0.0
     """DiLoCo: refused when the payload's norm is not within this factor of the recompute's
     either way (0: no norm check; 1-bit DisTrO has no magnitude)."""
@@ -106,8 +115,20 @@ an honest result's balance was about N(0, 3.6^2) and a half batch's 20 to 28, bu
 e2e test, a trainer's first round after two rounds as a verifier) gave an honest balance of 17.3,
 and the tie-breaker convicted it. `DISTRO_BALANCE_CHECK` keeps the check for research until
 it is calibrated on such rounds."""
+# With trainers switching roles (a trainer's first round after rounds as a verifier) an honest
+# result's agreement fell to 6.9 and 9.99 in 191 such rounds (docs/reliability.md, "Verifiers"):
+# the client trains that round with no previous results of its own, so DisTrO's momentum still
+# holds what it sent before; kept across the rounds it sat out, 17.7 and up.
 DISTRO_BALANCE_CHECK = VerificationSettings(min_agreement=10.0, max_balance=15.0)
 """DisTrO with the half-batch balance check (|t| <= 15): not safe for honest members yet (above)."""
+DISTRO_PARTS_CHECK = VerificationSettings(min_agreement=10.0, min_part_agreement=6.0)
+"""DisTrO with the half-batch parts check: each half's agreement along its update less the
+decoy's at least 6. In the benchmark's first 12 rounds an honest half's was 11.8 to 25.5 (72
+verifications), the half a lazy trainer skipped -4.1 to 5.1 (about N(0, 3^2)), and the balance
+of the same results 18 to 29 against an honest 17.3 in a real run: the parts check keeps the
+honest half's expectation well above zero whatever the two halves' sizes of gradient. Off by
+default until calibrated on 500 honest verifications with trainers switching roles
+(docs/reliability.md, "Verifiers")."""
 DILOCO_VERIFICATION = VerificationSettings(min_agreement=20.0, max_norm_ratio=64.0)
 """DiLoCo's dense forms: an honest pseudo-gradient's agreement is 40 to 200, another batch's
 below 10. No balance check: the inner AdamW weighs a round's first rows more than its last, so
@@ -191,20 +212,34 @@ def recompute(
     *,
     step: int,
     warmup_lr_between: tuple[int, int] | None = None,
+    order: Sequence[int] | None = None,
 ) -> Recomputed:
     """The exact part of a verification (see the module docstring): a pure function of the
     weights `trainer` holds, `batch` and the run's settings, computed by the trainer's own code
-    (`Trainer.accumulate_gradients`, `Trainer.inner_steps`) on each part of `split_rows`.
+    (`Trainer.accumulate_gradients`, `Trainer.inner_steps`) on each part of `split_rows`, or
+    with `order` (a permutation of the batch's rows, e.g. drawn from the round's seed) on its
+    first `ceil(rows / 2)` rows and the rest (gradient accumulation sums over rows: the whole is
+    the same sum, up to the float rounding of its order).
     `trainer` is left as it was (weights bit for bit, gradients zero, optimizer state
     untouched). Every rank of a several-rank verifier calls it (collectives inside)."""
     lr = trainer.get_lr(step, warmup_lr_between)
     params = [p for _, p in _optimizer(trainer).variables]
     # DiLoCo: one part (no balance check: see DILOCO_VERIFICATION), the trainer's own rounds
-    sizes = split_rows(len(batch), trainer.micro_batch_size) if trainer.distro else [len(batch)]
+    if order is not None:
+        if sorted(order) != list(range(len(batch))):
+            raise TrainerError(f"the split order {list(order)} is no permutation of the batch")
+        sizes = [len(batch) - len(batch) // 2, len(batch) // 2] if len(batch) > 1 else [1]
+    else:
+        sizes = split_rows(len(batch), trainer.micro_batch_size)
+    if trainer.distro is None:
+        sizes = [len(batch)]
     parts, losses = [], []
     start = 0
     for size in sizes:
-        part = rows(batch, start, start + size)
+        if order is not None and len(sizes) > 1:
+            part = take_rows(batch, order[start : start + size])
+        else:
+            part = rows(batch, start, start + size)
         start += size
         if trainer.diloco is not None:
             update, loss = _recompute_diloco(trainer, part, lr, params)
@@ -213,6 +248,20 @@ def recompute(
         parts.append(update)
         losses.append(loss * size)
     return Recomputed(parts, sizes, sum(losses) / len(batch))
+
+
+def take_rows(batch: Batch, indices: Sequence[int]) -> Batch:
+    """The rows `indices` of `batch`, in that order (every field)."""
+    index = torch.tensor(list(indices), dtype=torch.long)
+
+    def part(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.index_select(0, index.to(t.device))
+
+    return Batch(
+        batch.input_ids.index_select(0, index.to(batch.input_ids.device)),
+        part(batch.labels),
+        part(batch.position_ids),
+    )
 
 
 def _recompute_distro(
@@ -298,6 +347,15 @@ class Domain:
 
     whole: list[torch.Tensor]
     halves: list[torch.Tensor] | None
+    shares: tuple[float, float] = (0.5, 0.5)
+    """The two parts' shares of the batch's rows (`whole` is `shares[0] x first + shares[1] x
+    second`, `halves` is `first - second`)."""
+
+    def part(self, k: int, i: int, positions: torch.Tensor | None) -> torch.Tensor:
+        """Part `k`'s update of parameter `i` at `positions` (from `whole` and `halves`)."""
+        assert self.halves is not None
+        sign = self.shares[1] if k == 0 else -self.shares[0]
+        return _at(self.whole[i], positions).add_(_at(self.halves[i], positions), alpha=sign)
 
 
 def domain_of(trainer: Trainer, recomputed: Recomputed) -> Domain:
@@ -309,7 +367,7 @@ def domain_of(trainer: Trainer, recomputed: Recomputed) -> Domain:
     total = sum(recomputed.rows)
     a, b = (n / total for n in recomputed.rows)
     whole = [x * a + y * b for x, y in zip(parts[0], parts[1])]
-    return Domain(whole, [x - y for x, y in zip(parts[0], parts[1])])
+    return Domain(whole, [x - y for x, y in zip(parts[0], parts[1])], (a, b))
 
 
 def _agreement_along(
@@ -327,6 +385,23 @@ def _agreement_along(
     return agreement(pairs())
 
 
+def _part_agreement(
+    flat_parts: Sequence[tuple[torch.Tensor | None, torch.Tensor]],
+    own: Domain,
+    decoy: Domain,
+    k: int,
+) -> float:
+    """`t` of the payload along part `k`'s update less the decoy's whole update: what only
+    that part's rows give (an honest result carries both parts; one trained on the other part
+    only does not carry this one: `t` about N(0, 3^2))."""
+
+    def pairs() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for i, (positions, values) in enumerate(flat_parts):
+            yield own.part(k, i, positions).sub_(_at(decoy.whole[i], positions)), values
+
+    return agreement(pairs())
+
+
 @dataclass(frozen=True)
 class Measures:
     """Every statistic of one comparison (whichever decided)."""
@@ -339,11 +414,16 @@ class Measures:
     """The cosine of the payload with the recompute at the payload's positions."""
     norm_ratio: float | None
     """DiLoCo: the payload's norm over the recompute's."""
+    parts: float | None = None
+    """The lesser `t` of the two parts, each along its difference with the decoy (None: one
+    part)."""
 
     def __str__(self) -> str:
         words = [f"agreement t = {self.agreement:.2f}"]
         if self.balance is not None:
             words.append(f"balance t = {self.balance:.2f}")
+        if self.parts is not None:
+            words.append(f"parts t >= {self.parts:.2f}")
         words.append(f"cosine {self.cosine:.3f}")
         if self.norm_ratio is not None:
             words.append(f"norm {self.norm_ratio:.3g}x")
@@ -363,11 +443,16 @@ def compare(
     flat = reader.flat(published)
     t = _agreement_along(flat.parts, own.whole, decoy.whole)
     balance = None if own.halves is None else _agreement_along(flat.parts, own.halves)
+    parts = (
+        None
+        if own.halves is None
+        else min(_part_agreement(flat.parts, own, decoy, k) for k in (0, 1))
+    )
     norm = float(torch.linalg.vector_norm(flat.values))
     at = torch.cat([_at(d, positions) for d, (positions, _) in zip(own.whole, flat.parts)])
     reference = float(torch.linalg.vector_norm(at))
     cosine = float(torch.dot(at, flat.values)) / (reference * norm) if reference * norm else 0.0
-    measures = Measures(t, balance, cosine, None)
+    measures = Measures(t, balance, cosine, None, parts)
     if reader.layouts is not None:
         if norm == 0.0:
             return _refused("zero", 0.0, 0.0, "the update is zero", measures)
@@ -376,7 +461,7 @@ def compare(
         # recompute's at the same positions; a dense form's with the whole recompute's
         expected = reference if sparse else math.sqrt(sum(float(x.dot(x)) for x in own.whole))
         ratio = norm / expected if expected > 0.0 else math.inf
-        measures = Measures(t, balance, cosine, ratio)
+        measures = Measures(t, balance, cosine, ratio, parts)
         bound = settings.max_norm_ratio
         if bound > 0.0 and not 1.0 / bound <= ratio <= bound:
             return _refused(
@@ -393,6 +478,19 @@ def compare(
             t,
             settings.min_agreement,
             f"agreement with this batch's own update t = {t:.2f}, below {settings.min_agreement:g}",
+            measures,
+        )
+    if (
+        parts is not None
+        and settings.min_part_agreement > 0.0
+        and parts < settings.min_part_agreement
+    ):
+        return _refused(
+            "parts",
+            parts,
+            settings.min_part_agreement,
+            f"one half of the batch is not carried (t = {parts:.2f} along that half's update "
+            f"less the decoy's; at least {settings.min_part_agreement:g})",
             measures,
         )
     if balance is not None and settings.max_balance > 0.0 and abs(balance) > settings.max_balance:

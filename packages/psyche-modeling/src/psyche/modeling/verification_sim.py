@@ -44,9 +44,11 @@ class VerifiedRound:
     single: dict[int, VerificationVerdict]
     """Each member's verdict of the round alone."""
     train_seconds: float
-    """The members' mean `train_exact` time."""
+    """The members' mean `train_exact` time (CPU seconds of the process: on a loaded machine
+    wall time measures the neighbours)."""
     verify_seconds: float
-    """The verifier's mean time per verification (its recomputes and comparisons)."""
+    """The verifier's mean time per verification (its recomputes and comparisons; CPU
+    seconds of the process, all its threads)."""
 
 
 @dataclass
@@ -63,6 +65,13 @@ class VerificationRun:
     hostile: Mapping[int, HostileMember] = field(default_factory=dict)
     settings: VerificationSettings | None = None
     verifier_threads: int | None = None
+    sits_out: Callable[[int, int], bool] | None = None
+    """Whether member `i` sits `step` out (a round it is a verifier or tie-breaker: it trains
+    nothing, applies the round as every client, and trains its next round with no previous
+    results of its own, as a client does)."""
+    split_order: Callable[[int, int], Sequence[int]] | None = None
+    """The order of member `i`'s rows at `step` whose halves the recompute compares (None: the
+    micro-batches' halves, `split_rows`)."""
     evidence: dict[int, Evidence] = field(default_factory=dict)
     _prev: list[list[DistroResult]] = field(default_factory=list)
     _pending: list[list[DistroResult]] | None = None
@@ -75,12 +84,19 @@ class VerificationRun:
 
     def round(self, step: int) -> VerifiedRound:
         n = len(self.trainers)
-        published, train_seconds = [], 0.0
+        published: list[list[DistroResult]] = []
+        train_seconds = 0.0
         other = self.batch(step, n)
+        sitting = {i for i in range(n) if self.sits_out is not None and self.sits_out(step, i)}
         for i, trainer in enumerate(self.trainers):
+            if i in sitting:
+                self._prev[i] = []
+                published.append([])
+                continue
             assigned = self.batch(step, i)
             member = self.hostile.get(i)
             rows = member.training_batch(assigned, other) if member else assigned
+            cpu = time.process_time()
             out = trainer.train_exact(
                 step,
                 rows,
@@ -88,43 +104,51 @@ class VerificationRun:
                 zero_optim=False,
                 prev_self_distro_results=[self._prev[i]] if self._prev[i] else [],
             )
-            train_seconds += out.duration
+            train_seconds += time.process_time() - cpu
             prepared = trainer.prepare_result(out, step=step, batch_id=BatchId(i, i))
             self._prev[i] = out.distro_results or []
             published.append(self.verifier.results_from_payload(prepared.payload))
-        started = time.perf_counter()
-        verdicts, single = self._verify(step, published)
-        verify_seconds = (time.perf_counter() - started) / n
+        started = time.process_time()
+        verdicts, single = self._verify(step, published, sitting)
+        verify_seconds = (time.process_time() - started) / max(len(verdicts), 1)
         if self._pending is not None:
             for trainer in [*self.trainers, self.verifier]:
                 trainer.optimize(step, distro_results=self._pending)
         # a refused result is not applied (the protocol removes the trainer it caught)
-        self._pending = [published[i] for i in range(n) if verdicts[i].matches]
-        return VerifiedRound(step, verdicts, single, train_seconds / n, verify_seconds)
+        self._pending = [published[i] for i in verdicts if verdicts[i].matches]
+        trained = max(n - len(sitting), 1)
+        return VerifiedRound(step, verdicts, single, train_seconds / trained, verify_seconds)
 
     def _verify(
-        self, step: int, published: Sequence[Sequence[DistroResult]]
+        self, step: int, published: Sequence[Sequence[DistroResult]], sitting: set[int]
     ) -> tuple[dict[int, VerificationVerdict], dict[int, VerificationVerdict]]:
         before = torch.get_num_threads()
         if self.verifier_threads is not None:
             torch.set_num_threads(self.verifier_threads)
         try:
-            n = len(self.trainers)
             verifier, settings = self.verifier, self.settings
             assert settings is not None
             reader = result_reader(verifier)
-            domains = [
-                domain_of(verifier, recompute(verifier, self.batch(step, i), step=step))
-                for i in range(n)
-            ]
+            members = [i for i in range(len(self.trainers)) if i not in sitting]
+            domains = {
+                i: domain_of(
+                    verifier,
+                    recompute(verifier, self.batch(step, i), step=step, order=self._order(step, i)),
+                )
+                for i in members
+            }
             verdicts, single = {}, {}
-            for i in range(n):
-                verdict = compare(reader, domains[i], domains[(i + 1) % n], published[i], settings)
+            for k, i in enumerate(members):
+                decoy = domains[members[(k + 1) % len(members)]]
+                verdict = compare(reader, domains[i], decoy, published[i], settings)
                 single[i] = verdict
                 verdicts[i] = self.evidence.setdefault(i, Evidence(settings)).add(verdict)
             return verdicts, single
         finally:
             torch.set_num_threads(before)
+
+    def _order(self, step: int, i: int) -> Sequence[int] | None:
+        return None if self.split_order is None else self.split_order(step, i)
 
 
 FORMS = ("distro", "bf16", "int8", "sparse")

@@ -23,7 +23,7 @@ The work is in two parts, because only the first needs the round's weights:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -80,25 +80,33 @@ def plan_verification(state: Coordinator, identity: NodeIdentity) -> VerifyJob |
     mine = tuple(duties.of(identity))
     if not mine:
         return None
-    trainers = duties.trainers()
+    assigned = dict(duties.assigned) or duties.trainers()
+    own = [d.batch_id for d in mine]
     return VerifyJob(
         step=state.progress.step,
         duties=mine,
-        decoys={d.batch_id: decoy_for(d, trainers) for d in mine},
+        decoys={d.batch_id: decoy_for(d, assigned, own) for d in mine},
         tie_breaker=duties.is_tie_breaker(identity),
         warmup_lr_between=state.get_cold_start_warmup_bounds(),
     )
 
 
-def decoy_for(duty: VerificationDuty, trainers: Mapping[BatchId, NodeIdentity]) -> BatchId:
-    """The decoy of a duty: the next batch of the round (ascending, wrapping) that another
-    trainer trained; with a single trainer, as many indices right after the round's data (a
-    batch nobody trained this round)."""
+def decoy_for(
+    duty: VerificationDuty,
+    trainers: Mapping[BatchId, NodeIdentity],
+    own: Sequence[BatchId] = (),
+) -> BatchId:
+    """The decoy of a duty: the next batch (ascending, wrapping) that another trainer trained,
+    among the verifier's own duties `own` first (recomputed anyway: two duties are each other's
+    decoy), then among the round's batches (`trainers`: every batch and its trainer); with a
+    single trainer, as many indices right after the round's data (a batch nobody trained this
+    round)."""
+    for candidates in (sorted(own), sorted(trainers)):
+        start = candidates.index(duty.batch_id) if duty.batch_id in candidates else 0
+        for batch in candidates[start + 1 :] + candidates[:start]:
+            if trainers.get(batch, duty.trainer) != duty.trainer:
+                return batch
     batches = sorted(trainers)
-    start = batches.index(duty.batch_id) if duty.batch_id in batches else 0
-    for batch in batches[start + 1 :] + batches[:start]:
-        if trainers[batch] != duty.trainer:
-            return batch
     last = batches[-1].end if batches else duty.batch_id.end
     size = duty.batch_id.end - duty.batch_id.start
     return BatchId(last + 1, last + 1 + size)
