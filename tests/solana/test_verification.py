@@ -1,5 +1,5 @@
 """Verification on the Solana coordinator (issue 27), end to end on the local endpoint: four
-scripted members follow a run with `verification_percent = 50` over JSON-RPC and websockets; a
+scripted members follow a run with `verification_percent = 25` over JSON-RPC and websockets; a
 hostile trainer's result is disputed, the tie-breaker's report decides, and the program drops,
 bans and slashes the loser and credits the members that found it out. A stranger's report, a
 member's report about duties it does not have, a second report and a flood of them are refused
@@ -78,7 +78,7 @@ async def refused(backend: SolanaBackend, account: Pubkey, report: VerificationR
 
 @dataclasses.dataclass
 class VerifiedRun:
-    """A run at `verification_percent = 50` on a local endpoint, four scripted members
+    """A run at `verification_percent = 25` on a local endpoint, four scripted members
     following it (1 tie-breaker, 1 verifier, 2 trainers a round)."""
 
     ledger: Ledger
@@ -110,7 +110,7 @@ async def verified_run(nursery: trio.Nursery) -> VerifiedRun:
     ledger, _, cluster = await open_localnet(nursery)
     owner = make_backend(ledger, cluster)
     account = await create_run(
-        owner, config(verification_percent=50, init_min_clients=4, min_clients=3)
+        owner, config(verification_percent=25, init_min_clients=4, min_clients=3)
     )
     clients = [ScriptedClient(n, make_backend(ledger, cluster)) for n in "abcd"]
     return VerifiedRun(ledger, cluster, owner, account, clients)

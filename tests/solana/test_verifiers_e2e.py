@@ -1,5 +1,5 @@
 """Issue 27 on Solana, end to end: four real `psyche-solana-client train` processes on a local
-endpoint (its own process) in a run with `verification_percent = 50` (each round one
+endpoint (its own process) in a run with `verification_percent = 25` (each round one
 tie-breaker, one verifier, two trainers), one of them hostile twice over
 (tests/solana/hostile_solana_client.py: sign-flipped results as a trainer, every verified result
 accused as a verifier, honest as tie-breaker). The clients' own verifiers and tie-breakers
@@ -43,7 +43,7 @@ CONFIG = {
     "min_clients": 3,
     "init_min_clients": 4,
     "waiting_for_members_extra_time": 2,
-    "verification_percent": 50,
+    "verification_percent": 25,
     "witness_nodes": 0,
 }
 
