@@ -95,8 +95,9 @@ class VerificationRun:
         started = time.perf_counter()
         verdicts, single = self._verify(step, published)
         verify_seconds = (time.perf_counter() - started) / n
-        if self._pending is not None:
-            for trainer in [*self.trainers, self.verifier]:
+        for trainer in [*self.trainers, self.verifier]:
+            trainer.decay_weights(step, warmup_lr_between=None)  # the step's, on every client
+            if self._pending is not None:
                 trainer.optimize(step, distro_results=self._pending)
         # a refused result is not applied (the protocol removes the trainer it caught)
         self._pending = [published[i] for i in range(n) if verdicts[i].matches]
