@@ -135,6 +135,8 @@ def protocol_scenario(mode: str, rank: int, out: Path) -> dict:
         kwargs = dict(warmup_lr_between=None, zero_optim=False)
         out_l = leader.train_exact(step, batch, prev_self_distro_results=prev_l, **kwargs)
         out_r = reference.train_exact(step, batch, prev_self_distro_results=prev_r, **kwargs)
+        leader.decay_weights(step, warmup_lr_between=None)  # the workers' too (a command)
+        reference.decay_weights(step, warmup_lr_between=None)
         sent_l = leader.prepare_result(out_l, step=step, batch_id=batch_id)
         sent_r = reference.prepare_result(out_r, step=step, batch_id=batch_id)
         report["payload_equal"].append(

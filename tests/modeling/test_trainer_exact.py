@@ -51,6 +51,8 @@ def test_exact_lookahead_keeps_the_results_and_restores_the_weights() -> None:
             step, Batch(corpus()), warmup_lr_between=None, zero_optim=False,
             prev_self_distro_results=prev, cancel=_never(),
         )  # fmt: skip
+        assert all(torch.equal(x, y) for x, (_, y) in zip(before, exact.model.variables()))
+        exact.decay_weights(step, warmup_lr_between=None)
         assert a.loss == b.loss
         for ra, rb in zip(a.distro_results, b.distro_results):
             assert torch.equal(ra.sparse_idx, rb.sparse_idx)
@@ -98,6 +100,7 @@ def test_exact_lookahead_on_cuda_in_bf16() -> None:
                 prev_self_distro_results=prev, cancel=_never(), timings=timings,
             )  # fmt: skip
             assert timings["generate"] > 0
+            trainer.decay_weights(step, warmup_lr_between=None)
             prev = [out.distro_results]
             payloads.append([r.sparse_val.cpu() for r in out.distro_results])
             with torch.no_grad():

@@ -42,6 +42,7 @@ COMMANDS = (
     "train",
     "train_exact",
     "optimize",
+    "decay_weights",
     "start_epoch",
     "extract",
     "full_variables",
@@ -110,6 +111,10 @@ class LeaderTrainer(Trainer):
     def optimize(self, step: int, **kwargs: Any) -> None:
         with self._command("optimize", step=step, **kwargs):
             super().optimize(step, **kwargs)
+
+    def decay_weights(self, step: int, **kwargs: Any) -> None:
+        with self._command("decay_weights", step=step, **kwargs):
+            super().decay_weights(step, **kwargs)
 
     def start_epoch(self) -> None:
         with self._command("start_epoch"):

@@ -354,11 +354,12 @@ class Trainer:
         """`train`, with the DisTrO lookahead undone exactly.
 
         Upstream adds `sign(delta) * lr` back after subtracting it, which leaves each client's
-        weights off by its own rounding error; here the weights are restored from a copy and the
-        weight decay that `generate` applies is applied to the restored weights, in the same
-        form. The results are unchanged (they depend on the momentum only), and every client
-        keeps bit-identical weights. Without DisTrO this is `train`; with DiLoCo it is the
-        round's inner steps (`_train_diloco`).
+        weights off by its own rounding error; here the weights are restored from a copy, so
+        they are exactly those the step trained from. The weight decay `generate` applies is
+        undone with them: it is the step's, not the batch's, and `decay_weights` applies it once
+        per step on every client. The results are unchanged (they depend on the momentum only),
+        and every client keeps bit-identical weights. Without DisTrO this is `train`; with
+        DiLoCo it is the round's inner steps (`_train_diloco`).
         """
         if self.diloco is not None:
             return self._train_diloco(step, batch, warmup_lr_between, cancel)
@@ -388,11 +389,23 @@ class Trainer:
         with torch.no_grad():
             for p, s in zip(params, saved):
                 p.copy_(s)
-            if not out.cancelled and distro.weight_decay != 0.0:
-                lr = self.get_lr(step, warmup_lr_between)
-                for p in params:
-                    p.mul_(1.0 - lr * distro.weight_decay)
         return out
+
+    def decay_weights(self, step: int, *, warmup_lr_between: tuple[int, int] | None) -> None:
+        """DisTrO's weight decay of `step` (`p *= 1 - lr * weight_decay`, `generate`'s op), for
+        the exact route (`train_exact`): once per step, after the step's training, on every
+        client of the round, whether it trained one batch, several, none (a verifier, a client
+        without an assignment) or was cancelled. The decay is a function of the step and the
+        weights only, so every honest client keeps the same bits. A no-op without DisTrO or at
+        weight decay 0 (DiLoCo's inner decay stays inside its inner steps; its outer step has
+        none)."""
+        distro = self.distro
+        if distro is None or distro.weight_decay == 0.0:
+            return
+        lr = self.get_lr(step, warmup_lr_between)
+        with torch.no_grad():
+            for _, p in self.model.variables():
+                p.mul_(1.0 - lr * distro.weight_decay)
 
     def _train_diloco(
         self,

@@ -111,8 +111,9 @@ class VerificationRun:
         started = time.process_time()
         verdicts, single = self._verify(step, published, sitting)
         verify_seconds = (time.process_time() - started) / max(len(verdicts), 1)
-        if self._pending is not None:
-            for trainer in [*self.trainers, self.verifier]:
+        for trainer in [*self.trainers, self.verifier]:
+            trainer.decay_weights(step, warmup_lr_between=None)  # the step's, on every client
+            if self._pending is not None:
                 trainer.optimize(step, distro_results=self._pending)
         # a refused result is not applied (the protocol removes the trainer it caught)
         self._pending = [published[i] for i in verdicts if verdicts[i].matches]

@@ -251,7 +251,8 @@ async def run_round(
 ) -> None:
     """The body of a training step: apply (if due), then `verify` (a verifier's or
     tie-breaker's recompute, `round.verify`: it needs the weights the round trains from), then
-    train each assigned batch and publish its result. Stores the outcome in `handle`; never
+    train each assigned batch and publish its result, then the step's weight decay
+    (`Trainer.decay_weights`, on every client whatever it trained). Stores the outcome in `handle`; never
     raises into the nursery."""
     start = time.monotonic()
     finished = FinishedTraining()
@@ -270,6 +271,13 @@ async def run_round(
                 while (item := await handle.next_batch(incoming)) is not None:
                     batch_id, batch = item
                     await _train_one(handle, trainer, train_job, batch_id, batch, finished, publish)
+        if train_job is not None:
+            # the step's weight decay, on every client of a round that trains, however many of
+            # its batches this one trained (none, as a verifier; cancelled): the same bits
+            job = train_job
+            await trio.to_thread.run_sync(
+                lambda: trainer.decay_weights(job.step, warmup_lr_between=job.warmup_lr_between)
+            )
         finished.duration = time.monotonic() - start
         handle.finished = True
         handle.complete(finished)
