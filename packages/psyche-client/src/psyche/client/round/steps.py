@@ -59,9 +59,11 @@ from psyche.client.round.train import (
     BloomFactory,
     FinishedTraining,
     OwnResult,
+    RoundPlan,
     TrainingStep,
     TrainJob,
     log_round_start,
+    own_results_to_subtract,
     run_round,
     start_round,
 )
@@ -77,6 +79,7 @@ from psyche.core.node_identity import NodeIdentity
 if TYPE_CHECKING:
     import torch
 
+    from psyche.modeling.distro import DistroResult
     from psyche.modeling.serialized_distro import TransmittableDistroResult
     from psyche.modeling.trainer import Trainer
 
@@ -185,6 +188,10 @@ class StepStateMachine:
         self.missed_result: str | None = None
         """Why this machine's model left the run's (a result the run agreed on arrived after its
         apply was planned); the next state stops it (`left_run`)."""
+        self.own_results_to_subtract: list[list[DistroResult]] = []
+        """What this client last sent (unquantized) and its DisTrO momentum has not yet had taken
+        out: the next round it trains subtracts it (`train_job`), however many rounds it sat out
+        in between as a verifier, a tie-breaker or without a batch."""
         self.warmup = WarmupProgress()
         self.training: TrainingStep | None = None
         self.cooldown = Cooldown(
@@ -445,6 +452,7 @@ class StepStateMachine:
             round_state.reference_ready.set()  # checks still waiting end (their round is gone)
         self.current = RoundState()
         self.previous = RoundState()
+        self.own_results_to_subtract = []
         self.applying = None
         self.last_apply = None
         self.training = None
@@ -500,7 +508,7 @@ class StepStateMachine:
                 assigned_batches=plan.assigned_batches,
                 warmup_lr_between=plan.warmup_lr_between,
                 zero_optim=plan.zero_optim,
-                prev_self_results=list(self.previous.self_distro_results),
+                prev_self_results=self._own_results_for_training(plan),
                 identity=self.identity,
                 write_gradients_dir=self.settings.write_gradients_dir,
             )
@@ -510,6 +518,12 @@ class StepStateMachine:
         self._replay_early()
         verify_job = verify.plan_verification(state, self.identity) if plan.have_training else None
         self.tasks.start_soon(self._run_round, handle, apply_job, train_job, verify_job)
+
+    def _own_results_for_training(self, plan: RoundPlan) -> list[list[DistroResult]]:
+        owed, self.own_results_to_subtract = own_results_to_subtract(
+            self.own_results_to_subtract, self.previous.self_distro_results, plan
+        )
+        return owed
 
     async def _run_round(
         self,

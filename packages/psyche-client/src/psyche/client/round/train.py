@@ -66,6 +66,30 @@ class RoundPlan:
 BloomFactory = Callable[[int, float], WitnessBloom]
 
 
+def own_results_to_subtract(
+    owed: list[list[DistroResult]],
+    previous_round: list[list[DistroResult]],
+    plan: RoundPlan,
+) -> tuple[list[list[DistroResult]], list[list[DistroResult]]]:
+    """What this round's training subtracts from the DisTrO momentum, and what stays owed.
+
+    `owed` is what the client last sent and has not yet taken out; `previous_round` its own
+    results of the round that just ended. A client subtracts the own results of the last round
+    it trained: upstream takes the previous round's, the same for a client that trains every
+    round, but a client that sat a round out (a verifier, a tie-breaker, no batch) would never
+    take out what it sent, and its next result would carry it again: an honest result that a
+    verifier's comparison finds weak (t below 10 in 2 of 372 role-switching verifications,
+    docs/reliability.md). A new epoch's zeroed optimizer starts from nothing; a round without
+    a batch keeps what is owed for the next round that trains."""
+    if previous_round:
+        owed = list(previous_round)
+    if plan.zero_optim:
+        owed = []
+    if not plan.assigned_batches:
+        return [], owed
+    return owed, []
+
+
 def start_round(
     coordinator: Coordinator,
     identity: NodeIdentity,
