@@ -8,9 +8,12 @@ Every figure is a ratio against a baseline measured in the same run:
 2. time   - DisTrO generate + apply (+ lookahead) as a fraction of the whole train step.
 3. trainer- Trainer tokens/s against a plain PyTorch loop (same model, batch, AdamW).
 4. converge - loss after the same tokens, DisTrO against AdamW (each at its best LR of a sweep).
-5. fastpath - DisTrO generate+apply now against the frozen pre-optimisation code
-            (tests/modeling/distro_reference.py), same run, same inputs: time ratio, and whether
-            every payload byte, parameter bit and momentum bit came out identical.
+5. fastpath - DisTrO generate+apply now, and on the sparse route (`Distro(sparse=True)`),
+            against the frozen pre-optimisation code (tests/modeling/distro_reference.py:
+            upstream's op order, the DeMo baseline), same run, same inputs: CPU-time ratios,
+            whether every payload byte, parameter bit and momentum bit of the default route came
+            out identical, whether two sparse instances agree bit for bit, and the share of
+            weights the sparse route steps with another sign than the default route.
 
 `--only profile` prints torch.profiler tables of generate and apply instead (by device and host
 time): where the optimizer's share of the step goes.
@@ -455,16 +458,26 @@ def _copy(base: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.nn.Para
 def bench_fastpath(
     sizes: list[str], device: str, dtypes: list[str], steps: int, peers: int
 ) -> None:
+    """Generate + apply of the frozen pre-optimisation code (upstream's op order, the DeMo
+    baseline), the live default route (upstream's bits) and the sparse route
+    (`SPARSE_ROUTE`), in one process on the same inputs; CPU time of the process (wall time
+    too), median over the steps. The default route's bits are checked against the old code's
+    every step; the sparse route's against a second, independent sparse instance's (the
+    determinism its design claims), and its share of parameters updated with another sign than
+    the default route's, from the same state (after each apply, every side's parameters and
+    momenta are reset to the default route's, so the states stay the same)."""
     print(
-        f"\n## 5. DisTrO generate+apply: now vs the pre-optimisation code, same run "
-        f"(chunk 64, top-k 8, apply of {peers + 1} 1-bit results; median over the steps)"
+        f"\n## 5. DisTrO generate+apply: old (upstream's ops) vs now vs the sparse route, same "
+        f"run (chunk 64, top-k 8, apply of {peers + 1} 1-bit results; median CPU ms over steps)"
     )
     print(
-        f"{'model':>6} {'dtype':>5} {'threads':>7} {'steps':>5} {'old ms':>9} {'new ms':>9} "
-        f"{'new/old':>8}  bits"
+        f"{'model':>6} {'dtype':>5} {'thr':>3} {'steps':>5} {'old ms':>8} {'new ms':>8} "
+        f"{'sparse ms':>9} {'new/old':>8} {'sparse/old':>10} {'wall s/o':>8}  bits  "
+        f"sparse signs != new"
     )
     ref = load_reference()
     opts = (0.999, 64, 8)
+    sides = ("old", "new", "sparse", "sparse2")
     for size in sizes:
         for dtype in dtypes:
             model = build(size, device, dtype)
@@ -472,19 +485,23 @@ def bench_fastpath(
             base = [(n, p.detach().clone()) for n, p in model.variables()]
             del model
 
-            params = {"old": _copy(base), "new": _copy(base)}
+            params = {side: _copy(base) for side in sides}
             opt = {
                 "old": ref.Distro(params["old"], *opts),
-                "new": DistroOptimizer(params["new"], *opts),
+                "new": DistroOptimizer(params["new"], *opts, sparse=False),
+                "sparse": DistroOptimizer(params["sparse"], *opts, sparse=True),
+                "sparse2": DistroOptimizer(params["sparse2"], *opts, sparse=True),
             }
             peer_params = [_copy(base) for _ in range(peers)]
             peer_opts = [DistroOptimizer(pp, *opts) for pp in peer_params]
-            prev: dict[str, list] = {"old": [], "new": []}  # type: ignore[type-arg]
-            times: dict[str, list[float]] = {"old": [], "new": []}
-            identical = True
+            prev: list = []  # type: ignore[type-arg]
+            cpu: dict[str, list[float]] = {side: [] for side in sides}
+            wall: dict[str, list[float]] = {side: [] for side in sides}
+            identical = deterministic = True
+            flipped = total = 0
             step = -1
             # step 0 warms up, untimed; small models run more steps (at least 1 s per side)
-            while step < steps or (sum(times["new"]) < 1.0 and step < 200):
+            while step < steps or (sum(cpu["new"]) < 1.0 and step < 200):
                 step += 1
                 lr, prev_lr = 1e-3, (1e-3 if step else 0.0)
                 g = torch.Generator().manual_seed(step)
@@ -495,17 +512,19 @@ def bench_fastpath(
                         p.grad = grad * (k + 2)
                     arriving.append(quantize_results(peer.generate([], prev_lr, lr)))
                 outs = {}
-                for side in ("old", "new") if step % 2 else ("new", "old"):  # cancel drift
+                order = sides if step % 2 else tuple(reversed(sides))  # cancel drift
+                for side in order:
                     for (_, p), grad in zip(params[side], grads):
                         p.grad = grad.clone()
                     sync(dev)
-                    t = time.perf_counter()
-                    out = opt[side].generate([prev[side]] if prev[side] else [], prev_lr, lr)
+                    c, t = time.process_time(), time.perf_counter()
+                    out = opt[side].generate([prev] if prev else [], prev_lr, lr)
                     opt[side].apply([quantize_results(out), *arriving], lr)
                     sync(dev)
                     if step:
-                        times[side].append(time.perf_counter() - t)
-                    outs[side] = prev[side] = out
+                        cpu[side].append(time.process_time() - c)
+                        wall[side].append(time.perf_counter() - t)
+                    outs[side] = out
                 payloads = [
                     transmittable_distro_result(
                         quantize_results(outs[side]), step, 7, BatchId(1, 2)
@@ -524,13 +543,32 @@ def bench_fastpath(
                 identical &= all(
                     _same_bits(a, b) for a, b in zip(opt["old"].deltas, opt["new"].deltas)
                 )
-            old_ms = statistics.median(times["old"]) * 1e3
-            new_ms = statistics.median(times["new"]) * 1e3
+                deterministic &= all(
+                    _same_bits(a, b) for (_, a), (_, b) in zip(params["sparse"], params["sparse2"])
+                ) and all(
+                    _same_bits(a, b) for a, b in zip(opt["sparse"].deltas, opt["sparse2"].deltas)
+                )
+                for (_, a), (_, b) in zip(params["new"], params["sparse"]):
+                    flipped += int((a != b).sum())
+                    total += a.numel()
+                # every side continues from the default route's state (same inputs each step)
+                for side in ("sparse", "sparse2"):
+                    with torch.no_grad():
+                        for (_, a), (_, b) in zip(params[side], params["new"]):
+                            a.copy_(b)
+                        for a, b in zip(opt[side].deltas, opt["new"].deltas):
+                            a.copy_(b)
+                prev = outs["new"]
+            ms = {side: statistics.median(cpu[side]) * 1e3 for side in sides}
+            wall_ratio = statistics.median(wall["sparse"]) / statistics.median(wall["old"])
+            bits = ("identical" if identical else "DIFFERENT") + (
+                "" if deterministic else " SPARSE-NONDETERMINISTIC"
+            )
             print(
-                f"{size:>6} {dtype:>5} {torch.get_num_threads():>7} {len(times['new']):>5} "
-                f"{old_ms:>9.1f} "
-                f"{new_ms:>9.1f} {new_ms / old_ms:>8.3f}  "
-                f"{'identical' if identical else 'DIFFERENT'}"
+                f"{size:>6} {dtype:>5} {torch.get_num_threads():>3} {len(cpu['new']):>5} "
+                f"{ms['old']:>8.1f} {ms['new']:>8.1f} {ms['sparse']:>9.1f} "
+                f"{ms['new'] / ms['old']:>8.3f} {ms['sparse'] / ms['old']:>10.3f} "
+                f"{wall_ratio:>8.3f}  {bits}  {flipped / max(total, 1):.2e}"
             )
             del params, opt, peer_params, peer_opts, prev, outs
             if dev.type == "cuda":

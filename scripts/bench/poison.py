@@ -205,10 +205,11 @@ def bench_cost(
     """One honest round of one witness, the configs' optimizers, real `Trainer`s: its training
     (forward/backward, `generate` or the inner steps, the payload) against its checks of the
     round's other results (own reference, `clients - 1` checks, closing the round) and its apply
-    of the round's results, medians over `rounds`."""
+    of the round's results, medians over `rounds`; CPU time of the process (the machine's
+    load distorts wall time; on the CPU the checks take cores the training would have)."""
     print(
         f"\n## Cost of the checks on an honest round ({clients} clients, {rows}x{seq} tokens "
-        f"per client per round, {device}): median over {rounds} rounds"
+        f"per client per round, {device}): median CPU time over {rounds} rounds"
     )
     print(
         f"  {'model':<6} {'optimizer':<24} {'train ms':>9} {'apply ms':>9} {'checks ms':>10} "
@@ -235,7 +236,7 @@ def bench_cost(
                 for i, trainer in enumerate((own, peer)):
                     sync()
                     rows_i = data[((step - 1) * 2 + i) * rows : ((step - 1) * 2 + i + 1) * rows]
-                    t = time.perf_counter()
+                    t = time.process_time()
                     out = trainer.train_exact(
                         step, Batch(rows_i), warmup_lr_between=None, zero_optim=False,
                         prev_self_distro_results=prev[i],
@@ -243,11 +244,11 @@ def bench_cost(
                     prepared = trainer.prepare_result(out, step=step, batch_id=BatchId(i, i))
                     if i == 0:
                         sync()
-                        train.append(time.perf_counter() - t)
+                        train.append(time.process_time() - t)
                         reference = trainer.screening_reference()
                     prev[i] = [out.distro_results or []]
                     results.append(prepared.sent)
-                t = time.perf_counter()
+                t = time.process_time()
                 rnd = screen.open_round()
                 assert reference is not None
                 rnd.set_reference(reference, results[0])
@@ -255,11 +256,11 @@ def bench_cost(
                     rnd.check(sender, results[1])
                 rnd.close()
                 sync()
-                check.append(time.perf_counter() - t)
-                t = time.perf_counter()
+                check.append(time.process_time() - t)
+                t = time.process_time()
                 own.optimize(step, distro_results=[results[0]] + [results[1]] * (clients - 1))
                 sync()
-                apply.append(time.perf_counter() - t)
+                apply.append(time.process_time() - t)
             tr, ap, ch = (statistics.median(x) * 1000 for x in (train, apply, check))
             name = OPTIMIZERS[optimizer] if optimizer == "distro" else "DiLoCo sparse c16 k8 2-bit"
             if optimizer == "distro":

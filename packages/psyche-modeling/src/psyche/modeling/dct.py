@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -217,6 +218,23 @@ class TransformDCT:
         f1 = self._basis(self._f, n1, x)
         return _einsum("...ij, jb -> ...ib", [x.view(-1, n1), f1])
 
+    def encode_separable(self, x: torch.Tensor) -> torch.Tensor:
+        """`encode` (any leading dims, a stack too) as two plain matrix products, the columns'
+        first: one transposing copy instead of libtorch einsum's two, about half the time on a
+        CPU. The same values up to float rounding, not upstream's bits (another contraction
+        order): the sparse route's encode, whose payload only this node computes."""
+        shape = list(x.shape)
+        if len(shape) < 2:
+            return self.encode(x)
+        n1 = self.shape_dict[shape[-2]]
+        n2 = self.shape_dict[shape[-1]]
+        f1 = self._basis(self._f, n1, x)
+        f2 = self._basis(self._f, n2, x)
+        rows, cols = shape[-2] // n1, shape[-1] // n2
+        columns = x.reshape(-1, n2) @ f2  # [..., I, n1, J, n2]: each block row's DCT
+        both = torch.matmul(f1.t(), columns.view(-1, n1, cols * n2))  # [..., I, n1, J * n2]
+        return both.view(*shape[:-2], rows, n1, cols, n2).transpose(-3, -2).contiguous()
+
     def decode(self, x: torch.Tensor) -> torch.Tensor:
         """Inverse of `encode` (given the encoded layout)."""
         shape = list(x.shape)
@@ -259,3 +277,221 @@ class TransformDCT:
             return [*shape[:-2], shape[-2] // n1, shape[-1] // n2, n1, n2], n1 * n2
         n1 = self.shape_dict[shape[0]]
         return [shape[0] // n1, n1], n1
+
+
+# --------------------------------------------------------------------------------------------
+# Sparse synthesis: decoding from the kept coefficients alone (the sparse route, opt-in)
+#
+# A decoded result is the inverse DCT of a block that holds at most `peers x top-k` non-zero
+# coefficients of `n1 x n2` (8 of 4096 per peer for chunk 64, top-k 8): the dense route spends
+# two full `n^3` matrix products per block on it. Synthesis from the kept coefficients is one
+# product of `n1 x T` by `T x n2` per block (`T` the entries of the block: a quarter of the
+# multiply-adds at T = 32, in float64 for exactness), with no dense coefficient tensor, same-
+# shaped parameters in one call, and the signs added into the parameter a few block rows at a
+# time.
+#
+# The determinism argument (`synthesize_signs`: the apply of 1-bit results, what every client
+# must agree on bit for bit). The route defines the update as the sign of an exact integer,
+# `Y[b, d] = sum_e W_e * Q1[k_e, b] * Q2[l_e, d]` over a block's entries `e` at `(k_e, l_e)`:
+#
+# * `Q` is the orthonormal inverse-DCT basis times 2^SYNTHESIS_BITS / c_0, rounded to integers
+#   (at most 5793, 13 bits). It is computed from the cosine in float64 on the host and refused
+#   where that value lies within 1e-6 of a rounding midpoint (none does for the sizes tested),
+#   so any libm whose error is below 1e-6 gives the same integers, on any machine.
+# * `W_e = +-round(2^WEIGHT_BITS / c)` is a 1-bit entry's share of the mean of the `c` entries
+#   that land on its coefficient (at most 1024), from integer division.
+# * The product runs in float64, where every operand and every partial sum is an integer below
+#   2^53 (`sum_e |W_e| * max|Q1| * max|Q2| < 2^53` is checked; it holds up to 2^18 entries a
+#   block, i.e. peers x top-k), so every product and sum is exact: the result is `Y` itself
+#   whatever the summation order, blocking, FMA use, thread count, device or library. No
+#   float64 matrix product on CPU or CUDA runs in reduced precision (TF32 is float32's).
+# * The signs are then exact too; written in the parameter's dtype they are -1, 0 or 1, and
+#   the step is upstream's own `p.add_(sign, alpha=-lr)`, elementwise, so exact per element.
+#
+# Sharding (FSDP) takes a slice of the same full tensor, and a data-parallel rank decodes the
+# same results, so every rank and every client holds the same bits.
+#
+# The decode of this node's own unquantized results in `generate` (`synthesize_values`) is a
+# float product (the values are arbitrary floats): deterministic on one device and thread
+# count, not across devices; it only moves this node's own momentum, which nobody else
+# computes (a verifier compares statistically, `psyche.modeling.verification`).
+#
+# What changes against upstream: the update's signs are those of this integer synthesis, not of
+# upstream's rounded dense decode. They differ only where the decoded value is within rounding
+# of zero: about 1 coordinate in 10^4 against upstream's float32 decode, about 1 in 100 against
+# its bfloat16 decode (which rounds the decoded value to 8 bits before its sign is taken; the
+# integer synthesis is the more accurate of the two). `tests/modeling/test_distro_sparse.py`
+# bounds it and `scripts/bench/distro.py --only fastpath` prints it. The route's `generate` also
+# encodes with `TransformDCT.encode_separable` (another contraction order, the same values up to
+# rounding). Upstream's route is itself not the same across devices (cuBLAS and MKL pick their
+# summation order, and its basis comes from the device's FFT). A run takes this route on every
+# client or on none; a run that must match upstream's bits keeps upstream's dense route (the
+# default, `psyche.modeling.distro.SPARSE_ROUTE`).
+
+SYNTHESIS_BITS = 12
+"""The integer basis: the inverse-DCT basis times 2^12 (its k = 0 row 2^12 exactly)."""
+WEIGHT_BITS = 10
+"""An entry's share of its coefficient's mean: +-round(2^10 / count)."""
+_MIDPOINT_MARGIN = 1e-6
+SYNTHESIS_CHUNK = 256
+"""Blocks per float64 product (2 MiB of output): the product, its sign and the copy into the
+result stay in cache."""
+
+
+def _largest(basis: torch.Tensor) -> int:
+    return int(basis.abs().max())
+
+
+def _integer_basis_rows(n: int) -> list[list[int]]:
+    scale = float(1 << SYNTHESIS_BITS)
+    rows = []
+    for k in range(n):
+        a = 1.0 if k == 0 else math.sqrt(2.0)
+        row = []
+        for j in range(n):
+            x = scale * a * math.cos(math.pi * (2 * j + 1) * k / (2 * n))
+            if abs(abs(x - math.floor(x)) - 0.5) < _MIDPOINT_MARGIN:
+                raise ValueError(f"the integer DCT basis of size {n} has an ambiguous entry")
+            row.append(math.floor(x + 0.5))
+        rows.append(row)
+    return rows
+
+
+class SparseSynthesis:
+    """Inverse DCT from the kept coefficients of each block (see the notes above).
+
+    `transform` gives the float bases for `synthesize_values` (the decode of this node's own
+    unquantized results in `generate`, which only this node's momentum depends on)."""
+
+    def __init__(self, transform: TransformDCT) -> None:
+        self.transform = transform
+        self._int: dict[tuple[int, torch.device], torch.Tensor] = {}
+        self._exact: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+    def integer_basis(self, n: int, device: torch.device) -> torch.Tensor:
+        """`Q` of size `n` as int64 on `device` (rows: coefficient index)."""
+        key = (n, device)
+        basis = self._int.get(key)
+        if basis is None:
+            basis = torch.tensor(_integer_basis_rows(n), dtype=torch.int64, device=device)
+            self._int[key] = basis
+        return basis
+
+    def _exact_float(self, n: int, device: torch.device) -> torch.Tensor:
+        """`Q` as float64 (its integers are exact there)."""
+        key = (n, device)
+        basis = self._exact.get(key)
+        if basis is None:
+            basis = self._exact[key] = self.integer_basis(n, device).to(torch.float64)
+        return basis
+
+    def prepare_signs(
+        self, idx: torch.Tensor, negative: torch.Tensor, n1: int, n2: int
+    ) -> SignSynthesis:
+        """The synthesis of the signs of the mean of 1-bit entries, decoded, ready to be read a
+        range of blocks at a time (`SignSynthesis.signs`).
+
+        `idx` `[B, T]` int64: each block's `T` entries, positions in the flattened `n1 x n2`
+        block (`n2 == 1` for 1-D parameters); `negative` `[B, T]`: the 1-bit values (True is
+        -1). The same bits on every device (see the notes above)."""
+        device = idx.device
+        counts = _entry_counts(idx)
+        top = int(counts.max()) if counts.numel() else 1
+        # an entry's row of `W * Q1`, read from a table of every weight a count can give
+        shares = _shares(top, device)
+        q1 = self._exact_float(n1, device)
+        table = (shares.view(-1, 1, 1) * q1).view(-1, n1)
+        key = (counts - 1).mul_(2).add_(negative.to(torch.int64))
+        rows, cols = (idx, None) if n2 == 1 else (idx.div(n2, rounding_mode="floor"), idx % n2)
+        key = key.mul_(n1).add_(rows)
+        q2 = self._exact_float(n2, device) if cols is not None else None
+        # every partial sum is at most sum_e |W_e| x max|Q1| x max|Q2| <= 1024 T x ...
+        largest = int(shares.abs().max()) * idx.shape[1]
+        if largest * _largest(q1) * (_largest(q2) if q2 is not None else 1) >= 2**53:
+            raise ValueError("too many entries per block for the exact synthesis (> 2^18)")
+        return SignSynthesis(table, key, q2, cols, n1, n2)
+
+    def synthesize_signs(
+        self, idx: torch.Tensor, negative: torch.Tensor, n1: int, n2: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """`prepare_signs` read whole: `[B, n1, n2]` in `dtype`."""
+        synthesis = self.prepare_signs(idx, negative, n1, n2)
+        blocks = idx.shape[0]
+        parts = [
+            synthesis.signs(start, min(start + SYNTHESIS_CHUNK, blocks), dtype)
+            for start in range(0, blocks, SYNTHESIS_CHUNK)
+        ]
+        if not parts:
+            return torch.empty((0, n1, n2), dtype=dtype, device=idx.device)
+        return torch.cat(parts)
+
+    def synthesize_values(
+        self, idx: torch.Tensor, values: torch.Tensor, n1: int, n2: int, like: torch.Tensor
+    ) -> torch.Tensor:
+        """The decoded mean of entries with any values, `[B, n1, n2]` in `like`'s dtype: float32
+        products with upstream's float basis. Deterministic on one device and thread count, not
+        across devices: only for what one node keeps to itself (its momentum)."""
+        counts = _entry_counts(idx)
+        proto = like.new_empty((), dtype=torch.float32)
+        share = values.to(torch.float32) / counts.to(torch.float32)
+        rows, cols = (idx, None) if n2 == 1 else (idx.div(n2, rounding_mode="floor"), idx % n2)
+        b1 = self.transform._basis(self.transform._b, n1, proto)
+        a = _rows(b1, rows).mul_(share.unsqueeze(-1))
+        if cols is None:
+            y = a.sum(1).unsqueeze(-1)
+        else:
+            b2 = self.transform._basis(self.transform._b, n2, proto)
+            y = torch.bmm(a.transpose(1, 2), _rows(b2, cols))
+        return y.to(like.dtype)
+
+
+@dataclass(frozen=True)
+class SignSynthesis:
+    """One group's prepared sign synthesis (`SparseSynthesis.prepare_signs`)."""
+
+    table: torch.Tensor
+    """`W * Q1` for every weight a count gives, float64, rows keyed by `key`."""
+    key: torch.Tensor
+    """`[B, T]`: each entry's row of `table`."""
+    q2: torch.Tensor | None
+    cols: torch.Tensor | None
+    n1: int
+    n2: int
+
+    def signs(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+        """The signs of blocks `start:end`, `[end - start, n1, n2]` in `dtype` (-1, 0, 1)."""
+        # exact: an 11-bit weight times a 13-bit basis entry, then integer sums < 2^53
+        a = _rows(self.table, self.key[start:end])
+        if self.q2 is None or self.cols is None:
+            y = a.sum(1).unsqueeze(-1)
+        else:
+            y = torch.bmm(a.transpose(1, 2), _rows(self.q2, self.cols[start:end]))
+        # a non-zero integer keeps its sign and stays non-zero in any float dtype
+        return y.to(dtype).sign_()
+
+
+def _rows(basis: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`basis[index]` (`[B, T]` -> `[B, T, n]`) through `index_select`, faster than indexing."""
+    return basis.index_select(0, index.reshape(-1)).view(*index.shape, basis.shape[1])
+
+
+def _entry_counts(idx: torch.Tensor) -> torch.Tensor:
+    """How many entries of its block land on each entry's coefficient, `[B, T]` int64."""
+    blocks, entries = idx.shape
+    if entries <= 64:  # a few thousand comparisons a block: cheaper than sorting
+        return (idx.unsqueeze(-1) == idx.unsqueeze(-2)).sum(-1)
+    span = int(idx.max()) + 1 if idx.numel() else 1
+    keys = torch.arange(blocks, device=idx.device).unsqueeze(1) * span + idx
+    unique: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = torch.unique(
+        keys, return_inverse=True, return_counts=True
+    )
+    return unique[2][unique[1]]
+
+
+def _shares(top: int, device: torch.device) -> torch.Tensor:
+    """`[+round(2^WEIGHT_BITS / c), -round(2^WEIGHT_BITS / c)]` for c = 1..top, float64: a 1-bit
+    entry's integer share of the mean of the `c` entries on its coefficient (integer division,
+    the same everywhere)."""
+    c = torch.arange(1, top + 1, dtype=torch.int64)
+    share = torch.div((1 << WEIGHT_BITS) + c // 2, c, rounding_mode="floor")
+    return torch.stack([share, -share], 1).reshape(-1).to(device, torch.float64)

@@ -35,7 +35,14 @@ from psyche.modeling.compression import (
     decompress_idx,
     index_width,
 )
-from psyche.modeling.dct import TransformDCT, decode_reads_transposed, get_smaller_split
+from psyche.modeling.dct import (
+    SYNTHESIS_CHUNK,
+    SignSynthesis,
+    SparseSynthesis,
+    TransformDCT,
+    decode_reads_transposed,
+    get_smaller_split,
+)
 from psyche.modeling.sharding import full_tensor, is_sharded, local_tensor, shard_like
 
 if TYPE_CHECKING:
@@ -52,6 +59,12 @@ BATCHED_ROUTE: bool | None = None
 # transient memory (the stack, its coefficients and their magnitudes) stays a few times this
 # whatever the model's size, as the per-parameter route's stays a few times one parameter.
 MAX_STACK_NUMEL = 1 << 27
+
+# Whether `Distro` decodes from the kept coefficients (`psyche.modeling.dct.SparseSynthesis`)
+# when its caller does not say. Off: upstream's dense route, upstream's bits. A run takes the
+# sparse route on every client or on none (its update's signs differ from upstream's in a few
+# coordinates in 10^4).
+SPARSE_ROUTE = False
 
 
 @dataclass
@@ -182,6 +195,7 @@ class Distro:
         compression_topk: int,
         weight_decay: float = 0.0,
         batched: bool | None = None,
+        sparse: bool | None = None,
     ) -> None:
         self.variables = sorted_variables(variables)
         if not self.variables:
@@ -214,6 +228,12 @@ class Distro:
         if batched is None:
             batched = all(p.device.type == "cuda" for _, p in self.variables)
         self.groups = _same_shape_groups(self.variables, self.transform) if batched else None
+        if sparse is None:
+            sparse = SPARSE_ROUTE
+        self.synthesis = SparseSynthesis(self.transform) if sparse else None
+        """The sparse route (`SPARSE_ROUTE`): `apply` of 1-bit results takes the exact integer
+        synthesis's signs, `generate` decodes its own results from their kept coefficients."""
+        self.sparse_groups = _same_shape_groups(self.variables, self.transform) if sparse else None
 
     @classmethod
     def from_definition(
@@ -269,6 +289,7 @@ class Distro:
             return self._generate_batched(prev_self_results, prev_lr, lr)
         out: list[DistroResult] = []
         encoded: list[torch.Tensor] = []
+        own = self._synthesize_own(prev_self_results) if prev_self_results else None
         for index, ((name, p), delta) in enumerate(zip(self.variables, self.deltas)):
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
             grad_energy = (
@@ -279,7 +300,10 @@ class Distro:
 
             p.add_(delta.sign().mul_(prev_lr))
 
-            if prev_self_results:
+            own_blocks = own[index] if own is not None else None
+            if own_blocks is not None:
+                _update_blocks(delta, own_blocks, -1.0, self.layouts_xshape(index))
+            elif prev_self_results:
                 decoded = self._decode_results(prev_self_results, index, p)
                 delta.sub_(shard_like(decoded, delta))
 
@@ -294,7 +318,11 @@ class Distro:
             # A sharded momentum is gathered first (upstream `gather_full_tensor`): the payload
             # is computed on the full tensor, the same bits as on a one-device client.
             full = full_tensor(delta)
-            coefficients = self.transform.encode(full)
+            coefficients = (
+                self.transform.encode(full)
+                if self.synthesis is None
+                else self.transform.encode_separable(full)
+            )
             sparse_idx, sparse_val, xshape, totalk = compress(coefficients, self.compression_topk)
             if self.keep_encoded:
                 encoded.append(coefficients)
@@ -318,13 +346,16 @@ class Distro:
         if not results:
             return
         self._check_results(results)
-        if self.groups is not None:
+        done = self._apply_sparse(results, lr) if self.synthesis is not None else set()
+        if self.groups is not None and not done:
             self._apply_batched(results, lr)
             return
         # Upstream copies the decoded update into `.grad`, takes its sign and lets SGD do
         # `p.add_(grad, alpha=-lr)`; the decoded tensor already has the parameter's dtype, so
         # stepping with it directly gives the same bits without the copy.
         for index, (_, p) in enumerate(self.variables):
+            if index in done:
+                continue
             # A sharded parameter takes its slice of the decoded aggregate (upstream `set_grad`).
             p.add_(shard_like(self._decode_results(results, index, p), p).sign_(), alpha=-lr)
         for _, p in self.variables:
@@ -371,7 +402,11 @@ class Distro:
         torch._foreach_mul_(signs, prev_lr)
         torch._foreach_add_(params, signs)
         del signs
-        if prev_self_results:
+        if prev_self_results and self.synthesis is not None:
+            own = self._synthesize_own(prev_self_results)
+            for index, own_blocks in enumerate(own or []):
+                _update_blocks(self.deltas[index], own_blocks, -1.0, self.layouts_xshape(index))
+        elif prev_self_results:
             torch._foreach_sub_(deltas, self._decode_all(prev_self_results))
         if self.weight_decay != 0.0:
             torch._foreach_mul_(params, 1.0 - lr * self.weight_decay)
@@ -385,7 +420,11 @@ class Distro:
             stacked = torch.stack([full_tensor(self.deltas[i]) for i in group])
             xshape, totalk = self.transform.encoded_shape(stacked.shape[1:])
             blocks = _block_view(xshape)
-            coefficients = self.transform.encode_stacked(stacked).reshape(len(group), *blocks)
+            if self.synthesis is None or stacked.dim() < 3:
+                encoded_stack = self.transform.encode_stacked(stacked)
+            else:
+                encoded_stack = self.transform.encode_separable(stacked)
+            coefficients = encoded_stack.reshape(len(group), *blocks)
             magnitudes = coefficients.abs()
             k = clamp_topk(totalk, self.compression_topk)
             for j, index in enumerate(group):
@@ -447,6 +486,77 @@ class Distro:
         dense.scatter_reduce_(-1, idx, val, reduce="mean", include_self=False)
         return self.transform.decode_stacked(dense.view(len(group), *xshape))
 
+    # ---- the sparse route --------------------------------------------------------------------
+
+    def layouts_xshape(self, index: int) -> list[int]:
+        """Parameter `index`'s encoded shape (`[..., I, J, n1, n2]`, 1-D `[N / n1, n1]`)."""
+        return self.transform.encoded_shape(tuple(self.variables[index][1].shape))[0]
+
+    def _sparse_entries(
+        self, results: Sequence[Sequence[DistroResult]], group: list[int]
+    ) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+        """A group's entries, one row per block (the group's parameters one after the other,
+        each peer's entries side by side in result order): `(xshape, idx [B, T], values)`."""
+        like = self.variables[group[0]][1]
+        first = results[0][group[0]]
+        xshape, totalk = list(first.xshape), abs(first.totalk)
+        count, peers = len(group), len(results)
+        idx = _stack_peers(
+            [r[i].sparse_idx for i in group for r in results], count, peers, like.device
+        )
+        idx = decompress_idx(totalk, idx)
+        flat = idx.reshape(-1, idx.shape[-1])
+        vals = [r[i].sparse_val for i in group for r in results]
+        return xshape, flat, _stack_peers(vals, count, peers, like.device).reshape(flat.shape)
+
+    def _apply_sparse(self, results: Sequence[Sequence[DistroResult]], lr: float) -> set[int]:
+        """The sparse route's apply of every group whose results are all 1-bit: upstream's
+        `p.add_(sign, alpha=-lr)` with the exact synthesis's signs, a range of blocks at a time
+        straight into the parameter. Returns the parameters it stepped (the others take
+        upstream's route)."""
+        assert self.synthesis is not None
+        assert self.sparse_groups is not None
+        done: set[int] = set()
+        for group in self.sparse_groups:
+            if not all(r[i].sparse_val.dtype == torch.bool for i in group for r in results):
+                continue
+            xshape, idx, negative = self._sparse_entries(results, group)
+            n1, n2 = _block_dims(xshape)
+            synthesis = self.synthesis.prepare_signs(idx, negative, n1, n2)
+            per_param = idx.shape[0] // len(group)
+            for j, index in enumerate(group):
+                p = self.variables[index][1]
+                first = j * per_param
+                if is_sharded(p) or not p.is_contiguous():
+                    signs = synthesis.signs(first, first + per_param, p.dtype)
+                    signs = signs.view(*_block_view(xshape)[:-1], n1, n2)
+                    _update_blocks(p, signs, -lr, xshape)
+                else:
+                    _apply_in_ranges(p, synthesis, first, per_param, xshape, lr)
+                done.add(index)
+        return done
+
+    def _synthesize_own(
+        self, results: Sequence[Sequence[DistroResult]]
+    ) -> list[torch.Tensor] | None:
+        """The sparse route's decode of this node's own results of the last round (any values):
+        each parameter's decoded mean as blocks `[..., n1, n2]` (1-D `[N / n1, n1, 1]`), one
+        call per group. None without the route."""
+        if self.synthesis is None or self.sparse_groups is None:
+            return None
+        out: list[torch.Tensor | None] = [None] * len(self.variables)
+        for group in self.sparse_groups:
+            like = self.variables[group[0]][1]
+            xshape, idx, val = self._sparse_entries(results, group)
+            n1, n2 = _block_dims(xshape)
+            if val.dtype == torch.bool:
+                val = unpack_tensor_sign_from_boolean(val, like.dtype)
+            blocks = self.synthesis.synthesize_values(idx, val, n1, n2, like)
+            blocks = blocks.view(len(group), *_block_view(xshape)[:-1], n1, n2)
+            for j, index in enumerate(group):
+                out[index] = blocks[j]
+        return [b for b in out if b is not None]
+
     # ----------------------------------------------------------------------------------------
 
     def _decode_results(
@@ -504,6 +614,56 @@ def _stack_peers(
     lead = stacked.shape[1:-1]
     stacked = stacked.view(count, peers, *lead, stacked.shape[-1]).movedim(1, -2)
     return stacked.reshape(count, *lead, -1)
+
+
+def _update_blocks(
+    target: torch.Tensor, blocks: torch.Tensor, alpha: float, xshape: Sequence[int]
+) -> None:
+    """`target.add_(decoded, alpha=alpha)` for a decoded tensor given as blocks (`_synthesize_own`),
+    in `target`'s dtype: through a strided view of `target` when it is one plain tensor (the same
+    elementwise op on each element, so the same bits, without moving the blocks into the
+    parameter's layout), else through the layout (a sharded parameter takes its slice)."""
+    blocks = blocks.to(target.dtype)
+    if len(xshape) > 2:
+        *lead, i, j, n1, n2 = xshape
+        if not is_sharded(target) and target.is_contiguous():
+            view = target.view(*lead, i, n1, j, n2).transpose(-3, -2)
+            view.add_(blocks, alpha=alpha)
+            return
+        full = blocks.transpose(-3, -2).reshape(*lead, i * n1, j * n2)
+    else:
+        full = blocks.reshape(-1)
+        if not is_sharded(target) and target.is_contiguous():
+            target.add_(full.view(target.shape), alpha=alpha)
+            return
+    target.add_(shard_like(full, target), alpha=alpha)
+
+
+def _block_dims(xshape: Sequence[int]) -> tuple[int, int]:
+    """A block's `(n1, n2)` (`n2 == 1` for a 1-D parameter's blocks)."""
+    return (xshape[-2], xshape[-1]) if len(xshape) > 2 else (xshape[-1], 1)
+
+
+def _apply_in_ranges(
+    p: torch.Tensor,
+    synthesis: SignSynthesis,
+    first: int,
+    blocks: int,
+    xshape: Sequence[int],
+    lr: float,
+) -> None:
+    """`p.add_(signs, alpha=-lr)` for one plain parameter whose blocks are `first:first +
+    blocks` of `synthesis`, a few block rows at a time, through a strided view of `p` (the same
+    elementwise op on each element): the signs never exist at the parameter's size."""
+    n1, n2 = _block_dims(xshape)
+    per_row = xshape[-3] if len(xshape) > 2 else 1  # blocks in a row of blocks
+    rows = blocks // per_row
+    view = p.view(rows, n1, per_row, n2).transpose(1, 2)  # [rows, J, n1, n2]
+    step = max(1, SYNTHESIS_CHUNK // per_row)
+    for row in range(0, rows, step):
+        end = min(row + step, rows)
+        signs = synthesis.signs(first + row * per_row, first + end * per_row, p.dtype)
+        view[row:end].add_(signs.view(end - row, per_row, n1, n2), alpha=-lr)
 
 
 def _block_view(xshape: Sequence[int]) -> list[int]:

@@ -208,11 +208,13 @@ class ResultReader:
         if self.layouts is None:
             idx = decompress_idx(r.totalk, r.sparse_idx.to(_CPU))
             k = max(idx.shape[-1] if idx.dim() else 1, 1)
-            rows = torch.arange(idx.numel(), dtype=torch.int64).floor_divide_(k)
+            # each entry's block start: the block's row times the block size, per entry
+            starts = torch.arange(idx.numel() // k, dtype=torch.int64).mul_(r.totalk)
+            starts = starts.unsqueeze(1).expand(-1, k).reshape(-1)
             val = r.sparse_val.to(_CPU)
             if val.dtype == torch.bool:
                 val = unpack_tensor_sign_from_boolean(val, torch.float32)
-            return rows.mul_(r.totalk).add_(idx.reshape(-1)), val.reshape(-1).float()
+            return starts.add_(idx.reshape(-1)), val.reshape(-1).float()
         layout = self.layouts[i]
         values = entry_values(r, layout, _CPU)
         if layout.transmission is not DilocoTransmission.Sparse:
@@ -291,7 +293,8 @@ def _hash(positions: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def _at(t: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
-    return t.clone() if positions is None else t[positions]
+    """`t` at `positions` (a copy; the same values as `t[positions]`, gathered faster)."""
+    return t.clone() if positions is None else t.index_select(0, positions)
 
 
 def agreement(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> float:
