@@ -9,9 +9,12 @@
   (`TRAINING`), so the test can SIGKILL the worker: prints `STOPPED <exceptions>` when the
   rank's death stops it (the watch's `WorkerDied`, or the collective that lost its peer), closes
   the group (`CLOSED`) and exits 3.
-* `hosts`: as `train`, but the client spans hosts: DP=2 with rank 0 here and rank 1 joining
-  from a `psyche-client sidecar` on another host (argv[3]: this host's address, the
-  `--main-host`); the test kills the other host's rank.
+* `hosts`: as `train`, but the client spans two hosts with argv[4] ranks on each: DP=2 x argv[4]
+  with ranks 0 .. argv[4] - 1 here and the others joining from a `psyche-client sidecar` on
+  another host (argv[3]: this host's address, the `--main-host`); the batch has two rows per
+  rank (each rank trains one of the one-rank client's micro-batches) and DisTrO's payload is
+  not sign-quantized, so `PAYLOAD_EQUAL` compares every bit of the trained gradients; the test
+  kills a rank of the other host.
 * `orphan`: a TP=2 group asked to build a model whose key/value heads (MODEL_DIR's config) do
   not divide by 2: prints `INIT_ERROR <message>` (the worker fails the same check and waits),
   then `WORKERS <pids>`, then waits to be killed (the test kills this process and checks the
@@ -45,15 +48,18 @@ def say(*words: object) -> None:
     print(*words, flush=True)
 
 
-def batch(step: int) -> Batch:
-    return Batch(torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(step)))
+def batch(step: int, rows: int = 4) -> Batch:
+    return Batch(torch.randint(0, 256, (rows, 16), generator=torch.Generator().manual_seed(step)))
 
 
 def main() -> int:
     mode, model_dir = sys.argv[1], Path(sys.argv[2])
     torch.set_num_threads(1)
     if mode == "hosts":
-        layout = RankLayout(dp=2, device="cpu", main_host=sys.argv[3], local_ranks=1)
+        per_host = int(sys.argv[4])
+        layout = RankLayout(
+            dp=2 * per_host, device="cpu", main_host=sys.argv[3], local_ranks=per_host
+        )
     elif mode == "orphan":
         layout = RankLayout(tp=2, device="cpu")
     else:
@@ -63,7 +69,7 @@ def main() -> int:
     llm = SimpleNamespace(
         architecture="HfLlama",
         lr_schedule=LearningRateSchedule.Constant(ConstantLR(1e-3, 0.0, 0)),
-        optimizer=distro(),
+        optimizer=distro(quantize=mode != "hosts"),
     )
     config = RunInitConfig(identity=None, secret_key=None, run_id="", micro_batch_size=2)  # type: ignore[arg-type]
     loaded = load_from_directory(model_dir, "HfLlama", torch.device("cpu"))
@@ -78,12 +84,14 @@ def main() -> int:
     say("WORKERS", *(p.pid for p in group.processes))
     trainer = group.build_trainer(loaded, llm, config)
     kwargs = dict(warmup_lr_between=None, zero_optim=False)
-    reference = make_trainer()
-    out_t = trainer.train_exact(1, batch(1), prev_self_distro_results=[], **kwargs)
-    out_r = reference.train_exact(1, batch(1), prev_self_distro_results=[], **kwargs)
+    reference = make_trainer(quantize=mode != "hosts")
+    first = batch(1, 2 * layout.dp)
+    out_t = trainer.train_exact(1, first, prev_self_distro_results=[], **kwargs)
+    out_r = reference.train_exact(1, first, prev_self_distro_results=[], **kwargs)
     sent_t = trainer.prepare_result(out_t, step=1, batch_id=BatchId(1, 1))
     sent_r = reference.prepare_result(out_r, step=1, batch_id=BatchId(1, 1))
     say("PAYLOAD_EQUAL", sent_t.payload.to_bytes() == sent_r.payload.to_bytes())
+    say("LOSS_EQUAL", out_t.loss == out_r.loss)
     trainer.optimize(1, distro_results=[sent_t.sent, sent_r.sent])
     reference.optimize(1, distro_results=[sent_t.sent, sent_r.sent])
     full = trainer.full_variables()
