@@ -98,8 +98,6 @@ def test_required_options(capsys: pytest.CaptureFixture[str]) -> None:
         (["--data-parallelism", "2", "--device", "cuda:0"], "names 1 device(s) for --data-"),
         (["--tensor-parallelism", "2", "--fsdp"], "--fsdp shards over the data-parallel"),
         (["--param-dtype", "bf16"], "apply to --fsdp only"),
-        (["--tensor-parallelism", "2", "--eval-tasks", "hellaswag"], "rank 0 holds only part"),
-        (["--data-parallelism", "2", "--fsdp", "--prompt-task"], "rank 0 holds only part"),
         (["--num-local-ranks", "1"], "--num-local-ranks needs --main-host"),
         (["--main-host", "10.0.0.1", "--num-local-ranks", "3"], "exceeds --data-parallelism 1"),
         (
@@ -132,6 +130,24 @@ def test_features_not_built_are_refused(
     argv = ["train", "--run-id", "r", "--server-addr", "127.0.0.1:1", *flags]
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--tensor-parallelism", "2", "--eval-tasks", "hellaswag"],
+        ["--data-parallelism", "2", "--fsdp", "--prompt-task"],
+    ],
+)
+def test_evaluations_with_a_sharded_rank_0_keep_a_whole_replica(flags: list[str]) -> None:
+    """TP or FSDP with evaluations: accepted, and rank 0 keeps a gathered whole replica to
+    evaluate on (tests/client/test_eval_replica.py runs it); without evaluations, none."""
+    base = ["train", "--run-id", "r", "--server-addr", "127.0.0.1:1"]
+    options = TrainOptions.from_args(parse([*base, *flags]))
+    assert options.problems() == []
+    assert options.ranks.keeps_replica
+    sharded_only = [f for f in flags if f not in ("--eval-tasks", "hellaswag", "--prompt-task")]
+    assert not TrainOptions.from_args(parse([*base, *sharded_only])).ranks.keeps_replica
 
 
 def test_refusal_also_applies_to_the_environment(

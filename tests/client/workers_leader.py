@@ -15,6 +15,14 @@
   rank (each rank trains one of the one-rank client's micro-batches) and DisTrO's payload is
   not sign-quantized, so `PAYLOAD_EQUAL` compares every bit of the trained gradients; the test
   kills a rank of the other host.
+* `replica`: a client whose rank 0 holds only part of the model (argv[3]: `fsdp`, FSDP2 over 2
+  ranks, or `tp`, TP=2) with evaluations asked for (`RankLayout.eval_replica`): trains and
+  applies a step as `train`, then prints `REPLICA_EQUAL` (the whole replica evaluations run on,
+  `loaded.model`, holds every parameter the ranks hold, bit for bit), `EVAL_EQUAL` (its forward
+  pass against the one-rank client's, for `fsdp`, whose parameters are the one-rank bits; for
+  `tp`, against a one-rank model built from the ranks' gathered parameters), then trains the
+  next step on the ranks and on the one-rank client (`NEXT_LOSS <ranks> <one rank>`: the ranks
+  still train in step after the replica's forward pass) and exits 0.
 * `orphan`: a TP=2 group asked to build a model whose key/value heads (MODEL_DIR's config) do
   not divide by 2: prints `INIT_ERROR <message>` (the worker fails the same check and waits),
   then `WORKERS <pids>`, then waits to be killed (the test kills this process and checks the
@@ -38,7 +46,8 @@ from psyche.client.setup.ranks import RankLayout
 from psyche.client.setup.workers import WorkerGroup
 from psyche.core.batch_id import BatchId
 from psyche.core.definitions import ConstantLR, LearningRateSchedule
-from psyche.modeling.trainer import Batch
+from psyche.modeling.causal_lm import CausalLM
+from psyche.modeling.trainer import Batch, Trainer
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "modeling"))
 from tiny_trainer import distro, make_trainer
@@ -62,6 +71,10 @@ def main() -> int:
         )
     elif mode == "orphan":
         layout = RankLayout(tp=2, device="cpu")
+    elif mode == "replica":
+        fsdp = sys.argv[3] == "fsdp"
+        dp, tp = (2, 1) if fsdp else (1, 2)
+        layout = RankLayout(dp=dp, tp=tp, fsdp=fsdp, device="cpu", eval_replica=True)
     else:
         layout = RankLayout(dp=2, device="cpu")
     group = WorkerGroup(layout)
@@ -96,6 +109,10 @@ def main() -> int:
     reference.optimize(1, distro_results=[sent_t.sent, sent_r.sent])
     full = trainer.full_variables()
     say("PARAMS_EQUAL", all(torch.equal(full[n], p) for n, p in reference.model.variables()))
+    if mode == "replica":
+        code = check_replica(sys.argv[3], loaded.model, trainer, reference, kwargs)
+        group.close(timeout=10)
+        return code
     # what an evaluation does between rounds, on rank 0 alone while the other rank waits for
     # the next command: a forward pass of its whole replica, the one-rank client's bits
     with torch.no_grad():
@@ -126,6 +143,28 @@ def main() -> int:
     group.close(timeout=10)
     say("CLOSED")
     return 3
+
+
+def check_replica(
+    how: str, replica: CausalLM, trainer: Trainer, reference: Trainer, kwargs: dict
+) -> int:
+    """`replica` mode after its first step (see the module docstring)."""
+    full = trainer.full_variables()
+    say("REPLICA_EQUAL", all(torch.equal(full[n], p) for n, p in replica.variables()))
+    single = reference.model
+    if how == "tp":  # the one-rank computation on the ranks' parameters
+        single = make_trainer().model
+        with torch.no_grad():
+            for name, p in single.variables():
+                p.copy_(full[name])
+    with torch.no_grad():
+        tokens = batch(99).input_ids
+        logits = [m.forward(tokens)[0] for m in (replica, single)]
+    say("EVAL_EQUAL", torch.equal(*logits))
+    out_t = trainer.train_exact(2, batch(2), prev_self_distro_results=[], **kwargs)
+    out_r = reference.train_exact(2, batch(2), prev_self_distro_results=[], **kwargs)
+    say("NEXT_LOSS", out_t.loss, out_r.loss)
+    return 0
 
 
 if __name__ == "__main__":

@@ -368,6 +368,7 @@ class TrainOptions:
             main_host=self.main_host,
             port=DEFAULT_PORT if self.sidecar_port is None else self.sidecar_port,
             local_ranks=self.num_local_ranks,
+            eval_replica=self.evals.enabled,
         )
 
     @property
@@ -425,11 +426,6 @@ class TrainOptions:
             problems.append(f"--iroh-discovery {self.iroh_discovery}: expected n0 or local")
         ranks = self.ranks
         problems.extend(ranks.problems())
-        if not ranks.whole_on_rank_0 and self.evals.enabled:
-            problems.append(
-                "evaluations (--eval-tasks, --prompt-task) run on rank 0's whole model: with "
-                "--tensor-parallelism or --fsdp rank 0 holds only part of it (not built)"
-            )
         problems.extend(tracker_problems(self.trackers, self.run_id))
         problems.extend(self.evals.problems())
         if self.hub_repo is not None and self.gcs_bucket is not None:

@@ -46,6 +46,9 @@ class RankLayout:
     port: int = DEFAULT_PORT
     local_ranks: int | None = None
     start_rank: int = 0
+    eval_replica: bool = False
+    """Keep a whole replica of the model on rank 0 for evaluations when rank 0 holds only part
+    of it (TP, FSDP; `LeaderTrainer.keep_replica`): set when evaluations are asked for."""
 
     @property
     def world_size(self) -> int:
@@ -55,8 +58,14 @@ class RankLayout:
     def whole_on_rank_0(self) -> bool:
         """Whether rank 0 holds the whole model (replicated data parallelism or one rank): then
         it evaluates alone between rounds (a forward pass needs no other rank), as a one-rank
-        client does, on the same bits every rank holds."""
+        client does, on the same bits every rank holds. Otherwise it evaluates on a gathered
+        replica (`eval_replica`)."""
         return self.tp == 1 and not self.fsdp
+
+    @property
+    def keeps_replica(self) -> bool:
+        """Whether rank 0 keeps a gathered whole replica for evaluations."""
+        return self.eval_replica and not self.whole_on_rank_0 and self.start_rank == 0
 
     @property
     def ranks_here(self) -> int:
