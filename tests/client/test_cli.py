@@ -150,6 +150,59 @@ def test_evaluations_with_a_sharded_rank_0_keep_a_whole_replica(flags: list[str]
     assert not TrainOptions.from_args(parse([*base, *sharded_only])).ranks.keeps_replica
 
 
+def test_the_fused_loss_option_reaches_the_ranks_layout() -> None:
+    """`--fused-loss`: a memory option every rank applies (shared with other hosts' ranks), so
+    even one rank builds its trainer through the group's path; off by default."""
+    from psyche.client.setup.ranks import FUSED_LOSS_CHOICES, SHARED_FIELDS
+    from psyche.modeling import fused_loss
+
+    base = ["train", "--run-id", "r", "--server-addr", "127.0.0.1:1"]
+    assert FUSED_LOSS_CHOICES == fused_loss.FUSED_LOSS_CHOICES
+    assert "fused_loss" in SHARED_FIELDS
+    default = TrainOptions.from_args(parse(base)).ranks
+    assert (default.fused_loss, default.needed) == ("off", False)
+    options = TrainOptions.from_args(parse([*base, "--fused-loss", "auto"]))
+    assert options.problems() == []
+    assert (options.ranks.fused_loss, options.ranks.needed) == ("auto", True)
+    with pytest.raises(SystemExit):
+        parse([*base, "--fused-loss", "fast"])
+
+
+def test_a_one_rank_client_with_a_fused_loss_trains_a_model_that_uses_it(tmp_path: Path) -> None:
+    import json
+    import sys
+    from types import SimpleNamespace
+
+    import torch
+
+    from psyche.client.setup.init import RunInitConfig
+    from psyche.client.setup.model_loading import load_from_directory
+    from psyche.client.setup.ranks import RankLayout
+    from psyche.client.setup.workers import WorkerGroup
+    from psyche.core.definitions import ConstantLR, LearningRateSchedule
+    from psyche.modeling.configs import llama_config_dict
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "modeling"))
+    from tiny_trainer import distro
+
+    (tmp_path / "config.json").write_text(json.dumps(llama_config_dict("tiny")))
+    group = WorkerGroup(RankLayout(device="cpu", fused_loss="auto"))
+    group.start()
+    llm = SimpleNamespace(
+        architecture="HfLlama",
+        lr_schedule=LearningRateSchedule.Constant(ConstantLR(1e-3, 0.0, 0)),
+        optimizer=distro(),
+    )
+    config = RunInitConfig(identity=None, secret_key=None, run_id="", micro_batch_size=2)  # type: ignore[arg-type]
+    loaded = load_from_directory(tmp_path, "HfLlama", torch.device("cpu"))
+    try:
+        trainer = group.build_trainer(loaded, llm, config)
+    finally:
+        group.close(timeout=10)
+    assert group.processes == []
+    assert trainer.model.fused_loss == "auto"
+
+
 def test_refusal_also_applies_to_the_environment(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -103,7 +103,7 @@ class CausalLM:
         self.source_dir = source_dir
         self._variables = sorted_variables(model)
         self.fused_loss = "off"
-        """`ModelOptions.fused_loss`; settable after construction."""
+        """`ModelOptions.fused_loss` (`set_fused_loss` checks it)."""
 
     # -- construction ------------------------------------------------------------------------
 
@@ -185,12 +185,17 @@ class CausalLM:
             getattr(model, "gradient_checkpointing_enable")()  # noqa: B009
         model.train()
         built = cls(model, arch, source_dir=source_dir)
+        built.set_fused_loss(options.fused_loss)
+        return built
+
+    def set_fused_loss(self, choice: str) -> None:
+        """Train with `choice` (`ModelOptions.fused_loss`); a choice that cannot run on this
+        model's device (a bad name, Liger not installed) raises `ModelLoadError`."""
         try:
-            fused_loss.resolve(options.fused_loss, built.device)
+            fused_loss.resolve(choice, self.device)
         except fused_loss.FusedLossError as e:
             raise ModelLoadError(str(e)) from None
-        built.fused_loss = options.fused_loss
-        return built
+        self.fused_loss = choice
 
     # -- properties --------------------------------------------------------------------------
 

@@ -22,7 +22,18 @@ DEFAULT_PORT = 34567
 """The TCP store's port on the main host (upstream's `--sidecar-port` / psyche-sidecar's
 `--port` default)."""
 
-SHARED_FIELDS = ("dp", "tp", "fsdp", "param_dtype", "reduce_dtype", "activation_checkpointing")
+SHARED_FIELDS = (
+    "dp",
+    "tp",
+    "fsdp",
+    "param_dtype",
+    "reduce_dtype",
+    "activation_checkpointing",
+    "fused_loss",
+)
+
+FUSED_LOSS_CHOICES = ("off", "auto", "chunked", "liger")
+"""`--fused-loss` (`psyche.modeling.fused_loss.FUSED_LOSS_CHOICES`, which imports torch)."""
 """What every rank of a client must agree on; the leader publishes them to other hosts."""
 
 
@@ -42,6 +53,7 @@ class RankLayout:
     param_dtype: str = "auto"
     reduce_dtype: str = "fp32"
     activation_checkpointing: bool = False
+    fused_loss: str = "off"
     main_host: str | None = None
     port: int = DEFAULT_PORT
     local_ranks: int | None = None
@@ -96,7 +108,7 @@ class RankLayout:
     def needed(self) -> bool:
         """Whether the trainer is built through a `WorkerGroup` (several ranks, or a memory
         option the one-rank path applies the same way)."""
-        return self.world_size > 1 or self.activation_checkpointing
+        return self.world_size > 1 or self.activation_checkpointing or self.fused_loss != "off"
 
     def sharding(self) -> ShardingOptions:
         import torch
@@ -185,4 +197,4 @@ class SidecarLayout:
         return RankLayout(device=self.device, cpu_threads=self.cpu_threads)
 
 
-__all__ = ["DEFAULT_PORT", "RankLayout", "SidecarLayout"]
+__all__ = ["DEFAULT_PORT", "FUSED_LOSS_CHOICES", "RankLayout", "SidecarLayout"]

@@ -358,6 +358,7 @@ def _build_rank(
                 spec.config_json, spec.tokenizer_json, state, spec.architecture, dims.device
             )
         model = parallelize(loaded.model, dims, layout.sharding())
+        model.set_fused_loss(layout.fused_loss)
         return cls(
             model,
             spec.lr_schedule,
