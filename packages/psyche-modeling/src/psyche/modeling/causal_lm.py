@@ -315,7 +315,11 @@ class CausalLM:
         )
 
     def extract(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-        """CPU copies of the state dict (tied tensors once), optionally cast to `dtype`."""
+        """CPU copies of the state dict (tied tensors once), optionally cast to `dtype`, in a
+        Hugging Face checkpoint's names and layout (what checkpoints, P2P sharing and the ranks'
+        hand-over carry): a Torchtitan model's are converted by torchtitan's state-dict adapter
+        (`from_checkpoint_names` is the way back), so its cooldown checkpoints load in
+        transformers as upstream's do."""
         out: dict[str, torch.Tensor] = {}
         seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
         for name, tensor in self.model.state_dict().items():
@@ -327,7 +331,24 @@ class CausalLM:
             # sharded tensors are gathered (a collective: every rank extracts)
             t = full_tensor(tensor.detach()).to("cpu", copy=True)
             out[name] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+        if self.architecture == "Torchtitan":
+            from psyche.modeling import torchtitan
+
+            return torchtitan.to_hf(self.model, out)
         return out
+
+    def from_checkpoint_names(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`state` in `extract`'s names (a Hugging Face checkpoint's) in this model's own
+        state-dict names: a Torchtitan model's through torchtitan's adapter (a tensor it cannot
+        place is a `ModelLoadError`), any other's as they are."""
+        if self.architecture != "Torchtitan":
+            return dict(state)
+        from psyche.modeling import torchtitan
+
+        try:
+            return torchtitan.from_hf(self.model, dict(state))
+        except (KeyError, ValueError, RuntimeError) as e:
+            raise ModelLoadError(f"a Hugging Face state dict torchtitan cannot place: {e}") from e
 
     @torch.no_grad()
     def truncate_bf16(self) -> None:
@@ -411,7 +432,7 @@ def _titan_load(model: nn.Module, directory: Path) -> None:
     hf_state: dict[str, torch.Tensor] = {}
     for path in sorted(directory.glob("*.safetensors")):
         hf_state.update(load_file(path))
-    state = torchtitan.from_hf(model, hf_state)
+    state = torchtitan.from_hf(model, hf_state)  # CausalLM.from_checkpoint_names, before one exists
     own = model.state_dict()
     missing = sorted(set(own) - set(state))
     if missing:
