@@ -9,8 +9,9 @@ Sections, each a figure against a baseline measured in the same run:
 2. ceiling  - the card's own bf16 matrix-product rate (8192^3) and device-to-device copy rate, the
               anchors for everything below (the datasheet's dense bf16 peak is printed beside them).
 3. mfu      - model FLOPs utilisation of a 1B Llama (TinyLlama-1.1B shape, bf16, seq 2048): a plain
-              PyTorch forward/backward loop (the anchor, no optimizer) and the client's own training
-              step (`Trainer.train` + `optimize` with DisTrO), FLOPs counted as torchtitan does
+              PyTorch forward/backward loop (the anchor, no optimizer), the same loop with
+              `--fused-loss auto` (Liger's kernel when installed, else the chunked loss), and the
+              client's own training step (`Trainer.train` + `optimize` with DisTrO), FLOPs counted as torchtitan does
               (6 x non-embedding parameters + 12 x layers x hidden x seq per token).
 4. distro   - DisTrO generate + apply as a share of that step (`scripts/bench/distro.py`'s
               measurement, goal <= 10 %), for the batched route (CUDA's default) against the
@@ -243,11 +244,20 @@ def flops_per_token(config: dict, seq: int) -> float:  # type: ignore[type-arg]
 
 
 def plain_loop_tokens_per_s(
-    distro: ModuleType, size: str, device: torch.device, steps: int, batch: int, seq: int, mbs: int
+    distro: ModuleType,
+    size: str,
+    device: torch.device,
+    steps: int,
+    batch: int,
+    seq: int,
+    mbs: int,
+    fused_loss: str = "off",
 ) -> float:
     """The anchor: forward + backward of the same model in a plain loop (no optimizer), the
-    median of `steps` timed steps after two warm-up steps."""
+    median of `steps` timed steps after two warm-up steps; with `fused_loss`, through
+    `CausalLM.forward` with that `--fused-loss` (the CPU computes the model's own loss)."""
     model = distro.build(size, str(device))
+    model.set_fused_loss(fused_loss)
     data = distro.bigram_corpus((steps + 2) * batch, seq, model.config.vocab_size).to(device)
     hf = model.model
     hf.train()
@@ -255,8 +265,11 @@ def plain_loop_tokens_per_s(
     def fwd_bwd(step: int) -> None:
         rows = data[step * batch : (step + 1) * batch]
         for chunk in rows.split(mbs):
-            out = hf(input_ids=chunk, labels=chunk)
-            (out.loss * chunk.shape[0] / batch).backward()
+            if fused_loss == "off":
+                loss = hf(input_ids=chunk, labels=chunk).loss
+            else:
+                loss = model.forward(chunk, labels=chunk)[1]
+            (loss * chunk.shape[0] / batch).backward()
         hf.zero_grad(set_to_none=True)
 
     for step in range(2):
@@ -291,6 +304,15 @@ def measure_mfu(
     )
     anchor = plain_loop_tokens_per_s(distro, size, device, steps, batch, seq, mbs)
     report.add(f"plain forward+backward, {size}", f"{anchor:,.0f} tok/s; {mfu(anchor)}")
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    from psyche.modeling.fused_loss import resolve
+
+    fused = plain_loop_tokens_per_s(distro, size, device, steps, batch, seq, mbs, "auto")
+    report.add(
+        f"plain forward+backward, {size}, --fused-loss auto ({resolve('auto', device)})",
+        f"{fused:,.0f} tok/s ({fused / anchor:.2f} of the plain loop); {mfu(fused)}",
+    )
     if device.type == "cuda":
         torch.cuda.empty_cache()
 

@@ -98,8 +98,6 @@ def test_required_options(capsys: pytest.CaptureFixture[str]) -> None:
         (["--data-parallelism", "2", "--device", "cuda:0"], "names 1 device(s) for --data-"),
         (["--tensor-parallelism", "2", "--fsdp"], "--fsdp shards over the data-parallel"),
         (["--param-dtype", "bf16"], "apply to --fsdp only"),
-        (["--tensor-parallelism", "2", "--eval-tasks", "hellaswag"], "rank 0 holds only part"),
-        (["--data-parallelism", "2", "--fsdp", "--prompt-task"], "rank 0 holds only part"),
         (["--num-local-ranks", "1"], "--num-local-ranks needs --main-host"),
         (["--main-host", "10.0.0.1", "--num-local-ranks", "3"], "exceeds --data-parallelism 1"),
         (
@@ -132,6 +130,77 @@ def test_features_not_built_are_refused(
     argv = ["train", "--run-id", "r", "--server-addr", "127.0.0.1:1", *flags]
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--tensor-parallelism", "2", "--eval-tasks", "hellaswag"],
+        ["--data-parallelism", "2", "--fsdp", "--prompt-task"],
+    ],
+)
+def test_evaluations_with_a_sharded_rank_0_keep_a_whole_replica(flags: list[str]) -> None:
+    """TP or FSDP with evaluations: accepted, and rank 0 keeps a gathered whole replica to
+    evaluate on (tests/client/test_eval_replica.py runs it); without evaluations, none."""
+    base = ["train", "--run-id", "r", "--server-addr", "127.0.0.1:1"]
+    options = TrainOptions.from_args(parse([*base, *flags]))
+    assert options.problems() == []
+    assert options.ranks.keeps_replica
+    sharded_only = [f for f in flags if f not in ("--eval-tasks", "hellaswag", "--prompt-task")]
+    assert not TrainOptions.from_args(parse([*base, *sharded_only])).ranks.keeps_replica
+
+
+def test_the_fused_loss_option_reaches_the_ranks_layout() -> None:
+    """`--fused-loss`: a memory option every rank applies (shared with other hosts' ranks), so
+    even one rank builds its trainer through the group's path; off by default."""
+    from psyche.client.setup.ranks import FUSED_LOSS_CHOICES, SHARED_FIELDS
+    from psyche.modeling import fused_loss
+
+    base = ["train", "--run-id", "r", "--server-addr", "127.0.0.1:1"]
+    assert FUSED_LOSS_CHOICES == fused_loss.FUSED_LOSS_CHOICES
+    assert "fused_loss" in SHARED_FIELDS
+    default = TrainOptions.from_args(parse(base)).ranks
+    assert (default.fused_loss, default.needed) == ("off", False)
+    options = TrainOptions.from_args(parse([*base, "--fused-loss", "auto"]))
+    assert options.problems() == []
+    assert (options.ranks.fused_loss, options.ranks.needed) == ("auto", True)
+    with pytest.raises(SystemExit):
+        parse([*base, "--fused-loss", "fast"])
+
+
+def test_a_one_rank_client_with_a_fused_loss_trains_a_model_that_uses_it(tmp_path: Path) -> None:
+    import json
+    import sys
+    from types import SimpleNamespace
+
+    import torch
+
+    from psyche.client.setup.init import RunInitConfig
+    from psyche.client.setup.model_loading import load_from_directory
+    from psyche.client.setup.ranks import RankLayout
+    from psyche.client.setup.workers import WorkerGroup
+    from psyche.core.definitions import ConstantLR, LearningRateSchedule
+    from psyche.modeling.configs import llama_config_dict
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "modeling"))
+    from tiny_trainer import distro
+
+    (tmp_path / "config.json").write_text(json.dumps(llama_config_dict("tiny")))
+    group = WorkerGroup(RankLayout(device="cpu", fused_loss="auto"))
+    group.start()
+    llm = SimpleNamespace(
+        architecture="HfLlama",
+        lr_schedule=LearningRateSchedule.Constant(ConstantLR(1e-3, 0.0, 0)),
+        optimizer=distro(),
+    )
+    config = RunInitConfig(identity=None, secret_key=None, run_id="", micro_batch_size=2)  # type: ignore[arg-type]
+    loaded = load_from_directory(tmp_path, "HfLlama", torch.device("cpu"))
+    try:
+        trainer = group.build_trainer(loaded, llm, config)
+    finally:
+        group.close(timeout=10)
+    assert group.processes == []
+    assert trainer.model.fused_loss == "auto"
 
 
 def test_refusal_also_applies_to_the_environment(

@@ -2,17 +2,23 @@
 namespaces the test builds (`tests/netns.py`: two hosts on one private segment, 198.18.0.0/15,
 no route out, deleted after):
 
-* host A runs the client's rank 0 (tests/client/workers_leader.py `hosts`: DP=2, one local
-  rank, the ranks' TCP store at A's address); host B runs `psyche-client sidecar --main-host A
-  --world-size 2 --start-rank 1`, whose rank joins over gloo between the namespaces;
-* the client trains and applies a step: its payload bytes and its parameters are those of a
-  one-rank client, bit for bit (DP=2 trains each half of the batch as one of the one-rank
-  client's micro-batches; 2 x 2 ranks would sum four gradients in another order, as on one host);
-* the rank on host B is SIGKILLed mid-training: the client stops with one line within a bounded
+* host A runs the client's ranks 0 .. n-1 (tests/client/workers_leader.py `hosts`: DP=2n, n
+  local ranks, the ranks' TCP store at A's address); host B runs `psyche-client sidecar
+  --main-host A --world-size 2n --start-rank n --num-local-ranks n`, whose ranks join over gloo
+  between the namespaces;
+* 2 hosts x 2 ranks (DP=4) trains and applies a step: its payload bytes (DisTrO not
+  sign-quantized, so every bit of the trained gradients shows), its loss and its parameters are
+  those of a one-rank client, bit for bit. Each rank trains one of the one-rank client's
+  micro-batches, and the ranks' gradients are added in rank order (`ParallelDims.
+  reduce_gradients`), as the one-rank client accumulates its micro-batches: an all-reduce adds
+  in an order of its own (gloo's ring starts each chunk at another rank) and differed in the last
+  bits with four ranks;
+* a rank on host B is SIGKILLed mid-training: the client stops with one line within a bounded
   time (its sidecar reports the death through the store), the sidecar exits 1, no process is
   left in either namespace;
 * a client killed on host A takes host B's sidecar and rank with it;
-* a frozen host B (SIGSTOP: nothing exits, no socket closes) is noticed by its silent heartbeat.
+* a frozen host B (SIGSTOP: nothing exits, no socket closes) is noticed by its silent heartbeat
+  (these two with one rank per host, n = 1: what they check does not depend on n).
 
 Needs root with `ip` and `nft` (`.ci/run` installs them); skips with the reason elsewhere.
 """
@@ -43,10 +49,12 @@ WHY_NOT = netns.unavailable()
 class NamespacedLeader(Leader):
     """workers_leader.py `hosts` inside host A's namespace."""
 
-    def __init__(self, net: netns.Topology, host: netns.Host, model_dir: Path, log: Path) -> None:
+    def __init__(
+        self, net: netns.Topology, host: netns.Host, model_dir: Path, log: Path, per_host: int
+    ) -> None:
         self.log = log
         self.out = open(log, "wb")  # noqa: SIM115 (closed in stop)
-        argv = [sys.executable, str(LEADER), "hosts", str(model_dir), host.ip]
+        argv = [sys.executable, str(LEADER), "hosts", str(model_dir), host.ip, str(per_host)]
         self.proc = subprocess.Popen(
             net.exec(host, argv),
             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"},
@@ -57,11 +65,12 @@ class NamespacedLeader(Leader):
 
 
 def start_sidecar(
-    net: netns.Topology, host: netns.Host, main: netns.Host, log: Path
+    net: netns.Topology, host: netns.Host, main: netns.Host, log: Path, per_host: int
 ) -> subprocess.Popen[bytes]:
     argv = [
         sys.executable, "-m", "psyche.cli.client", "sidecar", "--main-host", main.ip,
-        "--world-size", "2", "--start-rank", "1", "--device", "cpu", "--cpu-threads", "1",
+        "--world-size", str(2 * per_host), "--start-rank", str(per_host),
+        "--num-local-ranks", str(per_host), "--device", "cpu", "--cpu-threads", "1",
     ]  # fmt: skip
     return subprocess.Popen(
         net.exec(host, argv),
@@ -79,7 +88,7 @@ def namespace_pids(host: netns.Host) -> list[int]:
 
 @dataclass
 class Client:
-    """The client across the test's two hosts: rank 0 on A, the sidecar (rank 1) on B."""
+    """The client across the test's two hosts: ranks 0 .. n-1 on A, the sidecar's on B."""
 
     a: netns.Host
     b: netns.Host
@@ -89,16 +98,17 @@ class Client:
 
 
 @pytest.fixture
-def client(model_dir: Path, tmp_path: Path) -> Iterator[Client]:
-    """Started in two fresh namespaces; whatever is left is killed, and the namespaces
-    deleted, at the end."""
+def client(request: pytest.FixtureRequest, model_dir: Path, tmp_path: Path) -> Iterator[Client]:
+    """Started in two fresh namespaces with `request.param` ranks per host (1 unless the test
+    asks, indirectly); whatever is left is killed, and the namespaces deleted, at the end."""
     if WHY_NOT is not None:
         pytest.skip(WHY_NOT)
+    per_host = getattr(request, "param", 1)
     with netns.nat_topology(nat_hosts=0, public_hosts=2) as net:
         a, b = net.public
         log = tmp_path / "sidecar.log"
-        sidecar = start_sidecar(net, b, a, log)  # first: it waits for the client's store
-        leader = NamespacedLeader(net, a, model_dir, tmp_path / "leader.log")
+        sidecar = start_sidecar(net, b, a, log, per_host)  # first: it waits for the store
+        leader = NamespacedLeader(net, a, model_dir, tmp_path / "leader.log", per_host)
         try:
             yield Client(a, b, leader, sidecar, log)
         finally:
@@ -111,22 +121,25 @@ def client(model_dir: Path, tmp_path: Path) -> Iterator[Client]:
             sidecar.wait()
 
 
-def test_a_client_across_two_hosts_trains_as_one_rank_and_stops_with_a_dead_remote_rank(
+@pytest.mark.parametrize("client", [2], indirect=True, ids=["2x2"])
+def test_a_client_of_two_hosts_by_two_ranks_trains_as_one_rank_and_stops_with_a_dead_remote_rank(
     client: Client,
 ) -> None:
     leader, sidecar, log = client.leader, client.sidecar, client.sidecar_log
     assert leader.line("PAYLOAD_EQUAL") == ["True"], leader.tail()
+    assert leader.line("LOSS_EQUAL") == ["True"], leader.tail()
     assert leader.line("PARAMS_EQUAL") == ["True"], leader.tail()
     assert leader.line("EVAL_EQUAL") == ["True"], leader.tail()
     leader.line("TRAINING")
-    [rank] = map(int, re.findall(r"rank\(s\) 1 \(pid (\d+)\)", log.read_text()))
+    started = re.search(r"rank\(s\) 2 \(pid (\d+)\), 3 \(pid (\d+)\)", log.read_text())
+    assert started is not None, log.read_text()
     time.sleep(1.0)
-    os.kill(rank, signal.SIGKILL)
+    os.kill(int(started[2]), signal.SIGKILL)
     stopped = leader.line("STOPPED", timeout=60.0)
     assert set(stopped) <= {"WorkerDied", "RuntimeError", "DistBackendError"}, stopped
     assert leader.proc.wait(timeout=60.0) == 3, leader.tail()
     assert sidecar.wait(timeout=60.0) == 1, log.read_text()
-    assert "rank 1 exited (code -9)" in log.read_text()
+    assert "rank 3 exited (code -9)" in log.read_text()
     wait_until(
         lambda: not namespace_pids(client.a) and not namespace_pids(client.b), "no process left"
     )

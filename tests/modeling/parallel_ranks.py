@@ -11,7 +11,8 @@ checkpoints of each side to OUT_DIR/<mode>/ and OUT_DIR/<mode>-reference/).
   `serve`): train_exact + prepare_result + optimize for four steps (the last with one row, which
   leaves rank 1 a zero-weight micro-batch), payload bytes and parameters compared with the
   reference after every step, then extract and checkpoint files.
-* `dp-torchtitan`: `dp` with the Torchtitan architecture (when the extra is installed).
+* `dp-torchtitan`, `fsdp-torchtitan`: `dp` and `fsdp` with the Torchtitan architecture (when the
+  extra is installed; FSDP2 shards torchtitan's transformer blocks, as its `apply_fsdp` does).
 * `tp` and `tp-deepseek` (DTensor tensor parallelism of the tiny Llama and the tiny
   DeepSeek-V3), both ranks running the same code: the row-parallel matmuls
   sum their halves in another order, so trained gradients are close, not equal; what must be
@@ -59,6 +60,7 @@ ARCHITECTURES = {
     "tp": "HfLlama",
     "tp-deepseek": "HfDeepseek",
     "dp-torchtitan": "Torchtitan",
+    "fsdp-torchtitan": "Torchtitan",
 }
 SEQ = 16
 STEPS = 4
@@ -91,6 +93,7 @@ def dims_for(mode: str, rank: int) -> ParallelDims:
         "tp": ParallelDims(device, tp=2, rank=rank),
         "tp-deepseek": ParallelDims(device, tp=2, rank=rank),
         "dp-torchtitan": ParallelDims(device, dp=2, rank=rank),
+        "fsdp-torchtitan": ParallelDims(device, dp=2, fsdp=True, rank=rank),
     }[mode]
     return replace(dims, mesh=build_mesh(dims))
 
@@ -234,7 +237,8 @@ def main() -> None:
         # torchtitan (an optional extra) on the CPU: its RoPE table is a complex buffer that a
         # bf16 cast of the whole module would ruin
         if DEVICE == "cpu" and torchtitan.available() is None:
-            report["dp-torchtitan"] = protocol_scenario("dp-torchtitan", rank, out)
+            for mode in ("dp-torchtitan", "fsdp-torchtitan"):
+                report[mode] = protocol_scenario(mode, rank, out)
         report["tp"] = tp_scenario(rank)
         report["tp-deepseek"] = tp_scenario(rank, "tp-deepseek")
     finally:

@@ -89,16 +89,18 @@ def test_a_sharded_client_checkpoints_the_same_bytes(ranks: tuple[dict, Path], m
         assert (out / mode / name).read_bytes() == (out / f"{mode}-reference" / name).read_bytes()
 
 
-def test_a_torchtitan_client_of_two_dp_ranks_publishes_and_applies_the_one_rank_bits(
-    ranks: tuple[dict, Path],
+@pytest.mark.parametrize("mode", ["dp-torchtitan", "fsdp-torchtitan"])
+def test_a_torchtitan_client_of_two_ranks_publishes_and_applies_the_one_rank_bits(
+    ranks: tuple[dict, Path], mode: str
 ) -> None:
-    """The Torchtitan architecture's llama3 at DP=2 against one rank (needs the extra)."""
+    """The Torchtitan architecture's llama3 at DP=2 and FSDP=2 against one rank (needs the
+    extra)."""
     from psyche.modeling import torchtitan
 
     why = torchtitan.available()
     if why is not None:
         pytest.skip(why)
-    report = ranks[0]["dp-torchtitan"]
+    report = ranks[0][mode]
     assert report["payload_equal"] == [True] * 4
     assert report["params_equal"] == [True] * 4
 

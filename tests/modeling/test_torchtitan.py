@@ -8,8 +8,15 @@ without it.
   payloads and apply both: their parameters are the same bits, and their DisTrO variables are
   torchtitan's parameter names;
 * a Torchtitan model loads a Hugging Face Llama checkpoint (torchtitan's state-dict adapter)
-  and computes the Hugging Face model's logits; its state dict converts back to the checkpoint's
-  names and tensors;
+  and computes the Hugging Face model's logits; what it extracts (checkpoints, P2P sharing) is the
+  checkpoint's names and tensors;
+* a Torchtitan model's cooldown checkpoint (bf16, `save_checkpoint` of what it extracts) is a
+  Hugging Face checkpoint: transformers loads it with no tensor missing or left over and computes
+  the Torchtitan model's logits (llama, whose tensors are the same bits, and deepseek_v3 with
+  MoE, whose per-expert tensors transformers fuses as it loads), and a joiner of the run rebuilds the Torchtitan model from
+  it (`build_from_parameters`) with the same parameter bits;
+* two clients of a DiLoCo run on a Torchtitan model (llama3 with sparse or dense payloads,
+  deepseek_v3 with dense ones) keep the same parameter bits;
 * a config torchtitan's llama3 cannot take is one line.
 """
 
@@ -23,7 +30,7 @@ import pytest
 import torch
 
 from psyche.core.batch_id import BatchId
-from psyche.core.definitions import ConstantLR, LearningRateSchedule
+from psyche.core.definitions import ConstantLR, LearningRateSchedule, OptimizerDefinition
 from psyche.modeling import torchtitan
 from psyche.modeling.causal_lm import CausalLM, ModelLoadError, ModelOptions
 from psyche.modeling.configs import deepseek_config_dict, llama_config_dict
@@ -40,13 +47,14 @@ def batch(seed: int) -> Batch:
     return Batch(torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(seed)))
 
 
-def torchtitan_trainer(model_type: str) -> Trainer:
-    if model_type == "llama":
+def torchtitan_trainer(model_type: str, optimizer: OptimizerDefinition | None = None) -> Trainer:
+    if model_type == "llama" and optimizer is None:
         return make_trainer(architecture="Torchtitan")
+    config = llama_config_dict("tiny") if model_type == "llama" else deepseek_config_dict()
     options = ModelOptions(architecture="Torchtitan", device="cpu", seed=1337)
-    model = CausalLM.from_config(deepseek_config_dict(), options)
+    model = CausalLM.from_config(config, options)
     schedule = LearningRateSchedule.Constant(ConstantLR(1e-3, 0.0, 0))
-    return Trainer(model, schedule, distro(), micro_batch_size=2)
+    return Trainer(model, schedule, optimizer or distro(), micro_batch_size=2)
 
 
 @pytest.mark.parametrize(
@@ -102,11 +110,96 @@ def test_a_torchtitan_model_loads_and_writes_hugging_face_checkpoints(tmp_path: 
     assert titan_loss is not None
     assert hf_loss is not None
     assert float(titan_loss) == pytest.approx(float(hf_loss), rel=1e-5)
-    back = torchtitan.to_hf(titan.model, titan.extract())
+    back = titan.extract()
     expected = hf.extract()
     assert sorted(back) == sorted(expected)
     for name, tensor in expected.items():
         assert torch.equal(back[name], tensor), name
+
+
+@pytest.mark.parametrize("model_type", ["llama", "deepseek_v3"])
+def test_a_torchtitan_cooldown_checkpoint_is_a_hugging_face_checkpoint(
+    tmp_path: Path, model_type: str
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from psyche.client.setup.model_loading import build_from_parameters
+    from psyche.modeling.checkpoint import save_checkpoint
+
+    trainer = torchtitan_trainer(model_type)
+    out = trainer.train_exact(
+        1, batch(1), prev_self_distro_results=[], warmup_lr_between=None, zero_optim=False
+    )
+    sent = trainer.prepare_result(out, step=1, batch_id=BatchId(1, 1))
+    trainer.optimize(1, distro_results=[sent.sent])  # trained weights, not the init's
+    titan = trainer.model
+    titan.truncate_bf16()
+    save_checkpoint(titan, tmp_path, dtype=torch.bfloat16)
+    hf, info = AutoModelForCausalLM.from_pretrained(
+        tmp_path, dtype=torch.float32, output_loading_info=True
+    )
+    assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    written = titan.extract(torch.bfloat16)
+    if model_type == "llama":  # the same names (transformers fuses deepseek's experts on load)
+        for name, tensor in hf.state_dict().items():
+            assert torch.equal(tensor, written[name].float()), name
+    tokens = batch(5).input_ids
+    with torch.no_grad():
+        expected = titan.forward(tokens)[0]
+        got = hf(tokens).logits
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    config_json = (tmp_path / "config.json").read_text()
+    joined = build_from_parameters(config_json, "", written, "Torchtitan", torch.device("cpu"))
+    mine = dict(titan.variables())
+    for name, p in joined.model.variables():
+        assert torch.equal(p, mine[name]), name
+
+
+@pytest.mark.parametrize(
+    ("model_type", "transmission"),
+    [("llama", "Sparse"), ("llama", "Bf16"), ("deepseek_v3", "Bf16")],
+)
+def test_two_torchtitan_clients_of_a_diloco_run_apply_bit_identical_results(
+    model_type: str, transmission: str
+) -> None:
+    """DiLoCo (two inner steps a round; sparse DCT or dense bf16 payloads) on torchtitan's
+    parameters: two clients, each its own batch, exchange payloads for three rounds (a round's
+    results applied at the next, as clients do) and keep the same parameter bits, which moved.
+    (deepseek_v3's grouped experts are 3-D parameters, which DiLoCo's sparse form refuses: dense
+    only.)"""
+    from psyche.core.definitions import DilocoTransmission
+    from psyche.modeling.diloco import DilocoSettings
+
+    settings = DilocoSettings(
+        transmission=DilocoTransmission[transmission],
+        inner_steps=2,
+        compression_chunk=16,
+        compression_topk=8,
+    )
+    definition = OptimizerDefinition.DiLoCo(settings.definition())
+    a, b = (torchtitan_trainer(model_type, definition) for _ in range(2))
+    start = {n: p.detach().clone() for n, p in a.model.variables()}
+    pending = None
+    for step in range(1, 4):
+        sent = []
+        for i, trainer in enumerate((a, b)):
+            out = trainer.train_exact(
+                step,
+                batch(step * 10 + i),
+                prev_self_distro_results=[],
+                warmup_lr_between=None,
+                zero_optim=False,
+            )
+            assert torch.isfinite(torch.tensor(out.loss))
+            sent.append(trainer.prepare_result(out, step=step, batch_id=BatchId(i, i)).payload)
+        if pending is not None:
+            for trainer in (a, b):
+                results = [trainer.results_from_payload(p) for p in pending]
+                trainer.optimize(step, distro_results=results)
+        pending = sent
+    for (name, pa), (_, pb) in zip(a.model.variables(), b.model.variables()):
+        assert torch.equal(pa.view(torch.uint8), pb.view(torch.uint8)), name
+    assert any(not torch.equal(p, start[n]) for n, p in a.model.variables())
 
 
 def test_configs_torchtitan_cannot_take_are_one_line() -> None:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from psyche.modeling import fused_loss
 from psyche.modeling.distro import sorted_variables
 from psyche.modeling.sharding import full_tensor, is_sharded, local_tensor
 
@@ -82,6 +83,9 @@ class ModelOptions:
     max_position_embeddings: int | None = None
     gradient_checkpointing: bool = False
     seed: int = 1337
+    fused_loss: str = "off"
+    """The training loss without the whole logits tensor (`psyche.modeling.fused_loss`: off,
+    auto, chunked, liger); on the CPU always the model's own loss (today's bits)."""
 
 
 class CausalLM:
@@ -98,6 +102,8 @@ class CausalLM:
         self.architecture = architecture
         self.source_dir = source_dir
         self._variables = sorted_variables(model)
+        self.fused_loss = "off"
+        """`ModelOptions.fused_loss` (`set_fused_loss` checks it)."""
 
     # -- construction ------------------------------------------------------------------------
 
@@ -178,7 +184,18 @@ class CausalLM:
             # nn.Module types attributes as Tensor | Module; a transformers model has the method.
             getattr(model, "gradient_checkpointing_enable")()  # noqa: B009
         model.train()
-        return cls(model, arch, source_dir=source_dir)
+        built = cls(model, arch, source_dir=source_dir)
+        built.set_fused_loss(options.fused_loss)
+        return built
+
+    def set_fused_loss(self, choice: str) -> None:
+        """Train with `choice` (`ModelOptions.fused_loss`); a choice that cannot run on this
+        model's device (a bad name, Liger not installed) raises `ModelLoadError`."""
+        try:
+            fused_loss.resolve(choice, self.device)
+        except fused_loss.FusedLossError as e:
+            raise ModelLoadError(str(e)) from None
+        self.fused_loss = choice
 
     # -- properties --------------------------------------------------------------------------
 
@@ -219,7 +236,13 @@ class CausalLM:
         loss_scale: float | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`(logits, loss)`; the loss is the mean next-token cross entropy over labels != -100,
-        divided by `loss_scale`."""
+        divided by `loss_scale`. With a fused loss that runs here (`fused_loss`, labels given)
+        no logits are made: the first element is then an empty tensor."""
+        if labels is not None and self.fused_loss != "off":
+            path = fused_loss.resolve(self.fused_loss, self.device)
+            if path != "model" and self._fusable():
+                loss = self._fused_loss(input_ids, labels, position_ids, path)
+                return loss.new_empty(0), (loss / loss_scale if loss_scale else loss)
         out = self.model(
             input_ids,
             labels=labels,
@@ -232,6 +255,40 @@ class CausalLM:
         if loss is not None and loss_scale:
             loss = loss / loss_scale
         return out.logits, loss
+
+    def _fusable(self) -> bool:
+        """Whether the fused loss computes this model's loss: a transformers model whose logits
+        are its plain lm_head's output (no bias, scaling or soft-capping) on whole tensors (not
+        TP's DTensors). Others take their own loss."""
+        model: Any = self.model
+        head = model.get_output_embeddings() if self.architecture != "Torchtitan" else None
+        config = self.config
+        return (
+            isinstance(head, nn.Linear)
+            and head.bias is None
+            and not is_sharded(head.weight)
+            and getattr(config, "final_logit_softcapping", None) is None
+            and getattr(config, "logit_scale", None) is None
+            and hasattr(self.model, "model")
+        )
+
+    def _fused_loss(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        path: str,
+    ) -> torch.Tensor:
+        model: Any = self.model
+        hidden = model.model(
+            input_ids, position_ids=position_ids, use_cache=False, return_dict=True
+        ).last_hidden_state
+        hidden = hidden.reshape(-1, hidden.shape[-1])
+        weight = model.get_output_embeddings().weight
+        targets = fused_loss.shifted_labels(labels)
+        if path == "liger":
+            return fused_loss.liger_linear_cross_entropy(hidden, weight, targets)
+        return fused_loss.chunked_linear_cross_entropy(hidden, weight, targets)
 
     @torch.no_grad()
     def clip_grad_norm(self, max_norm: float) -> float:
@@ -258,7 +315,11 @@ class CausalLM:
         )
 
     def extract(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-        """CPU copies of the state dict (tied tensors once), optionally cast to `dtype`."""
+        """CPU copies of the state dict (tied tensors once), optionally cast to `dtype`, in a
+        Hugging Face checkpoint's names and layout (what checkpoints, P2P sharing and the ranks'
+        hand-over carry): a Torchtitan model's are converted by torchtitan's state-dict adapter
+        (`from_checkpoint_names` is the way back), so its cooldown checkpoints load in
+        transformers as upstream's do."""
         out: dict[str, torch.Tensor] = {}
         seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
         for name, tensor in self.model.state_dict().items():
@@ -270,7 +331,24 @@ class CausalLM:
             # sharded tensors are gathered (a collective: every rank extracts)
             t = full_tensor(tensor.detach()).to("cpu", copy=True)
             out[name] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+        if self.architecture == "Torchtitan":
+            from psyche.modeling import torchtitan
+
+            return torchtitan.to_hf(self.model, out)
         return out
+
+    def from_checkpoint_names(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`state` in `extract`'s names (a Hugging Face checkpoint's) in this model's own
+        state-dict names: a Torchtitan model's through torchtitan's adapter (a tensor it cannot
+        place is a `ModelLoadError`), any other's as they are."""
+        if self.architecture != "Torchtitan":
+            return dict(state)
+        from psyche.modeling import torchtitan
+
+        try:
+            return torchtitan.from_hf(self.model, dict(state))
+        except (KeyError, ValueError, RuntimeError) as e:
+            raise ModelLoadError(f"a Hugging Face state dict torchtitan cannot place: {e}") from e
 
     @torch.no_grad()
     def truncate_bf16(self) -> None:
@@ -354,7 +432,7 @@ def _titan_load(model: nn.Module, directory: Path) -> None:
     hf_state: dict[str, torch.Tensor] = {}
     for path in sorted(directory.glob("*.safetensors")):
         hf_state.update(load_file(path))
-    state = torchtitan.from_hf(model, hf_state)
+    state = torchtitan.from_hf(model, hf_state)  # CausalLM.from_checkpoint_names, before one exists
     own = model.state_dict()
     missing = sorted(set(own) - set(state))
     if missing:

@@ -20,6 +20,13 @@ aggregate as the peers sent them (compressed: each rank decodes them itself, whi
 than sending decoded dense tensors and gives the same bits). The cancel flag is voted per
 micro-batch inside `Trainer.train` (`ParallelDims.agree`). `broadcast_state` hands the model's
 tensors from the leader to every rank once, when the ranks build their model.
+
+Evaluations when rank 0 holds only part of the model (TP, FSDP): the leader can keep a whole
+replica (`LeaderTrainer.keep_replica`, the model it loaded before the ranks laid it out) that
+evaluations run on alone, as a one-rank client runs them on its model; after every command that
+changes the parameters (`optimize`, `truncate_bf16`) the leader gathers them
+(`full_variables`, every rank taking part) into the replica. The cost: the model's memory
+once more on rank 0's device and one gather per round.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from typing import Any
 
 import torch
 
+from psyche.modeling.causal_lm import CausalLM
 from psyche.modeling.sharding import control_group
 from psyche.modeling.trainer import Trainer
 
@@ -87,6 +95,23 @@ class LeaderTrainer(Trainer):
     """Rank 0's trainer: each entry point in `COMMANDS` is announced to the workers first."""
 
     _depth = 0
+    replica: CausalLM | None = None
+    """A whole copy of the model on this rank, kept equal to the ranks' parameters (for
+    evaluations when this rank holds only part of the model); None: none kept."""
+
+    def keep_replica(self, model: CausalLM) -> None:
+        """Keep `model` (whole, the architecture and names of this trainer's model) equal to
+        the trainer's parameters from now on."""
+        self.replica = model
+        self._refresh_replica()
+
+    def _refresh_replica(self) -> None:
+        if self.replica is None:
+            return
+        full = self.full_variables()
+        with torch.no_grad():
+            for name, p in self.replica.variables():
+                p.copy_(full[name])
 
     @contextmanager
     def _command(self, name: str, **kwargs: Any) -> Iterator[None]:
@@ -109,8 +134,10 @@ class LeaderTrainer(Trainer):
             return super().train_exact(step, batch, **kwargs)
 
     def optimize(self, step: int, **kwargs: Any) -> None:
-        with self._command("optimize", step=step, **kwargs):
-            super().optimize(step, **kwargs)
+        with COMMAND_LOCK:
+            with self._command("optimize", step=step, **kwargs):
+                super().optimize(step, **kwargs)
+            self._refresh_replica()
 
     def decay_weights(self, step: int, **kwargs: Any) -> None:
         with self._command("decay_weights", step=step, **kwargs):
@@ -129,8 +156,10 @@ class LeaderTrainer(Trainer):
             return super().full_variables()
 
     def truncate_bf16(self) -> None:
-        with self._command("truncate_bf16"):
-            super().truncate_bf16()
+        with COMMAND_LOCK:
+            with self._command("truncate_bf16"):
+                super().truncate_bf16()
+            self._refresh_replica()
 
     def stop_workers(self) -> None:
         """Tell every worker to leave its loop (the last message)."""

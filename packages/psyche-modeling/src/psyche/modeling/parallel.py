@@ -11,8 +11,9 @@ the model with errors that say what to change, and is where the trainer asks abo
   the ranks of one TP group see the same rows);
 * `reduce_gradients`, after the backward pass and before clipping and DisTrO: with replicated
   DP every rank's gradients become their mean, computed in fp32 (upstream:
-  `g.copy_(allreduce_avg(g.float()).to(g.dtype))`; here an all-reduce sum divided by dp, the
-  same bits for dp = 2). With FSDP2 (`fsdp=True`) the parameters are sharded over the DP ranks
+  `g.copy_(allreduce_avg(g.float()).to(g.dtype))`; here a sum in rank order, `ordered_sum`,
+  divided by dp: when each DP rank trains one of the one-rank client's micro-batches, the
+  one-rank bits for any power-of-two dp, on one host or several). With FSDP2 (`fsdp=True`) the parameters are sharded over the DP ranks
   and FSDP's reduce-scatter does the mean, so nothing is left to do here;
 * `agree`: one decision for every rank (a cancelled step must stop at the same micro-batch on
   all of them, or their collectives would no longer pair up);
@@ -189,39 +190,41 @@ class ParallelDims:
 
     def reduce_gradients(self, grads: Iterable[torch.Tensor]) -> None:
         """Make every rank's gradients their mean over the replicated data-parallel ranks, in
-        fp32: one flat fp32 buffer, all-reduced (sum) and divided by dp, copied back in each
-        gradient's dtype. A no-op with one DP rank and under FSDP (its reduce-scatter already
-        averaged the shards)."""
+        fp32: one flat fp32 buffer, summed over the DP ranks in rank order (`ordered_sum`) and
+        divided by dp, copied back in each gradient's dtype. A no-op with one DP rank and under
+        FSDP (its reduce-scatter already averaged the shards)."""
         if self.dp == 1 or self.fsdp:
             return
         self.require_world()
-        import torch.distributed as dist
-        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+        from torch._utils import _unflatten_dense_tensors
 
         from psyche.modeling.sharding import local_tensor
 
         local = [local_tensor(g) for g in grads]
         if not local:
             return
-        flat = _flatten_dense_tensors([g.float() for g in local])
-        dist.all_reduce(flat, group=self._group("dp"))
+        flat = ordered_sum([g.float() for g in local], self._group("dp"), self.dp)
         flat.div_(self.dp)
         with torch.no_grad():
             for g, mean in zip(local, _unflatten_dense_tensors(flat, local)):
                 g.copy_(mean.to(g.dtype))
 
     def reduce_loss(self, loss: float) -> float:
-        """The mean of the DP ranks' losses: a mean over every rank on the CPU control group
-        (the TP ranks of one DP rank report the same loss, so they weigh alike)."""
+        """The mean of the DP ranks' losses, as the one-rank client sums its micro-batches'
+        losses: in fp32, in rank order, then divided by dp (the TP ranks of one DP rank report
+        the same loss; the first of each is taken). Gathered on the CPU control group."""
         if self.dp == 1:
             return loss
         import torch.distributed as dist
 
         from psyche.modeling.sharding import control_group
 
-        value = torch.tensor([loss], dtype=torch.float64)
-        dist.all_reduce(value, group=control_group())
-        return float(value.item()) / self.world_size
+        gathered = [torch.zeros(1, dtype=torch.float64) for _ in range(self.world_size)]
+        dist.all_gather(gathered, torch.tensor([loss], dtype=torch.float64), group=control_group())
+        total = gathered[0].float()
+        for value in gathered[self.tp :: self.tp]:
+            total = total + value.float()
+        return float(total.item()) / self.dp
 
     def agree(self, flag: bool) -> bool:
         """True on every rank when it is True on any (the cancel flag only the leader sees)."""
@@ -239,6 +242,36 @@ class ParallelDims:
         """Wait for the work queued on this rank's device (CUDA runs asynchronously)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+def ordered_sum(tensors: list[torch.Tensor], group: Any, ranks: int) -> torch.Tensor:
+    """The sum over the `ranks` ranks of `group` of each rank's `tensors` (flattened into one
+    buffer, returned flat), added in rank order: ((r0 + r1) + r2) + ... on every element, as the
+    one-rank client accumulates its micro-batches' gradients one after the other; so a client
+    whose DP ranks each train one of those micro-batches gets the one-rank bits whatever the
+    number of ranks and hosts. (An all-reduce adds in an order of its own: gloo's ring starts
+    each chunk's sum at another rank, so four ranks differed from one in the last bits.)
+
+    A reduce-scatter and an all-gather, as a ring all-reduce moves: each rank receives every
+    rank's copy of its own 1/ranks of the buffer (`all_to_all_single`), adds them in rank
+    order, and the sums are gathered back."""
+    import torch.distributed as dist
+
+    total = sum(t.numel() for t in tensors)
+    chunk = math.ceil(total / ranks)
+    pieces = [t.reshape(-1) for t in tensors]
+    pad = chunk * ranks - total
+    if pad:
+        pieces.append(tensors[0].new_zeros(pad))
+    flat = torch.cat(pieces)
+    received = torch.empty_like(flat)
+    dist.all_to_all_single(received, flat, group=group)
+    parts = received.view(ranks, chunk)
+    mine = parts[0].clone()
+    for part in parts[1:]:
+        mine.add_(part)
+    dist.all_gather_single(flat, mine, group=group)
+    return flat[:total]
 
 
 DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
@@ -293,5 +326,6 @@ __all__ = [
     "TP_MODEL_TYPES",
     "ParallelDims",
     "ParallelismError",
+    "ordered_sum",
     "parse_devices",
 ]

@@ -209,10 +209,10 @@ def parallelize(model: CausalLM, dims: ParallelDims, options: ShardingOptions) -
     as a new `CausalLM` over the same module. Every rank must call it."""
     from psyche.modeling.causal_lm import CausalLM
 
-    if model.architecture == "Torchtitan" and (dims.tp > 1 or dims.fsdp):
+    if model.architecture == "Torchtitan" and dims.tp > 1:
         raise ParallelismError(
-            "Torchtitan models have no tensor-parallel or FSDP layout here yet (torchtitan's "
-            "parallelize functions are not built): use --data-parallelism without --fsdp"
+            "Torchtitan models have no tensor-parallel layout here yet (torchtitan's TP plans "
+            "are not built): use --data-parallelism (with or without --fsdp)"
         )
     dims.check_model(model.config)
     module = model.model
@@ -284,14 +284,23 @@ def _apply_fsdp(module: Any, dp_mesh: Any, options: ShardingOptions) -> None:
     policy = MixedPrecisionPolicy(
         param_dtype=options.param_dtype, reduce_dtype=options.reduce_dtype
     )
-    inner = getattr(module, "model", None)
-    blocks = set(getattr(inner, "_no_split_modules", None) or module._no_split_modules or [])
-    if not blocks:
-        raise ParallelismError(f"cannot tell the blocks of {type(module).__name__} to shard")
-    for sub in module.modules():
-        if type(sub).__name__ in blocks:
-            fully_shard(sub, mesh=dp_mesh, mp_policy=policy)
+    for block in _blocks(module):
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy)
     fully_shard(module, mesh=dp_mesh, mp_policy=policy)
+
+
+def _blocks(module: Any) -> list[Any]:
+    """The modules FSDP2 shards one by one (gathered one at a time): a transformers model's
+    `_no_split_modules` (its decoder layers), a torchtitan model's transformer blocks (its
+    `layers`, as torchtitan's own `apply_fsdp` shards them)."""
+    if hasattr(module, "titan_config"):
+        layers = module.layers
+        return list(layers.values() if hasattr(layers, "values") else layers)
+    inner = getattr(module, "model", None)
+    names = set(getattr(inner, "_no_split_modules", None) or module._no_split_modules or [])
+    if not names:
+        raise ParallelismError(f"cannot tell the blocks of {type(module).__name__} to shard")
+    return [sub for sub in module.modules() if type(sub).__name__ in names]
 
 
 __all__ = [

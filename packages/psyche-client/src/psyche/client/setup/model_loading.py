@@ -216,6 +216,7 @@ def build_from_parameters(
         ),
     )
     state = _shared_once(model.model.state_dict())
+    parameters = model.from_checkpoint_names(parameters)  # a Torchtitan model's own names
     missing = sorted(set(state) - set(parameters))
     unexpected = sorted(set(parameters) - set(state))
     if missing or unexpected:

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from psyche.client.checkpoints.keep_policy import KeepPolicy, KeepPolicyError, parse_keep_every
 from psyche.client.observe.evals import EvalOptions
-from psyche.client.setup.ranks import DEFAULT_PORT, RankLayout
+from psyche.client.setup.ranks import DEFAULT_PORT, FUSED_LOSS_CHOICES, RankLayout
 from psyche.core.cli import EnvOptions, UsageError, parse_bool, parse_unsigned
 
 if TYPE_CHECKING:
@@ -232,6 +232,12 @@ class TrainOptions:
     activation_checkpointing: bool = option(False, flag_only=True, parse=parse_bool)
     """Recompute each block's activations in the backward pass instead of keeping them"""
 
+    fused_loss: str = option("off", parse=parse_choice(FUSED_LOSS_CHOICES))
+    """Compute the training loss without the whole logits tensor (fused linear + cross-entropy):
+    auto takes Liger's kernel on CUDA when liger-kernel is installed, else a chunked loss in
+    torch; liger and chunked ask for one. The CPU computes the model's own loss whatever this
+    says (the same bits as off); TP/FSDP shards and Torchtitan models take their own loss too"""
+
     micro_batch_size: int = option(1, parse=parse_positive)
     """Samples per forward/backward pass on each rank (gradients accumulate over the batch)"""
 
@@ -365,9 +371,11 @@ class TrainOptions:
             param_dtype=self.param_dtype,
             reduce_dtype=self.reduce_dtype,
             activation_checkpointing=bool(self.activation_checkpointing),
+            fused_loss=self.fused_loss,
             main_host=self.main_host,
             port=DEFAULT_PORT if self.sidecar_port is None else self.sidecar_port,
             local_ranks=self.num_local_ranks,
+            eval_replica=self.evals.enabled,
         )
 
     @property
@@ -425,11 +433,6 @@ class TrainOptions:
             problems.append(f"--iroh-discovery {self.iroh_discovery}: expected n0 or local")
         ranks = self.ranks
         problems.extend(ranks.problems())
-        if not ranks.whole_on_rank_0 and self.evals.enabled:
-            problems.append(
-                "evaluations (--eval-tasks, --prompt-task) run on rank 0's whole model: with "
-                "--tensor-parallelism or --fsdp rank 0 holds only part of it (not built)"
-            )
         problems.extend(tracker_problems(self.trackers, self.run_id))
         problems.extend(self.evals.problems())
         if self.hub_repo is not None and self.gcs_bucket is not None:

@@ -22,7 +22,18 @@ DEFAULT_PORT = 34567
 """The TCP store's port on the main host (upstream's `--sidecar-port` / psyche-sidecar's
 `--port` default)."""
 
-SHARED_FIELDS = ("dp", "tp", "fsdp", "param_dtype", "reduce_dtype", "activation_checkpointing")
+SHARED_FIELDS = (
+    "dp",
+    "tp",
+    "fsdp",
+    "param_dtype",
+    "reduce_dtype",
+    "activation_checkpointing",
+    "fused_loss",
+)
+
+FUSED_LOSS_CHOICES = ("off", "auto", "chunked", "liger")
+"""`--fused-loss` (`psyche.modeling.fused_loss.FUSED_LOSS_CHOICES`, which imports torch)."""
 """What every rank of a client must agree on; the leader publishes them to other hosts."""
 
 
@@ -42,10 +53,14 @@ class RankLayout:
     param_dtype: str = "auto"
     reduce_dtype: str = "fp32"
     activation_checkpointing: bool = False
+    fused_loss: str = "off"
     main_host: str | None = None
     port: int = DEFAULT_PORT
     local_ranks: int | None = None
     start_rank: int = 0
+    eval_replica: bool = False
+    """Keep a whole replica of the model on rank 0 for evaluations when rank 0 holds only part
+    of it (TP, FSDP; `LeaderTrainer.keep_replica`): set when evaluations are asked for."""
 
     @property
     def world_size(self) -> int:
@@ -55,8 +70,14 @@ class RankLayout:
     def whole_on_rank_0(self) -> bool:
         """Whether rank 0 holds the whole model (replicated data parallelism or one rank): then
         it evaluates alone between rounds (a forward pass needs no other rank), as a one-rank
-        client does, on the same bits every rank holds."""
+        client does, on the same bits every rank holds. Otherwise it evaluates on a gathered
+        replica (`eval_replica`)."""
         return self.tp == 1 and not self.fsdp
+
+    @property
+    def keeps_replica(self) -> bool:
+        """Whether rank 0 keeps a gathered whole replica for evaluations."""
+        return self.eval_replica and not self.whole_on_rank_0 and self.start_rank == 0
 
     @property
     def ranks_here(self) -> int:
@@ -87,7 +108,7 @@ class RankLayout:
     def needed(self) -> bool:
         """Whether the trainer is built through a `WorkerGroup` (several ranks, or a memory
         option the one-rank path applies the same way)."""
-        return self.world_size > 1 or self.activation_checkpointing
+        return self.world_size > 1 or self.activation_checkpointing or self.fused_loss != "off"
 
     def sharding(self) -> ShardingOptions:
         import torch
@@ -176,4 +197,4 @@ class SidecarLayout:
         return RankLayout(device=self.device, cpu_threads=self.cpu_threads)
 
 
-__all__ = ["DEFAULT_PORT", "RankLayout", "SidecarLayout"]
+__all__ = ["DEFAULT_PORT", "FUSED_LOSS_CHOICES", "RankLayout", "SidecarLayout"]

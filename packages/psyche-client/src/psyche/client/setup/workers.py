@@ -195,7 +195,9 @@ class WorkerGroup:
     def build_trainer(self, loaded: LoadedModel, llm: Any, config: TrainerSettings) -> Trainer:
         """Rank 0's trainer over the whole group: the model's tensors go to every rank, each
         builds and lays out its part, and rank 0 gets a `LeaderTrainer`. `loaded.model`
-        becomes the laid-out model."""
+        becomes the laid-out model, or, when rank 0 holds only part of it and evaluations are
+        asked for (`RankLayout.keeps_replica`), stays the whole model the trainer keeps equal
+        to the ranks' parameters (what evaluations run on)."""
         from psyche.modeling.causal_lm import architecture_name
         from psyche.modeling.distributed import COMMAND_LOCK, LeaderTrainer, broadcast_state
         from psyche.modeling.distributed import send_command as send
@@ -218,7 +220,12 @@ class WorkerGroup:
             with COMMAND_LOCK:
                 send(BUILD, spec=spec)
                 state = broadcast_state(loaded.model.extract())
-                trainer = _build_rank(spec, state, None, self.dims, self.layout, LeaderTrainer)
+                leader = _build_rank(spec, state, None, self.dims, self.layout, LeaderTrainer)
+                assert isinstance(leader, LeaderTrainer)
+                if self.layout.keeps_replica:
+                    leader.keep_replica(loaded.model)
+                    return leader
+                trainer = leader
         loaded.model = trainer.model
         return trainer
 
@@ -351,6 +358,7 @@ def _build_rank(
                 spec.config_json, spec.tokenizer_json, state, spec.architecture, dims.device
             )
         model = parallelize(loaded.model, dims, layout.sharding())
+        model.set_fused_loss(layout.fused_loss)
         return cls(
             model,
             spec.lr_schedule,
