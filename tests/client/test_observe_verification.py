@@ -126,3 +126,21 @@ def test_the_tally_is_bounded(caplog: pytest.LogCaptureFixture) -> None:
         events.detach()
     assert len(tally.verified) == 8
     assert tally.take(1000).metrics()[VERIFIED_KEY] == 8
+
+
+def test_a_verifiers_own_report_reaches_its_progress_line() -> None:
+    """What `StepStateMachine` keeps of the report it sent (`VerificationTally.add_report`): each
+    finding with the trainer its duty names, said by the progress line of a later step."""
+    from psyche.coordinator.verification import Finding, VerificationReport
+
+    tally = VerificationTally()
+    honest = VerificationDuty(BatchId(0, 3), HONEST, ME)
+    hostile = VerificationDuty(BatchId(4, 7), HOSTILE, ME)
+    report = VerificationReport(
+        5, [Finding(honest.batch_id, True, 30.0), Finding(hostile.batch_id, False, -40.0)]
+    )
+    tally.add_report(_job(5, [honest, hostile]), report)
+    assert tally.take(4).text() == ""  # a line of an earlier step says nothing of round 5
+    line = progress_text(6, 100, 0, 2.5, None, None, verification=tally.take(6).text())
+    assert line.endswith(f"; verified 2 (1 mismatch: {HOSTILE} B[4, 7])"), line
+    assert not tally.take(6)  # said once

@@ -15,8 +15,11 @@ process has one (a second client in the same process would hear the first's even
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
+
+from psyche.coordinator.verification import VerificationDuty, VerificationReport
 
 VERIFIED_KEY = "verification/verified"
 MISMATCHES_KEY = "verification/mismatches"
@@ -95,6 +98,16 @@ class VerificationSummary:
         }
 
 
+class VerifyJobLike(Protocol):
+    """A round's duties as this client planned them (`psyche.client.round.verify.VerifyJob`)."""
+
+    @property
+    def duties(self) -> Sequence[VerificationDuty]: ...
+
+    @property
+    def tie_breaker(self) -> bool: ...
+
+
 @dataclass
 class VerificationTally:
     """Findings and punishments not yet summed up, bounded (`limit` of each: the oldest go)."""
@@ -108,6 +121,23 @@ class VerificationTally:
 
     def add_punished(self, punished: Punished) -> None:
         self.punished = [*self.punished, punished][-self.limit :]
+
+    def add_report(self, job: VerifyJobLike, report: VerificationReport) -> None:
+        """Every finding of this client's own `report` for the round `job` (its duties name
+        the trainers)."""
+        trainers = {duty.batch_id: duty.trainer for duty in job.duties}
+        role = "tie-breaker" if job.tie_breaker else "verifier"
+        for finding in report.findings:
+            self.add_verified(
+                Verified(
+                    int(report.step),
+                    role,
+                    str(trainers.get(finding.batch_id, "?")),
+                    str(finding.batch_id),
+                    bool(finding.matches),
+                    float(finding.score),
+                )
+            )
 
     def take(self, step: int) -> VerificationSummary:
         """Everything about rounds up to `step`, removed from the tally (a finding arrives a

@@ -43,6 +43,7 @@ from psyche.client.observe.evals import split_scores
 from psyche.client.observe.logs import log_event
 from psyche.client.observe.stats import RunProgress, StatsLogger, progress_text
 from psyche.client.observe.telemetry import RoundClock, RoundReport, complete_report
+from psyche.client.observe.verification import VerificationTally
 from psyche.client.round import payloads, screening, verify, witness
 from psyche.client.round.apply import (
     ApplyError,
@@ -188,6 +189,8 @@ class StepStateMachine:
         self.missed_result: str | None = None
         """Why this machine's model left the run's (a result the run agreed on arrived after its
         apply was planned); the next state stops it (`left_run`)."""
+        self.verification = VerificationTally()
+        """This client's findings as a verifier or tie-breaker, until a progress line says them."""
         self.own_results_to_subtract: list[list[DistroResult]] = []
         """What this client last sent (unquantized) and its DisTrO momentum has not yet had taken
         out: the next round it trains subtracts it (`train_job`), however many rounds it sat out
@@ -519,6 +522,20 @@ class StepStateMachine:
         verify_job = verify.plan_verification(state, self.identity) if plan.have_training else None
         self.tasks.start_soon(self._run_round, handle, apply_job, train_job, verify_job)
 
+    async def _compare_and_report(
+        self,
+        job: verify.VerifyJob,
+        recomputed: verify.Recomputations,
+        round_state: RoundState,
+        deadline: float,
+    ) -> None:
+        """Compare and report this round's duties (`verify.compare_and_report`), and keep the
+        findings for the progress line."""
+        report = await verify.compare_and_report(
+            self.trainer, job, recomputed, round_state, deadline, self.io.send_verification
+        )
+        self.verification.add_report(job, report)
+
     def _own_results_for_training(self, plan: RoundPlan) -> list[list[DistroResult]]:
         owed, self.own_results_to_subtract = own_results_to_subtract(
             self.own_results_to_subtract, self.previous.self_distro_results, plan
@@ -560,13 +577,7 @@ class StepStateMachine:
             config = self.coordinator_state.config
             deadline = trio.current_time() + config.max_round_train_time + config.round_witness_time
             self.tasks.start_soon(
-                verify.compare_and_report,
-                self.trainer,
-                verify_job,
-                recomputed,
-                round_state,
-                deadline,
-                self.io.send_verification,
+                self._compare_and_report, verify_job, recomputed, round_state, deadline
             )
         # the trainer is idle until the next round (a newer round's step, if one has started
         # meanwhile, stopped the evaluations before its own work and keeps the model)
@@ -639,7 +650,13 @@ class StepStateMachine:
             logger,
             "client_loss",
             text=progress_text(
-                step, total, state.progress.epoch, loss, tokens_per_sec, seconds_left
+                step,
+                total,
+                state.progress.epoch,
+                loss,
+                tokens_per_sec,
+                seconds_left,
+                verification=self.verification.take(step).text(),
             ),
             marker=IntegrationTestLogMarker.Loss,
             client_id=str(self.identity),
