@@ -71,6 +71,8 @@ AllowFn = Callable[[bytes], bool]
 
 MAX_CONNECTIONS = 1024
 DIAL_TIMEOUT_SECS = 5.0
+PING_TIMEOUT_SECS = 5.0
+"""One ping, its stream's negotiation included (`measure_rtt`)."""
 DIRECT_HEAD_START_SECS = 1.5
 """A direct dial's lead over the relayed one when a peer announces both."""
 MAX_INBOUND_STREAMS_PER_PEER = 256
@@ -504,7 +506,7 @@ async def close_all_connections(host: IHost) -> None:
 
 
 async def measure_rtt(
-    host: IHost, peer: bytes, timeout: float = 5.0, conn: INetConn | None = None
+    host: IHost, peer: bytes, timeout: float = PING_TIMEOUT_SECS, conn: INetConn | None = None
 ) -> float:
     """One ping round trip in seconds, timed here (py-libp2p's ping rounds to whole ms), on
     `conn` when given, else on the connection py-libp2p picks."""
