@@ -93,7 +93,7 @@ async def inject(node: NetworkConnection, data: bytes, topic: bytes | None = Non
 
 
 async def wait_for_mesh(nodes: list[NetworkConnection], minimum: int) -> None:
-    await wait_until(lambda: all(len(n.neighbors()) >= minimum for n in nodes), timeout=10)
+    await wait_until(lambda: all(len(n.gossip.mesh()) >= minimum for n in nodes), timeout=10)
 
 
 def test_gossip_reaches_six_nodes_and_rebroadcast_heals() -> None:

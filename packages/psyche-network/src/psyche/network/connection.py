@@ -53,6 +53,7 @@ from psyche.network.blob_transport import (
     TcpBlobTransport,
 )
 from psyche.network.connection_monitor import RTT_PROBE_INTERVAL_SECS, ConnectionMonitor
+from psyche.network.dialer import Dialer, MeasuredTimeout
 from psyche.network.discovery import AddressBook, LocalDiscovery, sign_address_record
 from psyche.network.download import DOWNLOAD_TIMEOUT_SECS, Download, Downloader
 from psyche.network.download_manager import INLINE_WORK_BYTES, DownloadManager
@@ -245,8 +246,13 @@ class NetworkConnection:
         )
         self.connection_drops: DropLog = p2p_host.drop_log()
         """Connections the libp2p host refused or dropped, by kind (`counts`)."""
+        self.dialer = Dialer(self._dial, config.connect_timeout_secs)
         self._paths: dict[bytes, str] = {}
         self._rtt_failures: dict[bytes, int] = {}
+        self._probing: set[bytes] = set()
+        self.probe_timeouts = MeasuredTimeout(p2p_host.PING_TIMEOUT_SECS)
+        """How long an RTT probe may take, sized from the probes that succeeded (a loaded
+        machine answers late, which is no dead connection)."""
         self._checking_direct: set[bytes] = set()
 
     # ------------------------------------------------------------------------------------------
@@ -421,16 +427,23 @@ class NetworkConnection:
                 self._spawn(p2p_host.disconnect, self.host, peer)
 
     def neighbors(self) -> list[bytes]:
+        """The peers we gossip with (upstream: iroh-gossip's active view): `Gossip.neighbors`."""
         return self.gossip.neighbors()
 
     def connected_peers(self) -> list[bytes]:
         return self.connection_monitor.connected_peers()
 
     def add_peers(self, peers: Iterable[bytes]) -> None:
-        """Connect to these run members in the background (upstream: gossip `join_peers`)."""
-        for peer in peers:
-            if peer != self.endpoint_id:
-                self._spawn(self._connect_logged, bytes(peer))
+        """Connect to these run members in the background (upstream: gossip `join_peers`);
+        peers already connected, being dialed, or whose last dials failed a moment ago
+        (`dialer`) are skipped."""
+        connected = set(self.connection_monitor.connected_peers())
+        for peer in map(bytes, peers):
+            if peer == self.endpoint_id or peer in connected:
+                continue
+            if self.dialer.dialing(peer) or self.dialer.backed_off(peer):
+                continue
+            self._spawn(self._connect_logged, peer)
 
     async def _connect_logged(self, peer: bytes) -> None:
         try:
@@ -439,20 +452,22 @@ class NetworkConnection:
             logger.warning("Failed to join gossip peer %s: %s", fmt_short(peer), e)
 
     async def connect(self, peer: bytes) -> None:
-        """Make sure a libp2p connection to `peer` exists, finding its address if needed."""
+        """Make sure a libp2p connection to `peer` exists, finding its address if needed; a dial
+        already under way is joined, and set-ups are paced (`dialer`)."""
         if peer in self.connection_monitor.connected_peers():
             return
         if not self._allowed(peer):
             raise PermissionError(f"{fmt_short(peer)} is not in the allowlist")
+        await self.dialer.connect(peer)
+
+    async def _dial(self, peer: bytes, base_timeout: float) -> None:
         addr = self._resolve(peer) or await self._ask_for_record(peer)
         if addr is None or not addr.libp2p_addrs():
             raise LookupError(f"no known address for {fmt_short(peer)}")
         relayed = any(p2p_host.is_circuit(a) for a in addr.libp2p_addrs())
         can_relay = bool(self.nat.relay_ids)
         # a relayed peer gets the direct attempt's head start on top of the timeout
-        timeout = self.config.connect_timeout_secs + (
-            p2p_host.DIRECT_HEAD_START_SECS if relayed and can_relay else 0.0
-        )
+        timeout = base_timeout + (p2p_host.DIRECT_HEAD_START_SECS if relayed and can_relay else 0.0)
         try:
             with trio.fail_after(timeout):
                 await p2p_host.connect(
@@ -695,10 +710,29 @@ class NetworkConnection:
         return dict(self._paths)
 
     async def _probe_rtt(self, peer: bytes) -> None:
+        """Ping `peer` (one probe per peer at a time: the probe on connecting and the periodic
+        one would otherwise count one slow moment twice); after `DEAD_CONNECTION_PROBES`
+        unanswered in a row the connection is dropped and dialed again. Each probe gets
+        `probe_timeouts`: on two cores at load 20, 5 s probes of live connections failed
+        twice in a row and 298 of them were dropped in two minutes (32 nodes), the reconnects
+        adding to the load that made the probes fail."""
+        if peer in self._probing:
+            return
+        self._probing.add(peer)
         try:
-            rtt = await p2p_host.measure_rtt(self.host, peer)
+            await self._probe_rtt_once(peer)
+        finally:
+            self._probing.discard(peer)
+
+    async def _probe_rtt_once(self, peer: bytes) -> None:
+        timeout = self.probe_timeouts.timeout()
+        start = trio.current_time()
+        try:
+            rtt = await p2p_host.measure_rtt(self.host, peer, timeout)
         except Exception as e:
             logger.debug("rtt probe to %s failed: %s", fmt_short(peer), e)
+            if isinstance(e, trio.TooSlowError):
+                self.probe_timeouts.took(timeout)
             failures = self._rtt_failures.get(peer, 0) + 1
             self._rtt_failures[peer] = failures
             if failures >= DEAD_CONNECTION_PROBES:
@@ -716,6 +750,7 @@ class NetworkConnection:
                 self._spawn(self._connect_logged, peer)
             return
         self._rtt_failures.pop(peer, None)
+        self.probe_timeouts.took(trio.current_time() - start)
         self.connection_monitor.on_rtt(peer, rtt)
 
     async def _close_dead_direct_path(self, peer: bytes, unanswered: int) -> bool:

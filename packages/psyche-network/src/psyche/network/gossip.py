@@ -400,5 +400,20 @@ class Gossip:
         return stream is not None and is_relayed(stream.muxed_conn)
 
     def neighbors(self) -> list[bytes]:
-        peers = self.router.mesh.get(self.topic, set())
-        return [k for p in peers if (k := peer_key(p)) is not None]
+        """The peers we gossip with: our stream to them is open and they subscribe to the topic
+        (upstream: iroh-gossip's active view), the mesh among them. Each gets our own messages
+        (`_PsycheGossipSub` publishes to every subscribed peer) and the repair's IHAVEs, so it
+        is a neighbour as soon as both hold, not a heartbeat or more later when GossipSub grafts
+        it: counting the mesh only, a node whose meshes were still forming (every node, on a
+        loaded machine) saw no neighbour and dialed 3 more peers every 6 s (`dialer`)."""
+        subscribed = self.pubsub.peer_topics.get(self.topic, set())
+        peers = {p for p in subscribed if p in self.pubsub.peers}
+        return _keys(peers | self.router.mesh.get(self.topic, set()))
+
+    def mesh(self) -> list[bytes]:
+        """GossipSub's mesh on the topic (the peers others' messages are forwarded to)."""
+        return _keys(self.router.mesh.get(self.topic, set()))
+
+
+def _keys(peers: Iterable[ID]) -> list[bytes]:
+    return [k for p in peers if (k := peer_key(p)) is not None]

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import struct
 from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any, Protocol, runtime_checkable
@@ -47,6 +49,7 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
+from libp2p.stream_muxer.yamux.yamux import FLAG_SYN, TYPE_PING, YAMUX_HEADER_FORMAT, Yamux
 
 from psyche.core.drop_log import DropLog
 from psyche.core.identity import SecretKey
@@ -71,6 +74,8 @@ AllowFn = Callable[[bytes], bool]
 
 MAX_CONNECTIONS = 1024
 DIAL_TIMEOUT_SECS = 5.0
+PING_TIMEOUT_SECS = 5.0
+"""One ping (`measure_rtt`)."""
 DIRECT_HEAD_START_SECS = 1.5
 """A direct dial's lead over the relayed one when a peer announces both."""
 MAX_INBOUND_STREAMS_PER_PEER = 256
@@ -504,17 +509,26 @@ async def close_all_connections(host: IHost) -> None:
 
 
 async def measure_rtt(
-    host: IHost, peer: bytes, timeout: float = 5.0, conn: INetConn | None = None
+    host: IHost, peer: bytes, timeout: float = PING_TIMEOUT_SECS, conn: INetConn | None = None
 ) -> float:
-    """One ping round trip in seconds, timed here (py-libp2p's ping rounds to whole ms), on
-    `conn` when given, else on the connection py-libp2p picks."""
-    import os
+    """One round trip in seconds, timed here, on `conn` when given, else on the peer's direct
+    connection (a relayed one if it has none).
 
+    On a Yamux connection (every connection these hosts make) it is one Yamux ping frame,
+    which the peer's muxer answers itself (as QUIC's path RTT, which upstream reads, costs no
+    stream): py-libp2p's ping protocol opened a stream and negotiated it per probe, about a
+    fifth of an idle node's CPU with a probe per peer every 5 s, and on a loaded machine the
+    negotiation stalled where the muxer still answered. Other muxers get the ping protocol."""
+    if conn is None:
+        conns = host.get_network().get_connections(peer_id_from_public_key(peer))
+        if not conns:
+            raise ConnectionError(f"not connected to {fmt_short(peer)}")
+        conn = sorted(conns, key=is_relayed)[0]
+    muxed = conn.muxed_conn
     with trio.fail_after(timeout):
-        if conn is not None:
-            stream = await new_stream_on(host, conn, [PING_PROTOCOL_ID], timeout)
-        else:
-            stream = await host.new_stream(peer_id_from_public_key(peer), [PING_PROTOCOL_ID])
+        if isinstance(muxed, Yamux):
+            return await _yamux_ping(muxed)
+        stream = await new_stream_on(host, conn, [PING_PROTOCOL_ID], timeout)
         try:
             payload = os.urandom(PING_LENGTH)
             start = trio.current_time()
@@ -526,6 +540,23 @@ async def measure_rtt(
     if echoed != payload:
         raise ValueError("ping payload mismatch")
     return rtt
+
+
+async def _yamux_ping(muxed: Yamux) -> float:
+    """A Yamux ping (SYN) and its answer (ACK), through the muxer's own ping bookkeeping: its
+    reader sets the current `_ping_event` on an ACK (py-libp2p's RTT loop pings the same way,
+    every 30 s; were it to ping while this waits, this one waits for the next answer)."""
+    if muxed.event_shutting_down.is_set():
+        raise ConnectionError("connection closed")
+    answered = trio.Event()
+    muxed._ping_event = answered
+    muxed._ping_id += 1
+    await muxed._write_frame(
+        struct.pack(YAMUX_HEADER_FORMAT, 0, TYPE_PING, FLAG_SYN, 0, muxed._ping_id)
+    )
+    start = muxed._ping_sent_time = trio.current_time()
+    await answered.wait()
+    return trio.current_time() - start
 
 
 async def read_exactly(stream: INetStream, n: int) -> bytes:
