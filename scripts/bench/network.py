@@ -29,6 +29,9 @@ receiver share a CPU and the GIL in every measurement, baseline included:
   the raw socket's receive; `--link-mbit 1000` runs it with every node in a network namespace of
   its own behind a 1 Gbit/s token bucket into the joiner (root; `--millions` sets the size).
   `--old-src OLD/packages` runs the same on another checkout's sources first, same sitting.
+* crypto: the CPU time per MiB, on one core, of AES-256-GCM decryption (Noise transport
+  messages, as the side channel receives them) and BLAKE3 (1 MiB blobs): the work every
+  received byte needs besides the socket call (both release the GIL).
 * tracker: the CPU cost of one download progress update in the bandwidth tracker (record the
   bytes, read the peer's rate) with a full 15 s window of 64 KiB frames from one peer at
   100 Mbit/s and 1 Gbit/s, against the tracker's old definition (re-sum the window on every
@@ -574,6 +577,47 @@ async def bench_tracker(repeats: int) -> list[str]:
     return lines
 
 
+# ---- receive-side crypto ---------------------------------------------------------------------
+
+
+def crypto_cpu_per_mib(repeats: int) -> tuple[float, float]:
+    """CPU seconds per MiB (the process's: BLAKE3 may use several threads) of what a joiner does to every byte it receives on
+    the side channel besides the socket call: AES-256-GCM `decrypt_into` of full Noise
+    transport messages (as `secure_channel` does) and BLAKE3 of 1 MiB blobs (`blob_hash`)."""
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    from psyche.network.secure_channel import MAX_NOISE_MESSAGE
+    from psyche.network.ticket import blob_hash
+
+    total = 64 * MIB
+    aead = AESGCM(os.urandom(32))
+    plain = os.urandom(MAX_NOISE_MESSAGE - 16)
+    nonce = bytes(12)
+    sealed = aead.encrypt(nonce, plain, None)
+    out = memoryview(bytearray(len(plain)))
+    blob = os.urandom(MIB)
+    decrypt, hashing = [], []
+    for _ in range(repeats):
+        start = time.process_time()
+        for _ in range(total // len(plain)):
+            aead.decrypt_into(nonce, sealed, None, out)
+        decrypt.append((time.process_time() - start) / (total // len(plain) * len(plain)) * MIB)
+        start = time.process_time()
+        for _ in range(total // MIB):
+            blob_hash(blob)
+        hashing.append((time.process_time() - start) / (total // MIB))
+    return statistics.median(decrypt), statistics.median(hashing)
+
+
+async def bench_crypto(repeats: int) -> list[str]:
+    decrypt, hashing = crypto_cpu_per_mib(repeats)
+    return [
+        f"receive crypto CPU time  AES-256-GCM decrypt {decrypt * 1e3:6.3f} ms CPU/MiB "
+        f"({1 / decrypt / 1024:5.2f} GiB/s) | BLAKE3 {hashing * 1e3:6.3f} ms CPU/MiB "
+        f"({1 / hashing / 1024:5.2f} GiB/s) | both {(decrypt + hashing) * 1e3:6.3f} ms CPU/MiB"
+    ]
+
+
 # ---- model sharing --------------------------------------------------------------------------
 
 
@@ -898,6 +942,7 @@ async def main(repeats: int, gossip_rounds: int, only: str | None, args: Any) ->
         "gossip": lambda: bench_gossip_ring(gossip_rounds),
         "gossip-mirror": lambda: bench_gossip_mirror(gossip_rounds),
         "tracker": lambda: bench_tracker(repeats),
+        "crypto": lambda: bench_crypto(repeats),
         "model": lambda: bench_model(repeats),
         "model-processes": lambda: bench_model_processes(
             repeats, args.millions, bind=args.bind, provider_hosts=where, label=args.label
@@ -918,7 +963,7 @@ if __name__ == "__main__":
     parser.add_argument(
         "--only",
         choices=[
-            "blobs", "paths", "gossip", "gossip-mirror", "tracker", "model", "model-processes", "model300",
+            "blobs", "paths", "gossip", "gossip-mirror", "tracker", "crypto", "model", "model-processes", "model300",
             "model300-processes",
         ],
         help="run one part",
