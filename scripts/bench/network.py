@@ -976,6 +976,8 @@ if __name__ == "__main__":
     parser.add_argument("--old-src", type=Path,
                         help="also run another checkout's packages/ directory first (its sources "
                         "on PYTHONPATH), in the same sitting")  # fmt: skip
+    parser.add_argument("--sittings", type=int, default=1,
+                        help="with --link-mbit: run the sources in turn this many times")  # fmt: skip
     parser.add_argument("--serve-model", nargs=3, metavar=("MILLIONS", "KEY", "JOINER"),
                         help=argparse.SUPPRESS)  # fmt: skip
     parser.add_argument("--bind", default="127.0.0.1", help=argparse.SUPPRESS)
@@ -989,7 +991,8 @@ if __name__ == "__main__":
         trio.run(serve_model_process, int(millions), key, joiner, args.bind)
     elif args.link_mbit:
         old = [("main", str(args.old_src))] if args.old_src else []
-        link_benchmark(args.link_mbit, args.repeats, args.millions, [*old, ("this", "")])
+        sources = [*old, ("this", "")] * args.sittings
+        link_benchmark(args.link_mbit, args.repeats, args.millions, sources)
     else:
         if args.old_src:
             run_old_checkout(args.old_src)

@@ -1,14 +1,14 @@
 """A joining client fetching the whole model from its peers (upstream client flow for `P2P`).
 
-1. Connect to every peer at once (while step 2 runs), then ask peers (chosen by `PeerManager`)
-   for the config ticket and download it.
+1. Connect to every peer at once and, meanwhile, ask peers (chosen by `PeerManager`) for the
+   config ticket and download it.
 2. Ask for the parameters' tickets in batches (`/psyche/model-sharing-batch/0`: one round trip
    per batch, not per tensor; upstream asks per parameter), one ticket worker per peer, each
    asking whichever peer is free for its next batch as soon as its last one is answered: the
-   first batch small (`FIRST_BATCH_NAMES`), so a provider that serializes on request hands out
-   its first tickets at once, each next one twice as large. A name a peer answers with an error
-   is asked again (of whichever peer is next), and the error counts against that peer (10 s per
-   request, 500 attempts, 5 errors per peer, as upstream).
+   first batch only what a peer may have in flight, so a provider that serializes on request
+   hands out its first tickets at once, each next one `BATCH_GROWTH` times as large. A name a
+   peer answers with an error is asked again (of whichever peer is next), and the error counts
+   against that peer (10 s per request, 500 attempts, 5 errors per peer, as upstream).
 3. Download each batch's parameters as soon as its tickets arrive, with at most `max_concurrent`
    blobs in flight in all (upstream default 8), shared evenly between the peers; the blob
    sessions are reused, so each provider pays one handshake. Capacity is released when a blob
@@ -61,8 +61,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-FIRST_BATCH_NAMES = 2
-"""A ticket worker's first batch; each next one is twice the size (up to `MAX_BATCH_NAMES`)."""
+BATCH_GROWTH = 4
+"""Each next batch of a ticket worker is this many times its last (up to `MAX_BATCH_NAMES`)."""
 
 
 @dataclass(frozen=True)
@@ -184,16 +184,16 @@ class ModelDownload:
     async def _request_batches(
         self, queue: deque[str], workers: int, per_provider: int, downloads: trio.Nursery
     ) -> None:
-        """Ask for batches of `queue`'s names until it is empty: the first batch small
-        (`FIRST_BATCH_NAMES`, so a peer's first blobs are not held back until it has
-        serialized a large batch), each next one twice the size, at most `MAX_BATCH_NAMES`
-        and this worker's share of what is left."""
-        size = FIRST_BATCH_NAMES
+        """Ask for batches of `queue`'s names until it is empty: the first as many as a peer
+        may have in flight (`per_provider`: a provider that serializes on request answers at
+        once, not after a whole batch), each next one `BATCH_GROWTH` times the last, at most
+        `MAX_BATCH_NAMES` and this worker's share of what is left."""
+        size = per_provider
         while queue:
             share = max(1, min(size, MAX_BATCH_NAMES, -(-len(queue) // workers)))
             batch = [queue.popleft() for _ in range(min(share, len(queue)))]
             await self._request_batch(batch, queue, per_provider, downloads)
-            size *= 2
+            size *= BATCH_GROWTH
 
     async def _request_batch(
         self, names: list[str], retry: deque[str], per_provider: int, downloads: trio.Nursery
