@@ -2,13 +2,16 @@
 
 1. Connect to every peer at once and, meanwhile, ask peers (chosen by `PeerManager`) for the
    config ticket and download it.
-2. Ask for the parameters' tickets in batches (`/psyche/model-sharing-batch/0`: one round trip
-   per batch, not per tensor; upstream asks per parameter), one ticket worker per peer, each
-   asking whichever peer is free for its next batch as soon as its last one is answered: the
-   first batch only what a peer may have in flight, so a provider that serializes on request
-   hands out its first tickets at once, each next one `BATCH_GROWTH` times as large. A name a
-   peer answers with an error is asked again (of whichever peer is next), and the error counts
-   against that peer (10 s per request, 500 attempts, 5 errors per peer, as upstream).
+2. Ask for the parameters' tickets in batches, one batch per peer at a time and all peers at
+   once (`/psyche/model-sharing-batch/0`: one round trip per peer, not per tensor; upstream asks
+   per parameter); a next round of batches (names a peer had no ticket for, or a model with
+   more tensors than `MAX_BATCH_NAMES` per peer) is asked as soon as the last is answered, not
+   when its downloads are done. Smaller first batches (2, 4, 8 names, or a peer's in-flight
+   share, then four times larger) were measured: every extra batch is a py-libp2p stream, which
+   cost a warm fetch more CPU per byte and more time than a provider's serialization of a whole
+   batch cost a cold one. A name a peer answers with an error is asked again (of whichever peer
+   is next), and the error counts against that peer (10 s per request, 500 attempts, 5 errors
+   per peer, as upstream).
 3. Download each batch's parameters as soon as its tickets arrive, with at most `max_concurrent`
    blobs in flight in all (upstream default 8), shared evenly between the peers; the blob
    sessions are reused, so each provider pays one handshake. Capacity is released when a blob
@@ -60,9 +63,6 @@ if TYPE_CHECKING:
     from psyche.network.connection import NetworkConnection
 
 logger = logging.getLogger(__name__)
-
-BATCH_GROWTH = 4
-"""Each next batch of a ticket worker is this many times its last (up to `MAX_BATCH_NAMES`)."""
 
 
 @dataclass(frozen=True)
@@ -146,15 +146,20 @@ class ModelDownload:
             queue = deque(config.parameter_names)
             async with trio.open_nursery() as downloads:
                 while queue:
-                    # One ticket worker per peer, each asking whichever peer is free for its
-                    # next batch as soon as the last one is answered (not when its downloads
-                    # are done); a batch's downloads start as its tickets arrive.
+                    # The peer manager hands each peer to one request at a time: one batch per
+                    # peer; each batch's downloads start as its tickets arrive, and the next
+                    # round of batches (names a peer had no ticket for, or more names than
+                    # `MAX_BATCH_NAMES` per peer) is asked without waiting for them.
                     workers = max(1, len(self.peer_manager.available_peers))
+                    share = max(1, min(MAX_BATCH_NAMES, -(-len(queue) // workers)))
                     per_provider = max(1, -(-self.scheduler.max_concurrent // workers))
+                    batches: list[list[str]] = []
+                    while queue and len(batches) < workers:
+                        batches.append([queue.popleft() for _ in range(min(share, len(queue)))])
                     async with trio.open_nursery() as requests:
-                        for _ in range(workers):
+                        for batch in batches:
                             requests.start_soon(
-                                self._request_batches, queue, workers, per_provider, downloads
+                                self._request_batch, batch, queue, per_provider, downloads
                             )
         return DownloadedModel(config, self.model.take_parameters())
 
@@ -180,20 +185,6 @@ class ModelDownload:
     async def _ask_tickets(self, peer: bytes, names: list[str]) -> list[TicketResult]:
         await self._dialled_first(peer)
         return await self._network.request_model_blob_tickets(peer, names)
-
-    async def _request_batches(
-        self, queue: deque[str], workers: int, per_provider: int, downloads: trio.Nursery
-    ) -> None:
-        """Ask for batches of `queue`'s names until it is empty: the first as many as a peer
-        may have in flight (`per_provider`: a provider that serializes on request answers at
-        once, not after a whole batch), each next one `BATCH_GROWTH` times the last, at most
-        `MAX_BATCH_NAMES` and this worker's share of what is left."""
-        size = per_provider
-        while queue:
-            share = max(1, min(size, MAX_BATCH_NAMES, -(-len(queue) // workers)))
-            batch = [queue.popleft() for _ in range(min(share, len(queue)))]
-            await self._request_batch(batch, queue, per_provider, downloads)
-            size *= BATCH_GROWTH
 
     async def _request_batch(
         self, names: list[str], retry: deque[str], per_provider: int, downloads: trio.Nursery
