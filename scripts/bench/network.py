@@ -25,7 +25,13 @@ receiver share a CPU and the GIL in every measurement, baseline included:
   batched ticket requests and parameter blobs), against one raw socket carrying the same bytes;
   `--only model300` does the same for a 300M-parameter model (600 MB, not in the default run);
   `--only model-processes` (and `model300-processes`) put each provider in a process of its own,
-  the baseline a raw socket between processes.
+  the baseline a raw socket between processes, and print the joiner's CPU time per byte against
+  the raw socket's receive; `--link-mbit 1000` runs it with every node in a network namespace of
+  its own behind a 1 Gbit/s token bucket into the joiner (root; `--millions` sets the size).
+  `--old-src OLD/packages` runs the same on another checkout's sources first, same sitting.
+* crypto: the CPU time per MiB, on one core, of AES-256-GCM decryption (Noise transport
+  messages, as the side channel receives them) and BLAKE3 (1 MiB blobs): the work every
+  received byte needs besides the socket call (both release the GIL).
 * tracker: the CPU cost of one download progress update in the bandwidth tracker (record the
   bytes, read the peer's rate) with a full 15 s window of 64 KiB frames from one peer at
   100 Mbit/s and 1 Gbit/s, against the tracker's old definition (re-sum the window on every
@@ -44,6 +50,7 @@ import statistics
 import time
 from collections.abc import Awaitable, Callable
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import trio
@@ -570,6 +577,47 @@ async def bench_tracker(repeats: int) -> list[str]:
     return lines
 
 
+# ---- receive-side crypto ---------------------------------------------------------------------
+
+
+def crypto_cpu_per_mib(repeats: int) -> tuple[float, float]:
+    """CPU seconds per MiB (the process's: BLAKE3 may use several threads) of what a joiner does to every byte it receives on
+    the side channel besides the socket call: AES-256-GCM `decrypt_into` of full Noise
+    transport messages (as `secure_channel` does) and BLAKE3 of 1 MiB blobs (`blob_hash`)."""
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    from psyche.network.secure_channel import MAX_NOISE_MESSAGE
+    from psyche.network.ticket import blob_hash
+
+    total = 64 * MIB
+    aead = AESGCM(os.urandom(32))
+    plain = os.urandom(MAX_NOISE_MESSAGE - 16)
+    nonce = bytes(12)
+    sealed = aead.encrypt(nonce, plain, None)
+    out = memoryview(bytearray(len(plain)))
+    blob = os.urandom(MIB)
+    decrypt, hashing = [], []
+    for _ in range(repeats):
+        start = time.process_time()
+        for _ in range(total // len(plain)):
+            aead.decrypt_into(nonce, sealed, None, out)
+        decrypt.append((time.process_time() - start) / (total // len(plain) * len(plain)) * MIB)
+        start = time.process_time()
+        for _ in range(total // MIB):
+            blob_hash(blob)
+        hashing.append((time.process_time() - start) / (total // MIB))
+    return statistics.median(decrypt), statistics.median(hashing)
+
+
+async def bench_crypto(repeats: int) -> list[str]:
+    decrypt, hashing = crypto_cpu_per_mib(repeats)
+    return [
+        f"receive crypto CPU time  AES-256-GCM decrypt {decrypt * 1e3:6.3f} ms CPU/MiB "
+        f"({1 / decrypt / 1024:5.2f} GiB/s) | BLAKE3 {hashing * 1e3:6.3f} ms CPU/MiB "
+        f"({1 / hashing / 1024:5.2f} GiB/s) | both {(decrypt + hashing) * 1e3:6.3f} ms CPU/MiB"
+    ]
+
+
 # ---- model sharing --------------------------------------------------------------------------
 
 
@@ -607,13 +655,22 @@ def raw_bytes(tensor) -> bytes:
 async def timed_model_fetch(joiner, ids: list[bytes], expected: bytes) -> float:  # type: ignore[no-untyped-def]
     """Seconds for `joiner` to fetch the whole model from `ids`, its blob store emptied first
     (a warm fetch: connections and the providers' serialized tensors are kept)."""
+    elapsed, _ = await timed_model_fetch_cpu(joiner, ids, expected)
+    return elapsed
+
+
+async def timed_model_fetch_cpu(joiner, ids: list[bytes], expected: bytes) -> tuple[float, float]:  # type: ignore[no-untyped-def]
+    """`timed_model_fetch`, and the CPU seconds this process (event loop and worker threads)
+    spent on the fetch: not counting the check of the result."""
     joiner.store.delete_prefix("model-")
     joiner.store.gc()
+    cpu = time.process_time()
     start = time.perf_counter()
     got = await ModelDownload(joiner, ids).run()
     elapsed = time.perf_counter() - start
+    cpu = time.process_time() - cpu
     assert model_hash(got.parameters) == expected
-    return elapsed
+    return elapsed, cpu
 
 
 async def bench_model(repeats: int, millions: int = 20) -> list[str]:
@@ -649,10 +706,11 @@ async def bench_model(repeats: int, millions: int = 20) -> list[str]:
 # ---- model sharing, one process per node --------------------------------------------------------
 
 
-async def serve_model_process(millions: int, key_hex: str, joiner_hex: str) -> None:
+async def serve_model_process(millions: int, key_hex: str, joiner_hex: str, bind: str) -> None:
     """A provider in a process of its own (`--serve-model`): prints its signed address record,
-    then serves the model until stdin closes; a line `raw PORT` makes it send the model's raw
-    bytes once over a plain TCP connection to PORT (the baseline, between processes too)."""
+    then serves the model until stdin closes; a line `raw HOST PORT` makes it send the model's
+    raw bytes once over a plain TCP connection to HOST:PORT (the baseline, between processes
+    too)."""
     import sys
 
     from psyche.core.identity import SecretKey
@@ -660,9 +718,9 @@ async def serve_model_process(millions: int, key_hex: str, joiner_hex: str) -> N
     parameters = make_model(millions * 1_000_000, model_tensors(millions))
     flat = b"".join(raw_bytes(t) for t in parameters.values())
     key = SecretKey.from_bytes(bytes.fromhex(key_hex))
-    async with open_nodes(1, keys=[key], allow_each_other=False, model_codec=tensor_codec()) as (
-        node,
-    ):
+    async with open_nodes(
+        1, keys=[key], allow_each_other=False, model_codec=tensor_codec(), bind_host=bind
+    ) as (node,):
         node.set_allowed_peers([bytes.fromhex(joiner_hex)])
         model = SharableModel()
         model.update_parameters(parameters)
@@ -677,11 +735,20 @@ async def serve_model_process(millions: int, key_hex: str, joiner_hex: str) -> N
                 pending += chunk
                 *lines, pending = pending.split(b"\n")
                 for line in lines:
-                    port = int(line.split()[1])
-                    stream = await trio.open_tcp_stream("127.0.0.1", port)
+                    _, host, port = line.decode().split()
+                    stream = await trio.open_tcp_stream(host, int(port))
+                    _tune(stream.socket)
                     await stream.send_all(memoryview(flat))
                     await stream.aclose()
             nursery.cancel_scope.cancel()
+
+
+def _tune(sock: Any) -> None:
+    """The socket options the blob side channel sets (`blob_transport`), for the baseline."""
+    import socket
+
+    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        sock.setsockopt(socket.SOL_SOCKET, option, 4 << 20)
 
 
 def model_tensors(millions: int) -> int:
@@ -690,10 +757,22 @@ def model_tensors(millions: int) -> int:
     return 40 if millions <= 20 else 2 * millions
 
 
-async def bench_model_processes(repeats: int, millions: int = 20) -> list[str]:
+async def bench_model_processes(
+    repeats: int,
+    millions: int = 20,
+    *,
+    bind: str = "127.0.0.1",
+    provider_hosts: list[tuple[str, str]] | None = None,
+    label: str = "",
+) -> list[str]:
     """`bench_model` with each provider in a process of its own, as on separate machines
     (sharing this machine's cores): the joiner's own costs against one raw socket from a
-    provider process."""
+    provider process. `provider_hosts`: (network namespace, address) of each provider, which
+    then runs inside that namespace (`--link-mbit`), this process being in the joiner's.
+
+    Printed: cold (fresh connections, the providers' first serialization, one fetch) and warm
+    (median of `repeats`, interleaved with the raw socket) ratios, and the joiner's CPU time
+    (event loop and worker threads) per byte against the raw socket's receive."""
     import subprocess
     import sys
 
@@ -705,47 +784,70 @@ async def bench_model_processes(repeats: int, millions: int = 20) -> list[str]:
     del parameters
     joiner_key = SecretKey.generate()
     keys = [SecretKey.generate() for _ in range(3)]
+    hosts = provider_hosts or [("", bind)] * 3
     command = [sys.executable, __file__, "--serve-model", str(millions)]
     providers = [
         subprocess.Popen(
-            [*command, k.to_bytes().hex(), joiner_key.public_key.hex()],
+            [
+                *(["ip", "netns", "exec", ns] if ns else []),
+                *command,
+                k.to_bytes().hex(),
+                joiner_key.public_key.hex(),
+                "--bind",
+                host,
+            ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
         )
-        for k in keys
+        for k, (ns, host) in zip(keys, hosts, strict=True)
     ]
+    cpu_raw: list[float] = []
+    cpu_ours: list[float] = []
     try:
         records = [
             bytes.fromhex(await trio.to_thread.run_sync(p.stdout.readline))  # type: ignore[union-attr]
             for p in providers
         ]
         async with open_nodes(
-            1, keys=[joiner_key], allow_each_other=False, model_codec=tensor_codec()
+            1,
+            keys=[joiner_key],
+            allow_each_other=False,
+            model_codec=tensor_codec(),
+            bind_host=bind,
         ) as (joiner,):
             joiner.set_allowed_peers([k.public_key for k in keys])
             for record in records:
                 joiner.address_book.add_record(record)
-            fetch = partial(timed_model_fetch, joiner, [k.public_key for k in keys], expected)
+            ids = [k.public_key for k in keys]
+
+            async def fetch() -> float:
+                elapsed, cpu = await timed_model_fetch_cpu(joiner, ids, expected)
+                cpu_ours.append(cpu)
+                return elapsed
 
             async def raw() -> float:
-                listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+                listeners = await trio.open_tcp_listeners(0, host=bind)
                 port = listeners[0].socket.getsockname()[1]
+                _tune(listeners[0].socket)
                 buf = bytearray(total)
                 view = memoryview(buf)
+                cpu = time.process_time()
                 start = time.perf_counter()
-                providers[0].stdin.write(f"raw {port}\n")  # type: ignore[union-attr]
+                providers[0].stdin.write(f"raw {bind} {port}\n")  # type: ignore[union-attr]
                 providers[0].stdin.flush()  # type: ignore[union-attr]
                 stream = await listeners[0].accept()
                 got = 0
                 while got < total:
                     got += await stream.socket.recv_into(view[got : got + MIB])
                 elapsed = time.perf_counter() - start
+                cpu_raw.append(time.process_time() - cpu)
                 await stream.aclose()
                 await listeners[0].aclose()
                 return elapsed
 
             cold = await fetch()
+            cold_cpu = cpu_ours.pop()
             base, warm = await interleaved_medians(repeats, raw, fetch)
     finally:
         for p in providers:
@@ -755,29 +857,96 @@ async def bench_model_processes(repeats: int, millions: int = 20) -> list[str]:
                 p.wait(30)
             except subprocess.TimeoutExpired:
                 p.kill()
+    raw_cpu, warm_cpu = statistics.median(cpu_raw), statistics.median(cpu_ours)
     return [
         row(
-            f"model {millions}M, 1 process/node",
+            label or f"model {millions}M, 1 process/node",
             base,
             [("3 peers cold", cold), ("3 peers warm", warm)],
             total,
-        )
+        ),
+        f"{'':24} joiner CPU per MiB: raw receive {raw_cpu / total * MIB * 1e3:6.2f} ms | "
+        f"cold {cold_cpu / total * MIB * 1e3:6.2f} ms ({cold_cpu / raw_cpu:5.1f}x raw) | "
+        f"warm {warm_cpu / total * MIB * 1e3:6.2f} ms ({warm_cpu / raw_cpu:5.1f}x raw)",
     ]
 
 
-async def main(repeats: int, gossip_rounds: int, only: str | None) -> None:
+# ---- model sharing over a shaped link -----------------------------------------------------------
+
+
+def link_benchmark(mbit: int, repeats: int, millions: int, sources: list[tuple[str, str]]) -> None:
+    """`--link-mbit`: the joiner and each provider in a network namespace of its own, all on one
+    bridge (`tests/netns.py`, 198.18.0.0/15, deleted at the end), the bridge's port towards the
+    joiner a token bucket of `mbit` Mbit/s: a joiner whose downlink is the bottleneck, as on a
+    real network. The one-process-per-node benchmark runs in the joiner's namespace once per
+    source tree in `sources` (label, packages directory or "" for this checkout), in the same
+    sitting and on the same link."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parents[2] / "tests"
+    sys.path.insert(0, str(tests))
+    import netns
+
+    reason = netns.unavailable()
+    if reason is not None:
+        sys.exit(f"network: --link-mbit: {reason}")
+    with netns.nat_topology(nat_hosts=0, public_hosts=4) as net:
+        joiner, *providers = net.public
+        netns.run(
+            "tc", "-n", net.wan.ns, "qdisc", "add", "dev", "q1", "root", "tbf",
+            "rate", f"{mbit}mbit", "burst", "512kb", "latency", "50ms",
+        )  # fmt: skip
+        where = ",".join(f"{p.ns}={p.ip}" for p in providers)
+        for label, packages in sources:
+            env = dict(os.environ)
+            if packages:
+                env["PYTHONPATH"] = ":".join(str(p) for p in sorted(Path(packages).glob("*/src")))
+            argv = [
+                sys.executable, __file__, "--only", "model-processes", "--repeats", str(repeats),
+                "--millions", str(millions), "--bind", joiner.ip, "--providers-in", where,
+                "--label", f"{label} {millions}M {mbit} Mbit/s".strip(),
+            ]  # fmt: skip
+            subprocess.run(net.exec(joiner, argv), env=env, check=True, timeout=900)
+
+
+def run_old_checkout(packages: Path) -> None:
+    """This benchmark, with the same arguments, on another checkout's packages (`--old-src`):
+    its sources first on PYTHONPATH, run before this checkout's in the same sitting."""
+    import subprocess
+    import sys
+
+    argv = sys.argv[1:]
+    at = argv.index("--old-src")
+    del argv[at : at + 2]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ":".join(str(p) for p in sorted(packages.glob("*/src")))
+    print(f"--- the packages in {packages}:", flush=True)
+    subprocess.run([sys.executable, __file__, *argv], env=env, check=True, timeout=1800)
+    print("--- this checkout:", flush=True)
+
+
+async def main(repeats: int, gossip_rounds: int, only: str | None, args: Any) -> None:
     print(
         f"psyche.network benchmark (median of {repeats}, interleaved; "
-        "ratio = raw socket time / our time)"
+        "ratio = raw socket time / our time)",
+        flush=True,
     )
+    where = [
+        (ns, host) for ns, _, host in (p.partition("=") for p in args.providers_in.split(","))
+    ] if args.providers_in else None  # fmt: skip
     parts = {
         "blobs": lambda: bench_blobs(repeats),
         "paths": lambda: bench_paths(repeats),
         "gossip": lambda: bench_gossip_ring(gossip_rounds),
         "gossip-mirror": lambda: bench_gossip_mirror(gossip_rounds),
         "tracker": lambda: bench_tracker(repeats),
+        "crypto": lambda: bench_crypto(repeats),
         "model": lambda: bench_model(repeats),
-        "model-processes": lambda: bench_model_processes(repeats),
+        "model-processes": lambda: bench_model_processes(
+            repeats, args.millions, bind=args.bind, provider_hosts=where, label=args.label
+        ),
         "model300": lambda: bench_model(max(1, repeats // 2), 300),
         "model300-processes": lambda: bench_model_processes(max(1, repeats // 2), 300),
     }
@@ -794,18 +963,37 @@ if __name__ == "__main__":
     parser.add_argument(
         "--only",
         choices=[
-            "blobs", "paths", "gossip", "gossip-mirror", "tracker", "model", "model-processes", "model300",
+            "blobs", "paths", "gossip", "gossip-mirror", "tracker", "crypto", "model", "model-processes", "model300",
             "model300-processes",
         ],
         help="run one part",
     )  # fmt: skip
+    parser.add_argument("--millions", type=int, default=20,
+                        help="model-processes and --link-mbit: the model's size")  # fmt: skip
+    parser.add_argument("--link-mbit", type=int,
+                        help="model sharing, one process per node, each in a network namespace "
+                        "behind a link of this many Mbit/s into the joiner (needs root)")  # fmt: skip
+    parser.add_argument("--old-src", type=Path,
+                        help="also run another checkout's packages/ directory first (its sources "
+                        "on PYTHONPATH), in the same sitting")  # fmt: skip
+    parser.add_argument("--sittings", type=int, default=1,
+                        help="with --link-mbit: run the sources in turn this many times")  # fmt: skip
     parser.add_argument("--serve-model", nargs=3, metavar=("MILLIONS", "KEY", "JOINER"),
                         help=argparse.SUPPRESS)  # fmt: skip
+    parser.add_argument("--bind", default="127.0.0.1", help=argparse.SUPPRESS)
+    parser.add_argument("--providers-in", help=argparse.SUPPRESS)
+    parser.add_argument("--label", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)  # shutdown races it reports as errors
     if args.serve_model:
         millions, key, joiner = args.serve_model
-        trio.run(serve_model_process, int(millions), key, joiner)
+        trio.run(serve_model_process, int(millions), key, joiner, args.bind)
+    elif args.link_mbit:
+        old = [("main", str(args.old_src))] if args.old_src else []
+        sources = [*old, ("this", "")] * args.sittings
+        link_benchmark(args.link_mbit, args.repeats, args.millions, sources)
     else:
-        trio.run(main, args.repeats, args.gossip_rounds, args.only)
+        if args.old_src:
+            run_old_checkout(args.old_src)
+        trio.run(main, args.repeats, args.gossip_rounds, args.only, args)

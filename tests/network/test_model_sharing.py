@@ -100,6 +100,44 @@ def test_joiner_gets_a_bit_identical_model_from_three_peers() -> None:
     trio.run(main)
 
 
+def test_every_peer_is_dialled_while_the_config_is_fetched() -> None:
+    """In the order of the joiner's events: every peer is dialled before the config's ticket is
+    answered (before, the other peers were dialled on their first batch, after the config: a
+    serial libp2p dial of ~250 ms in every cold fetch)."""
+    parameters = make_parameters(2)
+
+    async def main() -> None:
+        async with open_nodes(4, model_codec=TENSOR_CODEC) as nodes, trio.open_nursery() as nursery:
+            *providers, joiner = nodes
+            for provider in providers:
+                nursery.start_soon(serve_model, provider, provider_model(parameters))
+            await introduce_all(joiner, providers)
+            events: list[tuple[str, object]] = []
+            connect, ask_one = joiner.connect, joiner.request_model_blob_ticket
+
+            async def dial(peer: bytes) -> None:
+                events.append(("dial", peer))
+                await connect(peer)
+
+            async def one(peer: bytes, request: ModelRequestType):  # type: ignore[no-untyped-def]
+                ticket = await ask_one(peer, request)
+                events.append(("config ticket", peer))
+                return ticket
+
+            joiner.connect = dial  # type: ignore[method-assign]
+            joiner.request_model_blob_ticket = one  # type: ignore[method-assign]
+            ids = [p.endpoint_id for p in providers]
+            with trio.fail_after(60):
+                model = await ModelDownload(joiner, ids).run()
+            assert model_hash(model.parameters) == model_hash(parameters)
+            config_answered = [kind for kind, _ in events].index("config ticket")
+            dialled_first = {peer for kind, peer in events[:config_answered] if kind == "dial"}
+            assert dialled_first == set(ids)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
 def test_peer_dying_mid_download_is_survived() -> None:
     parameters = make_parameters(1)
 

@@ -1,16 +1,23 @@
 """A joining client fetching the whole model from its peers (upstream client flow for `P2P`).
 
-1. Ask peers (chosen by `PeerManager`) for the config ticket and download it.
+1. Connect to every peer at once and, meanwhile, ask peers (chosen by `PeerManager`) for the
+   config ticket and download it.
 2. Ask for the parameters' tickets in batches, one batch per peer at a time and all peers at
    once (`/psyche/model-sharing-batch/0`: one round trip per peer, not per tensor; upstream asks
-   per parameter). A name a peer answers with an error is asked again (of whichever peer is
-   next), and the error counts against that peer (10 s per request, 500 attempts, 5 errors per
-   peer, as upstream).
+   per parameter); a next round of batches (names a peer had no ticket for, or a model with
+   more tensors than `MAX_BATCH_NAMES` per peer) is asked as soon as the last is answered, not
+   when its downloads are done. Smaller first batches (2, 4, 8 names, or a peer's in-flight
+   share, then four times larger) were measured: every extra batch is a py-libp2p stream, which
+   cost a warm fetch more CPU per byte and more time than a provider's serialization of a whole
+   batch cost a cold one. A name a peer answers with an error is asked again (of whichever peer
+   is next), and the error counts against that peer (10 s per request, 500 attempts, 5 errors
+   per peer, as upstream).
 3. Download each batch's parameters as soon as its tickets arrive, with at most `max_concurrent`
-   blobs in flight in all (upstream default 8), shared evenly between the peers' batches; the
-   blob sessions are reused, so each provider pays one handshake. Capacity is released when a
-   blob is complete, before its tensor is decoded (as upstream). A failed download releases its capacity, counts against the ticket's provider and
-   is retried with a fresh ticket from another peer; a complete one is decoded and kept.
+   blobs in flight in all (upstream default 8), shared evenly between the peers; the blob
+   sessions are reused, so each provider pays one handshake. Capacity is released when a blob
+   is complete, before its tensor is decoded (as upstream). A failed download releases its
+   capacity, counts against the ticket's provider and is retried with a fresh ticket from
+   another peer; a complete one is decoded and kept.
 
 Each step awaits its own `Download`, so the application's event loop has nothing to route here.
 The parameters are decoded with the network's `ParameterCodec` (the application's tensors); a
@@ -86,6 +93,8 @@ class ModelDownload:
         self.scheduler = DownloadScheduler(max_concurrent)
         self.model = SharableModel()
         self.retried_downloads = 0
+        self._dialled: dict[bytes, trio.Event] = {}
+        self._shares: dict[bytes, trio.Semaphore] = {}
 
     def _on_exhausted(self) -> None:
         self._exhausted = True
@@ -101,7 +110,7 @@ class ModelDownload:
         if self._exhausted:
             raise PeersUnreachable("Peers were unreachable for P2P parameter requests")
         ticket, _, _ = await blob_ticket_param_request_task(
-            request, self._network.request_model_blob_ticket, self.peer_manager
+            request, self._ask_ticket, self.peer_manager
         )
         return ticket
 
@@ -123,58 +132,97 @@ class ModelDownload:
         raise PeersUnreachable("Peers were unreachable for P2P parameter requests")
 
     async def _run(self, give_up_at: float) -> DownloadedModel:
-        with trio.move_on_at(give_up_at) as waiting:
-            config = await self._fetch_config()
-        if waiting.cancelled_caught:
-            raise PeersUnreachable("no peer served the model's configuration in time")
-        self.model.add_config(config)
-        self.model.initialize_parameters(list(config.parameter_names))
-        queue = deque(config.parameter_names)
-        async with trio.open_nursery() as downloads:
-            while queue:
-                # The peer manager hands each peer to one request at a time: one batch per peer,
-                # each batch's downloads starting as soon as its tickets arrive.
-                workers = max(1, len(self.peer_manager.available_peers))
-                share = max(1, min(MAX_BATCH_NAMES, -(-len(queue) // workers)))
-                per_provider = max(1, -(-self.scheduler.max_concurrent // workers))
-                batches: list[list[str]] = []
-                while queue and len(batches) < workers:
-                    batches.append([queue.popleft() for _ in range(min(share, len(queue)))])
-                async with trio.open_nursery() as requests:
-                    for batch in batches:
-                        requests.start_soon(
-                            self._request_batch, batch, queue, per_provider, downloads
-                        )
+        async with trio.open_nursery() as dials:
+            for peer in self.peer_manager.available_peers:
+                self._dialled[peer] = trio.Event()
+                dials.start_soon(self._dial, peer)
+            with trio.move_on_at(give_up_at) as waiting:
+                config = await self._fetch_config()
+            if waiting.cancelled_caught:
+                dials.cancel_scope.cancel()
+                raise PeersUnreachable("no peer served the model's configuration in time")
+            self.model.add_config(config)
+            self.model.initialize_parameters(list(config.parameter_names))
+            queue = deque(config.parameter_names)
+            async with trio.open_nursery() as downloads:
+                while queue:
+                    # The peer manager hands each peer to one request at a time: one batch per
+                    # peer; each batch's downloads start as its tickets arrive, and the next
+                    # round of batches (names a peer had no ticket for, or more names than
+                    # `MAX_BATCH_NAMES` per peer) is asked without waiting for them.
+                    workers = max(1, len(self.peer_manager.available_peers))
+                    share = max(1, min(MAX_BATCH_NAMES, -(-len(queue) // workers)))
+                    per_provider = max(1, -(-self.scheduler.max_concurrent // workers))
+                    batches: list[list[str]] = []
+                    while queue and len(batches) < workers:
+                        batches.append([queue.popleft() for _ in range(min(share, len(queue)))])
+                    async with trio.open_nursery() as requests:
+                        for batch in batches:
+                            requests.start_soon(
+                                self._request_batch, batch, queue, per_provider, downloads
+                            )
         return DownloadedModel(config, self.model.take_parameters())
+
+    async def _dial(self, peer: bytes) -> None:
+        """Connect to `peer` ahead of its first request, so every peer's connection is made
+        while the configuration is fetched (a failure is the request's to report)."""
+        try:
+            await self._network.connect(peer)
+        except Exception as e:
+            logger.debug("connecting to %s ahead of its requests: %s", fmt_short(peer), e)
+        finally:
+            self._dialled[peer].set()
+
+    async def _dialled_first(self, peer: bytes) -> None:
+        event = self._dialled.get(peer)
+        if event is not None:
+            await event.wait()
+
+    async def _ask_ticket(self, peer: bytes, request: ModelRequestType) -> BlobTicket:
+        await self._dialled_first(peer)
+        return await self._network.request_model_blob_ticket(peer, request)
+
+    async def _ask_tickets(self, peer: bytes, names: list[str]) -> list[TicketResult]:
+        await self._dialled_first(peer)
+        return await self._network.request_model_blob_tickets(peer, names)
 
     async def _request_batch(
         self, names: list[str], retry: deque[str], per_provider: int, downloads: trio.Nursery
     ) -> None:
-        """Ask one peer for `names`' tickets and start their downloads, at most `per_provider`
-        of them in flight from this batch (so every peer's batch gets its share of the
-        capacity); names the peer has no ticket for go back to `retry`."""
+        """Ask one peer for `names`' tickets and hand them to a task that starts their
+        downloads, at most `per_provider` of them in flight from that peer (so every peer gets
+        its share of the capacity); names the peer has no ticket for go back to `retry`."""
         if self._exhausted:
             raise PeersUnreachable("Peers were unreachable for P2P parameter requests")
         results, peer = await blob_ticket_batch_request_task(
             names,
-            self._network.request_model_blob_tickets,
+            self._ask_tickets,
             self.peer_manager,
             request_timeout=batch_timeout(len(names)),
         )
         failed = []
-        share = trio.Semaphore(per_provider)
+        tickets = []
         for name, result in zip(names, results, strict=True):
             match result:
                 case TicketResult.Ok(ticket):
-                    await share.acquire()
-                    await self.scheduler.wait_for_capacity()
-                    downloads.start_soon(self._complete_parameter, name, ticket, share)
+                    tickets.append((name, ticket))
                 case TicketResult.Err(error):
                     failed.append(name)
                     logger.debug("peer %s has no ticket for %s: %s", fmt_short(peer), name, error)
         if failed:
             retry.extend(failed)
             self.peer_manager.report_blob_ticket_request_error(peer)
+        if tickets:
+            share = self._shares.setdefault(peer, trio.Semaphore(per_provider))
+            downloads.start_soon(self._start_downloads, tickets, share, downloads)
+
+    async def _start_downloads(
+        self, tickets: list[tuple[str, BlobTicket]], share: trio.Semaphore, downloads: trio.Nursery
+    ) -> None:
+        for name, ticket in tickets:
+            await share.acquire()
+            await self.scheduler.wait_for_capacity()
+            downloads.start_soon(self._complete_parameter, name, ticket, share)
 
     async def _fetch_config(self) -> TransmittableModelConfig:
         while True:
