@@ -11,14 +11,16 @@ from __future__ import annotations
 import random
 import statistics
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 
 from psyche.core.batch_id import BatchId
 from psyche.modeling.diloco.codec import decode
+from psyche.modeling.distro import DistroResult
 from psyche.modeling.hostile import Attack, DilocoFormat, HostileMember, payload_format
-from psyche.modeling.trainer import Batch, Trainer
+from psyche.modeling.trainer import Batch, Trainer, TrainOutput
 from psyche.modeling.verification import (
     DISTRO_PARTS_CHECK,
     Evidence,
@@ -189,8 +191,8 @@ def test_no_honest_result_is_refused_by_a_verifier_with_other_threads() -> None:
 
 def test_no_honest_result_is_refused_when_trainers_switch_roles() -> None:
     """The e2e run's case (an honest trainer's first round after rounds as a verifier): 2 of
-    the 4 members sit each round out, drawn from a seed, and train their next round with no
-    previous results of their own, as clients do; the verifier on two threads."""
+    the 4 members sit each round out, drawn from a seed, and subtract the own results of the
+    last round they trained, as clients do; the verifier on two threads."""
 
     def sits_out(step: int, i: int) -> bool:
         return i in random.Random(step).sample(range(MEMBERS), 2)
@@ -199,6 +201,38 @@ def test_no_honest_result_is_refused_when_trainers_switch_roles() -> None:
     assert sum(len(r) for r in rounds) == 24
     assert any(sits_out(s, i) and not sits_out(s + 1, i) for s in range(1, 12) for i in range(4))
     assert refused == 0
+
+
+def test_a_member_back_from_sitting_out_subtracts_the_last_round_it_trained(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As a client (`psyche.client.round.train.own_results_to_subtract`): member 0 sits round 2
+    out (a verifier's or tie-breaker's round) and trains round 3 subtracting what it sent in
+    round 1, not nothing (its momentum still holds that)."""
+    run = VerificationRun(
+        [tiny_trainer("distro") for _ in range(MEMBERS)],
+        tiny_trainer("distro"),
+        corpus_batches(3),
+        sits_out=lambda step, i: i == 0 and step == 2,
+    )
+    trainer = run.trainers[0]
+    train_exact = trainer.train_exact
+    sent: list[list[DistroResult]] = []
+    subtracted: list[list[list[DistroResult]]] = []
+
+    def spy(*args: Any, **kwargs: Any) -> TrainOutput:
+        subtracted.append(kwargs["prev_self_distro_results"])
+        out = train_exact(*args, **kwargs)
+        sent.append(out.distro_results or [])
+        return out
+
+    monkeypatch.setattr(trainer, "train_exact", spy)
+    for step in (1, 2, 3):
+        run.round(step)
+    assert len(sent) == 2  # rounds 1 and 3
+    assert subtracted[0] == []
+    assert sent[0]
+    assert subtracted[1] == [sent[0]]
 
 
 def test_the_parts_check_refuses_a_half_batch_and_no_honest_result() -> None:
