@@ -19,9 +19,8 @@ its decoy; the verifier on `--verifier-threads` intra-op threads where the membe
 * `--switch-roles`: 2 of the 4 members sit each round out (a round's verifier and tie-breaker
   at 4 clients; drawn from the seed), in the honest and the attack runs, as clients do: a
   member's first round back subtracts the own results of the last round it trained;
-* `--parts-check`: DisTrO verified with `DISTRO_PARTS_CHECK`'s thresholds. Every run prints
-  the honest results' agreement and parts (least, median, greatest) and each attack's parts,
-  whatever the thresholds, to set them against;
+* every run prints the honest results' agreement and DisTrO's parts (least, median, greatest)
+  and each attack's parts, to set the thresholds against;
 * `--cost`: a round's work per client at `verification_percent` 10 against 0 (the same
   sitting): one member's `train_exact` time per row and the verifier's recompute-and-compare
   time per row, measured, then each client's work a round for runs of 21 and 101 clients with
@@ -59,7 +58,6 @@ from psyche.coordinator.verification import (
 )
 from psyche.modeling.hostile import Attack, HostileMember
 from psyche.modeling.trainer import Batch
-from psyche.modeling.verification import DISTRO_PARTS_CHECK
 from psyche.modeling.verification_sim import FORMS, VerificationRun, tiny_trainer
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -103,7 +101,6 @@ def play(
     threads: int,
     seed: int,
     switch_roles: bool = False,
-    parts_check: bool = False,
 ) -> Outcome:
     vocab = D.build("tiny", "cpu").config.vocab_size
     data = D.bigram_corpus((rounds + 1) * (MEMBERS + 1) * ROWS, 32, vocab, seed=seed)
@@ -121,7 +118,6 @@ def play(
         batch,
         hostile,
         verifier_threads=threads,
-        settings=DISTRO_PARTS_CHECK if parts_check and form == "distro" else None,
         sits_out=sits_out(seed) if switch_roles else None,
     )
     out = Outcome()
@@ -212,9 +208,6 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=5)
     p.add_argument("--switch-roles", action="store_true", help="honest members sit rounds out")
     p.add_argument("--cost", action="store_true", help="a round's work per client at 10 %%")
-    p.add_argument(
-        "--parts-check", action="store_true", help="DisTrO with DISTRO_PARTS_CHECK's thresholds"
-    )
     args = p.parse_args()
     torch.set_num_threads(1)
     forms = args.optimizers.split(",")
@@ -245,7 +238,6 @@ def main() -> None:
             args.verifier_threads,
             args.seed,
             args.switch_roles,
-            args.parts_check,
         )
         ratio = statistics.median(honest.verify) / statistics.median(honest.train)
         print(
@@ -270,7 +262,6 @@ def main() -> None:
                 args.verifier_threads,
                 args.seed,
                 args.switch_roles,
-                args.parts_check,
             )
             caught = "-" if o.first_refused is None else f"#{o.first_refused}"
             print(

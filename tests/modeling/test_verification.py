@@ -22,7 +22,6 @@ from psyche.modeling.distro import DistroResult
 from psyche.modeling.hostile import Attack, DilocoFormat, HostileMember, payload_format
 from psyche.modeling.trainer import Batch, Trainer, TrainOutput
 from psyche.modeling.verification import (
-    DISTRO_PARTS_CHECK,
     Evidence,
     Measures,
     VerificationSettings,
@@ -146,9 +145,10 @@ def run_rounds(
     return out, refused
 
 
-# Lazy (half a batch) is caught only by the balance check, off by default for DisTrO since an
-# honest trainer failed it in a real run (verification.DISTRO_VERIFICATION).
+# Lazy (half a batch, its first half) is caught by DisTrO's parts check: the half it skipped is
+# not carried (verification.DISTRO_VERIFICATION); DiLoCo has no half-batch check.
 DISTRO_ATTACKS = [
+    Attack.Lazy,
     Attack.OtherData,
     Attack.SignFlip,
     Attack.RandomSigns,
@@ -235,19 +235,11 @@ def test_a_member_back_from_sitting_out_subtracts_the_last_round_it_trained(
     assert subtracted[1] == [sent[0]]
 
 
-def test_the_parts_check_refuses_a_half_batch_and_no_honest_result() -> None:
-    # the half a lazy trainer skipped is not carried (DISTRO_PARTS_CHECK, off by default)
-    member = HostileMember(Attack.Lazy, start=1, lazy_fraction=0.5, seed=7)
-    rounds, refused = run_rounds("distro", {MEMBERS - 1: member}, 4, settings=DISTRO_PARTS_CHECK)
-    assert refused == 0
-    assert member.lies == [1, 2, 3]
-    assert [r[MEMBERS - 1] for r in rounds] == [True, False, False, False]
-
-
 def test_the_thresholds_are_the_run_optimizers() -> None:
     distro, diloco = tiny_trainer("distro"), tiny_trainer("bf16")
     assert verification_settings(distro).min_agreement > 0.0
-    assert verification_settings(distro).max_balance == 0.0  # off until calibrated (see module)
+    assert verification_settings(distro).max_balance == 0.0  # off: see DISTRO_VERIFICATION
+    assert verification_settings(distro).min_part_agreement > 0.0  # a half batch is caught
     assert verification_settings(diloco).max_norm_ratio > 0.0
 
 
