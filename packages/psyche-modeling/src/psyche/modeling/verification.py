@@ -110,11 +110,12 @@ class VerificationSettings:
 DISTRO_VERIFICATION = VerificationSettings(min_agreement=10.0, min_part_agreement=8.0)
 """DisTrO 1-bit (tiny run, c16 k4, 4 rows a trainer; docs/reliability.md, "Verifiers"): an honest
 result's agreement is 16 to 30 (none below 10 in 500 verifications over 125 rounds, nor in 520
-with trainers switching roles, 16.4 and up), one trained on other data's about N(0, 4^2). The
+with trainers switching roles, 15.7 and up), one trained on other data's about N(0, 4^2). The
 parts check (each half's agreement along its update less the decoy's) catches a half-batch
 trainer: with trainers switching roles and a verifier on 2 threads, an honest half's was 10.3
-and up (median 17.5, 520 verifications), the half a lazy trainer skipped -4.8 to 5.6 (27 lying
-rounds, every one refused); 8 sits between the two. No balance check by default: in the
+and up (median 17.5, 1,040 verifications, two seeds), the half a lazy trainer skipped -6.0 to
+7.3 (50 lying rounds, every one refused); 8 is nearer the lazy side, since a lazy round missed
+is caught the next and an honest one refused is a ban. No balance check by default: in the
 benchmark an honest result's balance was about N(0, 3.6^2) and a half batch's 20 to 28, but a
 real run (the e2e test, a trainer's first round after two rounds as a verifier) gave an honest
 balance of 17.3, and the tie-breaker convicted it: its honest expectation is zero only while
