@@ -16,9 +16,11 @@ its decoy; the verifier on `--verifier-threads` intra-op threads where the membe
   rounds refused (a round alone), the share refused with the verifier's `Evidence` over rounds,
   whether it was caught within 3 rounds, and the honest members' refusals beside it.
 
-* `--switch-roles`: in the honest rounds 2 of the 4 members sit each round out (a round's
-  verifier and tie-breaker at 4 clients; drawn from the seed), as clients do: a member's first
-  round back trains with no previous results of its own;
+* `--switch-roles`: 2 of the 4 members sit each round out (a round's verifier and tie-breaker
+  at 4 clients; drawn from the seed), in the honest and the attack runs, as clients do: a
+  member's first round back subtracts the own results of the last round it trained;
+* every run prints the honest results' agreement and DisTrO's parts (least, median, greatest)
+  and each attack's parts, to set the thresholds against;
 * `--cost`: a round's work per client at `verification_percent` 10 against 0 (the same
   sitting): one member's `train_exact` time per row and the verifier's recompute-and-compare
   time per row, measured, then each client's work a round for runs of 21 and 101 clients with
@@ -85,6 +87,9 @@ class Outcome:
     honest: int = 0
     honest_refused: int = 0
     refusals: list[str] = field(default_factory=list)
+    honest_t: list[float] = field(default_factory=list)
+    honest_parts: list[float] = field(default_factory=list)
+    lie_parts: list[float] = field(default_factory=list)
     train: list[float] = field(default_factory=list)
     verify: list[float] = field(default_factory=list)
 
@@ -123,18 +128,34 @@ def play(
         out.verify.append(r.verify_seconds)
         for i, verdict in r.verdicts.items():
             member = hostile.get(i)
+            measures = r.single[i].measures
             if member is None:
                 out.honest += 1
+                out.honest_t.append(measures.agreement)
+                if measures.parts is not None:
+                    out.honest_parts.append(measures.parts)
                 if not verdict.matches:
                     out.honest_refused += 1
                     out.refusals.append(f"round {step}: {verdict.detail}")
-            elif member.lies and member.lies[-1] == step - 1:
+            elif member.lies and member.lies[-1] == member.rounds - 1:  # this round's a lie
                 out.lies += 1
+                if measures.parts is not None:
+                    out.lie_parts.append(measures.parts)
                 out.refused_alone += 0 if r.single[i].matches else 1
                 out.refused_with_evidence += 0 if verdict.matches else 1
                 if not verdict.matches and out.first_refused is None:
                     out.first_refused = len(member.lies)
     return out
+
+
+def spread(values: list[float]) -> str:
+    """The least, the median and the greatest of `values`."""
+    if not values:
+        return "-"
+    return (
+        f"{min(values):.1f} to {max(values):.1f} (median {statistics.median(values):.1f}, "
+        f"{len(values)})"
+    )
 
 
 def sits_out(seed: int) -> Callable[[int, int], bool]:
@@ -211,7 +232,12 @@ def main() -> None:
     for form in forms:
         started = time.perf_counter()
         honest = play(
-            form, None, honest_rounds, args.verifier_threads, args.seed, args.switch_roles
+            form,
+            None,
+            honest_rounds,
+            args.verifier_threads,
+            args.seed,
+            args.switch_roles,
         )
         ratio = statistics.median(honest.verify) / statistics.median(honest.train)
         print(
@@ -221,6 +247,7 @@ def main() -> None:
             f"{statistics.median(honest.train) * 1000:.0f} ms) "
             f"[{time.perf_counter() - started:.0f} s]"
         )
+        print(f"  honest agreement {spread(honest.honest_t)}; parts {spread(honest.honest_parts)}")
         for line in honest.refusals[:5]:
             print(f"    honest refused, {line}")
         print(
@@ -228,13 +255,22 @@ def main() -> None:
             f"{'caught by lie':>14} {'honest refused':>15}"
         )
         for attack in attacks:
-            o = play(form, attack, attack_rounds, args.verifier_threads, args.seed)
+            o = play(
+                form,
+                attack,
+                attack_rounds,
+                args.verifier_threads,
+                args.seed,
+                args.switch_roles,
+            )
             caught = "-" if o.first_refused is None else f"#{o.first_refused}"
             print(
                 f"  {attack.value:<13} {o.lies:5d} {o.refused_alone / max(o.lies, 1):14.0%} "
                 f"{o.refused_with_evidence / max(o.lies, 1):14.0%} {caught:>14} "
                 f"{o.honest_refused:>6d} of {o.honest:<6d}"
             )
+            if o.lie_parts:
+                print(f"    its lying rounds' parts {spread(o.lie_parts)}")
 
 
 if __name__ == "__main__":

@@ -67,8 +67,10 @@ class VerificationRun:
     verifier_threads: int | None = None
     sits_out: Callable[[int, int], bool] | None = None
     """Whether member `i` sits `step` out (a round it is a verifier or tie-breaker: it trains
-    nothing, applies the round as every client, and trains its next round with no previous
-    results of its own, as a client does)."""
+    nothing and applies the round as every client). As a client does
+    (`psyche.client.round.train.own_results_to_subtract`), it keeps the own results of the last
+    round it trained and subtracts them the next round it trains (the simulated run is one
+    epoch: nothing zeroes them)."""
     split_order: Callable[[int, int], Sequence[int]] | None = None
     """The order of member `i`'s rows at `step` whose halves the recompute compares (None: the
     micro-batches' halves, `split_rows`)."""
@@ -90,7 +92,6 @@ class VerificationRun:
         sitting = {i for i in range(n) if self.sits_out is not None and self.sits_out(step, i)}
         for i, trainer in enumerate(self.trainers):
             if i in sitting:
-                self._prev[i] = []
                 published.append([])
                 continue
             assigned = self.batch(step, i)
