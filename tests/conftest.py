@@ -11,20 +11,23 @@ import pytest
 from .upstream_data import UpstreamData
 
 E2E_SECONDS = {
-    "tests/e2e/test_gpu_script.py": 365,
-    "tests/e2e/test_nat.py": 274,
-    "tests/e2e/test_hostile_members.py": 212,
-    "tests/e2e/test_server_restart.py": 211,
-    "tests/e2e/test_hostile_strangers.py": 194,
-    "tests/solana/test_train_e2e.py": 159,
-    "tests/e2e/test_parallel_clients.py": 140,
-    "tests/chaos/test_chaos_attacks.py": 121,
+    # CI run of b625d71 with two CPU-bound processes beside it (2026-11-27): setup + call +
+    # teardown of each file's tests, `--durations`
+    "tests/e2e/test_hostile_members.py": 209,
+    "tests/e2e/test_nat.py": 167,
+    "tests/e2e/test_hostile_strangers.py": 135,
     "tests/e2e/test_training.py": 119,
-    "tests/e2e/test_verifiers.py": 150,  # its engineer's runs: 111-190 s at load 14-16
-    "tests/e2e/test_poisoned_members.py": 111,
-    "tests/chaos/test_chaos_short.py": 108,
-    "tests/e2e/test_local_testnet.py": 93,
-    "tests/e2e/test_run_finishes.py": 91,
+    "tests/e2e/test_server_restart.py": 103,
+    "tests/chaos/test_chaos_short.py": 85,
+    "tests/chaos/test_chaos_attacks.py": 83,
+    "tests/solana/test_train_e2e.py": 77,
+    "tests/e2e/test_parallel_clients.py": 77,
+    "tests/e2e/test_poisoned_members.py": 70,
+    "tests/e2e/test_gpu_script.py": 61,
+    "tests/e2e/test_run_finishes.py": 51,
+    "tests/e2e/test_verifiers.py": 27,
+    "tests/solana/test_verifiers_e2e.py": 24,
+    "tests/e2e/test_local_testnet.py": 21,
     "tests/chaos/test_hostile_peer.py": 0,  # `just chaos` only: skipped here
 }
 """How long each end-to-end file took (`--durations=0`, both e2e workers of one run on a loaded
