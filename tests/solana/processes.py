@@ -32,11 +32,13 @@ from ..processes import REPO, Processes, free_port, json_events, wait_event
 from ..timing import scaled_timers
 
 __all__ = [
+    "EVERYONE",
     "REPO",
     "TINY",
     "Endpoint",
     "Processes",
     "Proxy",
+    "create_run",
     "free_port",
     "json_events",
     "p2p_id",
@@ -95,6 +97,30 @@ def start_endpoint(processes: Processes, directory: Path, names: Sequence[str]) 
     processes.wait_for(data, r"serving", 30)
     url = f"http://127.0.0.1:{data_port}/{dataset.name}"
     return Endpoint(rpc_port, ws_port, url, wallets, paths)
+
+
+EVERYONE = "11111111111111111111111111111111"
+"""The authorizer that lets any wallet join (a permissionless run)."""
+
+
+def create_run(
+    endpoint: Endpoint, directory: Path, run_id: str, config: Mapping[str, Any]
+) -> list[str]:
+    """Set up run `run_id` with the admin commands as its owner would type them (in this
+    process, over real RPC): authorize everyone, create it, load `config`. It stays paused.
+    Returns the owner's cluster arguments for further commands."""
+    from psyche.cli.solana_client.main import main as solana_client
+
+    config_path = directory / "run.toml"
+    config_path.write_text(run_config(endpoint.data_url, config))
+    cluster = ["--rpc", endpoint.rpc, "--ws-rpc", endpoint.ws, "-w", str(endpoint.paths["owner"])]
+    for argv in (
+        ["join-authorization-create", "--authorizer", EVERYONE],
+        ["create-run", "--run-id", run_id, "--client-version", "test"],
+        ["update-config", "--run-id", run_id, "--config-path", str(config_path)],
+    ):
+        assert solana_client([*argv, *cluster]) == 0, argv
+    return cluster
 
 
 def p2p_id(run_id: str, wallet: Keypair) -> str:

@@ -32,12 +32,13 @@ from psyche.cli.solana_client.main import main as solana_client
 
 from ..timing import MAX_SCALE
 from .processes import (
+    EVERYONE,
     Processes,
     Proxy,
+    create_run,
     free_port,
     json_events,
     p2p_id,
-    run_config,
     start_endpoint,
     wait_event,
 )
@@ -47,7 +48,6 @@ from .processes import (
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(240 * MAX_SCALE)]
 
 RUN_ID = "solana-e2e"
-EVERYONE = "11111111111111111111111111111111"
 CONFIG = {
     "warmup_time": 8,
     "cooldown_time": 3,
@@ -92,16 +92,8 @@ def run(processes: Processes, tmp_path_factory: pytest.TempPathFactory) -> Run:
     rpc_port, ws_port, rpc, ws = endpoint.rpc_port, endpoint.ws_port, endpoint.rpc, endpoint.ws
 
     # ---- the run, set up with the admin commands (in this process, over real RPC)
-    config_path = tmp / "run.toml"
-    config_path.write_text(run_config(endpoint.data_url, CONFIG))
-    cluster = ["--rpc", rpc, "--ws-rpc", ws, "-w", str(paths["owner"])]
-    for argv in (
-        ["join-authorization-create", "--authorizer", EVERYONE],
-        ["create-run", "--run-id", RUN_ID, "--client-version", "test"],
-        ["update-config", "--run-id", RUN_ID, "--config-path", str(config_path)],
-        ["set-paused", "--run-id", RUN_ID, "--resume"],
-    ):
-        assert solana_client([*argv, *cluster]) == 0, argv
+    cluster = create_run(endpoint, tmp, RUN_ID, CONFIG)
+    assert solana_client(["set-paused", "--run-id", RUN_ID, "--resume", *cluster]) == 0
 
     # ---- two clients, through proxies that can take the endpoint away
     with Proxy(rpc_port) as rpc_proxy, Proxy(ws_port) as ws_proxy:

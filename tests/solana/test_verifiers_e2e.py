@@ -26,8 +26,17 @@ from psyche.solana.backend import Cluster, SolanaBackend
 from psyche.solana.instructions import coordinator as coordinator_ix
 
 from ..timing import MAX_SCALE
-from .processes import REPO, Processes, free_port, p2p_id, run_config, start_endpoint, wait_event
-from .test_train_e2e import EVERYONE, solana_client_output
+from .processes import (
+    EVERYONE,
+    REPO,
+    Processes,
+    create_run,
+    free_port,
+    p2p_id,
+    start_endpoint,
+    wait_event,
+)
+from .test_train_e2e import solana_client_output
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(420 * MAX_SCALE)]
 
@@ -63,15 +72,7 @@ def test_the_program_punishes_the_member_that_lied(tmp_path: Path) -> None:
         names = ("owner", "a", "b", "c", "hostile")
         endpoint = start_endpoint(processes, tmp_path, names)
         wallets, paths, rpc, ws = endpoint.wallets, endpoint.paths, endpoint.rpc, endpoint.ws
-        config_path = tmp_path / "run.toml"
-        config_path.write_text(run_config(endpoint.data_url, CONFIG))
-        cluster = ["--rpc", rpc, "--ws-rpc", ws, "-w", str(paths["owner"])]
-        for argv in (
-            ["join-authorization-create", "--authorizer", EVERYONE],
-            ["create-run", "--run-id", RUN_ID, "--client-version", "test"],
-            ["update-config", "--run-id", RUN_ID, "--config-path", str(config_path)],
-        ):
-            assert solana_client([*argv, *cluster]) == 0, argv
+        cluster = create_run(endpoint, tmp_path, RUN_ID, CONFIG)
         # The rates (the command sets them only through a treasurer).
         trio.run(set_rates, Cluster(rpc, ws), wallets["owner"])
         assert solana_client(["set-paused", "--run-id", RUN_ID, "--resume", *cluster]) == 0
