@@ -8,11 +8,17 @@ from __future__ import annotations
 import trio
 import trio.testing
 
+from psyche.client.round.fetch import DataFetcher
+from psyche.client.round.state import RoundState
+from psyche.client.round.train import OwnResult, TrainingStep, run_round
 from psyche.client.round.verify import (
+    HeldRound,
+    Recomputations,
     VerifyJob,
     decoy_for,
     disputes,
     plan_verification,
+    recompute_disputes,
     round_reports_when_settled,
 )
 from psyche.coordinator import Coordinator, RunState, TickResult
@@ -26,6 +32,12 @@ from psyche.coordinator.verification import (
 )
 from psyche.core import BatchId
 from psyche.core.node_identity import NodeIdentity
+from psyche.core.token_size import TokenSize
+from psyche.data_provider.dummy import DummyDataProvider
+from psyche.modeling.verification import save_weights
+
+from ..modeling.tiny_trainer import make_trainer
+from .test_weight_decay import job as train_job
 
 IDS = [simulated_identity(i) for i in range(6)]
 
@@ -143,3 +155,39 @@ def test_the_tie_breaker_waits_for_every_verifiers_report_but_no_longer_than_its
         assert len(reads) == 1
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_a_tie_breaker_that_trains_recomputes_its_disputes_and_still_trains_its_batches() -> None:
+    # the last round's tie-breaker is a trainer of this one: its disputes are recomputed (from
+    # the saved weights) right after the apply, while its own batches are already being fetched
+    job, duties = _tie_breakers_plan()
+    accused = duties.verifiers[0]
+    reports = {
+        accused.verifier: VerificationReport(duties.step, [Finding(accused.batch_id, False, 1.0)])
+    }
+    trainer = make_trainer()
+    assigned = [BatchId(200, 201), BatchId(202, 203)]
+    recomputed = Recomputations()
+    published: list[OwnResult] = []
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            fetcher = DataFetcher(DummyDataProvider(TokenSize.FourBytes, 16, 256), nursery)
+            held = HeldRound(job, RoundState(), save_weights(trainer))
+            handle = TrainingStep()
+
+            async def verify() -> None:
+                disputed = await recompute_disputes(
+                    handle, trainer, held, reports, fetcher, recomputed
+                )
+                assert disputed is not None
+                assert set(recomputed.domains) == set(disputed.batches())
+
+            train = train_job(job.step + 1, assigned, [])
+            await run_round(handle, trainer, None, train, fetcher, published.append, verify)
+            finished = await handle.finish()
+            assert sorted(finished.trained) == assigned  # the dispute's fetch took none of them
+            assert len(recomputed.domains) == 2  # the disputed batch and its decoy
+
+    trio.run(main)
+    assert sorted(r.batch_id for r in published) == assigned

@@ -196,7 +196,7 @@ async def recompute_disputes(
     )
     await trio.to_thread.run_sync(swap_weights, trainer, held.weights)
     try:
-        await recompute_duties(handle, trainer, job, fetcher, out)
+        await recompute_duties(handle, trainer, job, fetcher, out, beside=True)
     finally:
         with trio.CancelScope(shield=True):
             await trio.to_thread.run_sync(swap_weights, trainer, held.weights)
@@ -230,14 +230,18 @@ async def recompute_duties(
     job: VerifyJob,
     fetcher: DataFetcher,
     out: Recomputations,
+    *,
+    beside: bool = False,
 ) -> None:
     """Recompute every batch `job` needs into `out` (see the module docstring); stops when the
     round's training step is finished. A failure ends this round's verification (logged), never
-    the training step: the client's own duties go on."""
+    the training step: the client's own duties go on. `beside`: its batches are fetched beside
+    the round's own (a tie-breaker's disputes of the last round, in a round it may train)."""
     if trainer.distro is None and trainer.diloco is None:
         logger.warning("the run's optimizer sends no results to verify: not verifying")
         return
-    incoming = fetcher.fetch(list(reversed(job.batches())))  # the fetcher pops from the end
+    fetch = fetcher.fetch_beside if beside else fetcher.fetch
+    incoming = fetch(list(reversed(job.batches())))  # the fetcher pops from the end
     try:
         async with incoming:
             while (item := await handle.next_batch(incoming)) is not None:
