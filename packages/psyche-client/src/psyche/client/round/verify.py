@@ -160,12 +160,20 @@ async def round_reports_when_settled(
     """Round `job.step`'s accepted reports, once every verifier of the round has reported or
     at `until` (trio clock), whichever is first."""
     assert job.round is not None
+    started = trio.current_time()
     while True:
         reports = await read(job.step)
-        if (
-            not RoundVerification(job.round, dict(reports)).awaited()
-            or trio.current_time() >= until
-        ):
+        record = RoundVerification(job.round, dict(reports))
+        if not record.awaited() or trio.current_time() >= until:
+            log_event(
+                logger,
+                "verification_settled",
+                quiet=True,
+                step=job.step,
+                waited=round(trio.current_time() - started, 3),
+                missing=len(record.awaited()),
+                disputed=len(record.disputed()),
+            )
             return reports
         await trio.sleep(min(poll, max(0.0, until - trio.current_time())))
 
