@@ -26,9 +26,13 @@ its decoy; the verifier on `--verifier-threads` intra-op threads where the membe
   time per row, measured, then each client's work a round for runs of 21 and 101 clients with
   8 rows per client (the committees and checked batches as `psyche.coordinator.verification`
   deals them): the trainers' (rows per trainer grow as verifiers stop training), a verifier's
-  (its checked batches) and the tie-breaker's (every checked batch). Each client runs on its
-  own machine, so a round's time is the slowest client's work, and verifiers and the
-  tie-breaker only need to finish inside the round.
+  (its checked batches) and the tie-breaker's: before (`--cost` of e638355: it recomputed every
+  checked batch in the round) and now (it recomputes only disputed batches, in the next round,
+  from one saved copy of the weights: a round without a dispute costs it that copy, measured
+  here as `save_weights` into the kept buffers; each disputed batch costs two recomputes, the
+  batch and its decoy, and a verifier's two disputed batches are each other's decoy). Each
+  client runs on its own machine, so a round's time is the slowest client's work, and
+  verifiers and the tie-breaker only need to finish inside the round.
 
     .venv/bin/python scripts/bench/verify.py            # full: 500 honest verifications each
     .venv/bin/python scripts/bench/verify.py --quick    # a smoke check (seconds to a minute)
@@ -58,6 +62,7 @@ from psyche.coordinator.verification import (
 )
 from psyche.modeling.hostile import Attack, HostileMember
 from psyche.modeling.trainer import Batch
+from psyche.modeling.verification import save_weights
 from psyche.modeling.verification_sim import FORMS, VerificationRun, tiny_trainer
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -173,9 +178,10 @@ def cost(form: str, threads: int, seed: int, reps: int) -> None:
     honest = play(form, None, reps, threads, seed)
     train = statistics.median(honest.train) / ROWS  # seconds per row, one member
     check = statistics.median(honest.verify) / ROWS  # recompute + compare, per row
+    copy = save_seconds(form, reps)
     print(
         f"  per row: train {train * 1000:.1f} ms, recompute-and-compare {check * 1000:.1f} ms "
-        f"({check / train:.2f}x)"
+        f"({check / train:.2f}x); a tie-breaker's copy of the weights {copy * 1000:.2f} ms"
     )
     for clients in (21, 101):
         rows = 8 * clients
@@ -187,14 +193,30 @@ def cost(form: str, threads: int, seed: int, reps: int) -> None:
         checked = min(trainers, VERIFIED_BATCHES_PER_VERIFIER * verifiers)
         trainer = per * train / base
         verifier = VERIFIED_BATCHES_PER_VERIFIER * per * check / base
-        tie = checked * per * check / base
+        before = checked * per * check / base
+        dispute = 2 * per * check / base  # the disputed batch and its decoy, next round
         print(
             f"  {clients} clients at 10 %: 1 tie-breaker, {verifiers} verifiers, {trainers} "
             f"trainers ({per} rows each, {math.ceil(rows / clients)} at 0 %); work a round "
-            f"against a trainer's at 0 %: trainer {trainer:.2f}x, verifier {verifier:.2f}x, "
-            f"tie-breaker {tie:.2f}x; {checked} of {trainers} trainers checked a round "
+            f"against a trainer's at 0 %: trainer {trainer:.2f}x, verifier {verifier:.2f}x; "
+            f"tie-breaker before {before:.2f}x (every checked batch, in the round), now "
+            f"{copy / base:.3f}x without a dispute (the copy) and {dispute:.2f}x a disputed "
+            f"batch (next round; {checked * per * check / base:.2f}x if every checked batch "
+            f"were disputed); {checked} of {trainers} trainers checked a round "
             f"({checked / trainers:.0%})"
         )
+
+
+def save_seconds(form: str, reps: int) -> float:
+    """The median time of a tie-breaker's `save_weights` into its kept copy (the tiny model)."""
+    trainer = tiny_trainer(form)
+    saved = save_weights(trainer)
+    times = []
+    for _ in range(max(reps, 5)):
+        start = time.process_time()
+        save_weights(trainer, saved)
+        times.append(time.process_time() - start)
+    return statistics.median(times)
 
 
 def main() -> None:

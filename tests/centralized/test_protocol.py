@@ -93,6 +93,7 @@ def test_extensions_are_appended_variants() -> None:
         "PeerEndpoints",
         "RunExtras",
         "Relays",
+        "VerificationHeard",
     ]
     assert EXTENSION_CLIENT_VARIANTS == 4
     hello = to_bytes(ClientToServerMessage.ExtensionHello(ExtensionHello()), ClientToServerMessage)

@@ -5,10 +5,12 @@ and bans the trainer. A stranger's report and a member's flood of reports change
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
 
+from psyche.centralized.client import CentralizedBackend
 from psyche.centralized.protocol import ClientToServerMessage
 from psyche.centralized.server import ServerStartError, open_server
 from psyche.centralized.status_page import StatusHistory, render_html, snapshot, status_json
@@ -16,8 +18,16 @@ from psyche.centralized.testing import DummyTrainer, ProtocolClient, fast_option
 from psyche.coordinator.run_state import ClientState
 from psyche.coordinator.testing import quick_coordinator
 from psyche.coordinator.verification import Finding, VerificationReport
+from psyche.core.identity import SecretKey
 
 from .servers import addr, eventually
+
+
+async def _watching(address: str, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    """A `CentralizedBackend` (the real client's) connected to the run until cancelled."""
+    async with CentralizedBackend.connect(address, SecretKey.generate(), "test-run") as backend:
+        task_status.started(backend)
+        await trio.sleep_forever()
 
 
 def test_an_accused_trainer_is_dropped_and_banned_over_tcp() -> None:
@@ -29,6 +39,7 @@ def test_an_accused_trainer_is_dropped_and_banned_over_tcp() -> None:
             address = addr(server)
             members = [await DummyTrainer.start(n, address, "test-run") for _ in range(5)]
             await eventually(lambda: bool(server.core.verification), 60)
+            watcher = await n.start(_watching, address)
             record = next(iter(server.core.verification.values()))
             duties = record.duties
             by_id = {m.identity: m for m in members}
@@ -37,9 +48,12 @@ def test_an_accused_trainer_is_dropped_and_banned_over_tcp() -> None:
             liar = duties.verifiers[0].trainer
 
             def findings(sender: DummyTrainer) -> VerificationReport:
+                """Its duties' findings; the tie-breaker's only about the disputed batch."""
+                tie = sender is tie_breaker
                 return VerificationReport(duties.step, [
                     Finding(d.batch_id, d.trainer != liar, 1.0 if d.trainer == liar else 0.0)
                     for d in duties.of(sender.identity)
+                    if not tie or d.trainer == liar
                 ])  # fmt: skip
 
             # a stranger is dropped unread; a member's flood is one report
@@ -51,6 +65,14 @@ def test_an_accused_trainer_is_dropped_and_banned_over_tcp() -> None:
             # it: the round's duties are kept for its next three rounds only)
             await eventually(lambda: bool(server.core.verification_log), 30)
             assert liar not in server.core.banned
+            # the server relays what it heard to the run's clients (a tie-breaker's disputes):
+            # a real client backend, joined (pending the next epoch), reads the accusation
+            heard = await watcher.round_reports(duties.step)
+            with trio.fail_after(30):
+                while not heard:
+                    await trio.sleep(0.05)
+                    heard = await watcher.round_reports(duties.step)
+            assert heard == {verifier.identity: findings(verifier)}
             await tie_breaker.client.send(ClientToServerMessage.Verification(findings(tie_breaker)))
             await eventually(lambda: liar in server.core.banned, 30)
             await eventually(lambda: server.core.rejected.counts.get("Verification", 0) >= 19, 30)

@@ -1,14 +1,43 @@
 """A verifier's plan of its round (`psyche.client.round.verify`): its duties are the
-coordinator's, and each duty's decoy is a batch of the round that another trainer trained."""
+coordinator's, and each duty's decoy is a batch of the round that another trainer trained. A
+tie-breaker's next-round work is only the disputed batches (and their decoys), after every
+verifier's report or its wait's bound."""
 
 from __future__ import annotations
 
-from psyche.client.round.verify import decoy_for, plan_verification
+import trio
+import trio.testing
+
+from psyche.client.round.fetch import DataFetcher
+from psyche.client.round.state import RoundState
+from psyche.client.round.train import OwnResult, TrainingStep, run_round
+from psyche.client.round.verify import (
+    HeldRound,
+    Recomputations,
+    VerifyJob,
+    decoy_for,
+    disputes,
+    plan_verification,
+    recompute_disputes,
+    round_reports_when_settled,
+)
 from psyche.coordinator import Coordinator, RunState, TickResult
 from psyche.coordinator.data_selection import verification_duties_for_state
 from psyche.coordinator.testing import integration_test_coordinator, simulated_identity
-from psyche.coordinator.verification import VerificationDuty
+from psyche.coordinator.verification import (
+    Finding,
+    RoundDuties,
+    VerificationDuty,
+    VerificationReport,
+)
 from psyche.core import BatchId
+from psyche.core.node_identity import NodeIdentity
+from psyche.core.token_size import TokenSize
+from psyche.data_provider.dummy import DummyDataProvider
+from psyche.modeling.verification import save_weights
+
+from ..modeling.tiny_trainer import make_trainer
+from .test_weight_decay import job as train_job
 
 IDS = [simulated_identity(i) for i in range(6)]
 
@@ -68,3 +97,97 @@ def test_a_verifiers_own_duties_are_its_decoys_first() -> None:
     # its own duties all one trainer's: the round's next batch of another trainer
     one = [BatchId(0, 3)]
     assert decoy_for(VerificationDuty(BatchId(0, 3), IDS[0], IDS[1]), three, one) == BatchId(4, 7)
+
+
+def _tie_breakers_plan() -> tuple[VerifyJob, RoundDuties]:
+    coordinator = round_of(40)
+    duties = verification_duties_for_state(coordinator)
+    plans = [plan_verification(coordinator, i) for i in IDS]
+    (job,) = [p for p in plans if p is not None and p.tie_breaker]
+    return job, duties
+
+
+def test_a_tie_breaker_recomputes_only_the_disputed_batches_with_their_decoys() -> None:
+    job, duties = _tie_breakers_plan()
+    accused = duties.verifiers[0]
+    silent = {
+        d.verifier: VerificationReport(duties.step, [Finding(d.batch_id, True, 20.0)])
+        for d in duties.verifiers
+    }
+    assert disputes(job, silent).duties == ()  # no dispute: nothing to recompute
+    accusing = dict(silent)
+    accusing[accused.verifier] = VerificationReport(
+        duties.step, [Finding(accused.batch_id, False, 1.0)]
+    )
+    # a tie-breaker's own report is no accusation
+    tie = job.duties[0].verifier
+    accusing[tie] = VerificationReport(duties.step, [Finding(job.duties[-1].batch_id, False, 1.0)])
+    disputed = disputes(job, accusing)
+    assert [d.batch_id for d in disputed.duties] == [accused.batch_id]
+    assert disputed.tie_breaker
+    decoy = disputed.decoys[accused.batch_id]
+    assert dict(duties.assigned)[decoy] != accused.trainer
+    assert len(disputed.batches()) == 2  # the batch and its decoy: two recomputes
+
+
+def test_the_tie_breaker_waits_for_every_verifiers_report_but_no_longer_than_its_bound() -> None:
+    job, duties = _tie_breakers_plan()
+    verifiers = list(dict.fromkeys(d.verifier for d in duties.verifiers))
+    heard: dict[NodeIdentity, VerificationReport] = {}
+    reads: list[float] = []
+
+    async def read(step: int) -> dict[NodeIdentity, VerificationReport]:
+        assert step == job.step
+        reads.append(trio.current_time())
+        return dict(heard)
+
+    async def main() -> None:
+        start = trio.current_time()
+        # nobody reported: it waits its bound, then goes on with what it has (nothing)
+        assert await round_reports_when_settled(job, read, start + 3.0) == {}
+        assert 3.0 <= trio.current_time() - start < 3.5
+        # every verifier reported: one read, no wait
+        heard.update({v: VerificationReport(job.step, []) for v in verifiers})
+        reads.clear()
+        start = trio.current_time()
+        assert set(await round_reports_when_settled(job, read, start + 3.0)) == set(verifiers)
+        assert trio.current_time() == start
+        assert len(reads) == 1
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_a_tie_breaker_that_trains_recomputes_its_disputes_and_still_trains_its_batches() -> None:
+    # the last round's tie-breaker is a trainer of this one: its disputes are recomputed (from
+    # the saved weights) right after the apply, while its own batches are already being fetched
+    job, duties = _tie_breakers_plan()
+    accused = duties.verifiers[0]
+    reports = {
+        accused.verifier: VerificationReport(duties.step, [Finding(accused.batch_id, False, 1.0)])
+    }
+    trainer = make_trainer()
+    assigned = [BatchId(200, 201), BatchId(202, 203)]
+    recomputed = Recomputations()
+    published: list[OwnResult] = []
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            fetcher = DataFetcher(DummyDataProvider(TokenSize.FourBytes, 16, 256), nursery)
+            held = HeldRound(job, RoundState(), save_weights(trainer))
+            handle = TrainingStep()
+
+            async def verify() -> None:
+                disputed = await recompute_disputes(
+                    handle, trainer, held, reports, fetcher, recomputed
+                )
+                assert disputed is not None
+                assert set(recomputed.domains) == set(disputed.batches())
+
+            train = train_job(job.step + 1, assigned, [])
+            await run_round(handle, trainer, None, train, fetcher, published.append, verify)
+            finished = await handle.finish()
+            assert sorted(finished.trained) == assigned  # the dispute's fetch took none of them
+            assert len(recomputed.domains) == 2  # the disputed batch and its decoy
+
+    trio.run(main)
+    assert sorted(r.batch_id for r in published) == assigned

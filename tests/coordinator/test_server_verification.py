@@ -79,9 +79,10 @@ def test_a_trainer_that_lied_is_dropped_and_banned() -> None:
     ])  # fmt: skip
     assert core.on_verification(verifier, accusation) is False  # one word decides nothing
     assert state_of(core, trainer) is ClientState.Healthy
+    assert core.accepted_verification == (verifier, accusation)  # the server relays it
+    # the tie-breaker answers only the dispute (in the next round: it recomputes no more)
     verdict = VerificationReport(record.duties.step, [
-        Finding(d.batch_id, d.trainer != trainer, 0.0 if d.trainer != trainer else 2.0)
-        for d in record.duties.of(tie_breaker)
+        Finding(d.batch_id, False, 2.0) for d in record.duties.of(tie_breaker) if d.trainer == trainer
     ])  # fmt: skip
     assert core.on_verification(tie_breaker, verdict) is True  # broadcast: a client dropped
     assert state_of(core, trainer) is ClientState.Dropped
@@ -100,8 +101,12 @@ def test_a_trainer_that_lied_is_dropped_and_banned() -> None:
 def test_a_verifier_that_lied_is_dropped_and_banned() -> None:
     core, record = verifying_round()
     verifier, tie_breaker, trainer = roles(record)
+    # before any accusation the tie-breaker is not heard (nothing is disputed)
     assert core.on_verification(tie_breaker, report(record, tie_breaker, wrong=False)) is False
-    assert core.on_verification(verifier, report(record, verifier, wrong=True)) is True
+    assert core.accepted_verification is None
+    assert core.on_verification(verifier, report(record, verifier, wrong=True)) is False
+    assert state_of(core, verifier) is ClientState.Healthy  # one word decides nothing
+    assert core.on_verification(tie_breaker, report(record, tie_breaker, wrong=False)) is True
     assert state_of(core, verifier) is ClientState.Dropped
     assert state_of(core, trainer) is ClientState.Healthy
     assert set(core.banned) == {verifier}

@@ -204,13 +204,19 @@ def a_round() -> tuple[RoundDuties, NodeIdentity, NodeIdentity, list[BatchId]]:
 
 
 def report(
-    duties: RoundDuties, sender: NodeIdentity, wrong: set[BatchId], score: float = 0.5
+    duties: RoundDuties,
+    sender: NodeIdentity,
+    wrong: set[BatchId],
+    score: float = 0.5,
+    only: set[BatchId] | None = None,
 ) -> VerificationReport:
+    """`sender`'s findings on its duties (`only` those batches: a tie-breaker's disputed)."""
     return VerificationReport(
         duties.step,
         [
             Finding(d.batch_id, d.batch_id not in wrong, score if d.batch_id in wrong else 0.0)
             for d in duties.of(sender)
+            if only is None or d.batch_id in only
         ],
     )
 
@@ -249,7 +255,29 @@ def test_reports_are_checked_against_the_senders_duties() -> None:
         record.add(verifier, report(duties, verifier, set(batches)))
         == "a second report for the round"
     )
-    assert record.add(tie_breaker, report(duties, tie_breaker, set())) is None
+    # the verifier disputed nothing: the tie-breaker is heard about nothing
+    assert "no verifier disputed" in (
+        record.add(tie_breaker, report(duties, tie_breaker, set())) or ""
+    )
+    assert record.add(tie_breaker, VerificationReport(0, [])) is None
+
+
+def test_a_tie_breaker_is_heard_only_about_disputed_batches() -> None:
+    duties, verifier, tie_breaker, _ = a_round()
+    accused, honest = (d.batch_id for d in duties.verifiers[:2])
+    record = RoundVerification(duties)
+    assert record.disputed() == []
+    assert record.awaited() == [verifier]
+    # before the accusation, nothing is disputed (the tie-breaker answers in the next round)
+    early = report(duties, tie_breaker, set(), only={accused})
+    assert "no verifier disputed" in (record.add(tie_breaker, early) or "")
+    assert record.add(verifier, report(duties, verifier, {accused})) is None
+    assert record.disputed() == [accused]
+    assert record.awaited() == []
+    # naming an undisputed batch beside the disputed one is refused whole
+    both = report(duties, tie_breaker, set(), only={accused, honest})
+    assert str(honest) in (record.add(tie_breaker, both) or "")
+    assert record.add(tie_breaker, report(duties, tie_breaker, set(), only={accused})) is None
 
 
 # ---- resolution --------------------------------------------------------------------------------
@@ -261,7 +289,8 @@ def test_a_trainer_that_lied_loses() -> None:
     record = RoundVerification(duties)
     assert record.add(verifier, report(duties, verifier, {lie.batch_id})) is None
     assert record.resolve() == []  # one client's word decides nothing
-    assert record.add(tie_breaker, report(duties, tie_breaker, {lie.batch_id})) is None
+    verdict = report(duties, tie_breaker, {lie.batch_id}, only={lie.batch_id})
+    assert record.add(tie_breaker, verdict) is None
     (decided,) = record.resolve()
     assert (decided.loser, decided.role, decided.batch_id) == (lie.trainer, "trainer", lie.batch_id)
     assert record.resolve() == []  # decided once
@@ -271,10 +300,11 @@ def test_a_verifier_that_lied_loses() -> None:
     duties, verifier, tie_breaker, _ = a_round()
     honest = next(d for d in duties.verifiers)
     record = RoundVerification(duties)
-    # the tie-breaker's report may come first
-    assert record.add(tie_breaker, report(duties, tie_breaker, set())) is None
-    assert record.resolve() == []
     assert record.add(verifier, report(duties, verifier, {honest.batch_id}, 3.0)) is None
+    assert record.resolve() == []
+    # the tie-breaker answers the dispute (in the next round, from the weights it saved)
+    verdict = report(duties, tie_breaker, set(), only={honest.batch_id})
+    assert record.add(tie_breaker, verdict) is None
     (decided,) = record.resolve()
     assert (decided.loser, decided.role) == (verifier, "verifier")
     assert str(honest.trainer) in decided.reason
@@ -284,7 +314,8 @@ def test_honest_reports_punish_nobody() -> None:
     duties, verifier, tie_breaker, _ = a_round()
     record = RoundVerification(duties)
     record.add(verifier, report(duties, verifier, set()))
-    record.add(tie_breaker, report(duties, tie_breaker, set()))
+    assert record.disputed() == []
+    assert record.add(tie_breaker, report(duties, tie_breaker, set())) is not None
     assert record.resolve() == []
 
 
@@ -301,14 +332,18 @@ def test_tie_breakers_decide_by_majority() -> None:
     duties = round_duties(3, clients, selection, assignments)
     ties = sorted({d.verifier for d in duties.tie_breakers}, key=lambda i: i.signer)
     assert len(ties) == 3
-    target = next(iter(assignments))
+    target, accuser = duties.verifiers[0].batch_id, duties.verifiers[0].verifier
+    accusation = VerificationReport(3, [Finding(target, False, 1.0)])
     for votes, convicted in [((False, False, True), True), ((False, True, True), False)]:
         record = RoundVerification(duties)
+        assert record.add(accuser, accusation) is None
         for tie, vote in zip(ties, votes, strict=True):
-            record.add(tie, report(duties, tie, set() if vote else {target}))
+            verdict = report(duties, tie, set() if vote else {target}, only={target})
+            assert record.add(tie, verdict) is None
         losers = [r.loser for r in record.resolve()]
         assert (assignments[target] in losers) is convicted
-    # nothing else is decided on any mix of honest votes
+        assert (accuser in losers) is not convicted
+    # nothing is decided on honest votes without an accusation (none is heard)
     for votes in itertools.product([True], repeat=3):
         record = RoundVerification(duties)
         for tie, _ in zip(ties, votes, strict=True):

@@ -5,9 +5,11 @@ them hostile twice over (`tests/e2e/hostile_client.py`): as a trainer every resu
 sign flipped, as a verifier it accuses every result it verified (as tie-breaker it is honest).
 In the first round it is trainer or verifier, the honest verifier's accusation or its own false
 one meets the honest tie-breaker's verdict, and the server drops and bans it as the liar it
-was in that round: within three rounds of its first lie. No honest member is accused. (Which
-role it has first is the round seed's choice; tests/coordinator/test_server_verification.py
-and tests/centralized/test_server_verification.py take both paths every time.)
+was in that round: within three rounds of its first lie. No honest member is accused. The
+tie-breaker of a round recomputes only its disputed batches, in the next round, from the
+weights it saved (`psyche.client.round.verify`). (Which role it has first is the round seed's
+choice; tests/coordinator/test_server_verification.py and
+tests/centralized/test_server_verification.py take both paths every time.)
 
 Lean on purpose (the suite's time budget): it stops at the punishment, not at the run's end.
 """
@@ -60,8 +62,13 @@ def test_the_tie_breaker_punishes_whoever_lied_trainer_or_verifier(
     )
     losers = set(re.findall(r"verification: (\w+) loses", server.text()))
     assert losers == {short_id(HOSTILE)}, losers
-    # what the honest verifiers and tie-breakers found: honest results as honest, and the lie
+    # the tie-breaker recomputed only disputed batches, in the round after (from the weights it
+    # saved): its findings are all about rounds it announced disputes of, the lie's among them
     findings = [e for client in honest for e in events(client, "verification")]
+    disputed = {e["step"] for client in honest for e in events(client, "verification_disputes")}
+    assert step in disputed, (step, disputed)
+    assert {e["step"] for e in findings if e["role"] == "tie-breaker"} <= disputed, findings
+    # what the honest verifiers and tie-breakers found: honest results as honest, and the lie
     honest_ids = {short_id(n) for n in HONEST}
     assert all(e["matches"] for e in findings if e["trainer"] in honest_ids), findings
     at_step = [e for e in findings if e["step"] == step]

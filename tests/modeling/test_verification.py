@@ -27,7 +27,9 @@ from psyche.modeling.verification import (
     VerificationSettings,
     VerificationVerdict,
     recompute,
+    save_weights,
     split_rows,
+    swap_weights,
     verification_settings,
     verify_result,
 )
@@ -97,6 +99,34 @@ def test_two_verifiers_recompute_the_same_bits_and_leave_their_trainer_alone(for
     )
     verify_result(trainer, batch(2, 1), published, step=2, decoy=batch(2, 2))
     assert same_bits(state(trainer), before)
+
+
+@pytest.mark.parametrize("form", ["distro", "bf16"])
+def test_a_tie_breaker_recomputes_from_its_saved_weights_a_round_later(form: str) -> None:
+    # round 2's weights saved; the model moves on (round 3's apply); the saved weights swapped
+    # in give round 2's recompute bit for bit, and swapped back the model is as it was
+    batch = corpus_batches(3)
+    trainer = tiny_trainer(form)
+    out = trainer.train_exact(
+        1, batch(1, 0), warmup_lr_between=None, zero_optim=False, prev_self_distro_results=[]
+    )
+    at_round = recompute(trainer, batch(2, 1), step=2)
+    saved = save_weights(trainer)
+    trainer.optimize(2, distro_results=[out.distro_results or []])
+    moved = state(trainer)
+    optimizer = trainer.distro or trainer.diloco
+    assert optimizer is not None
+    now = [p.detach().clone() for _, p in optimizer.variables]
+    assert not same_bits(now, saved.tensors)  # it did move on
+    swap_weights(trainer, saved)
+    later = recompute(trainer, batch(2, 1), step=2)
+    swap_weights(trainer, saved)
+    assert all(same_bits(x, y) for x, y in zip(at_round.parts, later.parts, strict=True))
+    assert same_bits(state(trainer), moved)
+    # the next round's copy goes into the same tensors (one copy, never two)
+    again = save_weights(trainer, saved)
+    assert again is saved
+    assert all(a.data_ptr() == b.data_ptr() for a, b in zip(again.tensors, saved.tensors))
 
 
 @pytest.mark.parametrize("form", ["distro", "bf16"])

@@ -185,19 +185,28 @@ def test_a_disputed_result_is_decided_by_the_tie_breaker_and_the_loser_slashed(
                     after = await owner.get_data(pda.find_run_verification(account, owner.ids))
                     assert after == before
 
-                    # The tie-breaker recomputed every batch: the hostile one is wrong.
-                    verdict = VerificationReport(
-                        step,
-                        [
-                            Finding(
-                                d.batch_id,
-                                d.trainer != hostile,
-                                50.0 if d.trainer == hostile else 2.0,
-                            )
-                            for d in duties.tie_breakers
-                        ],
+                    # A client reads the round's reports from the account (a tie-breaker
+                    # learns its disputes so, in the next round).
+                    heard = await verifier.runner.round_reports(step)
+                    assert heard == {duty.verifier: accusation}
+
+                    # The tie-breaker is heard only about the disputed batch: naming another
+                    # (undisputed) one beside it is refused, the account unchanged.
+                    tie_backend = by_signer[tie_breaker.signer].backend
+                    too_much = VerificationReport(
+                        step, [Finding(d.batch_id, True, 2.0) for d in duties.tie_breakers]
                     )
-                    await send_report(by_signer[tie_breaker.signer].backend, account, verdict)
+                    assert len(too_much.findings) > 1
+                    before = await owner.get_data(pda.find_run_verification(account, owner.ids))
+                    assert error_text("VerificationReportRefused") in await refused(
+                        tie_backend, account, too_much
+                    )
+                    after = await owner.get_data(pda.find_run_verification(account, owner.ids))
+                    assert after == before
+
+                    # It recomputed the disputed batch: the hostile result is wrong.
+                    verdict = VerificationReport(step, [Finding(duty.batch_id, False, 50.0)])
+                    await send_report(tie_backend, account, verdict)
                     seen.update(
                         step=step, hostile=hostile, verifier=duty.verifier, tie_breaker=tie_breaker
                     )

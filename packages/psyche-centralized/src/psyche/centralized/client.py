@@ -50,6 +50,7 @@ from psyche.centralized.protocol import (
 from psyche.coordinator import Coordinator, RunState
 from psyche.coordinator.backend import HealthCheck, OpportunisticData
 from psyche.coordinator.model import Checkpoint, LLMTrainingDataLocation
+from psyche.coordinator.server_core import VERIFIED_ROUNDS
 from psyche.coordinator.verification import VerificationReport
 from psyche.core.cli import UserError
 from psyche.core.node_identity import NodeIdentity
@@ -182,6 +183,8 @@ class CentralizedBackend:
         """Set (and replaced) when the server names other relays (a restarted server's relay
         has a new identity)."""
         self.connections = 0
+        self._heard: dict[int, dict[NodeIdentity, VerificationReport]] = {}
+        """The verification reports the server relayed, by round (the last `VERIFIED_ROUNDS`)."""
         self._join_wait: str | None = None
         self._before_join: Callable[[], Awaitable[None]] | None = None
 
@@ -252,6 +255,10 @@ class CentralizedBackend:
 
     async def send_checkpoint(self, checkpoint: Checkpoint) -> None:
         await self._send(ClientToServerMessage.Checkpoint(checkpoint))
+
+    async def round_reports(self, step: int) -> dict[NodeIdentity, VerificationReport]:
+        """`VerificationReports.round_reports`: what the server relayed for round `step`."""
+        return dict(self._heard.get(step, {}))
 
     # -- Rejoin
 
@@ -436,6 +443,11 @@ class CentralizedBackend:
                 self._say_join_wait()
             case ServerToClientMessage.RunExtras(extras):
                 self.run_extras = extras
+            case ServerToClientMessage.VerificationHeard(heard):
+                step = int(heard.report.step)
+                self._heard.setdefault(step, {}).setdefault(heard.sender, heard.report)
+                for old in sorted(self._heard)[:-VERIFIED_ROUNDS]:
+                    del self._heard[old]
             case ServerToClientMessage.Relays(addrs):
                 if list(addrs) != self.relays:
                     self.relays = list(addrs)

@@ -18,6 +18,10 @@ Port extensions are appended variants (higher indices), which a Rust peer cannot
   `verification_percent > 0` (which a Rust server cannot run: its data selection asserts it is 0).
   Bounded like a health check: at most one finding per client of the run, heard only from a
   member, once per sender and round (`ServerCore.on_verification`).
+* server to client `VerificationHeard{sender, report}` (4): a verification report the
+  coordinator accepted, relayed to every extension-aware member (at most one per verifier and
+  tie-breaker of a round, each bounded as above): a round's tie-breaker learns from them which
+  batches were disputed, and when every verifier has reported (`psyche.client.round.verify`).
 * server to client `PeerEndpoints(records)` (1): the newest record of every other joined client.
 * server to client `RunExtras{version, backup_data_locations, run_identity}` (2): what
   upstream's coordinator cannot carry (the backup data locations of `data_locations = [...]`
@@ -88,6 +92,14 @@ class RunExtras:
     run_identity: str = ""
 
 
+@struct(frozen=True)
+class VerificationHeard:
+    """A verification report the coordinator accepted, and who sent it."""
+
+    sender: NodeIdentity
+    report: VerificationReport
+
+
 class ClientToServerMessage(DataEnum):
     Join = variant(JoinRun)
     Witness = variant(OpportunisticData)
@@ -109,6 +121,7 @@ class ServerToClientMessage(DataEnum):
     PeerEndpoints = variant(list[bytes])
     RunExtras = variant(RunExtras)
     Relays = variant(list[str])
+    VerificationHeard = variant(VerificationHeard)
 
 
 # Variants from this index on are extensions that an upstream peer cannot decode.

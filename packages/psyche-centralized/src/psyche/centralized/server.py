@@ -64,6 +64,7 @@ from psyche.centralized.protocol import (
     JoinRun,
     RunExtras,
     ServerToClientMessage,
+    VerificationHeard,
     screen_client_message,
 )
 from psyche.centralized.save_state import save_state
@@ -386,6 +387,10 @@ class CentralizedServer:
                 broadcast = core.on_checkpoint(sender, checkpoint)
             case ClientToServerMessage.Verification(report):
                 broadcast = core.on_verification(sender, report)
+                if core.accepted_verification is not None:
+                    heard = VerificationHeard(*core.accepted_verification)
+                    for aware in self.relay.aware_joined():
+                        self._send(aware, ServerToClientMessage.VerificationHeard(heard))
             case ClientToServerMessage.ExtensionHello(hello):
                 if client in self._greeted:
                     return  # answered once per connection: a repeated hello gets nothing

@@ -72,6 +72,7 @@ from psyche.coordinator.model import Checkpoint
 from psyche.coordinator.verification import VerificationReport
 from psyche.core.cli import UserError
 from psyche.core.log_markers import IntegrationTestLogMarker
+from psyche.core.node_identity import NodeIdentity
 from psyche.modeling.serialized_distro import TransmittableDistroResult
 from psyche.network import (
     BlobTicket,
@@ -157,6 +158,12 @@ class _LoopIO:
 
     def send_verification(self, report: VerificationReport) -> None:
         self._queue("verification", lambda: self._client._send_verification(report))
+
+    async def round_reports(self, step: int) -> dict[NodeIdentity, VerificationReport]:
+        backend = self._client.backend
+        if isinstance(backend, VerificationReports):
+            return await backend.round_reports(step)
+        return {}
 
     def broadcast_finished(self, action: SendFinished) -> None:
         self._queue("finished", lambda: self._client._broadcast_finished(action))

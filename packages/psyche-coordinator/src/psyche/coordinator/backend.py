@@ -97,3 +97,8 @@ class VerificationReports(Protocol):
     The centralized backend has it; a backend without it drops the reports (logged once)."""
 
     async def send_verification(self, report: VerificationReport) -> None: ...
+
+    async def round_reports(self, step: int) -> dict[NodeIdentity, VerificationReport]:
+        """The reports the coordinator accepted for round `step` so far, by sender (a round's
+        tie-breaker reads its disputes from them; empty once the round is forgotten)."""
+        ...

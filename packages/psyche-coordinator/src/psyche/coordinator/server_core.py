@@ -94,7 +94,8 @@ MAX_BAN_EPOCHS = 64
 """The longest a ban grows (`ServerCore._ban`)."""
 VERIFIED_ROUNDS = 3
 """Rounds whose verification reports are still heard: a verifier recomputes while the round
-trains, and its report may arrive during the next two (a loaded machine is slow, not wrong)."""
+trains, and its report may arrive during the next two (a loaded machine is slow, not wrong); a
+tie-breaker recomputes a round's disputes in the next round and reports during it or after."""
 VERIFICATION_LOG_LEN = 64
 """Verification events the server keeps for the status page."""
 
@@ -163,6 +164,9 @@ class ServerCore:
     # was accepted in: (sender, step, metadata); None when it accepted none (for the status
     # page: nothing else a member sends reaches it).
     accepted_witness: tuple[NodeIdentity, int, WitnessMetadata] | None = None
+    # The verification report `on_verification` accepted last (None: it refused it), which the
+    # server relays to the run's clients: a round's tie-breaker learns its disputes from them.
+    accepted_verification: tuple[NodeIdentity, VerificationReport] | None = None
     # The coordinator's refusal of the latest event (None: it accepted, or the event never
     # reached it). The server only logs refusals; a driver that reports them to its caller (the
     # simulation in `psyche.coordinator.testing`) reads them here.
@@ -361,6 +365,7 @@ class ServerCore:
         round, and only about its own duties; the disputes it lets the tie-breakers decide drop
         and ban their losers. Whether the state changed (someone was dropped)."""
         self.refusal = None
+        self.accepted_verification = None
         if self._member(sender, "Verification") is None:
             return False
         self._record_duties()  # a round that started since the last tick (by a witness)
@@ -375,6 +380,7 @@ class ServerCore:
                 "Verification", f"verification report from {sender} refused: {problem}"
             )
             return False
+        self.accepted_verification = (sender, report)
         trainers = record.duties.trainers()
         for finding in report.findings:
             trainer = trainers[finding.batch_id]

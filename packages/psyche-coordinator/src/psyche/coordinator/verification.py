@@ -14,14 +14,23 @@ round's batches (ascending) are shuffled with a seed derived from the committee 
 "verification"; the first `VERIFIED_BATCHES_PER_VERIFIER` (2) per verifier are the round's
 checked batches, dealt round-robin to the verifiers in client-index order. Every checked batch is
 recomputed by exactly one verifier, each verifier recomputes at most 2 (each the other's decoy,
-so checking two costs what checking one does: two recomputes), and every tie-breaker recomputes
-every checked batch (`tie_breaker_duties`): it is the arbiter, and it cannot know in advance
-which result will be disputed (it must recompute from the round's own model state, which it
-holds only during that round). A round checks `min(trainers' batches, 2 x verifiers)` batches:
-all of them while verifiers are at least half as many as trainers (4 clients at 25 %), and a
-seed-drawn share of them otherwise (at 10 %, about 2 in 9 a round), so that a verifier's and the
-tie-breaker's work stay within a round (docs/reliability.md, "recompute and punish": coverage
-against cost).
+so checking two costs what checking one does: two recomputes). A round checks `min(trainers'
+batches, 2 x verifiers)` batches: all of them while verifiers are at least half as many as
+trainers (4 clients at 25 %), and a seed-drawn share of them otherwise (at 10 %, about 2 in 9 a
+round), so that a verifier's work stays within a round (docs/reliability.md, "recompute and
+punish": coverage against cost).
+
+The tie-breakers (`tie_breaker_duties`) are the arbiters of the round's checked batches, but they
+recompute only the **disputed** ones (a verifier's finding `matches = False`: `RoundVerification.
+disputed`), and only in the **next** round: a tie-breaker of round N keeps one copy of the weights
+round N trained from (`psyche.client.round.verify`: only on the tie-breaker, at most one copy,
+dropped once round N's disputes are known), and after the next round's verifier reports are in
+(they arrive during round N's witness phase) recomputes each disputed batch and its decoy from
+that copy. A round without a dispute costs it one copy of the weights; a dispute two recomputes.
+So the decision lands one round after the lie: `RoundVerification.add` hears a tie-breaker only
+about batches a verifier of the round disputed (it is what makes the cost bounded: a tie-breaker
+cannot be made, nor claim, to arbitrate more), and `VERIFIED_ROUNDS` keeps a round's record
+while its tie-breakers may still report.
 
 What they report (`VerificationReport`): one message per sender and round, naming for each batch
 it recomputed whether its recomputation matched the published result, and the evidence score (the comparison's distance). A verifier's non-matching finding is an accusation.
@@ -162,7 +171,8 @@ def tie_breaker_duties(
     selection: CommitteeSelection,
     assignments: Mapping[BatchId, NodeIdentity],
 ) -> list[VerificationDuty]:
-    """Every tie-breaker recomputes every batch the round's verifiers check (ascending)."""
+    """Every batch the round's verifiers check (ascending), for every tie-breaker: what it may
+    be asked to arbitrate (it recomputes only the disputed ones, in the next round)."""
     checked = sorted(d.batch_id for d in verification_duties(clients, selection, assignments))
     return [
         VerificationDuty(batch, assignments[batch], tie_breaker)
@@ -281,13 +291,37 @@ class RoundVerification:
     decided: set[tuple[BatchId, NodeIdentity]] = field(default_factory=set)
 
     def add(self, sender: NodeIdentity, report: VerificationReport) -> str | None:
-        """Record `report`; why it is refused (a second report, or `check_report`), or None."""
+        """Record `report`; why it is refused (a second report, `check_report`, or a
+        tie-breaker's finding about a batch no verifier disputed), or None."""
         if sender in self.reports:
             return "a second report for the round"
         problem = check_report(self.duties, sender, report)
+        if problem is None and self.duties.is_tie_breaker(sender):
+            disputed = set(self.disputed())
+            undisputed = next((f for f in report.findings if f.batch_id not in disputed), None)
+            if undisputed is not None:
+                problem = f"names {undisputed.batch_id}, which no verifier disputed"
         if problem is None:
             self.reports[sender] = report
         return problem
+
+    def disputed(self) -> list[BatchId]:
+        """The batches a verifier's report accused (ascending): what the tie-breakers
+        recompute, in the next round."""
+        return sorted(
+            {
+                f.batch_id
+                for sender, report in self.reports.items()
+                if not self.duties.is_tie_breaker(sender)
+                for f in report.accusations()
+            }
+        )
+
+    def awaited(self) -> list[NodeIdentity]:
+        """The round's verifiers whose report has not arrived (a tie-breaker waits for them,
+        briefly, before it decides there is no dispute)."""
+        verifiers = dict.fromkeys(d.verifier for d in self.duties.verifiers)
+        return [v for v in verifiers if v not in self.reports]
 
     def resolve(self) -> list[Resolution]:
         """The decisions the reports received so far allow that were not made before."""

@@ -283,6 +283,45 @@ def _optimizer(trainer: Trainer) -> Distro | Diloco:
     return optimizer
 
 
+@dataclass
+class SavedWeights:
+    """One copy of the weights a round trained from, kept by that round's tie-breaker until it
+    knows the round's disputes (`psyche.coordinator.verification`: it recomputes them in the
+    next round, when its model holds newer weights). One parameter list, on the parameters'
+    own devices and shardings."""
+
+    tensors: list[torch.Tensor]
+
+
+def _weights(trainer: Trainer) -> list[torch.Tensor]:
+    return [p for _, p in _optimizer(trainer).variables]
+
+
+def save_weights(trainer: Trainer, into: SavedWeights | None = None) -> SavedWeights:
+    """A copy of `trainer`'s weights, bit for bit; into `into`'s tensors when they fit (so a
+    tie-breaker of consecutive rounds holds one copy, never two)."""
+    params = _weights(trainer)
+    with torch.no_grad():
+        if into is not None and [t.shape for t in into.tensors] == [p.shape for p in params]:
+            for saved, p in zip(into.tensors, params, strict=True):
+                saved.copy_(p.detach())
+            return into
+        return SavedWeights([p.detach().clone() for p in params])
+
+
+def swap_weights(trainer: Trainer, saved: SavedWeights) -> None:
+    """Exchange `trainer`'s weights with `saved`, bit for bit, one parameter at a time (the
+    memory it takes beyond the copy is the largest parameter's); twice puts both back."""
+    params = _weights(trainer)
+    if [t.shape for t in saved.tensors] != [p.shape for p in params]:
+        raise TrainerError("the saved weights are not this model's")
+    with torch.no_grad():
+        for p, other in zip(params, saved.tensors, strict=True):
+            held = p.detach().clone()
+            p.copy_(other)
+            other.copy_(held)
+
+
 def result_reader(trainer: Trainer) -> ResultReader:
     """How the run's payloads read (`compare`'s first argument)."""
     return ResultReader.of(_optimizer(trainer))

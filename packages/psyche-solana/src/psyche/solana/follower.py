@@ -235,6 +235,24 @@ class SolanaBackendRunner:
         )
         self.spawn_scheduled_send("Verification report", [instruction])
 
+    async def round_reports(self, step: int) -> dict[NodeIdentity, VerificationReport]:
+        """`VerificationReports.round_reports`: the reports the run's verification account
+        holds for round `step` (one read; empty when it cannot be read or forgot the round)."""
+        from psyche.solana.state import decode_anchor_account
+        from psyche.solana.verification import RunVerification
+
+        address = self._verification()
+        if address is None:
+            return {}
+        try:
+            info = await self.backend.get_account_info(address)
+        except SolanaBackendError as e:
+            log.debug("could not read the verification account: %s", e)
+            return {}
+        stored = None if info is None else decode_anchor_account(info.data, RunVerification)
+        found = None if stored is None else stored.round(step)
+        return {} if found is None else dict(found.record().reports)
+
     # ---- extras the Solana client uses --------------------------------------------------------
 
     def send_tick(self) -> None:

@@ -47,6 +47,16 @@ class DataFetcher:
         self._nursery.start_soon(self._run, list(batch_ids), send, scope)
         return receive
 
+    def fetch_beside(
+        self, batch_ids: Sequence[BatchId]
+    ) -> trio.MemoryReceiveChannel[tuple[BatchId, Batch]]:
+        """Like `fetch`, but beside the round's fetch, which it neither cancels nor replaces
+        (a tie-breaker's disputed batches of the last round, read while its own batches of this
+        round are fetched; the provider still serves one request at a time)."""
+        send, receive = trio.open_memory_channel[tuple[BatchId, "Batch"]](self._buffer)
+        self._nursery.start_soon(self._run, list(batch_ids), send, trio.CancelScope())
+        return receive
+
     async def _run(
         self,
         batch_ids: list[BatchId],

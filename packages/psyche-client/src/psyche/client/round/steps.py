@@ -102,6 +102,10 @@ class ClientIO(Protocol):
 
     def send_verification(self, report: VerificationReport) -> None: ...
 
+    async def round_reports(self, step: int) -> dict[NodeIdentity, VerificationReport]:
+        """The verification reports the coordinator accepted for round `step` (read now)."""
+        ...
+
     def broadcast_finished(self, action: witness.SendFinished) -> None: ...
 
     def publish_result(self, result: OwnResult) -> None: ...
@@ -192,6 +196,8 @@ class StepStateMachine:
         self.verification = VerificationTally()
         """This client's findings as a verifier or tie-breaker, until a progress line says them."""
         self.own_results_to_subtract: list[list[DistroResult]] = []
+        self.held: verify.HeldRound | None = None
+        """A tie-breaker's saved round (`round.verify`): its disputes are recomputed next round."""
         """What this client last sent (unquantized) and its DisTrO momentum has not yet had taken
         out: the next round it trains subtracts it (`train_job`), however many rounds it sat out
         in between as a verifier, a tie-breaker or without a batch."""
@@ -456,6 +462,7 @@ class StepStateMachine:
         self.current = RoundState()
         self.previous = RoundState()
         self.own_results_to_subtract = []
+        self.held = None
         self.applying = None
         self.last_apply = None
         self.training = None
@@ -520,7 +527,11 @@ class StepStateMachine:
         self.active = ActiveStep.Training
         self._replay_early()
         verify_job = verify.plan_verification(state, self.identity) if plan.have_training else None
-        self.tasks.start_soon(self._run_round, handle, apply_job, train_job, verify_job)
+        # a tie-breaker of the last round recomputes its disputes in this one (one copy held)
+        held, self.held = self.held, None
+        if held is not None and held.job.step != state.progress.step - 1:
+            held = None
+        self.tasks.start_soon(self._run_round, handle, apply_job, train_job, verify_job, held)
 
     async def _compare_and_report(
         self,
@@ -548,22 +559,56 @@ class StepStateMachine:
         apply_job: ApplyJob | None,
         train_job: TrainJob | None,
         verify_job: verify.VerifyJob | None = None,
+        held: verify.HeldRound | None = None,
     ) -> None:
         """The round's training step; evaluations give the model back first and take it
-        again once the step is done (the trainer is idle until the next round). A verifier
-        or tie-breaker recomputes its duties in the step, then compares them on its own
-        (`round.verify`)."""
+        again once the step is done (the trainer is idle until the next round). Right after
+        the apply, a tie-breaker of the last round recomputes that round's disputes from the
+        weights it saved (`held`), a tie-breaker of this round saves them, a verifier recomputes
+        its duties; each compares on its own afterwards (`round.verify`)."""
         if self.evals is not None:
             await self.evals.stop()
-        recomputed = verify.Recomputations()
+        recomputed, disputed = verify.Recomputations(), verify.Recomputations()
+        dispute_job: verify.VerifyJob | None = None
+        round_state = self.current
         recompute = None
-        if verify_job is not None and self.fetcher is not None:
-            job, fetcher = verify_job, self.fetcher
+        if (verify_job is not None or held is not None) and self.fetcher is not None:
+            fetcher, config = self.fetcher, self.coordinator_state.config
 
             async def recompute() -> None:
-                await verify.recompute_duties(handle, self.trainer, job, fetcher, recomputed)
+                nonlocal dispute_job
+                weights = None
+                if held is not None:
+                    until = trio.current_time() + max(
+                        verify.DISPUTE_WAIT_SECONDS, config.round_witness_time
+                    )
+                    try:
+                        reports = await verify.round_reports_when_settled(
+                            held.job, self.io.round_reports, until
+                        )
+                        dispute_job = await verify.recompute_disputes(
+                            handle, self.trainer, held, reports, fetcher, disputed
+                        )
+                    except Exception:  # never the training step's failure
+                        logger.exception(
+                            "the disputes of step %d were not arbitrated", held.job.step
+                        )
+                    weights = held.weights
+                if verify_job is not None and verify_job.tie_breaker:
+                    try:
+                        self.held = await verify.hold_round(
+                            self.trainer, verify_job, round_state, weights
+                        )
+                    except Exception:
+                        logger.exception("the weights of step %d were not saved", verify_job.step)
+                    return
+                if weights is not None:
+                    weights.tensors.clear()  # the disputes are known: the copy is dropped
+                if verify_job is not None:
+                    await verify.recompute_duties(
+                        handle, self.trainer, verify_job, fetcher, recomputed
+                    )
 
-        round_state = self.current
         await run_round(
             handle,
             self.trainer,
@@ -573,11 +618,15 @@ class StepStateMachine:
             self.io.publish_result,
             recompute,
         )
+        config = self.coordinator_state.config
+        deadline = trio.current_time() + config.max_round_train_time + config.round_witness_time
         if verify_job is not None and recomputed.domains:
-            config = self.coordinator_state.config
-            deadline = trio.current_time() + config.max_round_train_time + config.round_witness_time
             self.tasks.start_soon(
                 self._compare_and_report, verify_job, recomputed, round_state, deadline
+            )
+        if held is not None and dispute_job is not None and disputed.domains:
+            self.tasks.start_soon(
+                self._compare_and_report, dispute_job, disputed, held.round_state, deadline
             )
         # the trainer is idle until the next round (a newer round's step, if one has started
         # meanwhile, stopped the evaluations before its own work and keeps the model)

@@ -7,6 +7,16 @@ round (none unless it is the round's verifier or tie-breaker in a run with
 verified trainer was not assigned (the comparison reads the payload along the difference of the
 two recomputed updates; `psyche.modeling.verification.verify_result`).
 
+A tie-breaker's round is different (`psyche.coordinator.verification`: it recomputes only the
+disputed batches, one round later). In its round N it recomputes nothing: right after the apply
+it keeps one copy of the weights (`HeldRound`, `save_weights`; the only copy it ever holds, and
+only on tie-breakers). In round N + 1, right after that round's apply, it reads round N's reports
+(`ClientIO.round_reports`, waiting at most `dispute_wait` for every verifier's), and for each
+disputed batch of its duties swaps the saved weights in, recomputes the batch and its decoy,
+swaps them back (bit for bit) and drops the copy (`recompute_disputes`); the comparison and the
+report are a verifier's (`compare_and_report`, against round N's payloads). A round without a
+dispute costs it the copy and one read of the reports.
+
 The work is in two parts, because only the first needs the round's weights:
 
 * `recompute_duties` runs inside the round's training step (`run_round`, right after the apply
@@ -23,8 +33,8 @@ The work is in two parts, because only the first needs the round's weights:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -35,14 +45,20 @@ from psyche.client.round.fetch import DataFetcher
 from psyche.client.round.state import RoundState
 from psyche.coordinator import Coordinator
 from psyche.coordinator.data_selection import verification_duties_for_state
-from psyche.coordinator.verification import Finding, VerificationDuty, VerificationReport
+from psyche.coordinator.verification import (
+    Finding,
+    RoundDuties,
+    RoundVerification,
+    VerificationDuty,
+    VerificationReport,
+)
 from psyche.core.batch_id import BatchId
 from psyche.core.node_identity import NodeIdentity
 
 if TYPE_CHECKING:
     from psyche.client.round.train import TrainingStep
     from psyche.modeling.trainer import Trainer
-    from psyche.modeling.verification import Domain
+    from psyche.modeling.verification import Domain, SavedWeights
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +73,8 @@ class VerifyJob:
     decoys: Mapping[BatchId, BatchId]
     tie_breaker: bool
     warmup_lr_between: tuple[int, int] | None
+    round: RoundDuties | None = None
+    """Everyone's duties in the round (a tie-breaker reads its disputes against them)."""
 
     def batches(self) -> list[BatchId]:
         """Every batch to recompute, each once: the duties', then the decoys not among them."""
@@ -88,7 +106,109 @@ def plan_verification(state: Coordinator, identity: NodeIdentity) -> VerifyJob |
         decoys={d.batch_id: decoy_for(d, assigned, own) for d in mine},
         tie_breaker=duties.is_tie_breaker(identity),
         warmup_lr_between=state.get_cold_start_warmup_bounds(),
+        round=duties,
     )
+
+
+@dataclass
+class HeldRound:
+    """What a tie-breaker of round `job.step` keeps for the next round: its duties, the round's
+    state (the payloads it will compare) and the weights the round trained from."""
+
+    job: VerifyJob
+    round_state: RoundState
+    weights: SavedWeights
+
+
+DISPUTE_WAIT_SECONDS = 3.0
+"""The longest a tie-breaker waits, at the start of the next round, for the verifiers' reports of
+its round (or the round's witness time, if longer): they normally arrive during the round's
+witness phase; one later than this is not arbitrated (nobody is punished on one word)."""
+
+
+async def hold_round(
+    trainer: Trainer, job: VerifyJob, round_state: RoundState, reuse: SavedWeights | None
+) -> HeldRound:
+    """A tie-breaker's round: the weights it trains from saved (into `reuse`'s tensors, the
+    last round's copy, when there is one), for the next round's disputes."""
+    from psyche.modeling.verification import save_weights
+
+    weights = await trio.to_thread.run_sync(save_weights, trainer, reuse)
+    log_event(logger, "verification_held", quiet=True, step=job.step)
+    return HeldRound(job, round_state, weights)
+
+
+def disputes(job: VerifyJob, reports: Mapping[NodeIdentity, VerificationReport]) -> VerifyJob:
+    """The part of a tie-breaker's `job` that the round's `reports` (accepted by the
+    coordinator) disputed, each duty with its decoy among the disputed first."""
+    assert job.round is not None
+    disputed = set(RoundVerification(job.round, dict(reports)).disputed())
+    duties = tuple(d for d in job.duties if d.batch_id in disputed)
+    assigned = dict(job.round.assigned) or job.round.trainers()
+    own = [d.batch_id for d in duties]
+    return replace(
+        job, duties=duties, decoys={d.batch_id: decoy_for(d, assigned, own) for d in duties}
+    )
+
+
+async def round_reports_when_settled(
+    job: VerifyJob,
+    read: Callable[[int], Awaitable[Mapping[NodeIdentity, VerificationReport]]],
+    until: float,
+    poll: float = 0.25,
+) -> Mapping[NodeIdentity, VerificationReport]:
+    """Round `job.step`'s accepted reports, once every verifier of the round has reported or
+    at `until` (trio clock), whichever is first."""
+    assert job.round is not None
+    started = trio.current_time()
+    while True:
+        reports = await read(job.step)
+        record = RoundVerification(job.round, dict(reports))
+        if not record.awaited() or trio.current_time() >= until:
+            log_event(
+                logger,
+                "verification_settled",
+                quiet=True,
+                step=job.step,
+                waited=round(trio.current_time() - started, 3),
+                missing=len(record.awaited()),
+                disputed=len(record.disputed()),
+            )
+            return reports
+        await trio.sleep(min(poll, max(0.0, until - trio.current_time())))
+
+
+async def recompute_disputes(
+    handle: TrainingStep,
+    trainer: Trainer,
+    held: HeldRound,
+    reports: Mapping[NodeIdentity, VerificationReport],
+    fetcher: DataFetcher,
+    out: Recomputations,
+) -> VerifyJob | None:
+    """A tie-breaker's work in the round after `held`'s: the disputed part of its duties
+    (`disputes`) recomputed into `out` from the saved weights (swapped in and back: the model
+    is left bit for bit as it was). The job to compare and report, or None without a dispute."""
+    from psyche.modeling.verification import swap_weights
+
+    job = disputes(held.job, reports)
+    if not job.duties:
+        return None
+    log_event(
+        logger,
+        "verification_disputes",
+        step=job.step,
+        text=f"tie-breaker, step {job.step}: recomputing {len(job.duties)} disputed "
+        f"result(s) from the saved weights",
+        batches=[str(d.batch_id) for d in job.duties],
+    )
+    await trio.to_thread.run_sync(swap_weights, trainer, held.weights)
+    try:
+        await recompute_duties(handle, trainer, job, fetcher, out, beside=True)
+    finally:
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(swap_weights, trainer, held.weights)
+    return job
 
 
 def decoy_for(
@@ -118,14 +238,18 @@ async def recompute_duties(
     job: VerifyJob,
     fetcher: DataFetcher,
     out: Recomputations,
+    *,
+    beside: bool = False,
 ) -> None:
     """Recompute every batch `job` needs into `out` (see the module docstring); stops when the
     round's training step is finished. A failure ends this round's verification (logged), never
-    the training step: the client's own duties go on."""
+    the training step: the client's own duties go on. `beside`: its batches are fetched beside
+    the round's own (a tie-breaker's disputes of the last round, in a round it may train)."""
     if trainer.distro is None and trainer.diloco is None:
         logger.warning("the run's optimizer sends no results to verify: not verifying")
         return
-    incoming = fetcher.fetch(list(reversed(job.batches())))  # the fetcher pops from the end
+    fetch = fetcher.fetch_beside if beside else fetcher.fetch
+    incoming = fetch(list(reversed(job.batches())))  # the fetcher pops from the end
     try:
         async with incoming:
             while (item := await handle.next_batch(incoming)) is not None:
@@ -200,7 +324,8 @@ async def compare_and_report(
         findings.append(Finding(duty.batch_id, verdict.matches, float(verdict.score)))
         _log_finding(job, duty, verdict.matches, verdict.score, verdict.detail)
     report = VerificationReport(job.step, findings)
-    if findings:
+    if findings or not job.tie_breaker:
+        # a verifier reports even finding nothing: the tie-breaker waits for every verifier
         send(report)
     return report
 
