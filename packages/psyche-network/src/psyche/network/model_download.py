@@ -165,13 +165,19 @@ class ModelDownload:
 
     async def _dial(self, peer: bytes) -> None:
         """Connect to `peer` ahead of its first request, so every peer's connection is made
-        while the configuration is fetched (a failure is the request's to report)."""
-        try:
-            await self._network.connect(peer)
-        except Exception as e:
-            logger.debug("connecting to %s ahead of its requests: %s", fmt_short(peer), e)
-        finally:
-            self._dialled[peer].set()
+        while the configuration is fetched (a failure is the request's to report), and, at the
+        same time, open its blob session (`BlobRoutes.prepare`), so the first blobs wait for
+        no handshake."""
+        addr = self._network.address_book.get(peer)
+        async with trio.open_nursery() as nursery:
+            if addr is not None:
+                nursery.start_soon(self._network.blob_routes.prepare, addr)
+            try:
+                await self._network.connect(peer)
+            except Exception as e:
+                logger.debug("connecting to %s ahead of its requests: %s", fmt_short(peer), e)
+            finally:
+                self._dialled[peer].set()
 
     async def _dialled_first(self, peer: bytes) -> None:
         event = self._dialled.get(peer)
