@@ -1,7 +1,8 @@
 """A joining client fetching the whole model from its peers (upstream client flow for `P2P`).
 
-1. Connect to every peer at once and, meanwhile, ask peers (chosen by `PeerManager`) for the
-   config ticket and download it.
+1. Connect to every peer at once, opening and authenticating each one's blob session beside the
+   connection (`BlobRoutes.prepare`), and, meanwhile, ask peers (chosen by `PeerManager`) for
+   the config ticket and download it.
 2. Ask for the parameters' tickets in batches, one batch per peer at a time and all peers at
    once (`/psyche/model-sharing-batch/0`: one round trip per peer, not per tensor; upstream asks
    per parameter); a next round of batches (names a peer had no ticket for, or a model with
@@ -13,8 +14,10 @@
    is next), and the error counts against that peer (10 s per request, 500 attempts, 5 errors
    per peer, as upstream).
 3. Download each batch's parameters as soon as its tickets arrive, with at most `max_concurrent`
-   blobs in flight in all (upstream default 8), shared evenly between the peers; the blob
-   sessions are reused, so each provider pays one handshake. Capacity is released when a blob
+   blobs in flight in all (upstream default 8), shared evenly between the peers; a peer's
+   blobs in flight share one pipelined session (`BlobSession`: every request is sent at once,
+   the replies read in turn), so each provider pays one handshake and sends blob after blob
+   without waiting a round trip for the next request. Capacity is released when a blob
    is complete, before its tensor is decoded (as upstream). A failed download releases its
    capacity, counts against the ticket's provider and is retried with a fresh ticket from
    another peer; a complete one is decoded and kept.
