@@ -251,6 +251,98 @@ async def test_a_session_serves_several_blobs_and_ends_when_idle() -> None:
         await session.stream.aclose()
 
 
+class Gate:
+    """A session's stream whose reads wait while the gate is shut (requests still go out)."""
+
+    def __init__(self, stream: blob_protocol.ByteStream) -> None:
+        self.stream = stream
+        self.open = trio.Event()
+        self.open.set()
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        await self.stream.send_all(data)
+
+    async def receive_into(self, view: memoryview) -> int:
+        await self.open.wait()
+        return await self.stream.receive_into(view)
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+@asynccontextmanager
+async def gated_session(p: Provider) -> AsyncIterator[tuple[blob_protocol.BlobSession, Gate]]:
+    """A session past its handshake (one blob fetched) whose replies are held back until the
+    gate opens again."""
+    assert p.blob is not None
+    session = await requester().open_session(p.addr)
+    gate = Gate(session.stream)
+    session.stream = gate
+    try:
+        with trio.fail_after(DEADLINE):
+            await session.fetch(p.digest, len(p.blob), lambda n: None)
+        gate.open = trio.Event()
+        yield session, gate
+    finally:
+        await session.stream.aclose()
+
+
+async def test_a_session_pipelines_overlapping_fetches() -> None:
+    """Overlapping fetches on one session each send their request at once and read their
+    reply in turn: all get their bytes over one provider session, and a `NotFound` among them
+    keeps the session in step."""
+    async with provider(size=3 * MIB) as p, gated_session(p) as (session, gate):
+        assert p.blob is not None
+        got: dict[int, bytearray | Exception] = {}
+
+        async def one(i: int, digest: bytes) -> None:
+            try:
+                got[i] = await session.fetch(digest, len(p.blob or b""), lambda n: None)
+            except blob_protocol.BlobProtocolError as e:
+                got[i] = e
+
+        with trio.fail_after(DEADLINE):
+            async with trio.open_nursery() as nursery:
+                for i, digest in enumerate([p.digest, os.urandom(32), p.digest, p.digest]):
+                    nursery.start_soon(one, i, digest)
+                    await wait_until(lambda i=i: session.pending == i + 1)
+                await trio.sleep(0.05)  # were they serial, the later ones would wait here
+                assert session.queued_bytes == 4 * len(p.blob)
+                gate.open.set()
+        assert got[0] == got[2] == got[3] == p.blob
+        assert isinstance(got[1], blob_protocol.BlobNotFound)
+        assert session.broken is None
+        assert session.fetched == 4
+        assert p.transport.server.sessions == 1
+
+
+async def test_a_failed_fetch_breaks_the_pipeline_behind_it() -> None:
+    """A fetch that fails after sending its request leaves its reply unread: the fetches
+    behind it fail as `SessionBroken` (to be asked again elsewhere), never with another
+    request's bytes, and the session takes no more."""
+    async with provider(size=MIB) as p, gated_session(p) as (session, gate):
+        assert p.blob is not None
+        size = len(p.blob)
+        errors: list[Exception] = []
+
+        async def one(expected: int) -> None:
+            try:
+                await session.fetch(p.digest, expected, lambda n: None)
+            except blob_protocol.BlobProtocolError as e:
+                errors.append(e)
+
+        with trio.fail_after(DEADLINE):
+            async with trio.open_nursery() as nursery:
+                for i, expected in enumerate([size + 1, size, size]):  # the first: wrong size
+                    nursery.start_soon(one, expected)
+                    await wait_until(lambda i=i: session.pending == i + 1)
+                gate.open.set()
+        assert "the ticket says" in str(errors[0])
+        assert [type(e) for e in errors[1:]] == [blob_protocol.SessionBroken] * 2
+        with pytest.raises(blob_protocol.SessionBroken):
+            await session.fetch(p.digest, size, lambda n: None)
+
+
 async def test_a_later_request_must_carry_the_sessions_signature() -> None:
     async with provider() as p:
         raw = await RawRequester.open(p)

@@ -136,6 +136,35 @@ def test_one_session_carries_many_blobs_from_a_provider() -> None:
     trio.run(main)
 
 
+def test_concurrent_fetches_from_a_provider_share_one_pipelined_session() -> None:
+    """Fetches running at once against one provider go on one side-channel session (one
+    handshake, requests pipelined), not one session each."""
+
+    async def main() -> None:
+        async with open_nodes(2, max_downloads_per_peer=4) as (a, b):
+            payloads = [os.urandom(300_000) for _ in range(8)]
+            tickets = [
+                (await a.add_downloadable(p, f"model-{i}"))[0] for i, p in enumerate(payloads)
+            ]
+            outcomes: dict[int, object] = {}
+
+            async def one(i: int) -> None:
+                download = b.start_download(tickets[i], f"model-{i}", DownloadType.DistroResult([]))
+                outcomes[i] = await finished(download)
+
+            async with trio.open_nursery() as nursery:
+                for i in range(len(tickets)):
+                    nursery.start_soon(one, i)
+            for i, payload in enumerate(payloads):
+                done = outcomes[i]
+                assert isinstance(done, DownloadComplete)
+                assert bytes(done.data) == payload
+            assert a.blob_server.sessions == 1
+            assert b.blob_routes.idle_sessions() == 1
+
+    trio.run(main)
+
+
 @pytest.mark.parametrize("limit", [1, 3])
 def test_fetches_per_provider_are_bounded(limit: int) -> None:
     async def main() -> None:

@@ -26,6 +26,7 @@ import hmac
 import math
 import os
 import struct as _struct
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, Protocol
@@ -297,9 +298,24 @@ async def send_blob(
 ProgressFn = Callable[[int], None]
 
 
+class SessionBroken(StreamClosed):
+    """An earlier request of a pipelined session failed, so the replies behind it can no longer
+    be read in step: the request was never answered (ask again on another session)."""
+
+
 class BlobSession:
     """The requester's end of one session with `provider`: the first `fetch` runs the
-    handshake, later ones reuse it. A session that raised is finished (close its stream)."""
+    handshake, later ones reuse it.
+
+    Fetches may overlap (a pipeline): each sends its `Get` at once and then waits its turn to
+    read its reply, so the provider, which reads the next `Get` as soon as it has sent a blob,
+    never waits a round trip between blobs. The protocol needs nothing new for this: the
+    provider still sends one blob at a time per session and reads each `Get` (a 100-byte frame)
+    only after the last blob left, so a waiting request costs it nothing but socket buffer.
+    Replies come in request order; a fetch that raises or is cancelled after sending its `Get`
+    leaves its reply unread, so the session is broken from then on: the fetches behind it raise
+    `SessionBroken` (close the session). `NotFound` keeps the session in step. The hash is
+    checked after the turn is handed on, so the next blob's bytes are read meanwhile."""
 
     def __init__(self, stream: ByteStream, identity: SecretKey, provider: bytes) -> None:
         self.stream = stream
@@ -308,13 +324,81 @@ class BlobSession:
         self.signature: bytes | None = None
         self.fetched = 0
         """Blobs fetched so far: 0 until the first one is complete."""
+        self.pending = 0
+        """Fetches whose `Get` is sent (or about to be) and whose reply is not read yet."""
+        self.queued_bytes = 0
+        """The bytes those fetches expect."""
+        self.broken: str | None = None
+        """Why the session can no longer be used (None while it can)."""
+        self._send_lock = trio.Lock()
+        self._turns: deque[trio.Event] = deque()
 
     async def fetch(self, digest: bytes, expected_size: int, on_progress: ProgressFn) -> bytearray:
         """Fetch and verify one blob; raises a `BlobProtocolError` on any deviation."""
-        with trio.fail_after(HANDSHAKE_TIMEOUT_SECS):
+        if self.broken is not None:
+            raise SessionBroken(self.broken)
+        self.pending += 1
+        self.queued_bytes += expected_size
+        turn = trio.Event()
+        started = False
+        try:
+            async with self._send_lock:
+                if self.broken is not None:
+                    raise SessionBroken(self.broken)
+                with trio.fail_after(HANDSHAKE_TIMEOUT_SECS):
+                    started = True  # from here a failure leaves the stream out of step
+                    if self.signature is None:
+                        self.signature = await self._handshake()
+                    self._turns.append(turn)
+                    if len(self._turns) == 1:
+                        turn.set()
+                    await send_frame(self.stream, Get(self.signature, digest), Get)
+            await turn.wait()
+            if self.broken is not None:
+                raise SessionBroken(self.broken)
+            buf = await self._read_reply(expected_size, on_progress)
+        except BaseException as e:
+            if started and self.broken is None and not isinstance(e, BlobNotFound):
+                self.broken = f"an earlier request of the session failed: {e!r}"
+            raise
+        finally:
+            self.pending -= 1
+            self.queued_bytes -= expected_size
+            self._hand_on(turn)
+        actual = await verify_hash(buf)
+        if actual != digest:
+            self.broken = "the provider sent corrupted bytes"
+            raise HashMismatch(
+                f"received bytes hash to {actual.hex()[:10]}, expected {digest.hex()[:10]}"
+            )
+        self.fetched += 1
+        return buf
+
+    async def handshake(self) -> None:
+        """Authenticate now, ahead of the first fetch (which otherwise does it)."""
+        async with self._send_lock:
+            if self.broken is not None:
+                raise SessionBroken(self.broken)
             if self.signature is None:
-                self.signature = await self._handshake()
-            await send_frame(self.stream, Get(self.signature, digest), Get)
+                try:
+                    with trio.fail_after(HANDSHAKE_TIMEOUT_SECS):
+                        self.signature = await self._handshake()
+                except BaseException as e:
+                    self.broken = f"the handshake failed: {e!r}"
+                    raise
+
+    def _hand_on(self, turn: trio.Event) -> None:
+        """Give the next fetch its turn to read (all of them, to fail, once broken)."""
+        if turn in self._turns:
+            self._turns.remove(turn)
+        if self.broken is not None:
+            for waiting in self._turns:
+                waiting.set()
+        elif self._turns:
+            self._turns[0].set()
+
+    async def _read_reply(self, expected_size: int, on_progress: ProgressFn) -> bytearray:
+        with trio.fail_after(HANDSHAKE_TIMEOUT_SECS):
             match await read_frame(self.stream, Reply):
                 case Reply.Found(size):
                     pass
@@ -326,14 +410,7 @@ class BlobSession:
             raise BlobProtocolError(
                 f"provider offers {size} bytes, the ticket says {expected_size}"
             )
-        buf = await receive_growing(self.stream, size, on_progress)
-        actual = await verify_hash(buf)
-        if actual != digest:
-            raise HashMismatch(
-                f"received bytes hash to {actual.hex()[:10]}, expected {digest.hex()[:10]}"
-            )
-        self.fetched += 1
-        return buf
+        return await receive_growing(self.stream, size, on_progress)
 
     async def _handshake(self) -> bytes:
         nonce = os.urandom(NONCE_LENGTH)

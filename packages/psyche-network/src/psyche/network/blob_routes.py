@@ -24,6 +24,15 @@ continues on libp2p at once. Sessions are reused (one handshake per provider, no
 after a blob its session waits up to `IDLE_SESSION_SECS` for the next fetch from that
 provider, and at most `max_per_peer` fetches run against one provider at a time (upstream's
 bounded concurrent downloads per peer), so no provider is swamped by one requester.
+
+On the side channel the fetches to one provider share one session as a pipeline
+(`BlobSession`): each sends its request at once and reads its reply in turn, so the provider
+sends blob after blob without waiting a round trip for the next request, and a provider costs
+one Noise handshake however many blobs are fetched at once. A fetch joins a session only while
+at most `PIPELINE_BYTES` are queued on it (else it opens another), so a request waits behind at
+most that many bytes and its attempt timeout (10 s plus 1 s per MiB) still measures its own
+transfer on any path faster than 1 MiB/s. libp2p sessions carry one fetch at a time: the
+direct-path stall watch times a fetch from its start, which a queued request would trip.
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ from psyche.network.blob_protocol import (
     BlobSession,
     HashMismatch,
     ProgressFn,
+    SessionBroken,
     StreamClosed,
 )
 from psyche.network.blob_transport import Libp2pBlobStreams, TcpBlobTransport
@@ -66,6 +76,9 @@ DIRECT_SUSPECT_SECS = 30.0
 IDLE_SESSION_SECS = 20.0
 MAX_IDLE_SESSIONS_PER_PEER = 4
 DEFAULT_MAX_FETCHES_PER_PEER = 4
+PIPELINE_BYTES = 8 << 20
+"""At most this many bytes of requests queue on one side-channel session (one request of any
+size may always go on an idle session)."""
 
 _BROKEN = (OSError, trio.TooSlowError, trio.BrokenResourceError, SecureChannelError, StreamClosed)
 """What a broken path raises (as opposed to a provider that answers wrongly)."""
@@ -77,10 +90,21 @@ def is_relayed_record(addr: EndpointAddr) -> bool:
 
 
 @dataclass
-class _Idle:
+class _Session:
+    """A session kept for the provider's next fetches; `since`: when it last became idle."""
+
     session: BlobSession
     route: str
     since: float
+
+    def takes(self, size: int) -> bool:
+        """Whether a fetch of `size` bytes may go on it now."""
+        session = self.session
+        if session.broken is not None:
+            return False
+        if session.pending == 0:
+            return True
+        return self.route == SIDE_CHANNEL and session.queued_bytes + size <= PIPELINE_BYTES
 
 
 class DirectPathStalled(trio.BrokenResourceError):
@@ -106,7 +130,10 @@ class BlobRoutes:
         self.direct_stall_secs = direct_stall_secs
         self._direct_suspect: dict[bytes, float] = {}
         self._slots: dict[bytes, trio.Semaphore] = {}
-        self._idle: defaultdict[bytes, list[_Idle]] = defaultdict(list)
+        self._sessions: defaultdict[bytes, list[_Session]] = defaultdict(list)
+        """Each provider's open sessions, idle or carrying fetches."""
+        self._opening: dict[bytes, trio.Event] = {}
+        """Providers a side-channel session is being opened to (the others wait for it)."""
         self._side_channel_down: dict[bytes, float] = {}
         self._closing: list[BlobSession] = []
         self.routes: dict[bytes, str] = {}
@@ -124,6 +151,28 @@ class BlobRoutes:
         slot = self._slots.setdefault(peer, trio.Semaphore(self.max_per_peer))
         async with slot:
             return await self._fetch(provider, digest, size, on_progress)
+
+    async def prepare(self, provider: EndpointAddr) -> None:
+        """Open and authenticate a side-channel session to `provider` (a run member the caller
+        is about to fetch from) ahead of its first fetch, which then takes it: the handshake
+        overlaps whatever the caller waits for first (a joiner's dials and ticket requests).
+        Nothing is done when a session is kept or being opened, or the side channel is not
+        usable; a failure is only logged (the fetches meet it again and route around it)."""
+        peer = provider.id
+        if not self._side_channel_usable(provider) or peer in self._opening:
+            return
+        if any(k.route == SIDE_CHANNEL and k.takes(0) for k in self._sessions.get(peer, ())):
+            return
+        try:
+            kept = await self._open_kept(SIDE_CHANNEL, provider)
+        except (*_BROKEN, BlobProtocolError) as e:
+            logger.debug("opening a blob session to %s ahead: %s", fmt_short(peer), e)
+            return
+        try:
+            await kept.session.handshake()
+        except (*_BROKEN, BlobProtocolError) as e:
+            logger.debug("blob handshake with %s ahead: %s", fmt_short(peer), e)
+            await self._drop(peer, kept)
 
     # routes ------------------------------------------------------------------------------------
 
@@ -168,23 +217,24 @@ class BlobRoutes:
         on_progress: ProgressFn,
         why: Exception | None = None,
     ) -> bytearray:
-        """Fetch on an idle session of `route` (None: libp2p) or a new one. A reused session
-        the provider has closed meanwhile is replaced once, transparently."""
+        """Fetch on a kept session of `route` (None: libp2p) or a new one. A reused session
+        the provider has closed meanwhile, or one an earlier request broke, is replaced once,
+        transparently."""
         peer = provider.id
         fresh = stalled = False
         while True:
-            idle = None if fresh else self._take_idle(peer, route)
-            if idle is not None:
-                session, used = idle.session, idle.route
-            else:
+            kept = None if fresh else await self._take(peer, route, size)
+            if kept is None:
                 try:
-                    session, used = await self._open(route, provider)
+                    kept = await self._open_kept(route, provider)
                 except DirectPathStalled as e:
                     if stalled:
                         raise
                     stalled = fresh = True  # once more, through the relay
                     why = e
                     continue
+            session, used = kept.session, kept.route
+            reused = session.fetched > 0 or session.pending > 0
             try:
                 if used == LIBP2P_DIRECT and self._relay_beside(peer):
                     data = await self._fetch_watching_direct(
@@ -192,27 +242,30 @@ class BlobRoutes:
                     )
                 else:
                     data = await session.fetch(digest, size, on_progress)
-            except (BlobNotFound, BlobRefused, HashMismatch):
-                await self._close(session)
+            except BlobNotFound:
+                await self._done_with(peer, kept)
+                raise
+            except (BlobRefused, HashMismatch):
+                await self._drop(peer, kept)
                 raise
             except DirectPathStalled as e:
-                await self._close(session)
+                await self._drop(peer, kept)
                 if stalled:
                     raise
                 stalled = fresh = True  # once more, through the relay
                 why = e
                 continue
-            except (*_BROKEN, BlobProtocolError):
-                await self._close(session)
-                if idle is not None and not fresh:
-                    fresh = True  # an idle session the provider closed: one more, fresh
+            except (*_BROKEN, BlobProtocolError) as e:
+                await self._drop(peer, kept)
+                if (reused or isinstance(e, SessionBroken)) and not fresh:
+                    fresh = True  # a kept session the provider closed: one more, fresh
                     continue
                 raise
             except BaseException:
-                await self._close(session)
+                await self._drop(peer, kept)
                 raise
             self._note_route(peer, used, why)
-            self._keep_idle(peer, session, used)
+            await self._done_with(peer, kept)
             return data
 
     def _relay_beside(self, peer: bytes) -> bool:
@@ -280,37 +333,86 @@ class BlobRoutes:
             reason = f" (side channel unreachable: {why})" if why is not None else ""
         logger.info("blobs from %s now come by %s%s", fmt_short(peer), route, reason)
 
-    # idle sessions -----------------------------------------------------------------------------
+    # kept sessions -----------------------------------------------------------------------------
 
-    def _take_idle(self, peer: bytes, route: str | None) -> _Idle | None:
-        sessions = self._idle.get(peer)
-        now = self._clock()
-        while sessions:
-            idle = sessions.pop()
-            if now - idle.since >= IDLE_SESSION_SECS:
-                self._close_later(idle.session)
-                continue
-            if (route == SIDE_CHANNEL) == (idle.route == SIDE_CHANNEL) and not self._outdated(
-                peer, idle.route
-            ):
-                return idle
-            self._close_later(idle.session)
-        return None
+    async def _take(self, peer: bytes, route: str | None, size: int) -> _Session | None:
+        """A kept session of `route`'s kind that takes a fetch of `size` bytes (the least
+        loaded), waiting for a side-channel session being opened to `peer`; None: open one."""
+        while True:
+            now = self._clock()
+            best: _Session | None = None
+            for kept in list(self._sessions.get(peer, ())):
+                idle = kept.session.pending == 0
+                expired = idle and now - kept.since >= IDLE_SESSION_SECS
+                if expired or kept.session.broken is not None or self._outdated(peer, kept.route):
+                    self._forget(peer, kept)
+                    if kept.session.pending == 0:
+                        self._close_later(kept.session)
+                    continue
+                if (route == SIDE_CHANNEL) != (kept.route == SIDE_CHANNEL) or not kept.takes(size):
+                    continue
+                if best is None or kept.session.queued_bytes < best.session.queued_bytes:
+                    best = kept
+            opening = self._opening.get(peer) if route == SIDE_CHANNEL else None
+            if best is not None or opening is None:
+                return best
+            await opening.wait()
+
+    async def _open_kept(self, route: str | None, provider: EndpointAddr) -> _Session:
+        """A new session, kept for `provider`'s next fetches from the start (so concurrent
+        fetches join it instead of opening their own)."""
+        peer = provider.id
+        opening = trio.Event()
+        if route == SIDE_CHANNEL:
+            self._opening.setdefault(peer, opening)
+        try:
+            session, used = await self._open(route, provider)
+        finally:
+            if self._opening.get(peer) is opening:
+                del self._opening[peer]
+            opening.set()
+        kept = _Session(session, used, self._clock())
+        self._sessions[peer].append(kept)
+        return kept
+
+    def _forget(self, peer: bytes, kept: _Session) -> None:
+        sessions = self._sessions.get(peer)
+        if sessions is not None and kept in sessions:
+            sessions.remove(kept)
+            if not sessions:
+                del self._sessions[peer]
+
+    async def _done_with(self, peer: bytes, kept: _Session) -> None:
+        """After a fetch that left `kept` in step: keep it (idle from now when nothing else is
+        on it), at most `MAX_IDLE_SESSIONS_PER_PEER` idle ones per provider."""
+        if kept.session.broken is not None:
+            await self._drop(peer, kept)
+            return
+        if kept.session.pending:
+            return
+        kept.since = self._clock()
+        idle = [k for k in self._sessions.get(peer, ()) if k.session.pending == 0]
+        for extra in idle[: max(0, len(idle) - MAX_IDLE_SESSIONS_PER_PEER)]:
+            self._forget(peer, extra)
+            self._close_later(extra.session)
+
+    async def _drop(self, peer: bytes, kept: _Session) -> None:
+        """A session no fetch may use again: closed once the last fetch on it is done (closing
+        it under a fetch reading from it would fail that fetch for no reason of its own)."""
+        if kept.session.broken is None:
+            kept.session.broken = "closed after a failed fetch"
+        self._forget(peer, kept)
+        if kept.session.pending == 0:
+            await self._close(kept.session)
 
     def _outdated(self, peer: bytes, route: str) -> bool:
-        """An idle libp2p session on the other path than the one new sessions take: on the
+        """A kept libp2p session on the other path than the one new sessions take: on the
         relay once a (trusted) direct connection is open, on a suspect direct one."""
         if self.libp2p is None or route == SIDE_CHANNEL:
             return False
         if route == LIBP2P_DIRECT:
             return self.direct_suspected(peer)
         return self.libp2p.has_path(peer, "direct") and not self.direct_suspected(peer)
-
-    def _keep_idle(self, peer: bytes, session: BlobSession, route: str) -> None:
-        sessions = self._idle[peer]
-        sessions.append(_Idle(session, route, self._clock()))
-        while len(sessions) > MAX_IDLE_SESSIONS_PER_PEER:
-            self._close_later(sessions.pop(0).session)
 
     def _close_later(self, session: BlobSession) -> None:
         self._closing.append(session)
@@ -329,22 +431,16 @@ class BlobRoutes:
             while True:
                 await trio.sleep(IDLE_SESSION_SECS / 4)
                 now = self._clock()
-                for peer in list(self._idle):
-                    keep = []
-                    for idle in self._idle[peer]:
-                        if now - idle.since < IDLE_SESSION_SECS:
-                            keep.append(idle)
-                        else:
-                            self._closing.append(idle.session)
-                    if keep:
-                        self._idle[peer] = keep
-                    else:
-                        del self._idle[peer]
+                for peer, sessions in list(self._sessions.items()):
+                    for kept in list(sessions):
+                        if kept.session.pending == 0 and now - kept.since >= IDLE_SESSION_SECS:
+                            self._forget(peer, kept)
+                            self._closing.append(kept.session)
                 await self._close_pending()
         finally:
-            for sessions in self._idle.values():
-                self._closing.extend(idle.session for idle in sessions)
-            self._idle.clear()
+            for sessions in self._sessions.values():
+                self._closing.extend(kept.session for kept in sessions)
+            self._sessions.clear()
             await self._close_pending()
 
     async def _close_pending(self) -> None:
@@ -353,13 +449,14 @@ class BlobRoutes:
             await self._close(session)
 
     def idle_sessions(self) -> int:
-        return sum(len(s) for s in self._idle.values())
+        return sum(k.session.pending == 0 for s in self._sessions.values() for k in s)
 
 
 __all__ = [
     "DIRECT_STALL_SECS",
     "LIBP2P_DIRECT",
     "LIBP2P_RELAYED",
+    "PIPELINE_BYTES",
     "SIDE_CHANNEL",
     "BlobRoutes",
     "DirectPathStalled",

@@ -1,7 +1,8 @@
 """A joining client fetching the whole model from its peers (upstream client flow for `P2P`).
 
-1. Connect to every peer at once and, meanwhile, ask peers (chosen by `PeerManager`) for the
-   config ticket and download it.
+1. Connect to every peer at once, opening and authenticating each one's blob session beside the
+   connection (`BlobRoutes.prepare`), and, meanwhile, ask peers (chosen by `PeerManager`) for
+   the config ticket and download it.
 2. Ask for the parameters' tickets in batches, one batch per peer at a time and all peers at
    once (`/psyche/model-sharing-batch/0`: one round trip per peer, not per tensor; upstream asks
    per parameter); a next round of batches (names a peer had no ticket for, or a model with
@@ -13,8 +14,10 @@
    is next), and the error counts against that peer (10 s per request, 500 attempts, 5 errors
    per peer, as upstream).
 3. Download each batch's parameters as soon as its tickets arrive, with at most `max_concurrent`
-   blobs in flight in all (upstream default 8), shared evenly between the peers; the blob
-   sessions are reused, so each provider pays one handshake. Capacity is released when a blob
+   blobs in flight in all (upstream default 8), shared evenly between the peers; a peer's
+   blobs in flight share one pipelined session (`BlobSession`: every request is sent at once,
+   the replies read in turn), so each provider pays one handshake and sends blob after blob
+   without waiting a round trip for the next request. Capacity is released when a blob
    is complete, before its tensor is decoded (as upstream). A failed download releases its
    capacity, counts against the ticket's provider and is retried with a fresh ticket from
    another peer; a complete one is decoded and kept.
@@ -165,13 +168,19 @@ class ModelDownload:
 
     async def _dial(self, peer: bytes) -> None:
         """Connect to `peer` ahead of its first request, so every peer's connection is made
-        while the configuration is fetched (a failure is the request's to report)."""
-        try:
-            await self._network.connect(peer)
-        except Exception as e:
-            logger.debug("connecting to %s ahead of its requests: %s", fmt_short(peer), e)
-        finally:
-            self._dialled[peer].set()
+        while the configuration is fetched (a failure is the request's to report), and, at the
+        same time, open its blob session (`BlobRoutes.prepare`), so the first blobs wait for
+        no handshake."""
+        addr = self._network.address_book.get(peer)
+        async with trio.open_nursery() as nursery:
+            if addr is not None:
+                nursery.start_soon(self._network.blob_routes.prepare, addr)
+            try:
+                await self._network.connect(peer)
+            except Exception as e:
+                logger.debug("connecting to %s ahead of its requests: %s", fmt_short(peer), e)
+            finally:
+                self._dialled[peer].set()
 
     async def _dialled_first(self, peer: bytes) -> None:
         event = self._dialled.get(peer)
