@@ -24,7 +24,11 @@ Printed per N and per gossip setting:
   cryptography (N-1 signature checks and BLAKE3 of N-1 payloads) timed in the parent, the
   ratio per node against it, and "net": per peer less the idle rate (measured just before the
   rounds, per node per second) times the round's wall time, the round's own work apart from
-  the heartbeats and probes a node does anyway while a loaded machine stretches the round; the slope of per-node CPU in N (least squares over the sizes run);
+  the heartbeats and probes a node does anyway while a loaded machine stretches the round;
+  the slope of per-node CPU in N (least squares over the sizes run);
+* wire, per node and round: the libp2p frames its process's muxers wrote, by Yamux type (data,
+  window update, ping, go-away), and the streams and connections opened (counted around
+  py-libp2p's Yamux; load-independent where CPU time is not, and connection churn shows here);
 * `--compare` runs each N with the settings of `--before` (gossip as the mesh pushes it, the
   repair off) and the defaults (the repair on), in the same sitting.
 
@@ -35,8 +39,9 @@ cores: CPU time, not wall time, is the figure to compare).
 
 Diagnosis: `SWARM_LOG=WARNING` shows the nodes' logs (a failed fetch's reason included);
 `--profile PATH` writes process 0's cProfile stats of its rounds
-only (CPU time: every round so far, rewritten after each) there; `--connect-timeout S` overrides the
-client's 5 s connect timeout (on a machine too loaded for the handshakes the meshes do not form).
+only there (CPU time; every round so far, rewritten after each; the profiler slows that process
+2-3x, which on a loaded machine is enough to make its pings late); `--connect-timeout S`
+overrides the client's 5 s connect timeout (on a machine too loaded for the handshakes the meshes do not form).
 
 Run: .venv/bin/python scripts/bench/swarm.py [--sizes 8,16,32] [--per-process 4] [--rounds 3]
      [--compare] [--max-seconds 1500]
