@@ -473,3 +473,36 @@ def test_the_repair_advertises_a_message_only_to_peers_not_known_to_hold_it() ->
             assert nodes[0].gossip.router.mcache.msgs  # still in the repair window
 
     trio.run(main)
+
+
+def test_a_peers_signed_record_is_checked_once_not_per_rpc(monkeypatch: pytest.MonkeyPatch) -> None:
+    """py-libp2p puts the sender's signed peer record in every pubsub RPC and checks it in every
+    RPC received (an Ed25519 verification and a peerstore update each). The same bytes from the
+    same peer are checked once per `SENDER_RECORD_REUSE_SECS` now; before, six messages and
+    their heartbeats drew a check each."""
+    from libp2p.pubsub import utils as pubsub_utils
+
+    checked: list[bytes] = []
+    consume = pubsub_utils.consume_envelope
+
+    def counted(data: bytes, domain: str) -> Any:
+        checked.append(data)
+        return consume(data, domain)
+
+    monkeypatch.setattr(pubsub_utils, "consume_envelope", counted)
+
+    async def main() -> None:
+        async with open_nodes(2, broadcast_type=Broadcast) as (a, b):
+            await connect_pairs([a, b], [(0, 1)])
+            await wait_for_mesh([a, b], 1)
+            first = finished(a.secret_key, step=0)
+            a.broadcast(first)
+            assert await next_message(b) == first
+            checked.clear()
+            for step in range(1, 7):
+                message = finished(a.secret_key, step=step)
+                a.broadcast(message)
+                assert await next_message(b) == message
+            assert len(checked) <= 2  # at most one per direction, when the reuse window ends
+
+    trio.run(main)
