@@ -22,7 +22,13 @@ Printed per N and per gossip setting:
 * CPU: process CPU time (user + system of every process) over the round, per node (process
   CPU / k) and per peer (per node / (N-1)), and the floor: the same round's unavoidable
   cryptography (N-1 signature checks and BLAKE3 of N-1 payloads) timed in the parent, the
-  ratio per node against it; the slope of per-node CPU in N (least squares over the sizes run);
+  ratio per node against it, and "net": per peer less the idle rate (measured just before the
+  rounds, per node per second) times the round's wall time, the round's own work apart from
+  the heartbeats and probes a node does anyway while a loaded machine stretches the round;
+  the slope of per-node CPU in N (least squares over the sizes run);
+* wire, per node and round: the libp2p frames its process's muxers wrote, by Yamux type (data,
+  window update, ping, go-away), and the streams and connections opened (counted around
+  py-libp2p's Yamux; load-independent where CPU time is not, and connection churn shows here);
 * `--compare` runs each N with the settings of `--before` (gossip as the mesh pushes it, the
   repair off) and the defaults (the repair on), in the same sitting.
 
@@ -32,8 +38,10 @@ exits. The machine's load average is printed at the start and per N (other work 
 cores: CPU time, not wall time, is the figure to compare).
 
 Diagnosis: `SWARM_LOG=WARNING` shows the nodes' logs (a failed fetch's reason included);
-`SWARM_PROFILE=path` writes process 0's cProfile stats there; `--connect-timeout S` overrides the
-client's 5 s connect timeout (on a machine too loaded for the handshakes the meshes do not form).
+`--profile PATH` writes process 0's cProfile stats of its rounds
+only there (CPU time; every round so far, rewritten after each; the profiler slows that process
+2-3x, which on a loaded machine is enough to make its pings late); `--connect-timeout S`
+overrides the client's 5 s connect timeout (on a machine too loaded for the handshakes the meshes do not form).
 
 Run: .venv/bin/python scripts/bench/swarm.py [--sizes 8,16,32] [--per-process 4] [--rounds 3]
      [--compare] [--max-seconds 1500]
@@ -119,6 +127,13 @@ class Child:
         """Messages of a round this process has not started yet (another process started it
         first), replayed when it starts."""
         self.nursery: Any = None
+        self.wire = WireCounts()
+        self.profiler: Any = None
+        if args.profile and args.first == 0:
+            import cProfile
+
+            # CPU time, not wall time: the machine is loaded, and a round's waits are not cost
+            self.profiler = cProfile.Profile(time.process_time)
 
     async def main(self) -> None:
         import trio
@@ -199,6 +214,9 @@ class Child:
             )
         elif command["cmd"] == "round":
             cpu0 = time.process_time()
+            wire0 = self.wire.snapshot()
+            if self.profiler is not None:
+                self.profiler.enable()
             self.round = command["r"]
             self.round_start = command["t0"]
             self.results = {i: NodeRound() for i in self.indices}
@@ -215,9 +233,13 @@ class Child:
             with trio.move_on_after(max(0.0, command["deadline"] - time.time())):
                 await self.complete.wait()
             cpu = time.process_time() - cpu0
+            if self.profiler is not None:
+                self.profiler.disable()
+                self.profiler.dump_stats(self.args.profile)
             self._reply(
                 {
                     "cpu": cpu,
+                    "wire": {k: v - wire0[k] for k, v in self.wire.snapshot().items()},
                     "nodes": [
                         {
                             "got": len(r.got),
@@ -292,6 +314,46 @@ class Child:
             self.complete.set()
 
 
+class WireCounts:
+    """What a process's muxers did (bench instrumentation, wrapped around py-libp2p's Yamux):
+    frames written by type, streams and connections opened. Read per round as differences."""
+
+    FRAME_TYPES = ("data", "window", "ping", "goaway")
+
+    def __init__(self) -> None:
+        from libp2p.stream_muxer.yamux import yamux
+
+        self.counts = dict.fromkeys((*self.FRAME_TYPES, "streams", "connections"), 0)
+        counts = self.counts
+        write_frame = yamux.Yamux._write_frame
+        stream_init = yamux.YamuxStream.__init__
+        conn_init = yamux.Yamux.__init__
+
+        async def counted_write(conn: Any, data: bytes) -> None:
+            if len(data) >= 2:
+                kind = WireCounts.FRAME_TYPES[min(data[1], 3)]
+                counts[kind] += 1
+            await write_frame(conn, data)
+
+        def counted_stream(stream: Any, *a: Any, **kw: Any) -> None:
+            counts["streams"] += 1
+            stream_init(stream, *a, **kw)
+
+        def counted_conn(conn: Any, *a: Any, **kw: Any) -> None:
+            counts["connections"] += 1
+            conn_init(conn, *a, **kw)
+
+        for cls, name, wrapper in (
+            (yamux.Yamux, "_write_frame", counted_write),
+            (yamux.YamuxStream, "__init__", counted_stream),
+            (yamux.Yamux, "__init__", counted_conn),
+        ):
+            setattr(cls, name, wrapper)
+
+    def snapshot(self) -> dict[str, int]:
+        return dict(self.counts)
+
+
 def child_main(args: argparse.Namespace) -> None:
     import logging
 
@@ -299,14 +361,8 @@ def child_main(args: argparse.Namespace) -> None:
 
     logging.basicConfig(level=os.environ.get("SWARM_LOG", "ERROR"))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us (stop, or stdin closed)
-    profile = os.environ.get("SWARM_PROFILE")  # a path: process 0's cProfile stats go there
     try:
-        if profile and args.first == 0:
-            import cProfile
-
-            cProfile.runctx("trio.run(Child(args).main)", globals(), locals(), profile)
-        else:
-            trio.run(Child(args).main)
+        trio.run(Child(args).main)
     except BaseExceptionGroup as group:
         for leaf in _leaves(group):
             print(f"swarm process {args.first // args.per_process}: {leaf!r}", file=sys.stderr)
@@ -332,6 +388,8 @@ class RoundResult:
     last_got: float | None
     last_fetched: float | None
     wall: float
+    wire: dict[str, int]
+    """Summed over the processes: Yamux frames written by type, streams, connections."""
 
 
 class Swarm:
@@ -345,6 +403,7 @@ class Swarm:
         gossip: dict[str, Any],
         payload: int,
         connect_timeout: float,
+        profile: str,
     ) -> None:
         self.n, self.k = n, k
         self.tmp = tempfile.TemporaryDirectory(prefix="psyche-swarm-")
@@ -364,6 +423,7 @@ class Swarm:
                         f"--discovery={self.tmp.name}",
                         f"--gossip={json.dumps(gossip)}",
                         f"--connect-timeout={connect_timeout}",
+                        f"--profile={profile}",
                     ],
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
@@ -428,6 +488,7 @@ def run_swarm(
         gossip,
         args.payload,
         args.connect_timeout,
+        args.profile,
     )
     try:
         start = time.time()
@@ -476,6 +537,9 @@ def run_swarm(
                     last_got=_max_or_none(node["last_got"] for node in nodes),
                     last_fetched=_max_or_none(node["last_fetched"] for node in nodes),
                     wall=time.time() - t0,
+                    wire={
+                        k: sum(reply["wire"][k] for reply in replies) for k in replies[0]["wire"]
+                    },
                 )
             )
             if time.time() > deadline:
@@ -522,14 +586,20 @@ def report(
     )
     print(
         "  round  msgs got      nodes with all  payloads      last msg s  last payload s  "
-        "CPU/node ms  CPU/peer ms  x floor"
+        "CPU/node ms  CPU/peer ms  x floor  net/peer ms"
     )
     for r, res in enumerate(results):
         print(
             f"  {r:5d}  {res.got_pairs:5d}/{pairs:<6d}  {res.complete_nodes:4d}/{n:<9d}  "
             f"{res.fetched_pairs:5d}/{pairs:<6d}  {_fmt(res.last_got):>10}  "
             f"{_fmt(res.last_fetched):>14}  {res.cpu_per_node * 1e3:11.1f}  "
-            f"{res.cpu_per_node * 1e3 / (n - 1):11.2f}  {res.cpu_per_node / floor:7.1f}"
+            f"{res.cpu_per_node * 1e3 / (n - 1):11.2f}  {res.cpu_per_node / floor:7.1f}  "
+            f"{(res.cpu_per_node - idle * res.wall) * 1e3 / (n - 1):11.2f}"
+        )
+        print(
+            "         per node: "
+            + ", ".join(f"{k} {v / n:.0f}" for k, v in res.wire.items())
+            + " (Yamux frames written by type; streams and connections opened)"
         )
 
 
@@ -579,6 +649,11 @@ def main() -> None:
         default=0.0,
         help="the nodes' connect timeout in seconds (default: the client's, 5 s); on a machine "
         "too loaded for N pure-Python Noise handshakes in time the meshes do not form",
+    )
+    parser.add_argument(
+        "--profile",
+        default="",
+        help="write process 0's cProfile stats of the rounds (CPU time) to this path",
     )
     # the child's own arguments
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
