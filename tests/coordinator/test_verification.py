@@ -3,6 +3,7 @@ of a report, and who loses a dispute."""
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 import pytest
@@ -13,10 +14,12 @@ from psyche.coordinator import (
     Client,
     Committee,
     CommitteeSelection,
+    Coordinator,
     RunState,
     TickResult,
 )
 from psyche.coordinator.data_selection import assign_data_for_state
+from psyche.coordinator.errors import CoordinatorError, CoordinatorErrorKind
 from psyche.coordinator.run_config import semantic_problems
 from psyche.coordinator.testing import integration_test_coordinator, simulated_identity
 from psyche.coordinator.verification import (
@@ -360,10 +363,88 @@ def test_verifiers_and_tie_breakers_are_healthy_in_a_verifying_run() -> None:
     coordinator.tick(ids(5), 100, 1)
     coordinator.tick(ids(5), 125, 3)
     assert coordinator.run_state is RunState.RoundTrain
-    coordinator.epoch_state.rounds[1] = coordinator.epoch_state.rounds[0]  # as the previous
-    coordinator.epoch_state.rounds_head = 1
+    # round 0 as the attested round and, a copy of it at height 1, as the previous round
+    rounds = coordinator.epoch_state.rounds
+    rounds[1] = copy.deepcopy(rounds[0])
+    rounds[1].height = 1
+    coordinator.epoch_state.rounds_head = 2
     selection = CommitteeSelection.from_coordinator(coordinator, -1)
     checks = unhealthy_trainers(coordinator, selection)
     named = {selection.get_committee(p.index).committee for _, p in checks}
     assert Committee.Trainer in named  # nobody witnessed the trainers
     assert named == {Committee.Trainer}  # the verifier and the tie-breaker are healthy
+
+
+def height(coordinator: Coordinator) -> int:
+    round_ = coordinator.current_round()
+    assert round_ is not None
+    return round_.height
+
+
+def test_health_checks_judge_the_trainers_of_the_round_the_witnesses_attest() -> None:
+    """A round's witnesses attest the results of the round before it (`plan_apply` applies
+    those), and a verifying run elects its committees afresh each round. Honest witnesses that
+    attest exactly the trainers of the round before theirs must name nobody, though members
+    change between trainer, verifier and tie-breaker (the Solana e2e's dropped honest trainer,
+    a verifier or tie-breaker the round before); one such trainer whose result nobody saw is
+    named."""
+    from psyche.coordinator.testing import health_checks_for, round_witness_for
+
+    n = 4
+    coordinator = integration_test_coordinator(n, 8, 0)
+    coordinator.config.verification_percent = 25
+    coordinator.config.epoch_time = 60  # rounds of 2-3 "seconds": about twenty in the epoch
+    now = 100
+    coordinator.tick(ids(n), now, 1)
+    now += 25
+    coordinator.tick(ids(n), now, 2)
+    trainers_before: set[NodeIdentity] = set()  # the trainers of the round before this one
+    changed = named_lazy = 0
+    for seed in range(3, 11):
+        clients = coordinator.epoch_state.clients
+        selection = CommitteeSelection.from_coordinator(coordinator, 0)
+        committees = [selection.get_committee(i).committee for i in range(n)]
+        trainers = {
+            c.id for c, k in zip(clients, committees, strict=True) if k is Committee.Trainer
+        }
+        if height(coordinator) >= 2:
+            changed += len(trainers - trainers_before) > 0
+        # the witnesses of this round attest the previous round's trainers, one of them lazy
+        # from the fourth round on (its result of the round before went unseen)
+        lazy = min(trainers_before, key=lambda i: i.signer) if seed >= 6 else None
+        for index in range(n):
+            witness = round_witness_for(
+                coordinator,
+                index,
+                participants=[t for t in trainers_before if t != lazy],
+                bloom_keys=range(8),
+            )
+            assert witness is not None
+            coordinator.witness(clients[index].id, witness, now)
+        trainers_before = trainers
+        now += 2
+        coordinator.tick(None, now, seed)  # the witness phase ends, the next round starts
+        if coordinator.run_state is not RunState.RoundTrain:
+            now += 1
+            coordinator.tick(None, now, seed)
+        assert coordinator.run_state is RunState.RoundTrain
+        if height(coordinator) < 2:
+            continue
+        named = {node for node, _ in health_checks_for(coordinator)}
+        # the coordinator (the server's, the Solana program's) refuses to drop anyone else
+        previous = CommitteeSelection.from_coordinator(coordinator, -1)
+        for index, client in enumerate(clients):
+            if client.id not in named:
+                check = (client.id, previous.get_committee(index))
+                with pytest.raises(CoordinatorError) as refused:
+                    coordinator.health_check(clients[0].id, [check])
+                assert refused.value.kind is CoordinatorErrorKind.InvalidHealthCheck
+        if lazy is None:
+            assert named == set()
+        else:
+            assert named == {lazy}
+            named_lazy += 1
+            judged = copy.deepcopy(coordinator)  # the lazy one is dropped (in a copy)
+            assert judged.health_check(clients[0].id, health_checks_for(judged)) == 1
+    assert changed  # the committees did change between rounds (else this proves nothing)
+    assert named_lazy

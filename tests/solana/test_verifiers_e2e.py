@@ -32,6 +32,7 @@ from .processes import (
     Processes,
     create_run,
     free_port,
+    json_events,
     p2p_id,
     start_endpoint,
     wait_event,
@@ -144,3 +145,10 @@ def test_the_program_punishes_the_member_that_lied(tmp_path: Path) -> None:
     assert verified
     assert all(hostile in (e["subject"], e["by"]) for e in verified if not e["matches"])
     assert hostile in dumped["verification"]["bans"]
+    # Health checks named nobody honest: a verifying run judges the trainers of the round the
+    # witnesses attest, so a member that verified then and trains now owed them nothing (the
+    # witnesses once dropped such a member, which then exited on `LeftRun`).
+    hostile_node = bytes(wallets["hostile"].pubkey())[:4].hex()  # as a log names a member
+    for client in honest:
+        for check in json_events(client.text(), "health_check"):
+            assert set(check["unhealthy"]) <= {hostile_node}, (client.name, check)

@@ -84,8 +84,8 @@ class CoordinatorQueries:
 
         Raises `CoordinatorError(InvalidCommitteeProof)` for a proof that does not belong to
         `node_id`, and `CoordinatorUnimplemented` for tie-breakers and verifiers (upstream's
-        `todo!()`), except in a verifying run, where they are healthy (nothing of theirs is
-        witnessed: the tie-breakers judge them).
+        `todo!()`). A verifying run judges by the committee of the round the witnesses attest
+        (`_trained_attested_round_healthy`).
         """
         round_ = self.previous_round()
         if round_ is None:
@@ -101,15 +101,42 @@ class CoordinatorQueries:
             client.id, proof, self.epoch_state.clients
         ):
             raise CoordinatorError(CoordinatorErrorKind.InvalidCommitteeProof)
+        if self.config.verification_percent != 0:
+            return self._trained_attested_round_healthy(client.id, index, round_)
         if proof.committee is Committee.Trainer:
             return self.trainer_healthy(client.id)
-        if self.config.verification_percent != 0:
-            # Verifiers and tie-breakers train nothing the witnesses could attest: they answer
-            # to the tie-breakers' decisions instead (`psyche.coordinator.verification`).
-            return True
         raise CoordinatorUnimplemented(
             f"not yet implemented: health of a {proof.committee.name} (upstream `todo!()`)"
         )
+
+    def _trained_attested_round_healthy(
+        self, node_id: NodeIdentity, index: int, previous: Round
+    ) -> bool:
+        """Health in a verifying run: judged by the committee of the round the witnesses attest.
+
+        The previous round's witnesses attest the results of the round before it (the one
+        `plan_apply` applies from their blooms), so only a trainer of *that* round owed them a
+        result. Upstream judges the previous round's trainers, which is the same thing only
+        while every client trains every round; a verifying run elects its committees afresh
+        each round, and a member that trains now but verified then was named for a result it
+        never owed. Verifiers and tie-breakers train nothing the witnesses could attest: they
+        answer to the tie-breakers' decisions (`psyche.coordinator.verification`).
+
+        Guaranteed: nobody is judged without an attested round in this epoch, nor when a client
+        has left since that round (indices are then those of a different client list, and a
+        health check names a client only on proof).
+        """
+        attested = self.previous_previous_round()
+        if (
+            attested is None
+            or previous.height == 0
+            or attested.clients_len != len(self.epoch_state.clients)
+        ):
+            return True
+        selection = CommitteeSelection.from_coordinator(self, -2)
+        if selection.get_committee(index).committee is not Committee.Trainer:
+            return True
+        return self.trainer_healthy(node_id)
 
     def witness_quorum(self, num_witnesses: int) -> int:
         """Witnesses needed to agree; with `witness_nodes` 0 it depends on who showed up."""
