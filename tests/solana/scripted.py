@@ -174,7 +174,9 @@ class ScriptedClient:
                 if rest is not None:
                     raise rest from None
                 assert matched is not None
-                self.left = str(matched.exceptions[0])
+                left = matched.exceptions[0]
+                assert isinstance(left, LeftRun)
+                self.left = left.reason
 
     async def _loop(self, runner: SolanaBackendRunner) -> None:
         me = self.identity

@@ -22,6 +22,7 @@ from psyche.cli.solana_client.train import (
     parse_bootstrap_peer,
 )
 from psyche.coordinator import Client, ClientState, Coordinator, RunState
+from psyche.core.cli import user_error_message
 from psyche.core.identity import SecretKey
 from psyche.core.node_identity import NodeIdentity
 from psyche.network.ticket import EndpointAddr, TransportAddr
@@ -345,6 +346,10 @@ def test_membership_leaves_when_the_coordinator_is_done_with_us(
     (error,) = info.value.exceptions
     assert isinstance(error, LeftRun)
     assert reason in str(error)
+    # the command ends on one line saying why, not on a traceback calling it a bug
+    message = user_error_message(error)
+    assert message is not None
+    assert message.startswith("this client is out of the run: ")
 
 
 def test_a_join_failing_for_a_passing_reason_is_retried_a_refused_one_raises() -> None:

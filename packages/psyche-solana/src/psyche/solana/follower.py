@@ -31,6 +31,7 @@ from psyche.coordinator.backend import HealthCheck, OpportunisticData
 from psyche.coordinator.errors import CoordinatorError, CoordinatorPanic
 from psyche.coordinator.model import Checkpoint
 from psyche.coordinator.verification import VerificationReport
+from psyche.core.cli import UserError
 from psyche.core.node_identity import NodeIdentity
 from psyche.solana import pda
 from psyche.solana.backend import SolanaBackend, SolanaBackendError
@@ -366,9 +367,16 @@ class SolanaBackendRunner:
         self._nursery.start_soon(send)
 
 
-class LeftRun(Exception):
+class LeftRun(UserError):
     """The client is out of the run: it was not selected, is no longer healthy, or the run
-    halted after it had joined (upstream's client exits in these cases)."""
+    halted after it had joined (upstream's client exits in these cases).
+
+    A `UserError`, so the command ends on one line that says why (the coordinator's verdict),
+    not on a traceback that calls an expected way out of a run a bug."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"this client is out of the run: {reason}")
+        self.reason = reason
 
 
 @dataclass
