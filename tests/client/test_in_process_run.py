@@ -299,6 +299,13 @@ def in_training(server: InProcessServer, after_epoch: int) -> bool:
     )
 
 
+def epoch_ended(server: InProcessServer, caplog: pytest.LogCaptureFixture, epoch: int) -> bool:
+    """All three clients logged their cooldown model of `epoch`, or (one was dropped on the
+    way) the run trains a later epoch."""
+    ended = [f for f in fields(caplog.records, "cooldown_model") if f["epoch"] == epoch]
+    return len(ended) == 3 or in_training(server, after_epoch=epoch)
+
+
 async def drop_a_late_client(
     nursery: trio.Nursery, server: InProcessServer, late: list[Client]
 ) -> int:
@@ -340,16 +347,13 @@ def test_a_dropped_client_joins_again_and_reloads_the_model(
     def events(name: str, epoch: int) -> list[dict[str, Any]]:
         return [f for f in fields(caplog.records, name) if f["epoch"] == epoch]
 
-    def ended_by_all(epoch: int) -> bool:
-        return len(events("cooldown_model", epoch)) == 3 or in_training(server, epoch)
-
     async def scenario() -> None:
         async with trio.open_nursery() as nursery:
             with trio.fail_after(scaled(150)):
                 gone = await drop_a_late_client(nursery, server, late)
                 # the epoch it is back in has ended: all three cooldown models are out, or (one
                 # of the others dropped on the way) the run trains the epoch after
-                await wait_until(lambda: ended_by_all(gone + 1))
+                await wait_until(lambda: epoch_ended(server, caplog, gone + 1))
             nursery.cancel_scope.cancel()
 
     me = str(_identities(3)[0])
@@ -428,7 +432,7 @@ def test_a_run_that_goes_back_to_its_stored_checkpoint_restarts_from_the_trained
                 await wait_until(lambda: server.coordinator.run_state is RunState.Cooldown)
                 server.drop_witnesses = False
                 server.coordinator.config.epoch_time = scaled_timer(8)
-                await wait_until(lambda: in_training(server, after_epoch=1))
+                await wait_until(lambda: epoch_ended(server, caplog, 1))
             nursery.cancel_scope.cancel()
 
     trio.run(scenario)
