@@ -9,6 +9,7 @@ import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -257,9 +258,13 @@ def test_a_client_joining_a_finished_run_ends_at_once(
 
 class LateClient(Client):
     """A client whose results stop reaching the others while `late` is set (as a machine too
-    slow for `max_round_train_time` would): the round's witness health-checks it out."""
+    slow for `max_round_train_time` would): the round's witness health-checks it out. It
+    notes the epoch of each of its own `left_run`s (`rejoined`): in one interpreter the logs
+    of three clients cannot tell whose a `left_run` is, and on a starved machine another
+    client may be dropped too."""
 
     late = False
+    rejoined: tuple[int, ...] = ()
 
     async def _publish_result(self, result) -> None:  # type: ignore[no-untyped-def]
         if not self.late:
@@ -267,6 +272,7 @@ class LateClient(Client):
 
     async def _rejoin(self, state: Coordinator) -> None:
         self.late = False  # the machine is fast again
+        self.rejoined = (*self.rejoined, state.progress.epoch)
         await super()._rejoin(state)
 
 
@@ -293,14 +299,18 @@ def in_training(server: InProcessServer, after_epoch: int) -> bool:
     )
 
 
+def epoch_ended(server: InProcessServer, caplog: pytest.LogCaptureFixture, epoch: int) -> bool:
+    """All three clients logged their cooldown model of `epoch`, or (one was dropped on the
+    way) the run trains a later epoch."""
+    ended = [f for f in fields(caplog.records, "cooldown_model") if f["epoch"] == epoch]
+    return len(ended) == 3 or in_training(server, after_epoch=epoch)
+
+
 async def drop_a_late_client(
-    nursery: trio.Nursery,
-    server: InProcessServer,
-    late: list[Client],
-    caplog: pytest.LogCaptureFixture,
-) -> dict:  # type: ignore[type-arg]
+    nursery: trio.Nursery, server: InProcessServer, late: list[Client]
+) -> int:
     """Start `server` and clients 1, 2 and 3 (a `LateClient`, appended to `late`); once the run
-    trains its second round, make 3 late; return the fields of the `left_run` it then logs."""
+    trains its second round, make 3 late; return the epoch in which it then leaves the run."""
     nursery.start_soon(server.run)
     nursery.start_soon(run_client, server, 1)
     nursery.start_soon(run_client, server, 2)
@@ -311,10 +321,11 @@ async def drop_a_late_client(
             and server.coordinator.current_round().height >= 1
         )
     )
-    assert isinstance(late[0], LateClient)
-    late[0].late = True
-    await wait_until(lambda: bool(fields(caplog.records, "left_run")))
-    return fields(caplog.records, "left_run")[0]
+    client = late[0]
+    assert isinstance(client, LateClient)
+    client.late = True
+    await wait_until(lambda: bool(client.rejoined))
+    return client.rejoined[0]
 
 
 def test_a_dropped_client_joins_again_and_reloads_the_model(
@@ -323,43 +334,59 @@ def test_a_dropped_client_joins_again_and_reloads_the_model(
     """A health check drops a client that stays connected: it says so, sends Join again, and at
     the next epoch loads the run's model from its peers (its own fell behind while the others
     trained on), trains, and ends that epoch with the others' weights. Before, it went back to
-    warmup without a Join: left out for good, and a run needing it waited forever."""
+    warmup without a Join: left out for good, and a run needing it waited forever.
+
+    What is checked is the dropped client's own record (`LateClient.rejoined`, its events by
+    client id): on a starved machine a witness may drop an honest client too, which this test
+    is not about (and which the failure message then shows)."""
     caplog.set_level(logging.INFO, logger="psyche")
     # room for health checks (sent from an epoch's third round)
     server = three_client_run(tmp_path, epoch_time=10)
     late: list[Client] = []
 
+    def events(name: str, epoch: int) -> list[dict[str, Any]]:
+        return [f for f in fields(caplog.records, name) if f["epoch"] == epoch]
+
     async def scenario() -> None:
         async with trio.open_nursery() as nursery:
             with trio.fail_after(scaled(150)):
-                gone = await drop_a_late_client(nursery, server, late, caplog)
-                # the epoch it is back in has ended (its cooldown model is out)
-                await wait_until(lambda: in_training(server, after_epoch=gone["epoch"] + 1))
+                gone = await drop_a_late_client(nursery, server, late)
+                # the epoch it is back in has ended: all three cooldown models are out, or (one
+                # of the others dropped on the way) the run trains the epoch after
+                await wait_until(lambda: epoch_ended(server, caplog, gone + 1))
             nursery.cancel_scope.cancel()
 
+    me = str(_identities(3)[0])
     trio.run(scenario)
     records = caplog.records
-    me = str(late[0].identity)
-    (gone,) = fields(records, "left_run")
-    assert f"{me[:8]} did not deliver" not in caplog.text  # no ban with --ban-epochs 0
+    others = {
+        "health_check": fields(records, "health_check"),
+        "payload_refused": fields(records, "payload_refused"),
+    }
+    assert isinstance(late[0], LateClient)
+    gone = late[0].rejoined[0]
+    # the health check named it, and it was dropped, not banned (--ban-epochs 0)
+    assert any(me in f["unhealthy"] for f in others["health_check"]), others
     assert "Dropped 1 clients from health check" in caplog.text
-    back = gone["epoch"] + 1
-    # back in the next epoch with everyone, its model loaded from the peers
-    reload = [f for f in fields(records, "loaded_model") if f["epoch"] == back]
+    assert f"{me[:8]} did not deliver" not in caplog.text
+    back = gone + 1
+    # back in the next epoch with everyone, its model loaded from the peers: what the others
+    # ended the previous epoch with
+    reload = [f for f in events("loaded_model", back) if f["client_id"] == me]
     assert len(reload) == 1, reload
     assert reload[0]["source"] == "peers (P2P)", reload
-    rounds = [f for f in fields(records, "round_start") if f["epoch"] == back]
+    cooldown = events("cooldown_model", back - 1)
+    assert reload[0]["model_hash"] in {f["model_hash"] for f in cooldown}, (reload, cooldown)
+    rounds = events("round_start", back)
     assert rounds
-    assert {f["clients"] for f in rounds} == {3}
-    trained = [f for f in fields(records, "client_loss") if f["epoch"] == back and f["trained"]]
-    assert {f["client_id"] for f in trained} == {str(c) for c in _identities(1, 2, 3)}
-    # what it loaded is what the others ended the previous epoch with; all three end this one
-    # with the same weights
-    cooldown = [f for f in fields(records, "cooldown_model") if f["epoch"] == back - 1]
-    assert reload[0]["model_hash"] in {f["model_hash"] for f in cooldown}
-    ended = [f for f in fields(records, "cooldown_model") if f["epoch"] == back]
-    assert len(ended) == 3, ended
-    assert len({f["model_hash"] for f in ended}) == 1, ended
+    assert rounds[0]["clients"] == 3, rounds
+    trained = {f["client_id"] for f in events("client_loss", back) if f["trained"]}
+    assert trained == {str(c) for c in _identities(1, 2, 3)}, (trained, others)
+    # it ended that epoch with the weights of every client that ended it beside it
+    ended = events("cooldown_model", back)
+    assert me in {f["client_id"] for f in ended}, (ended, others)
+    assert len(ended) >= 2, (ended, others)
+    assert len({f["model_hash"] for f in ended}) == 1, (ended, others)
 
 
 def _identities(*numbers: int) -> list[NodeIdentity]:
@@ -399,14 +426,13 @@ def test_a_run_that_goes_back_to_its_stored_checkpoint_restarts_from_the_trained
     async def scenario() -> None:
         async with trio.open_nursery() as nursery:
             with trio.fail_after(scaled(240)):
-                gone = await drop_a_late_client(nursery, server, late, caplog)
-                assert gone["epoch"] == 0
+                assert await drop_a_late_client(nursery, server, late) == 0
                 assert server.coordinator.progress.epoch == 0
                 server.drop_witnesses = True
                 await wait_until(lambda: server.coordinator.run_state is RunState.Cooldown)
                 server.drop_witnesses = False
                 server.coordinator.config.epoch_time = scaled_timer(8)
-                await wait_until(lambda: in_training(server, after_epoch=1))
+                await wait_until(lambda: epoch_ended(server, caplog, 1))
             nursery.cancel_scope.cancel()
 
     trio.run(scenario)

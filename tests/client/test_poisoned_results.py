@@ -32,6 +32,7 @@ from psyche.modeling.trainer import Trainer
 
 from ..modeling.tiny_trainer import make_trainer
 from ..polling import poll_until
+from ..timing import scaled_timer
 from . import test_in_process_run as in_process
 from .test_diloco import diloco_trainer
 from .test_machine import SEQ, FakeData, Node, _single_thread, run_simulated  # noqa: F401 (a fixture)
@@ -178,7 +179,8 @@ def test_in_process_a_hostile_clients_results_are_not_applied_and_honest_clients
     state = in_process.coordinator(*in_process.write_run(tmp_path))
     state.config.init_min_clients = 4
     state.config.witness_nodes = 0
-    state.config.epoch_time = 40
+    # room for the health check that drops it (from the third round) and rounds after it
+    state.config.epoch_time = scaled_timer(12)
     server = InProcessServer(state, ban_epochs=1)
     SignFlippingClient.member = HostileMember(Attack.SignFlip, start=1)
     SignFlippingClient.lies = []

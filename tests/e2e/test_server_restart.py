@@ -48,7 +48,7 @@ def test_server_restart_resumes_at_the_saved_step(
 ) -> None:
     # epoch 0 holds the eight rounds before the stop (~2 s each) with room to spare; the resumed
     # epoch 1 runs as long before the cooldown the test waits for, so no longer than that
-    config = tiny_run(epoch_time=40)
+    config = tiny_run(epoch_time=30)
     saves = tmp_path / "saves"
     port = free_port()
     server = processes.start("server-1", server_command(config, port, saves))
