@@ -103,11 +103,13 @@ logger = logging.getLogger(__name__)
 
 MAX_BLOB_SIZE = 4 << 30
 SHUTDOWN_TIMEOUT_SECS = 5.0
-DEAD_CONNECTION_PROBES = 2
-"""Consecutive unanswered pings (one per RTT probe interval) after which a connection is
-considered dead and closed."""
+IDLE_TIMEOUT_SECS = 30.0
+"""A connection that received nothing at all from its peer this long is dead and closed (QUIC's
+idle timeout, upstream's rule; `NetworkConfig.idle_timeout_secs`)."""
+DIRECT_PATH_PROBES = 2
 DIRECT_PATH_PROBE_SECS = 2.0
-"""How long each ping of a stalled direct path may take (`_check_direct_path`)."""
+"""A stalled direct path gets `DIRECT_PATH_PROBES` pings of this long each
+(`_check_direct_path`)."""
 MIRROR_TIMEOUT_SECS = 5.0
 """Sending or receiving one mirrored copy (`gossip.GOSSIP_MIRROR_PROTOCOL`)."""
 
@@ -130,6 +132,11 @@ class NetworkConfig:
     gc_interval_secs: float = DEFAULT_GC_INTERVAL_SECS
     stats_interval_secs: float = STATS_INTERVAL_SECS
     rtt_probe_interval_secs: float = RTT_PROBE_INTERVAL_SECS
+    rtt_probe_timeout_secs: float = p2p_host.PING_TIMEOUT_SECS
+    """One RTT probe's timeout before it grows with the probes measured (`probe_timeouts`)."""
+    idle_timeout_secs: float = IDLE_TIMEOUT_SECS
+    """Close a connection that received nothing from its peer this long (found at the first RTT
+    probe that fails after it: at most an RTT probe interval and two probe timeouts later)."""
     download_timeout_secs: float = DOWNLOAD_TIMEOUT_SECS
     connect_timeout_secs: float = CONNECT_TIMEOUT_SECS
     max_blob_size: int = MAX_BLOB_SIZE
@@ -248,9 +255,8 @@ class NetworkConnection:
         """Connections the libp2p host refused or dropped, by kind (`counts`)."""
         self.dialer = Dialer(self._dial, config.connect_timeout_secs)
         self._paths: dict[bytes, str] = {}
-        self._rtt_failures: dict[bytes, int] = {}
         self._probing: set[bytes] = set()
-        self.probe_timeouts = MeasuredTimeout(p2p_host.PING_TIMEOUT_SECS)
+        self.probe_timeouts = MeasuredTimeout(config.rtt_probe_timeout_secs)
         """How long an RTT probe may take, sized from the probes that succeeded (a loaded
         machine answers late, which is no dead connection)."""
         self._checking_direct: set[bytes] = set()
@@ -682,6 +688,7 @@ class NetworkConnection:
         was_connected = peer in self._paths
         self.connection_monitor.on_connected(peer, remote_addr)
         self._note_path(peer)
+        p2p_host.watch_received(self.host, peer)
         if not was_connected and peer in self._paths:
             self._events_send.send_nowait(PeerConnected(peer))
         self._spawn(self._probe_rtt, peer)
@@ -711,11 +718,15 @@ class NetworkConnection:
 
     async def _probe_rtt(self, peer: bytes) -> None:
         """Ping `peer` (one probe per peer at a time: the probe on connecting and the periodic
-        one would otherwise count one slow moment twice); after `DEAD_CONNECTION_PROBES`
-        unanswered in a row the connection is dropped and dialed again. Each probe gets
-        `probe_timeouts`: on two cores at load 20, 5 s probes of live connections failed
-        twice in a row and 298 of them were dropped in two minutes (32 nodes), the reconnects
-        adding to the load that made the probes fail."""
+        one would otherwise count one slow moment twice). A probe that times out closes
+        nothing by itself: the connection is dropped (`_drop_if_silent`) only when it also
+        received nothing at all for `idle_timeout_secs`, as upstream's QUIC connections close
+        on their idle timeout. Before, two unanswered probes in a row (10-20 s) closed it: at
+        32 nodes on two loaded cores the processes stalled, answers came late, live
+        connections were closed and redialed (298 in two minutes), and the redials added to
+        the load that made the answers late, so the meshes never formed. Each probe gets
+        `probe_timeouts`, grown from the probes that succeeded; a late answer still counts as
+        life (it is something received)."""
         if peer in self._probing:
             return
         self._probing.add(peer)
@@ -733,27 +744,31 @@ class NetworkConnection:
             logger.debug("rtt probe to %s failed: %s", fmt_short(peer), e)
             if isinstance(e, trio.TooSlowError):
                 self.probe_timeouts.took(timeout)
-            failures = self._rtt_failures.get(peer, 0) + 1
-            self._rtt_failures[peer] = failures
-            if failures >= DEAD_CONNECTION_PROBES:
-                self._rtt_failures.pop(peer, None)
-                if await self._close_dead_direct_path(peer, failures):
-                    return
-                # The connection is dead without having been closed (a path that lost its
-                # packets): drop it, so the next connect finds another path (the relay).
-                logger.info(
-                    "peer %s: no answer to %d pings; dropping the connection",
-                    fmt_short(peer),
-                    failures,
-                )
-                await p2p_host.disconnect(self.host, peer)
-                self._spawn(self._connect_logged, peer)
+            await self._drop_if_silent(peer)
             return
-        self._rtt_failures.pop(peer, None)
         self.probe_timeouts.took(trio.current_time() - start)
         self.connection_monitor.on_rtt(peer, rtt)
 
-    async def _close_dead_direct_path(self, peer: bytes, unanswered: int) -> bool:
+    async def _drop_if_silent(self, peer: bytes) -> None:
+        """After a failed probe: when the probed connection received nothing for
+        `idle_timeout_secs` it is dead without having been closed (a path that lost its
+        packets, a peer that hangs): close it, the direct one when a relayed one carries on
+        beside it, else the peer's connections, dialed again so the next connect finds
+        another path (the relay)."""
+        try:
+            silent = p2p_host.silent_secs(p2p_host.probed_connection(self.host, peer))
+        except ConnectionError:
+            return
+        if silent < self.config.idle_timeout_secs:
+            return
+        what = f"nothing received for {silent:.0f} s"
+        if await self._close_dead_direct_path(peer, what):
+            return
+        logger.info("peer %s: %s; dropping the connection", fmt_short(peer), what)
+        await p2p_host.disconnect(self.host, peer)
+        self._spawn(self._connect_logged, peer)
+
+    async def _close_dead_direct_path(self, peer: bytes, why: str) -> bool:
         """Close the direct connections to `peer` when a relayed one stays open beside them
         (a punched path that died): the relayed one carries on, nothing to dial. False when
         there is no relayed connection to fall back on."""
@@ -761,10 +776,9 @@ class NetworkConnection:
         if not direct or not p2p_host.connections_on(self.host, peer, "relayed"):
             return False
         logger.info(
-            "peer %s: no answer to %d pings on the direct connection; closing it, the relay "
-            "carries on",
+            "peer %s: %s on the direct connection; closing it, the relay carries on",
             fmt_short(peer),
-            unanswered,
+            why,
         )
         await p2p_host.close_connections(direct)
         self._note_path(peer)
@@ -775,13 +789,15 @@ class NetworkConnection:
 
     async def _check_direct_path(self, peer: bytes) -> None:
         """A fetch stalled on the direct connection to `peer`: ping on that connection now
-        (`DEAD_CONNECTION_PROBES` tries, `DIRECT_PATH_PROBE_SECS` each) rather than at the next
-        RTT probe, and close it if none is answered."""
+        (`DIRECT_PATH_PROBES` tries, `DIRECT_PATH_PROBE_SECS` each) rather than at the next
+        RTT probe, and close it (the relay carries on: nothing is closed without one) if none
+        is answered and nothing else arrived on it meanwhile: a late answer is life."""
         if peer in self._checking_direct:
             return
         self._checking_direct.add(peer)
+        start = trio.current_time()
         try:
-            for _ in range(DEAD_CONNECTION_PROBES):
+            for _ in range(DIRECT_PATH_PROBES):
                 direct = p2p_host.connections_on(self.host, peer, "direct")
                 if not direct:
                     return
@@ -792,7 +808,10 @@ class NetworkConnection:
                     return
                 except Exception as e:
                     logger.debug("direct-path ping to %s failed: %s", fmt_short(peer), e)
-            await self._close_dead_direct_path(peer, DEAD_CONNECTION_PROBES)
+            direct = p2p_host.connections_on(self.host, peer, "direct")
+            if direct and p2p_host.silent_secs(direct[0]) >= trio.current_time() - start:
+                what = f"no answer to {DIRECT_PATH_PROBES} pings"
+                await self._close_dead_direct_path(peer, what)
         finally:
             self._checking_direct.discard(peer)
 

@@ -551,6 +551,56 @@ async def close_all_connections(host: IHost) -> None:
     await swarm.close()
 
 
+def probed_connection(host: IHost, peer: bytes) -> INetConn:
+    """The connection `measure_rtt` pings when given none: the peer's direct one, else a
+    relayed one (ConnectionError when there is none)."""
+    conns = host.get_network().get_connections(peer_id_from_public_key(peer))
+    if not conns:
+        raise ConnectionError(f"not connected to {fmt_short(peer)}")
+    return sorted(conns, key=is_relayed)[0]
+
+
+class _ReceiveClock:
+    """A secure connection's `read`, wrapped to note when it last returned bytes: anything the
+    peer sent (a data frame, a window update, a ping or its answer, however late)."""
+
+    __slots__ = ("_read", "at")
+
+    def __init__(self, read: Callable[..., Awaitable[bytes]]) -> None:
+        self._read = read
+        self.at = trio.current_time()
+
+    async def __call__(self, n: int | None = None) -> bytes:
+        data = await self._read(n)
+        self.at = trio.current_time()
+        return data
+
+
+def _receive_clock(conn: INetConn) -> _ReceiveClock:
+    muxed: Any = conn.muxed_conn  # IMuxedConn does not declare the `secured_conn` it has
+    secured = muxed.secured_conn
+    clock = secured.read
+    if not isinstance(clock, _ReceiveClock):
+        clock = _ReceiveClock(clock)
+        # The muxer's reader looks `read` up on every frame, so it takes effect at once.
+        secured.read = clock
+    return clock
+
+
+def watch_received(host: IHost, peer: bytes) -> None:
+    """Start noting when each connection to `peer` last received anything (`silent_secs`);
+    idempotent, so call it whenever a connection to the peer opens."""
+    for conn in host.get_network().get_connections(peer_id_from_public_key(peer)):
+        _receive_clock(conn)
+
+
+def silent_secs(conn: INetConn) -> float:
+    """Seconds since `conn` last received anything from its peer (since it was first watched,
+    `watch_received`, when nothing came yet): QUIC's idle time, which upstream's connections
+    close on, where an RTT probe's timeout only says the answer is late."""
+    return trio.current_time() - _receive_clock(conn).at
+
+
 async def measure_rtt(
     host: IHost, peer: bytes, timeout: float = PING_TIMEOUT_SECS, conn: INetConn | None = None
 ) -> float:
@@ -562,11 +612,7 @@ async def measure_rtt(
     stream): py-libp2p's ping protocol opened a stream and negotiated it per probe, about a
     fifth of an idle node's CPU with a probe per peer every 5 s, and on a loaded machine the
     negotiation stalled where the muxer still answered. Other muxers get the ping protocol."""
-    if conn is None:
-        conns = host.get_network().get_connections(peer_id_from_public_key(peer))
-        if not conns:
-            raise ConnectionError(f"not connected to {fmt_short(peer)}")
-        conn = sorted(conns, key=is_relayed)[0]
+    conn = conn or probed_connection(host, peer)
     muxed = conn.muxed_conn
     with trio.fail_after(timeout):
         if isinstance(muxed, Yamux):
@@ -715,11 +761,14 @@ __all__ = [
     "listen_multiaddr",
     "measure_rtt",
     "peer_key",
+    "probed_connection",
     "protocol",
     "read_exactly",
     "read_to_end",
     "request",
     "reset_quietly",
+    "silent_secs",
     "stream_peer",
     "transport_addrs",
+    "watch_received",
 ]
