@@ -31,6 +31,7 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -180,13 +181,15 @@ class Runner:
 # -- the cost of the checks on an honest round ------------------------------------------------
 
 
-def _cost_trainer(size: str, optimizer: str, device: str = "cpu") -> Trainer:
+def _cost_trainer(
+    size: str, optimizer: str, device: str = "cpu", distro: tuple[int, int] = (16, 8)
+) -> Trainer:
     from psyche.core.definitions import ConstantLR, DiLoCo, OptimizerDefinition
 
     model = D.build(size, device)
     schedule = LearningRateSchedule.Constant(ConstantLR(1e-3, 0.0, 0))
-    if optimizer == "distro":  # configs/tiny-cpu's
-        definition = D.distro_def(16, 8)
+    if optimizer == "distro":  # (chunk, top-k): configs/tiny-cpu's by default
+        definition = D.distro_def(*distro)
     else:  # configs/tiny-cpu-diloco's
         definition = OptimizerDefinition.DiLoCo(
             DiLoCo(
@@ -200,7 +203,14 @@ def _cost_trainer(size: str, optimizer: str, device: str = "cpu") -> Trainer:
 
 
 def bench_cost(
-    sizes: list[str], clients: int, rows: int, seq: int, rounds: int, device: str = "cpu"
+    sizes: list[str],
+    clients: int,
+    rows: int,
+    seq: int,
+    rounds: int,
+    device: str = "cpu",
+    distro: tuple[int, int] = (16, 8),
+    optimizers: Sequence[str] = ("distro", "sparse"),
 ) -> None:
     """One honest round of one witness, the configs' optimizers, real `Trainer`s: its training
     (forward/backward, `generate` or the inner steps, the payload) against its checks of the
@@ -219,9 +229,9 @@ def bench_cost(
         from psyche.modeling.configs import llama_config_dict
 
         vocab = llama_config_dict(size)["vocab_size"]
-        for optimizer in ("distro", "sparse"):
-            own = _cost_trainer(size, optimizer, device)
-            peer = _cost_trainer(size, optimizer, device)
+        for optimizer in optimizers:
+            own = _cost_trainer(size, optimizer, device, distro)
+            peer = _cost_trainer(size, optimizer, device, distro)
             sync = (
                 (lambda: torch.cuda.synchronize()) if device.startswith("cuda") else (lambda: None)
             )
@@ -264,7 +274,7 @@ def bench_cost(
             tr, ap, ch = (statistics.median(x) * 1000 for x in (train, apply, check))
             name = OPTIMIZERS[optimizer] if optimizer == "distro" else "DiLoCo sparse c16 k8 2-bit"
             if optimizer == "distro":
-                name = "DisTrO 1-bit c16 k8"
+                name = f"DisTrO 1-bit c{distro[0]} k{distro[1]}"
             print(f"  {size:<6} {name:<24} {tr:9.1f} {ap:9.1f} {ch:10.1f} {ch / (tr + ap):24.1%}")
 
 
@@ -289,15 +299,20 @@ def main() -> None:
     p.add_argument("--cost-clients", type=int, default=3)
     p.add_argument("--cost-device", default="cpu")
     p.add_argument("--cost-rounds", type=int, default=6)
+    p.add_argument("--cost-distro", default="16,8", help="DisTrO chunk,top-k of the cost rounds")
+    p.add_argument("--cost-optimizers", default="distro,sparse")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     only = set(args.only.split(","))
     if "cost" in only:
+        chunk, topk = (int(x) for x in args.cost_distro.split(","))
         bench_cost(
             args.cost_sizes.split(","), args.cost_clients, args.cost_rows, args.cost_seq,
             args.cost_rounds, args.cost_device,
+            (chunk, topk),
+            args.cost_optimizers.split(","),
         )  # fmt: skip
     if "attacks" in only:
         bench_attacks(args)

@@ -237,3 +237,34 @@ def test_the_bounded_aggregate_takes_the_same_bits_on_cpu_and_cuda(form: str) ->
         )
         means.append([m.cpu() for m in replica.mean_pseudo_gradient(poisoned)])
     assert all(torch.equal(a, b) for a, b in zip(*means))
+
+
+@pytest.mark.parametrize(("chunk", "one_bit"), [(16, True), (16, False), (32, True)])
+def test_a_distro_result_reads_the_same_whole_as_part_by_part(chunk: int, one_bit: bool) -> None:
+    """The whole-result reading of a DisTrO result (kept block starts, one index conversion)
+    gives the positions and values the per-parameter reading gives; chunk 32 mixes 1-byte
+    (1-D, 32 coefficients a block) and 2-byte (2-D, 1,024) indices."""
+    from psyche.modeling.distro import Distro
+
+    m = model()
+    ids = bigram_corpus(ROWS, SEQ, seed=3)
+    m(ids, labels=ids, use_cache=False).loss.backward()
+    distro = Distro(m, 0.999, chunk, 4)
+    results = distro.generate([], 0.0, 1e-3)
+    if one_bit:
+        results = [dataclasses.replace(r, sparse_val=r.sparse_val < 0) for r in results]
+    reader = ResultReader(distro=distro)
+    whole = reader.flat(results)
+    parts = [reader._entry(r, i) for i, r in enumerate(results)]
+    for _ in range(2):  # the second read takes the kept block starts
+        assert whole.positions is not None
+        expected = torch.cat([p + o for (p, _), o in zip(parts, reader.offsets) if p is not None])
+        assert torch.equal(whole.positions, expected)
+        assert torch.equal(whole.values, torch.cat([v for _, v in parts]))
+        for (p, v), (q, w) in zip(whole.parts, parts, strict=True):
+            assert p is not None
+            assert q is not None
+            assert torch.equal(p, q)
+            assert torch.equal(v, w)
+        whole = reader.flat(results)
+    assert any(r.totalk > 256 for r in results) == (chunk == 32)

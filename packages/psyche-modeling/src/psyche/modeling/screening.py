@@ -44,7 +44,7 @@ import math
 import statistics
 import threading
 from collections import deque
-from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -52,7 +52,7 @@ import torch
 
 from psyche.coordinator.consensus import witness_quorum_for
 from psyche.core.definitions import DilocoTransmission
-from psyche.modeling.compression import decompress_idx
+from psyche.modeling.compression import decompress_idx, index_width
 from psyche.modeling.diloco.codec import (
     DilocoLayout,
     _sparse_indices,
@@ -67,6 +67,8 @@ _HASH_MULTIPLIER = 0x9E3779B1
 _BUCKET_SHIFT = 16
 _SIGN_SHIFT = 40
 _CPU = torch.device("cpu")
+# the integer type `decompress_idx` views a payload's index bytes as, by `index_width`
+_INDEX_DTYPES = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.int64}
 
 
 @dataclass(frozen=True)
@@ -192,6 +194,9 @@ class ResultReader:
         # a dense result's fingerprint reads every `stride`-th value (about 64k of them)
         self._stride = max(1, self.size // 65_536) if self.dense_form else 1
         self._sampled_hash: tuple[int, torch.Tensor, torch.Tensor] | None = None
+        self._starts_cache: (
+            tuple[tuple[tuple[int, int, int], ...], torch.Tensor, torch.Tensor] | None
+        ) = None
 
     @classmethod
     def of(cls, optimizer: Distro | Diloco) -> ResultReader:
@@ -211,10 +216,7 @@ class ResultReader:
             # each entry's block start: the block's row times the block size, per entry
             starts = torch.arange(idx.numel() // k, dtype=torch.int64).mul_(r.totalk)
             starts = starts.unsqueeze(1).expand(-1, k).reshape(-1)
-            val = r.sparse_val.to(_CPU)
-            if val.dtype == torch.bool:
-                val = unpack_tensor_sign_from_boolean(val, torch.float32)
-            return starts.add_(idx.reshape(-1)), val.reshape(-1).float()
+            return starts.add_(idx.reshape(-1)), _float_values(r.sparse_val.to(_CPU))
         layout = self.layouts[i]
         values = entry_values(r, layout, _CPU)
         if layout.transmission is not DilocoTransmission.Sparse:
@@ -225,12 +227,69 @@ class ResultReader:
         return (rows * layout.sparse.totalk + idx).reshape(-1), values
 
     def flat(self, results: Sequence[DistroResult]) -> Flat:
+        if self.layouts is None:
+            whole = self._distro_flat(results)
+            if whole is not None:
+                return whole
         parts = [self._entry(r, i) for i, r in enumerate(results)]
         values = torch.cat([v for _, v in parts])
         if self.dense_form:
             return Flat(None, values, parts)
         shifted = [p + offset for (p, _), offset in zip(parts, self.offsets) if p is not None]
         return Flat(torch.cat(shifted), values, parts)
+
+    def _distro_flat(self, results: Sequence[DistroResult]) -> Flat | None:
+        """`flat` of a DisTrO result in a few whole-result operations, the same values as
+        `_entry` part by part: every entry's block start (a part's rows times its block size,
+        plus its offset) depends only on the result's shapes, the same for every result of a
+        run, so it is kept (`_starts`) and each result costs one index conversion and two adds.
+        None when a part has no entry axis (`_entry` reads it)."""
+        views = [r.sparse_idx.to(_CPU).view(_INDEX_DTYPES[index_width(r.totalk)]) for r in results]
+        if any(v.dim() == 0 or v.shape[-1] == 0 for v in views):
+            return None
+        shape = tuple((int(r.totalk), v.numel(), v.shape[-1]) for r, v in zip(results, views))
+        local, shifted = self._starts(shape)
+        if len({v.dtype for v in views}) == 1:
+            idx = torch.cat([v.reshape(-1) for v in views]).to(torch.int64)
+        else:
+            idx = torch.cat([v.reshape(-1).to(torch.int64) for v in views])
+        positions = idx + shifted
+        idx.add_(local)
+        vals = [r.sparse_val.to(_CPU).reshape(-1) for r in results]
+        if all(v.dtype == torch.bool for v in vals):
+            # `unpack_tensor_sign_from_boolean`'s values in one operation
+            values = torch.where(torch.cat(vals), -1.0, 1.0)
+        else:
+            values = torch.cat([_float_values(v) for v in vals])
+        sizes = [n for _, n, _ in shape]
+        parts: list[tuple[torch.Tensor | None, torch.Tensor]] = list(
+            zip(idx.split(sizes), values.split(sizes))
+        )
+        return Flat(positions, values, parts)
+
+    def _starts(self, shape: tuple[tuple[int, int, int], ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each entry's block start within its part and within the whole domain, for results
+        whose parts are `(totalk, entries, entries per block)`; the last shape's are kept."""
+        cached = self._starts_cache
+        if cached is None or cached[0] != shape:
+            local = torch.cat(
+                [
+                    torch.arange(n // k, dtype=torch.int64)
+                    .mul_(totalk)
+                    .unsqueeze(1)
+                    .expand(-1, k)
+                    .reshape(-1)
+                    for totalk, n, k in shape
+                ]
+            )
+            offsets = torch.cat(
+                [
+                    torch.full((n,), offset, dtype=torch.int64)
+                    for (_, n, _), offset in zip(shape, self.offsets)
+                ]
+            )
+            cached = self._starts_cache = (shape, local, offsets.add_(local))
+        return cached[1], cached[2]
 
     def add_into(self, total: torch.Tensor, flat: Flat, alpha: float = 1.0) -> None:
         """`total += flat * alpha` (float32 over the whole domain)."""
@@ -258,14 +317,14 @@ class ResultReader:
 
     def describe(self, flat: Flat, sketch_size: int) -> tuple[float, Fingerprint]:
         """A result's norm and fingerprint."""
-        values = flat.values
-        norm = float(torch.linalg.vector_norm(values))
+        norm = float(torch.linalg.vector_norm(flat.values))
         if flat.positions is None:
             _, bucket, sign = self._dense_hash(sketch_size)
-            values = values[:: self._stride]
+            signed = flat.values[:: self._stride] * sign
         else:
             bucket, sign = _hash(flat.positions, sketch_size)
-        sketch = torch.zeros(sketch_size).index_add_(0, bucket, values * sign)
+            signed = sign.mul_(flat.values)  # the signs are this result's own: no copy
+        sketch = torch.zeros(sketch_size).index_add_(0, bucket, signed)
         return norm, Fingerprint(sketch, float(torch.linalg.vector_norm(sketch)))
 
     def _dense_hash(self, sketch_size: int) -> tuple[int, torch.Tensor, torch.Tensor]:
@@ -287,9 +346,16 @@ def _hash(positions: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tenso
     """A bucket in [0, size) (a power of two) and a sign for each position (the same on every
     machine)."""
     product = positions.to(torch.int64) * _HASH_MULTIPLIER
-    bucket = (product >> _BUCKET_SHIFT) & (size - 1)
-    sign = ((product >> _SIGN_SHIFT) & 1).to(torch.float32).mul_(2.0).sub_(1.0)
-    return bucket, sign
+    bucket = (product >> _BUCKET_SHIFT).bitwise_and_(size - 1)
+    sign = product.bitwise_right_shift_(_SIGN_SHIFT).bitwise_and_(1).to(torch.float32)
+    return bucket, sign.mul_(2.0).sub_(1.0)
+
+
+def _float_values(val: torch.Tensor) -> torch.Tensor:
+    """A part's values as flat float32 (1-bit signs: True -> -1, False -> +1)."""
+    if val.dtype == torch.bool:
+        val = unpack_tensor_sign_from_boolean(val, torch.float32)
+    return val.reshape(-1).float()
 
 
 def _at(t: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
@@ -303,9 +369,13 @@ def agreement(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> float:
     shapes (one per parameter; `r` is overwritten). About N(0, 1) when the values' signs are
     independent of the direction, whatever the scale of either (the module docstring): the
     witness's checks and a verifier's (`psyche.modeling.verification`) both read results so."""
+    return _sum_agreement(direction.mul_(values) for direction, values in pairs)
+
+
+def _sum_agreement(products: Iterable[torch.Tensor]) -> float:
+    """`t` from the products `v_i r_i`, summed part by part."""
     num = den = 0.0
-    for direction, values in pairs:
-        prod = direction.mul_(values)
+    for prod in products:
         num += float(prod.sum())
         den += float(torch.dot(prod, prod))
     return num / math.sqrt(den) if den > 0.0 else 0.0
@@ -347,16 +417,28 @@ class WitnessScreen:
                 0.0 if aggregate is None else weight * self._aggregate_scale / self._aggregate_norm
             )
 
-            def pairs() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-                for i, (positions, values) in enumerate(flat.parts):
-                    direction = _at(own.tensors[i], positions).mul_(own.scale)
-                    if aggregate is not None:
-                        offset = self.reader.offsets[i]
-                        part = aggregate[offset : offset + own.tensors[i].numel()]
-                        direction.add_(_at(part, positions), alpha=factor)
-                    yield direction, values
-
-            return agreement(pairs())
+            # the direction at the result's positions, gathered part by part into one tensor;
+            # the whole-result operations are elementwise, the one with a scalar factor and the
+            # sums run part by part as `agreement` runs them, so `t` has the same bits
+            if len(flat.parts) != len(own.tensors):
+                raise ValueError(
+                    f"a result of {len(flat.parts)} parts, the model has {len(own.tensors)}"
+                )
+            direction = torch.empty_like(flat.values)
+            sizes = [values.numel() for _, values in flat.parts]
+            pieces = direction.split(sizes)
+            for piece, tensor, (positions, _) in zip(pieces, own.tensors, flat.parts):
+                if positions is None:
+                    piece.copy_(tensor)
+                else:
+                    torch.index_select(tensor, 0, positions, out=piece)
+            direction.mul_(own.scale)
+            if aggregate is not None:
+                at = _at(aggregate, flat.positions)
+                for piece, part in zip(pieces, at.split(sizes)):
+                    piece.add_(part, alpha=factor)
+        direction.mul_(flat.values)
+        return _sum_agreement(pieces)
 
     def _decide(self, sender: Hashable, measure: Measure, screen: RoundScreen) -> Verdict:
         settings = self.settings
