@@ -1,7 +1,7 @@
 """The `Torchtitan` architecture (`psyche.modeling.torchtitan`): torchtitan's llama3 and
-deepseek_v3 model definitions trained with DisTrO on the CPU. Needs the optional `torchtitan` extra
-(`./scripts/setup.sh --extra torchtitan`, plus triton on a CPU-only torch): skips, saying so,
-without it.
+deepseek_v3 model definitions trained with DisTrO on the CPU. Needs the `torchtitan` extra, which
+`./scripts/setup.sh` installs (with triton, which torchtitan imports): skips, saying so, where it
+cannot be installed (triton has no wheel for macOS or Windows).
 
 * two clients of a Torchtitan run (llama3 or deepseek_v3 with MoE; seed 1337, each its own
   batch) train a step, exchange their
