@@ -9,7 +9,8 @@ What upstream's Python path does (`python/psyche/models/hf_transformers.py`,
   whatever the device);
 * `build_mesh` builds the `DeviceMesh` with the dimensions of size > 1: `dp` (replicated data
   parallelism) or `dp_shard` (FSDP2), and `tp`;
-* `parallelize` applies upstream's plan: tensor parallelism for Llama-family models
+* `parallelize` applies upstream's plan (a Torchtitan model's tensor parallelism is torchtitan's
+  own, `psyche.modeling.torchtitan.parallelize_tp`): tensor parallelism for Llama-family models
   (`ColwiseParallel` q/k/v/gate/up, `RowwiseParallel` o/down, `lm_head` column-parallel with a
   replicated output; embeddings and norms stay replicated), then FSDP2 (`fully_shard` on each
   `_no_split_modules` block and on the root, `MixedPrecisionPolicy(param_dtype, reduce_dtype)`),
@@ -34,6 +35,8 @@ import torch
 from psyche.modeling.parallel import TP_MODEL_TYPES, ParallelDims, ParallelismError
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
 
@@ -62,6 +65,22 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     if is_sharded(tensor):
         return tensor.full_tensor()
     return tensor
+
+
+def settle_gradients(params: Iterable[torch.Tensor]) -> None:
+    """Give each sharded parameter's gradient the parameter's own layout. torchtitan's TP plan
+    (in its DTensor form) leaves the gradients of its row-parallel weights and of the weights
+    it replicates (norms, the MoE router, MLA's low-rank projections) as `Partial` sums: on
+    each rank a full-size tensor not yet added over the TP ranks. DisTrO, the DP mean and
+    clipping read each rank's local slice, which must be the parameter's: a reduce-scatter (to
+    a shard) or an all-reduce (to a replica) per such gradient, in `params`' order on every
+    rank. Nothing moves where the layouts agree (HF TP, FSDP2, one rank)."""
+    for p in params:
+        grad = p.grad
+        if grad is None or not is_sharded(p) or not is_sharded(grad):
+            continue
+        if tuple(grad.placements) != tuple(p.placements):
+            p.grad = grad.redistribute(p.device_mesh, p.placements)
 
 
 def shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -209,10 +228,10 @@ def parallelize(model: CausalLM, dims: ParallelDims, options: ShardingOptions) -
     as a new `CausalLM` over the same module. Every rank must call it."""
     from psyche.modeling.causal_lm import CausalLM
 
-    if model.architecture == "Torchtitan" and dims.tp > 1:
+    if model.architecture == "Torchtitan" and dims.tp > 1 and dims.fsdp:
         raise ParallelismError(
-            "Torchtitan models have no tensor-parallel layout here yet (torchtitan's TP plans "
-            "are not built): use --data-parallelism (with or without --fsdp)"
+            "Torchtitan models take tensor parallelism or FSDP here, not both yet: drop "
+            "--fsdp (replicated --data-parallelism works with --tensor-parallelism)"
         )
     dims.check_model(model.config)
     module = model.model
@@ -231,7 +250,11 @@ def parallelize(model: CausalLM, dims: ParallelDims, options: ShardingOptions) -
         dims.require_world()
         mesh = dims.mesh
         assert mesh is not None
-        if dims.tp > 1:
+        if dims.tp > 1 and model.architecture == "Torchtitan":
+            from psyche.modeling import torchtitan
+
+            torchtitan.parallelize_tp(module, dims)
+        elif dims.tp > 1:
             _apply_tp(module, mesh["tp"])
         if dims.fsdp:
             _apply_fsdp(module, mesh[dims.dp_mesh_name], options)
@@ -313,5 +336,6 @@ __all__ = [
     "is_sharded",
     "local_tensor",
     "parallelize",
+    "settle_gradients",
     "shard_like",
 ]
