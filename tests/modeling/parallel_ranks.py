@@ -16,6 +16,9 @@ checkpoints of each side to OUT_DIR/<mode>/ and OUT_DIR/<mode>-reference/).
 * `tp-torchtitan`, `tp-torchtitan-deepseek`: the Torchtitan architecture's llama3 and
   deepseek_v3 at TP=2 with torchtitan's own plan, through the protocol as `dp` (each step's
   results that differ from the reference's listed by parameter name), then `tp`'s exact checks.
+* `fsdp4` (its own run, `python parallel_ranks.py RANK INIT_FILE OUT_DIR cpu fsdp4` on four
+  ranks): `fsdp` over four ranks, eight rows a step (one micro-batch of two per rank) and DisTrO
+  unquantized, so that equal payloads mean equal momentum, hence equal gradients.
 * `tp` and `tp-deepseek` (DTensor tensor parallelism of the tiny Llama and the tiny
   DeepSeek-V3), both ranks running the same code: the row-parallel matmuls
   sum their halves in another order, so trained gradients are close, not equal; what must be
@@ -67,6 +70,7 @@ ARCHITECTURES = {
     "fsdp-torchtitan": "Torchtitan",
     "tp-torchtitan": "Torchtitan",
     "tp-torchtitan-deepseek": "Torchtitan",
+    "fsdp4": "HfLlama",
 }
 DEEPSEEK = ("tp-deepseek", "tp-torchtitan-deepseek")
 """The modes on the tiny DeepSeek-V3 (the others train the tiny Llama)."""
@@ -83,8 +87,9 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
-def batch_for(step: int) -> Batch:
-    rows = 1 if step == STEPS else 4
+def batch_for(step: int, mode: str = "") -> Batch:
+    """4 rows (1 at the last step); `fsdp4`: 8 (one micro-batch of 2 per rank)."""
+    rows = 8 if mode == "fsdp4" else 1 if step == STEPS else 4
     g = torch.Generator().manual_seed(step)
     return Batch(torch.randint(0, 256, (rows, SEQ), generator=g))
 
@@ -95,16 +100,20 @@ def rank_device(rank: int) -> torch.device:
 
 def dims_for(mode: str, rank: int) -> ParallelDims:
     device = rank_device(rank)
-    dims = {
-        "dp": ParallelDims(device, dp=2, rank=rank),
-        "fsdp": ParallelDims(device, dp=2, fsdp=True, rank=rank),
-        "tp": ParallelDims(device, tp=2, rank=rank),
-        "tp-deepseek": ParallelDims(device, tp=2, rank=rank),
-        "dp-torchtitan": ParallelDims(device, dp=2, rank=rank),
-        "fsdp-torchtitan": ParallelDims(device, dp=2, fsdp=True, rank=rank),
-        "tp-torchtitan": ParallelDims(device, tp=2, rank=rank),
-        "tp-torchtitan-deepseek": ParallelDims(device, tp=2, rank=rank),
-    }[mode]
+    dims = (
+        {
+            "dp": ParallelDims(device, dp=2, rank=rank),
+            "fsdp": ParallelDims(device, dp=2, fsdp=True, rank=rank),
+            "tp": ParallelDims(device, tp=2, rank=rank),
+            "tp-deepseek": ParallelDims(device, tp=2, rank=rank),
+            "dp-torchtitan": ParallelDims(device, dp=2, rank=rank),
+            "fsdp-torchtitan": ParallelDims(device, dp=2, fsdp=True, rank=rank),
+            "tp-torchtitan": ParallelDims(device, tp=2, rank=rank),
+            "tp-torchtitan-deepseek": ParallelDims(device, tp=2, rank=rank),
+        }[mode]
+        if mode != "fsdp4"
+        else ParallelDims(device, dp=4, fsdp=True, rank=rank)
+    )
     return replace(dims, mesh=build_mesh(dims))
 
 
@@ -121,10 +130,13 @@ def rank_trainer(mode: str, rank: int, cls: type[Trainer]) -> Trainer:
     model = CausalLM(module.to(dims.device), model.architecture)
     model = parallelize(model, dims, ShardingOptions())
     schedule = LearningRateSchedule.Constant(ConstantLR(1e-3, 0.0, 0))
-    return cls(model, schedule, distro(weight_decay=0.01), micro_batch_size=2, parallel=dims)
+    optimizer = distro(weight_decay=0.01, quantize=mode != "fsdp4")
+    return cls(model, schedule, optimizer, micro_batch_size=2, parallel=dims)
 
 
-def make_reference(architecture: str = "HfLlama", deepseek: bool = False) -> Trainer:
+def make_reference(
+    architecture: str = "HfLlama", deepseek: bool = False, quantize: bool = True
+) -> Trainer:
     """The one-rank client (on this rank's device); the tiny DeepSeek-V3 when `deepseek`."""
     if architecture == "Torchtitan" and deepseek:  # make_trainer's DeepSeek is HfDeepseek's
         options = ModelOptions(architecture=architecture, device="cpu", seed=1337)
@@ -132,7 +144,7 @@ def make_reference(architecture: str = "HfLlama", deepseek: bool = False) -> Tra
         schedule = LearningRateSchedule.Constant(ConstantLR(1e-3, 0.0, 0))
         return Trainer(model, schedule, distro(weight_decay=0.01), micro_batch_size=2)
     if DEVICE == "cpu":
-        return make_trainer(weight_decay=0.01, architecture=architecture)
+        return make_trainer(weight_decay=0.01, quantize=quantize, architecture=architecture)
     trainer = make_trainer(weight_decay=0.01, device="cpu", architecture=architecture)
     model = CausalLM(trainer.model.model.to(torch.bfloat16).to("cuda"), architecture)
     return Trainer(model, trainer.lr_schedule, distro(weight_decay=0.01), micro_batch_size=2)
@@ -144,13 +156,13 @@ def protocol_scenario(mode: str, rank: int, out: Path) -> dict:
         return {}
     leader = rank_trainer(mode, rank, LeaderTrainer)
     assert isinstance(leader, LeaderTrainer)
-    reference = make_reference(ARCHITECTURES[mode], mode in DEEPSEEK)
+    reference = make_reference(ARCHITECTURES[mode], mode in DEEPSEEK, quantize=mode != "fsdp4")
     report: dict = {"payload_equal": [], "params_equal": [], "loss": [], "results_differ": []}
     names = [name for name, _ in reference.model.variables()]
     prev_l: list = []
     prev_r: list = []
     for step in range(1, STEPS + 1):
-        batch, batch_id = batch_for(step), BatchId(step * 10, step * 10 + 3)
+        batch, batch_id = batch_for(step, mode), BatchId(step * 10, step * 10 + 3)
         kwargs = dict(warmup_lr_between=None, zero_optim=False)
         out_l = leader.train_exact(step, batch, prev_self_distro_results=prev_l, **kwargs)
         out_r = reference.train_exact(step, batch, prev_self_distro_results=prev_r, **kwargs)
@@ -265,9 +277,18 @@ def main() -> None:
     global DEVICE
     rank, init_file, out = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
     DEVICE = sys.argv[4] if len(sys.argv) > 4 else "cpu"
+    torch.set_num_threads(1)
+    if len(sys.argv) > 5 and sys.argv[5] == "fsdp4":  # four ranks, this scenario alone
+        init_world(rank, 4, f"file://{init_file}", rank_device(rank))
+        try:
+            report = {"fsdp4": protocol_scenario("fsdp4", rank, out)}
+        finally:
+            close_world()
+        if rank == 0:
+            torch.save(report, out / "report.pt")
+        os._exit(0)
     if len(sys.argv) > 5:  # "batched" or "per-parameter": DisTrO's route on every trainer
         distro_module.BATCHED_ROUTE = sys.argv[5] == "batched"
-    torch.set_num_threads(1)
     init_world(rank, 2, f"file://{init_file}", rank_device(rank))
     report = {}
     try:

@@ -32,9 +32,10 @@ SCRIPT = Path(__file__).with_name("parallel_ranks.py")
 DEADLINE = 300.0
 
 
-def run_ranks(out: Path, device: str, route: str = "") -> tuple[dict, Path]:
-    """Both ranks of parallel_ranks.py on `device` (DisTrO's `route`: "batched" or "per-parameter";
-    the device's default when empty); their report and output directory."""
+def run_ranks(out: Path, device: str, route: str = "", ranks: int = 2) -> tuple[dict, Path]:
+    """The `ranks` ranks of parallel_ranks.py on `device` (DisTrO's `route`: "batched" or
+    "per-parameter"; the device's default when empty; "fsdp4" with four ranks); their report
+    and output directory."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     procs = [
         subprocess.Popen(
@@ -45,7 +46,7 @@ def run_ranks(out: Path, device: str, route: str = "") -> tuple[dict, Path]:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        for rank in range(2)
+        for rank in range(ranks)
     ]
     deadline = time.monotonic() + DEADLINE
     outputs = []
@@ -59,7 +60,7 @@ def run_ranks(out: Path, device: str, route: str = "") -> tuple[dict, Path]:
                 os.killpg(proc.pid, 9)
                 proc.wait()
     codes = [p.returncode for p in procs]
-    assert codes == [0, 0], f"ranks exited {codes}:\n" + "\n".join(o[-3000:] for o in outputs)
+    assert codes == [0] * ranks, f"ranks exited {codes}:\n" + "\n".join(o[-3000:] for o in outputs)
     return torch.load(out / "report.pt", weights_only=False), out
 
 
@@ -81,6 +82,18 @@ def test_a_sharded_client_publishes_and_applies_the_one_rank_bits(
     assert report["params_equal"] == [True] * 4
     for sharded, single in report["loss"]:
         assert sharded == pytest.approx(single, rel=1e-6)
+
+
+def test_fsdp_over_four_ranks_publishes_the_one_rank_bits(tmp_path: Path) -> None:
+    """FSDP2 over four ranks (each training one of the one-rank client's four micro-batches)
+    against one rank, with unquantized DisTrO payloads (so equal bytes mean equal momentum, not
+    only equal signs): the same bytes and parameters at every step. FSDP2's reduce-scatter adds
+    the ranks' gradients in rank order (`sharding._ordered_reduce_scatter`); gloo's own order
+    gave other bits in every parameter's payload at every step."""
+    report = run_ranks(tmp_path, "cpu", "fsdp4", ranks=4)[0]["fsdp4"]
+    assert report["results_differ"] == [[]] * 4
+    assert report["payload_equal"] == [True] * 4
+    assert report["params_equal"] == [True] * 4
 
 
 @pytest.mark.parametrize("mode", ["dp", "fsdp", "tp-torchtitan"])

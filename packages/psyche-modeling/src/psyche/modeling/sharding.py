@@ -307,9 +307,43 @@ def _apply_fsdp(module: Any, dp_mesh: Any, options: ShardingOptions) -> None:
     policy = MixedPrecisionPolicy(
         param_dtype=options.param_dtype, reduce_dtype=options.reduce_dtype
     )
-    for block in _blocks(module):
+    for block in [*_blocks(module), module]:
         fully_shard(block, mesh=dp_mesh, mp_policy=policy)
-    fully_shard(module, mesh=dp_mesh, mp_policy=policy)
+        block.set_custom_reduce_scatter(_ordered_reduce_scatter())
+
+
+def _ordered_reduce_scatter() -> Any:
+    """FSDP2's gradient reduce-scatter with the sums added in rank order (`parallel.
+    ordered_reduce_scatter`), as replicated DP's mean is: so FSDP over any power-of-two number
+    of ranks, each training one of the one-rank client's micro-batches, gives the one-rank
+    gradients bit for bit (gloo's own reduce-scatter adds in another order, which differed from
+    one rank in the last bits at 4 ranks). FSDP asks for a sum or, with fp32 or bf16
+    gradients, a mean (the sum divided by the ranks: exact for a power of two)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+    from psyche.modeling.parallel import ordered_reduce_scatter
+
+    class OrderedReduceScatter(ReduceScatter):
+        def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(
+            self,
+            output_tensor: torch.Tensor,
+            input_tensor: torch.Tensor,
+            group: Any,
+            op: Any,
+            async_op: bool = False,
+        ) -> None:
+            ranks = dist.get_world_size(group)
+            ordered_reduce_scatter(output_tensor, input_tensor, group, ranks)
+            if op == dist.ReduceOp.AVG:
+                output_tensor.div_(ranks)
+            elif op != dist.ReduceOp.SUM:
+                raise ParallelismError(f"FSDP asked for a reduce-scatter by {op}: not built")
+
+    return OrderedReduceScatter()
 
 
 def _blocks(module: Any) -> list[Any]:
