@@ -6,8 +6,9 @@ uv.lock pins torch as PyPI publishes it: on Linux x86_64 that is the CUDA build,
 its CUDA libraries. Where pip is configured with a local wheel directory holding a build of the
 *same* torch version for this Python (a CPU build, as on this project's CPU machines), setup
 installs everything else exactly as locked and that wheel in torch's place. This prints the
-packages setup must then leave out (torch, and the CUDA libraries only torch's CUDA build needs),
-one line, or nothing when the directory has no such wheel (setup installs the lock as it is).
+packages setup must then leave out (torch, and the CUDA libraries only torch's CUDA build needs:
+triton stays where another package requires it too, as the Torchtitan extra does), one line, or
+nothing when the directory has no such wheel (setup installs the lock as it is).
 Reads only uv.lock and the directory; prints nothing on any doubt.
 """
 
@@ -20,7 +21,9 @@ from pathlib import Path
 
 
 def cuda_only(packages: dict[str, dict]) -> set[str]:  # type: ignore[type-arg]
-    """Packages reachable from torch only through its CUDA dependencies."""
+    """Packages reachable from torch only through its CUDA dependencies: the nvidia/cuda
+    libraries always (a CPU build of torch cannot use them), the rest (triton, what they
+    require) unless a package other than torch requires them too."""
 
     def deps(name: str) -> list[str]:
         package = packages.get(name, {})
@@ -40,7 +43,7 @@ def cuda_only(packages: dict[str, dict]) -> set[str]:  # type: ignore[type-arg]
             closure.add(name)
             todo += deps(name)
     elsewhere = {d for n in packages if n not in closure and n != "torch" for d in deps(n)}
-    return {n for n in closure if is_cuda(n) or n not in elsewhere}
+    return {n for n in closure if n.startswith(("nvidia-", "cuda-")) or n not in elsewhere}
 
 
 def main() -> None:

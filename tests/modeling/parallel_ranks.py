@@ -13,6 +13,12 @@ checkpoints of each side to OUT_DIR/<mode>/ and OUT_DIR/<mode>-reference/).
   reference after every step, then extract and checkpoint files.
 * `dp-torchtitan`, `fsdp-torchtitan`: `dp` and `fsdp` with the Torchtitan architecture (when the
   extra is installed; FSDP2 shards torchtitan's transformer blocks, as its `apply_fsdp` does).
+* `tp-torchtitan`, `tp-torchtitan-deepseek`: the Torchtitan architecture's llama3 and
+  deepseek_v3 at TP=2 with torchtitan's own plan, through the protocol as `dp` (each step's
+  results that differ from the reference's listed by parameter name), then `tp`'s exact checks.
+* `fsdp4` (its own run, `python parallel_ranks.py RANK INIT_FILE OUT_DIR cpu fsdp4` on four
+  ranks): `fsdp` over four ranks, eight rows a step (one micro-batch of two per rank) and DisTrO
+  unquantized, so that equal payloads mean equal momentum, hence equal gradients.
 * `tp` and `tp-deepseek` (DTensor tensor parallelism of the tiny Llama and the tiny
   DeepSeek-V3), both ranks running the same code: the row-parallel matmuls
   sum their halves in another order, so trained gradients are close, not equal; what must be
@@ -37,6 +43,7 @@ from psyche.modeling.causal_lm import CausalLM, ModelOptions
 from psyche.modeling.checkpoint import save_tensors_into_safetensors
 from psyche.modeling.configs import deepseek_config_dict, llama_config_dict
 from psyche.modeling.distributed import LeaderTrainer, serve
+from psyche.modeling.distro import DistroResult
 from psyche.modeling.parallel import ParallelDims
 from psyche.modeling.serialized_distro import distro_results_to_bytes
 from psyche.modeling.sharding import (
@@ -61,7 +68,12 @@ ARCHITECTURES = {
     "tp-deepseek": "HfDeepseek",
     "dp-torchtitan": "Torchtitan",
     "fsdp-torchtitan": "Torchtitan",
+    "tp-torchtitan": "Torchtitan",
+    "tp-torchtitan-deepseek": "Torchtitan",
+    "fsdp4": "HfLlama",
 }
+DEEPSEEK = ("tp-deepseek", "tp-torchtitan-deepseek")
+"""The modes on the tiny DeepSeek-V3 (the others train the tiny Llama)."""
 SEQ = 16
 STEPS = 4
 
@@ -75,8 +87,9 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
-def batch_for(step: int) -> Batch:
-    rows = 1 if step == STEPS else 4
+def batch_for(step: int, mode: str = "") -> Batch:
+    """4 rows (1 at the last step); `fsdp4`: 8 (one micro-batch of 2 per rank)."""
+    rows = 8 if mode == "fsdp4" else 1 if step == STEPS else 4
     g = torch.Generator().manual_seed(step)
     return Batch(torch.randint(0, 256, (rows, SEQ), generator=g))
 
@@ -87,14 +100,20 @@ def rank_device(rank: int) -> torch.device:
 
 def dims_for(mode: str, rank: int) -> ParallelDims:
     device = rank_device(rank)
-    dims = {
-        "dp": ParallelDims(device, dp=2, rank=rank),
-        "fsdp": ParallelDims(device, dp=2, fsdp=True, rank=rank),
-        "tp": ParallelDims(device, tp=2, rank=rank),
-        "tp-deepseek": ParallelDims(device, tp=2, rank=rank),
-        "dp-torchtitan": ParallelDims(device, dp=2, rank=rank),
-        "fsdp-torchtitan": ParallelDims(device, dp=2, fsdp=True, rank=rank),
-    }[mode]
+    dims = (
+        {
+            "dp": ParallelDims(device, dp=2, rank=rank),
+            "fsdp": ParallelDims(device, dp=2, fsdp=True, rank=rank),
+            "tp": ParallelDims(device, tp=2, rank=rank),
+            "tp-deepseek": ParallelDims(device, tp=2, rank=rank),
+            "dp-torchtitan": ParallelDims(device, dp=2, rank=rank),
+            "fsdp-torchtitan": ParallelDims(device, dp=2, fsdp=True, rank=rank),
+            "tp-torchtitan": ParallelDims(device, tp=2, rank=rank),
+            "tp-torchtitan-deepseek": ParallelDims(device, tp=2, rank=rank),
+        }[mode]
+        if mode != "fsdp4"
+        else ParallelDims(device, dp=4, fsdp=True, rank=rank)
+    )
     return replace(dims, mesh=build_mesh(dims))
 
 
@@ -104,20 +123,28 @@ def rank_trainer(mode: str, rank: int, cls: type[Trainer]) -> Trainer:
     # built on the CPU in fp32 (the reference's random draws), then cast and moved
     architecture = ARCHITECTURES[mode]
     options = ModelOptions(architecture=architecture, device="cpu", seed=1337)
-    config = deepseek_config_dict() if architecture == "HfDeepseek" else llama_config_dict("tiny")
+    config = deepseek_config_dict() if mode in DEEPSEEK else llama_config_dict("tiny")
     model = CausalLM.from_config(config, options)
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
     module = model.model if model.dtype == dtype else model.model.to(dtype)
     model = CausalLM(module.to(dims.device), model.architecture)
     model = parallelize(model, dims, ShardingOptions())
     schedule = LearningRateSchedule.Constant(ConstantLR(1e-3, 0.0, 0))
-    return cls(model, schedule, distro(weight_decay=0.01), micro_batch_size=2, parallel=dims)
+    optimizer = distro(weight_decay=0.01, quantize=mode != "fsdp4")
+    return cls(model, schedule, optimizer, micro_batch_size=2, parallel=dims)
 
 
-def make_reference(architecture: str = "HfLlama") -> Trainer:
-    """The one-rank client (on this rank's device)."""
+def make_reference(
+    architecture: str = "HfLlama", deepseek: bool = False, quantize: bool = True
+) -> Trainer:
+    """The one-rank client (on this rank's device); the tiny DeepSeek-V3 when `deepseek`."""
+    if architecture == "Torchtitan" and deepseek:  # make_trainer's DeepSeek is HfDeepseek's
+        options = ModelOptions(architecture=architecture, device="cpu", seed=1337)
+        model = CausalLM.from_config(deepseek_config_dict(), options)
+        schedule = LearningRateSchedule.Constant(ConstantLR(1e-3, 0.0, 0))
+        return Trainer(model, schedule, distro(weight_decay=0.01), micro_batch_size=2)
     if DEVICE == "cpu":
-        return make_trainer(weight_decay=0.01, architecture=architecture)
+        return make_trainer(weight_decay=0.01, quantize=quantize, architecture=architecture)
     trainer = make_trainer(weight_decay=0.01, device="cpu", architecture=architecture)
     model = CausalLM(trainer.model.model.to(torch.bfloat16).to("cuda"), architecture)
     return Trainer(model, trainer.lr_schedule, distro(weight_decay=0.01), micro_batch_size=2)
@@ -129,12 +156,13 @@ def protocol_scenario(mode: str, rank: int, out: Path) -> dict:
         return {}
     leader = rank_trainer(mode, rank, LeaderTrainer)
     assert isinstance(leader, LeaderTrainer)
-    reference = make_reference(ARCHITECTURES[mode])
-    report: dict = {"payload_equal": [], "params_equal": [], "loss": []}
+    reference = make_reference(ARCHITECTURES[mode], mode in DEEPSEEK, quantize=mode != "fsdp4")
+    report: dict = {"payload_equal": [], "params_equal": [], "loss": [], "results_differ": []}
+    names = [name for name, _ in reference.model.variables()]
     prev_l: list = []
     prev_r: list = []
     for step in range(1, STEPS + 1):
-        batch, batch_id = batch_for(step), BatchId(step * 10, step * 10 + 3)
+        batch, batch_id = batch_for(step, mode), BatchId(step * 10, step * 10 + 3)
         kwargs = dict(warmup_lr_between=None, zero_optim=False)
         out_l = leader.train_exact(step, batch, prev_self_distro_results=prev_l, **kwargs)
         out_r = reference.train_exact(step, batch, prev_self_distro_results=prev_r, **kwargs)
@@ -148,6 +176,9 @@ def protocol_scenario(mode: str, rank: int, out: Path) -> dict:
             == distro_results_to_bytes(sent_r.payload.distro_results)
         )
         report["loss"].append((out_l.loss, out_r.loss))
+        report["results_differ"].append(
+            [n for n, a, b in zip(names, sent_l.sent, sent_r.sent) if not same_result(a, b)]
+        )
         aggregate = [sent_r.sent, sent_l.sent]
         leader.optimize(step, distro_results=aggregate)
         reference.optimize(step, distro_results=aggregate)
@@ -162,6 +193,10 @@ def protocol_scenario(mode: str, rank: int, out: Path) -> dict:
     save_tensors_into_safetensors(reference.extract(torch.bfloat16), out / f"{mode}-reference")
     leader.stop_workers()
     return report
+
+
+def same_result(a: DistroResult, b: DistroResult) -> bool:
+    return same_bits(a.sparse_idx, b.sparse_idx) and same_bits(a.sparse_val, b.sparse_val)
 
 
 def copy_state(source: Trainer, target: Trainer) -> None:
@@ -180,27 +215,33 @@ def copy_state(source: Trainer, target: Trainer) -> None:
 
 def tp_scenario(rank: int, mode: str = "tp") -> dict:
     tp = rank_trainer(mode, rank, Trainer)
-    reference = make_reference(ARCHITECTURES[mode])
+    reference = make_reference(ARCHITECTURES[mode], mode in DEEPSEEK)
     batch = batch_for(1)
     kwargs = dict(warmup_lr_between=None, zero_optim=False, prev_self_distro_results=[])
     out_t = tp.train(1, batch, **kwargs)
     out_r = reference.train(1, batch, **kwargs)
     grads_t = {n: p.grad for n, p in tp.model.variables()}
-    diffs = {
-        n: float((tp_full(grads_t[n]) - p.grad).abs().max()) for n, p in reference.model.variables()
-    }
+    full_grads = {n: tp_full(g) for n, g in grads_t.items()}
+    diffs = {n: float((full_grads[n] - p.grad).abs().max()) for n, p in reference.model.variables()}
     grad_diff = max(diffs.values())
-    sharded = sum(1 for _, p in tp.model.variables() if local_tensor(p) is not p)
+    # the parameters whose trained gradient is the one-rank client's, bit for bit, and whether
+    # the payload DisTrO made of them (before the exact check below) is the one-rank bytes
+    grad_equal = sorted(
+        n for n, p in reference.model.variables() if same_bits(full_grads[n], p.grad)
+    )
+    sent_t, sent_r = (
+        t.prepare_result(out, step=1, batch_id=BatchId(10, 13))
+        for t, out in ((tp, out_t), (reference, out_r))
+    )
+    payload_equal = sent_t.commitment_hash == sent_r.commitment_hash
+    sharded = sum(1 for _, p in tp.model.variables() if shard_placed(p))
     # exact: the same gradients and momentum give the same results; one aggregate, same bits
     assert reference.distro is not None
     assert tp.distro is not None
     copy_state(reference, tp)
     res_t = tp.distro.generate([out_t.distro_results], 1e-3, 1e-3)
     res_r = reference.distro.generate([out_t.distro_results], 1e-3, 1e-3)
-    generate_equal = all(
-        same_bits(a.sparse_idx, b.sparse_idx) and same_bits(a.sparse_val, b.sparse_val)
-        for a, b in zip(res_t, res_r)
-    )
+    generate_equal = all(same_result(a, b) for a, b in zip(res_t, res_r))
     aggregate = [res_r, out_r.distro_results]
     tp.optimize(2, distro_results=aggregate)
     reference.optimize(2, distro_results=aggregate)
@@ -211,9 +252,19 @@ def tp_scenario(rank: int, mode: str = "tp") -> dict:
         "grad_max_abs_diff": grad_diff,
         "grad_worst": max(diffs, key=diffs.__getitem__),
         "sharded_params": sharded,
+        "grad_equal": grad_equal,
+        "params": len(diffs),
+        "payload_equal": payload_equal,
         "generate_equal": generate_equal,
         "apply_equal": apply_equal,
     }
+
+
+def shard_placed(p: torch.Tensor) -> bool:
+    """Split over the TP ranks (a DTensor may also be replicated: torchtitan's norms are)."""
+    from psyche.modeling.sharding import is_sharded
+
+    return is_sharded(p) and any(placement.is_shard() for placement in p.placements)
 
 
 def tp_full(t: torch.Tensor) -> torch.Tensor:
@@ -226,9 +277,18 @@ def main() -> None:
     global DEVICE
     rank, init_file, out = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
     DEVICE = sys.argv[4] if len(sys.argv) > 4 else "cpu"
+    torch.set_num_threads(1)
+    if len(sys.argv) > 5 and sys.argv[5] == "fsdp4":  # four ranks, this scenario alone
+        init_world(rank, 4, f"file://{init_file}", rank_device(rank))
+        try:
+            report = {"fsdp4": protocol_scenario("fsdp4", rank, out)}
+        finally:
+            close_world()
+        if rank == 0:
+            torch.save(report, out / "report.pt")
+        os._exit(0)
     if len(sys.argv) > 5:  # "batched" or "per-parameter": DisTrO's route on every trainer
         distro_module.BATCHED_ROUTE = sys.argv[5] == "batched"
-    torch.set_num_threads(1)
     init_world(rank, 2, f"file://{init_file}", rank_device(rank))
     report = {}
     try:
@@ -241,6 +301,10 @@ def main() -> None:
                 report[mode] = protocol_scenario(mode, rank, out)
         report["tp"] = tp_scenario(rank)
         report["tp-deepseek"] = tp_scenario(rank, "tp-deepseek")
+        if DEVICE == "cpu" and torchtitan.available() is None:
+            for mode in ("tp-torchtitan", "tp-torchtitan-deepseek"):
+                protocol = protocol_scenario(mode, rank, out)
+                report[mode] = {**protocol, "exact": tp_scenario(rank, mode)}
     finally:
         close_world()
     if rank == 0:

@@ -8,6 +8,9 @@ one-rank client on the same batches: what a sharded client must reproduce bit fo
   Why exact: each rank trains one micro-batch of the same rows the one-rank client trains as one
   of its micro-batches, a sum of two gradients is the same in either order, and scaling by 1/2
   is exact; DisTrO runs on the gathered full tensors.
+* The Torchtitan architecture: DP=2 and FSDP=2 as above; TP=2 with torchtitan's own plan holds
+  the one-rank parameters bit for bit, and publishes the one-rank payload bytes for llama3 but
+  not always for deepseek_v3 (the tests below say why).
 * TP=2: the row-parallel matmuls add their halves in another order than one matmul does, so the
   trained gradients agree to rounding only (checked with a tolerance); given the same gradients
   and momentum, `generate` gives the same results bit for bit and applying one aggregate gives
@@ -29,9 +32,10 @@ SCRIPT = Path(__file__).with_name("parallel_ranks.py")
 DEADLINE = 300.0
 
 
-def run_ranks(out: Path, device: str, route: str = "") -> tuple[dict, Path]:
-    """Both ranks of parallel_ranks.py on `device` (DisTrO's `route`: "batched" or "per-parameter";
-    the device's default when empty); their report and output directory."""
+def run_ranks(out: Path, device: str, route: str = "", ranks: int = 2) -> tuple[dict, Path]:
+    """The `ranks` ranks of parallel_ranks.py on `device` (DisTrO's `route`: "batched" or
+    "per-parameter"; the device's default when empty; "fsdp4" with four ranks); their report
+    and output directory."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     procs = [
         subprocess.Popen(
@@ -42,7 +46,7 @@ def run_ranks(out: Path, device: str, route: str = "") -> tuple[dict, Path]:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        for rank in range(2)
+        for rank in range(ranks)
     ]
     deadline = time.monotonic() + DEADLINE
     outputs = []
@@ -56,7 +60,7 @@ def run_ranks(out: Path, device: str, route: str = "") -> tuple[dict, Path]:
                 os.killpg(proc.pid, 9)
                 proc.wait()
     codes = [p.returncode for p in procs]
-    assert codes == [0, 0], f"ranks exited {codes}:\n" + "\n".join(o[-3000:] for o in outputs)
+    assert codes == [0] * ranks, f"ranks exited {codes}:\n" + "\n".join(o[-3000:] for o in outputs)
     return torch.load(out / "report.pt", weights_only=False), out
 
 
@@ -80,8 +84,22 @@ def test_a_sharded_client_publishes_and_applies_the_one_rank_bits(
         assert sharded == pytest.approx(single, rel=1e-6)
 
 
-@pytest.mark.parametrize("mode", ["dp", "fsdp"])
+def test_fsdp_over_four_ranks_publishes_the_one_rank_bits(tmp_path: Path) -> None:
+    """FSDP2 over four ranks (each training one of the one-rank client's four micro-batches)
+    against one rank, with unquantized DisTrO payloads (so equal bytes mean equal momentum, not
+    only equal signs): the same bytes and parameters at every step. FSDP2's reduce-scatter adds
+    the ranks' gradients in rank order (`sharding._ordered_reduce_scatter`); gloo's own order
+    gave other bits in every parameter's payload at every step."""
+    report = run_ranks(tmp_path, "cpu", "fsdp4", ranks=4)[0]["fsdp4"]
+    assert report["results_differ"] == [[]] * 4
+    assert report["payload_equal"] == [True] * 4
+    assert report["params_equal"] == [True] * 4
+
+
+@pytest.mark.parametrize("mode", ["dp", "fsdp", "tp-torchtitan"])
 def test_a_sharded_client_checkpoints_the_same_bytes(ranks: tuple[dict, Path], mode: str) -> None:
+    if mode.endswith("torchtitan"):
+        titan_report(ranks, mode)  # skips without torchtitan
     out = ranks[1]
     files = sorted(p.name for p in (out / mode).iterdir())
     assert files == sorted(p.name for p in (out / f"{mode}-reference").iterdir()) != []
@@ -103,6 +121,63 @@ def test_a_torchtitan_client_of_two_ranks_publishes_and_applies_the_one_rank_bit
     report = ranks[0][mode]
     assert report["payload_equal"] == [True] * 4
     assert report["params_equal"] == [True] * 4
+
+
+def titan_report(ranks: tuple[dict, Path], mode: str) -> dict:
+    from psyche.modeling import torchtitan
+
+    why = torchtitan.available()
+    if why is not None:
+        pytest.skip(why)
+    report: dict = ranks[0][mode]
+    return report
+
+
+def test_a_torchtitan_llama3_client_of_tensor_parallelism_2_publishes_the_one_rank_bytes(
+    ranks: tuple[dict, Path],
+) -> None:
+    """torchtitan's own TP plan for llama3 (q/k/v and w1/w3 column-parallel, wo/w2
+    row-parallel, embedding and lm_head split over the vocabulary, norms replicated): over four
+    steps its payloads are the one-rank client's bytes and its parameters the same bits. Its
+    gradients are not the one-rank bits (no parameter's is: the row-parallel matmuls and the
+    vocabulary-parallel embedding add their halves in another order); the payload still agrees
+    because DisTrO sends only the top-k DCT coefficients' positions and signs, which rounding
+    moves only at a near tie (see the deepseek_v3 test). Parameters agree by construction:
+    both apply the same aggregate."""
+    report = titan_report(ranks, "tp-torchtitan")
+    assert report["payload_equal"] == [True] * 4
+    assert report["results_differ"] == [[]] * 4
+    assert report["params_equal"] == [True] * 4
+    exact = report["exact"]
+    assert exact["sharded_params"] == 2 * 7 + 2  # the layers' linears, embedding and lm_head
+    assert exact["grad_equal"] == []  # rounding only: checked close below
+    assert 0.0 <= exact["grad_max_abs_diff"] < 1e-5
+    assert exact["generate_equal"] is True
+    assert exact["apply_equal"] is True
+
+
+def test_a_torchtitan_deepseek_v3_client_of_tensor_parallelism_2_holds_the_one_rank_bits(
+    ranks: tuple[dict, Path],
+) -> None:
+    """torchtitan's TP plan for deepseek_v3 (MLA: wq and wkv_b column-parallel, wo
+    row-parallel, wkv_a and the norms replicated; dense and shared-expert FFNs as llama3's;
+    routed experts split on their hidden dimension, the router replicated). Its parameters are
+    the one-rank client's bits after every step, and given the same gradients DisTrO is exact;
+    its payloads are not always the one-rank bytes: with the trained gradients differing in
+    the last bits, a chunk whose 4th and 5th largest DCT coefficients (top-k 4) are within
+    rounding of each other keeps the other one (on this model at steps 2 and 4, in one to
+    three parameters: the dense FFN's w1 or w3, the routed experts' w3, the router)."""
+    report = titan_report(ranks, "tp-torchtitan-deepseek")
+    assert report["payload_equal"][0] is True
+    assert report["params_equal"] == [True] * 4
+    for sharded, single in report["loss"]:
+        assert sharded == pytest.approx(single, rel=1e-5)
+    exact = report["exact"]
+    # MLA's wq/wkv_b/wo per layer, the dense FFN, the shared and routed experts, embedding, head
+    assert exact["sharded_params"] == 2 * 3 + 3 + 3 + 3 + 2
+    assert 0.0 <= exact["grad_max_abs_diff"] < 1e-5
+    assert exact["generate_equal"] is True
+    assert exact["apply_equal"] is True
 
 
 def test_tensor_parallel_distro_is_exact_and_training_close(ranks: tuple[dict, Path]) -> None:

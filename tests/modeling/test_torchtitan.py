@@ -1,7 +1,7 @@
 """The `Torchtitan` architecture (`psyche.modeling.torchtitan`): torchtitan's llama3 and
-deepseek_v3 model definitions trained with DisTrO on the CPU. Needs the optional `torchtitan` extra
-(`./scripts/setup.sh --extra torchtitan`, plus triton on a CPU-only torch): skips, saying so,
-without it.
+deepseek_v3 model definitions trained with DisTrO on the CPU. Needs the `torchtitan` extra, which
+`./scripts/setup.sh` installs (with triton, which torchtitan imports): skips, saying so, where it
+cannot be installed (triton has no wheel for macOS or Windows).
 
 * two clients of a Torchtitan run (llama3 or deepseek_v3 with MoE; seed 1337, each its own
   batch) train a step, exchange their
@@ -15,9 +15,9 @@ without it.
   the Torchtitan model's logits (llama, whose tensors are the same bits, and deepseek_v3 with
   MoE, whose per-expert tensors transformers fuses as it loads), and a joiner of the run rebuilds the Torchtitan model from
   it (`build_from_parameters`) with the same parameter bits;
-* two clients of a DiLoCo run on a Torchtitan model (llama3 with sparse or dense payloads,
-  deepseek_v3 with dense ones) keep the same parameter bits;
-* a config torchtitan's llama3 cannot take is one line.
+* two clients of a DiLoCo run on a Torchtitan model (llama3 and deepseek_v3, whose grouped
+  experts are 3-D, with sparse or dense payloads) keep the same parameter bits;
+* a config torchtitan's llama3 cannot take is one line, and so are TP and FSDP together.
 """
 
 from __future__ import annotations
@@ -157,7 +157,7 @@ def test_a_torchtitan_cooldown_checkpoint_is_a_hugging_face_checkpoint(
 
 @pytest.mark.parametrize(
     ("model_type", "transmission"),
-    [("llama", "Sparse"), ("llama", "Bf16"), ("deepseek_v3", "Bf16")],
+    [("llama", "Sparse"), ("llama", "Bf16"), ("deepseek_v3", "Sparse"), ("deepseek_v3", "Bf16")],
 )
 def test_two_torchtitan_clients_of_a_diloco_run_apply_bit_identical_results(
     model_type: str, transmission: str
@@ -165,8 +165,8 @@ def test_two_torchtitan_clients_of_a_diloco_run_apply_bit_identical_results(
     """DiLoCo (two inner steps a round; sparse DCT or dense bf16 payloads) on torchtitan's
     parameters: two clients, each its own batch, exchange payloads for three rounds (a round's
     results applied at the next, as clients do) and keep the same parameter bits, which moved.
-    (deepseek_v3's grouped experts are 3-D parameters, which DiLoCo's sparse form refuses: dense
-    only.)"""
+    (deepseek_v3's grouped experts are 3-D parameters: the sparse form blocks their last two
+    dimensions, as DisTrO does.)"""
     from psyche.core.definitions import DilocoTransmission
     from psyche.modeling.diloco import DilocoSettings
 
@@ -199,7 +199,24 @@ def test_two_torchtitan_clients_of_a_diloco_run_apply_bit_identical_results(
         pending = sent
     for (name, pa), (_, pb) in zip(a.model.variables(), b.model.variables()):
         assert torch.equal(pa.view(torch.uint8), pb.view(torch.uint8)), name
-    assert any(not torch.equal(p, start[n]) for n, p in a.model.variables())
+    moved = {n for n, p in a.model.variables() if not torch.equal(p, start[n])}
+    assert moved
+    if model_type == "deepseek_v3":  # the grouped experts too (3-D)
+        assert {n for n, p in a.model.variables() if p.dim() == 3} <= moved
+
+
+def test_torchtitan_tensor_parallelism_with_fsdp_is_one_line() -> None:
+    """TP and FSDP together are not built for Torchtitan: refused before any rank is needed
+    (TP alone and FSDP alone are tests/modeling/test_parallel_ranks.py's)."""
+    from psyche.modeling.parallel import ParallelDims, ParallelismError
+    from psyche.modeling.sharding import ShardingOptions, parallelize
+
+    model = CausalLM.from_config(
+        llama_config_dict("tiny"), ModelOptions(architecture="Torchtitan", device="cpu")
+    )
+    dims = ParallelDims(torch.device("cpu"), dp=2, tp=2, fsdp=True)
+    with pytest.raises(ParallelismError, match="not both yet: drop --fsdp"):
+        parallelize(model, dims, ShardingOptions())
 
 
 def test_configs_torchtitan_cannot_take_are_one_line() -> None:

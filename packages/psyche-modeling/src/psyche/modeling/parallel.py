@@ -264,14 +264,25 @@ def ordered_sum(tensors: list[torch.Tensor], group: Any, ranks: int) -> torch.Te
     if pad:
         pieces.append(tensors[0].new_zeros(pad))
     flat = torch.cat(pieces)
-    received = torch.empty_like(flat)
-    dist.all_to_all_single(received, flat, group=group)
-    parts = received.view(ranks, chunk)
-    mine = parts[0].clone()
-    for part in parts[1:]:
-        mine.add_(part)
+    mine = flat.new_empty(chunk)
+    ordered_reduce_scatter(mine, flat, group, ranks)
     dist.all_gather_single(flat, mine, group=group)
     return flat[:total]
+
+
+def ordered_reduce_scatter(out: torch.Tensor, flat: torch.Tensor, group: Any, ranks: int) -> None:
+    """`out` = the sum over the `ranks` ranks of `group` of their `flat`'s part for this rank
+    (`flat` is `ranks` equal parts, part r for rank r), added in rank order on every element:
+    a reduce-scatter whose sums are those of `ordered_sum` (what FSDP2's reduce-scatter does,
+    in an order of its own)."""
+    import torch.distributed as dist
+
+    received = torch.empty_like(flat)
+    dist.all_to_all_single(received, flat, group=group)
+    parts = received.view(ranks, -1)
+    out.copy_(parts[0])
+    for part in parts[1:]:
+        out.add_(part)
 
 
 DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
@@ -326,6 +337,7 @@ __all__ = [
     "TP_MODEL_TYPES",
     "ParallelDims",
     "ParallelismError",
+    "ordered_reduce_scatter",
     "ordered_sum",
     "parse_devices",
 ]

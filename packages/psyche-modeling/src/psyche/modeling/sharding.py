@@ -9,7 +9,8 @@ What upstream's Python path does (`python/psyche/models/hf_transformers.py`,
   whatever the device);
 * `build_mesh` builds the `DeviceMesh` with the dimensions of size > 1: `dp` (replicated data
   parallelism) or `dp_shard` (FSDP2), and `tp`;
-* `parallelize` applies upstream's plan: tensor parallelism for Llama-family models
+* `parallelize` applies upstream's plan (a Torchtitan model's tensor parallelism is torchtitan's
+  own, `psyche.modeling.torchtitan.parallelize_tp`): tensor parallelism for Llama-family models
   (`ColwiseParallel` q/k/v/gate/up, `RowwiseParallel` o/down, `lm_head` column-parallel with a
   replicated output; embeddings and norms stay replicated), then FSDP2 (`fully_shard` on each
   `_no_split_modules` block and on the root, `MixedPrecisionPolicy(param_dtype, reduce_dtype)`),
@@ -34,6 +35,8 @@ import torch
 from psyche.modeling.parallel import TP_MODEL_TYPES, ParallelDims, ParallelismError
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
 
@@ -62,6 +65,22 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     if is_sharded(tensor):
         return tensor.full_tensor()
     return tensor
+
+
+def settle_gradients(params: Iterable[torch.Tensor]) -> None:
+    """Give each sharded parameter's gradient the parameter's own layout. torchtitan's TP plan
+    (in its DTensor form) leaves the gradients of its row-parallel weights and of the weights
+    it replicates (norms, the MoE router, MLA's low-rank projections) as `Partial` sums: on
+    each rank a full-size tensor not yet added over the TP ranks. DisTrO, the DP mean and
+    clipping read each rank's local slice, which must be the parameter's: a reduce-scatter (to
+    a shard) or an all-reduce (to a replica) per such gradient, in `params`' order on every
+    rank. Nothing moves where the layouts agree (HF TP, FSDP2, one rank)."""
+    for p in params:
+        grad = p.grad
+        if grad is None or not is_sharded(p) or not is_sharded(grad):
+            continue
+        if tuple(grad.placements) != tuple(p.placements):
+            p.grad = grad.redistribute(p.device_mesh, p.placements)
 
 
 def shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -209,10 +228,10 @@ def parallelize(model: CausalLM, dims: ParallelDims, options: ShardingOptions) -
     as a new `CausalLM` over the same module. Every rank must call it."""
     from psyche.modeling.causal_lm import CausalLM
 
-    if model.architecture == "Torchtitan" and dims.tp > 1:
+    if model.architecture == "Torchtitan" and dims.tp > 1 and dims.fsdp:
         raise ParallelismError(
-            "Torchtitan models have no tensor-parallel layout here yet (torchtitan's TP plans "
-            "are not built): use --data-parallelism (with or without --fsdp)"
+            "Torchtitan models take tensor parallelism or FSDP here, not both yet: drop "
+            "--fsdp (replicated --data-parallelism works with --tensor-parallelism)"
         )
     dims.check_model(model.config)
     module = model.model
@@ -231,7 +250,11 @@ def parallelize(model: CausalLM, dims: ParallelDims, options: ShardingOptions) -
         dims.require_world()
         mesh = dims.mesh
         assert mesh is not None
-        if dims.tp > 1:
+        if dims.tp > 1 and model.architecture == "Torchtitan":
+            from psyche.modeling import torchtitan
+
+            torchtitan.parallelize_tp(module, dims)
+        elif dims.tp > 1:
             _apply_tp(module, mesh["tp"])
         if dims.fsdp:
             _apply_fsdp(module, mesh[dims.dp_mesh_name], options)
@@ -284,9 +307,43 @@ def _apply_fsdp(module: Any, dp_mesh: Any, options: ShardingOptions) -> None:
     policy = MixedPrecisionPolicy(
         param_dtype=options.param_dtype, reduce_dtype=options.reduce_dtype
     )
-    for block in _blocks(module):
+    for block in [*_blocks(module), module]:
         fully_shard(block, mesh=dp_mesh, mp_policy=policy)
-    fully_shard(module, mesh=dp_mesh, mp_policy=policy)
+        block.set_custom_reduce_scatter(_ordered_reduce_scatter())
+
+
+def _ordered_reduce_scatter() -> Any:
+    """FSDP2's gradient reduce-scatter with the sums added in rank order (`parallel.
+    ordered_reduce_scatter`), as replicated DP's mean is: so FSDP over any power-of-two number
+    of ranks, each training one of the one-rank client's micro-batches, gives the one-rank
+    gradients bit for bit (gloo's own reduce-scatter adds in another order, which differed from
+    one rank in the last bits at 4 ranks). FSDP asks for a sum or, with fp32 or bf16
+    gradients, a mean (the sum divided by the ranks: exact for a power of two)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+    from psyche.modeling.parallel import ordered_reduce_scatter
+
+    class OrderedReduceScatter(ReduceScatter):
+        def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(
+            self,
+            output_tensor: torch.Tensor,
+            input_tensor: torch.Tensor,
+            group: Any,
+            op: Any,
+            async_op: bool = False,
+        ) -> None:
+            ranks = dist.get_world_size(group)
+            ordered_reduce_scatter(output_tensor, input_tensor, group, ranks)
+            if op == dist.ReduceOp.AVG:
+                output_tensor.div_(ranks)
+            elif op != dist.ReduceOp.SUM:
+                raise ParallelismError(f"FSDP asked for a reduce-scatter by {op}: not built")
+
+    return OrderedReduceScatter()
 
 
 def _blocks(module: Any) -> list[Any]:
@@ -313,5 +370,6 @@ __all__ = [
     "is_sharded",
     "local_tensor",
     "parallelize",
+    "settle_gradients",
     "shard_like",
 ]

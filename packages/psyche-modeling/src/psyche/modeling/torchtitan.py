@@ -18,8 +18,10 @@ router):
 
 The attention is torch's scaled-dot-product attention with a causal mask (torchtitan's
 language-model backends are flex and varlen, which need a compiler or CUDA; SDPA is its inner
-attention for whole sequences). Not built: torchtitan's other models (qwen3, gpt-oss, ...), its
-parallelize functions (TP/FSDP; replicated data parallelism works as for any model), RoPE
+attention for whole sequences). Tensor parallelism is torchtitan's own plan (`parallelize_tp`); FSDP2
+shards torchtitan's blocks as its `apply_fsdp` does (`psyche.modeling.sharding`); replicated
+data parallelism works as for any model. Not built: torchtitan's other models (qwen3, gpt-oss,
+...), TP and FSDP together, sequence, context and expert parallelism, RoPE
 scaling (so no YaRN mscale), torch.compile, multi-token prediction; deepseek_v3's checkpoint
 conversion goes through torchtitan's adapter but is untested here. torchtitan is an optional
 dependency (`psyche-modeling[torchtitan]`); without it this module says how to install it.
@@ -29,11 +31,15 @@ from __future__ import annotations
 
 from functools import partial
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
+
+if TYPE_CHECKING:
+    from psyche.modeling.parallel import ParallelDims
 
 LLAMA3_MODEL_TYPES = ("llama", "qwen2", "seed_oss")
 """Hugging Face model types upstream maps to torchtitan's llama3."""
@@ -41,9 +47,9 @@ DEEPSEEK_V3_MODEL_TYPES = ("deepseek_v3",)
 """... and to torchtitan's deepseek_v3 (MLA attention, MoE)."""
 
 INSTALL = (
-    "the Torchtitan architecture needs the torchtitan package: ./scripts/setup.sh --extra "
-    "torchtitan (psyche-modeling[torchtitan]; on a CPU-only torch build, also `uv pip install "
-    "triton`, which torchtitan imports)"
+    "the Torchtitan architecture needs the torchtitan package and triton, which torchtitan "
+    "imports: psyche-modeling[torchtitan] (./scripts/setup.sh installs it; triton has wheels "
+    "for Linux only)"
 )
 
 
@@ -70,14 +76,25 @@ def _rope_theta(config: Any) -> float:
 
 
 def model_config(config: Any) -> Any:
-    """torchtitan's model config for a Hugging Face config: llama3 or deepseek_v3."""
+    """torchtitan's model config for a Hugging Face config: llama3 or deepseek_v3, with
+    torchtitan's tensor-parallel layout declared on every part (its `set_*_sharding_config`,
+    without sequence or expert parallelism), as torchtitan declares it whatever the degrees:
+    it only acts when `parallelize_tp` lays the model over a mesh."""
     why = available()
     if why is not None:
         raise TorchtitanError(why)
     if config.model_type in LLAMA3_MODEL_TYPES:
-        return llama3_config(config)
+        from torchtitan.models.llama3.sharding import set_llama3_sharding_config
+
+        titan = llama3_config(config)
+        set_llama3_sharding_config(titan, enable_sp=False)
+        return titan
     if config.model_type in DEEPSEEK_V3_MODEL_TYPES:
-        return deepseek_v3_config(config)
+        from torchtitan.models.deepseek_v3.sharding import set_deepseek_v3_sharding_config
+
+        titan = deepseek_v3_config(config)
+        set_deepseek_v3_sharding_config(titan, enable_sp=False, enable_ep=False)
+        return titan
     raise TorchtitanError(
         f"Torchtitan is built for {', '.join(LLAMA3_MODEL_TYPES + DEEPSEEK_V3_MODEL_TYPES)} "
         f"configs (torchtitan's llama3 and deepseek_v3), not {config.model_type!r}"
@@ -225,6 +242,8 @@ def _lm_class(base: type[nn.Module]) -> type[nn.Module]:
         **_: Any,
     ) -> SimpleNamespace:
         logits = base.forward(self, input_ids, positions=position_ids)
+        if isinstance(logits, DTensor):  # tensor-parallel: sharded over the vocabulary
+            logits = logits.full_tensor()
         loss = None
         if labels is not None:
             # upstream's TorchtitanAuto: cross entropy of the shifted fp32 logits, mean over
@@ -262,6 +281,43 @@ def build(config: Any, device: torch.device, dtype: torch.dtype, seed: int) -> n
     return built
 
 
+def parallelize_tp(model: nn.Module, dims: ParallelDims) -> None:
+    """Lay `model` (built by `build`, whole and identical on every rank) over `dims`' tensor-
+    parallel ranks with torchtitan's own plan (`Module.parallelize`, what its
+    `parallelize_llama` / `parallelize_deepseekv3` run for TP), in its DTensor form
+    (`spmd_backend="partial_dtensor"`: parameters become DTensors on the `tp` mesh, which
+    DisTrO, clipping and checkpoints already handle). llama3: q/k/v, w1/w3 column-parallel,
+    wo/w2 row-parallel, the embedding and lm_head sharded over the vocabulary, norms
+    replicated. deepseek_v3: wq (or wq_b) and wkv_b column-parallel, wo row-parallel, the
+    low-rank wkv_a/wq_a and their norms replicated, dense and shared-expert FFNs as llama3's,
+    routed experts sharded on their hidden dimension, the router replicated. The logits leave
+    lm_head sharded over the vocabulary; `forward` gathers them.
+
+    torchtitan builds its own meshes over the same ranks (rank = dp_rank * tp + tp_rank, as
+    `ParallelDims`); it takes their device type from the machine (CUDA when present), so it is
+    told the ranks' device here. Every rank of the client must call it (a collective)."""
+    from torchtitan.distributed import parallel_dims as titan_dims
+
+    layout = titan_dims.ParallelDims(
+        dp_replicate=dims.dp,
+        dp_shard=1,
+        cp=1,
+        tp=dims.tp,
+        pp=1,
+        ep=1,
+        world_size=dims.world_size,
+        spmd_backend="partial_dtensor",
+    )
+    machine = titan_dims.device_type
+    titan_dims.device_type = dims.device.type
+    try:
+        layout.build_mesh()
+    finally:
+        titan_dims.device_type = machine
+    parallelize: Any = getattr(model, "parallelize")  # noqa: B009 (torchtitan's Module)
+    parallelize(layout)
+
+
 def _adapter(model: nn.Module) -> Any:
     hf_config: Any = getattr(model, "hf_config")  # noqa: B009 (set by `build`)
     if hf_config.model_type in DEEPSEEK_V3_MODEL_TYPES:
@@ -290,5 +346,6 @@ __all__ = [
     "available",
     "build",
     "from_hf",
+    "parallelize_tp",
     "to_hf",
 ]

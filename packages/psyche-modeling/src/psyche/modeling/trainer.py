@@ -43,7 +43,7 @@ from psyche.modeling.serialized_distro import (
     payload_size_bound,
     transmittable_distro_result,
 )
-from psyche.modeling.sharding import full_tensor, local_tensor
+from psyche.modeling.sharding import full_tensor, local_tensor, settle_gradients
 
 log = logging.getLogger(__name__)
 
@@ -303,6 +303,7 @@ class Trainer:
             self._apply_fp32(params)
         loss_value = float(loss_sum.item()) if loss_sum is not None else 0.0
         if not cancelled:
+            settle_gradients(p for _, p in params)
             self.parallel.reduce_gradients(p.grad for _, p in params if p.grad is not None)
             loss_value = self.parallel.reduce_loss(loss_value)
         return loss_value, cancelled

@@ -108,10 +108,10 @@ def diloco_layouts(
             case DilocoTransmission.Int8:
                 out.append(DilocoLayout(name, shape, transmission, group=chunk * chunk))
             case DilocoTransmission.Sparse:
-                if not 1 <= len(shape) <= 2:
+                if not shape:
                     raise ValueError(
-                        f"parameter {name!r} of shape {list(shape)}: the sparse form takes 1-D "
-                        "and 2-D parameters"
+                        f"parameter {name!r} is a scalar: the sparse form takes parameters of "
+                        "one dimension or more"
                     )
                 (sparse,) = result_layouts([(name, shape, torch.float32)], chunk, topk)
                 out.append(
@@ -161,15 +161,18 @@ def _bf16_from_bytes(raw: torch.Tensor) -> torch.Tensor:
 
 
 def _encode_dct(x: torch.Tensor, layout: DilocoLayout) -> torch.Tensor:
-    """DisTrO's block transform of `x` (float32), shaped `layout.sparse.xshape`."""
+    """DisTrO's block transform of `x` (float32), shaped `layout.sparse.xshape`. A parameter of
+    three dimensions or more (a MoE layer's grouped experts, `[experts, out, in]`) is blocked as
+    DisTrO blocks it: its last two dimensions, the leading ones a batch of matrices, which is
+    the 2-D transform of the parameter seen as `[experts * out, in]` (the same arithmetic)."""
     assert layout.sparse is not None
     xshape = layout.sparse.xshape
-    if len(layout.shape) == 2:
-        rows, cols, n1, n2 = xshape
+    if len(layout.shape) >= 2:
+        *lead, rows, cols, n1, n2 = xshape
         f1 = dct_basis(n1).to(x.device)
         f2 = dct_basis(n2).to(x.device)
-        blocks = x.reshape(rows, n1, cols, n2)
-        return torch.einsum("ijkl,jb,ld->ikbd", blocks, f1, f2)
+        blocks = x.reshape(math.prod(lead) * rows, n1, cols, n2)
+        return torch.einsum("ijkl,jb,ld->ikbd", blocks, f1, f2).reshape(xshape)
     count, n1 = xshape
     return x.reshape(count, n1) @ dct_basis(n1).to(x.device)
 
@@ -387,11 +390,11 @@ def accumulate(
             if scale != 1.0:
                 values = values * scale
             indices = _sparse_indices(result, layout, device)
-            if len(layout.shape) == 2:
-                rows, cols, n1, n2 = sparse.xshape
+            if len(layout.shape) >= 2:
+                n1, n2 = sparse.xshape[-2:]
                 b1 = dct_basis(n1).to(device).t().contiguous()  # [freq, spatial]
                 b2 = dct_basis(n2).to(device).t().contiguous()
-                view = acc.view(rows * cols, n1, n2)
+                view = acc.view(-1, n1, n2)
                 for slot in range(sparse.topk):
                     i = indices[:, slot]
                     outer = b1[i // n2].unsqueeze(2) * b2[i % n2].unsqueeze(1)
@@ -405,9 +408,10 @@ def accumulate(
 
 def finish(acc: torch.Tensor, layout: DilocoLayout) -> torch.Tensor:
     """An accumulator in the parameter's shape (a sparse one leaves its block layout: a
-    permutation, exact)."""
-    if layout.transmission is DilocoTransmission.Sparse and len(layout.shape) == 2:
-        return acc.permute(0, 2, 1, 3).reshape(layout.shape)
+    permutation, exact; leading dimensions of a 3-D+ parameter stay in front)."""
+    if layout.transmission is DilocoTransmission.Sparse and len(layout.shape) >= 2:
+        blocks = acc.reshape(-1, *acc.shape[-4:])  # [lead, rows, cols, n1, n2]
+        return blocks.permute(0, 1, 3, 2, 4).reshape(layout.shape)
     return acc.reshape(layout.shape)
 
 
