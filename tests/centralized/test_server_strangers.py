@@ -50,6 +50,7 @@ from psyche.network.discovery import sign_address_record
 from psyche.network.ticket import EndpointAddr, TransportAddr
 from psyche.transport import SERVER_MAX_FRAME_LENGTH, ConnectionClosed, LoginRefused
 
+from ..timing import scale_config_timers, scaled
 from .servers import addr, eventually
 
 SPAM = 300
@@ -238,8 +239,11 @@ def test_8_mib_health_checks_close_the_connection_unread_and_the_run_trains_on()
     attack = health_check_payload(SERVER_MAX_FRAME_LENGTH - 1)
     assert len(attack) + 1 <= SERVER_MAX_FRAME_LENGTH  # a frame the transport's 8 MiB cap lets in
     assert len(attack) > 100 * CLIENT_FRAME_LIMIT
-    # three join; the epoch goes on with two when the third is cut off
-    coordinator = quick_coordinator(init_min_clients=3, min_clients=2, epoch_time=60)
+    # three join; the epoch goes on with two when the third is cut off. The epoch outlasts the
+    # test (it ends by cancelling), so on a starved machine the two rounds it waits for cannot
+    # fall after a cooldown the dummy trainers would not rejoin from; their timers are scaled.
+    coordinator = quick_coordinator(init_min_clients=3, min_clients=2, epoch_time=600)
+    scale_config_timers(coordinator.config)
 
     async def main() -> None:
         async with open_server(coordinator, fast_options()) as server, trio.open_nursery() as n:
@@ -270,7 +274,7 @@ def test_8_mib_health_checks_close_the_connection_unread_and_the_run_trains_on()
                     server.coordinator.progress.step >= step + 2
                     and honest_ids <= {c.id for c in server.coordinator.epoch_state.clients}
                 ),
-                60,
+                scaled(60),
             )
             # a member's message longer than its kind can be closes its connection too
             witness_sized = b"\x01" + bytes(CLIENT_MESSAGE_LIMITS[1])
