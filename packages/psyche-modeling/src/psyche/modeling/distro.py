@@ -240,8 +240,11 @@ class Distro:
         cls,
         variables: nn.Module | Iterable[tuple[str, torch.Tensor]],
         definition: definitions.Distro,
+        sparse: bool = False,
     ) -> Distro:
-        """Build from `psyche.core.definitions.Distro` (its f32 fields are already f32 values)."""
+        """Build from `psyche.core.definitions.Distro` (its f32 fields are already f32 values);
+        `sparse` is the run's route (`OptimizerDefinition.DistroSparse`), never a client's own
+        choice: upstream's dense route unless the run names the sparse one."""
         d = definition
         return cls(
             variables,
@@ -249,6 +252,7 @@ class Distro:
             compression_chunk=int(d.compression_chunk),
             compression_topk=int(d.compression_topk),
             weight_decay=float(d.weight_decay or 0.0),
+            sparse=sparse,
         )
 
     # ----------------------------------------------------------------------------------------
