@@ -86,6 +86,8 @@ def compress(x: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor, li
     last two flattened for encoded 2-D parameters. The top-k is unsorted, as upstream's.
     """
     xshape = list(x.shape)
+    if len(xshape) > 2 and not x.is_contiguous() and x.transpose(-3, -2).is_contiguous():
+        return _compress_block_rows(x, topk)
     if len(xshape) > 2:
         # `reshape`, not `view`: the encoded tensor is contiguous on the CPU but a permuted view
         # of the einsum's output on CUDA (the values, and so the top-k, are the same either way)
@@ -94,6 +96,31 @@ def compress(x: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor, li
     k = clamp_topk(totalk, topk)
     idx = x.abs().topk(k, dim=-1, largest=True, sorted=False).indices
     val = x.gather(-1, idx)
+    return compress_idx(totalk, idx), val, xshape, totalk
+
+
+def _compress_block_rows(
+    x: torch.Tensor, topk: int
+) -> tuple[torch.Tensor, torch.Tensor, list[int], int]:
+    """`compress` of encoded blocks `[..., I, J, n1, n2]` stored as block rows `[..., I, n1, J,
+    n2]` (`TransformDCT.encode_separable(contiguous=False)`): the magnitudes are written in
+    block order as they are taken (one pass instead of a transposing copy and then `abs`), and
+    the kept values are read from the block rows where they lie. The same top-k input and the
+    same values as `compress` of the contiguous copy, so the same bits."""
+    xshape = list(x.shape)
+    n1, n2 = xshape[-2], xshape[-1]
+    totalk = n1 * n2
+    k = clamp_topk(totalk, topk)
+    magnitudes = torch.empty(xshape, dtype=x.dtype, device=x.device)
+    torch.abs(x, out=magnitudes)
+    idx = magnitudes.view(*xshape[:-2], totalk).topk(k, dim=-1, largest=True, sorted=False).indices
+    rows = x.transpose(-3, -2)  # contiguous [R, n1, J, n2] once leading dims are flattened
+    blocks_j = xshape[-3]
+    flat = idx.view(-1, blocks_j, k)
+    r = torch.arange(flat.shape[0], device=x.device).view(-1, 1, 1)
+    j = torch.arange(blocks_j, device=x.device).view(1, -1, 1)
+    offset = ((r * n1 + flat.div(n2, rounding_mode="floor")) * blocks_j + j) * n2 + flat % n2
+    val = rows.reshape(-1).take(offset).view(idx.shape)
     return compress_idx(totalk, idx), val, xshape, totalk
 
 

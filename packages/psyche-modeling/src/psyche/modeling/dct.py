@@ -218,11 +218,13 @@ class TransformDCT:
         f1 = self._basis(self._f, n1, x)
         return _einsum("...ij, jb -> ...ib", [x.view(-1, n1), f1])
 
-    def encode_separable(self, x: torch.Tensor) -> torch.Tensor:
+    def encode_separable(self, x: torch.Tensor, contiguous: bool = True) -> torch.Tensor:
         """`encode` (any leading dims, a stack too) as two plain matrix products, the columns'
         first: one transposing copy instead of libtorch einsum's two, about half the time on a
         CPU. The same values up to float rounding, not upstream's bits (another contraction
-        order): the sparse route's encode, whose payload only this node computes."""
+        order): the sparse route's encode, whose payload only this node computes. Without
+        `contiguous`, a 2-D+ result is a view of the block rows (`[..., I, n1, J, n2]` in
+        memory), which `compression.compress` reads without the copy."""
         shape = list(x.shape)
         if len(shape) < 2:
             return self.encode(x)
@@ -233,7 +235,8 @@ class TransformDCT:
         rows, cols = shape[-2] // n1, shape[-1] // n2
         columns = x.reshape(-1, n2) @ f2  # [..., I, n1, J, n2]: each block row's DCT
         both = torch.matmul(f1.t(), columns.view(-1, n1, cols * n2))  # [..., I, n1, J * n2]
-        return both.view(*shape[:-2], rows, n1, cols, n2).transpose(-3, -2).contiguous()
+        blocks = both.view(*shape[:-2], rows, n1, cols, n2).transpose(-3, -2)
+        return blocks.contiguous() if contiguous else blocks
 
     def decode(self, x: torch.Tensor) -> torch.Tensor:
         """Inverse of `encode` (given the encoded layout)."""

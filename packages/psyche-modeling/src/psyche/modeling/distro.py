@@ -13,7 +13,10 @@ stands in for this node's own still-unapplied contribution; `generate` undoes it
 
 Every in-place op below is written in the same form as upstream (`add_(g * lr)` rather than
 `add_(g, alpha=lr)`, for instance): the two forms round differently in bf16, and all clients
-must end with the same bits.
+must end with the same bits. The sparse route (a run setting, `OptimizerDefinition.
+DistroSparse`) takes the one-pass forms for what only this node's own state depends on (the
+lookahead and its undo, the momentum's update): its applied update is defined by the exact
+synthesis, not by upstream's op order.
 """
 
 from __future__ import annotations
@@ -271,9 +274,14 @@ class Distro:
 
     @torch.no_grad()
     def error_correction(self, prev_lr: float) -> None:
-        """Lookahead before the forward pass: `p -= sign(delta) * prev_lr`."""
+        """Lookahead before the forward pass: `p -= sign(delta) * prev_lr` (upstream's form; the
+        sparse route's, `p.sub_(sign, alpha=prev_lr)`, is one pass less and mirrors its undo in
+        `generate`)."""
         for (_, p), delta in zip(self.variables, self.deltas):
-            p.sub_(delta.sign().mul_(prev_lr))
+            if self.synthesis is None:
+                p.sub_(delta.sign().mul_(prev_lr))
+            else:
+                p.sub_(delta.sign(), alpha=prev_lr)
 
     @torch.no_grad()
     def generate(
@@ -302,7 +310,10 @@ class Distro:
                 else None
             )
 
-            p.add_(delta.sign().mul_(prev_lr))
+            if self.synthesis is None:
+                p.add_(delta.sign().mul_(prev_lr))
+            else:  # the sparse route: one pass less (see `error_correction`)
+                p.add_(delta.sign(), alpha=prev_lr)
 
             own_blocks = own[index] if own is not None else None
             if own_blocks is not None:
@@ -317,7 +328,10 @@ class Distro:
             if self.compression_decay != 1.0:
                 delta.mul_(self.compression_decay)
 
-            delta.add_(grad * lr)
+            if self.synthesis is None:
+                delta.add_(grad * lr)
+            else:
+                delta.add_(grad, alpha=lr)
 
             # A sharded momentum is gathered first (upstream `gather_full_tensor`): the payload
             # is computed on the full tensor, the same bits as on a one-device client.
@@ -325,7 +339,7 @@ class Distro:
             coefficients = (
                 self.transform.encode(full)
                 if self.synthesis is None
-                else self.transform.encode_separable(full)
+                else self.transform.encode_separable(full, contiguous=self.keep_encoded)
             )
             sparse_idx, sparse_val, xshape, totalk = compress(coefficients, self.compression_topk)
             if self.keep_encoded:
@@ -403,8 +417,11 @@ class Distro:
             for _, p in self.variables
         ]
         signs = torch._foreach_sign(deltas)
-        torch._foreach_mul_(signs, prev_lr)
-        torch._foreach_add_(params, signs)
+        if self.synthesis is None:
+            torch._foreach_mul_(signs, prev_lr)
+            torch._foreach_add_(params, signs)
+        else:
+            torch._foreach_add_(params, signs, alpha=prev_lr)
         del signs
         if prev_self_results and self.synthesis is not None:
             own = self._synthesize_own(prev_self_results)
@@ -416,7 +433,10 @@ class Distro:
             torch._foreach_mul_(params, 1.0 - lr * self.weight_decay)
         if self.compression_decay != 1.0:
             torch._foreach_mul_(deltas, self.compression_decay)
-        torch._foreach_add_(deltas, torch._foreach_mul(grads, lr))
+        if self.synthesis is None:
+            torch._foreach_add_(deltas, torch._foreach_mul(grads, lr))
+        else:
+            torch._foreach_add_(deltas, grads, alpha=lr)
         out: list[DistroResult | None] = [None] * len(params)
         encoded: list[torch.Tensor | None] = [None] * len(params)
         for group in self.groups:
