@@ -29,6 +29,7 @@ def test_two_clients_of_a_sparse_route_run_end_with_the_same_model(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     caplog.set_level(logging.INFO, logger="psyche")
+    # the real `Distro.apply`, counted: how many results each client applied, each time
     applies: dict[int, list[int]] = {}
     real_apply = Distro.apply
 
@@ -68,10 +69,15 @@ def test_two_clients_of_a_sparse_route_run_end_with_the_same_model(
     for trainer in trainers:
         assert trainer.distro is not None
         assert trainer.distro.synthesis is not None
-    # both applied results, the same number each step
+    # both applied results, as many each time
     assert len(applies) == 2, applies
-    assert sorted(applies[id(trainers[0].distro)]) == sorted(applies[id(trainers[1].distro)])
+    assert applies[id(trainers[0].distro)] == applies[id(trainers[1].distro)]
     assert any(applies[id(trainers[0].distro)])
+    # The same model. Not bit for bit: a client's own lookahead (`p - sign(delta) lr` before
+    # its forward pass, undone after it) leaves rounding noise of its own in the weights, on
+    # either route (upstream's too); the cooldown's bf16 rounding hides it but for a value at a
+    # bf16 midpoint. So: within one bf16 rounding, where a step of another sign is 2 lr (the
+    # applies alone, bit for bit: tests/modeling/test_distro_route.py).
     a, b = (dict(t.model.variables()) for t in trainers)
-    for name in a:  # the cooldown rounds both through bf16 (upstream `truncate_bf16`)
-        assert torch.equal(a[name].to(torch.bfloat16), b[name].to(torch.bfloat16)), name
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=2.0**-7, atol=1e-6, msg=name)
