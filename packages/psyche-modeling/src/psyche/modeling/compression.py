@@ -79,15 +79,19 @@ def clamp_topk(last_dim: int, topk: int) -> int:
     return topk
 
 
-def compress(x: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor, list[int], int]:
+def compress(
+    x: torch.Tensor, topk: int, magnitudes: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, list[int], int]:
     """Keep the `topk` largest-magnitude coefficients of each block.
 
     Returns `(idx bytes, signed values, xshape, totalk)`; blocks are the last dimension, or the
     last two flattened for encoded 2-D parameters. The top-k is unsorted, as upstream's.
+    `magnitudes` (the blocks' shape, contiguous), used for blocks stored as block rows only,
+    receives `|x|` in place of a fresh tensor.
     """
     xshape = list(x.shape)
     if len(xshape) > 2 and not x.is_contiguous() and x.transpose(-3, -2).is_contiguous():
-        return _compress_block_rows(x, topk)
+        return _compress_block_rows(x, topk, magnitudes)
     if len(xshape) > 2:
         # `reshape`, not `view`: the encoded tensor is contiguous on the CPU but a permuted view
         # of the einsum's output on CUDA (the values, and so the top-k, are the same either way)
@@ -100,7 +104,7 @@ def compress(x: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor, li
 
 
 def _compress_block_rows(
-    x: torch.Tensor, topk: int
+    x: torch.Tensor, topk: int, magnitudes: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, list[int], int]:
     """`compress` of encoded blocks `[..., I, J, n1, n2]` stored as block rows `[..., I, n1, J,
     n2]` (`TransformDCT.encode_separable(contiguous=False)`): the magnitudes are written in
@@ -111,7 +115,8 @@ def _compress_block_rows(
     n1, n2 = xshape[-2], xshape[-1]
     totalk = n1 * n2
     k = clamp_topk(totalk, topk)
-    magnitudes = torch.empty(xshape, dtype=x.dtype, device=x.device)
+    if magnitudes is None:
+        magnitudes = torch.empty(xshape, dtype=x.dtype, device=x.device)
     torch.abs(x, out=magnitudes)
     idx = magnitudes.view(*xshape[:-2], totalk).topk(k, dim=-1, largest=True, sorted=False).indices
     rows = x.transpose(-3, -2)  # contiguous [R, n1, J, n2] once leading dims are flattened

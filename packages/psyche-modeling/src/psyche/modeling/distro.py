@@ -40,6 +40,7 @@ from psyche.modeling.compression import (
 )
 from psyche.modeling.dct import (
     SYNTHESIS_CHUNK,
+    Scratch,
     SignSynthesis,
     SparseSynthesis,
     TransformDCT,
@@ -237,6 +238,7 @@ class Distro:
         """The sparse route (`SPARSE_ROUTE`): `apply` of 1-bit results takes the exact integer
         synthesis's signs, `generate` decodes its own results from their kept coefficients."""
         self.sparse_groups = _same_shape_groups(self.variables, self.transform) if sparse else None
+        self._scratch = Scratch()
 
     @classmethod
     def from_definition(
@@ -336,12 +338,23 @@ class Distro:
             # A sharded momentum is gathered first (upstream `gather_full_tensor`): the payload
             # is computed on the full tensor, the same bits as on a one-device client.
             full = full_tensor(delta)
-            coefficients = (
-                self.transform.encode(full)
-                if self.synthesis is None
-                else self.transform.encode_separable(full, contiguous=self.keep_encoded)
+            magnitudes = None
+            if self.synthesis is None:
+                coefficients = self.transform.encode(full)
+            else:
+                # on a CPU, the encode's large transients reuse buffers (`Scratch`), except what
+                # a witness keeps (`keep_encoded`)
+                scratch = (
+                    self._scratch if full.device.type == "cpu" and not self.keep_encoded else None
+                )
+                coefficients = self.transform.encode_separable(
+                    full, contiguous=self.keep_encoded, scratch=scratch
+                )
+                if scratch is not None:
+                    magnitudes = scratch.get("magnitudes", coefficients.shape, coefficients)
+            sparse_idx, sparse_val, xshape, totalk = compress(
+                coefficients, self.compression_topk, magnitudes
             )
-            sparse_idx, sparse_val, xshape, totalk = compress(coefficients, self.compression_topk)
             if self.keep_encoded:
                 encoded.append(coefficients)
             result_stats = None
