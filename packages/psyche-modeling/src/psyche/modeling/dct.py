@@ -359,8 +359,9 @@ class Scratch:
 # encodes with `TransformDCT.encode_separable` (another contraction order, the same values up to
 # rounding). Upstream's route is itself not the same across devices (cuBLAS and MKL pick their
 # summation order, and its basis comes from the device's FFT). A run takes this route on every
-# client or on none; a run that must match upstream's bits keeps upstream's dense route (the
-# default, `psyche.modeling.distro.SPARSE_ROUTE`).
+# client or on none: a run names it with its optimizer (`OptimizerDefinition.DistroSparse`, a
+# run setting, docs/coordinator.md); a run that must match upstream's bits keeps upstream's
+# dense route (`Distro`, the default).
 
 SYNTHESIS_BITS = 12
 """The integer basis: the inverse-DCT basis times 2^12 (its k = 0 row 2^12 exactly)."""

@@ -67,7 +67,8 @@ MAX_STACK_NUMEL = 1 << 27
 # Whether `Distro` decodes from the kept coefficients (`psyche.modeling.dct.SparseSynthesis`)
 # when its caller does not say. Off: upstream's dense route, upstream's bits. A run takes the
 # sparse route on every client or on none (its update's signs differ from upstream's in a few
-# coordinates in 10^4).
+# coordinates in 10^4): clients take the run's route (`OptimizerDefinition.DistroSparse`,
+# through `Distro.from_definition`), never this default.
 SPARSE_ROUTE = False
 
 
