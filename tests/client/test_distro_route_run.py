@@ -1,12 +1,14 @@
-"""Whole clients of a run that names the sparse DisTrO apply route (`[model.LLM.optimizer.
-DistroSparse]`): each builds its optimizer from the run's state (none is told the route
-otherwise), takes the route, and the two end the run with the same model."""
+"""Whole clients of a run on either DisTrO apply route (upstream's `Distro`, or the sparse
+route a run names with `[model.LLM.optimizer.DistroSparse]`): each builds its optimizer from
+the run's state (none is told the route otherwise), takes the route, and the two end the run
+with the same model, bit for bit."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
 from collections.abc import Sequence
+from hashlib import sha256
 from pathlib import Path
 
 import pytest
@@ -25,17 +27,30 @@ from ..timing import scaled
 from .test_in_process_run import coordinator, run_client_until_finished, write_run
 
 
-def test_two_clients_of_a_sparse_route_run_end_with_the_same_model(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+def weights_digest(distro: Distro) -> str:
+    """A short hash of the parameters' bytes, in their own dtype (no rounding)."""
+    h = sha256()
+    for _, p in distro.variables:
+        h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:12]
+
+
+@pytest.mark.parametrize("sparse_route", [False, True], ids=["upstream", "sparse"])
+def test_two_clients_of_a_distro_run_end_with_the_same_model(
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    sparse_route: bool,
 ) -> None:
     caplog.set_level(logging.INFO, logger="psyche")
-    # the real `Distro.apply`, counted: how many results each client applied, each time
-    applies: dict[int, list[int]] = {}
+    # the real `Distro.apply`, counted: how many results each client applied each time, and
+    # the weights it ended with (a failure names the first apply after which they differ)
+    applies: dict[int, list[tuple[int, str]]] = {}
     real_apply = Distro.apply
 
     def counted_apply(self: Distro, results: Sequence[Sequence[DistroResult]], lr: float) -> None:
-        applies.setdefault(id(self), []).append(len(results))
         real_apply(self, results, lr)
+        applies.setdefault(id(self), []).append((len(results), weights_digest(self)))
 
     monkeypatch.setattr(Distro, "apply", counted_apply)
     preload_modeling()
@@ -45,8 +60,9 @@ def test_two_clients_of_a_sparse_route_run_end_with_the_same_model(
     settings, sparse = llm.optimizer.distro() or (None, True)
     assert settings is not None
     assert not sparse  # the harness's run is on upstream's route
-    route = OptimizerDefinition.DistroSparse(settings)
-    state.model = Model.LLM(dataclasses.replace(llm, optimizer=route))
+    if sparse_route:
+        route = OptimizerDefinition.DistroSparse(settings)
+        state.model = Model.LLM(dataclasses.replace(llm, optimizer=route))
     state.config.total_steps = 6
     server = InProcessServer(state)
     clients: dict[int, Client] = {}
@@ -68,16 +84,20 @@ def test_two_clients_of_a_sparse_route_run_end_with_the_same_model(
     trainers = [clients[n].machine.trainer for n in (1, 2)]  # type: ignore[union-attr]
     for trainer in trainers:
         assert trainer.distro is not None
-        assert trainer.distro.synthesis is not None
-    # both applied results, as many each time
+        assert (trainer.distro.synthesis is not None) is sparse_route
+    # both applied results, as many each time, and held the same weights after each apply
     assert len(applies) == 2, applies
-    assert applies[id(trainers[0].distro)] == applies[id(trainers[1].distro)]
-    assert any(applies[id(trainers[0].distro)])
-    # The same model. Not bit for bit: a client's own lookahead (`p - sign(delta) lr` before
-    # its forward pass, undone after it) leaves rounding noise of its own in the weights, on
-    # either route (upstream's too); the cooldown's bf16 rounding hides it but for a value at a
-    # bf16 midpoint. So: within one bf16 rounding, where a step of another sign is 2 lr (the
-    # applies alone, bit for bit: tests/modeling/test_distro_route.py).
+    first, second = (applies[id(t.distro)] for t in trainers)
+    assert first == second
+    assert any(count for count, _ in first)
+    # The same model, bit for bit, in the weights' own dtype: `Trainer.train_exact` restores
+    # the weights a client's lookahead moved from a copy, and `decay_weights` decays them once
+    # per step on every client, so nothing of a client's own training stays in its weights.
     a, b = (dict(t.model.variables()) for t in trainers)
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], rtol=2.0**-7, atol=1e-6, msg=name)
+    assert a.keys() == b.keys()
+    differing = {
+        name: float((a[name].float() - b[name].float()).abs().max())
+        for name in a
+        if not torch.equal(a[name], b[name])
+    }
+    assert not differing, differing
