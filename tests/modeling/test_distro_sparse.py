@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 
+from psyche.modeling.compression import compress
 from psyche.modeling.dct import SparseSynthesis, TransformDCT, _integer_basis_rows
 from psyche.modeling.distro import Distro, DistroResult, quantize_results
 
@@ -209,3 +210,19 @@ def test_the_apply_on_cuda_gives_the_cpus_bits(dtype: torch.dtype) -> None:
         gpu = _apply_once(dtype, on_cuda, sparse=True, batched=batched, device="cuda")
         for x, y in zip(cpu, gpu):
             assert_same_bits(x, y, f"cuda, batched {batched}")
+
+
+@pytest.mark.parametrize("shape", [(128, 256), (3, 128, 192), (256, 64), (64, 64)])
+def test_the_top_k_read_from_the_block_rows_is_the_contiguous_copys(shape: tuple[int, ...]) -> None:
+    """The sparse route's encode leaves its blocks in block-row order and `compress` reads them
+    there (no transposing copy): the same indices and values, bit for bit."""
+    transform = TransformDCT([(shape, torch.float32, "cpu")], 64)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(3))
+    rows = transform.encode_separable(x, contiguous=False)
+    copied = transform.encode_separable(x)
+    assert torch.equal(rows, copied)
+    idx, val, xshape, totalk = compress(rows, 8)
+    ref_idx, ref_val, ref_xshape, ref_totalk = compress(copied, 8)
+    assert torch.equal(idx, ref_idx)
+    assert torch.equal(val, ref_val)
+    assert (xshape, totalk) == (ref_xshape, ref_totalk)

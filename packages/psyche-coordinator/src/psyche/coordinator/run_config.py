@@ -40,6 +40,7 @@ from psyche.coordinator.config import (
 )
 from psyche.coordinator.coordinator import Coordinator
 from psyche.coordinator.diloco_config import diloco_problems
+from psyche.coordinator.distro_config import distro_sparse_problems
 from psyche.coordinator.model import LLM, HttpTrainingDataLocation, LLMTrainingDataLocation, Model
 from psyche.core.definitions import LearningRateSchedule, OptimizerDefinition
 from psyche.core.serde import SerdeError, from_obj, struct, to_obj
@@ -246,6 +247,8 @@ def semantic_problems(config: CoordinatorConfig, model: Model) -> list[tuple[str
             )
     if isinstance(llm.optimizer, OptimizerDefinition.DiLoCo):
         problems.extend(diloco_problems(config, llm.optimizer.value, llm.lr_schedule))
+    if isinstance(llm.optimizer, OptimizerDefinition.DistroSparse):
+        problems.extend(distro_sparse_problems(config, llm.optimizer.value))
     return problems
 
 

@@ -236,9 +236,31 @@ class DiLoCo:
     peer_clip_multiple: F32 = dataclasses.field(default=0.0, metadata={"wire": "postcard"})
 
 
+# `Distro` by another name, for the class body below, where `Distro` is the variant.
+_DistroSettings = Distro
+
+
 class OptimizerDefinition(DataEnum):
     Dummy = variant()
     AdamW = variant(AdamW)
     Distro = variant(Distro)
     # Port extension, appended so that the existing variants keep their tags.
     DiLoCo = variant(DiLoCo)
+    # Port extension (tag 4): DisTrO with the sparse apply route. The same settings and the same
+    # 28 bytes as `Distro` (only the tag differs, in postcard, borsh and the Solana account), the
+    # same payloads on the wire; every client of the run decodes 1-bit results with the exact
+    # integer synthesis from the kept coefficients (`psyche.modeling.dct.SparseSynthesis`)
+    # instead of upstream's dense inverse DCT. Its update bits differ from upstream's (a few
+    # coordinates in 10^4), which is why it is the run's setting, never a client's: a route
+    # mixed within one run would fork the clients' models. Upstream cannot decode the tag.
+    DistroSparse = variant(_DistroSettings)
+
+    def distro(self) -> tuple[_DistroSettings, bool] | None:
+        """A DisTrO optimizer's settings and whether its run takes the sparse apply route
+        (`DistroSparse`); None for any other optimizer."""
+        match self:
+            case OptimizerDefinition.Distro(value):
+                return value, False
+            case OptimizerDefinition.DistroSparse(value):
+                return value, True
+        return None

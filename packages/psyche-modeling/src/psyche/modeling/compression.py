@@ -79,13 +79,19 @@ def clamp_topk(last_dim: int, topk: int) -> int:
     return topk
 
 
-def compress(x: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor, list[int], int]:
+def compress(
+    x: torch.Tensor, topk: int, magnitudes: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, list[int], int]:
     """Keep the `topk` largest-magnitude coefficients of each block.
 
     Returns `(idx bytes, signed values, xshape, totalk)`; blocks are the last dimension, or the
     last two flattened for encoded 2-D parameters. The top-k is unsorted, as upstream's.
+    `magnitudes` (the blocks' shape, contiguous), used for blocks stored as block rows only,
+    receives `|x|` in place of a fresh tensor.
     """
     xshape = list(x.shape)
+    if len(xshape) > 2 and not x.is_contiguous() and x.transpose(-3, -2).is_contiguous():
+        return _compress_block_rows(x, topk, magnitudes)
     if len(xshape) > 2:
         # `reshape`, not `view`: the encoded tensor is contiguous on the CPU but a permuted view
         # of the einsum's output on CUDA (the values, and so the top-k, are the same either way)
@@ -94,6 +100,32 @@ def compress(x: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor, li
     k = clamp_topk(totalk, topk)
     idx = x.abs().topk(k, dim=-1, largest=True, sorted=False).indices
     val = x.gather(-1, idx)
+    return compress_idx(totalk, idx), val, xshape, totalk
+
+
+def _compress_block_rows(
+    x: torch.Tensor, topk: int, magnitudes: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, list[int], int]:
+    """`compress` of encoded blocks `[..., I, J, n1, n2]` stored as block rows `[..., I, n1, J,
+    n2]` (`TransformDCT.encode_separable(contiguous=False)`): the magnitudes are written in
+    block order as they are taken (one pass instead of a transposing copy and then `abs`), and
+    the kept values are read from the block rows where they lie. The same top-k input and the
+    same values as `compress` of the contiguous copy, so the same bits."""
+    xshape = list(x.shape)
+    n1, n2 = xshape[-2], xshape[-1]
+    totalk = n1 * n2
+    k = clamp_topk(totalk, topk)
+    if magnitudes is None:
+        magnitudes = torch.empty(xshape, dtype=x.dtype, device=x.device)
+    torch.abs(x, out=magnitudes)
+    idx = magnitudes.view(*xshape[:-2], totalk).topk(k, dim=-1, largest=True, sorted=False).indices
+    rows = x.transpose(-3, -2)  # contiguous [R, n1, J, n2] once leading dims are flattened
+    blocks_j = xshape[-3]
+    flat = idx.view(-1, blocks_j, k)
+    r = torch.arange(flat.shape[0], device=x.device).view(-1, 1, 1)
+    j = torch.arange(blocks_j, device=x.device).view(1, -1, 1)
+    offset = ((r * n1 + flat.div(n2, rounding_mode="floor")) * blocks_j + j) * n2 + flat % n2
+    val = rows.reshape(-1).take(offset).view(idx.shape)
     return compress_idx(totalk, idx), val, xshape, totalk
 
 

@@ -218,11 +218,16 @@ class TransformDCT:
         f1 = self._basis(self._f, n1, x)
         return _einsum("...ij, jb -> ...ib", [x.view(-1, n1), f1])
 
-    def encode_separable(self, x: torch.Tensor) -> torch.Tensor:
+    def encode_separable(
+        self, x: torch.Tensor, contiguous: bool = True, scratch: Scratch | None = None
+    ) -> torch.Tensor:
         """`encode` (any leading dims, a stack too) as two plain matrix products, the columns'
         first: one transposing copy instead of libtorch einsum's two, about half the time on a
         CPU. The same values up to float rounding, not upstream's bits (another contraction
-        order): the sparse route's encode, whose payload only this node computes."""
+        order): the sparse route's encode, whose payload only this node computes. Without
+        `contiguous`, a 2-D+ result is a view of the block rows (`[..., I, n1, J, n2]` in
+        memory), which `compression.compress` reads without the copy. With `scratch`, the
+        products are written into its buffers (the result is valid until their next use)."""
         shape = list(x.shape)
         if len(shape) < 2:
             return self.encode(x)
@@ -231,9 +236,16 @@ class TransformDCT:
         f1 = self._basis(self._f, n1, x)
         f2 = self._basis(self._f, n2, x)
         rows, cols = shape[-2] // n1, shape[-1] // n2
-        columns = x.reshape(-1, n2) @ f2  # [..., I, n1, J, n2]: each block row's DCT
-        both = torch.matmul(f1.t(), columns.view(-1, n1, cols * n2))  # [..., I, n1, J * n2]
-        return both.view(*shape[:-2], rows, n1, cols, n2).transpose(-3, -2).contiguous()
+        flat = x.reshape(-1, n2)
+        if scratch is None:
+            columns = flat @ f2  # [..., I, n1, J, n2]: each block row's DCT
+            both = torch.matmul(f1.t(), columns.view(-1, n1, cols * n2))  # [..., I, n1, J * n2]
+        else:
+            columns = torch.mm(flat, f2, out=scratch.get("columns", flat.shape, x))
+            per_row = columns.view(-1, n1, cols * n2)
+            both = torch.matmul(f1.t(), per_row, out=scratch.get("both", per_row.shape, x))
+        blocks = both.view(*shape[:-2], rows, n1, cols, n2).transpose(-3, -2)
+        return blocks.contiguous() if contiguous else blocks
 
     def decode(self, x: torch.Tensor) -> torch.Tensor:
         """Inverse of `encode` (given the encoded layout)."""
@@ -277,6 +289,28 @@ class TransformDCT:
             return [*shape[:-2], shape[-2] // n1, shape[-1] // n2, n1, n2], n1 * n2
         n1 = self.shape_dict[shape[0]]
         return [shape[0] // n1, n1], n1
+
+
+class Scratch:
+    """Flat buffers reused for the large transient tensors of a CPU's encode (each fresh tensor
+    of that size costs the faults and the zeroing of its pages: about half of the encode's time
+    in the 20M model). `get(slot, shape, like)` is a view of the slot's buffer, valid until the
+    next `get` of that slot; the buffer grows to the largest request (one parameter)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, slot: str, shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
+        n = math.prod(shape)
+        buffer = self._buffers.get(slot)
+        if (
+            buffer is None
+            or buffer.numel() < n
+            or buffer.dtype != like.dtype
+            or buffer.device != like.device
+        ):
+            buffer = self._buffers[slot] = torch.empty(n, dtype=like.dtype, device=like.device)
+        return buffer[:n].view(*shape)
 
 
 # --------------------------------------------------------------------------------------------
@@ -325,8 +359,9 @@ class TransformDCT:
 # encodes with `TransformDCT.encode_separable` (another contraction order, the same values up to
 # rounding). Upstream's route is itself not the same across devices (cuBLAS and MKL pick their
 # summation order, and its basis comes from the device's FFT). A run takes this route on every
-# client or on none; a run that must match upstream's bits keeps upstream's dense route (the
-# default, `psyche.modeling.distro.SPARSE_ROUTE`).
+# client or on none: a run names it with its optimizer (`OptimizerDefinition.DistroSparse`, a
+# run setting, docs/coordinator.md); a run that must match upstream's bits keeps upstream's
+# dense route (`Distro`, the default).
 
 SYNTHESIS_BITS = 12
 """The integer basis: the inverse-DCT basis times 2^12 (its k = 0 row 2^12 exactly)."""

@@ -13,7 +13,10 @@ stands in for this node's own still-unapplied contribution; `generate` undoes it
 
 Every in-place op below is written in the same form as upstream (`add_(g * lr)` rather than
 `add_(g, alpha=lr)`, for instance): the two forms round differently in bf16, and all clients
-must end with the same bits.
+must end with the same bits. The sparse route (a run setting, `OptimizerDefinition.
+DistroSparse`) takes the one-pass forms for what only this node's own state depends on (the
+lookahead and its undo, the momentum's update): its applied update is defined by the exact
+synthesis, not by upstream's op order.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from psyche.modeling.compression import (
 )
 from psyche.modeling.dct import (
     SYNTHESIS_CHUNK,
+    Scratch,
     SignSynthesis,
     SparseSynthesis,
     TransformDCT,
@@ -63,7 +67,8 @@ MAX_STACK_NUMEL = 1 << 27
 # Whether `Distro` decodes from the kept coefficients (`psyche.modeling.dct.SparseSynthesis`)
 # when its caller does not say. Off: upstream's dense route, upstream's bits. A run takes the
 # sparse route on every client or on none (its update's signs differ from upstream's in a few
-# coordinates in 10^4).
+# coordinates in 10^4): clients take the run's route (`OptimizerDefinition.DistroSparse`,
+# through `Distro.from_definition`), never this default.
 SPARSE_ROUTE = False
 
 
@@ -234,14 +239,18 @@ class Distro:
         """The sparse route (`SPARSE_ROUTE`): `apply` of 1-bit results takes the exact integer
         synthesis's signs, `generate` decodes its own results from their kept coefficients."""
         self.sparse_groups = _same_shape_groups(self.variables, self.transform) if sparse else None
+        self._scratch = Scratch()
 
     @classmethod
     def from_definition(
         cls,
         variables: nn.Module | Iterable[tuple[str, torch.Tensor]],
         definition: definitions.Distro,
+        sparse: bool = False,
     ) -> Distro:
-        """Build from `psyche.core.definitions.Distro` (its f32 fields are already f32 values)."""
+        """Build from `psyche.core.definitions.Distro` (its f32 fields are already f32 values);
+        `sparse` is the run's route (`OptimizerDefinition.DistroSparse`), never a client's own
+        choice: upstream's dense route unless the run names the sparse one."""
         d = definition
         return cls(
             variables,
@@ -249,6 +258,7 @@ class Distro:
             compression_chunk=int(d.compression_chunk),
             compression_topk=int(d.compression_topk),
             weight_decay=float(d.weight_decay or 0.0),
+            sparse=sparse,
         )
 
     # ----------------------------------------------------------------------------------------
@@ -267,9 +277,14 @@ class Distro:
 
     @torch.no_grad()
     def error_correction(self, prev_lr: float) -> None:
-        """Lookahead before the forward pass: `p -= sign(delta) * prev_lr`."""
+        """Lookahead before the forward pass: `p -= sign(delta) * prev_lr` (upstream's form; the
+        sparse route's, `p.sub_(sign, alpha=prev_lr)`, is one pass less and mirrors its undo in
+        `generate`)."""
         for (_, p), delta in zip(self.variables, self.deltas):
-            p.sub_(delta.sign().mul_(prev_lr))
+            if self.synthesis is None:
+                p.sub_(delta.sign().mul_(prev_lr))
+            else:
+                p.sub_(delta.sign(), alpha=prev_lr)
 
     @torch.no_grad()
     def generate(
@@ -298,7 +313,10 @@ class Distro:
                 else None
             )
 
-            p.add_(delta.sign().mul_(prev_lr))
+            if self.synthesis is None:
+                p.add_(delta.sign().mul_(prev_lr))
+            else:  # the sparse route: one pass less (see `error_correction`)
+                p.add_(delta.sign(), alpha=prev_lr)
 
             own_blocks = own[index] if own is not None else None
             if own_blocks is not None:
@@ -313,17 +331,31 @@ class Distro:
             if self.compression_decay != 1.0:
                 delta.mul_(self.compression_decay)
 
-            delta.add_(grad * lr)
+            if self.synthesis is None:
+                delta.add_(grad * lr)
+            else:
+                delta.add_(grad, alpha=lr)
 
             # A sharded momentum is gathered first (upstream `gather_full_tensor`): the payload
             # is computed on the full tensor, the same bits as on a one-device client.
             full = full_tensor(delta)
-            coefficients = (
-                self.transform.encode(full)
-                if self.synthesis is None
-                else self.transform.encode_separable(full)
+            magnitudes = None
+            if self.synthesis is None:
+                coefficients = self.transform.encode(full)
+            else:
+                # on a CPU, the encode's large transients reuse buffers (`Scratch`), except what
+                # a witness keeps (`keep_encoded`)
+                scratch = (
+                    self._scratch if full.device.type == "cpu" and not self.keep_encoded else None
+                )
+                coefficients = self.transform.encode_separable(
+                    full, contiguous=self.keep_encoded, scratch=scratch
+                )
+                if scratch is not None:
+                    magnitudes = scratch.get("magnitudes", coefficients.shape, coefficients)
+            sparse_idx, sparse_val, xshape, totalk = compress(
+                coefficients, self.compression_topk, magnitudes
             )
-            sparse_idx, sparse_val, xshape, totalk = compress(coefficients, self.compression_topk)
             if self.keep_encoded:
                 encoded.append(coefficients)
             result_stats = None
@@ -399,8 +431,11 @@ class Distro:
             for _, p in self.variables
         ]
         signs = torch._foreach_sign(deltas)
-        torch._foreach_mul_(signs, prev_lr)
-        torch._foreach_add_(params, signs)
+        if self.synthesis is None:
+            torch._foreach_mul_(signs, prev_lr)
+            torch._foreach_add_(params, signs)
+        else:
+            torch._foreach_add_(params, signs, alpha=prev_lr)
         del signs
         if prev_self_results and self.synthesis is not None:
             own = self._synthesize_own(prev_self_results)
@@ -412,7 +447,10 @@ class Distro:
             torch._foreach_mul_(params, 1.0 - lr * self.weight_decay)
         if self.compression_decay != 1.0:
             torch._foreach_mul_(deltas, self.compression_decay)
-        torch._foreach_add_(deltas, torch._foreach_mul(grads, lr))
+        if self.synthesis is None:
+            torch._foreach_add_(deltas, torch._foreach_mul(grads, lr))
+        else:
+            torch._foreach_add_(deltas, grads, alpha=lr)
         out: list[DistroResult | None] = [None] * len(params)
         encoded: list[torch.Tensor | None] = [None] * len(params)
         for group in self.groups:

@@ -180,8 +180,10 @@ class Trainer:
                     eps=value.eps,
                 )
                 self.clip_grad_norm = value.clip_grad_norm
-            case OptimizerDefinition.Distro(value):
-                self.distro = Distro.from_definition(self.model.variables(), value)
+            case OptimizerDefinition.Distro(value) | OptimizerDefinition.DistroSparse(value):
+                # the route is the run's (its optimizer's variant), so every client takes it
+                sparse = isinstance(optimizer, OptimizerDefinition.DistroSparse)
+                self.distro = Distro.from_definition(self.model.variables(), value, sparse=sparse)
                 self.clip_grad_norm = value.clip_grad_norm
                 self.quantize_1bit = bool(value.quantize_1bit)
             case OptimizerDefinition.DiLoCo(value):

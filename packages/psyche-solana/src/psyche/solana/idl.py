@@ -80,6 +80,7 @@ _STRUCT_VARIANTS = {
     (OptimizerDefinition, "AdamW"),
     (OptimizerDefinition, "Distro"),
     (OptimizerDefinition, "DiLoCo"),
+    (OptimizerDefinition, "DistroSparse"),
 }
 _BLOOM_NAMES = {(16, 8): "WitnessBloom"}
 
