@@ -367,19 +367,20 @@ def test_a_dropped_client_joins_again_and_reloads_the_model(
     gone = late[0].rejoined[0]
     # the health check named it, and it was dropped, not banned (--ban-epochs 0)
     assert any(me in f["unhealthy"] for f in others["health_check"]), others
-    assert "Dropped 1 clients from health check" in caplog.text
-    assert f"{me[:8]} did not deliver" not in caplog.text
+    assert "Dropped 1 clients from health check" in caplog.text, others
+    assert f"{me[:8]} did not deliver" not in caplog.text, others
     back = gone + 1
     # back in the next epoch with everyone, its model loaded from the peers: what the others
     # ended the previous epoch with
     reload = [f for f in events("loaded_model", back) if f["client_id"] == me]
-    assert len(reload) == 1, reload
-    assert reload[0]["source"] == "peers (P2P)", reload
+    assert len(reload) == 1, (reload, others)
+    assert reload[0]["source"] == "peers (P2P)", (reload, others)
     cooldown = events("cooldown_model", back - 1)
-    assert reload[0]["model_hash"] in {f["model_hash"] for f in cooldown}, (reload, cooldown)
+    shared = {f["model_hash"] for f in cooldown}
+    assert reload[0]["model_hash"] in shared, (reload, cooldown, others)
     rounds = events("round_start", back)
-    assert rounds
-    assert rounds[0]["clients"] == 3, rounds
+    assert rounds, others
+    assert rounds[0]["clients"] == 3, (rounds, others)
     trained = {f["client_id"] for f in events("client_loss", back) if f["trained"]}
     assert trained == {str(c) for c in _identities(1, 2, 3)}, (trained, others)
     # it ended that epoch with the weights of every client that ended it beside it

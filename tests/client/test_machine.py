@@ -234,6 +234,7 @@ async def run_simulated(
     epoch_time: int = 1_000,
     blind: Callable[[int, Coordinator], bool] = lambda _i, _c: False,
     hold: Callable[[int, int, Broadcast], bool] = lambda _s, _r, _b: False,
+    epochs: int = 1,
 ) -> tuple[Bus, list[Node]]:
     """`late`: that client sees each new coordinator state only after the others have trained
     and gossiped in it (their broadcasts reach it while it is still a round behind).
@@ -244,7 +245,8 @@ async def run_simulated(
     results (`MachineSettings.screen_results`). `blind(i, state)`: client `i` never sees that
     coordinator state (it was busy while the state went by). `hold(i, j, broadcast)`: that gossip
     message from client `i` reaches client `j` only once `j` has started the round two after
-    the message's (a slow or broken gossip path)."""
+    the message's (a slow or broken gossip path). `epochs`: the run goes on into that many
+    epochs (within `rounds`; between them, it waits for the next one to start)."""
     coordinator = integration_test_coordinator(clients, 2 * clients, witness_nodes)
     coordinator.config.max_round_train_time = max_round_train_time
     coordinator.config.epoch_time = epoch_time
@@ -276,7 +278,8 @@ async def run_simulated(
         last_step = sim.coordinator.progress.step + rounds
         with trio.fail_after(300):  # a hang guard only: the simulated clock waits for the work
             while (sim.coordinator.progress.step < last_step and sim.coordinator.active()) or (
-                sim.coordinator.run_state is RunState.Warmup and sim.coordinator.progress.epoch == 0
+                sim.coordinator.run_state in (RunState.WaitingForMembers, RunState.Warmup)
+                and sim.coordinator.progress.epoch < epochs
             ):
                 ordered = [n for i, n in enumerate(nodes) if i != late]
                 for group in (ordered, [nodes[late]] if late is not None else []):
@@ -543,3 +546,44 @@ def test_a_result_the_run_agreed_on_that_arrived_after_the_apply_makes_the_model
     # its plan had left the batch out (the others' later ones miss client 0's batches)
     assert untrained[0]["step"] == held_steps[0] + 2, untrained
     assert untrained[0]["expected_trainer"] == str(nodes[1].identity), untrained
+
+
+def test_a_client_takes_out_its_last_result_in_the_next_epochs_first_round(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A client that goes on into the next epoch keeps its trainer and DisTrO momentum: its
+    first training of the epoch subtracts what it sent in the previous epoch's last round, as
+    every other round subtracts the previous one's. Before, going back to warmup dropped it and
+    the epoch's first result re-sent it (its agreement about twice the rounds' around it, whose
+    median then refused an honest result: `tests/modeling/test_screening.py`)."""
+    caplog.set_level(logging.INFO, logger="psyche.client")
+    subtracted: dict[int, list[int]] = {}
+
+    def recording(i: int) -> Trainer:
+        trainer = make_trainer()
+        train_exact = trainer.train_exact
+
+        def train(step: int, batch, **kw):  # type: ignore[no-untyped-def]
+            if i == 0:
+                subtracted[step] = [id(r) for r in kw["prev_self_distro_results"] or []]
+            return train_exact(step, batch, **kw)
+
+        trainer.train_exact = train  # type: ignore[method-assign]
+        return trainer
+
+    _bus, nodes = trio.run(
+        lambda: run_simulated(2, 30, witness_nodes=0, epoch_time=20, trainer=recording, epochs=2)
+    )
+    me = str(nodes[0].identity)
+    starts = [
+        r.psyche_fields
+        for r in caplog.records
+        if r.getMessage() == "round_start" and r.psyche_fields["client_id"] == me
+    ]
+    first_of_epoch = [f["step"] for f in starts if f["round"] == 0 and f["epoch"] > 0]
+    assert first_of_epoch, starts
+    sent = nodes[0].sent_results
+    for step in first_of_epoch:
+        assert step in subtracted, (step, sorted(subtracted))
+        last = [r.original for r in sent if r.step < step][-1]
+        assert subtracted[step] == [id(last)], (step, subtracted[step])

@@ -128,6 +128,11 @@ def test_a_hostile_clients_results_are_refused_and_it_is_dropped(
     refused = [r for r in caplog.records if r.getMessage() == "payload_refused"]
     assert refused
     assert {r.psyche_fields["sender"] for r in refused} == {cheater}
+    # each line says why, and what the checks measured (an honest result refused shows itself)
+    for record in refused:
+        assert record.psyche_fields["reason"], record.psyche_fields
+        assert record.psyche_fields["checked"] is True, record.psyche_fields
+        assert isinstance(record.psyche_fields["agreement"], float), record.psyche_fields
     # health-checked out as for a missing result, two rounds after its first lie
     checks = [r for r in caplog.records if r.getMessage() == "health_check"]
     first_lie = hostile.sent_results[member.lies[0]].step

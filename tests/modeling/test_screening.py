@@ -6,6 +6,7 @@ attack starts, and refuses no honest result; the bounded aggregate bounds what g
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 
@@ -268,3 +269,56 @@ def test_a_distro_result_reads_the_same_whole_as_part_by_part(chunk: int, one_bi
             assert torch.equal(v, w)
         whole = reader.flat(results)
     assert any(r.totalk > 256 for r in results) == (chunk == 32)
+
+
+def test_a_member_back_at_a_new_epoch_passes_after_a_round_that_agreed_strongly() -> None:
+    """Three DisTrO members train 12 rounds; then a new epoch: two go on with their momenta,
+    which still hold what they sent last (as a client that crossed the epoch boundary without
+    taking its last result out left them), and the third is back with the first one's weights
+    and a fresh momentum (dropped by a health check, it reloaded the model from its peers). The
+    continuing members' first results agree with a continuing witness's direction about twice
+    as strongly as before, and the returning member's first result came too late for that
+    witness. Its honest next result agrees about half as strongly as the round before: judged
+    against that one round's median (0.7 x 35 - 6 = 18.6, its t 11.9) it was refused (the
+    in-process rejoin test's `payload_refused`, then no consensus for its batch and a health
+    check on an honest client); against the lower median of the last two rounds, every honest
+    result passes."""
+    settings = DistroSettings(compression_chunk=16, compression_topk=8, clip_grad_norm=1.0)
+    sim = PeerSimulation([model() for _ in range(3)], settings, lr=constant(3e-3))
+    sent_by_round: list[list[list]] = []  # type: ignore[type-arg]
+
+    def exchange(sent: list[list], step: int) -> list[list]:  # type: ignore[type-arg]
+        sent_by_round.append(sent)
+        return sent
+
+    sim._exchange = exchange  # type: ignore[method-assign]
+    witness_distro = sim.peers[0].distro
+    witness_distro.keep_encoded = True
+    reader = ResultReader.of(witness_distro)
+    witness = WitnessScreen(reader, DISTRO_SCREENING)
+    back_at, rounds = 12, 15
+    data = bigram_corpus(rounds * 3, SEQ, seed=1)
+    verdicts = []
+    for step in range(1, rounds + 1):
+        if step == back_at:
+            for continuing in sim.peers[:2]:
+                continuing.prev_results = None
+            fresh = PeerSimulation([copy.deepcopy(sim.models[0])], settings, lr=constant(3e-3))
+            sim.peers[2] = fresh.peers[0]
+        sim.zero_grad(step)
+        for i, m in enumerate(sim.models):
+            ids = data[(step - 1) * 3 + i : (step - 1) * 3 + i + 1]
+            m(ids, labels=ids, use_cache=False).loss.backward()
+        sim.step(step)
+        sent = sent_by_round[-1]
+        screen = witness.open_round()
+        screen.set_reference(reader.reference(witness_distro), sent[0])
+        late = {2} if step == back_at else set()
+        verdicts += [(step, i, screen.check(i, sent[i])) for i in (1, 2) if i not in late]
+        screen.close()
+    refused = [(step, i, v.problem) for step, i, v in verdicts if not v.passed]
+    assert refused == [], refused
+    # the round the members came back in did agree about twice as strongly as the one before
+    t = {(step, i): v.measure.agreement for step, i, v in verdicts}
+    assert t[(back_at, 1)] > 1.5 * t[(back_at - 1, 1)]
+    assert t[(back_at + 1, 2)] < 0.7 * t[(back_at, 1)] - 6.0

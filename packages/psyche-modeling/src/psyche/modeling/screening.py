@@ -15,10 +15,14 @@ witness first compares each decoded result with what it knows of the run:
   the direction `r` at the same positions: a result independent of the direction (random
   signs, a fixed push) has `t` about N(0, 1) whatever the model size, a sign-flipped one a `t`
   as negative as an honest one's is positive, and scaling a result does not change it. A
-  result is refused when `t` is below `min_agreement`, below `a * median - b` where the median
-  is that of the `t`s of the results that passed here in the previous round
-  (`relative_agreement`: while the run's results agree strongly, one that does not stands
-  out), or when the `t`s of the sender's last `window_rounds` results here sum to less than
+  result is refused when `t` is below `min_agreement`, below `a * level - b` where the level
+  is the lowest of the medians of the `t`s of the results that passed here in each of the last
+  `level_rounds` rounds (`relative_agreement`: while the run's results agree strongly, one that
+  does not stands out; DisTrO takes the lower of two, because one round can agree far more
+  strongly than the next: the first round of an epoch, whose continuing members' momenta
+  still hold what they sent last, agrees about twice as strongly as the rounds around it, and
+  its median alone refused the next round's honest results, a member just back with a fresh
+  momentum's first), or when the `t`s of the sender's last `window_rounds` results here sum to less than
   `min_window_z * sqrt(n)` (late in a run a DisTrO result's own `t` is too noisy to judge
   alone, a consistently opposed sender's is not);
 * **norm**: within `max_norm_ratio` of the witness's own sent update's norm either way (a
@@ -80,6 +84,9 @@ class ScreeningSettings:
 
     min_agreement: float = -6.0
     relative_agreement: tuple[float, float] | None = None
+    level_rounds: int = 1
+    """The relative test's level: the lowest median of this many last rounds (more than one
+    lags behind a run whose agreement grows, as a DiLoCo run's does over its first rounds)."""
     window_rounds: int = 16
     min_window_z: float = -6.0
     """The window test: `sum(t) / sqrt(n)` over the sender's last `n` results here."""
@@ -95,10 +102,13 @@ class ScreeningSettings:
     """Buckets of a fingerprint (a power of two)."""
 
 
-DISTRO_SCREENING = ScreeningSettings(relative_agreement=(0.7, 6.0))
+DISTRO_SCREENING = ScreeningSettings(relative_agreement=(0.7, 6.0), level_rounds=2)
 """DisTrO: an honest 1-bit result's `t` is 5 to 15 early in a run and about N(2, 1.3^2) late
 (tiny run, c16 k4; docs/reliability.md): one round alone refuses only a clearly opposed result,
-the sender's window a consistently opposed one."""
+the sender's window a consistently opposed one. The level is the lower median of the last two
+rounds: an epoch's first round agrees about twice as strongly as the next (tiny run, c16 k8:
+t 35 against 18), and a member back with a fresh momentum agrees about half as strongly as
+the others for its first rounds."""
 DILOCO_SCREENING = ScreeningSettings(relative_agreement=(0.4, 6.0))
 """DiLoCo: honest pseudo-gradients agree with `t` of 10 to 130 on the tiny run, the lowest of a
 round at least 0.43 of its median."""
@@ -399,7 +409,8 @@ class WitnessScreen:
         self._aggregate_scale = 1.0
         self._aggregate_norm = 0.0
         self._agreements: dict[Hashable, deque[float]] = {}
-        self._previous_round: list[float] = []
+        self._levels: deque[float] = deque(maxlen=settings.level_rounds)
+        """The median `t` of each of the last rounds (`level_rounds`)."""
         self._fingerprints: deque[list[Fingerprint]] = deque(maxlen=settings.history_rounds)
 
     def open_round(self) -> RoundScreen:
@@ -478,13 +489,13 @@ class WitnessScreen:
         t = measure.agreement
         if t < settings.min_agreement:
             return f"agreement t = {t:.2f} is below {settings.min_agreement:g}"
-        if settings.relative_agreement is not None and self._previous_round:
+        if settings.relative_agreement is not None and self._levels:
             a, b = settings.relative_agreement
-            level = statistics.median(self._previous_round)
+            level = min(self._levels)
             if t < a * level - b:
                 return (
-                    f"agreement t = {t:.2f} is below {a:g} x {level:.2f} (the median of this "
-                    f"witness's previous round) - {b:g}"
+                    f"agreement t = {t:.2f} is below {a:g} x {level:.2f} (the lowest median of "
+                    f"this witness's last {len(self._levels)} rounds) - {b:g}"
                 )
         if len(history) >= settings.window_min_results:
             z = sum(history) / math.sqrt(len(history))
@@ -515,7 +526,7 @@ class WitnessScreen:
             # the level of the round's results that passed (all of them if none did)
             level = screen.agreements or screen.refused_agreements
             if level:
-                self._previous_round = list(level)
+                self._levels.append(statistics.median(level))
             self._fingerprints.append(list(screen.seen))
 
 

@@ -16,7 +16,7 @@ import enum
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -322,7 +322,16 @@ async def check_payload(
     if screen_result is not None:
         verdict = await screen_result(round_state, pending.from_, value.results)
     if verdict is not None and not verdict.passed:
-        _log_refusal("payload_refused", round_state, pending, str(verdict.problem))
+        measure = verdict.measure
+        _log_refusal(
+            "payload_refused",
+            round_state,
+            pending,
+            str(verdict.problem),
+            agreement=round(measure.agreement, 3),
+            norm=round(measure.norm, 6),
+            checked=verdict.checked,
+        )
     attest = verdict is None or verdict.passed
     record_verified_payload(
         round_state, pending.from_, pending.batch_id, commitment_hash, attest=attest
@@ -349,7 +358,12 @@ def _deserialize(
     return DeserializedPayload(results_from_payload(payload), payload.trainer_nonce)
 
 
-def _log_refusal(event: str, round_state: RoundState, pending: PendingPayload, reason: str) -> None:
+def _log_refusal(
+    event: str, round_state: RoundState, pending: PendingPayload, reason: str, **measures: Any
+) -> None:
+    """One line per refused payload, whose download a member's signed announcement for its
+    own batch caused (no line costs less than a download). `measures`: what the witness checks
+    measured (`payload_refused`), to tell an honest result refused from a lie caught."""
     log_event(
         logger,
         event,
@@ -358,4 +372,5 @@ def _log_refusal(event: str, round_state: RoundState, pending: PendingPayload, r
         batch_id=pending.batch_id,
         sender=str(pending.from_),
         reason=reason,
+        **measures,
     )

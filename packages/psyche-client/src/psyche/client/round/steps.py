@@ -459,9 +459,14 @@ class StepStateMachine:
         self._early.clear()
         for round_state in (self.current, self.previous):
             round_state.reference_ready.set()  # checks still waiting end (their round is gone)
+        # the trainer and its DisTrO momentum go on into the next epoch: what this client sent
+        # last is taken out the next round it trains, as after a round sat out (before, the
+        # epoch's first result re-sent it: about twice the agreement of the rounds around it,
+        # whose median then refused an honest result, `psyche.modeling.screening`)
+        last_sent = self.current.self_distro_results
+        self.own_results_to_subtract = list(last_sent) or self.own_results_to_subtract
         self.current = RoundState()
         self.previous = RoundState()
-        self.own_results_to_subtract = []
         self.held = None
         self.applying = None
         self.last_apply = None
@@ -508,6 +513,9 @@ class StepStateMachine:
             # its witness, and with it the round, until the round's timeout).
             self.current.reference_ready.set()
         log_round_start(state, self.identity, index, plan)
+        # a round without training (an epoch's last two) keeps what is owed, as one without a
+        # batch does: before, its own results of the round before were lost
+        owed = self._own_results_for_training(plan)
         train_job = None
         if plan.have_training:
             info = plan.state.committee_info
@@ -518,7 +526,7 @@ class StepStateMachine:
                 assigned_batches=plan.assigned_batches,
                 warmup_lr_between=plan.warmup_lr_between,
                 zero_optim=plan.zero_optim,
-                prev_self_results=self._own_results_for_training(plan),
+                prev_self_results=owed,
                 identity=self.identity,
                 write_gradients_dir=self.settings.write_gradients_dir,
             )

@@ -80,7 +80,8 @@ def own_results_to_subtract(
     take out what it sent, and its next result would carry it again: an honest result that a
     verifier's comparison finds weak (t below 10 in 2 of 372 role-switching verifications,
     docs/reliability.md). A new epoch's zeroed optimizer starts from nothing; a round without
-    a batch keeps what is owed for the next round that trains."""
+    a batch (or without training: an epoch's last two) keeps what is owed for the next round
+    that trains, in the next epoch too (the trainer's momentum goes on: `StepStateMachine`)."""
     if previous_round:
         owed = list(previous_round)
     if plan.zero_optim:
