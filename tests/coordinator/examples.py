@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
 from psyche.coordinator import CoordinatorConfig
+from psyche.coordinator.run_config import ConfigFileError, parse_run_config
+
+REPO = Path(__file__).resolve().parents[2]
 
 # upstream's config/test/state.toml
 TEST_STATE = """
@@ -60,3 +69,15 @@ CONSILIENCE = CoordinatorConfig(
     verification_percent=0,
     waiting_for_members_extra_time=10,
 )
+
+
+def tiny_cpu_state(name: str = "tiny-cpu") -> dict[str, Any]:
+    """The project's `configs/<name>/state.toml` as a TOML document, to change and parse."""
+    return tomllib.loads((REPO / "configs" / name / "state.toml").read_text())
+
+
+def refusals(doc: dict[str, Any]) -> list[tuple[str, str]]:
+    """The (field, problem) lines `doc` is refused with; fails the test if it loads."""
+    with pytest.raises(ConfigFileError) as e:
+        parse_run_config(doc, "state.toml")
+    return e.value.problems

@@ -4,16 +4,14 @@ line for each setting that cannot work."""
 from __future__ import annotations
 
 import copy
-import tomllib
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from psyche.coordinator.run_config import ConfigFileError, parse_run_config
+from psyche.coordinator.run_config import parse_run_config
 from psyche.core.definitions import DilocoTransmission, OptimizerDefinition
 
-REPO = Path(__file__).resolve().parents[2]
+from .examples import refusals, tiny_cpu_state
 
 DILOCO = {
     "inner_steps": 4,
@@ -32,16 +30,10 @@ DILOCO = {
 
 
 def _doc(**changes: Any) -> dict[str, Any]:
-    doc = tomllib.loads((REPO / "configs/tiny-cpu/state.toml").read_text())
+    doc = tiny_cpu_state()
     doc["config"].update(global_batch_size_start=12, global_batch_size_end=12)
     doc["model"]["LLM"]["optimizer"] = {"DiLoCo": {**DILOCO, **changes}}
     return doc
-
-
-def _problems(doc: dict[str, Any]) -> list[tuple[str, str]]:
-    with pytest.raises(ConfigFileError) as e:
-        parse_run_config(doc, "state.toml")
-    return e.value.problems
 
 
 def test_a_diloco_run_config_loads() -> None:
@@ -69,7 +61,7 @@ def test_a_diloco_run_config_loads() -> None:
     ],
 )
 def test_bad_settings_are_named(changes: dict[str, Any], where: str, says: str) -> None:
-    problems = _problems(_doc(**changes))
+    problems = refusals(_doc(**changes))
     assert len(problems) == 1, problems
     path, message = problems[0]
     assert path == f"model.LLM.optimizer.DiLoCo.{where}"
@@ -77,7 +69,7 @@ def test_bad_settings_are_named(changes: dict[str, Any], where: str, says: str) 
 
 
 def test_every_client_needs_a_sample_per_inner_step() -> None:
-    problems = _problems(_doc(inner_steps=8))  # 8 x init_min_clients 2 = 16 > 12
+    problems = refusals(_doc(inner_steps=8))  # 8 x init_min_clients 2 = 16 > 12
     assert [p for p, _ in problems] == [
         "config.global_batch_size_start",
         "config.global_batch_size_end",
@@ -88,7 +80,7 @@ def test_every_client_needs_a_sample_per_inner_step() -> None:
 def test_the_round_must_allow_the_inner_steps() -> None:
     doc = _doc(inner_steps=300)
     doc["config"].update(global_batch_size_start=600, global_batch_size_end=600)
-    (problem,) = _problems(doc)
+    (problem,) = refusals(doc)
     assert problem[0] == "config.max_round_train_time"
     assert "leaves 0.0667 s per inner step for inner_steps = 300" in problem[1]
     assert "raise max_round_train_time to at least 30" in problem[1]
@@ -100,7 +92,7 @@ def test_dense_forms_ignore_the_sparse_settings() -> None:
         "state.toml",
     )
     assert loaded.llm.optimizer.value.transmission is DilocoTransmission.Bf16  # type: ignore[attr-defined]
-    assert _problems(copy.deepcopy(_doc(transmission="Int8", compression_chunk=0)))[0][0].endswith(
+    assert refusals(copy.deepcopy(_doc(transmission="Int8", compression_chunk=0)))[0][0].endswith(
         "compression_chunk"
     )
 
@@ -116,7 +108,7 @@ def test_the_bounded_aggregate_is_off_unless_set_and_on_in_tiny_cpu_diloco() -> 
         ).llm.optimizer.value.peer_clip_multiple
         == 2.0
     )
-    tiny = tomllib.loads((REPO / "configs/tiny-cpu-diloco/state.toml").read_text())
+    tiny = tiny_cpu_state("tiny-cpu-diloco")
     optimizer = parse_run_config(tiny, "state.toml").llm.optimizer
     assert isinstance(optimizer, OptimizerDefinition.DiLoCo)
     assert optimizer.value.peer_clip_multiple == 2.0

@@ -4,7 +4,6 @@ refused by `validate-config` with the field named."""
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -13,24 +12,19 @@ import tomli_w
 
 from psyche.centralized.run import validate_config
 from psyche.coordinator.distro_config import SPARSE_APPLY_MAX_ENTRIES
-from psyche.coordinator.run_config import ConfigFileError, parse_run_config
+from psyche.coordinator.run_config import parse_run_config
 from psyche.core.definitions import OptimizerDefinition
 
-REPO = Path(__file__).resolve().parents[2]
+from .examples import refusals, tiny_cpu_state
+
 WHERE = "model.LLM.optimizer.DistroSparse"
 
 
 def _doc(**changes: Any) -> dict[str, Any]:
-    doc = tomllib.loads((REPO / "configs/tiny-cpu/state.toml").read_text())
+    doc = tiny_cpu_state()
     optimizer = doc["model"]["LLM"]["optimizer"]
     doc["model"]["LLM"]["optimizer"] = {"DistroSparse": {**optimizer["Distro"], **changes}}
     return doc
-
-
-def _problems(doc: dict[str, Any]) -> list[tuple[str, str]]:
-    with pytest.raises(ConfigFileError) as e:
-        parse_run_config(doc, "state.toml")
-    return e.value.problems
 
 
 def test_a_sparse_route_run_config_loads() -> None:
@@ -42,12 +36,12 @@ def test_a_sparse_route_run_config_loads() -> None:
     assert settings is not None
     assert settings.compression_topk == 8
     # the default stays upstream's route
-    upstream = tomllib.loads((REPO / "configs/tiny-cpu/state.toml").read_text())
+    upstream = tiny_cpu_state()
     assert parse_run_config(upstream, "state.toml").llm.optimizer.distro()[1] is False
 
 
 def test_the_sparse_route_needs_1_bit_results() -> None:
-    ((where, says),) = _problems(_doc(quantize_1bit=False))
+    ((where, says),) = refusals(_doc(quantize_1bit=False))
     assert where == f"{WHERE}.quantize_1bit"
     assert "1-bit" in says
 
@@ -56,7 +50,7 @@ def test_more_entries_per_block_than_the_exact_synthesis_holds_are_refused() -> 
     doc = _doc(compression_topk=1024, compression_chunk=64)  # 256 results x 1024 > the bound
     doc["config"].update(global_batch_size_start=256, global_batch_size_end=256)
     doc["config"].update(init_min_clients=2, min_clients=1)
-    ((where, says),) = _problems(doc)
+    ((where, says),) = refusals(doc)
     assert where == f"{WHERE}.compression_topk"
     assert str(SPARSE_APPLY_MAX_ENTRIES) in says
     # the same top-k with fewer results a round fits (8 x 1024)
@@ -77,7 +71,7 @@ def test_the_sparse_route_cannot_be_named_beside_another_optimizer() -> None:
         "weight_decay": 0.0,
         "eps": 1e-8,
     }
-    problems = _problems(doc)
+    problems = refusals(doc)
     assert [where for where, _ in problems] == ["model.LLM.optimizer"]
 
 
