@@ -22,9 +22,10 @@ attention for whole sequences). Tensor parallelism is torchtitan's own plan (`pa
 shards torchtitan's blocks as its `apply_fsdp` does (`psyche.modeling.sharding`); replicated
 data parallelism works as for any model. Not built: torchtitan's other models (qwen3, gpt-oss,
 ...), TP and FSDP together, sequence, context and expert parallelism, RoPE
-scaling (so no YaRN mscale), torch.compile, multi-token prediction; deepseek_v3's checkpoint
-conversion goes through torchtitan's adapter but is untested here. torchtitan is an optional
-dependency (`psyche-modeling[torchtitan]`); without it this module says how to install it.
+scaling (so no YaRN mscale), torch.compile, multi-token prediction. Both models' checkpoints
+go through torchtitan's adapters, and tests/modeling/test_torchtitan.py loads each in transformers
+with the Torchtitan logits. torchtitan is the `psyche-modeling[torchtitan]` extra, which the
+project's setup installs; without it this module says how to install it.
 """
 
 from __future__ import annotations
