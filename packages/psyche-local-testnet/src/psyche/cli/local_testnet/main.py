@@ -24,8 +24,10 @@ from psyche.core.cli import (
     HelpFormatter,
     UserError,
     add_verbose_flag,
+    command_env,
     command_parser,
     parse_bool,
+    parse_command,
     parse_unsigned,
     run_command,
 )
@@ -75,16 +77,16 @@ def _env(name: str) -> str | None:
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, EnvOptions]:
-    """The parser, and the environment fallbacks of `start`'s options (resolved after
-    parsing)."""
+    """The parser, and the environment fallbacks of `start`'s options (`parse_command`
+    resolves them)."""
     parser, commands = command_parser(PROG, DESCRIPTION)
-    env = EnvOptions()
     start = commands.add_parser(
         "start",
         help="Starts the local-testnet running each part of the system in a separate pane",
         description=DESCRIPTION,
         formatter_class=HelpFormatter,
     )
+    env = command_env(start)
     add = start.add_argument
     add("--num-clients", type=positive_int, required=True, metavar="<NUM_CLIENTS>",
         help="Number of clients to start")  # fmt: skip
@@ -259,10 +261,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    parser, env = build_parser()
-    args = parser.parse_args(argv)
+    parser, _ = build_parser()
+    args = parse_command(parser, argv)
     if args.command == "start":
-        env.resolve(parser, args)
         return start(args, parser)
     raise AssertionError(f"unhandled command {args.command}")
 
