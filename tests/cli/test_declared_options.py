@@ -15,7 +15,7 @@ from psyche.cli.server.main import build_parser as server_parser
 from psyche.cli.solana_client.main import COMMANDS
 from psyche.cli.solana_client.main import build_parser as solana_parser
 from psyche.coordinator import server_core
-from psyche.core.cli import options_from_args
+from psyche.core.cli import options_from_args, parse_command
 from psyche.solana.commands.args import ClusterOptions, ProgramIdOptions
 from psyche.solana.commands.authorization import JoinAuthorizationSetDelegatesOptions
 from psyche.solana.commands.results import DownloadResultsOptions
@@ -37,9 +37,7 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def server(argv: list[str]) -> Any:
-    parser, env = server_parser()
-    args = parser.parse_args(argv)
-    (args.relay_env if argv[0] == "relay" else env).resolve(parser, args)
+    args = parse_command(server_parser()[0], argv)
     return options_from_args(ServerRunOptions if argv[0] == "run" else StandaloneRelayOptions, args)
 
 

@@ -12,9 +12,11 @@ import pytest
 from psyche.core.cli import (
     EnvOptions,
     apply_log_directives,
+    command_env,
     command_parser,
     log_directives_from_environment,
     parse_bool,
+    parse_command,
     parse_unsigned,
 )
 
@@ -58,6 +60,28 @@ def test_the_command_line_wins_then_the_environment_then_the_default(
     assert (args.port, args.name, args.tui) == (10, "c", True)
     monkeypatch.setenv("PORT", "")  # empty is unset, as clap
     assert parse(["run"]).port == 8
+
+
+def test_parse_command_fills_in_the_environment_of_the_command_it_names(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    parser, commands = command_parser("prog", "what it does")
+    run, relay = commands.add_parser("run"), commands.add_parser("relay")
+    command_env(run).add(run, "--name", required=True, help="Name")
+    command_env(relay).add(relay, "--port", parse=parse_unsigned(16), default=8, help="Port")
+    monkeypatch.setenv("PORT", "9")
+    assert parse_command(parser, ["relay"]).port == 9
+    assert parse_command(parser, ["relay", "--port", "10"]).port == 10
+    # `relay`'s environment is not read for `run`, and `run`'s required option is its error
+    with pytest.raises(SystemExit):
+        parse_command(parser, ["run"])
+    assert "prog run: error: the following arguments are required: --name (or NAME)" in (
+        capsys.readouterr().err
+    )
+    monkeypatch.setenv("NAME", "a")
+    args = parse_command(parser, ["run"])
+    assert args.name == "a"
+    assert not hasattr(args, "port")
 
 
 def test_errors_name_the_flag_and_the_variable(

@@ -22,7 +22,7 @@ from psyche.cli.solana_client.train import (
     parse_bootstrap_peer,
 )
 from psyche.coordinator import Client, ClientState, Coordinator, RunState
-from psyche.core.cli import user_error_message
+from psyche.core.cli import parse_command, user_error_message
 from psyche.core.identity import SecretKey
 from psyche.core.node_identity import NodeIdentity
 from psyche.network.ticket import EndpointAddr, TransportAddr
@@ -78,9 +78,7 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def parse_train(argv: list[str]) -> Any:
-    args = build_parser().parse_args(["train", *argv])
-    args.train_env.resolve(args.train_parser, args)
-    return args
+    return parse_command(build_parser(), ["train", *argv])
 
 
 def test_train_takes_the_shared_train_options_and_the_solana_ones(

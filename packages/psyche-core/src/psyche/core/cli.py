@@ -247,6 +247,28 @@ class EnvOptions:
                 setattr(args, option.dest, option.default)
 
 
+def command_env(command: argparse.ArgumentParser) -> EnvOptions:
+    """The environment fallbacks of a subcommand's options (add them with `EnvOptions.add` or
+    `add_options`): `parse_command` resolves them when the command line names `command`, and
+    reports their errors as `command`'s own (as argparse reports its arguments')."""
+    env = EnvOptions()
+    command.set_defaults(command_env=(command, env))
+    return env
+
+
+def parse_command(
+    parser: argparse.ArgumentParser, argv: Sequence[str] | None
+) -> argparse.Namespace:
+    """`argv` parsed by `parser`, with the options of the subcommand it names that the command
+    line leaves out filled from the environment, then their defaults (`command_env`)."""
+    args = parser.parse_args(argv)
+    declared: tuple[argparse.ArgumentParser, EnvOptions] | None = getattr(args, "command_env", None)
+    if declared is not None:
+        command, env = declared
+        env.resolve(command, args)
+    return args
+
+
 # --------------------------------------------------------------------------------------------
 # Options declared as dataclass fields
 

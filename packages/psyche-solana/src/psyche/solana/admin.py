@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from solders import system_program
+from solders.instruction import Instruction
 from solders.keypair import Keypair
 from solders.pubkey import Pubkey
 from solders.signature import Signature
@@ -321,47 +322,39 @@ async def update_config(
 
     treasurer_index = await backend.resolve_treasurer_index(run_id, treasurer_index)
     await _authority_check(backend, run, treasurer_index)
-    payer = backend.get_payer()
-    if treasurer_index is not None:
-        instructions = [
-            treasurer_ix.treasurer_run_update(
-                run_id,
-                treasurer_index,
-                run.account_address,
-                payer,
-                treasurer_ix.RunUpdateParams(
-                    metadata=new_metadata,
-                    config=config,
-                    model=model,
-                    progress=progress,
-                    client_version=client_version,
-                ),
-                backend.ids,
-            )
-        ]
-    else:
-        instructions = []
-        if coordinator_update:
-            instructions.append(
-                coordinator_ix.coordinator_update(
-                    run_id,
-                    run.account_address,
-                    payer,
-                    new_metadata,
-                    config,
-                    model,
-                    progress,
-                    backend.ids,
-                )
-            )
-        if client_version is not None:
-            instructions.append(
-                coordinator_ix.coordinator_update_client_version(
-                    run_id, run.account_address, payer, client_version, backend.ids
-                )
-            )
+    update = treasurer_ix.RunUpdateParams(
+        metadata=new_metadata,
+        config=config,
+        model=model,
+        progress=progress,
+        client_version=client_version,
+    )
+    instructions = _owner_update(backend, run, treasurer_index, update)
     signature = await backend.send_and_retry("Update config", instructions)
     return ConfigUpdate(signature, new_metadata, config, model, progress, client_version)
+
+
+def _owner_update(
+    backend: SolanaBackend,
+    run: RunRef,
+    treasurer_index: int | None,
+    update: treasurer_ix.RunUpdateParams,
+) -> list[Instruction]:
+    """What the wallet (the run's main authority) sends to make `update`: the treasurer's
+    `run_update` for a treasurer run, else the coordinator instructions it stands for."""
+    payer = backend.get_payer()
+    if treasurer_index is not None:
+        return [
+            treasurer_ix.treasurer_run_update(
+                run.run_id, treasurer_index, run.account_address, payer, update, backend.ids
+            )
+        ]
+    return [
+        coordinator_ix.coordinator_owner_call(
+            name, run.run_id, run.account_address, payer, args, backend.ids
+        )
+        for name, args in treasurer_ix.coordinator_updates(update)
+    ]
 
 
 async def set_paused(
@@ -370,21 +363,10 @@ async def set_paused(
     run = await load_run(backend, run_id)
     treasurer_index = await backend.resolve_treasurer_index(run_id, treasurer_index)
     await _authority_check(backend, run, treasurer_index)
-    payer = backend.get_payer()
-    if treasurer_index is not None:
-        instruction = treasurer_ix.treasurer_run_update(
-            run_id,
-            treasurer_index,
-            run.account_address,
-            payer,
-            treasurer_ix.RunUpdateParams(paused=paused),
-            backend.ids,
-        )
-    else:
-        instruction = coordinator_ix.coordinator_set_paused(
-            run_id, run.account_address, payer, paused, backend.ids
-        )
-    return await backend.send_and_retry("Set paused", [instruction])
+    update = treasurer_ix.RunUpdateParams(paused=paused)
+    return await backend.send_and_retry(
+        "Set paused", _owner_update(backend, run, treasurer_index, update)
+    )
 
 
 async def set_future_epoch_rates(
@@ -414,18 +396,13 @@ async def set_future_epoch_rates(
     def native(amount: float | None) -> int | None:
         return None if amount is None else ui_amount_to_native_amount(amount, decimals)
 
-    instruction = treasurer_ix.treasurer_run_update(
-        run_id,
-        index,
-        run.account_address,
-        backend.get_payer(),
-        treasurer_ix.RunUpdateParams(
-            epoch_earning_rate_total_shared=native(earning_rate_total_shared),
-            epoch_slashing_rate_per_client=native(slashing_rate_per_client),
-        ),
-        backend.ids,
+    update = treasurer_ix.RunUpdateParams(
+        epoch_earning_rate_total_shared=native(earning_rate_total_shared),
+        epoch_slashing_rate_per_client=native(slashing_rate_per_client),
     )
-    return await backend.send_and_retry("Set future epoch rates", [instruction])
+    return await backend.send_and_retry(
+        "Set future epoch rates", _owner_update(backend, run, index, update)
+    )
 
 
 async def tick(backend: SolanaBackend, run: RunRef) -> Signature:
@@ -463,13 +440,37 @@ class AuthorizationResult:
     authorization: Authorization
 
 
+async def _set_active(
+    backend: SolanaBackend,
+    grantor: Pubkey,
+    authorizer: Pubkey,
+    address: Pubkey,
+    active: bool,
+) -> tuple[Signature | None, Authorization]:
+    """The grantor's join authorization for `authorizer` (at `address`) made `active` (no
+    transaction when it already is): the signature of the change, if one was sent, and the
+    authorization as it is now."""
+    authorization = await backend.get_authorization(address)
+    if authorization.active == active:
+        return None, authorization
+    signature = await backend.send_and_retry(
+        "Authorization activate" if active else "Authorization deactivate",
+        [
+            authorizer_ix.authorizer_authorization_grantor_update(
+                grantor, authorizer, JOIN_RUN_AUTHORIZATION_SCOPE, active, backend.ids
+            )
+        ],
+    )
+    return signature, await backend.get_authorization(address)
+
+
 async def join_authorization_create(
     backend: SolanaBackend, authorizer: Pubkey
 ) -> AuthorizationResult:
     """Let `authorizer` (the system program id: everyone) join the wallet's runs; creates the
     authorization if needed, then activates it."""
     payer = grantor = backend.get_payer()
-    address = pda.find_authorization(grantor, authorizer, JOIN_RUN_AUTHORIZATION_SCOPE, backend.ids)
+    address = pda.find_join_authorization(grantor, authorizer, backend.ids)
     created = None
     if await backend.get_balance(address) == 0:
         created = await backend.send_and_retry(
@@ -480,18 +481,7 @@ async def join_authorization_create(
                 )
             ],
         )
-    authorization = await backend.get_authorization(address)
-    activated = None
-    if not authorization.active:
-        activated = await backend.send_and_retry(
-            "Authorization activate",
-            [
-                authorizer_ix.authorizer_authorization_grantor_update(
-                    grantor, authorizer, JOIN_RUN_AUTHORIZATION_SCOPE, True, backend.ids
-                )
-            ],
-        )
-        authorization = await backend.get_authorization(address)
+    activated, authorization = await _set_active(backend, grantor, authorizer, address, True)
     return AuthorizationResult(address, grantor, authorizer, created, activated, authorization)
 
 
@@ -504,9 +494,7 @@ async def join_authorization_set_delegates(
 ) -> AuthorizationResult:
     """As the grantee of `join_authority`'s authorization, set the delegate keys."""
     grantee = backend.get_payer()
-    address = pda.find_authorization(
-        join_authority, grantee, JOIN_RUN_AUTHORIZATION_SCOPE, backend.ids
-    )
+    address = pda.find_join_authorization(join_authority, grantee, backend.ids)
     try:
         await backend.get_authorization(address)
     except SolanaBackendError as e:
@@ -538,9 +526,7 @@ async def join_authorization_read(
     backend: SolanaBackend, join_authority: Pubkey, authorizer: Pubkey | None = None
 ) -> AuthorizationResult:
     grantee = authorizer or Pubkey.default()
-    address = pda.find_authorization(
-        join_authority, grantee, JOIN_RUN_AUTHORIZATION_SCOPE, backend.ids
-    )
+    address = pda.find_join_authorization(join_authority, grantee, backend.ids)
     try:
         authorization = await backend.get_authorization(address)
     except SolanaBackendError as e:
@@ -555,19 +541,8 @@ async def join_authorization_delete(
 ) -> AuthorizationResult:
     """Deactivate the wallet's authorization for `authorizer` (it stays, inactive)."""
     grantor = backend.get_payer()
-    address = pda.find_authorization(grantor, authorizer, JOIN_RUN_AUTHORIZATION_SCOPE, backend.ids)
-    authorization = await backend.get_authorization(address)
-    changed = None
-    if authorization.active:
-        changed = await backend.send_and_retry(
-            "Authorization deactivate",
-            [
-                authorizer_ix.authorizer_authorization_grantor_update(
-                    grantor, authorizer, JOIN_RUN_AUTHORIZATION_SCOPE, False, backend.ids
-                )
-            ],
-        )
-        authorization = await backend.get_authorization(address)
+    address = pda.find_join_authorization(grantor, authorizer, backend.ids)
+    changed, authorization = await _set_active(backend, grantor, authorizer, address, False)
     return AuthorizationResult(address, grantor, authorizer, None, changed, authorization)
 
 

@@ -108,9 +108,7 @@ async def can_user_join_run(
 async def _authorization_covers(
     backend: SolanaBackend, join_authority: bytes, grantee: Pubkey, user: Pubkey
 ) -> bool:
-    address = pda.find_authorization(
-        join_authority, grantee, JOIN_RUN_AUTHORIZATION_SCOPE, backend.ids
-    )
+    address = pda.find_join_authorization(join_authority, grantee, backend.ids)
     account = await backend.get_account_info(address)
     if account is None:
         return False

@@ -27,7 +27,9 @@ from psyche.client.setup.ranks import DEFAULT_PORT, SidecarLayout
 from psyche.core.cli import (
     EnvOptions,
     add_verbose_flag,
+    command_env,
     command_parser,
+    parse_command,
     parse_unsigned,
     run_command,
 )
@@ -129,7 +131,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, EnvOptions]:
         "training process",
         description="Join a run on a coordinator server and train until stopped (Ctrl+C).",
     )
-    env = EnvOptions()
+    env = command_env(train)
     add_train_options(train, env)
     _add_server_options(train, env)
     sidecar = commands.add_parser(
@@ -140,9 +142,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, EnvOptions]:
         "--world-size until that client closes them (exit 0), or one of them or the client "
         "dies (exit 1). Upstream's psyche-sidecar python.",
     )
-    sidecar_env = EnvOptions()
-    _add_sidecar_options(sidecar, sidecar_env)
-    sidecar.set_defaults(sidecar_env=sidecar_env)
+    _add_sidecar_options(sidecar, command_env(sidecar))
     add_verbose_flag(parser)
     return parser, env
 
@@ -184,14 +184,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    parser, env = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_command(build_parser()[0], argv)
     if args.command == "show-identity":
         return show_identity(args.identity_secret_key_path)
     if args.command == "sidecar":
-        args.sidecar_env.resolve(parser, args)
         return sidecar(args)
-    env.resolve(parser, args)
     options = TrainOptions.from_args(args).check()
     from psyche.cli.client.train import train
 

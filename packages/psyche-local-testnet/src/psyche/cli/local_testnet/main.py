@@ -24,8 +24,11 @@ from psyche.core.cli import (
     HelpFormatter,
     UserError,
     add_verbose_flag,
+    command_env,
     command_parser,
     parse_bool,
+    parse_command,
+    parse_unsigned,
     run_command,
 )
 
@@ -50,14 +53,9 @@ def positive_int(text: str) -> int:
     return value
 
 
-def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, found {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, found {value}")
-    return value
+# Upstream's clap types: a port is a u16, a count or a number of seconds a u64.
+parse_port = parse_unsigned(16)
+parse_count = parse_unsigned(64)
 
 
 def existing_path(text: str) -> Path:
@@ -79,16 +77,16 @@ def _env(name: str) -> str | None:
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, EnvOptions]:
-    """The parser, and the environment fallbacks of `start`'s options (resolved after
-    parsing)."""
+    """The parser, and the environment fallbacks of `start`'s options (`parse_command`
+    resolves them)."""
     parser, commands = command_parser(PROG, DESCRIPTION)
-    env = EnvOptions()
     start = commands.add_parser(
         "start",
         help="Starts the local-testnet running each part of the system in a separate pane",
         description=DESCRIPTION,
         formatter_class=HelpFormatter,
     )
+    env = command_env(start)
     add = start.add_argument
     add("--num-clients", type=positive_int, required=True, metavar="<NUM_CLIENTS>",
         help="Number of clients to start")  # fmt: skip
@@ -96,15 +94,15 @@ def build_parser() -> tuple[argparse.ArgumentParser, EnvOptions]:
         help="Directory with the run's state.toml (and data.toml when it hosts the data)")  # fmt: skip
     add("--write-distro-data", type=Path, metavar="<WRITE_DISTRO_DATA>",
         help="If provided, write DisTrO data to disk in this path")  # fmt: skip
-    add("--server-port", type=non_negative_int, default=20000, metavar="<SERVER_PORT>",
+    add("--server-port", type=parse_port, default=20000, metavar="<SERVER_PORT>",
         help="Port the server listens on (the clients connect to it) [default: 20000]")  # fmt: skip
     env.add(start, "--tui", parse=parse_bool, optional_value=True, default=True,
             help="Terminal dashboards for the server and clients")  # fmt: skip
-    add("--random-kill-num", type=non_negative_int, metavar="<RANDOM_KILL_NUM>",
+    add("--random-kill-num", type=parse_count, metavar="<RANDOM_KILL_NUM>",
         help="Kill N clients randomly every <RANDOM_KILL_INTERVAL> seconds (and restart them)")  # fmt: skip
     add("--allowed-to-kill", type=client_numbers, default=(), metavar="<ALLOWED_TO_KILL>",
         help="Which clients (1-based, comma separated) may be killed randomly [default: all]")  # fmt: skip
-    add("--random-kill-interval", type=non_negative_int, default=120,
+    add("--random-kill-interval", type=parse_count, default=120,
         metavar="<RANDOM_KILL_INTERVAL>",
         help="Kill <RANDOM_KILL_NUM> clients randomly every N seconds [default: 120]")  # fmt: skip
     add("--log", default=DEFAULT_LOG, metavar="<LOG>",
@@ -121,7 +119,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, EnvOptions]:
         help="[env: WANDB_GROUP]")  # fmt: skip
     add("--wandb-entity", default=_env("WANDB_ENTITY"), metavar="<WANDB_ENTITY>",
         help="[env: WANDB_ENTITY]")  # fmt: skip
-    env.add(start, "--optim-stats", parse=non_negative_int,
+    env.add(start, "--optim-stats", parse=parse_count,
             help="Passed to the clients as --optim-stats-steps")  # fmt: skip
     add("--eval-tasks", default=_env("EVAL_TASKS"), metavar="<EVAL_TASKS>",
         help="[env: EVAL_TASKS]")  # fmt: skip
@@ -134,9 +132,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, EnvOptions]:
         "DIR/client-N.jsonl")  # fmt: skip
     add("--tensorboard-dir", type=Path, metavar="<TENSORBOARD_DIR>",
         help="Each client writes TensorBoard event files to DIR/client-N")  # fmt: skip
-    add("--status-port", type=non_negative_int, metavar="<STATUS_PORT>",
+    add("--status-port", type=parse_port, metavar="<STATUS_PORT>",
         help="The server serves its status page on this port (http://127.0.0.1:PORT/)")  # fmt: skip
-    add("--cpu-threads", type=non_negative_int, metavar="<CPU_THREADS>",
+    add("--cpu-threads", type=parse_count, metavar="<CPU_THREADS>",
         help="CPU threads each client's torch uses (0: torch's default, every core) "
         "[default: the cores this process may use / NUM_CLIENTS, at least 1]")  # fmt: skip
     add("--headless", action="store_true",
@@ -263,10 +261,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    parser, env = build_parser()
-    args = parser.parse_args(argv)
+    parser, _ = build_parser()
+    args = parse_command(parser, argv)
     if args.command == "start":
-        env.resolve(parser, args)
         return start(args, parser)
     raise AssertionError(f"unhandled command {args.command}")
 

@@ -18,8 +18,10 @@ from psyche.core.cli import (
     EnvOptions,
     add_options,
     add_verbose_flag,
+    command_env,
     command_parser,
     options_from_args,
+    parse_command,
     run_command,
 )
 
@@ -35,8 +37,8 @@ Errors are one line; --verbose (or PSYCHE_VERBOSE=1) adds their traceback."""
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, EnvOptions]:
-    """The parser, and the environment fallbacks of `run`'s options (resolved after parsing;
-    `relay`'s travel in `args.relay_env`)."""
+    """The parser, and the environment fallbacks of `run`'s options (`parse_command` resolves
+    those of the command it parses)."""
     parser, commands = command_parser(PROG, DESCRIPTION)
     validate = commands.add_parser(
         "validate-config",
@@ -72,7 +74,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, EnvOptions]:
             "newest state saved there."
         ),
     )
-    env = EnvOptions()
+    env = command_env(run)
     add_options(run, env, ServerRunOptions)
     relay = commands.add_parser(
         "relay",
@@ -85,9 +87,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, EnvOptions]:
             "--open. Serves until Ctrl+C or SIGTERM."
         ),
     )
-    relay_env = EnvOptions()
-    add_options(relay, relay_env, StandaloneRelayOptions)
-    relay.set_defaults(relay_env=relay_env)
+    add_options(relay, command_env(relay), StandaloneRelayOptions)
     add_verbose_flag(parser)
     return parser, env
 
@@ -98,8 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    parser, env = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_command(build_parser()[0], argv)
     if args.command == "validate-config":
         from psyche.centralized.run import validate_config
 
@@ -107,12 +106,10 @@ def _main(argv: Sequence[str] | None) -> int:
     if args.command == "run":
         from psyche.centralized.run import run_server
 
-        env.resolve(parser, args)
         return run_server(options_from_args(ServerRunOptions, args))
     if args.command == "relay":
         from psyche.centralized.standalone_relay import run_relay
 
-        args.relay_env.resolve(parser, args)
         return run_relay(options_from_args(StandaloneRelayOptions, args))
     raise AssertionError(f"unhandled command {args.command}")
 

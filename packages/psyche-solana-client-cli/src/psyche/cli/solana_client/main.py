@@ -23,12 +23,13 @@ from typing import Any
 from psyche.cli.solana_client.predownload import predownload
 from psyche.cli.solana_client.train import add_train_arguments, train
 from psyche.core.cli import (
-    EnvOptions,
     HelpFormatter,
     add_options,
     add_verbose_flag,
+    command_env,
     command_parser,
     options_from_args,
+    parse_command,
     run_command,
 )
 from psyche.solana.commands import authorization, results, run, treasury, view, wallet
@@ -73,7 +74,7 @@ class Command:
             formatter_class=HelpFormatter,
         )
         if self.options is not None:
-            add_options(sub, EnvOptions(), self.options)
+            add_options(sub, command_env(sub), self.options)
         else:
             assert self.add is not None
             self.add(sub)
@@ -282,7 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_command(build_parser(), argv)
     by_name = {name: c for c in COMMANDS for name in (c.name, *c.aliases)}
     return by_name[args.command].call(args)
 

@@ -60,11 +60,11 @@ class ChainOptions:
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     """Every option of `train`; the client's fall back to the environment once parsed
-    (`args.train_env`, resolved by `train`)."""
+    (`psyche.core.cli.parse_command`)."""
     from psyche.client.setup.options import add_train_options
-    from psyche.core.cli import EnvOptions, add_options
+    from psyche.core.cli import add_options, command_env
 
-    env = EnvOptions()
+    env = command_env(parser)
     add_options(parser, env, ChainOptions)
     add_train_options(
         parser,
@@ -88,7 +88,6 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "port), as each client logs it; repeat for several. Peer exchange finds the rest "
         f"[env: {BOOTSTRAP_PEERS_ENV}, comma-separated]",
     )
-    parser.set_defaults(train_env=env, train_parser=parser)
 
 
 # --------------------------------------------------------------------------------------------
@@ -178,6 +177,8 @@ def settings_from_args(args: argparse.Namespace, options: TrainOptions, wallet: 
 
 
 def train(args: argparse.Namespace) -> int:
+    """`train` with the namespace `parse_command` made of its arguments (the environment
+    filled in)."""
     from psyche.client.run import network_config, setup_logging
     from psyche.client.setup.options import OptionError, read_identity_secret_key
     from psyche.core.cli import EXIT_USAGE, UsageError
@@ -188,7 +189,6 @@ def train(args: argparse.Namespace) -> int:
     from psyche.solana.commands.shell import raise_user_error
     from psyche.solana.keypair import derive_p2p_secret_key, load_wallet
 
-    args.train_env.resolve(args.train_parser, args)
     options = TrainOptions.from_args(args).check()
     try:
         wallet = load_wallet(args.wallet_private_key_path)

@@ -33,6 +33,17 @@ def _active(authorization: Any) -> str:
     return f"Authorization Active: {'true' if authorization.active else 'false'}"
 
 
+def _print_changed(result: Any, changed: str) -> None:
+    """What create and delete did: the transactions they sent (`changed` names the change) and
+    whether the authorization is active now."""
+    _print_authorization(result)
+    if result.created is not None:
+        print(f"Created authorization in transaction: {result.created}")
+    if result.changed is not None:
+        print(f"{changed} authorization in transaction: {result.changed}")
+    print(_active(result.authorization))
+
+
 @dataclass(frozen=True, kw_only=True)
 class JoinAuthorizationCreateOptions(SignedCommand):
     authorizer: str = arg(
@@ -47,12 +58,7 @@ def run_join_authorization_create(options: JoinAuthorizationCreateOptions) -> in
 
     async def body(backend: Any) -> None:
         result = await admin.join_authorization_create(backend, pubkey(options.authorizer))
-        _print_authorization(result)
-        if result.created is not None:
-            print(f"Created authorization in transaction: {result.created}")
-        if result.changed is not None:
-            print(f"Activated authorization in transaction: {result.changed}")
-        print(_active(result.authorization))
+        _print_changed(result, "Activated")
 
     return run_signed(options, body)
 
@@ -132,10 +138,7 @@ def run_join_authorization_delete(options: JoinAuthorizationDeleteOptions) -> in
 
     async def body(backend: Any) -> None:
         result = await admin.join_authorization_delete(backend, pubkey(options.authorizer))
-        _print_authorization(result)
-        if result.changed is not None:
-            print(f"Deactivated authorization in transaction: {result.changed}")
-        print(_active(result.authorization))
+        _print_changed(result, "Deactivated")
 
     return run_signed(options, body)
 

@@ -123,6 +123,19 @@ SPECS: dict[str, InstructionSpec] = by_name(
 # Builders
 
 
+def _on_authorization(
+    name: str,
+    key: tuple[Any, Any, bytes],
+    accounts: dict[str, Any],
+    args: Any,
+    ids: ProgramIds,
+) -> Instruction:
+    """`name` on the authorization `key` (grantor, grantee, scope) names, with `accounts` (the
+    others than the authorization's and the programs')."""
+    authorization = pda.find_authorization(*key, ids=ids)
+    return SPECS[name].call(ids, {**accounts, "authorization": authorization}, args)
+
+
 def authorizer_authorization_create(
     payer: Any,
     grantor: Any,
@@ -130,14 +143,12 @@ def authorizer_authorization_create(
     scope: bytes = JOIN_RUN_AUTHORIZATION_SCOPE,
     ids: ProgramIds = DEFAULT_PROGRAM_IDS,
 ) -> Instruction:
-    return SPECS["authorization_create"].call(
-        ids,
-        {
-            "payer": payer,
-            "grantor": grantor,
-            "authorization": pda.find_authorization(grantor, grantee, scope, ids),
-        },
+    return _on_authorization(
+        "authorization_create",
+        (grantor, grantee, scope),
+        {"payer": payer, "grantor": grantor},
         AuthorizationCreateArgs(AuthorizationCreateParams(pubkey_bytes(grantee), bytes(scope))),
+        ids,
     )
 
 
@@ -148,10 +159,12 @@ def authorizer_authorization_grantor_update(
     active: bool,
     ids: ProgramIds = DEFAULT_PROGRAM_IDS,
 ) -> Instruction:
-    return SPECS["authorization_grantor_update"].call(
-        ids,
-        {"grantor": grantor, "authorization": pda.find_authorization(grantor, grantee, scope, ids)},
+    return _on_authorization(
+        "authorization_grantor_update",
+        (grantor, grantee, scope),
+        {"grantor": grantor},
         AuthorizationGrantorUpdateArgs(AuthorizationGrantorUpdateParams(active)),
+        ids,
     )
 
 
@@ -164,18 +177,15 @@ def authorizer_authorization_grantee_update(
     delegates_added: list[Any],
     ids: ProgramIds = DEFAULT_PROGRAM_IDS,
 ) -> Instruction:
-    return SPECS["authorization_grantee_update"].call(
+    params = AuthorizationGranteeUpdateParams(
+        delegates_clear, [pubkey_bytes(d) for d in delegates_added]
+    )
+    return _on_authorization(
+        "authorization_grantee_update",
+        (grantor, grantee, scope),
+        {"payer": payer, "grantee": grantee},
+        AuthorizationGranteeUpdateArgs(params),
         ids,
-        {
-            "payer": payer,
-            "grantee": grantee,
-            "authorization": pda.find_authorization(grantor, grantee, scope, ids),
-        },
-        AuthorizationGranteeUpdateArgs(
-            AuthorizationGranteeUpdateParams(
-                delegates_clear, [pubkey_bytes(d) for d in delegates_added]
-            )
-        ),
     )
 
 
@@ -186,12 +196,10 @@ def authorizer_authorization_close(
     spill: Any,
     ids: ProgramIds = DEFAULT_PROGRAM_IDS,
 ) -> Instruction:
-    return SPECS["authorization_close"].call(
-        ids,
-        {
-            "grantor": grantor,
-            "spill": spill,
-            "authorization": pda.find_authorization(grantor, grantee, scope, ids),
-        },
+    return _on_authorization(
+        "authorization_close",
+        (grantor, grantee, scope),
+        {"grantor": grantor, "spill": spill},
         AuthorizationCloseArgs(),
+        ids,
     )

@@ -304,14 +304,25 @@ def coordinator_close_run(
     )
 
 
-def _owner_accounts(
-    run_id: str, coordinator_account: Any, main_authority: Any, ids: ProgramIds
-) -> dict[str, Any]:
-    return {
-        "authority": main_authority,
-        "coordinator_instance": pda.find_coordinator_instance(run_id, ids),
-        "coordinator_account": coordinator_account,
-    }
+def coordinator_owner_call(
+    name: str,
+    run_id: str,
+    coordinator_account: Any,
+    main_authority: Any,
+    args: Any,
+    ids: ProgramIds = DEFAULT_PROGRAM_IDS,
+) -> Instruction:
+    """`name`, one of the instructions the main authority signs on the run's accounts (`update`,
+    `update_client_version`, `set_future_epoch_rates`, `set_paused`), with `args`."""
+    return SPECS[name].call(
+        ids,
+        {
+            "authority": main_authority,
+            "coordinator_instance": pda.find_coordinator_instance(run_id, ids),
+            "coordinator_account": coordinator_account,
+        },
+        args,
+    )
 
 
 def coordinator_update(
@@ -324,11 +335,8 @@ def coordinator_update(
     progress: CoordinatorProgress | None = None,
     ids: ProgramIds = DEFAULT_PROGRAM_IDS,
 ) -> Instruction:
-    return SPECS["update"].call(
-        ids,
-        _owner_accounts(run_id, coordinator_account, main_authority, ids),
-        UpdateArgs(metadata=metadata, config=config, model=model, progress=progress),
-    )
+    args = UpdateArgs(metadata=metadata, config=config, model=model, progress=progress)
+    return coordinator_owner_call("update", run_id, coordinator_account, main_authority, args, ids)
 
 
 def coordinator_update_client_version(
@@ -338,10 +346,9 @@ def coordinator_update_client_version(
     new_version: str,
     ids: ProgramIds = DEFAULT_PROGRAM_IDS,
 ) -> Instruction:
-    return SPECS["update_client_version"].call(
-        ids,
-        _owner_accounts(run_id, coordinator_account, main_authority, ids),
-        UpdateClientVersionArgs(new_version),
+    args = UpdateClientVersionArgs(new_version)
+    return coordinator_owner_call(
+        "update_client_version", run_id, coordinator_account, main_authority, args, ids
     )
 
 
@@ -353,10 +360,9 @@ def coordinator_set_future_epoch_rates(
     epoch_slashing_rate_per_client: int | None,
     ids: ProgramIds = DEFAULT_PROGRAM_IDS,
 ) -> Instruction:
-    return SPECS["set_future_epoch_rates"].call(
-        ids,
-        _owner_accounts(run_id, coordinator_account, main_authority, ids),
-        SetFutureEpochRatesArgs(epoch_earning_rate_total_shared, epoch_slashing_rate_per_client),
+    args = SetFutureEpochRatesArgs(epoch_earning_rate_total_shared, epoch_slashing_rate_per_client)
+    return coordinator_owner_call(
+        "set_future_epoch_rates", run_id, coordinator_account, main_authority, args, ids
     )
 
 
@@ -367,10 +373,9 @@ def coordinator_set_paused(
     paused: bool,
     ids: ProgramIds = DEFAULT_PROGRAM_IDS,
 ) -> Instruction:
-    return SPECS["set_paused"].call(
-        ids,
-        _owner_accounts(run_id, coordinator_account, main_authority, ids),
-        SetPausedArgs(paused),
+    args = SetPausedArgs(paused)
+    return coordinator_owner_call(
+        "set_paused", run_id, coordinator_account, main_authority, args, ids
     )
 
 

@@ -14,6 +14,7 @@ from psyche.coordinator.config import CoordinatorConfig
 from psyche.coordinator.model import Model
 from psyche.core.serde import U64, struct
 from psyche.solana import pda
+from psyche.solana.instructions import coordinator as coordinator_ix
 from psyche.solana.instructions.spec import (
     InstructionSpec,
     by_name,
@@ -62,6 +63,32 @@ class ParticipantCreateParams:
 @struct(frozen=True)
 class ParticipantClaimParams:
     claim_earned_points: U64
+
+
+def coordinator_updates(params: RunUpdateParams) -> list[tuple[str, Any]]:
+    """The coordinator instructions (name, arguments) that `params` stands for, in the order
+    upstream's `run_update` invokes them: one for each group of fields that is given. The
+    treasurer program invokes them as the run; a run without a treasurer sends them itself."""
+    updates: list[tuple[str, Any]] = []
+    if any(x is not None for x in (params.metadata, params.config, params.model, params.progress)):
+        args = coordinator_ix.UpdateArgs(
+            metadata=params.metadata,
+            config=params.config,
+            model=params.model,
+            progress=params.progress,
+        )
+        updates.append(("update", args))
+    earning = params.epoch_earning_rate_total_shared
+    slashing = params.epoch_slashing_rate_per_client
+    if earning is not None or slashing is not None:
+        rates = coordinator_ix.SetFutureEpochRatesArgs(earning, slashing)
+        updates.append(("set_future_epoch_rates", rates))
+    if params.paused is not None:
+        updates.append(("set_paused", coordinator_ix.SetPausedArgs(params.paused)))
+    if params.client_version is not None:
+        version = coordinator_ix.UpdateClientVersionArgs(params.client_version)
+        updates.append(("update_client_version", version))
+    return updates
 
 
 # One struct per instruction: its fields are the instruction's arguments.

@@ -199,48 +199,8 @@ def _run_update(ctx: InvokeContext, accounts: Accounts, args: treasurer_ix.RunUp
         "coordinator_instance": instance_meta.pubkey,
         "coordinator_account": account_meta.pubkey,
     }
-    if any(x is not None for x in (params.metadata, params.config, params.model, params.progress)):
-        _invoke_coordinator(
-            ctx,
-            "update",
-            owner_accounts,
-            coordinator_ix.UpdateArgs(
-                metadata=params.metadata,
-                config=params.config,
-                model=params.model,
-                progress=params.progress,
-            ),
-            run_meta.pubkey,
-        )
-    if (
-        params.epoch_earning_rate_total_shared is not None
-        or params.epoch_slashing_rate_per_client is not None
-    ):
-        _invoke_coordinator(
-            ctx,
-            "set_future_epoch_rates",
-            owner_accounts,
-            coordinator_ix.SetFutureEpochRatesArgs(
-                params.epoch_earning_rate_total_shared, params.epoch_slashing_rate_per_client
-            ),
-            run_meta.pubkey,
-        )
-    if params.paused is not None:
-        _invoke_coordinator(
-            ctx,
-            "set_paused",
-            owner_accounts,
-            coordinator_ix.SetPausedArgs(params.paused),
-            run_meta.pubkey,
-        )
-    if params.client_version is not None:
-        _invoke_coordinator(
-            ctx,
-            "update_client_version",
-            owner_accounts,
-            coordinator_ix.UpdateClientVersionArgs(params.client_version),
-            run_meta.pubkey,
-        )
+    for name, coordinator_args in treasurer_ix.coordinator_updates(params):
+        _invoke_coordinator(ctx, name, owner_accounts, coordinator_args, run_meta.pubkey)
 
 
 def _participant_create(

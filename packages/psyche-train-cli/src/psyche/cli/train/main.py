@@ -30,7 +30,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from psyche.core.cli import HelpFormatter, UserError, add_verbose_flag, run_command
+from psyche.core.cli import (
+    HelpFormatter,
+    UserError,
+    add_verbose_flag,
+    parse_unsigned,
+    run_command,
+)
 from psyche.core.definitions import (
     AdamW,
     CosineLR,
@@ -46,17 +52,9 @@ if TYPE_CHECKING:
     from psyche.modeling.trainer import Batch
 
 PROG = "psyche-train"
-U32_MAX = 0xFFFF_FFFF
 # The tiny run's model and data, relative to the repository's root.
 DEFAULT_MODEL = "configs/tiny-cpu/model"
 DEFAULT_DATA = "data/tiny-cpu"
-
-
-def _u32(text: str) -> int:
-    value = int(text)
-    if not 0 <= value <= U32_MAX:
-        raise argparse.ArgumentTypeError(f"{text} is not a u32 (0..={U32_MAX})")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -117,7 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="attention kernel",
     )
     p.add_argument("--start-step", type=int, default=1, help="first step (its batch and LR)")
-    p.add_argument("--seed", type=_u32, help="shuffle the samples with this seed (a u32)")
+    p.add_argument(
+        "--seed", type=parse_unsigned(32), help="shuffle the samples with this seed (a u32)"
+    )
     p.add_argument("--save-path", help="write a Hugging Face checkpoint here at the end")
     add_verbose_flag(p)
     return p
