@@ -34,9 +34,18 @@ its decoy; the verifier on `--verifier-threads` intra-op threads where the membe
   client runs on its own machine, so a round's time is the slowest client's work, and
   verifiers and the tie-breaker only need to finish inside the round.
 
+* `--profile`: where one verification's time goes (CPU seconds, one thread, the same sitting):
+  a member's `train_exact` and `prepare_result` of a batch against the verifier's `recompute`
+  (the batch's forward and backward, in two parts), `domain_of` (the parts' DCT), `compare`
+  (the statistics at the payload's positions) and a tie-breaker's `save_weights`, each as a
+  ratio of the member's training step; `--preset 20m --rows 4 --seq 128` for a 20M Llama.
+  `--cost` and `--profile` run the verifier on one thread, as the members: on a loaded machine
+  a two-thread verifier's CPU seconds count its threads' waiting (25x a member's step, seen).
+
     .venv/bin/python scripts/bench/verify.py            # full: 500 honest verifications each
     .venv/bin/python scripts/bench/verify.py --quick    # a smoke check (seconds to a minute)
     .venv/bin/python scripts/bench/verify.py --cost --optimizers distro
+    .venv/bin/python scripts/bench/verify.py --profile --optimizers distro --preset 20m --rows 4 --seq 128
 
 No downloads: random-init Llama configs and a synthetic corpus.
 """
@@ -52,6 +61,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 
@@ -60,15 +70,24 @@ from psyche.coordinator.verification import (
     VERIFICATION_TIE_BREAKERS,
     VERIFIED_BATCHES_PER_VERIFIER,
 )
+from psyche.core.batch_id import BatchId
 from psyche.modeling.hostile import Attack, HostileMember
 from psyche.modeling.trainer import Batch
-from psyche.modeling.verification import save_weights
+from psyche.modeling.verification import (
+    compare,
+    domain_of,
+    recompute,
+    result_reader,
+    save_weights,
+    verification_settings,
+)
 from psyche.modeling.verification_sim import FORMS, VerificationRun, tiny_trainer
 
 sys.path.insert(0, str(Path(__file__).parent))
 import diloco as bench_diloco
 
 D = bench_diloco.D
+T = TypeVar("T")
 MEMBERS = 4
 ROWS = 4
 HOSTILE = MEMBERS - 1
@@ -175,7 +194,7 @@ def sits_out(seed: int) -> Callable[[int, int], bool]:
 
 def cost(form: str, threads: int, seed: int, reps: int) -> None:
     """`--cost` (see the module docstring)."""
-    honest = play(form, None, reps, threads, seed)
+    honest = play(form, None, reps, 1, seed)  # like for like: see the module docstring
     train = statistics.median(honest.train) / ROWS  # seconds per row, one member
     check = statistics.median(honest.verify) / ROWS  # recompute + compare, per row
     copy = save_seconds(form, reps)
@@ -195,6 +214,7 @@ def cost(form: str, threads: int, seed: int, reps: int) -> None:
         verifier = VERIFIED_BATCHES_PER_VERIFIER * per * check / base
         before = checked * per * check / base
         dispute = 2 * per * check / base  # the disputed batch and its decoy, next round
+        behind = verifier / trainer
         print(
             f"  {clients} clients at 10 %: 1 tie-breaker, {verifiers} verifiers, {trainers} "
             f"trainers ({per} rows each, {math.ceil(rows / clients)} at 0 %); work a round "
@@ -203,8 +223,67 @@ def cost(form: str, threads: int, seed: int, reps: int) -> None:
             f"{copy / base:.3f}x without a dispute (the copy) and {dispute:.2f}x a disputed "
             f"batch (next round; {checked * per * check / base:.2f}x if every checked batch "
             f"were disputed); {checked} of {trainers} trainers checked a round "
-            f"({checked / trainers:.0%})"
+            f"({checked / trainers:.0%}); a verifier needs {behind:.2f}x the trainers' time "
+            f"for its two recomputes (a round's end stops it: in a compute-bound round it "
+            f"reports nothing unless the witness phase gives it the rest)"
         )
+
+
+def profile(form: str, preset: str, rows: int, seq: int, reps: int, seed: int) -> None:
+    """`--profile` (see the module docstring): one member and one verifier at the same weights,
+    `reps` rounds; the member's result of each round checked with the next batch as decoy."""
+    trainer, verifier = tiny_trainer(form, preset=preset), tiny_trainer(form, preset=preset)
+    vocab = trainer.model.config.vocab_size
+    g = torch.Generator().manual_seed(seed)
+    reader, settings = result_reader(verifier), verification_settings(verifier)
+    saved = save_weights(verifier)
+    times: dict[str, list[float]] = {
+        k: [] for k in ("train", "prepare", "recompute", "domain", "compare", "copy")
+    }
+
+    def timed(name: str, work: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        start = time.process_time()
+        out = work(*args, **kwargs)
+        times[name].append(time.process_time() - start)
+        return out
+
+    verdict = None
+    for step in range(1, reps + 1):
+        own, other = (Batch(torch.randint(0, vocab, (rows, seq), generator=g)) for _ in (0, 1))
+        out = timed(
+            "train",
+            trainer.train_exact,
+            step,
+            own,
+            warmup_lr_between=None,
+            zero_optim=False,
+            prev_self_distro_results=[],
+        )
+        prepared = timed("prepare", trainer.prepare_result, out, step=step, batch_id=BatchId(0, 0))
+        published = verifier.results_from_payload(prepared.payload)
+        domains = [
+            timed(
+                "domain", domain_of, verifier, timed("recompute", recompute, verifier, b, step=step)
+            )
+            for b in (own, other)
+        ]
+        verdict = timed("compare", compare, reader, domains[0], domains[1], published, settings)
+        timed("copy", save_weights, verifier, saved)
+        for t in (trainer, verifier):  # the round's own update, on both: the same weights
+            t.optimize(step, distro_results=[out.distro_results or []])
+    base = statistics.median(times["train"]) + statistics.median(times["prepare"])
+    check = sum(statistics.median(times[k]) for k in ("recompute", "domain", "compare"))
+    print(
+        f"  {preset}, {rows} rows x {seq} tokens, {reps} rounds: a member's training step "
+        f"{base * 1000:.1f} ms (train_exact + prepare_result); one check (its batch's "
+        f"recompute, its DCT and one comparison; the decoy is another check's batch) "
+        f"{check * 1000:.1f} ms = {check / base:.2f}x"
+    )
+    for name in ("recompute", "domain", "compare", "copy"):
+        x = statistics.median(times[name])
+        print(f"    {name:<9} {x * 1000:9.1f} ms  {x / base:.3f}x  {x / check:.0%} of a check")
+    assert verdict is not None
+    print(f"    last verdict: {'matches' if verdict.matches else 'REFUSED'} ({verdict.detail})")
 
 
 def save_seconds(form: str, reps: int) -> float:
@@ -230,6 +309,10 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=5)
     p.add_argument("--switch-roles", action="store_true", help="honest members sit rounds out")
     p.add_argument("--cost", action="store_true", help="a round's work per client at 10 %%")
+    p.add_argument("--profile", action="store_true", help="where a verification's time goes")
+    p.add_argument("--preset", default="tiny", help="--profile: the Llama size (tiny, 20m)")
+    p.add_argument("--rows", type=int, default=ROWS, help="--profile: rows a batch")
+    p.add_argument("--seq", type=int, default=32, help="--profile: tokens a row")
     args = p.parse_args()
     torch.set_num_threads(1)
     forms = args.optimizers.split(",")
@@ -242,10 +325,16 @@ def main() -> None:
     unknown = [f for f in forms if f not in FORMS]
     if unknown:
         p.error(f"unknown optimizer {unknown[0]!r}; choose from {', '.join(FORMS)}")
+    threads = 1 if args.cost or args.profile else args.verifier_threads
     print(
         f"# Verifiers: {MEMBERS} members x {ROWS} rows a round, the verifier on "
-        f"{args.verifier_threads} threads (members: 1); CPU, torch {torch.__version__}"
+        f"{threads} thread(s) (members: 1); CPU, torch {torch.__version__}"
     )
+    if args.profile:
+        for form in forms:
+            print(f"\n## {NAMES[form]}: where a verification's time goes (one thread)")
+            profile(form, args.preset, args.rows, args.seq, 4 if args.quick else 8, args.seed)
+        return
     if args.cost:
         for form in forms:
             print(f"\n## {NAMES[form]}: a round's work per client, verification_percent 10")

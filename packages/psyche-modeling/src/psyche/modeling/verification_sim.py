@@ -157,9 +157,12 @@ FORMS = ("distro", "bf16", "int8", "sparse")
 """The run optimizers `tiny_trainer` builds: DisTrO 1-bit c16 k4, DiLoCo in each sent form."""
 
 
-def tiny_trainer(form: str, *, lr: float | None = None, inner_steps: int = 2) -> Trainer:
-    """A trainer of the tiny Llama (random init, seed 1337: every member the same) with `form`'s
-    optimizer (`FORMS`), micro-batches of 2 rows; nothing is downloaded."""
+def tiny_trainer(
+    form: str, *, lr: float | None = None, inner_steps: int = 2, preset: str = "tiny"
+) -> Trainer:
+    """A trainer of the tiny Llama (or another `configs.PRESETS` size; random init, seed 1337:
+    every member the same) with `form`'s optimizer (`FORMS`), micro-batches of 2 rows; nothing
+    is downloaded."""
     from psyche.core.definitions import (
         ConstantLR,
         DilocoTransmission,
@@ -172,7 +175,7 @@ def tiny_trainer(form: str, *, lr: float | None = None, inner_steps: int = 2) ->
     from psyche.modeling.research import DistroSettings
 
     model = CausalLM.from_config(
-        llama_config_dict("tiny"), ModelOptions(architecture="HfLlama", device="cpu", seed=1337)
+        llama_config_dict(preset), ModelOptions(architecture="HfLlama", device="cpu", seed=1337)
     )
     optimizer: OptimizerDefinition
     if form == "distro":
