@@ -97,8 +97,16 @@ def test_two_verifiers_recompute_the_same_bits_and_leave_their_trainer_alone(for
     published = trainer.results_from_payload(
         trainer.prepare_result(out, step=1, batch_id=BatchId(0, 0)).payload
     )
-    verify_result(trainer, batch(2, 1), published, step=2, decoy=batch(2, 2))
+    verdict = verify_result(trainer, batch(2, 1), published, step=2, decoy=batch(2, 2))
     assert same_bits(state(trainer), before)
+    # and the two verifiers' verdicts agree bit for bit, every statistic
+    again = verify_result(other, batch(2, 1), published, step=2, decoy=batch(2, 2))
+    assert verdict.measures == again.measures
+    assert (verdict.matches, verdict.score, verdict.check) == (
+        again.matches,
+        again.score,
+        again.check,
+    )
 
 
 @pytest.mark.parametrize("form", ["distro", "bf16"])
