@@ -21,6 +21,10 @@ its decoy; the verifier on `--verifier-threads` intra-op threads where the membe
   member's first round back subtracts the own results of the last round it trained;
 * every run prints the honest results' agreement and DisTrO's parts (least, median, greatest)
   and each attack's parts, to set the thresholds against;
+* `--halves` (DisTrO; research for a cheaper check, nothing ships it): the agreement of each
+  result along one half of its batch's recompute less the same half of the decoy's, for honest
+  members and each attack's lies, per half (`Lazy` trains the first half): what a verifier that
+  recomputed one half of each of its two batches (one trainer's rows, not two) would read;
 * `--cost`: a round's work per client at `verification_percent` 10 against 0 (the same
   sitting): one member's `train_exact` time per row and the verifier's recompute-and-compare
   time per row, measured, then each client's work a round for runs of 21 and 101 clients with
@@ -71,9 +75,12 @@ from psyche.coordinator.verification import (
     VERIFIED_BATCHES_PER_VERIFIER,
 )
 from psyche.core.batch_id import BatchId
+from psyche.modeling.distro import DistroResult
 from psyche.modeling.hostile import Attack, HostileMember
+from psyche.modeling.screening import ResultReader, agreement
 from psyche.modeling.trainer import Batch
 from psyche.modeling.verification import (
+    Domain,
     compare,
     domain_of,
     recompute,
@@ -118,14 +125,16 @@ class Outcome:
     verify: list[float] = field(default_factory=list)
 
 
-def play(
+def make_run(
     form: str,
     attack: Attack | None,
     rounds: int,
     threads: int,
     seed: int,
     switch_roles: bool = False,
-) -> Outcome:
+) -> tuple[VerificationRun, dict[int, HostileMember]]:
+    """The simulated run of `play` and `--halves`: 4 members (member 3 hostile from round 1 if
+    `attack`), one verifier, a bigram corpus."""
     vocab = D.build("tiny", "cpu").config.vocab_size
     data = D.bigram_corpus((rounds + 1) * (MEMBERS + 1) * ROWS, 32, vocab, seed=seed)
 
@@ -144,6 +153,18 @@ def play(
         verifier_threads=threads,
         sits_out=sits_out(seed) if switch_roles else None,
     )
+    return run, hostile
+
+
+def play(
+    form: str,
+    attack: Attack | None,
+    rounds: int,
+    threads: int,
+    seed: int,
+    switch_roles: bool = False,
+) -> Outcome:
+    run, hostile = make_run(form, attack, rounds, threads, seed, switch_roles)
     out = Outcome()
     for step in range(1, rounds + 1):
         r = run.round(step)
@@ -170,6 +191,47 @@ def play(
                 if not verdict.matches and out.first_refused is None:
                     out.first_refused = len(member.lies)
     return out
+
+
+def half_agreement(
+    reader: ResultReader, own: Domain, decoy: Domain, published: list[DistroResult], k: int
+) -> float:
+    """`--halves`: the agreement `t` of `published` along part `k` of its batch's recompute less
+    part `k` of the decoy's (what a verifier that recomputes only one half of each of its two
+    batches could read: half the rows of today's two recomputes)."""
+
+    def at(t: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        return t.clone() if positions is None else t.index_select(0, positions)
+
+    flat = reader.flat(published)
+    return agreement(
+        (at(own.parts[k][i], pos).sub_(at(decoy.parts[k][i], pos)), values)
+        for i, (pos, values) in enumerate(flat.parts)
+    )
+
+
+def halves(
+    attacks: list[Attack], honest_rounds: int, attack_rounds: int, seed: int, switch_roles: bool
+) -> None:
+    """`--halves` (see the module docstring): DisTrO, the verifier on one thread."""
+    reader = result_reader(tiny_trainer("distro"))
+    for attack in [None, *attacks]:
+        rounds = honest_rounds if attack is None else attack_rounds
+        run, hostile = make_run("distro", attack, rounds, 1, seed, switch_roles)
+        by_part: dict[tuple[bool, int], list[float]] = {}
+        for step in range(1, rounds + 1):
+            r = run.round(step)
+            members = sorted(r.domains)
+            for j, i in enumerate(members):
+                decoy = r.domains[members[(j + 1) % len(members)]]
+                lying = i in hostile
+                for k in (0, 1):
+                    t = half_agreement(reader, r.domains[i], decoy, r.published[i], k)
+                    by_part.setdefault((lying, k), []).append(t)
+        name = "honest" if attack is None else attack.value
+        for (lying, k), ts in sorted(by_part.items()):
+            who = "its lies" if lying else "honest members"
+            print(f"  {name:<12} {who:<15} half {k}: t {spread(ts)}")
 
 
 def spread(values: list[float]) -> str:
@@ -310,6 +372,7 @@ def main() -> None:
     p.add_argument("--switch-roles", action="store_true", help="honest members sit rounds out")
     p.add_argument("--cost", action="store_true", help="a round's work per client at 10 %%")
     p.add_argument("--profile", action="store_true", help="where a verification's time goes")
+    p.add_argument("--halves", action="store_true", help="DisTrO: a one-half check's statistic")
     p.add_argument("--preset", default="tiny", help="--profile: the Llama size (tiny, 20m)")
     p.add_argument("--rows", type=int, default=ROWS, help="--profile: rows a batch")
     p.add_argument("--seq", type=int, default=32, help="--profile: tokens a row")
@@ -325,11 +388,15 @@ def main() -> None:
     unknown = [f for f in forms if f not in FORMS]
     if unknown:
         p.error(f"unknown optimizer {unknown[0]!r}; choose from {', '.join(FORMS)}")
-    threads = 1 if args.cost or args.profile else args.verifier_threads
+    threads = 1 if args.cost or args.profile or args.halves else args.verifier_threads
     print(
         f"# Verifiers: {MEMBERS} members x {ROWS} rows a round, the verifier on "
         f"{threads} thread(s) (members: 1); CPU, torch {torch.__version__}"
     )
+    if args.halves:
+        print("\n## DisTrO 1-bit c16 k4: t along one half of the batch less the decoy's same half")
+        halves(attacks, honest_rounds, attack_rounds, args.seed, args.switch_roles)
+        return
     if args.profile:
         for form in forms:
             print(f"\n## {NAMES[form]}: where a verification's time goes (one thread)")
@@ -355,8 +422,14 @@ def main() -> None:
             f"\n## {NAMES[form]}: honest {honest.honest_refused} refused of {honest.honest} "
             f"verifications; recompute-and-compare {ratio:.2f}x one training step "
             f"(median {statistics.median(honest.verify) * 1000:.0f} ms against "
-            f"{statistics.median(honest.train) * 1000:.0f} ms) "
-            f"[{time.perf_counter() - started:.0f} s]"
+            f"{statistics.median(honest.train) * 1000:.0f} ms"
+            + (
+                f"; CPU seconds of the verifier's {threads} threads, waiting included: "
+                "--cost or --profile for a like-for-like ratio"
+                if threads > 1
+                else ""
+            )
+            + f") [{time.perf_counter() - started:.0f} s]"
         )
         print(f"  honest agreement {spread(honest.honest_t)}; parts {spread(honest.honest_parts)}")
         for line in honest.refusals[:5]:
