@@ -156,15 +156,9 @@ def make_run(
     return run, hostile
 
 
-def play(
-    form: str,
-    attack: Attack | None,
-    rounds: int,
-    threads: int,
-    seed: int,
-    switch_roles: bool = False,
-) -> Outcome:
-    run, hostile = make_run(form, attack, rounds, threads, seed, switch_roles)
+def play(setup: tuple[VerificationRun, dict[int, HostileMember]], rounds: int) -> Outcome:
+    """`rounds` rounds of `make_run`'s run: each verdict, the agreements and the times."""
+    run, hostile = setup
     out = Outcome()
     for step in range(1, rounds + 1):
         r = run.round(step)
@@ -256,7 +250,7 @@ def sits_out(seed: int) -> Callable[[int, int], bool]:
 
 def cost(form: str, threads: int, seed: int, reps: int) -> None:
     """`--cost` (see the module docstring)."""
-    honest = play(form, None, reps, 1, seed)  # like for like: see the module docstring
+    honest = play(make_run(form, None, reps, 1, seed), reps)  # like for like: module docstring
     train = statistics.median(honest.train) / ROWS  # seconds per row, one member
     check = statistics.median(honest.verify) / ROWS  # recompute + compare, per row
     copy = save_seconds(form, reps)
@@ -409,14 +403,8 @@ def main() -> None:
         return
     for form in forms:
         started = time.perf_counter()
-        honest = play(
-            form,
-            None,
-            honest_rounds,
-            args.verifier_threads,
-            args.seed,
-            args.switch_roles,
-        )
+        setup = (args.verifier_threads, args.seed, args.switch_roles)
+        honest = play(make_run(form, None, honest_rounds, *setup), honest_rounds)
         ratio = statistics.median(honest.verify) / statistics.median(honest.train)
         print(
             f"\n## {NAMES[form]}: honest {honest.honest_refused} refused of {honest.honest} "
@@ -439,14 +427,7 @@ def main() -> None:
             f"{'caught by lie':>14} {'honest refused':>15}"
         )
         for attack in attacks:
-            o = play(
-                form,
-                attack,
-                attack_rounds,
-                args.verifier_threads,
-                args.seed,
-                args.switch_roles,
-            )
+            o = play(make_run(form, attack, attack_rounds, *setup), attack_rounds)
             caught = "-" if o.first_refused is None else f"#{o.first_refused}"
             print(
                 f"  {attack.value:<13} {o.lies:5d} {o.refused_alone / max(o.lies, 1):14.0%} "
