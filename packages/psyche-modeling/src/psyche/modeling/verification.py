@@ -435,7 +435,9 @@ class _Read:
     decoy: torch.Tensor
 
     def part(self, k: int, shares: tuple[float, float]) -> torch.Tensor:
-        """Part `k`'s update less the decoy's whole update: what only that part's rows give."""
+        """Part `k`'s update less the decoy's whole update: what only that part's rows give (an
+        honest result carries both parts; one trained on the other part only does not carry
+        this one: its `t` along this is about N(0, 3^2))."""
         assert self.halves is not None
         sign = shares[1] if k == 0 else -shares[0]
         return self.whole.clone().add_(self.halves, alpha=sign).sub_(self.decoy)
