@@ -21,6 +21,10 @@ its decoy; the verifier on `--verifier-threads` intra-op threads where the membe
   member's first round back subtracts the own results of the last round it trained;
 * every run prints the honest results' agreement and DisTrO's parts (least, median, greatest)
   and each attack's parts, to set the thresholds against;
+* `--halves` (DisTrO; research for a cheaper check, nothing ships it): the agreement of each
+  result along one half of its batch's recompute less the same half of the decoy's, for honest
+  members and each attack's lies, per half (`Lazy` trains the first half): what a verifier that
+  recomputed one half of each of its two batches (one trainer's rows, not two) would read;
 * `--cost`: a round's work per client at `verification_percent` 10 against 0 (the same
   sitting): one member's `train_exact` time per row and the verifier's recompute-and-compare
   time per row, measured, then each client's work a round for runs of 21 and 101 clients with
@@ -34,9 +38,18 @@ its decoy; the verifier on `--verifier-threads` intra-op threads where the membe
   client runs on its own machine, so a round's time is the slowest client's work, and
   verifiers and the tie-breaker only need to finish inside the round.
 
+* `--profile`: where one verification's time goes (CPU seconds, one thread, the same sitting):
+  a member's `train_exact` and `prepare_result` of a batch against the verifier's `recompute`
+  (the batch's forward and backward, in two parts), `domain_of` (the parts' DCT), `compare`
+  (the statistics at the payload's positions) and a tie-breaker's `save_weights`, each as a
+  ratio of the member's training step; `--preset 20m --rows 4 --seq 128` for a 20M Llama.
+  `--cost` and `--profile` run the verifier on one thread, as the members: on a loaded machine
+  a two-thread verifier's CPU seconds count its threads' waiting (25x a member's step, seen).
+
     .venv/bin/python scripts/bench/verify.py            # full: 500 honest verifications each
     .venv/bin/python scripts/bench/verify.py --quick    # a smoke check (seconds to a minute)
     .venv/bin/python scripts/bench/verify.py --cost --optimizers distro
+    .venv/bin/python scripts/bench/verify.py --profile --optimizers distro --preset 20m --rows 4 --seq 128
 
 No downloads: random-init Llama configs and a synthetic corpus.
 """
@@ -52,6 +65,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 
@@ -60,15 +74,27 @@ from psyche.coordinator.verification import (
     VERIFICATION_TIE_BREAKERS,
     VERIFIED_BATCHES_PER_VERIFIER,
 )
+from psyche.core.batch_id import BatchId
+from psyche.modeling.distro import DistroResult
 from psyche.modeling.hostile import Attack, HostileMember
+from psyche.modeling.screening import ResultReader, agreement
 from psyche.modeling.trainer import Batch
-from psyche.modeling.verification import save_weights
+from psyche.modeling.verification import (
+    Domain,
+    compare,
+    domain_of,
+    recompute,
+    result_reader,
+    save_weights,
+    verification_settings,
+)
 from psyche.modeling.verification_sim import FORMS, VerificationRun, tiny_trainer
 
 sys.path.insert(0, str(Path(__file__).parent))
 import diloco as bench_diloco
 
 D = bench_diloco.D
+T = TypeVar("T")
 MEMBERS = 4
 ROWS = 4
 HOSTILE = MEMBERS - 1
@@ -99,14 +125,16 @@ class Outcome:
     verify: list[float] = field(default_factory=list)
 
 
-def play(
+def make_run(
     form: str,
     attack: Attack | None,
     rounds: int,
     threads: int,
     seed: int,
     switch_roles: bool = False,
-) -> Outcome:
+) -> tuple[VerificationRun, dict[int, HostileMember]]:
+    """The simulated run of `play` and `--halves`: 4 members (member 3 hostile from round 1 if
+    `attack`), one verifier, a bigram corpus."""
     vocab = D.build("tiny", "cpu").config.vocab_size
     data = D.bigram_corpus((rounds + 1) * (MEMBERS + 1) * ROWS, 32, vocab, seed=seed)
 
@@ -125,6 +153,12 @@ def play(
         verifier_threads=threads,
         sits_out=sits_out(seed) if switch_roles else None,
     )
+    return run, hostile
+
+
+def play(setup: tuple[VerificationRun, dict[int, HostileMember]], rounds: int) -> Outcome:
+    """`rounds` rounds of `make_run`'s run: each verdict, the agreements and the times."""
+    run, hostile = setup
     out = Outcome()
     for step in range(1, rounds + 1):
         r = run.round(step)
@@ -153,6 +187,47 @@ def play(
     return out
 
 
+def half_agreement(
+    reader: ResultReader, own: Domain, decoy: Domain, published: list[DistroResult], k: int
+) -> float:
+    """`--halves`: the agreement `t` of `published` along part `k` of its batch's recompute less
+    part `k` of the decoy's (what a verifier that recomputes only one half of each of its two
+    batches could read: half the rows of today's two recomputes)."""
+
+    def at(t: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        return t.clone() if positions is None else t.index_select(0, positions)
+
+    flat = reader.flat(published)
+    return agreement(
+        (at(own.parts[k][i], pos).sub_(at(decoy.parts[k][i], pos)), values)
+        for i, (pos, values) in enumerate(flat.parts)
+    )
+
+
+def halves(
+    attacks: list[Attack], honest_rounds: int, attack_rounds: int, seed: int, switch_roles: bool
+) -> None:
+    """`--halves` (see the module docstring): DisTrO, the verifier on one thread."""
+    reader = result_reader(tiny_trainer("distro"))
+    for attack in [None, *attacks]:
+        rounds = honest_rounds if attack is None else attack_rounds
+        run, hostile = make_run("distro", attack, rounds, 1, seed, switch_roles)
+        by_part: dict[tuple[bool, int], list[float]] = {}
+        for step in range(1, rounds + 1):
+            r = run.round(step)
+            members = sorted(r.domains)
+            for j, i in enumerate(members):
+                decoy = r.domains[members[(j + 1) % len(members)]]
+                lying = i in hostile
+                for k in (0, 1):
+                    t = half_agreement(reader, r.domains[i], decoy, r.published[i], k)
+                    by_part.setdefault((lying, k), []).append(t)
+        name = "honest" if attack is None else attack.value
+        for (lying, k), ts in sorted(by_part.items()):
+            who = "its lies" if lying else "honest members"
+            print(f"  {name:<12} {who:<15} half {k}: t {spread(ts)}")
+
+
 def spread(values: list[float]) -> str:
     """The least, the median and the greatest of `values`."""
     if not values:
@@ -175,7 +250,7 @@ def sits_out(seed: int) -> Callable[[int, int], bool]:
 
 def cost(form: str, threads: int, seed: int, reps: int) -> None:
     """`--cost` (see the module docstring)."""
-    honest = play(form, None, reps, threads, seed)
+    honest = play(make_run(form, None, reps, 1, seed), reps)  # like for like: module docstring
     train = statistics.median(honest.train) / ROWS  # seconds per row, one member
     check = statistics.median(honest.verify) / ROWS  # recompute + compare, per row
     copy = save_seconds(form, reps)
@@ -195,6 +270,7 @@ def cost(form: str, threads: int, seed: int, reps: int) -> None:
         verifier = VERIFIED_BATCHES_PER_VERIFIER * per * check / base
         before = checked * per * check / base
         dispute = 2 * per * check / base  # the disputed batch and its decoy, next round
+        behind = verifier / trainer
         print(
             f"  {clients} clients at 10 %: 1 tie-breaker, {verifiers} verifiers, {trainers} "
             f"trainers ({per} rows each, {math.ceil(rows / clients)} at 0 %); work a round "
@@ -203,8 +279,67 @@ def cost(form: str, threads: int, seed: int, reps: int) -> None:
             f"{copy / base:.3f}x without a dispute (the copy) and {dispute:.2f}x a disputed "
             f"batch (next round; {checked * per * check / base:.2f}x if every checked batch "
             f"were disputed); {checked} of {trainers} trainers checked a round "
-            f"({checked / trainers:.0%})"
+            f"({checked / trainers:.0%}); a verifier needs {behind:.2f}x the trainers' time "
+            f"for its two recomputes (a round's end stops it: in a compute-bound round it "
+            f"reports nothing unless the witness phase gives it the rest)"
         )
+
+
+def profile(form: str, preset: str, rows: int, seq: int, reps: int, seed: int) -> None:
+    """`--profile` (see the module docstring): one member and one verifier at the same weights,
+    `reps` rounds; the member's result of each round checked with the next batch as decoy."""
+    trainer, verifier = tiny_trainer(form, preset=preset), tiny_trainer(form, preset=preset)
+    vocab = trainer.model.config.vocab_size
+    g = torch.Generator().manual_seed(seed)
+    reader, settings = result_reader(verifier), verification_settings(verifier)
+    saved = save_weights(verifier)
+    times: dict[str, list[float]] = {
+        k: [] for k in ("train", "prepare", "recompute", "domain", "compare", "copy")
+    }
+
+    def timed(name: str, work: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        start = time.process_time()
+        out = work(*args, **kwargs)
+        times[name].append(time.process_time() - start)
+        return out
+
+    verdict = None
+    for step in range(1, reps + 1):
+        own, other = (Batch(torch.randint(0, vocab, (rows, seq), generator=g)) for _ in (0, 1))
+        out = timed(
+            "train",
+            trainer.train_exact,
+            step,
+            own,
+            warmup_lr_between=None,
+            zero_optim=False,
+            prev_self_distro_results=[],
+        )
+        prepared = timed("prepare", trainer.prepare_result, out, step=step, batch_id=BatchId(0, 0))
+        published = verifier.results_from_payload(prepared.payload)
+        domains = [
+            timed(
+                "domain", domain_of, verifier, timed("recompute", recompute, verifier, b, step=step)
+            )
+            for b in (own, other)
+        ]
+        verdict = timed("compare", compare, reader, domains[0], domains[1], published, settings)
+        timed("copy", save_weights, verifier, saved)
+        for t in (trainer, verifier):  # the round's own update, on both: the same weights
+            t.optimize(step, distro_results=[out.distro_results or []])
+    base = statistics.median(times["train"]) + statistics.median(times["prepare"])
+    check = sum(statistics.median(times[k]) for k in ("recompute", "domain", "compare"))
+    print(
+        f"  {preset}, {rows} rows x {seq} tokens, {reps} rounds: a member's training step "
+        f"{base * 1000:.1f} ms (train_exact + prepare_result); one check (its batch's "
+        f"recompute, its DCT and one comparison; the decoy is another check's batch) "
+        f"{check * 1000:.1f} ms = {check / base:.2f}x"
+    )
+    for name in ("recompute", "domain", "compare", "copy"):
+        x = statistics.median(times[name])
+        print(f"    {name:<9} {x * 1000:9.1f} ms  {x / base:.3f}x  {x / check:.0%} of a check")
+    assert verdict is not None
+    print(f"    last verdict: {'matches' if verdict.matches else 'REFUSED'} ({verdict.detail})")
 
 
 def save_seconds(form: str, reps: int) -> float:
@@ -230,6 +365,11 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=5)
     p.add_argument("--switch-roles", action="store_true", help="honest members sit rounds out")
     p.add_argument("--cost", action="store_true", help="a round's work per client at 10 %%")
+    p.add_argument("--profile", action="store_true", help="where a verification's time goes")
+    p.add_argument("--halves", action="store_true", help="DisTrO: a one-half check's statistic")
+    p.add_argument("--preset", default="tiny", help="--profile: the Llama size (tiny, 20m)")
+    p.add_argument("--rows", type=int, default=ROWS, help="--profile: rows a batch")
+    p.add_argument("--seq", type=int, default=32, help="--profile: tokens a row")
     args = p.parse_args()
     torch.set_num_threads(1)
     forms = args.optimizers.split(",")
@@ -242,10 +382,20 @@ def main() -> None:
     unknown = [f for f in forms if f not in FORMS]
     if unknown:
         p.error(f"unknown optimizer {unknown[0]!r}; choose from {', '.join(FORMS)}")
+    threads = 1 if args.cost or args.profile or args.halves else args.verifier_threads
     print(
         f"# Verifiers: {MEMBERS} members x {ROWS} rows a round, the verifier on "
-        f"{args.verifier_threads} threads (members: 1); CPU, torch {torch.__version__}"
+        f"{threads} thread(s) (members: 1); CPU, torch {torch.__version__}"
     )
+    if args.halves:
+        print("\n## DisTrO 1-bit c16 k4: t along one half of the batch less the decoy's same half")
+        halves(attacks, honest_rounds, attack_rounds, args.seed, args.switch_roles)
+        return
+    if args.profile:
+        for form in forms:
+            print(f"\n## {NAMES[form]}: where a verification's time goes (one thread)")
+            profile(form, args.preset, args.rows, args.seq, 4 if args.quick else 8, args.seed)
+        return
     if args.cost:
         for form in forms:
             print(f"\n## {NAMES[form]}: a round's work per client, verification_percent 10")
@@ -253,21 +403,21 @@ def main() -> None:
         return
     for form in forms:
         started = time.perf_counter()
-        honest = play(
-            form,
-            None,
-            honest_rounds,
-            args.verifier_threads,
-            args.seed,
-            args.switch_roles,
-        )
+        setup = (args.verifier_threads, args.seed, args.switch_roles)
+        honest = play(make_run(form, None, honest_rounds, *setup), honest_rounds)
         ratio = statistics.median(honest.verify) / statistics.median(honest.train)
         print(
             f"\n## {NAMES[form]}: honest {honest.honest_refused} refused of {honest.honest} "
             f"verifications; recompute-and-compare {ratio:.2f}x one training step "
             f"(median {statistics.median(honest.verify) * 1000:.0f} ms against "
-            f"{statistics.median(honest.train) * 1000:.0f} ms) "
-            f"[{time.perf_counter() - started:.0f} s]"
+            f"{statistics.median(honest.train) * 1000:.0f} ms"
+            + (
+                f"; CPU seconds of the verifier's {threads} threads, waiting included: "
+                "--cost or --profile for a like-for-like ratio"
+                if threads > 1
+                else ""
+            )
+            + f") [{time.perf_counter() - started:.0f} s]"
         )
         print(f"  honest agreement {spread(honest.honest_t)}; parts {spread(honest.honest_parts)}")
         for line in honest.refusals[:5]:
@@ -277,14 +427,7 @@ def main() -> None:
             f"{'caught by lie':>14} {'honest refused':>15}"
         )
         for attack in attacks:
-            o = play(
-                form,
-                attack,
-                attack_rounds,
-                args.verifier_threads,
-                args.seed,
-                args.switch_roles,
-            )
+            o = play(make_run(form, attack, attack_rounds, *setup), attack_rounds)
             caught = "-" if o.first_refused is None else f"#{o.first_refused}"
             print(
                 f"  {attack.value:<13} {o.lies:5d} {o.refused_alone / max(o.lies, 1):14.0%} "

@@ -97,8 +97,16 @@ def test_two_verifiers_recompute_the_same_bits_and_leave_their_trainer_alone(for
     published = trainer.results_from_payload(
         trainer.prepare_result(out, step=1, batch_id=BatchId(0, 0)).payload
     )
-    verify_result(trainer, batch(2, 1), published, step=2, decoy=batch(2, 2))
+    verdict = verify_result(trainer, batch(2, 1), published, step=2, decoy=batch(2, 2))
     assert same_bits(state(trainer), before)
+    # and the two verifiers' verdicts agree bit for bit, every statistic
+    again = verify_result(other, batch(2, 1), published, step=2, decoy=batch(2, 2))
+    assert verdict.measures == again.measures
+    assert (verdict.matches, verdict.score, verdict.check) == (
+        again.matches,
+        again.score,
+        again.check,
+    )
 
 
 @pytest.mark.parametrize("form", ["distro", "bf16"])
@@ -127,6 +135,76 @@ def test_a_tie_breaker_recomputes_from_its_saved_weights_a_round_later(form: str
     again = save_weights(trainer, saved)
     assert again is saved
     assert all(a.data_ptr() == b.data_ptr() for a, b in zip(again.tensors, saved.tensors))
+
+
+def _whole_tensor_measures(
+    reader: Any, own: Any, decoy: Any, published: list[DistroResult]
+) -> tuple[float, float | None, float | None, float]:
+    """The comparison's statistics as they were computed until 2026-11-28: each domain's whole
+    update and parts' difference formed over whole tensors, then read at the payload's
+    positions (one gather per statistic)."""
+    from psyche.modeling.screening import _at, agreement
+
+    def whole_and_halves(d: Any) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        if not d.halved:
+            return d.parts[0], None
+        a, b = d.shares
+        x, y = d.parts
+        return [u * a + v * b for u, v in zip(x, y)], [u - v for u, v in zip(x, y)]
+
+    flat = reader.flat(published)
+    whole, halves = whole_and_halves(own)
+    other, _ = whole_and_halves(decoy)
+    t = agreement(
+        (_at(whole[i], pos).sub_(_at(other[i], pos)), v) for i, (pos, v) in enumerate(flat.parts)
+    )
+    balance = parts = None
+    if halves is not None:
+        balance = agreement((_at(halves[i], pos), v) for i, (pos, v) in enumerate(flat.parts))
+        signs = (own.shares[1], -own.shares[0])
+        parts = min(
+            agreement(
+                (
+                    _at(whole[i], pos)
+                    .add_(_at(halves[i], pos), alpha=signs[k])
+                    .sub_(_at(other[i], pos)),
+                    v,
+                )
+                for i, (pos, v) in enumerate(flat.parts)
+            )
+            for k in (0, 1)
+        )
+    at = torch.cat([_at(w, pos) for w, (pos, _) in zip(whole, flat.parts)])
+    norm = float(torch.linalg.vector_norm(flat.values))
+    reference = float(torch.linalg.vector_norm(at))
+    cosine = float(torch.dot(at, flat.values)) / (reference * norm)
+    return t, balance, parts, cosine
+
+
+@pytest.mark.parametrize("form", ["distro", "bf16", "sparse"])
+def test_the_comparison_at_the_payloads_positions_gives_the_whole_tensors_bits(form: str) -> None:
+    # compare() forms the whole update and the parts' difference at the payload's positions
+    # only; every statistic must keep the bits it had when they were formed over whole tensors
+    # (an honest verifier's verdict unchanged, and the same on every verifier)
+    from psyche.modeling.verification import compare, domain_of, result_reader
+
+    batch = corpus_batches(2)
+    trainer, verifier = tiny_trainer(form), tiny_trainer(form)
+    out = trainer.train_exact(
+        1, batch(1, 0), warmup_lr_between=None, zero_optim=False, prev_self_distro_results=[]
+    )
+    published = verifier.results_from_payload(
+        trainer.prepare_result(out, step=1, batch_id=BatchId(0, 0)).payload
+    )
+    own = domain_of(verifier, recompute(verifier, batch(1, 0), step=1))
+    decoy = domain_of(verifier, recompute(verifier, batch(1, 1), step=1))
+    reader = result_reader(verifier)
+    verdict = compare(reader, own, decoy, published, verification_settings(verifier))
+    m = verdict.measures
+    t, balance, parts, cosine = _whole_tensor_measures(reader, own, decoy, published)
+    assert (m.agreement, m.balance, m.parts, m.cosine) == (t, balance, parts, cosine)
+    assert (m.balance is None) == (form != "distro")
+    assert verdict.matches
 
 
 @pytest.mark.parametrize("form", ["distro", "bf16"])

@@ -69,7 +69,7 @@ results vary, and an honest trainer's own momentum is itself a persistent direct
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -376,64 +376,89 @@ def recomputed_domain(trainer: Trainer, update: Sequence[torch.Tensor]) -> list[
 
 @dataclass(frozen=True)
 class Domain:
-    """A `Recomputed` read in the payloads' domain (`domain_of`): the whole update and the
-    difference of its two parts (None for a one-part batch)."""
+    """A `Recomputed` read in the payloads' domain (`domain_of`): each part's update, kept as
+    it is (one flat float32 tensor per parameter), and the parts' shares of the batch's rows.
+    What the comparison reads of it (`at`) is taken at the payload's positions only: the whole
+    update (`shares[0] x first + shares[1] x second`) and the difference of the parts (`first -
+    second`) are formed there, never over whole tensors (a payload holds a few entries of each
+    DCT block)."""
 
-    whole: list[torch.Tensor]
-    halves: list[torch.Tensor] | None
+    parts: list[list[torch.Tensor]]
     shares: tuple[float, float] = (0.5, 0.5)
-    """The two parts' shares of the batch's rows (`whole` is `shares[0] x first + shares[1] x
-    second`, `halves` is `first - second`)."""
 
-    def part(self, k: int, i: int, positions: torch.Tensor | None) -> torch.Tensor:
-        """Part `k`'s update of parameter `i` at `positions` (from `whole` and `halves`)."""
-        assert self.halves is not None
-        sign = self.shares[1] if k == 0 else -self.shares[0]
-        return _at(self.whole[i], positions).add_(_at(self.halves[i], positions), alpha=sign)
+    @property
+    def halved(self) -> bool:
+        """Whether the batch has two parts (a one-row batch, or DiLoCo, has one)."""
+        return len(self.parts) > 1
+
+    def at(
+        self, i: int, positions: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The whole update and the parts' difference (None: one part) of parameter `i` at
+        `positions`, fresh tensors: each part is gathered once, then combined element by element
+        (the same bits as combining whole tensors and gathering: the operations are
+        elementwise)."""
+        if not self.halved:
+            return _at(self.parts[0][i], positions), None
+        x, y = _at(self.parts[0][i], positions), _at(self.parts[1][i], positions)
+        a, b = self.shares
+        return x * a + y * b, x - y
+
+    def norm(self) -> float:
+        """The whole update's norm (DiLoCo's dense forms: one part)."""
+        wholes = (
+            self.parts[0]
+            if not self.halved
+            else [self.at(i, None)[0] for i in range(len(self.parts[0]))]
+        )
+        return math.sqrt(sum(float(x.dot(x)) for x in wholes))
 
 
 def domain_of(trainer: Trainer, recomputed: Recomputed) -> Domain:
-    """`recomputed` in the payloads' domain; the whole update's is the parts' weighted mean
-    there (the transforms are linear), so each part is transformed once."""
+    """`recomputed` in the payloads' domain, each part transformed once (the whole update is
+    the parts' weighted mean there too: the transforms are linear)."""
     parts = [recomputed_domain(trainer, part) for part in recomputed.parts]
     if len(parts) < 2:
-        return Domain(parts[0], None)
+        return Domain(parts, (1.0, 0.0))
     total = sum(recomputed.rows)
     a, b = (n / total for n in recomputed.rows)
-    whole = [x * a + y * b for x, y in zip(parts[0], parts[1])]
-    return Domain(whole, [x - y for x, y in zip(parts[0], parts[1])], (a, b))
+    return Domain(parts, (a, b))
 
 
-def _agreement_along(
+@dataclass(frozen=True)
+class _Read:
+    """A comparison's recomputes at one parameter's payload positions, each gathered once:
+    the batch's whole update and its parts' difference, the decoy's whole update."""
+
+    whole: torch.Tensor
+    halves: torch.Tensor | None
+    decoy: torch.Tensor
+
+    def part(self, k: int, shares: tuple[float, float]) -> torch.Tensor:
+        """Part `k`'s update less the decoy's whole update: what only that part's rows give (an
+        honest result carries both parts; one trained on the other part only does not carry
+        this one: its `t` along this is about N(0, 3^2))."""
+        assert self.halves is not None
+        sign = shares[1] if k == 0 else -shares[0]
+        return self.whole.clone().add_(self.halves, alpha=sign).sub_(self.decoy)
+
+
+def _reads(
+    flat_parts: Sequence[tuple[torch.Tensor | None, torch.Tensor]], own: Domain, decoy: Domain
+) -> list[_Read]:
+    out = []
+    for i, (positions, _) in enumerate(flat_parts):
+        whole, halves = own.at(i, positions)
+        out.append(_Read(whole, halves, decoy.at(i, positions)[0]))
+    return out
+
+
+def _agreement_of(
     flat_parts: Sequence[tuple[torch.Tensor | None, torch.Tensor]],
-    direction: Sequence[torch.Tensor],
-    minus: Sequence[torch.Tensor] | None = None,
+    directions: Iterable[torch.Tensor],
 ) -> float:
-    def pairs() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for i, (positions, values) in enumerate(flat_parts):
-            d = _at(direction[i], positions)
-            if minus is not None:
-                d.sub_(_at(minus[i], positions))
-            yield d, values
-
-    return agreement(pairs())
-
-
-def _part_agreement(
-    flat_parts: Sequence[tuple[torch.Tensor | None, torch.Tensor]],
-    own: Domain,
-    decoy: Domain,
-    k: int,
-) -> float:
-    """`t` of the payload along part `k`'s update less the decoy's whole update: what only
-    that part's rows give (an honest result carries both parts; one trained on the other part
-    only does not carry this one: `t` about N(0, 3^2))."""
-
-    def pairs() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for i, (positions, values) in enumerate(flat_parts):
-            yield own.part(k, i, positions).sub_(_at(decoy.whole[i], positions)), values
-
-    return agreement(pairs())
+    """`t` of the payload's values along `directions` (one per parameter, overwritten)."""
+    return agreement(zip(directions, (values for _, values in flat_parts), strict=True))
 
 
 @dataclass(frozen=True)
@@ -475,15 +500,18 @@ def compare(
     decoy batch (`domain_of`); checks in order zero and norm (DiLoCo), agreement along the
     difference of the two batches' updates, balance of the batch's two parts."""
     flat = reader.flat(published)
-    t = _agreement_along(flat.parts, own.whole, decoy.whole)
-    balance = None if own.halves is None else _agreement_along(flat.parts, own.halves)
-    parts = (
-        None
-        if own.halves is None
-        else min(_part_agreement(flat.parts, own, decoy, k) for k in (0, 1))
-    )
+    reads = _reads(flat.parts, own, decoy)
+    t = _agreement_of(flat.parts, (r.whole - r.decoy for r in reads))
+    balance = parts = None
+    if own.halved:
+        balance = _agreement_of(
+            flat.parts, (r.halves.clone() for r in reads if r.halves is not None)
+        )
+        parts = min(
+            _agreement_of(flat.parts, (r.part(k, own.shares) for r in reads)) for k in (0, 1)
+        )
     norm = float(torch.linalg.vector_norm(flat.values))
-    at = torch.cat([_at(d, positions) for d, (positions, _) in zip(own.whole, flat.parts)])
+    at = torch.cat([r.whole for r in reads])
     reference = float(torch.linalg.vector_norm(at))
     cosine = float(torch.dot(at, flat.values)) / (reference * norm) if reference * norm else 0.0
     measures = Measures(t, balance, cosine, None, parts)
@@ -493,7 +521,7 @@ def compare(
         sparse = any(lay.transmission is DilocoTransmission.Sparse for lay in reader.layouts)
         # the sparse form's payload is the top-k of its update: its norm is compared with the
         # recompute's at the same positions; a dense form's with the whole recompute's
-        expected = reference if sparse else math.sqrt(sum(float(x.dot(x)) for x in own.whole))
+        expected = reference if sparse else own.norm()
         ratio = norm / expected if expected > 0.0 else math.inf
         measures = Measures(t, balance, cosine, ratio, parts)
         bound = settings.max_norm_ratio

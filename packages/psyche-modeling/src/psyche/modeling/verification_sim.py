@@ -25,6 +25,7 @@ from psyche.modeling.distro import DistroResult
 from psyche.modeling.hostile import HostileMember, make_hostile
 from psyche.modeling.trainer import Batch, Trainer
 from psyche.modeling.verification import (
+    Domain,
     Evidence,
     VerificationSettings,
     VerificationVerdict,
@@ -49,6 +50,10 @@ class VerifiedRound:
     verify_seconds: float
     """The verifier's mean time per verification (its recomputes and comparisons; CPU
     seconds of the process, all its threads)."""
+    domains: dict[int, Domain] = field(default_factory=dict)
+    """Each verified member's recompute in the payloads' domain (its decoy: the next one's)."""
+    published: dict[int, list[DistroResult]] = field(default_factory=dict)
+    """Each verified member's result as the verifier decoded it."""
 
 
 @dataclass
@@ -110,7 +115,7 @@ class VerificationRun:
             self._prev[i] = out.distro_results or []
             published.append(self.verifier.results_from_payload(prepared.payload))
         started = time.process_time()
-        verdicts, single = self._verify(step, published, sitting)
+        verdicts, single, domains = self._verify(step, published, sitting)
         verify_seconds = (time.process_time() - started) / max(len(verdicts), 1)
         for trainer in [*self.trainers, self.verifier]:
             trainer.decay_weights(step, warmup_lr_between=None)  # the step's, on every client
@@ -119,11 +124,19 @@ class VerificationRun:
         # a refused result is not applied (the protocol removes the trainer it caught)
         self._pending = [published[i] for i in verdicts if verdicts[i].matches]
         trained = max(n - len(sitting), 1)
-        return VerifiedRound(step, verdicts, single, train_seconds / trained, verify_seconds)
+        return VerifiedRound(
+            step,
+            verdicts,
+            single,
+            train_seconds / trained,
+            verify_seconds,
+            domains,
+            {i: list(published[i]) for i in verdicts},
+        )
 
     def _verify(
         self, step: int, published: Sequence[Sequence[DistroResult]], sitting: set[int]
-    ) -> tuple[dict[int, VerificationVerdict], dict[int, VerificationVerdict]]:
+    ) -> tuple[dict[int, VerificationVerdict], dict[int, VerificationVerdict], dict[int, Domain]]:
         before = torch.get_num_threads()
         if self.verifier_threads is not None:
             torch.set_num_threads(self.verifier_threads)
@@ -145,7 +158,7 @@ class VerificationRun:
                 verdict = compare(reader, domains[i], decoy, published[i], settings)
                 single[i] = verdict
                 verdicts[i] = self.evidence.setdefault(i, Evidence(settings)).add(verdict)
-            return verdicts, single
+            return verdicts, single, domains
         finally:
             torch.set_num_threads(before)
 
@@ -157,9 +170,12 @@ FORMS = ("distro", "bf16", "int8", "sparse")
 """The run optimizers `tiny_trainer` builds: DisTrO 1-bit c16 k4, DiLoCo in each sent form."""
 
 
-def tiny_trainer(form: str, *, lr: float | None = None, inner_steps: int = 2) -> Trainer:
-    """A trainer of the tiny Llama (random init, seed 1337: every member the same) with `form`'s
-    optimizer (`FORMS`), micro-batches of 2 rows; nothing is downloaded."""
+def tiny_trainer(
+    form: str, *, lr: float | None = None, inner_steps: int = 2, preset: str = "tiny"
+) -> Trainer:
+    """A trainer of the tiny Llama (or another `configs.PRESETS` size; random init, seed 1337:
+    every member the same) with `form`'s optimizer (`FORMS`), micro-batches of 2 rows; nothing
+    is downloaded."""
     from psyche.core.definitions import (
         ConstantLR,
         DilocoTransmission,
@@ -172,7 +188,7 @@ def tiny_trainer(form: str, *, lr: float | None = None, inner_steps: int = 2) ->
     from psyche.modeling.research import DistroSettings
 
     model = CausalLM.from_config(
-        llama_config_dict("tiny"), ModelOptions(architecture="HfLlama", device="cpu", seed=1337)
+        llama_config_dict(preset), ModelOptions(architecture="HfLlama", device="cpu", seed=1337)
     )
     optimizer: OptimizerDefinition
     if form == "distro":
