@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -26,6 +28,7 @@ from psyche.network.download import DownloadComplete
 from psyche.network.events import MessageReceived, NetworkEvent, PeerConnected
 from psyche.network.gossip import GossipConfig, GossipRejected, _ContentMessageCache, gossip_topic
 from psyche.network.identity import peer_id_from_public_key
+from psyche.network.p2p_host import RateLimitedLog, limit_libp2p_logs
 from psyche.network.testing import connect_pairs, full_mesh, open_nodes, ring, wait_until
 from psyche.network.transmittable import DownloadType
 
@@ -506,3 +509,69 @@ def test_a_peers_signed_record_is_checked_once_not_per_rpc(monkeypatch: pytest.M
             assert len(checked) <= 2  # at most one per direction, when the reuse window ends
 
     trio.run(main)
+
+
+def test_a_relay_that_never_subscribes_is_not_queued_for_and_nothing_is_logged_per_message(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A run's relay takes every member's gossip stream and subscribes to nothing. py-libp2p
+    queued every published message for it (a peer whose subscription had not come yet) and,
+    past 100 in 30 s, warned on every publish for the rest of the run. Now only run members
+    are queued for, and no py-libp2p record repeats unlimited (`RateLimitedLog`)."""
+    from psyche.network.reachability import relay_peer
+    from psyche.network.relay import RelayOptions, open_relay
+
+    published = 130  # py-libp2p's queue holds 100 per peer
+
+    async def main() -> None:
+        keys = [SecretKey.generate() for _ in range(2)]
+        members = {k.public_key for k in keys}
+        async with (
+            open_relay(
+                SecretKey.generate(), lambda key: key in members, RelayOptions("127.0.0.1")
+            ) as relay,
+            open_nodes(
+                2, keys=keys, broadcast_type=Broadcast, relays=tuple(relay.multiaddrs())
+            ) as (a, b),
+        ):
+            relay_id = peer_id_from_public_key(relay_peer(relay.multiaddrs()[0]))
+            await wait_until(lambda: relay_id in a.gossip.pubsub.peers, timeout=30)
+            await connect_pairs([a, b], [(0, 1)])
+            await wait_for_mesh([a, b], 1)
+            for step in range(published):
+                message = finished(a.secret_key, step)
+                a.broadcast(message)
+                assert await next_message(b) == message
+            assert relay_id in a.gossip.pubsub.peers  # still connected over gossip
+            assert relay_id not in a.gossip.router._pending_messages
+
+    with caplog.at_level(logging.INFO):
+        trio.run(main)
+    libp2p = [r for r in caplog.records if r.name.startswith("libp2p")]
+    assert not [r for r in libp2p if "pending message queue" in r.getMessage()]
+    kinds = Counter((r.name, str(r.msg)) for r in libp2p)
+    assert all(n == 1 for n in kinds.values()), kinds  # none repeats within 10 s
+
+
+def test_a_libp2p_record_repeated_per_message_is_logged_once_per_interval() -> None:
+    """`RateLimitedLog` on py-libp2p's loggers: a flood of one kind of record passes once per
+    interval, and the first after it says how many were left out; other kinds pass."""
+    clock = [0.0]
+    limit = RateLimitedLog(interval=10.0, clock=lambda: clock[0])
+
+    def record(msg: str, *args: Any) -> logging.LogRecord:
+        return logging.LogRecord("libp2p.pubsub", logging.WARNING, "x", 1, msg, args, None)
+
+    passed = [r for _ in range(500) if limit.filter(r := record("queue for %s full", "p"))]
+    assert len(passed) == 1
+    assert limit.filter(record("another kind"))
+    clock[0] = 10.0
+    later = record("queue for %s full", "p")
+    assert limit.filter(later)
+    assert "499 more like this" in later.getMessage()
+    assert not limit.filter(record("queue for %s full", "q"))
+    limit_libp2p_logs()
+    assert all(
+        any(isinstance(f, RateLimitedLog) for f in logging.getLogger(name).filters)
+        for name in ("libp2p.pubsub.gossipsub", "libp2p.pubsub.pubsub")
+    )

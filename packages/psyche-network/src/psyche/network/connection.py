@@ -324,6 +324,7 @@ class NetworkConnection:
                     await network.gossip.pubsub.subscribe(network.gossip.topic)
                     await nursery.start(network.blob_transport.serve)
                     nursery.start_soon(network.connection_drops.run)
+                    nursery.start_soon(network.gossip.drops.run)
                     await nursery.start(network.nat.run)
                     if config.relays:
                         # The first record we announce should already name our relays.

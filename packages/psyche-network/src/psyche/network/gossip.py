@@ -54,6 +54,7 @@ from libp2p.pubsub.pb import rpc_pb2
 from libp2p.pubsub.pubsub import Pubsub
 from libp2p.pubsub.utils import safe_bytes_from_hex
 
+from psyche.core.drop_log import DropLog
 from psyche.core.identity import SecretKey
 from psyche.core.signed_message import SignedMessage, SignedMessageError
 from psyche.network.identity import fmt_short, peer_id_from_public_key
@@ -345,9 +346,18 @@ class _PsycheGossipSub(GossipSub):
     per peer by py-libp2p (10/s), an IWANT is answered only from the cache; the cost is one
     IHAVE of up to a window's ids per peer per heartbeat."""
 
-    def __init__(self, *args: Any, repair_window: int, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        repair_window: int,
+        member: Callable[[ID], bool],
+        drops: DropLog,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.repair_window = repair_window
+        self._member = member
+        self._drops = drops
         self.mcache = _ContentMessageCache(
             self.mcache.window_size, max(self.mcache.history_size, repair_window)
         )
@@ -383,6 +393,42 @@ class _PsycheGossipSub(GossipSub):
 
     def _cached(self, mid: bytes) -> bool:
         return mid in self.mcache.msgs
+
+    async def publish(self, msg_forwarder: ID, pubsub_msg: rpc_pb2.Message) -> None:
+        """GossipSub's publish, without its queue for peers that are no run members.
+
+        py-libp2p 0.8.1 queues every message it sends for each connected pubsub peer whose
+        subscription to the topic it has not heard (up to 100 per peer for 30 s, flushed
+        when the subscription comes), for the moment between a peer connecting and its
+        subscriptions arriving. A run's relay takes every member's gossip stream and
+        subscribes to nothing (`relay.GossipDrain`), so every member queued every message
+        for it and, past 100 in 30 s, logged a warning on every publish for the rest of the
+        run. Only run members (the gossip allowlist) subscribe, so only they are queued for;
+        whatever a member's queue drops is noted in the gossip's drop log
+        (`_prune_pending_messages`)."""
+        await super().publish(msg_forwarder, pubsub_msg)
+        for peer in [p for p in self._pending_messages if not self._member(p)]:
+            del self._pending_messages[peer]
+
+    def _prune_pending_messages(self, peer_id: ID) -> None:
+        """py-libp2p's pruning of a peer's pending queue (messages past their time-to-live go,
+        then the oldest beyond the cap), the overflow noted in the drop log instead of a
+        warning on every publish (a member that never subscribes made one per message)."""
+        queue = self._pending_messages.get(peer_id)
+        if queue is None:
+            return
+        now = time.time()
+        queue[:] = [(ts, msg) for ts, msg in queue if now - ts <= self._pending_messages_ttl]
+        excess = len(queue) - self._max_pending_messages_per_peer
+        if excess > 0:
+            self._drops.note(
+                "queued for a peer that has not subscribed",
+                f"gossip: {peer_id} has not announced its subscriptions; dropping the oldest "
+                f"of the {len(queue)} messages queued for it",
+            )
+            del queue[:excess]
+        if not queue:
+            del self._pending_messages[peer_id]
 
     async def handle_ihave(self, ihave_msg: rpc_pb2.ControlIHave, sender_peer_id: ID) -> None:
         for raw in ihave_msg.messageIDs:
@@ -435,6 +481,8 @@ class Gossip:
         config: GossipConfig,
     ) -> None:
         _sender_records.install()
+        self.drops = DropLog(logger, "gossip: refused or dropped messages")
+        """What peers' gossip made this node refuse or drop, by kind (run its `run`)."""
         self.topic = topic.hex()
         self._secret_key = secret_key
         self._message_type = message_type
@@ -453,6 +501,8 @@ class Gossip:
             eclipse_protection_enabled=False,
             adaptive_gossip_enabled=False,
             repair_window=config.repair_window,
+            member=self._member,
+            drops=self.drops,
         )
         self.pubsub = _PsychePubsub(
             host,
@@ -478,11 +528,15 @@ class Gossip:
             self._validated[_content_id(msg)] = self._check(forwarder, msg)
         except Exception as e:  # GossipRejected, or anything a hostile message provokes
             self.rejected += 1
-            logger.warning("dropping gossip message delivered from %s: %s", forwarder, e)
+            self.drops.note("rejected", f"dropping gossip message delivered from {forwarder}: {e}")
             return False
         while len(self._validated) > 1024:
             self._validated.popitem(last=False)
         return True
+
+    def _member(self, peer: ID) -> bool:
+        key = peer_key(peer)
+        return key is not None and self._allowed(key)
 
     def _check(self, forwarder: ID, msg: rpc_pb2.Message) -> tuple[bytes, Any]:
         return self._check_signed(peer_key(forwarder), peer_key(ID(msg.from_id)), msg.data)
