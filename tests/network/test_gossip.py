@@ -26,7 +26,13 @@ from psyche.core.signed_message import SignedMessage
 from psyche.network.connection import NetworkConnection
 from psyche.network.download import DownloadComplete
 from psyche.network.events import MessageReceived, NetworkEvent, PeerConnected
-from psyche.network.gossip import GossipConfig, GossipRejected, _ContentMessageCache, gossip_topic
+from psyche.network.gossip import (
+    REPAIR_ADVERTS_PER_PEER,
+    GossipConfig,
+    GossipRejected,
+    _ContentMessageCache,
+    gossip_topic,
+)
 from psyche.network.identity import peer_id_from_public_key
 from psyche.network.p2p_host import RateLimitedLog, limit_libp2p_logs
 from psyche.network.testing import connect_pairs, full_mesh, open_nodes, ring, wait_until
@@ -446,22 +452,24 @@ def test_a_peer_the_push_missed_gets_the_message_by_repair(repair_window: int) -
 
 
 def test_the_repair_advertises_a_message_only_to_peers_not_known_to_hold_it() -> None:
-    """Once every node of a full mesh holds a message and each knows it of each peer (the peer
-    sent it, was sent it, or originated it), no heartbeat advertises it (IHAVE). Before, every
-    node advertised every message of its repair window to every gossip peer on every
-    heartbeat (here 3 nodes x 2 peers a second for 10 s), a third of a swarm node's frames."""
+    """Once every node of a full mesh holds a message, the nodes that each peer told so (it
+    sent the message to them, or originated it) advertise it (IHAVE) to no one, and its origin,
+    which no peer forwards it back to, advertises it to each peer `REPAIR_ADVERTS_PER_PEER`
+    times and then stops. Before any of this, every node advertised every message of its
+    repair window to every gossip peer on every heartbeat (here 3 nodes x 2 peers a second for
+    10 s), a third of a swarm node's frames."""
 
     async def main() -> None:
         async with open_nodes(3, broadcast_type=Broadcast) as nodes:
             await connect_pairs(nodes, full_mesh(3))
             await wait_for_mesh(nodes, 2)
-            advertised: list[bytes] = []
-            for node in nodes:
+            advertised: list[tuple[int, bytes]] = []
+            for i, node in enumerate(nodes):
                 router: Any = node.gossip.router  # its control emitter is counted
                 emit = router.emit_control_message
 
-                async def counted(control: Any, peer: Any, emit: Any = emit) -> None:
-                    advertised.extend(m for ihave in control.ihave for m in ihave.messageIDs)
+                async def counted(control: Any, peer: Any, emit: Any = emit, i: int = i) -> None:
+                    advertised.extend((i, m) for ihave in control.ihave for m in ihave.messageIDs)
                     await emit(control, peer)
 
                 router.emit_control_message = counted
@@ -469,7 +477,9 @@ def test_the_repair_advertises_a_message_only_to_peers_not_known_to_hold_it() ->
             nodes[0].broadcast(message)
             for node in nodes[1:]:
                 assert await next_message(node) == message
-            await trio.sleep(2.0)  # two heartbeats: every forward written
+            await trio.sleep(REPAIR_ADVERTS_PER_PEER + 2.0)  # heartbeats of 1 s
+            assert [i for i, _ in advertised if i != 0] == []
+            assert 0 < len(advertised) <= REPAIR_ADVERTS_PER_PEER * 2
             advertised.clear()
             await trio.sleep(3.0)
             assert advertised == []
@@ -575,3 +585,29 @@ def test_a_libp2p_record_repeated_per_message_is_logged_once_per_interval() -> N
         any(isinstance(f, RateLimitedLog) for f in logging.getLogger(name).filters)
         for name in ("libp2p.pubsub.gossipsub", "libp2p.pubsub.pubsub")
     )
+
+
+def test_a_message_a_peer_refused_is_repaired_once_it_would_take_it() -> None:
+    """A write that succeeded is no proof that the peer holds the message: here the peer
+    refuses it (its allowlist does not have the signer yet, as a client's lags the run's
+    state by a moment at an epoch's start), then admits the signer. Its neighbour advertises
+    the message (IHAVE) to it as to any peer that has not said it holds it, and the peer asks
+    for it and gets it. Before, the successful write counted as holding: the message was
+    never advertised to it again, and only a rebroadcast could bring it (a witness that
+    lacked an honest member's result this way dropped that member)."""
+
+    async def main() -> None:
+        async with open_nodes(3, broadcast_type=Broadcast) as (a, b, c):
+            ids = [n.endpoint_id for n in (a, b, c)]
+            c.set_allowed_peers([b.endpoint_id, c.endpoint_id])  # c has not admitted a yet
+            await connect_pairs([a, b, c], [(0, 1), (2, 1)])
+            await wait_for_mesh([a, c], 1)
+            await wait_until(lambda: len(b.gossip.mesh()) == 2, timeout=10)
+            message = finished(a.secret_key, step=1)
+            a.broadcast(message)
+            assert await next_message(b) == message
+            await wait_until(lambda: c.gossip.rejected >= 1, timeout=10)  # b's forward
+            c.set_allowed_peers(ids)
+            assert await next_message(c, timeout=10) == message
+
+    trio.run(main)

@@ -51,7 +51,7 @@ from libp2p.pubsub import utils as pubsub_utils
 from libp2p.pubsub.gossipsub import PROTOCOL_ID, PROTOCOL_ID_V11, GossipSub
 from libp2p.pubsub.mcache import CacheEntry, MessageCache
 from libp2p.pubsub.pb import rpc_pb2
-from libp2p.pubsub.pubsub import Pubsub
+from libp2p.pubsub.pubsub import Pubsub, ValidationCache, ValidationResult
 from libp2p.pubsub.utils import safe_bytes_from_hex
 
 from psyche.core.drop_log import DropLog
@@ -188,6 +188,25 @@ class GossipRejected(ValueError):
     pass
 
 
+class _NoValidationCache(ValidationCache):
+    """py-libp2p 0.8.1 caches each message's validation verdict for 300 s and answers every
+    later copy from the cache. The gossip's verdict depends on the allowlist, which changes
+    with the run's state: a message refused while its signer was not yet admitted here (a
+    client's allowlist lags the run's by a moment) stayed refused for 5 minutes, from every
+    peer, by the repair's IWANT too. A valid message is never validated twice anyway (the seen
+    cache drops its copies before validation), so the cache only ever answered refusals: it
+    keeps nothing here, and each copy is checked as it comes."""
+
+    def __init__(self) -> None:
+        super().__init__(ttl=0, max_size=0)
+
+    def get(self, msg_id: bytes) -> ValidationResult | None:
+        return None
+
+    def put(self, msg_id: bytes, result: ValidationResult) -> None:
+        return None
+
+
 class _PsychePubsub(Pubsub):
     """`Pubsub` that hands validated messages to a callback instead of a 32-slot queue, and
     keeps a still-connected peer's subscriptions when only our stream to it failed.
@@ -210,6 +229,7 @@ class _PsychePubsub(Pubsub):
         self._deliver = deliver
         self._holders = holders
         self._reopening = False
+        self.validation_cache = _NoValidationCache()
 
     async def push_msg(self, msg_forwarder: ID, msg: rpc_pb2.Message) -> None:
         """Every copy a peer sends us, duplicates included (py-libp2p drops those before any
@@ -237,9 +257,6 @@ class _PsychePubsub(Pubsub):
         written = await super().write_msg(stream, rpc_msg)
         if not written and rpc_msg.publish:
             self.manager.run_task(self._write_after_reopen, stream.muxed_conn.peer_id, rpc_msg)
-        elif written:
-            for msg in rpc_msg.publish:
-                self._holders.note(_content_id(msg), stream.muxed_conn.peer_id)
         return written
 
     async def _write_after_reopen(self, peer_id: ID, rpc_msg: rpc_pb2.RPC) -> None:
@@ -268,11 +285,18 @@ class _Holders:
     was advertised to each peer, so that the repair advertises a message only to peers that may
     lack it, a few times each.
 
-    A peer holds a message when it sent it to us (the push or a forward, duplicates
-    included), advertised it to us (IHAVE), originated it, or our write of it to that peer
-    succeeded. Measured in the swarm bench before this (16 nodes), a node advertised every
-    message of its last 10 heartbeats to every gossip peer on every heartbeat: the IHAVEs were
-    a third of its data frames, and nearly every id in them was one the peer had sent us.
+    A peer holds a message when it says so: it sent it to us (the push or a forward,
+    duplicates included), advertised it to us (IHAVE), or originated it. Our own write of it
+    to the peer is no proof: the peer may have refused it (a signer its allowlist did not
+    have yet, as a client's lags the run's state by a moment) or lost it with its
+    connection, and taking the write as proof left such a message unrepaired for good (a
+    witness that lacked an honest member's result this way dropped that member). So a node
+    advertises its own messages to each peer `REPAIR_ADVERTS_PER_PEER` times (peers do not
+    forward a message back to its origin), and a forwarded one to the peers that did not
+    send it back. Measured in the swarm bench before any of this (16 nodes), a node
+    advertised every message of its last 10 heartbeats to every gossip peer on every
+    heartbeat: the IHAVEs were a third of its data frames, and nearly every id in them was
+    one the peer had sent us.
     Only messages in the cache (`cached`: validated ones) get entries, and they live as long as
     the cache holds the message (`prune`), so what peers send bounds nothing here."""
 
@@ -409,6 +433,17 @@ class _PsycheGossipSub(GossipSub):
         await super().publish(msg_forwarder, pubsub_msg)
         for peer in [p for p in self._pending_messages if not self._member(p)]:
             del self._pending_messages[peer]
+
+    def _handle_dropped_rpc(self, peer_id: ID, rpc: rpc_pb2.RPC, reason: str) -> None:
+        """py-libp2p drops an RPC when the peer's outbound queue (32 RPCs) is full, logging it at
+        debug level only: a dropped message is noted in the gossip's drop log (the peer is
+        not taken to hold it, so the repair advertises it to the peer)."""
+        if rpc.publish:
+            self._drops.note(
+                f"not sent ({reason})",
+                f"gossip: {len(rpc.publish)} message(s) to {peer_id} not sent: {reason}",
+            )
+        super()._handle_dropped_rpc(peer_id, rpc, reason)
 
     def _prune_pending_messages(self, peer_id: ID) -> None:
         """py-libp2p's pruning of a peer's pending queue (messages past their time-to-live go,
