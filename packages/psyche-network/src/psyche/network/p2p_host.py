@@ -132,12 +132,27 @@ class RateLimitedLog(logging.Filter):
 _libp2p_log_limit = RateLimitedLog()
 
 
+def _is_libp2p(name: str) -> bool:
+    return name == "libp2p" or name.startswith("libp2p.")
+
+
+class _LimitedLoggers(logging.Logger):
+    """The logger class from `limit_libp2p_logs` on: a py-libp2p logger made later (some of
+    its modules are imported only when first used) gets `RateLimitedLog` too."""
+
+    def __init__(self, name: str, level: int = logging.NOTSET) -> None:
+        super().__init__(name, level)
+        if _is_libp2p(name):
+            self.addFilter(_libp2p_log_limit)
+
+
 def limit_libp2p_logs() -> None:
-    """Put `RateLimitedLog` on every py-libp2p logger there is (a logger's filters see only
-    its own records, not its children's, so each gets it); idempotent. `build_host` calls it,
-    once py-libp2p's modules have made their loggers."""
-    names = [n for n in logging.root.manager.loggerDict if n == "libp2p" or n.startswith("libp2p.")]
-    for name in names:
+    """Put `RateLimitedLog` on every py-libp2p logger, those there are and those made later (a
+    logger's filters see only its own records, not its children's, so each gets it);
+    idempotent. `build_host` calls it."""
+    if logging.getLoggerClass() is logging.Logger:
+        logging.setLoggerClass(_LimitedLoggers)
+    for name in [n for n in logging.root.manager.loggerDict if _is_libp2p(n)]:
         log = logging.getLogger(name)
         if _libp2p_log_limit not in log.filters:
             log.addFilter(_libp2p_log_limit)
