@@ -565,7 +565,9 @@ class NetworkConnection:
                 logger.debug("gossip from %s came first by its relayed copy", fmt_short(peer))
             await stream.close()
         except (GossipRejected, p2p_host.ReadLimitExceeded) as e:
-            logger.warning("dropping mirrored gossip from %s: %s", fmt_short(peer), e)
+            self.gossip.drops.note(
+                "mirrored copy rejected", f"dropping mirrored gossip from {fmt_short(peer)}: {e}"
+            )
             await p2p_host.reset_quietly(stream)
         except Exception as e:  # a slow or vanished peer
             logger.debug("mirrored gossip from %s not received: %s", fmt_short(peer), e)
@@ -659,7 +661,10 @@ class NetworkConnection:
                 request, self.shared_model, self.add_downloadable, self.model_codec
             )
         except Exception as e:  # a peer's request must never take the node down
-            logger.warning("cannot answer model-sharing request %s: %s", request, e)
+            self.connection_drops.note(
+                "model-sharing request not answered",
+                f"cannot answer model-sharing request {request}: {e}",
+            )
             refused: TicketResult = TicketResult.Err(SharableModelError.SerializationError(str(e)))
             return refused
 
