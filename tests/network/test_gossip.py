@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -24,8 +26,15 @@ from psyche.core.signed_message import SignedMessage
 from psyche.network.connection import NetworkConnection
 from psyche.network.download import DownloadComplete
 from psyche.network.events import MessageReceived, NetworkEvent, PeerConnected
-from psyche.network.gossip import GossipConfig, GossipRejected, _ContentMessageCache, gossip_topic
+from psyche.network.gossip import (
+    REPAIR_ADVERTS_PER_PEER,
+    GossipConfig,
+    GossipRejected,
+    _ContentMessageCache,
+    gossip_topic,
+)
 from psyche.network.identity import peer_id_from_public_key
+from psyche.network.p2p_host import RateLimitedLog, limit_libp2p_logs
 from psyche.network.testing import connect_pairs, full_mesh, open_nodes, ring, wait_until
 from psyche.network.transmittable import DownloadType
 
@@ -443,22 +452,24 @@ def test_a_peer_the_push_missed_gets_the_message_by_repair(repair_window: int) -
 
 
 def test_the_repair_advertises_a_message_only_to_peers_not_known_to_hold_it() -> None:
-    """Once every node of a full mesh holds a message and each knows it of each peer (the peer
-    sent it, was sent it, or originated it), no heartbeat advertises it (IHAVE). Before, every
-    node advertised every message of its repair window to every gossip peer on every
-    heartbeat (here 3 nodes x 2 peers a second for 10 s), a third of a swarm node's frames."""
+    """Once every node of a full mesh holds a message, the nodes that each peer told so (it
+    sent the message to them, or originated it) advertise it (IHAVE) to no one, and its origin,
+    which no peer forwards it back to, advertises it to each peer `REPAIR_ADVERTS_PER_PEER`
+    times and then stops. Before any of this, every node advertised every message of its
+    repair window to every gossip peer on every heartbeat (here 3 nodes x 2 peers a second for
+    10 s), a third of a swarm node's frames."""
 
     async def main() -> None:
         async with open_nodes(3, broadcast_type=Broadcast) as nodes:
             await connect_pairs(nodes, full_mesh(3))
             await wait_for_mesh(nodes, 2)
-            advertised: list[bytes] = []
-            for node in nodes:
+            advertised: list[tuple[int, bytes]] = []
+            for i, node in enumerate(nodes):
                 router: Any = node.gossip.router  # its control emitter is counted
                 emit = router.emit_control_message
 
-                async def counted(control: Any, peer: Any, emit: Any = emit) -> None:
-                    advertised.extend(m for ihave in control.ihave for m in ihave.messageIDs)
+                async def counted(control: Any, peer: Any, emit: Any = emit, i: int = i) -> None:
+                    advertised.extend((i, m) for ihave in control.ihave for m in ihave.messageIDs)
                     await emit(control, peer)
 
                 router.emit_control_message = counted
@@ -466,7 +477,9 @@ def test_the_repair_advertises_a_message_only_to_peers_not_known_to_hold_it() ->
             nodes[0].broadcast(message)
             for node in nodes[1:]:
                 assert await next_message(node) == message
-            await trio.sleep(2.0)  # two heartbeats: every forward written
+            await trio.sleep(REPAIR_ADVERTS_PER_PEER + 2.0)  # heartbeats of 1 s
+            assert [i for i, _ in advertised if i != 0] == []
+            assert 0 < len(advertised) <= REPAIR_ADVERTS_PER_PEER * 2
             advertised.clear()
             await trio.sleep(3.0)
             assert advertised == []
@@ -504,5 +517,95 @@ def test_a_peers_signed_record_is_checked_once_not_per_rpc(monkeypatch: pytest.M
                 a.broadcast(message)
                 assert await next_message(b) == message
             assert len(checked) <= 2  # at most one per direction, when the reuse window ends
+
+    trio.run(main)
+
+
+def test_a_relay_that_never_subscribes_is_not_queued_for_and_nothing_is_logged_per_message(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A run's relay takes every member's gossip stream and subscribes to nothing. py-libp2p
+    queued every published message for it (a peer whose subscription had not come yet) and,
+    past 100 in 30 s, warned on every publish for the rest of the run. Now only run members
+    are queued for, and no py-libp2p record repeats unlimited (`RateLimitedLog`)."""
+    from psyche.network.reachability import relay_peer
+    from psyche.network.relay import RelayOptions, open_relay
+
+    published = 130  # py-libp2p's queue holds 100 per peer
+
+    async def main() -> None:
+        keys = [SecretKey.generate() for _ in range(2)]
+        members = {k.public_key for k in keys}
+        async with (
+            open_relay(
+                SecretKey.generate(), lambda key: key in members, RelayOptions("127.0.0.1")
+            ) as relay,
+            open_nodes(
+                2, keys=keys, broadcast_type=Broadcast, relays=tuple(relay.multiaddrs())
+            ) as (a, b),
+        ):
+            relay_id = peer_id_from_public_key(relay_peer(relay.multiaddrs()[0]))
+            await wait_until(lambda: relay_id in a.gossip.pubsub.peers, timeout=30)
+            await connect_pairs([a, b], [(0, 1)])
+            await wait_for_mesh([a, b], 1)
+            for step in range(published):
+                message = finished(a.secret_key, step)
+                a.broadcast(message)
+                assert await next_message(b) == message
+            assert relay_id in a.gossip.pubsub.peers  # still connected over gossip
+            assert relay_id not in a.gossip.router._pending_messages
+
+    with caplog.at_level(logging.INFO):
+        trio.run(main)
+    libp2p = [r for r in caplog.records if r.name.startswith("libp2p")]
+    assert not [r for r in libp2p if "pending message queue" in r.getMessage()]
+    kinds = Counter((r.name, str(r.msg)) for r in libp2p)
+    assert all(n == 1 for n in kinds.values()), kinds  # none repeats within 10 s
+
+
+def test_a_libp2p_record_repeated_per_message_is_logged_once_per_interval() -> None:
+    """`RateLimitedLog` on py-libp2p's loggers: a flood of one kind of record passes once per
+    interval, and the first after it says how many were left out; other kinds pass."""
+    clock = [0.0]
+    limit = RateLimitedLog(interval=10.0, clock=lambda: clock[0])
+
+    def record(msg: str, *args: Any) -> logging.LogRecord:
+        return logging.LogRecord("libp2p.pubsub", logging.WARNING, "x", 1, msg, args, None)
+
+    passed = [r for _ in range(500) if limit.filter(r := record("queue for %s full", "p"))]
+    assert len(passed) == 1
+    assert limit.filter(record("another kind"))
+    clock[0] = 10.0
+    later = record("queue for %s full", "p")
+    assert limit.filter(later)
+    assert "499 more like this" in later.getMessage()
+    assert not limit.filter(record("queue for %s full", "q"))
+    limit_libp2p_logs()
+    for name in ("libp2p.pubsub.gossipsub", "libp2p.a_module_imported_later"):
+        assert any(isinstance(f, RateLimitedLog) for f in logging.getLogger(name).filters)
+
+
+def test_a_message_a_peer_refused_is_repaired_once_it_would_take_it() -> None:
+    """A write that succeeded is no proof that the peer holds the message: here the peer
+    refuses it (its allowlist does not have the signer yet, as a client's lags the run's
+    state by a moment at an epoch's start), then admits the signer. Its neighbour advertises
+    the message (IHAVE) to it as to any peer that has not said it holds it, and the peer asks
+    for it and gets it. Before, the successful write counted as holding: the message was
+    never advertised to it again, and only a rebroadcast could bring it (a witness that
+    lacked an honest member's result this way dropped that member)."""
+
+    async def main() -> None:
+        async with open_nodes(3, broadcast_type=Broadcast) as (a, b, c):
+            ids = [n.endpoint_id for n in (a, b, c)]
+            c.set_allowed_peers([b.endpoint_id, c.endpoint_id])  # c has not admitted a yet
+            await connect_pairs([a, b, c], [(0, 1), (2, 1)])
+            await wait_for_mesh([a, c], 1)
+            await wait_until(lambda: len(b.gossip.mesh()) == 2, timeout=10)
+            message = finished(a.secret_key, step=1)
+            a.broadcast(message)
+            assert await next_message(b) == message
+            await wait_until(lambda: c.gossip.rejected >= 1, timeout=10)  # b's forward
+            c.set_allowed_peers(ids)
+            assert await next_message(c, timeout=10) == message
 
     trio.run(main)

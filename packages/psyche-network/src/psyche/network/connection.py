@@ -324,6 +324,7 @@ class NetworkConnection:
                     await network.gossip.pubsub.subscribe(network.gossip.topic)
                     await nursery.start(network.blob_transport.serve)
                     nursery.start_soon(network.connection_drops.run)
+                    nursery.start_soon(network.gossip.drops.run)
                     await nursery.start(network.nat.run)
                     if config.relays:
                         # The first record we announce should already name our relays.
@@ -564,7 +565,9 @@ class NetworkConnection:
                 logger.debug("gossip from %s came first by its relayed copy", fmt_short(peer))
             await stream.close()
         except (GossipRejected, p2p_host.ReadLimitExceeded) as e:
-            logger.warning("dropping mirrored gossip from %s: %s", fmt_short(peer), e)
+            self.gossip.drops.note(
+                "mirrored copy rejected", f"dropping mirrored gossip from {fmt_short(peer)}: {e}"
+            )
             await p2p_host.reset_quietly(stream)
         except Exception as e:  # a slow or vanished peer
             logger.debug("mirrored gossip from %s not received: %s", fmt_short(peer), e)
@@ -658,7 +661,10 @@ class NetworkConnection:
                 request, self.shared_model, self.add_downloadable, self.model_codec
             )
         except Exception as e:  # a peer's request must never take the node down
-            logger.warning("cannot answer model-sharing request %s: %s", request, e)
+            self.connection_drops.note(
+                "model-sharing request not answered",
+                f"cannot answer model-sharing request {request}: {e}",
+            )
             refused: TicketResult = TicketResult.Err(SharableModelError.SerializationError(str(e)))
             return refused
 

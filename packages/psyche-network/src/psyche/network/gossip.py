@@ -51,9 +51,10 @@ from libp2p.pubsub import utils as pubsub_utils
 from libp2p.pubsub.gossipsub import PROTOCOL_ID, PROTOCOL_ID_V11, GossipSub
 from libp2p.pubsub.mcache import CacheEntry, MessageCache
 from libp2p.pubsub.pb import rpc_pb2
-from libp2p.pubsub.pubsub import Pubsub
+from libp2p.pubsub.pubsub import Pubsub, ValidationCache, ValidationResult
 from libp2p.pubsub.utils import safe_bytes_from_hex
 
+from psyche.core.drop_log import DropLog
 from psyche.core.identity import SecretKey
 from psyche.core.signed_message import SignedMessage, SignedMessageError
 from psyche.network.identity import fmt_short, peer_id_from_public_key
@@ -187,6 +188,25 @@ class GossipRejected(ValueError):
     pass
 
 
+class _NoValidationCache(ValidationCache):
+    """py-libp2p 0.8.1 caches each message's validation verdict for 300 s and answers every
+    later copy from the cache. The gossip's verdict depends on the allowlist, which changes
+    with the run's state: a message refused while its signer was not yet admitted here (a
+    client's allowlist lags the run's by a moment) stayed refused for 5 minutes, from every
+    peer, by the repair's IWANT too. A valid message is never validated twice anyway (the seen
+    cache drops its copies before validation), so the cache only ever answered refusals: it
+    keeps nothing here, and each copy is checked as it comes."""
+
+    def __init__(self) -> None:
+        super().__init__(ttl=0, max_size=0)
+
+    def get(self, msg_id: bytes) -> ValidationResult | None:
+        return None
+
+    def put(self, msg_id: bytes, result: ValidationResult) -> None:
+        return None
+
+
 class _PsychePubsub(Pubsub):
     """`Pubsub` that hands validated messages to a callback instead of a 32-slot queue, and
     keeps a still-connected peer's subscriptions when only our stream to it failed.
@@ -209,6 +229,7 @@ class _PsychePubsub(Pubsub):
         self._deliver = deliver
         self._holders = holders
         self._reopening = False
+        self.validation_cache = _NoValidationCache()
 
     async def push_msg(self, msg_forwarder: ID, msg: rpc_pb2.Message) -> None:
         """Every copy a peer sends us, duplicates included (py-libp2p drops those before any
@@ -236,9 +257,6 @@ class _PsychePubsub(Pubsub):
         written = await super().write_msg(stream, rpc_msg)
         if not written and rpc_msg.publish:
             self.manager.run_task(self._write_after_reopen, stream.muxed_conn.peer_id, rpc_msg)
-        elif written:
-            for msg in rpc_msg.publish:
-                self._holders.note(_content_id(msg), stream.muxed_conn.peer_id)
         return written
 
     async def _write_after_reopen(self, peer_id: ID, rpc_msg: rpc_pb2.RPC) -> None:
@@ -267,11 +285,18 @@ class _Holders:
     was advertised to each peer, so that the repair advertises a message only to peers that may
     lack it, a few times each.
 
-    A peer holds a message when it sent it to us (the push or a forward, duplicates
-    included), advertised it to us (IHAVE), originated it, or our write of it to that peer
-    succeeded. Measured in the swarm bench before this (16 nodes), a node advertised every
-    message of its last 10 heartbeats to every gossip peer on every heartbeat: the IHAVEs were
-    a third of its data frames, and nearly every id in them was one the peer had sent us.
+    A peer holds a message when it says so: it sent it to us (the push or a forward,
+    duplicates included), advertised it to us (IHAVE), or originated it. Our own write of it
+    to the peer is no proof: the peer may have refused it (a signer its allowlist did not
+    have yet, as a client's lags the run's state by a moment) or lost it with its
+    connection, and taking the write as proof left such a message unrepaired for good (a
+    witness that lacked an honest member's result this way dropped that member). So a node
+    advertises its own messages to each peer `REPAIR_ADVERTS_PER_PEER` times (peers do not
+    forward a message back to its origin), and a forwarded one to the peers that did not
+    send it back. Measured in the swarm bench before any of this (16 nodes), a node
+    advertised every message of its last 10 heartbeats to every gossip peer on every
+    heartbeat: the IHAVEs were a third of its data frames, and nearly every id in them was
+    one the peer had sent us.
     Only messages in the cache (`cached`: validated ones) get entries, and they live as long as
     the cache holds the message (`prune`), so what peers send bounds nothing here."""
 
@@ -345,9 +370,18 @@ class _PsycheGossipSub(GossipSub):
     per peer by py-libp2p (10/s), an IWANT is answered only from the cache; the cost is one
     IHAVE of up to a window's ids per peer per heartbeat."""
 
-    def __init__(self, *args: Any, repair_window: int, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        repair_window: int,
+        member: Callable[[ID], bool],
+        drops: DropLog,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.repair_window = repair_window
+        self._member = member
+        self._drops = drops
         self.mcache = _ContentMessageCache(
             self.mcache.window_size, max(self.mcache.history_size, repair_window)
         )
@@ -383,6 +417,53 @@ class _PsycheGossipSub(GossipSub):
 
     def _cached(self, mid: bytes) -> bool:
         return mid in self.mcache.msgs
+
+    async def publish(self, msg_forwarder: ID, pubsub_msg: rpc_pb2.Message) -> None:
+        """GossipSub's publish, without its queue for peers that are no run members.
+
+        py-libp2p 0.8.1 queues every message it sends for each connected pubsub peer whose
+        subscription to the topic it has not heard (up to 100 per peer for 30 s, flushed
+        when the subscription comes), for the moment between a peer connecting and its
+        subscriptions arriving. A run's relay takes every member's gossip stream and
+        subscribes to nothing (`relay.GossipDrain`), so every member queued every message
+        for it and, past 100 in 30 s, logged a warning on every publish for the rest of the
+        run. Only run members (the gossip allowlist) subscribe, so only they are queued for;
+        whatever a member's queue drops is noted in the gossip's drop log
+        (`_prune_pending_messages`)."""
+        await super().publish(msg_forwarder, pubsub_msg)
+        for peer in [p for p in self._pending_messages if not self._member(p)]:
+            del self._pending_messages[peer]
+
+    def _handle_dropped_rpc(self, peer_id: ID, rpc: rpc_pb2.RPC, reason: str) -> None:
+        """py-libp2p drops an RPC when the peer's outbound queue (32 RPCs) is full, logging it at
+        debug level only: a dropped message is noted in the gossip's drop log (the peer is
+        not taken to hold it, so the repair advertises it to the peer)."""
+        if rpc.publish:
+            self._drops.note(
+                f"not sent ({reason})",
+                f"gossip: {len(rpc.publish)} message(s) to {peer_id} not sent: {reason}",
+            )
+        super()._handle_dropped_rpc(peer_id, rpc, reason)
+
+    def _prune_pending_messages(self, peer_id: ID) -> None:
+        """py-libp2p's pruning of a peer's pending queue (messages past their time-to-live go,
+        then the oldest beyond the cap), the overflow noted in the drop log instead of a
+        warning on every publish (a member that never subscribes made one per message)."""
+        queue = self._pending_messages.get(peer_id)
+        if queue is None:
+            return
+        now = time.time()
+        queue[:] = [(ts, msg) for ts, msg in queue if now - ts <= self._pending_messages_ttl]
+        excess = len(queue) - self._max_pending_messages_per_peer
+        if excess > 0:
+            self._drops.note(
+                "queued for a peer that has not subscribed",
+                f"gossip: {peer_id} has not announced its subscriptions; dropping the oldest "
+                f"of the {len(queue)} messages queued for it",
+            )
+            del queue[:excess]
+        if not queue:
+            del self._pending_messages[peer_id]
 
     async def handle_ihave(self, ihave_msg: rpc_pb2.ControlIHave, sender_peer_id: ID) -> None:
         for raw in ihave_msg.messageIDs:
@@ -435,6 +516,8 @@ class Gossip:
         config: GossipConfig,
     ) -> None:
         _sender_records.install()
+        self.drops = DropLog(logger, "gossip: refused or dropped messages")
+        """What peers' gossip made this node refuse or drop, by kind (run its `run`)."""
         self.topic = topic.hex()
         self._secret_key = secret_key
         self._message_type = message_type
@@ -453,6 +536,8 @@ class Gossip:
             eclipse_protection_enabled=False,
             adaptive_gossip_enabled=False,
             repair_window=config.repair_window,
+            member=self._member,
+            drops=self.drops,
         )
         self.pubsub = _PsychePubsub(
             host,
@@ -478,11 +563,15 @@ class Gossip:
             self._validated[_content_id(msg)] = self._check(forwarder, msg)
         except Exception as e:  # GossipRejected, or anything a hostile message provokes
             self.rejected += 1
-            logger.warning("dropping gossip message delivered from %s: %s", forwarder, e)
+            self.drops.note("rejected", f"dropping gossip message delivered from {forwarder}: {e}")
             return False
         while len(self._validated) > 1024:
             self._validated.popitem(last=False)
         return True
+
+    def _member(self, peer: ID) -> bool:
+        key = peer_key(peer)
+        return key is not None and self._allowed(key)
 
     def _check(self, forwarder: ID, msg: rpc_pb2.Message) -> tuple[bytes, Any]:
         return self._check_signed(peer_key(forwarder), peer_key(ID(msg.from_id)), msg.data)

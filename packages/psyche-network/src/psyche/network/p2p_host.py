@@ -30,6 +30,8 @@ import contextlib
 import logging
 import os
 import struct
+import threading
+import time
 from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any, Protocol, runtime_checkable
@@ -75,6 +77,87 @@ logger = logging.getLogger(__name__)
 # cannot reach at all.
 logging.getLogger("libp2p.transport.tcp.tcp").setLevel(logging.CRITICAL)
 
+LIBP2P_LOG_INTERVAL_SECS = 10.0
+LIBP2P_LOG_KINDS_KEPT = 1024
+
+
+class RateLimitedLog(logging.Filter):
+    """At most `burst` records of one kind (its logger and message template) pass per
+    `interval`; the others are counted, and the first that passes after the interval says how
+    many were left out. Guaranteed for every logger it is on: however often a peer makes it
+    log, a kind costs at most `burst` lines per interval.
+
+    py-libp2p logs per message and per RPC in places a peer drives (a pending queue that
+    overflows on every publish, an RPC with a bad signed record, a stream that fails to
+    open), some at WARNING or ERROR: measured, one publish per round to a peer that never
+    subscribes (a relay) logged a warning on every publish for the whole run. Thread-safe
+    (py-libp2p logs from its own threads too); at most `LIBP2P_LOG_KINDS_KEPT` kinds are
+    remembered (py-libp2p formats some messages itself, so every peer is a kind)."""
+
+    def __init__(
+        self,
+        interval: float = LIBP2P_LOG_INTERVAL_SECS,
+        burst: int = 1,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__()
+        self.interval = interval
+        self.burst = burst
+        self._clock = clock
+        self._kinds: dict[tuple[str, str], tuple[float, int, int]] = {}
+        """(logger, template) -> (interval start, records passed, records left out)"""
+        self._lock = threading.Lock()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = (record.name, str(record.msg))
+        now = self._clock()
+        with self._lock:
+            since, passed, left_out = self._kinds.get(key, (now, 0, 0))
+            if now - since >= self.interval:
+                if left_out:
+                    record.msg = (
+                        f"{record.msg} ({left_out} more like this in the last "
+                        f"{now - since:.0f} s not logged)"
+                    )
+                since, passed, left_out = now, 0, 0
+            if passed >= self.burst:
+                self._kinds[key] = (since, passed, left_out + 1)
+                return False
+            if key not in self._kinds and len(self._kinds) >= LIBP2P_LOG_KINDS_KEPT:
+                self._kinds.clear()
+            self._kinds[key] = (since, passed + 1, left_out)
+            return True
+
+
+_libp2p_log_limit = RateLimitedLog()
+
+
+def _is_libp2p(name: str) -> bool:
+    return name == "libp2p" or name.startswith("libp2p.")
+
+
+class _LimitedLoggers(logging.Logger):
+    """The logger class from `limit_libp2p_logs` on: a py-libp2p logger made later (some of
+    its modules are imported only when first used) gets `RateLimitedLog` too."""
+
+    def __init__(self, name: str, level: int = logging.NOTSET) -> None:
+        super().__init__(name, level)
+        if _is_libp2p(name):
+            self.addFilter(_libp2p_log_limit)
+
+
+def limit_libp2p_logs() -> None:
+    """Put `RateLimitedLog` on every py-libp2p logger, those there are and those made later (a
+    logger's filters see only its own records, not its children's, so each gets it);
+    idempotent. `build_host` calls it."""
+    if logging.getLoggerClass() is logging.Logger:
+        logging.setLoggerClass(_LimitedLoggers)
+    for name in [n for n in logging.root.manager.loggerDict if _is_libp2p(n)]:
+        log = logging.getLogger(name)
+        if _libp2p_log_limit not in log.filters:
+            log.addFilter(_libp2p_log_limit)
+
+
 AllowFn = Callable[[bytes], bool]
 
 
@@ -103,8 +186,12 @@ def build_host(
     wildcard address replaced by `announce_host` (else py-libp2p hands peers `0.0.0.0`, which
     they dial as their own machine); addresses others observed us at are not advertised (the
     port a NAT mapped for one connection is no address to dial; DCUtR predicts its own).
+
+    py-libp2p's loggers get `RateLimitedLog` (`limit_libp2p_logs`): none of its records can
+    repeat per message a peer sends or per message published.
     """
     batch_window_updates()
+    limit_libp2p_logs()
     key_pair = libp2p_key_pair(secret_key)
     noise = NoiseTransport(key_pair, noise_privkey=create_x25519_key_pair().private_key)
     host = new_host(
@@ -758,6 +845,7 @@ __all__ = [
     "install_stream_limits",
     "is_circuit",
     "is_relayed",
+    "limit_libp2p_logs",
     "listen_multiaddr",
     "measure_rtt",
     "peer_key",
