@@ -251,6 +251,21 @@ def test_joiner_gives_up_when_no_peer_can_serve() -> None:
     trio.run(main)
 
 
+async def serve_from(
+    nursery: trio.Nursery,
+    providers: list[NetworkConnection],
+    joiner: NetworkConnection,
+    parameters: dict[str, torch.Tensor],
+) -> list[SharableModel]:
+    """Each provider serves its own copy of `parameters` (returned, to change its serving
+    phase); the joiner knows where they are."""
+    models = [provider_model(parameters) for _ in providers]
+    for provider, model in zip(providers, models, strict=True):
+        nursery.start_soon(serve_model, provider, model)
+    await introduce_all(joiner, providers)
+    return models
+
+
 def test_a_joiner_that_asks_after_the_warmup_waits_for_the_next_one() -> None:
     """Peers serve the parameters only during warmup, the configuration after it too. A
     joiner that asks once the round has started is told "not serving now" by every live
@@ -264,11 +279,9 @@ def test_a_joiner_that_asks_after_the_warmup_waits_for_the_next_one() -> None:
             open_nodes(3, model_codec=TENSOR_CODEC) as (a, b, joiner),
             trio.open_nursery() as nursery,
         ):
-            models = [provider_model(before), provider_model(before)]
-            for provider, model in zip((a, b), models, strict=True):
-                nursery.start_soon(serve_model, provider, model)
+            models = await serve_from(nursery, [a, b], joiner, before)
+            for model in models:
                 model.clear_cache()  # their warmup is over
-            await introduce_all(joiner, [a, b])
             _, batches = count_ticket_requests(joiner)
             download = ModelDownload(joiner, [a.endpoint_id, b.endpoint_id])
 
@@ -303,10 +316,7 @@ def test_a_warmup_that_ends_mid_download_never_mixes_two_models(
             open_nodes(3, model_codec=TENSOR_CODEC) as (a, b, joiner),
             trio.open_nursery() as nursery,
         ):
-            models = [provider_model(before), provider_model(before)]
-            for provider, model in zip((a, b), models, strict=True):
-                nursery.start_soon(serve_model, provider, model)
-            await introduce_all(joiner, [a, b])
+            models = await serve_from(nursery, [a, b], joiner, before)
             ask_many = joiner.request_model_blob_tickets
             answers: list[tuple[bytes, list[TicketResult]]] = []
             first_answered, window_closed = trio.Event(), trio.Event()
