@@ -488,7 +488,8 @@ class NetworkConnection:
             self._joining.add(peer)
             logger.info("peer %s: %s; joining it once it is learned", fmt_short(peer), e)
         except Exception as e:
-            self._joining.add(peer)
+            if self._allowed(peer):  # (a peer that left the run is not joined again)
+                self._joining.add(peer)
             logger.warning("Failed to join gossip peer %s: %s", fmt_short(peer), e)
         else:
             self._joining.discard(peer)
