@@ -37,11 +37,11 @@ CONFIG = {
     "init_min_clients": 2,
     "min_clients": 1,
     # A warmup ends early once every client has the model. The joiner behind the symmetric NAT
-    # first spends 5 s timeouts on the relay-less client it cannot reach, and on an idle machine
-    # (timers unscaled) an 8 s warmup ended before it asked for tickets; the peers then answer
-    # "not serving" until the next warmup, which the joiner counts as errors and gives up with
-    # PeersUnreachable (a product gap: docs/network.md, "Not built"). 20 s covers the dials
-    # (and an epoch must be longer than its warmup).
+    # first spends 5 s timeouts on the relay-less client it cannot reach; 20 s covers those dials
+    # so that it usually loads the model in its first warmup (one that misses it waits for the
+    # next: docs/network.md, "Finding members and waiting for the model"), and gives clients 1
+    # and 2, which start together, room to find each other (an epoch must be longer than its
+    # warmup).
     "warmup_time": 20,
     "epoch_time": 25,
     "max_round_train_time": 4,

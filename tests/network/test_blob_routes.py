@@ -10,14 +10,13 @@ import os
 import pytest
 import trio
 
-from psyche.core.identity import SecretKey
-from psyche.network import blob_protocol
 from psyche.network.blob_routes import LIBP2P_DIRECT, SIDE_CHANNEL
 from psyche.network.download import Download, DownloadComplete, DownloadOutcome
-from psyche.network.secure_channel import StaticKey, secure_inbound
 from psyche.network.testing import open_nodes
 from psyche.network.ticket import BlobFormat, BlobTicket, EndpointAddr, TransportAddr
 from psyche.network.transmittable import DownloadType
+
+from .blob_providers import serve_truncated
 
 DEADLINE = 30
 
@@ -69,30 +68,6 @@ def test_an_unreachable_side_channel_falls_back_to_libp2p_once_and_logs_it(caplo
         assert "side channel unreachable" in changes[0].getMessage()
 
     trio.run(main)
-
-
-async def serve_truncated(
-    identity: SecretKey, blob: bytes, *, task_status=trio.TASK_STATUS_IGNORED
-) -> None:
-    """`identity`'s side channel, dying halfway through the blob."""
-    static = StaticKey(identity)
-
-    async def handler(stream: trio.SocketStream) -> None:
-        try:
-            conn = await secure_inbound(stream, static, lambda peer: True)
-            request = await blob_protocol.accept_request(conn, identity, lambda peer: True)
-            assert request is not None
-            await blob_protocol.send_frame(
-                conn, blob_protocol.Reply.Found(len(blob)), blob_protocol.Reply
-            )
-            await conn.send_all(blob[: len(blob) // 2])
-        finally:
-            await stream.aclose()
-
-    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-    async with trio.open_nursery() as nursery:
-        await nursery.start(trio.serve_listeners, handler, listeners)
-        task_status.started(listeners[0].socket.getsockname()[1])
 
 
 def test_a_side_channel_that_breaks_mid_transfer_continues_on_libp2p() -> None:

@@ -14,7 +14,7 @@ from psyche.network import blob_protocol
 from psyche.network.blob_protocol import BlobRefused, HashMismatch
 from psyche.network.blob_transport import TcpBlobTransport
 from psyche.network.download import Download, DownloadComplete, DownloadFailed, DownloadOutcome
-from psyche.network.secure_channel import PeerRefused, StaticKey, secure_inbound
+from psyche.network.secure_channel import PeerRefused
 from psyche.network.testing import connect_pairs, open_nodes
 from psyche.network.ticket import (
     BlobFormat,
@@ -30,6 +30,7 @@ from psyche.network.transmittable import (
 )
 
 from ..polling import poll_until
+from .blob_providers import serve_truncated
 
 
 def payload(size: int, name: str = "w") -> TransmittableModelParameter:
@@ -39,43 +40,6 @@ def payload(size: int, name: str = "w") -> TransmittableModelParameter:
 async def finished(download: Download) -> DownloadOutcome:
     with trio.fail_after(10):
         return await download.finished()
-
-
-async def serve_truncated(
-    identity: SecretKey, blob: bytes, *, task_status=trio.TASK_STATUS_IGNORED
-) -> None:
-    """A provider that dies halfway through sending the blob (its connection drops)."""
-
-    static = StaticKey(identity)
-
-    async def handler(stream: trio.SocketStream) -> None:
-        try:
-            with trio.fail_after(5):
-                conn = await secure_inbound(stream, static, lambda peer: True)
-                hello = await blob_protocol.read_frame(conn, blob_protocol.Hello)
-                nonce = os.urandom(32)
-                sig = identity.sign(
-                    blob_protocol.transcript(b"psyche-blob/0 provider", hello, nonce)
-                )
-                await blob_protocol.send_frame(
-                    conn,
-                    blob_protocol.ServerHello.Challenge(
-                        blob_protocol.Challenge(identity.public_key, nonce, sig)
-                    ),
-                    blob_protocol.ServerHello,
-                )
-                await blob_protocol.read_frame(conn, blob_protocol.Get)
-                await blob_protocol.send_frame(
-                    conn, blob_protocol.Reply.Found(len(blob)), blob_protocol.Reply
-                )
-                await conn.send_all(blob[: len(blob) // 2])
-        finally:
-            await stream.aclose()
-
-    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-    async with trio.open_nursery() as nursery:
-        await nursery.start(trio.serve_listeners, handler, listeners)
-        task_status.started(listeners[0].socket.getsockname()[1])
 
 
 def test_download_verifies_serves_onward_and_survives_bad_providers() -> None:

@@ -9,9 +9,9 @@ import trio
 from psyche.modeling.sharing import TENSOR_CODEC, model_hash
 from psyche.network.connection import NetworkConnection
 from psyche.network.model_download import ModelDownload
-from psyche.network.peer_manager import PeersUnreachable
+from psyche.network.peer_manager import MAX_ERRORS_PER_PEER, PeersUnreachable
 from psyche.network.sharable_model import SharableModel
-from psyche.network.testing import local_config, open_nodes, serve_model
+from psyche.network.testing import local_config, open_nodes, serve_model, wait_until
 from psyche.network.transmittable import (
     ModelRequestType,
     SharableModelError,
@@ -231,6 +231,9 @@ def test_parameters_are_served_only_between_update_and_clear() -> None:
 
 
 def test_joiner_gives_up_when_no_peer_can_serve() -> None:
+    """Peers that hold no model answer "not serving now": the joiner waits for them (they
+    may be loading it, or between warmups), until its deadline."""
+
     async def main() -> None:
         async with (
             open_nodes(3, model_codec=TENSOR_CODEC) as (a, b, joiner),
@@ -239,8 +242,126 @@ def test_joiner_gives_up_when_no_peer_can_serve() -> None:
             for provider in (a, b):
                 nursery.start_soon(serve_model, provider, SharableModel())  # nothing to share
                 joiner.address_book.add(provider.endpoint_addr())
-            with trio.fail_after(20), pytest.raises(PeersUnreachable):
-                await ModelDownload(joiner, [a.endpoint_id, b.endpoint_id]).run()
+            download = ModelDownload(joiner, [a.endpoint_id, b.endpoint_id])
+            with trio.fail_after(30), pytest.raises(PeersUnreachable, match="in time"):
+                await download.run(give_up_at=trio.current_time() + 3)
+            assert download.peer_manager.errors_per_peer == {a.endpoint_id: 0, b.endpoint_id: 0}
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+async def serve_from(
+    nursery: trio.Nursery,
+    providers: list[NetworkConnection],
+    joiner: NetworkConnection,
+    parameters: dict[str, torch.Tensor],
+) -> list[SharableModel]:
+    """Each provider serves its own copy of `parameters` (returned, to change its serving
+    phase); the joiner knows where they are."""
+    models = [provider_model(parameters) for _ in providers]
+    for provider, model in zip(providers, models, strict=True):
+        nursery.start_soon(serve_model, provider, model)
+    await introduce_all(joiner, providers)
+    return models
+
+
+def test_a_joiner_that_asks_after_the_warmup_waits_for_the_next_one() -> None:
+    """Peers serve the parameters only during warmup, the configuration after it too. A
+    joiner that asks once the round has started is told "not serving now" by every live
+    peer; that is no failure: it asks again until the peers' next warmup and gets that
+    warmup's model. Before, each answer was a peer error and after 5 the joiner gave up with
+    `PeersUnreachable` (seen in tests/e2e/test_nat.py with a joiner behind a symmetric NAT)."""
+    before, after = make_parameters(3), make_parameters(4)
+
+    async def main() -> None:
+        async with (
+            open_nodes(3, model_codec=TENSOR_CODEC) as (a, b, joiner),
+            trio.open_nursery() as nursery,
+        ):
+            models = await serve_from(nursery, [a, b], joiner, before)
+            for model in models:
+                model.clear_cache()  # their warmup is over
+            _, batches = count_ticket_requests(joiner)
+            download = ModelDownload(joiner, [a.endpoint_id, b.endpoint_id])
+
+            async def next_warmup() -> None:
+                # well past the 5 errors per peer that ended the old joiner
+                await wait_until(lambda: len(batches) > 2 * MAX_ERRORS_PER_PEER + 1, 60)
+                for model in models:  # the cooldown's model, served in the next warmup
+                    model.update_parameters(after)
+
+            nursery.start_soon(next_warmup)
+            with trio.fail_after(120):
+                got = await download.run()
+            assert model_hash(got.parameters) == model_hash(after)
+            assert download.peer_manager.errors_per_peer == {a.endpoint_id: 0, b.endpoint_id: 0}
+            assert download.restarts == 0
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_a_warmup_that_ends_mid_download_never_mixes_two_models(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The warmup ends after one peer gave the joiner its tickets and before the other peer
+    answered: the parameters already had are the old model's and the rest will be the next
+    warmup's. The joiner drops what it had and takes the whole model again in the next
+    warmup: one model, never a mixture of two epochs'."""
+    before, after = make_parameters(5), make_parameters(6)
+
+    async def main() -> None:
+        async with (
+            open_nodes(3, model_codec=TENSOR_CODEC) as (a, b, joiner),
+            trio.open_nursery() as nursery,
+        ):
+            models = await serve_from(nursery, [a, b], joiner, before)
+            ask_many = joiner.request_model_blob_tickets
+            answers: list[tuple[bytes, list[TicketResult]]] = []
+            first_answered, window_closed = trio.Event(), trio.Event()
+            ended_for: list[bytes] = []
+
+            async def many(peer: bytes, names: list[str]) -> list[TicketResult]:
+                first = not first_answered.is_set() and not answers and not ended_for
+                if first:
+                    ended_for.append(peer)  # taken: the next call waits for this answer
+                    try:
+                        results = await ask_many(peer, names)
+                    finally:
+                        first_answered.set()
+                else:
+                    await first_answered.wait()
+                    if not window_closed.is_set():
+                        window_closed.set()
+                        for model in models:  # the warmup ends now
+                            model.clear_cache()
+                    results = await ask_many(peer, names)
+                answers.append((peer, results))
+                return results
+
+            monkeypatch.setattr(joiner, "request_model_blob_tickets", many)
+            download = ModelDownload(joiner, [a.endpoint_id, b.endpoint_id])
+
+            def first_server_stopped() -> bool:
+                # the peer that served tickets has since said "not serving now"
+                return any(
+                    peer == answers[0][0] and all(isinstance(r, TicketResult.Err) for r in got)
+                    for peer, got in answers[1:]
+                )
+
+            async def next_warmup() -> None:
+                await wait_until(first_server_stopped, 60)
+                assert all(isinstance(r, TicketResult.Ok) for r in answers[0][1])
+                await trio.sleep(1.0)
+                for model in models:
+                    model.update_parameters(after)
+
+            nursery.start_soon(next_warmup)
+            with trio.fail_after(120):
+                got = await download.run()
+            assert model_hash(got.parameters) == model_hash(after)
+            assert download.restarts == 1
             nursery.cancel_scope.cancel()
 
     trio.run(main)

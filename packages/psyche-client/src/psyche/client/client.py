@@ -87,7 +87,6 @@ from psyche.network import (
     PeerConnected,
     PeersUnreachable,
     choose_gossip_peers,
-    sign_address_record,
 )
 
 if TYPE_CHECKING:
@@ -262,11 +261,11 @@ class Client:
         backend goes away, the model cannot be loaded, the client desyncs); failures
         propagate."""
         self._started = time.monotonic()
-        if isinstance(self.backend, EndpointDiscovery):
-            record = sign_address_record(self.config.secret_key, self.network.endpoint_addr())
-            await self.backend.publish_endpoint(record)
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            if isinstance(self.backend, EndpointDiscovery):
+                await self.backend.publish_endpoint(self.network.own_record)
+                nursery.start_soon(self._republish_endpoint, self.backend)
             nursery.start_soon(self._pump_states)
             nursery.start_soon(self._pump_network)
             nursery.start_soon(self._ticker, OPPORTUNISTIC_WITNESS_SECS, "opportunistic")
@@ -285,6 +284,14 @@ class Client:
 
     def _post(self, item: _Item) -> None:
         self._send.send_nowait(item)
+
+    async def _republish_endpoint(self, backend: EndpointDiscovery) -> None:
+        """Announce this client's address record again whenever it changes (a relay slot
+        reserved or lost after start-up): the peers that learn it from the coordinator would
+        otherwise keep dialing addresses that do not reach it."""
+        while True:
+            await self.network.record_changed.wait()
+            await backend.publish_endpoint(self.network.own_record)
 
     async def _pump_states(self) -> None:
         while True:
@@ -320,6 +327,10 @@ class Client:
     # ---- coordinator states ----------------------------------------------------------------
 
     async def _on_state(self, state: Coordinator) -> None:
+        # Peers' address records come beside the states, not in them: learn them with every
+        # state received (the server sends one each tick), not only when the state changes (a
+        # warmup's state stays the same for its whole length).
+        self._learn_peer_addresses()
         encoded = state.to_bytes()
         if encoded == self._last_state_bytes:
             return
@@ -346,7 +357,6 @@ class Client:
         self.observers.on_state(state)
         clients = state.epoch_state.clients
         self.network.set_allowed_peers(c.id.p2p_identity for c in clients)
-        self._learn_peer_addresses()
         self._ensure_gossip_connected(state)
         if state.run_state is RunState.RoundTrain and (
             old is None or old.run_state is not RunState.RoundTrain

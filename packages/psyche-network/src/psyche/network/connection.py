@@ -65,7 +65,7 @@ from psyche.network.gossip import (
     GossipRejected,
     gossip_topic,
 )
-from psyche.network.identity import fmt_short
+from psyche.network.identity import fmt_short, peer_id_from_public_key
 from psyche.network.interfaces import announce_host, interface_ipv4
 from psyche.network.model_download import ModelDownload
 from psyche.network.reachability import (
@@ -156,6 +156,11 @@ class PeerUnreachable(ConnectionError):
     """A peer that announces only a relay path while this node has no relay to take it."""
 
 
+class AddressUnknown(LookupError):
+    """No address is known for a run member yet (its record has not reached us): no dial was
+    made, so this is no failed dial; a join waits for the address (`NetworkConnection.add_peers`)."""
+
+
 class NetworkConnection:
     def __init__(
         self,
@@ -179,7 +184,11 @@ class NetworkConnection:
         """The model this node serves to peers that ask (`model_sharing`): the application
         updates it (`update_parameters` after a cooldown, `clear_cache` on RoundTrain)."""
         self.store = BlobStore()
-        self.address_book = AddressBook()
+        self.address_book = AddressBook(on_changed=self._address_changed)
+        self._joining: set[bytes] = set()
+        """Run members `add_peers` asked for whose join failed (no address known yet, or the
+        dial failed): joined again as soon as their addresses change (`_address_changed`),
+        not at the application's next top-up."""
         self.local_discovery = (
             LocalDiscovery(config.local_discovery_dir) if config.local_discovery_dir else None
         )
@@ -429,6 +438,7 @@ class NetworkConnection:
         if not isinstance(self.allowlist, AllowDynamic):
             raise TypeError("set_allowed_peers needs an AllowDynamic allowlist")
         self.allowlist.set(peers)
+        self._joining = {p for p in self._joining if self._allowed(p)}
         for peer in self.connection_monitor.connected_peers():
             if not self._allowed(peer):
                 self._spawn(p2p_host.disconnect, self.host, peer)
@@ -443,34 +453,70 @@ class NetworkConnection:
     def add_peers(self, peers: Iterable[bytes]) -> None:
         """Connect to these run members in the background (upstream: gossip `join_peers`);
         peers already connected, being dialed, or whose last dials failed a moment ago
-        (`dialer`) are skipped."""
+        (`dialer`) are skipped. A join that fails is tried again by itself as soon as the
+        peer's addresses change (its record arrives from the coordinator or a peer, or names a
+        new relay slot): two members behind NAT that start together each ask for the other
+        before the other's record has reached them, and waiting for the application's next
+        top-up (6-10 s, then the dial back-off) cost the run's first rounds."""
         connected = set(self.connection_monitor.connected_peers())
         for peer in map(bytes, peers):
             if peer == self.endpoint_id or peer in connected:
                 continue
             if self.dialer.dialing(peer) or self.dialer.backed_off(peer):
+                self._joining.add(peer)
                 continue
+            self._spawn(self._connect_logged, peer)
+
+    def _address_changed(self, peer: bytes) -> None:
+        """New addresses are new information. py-libp2p forgets what it learned from the old
+        ones: the peerstore's addresses (it dials one address per transport, which may be a
+        stale one) and its negative cache (which refuses a peer whose addresses all failed
+        for a minute; `Swarm.unblock_peer` is meant for a peer whose addresses changed). A
+        failed join is made again at once, past the dial back-off."""
+        if peer in self.connection_monitor.connected_peers() or self.dialer.dialing(peer):
+            return
+        peer_id = peer_id_from_public_key(peer)
+        self.host.get_peerstore().clear_addrs(peer_id)
+        swarm: Any = self.host.get_network()
+        swarm.unblock_peer(peer_id)
+        if peer in self._joining and self._allowed(peer):
             self._spawn(self._connect_logged, peer)
 
     async def _connect_logged(self, peer: bytes) -> None:
         try:
             await self.connect(peer)
+        except AddressUnknown as e:
+            self._joining.add(peer)
+            logger.info("peer %s: %s; joining it once it is learned", fmt_short(peer), e)
         except Exception as e:
+            if self._allowed(peer):  # (a peer that left the run is not joined again)
+                self._joining.add(peer)
             logger.warning("Failed to join gossip peer %s: %s", fmt_short(peer), e)
+        else:
+            self._joining.discard(peer)
 
     async def connect(self, peer: bytes) -> None:
-        """Make sure a libp2p connection to `peer` exists, finding its address if needed; a dial
-        already under way is joined, and set-ups are paced (`dialer`)."""
+        """Make sure a libp2p connection to `peer` exists, finding its address if needed (from
+        connected peers: `peer_exchange`); a dial already under way is joined, and set-ups are
+        paced (`dialer`). `AddressUnknown` when no address is known: no dial is made, so the
+        peer is not backed off."""
         if peer in self.connection_monitor.connected_peers():
             return
         if not self._allowed(peer):
             raise PermissionError(f"{fmt_short(peer)} is not in the allowlist")
+        unknown = not self.dialer.dialing(peer) and self._known_libp2p_addr(peer) is None
+        if unknown and await self._ask_for_record(peer) is None:
+            raise AddressUnknown(f"no known address for {fmt_short(peer)}")
         await self.dialer.connect(peer)
 
+    def _known_libp2p_addr(self, peer: bytes) -> EndpointAddr | None:
+        addr = self._resolve(peer)
+        return addr if addr is not None and addr.libp2p_addrs() else None
+
     async def _dial(self, peer: bytes, base_timeout: float) -> None:
-        addr = self._resolve(peer) or await self._ask_for_record(peer)
-        if addr is None or not addr.libp2p_addrs():
-            raise LookupError(f"no known address for {fmt_short(peer)}")
+        addr = self._known_libp2p_addr(peer)
+        if addr is None:
+            raise AddressUnknown(f"no known address for {fmt_short(peer)}")
         relayed = any(p2p_host.is_circuit(a) for a in addr.libp2p_addrs())
         can_relay = bool(self.nat.relay_ids)
         # a relayed peer gets the direct attempt's head start on top of the timeout
@@ -507,8 +553,9 @@ class NetworkConnection:
     async def _ask_for_record(self, peer: bytes) -> EndpointAddr | None:
         for other in self.connection_monitor.connected_peers():
             await self._exchange_records(other, [peer])
-            if peer in self.address_book:
-                return self.address_book.get(peer)
+            addr = self._known_libp2p_addr(peer)
+            if addr is not None:
+                return addr
         return None
 
     # ------------------------------------------------------------------------------------------
@@ -692,6 +739,7 @@ class NetworkConnection:
         if peer in self.nat.relay_ids:
             return
         was_connected = peer in self._paths
+        self._joining.discard(peer)
         self.connection_monitor.on_connected(peer, remote_addr)
         self._note_path(peer)
         p2p_host.watch_received(self.host, peer)

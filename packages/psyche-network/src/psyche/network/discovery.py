@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from psyche.core.atomic_file import write_atomically
@@ -48,20 +49,25 @@ def verify_address_record(raw: bytes) -> EndpointAddr:
 
 
 class AddressBook:
-    """The latest known addresses of each endpoint, plus the signed record they came in."""
+    """The latest known addresses of each endpoint, plus the signed record they came in.
 
-    def __init__(self) -> None:
+    `on_changed(endpoint_id)` is called whenever an endpoint's addresses change (first learned,
+    or different from before), so that a connection that failed for want of an address is
+    tried again the moment one is known rather than at the next periodic top-up."""
+
+    def __init__(self, on_changed: Callable[[bytes], None] | None = None) -> None:
         self._addrs: dict[bytes, EndpointAddr] = {}
         self._records: dict[bytes, bytes] = {}
+        self._on_changed = on_changed
 
     def add(self, addr: EndpointAddr) -> None:
         """Merge addresses learned without a signature (bootstrap list, a ticket's provider)."""
         known = self._addrs.get(addr.id)
         if known is None:
-            self._addrs[addr.id] = addr
+            self._set(addr)
             return
         merged = list(dict.fromkeys([*addr.addrs, *known.addrs]))
-        self._addrs[addr.id] = EndpointAddr(addr.id, merged)
+        self._set(EndpointAddr(addr.id, merged))
 
     def add_record(self, raw: bytes) -> EndpointAddr | None:
         try:
@@ -69,9 +75,16 @@ class AddressBook:
         except SignedMessageError as e:
             logger.debug("ignoring address record: %s", e)
             return None
-        self._addrs[addr.id] = addr
         self._records[addr.id] = bytes(raw)
+        self._set(addr)
         return addr
+
+    def _set(self, addr: EndpointAddr) -> None:
+        known = self._addrs.get(addr.id)
+        self._addrs[addr.id] = addr
+        changed = known is None or set(known.addrs) != set(addr.addrs)
+        if changed and self._on_changed is not None:
+            self._on_changed(addr.id)
 
     def get(self, endpoint_id: bytes) -> EndpointAddr | None:
         return self._addrs.get(endpoint_id)

@@ -22,6 +22,14 @@
    capacity, counts against the ticket's provider and is retried with a fresh ticket from
    another peer; a complete one is decoded and kept.
 
+Peers serve the parameters only during warmup (upstream's rule). A peer that answers "not
+serving now" (`peer_manager.not_serving_now`) is no failed peer: it is asked again a moment
+later, until the peers' next warmup or `give_up_at`. When a peer that already served this
+download some tickets says so, its warmup ended before the download had every ticket: the
+rest would come from the next warmup's (newer) model, so what was collected is dropped and the
+download starts again from the configuration, once the peers serve again: one model, never a
+mixture of two epochs'.
+
 Each step awaits its own `Download`, so the application's event loop has nothing to route here.
 The parameters are decoded with the network's `ParameterCodec` (the application's tensors); a
 download is started with `NetworkConnection.model_download` and given up when no peer has served
@@ -44,10 +52,12 @@ from psyche.network.identity import fmt_short
 from psyche.network.model_sharing import MAX_BATCH_NAMES, batch_timeout
 from psyche.network.peer_manager import (
     MAX_ERRORS_PER_PEER,
+    NOT_SERVING_RETRY_SECS,
     PeerManager,
     PeersUnreachable,
     blob_ticket_batch_request_task,
     blob_ticket_param_request_task,
+    not_serving_now,
 )
 from psyche.network.scheduler import DEFAULT_MAX_CONCURRENT_PARAMETER_REQUESTS, DownloadScheduler
 from psyche.network.sharable_model import CONFIG_TAG, SharableModel, parameter_tag
@@ -87,17 +97,25 @@ class ModelDownload:
         self._network = network
         self._exhausted = False
         self._scope = trio.CancelScope()
+        self._attempt = trio.CancelScope()
+        self._peers = [p for p in peers if p != network.endpoint_id]
         self.peer_manager = PeerManager(
             network.connection_monitor,
             max_errors_per_peer=max_errors_per_peer,
             on_exhausted=self._on_exhausted,
         )
-        self.peer_manager.set_peers(p for p in peers if p != network.endpoint_id)
+        self.peer_manager.set_peers(self._peers)
+        self._max_concurrent = max_concurrent
         self.scheduler = DownloadScheduler(max_concurrent)
         self.model = SharableModel()
         self.retried_downloads = 0
+        self.restarts = 0
+        """Times the peers stopped serving before every ticket was had (a warmup ended)."""
         self._dialled: dict[bytes, trio.Event] = {}
         self._shares: dict[bytes, trio.Semaphore] = {}
+        self._served_by: set[bytes] = set()
+        """Peers that answered this attempt with a parameter ticket."""
+        self._serving_ended = False
 
     def _on_exhausted(self) -> None:
         self._exhausted = True
@@ -122,17 +140,54 @@ class ModelDownload:
     async def run(self, give_up_at: float | None = None) -> DownloadedModel:
         """The whole model; raises `PeersUnreachable` once every peer failed too often (the
         peer manager's verdict cancels all requests at once, like upstream's cancel token), or
-        when none has served the model's configuration by `give_up_at` (`trio.current_time()`;
-        a download under way is not cut short)."""
+        when none has served the model's configuration, or every peer still says it serves
+        none now, at `give_up_at` (`trio.current_time()`; a download under way is not cut
+        short)."""
+        deadline = math.inf if give_up_at is None else give_up_at
+        self.peer_manager.give_up_at = deadline
         with self._scope:
-            try:
-                return await self._run(math.inf if give_up_at is None else give_up_at)
-            except BaseExceptionGroup as group:
-                unreachable, rest = group.split(PeersUnreachable)
-                if unreachable is not None and rest is None:
-                    raise _first(unreachable) from None
-                raise
+            while True:
+                with trio.CancelScope() as self._attempt:
+                    try:
+                        return await self._run(deadline)
+                    except BaseExceptionGroup as group:
+                        unreachable, rest = group.split(PeersUnreachable)
+                        if unreachable is not None and rest is None:
+                            raise _first(unreachable) from None
+                        raise
+                if not self._serving_ended:
+                    break
+                self._start_again()
+                await trio.sleep(NOT_SERVING_RETRY_SECS)
         raise PeersUnreachable("Peers were unreachable for P2P parameter requests")
+
+    def _start_again(self) -> None:
+        """Drop what the ended serving window gave (its tickets and parameters) and ask every
+        peer again (the connections and blob sessions stay)."""
+        self.restarts += 1
+        self._serving_ended = False
+        self._served_by = set()
+        self._shares = {}
+        self.model = SharableModel()
+        self.scheduler = DownloadScheduler(self._max_concurrent)
+        self.peer_manager.set_peers(self._peers)
+
+    def _note_answers(self, peer: bytes, results: list[TicketResult]) -> None:
+        """Remember which peers served tickets; a "not serving now" from one of them ends the
+        attempt (`_start_again`: its serving window closed mid-download)."""
+        if any(isinstance(r, TicketResult.Ok) for r in results):
+            self._served_by.add(peer)
+        stopped = any(isinstance(r, TicketResult.Err) and not_serving_now(r.value) for r in results)
+        if stopped and peer in self._served_by and not self._serving_ended:
+            logger.warning(
+                "peer %s stopped serving the model before this client had all of it (its "
+                "warmup ended): dropping the %d parameters received, starting again when the "
+                "peers serve again",
+                fmt_short(peer),
+                sum(t is not None for t in (self.model.parameters or {}).values()),
+            )
+            self._serving_ended = True
+            self._attempt.cancel()
 
     async def _run(self, give_up_at: float) -> DownloadedModel:
         async with trio.open_nursery() as dials:
@@ -189,11 +244,24 @@ class ModelDownload:
 
     async def _ask_ticket(self, peer: bytes, request: ModelRequestType) -> BlobTicket:
         await self._dialled_first(peer)
-        return await self._network.request_model_blob_ticket(peer, request)
+        try:
+            ticket = await self._network.request_model_blob_ticket(peer, request)
+        except SharableModelFailure as e:
+            if isinstance(request, ModelRequestType.Parameter):
+                self._note_answers(peer, [TicketResult.Err(e.error)])
+            raise
+        if isinstance(request, ModelRequestType.Parameter):
+            self._note_answers(peer, [TicketResult.Ok(ticket)])
+        return ticket
 
     async def _ask_tickets(self, peer: bytes, names: list[str]) -> list[TicketResult]:
         await self._dialled_first(peer)
-        return await self._network.request_model_blob_tickets(peer, names)
+        results = await self._network.request_model_blob_tickets(peer, names)
+        self._note_answers(peer, results)
+        errors = [r.value for r in results if isinstance(r, TicketResult.Err)]
+        if errors and len(errors) == len(results) and all(map(not_serving_now, errors)):
+            raise SharableModelFailure(errors[0])  # the whole peer, not these names
+        return results
 
     async def _request_batch(
         self, names: list[str], retry: deque[str], per_provider: int, downloads: trio.Nursery
@@ -211,16 +279,21 @@ class ModelDownload:
         )
         failed = []
         tickets = []
+        not_serving = False
         for name, result in zip(names, results, strict=True):
             match result:
                 case TicketResult.Ok(ticket):
                     tickets.append((name, ticket))
                 case TicketResult.Err(error):
                     failed.append(name)
+                    not_serving = not_serving or not_serving_now(error)
                     logger.debug("peer %s has no ticket for %s: %s", fmt_short(peer), name, error)
         if failed:
             retry.extend(failed)
-            self.peer_manager.report_blob_ticket_request_error(peer)
+            if not_serving:
+                self.peer_manager.report_not_serving(peer)
+            else:
+                self.peer_manager.report_blob_ticket_request_error(peer)
         if tickets:
             share = self._shares.setdefault(peer, trio.Semaphore(per_provider))
             downloads.start_soon(self._start_downloads, tickets, share, downloads)
