@@ -45,16 +45,21 @@ def test_an_accused_trainer_is_dropped_and_banned_over_tcp() -> None:
             by_id = {m.identity: m for m in members}
             verifier = by_id[duties.verifiers[0].verifier]
             tie_breaker = by_id[duties.tie_breakers[0].verifier]
-            liar = duties.verifiers[0].trainer
+            drawn = duties.checks(verifier.identity, verifier.client.key.sign)
+            assert drawn is not None
+            liar = drawn[0][0].trainer
 
             def findings(sender: DummyTrainer) -> VerificationReport:
-                """Its duties' findings; the tie-breaker's only about the disputed batch."""
+                """What it checks (a verifier: its draw, signed with its key); the
+                tie-breaker's only about the disputed batch."""
+                checks = duties.checks(sender.identity, sender.client.key.sign)
+                assert checks is not None
                 tie = sender is tie_breaker
                 return VerificationReport(duties.step, [
                     Finding(d.batch_id, d.trainer != liar, 1.0 if d.trainer == liar else 0.0)
-                    for d in duties.of(sender.identity)
+                    for d in checks[0]
                     if not tie or d.trainer == liar
-                ])  # fmt: skip
+                ], checks[1])  # fmt: skip
 
             # a stranger is dropped unread; a member's flood is one report
             async with await ProtocolClient.connect(address) as stranger:

@@ -23,10 +23,16 @@ from psyche.client.round.verify import (
 )
 from psyche.coordinator import Coordinator, RunState, TickResult
 from psyche.coordinator.data_selection import verification_duties_for_state
-from psyche.coordinator.testing import integration_test_coordinator, simulated_identity
+from psyche.coordinator.testing import (
+    integration_test_coordinator,
+    keyed_identity,
+    simulated_identity,
+    simulated_key,
+)
 from psyche.coordinator.verification import (
     Finding,
     RoundDuties,
+    RoundVerification,
     VerificationDuty,
     VerificationReport,
 )
@@ -53,14 +59,14 @@ def round_of(percent: int) -> Coordinator:
 
 def test_no_duties_in_an_upstream_run() -> None:
     coordinator = round_of(0)
-    assert all(plan_verification(coordinator, i) is None for i in IDS)
+    assert all(plan_verification(coordinator, i, None) is None for i in IDS)
 
 
 def test_the_plan_is_the_coordinators_duties_with_decoys_of_other_trainers() -> None:
     coordinator = round_of(40)
     duties = verification_duties_for_state(coordinator)
     trainers = dict(duties.assigned)
-    plans = {i: plan_verification(coordinator, i) for i in IDS}
+    plans = {i: plan_verification(coordinator, i, None) for i in IDS}
     planned = [p for p in plans.values() if p is not None]
     assert sum(p.tie_breaker for p in planned) == 1
     assert len(planned) == 1 + len({d.verifier for d in duties.verifiers})
@@ -102,7 +108,7 @@ def test_a_verifiers_own_duties_are_its_decoys_first() -> None:
 def _tie_breakers_plan() -> tuple[VerifyJob, RoundDuties]:
     coordinator = round_of(40)
     duties = verification_duties_for_state(coordinator)
-    plans = [plan_verification(coordinator, i) for i in IDS]
+    plans = [plan_verification(coordinator, i, None) for i in IDS]
     (job,) = [p for p in plans if p is not None and p.tie_breaker]
     return job, duties
 
@@ -191,3 +197,31 @@ def test_a_tie_breaker_that_trains_recomputes_its_disputes_and_still_trains_its_
 
     trio.run(main)
     assert sorted(r.batch_id for r in published) == assigned
+
+
+def test_a_verifier_checks_what_its_own_signature_draws_from_its_pool() -> None:
+    # 6 clients at 20 %: 1 tie-breaker, 1 verifier, 4 trainers: a pool of 4, 2 of them drawn by
+    # the verifier's signature (which nobody else can compute before its report reveals it)
+    keys = {keyed_identity(i).signer: simulated_key(i) for i in range(6)}
+    ids = [keyed_identity(i) for i in range(6)]
+    coordinator = integration_test_coordinator(6, 12, 0)
+    coordinator.config.verification_percent = 20
+    assert coordinator.tick(ids, 100, 1) == TickResult.Ticked()
+    assert coordinator.tick(ids, 125, 42) == TickResult.Ticked()
+    duties = verification_duties_for_state(coordinator)
+    (verifier,) = {d.verifier for d in duties.verifiers}
+    assert len(duties.pool(verifier)) == 4
+    assert plan_verification(coordinator, verifier, None) is None  # no key: no acceptable draw
+    plan = plan_verification(coordinator, verifier, keys[verifier.signer].sign)
+    assert plan is not None
+    assert len(plan.duties) == 2
+    assert duties.drawn(verifier, plan.draw) == list(plan.duties)
+    # its report, with the draw the plan keeps, is heard; the same findings without it are not
+    findings = [Finding(d.batch_id, True, 0.0) for d in plan.duties]
+    assert (
+        RoundVerification(duties).add(verifier, VerificationReport(plan.step, findings, plan.draw))
+        is None
+    )
+    assert (
+        RoundVerification(duties).add(verifier, VerificationReport(plan.step, findings)) is not None
+    )

@@ -7,12 +7,24 @@ from __future__ import annotations
 from psyche.coordinator import ClientState, RunState
 from psyche.coordinator.backend import OpportunisticData
 from psyche.coordinator.server_core import ServerCore
-from psyche.coordinator.testing import quick_coordinator, simulated_identity, warmup_witness_for
-from psyche.coordinator.verification import Finding, RoundVerification, VerificationReport
+from psyche.coordinator.testing import (
+    keyed_identity,
+    quick_coordinator,
+    simulated_identity,
+    simulated_key,
+    warmup_witness_for,
+)
+from psyche.coordinator.verification import (
+    Finding,
+    RoundVerification,
+    VerificationDuty,
+    VerificationReport,
+)
 from psyche.core import NodeIdentity
 
 NOW = 1_000_000
-CLIENTS = [simulated_identity(i) for i in range(5)]
+CLIENTS = [keyed_identity(i) for i in range(5)]
+KEYS = {keyed_identity(i).signer: simulated_key(i) for i in range(5)}
 
 
 def verifying_round(percent: int = 25) -> tuple[ServerCore, RoundVerification]:
@@ -33,17 +45,30 @@ def verifying_round(percent: int = 25) -> tuple[ServerCore, RoundVerification]:
     return core, core.verification[step]
 
 
+def checked(record: RoundVerification) -> tuple[list[VerificationDuty], bytes]:
+    """What the round's verifier checks (its draw, signed with its key), and its draw."""
+    verifier = record.duties.verifiers[0].verifier
+    checks = record.duties.checks(verifier, KEYS[verifier.signer].sign)
+    assert checks is not None
+    return checks
+
+
 def report(record: RoundVerification, sender: NodeIdentity, wrong: bool) -> VerificationReport:
+    """`sender`'s findings on the batches the verifier checks (a tie-breaker's: the same)."""
+    duties, draw = checked(record)
+    if record.duties.is_tie_breaker(sender):
+        draw = bytes(64)
     return VerificationReport(
         record.duties.step,
-        [Finding(d.batch_id, not wrong, 2.0 if wrong else 0.0) for d in record.duties.of(sender)],
+        [Finding(d.batch_id, not wrong, 2.0 if wrong else 0.0) for d in duties],
+        draw,
     )
 
 
 def roles(record: RoundVerification) -> tuple[NodeIdentity, NodeIdentity, NodeIdentity]:
     verifier = record.duties.verifiers[0].verifier
     tie_breaker = record.duties.tie_breakers[0].verifier
-    return verifier, tie_breaker, record.duties.verifiers[0].trainer
+    return verifier, tie_breaker, checked(record)[0][0].trainer
 
 
 def state_of(core: ServerCore, node: NodeIdentity) -> ClientState:
@@ -67,16 +92,18 @@ def test_upstream_runs_record_no_duties() -> None:
 def test_a_trainer_that_lied_is_dropped_and_banned() -> None:
     core, record = verifying_round()
     verifier, tie_breaker, trainer = roles(record)
-    # one verifier at 25 % of 5 clients checks two of the round's three trainers (seed-drawn),
-    # the tie-breaker the same two
-    assert len(record.duties.verifiers) == len({d.trainer for d in record.duties.verifiers}) == 2
+    # one verifier at 25 % of 5 clients checks two of the round's three trainers (drawn by its
+    # own signature from its pool of all three), the tie-breaker may arbitrate any of the three
+    duties, draw = checked(record)
+    assert len(duties) == len({d.trainer for d in duties}) == 2
+    assert len(record.duties.verifiers) == 3
     assert {d.batch_id for d in record.duties.tie_breakers} == {
         d.batch_id for d in record.duties.verifiers
     }
     accusation = VerificationReport(record.duties.step, [
         Finding(d.batch_id, d.trainer != trainer, 0.0 if d.trainer != trainer else 2.0)
-        for d in record.duties.verifiers
-    ])  # fmt: skip
+        for d in duties
+    ], draw)  # fmt: skip
     assert core.on_verification(verifier, accusation) is False  # one word decides nothing
     assert state_of(core, trainer) is ClientState.Healthy
     assert core.accepted_verification == (verifier, accusation)  # the server relays it

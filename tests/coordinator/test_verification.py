@@ -21,30 +21,55 @@ from psyche.coordinator import (
 from psyche.coordinator.data_selection import assign_data_for_state
 from psyche.coordinator.errors import CoordinatorError, CoordinatorErrorKind
 from psyche.coordinator.run_config import semantic_problems
-from psyche.coordinator.testing import integration_test_coordinator, simulated_identity
+from psyche.coordinator.testing import (
+    integration_test_coordinator,
+    keyed_identity,
+    simulated_identity,
+    simulated_key,
+)
 from psyche.coordinator.verification import (
     MAX_FINDINGS,
+    NO_DRAW,
     VERIFIED_BATCHES_PER_VERIFIER,
     Finding,
     RoundDuties,
     RoundVerification,
+    VerificationDuty,
     VerificationReport,
+    draw_message,
     round_duties,
     tie_breaker_tasks_for,
     verification_duties,
     verification_problem,
+    verification_seed,
 )
 from psyche.core import BatchId, NodeIdentity
+from psyche.core.deterministic_shuffle import deterministic_shuffle
+from psyche.core.identity import SecretKey
 from psyche.core.serde import PostcardError, from_bytes, max_encoded_size, to_bytes
+
+KEYS = {keyed_identity(i).signer: simulated_key(i) for i in range(64)}
 
 
 def ids(n: int) -> list[NodeIdentity]:
-    return [simulated_identity(i) for i in range(n)]
+    """Identities with real keys (a verifier signs its draw)."""
+    return [keyed_identity(i) for i in range(n)]
 
 
-def duties_for(
+def key_of(node: NodeIdentity) -> SecretKey:
+    return KEYS[node.signer]
+
+
+def checked_by(duties: RoundDuties, node: NodeIdentity) -> list[VerificationDuty]:
+    """What `node` checks in the round (a verifier: its draw, signed with its own key)."""
+    checks = duties.checks(node, key_of(node).sign)
+    assert checks is not None
+    return checks[0]
+
+
+def round_for(
     n: int, percent: int, seed: int, batch: int = 32
-) -> tuple[RoundDuties, dict[BatchId, NodeIdentity]]:
+) -> tuple[Coordinator, CommitteeSelection, dict[BatchId, NodeIdentity]]:
     """A round of `n` clients with `percent` % verifiers, started by the coordinator itself."""
     coordinator = integration_test_coordinator(n, batch, 0)
     coordinator.config.min_clients = coordinator.config.init_min_clients = n
@@ -53,7 +78,13 @@ def duties_for(
     assert coordinator.tick(ids(n), 125, seed) == TickResult.Ticked()
     assert coordinator.run_state is RunState.RoundTrain
     selection = CommitteeSelection.from_coordinator(coordinator, 0)
-    assignments = assign_data_for_state(coordinator, selection)
+    return coordinator, selection, assign_data_for_state(coordinator, selection)
+
+
+def duties_for(
+    n: int, percent: int, seed: int, batch: int = 32
+) -> tuple[RoundDuties, dict[BatchId, NodeIdentity]]:
+    coordinator, selection, assignments = round_for(n, percent, seed, batch)
     return round_duties(0, coordinator.epoch_state.clients, selection, assignments), assignments
 
 
@@ -100,25 +131,30 @@ def test_a_bounded_sample_is_verified_once_and_the_tie_breaker_recomputes_it(
     verifiers = [c for c, k in by_committee.items() if k is Committee.Verifier]
     trainers = {c for c, k in by_committee.items() if k is Committee.Trainer}
     assert set(assignments.values()) <= trainers  # nobody else trains
-    checked = sorted(d.batch_id for d in duties.verifiers)
+    pooled = sorted(d.batch_id for d in duties.verifiers)
     if not verifiers:
         assert duties.verifiers == ()
     else:
-        # coverage: min(batches, 2 per verifier), each exactly once, naming its trainer
+        # the pools deal every batch once, naming its trainer, evenly
+        assert pooled == sorted(assignments)
+        for d in duties.verifiers:
+            assert assignments[d.batch_id] == d.trainer
+            assert by_committee[d.verifier] is Committee.Verifier
+        pools = [len(duties.pool(v)) for v in verifiers]
+        assert max(pools) - min(pools) <= 1
+        # coverage (the draws): min(batches, 2 per verifier), each exactly once
+        checked = sorted(d.batch_id for v in verifiers for d in checked_by(duties, v))
         assert len(checked) == len(set(checked))
         assert set(checked) <= set(assignments)
         per = VERIFIED_BATCHES_PER_VERIFIER
         assert len(checked) == min(len(assignments), per * len(verifiers))
-        for d in duties.verifiers:
-            assert assignments[d.batch_id] == d.trainer
-            assert by_committee[d.verifier] is Committee.Verifier
         # the load is dealt evenly, and bounded
-        loads = [sum(d.verifier == v for d in duties.verifiers) for v in verifiers]
+        loads = [len(checked_by(duties, v)) for v in verifiers]
         assert max(loads) - min(loads) <= 1
         assert max(loads) <= per
     tie_breakers = [c for c, k in by_committee.items() if k is Committee.TieBreaker]
     assert len(tie_breakers) == 1
-    assert sorted(d.batch_id for d in duties.tie_breakers) == checked
+    assert sorted(d.batch_id for d in duties.tie_breakers) == pooled
     assert dict(duties.assigned) == assignments
     # no one verifies its own result
     assert all(d.verifier != d.trainer for d in (*duties.verifiers, *duties.tie_breakers))
@@ -130,9 +166,11 @@ def test_a_round_with_few_verifiers_checks_a_seed_drawn_share() -> None:
     checked: set[BatchId] = set()
     for seed in range(12):
         duties, _ = duties_for(21, 10, seed, batch=36)
-        assert len({d.verifier for d in duties.verifiers}) == 2
-        assert len(duties.verifiers) == 4 == len(duties.tie_breakers)
-        checked.update(d.batch_id for d in duties.verifiers)
+        verifiers = {d.verifier for d in duties.verifiers}
+        assert len(verifiers) == 2
+        drawn = [d.batch_id for v in verifiers for d in checked_by(duties, v)]
+        assert len(drawn) == 4 == len(set(drawn))
+        checked.update(drawn)
     assert len(checked) > 4
 
 
@@ -213,14 +251,18 @@ def report(
     score: float = 0.5,
     only: set[BatchId] | None = None,
 ) -> VerificationReport:
-    """`sender`'s findings on its duties (`only` those batches: a tie-breaker's disputed)."""
+    """`sender`'s findings on what it checks (`only` those batches: a tie-breaker's disputed),
+    with its draw."""
+    checks = duties.checks(sender, key_of(sender).sign)
+    assert checks is not None
     return VerificationReport(
         duties.step,
         [
             Finding(d.batch_id, d.batch_id not in wrong, score if d.batch_id in wrong else 0.0)
-            for d in duties.of(sender)
+            for d in checks[0]
             if only is None or d.batch_id in only
         ],
+        checks[1],
     )
 
 
@@ -244,13 +286,14 @@ def test_reports_are_checked_against_the_senders_duties() -> None:
     assert record.add(trainer, VerificationReport(0, [])) is not None  # a trainer has no duty
     assert record.add(stranger, VerificationReport(0, [])) is not None
     assert record.add(verifier, VerificationReport(1, [])) is not None  # another round
-    own = duties.of(verifier)[0]
+    own = checked_by(duties, verifier)[0]
+    draw = report(duties, verifier, set()).draw
     not_own = Finding(BatchId(10**6, 10**6), False, 1.0)  # no batch of the round
-    assert record.add(verifier, VerificationReport(0, [not_own])) is not None
+    assert record.add(verifier, VerificationReport(0, [not_own], draw)) is not None
     twice = Finding(own.batch_id, False, 1.0)
-    assert "twice" in (record.add(verifier, VerificationReport(0, [twice, twice])) or "")
+    assert "twice" in (record.add(verifier, VerificationReport(0, [twice, twice], draw)) or "")
     nan = Finding(own.batch_id, False, float("nan"))
-    assert "finite" in (record.add(verifier, VerificationReport(0, [nan])) or "")
+    assert "finite" in (record.add(verifier, VerificationReport(0, [nan], draw)) or "")
     assert record.reports == {}  # nothing refused was kept
     assert record.add(verifier, report(duties, verifier, set())) is None
     # one report per sender and round: a flood of them costs one dict lookup each
@@ -267,7 +310,7 @@ def test_reports_are_checked_against_the_senders_duties() -> None:
 
 def test_a_tie_breaker_is_heard_only_about_disputed_batches() -> None:
     duties, verifier, tie_breaker, _ = a_round()
-    accused, honest = (d.batch_id for d in duties.verifiers[:2])
+    accused, honest = (d.batch_id for d in checked_by(duties, verifier))
     record = RoundVerification(duties)
     assert record.disputed() == []
     assert record.awaited() == [verifier]
@@ -288,7 +331,7 @@ def test_a_tie_breaker_is_heard_only_about_disputed_batches() -> None:
 
 def test_a_trainer_that_lied_loses() -> None:
     duties, verifier, tie_breaker, _ = a_round()
-    lie = next(d for d in duties.verifiers)
+    lie = checked_by(duties, verifier)[0]
     record = RoundVerification(duties)
     assert record.add(verifier, report(duties, verifier, {lie.batch_id})) is None
     assert record.resolve() == []  # one client's word decides nothing
@@ -301,7 +344,7 @@ def test_a_trainer_that_lied_loses() -> None:
 
 def test_a_verifier_that_lied_loses() -> None:
     duties, verifier, tie_breaker, _ = a_round()
-    honest = next(d for d in duties.verifiers)
+    honest = checked_by(duties, verifier)[0]
     record = RoundVerification(duties)
     assert record.add(verifier, report(duties, verifier, {honest.batch_id}, 3.0)) is None
     assert record.resolve() == []
@@ -448,3 +491,72 @@ def test_health_checks_judge_the_trainers_of_the_round_the_witnesses_attest() ->
             assert judged.health_check(clients[0].id, health_checks_for(judged)) == 1
     assert changed  # the committees did change between rounds (else this proves nothing)
     assert named_lazy
+
+
+# ---- the draw: unknowable to a trainer before it commits, checkable by all after ----------------
+
+
+def old_rule_checked(selection: CommitteeSelection, batches: list[BatchId], verifiers: int) -> set:
+    """The batches the committee seed alone drew before the fix (every client knew them at the
+    round's start): the first two per verifier of the seed's shuffle."""
+    order = list(batches)
+    deterministic_shuffle(order, verification_seed(selection))
+    return set(order[: VERIFIED_BATCHES_PER_VERIFIER * verifiers])
+
+
+def test_a_trainer_that_lies_only_where_the_seed_does_not_draw_it_is_caught() -> None:
+    # 21 clients at 10 %: 18 trainers, 2 verifiers, pools of 9. A "knowing liar" lies exactly
+    # where the committee seed (public at the round's start) does not draw its batch: the old
+    # rule checks none of its lies; the verifiers' own draws check some, and each such lie is
+    # an accusation the round's record hears
+    lies = caught = 0
+    for seed in range(12):
+        coordinator, selection, assignments = round_for(21, 10, seed, batch=36)
+        duties = round_duties(0, coordinator.epoch_state.clients, selection, assignments)
+        verifiers = list(dict.fromkeys(d.verifier for d in duties.verifiers))
+        lied = set(assignments) - old_rule_checked(selection, list(assignments), len(verifiers))
+        lies += len(lied)
+        record = RoundVerification(duties)
+        for verifier in verifiers:
+            accused = {d.batch_id for d in checked_by(duties, verifier)} & lied
+            caught += len(accused)
+            assert record.add(verifier, report(duties, verifier, accused)) is None
+        assert set(record.disputed()) <= lied
+    assert lies > 100
+    # each lie is drawn with chance 2 in 9; 12 rounds of 14 lies: far from none
+    assert caught >= lies // 9
+
+
+def test_a_forged_or_mismatched_draw_is_refused_alike_by_everyone() -> None:
+    duties, _ = duties_for(21, 10, 3, batch=36)
+    again, _ = duties_for(21, 10, 3, batch=36)  # another client's own derivation
+    v, other = list(dict.fromkeys(d.verifier for d in duties.verifiers))
+    pool = duties.pool(v)
+    assert len(pool) > VERIFIED_BATCHES_PER_VERIFIER
+    honest = report(duties, v, set())
+    drawn = {f.batch_id for f in honest.findings}
+    outside = next(d.batch_id for d in pool if d.batch_id not in drawn)
+
+    def claim(draw: bytes, batches: list[BatchId]) -> VerificationReport:
+        return VerificationReport(0, [Finding(b, False, 1.0) for b in batches], draw)
+
+    message = duties.draw_message(v)
+    forged = [
+        claim(NO_DRAW, sorted(drawn)),  # no signature
+        claim(key_of(other).sign(message), sorted(drawn)),  # another key's signature
+        claim(key_of(v).sign(draw_message(1, pool)), sorted(drawn)),  # another step's
+        claim(key_of(v).sign(duties.draw_message(other)), sorted(drawn)),  # another pool's
+        claim(honest.draw, [outside]),  # its own draw, a batch outside it
+        claim(honest.draw, [*sorted(drawn)[:1], outside]),
+    ]
+    for bad in forged:
+        verdicts = [RoundVerification(d).add(v, bad) for d in (duties, again)]
+        assert verdicts[0] is not None
+        assert verdicts[0] == verdicts[1]
+    # a forged draw that names another batch of the pool is refused as a wrong draw
+    swapped = claim(key_of(other).sign(message), [outside])
+    assert "draw" in (RoundVerification(duties).add(v, swapped) or "")
+    # the honest report is heard by every client alike, and its draw is its signature's
+    for d in (duties, again):
+        assert RoundVerification(d).add(v, honest) is None
+    assert {x.batch_id for x in duties.drawn(v, honest.draw) or []} == drawn

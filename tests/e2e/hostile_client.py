@@ -44,7 +44,7 @@ def lie_as_verifier() -> None:
 
         def send_lies(report: VerificationReport) -> None:
             lies = [Finding(f.batch_id, False, f.score) for f in report.findings]
-            send(VerificationReport(report.step, lies))
+            send(VerificationReport(report.step, lies, report.draw))
 
         return await honest(trainer, job, recomputed, round_state, deadline, send_lies)
 

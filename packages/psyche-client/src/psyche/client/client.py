@@ -550,6 +550,7 @@ class Client:
             ),
             on_round=self._on_round,
             evals=evals,
+            sign=self.config.secret_key.sign,
         )
         self.machine = StepStateMachine(
             settings, result.trainer, fetcher, self.coordinator, self.io, self._nursery

@@ -38,6 +38,7 @@ from psyche.coordinator.run_state import (
 )
 from psyche.coordinator.server_core import DEFAULT_BAN_EPOCHS, ServerCore
 from psyche.core.bloom import WitnessBloom
+from psyche.core.identity import SecretKey
 from psyche.core.merkle_tree import MerkleRoot
 from psyche.core.node_identity import NodeIdentity
 from psyche.core.sha256 import sha256
@@ -101,6 +102,17 @@ def quick_coordinator(
 def simulated_identity(number: int) -> NodeIdentity:
     """A stable identity for simulated client `number` (not a real key pair)."""
     return NodeIdentity.from_single_key(sha256(b"psyche-simulated-client" + number.to_bytes(8)))
+
+
+def simulated_key(number: int) -> SecretKey:
+    """A real key pair for simulated client `number`, where a test needs its signatures (a
+    verifier's draw); its identity is `keyed_identity(number)`."""
+    return SecretKey.from_bytes(sha256(b"psyche-simulated-key" + number.to_bytes(8)))
+
+
+def keyed_identity(number: int) -> NodeIdentity:
+    """The identity of `simulated_key(number)` (signer and p2p key alike)."""
+    return NodeIdentity.from_single_key(simulated_key(number).public_key)
 
 
 def bloom_of(items: Iterable[bytes], keys: Iterable[int]) -> WitnessBloom:

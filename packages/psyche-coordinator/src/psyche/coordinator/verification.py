@@ -9,18 +9,26 @@ no verifier in 4 clients at 25 %; the two agree at 0 and on every upstream test 
 trainers for the rest. Neither verifiers nor
 tie-breakers train (`data_selection`). At 0 nothing changes: no tie-breaker, no verifier.
 
-Who verifies whom (`verification_duties`), from the round's seed, so anyone can check it: the
+Who may verify whom (`verification_duties`), from the round's seed, so anyone can check it: the
 round's batches (ascending) are shuffled with a seed derived from the committee seed and the salt
-"verification"; the first `VERIFIED_BATCHES_PER_VERIFIER` (2) per verifier are the round's
-checked batches, dealt round-robin to the verifiers in client-index order. Every checked batch is
-recomputed by exactly one verifier, each verifier recomputes at most 2 (each the other's decoy,
-so checking two costs what checking one does: two recomputes). A round checks `min(trainers'
-batches, 2 x verifiers)` batches: all of them while verifiers are at least half as many as
-trainers (4 clients at 25 %), and a seed-drawn share of them otherwise (at 10 %, about 2 in 9 a
-round), so that a verifier's work stays within a round (docs/reliability.md, "recompute and
-punish": coverage against cost).
+"verification" and dealt round-robin to the verifiers in client-index order: each verifier's
+**pool**. Which `VERIFIED_BATCHES_PER_VERIFIER` (2) of its pool a verifier checks is its
+**draw** (`draw_batches`), known to nobody but it until its report: the pool shuffled with a
+seed from its own Ed25519 signature (p2p key) of `draw_message` (the round's step and its
+pool). RFC 8032 signatures are deterministic, so it has one draw a round and cannot choose it;
+the report carries the signature (`VerificationReport.draw`) and `check_report` refuses one
+whose signature does not verify or that names a batch outside the draw. So a trainer cannot know
+before it commits whether its batch is checked (a draw from the committee seed alone, as before,
+let a trainer lie only in rounds where it was not drawn). A pool of at most 2 batches is checked
+whole, without a signature (there is nothing to choose). Every checked batch is recomputed by
+exactly one verifier, each verifier recomputes at most 2 (each the other's decoy, so checking
+two costs what checking one does: two recomputes). A round checks `min(trainers' batches, 2 x
+verifiers)` batches: all of them while verifiers are at least half as many as trainers (4
+clients at 25 %), and a drawn share of them otherwise (at 10 %, about 2 in 9 a round), so that a
+verifier's work stays within a round (docs/reliability.md, "recompute and punish": coverage
+against cost).
 
-The tie-breakers (`tie_breaker_duties`) are the arbiters of the round's checked batches, but they
+The tie-breakers (`tie_breaker_duties`) are the arbiters of the round's pooled batches, but they
 recompute only the **disputed** ones (a verifier's finding `matches = False`: `RoundVerification.
 disputed`), and only in the **next** round: a tie-breaker of round N keeps one copy of the weights
 round N trained from (`psyche.client.round.verify`: only on the tie-breaker, at most one copy,
@@ -34,8 +42,9 @@ while its tie-breakers may still report.
 
 What they report (`VerificationReport`): one message per sender and round, naming for each batch
 it recomputed whether its recomputation matched the published result, and the evidence score (the comparison's distance). A verifier's non-matching finding is an accusation.
-`check_report` bounds it: only a round's verifier or tie-breaker, only its own duties, each once,
-finite scores, at most one report per sender and round (`RoundVerification.add`).
+`check_report` bounds it: only a round's verifier or tie-breaker, only its own duties (a
+verifier's: its draw), each once, finite scores, at most one report per sender and round
+(`RoundVerification.add`).
 
 Who loses (`resolve`): the tie-breakers decide, by majority of those that recomputed the batch
 (ties: no decision). A trainer whose result the tie-breakers found wrong loses; a verifier that
@@ -46,7 +55,7 @@ decided (nobody is punished on one client's word).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated
 
@@ -59,15 +68,20 @@ from psyche.coordinator.committee_selection import (
 from psyche.coordinator.config import SOLANA_MAX_NUM_CLIENTS, CoordinatorConfig
 from psyche.core.batch_id import BatchId
 from psyche.core.deterministic_shuffle import deterministic_shuffle
+from psyche.core.identity import SIGNATURE_LEN, verify_signature
 from psyche.core.node_identity import NodeIdentity
-from psyche.core.serde import F32, U32, FixedVec, SmallBool, struct
+from psyche.core.serde import F32, U32, FixedBytes, FixedVec, SmallBool, struct
 from psyche.core.sha256 import sha256v
 
 VERIFICATION_SALT = b"verification"
 VERIFICATION_TIE_BREAKERS = 1
 """Tie-breakers per round of a run with `verification_percent > 0` (the arbiter of disputes)."""
 VERIFIED_BATCHES_PER_VERIFIER = 2
-"""Batches a verifier checks a round (the seed draws which): two, each the other's decoy."""
+"""Batches a verifier checks a round (its draw says which): two, each the other's decoy."""
+DRAW_DOMAIN = b"psyche-verification-draw"
+"""What a verifier's draw signature signs first (no other message of the protocol starts so)."""
+NO_DRAW = bytes(SIGNATURE_LEN)
+"""The draw of a report that needs none (a tie-breaker's, a pool checked whole)."""
 MAX_FINDINGS = SOLANA_MAX_NUM_CLIENTS
 """A report names at most one finding per batch, and a round has at most one batch per client."""
 
@@ -153,17 +167,42 @@ def verification_duties(
     selection: CommitteeSelection,
     assignments: Mapping[BatchId, NodeIdentity],
 ) -> list[VerificationDuty]:
-    """Every verifier's duties in the round (see the module docstring), in dealing order."""
+    """Every verifier's pool in the round (see the module docstring), in dealing order: every
+    batch of the round, each in one pool."""
     verifiers = _members(clients, selection, Committee.Verifier)
     if not verifiers:
         return []
     batches = list(assignments)
     deterministic_shuffle(batches, verification_seed(selection))
-    checked = batches[: VERIFIED_BATCHES_PER_VERIFIER * len(verifiers)]
     return [
         VerificationDuty(batch, assignments[batch], verifiers[k % len(verifiers)])
-        for k, batch in enumerate(checked)
+        for k, batch in enumerate(batches)
     ]
+
+
+def draw_message(step: int, pool: Sequence[VerificationDuty]) -> bytes:
+    """What a verifier signs for its draw in round `step`: the step and its pool (ascending:
+    each batch and its trainer), so a signature is good for one round and one pool only."""
+    parts = [DRAW_DOMAIN, step.to_bytes(8, "little")]
+    for duty in sorted(pool):
+        parts += [
+            duty.batch_id.start.to_bytes(8, "little"),
+            duty.batch_id.end.to_bytes(8, "little"),
+            duty.trainer.signer,
+        ]
+    return b"".join(parts)
+
+
+def draw_batches(pool: Sequence[VerificationDuty], draw: bytes) -> list[VerificationDuty]:
+    """The duties of `pool` a verifier whose draw signature is `draw` checks (ascending): the
+    pool whole when it holds at most `VERIFIED_BATCHES_PER_VERIFIER`, else that many of it,
+    shuffled with a seed from the signature (unchecked here: `RoundDuties.drawn` checks it)."""
+    ordered = sorted(pool)
+    if len(ordered) <= VERIFIED_BATCHES_PER_VERIFIER:
+        return ordered
+    seed = int.from_bytes(sha256v((bytes(draw), VERIFICATION_SALT))[:8], "little")
+    deterministic_shuffle(ordered, seed)
+    return sorted(ordered[:VERIFIED_BATCHES_PER_VERIFIER])
 
 
 def tie_breaker_duties(
@@ -171,8 +210,8 @@ def tie_breaker_duties(
     selection: CommitteeSelection,
     assignments: Mapping[BatchId, NodeIdentity],
 ) -> list[VerificationDuty]:
-    """Every batch the round's verifiers check (ascending), for every tie-breaker: what it may
-    be asked to arbitrate (it recomputes only the disputed ones, in the next round)."""
+    """Every batch in the round's verifiers' pools (ascending), for every tie-breaker: what it
+    may be asked to arbitrate (it recomputes only the disputed ones, in the next round)."""
     checked = sorted(d.batch_id for d in verification_duties(clients, selection, assignments))
     return [
         VerificationDuty(batch, assignments[batch], tie_breaker)
@@ -192,8 +231,44 @@ class RoundDuties:
     """Every batch of the round and its trainer, checked or not (where a decoy comes from)."""
 
     def of(self, node: NodeIdentity) -> list[VerificationDuty]:
-        """`node`'s duties, as verifier or as tie-breaker (one of the two, or none)."""
+        """`node`'s duties, as verifier (its pool) or as tie-breaker (one of the two, or none)."""
         return [d for d in (*self.verifiers, *self.tie_breakers) if d.verifier == node]
+
+    def pool(self, node: NodeIdentity) -> list[VerificationDuty]:
+        """The batches verifier `node` may be drawn to check (ascending; none if no verifier)."""
+        return sorted(d for d in self.verifiers if d.verifier == node)
+
+    def draw_message(self, node: NodeIdentity) -> bytes:
+        """What verifier `node` signs for its draw this round (`draw_message`)."""
+        return draw_message(self.step, self.pool(node))
+
+    def drawn(self, node: NodeIdentity, draw: bytes) -> list[VerificationDuty] | None:
+        """The duties verifier `node` checks with draw signature `draw`, or None when the pool
+        needs a draw and `draw` is not the signature of `draw_message` by `node`'s p2p key
+        (the key of the round's member, whatever identity the caller holds)."""
+        pool = self.pool(node)
+        if len(pool) > VERIFIED_BATCHES_PER_VERIFIER:
+            key = pool[0].verifier.p2p_identity
+            if not verify_signature(key, draw_message(self.step, pool), bytes(draw)):
+                return None
+        return draw_batches(pool, draw)
+
+    def checks(
+        self, node: NodeIdentity, sign: Callable[[bytes], bytes] | None
+    ) -> tuple[list[VerificationDuty], bytes] | None:
+        """What `node` checks this round and the draw its report carries: a tie-breaker's
+        duties (no draw); a verifier's pool whole when it is small enough, else the batches
+        its signature (`sign`, its p2p key's) of `draw_message` draws. None: a verifier whose
+        pool needs a draw, without `sign`."""
+        if self.is_tie_breaker(node):
+            return self.of(node), NO_DRAW
+        pool = self.pool(node)
+        if len(pool) <= VERIFIED_BATCHES_PER_VERIFIER:
+            return pool, NO_DRAW
+        if sign is None:
+            return None
+        draw = sign(draw_message(self.step, pool))
+        return draw_batches(pool, draw), draw
 
     def trainers(self) -> dict[BatchId, NodeIdentity]:
         """Who trained each batch under verification (the checked ones)."""
@@ -239,6 +314,8 @@ class VerificationReport:
 
     step: U32
     findings: Annotated[list[Finding], FixedVec(MAX_FINDINGS)]
+    draw: Annotated[bytes, FixedBytes(SIGNATURE_LEN)] = NO_DRAW
+    """A verifier's signature of its round's `draw_message` (which batches it checked)."""
 
     def accusations(self) -> list[Finding]:
         return [f for f in self.findings if not f.matches]
@@ -248,13 +325,19 @@ def check_report(
     duties: RoundDuties, sender: NodeIdentity, report: VerificationReport
 ) -> str | None:
     """Why `report` from `sender` is refused, or None: it must be about `duties`' round, from one
-    of its verifiers or tie-breakers, name only that sender's duties, each at most once, with
-    finite scores."""
+    of its verifiers or tie-breakers, name only that sender's duties (a verifier's: the batches
+    its draw signature draws, `RoundDuties.drawn`), each at most once, with finite scores."""
     if report.step != duties.step:
         return f"about step {report.step}, not {duties.step}"
-    own = {d.batch_id for d in duties.of(sender)}
-    if not own:
+    if not duties.of(sender):
         return f"{sender} is no verifier or tie-breaker of step {duties.step}"
+    if duties.is_tie_breaker(sender):
+        own = {d.batch_id for d in duties.of(sender)}
+    else:
+        drawn = duties.drawn(sender, report.draw)
+        if drawn is None:
+            return f"its draw is not its signature of step {duties.step}'s draw"
+        own = {d.batch_id for d in drawn}
     seen: set[BatchId] = set()
     for finding in report.findings:
         if finding.batch_id not in own:
@@ -380,7 +463,9 @@ def resolve(
 
 
 __all__ = [
+    "DRAW_DOMAIN",
     "MAX_FINDINGS",
+    "NO_DRAW",
     "VERIFICATION_SALT",
     "VERIFICATION_TIE_BREAKERS",
     "VERIFIED_BATCHES_PER_VERIFIER",
@@ -391,6 +476,8 @@ __all__ = [
     "VerificationDuty",
     "VerificationReport",
     "check_report",
+    "draw_batches",
+    "draw_message",
     "resolve",
     "round_duties",
     "tie_breaker_duties",

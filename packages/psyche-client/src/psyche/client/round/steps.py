@@ -147,6 +147,9 @@ class MachineSettings:
     """Hears every finished round (trackers, the dashboard, the events file)."""
     evals: EvalWorker | None = None
     """Evaluations run while the trainer is idle."""
+    sign: Callable[[bytes], bytes] | None = None
+    """The p2p key's signature (a verifier's draw, `round.verify.plan_verification`); without
+    it the machine verifies only pools small enough to be checked whole."""
     screen_results: bool = True
     """Witness checks (`psyche.modeling.screening`): a peer's result enters this client's
     blooms only if it passes them. Off, every result whose bytes check out is attested, as
@@ -534,7 +537,11 @@ class StepStateMachine:
         self.training = handle
         self.active = ActiveStep.Training
         self._replay_early()
-        verify_job = verify.plan_verification(state, self.identity) if plan.have_training else None
+        verify_job = (
+            verify.plan_verification(state, self.identity, self.settings.sign)
+            if plan.have_training
+            else None
+        )
         # a tie-breaker of the last round recomputes its disputes in this one (one copy held)
         held, self.held = self.held, None
         if held is not None and held.job.step != state.progress.step - 1:

@@ -3,7 +3,9 @@ verifies whom, `psyche.modeling.verification` how a result is recomputed and com
 
 `plan_verification` is plain: from the coordinator state it derives this client's duties in the
 round (none unless it is the round's verifier or tie-breaker in a run with
-`verification_percent > 0`) and, for each duty, a decoy batch of the same round that the
+`verification_percent > 0`; a verifier's are the batches of its pool its own draw signature
+draws, `psyche.coordinator.verification.draw_batches`, and the job keeps the signature for the
+report) and, for each duty, a decoy batch of the same round that the
 verified trainer was not assigned (the comparison reads the payload along the difference of the
 two recomputed updates; `psyche.modeling.verification.verify_result`).
 
@@ -46,6 +48,7 @@ from psyche.client.round.state import RoundState
 from psyche.coordinator import Coordinator
 from psyche.coordinator.data_selection import verification_duties_for_state
 from psyche.coordinator.verification import (
+    NO_DRAW,
     Finding,
     RoundDuties,
     RoundVerification,
@@ -75,6 +78,8 @@ class VerifyJob:
     warmup_lr_between: tuple[int, int] | None
     round: RoundDuties | None = None
     """Everyone's duties in the round (a tie-breaker reads its disputes against them)."""
+    draw: bytes = NO_DRAW
+    """A verifier's draw signature (`VerificationReport.draw`): which batches of its pool."""
 
     def batches(self) -> list[BatchId]:
         """Every batch to recompute, each once: the duties', then the decoys not among them."""
@@ -90,12 +95,20 @@ class Recomputations:
     domains: dict[BatchId, Domain] = field(default_factory=dict)
 
 
-def plan_verification(state: Coordinator, identity: NodeIdentity) -> VerifyJob | None:
-    """This client's verification duties in the coordinator's current round, or None."""
+def plan_verification(
+    state: Coordinator, identity: NodeIdentity, sign: Callable[[bytes], bytes] | None
+) -> VerifyJob | None:
+    """This client's verification duties in the coordinator's current round, or None. `sign`:
+    the client's p2p key's signature, its draw as a verifier (without one, a verifier whose
+    pool needs a draw does not verify: the coordinator would refuse its report)."""
     if state.config.verification_percent == 0:
         return None
     duties = verification_duties_for_state(state)
-    mine = tuple(duties.of(identity))
+    checks = duties.checks(identity, sign)
+    if checks is None:
+        logger.warning("no key to draw this round's checks with: not verifying")
+        return None
+    mine, draw = tuple(checks[0]), checks[1]
     if not mine:
         return None
     assigned = dict(duties.assigned) or duties.trainers()
@@ -107,6 +120,7 @@ def plan_verification(state: Coordinator, identity: NodeIdentity) -> VerifyJob |
         tie_breaker=duties.is_tie_breaker(identity),
         warmup_lr_between=state.get_cold_start_warmup_bounds(),
         round=duties,
+        draw=draw,
     )
 
 
@@ -323,7 +337,7 @@ async def compare_and_report(
             continue
         findings.append(Finding(duty.batch_id, verdict.matches, float(verdict.score)))
         _log_finding(job, duty, verdict.matches, verdict.score, verdict.detail)
-    report = VerificationReport(job.step, findings)
+    report = VerificationReport(job.step, findings, job.draw)
     if findings or not job.tie_breaker:
         # a verifier reports even finding nothing: the tie-breaker waits for every verifier
         send(report)

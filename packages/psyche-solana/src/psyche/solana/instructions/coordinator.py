@@ -5,7 +5,7 @@ upstream's `psyche_solana_rpc::instructions`."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from solders.instruction import AccountMeta, Instruction
 from solders.pubkey import Pubkey as SoldersPubkey
@@ -14,11 +14,11 @@ from psyche.coordinator import CoordinatorProgress, Witness, WitnessMetadata
 from psyche.coordinator.committee_selection import Committee, CommitteeProof, WitnessProof
 from psyche.coordinator.config import CoordinatorConfig
 from psyche.coordinator.model import Checkpoint, Model
-from psyche.coordinator.verification import Finding, VerificationReport
+from psyche.coordinator.verification import NO_DRAW, Finding, VerificationReport
 from psyche.core.bloom import WitnessBloom
 from psyche.core.merkle_tree import MerkleRoot
 from psyche.core.node_identity import NodeIdentity
-from psyche.core.serde import U32, U64, struct
+from psyche.core.serde import U32, U64, FixedBytes, struct
 from psyche.solana import pda
 from psyche.solana.instructions.spec import (
     InstructionSpec,
@@ -176,9 +176,11 @@ class VerificationReportArgs:
 
     step: U32
     findings: list[Finding]
+    draw: Annotated[bytes, FixedBytes(64)] = NO_DRAW
+    """The verifier's draw signature (`VerificationReport.draw`: the program checks it)."""
 
     def report(self) -> VerificationReport:
-        return VerificationReport(self.step, list(self.findings))
+        return VerificationReport(self.step, list(self.findings), self.draw)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -539,5 +541,5 @@ def coordinator_verification_report(
             "coordinator_account": coordinator_account,
             "verification": pda.find_run_verification(coordinator_account, ids),
         },
-        VerificationReportArgs(report.step, list(report.findings)),
+        VerificationReportArgs(report.step, list(report.findings), report.draw),
     )
