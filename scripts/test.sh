@@ -41,13 +41,22 @@ outcome() {
     esac
 }
 
-workers=$(python -c 'import os; print(min(4, max(1, len(os.sched_getaffinity(0)))))')
+# The unit phase runs one worker more than the machine has cores (at most 4): much of its worker
+# time goes to tests that wait on round timers, sockets and subprocesses (tests/client and
+# tests/network, one worker on a loaded 2-core machine: 682 s for 122 s of CPU; an in-process
+# run ~2 s of CPU in 35-65 s), and with a worker per core the cores idle through those waits.
+# The extra worker costs one more collection (~8 s of CPU). PSYCHE_TEST_WORKERS and PSYCHE_TEST_E2E_WORKERS
+# set the two phases' worker counts instead (to measure another split).
+cores=$(python -c 'import os; print(max(1, len(os.sched_getaffinity(0))))')
+workers=${PSYCHE_TEST_WORKERS:-$(( cores + 1 < 4 ? cores + 1 : 4 ))}
 python -m pytest -n "$workers" -m "$(join "${markers[@]}" "not e2e")"
 unit=$?
 # End-to-end tests spend most of their time waiting on round timers, so two run side by side
-# (whole files per worker: the tests of one file share their run); more would starve them. The
+# (whole files per worker: the tests of one file share their run). Their processes still use a
+# third of their time in CPU (importing torch, training): a third file at once would crowd the
+# rounds of the two known to be sensitive to load (test_nat, test_training), and is untried. The
 # files go out longest first (tests/conftest.py's `E2E_SECONDS`), not in xdist's order.
-e2e_workers=$(( workers < 2 ? 1 : 2 ))
+e2e_workers=${PSYCHE_TEST_E2E_WORKERS:-$(( cores < 2 ? 1 : 2 ))}
 python -m pytest -n "$e2e_workers" --dist loadfile --no-loadscope-reorder \
     -m "$(join "${markers[@]}" "e2e")"
 e2e=$?

@@ -39,6 +39,7 @@ from pathlib import Path
 import pytest
 
 from .. import netns
+from ..timing import scaled
 from .test_workers import LEADER, Leader, pid_alive, wait_until
 
 pytestmark = [pytest.mark.slow]
@@ -50,11 +51,19 @@ class NamespacedLeader(Leader):
     """workers_leader.py `hosts` inside host A's namespace."""
 
     def __init__(
-        self, net: netns.Topology, host: netns.Host, model_dir: Path, log: Path, per_host: int
+        self,
+        net: netns.Topology,
+        host: netns.Host,
+        model_dir: Path,
+        log: Path,
+        per_host: int,
+        silence_secs: float | None,
     ) -> None:
         self.log = log
         self.out = open(log, "wb")  # noqa: SIM115 (closed in stop)
         argv = [sys.executable, str(LEADER), "hosts", str(model_dir), host.ip, str(per_host)]
+        if silence_secs is not None:
+            argv.append(str(silence_secs))
         self.proc = subprocess.Popen(
             net.exec(host, argv),
             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"},
@@ -100,15 +109,19 @@ class Client:
 @pytest.fixture
 def client(request: pytest.FixtureRequest, model_dir: Path, tmp_path: Path) -> Iterator[Client]:
     """Started in two fresh namespaces with `request.param` ranks per host (1 unless the test
-    asks, indirectly); whatever is left is killed, and the namespaces deleted, at the end."""
+    asks, indirectly), and the product's heartbeat silence unless the test is marked
+    `silence_secs(S)` (a wait of S seconds on the tuning machine); whatever is left is killed,
+    and the namespaces deleted, at the end."""
     if WHY_NOT is not None:
         pytest.skip(WHY_NOT)
     per_host = getattr(request, "param", 1)
+    marker = request.node.get_closest_marker("silence_secs")
+    silence = None if marker is None else scaled(marker.args[0])
     with netns.nat_topology(nat_hosts=0, public_hosts=2) as net:
         a, b = net.public
         log = tmp_path / "sidecar.log"
         sidecar = start_sidecar(net, b, a, log, per_host)  # first: it waits for the store
-        leader = NamespacedLeader(net, a, model_dir, tmp_path / "leader.log", per_host)
+        leader = NamespacedLeader(net, a, model_dir, tmp_path / "leader.log", per_host, silence)
         try:
             yield Client(a, b, leader, sidecar, log)
         finally:
@@ -153,9 +166,11 @@ def test_a_killed_client_takes_the_other_hosts_ranks_with_it(client: Client) -> 
     wait_until(lambda: not namespace_pids(client.b), "host B's rank to exit", 30.0)
 
 
+@pytest.mark.silence_secs(4.0)
 def test_a_frozen_host_is_noticed_by_its_silence(client: Client) -> None:
     """Host B stops answering (its sidecar and rank SIGSTOPped: no exit, no closed socket):
-    the client notices the heartbeat that stopped and stops with one line."""
+    the client notices the heartbeat that stopped and stops with one line. The silence that
+    counts is a few seconds here (the product's 15 s default only made the test wait)."""
     client.leader.line("TRAINING")
     for pid in namespace_pids(client.b):
         os.kill(pid, signal.SIGSTOP)
@@ -186,3 +201,37 @@ def test_a_sidecar_for_another_world_size_says_so_in_one_line() -> None:
         "psyche-client: error: --world-size 3, but the client at 127.0.0.1 has 2 x 1 = 2 ranks"
     )
     del store
+
+
+def test_a_rank_is_dead_after_the_settings_silence_and_not_before() -> None:
+    """`HeartbeatSettings.silence_secs` decides when a counter that stands still is a death (the
+    product's 15 s unless set), read on the reader's clock; a silence no longer than a beat is
+    refused."""
+    from torch.distributed import HashStore
+
+    from psyche.client.setup.hosts import (
+        BEAT_SECS,
+        SILENCE_SECS,
+        Heartbeats,
+        HeartbeatSettings,
+        alive_key,
+    )
+
+    store = HashStore()
+    store.add(alive_key(1), 1)
+    short = Heartbeats(store, own=[], watched=[1], settings=HeartbeatSettings(silence_secs=2.0))
+    default = Heartbeats(store, own=[], watched=[1])
+    assert default.settings.silence_secs == SILENCE_SECS == 15.0
+    for beats in (short, default):
+        assert beats.silent(now=100.0) is None
+    assert short.silent(now=102.0) is None
+    assert short.silent(now=102.5) == 1
+    assert default.silent(now=102.5) is None
+    store.add(alive_key(1), 1)  # it beats again: silent from now on only
+    assert short.silent(now=103.0) is None
+    assert short.silent(now=104.5) is None
+    assert default.silent(now=115.5) is None  # the beat seen first here: counted from now
+    assert default.silent(now=130.5) is None
+    assert default.silent(now=130.6) == 1
+    with pytest.raises(ValueError, match="must exceed a beat"):
+        HeartbeatSettings(silence_secs=BEAT_SECS)

@@ -14,7 +14,8 @@
   another host (argv[3]: this host's address, the `--main-host`); the batch has two rows per
   rank (each rank trains one of the one-rank client's micro-batches) and DisTrO's payload is
   not sign-quantized, so `PAYLOAD_EQUAL` compares every bit of the trained gradients; the test
-  kills a rank of the other host.
+  kills a rank of the other host. An argv[5] sets the heartbeat silence that counts as a death
+  (`HeartbeatSettings.silence_secs`; the product's default otherwise).
 * `replica`: a client whose rank 0 holds only part of the model (argv[3]: `fsdp`, FSDP2 over 2
   ranks, or `tp`, TP=2) with evaluations asked for (`RankLayout.eval_replica`): trains and
   applies a step as `train`, then prints `REPLICA_EQUAL` (the whole replica evaluations run on,
@@ -40,6 +41,7 @@ from types import SimpleNamespace
 import torch
 import trio
 
+from psyche.client.setup.hosts import HeartbeatSettings
 from psyche.client.setup.init import InitRunError, RunInitConfig
 from psyche.client.setup.model_loading import load_from_directory
 from psyche.client.setup.ranks import RankLayout
@@ -64,11 +66,14 @@ def batch(step: int, rows: int = 4) -> Batch:
 def main() -> int:
     mode, model_dir = sys.argv[1], Path(sys.argv[2])
     torch.set_num_threads(1)
+    heartbeats = HeartbeatSettings()
     if mode == "hosts":
         per_host = int(sys.argv[4])
         layout = RankLayout(
             dp=2 * per_host, device="cpu", main_host=sys.argv[3], local_ranks=per_host
         )
+        if len(sys.argv) > 5:
+            heartbeats = HeartbeatSettings(silence_secs=float(sys.argv[5]))
     elif mode == "orphan":
         layout = RankLayout(tp=2, device="cpu")
     elif mode == "replica":
@@ -77,7 +82,7 @@ def main() -> int:
         layout = RankLayout(dp=dp, tp=tp, fsdp=fsdp, device="cpu", eval_replica=True)
     else:
         layout = RankLayout(dp=2, device="cpu")
-    group = WorkerGroup(layout)
+    group = WorkerGroup(layout, heartbeats)
     group.start()
     llm = SimpleNamespace(
         architecture="HfLlama",

@@ -445,6 +445,29 @@ def test_a_member_dropped_by_a_health_check_is_back_after_its_ban_without_joinin
     assert dropped in epoch_clients(core)
 
 
+@pytest.mark.parametrize("disconnect_first", [True, False])
+def test_a_banned_members_come_back_join_is_logged_once_however_its_events_are_ordered(
+    caplog: pytest.LogCaptureFixture, disconnect_first: bool
+) -> None:
+    """A dropped member that reconnects and joins again is logged the same way whether its old
+    connection's disconnect is handled first (its old Join removed) or its new connection's Join
+    is (the old Join still pending; the server then ignores the stale disconnect): the latter
+    logged nothing, and tests/e2e/test_hostile_members.py waited for a later ban's line."""
+    core = started(clients=2)
+    dropped, now = health_check_epoch(core)
+    caplog.set_level(logging.INFO, "psyche.coordinator.server_core")
+    if disconnect_first:
+        core.on_disconnect(dropped)
+    for _ in range(5):
+        core.on_join(dropped, RUN)
+    (line,) = [r.getMessage() for r in caplog.records if "added pending client" in r.getMessage()]
+    until = core.banned[dropped].until_epoch
+    assert line.startswith(f"added pending client {dropped}; it sits out the epochs before {until}")
+    assert dropped in core.pending_clients
+    now = start_epoch(core, now)
+    assert dropped not in epoch_clients(core)
+
+
 def test_ban_epochs_zero_still_kicks_a_dropped_member_that_says_nothing() -> None:
     core = started(clients=2, ban_epochs=0)
     now = start_epoch(core, NOW, A, B, C)

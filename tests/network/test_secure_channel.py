@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 
 import pytest
 import trio
@@ -238,7 +238,10 @@ async def test_a_tampered_stream_fails_its_tag() -> None:
         stream = await trio.open_tcp_stream("127.0.0.1", proxy)
         with trio.fail_after(DEADLINE):
             secure = await secure_outbound(stream, StaticKey(client_key), server_key.public_key)
-            await secure.send_all(data)
+            # the receiver hangs up at the tampered message: a sender still writing then sees
+            # the connection reset (seen on a loaded machine), which is not what is tested
+            with suppress(trio.BrokenResourceError):
+                await secure.send_all(data)
             await poll_until(lambda: outcome, 0.01)
         await stream.aclose()
     assert isinstance(outcome[0], SecureChannelError)

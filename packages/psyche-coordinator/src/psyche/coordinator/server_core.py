@@ -148,6 +148,9 @@ class ServerCore:
     pending_clients: dict[NodeIdentity, None] = field(default_factory=dict)
     # Exited clients the per-tick kick must leave in the pending set (see kick_unhealthy_clients).
     rejoinable: set[NodeIdentity] = field(default_factory=set)
+    # Clients whose Join asking to come back (after leaving the epoch, or while banned) was
+    # logged: one line per come-back, however many Joins (see on_join).
+    _returning: set[NodeIdentity] = field(default_factory=set)
     # Members dropped for not delivering, and until when they sit out.
     banned: dict[NodeIdentity, Ban] = field(default_factory=dict)
     # The last ban of each member banned lately (kept until `Ban.remembered_until`).
@@ -256,8 +259,12 @@ class ServerCore:
     def on_join(self, sender: NodeIdentity, run_id: str) -> bool:
         """A Join for this run makes `sender` pending (a private run only accepts its authorized
         keys). Never a broadcast; a repeated Join changes nothing and logs nothing, except from a
-        client that left the epoch unhealthy (dropped, withdrawn): it asks to come back, so its
-        Join is kept (`rejoinable`) instead of being kicked with its old one."""
+        client that left the epoch unhealthy (dropped, withdrawn) or is banned: it asks to come
+        back, so its Join is kept (`rejoinable`) instead of being kicked with its old one, and
+        the first such Join is logged like a new one. Its old Join may still be pending: a
+        client that reconnects has its new connection's Join handled before its old
+        connection's disconnect (which the server then ignores), so whether the old Join was
+        still there must not decide whether the come-back is logged."""
         self.refusal = None
         unknown = self.unknown_run(run_id)
         if unknown is not None:
@@ -271,12 +278,16 @@ class ServerCore:
                 f"refusing the Join of {sender}: its key is not among the run's authorized keys",
             )
             return False
-        if any(
+        left = any(
             c.id == sender and c.state is not ClientState.Healthy
             for c in self.coordinator.epoch_state.exited_clients
-        ):
+        )
+        if left:
             self.rejoinable.add(sender)
-        if sender not in self.pending_clients:
+        returning = (left or sender in self.banned) and sender not in self._returning
+        if returning:
+            self._returning.add(sender)
+        if sender not in self.pending_clients or returning:
             self.pending_clients[sender] = None
             ban = self.banned.get(sender)
             sits_out = (
@@ -540,6 +551,7 @@ class ServerCore:
             c.id for c in epoch_state.clients if c.state is not ClientState.Healthy
         }
         self.rejoinable &= leaving
+        self._returning &= leaving | self.banned.keys()
         for client in epoch_state.exited_clients:
             if client.state is not ClientState.Healthy and client.id not in self.rejoinable:
                 self.pending_clients.pop(client.id, None)

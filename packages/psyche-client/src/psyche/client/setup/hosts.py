@@ -13,9 +13,9 @@ Ranks on other hosts are the sidecar's children; the sidecar and the client see 
 through the store (`Heartbeats`):
 
 * each side bumps its counter every `BEAT_SECS` (`alive/0` for the client, `alive/<rank>` for
-  each rank a sidecar runs); a counter that has not moved for `SILENCE_SECS` (a host that
-  froze, a network that split) is a death, read with the reader's own clock (hosts' clocks
-  need not agree);
+  each rank a sidecar runs); a counter that has not moved for `HeartbeatSettings.silence_secs`
+  (`SILENCE_SECS` unless set: a host that froze, a network that split) is a death, read with
+  the reader's own clock (hosts' clocks need not agree);
 * a sidecar whose rank exits writes `died/<rank>` = its exit code, stops its other ranks and
   exits; the client's `WorkerGroup.watch` reads it within a beat and stops the client with one
   line, as for a local rank;
@@ -40,6 +40,7 @@ import struct
 import threading
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -147,14 +148,34 @@ def read_layout(store: Store) -> dict[str, Any]:
     return dict(json.loads(store.get(LAYOUT_KEY)))
 
 
+@dataclass(frozen=True)
+class HeartbeatSettings:
+    """How long a watched counter may stand still before its rank counts as dead. The default
+    (`SILENCE_SECS`, fifteen beats) outlasts a loaded host's stalls; a shorter one notices a
+    frozen host sooner (the tests' frozen host) at the risk of calling a stalled one dead."""
+
+    silence_secs: float = SILENCE_SECS
+
+    def __post_init__(self) -> None:
+        if not self.silence_secs > BEAT_SECS:
+            raise ValueError(f"silence_secs must exceed a beat ({BEAT_SECS} s)")
+
+
 class Heartbeats:
     """This side's counters bumped every `BEAT_SECS`, and the other side's read: `silent()`
-    names the first watched rank whose counter has not moved for `SILENCE_SECS`."""
+    names the first watched rank whose counter has not moved for `settings.silence_secs`."""
 
-    def __init__(self, store: Store, own: Iterable[int], watched: Iterable[int]) -> None:
+    def __init__(
+        self,
+        store: Store,
+        own: Iterable[int],
+        watched: Iterable[int],
+        settings: HeartbeatSettings | None = None,
+    ) -> None:
         self.store = store
         self.own = list(own)
         self.watched = list(watched)
+        self.settings = settings or HeartbeatSettings()
         self._seen: dict[int, tuple[bytes, float]] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -187,7 +208,7 @@ class Heartbeats:
         return [r for r in self.watched if self.store.check([alive_key(r)])]
 
     def silent(self, now: float | None = None) -> int | None:
-        """The first watched rank silent for `SILENCE_SECS` (counters that never appeared
+        """The first watched rank silent for `settings.silence_secs` (counters that never appeared
         count from the first call)."""
         now = time.monotonic() if now is None else now
         for rank in self.watched:
@@ -195,7 +216,7 @@ class Heartbeats:
             last = self._seen.get(rank)
             if last is None or last[0] != value:
                 self._seen[rank] = (value, now)
-            elif now - last[1] > SILENCE_SECS:
+            elif now - last[1] > self.settings.silence_secs:
                 return rank
         return None
 
@@ -239,6 +260,7 @@ __all__ = [
     "BEAT_SECS",
     "LAYOUT_KEY",
     "SILENCE_SECS",
+    "HeartbeatSettings",
     "Heartbeats",
     "HostsError",
     "alive_key",

@@ -43,6 +43,7 @@ from psyche.client.setup.hosts import (
     CONNECT_TRY_SECS,
     JOIN_TIMEOUT,
     Heartbeats,
+    HeartbeatSettings,
     connect_store,
     open_store,
     use_interface_towards,
@@ -88,8 +89,9 @@ class WorkerDied(RuntimeError):
 class WorkerGroup:
     """Ranks 1..n-1 of this client as child processes, and this process as rank 0."""
 
-    def __init__(self, layout: RankLayout) -> None:
+    def __init__(self, layout: RankLayout, heartbeats: HeartbeatSettings | None = None) -> None:
         self.layout = layout
+        self.heartbeats = heartbeats or HeartbeatSettings()
         self.processes: list[BaseProcess] = []
         self.dims: ParallelDims | None = None
         self._dir: str | None = None
@@ -122,7 +124,7 @@ class WorkerGroup:
             init_method = f"tcp://{layout.main_host}:{layout.port}"
             # its own connection: a collective's rendezvous holds the group's while it waits
             own = connect_store(layout.main_host, layout.port, CONNECT_TRY_SECS)
-            self._beats = Heartbeats(own, own=[0], watched=layout.remote_ranks)
+            self._beats = Heartbeats(own, [0], layout.remote_ranks, self.heartbeats)
             self._beats.start()
         context = multiprocessing.get_context("spawn")
         readers = []
