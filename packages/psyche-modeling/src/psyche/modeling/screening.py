@@ -273,13 +273,15 @@ class ResultReader:
         shape = tuple((int(r.totalk), v.numel(), v.shape[-1]) for r, v in zip(results, views))
         local, shifted = self._starts(shape)
         if len({v.dtype for v in views}) == 1:
-            idx = torch.cat([v.reshape(-1) for v in views]).to(torch.int64)
+            raw = torch.cat([v.reshape(-1) for v in views])
         else:
-            idx = torch.cat([v.reshape(-1).to(torch.int64) for v in views])
-        positions = torch.empty_like(idx)
-        for part, out, start, start_here in _slices(idx, positions, shifted, local):
+            raw = torch.cat([v.reshape(-1).to(torch.int64) for v in views])
+        if raw.dtype not in (torch.uint8, torch.int64):
+            raw = raw.to(torch.int64)  # torch adds no other unsigned type
+        idx, positions = torch.empty_like(shifted), torch.empty_like(shifted)
+        for part, out, here, start, start_here in _slices(raw, positions, idx, shifted, local):
             torch.add(part, start, out=out)
-            part.add_(start_here)
+            torch.add(part, start_here, out=here)
         vals = [r.sparse_val.to(_CPU).reshape(-1) for r in results]
         if all(v.dtype == torch.bool for v in vals):
             # `unpack_tensor_sign_from_boolean`'s values (True -> -1, False -> +1) for the
@@ -460,6 +462,8 @@ class WitnessScreen:
         check). Every operation is elementwise with the same operands (the one with a scalar
         factor included) and the sums run part by part, so `t` does not depend on the way."""
         weight = self.settings.aggregate_weight
+        combined: torch.Tensor | None = None
+        at: torch.Tensor | None = None
         with self._lock:
             aggregate = self._aggregate
             if not weight or aggregate is None or self._aggregate_norm == 0.0:
@@ -473,24 +477,22 @@ class WitnessScreen:
                 )
             sizes = [values.numel() for _, values in flat.parts]
             if self._last_round_checks >= self.settings.precombine_from:
-                direction = _at(self._combined(own, aggregate, factor), flat.positions)
-                pieces = direction.split(sizes)
-            else:
-                # gathered part by part into one tensor
-                direction = torch.empty_like(flat.values)
-                pieces = direction.split(sizes)
-                for piece, tensor, (positions, _) in zip(pieces, own.tensors, flat.parts):
-                    if positions is None:
-                        piece.copy_(tensor)
-                    else:
-                        torch.index_select(tensor, 0, positions, out=piece)
-                direction.mul_(own.scale)
-                if aggregate is not None:
-                    at = _at(aggregate, flat.positions)
-                    for piece, part in zip(pieces, at.split(sizes)):
-                        piece.add_(part, alpha=factor)
-        direction.mul_(flat.values)
-        return _sum_agreement(pieces)
+                combined = _at(self._combined(own, aggregate, factor), flat.positions)
+            elif aggregate is not None:
+                at = _at(aggregate, flat.positions)  # the aggregate changes only under the lock
+        if combined is not None:
+            return agreement(zip(combined.split(sizes), (v for _, v in flat.parts)))
+        # part by part, each part's work in cache: the own update gathered, scaled, the
+        # aggregate added, times the values, summed
+        parts = at.split(sizes) if at is not None else [None] * len(sizes)
+        products = []
+        for tensor, (positions, values), part in zip(own.tensors, flat.parts, parts):
+            piece = tensor.clone() if positions is None else tensor.index_select(0, positions)
+            piece.mul_(own.scale)
+            if part is not None:
+                piece.add_(part, alpha=factor)
+            products.append(piece.mul_(values))
+        return _sum_agreement(products)
 
     def _combined(self, own: _Own, aggregate: torch.Tensor | None, factor: float) -> torch.Tensor:
         """The direction over the whole domain, `own * scale (+ aggregate * factor)`, built
