@@ -595,6 +595,8 @@ class WitnessScreen:
                 self._aggregate_norm = self._aggregate_scale * norm
                 self._aggregate_version += 1
             self._last_round_checks = screen.checks
+            if screen.checks < self.settings.precombine_from:
+                self._direction = self._direction_key = None  # the next round gathers
             # the level of the round's results that passed (all of them if none did)
             level = screen.agreements or screen.refused_agreements
             if level:
