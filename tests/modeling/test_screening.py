@@ -18,6 +18,7 @@ from psyche.core.definitions import ConstantLR, DilocoTransmission, LearningRate
 from psyche.modeling.causal_lm import CausalLM, ModelOptions
 from psyche.modeling.configs import llama_config_dict
 from psyche.modeling.diloco import Diloco, DilocoPeerSimulation, DilocoSettings
+from psyche.modeling.distro import DistroResult
 from psyche.modeling.hostile import Attack, DilocoFormat, HostileMember, HostileMembers
 from psyche.modeling.research import DistroSettings, PeerSimulation
 from psyche.modeling.screening import (
@@ -334,20 +335,23 @@ def test_a_member_back_at_a_new_epoch_passes_after_a_round_that_agreed_strongly(
     assert t[(back_at + 1, 2)] < 0.7 * t[(back_at, 1)] - 6.0
 
 
+Pairs = list[tuple[Verdict, Verdict]]
+
+
 class _TwinRound:
     """One round checked by two witnesses with the same memory, one gathering the direction at
     each result's positions, one reading it from the combined direction; each verdict of the
     two is kept, the gathered one's answers."""
 
-    def __init__(self, gathered: RoundScreen, combined: RoundScreen, pairs: list) -> None:  # type: ignore[type-arg]
+    def __init__(self, gathered: RoundScreen, combined: RoundScreen, pairs: Pairs) -> None:
         self.rounds = (gathered, combined)
         self.pairs = pairs
 
-    def set_reference(self, reference: Reference, own_sent: Sequence) -> None:  # type: ignore[type-arg]
+    def set_reference(self, reference: Reference, own_sent: Sequence[DistroResult]) -> None:
         for rnd in self.rounds:
             rnd.set_reference(reference, own_sent)
 
-    def check(self, sender: Hashable, results: Sequence) -> Verdict:  # type: ignore[type-arg]
+    def check(self, sender: Hashable, results: Sequence[DistroResult]) -> Verdict:
         a, b = (rnd.check(sender, results) for rnd in self.rounds)
         self.pairs.append((a, b))
         return a
@@ -358,14 +362,15 @@ class _TwinRound:
 
 
 class _Twin:
-    def __init__(self, panel: WitnessPanel, pairs: list) -> None:  # type: ignore[type-arg]
+    def __init__(self, panel: WitnessPanel, pairs: Pairs) -> None:
         never = dataclasses.replace(panel.settings, precombine_from=10**9)
         always = dataclasses.replace(panel.settings, precombine_from=0)
         self.screens = (WitnessScreen(panel.reader, never), WitnessScreen(panel.reader, always))
         self.pairs = pairs
 
     def open_round(self) -> _TwinRound:
-        return _TwinRound(*(s.open_round() for s in self.screens), self.pairs)
+        gathered, combined = self.screens
+        return _TwinRound(gathered.open_round(), combined.open_round(), self.pairs)
 
 
 @pytest.mark.parametrize("form", FORMS)
@@ -375,10 +380,11 @@ def test_the_combined_direction_gives_the_gathered_directions_verdicts(form: str
     the result's positions, and so the same verdict: every witness of a run with a
     sign-flipping, a random and a copying member checks each result both ways, over every
     round (the aggregate growing and decaying, results refused and passed)."""
-    pairs: list[tuple[Verdict, Verdict]] = []
+    pairs: Pairs = []
 
     def twins(panel: WitnessPanel) -> None:
-        panel.screens = {w: _Twin(panel, pairs) for w in panel.screens}  # type: ignore[misc]
+        twin = {w: _Twin(panel, pairs) for w in panel.screens}
+        vars(panel)["screens"] = twin  # stand-ins with the methods the panel calls
 
     hostile = {
         3: HostileMember(Attack.SignFlip, start=2),
