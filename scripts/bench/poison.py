@@ -32,7 +32,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -214,16 +214,26 @@ def bench_cost(
 ) -> None:
     """One honest round of one witness, the configs' optimizers, real `Trainer`s: its training
     (forward/backward, `generate` or the inner steps, the payload) against its checks of the
-    round's other results (own reference, `clients - 1` checks, closing the round) and its apply
-    of the round's results, medians over `rounds`; CPU time of the process (the machine's
-    load distorts wall time; on the CPU the checks take cores the training would have)."""
+    round's other results (own reference, `clients - 1` checks of the peer's result, closing
+    the round) and its apply of the round's results, medians over `rounds`; CPU time of the
+    process (the machine's load distorts wall time; on the CPU the checks take cores the
+    training would have).
+
+    The checks run two ways on the same results of the same rounds, their order alternating:
+    the direction gathered at each result's positions (the baseline: every check before
+    `precombine_from`) and combined once a round (`precombine_from` = 0); the same `t`s
+    (asserted), the cost of each and the ratio. A witness takes the combined direction when its
+    previous round had `precombine_from` checks or more (`auto`)."""
+    settings0 = DISTRO_SCREENING
     print(
-        f"\n## Cost of the checks on an honest round ({clients} clients, {rows}x{seq} tokens "
-        f"per client per round, {device}): median CPU time over {rounds} rounds"
+        f"\n## Cost of the checks on an honest round ({clients} clients: {clients - 1} checks, "
+        f"{rows}x{seq} tokens per client per round, {device}): median CPU time over {rounds} "
+        f"rounds; gathered = baseline, combined = one direction a round "
+        f"(auto: combined from {settings0.precombine_from} checks)"
     )
     print(
-        f"  {'model':<6} {'optimizer':<24} {'train ms':>9} {'apply ms':>9} {'checks ms':>10} "
-        f"{'checks / (train + apply)':>25}"
+        f"  {'model':<6} {'optimizer':<27} {'train ms':>9} {'apply ms':>9} {'gathered ms':>12} "
+        f"{'combined ms':>12} {'ratio':>6} {'gathered %':>11} {'combined %':>11} {'auto %':>7}"
     )
     for size in sizes:
         from psyche.modeling.configs import llama_config_dict
@@ -237,10 +247,16 @@ def bench_cost(
             )
             reader = own.screening_reader()
             assert reader is not None
-            screen = WitnessScreen(reader, screening_settings(reader))
+            settings = screening_settings(reader)
+            ways = {
+                "gathered": WitnessScreen(reader, replace(settings, precombine_from=10**9)),
+                "combined": WitnessScreen(reader, replace(settings, precombine_from=0)),
+            }
+            auto_combined = clients - 1 >= settings.precombine_from
             data = D.bigram_corpus(2 * rounds * rows, seq, vocab).to(own.model.device)
             prev: dict[int, list] = {0: [], 1: []}  # type: ignore[type-arg]
-            train, check, apply = [], [], []
+            train, apply = [], []
+            check: dict[str, list[float]] = {way: [] for way in ways}
             for step in range(1, rounds + 1):
                 results = []
                 for i, trainer in enumerate((own, peer)):
@@ -258,24 +274,36 @@ def bench_cost(
                         reference = trainer.screening_reference()
                     prev[i] = [out.distro_results or []]
                     results.append(prepared.sent)
-                t = time.process_time()
-                rnd = screen.open_round()
                 assert reference is not None
-                rnd.set_reference(reference, results[0])
-                for sender in range(1, clients):
-                    rnd.check(sender, results[1])
-                rnd.close()
-                sync()
-                check.append(time.process_time() - t)
+                agreements = {}
+                for way in sorted(ways, reverse=step % 2 == 0):
+                    t = time.process_time()
+                    rnd = ways[way].open_round()
+                    rnd.set_reference(reference, results[0])
+                    agreements[way] = [
+                        rnd.check(sender, results[1]).measure.agreement
+                        for sender in range(1, clients)
+                    ]
+                    rnd.close()
+                    sync()
+                    check[way].append(time.process_time() - t)
+                assert agreements["gathered"] == agreements["combined"], agreements
                 t = time.process_time()
                 own.optimize(step, distro_results=[results[0]] + [results[1]] * (clients - 1))
                 sync()
                 apply.append(time.process_time() - t)
-            tr, ap, ch = (statistics.median(x) * 1000 for x in (train, apply, check))
-            name = OPTIMIZERS[optimizer] if optimizer == "distro" else "DiLoCo sparse c16 k8 2-bit"
+            tr, ap, gathered, combined = (
+                statistics.median(x) * 1000 for x in (train, apply, *check.values())
+            )
+            name = "DiLoCo sparse c16 k8 2-bit"
             if optimizer == "distro":
                 name = f"DisTrO 1-bit c{distro[0]} k{distro[1]}"
-            print(f"  {size:<6} {name:<24} {tr:9.1f} {ap:9.1f} {ch:10.1f} {ch / (tr + ap):24.1%}")
+            auto = combined if auto_combined else gathered
+            print(
+                f"  {size:<6} {name:<27} {tr:9.1f} {ap:9.1f} {gathered:12.1f} {combined:12.1f} "
+                f"{combined / gathered:6.2f} {gathered / (tr + ap):11.1%} "
+                f"{combined / (tr + ap):11.1%} {auto / (tr + ap):7.1%}"
+            )
 
 
 def main() -> None:

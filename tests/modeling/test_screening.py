@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+from collections.abc import Callable, Hashable, Sequence
 
 import pytest
 import torch
@@ -17,13 +18,18 @@ from psyche.core.definitions import ConstantLR, DilocoTransmission, LearningRate
 from psyche.modeling.causal_lm import CausalLM, ModelOptions
 from psyche.modeling.configs import llama_config_dict
 from psyche.modeling.diloco import Diloco, DilocoPeerSimulation, DilocoSettings
+from psyche.modeling.distro import DistroResult
 from psyche.modeling.hostile import Attack, DilocoFormat, HostileMember, HostileMembers
 from psyche.modeling.research import DistroSettings, PeerSimulation
 from psyche.modeling.screening import (
     DILOCO_SCREENING,
     DISTRO_SCREENING,
+    Reference,
     ResultReader,
+    RoundScreen,
     Tally,
+    Verdict,
+    WitnessPanel,
     WitnessScreen,
 )
 
@@ -53,8 +59,10 @@ def run(
     steps: int,
     *,
     bounded: float = 0.0,
+    prepare: Callable[[WitnessPanel], None] | None = None,
 ) -> tuple[Tally, list[torch.nn.Module]]:
-    """`steps` training steps of `members` tiny Llamas, each on its own bigram rows."""
+    """`steps` training steps of `members` tiny Llamas, each on its own bigram rows
+    (`prepare`: called with the witnesses before the first)."""
     models = [model() for _ in range(members)]
     tamper = HostileMembers(hostile) if hostile else None
     sim: PeerSimulation | DilocoPeerSimulation
@@ -74,6 +82,9 @@ def run(
             models, settings_d, lr=constant(3e-3), through_wire=True, hostile=tamper,
             screening=DILOCO_SCREENING,
         )  # fmt: skip
+    assert sim.witnesses is not None
+    if prepare is not None:
+        prepare(sim.witnesses)
     data = bigram_corpus(steps * members * ROWS, SEQ, seed=1)
     for step in range(1, steps + 1):
         sim.zero_grad(step)
@@ -322,3 +333,72 @@ def test_a_member_back_at_a_new_epoch_passes_after_a_round_that_agreed_strongly(
     t = {(step, i): v.measure.agreement for step, i, v in verdicts}
     assert t[(back_at, 1)] > 1.5 * t[(back_at - 1, 1)]
     assert t[(back_at + 1, 2)] < 0.7 * t[(back_at, 1)] - 6.0
+
+
+Pairs = list[tuple[Verdict, Verdict]]
+
+
+class _TwinRound:
+    """One round checked by two witnesses with the same memory, one gathering the direction at
+    each result's positions, one reading it from the combined direction; each verdict of the
+    two is kept, the gathered one's answers."""
+
+    def __init__(self, gathered: RoundScreen, combined: RoundScreen, pairs: Pairs) -> None:
+        self.rounds = (gathered, combined)
+        self.pairs = pairs
+
+    def set_reference(self, reference: Reference, own_sent: Sequence[DistroResult]) -> None:
+        for rnd in self.rounds:
+            rnd.set_reference(reference, own_sent)
+
+    def check(self, sender: Hashable, results: Sequence[DistroResult]) -> Verdict:
+        a, b = (rnd.check(sender, results) for rnd in self.rounds)
+        self.pairs.append((a, b))
+        return a
+
+    def close(self) -> None:
+        for rnd in self.rounds:
+            rnd.close()
+
+
+class _Twin:
+    def __init__(self, panel: WitnessPanel, pairs: Pairs) -> None:
+        never = dataclasses.replace(panel.settings, precombine_from=10**9)
+        always = dataclasses.replace(panel.settings, precombine_from=0)
+        self.screens = (WitnessScreen(panel.reader, never), WitnessScreen(panel.reader, always))
+        self.pairs = pairs
+
+    def open_round(self) -> _TwinRound:
+        gathered, combined = self.screens
+        return _TwinRound(gathered.open_round(), combined.open_round(), self.pairs)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_the_combined_direction_gives_the_gathered_directions_verdicts(form: str) -> None:
+    """The direction combined once a round over the whole domain (`precombine_from`) gives
+    every check the same `t`, bit for bit, as gathering the own update and the aggregate at
+    the result's positions, and so the same verdict: every witness of a run with a
+    sign-flipping, a random and a copying member checks each result both ways, over every
+    round (the aggregate growing and decaying, results refused and passed)."""
+    pairs: Pairs = []
+
+    def twins(panel: WitnessPanel) -> None:
+        twin = {w: _Twin(panel, pairs) for w in panel.screens}
+        vars(panel)["screens"] = twin  # stand-ins with the methods the panel calls
+
+    hostile = {
+        3: HostileMember(Attack.SignFlip, start=2),
+        4: HostileMember(Attack.RandomSigns, seed=4),
+        5: HostileMember(Attack.Copy, seed=5, copy_from=1),
+    }
+    run(form, 6, hostile, steps=8 if form == "distro" else 12, prepare=twins)
+    assert len(pairs) >= 90
+    for gathered, combined in pairs:
+        assert gathered.measure.agreement == combined.measure.agreement
+        assert gathered.measure.norm == combined.measure.norm
+        assert torch.equal(gathered.measure.fingerprint.sketch, combined.measure.fingerprint.sketch)
+        assert gathered.problem == combined.problem
+    problems = [str(g.problem) for g, _ in pairs]
+    assert any("agreement" in p for p in problems)
+    assert any("copy" in p for p in problems)
+    assert len(pairs) / 3 < sum(g.passed for g, _ in pairs) < len(pairs)
