@@ -585,6 +585,45 @@ def test_a_libp2p_record_repeated_per_message_is_logged_once_per_interval() -> N
         assert any(isinstance(f, RateLimitedLog) for f in logging.getLogger(name).filters)
 
 
+def test_a_cancelled_connection_set_up_logs_no_traceback() -> None:
+    """py-libp2p's `Swarm.add_conn` logs any exception, a trio cancellation included, as a
+    warning with the traceback in its message; a client stopped by SIGINT while a connection
+    was being set up printed it on the way out (tests/cli/test_signals.py saw it once in CI).
+    A record carrying a `trio.Cancelled` does not pass; the same record with a real error does."""
+
+    async def cancellation() -> BaseException:
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            try:
+                await trio.sleep(1)
+            except trio.Cancelled as cancelled:
+                return cancelled
+        raise AssertionError("not cancelled")
+
+    cancelled = trio.run(cancellation)
+    limit = RateLimitedLog()
+    template = "[ADDCONN_FAIL] add_conn failed for peer %s: %r\n%s"
+
+    def record(exc: BaseException) -> logging.LogRecord:
+        args = ("peer", exc, "Traceback (most recent call last): ...")
+        return logging.LogRecord(
+            "libp2p.network.swarm", logging.WARNING, "x", 1, template, args, None
+        )
+
+    assert not limit.filter(record(cancelled))
+    assert limit.filter(record(ConnectionResetError("reset by peer")))
+    with_exc_info = logging.LogRecord(
+        "libp2p.network.swarm",
+        logging.WARNING,
+        "x",
+        1,
+        "task failed",
+        (),
+        (type(cancelled), cancelled, None),
+    )
+    assert not limit.filter(with_exc_info)
+
+
 def test_a_message_a_peer_refused_is_repaired_once_it_would_take_it() -> None:
     """A write that succeeded is no proof that the peer holds the message: here the peer
     refuses it (its allowlist does not have the signer yet, as a client's lags the run's

@@ -92,7 +92,8 @@ class RateLimitedLog(logging.Filter):
     open), some at WARNING or ERROR: measured, one publish per round to a peer that never
     subscribes (a relay) logged a warning on every publish for the whole run. Thread-safe
     (py-libp2p logs from its own threads too); at most `LIBP2P_LOG_KINDS_KEPT` kinds are
-    remembered (py-libp2p formats some messages itself, so every peer is a kind)."""
+    remembered (py-libp2p formats some messages itself, so every peer is a kind). A record
+    that reports a trio cancellation as a failure never passes (`_reports_a_cancellation`)."""
 
     def __init__(
         self,
@@ -109,6 +110,8 @@ class RateLimitedLog(logging.Filter):
         self._lock = threading.Lock()
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if _reports_a_cancellation(record):
+            return False
         key = (record.name, str(record.msg))
         now = self._clock()
         with self._lock:
@@ -127,6 +130,17 @@ class RateLimitedLog(logging.Filter):
                 self._kinds.clear()
             self._kinds[key] = (since, passed + 1, left_out)
             return True
+
+
+def _reports_a_cancellation(record: logging.LogRecord) -> bool:
+    """Whether `record` reports a trio cancellation as a failure. py-libp2p 0.8.1's
+    `Swarm.add_conn` logs any `BaseException`, `trio.Cancelled` included, as a warning with
+    its traceback in the message: a client stopped by SIGINT or SIGTERM while a connection was
+    being set up printed a traceback on its way out. A cancellation is how a stop reaches a
+    task, not a fault, so such records are not logged."""
+    exc_info = record.exc_info[1] if record.exc_info else None
+    args = record.args if isinstance(record.args, tuple) else ()
+    return any(isinstance(a, trio.Cancelled) for a in (exc_info, *args))
 
 
 _libp2p_log_limit = RateLimitedLog()
