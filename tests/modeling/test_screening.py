@@ -402,3 +402,34 @@ def test_the_combined_direction_gives_the_gathered_directions_verdicts(form: str
     assert any("agreement" in p for p in problems)
     assert any("copy" in p for p in problems)
     assert len(pairs) / 3 < sum(g.passed for g, _ in pairs) < len(pairs)
+
+
+def test_a_round_checked_while_the_one_before_is_still_open_has_that_rounds_level() -> None:
+    """A client closes a witness's round N - 1 only when round N + 1 starts, so its second
+    round's results are checked while its first is open: with no closed round yet, the open
+    one's level judges them. A result independent of the direction (random signs: `t` about
+    N(0, 1), above the floor) passed a witness's second round on `min_agreement` alone before
+    (as a weakly opposed sign-flipped one did in the client's poisoned-results test)."""
+    diloco, sent = honest_results("bf16")
+    reader = ResultReader.of(diloco)
+    fmt = DilocoFormat(diloco.layouts())
+    g = torch.Generator().manual_seed(3)
+    noise = [fmt.random_signs(r, i, g) for i, r in enumerate(sent[1])]
+    screen = WitnessScreen(reader, DILOCO_SCREENING)
+    first = screen.open_round()
+    first.set_reference(reader.reference(diloco), sent[0])
+    assert all(first.check(i, sent[i]).passed for i in (1, 2, 3))
+    second = screen.open_round()  # the first is still open
+    second.set_reference(reader.reference(diloco), sent[0])
+    verdict = second.check(1, noise)
+    assert verdict.checked
+    assert verdict.measure.agreement > DILOCO_SCREENING.min_agreement
+    assert not verdict.passed
+    assert "lowest median" in str(verdict.problem)
+    assert second.check(2, sent[2]).passed
+    # the same once the first round is closed; a witness with no earlier round has the floor
+    first.close()
+    assert "lowest median" in str(second.check(4, noise).problem)
+    alone = WitnessScreen(reader, DILOCO_SCREENING).open_round()
+    alone.set_reference(reader.reference(diloco), sent[0])
+    assert alone.check(1, noise).passed

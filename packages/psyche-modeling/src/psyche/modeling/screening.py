@@ -17,12 +17,13 @@ witness first compares each decoded result with what it knows of the run:
   as negative as an honest one's is positive, and scaling a result does not change it. A
   result is refused when `t` is below `min_agreement`, below `a * level - b` where the level
   is the lowest of the medians of the `t`s of the results that passed here in each of the last
-  `level_rounds` rounds (`relative_agreement`: while the run's results agree strongly, one that
-  does not stands out; DisTrO takes the lower of two, because one round can agree far more
-  strongly than the next: the first round of an epoch, whose continuing members' momenta
-  still hold what they sent last, agrees about twice as strongly as the rounds around it, and
-  its median alone refused the next round's honest results, a member just back with a fresh
-  momentum's first), or when the `t`s of the sender's last `window_rounds` results here sum to less than
+  `level_rounds` rounds (before any round closed, the open round before's checks so far)
+  (`relative_agreement`: while the run's results agree strongly, one that does not stands out;
+  DisTrO takes the lower of two, because one round can agree far more strongly than the next:
+  the first round of an epoch, whose continuing members' momenta still hold what they sent
+  last, agrees about twice as strongly as the rounds around it, and its median alone refused
+  the next round's honest results, a member just back with a fresh momentum's first), or when
+  the `t`s of the sender's last `window_rounds` results here sum to less than
   `min_window_z * sqrt(n)` (late in a run a DisTrO result's own `t` is too noisy to judge
   alone, a consistently opposed sender's is not);
 * **norm**: within `max_norm_ratio` of the witness's own sent update's norm either way (a
@@ -447,9 +448,37 @@ class WitnessScreen:
         self._direction: torch.Tensor | None = None
         self._direction_key: tuple[int, int] | None = None
         self._serials = itertools.count(1)
+        self._rounds = itertools.count()
+        self._recent: deque[RoundScreen] = deque(maxlen=2)
+        """The rounds opened last (a round still open lends its level to the next one)."""
 
     def open_round(self) -> RoundScreen:
-        return RoundScreen(self)
+        screen = RoundScreen(self)
+        with self._lock:
+            self._recent.append(screen)
+        return screen
+
+    def _level_list(self, screen: RoundScreen) -> list[float]:
+        """The levels `screen`'s relative test takes the lowest of: the closed rounds' (the last
+        `level_rounds`), or while there are none, the level of what the round opened just
+        before `screen` has checked so far, if that round is still open.
+
+        A client closes round N - 1 only when round N + 1 starts (its late results are still
+        checked during round N), so a witness's second round had no level at all and only
+        `min_agreement` judged it: a member's first sign-flipped result, as weakly opposed to
+        one witness's update as an honest result may agree with it, was attested, and with the
+        hostile member's own vote that one attestation is a quorum of a four-member run. Only
+        a witness with no closed level takes the open round's (later rounds are judged as
+        before: an open round's level may be of part of its results). Called under the lock."""
+        if self._levels:
+            return list(self._levels)
+        return [
+            level
+            for earlier in self._recent
+            if earlier.serial < screen.serial and not earlier.folded
+            for level in [_round_level(earlier)]
+            if level is not None
+        ][-self.settings.level_rounds :]
 
     def _agreement(self, flat: Flat, own: _Own) -> float:
         """`t` of a result along the direction: the own update over its norm, plus the recent
@@ -529,7 +558,9 @@ class WitnessScreen:
         if reference is not None:
             history = self._agreements.setdefault(sender, deque(maxlen=settings.window_rounds))
             history.append(measure.agreement)
-            problem = self._first_order_problem(measure, reference, history)
+            problem = self._first_order_problem(
+                measure, reference, history, self._level_list(screen)
+            )
         if problem is None:
             for fingerprint in earlier:
                 cosine = measure.fingerprint.cosine(fingerprint)
@@ -544,7 +575,7 @@ class WitnessScreen:
         return Verdict(measure, problem, checked=reference is not None)
 
     def _first_order_problem(
-        self, measure: Measure, reference: _Own, history: Sequence[float]
+        self, measure: Measure, reference: _Own, history: Sequence[float], levels: Sequence[float]
     ) -> str | None:
         settings = self.settings
         if measure.norm == 0.0:
@@ -559,13 +590,13 @@ class WitnessScreen:
         t = measure.agreement
         if t < settings.min_agreement:
             return f"agreement t = {t:.2f} is below {settings.min_agreement:g}"
-        if settings.relative_agreement is not None and self._levels:
+        if settings.relative_agreement is not None and levels:
             a, b = settings.relative_agreement
-            level = min(self._levels)
+            level = min(levels)
             if t < a * level - b:
                 return (
                     f"agreement t = {t:.2f} is below {a:g} x {level:.2f} (the lowest median of "
-                    f"this witness's last {len(self._levels)} rounds) - {b:g}"
+                    f"this witness's last {len(levels)} rounds) - {b:g}"
                 )
         if len(history) >= settings.window_min_results:
             z = sum(history) / math.sqrt(len(history))
@@ -597,11 +628,18 @@ class WitnessScreen:
             self._last_round_checks = screen.checks
             if screen.checks < self.settings.precombine_from:
                 self._direction = self._direction_key = None  # the next round gathers
-            # the level of the round's results that passed (all of them if none did)
-            level = screen.agreements or screen.refused_agreements
-            if level:
-                self._levels.append(statistics.median(level))
+            level = _round_level(screen)
+            if level is not None:
+                self._levels.append(level)
             self._fingerprints.append(list(screen.seen))
+            screen.folded = True
+
+
+def _round_level(screen: RoundScreen) -> float | None:
+    """A round's level: the median `t` of its results that passed (of all of them if none
+    did); None before any was checked against a reference."""
+    level = screen.agreements or screen.refused_agreements
+    return statistics.median(level) if level else None
 
 
 class RoundScreen:
@@ -611,6 +649,8 @@ class RoundScreen:
 
     def __init__(self, witness: WitnessScreen) -> None:
         self.witness = witness
+        self.serial = next(witness._rounds)
+        """Rounds of a witness in the order they were opened."""
         self.reference: _Own | None = None
         self.seen: list[Fingerprint] = []
         self.agreements: list[float] = []
@@ -620,6 +660,8 @@ class RoundScreen:
         self.checks = 0
         """Results checked against a reference."""
         self.closed = False
+        self.folded = False
+        """Its level is among the witness's closed rounds' (set under the lock)."""
 
     def set_reference(self, reference: Reference, own_sent: Sequence[DistroResult]) -> None:
         """This witness's own update and sent result of the round (a second own result of the
