@@ -114,8 +114,15 @@ def _watch(processes: dict[int, BaseProcess], beats: Heartbeats) -> int:
         exited = {r: p.exitcode for r, p in processes.items() if p.exitcode is not None}
         failed = {r: c for r, c in exited.items() if c != 0}
         if failed:
-            rank, code = next(iter(failed.items()))
-            log.error("rank %d exited (code %s): stopping this host's ranks", rank, code)
+            # When one rank dies its peers fail their next collective and exit 1 soon after;
+            # by the time this loop looks, several may have exited. A rank killed by a signal
+            # is the likelier cause, so it is named (and told to the client) first.
+            ordered = sorted(failed.items(), key=lambda item: (item[1] >= 0, item[0]))
+            log.error(
+                "%s: stopping this host's ranks",
+                ", ".join(f"rank {rank} exited (code {code})" for rank, code in ordered),
+            )
+            rank, code = ordered[0]
             try:
                 beats.store.set(died_key(rank), str(code))
             except Exception as e:
