@@ -7,18 +7,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from psyche.core.rng import ChaCha8Rng, calculate_bound_u32, random_below
 from psyche.modeling.eval import DatasetSource, Task, tasktype_from_name
 from psyche.modeling.eval.harness import bos_token_id, seed_bytes
 
-from .eval_support import load_tokenizer, write_rows
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    return load_tokenizer()
+from .eval_support import write_rows
 
 
 def rand_shuffle(items: list[Any], rng: ChaCha8Rng) -> list[Any]:
