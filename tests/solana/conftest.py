@@ -19,9 +19,12 @@ from solders.pubkey import Pubkey
 from solders.signature import Signature
 from solders.transaction import Transaction
 
+from psyche.solana import pda
 from psyche.solana.anchor import find_anchor_error
+from psyche.solana.instructions import authorizer as authorizer_ix
 from psyche.solana.localnet.ledger import Ledger, ManualClock
 from psyche.solana.localnet.server import LocalnetThread
+from psyche.solana.state import JOIN_RUN_AUTHORIZATION_SCOPE
 
 START = 1_700_000_000
 
@@ -90,6 +93,27 @@ class Endpoint:
         with pytest.raises(TransactionRejected) as info:
             self.process(instructions, payer, signers)
         return info.value
+
+    def authorize(
+        self, payer: Keypair, grantor: Keypair, grantee: Pubkey, *, preflight: bool = True
+    ) -> Pubkey:
+        """`grantor`'s active join authorization of `grantee` (created and activated in one
+        transaction that `payer` pays for); its address."""
+        scope = JOIN_RUN_AUTHORIZATION_SCOPE
+        self.process(
+            [
+                authorizer_ix.authorizer_authorization_create(
+                    payer.pubkey(), grantor.pubkey(), grantee, scope
+                ),
+                authorizer_ix.authorizer_authorization_grantor_update(
+                    grantor.pubkey(), grantee, scope, True
+                ),
+            ],
+            payer,
+            [grantor],
+            preflight=preflight,
+        )
+        return pda.find_authorization(grantor.pubkey(), grantee, scope)
 
     def account(self, key: Pubkey) -> Any:
         return self.client.get_account_info(key).value

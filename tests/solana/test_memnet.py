@@ -37,7 +37,6 @@ from psyche.solana.instructions import coordinator as coordinator_ix
 from psyche.solana.instructions import treasurer as treasurer_ix
 from psyche.solana.state import (
     COORDINATOR_ACCOUNT_SPACE,
-    JOIN_RUN_AUTHORIZATION_SCOPE,
     Authorization,
     SolanaClient,
     coordinator_account_from_bytes,
@@ -117,26 +116,6 @@ def _tick(
     )
 
 
-def _authorize(
-    endpoint: Endpoint, payer: Keypair, grantor: Keypair, grantee: Pubkey, preflight: bool = True
-) -> Pubkey:
-    scope = JOIN_RUN_AUTHORIZATION_SCOPE
-    endpoint.process(
-        [
-            authorizer_ix.authorizer_authorization_create(
-                payer.pubkey(), grantor.pubkey(), grantee, scope
-            ),
-            authorizer_ix.authorizer_authorization_grantor_update(
-                grantor.pubkey(), grantee, scope, True
-            ),
-        ],
-        payer,
-        [grantor],
-        preflight=preflight,
-    )
-    return pda.find_authorization(grantor.pubkey(), grantee, scope)
-
-
 def test_coordinator_init_free(endpoint: Endpoint) -> None:
     payer, main, join = Keypair(), Keypair(), Keypair()
     endpoint.airdrop(payer.pubkey(), 5_000_000_000)
@@ -201,7 +180,7 @@ def test_coordinator_full_round(endpoint: Endpoint) -> None:
     )
 
     client_id = NodeIdentity(bytes(client.pubkey()), bytes(32))
-    authorization = _authorize(endpoint, payer, join, client.pubkey())
+    authorization = endpoint.authorize(payer, join, client.pubkey())
     # Whitelisted with the wrong account, can't join
     wrong = INSTRUCTIONS["coordinator"]["join_run"].build(
         endpoint.ledger.program_ids.coordinator,
@@ -305,7 +284,7 @@ def test_coordinator_rewards(endpoint: Endpoint, num_clients: int) -> None:
         [main],
     )
     for client in clients:
-        authorization = _authorize(endpoint, payer, join, client.pubkey(), preflight=False)
+        authorization = endpoint.authorize(payer, join, client.pubkey(), preflight=False)
         identity = NodeIdentity(bytes(client.pubkey()), bytes(32))
         endpoint.process(
             [coordinator_ix.coordinator_join_run(instance, account, authorization, identity)],

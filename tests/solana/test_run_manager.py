@@ -37,14 +37,12 @@ from psyche.solana.commands.render import (
     format_duration_secs,
     time_remaining_display,
 )
-from psyche.solana.instructions import authorizer as authorizer_ix
 from psyche.solana.instructions import coordinator as coordinator_ix
 from psyche.solana.localnet.ledger import ManualClock
 from psyche.solana.localnet.server import LocalnetThread
 from psyche.solana.program_ids import COORDINATOR_PROGRAM_ID
 from psyche.solana.runs import RunInfo
 from psyche.solana.state import (
-    JOIN_RUN_AUTHORIZATION_SCOPE,
     CoordinatorInstance,
     CoordinatorInstanceState,
     Participant,
@@ -509,21 +507,6 @@ def test_json_dumps_without_treasurer(
 # list-runs
 
 
-def _authorize_user(endpoint: Endpoint, grantor: Keypair, grantee: Pubkey) -> None:
-    scope = JOIN_RUN_AUTHORIZATION_SCOPE
-    endpoint.process(
-        [
-            authorizer_ix.authorizer_authorization_create(
-                grantor.pubkey(), grantor.pubkey(), grantee, scope
-            ),
-            authorizer_ix.authorizer_authorization_grantor_update(
-                grantor.pubkey(), grantee, scope, True
-            ),
-        ],
-        grantor,
-    )
-
-
 def test_list_runs(
     net: LocalnetThread,
     tmp_path: Path,
@@ -595,9 +578,9 @@ def test_list_runs(
     ]
     assert f"A client with our pubkey {trainer.pubkey()} is in the current epoch" in err
     # other: authorizes the user itself; third: authorizes g, whose delegate the user is.
-    _authorize_user(endpoint, keys["other"], keys["user"].pubkey())
+    endpoint.authorize(keys["other"], keys["other"], keys["user"].pubkey())
     create("other", "mine")
-    _authorize_user(endpoint, keys["third"], keys["g"].pubkey())
+    endpoint.authorize(keys["third"], keys["third"], keys["g"].pubkey())
     create("third", "delegated")
     ok(
         capsys,
