@@ -17,20 +17,19 @@ def reference_shuffle(items: list[T], rng: ChaCha8Rng) -> list[T]:
     items = list(items)
     if len(items) <= 1:
         return items
-    n, chunk, chunk_remaining = 0, 0, 1
+    n, chunk, remaining = 0, 0, 1
     for i in range(len(items)):
         next_n = n + 1
-        if chunk_remaining == 0:
+        if remaining == 0:
             bound, count = calculate_bound_u32(next_n)
             chunk = random_below(rng, bound)
-            next_remaining = count - 1
+            remaining = count - 1
         else:
-            next_remaining = chunk_remaining - 1
-        if next_remaining == 0:
+            remaining -= 1
+        if remaining == 0:
             index = chunk
         else:
-            index = chunk % next_n
-            chunk //= next_n
-        chunk_remaining, n = next_remaining, next_n
+            index, chunk = chunk % next_n, chunk // next_n
+        n = next_n
         items[i], items[index] = items[index], items[i]
     return items
