@@ -18,6 +18,8 @@ from solders.message import Message
 from solders.pubkey import Pubkey
 from solders.signature import Signature
 from solders.transaction import Transaction
+from spl.token.constants import TOKEN_PROGRAM_ID
+from spl.token.instructions import InitializeMintParams, initialize_mint
 
 from psyche.solana import pda
 from psyche.solana.anchor import find_anchor_error
@@ -27,6 +29,9 @@ from psyche.solana.localnet.server import LocalnetThread
 from psyche.solana.state import JOIN_RUN_AUTHORIZATION_SCOPE
 
 START = 1_700_000_000
+
+
+MINT_SIZE = 82  # an SPL token mint account's bytes
 
 
 class TransactionRejected(Exception):
@@ -140,6 +145,16 @@ class Endpoint:
             [account],
         )
         return account.pubkey()
+
+    def new_mint(self, payer: Keypair, authority: Pubkey, decimals: int) -> Pubkey:
+        """A new SPL token mint (rent-exempt, paid by `payer`) that `authority` mints; its
+        address."""
+        mint = self.new_exempt(payer, MINT_SIZE, TOKEN_PROGRAM_ID)
+        self.process(
+            [initialize_mint(InitializeMintParams(decimals, TOKEN_PROGRAM_ID, mint, authority))],
+            payer,
+        )
+        return mint
 
     def forward_clock(self, seconds: int) -> None:
         self.ledger.advance_clock(seconds)

@@ -16,11 +16,9 @@ from solders.pubkey import Pubkey
 from solders.token.state import TokenAccount
 from spl.token.constants import TOKEN_PROGRAM_ID
 from spl.token.instructions import (
-    InitializeMintParams,
     MintToParams,
     create_associated_token_account,
     get_associated_token_address,
-    initialize_mint,
     mint_to,
 )
 
@@ -424,14 +422,6 @@ def test_authorizer_full_cycle(endpoint: Endpoint) -> None:
     assert endpoint.balance(payer.pubkey()) > rent_before - 2 * FEE
 
 
-def _mint(endpoint: Endpoint, payer: Keypair, authority: Pubkey, decimals: int) -> Pubkey:
-    mint = endpoint.new_exempt(payer, 82, TOKEN_PROGRAM_ID)
-    endpoint.process(
-        [initialize_mint(InitializeMintParams(decimals, TOKEN_PROGRAM_ID, mint, authority))], payer
-    )
-    return mint
-
-
 def _ata(endpoint: Endpoint, payer: Keypair, owner: Pubkey, mint: Pubkey) -> Pubkey:
     address = get_associated_token_address(owner, mint)
     if endpoint.account(address) is None:
@@ -468,8 +458,8 @@ def test_treasurer_create_claim(endpoint: Endpoint) -> None:
     payer, mint_authority, main, join, client1, client2 = (Keypair() for _ in range(6))
     endpoint.airdrop(payer.pubkey(), 5_000_000_000)
     ids = endpoint.ledger.program_ids
-    mint1 = _mint(endpoint, payer, mint_authority.pubkey(), 6)
-    mint2 = _mint(endpoint, payer, mint_authority.pubkey(), 6)
+    mint1 = endpoint.new_mint(payer, mint_authority.pubkey(), 6)
+    mint2 = endpoint.new_mint(payer, mint_authority.pubkey(), 6)
     account1 = endpoint.new_exempt(payer, COORDINATOR_ACCOUNT_SPACE, ids.coordinator_key)
     account2 = endpoint.new_exempt(payer, COORDINATOR_ACCOUNT_SPACE, ids.coordinator_key)
     run1 = _run_create(
@@ -570,7 +560,7 @@ def test_treasurer_create_update(endpoint: Endpoint) -> None:
         epoch_earning_rate_total_shared=66,
         paused=False,
     )
-    mint = _mint(endpoint, payer, Pubkey.new_unique(), 6)
+    mint = endpoint.new_mint(payer, Pubkey.new_unique(), 6)
     account = endpoint.new_exempt(payer, COORDINATOR_ACCOUNT_SPACE, ids.coordinator_key)
     join = Pubkey.new_unique()
     # No proper coordinator account, no proper mint: both fail
@@ -732,7 +722,7 @@ def test_treasurer_pays_earned_less_slashed(endpoint: Endpoint) -> None:
     payer, mint_authority, main, join, user = (Keypair() for _ in range(5))
     endpoint.airdrop(payer.pubkey(), 5_000_000_000)
     ids = endpoint.ledger.program_ids
-    mint = _mint(endpoint, payer, mint_authority.pubkey(), 6)
+    mint = endpoint.new_mint(payer, mint_authority.pubkey(), 6)
     account = endpoint.new_exempt(payer, COORDINATOR_ACCOUNT_SPACE, ids.coordinator_key)
     run = _run_create(
         endpoint, payer, mint, account, 43, "slashed run", main.pubkey(), join.pubkey()

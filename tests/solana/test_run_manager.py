@@ -19,11 +19,9 @@ from solders.pubkey import Pubkey
 from solders.token.state import TokenAccount
 from spl.token.constants import TOKEN_PROGRAM_ID
 from spl.token.instructions import (
-    InitializeMintParams,
     MintToParams,
     create_associated_token_account,
     get_associated_token_address,
-    initialize_mint,
     mint_to,
 )
 
@@ -193,15 +191,6 @@ def _run_one_epoch(endpoint: Endpoint, run_id: str, client: Keypair, ticker: Key
     assert _state(endpoint, run_id)[2].coordinator.progress.epoch == 1
 
 
-def _mint(endpoint: Endpoint, owner: Keypair, decimals: int) -> Pubkey:
-    mint = endpoint.new_exempt(owner, 82, TOKEN_PROGRAM_ID)
-    endpoint.process(
-        [initialize_mint(InitializeMintParams(decimals, TOKEN_PROGRAM_ID, mint, owner.pubkey()))],
-        owner,
-    )
-    return mint
-
-
 def test_treasurer_rewards_and_json_dumps(
     net: LocalnetThread, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -209,7 +198,7 @@ def test_treasurer_rewards_and_json_dumps(
     owner = funded_wallet(net, owner_wallet)
     user = funded_wallet(net, user_wallet)
     endpoint = Endpoint(net, ManualClock())
-    mint = _mint(endpoint, owner, 6)
+    mint = endpoint.new_mint(owner, owner.pubkey(), 6)
     owner_collateral = get_associated_token_address(owner.pubkey(), mint)
     endpoint.process(
         [
