@@ -11,6 +11,7 @@ import dataclasses
 
 import pytest
 from solders.account import Account
+from solders.instruction import Instruction
 from solders.keypair import Keypair
 from solders.pubkey import Pubkey
 from solders.token.state import TokenAccount
@@ -563,37 +564,24 @@ def test_treasurer_create_update(endpoint: Endpoint) -> None:
     mint = endpoint.new_mint(payer, Pubkey.new_unique(), 6)
     account = endpoint.new_exempt(payer, COORDINATOR_ACCOUNT_SPACE, ids.coordinator_key)
     join = Pubkey.new_unique()
+
+    def run_create(
+        name: str, treasurer_index: int, collateral_mint: Pubkey, coordinator_account: Pubkey
+    ) -> Instruction:
+        return treasurer_ix.treasurer_run_create(
+            payer.pubkey(),
+            name,
+            "latest",
+            treasurer_index,
+            collateral_mint,
+            coordinator_account,
+            main.pubkey(),
+            join,
+        )
+
     # No proper coordinator account, no proper mint: both fail
-    endpoint.process_err(
-        [
-            treasurer_ix.treasurer_run_create(
-                payer.pubkey(),
-                run_id,
-                "latest",
-                index,
-                mint,
-                Pubkey.new_unique(),
-                main.pubkey(),
-                join,
-            )
-        ],
-        payer,
-    )
-    endpoint.process_err(
-        [
-            treasurer_ix.treasurer_run_create(
-                payer.pubkey(),
-                run_id,
-                "latest",
-                index,
-                Pubkey.new_unique(),
-                account,
-                main.pubkey(),
-                join,
-            )
-        ],
-        payer,
-    )
+    endpoint.process_err([run_create(run_id, index, mint, Pubkey.new_unique())], payer)
+    endpoint.process_err([run_create(run_id, index, Pubkey.new_unique(), account)], payer)
     run = _run_create(endpoint, payer, mint, account, index, run_id, main.pubkey(), join)
     instance = pda.find_coordinator_instance(run_id)
     # The run PDA is the coordinator's main authority.
@@ -619,45 +607,10 @@ def test_treasurer_create_update(endpoint: Endpoint) -> None:
     assert state.coordinator.run_state is RunState.WaitingForMembers
     assert state.clients_state.future_epoch_rates.earning_rate_total_shared == 66
     # Same coordinator account, same index, same run id: all fail
-    endpoint.process_err(
-        [
-            treasurer_ix.treasurer_run_create(
-                payer.pubkey(),
-                "another run id",
-                "latest",
-                index + 1,
-                mint,
-                account,
-                main.pubkey(),
-                join,
-            )
-        ],
-        payer,
-    )
+    endpoint.process_err([run_create("another run id", index + 1, mint, account)], payer)
     account2 = endpoint.new_exempt(payer, COORDINATOR_ACCOUNT_SPACE, ids.coordinator_key)
-    endpoint.process_err(
-        [
-            treasurer_ix.treasurer_run_create(
-                payer.pubkey(),
-                "another run id",
-                "latest",
-                index,
-                mint,
-                account2,
-                main.pubkey(),
-                join,
-            )
-        ],
-        payer,
-    )
-    endpoint.process_err(
-        [
-            treasurer_ix.treasurer_run_create(
-                payer.pubkey(), run_id, "latest", index + 1, mint, account2, main.pubkey(), join
-            )
-        ],
-        payer,
-    )
+    endpoint.process_err([run_create("another run id", index, mint, account2)], payer)
+    endpoint.process_err([run_create(run_id, index + 1, mint, account2)], payer)
     _run_create(endpoint, payer, mint, account2, index + 1, "another run id", main.pubkey(), join)
 
 
