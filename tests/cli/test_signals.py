@@ -7,7 +7,6 @@ Exit codes (psyche.core.cli): commands that serve until stopped (`psyche-server 
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import signal
@@ -19,19 +18,12 @@ import pytest
 
 from ..processes import REPO, Processes, free_port
 from .conftest import command, exit_code, start_client, start_detached
+from .support import alive
 
 SIGNALS = pytest.mark.parametrize(
     ("signum", "name"), [(signal.SIGINT, "SIGINT"), (signal.SIGTERM, "SIGTERM")]
 )
 STOP_TIMEOUT = 60.0
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 @SIGNALS

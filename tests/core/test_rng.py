@@ -19,32 +19,10 @@ from psyche.core.rng import (
     shuffle_permutation,
 )
 
+from .rand_reference import reference_shuffle
+
 SEED_1_TO_32 = bytes(range(1, 33))
 SEED_42 = bytes([42] * 32)
-
-
-def reference_shuffle(items: list[int], rng: ChaCha8Rng) -> list[int]:
-    """rand 0.9 `slice.shuffle` written as plainly as possible."""
-    items = list(items)
-    if len(items) <= 1:
-        return items
-    n, chunk, chunk_remaining = 0, 0, 1
-    for i in range(len(items)):
-        next_n = n + 1
-        if chunk_remaining == 0:
-            bound, count = calculate_bound_u32(next_n)
-            chunk = random_below(rng, bound)
-            next_remaining = count - 1
-        else:
-            next_remaining = chunk_remaining - 1
-        if next_remaining == 0:
-            index = chunk
-        else:
-            index = chunk % next_n
-            chunk //= next_n
-        chunk_remaining, n = next_remaining, next_n
-        items[i], items[index] = items[index], items[i]
-    return items
 
 
 def reference_backward(items: list[int], rng: ChaCha8Rng) -> list[int]:

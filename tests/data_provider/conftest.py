@@ -1,17 +1,36 @@
 """Fixtures for the data provider tests: trio for async tests, token files, a Range-capable HTTP
-server on loopback."""
+server on loopback, a data server in a test's nursery (`serve_until`)."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import numpy as np
 import pytest
+import trio
 
+from psyche.data_provider import DataProviderTcpServer
 from psyche.data_provider.static_http import RangeRequestHandler, StaticFileServer, serve_directory
+
+
+async def serve_until(nursery: trio.Nursery, provider: Any, stop: trio.CancelScope) -> int:
+    """A data server for `provider` on loopback (any key may fetch), run in `nursery` until
+    `stop` is cancelled; its port, once it listens."""
+
+    async def host(task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        with stop:
+            async with DataProviderTcpServer.start(
+                provider, host="127.0.0.1", allow_any=True
+            ) as server:
+                task_status.started(server.local_addr[1])
+                await trio.sleep_forever()
+
+    port: int = await nursery.start(host)
+    return port
 
 
 @pytest.fixture

@@ -43,6 +43,8 @@ from psyche.data_provider import (
 )
 from psyche.data_provider.factory import aclose_provider
 
+from .conftest import serve_until
+
 pytestmark = pytest.mark.anyio
 FAST_HTTP = HttpConfig(request_timeout=2.0, retry=RetryPolicy(1, 0.01))
 SEQ = 8
@@ -193,21 +195,10 @@ async def test_fallback_mid_run_gives_the_same_tokens(
     options = ProviderOptions(max_seq_len=SEQ, secret_key=key, http=FAST_HTTP)
     async with trio.open_nursery() as nursery:
         stop = trio.CancelScope()
-        ports: list[int] = []
-
-        async def host(task_status=trio.TASK_STATUS_IGNORED) -> None:
-            with stop:
-                async with DataProviderTcpServer.start(
-                    local, host="127.0.0.1", allow_any=True
-                ) as server:
-                    ports.append(server.local_addr[1])
-                    task_status.started()
-                    await trio.sleep_forever()
-
-        await nursery.start(host)
+        port = await serve_until(nursery, local, stop)
         numbered = NumberedFiles(http_server.url + "/mirror/{}.ds", 0, 0, 1)
         locations = [
-            LLMTrainingDataLocation.Server(f"127.0.0.1:{ports[0]}"),
+            LLMTrainingDataLocation.Server(f"127.0.0.1:{port}"),
             http_location(HttpTrainingDataLocation.NumberedFiles(numbered)),
         ]
         provider = await open_data_provider(locations, options)

@@ -31,6 +31,7 @@ from psyche.data_provider.wire import RawTrainingData, TrainingData
 from psyche.transport import encode_challenge_response
 
 from ..polling import poll_until
+from .conftest import serve_until
 
 pytestmark = pytest.mark.anyio
 SEED = bytes(range(1, 33))
@@ -138,19 +139,8 @@ async def test_server_gone_mid_request_then_back(local: LocalDataProvider) -> No
     stalls = Stalls()
     async with trio.open_nursery() as nursery:
         cancel = trio.CancelScope()
-        port_box: list[int] = []
-
-        async def run_stalling_server(task_status=trio.TASK_STATUS_IGNORED) -> None:
-            with cancel:
-                async with DataProviderTcpServer.start(
-                    stalls, host="127.0.0.1", allow_any=True
-                ) as server:
-                    port_box.append(server.local_addr[1])
-                    task_status.started()
-                    await trio.sleep_forever()
-
-        await nursery.start(run_stalling_server)
-        client = await DataProviderTcpClient.connect(f"127.0.0.1:{port_box[0]}", key)
+        port = await serve_until(nursery, stalls, cancel)
+        client = await DataProviderTcpClient.connect(f"127.0.0.1:{port}", key)
 
         async def stop_when_stalled() -> None:
             await stalls.started.wait()
@@ -160,13 +150,11 @@ async def test_server_gone_mid_request_then_back(local: LocalDataProvider) -> No
         with pytest.raises(DataProviderError, match=r"failed while serving B\[0, 1\]"):
             await client.get_samples(BatchId(0, 1))
     # The next request reconnects: a server back on the same port serves it.
-    async with DataProviderTcpServer.start(
-        local, host="127.0.0.1", port=port_box[0], allow_any=True
-    ):
+    async with DataProviderTcpServer.start(local, host="127.0.0.1", port=port, allow_any=True):
         assert await client.get_samples(BatchId(2, 3)) == await local.get_samples(BatchId(2, 3))
     await client.aclose()
     with pytest.raises(DataProviderError, match="cannot connect to data server"):
-        await DataProviderTcpClient.connect(f"127.0.0.1:{port_box[0]}", key)
+        await DataProviderTcpClient.connect(f"127.0.0.1:{port}", key)
 
 
 async def test_allow_file_is_followed(

@@ -3,6 +3,8 @@ on hostile input."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -97,14 +99,25 @@ def test_truncated_and_corrupted_replies_match_the_generic_decoder() -> None:
         ],
     )
     encoded = CODEC.encode(message)
+    assert_truncations_refused(encoded)
+    for corrupt in corruptions(encoded, seed=3):
+        assert_fast_agrees_with_generic(corrupt)
+
+
+def assert_truncations_refused(encoded: bytes) -> None:
+    """Every proper prefix of a message is refused."""
     for cut in range(len(encoded)):
         with pytest.raises(PostcardError):
             CODEC.decode(encoded[:cut])
-    gen = np.random.default_rng(3)
-    for _ in range(300):
+
+
+def corruptions(encoded: bytes, seed: int, count: int = 300) -> Iterator[bytes]:
+    """`count` copies of `encoded`, each with one byte set to a random value."""
+    gen = np.random.default_rng(seed)
+    for _ in range(count):
         corrupt = bytearray(encoded)
         corrupt[int(gen.integers(len(corrupt)))] = int(gen.integers(256))
-        assert_fast_agrees_with_generic(bytes(corrupt))
+        yield bytes(corrupt)
 
 
 def assert_fast_agrees_with_generic(data: bytes) -> None:
@@ -221,16 +234,11 @@ def test_malformed_raw_replies(
 def test_truncated_and_corrupted_raw_replies_are_refused_or_exact() -> None:
     message = RawTrainingData(BatchId(7, 9), np.arange(-6, 6, dtype=np.int32).reshape(3, 4))
     encoded = CODEC.encode(message)
-    for cut in range(len(encoded)):
-        with pytest.raises(PostcardError):
-            CODEC.decode(encoded[:cut])
-    gen = np.random.default_rng(5)
-    for _ in range(300):
-        corrupt = bytearray(encoded)
-        corrupt[int(gen.integers(len(corrupt)))] = int(gen.integers(256))
-        assert_fast_agrees_with_generic(bytes(corrupt))
+    assert_truncations_refused(encoded)
+    for corrupt in corruptions(encoded, seed=5):
+        assert_fast_agrees_with_generic(corrupt)
         try:
-            back = CODEC.decode(bytes(corrupt))
+            back = CODEC.decode(corrupt)
         except PostcardError:
             continue
         if isinstance(back, RawTrainingData):  # accepted: the shape is what the header says

@@ -4,7 +4,6 @@ client (`standin_client.py` joins and prints states; the real client is in tests
 from __future__ import annotations
 
 import datetime
-import os
 import random
 import re
 import shutil
@@ -28,47 +27,13 @@ from psyche.cli.local_testnet.commands import (
 from psyche.cli.local_testnet.main import build_parser, client_cpu_threads
 from psyche.core.identity import SecretKey
 
+from ..cli.support import alive, dummy_state
 from ..timing import scaled
 
 STANDIN = Path(__file__).with_name("standin_client.py")
 STANDIN_PROGRAM = f"{sys.executable} {STANDIN}"
 
-FAST_STATE = """\
-run_id = "testnet-test"
-run_state = "WaitingForMembers"
-
-[config]
-warmup_time = 30
-cooldown_time = 2
-epoch_time = 60
-max_round_train_time = 2
-round_witness_time = 1
-min_clients = 1
-init_min_clients = 2
-global_batch_size_start = 4
-global_batch_size_end = 4
-global_batch_size_warmup_tokens = 0
-verification_percent = 0
-witness_nodes = 1
-total_steps = 100
-waiting_for_members_extra_time = 1
-
-[model.LLM]
-architecture = "HfLlama"
-data_type = "Pretraining"
-max_seq_len = 64
-cold_start_warmup_steps = 0
-data_location = "Dummy"
-optimizer = "Dummy"
-
-[model.LLM.checkpoint.Dummy]
-repo_id = ""
-
-[model.LLM.lr_schedule.Constant]
-base_lr = 1.0e-3
-warmup_steps = 0
-warmup_init_lr = 0.0
-"""
+FAST_STATE = dummy_state("testnet-test")
 
 
 def free_port() -> int:
@@ -231,14 +196,6 @@ def read_until(
         if time.monotonic() > deadline:
             break
     raise AssertionError(f"no line matching {pattern!r}:\n" + "".join(lines[-60:]))
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def test_headless_runs_server_and_clients_and_stops_them_all(tmp_path: Path) -> None:

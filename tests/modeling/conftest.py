@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -41,6 +42,22 @@ def tiny_llama() -> Callable[..., object]:
         return CausalLM.from_config(config, options)
 
     return build
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    """The evaluation tests' tokenizer: the tiny run's (`eval_support.load_tokenizer`)."""
+    from .eval_support import load_tokenizer
+
+    return load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model() -> Any:
+    """The evaluation tests' tiny random Llama (`eval_support.tiny_model`)."""
+    from .eval_support import tiny_model
+
+    return tiny_model()
 
 
 @pytest.fixture(autouse=True)

@@ -372,19 +372,25 @@ def test_hostile_dense_payloads_are_refused() -> None:
 # Deterministic aggregation
 
 
-@pytest.mark.parametrize("transmission", list(T))
-def test_aggregation_is_the_same_bits_in_any_order(transmission: T) -> None:
-    shapes = [("a", torch.zeros(32, 48)), ("b", torch.zeros(48))]
-    settings = DilocoSettings(transmission=transmission, compression_chunk=16, value_bits=4)
-    sender = Diloco(_Params(*shapes), settings)
-    g = torch.Generator().manual_seed(6)
+def _random_rounds(sender: Diloco, rounds: int, seed: int) -> list[list[DistroResult]]:
+    """`sender`'s payloads of `rounds` rounds, each after a small random move of its
+    parameters."""
+    g = torch.Generator().manual_seed(seed)
     payloads = []
-    for _ in range(4):
+    for _ in range(rounds):
         sender.begin_round()
         with torch.no_grad():
             for p in sender.params:
                 p.add_(torch.randn(p.shape, generator=g) * 1e-2)
         payloads.append(sender.end_round())
+    return payloads
+
+
+@pytest.mark.parametrize("transmission", list(T))
+def test_aggregation_is_the_same_bits_in_any_order(transmission: T) -> None:
+    shapes = [("a", torch.zeros(32, 48)), ("b", torch.zeros(48))]
+    settings = DilocoSettings(transmission=transmission, compression_chunk=16, value_bits=4)
+    payloads = _random_rounds(Diloco(_Params(*shapes), settings), 4, seed=6)
     finals = set()
     for order in itertools.permutations(range(4)):
         model = _Params(*shapes)
@@ -493,15 +499,7 @@ def test_cpu_and_cuda_take_the_same_outer_step(transmission: T) -> None:
     settings = DilocoSettings(
         transmission=transmission, compression_chunk=16, value_bits=2, outer_clip_grad_norm=0.5
     )
-    sender = Diloco(_Params(*shapes), settings)
-    g = torch.Generator().manual_seed(8)
-    payloads = []
-    for _ in range(3):
-        sender.begin_round()
-        with torch.no_grad():
-            for p in sender.params:
-                p.add_(torch.randn(p.shape, generator=g) * 1e-2)
-        payloads.append(sender.end_round())
+    payloads = _random_rounds(Diloco(_Params(*shapes), settings), 3, seed=8)
     finals = []
     for device in ("cpu", "cuda"):
         model = _Params(*shapes).to(device)

@@ -7,42 +7,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import pytest
-
-from psyche.core.rng import ChaCha8Rng, calculate_bound_u32, random_below
+from psyche.core.rng import ChaCha8Rng
 from psyche.modeling.eval import DatasetSource, Task, tasktype_from_name
 from psyche.modeling.eval.harness import bos_token_id, seed_bytes
 
-from .eval_support import load_tokenizer, write_rows
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    return load_tokenizer()
-
-
-def rand_shuffle(items: list[Any], rng: ChaCha8Rng) -> list[Any]:
-    """rand 0.9's `SliceRandom::shuffle`, as plainly as possible (forward Fisher-Yates whose
-    indices come from `IncreasingUniform`, several packed in one draw)."""
-    items = list(items)
-    if len(items) <= 1:
-        return items
-    n, chunk, remaining = 0, 0, 1
-    for i in range(len(items)):
-        next_n = n + 1
-        if remaining == 0:
-            bound, count = calculate_bound_u32(next_n)
-            chunk = random_below(rng, bound)
-            remaining = count - 1
-        else:
-            remaining -= 1
-        if remaining == 0:
-            index = chunk
-        else:
-            index, chunk = chunk % next_n, chunk // next_n
-        n = next_n
-        items[i], items[index] = items[index], items[i]
-    return items
+from ..core.rand_reference import reference_shuffle
+from .eval_support import write_rows
 
 
 def context_of(prepared: Any, doc_index: int, tokenizer: Any) -> str:
@@ -82,10 +52,10 @@ def test_shuffled_fewshot_prompt_matches_a_hand_built_one(tmp_path: Path, tokeni
         f"Question: Goal {i}\nAnswer: " + ("first", "second")[i % 2] + f" {i}" for i in range(6)
     ]
     for doc_index, row in enumerate(PIQA_VALIDATION):
-        order = rand_shuffle(shots, rng)
+        order = reference_shuffle(shots, rng)
         expected = f"{order[0]}\n\n{order[1]}\n\nQuestion: {row['goal']}\nAnswer:"
         assert context_of(prepared, doc_index, tokenizer) == expected
-    first = rand_shuffle(shots, ChaCha8Rng(seed_bytes(42)))
+    first = reference_shuffle(shots, ChaCha8Rng(seed_bytes(42)))
     # The literal prompt of document 0 for seed 42 (what rand 0.9 gives upstream).
     assert context_of(prepared, 0, tokenizer) == (
         f"{first[0]}\n\n{first[1]}\n\nQuestion: Open a jar\nAnswer:"
@@ -163,7 +133,7 @@ def test_hellaswag_fewshot_comes_from_the_documents_activity(
     write_rows(tmp_path, "Rowan/hellaswag", None, "validation", [row("Baking", "Bake.", 0)])
     task_type = tasktype_from_name("hellaswag", DatasetSource(root=tmp_path))
     prepared = Task(task_type, 2, 42).prepare(tokenizer)
-    order = rand_shuffle(["Baking: Mix. x", "Baking: Knead. y"], ChaCha8Rng(seed_bytes(42)))
+    order = reference_shuffle(["Baking: Mix. x", "Baking: Knead. y"], ChaCha8Rng(seed_bytes(42)))
     assert context_of(prepared, 0, tokenizer) == f"{order[0]}\n\n{order[1]}\n\nBaking: Bake."
 
 

@@ -15,12 +15,7 @@ from psyche.core.running_average import RunningAverage
 from psyche.modeling.eval import DatasetSource, Task, tasktype_from_name
 from psyche.modeling.eval.harness import EvalTaskOptions, generate_greedy
 
-from .eval_support import load_tokenizer, tiny_model, write_rows
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    return load_tokenizer()
+from .eval_support import tiny_model, write_rows
 
 
 def pro_row(question: str, options: list[str], answer: str, category: str, cot: str = "") -> dict:

@@ -28,7 +28,7 @@ from psyche.modeling.eval import (
 from psyche.modeling.eval.harness import EvalTaskOptions
 from psyche.modeling.eval.runner import fewshot_for
 
-from .eval_support import hand_count, load_tokenizer, tiny_model, write_rows
+from .eval_support import hand_count, write_rows
 
 PIQA_ROWS = [
     {
@@ -43,16 +43,6 @@ BOOLQ_ROWS = [
     {"question": f"is {i} even", "passage": f"The number {i}.", "idx": i, "label": int(i % 2 == 0)}
     for i in range(4)
 ]
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    return load_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model() -> Any:
-    return tiny_model()
 
 
 @pytest.fixture

@@ -14,19 +14,9 @@ from psyche.modeling.eval import DatasetSource, Task, tasktype_from_name
 from psyche.modeling.eval.harness import EvalTaskOptions
 from psyche.modeling.eval.tasks.ceval import SUBJECT_MAPPING
 
-from .eval_support import hand_count, load_tokenizer, tiny_model, write_rows
+from .eval_support import hand_count, write_rows
 
 MMLU_PREAMBLE = "The following are multiple choice questions (with answers) about {}.\n\n"
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    return load_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model() -> Any:
-    return tiny_model()
 
 
 def run_task(name: str, root: Path, model: Any, tokenizer: Any) -> tuple[Any, dict[str, float]]:

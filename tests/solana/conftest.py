@@ -18,12 +18,20 @@ from solders.message import Message
 from solders.pubkey import Pubkey
 from solders.signature import Signature
 from solders.transaction import Transaction
+from spl.token.constants import TOKEN_PROGRAM_ID
+from spl.token.instructions import InitializeMintParams, initialize_mint
 
+from psyche.solana import pda
 from psyche.solana.anchor import find_anchor_error
+from psyche.solana.instructions import authorizer as authorizer_ix
 from psyche.solana.localnet.ledger import Ledger, ManualClock
 from psyche.solana.localnet.server import LocalnetThread
+from psyche.solana.state import JOIN_RUN_AUTHORIZATION_SCOPE
 
 START = 1_700_000_000
+
+
+MINT_SIZE = 82  # an SPL token mint account's bytes
 
 
 class TransactionRejected(Exception):
@@ -91,6 +99,27 @@ class Endpoint:
             self.process(instructions, payer, signers)
         return info.value
 
+    def authorize(
+        self, payer: Keypair, grantor: Keypair, grantee: Pubkey, *, preflight: bool = True
+    ) -> Pubkey:
+        """`grantor`'s active join authorization of `grantee` (created and activated in one
+        transaction that `payer` pays for); its address."""
+        scope = JOIN_RUN_AUTHORIZATION_SCOPE
+        self.process(
+            [
+                authorizer_ix.authorizer_authorization_create(
+                    payer.pubkey(), grantor.pubkey(), grantee, scope
+                ),
+                authorizer_ix.authorizer_authorization_grantor_update(
+                    grantor.pubkey(), grantee, scope, True
+                ),
+            ],
+            payer,
+            [grantor],
+            preflight=preflight,
+        )
+        return pda.find_authorization(grantor.pubkey(), grantee, scope)
+
     def account(self, key: Pubkey) -> Any:
         return self.client.get_account_info(key).value
 
@@ -116,6 +145,16 @@ class Endpoint:
             [account],
         )
         return account.pubkey()
+
+    def new_mint(self, payer: Keypair, authority: Pubkey, decimals: int) -> Pubkey:
+        """A new SPL token mint (rent-exempt, paid by `payer`) that `authority` mints; its
+        address."""
+        mint = self.new_exempt(payer, MINT_SIZE, TOKEN_PROGRAM_ID)
+        self.process(
+            [initialize_mint(InitializeMintParams(decimals, TOKEN_PROGRAM_ID, mint, authority))],
+            payer,
+        )
+        return mint
 
     def forward_clock(self, seconds: int) -> None:
         self.ledger.advance_clock(seconds)

@@ -405,18 +405,12 @@ def test_standalone_localnet_command(tmp_path: Path) -> None:
 def test_treasurer_run_commands(
     net: LocalnetThread, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from spl.token.constants import TOKEN_PROGRAM_ID
-    from spl.token.instructions import InitializeMintParams, initialize_mint
-
     from .conftest import Endpoint
 
     wallet = tmp_path / "owner.json"
     owner = _wallet(net, wallet)
     endpoint = Endpoint(net, ManualClock())
-    mint = endpoint.new_exempt(owner, 82, TOKEN_PROGRAM_ID)
-    endpoint.process(
-        [initialize_mint(InitializeMintParams(6, TOKEN_PROGRAM_ID, mint, owner.pubkey()))], owner
-    )
+    mint = endpoint.new_mint(owner, owner.pubkey(), 6)
     config = tmp_path / "config.toml"
     config.write_text(RUN_CONFIG)
 

@@ -11,16 +11,15 @@ import dataclasses
 
 import pytest
 from solders.account import Account
+from solders.instruction import Instruction
 from solders.keypair import Keypair
 from solders.pubkey import Pubkey
 from solders.token.state import TokenAccount
 from spl.token.constants import TOKEN_PROGRAM_ID
 from spl.token.instructions import (
-    InitializeMintParams,
     MintToParams,
     create_associated_token_account,
     get_associated_token_address,
-    initialize_mint,
     mint_to,
 )
 
@@ -37,7 +36,6 @@ from psyche.solana.instructions import coordinator as coordinator_ix
 from psyche.solana.instructions import treasurer as treasurer_ix
 from psyche.solana.state import (
     COORDINATOR_ACCOUNT_SPACE,
-    JOIN_RUN_AUTHORIZATION_SCOPE,
     Authorization,
     SolanaClient,
     coordinator_account_from_bytes,
@@ -117,26 +115,6 @@ def _tick(
     )
 
 
-def _authorize(
-    endpoint: Endpoint, payer: Keypair, grantor: Keypair, grantee: Pubkey, preflight: bool = True
-) -> Pubkey:
-    scope = JOIN_RUN_AUTHORIZATION_SCOPE
-    endpoint.process(
-        [
-            authorizer_ix.authorizer_authorization_create(
-                payer.pubkey(), grantor.pubkey(), grantee, scope
-            ),
-            authorizer_ix.authorizer_authorization_grantor_update(
-                grantor.pubkey(), grantee, scope, True
-            ),
-        ],
-        payer,
-        [grantor],
-        preflight=preflight,
-    )
-    return pda.find_authorization(grantor.pubkey(), grantee, scope)
-
-
 def test_coordinator_init_free(endpoint: Endpoint) -> None:
     payer, main, join = Keypair(), Keypair(), Keypair()
     endpoint.airdrop(payer.pubkey(), 5_000_000_000)
@@ -201,7 +179,7 @@ def test_coordinator_full_round(endpoint: Endpoint) -> None:
     )
 
     client_id = NodeIdentity(bytes(client.pubkey()), bytes(32))
-    authorization = _authorize(endpoint, payer, join, client.pubkey())
+    authorization = endpoint.authorize(payer, join, client.pubkey())
     # Whitelisted with the wrong account, can't join
     wrong = INSTRUCTIONS["coordinator"]["join_run"].build(
         endpoint.ledger.program_ids.coordinator,
@@ -305,7 +283,7 @@ def test_coordinator_rewards(endpoint: Endpoint, num_clients: int) -> None:
         [main],
     )
     for client in clients:
-        authorization = _authorize(endpoint, payer, join, client.pubkey(), preflight=False)
+        authorization = endpoint.authorize(payer, join, client.pubkey(), preflight=False)
         identity = NodeIdentity(bytes(client.pubkey()), bytes(32))
         endpoint.process(
             [coordinator_ix.coordinator_join_run(instance, account, authorization, identity)],
@@ -445,14 +423,6 @@ def test_authorizer_full_cycle(endpoint: Endpoint) -> None:
     assert endpoint.balance(payer.pubkey()) > rent_before - 2 * FEE
 
 
-def _mint(endpoint: Endpoint, payer: Keypair, authority: Pubkey, decimals: int) -> Pubkey:
-    mint = endpoint.new_exempt(payer, 82, TOKEN_PROGRAM_ID)
-    endpoint.process(
-        [initialize_mint(InitializeMintParams(decimals, TOKEN_PROGRAM_ID, mint, authority))], payer
-    )
-    return mint
-
-
 def _ata(endpoint: Endpoint, payer: Keypair, owner: Pubkey, mint: Pubkey) -> Pubkey:
     address = get_associated_token_address(owner, mint)
     if endpoint.account(address) is None:
@@ -489,8 +459,8 @@ def test_treasurer_create_claim(endpoint: Endpoint) -> None:
     payer, mint_authority, main, join, client1, client2 = (Keypair() for _ in range(6))
     endpoint.airdrop(payer.pubkey(), 5_000_000_000)
     ids = endpoint.ledger.program_ids
-    mint1 = _mint(endpoint, payer, mint_authority.pubkey(), 6)
-    mint2 = _mint(endpoint, payer, mint_authority.pubkey(), 6)
+    mint1 = endpoint.new_mint(payer, mint_authority.pubkey(), 6)
+    mint2 = endpoint.new_mint(payer, mint_authority.pubkey(), 6)
     account1 = endpoint.new_exempt(payer, COORDINATOR_ACCOUNT_SPACE, ids.coordinator_key)
     account2 = endpoint.new_exempt(payer, COORDINATOR_ACCOUNT_SPACE, ids.coordinator_key)
     run1 = _run_create(
@@ -591,40 +561,27 @@ def test_treasurer_create_update(endpoint: Endpoint) -> None:
         epoch_earning_rate_total_shared=66,
         paused=False,
     )
-    mint = _mint(endpoint, payer, Pubkey.new_unique(), 6)
+    mint = endpoint.new_mint(payer, Pubkey.new_unique(), 6)
     account = endpoint.new_exempt(payer, COORDINATOR_ACCOUNT_SPACE, ids.coordinator_key)
     join = Pubkey.new_unique()
+
+    def run_create(
+        name: str, treasurer_index: int, collateral_mint: Pubkey, coordinator_account: Pubkey
+    ) -> Instruction:
+        return treasurer_ix.treasurer_run_create(
+            payer.pubkey(),
+            name,
+            "latest",
+            treasurer_index,
+            collateral_mint,
+            coordinator_account,
+            main.pubkey(),
+            join,
+        )
+
     # No proper coordinator account, no proper mint: both fail
-    endpoint.process_err(
-        [
-            treasurer_ix.treasurer_run_create(
-                payer.pubkey(),
-                run_id,
-                "latest",
-                index,
-                mint,
-                Pubkey.new_unique(),
-                main.pubkey(),
-                join,
-            )
-        ],
-        payer,
-    )
-    endpoint.process_err(
-        [
-            treasurer_ix.treasurer_run_create(
-                payer.pubkey(),
-                run_id,
-                "latest",
-                index,
-                Pubkey.new_unique(),
-                account,
-                main.pubkey(),
-                join,
-            )
-        ],
-        payer,
-    )
+    endpoint.process_err([run_create(run_id, index, mint, Pubkey.new_unique())], payer)
+    endpoint.process_err([run_create(run_id, index, Pubkey.new_unique(), account)], payer)
     run = _run_create(endpoint, payer, mint, account, index, run_id, main.pubkey(), join)
     instance = pda.find_coordinator_instance(run_id)
     # The run PDA is the coordinator's main authority.
@@ -650,45 +607,10 @@ def test_treasurer_create_update(endpoint: Endpoint) -> None:
     assert state.coordinator.run_state is RunState.WaitingForMembers
     assert state.clients_state.future_epoch_rates.earning_rate_total_shared == 66
     # Same coordinator account, same index, same run id: all fail
-    endpoint.process_err(
-        [
-            treasurer_ix.treasurer_run_create(
-                payer.pubkey(),
-                "another run id",
-                "latest",
-                index + 1,
-                mint,
-                account,
-                main.pubkey(),
-                join,
-            )
-        ],
-        payer,
-    )
+    endpoint.process_err([run_create("another run id", index + 1, mint, account)], payer)
     account2 = endpoint.new_exempt(payer, COORDINATOR_ACCOUNT_SPACE, ids.coordinator_key)
-    endpoint.process_err(
-        [
-            treasurer_ix.treasurer_run_create(
-                payer.pubkey(),
-                "another run id",
-                "latest",
-                index,
-                mint,
-                account2,
-                main.pubkey(),
-                join,
-            )
-        ],
-        payer,
-    )
-    endpoint.process_err(
-        [
-            treasurer_ix.treasurer_run_create(
-                payer.pubkey(), run_id, "latest", index + 1, mint, account2, main.pubkey(), join
-            )
-        ],
-        payer,
-    )
+    endpoint.process_err([run_create("another run id", index, mint, account2)], payer)
+    endpoint.process_err([run_create(run_id, index + 1, mint, account2)], payer)
     _run_create(endpoint, payer, mint, account2, index + 1, "another run id", main.pubkey(), join)
 
 
@@ -753,7 +675,7 @@ def test_treasurer_pays_earned_less_slashed(endpoint: Endpoint) -> None:
     payer, mint_authority, main, join, user = (Keypair() for _ in range(5))
     endpoint.airdrop(payer.pubkey(), 5_000_000_000)
     ids = endpoint.ledger.program_ids
-    mint = _mint(endpoint, payer, mint_authority.pubkey(), 6)
+    mint = endpoint.new_mint(payer, mint_authority.pubkey(), 6)
     account = endpoint.new_exempt(payer, COORDINATOR_ACCOUNT_SPACE, ids.coordinator_key)
     run = _run_create(
         endpoint, payer, mint, account, 43, "slashed run", main.pubkey(), join.pubkey()

@@ -19,11 +19,9 @@ from solders.pubkey import Pubkey
 from solders.token.state import TokenAccount
 from spl.token.constants import TOKEN_PROGRAM_ID
 from spl.token.instructions import (
-    InitializeMintParams,
     MintToParams,
     create_associated_token_account,
     get_associated_token_address,
-    initialize_mint,
     mint_to,
 )
 
@@ -37,14 +35,12 @@ from psyche.solana.commands.render import (
     format_duration_secs,
     time_remaining_display,
 )
-from psyche.solana.instructions import authorizer as authorizer_ix
 from psyche.solana.instructions import coordinator as coordinator_ix
 from psyche.solana.localnet.ledger import ManualClock
 from psyche.solana.localnet.server import LocalnetThread
 from psyche.solana.program_ids import COORDINATOR_PROGRAM_ID
 from psyche.solana.runs import RunInfo
 from psyche.solana.state import (
-    JOIN_RUN_AUTHORIZATION_SCOPE,
     CoordinatorInstance,
     CoordinatorInstanceState,
     Participant,
@@ -195,15 +191,6 @@ def _run_one_epoch(endpoint: Endpoint, run_id: str, client: Keypair, ticker: Key
     assert _state(endpoint, run_id)[2].coordinator.progress.epoch == 1
 
 
-def _mint(endpoint: Endpoint, owner: Keypair, decimals: int) -> Pubkey:
-    mint = endpoint.new_exempt(owner, 82, TOKEN_PROGRAM_ID)
-    endpoint.process(
-        [initialize_mint(InitializeMintParams(decimals, TOKEN_PROGRAM_ID, mint, owner.pubkey()))],
-        owner,
-    )
-    return mint
-
-
 def test_treasurer_rewards_and_json_dumps(
     net: LocalnetThread, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -211,7 +198,7 @@ def test_treasurer_rewards_and_json_dumps(
     owner = funded_wallet(net, owner_wallet)
     user = funded_wallet(net, user_wallet)
     endpoint = Endpoint(net, ManualClock())
-    mint = _mint(endpoint, owner, 6)
+    mint = endpoint.new_mint(owner, owner.pubkey(), 6)
     owner_collateral = get_associated_token_address(owner.pubkey(), mint)
     endpoint.process(
         [
@@ -509,21 +496,6 @@ def test_json_dumps_without_treasurer(
 # list-runs
 
 
-def _authorize_user(endpoint: Endpoint, grantor: Keypair, grantee: Pubkey) -> None:
-    scope = JOIN_RUN_AUTHORIZATION_SCOPE
-    endpoint.process(
-        [
-            authorizer_ix.authorizer_authorization_create(
-                grantor.pubkey(), grantor.pubkey(), grantee, scope
-            ),
-            authorizer_ix.authorizer_authorization_grantor_update(
-                grantor.pubkey(), grantee, scope, True
-            ),
-        ],
-        grantor,
-    )
-
-
 def test_list_runs(
     net: LocalnetThread,
     tmp_path: Path,
@@ -595,9 +567,9 @@ def test_list_runs(
     ]
     assert f"A client with our pubkey {trainer.pubkey()} is in the current epoch" in err
     # other: authorizes the user itself; third: authorizes g, whose delegate the user is.
-    _authorize_user(endpoint, keys["other"], keys["user"].pubkey())
+    endpoint.authorize(keys["other"], keys["other"], keys["user"].pubkey())
     create("other", "mine")
-    _authorize_user(endpoint, keys["third"], keys["g"].pubkey())
+    endpoint.authorize(keys["third"], keys["third"], keys["g"].pubkey())
     create("third", "delegated")
     ok(
         capsys,

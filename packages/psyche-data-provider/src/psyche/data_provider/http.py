@@ -26,7 +26,6 @@ import trio
 
 from psyche.core.batch_id import BatchId
 from psyche.core.data_shuffle import Shuffle
-from psyche.core.rng import ChaCha8Rng, shuffle_permutation
 from psyche.core.token_size import TokenSize
 from psyche.data_provider.retry import RetryPolicy
 from psyche.data_provider.types import (
@@ -35,6 +34,7 @@ from psyche.data_provider.types import (
     TokenizedData,
     batch_bounds,
     decode_tokens,
+    sequence_pointers,
     sequence_runs,
 )
 
@@ -336,8 +336,8 @@ class HttpDataProvider:
         self.token_size = token_size
         token_bytes = token_size.num_bytes
         seq_bytes = seq_len * token_bytes
-        index_parts, offset_parts = [], []
-        for i, (url, size) in enumerate(file_urls.files):
+        offsets: list[np.ndarray] = []
+        for url, size in file_urls.files:
             if size % token_bytes:
                 raise DataProviderError(
                     f"{url} is {size} bytes, not a whole number of {token_bytes}-byte tokens "
@@ -348,16 +348,10 @@ class HttpDataProvider:
                 log.warning(
                     "%s (%d bytes) is too short for one sequence of %d tokens", url, size, seq_len
                 )
+                offsets.append(np.empty(0, dtype=np.int64))
                 continue
-            offsets = np.arange(0, size - reserved, seq_bytes, dtype=np.int64)
-            index_parts.append(np.full(len(offsets), i, dtype=np.int32))
-            offset_parts.append(offsets)
-        file_index = np.concatenate(index_parts) if index_parts else np.empty(0, np.int32)
-        byte_offset = np.concatenate(offset_parts) if offset_parts else np.empty(0, np.int64)
-        match shuffle:
-            case Shuffle.Seeded(seed):
-                perm = shuffle_permutation(len(file_index), ChaCha8Rng(seed))
-                file_index, byte_offset = file_index[perm], byte_offset[perm]
+            offsets.append(np.arange(0, size - reserved, seq_bytes, dtype=np.int64))
+        file_index, byte_offset = sequence_pointers(offsets, shuffle)
         self._file_index = file_index
         self._byte_offset = byte_offset
         self._run = sequence_runs(file_index, byte_offset, seq_bytes)

@@ -28,13 +28,13 @@ import numpy as np
 
 from psyche.core.batch_id import BatchId
 from psyche.core.data_shuffle import Shuffle
-from psyche.core.rng import ChaCha8Rng, shuffle_permutation
 from psyche.core.token_size import TokenSize
 from psyche.data_provider.types import (
     DATA_FILE_EXTENSIONS,
     DataProviderError,
     TokenizedData,
     batch_bounds,
+    sequence_pointers,
     sequence_runs,
 )
 
@@ -180,8 +180,8 @@ class LocalDataProvider:
                     files.append(_MappedFile.open(path))
                 except OSError as e:
                     raise DataProviderError(f"couldn't open training data file {path}: {e}") from e
-            index_parts, offset_parts = [], []
-            for i, f in enumerate(files):
+            per_file: list[np.ndarray] = []
+            for f in files:
                 if f.size % token_bytes:
                     raise DataProviderError(
                         f"{f.path} is {f.size} bytes, not a whole number of {token_bytes}-byte "
@@ -195,18 +195,12 @@ class LocalDataProvider:
                         f.size,
                         seq_len,
                     )
-                index_parts.append(np.full(len(offsets), i, dtype=np.int32))
-                offset_parts.append(offsets)
+                per_file.append(offsets)
         except BaseException:
             for f in files:
                 f.close()
             raise
-        file_index = np.concatenate(index_parts)
-        byte_offset = np.concatenate(offset_parts)
-        match shuffle:
-            case Shuffle.Seeded(seed):
-                perm = shuffle_permutation(len(file_index), ChaCha8Rng(seed))
-                file_index, byte_offset = file_index[perm], byte_offset[perm]
+        file_index, byte_offset = sequence_pointers(per_file, shuffle)
         log.info(
             "Loaded %d files (%d bytes) of training data from directory %s: %d sequences",
             len(files),

@@ -9,6 +9,8 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from psyche.core.batch_id import BatchId
+from psyche.core.data_shuffle import Shuffle
+from psyche.core.rng import ChaCha8Rng, shuffle_permutation
 from psyche.core.token_size import TokenSize
 
 # Upstream's on-disk and on-the-wire extensions of pre-tokenized data files.
@@ -143,6 +145,24 @@ def batch_bounds(data_ids: BatchId) -> tuple[int, int]:
     if start > end:
         raise DataProviderError(f"invalid batch {data_ids}: start > end")
     return start, end
+
+
+def sequence_pointers(
+    offsets: Sequence[np.ndarray], shuffle: Shuffle
+) -> tuple[np.ndarray, np.ndarray]:
+    """Every sequence's pointer, as (file index: int32, byte offset: int64) arrays, from each
+    file's sequence offsets (`offsets[i]`: file `i`'s): file after file, then in the order
+    `shuffle` leaves them (upstream's `slice.shuffle` with the seed's ChaCha8Rng), so that the
+    local and the HTTP providers number the same sequences the same way."""
+    if not offsets:
+        return np.empty(0, dtype=np.int32), np.empty(0, dtype=np.int64)
+    file_index = np.concatenate([np.full(len(o), i, dtype=np.int32) for i, o in enumerate(offsets)])
+    byte_offset = np.concatenate(list(offsets))
+    match shuffle:
+        case Shuffle.Seeded(seed):
+            perm = shuffle_permutation(len(file_index), ChaCha8Rng(seed))
+            file_index, byte_offset = file_index[perm], byte_offset[perm]
+    return file_index, byte_offset
 
 
 def sequence_runs(file_index: np.ndarray, byte_offset: np.ndarray, seq_bytes: int) -> np.ndarray:

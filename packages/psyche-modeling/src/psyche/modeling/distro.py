@@ -629,14 +629,22 @@ class Distro:
         return self.transform.decode(dense)
 
     def _check_results(self, results: Sequence[Sequence[DistroResult]]) -> None:
-        for i, r in enumerate(results):
-            if isinstance(r, DistroResult):
-                raise TypeError("expected a list of result lists (one list per peer or batch)")
-            if len(r) != len(self.variables):
-                raise ValueError(
-                    f"result list {i} has {len(r)} entries; the model has "
-                    f"{len(self.variables)} parameters"
-                )
+        check_result_lists(results, len(self.variables), "peer or batch")
+
+
+def check_result_lists(
+    results: Sequence[Sequence[DistroResult]], parameters: int, per: str
+) -> None:
+    """Raise unless `results` is a list of result lists (one per `per`), each with one entry per
+    parameter of a model of `parameters` parameters: a bare result list (a common slip) is a
+    `TypeError`, a list of the wrong length a `ValueError` naming its index."""
+    for i, r in enumerate(results):
+        if isinstance(r, DistroResult):
+            raise TypeError(f"expected a list of result lists (one list per {per})")
+        if len(r) != parameters:
+            raise ValueError(
+                f"result list {i} has {len(r)} entries; the model has {parameters} parameters"
+            )
 
 
 def _stack_peers(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import shutil
 import subprocess
 import sys
@@ -71,11 +70,6 @@ def client_numbers(text: str) -> tuple[int, ...]:
     return tuple(positive_int(part) for part in text.split(","))
 
 
-def _env(name: str) -> str | None:
-    value = os.environ.get(name)
-    return value if value else None
-
-
 def build_parser() -> tuple[argparse.ArgumentParser, EnvOptions]:
     """The parser, and the environment fallbacks of `start`'s options (`parse_command`
     resolves them)."""
@@ -113,16 +107,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, EnvOptions]:
         help="HF token for all the clients to fetch the model at the beginning of the run")  # fmt: skip
     add("--write-log", action="store_true",
         help="Write every process's log to ./logs/<start time, UTC>/")  # fmt: skip
-    add("--wandb-project", default=_env("WANDB_PROJECT"), metavar="<WANDB_PROJECT>",
-        help="[env: WANDB_PROJECT]")  # fmt: skip
-    add("--wandb-group", default=_env("WANDB_GROUP"), metavar="<WANDB_GROUP>",
-        help="[env: WANDB_GROUP]")  # fmt: skip
-    add("--wandb-entity", default=_env("WANDB_ENTITY"), metavar="<WANDB_ENTITY>",
-        help="[env: WANDB_ENTITY]")  # fmt: skip
+    env.add(start, "--wandb-project")
+    env.add(start, "--wandb-group")
+    env.add(start, "--wandb-entity")
     env.add(start, "--optim-stats", parse=parse_count,
             help="Passed to the clients as --optim-stats-steps")  # fmt: skip
-    add("--eval-tasks", default=_env("EVAL_TASKS"), metavar="<EVAL_TASKS>",
-        help="[env: EVAL_TASKS]")  # fmt: skip
+    env.add(start, "--eval-tasks")
     add("--events-dir", type=Path, metavar="<EVENTS_DIR>",
         help="Event files of the server and each client go under this directory")  # fmt: skip
     add("--eval-data-dir", type=Path, metavar="<EVAL_DATA_DIR>",

@@ -50,7 +50,7 @@ from psyche.modeling.diloco.codec import (
     finish,
     new_accumulator,
 )
-from psyche.modeling.distro import DistroResult, sorted_variables
+from psyche.modeling.distro import DistroResult, check_result_lists, sorted_variables
 from psyche.modeling.serialized_distro import (
     TransmittableDistroResult,
     distro_result_from_serialized,
@@ -379,7 +379,7 @@ class Diloco:
         peers are taken in ascending `payload_digest` order, each payload decoded into float32
         accumulators by elementwise ops (`codec.accumulate`), the sum divided by the count.
         With `peer_clip_multiple`, each payload is first scaled by `peer_scales`."""
-        self._check_results(results)
+        check_result_lists(results, len(self.params), "payload")
         ordered = sorted(results, key=payload_digest)
         scales = self.peer_scales(ordered)
         means = []
@@ -440,13 +440,3 @@ class Diloco:
         """A peer's payload checked against this model (`codec.validate`), then as tensors."""
         check_payload_entries(payload.distro_results, self._layouts)
         return [distro_result_from_serialized(r) for r in payload.distro_results]
-
-    def _check_results(self, results: Sequence[Sequence[DistroResult]]) -> None:
-        for i, r in enumerate(results):
-            if isinstance(r, DistroResult):
-                raise TypeError("expected a list of result lists (one list per payload)")
-            if len(r) != len(self.params):
-                raise ValueError(
-                    f"result list {i} has {len(r)} entries; the model has "
-                    f"{len(self.params)} parameters"
-                )

@@ -10,9 +10,9 @@ from psyche.modeling.eval.document import Document, check_answer
 from psyche.modeling.eval.loading import DatasetSource, Row
 
 
-class LogLikelihoodTask(ABC):
-    """Documents (the scored ones) and few-shot documents by category (`"default"` when the task
-    has no categories)."""
+class EvalTask(ABC):
+    """What both kinds of task have: a name, the scored documents, and the few-shot documents by
+    category (`"default"` when the task has no categories)."""
 
     name: str
 
@@ -21,33 +21,26 @@ class LogLikelihoodTask(ABC):
 
     @abstractmethod
     def get_fewshot_documents(self) -> dict[str, list[Document]]: ...
-
-    def get_preamble(self, category: str) -> str:
-        return ""
 
     def __str__(self) -> str:
         return self.name
 
 
-class GenerateUntilTask(ABC):
+class LogLikelihoodTask(EvalTask):
+    """Scored by the loglikelihoods of fixed choices, after a category's preamble."""
+
+    def get_preamble(self, category: str) -> str:
+        return ""
+
+
+class GenerateUntilTask(EvalTask):
     """Documents answered by free generation until a stop string, then a regex's first group."""
-
-    name: str
-
-    @abstractmethod
-    def get_documents(self) -> list[Document]: ...
-
-    @abstractmethod
-    def get_fewshot_documents(self) -> dict[str, list[Document]]: ...
 
     @abstractmethod
     def get_stop_string(self) -> list[str]: ...
 
     @abstractmethod
     def get_answer_extraction_regex(self) -> str: ...
-
-    def __str__(self) -> str:
-        return self.name
 
 
 TaskType = LogLikelihoodTask | GenerateUntilTask
