@@ -64,7 +64,7 @@ def health_checks(
     return unhealthy_trainers(coordinator, info.selection)
 
 
-YOUNG_WITNESS_ROUNDS = 8
+YOUNG_WITNESS_ROUNDS = 4
 """Rounds a client that joined a trained model trains before its witness checks' refusals
 accuse their senders (`refusals_accuse`)."""
 
@@ -74,16 +74,19 @@ def refusals_accuse(joined_trained_model: bool | None, momentum_rounds: int) -> 
     delivering: it stays out of the participant bloom, and the health checks drop the sender
     (`payloads.check_payload`'s `accuse`).
 
-    The checks read a result along this client's own update. A client whose DisTrO momentum
-    started on a model the run had already trained (`joined_trained_model`: it joined, or came
-    back, with a P2P checkpoint) holds, for its first rounds, an update unlike the continuing
-    members', whose momenta remember every earlier round: its direction can oppose their
-    honest results (measured in the end-to-end run: t = -7.50 against the -6 floor, in the
-    second round after it joined). With one witness a round, such a refusal dropped the honest
-    member at the next health check. Until it has trained more than `YOUNG_WITNESS_ROUNDS`
-    rounds (`momentum_rounds`), such a witness withholds its vote from what it refuses, so
-    nothing is applied on its word, but attests the delivery. A run's first members start
-    their momenta together and agree from the first round: their refusals accuse at once.
+    The checks read a result along this client's own update, plus the results it accepted in
+    rounds it has closed. A client whose DisTrO momentum started on a model the run had already
+    trained (`joined_trained_model`: it joined, or came back, with a P2P checkpoint) has, for
+    the rounds it checks before its first round closes, only its fresh update, unlike the
+    continuing members' momenta, which remember every earlier round. Measured in the
+    end-to-end run (tests/e2e/test_training.py): the honest results of the joiner's first two
+    rounds read t = -7.50 to 10.5 against its update, where the continuing members read the
+    same results at 16 to 24; from its third round on it reads 20 to 26 too. As a round's only
+    witness, its refusal (t = -7.50, below the -6 floor) had the next health check drop an
+    honest member. Until it has trained more than `YOUNG_WITNESS_ROUNDS` rounds
+    (`momentum_rounds`), such a witness withholds its vote from what it refuses, so nothing is
+    applied on its word, but attests the delivery. A run's first members start their momenta
+    together and agree from the first round: their refusals accuse at once.
     """
     return not joined_trained_model or momentum_rounds > YOUNG_WITNESS_ROUNDS
 
