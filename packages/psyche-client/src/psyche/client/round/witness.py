@@ -79,11 +79,11 @@ def refusals_accuse(joined_trained_model: bool | None, momentum_rounds: int) -> 
     trained (`joined_trained_model`: it joined, or came back, with a P2P checkpoint) has, for
     the rounds it checks before its first round closes, only its fresh update, unlike the
     continuing members' momenta, which remember every earlier round. Measured in the
-    end-to-end run (tests/e2e/test_training.py): the honest results of the joiner's first two
-    rounds read t = -7.50 to 10.5 against its update, where the continuing members read the
-    same results at 16 to 24; from its third round on it reads 20 to 26 too. As a round's only
-    witness, its refusal (t = -7.50, below the -6 floor) had the next health check drop an
-    honest member. Until it has trained more than `YOUNG_WITNESS_ROUNDS` rounds
+    end-to-end run (tests/e2e/test_training.py, 4 runs): the joiner read the honest results of
+    its first two rounds at t = -8.3 to 23 (1 of 24 below the -6 floor; a fifth run refused
+    one at -7.50), where the continuing members read every epoch-1 result at 16 to 28; from its third
+    round on it read 13 to 30. As a round's only witness, such a refusal had the next health
+    check drop an honest member. Until it has trained more than `YOUNG_WITNESS_ROUNDS` rounds
     (`momentum_rounds`), such a witness withholds its vote from what it refuses, so nothing is
     applied on its word, but attests the delivery. A run's first members start their momenta
     together and agree from the first round: their refusals accuse at once.
