@@ -17,10 +17,12 @@ The clients log JSON lines; the tests read the events (`round_start`, `trained_b
 from __future__ import annotations
 
 import itertools
+import json
 import re
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -245,13 +247,57 @@ def test_joiner_gets_the_model_from_peers(run: Run) -> None:
 # test 2: a client killed mid-round
 
 
+# What tells why a member left a round: the server's lines about members leaving, failing or
+# coming back, its state changes from the kill on, and the clients' events about accusing,
+# leaving, refusing or missing results.
+SERVER_LEAVING = re.compile(
+    r"Withdrew|Dropped|did not deliver|[Hh]ealth ?[Cc]heck|Epoch abandoned|join the run again"
+    r"|pending client|Join"
+)
+SERVER_STATE = re.compile(r"run state: .*\(epoch \d+, step (\d+),")
+CLIENT_LEAVING = {
+    "health_check", "apply_failed", "left_run", "missed_round", "payload_refused",
+    "payload_rejected", "payload_invalid", "untrained_batch",
+}  # fmt: skip
+
+
+def why_not_three(run: Run, r: dict[str, Any]) -> str:
+    """For a failed check of a round after the kill: who was in it, who is missing, and what
+    the server and the clients said about members leaving (the run's own record)."""
+    names = {client_id(n): n for n in (1, KILLED, 3, JOINER)}
+    members = {batch_key(a).split("=")[1] for a in r["assignments"]}
+    missing = [f"{n} ({i})" for i, n in names.items() if n != KILLED and i not in members]
+    lines = [
+        f"round of step {r['step']} (epoch {r['epoch']}; client {KILLED} killed in step "
+        f"{run.kill_step}): {r['clients']} clients, trainers "
+        f"{sorted(f'{names.get(i, i)} ({i})' for i in members)}; missing honest member(s): "
+        f"{missing or 'none named by the assignments'}",
+        "server:",
+    ]
+    for line in run.server_log.splitlines():
+        state = SERVER_STATE.search(line)
+        if SERVER_LEAVING.search(line) or (state and int(state[1]) >= run.kill_step - 2):
+            lines.append(f"  {line}")
+    for number, log in run.clients.items():
+        lines.append(f"client {number} ({client_id(number)}):")
+        for e in log:
+            message = str(e.get("message", ""))
+            if message in CLIENT_LEAVING or (e.get("level") != "INFO" and "consensus" in message):
+                at = time.strftime("%H:%M:%S", time.gmtime(e.get("ts", 0)))
+                fields = {
+                    k: v for k, v in e.items() if k not in ("ts", "level", "logger", "message")
+                }
+                lines.append(f"  {at} {message} {json.dumps(fields)}")
+    return "\n".join(lines)
+
+
 def test_killed_client_is_dropped_and_the_run_continues(run: Run) -> None:
     killed = client_id(KILLED)
     rounds = {e["step"]: e for e in run.of(1, "round_start")}
     after = [r for s, r in rounds.items() if s > run.kill_step]
     assert after, rounds
     for r in after:
-        assert r["clients"] == 3
+        assert r["clients"] == 3, why_not_three(run, r)
         assert not any(a.endswith(f"={killed}") for a in r["assignments"])
     assert f"Withdrew {killed}" in run.server_log or "Dropped" in run.server_log
     # its assignments: at most two lost (announced but never applied)

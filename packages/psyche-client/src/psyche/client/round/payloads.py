@@ -206,23 +206,28 @@ def record_verified_payload(
     commitment_hash: bytes,
     *,
     attest: bool = True,
+    vote: bool | None = None,
 ) -> None:
     """A checked payload settles its batch; one this client attests counts for its witness
     blooms (upstream attests every payload whose hash matched; here only one that passed the
     witness's checks: `check_payload`).
 
-    An attested sender joins the participant bloom; the first attested payload for a
-    still-outstanding batch is this client's vote for that commitment in the broadcast bloom. A
-    refused payload settles its batch all the same (this client has judged it: the opportunistic
+    An attested sender joins the participant bloom (it delivered: the health checks spare it);
+    the first voted-for payload for a still-outstanding batch is this client's vote for that
+    commitment in the broadcast bloom (what the consensus applies). `vote` defaults to `attest`;
+    a witness whose checks refused a result without being able to tell the sender's fault from
+    its own attests the delivery but withholds its vote (`check_payload`'s `accuse`). A refused
+    payload settles its batch all the same (this client has judged it: the opportunistic
     witness need not wait for it).
     """
     outstanding = round_state.batch_ids_not_yet_trained_on
     if outstanding is None:
         return  # every batch already has a payload: nothing left to vote for
-    if attest and round_state.blooms is not None:
+    if round_state.blooms is not None:
         participant_bloom, broadcast_bloom = round_state.blooms
-        participant_bloom.add(sha256(from_id.signer))
-        if batch_id in outstanding:
+        if attest:
+            participant_bloom.add(sha256(from_id.signer))
+        if (attest if vote is None else vote) and batch_id in outstanding:
             broadcast_bloom.add(commitment_hash)
     outstanding.discard(batch_id)
     if not outstanding:
@@ -281,12 +286,19 @@ async def check_payload(
     pending: PendingPayload,
     results_from_payload: Callable[[TransmittableDistroResult], list[DistroResult]],
     screen_result: ScreenResult | None = None,
+    accuse: bool = True,
 ) -> None:
     """Hash a peer's payload (in a worker thread) against its commitment; if it answers it,
     deserialize it, validated against this model and run by `results_from_payload`
     (`Trainer.results_from_payload`: DisTrO's or DiLoCo's checks), screen the decoded result
     (`screen_result`: agreement, norm, copies; `psyche.modeling.screening`), and only then count
     it for the blooms; it goes into the round's downloads either way.
+
+    A result the checks refuse gets no vote; with `accuse` (a witness whose checks can be
+    trusted to tell a bad result from its own view, `StepStateMachine.checks_accuse`) its
+    sender is not attested either, so the health checks drop it as for a missing result.
+    Without, the sender is attested as having delivered: a refusal that may be this witness's
+    own error must not drop an honest member (with one witness a round, it would).
 
     Whatever this client thinks of a result, what is applied is the coordinator's consensus
     over every witness's blooms, which an honest client follows even where its own witness
@@ -331,10 +343,28 @@ async def check_payload(
             agreement=round(measure.agreement, 3),
             norm=round(measure.norm, 6),
             checked=verdict.checked,
+            accused=accuse,
         )
-    attest = verdict is None or verdict.passed
+    elif verdict is not None:
+        log_event(
+            logger,
+            "payload_checked",
+            quiet=True,
+            step=round_state.step,
+            batch_id=pending.batch_id,
+            sender=str(pending.from_),
+            agreement=round(verdict.measure.agreement, 3),
+            norm=round(verdict.measure.norm, 6),
+            checked=verdict.checked,
+        )
+    passed = verdict is None or verdict.passed
     record_verified_payload(
-        round_state, pending.from_, pending.batch_id, commitment_hash, attest=attest
+        round_state,
+        pending.from_,
+        pending.batch_id,
+        commitment_hash,
+        attest=passed or not accuse,
+        vote=passed,
     )
     handle.set_result(value)
 

@@ -234,6 +234,11 @@ class StepStateMachine:
             self.stats.evals = self.evals
         self.screening = WitnessScreening(trainer, settings.screen_results)
         """This client's witness checks of its peers' results."""
+        self.momentum_rounds = 0
+        """Rounds this machine's trainer has trained (its DisTrO momentum's age)."""
+        self.joined_trained_model: bool | None = None
+        """Whether its first round was on a model the run had trained before (a P2P
+        checkpoint: it joined a running run, or came back to it); None before it trained."""
 
     async def wait_idle(self) -> None:
         """Return once no work this machine started is running: the round's training step has
@@ -521,6 +526,12 @@ class StepStateMachine:
         owed = self._own_results_for_training(plan)
         train_job = None
         if plan.have_training:
+            if self.joined_trained_model is None:
+                llm = state.model.value
+                self.joined_trained_model = isinstance(
+                    llm.checkpoint, Checkpoint.P2P | Checkpoint.P2PGcs
+                )
+            self.momentum_rounds += 1
             info = plan.state.committee_info
             assert info is not None
             train_job = TrainJob(
@@ -945,6 +956,11 @@ class StepStateMachine:
             rounds.append(self.applying)
         return rounds
 
+    def checks_accuse(self) -> bool:
+        """Whether a result this client's witness checks refuse also names its sender as not
+        delivering (`witness.refusals_accuse`)."""
+        return witness.refusals_accuse(self.joined_trained_model, self.momentum_rounds)
+
     def awaits_payload(self, blob_hash: bytes) -> bool:
         """Whether a round still waits for this payload (a download retry is worth it)."""
         round_state = payloads.round_for_payload(self._payload_rounds(), blob_hash)
@@ -979,6 +995,7 @@ class StepStateMachine:
             pending,
             self.trainer.results_from_payload,
             screening.screen_result,
+            self.checks_accuse(),
         )
 
 

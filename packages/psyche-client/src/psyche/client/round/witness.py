@@ -64,6 +64,33 @@ def health_checks(
     return unhealthy_trainers(coordinator, info.selection)
 
 
+YOUNG_WITNESS_ROUNDS = 4
+"""Rounds a client that joined a trained model trains before its witness checks' refusals
+accuse their senders (`refusals_accuse`)."""
+
+
+def refusals_accuse(joined_trained_model: bool | None, momentum_rounds: int) -> bool:
+    """Whether a result this client's witness checks refuse also names its sender as not
+    delivering: it stays out of the participant bloom, and the health checks drop the sender
+    (`payloads.check_payload`'s `accuse`).
+
+    The checks read a result along this client's own update, plus the results it accepted in
+    rounds it has closed. A client whose DisTrO momentum started on a model the run had already
+    trained (`joined_trained_model`: it joined, or came back, with a P2P checkpoint) has, for
+    the rounds it checks before its first round closes, only its fresh update, unlike the
+    continuing members' momenta, which remember every earlier round. Measured in the
+    end-to-end run (tests/e2e/test_training.py, 4 runs): the joiner read the honest results of
+    its first two rounds at t = -8.3 to 23 (1 of 24 below the -6 floor; a fifth run refused
+    one at -7.50), where the continuing members read every epoch-1 result at 16 to 28; from its third
+    round on it read 13 to 30. As a round's only witness, such a refusal had the next health
+    check drop an honest member. Until it has trained more than `YOUNG_WITNESS_ROUNDS` rounds
+    (`momentum_rounds`), such a witness withholds its vote from what it refuses, so nothing is
+    applied on its word, but attests the delivery. A run's first members start their momenta
+    together and agree from the first round: their refusals accuse at once.
+    """
+    return not joined_trained_model or momentum_rounds > YOUNG_WITNESS_ROUNDS
+
+
 # --------------------------------------------------------------------------------------------
 # The opportunistic check (every 500 ms, upstream's interval)
 

@@ -1,0 +1,129 @@
+"""A witness whose checks refuse an honest member's result must not get that member dropped
+when its checks cannot be trusted yet (tests/e2e/test_training.py's killed-client test: the
+joiner, elected the only witness of a round, refused an honest member's result at t = -7.50,
+its momentum two rounds old against the members' long-remembering ones, and the next health
+check dropped that member).
+
+The real path a downloaded payload takes (`payloads.check_payload`: hash, decode, screen,
+blooms), the witness sent from those blooms, the coordinator's consensus and the health checks
+of the next round, on the simulated coordinator of `psyche.coordinator.testing`: a refused result
+is never applied, and its sender is named by the health checks only when the witness's refusals
+accuse (`witness.refusals_accuse`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import trio
+
+from psyche.client.round import apply, payloads, witness
+from psyche.client.round.broadcast import Broadcast, BroadcastType, TrainingResult
+from psyche.client.round.state import RoundState
+from psyche.coordinator import RunState
+from psyche.coordinator.commitment import Commitment
+from psyche.coordinator.testing import Simulation, simulated_identity
+from psyche.core.node_identity import NodeIdentity
+from psyche.modeling.distro import DistroResult
+from psyche.modeling.screening import Fingerprint, Measure, Verdict
+from psyche.modeling.serialized_distro import TransmittableDistroResult
+
+from .test_core import index_of, next_round, plan_for, ticket, training_sim
+
+CLIENTS = 3
+
+
+def refusing(refused: NodeIdentity) -> payloads.ScreenResult:
+    """The witness checks' verdicts: `refused`'s result fails the agreement test, as the
+    joiner's check of an honest result did in the end-to-end run."""
+
+    async def screen(
+        _round: RoundState, sender: NodeIdentity, _results: list[DistroResult]
+    ) -> Verdict:
+        fingerprint = Fingerprint(torch.zeros(4), 0.0)
+        if sender == refused:
+            return Verdict(Measure(-7.5, 79.4, fingerprint), "agreement t = -7.50 is below -6")
+        return Verdict(Measure(9.0, 80.0, fingerprint), None)
+
+    return screen
+
+
+def announce_and_check(
+    view: RoundState, sim: Simulation, me: NodeIdentity, refused: NodeIdentity, accuse: bool
+) -> None:
+    """`me`'s own result of `view`'s round is recorded; every other member's reaches it and
+    goes through the checks."""
+    clients = sim.coordinator.epoch_state.clients
+    for batch, sender in view.data_assignments.items():
+        payload = TransmittableDistroResult(view.step, 30, batch, [])
+        if sender == me:
+            payloads.record_verified_payload(view, me, batch, payload.compute_hash())
+            continue
+        proof = view.committee_info.selection.get_committee(index_of(sim.coordinator, sender))
+        tag = 1 + index_of(sim.coordinator, sender)
+        broadcast = Broadcast(
+            step=view.step,
+            proof=proof,
+            commitment=Commitment(payload.compute_hash(), bytes(64)),
+            nonce=0,
+            data=BroadcastType.TrainingResult(TrainingResult(batch, ticket(tag))),
+        )
+        outcome, download = payloads.apply_message(
+            view, RoundState(), identity=me, clients=clients, from_id=sender, broadcast=broadcast
+        )
+        assert outcome is payloads.ApplyMessageOutcome.Applied
+        assert download is not None
+        blob = download.ticket.hash
+        pending = payloads.commitment_for_payload(view, blob)
+        assert pending is not None
+        trio.run(
+            payloads.check_payload,
+            view, blob, payload, pending, lambda _p: [], refusing(refused), accuse,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("accuse", [True, False], ids=["trusted-witness", "young-witness"])
+def test_a_refused_result_is_never_applied_and_its_sender_dropped_only_on_a_trusted_refusal(
+    accuse: bool,
+) -> None:
+    sim = training_sim(clients=CLIENTS, batch=6, witness_nodes=1)
+    next_round(sim)  # round 1: health checks judge from round 2 on
+    ids = [simulated_identity(i) for i in range(CLIENTS)]
+    views = {i: plan_for(sim.coordinator, ids[i]).state for i in range(CLIENTS)}  # round R
+    next_round(sim)  # round R + 1: its one witness attests round R
+    later = {i: plan_for(sim.coordinator, ids[i]).state for i in range(CLIENTS)}
+    me = next(i for i, v in later.items() if v.committee_info.witness_proof.witness)
+    refused = ids[(me + 1) % CLIENTS]
+    announce_and_check(views[me], sim, ids[me], refused, accuse)
+    # the refused result settled its batch (the opportunistic witness need not wait for it)
+    assert views[me].batch_ids_not_yet_trained_on is None
+    sent = witness.witness_to_send(views[me], later[me])
+    assert sent is not None
+    step = sim.coordinator.progress.step
+    sim.coordinator.witness(ids[me], sent, sim.now)
+    sim.run_until(lambda c: c.run_state is RunState.RoundTrain and c.progress.step == step + 1, 30)
+
+    # round R + 2: the refused result is in no vote, so nobody applies it
+    plan = apply.plan_apply(views[me], sim.coordinator)
+    refused_batch = next(b for b, n in views[me].data_assignments.items() if n == refused)
+    assert plan.no_consensus == [refused_batch]
+    assert refused_batch not in [c.batch_id for c in plan.chosen]
+    # and the witness of round R + 1 names its sender only when its refusals accuse
+    checks = witness.health_checks(later[me], sim.coordinator)
+    named = [node for node, _ in checks]
+    if accuse:
+        assert named == [refused]
+        assert sim.coordinator.health_check(ids[me], checks) == 1
+    else:
+        assert named == []
+        assert all(c.state.name == "Healthy" for c in sim.coordinator.epoch_state.clients)
+
+
+def test_only_a_witness_young_on_a_trained_model_withholds_its_accusations() -> None:
+    # a run's first members: their momenta start together, their refusals accuse at once
+    assert witness.refusals_accuse(False, 1)
+    assert witness.refusals_accuse(None, 0)
+    # a member that joined (or came back to) a trained model: not in its first rounds
+    young = range(1, witness.YOUNG_WITNESS_ROUNDS + 1)
+    assert not any(witness.refusals_accuse(True, rounds) for rounds in young)
+    assert witness.refusals_accuse(True, witness.YOUNG_WITNESS_ROUNDS + 1)
