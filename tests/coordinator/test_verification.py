@@ -514,6 +514,19 @@ def old_rule_checked(selection: CommitteeSelection, batches: list[BatchId], veri
     return set(order[: VERIFIED_BATCHES_PER_VERIFIER * verifiers])
 
 
+def accuse_drawn_lies(duties: RoundDuties, lied: set[BatchId]) -> int:
+    """Every verifier of the round reports on its own draw, accusing the lies it drew (each
+    report heard); how many lies were accused."""
+    record = RoundVerification(duties)
+    caught = 0
+    for verifier in dict.fromkeys(d.verifier for d in duties.verifiers):
+        accused = {d.batch_id for d in checked_by(duties, verifier)} & lied
+        caught += len(accused)
+        assert record.add(verifier, report(duties, verifier, accused)) is None
+    assert set(record.disputed()) <= lied
+    return caught
+
+
 def test_a_trainer_that_lies_only_where_the_seed_does_not_draw_it_is_caught() -> None:
     # 21 clients at 10 %: 18 trainers, 2 verifiers, pools of 9. A "knowing liar" lies exactly
     # where the committee seed (public at the round's start) does not draw its batch: the old
@@ -526,12 +539,7 @@ def test_a_trainer_that_lies_only_where_the_seed_does_not_draw_it_is_caught() ->
         verifiers = list(dict.fromkeys(d.verifier for d in duties.verifiers))
         lied = set(assignments) - old_rule_checked(selection, list(assignments), len(verifiers))
         lies += len(lied)
-        record = RoundVerification(duties)
-        for verifier in verifiers:
-            accused = {d.batch_id for d in checked_by(duties, verifier)} & lied
-            caught += len(accused)
-            assert record.add(verifier, report(duties, verifier, accused)) is None
-        assert set(record.disputed()) <= lied
+        caught += accuse_drawn_lies(duties, lied)
     assert lies > 100
     # each lie is drawn with chance 2 in 9; 12 rounds of 14 lies: far from none
     assert caught >= lies // 9
@@ -612,12 +620,7 @@ def test_a_trainer_that_lies_outside_a_draw_seen_in_another_run_or_round_is_caug
             revealed = {d.batch_id for v in verifiers for d in checked_by(seen, v)}
             lied = {d.batch_id for d in here.verifiers} - revealed
             lies += len(lied)
-            record = RoundVerification(here)
-            for verifier in verifiers:
-                accused = {d.batch_id for d in checked_by(here, verifier)} & lied
-                caught += len(accused)
-                assert record.add(verifier, report(here, verifier, accused)) is None
-            assert set(record.disputed()) <= lied
+            caught += accuse_drawn_lies(here, lied)
     assert lies > 300
     # each drawn batch is a lie with chance 7 in 9: 4 drawn a round, 24 rounds
     assert caught >= 24
