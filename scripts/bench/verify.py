@@ -254,6 +254,14 @@ def windows(ts: list[float], n: int) -> list[float]:
     return [sum(ts[k : k + n]) / math.sqrt(n) for k in range(len(ts) - n + 1)]
 
 
+def beside(by_member: dict[int, list[float]], member: int) -> list[float]:
+    """`member`'s value each round less the mean of the other members' that round."""
+    others = [ts for i, ts in by_member.items() if i != member]
+    return [
+        own - statistics.mean(ts[k] for ts in others) for k, own in enumerate(by_member[member])
+    ]
+
+
 def bias_gap(form: str, rounds: int, threads: int, seed: int) -> None:
     """`--bias-gap`: what the comparison sees of the 1 % bias against honest results. Two runs
     of the same members, data and seed, one honest and one with member 3 biased from its first
@@ -275,11 +283,23 @@ def bias_gap(form: str, rounds: int, threads: int, seed: int) -> None:
     lie_w = windows(lie_t, 3)
     settings = verification_settings(tiny_trainer(form))
     honest_cos = honest.cosines.get(False, []) + biased.cosines.get(False, [])
-    unexplained = [math.sqrt(max(0.0, 1.0 - c * c)) for c in honest_cos]
     print(
         f"  cosine with the batch's recompute: honest {spread(honest_cos, 3)}, biased "
-        f"{spread(biased.cosines.get(True, []), 3)}; the honest payload's share no recompute "
-        f"gives, sqrt(1 - cos^2): {spread(unexplained, 3)} (the bias: 0.010 of its norm)"
+        f"{spread(biased.cosines.get(True, []), 3)}"
+    )
+
+    def unexplained(cosines: list[float]) -> str:
+        return spread([math.sqrt(max(0.0, 1.0 - c * c)) for c in cosines], 3)
+
+    # a member's first round carries no history of its own (no momentum, a fresh inner AdamW)
+    honest_first = [ts[0] for ts in honest.cos_by_member.values()]
+    honest_later = [c for ts in honest.cos_by_member.values() for c in ts[1:]]
+    print(
+        "  the payload's share no recompute gives, sqrt(1 - cos^2) (the bias: 0.010 of its "
+        f"norm): honest first round {unexplained(honest_first)}, later rounds "
+        f"{unexplained(honest_later)}; biased first round "
+        f"{unexplained(biased.cos_by_member[HOSTILE][:1])}, later "
+        f"{unexplained(biased.cos_by_member[HOSTILE][1:])}"
     )
     paired_cos = [
         a - b
@@ -287,6 +307,11 @@ def bias_gap(form: str, rounds: int, threads: int, seed: int) -> None:
     ]
     print(
         f"  the bias's shift of member {HOSTILE}'s cosine (honest less biased) {spread(paired_cos, 3)}"
+    )
+    honest_dev = [x for i in honest.cos_by_member for x in beside(honest.cos_by_member, i)]
+    print(
+        "  cosine less the round's other members' mean (a relative test): honest "
+        f"{spread(honest_dev, 3)}, biased {spread(beside(biased.cos_by_member, HOSTILE), 3)}"
     )
     print(f"  honest t {spread(honest_t)}; threshold min_agreement {settings.min_agreement:g}")
     print(f"  biased t {spread(lie_t)}")
