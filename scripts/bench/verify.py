@@ -38,6 +38,13 @@ its decoy; the verifier on `--verifier-threads` intra-op threads where the membe
   client runs on its own machine, so a round's time is the slowest client's work, and
   verifiers and the tie-breaker only need to finish inside the round.
 
+* `--bias-gap`: the 1 % bias (`Attack.Bias`) against honest results, `--attack-rounds`
+  rounds (6 with `--quick`): two runs of the same members, data and seed, one honest and one with
+  member 3 biased; the honest and the biased `t` and cosine, the bias's own shift of member 3's
+  `t` and cosine (the honest run less the biased, round by round), `Evidence`'s 3-round
+  statistic, and whether any threshold separates the lies from every honest result
+  (docs/reliability.md, "Verifiers": why the bias is not caught).
+
 * `--profile`: where one verification's time goes (CPU seconds, one thread, the same sitting):
   a member's `train_exact` and `prepare_result` of a batch against the verifier's `recompute`
   (the batch's forward and backward, in two parts), `domain_of` (the parts' DCT), `compare`
@@ -49,6 +56,7 @@ its decoy; the verifier on `--verifier-threads` intra-op threads where the membe
     .venv/bin/python scripts/bench/verify.py            # full: 500 honest verifications each
     .venv/bin/python scripts/bench/verify.py --quick    # a smoke check (seconds to a minute)
     .venv/bin/python scripts/bench/verify.py --cost --optimizers distro
+    .venv/bin/python scripts/bench/verify.py --bias-gap --attack-rounds 30
     .venv/bin/python scripts/bench/verify.py --profile --optimizers distro --preset 20m --rows 4 --seq 128
 
 No downloads: random-init Llama configs and a synthetic corpus.
@@ -121,6 +129,12 @@ class Outcome:
     honest_t: list[float] = field(default_factory=list)
     honest_parts: list[float] = field(default_factory=list)
     lie_parts: list[float] = field(default_factory=list)
+    lie_t: list[float] = field(default_factory=list)
+    t_by_member: dict[int, list[float]] = field(default_factory=dict)
+    """Every member's agreement `t`, round by round (lying or not)."""
+    cosines: dict[bool, list[float]] = field(default_factory=dict)
+    """The payload's cosine with its batch's recompute, of honest results (False) and lies."""
+    cos_by_member: dict[int, list[float]] = field(default_factory=dict)
     train: list[float] = field(default_factory=list)
     verify: list[float] = field(default_factory=list)
 
@@ -168,6 +182,12 @@ def play(setup: tuple[VerificationRun, dict[int, HostileMember]], rounds: int) -
         for i, verdict in r.verdicts.items():
             member = hostile.get(i)
             measures = r.single[i].measures
+            out.t_by_member.setdefault(i, []).append(measures.agreement)
+            lying = (
+                member is not None and bool(member.lies) and member.lies[-1] == member.rounds - 1
+            )
+            out.cosines.setdefault(lying, []).append(measures.cosine)
+            out.cos_by_member.setdefault(i, []).append(measures.cosine)
             if member is None:
                 out.honest += 1
                 out.honest_t.append(measures.agreement)
@@ -178,6 +198,7 @@ def play(setup: tuple[VerificationRun, dict[int, HostileMember]], rounds: int) -
                     out.refusals.append(f"round {step}: {verdict.detail}")
             elif member.lies and member.lies[-1] == member.rounds - 1:  # this round's a lie
                 out.lies += 1
+                out.lie_t.append(measures.agreement)
                 if measures.parts is not None:
                     out.lie_parts.append(measures.parts)
                 out.refused_alone += 0 if r.single[i].matches else 1
@@ -228,13 +249,93 @@ def halves(
             print(f"  {name:<12} {who:<15} half {k}: t {spread(ts)}")
 
 
-def spread(values: list[float]) -> str:
+def windows(ts: list[float], n: int) -> list[float]:
+    """`Evidence`'s statistic over every `n` consecutive rounds: the sum of `t` over sqrt(n)."""
+    return [sum(ts[k : k + n]) / math.sqrt(n) for k in range(len(ts) - n + 1)]
+
+
+def beside(by_member: dict[int, list[float]], member: int) -> list[float]:
+    """`member`'s value each round less the mean of the other members' that round."""
+    others = [ts for i, ts in by_member.items() if i != member]
+    return [
+        own - statistics.mean(ts[k] for ts in others) for k, own in enumerate(by_member[member])
+    ]
+
+
+def bias_gap(form: str, rounds: int, threads: int, seed: int) -> None:
+    """`--bias-gap`: what the comparison sees of the 1 % bias against honest results. Two runs
+    of the same members, data and seed, one honest and one with member 3 biased from its first
+    round: every honest `t` (both runs' honest members), the biased results' `t`, member 3's
+    `t` in the honest run less its `t` in the biased run round by round (the bias's own effect
+    on the statistic: the rounds' weights are the same until the first biased result is
+    applied, one round late, and differ by that much after), and the same over every 3
+    consecutive rounds (`Evidence`'s statistic, the issue's "within 3 rounds"). One threshold
+    catches every lie without refusing an honest result only if the lies' greatest value lies
+    below the honest least."""
+    honest = play(make_run(form, None, rounds, threads, seed), rounds)
+    biased = play(make_run(form, Attack.Bias, rounds, threads, seed), rounds)
+    honest_t = [t for ts in honest.t_by_member.values() for t in ts]
+    honest_t += [t for i, ts in biased.t_by_member.items() if i != HOSTILE for t in ts]
+    lie_t = biased.lie_t
+    paired = [a - b for a, b in zip(honest.t_by_member[HOSTILE], lie_t, strict=False)]
+    honest_w = [w for ts in honest.t_by_member.values() for w in windows(ts, 3)]
+    honest_w += [w for i, ts in biased.t_by_member.items() if i != HOSTILE for w in windows(ts, 3)]
+    lie_w = windows(lie_t, 3)
+    settings = verification_settings(tiny_trainer(form))
+    honest_cos = honest.cosines.get(False, []) + biased.cosines.get(False, [])
+    print(
+        f"  cosine with the batch's recompute: honest {spread(honest_cos, 3)}, biased "
+        f"{spread(biased.cosines.get(True, []), 3)}"
+    )
+
+    def unexplained(cosines: list[float]) -> str:
+        return spread([math.sqrt(max(0.0, 1.0 - c * c)) for c in cosines], 3)
+
+    # a member's first round carries no history of its own (no momentum, a fresh inner AdamW)
+    honest_first = [ts[0] for ts in honest.cos_by_member.values()]
+    honest_later = [c for ts in honest.cos_by_member.values() for c in ts[1:]]
+    print(
+        "  the payload's share no recompute gives, sqrt(1 - cos^2) (the bias: 0.010 of its "
+        f"norm): honest first round {unexplained(honest_first)}, later rounds "
+        f"{unexplained(honest_later)}; biased first round "
+        f"{unexplained(biased.cos_by_member[HOSTILE][:1])}, later "
+        f"{unexplained(biased.cos_by_member[HOSTILE][1:])}"
+    )
+    paired_cos = [
+        a - b
+        for a, b in zip(honest.cos_by_member[HOSTILE], biased.cos_by_member[HOSTILE], strict=False)
+    ]
+    print(
+        f"  the bias's shift of member {HOSTILE}'s cosine (honest less biased) {spread(paired_cos, 3)}"
+    )
+    honest_dev = [x for i in honest.cos_by_member for x in beside(honest.cos_by_member, i)]
+    print(
+        "  cosine less the round's other members' mean (a relative test): honest "
+        f"{spread(honest_dev, 3)}, biased {spread(beside(biased.cos_by_member, HOSTILE), 3)}"
+    )
+    print(f"  honest t {spread(honest_t)}; threshold min_agreement {settings.min_agreement:g}")
+    print(f"  biased t {spread(lie_t)}")
+    print(f"  the bias's shift of member {HOSTILE}'s t (honest run less biased) {spread(paired)}")
+    print(f"  3-round sum / sqrt(3): honest {spread(honest_w)}; biased {spread(lie_w)}")
+    for name, h, b in (("one round", honest_t, lie_t), ("3 rounds", honest_w, lie_w)):
+        if not h or not b:
+            continue
+        gap = min(h) - max(b)
+        caught = sum(1 for x in b if x < min(h)) / len(b)
+        print(
+            f"  {name}: {'separable' if gap > 0 else 'NOT separable'} (honest least "
+            f"{min(h):.1f}, biased greatest {max(b):.1f}); a threshold just below the honest "
+            f"least catches {caught:.0%} of the biased"
+        )
+
+
+def spread(values: list[float], digits: int = 1) -> str:
     """The least, the median and the greatest of `values`."""
     if not values:
         return "-"
     return (
-        f"{min(values):.1f} to {max(values):.1f} (median {statistics.median(values):.1f}, "
-        f"{len(values)})"
+        f"{min(values):.{digits}f} to {max(values):.{digits}f} (median "
+        f"{statistics.median(values):.{digits}f}, {len(values)})"
     )
 
 
@@ -367,6 +468,7 @@ def main() -> None:
     p.add_argument("--cost", action="store_true", help="a round's work per client at 10 %%")
     p.add_argument("--profile", action="store_true", help="where a verification's time goes")
     p.add_argument("--halves", action="store_true", help="DisTrO: a one-half check's statistic")
+    p.add_argument("--bias-gap", action="store_true", help="the 1 %% bias against honest t")
     p.add_argument("--preset", default="tiny", help="--profile: the Llama size (tiny, 20m)")
     p.add_argument("--rows", type=int, default=ROWS, help="--profile: rows a batch")
     p.add_argument("--seq", type=int, default=32, help="--profile: tokens a row")
@@ -390,6 +492,12 @@ def main() -> None:
     if args.halves:
         print("\n## DisTrO 1-bit c16 k4: t along one half of the batch less the decoy's same half")
         halves(attacks, honest_rounds, attack_rounds, args.seed, args.switch_roles)
+        return
+    if args.bias_gap:
+        for form in forms:
+            rounds = 6 if args.quick else args.attack_rounds
+            print(f"\n## {NAMES[form]}: the 1 % bias against honest results, {rounds} rounds")
+            bias_gap(form, rounds, args.verifier_threads, args.seed)
         return
     if args.profile:
         for form in forms:
@@ -434,6 +542,7 @@ def main() -> None:
                 f"{o.refused_with_evidence / max(o.lies, 1):14.0%} {caught:>14} "
                 f"{o.honest_refused:>6d} of {o.honest:<6d}"
             )
+            print(f"    its lying rounds' agreement {spread(o.lie_t)}")
             if o.lie_parts:
                 print(f"    its lying rounds' parts {spread(o.lie_parts)}")
 

@@ -5,6 +5,8 @@ verifier's report or its wait's bound."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import trio
 import trio.testing
 
@@ -30,6 +32,7 @@ from psyche.coordinator.testing import (
     simulated_key,
 )
 from psyche.coordinator.verification import (
+    NO_DRAW,
     Finding,
     RoundDuties,
     RoundVerification,
@@ -37,6 +40,7 @@ from psyche.coordinator.verification import (
     VerificationReport,
 )
 from psyche.core import BatchId
+from psyche.core.identity import SecretKey
 from psyche.core.node_identity import NodeIdentity
 from psyche.core.token_size import TokenSize
 from psyche.data_provider.dummy import DummyDataProvider
@@ -199,9 +203,9 @@ def test_a_tie_breaker_that_trains_recomputes_its_disputes_and_still_trains_its_
     assert sorted(r.batch_id for r in published) == assigned
 
 
-def test_a_verifier_checks_what_its_own_signature_draws_from_its_pool() -> None:
-    # 6 clients at 20 %: 1 tie-breaker, 1 verifier, 4 trainers: a pool of 4, 2 of them drawn by
-    # the verifier's signature (which nobody else can compute before its report reveals it)
+def a_drawing_round() -> tuple[Coordinator, RoundDuties, NodeIdentity, dict[bytes, SecretKey]]:
+    """6 clients with real keys at 20 %: 1 tie-breaker, 1 verifier, 4 trainers (a pool of 4,
+    2 of them drawn by the verifier's signature); the round, its duties, its verifier, the keys."""
     keys = {keyed_identity(i).signer: simulated_key(i) for i in range(6)}
     ids = [keyed_identity(i) for i in range(6)]
     coordinator = integration_test_coordinator(6, 12, 0)
@@ -210,6 +214,13 @@ def test_a_verifier_checks_what_its_own_signature_draws_from_its_pool() -> None:
     assert coordinator.tick(ids, 125, 42) == TickResult.Ticked()
     duties = verification_duties_for_state(coordinator)
     (verifier,) = {d.verifier for d in duties.verifiers}
+    return coordinator, duties, verifier, keys
+
+
+def test_a_verifier_checks_what_its_own_signature_draws_from_its_pool() -> None:
+    # 6 clients at 20 %: 1 tie-breaker, 1 verifier, 4 trainers: a pool of 4, 2 of them drawn by
+    # the verifier's signature (which nobody else can compute before its report reveals it)
+    coordinator, duties, verifier, keys = a_drawing_round()
     assert len(duties.pool(verifier)) == 4
     assert plan_verification(coordinator, verifier, None) is None  # no key: no acceptable draw
     plan = plan_verification(coordinator, verifier, keys[verifier.signer].sign)
@@ -225,3 +236,26 @@ def test_a_verifier_checks_what_its_own_signature_draws_from_its_pool() -> None:
     assert (
         RoundVerification(duties).add(verifier, VerificationReport(plan.step, findings)) is not None
     )
+
+
+def test_a_tie_breaker_recomputes_only_disputes_whose_draw_it_can_check() -> None:
+    # 6 clients at 20 %: a pool of 4, drawn by the verifier's signature. What the tie-breaker
+    # reads back (server relay, Solana account) is heard under the coordinator's rule: an
+    # accusation relayed without its draw, or with the verifier's draw of another run (same
+    # members, step and pool), makes it recompute nothing; the verifier's own draw does.
+    coordinator, duties, verifier, keys = a_drawing_round()
+    (tie_breaker,) = {d.verifier for d in duties.tie_breakers}
+    job = plan_verification(coordinator, tie_breaker, None)
+    assert job is not None
+    sign = keys[verifier.signer].sign
+    plan = plan_verification(coordinator, verifier, sign)
+    assert plan is not None
+    accused = plan.duties[0].batch_id
+    elsewhere = dataclasses.replace(duties, run_id="another-run").draw_message(verifier)
+
+    def accusation(draw: bytes) -> dict[NodeIdentity, VerificationReport]:
+        return {verifier: VerificationReport(plan.step, [Finding(accused, False, 9.0)], draw)}
+
+    assert disputes(job, accusation(NO_DRAW)).duties == ()
+    assert disputes(job, accusation(sign(elsewhere))).duties == ()
+    assert [d.batch_id for d in disputes(job, accusation(plan.draw)).duties] == [accused]

@@ -4,6 +4,7 @@ of a report, and who loses a dispute."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 
 import pytest
@@ -68,10 +69,10 @@ def checked_by(duties: RoundDuties, node: NodeIdentity) -> list[VerificationDuty
 
 
 def round_for(
-    n: int, percent: int, seed: int, batch: int = 32
+    n: int, percent: int, seed: int, batch: int = 32, run_id: str = "test-run"
 ) -> tuple[Coordinator, CommitteeSelection, dict[BatchId, NodeIdentity]]:
     """A round of `n` clients with `percent` % verifiers, started by the coordinator itself."""
-    coordinator = integration_test_coordinator(n, batch, 0)
+    coordinator = integration_test_coordinator(n, batch, 0, run_id)
     coordinator.config.min_clients = coordinator.config.init_min_clients = n
     coordinator.config.verification_percent = percent
     assert coordinator.tick(ids(n), 100, 1) == TickResult.Ticked()
@@ -82,10 +83,19 @@ def round_for(
 
 
 def duties_for(
-    n: int, percent: int, seed: int, batch: int = 32
+    n: int, percent: int, seed: int, batch: int = 32, run_id: str = "test-run"
 ) -> tuple[RoundDuties, dict[BatchId, NodeIdentity]]:
-    coordinator, selection, assignments = round_for(n, percent, seed, batch)
-    return round_duties(0, coordinator.epoch_state.clients, selection, assignments), assignments
+    coordinator, selection, assignments = round_for(n, percent, seed, batch, run_id)
+    return duties_of(coordinator, selection, assignments), assignments
+
+
+def duties_of(
+    coordinator: Coordinator,
+    selection: CommitteeSelection,
+    assignments: dict[BatchId, NodeIdentity],
+) -> RoundDuties:
+    clients = coordinator.epoch_state.clients
+    return round_duties(0, clients, selection, assignments, run_id=coordinator.run_id)
 
 
 def committees(n: int, percent: int, seed: int) -> dict[NodeIdentity, Committee]:
@@ -191,7 +201,7 @@ def test_no_batches_no_duties() -> None:
     selection = CommitteeSelection(1, 0, 50, 4, 99)
     clients = [Client(i) for i in ids(4)]
     assert verification_duties(clients, selection, {}) == []
-    assert round_duties(0, clients, selection, {}).tie_breakers == ()
+    assert round_duties(0, clients, selection, {}, run_id="r").tie_breakers == ()
 
 
 # ---- config refusals ---------------------------------------------------------------------------
@@ -375,7 +385,7 @@ def test_tie_breakers_decide_by_majority() -> None:
         if selection.get_committee(i).committee is Committee.Trainer
     ]
     assignments = {BatchId(k * 4, k * 4 + 3): t for k, t in enumerate(trainers)}
-    duties = round_duties(3, clients, selection, assignments)
+    duties = round_duties(3, clients, selection, assignments, run_id="r")
     ties = sorted({d.verifier for d in duties.tie_breakers}, key=lambda i: i.signer)
     assert len(ties) == 3
     target, accuser = duties.verifiers[0].batch_id, duties.verifiers[0].verifier
@@ -504,6 +514,19 @@ def old_rule_checked(selection: CommitteeSelection, batches: list[BatchId], veri
     return set(order[: VERIFIED_BATCHES_PER_VERIFIER * verifiers])
 
 
+def accuse_drawn_lies(duties: RoundDuties, lied: set[BatchId]) -> int:
+    """Every verifier of the round reports on its own draw, accusing the lies it drew (each
+    report heard); how many lies were accused."""
+    record = RoundVerification(duties)
+    caught = 0
+    for verifier in dict.fromkeys(d.verifier for d in duties.verifiers):
+        accused = {d.batch_id for d in checked_by(duties, verifier)} & lied
+        caught += len(accused)
+        assert record.add(verifier, report(duties, verifier, accused)) is None
+    assert set(record.disputed()) <= lied
+    return caught
+
+
 def test_a_trainer_that_lies_only_where_the_seed_does_not_draw_it_is_caught() -> None:
     # 21 clients at 10 %: 18 trainers, 2 verifiers, pools of 9. A "knowing liar" lies exactly
     # where the committee seed (public at the round's start) does not draw its batch: the old
@@ -512,16 +535,11 @@ def test_a_trainer_that_lies_only_where_the_seed_does_not_draw_it_is_caught() ->
     lies = caught = 0
     for seed in range(12):
         coordinator, selection, assignments = round_for(21, 10, seed, batch=36)
-        duties = round_duties(0, coordinator.epoch_state.clients, selection, assignments)
+        duties = duties_of(coordinator, selection, assignments)
         verifiers = list(dict.fromkeys(d.verifier for d in duties.verifiers))
         lied = set(assignments) - old_rule_checked(selection, list(assignments), len(verifiers))
         lies += len(lied)
-        record = RoundVerification(duties)
-        for verifier in verifiers:
-            accused = {d.batch_id for d in checked_by(duties, verifier)} & lied
-            caught += len(accused)
-            assert record.add(verifier, report(duties, verifier, accused)) is None
-        assert set(record.disputed()) <= lied
+        caught += accuse_drawn_lies(duties, lied)
     assert lies > 100
     # each lie is drawn with chance 2 in 9; 12 rounds of 14 lies: far from none
     assert caught >= lies // 9
@@ -541,10 +559,11 @@ def test_a_forged_or_mismatched_draw_is_refused_alike_by_everyone() -> None:
         return VerificationReport(0, [Finding(b, False, 1.0) for b in batches], draw)
 
     message = duties.draw_message(v)
+    another_step = draw_message(duties.run_id, duties.seed, 1, pool)
     forged = [
         claim(NO_DRAW, sorted(drawn)),  # no signature
         claim(key_of(other).sign(message), sorted(drawn)),  # another key's signature
-        claim(key_of(v).sign(draw_message(1, pool)), sorted(drawn)),  # another step's
+        claim(key_of(v).sign(another_step), sorted(drawn)),  # another step's
         claim(key_of(v).sign(duties.draw_message(other)), sorted(drawn)),  # another pool's
         claim(honest.draw, [outside]),  # its own draw, a batch outside it
         claim(honest.draw, [*sorted(drawn)[:1], outside]),
@@ -560,3 +579,73 @@ def test_a_forged_or_mismatched_draw_is_refused_alike_by_everyone() -> None:
     for d in (duties, again):
         assert RoundVerification(d).add(v, honest) is None
     assert {x.batch_id for x in duties.drawn(v, honest.draw) or []} == drawn
+
+
+def replayed_rounds(seed: int) -> list[tuple[RoundDuties, RoundDuties]]:
+    """Pairs of rounds with the same members, step and pools: (this run's, another run's) and
+    (this round's, the same round started again with another committee seed)."""
+    here, _ = duties_for(21, 10, seed, batch=36, run_id="run-a")
+    elsewhere, _ = duties_for(21, 10, seed, batch=36, run_id="run-b")
+    reseeded = dataclasses.replace(here, seed=bytes(31) + bytes([seed + 1]))
+    assert elsewhere.verifiers == here.verifiers == reseeded.verifiers  # the same pools
+    assert here.seed not in (reseeded.seed, bytes(32))
+    return [(here, elsewhere), (here, reseeded)]
+
+
+def test_a_draw_replayed_from_another_run_or_round_is_refused() -> None:
+    for seen, replayed_in in replayed_rounds(3):
+        verifiers = list(dict.fromkeys(d.verifier for d in seen.verifiers))
+        for v in verifiers:
+            assert len(seen.pool(v)) > VERIFIED_BATCHES_PER_VERIFIER
+            old = report(seen, v, set())  # its report there, draw and findings
+            replay = dataclasses.replace(old, step=replayed_in.step)
+            assert "draw" in (RoundVerification(replayed_in).add(v, replay) or "")
+            # its own draw here is another signature, and is heard
+            fresh = report(replayed_in, v, set())
+            assert fresh.draw != old.draw
+            assert RoundVerification(replayed_in).add(v, fresh) is None
+
+
+def test_a_trainer_that_lies_outside_a_draw_seen_in_another_run_or_round_is_caught() -> None:
+    # 21 clients at 10 %: 18 trainers, 2 verifiers, pools of 9. A hostile trainer that saw the
+    # verifiers' draws revealed in another run of the same members (or in the round before it
+    # was started again) lies exactly where those draws did not look. Were the draw message the
+    # same there and here (step and pool only), here's draws would be the same and check none
+    # of its lies; bound to the run and the seed, they are fresh: some lies are checked and
+    # accused, beside the honest trainers' results.
+    lies = caught = 0
+    for seed in range(12):
+        for seen, here in replayed_rounds(seed):
+            verifiers = list(dict.fromkeys(d.verifier for d in seen.verifiers))
+            revealed = {d.batch_id for v in verifiers for d in checked_by(seen, v)}
+            lied = {d.batch_id for d in here.verifiers} - revealed
+            lies += len(lied)
+            caught += accuse_drawn_lies(here, lied)
+    assert lies > 300
+    # each drawn batch is a lie with chance 7 in 9: 4 drawn a round, 24 rounds
+    assert caught >= 24
+
+
+def test_a_reader_hears_only_the_reports_it_can_check_itself() -> None:
+    # What a tie-breaker reads back (from the server or the Solana account) is heard under the
+    # coordinator's own rule: a relayed report whose draw is missing or forged is left out, the
+    # honest verifier's dispute and the tie-breaker's verdict (listed first) are heard.
+    duties, _ = duties_for(21, 10, 3, batch=36, run_id="run-a")
+    honest_v, hostile_v = list(dict.fromkeys(d.verifier for d in duties.verifiers))
+    (tie_breaker,) = {d.verifier for d in duties.tie_breakers}
+    accused = checked_by(duties, honest_v)[0].batch_id
+    honest = report(duties, honest_v, {accused})
+    stripped = report(duties, hostile_v, {d.batch_id for d in checked_by(duties, hostile_v)})
+    stripped = dataclasses.replace(stripped, draw=NO_DRAW)
+    verdict = report(duties, tie_breaker, {accused}, only={accused})
+    relayed = {tie_breaker: verdict, hostile_v: stripped, honest_v: honest}
+    record, refused = RoundVerification.heard(duties, relayed)
+    assert record.disputed() == [accused]
+    assert set(record.reports) == {honest_v, tie_breaker}
+    assert [(sender, "draw" in why) for sender, why in refused] == [(hostile_v, True)]
+    assert [(r.loser, r.role) for r in record.resolve()] == [
+        (duties.trainers()[accused], "trainer")
+    ]
+    # taken on trust, the stripped report would have disputed batches no draw of it covers
+    trusted = RoundVerification(duties, dict(relayed))
+    assert set(trusted.disputed()) > {accused}

@@ -19,10 +19,19 @@ from solders.pubkey import Pubkey
 
 from psyche.cli.solana_client.main import main as solana_client
 from psyche.client.observe.verification import VerificationEvents, VerificationTally
+from psyche.client.round.verify import disputes, plan_verification
 from psyche.coordinator import ClientState, RunState
+from psyche.coordinator.data_selection import verification_duties_for_state
 from psyche.coordinator.server_core import VERIFIED_ROUNDS
-from psyche.coordinator.verification import Finding, RoundDuties, VerificationReport
+from psyche.coordinator.verification import (
+    VERIFIED_BATCHES_PER_VERIFIER,
+    Finding,
+    RoundDuties,
+    VerificationReport,
+    draw_batches,
+)
 from psyche.core.batch_id import BatchId
+from psyche.core.identity import SecretKey
 from psyche.core.node_identity import NodeIdentity
 from psyche.solana import pda
 from psyche.solana.anchor import COORDINATOR_ERRORS, error_code
@@ -30,9 +39,10 @@ from psyche.solana.app import watch_verification
 from psyche.solana.backend import Cluster, SolanaBackend, SolanaBackendError
 from psyche.solana.follower import follow_run
 from psyche.solana.instructions import coordinator as coordinator_ix
+from psyche.solana.keypair import derive_p2p_secret_key
 from psyche.solana.localnet.ledger import Ledger
 from psyche.solana.state import decode_anchor_account
-from psyche.solana.verification import RunVerification
+from psyche.solana.verification import RunVerification, verification_to_json
 
 from ..polling import poll_until
 from .scripted import (
@@ -99,6 +109,12 @@ class VerifiedRun:
                 await nursery.start(client.run, self.account)
             yield Driver(self.ledger, self.owner, observer)
 
+    async def this_round(self, driver: Driver) -> tuple[int, RoundDuties]:
+        """The driver's current step and the duties the program recorded for it."""
+        assert driver.state is not None
+        step = driver.state.progress.step
+        return step, await self.duties(step)
+
     async def duties(self, step: int) -> RoundDuties:
         """The duties the program recorded for `step`."""
         stored = (await verification_state(self.owner, self.account)).round(step)
@@ -106,13 +122,19 @@ class VerifiedRun:
         return stored.record().duties
 
 
-async def verified_run(nursery: trio.Nursery) -> VerifiedRun:
+async def verified_run(nursery: trio.Nursery, members: str = "abcd") -> VerifiedRun:
     ledger, _, cluster = await open_localnet(nursery)
     owner = make_backend(ledger, cluster)
-    account = await create_run(
-        owner, config(verification_percent=25, init_min_clients=4, min_clients=3)
+    batch = max(4, len(members))  # no more clients than batches
+    run_config = config(
+        verification_percent=25,
+        init_min_clients=len(members),
+        min_clients=3,
+        global_batch_size_start=batch,
+        global_batch_size_end=batch,
     )
-    clients = [ScriptedClient(n, make_backend(ledger, cluster)) for n in "abcd"]
+    account = await create_run(owner, run_config)
+    clients = [ScriptedClient(n, make_backend(ledger, cluster)) for n in members]
     return VerifiedRun(ledger, cluster, owner, account, clients)
 
 
@@ -132,9 +154,7 @@ def test_a_disputed_result_is_decided_by_the_tie_breaker_and_the_loser_slashed(
                 async def dispute(d: Driver) -> None:
                     if seen:
                         return
-                    assert d.state is not None
-                    step = d.state.progress.step
-                    duties = await run.duties(step)
+                    step, duties = await run.this_round(d)
                     # 4 clients: 1 tie-breaker, 1 verifier (both trainers' batches), 2 trainers
                     assert {d.verifier for d in duties.verifiers} == {duties.verifiers[0].verifier}
                     duty = duties.verifiers[0]
@@ -310,9 +330,7 @@ def test_a_verifier_that_accuses_an_honest_result_is_punished_instead() -> None:
                 async def false_accusation(d: Driver) -> None:
                     if parties:
                         return
-                    assert d.state is not None
-                    step = d.state.progress.step
-                    duties = await run.duties(step)
+                    step, duties = await run.this_round(d)
                     duty = duties.verifiers[0]
                     # It accuses every result it verified (both trainers').
                     accusation = VerificationReport(
@@ -351,6 +369,83 @@ def test_a_verifier_that_accuses_an_honest_result_is_punished_instead() -> None:
                 (SLASHING_RATE, SLASHING_RATE),
                 (0, 0),
             ]
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+async def replayed_and_kept_draws(run: VerifiedRun, d: Driver) -> int:
+    """The checks of `test_a_drawn_report_is_kept_with_its_draw_and_a_replayed_draw_is_refused`
+    in the round `d` is at (its step)."""
+    owner, account, by_signer = run.owner, run.account, run.by_signer
+    assert d.state is not None
+    step, duties = await run.this_round(d)
+    own = verification_duties_for_state(d.state)  # a member's derivation
+    v = duties.verifiers[0].verifier
+    assert duties.draw_message(v) == own.draw_message(v)
+    pool = duties.pool(v)
+    assert len(pool) == 3 > VERIFIED_BATCHES_PER_VERIFIER
+    verifier = by_signer[v.signer]
+    key = SecretKey.from_bytes(derive_p2p_secret_key(RUN_ID, verifier.backend.payer))
+
+    def accusing(draw: bytes) -> VerificationReport:
+        drawn = draw_batches(pool, draw)
+        return VerificationReport(step, [Finding(x.batch_id, False, 40.0) for x in drawn], draw)
+
+    # The hostile verifier's draws from elsewhere: refused, nothing changes.
+    before = await owner.get_data(pda.find_run_verification(account, owner.ids))
+    for elsewhere in (
+        dataclasses.replace(duties, run_id="another-run"),
+        dataclasses.replace(duties, seed=bytes(32)),
+    ):
+        replayed = accusing(key.sign(elsewhere.draw_message(v)))
+        assert error_text("VerificationReportRefused") in await refused(
+            verifier.backend, account, replayed
+        )
+    after = await owner.get_data(pda.find_run_verification(account, owner.ids))
+    assert after == before
+
+    # Its own draw is heard, and kept with the report.
+    report = accusing(key.sign(duties.draw_message(v)))
+    await send_report(verifier.backend, account, report)
+    tie_breaker = duties.tie_breakers[0].verifier
+    tie_runner = by_signer[tie_breaker.signer].runner
+    assert tie_runner is not None
+    heard = await tie_runner.round_reports(step)
+    assert heard == {v: report}
+    job = plan_verification(d.state, tie_breaker, None)
+    assert job is not None
+    assert job.tie_breaker
+    wanted = disputes(job, heard)
+    assert {x.batch_id for x in wanted.duties} == {f.batch_id for f in report.findings}
+    # what json-dump-run shows: the draw and the seed it was checked under
+    shown = verification_to_json(await verification_state(owner, account))
+    (round_json,) = [r for r in shown["rounds"] if r["step"] == step]
+    assert round_json["draws"] == {str(Pubkey.from_bytes(v.signer)): report.draw.hex()}
+    assert round_json["seed"] == own.seed.hex()
+    return step
+
+
+def test_a_drawn_report_is_kept_with_its_draw_and_a_replayed_draw_is_refused() -> None:
+    """Five members at 25 %: the verifier's pool holds the three trainers' batches, so which two
+    it checks is its draw (its p2p key's signature). The program refuses a draw replayed from
+    another run of the same members (same step and pool) or from the round under another seed,
+    and keeps an honest report with its draw: a tie-breaker reading it back checks it against
+    its own derivation of the round (the centralized path's rule) and hears the dispute; an
+    account that dropped the draw would leave the dispute unheard."""
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            run = await verified_run(nursery, "abcde")
+            checked: list[int] = []
+
+            async def once(d: Driver) -> None:
+                if not checked:
+                    checked.append(await replayed_and_kept_draws(run, d))
+
+            async with run.followed(nursery) as driver:
+                await driver.run_epoch(5, between_rounds=once)
+            assert checked, "no round to check"
             nursery.cancel_scope.cancel()
 
     trio.run(main)

@@ -159,4 +159,4 @@ def verification_duties_for_state(coordinator: Coordinator) -> RoundDuties:
     selection = CommitteeSelection.from_coordinator(coordinator, 0)
     assignments = assign_data_for_state(coordinator, selection)
     clients = coordinator.epoch_state.clients[: round_.clients_len]
-    return round_duties(step, clients, selection, assignments)
+    return round_duties(step, clients, selection, assignments, run_id=coordinator.run_id)

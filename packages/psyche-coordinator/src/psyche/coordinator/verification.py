@@ -14,10 +14,12 @@ round's batches (ascending) are shuffled with a seed derived from the committee 
 "verification" and dealt round-robin to the verifiers in client-index order: each verifier's
 **pool**. Which `VERIFIED_BATCHES_PER_VERIFIER` (2) of its pool a verifier checks is its
 **draw** (`draw_batches`), known to nobody but it until its report: the pool shuffled with a
-seed from its own Ed25519 signature (p2p key) of `draw_message` (the round's step and its
-pool). RFC 8032 signatures are deterministic, so it has one draw a round and cannot choose it;
-the report carries the signature (`VerificationReport.draw`) and `check_report` refuses one
-whose signature does not verify or that names a batch outside the draw. So a trainer cannot know
+seed from its own Ed25519 signature (p2p key) of `draw_message` (the run's id, the round's
+committee seed, its step and the verifier's pool: a draw of one run or round is refused in any
+other, and reveals nothing about another). RFC 8032 signatures are deterministic, so it has
+one draw a round and cannot choose it; the report carries the signature
+(`VerificationReport.draw`) and `check_report` refuses one whose signature does not verify or
+that names a batch outside the draw. So a trainer cannot know
 before it commits whether its batch is checked (a draw from the committee seed alone, as before,
 let a trainer lie only in rounds where it was not drawn). A pool of at most 2 batches is checked
 whole, without a signature (there is nothing to choose). Every checked batch is recomputed by
@@ -80,6 +82,8 @@ VERIFIED_BATCHES_PER_VERIFIER = 2
 """Batches a verifier checks a round (its draw says which): two, each the other's decoy."""
 DRAW_DOMAIN = b"psyche-verification-draw"
 """What a verifier's draw signature signs first (no other message of the protocol starts so)."""
+ROUND_SEED_LEN = 32
+"""Bytes of a round's committee seed (`CommitteeSelection.get_seed`, a SHA-256)."""
 NO_DRAW = bytes(SIGNATURE_LEN)
 """The draw of a report that needs none (a tie-breaker's, a pool checked whole)."""
 MAX_FINDINGS = SOLANA_MAX_NUM_CLIENTS
@@ -180,10 +184,24 @@ def verification_duties(
     ]
 
 
-def draw_message(step: int, pool: Sequence[VerificationDuty]) -> bytes:
-    """What a verifier signs for its draw in round `step`: the step and its pool (ascending:
-    each batch and its trainer), so a signature is good for one round and one pool only."""
-    parts = [DRAW_DOMAIN, step.to_bytes(8, "little")]
+def draw_message(run_id: str, seed: bytes, step: int, pool: Sequence[VerificationDuty]) -> bytes:
+    """What a verifier signs for its draw in round `step` of run `run_id`, whose committee seed
+    is `seed` (`CommitteeSelection.get_seed`): the run, the seed, the step and its pool
+    (ascending: each batch and its trainer), so a signature is good for one round of one run
+    and one pool only. Without the run and the seed, the same members with the same pool at the
+    same step (another run of theirs, or a round started again with a new seed) would sign the
+    same message: the draw revealed there would be known to a trainer here before it commits,
+    and replaying it would be accepted. Variable-length parts are length-prefixed (no two
+    different tuples give the same bytes)."""
+    name = run_id.encode()
+    parts = [
+        DRAW_DOMAIN,
+        len(name).to_bytes(4, "little"),
+        name,
+        len(seed).to_bytes(4, "little"),
+        bytes(seed),
+        step.to_bytes(8, "little"),
+    ]
     for duty in sorted(pool):
         parts += [
             duty.batch_id.start.to_bytes(8, "little"),
@@ -229,6 +247,12 @@ class RoundDuties:
     tie_breakers: tuple[VerificationDuty, ...]
     assigned: tuple[tuple[BatchId, NodeIdentity], ...] = ()
     """Every batch of the round and its trainer, checked or not (where a decoy comes from)."""
+    run_id: str = ""
+    """The run's id (`Coordinator.run_id`): part of every draw message (`draw_message`)."""
+    seed: bytes = bytes(ROUND_SEED_LEN)
+    """The round's committee seed (`CommitteeSelection.get_seed`): part of every draw message.
+    The defaults serve only duties without a verifier (nothing is drawn); `round_duties` and
+    the Solana account's read-back always set both."""
 
     def of(self, node: NodeIdentity) -> list[VerificationDuty]:
         """`node`'s duties, as verifier (its pool) or as tie-breaker (one of the two, or none)."""
@@ -240,7 +264,7 @@ class RoundDuties:
 
     def draw_message(self, node: NodeIdentity) -> bytes:
         """What verifier `node` signs for its draw this round (`draw_message`)."""
-        return draw_message(self.step, self.pool(node))
+        return draw_message(self.run_id, self.seed, self.step, self.pool(node))
 
     def drawn(self, node: NodeIdentity, draw: bytes) -> list[VerificationDuty] | None:
         """The duties verifier `node` checks with draw signature `draw`, or None when the pool
@@ -249,7 +273,7 @@ class RoundDuties:
         pool = self.pool(node)
         if len(pool) > VERIFIED_BATCHES_PER_VERIFIER:
             key = pool[0].verifier.p2p_identity
-            if not verify_signature(key, draw_message(self.step, pool), bytes(draw)):
+            if not verify_signature(key, self.draw_message(node), bytes(draw)):
                 return None
         return draw_batches(pool, draw)
 
@@ -267,7 +291,7 @@ class RoundDuties:
             return pool, NO_DRAW
         if sign is None:
             return None
-        draw = sign(draw_message(self.step, pool))
+        draw = sign(self.draw_message(node))
         return draw_batches(pool, draw), draw
 
     def trainers(self) -> dict[BatchId, NodeIdentity]:
@@ -283,12 +307,17 @@ def round_duties(
     clients: Sequence[Member],
     selection: CommitteeSelection,
     assignments: Mapping[BatchId, NodeIdentity],
+    *,
+    run_id: str,
 ) -> RoundDuties:
+    """Who recomputes what in round `step` of run `run_id` (its draws bound to both)."""
     return RoundDuties(
         step,
         tuple(verification_duties(clients, selection, assignments)),
         tuple(tie_breaker_duties(clients, selection, assignments)),
         tuple(sorted(assignments.items())),
+        run_id=run_id,
+        seed=selection.get_seed(),
     )
 
 
@@ -372,6 +401,25 @@ class RoundVerification:
     duties: RoundDuties
     reports: dict[NodeIdentity, VerificationReport] = field(default_factory=dict)
     decided: set[tuple[BatchId, NodeIdentity]] = field(default_factory=set)
+
+    @classmethod
+    def heard(
+        cls, duties: RoundDuties, reports: Mapping[NodeIdentity, VerificationReport]
+    ) -> tuple[RoundVerification, list[tuple[NodeIdentity, str]]]:
+        """The record a reader builds from reports it read back (from the server or a Solana
+        account), and those it refused (sender, why): each heard under the same rule the
+        coordinator applied (`add`: a draw that is not its verifier's signature of this run's
+        and round's draw message, say, is left out), the verifiers' reports before the
+        tie-breakers'. A reader need not trust what relayed them, and a report stored without
+        its draw is not heard."""
+        record = cls(duties)
+        refused: list[tuple[NodeIdentity, str]] = []
+        ordered = sorted(reports.items(), key=lambda item: duties.is_tie_breaker(item[0]))
+        for sender, report in ordered:
+            problem = record.add(sender, report)
+            if problem is not None:
+                refused.append((sender, problem))
+        return record, refused
 
     def add(self, sender: NodeIdentity, report: VerificationReport) -> str | None:
         """Record `report`; why it is refused (a second report, `check_report`, or a
@@ -466,6 +514,7 @@ __all__ = [
     "DRAW_DOMAIN",
     "MAX_FINDINGS",
     "NO_DRAW",
+    "ROUND_SEED_LEN",
     "VERIFICATION_SALT",
     "VERIFICATION_TIE_BREAKERS",
     "VERIFIED_BATCHES_PER_VERIFIER",

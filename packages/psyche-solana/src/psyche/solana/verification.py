@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Annotated, Any
 
 from solders.pubkey import Pubkey as SoldersPubkey
 
+from psyche.coordinator.run_state import SOLANA_RUN_ID_MAX_LEN
 from psyche.coordinator.server_core import (
     DEFAULT_BAN_EPOCHS,
     MAX_BAN_EPOCHS,
@@ -40,6 +41,8 @@ from psyche.coordinator.server_core import (
 )
 from psyche.coordinator.verification import (
     MAX_FINDINGS,
+    NO_DRAW,
+    ROUND_SEED_LEN,
     VERIFICATION_TIE_BREAKERS,
     Finding,
     Resolution,
@@ -49,8 +52,9 @@ from psyche.coordinator.verification import (
     VerificationReport,
 )
 from psyche.core.batch_id import BatchId
+from psyche.core.identity import SIGNATURE_LEN
 from psyche.core.node_identity import NodeIdentity
-from psyche.core.serde import F32, U8, U64, struct
+from psyche.core.serde import F32, U8, U64, FixedBytes, FixedStr, struct
 from psyche.solana.pubkey import Pubkey
 
 REASON_LEN = 200
@@ -66,8 +70,13 @@ class DutyRecord:
 
 @struct(frozen=True)
 class ReportRecord:
+    """A report as the account keeps it: with its draw (`VerificationReport.draw`), so whoever
+    reads it back (a tie-breaker learning its disputes, `json-dump-run`, an auditor) can check
+    with `check_report` that the verifier checked what its own signature drew."""
+
     sender: NodeIdentity
     findings: list[Finding]
+    draw: Annotated[bytes, FixedBytes(SIGNATURE_LEN)] = NO_DRAW
 
 
 @struct(frozen=True)
@@ -93,6 +102,11 @@ class VerifiedRound:
     tie_breaker_duties: list[DutyRecord]
     reports: list[ReportRecord]
     decided: list[DecidedRecord]
+    run_id: Annotated[str, FixedStr(SOLANA_RUN_ID_MAX_LEN)] = ""
+    seed: Annotated[bytes, FixedBytes(ROUND_SEED_LEN)] = bytes(ROUND_SEED_LEN)
+    """The run and the round's committee seed, which every draw message names
+    (`psyche.coordinator.verification.draw_message`): the duties read back check draws as the
+    round's own did."""
 
     @classmethod
     def of(cls, record: RoundVerification) -> VerifiedRound:
@@ -101,17 +115,26 @@ class VerifiedRound:
             duties.step,
             _records(duties.verifiers),
             _records(duties.tie_breakers),
-            [ReportRecord(s, list(r.findings)) for s, r in record.reports.items()],
+            [ReportRecord(s, list(r.findings), r.draw) for s, r in record.reports.items()],
             [DecidedRecord(b, loser) for b, loser in sorted(record.decided)],
+            duties.run_id,
+            duties.seed,
         )
 
     def record(self) -> RoundVerification:
         duties = RoundDuties(
-            self.step, _duties(self.verifier_duties), _duties(self.tie_breaker_duties)
+            self.step,
+            _duties(self.verifier_duties),
+            _duties(self.tie_breaker_duties),
+            run_id=self.run_id,
+            seed=self.seed,
         )
         return RoundVerification(
             duties,
-            {r.sender: VerificationReport(self.step, list(r.findings)) for r in self.reports},
+            {
+                r.sender: VerificationReport(self.step, list(r.findings), r.draw)
+                for r in self.reports
+            },
             {(d.batch_id, d.loser) for d in self.decided},
         )
 
@@ -208,10 +231,12 @@ def _space() -> int:
         + 4
         + VERIFICATION_TIE_BREAKERS * MAX_FINDINGS * duty
         + 4
-        + MAX_FINDINGS * (identity + 4)
+        + MAX_FINDINGS * (identity + 4 + SIGNATURE_LEN)
         + findings * finding
         + 4
         + findings * (batch + identity)
+        + SOLANA_RUN_ID_MAX_LEN
+        + ROUND_SEED_LEN
     )
     entry = 8 + (4 + 9) + identity + batch + identity + 1 + 4 + (4 + 8) + (4 + REASON_LEN)
     entry += 8 + 4 + (1 + VERIFICATION_TIE_BREAKERS) * identity + 8
@@ -325,7 +350,8 @@ def entry_to_json(entry: VerificationEntry) -> dict[str, Any]:
 
 def verification_to_json(value: RunVerification) -> dict[str, Any]:
     """`json-dump-run`'s `verification`: who verifies whom in the kept rounds and what each
-    reported, the bans, and what verification did (oldest first)."""
+    reported (with each verifier's draw signature and the round's seed), the bans, and what
+    verification did (oldest first)."""
 
     def duty(d: DutyRecord, role: str) -> dict[str, Any]:
         return {
@@ -347,6 +373,14 @@ def verification_to_json(value: RunVerification) -> dict[str, Any]:
                         for f in report.findings
                     ]
                     for report in r.reports
+                },
+                # what a verifier's draw signed (`draw_message`) and its signature: anyone can
+                # check that it checked what its own key drew
+                "seed": r.seed.hex(),
+                "draws": {
+                    _key(report.sender): report.draw.hex()
+                    for report in r.reports
+                    if report.draw != NO_DRAW
                 },
             }
             for r in value.rounds

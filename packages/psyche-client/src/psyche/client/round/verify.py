@@ -154,9 +154,15 @@ async def hold_round(
 
 def disputes(job: VerifyJob, reports: Mapping[NodeIdentity, VerificationReport]) -> VerifyJob:
     """The part of a tie-breaker's `job` that the round's `reports` (accepted by the
-    coordinator) disputed, each duty with its decoy among the disputed first."""
+    coordinator, and checked again here against the client's own derivation of the round:
+    `RoundVerification.heard`) disputed, each duty with its decoy among the disputed first."""
     assert job.round is not None
-    disputed = set(RoundVerification(job.round, dict(reports)).disputed())
+    record, refused = RoundVerification.heard(job.round, reports)
+    for sender, problem in refused:  # at most one per member of the round
+        logger.warning(
+            "step %d: a verification report of %s not heard: %s", job.step, sender, problem
+        )
+    disputed = set(record.disputed())
     duties = tuple(d for d in job.duties if d.batch_id in disputed)
     assigned = dict(job.round.assigned) or job.round.trainers()
     own = [d.batch_id for d in duties]
