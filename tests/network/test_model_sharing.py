@@ -9,6 +9,7 @@ import trio
 from psyche.modeling.sharing import TENSOR_CODEC, model_hash
 from psyche.network.connection import NetworkConnection
 from psyche.network.model_download import ModelDownload
+from psyche.network.model_sharing import results_version
 from psyche.network.peer_manager import MAX_ERRORS_PER_PEER, PeersUnreachable
 from psyche.network.sharable_model import SharableModel
 from psyche.network.testing import local_config, open_nodes, serve_model, wait_until
@@ -362,6 +363,56 @@ def test_a_warmup_that_ends_mid_download_never_mixes_two_models(
                 got = await download.run()
             assert model_hash(got.parameters) == model_hash(after)
             assert download.restarts == 1
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+@pytest.mark.parametrize("first", ["stale", "current"])
+def test_tickets_of_two_models_are_never_mixed(monkeypatch: pytest.MonkeyPatch, first: str) -> None:
+    """One peer still serves the last warmup's model (version 10), the other already the next
+    one's (version 20), and neither ever says "not serving now" in between. Every batch answer
+    names its model's version: when the stale peer answers first the joiner takes version 10,
+    then the current peer's answer shows the newer model and the download starts again (and
+    takes nothing older after); when the current peer answers first, the stale peer's answer
+    is refused as "not serving now". Either way the joiner ends with the whole newer model.
+    Before, tickets named no model: half of each came back, a mixture of two epochs'."""
+    before, after = make_parameters(7), make_parameters(8)
+
+    async def main() -> None:
+        async with (
+            open_nodes(3, model_codec=TENSOR_CODEC) as (stale, current, joiner),
+            trio.open_nursery() as nursery,
+        ):
+            for provider, parameters, version in ((stale, before, 10), (current, after, 20)):
+                model = provider_model(parameters)
+                model.update_parameters(parameters, version)
+                nursery.start_soon(serve_model, provider, model)
+            await introduce_all(joiner, [stale, current])
+            leader = stale if first == "stale" else current
+            ask_many = joiner.request_model_blob_tickets
+            led = trio.Event()
+            versions: list[tuple[bytes, int | None]] = []
+
+            async def many(peer: bytes, names: list[str]) -> list[TicketResult]:
+                if peer != leader.endpoint_id:
+                    await led.wait()
+                try:
+                    results = await ask_many(peer, names)
+                finally:
+                    if peer == leader.endpoint_id:
+                        led.set()
+                versions.append((peer, results_version(results)))
+                return results
+
+            monkeypatch.setattr(joiner, "request_model_blob_tickets", many)
+            download = ModelDownload(joiner, [stale.endpoint_id, current.endpoint_id])
+            with trio.fail_after(120):
+                got = await download.run()
+            assert model_hash(got.parameters) == model_hash(after)
+            assert versions[0] == (leader.endpoint_id, 10 if first == "stale" else 20)
+            assert (stale.endpoint_id, 10) in versions  # the stale peer was asked and answered
+            assert download.restarts == (1 if first == "stale" else 0)
             nursery.cancel_scope.cancel()
 
     trio.run(main)

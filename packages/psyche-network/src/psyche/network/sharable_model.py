@@ -11,7 +11,9 @@ never runs pickle), as it hands it the DisTrO payload type. psyche.network never
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any, Protocol
 
 import trio
@@ -73,6 +75,8 @@ class SharableModel:
     `add_parameter`, `add_config`, `take_parameters`."""
 
     def __init__(self) -> None:
+        self.version: int | None = None
+        """Which model the parameters are (`update_parameters`); None: not said."""
         self.parameters: dict[str, Any | None] | None = None
         self.serialized_parameters: dict[str, BlobTicket] | None = None
         self.model_config: str | None = None
@@ -82,9 +86,17 @@ class SharableModel:
 
     # provider ---------------------------------------------------------------------------------
 
-    def update_parameters(self, new_parameters: Mapping[str, Any]) -> None:
+    def update_parameters(
+        self, new_parameters: Mapping[str, Any], version: int | None = None
+    ) -> None:
+        """Serve `new_parameters` from now on; `version` names the model so that joiners can
+        tell two serving windows' models apart: the client gives the run's step the model
+        starts (one past the last step trained into it), which every honest provider of the
+        same model gives alike, the ones that trained the epoch and the ones that loaded the
+        model in the warmup."""
         if self.parameters is not None and set(new_parameters) != set(self.parameters):
             raise SharableModelFailure(SharableModelError.InvalidUpdate())
+        self.version = version
         self.parameters = dict(new_parameters)
         self.serialized_parameters = {}
 
@@ -184,13 +196,35 @@ class SharableModel:
         return out
 
 
+_versions_answered: ContextVar[set[int | None] | None] = ContextVar(
+    "model_versions_answered", default=None
+)
+
+
+@contextmanager
+def noting_model_versions() -> Iterator[set[int | None]]:
+    """The versions of the models `answer_request` answered from with a ticket, inside this
+    block, in this task or the tasks it starts: how a batch's server (`model_sharing`) learns
+    which model its tickets are of, through the node's answer function, which passes only the
+    request."""
+    noted: set[int | None] = set()
+    token = _versions_answered.set(noted)
+    try:
+        yield noted
+    finally:
+        _versions_answered.reset(token)
+
+
 async def answer_request(
     request: ModelRequestType,
     model: SharableModel,
     add_downloadable: AddDownloadable,
     codec: ParameterCodec,
 ) -> TicketResult:
-    """What a provider replies to a parameter or config request."""
+    """What a provider replies to a parameter or config request; a ticket's model version is
+    noted (`noting_model_versions`) as it was when the request came, so a model replaced while
+    a tensor was serialized is told apart."""
+    version = model.version
     try:
         match request:
             case ModelRequestType.Parameter(name):
@@ -200,5 +234,8 @@ async def answer_request(
     except SharableModelFailure as failure:
         refused: TicketResult = TicketResult.Err(failure.error)
         return refused
+    noted = _versions_answered.get()
+    if noted is not None:
+        noted.add(version)
     answered: TicketResult = TicketResult.Ok(ticket)
     return answered
