@@ -23,6 +23,8 @@ receiver share a CPU and the GIL in every measurement, baseline included:
   through a plain in-process TCP forwarder (what any relay in this loop costs at least).
 * model sharing: a joining node fetching a 20M-parameter bf16 model from 3 peers (config,
   batched ticket requests and parameter blobs), against one raw socket carrying the same bytes;
+  each provider serves as a client's cooldown does (its model serialized ahead, where the code
+  under test has `SharableModel.serialize_ahead`), so "cold" is fresh connections to it;
   `--only model300` does the same for a 300M-parameter model (600 MB, not in the default run);
   `--only model-processes` (and `model300-processes`) put each provider in a process of its own,
   the baseline a raw socket between processes, and print the joiner's CPU time per byte against
@@ -652,6 +654,15 @@ def raw_bytes(tensor) -> bytes:
     return tensor.reshape(-1).view(torch.int16).numpy().tobytes()
 
 
+def serve_as_a_client(nursery: trio.Nursery, node: NetworkConnection, model: SharableModel) -> None:
+    """`node` serves `model` as a client's cooldown has it serve: serialized ahead where the
+    code has `serialize_ahead` (not before 2026-11-28: serialized on request; `--old-src`)."""
+    nursery.start_soon(serve_model, node, model)
+    ahead = getattr(model, "serialize_ahead", None)
+    if ahead is not None:
+        nursery.start_soon(ahead, node.add_downloadable, node.model_codec)
+
+
 async def timed_model_fetch(joiner, ids: list[bytes], expected: bytes) -> float:  # type: ignore[no-untyped-def]
     """Seconds for `joiner` to fetch the whole model from `ids`, its blob store emptied first
     (a warm fetch: connections and the providers' serialized tensors are kept)."""
@@ -684,7 +695,7 @@ async def bench_model(repeats: int, millions: int = 20) -> list[str]:
             model = SharableModel()
             model.update_parameters(parameters)
             model.update_config("{}", "{}")
-            nursery.start_soon(serve_model, provider, model)
+            serve_as_a_client(nursery, provider, model)
             joiner.address_book.add(provider.endpoint_addr())
         ids = [p.endpoint_id for p in providers]
         fetch = partial(timed_model_fetch, joiner, ids, model_hash(parameters))
@@ -726,7 +737,7 @@ async def serve_model_process(millions: int, key_hex: str, joiner_hex: str, bind
         model.update_parameters(parameters)
         model.update_config("{}", "{}")
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(serve_model, node, model)
+            serve_as_a_client(nursery, node, model)
             await wait_until(lambda: bool(node.own_record), 30)
             print(node.own_record.hex(), flush=True)
             stdin = trio.lowlevel.FdStream(os.dup(sys.stdin.fileno()))

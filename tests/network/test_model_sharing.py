@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 import trio
+import trio.lowlevel
 
 from psyche.modeling.sharing import TENSOR_CODEC, model_hash
 from psyche.network.connection import NetworkConnection
@@ -13,6 +16,7 @@ from psyche.network.model_sharing import results_version
 from psyche.network.peer_manager import MAX_ERRORS_PER_PEER, PeersUnreachable
 from psyche.network.sharable_model import SharableModel
 from psyche.network.testing import local_config, open_nodes, serve_model, wait_until
+from psyche.network.ticket import BlobTicket
 from psyche.network.transmittable import (
     ModelRequestType,
     SharableModelError,
@@ -414,5 +418,72 @@ def test_tickets_of_two_models_are_never_mixed(monkeypatch: pytest.MonkeyPatch, 
             assert (stale.endpoint_id, 10) in versions  # the stale peer was asked and answered
             assert download.restarts == (1 if first == "stale" else 0)
             nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+class CountingCodec:
+    """The client's tensor codec, counting what it encodes."""
+
+    def __init__(self) -> None:
+        self.encoded: list[int] = []
+        self.open = threading.Event()
+        """Encoding (in a worker thread) waits for this."""
+        self.open.set()
+
+    def encode(self, parameter: torch.Tensor) -> bytes:
+        self.encoded.append(id(parameter))
+        self.open.wait(30)
+        return TENSOR_CODEC.encode(parameter)
+
+    def decode(self, data: bytes | memoryview) -> torch.Tensor:
+        return TENSOR_CODEC.decode(data)
+
+
+def test_a_model_serialized_ahead_is_serialized_once_and_stops_when_replaced() -> None:
+    """`serialize_ahead` (a client's cooldown starts it) serializes every parameter, once: a
+    request for a parameter it is serializing waits for that one (before, two requests for
+    the same tensor each encoded it); it stops when the model is replaced, and the new
+    model's tickets are the new tensors'."""
+    parameters = make_parameters(9)
+
+    async def main() -> None:
+        async with open_nodes(1, model_codec=TENSOR_CODEC) as (node,):
+            codec = CountingCodec()
+            model = provider_model(parameters)
+            names = list(parameters)
+            tickets: dict[str, BlobTicket] = {}
+
+            async def ask(name: str) -> None:
+                tickets[name] = await model.get_transmittable_parameter(
+                    name, node.add_downloadable, codec
+                )
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(model.serialize_ahead, node.add_downloadable, codec)
+                for name in names:  # a joiner's batch, asked at once
+                    nursery.start_soon(ask, name)
+                    nursery.start_soon(ask, name)  # and another joiner's
+            assert len(codec.encoded) == len(parameters)
+            assert model.serialized_parameters is not None
+            assert {n: model.serialized_parameters[n] for n in names} == tickets
+
+            newer = make_parameters(10)
+            model.update_parameters(newer, 2)
+            codec.encoded.clear()
+            codec.open.clear()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(model.serialize_ahead, node.add_downloadable, codec)
+                await wait_until(lambda: bool(codec.encoded), 30)  # one under way
+                model.update_parameters(parameters, 3)  # replaced while it ran
+                codec.open.set()
+            assert len(codec.encoded) == 1  # it stopped after the one under way
+            first = await model.get_transmittable_parameter(names[0], node.add_downloadable, codec)
+            assert first == tickets[names[0]]  # the replacing model's tensor (seen above)
+            replaced = provider_model({names[0]: newer[names[0]]})
+            other = await replaced.get_transmittable_parameter(
+                names[0], node.add_downloadable, codec
+            )
+            assert first.hash != other.hash  # not the replaced one's
 
     trio.run(main)

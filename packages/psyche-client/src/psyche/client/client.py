@@ -230,7 +230,7 @@ class _LoopIO:
         version = None if coordinator is None else coordinator.progress.step
 
         async def share() -> None:
-            self._client.network.shared_model.update_parameters(parameters, version)
+            self._client._share_model(parameters, version)
 
         self._queue("share_model", share)
 
@@ -612,7 +612,7 @@ class Client:
         shared.update_config(loaded.config_json, loaded.tokenizer_json)
         if result.shared is not None:  # the run's model: the epoch's other joiners may take it
             # the warmup's step is the step this model starts: its version (as a cooldown's)
-            shared.update_parameters(result.shared, done.state.progress.step)
+            self._share_model(result.shared, done.state.progress.step)
         fetcher = DataFetcher(result.data_provider, self._nursery)
         evals = None
         if self.eval_settings is not None and self.eval_settings.enabled:
@@ -702,6 +702,14 @@ class Client:
         outcome = self.machine.apply_message(sender, broadcast)
         if outcome is ApplyMessageOutcome.Invalid:
             logger.debug("invalid broadcast from %s for step %d", sender, broadcast.step)
+
+    def _share_model(self, parameters: dict[str, torch.Tensor], version: int | None) -> None:
+        """Serve `parameters` (the model of `version`: the run's step it starts) to joiners
+        from now until the next round starts, serialized ahead in the background so that a
+        joiner's first ticket requests find them ready."""
+        shared = self.network.shared_model
+        shared.update_parameters(parameters, version)
+        self._spawn(shared.serialize_ahead, self.network.add_downloadable, self.network.model_codec)
 
     def _spawn(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
         assert self._nursery is not None
