@@ -467,23 +467,12 @@ class Client:
 
     async def _give_up_init(self, state: Coordinator) -> None:
         """The run dropped this client while it loaded the model (a health check, or the epoch
-        ended while it waited for peers to serve): the model it waits for would be an epoch
+        ended while it waited for peers to serve): the model it waits for would be of an epoch
         no longer its own. Stop loading and join again, as a client the run went on without."""
-        log_event(
-            logger,
-            "left_run",
-            text=f"the run went on without this client while it loaded the model (epoch "
-            f"{state.progress.epoch}, step {state.progress.step}): it stops loading, joins "
-            "again and loads the model at the next epoch it is in",
-            epoch=state.progress.epoch,
-            step=state.progress.step,
-        )
         if self._init_scope is not None:
             self._init_scope.cancel()
         self._init_scope = None
-        self.stage = "waiting"
-        self._join_again = True
-        await self._join_again_once_out(state)
+        await self._rejoin(state)
 
     async def _join_again_once_out(self, state: Coordinator) -> None:
         """Send `Join` again once this client is off the epoch's client list. While it is

@@ -162,8 +162,11 @@ class SharableModel:
                 break
             try:
                 await self.get_transmittable_parameter(name, add_downloadable, codec)
-            except SharableModelFailure as e:
+            except SharableModelFailure as e:  # no longer served, or the store refused it
                 logger.debug("serializing the model ahead stopped at %s: %s", name, e)
+                break
+            except Exception as e:  # an optimization: a request serializes it (or says why)
+                logger.warning("serializing the model ahead stopped at %s: %r", name, e)
                 break
 
     async def get_transmittable_config(self, add_downloadable: AddDownloadable) -> BlobTicket:
