@@ -91,18 +91,30 @@ async def raw_transfer_seconds(data: bytes) -> float:
     port = listeners[0].socket.getsockname()[1]
     async with trio.open_nursery() as nursery:
         await nursery.start(trio.serve_listeners, sender, listeners)
-        start = time.perf_counter()
-        stream = await trio.open_tcp_stream("127.0.0.1", port)
-        buf = bytearray(size)
-        view = memoryview(buf)
-        got = 0
-        while got < size:
-            got += await stream.socket.recv_into(view[got : got + MIB])
-        elapsed = time.perf_counter() - start
-        await stream.aclose()
+        elapsed, buf = await timed_receive(port, size)
         nursery.cancel_scope.cancel()
     assert buf == data
     return elapsed
+
+
+async def timed_receive(port: int, size: int) -> tuple[float, bytearray]:
+    """Seconds to connect to `port` on loopback and receive `size` bytes into a buffer, and
+    the buffer."""
+    start = time.perf_counter()
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    buf = bytearray(size)
+    await receive_exactly(stream, buf)
+    elapsed = time.perf_counter() - start
+    await stream.aclose()
+    return elapsed, buf
+
+
+async def receive_exactly(stream: trio.SocketStream, buf: bytearray) -> None:
+    """Fill the preallocated `buf` from `stream` (the raw baseline's receive)."""
+    view = memoryview(buf)
+    got = 0
+    while got < len(buf):
+        got += await stream.socket.recv_into(view[got : got + MIB])
 
 
 async def raw_one_way_latency(size: int, rounds: int) -> list[float]:
@@ -156,15 +168,7 @@ async def forwarded_transfer_seconds(data: bytes) -> float:
     async with trio.open_nursery() as nursery:
         await nursery.start(trio.serve_listeners, sender, sources)
         await nursery.start(trio.serve_listeners, forward, forwarders)
-        start = time.perf_counter()
-        stream = await trio.open_tcp_stream("127.0.0.1", port)
-        buf = bytearray(size)
-        view = memoryview(buf)
-        got = 0
-        while got < size:
-            got += await stream.socket.recv_into(view[got : got + MIB])
-        elapsed = time.perf_counter() - start
-        await stream.aclose()
+        elapsed, buf = await timed_receive(port, size)
         nursery.cancel_scope.cancel()
     assert buf == data
     return elapsed
@@ -842,15 +846,12 @@ async def bench_model_processes(
                 port = listeners[0].socket.getsockname()[1]
                 _tune(listeners[0].socket)
                 buf = bytearray(total)
-                view = memoryview(buf)
                 cpu = time.process_time()
                 start = time.perf_counter()
                 providers[0].stdin.write(f"raw {bind} {port}\n")  # type: ignore[union-attr]
                 providers[0].stdin.flush()  # type: ignore[union-attr]
                 stream = await listeners[0].accept()
-                got = 0
-                while got < total:
-                    got += await stream.socket.recv_into(view[got : got + MIB])
+                await receive_exactly(stream, buf)
                 elapsed = time.perf_counter() - start
                 cpu_raw.append(time.process_time() - cpu)
                 await stream.aclose()
