@@ -23,6 +23,8 @@ receiver share a CPU and the GIL in every measurement, baseline included:
   through a plain in-process TCP forwarder (what any relay in this loop costs at least).
 * model sharing: a joining node fetching a 20M-parameter bf16 model from 3 peers (config,
   batched ticket requests and parameter blobs), against one raw socket carrying the same bytes;
+  each provider serves as a client's cooldown does (its model serialized ahead, where the code
+  under test has `SharableModel.serialize_ahead`), so "cold" is fresh connections to it;
   `--only model300` does the same for a 300M-parameter model (600 MB, not in the default run);
   `--only model-processes` (and `model300-processes`) put each provider in a process of its own,
   the baseline a raw socket between processes, and print the joiner's CPU time per byte against
@@ -89,18 +91,30 @@ async def raw_transfer_seconds(data: bytes) -> float:
     port = listeners[0].socket.getsockname()[1]
     async with trio.open_nursery() as nursery:
         await nursery.start(trio.serve_listeners, sender, listeners)
-        start = time.perf_counter()
-        stream = await trio.open_tcp_stream("127.0.0.1", port)
-        buf = bytearray(size)
-        view = memoryview(buf)
-        got = 0
-        while got < size:
-            got += await stream.socket.recv_into(view[got : got + MIB])
-        elapsed = time.perf_counter() - start
-        await stream.aclose()
+        elapsed, buf = await timed_receive(port, size)
         nursery.cancel_scope.cancel()
     assert buf == data
     return elapsed
+
+
+async def timed_receive(port: int, size: int) -> tuple[float, bytearray]:
+    """Seconds to connect to `port` on loopback and receive `size` bytes into a buffer, and
+    the buffer."""
+    start = time.perf_counter()
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    buf = bytearray(size)
+    await receive_exactly(stream, buf)
+    elapsed = time.perf_counter() - start
+    await stream.aclose()
+    return elapsed, buf
+
+
+async def receive_exactly(stream: trio.SocketStream, buf: bytearray) -> None:
+    """Fill the preallocated `buf` from `stream` (the raw baseline's receive)."""
+    view = memoryview(buf)
+    got = 0
+    while got < len(buf):
+        got += await stream.socket.recv_into(view[got : got + MIB])
 
 
 async def raw_one_way_latency(size: int, rounds: int) -> list[float]:
@@ -154,15 +168,7 @@ async def forwarded_transfer_seconds(data: bytes) -> float:
     async with trio.open_nursery() as nursery:
         await nursery.start(trio.serve_listeners, sender, sources)
         await nursery.start(trio.serve_listeners, forward, forwarders)
-        start = time.perf_counter()
-        stream = await trio.open_tcp_stream("127.0.0.1", port)
-        buf = bytearray(size)
-        view = memoryview(buf)
-        got = 0
-        while got < size:
-            got += await stream.socket.recv_into(view[got : got + MIB])
-        elapsed = time.perf_counter() - start
-        await stream.aclose()
+        elapsed, buf = await timed_receive(port, size)
         nursery.cancel_scope.cancel()
     assert buf == data
     return elapsed
@@ -652,6 +658,15 @@ def raw_bytes(tensor) -> bytes:
     return tensor.reshape(-1).view(torch.int16).numpy().tobytes()
 
 
+def serve_as_a_client(nursery: trio.Nursery, node: NetworkConnection, model: SharableModel) -> None:
+    """`node` serves `model` as a client's cooldown has it serve: serialized ahead where the
+    code has `serialize_ahead` (not before 2026-11-28: serialized on request; `--old-src`)."""
+    nursery.start_soon(serve_model, node, model)
+    ahead = getattr(model, "serialize_ahead", None)
+    if ahead is not None:
+        nursery.start_soon(ahead, node.add_downloadable, node.model_codec)
+
+
 async def timed_model_fetch(joiner, ids: list[bytes], expected: bytes) -> float:  # type: ignore[no-untyped-def]
     """Seconds for `joiner` to fetch the whole model from `ids`, its blob store emptied first
     (a warm fetch: connections and the providers' serialized tensors are kept)."""
@@ -684,7 +699,7 @@ async def bench_model(repeats: int, millions: int = 20) -> list[str]:
             model = SharableModel()
             model.update_parameters(parameters)
             model.update_config("{}", "{}")
-            nursery.start_soon(serve_model, provider, model)
+            serve_as_a_client(nursery, provider, model)
             joiner.address_book.add(provider.endpoint_addr())
         ids = [p.endpoint_id for p in providers]
         fetch = partial(timed_model_fetch, joiner, ids, model_hash(parameters))
@@ -726,7 +741,7 @@ async def serve_model_process(millions: int, key_hex: str, joiner_hex: str, bind
         model.update_parameters(parameters)
         model.update_config("{}", "{}")
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(serve_model, node, model)
+            serve_as_a_client(nursery, node, model)
             await wait_until(lambda: bool(node.own_record), 30)
             print(node.own_record.hex(), flush=True)
             stdin = trio.lowlevel.FdStream(os.dup(sys.stdin.fileno()))
@@ -831,15 +846,12 @@ async def bench_model_processes(
                 port = listeners[0].socket.getsockname()[1]
                 _tune(listeners[0].socket)
                 buf = bytearray(total)
-                view = memoryview(buf)
                 cpu = time.process_time()
                 start = time.perf_counter()
                 providers[0].stdin.write(f"raw {bind} {port}\n")  # type: ignore[union-attr]
                 providers[0].stdin.flush()  # type: ignore[union-attr]
                 stream = await listeners[0].accept()
-                got = 0
-                while got < total:
-                    got += await stream.socket.recv_into(view[got : got + MIB])
+                await receive_exactly(stream, buf)
                 elapsed = time.perf_counter() - start
                 cpu_raw.append(time.process_time() - cpu)
                 await stream.aclose()

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 import trio
+import trio.lowlevel
 
 from psyche.modeling.sharing import TENSOR_CODEC, model_hash
 from psyche.network.connection import NetworkConnection
 from psyche.network.model_download import ModelDownload
+from psyche.network.model_sharing import results_version
 from psyche.network.peer_manager import MAX_ERRORS_PER_PEER, PeersUnreachable
 from psyche.network.sharable_model import SharableModel
 from psyche.network.testing import local_config, open_nodes, serve_model, wait_until
+from psyche.network.ticket import BlobTicket
 from psyche.network.transmittable import (
     ModelRequestType,
     SharableModelError,
@@ -363,5 +368,122 @@ def test_a_warmup_that_ends_mid_download_never_mixes_two_models(
             assert model_hash(got.parameters) == model_hash(after)
             assert download.restarts == 1
             nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+@pytest.mark.parametrize("first", ["stale", "current"])
+def test_tickets_of_two_models_are_never_mixed(monkeypatch: pytest.MonkeyPatch, first: str) -> None:
+    """One peer still serves the last warmup's model (version 10), the other already the next
+    one's (version 20), and neither ever says "not serving now" in between. Every batch answer
+    names its model's version: when the stale peer answers first the joiner takes version 10,
+    then the current peer's answer shows the newer model and the download starts again (and
+    takes nothing older after); when the current peer answers first, the stale peer's answer
+    is refused as "not serving now". Either way the joiner ends with the whole newer model.
+    Before, tickets named no model: half of each came back, a mixture of two epochs'."""
+    before, after = make_parameters(7), make_parameters(8)
+
+    async def main() -> None:
+        async with (
+            open_nodes(3, model_codec=TENSOR_CODEC) as (stale, current, joiner),
+            trio.open_nursery() as nursery,
+        ):
+            for provider, parameters, version in ((stale, before, 10), (current, after, 20)):
+                model = provider_model(parameters)
+                model.update_parameters(parameters, version)
+                nursery.start_soon(serve_model, provider, model)
+            await introduce_all(joiner, [stale, current])
+            leader = stale if first == "stale" else current
+            ask_many = joiner.request_model_blob_tickets
+            led = trio.Event()
+            versions: list[tuple[bytes, int | None]] = []
+
+            async def many(peer: bytes, names: list[str]) -> list[TicketResult]:
+                if peer != leader.endpoint_id:
+                    await led.wait()
+                try:
+                    results = await ask_many(peer, names)
+                finally:
+                    if peer == leader.endpoint_id:
+                        led.set()
+                versions.append((peer, results_version(results)))
+                return results
+
+            monkeypatch.setattr(joiner, "request_model_blob_tickets", many)
+            download = ModelDownload(joiner, [stale.endpoint_id, current.endpoint_id])
+            with trio.fail_after(120):
+                got = await download.run()
+            assert model_hash(got.parameters) == model_hash(after)
+            assert versions[0] == (leader.endpoint_id, 10 if first == "stale" else 20)
+            assert (stale.endpoint_id, 10) in versions  # the stale peer was asked and answered
+            assert download.restarts == (1 if first == "stale" else 0)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+class CountingCodec:
+    """The client's tensor codec, counting what it encodes."""
+
+    def __init__(self) -> None:
+        self.encoded: list[int] = []
+        self.open = threading.Event()
+        """Encoding (in a worker thread) waits for this."""
+        self.open.set()
+
+    def encode(self, parameter: torch.Tensor) -> bytes:
+        self.encoded.append(id(parameter))
+        self.open.wait(30)
+        return TENSOR_CODEC.encode(parameter)
+
+    def decode(self, data: bytes | memoryview) -> torch.Tensor:
+        return TENSOR_CODEC.decode(data)
+
+
+def test_a_model_serialized_ahead_is_serialized_once_and_stops_when_replaced() -> None:
+    """`serialize_ahead` (a client's cooldown starts it) serializes every parameter, once: a
+    request for a parameter it is serializing waits for that one (before, two requests for
+    the same tensor each encoded it); it stops when the model is replaced, and the new
+    model's tickets are the new tensors'."""
+    parameters = make_parameters(9)
+
+    async def main() -> None:
+        async with open_nodes(1, model_codec=TENSOR_CODEC) as (node,):
+            codec = CountingCodec()
+            model = provider_model(parameters)
+            names = list(parameters)
+            tickets: dict[str, BlobTicket] = {}
+
+            async def ask(name: str) -> None:
+                tickets[name] = await model.get_transmittable_parameter(
+                    name, node.add_downloadable, codec
+                )
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(model.serialize_ahead, node.add_downloadable, codec)
+                for name in names:  # a joiner's batch, asked at once
+                    nursery.start_soon(ask, name)
+                    nursery.start_soon(ask, name)  # and another joiner's
+            assert len(codec.encoded) == len(parameters)
+            assert model.serialized_parameters is not None
+            assert {n: model.serialized_parameters[n] for n in names} == tickets
+
+            newer = make_parameters(10)
+            model.update_parameters(newer, 2)
+            codec.encoded.clear()
+            codec.open.clear()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(model.serialize_ahead, node.add_downloadable, codec)
+                await wait_until(lambda: bool(codec.encoded), 30)  # one under way
+                model.update_parameters(parameters, 3)  # replaced while it ran
+                codec.open.set()
+            assert len(codec.encoded) == 1  # it stopped after the one under way
+            first = await model.get_transmittable_parameter(names[0], node.add_downloadable, codec)
+            assert first == tickets[names[0]]  # the replacing model's tensor (seen above)
+            replaced = provider_model({names[0]: newer[names[0]]})
+            other = await replaced.get_transmittable_parameter(
+                names[0], node.add_downloadable, codec
+            )
+            assert first.hash != other.hash  # not the replaced one's
 
     trio.run(main)

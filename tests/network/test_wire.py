@@ -204,10 +204,17 @@ def test_model_sharing_batch_wire_layouts_and_bounds() -> None:
         model_sharing.decode_batch_request(to_bytes(too_many, list[str]))
     err = TicketResult.Err(SharableModelError.ParametersNotInitialized())
     results = [TicketResult.Ok(ticket()), err]
-    encoded = model_sharing.encode_batch_response(results)
-    assert encoded[0] == 2
+    encoded = model_sharing.encode_batch_response(results, 300)
+    assert encoded[:4] == b"\x01\xac\x02\x02"  # Some(300) as a varint, then 2 results
     assert encoded.endswith(b"\x01\x05")
-    assert model_sharing.decode_batch_response(encoded, 2) == results
+    decoded = model_sharing.decode_batch_response(encoded, 2)
+    assert decoded == results
+    assert model_sharing.results_version(decoded) == 300
+    unversioned = model_sharing.encode_batch_response(results, None)
+    assert unversioned[:2] == b"\x00\x02"
+    assert (
+        model_sharing.results_version(model_sharing.decode_batch_response(unversioned, 2)) is None
+    )
     with pytest.raises(PostcardError, match="2 results for 3 names"):
         model_sharing.decode_batch_response(encoded, 3)
 

@@ -21,8 +21,8 @@ import random
 import re
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, replace
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -57,7 +57,7 @@ from psyche.client.round.steps import MachineSettings, StepStateMachine
 from psyche.client.round.train import OwnResult
 from psyche.client.round.witness import SendFinished, finished_broadcast
 from psyche.client.setup.init import InitializedRun, RunInitConfig, init_run
-from psyche.coordinator import Coordinator, RunState
+from psyche.coordinator import SOLANA_MAX_NUM_CLIENTS, Coordinator, RunState
 from psyche.coordinator.backend import (
     Backend,
     EndpointDiscovery,
@@ -81,6 +81,7 @@ from psyche.network import (
     DownloadedModel,
     DownloadFailed,
     DownloadOutcome,
+    EndpointAddr,
     MessageReceived,
     NetworkConnection,
     NetworkEvent,
@@ -99,6 +100,47 @@ OPPORTUNISTIC_WITNESS_SECS = 0.5
 CHECK_CONNECTION_SECS = 10.0
 GOSSIP_CONNECT_MIN_INTERVAL_SECS = 6.0
 _ROUND_STATES = (RunState.RoundTrain, RunState.RoundWitness)
+
+
+@dataclass
+class AddressRecords:
+    """The peers' address records this client has read (from the backend's `PeerEndpoints`),
+    so that a record it read before costs a dict lookup, not a signature check, on the next
+    state tick (one each 0.5 s).
+
+    Keyed by member and replaced with each list read: a member's re-announcement replaces its
+    old record, and a member the backend no longer lists is forgotten, so what is kept is at
+    most one record per listed member and never more than `SOLANA_MAX_NUM_CLIENTS` (the most
+    members a run can have), however often members re-announce. Records that do not verify
+    are remembered (as read in the latest list, same bound) so as not to be checked again."""
+
+    by_member: dict[bytes, bytes] = field(default_factory=dict)
+    refused: set[bytes] = field(default_factory=set)
+
+    def learn(
+        self, records: Iterable[bytes], add_record: Callable[[bytes], EndpointAddr | None]
+    ) -> None:
+        """Hand `add_record` (the address book's: verifies, returns the `EndpointAddr` or
+        None) every record not read before; keep the latest list's."""
+        known = {record: member for member, record in self.by_member.items()}
+        by_member: dict[bytes, bytes] = {}
+        refused: set[bytes] = set()
+        for record in records:
+            if len(by_member) + len(refused) >= SOLANA_MAX_NUM_CLIENTS:
+                break
+            member = known.get(record)
+            if member is None:
+                if record in self.refused:
+                    refused.add(record)
+                    continue
+                addr = add_record(record)
+                if addr is None:
+                    refused.add(record)
+                    continue
+                member = bytes(addr.id)
+            by_member[member] = record
+        self.by_member = by_member
+        self.refused = refused
 
 
 @dataclass(frozen=True)
@@ -132,6 +174,10 @@ class _Work:
 @dataclass(frozen=True)
 class _InitDone:
     result: InitializedRun | BaseException
+    state: Coordinator
+    """The warmup state the init started from."""
+    scope: trio.CancelScope
+    """Which init (`Client._init_scope`): one given up since is ignored."""
 
 
 _Item = _State | _Net | _Downloaded | _Tick | _Work | _InitDone
@@ -177,8 +223,14 @@ class _LoopIO:
         self._queue("download", download)
 
     def share_model(self, parameters: dict[str, torch.Tensor]) -> None:
+        # Called as the cooldown's model is ready: the state's step (the Cooldown's, or a
+        # later one's before the next round starts) is the step this model starts, the
+        # version every provider of it gives (`SharableModel.update_parameters`).
+        coordinator = self._client.coordinator
+        version = None if coordinator is None else coordinator.progress.step
+
         async def share() -> None:
-            self._client.network.shared_model.update_parameters(parameters)
+            self._client._share_model(parameters, version)
 
         self._queue("share_model", share)
 
@@ -238,12 +290,14 @@ class Client:
         self.stage = "waiting"  # -> initializing -> running
         self._join_again = False
         """Set when this client must send `Join` again once it is off the epoch's list."""
+        self._init_scope: trio.CancelScope | None = None
+        """The init under way (stage "initializing"), cancelled if the run drops this client."""
         self.machine: StepStateMachine | None = None
         self.rebroadcaster = Rebroadcaster()
         self._resend_pending = False
         self._verification_unsent = False  # warned once that the backend drops reports
         self._last_gossip_attempt = -math.inf
-        self._known_records: set[bytes] = set()
+        self._known_records = AddressRecords()
         self.io = _LoopIO(self)
         self.finished = False
         self.final_checkpoint: Path | None = None
@@ -321,8 +375,8 @@ class Client:
                 self._on_tick(kind)
             case _Work(_, run):
                 await run()
-            case _InitDone(result):
-                await self._on_init_done(result)
+            case _InitDone() as done:
+                await self._on_init_done(done)
 
     # ---- coordinator states ----------------------------------------------------------------
 
@@ -377,6 +431,9 @@ class Client:
                 self._join_again = False
                 assert self._nursery is not None
                 self._nursery.start_soon(self._initialize, state)
+        elif self.stage == "initializing":
+            if not any(c.id == self.identity for c in clients):
+                await self._give_up_init(state)
         elif self.stage == "running":
             assert self.machine is not None
             await self.machine.apply_state(state)
@@ -408,6 +465,15 @@ class Client:
         self._join_again = True
         await self._join_again_once_out(state)
 
+    async def _give_up_init(self, state: Coordinator) -> None:
+        """The run dropped this client while it loaded the model (a health check, or the epoch
+        ended while it waited for peers to serve): the model it waits for would be of an epoch
+        no longer its own. Stop loading and join again, as a client the run went on without."""
+        if self._init_scope is not None:
+            self._init_scope.cancel()
+        self._init_scope = None
+        await self._rejoin(state)
+
     async def _join_again_once_out(self, state: Coordinator) -> None:
         """Send `Join` again once this client is off the epoch's client list. While it is
         still listed (it stopped training; the witnesses will drop it) a `Join` changes nothing,
@@ -421,10 +487,9 @@ class Client:
     def _learn_peer_addresses(self) -> None:
         if not isinstance(self.backend, EndpointDiscovery):
             return
-        for record in self.backend.peer_endpoints():
-            if record not in self._known_records:
-                self._known_records.add(record)
-                self.network.address_book.add_record(record)
+        self._known_records.learn(
+            self.backend.peer_endpoints(), self.network.address_book.add_record
+        )
 
     def _ensure_gossip_connected(self, state: Coordinator) -> None:
         if state.halted():
@@ -488,13 +553,15 @@ class Client:
             # extension of the centralized protocol).
             state = state.copy()
             state.model.value.backup_data_locations = backups
-        try:
-            result: InitializedRun | BaseException = await init_run(
-                self.config, self.instance, state, self._fetch_model_from_peers
-            )
-        except Exception as e:
-            result = e
-        self._post(_InitDone(result))
+        with trio.CancelScope() as scope:
+            self._init_scope = scope
+            try:
+                result: InitializedRun | BaseException = await init_run(
+                    self.config, self.instance, state, self._fetch_model_from_peers
+                )
+            except Exception as e:
+                result = e
+            self._post(_InitDone(result, state, scope))
 
     async def _fetch_model_from_peers(
         self, state: Coordinator, give_up_at: float | None = None
@@ -520,7 +587,11 @@ class Client:
         logger.info("Downloaded %d parameters from peers", len(model.parameters))
         return model
 
-    async def _on_init_done(self, result: InitializedRun | BaseException) -> None:
+    async def _on_init_done(self, done: _InitDone) -> None:
+        if done.scope is not self._init_scope:  # given up: the run dropped this client
+            return
+        self._init_scope = None
+        result = done.result
         if isinstance(result, BaseException):
             raise result
         assert self._nursery is not None
@@ -529,7 +600,8 @@ class Client:
         shared = self.network.shared_model
         shared.update_config(loaded.config_json, loaded.tokenizer_json)
         if result.shared is not None:  # the run's model: the epoch's other joiners may take it
-            shared.update_parameters(result.shared)
+            # the warmup's step is the step this model starts: its version (as a cooldown's)
+            self._share_model(result.shared, done.state.progress.step)
         fetcher = DataFetcher(result.data_provider, self._nursery)
         evals = None
         if self.eval_settings is not None and self.eval_settings.enabled:
@@ -619,6 +691,14 @@ class Client:
         outcome = self.machine.apply_message(sender, broadcast)
         if outcome is ApplyMessageOutcome.Invalid:
             logger.debug("invalid broadcast from %s for step %d", sender, broadcast.step)
+
+    def _share_model(self, parameters: dict[str, torch.Tensor], version: int | None) -> None:
+        """Serve `parameters` (the model of `version`: the run's step it starts) to joiners
+        from now until the next round starts, serialized ahead in the background so that a
+        joiner's first ticket requests find them ready."""
+        shared = self.network.shared_model
+        shared.update_parameters(parameters, version)
+        self._spawn(shared.serialize_ahead, self.network.add_downloadable, self.network.model_codec)
 
     def _spawn(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
         assert self._nursery is not None

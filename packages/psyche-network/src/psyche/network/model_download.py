@@ -4,7 +4,7 @@
    connection (`BlobRoutes.prepare`), and, meanwhile, ask peers (chosen by `PeerManager`) for
    the config ticket and download it.
 2. Ask for the parameters' tickets in batches, one batch per peer at a time and all peers at
-   once (`/psyche/model-sharing-batch/0`: one round trip per peer, not per tensor; upstream asks
+   once (`/psyche/model-sharing-batch/1`: one round trip per peer, not per tensor; upstream asks
    per parameter); a next round of batches (names a peer had no ticket for, or a model with
    more tensors than `MAX_BATCH_NAMES` per peer) is asked as soon as the last is answered, not
    when its downloads are done. Smaller first batches (2, 4, 8 names, or a peer's in-flight
@@ -20,7 +20,8 @@
    without waiting a round trip for the next request. Capacity is released when a blob
    is complete, before its tensor is decoded (as upstream). A failed download releases its
    capacity, counts against the ticket's provider and is retried with a fresh ticket from
-   another peer; a complete one is decoded and kept.
+   another peer (asked as a batch of one, so that it names its model's version too); a
+   complete one is decoded and kept.
 
 Peers serve the parameters only during warmup (upstream's rule). A peer that answers "not
 serving now" (`peer_manager.not_serving_now`) is no failed peer: it is asked again a moment
@@ -28,7 +29,11 @@ later, until the peers' next warmup or `give_up_at`. When a peer that already se
 download some tickets says so, its warmup ended before the download had every ticket: the
 rest would come from the next warmup's (newer) model, so what was collected is dropped and the
 download starts again from the configuration, once the peers serve again: one model, never a
-mixture of two epochs'.
+mixture of two epochs'. Every batch answer names the version of the model its tickets are of
+(`model_sharing.ModelTickets`): the download keeps to the first version it is given; a peer
+that answers with an older one rests as if it served nothing now, and a newer one means the
+next warmup began while this download ran (a peer of the old model may never have said "not
+serving" in between): the download starts again, from then on taking nothing older.
 
 Each step awaits its own `Download`, so the application's event loop has nothing to route here.
 The parameters are decoded with the network's `ParameterCodec` (the application's tensors); a
@@ -49,7 +54,7 @@ import trio
 
 from psyche.network.download import DownloadComplete, DownloadFailed, DownloadOutcome
 from psyche.network.identity import fmt_short
-from psyche.network.model_sharing import MAX_BATCH_NAMES, batch_timeout
+from psyche.network.model_sharing import MAX_BATCH_NAMES, batch_timeout, results_version
 from psyche.network.peer_manager import (
     MAX_ERRORS_PER_PEER,
     NOT_SERVING_RETRY_SECS,
@@ -116,6 +121,11 @@ class ModelDownload:
         self._served_by: set[bytes] = set()
         """Peers that answered this attempt with a parameter ticket."""
         self._serving_ended = False
+        self._version: int | None = None
+        """The version of the model this attempt's tickets are of (`_pinned`: one was given)."""
+        self._pinned = False
+        self._oldest_version = -1
+        """Versions below this are of a model a newer one replaced (None ranks as -1)."""
 
     def _on_exhausted(self) -> None:
         self._exhausted = True
@@ -166,11 +176,45 @@ class ModelDownload:
         peer again (the connections and blob sessions stay)."""
         self.restarts += 1
         self._serving_ended = False
+        self._pinned = False
         self._served_by = set()
         self._shares = {}
         self.model = SharableModel()
         self.scheduler = DownloadScheduler(self._max_concurrent)
         self.peer_manager.set_peers(self._peers)
+
+    def _check_version(self, peer: bytes, version: int | None) -> None:
+        """Keep this attempt to one model: the first version given is pinned; an older one
+        makes the peer rest as if it served nothing now (raised as "not serving now"); a
+        newer one ends the attempt (`_start_again`), and nothing older is taken after."""
+        rank = -1 if version is None else version
+        if not self._pinned and rank >= self._oldest_version:
+            self._version, self._pinned = version, True
+            return
+        pinned = -1 if self._version is None else self._version
+        if self._pinned and rank == pinned:
+            return
+        if not self._pinned or rank < pinned:
+            logger.info(
+                "peer %s serves an older model (version %s) than this download's: asking it "
+                "again later",
+                fmt_short(peer),
+                version,
+            )
+            raise SharableModelFailure(SharableModelError.ParametersNotInitialized())
+        if not self._serving_ended:
+            logger.warning(
+                "peer %s serves a newer model (version %s) than the %d parameters received "
+                "(version %s): the next warmup began, starting again with the newer model",
+                fmt_short(peer),
+                version,
+                sum(t is not None for t in (self.model.parameters or {}).values()),
+                self._version,
+            )
+            self._oldest_version = rank
+            self._serving_ended = True
+            self._attempt.cancel()
+        raise SharableModelFailure(SharableModelError.ParametersNotInitialized())
 
     def _note_answers(self, peer: bytes, results: list[TicketResult]) -> None:
         """Remember which peers served tickets; a "not serving now" from one of them ends the
@@ -244,19 +288,13 @@ class ModelDownload:
 
     async def _ask_ticket(self, peer: bytes, request: ModelRequestType) -> BlobTicket:
         await self._dialled_first(peer)
-        try:
-            ticket = await self._network.request_model_blob_ticket(peer, request)
-        except SharableModelFailure as e:
-            if isinstance(request, ModelRequestType.Parameter):
-                self._note_answers(peer, [TicketResult.Err(e.error)])
-            raise
-        if isinstance(request, ModelRequestType.Parameter):
-            self._note_answers(peer, [TicketResult.Ok(ticket)])
-        return ticket
+        return await self._network.request_model_blob_ticket(peer, request)
 
     async def _ask_tickets(self, peer: bytes, names: list[str]) -> list[TicketResult]:
         await self._dialled_first(peer)
         results = await self._network.request_model_blob_tickets(peer, names)
+        if any(isinstance(r, TicketResult.Ok) for r in results):
+            self._check_version(peer, results_version(results))
         self._note_answers(peer, results)
         errors = [r.value for r in results if isinstance(r, TicketResult.Err)]
         if errors and len(errors) == len(results) and all(map(not_serving_now, errors)):
@@ -306,6 +344,23 @@ class ModelDownload:
             await self.scheduler.wait_for_capacity()
             downloads.start_soon(self._complete_parameter, name, ticket, share)
 
+    async def _ticket_again(self, name: str) -> BlobTicket:
+        """A fresh ticket for `name` (its blob failed), from whichever peer is next: a batch
+        of one, so that the answer names its model's version like every other."""
+        while True:
+            if self._exhausted:
+                raise PeersUnreachable("Peers were unreachable for P2P parameter requests")
+            results, peer = await blob_ticket_batch_request_task(
+                [name], self._ask_tickets, self.peer_manager, request_timeout=batch_timeout(1)
+            )
+            match results[0]:
+                case TicketResult.Ok(ticket):
+                    found: BlobTicket = ticket
+                    return found
+                case TicketResult.Err(error):
+                    logger.debug("peer %s has no ticket for %s: %s", fmt_short(peer), name, error)
+                    self.peer_manager.report_blob_ticket_request_error(peer)
+
     async def _fetch_config(self) -> TransmittableModelConfig:
         while True:
             ticket = await self._request_ticket(ModelRequestType.Config())
@@ -342,7 +397,7 @@ class ModelDownload:
             self._failed(ticket, result)
             await self.scheduler.wait_for_capacity()
             try:
-                ticket = await self._request_ticket(request)
+                ticket = await self._ticket_again(name)
             except BaseException:
                 self.scheduler.release_capacity()
                 raise

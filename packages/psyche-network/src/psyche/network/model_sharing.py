@@ -7,12 +7,18 @@ upstream asks the application through `ParameterRequest`/`ModelConfigRequest` ev
 `postcard(Result<BlobTicket, SharableModelError>)` (at most 16384 bytes) and closes. The bytes
 themselves then travel as ordinary blobs; what they hold is `sharable_model`'s.
 
-`/psyche/model-sharing-batch/0` (a port extension) asks for many parameters in one stream, so a
+`/psyche/model-sharing-batch/1` (a port extension) asks for many parameters in one stream, so a
 joining client pays one round trip per peer instead of one per tensor: the requester writes
 `postcard(Vec<String>)` (at most `MAX_BATCH_NAMES` names, `MAX_BATCH_REQUEST_BYTES`) and
 half-closes; the provider answers each name as a single request (all concurrently) and writes
-`postcard(Vec<Result<BlobTicket, SharableModelError>>)`, one result per name in order (at most
-`MAX_BATCH_RESPONSE_BYTES`).
+`postcard(ModelTickets { version: Option<u64>, results: Vec<Result<BlobTicket,
+SharableModelError>> })`, one result per name in order (at most `MAX_BATCH_RESPONSE_BYTES`).
+`version` names the model the tickets are of (`SharableModel.version`: the run's step the model
+starts, the same on every honest provider), so that a joiner never mixes tickets of two serving
+windows' models: the blobs are content-addressed, but a ticket asked again (a failed blob) or
+of another peer after the next warmup began would be the newer model's. It is None when the
+provider's model has no version, or when the model was replaced while the batch was answered
+(its tickets are of two models). Version 0 of the protocol had no version.
 """
 
 from __future__ import annotations
@@ -22,9 +28,10 @@ from collections.abc import Awaitable, Callable
 import trio
 from libp2p.abc import IHost, INetStream
 
-from psyche.core.serde import PostcardError, from_bytes, to_bytes
+from psyche.core.serde import U64, PostcardError, from_bytes, struct, to_bytes
 from psyche.network import p2p_host
 from psyche.network.peer_manager import MODEL_REQUEST_TIMEOUT_SECS
+from psyche.network.sharable_model import noting_model_versions
 from psyche.network.ticket import BlobTicket
 from psyche.network.transmittable import (
     ModelRequestType,
@@ -36,10 +43,33 @@ from psyche.network.transmittable import (
 MODEL_SHARING_PROTOCOL = "/psyche/model-sharing/0"
 MAX_REQUEST_BYTES = 1000
 MAX_RESPONSE_BYTES = 16384
-MODEL_SHARING_BATCH_PROTOCOL = "/psyche/model-sharing-batch/0"
+MODEL_SHARING_BATCH_PROTOCOL = "/psyche/model-sharing-batch/1"
 MAX_BATCH_NAMES = 256
 MAX_BATCH_REQUEST_BYTES = 64 * 1024
 MAX_BATCH_RESPONSE_BYTES = 1 << 20
+
+
+@struct(frozen=True)
+class ModelTickets:
+    """A batch's answer on the wire: the version of the model its tickets are of."""
+
+    version: U64 | None
+    results: list[TicketResult]
+
+
+class VersionedResults(list[TicketResult]):
+    """A batch's results, one per name, with the version of the model they are of
+    (`ModelTickets.version`); a list, so that whoever only relays the results needs nothing
+    new."""
+
+    def __init__(self, results: list[TicketResult], version: int | None) -> None:
+        super().__init__(results)
+        self.version = version
+
+
+def results_version(results: list[TicketResult]) -> int | None:
+    """The model version a batch's results carry (None for results that carry none)."""
+    return results.version if isinstance(results, VersionedResults) else None
 
 
 AnswerFn = Callable[[ModelRequestType], Awaitable[TicketResult]]
@@ -98,15 +128,15 @@ def decode_batch_request(data: bytes) -> list[str]:
     return names
 
 
-def encode_batch_response(results: list[TicketResult]) -> bytes:
-    return to_bytes(results, list[TicketResult])
+def encode_batch_response(results: list[TicketResult], version: int | None) -> bytes:
+    return to_bytes(ModelTickets(version, results))
 
 
-def decode_batch_response(data: bytes, names: int) -> list[TicketResult]:
-    results = from_bytes(data, list[TicketResult])
-    if len(results) != names:
-        raise PostcardError(f"{len(results)} results for {names} names")
-    return results
+def decode_batch_response(data: bytes, names: int) -> VersionedResults:
+    answer = from_bytes(data, ModelTickets)
+    if len(answer.results) != names:
+        raise PostcardError(f"{len(answer.results)} results for {names} names")
+    return VersionedResults(answer.results, answer.version)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -121,8 +151,9 @@ async def request_ticket(host: IHost, peer: bytes, request: ModelRequestType) ->
     return decode_response(raw)
 
 
-async def request_tickets(host: IHost, peer: bytes, names: list[str]) -> list[TicketResult]:
-    """Ask `peer` (already connected) for the tickets of `names`, one result per name."""
+async def request_tickets(host: IHost, peer: bytes, names: list[str]) -> VersionedResults:
+    """Ask `peer` (already connected) for the tickets of `names`, one result per name, and the
+    version of the model they are of."""
     raw = await p2p_host.request(
         host,
         peer,
@@ -135,7 +166,9 @@ async def request_tickets(host: IHost, peer: bytes, names: list[str]) -> list[Ti
 
 async def serve_batch(stream: INetStream, allowed: p2p_host.AllowFn, answer: AnswerFn) -> None:
     """Answer one inbound batch: every name answered concurrently, all within `batch_timeout`
-    (a name left unanswered gets `ResponseChannelNotInitialized`)."""
+    (a name left unanswered gets `ResponseChannelNotInitialized`), with the version of the
+    model the tickets came from (`answer` reaches the node's `SharableModel`, whose
+    `answer_request` notes the version it answered from)."""
 
     async def handle() -> None:
         with trio.fail_after(MODEL_REQUEST_TIMEOUT_SECS):
@@ -148,11 +181,12 @@ async def serve_batch(stream: INetStream, allowed: p2p_host.AllowFn, answer: Ans
         async def answer_one(index: int, name: str) -> None:
             results[index] = await answer(ModelRequestType.Parameter(name))
 
-        with trio.move_on_after(batch_timeout(len(names))):
+        with noting_model_versions() as versions, trio.move_on_after(batch_timeout(len(names))):
             async with trio.open_nursery() as nursery:
                 for index, name in enumerate(names):
                     nursery.start_soon(answer_one, index, name)
-        response = encode_batch_response(results)
+        version = next(iter(versions)) if len(versions) == 1 else None
+        response = encode_batch_response(results, version)
         if len(response) > MAX_BATCH_RESPONSE_BYTES:
             raise ValueError(f"batch response of {len(response)} bytes")
         await stream.write(response)

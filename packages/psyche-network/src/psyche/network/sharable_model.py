@@ -11,7 +11,9 @@ never runs pickle), as it hands it the DisTrO payload type. psyche.network never
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any, Protocol
 
 import trio
@@ -73,8 +75,12 @@ class SharableModel:
     `add_parameter`, `add_config`, `take_parameters`."""
 
     def __init__(self) -> None:
+        self.version: int | None = None
+        """Which model the parameters are (`update_parameters`); None: not said."""
         self.parameters: dict[str, Any | None] | None = None
         self.serialized_parameters: dict[str, BlobTicket] | None = None
+        self._serializing: dict[str, trio.Event] = {}
+        """Parameters being serialized now (for `serialized_parameters`), set when done."""
         self.model_config: str | None = None
         self.tokenizer_config: str | None = None
         self.config_ticket: BlobTicket | None = None
@@ -82,11 +88,20 @@ class SharableModel:
 
     # provider ---------------------------------------------------------------------------------
 
-    def update_parameters(self, new_parameters: Mapping[str, Any]) -> None:
+    def update_parameters(
+        self, new_parameters: Mapping[str, Any], version: int | None = None
+    ) -> None:
+        """Serve `new_parameters` from now on; `version` names the model so that joiners can
+        tell two serving windows' models apart: the client gives the run's step the model
+        starts (one past the last step trained into it), which every honest provider of the
+        same model gives alike, the ones that trained the epoch and the ones that loaded the
+        model in the warmup."""
         if self.parameters is not None and set(new_parameters) != set(self.parameters):
             raise SharableModelFailure(SharableModelError.InvalidUpdate())
+        self.version = version
         self.parameters = dict(new_parameters)
         self.serialized_parameters = {}
+        self._serializing = {}
 
     def update_config(self, model_config: str, tokenizer_config: str) -> None:
         self.model_config = model_config
@@ -96,25 +111,63 @@ class SharableModel:
     async def get_transmittable_parameter(
         self, name: str, add_downloadable: AddDownloadable, codec: ParameterCodec
     ) -> BlobTicket:
-        if self.parameters is None or self.serialized_parameters is None:
-            raise SharableModelFailure(SharableModelError.ParametersNotInitialized())
-        cached = self.serialized_parameters.get(name)
-        if cached is not None:
-            return cached
+        """The parameter's ticket, serializing it on first request; a request for a parameter
+        already being serialized (another joiner's, or `serialize_ahead`) waits for that one
+        instead of serializing it twice."""
+        while True:
+            if self.parameters is None or self.serialized_parameters is None:
+                raise SharableModelFailure(SharableModelError.ParametersNotInitialized())
+            cached = self.serialized_parameters.get(name)
+            if cached is not None:
+                return cached
+            under_way = self._serializing.get(name)
+            if under_way is None:
+                break
+            await under_way.wait()  # then its ticket, or (it failed) serialize it here
         if name not in self.parameters:
             raise SharableModelFailure(SharableModelError.ParameterUnknown(name))
         tensor = self.parameters[name]
         if tensor is None:
             raise SharableModelFailure(SharableModelError.ParameterNotInitialized(name))
-        serialized = self.serialized_parameters
-        value = await trio.to_thread.run_sync(codec.encode, tensor)
-        payload = TransmittableModelParameter(name.encode("utf-8"), value)
+        serialized, serializing = self.serialized_parameters, self._serializing
+        done = serializing[name] = trio.Event()
         try:
-            ticket, _ = await add_downloadable(payload, parameter_tag(name))
-        except Exception as e:
-            raise SharableModelFailure(SharableModelError.P2PAddDownloadError(str(e))) from e
-        serialized[name] = ticket
+            value = await trio.to_thread.run_sync(codec.encode, tensor)
+            payload = TransmittableModelParameter(name.encode("utf-8"), value)
+            try:
+                ticket, _ = await add_downloadable(payload, parameter_tag(name))
+            except Exception as e:
+                raise SharableModelFailure(SharableModelError.P2PAddDownloadError(str(e))) from e
+            serialized[name] = ticket
+        finally:
+            done.set()
+            if serializing.get(name) is done:
+                del serializing[name]
         return ticket
+
+    async def serialize_ahead(
+        self, add_downloadable: AddDownloadable, codec: ParameterCodec
+    ) -> None:
+        """Serialize every parameter now, one at a time, so that the first joiner's ticket
+        requests find them ready (a provider serializing on request answered a cold fetch's
+        first ticket batch 0.3-0.5 s late on a loaded machine: the serialization, and its
+        first-use costs, under the load of the new connections). Stops early when the model is
+        replaced or no longer served. The serialized model stays in the blob store for the
+        serving window (a model-sized copy, which serving it whole to one joiner makes too)."""
+        serialized = self.serialized_parameters
+        if self.parameters is None or serialized is None:
+            return
+        for name in list(self.parameters):
+            if self.serialized_parameters is not serialized:  # replaced, or serving ended
+                break
+            try:
+                await self.get_transmittable_parameter(name, add_downloadable, codec)
+            except SharableModelFailure as e:  # no longer served, or the store refused it
+                logger.debug("serializing the model ahead stopped at %s: %s", name, e)
+                break
+            except Exception as e:  # an optimization: a request serializes it (or says why)
+                logger.warning("serializing the model ahead stopped at %s: %r", name, e)
+                break
 
     async def get_transmittable_config(self, add_downloadable: AddDownloadable) -> BlobTicket:
         if self.config_ticket is not None:
@@ -138,6 +191,7 @@ class SharableModel:
     def clear_cache(self) -> None:
         self.config_ticket = None
         self.serialized_parameters = None
+        self._serializing = {}
 
     def stop_sharing(self) -> None:
         """Serve nothing until the next `update_parameters`: the run went on without this
@@ -184,13 +238,35 @@ class SharableModel:
         return out
 
 
+_versions_answered: ContextVar[set[int | None] | None] = ContextVar(
+    "model_versions_answered", default=None
+)
+
+
+@contextmanager
+def noting_model_versions() -> Iterator[set[int | None]]:
+    """The versions of the models `answer_request` answered from with a ticket, inside this
+    block, in this task or the tasks it starts: how a batch's server (`model_sharing`) learns
+    which model its tickets are of, through the node's answer function, which passes only the
+    request."""
+    noted: set[int | None] = set()
+    token = _versions_answered.set(noted)
+    try:
+        yield noted
+    finally:
+        _versions_answered.reset(token)
+
+
 async def answer_request(
     request: ModelRequestType,
     model: SharableModel,
     add_downloadable: AddDownloadable,
     codec: ParameterCodec,
 ) -> TicketResult:
-    """What a provider replies to a parameter or config request."""
+    """What a provider replies to a parameter or config request; a ticket's model version is
+    noted (`noting_model_versions`) as it was when the request came, so a model replaced while
+    a tensor was serialized is told apart."""
+    version = model.version
     try:
         match request:
             case ModelRequestType.Parameter(name):
@@ -200,5 +276,8 @@ async def answer_request(
     except SharableModelFailure as failure:
         refused: TicketResult = TicketResult.Err(failure.error)
         return refused
+    noted = _versions_answered.get()
+    if noted is not None:
+        noted.add(version)
     answered: TicketResult = TicketResult.Ok(ticket)
     return answered
