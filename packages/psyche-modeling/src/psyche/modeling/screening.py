@@ -176,7 +176,9 @@ class Verdict:
     problem: str | None
     """Why the result is refused; None when it passes."""
     checked: bool = True
-    """False when the witness had no update of its own that round (only the copy check ran)."""
+    """False when the agreement could not be measured: the witness had no update of its own
+    that round and no accepted result of an earlier round (the norm against the round's other
+    results and the copy check ran)."""
 
     @property
     def passed(self) -> bool:
@@ -438,6 +440,8 @@ class WitnessScreen:
         self._aggregate: torch.Tensor | None = None
         self._aggregate_scale = 1.0
         self._aggregate_norm = 0.0
+        self._norm_level = 0.0
+        """The median norm of the results accepted in the last closed round that had any."""
         self._agreements: dict[Hashable, deque[float]] = {}
         self._levels: deque[float] = deque(maxlen=settings.level_rounds)
         """The median `t` of each of the last rounds (`level_rounds`)."""
@@ -523,6 +527,17 @@ class WitnessScreen:
             products.append(piece.mul_(values))
         return _sum_agreement(products)
 
+    def _blind_agreement(self, flat: Flat) -> float | None:
+        """`t` of a result along the recent aggregate alone (a witness with no update of its
+        own this round); None when it has none yet."""
+        with self._lock:
+            aggregate = self._aggregate
+            if aggregate is None or self._aggregate_norm == 0.0:
+                return None
+            at = _at(aggregate, flat.positions)  # the aggregate changes only under the lock
+        sizes = [values.numel() for _, values in flat.parts]
+        return agreement(zip(at.split(sizes), (v for _, v in flat.parts)))
+
     def _combined(self, own: _Own, aggregate: torch.Tensor | None, factor: float) -> torch.Tensor:
         """The direction over the whole domain, `own * scale (+ aggregate * factor)`, built
         into one kept buffer the first time a round asks (again when the aggregate changed
@@ -550,17 +565,23 @@ class WitnessScreen:
         self._direction_key = (own.serial, version)
         return buffer
 
-    def _decide(self, sender: Hashable, measure: Measure, screen: RoundScreen) -> Verdict:
+    def _decide(
+        self, sender: Hashable, measure: Measure, screen: RoundScreen, measured: bool
+    ) -> Verdict:
+        """`measured`: the agreement was measured (against the own update, or without one
+        against the recent aggregate); called under the lock."""
         settings = self.settings
         earlier = [*screen.seen, *(fp for rnd in self._fingerprints for fp in rnd)]
         reference = screen.reference
         problem = None
+        history = self._agreements.setdefault(sender, deque(maxlen=settings.window_rounds))
         if reference is not None:
-            history = self._agreements.setdefault(sender, deque(maxlen=settings.window_rounds))
             history.append(measure.agreement)
             problem = self._first_order_problem(
-                measure, reference, history, self._level_list(screen)
+                measure, reference.own_norm, history, self._level_list(screen)
             )
+        else:
+            problem = self._blind_problem(measure, screen, history, measured)
         if problem is None:
             for fingerprint in earlier:
                 cosine = measure.fingerprint.cosine(fingerprint)
@@ -572,20 +593,55 @@ class WitnessScreen:
                 measure.agreement
             )
         screen.seen.append(measure.fingerprint)
-        return Verdict(measure, problem, checked=reference is not None)
+        if problem is None:
+            screen.accepted_norms.append(measure.norm)
+        return Verdict(measure, problem, checked=reference is not None or measured)
+
+    def _blind_problem(
+        self, measure: Measure, screen: RoundScreen, history: deque[float], measured: bool
+    ) -> str | None:
+        """The checks of a witness with no update of its own this round (its training was
+        cut by the round's timeout, a verifier, a member that has just joined): it used to
+        vouch for every result that was not a copy. Now each result is judged against the
+        others: its norm against the median norm of the round's other results checked here so
+        far (before any, of the results this witness accepted in its last closed round), its
+        agreement, measured against the recent aggregate of accepted results, against the
+        median agreement of the round's other results checked here so far (leave-one-out: the
+        result itself is not in it, and one hostile result of three cannot move it), halved:
+        a member back with a fresh momentum agrees about half as strongly as the others, and
+        with no own update there is no second round's level to soften one round's. The
+        round's blind agreements are on another scale than the own update's, so they set no
+        level for later rounds. Called under the lock."""
+        others_t, others_norm = screen.blind_agreements, screen.blind_norms
+        basis = statistics.median(others_norm) if others_norm else self._norm_level
+        levels = [statistics.median(others_t) / 2] if others_t and measured else []
+        if measured:
+            history.append(measure.agreement)
+        problem = self._first_order_problem(measure, basis, history if measured else (), levels)
+        others_norm.append(measure.norm)
+        if measured:
+            others_t.append(measure.agreement)
+        return problem
 
     def _first_order_problem(
-        self, measure: Measure, reference: _Own, history: Sequence[float], levels: Sequence[float]
+        self,
+        measure: Measure,
+        basis_norm: float,
+        history: Sequence[float],
+        levels: Sequence[float],
     ) -> str | None:
+        """`basis_norm`: the norm a result's is compared with (the witness's own sent result's;
+        without one, the round's other results'); 0: none."""
         settings = self.settings
         if measure.norm == 0.0:
             return "the update is zero"
-        if reference.own_norm > 0.0:
-            ratio = measure.norm / reference.own_norm
+        if basis_norm > 0.0:
+            ratio = measure.norm / basis_norm
             if not 1.0 / settings.max_norm_ratio <= ratio <= settings.max_norm_ratio:
                 return (
-                    f"norm {measure.norm:.4g} is {ratio:.3g}x this witness's own "
-                    f"({reference.own_norm:.4g}); at most {settings.max_norm_ratio:g}x either way"
+                    f"norm {measure.norm:.4g} is {ratio:.3g}x the basis "
+                    f"({basis_norm:.4g}: this witness's own, or without one the round's "
+                    f"others'); at most {settings.max_norm_ratio:g}x either way"
                 )
         t = measure.agreement
         if t < settings.min_agreement:
@@ -625,6 +681,8 @@ class WitnessScreen:
                 norm = float(torch.linalg.vector_norm(aggregate))
                 self._aggregate_norm = self._aggregate_scale * norm
                 self._aggregate_version += 1
+            if screen.accepted_norms:
+                self._norm_level = statistics.median(screen.accepted_norms)
             self._last_round_checks = screen.checks
             if screen.checks < self.settings.precombine_from:
                 self._direction = self._direction_key = None  # the next round gathers
@@ -656,7 +714,12 @@ class RoundScreen:
         self.agreements: list[float] = []
         """The `t` of each result that passed (and, below, of each refused one)."""
         self.refused_agreements: list[float] = []
+        self.blind_agreements: list[float] = []
+        self.blind_norms: list[float] = []
+        """Without a reference: the `t` (against the aggregate) and norm of every result
+        checked so far, each judged against the others' medians (`_blind_problem`)."""
         self.accepted: list[Flat] = []
+        self.accepted_norms: list[float] = []
         self.checks = 0
         """Results checked against a reference."""
         self.closed = False
@@ -679,6 +742,7 @@ class RoundScreen:
                 self.reference = mine
             self.seen.insert(0, fingerprint)
             self.accepted.append(flat)
+            self.accepted_norms.append(norm)
 
     def check(self, sender: Hashable, results: Sequence[DistroResult]) -> Verdict:
         """Whether `sender`'s result may be attested (measured outside the lock, decided and
@@ -687,12 +751,14 @@ class RoundScreen:
         flat = w.reader.flat(results)
         norm, fingerprint = w.reader.describe(flat, w.settings.sketch_size)
         own = self.reference
-        agreement = w._agreement(flat, own) if own is not None else 0.0
-        measure = Measure(agreement, norm, fingerprint)
+        measured: float | None = w._agreement(flat, own) if own is not None else None
+        if measured is None:
+            measured = w._blind_agreement(flat)
+        measure = Measure(measured or 0.0, norm, fingerprint)
         with w._lock:
             if own is not None:
                 self.checks += 1
-            verdict = w._decide(sender, measure, self)
+            verdict = w._decide(sender, measure, self, measured is not None)
             if verdict.passed:
                 self.accepted.append(flat)
         return verdict
