@@ -522,3 +522,73 @@ def test_a_new_witness_without_an_update_judges_the_norm_against_the_others() ->
     verdict = fresh.check(3, scaled)
     assert not verdict.passed
     assert "norm" in str(verdict.problem)
+
+
+class _ThreadedRound:
+    """One round checked by two independent witnesses with the same memory: the second with
+    its own reader, its own copies of every input and two torch threads instead of one."""
+
+    def __init__(self, first: RoundScreen, second: RoundScreen, pairs: Pairs) -> None:
+        self.first, self.second, self.pairs = first, second, pairs
+
+    def _second(self, call: Callable[[], Verdict | None]) -> Verdict | None:
+        torch.set_num_threads(2)
+        try:
+            return call()
+        finally:
+            torch.set_num_threads(1)
+
+    def set_reference(self, reference: Reference, own_sent: Sequence[DistroResult]) -> None:
+        self.first.set_reference(reference, own_sent)
+        mine = (copy.deepcopy(reference), copy.deepcopy(list(own_sent)))
+        self._second(lambda: self.second.set_reference(*mine))
+
+    def check(self, sender: Hashable, results: Sequence[DistroResult]) -> Verdict:
+        a = self.first.check(sender, results)
+        mine = copy.deepcopy(list(results))
+        b = self._second(lambda: self.second.check(sender, mine))
+        assert b is not None
+        self.pairs.append((a, b))
+        return a
+
+    def close(self) -> None:
+        self.first.close()
+        self.second.close()
+
+
+class _ThreadedTwin:
+    def __init__(self, panel: WitnessPanel, pairs: Pairs) -> None:
+        self.screens = (
+            WitnessScreen(panel.reader, panel.settings),
+            WitnessScreen(copy.deepcopy(panel.reader), panel.settings),
+        )
+        self.pairs = pairs
+
+    def open_round(self) -> _ThreadedRound:
+        return _ThreadedRound(
+            self.screens[0].open_round(), self.screens[1].open_round(), self.pairs
+        )
+
+
+@pytest.mark.parametrize("form", ["distro", "sparse"])
+def test_two_independent_witnesses_reach_the_same_verdicts_bit_for_bit(form: str) -> None:
+    """Every honest witness with the same inputs must reach the same verdict, whatever its
+    thread count: two instances (their own readers and copies of every input, one with one
+    torch thread, one with two) check every result of a run with a sign-flipping and a copying
+    member: every `t`, norm and fingerprint equal to the bit. torch splits a reduction of
+    32,768 values or more between threads, and the split changes the low bits: the whole-result
+    sums gave other `t`s at 1 and 2 threads."""
+    pairs: Pairs = []
+
+    def twins(panel: WitnessPanel) -> None:
+        vars(panel)["screens"] = {w: _ThreadedTwin(panel, pairs) for w in panel.screens}
+
+    hostile = {3: HostileMember(Attack.SignFlip, start=2), 4: HostileMember(Attack.Copy, seed=4)}
+    run(form, 5, hostile, steps=6, prepare=twins)
+    assert len(pairs) >= 30
+    for a, b in pairs:
+        assert a.measure.agreement.hex() == b.measure.agreement.hex()
+        assert a.measure.norm.hex() == b.measure.norm.hex()
+        assert torch.equal(a.measure.fingerprint.sketch, b.measure.fingerprint.sketch)
+        assert a.problem == b.problem
+    assert any(not a.passed for a, _ in pairs)
