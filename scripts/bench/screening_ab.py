@@ -27,11 +27,9 @@ from types import ModuleType
 
 import torch
 
-from psyche.core.batch_id import BatchId
 from psyche.modeling import screening
 from psyche.modeling.configs import llama_config_dict
 from psyche.modeling.distro import DistroResult
-from psyche.modeling.trainer import Batch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import poison  # scripts/bench/poison.py: the cost rounds' trainers
@@ -90,22 +88,8 @@ def run(modules: dict[str, ModuleType], size: str, clients: int, rounds: int) ->
     checks: dict[str, list[float]] = {name: [] for name in modules}
     verdicts: list[dict[str, list[tuple[float, bool]]]] = []
     for step in range(1, rounds + 1):
-        sent: list[list[DistroResult]] = []
-        reference = None
-        for i, trainer in enumerate((own, peer)):
-            ids = data[((step - 1) * 2 + i) * rows : ((step - 1) * 2 + i + 1) * rows]
-            t = time.process_time()
-            out = trainer.train_exact(
-                step, Batch(ids), warmup_lr_between=None, zero_optim=False,
-                prev_self_distro_results=prev[i],
-            )  # fmt: skip
-            prepared = trainer.prepare_result(out, step=step, batch_id=BatchId(i, i))
-            if i == 0:
-                train.append(time.process_time() - t)
-                reference = trainer.screening_reference()
-            prev[i] = [out.distro_results or []]
-            sent.append(prepared.sent)
-        assert reference is not None
+        seconds, reference, sent = poison.cost_round((own, peer), data, rows, step, prev)
+        train.append(seconds)
         seen = {}
         for name in sorted(modules, reverse=step % 2 == 0):
             m = modules[name]

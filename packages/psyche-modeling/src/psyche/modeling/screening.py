@@ -425,11 +425,14 @@ def sampled_norm(tensors: Iterable[torch.Tensor]) -> float:
     total = 0.0
     span = _NORM_BLOCK * _NORM_EVERY
     rows = _ENTRIES // _NORM_BLOCK
+    rest = []
     for t in tensors:
         bulk = t.numel() // span * span
-        blocks = t[:bulk].view(-1, _NORM_EVERY, _NORM_BLOCK)[:, 0]
-        total += sum(_sum_squares(b) for b in blocks.split(rows)) * _NORM_EVERY
-        total += _sum_squares(t[bulk:])
+        if bulk:
+            blocks = t[:bulk].view(-1, _NORM_EVERY, _NORM_BLOCK)[:, 0]
+            total += sum(_sum_squares(b) for b in blocks.split(rows)) * _NORM_EVERY
+        rest.append(t[bulk:])
+    total += _sum_squares(torch.cat(rest)) if rest else 0.0
     return math.sqrt(total)
 
 
@@ -490,12 +493,9 @@ def agreement(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> float:
 
 
 def _sum_agreement(products: Iterable[torch.Tensor]) -> float:
-    """`t` from the products `v_i r_i`, summed part by part."""
-    num = den = 0.0
-    for prod in products:
-        a, b = _serial_sums(prod)
-        num += a
-        den += b
+    """`t` from the products `v_i r_i` of every part, summed together (one copy, then a
+    fixed number of slices however many parts the model has)."""
+    num, den = _serial_sums(torch.cat([prod.reshape(-1) for prod in products]))
     return num / math.sqrt(den) if den > 0.0 else 0.0
 
 
