@@ -34,6 +34,15 @@ witness first compares each decoded result with what it knows of the run:
   cosine; at `duplicate_cosine` or above the later one is refused (a copy of another member's
   result, a replay of an older one).
 
+A witness with no update of its own in a round (its training cut by the timeout, a verifier, a
+member that has just joined) judges each result against the round's others checked so far
+(`WitnessScreen._blind_problem`): the norm against their median, the agreement along its recent
+aggregate against half their median agreement.
+
+Every sum is taken in slices below torch's threading grain and added in order
+(`_serial_sums`), so two witnesses with the same inputs get the same bits of every statistic
+whatever their thread counts.
+
 `WitnessScreen` is one witness's memory over a run, `RoundScreen` one round of it. The client
 puts only results that pass into its witness blooms (`psyche.client.round.payloads`). Nothing here
 decides what a client applies: that is the coordinator's consensus over the witnesses' blooms,
