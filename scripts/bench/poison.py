@@ -31,7 +31,7 @@ import argparse
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -40,11 +40,13 @@ import torch
 from psyche.core.batch_id import BatchId
 from psyche.core.definitions import DilocoTransmission, LearningRateSchedule
 from psyche.modeling.diloco import DilocoPeerSimulation, DilocoSettings
+from psyche.modeling.distro import DistroResult
 from psyche.modeling.hostile import Attack, HostileMember, HostileMembers
 from psyche.modeling.research import DistroSettings, PeerSimulation
 from psyche.modeling.screening import (
     DILOCO_SCREENING,
     DISTRO_SCREENING,
+    Reference,
     Tally,
     WitnessScreen,
     screening_settings,
@@ -202,6 +204,38 @@ def _cost_trainer(
     return Trainer(model, schedule, definition, micro_batch_size=1)
 
 
+def cost_round(
+    trainers: tuple[Trainer, Trainer],
+    data: torch.Tensor,
+    rows: int,
+    step: int,
+    prev: dict[int, list[list[DistroResult]]],
+    sync: Callable[[], None] = lambda: None,
+) -> tuple[float, Reference, list[list[DistroResult]]]:
+    """One cost round of the witness's trainer and its peer's, each on its own `rows` rows:
+    the witness's training (CPU seconds: forward/backward, `generate`, the payload), its
+    reference, and both sent results (`prev`: each one's last results, updated)."""
+    sent: list[list[DistroResult]] = []
+    seconds, reference = 0.0, None
+    for i, trainer in enumerate(trainers):
+        sync()
+        ids = data[((step - 1) * 2 + i) * rows : ((step - 1) * 2 + i + 1) * rows]
+        t = time.process_time()
+        out = trainer.train_exact(
+            step, Batch(ids), warmup_lr_between=None, zero_optim=False,
+            prev_self_distro_results=prev[i],
+        )  # fmt: skip
+        prepared = trainer.prepare_result(out, step=step, batch_id=BatchId(i, i))
+        if i == 0:
+            sync()
+            seconds = time.process_time() - t
+            reference = trainer.screening_reference()
+        prev[i] = [out.distro_results or []]
+        sent.append(prepared.sent)
+    assert reference is not None
+    return seconds, reference, sent
+
+
 def bench_cost(
     sizes: list[str],
     clients: int,
@@ -254,27 +288,12 @@ def bench_cost(
             }
             auto_combined = clients - 1 >= settings.precombine_from
             data = D.bigram_corpus(2 * rounds * rows, seq, vocab).to(own.model.device)
-            prev: dict[int, list] = {0: [], 1: []}  # type: ignore[type-arg]
+            prev: dict[int, list[list[DistroResult]]] = {0: [], 1: []}
             train, apply = [], []
             check: dict[str, list[float]] = {way: [] for way in ways}
             for step in range(1, rounds + 1):
-                results = []
-                for i, trainer in enumerate((own, peer)):
-                    sync()
-                    rows_i = data[((step - 1) * 2 + i) * rows : ((step - 1) * 2 + i + 1) * rows]
-                    t = time.process_time()
-                    out = trainer.train_exact(
-                        step, Batch(rows_i), warmup_lr_between=None, zero_optim=False,
-                        prev_self_distro_results=prev[i],
-                    )  # fmt: skip
-                    prepared = trainer.prepare_result(out, step=step, batch_id=BatchId(i, i))
-                    if i == 0:
-                        sync()
-                        train.append(time.process_time() - t)
-                        reference = trainer.screening_reference()
-                    prev[i] = [out.distro_results or []]
-                    results.append(prepared.sent)
-                assert reference is not None
+                seconds, reference, results = cost_round((own, peer), data, rows, step, prev, sync)
+                train.append(seconds)
                 agreements = {}
                 for way in sorted(ways, reverse=step % 2 == 0):
                     t = time.process_time()

@@ -225,8 +225,8 @@ def test_a_copy_is_refused_in_whichever_round_it_comes() -> None:
     assert "copy" in str(mine.problem)
     first.close()
     later = screen.open_round()
-    replayed = later.check(3, sent[3])  # no reference this round: only the copy check runs
-    assert not replayed.checked
+    replayed = later.check(3, sent[3])  # no reference this round: judged against the others
+    assert replayed.checked  # along the first round's accepted results
     assert not replayed.passed
     assert "copy" in str(replayed.problem)
 
@@ -433,3 +433,162 @@ def test_a_round_checked_while_the_one_before_is_still_open_has_that_rounds_leve
     alone = WitnessScreen(reader, DILOCO_SCREENING).open_round()
     alone.set_reference(reader.reference(diloco), sent[0])
     assert alone.check(1, noise).passed
+
+
+_Blind = tuple[int, Hashable, Verdict]
+
+
+class _CutRound:
+    """A witness's round whose own update never comes (`keep`: it does): its training cut by
+    the round's timeout, as a verifier's or a fresh joiner's rounds are; every verdict kept."""
+
+    def __init__(self, rnd: RoundScreen, number: int, verdicts: list[_Blind]) -> None:
+        self.rnd, self.number, self.verdicts = rnd, number, verdicts
+        self.keep = number % 2 == 0
+
+    def set_reference(self, reference: Reference, own_sent: Sequence[DistroResult]) -> None:
+        if self.keep:
+            self.rnd.set_reference(reference, own_sent)
+
+    def check(self, sender: Hashable, results: Sequence[DistroResult]) -> Verdict:
+        verdict = self.rnd.check(sender, results)
+        if not self.keep:
+            self.verdicts.append((self.number, sender, verdict))
+        return verdict
+
+    def close(self) -> None:
+        self.rnd.close()
+
+
+class _CutWitness:
+    """A witness with an update of its own only in every other round (round 0 included); the
+    verdicts of the others kept with their round."""
+
+    def __init__(self, screen: WitnessScreen) -> None:
+        self.screen = screen
+        self.rounds = itertools.count()
+        self.verdicts: list[_Blind] = []
+
+    def open_round(self) -> _CutRound:
+        return _CutRound(self.screen.open_round(), next(self.rounds), self.verdicts)
+
+
+@pytest.mark.parametrize(
+    ("form", "attack"),
+    [("distro", Attack.SignFlip), ("bf16", Attack.SignFlip), ("int8", Attack.Scaled)],
+)
+def test_a_witness_without_an_update_of_its_own_still_refuses_a_hostile_result(
+    form: str, attack: Attack
+) -> None:
+    """A witness that trained nothing in a round used to vouch for every result that was not a
+    copy: one such witness's vote and the hostile member's own make a quorum of a four-member
+    run. Now it judges each result against the others: the agreement along the results it
+    accepted in earlier rounds against the median of the round's other results (leave-one-out),
+    the norm against their median norm. Every honest witness of the run here has no update of
+    its own in every other round: from the round the attack starts, none of the hostile
+    member's results passes such a round, no honest one is refused, and none is applied."""
+    cut: dict[int, _CutWitness] = {}
+
+    def cut_witnesses(panel: WitnessPanel) -> None:
+        cut.update({w: _CutWitness(screen) for w, screen in panel.screens.items()})
+        vars(panel)["screens"] = cut  # stand-ins with the methods the panel calls
+
+    tally, _ = run(form, 4, {3: HostileMember(attack, start=3)}, steps=16, prepare=cut_witnesses)
+    blind = [verdict for w in cut.values() for verdict in w.verdicts]
+    assert len(blind) >= 3 * 3 * 3
+    assert all(v.checked for _, _, v in blind)  # each had an earlier round's accepted results
+    lies = [v for rnd, sender, v in blind if sender == 3 and rnd >= 3]
+    assert len(lies) >= 3 * 2
+    assert not any(v.passed for v in lies), [v.measure for v in lies if v.passed]
+    honest = [v for _, sender, v in blind if sender != 3]
+    assert all(v.passed for v in honest), [v.problem for v in honest if not v.passed]
+    assert tally.honest_refused == 0, tally.refusals
+    assert all(r < 3 for r, _ in tally.hostile_applied), tally.hostile_applied
+
+
+def test_a_new_witness_without_an_update_judges_the_norm_against_the_others() -> None:
+    """A witness that has neither an update of its own nor an accepted result of an earlier
+    round (a member that has just joined) cannot measure agreement, but a result scaled to
+    the format's bound stands out against the median norm of the round's other results."""
+    diloco, sent = honest_results("int8")
+    reader = ResultReader.of(diloco)
+    fmt = DilocoFormat(diloco.layouts())
+    scaled = [fmt.at_bound(r, i) for i, r in enumerate(sent[3])]
+    fresh = WitnessScreen(reader, DILOCO_SCREENING).open_round()
+    first = fresh.check(0, sent[0])
+    assert first.passed
+    assert not first.checked
+    assert all(fresh.check(i, sent[i]).passed for i in (1, 2))
+    verdict = fresh.check(3, scaled)
+    assert not verdict.passed
+    assert "norm" in str(verdict.problem)
+
+
+class _ThreadedRound:
+    """One round checked by two independent witnesses with the same memory: the second with
+    its own reader, its own copies of every input and two torch threads instead of one."""
+
+    def __init__(self, first: RoundScreen, second: RoundScreen, pairs: Pairs) -> None:
+        self.first, self.second, self.pairs = first, second, pairs
+
+    def _second(self, call: Callable[[], Verdict | None]) -> Verdict | None:
+        torch.set_num_threads(2)
+        try:
+            return call()
+        finally:
+            torch.set_num_threads(1)
+
+    def set_reference(self, reference: Reference, own_sent: Sequence[DistroResult]) -> None:
+        self.first.set_reference(reference, own_sent)
+        mine = (copy.deepcopy(reference), copy.deepcopy(list(own_sent)))
+        self._second(lambda: self.second.set_reference(*mine))
+
+    def check(self, sender: Hashable, results: Sequence[DistroResult]) -> Verdict:
+        a = self.first.check(sender, results)
+        mine = copy.deepcopy(list(results))
+        b = self._second(lambda: self.second.check(sender, mine))
+        assert b is not None
+        self.pairs.append((a, b))
+        return a
+
+    def close(self) -> None:
+        self.first.close()
+        self.second.close()
+
+
+class _ThreadedTwin:
+    def __init__(self, panel: WitnessPanel, pairs: Pairs) -> None:
+        self.screens = (
+            WitnessScreen(panel.reader, panel.settings),
+            WitnessScreen(copy.deepcopy(panel.reader), panel.settings),
+        )
+        self.pairs = pairs
+
+    def open_round(self) -> _ThreadedRound:
+        return _ThreadedRound(
+            self.screens[0].open_round(), self.screens[1].open_round(), self.pairs
+        )
+
+
+@pytest.mark.parametrize("form", ["distro", "sparse"])
+def test_two_independent_witnesses_reach_the_same_verdicts_bit_for_bit(form: str) -> None:
+    """Every honest witness with the same inputs must reach the same verdict, whatever its
+    thread count: two instances (their own readers and copies of every input, one with one
+    torch thread, one with two) check every result of a run with a sign-flipping and a copying
+    member: every `t`, norm and fingerprint equal to the bit. torch splits a reduction of
+    32,768 values or more between threads, and the split changes the low bits: the whole-result
+    sums gave other `t`s at 1 and 2 threads."""
+    pairs: Pairs = []
+
+    def twins(panel: WitnessPanel) -> None:
+        vars(panel)["screens"] = {w: _ThreadedTwin(panel, pairs) for w in panel.screens}
+
+    hostile = {3: HostileMember(Attack.SignFlip, start=2), 4: HostileMember(Attack.Copy, seed=4)}
+    run(form, 5, hostile, steps=6, prepare=twins)
+    assert len(pairs) >= 30
+    for a, b in pairs:
+        assert a.measure.agreement.hex() == b.measure.agreement.hex()
+        assert a.measure.norm.hex() == b.measure.norm.hex()
+        assert torch.equal(a.measure.fingerprint.sketch, b.measure.fingerprint.sketch)
+        assert a.problem == b.problem
+    assert any(not a.passed for a, _ in pairs)

@@ -34,6 +34,15 @@ witness first compares each decoded result with what it knows of the run:
   cosine; at `duplicate_cosine` or above the later one is refused (a copy of another member's
   result, a replay of an older one).
 
+A witness with no update of its own in a round (its training cut by the timeout, a verifier, a
+member that has just joined) judges each result against the round's others checked so far
+(`WitnessScreen._blind_problem`): the norm against their median, the agreement along its recent
+aggregate against half their median agreement.
+
+Every sum is taken in slices below torch's threading grain and added in order
+(`_serial_sums`), so two witnesses with the same inputs get the same bits of every statistic
+whatever their thread counts.
+
 `WitnessScreen` is one witness's memory over a run, `RoundScreen` one round of it. The client
 puts only results that pass into its witness blooms (`psyche.client.round.payloads`). Nothing here
 decides what a client applies: that is the coordinator's consensus over the witnesses' blooms,
@@ -80,6 +89,11 @@ _INDEX_DTYPES = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.int6
 _SLICE = 1 << 18
 # entries of a result whose per-entry work runs together (`_slices`: 128 KiB of int64)
 _ENTRIES = 1 << 14
+# a model-sized norm reads one block of `_NORM_BLOCK` values in `_NORM_EVERY` (`sampled_norm`)
+_NORM_BLOCK = 1024
+_NORM_EVERY = 16
+# a DisTrO result's fingerprint reads the entries of one block in `_SKETCH_EVERY`
+_SKETCH_EVERY = 4
 
 
 @dataclass(frozen=True)
@@ -176,7 +190,9 @@ class Verdict:
     problem: str | None
     """Why the result is refused; None when it passes."""
     checked: bool = True
-    """False when the witness had no update of its own that round (only the copy check ran)."""
+    """False when the agreement could not be measured: the witness had no update of its own
+    that round and no accepted result of an earlier round (the norm against the round's other
+    results and the copy check ran)."""
 
     @property
     def passed(self) -> bool:
@@ -192,6 +208,8 @@ class Flat:
     positions: torch.Tensor | None
     values: torch.Tensor
     parts: list[tuple[torch.Tensor | None, torch.Tensor]]
+    sketched: torch.Tensor | None = None
+    """The entries the fingerprint reads (`ResultReader.describe`); None: every one."""
 
 
 class ResultReader:
@@ -218,6 +236,7 @@ class ResultReader:
         # a dense result's fingerprint reads every `stride`-th value (about 64k of them)
         self._stride = max(1, self.size // 65_536) if self.dense_form else 1
         self._sampled_hash: tuple[int, torch.Tensor, torch.Tensor] | None = None
+        self._sketch_cache: tuple[tuple[tuple[int, int, int], ...], torch.Tensor] | None = None
         self._starts_cache: (
             tuple[tuple[tuple[int, int, int], ...], torch.Tensor, torch.Tensor] | None
         ) = None
@@ -276,9 +295,9 @@ class ResultReader:
         if len({v.dtype for v in views}) == 1:
             raw = torch.cat([v.reshape(-1) for v in views])
         else:
-            raw = torch.cat([v.reshape(-1).to(torch.int64) for v in views])
-        if raw.dtype not in (torch.uint8, torch.int64):
-            raw = raw.to(torch.int64)  # torch adds no other unsigned type
+            raw = torch.cat([v.reshape(-1).to(local.dtype) for v in views])
+        if raw.dtype not in (torch.uint8, local.dtype):
+            raw = raw.to(local.dtype)  # torch adds no other unsigned type
         idx, positions = torch.empty_like(shifted), torch.empty_like(shifted)
         for part, out, here, start, start_here in _slices(raw, positions, idx, shifted, local):
             torch.add(part, start, out=out)
@@ -294,16 +313,36 @@ class ResultReader:
         parts: list[tuple[torch.Tensor | None, torch.Tensor]] = list(
             zip(idx.split(sizes), values.split(sizes))
         )
-        return Flat(positions, values, parts)
+        return Flat(positions, values, parts, self._sketched(shape))
+
+    def _sketched(self, shape: tuple[tuple[int, int, int], ...]) -> torch.Tensor:
+        """The entries of every `_SKETCH_EVERY`-th block of each part, for results of `shape`
+        (`_starts`); the last shape's are kept. A block's entries are all in or all out, so a
+        copy with its entries reordered within their blocks (the same update) has the same
+        fingerprint; a quarter of the entries still puts about 45 per bucket at 20M, c16 k8."""
+        cached = self._sketch_cache
+        if cached is None or cached[0] != shape:
+            firsts = itertools.accumulate((n for _, n, _ in shape), initial=0)
+            picked = torch.cat(
+                [
+                    torch.arange(first, first + n).view(-1, k)[::_SKETCH_EVERY].reshape(-1)
+                    for (_, n, k), first in zip(shape, firsts)
+                ]
+            )
+            cached = self._sketch_cache = (shape, picked)
+        return cached[1]
 
     def _starts(self, shape: tuple[tuple[int, int, int], ...]) -> tuple[torch.Tensor, torch.Tensor]:
         """Each entry's block start within its part and within the whole domain, for results
-        whose parts are `(totalk, entries, entries per block)`; the last shape's are kept."""
+        whose parts are `(totalk, entries, entries per block)`; the last shape's are kept.
+        int32 while the domain allows (`_position_dtype`): half the memory traffic of every
+        per-entry operation, the same values."""
         cached = self._starts_cache
+        dtype = _position_dtype(self.size)
         if cached is None or cached[0] != shape:
             local = torch.cat(
                 [
-                    torch.arange(n // k, dtype=torch.int64)
+                    torch.arange(n // k, dtype=dtype)
                     .mul_(totalk)
                     .unsqueeze(1)
                     .expand(-1, k)
@@ -313,7 +352,7 @@ class ResultReader:
             )
             offsets = torch.cat(
                 [
-                    torch.full((n,), offset, dtype=torch.int64)
+                    torch.full((n,), offset, dtype=dtype)
                     for (_, n, _), offset in zip(shape, self.offsets)
                 ]
             )
@@ -346,7 +385,7 @@ class ResultReader:
 
     def describe(self, flat: Flat, sketch_size: int) -> tuple[float, Fingerprint]:
         """A result's norm and fingerprint."""
-        norm = float(torch.linalg.vector_norm(flat.values))
+        norm = math.sqrt(_sum_squares(flat.values))
         if flat.positions is None:
             _, bucket, sign = self._dense_hash(sketch_size)
             signed = flat.values[:: self._stride] * sign
@@ -355,7 +394,11 @@ class ResultReader:
             # slice by slice, each slice's work in cache; the sketch adds the same values in
             # the same order as one `index_add_` of the whole result
             sketch = torch.zeros(sketch_size)
-            for positions, values in _slices(flat.positions, flat.values):
+            read_at, read = flat.positions, flat.values
+            if flat.sketched is not None:
+                read_at = read_at.index_select(0, flat.sketched)
+                read = read.index_select(0, flat.sketched)
+            for positions, values in _slices(read_at, read):
                 bucket, sign = _hash(positions, sketch_size)
                 sketch.index_add_(0, bucket, sign.mul_(values))
         return norm, Fingerprint(sketch, float(torch.linalg.vector_norm(sketch)))
@@ -373,6 +416,52 @@ def _domain_numel(layout: DilocoLayout) -> int:
         assert layout.sparse is not None
         return math.prod(layout.sparse.xshape)
     return layout.numel
+
+
+def _position_dtype(size: int) -> torch.dtype:
+    """The integer type of positions in a domain of `size` values (`index_select` and
+    `index_add_` take int32 indices as they take int64)."""
+    return torch.int32 if size < 2**31 else torch.int64
+
+
+def sampled_norm(tensors: Iterable[torch.Tensor]) -> float:
+    """The L2 norm of flat float32 tensors together, estimated from one block of
+    `_NORM_BLOCK` values in every `_NORM_EVERY` (a tensor smaller than that whole), the
+    estimate of each tensor's sum of squares scaled to its size. A sixteenth of a model-sized
+    read: the norms of the own update and the aggregate only weigh the two against each
+    other in the direction, where a percent does not matter, and the same bits give the same
+    estimate on every witness (the checks stay deterministic)."""
+    total = 0.0
+    span = _NORM_BLOCK * _NORM_EVERY
+    rows = _ENTRIES // _NORM_BLOCK
+    rest = []
+    for t in tensors:
+        bulk = t.numel() // span * span
+        if bulk:
+            blocks = t[:bulk].view(-1, _NORM_EVERY, _NORM_BLOCK)[:, 0]
+            total += sum(_sum_squares(b) for b in blocks.split(rows)) * _NORM_EVERY
+        rest.append(t[bulk:])
+    total += _sum_squares(torch.cat(rest)) if rest else 0.0
+    return math.sqrt(total)
+
+
+def _sum_squares(x: torch.Tensor) -> float:
+    """`sum(x^2)` the same to the bit whatever torch's thread count (`_serial_sums`)."""
+    return sum(float(s.square().sum()) for s in x.reshape(-1).split(_ENTRIES))
+
+
+def _serial_sums(x: torch.Tensor) -> tuple[float, float]:
+    """`sum(x)` and `sum(x^2)`, the same to the bit whatever torch's thread count: torch
+    splits a reduction between threads only from 32,768 values (`at::internal::GRAIN_SIZE`),
+    so each `_ENTRIES`-long slice is reduced by one thread in one order, and the slices'
+    partial sums are added in Python, in order. (A whole-tensor `sum` or BLAS `dot` gave
+    other low bits at 1, 2 and 4 threads, so two witnesses with the same inputs could reach
+    different verdicts at a threshold.)"""
+    num = den = 0.0
+    for s in x.reshape(-1).split(_ENTRIES):
+        num += float(s.sum())
+        den += float(s.square().sum())
+    return num, den
 
 
 def _hash(positions: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -413,11 +502,9 @@ def agreement(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> float:
 
 
 def _sum_agreement(products: Iterable[torch.Tensor]) -> float:
-    """`t` from the products `v_i r_i`, summed part by part."""
-    num = den = 0.0
-    for prod in products:
-        num += float(prod.sum())
-        den += float(torch.dot(prod, prod))
+    """`t` from the products `v_i r_i` of every part, summed together (one copy, then a
+    fixed number of slices however many parts the model has)."""
+    num, den = _serial_sums(torch.cat([prod.reshape(-1) for prod in products]))
     return num / math.sqrt(den) if den > 0.0 else 0.0
 
 
@@ -438,6 +525,8 @@ class WitnessScreen:
         self._aggregate: torch.Tensor | None = None
         self._aggregate_scale = 1.0
         self._aggregate_norm = 0.0
+        self._norm_level = 0.0
+        """The median norm of the results accepted in the last closed round that had any."""
         self._agreements: dict[Hashable, deque[float]] = {}
         self._levels: deque[float] = deque(maxlen=settings.level_rounds)
         """The median `t` of each of the last rounds (`level_rounds`)."""
@@ -523,6 +612,17 @@ class WitnessScreen:
             products.append(piece.mul_(values))
         return _sum_agreement(products)
 
+    def _blind_agreement(self, flat: Flat) -> float | None:
+        """`t` of a result along the recent aggregate alone (a witness with no update of its
+        own this round); None when it has none yet."""
+        with self._lock:
+            aggregate = self._aggregate
+            if aggregate is None or self._aggregate_norm == 0.0:
+                return None
+            at = _at(aggregate, flat.positions)  # the aggregate changes only under the lock
+        sizes = [values.numel() for _, values in flat.parts]
+        return agreement(zip(at.split(sizes), (v for _, v in flat.parts)))
+
     def _combined(self, own: _Own, aggregate: torch.Tensor | None, factor: float) -> torch.Tensor:
         """The direction over the whole domain, `own * scale (+ aggregate * factor)`, built
         into one kept buffer the first time a round asks (again when the aggregate changed
@@ -550,17 +650,23 @@ class WitnessScreen:
         self._direction_key = (own.serial, version)
         return buffer
 
-    def _decide(self, sender: Hashable, measure: Measure, screen: RoundScreen) -> Verdict:
+    def _decide(
+        self, sender: Hashable, measure: Measure, screen: RoundScreen, measured: bool
+    ) -> Verdict:
+        """`measured`: the agreement was measured (against the own update, or without one
+        against the recent aggregate); called under the lock."""
         settings = self.settings
         earlier = [*screen.seen, *(fp for rnd in self._fingerprints for fp in rnd)]
         reference = screen.reference
         problem = None
+        history = self._agreements.setdefault(sender, deque(maxlen=settings.window_rounds))
         if reference is not None:
-            history = self._agreements.setdefault(sender, deque(maxlen=settings.window_rounds))
             history.append(measure.agreement)
             problem = self._first_order_problem(
-                measure, reference, history, self._level_list(screen)
+                measure, reference.own_norm, history, self._level_list(screen)
             )
+        else:
+            problem = self._blind_problem(measure, screen, history, measured)
         if problem is None:
             for fingerprint in earlier:
                 cosine = measure.fingerprint.cosine(fingerprint)
@@ -572,20 +678,55 @@ class WitnessScreen:
                 measure.agreement
             )
         screen.seen.append(measure.fingerprint)
-        return Verdict(measure, problem, checked=reference is not None)
+        if problem is None:
+            screen.accepted_norms.append(measure.norm)
+        return Verdict(measure, problem, checked=reference is not None or measured)
+
+    def _blind_problem(
+        self, measure: Measure, screen: RoundScreen, history: deque[float], measured: bool
+    ) -> str | None:
+        """The checks of a witness with no update of its own this round (its training was
+        cut by the round's timeout, a verifier, a member that has just joined): it used to
+        vouch for every result that was not a copy. Now each result is judged against the
+        others: its norm against the median norm of the round's other results checked here so
+        far (before any, of the results this witness accepted in its last closed round), its
+        agreement, measured against the recent aggregate of accepted results, against the
+        median agreement of the round's other results checked here so far (leave-one-out: the
+        result itself is not in it, and one hostile result of three cannot move it), halved:
+        a member back with a fresh momentum agrees about half as strongly as the others, and
+        with no own update there is no second round's level to soften one round's. The
+        round's blind agreements are on another scale than the own update's, so they set no
+        level for later rounds. Called under the lock."""
+        others_t, others_norm = screen.blind_agreements, screen.blind_norms
+        basis = statistics.median(others_norm) if others_norm else self._norm_level
+        levels = [statistics.median(others_t) / 2] if others_t and measured else []
+        if measured:
+            history.append(measure.agreement)
+        problem = self._first_order_problem(measure, basis, history if measured else (), levels)
+        others_norm.append(measure.norm)
+        if measured:
+            others_t.append(measure.agreement)
+        return problem
 
     def _first_order_problem(
-        self, measure: Measure, reference: _Own, history: Sequence[float], levels: Sequence[float]
+        self,
+        measure: Measure,
+        basis_norm: float,
+        history: Sequence[float],
+        levels: Sequence[float],
     ) -> str | None:
+        """`basis_norm`: the norm a result's is compared with (the witness's own sent result's;
+        without one, the round's other results'); 0: none."""
         settings = self.settings
         if measure.norm == 0.0:
             return "the update is zero"
-        if reference.own_norm > 0.0:
-            ratio = measure.norm / reference.own_norm
+        if basis_norm > 0.0:
+            ratio = measure.norm / basis_norm
             if not 1.0 / settings.max_norm_ratio <= ratio <= settings.max_norm_ratio:
                 return (
-                    f"norm {measure.norm:.4g} is {ratio:.3g}x this witness's own "
-                    f"({reference.own_norm:.4g}); at most {settings.max_norm_ratio:g}x either way"
+                    f"norm {measure.norm:.4g} is {ratio:.3g}x the basis "
+                    f"({basis_norm:.4g}: this witness's own, or without one the round's "
+                    f"others'); at most {settings.max_norm_ratio:g}x either way"
                 )
         t = measure.agreement
         if t < settings.min_agreement:
@@ -622,9 +763,11 @@ class WitnessScreen:
                 if self._aggregate_scale < 1e-6:
                     aggregate.mul_(self._aggregate_scale)
                     self._aggregate_scale = 1.0
-                norm = float(torch.linalg.vector_norm(aggregate))
+                norm = sampled_norm([aggregate])
                 self._aggregate_norm = self._aggregate_scale * norm
                 self._aggregate_version += 1
+            if screen.accepted_norms:
+                self._norm_level = statistics.median(screen.accepted_norms)
             self._last_round_checks = screen.checks
             if screen.checks < self.settings.precombine_from:
                 self._direction = self._direction_key = None  # the next round gathers
@@ -656,7 +799,12 @@ class RoundScreen:
         self.agreements: list[float] = []
         """The `t` of each result that passed (and, below, of each refused one)."""
         self.refused_agreements: list[float] = []
+        self.blind_agreements: list[float] = []
+        self.blind_norms: list[float] = []
+        """Without a reference: the `t` (against the aggregate) and norm of every result
+        checked so far, each judged against the others' medians (`_blind_problem`)."""
         self.accepted: list[Flat] = []
+        self.accepted_norms: list[float] = []
         self.checks = 0
         """Results checked against a reference."""
         self.closed = False
@@ -672,13 +820,14 @@ class RoundScreen:
         mine = None
         if self.reference is None:
             tensors = w.reader.domain(reference)
-            size = math.sqrt(sum(float(torch.dot(t, t)) for t in tensors))
+            size = sampled_norm(tensors)
             mine = _Own(tensors, 1.0 / size if size > 0.0 else 0.0, norm, next(w._serials))
         with w._lock:
             if self.reference is None:
                 self.reference = mine
             self.seen.insert(0, fingerprint)
             self.accepted.append(flat)
+            self.accepted_norms.append(norm)
 
     def check(self, sender: Hashable, results: Sequence[DistroResult]) -> Verdict:
         """Whether `sender`'s result may be attested (measured outside the lock, decided and
@@ -687,12 +836,14 @@ class RoundScreen:
         flat = w.reader.flat(results)
         norm, fingerprint = w.reader.describe(flat, w.settings.sketch_size)
         own = self.reference
-        agreement = w._agreement(flat, own) if own is not None else 0.0
-        measure = Measure(agreement, norm, fingerprint)
+        measured: float | None = w._agreement(flat, own) if own is not None else None
+        if measured is None:
+            measured = w._blind_agreement(flat)
+        measure = Measure(measured or 0.0, norm, fingerprint)
         with w._lock:
             if own is not None:
                 self.checks += 1
-            verdict = w._decide(sender, measure, self)
+            verdict = w._decide(sender, measure, self, measured is not None)
             if verdict.passed:
                 self.accepted.append(flat)
         return verdict
