@@ -99,7 +99,12 @@ def test_two_clients_train_and_a_third_joins_from_peers(
     caplog.set_level(logging.INFO, logger="psyche.client")
     preload_modeling()  # as `psyche-client train` does before joining
     model_dir, data_dir = write_run(tmp_path)
-    server = InProcessServer(coordinator(model_dir, data_dir))
+    state = coordinator(model_dir, data_dir)
+    # a short first epoch: its time is up after its warmup and a round or so, then the two
+    # rounds the pipeline needs end it (the third applies the first's results); at 5 s it
+    # trained two rounds more, which nothing here looks at
+    state.config.epoch_time = scaled_timer(3)
+    server = InProcessServer(state)
 
     async def scenario() -> None:
         async with trio.open_nursery() as nursery:
