@@ -23,7 +23,7 @@ from psyche.coordinator.model import Model
 from psyche.core.definitions import OptimizerDefinition
 from psyche.modeling.distro import Distro, DistroResult
 
-from ..timing import scaled, scaled_timer
+from ..timing import scaled
 from .test_in_process_run import coordinator, run_client_until_finished, write_run
 
 
@@ -64,9 +64,6 @@ def test_two_clients_of_a_distro_run_end_with_the_same_model(
         route = OptimizerDefinition.DistroSparse(settings)
         state.model = Model.LLM(dataclasses.replace(llm, optimizer=route))
     state.config.total_steps = 6
-    # One epoch holds all six steps: an epoch boundary (cooldown, the wait for members, warmup
-    # and the two rounds at an epoch's end that train nothing) adds no apply, only seconds.
-    state.config.epoch_time = scaled_timer(30)
     server = InProcessServer(state)
     clients: dict[int, Client] = {}
 
