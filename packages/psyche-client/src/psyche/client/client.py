@@ -721,10 +721,20 @@ class Client:
         state = self.coordinator
         if state is None or state.run_state is not RunState.Warmup:
             return
+        shared = self.network.shared_model
+        if shared.parameters is None or shared.serialized_parameters is None:
+            return  # nothing served
         members = (c.id.p2p_identity for c in state.epoch_state.clients)
         if not fetchers_expected(members, self._last_epoch_members, self.network.endpoint_id):
             return
-        shared = self.network.shared_model
+        log_event(
+            logger,
+            "model_serialized_ahead",
+            quiet=True,
+            text=f"epoch {state.progress.epoch} has a joiner: serializing the shared model ahead",
+            epoch=state.progress.epoch,
+            version=shared.version,
+        )
         self._spawn(shared.serialize_ahead, self.network.add_downloadable, self.network.model_codec)
 
     def _spawn(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None:

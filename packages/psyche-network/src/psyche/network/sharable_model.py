@@ -197,6 +197,7 @@ class SharableModel:
         self.config_ticket = None
         self.serialized_parameters = None
         self._serializing = {}
+        self._ahead = None
 
     def stop_sharing(self) -> None:
         """Serve nothing until the next `update_parameters`: the run went on without this
