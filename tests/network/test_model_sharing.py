@@ -14,7 +14,7 @@ from psyche.network.connection import NetworkConnection
 from psyche.network.model_download import ModelDownload
 from psyche.network.model_sharing import results_version
 from psyche.network.peer_manager import MAX_ERRORS_PER_PEER, PeersUnreachable
-from psyche.network.sharable_model import SharableModel
+from psyche.network.sharable_model import SharableModel, fetchers_expected
 from psyche.network.testing import local_config, open_nodes, serve_model, wait_until
 from psyche.network.ticket import BlobTicket
 from psyche.network.transmittable import (
@@ -485,5 +485,39 @@ def test_a_model_serialized_ahead_is_serialized_once_and_stops_when_replaced() -
                 names[0], node.add_downloadable, codec
             )
             assert first.hash != other.hash  # not the replaced one's
+
+    trio.run(main)
+
+
+def test_a_model_is_serialized_ahead_only_for_an_epoch_with_a_joiner() -> None:
+    """Serializing ahead holds a model-sized copy on every provider: only for a warmup whose
+    clients include one that was not a client of the epoch before (it may fetch the model)."""
+    me, a, b, joiner = b"m" * 32, b"a" * 32, b"b" * 32, b"j" * 32
+    last = frozenset({me, a, b})
+    assert not fetchers_expected([me, a, b], last, me)  # the same clients: nobody fetches
+    assert not fetchers_expected([me, b], last, me)  # fewer
+    assert fetchers_expected([me, a, b, joiner], last, me)  # a joiner
+    assert fetchers_expected([a, joiner], frozenset({a}), me)  # me a joiner too: the other
+    assert not fetchers_expected([me, a], frozenset({a}), me)  # only me new: I hold it
+    assert fetchers_expected([me, a], None, me)  # the epoch before unseen: assume a joiner
+
+
+def test_serializing_ahead_twice_serializes_the_model_once() -> None:
+    """The client starts `serialize_ahead` when the model is shared in a warmup with a joiner
+    and when a warmup with a joiner starts while a model is shared; for one model, the second
+    start serializes nothing (and does not hold a second task on the model)."""
+    parameters = make_parameters(11)
+
+    async def main() -> None:
+        async with open_nodes(1, model_codec=TENSOR_CODEC) as (node,):
+            codec = CountingCodec()
+            model = provider_model(parameters)
+            await model.serialize_ahead(node.add_downloadable, codec)
+            assert len(codec.encoded) == len(parameters)
+            await model.serialize_ahead(node.add_downloadable, codec)
+            assert len(codec.encoded) == len(parameters)
+            model.update_parameters(make_parameters(12), 2)  # a new model: serialized again
+            await model.serialize_ahead(node.add_downloadable, codec)
+            assert len(codec.encoded) == 2 * len(parameters)
 
     trio.run(main)

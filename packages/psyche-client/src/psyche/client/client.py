@@ -88,6 +88,7 @@ from psyche.network import (
     PeerConnected,
     PeersUnreachable,
     choose_gossip_peers,
+    fetchers_expected,
 )
 
 if TYPE_CHECKING:
@@ -287,6 +288,9 @@ class Client:
         self._nursery: trio.Nursery | None = None
         self.coordinator: Coordinator | None = None
         self._last_state_bytes: bytes | None = None
+        self._last_epoch_members: frozenset[bytes] | None = None
+        """The clients of the epoch before the current one, as this client saw them (None: it
+        did not see it): they hold the model, so only others fetch it (`_share_model`)."""
         self.stage = "waiting"  # -> initializing -> running
         self._join_again = False
         """Set when this client must send `Join` again once it is off the epoch's list."""
@@ -421,6 +425,15 @@ class Client:
             self.network.shared_model.clear_cache()
             self.network.clear_bandwidth_tracking()
         self.coordinator = state
+        if state.run_state is RunState.Warmup and (
+            old is None or old.run_state is not RunState.Warmup
+        ):
+            self._last_epoch_members = (
+                None
+                if old is None
+                else frozenset(c.id.p2p_identity for c in old.epoch_state.clients)
+            )
+            self._serialize_model_ahead_if_fetched()
         if state.run_state is RunState.Finished:
             await self._finish_run(state)
             return
@@ -694,10 +707,34 @@ class Client:
 
     def _share_model(self, parameters: dict[str, torch.Tensor], version: int | None) -> None:
         """Serve `parameters` (the model of `version`: the run's step it starts) to joiners
-        from now until the next round starts, serialized ahead in the background so that a
-        joiner's first ticket requests find them ready."""
+        from now until the next round starts; serialized ahead once the warmup shows a member
+        that may fetch it (`_serialize_model_ahead_if_fetched`), else on request."""
+        self.network.shared_model.update_parameters(parameters, version)
+        self._serialize_model_ahead_if_fetched()
+
+    def _serialize_model_ahead_if_fetched(self) -> None:
+        """In a warmup with a member that was not a client of the epoch before (a joiner:
+        `fetchers_expected`), serialize the shared model in the background so that its first
+        ticket requests find it ready; otherwise not at all, since the serialized copy is as
+        large as the model and nobody would ask for it (a no-op when nothing is shared or it
+        was started already for this model)."""
+        state = self.coordinator
+        if state is None or state.run_state is not RunState.Warmup:
+            return
         shared = self.network.shared_model
-        shared.update_parameters(parameters, version)
+        if shared.parameters is None or shared.serialized_parameters is None:
+            return  # nothing served
+        members = (c.id.p2p_identity for c in state.epoch_state.clients)
+        if not fetchers_expected(members, self._last_epoch_members, self.network.endpoint_id):
+            return
+        log_event(
+            logger,
+            "model_serialized_ahead",
+            quiet=True,
+            text=f"epoch {state.progress.epoch} has a joiner: serializing the shared model ahead",
+            epoch=state.progress.epoch,
+            version=shared.version,
+        )
         self._spawn(shared.serialize_ahead, self.network.add_downloadable, self.network.model_codec)
 
     def _spawn(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None:

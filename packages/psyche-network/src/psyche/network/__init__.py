@@ -45,7 +45,7 @@ if TYPE_CHECKING:  # the names of _MODULES, each from its module (tests/test_fac
     from psyche.network.peer_manager import PeersUnreachable
     from psyche.network.reachability import relay_peer
     from psyche.network.relay import Relay, RelayOptions, open_relay
-    from psyche.network.sharable_model import ParameterCodec
+    from psyche.network.sharable_model import ParameterCodec, fetchers_expected
     from psyche.network.ticket import (
         BlobFormat,
         BlobTicket,
@@ -72,7 +72,7 @@ _MODULES = {
     ".peer_manager": ("PeersUnreachable",),
     ".reachability": ("relay_peer",),
     ".relay": ("Relay", "RelayOptions", "open_relay"),
-    ".sharable_model": ("ParameterCodec",),
+    ".sharable_model": ("ParameterCodec", "fetchers_expected"),
     ".ticket": (
         "BlobFormat",
         "BlobTicket",

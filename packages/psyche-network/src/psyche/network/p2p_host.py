@@ -44,6 +44,7 @@ from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
 from libp2p.custom_types import TProtocol
 from libp2p.host.ping import ID as PING_PROTOCOL_ID
 from libp2p.host.ping import PING_LENGTH
+from libp2p.network import swarm as libp2p_swarm
 from libp2p.network.config import ConnectionConfig
 from libp2p.network.exceptions import SwarmException
 from libp2p.network.stream.exceptions import StreamEOF, StreamError
@@ -205,6 +206,7 @@ def build_host(
     repeat per message a peer sends or per message published.
     """
     batch_window_updates()
+    end_dials_when_their_attempts_end()
     limit_libp2p_logs()
     key_pair = libp2p_key_pair(secret_key)
     noise = NoiseTransport(key_pair, noise_privkey=create_x25519_key_pair().private_key)
@@ -272,6 +274,30 @@ def batch_window_updates() -> None:
 _YAMUX_CREDIT_HOOK = "_auto_tune_and_send_window_update"
 """The `YamuxStream` method py-libp2p 0.8.1 calls after each read (a private name of the
 pinned version)."""
+
+
+def end_dials_when_their_attempts_end() -> None:
+    """Stop py-libp2p's dial loop from waiting 0.25 s after its last address (idempotent).
+
+    `Swarm.dial_peer` (0.8.1) starts a dial to one address, then waits `_HAPPY_EYEBALLS_DELAY`
+    (0.25 s) or until that dial has *failed* before the next address, and it waits after the
+    last address too: a dial that succeeds in 5 ms returns after 250 ms, unless the peer's
+    connection cap (`max_connections_per_peer`) is reached first. Every dial, a joiner's to its
+    model providers and a client's to each gossip neighbour, paid it.
+
+    The cap is not the lever: at 1, `add_conn` trims a peer's older connection whenever a
+    second one arrives, and a client keeps a relayed connection beside a hole-punched direct
+    one on purpose (`reachability`: the fallback path a stalled fetch moves to). With the delay
+    at 0 a dial returns when its attempts are over; what it attempts is unchanged: it picks at
+    most one address per transport class (ours: TCP, and a circuit address once one is in the
+    peerstore), and a circuit address it also dials was dialed 0.25 s after a successful TCP
+    one before as well (the cap of 3 did not stop it), now at once. `connect` still gives the
+    direct path its head start over the relay (`DIRECT_HEAD_START_SECS`)."""
+    setattr(libp2p_swarm, _HAPPY_EYEBALLS_DELAY, 0.0)
+
+
+_HAPPY_EYEBALLS_DELAY = "_HAPPY_EYEBALLS_DELAY"
+"""`libp2p.network.swarm`'s wait between dial attempts (a private name of the pinned version)."""
 
 
 def _advertised(

@@ -11,7 +11,7 @@ never runs pickle), as it hands it the DisTrO payload type. psyche.network never
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any, Protocol
@@ -81,6 +81,8 @@ class SharableModel:
         self.serialized_parameters: dict[str, BlobTicket] | None = None
         self._serializing: dict[str, trio.Event] = {}
         """Parameters being serialized now (for `serialized_parameters`), set when done."""
+        self._ahead: dict[str, BlobTicket] | None = None
+        """The `serialized_parameters` a `serialize_ahead` was started for (one per model)."""
         self.model_config: str | None = None
         self.tokenizer_config: str | None = None
         self.config_ticket: BlobTicket | None = None
@@ -152,11 +154,14 @@ class SharableModel:
         requests find them ready (a provider serializing on request answered a cold fetch's
         first ticket batch 0.3-0.5 s late on a loaded machine: the serialization, and its
         first-use costs, under the load of the new connections). Stops early when the model is
-        replaced or no longer served. The serialized model stays in the blob store for the
-        serving window (a model-sized copy, which serving it whole to one joiner makes too)."""
+        replaced or no longer served; a second call for the same model does nothing. The
+        serialized model stays in the blob store for the serving window (a model-sized copy,
+        which serving it whole to one joiner makes too): the client starts it only when a
+        member may fetch the model (`fetchers_expected`)."""
         serialized = self.serialized_parameters
-        if self.parameters is None or serialized is None:
-            return
+        if self.parameters is None or serialized is None or self._ahead is serialized:
+            return  # not served, or already started for this model
+        self._ahead = serialized
         for name in list(self.parameters):
             if self.serialized_parameters is not serialized:  # replaced, or serving ended
                 break
@@ -192,6 +197,7 @@ class SharableModel:
         self.config_ticket = None
         self.serialized_parameters = None
         self._serializing = {}
+        self._ahead = None
 
     def stop_sharing(self) -> None:
         """Serve nothing until the next `update_parameters`: the run went on without this
@@ -236,6 +242,24 @@ class SharableModel:
             out[name] = tensor
         self.parameters = None
         return out
+
+
+def fetchers_expected(
+    members: Iterable[bytes], last_members: frozenset[bytes] | None, me: bytes
+) -> bool:
+    """Whether an epoch whose clients are `members` (as its warmup names them) may have one that
+    fetches the model from its peers: a member other than `me` that was not a client of the
+    epoch before (`last_members`; None when this node did not see that epoch: assumed so).
+
+    The clients of the epoch before hold the model (they trained it, or were dropped and load
+    it anew: then they count as joiners only if they left the list), so an epoch of the same
+    clients, or fewer, fetches nothing, and serializing the model ahead for it would only hold
+    a second model-sized copy in host memory on every client. Who joins is known only at the
+    warmup (the pending clients are the coordinator's, not in its state), so a provider's
+    head start over a joiner is the joiner's own setup before it asks."""
+    if last_members is None:
+        return True
+    return any(m != me and m not in last_members for m in members)
 
 
 _versions_answered: ContextVar[set[int | None] | None] = ContextVar(
