@@ -1,5 +1,6 @@
 """The peers' address records a client has read are kept one per listed member, whatever how
-often members re-announce (`AddressRecords`, read with every state tick).
+often members re-announce (`AddressRecords`, read with every state tick), and only the epoch
+members' are verified and kept, however many other clients the backend lists first.
 
 The old set of every record ever read grew by one per re-announcement (a relay slot reserved
 or lost, a restart on a new port) and was never pruned."""
@@ -37,7 +38,7 @@ def test_re_announcements_replace_a_members_record() -> None:
     for round_ in range(100):  # every member re-announces a new port, 100 times
         listed = [_record(key, 10_000 + round_) for key in members]
         for _ in range(3):  # the same list comes with several state ticks
-            records.learn(listed, book.add_record)
+            records.learn(listed, book.add_record, {k.public_key for k in members})
         assert set(records.by_member) == {key.public_key for key in members}
         assert sorted(records.by_member.values()) == sorted(listed)
         newest = book.get(members[0].public_key)
@@ -50,21 +51,48 @@ def test_a_member_no_longer_listed_is_forgotten_and_refused_records_are_not_rech
     a, b = SecretKey.generate(), SecretKey.generate()
     signed = sign_address_record(a, EndpointAddr(a.public_key, []))
     forged = signed[:-1] + bytes([signed[-1] ^ 1])  # the signature's last byte changed
+    ids = {a.public_key, b.public_key}
     book = _CountingBook()
     records = AddressRecords()
     for _ in range(5):
-        records.learn([_record(a, 1), _record(b, 2), forged], book.add_record)
+        records.learn([_record(a, 1), _record(b, 2), forged], book.add_record, ids)
     assert book.verified == 3
     assert records.refused == {forged}
-    records.learn([_record(b, 2)], book.add_record)
+    records.learn([_record(b, 2)], book.add_record, ids)
     assert list(records.by_member) == [b.public_key]
     assert not records.refused
 
 
-def test_what_is_kept_never_exceeds_the_most_members_a_run_can_have() -> None:
-    keys = [SecretKey.generate() for _ in range(SOLANA_MAX_NUM_CLIENTS + 5)]
+def test_records_of_non_members_listed_first_keep_no_member_out() -> None:
+    """The backend lists 300 clients that are not the epoch's members (pending joiners of a
+    permissionless run) before the epoch's full set of members: every member's record is
+    learned, and no non-member's is verified. Before, the cap counted every record read, in
+    list order: the non-members' filled it and no member's record was ever learned."""
+    outsiders = [SecretKey.generate() for _ in range(300)]
+    members = [SecretKey.generate() for _ in range(SOLANA_MAX_NUM_CLIENTS)]
+    ids = {key.public_key for key in members}
+    listed = [_record(key, 1) for key in outsiders] + [_record(key, 2) for key in members]
     book = _CountingBook()
     records = AddressRecords()
-    records.learn([_record(key, 1) for key in keys], book.add_record)
-    assert len(records.by_member) == SOLANA_MAX_NUM_CLIENTS
-    assert book.verified == SOLANA_MAX_NUM_CLIENTS
+    for _ in range(3):
+        records.learn(listed, book.add_record, ids)
+    assert set(records.by_member) == ids
+    assert book.verified == SOLANA_MAX_NUM_CLIENTS  # each member's once; no outsider's
+    assert all(key.public_key not in book for key in outsiders)
+
+
+def test_refused_records_are_bounded_apart_from_members() -> None:
+    """A member's forged records (more than `SOLANA_MAX_NUM_CLIENTS` of them) are remembered
+    up to that bound, and take no place from the members' good records."""
+    member = SecretKey.generate()
+    other = SecretKey.generate()
+    signed = _record(member, 1)
+    forged = [signed[:-2] + i.to_bytes(2, "big") for i in range(SOLANA_MAX_NUM_CLIENTS + 50)]
+    book = _CountingBook()
+    records = AddressRecords()
+    records.learn(
+        [*forged, _record(other, 3)], book.add_record, {member.public_key, other.public_key}
+    )
+    assert len(records.refused) == SOLANA_MAX_NUM_CLIENTS
+    assert list(records.by_member) == [other.public_key]
+    assert book.get(member.public_key) is None

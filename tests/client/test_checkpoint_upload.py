@@ -82,6 +82,7 @@ def test_uploads_run_behind_the_epochs_and_the_newest_wins(
     hub.hold_commits = threading.Event()
     trainer = make_trainer()
     sent: list[Checkpoint] = []
+    shared: list[int] = []  # the version each cooldown's model is shared under
     config = CheckpointConfig(tmp_path / "ckpt", HubUpload(REPO, "token"), KeepPolicy(keep_steps=1))
     files = CheckpointFiles([], config_json_of(trainer.model), "")
     identity = NodeIdentity.from_single_key(bytes(range(32)))
@@ -93,7 +94,14 @@ def test_uploads_run_behind_the_epochs_and_the_newest_wins(
         async with trio.open_nursery() as nursery:
             tasks = Background(nursery)
             cooldown = Cooldown(
-                trainer, identity, INSTANCE, config, files, lambda _: None, sent.append, nursery
+                trainer,
+                identity,
+                INSTANCE,
+                config,
+                files,
+                lambda _, version: shared.append(version),
+                sent.append,
+                nursery,
             )
             assert cooldown.checkpointer is not None
             assert cooldown.checkpointer.uploader
@@ -125,6 +133,9 @@ def test_uploads_run_behind_the_epochs_and_the_newest_wins(
             hub.hold_commits.set()
             with trio.fail_after(120):
                 await cooldown.wait_for_checkpoints()
+            # each model is shared as of the step it starts (its cooldown's own, one past the
+            # last trained step), whatever the live state is when the extraction ends
+            assert shared == [10, 20, 30]
 
     trio.run(main)
     # step 19 was overtaken by 29 while it waited; the hub went from one whole commit to the next

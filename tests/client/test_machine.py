@@ -203,7 +203,7 @@ class BusIO:
         machine = self.node.machine
         self.bus.post(lambda: machine.apply_distro_result(blob, self.bus.blobs[blob]))
 
-    def share_model(self, parameters) -> None:  # type: ignore[no-untyped-def]
+    def share_model(self, parameters, version) -> None:  # type: ignore[no-untyped-def]
         pass
 
 

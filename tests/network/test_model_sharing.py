@@ -8,13 +8,19 @@ import pytest
 import torch
 import trio
 import trio.lowlevel
+import trio.testing
 
 from psyche.modeling.sharing import TENSOR_CODEC, model_hash
 from psyche.network.connection import NetworkConnection
 from psyche.network.model_download import ModelDownload
 from psyche.network.model_sharing import results_version
 from psyche.network.peer_manager import MAX_ERRORS_PER_PEER, PeersUnreachable
-from psyche.network.sharable_model import SharableModel, fetchers_expected
+from psyche.network.sharable_model import (
+    SharableModel,
+    answer_request,
+    fetchers_expected,
+    noting_model_versions,
+)
 from psyche.network.testing import local_config, open_nodes, serve_model, wait_until
 from psyche.network.ticket import BlobTicket
 from psyche.network.transmittable import (
@@ -372,15 +378,38 @@ def test_a_warmup_that_ends_mid_download_never_mixes_two_models(
     trio.run(main)
 
 
+async def lead_with(
+    monkeypatch: pytest.MonkeyPatch, joiner: NetworkConnection, leader: NetworkConnection
+) -> list[tuple[bytes, int | None]]:
+    """The joiner's batches to other peers wait until `leader` answered its first; returns
+    each answer's (peer, version), as they come."""
+    ask_many = joiner.request_model_blob_tickets
+    led = trio.Event()
+    versions: list[tuple[bytes, int | None]] = []
+
+    async def many(peer: bytes, names: list[str]) -> list[TicketResult]:
+        if peer != leader.endpoint_id:
+            await led.wait()
+        try:
+            results = await ask_many(peer, names)
+        finally:
+            if peer == leader.endpoint_id:
+                led.set()
+        versions.append((peer, results_version(results)))
+        return results
+
+    monkeypatch.setattr(joiner, "request_model_blob_tickets", many)
+    return versions
+
+
 @pytest.mark.parametrize("first", ["stale", "current"])
 def test_tickets_of_two_models_are_never_mixed(monkeypatch: pytest.MonkeyPatch, first: str) -> None:
-    """One peer still serves the last warmup's model (version 10), the other already the next
-    one's (version 20), and neither ever says "not serving now" in between. Every batch answer
-    names its model's version: when the stale peer answers first the joiner takes version 10,
-    then the current peer's answer shows the newer model and the download starts again (and
-    takes nothing older after); when the current peer answers first, the stale peer's answer
-    is refused as "not serving now". Either way the joiner ends with the whole newer model.
-    Before, tickets named no model: half of each came back, a mixture of two epochs'."""
+    """One peer still serves the last warmup's model (version 10), the other already the one
+    the joiner joins with (version 20), and neither ever says "not serving now" in between.
+    Every batch answer names its model's version: whichever peer answers first, the stale
+    peer's answer is refused as "not serving now" and the joiner ends with the whole model of
+    version 20, with no restart. Before versions, half of each came back, a mixture of two
+    epochs'."""
     before, after = make_parameters(7), make_parameters(8)
 
     async def main() -> None:
@@ -394,29 +423,57 @@ def test_tickets_of_two_models_are_never_mixed(monkeypatch: pytest.MonkeyPatch, 
                 nursery.start_soon(serve_model, provider, model)
             await introduce_all(joiner, [stale, current])
             leader = stale if first == "stale" else current
-            ask_many = joiner.request_model_blob_tickets
-            led = trio.Event()
-            versions: list[tuple[bytes, int | None]] = []
-
-            async def many(peer: bytes, names: list[str]) -> list[TicketResult]:
-                if peer != leader.endpoint_id:
-                    await led.wait()
-                try:
-                    results = await ask_many(peer, names)
-                finally:
-                    if peer == leader.endpoint_id:
-                        led.set()
-                versions.append((peer, results_version(results)))
-                return results
-
-            monkeypatch.setattr(joiner, "request_model_blob_tickets", many)
-            download = ModelDownload(joiner, [stale.endpoint_id, current.endpoint_id])
+            versions = await lead_with(monkeypatch, joiner, leader)
+            download = ModelDownload(
+                joiner, [stale.endpoint_id, current.endpoint_id], expected_version=20
+            )
             with trio.fail_after(120):
                 got = await download.run()
             assert model_hash(got.parameters) == model_hash(after)
             assert versions[0] == (leader.endpoint_id, 10 if first == "stale" else 20)
             assert (stale.endpoint_id, 10) in versions  # the stale peer was asked and answered
-            assert download.restarts == (1 if first == "stale" else 0)
+            assert download.restarts == 0
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_a_peer_claiming_a_huge_version_is_rested_not_followed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A hostile epoch member serves another model under version 2**64-1 and answers first.
+    The joiner takes only the version it joins with (its warmup's step): the hostile peer
+    rests as "not serving now" and the model comes whole from the two honest peers, with no
+    restart. Before, the joiner pinned the first version a peer named (or restarted on a
+    higher one) and then rested every honest peer as serving an older model, for ever."""
+    honest, bogus = make_parameters(11), make_parameters(12)
+    huge = 2**64 - 1
+
+    async def main() -> None:
+        async with (
+            open_nodes(4, model_codec=TENSOR_CODEC) as (a, b, hostile, joiner),
+            trio.open_nursery() as nursery,
+        ):
+            for provider, parameters, version in (
+                (a, honest, 7),
+                (b, honest, 7),
+                (hostile, bogus, huge),
+            ):
+                model = provider_model(parameters)
+                model.update_parameters(parameters, version)
+                nursery.start_soon(serve_model, provider, model)
+            await introduce_all(joiner, [a, b, hostile])
+            versions = await lead_with(monkeypatch, joiner, hostile)
+            download = joiner.model_download(
+                [hostile.endpoint_id, a.endpoint_id, b.endpoint_id], expected_version=7
+            )
+            with trio.fail_after(60):
+                got = await download.run()
+            assert versions[0] == (hostile.endpoint_id, huge)  # it answered, and first
+            assert model_hash(got.parameters) == model_hash(honest)
+            assert download.restarts == 0
+            assert download.peer_manager.errors_per_peer.get(a.endpoint_id, 0) == 0
+            assert download.peer_manager.errors_per_peer.get(b.endpoint_id, 0) == 0
             nursery.cancel_scope.cancel()
 
     trio.run(main)
@@ -519,5 +576,49 @@ def test_serializing_ahead_twice_serializes_the_model_once() -> None:
             model.update_parameters(make_parameters(12), 2)  # a new model: serialized again
             await model.serialize_ahead(node.add_downloadable, codec)
             assert len(codec.encoded) == 2 * len(parameters)
+
+    trio.run(main)
+
+
+def test_a_ticket_had_while_the_model_was_replaced_is_refused() -> None:
+    """Two joiners ask for one parameter: the first request serializes it, the second waits
+    for that one; the model is replaced (version 1 -> 2) meanwhile. Neither answer is labelled
+    version 1, whose tensor the second's ticket is not of: both are refused as "not serving
+    now" (the joiner asks again), and the next request is answered with version 2. Before,
+    the version was read when the request came: the second answer, a ticket of the new
+    model's tensor, was labelled version 1."""
+    parameters, newer = make_parameters(13), make_parameters(14)
+    name = next(iter(parameters))
+
+    async def main() -> None:
+        async with open_nodes(1, model_codec=TENSOR_CODEC) as (node,):
+            codec = CountingCodec()
+            codec.open.clear()
+            model = provider_model(parameters)
+            model.update_parameters(parameters, 1)
+            answers: list[tuple[TicketResult, set[int | None]]] = []
+
+            async def ask() -> None:
+                with noting_model_versions() as versions:
+                    result = await answer_request(
+                        ModelRequestType.Parameter(name), model, node.add_downloadable, codec
+                    )
+                answers.append((result, set(versions)))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(ask)
+                await wait_until(lambda: bool(codec.encoded), 30)  # the first serializes
+                nursery.start_soon(ask)
+                await trio.testing.wait_all_tasks_blocked()  # the second waits for it
+                model.update_parameters(newer, 2)
+                codec.open.set()
+            assert len(answers) == 2
+            for result, versions in answers:
+                assert result == TicketResult.Err(SharableModelError.ParametersNotInitialized())
+                assert versions == set()
+            await ask()
+            result, versions = answers[-1]
+            assert isinstance(result, TicketResult.Ok)
+            assert versions == {2}
 
     trio.run(main)

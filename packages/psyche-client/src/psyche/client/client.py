@@ -21,7 +21,7 @@ import random
 import re
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -89,6 +89,7 @@ from psyche.network import (
     PeersUnreachable,
     choose_gossip_peers,
     fetchers_expected,
+    record_signer,
 )
 
 if TYPE_CHECKING:
@@ -105,30 +106,40 @@ _ROUND_STATES = (RunState.RoundTrain, RunState.RoundWitness)
 
 @dataclass
 class AddressRecords:
-    """The peers' address records this client has read (from the backend's `PeerEndpoints`),
-    so that a record it read before costs a dict lookup, not a signature check, on the next
-    state tick (one each 0.5 s).
+    """The epoch members' address records this client has read (from the backend's
+    `PeerEndpoints`), so that a record it read before costs a dict lookup, not a signature
+    check, on the next state tick (one each 0.5 s).
 
+    The backend lists the records of every client it knows (the centralized server's: every
+    joined client, pending joiners too, unbounded in a permissionless run): only records whose
+    claimed signer (`record_signer`, read without verifying) is a member of the epoch are
+    verified and kept, so no number of non-members listed first keeps a member's record out.
     Keyed by member and replaced with each list read: a member's re-announcement replaces its
-    old record, and a member the backend no longer lists is forgotten, so what is kept is at
-    most one record per listed member and never more than `SOLANA_MAX_NUM_CLIENTS` (the most
-    members a run can have), however often members re-announce. Records that do not verify
-    are remembered (as read in the latest list, same bound) so as not to be checked again."""
+    old record, and a member the backend no longer lists (or the epoch no longer has) is
+    forgotten, so what is kept is at most one record per member, never more than
+    `SOLANA_MAX_NUM_CLIENTS` (the most members a run can have). Members' records that do not
+    verify are remembered (as read in the latest list, at most `SOLANA_MAX_NUM_CLIENTS` of
+    them) so as not to be checked again."""
 
     by_member: dict[bytes, bytes] = field(default_factory=dict)
     refused: set[bytes] = field(default_factory=set)
 
     def learn(
-        self, records: Iterable[bytes], add_record: Callable[[bytes], EndpointAddr | None]
+        self,
+        records: Iterable[bytes],
+        add_record: Callable[[bytes], EndpointAddr | None],
+        members: Collection[bytes],
     ) -> None:
         """Hand `add_record` (the address book's: verifies, returns the `EndpointAddr` or
-        None) every record not read before; keep the latest list's."""
+        None) every record of one of `members` (endpoint ids) not read before; keep the latest
+        list's."""
         known = {record: member for member, record in self.by_member.items()}
         by_member: dict[bytes, bytes] = {}
         refused: set[bytes] = set()
         for record in records:
-            if len(by_member) + len(refused) >= SOLANA_MAX_NUM_CLIENTS:
-                break
+            signer = record_signer(record)
+            if signer is None or signer not in members:
+                continue
             member = known.get(record)
             if member is None:
                 if record in self.refused:
@@ -136,7 +147,8 @@ class AddressRecords:
                     continue
                 addr = add_record(record)
                 if addr is None:
-                    refused.add(record)
+                    if len(refused) < SOLANA_MAX_NUM_CLIENTS:
+                        refused.add(record)
                     continue
                 member = bytes(addr.id)
             by_member[member] = record
@@ -223,13 +235,10 @@ class _LoopIO:
 
         self._queue("download", download)
 
-    def share_model(self, parameters: dict[str, torch.Tensor]) -> None:
-        # Called as the cooldown's model is ready: the state's step (the Cooldown's, or a
-        # later one's before the next round starts) is the step this model starts, the
-        # version every provider of it gives (`SharableModel.update_parameters`).
-        coordinator = self._client.coordinator
-        version = None if coordinator is None else coordinator.progress.step
-
+    def share_model(self, parameters: dict[str, torch.Tensor], version: int) -> None:
+        # `version`: the step this model starts (the cooldown's own, not the live state's,
+        # which may be a later round's when the extraction ends late), the version every
+        # provider of it gives (`SharableModel.update_parameters`).
         async def share() -> None:
             self._client._share_model(parameters, version)
 
@@ -388,7 +397,7 @@ class Client:
         # Peers' address records come beside the states, not in them: learn them with every
         # state received (the server sends one each tick), not only when the state changes (a
         # warmup's state stays the same for its whole length).
-        self._learn_peer_addresses()
+        self._learn_peer_addresses(state)
         encoded = state.to_bytes()
         if encoded == self._last_state_bytes:
             return
@@ -497,11 +506,12 @@ class Client:
         if isinstance(self.backend, Rejoin):
             await self.backend.rejoin()
 
-    def _learn_peer_addresses(self) -> None:
+    def _learn_peer_addresses(self, state: Coordinator) -> None:
         if not isinstance(self.backend, EndpointDiscovery):
             return
+        members = {c.id.p2p_identity for c in state.epoch_state.clients}
         self._known_records.learn(
-            self.backend.peer_endpoints(), self.network.address_book.add_record
+            self.backend.peer_endpoints(), self.network.address_book.add_record, members
         )
 
     def _ensure_gossip_connected(self, state: Coordinator) -> None:
@@ -584,8 +594,12 @@ class Client:
         configuration by `give_up_at` (a download under way is not cut short)."""
         me = self.network.endpoint_id
         peers = [c.id.p2p_identity for c in state.epoch_state.clients if c.id.p2p_identity != me]
+        # The warmup's step is the version every honest provider gives its model (a cooldown's
+        # `share_model`, or a joiner's `_on_init_done`): take no other, whatever a peer claims.
         download = self.network.model_download(
-            peers, max_concurrent=self.config.max_concurrent_parameter_requests
+            peers,
+            max_concurrent=self.config.max_concurrent_parameter_requests,
+            expected_version=state.progress.step,
         )
         try:
             async with trio.open_nursery() as nursery:

@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # the names of _MODULES, each from its module (tests/test_fac
     from psyche.network.connection import NetworkConfig, NetworkConnection
     from psyche.network.discovery import (
         default_local_discovery_dir,
+        record_signer,
         sign_address_record,
         verify_address_record,
     )
@@ -63,7 +64,12 @@ if TYPE_CHECKING:  # the names of _MODULES, each from its module (tests/test_fac
 
 _MODULES = {
     ".connection": ("NetworkConfig", "NetworkConnection"),
-    ".discovery": ("default_local_discovery_dir", "sign_address_record", "verify_address_record"),
+    ".discovery": (
+        "default_local_discovery_dir",
+        "record_signer",
+        "sign_address_record",
+        "verify_address_record",
+    ),
     ".download": ("Download", "DownloadComplete", "DownloadFailed", "DownloadOutcome"),
     ".events": ("MessageReceived", "NetworkEvent", "PeerConnected"),
     ".gossip": ("choose_gossip_peers",),

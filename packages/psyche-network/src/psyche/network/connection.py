@@ -698,9 +698,13 @@ class NetworkConnection:
         peers: Iterable[bytes],
         *,
         max_concurrent: int = DEFAULT_MAX_CONCURRENT_PARAMETER_REQUESTS,
+        expected_version: int | None = None,
     ) -> ModelDownload:
-        """The run's model from `peers` (`ModelDownload.run`), decoded with `model_codec`."""
-        return ModelDownload(self, peers, max_concurrent=max_concurrent)
+        """The run's model of `expected_version` (`SharableModel.version`) from `peers`
+        (`ModelDownload.run`), decoded with `model_codec`."""
+        return ModelDownload(
+            self, peers, max_concurrent=max_concurrent, expected_version=expected_version
+        )
 
     async def _answer_model_request(self, request: ModelRequestType) -> TicketResult:
         try:

@@ -48,6 +48,13 @@ def verify_address_record(raw: bytes) -> EndpointAddr:
     return addr
 
 
+def record_signer(raw: bytes) -> bytes | None:
+    """The endpoint a record claims signed it, read without verifying anything (postcard
+    writes `SignedMessage.from_`, 32 fixed bytes, first): to drop a record of no interest
+    before its signature is checked. None for a record too short to name one."""
+    return bytes(raw[:32]) if len(raw) >= 32 else None
+
+
 class AddressBook:
     """The latest known addresses of each endpoint, plus the signed record they came in.
 

@@ -30,10 +30,11 @@ download some tickets says so, its warmup ended before the download had every ti
 rest would come from the next warmup's (newer) model, so what was collected is dropped and the
 download starts again from the configuration, once the peers serve again: one model, never a
 mixture of two epochs'. Every batch answer names the version of the model its tickets are of
-(`model_sharing.ModelTickets`): the download keeps to the first version it is given; a peer
-that answers with an older one rests as if it served nothing now, and a newer one means the
-next warmup began while this download ran (a peer of the old model may never have said "not
-serving" in between): the download starts again, from then on taking nothing older.
+(`model_sharing.ModelTickets`), a claim of the answering peer: the download takes only the
+version the joiner already knows it wants (`expected_version`: its warmup's step, the version
+every honest provider of the epoch's model gives), never one a peer names. A peer that answers
+with any other version (a provider of an older or newer window's model, or a hostile one naming
+any number) rests as if it served nothing now; it neither pins nor restarts the download.
 
 Each step awaits its own `Download`, so the application's event loop has nothing to route here.
 The parameters are decoded with the network's `ParameterCodec` (the application's tensors); a
@@ -98,7 +99,10 @@ class ModelDownload:
         *,
         max_concurrent: int = DEFAULT_MAX_CONCURRENT_PARAMETER_REQUESTS,
         max_errors_per_peer: int = MAX_ERRORS_PER_PEER,
+        expected_version: int | None = None,
     ) -> None:
+        """`expected_version`: the version of the model to take (`SharableModel.version`: the
+        run's step it starts; None for a model served without one)."""
         self._network = network
         self._exhausted = False
         self._scope = trio.CancelScope()
@@ -121,11 +125,7 @@ class ModelDownload:
         self._served_by: set[bytes] = set()
         """Peers that answered this attempt with a parameter ticket."""
         self._serving_ended = False
-        self._version: int | None = None
-        """The version of the model this attempt's tickets are of (`_pinned`: one was given)."""
-        self._pinned = False
-        self._oldest_version = -1
-        """Versions below this are of a model a newer one replaced (None ranks as -1)."""
+        self._expected_version = expected_version
 
     def _on_exhausted(self) -> None:
         self._exhausted = True
@@ -176,7 +176,6 @@ class ModelDownload:
         peer again (the connections and blob sessions stay)."""
         self.restarts += 1
         self._serving_ended = False
-        self._pinned = False
         self._served_by = set()
         self._shares = {}
         self.model = SharableModel()
@@ -184,36 +183,18 @@ class ModelDownload:
         self.peer_manager.set_peers(self._peers)
 
     def _check_version(self, peer: bytes, version: int | None) -> None:
-        """Keep this attempt to one model: the first version given is pinned; an older one
-        makes the peer rest as if it served nothing now (raised as "not serving now"); a
-        newer one ends the attempt (`_start_again`), and nothing older is taken after."""
-        rank = -1 if version is None else version
-        if not self._pinned and rank >= self._oldest_version:
-            self._version, self._pinned = version, True
+        """Take only tickets of the expected model: a batch of any other version (the peer's
+        claim) makes the peer rest as if it served nothing now (raised as "not serving now");
+        a peer's version never pins nor restarts the download."""
+        if version == self._expected_version:
             return
-        pinned = -1 if self._version is None else self._version
-        if self._pinned and rank == pinned:
-            return
-        if not self._pinned or rank < pinned:
-            logger.info(
-                "peer %s serves an older model (version %s) than this download's: asking it "
-                "again later",
-                fmt_short(peer),
-                version,
-            )
-            raise SharableModelFailure(SharableModelError.ParametersNotInitialized())
-        if not self._serving_ended:
-            logger.warning(
-                "peer %s serves a newer model (version %s) than the %d parameters received "
-                "(version %s): the next warmup began, starting again with the newer model",
-                fmt_short(peer),
-                version,
-                sum(t is not None for t in (self.model.parameters or {}).values()),
-                self._version,
-            )
-            self._oldest_version = rank
-            self._serving_ended = True
-            self._attempt.cancel()
+        logger.info(
+            "peer %s serves another model (version %s) than the one this client joins with "
+            "(version %s): asking it again later",
+            fmt_short(peer),
+            version,
+            self._expected_version,
+        )
         raise SharableModelFailure(SharableModelError.ParametersNotInitialized())
 
     def _note_answers(self, peer: bytes, results: list[TicketResult]) -> None:

@@ -193,7 +193,7 @@ class Cooldown:
         run: RunInstance,
         checkpoint: CheckpointConfig | None,
         files: CheckpointFiles,
-        share_model: Callable[[dict[str, torch.Tensor]], None],
+        share_model: Callable[[dict[str, torch.Tensor], int], None],
         send_checkpoint: Callable[[Checkpoint], None],
         nursery: trio.Nursery,
     ) -> None:
@@ -233,7 +233,8 @@ class Cooldown:
                 model_hash=live_hash,
                 parameters=len(variables),
             )
-            self._share_model(variables)
+            # the step this model starts: its version, as joiners of the next epoch expect it
+            self._share_model(variables, step + 1)
             if self.checkpointer is not None:
                 kind = self.checkpointer.plan(step, final)
                 if kind is None:
