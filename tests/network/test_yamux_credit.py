@@ -37,11 +37,17 @@ def test_small_messages_draw_no_window_updates_and_a_bulk_transfer_still_flows()
                 nonlocal updates
                 conn: Any = stream.muxed_conn  # Yamux: its private frame writer is counted
                 write_frame = conn._write_frame
+                muxed: Any = stream.muxed_stream  # a YamuxStream
+                ours: int = muxed.stream_id
 
                 async def counted(data: bytes) -> None:
+                    # this stream's credit only: the connection also carries other streams
+                    # (identify, gossip, the RTT probe) whose opening frames are window updates
                     nonlocal updates
-                    _, kind, flags, _, _ = struct.unpack(HEADER, data[:HEADER_SIZE])
-                    updates += kind == TYPE_WINDOW_UPDATE and not flags & FLAG_ACK
+                    _, kind, flags, stream_id, _ = struct.unpack(HEADER, data[:HEADER_SIZE])
+                    updates += (
+                        stream_id == ours and kind == TYPE_WINDOW_UPDATE and not flags & FLAG_ACK
+                    )
                     await write_frame(data)
 
                 conn._write_frame = counted
