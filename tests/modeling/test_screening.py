@@ -530,7 +530,9 @@ def test_a_hostile_first_result_does_not_set_a_blind_witness_norm_baseline() -> 
     training). A result at the format's bound checked first by a witness with neither an update
     of its own nor a closed round used to become the norm basis: every honest result after it
     was refused. Now the in-round norm test waits for three others, whose median is honest;
-    what the blind witness refuses never accuses (`Verdict.blind`)."""
+    what the blind witness refuses never accuses (`Verdict.blind`). A result at the bound
+    second or third at such a witness in its first round passes it too (with a closed round
+    its norms judge them): a witness with an update of its own refuses it."""
     diloco, sent = honest_results("int8", members=5)
     reader = ResultReader.of(diloco)
     fmt = DilocoFormat(diloco.layouts())
@@ -540,6 +542,14 @@ def test_a_hostile_first_result_does_not_set_a_blind_witness_norm_baseline() -> 
     honest = [fresh.check(i, sent[i]) for i in range(4)]
     assert all(v.passed for v in honest), [v.problem for v in honest]
     assert all(v.blind for v in [first, *honest])
+    # the blind witness cannot judge what comes first (it never could); member 0's witness,
+    # with its own update, refuses it
+    trained = WitnessScreen(reader, DILOCO_SCREENING).open_round()
+    trained.set_reference(reader.reference(diloco), sent[0])
+    verdict = trained.check("hostile", scaled)
+    assert not verdict.passed
+    assert "norm" in str(verdict.problem)
+    assert not verdict.blind
 
 
 def test_a_hostile_first_result_along_the_aggregate_does_not_set_a_blind_witness_level() -> None:
@@ -576,6 +586,11 @@ def test_a_hostile_first_result_along_the_aggregate_does_not_set_a_blind_witness
     assert honest[0].passed, honest[0].problem
     assert all(v.passed for v in honest[2:]), [v.problem for v in honest]
     assert all(v.blind and v.checked for v in [first, *honest])
+    # the blind `t`s (along the aggregate alone, here up to the hundreds) stay out of the
+    # window the own-update rounds' z-test reads: a hostile sender's blind round must not
+    # bank credit against its opposed results there
+    assert not witness._agreements
+    assert list(witness._blind_agreements["hostile"]) == [first.measure.agreement]
 
 
 class _ThreadedRound:
