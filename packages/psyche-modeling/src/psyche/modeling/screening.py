@@ -521,8 +521,8 @@ def _sum_agreement(products: Iterable[torch.Tensor]) -> float:
 
 
 _BLIND_OTHERS = 3
-"""Other results a witness without an update of its own checks in a round before it judges one
-against their medians (`WitnessScreen._blind_problem`)."""
+"""Other results a witness without an update of its own checks in a round before it judges a
+norm against their median (`WitnessScreen._blind_problem`; the agreement, from two)."""
 
 
 class WitnessScreen:
@@ -732,8 +732,8 @@ class WitnessScreen:
         on another scale than the own update's, so they set no level for later rounds and
         their window is their own (`_blind_agreements`). Called under the lock."""
         others_t, others_norm = screen.blind_agreements, screen.blind_norms
-        enough = _BLIND_OTHERS
-        basis = statistics.median(others_norm) if len(others_norm) >= enough else self._norm_level
+        in_round = len(others_norm) >= _BLIND_OTHERS
+        basis = statistics.median(others_norm) if in_round else self._norm_level
         levels: list[float] = []
         if measured and len(others_t) >= 2:
             levels = [statistics.median(others_t) / 2, *self._levels]
