@@ -13,6 +13,8 @@ accuse (`witness.refusals_accuse`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import trio
@@ -20,36 +22,48 @@ import trio
 from psyche.client.round import apply, payloads, witness
 from psyche.client.round.broadcast import Broadcast, BroadcastType, TrainingResult
 from psyche.client.round.state import RoundState
+from psyche.client.round.steps import MachineSettings, StepStateMachine
 from psyche.coordinator import RunState
 from psyche.coordinator.commitment import Commitment
+from psyche.coordinator.model import Checkpoint, HubRepo
 from psyche.coordinator.testing import Simulation, simulated_identity
+from psyche.core.identity import SecretKey
 from psyche.core.node_identity import NodeIdentity
 from psyche.modeling.distro import DistroResult
 from psyche.modeling.screening import Fingerprint, Measure, Verdict
 from psyche.modeling.serialized_distro import TransmittableDistroResult
 
+from ..modeling.tiny_trainer import make_trainer
 from .test_core import index_of, next_round, plan_for, ticket, training_sim
+from .test_machine import Bus, BusIO, Node
 
 CLIENTS = 3
 
 
-def refusing(refused: NodeIdentity) -> payloads.ScreenResult:
+def refusing(refused: NodeIdentity, blind: bool = False) -> payloads.ScreenResult:
     """The witness checks' verdicts: `refused`'s result fails the agreement test, as the
-    joiner's check of an honest result did in the end-to-end run."""
+    joiner's check of an honest result did in the end-to-end run (`blind`: judged by a witness
+    with no update of its own, against the round's other results)."""
 
     async def screen(
         _round: RoundState, sender: NodeIdentity, _results: list[DistroResult]
     ) -> Verdict:
         fingerprint = Fingerprint(torch.zeros(4), 0.0)
         if sender == refused:
-            return Verdict(Measure(-7.5, 79.4, fingerprint), "agreement t = -7.50 is below -6")
-        return Verdict(Measure(9.0, 80.0, fingerprint), None)
+            problem = "agreement t = -7.50 is below -6"
+            return Verdict(Measure(-7.5, 79.4, fingerprint), problem, blind=blind)
+        return Verdict(Measure(9.0, 80.0, fingerprint), None, blind=blind)
 
     return screen
 
 
 def announce_and_check(
-    view: RoundState, sim: Simulation, me: NodeIdentity, refused: NodeIdentity, accuse: bool
+    view: RoundState,
+    sim: Simulation,
+    me: NodeIdentity,
+    refused: NodeIdentity,
+    accuse: bool,
+    blind: bool = False,
 ) -> None:
     """`me`'s own result of `view`'s round is recorded; every other member's reaches it and
     goes through the checks."""
@@ -78,14 +92,22 @@ def announce_and_check(
         assert pending is not None
         trio.run(
             payloads.check_payload,
-            view, blob, payload, pending, lambda _p: [], refusing(refused), accuse,
+            view, blob, payload, pending, lambda _p: [], refusing(refused, blind), accuse,
         )  # fmt: skip
 
 
-@pytest.mark.parametrize("accuse", [True, False], ids=["trusted-witness", "young-witness"])
+@pytest.mark.parametrize(
+    ("accuse", "blind"),
+    [(True, False), (False, False), (True, True)],
+    ids=["trusted-witness", "young-witness", "witness-without-its-own-update"],
+)
 def test_a_refused_result_is_never_applied_and_its_sender_dropped_only_on_a_trusted_refusal(
-    accuse: bool,
+    accuse: bool, blind: bool
 ) -> None:
+    """A witness without an update of its own this round judges each result against the
+    round's others, whose arrival order a trainer controls (a hostile first result raised the
+    level above every honest one): its refusals withhold the vote but never accuse, whatever
+    the witness's age."""
     sim = training_sim(clients=CLIENTS, batch=6, witness_nodes=1)
     next_round(sim)  # round 1: health checks judge from round 2 on
     ids = [simulated_identity(i) for i in range(CLIENTS)]
@@ -94,7 +116,7 @@ def test_a_refused_result_is_never_applied_and_its_sender_dropped_only_on_a_trus
     later = {i: plan_for(sim.coordinator, ids[i]).state for i in range(CLIENTS)}
     me = next(i for i, v in later.items() if v.committee_info.witness_proof.witness)
     refused = ids[(me + 1) % CLIENTS]
-    announce_and_check(views[me], sim, ids[me], refused, accuse)
+    announce_and_check(views[me], sim, ids[me], refused, accuse, blind)
     # the refused result settled its batch (the opportunistic witness need not wait for it)
     assert views[me].batch_ids_not_yet_trained_on is None
     sent = witness.witness_to_send(views[me], later[me])
@@ -111,7 +133,7 @@ def test_a_refused_result_is_never_applied_and_its_sender_dropped_only_on_a_trus
     # and the witness of round R + 1 names its sender only when its refusals accuse
     checks = witness.health_checks(later[me], sim.coordinator)
     named = [node for node, _ in checks]
-    if accuse:
+    if accuse and not blind:
         assert named == [refused]
         assert sim.coordinator.health_check(ids[me], checks) == 1
     else:
@@ -122,8 +144,46 @@ def test_a_refused_result_is_never_applied_and_its_sender_dropped_only_on_a_trus
 def test_only_a_witness_young_on_a_trained_model_withholds_its_accusations() -> None:
     # a run's first members: their momenta start together, their refusals accuse at once
     assert witness.refusals_accuse(False, 1)
-    assert witness.refusals_accuse(None, 0)
+    assert witness.refusals_accuse(False, 0)
+    # not known: young (a client that has not told what it loaded must not accuse)
+    assert not witness.refusals_accuse(None, 0)
     # a member that joined (or came back to) a trained model: not in its first rounds
     young = range(1, witness.YOUNG_WITNESS_ROUNDS + 1)
     assert not any(witness.refusals_accuse(True, rounds) for rounds in young)
     assert witness.refusals_accuse(True, witness.YOUNG_WITNESS_ROUNDS + 1)
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "young"),
+    [(Checkpoint.P2P, True), (Checkpoint.Hub, False)],
+    ids=["joined-from-peers", "first-members"],
+)
+def test_the_machine_knows_from_its_start_whether_its_checks_accuse(
+    checkpoint: Callable[[HubRepo], Checkpoint], young: bool
+) -> None:
+    """A client that loaded the run's trained model from its peers is a young witness before
+    it has trained at all: a joiner that is a verifier in its first round, or whose first
+    training was cut, has no own update to judge by (it used to accuse at once, its
+    `joined_trained_model` unset until its first training). The real `StepStateMachine`, as
+    the client builds it on the state it joined at."""
+
+    async def main() -> None:
+        sim = training_sim(clients=2, batch=4, witness_nodes=1)
+        state = sim.coordinator.copy()
+        state.model.value.checkpoint = checkpoint(HubRepo.dummy())
+        key = SecretKey.from_bytes(bytes(31) + bytes([1]))
+        identity = NodeIdentity.from_single_key(key.public_key)
+        async with trio.open_nursery() as nursery:
+            machine = StepStateMachine(
+                MachineSettings(identity=identity), make_trainer(), None, state,
+                BusIO(Bus(sim), Node(key, identity)), nursery,
+            )  # fmt: skip
+            assert machine.momentum_rounds == 0
+            assert machine.checks_accuse() is not young
+            machine.momentum_rounds = witness.YOUNG_WITNESS_ROUNDS
+            assert machine.checks_accuse() is not young
+            machine.momentum_rounds += 1
+            assert machine.checks_accuse()
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)

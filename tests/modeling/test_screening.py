@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+import math
 from collections.abc import Callable, Hashable, Sequence
 
 import pytest
@@ -160,12 +161,12 @@ def test_a_lazy_member_passes_and_costs_little() -> None:
     assert tally.honest_refused == 0
 
 
-def honest_results(form: str, members: int = 4) -> tuple[Diloco, list[list]]:  # type: ignore[type-arg]
-    """One DiLoCo round of `members` replicas on their own rows, as sent."""
+def honest_results(form: str, members: int = 4, seed: int = 2) -> tuple[Diloco, list[list]]:  # type: ignore[type-arg]
+    """One DiLoCo round of `members` replicas on their own rows (`seed`'s), as sent."""
     transmission = {"bf16": T.Bf16, "int8": T.Int8, "sparse": T.Sparse}[form]
     settings = DilocoSettings(inner_steps=2, transmission=transmission, compression_topk=8)
     sim = DilocoPeerSimulation([model() for _ in range(members)], settings, lr=3e-3)
-    data = bigram_corpus(2 * members * ROWS, SEQ, seed=2)
+    data = bigram_corpus(2 * members * ROWS, SEQ, seed=seed)
     for step in (1, 2):
         for i, (m, r) in enumerate(zip(sim.models, sim.replicas)):
             start = ((step - 1) * members + i) * ROWS
@@ -522,6 +523,74 @@ def test_a_new_witness_without_an_update_judges_the_norm_against_the_others() ->
     verdict = fresh.check(3, scaled)
     assert not verdict.passed
     assert "norm" in str(verdict.problem)
+
+
+def test_a_hostile_first_result_does_not_set_a_blind_witness_norm_baseline() -> None:
+    """Arrival order is a trainer's to choose (it can publish at the round's start without
+    training). A result at the format's bound checked first by a witness with neither an update
+    of its own nor a closed round used to become the norm basis: every honest result after it
+    was refused. Now the in-round norm test waits for three others, whose median is honest;
+    what the blind witness refuses never accuses (`Verdict.blind`). A result at the bound
+    second or third at such a witness in its first round passes it too (with a closed round
+    its norms judge them): a witness with an update of its own refuses it."""
+    diloco, sent = honest_results("int8", members=5)
+    reader = ResultReader.of(diloco)
+    fmt = DilocoFormat(diloco.layouts())
+    scaled = [fmt.at_bound(r, i) for i, r in enumerate(sent[4])]
+    fresh = WitnessScreen(reader, DILOCO_SCREENING).open_round()
+    first = fresh.check("hostile", scaled)
+    honest = [fresh.check(i, sent[i]) for i in range(4)]
+    assert all(v.passed for v in honest), [v.problem for v in honest]
+    assert all(v.blind for v in [first, *honest])
+    # the blind witness cannot judge what comes first (it never could); member 0's witness,
+    # with its own update, refuses it
+    trained = WitnessScreen(reader, DILOCO_SCREENING).open_round()
+    trained.set_reference(reader.reference(diloco), sent[0])
+    verdict = trained.check("hostile", scaled)
+    assert not verdict.passed
+    assert "norm" in str(verdict.problem)
+    assert not verdict.blind
+
+
+def test_a_hostile_first_result_along_the_aggregate_does_not_set_a_blind_witness_level() -> None:
+    """A result whose values follow the public recent aggregate (`t` in the hundreds, the
+    honest ones' far lower) checked first by a witness with no update of its own used to set
+    the relative level (half the median `t` so far) above every honest result after it, each
+    of which was refused (and, from a witness that was not young, accused: the health checks
+    dropped the honest members while the hostile result got the vote). Now the level waits for
+    three other results, whose median is honest while the hostile members are a minority."""
+    diloco, before = honest_results("bf16", seed=2)
+    _, sent = honest_results("bf16", seed=3)
+    reader = ResultReader.of(diloco)
+    fmt = DilocoFormat(diloco.layouts())
+    witness = WitnessScreen(reader, DILOCO_SCREENING)
+    closed = witness.open_round()  # its last round: no update of its own either
+    assert all(closed.check(i, r).passed for i, r in enumerate(before))
+    closed.close()
+    # the aggregate's direction (every result accepted in that round), at an honest norm
+    aggregate = sum(reader.flat(r).values for r in before)
+    norm = reader.describe(reader.flat(sent[0]), DILOCO_SCREENING.sketch_size)[0]
+    aligned_flat = aggregate * (norm / float(torch.linalg.vector_norm(aggregate)))
+    sizes = [math.prod(fmt.shape(i)) for i in range(len(sent[0]))]
+    aligned = [
+        fmt.encode_dense(part.view(fmt.shape(i)), i)
+        for i, part in enumerate(aligned_flat.split(sizes))
+    ]
+    rnd = witness.open_round()
+    first = rnd.check("hostile", aligned)
+    honest = [rnd.check(i, r) for i, r in enumerate(sent)]
+    assert first.passed
+    assert first.measure.agreement > 2 * max(v.measure.agreement for v in honest)
+    # the first honest one has no others but the hostile one; the second may be refused (not
+    # accused: `blind`); from three others on the median is honest
+    assert honest[0].passed, honest[0].problem
+    assert all(v.passed for v in honest[2:]), [v.problem for v in honest]
+    assert all(v.blind and v.checked for v in [first, *honest])
+    # the blind `t`s (along the aggregate alone, here up to the hundreds) stay out of the
+    # window the own-update rounds' z-test reads: a hostile sender's blind round must not
+    # bank credit against its opposed results there
+    assert not witness._agreements
+    assert list(witness._blind_agreements["hostile"]) == [first.measure.agreement]
 
 
 class _ThreadedRound:

@@ -36,8 +36,11 @@ witness first compares each decoded result with what it knows of the run:
 
 A witness with no update of its own in a round (its training cut by the timeout, a verifier, a
 member that has just joined) judges each result against the round's others checked so far
-(`WitnessScreen._blind_problem`): the norm against their median, the agreement along its recent
-aggregate against half their median agreement.
+(`WitnessScreen._blind_problem`): once three others were checked, the norm against their
+median (before, against its last closed round's), the agreement along its recent aggregate
+against half their median agreement (from two others on; capped by its closed rounds'
+levels). Arrival order is the trainers' to choose, so its refusals never accuse
+(`Verdict.blind`).
 
 Every sum is taken in slices below torch's threading grain and added in order
 (`_serial_sums`), so two witnesses with the same inputs get the same bits of every statistic
@@ -193,6 +196,11 @@ class Verdict:
     """False when the agreement could not be measured: the witness had no update of its own
     that round and no accepted result of an earlier round (the norm against the round's other
     results and the copy check ran)."""
+    blind: bool = False
+    """The witness had no update of its own that round (`WitnessScreen._blind_problem`): its
+    baseline is the round's other results, whose arrival order a trainer controls, so a refusal
+    here says nothing about the sender that should drop it (the client attests it as
+    delivered and withholds only its vote)."""
 
     @property
     def passed(self) -> bool:
@@ -512,6 +520,11 @@ def _sum_agreement(products: Iterable[torch.Tensor]) -> float:
 # One witness over a run
 
 
+_BLIND_OTHERS = 3
+"""Other results a witness without an update of its own checks in a round before it judges a
+norm against their median (`WitnessScreen._blind_problem`; the agreement, from two)."""
+
+
 class WitnessScreen:
     """One witness's checks over a run: what it remembers of earlier rounds (the results it
     accepted, every sender's recent agreements, fingerprints) and the rounds it screens.
@@ -528,6 +541,9 @@ class WitnessScreen:
         self._norm_level = 0.0
         """The median norm of the results accepted in the last closed round that had any."""
         self._agreements: dict[Hashable, deque[float]] = {}
+        self._blind_agreements: dict[Hashable, deque[float]] = {}
+        """Each sender's recent `t`s along the aggregate alone (rounds without an own update):
+        another scale than `_agreements`', so kept apart from the window test of those."""
         self._levels: deque[float] = deque(maxlen=settings.level_rounds)
         """The median `t` of each of the last rounds (`level_rounds`)."""
         self._fingerprints: deque[list[Fingerprint]] = deque(maxlen=settings.history_rounds)
@@ -659,7 +675,8 @@ class WitnessScreen:
         earlier = [*screen.seen, *(fp for rnd in self._fingerprints for fp in rnd)]
         reference = screen.reference
         problem = None
-        history = self._agreements.setdefault(sender, deque(maxlen=settings.window_rounds))
+        histories = self._agreements if reference is not None else self._blind_agreements
+        history = histories.setdefault(sender, deque(maxlen=settings.window_rounds))
         if reference is not None:
             history.append(measure.agreement)
             problem = self._first_order_problem(
@@ -680,7 +697,9 @@ class WitnessScreen:
         screen.seen.append(measure.fingerprint)
         if problem is None:
             screen.accepted_norms.append(measure.norm)
-        return Verdict(measure, problem, checked=reference is not None or measured)
+        return Verdict(
+            measure, problem, checked=reference is not None or measured, blind=reference is None
+        )
 
     def _blind_problem(
         self, measure: Measure, screen: RoundScreen, history: deque[float], measured: bool
@@ -694,12 +713,30 @@ class WitnessScreen:
         median agreement of the round's other results checked here so far (leave-one-out: the
         result itself is not in it, and one hostile result of three cannot move it), halved:
         a member back with a fresh momentum agrees about half as strongly as the others, and
-        with no own update there is no second round's level to soften one round's. The
-        round's blind agreements are on another scale than the own update's, so they set no
-        level for later rounds. Called under the lock."""
+        with no own update there is no second round's level to soften one round's.
+
+        The order results arrive in is the trainers' to choose (one can publish at the round's
+        start without training), so a hostile first result must not become the baseline every
+        honest one is judged by (one aligned with the public aggregate, `t` in the hundreds,
+        refused every honest one after it; one of a huge norm, with no closed round yet, too).
+        The in-round norm test waits for `_BLIND_OTHERS` other results, whose median is
+        honest while the hostile members among them are a minority (before, the norm is judged
+        against the last closed round's accepted norms). The relative level starts from two
+        others (a four-member run's witness sees only three, and a sign-flipped DisTrO result
+        lies above `min_agreement`: its vote and the hostile member's own must not make a
+        quorum), capped by this witness's closed rounds' levels where it has any, so early
+        results cannot raise it above them; a witness without any may still refuse the second
+        honest result after a hostile first one (without accusing), none from the third on. What arrives
+        first can still pass here: the witnesses with an update of their own judge it, and
+        `Verdict.blind` keeps a refusal here from accusing. The round's blind agreements are
+        on another scale than the own update's, so they set no level for later rounds and
+        their window is their own (`_blind_agreements`). Called under the lock."""
         others_t, others_norm = screen.blind_agreements, screen.blind_norms
-        basis = statistics.median(others_norm) if others_norm else self._norm_level
-        levels = [statistics.median(others_t) / 2] if others_t and measured else []
+        in_round = len(others_norm) >= _BLIND_OTHERS
+        basis = statistics.median(others_norm) if in_round else self._norm_level
+        levels: list[float] = []
+        if measured and len(others_t) >= 2:
+            levels = [statistics.median(others_t) / 2, *self._levels]
         if measured:
             history.append(measure.agreement)
         problem = self._first_order_problem(measure, basis, history if measured else (), levels)

@@ -298,7 +298,9 @@ async def check_payload(
     trusted to tell a bad result from its own view, `StepStateMachine.checks_accuse`) its
     sender is not attested either, so the health checks drop it as for a missing result.
     Without, the sender is attested as having delivered: a refusal that may be this witness's
-    own error must not drop an honest member (with one witness a round, it would).
+    own error must not drop an honest member (with one witness a round, it would). A refusal
+    by a witness with no update of its own that round (`Verdict.blind`: judged against the
+    round's other results, whose order a trainer controls) never accuses.
 
     Whatever this client thinks of a result, what is applied is the coordinator's consensus
     over every witness's blooms, which an honest client follows even where its own witness
@@ -343,7 +345,7 @@ async def check_payload(
             agreement=round(measure.agreement, 3),
             norm=round(measure.norm, 6),
             checked=verdict.checked,
-            accused=accuse,
+            accused=accuse and not verdict.blind,
         )
     elif verdict is not None:
         log_event(
@@ -358,12 +360,13 @@ async def check_payload(
             checked=verdict.checked,
         )
     passed = verdict is None or verdict.passed
+    blind = verdict is not None and verdict.blind
     record_verified_payload(
         round_state,
         pending.from_,
         pending.batch_id,
         commitment_hash,
-        attest=passed or not accuse,
+        attest=passed or not accuse or blind,
         vote=passed,
     )
     handle.set_result(value)

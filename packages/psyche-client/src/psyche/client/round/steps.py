@@ -236,9 +236,10 @@ class StepStateMachine:
         """This client's witness checks of its peers' results."""
         self.momentum_rounds = 0
         """Rounds this machine's trainer has trained (its DisTrO momentum's age)."""
-        self.joined_trained_model: bool | None = None
-        """Whether its first round was on a model the run had trained before (a P2P
-        checkpoint: it joined a running run, or came back to it); None before it trained."""
+        self.joined_trained_model: bool | None = witness.loaded_trained_model(coordinator_state)
+        """Whether it loaded a model the run had trained before (a P2P checkpoint: it joined a
+        running run, or came back to it), known from the start: a joiner that is a verifier
+        in its first round, or whose first training was cut, is young too."""
 
     async def wait_idle(self) -> None:
         """Return once no work this machine started is running: the round's training step has
@@ -526,11 +527,6 @@ class StepStateMachine:
         owed = self._own_results_for_training(plan)
         train_job = None
         if plan.have_training:
-            if self.joined_trained_model is None:
-                llm = state.model.value
-                self.joined_trained_model = isinstance(
-                    llm.checkpoint, Checkpoint.P2P | Checkpoint.P2PGcs
-                )
             self.momentum_rounds += 1
             info = plan.state.committee_info
             assert info is not None

@@ -21,6 +21,7 @@ from psyche.coordinator.commitment import Commitment
 from psyche.coordinator.committee_selection import CommitteeProof
 from psyche.coordinator.consensus import unhealthy_trainers
 from psyche.coordinator.errors import CoordinatorError, CoordinatorErrorKind
+from psyche.coordinator.model import Checkpoint
 from psyche.core.bloom import WitnessBloom
 from psyche.core.merkle_tree import MerkleRoot, MerkleTree
 from psyche.core.node_identity import NodeIdentity
@@ -86,9 +87,18 @@ def refusals_accuse(joined_trained_model: bool | None, momentum_rounds: int) -> 
     check drop an honest member. Until it has trained more than `YOUNG_WITNESS_ROUNDS` rounds
     (`momentum_rounds`), such a witness withholds its vote from what it refuses, so nothing is
     applied on its word, but attests the delivery. A run's first members start their momenta
-    together and agree from the first round: their refusals accuse at once.
+    together and agree from the first round: their refusals accuse at once. None (not known)
+    counts as young. The trade-off: while every witness of a round is young, a hostile
+    trainer's refused result counts as delivered (it is not applied).
     """
-    return not joined_trained_model or momentum_rounds > YOUNG_WITNESS_ROUNDS
+    return joined_trained_model is False or momentum_rounds > YOUNG_WITNESS_ROUNDS
+
+
+def loaded_trained_model(state: Coordinator) -> bool:
+    """Whether a client starting at `state` loaded a model the run had trained (a P2P
+    checkpoint: it joined a running run, or came back to it), so its momentum starts fresh
+    against its peers' (`refusals_accuse`)."""
+    return isinstance(state.model.value.checkpoint, Checkpoint.P2P | Checkpoint.P2PGcs)
 
 
 # --------------------------------------------------------------------------------------------
