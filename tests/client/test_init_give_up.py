@@ -137,6 +137,16 @@ def test_an_init_given_up_closes_its_data_connection(
     gate = Gate(getattr(init, step))
     monkeypatch.setattr(init, step, gate)
     port = _free_port()
+    # held here, as a reference cycle or a log record may: garbage collection, which closes a
+    # dropped socket at once in CPython, does not hide a provider the client did not close
+    opened: list[Any] = []
+    open_data = init._open_data
+
+    async def recording(*args: Any) -> Any:
+        opened.append(await open_data(*args))
+        return opened[-1]
+
+    monkeypatch.setattr(init, "_open_data", recording)
 
     async def main() -> None:
         async with _data_server(data_dir, port) as server, _client(base) as (client, backend):
@@ -152,6 +162,7 @@ def test_an_init_given_up_closes_its_data_connection(
                 gate.open()
             await wait_until(lambda: not server.connected_clients(), WAIT_SECS)
             assert client.machine is None
+            assert len(opened) == 1
 
     base, data_dir = _run(tmp_path, port)
     trio.run(main)
