@@ -56,7 +56,7 @@ from psyche.client.round.payloads import (
 from psyche.client.round.steps import MachineSettings, StepStateMachine
 from psyche.client.round.train import OwnResult
 from psyche.client.round.witness import SendFinished, finished_broadcast
-from psyche.client.setup.init import InitializedRun, RunInitConfig, init_run
+from psyche.client.setup.init import InitializedRun, InitUnavailable, RunInitConfig, init_run
 from psyche.coordinator import SOLANA_MAX_NUM_CLIENTS, Coordinator, RunState
 from psyche.coordinator.backend import (
     Backend,
@@ -190,7 +190,7 @@ class _InitDone:
     state: Coordinator
     """The warmup state the init started from."""
     scope: trio.CancelScope
-    """Which init (`Client._init_scope`): one given up since is ignored."""
+    """Which init (`Client._init_scope`): one given up since is released, not used."""
 
 
 _Item = _State | _Net | _Downloaded | _Tick | _Work | _InitDone
@@ -305,6 +305,9 @@ class Client:
         """Set when this client must send `Join` again once it is off the epoch's list."""
         self._init_scope: trio.CancelScope | None = None
         """The init under way (stage "initializing"), cancelled if the run drops this client."""
+        self._init_lock = trio.Lock()
+        """Held by an init until it has ended: a given-up init's worker thread (a model build)
+        runs to its end, and the next init waits for it (one model being built at a time)."""
         self.machine: StepStateMachine | None = None
         self.rebroadcaster = Rebroadcaster()
         self._resend_pending = False
@@ -451,8 +454,9 @@ class Client:
             if state.run_state is RunState.Warmup and any(c.id == self.identity for c in clients):
                 self.stage = "initializing"
                 self._join_again = False
-                assert self._nursery is not None
-                self._nursery.start_soon(self._initialize, state)
+                # made here, not in the task: a drop handled before the task starts cancels it
+                self._init_scope = trio.CancelScope()
+                self._spawn(self._initialize, state, self._init_scope)
         elif self.stage == "initializing":
             if not any(c.id == self.identity for c in clients):
                 await self._give_up_init(state)
@@ -481,6 +485,10 @@ class Client:
             epoch=state.progress.epoch,
             step=state.progress.step,
         )
+        await self._wait_to_join_again(state)
+
+    async def _wait_to_join_again(self, state: Coordinator) -> None:
+        """Drop the machine, if any, and wait as a new client would (`_rejoin`)."""
         self.machine = None
         self.stage = "waiting"
         self.network.shared_model.stop_sharing()
@@ -569,22 +577,32 @@ class Client:
 
     # ---- init ----------------------------------------------------------------------------------
 
-    async def _initialize(self, state: Coordinator) -> None:
+    async def _initialize(self, state: Coordinator, scope: trio.CancelScope) -> None:
+        """Init for the warmup `state`, posting its outcome, unless `scope` is cancelled (the
+        run dropped this client) first; after a given-up init only once that one has ended."""
         backups = list(getattr(self.backend, "backup_data_locations", None) or [])
         if backups:
             # The run's backup data locations travel beside the coordinator state (a port
             # extension of the centralized protocol).
             state = state.copy()
             state.model.value.backup_data_locations = backups
-        with trio.CancelScope() as scope:
-            self._init_scope = scope
-            try:
-                result: InitializedRun | BaseException = await init_run(
-                    self.config, self.instance, state, self._fetch_model_from_peers
+        with scope:
+            if self._init_lock.locked():
+                log_event(
+                    logger,
+                    "init_waits",
+                    text="the init this client gave up is still in a worker thread (a model "
+                    "build cannot be stopped): loading the model once it has ended",
+                    epoch=state.progress.epoch,
                 )
-            except Exception as e:
-                result = e
-            self._post(_InitDone(result, state, scope))
+            async with self._init_lock:
+                try:
+                    result: InitializedRun | BaseException = await init_run(
+                        self.config, self.instance, state, self._fetch_model_from_peers
+                    )
+                except Exception as e:
+                    result = e
+                self._post(_InitDone(result, state, scope))
 
     async def _fetch_model_from_peers(
         self, state: Coordinator, give_up_at: float | None = None
@@ -615,14 +633,30 @@ class Client:
         return model
 
     async def _on_init_done(self, done: _InitDone) -> None:
+        """Take what the init built, or act on why it failed: out of reach for now
+        (`InitUnavailable`: leave the epoch and join again), else end the client."""
+        result = done.result
         if done.scope is not self._init_scope:  # given up: the run dropped this client
+            if isinstance(result, InitializedRun):
+                await result.aclose()
             return
         self._init_scope = None
-        result = done.result
+        assert self.coordinator is not None
+        if isinstance(result, InitUnavailable):
+            log_event(
+                logger,
+                "init_failed",
+                logging.WARNING,
+                text=f"could not join epoch {done.state.progress.epoch}: {result}; leaving it "
+                "and joining again",
+                epoch=done.state.progress.epoch,
+                error=str(result),
+            )
+            await self._wait_to_join_again(self.coordinator)
+            return
         if isinstance(result, BaseException):
             raise result
         assert self._nursery is not None
-        assert self.coordinator is not None
         loaded = result.loaded
         shared = self.network.shared_model
         shared.update_config(loaded.config_json, loaded.tokenizer_json)

@@ -46,6 +46,7 @@ from psyche.client.setup.model_loading import (
 )
 from psyche.coordinator.coordinator import Coordinator
 from psyche.coordinator.model import Checkpoint
+from psyche.core.cli import UserError, single_cause
 from psyche.core.identity import SecretKey
 from psyche.core.log_markers import IntegrationTestLogMarker
 from psyche.core.node_identity import NodeIdentity
@@ -59,8 +60,15 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class InitRunError(RuntimeError):
-    """The client cannot take part in this run (model, data or configuration)."""
+class InitRunError(UserError):
+    """The client cannot take part in this run (model, data or configuration): what it says is
+    the whole story, one line (`psyche.core.cli`), and trying again changes nothing."""
+
+
+class InitUnavailable(InitRunError):
+    """Something the init needs is out of reach now (the run's data locations, the peers that
+    serve the model): the client leaves the epoch and joins again, as a client the run went on
+    without, instead of ending."""
 
 
 class TrainerBuilder(Protocol):
@@ -91,11 +99,18 @@ class RunInitConfig:
 
 @dataclass
 class InitializedRun:
+    """What an init built; whoever holds it owns its data provider (`aclose`)."""
+
     trainer: Trainer
     data_provider: Any
     loaded: LoadedModel
     shared: dict[str, torch.Tensor] | None = None
     """The weights to serve to the epoch's joiners now (bf16), when they are the run's."""
+
+    async def aclose(self) -> None:
+        """Release what the init opened (the data provider's connection or files): the init
+        was given up after it finished."""
+        await _close_provider(self.data_provider)
 
 
 FetchFromPeers = Callable[[Coordinator, "float | None"], Awaitable["DownloadedModel"]]
@@ -123,7 +138,11 @@ async def init_run(
     config: RunInitConfig, run: RunInstance, state: Coordinator, fetch_from_peers: FetchFromPeers
 ) -> InitializedRun:
     """The model (this instance's local checkpoint of the epoch's start, else the run's
-    checkpoint), the data provider and the trainer, for the client of `run` at `state`."""
+    checkpoint), the data provider and the trainer, for the client of `run` at `state`.
+
+    The data provider is the caller's once this returns; whatever ends it before (an error, a
+    cancel: the run dropped the client) closes the provider it opened. A cancel takes effect
+    once the worker thread under way (a model build, which nothing can stop) has returned."""
     from psyche.modeling.causal_lm import ModelLoadError, architecture_name
 
     llm = state.model.value
@@ -156,47 +175,59 @@ async def init_run(
         nonlocal provider
         provider = await _open_data(llm, config.secret_key)
 
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(load_model)
-        nursery.start_soon(open_data)
-    assert loaded is not None
+    try:
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(load_model)
+                nursery.start_soon(open_data)
+        except BaseExceptionGroup as group:  # the nursery's wrapping: the reason, unwrapped
+            errors, rest = group.split(InitRunError)
+            if errors is None or rest is not None:
+                raise
+            raise single_cause(errors)  # noqa: B904 (its own cause says why)
+        assert loaded is not None
 
-    def make_trainer() -> Trainer:
-        from psyche.modeling.trainer import Trainer
+        def make_trainer() -> Trainer:
+            from psyche.modeling.trainer import Trainer
 
-        if config.workers is not None:
-            return config.workers.build_trainer(loaded, llm, config)
+            if config.workers is not None:
+                return config.workers.build_trainer(loaded, llm, config)
 
-        return Trainer(
-            loaded.model,
-            llm.lr_schedule,
-            llm.optimizer,
-            config.micro_batch_size,
-            optim_stats_every_n_steps=config.optim_stats_every_n_steps,
-            grad_accum_in_fp32=config.grad_accum_in_fp32,
+            return Trainer(
+                loaded.model,
+                llm.lr_schedule,
+                llm.optimizer,
+                config.micro_batch_size,
+                optim_stats_every_n_steps=config.optim_stats_every_n_steps,
+                grad_accum_in_fp32=config.grad_accum_in_fp32,
+            )
+
+        trainer = await trio.to_thread.run_sync(make_trainer)
+        shared = None
+        if loaded.from_run:  # bf16 already: rounding changes nothing, as at a cooldown
+            shared, model_hash = await trio.to_thread.run_sync(extract_for_sharing, trainer)
+        else:
+            model_hash = await trio.to_thread.run_sync(live_model_hash, trainer)
+        log_event(
+            logger,
+            "loaded_model",
+            text=f"model loaded from {loaded.source} on {device}, hash {model_hash.hex()[:16]}",
+            marker=IntegrationTestLogMarker.LoadedModel,
+            client_id=str(config.identity),
+            epoch=state.progress.epoch,
+            step=state.progress.step,
+            checkpoint=str(llm.checkpoint),
+            source=loaded.source,
+            device=str(device),
+            dtype=str(loaded.model.dtype).removeprefix("torch."),
+            model_hash=model_hash,
         )
-
-    trainer = await trio.to_thread.run_sync(make_trainer)
-    shared = None
-    if loaded.from_run:  # bf16 already: rounding changes nothing, as at a cooldown
-        shared, model_hash = await trio.to_thread.run_sync(extract_for_sharing, trainer)
-    else:
-        model_hash = await trio.to_thread.run_sync(live_model_hash, trainer)
-    log_event(
-        logger,
-        "loaded_model",
-        text=f"model loaded from {loaded.source} on {device}, hash {model_hash.hex()[:16]}",
-        marker=IntegrationTestLogMarker.LoadedModel,
-        client_id=str(config.identity),
-        epoch=state.progress.epoch,
-        step=state.progress.step,
-        checkpoint=str(llm.checkpoint),
-        source=loaded.source,
-        device=str(device),
-        dtype=str(loaded.model.dtype).removeprefix("torch."),
-        model_hash=model_hash,
-    )
-    return InitializedRun(trainer, provider, loaded, shared)
+        return InitializedRun(trainer, provider, loaded, shared)
+    except BaseException:
+        if provider is not None:
+            with trio.CancelScope(shield=True):  # closing is local work: it cannot hang
+                await _close_provider(provider)
+        raise
 
 
 async def _from_peers(
@@ -250,6 +281,7 @@ async def _load_model(
     identity: NodeIdentity,
 ) -> LoadedModel:
     from psyche.modeling.causal_lm import ModelLoadError
+    from psyche.network import PeersUnreachable
 
     try:
         if isinstance(checkpoint, Checkpoint.Hub | Checkpoint.Gcs) and peers_may_hold_the_model(
@@ -278,7 +310,10 @@ async def _load_model(
                 )
             case Checkpoint.P2P(_) | Checkpoint.P2PGcs(_):
                 logger.info("Checkpoint is p2p, requesting the model from peers")
-                return await _from_peers(fetch_from_peers, state, architecture, device)
+                try:
+                    return await _from_peers(fetch_from_peers, state, architecture, device)
+                except PeersUnreachable as e:  # they may serve it at the next warmup
+                    raise InitUnavailable(f"no peer served the model: {e}") from e
             case Checkpoint.Ephemeral():
                 raise InitRunError("Model is Ephemeral, it's impossible to join this run.")
             case Checkpoint.Dummy(_):
@@ -312,6 +347,12 @@ async def _load_local(path: Path, architecture: str, device: Any) -> LoadedModel
     return loaded
 
 
+async def _close_provider(provider: Any) -> None:
+    from psyche.data_provider.factory import aclose_provider
+
+    await aclose_provider(provider)
+
+
 async def _open_data(llm: Any, secret_key: SecretKey) -> Any:
     from psyche.data_provider import DataProviderError, ProviderOptions, open_data_provider
 
@@ -320,4 +361,6 @@ async def _open_data(llm: Any, secret_key: SecretKey) -> Any:
             llm.data_locations, ProviderOptions(max_seq_len=llm.max_seq_len, secret_key=secret_key)
         )
     except (DataProviderError, OSError) as e:
-        raise InitRunError(f"Couldn't initialize data provider: {e}") from e
+        # the run's data locations (a data server restarting, a network blip): tried again at
+        # the next warmup that lists this client
+        raise InitUnavailable(f"Couldn't initialize data provider: {e}") from e
