@@ -241,3 +241,26 @@ def test_a_run_nobody_can_join_ends_the_client_in_one_line(
     assert capsys.readouterr().err.splitlines() == [
         "psyche-client: error: Model is Ephemeral, it's impossible to join this run."
     ]
+
+
+def test_a_data_directory_missing_on_this_machine_ends_the_client_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Local data that is not there will not come back by waiting for the next warmup (a data
+    server might): the client ends with one line naming the path instead of retrying forever."""
+    base, _ = _run(tmp_path, None)
+    missing = tmp_path / "no-such-data"
+    base.model.value.data_location = LLMTrainingDataLocation.Local(str(missing))
+
+    async def main() -> None:
+        async with _client(base) as (_, backend):
+            await backend.states.send(_at(base, RunState.Warmup, [ME]))
+            with trio.fail_after(WAIT_SECS):
+                await trio.sleep_forever()  # until the client ends
+
+    with pytest.raises(BaseExceptionGroup) as ended:
+        trio.run(main)
+    assert report("psyche-client", ended.value) == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("psyche-client: error: Couldn't initialize data provider")
+    assert str(missing) in line

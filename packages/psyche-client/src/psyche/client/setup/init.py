@@ -361,6 +361,20 @@ async def _open_data(llm: Any, secret_key: SecretKey) -> Any:
             llm.data_locations, ProviderOptions(max_seq_len=llm.max_seq_len, secret_key=secret_key)
         )
     except (DataProviderError, OSError) as e:
-        # the run's data locations (a data server restarting, a network blip): tried again at
-        # the next warmup that lists this client
+        if _only_on_this_machine(llm.data_locations):
+            # files on this machine (a wrong path): waiting for the next warmup changes nothing
+            raise InitRunError(f"Couldn't initialize data provider: {e}") from e
+        # the run's remote data locations (a data server restarting, a network blip): tried
+        # again at the next warmup that lists this client
         raise InitUnavailable(f"Couldn't initialize data provider: {e}") from e
+
+
+def _only_on_this_machine(locations: Any) -> bool:
+    """Whether every data location is read from this machine's disk (or made up), so that a
+    failure to open them is the user's to mend, not the network's to heal."""
+    from psyche.coordinator.model import LLMTrainingDataLocation
+
+    return all(
+        isinstance(location, LLMTrainingDataLocation.Local | LLMTrainingDataLocation.Dummy)
+        for location in locations
+    )
