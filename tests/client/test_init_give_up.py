@@ -264,3 +264,27 @@ def test_a_data_directory_missing_on_this_machine_ends_the_client_in_one_line(
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("psyche-client: error: Couldn't initialize data provider")
     assert str(missing) in line
+
+
+def test_a_client_the_run_drops_while_it_trains_closes_its_data_connection(
+    tmp_path: Path,
+) -> None:
+    """The machine's data provider (its connection to the run's data server) is closed when the
+    run goes on without the client, not left open beside the next epoch's (each rejoin would
+    otherwise hold one more connection until the provider is collected)."""
+    port = _free_port()
+
+    async def main() -> None:
+        async with _data_server(data_dir, port) as server, _client(base) as (client, backend):
+            await backend.states.send(_at(base, RunState.Warmup, [ME]))
+            await wait_until(lambda: client.stage == "running", WAIT_SECS)
+            assert len(server.connected_clients()) == 1
+            held = client.machine.fetcher.provider  # type: ignore[union-attr]
+            await backend.states.send(_at(base, RunState.RoundTrain, [OTHER]))
+            await wait_until(lambda: backend.rejoins == 1, WAIT_SECS)
+            assert client.stage == "waiting"
+            await wait_until(lambda: not server.connected_clients(), WAIT_SECS)
+            assert held is not None  # held here, so only the client's close can end it
+
+    base, data_dir = _run(tmp_path, port)
+    trio.run(main)

@@ -346,11 +346,17 @@ class Client:
                 REBROADCAST_SHAREABLE_SECS,
             )
             nursery.start_soon(self._ticker, CHECK_CONNECTION_SECS, "connection")
-            async for item in self._inbox:
-                await self._handle(item)
-                if self.finished:
-                    break
-            nursery.cancel_scope.cancel()
+            try:
+                async for item in self._inbox:
+                    await self._handle(item)
+                    if self.finished:
+                        break
+            finally:
+                nursery.cancel_scope.cancel()
+                # the machine stays readable (its trained model); its data provider is closed
+                if self.machine is not None and self.machine.fetcher is not None:
+                    with trio.CancelScope(shield=True):
+                        await self.machine.fetcher.aclose()
 
     def _post(self, item: _Item) -> None:
         self._send.send_nowait(item)
@@ -489,11 +495,18 @@ class Client:
 
     async def _wait_to_join_again(self, state: Coordinator) -> None:
         """Drop the machine, if any, and wait as a new client would (`_rejoin`)."""
-        self.machine = None
+        await self._drop_machine()
         self.stage = "waiting"
         self.network.shared_model.stop_sharing()
         self._join_again = True
         await self._join_again_once_out(state)
+
+    async def _drop_machine(self) -> None:
+        """Forget the machine and release its data provider (a connection to the run's data
+        server, open files): the next epoch's init opens its own."""
+        machine, self.machine = self.machine, None
+        if machine is not None and machine.fetcher is not None:
+            await machine.fetcher.aclose()
 
     async def _give_up_init(self, state: Coordinator) -> None:
         """The run dropped this client while it loaded the model (a health check, or the epoch

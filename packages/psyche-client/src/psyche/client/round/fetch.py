@@ -34,18 +34,17 @@ class DataFetcher:
         self._nursery = nursery
         self._buffer = buffer
         self._scope: trio.CancelScope | None = None
+        self._running: set[trio.CancelScope] = set()
         self._lock = trio.Lock()
+        self._closed = False
 
     def fetch(
         self, batch_ids: Sequence[BatchId]
     ) -> trio.MemoryReceiveChannel[tuple[BatchId, Batch]]:
         if self._scope is not None:
             self._scope.cancel()
-        send, receive = trio.open_memory_channel[tuple[BatchId, "Batch"]](self._buffer)
-        scope = trio.CancelScope()
-        self._scope = scope
-        self._nursery.start_soon(self._run, list(batch_ids), send, scope)
-        return receive
+        self._scope = trio.CancelScope()
+        return self._start(batch_ids, self._scope)
 
     def fetch_beside(
         self, batch_ids: Sequence[BatchId]
@@ -53,9 +52,32 @@ class DataFetcher:
         """Like `fetch`, but beside the round's fetch, which it neither cancels nor replaces
         (a tie-breaker's disputed batches of the last round, read while its own batches of this
         round are fetched; the provider still serves one request at a time)."""
+        return self._start(batch_ids, trio.CancelScope())
+
+    def _start(
+        self, batch_ids: Sequence[BatchId], scope: trio.CancelScope
+    ) -> trio.MemoryReceiveChannel[tuple[BatchId, Batch]]:
+        if self._closed:
+            raise trio.ClosedResourceError("the data fetcher is closed")
         send, receive = trio.open_memory_channel[tuple[BatchId, "Batch"]](self._buffer)
-        self._nursery.start_soon(self._run, list(batch_ids), send, trio.CancelScope())
+        self._running.add(scope)
+        self._nursery.start_soon(self._run, list(batch_ids), send, scope)
         return receive
+
+    async def aclose(self) -> None:
+        """Stop every fetch and close the provider (the client left the run, or it ended): its
+        connection or files are released now, not when the provider is collected, and nothing
+        is fetched after it (a fetch would reopen a fallback provider). Idempotent."""
+        from psyche.data_provider.factory import aclose_provider
+
+        if self._closed:
+            return
+        self._closed = True
+        for scope in self._running:
+            scope.cancel()
+        with trio.CancelScope(shield=True):
+            async with self._lock:  # a request in flight has ended (cancelled) before the close
+                await aclose_provider(self.provider)
 
     async def _run(
         self,
@@ -63,19 +85,27 @@ class DataFetcher:
         send: trio.MemorySendChannel[tuple[BatchId, Batch]],
         scope: trio.CancelScope,
     ) -> None:
+        try:
+            with scope:
+                async with send:
+                    await self._send_all(batch_ids, send)
+        finally:
+            self._running.discard(scope)
+
+    async def _send_all(
+        self, batch_ids: list[BatchId], send: trio.MemorySendChannel[tuple[BatchId, Batch]]
+    ) -> None:
         from psyche.modeling.trainer import Batch
 
-        with scope:
-            async with send:
-                while batch_ids:
-                    batch_id = batch_ids.pop()  # upstream pops from the end
-                    samples = await self._get_with_retries(batch_id)
-                    if samples is None:
-                        return
-                    try:
-                        await send.send((batch_id, Batch.from_samples(samples)))
-                    except trio.BrokenResourceError:
-                        return  # the round stopped reading (it ended while we fetched)
+        while batch_ids:
+            batch_id = batch_ids.pop()  # upstream pops from the end
+            samples = await self._get_with_retries(batch_id)
+            if samples is None:
+                return
+            try:
+                await send.send((batch_id, Batch.from_samples(samples)))
+            except trio.BrokenResourceError:
+                return  # the round stopped reading (it ended while we fetched)
 
     async def _get_with_retries(self, batch_id: BatchId) -> list[TokenizedData] | None:
         attempt = 0
