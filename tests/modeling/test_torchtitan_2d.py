@@ -9,6 +9,7 @@ the one-rank bits after every apply and the checkpoints the same bytes; given th
 gradients and momentum, `generate` and an apply are exact. The trained gradients are not the
 one-rank bits (the row-parallel matmuls and the vocabulary-split embedding add their halves in
 another order), which the 1-bit top-k payload hides except at a near tie at the top-k boundary.
+DiLoCo is not built on sharded parameters: refused in one line.
 """
 
 from __future__ import annotations
@@ -17,8 +18,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from psyche.core.definitions import ConstantLR, LearningRateSchedule, OptimizerDefinition
 from psyche.modeling import torchtitan
+from psyche.modeling.causal_lm import CausalLM, ModelOptions
+from psyche.modeling.configs import llama_config_dict
+from psyche.modeling.diloco import DilocoSettings
+from psyche.modeling.parallel import ParallelDims, ParallelismError
+from psyche.modeling.trainer import Trainer
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_parallel_ranks import run_ranks
@@ -84,3 +92,23 @@ def test_it_checkpoints_the_one_rank_bytes(four_ranks: tuple[dict, Path], mode: 
     assert files == sorted(p.name for p in (out / f"{mode}-reference").iterdir()) != []
     for name in files:
         assert (out / mode / name).read_bytes() == (out / f"{mode}-reference" / name).read_bytes()
+
+
+def test_diloco_on_sharded_parameters_is_one_line() -> None:
+    """DiLoCo is not built on TP/FSDP shards (its outer state and decoded results are whole
+    tensors, which it mixes with the parameters: it failed mid-round in its codec): refused as
+    the trainer is built, before any rank is needed. Replicated data parallelism passes."""
+    options = ModelOptions(architecture="Torchtitan", device="cpu")
+    model = CausalLM.from_config(llama_config_dict("tiny"), options)
+    diloco = OptimizerDefinition.DiLoCo(DilocoSettings(inner_steps=2).definition())
+    schedule = LearningRateSchedule.Constant(ConstantLR(1e-3, 0.0, 0))
+    cpu = torch.device("cpu")
+    sharded = (
+        ParallelDims(cpu, tp=2),
+        ParallelDims(cpu, dp=2, fsdp=True),
+        ParallelDims(cpu, dp=2, tp=2, fsdp=True),
+    )
+    for dims in sharded:
+        with pytest.raises(ParallelismError, match="DiLoCo is not built on sharded parameters"):
+            Trainer(model, schedule, diloco, 2, parallel=dims)
+    ParallelDims(cpu, dp=2).check_optimizer(diloco)
