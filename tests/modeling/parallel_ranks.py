@@ -19,6 +19,10 @@ checkpoints of each side to OUT_DIR/<mode>/ and OUT_DIR/<mode>-reference/).
 * `fsdp4` (its own run, `python parallel_ranks.py RANK INIT_FILE OUT_DIR cpu fsdp4` on four
   ranks): `fsdp` over four ranks, eight rows a step (one micro-batch of two per rank) and DisTrO
   unquantized, so that equal payloads mean equal momentum, hence equal gradients.
+* `tp-fsdp-torchtitan`, `tp-fsdp-torchtitan-deepseek` (their own run, `... cpu
+  tp-fsdp-torchtitan` on four ranks, three steps): the Torchtitan architecture's llama3 and
+  deepseek_v3 at FSDP=2 x TP=2 (torchtitan's TP plan, then FSDP2 over its `fsdp` mesh), as
+  `tp-torchtitan` (the protocol, then `tp`'s exact checks).
 * `tp` and `tp-deepseek` (DTensor tensor parallelism of the tiny Llama and the tiny
   DeepSeek-V3), both ranks running the same code: the row-parallel matmuls
   sum their halves in another order, so trained gradients are close, not equal; what must be
@@ -71,9 +75,17 @@ ARCHITECTURES = {
     "tp-torchtitan": "Torchtitan",
     "tp-torchtitan-deepseek": "Torchtitan",
     "fsdp4": "HfLlama",
+    "tp-fsdp-torchtitan": "Torchtitan",
+    "tp-fsdp-torchtitan-deepseek": "Torchtitan",
 }
-DEEPSEEK = ("tp-deepseek", "tp-torchtitan-deepseek")
+DEEPSEEK = ("tp-deepseek", "tp-torchtitan-deepseek", "tp-fsdp-torchtitan-deepseek")
 """The modes on the tiny DeepSeek-V3 (the others train the tiny Llama)."""
+FOUR_RANKS = {
+    "fsdp4": (("fsdp4",), 4),
+    "tp-fsdp-torchtitan": (("tp-fsdp-torchtitan", "tp-fsdp-torchtitan-deepseek"), 3),
+}
+"""The four-rank runs (`python parallel_ranks.py RANK INIT_FILE OUT_DIR cpu RUN`): their
+scenarios and steps."""
 SEQ = 16
 STEPS = 4
 
@@ -88,7 +100,8 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def batch_for(step: int, mode: str = "") -> Batch:
-    """4 rows (1 at the last step); `fsdp4`: 8 (one micro-batch of 2 per rank)."""
+    """4 rows (1 at the last step; `tp-fsdp-*`: one micro-batch of 2 per DP rank, its TP ranks
+    seeing the same rows); `fsdp4`: 8 (one micro-batch of 2 per rank)."""
     rows = 8 if mode == "fsdp4" else 1 if step == STEPS else 4
     g = torch.Generator().manual_seed(step)
     return Batch(torch.randint(0, 256, (rows, SEQ), generator=g))
@@ -99,21 +112,20 @@ def rank_device(rank: int) -> torch.device:
 
 
 def dims_for(mode: str, rank: int) -> ParallelDims:
-    device = rank_device(rank)
-    dims = (
-        {
-            "dp": ParallelDims(device, dp=2, rank=rank),
-            "fsdp": ParallelDims(device, dp=2, fsdp=True, rank=rank),
-            "tp": ParallelDims(device, tp=2, rank=rank),
-            "tp-deepseek": ParallelDims(device, tp=2, rank=rank),
-            "dp-torchtitan": ParallelDims(device, dp=2, rank=rank),
-            "fsdp-torchtitan": ParallelDims(device, dp=2, fsdp=True, rank=rank),
-            "tp-torchtitan": ParallelDims(device, tp=2, rank=rank),
-            "tp-torchtitan-deepseek": ParallelDims(device, tp=2, rank=rank),
-        }[mode]
-        if mode != "fsdp4"
-        else ParallelDims(device, dp=4, fsdp=True, rank=rank)
-    )
+    layout: dict = {
+        "dp": dict(dp=2),
+        "fsdp": dict(dp=2, fsdp=True),
+        "tp": dict(tp=2),
+        "tp-deepseek": dict(tp=2),
+        "dp-torchtitan": dict(dp=2),
+        "fsdp-torchtitan": dict(dp=2, fsdp=True),
+        "tp-torchtitan": dict(tp=2),
+        "tp-torchtitan-deepseek": dict(tp=2),
+        "fsdp4": dict(dp=4, fsdp=True),
+        "tp-fsdp-torchtitan": dict(dp=2, tp=2, fsdp=True),
+        "tp-fsdp-torchtitan-deepseek": dict(dp=2, tp=2, fsdp=True),
+    }[mode]
+    dims = ParallelDims(rank_device(rank), rank=rank, **layout)
     return replace(dims, mesh=build_mesh(dims))
 
 
@@ -274,14 +286,19 @@ def tp_full(t: torch.Tensor) -> torch.Tensor:
 
 
 def main() -> None:
-    global DEVICE
+    global DEVICE, STEPS
     rank, init_file, out = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
     DEVICE = sys.argv[4] if len(sys.argv) > 4 else "cpu"
     torch.set_num_threads(1)
-    if len(sys.argv) > 5 and sys.argv[5] == "fsdp4":  # four ranks, this scenario alone
+    if len(sys.argv) > 5 and sys.argv[5] in FOUR_RANKS:  # four ranks, these scenarios alone
         init_world(rank, 4, f"file://{init_file}", rank_device(rank))
+        report = {}
+        modes, STEPS = FOUR_RANKS[sys.argv[5]]
         try:
-            report = {"fsdp4": protocol_scenario("fsdp4", rank, out)}
+            for mode in modes:
+                report[mode] = protocol_scenario(mode, rank, out)
+                if mode.startswith("tp-"):
+                    report[mode]["exact"] = tp_scenario(rank, mode)
         finally:
             close_world()
         if rank == 0:

@@ -17,7 +17,8 @@ cannot be installed (triton has no wheel for macOS or Windows).
   it (`build_from_parameters`) with the same parameter bits;
 * two clients of a DiLoCo run on a Torchtitan model (llama3 and deepseek_v3, whose grouped
   experts are 3-D, with sparse or dense payloads) keep the same parameter bits;
-* a config torchtitan's llama3 cannot take is one line, and so are TP and FSDP together.
+* a config torchtitan's llama3 cannot take is one line (TP with FSDP is
+  tests/modeling/test_torchtitan_2d.py's).
 """
 
 from __future__ import annotations
@@ -203,20 +204,6 @@ def test_two_torchtitan_clients_of_a_diloco_run_apply_bit_identical_results(
     assert moved
     if model_type == "deepseek_v3":  # the grouped experts too (3-D)
         assert {n for n, p in a.model.variables() if p.dim() == 3} <= moved
-
-
-def test_torchtitan_tensor_parallelism_with_fsdp_is_one_line() -> None:
-    """TP and FSDP together are not built for Torchtitan: refused before any rank is needed
-    (TP alone and FSDP alone are tests/modeling/test_parallel_ranks.py's)."""
-    from psyche.modeling.parallel import ParallelDims, ParallelismError
-    from psyche.modeling.sharding import ShardingOptions, parallelize
-
-    model = CausalLM.from_config(
-        llama_config_dict("tiny"), ModelOptions(architecture="Torchtitan", device="cpu")
-    )
-    dims = ParallelDims(torch.device("cpu"), dp=2, tp=2, fsdp=True)
-    with pytest.raises(ParallelismError, match="not both yet: drop --fsdp"):
-        parallelize(model, dims, ShardingOptions())
 
 
 def test_configs_torchtitan_cannot_take_are_one_line() -> None:

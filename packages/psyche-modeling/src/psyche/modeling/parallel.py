@@ -149,6 +149,19 @@ class ParallelDims:
                     f"use --tensor-parallelism {' or '.join(map(str, _divisors(size)))}"
                 )
 
+    def check_optimizer(self, optimizer: Any) -> None:
+        """DiLoCo (`OptimizerDefinition.DiLoCo`) keeps its outer state and decodes its results
+        as whole tensors, which it mixes with the parameters: not built on sharded ones (TP,
+        FSDP, where it failed mid-round in its codec, mixing a tensor and a DTensor);
+        replicated data parallelism holds whole parameters."""
+        from psyche.core.definitions import OptimizerDefinition
+
+        if isinstance(optimizer, OptimizerDefinition.DiLoCo) and (self.tp > 1 or self.fsdp):
+            raise ParallelismError(
+                "DiLoCo is not built on sharded parameters (--tensor-parallelism, --fsdp): "
+                "use --data-parallelism without --fsdp, or one rank"
+            )
+
     def check_device(self, device: torch.device) -> None:
         """The model must live on this rank's device."""
         if device != self.device:

@@ -10,7 +10,8 @@ What upstream's Python path does (`python/psyche/models/hf_transformers.py`,
 * `build_mesh` builds the `DeviceMesh` with the dimensions of size > 1: `dp` (replicated data
   parallelism) or `dp_shard` (FSDP2), and `tp`;
 * `parallelize` applies upstream's plan (a Torchtitan model's tensor parallelism is torchtitan's
-  own, `psyche.modeling.torchtitan.parallelize_tp`): tensor parallelism for Llama-family models
+  own, `psyche.modeling.torchtitan.parallelize_tp`, on torchtitan's own mesh, over whose `fsdp`
+  dimension FSDP2 then shards it): tensor parallelism for Llama-family models
   (`ColwiseParallel` q/k/v/gate/up, `RowwiseParallel` o/down, `lm_head` column-parallel with a
   replicated output; embeddings and norms stay replicated), then FSDP2 (`fully_shard` on each
   `_no_split_modules` block and on the root, `MixedPrecisionPolicy(param_dtype, reduce_dtype)`),
@@ -74,7 +75,9 @@ def settle_gradients(params: Iterable[torch.Tensor]) -> None:
     each rank a full-size tensor not yet added over the TP ranks. DisTrO, the DP mean and
     clipping read each rank's local slice, which must be the parameter's: a reduce-scatter (to
     a shard) or an all-reduce (to a replica) per such gradient, in `params`' order on every
-    rank. Nothing moves where the layouts agree (HF TP, FSDP2, one rank)."""
+    rank. Nothing moves where the layouts agree (HF TP, FSDP2, one rank), nor under FSDP2 with
+    torchtitan's TP: FSDP2 gives the gradient the parameter's TP layout the same way before
+    its reduce-scatter."""
     for p in params:
         grad = p.grad
         if grad is None or not is_sharded(p) or not is_sharded(grad):
@@ -228,11 +231,6 @@ def parallelize(model: CausalLM, dims: ParallelDims, options: ShardingOptions) -
     as a new `CausalLM` over the same module. Every rank must call it."""
     from psyche.modeling.causal_lm import CausalLM
 
-    if model.architecture == "Torchtitan" and dims.tp > 1 and dims.fsdp:
-        raise ParallelismError(
-            "Torchtitan models take tensor parallelism or FSDP here, not both yet: drop "
-            "--fsdp (replicated --data-parallelism works with --tensor-parallelism)"
-        )
     dims.check_model(model.config)
     module = model.model
     if options.activation_checkpointing and getattr(
@@ -250,14 +248,18 @@ def parallelize(model: CausalLM, dims: ParallelDims, options: ShardingOptions) -
         dims.require_world()
         mesh = dims.mesh
         assert mesh is not None
+        fsdp_mesh = mesh[dims.dp_mesh_name] if dims.fsdp else None
         if dims.tp > 1 and model.architecture == "Torchtitan":
             from psyche.modeling import torchtitan
 
-            torchtitan.parallelize_tp(module, dims)
+            # FSDP2 over torchtitan's own mesh, the one its TP DTensors live on
+            titan_fsdp_mesh = torchtitan.parallelize_tp(module, dims)
+            if dims.fsdp:
+                fsdp_mesh = titan_fsdp_mesh
         elif dims.tp > 1:
             _apply_tp(module, mesh["tp"])
-        if dims.fsdp:
-            _apply_fsdp(module, mesh[dims.dp_mesh_name], options)
+        if fsdp_mesh is not None:
+            _apply_fsdp(module, fsdp_mesh, options)
     return CausalLM(module, model.architecture, source_dir=model.source_dir)
 
 

@@ -19,12 +19,13 @@ router):
 The attention is torch's scaled-dot-product attention with a causal mask (torchtitan's
 language-model backends are flex and varlen, which need a compiler or CUDA; SDPA is its inner
 attention for whole sequences). Tensor parallelism is torchtitan's own plan (`parallelize_tp`); FSDP2
-shards torchtitan's blocks as its `apply_fsdp` does (`psyche.modeling.sharding`); replicated
-data parallelism works as for any model. Not built: torchtitan's other models (qwen3, gpt-oss,
-...), TP and FSDP together, sequence, context and expert parallelism, RoPE
-scaling (so no YaRN mscale), torch.compile, multi-token prediction. Both models' checkpoints
-go through torchtitan's adapters, and tests/modeling/test_torchtitan.py loads each in transformers
-with the Torchtitan logits. torchtitan is the `psyche-modeling[torchtitan]` extra, which the
+shards torchtitan's blocks as its `apply_fsdp` does (`psyche.modeling.sharding`), also over
+TP (torchtitan's 2-D layout: FSDP2 on its mesh's `fsdp` dimension); replicated data
+parallelism works as for any model. Not built: torchtitan's other models (qwen3, gpt-oss,
+...), sequence, context and expert parallelism, RoPE scaling (so no YaRN mscale),
+torch.compile, multi-token prediction. Both models' checkpoints go through torchtitan's
+adapters, and tests/modeling/test_torchtitan.py loads each in transformers with the Torchtitan
+logits. torchtitan is the `psyche-modeling[torchtitan]` extra, which the
 project's setup installs; without it this module says how to install it.
 """
 
@@ -40,6 +41,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
     from psyche.modeling.parallel import ParallelDims
 
 LLAMA3_MODEL_TYPES = ("llama", "qwen2", "seed_oss")
@@ -282,7 +285,7 @@ def build(config: Any, device: torch.device, dtype: torch.dtype, seed: int) -> n
     return built
 
 
-def parallelize_tp(model: nn.Module, dims: ParallelDims) -> None:
+def parallelize_tp(model: nn.Module, dims: ParallelDims) -> DeviceMesh:
     """Lay `model` (built by `build`, whole and identical on every rank) over `dims`' tensor-
     parallel ranks with torchtitan's own plan (`Module.parallelize`, what its
     `parallelize_llama` / `parallelize_deepseekv3` run for TP), in its DTensor form
@@ -295,13 +298,17 @@ def parallelize_tp(model: nn.Module, dims: ParallelDims) -> None:
     lm_head sharded over the vocabulary; `forward` gathers them.
 
     torchtitan builds its own meshes over the same ranks (rank = dp_rank * tp + tp_rank, as
-    `ParallelDims`); it takes their device type from the machine (CUDA when present), so it is
-    told the ranks' device here. Every rank of the client must call it (a collective)."""
+    `ParallelDims`: its `fsdp` dimension is `dims.dp` under FSDP, else its `dp_replicate`
+    is); it takes their device type from the machine (CUDA when present), so it is told the
+    ranks' device here. Returns torchtitan's `fsdp` mesh: under FSDP the blocks must be
+    sharded over it (FSDP2 lays a TP DTensor over a second mesh dimension only when both
+    meshes are one mesh's, as torchtitan's `parallelize_llama` passes its own). Every rank of
+    the client must call it (a collective)."""
     from torchtitan.distributed import parallel_dims as titan_dims
 
     layout = titan_dims.ParallelDims(
-        dp_replicate=dims.dp,
-        dp_shard=1,
+        dp_replicate=1 if dims.fsdp else dims.dp,
+        dp_shard=dims.dp if dims.fsdp else 1,
         cp=1,
         tp=dims.tp,
         pp=1,
@@ -317,6 +324,8 @@ def parallelize_tp(model: nn.Module, dims: ParallelDims) -> None:
         titan_dims.device_type = machine
     parallelize: Any = getattr(model, "parallelize")  # noqa: B009 (torchtitan's Module)
     parallelize(layout)
+    fsdp_mesh: DeviceMesh = layout.get_mesh("fsdp")
+    return fsdp_mesh
 
 
 def _adapter(model: nn.Module) -> Any:

@@ -148,6 +148,7 @@ class Trainer:
         if micro_batch_size < 1:
             raise ValueError("micro_batch_size must be at least 1")
         self.parallel = parallel or ParallelDims(model.device)
+        self.parallel.check_optimizer(optimizer)
         self.parallel.require_world()
         self.parallel.check_device(model.device)
         self.parallel.check_model(model.config)
