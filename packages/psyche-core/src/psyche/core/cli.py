@@ -428,7 +428,8 @@ def add_verbose_flag(parser: argparse.ArgumentParser) -> None:
 class Command:
     """One subcommand of a command: its name and help, its options (a dataclass whose fields
     declare its arguments, `add_options`) and the function that runs it with them; or, without
-    options, what declares its arguments (`add`) and runs it from the parsed namespace."""
+    options, what declares its arguments (`add`, which returns their environment fallbacks if
+    it has any) and runs it from the parsed namespace."""
 
     name: str
     help: str
@@ -440,15 +441,15 @@ class Command:
     aliases: tuple[str, ...] = ()
     implied: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     """What an alias implies: option values by alias."""
-    add: Callable[[argparse.ArgumentParser], None] | None = None
+    add: Callable[[argparse.ArgumentParser], EnvOptions | None] | None = None
 
     def declare(
         self,
         commands: argparse._SubParsersAction[argparse.ArgumentParser],
         formatter_class: type[argparse.HelpFormatter] = HelpFormatter,
     ) -> EnvOptions | None:
-        """This subcommand on `commands`; the environment fallbacks of its options (None
-        without options)."""
+        """This subcommand on `commands`; the environment fallbacks of its arguments (None
+        when it has none)."""
         sub = commands.add_parser(
             self.name,
             help=self.help,
@@ -458,8 +459,7 @@ class Command:
         )
         if self.options is None:
             assert self.add is not None
-            self.add(sub)
-            return None
+            return self.add(sub)
         env = command_env(sub)
         add_options(sub, env, self.options)
         return env
@@ -483,7 +483,7 @@ def commands_parser(
     formatter_class: type[argparse.HelpFormatter] = HelpFormatter,
 ) -> tuple[argparse.ArgumentParser, dict[str, EnvOptions]]:
     """`command_parser` with `commands` declared (`formatter_class` their `--help`'s) and
-    `--verbose`; the environment fallbacks of those with options, by name."""
+    `--verbose`; the environment fallbacks of those that have some, by name."""
     parser, subcommands = command_parser(prog, description)
     envs: dict[str, EnvOptions] = {}
     for command in commands:
