@@ -28,7 +28,7 @@ What it guarantees, however the command was started:
   `os._exit` after flushing logs, instead of aborting in the interpreter's finalization.
 
 The argparse pieces every command shares live here too: `command_parser` (a command with
-subcommands; `commands_parser` and `call_command` declare and run them from a table of
+subcommands; `commands_parser` and `run_commands` declare and run them from a table of
 `Command`s), `EnvOptions` (options that fall back to the environment, as upstream's clap
 `env`), options declared as the fields of a dataclass (`env_option`, `nested`; `add_options`
 puts them on a parser and `options_from_args` builds the dataclass back, so that a library
@@ -500,6 +500,17 @@ def call_command(commands: Sequence[Command], args: argparse.Namespace) -> int:
     return by_name[args.command].call(args)
 
 
+def run_commands(
+    prog: str,
+    parser: Callable[[], argparse.ArgumentParser],
+    commands: Sequence[Command],
+    argv: Sequence[str] | None = None,
+) -> int:
+    """A command's `main`: the subcommand of `commands` that `argv` names, parsed by
+    `parser()` (`parse_command`) and run under `run_command`."""
+    return run_command(prog, lambda a: call_command(commands, parse_command(parser(), a)), argv)
+
+
 def _add_verbose(parser: argparse.ArgumentParser, help_text: str) -> None:
     if any("--verbose" in action.option_strings for action in parser._actions):
         return
@@ -768,6 +779,7 @@ __all__ = [
     "parse_unsigned",
     "report",
     "run_command",
+    "run_commands",
     "run_serving",
     "short_duration",
     "single_cause",

@@ -27,12 +27,10 @@ from psyche.client.setup.ranks import DEFAULT_PORT, SidecarLayout
 from psyche.core.cli import (
     Command,
     EnvOptions,
-    call_command,
     command_env,
     commands_parser,
-    parse_command,
     parse_unsigned,
-    run_command,
+    run_commands,
 )
 
 PROG = "psyche-client"
@@ -217,11 +215,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, EnvOptions]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The `psyche-client` command (exit codes and signals: `psyche.core.cli`)."""
-    return run_command(PROG, _main, argv)
-
-
-def _main(argv: Sequence[str] | None) -> int:
-    return call_command(COMMANDS, parse_command(build_parser()[0], argv))
+    return run_commands(PROG, lambda: build_parser()[0], COMMANDS, argv)
 
 
 __all__ = ["build_parser", "main", "show_identity"]

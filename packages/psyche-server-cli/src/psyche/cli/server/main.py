@@ -17,10 +17,8 @@ from psyche.centralized.options import ServerRunOptions, StandaloneRelayOptions
 from psyche.core.cli import (
     Command,
     EnvOptions,
-    call_command,
     commands_parser,
-    parse_command,
-    run_command,
+    run_commands,
 )
 
 PROG = "psyche-server"
@@ -121,11 +119,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, EnvOptions]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The `psyche-server` command (exit codes and signals: `psyche.core.cli`)."""
-    return run_command(PROG, _main, argv)
-
-
-def _main(argv: Sequence[str] | None) -> int:
-    return call_command(COMMANDS, parse_command(build_parser()[0], argv))
+    return run_commands(PROG, lambda: build_parser()[0], COMMANDS, argv)
 
 
 if __name__ == "__main__":

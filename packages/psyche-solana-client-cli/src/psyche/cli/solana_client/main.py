@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from psyche.cli.solana_client.predownload import predownload
 from psyche.cli.solana_client.train import add_train_arguments, train
-from psyche.core.cli import Command, call_command, commands_parser, parse_command, run_command
+from psyche.core.cli import Command, commands_parser, run_commands
 from psyche.solana.commands import authorization, results, run, treasury, view, wallet
 from psyche.solana.commands.predownload import PredownloadOptions
 from psyche.solana.localnet.__main__ import LocalnetOptions, run_localnet
@@ -219,11 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The `psyche-solana-client` command (exit codes and signals: `psyche.core.cli`)."""
-    return run_command(PROG, _main, argv)
-
-
-def _main(argv: Sequence[str] | None) -> int:
-    return call_command(COMMANDS, parse_command(build_parser(), argv))
+    return run_commands(PROG, build_parser, COMMANDS, argv)
 
 
 if __name__ == "__main__":
