@@ -482,21 +482,17 @@ class Coordinator(CoordinatorQueries):
         if not 0 <= index < len(clients) or clients[index].id.signer != from_.signer:
             raise CoordinatorError(CoordinatorErrorKind.InvalidCommitteeProof)
         llm = self._llm()
+        # Upstream's six arms: a P2P run stays P2P, falling back to the reported repo (hub or
+        # GCS); a hub or GCS run takes a repo of its own kind; anything else is ignored.
         match (llm.checkpoint, checkpoint_repo):
-            case (Checkpoint.P2P(_), Checkpoint.Hub(hub_repo)):
+            case (Checkpoint.P2P(_) | Checkpoint.P2PGcs(_), Checkpoint.Hub(hub_repo)):
                 llm.checkpoint = Checkpoint.P2P(hub_repo)
-            case (Checkpoint.P2PGcs(_), Checkpoint.Gcs(gcs_repo)):
+            case (Checkpoint.P2P(_) | Checkpoint.P2PGcs(_), Checkpoint.Gcs(gcs_repo)):
                 llm.checkpoint = Checkpoint.P2PGcs(gcs_repo)
             case (Checkpoint.Hub(_), Checkpoint.Hub(hub_repo)):
                 llm.checkpoint = Checkpoint.Hub(hub_repo)
             case (Checkpoint.Gcs(_), Checkpoint.Gcs(gcs_repo)):
                 llm.checkpoint = Checkpoint.Gcs(gcs_repo)
-            case (Checkpoint.P2PGcs(_), Checkpoint.Hub(hub_repo)):
-                llm.checkpoint = Checkpoint.P2P(hub_repo)
-            case (Checkpoint.P2P(_), Checkpoint.Gcs(gcs_repo)):
-                llm.checkpoint = Checkpoint.P2PGcs(gcs_repo)
-            case _:
-                pass
 
     def withdraw(self, index: int) -> None:
         clients = self.epoch_state.clients

@@ -28,7 +28,8 @@ What it guarantees, however the command was started:
   `os._exit` after flushing logs, instead of aborting in the interpreter's finalization.
 
 The argparse pieces every command shares live here too: `command_parser` (a command with
-subcommands), `EnvOptions` (options that fall back to the environment, as upstream's clap
+subcommands; `commands_parser` and `run_commands` declare and run them from a table of
+`Command`s), `EnvOptions` (options that fall back to the environment, as upstream's clap
 `env`), options declared as the fields of a dataclass (`env_option`, `nested`; `add_options`
 puts them on a parser and `options_from_args` builds the dataclass back, so that a library
 owns its command's options and the command only parses), the value parsers `parse_bool` and
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -422,6 +424,93 @@ def add_verbose_flag(parser: argparse.ArgumentParser) -> None:
                 add_verbose_flag(sub)
 
 
+@dataclass(frozen=True)
+class Command:
+    """One subcommand of a command: its name and help, its options (a dataclass whose fields
+    declare its arguments, `add_options`) and the function that runs it with them; or, without
+    options, what declares its arguments (`add`, which returns their environment fallbacks if
+    it has any) and runs it from the parsed namespace."""
+
+    name: str
+    help: str
+    options: type[Any] | None
+    run: Callable[[Any], int]
+    description: str | None = None
+    """`--help`'s text (default: the help, when `described`)."""
+    described: bool = True
+    aliases: tuple[str, ...] = ()
+    implied: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    """What an alias implies: option values by alias."""
+    add: Callable[[argparse.ArgumentParser], EnvOptions | None] | None = None
+
+    def declare(
+        self,
+        commands: argparse._SubParsersAction[argparse.ArgumentParser],
+        formatter_class: type[argparse.HelpFormatter] = HelpFormatter,
+    ) -> EnvOptions | None:
+        """This subcommand on `commands`; the environment fallbacks of its arguments (None
+        when it has none)."""
+        sub = commands.add_parser(
+            self.name,
+            help=self.help,
+            description=self.description or (self.help if self.described else None),
+            aliases=list(self.aliases),
+            formatter_class=formatter_class,
+        )
+        if self.options is None:
+            assert self.add is not None
+            return self.add(sub)
+        env = command_env(sub)
+        add_options(sub, env, self.options)
+        return env
+
+    def options_from(self, args: argparse.Namespace) -> Any:
+        """The command's options from the parsed namespace (with what its alias implies)."""
+        assert self.options is not None
+        options = options_from_args(self.options, args)
+        return dataclasses.replace(options, **self.implied.get(args.command, {}))
+
+    def call(self, args: argparse.Namespace) -> int:
+        if self.options is None:
+            return self.run(args)
+        return self.run(self.options_from(args))
+
+
+def commands_parser(
+    prog: str,
+    description: str,
+    commands: Sequence[Command],
+    formatter_class: type[argparse.HelpFormatter] = HelpFormatter,
+) -> tuple[argparse.ArgumentParser, dict[str, EnvOptions]]:
+    """`command_parser` with `commands` declared (`formatter_class` their `--help`'s) and
+    `--verbose`; the environment fallbacks of those that have some, by name."""
+    parser, subcommands = command_parser(prog, description)
+    envs: dict[str, EnvOptions] = {}
+    for command in commands:
+        env = command.declare(subcommands, formatter_class)
+        if env is not None:
+            envs[command.name] = env
+    add_verbose_flag(parser)
+    return parser, envs
+
+
+def call_command(commands: Sequence[Command], args: argparse.Namespace) -> int:
+    """Run the command of `commands` (by name or alias) that `args` names."""
+    by_name = {name: c for c in commands for name in (c.name, *c.aliases)}
+    return by_name[args.command].call(args)
+
+
+def run_commands(
+    prog: str,
+    parser: Callable[[], argparse.ArgumentParser],
+    commands: Sequence[Command],
+    argv: Sequence[str] | None = None,
+) -> int:
+    """A command's `main`: the subcommand of `commands` that `argv` names, parsed by
+    `parser()` (`parse_command`) and run under `run_command`."""
+    return run_command(prog, lambda a: call_command(commands, parse_command(parser(), a)), argv)
+
+
 def _add_verbose(parser: argparse.ArgumentParser, help_text: str) -> None:
     if any("--verbose" in action.option_strings for action in parser._actions):
         return
@@ -661,6 +750,7 @@ __all__ = [
     "EXIT_USER_ERROR",
     "LOG_DIRECTIVES_ENV",
     "VERBOSE_ENV",
+    "Command",
     "CommandLineField",
     "EnvFlag",
     "EnvOptions",
@@ -671,7 +761,9 @@ __all__ = [
     "add_options",
     "add_verbose_flag",
     "apply_log_directives",
+    "call_command",
     "command_parser",
+    "commands_parser",
     "env_name",
     "env_option",
     "error_line",
@@ -687,6 +779,7 @@ __all__ = [
     "parse_unsigned",
     "report",
     "run_command",
+    "run_commands",
     "run_serving",
     "short_duration",
     "single_cause",

@@ -320,8 +320,6 @@ async def update_config(
     if not coordinator_update and client_version is None:
         raise AdminError("this invocation would not update anything, bailing.")
 
-    treasurer_index = await backend.resolve_treasurer_index(run_id, treasurer_index)
-    await _authority_check(backend, run, treasurer_index)
     update = treasurer_ix.RunUpdateParams(
         metadata=new_metadata,
         config=config,
@@ -329,9 +327,23 @@ async def update_config(
         progress=progress,
         client_version=client_version,
     )
-    instructions = _owner_update(backend, run, treasurer_index, update)
-    signature = await backend.send_and_retry("Update config", instructions)
+    signature = await _send_owner_update(backend, run, treasurer_index, "Update config", update)
     return ConfigUpdate(signature, new_metadata, config, model, progress, client_version)
+
+
+async def _send_owner_update(
+    backend: SolanaBackend,
+    run: RunRef,
+    treasurer_index: int | None,
+    label: str,
+    update: treasurer_ix.RunUpdateParams,
+) -> Signature:
+    """Send `update` signed by the wallet, which must be the run's main authority: through the
+    run's treasurer when it has one (`treasurer_index`, else the one found), else as the
+    coordinator instructions it stands for."""
+    index = await backend.resolve_treasurer_index(run.run_id, treasurer_index)
+    await _authority_check(backend, run, index)
+    return await backend.send_and_retry(label, _owner_update(backend, run, index, update))
 
 
 def _owner_update(
@@ -361,12 +373,8 @@ async def set_paused(
     backend: SolanaBackend, run_id: str, paused: bool, treasurer_index: int | None = None
 ) -> Signature:
     run = await load_run(backend, run_id)
-    treasurer_index = await backend.resolve_treasurer_index(run_id, treasurer_index)
-    await _authority_check(backend, run, treasurer_index)
     update = treasurer_ix.RunUpdateParams(paused=paused)
-    return await backend.send_and_retry(
-        "Set paused", _owner_update(backend, run, treasurer_index, update)
-    )
+    return await _send_owner_update(backend, run, treasurer_index, "Set paused", update)
 
 
 async def set_future_epoch_rates(
@@ -471,16 +479,11 @@ async def join_authorization_create(
     authorization if needed, then activates it."""
     payer = grantor = backend.get_payer()
     address = pda.find_join_authorization(grantor, authorizer, backend.ids)
-    created = None
-    if await backend.get_balance(address) == 0:
-        created = await backend.send_and_retry(
-            "Authorization create",
-            [
-                authorizer_ix.authorizer_authorization_create(
-                    payer, grantor, authorizer, ids=backend.ids
-                )
-            ],
-        )
+    created = await backend.create_if_missing(
+        "Authorization create",
+        address,
+        authorizer_ix.authorizer_authorization_create(payer, grantor, authorizer, ids=backend.ids),
+    )
     activated, authorization = await _set_active(backend, grantor, authorizer, address, True)
     return AuthorizationResult(address, grantor, authorizer, created, activated, authorization)
 

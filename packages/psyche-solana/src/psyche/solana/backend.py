@@ -253,6 +253,16 @@ class SolanaBackend:
         log.info("transaction success: %s, %s", name, signature)
         return signature
 
+    async def create_if_missing(
+        self, name: str, address: Pubkey, instruction: Instruction
+    ) -> Signature | None:
+        """Send `instruction` (which creates the account at `address`) unless that account
+        already holds lamports, as upstream checks before creating; its signature, or None when
+        the account was there."""
+        if await self.get_balance(address) != 0:
+            return None
+        return await self.send_and_retry(name, [instruction])
+
     async def join_run(
         self,
         coordinator_instance: Pubkey,

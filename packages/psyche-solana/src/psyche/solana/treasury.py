@@ -176,24 +176,18 @@ async def prepare_claim(backend: SolanaBackend, treasury: Treasury) -> Claim:
     upstream, each in its own transaction), and read what it earned and already claimed."""
     user = backend.get_payer()
     user_collateral = pda.associated_token_address(user, treasury.collateral_mint)
-    created_ata = None
-    if await backend.get_balance(user_collateral) == 0:
-        created_ata = await backend.send_and_retry(
-            "Create user ATA",
-            [
-                token_ix.create_associated_token_account_idempotent(
-                    user, user, treasury.collateral_mint
-                )
-            ],
-        )
+    created_ata = await backend.create_if_missing(
+        "Create user ATA",
+        user_collateral,
+        token_ix.create_associated_token_account_idempotent(user, user, treasury.collateral_mint),
+    )
     user_amount = (await backend.get_token_account(user_collateral)).amount
     participant_address = pda.find_participant(treasury.address, user, backend.ids)
-    created_participant = None
-    if await backend.get_balance(participant_address) == 0:
-        created_participant = await backend.send_and_retry(
-            "Create participant PDA",
-            [treasurer_ix.treasurer_participant_create(user, treasury.index, user, backend.ids)],
-        )
+    created_participant = await backend.create_if_missing(
+        "Create participant PDA",
+        participant_address,
+        treasurer_ix.treasurer_participant_create(user, treasury.index, user, backend.ids),
+    )
     account = await backend.get_coordinator_account(treasury.coordinator_account)
     participant = await backend.get_treasurer_participant(participant_address)
     return Claim(

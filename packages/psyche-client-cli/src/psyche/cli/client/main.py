@@ -25,13 +25,12 @@ from psyche.client.setup.options import (
 )
 from psyche.client.setup.ranks import DEFAULT_PORT, SidecarLayout
 from psyche.core.cli import (
+    Command,
     EnvOptions,
-    add_verbose_flag,
     command_env,
-    command_parser,
-    parse_command,
+    commands_parser,
     parse_unsigned,
-    run_command,
+    run_commands,
 )
 
 PROG = "psyche-client"
@@ -110,43 +109,6 @@ def _add_sidecar_options(parser: argparse.ArgumentParser, env: EnvOptions) -> No
     )
 
 
-def build_parser() -> tuple[argparse.ArgumentParser, EnvOptions]:
-    parser, commands = command_parser(PROG, DESCRIPTION)
-    show = commands.add_parser(
-        "show-identity",
-        help="Displays the client's unique identifier, used to participate in training runs",
-        description="Print the public and secret key of the identity in "
-        "--identity-secret-key-path or RAW_IDENTITY_SECRET_KEY.",
-    )
-    show.add_argument(
-        "--identity-secret-key-path",
-        type=Path,
-        metavar="<IDENTITY_SECRET_KEY_PATH>",
-        help="Path to the client's secret key (`openssl rand 32 > secret.key`) or use the "
-        "RAW_IDENTITY_SECRET_KEY environment variable",
-    )
-    train = commands.add_parser(
-        "train",
-        help="Allows the client to join a training run and contribute to the model's "
-        "training process",
-        description="Join a run on a coordinator server and train until stopped (Ctrl+C).",
-    )
-    env = command_env(train)
-    add_train_options(train, env)
-    _add_server_options(train, env)
-    sidecar = commands.add_parser(
-        "sidecar",
-        help="Runs ranks of a client whose rank 0 runs on another host (--main-host)",
-        description="Join the ranks of the client started with `train --main-host ADDR` on "
-        "another host: run ranks --start-rank .. --start-rank + --num-local-ranks - 1 of its "
-        "--world-size until that client closes them (exit 0), or one of them or the client "
-        "dies (exit 1). Upstream's psyche-sidecar python.",
-    )
-    _add_sidecar_options(sidecar, command_env(sidecar))
-    add_verbose_flag(parser)
-    return parser, env
-
-
 def show_identity(path: Path | None) -> int:
     key = read_identity_secret_key(path)
     if key is None:
@@ -178,21 +140,82 @@ def sidecar(args: argparse.Namespace) -> int:
     return run_sidecar(layout)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """The `psyche-client` command (exit codes and signals: `psyche.core.cli`)."""
-    return run_command(PROG, _main, argv)
+def _add_show_identity_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--identity-secret-key-path",
+        type=Path,
+        metavar="<IDENTITY_SECRET_KEY_PATH>",
+        help="Path to the client's secret key (`openssl rand 32 > secret.key`) or use the "
+        "RAW_IDENTITY_SECRET_KEY environment variable",
+    )
 
 
-def _main(argv: Sequence[str] | None) -> int:
-    args = parse_command(build_parser()[0], argv)
-    if args.command == "show-identity":
-        return show_identity(args.identity_secret_key_path)
-    if args.command == "sidecar":
-        return sidecar(args)
+def _add_train_arguments(parser: argparse.ArgumentParser) -> EnvOptions:
+    env = command_env(parser)
+    add_train_options(parser, env)
+    _add_server_options(parser, env)
+    return env
+
+
+def _add_sidecar_arguments(parser: argparse.ArgumentParser) -> EnvOptions:
+    env = command_env(parser)
+    _add_sidecar_options(parser, env)
+    return env
+
+
+def _show_identity(args: argparse.Namespace) -> int:
+    return show_identity(args.identity_secret_key_path)
+
+
+def _train(args: argparse.Namespace) -> int:
     options = TrainOptions.from_args(args).check()
     from psyche.cli.client.train import train
 
     return train(options, args)
+
+
+COMMANDS = (
+    Command(
+        "show-identity",
+        "Displays the client's unique identifier, used to participate in training runs",
+        None,
+        _show_identity,
+        description="Print the public and secret key of the identity in "
+        "--identity-secret-key-path or RAW_IDENTITY_SECRET_KEY.",
+        add=_add_show_identity_arguments,
+    ),
+    Command(
+        "train",
+        "Allows the client to join a training run and contribute to the model's training process",
+        None,
+        _train,
+        description="Join a run on a coordinator server and train until stopped (Ctrl+C).",
+        add=_add_train_arguments,
+    ),
+    Command(
+        "sidecar",
+        "Runs ranks of a client whose rank 0 runs on another host (--main-host)",
+        None,
+        sidecar,
+        description="Join the ranks of the client started with `train --main-host ADDR` on "
+        "another host: run ranks --start-rank .. --start-rank + --num-local-ranks - 1 of its "
+        "--world-size until that client closes them (exit 0), or one of them or the client "
+        "dies (exit 1). Upstream's psyche-sidecar python.",
+        add=_add_sidecar_arguments,
+    ),
+)
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, EnvOptions]:
+    """The parser, and the environment fallbacks of `train`'s options. Its subcommands'
+    `--help` is argparse's own (no defaults shown), as it always was."""
+    parser, envs = commands_parser(PROG, DESCRIPTION, COMMANDS, argparse.HelpFormatter)
+    return parser, envs["train"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The `psyche-client` command (exit codes and signals: `psyche.core.cli`)."""
+    return run_commands(PROG, lambda: build_parser()[0], COMMANDS, argv)
 
 
 __all__ = ["build_parser", "main", "show_identity"]

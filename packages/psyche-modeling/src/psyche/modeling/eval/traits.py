@@ -4,6 +4,7 @@ fixed choices, or by generating an answer and extracting a letter from it."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import ClassVar, Self
 
 from psyche.modeling.eval.document import Document, check_answer
@@ -56,19 +57,26 @@ def by_category(documents: list[Document]) -> dict[str, list[Document]]:
     return groups
 
 
+@dataclass(frozen=True)
+class Splits:
+    """Where a `SplitsTask`'s rows come from: the dataset (`repo`, `subset`), the split whose
+    rows are scored and the split whose rows are the few-shot examples, grouped by category when
+    `fewshot_by_category` (else all under "default", as upstream)."""
+
+    repo: str
+    scored: str
+    fewshot: str
+    subset: str | None = None
+    fewshot_by_category: bool = False
+
+
 class SplitsTask:
-    """A task over two splits of one dataset: the rows of `SCORED_SPLIT` are its documents, the
-    rows of `FEWSHOT_SPLIT` its few-shot examples, grouped by category when
-    `FEWSHOT_BY_CATEGORY` (else all under "default", as upstream). A task names its dataset
-    (`REPO`, `SUBSET`) and says how one row becomes a document (`row_to_document`); mixed in
-    before `LogLikelihoodTask` or `GenerateUntilTask`."""
+    """A task over two splits of one dataset (`SPLITS`): a task names them and says how one row
+    becomes a document (`row_to_document`); mixed in before `LogLikelihoodTask` or
+    `GenerateUntilTask`."""
 
     NAME: ClassVar[str]
-    REPO: ClassVar[str]
-    SUBSET: ClassVar[str | None] = None
-    SCORED_SPLIT: ClassVar[str]
-    FEWSHOT_SPLIT: ClassVar[str]
-    FEWSHOT_BY_CATEGORY: ClassVar[bool] = False
+    SPLITS: ClassVar[Splits]
 
     def __init__(self, scored_rows: list[Row], fewshot_rows: list[Row]) -> None:
         self.name = self.NAME
@@ -77,9 +85,10 @@ class SplitsTask:
 
     @classmethod
     def load(cls, source: DatasetSource) -> Self:
+        splits = cls.SPLITS
         return cls(
-            source.load(cls.REPO, cls.SCORED_SPLIT, cls.SUBSET),
-            source.load(cls.REPO, cls.FEWSHOT_SPLIT, cls.SUBSET),
+            source.load(splits.repo, splits.scored, splits.subset),
+            source.load(splits.repo, splits.fewshot, splits.subset),
         )
 
     @classmethod
@@ -111,4 +120,6 @@ class SplitsTask:
 
     def get_fewshot_documents(self) -> dict[str, list[Document]]:
         documents = [self.row_to_document(r) for r in self._fewshot]
-        return by_category(documents) if self.FEWSHOT_BY_CATEGORY else {"default": documents}
+        if self.SPLITS.fewshot_by_category:
+            return by_category(documents)
+        return {"default": documents}

@@ -15,14 +15,10 @@ from pathlib import Path
 
 from psyche.centralized.options import ServerRunOptions, StandaloneRelayOptions
 from psyche.core.cli import (
+    Command,
     EnvOptions,
-    add_options,
-    add_verbose_flag,
-    command_env,
-    command_parser,
-    options_from_args,
-    parse_command,
-    run_command,
+    commands_parser,
+    run_commands,
 )
 
 PROG = "psyche-server"
@@ -36,22 +32,7 @@ Every option of `run` can also be given in the environment, named in upper snake
 Errors are one line; --verbose (or PSYCHE_VERBOSE=1) adds their traceback."""
 
 
-def build_parser() -> tuple[argparse.ArgumentParser, EnvOptions]:
-    """The parser, and the environment fallbacks of `run`'s options (`parse_command` resolves
-    those of the command it parses)."""
-    parser, commands = command_parser(PROG, DESCRIPTION)
-    validate = commands.add_parser(
-        "validate-config",
-        help="Checks that the configuration declared in the state.toml file is valid",
-        description=(
-            "Checks that a run configuration is valid: the TOML schema (every field, its type "
-            "and range, no unknown keys), then the coordinator's own rules (timings, client "
-            "counts, batch sizes) in upstream's order. Accepts a state file (with run_id and "
-            "run_state) or a plain run config ([config] and [model] only). Prints a one-line "
-            "summary and exits 0 when valid; prints every problem with its TOML path and exits "
-            "1 otherwise."
-        ),
-    )
+def _add_validate_arguments(validate: argparse.ArgumentParser) -> None:
     validate.add_argument(
         "--state",
         required=True,
@@ -65,20 +46,58 @@ def build_parser() -> tuple[argparse.ArgumentParser, EnvOptions]:
         metavar="<DATA_CONFIG>",
         help="Path to data.toml file to validate. If not provided then it will not be checked",
     )
-    run = commands.add_parser(
+
+
+def _validate_config(args: argparse.Namespace) -> int:
+    from psyche.centralized.run import validate_config
+
+    return validate_config(args.state, args.data_config)
+
+
+def _run_server(options: ServerRunOptions) -> int:
+    from psyche.centralized.run import run_server
+
+    return run_server(options)
+
+
+def _run_relay(options: StandaloneRelayOptions) -> int:
+    from psyche.centralized.standalone_relay import run_relay
+
+    return run_relay(options)
+
+
+COMMANDS = (
+    Command(
+        "validate-config",
+        "Checks that the configuration declared in the state.toml file is valid",
+        None,
+        _validate_config,
+        description=(
+            "Checks that a run configuration is valid: the TOML schema (every field, its type "
+            "and range, no unknown keys), then the coordinator's own rules (timings, client "
+            "counts, batch sizes) in upstream's order. Accepts a state file (with run_id and "
+            "run_state) or a plain run config ([config] and [model] only). Prints a one-line "
+            "summary and exits 0 when valid; prints every problem with its TOML path and exits "
+            "1 otherwise."
+        ),
+        add=_add_validate_arguments,
+    ),
+    Command(
         "run",
-        help="Starts the server and launches the coordinator with the declared configuration",
+        "Starts the server and launches the coordinator with the declared configuration",
+        ServerRunOptions,
+        _run_server,
         description=(
             "Starts the coordinator server for the run in --state and serves it until Ctrl+C "
             "(or SIGTERM). --state may also name a --save-state-dir: the run resumes from the "
             "newest state saved there."
         ),
-    )
-    env = command_env(run)
-    add_options(run, env, ServerRunOptions)
-    relay = commands.add_parser(
+    ),
+    Command(
         "relay",
-        help="Runs only a circuit relay, for clients behind NAT in runs without this server",
+        "Runs only a circuit relay, for clients behind NAT in runs without this server",
+        StandaloneRelayOptions,
+        _run_relay,
         description=(
             "Runs the circuit relay that `run` hosts, on its own (for Solana runs): clients "
             "behind NAT reserve a slot on it and reach each other through it. Give clients "
@@ -86,32 +105,21 @@ def build_parser() -> tuple[argparse.ArgumentParser, EnvOptions]:
             "--authorized-keys may use it (re-read when the file changes), or anyone with "
             "--open. Serves until Ctrl+C or SIGTERM."
         ),
-    )
-    add_options(relay, command_env(relay), StandaloneRelayOptions)
-    add_verbose_flag(parser)
-    return parser, env
+    ),
+)
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, EnvOptions]:
+    """The parser, and the environment fallbacks of `run`'s options (`parse_command` resolves
+    those of the command it parses). Its subcommands' `--help` is argparse's own (no defaults
+    shown), as it always was."""
+    parser, envs = commands_parser(PROG, DESCRIPTION, COMMANDS, argparse.HelpFormatter)
+    return parser, envs["run"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The `psyche-server` command (exit codes and signals: `psyche.core.cli`)."""
-    return run_command(PROG, _main, argv)
-
-
-def _main(argv: Sequence[str] | None) -> int:
-    args = parse_command(build_parser()[0], argv)
-    if args.command == "validate-config":
-        from psyche.centralized.run import validate_config
-
-        return validate_config(args.state, args.data_config)
-    if args.command == "run":
-        from psyche.centralized.run import run_server
-
-        return run_server(options_from_args(ServerRunOptions, args))
-    if args.command == "relay":
-        from psyche.centralized.standalone_relay import run_relay
-
-        return run_relay(options_from_args(StandaloneRelayOptions, args))
-    raise AssertionError(f"unhandled command {args.command}")
+    return run_commands(PROG, lambda: build_parser()[0], COMMANDS, argv)
 
 
 if __name__ == "__main__":

@@ -14,24 +14,12 @@ training client too, are composed here (`train.py`, `predownload.py`).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Sequence
 
 from psyche.cli.solana_client.predownload import predownload
 from psyche.cli.solana_client.train import add_train_arguments, train
-from psyche.core.cli import (
-    HelpFormatter,
-    add_options,
-    add_verbose_flag,
-    command_env,
-    command_parser,
-    options_from_args,
-    parse_command,
-    run_command,
-)
+from psyche.core.cli import Command, commands_parser, run_commands
 from psyche.solana.commands import authorization, results, run, treasury, view, wallet
 from psyche.solana.commands.predownload import PredownloadOptions
 from psyche.solana.localnet.__main__ import LocalnetOptions, run_localnet
@@ -45,50 +33,6 @@ Cluster flags default to a local validator (http://127.0.0.1:8899, ws://127.0.0.
 (--wallet-private-key-path or WALLET_PRIVATE_KEY_PATH), or RAW_WALLET_PRIVATE_KEY (a JSON byte
 array or base58), which wins when set. Errors are one line; --verbose (or PSYCHE_VERBOSE=1) adds
 their traceback. SIGINT (Ctrl+C) or SIGTERM stops any command (exit 130 / 143)."""
-
-
-@dataclass(frozen=True)
-class Command:
-    """One subcommand: its name and help, its options (whose fields declare its arguments) and
-    the function that runs it with them; or, for `train`, what declares its arguments and runs
-    it from the parsed namespace."""
-
-    name: str
-    help: str
-    options: type[Any] | None
-    run: Callable[[Any], int]
-    description: str | None = None
-    """`--help`'s text (default: the help, when `described`)."""
-    described: bool = True
-    aliases: tuple[str, ...] = ()
-    implied: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
-    """What an alias implies: option values by alias."""
-    add: Callable[[argparse.ArgumentParser], None] | None = None
-
-    def declare(self, commands: Any) -> None:
-        sub = commands.add_parser(
-            self.name,
-            help=self.help,
-            description=self.description or (self.help if self.described else None),
-            aliases=list(self.aliases),
-            formatter_class=HelpFormatter,
-        )
-        if self.options is not None:
-            add_options(sub, command_env(sub), self.options)
-        else:
-            assert self.add is not None
-            self.add(sub)
-
-    def options_from(self, args: argparse.Namespace) -> Any:
-        """The command's options from the parsed namespace (with what its alias implies)."""
-        assert self.options is not None
-        options = options_from_args(self.options, args)
-        return dataclasses.replace(options, **self.implied.get(args.command, {}))
-
-    def call(self, args: argparse.Namespace) -> int:
-        if self.options is None:
-            return self.run(args)
-        return self.run(self.options_from(args))
 
 
 COMMANDS = (
@@ -270,22 +214,12 @@ COMMANDS = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser, commands = command_parser(PROG, DESCRIPTION)
-    for command in COMMANDS:
-        command.declare(commands)
-    add_verbose_flag(parser)
-    return parser
+    return commands_parser(PROG, DESCRIPTION, COMMANDS)[0]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The `psyche-solana-client` command (exit codes and signals: `psyche.core.cli`)."""
-    return run_command(PROG, _main, argv)
-
-
-def _main(argv: Sequence[str] | None) -> int:
-    args = parse_command(build_parser(), argv)
-    by_name = {name: c for c in COMMANDS for name in (c.name, *c.aliases)}
-    return by_name[args.command].call(args)
+    return run_commands(PROG, build_parser, COMMANDS, argv)
 
 
 if __name__ == "__main__":

@@ -93,6 +93,14 @@ def arg(
     return field(default=default, metadata=metadata)
 
 
+def env_arg(env: str, *names: str, help: str = "", **kwargs: Any) -> Any:
+    """`arg` whose default comes from the variable `env`, converted as the command line's text is
+    (its `type`) unless `from_env` says otherwise; its help ends naming the variable, as clap
+    shows an `env` argument."""
+    kwargs.setdefault("from_env", kwargs.get("type", str))
+    return arg(*names, env=env, help=f"{help} [env: {env}]".lstrip(), **kwargs)
+
+
 def _group(parser: argparse.ArgumentParser, title: str | None) -> Any:
     """The parser's argument group `title` (made on first use), or the parser itself."""
     if title is None:
@@ -138,7 +146,7 @@ class ProgramIdOptions:
 
 def rpc_arg(name: str, default: str) -> Any:
     """`--rpc`-like: an endpoint, from the variable of its name (`RPC`, `WS_RPC_2`, ...)."""
-    return arg(group=CLUSTER_GROUP, env=name, default=default, help=f"[env: {name}]")
+    return env_arg(name, group=CLUSTER_GROUP, default=default)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -183,42 +191,28 @@ class TrainClusterOptions:
 
 
 def treasurer_index_arg() -> Any:
-    return arg(
-        type=int,
-        env="TREASURER_INDEX",
-        from_env=int,
-        default=None,
-        help="[env: TREASURER_INDEX]",
-    )
+    return env_arg("TREASURER_INDEX", type=int, default=None)
 
 
 def address_arg() -> Any:
     """Upstream's `--address` (aliases `--wallet`, `--user`): the public key asked about."""
-    return arg(
-        "--address",
-        "--wallet",
-        "--user",
-        metavar="PUBKEY",
-        env="ADDRESS",
-        required=True,
-        help="[env: ADDRESS]",
-    )
+    return env_arg("ADDRESS", "--address", "--wallet", "--user", metavar="PUBKEY", required=True)
 
 
 def wallet_arg() -> Any:
     """The wallet that signs (`RAW_WALLET_PRIVATE_KEY`, read when it is loaded, wins)."""
-    return arg(
+    return env_arg(
+        "WALLET_PRIVATE_KEY_PATH",
         "-w",
         "--wallet-private-key-path",
         type=Path,
-        env="WALLET_PRIVATE_KEY_PATH",
         default=None,
-        help="solana-keygen JSON keypair [env: WALLET_PRIVATE_KEY_PATH]",
+        help="solana-keygen JSON keypair",
     )
 
 
 def run_id_arg() -> Any:
-    return arg("-r", "--run-id", env="RUN_ID", required=True, help="[env: RUN_ID]")
+    return env_arg("RUN_ID", "-r", "--run-id", required=True)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -15,6 +15,7 @@ from psyche.solana.commands.args import (
     SignedCommand,
     address_arg,
     arg,
+    env_arg,
     env_flag,
 )
 from psyche.solana.commands.shell import pubkey, run_read, run_signed
@@ -54,13 +55,7 @@ class JoinAuthorizationCreateOptions(SignedCommand):
 
 
 def run_join_authorization_create(options: JoinAuthorizationCreateOptions) -> int:
-    from psyche.solana import admin
-
-    async def body(backend: Any) -> None:
-        result = await admin.join_authorization_create(backend, pubkey(options.authorizer))
-        _print_changed(result, "Activated")
-
-    return run_signed(options, body)
+    return _set_join_authorization(options, active=True)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,7 +101,7 @@ def run_join_authorization_set_delegates(options: JoinAuthorizationSetDelegatesO
 @dataclass(frozen=True, kw_only=True)
 class JoinAuthorizationReadOptions(ClusterCommand):
     join_authority: str = arg(env="JOIN_AUTHORITY", required=True)
-    authorizer: str | None = arg(env="AUTHORIZER", default=None, help="[env: AUTHORIZER]")
+    authorizer: str | None = env_arg("AUTHORIZER", default=None)
 
 
 def run_join_authorization_read(options: JoinAuthorizationReadOptions) -> int:
@@ -130,22 +125,31 @@ def run_join_authorization_read(options: JoinAuthorizationReadOptions) -> int:
 
 @dataclass(frozen=True, kw_only=True)
 class JoinAuthorizationDeleteOptions(SignedCommand):
-    authorizer: str = arg(env="AUTHORIZER", required=True, help="[env: AUTHORIZER]")
+    authorizer: str = env_arg("AUTHORIZER", required=True)
 
 
 def run_join_authorization_delete(options: JoinAuthorizationDeleteOptions) -> int:
+    return _set_join_authorization(options, active=False)
+
+
+def _set_join_authorization(
+    options: JoinAuthorizationCreateOptions | JoinAuthorizationDeleteOptions, *, active: bool
+) -> int:
+    """Activate (creating it if needed) or deactivate the wallet's authorization for
+    `authorizer`, and say which transactions did it."""
     from psyche.solana import admin
 
     async def body(backend: Any) -> None:
-        result = await admin.join_authorization_delete(backend, pubkey(options.authorizer))
-        _print_changed(result, "Deactivated")
+        change = admin.join_authorization_create if active else admin.join_authorization_delete
+        result = await change(backend, pubkey(options.authorizer))
+        _print_changed(result, "Activated" if active else "Deactivated")
 
     return run_signed(options, body)
 
 
 @dataclass(frozen=True, kw_only=True)
 class CanJoinOptions(RunQuery):
-    authorizer: str | None = arg(env="AUTHORIZER", default=None, help="[env: AUTHORIZER]")
+    authorizer: str | None = env_arg("AUTHORIZER", default=None)
     address: str = address_arg()
 
 

@@ -7,27 +7,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from psyche.solana.commands.args import ClusterOptions, RunQuery, arg, env_flag
+from psyche.solana.commands.args import ClusterOptions, RunQuery, env_arg, env_flag
 from psyche.solana.commands.shell import run_read
 
 
 @dataclass(frozen=True, kw_only=True)
 class PredownloadOptions(RunQuery):
-    model: bool = arg(
+    model: bool = env_arg(
+        "MODEL",
         action="store_true",
-        env="MODEL",
         from_env=env_flag,
         default=False,
-        help="the model of the run's checkpoint (hub repo or GCS bucket) [env: MODEL]",
+        help="the model of the run's checkpoint (hub repo or GCS bucket)",
     )
-    eval_tasks: str | None = arg(env="EVAL_TASKS", default=None, help="[env: EVAL_TASKS]")
-    hub_max_concurrent_downloads: int = arg(
+    eval_tasks: str | None = env_arg("EVAL_TASKS", default=None)
+    hub_max_concurrent_downloads: int = env_arg(
+        "HUB_MAX_CONCURRENT_DOWNLOADS",
         type=int,
-        env="HUB_MAX_CONCURRENT_DOWNLOADS",
-        from_env=int,
         default=3,
-        help="accepted as upstream's (huggingface_hub picks its own parallelism) "
-        "[env: HUB_MAX_CONCURRENT_DOWNLOADS]",
+        help="accepted as upstream's (huggingface_hub picks its own parallelism)",
     )
 
 

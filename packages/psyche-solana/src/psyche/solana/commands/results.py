@@ -13,26 +13,23 @@ from psyche.core.cli import UserError
 from psyche.solana.commands.args import (
     RunCommand,
     arg,
+    env_arg,
 )
 from psyche.solana.commands.shell import run_signed
 
 
 def expires_in_seconds_arg() -> Any:
-    return arg(
-        type=int,
-        env="EXPIRES_IN_SECONDS",
-        from_env=int,
-        default=3600,
-        help="how long the signed URLs stay valid [env: EXPIRES_IN_SECONDS]",
+    return env_arg(
+        "EXPIRES_IN_SECONDS", type=int, default=3600, help="how long the signed URLs stay valid"
     )
 
 
 def run_down_service_url_arg() -> Any:
-    return arg(
-        env="RUN_DOWN_SERVICE_URL",
+    return env_arg(
+        "RUN_DOWN_SERVICE_URL",
         default=None,
         help="the run-down service's API, default upstream's (a port addition: upstream's is "
-        "fixed) [env: RUN_DOWN_SERVICE_URL]",
+        "fixed)",
     )
 
 
@@ -44,15 +41,7 @@ def _service_url(url: str | None) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class DownloadResultsOptions(RunCommand):
-    output_dir: Path = arg(
-        "-o",
-        "--output-dir",
-        type=Path,
-        env="OUTPUT_DIR",
-        from_env=Path,
-        default=Path("."),
-        help="[env: OUTPUT_DIR]",
-    )
+    output_dir: Path = env_arg("OUTPUT_DIR", "-o", "--output-dir", type=Path, default=Path("."))
     expires_in_seconds: int = expires_in_seconds_arg()
     run_down_service_url: str | None = run_down_service_url_arg()
     overwrite: bool = arg(

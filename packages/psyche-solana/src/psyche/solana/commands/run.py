@@ -12,6 +12,7 @@ from typing import Any
 from psyche.solana.commands.args import (
     RunCommand,
     arg,
+    env_arg,
     env_flag,
     non_negative_float,
     treasurer_index_arg,
@@ -21,9 +22,7 @@ from psyche.solana.commands.shell import print_logs, pubkey, run_signed
 
 @dataclass(frozen=True, kw_only=True)
 class CreateRunOptions(RunCommand):
-    client_version: str = arg(
-        "-c", "--client-version", env="CLIENT_VERSION", required=True, help="[env: CLIENT_VERSION]"
-    )
+    client_version: str = env_arg("CLIENT_VERSION", "-c", "--client-version", required=True)
     treasurer_index: int | None = treasurer_index_arg()
     treasurer_collateral_mint: str | None = arg(env="TREASURER_COLLATERAL_MINT", default=None)
     join_authority: str | None = arg(default=None, help="default: the wallet")
@@ -69,11 +68,8 @@ def run_close_run(options: CloseRunOptions) -> int:
 @dataclass(frozen=True, kw_only=True)
 class UpdateConfigOptions(RunCommand):
     treasurer_index: int | None = treasurer_index_arg()
-    config_path: Path | None = arg(
-        type=Path,
-        env="CONFIG_PATH",
-        default=None,
-        help="TOML with [config] and [model] [env: CONFIG_PATH]",
+    config_path: Path | None = env_arg(
+        "CONFIG_PATH", type=Path, default=None, help="TOML with [config] and [model]"
     )
     restart_from_step: int | None = arg(
         type=int, env="RESTART_FROM_STEP", from_env=int, default=None
@@ -139,19 +135,11 @@ def run_set_paused(options: SetPausedOptions) -> int:
 @dataclass(frozen=True, kw_only=True)
 class SetFutureEpochRatesOptions(RunCommand):
     treasurer_index: int | None = treasurer_index_arg()
-    earning_rate_total_shared: float | None = arg(
-        type=non_negative_float,
-        env="EARNING_RATE_TOTAL_SHARED",
-        from_env=float,
-        default=None,
-        help="[env: EARNING_RATE_TOTAL_SHARED]",
+    earning_rate_total_shared: float | None = env_arg(
+        "EARNING_RATE_TOTAL_SHARED", type=non_negative_float, from_env=float, default=None
     )
-    slashing_rate_per_client: float | None = arg(
-        type=non_negative_float,
-        env="SLASHING_RATE_PER_CLIENT",
-        from_env=float,
-        default=None,
-        help="[env: SLASHING_RATE_PER_CLIENT]",
+    slashing_rate_per_client: float | None = env_arg(
+        "SLASHING_RATE_PER_CLIENT", type=non_negative_float, from_env=float, default=None
     )
 
 
@@ -180,19 +168,11 @@ def run_set_future_epoch_rates(options: SetFutureEpochRatesOptions) -> int:
 
 @dataclass(frozen=True, kw_only=True)
 class TickOptions(RunCommand):
-    ms_interval: int = arg(
-        type=int,
-        env="MS_INTERVAL",
-        from_env=int,
-        default=1000,
-        help="milliseconds between ticks [env: MS_INTERVAL]",
+    ms_interval: int = env_arg(
+        "MS_INTERVAL", type=int, default=1000, help="milliseconds between ticks"
     )
-    count: int | None = arg(
-        type=int,
-        env="COUNT",
-        from_env=int,
-        default=None,
-        help="ticks to send (default: until stopped) [env: COUNT]",
+    count: int | None = env_arg(
+        "COUNT", type=int, default=None, help="ticks to send (default: until stopped)"
     )
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from psyche.solana.commands.args import (
     RunCommand,
-    arg,
+    env_arg,
     non_negative_float,
     treasurer_index_arg,
 )
@@ -26,12 +26,12 @@ class TreasurerClaimRewardsOptions(RunCommand):
 
 @dataclass(frozen=True, kw_only=True)
 class TreasurerTopUpRewardsOptions(TreasurerClaimRewardsOptions):
-    collateral_amount: float = arg(
+    collateral_amount: float = env_arg(
+        "COLLATERAL_AMOUNT",
         type=non_negative_float,
-        env="COLLATERAL_AMOUNT",
         from_env=float,
         required=True,
-        help="in the collateral mint's UI units [env: COLLATERAL_AMOUNT]",
+        help="in the collateral mint's UI units",
     )
 
 

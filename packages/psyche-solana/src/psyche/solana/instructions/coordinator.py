@@ -5,7 +5,7 @@ upstream's `psyche_solana_rpc::instructions`."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Self
 
 from solders.instruction import AccountMeta, Instruction
 from solders.pubkey import Pubkey as SoldersPubkey
@@ -102,22 +102,21 @@ class TickArgs:
 
 
 @struct
-class WitnessArgs:
+class WarmupWitnessArgs:
     proof: WitnessProof
     participant_bloom: WitnessBloom
     broadcast_bloom: WitnessBloom
     broadcast_merkle: MerkleRoot
-    # Ignored by the program (kept for indexers).
-    metadata: WitnessMetadata
 
     @classmethod
-    def from_witness(cls, witness: Witness, metadata: WitnessMetadata) -> WitnessArgs:
+    def from_witness(cls, witness: Witness, *rest: Any) -> Self:
+        """The witness's fields, then the instruction's own (`WitnessArgs`: the metadata)."""
         return cls(
             witness.proof,
             witness.participant_bloom,
             witness.broadcast_bloom,
             witness.broadcast_merkle,
-            metadata,
+            *rest,
         )
 
     def witness(self) -> Witness:
@@ -127,25 +126,11 @@ class WitnessArgs:
 
 
 @struct
-class WarmupWitnessArgs:
-    proof: WitnessProof
-    participant_bloom: WitnessBloom
-    broadcast_bloom: WitnessBloom
-    broadcast_merkle: MerkleRoot
+class WitnessArgs(WarmupWitnessArgs):
+    """A warmup witness's arguments, then the metadata."""
 
-    @classmethod
-    def from_witness(cls, witness: Witness) -> WarmupWitnessArgs:
-        return cls(
-            witness.proof,
-            witness.participant_bloom,
-            witness.broadcast_bloom,
-            witness.broadcast_merkle,
-        )
-
-    def witness(self) -> Witness:
-        return Witness(
-            self.proof, self.participant_bloom, self.broadcast_bloom, self.broadcast_merkle
-        )
+    # Ignored by the program (kept for indexers).
+    metadata: WitnessMetadata
 
 
 @struct(frozen=True)

@@ -3,6 +3,8 @@ train split for few-shot, "Question: ...\\nAnswer:" with the choice texts."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from psyche.modeling.eval.document import (
     Document,
     DocumentError,
@@ -12,15 +14,11 @@ from psyche.modeling.eval.document import (
     string_list,
 )
 from psyche.modeling.eval.loading import Row
-from psyche.modeling.eval.traits import LogLikelihoodTask, SplitsTask
+from psyche.modeling.eval.traits import LogLikelihoodTask, Splits, SplitsTask
 
 
 class Arc(SplitsTask, LogLikelihoodTask):
     """One ARC subset, named as the subset ("ARC-Easy" or "ARC-Challenge")."""
-
-    REPO = "allenai/ai2_arc"
-    SCORED_SPLIT = "test"
-    FEWSHOT_SPLIT = "train"
 
     @classmethod
     def row_to_document(cls, row: Row) -> Document:
@@ -35,8 +33,10 @@ class Arc(SplitsTask, LogLikelihoodTask):
 
 
 class ArcEasy(Arc):
-    NAME = SUBSET = "ARC-Easy"
+    NAME = "ARC-Easy"
+    SPLITS = Splits("allenai/ai2_arc", scored="test", fewshot="train", subset=NAME)
 
 
 class ArcChallenge(Arc):
-    NAME = SUBSET = "ARC-Challenge"
+    NAME = "ARC-Challenge"
+    SPLITS = replace(ArcEasy.SPLITS, subset=NAME)

@@ -5,15 +5,12 @@ from __future__ import annotations
 
 from psyche.modeling.eval.document import Document, int_field, string_field
 from psyche.modeling.eval.loading import Row
-from psyche.modeling.eval.traits import LogLikelihoodTask, SplitsTask
+from psyche.modeling.eval.traits import LogLikelihoodTask, Splits, SplitsTask
 
 
 class BoolQ(SplitsTask, LogLikelihoodTask):
     NAME = "BoolQ"
-    REPO = "aps/super_glue"
-    SUBSET = "boolq"
-    SCORED_SPLIT = "validation"
-    FEWSHOT_SPLIT = "train"
+    SPLITS = Splits("aps/super_glue", scored="validation", fewshot="train", subset="boolq")
 
     @classmethod
     def row_to_document(cls, row: Row) -> Document:

@@ -14,7 +14,7 @@ from psyche.modeling.eval.document import (
     string_list,
 )
 from psyche.modeling.eval.loading import Row
-from psyche.modeling.eval.traits import LogLikelihoodTask, SplitsTask
+from psyche.modeling.eval.traits import LogLikelihoodTask, Splits, SplitsTask
 
 _BRACKETED = re.compile(r"\[.*?\]")
 
@@ -34,10 +34,9 @@ def capitalize(text: str) -> str:
 
 class Hellaswag(SplitsTask, LogLikelihoodTask):
     NAME = "Hellaswag"
-    REPO = "Rowan/hellaswag"
-    SCORED_SPLIT = "validation"
-    FEWSHOT_SPLIT = "train"
-    FEWSHOT_BY_CATEGORY = True
+    SPLITS = Splits(
+        "Rowan/hellaswag", scored="validation", fewshot="train", fewshot_by_category=True
+    )
 
     @classmethod
     def row_to_document(cls, row: Row) -> Document:

@@ -13,7 +13,7 @@ from psyche.modeling.eval.document import (
     string_list,
 )
 from psyche.modeling.eval.loading import Row
-from psyche.modeling.eval.traits import LogLikelihoodTask, SplitsTask
+from psyche.modeling.eval.traits import LogLikelihoodTask, Splits, SplitsTask
 
 
 def mmlu_fields(row: Row) -> tuple[str, list[str], int, str]:
@@ -32,11 +32,9 @@ def mmlu_preamble(category: str) -> str:
 
 class MMLU(SplitsTask, LogLikelihoodTask):
     NAME = "MMLU"
-    REPO = "cais/mmlu"
-    SUBSET = "all"
-    SCORED_SPLIT = "test"
-    FEWSHOT_SPLIT = "dev"
-    FEWSHOT_BY_CATEGORY = True
+    SPLITS = Splits(
+        "cais/mmlu", scored="test", fewshot="dev", subset="all", fewshot_by_category=True
+    )
 
     @classmethod
     def row_to_document(cls, row: Row) -> Document:

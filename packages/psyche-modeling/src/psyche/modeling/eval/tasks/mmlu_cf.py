@@ -4,6 +4,8 @@ option's full text instead of its letter."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from psyche.modeling.eval.document import Document
 from psyche.modeling.eval.loading import Row
 from psyche.modeling.eval.tasks.mmlu import MMLU, mmlu_fields
@@ -14,7 +16,7 @@ class MMLUCF(MMLU):
     split, and each option's text scored."""
 
     NAME = "MMLU CF"
-    FEWSHOT_SPLIT = "validation"
+    SPLITS = replace(MMLU.SPLITS, fewshot="validation")
 
     @classmethod
     def row_to_document(cls, row: Row) -> Document:

@@ -12,15 +12,14 @@ from psyche.modeling.eval.document import (
     string_list,
 )
 from psyche.modeling.eval.loading import Row
-from psyche.modeling.eval.traits import GenerateUntilTask, SplitsTask
+from psyche.modeling.eval.traits import GenerateUntilTask, Splits, SplitsTask
 
 
 class MMLUPro(SplitsTask, GenerateUntilTask):
     NAME = "MMLU Pro"
-    REPO = "TIGER-Lab/MMLU-Pro"
-    SCORED_SPLIT = "test"
-    FEWSHOT_SPLIT = "validation"
-    FEWSHOT_BY_CATEGORY = True
+    SPLITS = Splits(
+        "TIGER-Lab/MMLU-Pro", scored="test", fewshot="validation", fewshot_by_category=True
+    )
 
     @classmethod
     def row_to_document(cls, row: Row) -> Document:

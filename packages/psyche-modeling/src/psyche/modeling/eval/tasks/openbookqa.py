@@ -11,15 +11,12 @@ from psyche.modeling.eval.document import (
     string_field,
 )
 from psyche.modeling.eval.loading import Row
-from psyche.modeling.eval.traits import LogLikelihoodTask, SplitsTask
+from psyche.modeling.eval.traits import LogLikelihoodTask, Splits, SplitsTask
 
 
 class OpenbookQA(SplitsTask, LogLikelihoodTask):
     NAME = "OpenBookQA"
-    REPO = "allenai/openbookqa"
-    SUBSET = "main"
-    SCORED_SPLIT = "test"
-    FEWSHOT_SPLIT = "validation"
+    SPLITS = Splits("allenai/openbookqa", scored="test", fewshot="validation", subset="main")
 
     @classmethod
     def row_to_document(cls, row: Row) -> Document:

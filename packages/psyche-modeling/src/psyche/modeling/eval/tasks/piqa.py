@@ -5,14 +5,12 @@ from __future__ import annotations
 
 from psyche.modeling.eval.document import Document, int_field, string_field
 from psyche.modeling.eval.loading import Row
-from psyche.modeling.eval.traits import LogLikelihoodTask, SplitsTask
+from psyche.modeling.eval.traits import LogLikelihoodTask, Splits, SplitsTask
 
 
 class PIQA(SplitsTask, LogLikelihoodTask):
     NAME = "PIQA"
-    REPO = "ybisk/piqa"
-    SCORED_SPLIT = "validation"
-    FEWSHOT_SPLIT = "train"
+    SPLITS = Splits("ybisk/piqa", scored="validation", fewshot="train")
 
     @classmethod
     def row_to_document(cls, row: Row) -> Document:
