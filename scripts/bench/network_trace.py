@@ -159,13 +159,7 @@ async def one_run(millions: int, workdir: Path) -> str:
                 await ModelDownload(joiner, ids).run()
                 warm = time.perf_counter() - warm_from
     finally:
-        for p in providers:
-            p.stdin.close()  # type: ignore[union-attr]
-        for p in providers:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        bench.stop_providers(providers)
     joiner_marks = list(MARKS)
     asked = _first(joiner_marks, "config ticket start")
     answered = _first(joiner_marks, "config ticket end")
