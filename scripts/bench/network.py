@@ -862,13 +862,7 @@ async def bench_model_processes(
             cold_cpu = cpu_ours.pop()
             base, warm = await interleaved_medians(repeats, raw, fetch)
     finally:
-        for p in providers:
-            p.stdin.close()  # type: ignore[union-attr]
-        for p in providers:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_providers(providers)
     raw_cpu, warm_cpu = statistics.median(cpu_raw), statistics.median(cpu_ours)
     return [
         row(
@@ -881,6 +875,19 @@ async def bench_model_processes(
         f"cold {cold_cpu / total * MIB * 1e3:6.2f} ms ({cold_cpu / raw_cpu:5.1f}x raw) | "
         f"warm {warm_cpu / total * MIB * 1e3:6.2f} ms ({warm_cpu / raw_cpu:5.1f}x raw)",
     ]
+
+
+def stop_providers(providers: list[Any]) -> None:
+    """End provider processes (`--serve-model`): their stdin closed, killed after 30 s."""
+    import subprocess
+
+    for p in providers:
+        p.stdin.close()
+    for p in providers:
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
 
 
 # ---- model sharing over a shaped link -----------------------------------------------------------

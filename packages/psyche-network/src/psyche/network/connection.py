@@ -307,6 +307,10 @@ class NetworkConnection:
             p2p_host.protocol(model_sharing.MODEL_SHARING_PROTOCOL), network._serve_model_sharing
         )
         host.set_stream_handler(
+            p2p_host.protocol(model_sharing.MODEL_SHARING_VERSIONED_PROTOCOL),
+            network._serve_model_sharing_versioned,
+        )
+        host.set_stream_handler(
             p2p_host.protocol(model_sharing.MODEL_SHARING_BATCH_PROTOCOL),
             network._serve_model_sharing_batch,
         )
@@ -677,12 +681,15 @@ class NetworkConnection:
     # ------------------------------------------------------------------------------------------
     # model sharing
 
-    async def request_model_blob_ticket(self, peer: bytes, request: ModelRequestType) -> BlobTicket:
-        """Ask `peer` for the ticket of a model config or parameter (one stream per request)."""
+    async def request_model_blob_ticket(
+        self, peer: bytes, request: ModelRequestType
+    ) -> tuple[BlobTicket, int | None]:
+        """Ask `peer` for the ticket of a model config or parameter (one stream per request):
+        (the ticket, the version of the model it is of: the peer's claim)."""
         await self.connect(peer)
-        ticket = await model_sharing.request_ticket(self.host, peer, request)
+        ticket, version = await model_sharing.request_ticket(self.host, peer, request)
         self.address_book.add(ticket.addr)
-        return ticket
+        return ticket, version
 
     async def request_model_blob_tickets(self, peer: bytes, names: list[str]) -> list[TicketResult]:
         """Ask `peer` for the tickets of many parameters in one stream (one result per name)."""
@@ -721,6 +728,9 @@ class NetworkConnection:
 
     async def _serve_model_sharing(self, stream: INetStream) -> None:
         await model_sharing.serve(stream, self._allowed, self._answer_model_request)
+
+    async def _serve_model_sharing_versioned(self, stream: INetStream) -> None:
+        await model_sharing.serve_versioned(stream, self._allowed, self._answer_model_request)
 
     async def _serve_model_sharing_batch(self, stream: INetStream) -> None:
         await model_sharing.serve_batch(stream, self._allowed, self._answer_model_request)

@@ -29,12 +29,16 @@ later, until the peers' next warmup or `give_up_at`. When a peer that already se
 download some tickets says so, its warmup ended before the download had every ticket: the
 rest would come from the next warmup's (newer) model, so what was collected is dropped and the
 download starts again from the configuration, once the peers serve again: one model, never a
-mixture of two epochs'. Every batch answer names the version of the model its tickets are of
-(`model_sharing.ModelTickets`), a claim of the answering peer: the download takes only the
-version the joiner already knows it wants (`expected_version`: its warmup's step, the version
-every honest provider of the epoch's model gives), never one a peer names. A peer that answers
-with any other version (a provider of an older or newer window's model, or a hostile one naming
-any number) rests as if it served nothing now; it neither pins nor restarts the download.
+mixture of two epochs'. Every answer, the configuration's (`/psyche/model-sharing/1`) and every
+ticket batch's (`model_sharing.ModelTickets`), names the version of the model its tickets are
+of, a claim of the answering peer: the download takes only the version the joiner already knows
+it wants (`expected_version`: its warmup's step, the version every honest provider of the
+epoch's model gives), never one a peer names, so the configuration (the download's list of
+parameter names) and the parameters are of one model. A peer that answers with any other
+version (a provider of an older or newer window's model, or a hostile one naming any number)
+is no failed peer (`PeerManager.report_other_version`): one with an older model is asked
+nothing more until the download starts again, one with any other rests for a growing time; it
+neither pins nor restarts the download.
 
 Each step awaits its own `Download`, so the application's event loop has nothing to route here.
 The parameters are decoded with the network's `ParameterCodec` (the application's tensors); a
@@ -59,6 +63,7 @@ from psyche.network.model_sharing import MAX_BATCH_NAMES, batch_timeout, results
 from psyche.network.peer_manager import (
     MAX_ERRORS_PER_PEER,
     NOT_SERVING_RETRY_SECS,
+    OtherModelVersion,
     PeerManager,
     PeersUnreachable,
     blob_ticket_batch_request_task,
@@ -182,20 +187,12 @@ class ModelDownload:
         self.scheduler = DownloadScheduler(self._max_concurrent)
         self.peer_manager.set_peers(self._peers)
 
-    def _check_version(self, peer: bytes, version: int | None) -> None:
-        """Take only tickets of the expected model: a batch of any other version (the peer's
-        claim) makes the peer rest as if it served nothing now (raised as "not serving now");
-        a peer's version never pins nor restarts the download."""
-        if version == self._expected_version:
-            return
-        logger.info(
-            "peer %s serves another model (version %s) than the one this client joins with "
-            "(version %s): asking it again later",
-            fmt_short(peer),
-            version,
-            self._expected_version,
-        )
-        raise SharableModelFailure(SharableModelError.ParametersNotInitialized())
+    def _check_version(self, version: int | None) -> None:
+        """Take only tickets of the expected model: an answer of any other version (the peer's
+        claim) raises `OtherModelVersion` (the peer manager rests the peer or, for an older
+        model, asks it nothing more); a peer's version never pins nor restarts the download."""
+        if version != self._expected_version:
+            raise OtherModelVersion(version, self._expected_version)
 
     def _note_answers(self, peer: bytes, results: list[TicketResult]) -> None:
         """Remember which peers served tickets; a "not serving now" from one of them ends the
@@ -269,13 +266,15 @@ class ModelDownload:
 
     async def _ask_ticket(self, peer: bytes, request: ModelRequestType) -> BlobTicket:
         await self._dialled_first(peer)
-        return await self._network.request_model_blob_ticket(peer, request)
+        ticket, version = await self._network.request_model_blob_ticket(peer, request)
+        self._check_version(version)
+        return ticket
 
     async def _ask_tickets(self, peer: bytes, names: list[str]) -> list[TicketResult]:
         await self._dialled_first(peer)
         results = await self._network.request_model_blob_tickets(peer, names)
         if any(isinstance(r, TicketResult.Ok) for r in results):
-            self._check_version(peer, results_version(results))
+            self._check_version(results_version(results))
         self._note_answers(peer, results)
         errors = [r.value for r in results if isinstance(r, TicketResult.Err)]
         if errors and len(errors) == len(results) and all(map(not_serving_now, errors)):

@@ -19,6 +19,14 @@ windows' models: the blobs are content-addressed, but a ticket asked again (a fa
 of another peer after the next warmup began would be the newer model's. It is None when the
 provider's model has no version, or when the model was replaced while the batch was answered
 (its tickets are of two models). Version 0 of the protocol had no version.
+
+`/psyche/model-sharing/1` is protocol 0 with the version in its answer: the requester writes
+`postcard(ModelRequestType)` and half-closes, the provider writes `postcard(ModelTicket {
+version: Option<u64>, result: Result<BlobTicket, SharableModelError> })`. A joiner asks for the
+model's configuration with it (its parameter names are the download's plan), so that the
+configuration is of the same model as the parameters' tickets: before, the configuration came
+unversioned from whichever peer answered first. Protocol 0 stays served for upstream's
+requesters.
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ from psyche.network.transmittable import (
 MODEL_SHARING_PROTOCOL = "/psyche/model-sharing/0"
 MAX_REQUEST_BYTES = 1000
 MAX_RESPONSE_BYTES = 16384
+MODEL_SHARING_VERSIONED_PROTOCOL = "/psyche/model-sharing/1"
 MODEL_SHARING_BATCH_PROTOCOL = "/psyche/model-sharing-batch/1"
 MAX_BATCH_NAMES = 256
 MAX_BATCH_REQUEST_BYTES = 64 * 1024
@@ -55,6 +64,15 @@ class ModelTickets:
 
     version: U64 | None
     results: list[TicketResult]
+
+
+@struct(frozen=True)
+class ModelTicket:
+    """A single request's answer on the versioned protocol: the version of the model its
+    ticket is of."""
+
+    version: U64 | None
+    result: TicketResult
 
 
 class VersionedResults(list[TicketResult]):
@@ -103,7 +121,21 @@ def encode_response(result: TicketResult) -> bytes:
 
 def decode_response(data: bytes) -> BlobTicket:
     """The ticket, or `SharableModelFailure` for the peer's error / `PostcardError` for garbage."""
-    match from_bytes(data, TicketResult):
+    return _ticket(from_bytes(data, TicketResult))
+
+
+def encode_versioned_response(result: TicketResult, version: int | None) -> bytes:
+    return to_bytes(ModelTicket(version, result))
+
+
+def decode_versioned_response(data: bytes) -> tuple[BlobTicket, int | None]:
+    """(the ticket, the version of the model it is of), or as `decode_response` raises."""
+    answer = from_bytes(data, ModelTicket)
+    return _ticket(answer.result), answer.version
+
+
+def _ticket(result: TicketResult) -> BlobTicket:
+    match result:
         case TicketResult.Ok(ticket):
             answered: BlobTicket = ticket
             return answered
@@ -143,12 +175,15 @@ def decode_batch_response(data: bytes, names: int) -> VersionedResults:
 # Both ends of a stream
 
 
-async def request_ticket(host: IHost, peer: bytes, request: ModelRequestType) -> BlobTicket:
-    """Ask `peer` (already connected) for the ticket of a model config or parameter."""
+async def request_ticket(
+    host: IHost, peer: bytes, request: ModelRequestType
+) -> tuple[BlobTicket, int | None]:
+    """Ask `peer` (already connected) for the ticket of a model config or parameter and the
+    version of the model it is of."""
     raw = await p2p_host.request(
-        host, peer, MODEL_SHARING_PROTOCOL, encode_request(request), MAX_RESPONSE_BYTES
+        host, peer, MODEL_SHARING_VERSIONED_PROTOCOL, encode_request(request), MAX_RESPONSE_BYTES
     )
-    return decode_response(raw)
+    return decode_versioned_response(raw)
 
 
 async def request_tickets(host: IHost, peer: bytes, names: list[str]) -> VersionedResults:
@@ -198,14 +233,29 @@ async def serve_batch(stream: INetStream, allowed: p2p_host.AllowFn, answer: Ans
 async def serve(stream: INetStream, allowed: p2p_host.AllowFn, answer: AnswerFn) -> None:
     """Answer one inbound request within `MODEL_REQUEST_TIMEOUT_SECS`
     (`ResponseChannelNotInitialized` otherwise)."""
+    await _serve_one(stream, allowed, answer, lambda result, _: encode_response(result))
 
+
+async def serve_versioned(stream: INetStream, allowed: p2p_host.AllowFn, answer: AnswerFn) -> None:
+    """`serve`, with the version of the model the ticket came from in the answer (None when
+    the answer is an error)."""
+    await _serve_one(stream, allowed, answer, encode_versioned_response)
+
+
+async def _serve_one(
+    stream: INetStream,
+    allowed: p2p_host.AllowFn,
+    answer: AnswerFn,
+    encode: Callable[[TicketResult, int | None], bytes],
+) -> None:
     async def handle() -> None:
         with trio.fail_after(MODEL_REQUEST_TIMEOUT_SECS):
             request = decode_request(await p2p_host.read_to_end(stream, MAX_REQUEST_BYTES))
         result: TicketResult = TicketResult.Err(SharableModelError.ResponseChannelNotInitialized())
-        with trio.move_on_after(MODEL_REQUEST_TIMEOUT_SECS):
+        with noting_model_versions() as versions, trio.move_on_after(MODEL_REQUEST_TIMEOUT_SECS):
             result = await answer(request)
-        await stream.write(encode_response(result))
+        version = next(iter(versions)) if len(versions) == 1 else None
+        await stream.write(encode(result, version))
         await stream.close()
 
     await p2p_host.serve_member(stream, allowed, "model-sharing request", handle)

@@ -12,6 +12,16 @@ time spent waiting for a peer to serve counts against no attempt budget (the cal
 deadline bounds it). Before, each such answer was an error, and a joiner that asked after a
 warmup ended had every peer removed after 5 answers and gave up (`PeersUnreachable`) instead
 of waiting for the next warmup.
+
+A live peer that answers with a model of another version than the one the joiner wants
+(`OtherModelVersion`) has not failed either. One that serves an older model (a provider that
+missed its last cooldown's update, or a stale one) will not serve the wanted model in this
+serving window: it is asked nothing more until the peers are set again (`set_peers`: a new
+download, or the download's restart when a serving window ended), and when every peer left is
+such a one or failed, the peer manager is exhausted. One that names a newer version (this joiner
+is behind the run) or none (its model was replaced while it answered) or any number (a hostile
+member) rests for a time that doubles with each such answer, from `NOT_SERVING_RETRY_SECS` to
+`MAX_OTHER_VERSION_RETRY_SECS` (before, every such peer was asked every 2 s, for ever).
 """
 
 from __future__ import annotations
@@ -46,6 +56,27 @@ NO_PEER_SLEEP_SECS = 0.5
 RETRY_SLEEP_SECS = 0.1
 NOT_SERVING_RETRY_SECS = 2.0
 """A peer that answered "not serving now" is asked again after this long."""
+MAX_OTHER_VERSION_RETRY_SECS = 32.0
+"""The longest rest of a peer that keeps answering with a newer (or no) model version."""
+
+
+class OtherModelVersion(Exception):
+    """A peer answered with tickets of another model than the one asked for: `version` (the
+    peer's claim; None: not said) instead of `expected`."""
+
+    def __init__(self, version: int | None, expected: int | None) -> None:
+        super().__init__(f"a model of version {version}, not {expected}")
+        self.version = version
+        self.expected = expected
+
+    @property
+    def older(self) -> bool:
+        """Whether the peer's model is older than the one asked for (both versions known)."""
+        return (
+            self.version is not None
+            and self.expected is not None
+            and (self.version < self.expected)
+        )
 
 
 def _tier(bandwidth: PeerBandwidth) -> int:
@@ -88,6 +119,12 @@ class PeerManager:
         """Peers that answered "not serving now" -> when to ask them again
         (`trio.current_time()`); they stay in `available_peers`."""
         self._not_serving: set[bytes] = set()  # logged once until the peer serves again
+        self.older: set[bytes] = set()
+        """Peers that answered with an older model: asked nothing until `set_peers`."""
+        self.other_version_answers: dict[bytes, int] = {}
+        """Peers -> how many times in a row they answered with a newer (or no) model version."""
+        self.exhausted = False
+        """Every peer failed too often or serves an older model (`on_exhausted` was called)."""
         self.give_up_at = math.inf
         """While every peer says "not serving now", wait for them until this
         (`trio.current_time()`), then `PeersUnreachable`."""
@@ -97,6 +134,9 @@ class PeerManager:
         self.errors_per_peer = {p: 0 for p in self.available_peers}
         self.resting = {}
         self._not_serving = set()
+        self.older = set()
+        self.other_version_answers = {}
+        self.exhausted = False
         logger.info("Updated peer list (%d peers)", len(self.available_peers))
 
     def get_next_peer(self) -> bytes | None:
@@ -130,11 +170,14 @@ class PeerManager:
     def report_success(self, peer: bytes) -> None:
         self.resting.pop(peer, None)
         self._not_serving.discard(peer)
+        self.other_version_answers.pop(peer, None)
         if peer not in self.available_peers:
             self.available_peers.append(peer)
 
     def report_not_serving(self, peer: bytes) -> None:
         """`peer` is alive but serves no model now: no error; ask it again in a while."""
+        if peer in self.older:
+            return
         if peer not in self._not_serving:
             self._not_serving.add(peer)
             logger.info(
@@ -149,6 +192,53 @@ class PeerManager:
         ):
             self.available_peers.append(peer)
 
+    def report_other_version(self, peer: bytes, answer: OtherModelVersion) -> None:
+        """`peer` answered with a model of another version: no error. An older model's peer is
+        asked nothing more until `set_peers`; any other rests for a doubling time (at most
+        `MAX_OTHER_VERSION_RETRY_SECS`)."""
+        if answer.older:
+            if peer not in self.older:
+                logger.info(
+                    "peer %s serves an older model (version %s, not %s): asking it nothing "
+                    "more until the peers serve again",
+                    fmt_short(peer),
+                    answer.version,
+                    answer.expected,
+                )
+            self.older.add(peer)
+            self.available_peers = deque(p for p in self.available_peers if p != peer)
+            self.resting.pop(peer, None)
+            self._check_exhausted()
+            return
+        count = self.other_version_answers.get(peer, 0) + 1
+        self.other_version_answers[peer] = count
+        rest = min(NOT_SERVING_RETRY_SECS * 2 ** (count - 1), MAX_OTHER_VERSION_RETRY_SECS)
+        logger.info(
+            "peer %s serves another model (version %s, not %s): asking it again in %.0f s",
+            fmt_short(peer),
+            answer.version,
+            answer.expected,
+            rest,
+        )
+        self.resting[peer] = trio.current_time() + rest
+        if peer not in self.available_peers and self.errors_per_peer.get(peer, 0) < (
+            self.max_errors_per_peer
+        ):
+            self.available_peers.append(peer)
+
+    def _check_exhausted(self) -> None:
+        """Call `on_exhausted` once no peer is left to ask nor being asked: each failed too
+        often or serves an older model."""
+        if self.exhausted or self.available_peers:
+            return
+        if all(
+            e >= self.max_errors_per_peer or p in self.older
+            for p, e in self.errors_per_peer.items()
+        ):
+            logger.error("No more peers available to ask for model blob tickets")
+            self.exhausted = True
+            self._on_exhausted()
+
     def report_blob_ticket_request_error(self, peer: bytes) -> None:
         count = self.errors_per_peer.get(peer, 0) + 1
         self.errors_per_peer[peer] = count
@@ -158,12 +248,8 @@ class PeerManager:
         if count >= self.max_errors_per_peer:
             self.available_peers = deque(p for p in self.available_peers if p != peer)
             logger.warning("Removing peer %s after %d errors", fmt_short(peer), count)
-            if not self.available_peers and all(
-                e >= self.max_errors_per_peer for e in self.errors_per_peer.values()
-            ):
-                logger.error("No more peers available to ask for model blob tickets")
-                self._on_exhausted()
-        elif peer not in self.available_peers:
+            self._check_exhausted()
+        elif peer not in self.available_peers and peer not in self.older:
             self.available_peers.append(peer)
 
 
@@ -249,6 +335,8 @@ async def _ask_peers(
     every peer rests costs no attempt."""
     attempts = 0
     while attempts < max_attempts:
+        if peer_manager.exhausted:
+            raise PeersUnreachable(f"{gave_up}: every peer failed or serves an older model")
         peer = peer_manager.get_next_peer()
         if peer is None:
             if not peer_manager.waiting_for_serving():
@@ -261,6 +349,9 @@ async def _ask_peers(
             with trio.fail_after(request_timeout):
                 answer = await ask(peer)
         except Exception as e:
+            if isinstance(e, OtherModelVersion):
+                peer_manager.report_other_version(peer, e)
+                continue
             if isinstance(e, SharableModelFailure) and not_serving_now(e.error):
                 peer_manager.report_not_serving(peer)
                 continue

@@ -288,8 +288,9 @@ async def answer_request(
     codec: ParameterCodec,
 ) -> TicketResult:
     """What a provider replies to a parameter or config request; a ticket's model version is
-    noted (`noting_model_versions`). A parameter's ticket may be had after a wait (its
-    serialization under way) in which the model was replaced, its ticket then of either model:
+    noted (`noting_model_versions`). A ticket may be had after a wait (a parameter's
+    serialization under way, the configuration's storing) in which the model was replaced, its
+    ticket then of either model:
     it is refused as "not serving now" (the joiner asks again, and the new model's version
     names the next answer), never labelled with the version read when the request came."""
     version = model.version
@@ -297,10 +298,10 @@ async def answer_request(
         match request:
             case ModelRequestType.Parameter(name):
                 ticket = await model.get_transmittable_parameter(name, add_downloadable, codec)
-                if model.version != version:
-                    raise SharableModelFailure(SharableModelError.ParametersNotInitialized())
             case _:
                 ticket = await model.get_transmittable_config(add_downloadable)
+        if model.version != version:
+            raise SharableModelFailure(SharableModelError.ParametersNotInitialized())
     except SharableModelFailure as failure:
         refused: TicketResult = TicketResult.Err(failure.error)
         return refused
