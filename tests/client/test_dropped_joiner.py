@@ -90,7 +90,9 @@ def test_a_joiner_dropped_while_it_waits_for_the_model_stops_and_joins_again(
             asked: list[ModelRequestType] = []
             ask_one = joiner.request_model_blob_ticket
 
-            async def counting(who: bytes, request: ModelRequestType) -> BlobTicket:
+            async def counting(
+                who: bytes, request: ModelRequestType
+            ) -> tuple[BlobTicket, int | None]:
                 asked.append(request)
                 return await ask_one(who, request)
 
