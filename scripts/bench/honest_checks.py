@@ -152,8 +152,11 @@ def _scenario(rank: int, mode: str, name: str, args: argparse.Namespace) -> Figu
     settings = screens["sharded"][0].settings if rank == 0 else None
     quorum = witness_quorum_for(0, m)
     fig = Figures()
-    prev: dict[str, list[list[Any]]] = {"sharded": [[] for _ in range(m)], "twin": []}
-    prev["twin"] = [[] for _ in twins]
+    # DisTrO's own results of the previous round (honest, a hostile member's too)
+    prev: dict[str, list[list[Any]]] = {
+        "sharded": [[] for _ in sharded],
+        "twin": [[] for _ in twins],
+    }
     for step in range(1, args.rounds + 1):
         outs: dict[str, list[Any]] = {"sharded": [], "twin": []}
         for kind, trainers in (("sharded", sharded), ("twin", twins)):
