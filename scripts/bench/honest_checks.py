@@ -308,22 +308,19 @@ def two_ranks(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
         passed = [*sys.argv[1:], "--init", f"{tmp}/init", "--out", str(out)]
         procs = [
-            subprocess.Popen(
-                [sys.executable, __file__, *passed, "--rank", str(r)],
-                env=env,
-                start_new_session=True,
-            )
+            subprocess.Popen([sys.executable, __file__, *passed, "--rank", str(r)], env=env)
             for r in range(2)
         ]
+        deadline = time.monotonic() + args.timeout
         try:
-            deadline = time.monotonic() + args.timeout
             for proc in procs:
                 proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-        finally:
+        except subprocess.TimeoutExpired:
+            raise SystemExit(f"the ranks did not finish in {args.timeout:g} s") from None
+        finally:  # on a timeout, an error or SIGINT: the ranks start nothing of their own
             for proc in procs:
-                if proc.poll() is None:
-                    os.killpg(proc.pid, 9)
-                    proc.wait()
+                proc.kill()  # nothing for one that has exited
+                proc.wait()
         codes = [p.returncode for p in procs]
         if codes != [0, 0]:
             raise SystemExit(f"the ranks exited {codes}")
