@@ -55,6 +55,7 @@ from psyche.modeling.serialized_distro import (
     TransmittableDistroResult,
     distro_result_from_serialized,
 )
+from psyche.modeling.sharding import full_tensor, shard_like
 
 
 @dataclass(frozen=True)
@@ -349,8 +350,12 @@ class Diloco:
             if self._lookahead is not None:
                 delta = delta - self._lookahead[i]  # measured from the shifted start
             residual.add_(delta)
-            sent = encode(residual, layout, encoded)
-            residual.sub_(decode(sent, layout, residual.device))
+            # A sharded residual (FSDP) is gathered first, as DisTrO's momentum is: the payload
+            # is computed on the full tensor, the same bits as on a one-rank client; each rank
+            # keeps its slice of what remains (elementwise: the same bits per element).
+            full = full_tensor(residual)
+            sent = encode(full, layout, encoded)
+            residual.sub_(shard_like(decode(sent, layout, full.device), residual))
             out.append(sent)
             own.append(delta)
             p.copy_(saved)
@@ -431,7 +436,8 @@ class Diloco:
                 scale = to_f32(max_norm / (total + 1e-6))
                 for g in means:
                     g.mul_(scale)
-        self.outer.step(means, lr)
+        # a sharded parameter (FSDP) steps on its slice of the mean (elementwise, same bits)
+        self.outer.step([shard_like(g, p) for g, p in zip(means, self.params)], lr)
         self.outer_steps += 1
 
     # ---- payloads ---------------------------------------------------------------------------

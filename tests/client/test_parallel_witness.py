@@ -1,0 +1,65 @@
+"""A witness of a client of two ranks (replicated DP=2, FSDP2) decides as a one-rank witness does.
+
+In a client of several ranks only rank 0 checks results (`psyche.client.round.screening`): its
+`WitnessScreen` reads rank 0's trainer, whose reference is the round's full update
+(`Trainer.screening_reference`: DisTrO's momentum DCT, which `generate` gathers on every rank;
+DiLoCo's pseudo-gradient plus residual, gathered the same way under FSDP), never a shard. Two
+gloo processes run `scripts/bench/honest_checks.py` small: four members, each a two-rank client
+with a one-rank twin on the same rows, the last one hostile (sign flip, `psyche.modeling.hostile`
+through `make_hostile`, as a client's trainer is made hostile); every member witnesses every
+other. Every check's `t`, norm and verdict, and every payload, must be the twin's to the bit.
+
+FSDP with DiLoCo crashed at the end of every round before this test (`Diloco.end_round` encoded
+a sharded residual: "mixed torch.Tensor and DTensor"); it now gathers it first, as DisTrO
+gathers its momentum, and steps each rank's slice of the mean.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+BENCH = REPO / "scripts" / "bench" / "honest_checks.py"
+
+
+@pytest.fixture(scope="module")
+def figures(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    report = tmp_path_factory.mktemp("witness") / "report.json"
+    args = ["--members", "4", "--rounds", "3", "--modes", "dp,fsdp"]
+    args += ["--optimizers", "distro,bf16", "--hostile", "sign-flip", "--timeout", "800"]
+    done = subprocess.run(
+        [sys.executable, str(BENCH), *args, "--report", str(report)],
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    loaded: dict[str, dict] = json.loads(report.read_text())
+    return loaded
+
+
+@pytest.mark.parametrize("case", ["dp/distro", "dp/bf16", "fsdp/distro", "fsdp/bf16"])
+def test_a_two_rank_witness_decides_as_a_one_rank_witness(
+    figures: dict[str, dict], case: str
+) -> None:
+    f = figures[case]
+    assert f["rounds"] == 3
+    assert f["checks"] == 3 * 3 * 2  # 3 honest witnesses x 2 honest others x 3 rounds
+    assert f["refused"] == 0, f["refusals"]
+    assert f["twin_differs"] == 0  # every t, norm and verdict of the honest and hostile checks
+    assert f["payloads_differ"] == 0
+    assert f["params_equal"] is True
+    # the hostile member's sign flips: 3 honest witnesses x 3 rounds, refused by both alike
+    assert f["hostile_checks"] == 9
+    assert f["hostile_refused"] == f["hostile_refused_by_twins"]
+    # by the third round (levels of the witness's closed rounds) every lie is refused; before,
+    # a sign flip weakly opposed to a young witness's update may pass it (both alike)
+    assert [r for r in f["hostile_passed_rounds"] if r > 2] == []
+    assert f["hostile_refused"] >= 5
