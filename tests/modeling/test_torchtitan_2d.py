@@ -9,7 +9,7 @@ the one-rank bits after every apply and the checkpoints the same bytes; given th
 gradients and momentum, `generate` and an apply are exact. The trained gradients are not the
 one-rank bits (the row-parallel matmuls and the vocabulary-split embedding add their halves in
 another order), which the 1-bit top-k payload hides except at a near tie at the top-k boundary.
-DiLoCo is not built on sharded parameters: refused in one line.
+DiLoCo is not built on tensor-parallel parameters: refused in one line (FSDP runs it).
 """
 
 from __future__ import annotations
@@ -94,21 +94,17 @@ def test_it_checkpoints_the_one_rank_bytes(four_ranks: tuple[dict, Path], mode: 
         assert (out / mode / name).read_bytes() == (out / f"{mode}-reference" / name).read_bytes()
 
 
-def test_diloco_on_sharded_parameters_is_one_line() -> None:
-    """DiLoCo is not built on TP/FSDP shards (its outer state and decoded results are whole
-    tensors, which it mixes with the parameters: it failed mid-round in its codec): refused as
-    the trainer is built, before any rank is needed. Replicated data parallelism passes."""
+def test_diloco_on_tensor_parallel_parameters_is_one_line() -> None:
+    """DiLoCo is not built on TP shards (its outer state and decoded results are whole tensors,
+    which it mixes with the parameters: it failed mid-round in its codec): refused as the
+    trainer is built, before any rank is needed. Replicated and FSDP data parallelism pass."""
     options = ModelOptions(architecture="Torchtitan", device="cpu")
     model = CausalLM.from_config(llama_config_dict("tiny"), options)
     diloco = OptimizerDefinition.DiLoCo(DilocoSettings(inner_steps=2).definition())
     schedule = LearningRateSchedule.Constant(ConstantLR(1e-3, 0.0, 0))
     cpu = torch.device("cpu")
-    sharded = (
-        ParallelDims(cpu, tp=2),
-        ParallelDims(cpu, dp=2, fsdp=True),
-        ParallelDims(cpu, dp=2, tp=2, fsdp=True),
-    )
-    for dims in sharded:
-        with pytest.raises(ParallelismError, match="DiLoCo is not built on sharded parameters"):
+    for dims in (ParallelDims(cpu, tp=2), ParallelDims(cpu, dp=2, tp=2, fsdp=True)):
+        with pytest.raises(ParallelismError, match="DiLoCo is not built on tensor-parallel"):
             Trainer(model, schedule, diloco, 2, parallel=dims)
     ParallelDims(cpu, dp=2).check_optimizer(diloco)
+    ParallelDims(cpu, dp=2, fsdp=True).check_optimizer(diloco)

@@ -151,15 +151,16 @@ class ParallelDims:
 
     def check_optimizer(self, optimizer: Any) -> None:
         """DiLoCo (`OptimizerDefinition.DiLoCo`) keeps its outer state and decodes its results
-        as whole tensors, which it mixes with the parameters: not built on sharded ones (TP,
-        FSDP, where it failed mid-round in its codec, mixing a tensor and a DTensor);
-        replicated data parallelism holds whole parameters."""
+        as whole tensors: on FSDP shards it gathers its residual and keeps each rank's slice
+        (two-rank witnesses give the one-rank bits, `tests/client/test_parallel_witness.py`);
+        on tensor-parallel parameters it is not built (it failed mid-round in its codec, mixing
+        a tensor and a DTensor, and nothing checks its bits there)."""
         from psyche.core.definitions import OptimizerDefinition
 
-        if isinstance(optimizer, OptimizerDefinition.DiLoCo) and (self.tp > 1 or self.fsdp):
+        if isinstance(optimizer, OptimizerDefinition.DiLoCo) and self.tp > 1:
             raise ParallelismError(
-                "DiLoCo is not built on sharded parameters (--tensor-parallelism, --fsdp): "
-                "use --data-parallelism without --fsdp, or one rank"
+                "DiLoCo is not built on tensor-parallel parameters (--tensor-parallelism): "
+                "use --data-parallelism (with or without --fsdp), or one rank"
             )
 
     def check_device(self, device: torch.device) -> None:
