@@ -106,3 +106,40 @@ def test_checks_the_round_leaves_no_time_for_are_not_made() -> None:
     recomputed, order = a_round(trainer, train=True, verify_last=True, end_first=True)
     assert order[-1] == "checks"
     assert recomputed.domains == {}  # nothing half-done is reported
+
+
+def test_a_centralized_client_sets_the_option_on_every_state_it_hears() -> None:
+    # upstream's postcard state has no room for it: the server sends it in RunExtras
+    from psyche.centralized.client import CentralizedBackend
+    from psyche.centralized.protocol import RunExtras, ServerToClientMessage
+    from psyche.coordinator import Coordinator
+    from psyche.coordinator.testing import integration_test_coordinator
+    from psyche.core.identity import SecretKey
+    from psyche.core.serde import from_bytes
+
+    state = integration_test_coordinator(4, 8, 0)
+    state.config.verification_percent = 25
+    state.config.verifiers_train = True
+
+    def heard() -> Coordinator:
+        return from_bytes(state.to_bytes(), Coordinator)  # what the wire carries
+
+    for extras_first in (True, False):
+        backend = CentralizedBackend("127.0.0.1:1", SecretKey.generate(), "test-run")
+        extras = ServerToClientMessage.RunExtras(
+            RunExtras(backup_data_locations=[], verifiers_train=True)
+        )
+        before = heard()
+        assert before.config.verifiers_train is False
+        backend._handle(extras if extras_first else ServerToClientMessage.Coordinator(before))
+        backend._handle(ServerToClientMessage.Coordinator(before) if extras_first else extras)
+        assert backend._latest is not None
+        assert backend._latest.config.verifiers_train
+        backend._handle(ServerToClientMessage.Coordinator(heard()))
+        assert backend._latest.config.verifiers_train
+    # a server whose run leaves it off says so, and the client keeps upstream's rule
+    backend = CentralizedBackend("127.0.0.1:1", SecretKey.generate(), "test-run")
+    backend._handle(ServerToClientMessage.RunExtras(RunExtras(backup_data_locations=[])))
+    backend._handle(ServerToClientMessage.Coordinator(heard()))
+    assert backend._latest is not None
+    assert not backend._latest.config.verifiers_train

@@ -6,6 +6,9 @@ and the verifying rules of test_verification.py run unchanged)."""
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
@@ -17,11 +20,11 @@ from psyche.coordinator.data_selection import (
     training_nodes,
     verification_duties_for_state,
 )
-from psyche.coordinator.run_config import load_state_toml, state_to_toml_obj
+from psyche.coordinator.run_config import dumps_toml, load_state_toml, state_to_toml_obj
 from psyche.coordinator.testing import integration_test_coordinator
 from psyche.coordinator.verification import RoundVerification, verification_problem
 from psyche.core import BatchId, NodeIdentity
-from psyche.core.serde import from_bytes
+from psyche.core.serde import from_bytes, to_bytes
 
 from .test_verification import checked_by, ids, report
 
@@ -105,7 +108,7 @@ def test_with_verifiers_training_nobody_checks_its_own_batch(
     assert all(d.verifier == tie_breaker for d in duties.tie_breakers)
 
 
-def test_every_client_derives_the_same_duties_from_the_state_it_holds() -> None:
+def test_every_client_derives_the_same_duties_from_the_state_it_holds(tmp_path: Path) -> None:
     # the server, the Solana program's rule and each client: the same function of the state.
     # A client reads the state from postcard (which has no room for the option: the server
     # sends it beside, `RunExtras.verifiers_train`) or from a saved TOML state
@@ -116,21 +119,16 @@ def test_every_client_derives_the_same_duties_from_the_state_it_holds() -> None:
         assert heard.config.verifiers_train is False  # not in upstream's bytes
         heard.config.verifiers_train = True  # what the centralized client sets from RunExtras
         assert (assignment(heard), verification_duties_for_state(heard)) == expected
-        saved = load_state_toml_obj(coordinator)
+        saved = saved_and_loaded(coordinator, tmp_path)
         assert saved.config.verifiers_train is True
         assert (assignment(saved), verification_duties_for_state(saved)) == expected
 
 
-def load_state_toml_obj(coordinator: Coordinator) -> Coordinator:
-    import tempfile
-    from pathlib import Path
-
-    from psyche.coordinator.run_config import dumps_toml
-
-    with tempfile.TemporaryDirectory() as directory:
-        path = Path(directory) / "state.toml"
-        path.write_text(dumps_toml(state_to_toml_obj(coordinator)))
-        return load_state_toml(path)
+def saved_and_loaded(coordinator: Coordinator, directory: Path) -> Coordinator:
+    """`coordinator` through a saved TOML state (the server's `save_state`, a resume)."""
+    path = directory / "state.toml"
+    path.write_text(dumps_toml(state_to_toml_obj(coordinator)))
+    return load_state_toml(path)
 
 
 def test_a_hostile_trainer_is_still_caught_and_a_verifier_that_trains_and_lies_too() -> None:
@@ -191,3 +189,52 @@ def test_with_verifiers_training_every_member_of_the_attested_round_owes_a_resul
             for _, p in unhealthy_trainers(coordinator, selection)
         }
         assert named == expected
+
+
+def test_the_option_without_verification_is_refused_with_its_field_named() -> None:
+    from psyche.coordinator.run_config import semantic_problems
+
+    coordinator = integration_test_coordinator(4, 8, 0)
+    coordinator.config.verifiers_train = True
+    problems = semantic_problems(coordinator.config, coordinator.model)
+    assert [field for field, _ in problems] == ["config.verifiers_train"]
+    coordinator.config.verification_percent = 25
+    assert semantic_problems(coordinator.config, coordinator.model) == []
+
+
+def test_upstreams_bytes_and_the_solana_account_keep_every_byte_and_a_solana_run_refuses_it(
+    tmp_path: Path,
+) -> None:
+    import tomllib
+
+    import pytest
+    import tomli_w
+
+    from psyche.coordinator.config import CoordinatorConfig
+    from psyche.solana.admin import AdminError, load_config_file
+    from psyche.solana.borsh import to_borsh
+    from psyche.solana.state import REPR_C
+
+    coordinator = started(4, 25, 3, train=True)
+    on = coordinator.config
+    off = dataclasses.replace(on, verifiers_train=False)
+    for encode in (
+        lambda c: to_bytes(c, CoordinatorConfig),
+        lambda c: to_borsh(c, CoordinatorConfig),
+        lambda c: REPR_C.encode(c, CoordinatorConfig),
+    ):
+        assert encode(on) == encode(off)
+    # the account's copy of the rule reads it as off, so a Solana run may not turn it on
+    repo = Path(__file__).resolve().parents[2]
+    doc = tomllib.loads((repo / "configs/tiny-cpu/state.toml").read_text())
+    doc["config"]["verification_percent"] = 25
+    doc["config"]["min_clients"] = doc["config"]["init_min_clients"] = 4
+    doc["config"]["verifiers_train"] = True
+    path = tmp_path / "config.toml"
+    path.write_text(tomli_w.dumps({"config": doc["config"], "model": doc["model"]}))
+    with pytest.raises(AdminError, match=r"verifiers_train.*no room"):
+        load_config_file(path)
+    del doc["config"]["verifiers_train"]
+    path.write_text(tomli_w.dumps({"config": doc["config"], "model": doc["model"]}))
+    config, _model = load_config_file(path)
+    assert config.verifiers_train is False

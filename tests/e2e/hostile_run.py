@@ -36,12 +36,18 @@ def start_hostile_run(
     attack: str,
     start: int,
     hostile_env: dict[str, str] | None = None,
+    *,
+    config_lines: str = "",
     **config: int,
 ) -> HostileRun:
-    """The tiny run (`config` over its `[config]`) with clients `HONEST` and `HOSTILE`, the
-    hostile one sending what `attack` makes of its results from its `start`th on (and with
-    `hostile_env` in its environment); returns once the first round started."""
+    """The tiny run (`config` over its `[config]`, `config_lines` appended to it) with clients
+    `HONEST` and `HOSTILE`, the hostile one sending what `attack` makes of its results from its
+    `start`th on (and with `hostile_env` in its environment); returns once the first round
+    started."""
     run = hm.write_run(directory, **config)
+    if config_lines:
+        state = run / "state.toml"
+        state.write_text(state.read_text().replace("[config]\n", f"[config]\n{config_lines}\n", 1))
     port = free_port()
     server = processes.start("server", hm.server_command(run, port, "--bind-address", "127.0.0.1"))
     processes.wait_for(server, r"serving run 'tiny-cpu'", 60)

@@ -1,0 +1,71 @@
+"""Issue 27's cost goal, end to end (`config.verifiers_train`): four real `psyche-client train`
+processes on loopback at `verification_percent = 25` where the verifier and the tie-breaker train
+a share too, one of them hostile twice over (sign-flipped results, every verified result accused
+as a verifier; tests/e2e/test_verifiers.py's run with the option on). Every member trains every
+round; the hostile one is still punished within three rounds of its first lie; an honest
+verifier's recomputes are done before its next round starts (they run after its own training, in
+the round's idle time), and no honest member is accused.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from ..processes import Processes, events
+from .hostile_run import HONEST, HOSTILE, short_id, start_hostile_run
+
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+
+
+def test_verifiers_that_train_still_punish_the_liar_and_check_within_the_round(
+    processes: Processes, tmp_path: Path
+) -> None:
+    run = start_hostile_run(
+        processes, tmp_path / "run", "sign-flip", 0, {"HOSTILE_VERIFIER": "1"},
+        config_lines="verifiers_train = true",
+        total_steps=20, epoch_time=60, witness_nodes=0, init_min_clients=4, min_clients=3,
+        verification_percent=25,
+    )  # fmt: skip
+    server, honest, hostile = run.server, run.honest, run.hostile
+    punished = processes.wait_for(
+        server,
+        rf"verification: {short_id(HOSTILE)} loses \((trainer|verifier)\).*? at step (\d+)",
+        240,
+    )
+    role, step = punished.group(1), int(punished.group(2))
+    committees = {e["step"]: e["committee"] for e in events(hostile, "round_start")}
+    assert committees[step] == role.capitalize(), (role, step, committees)
+    assert step <= min(committees) + 2, (step, committees)
+    losers = set(re.findall(r"verification: (\w+) loses", server.text()))
+    assert losers == {short_id(HOSTILE)}, losers
+    # every member trained in every round it had, whatever its committee
+    for client in (*honest, hostile):
+        started = {e["step"]: e["committee"] for e in events(client, "round_start")}
+        trained = {e["step"] for e in events(client, "trained_batch")}
+        roles_that_trained = {started[s] for s in trained if s in started}
+        assert trained, client.name
+        assert roles_that_trained - {"Trainer"} or set(started.values()) == {"Trainer"}, (
+            client.name,
+            started,
+            trained,
+        )
+    # an honest verifier's recomputes of a round come after its own training and end before
+    # its next round starts (a tie-breaker's come in the next round, by design)
+    checked = 0
+    for client in honest:
+        starts = {e["step"]: e["ts"] for e in events(client, "round_start")}
+        verified = {
+            e["step"] for e in events(client, "round_start") if e["committee"] == "Verifier"
+        }
+        own = {e["step"]: e["ts"] for e in events(client, "trained_batch")}
+        for e in events(client, "verification_recomputed"):
+            if e["step"] in verified and e["step"] + 1 in starts:
+                assert own[e["step"]] <= e["ts"] <= starts[e["step"] + 1], (client.name, e)
+                checked += 1
+    assert checked, "no honest verifier's recompute was seen"
+    honest_ids = {short_id(n) for n in HONEST}
+    findings = [e for client in honest for e in events(client, "verification")]
+    assert all(e["matches"] for e in findings if e["trainer"] in honest_ids), findings
