@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from ..processes import Processes, events
-from .hostile_run import HONEST, HOSTILE, short_id, start_hostile_run
+from .hostile_run import HONEST, HOSTILE, short_id, start_verifying_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
@@ -24,22 +24,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 def test_verifiers_that_train_still_punish_the_liar_and_check_within_the_round(
     processes: Processes, tmp_path: Path
 ) -> None:
-    run = start_hostile_run(
-        processes, tmp_path / "run", "sign-flip", 0, {"HOSTILE_VERIFIER": "1"},
-        config_lines="verifiers_train = true",
-        total_steps=20, epoch_time=60, witness_nodes=0, init_min_clients=4, min_clients=3,
-        verification_percent=25,
-    )  # fmt: skip
-    server, honest, hostile = run.server, run.honest, run.hostile
-    punished = processes.wait_for(
-        server,
-        rf"verification: {short_id(HOSTILE)} loses \((trainer|verifier)\).*? at step (\d+)",
-        240,
-    )
-    role, step = punished.group(1), int(punished.group(2))
-    committees = {e["step"]: e["committee"] for e in events(hostile, "round_start")}
-    assert committees[step] == role.capitalize(), (role, step, committees)
-    assert step <= min(committees) + 2, (step, committees)
+    punished = start_verifying_run(processes, tmp_path / "run", "verifiers_train = true")
+    step, committees = punished.step, punished.committees
+    server, honest, hostile = punished.run.server, punished.run.honest, punished.run.hostile
+    assert step <= min(committees) + 2, (step, committees)  # it lies every round from its first
     losers = set(re.findall(r"verification: (\w+) loses", server.text()))
     assert losers == {short_id(HOSTILE)}, losers
     # every member trained in every round it had, whatever its committee
