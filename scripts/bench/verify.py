@@ -36,7 +36,10 @@ its decoy; the verifier on `--verifier-threads` intra-op threads where the membe
   here as `save_weights` into the kept buffers; each disputed batch costs two recomputes, the
   batch and its decoy, and a verifier's two disputed batches are each other's decoy). Each
   client runs on its own machine, so a round's time is the slowest client's work, and
-  verifiers and the tie-breaker only need to finish inside the round.
+  verifiers and the tie-breaker only need to finish inside the round. With `verifiers_train`
+  (`CoordinatorConfig.verifiers_train`) every client trains upstream's share, and a verifier's
+  two checks come after its own training: the line says how much idle time (in training steps)
+  the round must leave them.
 
 * `--bias-gap`: the 1 % bias (`Attack.Bias`) against honest results, `--attack-rounds`
   rounds (6 with `--quick`): two runs of the same members, data and seed, one honest and one with
@@ -383,6 +386,21 @@ def cost(form: str, threads: int, seed: int, reps: int) -> None:
             f"({checked / trainers:.0%}); a verifier needs {behind:.2f}x the trainers' time "
             f"for its two recomputes (a round's end stops it: in a compute-bound round it "
             f"reports nothing unless the witness phase gives it the rest)"
+        )
+        # `verifiers_train`: every client trains (upstream's split of the batch), a verifier
+        # checks after its own training, in the round's idle time
+        own = math.ceil(rows / clients)
+        checks = VERIFIED_BATCHES_PER_VERIFIER * own * check / base
+        print(
+            f"  {clients} clients at 10 % with verifiers_train: every client {own} rows "
+            f"({math.ceil(rows / clients)} at 0 %): the round's training "
+            f"{own * train / base:.2f}x a round at 0 % (verifiers train nothing: {trainer:.2f}x); "
+            f"a verifier's work {own * train / base + checks:.2f}x, its checks "
+            f"{checks:.2f}x of a training step after its own, which the round's idle time "
+            f"(witness phase, waiting for the slowest result) must hold for them to be reported; "
+            f"{min(trainers + verifiers, VERIFIED_BATCHES_PER_VERIFIER * verifiers)} of "
+            f"{trainers + verifiers} training clients' batches checkable a round "
+            f"(the tie-breaker's own is in no pool)"
         )
 
 

@@ -8,7 +8,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..processes import REPO, Proc, Processes, free_port
+from ..processes import REPO, Proc, Processes, events, free_port
 
 sys.path.insert(0, str(REPO / "scripts" / "chaos"))
 import hostile_members as hm
@@ -36,12 +36,18 @@ def start_hostile_run(
     attack: str,
     start: int,
     hostile_env: dict[str, str] | None = None,
+    *,
+    config_lines: str = "",
     **config: int,
 ) -> HostileRun:
-    """The tiny run (`config` over its `[config]`) with clients `HONEST` and `HOSTILE`, the
-    hostile one sending what `attack` makes of its results from its `start`th on (and with
-    `hostile_env` in its environment); returns once the first round started."""
+    """The tiny run (`config` over its `[config]`, `config_lines` appended to it) with clients
+    `HONEST` and `HOSTILE`, the hostile one sending what `attack` makes of its results from its
+    `start`th on (and with `hostile_env` in its environment); returns once the first round
+    started."""
     run = hm.write_run(directory, **config)
+    if config_lines:
+        state = run / "state.toml"
+        state.write_text(state.read_text().replace("[config]\n", f"[config]\n{config_lines}\n", 1))
     port = free_port()
     server = processes.start("server", hm.server_command(run, port, "--bind-address", "127.0.0.1"))
     processes.wait_for(server, r"serving run 'tiny-cpu'", 60)
@@ -58,3 +64,35 @@ def start_hostile_run(
     )  # fmt: skip
     processes.wait_for(server, r"-> RoundTrain \(epoch 0", 240)
     return HostileRun(server, honest, hostile)
+
+
+@dataclass(frozen=True)
+class Punished:
+    """Who lost a verifying run's dispute (`start_verifying_run`): the hostile member, as `role`
+    ("trainer" or "verifier") at `step`; its committees by step."""
+
+    run: HostileRun
+    role: str
+    step: int
+    committees: dict[int, str]
+
+
+def start_verifying_run(processes: Processes, directory: Path, config_lines: str = "") -> Punished:
+    """The tiny run at `verification_percent = 25` (each round one tie-breaker, one verifier, two
+    trainers), the hostile member sign-flipping its results and accusing every result it
+    verifies; returns once the server punished it, checked to be for what it was that round."""
+    run = start_hostile_run(
+        processes, directory, "sign-flip", 0, {"HOSTILE_VERIFIER": "1"},
+        config_lines=config_lines,
+        total_steps=20, epoch_time=60, witness_nodes=0, init_min_clients=4, min_clients=3,
+        verification_percent=25,
+    )  # fmt: skip
+    punished = processes.wait_for(
+        run.server,
+        rf"verification: {short_id(HOSTILE)} loses \((trainer|verifier)\).*? at step (\d+)",
+        240,
+    )
+    role, step = punished.group(1), int(punished.group(2))
+    committees = {e["step"]: e["committee"] for e in events(run.hostile, "round_start")}
+    assert committees[step] == role.capitalize(), (role, step, committees)
+    return Punished(run, role, step, committees)

@@ -24,6 +24,7 @@ from psyche.modeling.trainer import Batch, Trainer, TrainOutput
 from psyche.modeling.verification import (
     Evidence,
     Measures,
+    RecomputeCancelled,
     VerificationSettings,
     VerificationVerdict,
     recompute,
@@ -107,6 +108,36 @@ def test_two_verifiers_recompute_the_same_bits_and_leave_their_trainer_alone(for
         again.score,
         again.check,
     )
+
+
+class _Ended:
+    """A round that has ended (`TrainingStep.cancel`)."""
+
+    def is_set(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("form", ["distro", "bf16"])
+def test_a_recompute_the_round_ends_stops_and_leaves_its_trainer_alone(form: str) -> None:
+    # a verifier that also trains checks in the round's idle time: the round's end must stop a
+    # recompute (between micro-batches or inner steps) instead of holding the next round
+    batch = corpus_batches(2)
+    trainer = tiny_trainer(form)
+    out = trainer.train_exact(
+        1, batch(1, 0), warmup_lr_between=None, zero_optim=False, prev_self_distro_results=[]
+    )
+    trainer.optimize(1, distro_results=[out.distro_results or []])
+    before = state(trainer)
+    with pytest.raises(RecomputeCancelled):
+        recompute(trainer, batch(2, 1), step=2, cancel=_Ended())
+    assert same_bits(state(trainer), before)
+    # and the trainer's next recompute is the one it would have made
+    other = tiny_trainer(form)
+    other.optimize(1, distro_results=[out.distro_results or []])
+    for x, y in zip(
+        recompute(trainer, batch(2, 1), step=2).parts, recompute(other, batch(2, 1), step=2).parts
+    ):
+        assert same_bits(x, y)
 
 
 @pytest.mark.parametrize("form", ["distro", "bf16"])

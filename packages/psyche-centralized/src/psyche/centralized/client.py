@@ -434,6 +434,9 @@ class CentralizedBackend:
     def _handle(self, message: ServerToClientMessage) -> None:
         match message:
             case ServerToClientMessage.Coordinator(state):
+                if self.run_extras is not None and self.run_extras.verifiers_train:
+                    # beside the state: upstream's postcard bytes have no room for it
+                    state.config.verifiers_train = True
                 self._latest = state
                 self._received += 1
                 self._say_join_wait()
@@ -443,6 +446,8 @@ class CentralizedBackend:
                 self._say_join_wait()
             case ServerToClientMessage.RunExtras(extras):
                 self.run_extras = extras
+                if extras.verifiers_train and self._latest is not None:
+                    self._latest.config.verifiers_train = True  # a state heard before it
             case ServerToClientMessage.VerificationHeard(heard):
                 step = int(heard.report.step)
                 self._heard.setdefault(step, {}).setdefault(heard.sender, heard.report)

@@ -23,10 +23,11 @@ Port extensions are appended variants (higher indices), which a Rust peer cannot
   tie-breaker of a round, each bounded as above): a round's tie-breaker learns from them which
   batches were disputed, and when every verifier has reported (`psyche.client.round.verify`).
 * server to client `PeerEndpoints(records)` (1): the newest record of every other joined client.
-* server to client `RunExtras{version, backup_data_locations, run_identity}` (2): what
-  upstream's coordinator cannot carry (the backup data locations of `data_locations = [...]`
-  run configs; which instance of the run this server runs: new when a run starts afresh, kept
-  when the server resumes from its saved state).
+* server to client `RunExtras{version, backup_data_locations, run_identity, verifiers_train}`
+  (2): what upstream's coordinator cannot carry (the backup data locations of `data_locations =
+  [...]` run configs; which instance of the run this server runs: new when a run starts afresh,
+  kept when the server resumes from its saved state; whether its verifiers train too, which the
+  client sets on every state it receives).
 * server to client `Relays(addrs)` (3): the circuit relays the server hosts for the run's
   members (`psyche.network.relay`, multiaddrs ending in `/p2p/<relay id>`); sent just before
   `RunExtras`, so a client knows them before it opens its network.
@@ -90,6 +91,8 @@ class RunExtras:
     version: U32 = EXTENSIONS_VERSION
     backup_data_locations: list[LLMTrainingDataLocation]
     run_identity: str = ""
+    verifiers_train: bool = False
+    """The run's `CoordinatorConfig.verifiers_train` (not in upstream's postcard state)."""
 
 
 @struct(frozen=True)

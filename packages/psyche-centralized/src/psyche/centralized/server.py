@@ -451,6 +451,7 @@ class CentralizedServer:
         return RunExtras(
             backup_data_locations=list(_llm(self.coordinator).backup_data_locations),
             run_identity=self.run_identity,
+            verifiers_train=self.coordinator.config.verifiers_train,
         )
 
     def _send(self, client: bytes, message: ServerToClientMessage) -> None:

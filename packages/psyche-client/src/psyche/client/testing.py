@@ -252,7 +252,7 @@ def local_run_state(
             )
         ),
     )
-    settings = {
+    settings: dict[str, Any] = {
         "warmup_time": 4,
         "cooldown_time": 1,
         "max_round_train_time": 5,
@@ -267,6 +267,7 @@ def local_run_state(
         "global_batch_size_end": 4,
         "verification_percent": 0,
         "waiting_for_members_extra_time": 1,
+        "verifiers_train": False,
     }
     unknown = set(config) - set(settings)
     if unknown:

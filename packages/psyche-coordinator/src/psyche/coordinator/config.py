@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 
 from psyche.core.numeric import round_half_away_from_zero, saturating_cast_unsigned
@@ -65,6 +66,12 @@ class CoordinatorConfig:
     global_batch_size_end: U16
     verification_percent: U8
     waiting_for_members_extra_time: U8
+    # A port extension (issue 27), in TOML and JSON only: upstream's postcard bytes and the Solana
+    # account have no room for it (the centralized server sends it beside the state, in
+    # `RunExtras`; a Solana run cannot turn it on). With `verification_percent > 0`, verifiers and
+    # the tie-breaker also train a share of the round's batch (`data_selection`) and recompute in
+    # the round's idle time after it; off, they train nothing (the rule before it existed).
+    verifiers_train: bool = dataclasses.field(default=False, metadata={"wire": False})
 
     def check_error(self) -> ConfigError | None:
         """Upstream's validation, in upstream's order; None when the config is valid."""

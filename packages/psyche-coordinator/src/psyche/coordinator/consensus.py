@@ -120,7 +120,8 @@ class CoordinatorQueries:
         while every client trains every round; a verifying run elects its committees afresh
         each round, and a member that trains now but verified then was named for a result it
         never owed. Verifiers and tie-breakers train nothing the witnesses could attest: they
-        answer to the tie-breakers' decisions (`psyche.coordinator.verification`).
+        answer to the tie-breakers' decisions (`psyche.coordinator.verification`); where they
+        train too (`verifiers_train`), every member of the attested round is judged.
 
         Guaranteed: nobody is judged without an attested round in this epoch, nor when a client
         has left since that round (indices are then those of a different client list, and a
@@ -134,7 +135,8 @@ class CoordinatorQueries:
         ):
             return True
         selection = CommitteeSelection.from_coordinator(self, -2)
-        if selection.get_committee(index).committee is not Committee.Trainer:
+        trained = self.config.verifiers_train  # every member trained (`data_selection`)
+        if not trained and selection.get_committee(index).committee is not Committee.Trainer:
             return True
         return self.trainer_healthy(node_id)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
-from typing import Annotated
+from typing import Annotated, Any
 
 from psyche.coordinator.committee_selection import CommitteeSelection
 from psyche.coordinator.config import (
@@ -89,7 +89,12 @@ class Coordinator(CoordinatorQueries):
             lr_schedule=LearningRateSchedule.Constant(ConstantLR(0.0, 0.0, 0)),
             optimizer=OptimizerDefinition.Dummy(),
         )
-        config = CoordinatorConfig(**{f.name: 0 for f in dataclasses.fields(CoordinatorConfig)})
+        zeros: dict[str, Any] = {
+            f.name: 0
+            for f in dataclasses.fields(CoordinatorConfig)
+            if f.default is dataclasses.MISSING  # the appended flags keep their defaults
+        }
+        config = CoordinatorConfig(**zeros)
         return cls(
             run_id="",
             run_state=RunState.Uninitialized,

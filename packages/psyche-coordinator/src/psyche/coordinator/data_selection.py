@@ -4,6 +4,12 @@ A round trains on the contiguous data indices `[round.data_index, round.data_ind
 The trainers (in client-index order) are shuffled with the round's seed (LCG Fisher-Yates), and
 each gets a contiguous slice in that order: `batch // n` indices, plus one for the first
 `batch % n` of them. Every client computes the same map, so nobody needs to be told its share.
+
+With `verification_percent > 0` the trainers are the Trainer committee; with the run's
+`verifiers_train` on as well, every client of the round (verifiers and the tie-breaker too, in
+client-index order, the same list a run without verification trains): the same shuffle and slices
+as upstream's every-client assignment, so a verifying run's batch is split as finely as one
+without. Off (the default), nothing changes.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ V = TypeVar("V")
 
 def _trainers(coordinator: Coordinator, selection: CommitteeSelection) -> list[Client]:
     clients = coordinator.epoch_state.clients
-    if selection.everyone_trains():
+    if selection.everyone_trains() or _verifiers_train(coordinator):
         # Every position is a trainer's, so the committee shuffle cannot change the answer;
         # only its assertion for an index past the round's node count remains to check.
         if len(clients) > selection.total_nodes:
@@ -55,6 +61,19 @@ def _trainers(coordinator: Coordinator, selection: CommitteeSelection) -> list[C
     return trainers
 
 
+def _verifiers_train(coordinator: Coordinator) -> bool:
+    config = coordinator.config
+    return config.verification_percent != 0 and config.verifiers_train
+
+
+def training_nodes(coordinator: Coordinator, selection: CommitteeSelection) -> int:
+    """How many clients the round's batch is split among (`get_batch_ids_for_round`'s count):
+    the Trainer committee's size, or every client of the round when verifiers train too."""
+    if _verifiers_train(coordinator):
+        return selection.total_nodes
+    return selection.get_num_trainer_nodes()
+
+
 def assign_data_for_state(
     coordinator: Coordinator, committee_selection: CommitteeSelection
 ) -> dict[BatchId, NodeIdentity]:
@@ -62,7 +81,8 @@ def assign_data_for_state(
     `BTreeMap`).
 
     With `verification_percent > 0` the verifiers and tie-breakers get none (they recompute the
-    trainers' results: `psyche.coordinator.verification`). Otherwise raises
+    trainers' results: `psyche.coordinator.verification`), unless `verifiers_train` is on: then
+    every client gets a share, as without verification. Otherwise raises
     `CoordinatorUnimplemented` if a tie-breaker would need data (upstream asserts that none does)
     and `CoordinatorPanic` where upstream panics.
     """

@@ -235,6 +235,13 @@ def semantic_problems(config: CoordinatorConfig, model: Model) -> list[tuple[str
                 f"must be at most 100, found {config.verification_percent}",
             )
         )
+    if config.verifiers_train and config.verification_percent == 0:
+        problems.append(
+            (
+                "config.verifiers_train",
+                "needs verification_percent > 0 (without verifiers every client trains anyway)",
+            )
+        )
     llm: LLM = model.value
     if isinstance(llm.lr_schedule, LearningRateSchedule.WarmupStableDecay):
         wsd = llm.lr_schedule.value

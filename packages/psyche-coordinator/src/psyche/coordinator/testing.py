@@ -86,7 +86,7 @@ def quick_coordinator(
     coordinator = integration_test_coordinator(
         init_min_clients, global_batch_size, witness_nodes, run_id
     )
-    timings = {
+    timings: dict[str, Any] = {
         "warmup_time": 2,
         "cooldown_time": 2,
         "max_round_train_time": 2,

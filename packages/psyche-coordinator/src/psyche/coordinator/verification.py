@@ -7,7 +7,11 @@ always 0 upstream), so `CommitteeSelection` elects one tie-breaker, `ceil((n - 1
 verification_percent / 100)` verifiers (`verifier_nodes_for`: upstream rounds down, which elects
 no verifier in 4 clients at 25 %; the two agree at 0 and on every upstream test vector) and
 trainers for the rest. Neither verifiers nor
-tie-breakers train (`data_selection`). At 0 nothing changes: no tie-breaker, no verifier.
+tie-breakers train (`data_selection`), unless the run's `verifiers_train` is on: then they
+also train a share (every client does, as without verification), a verifier recomputes its draw
+after its own training (`psyche.client.round.verify`), a tie-breaker's own batch is in no pool and
+a verifier's is dealt to another verifier (`verification_duties`). At 0 nothing changes: no
+tie-breaker, no verifier.
 
 Who may verify whom (`verification_duties`), from the round's seed, so anyone can check it: the
 round's batches (ascending) are shuffled with a seed derived from the committee seed and the salt
@@ -172,16 +176,31 @@ def verification_duties(
     assignments: Mapping[BatchId, NodeIdentity],
 ) -> list[VerificationDuty]:
     """Every verifier's pool in the round (see the module docstring), in dealing order: every
-    batch of the round, each in one pool."""
+    batch of the round, each in one pool.
+
+    Where verifiers and the tie-breaker train too (`CoordinatorConfig.verifiers_train`), a
+    tie-breaker's batch is in no pool (it would arbitrate its own result), and a verifier's is
+    dealt to the next verifier instead of itself (none where it is the only verifier). Where only
+    trainers hold batches (the default), this is the plain round-robin deal."""
     verifiers = _members(clients, selection, Committee.Verifier)
     if not verifiers:
         return []
+    tie_breakers = set(_members(clients, selection, Committee.TieBreaker))
     batches = list(assignments)
     deterministic_shuffle(batches, verification_seed(selection))
-    return [
-        VerificationDuty(batch, assignments[batch], verifiers[k % len(verifiers)])
-        for k, batch in enumerate(batches)
-    ]
+    duties = []
+    turn = 0
+    for batch in batches:
+        trainer = assignments[batch]
+        if trainer in tie_breakers:
+            continue
+        if verifiers[turn % len(verifiers)] == trainer:
+            turn += 1  # nobody checks its own batch
+            if verifiers[turn % len(verifiers)] == trainer:
+                continue  # the only verifier's own batch
+        duties.append(VerificationDuty(batch, trainer, verifiers[turn % len(verifiers)]))
+        turn += 1
+    return duties
 
 
 def draw_message(run_id: str, seed: bytes, step: int, pool: Sequence[VerificationDuty]) -> bytes:

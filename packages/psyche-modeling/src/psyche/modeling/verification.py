@@ -82,7 +82,7 @@ from psyche.modeling.distro import Distro, DistroResult
 from psyche.modeling.screening import ResultReader, _at, agreement
 from psyche.modeling.sharding import full_tensor
 from psyche.modeling.train_loop import rows
-from psyche.modeling.trainer import Batch, Trainer, TrainerError
+from psyche.modeling.trainer import Batch, CancelToken, Trainer, TrainerError
 
 
 @dataclass(frozen=True)
@@ -208,6 +208,7 @@ def recompute(
     step: int,
     warmup_lr_between: tuple[int, int] | None = None,
     order: Sequence[int] | None = None,
+    cancel: CancelToken | None = None,
 ) -> Recomputed:
     """The exact part of a verification (see the module docstring): a pure function of the
     weights `trainer` holds, `batch` and the run's settings, computed by the trainer's own code
@@ -216,7 +217,9 @@ def recompute(
     first `ceil(rows / 2)` rows and the rest (gradient accumulation sums over rows: the whole is
     the same sum, up to the float rounding of its order).
     `trainer` is left as it was (weights bit for bit, gradients zero, optimizer state
-    untouched). Every rank of a several-rank verifier calls it (collectives inside)."""
+    untouched). Every rank of a several-rank verifier calls it (collectives inside).
+    `cancel` (the round's end) stops it between micro-batches: `RecomputeCancelled`, the trainer
+    left as it was."""
     lr = trainer.get_lr(step, warmup_lr_between)
     params = [p for _, p in _optimizer(trainer).variables]
     # DiLoCo: one part (no balance check: see DILOCO_VERIFICATION), the trainer's own rounds
@@ -237,9 +240,9 @@ def recompute(
             part = rows(batch, start, start + size)
         start += size
         if trainer.diloco is not None:
-            update, loss = _recompute_diloco(trainer, part, lr, params)
+            update, loss = _recompute_diloco(trainer, part, lr, params, cancel)
         else:
-            update, loss = _recompute_distro(trainer, part, lr, params)
+            update, loss = _recompute_distro(trainer, part, lr, params, cancel)
         parts.append(update)
         losses.append(loss * size)
     return Recomputed(parts, sizes, sum(losses) / len(batch))
@@ -259,11 +262,21 @@ def take_rows(batch: Batch, indices: Sequence[int]) -> Batch:
     )
 
 
+class RecomputeCancelled(Exception):
+    """A recompute stopped by its `cancel` (the round ended first): it has no result."""
+
+
 def _recompute_distro(
-    trainer: Trainer, batch: Batch, lr: float, params: list[torch.Tensor]
+    trainer: Trainer,
+    batch: Batch,
+    lr: float,
+    params: list[torch.Tensor],
+    cancel: CancelToken | None = None,
 ) -> tuple[list[torch.Tensor], float]:
     try:
-        loss, _ = trainer.accumulate_gradients(batch)
+        loss, cancelled = trainer.accumulate_gradients(batch, cancel=cancel)
+        if cancelled:
+            raise RecomputeCancelled
         with torch.no_grad():
             update = [
                 full_tensor(p.grad).to(torch.float32) * lr
@@ -334,15 +347,20 @@ def _zero_grads(params: Sequence[torch.Tensor]) -> None:
 
 
 def _recompute_diloco(
-    trainer: Trainer, batch: Batch, lr: float, params: list[torch.Tensor]
+    trainer: Trainer,
+    batch: Batch,
+    lr: float,
+    params: list[torch.Tensor],
+    cancel: CancelToken | None = None,
 ) -> tuple[list[torch.Tensor], float]:
     own = trainer.adamw
     assert own is not None
     saved = [p.detach().clone() for p in params]
     fresh = LibtorchAdamW(params, (own.beta1, own.beta2), own.weight_decay, own.eps)
     try:
-        losses = trainer.inner_steps(batch, fresh, lr)
-        assert losses is not None
+        losses = trainer.inner_steps(batch, fresh, lr, cancel=cancel)
+        if losses is None:
+            raise RecomputeCancelled
         with torch.no_grad():
             update = [
                 full_tensor(s).to(torch.float32) - full_tensor(p.detach()).to(torch.float32)

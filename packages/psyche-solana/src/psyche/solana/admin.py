@@ -255,6 +255,12 @@ def load_config_file(path: Path) -> tuple[CoordinatorConfig, Model]:
             "aggregate) cannot be set for a Solana run: the coordinator account has no room for "
             "it; set it to 0 or run with the centralized server"
         )
+    if loaded.config.verifiers_train:
+        raise AdminError(
+            f"invalid config {path}: config.verifiers_train cannot be set for a Solana run: the "
+            "coordinator account has no room for it; leave it out or run with the centralized "
+            "server"
+        )
     return loaded.config, loaded.model
 
 

@@ -22,7 +22,7 @@ from psyche.client.round.broadcast import Broadcast, BroadcastType
 from psyche.client.round.state import Downloading, PayloadHandle, RoundState
 from psyche.coordinator import Client, Coordinator, Witness
 from psyche.coordinator.commitment import Commitment
-from psyche.coordinator.data_selection import get_batch_ids_for_round
+from psyche.coordinator.data_selection import get_batch_ids_for_round, training_nodes
 from psyche.coordinator.errors import CoordinatorError, CoordinatorErrorKind
 from psyche.coordinator.model import Checkpoint
 from psyche.core.batch_id import BatchId
@@ -81,7 +81,7 @@ def plan_apply(previous: RoundState, coordinator: Coordinator) -> ApplyPlan:
         raise CoordinatorError(CoordinatorErrorKind.NoActiveRound)
     witnesses, quorum = deciding_witnesses(coordinator)
     batch_ids = get_batch_ids_for_round(
-        round_before, coordinator, previous.committee_info.selection.get_num_trainer_nodes()
+        round_before, coordinator, training_nodes(coordinator, previous.committee_info.selection)
     )
     chosen, untrained, no_consensus = [], [], []
     for batch_id in batch_ids:

@@ -114,8 +114,13 @@ def apply_message(
             return ApplyMessageOutcome.Invalid, None
     elif not any(c.id == from_id for c in clients):
         return ApplyMessageOutcome.Invalid, None
-    if not is_warmup and broadcast.proof.committee is not Committee.Trainer:
-        # Verifier and tie-breaker broadcasts are not implemented upstream either.
+    if (
+        not is_warmup
+        and broadcast.proof.committee is not Committee.Trainer
+        and from_id not in round_state.data_assignments.values()
+    ):
+        # Verifier and tie-breaker broadcasts are not implemented upstream either; they are
+        # heard only where the round gave them a batch (a run whose verifiers train).
         return ApplyMessageOutcome.Invalid, None
 
     download = None

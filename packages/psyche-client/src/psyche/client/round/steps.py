@@ -631,6 +631,7 @@ class StepStateMachine:
                         handle, self.trainer, verify_job, fetcher, recomputed
                     )
 
+        config = self.coordinator_state.config
         await run_round(
             handle,
             self.trainer,
@@ -639,6 +640,11 @@ class StepStateMachine:
             self.fetcher,
             self.io.publish_result,
             recompute,
+            # a client that trains in a run whose verifiers train checks in the round's idle
+            # time, after its own result is out (`round.verify`)
+            verify_last=config.verifiers_train
+            and train_job is not None
+            and bool(train_job.assigned_batches),
         )
         config = self.coordinator_state.config
         deadline = trio.current_time() + config.max_round_train_time + config.round_witness_time

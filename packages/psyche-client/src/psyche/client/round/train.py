@@ -32,6 +32,7 @@ from psyche.coordinator.data_selection import (
     assign_data_for_state,
     get_batch_ids_for_node,
     get_batch_ids_for_round,
+    training_nodes,
 )
 from psyche.coordinator.errors import CoordinatorError, CoordinatorErrorKind
 from psyche.core.atomic_file import write_atomically
@@ -116,7 +117,7 @@ def start_round(
     if have_training:
         assignments = assign_data_for_state(coordinator, selection)
         all_batch_ids = get_batch_ids_for_round(
-            round_, coordinator, selection.get_num_trainer_nodes()
+            round_, coordinator, training_nodes(coordinator, selection)
         )
         outstanding: set[BatchId] | None = set(all_batch_ids)
     else:
@@ -273,10 +274,14 @@ async def run_round(
     fetcher: DataFetcher | None,
     publish: Callable[[OwnResult], None],
     verify: Callable[[], Awaitable[None]] | None = None,
+    *,
+    verify_last: bool = False,
 ) -> None:
     """The body of a training step: apply (if due), then `verify` (a verifier's or
     tie-breaker's recompute, `round.verify`: it needs the weights the round trains from), then
-    train each assigned batch and publish its result, then the step's weight decay
+    train each assigned batch and publish its result (with `verify_last`, a run whose verifiers
+    train too, `verify` comes here instead: `train_exact` leaves the round's weights, so its own
+    result is not held back by its checks), then the step's weight decay
     (`Trainer.decay_weights`, on every client whatever it trained). Stores the outcome in `handle`; never
     raises into the nursery."""
     start = time.monotonic()
@@ -289,13 +294,15 @@ async def run_round(
             apply_start = time.monotonic()
             await apply_results(trainer, apply_job)
             finished.distro_seconds += time.monotonic() - apply_start
-        if verify is not None:
+        if verify is not None and not verify_last:
             await verify()
         if incoming is not None and train_job is not None:
             async with incoming:
                 while (item := await handle.next_batch(incoming)) is not None:
                     batch_id, batch = item
                     await _train_one(handle, trainer, train_job, batch_id, batch, finished, publish)
+        if verify is not None and verify_last:
+            await verify()
         if train_job is not None:
             # the step's weight decay, on every client of a round that trains, however many of
             # its batches this one trained (none, as a verifier; cancelled): the same bits

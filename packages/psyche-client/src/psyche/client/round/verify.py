@@ -25,7 +25,11 @@ The work is in two parts, because only the first needs the round's weights:
   of round N - 2, when the model holds exactly the weights the round's trainers train from): it
   fetches each batch it needs and recomputes the round's own update of it (one training step of
   the batch each; the trainer's weights, gradients and optimizer state are left as they were).
-  The round's end stops it (`TrainingStep.finish`): a batch not reached is not reported.
+  The round's end stops it (`TrainingStep.finish`, between micro-batches): a batch not finished
+  is not reported. Where verifiers train too (`CoordinatorConfig.verifiers_train`), it runs after
+  the client's own training instead (`run_round(verify_last=True)`: `train_exact` leaves the
+  weights the round's, and the step's weight decay waits for it), so its result goes out as early
+  as any trainer's and the checks use the round's idle time (its witness phase).
 * `compare_and_report` runs afterwards on its own: it waits (until `deadline`) for each verified
   trainer's payload to be downloaded and checked, compares it with the recompute, and sends one
   `VerificationReport` with every finding (a non-matching one is an accusation), logging each
@@ -279,7 +283,11 @@ async def recompute_duties(
                     from psyche.modeling.verification import domain_of, recompute
 
                     recomputed = recompute(
-                        trainer, batch, step=job.step, warmup_lr_between=job.warmup_lr_between
+                        trainer,
+                        batch,
+                        step=job.step,
+                        warmup_lr_between=job.warmup_lr_between,
+                        cancel=handle.cancel,
                     )
                     return domain_of(trainer, recomputed)
 
@@ -287,7 +295,12 @@ async def recompute_duties(
                 log_event(
                     logger, "verification_recomputed", quiet=True, step=job.step, batch_id=batch_id
                 )
-    except Exception:
+    except Exception as e:
+        from psyche.modeling.verification import RecomputeCancelled
+
+        if isinstance(e, RecomputeCancelled):  # the round ended first: nothing half-done counts
+            logger.info("the round of step %d ended before its checks were recomputed", job.step)
+            return
         logger.exception("verification of step %d failed; this round is not verified", job.step)
 
 
