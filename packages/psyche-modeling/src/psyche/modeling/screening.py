@@ -52,7 +52,9 @@ median (before, against its last closed round's), the agreement along its recent
 (with applied coefficients, plus its last own update)
 against half their median agreement (from two others on; capped by its closed rounds'
 levels). Arrival order is the trainers' to choose, so its refusals never accuse
-(`Verdict.blind`).
+(`Verdict.blind`), and its votes follow the round judged as a whole once the witness is sent
+(`RoundScreen.judge`: leave-one-out medians over every result received by then; in its very
+first round, with no aggregate, each result's agreement along the sum of the round's others).
 
 Every sum is taken in slices below torch's threading grain and added in order
 (`_serial_sums`), so two witnesses with the same inputs get the same bits of every statistic
@@ -71,6 +73,7 @@ whose 2-D blocks are stored column-major: each check gathers twice).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -319,10 +322,29 @@ class Verdict:
     baseline is the round's other results, whose arrival order a trainer controls, so a refusal
     here says nothing about the sender that should drop it (the client attests it as
     delivered and withholds only its vote)."""
+    index: int | None = None
+    """A blind verdict's place among its round's blind checks: `RoundScreen.judge` judges it
+    again over the whole round (the verdict the client's vote follows)."""
 
     @property
     def passed(self) -> bool:
         return self.problem is None
+
+
+@dataclass(eq=False)
+class _BlindCheck:
+    """One result a witness with no update of its own checked in a round, kept for the
+    round's judgement over all its results (`RoundScreen.judge`)."""
+
+    sender: Hashable
+    measure: Measure
+    measured: bool
+    """Its agreement was measured along the recent aggregate."""
+    history: tuple[float, ...]
+    """The sender's blind `t`s as the window test read them at its check."""
+    copy: str | None
+    """Why it is a copy of a result seen before it (None: it is not)."""
+    flat: Flat | None = None
 
 
 @dataclass(frozen=True)
@@ -838,22 +860,34 @@ class WitnessScreen:
             )
         else:
             problem = self._blind_problem(measure, screen, history, measured)
-        if problem is None:
-            for fingerprint in earlier:
-                cosine = measure.fingerprint.cosine(fingerprint)
-                if cosine >= settings.duplicate_cosine:
-                    problem = f"a copy of an earlier result (cosine {cosine:.3f})"
-                    break
+        copy = self._copy(measure, earlier) if problem is None or reference is None else None
+        problem = problem or copy
+        index = None
         if reference is not None:
             (screen.agreements if problem is None else screen.refused_agreements).append(
                 measure.agreement
             )
+        else:
+            index = len(screen.blind)
+            screen.blind.append(_BlindCheck(sender, measure, measured, tuple(history), copy))
         screen.seen.append(measure.fingerprint)
         if problem is None:
             screen.accepted_norms.append(measure.norm)
         return Verdict(
-            measure, problem, checked=reference is not None or measured, blind=reference is None
+            measure,
+            problem,
+            checked=reference is not None or measured,
+            blind=reference is None,
+            index=index,
         )
+
+    def _copy(self, measure: Measure, earlier: Sequence[Fingerprint]) -> str | None:
+        """Why a result is a copy of an earlier one (None: it is not)."""
+        for fingerprint in earlier:
+            cosine = measure.fingerprint.cosine(fingerprint)
+            if cosine >= self.settings.duplicate_cosine:
+                return f"a copy of an earlier result (cosine {cosine:.3f})"
+        return None
 
     def _blind_problem(
         self, measure: Measure, screen: RoundScreen, history: deque[float], measured: bool
@@ -881,8 +915,8 @@ class WitnessScreen:
         quorum), capped by this witness's closed rounds' levels where it has any, so early
         results cannot raise it above them; a witness without any may still refuse the second
         honest result after a hostile first one (without accusing), none from the third on. What arrives
-        first can still pass here: the witnesses with an update of their own judge it, and
-        `Verdict.blind` keeps a refusal here from accusing. The round's blind agreements are
+        first can still pass here: the vote follows `RoundScreen.judge`, which judges it again
+        against every later result, and `Verdict.blind` keeps a refusal here from accusing. The round's blind agreements are
         on another scale than the own update's, so they set no level for later rounds and
         their window is their own (`_blind_agreements`). Called under the lock."""
         others_t, others_norm = screen.blind_agreements, screen.blind_norms
@@ -939,6 +973,67 @@ class WitnessScreen:
                 )
         return None
 
+    def _judge(self, screen: RoundScreen) -> list[Verdict]:
+        """`RoundScreen.judge`: every blind check of the round judged against all the round's
+        other results (leave-one-out medians), whatever order they came in."""
+        with self._lock:
+            # in one order whatever the arrival order (the round's sum adds in this order)
+            order = sorted(
+                range(len(screen.blind)),
+                key=lambda k: (repr(screen.blind[k].sender), screen.blind[k].measure.norm),
+            )
+            checks = [screen.blind[k] for k in order]
+        flats = [c.flat for c in checks]
+        ts = [c.measure.agreement for c in checks]
+        measured = [c.measured for c in checks]
+        along_round = False
+        if len(checks) >= 2 and not all(measured):
+            whole = [f for f in flats if f is not None]
+            if len(whole) == len(flats):
+                # no aggregate (the witness's first round): along the round's other results
+                ts, measured, along_round = self._round_agreements(whole), [True] * len(ts), True
+        with self._lock:
+            verdicts: dict[int, Verdict] = {}
+            passed: list[_BlindCheck] = []
+            for i, check in enumerate(checks):
+                others = [k for k in range(len(checks)) if k != i]
+                norms = [checks[k].measure.norm for k in others]
+                basis = (
+                    statistics.median(norms) if len(norms) >= _BLIND_OTHERS else self._norm_level
+                )
+                others_t = [ts[k] for k in others if measured[k]]
+                levels: list[float] = []
+                if measured[i] and len(others_t) >= 2:
+                    closed = [] if along_round else list(self._levels)
+                    levels = [statistics.median(others_t) / 2, *closed]
+                history = check.history if measured[i] and not along_round else ()
+                measure = dataclasses.replace(check.measure, agreement=ts[i])
+                problem = self._first_order_problem(measure, basis, history, levels) or check.copy
+                index = order[i]
+                verdicts[index] = Verdict(measure, problem, measured[i], blind=True, index=index)
+                if problem is None:
+                    passed.append(check)
+            if screen.reference is None:
+                # the round folds (`_close`) what passed here, not what passed at its check
+                screen.accepted = [c.flat for c in passed if c.flat is not None]
+                screen.accepted_norms = [c.measure.norm for c in passed]
+            screen.judged = True
+        return [verdicts[i] for i in range(len(checks))]
+
+    def _round_agreements(self, flats: Sequence[Flat]) -> list[float]:
+        """Each result's `t` along the sum of the round's other results (one model-sized sum,
+        each result's own values taken out again at its positions): a direction with no
+        history, for a witness that has neither an update of its own nor an aggregate."""
+        total = torch.zeros(self.reader.size)
+        for flat in flats:
+            self.reader.add_into(total, flat)
+        out = []
+        for flat in flats:
+            sizes = [values.numel() for _, values in flat.parts]
+            others = _at(total, flat.positions).sub_(flat.values)
+            out.append(agreement(zip(others.split(sizes), (v for _, v in flat.parts))))
+        return out
+
     def _close(self, screen: RoundScreen) -> None:
         """Fold a round in: its accepted results into the decayed aggregate (kept as
         `scale * A`, so a round costs its results' values and one norm; not once applied
@@ -990,6 +1085,10 @@ class RoundScreen:
         self.agreements: list[float] = []
         """The `t` of each result that passed (and, below, of each refused one)."""
         self.refused_agreements: list[float] = []
+        self.blind: list[_BlindCheck] = []
+        """Without a reference: every result checked, in the order they came (`judge`)."""
+        self.judged = False
+        """`judge` ran: what the round folds is what passed there."""
         self.blind_agreements: list[float] = []
         self.blind_norms: list[float] = []
         """Without a reference: the `t` (against the aggregate) and norm of every result
@@ -1038,9 +1137,23 @@ class RoundScreen:
             if own is not None:
                 self.checks += 1
             verdict = w._decide(sender, measure, self, measured is not None)
-            if verdict.passed:
+            if verdict.index is not None:
+                self.blind[verdict.index].flat = flat
+            if verdict.passed and not self.judged:
                 self.accepted.append(flat)
         return verdict
+
+    def judge(self) -> list[Verdict]:
+        """The round's blind checks (no update of this witness's own: `Verdict.index`) judged
+        again over every result checked so far, each against all the others (leave-one-out
+        medians of their norms and agreements, the closed rounds' levels as caps), so the
+        order the results came in no longer matters: a hostile result that came first and
+        passed against nothing is refused once honest ones follow, and an honest one a hostile
+        first result made fail passes. A witness with neither an update of its own nor an
+        aggregate yet (its very first round) measures each result's agreement along the sum of
+        the round's others. One verdict per blind check, by index; the client votes by these
+        when it sends its witness (`psyche.client.round.payloads.settle_blind_votes`)."""
+        return self.witness._judge(self)
 
     def close(self) -> None:
         """Fold the round into the witness's memory (once)."""
