@@ -27,6 +27,7 @@ from psyche.coordinator import RunState
 from psyche.coordinator.commitment import Commitment
 from psyche.coordinator.model import Checkpoint, HubRepo
 from psyche.coordinator.testing import Simulation, simulated_identity
+from psyche.core.batch_id import BatchId
 from psyche.core.identity import SecretKey
 from psyche.core.node_identity import NodeIdentity
 from psyche.modeling.distro import DistroResult
@@ -67,33 +68,47 @@ def announce_and_check(
 ) -> None:
     """`me`'s own result of `view`'s round is recorded; every other member's reaches it and
     goes through the checks."""
-    clients = sim.coordinator.epoch_state.clients
     for batch, sender in view.data_assignments.items():
-        payload = TransmittableDistroResult(view.step, 30, batch, [])
         if sender == me:
+            payload = TransmittableDistroResult(view.step, 30, batch, [])
             payloads.record_verified_payload(view, me, batch, payload.compute_hash())
             continue
-        proof = view.committee_info.selection.get_committee(index_of(sim.coordinator, sender))
         tag = 1 + index_of(sim.coordinator, sender)
-        broadcast = Broadcast(
-            step=view.step,
-            proof=proof,
-            commitment=Commitment(payload.compute_hash(), bytes(64)),
-            nonce=0,
-            data=BroadcastType.TrainingResult(TrainingResult(batch, ticket(tag))),
-        )
-        outcome, download = payloads.apply_message(
-            view, RoundState(), identity=me, clients=clients, from_id=sender, broadcast=broadcast
-        )
-        assert outcome is payloads.ApplyMessageOutcome.Applied
-        assert download is not None
-        blob = download.ticket.hash
-        pending = payloads.commitment_for_payload(view, blob)
-        assert pending is not None
-        trio.run(
-            payloads.check_payload,
-            view, blob, payload, pending, lambda _p: [], refusing(refused, blind), accuse,
-        )  # fmt: skip
+        deliver(view, sim, me, batch, sender, tag, refusing(refused, blind), accuse)
+
+
+def deliver(
+    view: RoundState,
+    sim: Simulation,
+    me: NodeIdentity,
+    batch: BatchId,
+    sender: NodeIdentity,
+    tag: int,
+    screen: payloads.ScreenResult,
+    accuse: bool,
+    results: Callable[[TransmittableDistroResult], list[DistroResult]] = lambda _p: [],
+) -> None:
+    """`sender`'s announced result for `batch` reaches `me` and goes through the checks
+    (`results`: what its payload decodes to)."""
+    payload = TransmittableDistroResult(view.step, 30, batch, [])
+    proof = view.committee_info.selection.get_committee(index_of(sim.coordinator, sender))
+    broadcast = Broadcast(
+        step=view.step,
+        proof=proof,
+        commitment=Commitment(payload.compute_hash(), bytes(64)),
+        nonce=0,
+        data=BroadcastType.TrainingResult(TrainingResult(batch, ticket(tag))),
+    )
+    clients = sim.coordinator.epoch_state.clients
+    outcome, download = payloads.apply_message(
+        view, RoundState(), identity=me, clients=clients, from_id=sender, broadcast=broadcast
+    )
+    assert outcome is payloads.ApplyMessageOutcome.Applied
+    assert download is not None
+    blob = download.ticket.hash
+    pending = payloads.commitment_for_payload(view, blob)
+    assert pending is not None
+    trio.run(payloads.check_payload, view, blob, payload, pending, results, screen, accuse)
 
 
 @pytest.mark.parametrize(
@@ -187,3 +202,64 @@ def test_the_machine_knows_from_its_start_whether_its_checks_accuse(
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_a_blind_witness_votes_over_the_whole_round_whatever_came_first() -> None:
+    """A witness with no update of its own this round, in its first round (no aggregate, no
+    closed round), checks a hostile member's result at the format's bound first, then three
+    honest ones (real int8 DiLoCo results, the real glue: `screening.screen_result`). At its
+    check the hostile result had nothing to be compared with and passed; its vote was cast at
+    once and, as the round's only witness, it was applied. Now the vote waits for the witness
+    to be sent (`payloads.settle_blind_votes`), where the whole round judges it: the hostile
+    result is in no vote and nobody applies it, every honest one is, and its sender is not
+    named (a blind refusal never accuses)."""
+    from psyche.client.round import screening
+    from psyche.modeling.hostile import DilocoFormat
+    from psyche.modeling.screening import DILOCO_SCREENING, ResultReader, WitnessScreen
+
+    from ..modeling.test_screening import honest_results
+
+    clients = 5
+    diloco, sent = honest_results("int8", members=clients)
+    fmt = DilocoFormat(diloco.layouts())
+    sim = training_sim(clients=clients, batch=clients, witness_nodes=1)
+    next_round(sim)
+    ids = [simulated_identity(i) for i in range(clients)]
+    views = {i: plan_for(sim.coordinator, ids[i]).state for i in range(clients)}  # round R
+    next_round(sim)  # round R + 1: its one witness attests round R
+    later = {i: plan_for(sim.coordinator, ids[i]).state for i in range(clients)}
+    me = next(i for i, v in later.items() if v.committee_info.witness_proof.witness)
+    view = views[me]
+    view.screen = WitnessScreen(ResultReader.of(diloco), DILOCO_SCREENING).open_round()
+    view.reference_ready.set()  # no update of its own is coming
+    hostile = ids[(me + 1) % clients]
+    by_batch: dict[BatchId, list[DistroResult]] = {}
+    order = sorted(view.data_assignments.items(), key=lambda item: item[1] != hostile)
+    assert order[0][1] == hostile
+    for n, (batch, sender) in enumerate(order):
+        if sender == ids[me]:
+            payload = TransmittableDistroResult(view.step, 30, batch, [])
+            payloads.record_verified_payload(view, sender, batch, payload.compute_hash())
+            continue
+        results = sent[n]
+        if sender == hostile:
+            results = [fmt.at_bound(r, i) for i, r in enumerate(results)]
+        by_batch[batch] = results
+        deliver(
+            view, sim, ids[me], batch, sender, 10 + n, screening.screen_result, True,
+            lambda p: by_batch[p.batch_id],
+        )  # fmt: skip
+    assert len(view.blind_votes) == clients - 1  # held back, the hostile one's too
+    sent_witness = witness.witness_to_send(view, later[me])
+    assert sent_witness is not None
+    assert not view.blind_votes
+    step = sim.coordinator.progress.step
+    sim.coordinator.witness(ids[me], sent_witness, sim.now)
+    sim.run_until(lambda c: c.run_state is RunState.RoundTrain and c.progress.step == step + 1, 30)
+
+    plan = apply.plan_apply(view, sim.coordinator)
+    hostile_batch = next(b for b, n in view.data_assignments.items() if n == hostile)
+    assert plan.no_consensus == [hostile_batch]
+    # every honest peer's result is applied (this witness's own was only recorded here)
+    assert sorted(c.batch_id for c in plan.chosen) == sorted(by_batch.keys() - {hostile_batch})
+    assert witness.health_checks(later[me], sim.coordinator) == []

@@ -283,6 +283,51 @@ def test_a_distro_result_reads_the_same_whole_as_part_by_part(chunk: int, one_bi
     assert any(r.totalk > 256 for r in results) == (chunk == 32)
 
 
+def test_the_applied_coefficients_are_read_at_a_results_positions_whatever_their_layout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A DisTrO witness's aggregate is the coefficients its optimizer last applied, as
+    `decompress` stored them (a 2-D parameter's blocks column-major): gathered at a result's
+    positions they are the values at those logical positions, and two witnesses given the same
+    applied round measure every result to the same bits."""
+    from psyche.modeling import compression
+    from psyche.modeling.distro import Distro
+
+    # the tiny model's tensors take the column-major layout a 20M model's do
+    monkeypatch.setattr(compression, "FAST_ROUTE_MIN_NUMEL", 0)
+    m = model()
+    distro = Distro(m, 0.999, 16, 4)
+    distro.keep_encoded = True
+    reader = ResultReader(distro=distro)
+    sent = []
+    for seed in (3, 4, 5):
+        ids = bigram_corpus(ROWS, SEQ, seed=seed)
+        m(ids, labels=ids, use_cache=False).loss.backward()
+        sent.append(distro.generate([], 0.0, 1e-3))
+    distro.apply(sent[:2], 1e-3)
+    assert distro.applied is not None
+    assert any(not a.is_contiguous() for a in distro.applied)  # some stored column-major
+    reference = reader.reference(distro)
+    assert reference.applied is not None
+    logical = [a.reshape(-1) for a in reference.applied]  # a copy in logical order
+    verdicts = []
+    for _ in range(2):
+        screen = WitnessScreen(copy.deepcopy(reader), DISTRO_SCREENING)
+        rnd = screen.open_round()
+        rnd.set_reference(reference, sent[0])
+        applied = screen._applied
+        assert applied is not None
+        flat = reader.flat(sent[2])
+        # whole-result storage positions, and part by part (a result read without them)
+        for read in (flat, dataclasses.replace(flat, local=None)):
+            got_parts = applied.at(read)
+            for got, want, (positions, _) in zip(got_parts, logical, flat.parts, strict=True):
+                assert positions is not None
+                assert torch.equal(got, want[positions.long()])
+        verdicts.append(rnd.check(1, sent[2]).measure.agreement.hex())
+    assert verdicts[0] == verdicts[1]
+
+
 def test_a_member_back_at_a_new_epoch_passes_after_a_round_that_agreed_strongly() -> None:
     """Three DisTrO members train 12 rounds; then a new epoch: two go on with their momenta,
     which still hold what they sent last (as a client that crossed the epoch boundary without
@@ -349,6 +394,8 @@ class _TwinRound:
         self.pairs = pairs
 
     def set_reference(self, reference: Reference, own_sent: Sequence[DistroResult]) -> None:
+        # a folded aggregate (with DisTrO's applied coefficients there is no combined direction)
+        reference = dataclasses.replace(reference, applied=None)
         for rnd in self.rounds:
             rnd.set_reference(reference, own_sent)
 

@@ -218,6 +218,12 @@ class Distro:
         """Keep the momentum's DCT (`encoded`) at each `generate`: a witness's reference
         (`psyche.modeling.screening`); off by default (it holds a copy of the model)."""
         self.encoded: list[torch.Tensor] | None = None
+        self.applied: list[torch.Tensor] | None = None
+        """With `keep_encoded` (a witness): the coefficients the last `apply` stepped with, one
+        tensor per parameter (the results' per-coefficient mean as `decompress` built them, a
+        2-D parameter's blocks possibly stored column-major; kept, not copied), the witness's
+        recent aggregate (`psyche.modeling.screening`). None where that apply built none (the
+        batched and sparse routes) or before any."""
         with torch.no_grad():
             # Upstream's native models get uninitialised memory here; real zeros are what its
             # Python models (and every test) use, and what a fresh joiner must agree on.
@@ -378,10 +384,12 @@ class Distro:
         if not results:
             return
         self._check_results(results)
+        self.applied = None
         done = self._apply_sparse(results, lr) if self.synthesis is not None else set()
         if self.groups is not None and not done:
             self._apply_batched(results, lr)
             return
+        kept: list[torch.Tensor] | None = [] if self.keep_encoded and not done else None
         # Upstream copies the decoded update into `.grad`, takes its sign and lets SGD do
         # `p.add_(grad, alpha=-lr)`; the decoded tensor already has the parameter's dtype, so
         # stepping with it directly gives the same bits without the copy.
@@ -389,7 +397,9 @@ class Distro:
             if index in done:
                 continue
             # A sharded parameter takes its slice of the decoded aggregate (upstream `set_grad`).
-            p.add_(shard_like(self._decode_results(results, index, p), p).sign_(), alpha=-lr)
+            decoded = self._decode_results(results, index, p, kept)
+            p.add_(shard_like(decoded, p).sign_(), alpha=-lr)
+        self.applied = kept
         for _, p in self.variables:
             if p.grad is not None:
                 p.grad.zero_()
@@ -598,7 +608,11 @@ class Distro:
     # ----------------------------------------------------------------------------------------
 
     def _decode_results(
-        self, results: Sequence[Sequence[DistroResult]], index: int, p: torch.Tensor
+        self,
+        results: Sequence[Sequence[DistroResult]],
+        index: int,
+        p: torch.Tensor,
+        kept: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Concatenate every result's entry for parameter `index`, mean-scatter and decode.
 
@@ -606,7 +620,8 @@ class Distro:
         the source device first so that P peers cost one host-to-device copy (and 1-bit values
         travel as bytes, unpacked on the device); the values are the same, so are the bits.
         The dense coefficients are built in the layout `decode` reads without a copy, from the
-        touched coefficients alone where that gives the same bits (see `decompress`).
+        touched coefficients alone where that gives the same bits (see `decompress`), and
+        appended to `kept` when given (`applied`).
         """
         device = p.device
         entries = [r[index] for r in results]
@@ -626,6 +641,8 @@ class Distro:
             device,
             transposed=decode_reads_transposed(first.xshape),
         )
+        if kept is not None:
+            kept.append(dense)
         return self.transform.decode(dense)
 
     def _check_results(self, results: Sequence[Sequence[DistroResult]]) -> None:

@@ -34,13 +34,27 @@ witness first compares each decoded result with what it knows of the run:
   cosine; at `duplicate_cosine` or above the later one is refused (a copy of another member's
   result, a replay of an older one).
 
+The recent aggregate of a DisTrO witness whose optimizer keeps what it applied (the
+per-parameter route: a CPU client; `Distro.applied`) is not folded from its own accepted results
+but is the coefficients of the last round the run applied (the consensus of round N - 2 when
+round N's reference is taken; `Reference.applied`): the scatter of every accepted result into a
+model-sized buffer is saved (the apply wrote those coefficients anyway), and every honest witness
+holds the same bits (the consensus set's payloads are content-addressed, the scatter-mean is
+exact). A hostile result enters it only where a quorum attested it and the run applied it. It
+has no history: one applied round is a weak direction alone (DisTrO's error feedback moves a
+member's next top-k away from what it just sent), so a witness with no update of its own in a
+round measures along its last own update beside it.
+
 A witness with no update of its own in a round (its training cut by the timeout, a verifier, a
 member that has just joined) judges each result against the round's others checked so far
 (`WitnessScreen._blind_problem`): once three others were checked, the norm against their
 median (before, against its last closed round's), the agreement along its recent aggregate
+(with applied coefficients, plus its last own update)
 against half their median agreement (from two others on; capped by its closed rounds'
 levels). Arrival order is the trainers' to choose, so its refusals never accuse
-(`Verdict.blind`).
+(`Verdict.blind`), and its votes follow the round judged as a whole once the witness is sent
+(`RoundScreen.judge`: leave-one-out medians over every result received by then; in its very
+first round, with no aggregate, each result's agreement along the sum of the round's others).
 
 Every sum is taken in slices below torch's threading grain and added in order
 (`_serial_sums`), so two witnesses with the same inputs get the same bits of every statistic
@@ -52,11 +66,15 @@ decides what a client applies: that is the coordinator's consensus over the witn
 the same for every client, so honest witnesses may disagree here without any client's weights
 diverging (docs/reliability.md, "Poisoned results"). The screening state lives in host memory:
 about two float32 copies of the model (the own update of the round being screened, the recent
-aggregate), three while rounds have `precombine_from` checks or more (the combined direction).
+aggregate: the folded one, or the optimizer's kept applied coefficients), three while rounds
+have `precombine_from` checks or more (the combined direction; not with applied coefficients,
+whose 2-D blocks are stored column-major: each check gathers twice).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
 import math
 import statistics
@@ -155,6 +173,10 @@ class Reference:
     nothing, `RoundScreen.set_reference` reads it onto the host as float32."""
 
     tensors: list[torch.Tensor]
+    applied: list[torch.Tensor] | None = None
+    """The coefficients the witness's optimizer last applied (`Distro.applied`: the run's
+    consensus of the last round it applied), which become the witness's recent aggregate
+    (`WitnessScreen`); None: the witness folds the results it accepted instead."""
 
 
 @dataclass(frozen=True)
@@ -167,6 +189,105 @@ class _Own:
     own_norm: float
     serial: int = 0
     """Which reference of its witness this is (the combined direction is of one)."""
+
+
+@dataclass(frozen=True)
+class _Applied:
+    """`Reference.applied` read for gathers: each parameter's coefficients as stored (flat
+    float32 host tensors, no copy where they are that already), for a parameter whose blocks
+    are stored column-major its block size and the table that moves a position within a block
+    to where its value is stored (`_block_moves`; None: stored in order), and their norm."""
+
+    source: list[torch.Tensor]
+    stored: list[torch.Tensor]
+    moves: list[tuple[int, torch.Tensor] | None]
+    norm: float
+    _masks: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)
+    """Per result shape (its parts' sizes), each entry's block size - 1 where its part is
+    stored column-major, else 0 (`_storage_positions`)."""
+
+    @classmethod
+    def read(cls, tensors: list[torch.Tensor], size: int) -> _Applied:
+        stored: list[torch.Tensor] = []
+        moves: list[tuple[int, torch.Tensor] | None] = []
+        for tensor in tensors:
+            t = tensor.detach().to(_CPU, torch.float32)
+            if not t.is_contiguous() and t.dim() >= 3 and t.transpose(-1, -2).is_contiguous():
+                n1, n2 = t.shape[-2], t.shape[-1]
+                stored.append(t.transpose(-1, -2).reshape(-1))
+                moves.append((n1 * n2, _block_moves(n1, n2)))
+            else:
+                stored.append(t.reshape(-1))
+                moves.append(None)
+        if sum(t.numel() for t in stored) != size:
+            raise ValueError(
+                f"applied coefficients of {sum(t.numel() for t in stored)} values, "
+                f"the domain has {size}"
+            )
+        return cls(tensors, stored, moves, sampled_norm(stored))
+
+    def same(self, tensors: list[torch.Tensor]) -> bool:
+        return len(tensors) == len(self.source) and all(
+            a is b for a, b in zip(tensors, self.source)
+        )
+
+    def at(self, flat: Flat) -> list[torch.Tensor]:
+        """The coefficients at a result's positions, one tensor per part (the gathers' values
+        are those of the logical positions, whatever the storage order)."""
+        where = self._storage_positions(flat)
+        if where is not None:
+            return [stored.index_select(0, w) for stored, w in zip(self.stored, where)]
+        out = []
+        for stored, move, (positions, _) in zip(self.stored, self.moves, flat.parts):
+            if positions is None:
+                out.append(stored.clone())
+            elif move is None:
+                out.append(stored.index_select(0, positions))
+            else:
+                block, table = move
+                # a position's place in its block: a mask where the block is a power of two
+                within = (
+                    positions.bitwise_and(block - 1)
+                    if block & (block - 1) == 0
+                    else positions.remainder(block)
+                )
+                moved = positions + table.index_select(0, within)
+                out.append(stored.index_select(0, moved))
+        return out
+
+    def _storage_positions(self, flat: Flat) -> list[torch.Tensor] | None:
+        """Where each part's entries are stored, in whole-result operations: where every
+        column-major part has the same power-of-two block shape (one `_block_moves` table,
+        which has 0 at 0, so a mask of 0 leaves an in-order part's positions as they are).
+        None otherwise (`at` goes part by part)."""
+        shapes = {(move[0], id(move[1])) for move in self.moves if move is not None}
+        if flat.local is None or len(shapes) != 1:
+            return None
+        ((block, _),) = shapes
+        if block & (block - 1):
+            return None
+        table = next(move[1] for move in self.moves if move is not None)
+        sizes = tuple(values.numel() for _, values in flat.parts)
+        mask = self._masks.get(sizes)
+        if mask is None:
+            mask = torch.cat(
+                [
+                    torch.full((n,), block - 1 if move else 0, dtype=flat.local.dtype)
+                    for n, move in zip(sizes, self.moves)
+                ]
+            )
+            self._masks.clear()
+            self._masks[sizes] = mask
+        where = flat.local + table.index_select(0, flat.local.bitwise_and(mask))
+        return list(where.split(sizes))
+
+
+@functools.cache
+def _block_moves(n1: int, n2: int) -> torch.Tensor:
+    """For each position `q = r * n2 + c` within an `n1 x n2` block stored column-major, how
+    far its value is stored from `q` (`c * n1 + r - q`)."""
+    q = torch.arange(n1 * n2, dtype=torch.int32)
+    return (q % n2) * n1 + q // n2 - q
 
 
 @dataclass(frozen=True)
@@ -201,10 +322,29 @@ class Verdict:
     baseline is the round's other results, whose arrival order a trainer controls, so a refusal
     here says nothing about the sender that should drop it (the client attests it as
     delivered and withholds only its vote)."""
+    index: int | None = None
+    """A blind verdict's place among its round's blind checks: `RoundScreen.judge` judges it
+    again over the whole round (the verdict the client's vote follows)."""
 
     @property
     def passed(self) -> bool:
         return self.problem is None
+
+
+@dataclass(eq=False)
+class _BlindCheck:
+    """One result a witness with no update of its own checked in a round, kept for the
+    round's judgement over all its results (`RoundScreen.judge`)."""
+
+    sender: Hashable
+    measure: Measure
+    measured: bool
+    """Its agreement was measured along the recent aggregate."""
+    history: tuple[float, ...]
+    """The sender's blind `t`s as the window test read them at its check."""
+    copy: str | None
+    """Why it is a copy of a result seen before it (None: it is not)."""
+    flat: Flat | None = None
 
 
 @dataclass(frozen=True)
@@ -218,6 +358,8 @@ class Flat:
     parts: list[tuple[torch.Tensor | None, torch.Tensor]]
     sketched: torch.Tensor | None = None
     """The entries the fingerprint reads (`ResultReader.describe`); None: every one."""
+    local: torch.Tensor | None = None
+    """The parts' positions in one tensor (`parts` are its pieces), where they were read so."""
 
 
 class ResultReader:
@@ -321,7 +463,7 @@ class ResultReader:
         parts: list[tuple[torch.Tensor | None, torch.Tensor]] = list(
             zip(idx.split(sizes), values.split(sizes))
         )
-        return Flat(positions, values, parts, self._sketched(shape))
+        return Flat(positions, values, parts, self._sketched(shape), idx)
 
     def _sketched(self, shape: tuple[tuple[int, int, int], ...]) -> torch.Tensor:
         """The entries of every `_SKETCH_EVERY`-th block of each part, for results of `shape`
@@ -382,7 +524,8 @@ class ResultReader:
         residual in the payloads' domain); raises `ValueError` when there is none."""
         if optimizer.encoded is None:
             raise ValueError("the optimizer kept no update (keep_encoded, or nothing yet)")
-        return Reference(list(optimizer.encoded))
+        applied = optimizer.applied if isinstance(optimizer, Distro) else None
+        return Reference(list(optimizer.encoded), list(applied) if applied is not None else None)
 
     def domain(self, reference: Reference) -> list[torch.Tensor]:
         """A reference as flat float32 CPU tensors, one per parameter (no copy where it is one
@@ -536,8 +679,13 @@ class WitnessScreen:
         self.settings = settings
         self._lock = threading.Lock()
         self._aggregate: torch.Tensor | None = None
+        self._applied: _Applied | None = None
+        """The coefficients the witness's optimizer last applied, once a reference brought
+        them (`Reference.applied`): the recent aggregate from then on, and no round is folded."""
         self._aggregate_scale = 1.0
         self._aggregate_norm = 0.0
+        self._last_own: _Own | None = None
+        """The last round's own update (`_blind_agreement`)."""
         self._norm_level = 0.0
         """The median norm of the results accepted in the last closed round that had any."""
         self._agreements: dict[Hashable, deque[float]] = {}
@@ -597,28 +745,27 @@ class WitnessScreen:
         factor included) and the sums run part by part, so `t` does not depend on the way."""
         weight = self.settings.aggregate_weight
         combined: torch.Tensor | None = None
-        at: torch.Tensor | None = None
+        parts: Sequence[torch.Tensor | None] = [None] * len(flat.parts)
         with self._lock:
-            aggregate = self._aggregate
-            if not weight or aggregate is None or self._aggregate_norm == 0.0:
-                aggregate = None
-            factor = (
-                0.0 if aggregate is None else weight * self._aggregate_scale / self._aggregate_norm
-            )
             if len(flat.parts) != len(own.tensors):
                 raise ValueError(
                     f"a result of {len(flat.parts)} parts, the model has {len(own.tensors)}"
                 )
-            sizes = [values.numel() for _, values in flat.parts]
-            if self._last_round_checks >= self.settings.precombine_from:
+            aggregate = self._aggregate
+            norm = self._aggregate_norm
+            factor = weight * self._aggregate_scale / norm if weight and norm else 0.0
+            if self._applied is None and self._last_round_checks >= self.settings.precombine_from:
+                if not factor or aggregate is None:
+                    aggregate, factor = None, 0.0
                 combined = _at(self._combined(own, aggregate, factor), flat.positions)
-            elif aggregate is not None:
-                at = _at(aggregate, flat.positions)  # the aggregate changes only under the lock
+            elif factor:
+                # the aggregate changes only under the lock
+                parts = self._aggregate_at(flat) or parts
         if combined is not None:
+            sizes = [values.numel() for _, values in flat.parts]
             return agreement(zip(combined.split(sizes), (v for _, v in flat.parts)))
         # part by part, each part's work in cache: the own update gathered, scaled, the
         # aggregate added, times the values, summed
-        parts = at.split(sizes) if at is not None else [None] * len(sizes)
         products = []
         for tensor, (positions, values), part in zip(own.tensors, flat.parts, parts):
             piece = tensor.clone() if positions is None else tensor.index_select(0, positions)
@@ -629,15 +776,44 @@ class WitnessScreen:
         return _sum_agreement(products)
 
     def _blind_agreement(self, flat: Flat) -> float | None:
-        """`t` of a result along the recent aggregate alone (a witness with no update of its
-        own this round); None when it has none yet."""
+        """`t` of a result along the recent aggregate (a witness with no update of its own
+        this round); None when it has none yet. With applied coefficients, along them and the
+        witness's last own update, as an own update's check (one round's consensus alone
+        passed a sign-flipped DisTrO result at `t` -2.96)."""
         with self._lock:
-            aggregate = self._aggregate
-            if aggregate is None or self._aggregate_norm == 0.0:
-                return None
-            at = _at(aggregate, flat.positions)  # the aggregate changes only under the lock
+            last = self._last_own if self._applied is not None else None
+        if last is not None:
+            return self._agreement(flat, last)
+        with self._lock:
+            at = self._aggregate_at(flat)  # the aggregate changes only under the lock
+        if at is None:
+            return None
+        return agreement(zip(at, (v for _, v in flat.parts)))
+
+    def _aggregate_at(self, flat: Flat) -> list[torch.Tensor] | None:
+        """The recent aggregate at a result's positions, one tensor per part (unscaled: its
+        scale and norm weigh it); None when there is none, or it is zero. Called under the
+        lock."""
+        if self._aggregate_norm == 0.0:
+            return None
+        if self._applied is not None:
+            return self._applied.at(flat)
+        if self._aggregate is None:
+            return None
         sizes = [values.numel() for _, values in flat.parts]
-        return agreement(zip(at.split(sizes), (v for _, v in flat.parts)))
+        return list(_at(self._aggregate, flat.positions).split(sizes))
+
+    def _adopt(self, applied: list[torch.Tensor]) -> None:
+        """The coefficients of the witness's last applied round become its recent aggregate
+        (kept, not copied); the aggregate it folded, if any, is let go."""
+        with self._lock:
+            if self._applied is not None and self._applied.same(applied):
+                return
+        read = _Applied.read(applied, self.reader.size)
+        with self._lock:
+            self._applied, self._aggregate = read, None
+            self._aggregate_scale, self._aggregate_norm = 1.0, read.norm
+            self._aggregate_version += 1
 
     def _combined(self, own: _Own, aggregate: torch.Tensor | None, factor: float) -> torch.Tensor:
         """The direction over the whole domain, `own * scale (+ aggregate * factor)`, built
@@ -684,22 +860,34 @@ class WitnessScreen:
             )
         else:
             problem = self._blind_problem(measure, screen, history, measured)
-        if problem is None:
-            for fingerprint in earlier:
-                cosine = measure.fingerprint.cosine(fingerprint)
-                if cosine >= settings.duplicate_cosine:
-                    problem = f"a copy of an earlier result (cosine {cosine:.3f})"
-                    break
+        copy = self._copy(measure, earlier) if problem is None or reference is None else None
+        problem = problem or copy
+        index = None
         if reference is not None:
             (screen.agreements if problem is None else screen.refused_agreements).append(
                 measure.agreement
             )
+        else:
+            index = len(screen.blind)
+            screen.blind.append(_BlindCheck(sender, measure, measured, tuple(history), copy))
         screen.seen.append(measure.fingerprint)
         if problem is None:
             screen.accepted_norms.append(measure.norm)
         return Verdict(
-            measure, problem, checked=reference is not None or measured, blind=reference is None
+            measure,
+            problem,
+            checked=reference is not None or measured,
+            blind=reference is None,
+            index=index,
         )
+
+    def _copy(self, measure: Measure, earlier: Sequence[Fingerprint]) -> str | None:
+        """Why a result is a copy of an earlier one (None: it is not)."""
+        for fingerprint in earlier:
+            cosine = measure.fingerprint.cosine(fingerprint)
+            if cosine >= self.settings.duplicate_cosine:
+                return f"a copy of an earlier result (cosine {cosine:.3f})"
+        return None
 
     def _blind_problem(
         self, measure: Measure, screen: RoundScreen, history: deque[float], measured: bool
@@ -727,8 +915,8 @@ class WitnessScreen:
         quorum), capped by this witness's closed rounds' levels where it has any, so early
         results cannot raise it above them; a witness without any may still refuse the second
         honest result after a hostile first one (without accusing), none from the third on. What arrives
-        first can still pass here: the witnesses with an update of their own judge it, and
-        `Verdict.blind` keeps a refusal here from accusing. The round's blind agreements are
+        first can still pass here: the vote follows `RoundScreen.judge`, which judges it again
+        against every later result, and `Verdict.blind` keeps a refusal here from accusing. The round's blind agreements are
         on another scale than the own update's, so they set no level for later rounds and
         their window is their own (`_blind_agreements`). Called under the lock."""
         others_t, others_norm = screen.blind_agreements, screen.blind_norms
@@ -785,12 +973,73 @@ class WitnessScreen:
                 )
         return None
 
+    def _judge(self, screen: RoundScreen) -> list[Verdict]:
+        """`RoundScreen.judge`: every blind check of the round judged against all the round's
+        other results (leave-one-out medians), whatever order they came in."""
+        with self._lock:
+            # in one order whatever the arrival order (the round's sum adds in this order)
+            order = sorted(
+                range(len(screen.blind)),
+                key=lambda k: (repr(screen.blind[k].sender), screen.blind[k].measure.norm),
+            )
+            checks = [screen.blind[k] for k in order]
+        flats = [c.flat for c in checks]
+        ts = [c.measure.agreement for c in checks]
+        measured = [c.measured for c in checks]
+        along_round = False
+        if len(checks) >= 2 and not all(measured):
+            whole = [f for f in flats if f is not None]
+            if len(whole) == len(flats):
+                # no aggregate (the witness's first round): along the round's other results
+                ts, measured, along_round = self._round_agreements(whole), [True] * len(ts), True
+        with self._lock:
+            verdicts: dict[int, Verdict] = {}
+            passed: list[_BlindCheck] = []
+            for i, check in enumerate(checks):
+                others = [k for k in range(len(checks)) if k != i]
+                norms = [checks[k].measure.norm for k in others]
+                basis = (
+                    statistics.median(norms) if len(norms) >= _BLIND_OTHERS else self._norm_level
+                )
+                others_t = [ts[k] for k in others if measured[k]]
+                levels: list[float] = []
+                if measured[i] and len(others_t) >= 2:
+                    closed = [] if along_round else list(self._levels)
+                    levels = [statistics.median(others_t) / 2, *closed]
+                history = check.history if measured[i] and not along_round else ()
+                measure = dataclasses.replace(check.measure, agreement=ts[i])
+                problem = self._first_order_problem(measure, basis, history, levels) or check.copy
+                index = order[i]
+                verdicts[index] = Verdict(measure, problem, measured[i], blind=True, index=index)
+                if problem is None:
+                    passed.append(check)
+            if screen.reference is None:
+                # the round folds (`_close`) what passed here, not what passed at its check
+                screen.accepted = [c.flat for c in passed if c.flat is not None]
+                screen.accepted_norms = [c.measure.norm for c in passed]
+            screen.judged = True
+        return [verdicts[i] for i in range(len(checks))]
+
+    def _round_agreements(self, flats: Sequence[Flat]) -> list[float]:
+        """Each result's `t` along the sum of the round's other results (one model-sized sum,
+        each result's own values taken out again at its positions): a direction with no
+        history, for a witness that has neither an update of its own nor an aggregate."""
+        total = torch.zeros(self.reader.size)
+        for flat in flats:
+            self.reader.add_into(total, flat)
+        out = []
+        for flat in flats:
+            sizes = [values.numel() for _, values in flat.parts]
+            others = _at(total, flat.positions).sub_(flat.values)
+            out.append(agreement(zip(others.split(sizes), (v for _, v in flat.parts))))
+        return out
+
     def _close(self, screen: RoundScreen) -> None:
         """Fold a round in: its accepted results into the decayed aggregate (kept as
-        `scale * A`, so a round costs its results' values and one norm), its level, its
-        fingerprints."""
+        `scale * A`, so a round costs its results' values and one norm; not once applied
+        coefficients are the aggregate), its level, its fingerprints."""
         with self._lock:
-            if screen.accepted:
+            if screen.accepted and self._applied is None:
                 if self._aggregate is None:
                     self._aggregate, self._aggregate_scale = torch.zeros(self.reader.size), 1.0
                 aggregate = self._aggregate
@@ -836,6 +1085,10 @@ class RoundScreen:
         self.agreements: list[float] = []
         """The `t` of each result that passed (and, below, of each refused one)."""
         self.refused_agreements: list[float] = []
+        self.blind: list[_BlindCheck] = []
+        """Without a reference: every result checked, in the order they came (`judge`)."""
+        self.judged = False
+        """`judge` ran: what the round folds is what passed there."""
         self.blind_agreements: list[float] = []
         self.blind_norms: list[float] = []
         """Without a reference: the `t` (against the aggregate) and norm of every result
@@ -852,6 +1105,8 @@ class RoundScreen:
         """This witness's own update and sent result of the round (a second own result of the
         round only joins the fingerprints and the accepted results)."""
         w = self.witness
+        if reference.applied is not None:
+            w._adopt(reference.applied)
         flat = w.reader.flat(own_sent)
         norm, fingerprint = w.reader.describe(flat, w.settings.sketch_size)
         mine = None
@@ -862,6 +1117,7 @@ class RoundScreen:
         with w._lock:
             if self.reference is None:
                 self.reference = mine
+                w._last_own = mine
             self.seen.insert(0, fingerprint)
             self.accepted.append(flat)
             self.accepted_norms.append(norm)
@@ -881,9 +1137,23 @@ class RoundScreen:
             if own is not None:
                 self.checks += 1
             verdict = w._decide(sender, measure, self, measured is not None)
-            if verdict.passed:
+            if verdict.index is not None:
+                self.blind[verdict.index].flat = flat
+            if verdict.passed and not self.judged:
                 self.accepted.append(flat)
         return verdict
+
+    def judge(self) -> list[Verdict]:
+        """The round's blind checks (no update of this witness's own: `Verdict.index`) judged
+        again over every result checked so far, each against all the others (leave-one-out
+        medians of their norms and agreements, the closed rounds' levels as caps), so the
+        order the results came in no longer matters: a hostile result that came first and
+        passed against nothing is refused once honest ones follow, and an honest one a hostile
+        first result made fail passes. A witness with neither an update of its own nor an
+        aggregate yet (its very first round) measures each result's agreement along the sum of
+        the round's others. One verdict per blind check, by index; the client votes by these
+        when it sends its witness (`psyche.client.round.payloads.settle_blind_votes`)."""
+        return self.witness._judge(self)
 
     def close(self) -> None:
         """Fold the round into the witness's memory (once)."""

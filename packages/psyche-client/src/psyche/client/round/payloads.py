@@ -366,15 +366,52 @@ async def check_payload(
         )
     passed = verdict is None or verdict.passed
     blind = verdict is not None and verdict.blind
+    # a check without an own update holds its vote back until the witness is sent
+    index = verdict.index if verdict is not None and round_state.screen is not None else None
+    held = index is not None
+    outstanding = round_state.batch_ids_not_yet_trained_on
+    if index is not None and outstanding is not None and pending.batch_id in outstanding:
+        round_state.blind_votes.setdefault(pending.batch_id, (index, commitment_hash))
     record_verified_payload(
         round_state,
         pending.from_,
         pending.batch_id,
         commitment_hash,
         attest=passed or not accuse or blind,
-        vote=passed,
+        vote=passed and not held,
     )
     handle.set_result(value)
+
+
+def settle_blind_votes(round_state: RoundState) -> None:
+    """Cast the votes held back by checks without an own update of this round (`check_payload`),
+    once, as this client sends its witness: each judged again over every result of the round
+    checked so far (`RoundScreen.judge`), so a hostile result that came first is refused once
+    honest ones followed, and an honest one it made fail is voted for. Arrival order no longer
+    decides this witness's vote; what is applied stays the consensus over every witness's
+    blooms, the same for every honest client."""
+    votes, round_state.blind_votes = round_state.blind_votes, {}
+    screen = round_state.screen
+    if not votes or screen is None or round_state.blooms is None:
+        return
+    verdicts = screen.judge()
+    _, broadcast_bloom = round_state.blooms
+    for batch_id, (index, commitment_hash) in votes.items():
+        if index >= len(verdicts):
+            continue  # not judged (cannot happen: a vote is held only after its check)
+        verdict = verdicts[index]
+        if verdict.passed:
+            broadcast_bloom.add(commitment_hash)
+        log_event(
+            logger,
+            "payload_judged",
+            quiet=verdict.passed,
+            step=round_state.step,
+            batch_id=batch_id,
+            passed=verdict.passed,
+            reason=verdict.problem,
+            agreement=round(verdict.measure.agreement, 3),
+        )
 
 
 def refuse_payload(round_state: RoundState, blob_hash: bytes, reason: str) -> bool:

@@ -132,6 +132,10 @@ class RoundState:
     reference_ready: trio.Event = field(default_factory=trio.Event, compare=False, repr=False)
     reference_pending: bool = False
     """Its own update is being read into the screen (`reference_ready` is set once it is)."""
+    blind_votes: dict[BatchId, tuple[int, bytes]] = field(default_factory=dict)
+    """Votes held back by checks without an own update (batch -> the check's
+    `Verdict.index`, the commitment), cast when the witness is sent
+    (`payloads.settle_blind_votes`)."""
 
     results_announced: trio.Event = field(default_factory=trio.Event, compare=False, repr=False)
     """Set, and replaced by a fresh one, whenever a result joins `results`: a task waiting for a

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from psyche.client.round import payloads
 from psyche.client.round.broadcast import Broadcast, BroadcastType, Finished
 from psyche.client.round.state import PayloadHandle, RoundState
 from psyche.coordinator import Client, Coordinator, Witness
@@ -40,6 +41,7 @@ def witness_to_send(previous: RoundState, current: RoundState) -> Witness | None
     info = current.committee_info
     if info is None or not info.witness_proof.witness:
         return None
+    payloads.settle_blind_votes(previous)  # votes held back until the whole round is known
     if previous.blooms is not None:
         participant_bloom, broadcast_bloom = (b.copy() for b in previous.blooms)
     else:
