@@ -11,28 +11,27 @@ import pytest
 from .upstream_data import UpstreamData
 
 E2E_SECONDS = {
-    # CI run of b625d71 with two CPU-bound processes beside it (2026-11-27): setup + call +
-    # teardown of each file's tests, `--durations`; the two marked were shortened after it
-    # (their figure: the one measured there less the epoch seconds cut, at that run's speed)
-    "tests/e2e/test_hostile_members.py": 209,
-    "tests/e2e/test_nat.py": 167,
-    "tests/e2e/test_training.py": 119,
-    "tests/e2e/test_hostile_strangers.py": 100,  # shortened: epoch 40 s, not 75
-    "tests/e2e/test_server_restart.py": 88,  # shortened: epoch 30 s, not 40
-    "tests/chaos/test_chaos_short.py": 85,
-    "tests/chaos/test_chaos_attacks.py": 83,
-    "tests/solana/test_train_e2e.py": 77,
-    "tests/e2e/test_parallel_clients.py": 77,
-    "tests/e2e/test_poisoned_members.py": 70,
-    "tests/e2e/test_gpu_script.py": 61,
-    "tests/e2e/test_run_finishes.py": 51,
-    "tests/e2e/test_verifiers.py": 27,
-    "tests/solana/test_verifiers_e2e.py": 24,
-    "tests/e2e/test_local_testnet.py": 21,
+    # CI run 22 of 6613051 with two CPU-bound processes beside it (2026-11-28): setup + call +
+    # teardown of each file's tests, `--durations`
+    "tests/e2e/test_hostile_members.py": 170,
+    "tests/e2e/test_nat.py": 130,
+    "tests/e2e/test_training.py": 93,
+    "tests/e2e/test_server_restart.py": 84,
+    "tests/chaos/test_chaos_attacks.py": 81,
+    "tests/e2e/test_parallel_clients.py": 73,
+    "tests/chaos/test_chaos_short.py": 73,
+    "tests/e2e/test_poisoned_members.py": 67,
+    "tests/solana/test_train_e2e.py": 66,
+    "tests/e2e/test_hostile_strangers.py": 60,
+    "tests/e2e/test_gpu_script.py": 46,
+    "tests/solana/test_verifiers_e2e.py": 45,
+    "tests/e2e/test_run_finishes.py": 36,
+    "tests/e2e/test_verifiers.py": 34,
+    "tests/e2e/test_local_testnet.py": 18,
     "tests/chaos/test_hostile_peer.py": 0,  # `just chaos` only: skipped here
 }
-"""How long each end-to-end file took (`--durations=0`, both e2e workers of one run on a loaded
-two-core machine): only their order matters. scripts/test.sh hands whole files to its two e2e
+"""How long each end-to-end file took (`--durations=0`, the e2e workers of one run on a loaded
+two-core machine): only their order matters. scripts/test.sh hands whole files to its e2e
 workers in collection order (`--dist loadfile --no-loadscope-reorder`), so the longest go first
 and the short ones fill in at the end; in xdist's own order (most tests first) a 6-minute file
 could start last and run alone. A file not listed counts as a middling one."""

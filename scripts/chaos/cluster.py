@@ -37,6 +37,9 @@ TINY = REPO / "configs" / "tiny-cpu"
 CHAOS_DIR = Path(__file__).resolve().parent
 LAUNCH = CHAOS_DIR / "launch.py"
 RUN_ID = "tiny-cpu"
+SERVER_CONNECT_TIMEOUT = 120.0
+"""How long a client keeps trying to reach the coordinator at its start: beyond the 60 s the
+harness gives the server to serve once every client was refused (`Cluster.start_run`)."""
 
 # Fast rounds for the tiny model: a round is ~2 s of protocol waits; epochs of ~8 rounds.
 FAST_CONFIG: dict[str, int] = {
@@ -361,6 +364,9 @@ class Cluster:
             "--logs", "json", "--device", "cpu", "--bind-p2p-interface", "lo",
             "--bind-p2p-port", str(p2p),
             "--server-reconnect-timeout", str(self.spec.reconnect_timeout),
+            # the server starts once every client was refused (`start_run`): on a crowded
+            # machine its own start outlasted the clients' default 30 s (load 17)
+            "--server-connect-timeout", str(SERVER_CONNECT_TIMEOUT),
         ]  # fmt: skip
         if number == self.spec.checkpoint_client:
             argv += ["--checkpoint-dir", str(self.checkpoints)]

@@ -766,10 +766,12 @@ def attack_scenario(
     junk_mib: int = 512,
     max_logins: int = 20_000,
     member_joins_late: bool = False,
+    barrage_margin: float = 8,
 ) -> Scenario:
     """Issue 24's items 1, 2 and 4 together against a live run of three honest clients and a
     hostile member: strangers' 8 MiB `HealthCheck` frames at the coordinator for the whole
-    window (but its last 8 s), a silent flood of a client's libp2p port at each of `flood_at`
+    window but its last `barrage_margin` s (the strangers' process reports before the window
+    closes), a silent flood of a client's libp2p port at each of `flood_at`
     (seconds into the window; the first followed by another client's restart), and the
     member's junk results whenever it trains. `config` must give a joiner a warmup well beyond
     the 10 s it loses asking the hostile member for a part of the model (`warmup_time` just
@@ -790,13 +792,14 @@ def attack_scenario(
 
     return Scenario(
         name,
-        f"issue 24 items 1, 2, 4: strangers' 8 MiB HealthChecks for {duration - 8:g} s, 2000 "
+        f"issue 24 items 1, 2, 4: strangers' 8 MiB HealthChecks for "
+        f"{duration - barrage_margin:g} s, 2000 "
         f"silent connections at a client's libp2p port at {floods} s (after the first another "
         f"client restarted), a member's {junk_mib} MiB junk results",
         duration,
         together(
             *([join_late] if member_joins_late else []),
-            health_check_flood(duration - 8, max_logins=max_logins),
+            health_check_flood(duration - barrage_margin, max_logins=max_logins),
             *(at(t, silent_flood(rejoin=i == 0)) for i, t in enumerate(flood_at)),
         ),
         RunSpec(num_clients=3, config=config),

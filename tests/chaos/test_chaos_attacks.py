@@ -1,9 +1,13 @@
 """Issue 24's items 1, 2 and 4 against a live run, in CI (100 to 120 s): three real clients
-and a hostile member train the tiny model while, within 25 seconds,
+and a hostile member train the tiny model while, within a window of 25 seconds (stretched to the
+machine's measured speed, tests/timing.py, as is the strangers' 8 s margin before its end: an
+attacker still running when the window closes is stopped without its figures, and the client
+restart after the flood never happens),
 
 * strangers log in to the coordinator with fresh keys and send 8 MiB `HealthCheck` frames back
-  to back for 17 s, 20,000 logins at most (item 2: one such stranger froze the coordinator's
-  only thread for a second per frame, ten took its RSS from 157 to 892 MB),
+  to back for the window but its last 8 s, 20,000 logins at most (item 2: one such stranger
+  froze the coordinator's only thread for a second per frame, ten took its RSS from 157 to
+  892 MB),
 * 2,000 TCP connections that never send a byte reach one client's libp2p port (item 1: every
   evicted pending upgrade leaked a connection slot, and the host refused everyone for good),
   after which another client is killed and its replacement joins, dialing the flooded one,
@@ -28,6 +32,8 @@ from typing import Any
 
 import pytest
 
+from ..timing import scaled
+
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 HONEST = ("client-1", "client-2", "client-3")
@@ -48,7 +54,9 @@ model, and the attacks slow its loading (`attack_scenario`)."""
 def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     from scenarios import attack_scenario, run_captured
 
-    scenario = attack_scenario("attacks-short", 25, [3], config=CONFIG, junk_mib=64)
+    scenario = attack_scenario(
+        "attacks-short", scaled(25), [3], config=CONFIG, junk_mib=64, barrage_margin=scaled(8)
+    )
     return run_captured(scenario, tmp_path_factory.mktemp("attacks"))
 
 

@@ -24,6 +24,8 @@ from typing import Any
 
 import pytest
 
+from .offender import offenders_batches_refused
+
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 ADVERSARY = 66
@@ -123,16 +125,7 @@ def test_the_hostile_member_is_refused(run: dict[str, Any]) -> None:
     nodes = run["nodes"]
     attacks = {e["mode"] for e in of(nodes["adversary"][0], "attack")}
     assert {"raw-frames", "hash-mismatch", "unassigned", "forged"} <= attacks, attacks
-    events = nodes["client-1"][0]
-    applied = {e["step"]: set(e["batches"]) for e in of(events, "applied_results")}
-    offered = 0
-    for e in of(events, "round_start"):
-        for assignment in e["assignments"]:
-            batch, _, owner = assignment.rpartition("=")
-            if owner == offender and e["step"] + 2 in applied:
-                offered += 1
-                assert batch not in applied[e["step"] + 2], (e["step"], batch)
-    assert offered >= 1
+    assert offenders_batches_refused(nodes["client-1"][0], offender) >= 1
     honest = "\n".join(text for name, (_, text) in nodes.items() if name.startswith("client-"))
     assert "payload hash does not match the commitment" in honest
     assert "Invalid signature on commitment" in honest

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from ..local_testnet.test_testnet import kill_tmux_server
 from ..timing import Deadline
 
 pytestmark = pytest.mark.slow
@@ -26,18 +27,6 @@ REPO = Path(__file__).resolve().parents[2]
 
 def start_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "psyche.cli.local_testnet", "start", *args]
-
-
-def kill_tmux_server(socket_name: str) -> None:
-    """End the test's tmux server and remove its socket file (tmux leaves it behind)."""
-    found = subprocess.run(
-        ["tmux", "-L", socket_name, "display-message", "-p", "#{socket_path}"],
-        capture_output=True,
-        text=True,
-    )
-    subprocess.run(["tmux", "-L", socket_name, "kill-server"], capture_output=True)
-    if found.returncode == 0 and found.stdout.strip():
-        Path(found.stdout.strip()).unlink(missing_ok=True)
 
 
 def test_headless_testnet_trains_and_stops_on_sigint(
