@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 import trio
 
-from psyche.centralized.client import BackendDisconnected, CentralizedBackend
+from psyche.centralized.client import BackendDisconnected, CentralizedBackend, ExtensionsMismatch
 from psyche.centralized.protocol import (
+    EXTENSIONS_VERSION,
     ClientToServerMessage,
     ExtensionHello,
     ServerToClientMessage,
@@ -34,6 +35,7 @@ from psyche.coordinator.run_config import load_state_toml
 from psyche.coordinator.testing import quick_coordinator, warmup_witness_for
 from psyche.core.batch_id import BatchId
 from psyche.core.identity import SecretKey
+from psyche.core.serde import to_bytes
 from psyche.data_provider import DataProviderError, DataProviderTcpClient
 from psyche.network.discovery import sign_address_record
 from psyche.network.ticket import EndpointAddr, TransportAddr
@@ -560,5 +562,55 @@ def test_backend_reconnects_to_a_restarted_server(tmp_path: Path) -> None:
                 assert backend.relays
                 assert backend.relays != relays_before
             nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_a_hello_of_another_extensions_version_is_refused_in_one_line() -> None:
+    """A client of another port version would not decode this server's `RunExtras` (nor this
+    server its): it is told so and closed, not sent what it cannot read."""
+
+    async def main() -> None:
+        async with (
+            open_server(quick_coordinator(init_min_clients=3), fast_options()) as server,
+            await ProtocolClient.connect(addr(server)) as old,
+        ):
+            await old.send(ClientToServerMessage.ExtensionHello(ExtensionHello(version=1)))
+            with trio.fail_after(10), pytest.raises(LoginRefused) as refused:
+                await receive_forever(old)
+            assert refused.value.permanent
+            assert refused.value.reason.startswith(
+                f"this server speaks version {EXTENSIONS_VERSION} of the port's extensions and "
+                "the client version 1"
+            )
+            assert not any(isinstance(m, ServerToClientMessage.RunExtras) for m in old.received)
+
+    trio.run(main)
+
+
+def test_run_extras_of_another_version_end_the_client_in_one_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A server of the previous port version sends `RunExtras` without its last field: the
+    client says it cannot read it, once, instead of retrying a connection that cannot work."""
+
+    async def main() -> None:
+        async with open_server(quick_coordinator(init_min_clients=3), fast_options()) as server:
+            send = server._send
+
+            def as_version_1(client: bytes, message: ServerToClientMessage) -> None:
+                if isinstance(message, ServerToClientMessage.RunExtras) and server.tcp:
+                    body = to_bytes(message, ServerToClientMessage)[:-1]  # no verifiers_train
+                    server.tcp.send_encoded(client, encode_else(body))
+                else:
+                    send(client, message)
+
+            monkeypatch.setattr(server, "_send", as_version_1)
+            with trio.fail_after(30), pytest.raises(ExtensionsMismatch) as ended:
+                async with CentralizedBackend.connect(
+                    addr(server), SecretKey.generate(), "test-run"
+                ):
+                    pass
+            assert "it runs another version of psyche" in str(ended.value)
 
     trio.run(main)

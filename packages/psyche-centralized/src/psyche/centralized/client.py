@@ -91,6 +91,11 @@ class BackendDisconnected(ConnectionError, UserError):
     (start the server, or point at the right address), so a command reports it in one line."""
 
 
+class ExtensionsMismatch(UserError):
+    """The server speaks another version of the port's extensions (its `RunExtras` does not
+    decode here): retrying cannot help, so a command reports it in one line."""
+
+
 def describe_connect_error(error: BaseException) -> str:
     """Why a connection attempt failed, in a few words: the OS's reason (`connection refused`,
     `no route to host`), a name that does not resolve, or what the peer did."""
@@ -397,7 +402,14 @@ class CentralizedBackend:
         await conn.send(ClientToServerMessage.ExtensionHello(ExtensionHello()))
         with trio.fail_after(EXTENSION_REPLY_TIMEOUT):
             while True:
-                message = await conn.receive()
+                try:
+                    message = await conn.receive()
+                except ValueError as e:  # a decoding error: the answer to the hello
+                    raise ExtensionsMismatch(
+                        f"the server at {self.server_addr} answered the extension hello with a "
+                        f"message this client cannot read ({e}): it runs another version of "
+                        "psyche; run the same version on the server and its clients"
+                    ) from e
                 self._handle(message)
                 if isinstance(message, ServerToClientMessage.RunExtras):
                     self._extensions = True

@@ -58,6 +58,7 @@ from psyche.centralized.endpoints import EndpointRelay
 from psyche.centralized.protocol import (
     CLIENT_FRAME_LIMIT,
     CLIENT_TO_SERVER_CODEC,
+    EXTENSIONS_VERSION,
     MEMBER_VARIANTS,
     SERVER_TO_CLIENT_CODEC,
     ClientToServerMessage,
@@ -395,6 +396,16 @@ class CentralizedServer:
                 if client in self._greeted:
                     return  # answered once per connection: a repeated hello gets nothing
                 self._greeted.add(client)
+                if hello.version != EXTENSIONS_VERSION and self.tcp is not None:
+                    # its RunExtras would not decode there (nor ours here): say so, and close
+                    self.tcp.refuse(
+                        client,
+                        f"this server speaks version {EXTENSIONS_VERSION} of the port's "
+                        f"extensions and the client version {hello.version}: run the same "
+                        "psyche version on the server and its clients",
+                        permanent=True,
+                    )
+                    return
                 log.debug("client %s speaks extensions (version %d)", sender, hello.version)
                 self.relay.mark_aware(client)
                 if self.p2p_relay is not None:
