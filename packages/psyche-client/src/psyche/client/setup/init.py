@@ -54,6 +54,8 @@ from psyche.core.node_identity import NodeIdentity
 if TYPE_CHECKING:
     import torch
 
+    from psyche.modeling.causal_lm import CausalLM
+    from psyche.modeling.parallel import ParallelDims
     from psyche.modeling.trainer import Trainer
     from psyche.network import DownloadedModel
 
@@ -69,6 +71,41 @@ class InitUnavailable(InitRunError):
     """Something the init needs is out of reach now (the run's data locations, the peers that
     serve the model): the client leaves the epoch and joins again, as a client the run went on
     without, instead of ending."""
+
+
+class TrainerSettings(Protocol):
+    """How a trainer trains besides its model and optimizer (`RunInitConfig` carries them,
+    and `workers.RankSpec` for each rank)."""
+
+    @property
+    def micro_batch_size(self) -> int: ...
+
+    @property
+    def grad_accum_in_fp32(self) -> bool: ...
+
+    @property
+    def optim_stats_every_n_steps(self) -> int | None: ...
+
+
+def new_trainer(
+    cls: type[Trainer],
+    model: CausalLM,
+    lr_schedule: Any,
+    optimizer: Any,
+    settings: TrainerSettings,
+    parallel: ParallelDims | None = None,
+) -> Trainer:
+    """A `cls` trainer of `model` with `settings`: how a one-rank client and each rank of a
+    `workers.WorkerGroup` build theirs."""
+    return cls(
+        model,
+        lr_schedule,
+        optimizer,
+        settings.micro_batch_size,
+        optim_stats_every_n_steps=settings.optim_stats_every_n_steps,
+        grad_accum_in_fp32=settings.grad_accum_in_fp32,
+        parallel=parallel,
+    )
 
 
 class TrainerBuilder(Protocol):
@@ -193,14 +230,7 @@ async def init_run(
             if config.workers is not None:
                 return config.workers.build_trainer(loaded, llm, config)
 
-            return Trainer(
-                loaded.model,
-                llm.lr_schedule,
-                llm.optimizer,
-                config.micro_batch_size,
-                optim_stats_every_n_steps=config.optim_stats_every_n_steps,
-                grad_accum_in_fp32=config.grad_accum_in_fp32,
-            )
+            return new_trainer(Trainer, loaded.model, llm.lr_schedule, llm.optimizer, config)
 
         trainer = await trio.to_thread.run_sync(make_trainer)
         shared = None

@@ -19,10 +19,10 @@ With `--main-host` the ranks meet on a TCP store the leader serves instead, and 
 hosts join it from a `psyche-client sidecar` each (`hosts`, `sidecar`); the leader notices
 their deaths through the store's heartbeats as it notices its children's.
 
-The group takes its settings as a `ranks.RankLayout` and builds trainers with a
-`TrainerSettings`. It imports nothing heavy at import time (`run_client` builds the group before
-the client reaches its coordinator, while torch loads in a worker thread): torch, the modeling
-package and `init`'s error are imported where a rank uses them.
+The group takes its settings as a `ranks.RankLayout` and builds trainers with an
+`init.TrainerSettings`. It imports nothing heavy at import time (`run_client` builds the group
+before the client reaches its coordinator, while torch loads in a worker thread): torch, the
+modeling package and `init`'s error and trainer builder are imported where a rank uses them.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from psyche.client.background import in_abandoned_thread
 from psyche.client.setup.cpu_threads import set_cpu_threads
@@ -56,6 +56,7 @@ if TYPE_CHECKING:
 
     import torch
 
+    from psyche.client.setup.init import TrainerSettings
     from psyche.client.setup.model_loading import LoadedModel
     from psyche.modeling.parallel import ParallelDims
     from psyche.modeling.trainer import Trainer
@@ -65,19 +66,6 @@ log = logging.getLogger(__name__)
 BUILD = "build"
 CLOSE_TIMEOUT = 20.0
 PARENT_POLL_SECS = 0.5
-
-
-class TrainerSettings(Protocol):
-    """How each rank's trainer trains (`init.RunInitConfig` carries them)."""
-
-    @property
-    def micro_batch_size(self) -> int: ...
-
-    @property
-    def grad_accum_in_fp32(self) -> bool: ...
-
-    @property
-    def optim_stats_every_n_steps(self) -> int | None: ...
 
 
 class WorkerDied(RuntimeError):
@@ -347,7 +335,7 @@ def _build_rank(
 ) -> Trainer:
     """This rank's trainer: the model from `state` (or `loaded`, with one rank), laid out as
     `dims` says. Errors about the layout and the model become `InitRunError`s (one line)."""
-    from psyche.client.setup.init import InitRunError
+    from psyche.client.setup.init import InitRunError, new_trainer
     from psyche.client.setup.model_loading import build_from_parameters
     from psyche.modeling.causal_lm import ModelLoadError
     from psyche.modeling.parallel import ParallelismError
@@ -361,15 +349,7 @@ def _build_rank(
             )
         model = parallelize(loaded.model, dims, layout.sharding())
         model.set_fused_loss(layout.fused_loss)
-        return cls(
-            model,
-            spec.lr_schedule,
-            spec.optimizer,
-            spec.micro_batch_size,
-            optim_stats_every_n_steps=spec.optim_stats_every_n_steps,
-            grad_accum_in_fp32=spec.grad_accum_in_fp32,
-            parallel=dims,
-        )
+        return new_trainer(cls, model, spec.lr_schedule, spec.optimizer, spec, dims)
     except (ParallelismError, ModelLoadError) as e:
         raise InitRunError(str(e)) from e
 
@@ -446,4 +426,4 @@ def _worker_main(
     close_world()
 
 
-__all__ = ["TrainerSettings", "WorkerDied", "WorkerGroup"]
+__all__ = ["WorkerDied", "WorkerGroup"]
