@@ -13,9 +13,10 @@ not build are accepted as flags but refused with a clear message when given a no
 (`TrainOptions.problems`).
 
 Components never take the options: each owns a plain settings object, and `TrainOptions`
-composes them from its fields (`ranks`: `ranks.RankLayout`, `evals`: `observe.evals.EvalOptions`,
+composes them from its fields (`ranks`: `ranks.RankLayout`, `trainer`:
+`trainer_settings.TrainerSettings`, `evals`: `observe.evals.EvalOptions`,
 `keep_policy`: `checkpoints.keep_policy.KeepPolicy`, `trackers`: `psyche.metrics.TrackerConfig`),
-each checked by its own `problems()`. This module and those settings import nothing heavy, so
+each checking itself where it can be wrong (`problems()`). This module and those settings import nothing heavy, so
 `--help` stays fast.
 """
 
@@ -36,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 from psyche.client.checkpoints.keep_policy import KeepPolicy, KeepPolicyError, parse_keep_every
 from psyche.client.observe.evals import EvalOptions
 from psyche.client.setup.ranks import DEFAULT_PORT, FUSED_LOSS_CHOICES, RankLayout
+from psyche.client.setup.trainer_settings import TrainerSettings
 from psyche.core.cli import (
     CLI_FIELD,
     EnvFlag,
@@ -379,6 +381,15 @@ class TrainOptions:
             port=DEFAULT_PORT if self.sidecar_port is None else self.sidecar_port,
             local_ranks=self.num_local_ranks,
             eval_replica=self.evals.enabled,
+        )
+
+    @property
+    def trainer(self) -> TrainerSettings:
+        """How the trainer trains (`init.RunInitConfig`, each rank's `workers.RankSpec`)."""
+        return TrainerSettings(
+            micro_batch_size=self.micro_batch_size,
+            grad_accum_in_fp32=bool(self.grad_accum_in_fp32),
+            optim_stats_every_n_steps=self.optim_stats_steps,
         )
 
     @property

@@ -19,10 +19,10 @@ With `--main-host` the ranks meet on a TCP store the leader serves instead, and 
 hosts join it from a `psyche-client sidecar` each (`hosts`, `sidecar`); the leader notices
 their deaths through the store's heartbeats as it notices its children's.
 
-The group takes its settings as a `ranks.RankLayout` and builds trainers with an
-`init.TrainerSettings`. It imports nothing heavy at import time (`run_client` builds the group
+The group takes its settings as a `ranks.RankLayout` and builds trainers with a
+`trainer_settings.TrainerSettings`. It imports nothing heavy at import time (`run_client` builds the group
 before the client reaches its coordinator, while torch loads in a worker thread): torch, the
-modeling package and `init`'s error and trainer builder are imported where a rank uses them.
+modeling package and `init`'s error are imported where a rank uses them.
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ if TYPE_CHECKING:
 
     import torch
 
-    from psyche.client.setup.init import TrainerSettings
     from psyche.client.setup.model_loading import LoadedModel
+    from psyche.client.setup.trainer_settings import TrainerSettings
     from psyche.modeling.parallel import ParallelDims
     from psyche.modeling.trainer import Trainer
 
@@ -182,7 +182,7 @@ class WorkerGroup:
 
     # -- the trainer ---------------------------------------------------------------------------
 
-    def build_trainer(self, loaded: LoadedModel, llm: Any, config: TrainerSettings) -> Trainer:
+    def build_trainer(self, loaded: LoadedModel, llm: Any, settings: TrainerSettings) -> Trainer:
         """Rank 0's trainer over the whole group: the model's tensors go to every rank, each
         builds and lays out its part, and rank 0 gets a `LeaderTrainer`. `loaded.model`
         becomes the laid-out model, or, when rank 0 holds only part of it and evaluations are
@@ -200,9 +200,7 @@ class WorkerGroup:
             architecture=architecture_name(llm.architecture),
             lr_schedule=llm.lr_schedule,
             optimizer=llm.optimizer,
-            micro_batch_size=config.micro_batch_size,
-            grad_accum_in_fp32=config.grad_accum_in_fp32,
-            optim_stats_every_n_steps=config.optim_stats_every_n_steps,
+            trainer=settings,
         )
         if self.layout.world_size == 1:
             trainer = _build_rank(spec, None, loaded, self.dims, self.layout, Trainer)
@@ -320,9 +318,7 @@ class RankSpec:
     architecture: str
     lr_schedule: Any
     optimizer: Any
-    micro_batch_size: int
-    grad_accum_in_fp32: bool
-    optim_stats_every_n_steps: int | None
+    trainer: TrainerSettings
 
 
 def _build_rank(
@@ -335,7 +331,7 @@ def _build_rank(
 ) -> Trainer:
     """This rank's trainer: the model from `state` (or `loaded`, with one rank), laid out as
     `dims` says. Errors about the layout and the model become `InitRunError`s (one line)."""
-    from psyche.client.setup.init import InitRunError, new_trainer
+    from psyche.client.setup.init import InitRunError
     from psyche.client.setup.model_loading import build_from_parameters
     from psyche.modeling.causal_lm import ModelLoadError
     from psyche.modeling.parallel import ParallelismError
@@ -349,7 +345,7 @@ def _build_rank(
             )
         model = parallelize(loaded.model, dims, layout.sharding())
         model.set_fused_loss(layout.fused_loss)
-        return new_trainer(cls, model, spec.lr_schedule, spec.optimizer, spec, dims)
+        return spec.trainer.build(cls, model, spec.lr_schedule, spec.optimizer, dims)
     except (ParallelismError, ModelLoadError) as e:
         raise InitRunError(str(e)) from e
 
