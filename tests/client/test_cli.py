@@ -175,9 +175,9 @@ def test_a_one_rank_client_with_a_fused_loss_trains_a_model_that_uses_it(tmp_pat
 
     import torch
 
-    from psyche.client.setup.init import RunInitConfig
     from psyche.client.setup.model_loading import load_from_directory
     from psyche.client.setup.ranks import RankLayout
+    from psyche.client.setup.trainer_settings import TrainerSettings
     from psyche.client.setup.workers import WorkerGroup
     from psyche.core.definitions import ConstantLR, LearningRateSchedule
     from psyche.modeling.configs import llama_config_dict
@@ -193,10 +193,10 @@ def test_a_one_rank_client_with_a_fused_loss_trains_a_model_that_uses_it(tmp_pat
         lr_schedule=LearningRateSchedule.Constant(ConstantLR(1e-3, 0.0, 0)),
         optimizer=distro(),
     )
-    config = RunInitConfig(identity=None, secret_key=None, run_id="", micro_batch_size=2)  # type: ignore[arg-type]
+    settings = TrainerSettings(micro_batch_size=2)
     loaded = load_from_directory(tmp_path, "HfLlama", torch.device("cpu"))
     try:
-        trainer = group.build_trainer(loaded, llm, config)
+        trainer = group.build_trainer(loaded, llm, settings)
     finally:
         group.close(timeout=10)
     assert group.processes == []

@@ -42,9 +42,10 @@ import torch
 import trio
 
 from psyche.client.setup.hosts import HeartbeatSettings
-from psyche.client.setup.init import InitRunError, RunInitConfig
+from psyche.client.setup.init import InitRunError
 from psyche.client.setup.model_loading import load_from_directory
 from psyche.client.setup.ranks import RankLayout
+from psyche.client.setup.trainer_settings import TrainerSettings
 from psyche.client.setup.workers import WorkerGroup
 from psyche.core.batch_id import BatchId
 from psyche.core.definitions import ConstantLR, LearningRateSchedule
@@ -89,18 +90,18 @@ def main() -> int:
         lr_schedule=LearningRateSchedule.Constant(ConstantLR(1e-3, 0.0, 0)),
         optimizer=distro(quantize=mode != "hosts"),
     )
-    config = RunInitConfig(identity=None, secret_key=None, run_id="", micro_batch_size=2)  # type: ignore[arg-type]
+    settings = TrainerSettings(micro_batch_size=2)
     loaded = load_from_directory(model_dir, "HfLlama", torch.device("cpu"))
     if mode == "orphan":
         try:
-            group.build_trainer(loaded, llm, config)
+            group.build_trainer(loaded, llm, settings)
         except InitRunError as e:
             say("INIT_ERROR", e)
         say("WORKERS", *(p.pid for p in group.processes))
         time.sleep(600)
         return 1
     say("WORKERS", *(p.pid for p in group.processes))
-    trainer = group.build_trainer(loaded, llm, config)
+    trainer = group.build_trainer(loaded, llm, settings)
     kwargs = dict(warmup_lr_between=None, zero_optim=False)
     reference = make_trainer(quantize=mode != "hosts")
     first = batch(1, 2 * layout.dp)

@@ -120,16 +120,23 @@ class ResultExchange:
     verdict). With `through_wire`, every result goes through the postcard payload, its
     commitment hash and the receiver's validation (`_from_wire`), as between real peers;
     `last_payload_bytes` then holds each member's last payload size. `last_accepted`: the
-    members whose results of the last exchange the run applies."""
+    members whose results of the last exchange the run applies. `models[i]` is the model
+    `optimizers[i]` trains."""
 
     def __init__(
         self,
+        models: Sequence[nn.Module],
         optimizers: Sequence[Distro | Diloco],
         *,
+        lr: float | Schedule | Callable[[int], float],
         through_wire: bool,
         hostile: RoundTamper | None,
         screening: ScreeningSettings | None,
     ) -> None:
+        if not models:
+            raise ValueError("at least one member is needed")
+        self.models = list(models)
+        self.lr = lr_function(lr)
         self.through_wire = through_wire
         self.last_payload_bytes: list[int] = []
         self.hostile = hostile
@@ -173,7 +180,6 @@ class ResultExchange:
 
 class _Peer:
     def __init__(self, model: nn.Module, settings: DistroSettings) -> None:
-        self.model = model
         self.distro = settings.build(model)
         self.params = [p for _, p in sorted_variables(model)]
         self.prev_results: list[DistroResult] | None = None
@@ -242,22 +248,17 @@ class PeerSimulation(ResultExchange):
         hostile: RoundTamper | None = None,
         screening: ScreeningSettings | None = None,
     ) -> None:
-        if not models:
-            raise ValueError("at least one peer is needed")
         self.settings = settings or DistroSettings()
-        self.lr = lr_function(lr)
         self.peers = [_Peer(m, self.settings) for m in models]
         self._outbox: list[list[DistroResult]] | None = None
         super().__init__(
+            models,
             [peer.distro for peer in self.peers],
+            lr=lr,
             through_wire=through_wire,
             hostile=hostile,
             screening=screening,
         )
-
-    @property
-    def models(self) -> list[nn.Module]:
-        return [p.model for p in self.peers]
 
     def zero_grad(self, step: int) -> None:
         for peer in self.peers:

@@ -29,7 +29,7 @@ from psyche.client.checkpoints.store import (
     find_checkpoints,
     save_checkpoint_locally,
 )
-from psyche.client.checkpoints.upload import Uploader, UploadJob
+from psyche.client.checkpoints.upload import Uploader, UploadJob, log_checkpoint_done
 from psyche.client.observe.logs import log_event
 from psyche.coordinator.model import Checkpoint
 from psyche.core.node_identity import NodeIdentity
@@ -147,15 +147,14 @@ class Checkpointer:
         except Exception as e:
             logger.error("Writing the checkpoint to %s failed: %s", path, e)
             return None
-        secs = time.monotonic() - started
-        log_event(
+        log_checkpoint_done(
             logger,
             "checkpoint_saved",
-            text=f"saved the model of step {job.step} to {path.absolute()} ({secs:.1f} s)",
-            step=job.step,
+            f"saved the model of step {job.step} to {path.absolute()}",
+            job.step,
+            started,
             path=str(path),
             kind=job.kind.value,
-            secs=round(secs, 3),
         )
         kept = self._seed()
         kept[:] = [k for k in kept if k.step != job.step]

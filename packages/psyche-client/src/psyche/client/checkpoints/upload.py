@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import trio
 
@@ -152,16 +153,15 @@ class Uploader:
                 )
                 await trio.sleep(delay)
                 continue
-            secs = time.monotonic() - started
-            log_event(
+            log_checkpoint_done(
                 logger,
                 "checkpoint_uploaded",
-                text=f"uploaded the model of step {job.step} to {where} ({secs:.1f} s)",
-                step=job.step,
+                f"uploaded the model of step {job.step} to {where}",
+                job.step,
+                started,
                 target=where,
                 checkpoint=str(checkpoint),
                 revision=_revision(checkpoint),
-                secs=round(secs, 3),
             )
             self.uploaded.append(job.step)
             self.send_checkpoint(checkpoint)
@@ -194,6 +194,17 @@ class Uploader:
         if isinstance(result, Exception):
             raise result
         return result
+
+
+def log_checkpoint_done(
+    logger: logging.Logger, event: str, done: str, step: int, started: float, **fields: Any
+) -> None:
+    """Event `event` for the checkpoint of `step`: `done` (what was done with it, where) and
+    how long it took since `started` (`time.monotonic()`), as text and as the `secs` field."""
+    secs = time.monotonic() - started
+    log_event(
+        logger, event, text=f"{done} ({secs:.1f} s)", step=step, **fields, secs=round(secs, 3)
+    )
 
 
 def _revision(checkpoint: Checkpoint) -> str | None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -44,6 +44,7 @@ from psyche.client.setup.model_loading import (
     preload_modeling,
     resume_checkpoint,
 )
+from psyche.client.setup.trainer_settings import TrainerSettings
 from psyche.coordinator.coordinator import Coordinator
 from psyche.coordinator.model import Checkpoint
 from psyche.core.cli import UserError, single_cause
@@ -75,7 +76,9 @@ class TrainerBuilder(Protocol):
     """What builds the trainer when the client has several ranks (`workers.WorkerGroup`):
     every rank builds its part of the model and trainer from `loaded`."""
 
-    def build_trainer(self, loaded: LoadedModel, llm: Any, config: RunInitConfig) -> Trainer: ...
+    def build_trainer(
+        self, loaded: LoadedModel, llm: Any, settings: TrainerSettings
+    ) -> Trainer: ...
 
 
 @dataclass(frozen=True)
@@ -87,9 +90,8 @@ class RunInitConfig:
     run_id: str
     """`--run-id`: the run this client joined; a coordinator state of any other is refused."""
     device: str = "auto"
-    micro_batch_size: int = 1
-    grad_accum_in_fp32: bool = False
-    optim_stats_every_n_steps: int | None = None
+    trainer: TrainerSettings = field(default_factory=TrainerSettings)
+    """Upstream's `micro_batch_size`, `grad_accum_in_fp32` and `optim_stats_every_n_steps`."""
     max_concurrent_parameter_requests: int = 8
     write_gradients_dir: Path | None = None
     checkpoint: CheckpointConfig | None = None
@@ -191,16 +193,9 @@ async def init_run(
             from psyche.modeling.trainer import Trainer
 
             if config.workers is not None:
-                return config.workers.build_trainer(loaded, llm, config)
+                return config.workers.build_trainer(loaded, llm, config.trainer)
 
-            return Trainer(
-                loaded.model,
-                llm.lr_schedule,
-                llm.optimizer,
-                config.micro_batch_size,
-                optim_stats_every_n_steps=config.optim_stats_every_n_steps,
-                grad_accum_in_fp32=config.grad_accum_in_fp32,
-            )
+            return config.trainer.build(Trainer, loaded.model, llm.lr_schedule, llm.optimizer)
 
         trainer = await trio.to_thread.run_sync(make_trainer)
         shared = None

@@ -13,9 +13,10 @@ not build are accepted as flags but refused with a clear message when given a no
 (`TrainOptions.problems`).
 
 Components never take the options: each owns a plain settings object, and `TrainOptions`
-composes them from its fields (`ranks`: `ranks.RankLayout`, `evals`: `observe.evals.EvalOptions`,
+composes them from its fields (`ranks`: `ranks.RankLayout`, `trainer`:
+`trainer_settings.TrainerSettings`, `evals`: `observe.evals.EvalOptions`,
 `keep_policy`: `checkpoints.keep_policy.KeepPolicy`, `trackers`: `psyche.metrics.TrackerConfig`),
-each checked by its own `problems()`. This module and those settings import nothing heavy, so
+each checking itself where it can be wrong (`problems()`). This module and those settings import nothing heavy, so
 `--help` stays fast.
 """
 
@@ -28,7 +29,7 @@ import itertools
 import os
 import textwrap
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields, replace
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,7 +37,17 @@ from typing import TYPE_CHECKING, Any
 from psyche.client.checkpoints.keep_policy import KeepPolicy, KeepPolicyError, parse_keep_every
 from psyche.client.observe.evals import EvalOptions
 from psyche.client.setup.ranks import DEFAULT_PORT, FUSED_LOSS_CHOICES, RankLayout
-from psyche.core.cli import EnvOptions, UsageError, parse_bool, parse_unsigned
+from psyche.client.setup.trainer_settings import TrainerSettings
+from psyche.core.cli import (
+    CLI_FIELD,
+    EnvFlag,
+    EnvOptions,
+    UsageError,
+    flag_name,
+    options_from_args,
+    parse_bool,
+    parse_unsigned,
+)
 
 if TYPE_CHECKING:
     from psyche.core.identity import SecretKey
@@ -95,23 +106,17 @@ def parse_choice(choices: Sequence[str]) -> Callable[[str], str]:
 
 
 @dataclass(frozen=True)
-class Flag:
-    """How one `TrainOptions` field is given on the command line."""
+class Flag(EnvFlag):
+    """How one `TrainOptions` field is given on the command line: `EnvFlag`'s keywords, and
+    `not_built`, why a value other than the default is refused (the port does not build the
+    feature)."""
 
-    parse: Callable[[str], Any] = str
-    short: str | None = None
-    required: bool = False
-    flag_only: bool = False
-    """A switch: `--flag` sets True (the environment variable is parsed with `parse`)."""
-    optional_value: bool = False
-    """`--flag` alone means True; `--flag VALUE` parses VALUE."""
     not_built: str | None = None
-    """Why a value other than the default is refused: the port does not build the feature."""
 
 
 def option(default: Any = MISSING, **flag: Any) -> Any:
     """A `TrainOptions` field with its `Flag` (its help is the docstring under the field)."""
-    return field(default=default, metadata={"flag": Flag(**flag)})
+    return field(default=default, metadata={CLI_FIELD: Flag(**flag)})
 
 
 def relay_problems(options: TrainOptions) -> list[str]:
@@ -379,6 +384,15 @@ class TrainOptions:
         )
 
     @property
+    def trainer(self) -> TrainerSettings:
+        """How the trainer trains (`init.RunInitConfig`, each rank's `workers.RankSpec`)."""
+        return TrainerSettings(
+            micro_batch_size=self.micro_batch_size,
+            grad_accum_in_fp32=bool(self.grad_accum_in_fp32),
+            optim_stats_every_n_steps=self.optim_stats_steps,
+        )
+
+    @property
     def evals(self) -> EvalOptions:
         """The evaluations between rounds (`observe.evals.EvalSettings.from_options`)."""
         return EvalOptions(
@@ -416,7 +430,7 @@ class TrainOptions:
     def from_args(cls, args: argparse.Namespace) -> TrainOptions:
         """The options from a namespace that `add_train_options` filled (and its `EnvOptions`
         resolved)."""
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+        return options_from_args(cls, args)
 
     def problems(self) -> list[str]:
         """What keeps the client from running with these options, as messages (empty when it
@@ -426,7 +440,7 @@ class TrainOptions:
             why = _flag(f.name).not_built
             value = getattr(self, f.name)
             if why is not None and value != f.default:
-                problems.append(f"{_flag_name(f.name)} {value}: {why}")
+                problems.append(f"{flag_name(f.name)} {value}: {why}")
         if self.iroh_relay not in ("psyche", "disabled"):
             problems.extend(f"--iroh-relay {self.iroh_relay}: {p}" for p in relay_problems(self))
         if self.iroh_discovery not in ("n0", "local"):
@@ -466,27 +480,13 @@ def add_train_options(
     options mean depends on the backend)."""
     docs = field_docs()
     for f in fields(TrainOptions):
-        flag = _flag(f.name)
-        env.add(
-            parser,
-            _flag_name(f.name),
-            short=flag.short,
-            parse=flag.parse,
-            default=None if f.default is MISSING else f.default,
-            required=flag.required,
-            flag_only=flag.flag_only,
-            optional_value=flag.optional_value,
-            help=(help or {}).get(f.name, docs.get(f.name, "")),
-        )
+        text = (help or {}).get(f.name, docs.get(f.name, ""))
+        replace(_flag(f.name), help=text).add(parser, env, f)
 
 
 def _flag(name: str) -> Flag:
-    flag: Flag = TrainOptions.__dataclass_fields__[name].metadata["flag"]
+    flag: Flag = TrainOptions.__dataclass_fields__[name].metadata[CLI_FIELD]
     return flag
-
-
-def _flag_name(name: str) -> str:
-    return "--" + name.replace("_", "-")
 
 
 @cache

@@ -20,9 +20,9 @@ hosts join it from a `psyche-client sidecar` each (`hosts`, `sidecar`); the lead
 their deaths through the store's heartbeats as it notices its children's.
 
 The group takes its settings as a `ranks.RankLayout` and builds trainers with a
-`TrainerSettings`. It imports nothing heavy at import time (`run_client` builds the group before
-the client reaches its coordinator, while torch loads in a worker thread): torch, the modeling
-package and `init`'s error are imported where a rank uses them.
+`trainer_settings.TrainerSettings`. It imports nothing heavy at import time (`run_client` builds the group
+before the client reaches its coordinator, while torch loads in a worker thread): torch, the
+modeling package and `init`'s error are imported where a rank uses them.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from psyche.client.background import in_abandoned_thread
 from psyche.client.setup.cpu_threads import set_cpu_threads
@@ -57,6 +57,7 @@ if TYPE_CHECKING:
     import torch
 
     from psyche.client.setup.model_loading import LoadedModel
+    from psyche.client.setup.trainer_settings import TrainerSettings
     from psyche.modeling.parallel import ParallelDims
     from psyche.modeling.trainer import Trainer
 
@@ -65,19 +66,6 @@ log = logging.getLogger(__name__)
 BUILD = "build"
 CLOSE_TIMEOUT = 20.0
 PARENT_POLL_SECS = 0.5
-
-
-class TrainerSettings(Protocol):
-    """How each rank's trainer trains (`init.RunInitConfig` carries them)."""
-
-    @property
-    def micro_batch_size(self) -> int: ...
-
-    @property
-    def grad_accum_in_fp32(self) -> bool: ...
-
-    @property
-    def optim_stats_every_n_steps(self) -> int | None: ...
 
 
 class WorkerDied(RuntimeError):
@@ -194,7 +182,7 @@ class WorkerGroup:
 
     # -- the trainer ---------------------------------------------------------------------------
 
-    def build_trainer(self, loaded: LoadedModel, llm: Any, config: TrainerSettings) -> Trainer:
+    def build_trainer(self, loaded: LoadedModel, llm: Any, settings: TrainerSettings) -> Trainer:
         """Rank 0's trainer over the whole group: the model's tensors go to every rank, each
         builds and lays out its part, and rank 0 gets a `LeaderTrainer`. `loaded.model`
         becomes the laid-out model, or, when rank 0 holds only part of it and evaluations are
@@ -212,9 +200,7 @@ class WorkerGroup:
             architecture=architecture_name(llm.architecture),
             lr_schedule=llm.lr_schedule,
             optimizer=llm.optimizer,
-            micro_batch_size=config.micro_batch_size,
-            grad_accum_in_fp32=config.grad_accum_in_fp32,
-            optim_stats_every_n_steps=config.optim_stats_every_n_steps,
+            trainer=settings,
         )
         if self.layout.world_size == 1:
             trainer = _build_rank(spec, None, loaded, self.dims, self.layout, Trainer)
@@ -332,9 +318,7 @@ class RankSpec:
     architecture: str
     lr_schedule: Any
     optimizer: Any
-    micro_batch_size: int
-    grad_accum_in_fp32: bool
-    optim_stats_every_n_steps: int | None
+    trainer: TrainerSettings
 
 
 def _build_rank(
@@ -361,15 +345,7 @@ def _build_rank(
             )
         model = parallelize(loaded.model, dims, layout.sharding())
         model.set_fused_loss(layout.fused_loss)
-        return cls(
-            model,
-            spec.lr_schedule,
-            spec.optimizer,
-            spec.micro_batch_size,
-            optim_stats_every_n_steps=spec.optim_stats_every_n_steps,
-            grad_accum_in_fp32=spec.grad_accum_in_fp32,
-            parallel=dims,
-        )
+        return spec.trainer.build(cls, model, spec.lr_schedule, spec.optimizer, dims)
     except (ParallelismError, ModelLoadError) as e:
         raise InitRunError(str(e)) from e
 
@@ -446,4 +422,4 @@ def _worker_main(
     close_world()
 
 
-__all__ = ["TrainerSettings", "WorkerDied", "WorkerGroup"]
+__all__ = ["WorkerDied", "WorkerGroup"]

@@ -32,7 +32,7 @@ from torch import nn
 from psyche.modeling.adamw import LibtorchAdamW
 from psyche.modeling.diloco.optimizer import Diloco, DilocoSettings
 from psyche.modeling.distro import DistroResult
-from psyche.modeling.lr import Schedule, lr_function
+from psyche.modeling.lr import Schedule
 from psyche.modeling.research import ResultExchange, clip_gradients
 from psyche.modeling.screening import RoundTamper, ScreeningSettings
 from psyche.modeling.serialized_distro import TransmittableDistroResult
@@ -47,7 +47,6 @@ def _base_lr(lr: object) -> float | None:
 
 class _Replica:
     def __init__(self, model: nn.Module, settings: DilocoSettings, base_lr: float | None) -> None:
-        self.model = model
         self.settings = settings
         self.diloco = Diloco(model, settings, base_lr=base_lr)
         self.inner = LibtorchAdamW(
@@ -84,10 +83,7 @@ class DilocoPeerSimulation(ResultExchange):
         hostile: RoundTamper | None = None,
         screening: ScreeningSettings | None = None,
     ) -> None:
-        if not models:
-            raise ValueError("at least one replica is needed")
         self.settings = settings or DilocoSettings()
-        self.lr = lr_function(lr)
         self.overlap = overlap
         self.lookahead = lookahead and overlap
         self.replicas = [_Replica(m, self.settings, _base_lr(lr)) for m in models]
@@ -98,15 +94,13 @@ class DilocoPeerSimulation(ResultExchange):
         for r in self.replicas:
             r.diloco.begin_round(self._round)
         super().__init__(
+            models,
             [r.diloco for r in self.replicas],
+            lr=lr,
             through_wire=through_wire,
             hostile=hostile,
             screening=screening,
         )
-
-    @property
-    def models(self) -> list[nn.Module]:
-        return [r.model for r in self.replicas]
 
     def zero_grad(self, step: int | None = None) -> None:
         """Zero every replica's gradients (`step` is accepted, and unused, as in DisTrO's
