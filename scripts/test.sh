@@ -60,7 +60,8 @@ unit=$?
 # (test_training, test_hostile_members). Where a third file crowds the rounds, their timers are
 # stretched to the machine's measured speed (tests/timing.py). The files go out longest first
 # (tests/conftest.py's `E2E_SECONDS`), not in xdist's order.
-e2e_workers=${PSYCHE_TEST_E2E_WORKERS:-$(( cores + 1 ))}
+# At most 4, as the unit phase: each file runs a server and several torch clients.
+e2e_workers=${PSYCHE_TEST_E2E_WORKERS:-$(( cores < 4 ? cores + 1 : 4 ))}
 python -m pytest -n "$e2e_workers" --dist loadfile --no-loadscope-reorder \
     -m "$(join "${markers[@]}" "e2e")"
 e2e=$?

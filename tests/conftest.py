@@ -27,6 +27,7 @@ E2E_SECONDS = {
     "tests/solana/test_verifiers_e2e.py": 45,
     "tests/e2e/test_run_finishes.py": 36,
     "tests/e2e/test_verifiers.py": 34,
+    "tests/e2e/test_verifiers_train.py": 60,  # 93 s alone at load 12 (2026-11-28)
     "tests/e2e/test_local_testnet.py": 18,
     "tests/chaos/test_hostile_peer.py": 0,  # `just chaos` only: skipped here
 }

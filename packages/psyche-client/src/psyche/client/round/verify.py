@@ -299,7 +299,11 @@ async def recompute_duties(
         from psyche.modeling.verification import RecomputeCancelled
 
         if isinstance(e, RecomputeCancelled):  # the round ended first: nothing half-done counts
-            logger.info("the round of step %d ended before its checks were recomputed", job.step)
+            # once a round at most; an operator sees that this verifier's checks do not fit
+            logger.warning(
+                "the round of step %d ended before its checks were recomputed: not verified",
+                job.step,
+            )
             return
         logger.exception("verification of step %d failed; this round is not verified", job.step)
 
