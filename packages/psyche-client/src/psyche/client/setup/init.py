@@ -36,6 +36,7 @@ from psyche.client.checkpoints.store import CheckpointConfig, RunInstance
 from psyche.client.observe.logs import log_event
 from psyche.client.setup.model_loading import (
     LoadedModel,
+    ModelUnreachable,
     build_from_parameters,
     check_device,
     load_from_directory,
@@ -66,8 +67,9 @@ class InitRunError(UserError):
 
 
 class InitUnavailable(InitRunError):
-    """Something the init needs is out of reach now (the run's data locations, the peers that
-    serve the model): the client leaves the epoch and joins again, as a client the run went on
+    """Something the init needs is out of reach now (the run's remote data locations, the peers
+    that serve the model, the hub or GCS bucket that stores it, the worker thread a given-up init
+    still holds): the client leaves the epoch and joins again, as a client the run went on
     without, instead of ending."""
 
 
@@ -327,6 +329,8 @@ async def _load_model(
                 return await trio.to_thread.run_sync(
                     load_gcs_checkpoint, str(repo.bucket), prefix, architecture, device
                 )
+    except ModelUnreachable as e:  # a network blip: the store may answer at the next warmup
+        raise InitUnavailable(f"failed to load model: {e}") from e
     except ModelLoadError as e:
         raise InitRunError(f"failed to load model: {e}") from e
     raise InitRunError(f"unknown checkpoint {checkpoint!r}")
