@@ -325,14 +325,16 @@ def test_a_run_nobody_can_join_ends_the_client_in_one_line(
     ]
 
 
+@pytest.mark.parametrize("kind", ["Local", "Preprocessed"])
 def test_a_data_directory_missing_on_this_machine_ends_the_client_in_one_line(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str
 ) -> None:
     """Local data that is not there will not come back by waiting for the next warmup (a data
-    server might): the client ends with one line naming the path instead of retrying forever."""
+    server might): the client ends with one line naming the path instead of retrying forever.
+    A preprocessed dataset is a local directory too."""
     base, _ = _run(tmp_path, None)
     missing = tmp_path / "no-such-data"
-    base.model.value.data_location = LLMTrainingDataLocation.Local(str(missing))
+    base.model.value.data_location = getattr(LLMTrainingDataLocation, kind)(str(missing))
     (line,) = _ends_the_client(base, capsys)
     assert line.startswith("psyche-client: error: Couldn't initialize data provider")
     assert str(missing) in line

@@ -375,10 +375,13 @@ async def _open_data(llm: Any, secret_key: SecretKey) -> Any:
 
 def _only_on_this_machine(locations: Any) -> bool:
     """Whether every data location is read from this machine's disk (or made up), so that a
-    failure to open them is the user's to mend, not the network's to heal."""
+    failure to open them is the user's to mend, not the network's to heal. A preprocessed
+    dataset is a local directory here (the port downloads none from the hub)."""
     from psyche.coordinator.model import LLMTrainingDataLocation
 
-    return all(
-        isinstance(location, LLMTrainingDataLocation.Local | LLMTrainingDataLocation.Dummy)
-        for location in locations
+    local = (
+        LLMTrainingDataLocation.Local
+        | LLMTrainingDataLocation.Preprocessed
+        | LLMTrainingDataLocation.Dummy
     )
+    return all(isinstance(location, local) for location in locations)
