@@ -306,8 +306,9 @@ class Client:
         self._init_scope: trio.CancelScope | None = None
         """The init under way (stage "initializing"), cancelled if the run drops this client."""
         self._init_lock = trio.Lock()
-        """Held by an init until it has ended: a given-up init's worker thread (a model build)
-        runs to its end, and the next init waits for it (one model being built at a time)."""
+        """Held by an init until it has ended: a given-up init's worker thread (a hub or GCS
+        download, a model build) runs to its end, and the next init waits for it (one model
+        loaded at a time), for at most the warmup (`_initialize`)."""
         self.machine: StepStateMachine | None = None
         self.rebroadcaster = Rebroadcaster()
         self._resend_pending = False
@@ -331,6 +332,13 @@ class Client:
         backend goes away, the model cannot be loaded, the client desyncs); failures
         propagate."""
         self._started = time.monotonic()
+        try:
+            await self._loop()
+        finally:
+            with trio.CancelScope(shield=True):  # closing is local work: it cannot hang
+                await self._close_untaken_inits()
+
+    async def _loop(self) -> None:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             if isinstance(self.backend, EndpointDiscovery):
@@ -357,6 +365,18 @@ class Client:
                 if self.machine is not None and self.machine.fetcher is not None:
                     with trio.CancelScope(shield=True):
                         await self.machine.fetcher.aclose()
+
+    async def _close_untaken_inits(self) -> None:
+        """Close what inits built that the loop never took: one that finished as `run` ended
+        (its result still queued, or posted by a worker thread that returned after the cancel).
+        Called once the loop's nursery has ended, so nothing posts after."""
+        while True:
+            try:
+                item = self._inbox.receive_nowait()
+            except trio.WouldBlock:
+                return
+            if isinstance(item, _InitDone) and isinstance(item.result, InitializedRun):
+                await item.result.aclose()
 
     def _post(self, item: _Item) -> None:
         self._send.send_nowait(item)
@@ -592,7 +612,9 @@ class Client:
 
     async def _initialize(self, state: Coordinator, scope: trio.CancelScope) -> None:
         """Init for the warmup `state`, posting its outcome, unless `scope` is cancelled (the
-        run dropped this client) first; after a given-up init only once that one has ended."""
+        run dropped this client) first; after a given-up init only once that one has ended, and
+        if it has not within the warmup, the outcome is `InitUnavailable` (leave the epoch and
+        join again: the epoch would start without this client anyway)."""
         backups = list(getattr(self.backend, "backup_data_locations", None) or [])
         if backups:
             # The run's backup data locations travel beside the coordinator state (a port
@@ -600,22 +622,35 @@ class Client:
             state = state.copy()
             state.model.value.backup_data_locations = backups
         with scope:
-            if self._init_lock.locked():
+            try:
+                self._init_lock.acquire_nowait()
+            except trio.WouldBlock:
                 log_event(
                     logger,
                     "init_waits",
-                    text="the init this client gave up is still in a worker thread (a model "
-                    "build cannot be stopped): loading the model once it has ended",
+                    text="the init this client gave up is still loading the model in a worker "
+                    "thread (a hub or GCS download, or a model build: nothing can stop them): "
+                    f"this init starts once it has ended, or leaves epoch {state.progress.epoch} "
+                    f"if it has not within the warmup ({state.config.warmup_time} s)",
                     epoch=state.progress.epoch,
                 )
-            async with self._init_lock:
-                try:
-                    result: InitializedRun | BaseException = await init_run(
-                        self.config, self.instance, state, self._fetch_model_from_peers
+                with trio.move_on_after(state.config.warmup_time) as waiting:
+                    await self._init_lock.acquire()
+                if waiting.cancelled_caught:  # the epoch starts without this client anyway
+                    busy = InitUnavailable(
+                        "the init given up before still loads the model in a worker thread"
                     )
-                except Exception as e:
-                    result = e
-                self._post(_InitDone(result, state, scope))
+                    self._post(_InitDone(busy, state, scope))
+                    return
+            try:
+                result: InitializedRun | BaseException = await init_run(
+                    self.config, self.instance, state, self._fetch_model_from_peers
+                )
+            except Exception as e:
+                result = e
+            finally:
+                self._init_lock.release()
+            self._post(_InitDone(result, state, scope))
 
     async def _fetch_model_from_peers(
         self, state: Coordinator, give_up_at: float | None = None

@@ -36,6 +36,7 @@ from psyche.client.checkpoints.store import CheckpointConfig, RunInstance
 from psyche.client.observe.logs import log_event
 from psyche.client.setup.model_loading import (
     LoadedModel,
+    ModelUnreachable,
     build_from_parameters,
     check_device,
     load_from_directory,
@@ -67,8 +68,9 @@ class InitRunError(UserError):
 
 
 class InitUnavailable(InitRunError):
-    """Something the init needs is out of reach now (the run's data locations, the peers that
-    serve the model): the client leaves the epoch and joins again, as a client the run went on
+    """Something the init needs is out of reach now (the run's remote data locations, the peers
+    that serve the model, the hub or GCS bucket that stores it, the worker thread a given-up init
+    still holds): the client leaves the epoch and joins again, as a client the run went on
     without, instead of ending."""
 
 
@@ -322,6 +324,8 @@ async def _load_model(
                 return await trio.to_thread.run_sync(
                     load_gcs_checkpoint, str(repo.bucket), prefix, architecture, device
                 )
+    except ModelUnreachable as e:  # a network blip: the store may answer at the next warmup
+        raise InitUnavailable(f"failed to load model: {e}") from e
     except ModelLoadError as e:
         raise InitRunError(f"failed to load model: {e}") from e
     raise InitRunError(f"unknown checkpoint {checkpoint!r}")
@@ -366,10 +370,13 @@ async def _open_data(llm: Any, secret_key: SecretKey) -> Any:
 
 def _only_on_this_machine(locations: Any) -> bool:
     """Whether every data location is read from this machine's disk (or made up), so that a
-    failure to open them is the user's to mend, not the network's to heal."""
+    failure to open them is the user's to mend, not the network's to heal. A preprocessed
+    dataset is a local directory here (the port downloads none from the hub)."""
     from psyche.coordinator.model import LLMTrainingDataLocation
 
-    return all(
-        isinstance(location, LLMTrainingDataLocation.Local | LLMTrainingDataLocation.Dummy)
-        for location in locations
+    local = (
+        LLMTrainingDataLocation.Local
+        | LLMTrainingDataLocation.Preprocessed
+        | LLMTrainingDataLocation.Dummy
     )
+    return all(isinstance(location, local) for location in locations)

@@ -8,6 +8,9 @@
 * A `P2P` checkpoint is fetched from the run's other clients (config, then every parameter); the
   model is built from the config and the received tensors are loaded into it.
 * A `Gcs` checkpoint is downloaded from the bucket (`gcs`) and read like a local directory.
+* A hub or GCS download that failed to reach its store (a refused or dropped connection, a
+  timeout) is a `ModelUnreachable`: the same load may work at the next warmup. Any other failure
+  (not found, no permission, a malformed checkpoint) is a plain `ModelLoadError`.
 * Resume (a port addition): a client whose `--checkpoint-dir` holds a complete checkpoint of
   this run instance at the step the epoch starts from loads it instead (`resume_checkpoint`):
   the same bf16-rounded weights its peers would send. Another instance's (the same run config
@@ -65,6 +68,25 @@ def preload_modeling() -> None:
             num_key_value_heads=1,
         )
         AutoModelForCausalLM.from_config(config)
+
+
+class ModelUnreachable(ModelLoadError):
+    """The checkpoint's store (the hub, a GCS bucket) was out of reach: a connection refused or
+    dropped, or a timeout, somewhere in the error's causes. Trying again later may work."""
+
+
+def _load_error(message: str, error: BaseException) -> ModelLoadError:
+    """`message` as a `ModelUnreachable` when the network failed under `error` (its chain of
+    causes holds a `ConnectionError` or `TimeoutError`: what every HTTP client raises from),
+    else as a `ModelLoadError`."""
+    seen: set[int] = set()
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, ConnectionError | TimeoutError):
+            return ModelUnreachable(message)
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return ModelLoadError(message)
 
 
 @dataclass
@@ -161,7 +183,10 @@ def load_hub_checkpoint(
     if revision is None and local.is_dir():
         directory = local
     else:
-        directory = download_model_repo(repo_id, revision, architecture=architecture)
+        try:
+            directory = download_model_repo(repo_id, revision, architecture=architecture)
+        except ModelLoadError as e:
+            raise _load_error(str(e), e) from e
     return load_from_directory(directory, architecture, device)
 
 
@@ -174,7 +199,7 @@ def load_gcs_checkpoint(
     except GcsError as e:
         raise ModelLoadError(str(e)) from e
     except Exception as e:  # the storage client's errors (network, permissions, not found)
-        raise ModelLoadError(f"cannot fetch gs://{bucket}/{prefix or ''}: {e}") from e
+        raise _load_error(f"cannot fetch gs://{bucket}/{prefix or ''}: {e}", e) from e
     loaded = load_from_directory(directory, architecture, device)
     loaded.source = f"gs://{bucket}/{prefix or ''} ({directory})"
     return loaded
