@@ -105,8 +105,12 @@ class BlobServer:
         limits: ConnectionLimits = BLOB_LIMITS,
         on_served: ServedFn | None = None,
         idle_timeout: float = SESSION_IDLE_SECS,
+        config: blob_protocol.ConfigLookup | None = None,
     ) -> None:
+        """`config`: where the model configuration this node shares is, for `GetConfig`
+        (without it, a `GetConfig` ends the session)."""
         self.identity = identity
+        self.config = config
         self.lookup = lookup
         self.allowed = allowed
         self.limits = limits
@@ -162,15 +166,13 @@ class BlobServer:
         peer: str,
     ) -> None:
         limits = self.limits
-        digest: bytes | None = request.hash
+        wanted: blob_protocol.Request | None = request
         self.sessions += 1
         try:
-            while digest is not None:
+            while wanted is not None:
                 try:
                     with self.admission.established_connection(address, replacing=False):
-                        sent = await blob_protocol.send_blob(
-                            stream, self.lookup, digest, stall_timeout=limits.send_stall_timeout
-                        )
+                        sent = await self._answer(stream, wanted.hash)
                 except Refused as e:
                     self.drops.note("busy", f"blob request from {peer} refused: {e}")
                     with trio.move_on_after(limits.send_stall_timeout):
@@ -180,11 +182,25 @@ class BlobServer:
                     return
                 if sent is not None and self.on_served is not None:
                     self.on_served(request.requester, sent)
-                digest = None
+                wanted = None
                 with trio.move_on_after(self.idle_timeout):
-                    digest = await blob_protocol.next_request(stream, request)
+                    wanted = await blob_protocol.next_request(stream, request)
         finally:
             self.sessions -= 1
+
+    async def _answer(self, stream: blob_protocol.ByteStream, digest: bytes | None) -> int | None:
+        """The blob `digest` (the bytes sent), or, for None, where the model configuration is
+        (`GetConfig`; a server without `config` breaks the session, as a provider older than
+        `GetConfig` does)."""
+        stall_timeout = self.limits.send_stall_timeout
+        if digest is not None:
+            return await blob_protocol.send_blob(
+                stream, self.lookup, digest, stall_timeout=stall_timeout
+            )
+        if self.config is None:
+            raise blob_protocol.BlobProtocolError("this provider serves no GetConfig")
+        await blob_protocol.send_config(stream, self.config, stall_timeout=stall_timeout)
+        return None
 
 
 # ----------------------------------------------------------------------------------------------
