@@ -7,18 +7,7 @@ A session authenticates once and then fetches any number of blobs:
     requester -> provider   Get{sig_r, hash}
     provider  -> requester  Found(size) + `size` raw bytes        | NotFound | Refused(reason)
     requester -> provider   Get{sig_r, hash}                        (again, on the same session)
-    requester -> provider   GetConfig{sig_r}                        (any request of a session)
-    provider  -> requester  Config{version, hash, size}             | NotFound | Refused(reason)
     ...
-
-`GetConfig` asks for the run's model configuration as `/psyche/model-sharing/1` does (the
-answer names the version of the model it is of, `ModelTicket.version`), but on the session a
-joiner opens beside its libp2p dial, so the answer does not wait behind the libp2p connection's
-setup on the provider's event loop; the configuration's bytes then come as any blob, by `Get`.
-The two requests are told apart by their frame's length (a `Get` is 96 bytes, a `GetConfig`
-64), so `Get` is on the wire as before; a provider older than `GetConfig` cannot decode it and
-closes the session, and the requester then asks over libp2p. `NotFound` means the provider
-serves no configuration now (the libp2p request says why).
 
 Control messages are postcard, each framed by a 4-byte big-endian length and capped at
 `MAX_CONTROL_FRAME` bytes. Each side signs a transcript binding both identities and both fresh
@@ -38,9 +27,9 @@ import math
 import os
 import struct as _struct
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, Any, Protocol, TypeVar
+from typing import Annotated, Any, Protocol
 
 import trio
 
@@ -65,9 +54,6 @@ NONCE_LENGTH = 32
 RECEIVE_CHUNK = 1 << 20
 SEND_CHUNK = 4 << 20  # with a stall timeout, each chunk must leave within it
 HANDSHAKE_TIMEOUT_SECS = 5.0
-CONFIG_TIMEOUT_SECS = 10.0
-"""A `GetConfig`'s reply (a provider's first one encodes the configuration; libp2p's
-model-sharing requests have as long)."""
 FIRST_RECEIVE_BYTES = 1 << 20
 INLINE_HASH_BYTES = 256 << 10
 """Blobs at least this large are hashed in a worker thread (BLAKE3 releases the GIL), so the
@@ -108,32 +94,10 @@ class Get:
     hash: Annotated[bytes, FixedBytes(32)]
 
 
-@wire_struct(frozen=True)
-class GetConfig:
-    """A request for the model configuration's blob (see the module's docstring)."""
-
-    signature: Annotated[bytes, FixedBytes(64)]
-
-
-GET_CONFIG_BYTES = 64
-"""A `GetConfig` frame's length (a `Get`'s is 96): what tells the two apart."""
-
-
-@wire_struct(frozen=True)
-class ConfigFound:
-    """Where the model configuration is: its blob (fetched by `Get`) and the version of the
-    model it is of (`SharableModel.version`; None for a model served without one)."""
-
-    version: U64 | None
-    hash: Annotated[bytes, FixedBytes(32)]
-    size: U64
-
-
 class Reply(DataEnum):
     Found = variant(U64)
     NotFound = variant()
     Refused = variant(str)
-    Config = variant(ConfigFound)
 
 
 def transcript(domain: bytes, hello: Hello, provider_nonce: bytes) -> bytes:
@@ -204,27 +168,13 @@ async def send_frame(stream: ByteStream, message: Any, tp: Any) -> None:
 
 
 async def read_frame(stream: ByteStream, tp: Any) -> Any:
-    return _decode(await _read_frame_body(stream), tp)
-
-
-async def read_request(stream: ByteStream) -> Get | GetConfig:
-    """A requester's next request, `Get` or `GetConfig` (by its frame's length)."""
-    body = await _read_frame_body(stream)
-    request: Get | GetConfig = _decode(body, GetConfig if len(body) == GET_CONFIG_BYTES else Get)
-    return request
-
-
-async def _read_frame_body(stream: ByteStream) -> bytearray:
     (length,) = _struct.unpack(">I", await read_exactly(stream, 4))
     if length > MAX_CONTROL_FRAME:
         raise BlobProtocolError(f"control frame of {length} bytes exceeds {MAX_CONTROL_FRAME}")
     try:
-        return await read_exactly(stream, length)
+        body = await read_exactly(stream, length)
     except BlobSessionEnded:
         raise StreamClosed("connection closed inside a control frame") from None
-
-
-def _decode(body: bytearray, tp: Any) -> Any:
     try:
         return from_bytes(body, tp)
     except PostcardError as e:
@@ -237,18 +187,15 @@ def _decode(body: bytearray, tp: Any) -> Any:
 
 BlobLookup = Callable[[bytes], "bytes | bytearray | None"]
 AllowCheck = Callable[[bytes], bool]
-ConfigLookup = Callable[[], Awaitable[ConfigFound | None]]
-"""Where the provider's model configuration is, or None when it serves none now."""
 
 
 @dataclass(frozen=True)
 class Request:
-    """A verified request: who asks, for which blob (None: the model configuration's
-    whereabouts, `GetConfig`), and the signature every later request of the session must
-    repeat."""
+    """A verified request: who asks, for which blob, and the signature every later `Get` of the
+    session must repeat."""
 
     requester: bytes
-    hash: bytes | None
+    hash: bytes
     signature: bytes
 
 
@@ -263,7 +210,7 @@ async def serve_one(
 ) -> tuple[bytes, int] | None:
     """Answer one request; returns (requester, bytes sent) when a blob was served."""
     request = await accept_request(stream, identity, allowed, timeout=handshake_timeout)
-    if request is None or request.hash is None:
+    if request is None:
         return None
     sent = await send_blob(stream, lookup, request.hash, stall_timeout=send_stall_timeout)
     return None if sent is None else (request.requester, sent)
@@ -301,40 +248,25 @@ async def accept_request(
             ServerHello.Challenge(Challenge(identity.public_key, nonce, signature)),
             ServerHello,
         )
-        first = await read_request(stream)
+        get: Get = await read_frame(stream, Get)
         if not verify_signature(
-            hello.requester, transcript(_REQUESTER_DOMAIN, hello, nonce), first.signature
+            hello.requester, transcript(_REQUESTER_DOMAIN, hello, nonce), get.signature
         ):
             await send_frame(stream, Reply.Refused("bad signature"), Reply)
             return None
-    return Request(bytes(hello.requester), _wanted(first), bytes(first.signature))
+    return Request(bytes(hello.requester), bytes(get.hash), bytes(get.signature))
 
 
-async def next_request(stream: ByteStream, session: Request) -> Request | None:
-    """The session's next request (`Request.hash` None: `GetConfig`), or None when the
-    requester ends the session. A request without the session's signature is a protocol
-    error."""
+async def next_request(stream: ByteStream, session: Request) -> bytes | None:
+    """The hash of the session's next `Get`, or None when the requester ends the session.
+    A `Get` without the session's signature is a protocol error."""
     try:
-        request = await read_request(stream)
+        get: Get = await read_frame(stream, Get)
     except BlobSessionEnded:
         return None
-    if not hmac.compare_digest(bytes(request.signature), session.signature):
+    if not hmac.compare_digest(bytes(get.signature), session.signature):
         raise BlobProtocolError("a later request of the session is not signed by its requester")
-    return Request(session.requester, _wanted(request), session.signature)
-
-
-def _wanted(request: Get | GetConfig) -> bytes | None:
-    return bytes(request.hash) if isinstance(request, Get) else None
-
-
-async def send_config(
-    stream: ByteStream, config: ConfigLookup, *, stall_timeout: float | None = None
-) -> ConfigFound | None:
-    """Answer `GetConfig`: where the configuration is (`Config`), or `NotFound`."""
-    found = await config()
-    with trio.fail_after(stall_timeout if stall_timeout is not None else math.inf):
-        await send_frame(stream, Reply.NotFound() if found is None else Reply.Config(found), Reply)
-    return found
+    return bytes(get.hash)
 
 
 async def send_blob(
@@ -364,7 +296,6 @@ async def send_blob(
 
 
 ProgressFn = Callable[[int], None]
-_T = TypeVar("_T")
 
 
 class SessionBroken(StreamClosed):
@@ -404,33 +335,6 @@ class BlobSession:
 
     async def fetch(self, digest: bytes, expected_size: int, on_progress: ProgressFn) -> bytearray:
         """Fetch and verify one blob; raises a `BlobProtocolError` on any deviation."""
-        buf = await self._exchange(
-            lambda signature: Get(signature, digest),
-            lambda: self._read_reply(expected_size, on_progress),
-            expected_size,
-        )
-        actual = await verify_hash(buf)
-        if actual != digest:
-            self.broken = "the provider sent corrupted bytes"
-            raise HashMismatch(
-                f"received bytes hash to {actual.hex()[:10]}, expected {digest.hex()[:10]}"
-            )
-        self.fetched += 1
-        return buf
-
-    async def config(self) -> ConfigFound | None:
-        """Where the provider's model configuration is (`GetConfig`), or None when it serves
-        none now; a provider older than `GetConfig` closes the session (`StreamClosed`)."""
-        return await self._exchange(GetConfig, self._read_config, 0)
-
-    async def _exchange(
-        self,
-        request: Callable[[bytes], Get | GetConfig],
-        read_reply: Callable[[], Awaitable[_T]],
-        expected_size: int,
-    ) -> _T:
-        """Send `request(signature)` at once (after the handshake, on the session's first) and
-        read its reply in turn (`read_reply`)."""
         if self.broken is not None:
             raise SessionBroken(self.broken)
         self.pending += 1
@@ -448,12 +352,11 @@ class BlobSession:
                     self._turns.append(turn)
                     if len(self._turns) == 1:
                         turn.set()
-                    frame = request(self.signature)
-                    await send_frame(self.stream, frame, type(frame))
+                    await send_frame(self.stream, Get(self.signature, digest), Get)
             await turn.wait()
             if self.broken is not None:
                 raise SessionBroken(self.broken)
-            return await read_reply()
+            buf = await self._read_reply(expected_size, on_progress)
         except BaseException as e:
             if started and self.broken is None and not isinstance(e, BlobNotFound):
                 self.broken = f"an earlier request of the session failed: {e!r}"
@@ -462,6 +365,14 @@ class BlobSession:
             self.pending -= 1
             self.queued_bytes -= expected_size
             self._hand_on(turn)
+        actual = await verify_hash(buf)
+        if actual != digest:
+            self.broken = "the provider sent corrupted bytes"
+            raise HashMismatch(
+                f"received bytes hash to {actual.hex()[:10]}, expected {digest.hex()[:10]}"
+            )
+        self.fetched += 1
+        return buf
 
     async def handshake(self) -> None:
         """Authenticate now, ahead of the first fetch (which otherwise does it)."""
@@ -495,26 +406,11 @@ class BlobSession:
                     raise BlobNotFound("provider does not have the blob")
                 case Reply.Refused(reason):
                     raise BlobRefused(f"provider refused the request: {reason}")
-                case other:
-                    raise BlobProtocolError(f"a blob request answered by {other!r}")
         if size != expected_size:
             raise BlobProtocolError(
                 f"provider offers {size} bytes, the ticket says {expected_size}"
             )
         return await receive_growing(self.stream, size, on_progress)
-
-    async def _read_config(self) -> ConfigFound | None:
-        with trio.fail_after(CONFIG_TIMEOUT_SECS):
-            match await read_frame(self.stream, Reply):
-                case Reply.Config(found):
-                    answer: ConfigFound = found
-                    return answer
-                case Reply.NotFound():
-                    return None
-                case Reply.Refused(reason):
-                    raise BlobRefused(f"provider refused the request: {reason}")
-                case other:
-                    raise BlobProtocolError(f"a configuration request answered by {other!r}")
 
     async def _handshake(self) -> bytes:
         nonce = os.urandom(NONCE_LENGTH)

@@ -50,7 +50,6 @@ from psyche.network.blob_protocol import (
     BlobProtocolError,
     BlobRefused,
     BlobSession,
-    ConfigFound,
     HashMismatch,
     ProgressFn,
     SessionBroken,
@@ -174,35 +173,6 @@ class BlobRoutes:
         except (*_BROKEN, BlobProtocolError) as e:
             logger.debug("blob handshake with %s ahead: %s", fmt_short(peer), e)
             await self._drop(peer, kept)
-
-    async def config(self, provider: EndpointAddr) -> ConfigFound | None:
-        """Where `provider`'s model configuration is (`GetConfig`), asked on a side-channel
-        session (the one `prepare` opens, or a new one, kept for the blobs after it), so the
-        answer waits for no libp2p connection. None when the side channel cannot answer: not
-        usable to `provider` (none announced, a relay-only record, failed lately), broken, a
-        provider older than `GetConfig` (it closes the session), or one that serves no
-        configuration now: the caller asks over libp2p then."""
-        peer = provider.id
-        if not self._side_channel_usable(provider):
-            return None
-        try:
-            kept = await self._take(peer, SIDE_CHANNEL, 0)
-            if kept is None:
-                kept = await self._open_kept(SIDE_CHANNEL, provider)
-        except (*_BROKEN, BlobProtocolError) as e:
-            logger.debug("no blob session to %s for the configuration: %s", fmt_short(peer), e)
-            return None
-        try:
-            found = await kept.session.config()
-        except (*_BROKEN, BlobProtocolError) as e:
-            await self._drop(peer, kept)
-            logger.debug("configuration from %s's side channel: %s", fmt_short(peer), e)
-            return None
-        except BaseException:
-            await self._drop(peer, kept)
-            raise
-        await self._done_with(peer, kept)
-        return found
 
     # routes ------------------------------------------------------------------------------------
 

@@ -105,12 +105,8 @@ class BlobServer:
         limits: ConnectionLimits = BLOB_LIMITS,
         on_served: ServedFn | None = None,
         idle_timeout: float = SESSION_IDLE_SECS,
-        config: blob_protocol.ConfigLookup | None = None,
     ) -> None:
-        """`config`: where the model configuration this node shares is, for `GetConfig`
-        (without it, a `GetConfig` ends the session)."""
         self.identity = identity
-        self.config = config
         self.lookup = lookup
         self.allowed = allowed
         self.limits = limits
@@ -166,13 +162,15 @@ class BlobServer:
         peer: str,
     ) -> None:
         limits = self.limits
-        wanted: blob_protocol.Request | None = request
+        digest: bytes | None = request.hash
         self.sessions += 1
         try:
-            while wanted is not None:
+            while digest is not None:
                 try:
                     with self.admission.established_connection(address, replacing=False):
-                        sent = await self._answer(stream, wanted.hash)
+                        sent = await blob_protocol.send_blob(
+                            stream, self.lookup, digest, stall_timeout=limits.send_stall_timeout
+                        )
                 except Refused as e:
                     self.drops.note("busy", f"blob request from {peer} refused: {e}")
                     with trio.move_on_after(limits.send_stall_timeout):
@@ -182,25 +180,11 @@ class BlobServer:
                     return
                 if sent is not None and self.on_served is not None:
                     self.on_served(request.requester, sent)
-                wanted = None
+                digest = None
                 with trio.move_on_after(self.idle_timeout):
-                    wanted = await blob_protocol.next_request(stream, request)
+                    digest = await blob_protocol.next_request(stream, request)
         finally:
             self.sessions -= 1
-
-    async def _answer(self, stream: blob_protocol.ByteStream, digest: bytes | None) -> int | None:
-        """The blob `digest` (the bytes sent), or, for None, where the model configuration is
-        (`GetConfig`; a server without `config` breaks the session, as a provider older than
-        `GetConfig` does)."""
-        stall_timeout = self.limits.send_stall_timeout
-        if digest is not None:
-            return await blob_protocol.send_blob(
-                stream, self.lookup, digest, stall_timeout=stall_timeout
-            )
-        if self.config is None:
-            raise blob_protocol.BlobProtocolError("this provider serves no GetConfig")
-        await blob_protocol.send_config(stream, self.config, stall_timeout=stall_timeout)
-        return None
 
 
 # ----------------------------------------------------------------------------------------------

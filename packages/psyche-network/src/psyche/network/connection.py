@@ -42,7 +42,6 @@ from libp2p.tools.anyio_service import background_trio_service
 from psyche.core.drop_log import DropLog
 from psyche.core.identity import SecretKey
 from psyche.network import model_sharing, p2p_host, peer_exchange
-from psyche.network.blob_protocol import ConfigFound
 from psyche.network.blob_routes import DEFAULT_MAX_FETCHES_PER_PEER, BlobRoutes
 from psyche.network.blob_store import DEFAULT_GC_INTERVAL_SECS, BlobStore, remove_staled_tags
 from psyche.network.blob_transport import (
@@ -208,7 +207,6 @@ class NetworkConnection:
             self._allowed,
             limits=config.blob_limits,
             on_served=self._on_served,
-            config=self._config_whereabouts,
         )
         self.blob_transport = TcpBlobTransport(
             secret_key,
@@ -687,14 +685,7 @@ class NetworkConnection:
         self, peer: bytes, request: ModelRequestType
     ) -> tuple[BlobTicket, int | None]:
         """Ask `peer` for the ticket of a model config or parameter (one stream per request):
-        (the ticket, the version of the model it is of: the peer's claim). The configuration
-        is asked on the blob side channel first (`BlobRoutes.config`), where the answer waits
-        for no libp2p connection to be set up; over libp2p when that cannot answer."""
-        if isinstance(request, ModelRequestType.Config):
-            addr = self.address_book.get(peer)
-            found = None if addr is None else await self.blob_routes.config(addr)
-            if addr is not None and found is not None:
-                return BlobTicket(addr, BlobFormat.Raw, found.hash, found.size), found.version
+        (the ticket, the version of the model it is of: the peer's claim)."""
         await self.connect(peer)
         ticket, version = await model_sharing.request_ticket(self.host, peer, request)
         self.address_book.add(ticket.addr)
@@ -734,9 +725,6 @@ class NetworkConnection:
             )
             refused: TicketResult = TicketResult.Err(SharableModelError.SerializationError(str(e)))
             return refused
-
-    async def _config_whereabouts(self) -> ConfigFound | None:
-        return await model_sharing.answer_config(self._answer_model_request)
 
     async def _serve_model_sharing(self, stream: INetStream) -> None:
         await model_sharing.serve(stream, self._allowed, self._answer_model_request)

@@ -265,10 +265,7 @@ class ModelDownload:
             await event.wait()
 
     async def _ask_ticket(self, peer: bytes, request: ModelRequestType) -> BlobTicket:
-        if not isinstance(request, ModelRequestType.Config):
-            # the configuration is asked on the blob side channel first, which waits for no
-            # libp2p dial (a libp2p request after it joins the dial under way)
-            await self._dialled_first(peer)
+        await self._dialled_first(peer)
         ticket, version = await self._network.request_model_blob_ticket(peer, request)
         self._check_version(version)
         return ticket

@@ -38,7 +38,6 @@ from libp2p.abc import IHost, INetStream
 
 from psyche.core.serde import U64, PostcardError, from_bytes, struct, to_bytes
 from psyche.network import p2p_host
-from psyche.network.blob_protocol import ConfigFound
 from psyche.network.peer_manager import MODEL_REQUEST_TIMEOUT_SECS
 from psyche.network.sharable_model import noting_model_versions
 from psyche.network.ticket import BlobTicket
@@ -243,27 +242,6 @@ async def serve_versioned(stream: INetStream, allowed: p2p_host.AllowFn, answer:
     await _serve_one(stream, allowed, answer, encode_versioned_response)
 
 
-async def answer_versioned(
-    answer: AnswerFn, request: ModelRequestType
-) -> tuple[TicketResult, int | None]:
-    """`answer(request)` within `MODEL_REQUEST_TIMEOUT_SECS` (`ResponseChannelNotInitialized`
-    otherwise) and the version of the model it came from (None when it names none)."""
-    result: TicketResult = TicketResult.Err(SharableModelError.ResponseChannelNotInitialized())
-    with noting_model_versions() as versions, trio.move_on_after(MODEL_REQUEST_TIMEOUT_SECS):
-        result = await answer(request)
-    return result, next(iter(versions)) if len(versions) == 1 else None
-
-
-async def answer_config(answer: AnswerFn) -> ConfigFound | None:
-    """The blob side channel's answer to `GetConfig` (`blob_protocol`): where the model
-    configuration is and the version of its model, as `/psyche/model-sharing/1` answers a
-    configuration request; None when there is none to serve now."""
-    result, version = await answer_versioned(answer, ModelRequestType.Config())
-    if not isinstance(result, TicketResult.Ok):
-        return None
-    return ConfigFound(version, result.value.hash, result.value.size)
-
-
 async def _serve_one(
     stream: INetStream,
     allowed: p2p_host.AllowFn,
@@ -273,7 +251,11 @@ async def _serve_one(
     async def handle() -> None:
         with trio.fail_after(MODEL_REQUEST_TIMEOUT_SECS):
             request = decode_request(await p2p_host.read_to_end(stream, MAX_REQUEST_BYTES))
-        await stream.write(encode(*await answer_versioned(answer, request)))
+        result: TicketResult = TicketResult.Err(SharableModelError.ResponseChannelNotInitialized())
+        with noting_model_versions() as versions, trio.move_on_after(MODEL_REQUEST_TIMEOUT_SECS):
+            result = await answer(request)
+        version = next(iter(versions)) if len(versions) == 1 else None
+        await stream.write(encode(result, version))
         await stream.close()
 
     await p2p_host.serve_member(stream, allowed, "model-sharing request", handle)
