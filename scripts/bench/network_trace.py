@@ -15,7 +15,10 @@ processes only):
 
 Printed per run, in ms from the dial's end to that provider: when the configuration's stream
 arrived, when its handler ran, when it was answered, when the set-up ended; and the joiner's
-configuration round trip cold and warm. Bounded: `--runs` (default 3), each fetch within 120 s;
+configuration round trip cold and warm; then, from the cold fetch's start, when the joiner's
+dials ended, its configuration request and its first ticket batch. Run it on another
+checkout's packages (`PYTHONPATH=<their src directories>`, the providers inherit it) to
+compare two versions in one sitting. Bounded: `--runs` (default 3), each fetch within 120 s;
 the providers are stopped whatever happens. The machine's load average is printed (other work
 shares the cores: compare runs of one sitting).
 
@@ -50,8 +53,11 @@ def _mark(what: str) -> None:
 
 
 def _around(cls: Any, name: str, tag: str) -> None:
-    """Mark the start and end of `cls.name` (a coroutine method)."""
-    fn = getattr(cls, name)
+    """Mark the start and end of `cls.name` (a coroutine method; none in sources without it,
+    for a run on an older checkout's packages)."""
+    fn = getattr(cls, name, None)
+    if fn is None:
+        return
 
     @functools.wraps(fn)
     async def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -187,7 +193,12 @@ async def one_run(millions: int, workdir: Path) -> str:
         f"handler {_ms(config_start, up)} ms, answered {_ms(_first(marks, 'config end'), up)} ms,"
         f" set-up done {_ms(setup_end, up)} ms | joiner: config round trip cold "
         f"{(answered - asked) * 1e3:4.0f} ms, warm {(warm_answered - warm_asked) * 1e3:4.0f} ms;"
-        f" fetch cold {cold * 1e3:5.0f} ms, warm {warm * 1e3:5.0f} ms"
+        f" fetch cold {cold * 1e3:5.0f} ms, warm {warm * 1e3:5.0f} ms\n"
+        f"       joiner, cold, from the fetch's start: dials done "
+        f"{_ms(max((t for w, t in joiner_marks if w == 'dial end' and t < warm_from), default=None), start)}"
+        f" ms, config {_ms(asked, start)}-{_ms(answered, start)} ms, first ticket batch "
+        f"{_ms(_first(joiner_marks, 'ticket batch start'), start)}-"
+        f"{_ms(_first(joiner_marks, 'ticket batch end'), start)} ms"
     )
 
 
