@@ -24,6 +24,10 @@ from pathlib import Path
 
 import pytest
 
+# Separate rank processes for a minute or more: run beside the other whole-system files (the
+# e2e phase's workers mostly wait on round timers), not in the unit phase.
+pytestmark = pytest.mark.e2e
+
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "scripts" / "bench" / "honest_checks.py"
 

@@ -32,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_parallel_ranks import run_ranks
 
 WHY_NOT = torchtitan.available()
-pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
+# Four rank processes a model: run beside the other whole-system files (e2e phase).
+pytestmark = [pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or ""), pytest.mark.e2e]
 LLAMA3, DEEPSEEK_V3 = "tp-fsdp-torchtitan", "tp-fsdp-torchtitan-deepseek"
 
 
