@@ -10,9 +10,13 @@ payload (`prepare_result`, its commitment hash), the witness's own update of the
 (`screening_reference`: on rank 0 only, the full momentum's DCT for DisTrO, which `generate`
 gathers on every rank; DiLoCo's pseudo-gradient plus residual); every payload goes through its
 bytes and the receiver's checks (`results_from_payload`); every member witnesses every other
-member's result with its `WitnessScreen` (the two-rank member's, and separately its twin's);
+member's result with its `WitnessScreen` (the two-rank member's, and separately its twin's),
+and votes as the client does: a held check's vote (a witness's first round, or one without an
+update of its own) by the round's judgement (`RoundScreen.settle`, as `settle_blind_votes`),
+its own result and a hostile member's every vote counted as the client's blooms count them;
 the results a quorum vouched for are applied by every rank (rank 1 gets the aggregate as a
-worker gets `optimize`'s arguments) and by the twins.
+worker gets `optimize`'s arguments) and by the twins. A held check's margin is printed against
+`min_agreement` (its level is the round's, not read here).
 
 Rank 1 runs the calls `psyche.modeling.distributed.serve` runs on command, in the same order
 (one worker process per member would need one process group each). Printed per layout and
@@ -243,13 +247,23 @@ def _witness_round(
             rnd = screens[kind][w].open_round()
             rnd.set_reference(refs[kind][w], sent[kind][w].sent)
             rounds[kind] = rnd
+        checked: dict[str, dict[int, Any]] = {"sharded": {}, "twin": {}}
+        levels_at: dict[int, list[float]] = {}
         for i in range(m):
             if i == w:
                 continue
             # the level this check is judged by (read as `_decide` reads it, before the check)
-            levels = screens["sharded"][w]._level_list(rounds["sharded"])
-            verdict = rounds["sharded"].check(i, received[i])
-            twin = rounds["twin"].check(i, received[i])
+            levels_at[i] = screens["sharded"][w]._level_list(rounds["sharded"])
+            for kind in ("sharded", "twin"):
+                checked[kind][i] = rounds[kind].check(i, received[i])
+        # the votes as the client casts them: a held check's by the round's judgement
+        # (`RoundScreen.settle`, as `psyche.client.round.payloads.settle_blind_votes`)
+        settled = {kind: rounds[kind].settle(checked[kind]) for kind in ("sharded", "twin")}
+        for i, verdict in settled["sharded"].items():
+            twin = settled["twin"][i]
+            # a held check's level is the round's (`RoundScreen.judge`), not read here: its
+            # margin is to `min_agreement` alone
+            levels = levels_at[i]
             t = verdict.measure.agreement
             fig.twin_differs += (
                 t != twin.measure.agreement

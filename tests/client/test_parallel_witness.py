@@ -63,7 +63,15 @@ def test_a_two_rank_witness_decides_as_a_one_rank_witness(
     # the hostile member's sign flips: 3 honest witnesses x 3 rounds, refused by both alike
     assert f["hostile_checks"] == 9
     assert f["hostile_refused"] == f["hostile_refused_by_twins"]
-    # by the third round (levels of the witness's closed rounds) every lie is refused; before,
-    # a sign flip weakly opposed to a young witness's update may pass it (both alike)
-    assert [r for r in f["hostile_passed_rounds"] if r > 2] == []
-    assert f["hostile_refused"] >= 5
+    # a witness's first round holds its votes for the round's judgement (`RoundScreen.judge`,
+    # levels from the round's other results; the bench votes by `RoundScreen.settle`, as the
+    # client's `settle_blind_votes`): a DiLoCo sign flip is refused from round 1 and never
+    # applied. A 1-bit DisTrO result's own `t` is noisier (honest ones 3.6 to 7.6 at one
+    # witness in round 1): a flip of a weakly aligned update (`t` -1.3) is within the honest
+    # spread there, so DisTrO's lies are refused from round 2 on (levels of closed rounds)
+    first = 1 if case.endswith("bf16") else 2
+    assert [r for r in f["hostile_passed_rounds"] if r >= first] == []
+    if first == 1:
+        assert f["hostile_refused"] == f["hostile_checks"]
+        assert f["hostile_applied"] == 0
+    assert f["hostile_refused"] >= 7

@@ -384,6 +384,24 @@ def test_a_member_back_at_a_new_epoch_passes_after_a_round_that_agreed_strongly(
 Pairs = list[tuple[Verdict, Verdict]]
 
 
+def _settle_both(
+    rounds: tuple[RoundScreen, RoundScreen],
+    checked: tuple[dict[Hashable, Verdict], dict[Hashable, Verdict]],
+    pairs: Pairs,
+    threads: int = 1,
+) -> dict[Hashable, Verdict]:
+    """Two twin rounds' votes (`RoundScreen.settle`; the second at `threads` torch threads):
+    each held check's two judgements join `pairs`; the first's answer."""
+    a = rounds[0].settle(checked[0])
+    torch.set_num_threads(threads)
+    try:
+        b = rounds[1].settle(checked[1])
+    finally:
+        torch.set_num_threads(1)
+    pairs.extend((a[k], b[k]) for k, v in checked[0].items() if v.index is not None)
+    return a
+
+
 class _TwinRound:
     """One round checked by two witnesses with the same memory, one gathering the direction at
     each result's positions, one reading it from the combined direction; each verdict of the
@@ -392,6 +410,7 @@ class _TwinRound:
     def __init__(self, gathered: RoundScreen, combined: RoundScreen, pairs: Pairs) -> None:
         self.rounds = (gathered, combined)
         self.pairs = pairs
+        self.combined: dict[Hashable, Verdict] = {}
 
     def set_reference(self, reference: Reference, own_sent: Sequence[DistroResult]) -> None:
         # a folded aggregate (with DisTrO's applied coefficients there is no combined direction)
@@ -402,7 +421,11 @@ class _TwinRound:
     def check(self, sender: Hashable, results: Sequence[DistroResult]) -> Verdict:
         a, b = (rnd.check(sender, results) for rnd in self.rounds)
         self.pairs.append((a, b))
+        self.combined[sender] = b
         return a
+
+    def settle(self, verdicts: dict[Hashable, Verdict]) -> dict[Hashable, Verdict]:
+        return _settle_both(self.rounds, (verdicts, self.combined), self.pairs)
 
     def close(self) -> None:
         for rnd in self.rounds:
@@ -483,6 +506,36 @@ def test_a_round_checked_while_the_one_before_is_still_open_has_that_rounds_leve
     assert alone.check(1, noise).passed
 
 
+@pytest.mark.parametrize("first", [True, False])
+def test_a_witness_judges_its_first_round_as_a_whole(first: bool) -> None:
+    """A witness with an update of its own but no level yet (its first round) judged each
+    result by `min_agreement` alone: a hostile result independent of its update (random signs,
+    `t` about N(0, 1)) or weakly opposed to it (a DiLoCo sign flip at `t` -3.9 in
+    `scripts/bench/honest_checks.py`) passed it, with the hostile member's own vote a quorum of
+    four, and it folded the lie into its aggregate. Its votes now follow the round judged as a
+    whole (`RoundScreen.settle`, as the client's `settle_blind_votes`): leave-one-out levels of
+    the round's other results, whatever order they came in; the round folds only what passed."""
+    diloco, sent = honest_results("bf16")
+    reader = ResultReader.of(diloco)
+    fmt = DilocoFormat(diloco.layouts())
+    g = torch.Generator().manual_seed(3)
+    noise = [fmt.random_signs(r, i, g) for i, r in enumerate(sent[1])]
+    rnd = WitnessScreen(reader, DILOCO_SCREENING).open_round()
+    rnd.set_reference(reader.reference(diloco), sent[0])
+    order: list[Hashable] = ["hostile", 2, 3] if first else [2, 3, "hostile"]
+    checked = {s: rnd.check(s, noise if s == "hostile" else sent[int(s)]) for s in order}
+    assert checked["hostile"].passed  # at its check: above the floor, no level yet
+    assert all(v.index is not None and not v.blind for v in checked.values())  # held
+    settled = rnd.settle(checked)
+    assert not settled["hostile"].passed
+    assert "lowest median" in str(settled["hostile"].problem)
+    assert settled[2].passed
+    assert settled[3].passed
+    assert len(rnd.accepted) == 3  # its own and the two honest ones
+    assert checked["hostile"].measure.agreement in rnd.refused_agreements
+    assert checked["hostile"].measure.agreement not in rnd.agreements
+
+
 _Blind = tuple[int, Hashable, Verdict]
 
 
@@ -503,6 +556,9 @@ class _CutRound:
         if not self.keep:
             self.verdicts.append((self.number, sender, verdict))
         return verdict
+
+    def settle(self, verdicts: dict[Hashable, Verdict]) -> dict[Hashable, Verdict]:
+        return self.rnd.settle(verdicts)
 
     def close(self) -> None:
         self.rnd.close()
@@ -646,6 +702,7 @@ class _ThreadedRound:
 
     def __init__(self, first: RoundScreen, second: RoundScreen, pairs: Pairs) -> None:
         self.first, self.second, self.pairs = first, second, pairs
+        self.seconds: dict[Hashable, Verdict] = {}
 
     def _second(self, call: Callable[[], Verdict | None]) -> Verdict | None:
         torch.set_num_threads(2)
@@ -665,7 +722,12 @@ class _ThreadedRound:
         b = self._second(lambda: self.second.check(sender, mine))
         assert b is not None
         self.pairs.append((a, b))
+        self.seconds[sender] = b
         return a
+
+    def settle(self, verdicts: dict[Hashable, Verdict]) -> dict[Hashable, Verdict]:
+        rounds = (self.first, self.second)
+        return _settle_both(rounds, (verdicts, self.seconds), self.pairs, threads=2)
 
     def close(self) -> None:
         self.first.close()

@@ -56,6 +56,12 @@ levels). Arrival order is the trainers' to choose, so its refusals never accuse
 (`RoundScreen.judge`: leave-one-out medians over every result received by then; in its very
 first round, with no aggregate, each result's agreement along the sum of the round's others).
 
+A witness with an update of its own but no level yet (its first round: no closed round, none
+open before it) holds its votes the same way: `min_agreement` alone passed a sign-flipped DiLoCo
+result weakly opposed to its update (`t` -3.9 where honest ones had 15 to 30), a four-member
+run's quorum with the hostile member's own vote. Its round is judged as a whole, each result
+against `held_level_share` of the lower median of the others' `t`s (leave-one-out).
+
 Every sum is taken in slices below torch's threading grain and added in order
 (`_serial_sums`), so two witnesses with the same inputs get the same bits of every statistic
 whatever their thread counts.
@@ -82,7 +88,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -115,6 +121,7 @@ _NORM_BLOCK = 1024
 _NORM_EVERY = 16
 # a DisTrO result's fingerprint reads the entries of one block in `_SKETCH_EVERY`
 _SKETCH_EVERY = 4
+_K = TypeVar("_K", bound=Hashable)
 
 
 @dataclass(frozen=True)
@@ -129,6 +136,12 @@ class ScreeningSettings:
     level_rounds: int = 1
     """The relative test's level: the lowest median of this many last rounds (more than one
     lags behind a run whose agreement grows, as a DiLoCo run's does over its first rounds)."""
+    held_level_share: float = 0.5
+    """A witness with an update of its own but no level yet (its first round) judges the
+    round's results as a whole (`RoundScreen.judge`): its level for each is this share of the
+    lower median of the other results' `t`s. Half by default, as a witness without an update
+    of its own halves its median: a member back with a fresh momentum agrees about half as
+    strongly as the others."""
     window_rounds: int = 16
     min_window_z: float = -6.0
     """The window test: `sum(t) / sqrt(n)` over the sender's last `n` results here."""
@@ -156,9 +169,11 @@ the sender's window a consistently opposed one. The level is the lower median of
 rounds: an epoch's first round agrees about twice as strongly as the next (tiny run, c16 k8:
 t 35 against 18), and a member back with a fresh momentum agrees about half as strongly as
 the others for its first rounds."""
-DILOCO_SCREENING = ScreeningSettings(relative_agreement=(0.4, 6.0))
+DILOCO_SCREENING = ScreeningSettings(relative_agreement=(0.4, 6.0), held_level_share=1.0)
 """DiLoCo: honest pseudo-gradients agree with `t` of 10 to 130 on the tiny run, the lowest of a
-round at least 0.43 of its median."""
+round at least 0.43 of its median. A first round's level is all of the lower median of the
+others (a random-sign result's `t`, about N(0, 1), lies below 0.4 x 21.7 - 6 = 2.7 where
+honest ones have 21.7 and 23.3; half of it passed one at `t` 1.15)."""
 
 
 def screening_settings(reader: ResultReader) -> ScreeningSettings:
@@ -323,7 +338,8 @@ class Verdict:
     here says nothing about the sender that should drop it (the client attests it as
     delivered and withholds only its vote)."""
     index: int | None = None
-    """A blind verdict's place among its round's blind checks: `RoundScreen.judge` judges it
+    """A held verdict's place among its round's held checks (a blind one, or one made with an
+    own update before the witness had a level: its first round): `RoundScreen.judge` judges it
     again over the whole round (the verdict the client's vote follows)."""
 
     @property
@@ -345,6 +361,9 @@ class _BlindCheck:
     copy: str | None
     """Why it is a copy of a result seen before it (None: it is not)."""
     flat: Flat | None = None
+    passed: bool = True
+    """With an own update: it passed (at its check, then at `RoundScreen.judge`), so it is
+    among the round's accepted results and levels."""
 
 
 @dataclass(frozen=True)
@@ -853,11 +872,11 @@ class WitnessScreen:
         problem = None
         histories = self._agreements if reference is not None else self._blind_agreements
         history = histories.setdefault(sender, deque(maxlen=settings.window_rounds))
+        levels: list[float] = []
         if reference is not None:
             history.append(measure.agreement)
-            problem = self._first_order_problem(
-                measure, reference.own_norm, history, self._level_list(screen)
-            )
+            levels = self._level_list(screen)
+            problem = self._first_order_problem(measure, reference.own_norm, history, levels)
         else:
             problem = self._blind_problem(measure, screen, history, measured)
         copy = self._copy(measure, earlier) if problem is None or reference is None else None
@@ -867,9 +886,12 @@ class WitnessScreen:
             (screen.agreements if problem is None else screen.refused_agreements).append(
                 measure.agreement
             )
-        else:
+        if reference is None or not levels:
+            # no level yet (a witness's first rounds): the vote follows `RoundScreen.judge`
             index = len(screen.blind)
-            screen.blind.append(_BlindCheck(sender, measure, measured, tuple(history), copy))
+            held = _BlindCheck(sender, measure, measured, tuple(history), copy)
+            held.passed = problem is None
+            screen.blind.append(held)
         screen.seen.append(measure.fingerprint)
         if problem is None:
             screen.accepted_norms.append(measure.norm)
@@ -974,8 +996,17 @@ class WitnessScreen:
         return None
 
     def _judge(self, screen: RoundScreen) -> list[Verdict]:
-        """`RoundScreen.judge`: every blind check of the round judged against all the round's
-        other results (leave-one-out medians), whatever order they came in."""
+        """`RoundScreen.judge`: every held check of the round judged against all the round's
+        other results (leave-one-out medians), whatever order they came in. Held: every check
+        of a witness without an update of its own, and with one, every check made while the
+        witness had no level yet (`_level_list`, its first round): `min_agreement` alone let a
+        sign-flipped DiLoCo bf16 result pass a witness whose own update it opposed only weakly
+        (`t` -3.9 where the round's honest results had 15 to 30: a four-member run's quorum
+        with the hostile member's own vote), and the witness then folded it into its aggregate,
+        along which the next round's lie agreed (`t` +15.7). With an own update the level is the
+        lower median of the other held checks' `t`s (times `held_level_share`): a hostile
+        result's high `t` cannot raise the level an honest one of a four-member run is judged
+        by (two others), and a hostile one's low `t` only lowers it."""
         with self._lock:
             # in one order whatever the arrival order (the round's sum adds in this order)
             order = sorted(
@@ -992,6 +1023,8 @@ class WitnessScreen:
             if len(whole) == len(flats):
                 # no aggregate (the witness's first round): along the round's other results
                 ts, measured, along_round = self._round_agreements(whole), [True] * len(ts), True
+        own = screen.reference
+        middle = statistics.median if own is None else statistics.median_low
         with self._lock:
             verdicts: dict[int, Verdict] = {}
             passed: list[_BlindCheck] = []
@@ -999,26 +1032,46 @@ class WitnessScreen:
                 others = [k for k in range(len(checks)) if k != i]
                 norms = [checks[k].measure.norm for k in others]
                 basis = (
-                    statistics.median(norms) if len(norms) >= _BLIND_OTHERS else self._norm_level
+                    own.own_norm
+                    if own is not None
+                    else statistics.median(norms)
+                    if len(norms) >= _BLIND_OTHERS
+                    else self._norm_level
                 )
                 others_t = [ts[k] for k in others if measured[k]]
                 levels: list[float] = []
                 if measured[i] and len(others_t) >= 2:
                     closed = [] if along_round else list(self._levels)
-                    levels = [statistics.median(others_t) / 2, *closed]
+                    share = 0.5 if own is None else self.settings.held_level_share
+                    levels = [middle(others_t) * share, *closed]
                 history = check.history if measured[i] and not along_round else ()
                 measure = dataclasses.replace(check.measure, agreement=ts[i])
                 problem = self._first_order_problem(measure, basis, history, levels) or check.copy
                 index = order[i]
-                verdicts[index] = Verdict(measure, problem, measured[i], blind=True, index=index)
+                verdicts[index] = Verdict(
+                    measure, problem, measured[i], blind=own is None, index=index
+                )
                 if problem is None:
                     passed.append(check)
-            if screen.reference is None:
+                elif own is not None and check.passed:
+                    self._unaccept(screen, check)
+            if own is None:
                 # the round folds (`_close`) what passed here, not what passed at its check
                 screen.accepted = [c.flat for c in passed if c.flat is not None]
                 screen.accepted_norms = [c.measure.norm for c in passed]
-            screen.judged = True
+                screen.judged = True
         return [verdicts[i] for i in range(len(checks))]
+
+    @staticmethod
+    def _unaccept(screen: RoundScreen, check: _BlindCheck) -> None:
+        """A result that passed its check (with an own update) and not the round's judgement:
+        out of what the round folds (its aggregate, norm level) and of its passed level.
+        Called under the lock."""
+        check.passed = False
+        screen.accepted = [f for f in screen.accepted if f is not check.flat]
+        screen.accepted_norms.remove(check.measure.norm)
+        screen.agreements.remove(check.measure.agreement)
+        screen.refused_agreements.append(check.measure.agreement)
 
     def _round_agreements(self, flats: Sequence[Flat]) -> list[float]:
         """Each result's `t` along the sum of the round's other results (one model-sized sum,
@@ -1086,7 +1139,8 @@ class RoundScreen:
         """The `t` of each result that passed (and, below, of each refused one)."""
         self.refused_agreements: list[float] = []
         self.blind: list[_BlindCheck] = []
-        """Without a reference: every result checked, in the order they came (`judge`)."""
+        """Without a reference, or with one but no level yet: every result checked, in the
+        order they came (`judge`)."""
         self.judged = False
         """`judge` ran: what the round folds is what passed there."""
         self.blind_agreements: list[float] = []
@@ -1154,6 +1208,15 @@ class RoundScreen:
         the round's others. One verdict per blind check, by index; the client votes by these
         when it sends its witness (`psyche.client.round.payloads.settle_blind_votes`)."""
         return self.witness._judge(self)
+
+    def settle(self, verdicts: Mapping[_K, Verdict]) -> dict[_K, Verdict]:
+        """The verdicts this witness votes by, as a client casts its votes
+        (`psyche.client.round.payloads.settle_blind_votes`): each held one (`Verdict.index`)
+        replaced by the round's judgement (`judge`), the others as they were checked."""
+        if all(v.index is None for v in verdicts.values()):
+            return dict(verdicts)
+        judged = self.judge()
+        return {k: v if v.index is None else judged[v.index] for k, v in verdicts.items()}
 
     def close(self) -> None:
         """Fold the round into the witness's memory (once)."""
@@ -1239,11 +1302,10 @@ class WitnessPanel:
             votes[w] += 1  # its own result
             rnd = screen.open_round()
             rnd.set_reference(*own[w])
-            for i in order:
-                if i != w:
-                    verdict = rnd.check(i, results[i])
-                    self._count(i, verdict)
-                    votes[i] += 1 if verdict.passed else 0
+            checked = {i: rnd.check(i, results[i]) for i in order if i != w}
+            for i, verdict in rnd.settle(checked).items():
+                self._count(i, verdict)
+                votes[i] += 1 if verdict.passed else 0
             rnd.close()
         accepted = [i for i, v in enumerate(votes) if v >= self.quorum]
         tally = self.tally
