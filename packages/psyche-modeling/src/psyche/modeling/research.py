@@ -128,15 +128,11 @@ class ResultExchange:
         models: Sequence[nn.Module],
         optimizers: Sequence[Distro | Diloco],
         *,
-        lr: float | Schedule | Callable[[int], float],
         through_wire: bool,
         hostile: RoundTamper | None,
         screening: ScreeningSettings | None,
     ) -> None:
-        if not models:
-            raise ValueError("at least one member is needed")
         self.models = list(models)
-        self.lr = lr_function(lr)
         self.through_wire = through_wire
         self.last_payload_bytes: list[int] = []
         self.hostile = hostile
@@ -248,13 +244,15 @@ class PeerSimulation(ResultExchange):
         hostile: RoundTamper | None = None,
         screening: ScreeningSettings | None = None,
     ) -> None:
+        if not models:
+            raise ValueError("at least one peer is needed")
         self.settings = settings or DistroSettings()
+        self.lr = lr_function(lr)
         self.peers = [_Peer(m, self.settings) for m in models]
         self._outbox: list[list[DistroResult]] | None = None
         super().__init__(
             models,
             [peer.distro for peer in self.peers],
-            lr=lr,
             through_wire=through_wire,
             hostile=hostile,
             screening=screening,

@@ -32,7 +32,7 @@ from torch import nn
 from psyche.modeling.adamw import LibtorchAdamW
 from psyche.modeling.diloco.optimizer import Diloco, DilocoSettings
 from psyche.modeling.distro import DistroResult
-from psyche.modeling.lr import Schedule
+from psyche.modeling.lr import Schedule, lr_function
 from psyche.modeling.research import ResultExchange, clip_gradients
 from psyche.modeling.screening import RoundTamper, ScreeningSettings
 from psyche.modeling.serialized_distro import TransmittableDistroResult
@@ -83,7 +83,10 @@ class DilocoPeerSimulation(ResultExchange):
         hostile: RoundTamper | None = None,
         screening: ScreeningSettings | None = None,
     ) -> None:
+        if not models:
+            raise ValueError("at least one replica is needed")
         self.settings = settings or DilocoSettings()
+        self.lr = lr_function(lr)
         self.overlap = overlap
         self.lookahead = lookahead and overlap
         self.replicas = [_Replica(m, self.settings, _base_lr(lr)) for m in models]
@@ -96,7 +99,6 @@ class DilocoPeerSimulation(ResultExchange):
         super().__init__(
             models,
             [r.diloco for r in self.replicas],
-            lr=lr,
             through_wire=through_wire,
             hostile=hostile,
             screening=screening,
