@@ -120,19 +120,16 @@ class ResultExchange:
     verdict). With `through_wire`, every result goes through the postcard payload, its
     commitment hash and the receiver's validation (`_from_wire`), as between real peers;
     `last_payload_bytes` then holds each member's last payload size. `last_accepted`: the
-    members whose results of the last exchange the run applies. `models[i]` is the model
-    `optimizers[i]` trains."""
+    members whose results of the last exchange the run applies."""
 
     def __init__(
         self,
-        models: Sequence[nn.Module],
         optimizers: Sequence[Distro | Diloco],
         *,
         through_wire: bool,
         hostile: RoundTamper | None,
         screening: ScreeningSettings | None,
     ) -> None:
-        self.models = list(models)
         self.through_wire = through_wire
         self.last_payload_bytes: list[int] = []
         self.hostile = hostile
@@ -176,6 +173,7 @@ class ResultExchange:
 
 class _Peer:
     def __init__(self, model: nn.Module, settings: DistroSettings) -> None:
+        self.model = model
         self.distro = settings.build(model)
         self.params = [p for _, p in sorted_variables(model)]
         self.prev_results: list[DistroResult] | None = None
@@ -251,12 +249,15 @@ class PeerSimulation(ResultExchange):
         self.peers = [_Peer(m, self.settings) for m in models]
         self._outbox: list[list[DistroResult]] | None = None
         super().__init__(
-            models,
             [peer.distro for peer in self.peers],
             through_wire=through_wire,
             hostile=hostile,
             screening=screening,
         )
+
+    @property
+    def models(self) -> list[nn.Module]:
+        return [p.model for p in self.peers]
 
     def zero_grad(self, step: int) -> None:
         for peer in self.peers:

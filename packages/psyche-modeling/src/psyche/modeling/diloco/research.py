@@ -47,6 +47,7 @@ def _base_lr(lr: object) -> float | None:
 
 class _Replica:
     def __init__(self, model: nn.Module, settings: DilocoSettings, base_lr: float | None) -> None:
+        self.model = model
         self.settings = settings
         self.diloco = Diloco(model, settings, base_lr=base_lr)
         self.inner = LibtorchAdamW(
@@ -97,12 +98,15 @@ class DilocoPeerSimulation(ResultExchange):
         for r in self.replicas:
             r.diloco.begin_round(self._round)
         super().__init__(
-            models,
             [r.diloco for r in self.replicas],
             through_wire=through_wire,
             hostile=hostile,
             screening=screening,
         )
+
+    @property
+    def models(self) -> list[nn.Module]:
+        return [r.model for r in self.replicas]
 
     def zero_grad(self, step: int | None = None) -> None:
         """Zero every replica's gradients (`step` is accepted, and unused, as in DisTrO's
