@@ -862,13 +862,19 @@ class WitnessScreen:
         return buffer
 
     def _decide(
-        self, sender: Hashable, measure: Measure, screen: RoundScreen, measured: bool
+        self,
+        sender: Hashable,
+        measure: Measure,
+        screen: RoundScreen,
+        measured: bool,
+        reference: _Own | None,
     ) -> Verdict:
         """`measured`: the agreement was measured (against the own update, or without one
-        against the recent aggregate); called under the lock."""
+        against the recent aggregate); `reference`: the own update it was measured against
+        (the round's when the check began: one set meanwhile does not make a blind measure
+        judged as an own-update one); called under the lock."""
         settings = self.settings
         earlier = [*screen.seen, *(fp for rnd in self._fingerprints for fp in rnd)]
-        reference = screen.reference
         problem = None
         histories = self._agreements if reference is not None else self._blind_agreements
         history = histories.setdefault(sender, deque(maxlen=settings.window_rounds))
@@ -893,7 +899,7 @@ class WitnessScreen:
             held.passed = problem is None
             screen.blind.append(held)
         screen.seen.append(measure.fingerprint)
-        if problem is None:
+        if problem is None and not screen.judged:  # after the judgement the round is settled
             screen.accepted_norms.append(measure.norm)
         return Verdict(
             measure,
@@ -1190,7 +1196,7 @@ class RoundScreen:
         with w._lock:
             if own is not None:
                 self.checks += 1
-            verdict = w._decide(sender, measure, self, measured is not None)
+            verdict = w._decide(sender, measure, self, measured is not None, own)
             if verdict.index is not None:
                 self.blind[verdict.index].flat = flat
             if verdict.passed and not self.judged:
