@@ -126,9 +126,29 @@ def busy_cores(count: int, seconds: float) -> Iterator[None]:
             proc.wait()
 
 
+class PortTaken(Exception):
+    """The server's port (free when picked) was taken before the server bound it."""
+
+
+# Another program may take a picked port before the server, started seconds later, binds it
+# (busy machines: test workers and benchmarks side by side); the run is started again.
+PORT_ATTEMPTS = 3
+
+
 def run(args: argparse.Namespace, directory: Path, threads: str) -> list[Path]:
     """The run with every client's torch threads `capped` (cores / clients) or at torch's
-    `default`; the clients' logs."""
+    `default`; the clients' logs. Started again, in a fresh directory, when its port was
+    taken before the server bound it."""
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        try:
+            return run_once(args, directory / f"attempt-{attempt}", threads)
+        except PortTaken as taken:
+            print(f"{taken}; starting the run again", file=sys.stderr)
+    raise SystemExit(f"the server's port was taken {PORT_ATTEMPTS} times; logs in {directory}")
+
+
+def run_once(args: argparse.Namespace, directory: Path, threads: str) -> list[Path]:
+    directory.mkdir(parents=True)
     write_run(directory, args)
     port = free_port()
     logs = []
@@ -180,7 +200,10 @@ def run(args: argparse.Namespace, directory: Path, threads: str) -> list[Path]:
                 raise SystemExit(f"timed out; logs in {directory}")
             for proc, log in zip(procs, logs):
                 if proc.poll() is not None:
-                    raise SystemExit(f"{log.name} exited:\n{log.read_text()[-3000:]}")
+                    text = log.read_text()
+                    if log.name == "server.log" and "is already in use" in text:
+                        raise PortTaken(f"the port the server was given was taken ({log})")
+                    raise SystemExit(f"{log.name} exited:\n{text[-3000:]}")
             time.sleep(0.5)
     finally:
         for proc in procs:
