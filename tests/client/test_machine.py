@@ -468,6 +468,45 @@ def test_only_a_round_trained_without_the_client_makes_its_model_stale() -> None
     trio.run(main)
 
 
+@pytest.mark.parametrize("others_listed", [True, False])
+def test_a_client_dropped_at_the_epochs_last_round_drops_its_model(others_listed: bool) -> None:
+    """A health check at the end of the epoch's last round drops this client: the Cooldown
+    lists the others, whose cooldown applies that round, and not it. It kept its model (a round
+    behind) and trained the next epoch with it beside the others' (CI run 25: two honest
+    clients' cooldown hashes differed from then on). Now its model is stale (`left_run`: the
+    client joins again and loads the run's model). A Cooldown listing nobody holds no newer
+    model: the model is kept, as between epochs."""
+
+    async def main() -> None:
+        coordinator = integration_test_coordinator(2, 4, 1)
+        sim = Simulation(coordinator, now=1_000_000, rng=random.Random(5))
+        key = SecretKey.from_bytes(bytes(31) + bytes([1]))
+        identity = NodeIdentity.from_single_key(key.public_key)
+        other = NodeIdentity.from_single_key(
+            SecretKey.from_bytes(bytes(31) + bytes([2])).public_key
+        )
+        sim.join(identity)
+        sim.join(other)
+        sim.run_until(lambda c: c.run_state is RunState.Warmup, 10)
+        async with trio.open_nursery() as nursery:
+            bus = Bus(sim)
+            node = Node(key, identity)
+            machine = StepStateMachine(
+                MachineSettings(identity=identity), make_trainer(),
+                DataFetcher(FakeData(), nursery), sim.coordinator.copy(), BusIO(bus, node), nursery,
+            )  # fmt: skip
+            state = sim.coordinator.copy()
+            state.run_state = RunState.Cooldown
+            state.epoch_state.clients = [c for c in state.epoch_state.clients if c.id == other]
+            if not others_listed:
+                state.epoch_state.clients = []
+            await machine.apply_state(state)
+            assert machine.left_run is others_listed
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
 def test_a_client_that_missed_the_epochs_last_round_does_not_freeze_its_model(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

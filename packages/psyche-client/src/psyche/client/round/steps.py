@@ -263,8 +263,13 @@ class StepStateMachine:
             return
         index = client_index(state, self.identity)
         if index is None:
-            if state.run_state in _ROUND_STATES:
-                # The run trains without this machine: its model falls behind from here.
+            if state.run_state in _ROUND_STATES or (
+                state.run_state is RunState.Cooldown and state.epoch_state.clients
+            ):
+                # The run trains without this machine, or its cooldown applies the epoch's last
+                # round without it (a health check dropped it at that round's end; the clients
+                # listed hold the run's model): its model falls behind from here. An empty
+                # list holds nobody's newer model: the model is kept.
                 self.left_run = True
             await self._leave_run(state)
             return
