@@ -431,34 +431,40 @@ def test_apply_skips_refused_payloads_and_fails_on_missing_ones() -> None:
     trio.run(scenario)
 
 
+def _one_of_two_at_warmup(
+    nursery: trio.Nursery,
+) -> tuple[StepStateMachine, Coordinator, NodeIdentity]:
+    """The machine of the first of two clients of a run at its warmup, that state, and the
+    other client's identity."""
+    sim = Simulation(integration_test_coordinator(2, 4, 1), now=1_000_000, rng=random.Random(5))
+    key = SecretKey.from_bytes(bytes(31) + bytes([1]))
+    identity = NodeIdentity.from_single_key(key.public_key)
+    other = NodeIdentity.from_single_key(SecretKey.from_bytes(bytes(31) + bytes([2])).public_key)
+    sim.join(identity)
+    sim.join(other)
+    sim.run_until(lambda c: c.run_state is RunState.Warmup, 10)
+    io = BusIO(Bus(sim), Node(key, identity))
+    machine = StepStateMachine(
+        MachineSettings(identity=identity), make_trainer(),
+        DataFetcher(FakeData(), nursery), sim.coordinator.copy(), io, nursery,
+    )  # fmt: skip
+    return machine, sim.coordinator.copy(), other
+
+
 def test_only_a_round_trained_without_the_client_makes_its_model_stale() -> None:
     """Leaving between epochs keeps the model (an epoch that ended with every client withdrawn
     empties the client list: dropping the model there restarted a run from its initial
     weights); a round the run trains without this client makes it stale (`left_run`)."""
 
     async def main() -> None:
-        coordinator = integration_test_coordinator(2, 4, 1)
-        sim = Simulation(coordinator, now=1_000_000, rng=random.Random(5))
-        key = SecretKey.from_bytes(bytes(31) + bytes([1]))
-        identity = NodeIdentity.from_single_key(key.public_key)
-        sim.join(identity)
-        sim.join(
-            NodeIdentity.from_single_key(SecretKey.from_bytes(bytes(31) + bytes([2])).public_key)
-        )
-        sim.run_until(lambda c: c.run_state is RunState.Warmup, 10)
         async with trio.open_nursery() as nursery:
-            bus = Bus(sim)
-            node = Node(key, identity)
-            machine = StepStateMachine(
-                MachineSettings(identity=identity), make_trainer(),
-                DataFetcher(FakeData(), nursery), sim.coordinator.copy(), BusIO(bus, node), nursery,
-            )  # fmt: skip
+            machine, warmup, _ = _one_of_two_at_warmup(nursery)
             for run_state, stale in (
                 (RunState.WaitingForMembers, False),
                 (RunState.Warmup, False),
                 (RunState.RoundTrain, True),
             ):
-                state = sim.coordinator.copy()
+                state = warmup.copy()
                 state.run_state = run_state
                 state.epoch_state.clients = []
                 await machine.apply_state(state)
@@ -478,24 +484,9 @@ def test_a_client_dropped_at_the_epochs_last_round_drops_its_model(others_listed
     model: the model is kept, as between epochs."""
 
     async def main() -> None:
-        coordinator = integration_test_coordinator(2, 4, 1)
-        sim = Simulation(coordinator, now=1_000_000, rng=random.Random(5))
-        key = SecretKey.from_bytes(bytes(31) + bytes([1]))
-        identity = NodeIdentity.from_single_key(key.public_key)
-        other = NodeIdentity.from_single_key(
-            SecretKey.from_bytes(bytes(31) + bytes([2])).public_key
-        )
-        sim.join(identity)
-        sim.join(other)
-        sim.run_until(lambda c: c.run_state is RunState.Warmup, 10)
         async with trio.open_nursery() as nursery:
-            bus = Bus(sim)
-            node = Node(key, identity)
-            machine = StepStateMachine(
-                MachineSettings(identity=identity), make_trainer(),
-                DataFetcher(FakeData(), nursery), sim.coordinator.copy(), BusIO(bus, node), nursery,
-            )  # fmt: skip
-            state = sim.coordinator.copy()
+            machine, warmup, other = _one_of_two_at_warmup(nursery)
+            state = warmup.copy()
             state.run_state = RunState.Cooldown
             state.epoch_state.clients = [c for c in state.epoch_state.clients if c.id == other]
             if not others_listed:
