@@ -75,15 +75,22 @@ def same_bits(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     )
 
 
-@pytest.mark.parametrize("form", ["distro", "bf16", "sparse"])
-def test_two_verifiers_recompute_the_same_bits_and_leave_their_trainer_alone(form: str) -> None:
-    batch = corpus_batches(3)
+def trained_one_step(form: str, batch: Any) -> tuple[Any, Any]:
+    """A trainer of `form` that trained and applied its own first step (a verifier with a
+    history: optimizer state, a pending own update), and that step's output."""
     trainer = tiny_trainer(form)
-    # the verifier has a history of its own (optimizer state, a pending own update)
     out = trainer.train_exact(
         1, batch(1, 0), warmup_lr_between=None, zero_optim=False, prev_self_distro_results=[]
     )
     trainer.optimize(1, distro_results=[out.distro_results or []])
+    return trainer, out
+
+
+@pytest.mark.parametrize("form", ["distro", "bf16", "sparse"])
+def test_two_verifiers_recompute_the_same_bits_and_leave_their_trainer_alone(form: str) -> None:
+    batch = corpus_batches(3)
+    # the verifier has a history of its own (optimizer state, a pending own update)
+    trainer, out = trained_one_step(form, batch)
     other = tiny_trainer(form)
     other.optimize(1, distro_results=[out.distro_results or []])
     before = state(trainer)
@@ -122,11 +129,7 @@ def test_a_recompute_the_round_ends_stops_and_leaves_its_trainer_alone(form: str
     # a verifier that also trains checks in the round's idle time: the round's end must stop a
     # recompute (between micro-batches or inner steps) instead of holding the next round
     batch = corpus_batches(2)
-    trainer = tiny_trainer(form)
-    out = trainer.train_exact(
-        1, batch(1, 0), warmup_lr_between=None, zero_optim=False, prev_self_distro_results=[]
-    )
-    trainer.optimize(1, distro_results=[out.distro_results or []])
+    trainer, out = trained_one_step(form, batch)
     before = state(trainer)
     with pytest.raises(RecomputeCancelled):
         recompute(trainer, batch(2, 1), step=2, cancel=_Ended())
