@@ -261,16 +261,24 @@ def test_an_unreachable_data_server_is_tried_again_at_the_next_warmup(
 HUB_REPO = "psyche-tests/tiny-llama"
 
 
+# A hub out of reach, as the client first meets it: refusing connections, answering every
+# request with a server error, or under a name that does not resolve (`.invalid` never does).
+HUB_OUTAGES = ["refused", "500", "503", "no such name"]
+
+
+@pytest.mark.parametrize("outage", HUB_OUTAGES)
 def test_an_unreachable_hub_is_tried_again_at_the_next_warmup(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
     held_port: int,
+    outage: str,
 ) -> None:
-    """A hub download that cannot connect (a network blip) leaves the epoch and joins again, as
-    a data server that cannot be reached does, instead of ending the client."""
+    """A hub download that cannot connect, whose host name does not resolve, or that the hub
+    answers with a 5xx (a network blip, a hub having a bad minute) leaves the epoch and joins
+    again, as a data server that cannot be reached does, instead of ending the client (before:
+    only a refused connection did; a 5xx or a failed name lookup ended it)."""
     caplog.set_level(logging.INFO, logger="psyche.client")
-    point_huggingface_hub_at(monkeypatch, f"http://127.0.0.1:{held_port}", tmp_path / "hf-home")
     hub = HubEndpoint()
 
     async def main() -> None:
@@ -278,15 +286,20 @@ def test_an_unreachable_hub_is_tried_again_at_the_next_warmup(
             (error,) = await _fails_then_joins_again(base, client, backend, caplog)
             assert "failed to load model" in error
             assert HUB_REPO in error
-            with hub.serving():
-                point_huggingface_hub_at(monkeypatch, hub.url, tmp_path / "hf-home")
-                await backend.states.send(_at(base, RunState.Warmup, [ME], epoch=1))
-                await wait_until(lambda: client.stage == "running", WAIT_SECS)
+            hub.fail_status = None  # the hub is back
+            point_huggingface_hub_at(monkeypatch, hub.url, tmp_path / "hf-home")
+            await backend.states.send(_at(base, RunState.Warmup, [ME], epoch=1))
+            await wait_until(lambda: client.stage == "running", WAIT_SECS)
 
     base, _ = _run(tmp_path, None)
     hub.create_repo(HUB_REPO, {"config.json": (tmp_path / "model/config.json").read_bytes()})
     base.model.value.checkpoint = Checkpoint.Hub(HubRepo(HUB_REPO))
-    trio.run(main)
+    with hub.serving():
+        if outage.isdigit():
+            hub.fail_status = int(outage)
+        where = {"refused": f"http://127.0.0.1:{held_port}", "no such name": "http://hub.invalid"}
+        point_huggingface_hub_at(monkeypatch, where.get(outage, hub.url), tmp_path / "hf-home")
+        trio.run(main)
 
 
 def test_a_hub_repo_that_is_not_there_ends_the_client_in_one_line(
