@@ -9,7 +9,6 @@ Before: only a refused or dropped connection or a timeout was transient; a hub a
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -50,18 +49,10 @@ def test_a_hub_name_that_does_not_resolve_is_unreachable(
     assert REPO in str(raised.value)
 
 
-@pytest.fixture
-def refusing_port() -> Iterator[int]:
-    """A loopback port bound but not listening: connections to it are refused."""
-    with socket.socket() as held:
-        held.bind(("127.0.0.1", 0))
-        yield int(held.getsockname()[1])
-
-
 def test_a_hub_that_refuses_connections_is_unreachable(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, refusing_port: int
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, held_port: int
 ) -> None:
-    url = f"http://127.0.0.1:{refusing_port}"
+    url = f"http://127.0.0.1:{held_port}"
     point_huggingface_hub_at(monkeypatch, url, tmp_path / "hf-home")
     with pytest.raises(ModelUnreachable):
         _load()

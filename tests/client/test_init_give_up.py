@@ -12,9 +12,8 @@ and an init that finished as the client ended kept its data connection."""
 from __future__ import annotations
 
 import logging
-import socket
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -85,17 +84,6 @@ def _at(
     state.progress.epoch = epoch
     state.epoch_state.clients = [Member(identity) for identity in members]
     return state
-
-
-@pytest.fixture
-def held_port() -> Iterator[int]:
-    """A loopback port bound, not listening, for the test's duration: connections to it are
-    refused until a server listens there (its listener binds beside this socket: both reuse the
-    address), and no other process's socket is given it meanwhile."""
-    with socket.socket() as held:
-        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        held.bind(("127.0.0.1", 0))
-        yield int(held.getsockname()[1])
 
 
 @asynccontextmanager
