@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +18,17 @@ def hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[HubEndpoint
     with endpoint.serving():
         point_huggingface_hub_at(monkeypatch, endpoint.url, tmp_path / "hf-home")
         yield endpoint
+
+
+@pytest.fixture
+def held_port() -> Iterator[int]:
+    """A loopback port bound, not listening, for the test's duration: connections to it are
+    refused until a server listens there (its listener binds beside this socket: both reuse the
+    address), and no other process's socket is given it meanwhile."""
+    with socket.socket() as held:
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        held.bind(("127.0.0.1", 0))
+        yield int(held.getsockname()[1])
 
 
 @pytest.fixture

@@ -4,7 +4,8 @@ download it again (`snapshot_download`: revision info, tree, resolve with HEAD a
 
 Repos are kept in memory as a list of commits; a commit replaces the tree at once, so a reader
 sees either the old tree or the new one. Tests can make the next commits fail (`fail_commits`)
-or hold them until released (`hold_commits`), to check what the uploader does meanwhile. LFS and
+or hold them until released (`hold_commits`), to check what the uploader does meanwhile, or make
+the whole hub answer every request with one HTTP error (`fail_status`, a hub that is down). LFS and
 Xet are off: preupload answers `regular` for every file (set `HF_HUB_DISABLE_XET=1`).
 """
 
@@ -54,6 +55,8 @@ class HubEndpoint:
         self.repos: dict[str, Repo] = {}
         self.lock = threading.Lock()
         self.fail_commits = 0
+        # every request answered with this HTTP status while set (None: the hub works)
+        self.fail_status: int | None = None
         # a slow link: a commit's answer waits len(body) / bytes_per_sec seconds
         self.bytes_per_sec: float | None = None
         self.hold_commits: threading.Event | None = None
@@ -155,6 +158,14 @@ class _Handler(BaseHTTPRequestHandler):
             parse_qs(parts.query),
         )
 
+    def _down(self) -> bool:
+        """Answers with the hub's `fail_status` when it is set (and says whether it did)."""
+        status = self.hub.fail_status
+        if status is None:
+            return False
+        self._error(status, "Unavailable", f"the hub answers {status} (injected)")
+        return True
+
     def _repo(self, repo_id: str) -> Repo | None:
         with self.hub.lock:
             return self.hub.repos.get(repo_id)
@@ -166,6 +177,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         _, parts, _ = self._route()
+        if self._down():
+            return None
         if parts[:2] == ["api", "models"] and len(parts) >= 5:
             repo_id = f"{parts[2]}/{parts[3]}"
             repo = self._repo(repo_id)
@@ -209,6 +222,8 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         _, parts, _ = self._route()
         body = self._body()
+        if self._down():
+            return None
         if parts[:2] != ["api", "models"] or len(parts) < 6:
             return self._error(404, "NotFound", f"no route {self.path}")
         repo_id = f"{parts[2]}/{parts[3]}"

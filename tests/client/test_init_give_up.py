@@ -12,9 +12,8 @@ and an init that finished as the client ended kept its data connection."""
 from __future__ import annotations
 
 import logging
-import socket
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -85,17 +84,6 @@ def _at(
     state.progress.epoch = epoch
     state.epoch_state.clients = [Member(identity) for identity in members]
     return state
-
-
-@pytest.fixture
-def held_port() -> Iterator[int]:
-    """A loopback port bound, not listening, for the test's duration: connections to it are
-    refused until a server listens there (its listener binds beside this socket: both reuse the
-    address), and no other process's socket is given it meanwhile."""
-    with socket.socket() as held:
-        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        held.bind(("127.0.0.1", 0))
-        yield int(held.getsockname()[1])
 
 
 @asynccontextmanager
@@ -261,16 +249,24 @@ def test_an_unreachable_data_server_is_tried_again_at_the_next_warmup(
 HUB_REPO = "psyche-tests/tiny-llama"
 
 
+# A hub out of reach, as the client first meets it: refusing connections, answering every
+# request with a server error, or under a name that does not resolve (`.invalid` never does).
+HUB_OUTAGES = ["refused", "500", "503", "no such name"]
+
+
+@pytest.mark.parametrize("outage", HUB_OUTAGES)
 def test_an_unreachable_hub_is_tried_again_at_the_next_warmup(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
     held_port: int,
+    outage: str,
 ) -> None:
-    """A hub download that cannot connect (a network blip) leaves the epoch and joins again, as
-    a data server that cannot be reached does, instead of ending the client."""
+    """A hub download that cannot connect, whose host name does not resolve, or that the hub
+    answers with a 5xx (a network blip, a hub having a bad minute) leaves the epoch and joins
+    again, as a data server that cannot be reached does, instead of ending the client (before:
+    only a refused connection did; a 5xx or a failed name lookup ended it)."""
     caplog.set_level(logging.INFO, logger="psyche.client")
-    point_huggingface_hub_at(monkeypatch, f"http://127.0.0.1:{held_port}", tmp_path / "hf-home")
     hub = HubEndpoint()
 
     async def main() -> None:
@@ -278,15 +274,20 @@ def test_an_unreachable_hub_is_tried_again_at_the_next_warmup(
             (error,) = await _fails_then_joins_again(base, client, backend, caplog)
             assert "failed to load model" in error
             assert HUB_REPO in error
-            with hub.serving():
-                point_huggingface_hub_at(monkeypatch, hub.url, tmp_path / "hf-home")
-                await backend.states.send(_at(base, RunState.Warmup, [ME], epoch=1))
-                await wait_until(lambda: client.stage == "running", WAIT_SECS)
+            hub.fail_status = None  # the hub is back
+            point_huggingface_hub_at(monkeypatch, hub.url, tmp_path / "hf-home")
+            await backend.states.send(_at(base, RunState.Warmup, [ME], epoch=1))
+            await wait_until(lambda: client.stage == "running", WAIT_SECS)
 
     base, _ = _run(tmp_path, None)
     hub.create_repo(HUB_REPO, {"config.json": (tmp_path / "model/config.json").read_bytes()})
     base.model.value.checkpoint = Checkpoint.Hub(HubRepo(HUB_REPO))
-    trio.run(main)
+    with hub.serving():
+        if outage.isdigit():
+            hub.fail_status = int(outage)
+        where = {"refused": f"http://127.0.0.1:{held_port}", "no such name": "http://hub.invalid"}
+        point_huggingface_hub_at(monkeypatch, where.get(outage, hub.url), tmp_path / "hf-home")
+        trio.run(main)
 
 
 def test_a_hub_repo_that_is_not_there_ends_the_client_in_one_line(

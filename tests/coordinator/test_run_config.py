@@ -11,13 +11,17 @@ from psyche.coordinator import Coordinator, RunState
 from psyche.coordinator.config import ConfigError, CoordinatorConfig
 from psyche.coordinator.model import (
     Checkpoint,
+    Gcp,
+    HttpLLMTrainingDataLocation,
     HttpTrainingDataLocation,
     HubRepo,
     LLMArchitecture,
     LLMTrainingDataLocation,
+    NumberedFiles,
 )
 from psyche.coordinator.run_config import (
     ConfigFileError,
+    describe_data_location,
     dumps_toml,
     load_run_config,
     load_state_toml,
@@ -25,7 +29,9 @@ from psyche.coordinator.run_config import (
     run_config_to_obj,
     state_to_toml_obj,
 )
+from psyche.core.data_shuffle import Shuffle
 from psyche.core.definitions import LearningRateSchedule, OptimizerDefinition
+from psyche.core.token_size import TokenSize
 
 from ..upstream_data import UpstreamData
 from .examples import CONSILIENCE, TEST_STATE
@@ -476,3 +482,36 @@ def test_documented_examples_from_the_reference_docs(upstream_data: UpstreamData
     loaded = parse_run_config(read_toml_text("\n".join(blocks)), doc)
     assert loaded.llm.data_locations
     assert loaded.config.epoch_time > loaded.config.warmup_time
+
+
+def _http(location: HttpTrainingDataLocation) -> LLMTrainingDataLocation:
+    return LLMTrainingDataLocation.Http(
+        HttpLLMTrainingDataLocation(location, TokenSize.TwoBytes, Shuffle.DontShuffle())
+    )
+
+
+@pytest.mark.parametrize(
+    ("location", "described"),
+    [
+        (LLMTrainingDataLocation.Dummy(), "Dummy"),
+        (LLMTrainingDataLocation.Server("10.0.0.1:5000"), "Server(10.0.0.1:5000)"),
+        (LLMTrainingDataLocation.Local("/data/fineweb"), "Local(/data/fineweb)"),
+        (
+            LLMTrainingDataLocation.WeightedHttp("https://w/x.json"),
+            "WeightedHttp(https://w/x.json)",
+        ),
+        (LLMTrainingDataLocation.Preprocessed("/data/pre"), "Preprocessed(/data/pre)"),
+        (_http(HttpTrainingDataLocation.SingleUrl("https://h/a.ds")), "Http(https://h/a.ds)"),
+        (
+            _http(
+                HttpTrainingDataLocation.NumberedFiles(NumberedFiles("https://h/{}.ds", 0, 3, 12))
+            ),
+            "Http(https://h/{}.ds x12)",
+        ),
+        (_http(HttpTrainingDataLocation.Gcp(Gcp("bucket", "dir"))), "Http(gs://bucket/dir)"),
+        ("not a location", "'not a location'"),
+    ],
+)
+def test_a_data_location_is_described_in_one_line(location: object, described: str) -> None:
+    """What the run summary and the Solana client's `show` print for each data location."""
+    assert describe_data_location(location) == described

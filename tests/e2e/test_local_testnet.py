@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from ..local_testnet.test_testnet import kill_tmux_server
 from ..timing import Deadline
+from ..tmux import kill_tmux_server
 
 pytestmark = pytest.mark.slow
 

@@ -28,18 +28,14 @@ from psyche.cli.local_testnet.main import build_parser, client_cpu_threads
 from psyche.core.identity import SecretKey
 
 from ..cli.support import alive, dummy_state
+from ..processes import free_port
 from ..timing import scaled
+from ..tmux import kill_tmux_server
 
 STANDIN = Path(__file__).with_name("standin_client.py")
 STANDIN_PROGRAM = f"{sys.executable} {STANDIN}"
 
 FAST_STATE = dummy_state("testnet-test")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def fast_config(tmp_path: Path) -> Path:
@@ -50,18 +46,6 @@ def fast_config(tmp_path: Path) -> Path:
 
 
 # ---- command lines ---------------------------------------------------------------------------
-
-
-def kill_tmux_server(socket_name: str) -> None:
-    """End the test's tmux server and remove its socket file (tmux leaves it behind)."""
-    found = subprocess.run(
-        ["tmux", "-L", socket_name, "display-message", "-p", "#{socket_path}"],
-        capture_output=True,
-        text=True,
-    )
-    subprocess.run(["tmux", "-L", socket_name, "kill-server"], capture_output=True)
-    if found.returncode == 0 and found.stdout.strip():
-        Path(found.stdout.strip()).unlink(missing_ok=True)
 
 
 def test_keys_are_upstreams_test_keys() -> None:

@@ -102,17 +102,11 @@ class RunConfigFile:
 
 
 def describe_data_location(location: Any) -> str:
+    """One line for a data location: the variant and where it points (`Server(addr)`,
+    `Local(path)`, `Http(url)`, ...)."""
     match location:
         case LLMTrainingDataLocation.Dummy():
             return "Dummy"
-        case LLMTrainingDataLocation.Server(addr):
-            return f"Server({addr})"
-        case LLMTrainingDataLocation.Local(path):
-            return f"Local({path})"
-        case LLMTrainingDataLocation.WeightedHttp(url):
-            return f"WeightedHttp({url})"
-        case LLMTrainingDataLocation.Preprocessed(url):
-            return f"Preprocessed({url})"
         case LLMTrainingDataLocation.Http(http):
             match http.location:
                 case HttpTrainingDataLocation.SingleUrl(url):
@@ -121,6 +115,8 @@ def describe_data_location(location: Any) -> str:
                     return f"Http({numbered.url_template} x{numbered.num_files})"
                 case HttpTrainingDataLocation.Gcp(gcp):
                     return f"Http(gs://{gcp.bucket_name}/{gcp.filter_directory})"
+        case LLMTrainingDataLocation():  # every other variant carries one address, path or URL
+            return f"{location.variant_name}({location.value})"
     return repr(location)
 
 
@@ -287,42 +283,42 @@ def _normalize(
     back to the paths the user wrote."""
     config = doc.get("config")
     if isinstance(config, dict):
-        if "rounds_per_epoch" in config:
-            rounds = config.pop("rounds_per_epoch")
-            if "epoch_time" in config:
+        rounds = _other_spelling(
+            config,
+            "config",
+            "rounds_per_epoch",
+            "epoch_time",
+            "legacy key given together with epoch_time; remove rounds_per_epoch",
+            problems,
+        )
+        if rounds is not _ABSENT:
+            parts = [
+                config.get(k) for k in ("warmup_time", "max_round_train_time", "round_witness_time")
+            ]
+            if _all_ints(parts) and _all_ints([rounds]):
+                warmup, train, witness = parts
+                config["epoch_time"] = warmup + rounds * (train + witness)
+                warnings.append(
+                    f"config.rounds_per_epoch is a legacy key: epochs are now timed; using "
+                    f"epoch_time = warmup_time + rounds_per_epoch * (max_round_train_time + "
+                    f"round_witness_time) = {config['epoch_time']} s"
+                )
+            else:
                 problems.append(
                     (
                         "config.rounds_per_epoch",
-                        "legacy key given together with epoch_time; remove rounds_per_epoch",
+                        "legacy key: replace it with epoch_time (seconds); it needs integer "
+                        "warmup_time, max_round_train_time and round_witness_time to convert",
                     )
                 )
-            else:
-                parts = [
-                    config.get(k)
-                    for k in ("warmup_time", "max_round_train_time", "round_witness_time")
-                ]
-                if _all_ints(parts) and _all_ints([rounds]):
-                    warmup, train, witness = parts
-                    config["epoch_time"] = warmup + rounds * (train + witness)
-                    warnings.append(
-                        f"config.rounds_per_epoch is a legacy key: epochs are now timed; using "
-                        f"epoch_time = warmup_time + rounds_per_epoch * (max_round_train_time + "
-                        f"round_witness_time) = {config['epoch_time']} s"
-                    )
-                else:
-                    problems.append(
-                        (
-                            "config.rounds_per_epoch",
-                            "legacy key: replace it with epoch_time (seconds); it needs integer "
-                            "warmup_time, max_round_train_time and round_witness_time to convert",
-                        )
-                    )
-        if "waiting_for_members_extra_time" not in config:
-            config["waiting_for_members_extra_time"] = WAITING_FOR_MEMBERS_EXTRA_SECONDS
-            warnings.append(
-                "config.waiting_for_members_extra_time is missing: using "
-                f"{WAITING_FOR_MEMBERS_EXTRA_SECONDS} s"
-            )
+        _default(
+            config,
+            "config",
+            "waiting_for_members_extra_time",
+            WAITING_FOR_MEMBERS_EXTRA_SECONDS,
+            f"{WAITING_FOR_MEMBERS_EXTRA_SECONDS} s",
+            warnings,
+        )
 
     used_list = False
     model = doc.get("model")
@@ -335,16 +331,16 @@ def _normalize(
                     "unknown key; list backup locations as data_locations = [primary, backup, ...]",
                 )
             )
-        if "data_locations" in llm:
-            locations = llm.pop("data_locations")
-            if "data_location" in llm:
-                problems.append(
-                    (
-                        "model.LLM.data_locations",
-                        "give either data_location or data_locations, not both",
-                    )
-                )
-            elif not isinstance(locations, list) or not locations:
+        locations = _other_spelling(
+            llm,
+            "model.LLM",
+            "data_locations",
+            "data_location",
+            "give either data_location or data_locations, not both",
+            problems,
+        )
+        if locations is not _ABSENT:
+            if not isinstance(locations, list) or not locations:
                 problems.append(
                     ("model.LLM.data_locations", "expected a non-empty array of data locations")
                 )
@@ -352,9 +348,7 @@ def _normalize(
                 used_list = True
                 llm["data_location"] = locations[0]
                 llm["backup_data_locations"] = locations[1:]
-        if "cold_start_warmup_steps" not in llm:
-            llm["cold_start_warmup_steps"] = 0
-            warnings.append("model.LLM.cold_start_warmup_steps is missing: using 0")
+        _default(llm, "model.LLM", "cold_start_warmup_steps", 0, "0", warnings)
 
     def remap(where: str) -> str:
         if not used_list:
@@ -369,6 +363,39 @@ def _normalize(
         return where
 
     return remap
+
+
+_ABSENT = object()
+
+
+def _other_spelling(
+    table: dict[str, Any],
+    where: str,
+    key: str,
+    canonical: str,
+    clash: str,
+    problems: list[tuple[str, str]],
+) -> Any:
+    """Takes `key`, another spelling of `canonical` (a legacy key, a list form), out of `table`
+    (at `where`): its value, for the caller to rewrite as `canonical`; `_ABSENT` when it is not
+    there, or when `canonical` is given too (the problem `clash`, at `where.key`)."""
+    if key not in table:
+        return _ABSENT
+    value = table.pop(key)
+    if canonical in table:
+        problems.append((f"{where}.{key}", clash))
+        return _ABSENT
+    return value
+
+
+def _default(
+    table: dict[str, Any], where: str, key: str, value: Any, said: str, warnings: list[str]
+) -> None:
+    """`key` that files written before it existed lack: set to `value`, with a warning saying
+    `said` is used."""
+    if key not in table:
+        table[key] = value
+        warnings.append(f"{where}.{key} is missing: using {said}")
 
 
 def _all_ints(values: list[Any]) -> TypeGuard[list[int]]:

@@ -9,8 +9,9 @@
   model is built from the config and the received tensors are loaded into it.
 * A `Gcs` checkpoint is downloaded from the bucket (`gcs`) and read like a local directory.
 * A hub or GCS download that failed to reach its store (a refused or dropped connection, a
-  timeout) is a `ModelUnreachable`: the same load may work at the next warmup. Any other failure
-  (not found, no permission, a malformed checkpoint) is a plain `ModelLoadError`.
+  timeout, a host name that did not resolve) or that its store answered with "try later" (an
+  HTTP 5xx, 408 or 429) is a `ModelUnreachable`: the same load may work at the next warmup. Any
+  other failure (not found, no permission, a malformed checkpoint) is a plain `ModelLoadError`.
 * Resume (a port addition): a client whose `--checkpoint-dir` holds a complete checkpoint of
   this run instance at the step the epoch starts from loads it instead (`resume_checkpoint`):
   the same bf16-rounded weights its peers would send. Another instance's (the same run config
@@ -22,6 +23,7 @@ These functions block (torch, file I/O); the client runs them in a worker thread
 from __future__ import annotations
 
 import json
+import socket
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -71,18 +73,36 @@ def preload_modeling() -> None:
 
 
 class ModelUnreachable(ModelLoadError):
-    """The checkpoint's store (the hub, a GCS bucket) was out of reach: a connection refused or
-    dropped, or a timeout, somewhere in the error's causes. Trying again later may work."""
+    """The checkpoint's store (the hub, a GCS bucket) was out of reach or said to come back
+    later, somewhere in the error's causes: a connection refused or dropped, a timeout, a name
+    lookup that failed, or an HTTP 5xx, 408 or 429 answer. Trying again later may work."""
+
+
+# HTTP answers that say "not now" rather than "no": the server's own failure (5xx), a request
+# it timed out (408), too many requests (429).
+_RETRY_LATER_STATUSES = frozenset({408, 429})
+
+
+def _transient(error: BaseException) -> bool:
+    """Whether `error` itself is the network failing rather than the store refusing: builtin
+    connection errors and timeouts (what every HTTP client raises from), a failed name lookup
+    (`socket.gaierror`: DNS down or the name unknown for now), or an HTTP error whose response
+    (`.response.status_code`, as both requests' and httpx's errors carry it) is a 5xx, 408 or
+    429. A 4xx such as 404 (no such repo or revision) or 401/403 is not: it will say the same
+    at the next warmup."""
+    if isinstance(error, ConnectionError | TimeoutError | socket.gaierror):
+        return True
+    status = getattr(getattr(error, "response", None), "status_code", None)
+    return isinstance(status, int) and (status >= 500 or status in _RETRY_LATER_STATUSES)
 
 
 def _load_error(message: str, error: BaseException) -> ModelLoadError:
-    """`message` as a `ModelUnreachable` when the network failed under `error` (its chain of
-    causes holds a `ConnectionError` or `TimeoutError`: what every HTTP client raises from),
-    else as a `ModelLoadError`."""
+    """`message` as a `ModelUnreachable` when some error in `error`'s chain of causes is
+    `_transient`, else as a `ModelLoadError`."""
     seen: set[int] = set()
     cause: BaseException | None = error
     while cause is not None and id(cause) not in seen:
-        if isinstance(cause, ConnectionError | TimeoutError):
+        if _transient(cause):
             return ModelUnreachable(message)
         seen.add(id(cause))
         cause = cause.__cause__ or cause.__context__
