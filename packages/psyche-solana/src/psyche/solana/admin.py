@@ -255,12 +255,6 @@ def load_config_file(path: Path) -> tuple[CoordinatorConfig, Model]:
             "aggregate) cannot be set for a Solana run: the coordinator account has no room for "
             "it; set it to 0 or run with the centralized server"
         )
-    if loaded.config.verifiers_train:
-        raise AdminError(
-            f"invalid config {path}: config.verifiers_train cannot be set for a Solana run: the "
-            "coordinator account has no room for it; leave it out or run with the centralized "
-            "server"
-        )
     return loaded.config, loaded.model
 
 
@@ -333,8 +327,40 @@ async def update_config(
         progress=progress,
         client_version=client_version,
     )
-    signature = await _send_owner_update(backend, run, treasurer_index, "Update config", update)
+    index = await backend.resolve_treasurer_index(run.run_id, treasurer_index)
+    train = None if config is None else await _verifiers_train_change(backend, run, config, index)
+    signature = await _send_owner_update(backend, run, index, "Update config", update)
+    if train is not None:
+        await backend.ensure_verification_account(run.instance_address, run.account_address)
+        signature = await backend.send_and_retry(
+            "Set verifiers_train",
+            [
+                coordinator_ix.coordinator_set_verifiers_train(
+                    run.run_id, run.account_address, backend.get_payer(), train, backend.ids
+                )
+            ],
+        )
     return ConfigUpdate(signature, new_metadata, config, model, progress, client_version)
+
+
+async def _verifiers_train_change(
+    backend: SolanaBackend, run: RunRef, config: CoordinatorConfig, treasurer_index: int | None
+) -> bool | None:
+    """The `verifiers_train` that `config` asks of the run where it differs from the run's (kept
+    in its verification account: `psyche.solana.verification`), else None. A treasurer run
+    cannot change it: its coordinator's authority is the treasurer's run, whose `run_update`
+    (upstream's instruction) has no field for it."""
+    wanted = config.verifiers_train and config.verification_percent > 0
+    current = await backend.get_run_verification(run.account_address)
+    if wanted == (current is not None and current.verifiers_train):
+        return None
+    if treasurer_index is not None:
+        raise AdminError(
+            "config.verifiers_train cannot be changed for a treasurer run: its coordinator is "
+            "updated through the treasurer's run_update, which has no field for it; create the "
+            "run without a treasurer or leave it out"
+        )
+    return wanted
 
 
 async def _send_owner_update(

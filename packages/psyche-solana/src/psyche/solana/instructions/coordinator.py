@@ -168,6 +168,14 @@ class VerificationReportArgs:
         return VerificationReport(self.step, list(self.findings), self.draw)
 
 
+@struct(frozen=True)
+class SetVerifiersTrainArgs:
+    """The run's `CoordinatorConfig.verifiers_train`, kept in its verification account (the
+    coordinator account has no room for it: `psyche.solana.verification`)."""
+
+    verifiers_train: bool
+
+
 # ---------------------------------------------------------------------------------------------
 # Specs
 
@@ -240,6 +248,12 @@ SPECS: dict[str, InstructionSpec] = by_name(
         "verification_report",
         (*_PERMISSIONLESS, writable("verification")),
         VerificationReportArgs,
+    ),
+    InstructionSpec(
+        "coordinator",
+        "set_verifiers_train",
+        (*_OWNER, writable("verification")),
+        SetVerifiersTrainArgs,
     ),
 )
 
@@ -527,4 +541,25 @@ def coordinator_verification_report(
             "verification": pda.find_run_verification(coordinator_account, ids),
         },
         VerificationReportArgs(report.step, list(report.findings), report.draw),
+    )
+
+
+def coordinator_set_verifiers_train(
+    run_id: str,
+    coordinator_account: Any,
+    main_authority: Any,
+    verifiers_train: bool,
+    ids: ProgramIds = DEFAULT_PROGRAM_IDS,
+) -> Instruction:
+    """The owner's `set_verifiers_train` (signed by the run's main authority, while the run is
+    halted, as `update`)."""
+    return SPECS["set_verifiers_train"].call(
+        ids,
+        {
+            "authority": main_authority,
+            "coordinator_instance": pda.find_coordinator_instance(run_id, ids),
+            "coordinator_account": coordinator_account,
+            "verification": pda.find_run_verification(coordinator_account, ids),
+        },
+        SetVerifiersTrainArgs(verifiers_train),
     )

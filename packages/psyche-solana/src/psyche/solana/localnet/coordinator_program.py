@@ -11,7 +11,9 @@ Beyond upstream (issue 27, `psyche.solana.verification`): in a run with `verific
 run's verification account after their own accounts. Each of them records the duties of the
 round it finds (as `ServerCore` does on every tick), `join_run` refuses a banned member, and
 `verification_report` hears a member's report and applies what the tie-breakers decide: the loser
-dropped, banned, slashed, and the members that found it out credited.
+dropped, banned, slashed, and the members that found it out credited. `set_verifiers_train` (the
+owner's, while halted) keeps the run's `CoordinatorConfig.verifiers_train` in the verification
+account, and every instruction that loads that account puts it on the config it runs with.
 """
 
 from __future__ import annotations
@@ -622,7 +624,11 @@ class _Verification:
             if len(ctx.metas) <= len(accounts.metas):
                 raise anchor_error(AnchorErrorCode.AccountNotEnoughKeys, "verification")
             meta = ctx.metas[len(accounts.metas)]
-        return cls.load(ctx, meta, accounts.key("coordinator_account"))
+        found = cls.load(ctx, meta, accounts.key("coordinator_account"))
+        # The run's `verifiers_train` lives here (the coordinator account has no room for it):
+        # the duties, data assignment and health rule below read it from the config.
+        found.value.apply_to(state.coordinator.config)
+        return found
 
     def record_duties(self, coordinator: Coordinator) -> None:
         """Record who verifies what in the current round, once (`ServerCore._record_duties`)."""
@@ -709,6 +715,25 @@ def _verification_report(
     _member_instruction(ctx, accounts, act)
 
 
+def _set_verifiers_train(
+    ctx: InvokeContext, accounts: Accounts, args: coordinator_ix.SetVerifiersTrainArgs
+) -> None:
+    """The owner sets the run's `verifiers_train` (kept in the verification account): like
+    `update`'s config, only while the run is halted, and only in a run that verifies."""
+    _, data = _owner_accounts(ctx, accounts)
+    coordinator = _load_mut(data).state.coordinator
+    if coordinator.run_state is RunState.Finished:
+        raise _error("UpdateConfigFinished")
+    if not coordinator.halted():
+        raise _error("UpdateConfigNotHalted")
+    if coordinator.config.verification_percent == 0:
+        raise _error("VerificationOff")
+    found = _Verification.load(ctx, accounts["verification"], accounts.key("coordinator_account"))
+    found.value.verifiers_train = bool(args.verifiers_train)
+    ctx.log(f"verifiers_train: {found.value.verifiers_train}")
+    found.store(ctx)
+
+
 def _punish(
     ctx: InvokeContext,
     state: CoordinatorInstanceState,
@@ -754,6 +779,7 @@ _HANDLERS: dict[str, Handler] = {
     "checkpoint": _checkpoint,
     "init_verification": _init_verification,
     "verification_report": _verification_report,
+    "set_verifiers_train": _set_verifiers_train,
 }
 
 
