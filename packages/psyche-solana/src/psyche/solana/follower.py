@@ -30,7 +30,7 @@ from psyche.coordinator import ClientState, Coordinator, RunState
 from psyche.coordinator.backend import HealthCheck, OpportunisticData
 from psyche.coordinator.errors import CoordinatorError, CoordinatorPanic
 from psyche.coordinator.model import Checkpoint
-from psyche.coordinator.verification import VerificationReport
+from psyche.coordinator.verification import NO_DRAW, VerificationReport
 from psyche.core.cli import UserError
 from psyche.core.node_identity import NodeIdentity
 from psyche.solana import pda
@@ -254,11 +254,18 @@ class SolanaBackendRunner:
 
     async def send_verification(self, report: VerificationReport) -> None:
         """`VerificationReports`: a verifier's or tie-breaker's findings of a round, sent as
-        the `verification_report` instruction (a refusal by the program is logged)."""
-        instruction = coordinator_ix.coordinator_verification_report(
-            self.instance, self.account, self.backend.get_payer(), report, self.backend.ids
+        the `verification_report` instruction (a refusal by the program is logged), after the
+        `Ed25519SigVerify` instruction of its draw when it has one (the key and message from
+        the round the program recorded: the program checks the draw through it)."""
+        signer = None
+        if report.draw != NO_DRAW:  # the program reads the draw's Ed25519 precompile back
+            stored = await self.read_verification()
+            payer = bytes(self.backend.get_payer())
+            signer = None if stored is None else stored.draw_signer(report.step, payer)
+        instructions = coordinator_ix.verification_report_instructions(
+            self.instance, self.account, self.backend.get_payer(), report, signer, self.backend.ids
         )
-        self.spawn_scheduled_send("Verification report", [instruction])
+        self.spawn_scheduled_send("Verification report", instructions)
 
     async def round_reports(self, step: int) -> dict[NodeIdentity, VerificationReport]:
         """`VerificationReports.round_reports`: the reports the run's verification account

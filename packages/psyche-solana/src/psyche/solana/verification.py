@@ -200,6 +200,17 @@ class RunVerification:
     def round(self, step: int) -> VerifiedRound | None:
         return next((r for r in self.rounds if r.step == step), None)
 
+    def draw_signer(self, step: int, signer: bytes) -> tuple[bytes, bytes] | None:
+        """The p2p public key and the draw message (`RoundDuties.draw_message`) of wallet
+        `signer`'s draw as a verifier of round `step`, as the program recorded the round: what
+        the report's `Ed25519SigVerify` instruction must name. None: no such round or duty."""
+        stored = self.round(step)
+        if stored is None:
+            return None
+        duties = stored.record().duties
+        node = next((d.verifier for d in duties.verifiers if d.verifier.signer == signer), None)
+        return None if node is None else (node.p2p_identity, duties.draw_message(node))
+
     def keep_round(self, record: RoundVerification) -> None:
         """Store `record` (replacing its step's), keeping the last `VERIFIED_ROUNDS` rounds."""
         rounds = {r.step: r for r in self.rounds}

@@ -20,6 +20,7 @@ from psyche.core.merkle_tree import MerkleRoot
 from psyche.core.node_identity import NodeIdentity
 from psyche.core.serde import U32, U64, FixedBytes, struct
 from psyche.solana import pda
+from psyche.solana.instructions.ed25519 import SYSVAR_INSTRUCTIONS, new_ed25519_instruction
 from psyche.solana.instructions.spec import (
     InstructionSpec,
     by_name,
@@ -246,7 +247,7 @@ SPECS: dict[str, InstructionSpec] = by_name(
     InstructionSpec(
         "coordinator",
         "verification_report",
-        (*_PERMISSIONLESS, writable("verification")),
+        (*_PERMISSIONLESS, writable("verification"), readonly("instructions")),
         VerificationReportArgs,
     ),
     InstructionSpec(
@@ -532,6 +533,8 @@ def coordinator_verification_report(
     report: VerificationReport,
     ids: ProgramIds = DEFAULT_PROGRAM_IDS,
 ) -> Instruction:
+    """The report alone; a report with a draw goes with the precompile that verifies it
+    (`verification_report_instructions`)."""
     return SPECS["verification_report"].call(
         ids,
         {
@@ -539,9 +542,30 @@ def coordinator_verification_report(
             "coordinator_instance": coordinator_instance,
             "coordinator_account": coordinator_account,
             "verification": pda.find_run_verification(coordinator_account, ids),
+            "instructions": SYSVAR_INSTRUCTIONS,
         },
         VerificationReportArgs(report.step, list(report.findings), report.draw),
     )
+
+
+def verification_report_instructions(
+    coordinator_instance: Any,
+    coordinator_account: Any,
+    user: Any,
+    report: VerificationReport,
+    draw_signer: tuple[bytes, bytes] | None,
+    ids: ProgramIds = DEFAULT_PROGRAM_IDS,
+) -> list[Instruction]:
+    """A report's transaction: with a draw, the `Ed25519SigVerify` instruction of the draw
+    (`draw_signer`: the verifier's p2p public key and the round's draw message) first, which the
+    program reads back through the instructions sysvar; the report alone without one."""
+    instruction = coordinator_verification_report(
+        coordinator_instance, coordinator_account, user, report, ids
+    )
+    if report.draw == NO_DRAW or draw_signer is None:
+        return [instruction]
+    key, message = draw_signer
+    return [new_ed25519_instruction(key, message, report.draw), instruction]
 
 
 def coordinator_set_verifiers_train(
