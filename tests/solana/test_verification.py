@@ -21,6 +21,7 @@ from psyche.cli.solana_client.main import main as solana_client
 from psyche.client.observe.verification import VerificationEvents, VerificationTally
 from psyche.client.round.verify import disputes, plan_verification
 from psyche.coordinator import ClientState, RunState
+from psyche.coordinator.config import CoordinatorConfig
 from psyche.coordinator.data_selection import verification_duties_for_state
 from psyche.coordinator.server_core import VERIFIED_ROUNDS
 from psyche.coordinator.verification import (
@@ -110,6 +111,7 @@ class VerifiedRun:
     owner: SolanaBackend
     account: Pubkey
     clients: list[ScriptedClient]
+    config: CoordinatorConfig
 
     @property
     def by_signer(self) -> dict[bytes, ScriptedClient]:
@@ -149,7 +151,7 @@ async def verified_run(nursery: trio.Nursery, members: str = "abcd") -> Verified
     )
     account = await create_run(owner, run_config)
     clients = [ScriptedClient(n, make_backend(ledger, cluster)) for n in members]
-    return VerifiedRun(ledger, cluster, owner, account, clients)
+    return VerifiedRun(ledger, cluster, owner, account, clients, run_config)
 
 
 def test_a_disputed_result_is_decided_by_the_tie_breaker_and_the_loser_slashed(

@@ -24,7 +24,7 @@ from psyche.solana.instructions import coordinator as coordinator_ix
 from psyche.solana.state import decode_anchor_account
 from psyche.solana.verification import RunVerification
 
-from .scripted import RUN_ID, Driver, config, make_backend, tiny_model
+from .scripted import RUN_ID, Driver, make_backend, tiny_model
 from .test_verification import error_text, verified_run
 
 
@@ -42,16 +42,7 @@ def test_the_owner_turns_verifiers_train_on_and_the_program_and_clients_run_with
 
             # The owner's config file, through the admin path `update-config` takes (the run
             # halted, as for every config change).
-            on = dataclasses.replace(
-                config(
-                    verification_percent=25,
-                    init_min_clients=4,
-                    min_clients=3,
-                    global_batch_size_start=4,
-                    global_batch_size_end=4,
-                ),
-                verifiers_train=True,
-            )
+            on = dataclasses.replace(run.config, verifiers_train=True)
             path = tmp_path / "run.toml"
             path.write_text(dumps_toml(run_config_to_obj(on, tiny_model())))
             await admin.set_paused(owner, RUN_ID, True)
