@@ -187,6 +187,7 @@ SAMPLES: dict[str, Any] = {
             client_version="v3",
         )
     ),
+    "run_set_verifiers_train": treasurer_ix.RunSetVerifiersTrainArgs(False),
     "participant_create": treasurer_ix.ParticipantCreateArgs(),
     "participant_claim": treasurer_ix.ParticipantClaimArgs(treasurer_ix.ParticipantClaimParams(12)),
 }

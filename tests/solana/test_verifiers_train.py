@@ -21,9 +21,12 @@ from psyche.coordinator.run_config import dumps_toml, run_config_to_obj
 from psyche.solana import admin, pda
 from psyche.solana.backend import SolanaBackendError
 from psyche.solana.instructions import coordinator as coordinator_ix
+from psyche.solana.localnet.ledger import ManualClock
+from psyche.solana.localnet.server import LocalnetThread
 from psyche.solana.state import decode_anchor_account
 from psyche.solana.verification import RunVerification
 
+from .cli_helpers import RUN_CONFIG, funded_wallet, ok, run_cli
 from .scripted import RUN_ID, Driver, make_backend, tiny_model
 from .test_verification import error_text, verified_run
 
@@ -107,3 +110,37 @@ def test_the_owner_turns_verifiers_train_on_and_the_program_and_clients_run_with
                 nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+@pytest.mark.usefixtures("clean_env")
+def test_a_treasurer_run_sets_it_through_its_treasurer(
+    net: LocalnetThread, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """In a treasurer run the run PDA, not the wallet, is the coordinator's authority:
+    `update-config` sets the option through the treasurer's `run_set_verifiers_train`, which
+    checks the treasurer run's main authority as `run_update` does."""
+    from .conftest import Endpoint
+
+    wallet = tmp_path / "owner.json"
+    owner = funded_wallet(net, wallet)
+    mint = Endpoint(net, ManualClock()).new_mint(owner, owner.pubkey(), 6)
+    verifying = RUN_CONFIG.replace("verification_percent = 0", "verification_percent = 25")
+    verifying = verifying.replace("min_clients = 1", "min_clients = 4")
+    on, off = tmp_path / "on.toml", tmp_path / "off.toml"
+    on.write_text(verifying.replace("[config]\n", "[config]\nverifiers_train = true\n", 1))
+    off.write_text(verifying)
+    ok(capsys, net, "create-run", "-r", "paid", "-c", "test",
+       "--treasurer-collateral-mint", str(mint), wallet=wallet)  # fmt: skip
+    for path, expected in ((on, True), (off, False), (on, True)):
+        ok(capsys, net, "update-config", "-r", "paid", "--config-path", str(path), wallet=wallet)
+        dump = json.loads(ok(capsys, net, "json-dump-run", "-r", "paid"))
+        assert dump["verification"]["verifiers_train"] is expected
+    # another wallet is not the treasurer run's main authority: refused, nothing changes
+    stranger = tmp_path / "stranger.json"
+    funded_wallet(net, stranger)
+    code, _, err = run_cli(
+        capsys, net, "update-config", "-r", "paid", "--config-path", str(off), wallet=stranger
+    )
+    assert code == 1, err
+    dump = json.loads(ok(capsys, net, "json-dump-run", "-r", "paid"))
+    assert dump["verification"]["verifiers_train"] is True

@@ -328,38 +328,36 @@ async def update_config(
         client_version=client_version,
     )
     index = await backend.resolve_treasurer_index(run.run_id, treasurer_index)
-    train = None if config is None else await _verifiers_train_change(backend, run, config, index)
+    train = None if config is None else await _verifiers_train_change(backend, run, config)
     signature = await _send_owner_update(backend, run, index, "Update config", update)
     if train is not None:
         await backend.ensure_verification_account(run.instance_address, run.account_address)
-        signature = await backend.send_and_retry(
-            "Set verifiers_train",
-            [
-                coordinator_ix.coordinator_set_verifiers_train(
-                    run.run_id, run.account_address, backend.get_payer(), train, backend.ids
-                )
-            ],
+        payer, ids = backend.get_payer(), backend.ids
+        instruction = (
+            coordinator_ix.coordinator_set_verifiers_train(
+                run.run_id, run.account_address, payer, train, ids
+            )
+            if index is None
+            else treasurer_ix.treasurer_run_set_verifiers_train(
+                run.run_id, index, run.account_address, payer, train, ids
+            )
         )
+        signature = await backend.send_and_retry("Set verifiers_train", [instruction])
     return ConfigUpdate(signature, new_metadata, config, model, progress, client_version)
 
 
 async def _verifiers_train_change(
-    backend: SolanaBackend, run: RunRef, config: CoordinatorConfig, treasurer_index: int | None
+    backend: SolanaBackend, run: RunRef, config: CoordinatorConfig
 ) -> bool | None:
     """The `verifiers_train` that `config` asks of the run where it differs from the run's (kept
-    in its verification account: `psyche.solana.verification`), else None. A treasurer run
-    cannot change it: its coordinator's authority is the treasurer's run, whose `run_update`
-    (upstream's instruction) has no field for it."""
+    in its verification account: `psyche.solana.verification`), else None. It is set by the
+    coordinator's `set_verifiers_train`, through the treasurer's `run_set_verifiers_train` in a
+    treasurer run (the run, not the wallet, is the coordinator's authority there; upstream's
+    `run_update` has no field for it)."""
     wanted = config.verifiers_train and config.verification_percent > 0
     current = await backend.get_run_verification(run.account_address)
     if wanted == (current is not None and current.verifiers_train):
         return None
-    if treasurer_index is not None:
-        raise AdminError(
-            "config.verifiers_train cannot be changed for a treasurer run: its coordinator is "
-            "updated through the treasurer's run_update, which has no field for it; create the "
-            "run without a treasurer or leave it out"
-        )
     return wanted
 
 
