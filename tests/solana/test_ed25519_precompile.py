@@ -11,6 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from solders.instruction import AccountMeta, Instruction
 from solders.keypair import Keypair
 from solders.pubkey import Pubkey
@@ -28,6 +30,7 @@ from psyche.solana.instructions.ed25519 import (
     load_instruction_count,
     new_ed25519_instruction,
     serialize_instructions,
+    signed_messages,
 )
 from psyche.solana.localnet.ledger import LAMPORTS_PER_SIGNATURE, Ledger
 
@@ -117,3 +120,19 @@ def test_the_instructions_sysvar_is_solanas_layout_and_reads_back(current: int) 
     assert load_instruction_count(data) == 3
     assert [load_instruction_at(data, i) for i in range(3)] == instructions
     assert load_instruction_at(data, 0).program_id == ED25519_PROGRAM
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200), st.lists(st.binary(max_size=64), max_size=3))
+def test_any_precompile_data_gives_its_signatures_or_an_error_never_a_crash(
+    data: bytes, others: list[bytes]
+) -> None:
+    """A member writes the precompile's data: whatever it is, the runtime's check and the
+    program's reading give entries or a `PrecompileError`, never an exception."""
+    found = signed_messages(data, others)
+    if isinstance(found, PrecompileError):
+        return
+    assert len(found) == data[0]
+    for entry in found:
+        assert len(entry.public_key) == 32
+        assert len(entry.signature) == 64
