@@ -41,6 +41,7 @@ __all__ = [
     "create_run",
     "free_port",
     "json_events",
+    "member_train_argv",
     "p2p_id",
     "run_config",
     "start_endpoint",
@@ -103,6 +104,26 @@ EVERYONE = "11111111111111111111111111111111"
 """The authorizer that lets any wallet join (a permissionless run)."""
 
 
+def member_train_argv(
+    endpoint: Endpoint, run_id: str, name: str, ports: Mapping[str, int]
+) -> list[str]:
+    """`psyche-solana-client train`'s arguments for member `name` of a run on `endpoint`: JSON
+    logs, the CPU, loopback P2P on its port of `ports`, every other member a bootstrap peer."""
+    peers = [
+        x
+        for other in ports
+        if other != name
+        for x in (
+            "--bootstrap-peer",
+            f"{p2p_id(run_id, endpoint.wallets[other])}@127.0.0.1:{ports[other]}",
+        )
+    ]
+    return ["train", "--rpc", endpoint.rpc, "--ws-rpc", endpoint.ws,
+            "-w", str(endpoint.paths[name]), "--run-id", run_id, "--authorizer", EVERYONE,
+            "--logs", "json", "--device", "cpu", "--bind-p2p-interface", "lo",
+            "--bind-p2p-port", str(ports[name]), *peers]  # fmt: skip
+
+
 def create_run(
     endpoint: Endpoint, directory: Path, run_id: str, config: Mapping[str, Any]
 ) -> list[str]:
@@ -133,7 +154,10 @@ def run_config(data_url: str, config: Mapping[str, Any]) -> str:
     speed, tests/timing.py) and its data over HTTP at `data_url` (there is no server)."""
     text = (TINY / "state.toml").read_text()
     for key, value in scaled_timers(config).items():
-        text, count = re.subn(rf"(?m)^{key} = .*$", f"{key} = {value}", text)
+        line = f"{key} = {str(value).lower() if isinstance(value, bool) else value}"
+        text, count = re.subn(rf"(?m)^{key} = .*$", line, text)
+        if count == 0:  # a field the tiny run leaves at its default (`verifiers_train`)
+            text, count = re.subn(r"(?m)^\[config\]$", f"[config]\n{line}", text)
         assert count == 1, key
     http = (
         f'location = {{ SingleUrl = "{data_url}" }}, token_size_in_bytes = "TwoBytes", '

@@ -109,6 +109,8 @@ INSTRUCTION_DISCRIMINATORS = {
     # Beyond upstream (issue 27): Anchor's rule, sha256("global:<name>")[..8].
     "init_verification": "8c3d060b7bbc1e29",
     "verification_report": "024def0e125fc8c7",
+    "set_verifiers_train": "614d7e3fa2acf49c",
+    "run_set_verifiers_train": "2d1e8b7fcece76ee",
 }
 
 

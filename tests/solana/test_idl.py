@@ -164,6 +164,7 @@ SAMPLES: dict[str, Any] = {
     "verification_report": coordinator_ix.VerificationReportArgs(
         7, [Finding(BatchId(4, 7), False, 12.5), Finding(BatchId(8, 9), True, 0.25)]
     ),
+    "set_verifiers_train": coordinator_ix.SetVerifiersTrainArgs(True),
     "authorization_create": authorizer_ix.AuthorizationCreateArgs(
         authorizer_ix.AuthorizationCreateParams(_key(3), b"CoordinatorJoinRun")
     ),
@@ -186,6 +187,7 @@ SAMPLES: dict[str, Any] = {
             client_version="v3",
         )
     ),
+    "run_set_verifiers_train": treasurer_ix.RunSetVerifiersTrainArgs(False),
     "participant_create": treasurer_ix.ParticipantCreateArgs(),
     "participant_claim": treasurer_ix.ParticipantClaimArgs(treasurer_ix.ParticipantClaimParams(12)),
 }

@@ -21,6 +21,7 @@ from psyche.cli.solana_client.main import main as solana_client
 from psyche.client.observe.verification import VerificationEvents, VerificationTally
 from psyche.client.round.verify import disputes, plan_verification
 from psyche.coordinator import ClientState, RunState
+from psyche.coordinator.config import CoordinatorConfig
 from psyche.coordinator.data_selection import verification_duties_for_state
 from psyche.coordinator.server_core import VERIFIED_ROUNDS
 from psyche.coordinator.verification import (
@@ -39,6 +40,7 @@ from psyche.solana.app import watch_verification
 from psyche.solana.backend import Cluster, SolanaBackend, SolanaBackendError
 from psyche.solana.follower import follow_run
 from psyche.solana.instructions import coordinator as coordinator_ix
+from psyche.solana.instructions.ed25519 import new_ed25519_instruction
 from psyche.solana.keypair import derive_p2p_secret_key
 from psyche.solana.localnet.ledger import Ledger
 from psyche.solana.state import decode_anchor_account
@@ -64,15 +66,23 @@ async def verification_state(backend: SolanaBackend, account: Pubkey) -> RunVeri
     return decode_anchor_account(data, RunVerification)
 
 
-async def send_report(backend: SolanaBackend, account: Pubkey, report: VerificationReport) -> None:
-    instruction = coordinator_ix.coordinator_verification_report(
+async def send_report(
+    backend: SolanaBackend,
+    account: Pubkey,
+    report: VerificationReport,
+    draw_signer: tuple[bytes, bytes] | None = None,
+) -> None:
+    """`report` from `backend`'s wallet, with the `Ed25519SigVerify` instruction of its draw
+    (`draw_signer`: key and message) when it has one."""
+    instructions = coordinator_ix.verification_report_instructions(
         pda.find_coordinator_instance(RUN_ID, backend.ids),
         account,
         backend.get_payer(),
         report,
+        draw_signer,
         backend.ids,
     )
-    await backend.send_and_retry("Verification report", [instruction])
+    await backend.send_and_retry("Verification report", instructions)
 
 
 def error_text(name: str) -> str:
@@ -80,9 +90,14 @@ def error_text(name: str) -> str:
     return f"custom program error: 0x{error_code(COORDINATOR_ERRORS, name):x}"
 
 
-async def refused(backend: SolanaBackend, account: Pubkey, report: VerificationReport) -> str:
+async def refused(
+    backend: SolanaBackend,
+    account: Pubkey,
+    report: VerificationReport,
+    draw_signer: tuple[bytes, bytes] | None = None,
+) -> str:
     with pytest.raises(SolanaBackendError) as info:
-        await send_report(backend, account, report)
+        await send_report(backend, account, report, draw_signer)
     return str(info.value)
 
 
@@ -96,6 +111,7 @@ class VerifiedRun:
     owner: SolanaBackend
     account: Pubkey
     clients: list[ScriptedClient]
+    config: CoordinatorConfig
 
     @property
     def by_signer(self) -> dict[bytes, ScriptedClient]:
@@ -135,7 +151,7 @@ async def verified_run(nursery: trio.Nursery, members: str = "abcd") -> Verified
     )
     account = await create_run(owner, run_config)
     clients = [ScriptedClient(n, make_backend(ledger, cluster)) for n in members]
-    return VerifiedRun(ledger, cluster, owner, account, clients)
+    return VerifiedRun(ledger, cluster, owner, account, clients, run_config)
 
 
 def test_a_disputed_result_is_decided_by_the_tie_breaker_and_the_loser_slashed(
@@ -392,7 +408,10 @@ async def replayed_and_kept_draws(run: VerifiedRun, d: Driver) -> int:
         drawn = draw_batches(pool, draw)
         return VerificationReport(step, [Finding(x.batch_id, False, 40.0) for x in drawn], draw)
 
-    # The hostile verifier's draws from elsewhere: refused, nothing changes.
+    # The hostile verifier's draws from elsewhere: refused, nothing changes, whichever
+    # precompile goes with them: one of the message it signed verifies (the runtime passes it)
+    # but is not this round's; one claiming this round's message fails the runtime's check.
+    message = duties.draw_message(v)
     before = await owner.get_data(pda.find_run_verification(account, owner.ids))
     for elsewhere in (
         dataclasses.replace(duties, run_id="another-run"),
@@ -400,14 +419,40 @@ async def replayed_and_kept_draws(run: VerifiedRun, d: Driver) -> int:
     ):
         replayed = accusing(key.sign(elsewhere.draw_message(v)))
         assert error_text("VerificationReportRefused") in await refused(
-            verifier.backend, account, replayed
+            verifier.backend, account, replayed, (key.public_key, elsewhere.draw_message(v))
         )
+        forged = await refused(verifier.backend, account, replayed, (key.public_key, message))
+        assert "custom program error: 0x2" in forged  # PrecompileError::InvalidSignature
+    # Its own draw without the precompile (the program has no ed25519 call of its own), or
+    # beside a precompile of another key's signature of the same message: refused.
+    own_draw = accusing(key.sign(message))
+    assert error_text("VerificationReportRefused") in await refused(
+        verifier.backend, account, own_draw
+    )
+    other = by_signer[duties.tie_breakers[0].verifier.signer].backend.payer
+    other_key = SecretKey.from_bytes(derive_p2p_secret_key(RUN_ID, other))
+    mismatched = [
+        new_ed25519_instruction(other_key.public_key, message, other_key.sign(message)),
+        coordinator_ix.coordinator_verification_report(
+            pda.find_coordinator_instance(RUN_ID, owner.ids),
+            account,
+            verifier.backend.get_payer(),
+            own_draw,
+            owner.ids,
+        ),
+    ]
+    with pytest.raises(SolanaBackendError) as info:
+        await verifier.backend.send_and_retry("Verification report", mismatched)
+    assert error_text("VerificationReportRefused") in str(info.value)
     after = await owner.get_data(pda.find_run_verification(account, owner.ids))
     assert after == before
 
-    # Its own draw is heard, and kept with the report.
-    report = accusing(key.sign(duties.draw_message(v)))
-    await send_report(verifier.backend, account, report)
+    # Its own draw, with the precompile the client sends (key and message from the round the
+    # program recorded), is heard, and kept with the report.
+    report = own_draw
+    signer = (await verification_state(owner, account)).draw_signer(step, v.signer)
+    assert signer == (key.public_key, message)
+    await send_report(verifier.backend, account, report, signer)
     tie_breaker = duties.tie_breakers[0].verifier
     tie_runner = by_signer[tie_breaker.signer].runner
     assert tie_runner is not None
@@ -428,9 +473,13 @@ async def replayed_and_kept_draws(run: VerifiedRun, d: Driver) -> int:
 
 def test_a_drawn_report_is_kept_with_its_draw_and_a_replayed_draw_is_refused() -> None:
     """Five members at 25 %: the verifier's pool holds the three trainers' batches, so which two
-    it checks is its draw (its p2p key's signature). The program refuses a draw replayed from
-    another run of the same members (same step and pool) or from the round under another seed,
-    and keeps an honest report with its draw: a tie-breaker reading it back checks it against
+    it checks is its draw (its p2p key's signature). The program checks the draw through the
+    transaction's `Ed25519SigVerify` instruction, read back from the instructions sysvar, as a
+    program on a real cluster must: it refuses a draw replayed from another run of the same
+    members (same step and pool) or from the round under another seed (with a precompile of
+    what it signed, or one claiming this round's message, which the runtime fails), its own
+    draw without a precompile or beside another key's, and keeps an honest report with its
+    draw: a tie-breaker reading it back checks it against
     its own derivation of the round (the centralized path's rule) and hears the dispute; an
     account that dropped the draw would leave the dispute unheard."""
 

@@ -27,13 +27,12 @@ from psyche.solana.instructions import coordinator as coordinator_ix
 
 from ..timing import MAX_SCALE
 from .processes import (
-    EVERYONE,
     REPO,
     Processes,
     create_run,
     free_port,
     json_events,
-    p2p_id,
+    member_train_argv,
     start_endpoint,
     wait_event,
 )
@@ -72,7 +71,7 @@ def test_the_program_punishes_the_member_that_lied(tmp_path: Path) -> None:
     try:
         names = ("owner", "a", "b", "c", "hostile")
         endpoint = start_endpoint(processes, tmp_path, names)
-        wallets, paths, rpc, ws = endpoint.wallets, endpoint.paths, endpoint.rpc, endpoint.ws
+        wallets, rpc, ws = endpoint.wallets, endpoint.rpc, endpoint.ws
         cluster = create_run(endpoint, tmp_path, RUN_ID, CONFIG)
         # The rates (the command sets them only through a treasurer).
         trio.run(set_rates, Cluster(rpc, ws), wallets["owner"])
@@ -83,19 +82,7 @@ def test_the_program_punishes_the_member_that_lied(tmp_path: Path) -> None:
         ports = {name: free_port() for name in members}
 
         def train(name: str) -> list[str]:
-            peers = [
-                x
-                for other in members
-                if other != name
-                for x in (
-                    "--bootstrap-peer",
-                    f"{p2p_id(RUN_ID, wallets[other])}@127.0.0.1:{ports[other]}",
-                )
-            ]
-            return ["train", "--rpc", rpc, "--ws-rpc", ws, "-w", str(paths[name]),
-                    "--run-id", RUN_ID, "--authorizer", EVERYONE, "--logs", "json",
-                    "--device", "cpu", "--bind-p2p-interface", "lo",
-                    "--bind-p2p-port", str(ports[name]), *peers]  # fmt: skip
+            return member_train_argv(endpoint, RUN_ID, name, ports)
 
         env = {"OMP_NUM_THREADS": "1", "CLIENT_VERSION": "test"}
         honest = [

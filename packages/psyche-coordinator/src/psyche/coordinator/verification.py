@@ -86,6 +86,13 @@ VERIFIED_BATCHES_PER_VERIFIER = 2
 """Batches a verifier checks a round (its draw says which): two, each the other's decoy."""
 DRAW_DOMAIN = b"psyche-verification-draw"
 """What a verifier's draw signature signs first (no other message of the protocol starts so)."""
+DRAW_MESSAGE_LEN = len(DRAW_DOMAIN) + 32
+"""Bytes of a draw message (`draw_message`: the domain and a SHA-256)."""
+
+SignatureCheck = Callable[[bytes, bytes, bytes], bool]
+"""Whether `signature` is `public_key`'s Ed25519 signature of `message` (public key, message,
+signature): `verify_signature` everywhere but in the Solana program, which has no ed25519 call
+and reads what the transaction's `Ed25519SigVerify` instruction verified."""
 ROUND_SEED_LEN = 32
 """Bytes of a round's committee seed (`CommitteeSelection.get_seed`, a SHA-256)."""
 NO_DRAW = bytes(SIGNATURE_LEN)
@@ -211,10 +218,12 @@ def draw_message(run_id: str, seed: bytes, step: int, pool: Sequence[Verificatio
     same step (another run of theirs, or a round started again with a new seed) would sign the
     same message: the draw revealed there would be known to a trainer here before it commits,
     and replaying it would be accepted. Variable-length parts are length-prefixed (no two
-    different tuples give the same bytes)."""
+    different tuples give the same bytes). The domain is followed by the SHA-256 of those parts
+    (since 2026-11-28), so the message is `DRAW_MESSAGE_LEN` bytes whatever the pool: a Solana
+    transaction carries it whole in its `Ed25519SigVerify` instruction (1232 bytes a
+    transaction: a pool of 12 batches spelled out would not fit)."""
     name = run_id.encode()
     parts = [
-        DRAW_DOMAIN,
         len(name).to_bytes(4, "little"),
         name,
         len(seed).to_bytes(4, "little"),
@@ -227,7 +236,7 @@ def draw_message(run_id: str, seed: bytes, step: int, pool: Sequence[Verificatio
             duty.batch_id.end.to_bytes(8, "little"),
             duty.trainer.signer,
         ]
-    return b"".join(parts)
+    return DRAW_DOMAIN + sha256v(parts)
 
 
 def draw_batches(pool: Sequence[VerificationDuty], draw: bytes) -> list[VerificationDuty]:
@@ -285,14 +294,17 @@ class RoundDuties:
         """What verifier `node` signs for its draw this round (`draw_message`)."""
         return draw_message(self.run_id, self.seed, self.step, self.pool(node))
 
-    def drawn(self, node: NodeIdentity, draw: bytes) -> list[VerificationDuty] | None:
+    def drawn(
+        self, node: NodeIdentity, draw: bytes, verify: SignatureCheck = verify_signature
+    ) -> list[VerificationDuty] | None:
         """The duties verifier `node` checks with draw signature `draw`, or None when the pool
         needs a draw and `draw` is not the signature of `draw_message` by `node`'s p2p key
-        (the key of the round's member, whatever identity the caller holds)."""
+        (the key of the round's member, whatever identity the caller holds), as `verify`
+        decides."""
         pool = self.pool(node)
         if len(pool) > VERIFIED_BATCHES_PER_VERIFIER:
             key = pool[0].verifier.p2p_identity
-            if not verify_signature(key, self.draw_message(node), bytes(draw)):
+            if not verify(key, self.draw_message(node), bytes(draw)):
                 return None
         return draw_batches(pool, draw)
 
@@ -370,7 +382,10 @@ class VerificationReport:
 
 
 def check_report(
-    duties: RoundDuties, sender: NodeIdentity, report: VerificationReport
+    duties: RoundDuties,
+    sender: NodeIdentity,
+    report: VerificationReport,
+    verify: SignatureCheck = verify_signature,
 ) -> str | None:
     """Why `report` from `sender` is refused, or None: it must be about `duties`' round, from one
     of its verifiers or tie-breakers, name only that sender's duties (a verifier's: the batches
@@ -382,7 +397,7 @@ def check_report(
     if duties.is_tie_breaker(sender):
         own = {d.batch_id for d in duties.of(sender)}
     else:
-        drawn = duties.drawn(sender, report.draw)
+        drawn = duties.drawn(sender, report.draw, verify)
         if drawn is None:
             return f"its draw is not its signature of step {duties.step}'s draw"
         own = {d.batch_id for d in drawn}
@@ -440,12 +455,17 @@ class RoundVerification:
                 refused.append((sender, problem))
         return record, refused
 
-    def add(self, sender: NodeIdentity, report: VerificationReport) -> str | None:
-        """Record `report`; why it is refused (a second report, `check_report`, or a
-        tie-breaker's finding about a batch no verifier disputed), or None."""
+    def add(
+        self,
+        sender: NodeIdentity,
+        report: VerificationReport,
+        verify: SignatureCheck = verify_signature,
+    ) -> str | None:
+        """Record `report`; why it is refused (a second report, `check_report` with `verify`,
+        or a tie-breaker's finding about a batch no verifier disputed), or None."""
         if sender in self.reports:
             return "a second report for the round"
-        problem = check_report(self.duties, sender, report)
+        problem = check_report(self.duties, sender, report, verify)
         if problem is None and self.duties.is_tie_breaker(sender):
             disputed = set(self.disputed())
             undisputed = next((f for f in report.findings if f.batch_id not in disputed), None)
@@ -531,6 +551,7 @@ def resolve(
 
 __all__ = [
     "DRAW_DOMAIN",
+    "DRAW_MESSAGE_LEN",
     "MAX_FINDINGS",
     "NO_DRAW",
     "ROUND_SEED_LEN",
@@ -541,6 +562,7 @@ __all__ = [
     "Resolution",
     "RoundDuties",
     "RoundVerification",
+    "SignatureCheck",
     "VerificationDuty",
     "VerificationReport",
     "check_report",

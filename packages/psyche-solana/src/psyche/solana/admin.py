@@ -255,12 +255,6 @@ def load_config_file(path: Path) -> tuple[CoordinatorConfig, Model]:
             "aggregate) cannot be set for a Solana run: the coordinator account has no room for "
             "it; set it to 0 or run with the centralized server"
         )
-    if loaded.config.verifiers_train:
-        raise AdminError(
-            f"invalid config {path}: config.verifiers_train cannot be set for a Solana run: the "
-            "coordinator account has no room for it; leave it out or run with the centralized "
-            "server"
-        )
     return loaded.config, loaded.model
 
 
@@ -333,8 +327,38 @@ async def update_config(
         progress=progress,
         client_version=client_version,
     )
-    signature = await _send_owner_update(backend, run, treasurer_index, "Update config", update)
+    index = await backend.resolve_treasurer_index(run.run_id, treasurer_index)
+    train = None if config is None else await _verifiers_train_change(backend, run, config)
+    signature = await _send_owner_update(backend, run, index, "Update config", update)
+    if train is not None:
+        await backend.ensure_verification_account(run.instance_address, run.account_address)
+        payer, ids = backend.get_payer(), backend.ids
+        instruction = (
+            coordinator_ix.coordinator_set_verifiers_train(
+                run.run_id, run.account_address, payer, train, ids
+            )
+            if index is None
+            else treasurer_ix.treasurer_run_set_verifiers_train(
+                run.run_id, index, run.account_address, payer, train, ids
+            )
+        )
+        signature = await backend.send_and_retry("Set verifiers_train", [instruction])
     return ConfigUpdate(signature, new_metadata, config, model, progress, client_version)
+
+
+async def _verifiers_train_change(
+    backend: SolanaBackend, run: RunRef, config: CoordinatorConfig
+) -> bool | None:
+    """The `verifiers_train` that `config` asks of the run where it differs from the run's (kept
+    in its verification account: `psyche.solana.verification`), else None. It is set by the
+    coordinator's `set_verifiers_train`, through the treasurer's `run_set_verifiers_train` in a
+    treasurer run (the run, not the wallet, is the coordinator's authority there; upstream's
+    `run_update` has no field for it)."""
+    wanted = config.verifiers_train and config.verification_percent > 0
+    current = await backend.get_run_verification(run.account_address)
+    if wanted == (current is not None and current.verifiers_train):
+        return None
+    return wanted
 
 
 async def _send_owner_update(

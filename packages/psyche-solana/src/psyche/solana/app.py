@@ -181,23 +181,15 @@ async def watch_verification(
     read (`psyche.solana.verification`: findings at INFO, punishments at WARNING, one line
     each): a person watching a client sees who was verified, what was found and who was
     punished, slashed and credited. A read that fails is tried again at the next interval."""
-    from psyche.solana.state import decode_anchor_account
-    from psyche.solana.verification import RunVerification, entry_line
+    from psyche.solana.verification import entry_line
 
     seen: list[Any] = []
     while True:
         await trio.sleep(interval)
-        address = runner.backend.verification_account(runner.account, runner.latest)
-        if address is None:
+        found = await runner.read_verification()  # also the run's `verifiers_train`
+        if found is None:
             continue
-        try:
-            info = await runner.backend.get_account_info(address)
-        except SolanaBackendError as e:
-            log.debug("could not read the verification account: %s", e)
-            continue
-        if info is None:
-            continue
-        entries = decode_anchor_account(info.data, RunVerification).log
+        entries = found.log
         for entry in entries:
             if entry in seen:
                 continue

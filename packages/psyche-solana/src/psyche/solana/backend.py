@@ -49,6 +49,7 @@ from psyche.solana.state import (
     decode_anchor_account,
 )
 from psyche.solana.subscription import upstream_reconnect_delay
+from psyche.solana.verification import RunVerification
 
 log = logging.getLogger(__name__)
 
@@ -328,6 +329,14 @@ class SolanaBackend:
         if account.state.coordinator.config.verification_percent == 0:
             return None
         return pda.find_run_verification(coordinator_account, self.ids)
+
+    async def get_run_verification(self, coordinator_account: Pubkey) -> RunVerification | None:
+        """The run's verification account (`psyche.solana.verification`), or None where it has
+        none (a run that never verified, or whose first client has not created it yet)."""
+        info = await self.get_account_info(pda.find_run_verification(coordinator_account, self.ids))
+        if info is None or info.owner != self.ids.coordinator_key:
+            return None
+        return decode_anchor_account(info.data, RunVerification)
 
     async def ensure_verification_account(
         self, coordinator_instance: Pubkey, coordinator_account: Pubkey

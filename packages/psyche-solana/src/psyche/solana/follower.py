@@ -30,7 +30,7 @@ from psyche.coordinator import ClientState, Coordinator, RunState
 from psyche.coordinator.backend import HealthCheck, OpportunisticData
 from psyche.coordinator.errors import CoordinatorError, CoordinatorPanic
 from psyche.coordinator.model import Checkpoint
-from psyche.coordinator.verification import VerificationReport
+from psyche.coordinator.verification import NO_DRAW, VerificationReport
 from psyche.core.cli import UserError
 from psyche.core.node_identity import NodeIdentity
 from psyche.solana import pda
@@ -39,6 +39,7 @@ from psyche.solana.instructions import coordinator as coordinator_ix
 from psyche.solana.retry import RetryKind
 from psyche.solana.state import CoordinatorAccount, coordinator_account_from_bytes
 from psyche.solana.subscription import NonceFilter, subscribe_to_account
+from psyche.solana.verification import RunVerification
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ async def follow_run(
         runner = SolanaBackendRunner(
             backend, nursery, run_id, coordinator_instance, coordinator_account, init
         )
+        await runner.read_verification()  # the run's `verifiers_train`, before the first state
         runner._start()
         try:
             yield runner
@@ -120,6 +122,11 @@ class SolanaBackendRunner:
         self.completed_sends = 0
         self.resent_after_outage = 0
         self._tick_in_flight = False
+        self.verifiers_train = False
+        """The run's `CoordinatorConfig.verifiers_train`, which the coordinator account cannot
+        hold: read from its verification account (`read_verification`: when the run is
+        followed, then every `app.VERIFICATION_WATCH_INTERVAL`, so an owner's change, made
+        while the run is halted, is heard within that interval) and set on every state."""
 
     def _start(self) -> None:
         send, receive = trio.open_memory_channel[bytes](STATE_QUEUE_CAPACITY)
@@ -171,6 +178,7 @@ class SolanaBackendRunner:
             log.error("error deserializing coordinator account: %s", e)
             return
         self.latest = account
+        account.state.coordinator.config.verifiers_train = self.verifiers_train
         for i, receiver in enumerate(self._receivers):
             coordinator = account.state.coordinator
             receiver.push(coordinator if i == 0 else coordinator.copy())
@@ -191,8 +199,24 @@ class SolanaBackendRunner:
     async def wait_for_new_state(self) -> Coordinator:
         if self._init is not None:
             init, self._init = self._init, None
+            init.config.verifiers_train = self.verifiers_train
             return init
         return await self._primary.receive()
+
+    async def read_verification(self) -> RunVerification | None:
+        """The run's verification account, read once (None: the run verifies nothing, the
+        account is not there, or the read failed: logged at DEBUG). It keeps
+        `verifiers_train` in step with the run's (set on every state from now on)."""
+        if self._verification() is None:
+            return None
+        try:
+            found = await self.backend.get_run_verification(self.account)
+        except SolanaBackendError as e:
+            log.debug("could not read the verification account: %s", e)
+            return None
+        if found is not None:
+            self.verifiers_train = found.verifiers_train
+        return found
 
     def _verification(self) -> Pubkey | None:
         """The verification account the run's member instructions need (None: it verifies
@@ -230,27 +254,23 @@ class SolanaBackendRunner:
 
     async def send_verification(self, report: VerificationReport) -> None:
         """`VerificationReports`: a verifier's or tie-breaker's findings of a round, sent as
-        the `verification_report` instruction (a refusal by the program is logged)."""
-        instruction = coordinator_ix.coordinator_verification_report(
-            self.instance, self.account, self.backend.get_payer(), report, self.backend.ids
+        the `verification_report` instruction (a refusal by the program is logged), after the
+        `Ed25519SigVerify` instruction of its draw when it has one (the key and message from
+        the round the program recorded: the program checks the draw through it)."""
+        signer = None
+        if report.draw != NO_DRAW:  # the program reads the draw's Ed25519 precompile back
+            stored = await self.read_verification()
+            payer = bytes(self.backend.get_payer())
+            signer = None if stored is None else stored.draw_signer(report.step, payer)
+        instructions = coordinator_ix.verification_report_instructions(
+            self.instance, self.account, self.backend.get_payer(), report, signer, self.backend.ids
         )
-        self.spawn_scheduled_send("Verification report", [instruction])
+        self.spawn_scheduled_send("Verification report", instructions)
 
     async def round_reports(self, step: int) -> dict[NodeIdentity, VerificationReport]:
         """`VerificationReports.round_reports`: the reports the run's verification account
         holds for round `step` (one read; empty when it cannot be read or forgot the round)."""
-        from psyche.solana.state import decode_anchor_account
-        from psyche.solana.verification import RunVerification
-
-        address = self._verification()
-        if address is None:
-            return {}
-        try:
-            info = await self.backend.get_account_info(address)
-        except SolanaBackendError as e:
-            log.debug("could not read the verification account: %s", e)
-            return {}
-        stored = None if info is None else decode_anchor_account(info.data, RunVerification)
+        stored = await self.read_verification()
         found = None if stored is None else stored.round(step)
         return {} if found is None else dict(found.record().reports)
 

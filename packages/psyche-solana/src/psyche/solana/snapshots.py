@@ -11,7 +11,7 @@ from psyche.coordinator import Client
 from psyche.solana import pda
 from psyche.solana.admin import RunRef, load_run
 from psyche.solana.backend import SolanaBackend
-from psyche.solana.state import CoordinatorAccount, Participant, SolanaClient, decode_anchor_account
+from psyche.solana.state import CoordinatorAccount, Participant, SolanaClient
 from psyche.solana.treasury import Treasury, find_participant, find_treasury, token_amount
 from psyche.solana.verification import RunVerification
 
@@ -31,11 +31,7 @@ async def fetch_run(
     run = await load_run(backend, run_id)
     account = await backend.get_coordinator_account(run.account_address)
     treasury = await find_treasury(backend, run_id, treasurer_index)
-    address = pda.find_run_verification(run.account_address, backend.ids)
-    info = await backend.get_account_info(address)
-    verification = None
-    if info is not None and info.owner == backend.ids.coordinator_key:
-        verification = decode_anchor_account(info.data, RunVerification)
+    verification = await backend.get_run_verification(run.account_address)
     return RunSnapshot(run, account, treasury, verification)
 
 

@@ -13,7 +13,11 @@ payer pays its rent), which holds what the centralized server keeps in memory
   duties; the tie-breakers decide);
 * the members banned for losing a dispute (`BanRecord`, the server's escalating `Ban`);
 * the last `VERIFICATION_LOG_LEN` things verification did (`VerificationEntry`): who verified
-  whom and what it found, who was punished, slashed how much and who was credited.
+  whom and what it found, who was punished, slashed how much and who was credited;
+* the run's `CoordinatorConfig.verifiers_train` (appended, 2026-11-28): the coordinator account
+  is upstream's bytes and has no room for it, so the owner sets it here
+  (`set_verifiers_train`) and the program and every client put it on the config they read
+  from the coordinator account (`apply_to`). An account written before it reads `False`.
 
 Economics (`punishment`): the loser is slashed `slashing_rate_per_client` of the epoch's rates
 (the treasurer's `run_update` sets it, as upstream) at once, and that amount is credited, in
@@ -31,6 +35,7 @@ from typing import Annotated, Any
 
 from solders.pubkey import Pubkey as SoldersPubkey
 
+from psyche.coordinator.config import CoordinatorConfig
 from psyche.coordinator.run_state import SOLANA_RUN_ID_MAX_LEN
 from psyche.coordinator.server_core import (
     DEFAULT_BAN_EPOCHS,
@@ -181,11 +186,30 @@ class RunVerification:
     rounds: list[VerifiedRound] = dataclasses.field(default_factory=list)
     bans: list[BanRecord] = dataclasses.field(default_factory=list)
     log: list[VerificationEntry] = dataclasses.field(default_factory=list)
+    verifiers_train: bool = False
+    """The run's `CoordinatorConfig.verifiers_train` (see the module docstring)."""
 
     SEEDS_PREFIX = b"verification"
 
+    def apply_to(self, config: CoordinatorConfig) -> None:
+        """Put the run's `verifiers_train` on `config` (read from the coordinator account, which
+        cannot hold it): what the program does before every instruction of a verifying run and
+        a client on every state it follows."""
+        config.verifiers_train = self.verifiers_train
+
     def round(self, step: int) -> VerifiedRound | None:
         return next((r for r in self.rounds if r.step == step), None)
+
+    def draw_signer(self, step: int, signer: bytes) -> tuple[bytes, bytes] | None:
+        """The p2p public key and the draw message (`RoundDuties.draw_message`) of wallet
+        `signer`'s draw as a verifier of round `step`, as the program recorded the round: what
+        the report's `Ed25519SigVerify` instruction must name. None: no such round or duty."""
+        stored = self.round(step)
+        if stored is None:
+            return None
+        duties = stored.record().duties
+        node = next((d.verifier for d in duties.verifiers if d.verifier.signer == signer), None)
+        return None if node is None else (node.p2p_identity, duties.draw_message(node))
 
     def keep_round(self, record: RoundVerification) -> None:
         """Store `record` (replacing its step's), keeping the last `VERIFIED_ROUNDS` rounds."""
@@ -241,7 +265,8 @@ def _space() -> int:
     entry = 8 + (4 + 9) + identity + batch + identity + 1 + 4 + (4 + 8) + (4 + REASON_LEN)
     entry += 8 + 4 + (1 + VERIFICATION_TIE_BREAKERS) * identity + 8
     bans = MAX_FINDINGS * (32 + 16)
-    return 8 + 1 + 32 + 4 + VERIFIED_ROUNDS * round_ + 4 + bans + 4 + VERIFICATION_LOG_LEN * entry
+    log = 4 + VERIFICATION_LOG_LEN * entry
+    return 8 + 1 + 32 + 4 + VERIFIED_ROUNDS * round_ + 4 + bans + log + 1  # + verifiers_train
 
 
 RUN_VERIFICATION_SPACE = _space()
@@ -349,7 +374,7 @@ def entry_to_json(entry: VerificationEntry) -> dict[str, Any]:
 
 
 def verification_to_json(value: RunVerification) -> dict[str, Any]:
-    """`json-dump-run`'s `verification`: who verifies whom in the kept rounds and what each
+    """`json-dump-run`'s `verification`: whether verifiers train too, who verifies whom in the kept rounds and what each
     reported (with each verifier's draw signature and the round's seed), the bans, and what
     verification did (oldest first)."""
 
@@ -362,6 +387,7 @@ def verification_to_json(value: RunVerification) -> dict[str, Any]:
         }
 
     return {
+        "verifiers_train": value.verifiers_train,
         "rounds": [
             {
                 "step": r.step,

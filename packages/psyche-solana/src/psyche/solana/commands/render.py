@@ -121,7 +121,8 @@ def _verification_lines(snapshot: RunSnapshot) -> list[str]:
     value = snapshot.verification
     assert value is not None
     steps = ", ".join(str(r.step) for r in value.rounds) or "none"
-    lines = [f"  verification  rounds kept {steps}; {len(value.bans)} banned"]
+    trains = "verifiers train too" if value.verifiers_train else "verifiers train nothing"
+    lines = [f"  verification  {trains}; rounds kept {steps}; {len(value.bans)} banned"]
     lines += [f"    banned {_key(b.signer)} until epoch {b.ban().until_epoch}" for b in value.bans]
     lines += [f"    {entry_line(e)}" for e in value.log]
     return lines

@@ -20,6 +20,7 @@ from psyche.core.merkle_tree import MerkleRoot
 from psyche.core.node_identity import NodeIdentity
 from psyche.core.serde import U32, U64, FixedBytes, struct
 from psyche.solana import pda
+from psyche.solana.instructions.ed25519 import SYSVAR_INSTRUCTIONS, new_ed25519_instruction
 from psyche.solana.instructions.spec import (
     InstructionSpec,
     by_name,
@@ -168,6 +169,14 @@ class VerificationReportArgs:
         return VerificationReport(self.step, list(self.findings), self.draw)
 
 
+@struct(frozen=True)
+class SetVerifiersTrainArgs:
+    """The run's `CoordinatorConfig.verifiers_train`, kept in its verification account (the
+    coordinator account has no room for it: `psyche.solana.verification`)."""
+
+    verifiers_train: bool
+
+
 # ---------------------------------------------------------------------------------------------
 # Specs
 
@@ -238,8 +247,14 @@ SPECS: dict[str, InstructionSpec] = by_name(
     InstructionSpec(
         "coordinator",
         "verification_report",
-        (*_PERMISSIONLESS, writable("verification")),
+        (*_PERMISSIONLESS, writable("verification"), readonly("instructions")),
         VerificationReportArgs,
+    ),
+    InstructionSpec(
+        "coordinator",
+        "set_verifiers_train",
+        (*_OWNER, writable("verification")),
+        SetVerifiersTrainArgs,
     ),
 )
 
@@ -518,6 +533,8 @@ def coordinator_verification_report(
     report: VerificationReport,
     ids: ProgramIds = DEFAULT_PROGRAM_IDS,
 ) -> Instruction:
+    """The report alone; a report with a draw goes with the precompile that verifies it
+    (`verification_report_instructions`)."""
     return SPECS["verification_report"].call(
         ids,
         {
@@ -525,6 +542,48 @@ def coordinator_verification_report(
             "coordinator_instance": coordinator_instance,
             "coordinator_account": coordinator_account,
             "verification": pda.find_run_verification(coordinator_account, ids),
+            "instructions": SYSVAR_INSTRUCTIONS,
         },
         VerificationReportArgs(report.step, list(report.findings), report.draw),
+    )
+
+
+def verification_report_instructions(
+    coordinator_instance: Any,
+    coordinator_account: Any,
+    user: Any,
+    report: VerificationReport,
+    draw_signer: tuple[bytes, bytes] | None,
+    ids: ProgramIds = DEFAULT_PROGRAM_IDS,
+) -> list[Instruction]:
+    """A report's transaction: with a draw, the `Ed25519SigVerify` instruction of the draw
+    (`draw_signer`: the verifier's p2p public key and the round's draw message) first, which the
+    program reads back through the instructions sysvar; the report alone without one."""
+    instruction = coordinator_verification_report(
+        coordinator_instance, coordinator_account, user, report, ids
+    )
+    if report.draw == NO_DRAW or draw_signer is None:
+        return [instruction]
+    key, message = draw_signer
+    return [new_ed25519_instruction(key, message, report.draw), instruction]
+
+
+def coordinator_set_verifiers_train(
+    run_id: str,
+    coordinator_account: Any,
+    main_authority: Any,
+    verifiers_train: bool,
+    ids: ProgramIds = DEFAULT_PROGRAM_IDS,
+) -> Instruction:
+    """The owner's `set_verifiers_train` (signed by the run's main authority, while the run is
+    halted, as `update`)."""
+    return SPECS["set_verifiers_train"].call(
+        ids,
+        {
+            "authority": main_authority,
+            "coordinator_instance": pda.find_coordinator_instance(run_id, ids),
+            "coordinator_account": coordinator_account,
+            "verification": pda.find_run_verification(coordinator_account, ids),
+        },
+        SetVerifiersTrainArgs(verifiers_train),
     )

@@ -105,6 +105,15 @@ class RunUpdateArgs:
 
 
 @struct(frozen=True)
+class RunSetVerifiersTrainArgs:
+    """Beyond upstream (issue 27): the run's `CoordinatorConfig.verifiers_train`, which the
+    treasurer's run (the coordinator's main authority) sets through the coordinator's
+    `set_verifiers_train` (upstream's `run_update` has no field for it)."""
+
+    verifiers_train: bool
+
+
+@struct(frozen=True)
 class ParticipantCreateArgs:
     params: ParticipantCreateParams = ParticipantCreateParams()
 
@@ -147,6 +156,19 @@ SPECS: dict[str, InstructionSpec] = by_name(
             readonly("coordinator_program"),
         ),
         RunUpdateArgs,
+    ),
+    InstructionSpec(
+        "treasurer",
+        "run_set_verifiers_train",
+        (
+            signer("authority"),
+            readonly("run"),
+            readonly("coordinator_instance"),
+            writable("coordinator_account"),
+            writable("verification"),
+            readonly("coordinator_program"),
+        ),
+        RunSetVerifiersTrainArgs,
     ),
     InstructionSpec(
         "treasurer",
@@ -232,6 +254,27 @@ def treasurer_run_update(
             "coordinator_account": coordinator_account,
         },
         RunUpdateArgs(params),
+    )
+
+
+def treasurer_run_set_verifiers_train(
+    run_id: str,
+    treasurer_index: int,
+    coordinator_account: Any,
+    main_authority: Any,
+    verifiers_train: bool,
+    ids: ProgramIds = DEFAULT_PROGRAM_IDS,
+) -> Instruction:
+    return SPECS["run_set_verifiers_train"].call(
+        ids,
+        {
+            "authority": main_authority,
+            "run": pda.find_run(treasurer_index, ids),
+            "coordinator_instance": pda.find_coordinator_instance(run_id, ids),
+            "coordinator_account": coordinator_account,
+            "verification": pda.find_run_verification(coordinator_account, ids),
+        },
+        RunSetVerifiersTrainArgs(verifiers_train),
     )
 
 

@@ -11,7 +11,9 @@ Beyond upstream (issue 27, `psyche.solana.verification`): in a run with `verific
 run's verification account after their own accounts. Each of them records the duties of the
 round it finds (as `ServerCore` does on every tick), `join_run` refuses a banned member, and
 `verification_report` hears a member's report and applies what the tie-breakers decide: the loser
-dropped, banned, slashed, and the members that found it out credited.
+dropped, banned, slashed, and the members that found it out credited. `set_verifiers_train` (the
+owner's, while halted) keeps the run's `CoordinatorConfig.verifiers_train` in the verification
+account, and every instruction that loads that account puts it on the config it runs with.
 """
 
 from __future__ import annotations
@@ -26,10 +28,19 @@ from solders.pubkey import Pubkey
 from psyche.coordinator import ClientState, Coordinator, RunState, TickResult
 from psyche.coordinator.data_selection import verification_duties_for_state
 from psyche.coordinator.errors import CoordinatorError, CoordinatorPanic
-from psyche.coordinator.verification import Resolution, RoundVerification
+from psyche.coordinator.verification import Resolution, RoundVerification, SignatureCheck
 from psyche.solana.anchor import COORDINATOR_ERRORS, DISCRIMINATOR_LEN, AnchorErrorCode
 from psyche.solana.borsh import fixed_str_bytes
 from psyche.solana.instructions import coordinator as coordinator_ix
+from psyche.solana.instructions.ed25519 import (
+    ED25519_PROGRAM,
+    SYSVAR_INSTRUCTIONS,
+    PrecompileError,
+    SysvarDecodeError,
+    load_instruction_at,
+    load_instruction_count,
+    signed_messages,
+)
 from psyche.solana.localnet.runtime import (
     SYSTEM_PROGRAM,
     Accounts,
@@ -622,7 +633,11 @@ class _Verification:
             if len(ctx.metas) <= len(accounts.metas):
                 raise anchor_error(AnchorErrorCode.AccountNotEnoughKeys, "verification")
             meta = ctx.metas[len(accounts.metas)]
-        return cls.load(ctx, meta, accounts.key("coordinator_account"))
+        found = cls.load(ctx, meta, accounts.key("coordinator_account"))
+        # The run's `verifiers_train` lives here (the coordinator account has no room for it):
+        # the duties, data assignment and health rule below read it from the config.
+        found.value.apply_to(state.coordinator.config)
+        return found
 
     def record_duties(self, coordinator: Coordinator) -> None:
         """Record who verifies what in the current round, once (`ServerCore._record_duties`)."""
@@ -684,6 +699,7 @@ def _verification_report(
         ctx.log(f"verification report refused: {too_many}")
         raise _error("VerificationReportRefused")
     report = args.report()
+    verified = _precompile_verified(ctx, accounts["instructions"])
 
     def act(state: CoordinatorInstanceState, sender: Any, found: _Verification | None) -> None:
         if found is None:
@@ -696,7 +712,7 @@ def _verification_report(
         problem = (
             f"step {report.step} is not a recent verified round"
             if record is None
-            else record.add(sender, report)
+            else record.add(sender, report, verified)
         )
         if problem is not None or record is None:
             ctx.log(f"verification report from {sender} refused: {problem}")
@@ -707,6 +723,56 @@ def _verification_report(
         verification.note(entries)
 
     _member_instruction(ctx, accounts, act)
+
+
+def _set_verifiers_train(
+    ctx: InvokeContext, accounts: Accounts, args: coordinator_ix.SetVerifiersTrainArgs
+) -> None:
+    """The owner sets the run's `verifiers_train` (kept in the verification account): like
+    `update`'s config, only while the run is halted, and only in a run that verifies."""
+    _, data = _owner_accounts(ctx, accounts)
+    coordinator = _load_mut(data).state.coordinator
+    if coordinator.run_state is RunState.Finished:
+        raise _error("UpdateConfigFinished")
+    if not coordinator.halted():
+        raise _error("UpdateConfigNotHalted")
+    if coordinator.config.verification_percent == 0:
+        raise _error("VerificationOff")
+    found = _Verification.load(ctx, accounts["verification"], accounts.key("coordinator_account"))
+    found.value.verifiers_train = bool(args.verifiers_train)
+    ctx.log(f"verifiers_train: {found.value.verifiers_train}")
+    found.store(ctx)
+
+
+def _precompile_verified(ctx: InvokeContext, meta: AccountMeta) -> SignatureCheck:
+    """The program's draw-signature check: the transaction's `Ed25519SigVerify` instructions
+    read back through the instructions sysvar (`#[account(address = sysvar::instructions::ID)]`;
+    `load_instruction_at_checked`), as a program on a real cluster must (it has no ed25519
+    call; the runtime failed the transaction already if a precompile's signature is bad). A
+    signature counts when a precompile names exactly that key, message and signature in its own
+    data (every offsets entry's instruction index `u16::MAX`: a precompile whose offsets point
+    into another instruction is not read)."""
+    if meta.pubkey != SYSVAR_INSTRUCTIONS:
+        raise anchor_error(AnchorErrorCode.ConstraintAddress, "instructions")
+    account = ctx.get(meta.pubkey)
+    data = b"" if account is None else bytes(account.data)
+    signed: set[tuple[bytes, bytes, bytes]] = set()
+    try:
+        for index in range(load_instruction_count(data)):
+            instruction = load_instruction_at(data, index)
+            if instruction.program_id != ED25519_PROGRAM:
+                continue
+            # read with no other instruction's data: an entry pointing elsewhere is an error
+            found = signed_messages(bytes(instruction.data), [])
+            if not isinstance(found, PrecompileError):
+                signed.update((e.public_key, e.message, e.signature) for e in found)
+    except SysvarDecodeError:
+        raise ProgramPanic("instructions sysvar: cannot deserialize") from None
+
+    def verified(public_key: bytes, message: bytes, signature: bytes) -> bool:
+        return (bytes(public_key), bytes(message), bytes(signature)) in signed
+
+    return verified
 
 
 def _punish(
@@ -754,6 +820,7 @@ _HANDLERS: dict[str, Handler] = {
     "checkpoint": _checkpoint,
     "init_verification": _init_verification,
     "verification_report": _verification_report,
+    "set_verifiers_train": _set_verifiers_train,
 }
 
 

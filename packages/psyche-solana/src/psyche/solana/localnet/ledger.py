@@ -9,7 +9,11 @@ SBF binary.
 
 A transaction is processed the way the runtime does it: signatures verified, blockhash checked,
 duplicates rejected, fee (5000 lamports per signature) charged to the fee payer, instructions run
-in order, and everything but the fee rolled back when one fails. Each instruction of a LiteSVM
+in order, and everything but the fee rolled back when one fails. The runtime's parts a program
+relies on are there too: the Ed25519 precompile (`precompiles`: an `Ed25519SigVerify`
+instruction whose signature does not verify fails the transaction, as in the SVM) and the
+instructions sysvar (`Sysvar1nstructions…`: while a transaction runs, its instructions and the
+current index in Solana's layout, `psyche.solana.instructions.ed25519`). Each instruction of a LiteSVM
 program (and each CPI from a Python program into one) runs as a one-instruction LiteSVM
 transaction paid by an internal account, with LiteSVM's own signature check off: signers were
 verified here, PDA signers by the calling program. Each processed transaction gets its own slot.
@@ -41,13 +45,24 @@ from solders.signature import Signature
 from solders.transaction import Transaction, VersionedTransaction
 from solders.transaction_metadata import FailedTransactionMetadata
 
+from psyche.solana.instructions.ed25519 import (
+    ED25519_PROGRAM,
+    SYSVAR_INSTRUCTIONS,
+    serialize_instructions,
+)
+from psyche.solana.localnet.precompiles import ed25519_program
 from psyche.solana.localnet.runtime import (
     AnchorError,
     InstructionFailure,
     InvokeContext,
     ProgramPanic,
 )
-from psyche.solana.program_ids import DEFAULT_PROGRAM_IDS, SYSTEM_PROGRAM_ID, ProgramIds
+from psyche.solana.program_ids import (
+    DEFAULT_PROGRAM_IDS,
+    SYSTEM_PROGRAM_ID,
+    SYSVAR_OWNER_ID,
+    ProgramIds,
+)
 from psyche.solana.transaction_errors import (
     describe_instruction_error,
     describe_transaction_error,
@@ -64,6 +79,7 @@ INTERNAL_PAYER_LAMPORTS = 10**18
 MAX_CPI_DEPTH = 4
 
 _SYSTEM_PROGRAM = Pubkey.from_string(SYSTEM_PROGRAM_ID)
+_SYSVAR_OWNER = Pubkey.from_string(SYSVAR_OWNER_ID)
 _INVOKE_DEPTH = re.compile(r" invoke \[(\d+)\]$")
 
 
@@ -211,7 +227,9 @@ class Ledger:
         self._new_blockhash()
         self._history: OrderedDict[Signature, TransactionRecord] = OrderedDict()
         self._listeners: list[Listener] = []
-        self.programs: dict[Pubkey, PythonProgram] = {}
+        self.programs: dict[Pubkey, PythonProgram] = {ED25519_PROGRAM: ed25519_program}
+        self._running: list[Instruction] | None = None
+        self._running_index = 0
         self.transaction_count = 0
         self._known_keys: set[Pubkey] = set()
         self._sync_clock()
@@ -245,6 +263,10 @@ class Ledger:
 
     def get_account(self, key: Pubkey) -> Account | None:
         with self._lock:
+            if key == SYSVAR_INSTRUCTIONS and self._running is not None:
+                data = serialize_instructions(self._running, self._running_index)
+                return Account(self._svm.minimum_balance_for_rent_exemption(len(data)), data,
+                               _SYSVAR_OWNER)  # fmt: skip
             account = self._svm.get_account(key)
             if account is None or (account.lamports == 0 and not account.executable):
                 return None
@@ -426,21 +448,31 @@ class Ledger:
         logs: list[str] = []
         err: Any = None
         units = 0
-        for index, compiled in enumerate(message.instructions):
-            metas = [
-                AccountMeta(
-                    keys[i],
-                    i < header.num_required_signatures,
-                    _is_writable(message, i, keys[i], program_ids),
-                )
-                for i in compiled.accounts
-            ]
-            instruction = Instruction(keys[compiled.program_id_index], bytes(compiled.data), metas)
-            try:
-                units += self.invoke(instruction, signers, 1, logs)
-            except InstructionFailure as failure:
-                err = {"InstructionError": [index, failure.detail]}
-                break
+        self._running = [
+            Instruction(
+                keys[compiled.program_id_index],
+                bytes(compiled.data),
+                [
+                    AccountMeta(
+                        keys[i],
+                        i < header.num_required_signatures,
+                        _is_writable(message, i, keys[i], program_ids),
+                    )
+                    for i in compiled.accounts
+                ],
+            )
+            for compiled in message.instructions
+        ]
+        try:
+            for index, instruction in enumerate(self._running):
+                self._running_index = index  # what the instructions sysvar says
+                try:
+                    units += self.invoke(instruction, signers, 1, logs)
+                except InstructionFailure as failure:
+                    err = {"InstructionError": [index, failure.detail]}
+                    break
+        finally:
+            self._running = None
 
         returned = {k: self.get_account(k) for k in return_accounts}
         if simulate:
@@ -547,6 +579,11 @@ class Ledger:
                 str(err),
             )
         return int(tx_meta.compute_units_consumed())
+
+    def running_instruction_datas(self) -> list[bytes]:
+        """The data of each instruction of the transaction being executed (what a precompile
+        reads where its offsets name another instruction)."""
+        return [bytes(ix.data) for ix in self._running or ()]
 
     def write_account(self, key: Pubkey, account: Account) -> None:
         self._svm.set_account(key, account)

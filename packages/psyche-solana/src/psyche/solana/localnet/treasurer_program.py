@@ -173,8 +173,9 @@ def _run_create(ctx: InvokeContext, accounts: Accounts, args: treasurer_ix.RunCr
     )
 
 
-def _run_update(ctx: InvokeContext, accounts: Accounts, args: treasurer_ix.RunUpdateArgs) -> None:
-    params = args.params
+def _run_owner_accounts(ctx: InvokeContext, accounts: Accounts) -> tuple[Pubkey, dict[str, Pubkey]]:
+    """`run_update`'s checks (the run's main authority signs, the run's coordinator accounts):
+    the run PDA and the accounts of the coordinator's owner instructions it signs as."""
     authority = accounts["authority"]
     require_signer(authority, "authority")
     run_meta = accounts["run"]
@@ -194,13 +195,28 @@ def _run_update(ctx: InvokeContext, accounts: Accounts, args: treasurer_ix.RunUp
     require(run.coordinator_instance == bytes(instance_meta.pubkey), "run")
     require(run.coordinator_account == bytes(account_meta.pubkey), "run")
 
-    owner_accounts = {
+    return run_meta.pubkey, {
         "authority": run_meta.pubkey,
         "coordinator_instance": instance_meta.pubkey,
         "coordinator_account": account_meta.pubkey,
     }
-    for name, coordinator_args in treasurer_ix.coordinator_updates(params):
-        _invoke_coordinator(ctx, name, owner_accounts, coordinator_args, run_meta.pubkey)
+
+
+def _run_update(ctx: InvokeContext, accounts: Accounts, args: treasurer_ix.RunUpdateArgs) -> None:
+    run, owner_accounts = _run_owner_accounts(ctx, accounts)
+    for name, coordinator_args in treasurer_ix.coordinator_updates(args.params):
+        _invoke_coordinator(ctx, name, owner_accounts, coordinator_args, run)
+
+
+def _run_set_verifiers_train(
+    ctx: InvokeContext, accounts: Accounts, args: treasurer_ix.RunSetVerifiersTrainArgs
+) -> None:
+    """Beyond upstream (issue 27): `run_update`'s checks, then the coordinator's
+    `set_verifiers_train` signed by the run."""
+    run, owner_accounts = _run_owner_accounts(ctx, accounts)
+    owner_accounts["verification"] = accounts.key("verification")
+    coordinator_args = coordinator_ix.SetVerifiersTrainArgs(args.verifiers_train)
+    _invoke_coordinator(ctx, "set_verifiers_train", owner_accounts, coordinator_args, run)
 
 
 def _participant_create(
@@ -322,6 +338,7 @@ def _participant_claim(
 _HANDLERS: dict[str, Handler] = {
     "run_create": _run_create,
     "run_update": _run_update,
+    "run_set_verifiers_train": _run_set_verifiers_train,
     "participant_create": _participant_create,
     "participant_claim": _participant_claim,
 }

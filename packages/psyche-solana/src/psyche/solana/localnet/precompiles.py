@@ -1,0 +1,28 @@
+"""The runtime's Ed25519 precompile, for the local endpoint (`Ledger` runs it as a program).
+
+The real runtime verifies an `Ed25519SigVerify` instruction itself (agave's
+`solana_ed25519_program::verify`, in the SVM since precompile verification moved there): every
+signature it names, read where its offsets point among the transaction's instructions, must
+verify, or the transaction fails with `InstructionError(index, Custom(PrecompileError))` and
+pays its fee. Programs do not call it; they read it back through the instructions sysvar
+(`psyche.solana.instructions.ed25519`). Verification here is `psyche.core.identity`'s (RFC 8032,
+as the project signs); agave's is ed25519-dalek's `verify_strict`, which also refuses
+small-order keys and non-canonical points: no honest member's key or signature is either.
+"""
+
+from __future__ import annotations
+
+from psyche.core.identity import verify_signature
+from psyche.solana.instructions.ed25519 import verify_ed25519_instruction
+from psyche.solana.localnet.runtime import InstructionFailure, InvokeContext
+
+
+def ed25519_program(ctx: InvokeContext) -> None:
+    error = verify_ed25519_instruction(
+        ctx.data, ctx.ledger.running_instruction_datas(), verify_signature
+    )
+    if error is not None:
+        raise InstructionFailure({"Custom": int(error)}, f"ed25519 precompile: {error.name}")
+
+
+__all__ = ["ed25519_program"]

@@ -1,0 +1,138 @@
+"""The local endpoint's Ed25519 precompile and instructions sysvar, in Solana's layouts
+(`psyche.solana.instructions.ed25519`, `psyche.solana.localnet.precompiles`): a transaction whose
+`Ed25519SigVerify` instruction names a signature that does not verify fails with the runtime's
+`InstructionError(index, Custom(PrecompileError))` and pays its fee; one that verifies passes,
+its offsets read wherever they point (its own data or another instruction's); the sysvar's bytes
+are the documented layout and read back instruction by instruction. The coordinator program's
+use of it: tests/solana/test_verification.py (a drawn report)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from solders.instruction import AccountMeta, Instruction
+from solders.keypair import Keypair
+from solders.pubkey import Pubkey
+from solders.transaction import Transaction
+
+from psyche.core.identity import SecretKey
+from psyche.solana.instructions.ed25519 import (
+    DATA_START,
+    ED25519_PROGRAM,
+    THIS_INSTRUCTION,
+    Ed25519SignatureOffsets,
+    PrecompileError,
+    load_current_index,
+    load_instruction_at,
+    load_instruction_count,
+    new_ed25519_instruction,
+    serialize_instructions,
+    signed_messages,
+)
+from psyche.solana.localnet.ledger import LAMPORTS_PER_SIGNATURE, Ledger
+
+KEY = SecretKey.from_bytes(bytes(range(32)))
+MESSAGE = b"psyche-verification-draw" + bytes(32)
+
+
+def run(ledger: Ledger, payer: Keypair, instructions: list[Instruction]) -> Any:
+    """The landed transaction's error (None: it succeeded)."""
+    blockhash, _ = ledger.latest_blockhash()
+    tx = Transaction.new_signed_with_payer(instructions, payer.pubkey(), [payer], blockhash)
+    record = ledger.get_transaction(ledger.process_transaction(tx))
+    assert record is not None
+    return record.err
+
+
+def with_data(instruction: Instruction, data: bytes) -> Instruction:
+    return Instruction(instruction.program_id, data, list(instruction.accounts))
+
+
+def test_the_precompile_passes_good_signatures_and_fails_bad_ones_with_the_runtimes_codes() -> None:
+    ledger = Ledger(with_psyche_programs=False)
+    payer = Keypair()
+    ledger.airdrop(payer.pubkey(), 10**9)
+    good = new_ed25519_instruction(KEY.public_key, MESSAGE, KEY.sign(MESSAGE))
+    data = bytes(good.data)
+    # the layout: one signature, padding, the offsets, then key, signature, message
+    assert data[:2] == b"\x01\x00"
+    assert Ed25519SignatureOffsets.entries(data) == [
+        Ed25519SignatureOffsets(DATA_START + 32, THIS_INSTRUCTION, DATA_START, THIS_INSTRUCTION,
+                                DATA_START + 96, len(MESSAGE), THIS_INSTRUCTION)
+    ]  # fmt: skip
+    assert data[DATA_START : DATA_START + 32] == KEY.public_key
+    assert run(ledger, payer, [good]) is None
+
+    before = ledger.get_balance(payer.pubkey())
+    forged = bytearray(data)
+    forged[-1] ^= 1  # the message it claims is not what was signed
+    offsets = bytearray(data)
+    offsets[DATA_START - 4 : DATA_START - 2] = (len(data)).to_bytes(2, "little")  # message size
+    elsewhere = bytearray(data)
+    elsewhere[DATA_START - 2 : DATA_START] = (5).to_bytes(2, "little")  # no instruction 5
+    cases = {
+        bytes(forged): PrecompileError.InvalidSignature,
+        bytes(offsets): PrecompileError.InvalidDataOffsets,
+        bytes(elsewhere): PrecompileError.InvalidDataOffsets,
+        data[:1]: PrecompileError.InvalidInstructionDataSize,
+        b"\x02\x00" + data[2:DATA_START]: PrecompileError.InvalidInstructionDataSize,
+    }
+    for bad, code in cases.items():
+        err = run(ledger, payer, [good, with_data(good, bad)])
+        assert err == {"InstructionError": [1, {"Custom": int(code)}]}, (bad, code)
+    # a failed transaction lands and pays its fee, as in the SVM
+    assert ledger.get_balance(payer.pubkey()) == before - len(cases) * LAMPORTS_PER_SIGNATURE
+
+    # offsets may point into another instruction of the transaction: its message is read there
+    memo = Instruction(Pubkey.new_unique(), MESSAGE, [])
+    pointing = bytearray(data[: DATA_START + 96])
+    pointing[DATA_START - 6 : DATA_START - 4] = (0).to_bytes(2, "little")  # message offset
+    pointing[DATA_START - 2 : DATA_START] = (1).to_bytes(2, "little")  # instruction 1
+    err = run(ledger, payer, [with_data(good, bytes(pointing)), memo])
+    # the precompile passed; instruction 1 is no program (the runtime's error for it)
+    assert err is not None
+    assert err["InstructionError"][0] == 1
+
+
+@pytest.mark.parametrize("current", [0, 2])
+def test_the_instructions_sysvar_is_solanas_layout_and_reads_back(current: int) -> None:
+    signer, other, program = Pubkey.new_unique(), Pubkey.new_unique(), Pubkey.new_unique()
+    instructions = [
+        new_ed25519_instruction(KEY.public_key, MESSAGE, KEY.sign(MESSAGE)),
+        Instruction(program, b"\x07\x08", [AccountMeta(signer, True, True),
+                                          AccountMeta(other, False, False)]),
+        Instruction(program, b"", []),
+    ]  # fmt: skip
+    data = serialize_instructions(instructions, current)
+    first = 2 + 2 * 3
+    second = first + 2 + 32 + 2 + len(instructions[0].data)
+    assert data[:first] == (
+        (3).to_bytes(2, "little") + first.to_bytes(2, "little") + second.to_bytes(2, "little")
+        + (second + 2 + 2 * 33 + 32 + 2 + 2).to_bytes(2, "little")
+    )  # fmt: skip
+    assert data[second : second + 2 + 33] == b"\x02\x00" + b"\x03" + bytes(signer)
+    assert data[second + 35 : second + 36] == b"\x00"  # neither signer nor writable
+    assert data[-2:] == current.to_bytes(2, "little")
+    assert load_current_index(data) == current
+    assert load_instruction_count(data) == 3
+    assert [load_instruction_at(data, i) for i in range(3)] == instructions
+    assert load_instruction_at(data, 0).program_id == ED25519_PROGRAM
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200), st.lists(st.binary(max_size=64), max_size=3))
+def test_any_precompile_data_gives_its_signatures_or_an_error_never_a_crash(
+    data: bytes, others: list[bytes]
+) -> None:
+    """A member writes the precompile's data: whatever it is, the runtime's check and the
+    program's reading give entries or a `PrecompileError`, never an exception."""
+    found = signed_messages(data, others)
+    if isinstance(found, PrecompileError):
+        return
+    assert len(found) == data[0]
+    for entry in found:
+        assert len(entry.public_key) == 32
+        assert len(entry.signature) == 64

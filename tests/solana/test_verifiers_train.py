@@ -1,0 +1,146 @@
+"""`config.verifiers_train` on the Solana coordinator (issue 27): the coordinator account is
+upstream's bytes and has no room for it, so the run keeps it in its verification account
+(`RunVerification.verifiers_train`, appended). The owner sets it with `update-config`
+(`set_verifiers_train`, only while the run is halted), the program runs every instruction of
+the run with it (the duties it records are those of a run whose verifiers train), every
+following client sets it on the states it reads, and `json-dump-run` shows it. Four scripted
+members on the local endpoint over JSON-RPC and websockets."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import trio
+
+from psyche.cli.solana_client.main import main as solana_client
+from psyche.coordinator.data_selection import verification_duties_for_state
+from psyche.coordinator.run_config import dumps_toml, run_config_to_obj
+from psyche.solana import admin, pda
+from psyche.solana.backend import SolanaBackendError
+from psyche.solana.instructions import coordinator as coordinator_ix
+from psyche.solana.localnet.ledger import ManualClock
+from psyche.solana.localnet.server import LocalnetThread
+from psyche.solana.state import decode_anchor_account
+from psyche.solana.verification import RunVerification
+
+from .cli_helpers import RUN_CONFIG, funded_wallet, ok, run_cli
+from .scripted import RUN_ID, Driver, make_backend, tiny_model
+from .test_verification import error_text, verified_run
+
+
+def test_the_owner_turns_verifiers_train_on_and_the_program_and_clients_run_with_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            run = await verified_run(nursery)
+            owner, account = run.owner, run.account
+            address = pda.find_run_verification(account, owner.ids)
+
+            async def stored() -> RunVerification:
+                return decode_anchor_account(await owner.get_data(address), RunVerification)
+
+            # The owner's config file, through the admin path `update-config` takes (the run
+            # halted, as for every config change).
+            on = dataclasses.replace(run.config, verifiers_train=True)
+            path = tmp_path / "run.toml"
+            path.write_text(dumps_toml(run_config_to_obj(on, tiny_model())))
+            await admin.set_paused(owner, RUN_ID, True)
+            await admin.update_config(owner, RUN_ID, config_path=path)
+            assert (await stored()).verifiers_train is True
+            # the coordinator account keeps upstream's bytes: its config reads it as off
+            coordinator = (await owner.get_coordinator_account(account)).state.coordinator
+            assert coordinator.config.verifiers_train is False
+            # what `psyche-solana-client json-dump-run` shows (the command, in a thread)
+            capsys.readouterr()
+            argv = ["json-dump-run", "--rpc", run.cluster[0].rpc, "--ws-rpc", run.cluster[0].ws_rpc]
+            code = await trio.to_thread.run_sync(solana_client, [*argv, "--run-id", RUN_ID])
+            out = capsys.readouterr().out
+            assert code == 0, out
+            assert json.loads(out)["verification"]["verifiers_train"] is True
+            await admin.set_paused(owner, RUN_ID, False)
+
+            # Only the owner sets it, and only while the run is halted.
+            set_on = coordinator_ix.coordinator_set_verifiers_train
+            stranger = make_backend(run.ledger, run.cluster)
+            with pytest.raises(SolanaBackendError):
+                await stranger.send_and_retry(
+                    "Set", [set_on(RUN_ID, account, stranger.get_payer(), False, owner.ids)]
+                )
+            with pytest.raises(SolanaBackendError) as running:
+                await owner.send_and_retry(
+                    "Set", [set_on(RUN_ID, account, owner.get_payer(), False, owner.ids)]
+                )
+            assert error_text("UpdateConfigNotHalted") in str(running.value)
+            assert (await stored()).verifiers_train is True
+
+            checked: list[int] = []
+
+            async def check(driver: Driver) -> None:
+                state = driver.state
+                assert state is not None
+                # every follower runs with it: the observer and each member
+                assert state.config.verifiers_train is True
+                for client in run.clients:
+                    assert client.runner is not None
+                    assert client.runner.latest.state.coordinator.config.verifiers_train
+                # the program recorded the duties of a run whose verifiers train (every
+                # client holds a batch, the verifier's own and the tie-breaker's unchecked),
+                # not those of one whose verifiers train nothing
+                duties = await run.duties(state.progress.step)
+                expected = verification_duties_for_state(state)
+                assert duties.verifiers == expected.verifiers
+                assert duties.tie_breakers == expected.tie_breakers
+                if not duties.verifiers:
+                    return  # the epoch's last round, with no batch left to deal
+                off = state.copy()
+                off.config.verifiers_train = False
+                assert duties.verifiers != verification_duties_for_state(off).verifiers
+                committee = {d.verifier for d in duties.tie_breakers}
+                committee |= {d.verifier for d in duties.verifiers}
+                assert not {d.trainer for d in duties.verifiers} & committee
+                checked.append(state.progress.step)
+
+            async with run.followed(nursery) as driver:
+                await driver.run_epoch(4, between_rounds=check)
+                assert len(checked) >= 2, checked
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+@pytest.mark.usefixtures("clean_env")
+def test_a_treasurer_run_sets_it_through_its_treasurer(
+    net: LocalnetThread, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """In a treasurer run the run PDA, not the wallet, is the coordinator's authority:
+    `update-config` sets the option through the treasurer's `run_set_verifiers_train`, which
+    checks the treasurer run's main authority as `run_update` does."""
+    from .conftest import Endpoint
+
+    wallet = tmp_path / "owner.json"
+    owner = funded_wallet(net, wallet)
+    mint = Endpoint(net, ManualClock()).new_mint(owner, owner.pubkey(), 6)
+    verifying = RUN_CONFIG.replace("verification_percent = 0", "verification_percent = 25")
+    verifying = verifying.replace("min_clients = 1", "min_clients = 4")
+    on, off = tmp_path / "on.toml", tmp_path / "off.toml"
+    on.write_text(verifying.replace("[config]\n", "[config]\nverifiers_train = true\n", 1))
+    off.write_text(verifying)
+    ok(capsys, net, "create-run", "-r", "paid", "-c", "test",
+       "--treasurer-collateral-mint", str(mint), wallet=wallet)  # fmt: skip
+    for path, expected in ((on, True), (off, False), (on, True)):
+        ok(capsys, net, "update-config", "-r", "paid", "--config-path", str(path), wallet=wallet)
+        dump = json.loads(ok(capsys, net, "json-dump-run", "-r", "paid"))
+        assert dump["verification"]["verifiers_train"] is expected
+    # another wallet is not the treasurer run's main authority: refused, nothing changes
+    stranger = tmp_path / "stranger.json"
+    funded_wallet(net, stranger)
+    code, _, err = run_cli(
+        capsys, net, "update-config", "-r", "paid", "--config-path", str(off), wallet=stranger
+    )
+    assert code == 1, err
+    dump = json.loads(ok(capsys, net, "json-dump-run", "-r", "paid"))
+    assert dump["verification"]["verifiers_train"] is True

@@ -1,0 +1,89 @@
+"""`config.verifiers_train` on Solana, end to end and short: the owner's `update-config` turns
+it on for a run at `verification_percent = 25` on a local endpoint (its own process), four real
+`psyche-solana-client train` processes follow it, and every member trains in every round that
+is over, whatever its committee (the verifier and the tie-breaker included: before, a Solana
+run refused the option and its verifiers trained nothing); the verifier's checks still reach
+the program, every one matching (all four are honest), and `show --json` says the run's
+verifiers train. The punishment path with the option on is tests/e2e/test_verifiers_train.py's
+(centralized); the program's rules with it are tests/solana/test_verifiers_train.py's.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from psyche.cli.solana_client.main import main as solana_client
+
+from ..processes import Proc, events
+from ..timing import MAX_SCALE, Deadline
+from .processes import Processes, create_run, free_port, member_train_argv, start_endpoint
+from .test_train_e2e import solana_client_output
+from .test_verifiers_e2e import CONFIG
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(360 * MAX_SCALE)]
+
+RUN_ID = "solana-verifiers-train"
+MEMBERS = ("a", "b", "c", "d")
+
+
+def rounds_over(client: Proc) -> list[int]:
+    """The steps `client` started that are over (it started the next one)."""
+    started = {e["step"] for e in events(client, "round_start")}
+    return [s for s in started if s + 1 in started]
+
+
+def test_every_member_of_a_solana_run_trains_when_verifiers_train(tmp_path: Path) -> None:
+    processes = Processes(tmp_path)
+    try:
+        endpoint = start_endpoint(processes, tmp_path, ("owner", *MEMBERS))
+        cluster = create_run(endpoint, tmp_path, RUN_ID, {**CONFIG, "verifiers_train": True})
+        assert solana_client(["set-paused", "--run-id", RUN_ID, "--resume", *cluster]) == 0
+        ports = {name: free_port() for name in MEMBERS}
+        clients = [
+            processes.start(
+                f"client-{name}",
+                [sys.executable, "-m", "psyche.cli.solana_client.main",
+                 *member_train_argv(endpoint, RUN_ID, name, ports)],
+                env={"OMP_NUM_THREADS": "1", "CLIENT_VERSION": "test"},
+            )
+            for name in MEMBERS
+        ]  # fmt: skip
+
+        # Two rounds over at every member, and one verifier's finding heard.
+        deadline = Deadline(300 * MAX_SCALE)
+        while not (
+            all(len(rounds_over(c)) >= 2 for c in clients)
+            and any(events(c, "verification") for c in clients)
+        ):
+            for client in clients:
+                assert client.popen.poll() is None, client.text()[-4000:]
+            assert not deadline.expired(), [c.text()[-2000:] for c in clients]
+            time.sleep(1)
+        show = ["show", "--run-id", RUN_ID, "--json", "--rpc", endpoint.rpc]
+        dumped = json.loads(solana_client_output([*show, "--ws-rpc", endpoint.ws]))
+    finally:
+        processes.stop_all()
+
+    assert dumped["verification"]["verifiers_train"] is True
+    for client in clients:
+        started = {e["step"]: e["committee"] for e in events(client, "round_start")}
+        trained = {e["step"] for e in events(client, "trained_batch")}
+        over = rounds_over(client)
+        assert [s for s in over if s not in trained] == [], (client.name, started, trained)
+    # every member held each committee's share: the verifier and the tie-breaker trained too
+    committees_trained = {
+        e["committee"]
+        for c in clients
+        for e in events(c, "round_start")
+        if e["step"] in rounds_over(c)
+    }
+    assert {"Verifier", "TieBreaker"} <= committees_trained, committees_trained
+    findings = [e for c in clients for e in events(c, "verification")]
+    assert findings
+    assert all(e["matches"] for e in findings), findings
+    assert not [e for e in dumped["verification"]["log"] if e["kind"] == "punished"]
