@@ -67,9 +67,11 @@ from psyche.core.serde import (
 from psyche.transport import FrameTooLarge, PostcardCodec, TcpProtocolError
 
 # The version of the extensions' wire shapes, sent in `ExtensionHello`: 2 appended
-# `RunExtras.verifiers_train`. A server refuses a hello of another version in one line (its
+# `RunExtras.verifiers_train`; 3 changed what a drawn verifier signs (`draw_message`: the domain
+# and a SHA-256 of the draw, so a Solana report fits a transaction), which peers of version 2
+# would refuse. A server refuses a hello of another version in one line (its
 # `RunExtras` would not decode there); a client that cannot decode a server's says so.
-EXTENSIONS_VERSION = 2
+EXTENSIONS_VERSION = 3
 # A self-signed endpoint record is a few hundred bytes; anything far larger is refused.
 MAX_ENDPOINT_RECORD_LEN = 4096
 # A run id is at most 32 bytes (SOLANA_RUN_ID_MAX_LEN); a Join naming a longer one is still
