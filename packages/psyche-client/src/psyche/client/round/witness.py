@@ -149,10 +149,13 @@ def opportunistic_training_action(
     *,
     training_finished: bool,
     clients: Sequence[Client],
+    judged: bool = True,
 ) -> OpportunisticAction:
     """Upstream's 500 ms check during training: once this client has trained and has every
     payload of the previous round, it says so (`Finished`, once); once everyone has, a witness
-    sends its witness without waiting for the round's timeout. Marks what it returns as sent."""
+    sends its witness without waiting for the round's timeout. Marks what it returns as sent.
+    `judged` False: the previous round's held votes wait for their judgement
+    (`payloads.judgement_due`, made off the loop), and so does the witness."""
     info = current.committee_info
     if info is None or not training_finished or not previous_round_settled(previous):
         return None
@@ -161,7 +164,7 @@ def opportunistic_training_action(
         return SendFinished(
             current.step, merkle_root(previous.broadcasts), info.committee_proof, warmup=False
         )
-    if unfinished_clients(current, clients):
+    if unfinished_clients(current, clients) or not judged:
         return None
     witness = witness_to_send(previous, current)
     return SendWitness(witness) if witness is not None else None
