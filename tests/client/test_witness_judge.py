@@ -11,6 +11,7 @@ members, one hostile (as tests/client/test_young_witness.py).
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,8 +23,6 @@ from psyche.client.round import payloads, screening, witness
 from psyche.client.round.state import RoundState
 from psyche.coordinator.testing import simulated_identity
 from psyche.core.batch_id import BatchId
-from psyche.core.node_identity import NodeIdentity
-from psyche.modeling.distro import DistroResult
 from psyche.modeling.screening import RoundScreen, Verdict
 from psyche.modeling.serialized_distro import TransmittableDistroResult
 
@@ -65,25 +64,19 @@ def checked_round(held_back: int = 0) -> tuple[Checked, list[tuple[BatchId, Call
     view.reference_ready.set()
     hostile = ids[(me + 1) % CLIENTS]
     order = sorted(view.data_assignments.items(), key=lambda item: item[1] != hostile)
-    by_batch: dict[BatchId, list[DistroResult]] = {}
-    deliveries = []
-    for n, (batch, sender) in enumerate(order):
-        if sender == ids[me]:
-            payload = TransmittableDistroResult(view.step, 30, batch, [])
-            payloads.record_verified_payload(view, sender, batch, payload.compute_hash())
-            continue
-        results = sent[n]
-        if sender == hostile:
-            results = [fmt.at_bound(r, i) for i, r in enumerate(results)]
-        by_batch[batch] = results
-
-        def send(batch: BatchId = batch, sender: NodeIdentity = sender, tag: int = 10 + n) -> None:
-            deliver(
-                view, sim, ids[me], batch, sender, tag, screening.screen_result, True,
-                lambda p: by_batch[p.batch_id],
-            )  # fmt: skip
-
-        deliveries.append((batch, send))
+    mine = next(batch for batch, sender in order if sender == ids[me])
+    own = TransmittableDistroResult(view.step, 30, mine, [])
+    payloads.record_verified_payload(view, ids[me], mine, own.compute_hash())
+    bound = {b: [fmt.at_bound(r, i) for i, r in enumerate(sent[0])] for b, _ in order[:1]}
+    decoded = {b: bound.get(b, sent[n]) for n, (b, _) in enumerate(order)}
+    deliveries: list[tuple[BatchId, Callable[[], None]]] = [
+        (batch, functools.partial(
+            deliver, view, sim, ids[me], batch, sender, 10 + n, screening.screen_result, True,
+            lambda p: decoded[p.batch_id],
+        ))
+        for n, (batch, sender) in enumerate(order)
+        if batch != mine
+    ]  # fmt: skip
     for _, send in deliveries[: len(deliveries) - held_back]:
         send()
     hostile_batch = order[0][0]
