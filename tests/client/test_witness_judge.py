@@ -21,12 +21,18 @@ import trio
 
 from psyche.client.round import payloads, screening, witness
 from psyche.client.round.state import RoundState
-from psyche.coordinator.testing import simulated_identity
+from psyche.client.round.steps import MachineSettings, StepStateMachine
+from psyche.coordinator.backend import OpportunisticData
+from psyche.coordinator.testing import Simulation, simulated_identity
 from psyche.core.batch_id import BatchId
+from psyche.core.identity import SecretKey
+from psyche.core.node_identity import NodeIdentity
 from psyche.modeling.screening import RoundScreen, Verdict
 from psyche.modeling.serialized_distro import TransmittableDistroResult
 
+from ..modeling.tiny_trainer import make_trainer
 from .test_core import next_round, plan_for, training_sim
+from .test_machine import Bus, BusIO, Node
 from .test_young_witness import deliver
 
 CLIENTS = 5
@@ -39,6 +45,9 @@ class Checked:
     view: RoundState
     later: RoundState
     hostile_batch: BatchId
+    sim: Simulation
+    bystander: RoundState
+    """Round R+1 as a member that is not its witness sees it."""
 
 
 def checked_round(held_back: int = 0) -> tuple[Checked, list[tuple[BatchId, Callable[[], None]]]]:
@@ -80,7 +89,9 @@ def checked_round(held_back: int = 0) -> tuple[Checked, list[tuple[BatchId, Call
     for _, send in deliveries[: len(deliveries) - held_back]:
         send()
     hostile_batch = order[0][0]
-    return Checked(view, later[me], hostile_batch), deliveries[len(deliveries) - held_back :]
+    bystander = later[(me + 2) % CLIENTS]
+    checked = Checked(view, later[me], hostile_batch, sim, bystander)
+    return checked, deliveries[len(deliveries) - held_back :]
 
 
 def voted(view: RoundState, batch_commitments: dict[BatchId, bytes]) -> set[BatchId]:
@@ -212,3 +223,55 @@ def test_a_judgement_that_raises_leaves_the_round_free() -> None:
     view.screen.judge = real  # type: ignore[method-assign]
     trio.run(screening.judge_round, view)
     assert not payloads.judgement_due(view)
+
+
+class SentWitnesses(BusIO):
+    """The machine's IO, keeping the witnesses it sends."""
+
+    sent: list[OpportunisticData]
+
+    def send_witness(self, data: OpportunisticData) -> None:
+        self.sent.append(data)
+
+
+@pytest.mark.parametrize("is_witness", [True, False], ids=["witness", "not-a-witness"])
+def test_the_machine_judges_off_the_loop_only_the_round_it_witnesses(is_witness: bool) -> None:
+    """The real `StepStateMachine` entering the witness phase (`_start_witness`): a witness of
+    the round judges its held checks in a worker thread, once, and sends the witness voted by
+    that judgement; a member that is no witness of it judges nothing (it used to judge only
+    inside `witness_to_send`, which it never reached: no cost added to it)."""
+    checked, _ = checked_round()
+    assert checked.view.screen is not None
+    gate = Gate(checked.view.screen, wait_s=30.0)
+    checked.view.screen.judge = gate  # type: ignore[method-assign]
+
+    async def main() -> list[OpportunisticData]:
+        key = SecretKey.from_bytes(bytes(31) + bytes([7]))
+        identity = NodeIdentity.from_single_key(key.public_key)
+        io = SentWitnesses(Bus(checked.sim), Node(key, identity))
+        io.sent = []
+        async with trio.open_nursery() as nursery:
+            machine = StepStateMachine(
+                MachineSettings(identity=identity), make_trainer(), None,
+                checked.sim.coordinator.copy(), io, nursery,
+            )  # fmt: skip
+            machine.previous = checked.view
+            machine.current = checked.later if is_witness else checked.bystander
+            nursery.start_soon(gate.probe)
+            await machine._start_witness(checked.sim.coordinator)
+            if not is_witness:
+                gate.started.set()  # the probe waits no longer
+            nursery.cancel_scope.cancel()
+        return io.sent
+
+    sent = trio.run(main)
+    if not is_witness:
+        assert gate.threads == []
+        assert sent == []
+        return
+    assert gate.saw_loop == [True]
+    assert gate.threads[0] is not threading.main_thread()
+    assert len(sent) == 1
+    made = commitments(checked.view)
+    assert not voted(checked.view, made) & {checked.hostile_batch}
+    assert len(voted(checked.view, made)) == CLIENTS - 2

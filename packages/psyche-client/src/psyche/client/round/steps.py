@@ -779,7 +779,8 @@ class StepStateMachine:
         """Send the witness of the previous round (if this client is a witness of this one),
         its held votes judged first in a worker thread (`screening.judge_round`)."""
         previous, current = self.previous, self.current
-        await screening.judge_round(previous)
+        if witness.witness_due(previous, current):
+            await screening.judge_round(previous)
         sent = witness.witness_to_send(previous, current)
         if sent is not None:
             logger.debug("Submitting witness blooms (step %d)", state.progress.step)
@@ -848,7 +849,7 @@ class StepStateMachine:
                     self.previous,
                     training_finished=self.training.finished,
                     clients=clients,
-                    judged=self._judged_for_witness(self.previous),
+                    judged=self._judged_for_witness(self.previous, self.current),
                 )
         elif self.coordinator_state.run_state is RunState.Warmup:
             action = opportunistic_warmup_action(
@@ -868,12 +869,13 @@ class StepStateMachine:
                 )
                 self.io.send_witness(OpportunisticData.WarmupStep(sent))
 
-    def _judged_for_witness(self, round_state: RoundState) -> bool:
+    def _judged_for_witness(self, round_state: RoundState, current: RoundState) -> bool:
         """Whether `round_state`'s held votes are judged (`payloads.judgement_due`), so that its
         witness may be sent now. Once every payload of the round is in, a judgement not made
         yet is started in a worker thread (`screening.judge_round`), and the opportunistic
-        check runs again as soon as it is done."""
-        if not payloads.judgement_due(round_state):
+        check runs again as soon as it is done. A client that sends no witness of the round
+        judges nothing."""
+        if not witness.witness_due(round_state, current) or not payloads.judgement_due(round_state):
             return True
         if witness.previous_round_settled(round_state) and not round_state.judging.locked():
 
