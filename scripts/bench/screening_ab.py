@@ -8,7 +8,10 @@ One witness of `--clients` (its own update, `clients - 1` checks of the peer's r
 closed), 20M Llama, DisTrO c16 k8, 3 rows of 128 tokens per client per round, the configs'
 `Trainer`s (scripts/bench/poison.py's cost rounds). Prints each module's median checks a round
 as a share of the round's training and apply, their ratio, and each round's `t` and verdict from
-both (the change may move low bits of `t`; the verdicts should match).
+both (the change may move low bits of `t`; the verdicts should match), and what a witness's
+first round without an update of its own costs to judge as a whole (`RoundScreen.judge`).
+`--profile`: where the working tree's checks spend their CPU time, function by function (the
+profiler's overhead counts in the working tree's time: take the ratio from a run without it).
 
     .venv/bin/python scripts/bench/screening_ab.py --baseline beb03b0 --rounds 6
 """
@@ -16,8 +19,10 @@ both (the change may move low bits of `t`; the verdicts should match).
 from __future__ import annotations
 
 import argparse
+import cProfile
 import dataclasses
 import importlib.util
+import pstats
 import statistics
 import subprocess
 import sys
@@ -64,15 +69,22 @@ def main() -> None:
     p.add_argument("--clients", type=int, default=3)
     p.add_argument("--size", default="20m")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="print where the working tree's checks spend their time (cProfile; skews the ratio)",
+    )
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as folder:
         modules = {"baseline": _module_at(args.baseline, Path(folder)), "now": screening}
-        run(modules, args.size, args.clients, args.rounds)
+        run(modules, args.size, args.clients, args.rounds, args.profile)
 
 
-def run(modules: dict[str, ModuleType], size: str, clients: int, rounds: int) -> None:
+def run(
+    modules: dict[str, ModuleType], size: str, clients: int, rounds: int, profile: bool = False
+) -> None:
     own, peer = (poison._cost_trainer(size, "distro") for _ in range(2))
     own.screening_reader()
     optimizer = own.distro
@@ -88,12 +100,15 @@ def run(modules: dict[str, ModuleType], size: str, clients: int, rounds: int) ->
     apply: list[float] = []
     checks: dict[str, list[float]] = {name: [] for name in modules}
     verdicts: list[dict[str, list[tuple[float, bool]]]] = []
+    profiler = cProfile.Profile(time.process_time) if profile else None
     for step in range(1, rounds + 1):
         seconds, reference, sent = poison.cost_round((own, peer), data, rows, step, prev)
         train.append(seconds)
         seen = {}
         for name in sorted(modules, reverse=step % 2 == 0):
             m = modules[name]
+            if profiler is not None and name == "now":
+                profiler.enable()
             t = time.process_time()
             rnd = screens[name].open_round()
             fields = {f.name for f in dataclasses.fields(m.Reference)}  # the baseline's
@@ -103,6 +118,8 @@ def run(modules: dict[str, ModuleType], size: str, clients: int, rounds: int) ->
             got = [rnd.check(sender, sent[1]) for sender in range(1, clients)]
             rnd.close()
             checks[name].append(time.process_time() - t)
+            if profiler is not None:
+                profiler.disable()
             seen[name] = [(v.measure.agreement, v.passed) for v in got]
         verdicts.append(seen)
         t = time.process_time()
@@ -123,6 +140,20 @@ def run(modules: dict[str, ModuleType], size: str, clients: int, rounds: int) ->
         shown = ", ".join(f"t {a[0]:.4f} / {b[0]:.4f} {a[1]}/{b[1]}" for a, b in pairs)
         print(f"  round {step}: {shown}")
     print(f"rounds with every verdict the same: {same} of {len(verdicts)}")
+    m = modules["now"]
+    blind = m.WitnessScreen(m.ResultReader.of(optimizer), m.DISTRO_SCREENING).open_round()
+    for sender, results in enumerate(sent):
+        blind.check(sender, results)
+    t = time.process_time()
+    blind.judge()
+    print(
+        f"a witness's first round without an update of its own, its {len(sent)} results judged as "
+        f"a whole (RoundScreen.judge, one model-sized sum): {(time.process_time() - t) * 1000:.1f} "
+        "CPU ms (made in a worker thread: psyche.client.round.screening.judge_round)"
+    )
+    if profiler is not None:
+        print("where the working tree's checks spend their CPU time (self time, top 15):")
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(15)
 
 
 if __name__ == "__main__":

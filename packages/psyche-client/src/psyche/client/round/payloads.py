@@ -370,8 +370,10 @@ async def check_payload(
     index = verdict.index if verdict is not None and round_state.screen is not None else None
     held = index is not None
     outstanding = round_state.batch_ids_not_yet_trained_on
-    if index is not None and outstanding is not None and pending.batch_id in outstanding:
-        round_state.blind_votes.setdefault(pending.batch_id, (index, commitment_hash))
+    if index is not None:
+        round_state.held_checks = max(round_state.held_checks, index + 1)
+        if outstanding is not None and pending.batch_id in outstanding:
+            round_state.blind_votes.setdefault(pending.batch_id, (index, commitment_hash))
     record_verified_payload(
         round_state,
         pending.from_,
@@ -383,18 +385,34 @@ async def check_payload(
     handle.set_result(value)
 
 
+def judgement_due(round_state: RoundState) -> bool:
+    """Whether the round's held votes wait for a judgement (`settle_blind_votes`) that is not
+    made yet, or that was made before the last held check came in."""
+    if round_state.screen is None or round_state.blooms is None or round_state.sent_witness:
+        return False
+    if not round_state.blind_votes:
+        return False
+    judged = round_state.judgement
+    return judged is None or len(judged) < round_state.held_checks
+
+
 def settle_blind_votes(round_state: RoundState) -> None:
     """Cast the votes held back by checks without an own update of this round (`check_payload`),
     once, as this client sends its witness: each judged again over every result of the round
     checked so far (`RoundScreen.judge`), so a hostile result that came first is refused once
     honest ones followed, and an honest one it made fail is voted for. Arrival order no longer
     decides this witness's vote; what is applied stays the consensus over every witness's
-    blooms, the same for every honest client."""
+    blooms, the same for every honest client.
+
+    The judgement is the one the client made off the loop just before (`round_state.judgement`,
+    `screening.judge_round`: model-sized work in a worker thread); where none covers every held
+    check, it is made here."""
+    stale = judgement_due(round_state)
     votes, round_state.blind_votes = round_state.blind_votes, {}
     screen = round_state.screen
     if not votes or screen is None or round_state.blooms is None:
         return
-    verdicts = screen.judge()
+    verdicts = screen.judge() if stale or round_state.judgement is None else round_state.judgement
     _, broadcast_bloom = round_state.blooms
     for batch_id, (index, commitment_hash) in votes.items():
         if index >= len(verdicts):

@@ -2,11 +2,12 @@
 round's state and `psyche.modeling.screening`): a round this client starts opens its checks
 (`WitnessScreening.open_round`), its own update becomes their reference once it is known
 (`set_reference`), and a peer's decoded result is checked against it (`screen_result`, handed to
-`payloads.check_payload`); a round that is over closes its checks (`close_round`).
+`payloads.check_payload`); before the witness of a round is sent, the round's held checks are
+judged as a whole (`judge_round`); a round that is over closes its checks (`close_round`).
 
 A peer's result waits for this client's own update of the round (or for the certainty that none
 is coming: `RoundState.reference_ready`), so every honest witness checks against the same kind
-of reference; the checks run in worker threads.
+of reference; the checks and the judgement run in worker threads.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from psyche.client.background import Background
+from psyche.client.round import payloads
 from psyche.client.round.state import RoundState
 from psyche.client.round.train import OwnResult
 from psyche.core.node_identity import NodeIdentity
@@ -91,4 +93,24 @@ async def screen_result(
     return await trio.to_thread.run_sync(screen.check, sender, results)
 
 
-__all__ = ["WitnessScreening", "close_round", "screen_result", "set_reference"]
+async def judge_round(round_state: RoundState) -> None:
+    """Judge the round's held checks as a whole (`RoundScreen.judge`: leave-one-out medians,
+    in a witness's very first round one model-sized sum of the round's results) in a worker
+    thread, before this client sends its witness of the round (`payloads.settle_blind_votes`
+    casts the votes by it): the event loop goes on meanwhile. Again while a held check came in
+    during a judgement (each pass covers more of the round's bounded checks), so the judgement
+    covers every held check the loop has seen; nothing when no held vote waits. The verdicts
+    are `judge`'s, the same whichever thread makes them."""
+    if not payloads.judgement_due(round_state):
+        return  # no checkpoint: nothing waits
+    async with round_state.judging:
+        while payloads.judgement_due(round_state):
+            screen = round_state.screen
+            assert screen is not None  # `judgement_due` says there is one
+            held = round_state.held_checks
+            round_state.judgement = await trio.to_thread.run_sync(screen.judge)
+            if len(round_state.judgement) < held:
+                return  # cannot happen (a held check is in its screen before its verdict)
+
+
+__all__ = ["WitnessScreening", "close_round", "judge_round", "screen_result", "set_reference"]

@@ -22,7 +22,7 @@ from psyche.network import BlobTicket
 
 if TYPE_CHECKING:
     from psyche.modeling.distro import DistroResult
-    from psyche.modeling.screening import RoundScreen
+    from psyche.modeling.screening import RoundScreen, Verdict
 
 
 @dataclass(frozen=True)
@@ -136,6 +136,13 @@ class RoundState:
     """Votes held back by checks without an own update (batch -> the check's
     `Verdict.index`, the commitment), cast when the witness is sent
     (`payloads.settle_blind_votes`)."""
+    held_checks: int = 0
+    """Held checks (`Verdict.index`) whose verdicts reached this round so far."""
+    judgement: list[Verdict] | None = None
+    """The round's held checks judged as a whole (`RoundScreen.judge`), made off the loop
+    before the witness is sent (`screening.judge_round`); it covers its first `len` checks."""
+    judging: trio.Lock = field(default_factory=trio.Lock, compare=False, repr=False)
+    """Held while a judgement is made (one at a time)."""
 
     results_announced: trio.Event = field(default_factory=trio.Event, compare=False, repr=False)
     """Set, and replaced by a fresh one, whenever a result joins `results`: a task waiting for a

@@ -333,7 +333,7 @@ class StepStateMachine:
         if state.progress.step != self.current.step:
             await self._next_round(state, index)
         await self._finish_training(state)
-        self._start_witness(state)
+        await self._start_witness(state)
 
     async def _train_to_cooldown(self, state: Coordinator, index: int) -> None:
         await self._finish_training(state)
@@ -350,7 +350,7 @@ class StepStateMachine:
         if state.progress.step != self.current.step:
             await self._witness_to_train(state, index)
             await self._finish_training(state)
-            self._start_witness(state)
+            await self._start_witness(state)
 
     async def _witness_to_cooldown(self, state: Coordinator, index: int) -> None:
         if not self._missed_last_round(state):
@@ -775,8 +775,13 @@ class StepStateMachine:
         if self.settings.on_round is not None:
             self.settings.on_round(report)
 
-    def _start_witness(self, state: Coordinator) -> None:
-        sent = witness.witness_to_send(self.previous, self.current)
+    async def _start_witness(self, state: Coordinator) -> None:
+        """Send the witness of the previous round (if this client is a witness of this one),
+        its held votes judged first in a worker thread (`screening.judge_round`)."""
+        previous, current = self.previous, self.current
+        if witness.witness_due(previous, current):
+            await screening.judge_round(previous)
+        sent = witness.witness_to_send(previous, current)
         if sent is not None:
             logger.debug("Submitting witness blooms (step %d)", state.progress.step)
             self.round_clock.witness_sent(state.progress.step)
@@ -844,6 +849,7 @@ class StepStateMachine:
                     self.previous,
                     training_finished=self.training.finished,
                     clients=clients,
+                    judged=self._judged_for_witness(self.previous, self.current),
                 )
         elif self.coordinator_state.run_state is RunState.Warmup:
             action = opportunistic_warmup_action(
@@ -862,6 +868,23 @@ class StepStateMachine:
                     "Sending warmup witness (epoch %d)", self.coordinator_state.progress.epoch
                 )
                 self.io.send_witness(OpportunisticData.WarmupStep(sent))
+
+    def _judged_for_witness(self, round_state: RoundState, current: RoundState) -> bool:
+        """Whether `round_state`'s held votes are judged (`payloads.judgement_due`), so that its
+        witness may be sent now. Once every payload of the round is in, a judgement not made
+        yet is started in a worker thread (`screening.judge_round`), and the opportunistic
+        check runs again as soon as it is done. A client that sends no witness of the round
+        judges nothing."""
+        if not witness.witness_due(round_state, current) or not payloads.judgement_due(round_state):
+            return True
+        if witness.previous_round_settled(round_state) and not round_state.judging.locked():
+
+            async def judge_then_check() -> None:
+                await screening.judge_round(round_state)
+                self.try_send_opportunistic_witness()
+
+            self.tasks.start_soon(judge_then_check)
+        return False
 
     # ---- messages and payloads -----------------------------------------------------------------
 

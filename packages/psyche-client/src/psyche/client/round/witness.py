@@ -33,14 +33,20 @@ def merkle_root(broadcasts: Sequence[bytes]) -> MerkleRoot:
     return MerkleTree(broadcasts).get_root() or MerkleRoot()
 
 
+def witness_due(previous: RoundState, current: RoundState) -> bool:
+    """Whether this client is a witness of the current round that has not sent its witness of
+    the previous one yet."""
+    info = current.committee_info
+    return not previous.sent_witness and info is not None and info.witness_proof.witness
+
+
 def witness_to_send(previous: RoundState, current: RoundState) -> Witness | None:
     """The witness for the previous round, once, if this client is a witness of the current one
     (upstream `WitnessStep::get_witness_to_send`); marks it sent."""
-    if previous.sent_witness:
+    if not witness_due(previous, current):
         return None
     info = current.committee_info
-    if info is None or not info.witness_proof.witness:
-        return None
+    assert info is not None  # `witness_due` says so
     payloads.settle_blind_votes(previous)  # votes held back until the whole round is known
     if previous.blooms is not None:
         participant_bloom, broadcast_bloom = (b.copy() for b in previous.blooms)
@@ -149,10 +155,13 @@ def opportunistic_training_action(
     *,
     training_finished: bool,
     clients: Sequence[Client],
+    judged: bool = True,
 ) -> OpportunisticAction:
     """Upstream's 500 ms check during training: once this client has trained and has every
     payload of the previous round, it says so (`Finished`, once); once everyone has, a witness
-    sends its witness without waiting for the round's timeout. Marks what it returns as sent."""
+    sends its witness without waiting for the round's timeout. Marks what it returns as sent.
+    `judged` False: the previous round's held votes wait for their judgement
+    (`payloads.judgement_due`, made off the loop), and so does the witness."""
     info = current.committee_info
     if info is None or not training_finished or not previous_round_settled(previous):
         return None
@@ -161,7 +170,7 @@ def opportunistic_training_action(
         return SendFinished(
             current.step, merkle_root(previous.broadcasts), info.committee_proof, warmup=False
         )
-    if unfinished_clients(current, clients):
+    if unfinished_clients(current, clients) or not judged:
         return None
     witness = witness_to_send(previous, current)
     return SendWitness(witness) if witness is not None else None
