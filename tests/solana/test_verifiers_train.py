@@ -3,8 +3,10 @@ upstream's bytes and has no room for it, so the run keeps it in its verification
 (`RunVerification.verifiers_train`, appended). The owner sets it with `update-config`
 (`set_verifiers_train`, only while the run is halted), the program runs every instruction of
 the run with it (the duties it records are those of a run whose verifiers train), every
-following client sets it on the states it reads, and `json-dump-run` shows it. Four scripted
-members on the local endpoint over JSON-RPC and websockets."""
+following client sets it on the states it reads (a client already following reads the change
+on the first state after the halt, not on a timer), and `json-dump-run` shows it. Four scripted
+members on the local endpoint over JSON-RPC and websockets; in a treasurer run, the treasurer
+program's own checks on `run_set_verifiers_train`."""
 
 from __future__ import annotations
 
@@ -14,20 +16,28 @@ from pathlib import Path
 
 import pytest
 import trio
+from solders.instruction import AccountMeta, Instruction
+from solders.keypair import Keypair
+from solders.pubkey import Pubkey
 
 from psyche.cli.solana_client.main import main as solana_client
+from psyche.coordinator import RunState
 from psyche.coordinator.data_selection import verification_duties_for_state
 from psyche.coordinator.run_config import dumps_toml, run_config_to_obj
 from psyche.solana import admin, pda
 from psyche.solana.backend import SolanaBackendError
+from psyche.solana.follower import follow_run
 from psyche.solana.instructions import coordinator as coordinator_ix
+from psyche.solana.instructions import treasurer as treasurer_ix
 from psyche.solana.localnet.ledger import ManualClock
 from psyche.solana.localnet.server import LocalnetThread
-from psyche.solana.state import decode_anchor_account
+from psyche.solana.state import COORDINATOR_ACCOUNT_SPACE, decode_anchor_account
 from psyche.solana.verification import RunVerification
 
 from .cli_helpers import RUN_CONFIG, funded_wallet, ok, run_cli
-from .scripted import RUN_ID, Driver, make_backend, tiny_model
+from .conftest import Endpoint
+from .scripted import RUN_ID, WAIT, Driver, make_backend, tiny_model
+from .scripted import config as scripted_config
 from .test_verification import error_text, verified_run
 
 
@@ -112,6 +122,42 @@ def test_the_owner_turns_verifiers_train_on_and_the_program_and_clients_run_with
     trio.run(main)
 
 
+def test_a_follower_reads_the_change_before_the_first_state_after_the_halt(
+    tmp_path: Path,
+) -> None:
+    """A client already following the run when the owner changes the option (paused, then
+    resumed): the first state it hands out after the halt carries the new value, read from the
+    verification account on that state, not on a timer (before, a 5 s poll: a warmup shorter
+    than that could start a round with the old value). No poll runs here, so only the read
+    the state itself triggers can bring it."""
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            run = await verified_run(nursery)
+            owner = run.owner
+            async with follow_run(owner, RUN_ID, run.account) as follower:
+                assert follower.latest.state.coordinator.config.verifiers_train is False
+                for value in (True, False, True):
+                    changed = dataclasses.replace(run.config, verifiers_train=value)
+                    path = tmp_path / f"{value}.toml"
+                    path.write_text(dumps_toml(run_config_to_obj(changed, tiny_model())))
+                    await admin.set_paused(owner, RUN_ID, True)
+                    await admin.update_config(owner, RUN_ID, config_path=path)
+                    await admin.set_paused(owner, RUN_ID, False)
+                    with trio.fail_after(WAIT):
+                        state = await follower.wait_for_new_state()
+                        while not state.halted():  # up to the pause
+                            state = await follower.wait_for_new_state()
+                        while state.halted():  # the first state after it
+                            state = await follower.wait_for_new_state()
+                    assert state.run_state is RunState.WaitingForMembers
+                    assert state.config.verifiers_train is value
+                    assert follower.verifiers_train is value
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
 @pytest.mark.usefixtures("clean_env")
 def test_a_treasurer_run_sets_it_through_its_treasurer(
     net: LocalnetThread, tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -119,8 +165,6 @@ def test_a_treasurer_run_sets_it_through_its_treasurer(
     """In a treasurer run the run PDA, not the wallet, is the coordinator's authority:
     `update-config` sets the option through the treasurer's `run_set_verifiers_train`, which
     checks the treasurer run's main authority as `run_update` does."""
-    from .conftest import Endpoint
-
     wallet = tmp_path / "owner.json"
     owner = funded_wallet(net, wallet)
     mint = Endpoint(net, ManualClock()).new_mint(owner, owner.pubkey(), 6)
@@ -144,3 +188,67 @@ def test_a_treasurer_run_sets_it_through_its_treasurer(
     assert code == 1, err
     dump = json.loads(ok(capsys, net, "json-dump-run", "-r", "paid"))
     assert dump["verification"]["verifiers_train"] is True
+
+
+def unsigned(instruction: Instruction, key: Pubkey) -> Instruction:
+    """`instruction` with `key` named but not a signer (what a sender without its key sends)."""
+    metas = [
+        AccountMeta(m.pubkey, False, m.is_writable) if m.pubkey == key else m
+        for m in instruction.accounts
+    ]
+    return Instruction(instruction.program_id, instruction.data, metas)
+
+
+def test_the_treasurers_run_set_verifiers_train_refuses_everyone_but_the_main_authority(
+    endpoint: Endpoint,
+) -> None:
+    """The program's own checks, not the admin path's: a stranger that sends the treasurer's
+    `run_set_verifiers_train` itself, signing as the authority, is not the treasurer run's main
+    authority (`ConstraintRaw`); naming the main authority without its signature is refused
+    (`AccountNotSigner`); and the coordinator's `set_verifiers_train` sent directly with the
+    run's PDA (the coordinator's main authority, which only the treasurer signs for) is refused
+    too. Nothing changes until the main authority signs."""
+    payer, main, stranger = Keypair(), Keypair(), Keypair()
+    for wallet in (payer, stranger):
+        endpoint.airdrop(wallet.pubkey(), 5_000_000_000)
+    ids = endpoint.ledger.program_ids
+    index, run_id = 7, "treasurer verifiers_train"
+    mint = endpoint.new_mint(payer, Pubkey.new_unique(), 6)
+    account = endpoint.new_exempt(payer, COORDINATOR_ACCOUNT_SPACE, ids.coordinator_key)
+    instance = pda.find_coordinator_instance(run_id, ids)
+    create = treasurer_ix.treasurer_run_create(
+        payer.pubkey(), run_id, "latest", index, mint, account, main.pubkey(), Pubkey.new_unique()
+    )
+    endpoint.process([create], payer)
+    config = scripted_config(verification_percent=25, min_clients=4, init_min_clients=4)
+    params = treasurer_ix.RunUpdateParams(config=config, model=tiny_model())  # not started
+    update = treasurer_ix.treasurer_run_update(run_id, index, account, main.pubkey(), params)
+    endpoint.process([update], payer, [main])
+    init = coordinator_ix.coordinator_init_verification(payer.pubkey(), instance, account, ids)
+    endpoint.process([init], payer)
+    address = pda.find_run_verification(account, ids)
+
+    def stored() -> bool:
+        data = bytes(endpoint.account(address).data)
+        return decode_anchor_account(data, RunVerification).verifiers_train
+
+    def set_on(authority: Pubkey) -> Instruction:
+        return treasurer_ix.treasurer_run_set_verifiers_train(
+            run_id, index, account, authority, True, ids
+        )
+
+    # a stranger signing as the authority: not the run's main authority
+    refused = endpoint.process_err([set_on(stranger.pubkey())], stranger, [stranger])
+    assert refused.anchor_error == "ConstraintRaw", refused.logs
+    # the main authority named, its signature missing (the stranger pays and signs alone)
+    refused = endpoint.process_err([unsigned(set_on(main.pubkey()), main.pubkey())], stranger)
+    assert refused.anchor_error == "AccountNotSigner", refused.logs
+    # around the treasurer: the coordinator's own instruction with the run PDA as authority
+    run = pda.find_run(index, ids)
+    direct = coordinator_ix.coordinator_set_verifiers_train(run_id, account, run, True, ids)
+    refused = endpoint.process_err([unsigned(direct, run)], stranger)
+    assert refused.anchor_error == "AccountNotSigner", refused.logs
+    assert stored() is False
+    # the main authority through the treasurer: set
+    endpoint.process([set_on(main.pubkey())], payer, [main])
+    assert stored() is True

@@ -96,6 +96,18 @@ class StateReceiver:
         return self._queue.popleft()
 
 
+def verifiers_train_may_have_changed(previous: Coordinator, state: Coordinator) -> bool:
+    """Whether `state` must wait for a fresh read of the run's `verifiers_train` before it is
+    handed out: when the run leaves a halt or its wait for members. The owner sets the option
+    only while the run is halted (`set_verifiers_train`), so it may differ from the last read
+    once the run leaves the halt; and again when an epoch starts (its rounds deal data by it),
+    in case a halt came and went unseen (a subscription down meanwhile: the resync brings only
+    the newest state). A few reads an epoch, not one per state (the account is 512 KiB)."""
+    if previous.run_state is state.run_state:
+        return False
+    return previous.halted() or previous.run_state is RunState.WaitingForMembers
+
+
 class SolanaBackendRunner:
     """A run followed through Solana: `psyche.coordinator.backend.Backend` for the client."""
 
@@ -122,11 +134,14 @@ class SolanaBackendRunner:
         self.completed_sends = 0
         self.resent_after_outage = 0
         self._tick_in_flight = False
+        self._accepting = trio.Lock()
         self.verifiers_train = False
         """The run's `CoordinatorConfig.verifiers_train`, which the coordinator account cannot
-        hold: read from its verification account (`read_verification`: when the run is
-        followed, then every `app.VERIFICATION_WATCH_INTERVAL`, so an owner's change, made
-        while the run is halted, is heard within that interval) and set on every state."""
+        hold: read from its verification account (`read_verification`) when the run is
+        followed and before handing out a state on which it may have changed
+        (`verifiers_train_may_have_changed`: the run leaving a halt, an epoch starting), and
+        set on every state. The owner changes it only while the run is halted, so the first
+        state after the halt already carries the new value, however short the warmup."""
 
     def _start(self) -> None:
         send, receive = trio.open_memory_channel[bytes](STATE_QUEUE_CAPACITY)
@@ -161,27 +176,33 @@ class SolanaBackendRunner:
         except Exception as e:
             log.warning("could not re-read the coordinator account: %s", e)
             return
-        self._accept(data)
+        await self._accept(data)
 
     async def _merge(self, receive: trio.MemoryReceiveChannel[bytes]) -> None:
         async with receive:
             async for data in receive:
-                self._accept(data)
+                await self._accept(data)
         log.error("no subscriptions available")
 
-    def _accept(self, data: bytes) -> None:
-        if not self._filter.accept(data):
-            return
-        try:
-            account = coordinator_account_from_bytes(data)
-        except ValueError as e:
-            log.error("error deserializing coordinator account: %s", e)
-            return
-        self.latest = account
-        account.state.coordinator.config.verifiers_train = self.verifiers_train
-        for i, receiver in enumerate(self._receivers):
+    async def _accept(self, data: bytes) -> None:
+        # One state at a time: a state that waits for the verification account below is handed
+        # out before a newer one (a resync and the subscription may both bring one).
+        async with self._accepting:
+            if not self._filter.accept(data):
+                return
+            try:
+                account = coordinator_account_from_bytes(data)
+            except ValueError as e:
+                log.error("error deserializing coordinator account: %s", e)
+                return
             coordinator = account.state.coordinator
-            receiver.push(coordinator if i == 0 else coordinator.copy())
+            coordinator.config.verifiers_train = self.verifiers_train
+            previous, self.latest = self.latest.state.coordinator, account
+            if verifiers_train_may_have_changed(previous, coordinator):
+                await self.read_verification()  # after `latest`: which account it reads
+                coordinator.config.verifiers_train = self.verifiers_train
+            for i, receiver in enumerate(self._receivers):
+                receiver.push(coordinator if i == 0 else coordinator.copy())
 
     def subscribe(self) -> StateReceiver:
         """Another independent stream of the states that arrive from now on."""
@@ -493,4 +514,5 @@ __all__ = [
     "epoch_abandoned",
     "follow_membership",
     "follow_run",
+    "verifiers_train_may_have_changed",
 ]
