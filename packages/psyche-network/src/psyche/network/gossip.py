@@ -52,6 +52,7 @@ from libp2p.pubsub.gossipsub import PROTOCOL_ID, PROTOCOL_ID_V11, GossipSub
 from libp2p.pubsub.mcache import CacheEntry, MessageCache
 from libp2p.pubsub.pb import rpc_pb2
 from libp2p.pubsub.pubsub import Pubsub, ValidationCache, ValidationResult
+from libp2p.pubsub.rpc_queue import OutBoundQueueSize, RpcQueue
 from libp2p.pubsub.utils import safe_bytes_from_hex
 
 from psyche.core.drop_log import DropLog
@@ -250,6 +251,34 @@ class _PsychePubsub(Pubsub):
         if not self._reopening:
             super()._forget_all_subscriptions(peer_id)
 
+    async def handle_sending_messages(
+        self, peer_id: ID, stream: INetStream, queue: RpcQueue
+    ) -> None:
+        """py-libp2p's per-peer sending loop, writing what is queued for the peer by then as
+        one RPC (`coalesce`) instead of one write per RPC. Each write is a Yamux frame, a Noise
+        message and a socket send here, and on the peer a frame to decrypt and dispatch and
+        three to four stream reads (py-libp2p reads the varint length a byte at a time) before
+        the RPC is parsed; a round's broadcasts reach a node within milliseconds of each other
+        and are forwarded to each mesh peer in such bursts. Nothing waits for more: an RPC
+        alone in the queue is written as soon as the loop runs, as before."""
+        try:
+            while True:
+                rpc = await queue.pop()
+                if rpc is None:
+                    return  # the queue was closed
+                batch = [rpc]
+                # pop() returns at once, without a checkpoint, while the queue holds an RPC
+                while len(queue) and len(batch) < OutBoundQueueSize:
+                    more = await queue.pop()
+                    if more is None:
+                        break
+                    batch.append(more)
+                for out in coalesce(batch):
+                    if not await self.write_msg(stream, out):
+                        return
+        except Exception:
+            logger.debug("gossip sending loop for %s ended with an error", peer_id)
+
     async def write_msg(self, stream: INetStream, rpc_msg: rpc_pb2.RPC) -> bool:
         """py-libp2p drops the messages whose write found the stream failed (then re-opens it);
         they are written again on the re-opened stream (control messages come again with the
@@ -273,6 +302,54 @@ class _PsychePubsub(Pubsub):
             return  # iroh-gossip does not echo our own broadcasts; the client self-applies them
         if any(topic in self.topic_ids for topic in publish_message.topicIDs):
             self._deliver(publish_message)
+
+
+COALESCED_RPC_BYTES = 64 << 10
+"""At most this many bytes in one coalesced RPC (py-libp2p's inbound limit is 1 MiB; a gossip
+message is at most `MAX_MESSAGE_SIZE`)."""
+
+
+def _order_free(rpc: rpc_pb2.RPC) -> bool:
+    """Whether `rpc` carries only what a peer handles the same in any order and grouping:
+    messages (each validated and delivered on its own) and IHAVE / IWANT / IDONTWANT lists.
+    Subscriptions, GRAFT and PRUNE change state in the order they come (a PRUNE then a GRAFT
+    merged into one RPC would be handled GRAFT first: the peer handles each kind in a fixed
+    order), as do extension and observation controls, so an RPC with any of those is sent as
+    it is."""
+    if rpc.subscriptions or rpc.HasField("testExtension"):
+        return False
+    if not rpc.HasField("control"):
+        return True
+    c = rpc.control
+    return not (c.graft or c.prune or c.HasField("extensions") or c.observe or c.unobserve)
+
+
+def coalesce(rpcs: list[rpc_pb2.RPC]) -> list[rpc_pb2.RPC]:
+    """`rpcs`, in order, with each run of order-free RPCs (`_order_free`) merged into one
+    (repeated fields concatenated, the sender record the last one's) of at most
+    `COALESCED_RPC_BYTES`. The RPCs given are not modified (py-libp2p queues one RPC object
+    for several peers): a merge builds a new one."""
+    out: list[rpc_pb2.RPC] = []
+    run = False  # whether out[-1] is order-free, so that the next order-free RPC may join it
+    merged = False  # whether out[-1] is a merge built here (else one of the RPCs given)
+    size = 0
+    for rpc in rpcs:
+        if not _order_free(rpc):
+            out.append(rpc)
+            run = False
+            continue
+        rpc_size = rpc.ByteSize()
+        if run and size + rpc_size <= COALESCED_RPC_BYTES:
+            if not merged:
+                copy = rpc_pb2.RPC()
+                copy.CopyFrom(out[-1])
+                out[-1], merged = copy, True
+            out[-1].MergeFrom(rpc)
+            size += rpc_size
+            continue
+        out.append(rpc)
+        run, merged, size = True, False, rpc_size
+    return out
 
 
 REPAIR_ADVERTS_PER_PEER = 3
