@@ -8,6 +8,7 @@ import os
 from collections import Counter
 from typing import Any
 
+import blake3
 import pytest
 import trio
 from libp2p.network.exceptions import SwarmException
@@ -721,3 +722,42 @@ def test_coalescing_keeps_the_order_of_what_changes_state_and_leaves_the_rpcs_gi
     assert out[4] is subscribe
     assert list(out[3].control.ihave[0].messageIDs) == [b"id"]
     assert out[0].senderRecord == b"record"
+
+
+def test_a_copy_already_seen_spawns_no_task_and_still_marks_its_sender_as_holder(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A copy of a message a node already has is dropped where it is read: no `push_msg` task
+    is spawned for it (before, one per copy: most copies in a mesh are such duplicates), and
+    the peer that sent it is still noted as holding it, so the repair does not advertise the
+    message to that peer."""
+    from libp2p.pubsub.pb import rpc_pb2
+
+    async def main() -> None:
+        async with open_nodes(3, broadcast_type=Broadcast) as (a, b, c):
+            await connect_pairs([a, b, c], [(0, 1), (2, 1)])
+            await wait_until(lambda: len(b.gossip.mesh()) == 2, timeout=10)
+            await wait_for_mesh([a, c], 1)
+            data = a.gossip.encode(finished(a.secret_key, step=1))
+            await a.gossip.publish_raw(data)
+            await next_message(b)
+            await next_message(c)
+            pushed: list[int] = []
+            pubsub = b.gossip.pubsub
+            push_msg = pubsub.push_msg
+
+            async def counted(forwarder: Any, msg: Any) -> None:
+                pushed.append(1)
+                await push_msg(forwarder, msg)
+
+            monkeypatch.setattr(pubsub, "push_msg", counted)
+            marker = finished(a.secret_key, step=2)
+            queue = c.gossip.pubsub.peer_queues[peer_id_from_public_key(b.endpoint_id)]
+            for payload in (data, a.gossip.encode(marker)):  # a copy from c, then a new one
+                assert queue.push(rpc_pb2.RPC(publish=[pubsub_message(a, payload)]))
+            assert await next_message(b) == marker
+            assert len(pushed) == 1  # the marker's; the copy spawned nothing
+            holders = b.gossip.router.holders._held[blake3.blake3(data).digest()]
+            assert peer_id_from_public_key(c.endpoint_id) in holders
+
+    trio.run(main)
