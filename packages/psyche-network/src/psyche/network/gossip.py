@@ -11,7 +11,10 @@ py-libp2p 0.8.1 defaults that break Psyche (measured, see the spec §4.4) and wh
 * a 32-message subscription queue that drops on overflow: bypassed, every validated message is
   handed to an unbounded channel, so there is no `Lagged` case;
 * message ids from sender+seqno: replaced by the BLAKE3 of the content, as iroh-gossip does, so
-  the same bytes relayed by different peers are delivered once.
+  the same bytes relayed by different peers are delivered once;
+* one write per queued RPC and one task per received copy: what is queued for a peer goes out
+  as one RPC (`coalesce`), and a copy already seen is dropped where it is read (cost per peer,
+  measured in docs/benchmarks.md's swarm section).
 
 **Mirrored copies** (`GOSSIP_MIRROR_PROTOCOL`, a port addition): when its gossip stream to a peer
 runs on a hole-punched connection (py-libp2p re-opens it on the direct connection whenever it
