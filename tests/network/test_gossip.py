@@ -8,6 +8,7 @@ import os
 from collections import Counter
 from typing import Any
 
+import blake3
 import pytest
 import trio
 from libp2p.network.exceptions import SwarmException
@@ -31,6 +32,7 @@ from psyche.network.gossip import (
     GossipConfig,
     GossipRejected,
     _ContentMessageCache,
+    coalesce,
     gossip_topic,
 )
 from psyche.network.identity import peer_id_from_public_key
@@ -84,9 +86,8 @@ async def nothing_before(nodes: list[NetworkConnection], marker: Broadcast) -> N
         assert await next_message(node) == marker
 
 
-async def inject(node: NetworkConnection, data: bytes, topic: bytes | None = None) -> None:
-    """Send `data` as a correctly libp2p-signed pubsub message, skipping the sender's own checks
-    (what a hostile but admitted peer can do)."""
+def pubsub_message(node: NetworkConnection, data: bytes, topic: bytes | None = None) -> Any:
+    """`data` as a pubsub message from `node`, libp2p-signed as py-libp2p signs its own."""
     from libp2p.pubsub.pb import rpc_pb2
     from libp2p.pubsub.pubsub import PUBSUB_SIGNING_PREFIX
 
@@ -99,7 +100,13 @@ async def inject(node: NetworkConnection, data: bytes, topic: bytes | None = Non
     )
     msg.signature = pubsub.sign_key.sign(PUBSUB_SIGNING_PREFIX.encode() + msg.SerializeToString())
     msg.key = pubsub.host.get_public_key().serialize()
-    await node.gossip.router.publish(pubsub.my_id, msg)
+    return msg
+
+
+async def inject(node: NetworkConnection, data: bytes, topic: bytes | None = None) -> None:
+    """Send `data` as a correctly libp2p-signed pubsub message, skipping the sender's own checks
+    (what a hostile but admitted peer can do)."""
+    await node.gossip.router.publish(node.gossip.pubsub.my_id, pubsub_message(node, data, topic))
 
 
 async def wait_for_mesh(nodes: list[NetworkConnection], minimum: int) -> None:
@@ -646,5 +653,111 @@ def test_a_message_a_peer_refused_is_repaired_once_it_would_take_it() -> None:
             await wait_until(lambda: c.gossip.rejected >= 1, timeout=10)  # b's forward
             c.set_allowed_peers(ids)
             assert await next_message(c, timeout=10) == message
+
+    trio.run(main)
+
+
+def test_rpcs_queued_for_a_peer_go_out_in_one_write_and_all_arrive(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What is queued for a peer when its sending loop runs goes out as one RPC (one Yamux
+    frame, one Noise message; on the peer one frame and one length-prefixed read instead of
+    one per message). Before, each queued RPC was its own write: 20 writes here."""
+    from libp2p.pubsub.pb import rpc_pb2
+
+    count = 20
+
+    async def main() -> None:
+        async with open_nodes(2, broadcast_type=Broadcast) as (a, b):
+            await connect_pairs([a, b], [(0, 1)])
+            await wait_for_mesh([a, b], 1)
+            pubsub = a.gossip.pubsub
+            writes: list[int] = []
+            write_msg = pubsub.write_msg
+
+            async def counted(stream: Any, rpc: Any) -> bool:
+                writes.append(len(rpc.publish))
+                return bool(await write_msg(stream, rpc))
+
+            monkeypatch.setattr(pubsub, "write_msg", counted)
+            messages = [finished(a.secret_key, step=step) for step in range(count)]
+            queue = pubsub.peer_queues[peer_id_from_public_key(b.endpoint_id)]
+            for message in messages:  # all queued before the sending loop runs again
+                rpc = rpc_pb2.RPC(publish=[pubsub_message(a, a.gossip.encode(message))])
+                assert queue.push(rpc)
+            got = [await next_message(b) for _ in messages]
+            assert sorted(m.step for m in got) == list(range(count))
+            assert sum(writes) == count
+            assert len(writes) < count // 2, writes
+
+    trio.run(main)
+
+
+def test_coalescing_keeps_the_order_of_what_changes_state_and_leaves_the_rpcs_given_alone() -> None:
+    """Messages and IHAVE/IWANT lists merge; a GRAFT, PRUNE or subscription is sent as it is and
+    in its place (a peer handles the kinds of one RPC in a fixed order: a PRUNE then a GRAFT
+    merged would be handled GRAFT first)."""
+    from libp2p.pubsub.pb import rpc_pb2
+
+    def publish(data: bytes) -> Any:
+        return rpc_pb2.RPC(publish=[rpc_pb2.Message(data=data)], senderRecord=b"record")
+
+    ihave = rpc_pb2.RPC()
+    ihave.control.ihave.add(topicID="t", messageIDs=[b"id"])
+    prune, graft = rpc_pb2.RPC(), rpc_pb2.RPC()
+    prune.control.prune.add(topicID="t")
+    graft.control.graft.add(topicID="t")
+    subscribe = rpc_pb2.RPC(subscriptions=[rpc_pb2.RPC.SubOpts(subscribe=True, topicid="t")])
+    first, second = publish(b"1"), publish(b"2")
+    rpcs = [first, second, prune, graft, publish(b"3"), ihave, subscribe, publish(b"4")]
+    before = [rpc.SerializeToString() for rpc in rpcs]
+
+    out = coalesce(rpcs)
+
+    assert [rpc.SerializeToString() for rpc in rpcs] == before
+    published = [[m.data for m in rpc.publish] for rpc in out]
+    assert published == [[b"1", b"2"], [], [], [b"3"], [], [b"4"]]
+    assert out[1] is prune
+    assert out[2] is graft
+    assert out[4] is subscribe
+    assert list(out[3].control.ihave[0].messageIDs) == [b"id"]
+    assert out[0].senderRecord == b"record"
+
+
+def test_a_copy_already_seen_spawns_no_task_and_still_marks_its_sender_as_holder(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A copy of a message a node already has is dropped where it is read: no `push_msg` task
+    is spawned for it (before, one per copy: most copies in a mesh are such duplicates), and
+    the peer that sent it is still noted as holding it, so the repair does not advertise the
+    message to that peer."""
+    from libp2p.pubsub.pb import rpc_pb2
+
+    async def main() -> None:
+        async with open_nodes(3, broadcast_type=Broadcast) as (a, b, c):
+            await connect_pairs([a, b, c], [(0, 1), (2, 1)])
+            await wait_until(lambda: len(b.gossip.mesh()) == 2, timeout=10)
+            await wait_for_mesh([a, c], 1)
+            data = a.gossip.encode(finished(a.secret_key, step=1))
+            await a.gossip.publish_raw(data)
+            await next_message(b)
+            await next_message(c)
+            pushed: list[int] = []
+            pubsub = b.gossip.pubsub
+            push_msg = pubsub.push_msg
+
+            async def counted(forwarder: Any, msg: Any) -> None:
+                pushed.append(1)
+                await push_msg(forwarder, msg)
+
+            monkeypatch.setattr(pubsub, "push_msg", counted)
+            marker = finished(a.secret_key, step=2)
+            queue = c.gossip.pubsub.peer_queues[peer_id_from_public_key(b.endpoint_id)]
+            for payload in (data, a.gossip.encode(marker)):  # a copy from c, then a new one
+                assert queue.push(rpc_pb2.RPC(publish=[pubsub_message(a, payload)]))
+            assert await next_message(b) == marker
+            assert len(pushed) == 1  # the marker's; the copy spawned nothing
+            holders = b.gossip.router.holders._held[blake3.blake3(data).digest()]
+            assert peer_id_from_public_key(c.endpoint_id) in holders
 
     trio.run(main)

@@ -11,7 +11,10 @@ py-libp2p 0.8.1 defaults that break Psyche (measured, see the spec §4.4) and wh
 * a 32-message subscription queue that drops on overflow: bypassed, every validated message is
   handed to an unbounded channel, so there is no `Lagged` case;
 * message ids from sender+seqno: replaced by the BLAKE3 of the content, as iroh-gossip does, so
-  the same bytes relayed by different peers are delivered once.
+  the same bytes relayed by different peers are delivered once;
+* one write per queued RPC and one task per received copy: what is queued for a peer goes out
+  as one RPC (`coalesce`), and a copy already seen is dropped where it is read (cost per peer,
+  measured in docs/benchmarks.md's swarm section).
 
 **Mirrored copies** (`GOSSIP_MIRROR_PROTOCOL`, a port addition): when its gossip stream to a peer
 runs on a hole-punched connection (py-libp2p re-opens it on the direct connection whenever it
@@ -30,6 +33,7 @@ allowlist and be the message's libp2p origin, and the payload must decode.
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import logging
 import random
@@ -52,6 +56,7 @@ from libp2p.pubsub.gossipsub import PROTOCOL_ID, PROTOCOL_ID_V11, GossipSub
 from libp2p.pubsub.mcache import CacheEntry, MessageCache
 from libp2p.pubsub.pb import rpc_pb2
 from libp2p.pubsub.pubsub import Pubsub, ValidationCache, ValidationResult
+from libp2p.pubsub.rpc_queue import OutBoundQueueSize, RpcQueue
 from libp2p.pubsub.utils import safe_bytes_from_hex
 
 from psyche.core.drop_log import DropLog
@@ -207,6 +212,12 @@ class _NoValidationCache(ValidationCache):
         return None
 
 
+_reading_from: contextvars.ContextVar[ID | None] = contextvars.ContextVar(
+    "psyche_gossip_reading_from", default=None
+)
+"""The peer whose gossip stream the current task reads (`_PsychePubsub.continuously_read_stream`)."""
+
+
 class _PsychePubsub(Pubsub):
     """`Pubsub` that hands validated messages to a callback instead of a 32-slot queue, and
     keeps a still-connected peer's subscriptions when only our stream to it failed.
@@ -235,9 +246,36 @@ class _PsychePubsub(Pubsub):
         """Every copy a peer sends us, duplicates included (py-libp2p drops those before any
         check: the signature is verified once per message), tells us that peer holds it."""
         await super().push_msg(msg_forwarder, msg)
+        self._note_holder(msg_forwarder, msg)
+
+    def _note_holder(self, msg_forwarder: ID, msg: rpc_pb2.Message) -> None:
         mid = _content_id(msg)
         self._holders.note(mid, msg_forwarder)
         self._holders.note(mid, ID(msg.from_id))
+
+    async def continuously_read_stream(self, stream: INetStream) -> None:
+        """py-libp2p's reading loop for one peer's gossip stream, with the peer noted for
+        `_is_subscribed_to_msg` (the loop runs in its own task, so the context variable is
+        this stream's alone)."""
+        _reading_from.set(stream.muxed_conn.peer_id)
+        await super().continuously_read_stream(stream)
+
+    def _is_subscribed_to_msg(self, msg: rpc_pb2.Message) -> bool:
+        """py-libp2p's reading loop asks this of every message in an RPC and, when true,
+        spawns a task for it (`push_msg`), whose first real step drops a copy already seen.
+        With a mesh of D peers most copies are such duplicates (83 % of them in a 16-node
+        swarm round), and spawning the task was the larger part of their cost (py-libp2p's
+        task manager looks up the parent task each time). A copy already seen is handled
+        here instead: its forwarder is noted as holding it, as `push_msg` does, and no task is
+        spawned. What is dropped is what `push_msg` dropped: the seen check is the same one,
+        and a copy of a message still being validated is not yet seen, so it goes on."""
+        if not super()._is_subscribed_to_msg(msg):
+            return False
+        forwarder = _reading_from.get()
+        if forwarder is not None and self._is_msg_seen(msg):
+            self._note_holder(forwarder, msg)
+            return False
+        return True
 
     def _handle_dead_peer(self, peer_id: ID) -> None:
         self._reopening = self._peer_is_connected(peer_id)
@@ -249,6 +287,34 @@ class _PsychePubsub(Pubsub):
     def _forget_all_subscriptions(self, peer_id: ID) -> None:
         if not self._reopening:
             super()._forget_all_subscriptions(peer_id)
+
+    async def handle_sending_messages(
+        self, peer_id: ID, stream: INetStream, queue: RpcQueue
+    ) -> None:
+        """py-libp2p's per-peer sending loop, writing what is queued for the peer by then as
+        one RPC (`coalesce`) instead of one write per RPC. Each write is a Yamux frame, a Noise
+        message and a socket send here, and on the peer a frame to decrypt and dispatch and
+        three to four stream reads (py-libp2p reads the varint length a byte at a time) before
+        the RPC is parsed; a round's broadcasts reach a node within milliseconds of each other
+        and are forwarded to each mesh peer in such bursts. Nothing waits for more: an RPC
+        alone in the queue is written as soon as the loop runs, as before."""
+        try:
+            while True:
+                rpc = await queue.pop()
+                if rpc is None:
+                    return  # the queue was closed
+                batch = [rpc]
+                # pop() returns at once, without a checkpoint, while the queue holds an RPC
+                while len(queue) and len(batch) < OutBoundQueueSize:
+                    more = await queue.pop()
+                    if more is None:
+                        break
+                    batch.append(more)
+                for out in coalesce(batch):
+                    if not await self.write_msg(stream, out):
+                        return
+        except Exception:
+            logger.debug("gossip sending loop for %s ended with an error", peer_id)
 
     async def write_msg(self, stream: INetStream, rpc_msg: rpc_pb2.RPC) -> bool:
         """py-libp2p drops the messages whose write found the stream failed (then re-opens it);
@@ -273,6 +339,54 @@ class _PsychePubsub(Pubsub):
             return  # iroh-gossip does not echo our own broadcasts; the client self-applies them
         if any(topic in self.topic_ids for topic in publish_message.topicIDs):
             self._deliver(publish_message)
+
+
+COALESCED_RPC_BYTES = 64 << 10
+"""At most this many bytes in one coalesced RPC (py-libp2p's inbound limit is 1 MiB; a gossip
+message is at most `MAX_MESSAGE_SIZE`)."""
+
+
+def _order_free(rpc: rpc_pb2.RPC) -> bool:
+    """Whether `rpc` carries only what a peer handles the same in any order and grouping:
+    messages (each validated and delivered on its own) and IHAVE / IWANT / IDONTWANT lists.
+    Subscriptions, GRAFT and PRUNE change state in the order they come (a PRUNE then a GRAFT
+    merged into one RPC would be handled GRAFT first: the peer handles each kind in a fixed
+    order), as do extension and observation controls, so an RPC with any of those is sent as
+    it is."""
+    if rpc.subscriptions or rpc.HasField("testExtension"):
+        return False
+    if not rpc.HasField("control"):
+        return True
+    c = rpc.control
+    return not (c.graft or c.prune or c.HasField("extensions") or c.observe or c.unobserve)
+
+
+def coalesce(rpcs: list[rpc_pb2.RPC]) -> list[rpc_pb2.RPC]:
+    """`rpcs`, in order, with each run of order-free RPCs (`_order_free`) merged into one
+    (repeated fields concatenated, the sender record the last one's) of at most
+    `COALESCED_RPC_BYTES`. The RPCs given are not modified (py-libp2p queues one RPC object
+    for several peers): a merge builds a new one."""
+    out: list[rpc_pb2.RPC] = []
+    run = False  # whether out[-1] is order-free, so that the next order-free RPC may join it
+    merged = False  # whether out[-1] is a merge built here (else one of the RPCs given)
+    size = 0
+    for rpc in rpcs:
+        if not _order_free(rpc):
+            out.append(rpc)
+            run = False
+            continue
+        rpc_size = rpc.ByteSize()
+        if run and size + rpc_size <= COALESCED_RPC_BYTES:
+            if not merged:
+                copy = rpc_pb2.RPC()
+                copy.CopyFrom(out[-1])
+                out[-1], merged = copy, True
+            out[-1].MergeFrom(rpc)
+            size += rpc_size
+            continue
+        out.append(rpc)
+        run, merged, size = True, False, rpc_size
+    return out
 
 
 REPAIR_ADVERTS_PER_PEER = 3
