@@ -738,7 +738,7 @@ def _stack_peers(
 def _update_blocks(
     target: torch.Tensor, blocks: torch.Tensor, alpha: float, xshape: Sequence[int]
 ) -> None:
-    """`target.add_(decoded, alpha=alpha)` for a decoded tensor given as blocks (`_synthesize_own`),
+    """`target.add_(decoded, alpha=alpha)` for a decoded tensor given as blocks (`_prepare_own`),
     in `target`'s dtype: through a strided view of `target` when it is one plain tensor (the same
     elementwise op on each element, so the same bits, without moving the blocks into the
     parameter's layout), else through the layout (a sharded parameter takes its slice)."""
