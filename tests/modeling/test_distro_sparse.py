@@ -37,12 +37,18 @@ def _arriving(
 
 
 def _run(
-    dtype: torch.dtype, chunk: int, topk: int, seed: int, **options: bool
+    dtype: torch.dtype,
+    chunk: int,
+    topk: int,
+    seed: int,
+    kind: type[Distro] = Distro,
+    **options: bool,
 ) -> list[list[torch.Tensor]]:
-    """Four steps of one client with three peers on the sparse route: weights and momentum."""
+    """Four steps of one client with three peers on the sparse route (`kind`'s): payloads,
+    weights and momentum."""
     rng = random.Random(seed)
     params = _params(dtype, seed, "cpu")
-    distro = Distro(params, 0.999, chunk, topk, rng.choice([0.0, 0.1]), sparse=True, **options)
+    distro = kind(params, 0.999, chunk, topk, rng.choice([0.0, 0.1]), sparse=True, **options)
     prev: list[list[DistroResult]] = []
     steps = []
     for step in range(1, 5):
@@ -51,7 +57,9 @@ def _run(
         _set_grads(params, 100 * seed + step, drop_one=step == 2)
         out = distro.generate(prev, prev_lr, lr)
         distro.apply([quantize_results(out), *_arriving(dtype, chunk, topk, seed + step, 3)], lr)
-        steps.append([p.detach().clone() for _, p in params] + [d.clone() for d in distro.deltas])
+        payload = [t for r in out for t in (r.sparse_idx, r.sparse_val)]
+        weights = [p.detach().clone() for _, p in params]
+        steps.append(payload + weights + [d.clone() for d in distro.deltas])
         prev = [out] if step % 2 else [out, out]  # sometimes two batches' worth
     return steps
 

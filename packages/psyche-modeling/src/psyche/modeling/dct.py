@@ -345,7 +345,7 @@ class Scratch:
 # Sharding (FSDP) takes a slice of the same full tensor, and a data-parallel rank decodes the
 # same results, so every rank and every client holds the same bits.
 #
-# The decode of this node's own unquantized results in `generate` (`synthesize_values`) is a
+# The decode of this node's own unquantized results in `generate` (`prepare_values`) is a
 # float product (the values are arbitrary floats): deterministic on one device and thread
 # count, not across devices; it only moves this node's own momentum, which nobody else
 # computes (a verifier compares statistically, `psyche.modeling.verification`).
@@ -395,7 +395,7 @@ def _integer_basis_rows(n: int) -> list[list[int]]:
 class SparseSynthesis:
     """Inverse DCT from the kept coefficients of each block (see the notes above).
 
-    `transform` gives the float bases for `synthesize_values` (the decode of this node's own
+    `transform` gives the float bases for `prepare_values` (the decode of this node's own
     unquantized results in `generate`, which only this node's momentum depends on)."""
 
     def __init__(self, transform: TransformDCT) -> None:
@@ -460,24 +460,48 @@ class SparseSynthesis:
             return torch.empty((0, n1, n2), dtype=dtype, device=idx.device)
         return torch.cat(parts)
 
-    def synthesize_values(
+    def prepare_values(
         self, idx: torch.Tensor, values: torch.Tensor, n1: int, n2: int, like: torch.Tensor
-    ) -> torch.Tensor:
-        """The decoded mean of entries with any values, `[B, n1, n2]` in `like`'s dtype: float32
-        products with upstream's float basis. Deterministic on one device and thread count, not
-        across devices: only for what one node keeps to itself (its momentum)."""
+    ) -> ValueSynthesis:
+        """The decoded mean of entries with any values, ready to be read a range of blocks at a
+        time (`ValueSynthesis.values`), in `like`'s dtype: float32 products with upstream's
+        float basis. Deterministic on one device and thread count, not across devices: only for
+        what one node keeps to itself (its momentum)."""
         counts = _entry_counts(idx)
         proto = like.new_empty((), dtype=torch.float32)
         share = values.to(torch.float32) / counts.to(torch.float32)
         rows, cols = (idx, None) if n2 == 1 else (idx.div(n2, rounding_mode="floor"), idx % n2)
         b1 = self.transform._basis(self.transform._b, n1, proto)
-        a = _rows(b1, rows).mul_(share.unsqueeze(-1))
-        if cols is None:
+        b2 = None if cols is None else self.transform._basis(self.transform._b, n2, proto)
+        return ValueSynthesis(b1, rows, share, b2, cols, like.dtype)
+
+
+@dataclass(frozen=True)
+class ValueSynthesis:
+    """One group's prepared decode of entries with any values (`SparseSynthesis.prepare_values`).
+
+    Each block is its own product (a batched `bmm` of one block per batch entry, or a sum over
+    the block's entries), so a range of blocks read alone is the same computation as the whole
+    read: the same bits, with the product's output in cache (`tests/modeling/
+    test_distro_sparse.py` checks the ranges against the whole read)."""
+
+    b1: torch.Tensor
+    rows: torch.Tensor
+    """`[B, T]`: each entry's row in its block (its coefficient's index for 1-D blocks)."""
+    share: torch.Tensor
+    """`[B, T]` float32: each entry's value over the count of entries on its coefficient."""
+    b2: torch.Tensor | None
+    cols: torch.Tensor | None
+    dtype: torch.dtype
+
+    def values(self, start: int, end: int) -> torch.Tensor:
+        """The decoded blocks `start:end`, `[end - start, n1, n2]` in the prepared dtype."""
+        a = _rows(self.b1, self.rows[start:end]).mul_(self.share[start:end].unsqueeze(-1))
+        if self.b2 is None or self.cols is None:
             y = a.sum(1).unsqueeze(-1)
         else:
-            b2 = self.transform._basis(self.transform._b, n2, proto)
-            y = torch.bmm(a.transpose(1, 2), _rows(b2, cols))
-        return y.to(like.dtype)
+            y = torch.bmm(a.transpose(1, 2), _rows(self.b2, self.cols[start:end]))
+        return y.to(self.dtype)
 
 
 @dataclass(frozen=True)
@@ -514,7 +538,9 @@ def _entry_counts(idx: torch.Tensor) -> torch.Tensor:
     """How many entries of its block land on each entry's coefficient, `[B, T]` int64."""
     blocks, entries = idx.shape
     if entries <= 64:  # a few thousand comparisons a block: cheaper than sorting
-        return (idx.unsqueeze(-1) == idx.unsqueeze(-2)).sum(-1)
+        # counted in uint8 (at most 64), a quarter of the memory of int64's sum of the matches
+        same = (idx.unsqueeze(-1) == idx.unsqueeze(-2)).view(torch.uint8)
+        return same.sum(-1, dtype=torch.uint8).to(torch.int64)
     span = int(idx.max()) + 1 if idx.numel() else 1
     keys = torch.arange(blocks, device=idx.device).unsqueeze(1) * span + idx
     unique: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = torch.unique(

@@ -44,6 +44,7 @@ from psyche.modeling.dct import (
     SignSynthesis,
     SparseSynthesis,
     TransformDCT,
+    ValueSynthesis,
     decode_reads_transposed,
     get_smaller_split,
 )
@@ -70,6 +71,11 @@ MAX_STACK_NUMEL = 1 << 27
 # coordinates in 10^4): clients take the run's route (`OptimizerDefinition.DistroSparse`,
 # through `Distro.from_definition`), never this default.
 SPARSE_ROUTE = False
+
+# Blocks of a plain matrix parameter per pass of the sparse route's momentum steps in `generate`
+# (`Distro._step_momentum`): 32 blocks of 64 x 64 are 128 K elements, so the parameter's, the
+# momentum's and the gradient's slices stay in cache across the five elementwise steps.
+MOMENTUM_CHUNK = 32
 
 
 @dataclass
@@ -310,7 +316,7 @@ class Distro:
             return self._generate_batched(prev_self_results, prev_lr, lr)
         out: list[DistroResult] = []
         encoded: list[torch.Tensor] = []
-        own = self._synthesize_own(prev_self_results) if prev_self_results else None
+        own = self._prepare_own(prev_self_results) if prev_self_results else None
         for index, ((name, p), delta) in enumerate(zip(self.variables, self.deltas)):
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
             grad_energy = (
@@ -318,29 +324,10 @@ class Distro:
                 if stats
                 else None
             )
-
-            if self.synthesis is None:
-                p.add_(delta.sign().mul_(prev_lr))
-            else:  # the sparse route: one pass less (see `error_correction`)
-                p.add_(delta.sign(), alpha=prev_lr)
-
-            own_blocks = own[index] if own is not None else None
-            if own_blocks is not None:
-                _update_blocks(delta, own_blocks, -1.0, self.layouts_xshape(index))
-            elif prev_self_results:
-                decoded = self._decode_results(prev_self_results, index, p)
-                delta.sub_(shard_like(decoded, delta))
-
-            if self.weight_decay != 0.0:
-                p.mul_(1.0 - lr * self.weight_decay)
-
-            if self.compression_decay != 1.0:
-                delta.mul_(self.compression_decay)
-
-            if self.synthesis is None:
-                delta.add_(grad * lr)
+            if self.synthesis is not None:
+                self._step_momentum(index, grad, own[index] if own else None, prev_lr, lr)
             else:
-                delta.add_(grad, alpha=lr)
+                self._step_momentum_upstream(index, grad, prev_self_results, prev_lr, lr)
 
             # A sharded momentum is gathered first (upstream `gather_full_tensor`): the payload
             # is computed on the full tensor, the same bits as on a one-device client.
@@ -374,6 +361,71 @@ class Distro:
             out.append(DistroResult(sparse_idx, sparse_val, xshape, totalk, result_stats))
         self.encoded = encoded if self.keep_encoded else None
         return out
+
+    def _step_momentum_upstream(
+        self,
+        index: int,
+        grad: torch.Tensor,
+        prev_self_results: Sequence[Sequence[DistroResult]],
+        prev_lr: float,
+        lr: float,
+    ) -> None:
+        """Upstream's steps of `generate` before the encode, for parameter `index`, in its
+        forms: undo the lookahead, remove this node's own last results, weight decay, momentum
+        decay, and the gradient's add."""
+        (_, p), delta = self.variables[index], self.deltas[index]
+        p.add_(delta.sign().mul_(prev_lr))
+        if prev_self_results:
+            decoded = self._decode_results(prev_self_results, index, p)
+            delta.sub_(shard_like(decoded, delta))
+        if self.weight_decay != 0.0:
+            p.mul_(1.0 - lr * self.weight_decay)
+        if self.compression_decay != 1.0:
+            delta.mul_(self.compression_decay)
+        delta.add_(grad * lr)
+
+    def _step_momentum(
+        self,
+        index: int,
+        grad: torch.Tensor,
+        own: tuple[ValueSynthesis, int] | None,
+        prev_lr: float,
+        lr: float,
+    ) -> None:
+        """The sparse route's steps of `generate` before the encode, for parameter `index`:
+        upstream's, in one-pass forms (see `error_correction`), with this node's own last
+        results decoded from their kept coefficients (`own`: the group's prepared decode and
+        the parameter's first block; None: no own results). A plain matrix parameter takes
+        every step a few block rows at a time, in cache: each step is elementwise, so each
+        element gets the same ops in the same order, the same bits as the whole-tensor passes
+        that the other parameters take."""
+        (_, p), delta = self.variables[index], self.deltas[index]
+        xshape = self.layouts_xshape(index)
+        n1, n2 = _block_dims(xshape)
+        plain = len(xshape) == 4 and all(
+            not is_sharded(t) and t.is_contiguous() for t in (p, delta, grad)
+        )
+        if plain:
+            per_row, ranges = xshape[-3], _block_row_ranges(xshape, MOMENTUM_CHUNK)
+        else:  # one range: the whole parameter
+            per_row, ranges = math.prod(_block_view(xshape)[:-1]), [(0, 1)]
+        for row, end in ranges:
+            pc, dc, gc = (t[row * n1 : end * n1] if plain else t for t in (p, delta, grad))
+            pc.add_(dc.sign(), alpha=prev_lr)
+            if own is not None:
+                synthesis, first = own
+                blocks = synthesis.values(first + row * per_row, first + end * per_row)
+                if plain:
+                    view = dc.view(end - row, n1, per_row, n2).transpose(1, 2)
+                    view.add_(blocks.view(end - row, per_row, n1, n2), alpha=-1.0)
+                else:
+                    blocks = blocks.view(*_block_view(xshape)[:-1], n1, n2)
+                    _update_blocks(dc, blocks, -1.0, xshape)
+            if self.weight_decay != 0.0:
+                pc.mul_(1.0 - lr * self.weight_decay)
+            if self.compression_decay != 1.0:
+                dc.mul_(self.compression_decay)
+            dc.add_(gc, alpha=lr)
 
     @torch.no_grad()
     def apply(self, results: Sequence[Sequence[DistroResult]], lr: float) -> None:
@@ -448,9 +500,12 @@ class Distro:
             torch._foreach_add_(params, signs, alpha=prev_lr)
         del signs
         if prev_self_results and self.synthesis is not None:
-            own = self._synthesize_own(prev_self_results)
-            for index, own_blocks in enumerate(own or []):
-                _update_blocks(self.deltas[index], own_blocks, -1.0, self.layouts_xshape(index))
+            for index, (synthesis, first) in enumerate(self._prepare_own(prev_self_results) or []):
+                xshape = self.layouts_xshape(index)
+                blocks = _block_view(xshape)[:-1]
+                own_blocks = synthesis.values(first, first + math.prod(blocks))
+                own_blocks = own_blocks.view(*blocks, *_block_dims(xshape))
+                _update_blocks(self.deltas[index], own_blocks, -1.0, xshape)
         elif prev_self_results:
             torch._foreach_sub_(deltas, self._decode_all(prev_self_results))
         if self.weight_decay != 0.0:
@@ -584,26 +639,27 @@ class Distro:
                 done.add(index)
         return done
 
-    def _synthesize_own(
+    def _prepare_own(
         self, results: Sequence[Sequence[DistroResult]]
-    ) -> list[torch.Tensor] | None:
-        """The sparse route's decode of this node's own results of the last round (any values):
-        each parameter's decoded mean as blocks `[..., n1, n2]` (1-D `[N / n1, n1, 1]`), one
-        call per group. None without the route."""
+    ) -> list[tuple[ValueSynthesis, int]] | None:
+        """The sparse route's decode of this node's own results of the last round (any values),
+        prepared one call per group: for each parameter, its group's `ValueSynthesis` and the
+        parameter's first block in it (blocks `[..., n1, n2]`, 1-D `[N / n1, n1, 1]`). None
+        without the route."""
         if self.synthesis is None or self.sparse_groups is None:
             return None
-        out: list[torch.Tensor | None] = [None] * len(self.variables)
+        out: list[tuple[ValueSynthesis, int] | None] = [None] * len(self.variables)
         for group in self.sparse_groups:
             like = self.variables[group[0]][1]
             xshape, idx, val = self._sparse_entries(results, group)
             n1, n2 = _block_dims(xshape)
             if val.dtype == torch.bool:
                 val = unpack_tensor_sign_from_boolean(val, like.dtype)
-            blocks = self.synthesis.synthesize_values(idx, val, n1, n2, like)
-            blocks = blocks.view(len(group), *_block_view(xshape)[:-1], n1, n2)
+            synthesis = self.synthesis.prepare_values(idx, val, n1, n2, like)
+            per_param = idx.shape[0] // len(group)
             for j, index in enumerate(group):
-                out[index] = blocks[j]
-        return [b for b in out if b is not None]
+                out[index] = (synthesis, j * per_param)
+        return [entry for entry in out if entry is not None]
 
     # ----------------------------------------------------------------------------------------
 
@@ -682,7 +738,7 @@ def _stack_peers(
 def _update_blocks(
     target: torch.Tensor, blocks: torch.Tensor, alpha: float, xshape: Sequence[int]
 ) -> None:
-    """`target.add_(decoded, alpha=alpha)` for a decoded tensor given as blocks (`_synthesize_own`),
+    """`target.add_(decoded, alpha=alpha)` for a decoded tensor given as blocks (`_prepare_own`),
     in `target`'s dtype: through a strided view of `target` when it is one plain tensor (the same
     elementwise op on each element, so the same bits, without moving the blocks into the
     parameter's layout), else through the layout (a sharded parameter takes its slice)."""
@@ -722,11 +778,21 @@ def _apply_in_ranges(
     per_row = xshape[-3] if len(xshape) > 2 else 1  # blocks in a row of blocks
     rows = blocks // per_row
     view = p.view(rows, n1, per_row, n2).transpose(1, 2)  # [rows, J, n1, n2]
-    step = max(1, SYNTHESIS_CHUNK // per_row)
-    for row in range(0, rows, step):
-        end = min(row + step, rows)
+    for row, end in _block_row_ranges(xshape, SYNTHESIS_CHUNK, rows):
         signs = synthesis.signs(first + row * per_row, first + end * per_row, p.dtype)
         view[row:end].add_(signs.view(end - row, per_row, n1, n2), alpha=-lr)
+
+
+def _block_row_ranges(
+    xshape: Sequence[int], chunk: int, rows: int | None = None
+) -> list[tuple[int, int]]:
+    """Consecutive ranges `(start, end)` of rows of blocks, about `chunk` blocks each (at least
+    one row), over `rows` rows (default: every row of `xshape`'s blocks)."""
+    per_row = xshape[-3] if len(xshape) > 2 else 1
+    if rows is None:
+        rows = math.prod(_block_view(xshape)[:-1]) // per_row
+    step = max(1, chunk // per_row)
+    return [(row, min(row + step, rows)) for row in range(0, rows, step)]
 
 
 def _block_view(xshape: Sequence[int]) -> list[int]:
