@@ -87,19 +87,24 @@ from psyche.coordinator.verification import (
 )
 from psyche.core.batch_id import BatchId
 from psyche.modeling.distro import DistroResult
-from psyche.modeling.hostile import Attack, HostileMember
+from psyche.modeling.hostile import Attack, HostileMember, payload_format
 from psyche.modeling.screening import ResultReader, agreement
+from psyche.modeling.serialized_distro import (
+    TransmittableDistroResult,
+    transmittable_distro_result,
+)
 from psyche.modeling.trainer import Batch
 from psyche.modeling.verification import (
     Domain,
     Shadow,
     compare,
+    compare_exact,
     domain_of,
+    follow,
     recompute,
     result_reader,
     save_weights,
     verification_settings,
-    verify_exact,
 )
 from psyche.modeling.verification_sim import FORMS, VerificationRun, tiny_trainer
 
@@ -537,12 +542,16 @@ def shadow(
 
 def determinism(form: str, preset: str, rows: int, seq: int, seed: int) -> None:
     """`--shadow`'s determinism line: one member trains 2 rounds on one thread, a verifier
-    follows it on 1, 2 and 4 intra-op threads; does each rebuild its payload?"""
+    follows it on 1, 2 and 4 intra-op threads; does each rebuild its payload, and how many bits
+    differ (against the bits the 1 % bias changes in the same payloads)?"""
     vocab = D.build(preset, "cpu").config.vocab_size
     data = D.bigram_corpus(2 * rows, seq, vocab, seed=seed)
     torch.set_num_threads(1)
     member = tiny_trainer(form, preset=preset)
-    payloads, prev = [], []
+    liar, fmt = HostileMember(Attack.Bias, seed=seed), payload_format(member)
+    payloads: list[TransmittableDistroResult] = []
+    biased: list[TransmittableDistroResult] = []
+    prev: list[DistroResult] = []
     for step in (1, 2):
         batch = Batch(data[(step - 1) * rows : step * rows])
         out = member.train_exact(
@@ -550,24 +559,31 @@ def determinism(form: str, preset: str, rows: int, seq: int, seed: int) -> None:
             prev_self_distro_results=[prev] if prev else [],
         )  # fmt: skip
         prev = out.distro_results or []
-        payloads.append(member.prepare_result(out, step=step, batch_id=BatchId(0, 0)).payload)
-        member.optimize(step, distro_results=[member.results_from_payload(payloads[-1])])
+        prepared = member.prepare_result(out, step=step, batch_id=BatchId(0, 0))
+        payloads.append(prepared.payload)
+        sent = liar.tamper(prepared.sent, fmt)
+        biased.append(transmittable_distro_result(sent, step, out.nonce, BatchId(0, 0)))
+        member.optimize(step, distro_results=[member.results_from_payload(prepared.payload)])
     words = []
     for threads in (1, 2, 4):
         torch.set_num_threads(threads)
         verifier = tiny_trainer(form, preset=preset)
         shadow_state = Shadow.fresh(verifier)
         found = []
-        for step, payload in zip((1, 2), payloads):
+        for step, payload, lie in zip((1, 2), payloads, biased):
             batch = Batch(data[(step - 1) * rows : step * rows])
-            found.append(verify_exact(verifier, shadow_state, batch, payload).matches)
+            rebuilt = follow(verifier, shadow_state, batch, step=step, batch_id=BatchId(0, 0))
+            honest, bias = compare_exact(rebuilt, payload), compare_exact(rebuilt, lie)
+            found.append(
+                f"{'=' if honest.matches else 'x'} ({honest.differing_bits} bits; the bias "
+                f"{bias.differing_bits} of {bias.bits})"
+            )
             verifier.optimize(step, distro_results=[verifier.results_from_payload(payload)])
-        words.append(f"{threads} thread(s) " + "".join("=" if f else "x" for f in found))
+        words.append(f"{threads} thread(s): " + ", ".join(found))
     torch.set_num_threads(1)
-    print(
-        f"  {preset}, {rows} rows x {seq} tokens, rounds 1-2 (= rebuilt, x not): "
-        + "; ".join(words)
-    )
+    print(f"  {preset}, {rows} rows x {seq} tokens, rounds 1 and 2 (= rebuilt, x not):")
+    for line in words:
+        print(f"    {line}")
 
 
 def main() -> None:

@@ -58,6 +58,18 @@ What is exact, what is statistical:
   thresholds (`DISTRO_VERIFICATION`, `DILOCO_VERIFICATION`, `DILOCO_SPARSE_VERIFICATION`) were
   calibrated on honest recomputations (docs/reliability.md, "Verifiers").
 
+Exact, for a verifier that follows the trainer (`Shadow`, `follow`, `verify_exact`): a verifier
+that saw a trainer's first round in the run (its own state then zero or fresh) can keep that
+state itself, advancing it every round the trainer trains with the trainer's batch and the run's
+weights through the trainer's own code (`Trainer.train_exact` with the state swapped in:
+`Trainer.swap_own_state`), and so rebuild the payload bit for bit; the payload is compared by its
+commitment (`compare_exact`): any bit that differs is a mismatch, the 1 % bias included, from the
+round the lie starts. Exact only within one determinism class: the same device kind and dtype
+and, on the CPU, the same intra-op thread count (a 20M Llama's gradients differ in the last bits
+between 1 and 2 threads; the tiny one's do not: docs/reliability.md, "Verifiers"). A verifier
+that did not see the trainer's first round cannot start one (the state is every round's sum, and
+none of it is published) and compares statistically.
+
 Evidence over rounds (`Evidence`): a verifier may keep one per trainer and add every verdict;
 the sum of the trainer's last `window_rounds` `t`s over `sqrt(n)` is compared with
 `min_window_agreement`. It is off in every shipped setting: the lie it would be for (a bias of
@@ -72,6 +84,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from psyche.core.batch_id import BatchId
@@ -676,7 +689,8 @@ class Shadow:
     Its cost: one training step of the trainer's batch per followed trainer per round (whether
     or not that round is verified) and one optimizer's own state in memory per followed trainer
     (DisTrO: one copy of the weights; DiLoCo: four float32 copies: residual, pending update, the
-    inner AdamW's two moments)."""
+    inner AdamW's two moments). The determinism class: the same device kind and dtype and, on the
+    CPU, the same intra-op thread count as the trainer (see the module docstring)."""
 
     state: OwnState
     owed: list[list[DistroResult]] = field(default_factory=list)
@@ -699,6 +713,10 @@ class ShadowVerdict:
     differing: int
     """How many of the payload's entries (one per parameter) differ in any bit."""
     entries: int
+    differing_bits: int
+    """How many bits of the results' tensor data (indices and values) differ (a measure of how
+    far, for research: any one is a mismatch)."""
+    bits: int
     detail: str
 
 
@@ -754,17 +772,35 @@ def compare_exact(
     commitments (`compute_hash`: the step, the batch and every result's bytes; not the nonce).
     Any bit that differs is a mismatch."""
     entries = len(published.distro_results)
-    pairs = zip(shadow.distro_results, published.distro_results)
-    differing = sum(1 for a, b in pairs if a != b) + abs(len(shadow.distro_results) - entries)
+    differing = abs(len(shadow.distro_results) - entries)
+    differing_bits = bits = 0
+    for a, b in zip(shadow.distro_results, published.distro_results):
+        diff = sum(
+            _bit_difference(x.raw_tensor_data(), y.raw_tensor_data())
+            for x, y in ((a.sparse_idx, b.sparse_idx), (a.sparse_val, b.sparse_val))
+        )
+        differing += 1 if diff or a != b else 0
+        differing_bits += diff
+        bits += 8 * (len(b.sparse_idx.raw_tensor_data()) + len(b.sparse_val.raw_tensor_data()))
     if shadow.compute_hash() == published.compute_hash():
-        return ShadowVerdict(True, 0, entries, "the payload is the shadow's, bit for bit")
+        detail = "the payload is the shadow's, bit for bit"
+        return ShadowVerdict(True, 0, entries, 0, bits, detail)
     return ShadowVerdict(
         False,
         differing,
         entries,
+        differing_bits,
+        bits,
         f"the payload is not what this trainer's batch gives ({differing} of {entries} "
-        "entries differ from the shadow's)",
+        f"entries, {differing_bits} of {bits} bits differ from the shadow's)",
     )
+
+
+def _bit_difference(a: bytes, b: bytes) -> int:
+    """How many bits differ between `a` and `b` (the longer one's extra bytes all count)."""
+    n = min(len(a), len(b))
+    x = np.frombuffer(a[:n], np.uint8) ^ np.frombuffer(b[:n], np.uint8)
+    return int(np.unpackbits(x).sum()) + 8 * abs(len(a) - len(b))
 
 
 def verify_exact(
