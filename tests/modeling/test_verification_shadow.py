@@ -17,7 +17,7 @@ from psyche.modeling.trainer import Trainer
 from psyche.modeling.verification import Shadow, compare_exact, follow
 from psyche.modeling.verification_sim import VerificationRun, tiny_trainer
 
-from .test_verification import MEMBERS, corpus_batches, same_bits
+from .test_verification import MEMBERS, corpus_batches, same_bits, state, trained_one_step
 
 
 def shadow_run(
@@ -129,10 +129,18 @@ def test_a_shadow_cannot_start_mid_life_so_that_trainer_is_compared_statisticall
     assert verdict.differing > 0
 
 
-def test_a_shadow_follows_each_step_once_in_order() -> None:
-    verifier = tiny_trainer("distro")
+@pytest.mark.parametrize("form", ["distro", "bf16"])
+def test_following_leaves_a_verifier_with_its_own_history_alone(form: str) -> None:
+    """A verifier that trains too (its own momentum or residual, inner AdamW state, a pending
+    own update) follows a trainer: its weights, gradients, own state and nonce are as before, and
+    the shadow holds the trainer's state, not the verifier's."""
+    batch = corpus_batches(3)
+    verifier, _ = trained_one_step(form, batch)
+    before, nonce = state(verifier), verifier.nonce
     shadow = Shadow.fresh(verifier)
-    batch = corpus_batches(2)
-    follow(verifier, shadow, batch(2, 0), step=2, batch_id=BatchId(0, 0))
+    follow(verifier, shadow, batch(2, 1), step=2, batch_id=BatchId(1, 1))
+    assert same_bits(state(verifier), before)
+    assert verifier.nonce == nonce
+    assert shadow.followed == 2
     with pytest.raises(RuntimeError, match="not after it"):
-        follow(verifier, shadow, batch(2, 0), step=2, batch_id=BatchId(0, 0))
+        follow(verifier, shadow, batch(2, 1), step=2, batch_id=BatchId(1, 1))
