@@ -739,7 +739,9 @@ def follow(
     A round the trainer trained must be followed, every one, in order; a round it sat out is
     not (its state does not move: the owed results wait for its next training round). A
     cancelled step (`cancel`) raises `RecomputeCancelled` and leaves the shadow unusable (a
-    missed round cannot be rebuilt): the caller drops it."""
+    missed round cannot be rebuilt): the caller drops it. So does a caller whose DiLoCo trainer
+    was assigned a batch and published nothing (stopped between inner steps, its inner AdamW
+    moved without a payload); a DisTrO trainer stopped so keeps its momentum."""
     if shadow.followed is not None and step <= shadow.followed:
         raise TrainerError(f"the shadow followed step {shadow.followed}; {step} is not after it")
     owed = [] if zero_optim else shadow.owed
