@@ -87,13 +87,20 @@ from psyche.coordinator.verification import (
 )
 from psyche.core.batch_id import BatchId
 from psyche.modeling.distro import DistroResult
-from psyche.modeling.hostile import Attack, HostileMember
+from psyche.modeling.hostile import Attack, HostileMember, payload_format
 from psyche.modeling.screening import ResultReader, agreement
+from psyche.modeling.serialized_distro import (
+    TransmittableDistroResult,
+    transmittable_distro_result,
+)
 from psyche.modeling.trainer import Batch
 from psyche.modeling.verification import (
     Domain,
+    Shadow,
     compare,
+    compare_exact,
     domain_of,
+    follow,
     recompute,
     result_reader,
     save_weights,
@@ -149,9 +156,11 @@ def make_run(
     threads: int,
     seed: int,
     switch_roles: bool = False,
+    shadow: bool = False,
 ) -> tuple[VerificationRun, dict[int, HostileMember]]:
     """The simulated run of `play` and `--halves`: 4 members (member 3 hostile from round 1 if
-    `attack`), one verifier, a bigram corpus."""
+    `attack`), one verifier, a bigram corpus; `shadow`: the verifier follows every member from
+    its first round and compares exactly (`--shadow`)."""
     vocab = D.build("tiny", "cpu").config.vocab_size
     data = D.bigram_corpus((rounds + 1) * (MEMBERS + 1) * ROWS, 32, vocab, seed=seed)
 
@@ -169,6 +178,7 @@ def make_run(
         hostile,
         verifier_threads=threads,
         sits_out=sits_out(seed) if switch_roles else None,
+        shadow_from=1 if shadow else None,
     )
     return run, hostile
 
@@ -473,6 +483,109 @@ def save_seconds(form: str, reps: int) -> float:
     return statistics.median(times)
 
 
+def shadow(
+    form: str,
+    attacks: list[Attack],
+    rounds: tuple[int, int],
+    threads: int,
+    seed: int,
+    switch_roles: bool,
+) -> None:
+    """`--shadow` (see the module docstring): the exact comparison's honest mismatches and time,
+    then each attack's caught rounds."""
+    honest_rounds, attack_rounds = rounds
+    if honest_rounds < 1:
+        return
+    started = time.perf_counter()
+    run, _ = make_run(form, None, honest_rounds, threads, seed, switch_roles, shadow=True)
+    verdicts, train, verify = [], [], []
+    for step in range(1, honest_rounds + 1):
+        r = run.round(step)
+        verdicts += list(r.exact.values())
+        train.append(r.train_seconds)
+        verify.append(r.verify_seconds)
+    mismatched = sum(1 for v in verdicts if not v.matches)
+    ratio = statistics.median(verify) / statistics.median(train)
+    print(
+        f"  honest: {mismatched} mismatches of {len(verdicts)} exact verifications (the verifier "
+        f"on {threads} thread(s), the members on 1{', switching roles' if switch_roles else ''}); "
+        f"a shadow verification {ratio:.2f}x one training step (median "
+        f"{statistics.median(verify) * 1000:.0f} ms against {statistics.median(train) * 1000:.0f} "
+        f"ms, CPU seconds{' of both threads, waiting included' if threads > 1 else ''}) "
+        f"[{time.perf_counter() - started:.0f} s]"
+    )
+    print(
+        f"  {'attack':<13} {'lies':>5} {'caught':>7} {'caught by lie':>14} {'honest mismatches':>18}"
+    )
+    for attack in attacks:
+        run, hostile = make_run(form, attack, attack_rounds, threads, seed, switch_roles, True)
+        member = hostile[HOSTILE]
+        lies = caught = honest = honest_mismatched = 0
+        first: int | None = None
+        for step in range(1, attack_rounds + 1):
+            r = run.round(step)
+            for i, verdict in r.exact.items():
+                if i != HOSTILE:
+                    honest += 1
+                    honest_mismatched += 0 if verdict.matches else 1
+                elif member.lies and member.lies[-1] == member.rounds - 1:
+                    lies += 1
+                    caught += 0 if verdict.matches else 1
+                    if not verdict.matches and first is None:
+                        first = len(member.lies)
+        by = "-" if first is None else f"#{first}"
+        print(
+            f"  {attack.value:<13} {lies:5d} {caught / max(lies, 1):7.0%} {by:>14} "
+            f"{honest_mismatched:>8d} of {honest:<8d}"
+        )
+
+
+def determinism(form: str, preset: str, rows: int, seq: int, seed: int) -> None:
+    """`--shadow`'s determinism line: one member trains 2 rounds on one thread, a verifier
+    follows it on 1, 2 and 4 intra-op threads; does each rebuild its payload, and how many bits
+    differ (against the bits the 1 % bias changes in the same payloads)?"""
+    vocab = D.build(preset, "cpu").config.vocab_size
+    data = D.bigram_corpus(2 * rows, seq, vocab, seed=seed)
+    torch.set_num_threads(1)
+    member = tiny_trainer(form, preset=preset)
+    liar, fmt = HostileMember(Attack.Bias, seed=seed), payload_format(member)
+    payloads: list[TransmittableDistroResult] = []
+    biased: list[TransmittableDistroResult] = []
+    prev: list[DistroResult] = []
+    for step in (1, 2):
+        batch = Batch(data[(step - 1) * rows : step * rows])
+        out = member.train_exact(
+            step, batch, warmup_lr_between=None, zero_optim=False,
+            prev_self_distro_results=[prev] if prev else [],
+        )  # fmt: skip
+        prev = out.distro_results or []
+        prepared = member.prepare_result(out, step=step, batch_id=BatchId(0, 0))
+        payloads.append(prepared.payload)
+        sent = liar.tamper(prepared.sent, fmt)
+        biased.append(transmittable_distro_result(sent, step, out.nonce, BatchId(0, 0)))
+        member.optimize(step, distro_results=[member.results_from_payload(prepared.payload)])
+    words = []
+    for threads in (1, 2, 4):
+        torch.set_num_threads(threads)
+        verifier = tiny_trainer(form, preset=preset)
+        shadow_state = Shadow.fresh(verifier)
+        found = []
+        for step, payload, lie in zip((1, 2), payloads, biased):
+            batch = Batch(data[(step - 1) * rows : step * rows])
+            rebuilt = follow(verifier, shadow_state, batch, step=step, batch_id=BatchId(0, 0))
+            honest, bias = compare_exact(rebuilt, payload), compare_exact(rebuilt, lie)
+            found.append(
+                f"{'=' if honest.matches else 'x'} ({honest.differing_bits} bits; the bias "
+                f"{bias.differing_bits} of {bias.bits})"
+            )
+            verifier.optimize(step, distro_results=[verifier.results_from_payload(payload)])
+        words.append(f"{threads} thread(s): " + ", ".join(found))
+    torch.set_num_threads(1)
+    print(f"  {preset}, {rows} rows x {seq} tokens, rounds 1 and 2 (= rebuilt, x not):")
+    for line in words:
+        print(f"    {line}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--quick", action="store_true", help="a smoke check: few rounds, two forms")
@@ -487,9 +600,12 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="where a verification's time goes")
     p.add_argument("--halves", action="store_true", help="DisTrO: a one-half check's statistic")
     p.add_argument("--bias-gap", action="store_true", help="the 1 %% bias against honest t")
-    p.add_argument("--preset", default="tiny", help="--profile: the Llama size (tiny, 20m)")
-    p.add_argument("--rows", type=int, default=ROWS, help="--profile: rows a batch")
-    p.add_argument("--seq", type=int, default=32, help="--profile: tokens a row")
+    p.add_argument("--shadow", action="store_true", help="exact verification by a shadow")
+    p.add_argument(
+        "--preset", default="tiny", help="--profile, --shadow's determinism: Llama size (tiny, 20m)"
+    )
+    p.add_argument("--rows", type=int, default=ROWS, help="--profile, --shadow: rows a batch")
+    p.add_argument("--seq", type=int, default=32, help="--profile, --shadow: tokens a row")
     args = p.parse_args()
     torch.set_num_threads(1)
     forms = args.optimizers.split(",")
@@ -516,6 +632,13 @@ def main() -> None:
             rounds = 6 if args.quick else args.attack_rounds
             print(f"\n## {NAMES[form]}: the 1 % bias against honest results, {rounds} rounds")
             bias_gap(form, rounds, args.verifier_threads, args.seed)
+        return
+    if args.shadow:
+        for form in forms:
+            print(f"\n## {NAMES[form]}: exact verification by a shadow")
+            determinism(form, args.preset, args.rows, args.seq, args.seed)
+            rounds = (honest_rounds, attack_rounds)
+            shadow(form, attacks, rounds, args.verifier_threads, args.seed, args.switch_roles)
         return
     if args.profile:
         for form in forms:

@@ -21,7 +21,7 @@ import logging
 import time
 from collections.abc import Iterator, MutableMapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -124,6 +124,33 @@ class PreparedResult:
     sent: list[DistroResult]
     """The tensors the payload carries (1-bit values when the run quantizes): what every peer,
     this client included, applies."""
+
+
+# A trainer's own optimizer state: what its payloads depend on beyond the run's weights, its batch
+# and the run's settings, which no other client holds (`Trainer.swap_own_state`): DisTrO's
+# momentum; DiLoCo's error-feedback residual, its last measured pseudo-gradient and round (the
+# lookahead's input) and its inner AdamW state; and the witness reference each keeps. DiLoCo's
+# outer momentum is the run's (every client's the same bits) and is not in it.
+_OWN_STATE: tuple[tuple[str, str], ...] = (
+    ("distro", "deltas"),
+    ("distro", "encoded"),
+    ("diloco", "residuals"),
+    ("diloco", "_own_update"),
+    ("diloco", "_own_round"),
+    ("diloco", "encoded"),
+    ("adamw", "steps"),
+    ("adamw", "exp_avg"),
+    ("adamw", "exp_avg_sq"),
+)
+
+
+@dataclass
+class OwnState:
+    """One trainer's own optimizer state (`_OWN_STATE`), held outside its `Trainer`: a
+    verifier's shadow of a trainer it follows (`psyche.modeling.verification.Shadow`).
+    `values` maps `(component, attribute)` to the value; only the run optimizer's components."""
+
+    values: dict[tuple[str, str], Any]
 
 
 class Trainer:
@@ -394,6 +421,36 @@ class Trainer:
             for p, s in zip(params, saved):
                 p.copy_(s)
         return out
+
+    def fresh_own_state(self) -> OwnState:
+        """The own state of a trainer that has trained nothing yet (a client's at its first
+        round in the run): DisTrO's momentum zero, no DiLoCo residual, no pending own update,
+        a fresh inner AdamW; what `Distro` and `Diloco` start from."""
+        values: dict[tuple[str, str], Any] = {}
+        for component, name in _OWN_STATE:
+            owner = getattr(self, component)
+            if owner is None:
+                continue
+            value: Any = None
+            if (component, name) == ("distro", "deltas"):
+                with torch.no_grad():
+                    value = [torch.zeros_like(p) for _, p in owner.variables]
+            elif component == "adamw":
+                value = [0] * len(owner.params) if name == "steps" else [None] * len(owner.params)
+            values[(component, name)] = value
+        return OwnState(values)
+
+    def swap_own_state(self, state: OwnState) -> None:
+        """Exchange this trainer's own optimizer state with `state` (references, no copy):
+        after it the trainer trains, prepares and keeps feedback as the owner of `state` would;
+        twice puts both back. `state` must be this run's (`fresh_own_state`, or one swapped out
+        of a trainer of the same run)."""
+        for (component, name), value in state.values.items():
+            owner = getattr(self, component)
+            if owner is None:
+                raise TrainerError(f"the state holds {component}.{name}; this trainer has none")
+            state.values[(component, name)] = getattr(owner, name)
+            setattr(owner, name, value)
 
     def decay_weights(self, step: int, *, warmup_lr_between: tuple[int, int] | None) -> None:
         """DisTrO's weight decay of `step` (`p *= 1 - lr * weight_decay`, `generate`'s op), for

@@ -58,6 +58,18 @@ What is exact, what is statistical:
   thresholds (`DISTRO_VERIFICATION`, `DILOCO_VERIFICATION`, `DILOCO_SPARSE_VERIFICATION`) were
   calibrated on honest recomputations (docs/reliability.md, "Verifiers").
 
+Exact, for a verifier that follows the trainer (`Shadow`, `follow`, `verify_exact`): a verifier
+that saw a trainer's first round in the run (its own state then zero or fresh) can keep that
+state itself, advancing it every round the trainer trains with the trainer's batch and the run's
+weights through the trainer's own code (`Trainer.train_exact` with the state swapped in:
+`Trainer.swap_own_state`), and so rebuild the payload bit for bit; the payload is compared by its
+commitment (`compare_exact`): any bit that differs is a mismatch, the 1 % bias included, from the
+round the lie starts. Exact only within one determinism class: the same device kind and dtype
+and, on the CPU, the same intra-op thread count (a 20M Llama's gradients differ in the last bits
+between 1 and 2 threads; the tiny one's do not: docs/reliability.md, "Verifiers"). A verifier
+that did not see the trainer's first round cannot start one (the state is every round's sum, and
+none of it is published) and compares statistically.
+
 Evidence over rounds (`Evidence`): a verifier may keep one per trainer and add every verdict;
 the sum of the trainer's last `window_rounds` `t`s over `sqrt(n)` is compared with
 `min_window_agreement`. It is off in every shipped setting: the lie it would be for (a bias of
@@ -72,17 +84,20 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from psyche.core.batch_id import BatchId
 from psyche.core.definitions import DilocoTransmission
 from psyche.modeling.adamw import LibtorchAdamW
 from psyche.modeling.diloco.codec import encode
 from psyche.modeling.diloco.optimizer import Diloco
 from psyche.modeling.distro import Distro, DistroResult
 from psyche.modeling.screening import ResultReader, _at, agreement
+from psyche.modeling.serialized_distro import TransmittableDistroResult
 from psyche.modeling.sharding import full_tensor
 from psyche.modeling.train_loop import rows
-from psyche.modeling.trainer import Batch, CancelToken, Trainer, TrainerError
+from psyche.modeling.trainer import Batch, CancelToken, OwnState, Trainer, TrainerError
 
 
 @dataclass(frozen=True)
@@ -649,3 +664,164 @@ class Evidence:
                 verdict.measures,
             )
         return verdict
+
+
+# --------------------------------------------------------------------------------------------
+# Exact shadow verification
+
+
+@dataclass
+class Shadow:
+    """A verifier's shadow of one trainer it follows from the trainer's first round in the run
+    (its own state then known: `Trainer.fresh_own_state`): the trainer's own optimizer state as
+    the trainer holds it (`OwnState`: DisTrO's momentum; DiLoCo's residual, pending own update
+    and inner AdamW) and, for DisTrO, the unquantized results of the last round it trained (what
+    its next training round subtracts from the momentum, as a client does:
+    `psyche.client.round.train.own_results_to_subtract`). `follow` advances it every round the
+    trainer trains, with the trainer's batch and the run's weights of the round, through the
+    trainer's own code (`Trainer.train_exact` on the verifier's `Trainer` with this state
+    swapped in), so that it rebuilds the trainer's payload bit for bit when the trainer is
+    honest and the verifier computes in the same determinism class (device kind, dtype).
+
+    A shadow cannot start mid-life: a trainer's state is the sum of every round it trained, and
+    none of it is published (1-bit DisTrO sends signs of the momentum's top-k, not its values);
+    a verifier that did not see a trainer's first round compares statistically (`verify_result`).
+    Its cost: one training step of the trainer's batch per followed trainer per round (whether
+    or not that round is verified) and one optimizer's own state in memory per followed trainer
+    (DisTrO: one copy of the weights; DiLoCo: four float32 copies: residual, pending update, the
+    inner AdamW's two moments). The determinism class: the same device kind and dtype and, on the
+    CPU, the same intra-op thread count as the trainer (see the module docstring)."""
+
+    state: OwnState
+    owed: list[list[DistroResult]] = field(default_factory=list)
+    followed: int | None = None
+    """The last step it followed (None: none yet)."""
+
+    @classmethod
+    def fresh(cls, verifier: Trainer) -> Shadow:
+        """A shadow of a trainer at its first round in the run (nothing trained yet)."""
+        _optimizer(verifier)
+        return cls(verifier.fresh_own_state())
+
+
+@dataclass(frozen=True)
+class ShadowVerdict:
+    """What an exact comparison found: the trainer's payload against the shadow's."""
+
+    matches: bool
+    """Whether the payload's results are the shadow's, bit for bit (its commitment's hash)."""
+    differing: int
+    """How many of the payload's entries (one per parameter) differ in any bit."""
+    entries: int
+    differing_bits: int
+    """How many bits of the results' tensor data (indices and values) differ (a measure of how
+    far, for research: any one is a mismatch)."""
+    bits: int
+    detail: str
+
+
+def follow(
+    verifier: Trainer,
+    shadow: Shadow,
+    batch: Batch,
+    *,
+    step: int,
+    batch_id: BatchId,
+    warmup_lr_between: tuple[int, int] | None = None,
+    zero_optim: bool = False,
+    cancel: CancelToken | None = None,
+) -> TransmittableDistroResult:
+    """Advance `shadow` by the trainer's round `step` on `batch` and return the payload an
+    honest trainer publishes for it (the trainer's own `train_exact` and `prepare_result` on
+    `verifier`, the shadow's state swapped in: `verifier`'s model must hold the run's weights of
+    the round, as every trainer's does). `verifier` is left as it was: weights bit for bit
+    (`train_exact` restores them), gradients zero, its own optimizer state and nonce back.
+    A round the trainer trained must be followed, every one, in order; a round it sat out is
+    not (its state does not move: the owed results wait for its next training round). A
+    cancelled step (`cancel`) raises `RecomputeCancelled` and leaves the shadow unusable (a
+    missed round cannot be rebuilt): the caller drops it. So does a caller whose DiLoCo trainer
+    was assigned a batch and published nothing (stopped between inner steps, its inner AdamW
+    moved without a payload); a DisTrO trainer stopped so keeps its momentum."""
+    if shadow.followed is not None and step <= shadow.followed:
+        raise TrainerError(f"the shadow followed step {shadow.followed}; {step} is not after it")
+    owed = [] if zero_optim else shadow.owed
+    nonce = verifier.nonce
+    verifier.swap_own_state(shadow.state)
+    try:
+        out = verifier.train_exact(
+            step,
+            batch,
+            warmup_lr_between=warmup_lr_between,
+            zero_optim=zero_optim,
+            prev_self_distro_results=owed,
+            cancel=cancel,
+        )
+    finally:
+        verifier.swap_own_state(shadow.state)
+        verifier.nonce = nonce
+        _zero_grads(_weights(verifier))
+    if out.cancelled:
+        raise RecomputeCancelled
+    shadow.followed = step
+    shadow.owed = [out.distro_results] if verifier.distro is not None and out.distro_results else []
+    return verifier.prepare_result(out, step=step, batch_id=batch_id).payload
+
+
+def compare_exact(
+    shadow: TransmittableDistroResult, published: TransmittableDistroResult
+) -> ShadowVerdict:
+    """The exact comparison: `published` against the payload `follow` rebuilt, by their
+    commitments (`compute_hash`: the step, the batch and every result's bytes; not the nonce).
+    Any bit that differs is a mismatch."""
+    entries = len(published.distro_results)
+    differing = abs(len(shadow.distro_results) - entries)
+    differing_bits = bits = 0
+    for a, b in zip(shadow.distro_results, published.distro_results):
+        diff = sum(
+            _bit_difference(x.raw_tensor_data(), y.raw_tensor_data())
+            for x, y in ((a.sparse_idx, b.sparse_idx), (a.sparse_val, b.sparse_val))
+        )
+        differing += 1 if diff or a != b else 0
+        differing_bits += diff
+        bits += 8 * (len(b.sparse_idx.raw_tensor_data()) + len(b.sparse_val.raw_tensor_data()))
+    if shadow.compute_hash() == published.compute_hash():
+        detail = "the payload is the shadow's, bit for bit"
+        return ShadowVerdict(True, 0, entries, 0, bits, detail)
+    return ShadowVerdict(
+        False,
+        differing,
+        entries,
+        differing_bits,
+        bits,
+        f"the payload is not what this trainer's batch gives ({differing} of {entries} "
+        f"entries, {differing_bits} of {bits} bits differ from the shadow's)",
+    )
+
+
+def _bit_difference(a: bytes, b: bytes) -> int:
+    """How many bits differ between `a` and `b` (the longer one's extra bytes all count)."""
+    n = min(len(a), len(b))
+    x = np.frombuffer(a[:n], np.uint8) ^ np.frombuffer(b[:n], np.uint8)
+    return int(np.unpackbits(x).sum()) + 8 * abs(len(a) - len(b))
+
+
+def verify_exact(
+    verifier: Trainer,
+    shadow: Shadow,
+    batch: Batch,
+    published: TransmittableDistroResult,
+    *,
+    warmup_lr_between: tuple[int, int] | None = None,
+    zero_optim: bool = False,
+) -> ShadowVerdict:
+    """`follow` the trainer's round (the published payload's step and batch) and compare."""
+    rebuilt = follow(
+        verifier,
+        shadow,
+        batch,
+        step=published.step,
+        batch_id=published.batch_id,
+        warmup_lr_between=warmup_lr_between,
+        zero_optim=zero_optim,
+    )
+    return compare_exact(rebuilt, published)

@@ -7,7 +7,10 @@ momentum or DiLoCo residual and lookahead, as a client), publishes `prepare_resu
 verifier, holding the run's weights of the round, decodes each payload as every client does
 (`Trainer.results_from_payload`) and verifies it as `verification.verify_result` does
 (`recompute`, then `compare`), each batch recomputed once and the next member's recompute its
-decoy. Then every trainer and the verifier
+decoy. With `shadow_from`, the verifier instead follows each member it saw from its first round
+(`verification.Shadow`: the member's own optimizer state, advanced every round the member trains)
+and compares its payload exactly (`verification.verify_exact`); a member that trained before the
+verifier started following is compared statistically, as above. Then every trainer and the verifier
 apply the round's results that the verifier did not refuse, one round late, as clients do
 (`train_loop`).
 """
@@ -15,7 +18,8 @@ apply the round's results that the verifier did not refuse, one round late, as c
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -23,10 +27,13 @@ import torch
 from psyche.core.batch_id import BatchId
 from psyche.modeling.distro import DistroResult
 from psyche.modeling.hostile import HostileMember, make_hostile
+from psyche.modeling.serialized_distro import TransmittableDistroResult
 from psyche.modeling.trainer import Batch, Trainer
 from psyche.modeling.verification import (
     Domain,
     Evidence,
+    Shadow,
+    ShadowVerdict,
     VerificationSettings,
     VerificationVerdict,
     compare,
@@ -34,6 +41,7 @@ from psyche.modeling.verification import (
     recompute,
     result_reader,
     verification_settings,
+    verify_exact,
 )
 
 
@@ -54,6 +62,9 @@ class VerifiedRound:
     """Each verified member's recompute in the payloads' domain (its decoy: the next one's)."""
     published: dict[int, list[DistroResult]] = field(default_factory=dict)
     """Each verified member's result as the verifier decoded it."""
+    exact: dict[int, ShadowVerdict] = field(default_factory=dict)
+    """Each member the verifier follows (`shadow_from`): its exact verdict (the one that
+    decides; its statistical one is not computed)."""
 
 
 @dataclass
@@ -79,7 +90,13 @@ class VerificationRun:
     split_order: Callable[[int, int], Sequence[int]] | None = None
     """The order of member `i`'s rows at `step` whose halves the recompute compares (None: the
     micro-batches' halves, `split_rows`)."""
+    shadow_from: int | None = None
+    """The step from which the verifier follows members with a `Shadow` and compares them
+    exactly (None: never): those whose first round it sees; one that trained before it is
+    compared statistically (a shadow cannot start mid-life)."""
     evidence: dict[int, Evidence] = field(default_factory=dict)
+    shadows: dict[int, Shadow] = field(default_factory=dict)
+    _trained: set[int] = field(default_factory=set)
     _prev: list[list[DistroResult]] = field(default_factory=list)
     _pending: list[list[DistroResult]] | None = None
 
@@ -92,6 +109,7 @@ class VerificationRun:
     def round(self, step: int) -> VerifiedRound:
         n = len(self.trainers)
         published: list[list[DistroResult]] = []
+        payloads: dict[int, TransmittableDistroResult] = {}
         train_seconds = 0.0
         other = self.batch(step, n)
         sitting = {i for i in range(n) if self.sits_out is not None and self.sits_out(step, i)}
@@ -113,16 +131,21 @@ class VerificationRun:
             train_seconds += time.process_time() - cpu
             prepared = trainer.prepare_result(out, step=step, batch_id=BatchId(i, i))
             self._prev[i] = out.distro_results or []
+            payloads[i] = prepared.payload
             published.append(self.verifier.results_from_payload(prepared.payload))
         started = time.process_time()
-        verdicts, single, domains = self._verify(step, published, sitting)
-        verify_seconds = (time.process_time() - started) / max(len(verdicts), 1)
+        exact = self._follow(step, payloads)
+        verdicts, single, domains = self._verify(step, published, sitting, set(exact))
+        verify_seconds = (time.process_time() - started) / max(len(verdicts) + len(exact), 1)
+        self._trained.update(payloads)
         for trainer in [*self.trainers, self.verifier]:
             trainer.decay_weights(step, warmup_lr_between=None)  # the step's, on every client
             if self._pending is not None:
                 trainer.optimize(step, distro_results=self._pending)
         # a refused result is not applied (the protocol removes the trainer it caught)
-        self._pending = [published[i] for i in verdicts if verdicts[i].matches]
+        accepted = {i for i in verdicts if verdicts[i].matches}
+        accepted |= {i for i in exact if exact[i].matches}
+        self._pending = [published[i] for i in sorted(accepted)]
         trained = max(n - len(sitting), 1)
         return VerifiedRound(
             step,
@@ -132,19 +155,52 @@ class VerificationRun:
             verify_seconds,
             domains,
             {i: list(published[i]) for i in verdicts},
+            exact,
         )
 
-    def _verify(
-        self, step: int, published: Sequence[Sequence[DistroResult]], sitting: set[int]
-    ) -> tuple[dict[int, VerificationVerdict], dict[int, VerificationVerdict], dict[int, Domain]]:
+    def _follow(
+        self, step: int, payloads: Mapping[int, TransmittableDistroResult]
+    ) -> dict[int, ShadowVerdict]:
+        """The exact verdicts of the members the verifier follows; starts a shadow for each
+        member whose first round this is, from `shadow_from` on."""
+        if self.shadow_from is None or step < self.shadow_from:
+            return {}
+        with self._verifier_threads():
+            out = {}
+            for i, payload in payloads.items():
+                if i not in self.shadows and i not in self._trained:
+                    self.shadows[i] = Shadow.fresh(self.verifier)
+                if i in self.shadows:
+                    shadow = self.shadows[i]
+                    out[i] = verify_exact(self.verifier, shadow, self.batch(step, i), payload)
+            return out
+
+    @contextmanager
+    def _verifier_threads(self) -> Iterator[None]:
         before = torch.get_num_threads()
         if self.verifier_threads is not None:
             torch.set_num_threads(self.verifier_threads)
         try:
+            yield
+        finally:
+            torch.set_num_threads(before)
+
+    def _verify(
+        self,
+        step: int,
+        published: Sequence[Sequence[DistroResult]],
+        sitting: set[int],
+        exact: set[int],
+    ) -> tuple[dict[int, VerificationVerdict], dict[int, VerificationVerdict], dict[int, Domain]]:
+        """The statistical verdicts of the members that trained and are not in `exact`; the
+        decoys are the next trained member's recomputes, whether or not it is followed."""
+        members = [i for i in range(len(self.trainers)) if i not in sitting]
+        if not set(members) - exact:
+            return {}, {}, {}
+        with self._verifier_threads():
             verifier, settings = self.verifier, self.settings
             assert settings is not None
             reader = result_reader(verifier)
-            members = [i for i in range(len(self.trainers)) if i not in sitting]
             domains = {
                 i: domain_of(
                     verifier,
@@ -154,13 +210,13 @@ class VerificationRun:
             }
             verdicts, single = {}, {}
             for k, i in enumerate(members):
+                if i in exact:
+                    continue
                 decoy = domains[members[(k + 1) % len(members)]]
                 verdict = compare(reader, domains[i], decoy, published[i], settings)
                 single[i] = verdict
                 verdicts[i] = self.evidence.setdefault(i, Evidence(settings)).add(verdict)
             return verdicts, single, domains
-        finally:
-            torch.set_num_threads(before)
 
     def _order(self, step: int, i: int) -> Sequence[int] | None:
         return None if self.split_order is None else self.split_order(step, i)
