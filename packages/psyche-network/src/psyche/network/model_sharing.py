@@ -27,6 +27,14 @@ model's configuration with it (its parameter names are the download's plan), so 
 configuration is of the same model as the parameters' tickets: before, the configuration came
 unversioned from whichever peer answered first. Protocol 0 stays served for upstream's
 requesters.
+
+A joiner asks both on the provider's blob side channel first (`blob_protocol`'s `GetConfig` and
+`GetTickets`, answered by `SideChannelAnswers` from the same `AnswerFn`, so the answers are the
+same): that session is opened and authenticated beside the libp2p dial, so the answers do not
+wait behind, or compete with, the provider's set-up of the new libp2p connection (identify,
+GossipSub, RTT probe, record exchange), which a cold fetch otherwise meets. Where the side
+channel cannot answer (none usable, a provider older than these requests), the same request
+goes over libp2p.
 """
 
 from __future__ import annotations
