@@ -11,7 +11,8 @@ processes only):
 * the provider that answers the configuration: the connection up (`_on_connected`), the set-up
   it runs then (py-libp2p's identify, GossipSub's new peer, our RTT probe and address-record
   exchange, the joiner's record exchange served), each inbound stream's arrival, and the
-  configuration's handler (after the stream's protocol negotiation) and answer.
+  configuration's handler (after the stream's protocol negotiation, or its side-channel
+  answer, `SideChannelAnswers.config`, where the sources have it) and answer.
 
 Printed per run, in ms from the dial's end to that provider: when the configuration's stream
 arrived, when its handler ran, when it was answered, when the set-up ended; and the joiner's
@@ -83,6 +84,11 @@ def _trace_provider() -> None:
         connected(self, peer, remote_addr)
 
     NetworkConnection._on_connected = on_connected  # type: ignore[method-assign]
+    from psyche.network import model_sharing
+
+    side = getattr(model_sharing, "SideChannelAnswers", None)  # not in older sources
+    if side is not None:
+        _around(side, "config", "config")  # the configuration asked on the side channel
     for cls, name, tag in (
         (NetworkConnection, "_probe_rtt", "rtt probe"),
         (NetworkConnection, "_exchange_records", "records"),

@@ -7,10 +7,37 @@ A session authenticates once and then fetches any number of blobs:
     requester -> provider   Get{sig_r, hash}
     provider  -> requester  Found(size) + `size` raw bytes        | NotFound | Refused(reason)
     requester -> provider   Get{sig_r, hash}                        (again, on the same session)
+    requester -> provider   GetConfig{sig_r}                        (any request of a session)
+    provider  -> requester  Config{version, hash, size}             | NotFound | Refused(reason)
+    requester -> provider   GetTickets{sig_r, names, pad}           (any request of a session)
+    provider  -> requester  Tickets{version, [Ok{hash, size} | Err(SharableModelError)]}
     ...
 
-Control messages are postcard, each framed by a 4-byte big-endian length and capped at
-`MAX_CONTROL_FRAME` bytes. Each side signs a transcript binding both identities and both fresh
+`GetConfig` asks for the run's model configuration as `/psyche/model-sharing/1` does (the
+answer names the version of the model it is of, `ModelTicket.version`), but on the session a
+joiner opens beside its libp2p dial, so the answer does not wait behind the libp2p connection's
+setup on the provider's event loop; the configuration's bytes then come as any blob, by `Get`.
+The two requests are told apart by their frame's length (a `Get` is 96 bytes, a `GetConfig`
+64), so `Get` is on the wire as before; a provider older than `GetConfig` cannot decode it and
+closes the session, and the requester then asks over libp2p. `NotFound` means the provider
+serves no configuration now (the libp2p request says why).
+
+`GetTickets` asks for the tickets of parameters as `/psyche/model-sharing-batch/1` does, one
+answer per name in order (a per-name error as on libp2p: unknown parameter, not serving now),
+with the version of the model they are of. A ticket here is only the blob's hash and size: the
+provider is the session's peer, and the bytes come by `Get` on this or another of its
+sessions. Any other length than 64 or 96 is a `GetTickets` (the requester pads one that would
+be 96 bytes by a byte).
+
+Control messages are postcard, each framed by a 4-byte big-endian length. Their caps are per
+phase, so that what a peer can make a provider read grows only with what it proved:
+`MAX_CONTROL_FRAME` (1 KiB) for the handshake and a session's first request (read before the
+requester's signature is checked) and for every reply but a ticket batch's;
+`MAX_REQUEST_FRAME` (16 KiB, at most `MAX_TICKETS_NAMES` names) for a later request, whose
+session's requester is a verified run member (libp2p's batch protocol reads up to 64 KiB of a
+member per stream); `MAX_TICKETS_REPLY` for a ticket batch's answer. A requester whose names do
+not fit a frame splits them: a session's first `GetTickets` carries what fits in 1 KiB and the
+rest follows at once, pipelined. Each side signs a transcript binding both identities and both fresh
 nonces, so neither a replayed handshake nor a third party can pose as a run member; every later
 `Get` of the session carries the same requester signature. The streams it runs on are the
 encrypted side channel (`secure_channel`) or a libp2p stream (`blob_transport`), both of which
@@ -27,9 +54,9 @@ import math
 import os
 import struct as _struct
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Annotated, Any, Protocol
+from typing import Annotated, Any, NoReturn, Protocol, TypeVar
 
 import trio
 
@@ -46,10 +73,18 @@ from psyche.core.serde import (
 )
 from psyche.core.serde import struct as wire_struct
 from psyche.network.ticket import blob_hash
+from psyche.network.transmittable import SharableModelError
 from psyche.transport import resize_bytearray
 
 PROTOCOL_VERSION = 0
 MAX_CONTROL_FRAME = 1024
+MAX_REQUEST_FRAME = 16 << 10
+"""A request after the session's first (its requester verified): see the module's docstring."""
+MAX_TICKETS_NAMES = 256
+"""Names in one `GetTickets` (`model_sharing.MAX_BATCH_NAMES` on libp2p)."""
+MAX_TICKETS_REPLY = 64 << 10
+"""A `Tickets` answer: 256 tickets of 45 bytes and the errors' texts (an unknown name's echoes
+it, so it is bounded by the request)."""
 NONCE_LENGTH = 32
 RECEIVE_CHUNK = 1 << 20
 SEND_CHUNK = 4 << 20  # with a stall timeout, each chunk must leave within it
@@ -94,10 +129,69 @@ class Get:
     hash: Annotated[bytes, FixedBytes(32)]
 
 
+@wire_struct(frozen=True)
+class GetConfig:
+    """A request for the model configuration's blob (see the module's docstring)."""
+
+    signature: Annotated[bytes, FixedBytes(64)]
+
+
+@wire_struct(frozen=True)
+class GetTickets:
+    """A request for the tickets of `names` (see the module's docstring); `pad` is empty but
+    for a frame that would otherwise be a `Get`'s length."""
+
+    signature: Annotated[bytes, FixedBytes(64)]
+    names: list[str]
+    pad: bytes
+
+
+GET_CONFIG_BYTES = 64
+"""A `GetConfig` frame's length (a `Get`'s is 96): what tells the requests apart."""
+GET_BYTES = 96
+AnyRequest = Get | GetConfig | GetTickets
+
+
+@wire_struct(frozen=True)
+class ConfigFound:
+    """Where the model configuration is: its blob (fetched by `Get`) and the version of the
+    model it is of (`SharableModel.version`; None for a model served without one)."""
+
+    version: U64 | None
+    hash: Annotated[bytes, FixedBytes(32)]
+    size: U64
+
+
+@wire_struct(frozen=True)
+class TicketFound:
+    """A blob of the provider's: its hash and size."""
+
+    hash: Annotated[bytes, FixedBytes(32)]
+    size: U64
+
+
+class TicketAnswer(DataEnum):
+    """`Result<TicketFound, SharableModelError>`: one name's answer in a `Tickets` reply."""
+
+    Ok = variant(TicketFound)
+    Err = variant(SharableModelError)
+
+
+@wire_struct(frozen=True)
+class TicketsFound:
+    """A `GetTickets`'s answer: one per name in order, and the version of the model they are
+    of (None: none named, or tickets of two models)."""
+
+    version: U64 | None
+    answers: list[TicketAnswer]
+
+
 class Reply(DataEnum):
     Found = variant(U64)
     NotFound = variant()
     Refused = variant(str)
+    Config = variant(ConfigFound)
+    Tickets = variant(TicketsFound)
 
 
 def transcript(domain: bytes, hello: Hello, provider_nonce: bytes) -> bytes:
@@ -160,21 +254,52 @@ async def read_exactly(stream: ByteStream, n: int) -> bytearray:
     return buf
 
 
-async def send_frame(stream: ByteStream, message: Any, tp: Any) -> None:
+async def send_frame(
+    stream: ByteStream, message: Any, tp: Any, cap: int = MAX_CONTROL_FRAME
+) -> None:
+    await stream.send_all(encode_frame(message, tp, cap))
+
+
+def encode_frame(message: Any, tp: Any, cap: int = MAX_CONTROL_FRAME) -> bytes:
     body = to_bytes(message, tp)
-    if len(body) > MAX_CONTROL_FRAME:
-        raise BlobProtocolError(f"control frame of {len(body)} bytes exceeds {MAX_CONTROL_FRAME}")
-    await stream.send_all(_struct.pack(">I", len(body)) + body)
+    if len(body) > cap:
+        raise BlobProtocolError(f"control frame of {len(body)} bytes exceeds {cap}")
+    return _struct.pack(">I", len(body)) + body
 
 
-async def read_frame(stream: ByteStream, tp: Any) -> Any:
+async def read_frame(stream: ByteStream, tp: Any, cap: int = MAX_CONTROL_FRAME) -> Any:
+    return _decode(await _read_frame_body(stream, cap), tp)
+
+
+async def read_request(stream: ByteStream, cap: int = MAX_CONTROL_FRAME) -> AnyRequest:
+    """A requester's next request, told apart by its frame's length (at most `cap` bytes)."""
+    body = await _read_frame_body(stream, cap)
+    tp = {GET_CONFIG_BYTES: GetConfig, GET_BYTES: Get}.get(len(body), GetTickets)
+    request: AnyRequest = _decode(body, tp)
+    if isinstance(request, GetTickets) and len(request.names) > MAX_TICKETS_NAMES:
+        raise BlobProtocolError(f"{len(request.names)} names in one request")
+    return request
+
+
+def tickets_request(signature: bytes, names: list[str]) -> GetTickets:
+    """`GetTickets` for `names`, padded when its frame would be a `Get`'s length."""
+    request = GetTickets(signature, names, b"")
+    if len(to_bytes(request, GetTickets)) == GET_BYTES:
+        request = GetTickets(signature, names, b"\0")
+    return request
+
+
+async def _read_frame_body(stream: ByteStream, cap: int) -> bytearray:
     (length,) = _struct.unpack(">I", await read_exactly(stream, 4))
-    if length > MAX_CONTROL_FRAME:
-        raise BlobProtocolError(f"control frame of {length} bytes exceeds {MAX_CONTROL_FRAME}")
+    if length > cap:
+        raise BlobProtocolError(f"control frame of {length} bytes exceeds {cap}")
     try:
-        body = await read_exactly(stream, length)
+        return await read_exactly(stream, length)
     except BlobSessionEnded:
         raise StreamClosed("connection closed inside a control frame") from None
+
+
+def _decode(body: bytearray, tp: Any) -> Any:
     try:
         return from_bytes(body, tp)
     except PostcardError as e:
@@ -189,14 +314,31 @@ BlobLookup = Callable[[bytes], "bytes | bytearray | None"]
 AllowCheck = Callable[[bytes], bool]
 
 
+class ModelAnswers(Protocol):
+    """What a provider answers `GetConfig` and `GetTickets` from (the model it shares)."""
+
+    async def config(self) -> ConfigFound | None:
+        """Where the model configuration is, or None when it serves none now."""
+        ...
+
+    async def tickets(self, names: list[str]) -> TicketsFound:
+        """One answer per name, in order."""
+        ...
+
+
 @dataclass(frozen=True)
 class Request:
-    """A verified request: who asks, for which blob, and the signature every later `Get` of the
-    session must repeat."""
+    """A verified request: who asks, what (`message`), and the signature every later request
+    of the session must repeat."""
 
     requester: bytes
-    hash: bytes
+    message: AnyRequest
     signature: bytes
+
+    @property
+    def hash(self) -> bytes | None:
+        """The blob a `Get` asks for (None for the other requests)."""
+        return bytes(self.message.hash) if isinstance(self.message, Get) else None
 
 
 async def serve_one(
@@ -210,7 +352,7 @@ async def serve_one(
 ) -> tuple[bytes, int] | None:
     """Answer one request; returns (requester, bytes sent) when a blob was served."""
     request = await accept_request(stream, identity, allowed, timeout=handshake_timeout)
-    if request is None:
+    if request is None or request.hash is None:
         return None
     sent = await send_blob(stream, lookup, request.hash, stall_timeout=send_stall_timeout)
     return None if sent is None else (request.requester, sent)
@@ -227,7 +369,7 @@ async def accept_request(
     signed request of an allowed peer, or None once a refusal is sent.
 
     Before this returns, a peer can make the provider read two control frames of at most
-    `MAX_CONTROL_FRAME` bytes and send one; nothing else."""
+    `MAX_CONTROL_FRAME` bytes and send one; nothing else (a stranger one frame: its `Hello`)."""
     with trio.fail_after(timeout):
         hello: Hello = await read_frame(stream, Hello)
         if hello.version != PROTOCOL_VERSION:
@@ -248,25 +390,45 @@ async def accept_request(
             ServerHello.Challenge(Challenge(identity.public_key, nonce, signature)),
             ServerHello,
         )
-        get: Get = await read_frame(stream, Get)
+        first = await read_request(stream)
         if not verify_signature(
-            hello.requester, transcript(_REQUESTER_DOMAIN, hello, nonce), get.signature
+            hello.requester, transcript(_REQUESTER_DOMAIN, hello, nonce), first.signature
         ):
             await send_frame(stream, Reply.Refused("bad signature"), Reply)
             return None
-    return Request(bytes(hello.requester), bytes(get.hash), bytes(get.signature))
+    return Request(bytes(hello.requester), first, bytes(first.signature))
 
 
-async def next_request(stream: ByteStream, session: Request) -> bytes | None:
-    """The hash of the session's next `Get`, or None when the requester ends the session.
-    A `Get` without the session's signature is a protocol error."""
+async def next_request(stream: ByteStream, session: Request) -> Request | None:
+    """The session's next request (of at most `MAX_REQUEST_FRAME` bytes: its requester is
+    verified), or None when the requester ends the session. A request without the session's
+    signature is a protocol error."""
     try:
-        get: Get = await read_frame(stream, Get)
+        request = await read_request(stream, MAX_REQUEST_FRAME)
     except BlobSessionEnded:
         return None
-    if not hmac.compare_digest(bytes(get.signature), session.signature):
+    if not hmac.compare_digest(bytes(request.signature), session.signature):
         raise BlobProtocolError("a later request of the session is not signed by its requester")
-    return bytes(get.hash)
+    return Request(session.requester, request, session.signature)
+
+
+async def send_model_answer(
+    stream: ByteStream,
+    answers: ModelAnswers,
+    request: GetConfig | GetTickets,
+    *,
+    stall_timeout: float | None = None,
+) -> None:
+    """Answer `GetConfig` (`Config`, or `NotFound`) or `GetTickets` (`Tickets`, at most
+    `MAX_TICKETS_REPLY` bytes)."""
+    if isinstance(request, GetConfig):
+        found = await answers.config()
+        frame = encode_frame(Reply.NotFound() if found is None else Reply.Config(found), Reply)
+    else:
+        tickets = await answers.tickets(list(request.names))
+        frame = encode_frame(Reply.Tickets(tickets), Reply, MAX_TICKETS_REPLY)
+    with trio.fail_after(stall_timeout if stall_timeout is not None else math.inf):
+        await stream.send_all(frame)
 
 
 async def send_blob(
@@ -296,6 +458,36 @@ async def send_blob(
 
 
 ProgressFn = Callable[[int], None]
+_T = TypeVar("_T")
+_TICKETS_OVERHEAD = 4 + 64 + 3 + 2
+"""A `GetTickets` frame's bytes beside its names (length prefix, signature, the names'
+count, padding) at most."""
+
+
+def _string_bytes(name: str) -> int:
+    """A name's bytes in postcard (its length's varint and its UTF-8)."""
+    data = len(name.encode())
+    return data + (data.bit_length() + 6) // 7 if data else 1
+
+
+def _cause(group: BaseExceptionGroup) -> BaseException:
+    """What failed a group of a session's requests: its first error other than the
+    cancellations it caused (the first cancellation when there is none)."""
+    leaves: list[BaseException] = []
+    pending: list[BaseException] = [group]
+    while pending:
+        error = pending.pop(0)
+        if isinstance(error, BaseExceptionGroup):
+            pending.extend(error.exceptions)
+        else:
+            leaves.append(error)
+    return next((e for e in leaves if not isinstance(e, trio.Cancelled)), leaves[0])
+
+
+def _unexpected(reply: Reply, what: str) -> NoReturn:
+    if isinstance(reply, Reply.Refused):
+        raise BlobRefused(f"provider refused the request: {reply.value}")
+    raise BlobProtocolError(f"{what} answered by {reply!r}")
 
 
 class SessionBroken(StreamClosed):
@@ -330,11 +522,95 @@ class BlobSession:
         """The bytes those fetches expect."""
         self.broken: str | None = None
         """Why the session can no longer be used (None while it can)."""
+        self.requests = 0
+        """Requests sent so far (the first is read before the provider checks who asks)."""
         self._send_lock = trio.Lock()
         self._turns: deque[trio.Event] = deque()
 
     async def fetch(self, digest: bytes, expected_size: int, on_progress: ProgressFn) -> bytearray:
         """Fetch and verify one blob; raises a `BlobProtocolError` on any deviation."""
+        buf = await self._exchange(
+            lambda signature: Get(signature, digest),
+            lambda: self._read_reply(expected_size, on_progress),
+            expected_size,
+        )
+        actual = await verify_hash(buf)
+        if actual != digest:
+            self.broken = "the provider sent corrupted bytes"
+            raise HashMismatch(
+                f"received bytes hash to {actual.hex()[:10]}, expected {digest.hex()[:10]}"
+            )
+        self.fetched += 1
+        return buf
+
+    async def config(self, timeout: float) -> ConfigFound | None:
+        """Where the provider's model configuration is (`GetConfig`), or None when it serves
+        none now; a provider older than `GetConfig` closes the session (`StreamClosed`). The
+        reply must come within `timeout` seconds of the request's turn."""
+        return await self._exchange(GetConfig, lambda: self._read_config(timeout), 0)
+
+    async def tickets(self, names: list[str], timeout: float) -> TicketsFound:
+        """The tickets of `names` (`GetTickets`), one answer per name in order, split into
+        as many requests as the frame caps need (all sent at once, so the split costs no
+        round trip), each reply within `timeout` seconds of its turn. The version is None
+        unless every part names the same one. A provider older than `GetTickets` closes the
+        session (`StreamClosed`)."""
+        parts = self._split(names)
+        found: list[TicketsFound | None] = [None] * len(parts)
+
+        async def ask(index: int, part: list[str], sent: trio.Event | None = None) -> None:
+            found[index] = await self._exchange(
+                lambda signature: tickets_request(signature, part),
+                lambda: self._read_tickets(len(part), timeout),
+                0,
+                sent,
+            )
+
+        if len(parts) == 1:
+            await ask(0, parts[0])
+        else:
+            try:
+                async with trio.open_nursery() as nursery:
+                    for index, part in enumerate(parts):
+                        sent = trio.Event()
+                        nursery.start_soon(ask, index, part, sent)
+                        await sent.wait()  # in order: the first fits the first frame's cap
+            except BaseExceptionGroup as group:
+                raise _cause(group) from None
+        replies = [f for f in found if f is not None]
+        versions = {f.version for f in replies}
+        version = next(iter(versions)) if len(versions) == 1 else None
+        return TicketsFound(version, [a for f in replies for a in f.answers])
+
+    def _split(self, names: list[str]) -> list[list[str]]:
+        """`names` in parts whose `GetTickets` frames fit their caps: the session's first
+        request `MAX_CONTROL_FRAME`, later ones `MAX_REQUEST_FRAME` and `MAX_TICKETS_NAMES`.
+        A name too long for a later request's frame is a `BlobProtocolError`."""
+        parts: list[list[str]] = []
+        cap = MAX_CONTROL_FRAME if self.requests == 0 else MAX_REQUEST_FRAME
+        size = _TICKETS_OVERHEAD
+        for name in names:
+            entry = _string_bytes(name)
+            if not parts or size + entry > cap or len(parts[-1]) == MAX_TICKETS_NAMES:
+                if parts:
+                    cap = MAX_REQUEST_FRAME
+                if _TICKETS_OVERHEAD + entry > cap:
+                    raise BlobProtocolError(f"a parameter name of {len(name)} characters")
+                parts.append([])
+                size = _TICKETS_OVERHEAD
+            parts[-1].append(name)
+            size += entry
+        return parts
+
+    async def _exchange(
+        self,
+        request: Callable[[bytes], AnyRequest],
+        read_reply: Callable[[], Awaitable[_T]],
+        expected_size: int,
+        sent: trio.Event | None = None,
+    ) -> _T:
+        """Send `request(signature)` at once (after the handshake, on the session's first),
+        set `sent`, and read its reply in turn (`read_reply`)."""
         if self.broken is not None:
             raise SessionBroken(self.broken)
         self.pending += 1
@@ -352,11 +628,16 @@ class BlobSession:
                     self._turns.append(turn)
                     if len(self._turns) == 1:
                         turn.set()
-                    await send_frame(self.stream, Get(self.signature, digest), Get)
+                    frame = request(self.signature)
+                    cap = MAX_CONTROL_FRAME if self.requests == 0 else MAX_REQUEST_FRAME
+                    await send_frame(self.stream, frame, type(frame), cap)
+                    self.requests += 1
+            if sent is not None:
+                sent.set()
             await turn.wait()
             if self.broken is not None:
                 raise SessionBroken(self.broken)
-            buf = await self._read_reply(expected_size, on_progress)
+            return await read_reply()
         except BaseException as e:
             if started and self.broken is None and not isinstance(e, BlobNotFound):
                 self.broken = f"an earlier request of the session failed: {e!r}"
@@ -365,14 +646,6 @@ class BlobSession:
             self.pending -= 1
             self.queued_bytes -= expected_size
             self._hand_on(turn)
-        actual = await verify_hash(buf)
-        if actual != digest:
-            self.broken = "the provider sent corrupted bytes"
-            raise HashMismatch(
-                f"received bytes hash to {actual.hex()[:10]}, expected {digest.hex()[:10]}"
-            )
-        self.fetched += 1
-        return buf
 
     async def handshake(self) -> None:
         """Authenticate now, ahead of the first fetch (which otherwise does it)."""
@@ -404,13 +677,35 @@ class BlobSession:
                     pass
                 case Reply.NotFound():
                     raise BlobNotFound("provider does not have the blob")
-                case Reply.Refused(reason):
-                    raise BlobRefused(f"provider refused the request: {reason}")
+                case other:
+                    _unexpected(other, "a blob request")
         if size != expected_size:
             raise BlobProtocolError(
                 f"provider offers {size} bytes, the ticket says {expected_size}"
             )
         return await receive_growing(self.stream, size, on_progress)
+
+    async def _read_config(self, timeout: float) -> ConfigFound | None:
+        with trio.fail_after(timeout):
+            match await read_frame(self.stream, Reply):
+                case Reply.Config(found):
+                    answer: ConfigFound = found
+                    return answer
+                case Reply.NotFound():
+                    return None
+                case other:
+                    _unexpected(other, "a configuration request")
+
+    async def _read_tickets(self, names: int, timeout: float) -> TicketsFound:
+        with trio.fail_after(timeout):
+            match await read_frame(self.stream, Reply, MAX_TICKETS_REPLY):
+                case Reply.Tickets(found):
+                    answer: TicketsFound = found
+                case other:
+                    _unexpected(other, "a ticket request")
+        if len(answer.answers) != names:
+            raise BlobProtocolError(f"{len(answer.answers)} tickets for {names} names")
+        return answer
 
     async def _handshake(self) -> bytes:
         nonce = os.urandom(NONCE_LENGTH)

@@ -40,8 +40,9 @@ from __future__ import annotations
 import logging
 import math
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import trio
 
@@ -61,6 +62,7 @@ from psyche.network.secure_channel import SecureChannelError
 from psyche.network.ticket import EndpointAddr
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 SIDE_CHANNEL = "side channel"
 LIBP2P_DIRECT = "libp2p stream (direct connection)"
@@ -173,6 +175,37 @@ class BlobRoutes:
         except (*_BROKEN, BlobProtocolError) as e:
             logger.debug("blob handshake with %s ahead: %s", fmt_short(peer), e)
             await self._drop(peer, kept)
+
+    async def ask(
+        self, provider: EndpointAddr, request: Callable[[BlobSession], Awaitable[_T]]
+    ) -> _T | None:
+        """`request(session)` (`BlobSession.config`, `BlobSession.tickets`) on a side-channel
+        session to `provider` (the one `prepare` opens, or a new one, kept for the blobs after
+        it), so the answer waits for no libp2p connection. None when the side channel cannot
+        answer: not usable to `provider` (none announced, a relay-only record, failed lately),
+        broken, or a provider older than the request (it closes the session): the caller asks
+        over libp2p then. The session is kept or closed whatever `request` raises."""
+        peer = provider.id
+        if not self._side_channel_usable(provider):
+            return None
+        try:
+            kept = await self._take(peer, SIDE_CHANNEL, 0)
+            if kept is None:
+                kept = await self._open_kept(SIDE_CHANNEL, provider)
+        except (*_BROKEN, BlobProtocolError) as e:
+            logger.debug("no blob session to %s for a model request: %s", fmt_short(peer), e)
+            return None
+        try:
+            answer = await request(kept.session)
+        except (*_BROKEN, BlobProtocolError) as e:
+            await self._drop(peer, kept)
+            logger.debug("a model request on %s's side channel: %s", fmt_short(peer), e)
+            return None
+        except BaseException:
+            await self._drop(peer, kept)
+            raise
+        await self._done_with(peer, kept)
+        return answer
 
     # routes ------------------------------------------------------------------------------------
 

@@ -13,9 +13,11 @@ Both hand their sessions to one `BlobServer`, so what a peer can make a provider
 same on either: bounded by `BLOB_LIMITS` (`psyche.transport`). Before its signed
 request a side-channel connection holds a pending slot (the oldest is closed when they are full)
 and must finish the Noise handshake and the request within the handshake timeout, sending at
-most two handshake messages and two control frames of at most 1 KiB; each blob being sent holds
-one of a capped number of serving slots and is dropped if the requester stops reading for the
-stall timeout; between blobs a session waits at most `SESSION_IDLE_SECS` for the next request.
+most two handshake messages and two control frames of at most 1 KiB; each request being
+answered (a blob, the model's configuration or a ticket batch) holds one of a capped number of
+serving slots and is dropped if the requester stops reading for the stall timeout; between
+requests a session waits at most `SESSION_IDLE_SECS` for the next one, read whole within it
+(at most `blob_protocol.MAX_REQUEST_FRAME` bytes).
 Which carrier a download uses is `blob_routes`'s choice.
 """
 
@@ -58,8 +60,8 @@ SESSION_IDLE_SECS = 30.0
 idle sessions for less, `blob_routes.IDLE_SESSION_SECS`, so they close them first)."""
 BLOB_PROTOCOL = "/psyche/blob/0"
 LIBP2P_SEND_CHUNK = 1 << 20
-# Frames and buffered bytes do not apply here (control frames are capped at 1 KiB, blobs are
-# sent from the store, never received); the connection caps and timeouts do.
+# Frames and buffered bytes do not apply here (control frames are capped by `blob_protocol` per
+# phase, blobs are sent from the store, never received); the connection caps and timeouts do.
 BLOB_LIMITS = ConnectionLimits(
     handshake_timeout=blob_protocol.HANDSHAKE_TIMEOUT_SECS,
     max_connections=256,
@@ -105,8 +107,13 @@ class BlobServer:
         limits: ConnectionLimits = BLOB_LIMITS,
         on_served: ServedFn | None = None,
         idle_timeout: float = SESSION_IDLE_SECS,
+        model_answers: blob_protocol.ModelAnswers | None = None,
     ) -> None:
+        """`model_answers`: what `GetConfig` and `GetTickets` are answered from (the model
+        this node shares; without it, either ends the session, as on a provider older than
+        them)."""
         self.identity = identity
+        self.model_answers = model_answers
         self.lookup = lookup
         self.allowed = allowed
         self.limits = limits
@@ -162,15 +169,13 @@ class BlobServer:
         peer: str,
     ) -> None:
         limits = self.limits
-        digest: bytes | None = request.hash
+        wanted: blob_protocol.Request | None = request
         self.sessions += 1
         try:
-            while digest is not None:
+            while wanted is not None:
                 try:
                     with self.admission.established_connection(address, replacing=False):
-                        sent = await blob_protocol.send_blob(
-                            stream, self.lookup, digest, stall_timeout=limits.send_stall_timeout
-                        )
+                        sent = await self._answer(stream, wanted.message)
                 except Refused as e:
                     self.drops.note("busy", f"blob request from {peer} refused: {e}")
                     with trio.move_on_after(limits.send_stall_timeout):
@@ -180,11 +185,31 @@ class BlobServer:
                     return
                 if sent is not None and self.on_served is not None:
                     self.on_served(request.requester, sent)
-                digest = None
+                wanted = None
                 with trio.move_on_after(self.idle_timeout):
-                    digest = await blob_protocol.next_request(stream, request)
+                    wanted = await blob_protocol.next_request(stream, request)
         finally:
             self.sessions -= 1
+
+    async def _answer(
+        self, stream: blob_protocol.ByteStream, request: blob_protocol.AnyRequest
+    ) -> int | None:
+        """A `Get`'s blob (the bytes sent), or the answer to `GetConfig` / `GetTickets` (a
+        server without `model_answers` breaks the session, as a provider older than them
+        does)."""
+        stall_timeout = self.limits.send_stall_timeout
+        if isinstance(request, blob_protocol.Get):
+            return await blob_protocol.send_blob(
+                stream, self.lookup, bytes(request.hash), stall_timeout=stall_timeout
+            )
+        if self.model_answers is None:
+            raise blob_protocol.BlobProtocolError(
+                f"this provider serves no {type(request).__name__}"
+            )
+        await blob_protocol.send_model_answer(
+            stream, self.model_answers, request, stall_timeout=stall_timeout
+        )
+        return None
 
 
 # ----------------------------------------------------------------------------------------------

@@ -207,6 +207,7 @@ class NetworkConnection:
             self._allowed,
             limits=config.blob_limits,
             on_served=self._on_served,
+            model_answers=model_sharing.SideChannelAnswers(self._answer_model_request),
         )
         self.blob_transport = TcpBlobTransport(
             secret_key,
@@ -685,14 +686,28 @@ class NetworkConnection:
         self, peer: bytes, request: ModelRequestType
     ) -> tuple[BlobTicket, int | None]:
         """Ask `peer` for the ticket of a model config or parameter (one stream per request):
-        (the ticket, the version of the model it is of: the peer's claim)."""
+        (the ticket, the version of the model it is of: the peer's claim). The configuration
+        is asked on the blob side channel first, where the answer waits for no libp2p
+        connection to be set up; over libp2p when that cannot answer."""
+        if isinstance(request, ModelRequestType.Config):
+            answered = await model_sharing.config_on_side_channel(
+                self.blob_routes, self.address_book.get(peer)
+            )
+            if answered is not None:
+                return answered
         await self.connect(peer)
         ticket, version = await model_sharing.request_ticket(self.host, peer, request)
         self.address_book.add(ticket.addr)
         return ticket, version
 
     async def request_model_blob_tickets(self, peer: bytes, names: list[str]) -> list[TicketResult]:
-        """Ask `peer` for the tickets of many parameters in one stream (one result per name)."""
+        """Ask `peer` for the tickets of many parameters at once (one result per name): on the
+        blob side channel first (no libp2p connection needed), else in one libp2p stream."""
+        answered = await model_sharing.tickets_on_side_channel(
+            self.blob_routes, self.address_book.get(peer), names
+        )
+        if answered is not None:
+            return answered
         await self.connect(peer)
         results = await model_sharing.request_tickets(self.host, peer, names)
         for result in results:

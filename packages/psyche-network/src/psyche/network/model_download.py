@@ -4,8 +4,11 @@
    connection (`BlobRoutes.prepare`), and, meanwhile, ask peers (chosen by `PeerManager`) for
    the config ticket and download it.
 2. Ask for the parameters' tickets in batches, one batch per peer at a time and all peers at
-   once (`/psyche/model-sharing-batch/1`: one round trip per peer, not per tensor; upstream asks
-   per parameter); a next round of batches (names a peer had no ticket for, or a model with
+   once (one round trip per peer, not per tensor; upstream asks per parameter); the
+   configuration and the batches are asked on the peer's blob side channel session
+   (`blob_protocol`'s `GetConfig`, `GetTickets`), which is up before the libp2p connection
+   is set up on the provider, and over libp2p (`/psyche/model-sharing/1`,
+   `/psyche/model-sharing-batch/1`) when the side channel cannot answer; a next round of batches (names a peer had no ticket for, or a model with
    more tensors than `MAX_BATCH_NAMES` per peer) is asked as soon as the last is answered, not
    when its downloads are done. Smaller first batches (2, 4, 8 names, or a peer's in-flight
    share, then four times larger) were measured: every extra batch is a py-libp2p stream, which
@@ -265,13 +268,15 @@ class ModelDownload:
             await event.wait()
 
     async def _ask_ticket(self, peer: bytes, request: ModelRequestType) -> BlobTicket:
-        await self._dialled_first(peer)
+        if not isinstance(request, ModelRequestType.Config):
+            # the configuration (and a ticket batch) is asked on the blob side channel first,
+            # which waits for no libp2p dial (a libp2p request after it joins the dial)
+            await self._dialled_first(peer)
         ticket, version = await self._network.request_model_blob_ticket(peer, request)
         self._check_version(version)
         return ticket
 
     async def _ask_tickets(self, peer: bytes, names: list[str]) -> list[TicketResult]:
-        await self._dialled_first(peer)
         results = await self._network.request_model_blob_tickets(peer, names)
         if any(isinstance(r, TicketResult.Ok) for r in results):
             self._check_version(results_version(results))

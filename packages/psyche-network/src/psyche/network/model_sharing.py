@@ -27,26 +27,39 @@ model's configuration with it (its parameter names are the download's plan), so 
 configuration is of the same model as the parameters' tickets: before, the configuration came
 unversioned from whichever peer answered first. Protocol 0 stays served for upstream's
 requesters.
+
+A joiner asks both on the provider's blob side channel first (`blob_protocol`'s `GetConfig` and
+`GetTickets`, answered by `SideChannelAnswers` from the same `AnswerFn`, so the answers are the
+same): that session is opened and authenticated beside the libp2p dial, so the answers do not
+wait behind, or compete with, the provider's set-up of the new libp2p connection (identify,
+GossipSub, RTT probe, record exchange), which a cold fetch otherwise meets. Where the side
+channel cannot answer (none usable, a provider older than these requests), the same request
+goes over libp2p.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import trio
 from libp2p.abc import IHost, INetStream
 
 from psyche.core.serde import U64, PostcardError, from_bytes, struct, to_bytes
 from psyche.network import p2p_host
+from psyche.network.blob_protocol import ConfigFound, TicketAnswer, TicketFound, TicketsFound
 from psyche.network.peer_manager import MODEL_REQUEST_TIMEOUT_SECS
 from psyche.network.sharable_model import noting_model_versions
-from psyche.network.ticket import BlobTicket
+from psyche.network.ticket import BlobFormat, BlobTicket, EndpointAddr
 from psyche.network.transmittable import (
     ModelRequestType,
     SharableModelError,
     SharableModelFailure,
     TicketResult,
 )
+
+if TYPE_CHECKING:
+    from psyche.network.blob_routes import BlobRoutes
 
 MODEL_SHARING_PROTOCOL = "/psyche/model-sharing/0"
 MAX_REQUEST_BYTES = 1000
@@ -210,17 +223,7 @@ async def serve_batch(stream: INetStream, allowed: p2p_host.AllowFn, answer: Ans
             names = decode_batch_request(
                 await p2p_host.read_to_end(stream, MAX_BATCH_REQUEST_BYTES)
             )
-        unanswered = TicketResult.Err(SharableModelError.ResponseChannelNotInitialized())
-        results: list[TicketResult] = [unanswered] * len(names)
-
-        async def answer_one(index: int, name: str) -> None:
-            results[index] = await answer(ModelRequestType.Parameter(name))
-
-        with noting_model_versions() as versions, trio.move_on_after(batch_timeout(len(names))):
-            async with trio.open_nursery() as nursery:
-                for index, name in enumerate(names):
-                    nursery.start_soon(answer_one, index, name)
-        version = next(iter(versions)) if len(versions) == 1 else None
+        results, version = await answer_batch(answer, names)
         response = encode_batch_response(results, version)
         if len(response) > MAX_BATCH_RESPONSE_BYTES:
             raise ValueError(f"batch response of {len(response)} bytes")
@@ -242,6 +245,106 @@ async def serve_versioned(stream: INetStream, allowed: p2p_host.AllowFn, answer:
     await _serve_one(stream, allowed, answer, encode_versioned_response)
 
 
+async def answer_versioned(
+    answer: AnswerFn, request: ModelRequestType
+) -> tuple[TicketResult, int | None]:
+    """`answer(request)` within `MODEL_REQUEST_TIMEOUT_SECS` (`ResponseChannelNotInitialized`
+    otherwise) and the version of the model it came from (None when it names none)."""
+    result: TicketResult = TicketResult.Err(SharableModelError.ResponseChannelNotInitialized())
+    with noting_model_versions() as versions, trio.move_on_after(MODEL_REQUEST_TIMEOUT_SECS):
+        result = await answer(request)
+    return result, next(iter(versions)) if len(versions) == 1 else None
+
+
+async def answer_batch(answer: AnswerFn, names: list[str]) -> tuple[list[TicketResult], int | None]:
+    """Every name answered concurrently, all within `batch_timeout` (a name left unanswered
+    gets `ResponseChannelNotInitialized`), and the version of the model the tickets came from
+    (None unless exactly one)."""
+    unanswered = TicketResult.Err(SharableModelError.ResponseChannelNotInitialized())
+    results: list[TicketResult] = [unanswered] * len(names)
+
+    async def answer_one(index: int, name: str) -> None:
+        results[index] = await answer(ModelRequestType.Parameter(name))
+
+    with noting_model_versions() as versions, trio.move_on_after(batch_timeout(len(names))):
+        async with trio.open_nursery() as nursery:
+            for index, name in enumerate(names):
+                nursery.start_soon(answer_one, index, name)
+    return results, next(iter(versions)) if len(versions) == 1 else None
+
+
+# ----------------------------------------------------------------------------------------------
+# The same requests on the blob side channel (`blob_protocol`'s `GetConfig` and `GetTickets`)
+
+
+class SideChannelAnswers:
+    """A provider's answers to `GetConfig` and `GetTickets` (`blob_protocol.ModelAnswers`),
+    the same as `/psyche/model-sharing/1` and `/psyche/model-sharing-batch/1` give."""
+
+    def __init__(self, answer: AnswerFn) -> None:
+        self._answer = answer
+
+    async def config(self) -> ConfigFound | None:
+        """None when there is no configuration to serve now (libp2p's request says why)."""
+        result, version = await answer_versioned(self._answer, ModelRequestType.Config())
+        if not isinstance(result, TicketResult.Ok):
+            return None
+        return ConfigFound(version, result.value.hash, result.value.size)
+
+    async def tickets(self, names: list[str]) -> TicketsFound:
+        results, version = await answer_batch(self._answer, names)
+        return TicketsFound(version, [_side_ticket(result) for result in results])
+
+
+def _side_ticket(result: TicketResult) -> TicketAnswer:
+    answer: TicketAnswer
+    match result:
+        case TicketResult.Ok(ticket):
+            answer = TicketAnswer.Ok(TicketFound(ticket.hash, ticket.size))
+        case TicketResult.Err(error):
+            answer = TicketAnswer.Err(error)
+    return answer
+
+
+async def config_on_side_channel(
+    routes: BlobRoutes, provider: EndpointAddr | None
+) -> tuple[BlobTicket, int | None] | None:
+    """`request_ticket`'s answer for the configuration, asked on the blob side channel
+    (`BlobRoutes.ask`); None when the side channel cannot answer it (none usable, an older
+    provider, or no configuration served now: libp2p's request says why)."""
+    if provider is None:
+        return None
+    found = await routes.ask(provider, lambda session: session.config(MODEL_REQUEST_TIMEOUT_SECS))
+    if found is None:
+        return None
+    return BlobTicket(provider, BlobFormat.Raw, found.hash, found.size), found.version
+
+
+async def tickets_on_side_channel(
+    routes: BlobRoutes, provider: EndpointAddr | None, names: list[str]
+) -> VersionedResults | None:
+    """`request_tickets`'s answer, asked on the blob side channel (`BlobRoutes.ask`), one
+    result per name (a name's error as libp2p gives it); None when the side channel cannot
+    answer (none usable, an older provider, a broken session)."""
+    if provider is None:
+        return None
+    found = await routes.ask(
+        provider, lambda session: session.tickets(names, batch_timeout(len(names)))
+    )
+    if found is None:
+        return None
+    results: list[TicketResult] = []
+    for answer in found.answers:
+        match answer:
+            case TicketAnswer.Ok(ticket):
+                results.append(
+                    TicketResult.Ok(BlobTicket(provider, BlobFormat.Raw, ticket.hash, ticket.size))
+                )
+            case TicketAnswer.Err(error):
+                results.append(TicketResult.Err(error))
+    return VersionedResults(results, found.version)
+
+
 async def _serve_one(
     stream: INetStream,
     allowed: p2p_host.AllowFn,
@@ -251,11 +354,7 @@ async def _serve_one(
     async def handle() -> None:
         with trio.fail_after(MODEL_REQUEST_TIMEOUT_SECS):
             request = decode_request(await p2p_host.read_to_end(stream, MAX_REQUEST_BYTES))
-        result: TicketResult = TicketResult.Err(SharableModelError.ResponseChannelNotInitialized())
-        with noting_model_versions() as versions, trio.move_on_after(MODEL_REQUEST_TIMEOUT_SECS):
-            result = await answer(request)
-        version = next(iter(versions)) if len(versions) == 1 else None
-        await stream.write(encode(result, version))
+        await stream.write(encode(*await answer_versioned(answer, request)))
         await stream.close()
 
     await p2p_host.serve_member(stream, allowed, "model-sharing request", handle)
