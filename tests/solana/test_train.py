@@ -206,7 +206,8 @@ def test_bootstrap_peers_parse_and_round_trip(monkeypatch: pytest.MonkeyPatch) -
         ("abcd@127.0.0.1:4001", "must be 64 hex digits (32 bytes), got 4"),
         (f"{PEER.hex()}@127.0.0.1", "expected host:port"),
         (f"{PEER.hex()}@127.0.0.1:99999", "99999"),
-        (f"{PEER.hex()}@no-such-host.invalid:1", "cannot resolve"),
+        # refused before any lookup (an empty label): no DNS query leaves the machine
+        (f"{PEER.hex()}@no-such-host..invalid:1", "cannot resolve"),
     ],
 )
 def test_bad_bootstrap_peers_are_refused_clearly(text: str, message: str) -> None:

@@ -117,7 +117,7 @@ def parse_bootstrap_peer(text: str) -> Any:
     except ValueError:
         try:
             ip = socket.gethostbyname(host)
-        except OSError as e:
+        except (OSError, UnicodeError) as e:  # UnicodeError: an empty or over-long label
             raise ValueError(f"bootstrap peer {text!r}: cannot resolve {host!r}: {e}") from None
     return EndpointAddr(endpoint_id, [TransportAddr.Libp2p(f"/ip4/{ip}/tcp/{port}")])
 
