@@ -60,7 +60,11 @@ A witness with an update of its own but no level yet (its first round: no closed
 open before it) holds its votes the same way: `min_agreement` alone passed a sign-flipped DiLoCo
 result weakly opposed to its update (`t` -3.9 where honest ones had 15 to 30), a four-member
 run's quorum with the hostile member's own vote. Its round is judged as a whole, each result
-against `held_level_share` of the lower median of the others' `t`s (leave-one-out).
+against `held_level_share` of the lower median of the others' `t`s (leave-one-out), and for
+DisTrO (`held_consensus`) also by its `t` along the witness's update plus its `t` along the
+sum of the round's other results and the witness's own sent one (one model-sized sum a round):
+one small batch's update alone let a 1-bit sign flip pass at `t` -4.2, the round's consensus
+holds every other member's update (`WitnessScreen._consensus_problem`).
 
 Every sum is taken in slices below torch's threading grain and added in order
 (`_serial_sums`), so two witnesses with the same inputs get the same bits of every statistic
@@ -136,12 +140,28 @@ class ScreeningSettings:
     level_rounds: int = 1
     """The relative test's level: the lowest median of this many last rounds (more than one
     lags behind a run whose agreement grows, as a DiLoCo run's does over its first rounds)."""
+    level_min_results: int = 2
+    """A round's level counts only when it is the median of at least this many results'
+    `t`s; a round of fewer sets none (its place among the last `level_rounds` stays taken, so
+    an older level does not stand in for it). In a two-member run a witness's level was the
+    other member's `t` of the round before, no median at all: an honest DisTrO result at
+    `t` 9.39 was refused under 0.7 x 24.13 - 6 = 10.89 (one run in four of
+    `tests/client/test_hostile_strangers.py`). Without a level only the floor and the window
+    judge, as in a witness's first round."""
     held_level_share: float = 0.5
     """A witness with an update of its own but no level yet (its first round) judges the
     round's results as a whole (`RoundScreen.judge`): its level for each is this share of the
     lower median of the other results' `t`s. Half by default, as a witness without an update
     of its own halves its median: a member back with a fresh momentum agrees about half as
     strongly as the others."""
+    held_consensus: bool = False
+    """A witness's first round also judges each result by its agreement with the witness's
+    update and the round's consensus together (`WitnessScreen._consensus_problem`). DisTrO's:
+    its 1-bit sign flip passed the own update's test alone. Not DiLoCo's: its dense forms'
+    flips are refused by the own update's test already, and a sparse DiLoCo flip is not
+    separable by either (an honest member's sparse result scored -0.8 to -1.9 along every
+    witness's update and -2.3 along the consensus; its flip the mirror of that), where an
+    honest result's margin to the sum's threshold was about 2."""
     window_rounds: int = 16
     min_window_z: float = -6.0
     """The window test: `sum(t) / sqrt(n)` over the sender's last `n` results here."""
@@ -162,7 +182,9 @@ class ScreeningSettings:
     0 always, a large number never."""
 
 
-DISTRO_SCREENING = ScreeningSettings(relative_agreement=(0.7, 6.0), level_rounds=2)
+DISTRO_SCREENING = ScreeningSettings(
+    relative_agreement=(0.7, 6.0), level_rounds=2, held_consensus=True
+)
 """DisTrO: an honest 1-bit result's `t` is 5 to 15 early in a run and about N(2, 1.3^2) late
 (tiny run, c16 k4; docs/reliability.md): one round alone refuses only a clearly opposed result,
 the sender's window a consistently opposed one. The level is the lower median of the last two
@@ -711,8 +733,9 @@ class WitnessScreen:
         self._blind_agreements: dict[Hashable, deque[float]] = {}
         """Each sender's recent `t`s along the aggregate alone (rounds without an own update):
         another scale than `_agreements`', so kept apart from the window test of those."""
-        self._levels: deque[float] = deque(maxlen=settings.level_rounds)
-        """The median `t` of each of the last rounds (`level_rounds`)."""
+        self._levels: deque[float | None] = deque(maxlen=settings.level_rounds)
+        """The median `t` of each of the last rounds (`level_rounds`) that had any; None for
+        a round of fewer than `level_min_results` (`_closed_levels`)."""
         self._fingerprints: deque[list[Fingerprint]] = deque(maxlen=settings.history_rounds)
         self._aggregate_version = 0
         """Counts the aggregate's changes (a combined direction is of one version)."""
@@ -743,14 +766,20 @@ class WitnessScreen:
         a witness with no closed level takes the open round's (later rounds are judged as
         before: an open round's level may be of part of its results). Called under the lock."""
         if self._levels:
-            return list(self._levels)
+            return self._closed_levels()
+        minimum = self.settings.level_min_results
         return [
             level
             for earlier in self._recent
             if earlier.serial < screen.serial and not earlier.folded
-            for level in [_round_level(earlier)]
+            for level in [_round_level(earlier, minimum)]
             if level is not None
         ][-self.settings.level_rounds :]
+
+    def _closed_levels(self) -> list[float]:
+        """The levels of the last closed rounds that set one (`level_min_results`). Called
+        under the lock."""
+        return [level for level in self._levels if level is not None]
 
     def _agreement(self, flat: Flat, own: _Own) -> float:
         """`t` of a result along the direction: the own update over its norm, plus the recent
@@ -952,7 +981,7 @@ class WitnessScreen:
         basis = statistics.median(others_norm) if in_round else self._norm_level
         levels: list[float] = []
         if measured and len(others_t) >= 2:
-            levels = [statistics.median(others_t) / 2, *self._levels]
+            levels = [statistics.median(others_t) / 2, *self._closed_levels()]
         if measured:
             history.append(measure.agreement)
         problem = self._first_order_problem(measure, basis, history if measured else (), levels)
@@ -1031,6 +1060,7 @@ class WitnessScreen:
                 ts, measured, along_round = self._round_agreements(whole), [True] * len(ts), True
         own = screen.reference
         middle = statistics.median if own is None else statistics.median_low
+        consensus = None if along_round else self._held_consensus(screen, flats, measured)
         with self._lock:
             verdicts: dict[int, Verdict] = {}
             passed: list[_BlindCheck] = []
@@ -1047,12 +1077,14 @@ class WitnessScreen:
                 others_t = [ts[k] for k in others if measured[k]]
                 levels: list[float] = []
                 if measured[i] and len(others_t) >= 2:
-                    closed = [] if along_round else list(self._levels)
+                    closed = [] if along_round else self._closed_levels()
                     share = 0.5 if own is None else self.settings.held_level_share
                     levels = [middle(others_t) * share, *closed]
                 history = check.history if measured[i] and not along_round else ()
                 measure = dataclasses.replace(check.measure, agreement=ts[i])
                 problem = self._first_order_problem(measure, basis, history, levels) or check.copy
+                if problem is None and consensus is not None:
+                    problem = self._consensus_problem(ts, consensus, i)
                 index = order[i]
                 verdicts[index] = Verdict(
                     measure, problem, measured[i], blind=own is None, index=index
@@ -1068,6 +1100,64 @@ class WitnessScreen:
                 screen.judged = True
         return [verdicts[i] for i in range(len(checks))]
 
+    def _held_consensus(
+        self, screen: RoundScreen, flats: Sequence[Flat | None], measured: Sequence[bool]
+    ) -> list[float] | None:
+        """Each held check's `t` along the round's consensus (`_round_agreements` with the
+        witness's own sent result), for `_consensus_problem`: with `held_consensus`, an update
+        of the witness's own, two checks or more, each measured along that update."""
+        own_flat = screen.own_flat
+        whole = [f for f in flats if f is not None]
+        if (
+            not self.settings.held_consensus
+            or screen.reference is None
+            or own_flat is None
+            or len(whole) < 2
+            or len(whole) != len(flats)
+            or not all(measured)
+        ):
+            return None
+        return self._round_agreements(whole, also=[own_flat])
+
+    def _consensus_problem(
+        self, ts: Sequence[float], consensus: Sequence[float], i: int
+    ) -> str | None:
+        """A held check of a witness's first round (an update of its own, no level yet), as a
+        second test beside its own update's: the result's `t` along the witness's update plus
+        its `t` along the round's consensus (every other result of the round and the witness's
+        own sent one, `_round_agreements`), against `held_level_share` of the lower median of
+        the other results' sums, times `a`, less `b x sqrt(2)` (`relative_agreement`: two
+        statistics each about N(0, 1.4^2) on results with no common signal, their sum's spread
+        sqrt(2) times one's; the own sent result is in both, so they are not quite independent
+        there: a first round with no common signal at all is a late joiner's, whose levels are
+        low).
+
+        The witness's own update is one small batch's: in a four-member DisTrO run (1-bit, c16
+        k4; `scripts/bench/honest_checks.py`) honest results scored `t` 3.1 to 14.5 along it and
+        a sign flip -4.2 to -7.2, above the own update's threshold at two witnesses of three
+        (-4.3 and -4.2 against 0.7 x 0.5 x 4.8 - 6 = -4.3), and with the hostile member's own
+        vote that was a quorum. The round's consensus holds the other members' updates, which
+        agree with each other more than with the witness's (honest 1.5 to 6.1 along it, the
+        flip -3.0; the consensus is the same for every witness), so the two together refuse it
+        at every witness (sums -7.2 to -10.2 under -6.3 to -6.0; the lowest honest one 6.4).
+        Only where the first test passed: the two together only add refusals.
+        Called under the lock."""
+        relative = self.settings.relative_agreement
+        if relative is None:
+            return None
+        scores = [t + c for t, c in zip(ts, consensus)]
+        others = [score for k, score in enumerate(scores) if k != i]
+        a, b = relative
+        level = statistics.median_low(others) * self.settings.held_level_share
+        threshold = a * level - b * math.sqrt(2.0)
+        if scores[i] >= threshold:
+            return None
+        return (
+            f"agreement with this witness's update and the round's other results together, "
+            f"t = {ts[i]:.2f} + {consensus[i]:.2f}, is below {a:g} x {level:.2f} (the others') "
+            f"- {b:g} x sqrt(2)"
+        )
+
     @staticmethod
     def _unaccept(screen: RoundScreen, check: _BlindCheck) -> None:
         """A result that passed its check (with an own update) and not the round's judgement:
@@ -1079,12 +1169,13 @@ class WitnessScreen:
         screen.agreements.remove(check.measure.agreement)
         screen.refused_agreements.append(check.measure.agreement)
 
-    def _round_agreements(self, flats: Sequence[Flat]) -> list[float]:
-        """Each result's `t` along the sum of the round's other results (one model-sized sum,
-        each result's own values taken out again at its positions): a direction with no
-        history, for a witness that has neither an update of its own nor an aggregate."""
+    def _round_agreements(self, flats: Sequence[Flat], also: Sequence[Flat] = ()) -> list[float]:
+        """Each result's `t` along the sum of the round's other results and `also` (one
+        model-sized sum, each result's own values taken out again at its positions): a
+        direction with no history, for a witness that has neither an update of its own nor an
+        aggregate, and the consensus of a witness's first round (`_consensus_problem`)."""
         total = torch.zeros(self.reader.size)
-        for flat in flats:
+        for flat in [*also, *flats]:
             self.reader.add_into(total, flat)
         out = []
         for flat in flats:
@@ -1116,18 +1207,17 @@ class WitnessScreen:
             self._last_round_checks = screen.checks
             if screen.checks < self.settings.precombine_from:
                 self._direction = self._direction_key = None  # the next round gathers
-            level = _round_level(screen)
-            if level is not None:
-                self._levels.append(level)
+            if screen.agreements or screen.refused_agreements:
+                self._levels.append(_round_level(screen, self.settings.level_min_results))
             self._fingerprints.append(list(screen.seen))
             screen.folded = True
 
 
-def _round_level(screen: RoundScreen) -> float | None:
+def _round_level(screen: RoundScreen, minimum: int) -> float | None:
     """A round's level: the median `t` of its results that passed (of all of them if none
-    did); None before any was checked against a reference."""
+    did); None before `minimum` of them were checked against a reference."""
     level = screen.agreements or screen.refused_agreements
-    return statistics.median(level) if level else None
+    return statistics.median(level) if level and len(level) >= minimum else None
 
 
 class RoundScreen:
@@ -1148,6 +1238,8 @@ class RoundScreen:
         """Without a reference, or with one but no level yet: every result checked, in the
         order they came (`judge`)."""
         self.judged = False
+        self.own_flat: Flat | None = None
+        """This witness's own sent result of the round (the first `set_reference`'s)."""
         """`judge` ran: what the round folds is what passed there."""
         self.blind_agreements: list[float] = []
         self.blind_norms: list[float] = []
@@ -1177,6 +1269,7 @@ class RoundScreen:
         with w._lock:
             if self.reference is None:
                 self.reference = mine
+                self.own_flat = flat
                 w._last_own = mine
             self.seen.insert(0, fingerprint)
             self.accepted.append(flat)
