@@ -60,11 +60,14 @@ A witness with an update of its own but no level yet (its first round: no closed
 open before it) holds its votes the same way: `min_agreement` alone passed a sign-flipped DiLoCo
 result weakly opposed to its update (`t` -3.9 where honest ones had 15 to 30), a four-member
 run's quorum with the hostile member's own vote. Its round is judged as a whole, each result
-against `held_level_share` of the lower median of the others' `t`s (leave-one-out), and for
-DisTrO (`held_consensus`) also by its `t` along the witness's update plus its `t` along the
-sum of the round's other results and the witness's own sent one (one model-sized sum a round):
-one small batch's update alone let a 1-bit sign flip pass at `t` -4.2, the round's consensus
-holds every other member's update (`WitnessScreen._consensus_problem`).
+against `held_level_share` of the lower median of the others' `t`s (leave-one-out), beside
+each result's `t` along the round's consensus (the sum of the round's other results and the
+witness's own sent one: one model-sized sum a round; `held_consensus`). One member's update is
+one small batch's: for DisTrO a second test on the two `t`s together refuses what the own
+update alone let pass (a 1-bit sign flip at `t` -4.2: `WitnessScreen._consensus_problem`); for
+DiLoCo the own update's agreement tests refuse only where the consensus agrees (an honest
+pseudo-gradient at `t` -2.39 and -6.36 along one witness's, 35 and more along the consensus:
+`WitnessScreen._consensus_confirms`).
 
 Every sum is taken in slices below torch's threading grain and added in order
 (`_serial_sums`), so two witnesses with the same inputs get the same bits of every statistic
@@ -1155,8 +1158,10 @@ class WitnessScreen:
         """A held check of a witness's first round (an update of its own, no level yet), as a
         second test beside its own update's: the sum of the result's `t` along the witness's
         update and its `t` along the round's consensus (every other result of the round and
-        the witness's own sent one, `_round_agreements`) against `a x held_level_share x` the
-        lower median of the other results' sums `- b` (`relative_agreement`), and only where
+        the witness's own sent one, `_round_agreements`) against `a x held_level_share / 2 x`
+        the lower median of the other results' sums `- b` (`relative_agreement`; half, as a
+        sum of two: with the whole share an honest result at 5.1 + 5.7 was refused under
+        0.7 x 26.5 - 6 where two copiers raised the others' sums), and only where
         their median is at least `b`: the round's results clearly agree (the median, not the
         lower one: in a four-member round an honest result's consensus holds the flip, which
         cancels an honest one, and its sum fell to 3.6). With no common signal each statistic
@@ -1174,7 +1179,7 @@ class WitnessScreen:
         member's own vote that was a quorum. The round's consensus holds the other members'
         updates, which agree with each other more than with the witness's own (the flip -3.0
         and -4.7 along it, the same at every witness), so the two together refuse it at every
-        witness (sums -5.9 to -15.5 under -3.7 to -4.7; the lowest honest sum 3.6).
+        witness (sums -5.9 to -23.2 under -3.7 to -5.4; the lowest honest sum 3.1).
         Only where the first test passed: the two together only add refusals.
         Called under the lock."""
         relative = self.settings.relative_agreement
@@ -1187,7 +1192,8 @@ class WitnessScreen:
         a, b = relative
         if statistics.median(others) < b:
             return None
-        level = statistics.median_low(others) * self.settings.held_level_share
+        # a sum of two `t`s: half the share, the own update's test's bar on each of them
+        level = statistics.median_low(others) * self.settings.held_level_share / 2
         if scores[i] >= a * level - b:
             return None
         return (
