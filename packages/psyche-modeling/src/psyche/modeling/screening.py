@@ -1119,8 +1119,9 @@ class WitnessScreen:
         self, screen: RoundScreen, flats: Sequence[Flat | None], measured: Sequence[bool]
     ) -> list[float] | None:
         """Each held check's `t` along the round's consensus (`_round_agreements` with the
-        witness's own sent result), for `_consensus_problem`: with `held_consensus`, an update
-        of the witness's own, two checks or more, each measured along that update."""
+        witness's own sent result), for `_consensus_problem` or `_consensus_confirms`: with
+        `held_consensus`, an update of the witness's own, two checks or more, each measured
+        along that update. One model-sized sum a first round (not timed at 1B)."""
         own_flat = screen.own_flat
         whole = [f for f in flats if f is not None]
         if (
