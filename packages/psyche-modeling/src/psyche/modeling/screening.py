@@ -60,7 +60,14 @@ A witness with an update of its own but no level yet (its first round: no closed
 open before it) holds its votes the same way: `min_agreement` alone passed a sign-flipped DiLoCo
 result weakly opposed to its update (`t` -3.9 where honest ones had 15 to 30), a four-member
 run's quorum with the hostile member's own vote. Its round is judged as a whole, each result
-against `held_level_share` of the lower median of the others' `t`s (leave-one-out).
+against `held_level_share` of the lower median of the others' `t`s (leave-one-out), beside
+each result's `t` along the round's consensus (the sum of the round's other results and the
+witness's own sent one: one model-sized sum a round; `held_consensus`). One member's update is
+one small batch's: for DisTrO a second test on the two `t`s together refuses what the own
+update alone let pass (a 1-bit sign flip at `t` -4.2: `WitnessScreen._consensus_problem`); for
+DiLoCo the own update's agreement tests refuse only where the consensus agrees (an honest
+pseudo-gradient at `t` -2.39 and -6.36 along one witness's, 35 and more along the consensus:
+`WitnessScreen._consensus_confirms`).
 
 Every sum is taken in slices below torch's threading grain and added in order
 (`_serial_sums`), so two witnesses with the same inputs get the same bits of every statistic
@@ -88,7 +95,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import Literal, Protocol, TypeVar
 
 import torch
 
@@ -136,12 +143,31 @@ class ScreeningSettings:
     level_rounds: int = 1
     """The relative test's level: the lowest median of this many last rounds (more than one
     lags behind a run whose agreement grows, as a DiLoCo run's does over its first rounds)."""
+    level_min_results: int = 2
+    """A round's level counts only when it is the median of at least this many results'
+    `t`s; a round of fewer sets none (its place among the last `level_rounds` stays taken, so
+    an older level does not stand in for it). In a two-member run a witness's level was the
+    other member's `t` of the round before, no median at all: an honest DisTrO result at
+    `t` 9.39 was refused under 0.7 x 24.13 - 6 = 10.89 (one run in four of
+    `tests/client/test_hostile_strangers.py`). Without a level only the floor and the window
+    judge, as in a witness's first round."""
     held_level_share: float = 0.5
     """A witness with an update of its own but no level yet (its first round) judges the
     round's results as a whole (`RoundScreen.judge`): its level for each is this share of the
     lower median of the other results' `t`s. Half by default, as a witness without an update
     of its own halves its median: a member back with a fresh momentum agrees about half as
     strongly as the others."""
+    held_consensus: Literal["refuses", "confirms"] | None = None
+    """How a witness's first round (`RoundScreen.judge` with an update of its own) uses the
+    round's consensus, each result's `t` along the sum of the round's other results and the
+    witness's own sent one: "refuses" (DisTrO), a second test beside the own update's level,
+    on the sum of the two `t`s (`WitnessScreen._consensus_problem`: its 1-bit sign flip passed
+    the own update's test alone); "confirms" (DiLoCo), the own update's level refuses a result
+    only where its consensus `t` is below the others' level too (`_consensus_confirms`: one
+    member's pseudo-gradient of four inner steps on two rows agreed with an honest one at `t`
+    -2.39 where the round's median was 23.3, refused in an eight-member run). A sparse DiLoCo
+    flip is not separable by either: an honest member's sparse result scored -0.8 to -1.9
+    along every witness's update and -2.3 along the consensus, its flip the mirror of that."""
     window_rounds: int = 16
     min_window_z: float = -6.0
     """The window test: `sum(t) / sqrt(n)` over the sender's last `n` results here."""
@@ -162,14 +188,18 @@ class ScreeningSettings:
     0 always, a large number never."""
 
 
-DISTRO_SCREENING = ScreeningSettings(relative_agreement=(0.7, 6.0), level_rounds=2)
+DISTRO_SCREENING = ScreeningSettings(
+    relative_agreement=(0.7, 6.0), level_rounds=2, held_consensus="refuses"
+)
 """DisTrO: an honest 1-bit result's `t` is 5 to 15 early in a run and about N(2, 1.3^2) late
 (tiny run, c16 k4; docs/reliability.md): one round alone refuses only a clearly opposed result,
 the sender's window a consistently opposed one. The level is the lower median of the last two
 rounds: an epoch's first round agrees about twice as strongly as the next (tiny run, c16 k8:
 t 35 against 18), and a member back with a fresh momentum agrees about half as strongly as
 the others for its first rounds."""
-DILOCO_SCREENING = ScreeningSettings(relative_agreement=(0.4, 6.0), held_level_share=1.0)
+DILOCO_SCREENING = ScreeningSettings(
+    relative_agreement=(0.4, 6.0), held_level_share=1.0, held_consensus="confirms"
+)
 """DiLoCo: honest pseudo-gradients agree with `t` of 10 to 130 on the tiny run, the lowest of a
 round at least 0.43 of its median. A first round's level is all of the lower median of the
 others (a random-sign result's `t`, about N(0, 1), lies below 0.4 x 21.7 - 6 = 2.7 where
@@ -711,8 +741,9 @@ class WitnessScreen:
         self._blind_agreements: dict[Hashable, deque[float]] = {}
         """Each sender's recent `t`s along the aggregate alone (rounds without an own update):
         another scale than `_agreements`', so kept apart from the window test of those."""
-        self._levels: deque[float] = deque(maxlen=settings.level_rounds)
-        """The median `t` of each of the last rounds (`level_rounds`)."""
+        self._levels: deque[float | None] = deque(maxlen=settings.level_rounds)
+        """The median `t` of each of the last rounds (`level_rounds`) that had any; None for
+        a round of fewer than `level_min_results` (`_closed_levels`)."""
         self._fingerprints: deque[list[Fingerprint]] = deque(maxlen=settings.history_rounds)
         self._aggregate_version = 0
         """Counts the aggregate's changes (a combined direction is of one version)."""
@@ -743,14 +774,20 @@ class WitnessScreen:
         a witness with no closed level takes the open round's (later rounds are judged as
         before: an open round's level may be of part of its results). Called under the lock."""
         if self._levels:
-            return list(self._levels)
+            return self._closed_levels()
+        minimum = self.settings.level_min_results
         return [
             level
             for earlier in self._recent
             if earlier.serial < screen.serial and not earlier.folded
-            for level in [_round_level(earlier)]
+            for level in [_round_level(earlier, minimum)]
             if level is not None
         ][-self.settings.level_rounds :]
+
+    def _closed_levels(self) -> list[float]:
+        """The levels of the last closed rounds that set one (`level_min_results`). Called
+        under the lock."""
+        return [level for level in self._levels if level is not None]
 
     def _agreement(self, flat: Flat, own: _Own) -> float:
         """`t` of a result along the direction: the own update over its norm, plus the recent
@@ -952,7 +989,7 @@ class WitnessScreen:
         basis = statistics.median(others_norm) if in_round else self._norm_level
         levels: list[float] = []
         if measured and len(others_t) >= 2:
-            levels = [statistics.median(others_t) / 2, *self._levels]
+            levels = [statistics.median(others_t) / 2, *self._closed_levels()]
         if measured:
             history.append(measure.agreement)
         problem = self._first_order_problem(measure, basis, history if measured else (), levels)
@@ -967,9 +1004,10 @@ class WitnessScreen:
         basis_norm: float,
         history: Sequence[float],
         levels: Sequence[float],
+        floor: bool = True,
     ) -> str | None:
         """`basis_norm`: the norm a result's is compared with (the witness's own sent result's;
-        without one, the round's other results'); 0: none."""
+        without one, the round's other results'); 0: none. `floor`: `min_agreement` judges."""
         settings = self.settings
         if measure.norm == 0.0:
             return "the update is zero"
@@ -982,7 +1020,7 @@ class WitnessScreen:
                     f"others'); at most {settings.max_norm_ratio:g}x either way"
                 )
         t = measure.agreement
-        if t < settings.min_agreement:
+        if floor and t < settings.min_agreement:
             return f"agreement t = {t:.2f} is below {settings.min_agreement:g}"
         if settings.relative_agreement is not None and levels:
             a, b = settings.relative_agreement
@@ -1031,6 +1069,7 @@ class WitnessScreen:
                 ts, measured, along_round = self._round_agreements(whole), [True] * len(ts), True
         own = screen.reference
         middle = statistics.median if own is None else statistics.median_low
+        consensus = None if along_round else self._held_consensus(screen, flats, measured)
         with self._lock:
             verdicts: dict[int, Verdict] = {}
             passed: list[_BlindCheck] = []
@@ -1047,12 +1086,20 @@ class WitnessScreen:
                 others_t = [ts[k] for k in others if measured[k]]
                 levels: list[float] = []
                 if measured[i] and len(others_t) >= 2:
-                    closed = [] if along_round else list(self._levels)
+                    closed = [] if along_round else self._closed_levels()
                     share = 0.5 if own is None else self.settings.held_level_share
                     levels = [middle(others_t) * share, *closed]
                 history = check.history if measured[i] and not along_round else ()
                 measure = dataclasses.replace(check.measure, agreement=ts[i])
                 problem = self._first_order_problem(measure, basis, history, levels) or check.copy
+                if consensus is not None and self.settings.held_consensus == "refuses":
+                    problem = problem or self._consensus_problem(ts, consensus, i)
+                elif consensus is not None and problem is not None:
+                    # the own update's agreement (floor, level) refuses with the consensus;
+                    # the norm, window and copy tests alone
+                    alone = self._first_order_problem(measure, basis, history, [], floor=False)
+                    if (alone or check.copy) is None and not self._consensus_confirms(consensus, i):
+                        problem = None
                 index = order[i]
                 verdicts[index] = Verdict(
                     measure, problem, measured[i], blind=own is None, index=index
@@ -1068,6 +1115,94 @@ class WitnessScreen:
                 screen.judged = True
         return [verdicts[i] for i in range(len(checks))]
 
+    def _held_consensus(
+        self, screen: RoundScreen, flats: Sequence[Flat | None], measured: Sequence[bool]
+    ) -> list[float] | None:
+        """Each held check's `t` along the round's consensus (`_round_agreements` with the
+        witness's own sent result), for `_consensus_problem` or `_consensus_confirms`: with
+        `held_consensus`, an update of the witness's own, two checks or more, each measured
+        along that update. One model-sized sum a first round (not timed at 1B)."""
+        own_flat = screen.own_flat
+        whole = [f for f in flats if f is not None]
+        if (
+            not self.settings.held_consensus
+            or screen.reference is None
+            or own_flat is None
+            or len(whole) < 2
+            or len(whole) != len(flats)
+            or not all(measured)
+        ):
+            return None
+        return self._round_agreements(whole, also=[own_flat])
+
+    def _consensus_confirms(self, consensus: Sequence[float], i: int) -> bool:
+        """Whether a result's `t` along the round's consensus is below `a x held_level_share x`
+        the lower median of the others' `- b` too (`held_consensus` "confirms"): the witness's
+        own update is one member's, and in DiLoCo's first round one member's pseudo-gradient
+        (four inner steps on two rows) can agree with an honest other's at `t` -2.39 where the
+        round's median was 23.3 (`scripts/bench/honest_checks.py`, eight members: bf16 and
+        int8 refused 3 honest checks of 504, sparse 2, one of them at `t` -6.36, below the
+        floor); their consensus `t`s were 35 and more, the others' 40 to 61. The consensus
+        holds every other member's update; a sign flip lies below both. Called under the
+        lock."""
+        relative = self.settings.relative_agreement
+        others = [c for k, c in enumerate(consensus) if k != i]
+        if relative is None or len(others) < self.settings.level_min_results:
+            return True
+        a, b = relative
+        level = statistics.median_low(others) * self.settings.held_level_share
+        return consensus[i] < a * level - b
+
+    def _consensus_problem(
+        self, ts: Sequence[float], consensus: Sequence[float], i: int
+    ) -> str | None:
+        """A held check of a witness's first round (an update of its own, no level yet), as a
+        second test beside its own update's: the sum of the result's `t` along the witness's
+        update and its `t` along the round's consensus (every other result of the round and
+        the witness's own sent one, `_round_agreements`) against `a x held_level_share / 2 x`
+        the lower median of the other results' sums `- b` (`relative_agreement`; half, as a
+        sum of two: with the whole share an honest result at 5.1 + 5.7 was refused under
+        0.7 x 26.5 - 6 where two copiers raised the others' sums), and only where
+        their median is at least `b`: the round's results clearly agree (the median, not the
+        lower one: in a four-member round an honest result's consensus holds the flip, which
+        cancels an honest one, and its sum fell to 3.6). With no common signal each statistic
+        is about N(0, 1.4^2) and their sum spreads up to sqrt(3) times one's (the own sent
+        result is in both), so the margin `b` alone would not hold there; for an honest result
+        to be refused at one witness so, the others' median must reach `b` by chance as well
+        (about 2e-4 of rounds of four members, the honest one then below the threshold in
+        under 1 %). A hostile result's high sum can open the test for the others in such a
+        round (one honest check in about 150 refused there, at one witness: not its quorum).
+
+        The witness's own update is one small batch's: in a four-member DisTrO run (1-bit, c16
+        k4; `scripts/bench/honest_checks.py`) honest results scored `t` 3.1 to 14.5 along it
+        and a sign flip -1.3 to -10.8, above the own update's threshold (0.7 x 0.5 x the lower
+        median of the others - 6) at one or two witnesses of three, and with the hostile
+        member's own vote that was a quorum. The round's consensus holds the other members'
+        updates, which agree with each other more than with the witness's own (the flip -3.0
+        and -4.7 along it, the same at every witness), so the two together refuse it at every
+        witness (sums -5.9 to -23.2 under -3.7 to -5.4; the lowest honest sum 3.1).
+        Only where the first test passed: the two together only add refusals.
+        Called under the lock."""
+        relative = self.settings.relative_agreement
+        if relative is None:
+            return None
+        scores = [t + c for t, c in zip(ts, consensus)]
+        others = [score for k, score in enumerate(scores) if k != i]
+        if len(others) < self.settings.level_min_results:
+            return None
+        a, b = relative
+        if statistics.median(others) < b:
+            return None
+        # a sum of two `t`s: half the share, the own update's test's bar on each of them
+        level = statistics.median_low(others) * self.settings.held_level_share / 2
+        if scores[i] >= a * level - b:
+            return None
+        return (
+            f"agreement with this witness's update and the round's other results together, "
+            f"t = {ts[i]:.2f} + {consensus[i]:.2f}, is below {a:g} x {level:.2f} (the others' "
+            f"sums) - {b:g}"
+        )
+
     @staticmethod
     def _unaccept(screen: RoundScreen, check: _BlindCheck) -> None:
         """A result that passed its check (with an own update) and not the round's judgement:
@@ -1079,12 +1214,13 @@ class WitnessScreen:
         screen.agreements.remove(check.measure.agreement)
         screen.refused_agreements.append(check.measure.agreement)
 
-    def _round_agreements(self, flats: Sequence[Flat]) -> list[float]:
-        """Each result's `t` along the sum of the round's other results (one model-sized sum,
-        each result's own values taken out again at its positions): a direction with no
-        history, for a witness that has neither an update of its own nor an aggregate."""
+    def _round_agreements(self, flats: Sequence[Flat], also: Sequence[Flat] = ()) -> list[float]:
+        """Each result's `t` along the sum of the round's other results and `also` (one
+        model-sized sum, each result's own values taken out again at its positions): a
+        direction with no history, for a witness that has neither an update of its own nor an
+        aggregate, and the consensus of a witness's first round (`_consensus_problem`)."""
         total = torch.zeros(self.reader.size)
-        for flat in flats:
+        for flat in [*also, *flats]:
             self.reader.add_into(total, flat)
         out = []
         for flat in flats:
@@ -1116,18 +1252,17 @@ class WitnessScreen:
             self._last_round_checks = screen.checks
             if screen.checks < self.settings.precombine_from:
                 self._direction = self._direction_key = None  # the next round gathers
-            level = _round_level(screen)
-            if level is not None:
-                self._levels.append(level)
+            if screen.agreements or screen.refused_agreements:
+                self._levels.append(_round_level(screen, self.settings.level_min_results))
             self._fingerprints.append(list(screen.seen))
             screen.folded = True
 
 
-def _round_level(screen: RoundScreen) -> float | None:
+def _round_level(screen: RoundScreen, minimum: int) -> float | None:
     """A round's level: the median `t` of its results that passed (of all of them if none
-    did); None before any was checked against a reference."""
+    did); None before `minimum` of them were checked against a reference."""
     level = screen.agreements or screen.refused_agreements
-    return statistics.median(level) if level else None
+    return statistics.median(level) if level and len(level) >= minimum else None
 
 
 class RoundScreen:
@@ -1148,6 +1283,8 @@ class RoundScreen:
         """Without a reference, or with one but no level yet: every result checked, in the
         order they came (`judge`)."""
         self.judged = False
+        self.own_flat: Flat | None = None
+        """This witness's own sent result of the round (the first `set_reference`'s)."""
         """`judge` ran: what the round folds is what passed there."""
         self.blind_agreements: list[float] = []
         self.blind_norms: list[float] = []
@@ -1177,6 +1314,7 @@ class RoundScreen:
         with w._lock:
             if self.reference is None:
                 self.reference = mine
+                self.own_flat = flat
                 w._last_own = mine
             self.seen.insert(0, fingerprint)
             self.accepted.append(flat)
