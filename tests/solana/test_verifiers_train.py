@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
 from solders.instruction import AccountMeta, Instruction
 from solders.keypair import Keypair
 from solders.pubkey import Pubkey
+from solders.signature import Signature
 
 from psyche.cli.solana_client.main import main as solana_client
 from psyche.coordinator import RunState
@@ -28,6 +31,7 @@ from psyche.solana import admin, pda
 from psyche.solana.backend import SolanaBackendError
 from psyche.solana.follower import follow_run
 from psyche.solana.instructions import coordinator as coordinator_ix
+from psyche.solana.instructions import spec_for_data
 from psyche.solana.instructions import treasurer as treasurer_ix
 from psyche.solana.localnet.ledger import ManualClock
 from psyche.solana.localnet.server import LocalnetThread
@@ -188,6 +192,67 @@ def test_a_treasurer_run_sets_it_through_its_treasurer(
     assert code == 1, err
     dump = json.loads(ok(capsys, net, "json-dump-run", "-r", "paid"))
     assert dump["verification"]["verifiers_train"] is True
+
+
+def _instruction_names(net: LocalnetThread, signature: str) -> list[str]:
+    """The coordinator and treasurer instructions of a landed transaction, by name."""
+    record = net.ledger.get_transaction(Signature.from_string(signature))
+    assert record is not None
+    assert record.err is None
+    message = record.transaction.message
+    ids = net.ledger.program_ids
+    programs = {ids.coordinator_key: "coordinator", ids.treasurer_key: "treasurer"}
+    names = []
+    for ix in message.instructions:
+        program = programs.get(message.account_keys[ix.program_id_index])
+        spec = None if program is None else spec_for_data(program, bytes(ix.data))
+        if spec is not None:
+            names.append(spec.name)
+    return names
+
+
+@pytest.mark.parametrize("treasurer", [False, True], ids=["own", "treasurer"])
+@pytest.mark.usefixtures("clean_env")
+def test_turning_verification_off_with_verifiers_train_on_changes_the_config_in_one_transaction(
+    net: LocalnetThread, tmp_path: Path, capsys: pytest.CaptureFixture[str], treasurer: bool
+) -> None:
+    """A run whose verifiers train, given a config with `verification_percent = 0`: the option
+    has no effect there, so nothing is sent for it (before, `set_verifiers_train(false)` went
+    after the `update` that had set the percent to 0, the program refused it (`VerificationOff`),
+    the command failed with the config half-changed, and every later `update-config` failed the
+    same way). When the option does change, the verification account's creation and
+    `set_verifiers_train` ride in the `update`'s own transaction, after it."""
+    wallet = tmp_path / "owner.json"
+    owner = funded_wallet(net, wallet)
+    verifying = RUN_CONFIG.replace("verification_percent = 0", "verification_percent = 25")
+    verifying = verifying.replace("min_clients = 1", "min_clients = 4")
+    on, plain = tmp_path / "on.toml", tmp_path / "plain.toml"
+    on.write_text(verifying.replace("[config]\n", "[config]\nverifiers_train = true\n", 1))
+    plain.write_text(RUN_CONFIG)
+    extra = []
+    if treasurer:
+        mint = Endpoint(net, ManualClock()).new_mint(owner, owner.pubkey(), 6)
+        extra = ["--treasurer-collateral-mint", str(mint)]
+    ok(capsys, net, "create-run", "-r", "own", "-c", "test", *extra, wallet=wallet)
+    out = ok(capsys, net, "update-config", "-r", "own", "--config-path", str(on), wallet=wallet)
+    signature = re.search(r"with transaction (\w+)", out)
+    assert signature is not None, out
+    update, init, set_on = (
+        ("run_update", "init_verification", "run_set_verifiers_train")
+        if treasurer
+        else ("update", "init_verification", "set_verifiers_train")
+    )
+    names = _instruction_names(net, signature[1])
+    assert names[-2:] == [init, set_on], names
+    assert update in names[:-2], names
+
+    def dump() -> dict[str, Any]:
+        return json.loads(ok(capsys, net, "json-dump-run", "-r", "own"))
+
+    assert dump()["verification"]["verifiers_train"] is True
+    for _ in range(2):  # and again: nothing left half-changed
+        ok(capsys, net, "update-config", "-r", "own", "--config-path", str(plain), wallet=wallet)
+        assert dump()["coordinator_account"]["setup"]["config"]["verification_percent"] == 0
 
 
 def unsigned(instruction: Instruction, key: Pubkey) -> Instruction:
