@@ -390,7 +390,9 @@ def test_a_verifier_that_accuses_an_honest_result_is_punished_instead() -> None:
     trio.run(main)
 
 
-async def replayed_and_kept_draws(run: VerifiedRun, d: Driver) -> int:
+async def replayed_and_kept_draws(
+    run: VerifiedRun, d: Driver, monkeypatch: pytest.MonkeyPatch
+) -> int:
     """The checks of `test_a_drawn_report_is_kept_with_its_draw_and_a_replayed_draw_is_refused`
     in the round `d` is at (its step)."""
     owner, account, by_signer = run.owner, run.account, run.by_signer
@@ -447,12 +449,27 @@ async def replayed_and_kept_draws(run: VerifiedRun, d: Driver) -> int:
     after = await owner.get_data(pda.find_run_verification(account, owner.ids))
     assert after == before
 
-    # Its own draw, with the precompile the client sends (key and message from the round the
-    # program recorded), is heard, and kept with the report.
+    # Its own draw, with the precompile the client sends (key and message from the round as it
+    # followed it: what it signed), is heard, and kept with the report. The client reads no
+    # account for it: here every read of the verification account fails (before, the report
+    # then went without its precompile and was refused).
     report = own_draw
     signer = (await verification_state(owner, account)).draw_signer(step, v.signer)
     assert signer == (key.public_key, message)
-    await send_report(verifier.backend, account, report, signer)
+    runner = verifier.runner
+    assert runner is not None
+
+    async def unreadable() -> None:
+        return None  # what `read_verification` gives when its read fails
+
+    monkeypatch.setattr(runner, "read_verification", unreadable)
+    await runner.send_verification(report)
+    with trio.fail_after(10):
+        while True:
+            kept = (await verification_state(owner, account)).round(step)
+            if kept is not None and any(r.sender == v for r in kept.reports):
+                break
+            await trio.sleep(0.05)
     tie_breaker = duties.tie_breakers[0].verifier
     tie_runner = by_signer[tie_breaker.signer].runner
     assert tie_runner is not None
@@ -471,7 +488,9 @@ async def replayed_and_kept_draws(run: VerifiedRun, d: Driver) -> int:
     return step
 
 
-def test_a_drawn_report_is_kept_with_its_draw_and_a_replayed_draw_is_refused() -> None:
+def test_a_drawn_report_is_kept_with_its_draw_and_a_replayed_draw_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Five members at 25 %: the verifier's pool holds the three trainers' batches, so which two
     it checks is its draw (its p2p key's signature). The program checks the draw through the
     transaction's `Ed25519SigVerify` instruction, read back from the instructions sysvar, as a
@@ -490,7 +509,7 @@ def test_a_drawn_report_is_kept_with_its_draw_and_a_replayed_draw_is_refused() -
 
             async def once(d: Driver) -> None:
                 if not checked:
-                    checked.append(await replayed_and_kept_draws(run, d))
+                    checked.append(await replayed_and_kept_draws(run, d, monkeypatch))
 
             async with run.followed(nursery) as driver:
                 await driver.run_epoch(5, between_rounds=once)

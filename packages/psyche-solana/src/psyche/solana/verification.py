@@ -205,11 +205,7 @@ class RunVerification:
         `signer`'s draw as a verifier of round `step`, as the program recorded the round: what
         the report's `Ed25519SigVerify` instruction must name. None: no such round or duty."""
         stored = self.round(step)
-        if stored is None:
-            return None
-        duties = stored.record().duties
-        node = next((d.verifier for d in duties.verifiers if d.verifier.signer == signer), None)
-        return None if node is None else (node.p2p_identity, duties.draw_message(node))
+        return None if stored is None else draw_signer(stored.record().duties, signer)
 
     def keep_round(self, record: RoundVerification) -> None:
         """Store `record` (replacing its step's), keeping the last `VERIFIED_ROUNDS` rounds."""
@@ -238,6 +234,14 @@ class RunVerification:
         self.bans = [b for b in self.bans if b.signer != signer]
         self.bans.append(BanRecord(signer, epoch, epochs))
         return Ban(epoch, epochs, "verification")
+
+
+def draw_signer(duties: RoundDuties, signer: bytes) -> tuple[bytes, bytes] | None:
+    """The p2p public key and the draw message (`RoundDuties.draw_message`) of wallet `signer`'s
+    draw as a verifier of the round of `duties`: what its report's `Ed25519SigVerify`
+    instruction names. None: `signer` is no verifier of the round."""
+    node = next((d.verifier for d in duties.verifiers if d.verifier.signer == signer), None)
+    return None if node is None else (node.p2p_identity, duties.draw_message(node))
 
 
 def _space() -> int:
@@ -441,6 +445,7 @@ __all__ = [
     "VerificationEntry",
     "VerifiedRound",
     "deciders",
+    "draw_signer",
     "entry_line",
     "entry_to_json",
     "finding_limit",
