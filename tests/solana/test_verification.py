@@ -15,6 +15,7 @@ from functools import partial
 
 import pytest
 import trio
+from solders.instruction import Instruction
 from solders.pubkey import Pubkey
 
 from psyche.cli.solana_client.main import main as solana_client
@@ -40,7 +41,11 @@ from psyche.solana.app import watch_verification
 from psyche.solana.backend import Cluster, SolanaBackend, SolanaBackendError
 from psyche.solana.follower import follow_run
 from psyche.solana.instructions import coordinator as coordinator_ix
-from psyche.solana.instructions.ed25519 import new_ed25519_instruction
+from psyche.solana.instructions.ed25519 import (
+    ED25519_PROGRAM,
+    Ed25519SignatureOffsets,
+    new_ed25519_instruction,
+)
 from psyche.solana.keypair import derive_p2p_secret_key
 from psyche.solana.localnet.ledger import Ledger
 from psyche.solana.state import decode_anchor_account
@@ -446,6 +451,21 @@ async def replayed_and_kept_draws(
     with pytest.raises(SolanaBackendError) as info:
         await verifier.backend.send_and_retry("Verification report", mismatched)
     assert error_text("VerificationReportRefused") in str(info.value)
+    # Its own draw named by a precompile whose offsets point into another instruction (a
+    # precompile of another key's signature that carries the key, draw and message after its
+    # own entry): the runtime verifies both, the program reads only what a precompile holds in
+    # its own data, and refuses the report.
+    carrier = new_ed25519_instruction(other_key.public_key, message, other_key.sign(message))
+    at = len(carrier.data)
+    carried = Instruction(
+        ED25519_PROGRAM, bytes(carrier.data) + key.public_key + own_draw.draw + message, []
+    )
+    offsets = Ed25519SignatureOffsets(at + 32, 0, at, 0, at + 96, len(message), 0)
+    pointing = Instruction(ED25519_PROGRAM, b"\x01\x00" + offsets.to_bytes(), [])
+    report_ix = mismatched[1]
+    with pytest.raises(SolanaBackendError) as info:
+        await verifier.backend.send_and_retry("Verification report", [carried, pointing, report_ix])
+    assert error_text("VerificationReportRefused") in str(info.value)  # not a precompile error
     after = await owner.get_data(pda.find_run_verification(account, owner.ids))
     assert after == before
 
@@ -497,8 +517,10 @@ def test_a_drawn_report_is_kept_with_its_draw_and_a_replayed_draw_is_refused(
     program on a real cluster must: it refuses a draw replayed from another run of the same
     members (same step and pool) or from the round under another seed (with a precompile of
     what it signed, or one claiming this round's message, which the runtime fails), its own
-    draw without a precompile or beside another key's, and keeps an honest report with its
-    draw: a tie-breaker reading it back checks it against
+    draw without a precompile, beside another key's, or named by a precompile whose offsets
+    point into another instruction (which the runtime verifies; the program reads a precompile's
+    own data only), and keeps an honest report with its draw, sent through the client's runner
+    with every read of the verification account failing: a tie-breaker reading it back checks it against
     its own derivation of the round (the centralized path's rule) and hears the dispute; an
     account that dropped the draw would leave the dispute unheard."""
 
