@@ -17,7 +17,9 @@ payer pays its rent), which holds what the centralized server keeps in memory
 * the run's `CoordinatorConfig.verifiers_train` (appended, 2026-11-28): the coordinator account
   is upstream's bytes and has no room for it, so the owner sets it here
   (`set_verifiers_train`) and the program and every client put it on the config they read
-  from the coordinator account (`apply_to`). An account written before it reads `False`.
+  from the coordinator account (`apply_to`). An account written before it reads `False`: the
+  program zeroes the bytes past the account's encoding at every store (a shrunk log leaves no
+  old byte where the flag is read).
 
 Economics (`punishment`): the loser is slashed `slashing_rate_per_client` of the epoch's rates
 (the treasurer's `run_update` sets it, as upstream) at once, and that amount is credited, in
