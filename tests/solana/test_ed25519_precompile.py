@@ -8,6 +8,7 @@ use of it: tests/solana/test_verification.py (a drawn report)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -15,24 +16,28 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from solders.instruction import AccountMeta, Instruction
 from solders.keypair import Keypair
+from solders.message import Message
 from solders.pubkey import Pubkey
 from solders.transaction import Transaction
 
-from psyche.core.identity import SecretKey
+from psyche.core.identity import SecretKey, verify_signature
 from psyche.solana.instructions.ed25519 import (
     DATA_START,
     ED25519_PROGRAM,
+    SIGNATURE_OFFSETS_SERIALIZED_SIZE,
     THIS_INSTRUCTION,
     Ed25519SignatureOffsets,
     PrecompileError,
+    is_ed25519_point,
     load_current_index,
     load_instruction_at,
     load_instruction_count,
     new_ed25519_instruction,
     serialize_instructions,
     signed_messages,
+    verify_ed25519_instruction,
 )
-from psyche.solana.localnet.ledger import LAMPORTS_PER_SIGNATURE, Ledger
+from psyche.solana.localnet.ledger import LAMPORTS_PER_SIGNATURE, Ledger, message_fee
 
 KEY = SecretKey.from_bytes(bytes(range(32)))
 MESSAGE = b"psyche-verification-draw" + bytes(32)
@@ -83,8 +88,11 @@ def test_the_precompile_passes_good_signatures_and_fails_bad_ones_with_the_runti
     for bad, code in cases.items():
         err = run(ledger, payer, [good, with_data(good, bad)])
         assert err == {"InstructionError": [1, {"Custom": int(code)}]}, (bad, code)
-    # a failed transaction lands and pays its fee, as in the SVM
-    assert ledger.get_balance(payer.pubkey()) == before - len(cases) * LAMPORTS_PER_SIGNATURE
+    # a failed transaction lands and pays its fee, as in the SVM: a signature's for the
+    # transaction's and each precompile signature claimed (the first data byte: one for `good`,
+    # one or two for the bad ones)
+    claimed = sum(1 + 1 + bad[0] for bad in cases)
+    assert ledger.get_balance(payer.pubkey()) == before - claimed * LAMPORTS_PER_SIGNATURE
 
     # offsets may point into another instruction of the transaction: its message is read there
     memo = Instruction(Pubkey.new_unique(), MESSAGE, [])
@@ -95,6 +103,65 @@ def test_the_precompile_passes_good_signatures_and_fails_bad_ones_with_the_runti
     # the precompile passed; instruction 1 is no program (the runtime's error for it)
     assert err is not None
     assert err["InstructionError"][0] == 1
+
+
+def two_entries(first: bytes, second_offsets: Ed25519SignatureOffsets) -> bytes:
+    """Precompile data of two entries: `first` (a one-entry data's offsets, moved past the second
+    entry's) and `second_offsets`."""
+    shift = SIGNATURE_OFFSETS_SERIALIZED_SIZE
+    (o,) = Ed25519SignatureOffsets.entries(first)
+    moved = dataclasses.replace(
+        o,
+        signature_offset=o.signature_offset + shift,
+        public_key_offset=o.public_key_offset + shift,
+        message_data_offset=o.message_data_offset + shift,
+    )
+    return b"\x02\x00" + moved.to_bytes() + second_offsets.to_bytes() + first[DATA_START:]
+
+
+def test_the_precompile_checks_entry_by_entry_in_agaves_order_and_charges_each_signature() -> None:
+    """agave's `ed25519::verify`: each entry is read, its key decompressed and its signature
+    verified before the next entry is read, so the first failing entry decides the error: an
+    entry badly signed before one whose offsets point nowhere fails `InvalidSignature` (the
+    emulation read every entry first: `InvalidDataOffsets`); a key that is no curve point fails
+    `InvalidPublicKey`, checked before the message is read. The fee counts each signature the
+    precompile claims (its first data byte), as the SVM's."""
+    ledger = Ledger(with_psyche_programs=False)
+    payer = Keypair()
+    ledger.airdrop(payer.pubkey(), 10**9)
+    good = new_ed25519_instruction(KEY.public_key, MESSAGE, KEY.sign(MESSAGE))
+    data = bytes(good.data)
+    forged = bytearray(data)
+    forged[-1] ^= 1
+    nowhere = Ed25519SignatureOffsets(0, 9, 0, 9, 0, 1, 9)  # instruction 9: none
+    not_a_point = (2).to_bytes(32, "little")  # y = 2: (y² - 1) / (d·y² + 1) is not a square
+    assert not is_ed25519_point(not_a_point)
+    assert is_ed25519_point(KEY.public_key)
+    bad_key = bytearray(data)
+    bad_key[DATA_START : DATA_START + 32] = not_a_point
+    bad_key_no_message = bytearray(bad_key)
+    bad_key_no_message[DATA_START - 4 : DATA_START - 2] = (1000).to_bytes(2, "little")
+    cases = {
+        two_entries(bytes(forged), nowhere): PrecompileError.InvalidSignature,
+        two_entries(data, nowhere): PrecompileError.InvalidDataOffsets,  # entry 0 passes
+        bytes(bad_key): PrecompileError.InvalidPublicKey,
+        bytes(bad_key_no_message): PrecompileError.InvalidPublicKey,
+    }
+    for bad, code in cases.items():
+        before = ledger.get_balance(payer.pubkey())
+        err = run(ledger, payer, [with_data(good, bad)])
+        assert err == {"InstructionError": [0, {"Custom": int(code)}]}, (bad.hex(), code)
+        paid = before - ledger.get_balance(payer.pubkey())
+        assert paid == (1 + bad[0]) * LAMPORTS_PER_SIGNATURE
+    # a good one pays the same: two signatures checked, the transaction's and the precompile's
+    before = ledger.get_balance(payer.pubkey())
+    assert run(ledger, payer, [good, good]) is None
+    assert before - ledger.get_balance(payer.pubkey()) == 3 * LAMPORTS_PER_SIGNATURE
+    # what getFeeForMessage answers is the same fee
+    blockhash, _ = ledger.latest_blockhash()
+    message = Message.new_with_blockhash([good, good], payer.pubkey(), blockhash)
+    assert message_fee(message) == 3 * LAMPORTS_PER_SIGNATURE
+    assert verify_ed25519_instruction(data, [], verify_signature) is None
 
 
 @pytest.mark.parametrize("current", [0, 2])
@@ -127,8 +194,11 @@ def test_the_instructions_sysvar_is_solanas_layout_and_reads_back(current: int) 
 def test_any_precompile_data_gives_its_signatures_or_an_error_never_a_crash(
     data: bytes, others: list[bytes]
 ) -> None:
-    """A member writes the precompile's data: whatever it is, the runtime's check and the
-    program's reading give entries or a `PrecompileError`, never an exception."""
+    """A member writes the precompile's data: whatever it is, the runtime's check gives None or a
+    `PrecompileError` and the program's reading entries or a `PrecompileError`, never an
+    exception."""
+    checked = verify_ed25519_instruction(data, others, verify_signature)
+    assert checked is None or isinstance(checked, PrecompileError)
     found = signed_messages(data, others)
     if isinstance(found, PrecompileError):
         return

@@ -15,6 +15,7 @@ from functools import partial
 
 import pytest
 import trio
+from solders.instruction import Instruction
 from solders.pubkey import Pubkey
 
 from psyche.cli.solana_client.main import main as solana_client
@@ -40,7 +41,11 @@ from psyche.solana.app import watch_verification
 from psyche.solana.backend import Cluster, SolanaBackend, SolanaBackendError
 from psyche.solana.follower import follow_run
 from psyche.solana.instructions import coordinator as coordinator_ix
-from psyche.solana.instructions.ed25519 import new_ed25519_instruction
+from psyche.solana.instructions.ed25519 import (
+    ED25519_PROGRAM,
+    Ed25519SignatureOffsets,
+    new_ed25519_instruction,
+)
 from psyche.solana.keypair import derive_p2p_secret_key
 from psyche.solana.localnet.ledger import Ledger
 from psyche.solana.state import decode_anchor_account
@@ -390,7 +395,9 @@ def test_a_verifier_that_accuses_an_honest_result_is_punished_instead() -> None:
     trio.run(main)
 
 
-async def replayed_and_kept_draws(run: VerifiedRun, d: Driver) -> int:
+async def replayed_and_kept_draws(
+    run: VerifiedRun, d: Driver, monkeypatch: pytest.MonkeyPatch
+) -> int:
     """The checks of `test_a_drawn_report_is_kept_with_its_draw_and_a_replayed_draw_is_refused`
     in the round `d` is at (its step)."""
     owner, account, by_signer = run.owner, run.account, run.by_signer
@@ -444,15 +451,45 @@ async def replayed_and_kept_draws(run: VerifiedRun, d: Driver) -> int:
     with pytest.raises(SolanaBackendError) as info:
         await verifier.backend.send_and_retry("Verification report", mismatched)
     assert error_text("VerificationReportRefused") in str(info.value)
+    # Its own draw named by a precompile whose offsets point into another instruction (a
+    # precompile of another key's signature that carries the key, draw and message after its
+    # own entry): the runtime verifies both, the program reads only what a precompile holds in
+    # its own data, and refuses the report.
+    carrier = new_ed25519_instruction(other_key.public_key, message, other_key.sign(message))
+    at = len(carrier.data)
+    carried = Instruction(
+        ED25519_PROGRAM, bytes(carrier.data) + key.public_key + own_draw.draw + message, []
+    )
+    offsets = Ed25519SignatureOffsets(at + 32, 0, at, 0, at + 96, len(message), 0)
+    pointing = Instruction(ED25519_PROGRAM, b"\x01\x00" + offsets.to_bytes(), [])
+    report_ix = mismatched[1]
+    with pytest.raises(SolanaBackendError) as info:
+        await verifier.backend.send_and_retry("Verification report", [carried, pointing, report_ix])
+    assert error_text("VerificationReportRefused") in str(info.value)  # not a precompile error
     after = await owner.get_data(pda.find_run_verification(account, owner.ids))
     assert after == before
 
-    # Its own draw, with the precompile the client sends (key and message from the round the
-    # program recorded), is heard, and kept with the report.
+    # Its own draw, with the precompile the client sends (key and message from the round as it
+    # followed it: what it signed), is heard, and kept with the report. The client reads no
+    # account for it: here every read of the verification account fails (before, the report
+    # then went without its precompile and was refused).
     report = own_draw
     signer = (await verification_state(owner, account)).draw_signer(step, v.signer)
     assert signer == (key.public_key, message)
-    await send_report(verifier.backend, account, report, signer)
+    runner = verifier.runner
+    assert runner is not None
+
+    async def unreadable() -> None:
+        return None  # what `read_verification` gives when its read fails
+
+    monkeypatch.setattr(runner, "read_verification", unreadable)
+    await runner.send_verification(report)
+    with trio.fail_after(10):
+        while True:
+            kept = (await verification_state(owner, account)).round(step)
+            if kept is not None and any(r.sender == v for r in kept.reports):
+                break
+            await trio.sleep(0.05)
     tie_breaker = duties.tie_breakers[0].verifier
     tie_runner = by_signer[tie_breaker.signer].runner
     assert tie_runner is not None
@@ -471,15 +508,19 @@ async def replayed_and_kept_draws(run: VerifiedRun, d: Driver) -> int:
     return step
 
 
-def test_a_drawn_report_is_kept_with_its_draw_and_a_replayed_draw_is_refused() -> None:
+def test_a_drawn_report_is_kept_with_its_draw_and_a_replayed_draw_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Five members at 25 %: the verifier's pool holds the three trainers' batches, so which two
     it checks is its draw (its p2p key's signature). The program checks the draw through the
     transaction's `Ed25519SigVerify` instruction, read back from the instructions sysvar, as a
     program on a real cluster must: it refuses a draw replayed from another run of the same
     members (same step and pool) or from the round under another seed (with a precompile of
     what it signed, or one claiming this round's message, which the runtime fails), its own
-    draw without a precompile or beside another key's, and keeps an honest report with its
-    draw: a tie-breaker reading it back checks it against
+    draw without a precompile, beside another key's, or named by a precompile whose offsets
+    point into another instruction (which the runtime verifies; the program reads a precompile's
+    own data only), and keeps an honest report with its draw, sent through the client's runner
+    with every read of the verification account failing: a tie-breaker reading it back checks it against
     its own derivation of the round (the centralized path's rule) and hears the dispute; an
     account that dropped the draw would leave the dispute unheard."""
 
@@ -490,7 +531,7 @@ def test_a_drawn_report_is_kept_with_its_draw_and_a_replayed_draw_is_refused() -
 
             async def once(d: Driver) -> None:
                 if not checked:
-                    checked.append(await replayed_and_kept_draws(run, d))
+                    checked.append(await replayed_and_kept_draws(run, d, monkeypatch))
 
             async with run.followed(nursery) as driver:
                 await driver.run_epoch(5, between_rounds=once)

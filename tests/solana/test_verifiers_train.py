@@ -12,27 +12,42 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
+from solders.account import Account
 from solders.instruction import AccountMeta, Instruction
 from solders.keypair import Keypair
 from solders.pubkey import Pubkey
+from solders.signature import Signature
 
 from psyche.cli.solana_client.main import main as solana_client
 from psyche.coordinator import RunState
 from psyche.coordinator.data_selection import verification_duties_for_state
 from psyche.coordinator.run_config import dumps_toml, run_config_to_obj
+from psyche.core.batch_id import BatchId
+from psyche.core.node_identity import NodeIdentity
 from psyche.solana import admin, pda
 from psyche.solana.backend import SolanaBackendError
 from psyche.solana.follower import follow_run
 from psyche.solana.instructions import coordinator as coordinator_ix
+from psyche.solana.instructions import spec_for_data
 from psyche.solana.instructions import treasurer as treasurer_ix
 from psyche.solana.localnet.ledger import ManualClock
 from psyche.solana.localnet.server import LocalnetThread
-from psyche.solana.state import COORDINATOR_ACCOUNT_SPACE, decode_anchor_account
-from psyche.solana.verification import RunVerification
+from psyche.solana.state import (
+    COORDINATOR_ACCOUNT_SPACE,
+    decode_anchor_account,
+    encode_anchor_account,
+)
+from psyche.solana.verification import (
+    RUN_VERIFICATION_SPACE,
+    RunVerification,
+    VerificationEntry,
+)
 
 from .cli_helpers import RUN_CONFIG, funded_wallet, ok, run_cli
 from .conftest import Endpoint
@@ -190,6 +205,67 @@ def test_a_treasurer_run_sets_it_through_its_treasurer(
     assert dump["verification"]["verifiers_train"] is True
 
 
+def _instruction_names(net: LocalnetThread, signature: str) -> list[str]:
+    """The coordinator and treasurer instructions of a landed transaction, by name."""
+    record = net.ledger.get_transaction(Signature.from_string(signature))
+    assert record is not None
+    assert record.err is None
+    message = record.transaction.message
+    ids = net.ledger.program_ids
+    programs = {ids.coordinator_key: "coordinator", ids.treasurer_key: "treasurer"}
+    names = []
+    for ix in message.instructions:
+        program = programs.get(message.account_keys[ix.program_id_index])
+        spec = None if program is None else spec_for_data(program, bytes(ix.data))
+        if spec is not None:
+            names.append(spec.name)
+    return names
+
+
+@pytest.mark.parametrize("treasurer", [False, True], ids=["own", "treasurer"])
+@pytest.mark.usefixtures("clean_env")
+def test_turning_verification_off_with_verifiers_train_on_changes_the_config_in_one_transaction(
+    net: LocalnetThread, tmp_path: Path, capsys: pytest.CaptureFixture[str], treasurer: bool
+) -> None:
+    """A run whose verifiers train, given a config with `verification_percent = 0`: the option
+    has no effect there, so nothing is sent for it (before, `set_verifiers_train(false)` went
+    after the `update` that had set the percent to 0, the program refused it (`VerificationOff`),
+    the command failed with the config half-changed, and every later `update-config` failed the
+    same way). When the option does change, the verification account's creation and
+    `set_verifiers_train` ride in the `update`'s own transaction, after it."""
+    wallet = tmp_path / "owner.json"
+    owner = funded_wallet(net, wallet)
+    verifying = RUN_CONFIG.replace("verification_percent = 0", "verification_percent = 25")
+    verifying = verifying.replace("min_clients = 1", "min_clients = 4")
+    on, plain = tmp_path / "on.toml", tmp_path / "plain.toml"
+    on.write_text(verifying.replace("[config]\n", "[config]\nverifiers_train = true\n", 1))
+    plain.write_text(RUN_CONFIG)
+    extra = []
+    if treasurer:
+        mint = Endpoint(net, ManualClock()).new_mint(owner, owner.pubkey(), 6)
+        extra = ["--treasurer-collateral-mint", str(mint)]
+    ok(capsys, net, "create-run", "-r", "own", "-c", "test", *extra, wallet=wallet)
+    out = ok(capsys, net, "update-config", "-r", "own", "--config-path", str(on), wallet=wallet)
+    signature = re.search(r"with transaction (\w+)", out)
+    assert signature is not None, out
+    update, init, set_on = (
+        ("run_update", "init_verification", "run_set_verifiers_train")
+        if treasurer
+        else ("update", "init_verification", "set_verifiers_train")
+    )
+    names = _instruction_names(net, signature[1])
+    assert names[-2:] == [init, set_on], names
+    assert update in names[:-2], names
+
+    def dump() -> dict[str, Any]:
+        return json.loads(ok(capsys, net, "json-dump-run", "-r", "own"))
+
+    assert dump()["verification"]["verifiers_train"] is True
+    for _ in range(2):  # and again: nothing left half-changed
+        ok(capsys, net, "update-config", "-r", "own", "--config-path", str(plain), wallet=wallet)
+        assert dump()["coordinator_account"]["setup"]["config"]["verification_percent"] == 0
+
+
 def unsigned(instruction: Instruction, key: Pubkey) -> Instruction:
     """`instruction` with `key` named but not a signer (what a sender without its key sends)."""
     metas = [
@@ -208,34 +284,10 @@ def test_the_treasurers_run_set_verifiers_train_refuses_everyone_but_the_main_au
     (`AccountNotSigner`); and the coordinator's `set_verifiers_train` sent directly with the
     run's PDA (the coordinator's main authority, which only the treasurer signs for) is refused
     too. Nothing changes until the main authority signs."""
-    payer, main, stranger = Keypair(), Keypair(), Keypair()
-    for wallet in (payer, stranger):
-        endpoint.airdrop(wallet.pubkey(), 5_000_000_000)
-    ids = endpoint.ledger.program_ids
-    index, run_id = 7, "treasurer verifiers_train"
-    mint = endpoint.new_mint(payer, Pubkey.new_unique(), 6)
-    account = endpoint.new_exempt(payer, COORDINATOR_ACCOUNT_SPACE, ids.coordinator_key)
-    instance = pda.find_coordinator_instance(run_id, ids)
-    create = treasurer_ix.treasurer_run_create(
-        payer.pubkey(), run_id, "latest", index, mint, account, main.pubkey(), Pubkey.new_unique()
-    )
-    endpoint.process([create], payer)
-    config = scripted_config(verification_percent=25, min_clients=4, init_min_clients=4)
-    params = treasurer_ix.RunUpdateParams(config=config, model=tiny_model())  # not started
-    update = treasurer_ix.treasurer_run_update(run_id, index, account, main.pubkey(), params)
-    endpoint.process([update], payer, [main])
-    init = coordinator_ix.coordinator_init_verification(payer.pubkey(), instance, account, ids)
-    endpoint.process([init], payer)
-    address = pda.find_run_verification(account, ids)
-
-    def stored() -> bool:
-        data = bytes(endpoint.account(address).data)
-        return decode_anchor_account(data, RunVerification).verifiers_train
-
-    def set_on(authority: Pubkey) -> Instruction:
-        return treasurer_ix.treasurer_run_set_verifiers_train(
-            run_id, index, account, authority, True, ids
-        )
+    run = TreasurerRun.create(endpoint)
+    payer, main, stranger, ids = run.payer, run.main, Keypair(), run.ids
+    run_id, account, stored, set_on = run.run_id, run.account, run.stored, run.set_on
+    endpoint.airdrop(stranger.pubkey(), 5_000_000_000)
 
     # a stranger signing as the authority: not the run's main authority
     refused = endpoint.process_err([set_on(stranger.pubkey())], stranger, [stranger])
@@ -244,11 +296,101 @@ def test_the_treasurers_run_set_verifiers_train_refuses_everyone_but_the_main_au
     refused = endpoint.process_err([unsigned(set_on(main.pubkey()), main.pubkey())], stranger)
     assert refused.anchor_error == "AccountNotSigner", refused.logs
     # around the treasurer: the coordinator's own instruction with the run PDA as authority
-    run = pda.find_run(index, ids)
-    direct = coordinator_ix.coordinator_set_verifiers_train(run_id, account, run, True, ids)
-    refused = endpoint.process_err([unsigned(direct, run)], stranger)
+    run_pda = pda.find_run(run.index, ids)
+    direct = coordinator_ix.coordinator_set_verifiers_train(run_id, account, run_pda, True, ids)
+    refused = endpoint.process_err([unsigned(direct, run_pda)], stranger)
     assert refused.anchor_error == "AccountNotSigner", refused.logs
     assert stored() is False
     # the main authority through the treasurer: set
     endpoint.process([set_on(main.pubkey())], payer, [main])
     assert stored() is True
+
+
+def test_the_program_zeroes_what_a_shrunk_verification_account_encoding_leaves_behind(
+    endpoint: Endpoint,
+) -> None:
+    """`verifiers_train` is read right after the account's variable-length log: an encoding that
+    shrank must not leave its old end there (Anchor's exit keeps it: an account written by the
+    layout before the flag would read a log byte as the flag, and not decode at all when that
+    byte is neither 0 nor 1). The program zeroes the bytes past the encoding at every store, so
+    a field appended after a variable-length part reads its zero default."""
+    run = TreasurerRun.create(endpoint)
+    node = NodeIdentity()
+    entry = VerificationEntry(1, "punished", node, BatchId(0, 1), reason="x" * 40, role="trainer")
+    bump = run.verification().bump
+    long_ = RunVerification(bump, bytes(run.account), log=[entry], verifiers_train=True)
+    short = RunVerification(
+        bump, bytes(run.account), log=[VerificationEntry(2, "verified", node, BatchId(0, 1))]
+    )
+    # the account as an earlier, longer encoding left it, the shorter one written over it
+    data = bytearray(encode_anchor_account(long_, RunVerification, RUN_VERIFICATION_SPACE))
+    encoded = encode_anchor_account(short)
+    data[: len(encoded)] = encoded
+    assert any(data[len(encoded) :])
+    before = endpoint.ledger.get_account(run.address)
+    assert before is not None
+    endpoint.ledger.set_account(
+        run.address, Account(before.lamports, bytes(data), before.owner, False, 0)
+    )
+    endpoint.process([run.set_on(run.main.pubkey())], run.payer, [run.main])  # a store
+    data = bytearray(endpoint.account(run.address).data)
+    stored = decode_anchor_account(bytes(data), RunVerification)
+    assert stored.verifiers_train is True
+    assert stored.log == short.log
+    end = len(encode_anchor_account(stored))
+    assert not any(data[end:]), "the old encoding's end is still there"
+
+
+@dataclasses.dataclass
+class TreasurerRun:
+    """A treasurer run on `endpoint` at 25 % verification, not started, with its verification
+    account; `main` is its main authority, `payer` pays."""
+
+    endpoint: Endpoint
+    payer: Keypair
+    main: Keypair
+    run_id: str
+    index: int
+    account: Pubkey
+
+    @property
+    def ids(self) -> Any:
+        return self.endpoint.ledger.program_ids
+
+    @property
+    def address(self) -> Pubkey:
+        return pda.find_run_verification(self.account, self.ids)
+
+    @classmethod
+    def create(cls, endpoint: Endpoint) -> TreasurerRun:
+        payer, main = Keypair(), Keypair()
+        endpoint.airdrop(payer.pubkey(), 5_000_000_000)
+        ids = endpoint.ledger.program_ids
+        index, run_id = 7, "treasurer verifiers_train"
+        mint = endpoint.new_mint(payer, Pubkey.new_unique(), 6)
+        account = endpoint.new_exempt(payer, COORDINATOR_ACCOUNT_SPACE, ids.coordinator_key)
+        instance = pda.find_coordinator_instance(run_id, ids)
+        create = treasurer_ix.treasurer_run_create(
+            payer.pubkey(), run_id, "latest", index, mint, account, main.pubkey(),
+            Pubkey.new_unique(),
+        )  # fmt: skip
+        endpoint.process([create], payer)
+        config = scripted_config(verification_percent=25, min_clients=4, init_min_clients=4)
+        params = treasurer_ix.RunUpdateParams(config=config, model=tiny_model())
+        update = treasurer_ix.treasurer_run_update(run_id, index, account, main.pubkey(), params)
+        endpoint.process([update], payer, [main])
+        init = coordinator_ix.coordinator_init_verification(payer.pubkey(), instance, account, ids)
+        endpoint.process([init], payer)
+        return cls(endpoint, payer, main, run_id, index, account)
+
+    def verification(self) -> RunVerification:
+        data = bytes(self.endpoint.account(self.address).data)
+        return decode_anchor_account(data, RunVerification)
+
+    def stored(self) -> bool:
+        return self.verification().verifiers_train
+
+    def set_on(self, authority: Pubkey) -> Instruction:
+        return treasurer_ix.treasurer_run_set_verifiers_train(
+            self.run_id, self.index, self.account, authority, True, self.ids
+        )

@@ -328,37 +328,53 @@ async def update_config(
         client_version=client_version,
     )
     index = await backend.resolve_treasurer_index(run.run_id, treasurer_index)
-    train = None if config is None else await _verifiers_train_change(backend, run, config)
-    signature = await _send_owner_update(backend, run, index, "Update config", update)
-    if train is not None:
-        await backend.ensure_verification_account(run.instance_address, run.account_address)
-        payer, ids = backend.get_payer(), backend.ids
-        instruction = (
-            coordinator_ix.coordinator_set_verifiers_train(
-                run.run_id, run.account_address, payer, train, ids
-            )
-            if index is None
-            else treasurer_ix.treasurer_run_set_verifiers_train(
-                run.run_id, index, run.account_address, payer, train, ids
-            )
-        )
-        signature = await backend.send_and_retry("Set verifiers_train", [instruction])
+    await _authority_check(backend, run, index)
+    instructions = _owner_update(backend, run, index, update)
+    if config is not None:
+        instructions += await _verifiers_train_instructions(backend, run, index, config)
+    signature = await backend.send_and_retry("Update config", instructions)
     return ConfigUpdate(signature, new_metadata, config, model, progress, client_version)
 
 
-async def _verifiers_train_change(
-    backend: SolanaBackend, run: RunRef, config: CoordinatorConfig
-) -> bool | None:
-    """The `verifiers_train` that `config` asks of the run where it differs from the run's (kept
-    in its verification account: `psyche.solana.verification`), else None. It is set by the
-    coordinator's `set_verifiers_train`, through the treasurer's `run_set_verifiers_train` in a
-    treasurer run (the run, not the wallet, is the coordinator's authority there; upstream's
-    `run_update` has no field for it)."""
-    wanted = config.verifiers_train and config.verification_percent > 0
+async def _verifiers_train_instructions(
+    backend: SolanaBackend, run: RunRef, treasurer_index: int | None, config: CoordinatorConfig
+) -> list[Instruction]:
+    """What sets the `verifiers_train` that `config` asks of the run where it differs from the
+    run's (kept in its verification account: `psyche.solana.verification`): the coordinator's
+    `set_verifiers_train`, through the treasurer's `run_set_verifiers_train` in a treasurer run
+    (the run, not the wallet, is the coordinator's authority there; upstream's `run_update` has
+    no field for it), after creating the verification account if nobody has. Empty when nothing
+    changes, and when `config` does not verify: the option has no effect then (data selection
+    draws verifiers only from a non-zero `verification_percent`) and the program refuses it
+    (`VerificationOff`).
+
+    They go in the transaction of the config's `update`, after it (the program checks the new
+    `verification_percent`): a refusal rolls the config back too, never leaving it half-changed."""
+    if config.verification_percent == 0:
+        return []
     current = await backend.get_run_verification(run.account_address)
-    if wanted == (current is not None and current.verifiers_train):
-        return None
-    return wanted
+    if config.verifiers_train == (current is not None and current.verifiers_train):
+        return []
+    payer, ids = backend.get_payer(), backend.ids
+    out = []
+    address = pda.find_run_verification(run.account_address, ids)
+    if await backend.get_account_info(address) is None:
+        out.append(
+            coordinator_ix.coordinator_init_verification(
+                payer, run.instance_address, run.account_address, ids
+            )
+        )
+    train = config.verifiers_train
+    out.append(
+        coordinator_ix.coordinator_set_verifiers_train(
+            run.run_id, run.account_address, payer, train, ids
+        )
+        if treasurer_index is None
+        else treasurer_ix.treasurer_run_set_verifiers_train(
+            run.run_id, treasurer_index, run.account_address, payer, train, ids
+        )
+    )
+    return out
 
 
 async def _send_owner_update(

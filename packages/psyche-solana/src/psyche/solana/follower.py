@@ -28,8 +28,10 @@ from solders.signature import Signature
 
 from psyche.coordinator import ClientState, Coordinator, RunState
 from psyche.coordinator.backend import HealthCheck, OpportunisticData
+from psyche.coordinator.data_selection import verification_duties_for_state
 from psyche.coordinator.errors import CoordinatorError, CoordinatorPanic
 from psyche.coordinator.model import Checkpoint
+from psyche.coordinator.server_core import VERIFIED_ROUNDS
 from psyche.coordinator.verification import NO_DRAW, VerificationReport
 from psyche.core.cli import UserError
 from psyche.core.node_identity import NodeIdentity
@@ -39,7 +41,7 @@ from psyche.solana.instructions import coordinator as coordinator_ix
 from psyche.solana.retry import RetryKind
 from psyche.solana.state import CoordinatorAccount, coordinator_account_from_bytes
 from psyche.solana.subscription import NonceFilter, subscribe_to_account
-from psyche.solana.verification import RunVerification
+from psyche.solana.verification import RunVerification, draw_signer
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +137,8 @@ class SolanaBackendRunner:
         self.resent_after_outage = 0
         self._tick_in_flight = False
         self._accepting = trio.Lock()
+        self._rounds: dict[int, Coordinator] = {}
+        """The first state of each recent round (`_note_round`)."""
         self.verifiers_train = False
         """The run's `CoordinatorConfig.verifiers_train`, which the coordinator account cannot
         hold: read from its verification account (`read_verification`) when the run is
@@ -201,6 +205,7 @@ class SolanaBackendRunner:
             if verifiers_train_may_have_changed(previous, coordinator):
                 await self.read_verification()  # after `latest`: which account it reads
                 coordinator.config.verifiers_train = self.verifiers_train
+            self._note_round(coordinator)
             for i, receiver in enumerate(self._receivers):
                 receiver.push(coordinator if i == 0 else coordinator.copy())
 
@@ -221,6 +226,7 @@ class SolanaBackendRunner:
         if self._init is not None:
             init, self._init = self._init, None
             init.config.verifiers_train = self.verifiers_train
+            self._note_round(init)
             return init
         return await self._primary.receive()
 
@@ -276,17 +282,56 @@ class SolanaBackendRunner:
     async def send_verification(self, report: VerificationReport) -> None:
         """`VerificationReports`: a verifier's or tie-breaker's findings of a round, sent as
         the `verification_report` instruction (a refusal by the program is logged), after the
-        `Ed25519SigVerify` instruction of its draw when it has one (the key and message from
-        the round the program recorded: the program checks the draw through it)."""
+        `Ed25519SigVerify` instruction of its draw when it has one (the program checks the draw
+        through it). Its key and message are those the client signed: the round's duties as
+        this runner followed them (`_draw_signer`), with no read of the verification account
+        (before, a failed read sent the report without it, refused and never retried); the
+        account is read only for a round this runner did not see (a subscription down)."""
         signer = None
         if report.draw != NO_DRAW:  # the program reads the draw's Ed25519 precompile back
-            stored = await self.read_verification()
             payer = bytes(self.backend.get_payer())
-            signer = None if stored is None else stored.draw_signer(report.step, payer)
+            signer = self._draw_signer(report.step, payer)
+            if signer is None:
+                stored = await self.read_verification()
+                signer = None if stored is None else stored.draw_signer(report.step, payer)
+            if signer is None:
+                log.warning(
+                    "verification report of step %d: the round's duties are not known here; "
+                    "sent without its draw's Ed25519 instruction (the program refuses it)",
+                    report.step,
+                )
         instructions = coordinator_ix.verification_report_instructions(
             self.instance, self.account, self.backend.get_payer(), report, signer, self.backend.ids
         )
         self.spawn_scheduled_send("Verification report", instructions)
+
+    def _note_round(self, state: Coordinator) -> None:
+        """Keep the first state of each round of a verifying run this runner hands out (the
+        last `VERIFIED_ROUNDS`): what the client derived its duties and signed its draw from,
+        and what the program records the round's duties from (the same first state of
+        `RoundTrain` or `RoundWitness`, `verifiers_train` set)."""
+        if state.config.verification_percent == 0:
+            return
+        if state.run_state not in (RunState.RoundTrain, RunState.RoundWitness):
+            return
+        step = state.progress.step
+        if step not in self._rounds:
+            self._rounds[step] = state.copy()
+            for old in sorted(self._rounds)[:-VERIFIED_ROUNDS]:
+                del self._rounds[old]
+
+    def _draw_signer(self, step: int, payer: bytes) -> tuple[bytes, bytes] | None:
+        """The p2p key and draw message of this wallet's draw in round `step`, from the round's
+        state as followed (None: not seen, or no draw of this wallet's)."""
+        state = self._rounds.get(step)
+        if state is None:
+            return None
+        try:
+            duties = verification_duties_for_state(state)
+        except (CoordinatorError, CoordinatorPanic) as e:
+            log.debug("cannot derive the verification duties of step %d: %s", step, e)
+            return None
+        return draw_signer(duties, payer)
 
     async def round_reports(self, step: int) -> dict[NodeIdentity, VerificationReport]:
         """`VerificationReports.round_reports`: the reports the run's verification account

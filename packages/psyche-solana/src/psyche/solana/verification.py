@@ -17,7 +17,9 @@ payer pays its rent), which holds what the centralized server keeps in memory
 * the run's `CoordinatorConfig.verifiers_train` (appended, 2026-11-28): the coordinator account
   is upstream's bytes and has no room for it, so the owner sets it here
   (`set_verifiers_train`) and the program and every client put it on the config they read
-  from the coordinator account (`apply_to`). An account written before it reads `False`.
+  from the coordinator account (`apply_to`). An account written before it reads `False`: the
+  program zeroes the bytes past the account's encoding at every store (a shrunk log leaves no
+  old byte where the flag is read).
 
 Economics (`punishment`): the loser is slashed `slashing_rate_per_client` of the epoch's rates
 (the treasurer's `run_update` sets it, as upstream) at once, and that amount is credited, in
@@ -205,11 +207,7 @@ class RunVerification:
         `signer`'s draw as a verifier of round `step`, as the program recorded the round: what
         the report's `Ed25519SigVerify` instruction must name. None: no such round or duty."""
         stored = self.round(step)
-        if stored is None:
-            return None
-        duties = stored.record().duties
-        node = next((d.verifier for d in duties.verifiers if d.verifier.signer == signer), None)
-        return None if node is None else (node.p2p_identity, duties.draw_message(node))
+        return None if stored is None else draw_signer(stored.record().duties, signer)
 
     def keep_round(self, record: RoundVerification) -> None:
         """Store `record` (replacing its step's), keeping the last `VERIFIED_ROUNDS` rounds."""
@@ -238,6 +236,14 @@ class RunVerification:
         self.bans = [b for b in self.bans if b.signer != signer]
         self.bans.append(BanRecord(signer, epoch, epochs))
         return Ban(epoch, epochs, "verification")
+
+
+def draw_signer(duties: RoundDuties, signer: bytes) -> tuple[bytes, bytes] | None:
+    """The p2p public key and the draw message (`RoundDuties.draw_message`) of wallet `signer`'s
+    draw as a verifier of the round of `duties`: what its report's `Ed25519SigVerify`
+    instruction names. None: `signer` is no verifier of the round."""
+    node = next((d.verifier for d in duties.verifiers if d.verifier.signer == signer), None)
+    return None if node is None else (node.p2p_identity, duties.draw_message(node))
 
 
 def _space() -> int:
@@ -441,6 +447,7 @@ __all__ = [
     "VerificationEntry",
     "VerifiedRound",
     "deciders",
+    "draw_signer",
     "entry_line",
     "entry_to_json",
     "finding_limit",

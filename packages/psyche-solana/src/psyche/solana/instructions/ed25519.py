@@ -137,6 +137,48 @@ class SignedMessage:
     signature: bytes
 
 
+_P = 2**255 - 19
+_D = -121665 * pow(121666, _P - 2, _P) % _P
+
+
+def is_ed25519_point(public_key: bytes) -> bool:
+    """Whether 32 bytes decompress to a point of the curve (ed25519-dalek's
+    `VerifyingKey::from_bytes`, which the precompile fails with `InvalidPublicKey`): the
+    y coordinate (the low 255 bits, reduced) has an x with x² = (y² - 1) / (d·y² + 1). As dalek,
+    the sign bit is not checked against x = 0 and a non-canonical y is reduced; small-order keys
+    decompress (`verify_strict` refuses their signatures)."""
+    y = int.from_bytes(public_key, "little") & ((1 << 255) - 1)
+    y2 = y * y % _P
+    u, v = (y2 - 1) % _P, (_D * y2 + 1) % _P  # v is never 0: -1/d is not a square
+    x2 = u * pow(v, _P - 2, _P) % _P
+    return x2 == 0 or pow(x2, (_P - 1) // 2, _P) == 1
+
+
+def _entry(
+    data: bytes,
+    datas: Sequence[bytes],
+    o: Ed25519SignatureOffsets,
+    key_ok: Callable[[bytes], bool] | None = None,
+) -> SignedMessage | PrecompileError:
+    """One offsets entry's signature, key and message, read in agave's order (signature, key,
+    the key's decompression when `key_ok` is given, message), or the first error."""
+    signature = _slice(data, datas, o.signature_instruction_index, o.signature_offset,
+                       SIGNATURE_SERIALIZED_SIZE)  # fmt: skip
+    if isinstance(signature, PrecompileError):
+        return signature
+    key = _slice(data, datas, o.public_key_instruction_index, o.public_key_offset,
+                 PUBKEY_SERIALIZED_SIZE)  # fmt: skip
+    if isinstance(key, PrecompileError):
+        return key
+    if key_ok is not None and not key_ok(key):
+        return PrecompileError.InvalidPublicKey
+    message = _slice(data, datas, o.message_instruction_index, o.message_data_offset,
+                     o.message_data_size)  # fmt: skip
+    if isinstance(message, PrecompileError):
+        return message
+    return SignedMessage(key, message, signature)
+
+
 def signed_messages(data: bytes, datas: Sequence[bytes]) -> list[SignedMessage] | PrecompileError:
     """What precompile instruction data names (each entry's key, message and signature, read
     where its offsets point among the transaction's instruction `datas`), or the first error."""
@@ -145,38 +187,39 @@ def signed_messages(data: bytes, datas: Sequence[bytes]) -> list[SignedMessage] 
         return error
     out = []
     for o in Ed25519SignatureOffsets.entries(data):
-        parts = (
-            _slice(data, datas, o.signature_instruction_index, o.signature_offset,
-                   SIGNATURE_SERIALIZED_SIZE),
-            _slice(data, datas, o.public_key_instruction_index, o.public_key_offset,
-                   PUBKEY_SERIALIZED_SIZE),
-            _slice(data, datas, o.message_instruction_index, o.message_data_offset,
-                   o.message_data_size),
-        )  # fmt: skip
-        signature, key, message = parts
-        if isinstance(signature, PrecompileError):
-            return signature
-        if isinstance(key, PrecompileError):
-            return key
-        if isinstance(message, PrecompileError):
-            return message
-        out.append(SignedMessage(key, message, signature))
+        entry = _entry(data, datas, o)
+        if isinstance(entry, PrecompileError):
+            return entry
+        out.append(entry)
     return out
 
 
 def verify_ed25519_instruction(
     data: bytes, datas: Sequence[bytes], verify: Callable[[bytes, bytes, bytes], bool]
 ) -> PrecompileError | None:
-    """What the runtime does with a precompile instruction (`solana_ed25519_program::verify`):
-    every signature it names must verify (`verify(key, message, signature)`); the error it
-    fails with, or None."""
-    found = signed_messages(data, datas)
-    if isinstance(found, PrecompileError):
-        return found
-    for signed in found:
-        if not verify(signed.public_key, signed.message, signed.signature):
+    """What the runtime does with a precompile instruction (agave's
+    `solana_precompiles::ed25519::verify`): after the size checks, entry by entry, each read
+    (`InvalidDataOffsets`), its key decompressed (`InvalidPublicKey`) and its signature verified
+    (`verify(key, message, signature)`, `InvalidSignature`) before the next entry is read, so
+    the first failing entry decides the error. The error, or None."""
+    error = check_size(data)
+    if error is not None:
+        return error
+    for o in Ed25519SignatureOffsets.entries(data):
+        entry = _entry(data, datas, o, is_ed25519_point)
+        if isinstance(entry, PrecompileError):
+            return entry
+        if not verify(entry.public_key, entry.message, entry.signature):
             return PrecompileError.InvalidSignature
     return None
+
+
+def precompile_signature_count(instructions: Sequence[tuple[Pubkey, bytes]]) -> int:
+    """The precompile signatures a transaction pays for (agave's
+    `get_precompile_signature_details`): each `Ed25519SigVerify` instruction's first data byte
+    (its `num_signatures`, 0 for empty data), whatever the rest holds. (`(program id, data)` per
+    instruction.)"""
+    return sum(data[0] for program, data in instructions if program == ED25519_PROGRAM and data)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -252,10 +295,12 @@ __all__ = [
     "PrecompileError",
     "SignedMessage",
     "SysvarDecodeError",
+    "is_ed25519_point",
     "load_current_index",
     "load_instruction_at",
     "load_instruction_count",
     "new_ed25519_instruction",
+    "precompile_signature_count",
     "serialize_instructions",
     "signed_messages",
     "verify_ed25519_instruction",

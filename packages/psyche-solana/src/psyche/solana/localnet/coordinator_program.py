@@ -654,7 +654,11 @@ class _Verification:
         self.value.keep_round(RoundVerification(duties))
 
     def store(self, ctx: InvokeContext) -> None:
-        store_borsh_account(ctx, self.meta.pubkey, self.value)
+        """Write the account back, the bytes past its encoding zeroed: `verifiers_train` was
+        appended after the variable-length log, so an encoding that shrank must not leave old
+        bytes where a later field is read (the account would not decode, or read a stale
+        value)."""
+        store_borsh_account(ctx, self.meta.pubkey, self.value, zero_tail=True)
 
 
 def _init_verification(

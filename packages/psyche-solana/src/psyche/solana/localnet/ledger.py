@@ -8,7 +8,8 @@ accounts, in the exact on-chain byte layouts. This is the equivalent of upstream
 SBF binary.
 
 A transaction is processed the way the runtime does it: signatures verified, blockhash checked,
-duplicates rejected, fee (5000 lamports per signature) charged to the fee payer, instructions run
+duplicates rejected, fee (5000 lamports per signature: the transaction's and, as the SVM counts
+them, each one an `Ed25519SigVerify` instruction names, `message_fee`) charged to the fee payer, instructions run
 in order, and everything but the fee rolled back when one fails. The runtime's parts a program
 relies on are there too: the Ed25519 precompile (`precompiles`: an `Ed25519SigVerify`
 instruction whose signature does not verify fails the transaction, as in the SVM) and the
@@ -48,6 +49,7 @@ from solders.transaction_metadata import FailedTransactionMetadata
 from psyche.solana.instructions.ed25519 import (
     ED25519_PROGRAM,
     SYSVAR_INSTRUCTIONS,
+    precompile_signature_count,
     serialize_instructions,
 )
 from psyche.solana.localnet.precompiles import ed25519_program
@@ -426,7 +428,7 @@ class Ledger:
             raise TransactionFailed("BlockhashNotFound")
 
         fee_payer = keys[0]
-        fee = LAMPORTS_PER_SIGNATURE * len(signatures)
+        fee = message_fee(message)
         payer_account = self.get_account(fee_payer)
         if payer_account is None:
             raise TransactionFailed("AccountNotFound")
@@ -630,6 +632,22 @@ class Ledger:
                 unix_timestamp=self.clock.now(),
             )
         )
+
+
+def message_fee(message: Message | MessageV0) -> int:
+    """The fee of a transaction of `message` (agave's `calculate_signature_fee`, no priority
+    fee): `LAMPORTS_PER_SIGNATURE` for each signature it carries and each precompile signature
+    its `Ed25519SigVerify` instructions claim (`precompile_signature_count`: the first data
+    byte, paid whether or not the instruction verifies)."""
+    keys = message.account_keys
+    precompiled = precompile_signature_count(
+        [
+            (keys[ix.program_id_index], bytes(ix.data))
+            for ix in message.instructions
+            if ix.program_id_index < len(keys)  # a malformed message given to getFeeForMessage
+        ]
+    )
+    return LAMPORTS_PER_SIGNATURE * (message.header.num_required_signatures + precompiled)
 
 
 def _is_writable(message: Any, index: int, key: Pubkey, program_ids: set[Pubkey]) -> bool:

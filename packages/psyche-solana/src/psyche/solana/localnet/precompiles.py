@@ -4,7 +4,9 @@ The real runtime verifies an `Ed25519SigVerify` instruction itself (agave's
 `solana_ed25519_program::verify`, in the SVM since precompile verification moved there): every
 signature it names, read where its offsets point among the transaction's instructions, must
 verify, or the transaction fails with `InstructionError(index, Custom(PrecompileError))` and
-pays its fee. Programs do not call it; they read it back through the instructions sysvar
+pays its fee (each signature the instruction claims is paid for: `ledger.message_fee`). The
+entries are checked one by one in agave's order (`verify_ed25519_instruction`). Programs do not
+call it; they read it back through the instructions sysvar
 (`psyche.solana.instructions.ed25519`). Verification here is `psyche.core.identity`'s (RFC 8032,
 as the project signs); agave's is ed25519-dalek's `verify_strict`, which also refuses
 small-order keys and non-canonical points: no honest member's key or signature is either.

@@ -18,12 +18,12 @@ from solders.pubkey import Pubkey
 from solders.signature import Signature
 
 from psyche.solana.localnet.ledger import (
-    LAMPORTS_PER_SIGNATURE,
     MAX_TRANSACTION_SIZE,
     Ledger,
     TransactionFailed,
     TransactionRecord,
     encode_account_data,
+    message_fee,
 )
 from psyche.solana.transaction_errors import describe_transaction_error
 
@@ -177,8 +177,7 @@ class RpcMethods:
                 message = MessageV0.from_bytes(raw[1:])
             except Exception:
                 raise _params_error("Invalid param: invalid message") from None
-        fee = LAMPORTS_PER_SIGNATURE * message.header.num_required_signatures
-        return {"context": self.context(), "value": fee}
+        return {"context": self.context(), "value": message_fee(message)}
 
     def _get_minimum_balance(self, params: list[Any]) -> Any:
         size = _arg(params, 0, "data size")

@@ -256,8 +256,14 @@ def load_borsh_account(
     return value
 
 
-def store_borsh_account(ctx: InvokeContext, key: Pubkey, value: Any) -> None:
-    """Anchor's exit: serialize the account back over its data (its size is unchanged)."""
+def store_borsh_account(
+    ctx: InvokeContext, key: Pubkey, value: Any, *, zero_tail: bool = False
+) -> None:
+    """Anchor's exit: serialize the account back over its data (its size is unchanged). The
+    bytes past the encoding stay as they were, as Anchor leaves them (an encoding that shrank
+    leaves its old end there), unless `zero_tail`: what a program that appends fields to an
+    account with variable-length parts must do (`data[len..].fill(0)`), so that a field
+    appended later reads its zero default however the encoding shrank before."""
     from psyche.solana.state import encode_anchor_account
 
     account = ctx.get(key)
@@ -266,7 +272,8 @@ def store_borsh_account(ctx: InvokeContext, key: Pubkey, value: Any) -> None:
     data = bytes(account.data)
     if len(encoded) > len(data):
         raise anchor_error(AnchorErrorCode.AccountDidNotSerialize)
-    ctx.set(key, _with_data(account, encoded + data[len(encoded) :]))
+    tail = bytes(len(data) - len(encoded)) if zero_tail else data[len(encoded) :]
+    ctx.set(key, _with_data(account, encoded + tail))
 
 
 def require_seeds(
