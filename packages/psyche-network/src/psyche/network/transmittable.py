@@ -129,40 +129,35 @@ class SharableModelError(DataEnum):
     P2PAddDownloadError = variant(str)
 
     def message(self) -> str:
-        match self:
-            case SharableModelError.TchSerializeError(e):
-                return f"Torch serialize error: {e}"
-            case SharableModelError.InvalidUpdate():
-                return "The update of the sharable model parameters is invalid"
-            case SharableModelError.ParameterUnknown(name):
-                return f"Parameter with name {name} is unknown"
-            case SharableModelError.ParameterAlreadyAdded():
-                return "The parameter was already added"
-            case SharableModelError.SerializationError(e):
-                return f"Serialization error: {e}"
-            case SharableModelError.ParametersNotInitialized():
-                return "Parameters were not initialized"
-            case SharableModelError.ParameterNotInitialized(name):
-                return f"Parameter {name} is known but was not yet initialized"
-            case SharableModelError.ResponseChannelNotInitialized():
-                return "Response channel was not initialized"
-            case SharableModelError.ConnectionIOError(e):
-                return f"Connection IO error: {e}"
-            case SharableModelError.DecodeParameterNameError(e):
-                return f"Could not decode UTF-8 string of model parameter name: {e}"
-            case SharableModelError.ModelConfigNotInitialized():
-                return "Model config not initialized"
-            case SharableModelError.TokenizerConfigNotInitialized():
-                return "Tokenizer config not initialized"
-            case SharableModelError.ParseConfig(e):
-                return f"Error parsing string to config: {e}"
-            case SharableModelError.SendConfig():
-                return "Could not send the config to the client"
-            case SharableModelError.LoadThreadCrashed():
-                return "Sharable parameter load thread crashed"
-            case SharableModelError.P2PAddDownloadError(e):
-                return f"P2P add download error: {e}"
-        return repr(self)
+        """Upstream's `#[error(...)]` text for this variant (`_ERROR_MESSAGES`)."""
+        template = _ERROR_MESSAGES.get(type(self))
+        if template is None:
+            return repr(self)
+        # a unit variant has no payload; `format` ignores the unused argument
+        return template.format(getattr(self, "value", None))
+
+
+_ERROR_MESSAGES: dict[type, str] = {
+    SharableModelError.TchSerializeError: "Torch serialize error: {}",
+    SharableModelError.InvalidUpdate: "The update of the sharable model parameters is invalid",
+    SharableModelError.ParameterUnknown: "Parameter with name {} is unknown",
+    SharableModelError.ParameterAlreadyAdded: "The parameter was already added",
+    SharableModelError.SerializationError: "Serialization error: {}",
+    SharableModelError.ParametersNotInitialized: "Parameters were not initialized",
+    SharableModelError.ParameterNotInitialized: "Parameter {} is known but was not yet initialized",
+    SharableModelError.ResponseChannelNotInitialized: "Response channel was not initialized",
+    SharableModelError.ConnectionIOError: "Connection IO error: {}",
+    SharableModelError.DecodeParameterNameError: (
+        "Could not decode UTF-8 string of model parameter name: {}"
+    ),
+    SharableModelError.ModelConfigNotInitialized: "Model config not initialized",
+    SharableModelError.TokenizerConfigNotInitialized: "Tokenizer config not initialized",
+    SharableModelError.ParseConfig: "Error parsing string to config: {}",
+    SharableModelError.SendConfig: "Could not send the config to the client",
+    SharableModelError.LoadThreadCrashed: "Sharable parameter load thread crashed",
+    SharableModelError.P2PAddDownloadError: "P2P add download error: {}",
+}
+"""Each `SharableModelError` variant's message (upstream's `#[error(...)]`), `{}` its payload."""
 
 
 class SharableModelFailure(Exception):
