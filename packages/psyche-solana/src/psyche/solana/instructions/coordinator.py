@@ -317,14 +317,19 @@ def coordinator_owner_call(
     """`name`, one of the instructions the main authority signs on the run's accounts (`update`,
     `update_client_version`, `set_future_epoch_rates`, `set_paused`), with `args`."""
     return SPECS[name].call(
-        ids,
-        {
-            "authority": main_authority,
-            "coordinator_instance": pda.find_coordinator_instance(run_id, ids),
-            "coordinator_account": coordinator_account,
-        },
-        args,
+        ids, _owner_accounts(run_id, coordinator_account, main_authority, ids), args
     )
+
+
+def _owner_accounts(
+    run_id: str, coordinator_account: Any, main_authority: Any, ids: ProgramIds
+) -> dict[str, Any]:
+    """The accounts of every instruction the main authority signs (`_OWNER`)."""
+    return {
+        "authority": main_authority,
+        "coordinator_instance": pda.find_coordinator_instance(run_id, ids),
+        "coordinator_account": coordinator_account,
+    }
 
 
 def coordinator_update(
@@ -577,13 +582,6 @@ def coordinator_set_verifiers_train(
 ) -> Instruction:
     """The owner's `set_verifiers_train` (signed by the run's main authority, while the run is
     halted, as `update`)."""
-    return SPECS["set_verifiers_train"].call(
-        ids,
-        {
-            "authority": main_authority,
-            "coordinator_instance": pda.find_coordinator_instance(run_id, ids),
-            "coordinator_account": coordinator_account,
-            "verification": pda.find_run_verification(coordinator_account, ids),
-        },
-        SetVerifiersTrainArgs(verifiers_train),
-    )
+    accounts = _owner_accounts(run_id, coordinator_account, main_authority, ids)
+    accounts["verification"] = pda.find_run_verification(coordinator_account, ids)
+    return SPECS["set_verifiers_train"].call(ids, accounts, SetVerifiersTrainArgs(verifiers_train))

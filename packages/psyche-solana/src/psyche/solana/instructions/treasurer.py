@@ -245,16 +245,27 @@ def treasurer_run_update(
     params: RunUpdateParams,
     ids: ProgramIds = DEFAULT_PROGRAM_IDS,
 ) -> Instruction:
-    return SPECS["run_update"].call(
-        ids,
-        {
-            "authority": main_authority,
-            "run": pda.find_run(treasurer_index, ids),
-            "coordinator_instance": pda.find_coordinator_instance(run_id, ids),
-            "coordinator_account": coordinator_account,
-        },
-        RunUpdateArgs(params),
+    accounts = _run_authority_accounts(
+        run_id, treasurer_index, coordinator_account, main_authority, ids
     )
+    return SPECS["run_update"].call(ids, accounts, RunUpdateArgs(params))
+
+
+def _run_authority_accounts(
+    run_id: str,
+    treasurer_index: int,
+    coordinator_account: Any,
+    main_authority: Any,
+    ids: ProgramIds,
+) -> dict[str, Any]:
+    """The accounts of the instructions the run's authority signs on its coordinator (both
+    `run_update` and `run_set_verifiers_train`)."""
+    return {
+        "authority": main_authority,
+        "run": pda.find_run(treasurer_index, ids),
+        "coordinator_instance": pda.find_coordinator_instance(run_id, ids),
+        "coordinator_account": coordinator_account,
+    }
 
 
 def treasurer_run_set_verifiers_train(
@@ -265,16 +276,12 @@ def treasurer_run_set_verifiers_train(
     verifiers_train: bool,
     ids: ProgramIds = DEFAULT_PROGRAM_IDS,
 ) -> Instruction:
+    accounts = _run_authority_accounts(
+        run_id, treasurer_index, coordinator_account, main_authority, ids
+    )
+    accounts["verification"] = pda.find_run_verification(coordinator_account, ids)
     return SPECS["run_set_verifiers_train"].call(
-        ids,
-        {
-            "authority": main_authority,
-            "run": pda.find_run(treasurer_index, ids),
-            "coordinator_instance": pda.find_coordinator_instance(run_id, ids),
-            "coordinator_account": coordinator_account,
-            "verification": pda.find_run_verification(coordinator_account, ids),
-        },
-        RunSetVerifiersTrainArgs(verifiers_train),
+        ids, accounts, RunSetVerifiersTrainArgs(verifiers_train)
     )
 
 

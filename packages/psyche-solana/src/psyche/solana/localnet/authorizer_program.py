@@ -20,10 +20,8 @@ from psyche.solana.localnet.runtime import (
     program_error,
     realloc,
     require,
-    require_mut,
     require_payer,
     require_program,
-    require_signer,
     require_system_account,
     store_borsh_account,
     write_data,
@@ -39,8 +37,7 @@ def process(ctx: InvokeContext) -> None:
 
 
 def _load(ctx: InvokeContext, accounts: Accounts) -> Authorization:
-    meta = accounts["authorization"]
-    require_mut(meta, "authorization")
+    meta = accounts.mutable("authorization")
     return load_borsh_account(ctx, meta, Authorization, ctx.program_id, "authorization")
 
 
@@ -50,8 +47,7 @@ def _create(
     args: authorizer_ix.AuthorizationCreateArgs,
 ) -> None:
     params = args.params
-    payer, grantor = require_payer(accounts), accounts["grantor"]
-    require_signer(grantor, "grantor")
+    payer, grantor = require_payer(accounts), accounts.signer("grantor")
     meta = accounts["authorization"]
     bump = init_pda(
         ctx,
@@ -81,8 +77,7 @@ def _grantor_update(
     accounts: Accounts,
     args: authorizer_ix.AuthorizationGrantorUpdateArgs,
 ) -> None:
-    grantor = accounts["grantor"]
-    require_signer(grantor, "grantor")
+    grantor = accounts.signer("grantor")
     authorization = _load(ctx, accounts)
     require(authorization.grantor == bytes(grantor.pubkey), "authorization")
     authorization.active = args.params.active
@@ -96,8 +91,7 @@ def _grantee_update(
     args: authorizer_ix.AuthorizationGranteeUpdateArgs,
 ) -> None:
     params = args.params
-    payer, grantee = require_payer(accounts), accounts["grantee"]
-    require_signer(grantee, "grantee")
+    payer, grantee = require_payer(accounts), accounts.signer("grantee")
     authorization = _load(ctx, accounts)
     require(authorization.grantee == bytes(grantee.pubkey), "authorization")
     kept = 0 if params.delegates_clear else len(authorization.delegates)
@@ -117,9 +111,7 @@ def _close(
     accounts: Accounts,
     args: authorizer_ix.AuthorizationCloseArgs,
 ) -> None:
-    grantor, spill = accounts["grantor"], accounts["spill"]
-    require_signer(grantor, "grantor")
-    require_mut(spill, "spill")
+    grantor, spill = accounts.signer("grantor"), accounts.mutable("spill")
     require_system_account(ctx, spill, "spill")
     authorization = _load(ctx, accounts)
     require(authorization.grantor == bytes(grantor.pubkey), "authorization")

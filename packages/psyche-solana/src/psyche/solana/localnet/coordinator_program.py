@@ -60,7 +60,6 @@ from psyche.solana.localnet.runtime import (
     require_payer,
     require_program,
     require_seeds,
-    require_signer,
     require_system_account,
     store_borsh_account,
     write_data,
@@ -161,7 +160,7 @@ def _check_account(
 
 
 def _owner_accounts(ctx: InvokeContext, accounts: Accounts) -> tuple[CoordinatorInstance, bytes]:
-    require_signer(accounts["authority"], "authority")
+    accounts.signer("authority")
     instance = _load_instance(ctx, accounts["coordinator_instance"])
     data = _check_account(ctx, accounts["coordinator_account"], instance)
     require(bytes(accounts.key("authority")) == instance.main_authority, "coordinator_instance")
@@ -169,7 +168,7 @@ def _owner_accounts(ctx: InvokeContext, accounts: Accounts) -> tuple[Coordinator
 
 
 def _permissionless_accounts(ctx: InvokeContext, accounts: Accounts) -> bytes:
-    require_signer(accounts["user"], "user")
+    accounts.signer("user")
     instance = _load_instance(ctx, accounts["coordinator_instance"])
     return _check_account(ctx, accounts["coordinator_account"], instance)
 
@@ -296,8 +295,7 @@ def _init_coordinator(
         CoordinatorInstance.SPACE,
         "coordinator_instance",
     )
-    account_meta = accounts["coordinator_account"]
-    require_mut(account_meta, "coordinator_account")
+    account_meta = accounts.mutable("coordinator_account")
     account = require_owner(ctx, account_meta, ctx.program_id, "coordinator_account")
     require_program(accounts["system_program"], SYSTEM_PROGRAM, "system_program")
 
@@ -336,16 +334,12 @@ def _init_coordinator(
 def _free_coordinator(
     ctx: InvokeContext, accounts: Accounts, args: coordinator_ix.FreeCoordinatorArgs
 ) -> None:
-    authority = accounts["authority"]
-    require_signer(authority, "authority")
-    spill = accounts["spill"]
-    require_mut(spill, "spill")
+    authority = accounts.signer("authority")
+    spill = accounts.mutable("spill")
     require_system_account(ctx, spill, "spill")
-    instance_meta = accounts["coordinator_instance"]
-    require_mut(instance_meta, "coordinator_instance")
+    instance_meta = accounts.mutable("coordinator_instance")
     instance = _load_instance(ctx, instance_meta)
-    account_meta = accounts["coordinator_account"]
-    require_mut(account_meta, "coordinator_account")
+    account_meta = accounts.mutable("coordinator_account")
     _, data = load_account_data(
         ctx, account_meta, ctx.program_id, "CoordinatorAccount", "coordinator_account"
     )
@@ -423,8 +417,7 @@ def _set_future_epoch_rates(
 
 
 def _join_run(ctx: InvokeContext, accounts: Accounts, args: coordinator_ix.JoinRunArgs) -> None:
-    user = accounts["user"]
-    require_signer(user, "user")
+    user = accounts.signer("user")
     authorization = load_borsh_account(
         ctx,
         accounts["authorization"],

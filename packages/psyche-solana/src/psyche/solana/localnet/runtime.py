@@ -152,6 +152,18 @@ class Accounts:
     def key(self, name: str) -> Pubkey:
         return self.metas[name].pubkey
 
+    def signer(self, name: str) -> AccountMeta:
+        """The account `name`, which must sign (Anchor's `Signer<'info>`)."""
+        meta = self.metas[name]
+        require_signer(meta, name)
+        return meta
+
+    def mutable(self, name: str) -> AccountMeta:
+        """The account `name`, which must be writable (Anchor's `#[account(mut)]`)."""
+        meta = self.metas[name]
+        require_mut(meta, name)
+        return meta
+
 
 def name_accounts(ctx: InvokeContext, names: Sequence[str]) -> Accounts:
     if len(ctx.metas) < len(names):
@@ -196,8 +208,7 @@ def require_mut(meta: AccountMeta, name: str) -> None:
 def require_payer(accounts: Accounts) -> AccountMeta:
     """The `payer` account of an instruction that creates one: a mutable signer (Anchor's
     `#[account(mut)] payer: Signer`)."""
-    payer = accounts["payer"]
-    require_signer(payer, "payer")
+    payer = accounts.signer("payer")
     require_mut(payer, "payer")
     return payer
 

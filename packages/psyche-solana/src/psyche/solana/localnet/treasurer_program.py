@@ -31,11 +31,9 @@ from psyche.solana.localnet.runtime import (
     load_borsh_account,
     program_error,
     require,
-    require_mut,
     require_payer,
     require_program,
     require_seeds,
-    require_signer,
     store_borsh_account,
     write_data,
 )
@@ -107,9 +105,8 @@ def _run_create(ctx: InvokeContext, accounts: Accounts, args: treasurer_ix.RunCr
         ctx, payer.pubkey, run_meta, _run_seeds(params.index), TreasurerRun.SPACE, "run"
     )
     # `init, associated_token::mint = collateral_mint, associated_token::authority = run`
-    collateral_meta = accounts["run_collateral"]
+    collateral_meta = accounts.mutable("run_collateral")
     mint_meta = accounts["collateral_mint"]
-    require_mut(collateral_meta, "run_collateral")
     if collateral_meta.pubkey != associated_token_address(run_meta.pubkey, mint_meta.pubkey):
         raise anchor_error(AnchorErrorCode.ConstraintAssociated, "run_collateral")
     ctx.invoke(
@@ -127,9 +124,8 @@ def _run_create(ctx: InvokeContext, accounts: Accounts, args: treasurer_ix.RunCr
         )
     )
     _load_token_program_account(ctx, mint_meta, "collateral_mint", Mint)
-    instance_meta, account_meta = accounts["coordinator_instance"], accounts["coordinator_account"]
-    require_mut(instance_meta, "coordinator_instance")
-    require_mut(account_meta, "coordinator_account")
+    instance_meta = accounts.mutable("coordinator_instance")
+    account_meta = accounts.mutable("coordinator_account")
     coordinator_program = ctx.ledger.program_ids.coordinator_key
     require_program(accounts["coordinator_program"], coordinator_program, "coordinator_program")
     require_program(
@@ -176,8 +172,7 @@ def _run_create(ctx: InvokeContext, accounts: Accounts, args: treasurer_ix.RunCr
 def _run_owner_accounts(ctx: InvokeContext, accounts: Accounts) -> tuple[Pubkey, dict[str, Pubkey]]:
     """`run_update`'s checks (the run's main authority signs, the run's coordinator accounts):
     the run PDA and the accounts of the coordinator's owner instructions it signs as."""
-    authority = accounts["authority"]
-    require_signer(authority, "authority")
+    authority = accounts.signer("authority")
     run_meta = accounts["run"]
     run = load_borsh_account(ctx, run_meta, TreasurerRun, ctx.program_id, "run")
     coordinator_program = ctx.ledger.program_ids.coordinator_key
@@ -185,8 +180,7 @@ def _run_owner_accounts(ctx: InvokeContext, accounts: Accounts) -> tuple[Pubkey,
     load_borsh_account(
         ctx, instance_meta, CoordinatorInstance, coordinator_program, "coordinator_instance"
     )
-    account_meta = accounts["coordinator_account"]
-    require_mut(account_meta, "coordinator_account")
+    account_meta = accounts.mutable("coordinator_account")
     load_account_data(
         ctx, account_meta, coordinator_program, "CoordinatorAccount", "coordinator_account"
     )
@@ -222,8 +216,7 @@ def _run_set_verifiers_train(
 def _participant_create(
     ctx: InvokeContext, accounts: Accounts, args: treasurer_ix.ParticipantCreateArgs
 ) -> None:
-    payer, user = require_payer(accounts), accounts["user"]
-    require_signer(user, "user")
+    payer, user = require_payer(accounts), accounts.signer("user")
     run_meta = accounts["run"]
     load_borsh_account(ctx, run_meta, TreasurerRun, ctx.program_id, "run")
     participant_meta = accounts["participant"]
@@ -246,18 +239,14 @@ def _participant_create(
 def _participant_claim(
     ctx: InvokeContext, accounts: Accounts, args: treasurer_ix.ParticipantClaimArgs
 ) -> None:
-    user = accounts["user"]
-    require_signer(user, "user")
-    user_collateral_meta = accounts["user_collateral"]
-    require_mut(user_collateral_meta, "user_collateral")
+    user = accounts.signer("user")
+    user_collateral_meta = accounts.mutable("user_collateral")
     user_collateral = _load_token_program_account(
         ctx, user_collateral_meta, "user_collateral", TokenAccount
     )
-    run_meta = accounts["run"]
-    require_mut(run_meta, "run")
+    run_meta = accounts.mutable("run")
     run = load_borsh_account(ctx, run_meta, TreasurerRun, ctx.program_id, "run")
-    run_collateral_meta = accounts["run_collateral"]
-    require_mut(run_collateral_meta, "run_collateral")
+    run_collateral_meta = accounts.mutable("run_collateral")
     run_collateral = _load_token_program_account(
         ctx, run_collateral_meta, "run_collateral", TokenAccount
     )
@@ -266,8 +255,7 @@ def _participant_claim(
     _, coordinator_data = load_account_data(
         ctx, account_meta, coordinator_program, "CoordinatorAccount", "coordinator_account"
     )
-    participant_meta = accounts["participant"]
-    require_mut(participant_meta, "participant")
+    participant_meta = accounts.mutable("participant")
     participant = load_borsh_account(
         ctx, participant_meta, Participant, ctx.program_id, "participant"
     )
