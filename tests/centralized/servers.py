@@ -1,6 +1,7 @@
 """What the server tests share: a running server's loopback address, waiting for a condition, and
 a run whose training data its own server hosts (`data_location = Server`: the tiny run's dataset
-written into a test's directory, and a quick coordinator pointing at the data port)."""
+written into a test's directory, and a quick coordinator pointing at the data port), and the
+tiny CPU run's config (`TINY`) with its state pointed at a data port (`tiny_state`)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,18 @@ from psyche.data_provider import DataServerInfo
 from ..polling import poll_until
 from ..processes import REPO, free_port
 
+TINY = REPO / "configs" / "tiny-cpu"
+
+
+def tiny_state(tmp_path: Path, data_port: int, **replace: str) -> Path:
+    text = (TINY / "state.toml").read_text().replace("127.0.0.1:20001", f"127.0.0.1:{data_port}")
+    for old, new in replace.items():
+        assert old in text
+        text = text.replace(old, new)
+    path = tmp_path / "state.toml"
+    path.write_text(text)
+    return path
+
 
 def addr(server: CentralizedServer) -> str:
     return f"127.0.0.1:{server.port}"
@@ -34,7 +47,7 @@ def hosted(directory: Path, *, port: int | None = None) -> tuple[Coordinator, Da
     the data port is `port`, or a free one."""
     write_tiny_dataset(
         directory / "data",
-        tokenizer_path=REPO / "configs/tiny-cpu/model/tokenizer.json",
+        tokenizer_path=TINY / "model" / "tokenizer.json",
         seq_len=32,
         min_sequences=64,
     )

@@ -19,19 +19,9 @@ from psyche.centralized.save_state import load_state
 from psyche.centralized.testing import ProtocolClient
 
 from ..processes import REPO, free_port
+from .servers import TINY, tiny_state
 
-TINY = REPO / "configs" / "tiny-cpu"
 SERVING = re.compile(r"serving run '([^']*)' on port (\d+)")
-
-
-def tiny_state(tmp_path: Path, data_port: int, **replace: str) -> Path:
-    text = (TINY / "state.toml").read_text().replace("127.0.0.1:20001", f"127.0.0.1:{data_port}")
-    for old, new in replace.items():
-        assert old in text
-        text = text.replace(old, new)
-    path = tmp_path / "state.toml"
-    path.write_text(text)
-    return path
 
 
 def server(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:

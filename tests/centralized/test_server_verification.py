@@ -118,7 +118,7 @@ def test_validate_config_and_the_server_refuse_a_run_without_a_verifier(
     from psyche.coordinator.run_config import load_state_toml
 
     from ..processes import free_port
-    from .test_server_cli import tiny_state
+    from .servers import tiny_state
 
     # the tiny run: min_clients 1, so 25 % elects no verifier beside the tie-breaker
     state = tiny_state(

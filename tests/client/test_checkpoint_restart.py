@@ -19,25 +19,19 @@ import trio
 
 from psyche.centralized.save_state import load_state, save_state, saved_run_identity
 from psyche.client.checkpoints.store import (
-    CheckpointConfig,
     RunInstance,
     checkpoint_path,
     save_checkpoint_locally,
 )
 from psyche.client.client import Client
-from psyche.client.round.broadcast import open_network
-from psyche.client.setup.init import RunInitConfig
 from psyche.client.setup.model_loading import config_json_of, load_from_directory, preload_modeling
 from psyche.client.testing import InProcessServer
 from psyche.coordinator import CoordinatorProgress, RunState
-from psyche.core.identity import SecretKey
-from psyche.core.node_identity import NodeIdentity
 from psyche.modeling.sharing import model_hash
-from psyche.network.connection import NetworkConfig
 
 from ..polling import poll_until
 from ..timing import scaled, scaled_timer
-from .test_in_process_run import RUN_ID, _identities, coordinator, fields, write_run
+from .in_process import RUN_ID, client_parts, coordinator, fields, identities, write_run
 
 STEP = 12  # the saved state's step: the epoch starts from the checkpoint of step 11
 INSTANCE = RunInstance(RUN_ID, "saved-instance")
@@ -52,13 +46,8 @@ def _single_thread():  # type: ignore[no-untyped-def]
 
 
 async def run_client(server: InProcessServer, number: int, checkpoint_dir: Path | None) -> None:
-    key = SecretKey.from_bytes(number.to_bytes(32, "big"))
-    identity = NodeIdentity.from_single_key(key.public_key)
-    config = NetworkConfig(run_id=RUN_ID, secret_key=key, bind_host="127.0.0.1")
-    checkpoint = None if checkpoint_dir is None else CheckpointConfig(checkpoint_dir)
-    init = RunInitConfig(identity, key, RUN_ID, device="cpu", checkpoint=checkpoint)
-    async with open_network(config) as network, server.connect(identity, RUN_ID) as backend:
-        await Client(backend, network, init).run()
+    async with client_parts(server, number, checkpoint_dir) as parts:
+        await Client(*parts).run()
 
 
 def test_clients_and_server_restarted_resume_from_the_last_complete_checkpoint(
@@ -139,7 +128,7 @@ def test_clients_and_server_restarted_resume_from_the_last_complete_checkpoint(
     trio.run(scenario)
     loaded = {f["client_id"]: f for f in fields(caplog.records, "loaded_model")}
     assert len(loaded) == 3
-    first, second, third = (loaded[str(i)] for i in _identities(1, 2, 3))
+    first, second, third = (loaded[str(i)] for i in identities(1, 2, 3))
     assert first["source"].endswith(f"{RUN_ID}-step{STEP - 1} (resumed)"), first
     assert second["source"].endswith(f"{mine.name} (resumed)"), second
     assert third["source"] == "peers (P2P)", third  # not the stored checkpoint

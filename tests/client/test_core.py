@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from psyche.client.round import apply, payloads, train, warmup, witness
+from psyche.client.round import apply, payloads, warmup, witness
 from psyche.client.round.broadcast import Broadcast, BroadcastType, Finished, TrainingResult
 from psyche.client.round.state import (
     DeserializedPayload,
@@ -28,35 +28,13 @@ from psyche.coordinator.testing import (
     simulated_identity,
 )
 from psyche.core.batch_id import BatchId
-from psyche.core.bloom import WitnessBloom
 from psyche.core.identity import SecretKey
 from psyche.core.merkle_tree import MerkleRoot, MerkleTree
 from psyche.core.node_identity import NodeIdentity
 from psyche.core.sha256 import sha256
 from psyche.network.ticket import BlobFormat, BlobTicket, EndpointAddr
 
-KEYS = [11, 12, 13, 14, 15, 16, 17, 18]
-
-
-def fixed_bloom(_items: int, _rate: float) -> WitnessBloom:
-    return WitnessBloom(KEYS)
-
-
-def training_sim(clients: int = 3, batch: int = 6, witness_nodes: int = 1) -> Simulation:
-    coordinator = integration_test_coordinator(clients, batch, witness_nodes)
-    sim = Simulation(coordinator, now=1_000_000, rng=random.Random(3))
-    for i in range(clients):
-        sim.join(simulated_identity(i))
-    sim.run_until(lambda c: c.run_state is RunState.Warmup, 10)
-    sim.send_warmup_witnesses()
-    sim.run_until(lambda c: c.run_state is RunState.RoundTrain, 30)
-    return sim
-
-
-def next_round(sim: Simulation) -> None:
-    step = sim.coordinator.progress.step
-    assert sim.send_round_witnesses() == []
-    sim.run_until(lambda c: c.run_state is RunState.RoundTrain and c.progress.step == step + 1, 30)
+from .round_sim import KEYS, index_of, next_round, plan_for, training_sim
 
 
 def ticket(tag: int, provider: bytes = bytes(32)) -> BlobTicket:
@@ -79,16 +57,6 @@ def finished_broadcast(step: int, proof: CommitteeProof, warmup: bool) -> Broadc
         step, proof, Commitment(bytes(32), bytes(64)), 0,
         BroadcastType.Finished(Finished(MerkleRoot(), warmup)),
     )  # fmt: skip
-
-
-def index_of(coordinator: Coordinator, identity: NodeIdentity) -> int:
-    return next(i for i, c in enumerate(coordinator.epoch_state.clients) if c.id == identity)
-
-
-def plan_for(coordinator: Coordinator, identity: NodeIdentity) -> train.RoundPlan:
-    return train.start_round(
-        coordinator, identity, index_of(coordinator, identity), new_bloom=fixed_bloom
-    )
 
 
 @pytest.fixture

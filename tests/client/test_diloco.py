@@ -39,7 +39,7 @@ from psyche.modeling.serialized_distro import (
 )
 from psyche.modeling.trainer import PreparedResult, Trainer
 
-from .test_machine import Bus, BusIO, FakeData, Node, settle
+from .machine_bus import Bus, BusIO, FakeData, Node, settle
 
 INNER_STEPS = 2
 CLIENTS = 3

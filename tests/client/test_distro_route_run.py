@@ -24,7 +24,7 @@ from psyche.core.definitions import OptimizerDefinition
 from psyche.modeling.distro import Distro, DistroResult
 
 from ..timing import scaled
-from .test_in_process_run import coordinator, run_client_until_finished, write_run
+from .in_process import coordinator, run_client_until_finished, write_run
 
 
 def weights_digest(distro: Distro) -> str:

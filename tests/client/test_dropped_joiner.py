@@ -7,7 +7,6 @@ in (or was refused by peers it was no longer a member for), and it never sent `J
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,6 @@ from psyche.client.round.broadcast import open_network
 from psyche.client.setup.init import RunInitConfig
 from psyche.client.setup.model_loading import preload_modeling
 from psyche.coordinator import Coordinator, HubRepo, RunState
-from psyche.coordinator.backend import HealthCheck, OpportunisticData
 from psyche.coordinator.model import Checkpoint
 from psyche.coordinator.run_state import Client as Member
 from psyche.core.identity import SecretKey
@@ -29,33 +27,8 @@ from psyche.network.testing import serve_model, wait_until
 from psyche.network.ticket import BlobTicket
 from psyche.network.transmittable import ModelRequestType
 
-from .test_in_process_run import RUN_ID, coordinator, write_run
-
-WAIT_SECS = 60.0
-"""Generous (a loaded machine): each wait ends as soon as its condition holds."""
-
-
-class ScriptedCoordinator:
-    """A backend (`Backend` and `Rejoin`) whose states the test sends; it counts `Join`s."""
-
-    def __init__(self) -> None:
-        self.states, self._receive = trio.open_memory_channel[Coordinator](math.inf)
-        self.rejoins = 0
-
-    async def wait_for_new_state(self) -> Coordinator:
-        return await self._receive.receive()
-
-    async def send_witness(self, opportunistic_data: OpportunisticData) -> None:
-        pass
-
-    async def send_health_check(self, health_checks: list[HealthCheck]) -> None:
-        pass
-
-    async def send_checkpoint(self, checkpoint: Checkpoint) -> None:
-        pass
-
-    async def rejoin(self) -> None:
-        self.rejoins += 1
+from .in_process import RUN_ID, coordinator, write_run
+from .scripted_coordinator import WAIT_SECS, ScriptedCoordinator
 
 
 def _state(base: Coordinator, run_state: RunState, members: list[NodeIdentity]) -> Coordinator:

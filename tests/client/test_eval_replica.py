@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from .test_workers import LEADER
+from .leaders import LEADER
 
 pytestmark = [pytest.mark.slow]
 

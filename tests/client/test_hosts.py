@@ -40,7 +40,7 @@ import pytest
 
 from .. import netns
 from ..timing import scaled
-from .test_workers import LEADER, Leader, pid_alive, wait_until
+from .leaders import LEADER, Leader, pid_alive, wait_until
 
 pytestmark = [pytest.mark.slow]
 

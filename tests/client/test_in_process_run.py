@@ -5,7 +5,6 @@ next epoch, takes the model from them over P2P model sharing and starts hash-ide
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -17,24 +16,24 @@ import torch
 import trio
 
 from psyche.client.client import Client
-from psyche.client.round.broadcast import open_network
-from psyche.client.setup.init import RunInitConfig
 from psyche.client.setup.model_loading import preload_modeling
-from psyche.client.testing import InProcessServer, local_run_state
+from psyche.client.testing import InProcessServer
 from psyche.coordinator import (
     Coordinator,
     RunState,
 )
-from psyche.core.identity import SecretKey
-from psyche.core.node_identity import NodeIdentity
-from psyche.modeling.configs import llama_config_dict
-from psyche.network.connection import NetworkConfig
 
 from ..polling import poll_until
-from ..timing import scale_config_timers, scaled, scaled_timer
-
-SEQ = 32
-RUN_ID = "in-process"
+from ..timing import scaled, scaled_timer
+from .in_process import (
+    RUN_ID,
+    coordinator,
+    fields,
+    identities,
+    run_client,
+    run_client_until_finished,
+    write_run,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -43,54 +42,6 @@ def _single_thread():  # type: ignore[no-untyped-def]
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-def write_run(tmp_path: Path) -> tuple[Path, Path]:
-    model_dir = tmp_path / "model"
-    model_dir.mkdir()
-    (model_dir / "config.json").write_text(json.dumps(llama_config_dict("tiny")))
-    data_dir = tmp_path / "data"
-    data_dir.mkdir()
-    # a learnable token stream: a fixed random walk over a small bigram table
-    rng = np.random.default_rng(0)
-    successors = rng.integers(0, 256, size=(256, 2))
-    stream = np.empty(SEQ * 400, dtype=np.uint16)
-    stream[0] = 1
-    for i in range(1, len(stream)):
-        stream[i] = successors[stream[i - 1], rng.integers(0, 2)]
-    (data_dir / "tokens.ds").write_bytes(stream.astype("<u2").tobytes())
-    return model_dir, data_dir
-
-
-def coordinator(model_dir: Path, data_dir: Path) -> Coordinator:
-    """The run, its timers scaled to this machine's speed (`tests/timing.py`)."""
-    state = local_run_state(model_dir, data_dir, run_id=RUN_ID, seq_len=SEQ, lr=3e-3)
-    scale_config_timers(state.config)
-    return state
-
-
-async def run_client(
-    server: InProcessServer,
-    number: int,
-    kind: type[Client] = Client,
-    started: list[Client] | None = None,
-) -> None:
-    """Client `number` (a `kind`, appended to `started`) until cancelled or it ends."""
-    key = SecretKey.from_bytes(number.to_bytes(32, "big"))
-    identity = NodeIdentity.from_single_key(key.public_key)
-    config = NetworkConfig(run_id=RUN_ID, secret_key=key, bind_host="127.0.0.1")
-    async with (
-        open_network(config) as network,
-        server.connect(identity, RUN_ID) as backend,
-    ):
-        client = kind(backend, network, RunInitConfig(identity, key, RUN_ID, device="cpu"))
-        if started is not None:
-            started.append(client)
-        await client.run()
-
-
-def fields(records: list[logging.LogRecord], name: str) -> list[dict]:  # type: ignore[type-arg]
-    return [r.psyche_fields for r in records if r.getMessage() == name]
 
 
 def test_two_clients_train_and_a_third_joins_from_peers(
@@ -153,29 +104,6 @@ def test_two_clients_train_and_a_third_joins_from_peers(
 
 
 # ---- the end of a run ------------------------------------------------------------------------
-
-
-async def run_client_until_finished(
-    server: InProcessServer, number: int, checkpoint_dir: Path | None
-) -> Client:
-    """A client that must end by itself (its `run()` returns) once the run is Finished."""
-    from psyche.client.checkpoints.store import CheckpointConfig
-
-    key = SecretKey.from_bytes(number.to_bytes(32, "big"))
-    identity = NodeIdentity.from_single_key(key.public_key)
-    checkpoint = None if checkpoint_dir is None else CheckpointConfig(checkpoint_dir)
-    config = NetworkConfig(run_id=RUN_ID, secret_key=key, bind_host="127.0.0.1")
-    async with (
-        open_network(config) as network,
-        server.connect(identity, RUN_ID) as backend,
-    ):
-        client = Client(
-            backend,
-            network,
-            RunInitConfig(identity, key, RUN_ID, device="cpu", checkpoint=checkpoint),
-        )
-        await client.run()
-    return client
 
 
 def test_clients_end_by_themselves_at_finished_and_keep_the_final_model(
@@ -374,7 +302,7 @@ def test_a_dropped_client_joins_again_and_reloads_the_model(
                 await wait_until(lambda: epoch_ended(server, caplog, gone + 1))
             nursery.cancel_scope.cancel()
 
-    me = str(_identities(3)[0])
+    me = str(identities(3)[0])
     trio.run(scenario)
     records = caplog.records
     others = {
@@ -400,19 +328,12 @@ def test_a_dropped_client_joins_again_and_reloads_the_model(
     assert rounds, others
     assert rounds[0]["clients"] == 3, (rounds, others)
     trained = {f["client_id"] for f in events("client_loss", back) if f["trained"]}
-    assert trained == {str(c) for c in _identities(1, 2, 3)}, (trained, others)
+    assert trained == {str(c) for c in identities(1, 2, 3)}, (trained, others)
     # it ended that epoch with the weights of every client that ended it beside it
     ended = events("cooldown_model", back)
     assert me in {f["client_id"] for f in ended}, (ended, others)
     assert len(ended) >= 2, (ended, others)
     assert len({f["model_hash"] for f in ended}) == 1, (ended, others)
-
-
-def _identities(*numbers: int) -> list[NodeIdentity]:
-    return [
-        NodeIdentity.from_single_key(SecretKey.from_bytes(n.to_bytes(32, "big")).public_key)
-        for n in numbers
-    ]
 
 
 class WitnessDroppingServer(InProcessServer):

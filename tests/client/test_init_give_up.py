@@ -39,8 +39,8 @@ from psyche.network.connection import NetworkConfig
 from psyche.network.testing import wait_until
 
 from .hub_endpoint import HubEndpoint, point_huggingface_hub_at
-from .test_dropped_joiner import WAIT_SECS, ScriptedCoordinator
-from .test_in_process_run import RUN_ID, SEQ, coordinator, write_run
+from .in_process import RUN_ID, SEQ, coordinator, write_run
+from .scripted_coordinator import WAIT_SECS, ScriptedCoordinator
 
 KEYS = [SecretKey.from_bytes(n.to_bytes(32, "big")) for n in (1, 2)]
 ME, OTHER = (NodeIdentity.from_single_key(k.public_key) for k in KEYS)

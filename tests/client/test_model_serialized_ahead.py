@@ -17,7 +17,7 @@ from psyche.coordinator import RunState
 
 from ..polling import poll_until
 from ..timing import scaled, scaled_timer
-from .test_in_process_run import coordinator, fields, run_client, write_run
+from .in_process import coordinator, fields, run_client, write_run
 
 
 def test_a_model_is_serialized_ahead_for_a_joiner_and_not_for_the_same_clients(

@@ -28,7 +28,7 @@ from psyche.core.batch_id import BatchId
 from psyche.core.node_identity import NodeIdentity
 from psyche.metrics import TrackerConfig
 
-from .test_telemetry import round_report
+from .support import round_report
 
 HONEST = NodeIdentity(bytes([1]) * 32, bytes(32))
 HOSTILE = NodeIdentity(bytes([2]) * 32, bytes(32))

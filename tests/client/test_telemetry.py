@@ -21,22 +21,18 @@ import trio.testing
 from psyche.client.client import Client
 from psyche.client.observe.evals import EvalSettings
 from psyche.client.observe.event_files import read_event_files
-from psyche.client.observe.telemetry import NetworkNumbers, RoundReport, round_metrics
-from psyche.client.round.broadcast import open_network
+from psyche.client.observe.telemetry import NetworkNumbers, round_metrics
 from psyche.client.run import _close_all, run_observers
-from psyche.client.setup.init import RunInitConfig
 from psyche.client.setup.model_loading import preload_modeling
 from psyche.client.setup.options import TrainOptions
 from psyche.client.testing import InProcessServer
 from psyche.coordinator import RunState
-from psyche.core.identity import SecretKey
-from psyche.core.node_identity import NodeIdentity
 from psyche.metrics import names
 from psyche.modeling.configs import llama_config_dict
-from psyche.network.connection import NetworkConfig
 
 from ..timing import scaled, scaled_timer
-from .test_in_process_run import RUN_ID, coordinator, write_run
+from .in_process import RUN_ID, client_parts, coordinator, identities, write_run
+from .support import round_report
 
 ROOT = Path(__file__).resolve().parents[2]
 PIQA_ROWS = [
@@ -52,28 +48,6 @@ ARC_ROWS = [
     }
     for i in range(6)
 ]
-
-
-def round_report(**fields: Any) -> RoundReport:
-    """A round's report with plain numbers, `fields` replacing them."""
-    values: dict[str, Any] = {
-        "step": 3,
-        "epoch": 0,
-        "total_steps": 10,
-        "round_height": 2,
-        "num_clients": 2,
-        "loss": None,
-        "lr": None,
-        "tokens_per_sec": None,
-        "total_tokens": 256,
-        "global_token_batch_size": 128,
-        "efficiency": None,
-        "seconds_left": None,
-        "trained": 0,
-        "train_seconds": 0.25,
-        "distro_seconds": 0.05,
-    }
-    return RoundReport(**{**values, **fields})
 
 
 def test_round_metrics_names_every_number_and_leaves_out_what_a_round_lacks() -> None:
@@ -147,23 +121,12 @@ def test_witness_metadata_carries_eval_scores_and_prompt_tokens_within_upstreams
 async def run_client(
     server: InProcessServer, number: int, options: TrainOptions
 ) -> tuple[Client, list[Any]]:
-    key = SecretKey.from_bytes(number.to_bytes(32, "big"))
-    identity = NodeIdentity.from_single_key(key.public_key)
+    (identity,) = identities(number)
     observers, closers = run_observers(options, identity, "psyche-test-client")
     evals = await trio.to_thread.run_sync(EvalSettings.from_options, options.evals)
-    config = NetworkConfig(run_id=RUN_ID, secret_key=key, bind_host="127.0.0.1")
     try:
-        async with (
-            open_network(config) as network,
-            server.connect(identity, RUN_ID) as backend,
-        ):
-            client = Client(
-                backend,
-                network,
-                RunInitConfig(identity, key, RUN_ID, device="cpu"),
-                observers=observers,
-                evals=evals,
-            )
+        async with client_parts(server, number) as parts:
+            client = Client(*parts, observers=observers, evals=evals)
             await client.run()
     finally:
         _close_all(closers)

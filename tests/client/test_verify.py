@@ -47,7 +47,7 @@ from psyche.data_provider.dummy import DummyDataProvider
 from psyche.modeling.verification import save_weights
 
 from ..modeling.tiny_trainer import make_trainer
-from .test_weight_decay import job as train_job
+from .support import train_job
 
 IDS = [simulated_identity(i) for i in range(6)]
 

@@ -20,7 +20,7 @@ from psyche.data_provider.dummy import DummyDataProvider
 from psyche.modeling.trainer import Trainer
 
 from ..modeling.tiny_trainer import make_trainer
-from .test_weight_decay import job as train_job
+from .support import train_job
 
 STEP = 1
 OWN = [BatchId(0, 1), BatchId(2, 3)]

@@ -13,15 +13,14 @@ import trio
 
 from psyche.client.round.fetch import DataFetcher
 from psyche.client.round.train import OwnResult, TrainingStep, TrainJob, run_round
-from psyche.coordinator.committee_selection import Committee, CommitteeProof
 from psyche.core.batch_id import BatchId
-from psyche.core.node_identity import NodeIdentity
 from psyche.core.token_size import TokenSize
 from psyche.data_provider.dummy import DummyDataProvider
 from psyche.modeling.sharing import model_hash
 from psyche.modeling.trainer import Batch, Trainer
 
 from ..modeling.tiny_trainer import make_trainer
+from .support import train_job
 
 WEIGHT_DECAY = 0.1
 SEQ = 16
@@ -35,19 +34,6 @@ ASSIGNED = {
 
 def weights_hash(trainer: Trainer) -> bytes:
     return model_hash(dict(trainer.model.variables()))
-
-
-def job(step: int, batches: list[BatchId], prev: list[list[Any]]) -> TrainJob:
-    return TrainJob(
-        step=step,
-        proof=CommitteeProof(Committee.Trainer, 0, 3),
-        assigned_batches=batches,
-        warmup_lr_between=None,
-        zero_optim=False,
-        prev_self_results=prev,
-        identity=NodeIdentity.from_single_key(bytes([1]) * 32),
-        write_gradients_dir=None,
-    )
 
 
 async def train_step(trainer: Trainer, fetcher: DataFetcher, step_job: TrainJob) -> list[OwnResult]:
@@ -79,7 +65,7 @@ def test_clients_that_trained_one_two_or_no_batch_hold_the_same_weights() -> Non
                 sent: dict[str, list[list[Any]]] = {}
                 for name, trainer in clients.items():
                     published = await train_step(
-                        trainer, fetcher, job(step, ASSIGNED[name], prev[name])
+                        trainer, fetcher, train_job(step, ASSIGNED[name], prev[name])
                     )
                     prev[name] = [r.original for r in published]
                     sent[name] = [r.sent for r in published]

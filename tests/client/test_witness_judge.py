@@ -31,8 +31,8 @@ from psyche.modeling.screening import RoundScreen, Verdict
 from psyche.modeling.serialized_distro import TransmittableDistroResult
 
 from ..modeling.tiny_trainer import make_trainer
-from .test_core import next_round, plan_for, training_sim
-from .test_machine import Bus, BusIO, Node
+from .machine_bus import Bus, BusIO, Node
+from .round_sim import next_round, plan_for, training_sim
 from .test_young_witness import deliver
 
 CLIENTS = 5

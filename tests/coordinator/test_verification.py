@@ -24,9 +24,7 @@ from psyche.coordinator.errors import CoordinatorError, CoordinatorErrorKind
 from psyche.coordinator.run_config import semantic_problems
 from psyche.coordinator.testing import (
     integration_test_coordinator,
-    keyed_identity,
     simulated_identity,
-    simulated_key,
 )
 from psyche.coordinator.verification import (
     MAX_FINDINGS,
@@ -35,7 +33,6 @@ from psyche.coordinator.verification import (
     Finding,
     RoundDuties,
     RoundVerification,
-    VerificationDuty,
     VerificationReport,
     draw_message,
     round_duties,
@@ -46,26 +43,9 @@ from psyche.coordinator.verification import (
 )
 from psyche.core import BatchId, NodeIdentity
 from psyche.core.deterministic_shuffle import deterministic_shuffle
-from psyche.core.identity import SecretKey
 from psyche.core.serde import PostcardError, from_bytes, max_encoded_size, to_bytes
 
-KEYS = {keyed_identity(i).signer: simulated_key(i) for i in range(64)}
-
-
-def ids(n: int) -> list[NodeIdentity]:
-    """Identities with real keys (a verifier signs its draw)."""
-    return [keyed_identity(i) for i in range(n)]
-
-
-def key_of(node: NodeIdentity) -> SecretKey:
-    return KEYS[node.signer]
-
-
-def checked_by(duties: RoundDuties, node: NodeIdentity) -> list[VerificationDuty]:
-    """What `node` checks in the round (a verifier: its draw, signed with its own key)."""
-    checks = duties.checks(node, key_of(node).sign)
-    assert checks is not None
-    return checks[0]
+from .verifying_nodes import checked_by, ids, key_of, report
 
 
 def round_for(
@@ -252,28 +232,6 @@ def a_round() -> tuple[RoundDuties, NodeIdentity, NodeIdentity, list[BatchId]]:
     (verifier,) = {d.verifier for d in duties.verifiers}
     (tie_breaker,) = {d.verifier for d in duties.tie_breakers}
     return duties, verifier, tie_breaker, list(assignments)
-
-
-def report(
-    duties: RoundDuties,
-    sender: NodeIdentity,
-    wrong: set[BatchId],
-    score: float = 0.5,
-    only: set[BatchId] | None = None,
-) -> VerificationReport:
-    """`sender`'s findings on what it checks (`only` those batches: a tie-breaker's disputed),
-    with its draw."""
-    checks = duties.checks(sender, key_of(sender).sign)
-    assert checks is not None
-    return VerificationReport(
-        duties.step,
-        [
-            Finding(d.batch_id, d.batch_id not in wrong, score if d.batch_id in wrong else 0.0)
-            for d in checks[0]
-            if only is None or d.batch_id in only
-        ],
-        checks[1],
-    )
 
 
 def test_a_report_round_trips_and_is_bounded() -> None:

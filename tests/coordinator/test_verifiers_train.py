@@ -26,7 +26,7 @@ from psyche.coordinator.verification import RoundVerification, verification_prob
 from psyche.core import BatchId, NodeIdentity
 from psyche.core.serde import from_bytes, to_bytes
 
-from .test_verification import checked_by, ids, report
+from .verifying_nodes import checked_by, ids, report
 
 
 def started(

@@ -14,43 +14,10 @@ import random
 
 import pytest
 import torch
-from torch import nn
 
 from psyche.modeling.distro import Distro, DistroResult, quantize_results
 
-from .test_distro_fast_paths import assert_same_bits
-
-SHAPES = {  # repeated shapes (a transformer's layers), 1-D norms, a lone shape, a 3-D stack
-    "embed": (40, 32),
-    "layers.0.attn": (32, 32),
-    "layers.0.mlp": (48, 32),
-    "layers.0.norm": (32,),
-    "layers.1.attn": (32, 32),
-    "layers.1.mlp": (48, 32),
-    "layers.1.norm": (32,),
-    "layers.2.attn": (32, 32),
-    "layers.2.mlp": (48, 32),
-    "layers.2.norm": (32,),
-    "experts": (3, 16, 32),
-    "experts2": (3, 16, 32),
-    "single_block": (8, 8),
-    "single_block2": (8, 8),
-}
-
-
-def _params(dtype: torch.dtype, seed: int, device: str) -> list[tuple[str, nn.Parameter]]:
-    g = torch.Generator().manual_seed(seed)
-    return [
-        (name, nn.Parameter((torch.randn(*shape, generator=g) * 0.02).to(device, dtype)))
-        for name, shape in SHAPES.items()
-    ]
-
-
-def _set_grads(params: list[tuple[str, nn.Parameter]], seed: int, drop_one: bool) -> None:
-    g = torch.Generator().manual_seed(seed)
-    for i, (_, p) in enumerate(params):
-        grad = torch.randn(p.shape, generator=g).to(p.device, p.dtype)
-        p.grad = None if (drop_one and i == 3) else grad
+from .distro_cases import assert_same_bits, seeded_grads, seeded_params
 
 
 def _run(
@@ -58,23 +25,23 @@ def _run(
 ) -> list[tuple[list[list[DistroResult]], list[torch.Tensor], list[torch.Tensor]]]:
     """Four steps of one client with three peers; per step: its payloads, weights, momentum."""
     rng = random.Random(seed)
-    params = _params(dtype, seed, device)
+    params = seeded_params(dtype, seed, device)
     wd = rng.choice([0.0, 0.1])
     distro = Distro(params, 0.999, chunk, topk, wd, batched=batched_route)
     assert (distro.groups is not None) == batched_route
     distro.keep_encoded = True  # what a witness reads as its reference (the screening)
-    peers = [_params(dtype, seed + k + 1, device) for k in range(3)]
+    peers = [seeded_params(dtype, seed + k + 1, device) for k in range(3)]
     peer_distros = [Distro(p, 0.999, chunk, topk, wd, batched=False) for p in peers]
     prev: list[list[DistroResult]] = []
     steps = []
     for step in range(1, 5):
         lr, prev_lr = 1e-3 * step, 1e-3 * (step - 1)
         distro.error_correction(prev_lr)
-        _set_grads(params, 100 * seed + step, drop_one=rng.random() < 0.3)
+        seeded_grads(params, 100 * seed + step, drop_one=rng.random() < 0.3)
         out = distro.generate(prev, prev_lr, lr)
         peer_out = []
         for k, (p, d) in enumerate(zip(peers, peer_distros)):
-            _set_grads(p, 1000 * seed + 10 * step + k, drop_one=False)
+            seeded_grads(p, 1000 * seed + 10 * step + k, drop_one=False)
             peer_out.append(d.generate([], prev_lr, lr))
         arriving = [quantize_results(out)] + [quantize_results(r) for r in peer_out]
         if rng.random() < 0.5:  # a duplicate list: the same indices twice
@@ -139,7 +106,7 @@ def test_the_batched_route_gives_the_per_parameter_bits(
 
 
 def test_groups_hold_same_shaped_parameters_and_single_blocks_stay_alone() -> None:
-    distro = Distro(_params(torch.float32, 0, "cpu"), 0.999, 16, 4, batched=True)
+    distro = Distro(seeded_params(torch.float32, 0, "cpu"), 0.999, 16, 4, batched=True)
     names = [n for n, _ in distro.variables]
     assert distro.groups is not None
     named = sorted(sorted(names[i] for i in g) for g in distro.groups)
@@ -155,7 +122,7 @@ def test_a_group_larger_than_the_stack_limit_is_split(monkeypatch: pytest.Monkey
     from psyche.modeling import distro as distro_module
 
     monkeypatch.setattr(distro_module, "MAX_STACK_NUMEL", 2 * 48 * 32)  # two mlp weights
-    distro = Distro(_params(torch.float32, 0, "cpu"), 0.999, 16, 4, batched=True)
+    distro = Distro(seeded_params(torch.float32, 0, "cpu"), 0.999, 16, 4, batched=True)
     names = [n for n, _ in distro.variables]
     assert distro.groups is not None
     named = [[names[i] for i in g] for g in distro.groups]
@@ -165,13 +132,13 @@ def test_a_group_larger_than_the_stack_limit_is_split(monkeypatch: pytest.Monkey
 
 
 def test_the_per_parameter_route_is_the_default_on_the_cpu() -> None:
-    assert Distro(_params(torch.float32, 0, "cpu"), 0.999, 16, 4).groups is None
+    assert Distro(seeded_params(torch.float32, 0, "cpu"), 0.999, 16, 4).groups is None
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_batched_route_gives_the_per_parameter_bits_on_cuda(dtype: torch.dtype) -> None:
-    assert Distro(_params(dtype, 0, "cuda"), 0.999, 16, 4).groups is not None  # the default
+    assert Distro(seeded_params(dtype, 0, "cuda"), 0.999, 16, 4).groups is not None  # the default
     for chunk, topk in [(16, 4), (64, 8)]:
         for seed in range(3):
             _compare("cuda", dtype, chunk, topk, seed)

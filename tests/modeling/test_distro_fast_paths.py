@@ -31,8 +31,8 @@ from psyche.modeling.distro import Distro, DistroResult, quantize_results
 from psyche.modeling.serialized_distro import transmittable_distro_result
 
 from . import distro_reference as ref
+from .distro_cases import assert_same_bits, bits
 
-_INT_VIEW = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 _DEFAULTFAST_ROUTE_MIN_NUMEL = compression.FAST_ROUTE_MIN_NUMEL
 
 
@@ -41,20 +41,6 @@ def fast_routes_everywhere(monkeypatch: pytest.MonkeyPatch) -> None:
     """Small tensors normally keep upstream's plain route (it is as fast there); the cases here
     are small so that many fit in a few seconds, so the fast routes are switched on for all."""
     monkeypatch.setattr(compression, "FAST_ROUTE_MIN_NUMEL", 0)
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """The raw bit patterns of a float tensor, in logical order."""
-    return t.detach().contiguous().view(_INT_VIEW[t.element_size()])
-
-
-def assert_same_bits(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
-    assert a.dtype == b.dtype, what
-    assert a.shape == b.shape, what
-    if a.dtype.is_floating_point:
-        assert torch.equal(bits(a), bits(b)), what
-    else:
-        assert torch.equal(a, b), what
 
 
 class OpLog(TorchDispatchMode):

@@ -10,8 +10,6 @@ stays the default (its bits against the frozen reference: `test_distro_fast_path
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 from torch import nn
@@ -20,48 +18,14 @@ from psyche.modeling.compression import compress
 from psyche.modeling.dct import SparseSynthesis, TransformDCT, _integer_basis_rows
 from psyche.modeling.distro import Distro, DistroResult, quantize_results
 
-from .test_distro_batched import SHAPES, _params, _set_grads
-from .test_distro_fast_paths import assert_same_bits
-
-
-def _arriving(
-    dtype: torch.dtype, chunk: int, topk: int, seed: int, peers: int, device: str = "cpu"
-) -> list[list[DistroResult]]:
-    """`peers` 1-bit result lists of a round (with a duplicate list: coefficients hit twice)."""
-    out = []
-    for k in range(peers):
-        params = _params(dtype, seed + k + 1, device)
-        _set_grads(params, 1000 * seed + k, drop_one=False)
-        out.append(quantize_results(Distro(params, 0.999, chunk, topk).generate([], 0.0, 1e-3)))
-    return [*out, out[0]]
-
-
-def _run(
-    dtype: torch.dtype,
-    chunk: int,
-    topk: int,
-    seed: int,
-    kind: type[Distro] = Distro,
-    **options: bool,
-) -> list[list[torch.Tensor]]:
-    """Four steps of one client with three peers on the sparse route (`kind`'s): payloads,
-    weights and momentum."""
-    rng = random.Random(seed)
-    params = _params(dtype, seed, "cpu")
-    distro = kind(params, 0.999, chunk, topk, rng.choice([0.0, 0.1]), sparse=True, **options)
-    prev: list[list[DistroResult]] = []
-    steps = []
-    for step in range(1, 5):
-        lr, prev_lr = 1e-3 * step, 1e-3 * (step - 1)
-        distro.error_correction(prev_lr)
-        _set_grads(params, 100 * seed + step, drop_one=step == 2)
-        out = distro.generate(prev, prev_lr, lr)
-        distro.apply([quantize_results(out), *_arriving(dtype, chunk, topk, seed + step, 3)], lr)
-        payload = [t for r in out for t in (r.sparse_idx, r.sparse_val)]
-        weights = [p.detach().clone() for _, p in params]
-        steps.append(payload + weights + [d.clone() for d in distro.deltas])
-        prev = [out] if step % 2 else [out, out]  # sometimes two batches' worth
-    return steps
+from .distro_cases import (
+    SHAPES,
+    arriving_results,
+    assert_same_bits,
+    seeded_grads,
+    seeded_params,
+    sparse_steps,
+)
 
 
 def _assert_same_steps(a: list[list[torch.Tensor]], b: list[list[torch.Tensor]]) -> None:
@@ -76,7 +40,9 @@ def test_two_independent_instances_agree_bit_for_bit(
     dtype: torch.dtype, chunk: int, topk: int
 ) -> None:
     for seed in range(2):
-        _assert_same_steps(_run(dtype, chunk, topk, seed), _run(dtype, chunk, topk, seed))
+        _assert_same_steps(
+            sparse_steps(dtype, chunk, topk, seed), sparse_steps(dtype, chunk, topk, seed)
+        )
 
 
 def _apply_once(
@@ -88,7 +54,7 @@ def _apply_once(
     strided: bool = False,
 ) -> list[torch.Tensor]:
     """The weights after one apply of `results` from the same starting weights."""
-    params = _params(dtype, 7, "cpu")
+    params = seeded_params(dtype, 7, "cpu")
     if strided:  # the same values in a transposed layout: not one plain view
         params = [
             (n, nn.Parameter(p.detach().mT.contiguous().mT)) if p.dim() > 1 else (n, p)
@@ -101,7 +67,7 @@ def _apply_once(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_apply_is_the_same_whatever_the_route_threads_or_layout(dtype: torch.dtype) -> None:
-    results = _arriving(dtype, 16, 4, 3, 4)
+    results = arriving_results(dtype, 16, 4, 3, 4)
     plain = _apply_once(dtype, results, sparse=True)
     for x, y in zip(plain, _apply_once(dtype, results, sparse=True, batched=True)):
         assert_same_bits(x, y, "batched")
@@ -174,13 +140,13 @@ def test_the_update_differs_from_upstreams_route_in_a_few_coordinates(dtype: tor
 
 
 def test_generate_decodes_its_own_results_as_upstreams_route_does_within_rounding() -> None:
-    params = {s: _params(torch.float32, 5, "cpu") for s in (False, True)}
+    params = {s: seeded_params(torch.float32, 5, "cpu") for s in (False, True)}
     distros = {s: Distro(params[s], 0.999, 16, 4, sparse=s) for s in (False, True)}
     for s in (False, True):
-        _set_grads(params[s], 11, drop_one=False)
+        seeded_grads(params[s], 11, drop_one=False)
     outs = {s: distros[s].generate([], 0.0, 1e-3) for s in (False, True)}
     for s in (False, True):
-        _set_grads(params[s], 12, drop_one=False)
+        seeded_grads(params[s], 12, drop_one=False)
         distros[s].generate([outs[s], outs[s]], 1e-3, 1e-3)
     for x, y in zip(distros[False].deltas, distros[True].deltas):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-8)
@@ -188,10 +154,10 @@ def test_generate_decodes_its_own_results_as_upstreams_route_does_within_roundin
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_results_that_are_not_one_bit_keep_upstreams_route(dtype: torch.dtype) -> None:
-    params = _params(dtype, 9, "cpu")
-    _set_grads(params, 9, drop_one=False)
+    params = seeded_params(dtype, 9, "cpu")
+    seeded_grads(params, 9, drop_one=False)
     full = Distro(params, 0.999, 16, 4).generate([], 0.0, 1e-3)  # unquantized values
-    results = [full, *_arriving(dtype, 16, 4, 9, 2)]
+    results = [full, *arriving_results(dtype, 16, 4, 9, 2)]
     for x, y in zip(
         _apply_once(dtype, results, sparse=True), _apply_once(dtype, results, sparse=False)
     ):
@@ -199,16 +165,16 @@ def test_results_that_are_not_one_bit_keep_upstreams_route(dtype: torch.dtype) -
 
 
 def test_upstreams_dense_route_is_the_default() -> None:
-    distro = Distro(_params(torch.float32, 0, "cpu"), 0.999, 16, 4)
+    distro = Distro(seeded_params(torch.float32, 0, "cpu"), 0.999, 16, 4)
     assert distro.synthesis is None
-    assert Distro(_params(torch.float32, 0, "cpu"), 0.999, 16, 4, sparse=True).synthesis
+    assert Distro(seeded_params(torch.float32, 0, "cpu"), 0.999, 16, 4, sparse=True).synthesis
     assert len(SHAPES) == len(distro.variables)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_apply_on_cuda_gives_the_cpus_bits(dtype: torch.dtype) -> None:
-    results = _arriving(dtype, 16, 4, 4, 4)
+    results = arriving_results(dtype, 16, 4, 4, 4)
     cpu = _apply_once(dtype, results, sparse=True)
     on_cuda = [
         [DistroResult(r.sparse_idx.cuda(), r.sparse_val.cuda(), r.xshape, r.totalk) for r in result]

@@ -28,8 +28,7 @@ from psyche.modeling.distro import (
     unpack_tensor_sign_from_boolean,
 )
 
-from .test_distro_fast_paths import assert_same_bits
-from .test_distro_sparse import _run
+from .distro_cases import assert_same_bits, sparse_steps
 
 
 def _frozen_entry_counts(idx: torch.Tensor) -> torch.Tensor:
@@ -128,10 +127,10 @@ def test_the_sparse_route_keeps_its_first_versions_bits(
     monkeypatch.setattr(distro, "MOMENTUM_CHUNK", 2)  # several ranges per parameter
     monkeypatch.setattr(distro, "SYNTHESIS_CHUNK", 3)
     for seed, batched in ((0, False), (1, False), (2, True)):
-        now = _run(dtype, chunk, topk, seed, batched=batched)
+        now = sparse_steps(dtype, chunk, topk, seed, batched=batched)
         with monkeypatch.context() as frozen:
             frozen.setattr(dct, "_entry_counts", _frozen_entry_counts)
-            then = _run(dtype, chunk, topk, seed, _Frozen, batched=batched)
+            then = sparse_steps(dtype, chunk, topk, seed, _Frozen, batched=batched)
         assert len(now) == len(then) == 4
         for step, (xs, ys) in enumerate(zip(now, then), 1):
             assert len(xs) == len(ys)

@@ -30,8 +30,7 @@ from psyche.modeling.serialized_distro import (
 )
 from psyche.modeling.trainer import Batch, Trainer
 
-from .test_trainer import adamw_def, constant
-from .tiny_trainer import distro
+from .tiny_trainer import adamw_def, constant, distro
 
 FLOAT64 = 7
 BOOL = 11

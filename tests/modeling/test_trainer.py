@@ -10,10 +10,7 @@ import torch
 
 from psyche.core.batch_id import BatchId
 from psyche.core.definitions import (
-    AdamW,
-    ConstantLR,
     Distro,
-    LearningRateSchedule,
     OptimizerDefinition,
 )
 from psyche.modeling.adamw import LibtorchAdamW
@@ -23,9 +20,7 @@ from psyche.modeling.lr import get_lr
 from psyche.modeling.serialized_distro import transmittable_distro_result
 from psyche.modeling.trainer import Batch, Trainer, TrainerError
 
-
-def constant(lr: float) -> LearningRateSchedule:
-    return LearningRateSchedule.Constant(ConstantLR(base_lr=lr, warmup_init_lr=0.0, warmup_steps=0))
+from .tiny_trainer import adamw_def, constant
 
 
 def distro_def(chunk: int = 64, topk: int = 8, clip: float | None = 1.0) -> OptimizerDefinition:
@@ -38,12 +33,6 @@ def distro_def(chunk: int = 64, topk: int = 8, clip: float | None = 1.0) -> Opti
             compression_chunk=chunk,
             quantize_1bit=True,
         )
-    )
-
-
-def adamw_def() -> OptimizerDefinition:
-    return OptimizerDefinition.AdamW(
-        AdamW(betas=[0.9, 0.95], weight_decay=0.0, eps=1e-8, clip_grad_norm=1.0)
     )
 
 

@@ -1,11 +1,28 @@
-"""A `Trainer` on the tiny Llama with the DisTrO settings the client and trainer tests share."""
+"""A `Trainer` on the tiny Llama with the DisTrO settings the client and trainer tests share, and
+the constant learning rate and AdamW settings the trainer tests build theirs from."""
 
 from __future__ import annotations
 
-from psyche.core.definitions import ConstantLR, Distro, LearningRateSchedule, OptimizerDefinition
+from psyche.core.definitions import (
+    AdamW,
+    ConstantLR,
+    Distro,
+    LearningRateSchedule,
+    OptimizerDefinition,
+)
 from psyche.modeling.causal_lm import CausalLM, ModelOptions
 from psyche.modeling.configs import deepseek_config_dict, llama_config_dict
 from psyche.modeling.trainer import Trainer
+
+
+def constant(lr: float) -> LearningRateSchedule:
+    return LearningRateSchedule.Constant(ConstantLR(base_lr=lr, warmup_init_lr=0.0, warmup_steps=0))
+
+
+def adamw_def() -> OptimizerDefinition:
+    return OptimizerDefinition.AdamW(
+        AdamW(betas=[0.9, 0.95], weight_decay=0.0, eps=1e-8, clip_grad_norm=1.0)
+    )
 
 
 def distro(
@@ -38,5 +55,4 @@ def make_trainer(
     model = CausalLM.from_config(
         config, ModelOptions(architecture=architecture, device=device, dtype=dtype, seed=1337)
     )
-    schedule = LearningRateSchedule.Constant(ConstantLR(lr, 0.0, 0))
-    return Trainer(model, schedule, distro(weight_decay, quantize, chunk), micro_batch_size=2)
+    return Trainer(model, constant(lr), distro(weight_decay, quantize, chunk), micro_batch_size=2)

@@ -1,0 +1,114 @@
+"""The in-process run the client tests share: a tiny Llama's config and a learnable token
+stream on disk, the run's coordinator state (its timers scaled to this machine), whole clients
+against an `InProcessServer` on loopback, and the structured fields of what they logged."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from psyche.client.client import Client
+from psyche.client.round.broadcast import open_network
+from psyche.client.setup.init import RunInitConfig
+from psyche.client.testing import InProcessBackend, InProcessServer, local_run_state
+from psyche.coordinator import Coordinator
+from psyche.core.identity import SecretKey
+from psyche.core.node_identity import NodeIdentity
+from psyche.modeling.configs import llama_config_dict
+from psyche.network.connection import NetworkConfig
+
+from ..timing import scale_config_timers
+
+if TYPE_CHECKING:
+    from psyche.network import NetworkConnection
+
+SEQ = 32
+RUN_ID = "in-process"
+
+
+def write_run(tmp_path: Path) -> tuple[Path, Path]:
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(llama_config_dict("tiny")))
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    # a learnable token stream: a fixed random walk over a small bigram table
+    rng = np.random.default_rng(0)
+    successors = rng.integers(0, 256, size=(256, 2))
+    stream = np.empty(SEQ * 400, dtype=np.uint16)
+    stream[0] = 1
+    for i in range(1, len(stream)):
+        stream[i] = successors[stream[i - 1], rng.integers(0, 2)]
+    (data_dir / "tokens.ds").write_bytes(stream.astype("<u2").tobytes())
+    return model_dir, data_dir
+
+
+def coordinator(model_dir: Path, data_dir: Path) -> Coordinator:
+    """The run, its timers scaled to this machine's speed (`tests/timing.py`)."""
+    state = local_run_state(model_dir, data_dir, run_id=RUN_ID, seq_len=SEQ, lr=3e-3)
+    scale_config_timers(state.config)
+    return state
+
+
+def member_key(number: int) -> SecretKey:
+    """Member `number`'s key (the same number gives the same identity in every test)."""
+    return SecretKey.from_bytes(number.to_bytes(32, "big"))
+
+
+def identities(*numbers: int) -> list[NodeIdentity]:
+    return [NodeIdentity.from_single_key(member_key(n).public_key) for n in numbers]
+
+
+@asynccontextmanager
+async def client_parts(
+    server: InProcessServer, number: int, checkpoint_dir: Path | None = None
+) -> AsyncIterator[tuple[InProcessBackend, NetworkConnection, RunInitConfig]]:
+    """What a `Client` of member `number` is made of: its backend joined to `server`'s run, its
+    network on 127.0.0.1 and its init settings (checkpoints kept in `checkpoint_dir` if given);
+    leaving the block closes the network and disconnects the backend."""
+    from psyche.client.checkpoints.store import CheckpointConfig
+
+    key = member_key(number)
+    identity = NodeIdentity.from_single_key(key.public_key)
+    checkpoint = None if checkpoint_dir is None else CheckpointConfig(checkpoint_dir)
+    init = RunInitConfig(identity, key, RUN_ID, device="cpu", checkpoint=checkpoint)
+    config = NetworkConfig(run_id=RUN_ID, secret_key=key, bind_host="127.0.0.1")
+    async with (
+        open_network(config) as network,
+        server.connect(identity, RUN_ID) as backend,
+    ):
+        yield backend, network, init
+
+
+async def run_client(
+    server: InProcessServer,
+    number: int,
+    kind: type[Client] = Client,
+    started: list[Client] | None = None,
+) -> None:
+    """Client `number` (a `kind`, appended to `started`) until cancelled or it ends."""
+    async with client_parts(server, number) as (backend, network, init):
+        client = kind(backend, network, init)
+        if started is not None:
+            started.append(client)
+        await client.run()
+
+
+async def run_client_until_finished(
+    server: InProcessServer, number: int, checkpoint_dir: Path | None
+) -> Client:
+    """A client that must end by itself (its `run()` returns) once the run is Finished."""
+    async with client_parts(server, number, checkpoint_dir) as parts:
+        client = Client(*parts)
+        await client.run()
+    return client
+
+
+def fields(records: list[logging.LogRecord], name: str) -> list[dict]:  # type: ignore[type-arg]
+    return [r.psyche_fields for r in records if r.getMessage() == name]
