@@ -248,6 +248,31 @@ class SentWitnesses(BusIO):
         self.sent.append(data)
 
 
+def witness_machine(
+    checked: Checked, nursery: trio.Nursery
+) -> tuple[StepStateMachine, SentWitnesses]:
+    """A real `StepStateMachine` of a member of `checked`'s run, its previous round the checked
+    one, and its IO keeping the witnesses it sends."""
+    key = SecretKey.from_bytes(bytes(31) + bytes([7]))
+    identity = NodeIdentity.from_single_key(key.public_key)
+    io = SentWitnesses(Bus(checked.sim), Node(key, identity))
+    io.sent = []
+    machine = StepStateMachine(
+        MachineSettings(identity=identity), make_trainer(), None,
+        checked.sim.coordinator.copy(), io, nursery,
+    )  # fmt: skip
+    machine.previous = checked.view
+    return machine, io
+
+
+def assert_votes_honest(checked: Checked) -> None:
+    """The checked round's votes: every honest peer's result (its own was only recorded), not
+    the hostile one."""
+    votes = voted(checked.view, commitments(checked.view))
+    assert checked.hostile_batch not in votes
+    assert len(votes) == CLIENTS - 2
+
+
 @pytest.mark.parametrize("is_witness", [True, False], ids=["witness", "not-a-witness"])
 def test_the_machine_judges_off_the_loop_only_the_round_it_witnesses(is_witness: bool) -> None:
     """The real `StepStateMachine` entering the witness phase (`_start_witness`): a witness of
@@ -260,16 +285,8 @@ def test_the_machine_judges_off_the_loop_only_the_round_it_witnesses(is_witness:
     checked.view.screen.judge = gate  # type: ignore[method-assign]
 
     async def main() -> list[OpportunisticData]:
-        key = SecretKey.from_bytes(bytes(31) + bytes([7]))
-        identity = NodeIdentity.from_single_key(key.public_key)
-        io = SentWitnesses(Bus(checked.sim), Node(key, identity))
-        io.sent = []
         async with trio.open_nursery() as nursery:
-            machine = StepStateMachine(
-                MachineSettings(identity=identity), make_trainer(), None,
-                checked.sim.coordinator.copy(), io, nursery,
-            )  # fmt: skip
-            machine.previous = checked.view
+            machine, io = witness_machine(checked, nursery)
             machine.current = checked.later if is_witness else checked.bystander
             nursery.start_soon(gate.probe)
             await machine._start_witness(checked.sim.coordinator)
@@ -286,9 +303,7 @@ def test_the_machine_judges_off_the_loop_only_the_round_it_witnesses(is_witness:
     assert gate.saw_loop == [True]
     assert gate.threads[0] is not threading.main_thread()
     assert len(sent) == 1
-    made = commitments(checked.view)
-    assert not voted(checked.view, made) & {checked.hostile_batch}
-    assert len(voted(checked.view, made)) == CLIENTS - 2
+    assert_votes_honest(checked)
 
 
 def test_the_machine_sends_its_opportunistic_witness_once_its_judgement_is_done() -> None:
@@ -305,16 +320,9 @@ def test_the_machine_sends_its_opportunistic_witness_once_its_judgement_is_done(
     view.screen.judge = gate  # type: ignore[method-assign]
 
     async def main() -> tuple[list[OpportunisticData], list[OpportunisticData]]:
-        key = SecretKey.from_bytes(bytes(31) + bytes([7]))
-        identity = NodeIdentity.from_single_key(key.public_key)
-        io = SentWitnesses(Bus(checked.sim), Node(key, identity))
-        io.sent = []
         async with trio.open_nursery() as nursery:
-            machine = StepStateMachine(
-                MachineSettings(identity=identity), make_trainer(), None,
-                checked.sim.coordinator.copy(), io, nursery,
-            )  # fmt: skip
-            machine.previous, machine.current = view, later
+            machine, io = witness_machine(checked, nursery)
+            machine.current = later
             for client in machine.coordinator_state.epoch_state.clients:
                 later.clients_finished.setdefault(client.id, Finished(MerkleRoot(), False))
             machine.active = ActiveStep.Training
@@ -336,7 +344,4 @@ def test_the_machine_sends_its_opportunistic_witness_once_its_judgement_is_done(
     assert gate.saw_loop == [True]
     assert len(sent) == 1
     assert view.sent_witness
-    made = commitments(view)
-    votes = voted(view, made)
-    assert checked.hostile_batch not in votes
-    assert len(votes) == CLIENTS - 2
+    assert_votes_honest(checked)
