@@ -20,17 +20,21 @@ import pytest
 import trio
 
 from psyche.client.round import payloads, screening, witness
+from psyche.client.round.broadcast import Finished
 from psyche.client.round.state import RoundState
-from psyche.client.round.steps import MachineSettings, StepStateMachine
+from psyche.client.round.steps import ActiveStep, MachineSettings, StepStateMachine
+from psyche.client.round.train import TrainingStep
 from psyche.coordinator.backend import OpportunisticData
 from psyche.coordinator.testing import Simulation, simulated_identity
 from psyche.core.batch_id import BatchId
 from psyche.core.identity import SecretKey
+from psyche.core.merkle_tree import MerkleRoot
 from psyche.core.node_identity import NodeIdentity
 from psyche.modeling.screening import RoundScreen, Verdict
 from psyche.modeling.serialized_distro import TransmittableDistroResult
 
 from ..modeling.tiny_trainer import make_trainer
+from ..polling import poll_until
 from .machine_bus import Bus, BusIO, Node
 from .round_sim import next_round, plan_for, training_sim
 from .test_young_witness import deliver
@@ -169,6 +173,8 @@ def test_the_round_is_judged_in_a_worker_thread_while_the_loop_runs_and_votes_as
 
 
 def test_a_check_that_came_after_the_judgement_is_judged_again_before_the_vote() -> None:
+    """A held check that came in after the judgement made off the loop: judged again before
+    the vote, and the round folds what one judgement of every check would."""
     checked, rest = checked_round(held_back=1)
     view = checked.view
     trio.run(screening.judge_round, view)
@@ -183,6 +189,14 @@ def test_a_check_that_came_after_the_judgement_is_judged_again_before_the_vote()
     assert len(view.judgement) == len(first) + 1
     assert witness.witness_to_send(view, checked.later) is not None
     assert checked.hostile_batch not in voted(view, commitments(view))
+    # the round took the judgement its votes follow (`RoundScreen.commit`): it folds what a
+    # witness that judged once, every check in, folds: the honest results, not the hostile one
+    twin, _ = checked_round()
+    assert witness.witness_to_send(twin.view, twin.later) is not None
+    assert view.screen is not None
+    assert twin.view.screen is not None
+    assert view.screen.accepted_norms == twin.view.screen.accepted_norms
+    assert len(view.screen.accepted) == len(twin.view.screen.accepted) == CLIENTS - 2
 
 
 def test_an_opportunistic_witness_waits_for_the_judgement() -> None:
@@ -234,6 +248,31 @@ class SentWitnesses(BusIO):
         self.sent.append(data)
 
 
+def witness_machine(
+    checked: Checked, nursery: trio.Nursery
+) -> tuple[StepStateMachine, SentWitnesses]:
+    """A real `StepStateMachine` of a member of `checked`'s run, its previous round the checked
+    one, and its IO keeping the witnesses it sends."""
+    key = SecretKey.from_bytes(bytes(31) + bytes([7]))
+    identity = NodeIdentity.from_single_key(key.public_key)
+    io = SentWitnesses(Bus(checked.sim), Node(key, identity))
+    io.sent = []
+    machine = StepStateMachine(
+        MachineSettings(identity=identity), make_trainer(), None,
+        checked.sim.coordinator.copy(), io, nursery,
+    )  # fmt: skip
+    machine.previous = checked.view
+    return machine, io
+
+
+def assert_votes_honest(checked: Checked) -> None:
+    """The checked round's votes: every honest peer's result (its own was only recorded), not
+    the hostile one."""
+    votes = voted(checked.view, commitments(checked.view))
+    assert checked.hostile_batch not in votes
+    assert len(votes) == CLIENTS - 2
+
+
 @pytest.mark.parametrize("is_witness", [True, False], ids=["witness", "not-a-witness"])
 def test_the_machine_judges_off_the_loop_only_the_round_it_witnesses(is_witness: bool) -> None:
     """The real `StepStateMachine` entering the witness phase (`_start_witness`): a witness of
@@ -246,16 +285,8 @@ def test_the_machine_judges_off_the_loop_only_the_round_it_witnesses(is_witness:
     checked.view.screen.judge = gate  # type: ignore[method-assign]
 
     async def main() -> list[OpportunisticData]:
-        key = SecretKey.from_bytes(bytes(31) + bytes([7]))
-        identity = NodeIdentity.from_single_key(key.public_key)
-        io = SentWitnesses(Bus(checked.sim), Node(key, identity))
-        io.sent = []
         async with trio.open_nursery() as nursery:
-            machine = StepStateMachine(
-                MachineSettings(identity=identity), make_trainer(), None,
-                checked.sim.coordinator.copy(), io, nursery,
-            )  # fmt: skip
-            machine.previous = checked.view
+            machine, io = witness_machine(checked, nursery)
             machine.current = checked.later if is_witness else checked.bystander
             nursery.start_soon(gate.probe)
             await machine._start_witness(checked.sim.coordinator)
@@ -272,6 +303,45 @@ def test_the_machine_judges_off_the_loop_only_the_round_it_witnesses(is_witness:
     assert gate.saw_loop == [True]
     assert gate.threads[0] is not threading.main_thread()
     assert len(sent) == 1
-    made = commitments(checked.view)
-    assert not voted(checked.view, made) & {checked.hostile_batch}
-    assert len(voted(checked.view, made)) == CLIENTS - 2
+    assert_votes_honest(checked)
+
+
+def test_the_machine_sends_its_opportunistic_witness_once_its_judgement_is_done() -> None:
+    """The real `StepStateMachine` during training, every payload of the previous round in
+    and every client finished (`try_send_opportunistic_witness`, upstream's 500 ms check): the
+    witness waits for the held votes' judgement (`_judged_for_witness`), which is started in a
+    worker thread, once; when it is done the check runs again (`judge_then_check`) and sends
+    the witness voted by that judgement, with no further periodic check."""
+    checked, _ = checked_round()
+    view, later = checked.view, checked.later
+    later.sent_finished = True  # this client said it finished
+    assert view.screen is not None
+    gate = Gate(view.screen, wait_s=30.0)
+    view.screen.judge = gate  # type: ignore[method-assign]
+
+    async def main() -> tuple[list[OpportunisticData], list[OpportunisticData]]:
+        async with trio.open_nursery() as nursery:
+            machine, io = witness_machine(checked, nursery)
+            machine.current = later
+            for client in machine.coordinator_state.epoch_state.clients:
+                later.clients_finished.setdefault(client.id, Finished(MerkleRoot(), False))
+            machine.active = ActiveStep.Training
+            machine.training = TrainingStep()
+            machine.training.finished = True
+            nursery.start_soon(gate.probe)
+            machine.try_send_opportunistic_witness()
+            machine.try_send_opportunistic_witness()  # before it is done: no second judgement
+            before = list(io.sent)
+            with trio.fail_after(60):  # a bound so a regression fails instead of hanging
+                await poll_until(lambda: io.sent)
+            nursery.cancel_scope.cancel()
+        return before, io.sent
+
+    before, sent = trio.run(main)
+    assert before == []  # the witness waited for the judgement
+    assert len(gate.threads) == 1
+    assert gate.threads[0] is not threading.main_thread()
+    assert gate.saw_loop == [True]
+    assert len(sent) == 1
+    assert view.sent_witness
+    assert_votes_honest(checked)

@@ -103,7 +103,7 @@ def test_several_hostile_results_first_no_longer_set_a_blind_witness_baseline() 
 
 def test_a_judged_blind_round_folds_what_passed_over_the_whole_round() -> None:
     """What a judged blind round adds to the witness's aggregate and norm level is what passed
-    its judgement (the round's fold follows the vote): a result at the bound that passed its
+    the judgement it took (`RoundScreen.commit`: the round's fold follows the vote): a result at the bound that passed its
     check first and was refused over the whole round is not folded in."""
     diloco, sent = honest_results("int8", members=5)
     reader = ResultReader.of(diloco)
@@ -114,7 +114,7 @@ def test_a_judged_blind_round_folds_what_passed_over_the_whole_round() -> None:
     assert rnd.check("hostile", scaled).passed
     for i in range(4):
         rnd.check(i, sent[i])
-    rnd.judge()
+    rnd.commit(rnd.judge())  # as the client casts its votes
     rnd.close()
     honest_norms = sorted(reader.describe(reader.flat(r), 64)[0] for r in sent[:4])
     assert witness._norm_level == pytest.approx((honest_norms[1] + honest_norms[2]) / 2)

@@ -392,8 +392,8 @@ class _BlindCheck:
     """Why it is a copy of a result seen before it (None: it is not)."""
     flat: Flat | None = None
     passed: bool = True
-    """With an own update: it passed (at its check, then at `RoundScreen.judge`), so it is
-    among the round's accepted results and levels."""
+    """With an own update: it passed (at its check, then at the judgement the round took:
+    `RoundScreen.commit`), so it is among the round's accepted results and levels."""
 
 
 @dataclass(frozen=True)
@@ -1050,13 +1050,13 @@ class WitnessScreen:
         along which the next round's lie agreed (`t` +15.7). With an own update the level is the
         lower median of the other held checks' `t`s (times `held_level_share`): a hostile
         result's high `t` cannot raise the level an honest one of a four-member run is judged
-        by (two others), and a hostile one's low `t` only lowers it."""
+        by (two others), and a hostile one's low `t` only lowers it.
+
+        Changes nothing: the round takes a judgement only when its votes are cast (`_commit`),
+        so judging again over more checks (a late one) ends where one judgement of them all
+        would."""
         with self._lock:
-            # in one order whatever the arrival order (the round's sum adds in this order)
-            order = sorted(
-                range(len(screen.blind)),
-                key=lambda k: (repr(screen.blind[k].sender), screen.blind[k].measure.norm),
-            )
+            order = _judgement_order(screen.blind)
             checks = [screen.blind[k] for k in order]
         flats = [c.flat for c in checks]
         ts = [c.measure.agreement for c in checks]
@@ -1072,7 +1072,6 @@ class WitnessScreen:
         consensus = None if along_round else self._held_consensus(screen, flats, measured)
         with self._lock:
             verdicts: dict[int, Verdict] = {}
-            passed: list[_BlindCheck] = []
             for i, check in enumerate(checks):
                 others = [k for k in range(len(checks)) if k != i]
                 norms = [checks[k].measure.norm for k in others]
@@ -1104,16 +1103,29 @@ class WitnessScreen:
                 verdicts[index] = Verdict(
                     measure, problem, measured[i], blind=own is None, index=index
                 )
-                if problem is None:
-                    passed.append(check)
-                elif own is not None and check.passed:
-                    self._unaccept(screen, check)
-            if own is None:
-                # the round folds (`_close`) what passed here, not what passed at its check
+        return [verdicts[i] for i in range(len(checks))]
+
+    def _commit(self, screen: RoundScreen, verdicts: Sequence[Verdict]) -> None:
+        """`RoundScreen.commit`: the round takes the judgement its votes were cast by, once.
+        Without an own update it folds (`_close`) what passed there, not what passed at its
+        check; with one, a check that passed and was refused there leaves the round's
+        accepted results and passed level (`_unaccept`). `verdicts`: `_judge`'s, by index
+        (the held checks it covered, the first of `screen.blind`)."""
+        with self._lock:
+            if screen.committed:
+                return
+            screen.committed = True
+            covered = screen.blind[: len(verdicts)]
+            order = _judgement_order(covered)
+            if screen.reference is None:
+                passed = [covered[k] for k in order if verdicts[k].passed]
                 screen.accepted = [c.flat for c in passed if c.flat is not None]
                 screen.accepted_norms = [c.measure.norm for c in passed]
                 screen.judged = True
-        return [verdicts[i] for i in range(len(checks))]
+                return
+            for k in order:
+                if not verdicts[k].passed and covered[k].passed:
+                    self._unaccept(screen, covered[k])
 
     def _held_consensus(
         self, screen: RoundScreen, flats: Sequence[Flat | None], measured: Sequence[bool]
@@ -1205,9 +1217,9 @@ class WitnessScreen:
 
     @staticmethod
     def _unaccept(screen: RoundScreen, check: _BlindCheck) -> None:
-        """A result that passed its check (with an own update) and not the round's judgement:
-        out of what the round folds (its aggregate, norm level) and of its passed level.
-        Called under the lock."""
+        """A result that passed its check (with an own update) and not the judgement the round
+        took (`_commit`): out of what the round folds (its aggregate, norm level) and of its
+        passed level. Called under the lock."""
         check.passed = False
         screen.accepted = [f for f in screen.accepted if f is not check.flat]
         screen.accepted_norms.remove(check.measure.norm)
@@ -1258,6 +1270,14 @@ class WitnessScreen:
             screen.folded = True
 
 
+def _judgement_order(checks: Sequence[_BlindCheck]) -> list[int]:
+    """The held checks' places in the one order a judgement takes them in, whatever the
+    arrival order (the round's sum adds in this order, a blind round folds in it)."""
+    return sorted(
+        range(len(checks)), key=lambda k: (repr(checks[k].sender), checks[k].measure.norm)
+    )
+
+
 def _round_level(screen: RoundScreen, minimum: int) -> float | None:
     """A round's level: the median `t` of its results that passed (of all of them if none
     did); None before `minimum` of them were checked against a reference."""
@@ -1283,9 +1303,12 @@ class RoundScreen:
         """Without a reference, or with one but no level yet: every result checked, in the
         order they came (`judge`)."""
         self.judged = False
+        """Without an update of its own, a judgement was committed (`commit`): what the round
+        folds is what passed there."""
+        self.committed = False
+        """`commit` ran (once a round)."""
         self.own_flat: Flat | None = None
         """This witness's own sent result of the round (the first `set_reference`'s)."""
-        """`judge` ran: what the round folds is what passed there."""
         self.blind_agreements: list[float] = []
         self.blind_norms: list[float] = []
         """Without a reference: the `t` (against the aggregate) and norm of every result
@@ -1350,16 +1373,28 @@ class RoundScreen:
         first result made fail passes. A witness with neither an update of its own nor an
         aggregate yet (its very first round) measures each result's agreement along the sum of
         the round's others. One verdict per blind check, by index; the client votes by these
-        when it sends its witness (`psyche.client.round.payloads.settle_blind_votes`)."""
+        when it sends its witness (`psyche.client.round.payloads.settle_blind_votes`).
+
+        Pure: the round's state changes only by `commit`, so a judgement may be made again
+        (a held check came in after it) and any thread may make it."""
         return self.witness._judge(self)
+
+    def commit(self, verdicts: Sequence[Verdict]) -> None:
+        """The round takes `verdicts` (`judge`'s), the judgement its votes are cast by: what it
+        folds into the witness's memory and the level it lends follow them, once (a later
+        commit changes nothing). The state is that of one judgement of the checks `verdicts`
+        cover, however many were made before."""
+        self.witness._commit(self, verdicts)
 
     def settle(self, verdicts: Mapping[_K, Verdict]) -> dict[_K, Verdict]:
         """The verdicts this witness votes by, as a client casts its votes
         (`psyche.client.round.payloads.settle_blind_votes`): each held one (`Verdict.index`)
-        replaced by the round's judgement (`judge`), the others as they were checked."""
+        replaced by the round's judgement (`judge`, committed), the others as they were
+        checked."""
         if all(v.index is None for v in verdicts.values()):
             return dict(verdicts)
         judged = self.judge()
+        self.commit(judged)
         return {k: v if v.index is None else judged[v.index] for k, v in verdicts.items()}
 
     def close(self) -> None:

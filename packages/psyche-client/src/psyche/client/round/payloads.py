@@ -406,13 +406,15 @@ def settle_blind_votes(round_state: RoundState) -> None:
 
     The judgement is the one the client made off the loop just before (`round_state.judgement`,
     `screening.judge_round`: model-sized work in a worker thread); where none covers every held
-    check, it is made here."""
+    check, it is made here. The round takes the judgement the votes follow (`RoundScreen.commit`:
+    what it folds and the level it lends), not any made before it."""
     stale = judgement_due(round_state)
     votes, round_state.blind_votes = round_state.blind_votes, {}
     screen = round_state.screen
     if not votes or screen is None or round_state.blooms is None:
         return
     verdicts = screen.judge() if stale or round_state.judgement is None else round_state.judgement
+    screen.commit(verdicts)
     _, broadcast_bloom = round_state.blooms
     for batch_id, (index, commitment_hash) in votes.items():
         if index >= len(verdicts):

@@ -100,7 +100,9 @@ async def judge_round(round_state: RoundState) -> None:
     casts the votes by it): the event loop goes on meanwhile. Again while a held check came in
     during a judgement (each pass covers more of the round's bounded checks), so the judgement
     covers every held check the loop has seen; nothing when no held vote waits. The verdicts
-    are `judge`'s, the same whichever thread makes them."""
+    are `judge`'s, the same whichever thread makes them; a judgement changes nothing in the
+    round (the round takes the one its votes are cast by: `RoundScreen.commit`), so one made
+    again ends where a single one would."""
     if not payloads.judgement_due(round_state):
         return  # no checkpoint: nothing waits
     async with round_state.judging:
