@@ -7,9 +7,12 @@ usable side channel is asked over libp2p instead."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import AsyncIterator
 
 import pytest
+import torch
 import trio
 
 from psyche.core.identity import SecretKey
@@ -111,6 +114,22 @@ def _versioned_model(parameters):  # type: ignore[no-untyped-def]
     model.update_parameters(parameters, VERSION)
     model.update_config(CONFIG_JSON, TOKENIZER_JSON)
     return model
+
+
+@contextlib.asynccontextmanager
+async def _serving(
+    parameters: dict[str, torch.Tensor],
+) -> AsyncIterator[tuple[NetworkConnection, NetworkConnection]]:
+    """A provider serving a model of `parameters` at `VERSION`, and a joiner that has its
+    address (no libp2p connection between them yet)."""
+    async with (
+        open_nodes(2, model_codec=TENSOR_CODEC) as (provider, joiner),
+        trio.open_nursery() as nursery,
+    ):
+        nursery.start_soon(serve_model, provider, _versioned_model(parameters))
+        await introduce_all(joiner, [provider])
+        yield provider, joiner
+        nursery.cancel_scope.cancel()
 
 
 def test_the_joiner_gets_the_configuration_on_the_side_channel(
@@ -382,12 +401,7 @@ def test_a_ticket_batch_names_each_names_own_error() -> None:
     known = sorted(parameters)[:3]
 
     async def main() -> None:
-        async with (
-            open_nodes(2, model_codec=TENSOR_CODEC) as (provider, joiner),
-            trio.open_nursery() as nursery,
-        ):
-            nursery.start_soon(serve_model, provider, _versioned_model(parameters))
-            await introduce_all(joiner, [provider])
+        async with _serving(parameters) as (provider, joiner):
             with trio.fail_after(30):
                 results = await joiner.request_model_blob_tickets(
                     provider.endpoint_id, [known[0], "no.such.weight", *known[1:]]
@@ -404,7 +418,6 @@ def test_a_ticket_batch_names_each_names_own_error() -> None:
                 r.value.addr.id == provider.endpoint_id for r in results if r is not results[1]
             )
             assert provider.endpoint_id not in joiner.connection_monitor.connected_peers()
-            nursery.cancel_scope.cancel()
 
     trio.run(main)
 
@@ -531,12 +544,7 @@ def test_a_split_batch_whose_first_part_is_all_errors_names_its_tickets_version(
     names = unknown + known
 
     async def main() -> None:
-        async with (
-            open_nodes(2, model_codec=TENSOR_CODEC) as (provider, joiner),
-            trio.open_nursery() as nursery,
-        ):
-            nursery.start_soon(serve_model, provider, _versioned_model(parameters))
-            await introduce_all(joiner, [provider])
+        async with _serving(parameters) as (provider, joiner):
             answers = _count_answers(provider)
             with trio.fail_after(30):
                 side = await joiner.request_model_blob_tickets(provider.endpoint_id, names)
@@ -552,7 +560,6 @@ def test_a_split_batch_whose_first_part_is_all_errors_names_its_tickets_version(
             assert model_sharing.results_version(batch) == VERSION
             assert [type(r) for r in side] == [type(r) for r in batch]
             assert sum(isinstance(r, TicketResult.Ok) for r in side) == len(known)
-            nursery.cancel_scope.cancel()
 
     trio.run(main)
 
