@@ -13,7 +13,7 @@ import torch
 
 from psyche.core.batch_id import BatchId
 from psyche.modeling.hostile import Attack, HostileMember
-from psyche.modeling.trainer import Trainer
+from psyche.modeling.trainer import OwnState, Trainer, TrainerError
 from psyche.modeling.verification import Shadow, compare_exact, follow
 from psyche.modeling.verification_sim import VerificationRun, tiny_trainer
 
@@ -144,3 +144,24 @@ def test_following_leaves_a_verifier_with_its_own_history_alone(form: str) -> No
     assert shadow.followed == 2
     with pytest.raises(RuntimeError, match="not after it"):
         follow(verifier, shadow, batch(2, 1), step=2, batch_id=BatchId(1, 1))
+
+
+def test_a_state_of_another_optimizer_leaves_the_trainer_untouched() -> None:
+    """`swap_own_state` checks every key of the state before it swaps any: a state holding a
+    component this trainer lacks (here DisTrO's momentum beside DiLoCo's residual, given to a
+    DisTrO trainer) raises and leaves the trainer's own state and the state given as they
+    were. Before, the keys were checked one by one as they were swapped: DisTrO's momentum was
+    swapped in before the DiLoCo key raised, leaving the trainer half-swapped."""
+    batch = corpus_batches(2)
+    trainer, _ = trained_one_step("distro", batch)
+    assert trainer.distro is not None
+    deltas, before = trainer.distro.deltas, state(trainer)
+    mixed = OwnState(
+        {**trainer.fresh_own_state().values, **tiny_trainer("bf16").fresh_own_state().values}
+    )
+    given = dict(mixed.values)
+    with pytest.raises(TrainerError, match="diloco"):
+        trainer.swap_own_state(mixed)
+    assert trainer.distro.deltas is deltas
+    assert same_bits(state(trainer), before)
+    assert all(mixed.values[key] is value for key, value in given.items())

@@ -761,3 +761,81 @@ def test_a_copy_already_seen_spawns_no_task_and_still_marks_its_sender_as_holder
             assert peer_id_from_public_key(c.endpoint_id) in holders
 
     trio.run(main)
+
+
+def test_gossip_goes_on_after_a_write_to_a_peer_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write on a node's gossip stream to a peer that raises (a `StreamError`: a muxer or
+    connection error, or a write after the stream failed; `write_msg` catches only a close
+    or reset) ends that stream's sending loop, as py-libp2p's does: the stream is taken as
+    dead and opened again while the peer stays connected, and the message of the failed write
+    goes out on the new stream. Before, the coalescing loop ended without it: the peer kept
+    its stream and a queue nothing drained, and never got another message from the node."""
+    from libp2p.network.stream.exceptions import StreamError
+
+    async def main() -> None:
+        async with open_nodes(2, broadcast_type=Broadcast) as (a, b):
+            await connect_pairs([a, b], [(0, 1)])
+            await wait_for_mesh([a, b], 1)
+            pubsub = a.gossip.pubsub
+            b_id = peer_id_from_public_key(b.endpoint_id)
+            failing_stream = pubsub.peers[b_id]
+            write_msg = pubsub.write_msg
+            raised: list[Any] = []
+
+            async def failing_once(stream: Any, rpc: Any) -> bool:
+                if rpc.publish and not raised:
+                    raised.append(stream)
+                    raise StreamError("stream in error state")
+                return bool(await write_msg(stream, rpc))
+
+            monkeypatch.setattr(pubsub, "write_msg", failing_once)
+            first = finished(a.secret_key, step=1)
+            a.broadcast(first)
+            assert await next_message(b) == first
+            assert raised == [failing_stream]
+            for step in (2, 3):
+                message = finished(a.secret_key, step=step)
+                a.broadcast(message)
+                assert await next_message(b) == message
+            assert pubsub.peers[b_id] is not failing_stream  # opened again
+
+    trio.run(main)
+
+
+def test_a_copy_naming_another_origin_does_not_mark_that_peer_as_holding_the_message() -> None:
+    """A copy of a message a node already has is dropped before any check (the signature was
+    verified on the first copy), so its origin field is whatever the sender wrote. A member
+    (c) sends a copy of a's message naming a victim (v) as its origin: the node (b) notes c as
+    holding the message, and a as the validated copy names it, not v. So when v, which lacks
+    the message, connects to b, b advertises it (the repair) and v gets it. Before, b took the
+    copy's word and marked v as holding it: the message was never advertised to v."""
+    from libp2p.pubsub.pb import rpc_pb2
+
+    async def main() -> None:
+        async with open_nodes(4, broadcast_type=Broadcast) as (a, b, c, v):
+            await connect_pairs([a, b, c, v], [(0, 1), (2, 1)])
+            await wait_until(lambda: len(b.gossip.mesh()) == 2, timeout=10)
+            await wait_for_mesh([a, c], 1)
+            data = a.gossip.encode(finished(a.secret_key, step=1))
+            await a.gossip.publish_raw(data)
+            message = await next_message(b)
+            assert await next_message(c) == message
+            forged = pubsub_message(c, data)
+            v_id = peer_id_from_public_key(v.endpoint_id)
+            forged.from_id = v_id.to_bytes()
+            marker = finished(c.secret_key, step=2)
+            queue = c.gossip.pubsub.peer_queues[peer_id_from_public_key(b.endpoint_id)]
+            for copy in (forged, pubsub_message(c, c.gossip.encode(marker))):
+                assert queue.push(rpc_pb2.RPC(publish=[copy]))
+            assert await next_message(b) == marker  # the forged copy was read before it
+            holders = b.gossip.router.holders
+            mid = blake3.blake3(data).digest()
+            assert holders._held[mid] == {
+                peer_id_from_public_key(a.endpoint_id),
+                peer_id_from_public_key(c.endpoint_id),
+            }
+            assert holders.worth_advertising(mid, v_id)
+            await connect_pairs([a, b, c, v], [(3, 1)])  # v hears of it from b only
+            assert await next_message(v, timeout=30) == message
+
+    trio.run(main)

@@ -7,7 +7,12 @@ usable side channel is asked over libp2p instead."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import AsyncIterator
+
 import pytest
+import torch
 import trio
 
 from psyche.core.identity import SecretKey
@@ -27,13 +32,13 @@ from psyche.network.blob_protocol import (
     TicketFound,
     TicketsFound,
 )
-from psyche.network.blob_routes import SIDE_CHANNEL
+from psyche.network.blob_routes import OLDER_PROVIDER_SECS, SIDE_CHANNEL, BlobRoutes
 from psyche.network.blob_transport import BlobServer, TcpBlobTransport
 from psyche.network.connection import NetworkConnection
 from psyche.network.model_download import ModelDownload
 from psyche.network.secure_channel import PeerRefused
 from psyche.network.testing import open_nodes, serve_model
-from psyche.network.ticket import BlobTicket, EndpointAddr, TransportAddr
+from psyche.network.ticket import BlobTicket, EndpointAddr, TransportAddr, blob_hash
 from psyche.network.transmittable import (
     DownloadType,
     ModelRequestType,
@@ -109,6 +114,22 @@ def _versioned_model(parameters):  # type: ignore[no-untyped-def]
     model.update_parameters(parameters, VERSION)
     model.update_config(CONFIG_JSON, TOKENIZER_JSON)
     return model
+
+
+@contextlib.asynccontextmanager
+async def _serving(
+    parameters: dict[str, torch.Tensor],
+) -> AsyncIterator[tuple[NetworkConnection, NetworkConnection]]:
+    """A provider serving a model of `parameters` at `VERSION`, and a joiner that has its
+    address (no libp2p connection between them yet)."""
+    async with (
+        open_nodes(2, model_codec=TENSOR_CODEC) as (provider, joiner),
+        trio.open_nursery() as nursery,
+    ):
+        nursery.start_soon(serve_model, provider, _versioned_model(parameters))
+        await introduce_all(joiner, [provider])
+        yield provider, joiner
+        nursery.cancel_scope.cancel()
 
 
 def test_the_joiner_gets_the_configuration_on_the_side_channel(
@@ -380,12 +401,7 @@ def test_a_ticket_batch_names_each_names_own_error() -> None:
     known = sorted(parameters)[:3]
 
     async def main() -> None:
-        async with (
-            open_nodes(2, model_codec=TENSOR_CODEC) as (provider, joiner),
-            trio.open_nursery() as nursery,
-        ):
-            nursery.start_soon(serve_model, provider, _versioned_model(parameters))
-            await introduce_all(joiner, [provider])
+        async with _serving(parameters) as (provider, joiner):
             with trio.fail_after(30):
                 results = await joiner.request_model_blob_tickets(
                     provider.endpoint_id, [known[0], "no.such.weight", *known[1:]]
@@ -402,7 +418,6 @@ def test_a_ticket_batch_names_each_names_own_error() -> None:
                 r.value.addr.id == provider.endpoint_id for r in results if r is not results[1]
             )
             assert provider.endpoint_id not in joiner.connection_monitor.connected_peers()
-            nursery.cancel_scope.cancel()
 
     trio.run(main)
 
@@ -511,6 +526,97 @@ def test_a_member_that_stalls_inside_a_request_is_dropped_at_the_idle_timeout() 
                     await session.stream.aclose()
                     await _all_released(server)
             assert answered.configs == 2
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_a_split_batch_whose_first_part_is_all_errors_names_its_tickets_version() -> None:
+    """A batch split to the frame caps whose first part names only parameters the provider
+    lacks: that part's answers are all errors and name no version (a provider notes the
+    version of the tickets it gives), and the batch still names the version of the tickets in
+    the later part, as libp2p's unsplit batch of the same names does. Before, the parts'
+    versions were merged as a set, so the batch named none: the joiner refused its tickets
+    (`OtherModelVersion(None, ...)`) and rested an honest provider."""
+    parameters = make_parameters(6)
+    known = sorted(parameters)
+    unknown = [f"model.layers.{i}.mlp.no_such_proj.weight" for i in range(40)]
+    names = unknown + known
+
+    async def main() -> None:
+        async with _serving(parameters) as (provider, joiner):
+            answers = _count_answers(provider)
+            with trio.fail_after(30):
+                side = await joiner.request_model_blob_tickets(provider.endpoint_id, names)
+            assert provider.endpoint_id not in joiner.connection_monitor.connected_peers()
+            assert len(answers.names) > 1
+            assert set(answers.names[0]) <= set(unknown)  # a part of errors only
+            assert model_sharing.results_version(side) == VERSION
+            with trio.fail_after(30):
+                await joiner.connect(provider.endpoint_id)
+                batch = await model_sharing.request_tickets(
+                    joiner.host, provider.endpoint_id, names
+                )
+            assert model_sharing.results_version(batch) == VERSION
+            assert [type(r) for r in side] == [type(r) for r in batch]
+            assert sum(isinstance(r, TicketResult.Ok) for r in side) == len(known)
+
+    trio.run(main)
+
+
+def test_an_older_provider_is_asked_for_the_model_on_its_side_channel_once_for_a_while(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A provider older than `GetConfig` and `GetTickets` closes the session on them. The kept
+    session it closed is tried again on a fresh one (a provider may close a kept session for
+    its own reasons); once the fresh session's first request is closed too, the provider's
+    model requests go straight to libp2p (`ask` answers None) without a session each, for
+    `OLDER_PROVIDER_SECS`, and its blobs still come on the side channel. After that time it
+    is asked on the side channel again (a restarted provider may be newer). Before, every
+    request opened a session and a handshake that the provider then closed."""
+    blobs = {blob_hash(data): data for data in (os.urandom(1 << 20) for _ in range(2))}
+    digests = list(blobs)
+
+    async def main() -> None:
+        member, identity = SecretKey.generate(), SecretKey.generate()
+        server = BlobServer(identity, blobs.get, {member.public_key}.__contains__)
+        transport = TcpBlobTransport(
+            identity, blobs.get, lambda peer: True, bind_host="127.0.0.1", server=server
+        )
+        client = _session(member)
+        opened: list[EndpointAddr] = []
+        open_session = client.open_session
+
+        async def counted(provider: EndpointAddr) -> BlobSession:
+            opened.append(provider)
+            return await open_session(provider)
+
+        monkeypatch.setattr(client, "open_session", counted)
+        now = [0.0]
+        routes = BlobRoutes(client, None, clock=lambda: now[0])
+
+        async def fetch(digest: bytes) -> None:
+            got = await routes.fetch(addr, digest, len(blobs[digest]), lambda received: None)
+            assert got == blobs[digest]
+
+        async with trio.open_nursery() as nursery:
+            await nursery.start(transport.serve)
+            addr = EndpointAddr(identity.public_key, transport.local_addrs())
+            with trio.fail_after(30):
+                await fetch(digests[0])  # its session is kept for the next request
+                assert len(opened) == 1
+                for _ in range(3):
+                    assert await routes.ask(addr, lambda s: s.tickets(["p.w"], TIMEOUT)) is None
+                    assert await routes.ask(addr, lambda s: s.config(TIMEOUT)) is None
+                assert len(opened) == 2  # the kept session, then one fresh session
+                await fetch(digests[1])
+                assert routes.routes[addr.id] == SIDE_CHANNEL
+                assert len(opened) == 3
+                now[0] += OLDER_PROVIDER_SECS
+                assert await routes.ask(addr, lambda s: s.config(TIMEOUT)) is None
+                assert len(opened) == 4
+                assert await routes.ask(addr, lambda s: s.config(TIMEOUT)) is None
+                assert len(opened) == 4
             nursery.cancel_scope.cancel()
 
     trio.run(main)

@@ -444,11 +444,13 @@ class Trainer:
         """Exchange this trainer's own optimizer state with `state` (references, no copy):
         after it the trainer trains, prepares and keeps feedback as the owner of `state` would;
         twice puts both back. `state` must be this run's (`fresh_own_state`, or one swapped out
-        of a trainer of the same run)."""
+        of a trainer of the same run): every key is checked before anything is swapped, so a
+        state of another optimizer raises `TrainerError` and leaves both untouched."""
+        for component, name in state.values:
+            if getattr(self, component) is None:
+                raise TrainerError(f"the state holds {component}.{name}; this trainer has none")
         for (component, name), value in state.values.items():
             owner = getattr(self, component)
-            if owner is None:
-                raise TrainerError(f"the state holds {component}.{name}; this trainer has none")
             state.values[(component, name)] = getattr(owner, name)
             setattr(owner, name, value)
 

@@ -226,6 +226,12 @@ class BlobSessionEnded(StreamClosed):
     """The peer closed the stream between two messages."""
 
 
+class NoModelAnswers(BlobSessionEnded):
+    """The provider closed the session where its answer to our `GetConfig` or `GetTickets`
+    was to begin, having answered every request before it: what a provider older than these
+    requests does (it cannot decode them)."""
+
+
 # ----------------------------------------------------------------------------------------------
 # Streams
 
@@ -472,7 +478,8 @@ def _string_bytes(name: str) -> int:
 
 def _cause(group: BaseExceptionGroup) -> BaseException:
     """What failed a group of a session's requests: its first error other than the
-    cancellations it caused (the first cancellation when there is none)."""
+    cancellations and `SessionBroken`s it caused (the first of those when there is none), so
+    the caller sees why the session broke (`NoModelAnswers` among them)."""
     leaves: list[BaseException] = []
     pending: list[BaseException] = [group]
     while pending:
@@ -481,7 +488,11 @@ def _cause(group: BaseExceptionGroup) -> BaseException:
             pending.extend(error.exceptions)
         else:
             leaves.append(error)
-    return next((e for e in leaves if not isinstance(e, trio.Cancelled)), leaves[0])
+    caused = (trio.Cancelled, SessionBroken)
+    return next(
+        (e for e in leaves if not isinstance(e, caused)),
+        next((e for e in leaves if not isinstance(e, trio.Cancelled)), leaves[0]),
+    )
 
 
 def _unexpected(reply: Reply, what: str) -> NoReturn:
@@ -493,6 +504,21 @@ def _unexpected(reply: Reply, what: str) -> NoReturn:
 class SessionBroken(StreamClosed):
     """An earlier request of a pipelined session failed, so the replies behind it can no longer
     be read in step: the request was never answered (ask again on another session)."""
+
+
+def _merged_version(parts: list[TicketsFound]) -> int | None:
+    """The version of a split `GetTickets`'s parts taken together: the one every part with at
+    least one ticket (`TicketAnswer.Ok`) names, None when they name two (tickets of two models,
+    refused by the requester as today) or when no part has a ticket. A part whose answers are
+    all errors names no version (a provider notes a version only for the names it answered
+    Ok), so it does not count: as one unsplit batch's reply, the version is that of the
+    tickets."""
+    versions = {
+        part.version
+        for part in parts
+        if any(isinstance(answer, TicketAnswer.Ok) for answer in part.answers)
+    }
+    return next(iter(versions)) if len(versions) == 1 else None
 
 
 class BlobSession:
@@ -552,9 +578,9 @@ class BlobSession:
     async def tickets(self, names: list[str], timeout: float) -> TicketsFound:
         """The tickets of `names` (`GetTickets`), one answer per name in order, split into
         as many requests as the frame caps need (all sent at once, so the split costs no
-        round trip), each reply within `timeout` seconds of its turn. The version is None
-        unless every part names the same one. A provider older than `GetTickets` closes the
-        session (`StreamClosed`)."""
+        round trip), each reply within `timeout` seconds of its turn. The version is the one
+        the parts with a ticket name (`_merged_version`), as one batch's would be. A provider
+        older than `GetTickets` closes the session (`StreamClosed`)."""
         parts = self._split(names)
         found: list[TicketsFound | None] = [None] * len(parts)
 
@@ -578,9 +604,7 @@ class BlobSession:
             except BaseExceptionGroup as group:
                 raise _cause(group) from None
         replies = [f for f in found if f is not None]
-        versions = {f.version for f in replies}
-        version = next(iter(versions)) if len(versions) == 1 else None
-        return TicketsFound(version, [a for f in replies for a in f.answers])
+        return TicketsFound(_merged_version(replies), [a for f in replies for a in f.answers])
 
     def _split(self, names: list[str]) -> list[list[str]]:
         """`names` in parts whose `GetTickets` frames fit their caps: the session's first
@@ -685,9 +709,20 @@ class BlobSession:
             )
         return await receive_growing(self.stream, size, on_progress)
 
+    async def _read_model_answer(self, cap: int = MAX_CONTROL_FRAME) -> Reply:
+        """The reply to a `GetConfig` or `GetTickets`; `NoModelAnswers` when the provider
+        closed the session instead."""
+        try:
+            reply: Reply = await read_frame(self.stream, Reply, cap)
+        except NoModelAnswers:
+            raise
+        except BlobSessionEnded as e:
+            raise NoModelAnswers(f"the provider closed the session on a model request: {e}") from e
+        return reply
+
     async def _read_config(self, timeout: float) -> ConfigFound | None:
         with trio.fail_after(timeout):
-            match await read_frame(self.stream, Reply):
+            match await self._read_model_answer():
                 case Reply.Config(found):
                     answer: ConfigFound = found
                     return answer
@@ -698,7 +733,7 @@ class BlobSession:
 
     async def _read_tickets(self, names: int, timeout: float) -> TicketsFound:
         with trio.fail_after(timeout):
-            match await read_frame(self.stream, Reply, MAX_TICKETS_REPLY):
+            match await self._read_model_answer(MAX_TICKETS_REPLY):
                 case Reply.Tickets(found):
                     answer: TicketsFound = found
                 case other:

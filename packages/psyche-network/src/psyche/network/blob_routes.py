@@ -52,6 +52,7 @@ from psyche.network.blob_protocol import (
     BlobRefused,
     BlobSession,
     HashMismatch,
+    NoModelAnswers,
     ProgressFn,
     SessionBroken,
     StreamClosed,
@@ -69,6 +70,10 @@ LIBP2P_DIRECT = "libp2p stream (direct connection)"
 LIBP2P_RELAYED = "libp2p stream (through a relay)"
 
 SIDE_CHANNEL_RETRY_SECS = 60.0
+OLDER_PROVIDER_SECS = 600.0
+"""How long a provider that closed a session on a model request (older than `GetConfig` and
+`GetTickets`) is asked for the model over libp2p only; after it, a provider restarted on a
+newer version is asked on the side channel again."""
 DIRECT_STALL_SECS = 3.0
 """How long a fetch on a direct connection may receive nothing before it moves to the relayed
 connection to the same peer (when there is one): long enough for a loaded provider to start
@@ -109,6 +114,16 @@ class _Session:
         return self.route == SIDE_CHANNEL and session.queued_bytes + size <= PIPELINE_BYTES
 
 
+def _noted_within(noted: dict[bytes, float], peer: bytes, now: float, secs: float) -> bool:
+    """Whether `noted` holds a time for `peer` less than `secs` before `now`; an older one is
+    forgotten."""
+    since = noted.get(peer)
+    if since is not None and now - since >= secs:
+        del noted[peer]
+        since = None
+    return since is not None
+
+
 class DirectPathStalled(trio.BrokenResourceError):
     """Nothing came over a direct connection for `DIRECT_STALL_SECS`."""
 
@@ -137,6 +152,8 @@ class BlobRoutes:
         self._opening: dict[bytes, trio.Event] = {}
         """Providers a side-channel session is being opened to (the others wait for it)."""
         self._side_channel_down: dict[bytes, float] = {}
+        self._older_providers: dict[bytes, float] = {}
+        """When each provider last closed a session on a model request (`ask`)."""
         self._closing: list[BlobSession] = []
         self.routes: dict[bytes, str] = {}
         """The route each provider's last blob took."""
@@ -183,29 +200,62 @@ class BlobRoutes:
         session to `provider` (the one `prepare` opens, or a new one, kept for the blobs after
         it), so the answer waits for no libp2p connection. None when the side channel cannot
         answer: not usable to `provider` (none announced, a relay-only record, failed lately),
-        broken, or a provider older than the request (it closes the session): the caller asks
-        over libp2p then. The session is kept or closed whatever `request` raises."""
+        broken, or a provider older than the request: the caller asks over libp2p then. The
+        session is kept or closed whatever `request` raises.
+
+        An older provider closes the session on the request (`NoModelAnswers`), breaking the
+        fetches behind it on the session. Once it did so to a session's first request (a
+        kept session it closed meanwhile looks the same: that one is tried again on a fresh
+        session), it is not asked on the side channel again for `OLDER_PROVIDER_SECS`
+        (`_older`), so later requests go straight to libp2p and cost no session."""
         peer = provider.id
-        if not self._side_channel_usable(provider):
-            return None
-        try:
-            kept = await self._take(peer, SIDE_CHANNEL, 0)
-            if kept is None:
-                kept = await self._open_kept(SIDE_CHANNEL, provider)
-        except (*_BROKEN, BlobProtocolError) as e:
-            logger.debug("no blob session to %s for a model request: %s", fmt_short(peer), e)
-            return None
-        try:
-            answer = await request(kept.session)
-        except (*_BROKEN, BlobProtocolError) as e:
-            await self._drop(peer, kept)
-            logger.debug("a model request on %s's side channel: %s", fmt_short(peer), e)
-            return None
-        except BaseException:
-            await self._drop(peer, kept)
-            raise
-        await self._done_with(peer, kept)
-        return answer
+        fresh = False
+        while True:
+            if not self._side_channel_usable(provider) or self._older(peer):
+                return None
+            try:
+                kept = None if fresh else await self._take(peer, SIDE_CHANNEL, 0)
+                if kept is None:
+                    kept = await self._open_kept(SIDE_CHANNEL, provider)
+            except (*_BROKEN, BlobProtocolError) as e:
+                logger.debug("no blob session to %s for a model request: %s", fmt_short(peer), e)
+                return None
+            first = kept.session.requests == 0
+            try:
+                answer = await request(kept.session)
+            except NoModelAnswers as e:
+                await self._drop(peer, kept)
+                if not first and not fresh:
+                    fresh = True
+                    continue
+                self._note_older(peer)
+                logger.debug(
+                    "%s answers no model request on its side channel: %s", fmt_short(peer), e
+                )
+                return None
+            except (*_BROKEN, BlobProtocolError) as e:
+                await self._drop(peer, kept)
+                logger.debug("a model request on %s's side channel: %s", fmt_short(peer), e)
+                return None
+            except BaseException:
+                await self._drop(peer, kept)
+                raise
+            await self._done_with(peer, kept)
+            return answer
+
+    def _older(self, peer: bytes) -> bool:
+        """Whether `peer` closed a session on a model request within `OLDER_PROVIDER_SECS`."""
+        return _noted_within(self._older_providers, peer, self._clock(), OLDER_PROVIDER_SECS)
+
+    def _note_older(self, peer: bytes) -> None:
+        """Remember `peer` as older than the model requests, forgetting the others whose
+        time is up (so the table holds only providers noted in the last
+        `OLDER_PROVIDER_SECS`, each of which proved its identity in a handshake)."""
+        now = self._clock()
+        for other, since in list(self._older_providers.items()):
+            if now - since >= OLDER_PROVIDER_SECS:
+                del self._older_providers[other]
+        self._older_providers[peer] = now
 
     # routes ------------------------------------------------------------------------------------
 
@@ -306,11 +356,7 @@ class BlobRoutes:
 
     def direct_suspected(self, peer: bytes) -> bool:
         """Whether new sessions to `peer` take the relay (its direct path stalled lately)."""
-        since = self._direct_suspect.get(peer)
-        if since is not None and trio.current_time() - since >= DIRECT_SUSPECT_SECS:
-            del self._direct_suspect[peer]
-            since = None
-        return since is not None
+        return _noted_within(self._direct_suspect, peer, trio.current_time(), DIRECT_SUSPECT_SECS)
 
     async def _fetch_watching_direct(
         self, session: BlobSession, peer: bytes, digest: bytes, size: int, on_progress: ProgressFn

@@ -246,12 +246,7 @@ class _PsychePubsub(Pubsub):
         """Every copy a peer sends us, duplicates included (py-libp2p drops those before any
         check: the signature is verified once per message), tells us that peer holds it."""
         await super().push_msg(msg_forwarder, msg)
-        self._note_holder(msg_forwarder, msg)
-
-    def _note_holder(self, msg_forwarder: ID, msg: rpc_pb2.Message) -> None:
-        mid = _content_id(msg)
-        self._holders.note(mid, msg_forwarder)
-        self._holders.note(mid, ID(msg.from_id))
+        self._holders.note_copy(_content_id(msg), msg_forwarder)
 
     async def continuously_read_stream(self, stream: INetStream) -> None:
         """py-libp2p's reading loop for one peer's gossip stream, with the peer noted for
@@ -273,7 +268,7 @@ class _PsychePubsub(Pubsub):
             return False
         forwarder = _reading_from.get()
         if forwarder is not None and self._is_msg_seen(msg):
-            self._note_holder(forwarder, msg)
+            self._holders.note_copy(_content_id(msg), forwarder)
             return False
         return True
 
@@ -297,7 +292,17 @@ class _PsychePubsub(Pubsub):
         three to four stream reads (py-libp2p reads the varint length a byte at a time) before
         the RPC is parsed; a round's broadcasts reach a node within milliseconds of each other
         and are forwarded to each mesh peer in such bursts. Nothing waits for more: an RPC
-        alone in the queue is written as soon as the loop runs, as before."""
+        alone in the queue is written as soon as the loop runs, as before.
+
+        A write that raises (a `StreamError` for a muxer or connection error, or a write after
+        the stream failed: `write_msg` catches only a close or reset) ends the loop as
+        py-libp2p's does: the peer's stream is taken as dead (`_handle_dead_peer`: its queue
+        closed, the stream re-opened while the peer stays connected), else nothing would
+        drain its queue and the peer would never get a message from us again, and the
+        messages of the failed write are written again on the re-opened stream, as
+        `write_msg` does for a closed one. Only the loop of the peer's current stream does
+        so: one of a stream already replaced leaves its successor alone."""
+        out: rpc_pb2.RPC | None = None
         try:
             while True:
                 rpc = await queue.pop()
@@ -313,8 +318,13 @@ class _PsychePubsub(Pubsub):
                 for out in coalesce(batch):
                     if not await self.write_msg(stream, out):
                         return
+                out = None
         except Exception:
             logger.debug("gossip sending loop for %s ended with an error", peer_id)
+            if self.peers.get(peer_id) is stream:
+                self._handle_dead_peer(peer_id)
+                if out is not None and out.publish:
+                    self.manager.run_task(self._write_after_reopen, peer_id, out)
 
     async def write_msg(self, stream: INetStream, rpc_msg: rpc_pb2.RPC) -> bool:
         """py-libp2p drops the messages whose write found the stream failed (then re-opens it);
@@ -400,28 +410,40 @@ class _Holders:
     lack it, a few times each.
 
     A peer holds a message when it says so: it sent it to us (the push or a forward,
-    duplicates included), advertised it to us (IHAVE), or originated it. Our own write of it
-    to the peer is no proof: the peer may have refused it (a signer its allowlist did not
-    have yet, as a client's lags the run's state by a moment) or lost it with its
-    connection, and taking the write as proof left such a message unrepaired for good (a
-    witness that lacked an honest member's result this way dropped that member). So a node
-    advertises its own messages to each peer `REPAIR_ADVERTS_PER_PEER` times (peers do not
-    forward a message back to its origin), and a forwarded one to the peers that did not
-    send it back. Measured in the swarm bench before any of this (16 nodes), a node
+    duplicates included), advertised it to us (IHAVE), or originated it (as the validated copy
+    names its origin, `note_copy`). Our own write of it to the peer is no proof: the peer may
+    have refused it (a signer its allowlist did not have yet, as a client's lags the run's
+    state by a moment) or lost it with its connection, and taking the write as proof left
+    such a message unrepaired for good (a witness that lacked an honest member's result this
+    way dropped that member). So a node advertises its own messages to each peer
+    `REPAIR_ADVERTS_PER_PEER` times (peers do not forward a message back to its origin), and
+    a forwarded one to the peers that did not send it back. Measured in the swarm bench before any of this (16 nodes), a node
     advertised every message of its last 10 heartbeats to every gossip peer on every
     heartbeat: the IHAVEs were a third of its data frames, and nearly every id in them was
     one the peer had sent us.
     Only messages in the cache (`cached`: validated ones) get entries, and they live as long as
     the cache holds the message (`prune`), so what peers send bounds nothing here."""
 
-    def __init__(self, cached: Callable[[bytes], bool]) -> None:
+    def __init__(self, cached: Callable[[bytes], rpc_pb2.Message | None]) -> None:
         self._cached = cached
+        """The validated message cached under an id (None: not cached)."""
         self._held: dict[bytes, set[ID]] = {}
         self._adverts: dict[bytes, dict[ID, int]] = {}
 
     def note(self, mid: bytes, peer: ID) -> None:
-        if self._cached(mid):
+        if self._cached(mid) is not None:
             self._held.setdefault(mid, set()).add(peer)
+
+    def note_copy(self, mid: bytes, forwarder: ID) -> None:
+        """A copy of message `mid` came from `forwarder`: it holds the message, and so does
+        the message's origin, as the validated copy in the cache names it. The copy's own
+        origin field is not checked on a duplicate (py-libp2p drops a seen copy before any
+        check), so a member could name any peer there: taking it would mark that peer as
+        holding a message it lacks, and the repair would never advertise it to it."""
+        cached = self._cached(mid)
+        if cached is not None:
+            self.note(mid, forwarder)
+            self.note(mid, ID(cached.from_id))
 
     def note_advertised(self, mid: bytes, peer: ID) -> None:
         per_peer = self._adverts.setdefault(mid, {})
@@ -435,7 +457,7 @@ class _Holders:
     def prune(self) -> None:
         """Forget the messages the cache no longer holds."""
         for table in (self._held, self._adverts):
-            for mid in [m for m in table if not self._cached(m)]:
+            for mid in [m for m in table if self._cached(m) is None]:
                 del table[mid]
 
 
@@ -529,8 +551,8 @@ class _PsycheGossipSub(GossipSub):
                 del peers_to_gossip[peer]
         return peers_to_gossip
 
-    def _cached(self, mid: bytes) -> bool:
-        return mid in self.mcache.msgs
+    def _cached(self, mid: bytes) -> rpc_pb2.Message | None:
+        return self.mcache.msgs.get(mid)
 
     async def publish(self, msg_forwarder: ID, pubsub_msg: rpc_pb2.Message) -> None:
         """GossipSub's publish, without its queue for peers that are no run members.
