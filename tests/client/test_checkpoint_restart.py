@@ -9,6 +9,7 @@ the stored checkpoint (the random init)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import shutil
 from pathlib import Path
@@ -23,7 +24,6 @@ from psyche.client.checkpoints.store import (
     checkpoint_path,
     save_checkpoint_locally,
 )
-from psyche.client.client import Client
 from psyche.client.setup.model_loading import config_json_of, load_from_directory, preload_modeling
 from psyche.client.testing import InProcessServer
 from psyche.coordinator import CoordinatorProgress, RunState
@@ -31,7 +31,7 @@ from psyche.modeling.sharing import model_hash
 
 from ..polling import poll_until
 from ..timing import scaled, scaled_timer
-from .in_process import RUN_ID, client_parts, coordinator, fields, identities, write_run
+from .in_process import RUN_ID, coordinator, fields, identities, run_client, write_run
 
 STEP = 12  # the saved state's step: the epoch starts from the checkpoint of step 11
 INSTANCE = RunInstance(RUN_ID, "saved-instance")
@@ -43,11 +43,6 @@ def _single_thread():  # type: ignore[no-untyped-def]
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-async def run_client(server: InProcessServer, number: int, checkpoint_dir: Path | None) -> None:
-    async with client_parts(server, number, checkpoint_dir) as parts:
-        await Client(*parts).run()
 
 
 def test_clients_and_server_restarted_resume_from_the_last_complete_checkpoint(
@@ -119,7 +114,9 @@ def test_clients_and_server_restarted_resume_from_the_last_complete_checkpoint(
         async with trio.open_nursery() as nursery:
             nursery.start_soon(server.run)
             for number, directory in enumerate([*dirs, None], start=1):
-                nursery.start_soon(run_client, server, number, directory)
+                nursery.start_soon(
+                    functools.partial(run_client, server, number, checkpoint_dir=directory)
+                )
             # until all three applied the first round of the epoch
             with trio.fail_after(scaled(120)):
                 await poll_until(lambda: len(fields(caplog.records, "applied_results")) >= 3, 0.1)

@@ -20,17 +20,8 @@ from psyche.client.round.steps import MachineSettings, StepStateMachine
 from psyche.client.round.train import OwnResult
 from psyche.coordinator import RunState
 from psyche.coordinator.testing import Simulation, integration_test_coordinator
-from psyche.core.definitions import (
-    ConstantLR,
-    DilocoTransmission,
-    LearningRateSchedule,
-    OptimizerDefinition,
-)
 from psyche.core.identity import SecretKey
 from psyche.core.node_identity import NodeIdentity
-from psyche.modeling.causal_lm import CausalLM, ModelOptions
-from psyche.modeling.configs import llama_config_dict
-from psyche.modeling.diloco import DilocoSettings
 from psyche.modeling.serialized_distro import (
     SerializableTensor,
     SerializableTensorData,
@@ -39,28 +30,11 @@ from psyche.modeling.serialized_distro import (
 )
 from psyche.modeling.trainer import PreparedResult, Trainer
 
+from ..modeling.tiny_trainer import DILOCO_INNER_STEPS as INNER_STEPS
+from ..modeling.tiny_trainer import diloco_trainer
 from .machine_bus import Bus, BusIO, FakeData, Node, settle
 
-INNER_STEPS = 2
 CLIENTS = 3
-
-
-def diloco_trainer() -> Trainer:
-    settings = DilocoSettings(
-        inner_steps=INNER_STEPS,
-        transmission=DilocoTransmission.Sparse,
-        value_bits=2,
-        compression_chunk=16,
-        compression_topk=8,
-    )
-    model = CausalLM.from_config(
-        llama_config_dict("tiny"),
-        ModelOptions(architecture="HfLlama", device="cpu", seed=1337),
-    )
-    schedule = LearningRateSchedule.Constant(ConstantLR(3e-3, 0.0, 0))
-    return Trainer(
-        model, schedule, OptimizerDefinition.DiLoCo(settings.definition()), micro_batch_size=2
-    )
 
 
 def record_outer_steps(trainer: Trainer, log: dict[int, bytes]) -> None:

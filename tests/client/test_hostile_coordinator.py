@@ -26,8 +26,7 @@ from psyche.modeling.configs import llama_config_dict
 
 from ..polling import poll_until
 from .hub_endpoint import HubEndpoint
-from .test_checkpoint_restart import run_client
-from .test_in_process_run import RUN_ID, coordinator, write_run
+from .in_process import RUN_ID, coordinator, run_client, write_run
 
 
 class RenamingServer(InProcessServer):
@@ -59,7 +58,7 @@ def test_a_state_of_another_run_is_refused_and_nothing_is_written_outside(
 
     async def one(number: int) -> None:
         try:
-            await run_client(server, number, checkpoints)
+            await run_client(server, number, checkpoint_dir=checkpoints)
         except* WrongRun as group:  # raised from the client's nurseries
             errors.append(single_cause(group))
 

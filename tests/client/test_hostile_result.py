@@ -27,7 +27,7 @@ from psyche.client.round.train import OwnResult
 from psyche.network.ticket import BlobFormat, BlobTicket, blob_hash
 
 from ..timing import scaled
-from .test_in_process_run import fields, run_client, three_client_run, wait_until
+from .in_process import fields, run_client, three_client_run, wait_until
 
 OVERSIZED = 16 * 1024 * 1024
 UNDECODABLE = 1024

@@ -6,7 +6,6 @@ next epoch, takes the model from them over P2P model sharing and starts hash-ide
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +31,8 @@ from .in_process import (
     identities,
     run_client,
     run_client_until_finished,
+    three_client_run,
+    wait_until,
     write_run,
 )
 
@@ -207,31 +208,6 @@ class LateClient(Client):
         self.late = False  # the machine is fast again
         self.rejoined = (*self.rejoined, state.progress.epoch)
         await super()._rejoin(state)
-
-
-LATE_ROUND_SECS = 2
-"""`max_round_train_time` of the three-client runs (seconds on the tuning machine, scaled): a round
-whose results are all in ends once its witness has them (within a second here: a step of one
-batch of 4 x 32 tokens takes milliseconds); only a round some result never reaches (a late, junk
-or dropped member's) waits the whole time out, and those are what these tests make. With the
-harness's 5 s each such round waited 3 s more, for nothing."""
-
-
-def three_client_run(
-    tmp_path: Path, epoch_time: int, server: type[InProcessServer] = InProcessServer
-) -> InProcessServer:
-    """A `server` (no bans) for a run that starts with three clients, its rounds cut short at
-    `LATE_ROUND_SECS`."""
-    preload_modeling()
-    state = coordinator(*write_run(tmp_path))
-    state.config.epoch_time = scaled_timer(epoch_time)
-    state.config.max_round_train_time = scaled_timer(LATE_ROUND_SECS)
-    state.config.init_min_clients = 3
-    return server(state, ban_epochs=0)
-
-
-async def wait_until(condition: Callable[[], bool]) -> None:
-    await poll_until(condition, 0.1)
 
 
 def in_training(server: InProcessServer, after_epoch: int) -> bool:

@@ -30,12 +30,14 @@ from psyche.modeling.hostile import Attack, HostileMember, make_hostile, payload
 from psyche.modeling.serialized_distro import transmittable_distro_result
 from psyche.modeling.trainer import Trainer
 
-from ..modeling.tiny_trainer import make_trainer
+from ..modeling.tiny_trainer import diloco_trainer, make_trainer
 from ..polling import poll_until
 from ..timing import scaled_timer
-from . import test_in_process_run as in_process
-from .test_diloco import diloco_trainer
-from .test_machine import SEQ, FakeData, Node, _single_thread, run_simulated  # noqa: F401 (a fixture)
+from . import in_process
+from .machine_bus import SEQ, FakeData, Node
+from .simulated_run import run_simulated
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 CLIENTS = 4
 HOSTILE = 3
@@ -204,7 +206,7 @@ def test_in_process_a_hostile_clients_results_are_not_applied_and_honest_clients
     records = caplog.records
     lies = {str(b) for b in SignFlippingClient.lies}
     assert lies
-    honest = {str(c) for c in in_process._identities(1, 2, 3)}
+    honest = {str(c) for c in in_process.identities(1, 2, 3)}
     applied = [f for f in in_process.fields(records, "applied_results") if f["client_id"] in honest]
     assert applied
     for f in applied:

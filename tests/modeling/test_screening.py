@@ -16,8 +16,6 @@ import pytest
 import torch
 
 from psyche.core.definitions import ConstantLR, DilocoTransmission, LearningRateSchedule
-from psyche.modeling.causal_lm import CausalLM, ModelOptions
-from psyche.modeling.configs import llama_config_dict
 from psyche.modeling.diloco import Diloco, DilocoPeerSimulation, DilocoSettings
 from psyche.modeling.distro import DistroResult
 from psyche.modeling.hostile import Attack, DilocoFormat, HostileMember, HostileMembers
@@ -35,18 +33,12 @@ from psyche.modeling.screening import (
 )
 
 from .conftest import SEQ, bigram_corpus
+from .screening_rounds import ROWS, honest_results, model
 
 T = DilocoTransmission
-ROWS = 2  # per member per step
 
 
 pytestmark = pytest.mark.usefixtures("single_thread")
-
-
-def model() -> torch.nn.Module:
-    """The tiny Llama every member starts from (the same random init)."""
-    options = ModelOptions(architecture="HfLlama", device="cpu", seed=1337)
-    return CausalLM.from_config(llama_config_dict("tiny"), options).model
 
 
 def constant(lr: float) -> LearningRateSchedule:
@@ -159,24 +151,6 @@ def test_a_lazy_member_passes_and_costs_little() -> None:
     tally, _ = run("bf16", 4, {3: HostileMember(Attack.Lazy)}, steps=8)
     assert tally.hostile_refused == 0
     assert tally.honest_refused == 0
-
-
-def honest_results(form: str, members: int = 4, seed: int = 2) -> tuple[Diloco, list[list]]:  # type: ignore[type-arg]
-    """One DiLoCo round of `members` replicas on their own rows (`seed`'s), as sent."""
-    transmission = {"bf16": T.Bf16, "int8": T.Int8, "sparse": T.Sparse}[form]
-    settings = DilocoSettings(inner_steps=2, transmission=transmission, compression_topk=8)
-    sim = DilocoPeerSimulation([model() for _ in range(members)], settings, lr=3e-3)
-    data = bigram_corpus(2 * members * ROWS, SEQ, seed=seed)
-    for step in (1, 2):
-        for i, (m, r) in enumerate(zip(sim.models, sim.replicas)):
-            start = ((step - 1) * members + i) * ROWS
-            ids = data[start : start + ROWS]
-            m(ids, labels=ids, use_cache=False).loss.backward()
-            r.inner_step(3e-3)
-    for r in sim.replicas:
-        r.diloco.keep_encoded = True  # a witness's reference
-    sent = [r.diloco.end_round(0) for r in sim.replicas]
-    return sim.replicas[0].diloco, sent
 
 
 @pytest.mark.parametrize("form", ["bf16", "int8", "sparse"])

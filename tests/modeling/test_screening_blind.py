@@ -1,6 +1,6 @@
 """A witness with no update of its own judged over the whole round (`RoundScreen.judge`): what
 it votes for no longer depends on the order the results came in. Hostile members beside honest
-ones (`psyche.modeling.hostile`), real tiny-Llama DiLoCo rounds (`test_screening.honest_results`).
+ones (`psyche.modeling.hostile`), real tiny-Llama DiLoCo rounds (`screening_rounds.honest_results`).
 
 Before, such a witness judged each result against the ones checked before it: a hostile result
 that came first passed against nothing, several hostile ones first set the level every honest
@@ -15,7 +15,7 @@ import torch
 from psyche.modeling.hostile import DilocoFormat
 from psyche.modeling.screening import DILOCO_SCREENING, ResultReader, Verdict, WitnessScreen
 
-from .test_screening import honest_results
+from .screening_rounds import honest_results
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -1,17 +1,20 @@
-"""A `Trainer` on the tiny Llama with the DisTrO settings the client and trainer tests share, and
-the constant learning rate and AdamW settings the trainer tests build theirs from."""
+"""A `Trainer` on the tiny Llama with the DisTrO settings the client and trainer tests share (and
+`diloco_trainer`, the DiLoCo one the client's DiLoCo tests share), and the constant learning rate
+and AdamW settings the trainer tests build theirs from."""
 
 from __future__ import annotations
 
 from psyche.core.definitions import (
     AdamW,
     ConstantLR,
+    DilocoTransmission,
     Distro,
     LearningRateSchedule,
     OptimizerDefinition,
 )
 from psyche.modeling.causal_lm import CausalLM, ModelOptions
 from psyche.modeling.configs import deepseek_config_dict, llama_config_dict
+from psyche.modeling.diloco import DilocoSettings
 from psyche.modeling.trainer import Trainer
 
 
@@ -56,3 +59,25 @@ def make_trainer(
         config, ModelOptions(architecture=architecture, device=device, dtype=dtype, seed=1337)
     )
     return Trainer(model, constant(lr), distro(weight_decay, quantize, chunk), micro_batch_size=2)
+
+
+DILOCO_INNER_STEPS = 2
+
+
+def diloco_trainer() -> Trainer:
+    """The tiny Llama under DiLoCo: an outer step every `DILOCO_INNER_STEPS` steps, its sparse
+    pseudo-gradients of 2-bit values."""
+    settings = DilocoSettings(
+        inner_steps=DILOCO_INNER_STEPS,
+        transmission=DilocoTransmission.Sparse,
+        value_bits=2,
+        compression_chunk=16,
+        compression_topk=8,
+    )
+    model = CausalLM.from_config(
+        llama_config_dict("tiny"),
+        ModelOptions(architecture="HfLlama", device="cpu", seed=1337),
+    )
+    return Trainer(
+        model, constant(3e-3), OptimizerDefinition.DiLoCo(settings.definition()), micro_batch_size=2
+    )

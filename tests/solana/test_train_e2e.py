@@ -17,8 +17,6 @@ One run serves all tests (module fixture); the clients log JSON events (`round_s
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import sys
 import time
@@ -42,6 +40,7 @@ from .processes import (
     start_endpoint,
     wait_event,
 )
+from .support import solana_client_output
 
 # a bound for a hung run, not a timing: the run's own waits stretch up to MAX_SCALE times on a
 # busy machine (tests/timing.py), and the module's run is the first test's setup
@@ -151,13 +150,6 @@ def run(processes: Processes, tmp_path_factory: pytest.TempPathFactory) -> Run:
         {name: str(wallets[name].pubkey()) for name in clients},
         exit_codes,
     )
-
-
-def solana_client_output(argv: list[str]) -> str:
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        assert solana_client(argv) == 0
-    return out.getvalue()
 
 
 # --------------------------------------------------------------------------------------------

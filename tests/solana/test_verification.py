@@ -7,10 +7,8 @@ and change nothing."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
-from collections.abc import AsyncIterator
 from functools import partial
 
 import pytest
@@ -22,13 +20,11 @@ from psyche.cli.solana_client.main import main as solana_client
 from psyche.client.observe.verification import VerificationEvents, VerificationTally
 from psyche.client.round.verify import disputes, plan_verification
 from psyche.coordinator import ClientState, RunState
-from psyche.coordinator.config import CoordinatorConfig
 from psyche.coordinator.data_selection import verification_duties_for_state
 from psyche.coordinator.server_core import VERIFIED_ROUNDS
 from psyche.coordinator.verification import (
     VERIFIED_BATCHES_PER_VERIFIER,
     Finding,
-    RoundDuties,
     VerificationReport,
     draw_batches,
 )
@@ -36,10 +32,8 @@ from psyche.core.batch_id import BatchId
 from psyche.core.identity import SecretKey
 from psyche.core.node_identity import NodeIdentity
 from psyche.solana import pda
-from psyche.solana.anchor import COORDINATOR_ERRORS, error_code
 from psyche.solana.app import watch_verification
-from psyche.solana.backend import Cluster, SolanaBackend, SolanaBackendError
-from psyche.solana.follower import follow_run
+from psyche.solana.backend import SolanaBackend, SolanaBackendError
 from psyche.solana.instructions import coordinator as coordinator_ix
 from psyche.solana.instructions.ed25519 import (
     ED25519_PROGRAM,
@@ -47,28 +41,18 @@ from psyche.solana.instructions.ed25519 import (
     new_ed25519_instruction,
 )
 from psyche.solana.keypair import derive_p2p_secret_key
-from psyche.solana.localnet.ledger import Ledger
-from psyche.solana.state import decode_anchor_account
-from psyche.solana.verification import RunVerification, verification_to_json
+from psyche.solana.verification import verification_to_json
 
 from ..polling import poll_until
 from .scripted import (
     RUN_ID,
     Driver,
-    ScriptedClient,
-    config,
-    create_run,
     make_backend,
-    open_localnet,
 )
+from .support import VerifiedRun, error_text, verification_state, verified_run
 
 SLASHING_RATE = 10  # `create_run`'s `set_future_epoch_rates`
 FLOOD = 12
-
-
-async def verification_state(backend: SolanaBackend, account: Pubkey) -> RunVerification:
-    data = await backend.get_data(pda.find_run_verification(account, backend.ids))
-    return decode_anchor_account(data, RunVerification)
 
 
 async def send_report(
@@ -90,11 +74,6 @@ async def send_report(
     await backend.send_and_retry("Verification report", instructions)
 
 
-def error_text(name: str) -> str:
-    """How the RPC error names the coordinator program's error `name`."""
-    return f"custom program error: 0x{error_code(COORDINATOR_ERRORS, name):x}"
-
-
 async def refused(
     backend: SolanaBackend,
     account: Pubkey,
@@ -104,59 +83,6 @@ async def refused(
     with pytest.raises(SolanaBackendError) as info:
         await send_report(backend, account, report, draw_signer)
     return str(info.value)
-
-
-@dataclasses.dataclass
-class VerifiedRun:
-    """A run at `verification_percent = 25` on a local endpoint, four scripted members
-    following it (1 tie-breaker, 1 verifier, 2 trainers a round)."""
-
-    ledger: Ledger
-    cluster: list[Cluster]
-    owner: SolanaBackend
-    account: Pubkey
-    clients: list[ScriptedClient]
-    config: CoordinatorConfig
-
-    @property
-    def by_signer(self) -> dict[bytes, ScriptedClient]:
-        return {bytes(c.backend.get_payer()): c for c in self.clients}
-
-    @contextlib.asynccontextmanager
-    async def followed(self, nursery: trio.Nursery) -> AsyncIterator[Driver]:
-        """The members following the run, and a driver of its clock (the owner observing)."""
-        async with follow_run(self.owner, RUN_ID, self.account) as observer:
-            for client in self.clients:
-                await nursery.start(client.run, self.account)
-            yield Driver(self.ledger, self.owner, observer)
-
-    async def this_round(self, driver: Driver) -> tuple[int, RoundDuties]:
-        """The driver's current step and the duties the program recorded for it."""
-        assert driver.state is not None
-        step = driver.state.progress.step
-        return step, await self.duties(step)
-
-    async def duties(self, step: int) -> RoundDuties:
-        """The duties the program recorded for `step`."""
-        stored = (await verification_state(self.owner, self.account)).round(step)
-        assert stored is not None, "the round's witness recorded its duties"
-        return stored.record().duties
-
-
-async def verified_run(nursery: trio.Nursery, members: str = "abcd") -> VerifiedRun:
-    ledger, _, cluster = await open_localnet(nursery)
-    owner = make_backend(ledger, cluster)
-    batch = max(4, len(members))  # no more clients than batches
-    run_config = config(
-        verification_percent=25,
-        init_min_clients=len(members),
-        min_clients=3,
-        global_batch_size_start=batch,
-        global_batch_size_end=batch,
-    )
-    account = await create_run(owner, run_config)
-    clients = [ScriptedClient(n, make_backend(ledger, cluster)) for n in members]
-    return VerifiedRun(ledger, cluster, owner, account, clients, run_config)
 
 
 def test_a_disputed_result_is_decided_by_the_tie_breaker_and_the_loser_slashed(

@@ -36,25 +36,13 @@ from .processes import (
     start_endpoint,
     wait_event,
 )
-from .test_train_e2e import solana_client_output
+from .support import VERIFYING, solana_client_output
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(420 * MAX_SCALE)]
 
 RUN_ID = "solana-verify"
 HOSTILE_SCRIPT = REPO / "tests" / "solana" / "hostile_solana_client.py"
 SLASHING_RATE = 10
-CONFIG = {
-    "warmup_time": 10,
-    "cooldown_time": 3,
-    "epoch_time": 60,
-    "max_round_train_time": 20,
-    "round_witness_time": 2,
-    "min_clients": 3,
-    "init_min_clients": 4,
-    "waiting_for_members_extra_time": 2,
-    "verification_percent": 25,
-    "witness_nodes": 0,
-}
 
 
 async def set_rates(cluster: Cluster, owner_wallet: Keypair) -> None:
@@ -72,7 +60,7 @@ def test_the_program_punishes_the_member_that_lied(tmp_path: Path) -> None:
         names = ("owner", "a", "b", "c", "hostile")
         endpoint = start_endpoint(processes, tmp_path, names)
         wallets, rpc, ws = endpoint.wallets, endpoint.rpc, endpoint.ws
-        cluster = create_run(endpoint, tmp_path, RUN_ID, CONFIG)
+        cluster = create_run(endpoint, tmp_path, RUN_ID, VERIFYING)
         # The rates (the command sets them only through a treasurer).
         trio.run(set_rates, Cluster(rpc, ws), wallets["owner"])
         assert solana_client(["set-paused", "--run-id", RUN_ID, "--resume", *cluster]) == 0

@@ -53,7 +53,7 @@ from .cli_helpers import RUN_CONFIG, funded_wallet, ok, run_cli
 from .conftest import Endpoint
 from .scripted import RUN_ID, WAIT, Driver, make_backend, tiny_model
 from .scripted import config as scripted_config
-from .test_verification import error_text, verified_run
+from .support import error_text, verified_run
 
 
 def test_the_owner_turns_verifiers_train_on_and_the_program_and_clients_run_with_it(

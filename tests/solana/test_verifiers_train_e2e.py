@@ -28,8 +28,7 @@ from psyche.cli.solana_client.main import main as solana_client
 from ..processes import Proc, events
 from ..timing import MAX_SCALE, Deadline
 from .processes import Processes, create_run, free_port, member_train_argv, start_endpoint
-from .test_train_e2e import solana_client_output
-from .test_verifiers_e2e import CONFIG as VERIFYING
+from .support import VERIFYING, solana_client_output
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(360 * MAX_SCALE)]
 
