@@ -168,8 +168,12 @@ class BlobRoutes:
     ) -> bytearray:
         peer = provider.id
         slot = self._slots.setdefault(peer, trio.Semaphore(self.max_per_peer))
-        async with slot:
-            return await self._fetch(provider, digest, size, on_progress)
+        try:
+            async with slot:
+                return await self._fetch(provider, digest, size, on_progress)
+        finally:
+            if peer not in self._slots:  # forgotten meanwhile: drop what this fetch noted
+                await self.forget(peer)
 
     async def prepare(self, provider: EndpointAddr) -> None:
         """Open and authenticate a side-channel session to `provider` (a run member the caller
@@ -256,6 +260,39 @@ class BlobRoutes:
             if now - since >= OLDER_PROVIDER_SECS:
                 del self._older_providers[other]
         self._older_providers[peer] = now
+
+    # peers that left ---------------------------------------------------------------------------
+
+    def peers(self) -> set[bytes]:
+        """Every provider something is held for (slots, sessions, routes, remembered failures)."""
+        return {
+            *self._slots,
+            *self._sessions,
+            *self._side_channel_down,
+            *self._older_providers,
+            *self._direct_suspect,
+            *self.routes,
+        }
+
+    async def forget(self, peer: bytes) -> None:
+        """Drop everything held for `peer` (it left the run): its fetch slots, route, the
+        remembered side-channel failure, older-provider and direct-path suspicion, and its
+        sessions, each closed now (a fetch still on one fails, as a fetch from a peer that left
+        should; its slot is released as it unwinds). Everything is dropped before the first
+        close, so the tables are clean whatever a close raises; a fetch under way meanwhile
+        forgets again what it noted when it ends (`fetch`). Without this a long-running client
+        kept an entry per peer it ever fetched from."""
+        self._slots.pop(peer, None)
+        self._side_channel_down.pop(peer, None)
+        self._older_providers.pop(peer, None)
+        self._direct_suspect.pop(peer, None)
+        self.routes.pop(peer, None)
+        sessions = self._sessions.pop(peer, [])
+        for kept in sessions:
+            if kept.session.broken is None:
+                kept.session.broken = "its provider left the run"
+        for kept in sessions:
+            await self._close(kept.session)
 
     # routes ------------------------------------------------------------------------------------
 
