@@ -6,10 +6,13 @@ a long-running client kept an entry per peer it ever fetched from, and the sessi
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import trio
+import trio.testing
 
+from psyche.network.blob_protocol import BlobProtocolError
 from psyche.network.blob_routes import SIDE_CHANNEL, BlobRoutes
 from psyche.network.connection import NetworkConnection
 from psyche.network.download import DownloadComplete
@@ -80,5 +83,42 @@ def test_a_peer_removed_from_the_run_is_forgotten_and_its_session_closed() -> No
             assert routes.routes[staying.endpoint_id] == SIDE_CHANNEL
             assert staying.blob_server.sessions == 1
             assert routes.peers() == {staying.endpoint_id}
+
+    trio.run(main)
+
+
+def test_a_fetch_under_way_when_its_provider_is_forgotten_leaves_nothing_behind() -> None:
+    """Forgetting a provider while a fetch from it runs closes the fetch's session under it;
+    whatever that fetch does next (it may reopen a session and finish), it forgets again on its
+    way out what it noted (route, kept session), so nothing stays held for the peer."""
+
+    async def main() -> None:
+        async with open_nodes(2) as (fetcher, leaving), trio.open_nursery() as nursery:
+            routes = fetcher.blob_routes
+            gone = leaving.endpoint_id
+            ticket, _ = await leaving.add_downloadable(os.urandom(8 << 20), "model-big")
+            forgotten: list[int] = []
+
+            def progress(received: int) -> None:
+                if not forgotten:  # mid-transfer: the peer leaves
+                    forgotten.append(received)
+                    nursery.start_soon(routes.forget, gone)
+
+            # (a fetch whose session was closed under it may fail or finish: either is fine)
+            with (
+                trio.fail_after(DEADLINE),
+                contextlib.suppress(OSError, BlobProtocolError, trio.BrokenResourceError),
+            ):
+                await routes.fetch(ticket.addr, ticket.hash, ticket.size, progress)
+            assert forgotten
+            assert forgotten[0] < ticket.size
+            await trio.testing.wait_all_tasks_blocked()
+            assert _held_for(routes, gone) == []
+            for _ in range(DEADLINE * 100):
+                if not leaving.blob_server.sessions:
+                    break
+                await trio.sleep(0.01)
+            assert leaving.blob_server.sessions == 0
+            nursery.cancel_scope.cancel()
 
     trio.run(main)
