@@ -277,11 +277,12 @@ class BlobRoutes:
     async def forget(self, peer: bytes) -> None:
         """Drop everything held for `peer` (it left the run): its fetch slots, route, the
         remembered side-channel failure, older-provider and direct-path suspicion, and its
-        sessions, each closed now (a fetch still on one fails, as a fetch from a peer that left
-        should; its slot is released as it unwinds). Everything is dropped before the first
-        close, so the tables are clean whatever a close raises; a fetch under way meanwhile
-        forgets again what it noted when it ends (`fetch`). Without this a long-running client
-        kept an entry per peer it ever fetched from."""
+        sessions (`_drop`: an idle one is closed now, one carrying a fetch as that fetch ends,
+        so the fetch is not failed under it; no fetch joins it meanwhile). Everything is
+        dropped before the first close, so the tables are clean whatever a close raises
+        (`_close` swallows and times out), and a fetch under way forgets again, when it ends,
+        what it noted meanwhile (`fetch`). Without this a long-running client kept an entry
+        per peer it ever fetched from."""
         self._slots.pop(peer, None)
         self._side_channel_down.pop(peer, None)
         self._older_providers.pop(peer, None)
@@ -289,10 +290,9 @@ class BlobRoutes:
         self.routes.pop(peer, None)
         sessions = self._sessions.pop(peer, [])
         for kept in sessions:
-            if kept.session.broken is None:
-                kept.session.broken = "its provider left the run"
+            kept.session.broken = kept.session.broken or "its provider left the run"
         for kept in sessions:
-            await self._close(kept.session)
+            await self._drop(peer, kept)
 
     # routes ------------------------------------------------------------------------------------
 
