@@ -168,8 +168,12 @@ class BlobRoutes:
     ) -> bytearray:
         peer = provider.id
         slot = self._slots.setdefault(peer, trio.Semaphore(self.max_per_peer))
-        async with slot:
-            return await self._fetch(provider, digest, size, on_progress)
+        try:
+            async with slot:
+                return await self._fetch(provider, digest, size, on_progress)
+        finally:
+            if peer not in self._slots:  # forgotten meanwhile: drop what this fetch noted
+                await self.forget(peer)
 
     async def prepare(self, provider: EndpointAddr) -> None:
         """Open and authenticate a side-channel session to `provider` (a run member the caller
@@ -256,6 +260,39 @@ class BlobRoutes:
             if now - since >= OLDER_PROVIDER_SECS:
                 del self._older_providers[other]
         self._older_providers[peer] = now
+
+    # peers that left ---------------------------------------------------------------------------
+
+    def peers(self) -> set[bytes]:
+        """Every provider something is held for (slots, sessions, routes, remembered failures)."""
+        return {
+            *self._slots,
+            *self._sessions,
+            *self._side_channel_down,
+            *self._older_providers,
+            *self._direct_suspect,
+            *self.routes,
+        }
+
+    async def forget(self, peer: bytes) -> None:
+        """Drop everything held for `peer` (it left the run): its fetch slots, route, the
+        remembered side-channel failure, older-provider and direct-path suspicion, and its
+        sessions (`_drop`: an idle one is closed now, one carrying a fetch as that fetch ends,
+        so the fetch is not failed under it; no fetch joins it meanwhile). Everything is
+        dropped before the first close, so the tables are clean whatever a close raises
+        (`_close` swallows and times out), and a fetch under way forgets again, when it ends,
+        what it noted meanwhile (`fetch`). Without this a long-running client kept an entry
+        per peer it ever fetched from."""
+        self._slots.pop(peer, None)
+        self._side_channel_down.pop(peer, None)
+        self._older_providers.pop(peer, None)
+        self._direct_suspect.pop(peer, None)
+        self.routes.pop(peer, None)
+        sessions = self._sessions.pop(peer, [])
+        for kept in sessions:
+            kept.session.broken = kept.session.broken or "its provider left the run"
+        for kept in sessions:
+            await self._drop(peer, kept)
 
     # routes ------------------------------------------------------------------------------------
 

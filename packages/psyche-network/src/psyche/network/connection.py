@@ -439,7 +439,15 @@ class NetworkConnection:
 
     def set_allowed_peers(self, peers: Iterable[bytes]) -> None:
         """Replace the allowlist (the client calls this on every coordinator state) and drop
-        connections to peers no longer in the run."""
+        connections to peers no longer in the run, and what the blob routes hold for them
+        (`BlobRoutes.forget`, closing their kept side-channel sessions).
+
+        The blob routes forget a peer here, when it leaves the run, not when its libp2p
+        connection drops (`_on_disconnected`): a member's disconnect is often brief (it is
+        redialed), its side-channel sessions run on TCP connections of their own, and what
+        is remembered about it (a side channel that failed, an older provider, a stalled
+        direct path) is not rebuilt by a reconnect but learned again only by failing again.
+        A member gone for good leaves the coordinator's set, and so is forgotten here."""
         if not isinstance(self.allowlist, AllowDynamic):
             raise TypeError("set_allowed_peers needs an AllowDynamic allowlist")
         self.allowlist.set(peers)
@@ -447,6 +455,9 @@ class NetworkConnection:
         for peer in self.connection_monitor.connected_peers():
             if not self._allowed(peer):
                 self._spawn(p2p_host.disconnect, self.host, peer)
+        for peer in self.blob_routes.peers():
+            if not self._allowed(peer):
+                self._spawn(self.blob_routes.forget, peer)
 
     def neighbors(self) -> list[bytes]:
         """The peers we gossip with (upstream: iroh-gossip's active view): `Gossip.neighbors`."""
