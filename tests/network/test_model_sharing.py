@@ -297,6 +297,52 @@ def test_a_joiner_that_asks_after_the_warmup_waits_for_the_next_one() -> None:
     trio.run(main)
 
 
+def test_a_window_that_opens_while_a_batch_is_answered_is_no_restart(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A provider looks a batch's names up concurrently, so the warmup can start while it
+    answers: the first names get "not serving now", the rest tickets. That answer is no
+    closed window: the joiner keeps the tickets and goes on (before, the peer counted as one
+    that had served and then stopped, and the download restarted: CI on 10f4324 failed
+    `test_a_joiner_that_asks_after_the_warmup_waits_for_the_next_one` with restarts 1)."""
+    after = make_parameters(7)
+
+    async def main() -> None:
+        async with (
+            open_nodes(2, model_codec=TENSOR_CODEC) as (provider, joiner),
+            trio.open_nursery() as nursery,
+        ):
+            models = await serve_from(nursery, [provider], joiner, make_parameters(3))
+            for model in models:
+                model.clear_cache()  # between warmups
+            ask_many = joiner.request_model_blob_tickets
+            mixed: list[list[TicketResult]] = []
+
+            async def many(peer: bytes, names: list[str]) -> list[TicketResult]:
+                if mixed or len(names) < 2:
+                    return await ask_many(peer, names)
+                # the answer to the first names is made before the warmup starts, the rest after
+                head = await ask_many(peer, names[:1])
+                for model in models:
+                    model.update_parameters(after)
+                results = head + await ask_many(peer, names[1:])
+                mixed.append(results)
+                return results
+
+            monkeypatch.setattr(joiner, "request_model_blob_tickets", many)
+            download = ModelDownload(joiner, [provider.endpoint_id])
+            with trio.fail_after(120):
+                got = await download.run()
+            (answer,) = mixed
+            assert isinstance(answer[0], TicketResult.Err)
+            assert all(isinstance(r, TicketResult.Ok) for r in answer[1:])
+            assert model_hash(got.parameters) == model_hash(after)
+            assert download.restarts == 0
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
 def test_a_warmup_that_ends_mid_download_never_mixes_two_models(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

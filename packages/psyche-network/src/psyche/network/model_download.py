@@ -198,12 +198,17 @@ class ModelDownload:
             raise OtherModelVersion(version, self._expected_version)
 
     def _note_answers(self, peer: bytes, results: list[TicketResult]) -> None:
-        """Remember which peers served tickets; a "not serving now" from one of them ends the
-        attempt (`_start_again`: its serving window closed mid-download)."""
+        """Remember which peers served tickets; a "not serving now" from a peer that served
+        tickets in an *earlier* answer ends the attempt (`_start_again`: its serving window
+        closed mid-download). One answer's names are looked up concurrently by the provider, so
+        an answer that mixes tickets and "not serving now" may be a window that opened while
+        it was being made: that is no restart (were it a window that closed, the peer's next
+        answer says so, and that one restarts)."""
+        served_before = peer in self._served_by
         if any(isinstance(r, TicketResult.Ok) for r in results):
             self._served_by.add(peer)
         stopped = any(isinstance(r, TicketResult.Err) and not_serving_now(r.value) for r in results)
-        if stopped and peer in self._served_by and not self._serving_ended:
+        if stopped and served_before and not self._serving_ended:
             logger.warning(
                 "peer %s stopped serving the model before this client had all of it (its "
                 "warmup ended): dropping the %d parameters received, starting again when the "
