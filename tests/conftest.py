@@ -1,10 +1,11 @@
-"""Shared test configuration: GPU skipping, the end-to-end files' order (longest first) and
-access to upstream's reference data."""
+"""Shared test configuration: GPU skipping, the end-to-end files' order (longest first),
+access to upstream's reference data, and one torch thread for a test that asks for it."""
 
 from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Iterator
 
 import pytest
 
@@ -86,3 +87,15 @@ def upstream_data() -> UpstreamData:
     """Upstream's reference files: skips when `PSYCHE_UPSTREAM_DATA` is unset, fails when it is
     set and something is missing (see tests/upstream_data.py)."""
     return UpstreamData.from_environment()
+
+
+@pytest.fixture
+def single_thread() -> Iterator[None]:
+    """One torch thread for the test (a run of several tiny members is many small ops; OpenMP
+    spinning on a busy 2-core machine only slows it), the setting restored afterwards."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
