@@ -1,14 +1,26 @@
-"""Shared test configuration: GPU skipping, the end-to-end files' order (longest first) and
-access to upstream's reference data."""
+"""Shared test configuration: GPU skipping, the end-to-end files' order (longest first),
+access to upstream's reference data, and OpenMP threads that wait without spinning."""
 
 from __future__ import annotations
 
 import math
+import os
 import statistics
+from collections.abc import Iterator
 
 import pytest
 
 from .upstream_data import UpstreamData
+
+# Before anything imports torch (OpenMP reads it once, when torch loads it), for this process,
+# its xdist workers and every process a test starts: an OpenMP thread that waits for its team
+# sleeps instead of spinning. On the busy two-core machines this suite runs on, a spinning
+# thread takes the CPU that the thread it waits for needs. A verifier on two intra-op threads,
+# each run side by side with and without, at load 21-23: test_verification.py's 12 rounds took
+# 324 s (43 s of CPU) spinning, 119 s (17 s) sleeping; test_verification_shadow.py's two
+# thread-count tests 274 s (36 s) and 158 s (16 s). The policy changes when a thread waits, not
+# the work it does: the results are the same bits. (An explicit OMP_WAIT_POLICY is kept.)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 E2E_SECONDS = {
     # CI run 22 of 6613051 with two CPU-bound processes beside it (2026-11-28): setup + call +
@@ -86,3 +98,15 @@ def upstream_data() -> UpstreamData:
     """Upstream's reference files: skips when `PSYCHE_UPSTREAM_DATA` is unset, fails when it is
     set and something is missing (see tests/upstream_data.py)."""
     return UpstreamData.from_environment()
+
+
+@pytest.fixture
+def single_thread() -> Iterator[None]:
+    """One torch thread for the test (a run of several tiny members is many small ops; OpenMP
+    spinning on a busy 2-core machine only slows it), the setting restored afterwards."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -12,18 +12,6 @@ from .hub_endpoint import HubEndpoint, point_huggingface_hub_at
 
 
 @pytest.fixture
-def single_thread() -> Iterator[None]:
-    """One torch thread for the test (a run of several tiny members is many small ops; OpenMP
-    spinning on a busy 2-core machine only slows it), the setting restored afterwards."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture
 def hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[HubEndpoint]:
     """A hub stand-in on loopback (`hub_endpoint.py`) that `huggingface_hub` talks to."""
     endpoint = HubEndpoint()

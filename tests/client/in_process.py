@@ -1,18 +1,20 @@
 """The in-process run the client tests share: a tiny Llama's config and a learnable token
 stream on disk, the run's coordinator state (its timers scaled to this machine), whole clients
 against an `InProcessServer` on loopback (`three_client_run`: one whose rounds a missing result
-cuts short), and the structured fields of what they logged."""
+cuts short; `run_beside_server`: members that end by themselves), and the structured fields of
+what they logged."""
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
+import trio
 
 from psyche.client.client import Client
 from psyche.client.round.broadcast import open_network
@@ -26,7 +28,7 @@ from psyche.modeling.configs import llama_config_dict
 from psyche.network.connection import NetworkConfig
 
 from ..polling import poll_until
-from ..timing import scale_config_timers, scaled_timer
+from ..timing import scale_config_timers, scaled, scaled_timer
 
 if TYPE_CHECKING:
     from psyche.network import NetworkConnection
@@ -113,6 +115,24 @@ async def run_client_until_finished(
         client = Client(*parts)
         await client.run()
     return client
+
+
+def run_beside_server(
+    server: InProcessServer, seconds: float, *members: Callable[[], Awaitable[object]]
+) -> None:
+    """`server` running while each of `members` (a task each, side by side) runs to its own
+    end, which must come within `scaled(seconds)`; then the server is stopped."""
+
+    async def scenario() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server.run)
+            with trio.fail_after(scaled(seconds)):
+                async with trio.open_nursery() as side_by_side:
+                    for member in members:
+                        side_by_side.start_soon(member)
+            nursery.cancel_scope.cancel()
+
+    trio.run(scenario)
 
 
 def fields(records: list[logging.LogRecord], name: str) -> list[dict]:  # type: ignore[type-arg]

@@ -11,6 +11,8 @@ from psyche.coordinator import Coordinator, RunState
 from psyche.coordinator.testing import Simulation, integration_test_coordinator, simulated_identity
 from psyche.core.bloom import WitnessBloom
 from psyche.core.node_identity import NodeIdentity
+from psyche.core.sha256 import sha256
+from psyche.network.ticket import BlobFormat, BlobTicket, EndpointAddr
 
 KEYS = [11, 12, 13, 14, 15, 16, 17, 18]
 
@@ -44,3 +46,9 @@ def plan_for(coordinator: Coordinator, identity: NodeIdentity) -> train.RoundPla
     return train.start_round(
         coordinator, identity, index_of(coordinator, identity), new_bloom=fixed_bloom
     )
+
+
+def ticket(tag: int, provider: bytes = bytes(32)) -> BlobTicket:
+    """A ticket to blob number `tag` (its hash `sha256(tag)`) at `provider`, for the results
+    the plans' broadcasts announce."""
+    return BlobTicket(EndpointAddr(provider, []), BlobFormat.Raw, sha256(bytes([tag])), 100)

@@ -37,12 +37,7 @@ STEP = 12  # the saved state's step: the epoch starts from the checkpoint of ste
 INSTANCE = RunInstance(RUN_ID, "saved-instance")
 
 
-@pytest.fixture(autouse=True)
-def _single_thread():  # type: ignore[no-untyped-def]
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def test_clients_and_server_restarted_resume_from_the_last_complete_checkpoint(

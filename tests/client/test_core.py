@@ -32,13 +32,8 @@ from psyche.core.identity import SecretKey
 from psyche.core.merkle_tree import MerkleRoot, MerkleTree
 from psyche.core.node_identity import NodeIdentity
 from psyche.core.sha256 import sha256
-from psyche.network.ticket import BlobFormat, BlobTicket, EndpointAddr
 
-from .round_sim import KEYS, index_of, next_round, plan_for, training_sim
-
-
-def ticket(tag: int, provider: bytes = bytes(32)) -> BlobTicket:
-    return BlobTicket(EndpointAddr(provider, []), BlobFormat.Raw, sha256(bytes([tag])), 100)
+from .round_sim import KEYS, index_of, next_round, plan_for, ticket, training_sim
 
 
 def result_broadcast(step: int, proof: CommitteeProof, batch: BatchId, tag: int) -> Broadcast:

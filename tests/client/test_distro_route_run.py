@@ -8,12 +8,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Sequence
+from functools import partial
 from hashlib import sha256
 from pathlib import Path
 
 import pytest
 import torch
-import trio
 
 from psyche.client.client import Client
 from psyche.client.setup.model_loading import preload_modeling
@@ -23,8 +23,7 @@ from psyche.coordinator.model import Model
 from psyche.core.definitions import OptimizerDefinition
 from psyche.modeling.distro import Distro, DistroResult
 
-from ..timing import scaled
-from .in_process import coordinator, run_client_until_finished, write_run
+from .in_process import coordinator, run_beside_server, run_client_until_finished, write_run
 
 
 def weights_digest(distro: Distro) -> str:
@@ -70,16 +69,7 @@ def test_two_clients_of_a_distro_run_end_with_the_same_model(
     async def one(number: int) -> None:
         clients[number] = await run_client_until_finished(server, number, None)
 
-    async def scenario() -> None:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(server.run)
-            with trio.fail_after(scaled(120)):
-                async with trio.open_nursery() as both:
-                    both.start_soon(one, 1)
-                    both.start_soon(one, 2)
-            nursery.cancel_scope.cancel()
-
-    trio.run(scenario)
+    run_beside_server(server, 120, partial(one, 1), partial(one, 2))
     assert server.coordinator.run_state is RunState.Finished
     trainers = [clients[n].machine.trainer for n in (1, 2)]  # type: ignore[union-attr]
     for trainer in trainers:

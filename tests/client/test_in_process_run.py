@@ -6,6 +6,7 @@ next epoch, takes the model from them over P2P model sharing and starts hash-ide
 from __future__ import annotations
 
 import logging
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from .in_process import (
     coordinator,
     fields,
     identities,
+    run_beside_server,
     run_client,
     run_client_until_finished,
     three_client_run,
@@ -36,13 +38,7 @@ from .in_process import (
     write_run,
 )
 
-
-@pytest.fixture(autouse=True)
-def _single_thread():  # type: ignore[no-untyped-def]
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def test_two_clients_train_and_a_third_joins_from_peers(
@@ -124,16 +120,7 @@ def test_clients_end_by_themselves_at_finished_and_keep_the_final_model(
     async def one(number: int, checkpoint_dir: Path | None) -> None:
         clients[number] = await run_client_until_finished(server, number, checkpoint_dir)
 
-    async def scenario() -> None:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(server.run)
-            with trio.fail_after(scaled(120)):  # both return by themselves
-                async with trio.open_nursery() as both:
-                    both.start_soon(one, 1, checkpoints)
-                    both.start_soon(one, 2, None)
-            nursery.cancel_scope.cancel()
-
-    trio.run(scenario)
+    run_beside_server(server, 120, partial(one, 1, checkpoints), partial(one, 2, None))
     assert server.coordinator.run_state is RunState.Finished
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
     summaries = {f["client_id"]: f for f in fields(caplog.records, "run_finished")}
@@ -170,14 +157,9 @@ def test_a_client_joining_a_finished_run_ends_at_once(
     state.run_state = RunState.Finished
     server = InProcessServer(state)
 
-    async def scenario() -> None:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(server.run)
-            with trio.fail_after(scaled(60)):
-                await run_client_until_finished(server, 1, tmp_path / "checkpoints")
-            nursery.cancel_scope.cancel()
-
-    trio.run(scenario)
+    run_beside_server(
+        server, 60, partial(run_client_until_finished, server, 1, tmp_path / "checkpoints")
+    )
     (summary,) = fields(caplog.records, "run_finished")
     assert not summary["trained"]
     assert summary["checkpoint"] is None

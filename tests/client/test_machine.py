@@ -14,7 +14,6 @@ import logging
 import random
 
 import pytest
-import torch
 import trio
 
 from psyche.client.checkpoints.cooldown import live_model_hash
@@ -41,13 +40,7 @@ from .machine_bus import (
 )
 from .simulated_run import run_simulated
 
-
-@pytest.fixture(autouse=True)
-def _single_thread():  # type: ignore[no-untyped-def]
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def trained_per_step(nodes: list[Node]) -> dict[int, list[BatchId]]:

@@ -6,6 +6,7 @@ progress line (one source of truth)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -30,8 +31,15 @@ from psyche.coordinator import RunState
 from psyche.metrics import names
 from psyche.modeling.configs import llama_config_dict
 
-from ..timing import scaled, scaled_timer
-from .in_process import RUN_ID, client_parts, coordinator, identities, write_run
+from ..timing import scaled_timer
+from .in_process import (
+    RUN_ID,
+    client_parts,
+    coordinator,
+    identities,
+    run_beside_server,
+    write_run,
+)
 from .support import round_report
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -133,16 +141,15 @@ async def run_client(
     return client, closers
 
 
+@pytest.mark.usefixtures("single_thread")
 def test_a_run_logs_each_round_to_every_tracker_and_scores_evals_between_rounds(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from tests.modeling.eval_support import write_rows
+    from ..modeling.eval_support import write_rows
 
     caplog.set_level(logging.INFO, logger="psyche")
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
     preload_modeling()
     model_dir, data_dir = write_run(tmp_path)
     # the tiny run's tokenizer, so that the evaluation can tokenize its documents
@@ -174,19 +181,7 @@ def test_a_run_logs_each_round_to_every_tracker_and_scores_evals_between_rounds(
     async def one(number: int) -> None:
         clients[number], _ = await run_client(server, number, options(number))
 
-    async def scenario() -> None:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(server.run)
-            with trio.fail_after(scaled(150)):
-                async with trio.open_nursery() as both:
-                    both.start_soon(one, 1)
-                    both.start_soon(one, 2)
-            nursery.cancel_scope.cancel()
-
-    try:
-        trio.run(scenario)
-    finally:
-        torch.set_num_threads(before)
+    run_beside_server(server, 150, functools.partial(one, 1), functools.partial(one, 2))
     assert server.coordinator.run_state is RunState.Finished
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 

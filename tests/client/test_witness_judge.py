@@ -36,8 +36,8 @@ from psyche.modeling.serialized_distro import TransmittableDistroResult
 from ..modeling.tiny_trainer import make_trainer
 from ..polling import poll_until
 from .machine_bus import Bus, BusIO, Node
+from .result_delivery import deliver
 from .round_sim import next_round, plan_for, training_sim
-from .test_young_witness import deliver
 
 CLIENTS = 5
 
@@ -61,7 +61,7 @@ def checked_round(held_back: int = 0) -> tuple[Checked, list[tuple[BatchId, Call
     from psyche.modeling.hostile import DilocoFormat
     from psyche.modeling.screening import DILOCO_SCREENING, ResultReader, WitnessScreen
 
-    from ..modeling.test_screening import honest_results
+    from ..modeling.screening_rounds import honest_results
 
     diloco, sent = honest_results("int8", members=CLIENTS)
     fmt = DilocoFormat(diloco.layouts())

@@ -20,11 +20,9 @@ import torch
 import trio
 
 from psyche.client.round import apply, payloads, witness
-from psyche.client.round.broadcast import Broadcast, BroadcastType, TrainingResult
 from psyche.client.round.state import RoundState
 from psyche.client.round.steps import MachineSettings, StepStateMachine
 from psyche.coordinator import RunState
-from psyche.coordinator.commitment import Commitment
 from psyche.coordinator.model import Checkpoint, HubRepo
 from psyche.coordinator.testing import Simulation, simulated_identity
 from psyche.core.batch_id import BatchId
@@ -35,8 +33,9 @@ from psyche.modeling.screening import Fingerprint, Measure, Verdict
 from psyche.modeling.serialized_distro import TransmittableDistroResult
 
 from ..modeling.tiny_trainer import make_trainer
-from .test_core import index_of, next_round, plan_for, ticket, training_sim
-from .test_machine import Bus, BusIO, Node
+from .machine_bus import Bus, BusIO, Node
+from .result_delivery import deliver
+from .round_sim import index_of, next_round, plan_for, training_sim
 
 CLIENTS = 3
 
@@ -75,40 +74,6 @@ def announce_and_check(
             continue
         tag = 1 + index_of(sim.coordinator, sender)
         deliver(view, sim, me, batch, sender, tag, refusing(refused, blind), accuse)
-
-
-def deliver(
-    view: RoundState,
-    sim: Simulation,
-    me: NodeIdentity,
-    batch: BatchId,
-    sender: NodeIdentity,
-    tag: int,
-    screen: payloads.ScreenResult,
-    accuse: bool,
-    results: Callable[[TransmittableDistroResult], list[DistroResult]] = lambda _p: [],
-) -> None:
-    """`sender`'s announced result for `batch` reaches `me` and goes through the checks
-    (`results`: what its payload decodes to)."""
-    payload = TransmittableDistroResult(view.step, 30, batch, [])
-    proof = view.committee_info.selection.get_committee(index_of(sim.coordinator, sender))
-    broadcast = Broadcast(
-        step=view.step,
-        proof=proof,
-        commitment=Commitment(payload.compute_hash(), bytes(64)),
-        nonce=0,
-        data=BroadcastType.TrainingResult(TrainingResult(batch, ticket(tag))),
-    )
-    clients = sim.coordinator.epoch_state.clients
-    outcome, download = payloads.apply_message(
-        view, RoundState(), identity=me, clients=clients, from_id=sender, broadcast=broadcast
-    )
-    assert outcome is payloads.ApplyMessageOutcome.Applied
-    assert download is not None
-    blob = download.ticket.hash
-    pending = payloads.commitment_for_payload(view, blob)
-    assert pending is not None
-    trio.run(payloads.check_payload, view, blob, payload, pending, results, screen, accuse)
 
 
 @pytest.mark.parametrize(
@@ -217,7 +182,7 @@ def test_a_blind_witness_votes_over_the_whole_round_whatever_came_first() -> Non
     from psyche.modeling.hostile import DilocoFormat
     from psyche.modeling.screening import DILOCO_SCREENING, ResultReader, WitnessScreen
 
-    from ..modeling.test_screening import honest_results
+    from ..modeling.screening_rounds import honest_results
 
     clients = 5
     diloco, sent = honest_results("int8", members=clients)

@@ -61,19 +61,7 @@ def model() -> Any:
 
 
 @pytest.fixture(autouse=True)
-def _single_thread():  # type: ignore[no-untyped-def]
-    """Tiny models gain nothing from intra-op threads, and OpenMP spinning on a busy 2-core
-    machine makes them erratic; restore the setting afterwards for other test areas."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture
-def single_thread():  # type: ignore[no-untyped-def]
-    """One torch thread for the test (simulations of several peers are many small ops)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _single_thread(single_thread: None) -> None:
+    """Every modeling test on one torch thread (tests/conftest.py's `single_thread`): tiny
+    models gain nothing from intra-op threads, and OpenMP spinning on a busy 2-core machine makes
+    them erratic."""

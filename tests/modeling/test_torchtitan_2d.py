@@ -14,7 +14,6 @@ DiLoCo is not built on tensor-parallel parameters: refused in one line (FSDP run
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -28,8 +27,7 @@ from psyche.modeling.diloco import DilocoSettings
 from psyche.modeling.parallel import ParallelDims, ParallelismError
 from psyche.modeling.trainer import Trainer
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_parallel_ranks import run_ranks
+from .rank_runs import run_ranks
 
 WHY_NOT = torchtitan.available()
 # Four rank processes a model: run beside the other whole-system files (e2e phase).

@@ -17,7 +17,7 @@ from psyche.modeling.trainer import OwnState, Trainer, TrainerError
 from psyche.modeling.verification import Shadow, compare_exact, follow
 from psyche.modeling.verification_sim import VerificationRun, tiny_trainer
 
-from .test_verification import MEMBERS, corpus_batches, same_bits, state, trained_one_step
+from .verification_members import MEMBERS, corpus_batches, same_bits, state, trained_one_step
 
 
 def shadow_run(

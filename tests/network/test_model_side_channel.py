@@ -47,7 +47,7 @@ from psyche.network.transmittable import (
     TransmittableModelConfig,
 )
 
-from .test_model_sharing import (
+from .model_providers import (
     CONFIG_JSON,
     TOKENIZER_JSON,
     introduce_all,

@@ -1,7 +1,8 @@
 """What the Solana tests share: a CLI's printed output (`solana_client_output`), the verifying
 run's settings the end-to-end tests start from (`VERIFYING`), how the RPC names a coordinator
-program error (`error_text`), and a verifying run of scripted members on a local endpoint
-(`verified_run`, with the program's verification record `verification_state`)."""
+program error (`error_text`), a run on a new local endpoint (`open_run`), and a verifying run
+of scripted members on one (`verified_run`, with the program's verification record
+`verification_state`)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from psyche.solana import pda
 from psyche.solana.anchor import COORDINATOR_ERRORS, error_code
 from psyche.solana.backend import Cluster, SolanaBackend
 from psyche.solana.follower import follow_run
-from psyche.solana.localnet.ledger import Ledger
+from psyche.solana.localnet.ledger import Ledger, ManualClock
 from psyche.solana.state import decode_anchor_account
 from psyche.solana.verification import RunVerification
 
@@ -104,9 +105,18 @@ class VerifiedRun:
         return stored.record().duties
 
 
-async def verified_run(nursery: trio.Nursery, members: str = "abcd") -> VerifiedRun:
-    ledger, _, cluster = await open_localnet(nursery)
+async def open_run(
+    nursery: trio.Nursery, run_config: CoordinatorConfig, clock: ManualClock | None = None
+) -> tuple[Ledger, list[Cluster], SolanaBackend, Pubkey]:
+    """A new local endpoint served in `nursery` (its ledger on `clock`, `open_localnet`) and a
+    run of `run_config` created on it by a funded owner (`create_run`): the ledger, the
+    endpoint's cluster, the owner and the run's coordinator account."""
+    ledger, _, cluster = await open_localnet(nursery, clock)
     owner = make_backend(ledger, cluster)
+    return ledger, cluster, owner, await create_run(owner, run_config)
+
+
+async def verified_run(nursery: trio.Nursery, members: str = "abcd") -> VerifiedRun:
     batch = max(4, len(members))  # no more clients than batches
     run_config = config(
         verification_percent=25,
@@ -115,6 +125,6 @@ async def verified_run(nursery: trio.Nursery, members: str = "abcd") -> Verified
         global_batch_size_start=batch,
         global_batch_size_end=batch,
     )
-    account = await create_run(owner, run_config)
+    ledger, cluster, owner, account = await open_run(nursery, run_config)
     clients = [ScriptedClient(n, make_backend(ledger, cluster)) for n in members]
     return VerifiedRun(ledger, cluster, owner, account, clients, run_config)

@@ -27,14 +27,13 @@ from .scripted import (
     open_localnet,
     tiny_model,
 )
+from .support import open_run
 
 
 def test_three_clients_run_an_epoch_with_a_health_check_and_a_checkpoint() -> None:
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            ledger, _, cluster = await open_localnet(nursery)
-            owner = make_backend(ledger, cluster)
-            account = await create_run(owner, config())
+            ledger, cluster, owner, account = await open_run(nursery, config())
 
             lazy = make_backend(ledger, cluster)
             lazy_signers = {bytes(lazy.get_payer())}
@@ -168,9 +167,7 @@ def test_rpc_going_away_mid_run_is_survived() -> None:
 def test_wait_for_new_state_is_cancel_safe() -> None:
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            ledger, _, cluster = await open_localnet(nursery)
-            owner = make_backend(ledger, cluster)
-            account = await create_run(owner, config())
+            ledger, _, owner, account = await open_run(nursery, config())
             async with follow_run(owner, "e2e", account) as runner:
                 first = await runner.wait_for_new_state()
                 assert first.run_state is RunState.WaitingForMembers
@@ -194,9 +191,8 @@ def test_auto_tick_moves_the_run_on_its_clock() -> None:
     async def main() -> None:
         clock = ManualClock(START)
         async with trio.open_nursery() as nursery:
-            ledger, _, cluster = await open_localnet(nursery, clock)
-            owner = make_backend(ledger, cluster)
-            account = await create_run(owner, config(init_min_clients=1, min_clients=1))
+            run_config = config(init_min_clients=1, min_clients=1)
+            ledger, cluster, _, account = await open_run(nursery, run_config, clock)
             client = make_backend(ledger, cluster)
             async with follow_run(client, "e2e", account) as runner:
                 nursery.start_soon(lambda: runner.auto_tick(interval=0.02, now=clock.now))
@@ -264,9 +260,8 @@ def test_join_without_authorization_fails_clearly() -> None:
 def test_a_client_leaves_when_the_run_is_paused() -> None:
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            ledger, _, cluster = await open_localnet(nursery)
-            owner = make_backend(ledger, cluster)
-            account = await create_run(owner, config(init_min_clients=1, min_clients=1))
+            run_config = config(init_min_clients=1, min_clients=1)
+            ledger, cluster, owner, account = await open_run(nursery, run_config)
             client = ScriptedClient("x", make_backend(ledger, cluster))
             async with follow_run(owner, "e2e", account) as observer:
                 await nursery.start(client.run, account)
