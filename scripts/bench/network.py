@@ -785,9 +785,12 @@ async def bench_model_processes(
     provider process. `provider_hosts`: (network namespace, address) of each provider, which
     then runs inside that namespace (`--link-mbit`), this process being in the joiner's.
 
-    Printed: cold (fresh connections, the providers' first serialization, one fetch) and warm
-    (median of `repeats`, interleaved with the raw socket) ratios, and the joiner's CPU time
-    (event loop and worker threads) per byte against the raw socket's receive."""
+    Printed: cold (a fresh joiner node each time: new connections and blob sessions, one
+    fetch; the first also meets the providers' first serialization) and warm (connections and
+    sessions kept) ratios, each the median of `repeats` interleaved with the raw socket (the
+    raw socket's median over both), and the joiner's CPU time (event loop and worker threads)
+    per byte against the raw socket's receive, each a median. The load average is printed at
+    the end: on a shared machine it says what the figures were measured under."""
     import subprocess
     import sys
 
@@ -819,51 +822,71 @@ async def bench_model_processes(
     ]
     cpu_raw: list[float] = []
     cpu_ours: list[float] = []
+    cpu_cold: list[float] = []
+    raws: list[float] = []
     try:
         records = [
             bytes.fromhex(await trio.to_thread.run_sync(p.stdout.readline))  # type: ignore[union-attr]
             for p in providers
         ]
-        async with open_nodes(
-            1,
-            keys=[joiner_key],
-            allow_each_other=False,
-            model_codec=tensor_codec(),
-            bind_host=bind,
-        ) as (joiner,):
+
+        def joiner_node() -> Any:
+            """The joiner, a fresh node (new connections, no blob sessions) each time: same key."""
+            return open_nodes(
+                1,
+                keys=[joiner_key],
+                allow_each_other=False,
+                model_codec=tensor_codec(),
+                bind_host=bind,
+            )
+
+        def introduce(joiner: NetworkConnection) -> None:
             joiner.set_allowed_peers([k.public_key for k in keys])
             for record in records:
                 joiner.address_book.add_record(record)
-            ids = [k.public_key for k in keys]
 
-            async def fetch() -> float:
-                elapsed, cpu = await timed_model_fetch_cpu(joiner, ids, expected)
-                cpu_ours.append(cpu)
+        ids = [k.public_key for k in keys]
+
+        async def fetch_on(joiner: NetworkConnection) -> float:
+            elapsed, cpu = await timed_model_fetch_cpu(joiner, ids, expected)
+            cpu_ours.append(cpu)
+            return elapsed
+
+        async def cold_fetch() -> float:
+            async with joiner_node() as (joiner,):
+                introduce(joiner)
+                elapsed = await fetch_on(joiner)
+                cpu_cold.append(cpu_ours.pop())
                 return elapsed
 
-            async def raw() -> float:
-                listeners = await trio.open_tcp_listeners(0, host=bind)
-                port = listeners[0].socket.getsockname()[1]
-                _tune(listeners[0].socket)
-                buf = bytearray(total)
-                cpu = time.process_time()
-                start = time.perf_counter()
-                providers[0].stdin.write(f"raw {bind} {port}\n")  # type: ignore[union-attr]
-                providers[0].stdin.flush()  # type: ignore[union-attr]
-                stream = await listeners[0].accept()
-                await receive_exactly(stream, buf)
-                elapsed = time.perf_counter() - start
-                cpu_raw.append(time.process_time() - cpu)
-                await stream.aclose()
-                await listeners[0].aclose()
-                return elapsed
+        async def raw() -> float:
+            listeners = await trio.open_tcp_listeners(0, host=bind)
+            port = listeners[0].socket.getsockname()[1]
+            _tune(listeners[0].socket)
+            buf = bytearray(total)
+            cpu = time.process_time()
+            start = time.perf_counter()
+            providers[0].stdin.write(f"raw {bind} {port}\n")  # type: ignore[union-attr]
+            providers[0].stdin.flush()  # type: ignore[union-attr]
+            stream = await listeners[0].accept()
+            await receive_exactly(stream, buf)
+            elapsed = time.perf_counter() - start
+            cpu_raw.append(time.process_time() - cpu)
+            await stream.aclose()
+            await listeners[0].aclose()
+            raws.append(elapsed)
+            return elapsed
 
-            cold = await fetch()
-            cold_cpu = cpu_ours.pop()
-            base, warm = await interleaved_medians(repeats, raw, fetch)
+        _, cold = await interleaved_medians(repeats, raw, cold_fetch)
+        async with joiner_node() as (joiner,):
+            introduce(joiner)
+            await fetch_on(joiner)  # connections and sessions up: what follows is warm
+            cpu_ours.pop()
+            _, warm = await interleaved_medians(repeats, raw, partial(fetch_on, joiner))
     finally:
         stop_providers(providers)
     raw_cpu, warm_cpu = statistics.median(cpu_raw), statistics.median(cpu_ours)
+    cold_cpu, base = statistics.median(cpu_cold), statistics.median(raws)
     return [
         row(
             label or f"model {millions}M, 1 process/node",
@@ -873,7 +896,8 @@ async def bench_model_processes(
         ),
         f"{'':24} joiner CPU per MiB: raw receive {raw_cpu / total * MIB * 1e3:6.2f} ms | "
         f"cold {cold_cpu / total * MIB * 1e3:6.2f} ms ({cold_cpu / raw_cpu:5.1f}x raw) | "
-        f"warm {warm_cpu / total * MIB * 1e3:6.2f} ms ({warm_cpu / raw_cpu:5.1f}x raw)",
+        f"warm {warm_cpu / total * MIB * 1e3:6.2f} ms ({warm_cpu / raw_cpu:5.1f}x raw) | "
+        f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}",
     ]
 
 

@@ -38,7 +38,7 @@ from psyche.network.connection import NetworkConnection
 from psyche.network.model_download import ModelDownload
 from psyche.network.secure_channel import PeerRefused
 from psyche.network.testing import open_nodes, serve_model
-from psyche.network.ticket import BlobTicket, EndpointAddr, TransportAddr, blob_hash
+from psyche.network.ticket import BlobTicket, EndpointAddr, blob_hash
 from psyche.network.transmittable import (
     DownloadType,
     ModelRequestType,
@@ -47,12 +47,13 @@ from psyche.network.transmittable import (
     TransmittableModelConfig,
 )
 
-from .test_model_sharing import (
+from .model_providers import (
     CONFIG_JSON,
     TOKENIZER_JSON,
     introduce_all,
     make_parameters,
     provider_model,
+    without_side_channel,
 )
 
 CONFIG = ModelRequestType.Config()
@@ -337,10 +338,6 @@ def test_a_request_is_told_apart_by_its_length_and_must_be_signed() -> None:
     trio.run(main)
 
 
-def _without_side_channel(addr: EndpointAddr) -> EndpointAddr:
-    return EndpointAddr(addr.id, [a for a in addr.addrs if isinstance(a, TransportAddr.Libp2p)])
-
-
 async def _older_provider(provider: NetworkConnection) -> None:
     """`provider` as a node older than `GetConfig` and `GetTickets`: its blob server closes
     such a session."""
@@ -368,7 +365,7 @@ def test_the_model_is_asked_over_libp2p_when_the_side_channel_cannot_answer(
                 await _older_provider(provider)
                 joiner.address_book.add(provider.endpoint_addr())
             else:
-                joiner.address_book.add(_without_side_channel(provider.endpoint_addr()))
+                joiner.address_book.add(without_side_channel(provider.endpoint_addr()))
             with trio.fail_after(60):
                 ticket, version = await joiner.request_model_blob_ticket(
                     provider.endpoint_id, CONFIG
