@@ -568,9 +568,11 @@ def test_an_older_provider_is_asked_for_the_model_on_its_side_channel_once_for_a
     session it closed is tried again on a fresh one (a provider may close a kept session for
     its own reasons); once the fresh session's first request is closed too, the provider's
     model requests go straight to libp2p (`ask` answers None) without a session each, for
-    `OLDER_PROVIDER_SECS`, and its blobs still come on the side channel. After that time it
-    is asked on the side channel again (a restarted provider may be newer). Before, every
-    request opened a session and a handshake that the provider then closed."""
+    `OLDER_PROVIDER_SECS`, and its blobs still come on the side channel; `prepare` then says
+    it needs another path (a model download dials it over libp2p ahead of its ticket batches,
+    instead of on the first). After that time it is asked on the side channel again (a
+    restarted provider may be newer). Before, every request opened a session and a handshake
+    that the provider then closed."""
     blobs = {blob_hash(data): data for data in (os.urandom(1 << 20) for _ in range(2))}
     digests = list(blobs)
 
@@ -601,6 +603,7 @@ def test_an_older_provider_is_asked_for_the_model_on_its_side_channel_once_for_a
             addr = EndpointAddr(identity.public_key, transport.local_addrs())
             with trio.fail_after(30):
                 await fetch(digests[0])  # its session is kept for the next request
+                assert await routes.prepare(addr)  # (not known to be older yet)
                 assert len(opened) == 1
                 for _ in range(3):
                     assert await routes.ask(addr, lambda s: s.tickets(["p.w"], TIMEOUT)) is None
@@ -608,6 +611,7 @@ def test_an_older_provider_is_asked_for_the_model_on_its_side_channel_once_for_a
                 assert len(opened) == 2  # the kept session, then one fresh session
                 await fetch(digests[1])
                 assert routes.routes[addr.id] == SIDE_CHANNEL
+                assert not await routes.prepare(addr)  # a session is kept, but no model answers
                 assert len(opened) == 3
                 now[0] += OLDER_PROVIDER_SECS
                 assert await routes.ask(addr, lambda s: s.config(TIMEOUT)) is None

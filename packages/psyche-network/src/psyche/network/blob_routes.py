@@ -181,8 +181,13 @@ class BlobRoutes:
         overlaps whatever the caller waits for first (a joiner's ticket requests). Nothing new
         is opened when a session is kept or being opened (that one is waited for), or the side
         channel is not usable; a failure is only logged (the fetches meet it again and route
-        around it). Returns whether a side-channel session to `provider` is kept now: the
-        caller then needs no other path to it for its model requests and blobs."""
+        around it). Returns whether the caller needs no other path to `provider` for now: a
+        side-channel session is kept and the provider is not known to be older than the
+        model requests (`ask`), so its model requests and blobs all go there."""
+        return await self._prepare(provider) and not self._older(provider.id)
+
+    async def _prepare(self, provider: EndpointAddr) -> bool:
+        """`prepare`'s session: whether one is kept for `provider` now."""
         peer = provider.id
         if not self._side_channel_usable(provider):
             return False
