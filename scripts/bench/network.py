@@ -28,7 +28,8 @@ receiver share a CPU and the GIL in every measurement, baseline included:
   `--only model300` does the same for a 300M-parameter model (600 MB, not in the default run);
   `--only model-processes` (and `model300-processes`) put each provider in a process of its own,
   the baseline a raw socket between processes, and print the joiner's CPU time per byte against
-  the raw socket's receive; `--link-mbit 1000` runs it with every node in a network namespace of
+  the raw socket's receive and the load average (there "cold" is the median of `--repeats`
+  fetches by a fresh joiner node each, new connections and blob sessions); `--link-mbit 1000` runs it with every node in a network namespace of
   its own behind a 1 Gbit/s token bucket into the joiner (root; `--millions` sets the size).
   `--old-src OLD/packages` runs the same on another checkout's sources first, same sitting.
 * crypto: the CPU time per MiB, on one core, of AES-256-GCM decryption (Noise transport
@@ -704,7 +705,7 @@ async def bench_model(repeats: int, millions: int = 20) -> list[str]:
         ids = [p.endpoint_id for p in providers]
         fetch = partial(timed_model_fetch, joiner, ids, model_hash(parameters))
 
-        cold = await fetch()  # dials the 3 peers; providers serialize on first request
+        cold = await fetch()  # opens the 3 peers' blob sessions; providers serialize ahead
         base, warm = await interleaved_medians(repeats, lambda: raw_transfer_seconds(flat), fetch)
         lines.append(
             row(
