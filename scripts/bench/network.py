@@ -28,7 +28,8 @@ receiver share a CPU and the GIL in every measurement, baseline included:
   `--only model300` does the same for a 300M-parameter model (600 MB, not in the default run);
   `--only model-processes` (and `model300-processes`) put each provider in a process of its own,
   the baseline a raw socket between processes, and print the joiner's CPU time per byte against
-  the raw socket's receive; `--link-mbit 1000` runs it with every node in a network namespace of
+  the raw socket's receive and the load average (there "cold" is the median of `--repeats`
+  fetches by a fresh joiner node each, new connections and blob sessions); `--link-mbit 1000` runs it with every node in a network namespace of
   its own behind a 1 Gbit/s token bucket into the joiner (root; `--millions` sets the size).
   `--old-src OLD/packages` runs the same on another checkout's sources first, same sitting.
 * crypto: the CPU time per MiB, on one core, of AES-256-GCM decryption (Noise transport
@@ -704,7 +705,7 @@ async def bench_model(repeats: int, millions: int = 20) -> list[str]:
         ids = [p.endpoint_id for p in providers]
         fetch = partial(timed_model_fetch, joiner, ids, model_hash(parameters))
 
-        cold = await fetch()  # dials the 3 peers; providers serialize on first request
+        cold = await fetch()  # opens the 3 peers' blob sessions; providers serialize ahead
         base, warm = await interleaved_medians(repeats, lambda: raw_transfer_seconds(flat), fetch)
         lines.append(
             row(
@@ -785,9 +786,12 @@ async def bench_model_processes(
     provider process. `provider_hosts`: (network namespace, address) of each provider, which
     then runs inside that namespace (`--link-mbit`), this process being in the joiner's.
 
-    Printed: cold (fresh connections, the providers' first serialization, one fetch) and warm
-    (median of `repeats`, interleaved with the raw socket) ratios, and the joiner's CPU time
-    (event loop and worker threads) per byte against the raw socket's receive."""
+    Printed: cold (a fresh joiner node each time: new connections and blob sessions, one
+    fetch; the first also meets the providers' first serialization) and warm (connections and
+    sessions kept) ratios, each the median of `repeats` interleaved with the raw socket (the
+    raw socket's median over both), and the joiner's CPU time (event loop and worker threads)
+    per byte against the raw socket's receive, each a median. The load average is printed at
+    the end: on a shared machine it says what the figures were measured under."""
     import subprocess
     import sys
 
@@ -819,51 +823,71 @@ async def bench_model_processes(
     ]
     cpu_raw: list[float] = []
     cpu_ours: list[float] = []
+    cpu_cold: list[float] = []
+    raws: list[float] = []
     try:
         records = [
             bytes.fromhex(await trio.to_thread.run_sync(p.stdout.readline))  # type: ignore[union-attr]
             for p in providers
         ]
-        async with open_nodes(
-            1,
-            keys=[joiner_key],
-            allow_each_other=False,
-            model_codec=tensor_codec(),
-            bind_host=bind,
-        ) as (joiner,):
+
+        def joiner_node() -> Any:
+            """The joiner, a fresh node (new connections, no blob sessions) each time: same key."""
+            return open_nodes(
+                1,
+                keys=[joiner_key],
+                allow_each_other=False,
+                model_codec=tensor_codec(),
+                bind_host=bind,
+            )
+
+        def introduce(joiner: NetworkConnection) -> None:
             joiner.set_allowed_peers([k.public_key for k in keys])
             for record in records:
                 joiner.address_book.add_record(record)
-            ids = [k.public_key for k in keys]
 
-            async def fetch() -> float:
-                elapsed, cpu = await timed_model_fetch_cpu(joiner, ids, expected)
-                cpu_ours.append(cpu)
+        ids = [k.public_key for k in keys]
+
+        async def fetch_on(joiner: NetworkConnection) -> float:
+            elapsed, cpu = await timed_model_fetch_cpu(joiner, ids, expected)
+            cpu_ours.append(cpu)
+            return elapsed
+
+        async def cold_fetch() -> float:
+            async with joiner_node() as (joiner,):
+                introduce(joiner)
+                elapsed = await fetch_on(joiner)
+                cpu_cold.append(cpu_ours.pop())
                 return elapsed
 
-            async def raw() -> float:
-                listeners = await trio.open_tcp_listeners(0, host=bind)
-                port = listeners[0].socket.getsockname()[1]
-                _tune(listeners[0].socket)
-                buf = bytearray(total)
-                cpu = time.process_time()
-                start = time.perf_counter()
-                providers[0].stdin.write(f"raw {bind} {port}\n")  # type: ignore[union-attr]
-                providers[0].stdin.flush()  # type: ignore[union-attr]
-                stream = await listeners[0].accept()
-                await receive_exactly(stream, buf)
-                elapsed = time.perf_counter() - start
-                cpu_raw.append(time.process_time() - cpu)
-                await stream.aclose()
-                await listeners[0].aclose()
-                return elapsed
+        async def raw() -> float:
+            listeners = await trio.open_tcp_listeners(0, host=bind)
+            port = listeners[0].socket.getsockname()[1]
+            _tune(listeners[0].socket)
+            buf = bytearray(total)
+            cpu = time.process_time()
+            start = time.perf_counter()
+            providers[0].stdin.write(f"raw {bind} {port}\n")  # type: ignore[union-attr]
+            providers[0].stdin.flush()  # type: ignore[union-attr]
+            stream = await listeners[0].accept()
+            await receive_exactly(stream, buf)
+            elapsed = time.perf_counter() - start
+            cpu_raw.append(time.process_time() - cpu)
+            await stream.aclose()
+            await listeners[0].aclose()
+            raws.append(elapsed)
+            return elapsed
 
-            cold = await fetch()
-            cold_cpu = cpu_ours.pop()
-            base, warm = await interleaved_medians(repeats, raw, fetch)
+        _, cold = await interleaved_medians(repeats, raw, cold_fetch)
+        async with joiner_node() as (joiner,):
+            introduce(joiner)
+            await fetch_on(joiner)  # connections and sessions up: what follows is warm
+            cpu_ours.pop()
+            _, warm = await interleaved_medians(repeats, raw, partial(fetch_on, joiner))
     finally:
         stop_providers(providers)
     raw_cpu, warm_cpu = statistics.median(cpu_raw), statistics.median(cpu_ours)
+    cold_cpu, base = statistics.median(cpu_cold), statistics.median(raws)
     return [
         row(
             label or f"model {millions}M, 1 process/node",
@@ -873,7 +897,8 @@ async def bench_model_processes(
         ),
         f"{'':24} joiner CPU per MiB: raw receive {raw_cpu / total * MIB * 1e3:6.2f} ms | "
         f"cold {cold_cpu / total * MIB * 1e3:6.2f} ms ({cold_cpu / raw_cpu:5.1f}x raw) | "
-        f"warm {warm_cpu / total * MIB * 1e3:6.2f} ms ({warm_cpu / raw_cpu:5.1f}x raw)",
+        f"warm {warm_cpu / total * MIB * 1e3:6.2f} ms ({warm_cpu / raw_cpu:5.1f}x raw) | "
+        f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}",
     ]
 
 

@@ -1,6 +1,7 @@
 """Model providers the model-sharing tests share: a small model's worth of bf16 tensors
 (`make_parameters`), a `SharableModel` serving them with a config and tokenizer
-(`provider_model`), and a joiner told every provider's address (`introduce_all`)."""
+(`provider_model`), a joiner told every provider's address (`introduce_all`), and a provider's
+record as one that announces no side channel (`without_side_channel`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 
 from psyche.network.connection import NetworkConnection
 from psyche.network.sharable_model import SharableModel
+from psyche.network.ticket import EndpointAddr, TransportAddr
 
 CONFIG_JSON = '{"architectures": ["LlamaForCausalLM"], "hidden_size": 64}'
 TOKENIZER_JSON = '{"model": {"type": "BPE"}}'
@@ -36,3 +38,8 @@ def provider_model(parameters: dict[str, torch.Tensor]) -> SharableModel:
 async def introduce_all(joiner: NetworkConnection, providers: list[NetworkConnection]) -> None:
     for provider in providers:
         joiner.address_book.add(provider.endpoint_addr())
+
+
+def without_side_channel(addr: EndpointAddr) -> EndpointAddr:
+    """`addr` with its libp2p addresses only: a record that names no blob side channel."""
+    return EndpointAddr(addr.id, [a for a in addr.addrs if isinstance(a, TransportAddr.Libp2p)])

@@ -22,7 +22,7 @@ from psyche.network.sharable_model import (
     noting_model_versions,
 )
 from psyche.network.testing import local_config, open_nodes, serve_model, wait_until
-from psyche.network.ticket import BlobTicket
+from psyche.network.ticket import BlobTicket, EndpointAddr
 from psyche.network.transmittable import (
     ModelRequestType,
     SharableModelError,
@@ -36,6 +36,7 @@ from .model_providers import (
     introduce_all,
     make_parameters,
     provider_model,
+    without_side_channel,
 )
 
 
@@ -91,24 +92,36 @@ def test_joiner_gets_a_bit_identical_model_from_three_peers() -> None:
     trio.run(main)
 
 
-def test_every_peer_is_dialled_while_the_config_is_fetched() -> None:
-    """In the order of the joiner's events: every peer is dialled before the config's ticket is
-    answered (before, the other peers were dialled on their first batch, after the config: a
-    serial libp2p dial of ~250 ms in every cold fetch)."""
-    parameters = make_parameters(2)
+def test_side_channel_peers_get_sessions_not_dials_while_the_config_is_fetched() -> None:
+    """In the order of the joiner's events: every peer's blob side-channel session is open and
+    authenticated (`BlobRoutes.prepare`) before the config's ticket is answered, and only the
+    peer whose record names no side channel is dialled over libp2p then; the peers the side
+    channel serves get no libp2p connection from the download (before, every peer was
+    dialled: py-libp2p handshakes on the providers' event loops that delayed their first
+    side-channel answers in a cold fetch; this test fails on that code)."""
+    parameters = make_parameters(6)
 
     async def main() -> None:
         async with open_nodes(4, model_codec=TENSOR_CODEC) as nodes, trio.open_nursery() as nursery:
             *providers, joiner = nodes
             for provider in providers:
                 nursery.start_soon(serve_model, provider, provider_model(parameters))
-            await introduce_all(joiner, providers)
+            await introduce_all(joiner, providers[:2])
+            libp2p_only = providers[2]
+            joiner.address_book.add(without_side_channel(libp2p_only.endpoint_addr()))
             events: list[tuple[str, object]] = []
             connect, ask_one = joiner.connect, joiner.request_model_blob_ticket
+            prepare = joiner.blob_routes.prepare
 
             async def dial(peer: bytes) -> None:
                 events.append(("dial", peer))
                 await connect(peer)
+
+            async def prepared(addr: EndpointAddr) -> bool:
+                ready = await prepare(addr)
+                if ready:
+                    events.append(("session", addr.id))
+                return ready
 
             async def one(peer: bytes, request: ModelRequestType):  # type: ignore[no-untyped-def]
                 answer = await ask_one(peer, request)
@@ -116,14 +129,18 @@ def test_every_peer_is_dialled_while_the_config_is_fetched() -> None:
                 return answer
 
             joiner.connect = dial  # type: ignore[method-assign]
+            joiner.blob_routes.prepare = prepared  # type: ignore[method-assign]
             joiner.request_model_blob_ticket = one  # type: ignore[method-assign]
             ids = [p.endpoint_id for p in providers]
             with trio.fail_after(60):
                 model = await ModelDownload(joiner, ids).run()
             assert model_hash(model.parameters) == model_hash(parameters)
             config_answered = [kind for kind, _ in events].index("config ticket")
-            dialled_first = {peer for kind, peer in events[:config_answered] if kind == "dial"}
-            assert dialled_first == set(ids)
+            before = events[:config_answered]
+            assert {peer for kind, peer in before if kind == "session"} == set(ids[:2])
+            assert {peer for kind, peer in before if kind == "dial"} == {ids[2]}
+            assert {peer for kind, peer in events if kind == "dial"} == {ids[2]}
+            assert not set(ids[:2]) & set(joiner.connection_monitor.connected_peers())
             nursery.cancel_scope.cancel()
 
     trio.run(main)

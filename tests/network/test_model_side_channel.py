@@ -38,7 +38,7 @@ from psyche.network.connection import NetworkConnection
 from psyche.network.model_download import ModelDownload
 from psyche.network.secure_channel import PeerRefused
 from psyche.network.testing import open_nodes, serve_model
-from psyche.network.ticket import BlobTicket, EndpointAddr, TransportAddr, blob_hash
+from psyche.network.ticket import BlobTicket, EndpointAddr, blob_hash
 from psyche.network.transmittable import (
     DownloadType,
     ModelRequestType,
@@ -53,6 +53,7 @@ from .model_providers import (
     introduce_all,
     make_parameters,
     provider_model,
+    without_side_channel,
 )
 
 CONFIG = ModelRequestType.Config()
@@ -337,10 +338,6 @@ def test_a_request_is_told_apart_by_its_length_and_must_be_signed() -> None:
     trio.run(main)
 
 
-def _without_side_channel(addr: EndpointAddr) -> EndpointAddr:
-    return EndpointAddr(addr.id, [a for a in addr.addrs if isinstance(a, TransportAddr.Libp2p)])
-
-
 async def _older_provider(provider: NetworkConnection) -> None:
     """`provider` as a node older than `GetConfig` and `GetTickets`: its blob server closes
     such a session."""
@@ -368,7 +365,7 @@ def test_the_model_is_asked_over_libp2p_when_the_side_channel_cannot_answer(
                 await _older_provider(provider)
                 joiner.address_book.add(provider.endpoint_addr())
             else:
-                joiner.address_book.add(_without_side_channel(provider.endpoint_addr()))
+                joiner.address_book.add(without_side_channel(provider.endpoint_addr()))
             with trio.fail_after(60):
                 ticket, version = await joiner.request_model_blob_ticket(
                     provider.endpoint_id, CONFIG
@@ -571,9 +568,11 @@ def test_an_older_provider_is_asked_for_the_model_on_its_side_channel_once_for_a
     session it closed is tried again on a fresh one (a provider may close a kept session for
     its own reasons); once the fresh session's first request is closed too, the provider's
     model requests go straight to libp2p (`ask` answers None) without a session each, for
-    `OLDER_PROVIDER_SECS`, and its blobs still come on the side channel. After that time it
-    is asked on the side channel again (a restarted provider may be newer). Before, every
-    request opened a session and a handshake that the provider then closed."""
+    `OLDER_PROVIDER_SECS`, and its blobs still come on the side channel; `prepare` then says
+    it needs another path (a model download dials it over libp2p ahead of its ticket batches,
+    instead of on the first). After that time it is asked on the side channel again (a
+    restarted provider may be newer). Before, every request opened a session and a handshake
+    that the provider then closed."""
     blobs = {blob_hash(data): data for data in (os.urandom(1 << 20) for _ in range(2))}
     digests = list(blobs)
 
@@ -604,6 +603,7 @@ def test_an_older_provider_is_asked_for_the_model_on_its_side_channel_once_for_a
             addr = EndpointAddr(identity.public_key, transport.local_addrs())
             with trio.fail_after(30):
                 await fetch(digests[0])  # its session is kept for the next request
+                assert await routes.prepare(addr)  # (not known to be older yet)
                 assert len(opened) == 1
                 for _ in range(3):
                     assert await routes.ask(addr, lambda s: s.tickets(["p.w"], TIMEOUT)) is None
@@ -611,6 +611,7 @@ def test_an_older_provider_is_asked_for_the_model_on_its_side_channel_once_for_a
                 assert len(opened) == 2  # the kept session, then one fresh session
                 await fetch(digests[1])
                 assert routes.routes[addr.id] == SIDE_CHANNEL
+                assert not await routes.prepare(addr)  # a session is kept, but no model answers
                 assert len(opened) == 3
                 now[0] += OLDER_PROVIDER_SECS
                 assert await routes.ask(addr, lambda s: s.config(TIMEOUT)) is None

@@ -175,27 +175,43 @@ class BlobRoutes:
             if peer not in self._slots:  # forgotten meanwhile: drop what this fetch noted
                 await self.forget(peer)
 
-    async def prepare(self, provider: EndpointAddr) -> None:
+    async def prepare(self, provider: EndpointAddr) -> bool:
         """Open and authenticate a side-channel session to `provider` (a run member the caller
         is about to fetch from) ahead of its first fetch, which then takes it: the handshake
-        overlaps whatever the caller waits for first (a joiner's dials and ticket requests).
-        Nothing is done when a session is kept or being opened, or the side channel is not
-        usable; a failure is only logged (the fetches meet it again and route around it)."""
+        overlaps whatever the caller waits for first (a joiner's ticket requests). Nothing new
+        is opened when a session is kept or being opened (that one is waited for), or the side
+        channel is not usable; a failure is only logged (the fetches meet it again and route
+        around it). Returns whether the caller needs no other path to `provider` for now: a
+        side-channel session is kept and the provider is not known to be older than the
+        model requests (`ask`), so its model requests and blobs all go there."""
+        return await self._prepare(provider) and not self._older(provider.id)
+
+    async def _prepare(self, provider: EndpointAddr) -> bool:
+        """`prepare`'s session: whether one is kept for `provider` now."""
         peer = provider.id
-        if not self._side_channel_usable(provider) or peer in self._opening:
-            return
-        if any(k.route == SIDE_CHANNEL and k.takes(0) for k in self._sessions.get(peer, ())):
-            return
+        if not self._side_channel_usable(provider):
+            return False
+        opening = self._opening.get(peer)
+        if opening is not None:
+            await opening.wait()
+        if self._kept_side_channel(peer):
+            return True
         try:
             kept = await self._open_kept(SIDE_CHANNEL, provider)
         except (*_BROKEN, BlobProtocolError) as e:
             logger.debug("opening a blob session to %s ahead: %s", fmt_short(peer), e)
-            return
+            return False
         try:
             await kept.session.handshake()
         except (*_BROKEN, BlobProtocolError) as e:
             logger.debug("blob handshake with %s ahead: %s", fmt_short(peer), e)
             await self._drop(peer, kept)
+            return False
+        return True
+
+    def _kept_side_channel(self, peer: bytes) -> bool:
+        """Whether a side-channel session to `peer` is kept that takes a request now."""
+        return any(k.route == SIDE_CHANNEL and k.takes(0) for k in self._sessions.get(peer, ()))
 
     async def ask(
         self, provider: EndpointAddr, request: Callable[[BlobSession], Awaitable[_T]]
