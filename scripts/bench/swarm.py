@@ -18,7 +18,8 @@ Printed per N and per gossip setting:
 * delivery: the share of (node, sender) pairs whose message arrived, how many nodes got all
   N-1 (the goal: all of them, every round), and when the last message and the last payload
   arrived (seconds after the round started, wall clock: the machine is loaded, so this
-  stretches);
+  stretches), and when some were missing at the round's end, whose messages and which nodes
+  (losses that cluster in one process's nodes are that process stalling on a loaded machine);
 * CPU: process CPU time (user + system of every process) over the round, per node (process
   CPU / k) and per peer (per node / (N-1)), and the floor: the same round's unavoidable
   cryptography (N-1 signature checks and BLAKE3 of N-1 payloads) timed in the parent, the
@@ -247,8 +248,10 @@ class Child:
                             "fetched": len(r.fetched),
                             "last_fetched": max(r.fetched.values(), default=None),
                             "failed": r.failed,
+                            "missing": sorted(set(range(self.n)) - set(r.got) - {i}),
+                            "neighbors": len(self.nodes[self.indices.index(i)].neighbors()),
                         }
-                        for r in self.results.values()
+                        for i, r in self.results.items()
                     ],
                 }
             )
@@ -390,6 +393,10 @@ class RoundResult:
     wall: float
     wire: dict[str, int]
     """Summed over the processes: Yamux frames written by type, streams, connections."""
+    lacked: dict[int, int] = field(default_factory=dict)
+    """Sender index -> how many nodes lacked its message at the round's end (none: absent)."""
+    lacking: dict[int, int] = field(default_factory=dict)
+    """Node index -> how many messages it lacked at the round's end (none: absent)."""
 
 
 class Swarm:
@@ -527,6 +534,10 @@ def run_swarm(
                 round_deadline + REPLY_GRACE_SECS,
             )
             nodes = [node for reply in replies for node in reply["nodes"]]
+            lacked: dict[int, int] = {}
+            for node in nodes:
+                for sender in node["missing"]:
+                    lacked[sender] = lacked.get(sender, 0) + 1
             results.append(
                 RoundResult(
                     n=n,
@@ -537,6 +548,12 @@ def run_swarm(
                     last_got=_max_or_none(node["last_got"] for node in nodes),
                     last_fetched=_max_or_none(node["last_fetched"] for node in nodes),
                     wall=time.time() - t0,
+                    lacked=lacked,
+                    lacking={
+                        index: len(node["missing"])
+                        for index, node in enumerate(nodes)
+                        if node["missing"]
+                    },
                     wire={
                         k: sum(reply["wire"][k] for reply in replies) for k in replies[0]["wire"]
                     },
@@ -601,6 +618,13 @@ def report(
             + ", ".join(f"{k} {v / n:.0f}" for k, v in res.wire.items())
             + " (Yamux frames written by type; streams and connections opened)"
         )
+        if res.lacked:
+            print(
+                "         lacked (sender: nodes without its message): "
+                + ", ".join(f"{s}: {c}" for s, c in sorted(res.lacked.items()))
+                + "; lacking (node: messages it lacks): "
+                + ", ".join(f"{i}: {c}" for i, c in sorted(res.lacking.items()))
+            )
 
 
 def _load() -> str:

@@ -32,6 +32,8 @@ from psyche.network.gossip import (
     GossipConfig,
     GossipRejected,
     _ContentMessageCache,
+    _Holders,
+    advert_offsets,
     coalesce,
     gossip_topic,
 )
@@ -461,22 +463,30 @@ def test_a_peer_the_push_missed_gets_the_message_by_repair(repair_window: int) -
 def test_the_repair_advertises_a_message_only_to_peers_not_known_to_hold_it() -> None:
     """Once every node of a full mesh holds a message, the nodes that each peer told so (it
     sent the message to them, or originated it) advertise it (IHAVE) to no one, and its origin,
-    which no peer forwards it back to, advertises it to each peer `REPAIR_ADVERTS_PER_PEER`
-    times and then stops. Before any of this, every node advertised every message of its
-    repair window to every gossip peer on every heartbeat (here 3 nodes x 2 peers a second for
-    10 s), a third of a swarm node's frames."""
+    which no peer forwards it back to, advertises it to each peer on the repair's schedule
+    (`advert_offsets`: heartbeats 0, 1, 3 and 7 after the first within the 8 heartbeats
+    watched here; the rest of the schedule is `test_the_repair_spreads_its_adverts_...`).
+    Before any of this, every node advertised every message of its repair window to every
+    gossip peer on every heartbeat (here 3 nodes x 2 peers a second), a third of a swarm
+    node's frames."""
 
     async def main() -> None:
         async with open_nodes(3, broadcast_type=Broadcast) as nodes:
             await connect_pairs(nodes, full_mesh(3))
             await wait_for_mesh(nodes, 2)
-            advertised: list[tuple[int, bytes]] = []
+            advertised: list[tuple[int, Any, int]] = []
+            """(node, peer, the node's heartbeat) per advertised id"""
             for i, node in enumerate(nodes):
                 router: Any = node.gossip.router  # its control emitter is counted
                 emit = router.emit_control_message
 
-                async def counted(control: Any, peer: Any, emit: Any = emit, i: int = i) -> None:
-                    advertised.extend((i, m) for ihave in control.ihave for m in ihave.messageIDs)
+                async def counted(
+                    control: Any, peer: Any, emit: Any = emit, i: int = i, router: Any = router
+                ) -> None:
+                    beat = router.holders.heartbeat
+                    advertised.extend(
+                        (i, peer, beat) for ih in control.ihave for _ in ih.messageIDs
+                    )
                     await emit(control, peer)
 
                 router.emit_control_message = counted
@@ -484,13 +494,76 @@ def test_the_repair_advertises_a_message_only_to_peers_not_known_to_hold_it() ->
             nodes[0].broadcast(message)
             for node in nodes[1:]:
                 assert await next_message(node) == message
-            await trio.sleep(REPAIR_ADVERTS_PER_PEER + 2.0)  # heartbeats of 1 s
-            assert [i for i, _ in advertised if i != 0] == []
-            assert 0 < len(advertised) <= REPAIR_ADVERTS_PER_PEER * 2
-            advertised.clear()
-            await trio.sleep(3.0)
-            assert advertised == []
+            await wait_until(lambda: len(advertised) > 0, timeout=10)
+            holders = nodes[0].gossip.router.holders
+            first = advertised[0][2]
+            await wait_until(lambda: holders.heartbeat >= first + 8, timeout=30)
+            assert [i for i, _, _ in advertised if i != 0] == []
+            by_peer: dict[Any, list[int]] = {}
+            for _, peer, beat in advertised:
+                by_peer.setdefault(peer, []).append(beat - first)
+            assert len(by_peer) == 2
+            for beats in by_peer.values():
+                assert beats == [o for o in advert_offsets() if o <= 7]
             assert nodes[0].gossip.router.mcache.msgs  # still in the repair window
+
+    trio.run(main)
+
+
+def test_the_repair_spreads_its_adverts_over_the_window_and_then_stops() -> None:
+    """A message a peer is not known to hold is advertised to it `REPAIR_ADVERTS_PER_PEER`
+    times, the gaps doubling up to `REPAIR_ADVERT_MAX_GAP` heartbeats (0, 1, 3, 7, 15, 23), so
+    a peer that could answer none of the first few (its stream being re-opened, its process
+    stalled) is still told; and never to a peer known to hold it. Before, the three adverts
+    went out in three consecutive heartbeats (0, 1, 2) and then never again."""
+    from libp2p.peer.id import ID
+    from libp2p.pubsub.pb import rpc_pb2
+
+    mid = b"m" * 32
+    cached = {mid: rpc_pb2.Message(data=b"x", from_id=b"origin")}
+    holders = _Holders(cached.get)
+    lacking, holding = ID(b"lacking"), ID(b"holding")
+    holders.note(mid, holding)
+    sent: dict[ID, list[int]] = {lacking: [], holding: []}
+    for beat in range(40):
+        holders.tick()
+        for peer in (lacking, holding):
+            if holders.worth_advertising(mid, peer):
+                holders.note_advertised(mid, peer)
+                sent[peer].append(beat)
+    assert sent[holding] == []
+    assert sent[lacking] == advert_offsets() == [0, 1, 3, 7, 15, 23]
+    assert len(sent[lacking]) == REPAIR_ADVERTS_PER_PEER
+    assert GossipConfig().repair_window > advert_offsets()[-1]  # the last one is answerable
+    cached.clear()
+    holders.prune()
+    assert holders._adverts == {}
+    assert holders._held == {}
+
+
+def test_a_peer_that_refuses_a_message_for_seconds_still_gets_it_by_repair() -> None:
+    """A peer that could take none of the repair's first adverts (here it refuses the message
+    for 5 s, as a node whose gossip stream is being re-opened or whose process is stalled
+    cannot answer) gets the message from a later one. Before, the three adverts went out in
+    the three heartbeats after the message came and the peer never got it (this test then
+    times out)."""
+
+    async def main() -> None:
+        async with open_nodes(3, broadcast_type=Broadcast) as (a, b, c):
+            ids = [n.endpoint_id for n in (a, b, c)]
+            c.set_allowed_peers([b.endpoint_id, c.endpoint_id])  # c has not admitted a yet
+            await connect_pairs([a, b, c], [(0, 1), (2, 1)])
+            await wait_for_mesh([a, c], 1)
+            await wait_until(lambda: len(b.gossip.mesh()) == 2, timeout=10)
+            message = finished(a.secret_key, step=1)
+            a.broadcast(message)
+            assert await next_message(b) == message
+            await wait_until(lambda: c.gossip.rejected >= 1, timeout=10)
+            holders = b.gossip.router.holders
+            start = holders.heartbeat
+            await wait_until(lambda: holders.heartbeat >= start + 5, timeout=30)
+            c.set_allowed_peers(ids)
+            assert await next_message(c, timeout=30) == message
 
     trio.run(main)
 
@@ -722,6 +795,37 @@ def test_coalescing_keeps_the_order_of_what_changes_state_and_leaves_the_rpcs_gi
     assert out[4] is subscribe
     assert list(out[3].control.ihave[0].messageIDs) == [b"id"]
     assert out[0].senderRecord == b"record"
+
+
+def test_coalescing_makes_one_ihave_per_topic_and_one_iwant() -> None:
+    """Several heartbeats' IHAVEs queued for a peer (a sending loop that caught up after a
+    stall) go out as one IHAVE per topic and one IWANT, each id once: the peer counts each
+    entry against py-libp2p's 10 per second per peer and ignored those past the tenth, and
+    answered each IHAVE with its own IWANT. Before, the merged RPC carried every entry."""
+    from libp2p.pubsub.pb import rpc_pb2
+
+    rpcs = []
+    for beat in range(12):
+        rpc = rpc_pb2.RPC()
+        rpc.control.ihave.add(topicID="t", messageIDs=[b"a", bytes([beat])])
+        rpc.control.iwant.add(messageIDs=[b"w", bytes([100 + beat])])
+        rpcs.append(rpc)
+    other = rpc_pb2.RPC()
+    other.control.ihave.add(topicID="u", messageIDs=[b"a"])
+    rpcs.insert(3, other)
+    before = [rpc.SerializeToString() for rpc in rpcs]
+
+    (out,) = coalesce(rpcs)
+
+    assert [rpc.SerializeToString() for rpc in rpcs] == before
+    ihaves = {ihave.topicID: list(ihave.messageIDs) for ihave in out.control.ihave}
+    assert len(out.control.ihave) == 2
+    assert ihaves == {"t": [b"a", *(bytes([b]) for b in range(12))], "u": [b"a"]}
+    assert len(out.control.iwant) == 1
+    assert list(out.control.iwant[0].messageIDs) == [b"w", *(bytes([100 + b]) for b in range(12))]
+    single = rpcs[0]
+    (alone,) = coalesce([single])
+    assert alone is single
 
 
 def test_a_copy_already_seen_spawns_no_task_and_still_marks_its_sender_as_holder(
