@@ -110,3 +110,73 @@ def test_a_trainer_that_announced_nothing_is_no_longer_followed() -> None:
     found, following = followed_rounds(None, steps=3, silent=2)
     assert found == [[True], [], []]
     assert TRAINER not in following.shadows
+
+
+def test_a_centralized_client_hears_the_runs_thread_count_beside_its_state() -> None:
+    # upstream's postcard state has no room for it: the server sends it in RunExtras
+    from psyche.centralized.client import CentralizedBackend
+    from psyche.centralized.protocol import RunExtras, ServerToClientMessage
+    from psyche.coordinator import Coordinator
+    from psyche.coordinator.testing import integration_test_coordinator
+    from psyche.core.identity import SecretKey
+    from psyche.core.serde import from_bytes
+
+    state = integration_test_coordinator(4, 8, 0)
+    state.config.verification_percent = 25
+    for extras_first in (True, False):
+        backend = CentralizedBackend("127.0.0.1:1", SecretKey.generate(), "test-run")
+        extras = RunExtras(backup_data_locations=[], exact_verification_threads=3)
+        heard = from_bytes(state.to_bytes(), Coordinator)  # what the wire carries
+        assert heard.config.exact_verification_threads == 0
+        messages = [
+            ServerToClientMessage.RunExtras(extras),
+            ServerToClientMessage.Coordinator(heard),
+        ]
+        for message in messages if extras_first else reversed(messages):
+            backend._handle(message)
+        assert backend._latest is not None
+        assert backend._latest.config.exact_verification_threads == 3
+
+
+def test_shadows_start_at_the_epochs_first_round_only_and_plan_the_followed_batches() -> None:
+    from psyche.coordinator.backend import OpportunisticData
+    from psyche.coordinator.following import followers_for_state
+    from psyche.coordinator.server_core import ServerCore
+    from psyche.coordinator.testing import keyed_identity, quick_coordinator, warmup_witness_for
+
+    now = 1_000_000
+    coordinator = quick_coordinator(init_min_clients=4, global_batch_size=8, epoch_time=60)
+    coordinator.config.verification_percent = 25
+    coordinator.config.exact_verification_threads = 1
+    core = ServerCore.start(coordinator, now=now)
+    for i in range(4):
+        core.on_join(keyed_identity(i), core.run_id)
+    core.on_tick(now + 2, 1)
+    for index, client in enumerate(core.coordinator.epoch_state.clients):
+        core.on_witness(
+            client.id, OpportunisticData.WarmupStep(warmup_witness_for(index)), now + 2, 7
+        )
+    core.on_tick(now + 3, 9)  # the round's duties recorded
+    state = core.coordinator
+    round_ = state.current_round()
+    assert round_ is not None
+    assert round_.height == 0
+    assigned = dict(core.verification[state.progress.step].duties.assigned)
+    me = followers_for_state(state)[next(iter(assigned.values()))][0]  # follows a trainer
+    trainer = make_trainer()
+    following = Following()
+    following.start_epoch(state, me, trainer)
+    mine = {t for t, followers in followers_for_state(state).items() if me in followers}
+    assert set(following.shadows) == mine
+    assert len(mine) == 2
+    job = following.plan(state, me)
+    expected = {b for b, t in assigned.items() if t in mine}
+    assert expected  # this seed: a trainer it follows trains in the round
+    planned = {d.batch_id for d in job.duties} if job is not None else set()
+    assert planned == expected
+    # a client first here after the epoch's first round cannot know the trainers' states
+    later = Following()
+    round_.height = 1
+    later.start_epoch(state, me, trainer)
+    assert later.shadows == {}
+    assert later.plan(state, me) is None

@@ -84,6 +84,9 @@ def test_followers_catch_a_one_percent_bias_the_statistics_cannot_see(
         total_steps=20, epoch_time=60, witness_nodes=0, init_min_clients=4, min_clients=3,
         verification_percent=25,
     )  # fmt: skip
+    # it lies from its first training round, which the seed may put a few rounds in (each
+    # round it is one of two trainers of four): three rounds from then at most
+    processes.wait_for(run.hostile, r'"message": "trained_batch"', 600)
     punished = processes.wait_for(
         run.server,
         rf"verification: {short_id(HOSTILE)} loses \((\w+)\): its commitment .*? at step (\d+)"

@@ -101,7 +101,7 @@ class Following:
         epoch = int(state.progress.epoch)
         if self.epoch == epoch:
             return
-        self.epoch, self.shadows = epoch, {}
+        self.epoch, self.shadows, self.unconfirmed = epoch, {}, {}
         if round_ is None or round_.height != 0 or not _on_cpu(trainer):
             return
         following = followers_for_state(state)
