@@ -48,6 +48,11 @@ its decoy; the verifier on `--verifier-threads` intra-op threads where the membe
   statistic, and whether any threshold separates the lies from every honest result
   (docs/reliability.md, "Verifiers": why the bias is not caught).
 
+* `--shadow` also prints what wiring it in costs (`psyche.coordinator.following`: each trained
+  batch rebuilt by two followers): the extra training a round per client, as a ratio of its own
+  training step, from the shadow's measured ratio, at 4 clients and 25 % and where every client
+  trains.
+
 * `--profile`: where one verification's time goes (CPU seconds, one thread, the same sitting):
   a member's `train_exact` and `prepare_result` of a batch against the verifier's `recompute`
   (the batch's forward and backward, in two parts), `domain_of` (the parts' DCT), `compare`
@@ -81,6 +86,7 @@ from typing import Any, TypeVar
 import torch
 
 from psyche.coordinator.committee_selection import verifier_nodes_for
+from psyche.coordinator.following import FOLLOWERS_PER_TRAINER
 from psyche.coordinator.verification import (
     VERIFICATION_TIE_BREAKERS,
     VERIFIED_BATCHES_PER_VERIFIER,
@@ -514,6 +520,7 @@ def shadow(
         f"ms, CPU seconds{' of both threads, waiting included' if threads > 1 else ''}) "
         f"[{time.perf_counter() - started:.0f} s]"
     )
+    follow_cost(ratio)
     print(
         f"  {'attack':<13} {'lies':>5} {'caught':>7} {'caught by lie':>14} {'honest mismatches':>18}"
     )
@@ -537,6 +544,21 @@ def shadow(
         print(
             f"  {attack.value:<13} {lies:5d} {caught / max(lies, 1):7.0%} {by:>14} "
             f"{honest_mismatched:>8d} of {honest:<8d}"
+        )
+
+
+def follow_cost(ratio: float) -> None:
+    """The extra training a round of a run that verifies exactly costs (`psyche.coordinator.
+    following`: every trained batch is rebuilt by `FOLLOWERS_PER_TRAINER` followers, one shadow
+    step each, `ratio` of one training step as measured above), per client, as a ratio of its
+    own training step: at 4 clients and `verification_percent = 25` (two trainers a round),
+    and in a run where every client trains (`verifiers_train`, or 0 % verifiers)."""
+    for label, clients, trainers in (("4 clients at 25 %", 4, 2), ("every client trains", 8, 8)):
+        extra = FOLLOWERS_PER_TRAINER * trainers / clients * ratio
+        print(
+            f"  followed ({FOLLOWERS_PER_TRAINER} followers a trainer), {label}: each client "
+            f"trains +{extra:.2f} of a training step a round ({trainers} trained batches x "
+            f"{FOLLOWERS_PER_TRAINER} x {ratio:.2f} over {clients} clients)"
         )
 
 

@@ -97,7 +97,7 @@ def test_extensions_are_appended_variants() -> None:
     ]
     assert EXTENSION_CLIENT_VARIANTS == 4
     hello = to_bytes(ClientToServerMessage.ExtensionHello(ExtensionHello()), ClientToServerMessage)
-    assert hello == b"\x04\x03"  # version 3: a drawn verifier signs the draw's SHA-256
+    assert hello == b"\x04\x04"  # version 4: RunExtras.exact_verification_threads appended
     assert to_bytes(ClientToServerMessage.AnnounceEndpoint(b"ab"), ClientToServerMessage) == (
         b"\x05\x02ab"
     )
@@ -105,7 +105,8 @@ def test_extensions_are_appended_variants() -> None:
         backup_data_locations=[LLMTrainingDataLocation.Local("/data")], run_identity="ab"
     )
     encoded = to_bytes(ServerToClientMessage.RunExtras(extras), ServerToClientMessage)
-    assert encoded == b"\x02\x03\x01\x02\x05/data\x02ab\x00"  # version 3; verifiers_train: appended
+    # version 4; verifiers_train and exact_verification_threads (a varint): appended
+    assert encoded == b"\x02\x04\x01\x02\x05/data\x02ab\x00\x00"
     assert from_bytes(encoded, ServerToClientMessage) == ServerToClientMessage.RunExtras(extras)
     peers = ServerToClientMessage.PeerEndpoints([b"a", b"bc"])
     assert to_bytes(peers, ServerToClientMessage) == b"\x01\x02\x01a\x02bc"

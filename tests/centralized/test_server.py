@@ -600,7 +600,9 @@ def test_run_extras_of_another_version_end_the_client_in_one_line(
 
             def as_version_1(client: bytes, message: ServerToClientMessage) -> None:
                 if isinstance(message, ServerToClientMessage.RunExtras) and server.tcp:
-                    body = to_bytes(message, ServerToClientMessage)[:-1]  # no verifiers_train
+                    body = to_bytes(message, ServerToClientMessage)[
+                        :-1
+                    ]  # no exact_verification_threads
                     server.tcp.send_encoded(client, encode_else(body))
                 else:
                     send(client, message)

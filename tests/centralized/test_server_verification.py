@@ -139,3 +139,17 @@ def test_validate_config_and_the_server_refuse_a_run_without_a_verifier(
     # at 0 (upstream) the same file is fine
     (tmp_path / "ok").mkdir()
     assert validate_config(tiny_state(tmp_path / "ok", free_port()), None) == 0
+
+
+def test_the_status_page_says_what_followers_found() -> None:
+    from psyche.centralized.status_page import VerificationStatus, _verification_html
+
+    page = _verification_html(
+        [
+            VerificationStatus(4, "followed", "aaaa", "bbbb", "B[0, 3]", False, 1.0, ""),
+            VerificationStatus(4, "followed", "cccc", "bbbb", "B[4, 7]", True, 0.0, ""),
+        ]
+    )
+    assert "bbbb rebuilt its commitment: <b>not the same</b>" in page
+    assert "bbbb rebuilt its commitment: the same, bit for bit" in page
+    assert 'class="verification followed"' in page

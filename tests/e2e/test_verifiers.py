@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from ..processes import Processes, events
-from .hostile_run import HONEST, HOSTILE, short_id, start_verifying_run
+from .hostile_run import HONEST, HOSTILE, short_id, start_hostile_run, start_verifying_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
@@ -66,3 +66,49 @@ def test_the_tie_breaker_punishes_whoever_lied_trainer_or_verifier(
     else:  # the honest tie-breaker found right what it accused
         assert at_step
         assert all(e["matches"] and e["trainer"] in honest_ids for e in at_step)
+
+
+def test_followers_catch_a_one_percent_bias_the_statistics_cannot_see(
+    processes: Processes, tmp_path: Path
+) -> None:
+    """Exact verification (`exact_verification_threads = 1`: every member on one CPU thread):
+    the hostile member adds a bias of 1 % of its update's norm in a fixed direction to every
+    result (`Attack.Bias`); each trainer's two followers rebuild its commitment bit for bit
+    (`psyche.client.round.follow`), and their two words convict it within three rounds of its
+    first lie. No honest follower accuses anybody; the hostile member's own rebuilds go through
+    its biased `prepare_result` too, so as a follower it accuses the honest trainers it follows,
+    alone each time: one word decides nothing, and nobody honest loses."""
+    run = start_hostile_run(
+        processes, tmp_path / "run", "bias", 0,
+        config_lines="exact_verification_threads = 1",
+        total_steps=20, epoch_time=60, witness_nodes=0, init_min_clients=4, min_clients=3,
+        verification_percent=25,
+    )  # fmt: skip
+    # it lies from its first training round, which the seed may put a few rounds in (each
+    # round it is one of two trainers of four): three rounds from then at most
+    processes.wait_for(run.hostile, r'"message": "trained_batch"', 600)
+    punished = processes.wait_for(
+        run.server,
+        rf"verification: {short_id(HOSTILE)} loses \((\w+)\): its commitment .*? at step (\d+)"
+        r" is not what (\d) of \d followers rebuilt",
+        240,
+    )
+    role, step = punished.group(1), int(punished.group(2))
+    assert role == "trainer", punished.group(0)
+    lied = [e["step"] for e in events(run.hostile, "trained_batch")]
+    assert lied
+    assert step <= min(lied) + 2, (step, lied)
+    assert re.search(
+        rf"{short_id(HOSTILE)} did not deliver \(verification, as trainer", run.server.text()
+    )
+    losers = set(re.findall(r"verification: (\w+) loses", run.server.text()))
+    assert losers == {short_id(HOSTILE)}, losers
+    # the honest followers: every honest commitment rebuilt bit for bit, the biased one not
+    followed = [e for client in run.honest for e in events(client, "followed")]
+    honest_ids = {short_id(n) for n in HONEST}
+    assert followed, "no follower compared anything"
+    assert all(e["matches"] for e in followed if e["trainer"] in honest_ids), followed
+    assert any(e["trainer"] in honest_ids for e in followed), followed
+    caught = [e for e in followed if e["trainer"] == short_id(HOSTILE) and e["step"] == step]
+    assert len(caught) == 2, caught
+    assert not any(e["matches"] for e in caught), caught

@@ -446,9 +446,9 @@ class CentralizedBackend:
     def _handle(self, message: ServerToClientMessage) -> None:
         match message:
             case ServerToClientMessage.Coordinator(state):
-                if self.run_extras is not None and self.run_extras.verifiers_train:
-                    # beside the state: upstream's postcard bytes have no room for it
-                    state.config.verifiers_train = True
+                if self.run_extras is not None:
+                    # beside the state: upstream's postcard bytes have no room for them
+                    _extend_config(state, self.run_extras)
                 self._latest = state
                 self._received += 1
                 self._say_join_wait()
@@ -458,8 +458,8 @@ class CentralizedBackend:
                 self._say_join_wait()
             case ServerToClientMessage.RunExtras(extras):
                 self.run_extras = extras
-                if extras.verifiers_train and self._latest is not None:
-                    self._latest.config.verifiers_train = True  # a state heard before it
+                if self._latest is not None:
+                    _extend_config(self._latest, extras)  # a state heard before it
             case ServerToClientMessage.VerificationHeard(heard):
                 step = int(heard.report.step)
                 self._heard.setdefault(step, {}).setdefault(heard.sender, heard.report)
@@ -524,3 +524,11 @@ __all__ = [
     "describe_connect_error",
     "join_wait_message",
 ]
+
+
+def _extend_config(state: Coordinator, extras: RunExtras) -> None:
+    """Put the run's config extensions the server sends beside its state (`RunExtras`) in it."""
+    if extras.verifiers_train:
+        state.config.verifiers_train = True
+    if extras.exact_verification_threads:
+        state.config.exact_verification_threads = int(extras.exact_verification_threads)

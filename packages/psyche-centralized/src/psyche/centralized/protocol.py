@@ -54,6 +54,7 @@ from psyche.coordinator.model import LLMTrainingDataLocation
 from psyche.coordinator.verification import VerificationReport
 from psyche.core.node_identity import NodeIdentity
 from psyche.core.serde import (
+    U16,
     U32,
     DataEnum,
     FixedVec,
@@ -69,9 +70,10 @@ from psyche.transport import FrameTooLarge, PostcardCodec, TcpProtocolError
 # The version of the extensions' wire shapes, sent in `ExtensionHello`: 2 appended
 # `RunExtras.verifiers_train`; 3 changed what a drawn verifier signs (`draw_message`: the domain
 # and a SHA-256 of the draw, so a Solana report fits a transaction), which peers of version 2
-# would refuse. A server refuses a hello of another version in one line (its
+# would refuse; 4 appended `RunExtras.exact_verification_threads` (followers' reports ride on the
+# verification report: `psyche.coordinator.following`). A server refuses a hello of another version in one line (its
 # `RunExtras` would not decode there); a client that cannot decode a server's says so.
-EXTENSIONS_VERSION = 3
+EXTENSIONS_VERSION = 4
 # A self-signed endpoint record is a few hundred bytes; anything far larger is refused.
 MAX_ENDPOINT_RECORD_LEN = 4096
 # A run id is at most 32 bytes (SOLANA_RUN_ID_MAX_LEN); a Join naming a longer one is still
@@ -98,6 +100,8 @@ class RunExtras:
     run_identity: str = ""
     verifiers_train: bool = False
     """The run's `CoordinatorConfig.verifiers_train` (not in upstream's postcard state)."""
+    exact_verification_threads: U16 = 0
+    """The run's `CoordinatorConfig.exact_verification_threads` (not in upstream's state)."""
 
 
 @struct(frozen=True)

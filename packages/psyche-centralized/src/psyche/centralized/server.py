@@ -463,6 +463,7 @@ class CentralizedServer:
             backup_data_locations=list(_llm(self.coordinator).backup_data_locations),
             run_identity=self.run_identity,
             verifiers_train=self.coordinator.config.verifiers_train,
+            exact_verification_threads=self.coordinator.config.exact_verification_threads,
         )
 
     def _send(self, client: bytes, message: ServerToClientMessage) -> None:

@@ -145,7 +145,8 @@ class MemberStatus:
 @dataclass(frozen=True)
 class VerificationStatus:
     """One thing verification did (`ServerCore.verification_log`): `kind` "verified" (`by`
-    recomputed `subject`'s result of `batch`: `matches`, `score`) or "punished" (`reason`)."""
+    recomputed `subject`'s result of `batch`: `matches`, `score`), "followed" (`by` rebuilt its
+    commitment exactly: `matches`) or "punished" (`reason`)."""
 
     step: int
     kind: str
@@ -271,6 +272,9 @@ def _verification_html(events: list[VerificationStatus]) -> str:
     for v in events[:40]:
         if v.kind == "punished":
             found = f"<b>punished</b>: {e(v.reason)}"
+        elif v.kind == "followed":  # a follower's exact rebuild (`psyche.coordinator.following`)
+            verdict = "the same, bit for bit" if v.matches else "<b>not the same</b>"
+            found = f"{e(v.by or '')} rebuilt its commitment: {verdict}"
         else:
             verdict = "matches" if v.matches else "<b>does not match</b>"
             found = f"{e(v.by or '')} recomputed it: {verdict} (score {_num(v.score, 3)})"

@@ -268,6 +268,7 @@ def local_run_state(
         "verification_percent": 0,
         "waiting_for_members_extra_time": 1,
         "verifiers_train": False,
+        "exact_verification_threads": 0,
     }
     unknown = set(config) - set(settings)
     if unknown:

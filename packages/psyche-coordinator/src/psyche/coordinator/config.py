@@ -72,6 +72,11 @@ class CoordinatorConfig:
     # the tie-breaker also train a share of the round's batch (`data_selection`) and recompute in
     # the round's idle time after it; off, they train nothing (the rule before it existed).
     verifiers_train: bool = dataclasses.field(default=False, metadata={"wire": False})
+    # A port extension (issue 27), in TOML and JSON only, carried as `verifiers_train` is: with
+    # `verification_percent > 0` and a count here, each trainer's followers rebuild its payload
+    # bit for bit (`psyche.coordinator.following`), every member computing with this many CPU
+    # intra-op threads (the determinism class). 0 (the default): off.
+    exact_verification_threads: U16 = dataclasses.field(default=0, metadata={"wire": False})
 
     def check_error(self) -> ConfigError | None:
         """Upstream's validation, in upstream's order; None when the config is valid."""

@@ -146,6 +146,8 @@ def read_toml(path: Path | str) -> dict[str, Any]:
 
 
 TOO_DEEP = "invalid TOML: arrays or tables nested too deeply"
+MAX_EXACT_VERIFICATION_THREADS = 1024
+"""The most CPU intra-op threads `config.exact_verification_threads` may name."""
 
 
 def load_run_config(path: Path | str) -> RunConfigFile:
@@ -229,6 +231,29 @@ def semantic_problems(config: CoordinatorConfig, model: Model) -> list[tuple[str
             (
                 "config.verification_percent",
                 f"must be at most 100, found {config.verification_percent}",
+            )
+        )
+    if config.exact_verification_threads and config.verification_percent == 0:
+        problems.append(
+            (
+                "config.exact_verification_threads",
+                "needs verification_percent > 0 (exact verification is a verifying run's)",
+            )
+        )
+    elif config.exact_verification_threads and config.min_clients < 3:
+        problems.append(
+            (
+                "config.exact_verification_threads",
+                f"needs min_clients >= 3 (two followers besides each trainer), found "
+                f"{config.min_clients}",
+            )
+        )
+    if not 0 <= config.exact_verification_threads <= MAX_EXACT_VERIFICATION_THREADS:
+        problems.append(
+            (
+                "config.exact_verification_threads",
+                f"must be 0 to {MAX_EXACT_VERIFICATION_THREADS}, found "
+                f"{config.exact_verification_threads}",
             )
         )
     if config.verifiers_train and config.verification_percent == 0:

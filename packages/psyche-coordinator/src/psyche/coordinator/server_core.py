@@ -59,6 +59,12 @@ from psyche.coordinator.committee_selection import CommitteeSelection
 from psyche.coordinator.coordinator import Coordinator
 from psyche.coordinator.data_selection import verification_duties_for_state
 from psyche.coordinator.errors import CoordinatorError, CoordinatorErrorKind, CoordinatorPanic
+from psyche.coordinator.following import (
+    RoundFollowing,
+    follow_duties,
+    followers_for_state,
+    is_follow_report,
+)
 from psyche.coordinator.model import Checkpoint
 from psyche.coordinator.resume import prepare_for_start, resume_snapshot
 from psyche.coordinator.run_state import (
@@ -102,8 +108,8 @@ VERIFICATION_LOG_LEN = 64
 
 @dataclass(frozen=True)
 class VerificationEvent:
-    """One thing verification did, for people: `kind` "verified" (a finding: `matches`, `score`),
-    or "punished" (`reason`)."""
+    """One thing verification did, for people: `kind` "verified" or "followed" (a verifier's or
+    a follower's finding: `matches`, `score`), or "punished" (`reason`)."""
 
     step: int
     kind: str
@@ -184,6 +190,8 @@ class ServerCore:
     _unheard: dict[NodeIdentity, tuple[int, Ban | None]] = field(default_factory=dict)
     # The verification reports of the latest rounds (by step) and what verification did.
     verification: dict[int, RoundVerification] = field(default_factory=dict)
+    # The follower reports of the latest rounds (`psyche.coordinator.following`), by step.
+    following: dict[int, RoundFollowing] = field(default_factory=dict)
     verification_log: deque[VerificationEvent] = field(
         default_factory=lambda: deque(maxlen=VERIFICATION_LOG_LEN)
     )
@@ -380,6 +388,8 @@ class ServerCore:
         if self._member(sender, "Verification") is None:
             return False
         self._record_duties()  # a round that started since the last tick (by a witness)
+        if is_follow_report(report):
+            return self._on_following(sender, report)
         record = self.verification.get(report.step)
         problem = (
             f"step {report.step} is not a recent verified round"
@@ -414,6 +424,46 @@ class ServerCore:
                     finding.batch_id,
                     report.step,
                     finding.score,
+                )
+        dropped = False
+        for resolution in record.resolve():
+            dropped |= self._punish(resolution)
+        return dropped
+
+    def _on_following(self, sender: NodeIdentity, report: VerificationReport) -> bool:
+        """A follower's exact findings (`psyche.coordinator.following`): kept once per sender and
+        round, only about trainers it follows; what two followers' words decide drops and bans
+        its loser. Not relayed (nobody arbitrates them later). Whether someone was dropped."""
+        record = self.following.get(report.step)
+        problem = (
+            f"step {report.step} is not a recent followed round"
+            if record is None
+            else record.add(sender, report)
+        )
+        if problem is not None or record is None:
+            self.rejected.note("Following", f"follower report from {sender} refused: {problem}")
+            return False
+        trainers = {d.batch_id: d.trainer for d in record.duties}
+        for finding in report.findings:
+            trainer = trainers[finding.batch_id]
+            self.verification_log.append(
+                VerificationEvent(
+                    report.step,
+                    "followed",
+                    trainer,
+                    sender,
+                    str(finding.batch_id),
+                    bool(finding.matches),
+                    float(finding.score),
+                )
+            )
+            if not finding.matches:
+                log.warning(
+                    "%s finds %s's commitment for %s at step %d is not its exact rebuild",
+                    sender,
+                    trainer,
+                    finding.batch_id,
+                    report.step,
                 )
         dropped = False
         for resolution in record.resolve():
@@ -463,6 +513,13 @@ class ServerCore:
         self.verification[step] = RoundVerification(duties)
         for old in sorted(self.verification)[:-VERIFIED_ROUNDS]:
             del self.verification[old]
+        following = followers_for_state(coordinator)
+        if following and duties.assigned:
+            self.following[step] = RoundFollowing(
+                step, follow_duties(following, dict(duties.assigned))
+            )
+            for old in sorted(self.following)[:-VERIFIED_ROUNDS]:
+                del self.following[old]
 
     def on_checkpoint(self, sender: NodeIdentity, checkpoint: Checkpoint) -> bool:
         """A member's new checkpoint; broadcast only when it changed the run's (upstream always

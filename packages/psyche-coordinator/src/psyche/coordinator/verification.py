@@ -56,6 +56,10 @@ Who loses (`resolve`): the tie-breakers decide, by majority of those that recomp
 (ties: no decision). A trainer whose result the tie-breakers found wrong loses; a verifier that
 accused a result the tie-breakers found right loses. A batch no tie-breaker reported on is not
 decided (nobody is punished on one client's word).
+
+This comparison is statistical (a trainer's payload carries optimizer state nobody else holds);
+exact verification, where each trainer's followers rebuild its commitment bit for bit, is
+`psyche.coordinator.following` (opt-in: `exact_verification_threads`).
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ from psyche.client.observe.logs import log_event
 from psyche.client.observe.stats import RunProgress, StatsLogger, progress_text
 from psyche.client.observe.telemetry import RoundClock, RoundReport, complete_report
 from psyche.client.observe.verification import VerificationTally
-from psyche.client.round import payloads, screening, verify, witness
+from psyche.client.round import follow, payloads, screening, verify, witness
 from psyche.client.round.apply import (
     ApplyError,
     ApplyJob,
@@ -71,8 +71,10 @@ from psyche.client.round.train import (
 from psyche.client.round.warmup import WarmupProgress, opportunistic_warmup_action
 from psyche.coordinator import Coordinator, RunState
 from psyche.coordinator.backend import HealthCheck, OpportunisticData
+from psyche.coordinator.following import exact_verification_on
 from psyche.coordinator.model import Checkpoint
 from psyche.coordinator.verification import VerificationReport
+from psyche.core.batch_id import BatchId
 from psyche.core.bloom import WitnessBloom
 from psyche.core.log_markers import IntegrationTestLogMarker
 from psyche.core.node_identity import NodeIdentity
@@ -199,6 +201,10 @@ class StepStateMachine:
         self.verification = VerificationTally()
         """This client's findings as a verifier or tie-breaker, until a progress line says them."""
         self.own_results_to_subtract: list[list[DistroResult]] = []
+        self.following = follow.Following()
+        """The trainers this client follows in the epoch (`round.follow`: exact verification)."""
+        self._fresh_epoch: int | None = None
+        """The epoch whose start reset this trainer's own state (exact verification)."""
         self.held: verify.HeldRound | None = None
         """A tie-breaker's saved round (`round.verify`): its disputes are recomputed next round."""
         """What this client last sent (unquantized) and its DisTrO momentum has not yet had taken
@@ -530,6 +536,9 @@ class StepStateMachine:
         # a round without training (an epoch's last two) keeps what is owed, as one without a
         # batch does: before, its own results of the round before were lost
         owed = self._own_results_for_training(plan)
+        fresh, follow_job = self._plan_following(state)
+        if fresh:  # an epoch's start in an exactly verified run: nothing owed, a fresh state
+            owed, self.own_results_to_subtract = [], []
         train_job = None
         if plan.have_training:
             self.momentum_rounds += 1
@@ -558,7 +567,23 @@ class StepStateMachine:
         held, self.held = self.held, None
         if held is not None and held.job.step != state.progress.step - 1:
             held = None
-        self.tasks.start_soon(self._run_round, handle, apply_job, train_job, verify_job, held)
+        self.tasks.start_soon(
+            self._run_round, handle, apply_job, train_job, verify_job, held, follow_job, fresh
+        )
+
+    def _plan_following(self, state: Coordinator) -> tuple[bool, follow.FollowJob | None]:
+        """Exact verification (`round.follow`): whether this round starts this client's epoch
+        (its own state is reset), and which trainers' batches it follows this round."""
+        if not exact_verification_on(state):
+            return False, None
+        follow.use_run_threads(state)
+        epoch = int(state.progress.epoch)
+        fresh = self._fresh_epoch != epoch
+        self._fresh_epoch = epoch
+        self.following.start_epoch(state, self.identity, self.trainer)
+        if state.epoch_state.last_step_set():
+            return fresh, None
+        return fresh, self.following.plan(state, self.identity)
 
     async def _compare_and_report(
         self,
@@ -587,6 +612,8 @@ class StepStateMachine:
         train_job: TrainJob | None,
         verify_job: verify.VerifyJob | None = None,
         held: verify.HeldRound | None = None,
+        follow_job: follow.FollowJob | None = None,
+        fresh: bool = False,
     ) -> None:
         """The round's training step; evaluations give the model back first and take it
         again once the step is done (the trainer is idle until the next round). Right after
@@ -595,7 +622,21 @@ class StepStateMachine:
         its duties; each compares on its own afterwards (`round.verify`)."""
         if self.evals is not None:
             await self.evals.stop()
+        if fresh:  # before anything trains this epoch (`round.follow`)
+            await trio.to_thread.run_sync(follow.reset_own_state, self.trainer)
         recomputed, disputed = verify.Recomputations(), verify.Recomputations()
+        rebuilt: dict[BatchId, bytes] = {}
+        follow_round = None
+        if follow_job is not None and self.fetcher is not None:
+            follow_fetcher, job = self.fetcher, follow_job
+
+            async def follow_round() -> None:
+                rebuilt.update(
+                    await follow.follow_round(
+                        handle, self.trainer, job, self.following, follow_fetcher
+                    )
+                )
+
         dispute_job: verify.VerifyJob | None = None
         round_state = self.current
         recompute = None
@@ -650,6 +691,7 @@ class StepStateMachine:
             verify_last=config.verifiers_train
             and train_job is not None
             and bool(train_job.assigned_batches),
+            follow=follow_round,
         )
         config = self.coordinator_state.config
         deadline = trio.current_time() + config.max_round_train_time + config.round_witness_time
@@ -657,6 +699,21 @@ class StepStateMachine:
             self.tasks.start_soon(
                 self._compare_and_report, verify_job, recomputed, round_state, deadline
             )
+        if follow_job is not None:
+            for duty in follow_job.duties:
+                if duty.batch_id not in rebuilt:  # not followed (the step failed first, ...)
+                    why = f"its batch of step {follow_job.step} was not followed"
+                    self.following.drop(duty.trainer, why)
+            if rebuilt:
+                self.tasks.start_soon(
+                    follow.compare_and_report,
+                    follow_job,
+                    rebuilt,
+                    self.following,
+                    round_state,
+                    deadline,
+                    self.io.send_verification,
+                )
         if held is not None and dispute_job is not None and disputed.domains:
             self.tasks.start_soon(
                 self._compare_and_report, dispute_job, disputed, held.round_state, deadline

@@ -276,12 +276,14 @@ async def run_round(
     verify: Callable[[], Awaitable[None]] | None = None,
     *,
     verify_last: bool = False,
+    follow: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
     """The body of a training step: apply (if due), then `verify` (a verifier's or
     tie-breaker's recompute, `round.verify`: it needs the weights the round trains from), then
     train each assigned batch and publish its result (with `verify_last`, a run whose verifiers
     train too, `verify` comes here instead: `train_exact` leaves the round's weights, so its own
-    result is not held back by its checks), then the step's weight decay
+    result is not held back by its checks), then `follow` (a follower's rebuilds of the trainers
+    it follows, `round.follow`: the round's weights too), then the step's weight decay
     (`Trainer.decay_weights`, on every client whatever it trained). Stores the outcome in `handle`; never
     raises into the nursery."""
     start = time.monotonic()
@@ -303,6 +305,8 @@ async def run_round(
                     await _train_one(handle, trainer, train_job, batch_id, batch, finished, publish)
         if verify is not None and verify_last:
             await verify()
+        if follow is not None:
+            await follow()
         if train_job is not None:
             # the step's weight decay, on every client of a round that trains, however many of
             # its batches this one trained (none, as a verifier; cancelled): the same bits

@@ -1,0 +1,265 @@
+"""Exact verification (issue 27): followers that rebuild a trainer's payload bit for bit, what
+they report and who loses. Pure rules, shared by the server (and anyone who checks it).
+
+Why followers. A trainer's payload is not a function of the round alone: DisTrO's carries the
+trainer's momentum, DiLoCo's its inner AdamW and residual, none of it published. So a round's
+verifier (`psyche.coordinator.verification`) can only compare statistically, and a lie smaller
+than honest results vary (a bias of 1 % of the update's norm in a fixed direction) passes. A
+client that holds the trainer's own state from the moment it starts can keep it itself and
+rebuild the payload bit for bit (`psyche.modeling.verification.Shadow` / `follow`): that client
+is the trainer's **follower**. It must see every round the trainer trains, from the first.
+
+When a trainer's state starts. With `CoordinatorConfig.exact_verification_threads > 0` (and
+`verification_percent > 0`) every member starts each epoch from a fresh own optimizer state
+(DisTrO momentum zero and nothing owed; a fresh DiLoCo inner AdamW, no residual: the client swaps
+`Trainer.fresh_own_state` in at the epoch's first round), so a follower assigned at an epoch's
+start knows the state of each trainer it follows. The cost to training is one momentum restart
+per epoch (upstream restarts it at a cold start's first round).
+
+Who follows whom (`followers`): fixed for an epoch, from values anyone can check: the epoch's
+members (the current clients and those that left during the epoch, `exited_clients`: the same
+set at every round of the epoch), sorted by key and shuffled with a seed from the run's id and
+the epoch number (`FOLLOW_SALT`); in that ring each member is followed by the next
+`FOLLOWERS_PER_TRAINER` (2, fewer only in an epoch of fewer members), so each member also
+follows two. Every round a trainer trains (one batch: `data_selection` gives each trainer one
+slice) its followers advance their shadow of it (`follow_duties`), whatever their own role.
+
+Exactness needs one determinism class: the same device kind and dtype and, on the CPU, the same
+intra-op thread count (a 20M Llama's gradients differ in the last bits between 1 and 2 threads).
+The run fixes the count (`exact_verification_threads`: the client sets torch's intra-op threads
+to it). A client that cannot compute in the run's class (not on the CPU) follows nobody: its
+duties as a round's verifier stay statistical. A follower that misses one of a trainer's rounds
+(its batch not fetched, the round cut, the payload never announced) cannot rebuild the rest of
+the epoch and stops reporting on it (statistical verification goes on).
+
+What a follower reports (`FollowReport`): a `VerificationReport` whose draw is `FOLLOW_DRAW`
+(64 bytes 0xff: never an Ed25519 signature, its scalar is above the group order), one per sender
+and round, one `Finding` per batch it followed: `matches` whether the trainer's commitment is
+the shadow's (`Commitment.data_hash`, the payload's `compute_hash`: every bit of its step, batch
+and results), `score` 0 when they match and 1 when they differ (a follower compares hashes: it
+does not download the payload to count bits).
+The centralized protocol carries it as a verification report (no new message), and the server
+keeps it apart from the round's verifier reports (`RoundFollowing`) and does not relay it.
+
+Who loses (`resolve_following`), per followed batch, with `MIN_FOLLOWER_WORDS` (2): nobody is
+punished on one word. If at least two followers found the commitment differs and they outnumber
+those that found it equal, the trainer loses, with any follower that vouched for it; if at least
+two found it equal and outnumber the accusers, the accusers lose. With two followers (every
+epoch of three members or more), a lying trainer needs both honest followers' words, which it
+gets in its first lying round; a single lying follower (1 against 1) decides nothing, and its
+false accusations cost nobody anything.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from psyche.coordinator.coordinator import Coordinator
+from psyche.coordinator.verification import (
+    Finding,
+    Resolution,
+    VerificationDuty,
+    VerificationReport,
+)
+from psyche.core.batch_id import BatchId
+from psyche.core.deterministic_shuffle import deterministic_shuffle
+from psyche.core.identity import SIGNATURE_LEN
+from psyche.core.node_identity import NodeIdentity
+from psyche.core.sha256 import sha256v
+
+FOLLOW_SALT = b"psyche-following"
+FOLLOWERS_PER_TRAINER = 2
+"""Followers each trainer has in an epoch of more than two members (two words decide)."""
+MIN_FOLLOWER_WORDS = 2
+"""Findings on one side that a decision needs (nobody loses on one follower's word)."""
+FOLLOW_DRAW = b"\xff" * SIGNATURE_LEN
+"""The draw of a follower's report: no Ed25519 signature (its scalar is not below the order)."""
+
+FollowReport = VerificationReport
+"""A follower's report: a `VerificationReport` whose draw is `FOLLOW_DRAW`."""
+
+
+def is_follow_report(report: VerificationReport) -> bool:
+    return bytes(report.draw) == FOLLOW_DRAW
+
+
+def exact_verification_on(coordinator: Coordinator) -> bool:
+    """Whether the run verifies exactly (followers), by its config."""
+    config = coordinator.config
+    return config.verification_percent != 0 and config.exact_verification_threads > 0
+
+
+def follow_seed(run_id: str, epoch: int) -> int:
+    """The u64 that orders an epoch's members into the followers' ring."""
+    name = run_id.encode()
+    parts = (len(name).to_bytes(4, "little"), name, epoch.to_bytes(8, "little"), FOLLOW_SALT)
+    return int.from_bytes(sha256v(parts)[:8], "little")
+
+
+def followers(
+    run_id: str,
+    epoch: int,
+    members: Iterable[NodeIdentity],
+    per_trainer: int = FOLLOWERS_PER_TRAINER,
+) -> dict[NodeIdentity, tuple[NodeIdentity, ...]]:
+    """Each member's followers in epoch `epoch` of run `run_id` (see the module docstring): the
+    next `per_trainer` members after it in the epoch's ring (fewer in a smaller epoch; none
+    alone). The order of `members` does not matter."""
+    ring = sorted(set(members), key=lambda node: bytes(node.signer))
+    deterministic_shuffle(ring, follow_seed(run_id, epoch))
+    count = min(per_trainer, len(ring) - 1)
+    return {
+        node: tuple(ring[(i + k) % len(ring)] for k in range(1, count + 1))
+        for i, node in enumerate(ring)
+    }
+
+
+def epoch_members(coordinator: Coordinator) -> list[NodeIdentity]:
+    """The epoch's members: its clients now and those that left it (the same at every round)."""
+    state = coordinator.epoch_state
+    return [c.id for c in (*state.clients, *state.exited_clients)]
+
+
+def followers_for_state(coordinator: Coordinator) -> dict[NodeIdentity, tuple[NodeIdentity, ...]]:
+    """The current epoch's followers (empty unless the run verifies exactly)."""
+    if not exact_verification_on(coordinator):
+        return {}
+    return followers(coordinator.run_id, coordinator.progress.epoch, epoch_members(coordinator))
+
+
+def follow_duties(
+    following: Mapping[NodeIdentity, Sequence[NodeIdentity]],
+    assignments: Mapping[BatchId, NodeIdentity],
+) -> tuple[VerificationDuty, ...]:
+    """Every follower's duty in a round (by batch, ascending; its followers in ring order): for each batch, each of its trainer's
+    followers (the duty's `verifier`) advances its shadow and compares."""
+    return tuple(
+        VerificationDuty(batch, trainer, follower)
+        for batch, trainer in sorted(assignments.items())
+        for follower in following.get(trainer, ())
+    )
+
+
+def check_follow_report(
+    step: int,
+    duties: Sequence[VerificationDuty],
+    sender: NodeIdentity,
+    report: VerificationReport,
+) -> str | None:
+    """Why a follower's `report` is refused, or None: about round `step`, only batches whose
+    trainer `sender` follows, each once, finite scores."""
+    if not is_follow_report(report):
+        return "not a follower's report"
+    if report.step != step:
+        return f"about step {report.step}, not {step}"
+    own = {d.batch_id for d in duties if d.verifier == sender}
+    if not own:
+        return f"{sender} follows no trainer of step {step}"
+    seen: set[BatchId] = set()
+    for finding in report.findings:
+        if finding.batch_id not in own:
+            return f"names {finding.batch_id}, whose trainer it does not follow"
+        if finding.batch_id in seen:
+            return f"names {finding.batch_id} twice"
+        if not math.isfinite(finding.score):
+            return f"a non-finite score for {finding.batch_id}"
+        seen.add(finding.batch_id)
+    return None
+
+
+def resolve_following(
+    step: int,
+    duties: Sequence[VerificationDuty],
+    reports: Iterable[tuple[NodeIdentity, VerificationReport]],
+) -> list[Resolution]:
+    """Who loses, from checked follower reports (see the module docstring), by batch."""
+    trainer_of = {d.batch_id: d.trainer for d in duties}
+    words: dict[BatchId, list[tuple[NodeIdentity, Finding]]] = {}
+    for sender, report in reports:
+        for finding in report.findings:
+            words.setdefault(finding.batch_id, []).append((sender, finding))
+    out: list[Resolution] = []
+    for batch in sorted(words):
+        said = words[batch]
+        wrong = [(s, f) for s, f in said if not f.matches]
+        right = [(s, f) for s, f in said if f.matches]
+        trainer = trainer_of[batch]
+        if len(wrong) >= MIN_FOLLOWER_WORDS and len(wrong) > len(right):
+            out.append(
+                Resolution(
+                    step,
+                    batch,
+                    trainer,
+                    "trainer",
+                    f"its commitment for {batch} at step {step} is not what {len(wrong)} of "
+                    f"{len(said)} followers rebuilt bit for bit",
+                )
+            )
+            losers, side = right, "vouched for"
+        elif len(right) >= MIN_FOLLOWER_WORDS and len(right) > len(wrong):
+            losers, side = wrong, "accused"
+        else:
+            continue
+        for follower, _ in losers:
+            out.append(
+                Resolution(
+                    step,
+                    batch,
+                    follower,
+                    "follower",
+                    f"it {side} {trainer}'s commitment for {batch} at step {step} against "
+                    f"{max(len(wrong), len(right))} of {len(said)} followers' exact rebuilds",
+                )
+            )
+    return out
+
+
+@dataclass
+class RoundFollowing:
+    """The follower reports of one round received so far (one per sender), and what was
+    decided; `duties` from `follow_duties` when the round started."""
+
+    step: int
+    duties: tuple[VerificationDuty, ...]
+    reports: dict[NodeIdentity, VerificationReport] = field(default_factory=dict)
+    decided: set[tuple[BatchId, NodeIdentity]] = field(default_factory=set)
+
+    def add(self, sender: NodeIdentity, report: VerificationReport) -> str | None:
+        """Record `report`; why it is refused (a second one, `check_follow_report`), or None."""
+        if sender in self.reports:
+            return "a second follower report for the round"
+        problem = check_follow_report(self.step, self.duties, sender, report)
+        if problem is None:
+            self.reports[sender] = report
+        return problem
+
+    def resolve(self) -> list[Resolution]:
+        """The decisions the reports so far allow that were not made before."""
+        new = [
+            r
+            for r in resolve_following(self.step, self.duties, self.reports.items())
+            if (r.batch_id, r.loser) not in self.decided
+        ]
+        self.decided.update((r.batch_id, r.loser) for r in new)
+        return new
+
+
+__all__ = [
+    "FOLLOWERS_PER_TRAINER",
+    "FOLLOW_DRAW",
+    "FOLLOW_SALT",
+    "MIN_FOLLOWER_WORDS",
+    "FollowReport",
+    "RoundFollowing",
+    "check_follow_report",
+    "epoch_members",
+    "exact_verification_on",
+    "follow_duties",
+    "follow_seed",
+    "followers",
+    "followers_for_state",
+    "is_follow_report",
+    "resolve_following",
+]
