@@ -3,8 +3,10 @@
 `Ed25519SigVerify` instruction names a signature that does not verify fails with the runtime's
 `InstructionError(index, Custom(PrecompileError))` and pays its fee; one that verifies passes,
 its offsets read wherever they point (its own data or another instruction's); the sysvar's bytes
-are the documented layout and read back instruction by instruction. The coordinator program's
-use of it: tests/solana/test_verification.py (a drawn report)."""
+are the documented layout and read back instruction by instruction; each signature is checked
+with ed25519-dalek's `verify_strict`, as agave's precompile does (small-order keys and `R`,
+non-canonical `S` and `R` refused, on real vectors). The coordinator program's use of it:
+tests/solana/test_verification.py (a drawn report)."""
 
 from __future__ import annotations
 
@@ -36,6 +38,15 @@ from psyche.solana.instructions.ed25519 import (
     serialize_instructions,
     signed_messages,
     verify_ed25519_instruction,
+)
+from psyche.solana.instructions.ed25519_strict import (
+    IDENTITY,
+    L,
+    P,
+    compress,
+    decompress,
+    is_small_order,
+    verify_strict,
 )
 from psyche.solana.localnet.ledger import LAMPORTS_PER_SIGNATURE, Ledger, message_fee
 
@@ -206,3 +217,138 @@ def test_any_precompile_data_gives_its_signatures_or_an_error_never_a_crash(
     for entry in found:
         assert len(entry.public_key) == 32
         assert len(entry.signature) == 64
+
+
+# ---------------------------------------------------------------------------------------------
+# verify_strict: agave's precompile runs ed25519-dalek's `verify_strict` on every signature
+
+
+def _double(point: tuple[int, int]) -> tuple[int, int]:
+    """Twisted Edwards doubling (a = -1), written out here to check the module's torsion set
+    independently of it."""
+    x, y = point
+    d = -121665 * pow(121666, P - 2, P) % P
+    t = d * x * x * y * y % P
+    return (2 * x * y * pow(1 + t, P - 2, P) % P, (y * y + x * x) * pow(1 - t, P - 2, P) % P)
+
+
+def small_order_encodings() -> list[bytes]:
+    """The canonical encodings of the 8 points of order dividing 8: y = 1 (the identity),
+    y = -1 (order 2), y = 0 (order 4, both x) and the four of order 8 (the points whose double
+    has y = 0), each checked to be a curve point that 8 multiplies to the identity."""
+    order_4 = [decompress(compress((0, 0))), decompress(compress((1, 0)))]
+    out = {compress(IDENTITY), compress((0, P - 1))}
+    out |= {compress(p) for p in order_4 if p is not None}
+    # the four of order 8: y with d·y⁴ + 2·y² - 1 = 0, searched among the curve's points whose
+    # double is of order 4 (both roots y² are tried; each y gives two x)
+    d = -121665 * pow(121666, P - 2, P) % P
+    for sign in (1, -1):
+        s = pow((1 + d) % P, (P + 3) // 8, P)
+        if (s * s - (1 + d)) % P:
+            s = s * pow(2, (P - 1) // 4, P) % P
+        y2 = (-1 + sign * s) * pow(d, P - 2, P) % P
+        y = pow(y2, (P + 3) // 8, P)
+        if (y * y - y2) % P:
+            y = y * pow(2, (P - 1) // 4, P) % P
+        if (y * y - y2) % P:
+            continue
+        for yy in (y, P - y):
+            for bit in (0, 1):
+                point = decompress((yy | (bit << 255)).to_bytes(32, "little"))
+                assert point is not None
+                out.add(compress(point))
+    encodings = sorted(out)
+    assert len(encodings) == 8
+    for e in encodings:
+        point = decompress(e)
+        assert point is not None
+        for _ in range(3):
+            point = _double(point)
+        assert point == IDENTITY, e.hex()
+    return encodings
+
+
+SMALL_ORDER = small_order_encodings()
+IDENTITY_R_ZERO_S = compress(IDENTITY) + bytes(32)
+"""A "signature" (R = identity, S = 0): [0]B = R + [k]A holds whenever [k]A is the identity,
+for every message under the identity key, for a message in 2 under the key of order 2, 4 under those of order 4, 8 under those of
+order 8 (k ≡ 0 mod the order)."""
+MESSAGES = [b"draw %d" % i for i in range(64)]
+# C2SP CCTV ed25519 vector 5 (as agave's `test_ed25519_malleability`): R = 0, of order 4
+CCTV_KEY = bytes.fromhex("10eb7c3acfb2bed3e0d6ab89bf5a3d6afddd1176ce4812e38d9fd485058fdb1f")
+CCTV_SIGNATURE = bytes.fromhex(
+    "0000000000000000000000000000000000000000000000000000000000000000"
+    "9472a69cd9a701a50d130ed52189e2455b23767db52cacb8716fb896ffeeac09"
+)
+CCTV_MESSAGE = b"ed25519vectors 3"
+
+
+def test_verify_strict_refuses_small_order_keys_and_r_and_non_canonical_s_on_real_vectors() -> None:
+    """The forgeries plain RFC 8032 verification (OpenSSL's, `verify_signature`) accepts and
+    dalek's `verify_strict` refuses: under each of the 8 small-order keys, (R = identity, S = 0)
+    verifies for some of 64 messages (for all under the identity key); CCTV vector 5's R is of
+    small order. S + L (the same signature with a non-canonical scalar) is refused by both, a
+    valid signature accepted by both. The refusals are checked on the decompressed points: a
+    small-order key or R is refused whatever its encoding (here its canonical one and, for y = 0
+    and y = 1, y + p)."""
+    messages = MESSAGES
+    for key in SMALL_ORDER:
+        point = decompress(key)
+        assert point is not None
+        assert is_small_order(point)
+        plain = [verify_signature(key, m, IDENTITY_R_ZERO_S) for m in messages]
+        assert any(plain), key.hex()  # a real forgery under OpenSSL's rules
+        assert not any(verify_strict(key, m, IDENTITY_R_ZERO_S) for m in messages), key.hex()
+    identity_key = compress(IDENTITY)
+    assert all(verify_signature(identity_key, m, IDENTITY_R_ZERO_S) for m in messages)
+    for y in (0, 1):  # non-canonical encodings (y + p) of small-order points decompress too
+        noncanonical = (y + P).to_bytes(32, "little")
+        point = decompress(noncanonical)
+        assert point is not None
+        assert is_small_order(point)
+        assert not verify_strict(noncanonical, messages[0], IDENTITY_R_ZERO_S)
+
+    assert verify_signature(CCTV_KEY, CCTV_MESSAGE, CCTV_SIGNATURE)
+    assert not is_small_order(decompress(CCTV_KEY) or IDENTITY)
+    assert not verify_strict(CCTV_KEY, CCTV_MESSAGE, CCTV_SIGNATURE)
+
+    signature = KEY.sign(MESSAGE)
+    s = int.from_bytes(signature[32:], "little")
+    assert s < L
+    high_s = signature[:32] + (s + L).to_bytes(32, "little")
+    assert not verify_signature(KEY.public_key, MESSAGE, high_s)
+    assert not verify_strict(KEY.public_key, MESSAGE, high_s)
+    assert verify_signature(KEY.public_key, MESSAGE, signature)
+    assert verify_strict(KEY.public_key, MESSAGE, signature)
+    # random honest keys: strict and plain agree
+    for i in range(8):
+        key = SecretKey.from_bytes(bytes([i + 1]) * 32)
+        assert verify_strict(key.public_key, MESSAGE, key.sign(MESSAGE))
+        assert not verify_strict(key.public_key, MESSAGE + b"x", key.sign(MESSAGE))
+
+
+def test_the_precompile_refuses_what_verify_strict_refuses_with_agaves_invalid_signature() -> None:
+    """Through the local endpoint's runtime: a precompile naming a small-order key (each of the
+    8) with the (identity, 0) signature that key "signs" a message with, the CCTV small-order-R
+    vector or a signature with S + L fails the transaction with
+    `InstructionError(0, Custom(InvalidSignature))` (agave: `VerifyingKey::from_bytes` passes a
+    small-order key, `verify_strict` refuses, mapped to `InvalidSignature`); the valid one
+    passes."""
+    ledger = Ledger(with_psyche_programs=False)
+    payer = Keypair()
+    ledger.airdrop(payer.pubkey(), 10**9)
+    cases = []
+    for key in SMALL_ORDER:
+        message = next(
+            m for m in MESSAGES if verify_signature(key, m, IDENTITY_R_ZERO_S)
+        )  # fmt: skip
+        cases.append(new_ed25519_instruction(key, message, IDENTITY_R_ZERO_S))
+    cases.append(new_ed25519_instruction(CCTV_KEY, CCTV_MESSAGE, CCTV_SIGNATURE))
+    signature = KEY.sign(MESSAGE)
+    s = int.from_bytes(signature[32:], "little")
+    high_s = signature[:32] + (s + L).to_bytes(32, "little")
+    cases.append(new_ed25519_instruction(KEY.public_key, MESSAGE, high_s))
+    invalid = {"InstructionError": [0, {"Custom": int(PrecompileError.InvalidSignature)}]}
+    for instruction in cases:
+        assert run(ledger, payer, [instruction]) == invalid, bytes(instruction.data).hex()
+    assert run(ledger, payer, [new_ed25519_instruction(KEY.public_key, MESSAGE, signature)]) is None

@@ -38,8 +38,10 @@ from psyche.solana.instructions import coordinator as coordinator_ix
 from psyche.solana.instructions.ed25519 import (
     ED25519_PROGRAM,
     Ed25519SignatureOffsets,
+    PrecompileError,
     new_ed25519_instruction,
 )
+from psyche.solana.instructions.ed25519_strict import IDENTITY, compress
 from psyche.solana.keypair import derive_p2p_secret_key
 from psyche.solana.verification import verification_to_json
 
@@ -47,6 +49,7 @@ from ..polling import poll_until
 from .scripted import (
     RUN_ID,
     Driver,
+    ScriptedClient,
     make_backend,
 )
 from .support import VerifiedRun, error_text, verification_state, verified_run
@@ -254,8 +257,14 @@ def test_a_disputed_result_is_decided_by_the_tie_breaker_and_the_loser_slashed(
             for round_json in dumped["rounds"]:
                 roles = {d["role"] for d in round_json["duties"]}
                 assert roles <= {"verifier", "tie_breaker"}
-            slashed_json = json.loads(out)["coordinator_account"]["clients"][key(hostile)]
-            assert slashed_json["slashed"] == SLASHING_RATE
+            clients_json = json.loads(out)["coordinator_account"]["clients"]
+            assert clients_json[key(hostile)]["slashed"] == SLASHING_RATE
+            assert clients_json[key(hostile)]["earned"] == 0
+            # the members that found it out, credited with the slashed points
+            for credited in (verifier, tie_breaker):
+                assert clients_json[key(credited)]["earned"] == share + SLASHING_RATE // 2
+                assert clients_json[key(credited)]["slashed"] == 0
+            assert punished_json["credit_each"] == SLASHING_RATE // 2
             nursery.cancel_scope.cancel()
 
     trio.run(main)
@@ -462,6 +471,75 @@ def test_a_drawn_report_is_kept_with_its_draw_and_a_replayed_draw_is_refused(
             async with run.followed(nursery) as driver:
                 await driver.run_epoch(5, between_rounds=once)
             assert checked, "no round to check"
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+SMALL_ORDER_KEY = compress(IDENTITY)
+"""A p2p key of small order (the identity's encoding): under it (R = identity, S = 0) passes
+RFC 8032's cofactorless check for every message, so its holder could "sign" any draw."""
+
+
+class SmallOrderKeyMember(ScriptedClient):
+    """A member that joined with `SMALL_ORDER_KEY` as its p2p identity (the program takes any
+    32 bytes)."""
+
+    @property
+    def identity(self) -> NodeIdentity:
+        return NodeIdentity(bytes(self.backend.get_payer()), SMALL_ORDER_KEY)
+
+
+def test_a_draw_under_a_small_order_key_is_refused_by_the_precompile() -> None:
+    """A verifier whose p2p key is of small order sends the draw of its choice (R = identity,
+    S = 0, which RFC 8032 verification accepts under that key for any message) with the
+    precompile naming its key and this round's draw message, as the program requires: the
+    runtime fails the transaction with agave's `InvalidSignature` (`verify_strict` refuses a
+    small-order key), and the verification account is unchanged. Before, the emulation verified
+    with plain RFC 8032 and the program kept the forged draw."""
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            run = await verified_run(nursery, "abcde")
+            hostile = SmallOrderKeyMember("x", run.clients[0].backend)
+            run.clients[0] = hostile
+            checked: list[int] = []
+
+            async def once(d: Driver) -> None:
+                if checked:
+                    return
+                step, duties = await run.this_round(d)
+                v = next(
+                    (x.verifier for x in duties.verifiers
+                     if x.verifier.signer == hostile.identity.signer),
+                    None,
+                )  # fmt: skip
+                if v is None:
+                    return  # not a verifier this round
+                assert v.p2p_identity == SMALL_ORDER_KEY
+                message = duties.draw_message(v)
+                forged_draw = SMALL_ORDER_KEY + bytes(32)
+                drawn = draw_batches(duties.pool(v), forged_draw)
+                report = VerificationReport(
+                    step, [Finding(x.batch_id, False, 40.0) for x in drawn], forged_draw
+                )
+                before = await run.owner.get_data(
+                    pda.find_run_verification(run.account, run.owner.ids)
+                )
+                error = await refused(
+                    hostile.backend, run.account, report, (SMALL_ORDER_KEY, message)
+                )
+                code = int(PrecompileError.InvalidSignature)
+                assert f"custom program error: 0x{code:x}" in error
+                after = await run.owner.get_data(
+                    pda.find_run_verification(run.account, run.owner.ids)
+                )
+                assert after == before
+                checked.append(step)
+
+            async with run.followed(nursery) as driver:
+                await driver.run_epoch(5, between_rounds=once)
+            assert checked, "the small-order member was no verifier in the epoch"
             nursery.cancel_scope.cancel()
 
     trio.run(main)

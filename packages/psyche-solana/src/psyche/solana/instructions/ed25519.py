@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from solders.instruction import AccountMeta, Instruction
 from solders.pubkey import Pubkey
 
+from psyche.solana.instructions.ed25519_strict import is_ed25519_point
 from psyche.solana.program_ids import ED25519_PROGRAM_ID, SYSVAR_INSTRUCTIONS_ID
 
 ED25519_PROGRAM = Pubkey.from_string(ED25519_PROGRAM_ID)
@@ -135,23 +136,6 @@ class SignedMessage:
     public_key: bytes
     message: bytes
     signature: bytes
-
-
-_P = 2**255 - 19
-_D = -121665 * pow(121666, _P - 2, _P) % _P
-
-
-def is_ed25519_point(public_key: bytes) -> bool:
-    """Whether 32 bytes decompress to a point of the curve (ed25519-dalek's
-    `VerifyingKey::from_bytes`, which the precompile fails with `InvalidPublicKey`): the
-    y coordinate (the low 255 bits, reduced) has an x with x² = (y² - 1) / (d·y² + 1). As dalek,
-    the sign bit is not checked against x = 0 and a non-canonical y is reduced; small-order keys
-    decompress (`verify_strict` refuses their signatures)."""
-    y = int.from_bytes(public_key, "little") & ((1 << 255) - 1)
-    y2 = y * y % _P
-    u, v = (y2 - 1) % _P, (_D * y2 + 1) % _P  # v is never 0: -1/d is not a square
-    x2 = u * pow(v, _P - 2, _P) % _P
-    return x2 == 0 or pow(x2, (_P - 1) // 2, _P) == 1
 
 
 def _entry(
