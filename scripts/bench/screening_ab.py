@@ -4,8 +4,10 @@ checking the same results of the same rounds (their order alternating), beside t
 training and apply measured in the same run (CPU time of the process: on a loaded machine wall
 time measures the neighbours).
 
-One witness of `--clients` (its own update, `clients - 1` checks of the peer's result, the round
-closed), 20M Llama, DisTrO c16 k8, 3 rows of 128 tokens per client per round, the configs'
+One witness of `--clients` (its own update, `clients - 1` checks of the peer's result, each
+sender's with a tenth of its signs flipped (`_variant`: no copies), the votes
+settled as the client casts them, `RoundScreen.settle`: a round's held checks judged as a whole,
+the round closed), 20M Llama, DisTrO c16 k8, 3 rows of 128 tokens per client per round, the configs'
 `Trainer`s (scripts/bench/poison.py's cost rounds). Prints each module's median checks a round
 as a share of the round's training and apply, their ratio, and each round's `t` and verdict from
 both (the change may move low bits of `t`; the verdicts should match), and what a witness's
@@ -62,6 +64,20 @@ def _module_at(revision: str, folder: Path) -> ModuleType:
     return module
 
 
+def _variant(results: list[DistroResult], seed: int) -> list[DistroResult]:
+    """The peer's result with a tenth of its signs flipped (seeded): one result per sender
+    that is no copy of another (the copy check would refuse the same result sent twice, and a
+    round's judgement sums only results that passed), as cheap to make as a copy."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for r in results:
+        v = r.sparse_val
+        flip = torch.rand(v.shape, generator=g) < 0.1
+        val = v ^ flip if v.dtype == torch.bool else torch.where(flip, -v, v)
+        out.append(dataclasses.replace(r, sparse_val=val))
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--baseline", default="HEAD", help="git revision of the module to compare with")
@@ -104,6 +120,7 @@ def run(
     for step in range(1, rounds + 1):
         seconds, reference, sent = poison.cost_round((own, peer), data, rows, step, prev)
         train.append(seconds)
+        peers = [sent[1], *(_variant(sent[1], step * clients + k) for k in range(2, clients))]
         seen = {}
         for name in sorted(modules, reverse=step % 2 == 0):
             m = modules[name]
@@ -115,7 +132,9 @@ def run(
             rnd.set_reference(
                 m.Reference(**{k: v for k, v in vars(reference).items() if k in fields}), sent[0]
             )
-            got = [rnd.check(sender, sent[1]) for sender in range(1, clients)]
+            checked = {sender: rnd.check(sender, peers[sender - 1]) for sender in range(1, clients)}
+            # the votes as the client casts them: held ones by the round's judgement
+            got = list(rnd.settle(checked).values())
             rnd.close()
             checks[name].append(time.process_time() - t)
             if profiler is not None:

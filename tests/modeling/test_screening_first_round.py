@@ -71,7 +71,11 @@ def _first_round(held_consensus: Literal["refuses"] | None) -> dict[int, dict[in
     received = [
         trainers[0].results_from_payload(decode_transmittable(p.payload.to_bytes())) for p in sent
     ]
-    settings = dataclasses.replace(DISTRO_SCREENING, held_consensus=held_consensus)
+    # the control without the consensus turns off both tests that read it
+    outlier = DISTRO_SCREENING.consensus_outlier if held_consensus else None
+    settings = dataclasses.replace(
+        DISTRO_SCREENING, held_consensus=held_consensus, consensus_outlier=outlier
+    )
     verdicts = {}
     for w in range(MEMBERS):
         if w == HOSTILE:

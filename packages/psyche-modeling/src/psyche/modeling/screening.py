@@ -69,6 +69,16 @@ DiLoCo the own update's agreement tests refuse only where the consensus agrees (
 pseudo-gradient at `t` -2.39 and -6.36 along one witness's, 35 and more along the consensus:
 `WitnessScreen._consensus_confirms`).
 
+A DisTrO witness with an update of its own holds its votes in every round, not only its first
+(`consensus_outlier`): once the round's results are in, each that passed its checks is read
+along the sum of the others that passed and the witness's own sent one, and one whose two
+`t`s are both well under the others' (weighed by their lower medians:
+`WitnessScreen._outlier_problem`) is refused. Random signs on honest positions and a push in
+one fixed direction carry nothing along either, and the own update's tests alone passed them
+where a round's honest results agreed only moderately (a four-member run: applied in every
+round). The sum is taken window by window of the domain, not model-sized
+(`_windowed_agreements`).
+
 Every sum is taken in slices below torch's threading grain and added in order
 (`_serial_sums`), so two witnesses with the same inputs get the same bits of every statistic
 whatever their thread counts.
@@ -168,6 +178,13 @@ class ScreeningSettings:
     -2.39 where the round's median was 23.3, refused in an eight-member run). A sparse DiLoCo
     flip is not separable by either: an honest member's sparse result scored -0.8 to -1.9
     along every witness's update and -2.3 along the consensus, its flip the mirror of that."""
+    consensus_outlier: tuple[float, float] | None = None
+    """`(f, w)`: in every round a witness with an update of its own holds its votes and judges
+    the round as a whole (`RoundScreen.judge`), and beside its other tests refuses a result
+    whose `t` along the round's consensus over the others' lower median, plus `w x` its `t`
+    along the witness's update over the others' lower median, is below `f`, where the round's
+    results clearly agree (`WitnessScreen._outlier_problem`). None: no such test, and a witness
+    holds its votes only in its first round."""
     window_rounds: int = 16
     min_window_z: float = -6.0
     """The window test: `sum(t) / sqrt(n)` over the sender's last `n` results here."""
@@ -189,7 +206,10 @@ class ScreeningSettings:
 
 
 DISTRO_SCREENING = ScreeningSettings(
-    relative_agreement=(0.7, 6.0), level_rounds=2, held_consensus="refuses"
+    relative_agreement=(0.7, 6.0),
+    level_rounds=2,
+    held_consensus="refuses",
+    consensus_outlier=(0.65, 0.5),
 )
 """DisTrO: an honest 1-bit result's `t` is 5 to 15 early in a run and about N(2, 1.3^2) late
 (tiny run, c16 k4; docs/reliability.md): one round alone refuses only a clearly opposed result,
@@ -391,6 +411,10 @@ class _BlindCheck:
     copy: str | None
     """Why it is a copy of a result seen before it (None: it is not)."""
     flat: Flat | None = None
+    leveled: str | None = None
+    """Checked with an own update and a level (`consensus_outlier` holds every round): the
+    judgement keeps its check's verdict, this its problem ("" when it passed), and only adds
+    `WitnessScreen._outlier_problem`."""
     passed: bool = True
     """With an own update: it passed (at its check, then at the judgement the round took:
     `RoundScreen.commit`), so it is among the round's accepted results and levels."""
@@ -929,11 +953,15 @@ class WitnessScreen:
             (screen.agreements if problem is None else screen.refused_agreements).append(
                 measure.agreement
             )
-        if reference is None or not levels:
-            # no level yet (a witness's first rounds): the vote follows `RoundScreen.judge`
+        every_round = settings.consensus_outlier is not None and reference is not None
+        if reference is None or not levels or every_round:
+            # no level yet (a witness's first rounds), or a test of the whole round in every
+            # round (`consensus_outlier`): the vote follows `RoundScreen.judge`
             index = len(screen.blind)
             held = _BlindCheck(sender, measure, measured, tuple(history), copy)
             held.passed = problem is None
+            if levels and reference is not None:
+                held.leveled = problem or ""
             screen.blind.append(held)
         screen.seen.append(measure.fingerprint)
         if problem is None and not screen.judged:  # after the judgement the round is settled
@@ -1069,9 +1097,14 @@ class WitnessScreen:
                 ts, measured, along_round = self._round_agreements(whole), [True] * len(ts), True
         own = screen.reference
         middle = statistics.median if own is None else statistics.median_low
-        consensus = None if along_round else self._held_consensus(screen, flats, measured)
+        # the first-round tests' consensus: not where every check had a level (later rounds)
+        first = any(c.leveled is None for c in checks)
+        consensus = (
+            None if along_round or not first else self._held_consensus(screen, flats, measured)
+        )
+        problems: list[str | None] = []
+        measures: list[Measure] = []
         with self._lock:
-            verdicts: dict[int, Verdict] = {}
             for i, check in enumerate(checks):
                 others = [k for k in range(len(checks)) if k != i]
                 norms = [checks[k].measure.norm for k in others]
@@ -1091,7 +1124,10 @@ class WitnessScreen:
                 history = check.history if measured[i] and not along_round else ()
                 measure = dataclasses.replace(check.measure, agreement=ts[i])
                 problem = self._first_order_problem(measure, basis, history, levels) or check.copy
-                if consensus is not None and self.settings.held_consensus == "refuses":
+                if check.leveled is not None:
+                    # judged against a level at its check: that verdict stands
+                    problem = check.leveled or None
+                elif consensus is not None and self.settings.held_consensus == "refuses":
                     problem = problem or self._consensus_problem(ts, consensus, i)
                 elif consensus is not None and problem is not None:
                     # the own update's agreement (floor, level) refuses with the consensus;
@@ -1099,11 +1135,52 @@ class WitnessScreen:
                     alone = self._first_order_problem(measure, basis, history, [], floor=False)
                     if (alone or check.copy) is None and not self._consensus_confirms(consensus, i):
                         problem = None
-                index = order[i]
-                verdicts[index] = Verdict(
-                    measure, problem, measured[i], blind=own is None, index=index
-                )
+                problems.append(problem)
+                measures.append(measure)
+        outliers = {} if along_round else self._outliers(screen, flats, ts, measured, problems)
+        verdicts: dict[int, Verdict] = {}
+        for i, (measure, problem) in enumerate(zip(measures, problems)):
+            index = order[i]
+            problem = problem or outliers.get(i)
+            verdicts[index] = Verdict(measure, problem, measured[i], blind=own is None, index=index)
         return [verdicts[i] for i in range(len(checks))]
+
+    def _outliers(
+        self,
+        screen: RoundScreen,
+        flats: Sequence[Flat | None],
+        ts: Sequence[float],
+        measured: Sequence[bool],
+        problems: Sequence[str | None],
+    ) -> dict[int, str]:
+        """`_outlier_problem` of each held check that passed every other test, by place,
+        against the others that did (`consensus_outlier`): the consensus is the sum of those
+        results and the witness's own sent one. Only results that passed are in it, and only
+        their `t`s set the levels: a copy of another member's result (refused as one) doubles
+        that result in the sum, and with it both their consensus `t`s, which raised the
+        others' level over an honest result's (refused at `t` 5.12 + 5.65 under the levels 13.89
+        and 39.06 of a six-member run with two copiers). One sum of the round's results a
+        round (`_windowed_agreements`)."""
+        own_flat = screen.own_flat
+        if (
+            self.settings.consensus_outlier is None
+            or screen.reference is None
+            or own_flat is None
+            or not all(measured)
+        ):
+            return {}
+        eligible = [k for k, p in enumerate(problems) if p is None]
+        whole = [flats[k] for k in eligible]
+        if len(eligible) <= self.settings.level_min_results or any(f is None for f in whole):
+            return {}
+        consensus = self._round_agreements([f for f in whole if f is not None], also=[own_flat])
+        passed_ts = [ts[k] for k in eligible]
+        found = {}
+        for j, k in enumerate(eligible):
+            problem = self._outlier_problem(passed_ts, consensus, j)
+            if problem is not None:
+                found[k] = problem
+        return found
 
     def _commit(self, screen: RoundScreen, verdicts: Sequence[Verdict]) -> None:
         """`RoundScreen.commit`: the round takes the judgement its votes were cast by, once.
@@ -1215,6 +1292,55 @@ class WitnessScreen:
             f"sums) - {b:g}"
         )
 
+    def _outlier_problem(
+        self, ts: Sequence[float], consensus: Sequence[float], i: int
+    ) -> str | None:
+        """A held check of a round with an update of the witness's own (`consensus_outlier`
+        `(f, w)`, every round): refused when `c / C + w x t / T` is below `f`, its `t` along the
+        round's consensus `c` and along the witness's update `t` each over the others' lower
+        median (`C`, `T`), where the median of the others' sums of the two reaches `b`
+        (`relative_agreement`: the round's results clearly agree) and both medians are
+        positive.
+
+        A result whose signs carry nothing (random signs on honest positions, a push in one
+        fixed direction) has both `t`s about N(0, 1), and the own update's tests let it pass
+        where honest results agree only moderately (four-member DisTrO run, c16 k4,
+        `scripts/bench/honest_checks.py --hostile random-signs`: honest `t` 3.5 to 10 along
+        the witness's update and 2.2 to 5 along the consensus, random signs -1.7 to 1.9 and
+        -1.6 to 2.6: applied in every round). The consensus `t` is the same at every witness
+        (the round's sum less the result itself), the own update's one small batch's (an honest
+        result scored `t` -0.88 along one witness's update in an eight-member run's first
+        round, 8.6 along the consensus), so the consensus weighs more. Measured (scores
+        `c / C + t / (2 T)`): honest results 0.79 and more (eight- and four-member runs of nine
+        rounds; 0.78 for the weakest honest member of `tests/modeling/test_screening.py`'s
+        six), random signs and a fixed push at most 0.54.
+
+        The consensus holds every result of the round that passed the other tests
+        (`_outliers`), so a member's late negated copy of an honest result (refused by the own
+        update's tests) does not lower that result's consensus `t`. Called under the lock."""
+        outlier = self.settings.consensus_outlier
+        relative = self.settings.relative_agreement
+        if outlier is None or relative is None:
+            return None
+        others = [k for k in range(len(ts)) if k != i]
+        if len(others) < self.settings.level_min_results:
+            return None
+        if statistics.median(ts[k] + consensus[k] for k in others) < relative[1]:
+            return None
+        share, weight = outlier
+        c_level = statistics.median_low(consensus[k] for k in others)
+        t_level = statistics.median_low(ts[k] for k in others)
+        if c_level <= 0.0 or t_level <= 0.0:
+            return None
+        score = consensus[i] / c_level + weight * ts[i] / t_level
+        if score >= share:
+            return None
+        return (
+            f"agreement t = {consensus[i]:.2f} along the round's other results and {ts[i]:.2f} "
+            f"along this witness's update, {score:.3f} of the others' lower medians "
+            f"({c_level:.2f}, {weight:g} x {t_level:.2f}), below {share:g}"
+        )
+
     @staticmethod
     def _unaccept(screen: RoundScreen, check: _BlindCheck) -> None:
         """A result that passed its check (with an own update) and not the judgement the round
@@ -1230,7 +1356,12 @@ class WitnessScreen:
         """Each result's `t` along the sum of the round's other results and `also` (one
         model-sized sum, each result's own values taken out again at its positions): a
         direction with no history, for a witness that has neither an update of its own nor an
-        aggregate, and the consensus of a witness's first round (`_consensus_problem`)."""
+        aggregate, and the consensus of a witness's first round (`_consensus_problem`) or of
+        any round (`_outliers`)."""
+        every = [*also, *flats]
+        counts = {f.positions.numel() if f.positions is not None else -1 for f in every}
+        if len(counts) == 1 and -1 not in counts:
+            return _windowed_agreements(flats, also)
         total = torch.zeros(self.reader.size)
         for flat in [*also, *flats]:
             self.reader.add_into(total, flat)
@@ -1268,6 +1399,38 @@ class WitnessScreen:
                 self._levels.append(_round_level(screen, self.settings.level_min_results))
             self._fingerprints.append(list(screen.seen))
             screen.folded = True
+
+
+def _windowed_agreements(flats: Sequence[Flat], also: Sequence[Flat]) -> list[float]:
+    """`WitnessScreen._round_agreements` of results of as many entries each, the same bits,
+    without a model-sized sum: the entries are taken `_ENTRIES` at a time, the same places of
+    every result, whose positions lie in one short window of the domain (DisTrO's and sparse
+    DiLoCo's results hold the same number of entries per block, blocks in order), summed
+    there in the same order as the model-sized sum adds them, read back and reduced slice by
+    slice as `_serial_sums` does. A fresh model-sized buffer cost its page faults and every
+    scatter and gather a cache miss: a round of four checks at 20M cost 1.68 times main's
+    checks with it, 1.26 times in windows (`scripts/bench/screening_ab.py --clients 5`)."""
+    every = [*also, *flats]
+    count = every[0].positions.numel() if every and every[0].positions is not None else 0
+    nums, dens = [0.0] * len(flats), [0.0] * len(flats)
+    buffer = torch.empty(0)
+    for a in range(0, count, _ENTRIES):
+        b = min(a + _ENTRIES, count)
+        at = [f.positions[a:b] for f in every if f.positions is not None]
+        lo = min(int(p.min()) for p in at)
+        size = max(int(p.max()) for p in at) + 1 - lo
+        if buffer.numel() < size:
+            buffer = torch.empty(size)
+        window = buffer[:size].zero_()
+        local = [p - lo for p in at]
+        for f, where in zip(every, local):
+            window.index_add_(0, where, f.values[a:b])
+        for j, f in enumerate(flats):
+            values = f.values[a:b]
+            product = window.index_select(0, local[len(also) + j]).sub_(values).mul_(values)
+            nums[j] += float(product.sum())
+            dens[j] += float(product.square().sum())
+    return [num / math.sqrt(den) if den > 0.0 else 0.0 for num, den in zip(nums, dens)]
 
 
 def _judgement_order(checks: Sequence[_BlindCheck]) -> list[int]:
