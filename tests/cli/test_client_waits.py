@@ -43,10 +43,15 @@ def test_client_says_it_waits_for_the_coordinator_then_gives_up_in_one_line(
     assert exit_code(client, 120) == 1, client.text()
     text = client.text()
     lines = text.splitlines()
-    assert lines[-1] == (
-        f"psyche-client: error: cannot connect to the coordinator at 127.0.0.1:{port}: "
-        "connection refused (tried for 3 s)"
+    # the time it says is the time it tried: at least the 3 s it was given (a busy machine's
+    # last attempt may end later)
+    last = re.fullmatch(
+        rf"psyche-client: error: cannot connect to the coordinator at 127\.0\.0\.1:{port}: "
+        r"connection refused \(tried for (\d+) s\)",
+        lines[-1],
     )
+    assert last is not None, lines[-1]
+    assert int(last.group(1)) >= 3
     assert text.index("connecting to the coordinator") < waiting.start()
     assert "Traceback" not in text
 
