@@ -41,6 +41,13 @@ outcome() {
     esac
 }
 
+# The two phases run side by side (PSYCHE_TEST_PHASES=apart runs them one after the other, the
+# unit phase first). Both mostly wait: the unit phase's in-process runs and the end-to-end files'
+# client processes ride on round timers, so one phase alone leaves much of two cores idle.
+# tests/timing.py stretches every round timer to the machine's measured speed, so the busier
+# machine costs the tests time, never their verdict. The end-to-end phase's output is kept in a
+# file and printed, whole, after the unit phase's.
+#
 # The unit phase runs a worker per core (at most 4). One more was tried (3 on two cores: its
 # waits on round timers would overlap the CPU-bound tests): tests/client alone went 0.91x at a
 # higher load, but the whole unit phase of a fresh-clone CI run took 523 s (another run beside it
@@ -50,8 +57,6 @@ outcome() {
 # measure another split).
 cores=$(python -c 'import os; print(max(1, len(os.sched_getaffinity(0))))')
 workers=${PSYCHE_TEST_WORKERS:-$(( cores < 4 ? cores : 4 ))}
-python -m pytest -n "$workers" -m "$(join "${markers[@]}" "not e2e")"
-unit=$?
 # End-to-end tests spend most of their time waiting on round timers, so several run side by side
 # (whole files per worker: the tests of one file share their run), a worker more than the cores.
 # Two CI runs of this suite side by side on two cores (four e2e workers at once for most of their
@@ -62,9 +67,37 @@ unit=$?
 # (tests/conftest.py's `E2E_SECONDS`), not in xdist's order.
 # At most 4, as the unit phase: each file runs a server and several torch clients.
 e2e_workers=${PSYCHE_TEST_E2E_WORKERS:-$(( cores < 4 ? cores + 1 : 4 ))}
-python -m pytest -n "$e2e_workers" --dist loadfile --no-loadscope-reorder \
-    -m "$(join "${markers[@]}" "e2e")"
-e2e=$?
+unit_phase() { python -m pytest -n "$workers" -m "$(join "${markers[@]}" "not e2e")"; }
+e2e_phase() {
+    python -m pytest -n "$e2e_workers" --dist loadfile --no-loadscope-reorder \
+        -m "$(join "${markers[@]}" "e2e")"
+}
+if [ "${PSYCHE_TEST_PHASES:-together}" = apart ]; then
+    unit_phase
+    unit=$?
+    e2e_phase
+    e2e=$?
+else
+    e2e_log=$(mktemp "${TMPDIR:-/tmp}/psyche-e2e.XXXXXX")
+    # A signal ends both phases (the end-to-end one is a background job of this shell).
+    trap 'kill -- -"$e2e_pid" 2>/dev/null || kill "$e2e_pid" 2>/dev/null; rm -f "$e2e_log"; exit 130' INT TERM
+    set -m  # the background phase gets its own process group, so the trap can end all of it
+    e2e_phase > "$e2e_log" 2>&1 &
+    e2e_pid=$!
+    set +m
+    echo "test.sh: the end-to-end tests run beside the unit tests; their output follows them"
+    unit_phase
+    unit=$?
+    if kill -0 "$e2e_pid" 2>/dev/null; then
+        echo "test.sh: waiting for the end-to-end tests to finish"
+    fi
+    wait "$e2e_pid"
+    e2e=$?
+    echo "test.sh: ---- end-to-end tests ----"
+    cat "$e2e_log"
+    rm -f "$e2e_log"
+    trap - INT TERM
+fi
 
 e2e_kind=required
 if [ ${#markers[@]} -gt 0 ]; then e2e_kind=optional; fi
