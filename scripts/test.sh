@@ -4,10 +4,11 @@
 #   scripts/test.sh --fast       # the same without tests marked slow
 #   scripts/test.sh tests/core   # any pytest arguments: one plain pytest run
 #
-# With no pytest arguments the suite runs in two phases: the unit and integration tests spread
-# over the machine's cores (pytest-xdist), then the end-to-end tests (marked e2e: servers and
-# client processes), a file per worker, one worker more than the cores. Both phases always run;
-# the script reports each and fails if either failed.
+# With no pytest arguments the suite runs in two phases, side by side: the unit and integration
+# tests spread over the machine's cores (pytest-xdist), and the end-to-end tests (marked e2e:
+# servers and client processes), a file per worker, one worker more than the cores (their output
+# is printed after the unit tests'). Both phases always run; the script reports each and fails if
+# either failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
