@@ -20,8 +20,8 @@ Who follows whom (`followers`): fixed for an epoch, from values anyone can check
 members (the current clients and those that left during the epoch, `exited_clients`: the same
 set at every round of the epoch), sorted by key and shuffled with a seed from the run's id and
 the epoch number (`FOLLOW_SALT`); in that ring each member is followed by the next
-`FOLLOWERS_PER_TRAINER` (2, fewer only in an epoch of fewer members), so each member also
-follows two. Every round a trainer trains (one batch: `data_selection` gives each trainer one
+`FOLLOWERS_PER_TRAINER` (3, fewer only in an epoch of fewer members), so each member also
+follows three. Every round a trainer trains (one batch: `data_selection` gives each trainer one
 slice) its followers advance their shadow of it (`follow_duties`), whatever their own role.
 
 Exactness needs one determinism class: the same device kind and dtype and, on the CPU, the same
@@ -41,13 +41,20 @@ does not download the payload to count bits).
 The centralized protocol carries it as a verification report (no new message), and the server
 keeps it apart from the round's verifier reports (`RoundFollowing`) and does not relay it.
 
-Who loses (`resolve_following`), per followed batch, with `MIN_FOLLOWER_WORDS` (2): nobody is
-punished on one word. If at least two followers found the commitment differs and they outnumber
-those that found it equal, the trainer loses, with any follower that vouched for it; if at least
-two found it equal and outnumber the accusers, the accusers lose. With two followers (every
-epoch of three members or more), a lying trainer needs both honest followers' words, which it
-gets in its first lying round; a single lying follower (1 against 1) decides nothing, and its
-false accusations cost nobody anything.
+Who loses (`resolve_following`), per followed batch. A trainer loses only when all of its
+followers (`CONVICTING_WORDS`, 3) found its commitment differs and none found it equal; an
+accuser loses when at least `MIN_FOLLOWER_WORDS` (2) found it equal and outnumber the accusers.
+So an honest member is never convicted by fewer than three colluders: an honest trainer needs
+its three followers all hostile, an honest follower (it accuses only a lying trainer) needs the
+liar and two vouching followers. With two followers and "two words convict" (the rule first
+wired), two hostile members that are both an honest trainer's followers would convict it: that
+happens when the two are neighbours in the ring, in an epoch of n members with probability
+2/(n-1) (2/3 at 4 members, 2/7 at 8), every epoch, and for certain to members that grind their
+keys (the ring's seed is known in advance). Now: 0 with one or two hostile members; three
+hostile ones all following one honest trainer, n/C(n,3) of epochs (1 at 4 members, 1/7 at 8).
+The price: a lying trainer with one colluding follower (or one whose honest follower dropped
+its shadow) is not convicted by its followers; the statistical verifiers still check it. An
+epoch of three members (two followers each) convicts no trainer.
 """
 
 from __future__ import annotations
@@ -70,10 +77,16 @@ from psyche.core.node_identity import NodeIdentity
 from psyche.core.sha256 import sha256v
 
 FOLLOW_SALT = b"psyche-following"
-FOLLOWERS_PER_TRAINER = 2
-"""Followers each trainer has in an epoch of more than two members (two words decide)."""
+FOLLOWERS_PER_TRAINER = 3
+"""Followers each trainer has in an epoch of more than three members."""
+CONVICTING_WORDS = FOLLOWERS_PER_TRAINER
+"""Accusations a trainer's conviction needs, with no follower vouching for it: all of its
+followers. Two colluding members can never convict an honest trainer (it has three followers;
+at most two are theirs), however the ring falls or they grind their keys to place themselves."""
 MIN_FOLLOWER_WORDS = 2
-"""Findings on one side that a decision needs (nobody loses on one follower's word)."""
+"""Vouchers it takes to punish the followers that accused a trainer (who must be outnumbered):
+an honest follower accuses only a lying trainer, so punishing it takes that trainer and two
+vouching followers, three colluders."""
 FOLLOW_DRAW = b"\xff" * SIGNATURE_LEN
 """The draw of a follower's report: no Ed25519 signature (its scalar is not below the order)."""
 
@@ -186,7 +199,7 @@ def resolve_following(
         wrong = [(s, f) for s, f in said if not f.matches]
         right = [(s, f) for s, f in said if f.matches]
         trainer = trainer_of[batch]
-        if len(wrong) >= MIN_FOLLOWER_WORDS and len(wrong) > len(right):
+        if len(wrong) >= CONVICTING_WORDS and not right:
             out.append(
                 Resolution(
                     step,
@@ -197,20 +210,18 @@ def resolve_following(
                     f"{len(said)} followers rebuilt bit for bit",
                 )
             )
-            losers, side = right, "vouched for"
-        elif len(right) >= MIN_FOLLOWER_WORDS and len(right) > len(wrong):
-            losers, side = wrong, "accused"
-        else:
+            continue  # none vouched for it: nobody else loses
+        if len(right) < MIN_FOLLOWER_WORDS or len(right) <= len(wrong):
             continue
-        for follower, _ in losers:
+        for follower, _ in wrong:  # outnumbered by followers that rebuilt it the same
             out.append(
                 Resolution(
                     step,
                     batch,
                     follower,
                     "follower",
-                    f"it {side} {trainer}'s commitment for {batch} at step {step} against "
-                    f"{max(len(wrong), len(right))} of {len(said)} followers' exact rebuilds",
+                    f"it accused {trainer}'s commitment for {batch} at step {step} against "
+                    f"{len(right)} of {len(said)} followers' exact rebuilds",
                 )
             )
     return out
@@ -247,6 +258,7 @@ class RoundFollowing:
 
 
 __all__ = [
+    "CONVICTING_WORDS",
     "FOLLOWERS_PER_TRAINER",
     "FOLLOW_DRAW",
     "FOLLOW_SALT",
