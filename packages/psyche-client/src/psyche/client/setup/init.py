@@ -47,6 +47,7 @@ from psyche.client.setup.model_loading import (
 )
 from psyche.client.setup.trainer_settings import TrainerSettings
 from psyche.coordinator.coordinator import Coordinator
+from psyche.coordinator.following import exact_class_problem
 from psyche.coordinator.model import Checkpoint
 from psyche.core.cli import UserError, single_cause
 from psyche.core.identity import SecretKey
@@ -156,6 +157,9 @@ async def init_run(
         device = await trio.to_thread.run_sync(check_device, config.device)
     except ModelLoadError as e:
         raise InitRunError(str(e)) from e
+    problem = exact_class_problem(state, device.type, _casts(config.workers))
+    if problem is not None:  # its followers would convict it though honest
+        raise InitRunError(problem)
 
     loaded: LoadedModel | None = None
     provider: Any = None
@@ -225,6 +229,17 @@ async def init_run(
             with trio.CancelScope(shield=True):  # closing is local work: it cannot hang
                 await _close_provider(provider)
         raise
+
+
+def _casts(workers: TrainerBuilder | None) -> list[str]:
+    """The rank options by which this client computes in another dtype than the model's."""
+    layout = getattr(workers, "layout", None)
+    casts = []
+    if getattr(layout, "param_dtype", "auto") != "auto":
+        casts.append(f"--param-dtype {layout.param_dtype}")  # type: ignore[union-attr]
+    if getattr(layout, "reduce_dtype", "fp32") != "fp32":
+        casts.append(f"--reduce-dtype {layout.reduce_dtype}")  # type: ignore[union-attr]
+    return casts
 
 
 async def _from_peers(
