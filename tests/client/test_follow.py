@@ -204,9 +204,10 @@ def _exact_run() -> Any:
 def test_a_client_outside_the_exact_class_refuses_the_run_in_one_line(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A member its CPU followers cannot rebuild bit for bit (on CUDA, or casting to bf16) would
-    be convicted though honest: it refuses the run before loading anything, naming the run's
-    setting. Before, it joined, trained on CUDA, and its followers' words convicted it."""
+    """A member its CPU followers cannot rebuild bit for bit (on CUDA, several ranks, casting to
+    bf16) would be convicted though honest: it refuses the run before loading anything, naming
+    the run's setting. Before, it joined, trained on CUDA, and its followers' words convicted
+    it."""
     import torch
 
     from psyche.client.setup import init
@@ -235,6 +236,16 @@ def test_a_client_outside_the_exact_class_refuses_the_run_in_one_line(
     with pytest.raises(init.InitRunError) as refused:
         trio.run(init.init_run, config, None, state, fetch)
     assert str(refused.value) == problem
+    # on the CPU with two ranks (each its own thread count, split reductions): refused too
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from psyche.client.setup.ranks import RankLayout
+
+    monkeypatch.setattr(init, "check_device", lambda device: torch.device("cpu"))
+    workers = SimpleNamespace(layout=RankLayout(dp=2, device="cpu"))
+    with pytest.raises(init.InitRunError, match=r"2 ranks \(--dp 2 --tp 1\)"):
+        trio.run(init.init_run, replace(config, workers=workers), None, state, fetch)
 
 
 def test_a_trainer_off_the_cpu_stops_instead_of_being_followed(

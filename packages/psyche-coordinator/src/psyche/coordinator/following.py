@@ -27,10 +27,10 @@ slice) its followers advance their shadow of it (`follow_duties`), whatever thei
 Exactness needs one determinism class: the same device kind and dtype and, on the CPU, the same
 intra-op thread count (a 20M Llama's gradients differ in the last bits between 1 and 2 threads).
 The run fixes the count (`exact_verification_threads`: the client sets torch's intra-op threads
-to it). A client that cannot compute in the run's class (not on the CPU, or casting parameters
-or gradients to another dtype: `exact_class_problem`) refuses the run in one line, before it
-loads the model, naming the run's setting: as a trainer its followers would convict it though
-honest. (Following only members of one's own class would let a member that declares another
+to it). A client that cannot compute in the run's class (not on the CPU, several ranks,
+casting parameters or gradients to another dtype: `exact_class_problem`) refuses the run in one
+line, before it loads the model, naming the run's setting: as a trainer its followers would
+convict it though honest. (Following only members of one's own class would let a member that declares another
 class escape being followed at all.) A follower that misses one of a trainer's rounds
 (its batch not fetched, the round cut, the payload never announced) cannot rebuild the rest of
 the epoch and stops reporting on it (statistical verification goes on).
@@ -113,25 +113,25 @@ model's own dtype, `exact_verification_threads` intra-op threads)."""
 
 
 def exact_class_problem(
-    coordinator: Coordinator, device_type: str, casts: Sequence[str] = ()
+    coordinator: Coordinator, device_type: str, options: Sequence[str] = ()
 ) -> str | None:
-    """Why a client computing on `device_type` (torch's `device.type`), with `casts` (the
-    options by which it computes in another dtype than the model's own: "--param-dtype bf16"),
-    cannot be a member of this run, or None.
+    """Why a client computing on `device_type` (torch's `device.type`), with `options` (those
+    by which it computes otherwise than one rank in the model's dtype: "--param-dtype bf16",
+    "2 ranks (--dp 2 --tp 1)"), cannot be a member of this run, or None.
 
     A run that verifies exactly convicts a trainer whose commitment its followers (all in the
-    run's class: the CPU, the model's dtype, `exact_verification_threads` threads) do not
-    rebuild bit for bit, so a member outside that class would be convicted though honest. Such
-    a client refuses the run (one line, the run's setting named) instead of joining it: no
-    honest member is ever rebuilt in a class it does not compute in."""
+    run's class: the CPU, one rank, the model's dtype, `exact_verification_threads` threads) do
+    not rebuild bit for bit, so a member outside that class would be convicted though honest.
+    Such a client refuses the run (one line, the run's setting named) instead of joining it:
+    no honest member is ever rebuilt in a class it does not compute in."""
     if not exact_verification_on(coordinator):
         return None
     threads = coordinator.config.exact_verification_threads
     why = (
         f"this client computes on {device_type} (--device cpu to join it)"
         if device_type != EXACT_DEVICE_TYPE
-        else f"this client computes with {', '.join(casts)} (leave it out to join)"
-        if casts
+        else f"this client computes with {', '.join(options)} (leave it out to join)"
+        if options
         else None
     )
     if why is None:

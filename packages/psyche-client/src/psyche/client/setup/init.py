@@ -157,7 +157,7 @@ async def init_run(
         device = await trio.to_thread.run_sync(check_device, config.device)
     except ModelLoadError as e:
         raise InitRunError(str(e)) from e
-    problem = exact_class_problem(state, device.type, _casts(config.workers))
+    problem = exact_class_problem(state, device.type, _outside_class(config.workers))
     if problem is not None:  # its followers would convict it though honest
         raise InitRunError(problem)
 
@@ -231,15 +231,24 @@ async def init_run(
         raise
 
 
-def _casts(workers: TrainerBuilder | None) -> list[str]:
-    """The rank options by which this client computes in another dtype than the model's."""
+def _outside_class(workers: TrainerBuilder | None) -> list[str]:
+    """The rank options by which this client computes otherwise than one rank of the model's
+    dtype on the run's thread count does (exact verification's class): its ranks set their own
+    thread counts and split reductions, and casts change the bits."""
     layout = getattr(workers, "layout", None)
-    casts = []
-    if getattr(layout, "param_dtype", "auto") != "auto":
-        casts.append(f"--param-dtype {layout.param_dtype}")  # type: ignore[union-attr]
-    if getattr(layout, "reduce_dtype", "fp32") != "fp32":
-        casts.append(f"--reduce-dtype {layout.reduce_dtype}")  # type: ignore[union-attr]
-    return casts
+    if layout is None:
+        return []
+    options = []
+    ranks = int(layout.dp) * int(layout.tp)
+    if ranks > 1 or layout.fsdp:
+        options.append(f"{ranks} ranks (--dp {layout.dp} --tp {layout.tp})")
+    if layout.param_dtype != "auto":
+        options.append(f"--param-dtype {layout.param_dtype}")
+    if layout.reduce_dtype != "fp32":
+        options.append(f"--reduce-dtype {layout.reduce_dtype}")
+    if layout.fused_loss != "off":
+        options.append(f"--fused-loss {layout.fused_loss}")
+    return options
 
 
 async def _from_peers(
