@@ -49,8 +49,8 @@ its decoy; the verifier on `--verifier-threads` intra-op threads where the membe
   (docs/reliability.md, "Verifiers": why the bias is not caught).
 
 * `--shadow` also prints what wiring it in costs (`psyche.coordinator.following`: each trained
-  batch rebuilt by two followers): the extra training a round per client, as a ratio of its own
-  training step, from the shadow's measured ratio, at 4 clients and 25 % and where every client
+  batch rebuilt by `FOLLOWERS_PER_TRAINER` followers): the extra training a round per client,
+  as a ratio of its own training step, from the shadow's measured ratio, at 4 clients and 25 % and where every client
   trains.
 
 * `--profile`: where one verification's time goes (CPU seconds, one thread, the same sitting):

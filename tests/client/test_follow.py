@@ -8,15 +8,25 @@ announced nothing is dropped (a stale shadow would accuse an honest trainer)."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
 import trio
 
 from psyche.client.round.broadcast import TrainingResult
 from psyche.client.round.fetch import DataFetcher
-from psyche.client.round.follow import Following, FollowJob, compare_and_report, follow_round
+from psyche.client.round.follow import (
+    Following,
+    FollowJob,
+    OutsideExactClass,
+    check_exact_class,
+    compare_and_report,
+    follow_round,
+)
 from psyche.client.round.state import ResultEntry, RoundState
 from psyche.client.round.train import OwnResult, TrainingStep, run_round
 from psyche.coordinator.commitment import Commitment
-from psyche.coordinator.following import FOLLOW_DRAW
+from psyche.coordinator.following import FOLLOW_DRAW, exact_class_problem
 from psyche.coordinator.testing import simulated_identity
 from psyche.coordinator.verification import VerificationDuty, VerificationReport
 from psyche.core import BatchId
@@ -168,7 +178,7 @@ def test_shadows_start_at_the_epochs_first_round_only_and_plan_the_followed_batc
     following.start_epoch(state, me, trainer)
     mine = {t for t, followers in followers_for_state(state).items() if me in followers}
     assert set(following.shadows) == mine
-    assert len(mine) == 2
+    assert len(mine) == 3  # four members: each follows the three others
     job = following.plan(state, me)
     expected = {b for b, t in assigned.items() if t in mine}
     assert expected  # this seed: a trainer it follows trains in the round
@@ -180,3 +190,75 @@ def test_shadows_start_at_the_epochs_first_round_only_and_plan_the_followed_batc
     later.start_epoch(state, me, trainer)
     assert later.shadows == {}
     assert later.plan(state, me) is None
+
+
+def _exact_run() -> Any:
+    from psyche.coordinator.testing import quick_coordinator
+
+    coordinator = quick_coordinator(init_min_clients=4, global_batch_size=8, epoch_time=60)
+    coordinator.config.verification_percent = 25
+    coordinator.config.exact_verification_threads = 2
+    return coordinator
+
+
+def test_a_client_outside_the_exact_class_refuses_the_run_in_one_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A member its CPU followers cannot rebuild bit for bit (on CUDA, several ranks, casting to
+    bf16) would be convicted though honest: it refuses the run before loading anything, naming
+    the run's setting. Before, it joined, trained on CUDA, and its followers' words convicted
+    it."""
+    import torch
+
+    from psyche.client.setup import init
+    from psyche.core.identity import SecretKey
+    from psyche.core.node_identity import NodeIdentity
+
+    state = _exact_run()
+    problem = exact_class_problem(state, "cuda")
+    assert problem is not None
+    assert "\n" not in problem
+    assert "config.exact_verification_threads = 2" in problem
+    assert "cuda" in problem
+    assert "--param-dtype bf16" in str(exact_class_problem(state, "cpu", ["--param-dtype bf16"]))
+    assert exact_class_problem(state, "cpu") is None
+    state.config.exact_verification_threads = 0  # a run that does not verify exactly: anyone
+    assert exact_class_problem(state, "cuda") is None
+    state.config.exact_verification_threads = 2
+
+    monkeypatch.setattr(init, "check_device", lambda device: torch.device("cuda"))
+    key = SecretKey.from_bytes((7).to_bytes(32, "big"))
+
+    async def fetch(*_: Any) -> Any:
+        raise AssertionError("nothing is fetched by a client that refuses the run")
+
+    config = init.RunInitConfig(NodeIdentity.from_single_key(key.public_key), key, state.run_id)
+    with pytest.raises(init.InitRunError) as refused:
+        trio.run(init.init_run, config, None, state, fetch)
+    assert str(refused.value) == problem
+    # on the CPU with two ranks (each its own thread count, split reductions): refused too
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from psyche.client.setup.ranks import RankLayout
+
+    monkeypatch.setattr(init, "check_device", lambda device: torch.device("cpu"))
+    workers = SimpleNamespace(layout=RankLayout(dp=2, device="cpu"))
+    with pytest.raises(init.InitRunError, match=r"2 ranks \(--dp 2 --tp 1\)"):
+        trio.run(init.init_run, replace(config, workers=workers), None, state, fetch)
+
+
+def test_a_trainer_off_the_cpu_stops_instead_of_being_followed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same rule in the round (`check_exact_class`): a run's setting heard after the init
+    still keeps a member off the CPU out (here its parameters on the meta device)."""
+    import torch
+
+    state = _exact_run()
+    trainer = make_trainer()
+    check_exact_class(state, trainer)  # on the CPU: fine
+    off_cpu = [("w", torch.nn.Parameter(torch.empty(1, device="meta")))]
+    monkeypatch.setattr(trainer.model, "variables", lambda: off_cpu)
+    with pytest.raises(OutsideExactClass, match="exact_verification_threads = 2"):
+        check_exact_class(state, trainer)

@@ -10,6 +10,10 @@ their commitments and pass every check of their bytes: only the witnesses' check
 With `HOSTILE_VERIFIER=1` in its environment it also lies as a verifier (issue 27): whenever it
 is a round's verifier it reports every result it verified as wrong (an honest tie-breaker's
 verdicts stay honest: as tie-breaker it tells the truth, so the test can tell who is judged).
+With `HOSTILE_FOLLOWER=silent` it sends no follower report (exact verification): its biased
+rebuilds would accuse every honest trainer it follows and lose to their two other followers'
+words, which the test of its followers' verdict on it keeps out of the way (the rule is
+`tests/coordinator/test_following.py`'s).
 """
 
 from __future__ import annotations
@@ -51,6 +55,16 @@ def lie_as_verifier() -> None:
     verify.compare_and_report = lying
 
 
+def silent_follower() -> None:
+    """This client follows as any member does but sends no follower report."""
+    from psyche.client.round import follow
+
+    async def silent(*args: object, **kwargs: object) -> None:
+        return None
+
+    follow.compare_and_report = silent  # type: ignore[assignment]
+
+
 def main() -> None:
     attack, start, separator, *client_args = sys.argv[1:]
     assert separator == "--", "usage: hostile_client.py ATTACK START -- <train arguments>"
@@ -63,6 +77,8 @@ def main() -> None:
     trainer_module.Trainer.__init__ = hostile_init  # type: ignore[method-assign]
     if os.environ.get("HOSTILE_VERIFIER") == "1":
         lie_as_verifier()
+    if os.environ.get("HOSTILE_FOLLOWER") == "silent":
+        silent_follower()
     from psyche.cli.client.main import main as client_main
 
     sys.exit(client_main(client_args))

@@ -73,13 +73,13 @@ def test_followers_catch_a_one_percent_bias_the_statistics_cannot_see(
 ) -> None:
     """Exact verification (`exact_verification_threads = 1`: every member on one CPU thread):
     the hostile member adds a bias of 1 % of its update's norm in a fixed direction to every
-    result (`Attack.Bias`); each trainer's two followers rebuild its commitment bit for bit
-    (`psyche.client.round.follow`), and their two words convict it within three rounds of its
-    first lie. No honest follower accuses anybody; the hostile member's own rebuilds go through
-    its biased `prepare_result` too, so as a follower it accuses the honest trainers it follows,
-    alone each time: one word decides nothing, and nobody honest loses."""
+    result (`Attack.Bias`); each trainer's three followers (here: the three others) rebuild its
+    commitment bit for bit (`psyche.client.round.follow`), and their three words convict it
+    within three rounds of its first lie. No honest follower accuses anybody. The hostile
+    member follows too but reports nothing (`HOSTILE_FOLLOWER=silent`: its biased rebuilds would
+    accuse the honest trainers and lose as a follower first; the unit tests hold that rule)."""
     run = start_hostile_run(
-        processes, tmp_path / "run", "bias", 0,
+        processes, tmp_path / "run", "bias", 0, {"HOSTILE_FOLLOWER": "silent"},
         config_lines="exact_verification_threads = 1",
         total_steps=20, epoch_time=60, witness_nodes=0, init_min_clients=4, min_clients=3,
         verification_percent=25,
@@ -110,5 +110,5 @@ def test_followers_catch_a_one_percent_bias_the_statistics_cannot_see(
     assert all(e["matches"] for e in followed if e["trainer"] in honest_ids), followed
     assert any(e["trainer"] in honest_ids for e in followed), followed
     caught = [e for e in followed if e["trainer"] == short_id(HOSTILE) and e["step"] == step]
-    assert len(caught) == 2, caught
+    assert len(caught) == 3, caught
     assert not any(e["matches"] for e in caught), caught

@@ -20,15 +20,18 @@ Who follows whom (`followers`): fixed for an epoch, from values anyone can check
 members (the current clients and those that left during the epoch, `exited_clients`: the same
 set at every round of the epoch), sorted by key and shuffled with a seed from the run's id and
 the epoch number (`FOLLOW_SALT`); in that ring each member is followed by the next
-`FOLLOWERS_PER_TRAINER` (2, fewer only in an epoch of fewer members), so each member also
-follows two. Every round a trainer trains (one batch: `data_selection` gives each trainer one
+`FOLLOWERS_PER_TRAINER` (3, fewer only in an epoch of fewer members), so each member also
+follows three. Every round a trainer trains (one batch: `data_selection` gives each trainer one
 slice) its followers advance their shadow of it (`follow_duties`), whatever their own role.
 
 Exactness needs one determinism class: the same device kind and dtype and, on the CPU, the same
 intra-op thread count (a 20M Llama's gradients differ in the last bits between 1 and 2 threads).
 The run fixes the count (`exact_verification_threads`: the client sets torch's intra-op threads
-to it). A client that cannot compute in the run's class (not on the CPU) follows nobody: its
-duties as a round's verifier stay statistical. A follower that misses one of a trainer's rounds
+to it). A client that cannot compute in the run's class (not on the CPU, several ranks,
+casting parameters or gradients to another dtype: `exact_class_problem`) refuses the run in one
+line, before it loads the model, naming the run's setting: as a trainer its followers would
+convict it though honest. (Following only members of one's own class would let a member that declares another
+class escape being followed at all.) A follower that misses one of a trainer's rounds
 (its batch not fetched, the round cut, the payload never announced) cannot rebuild the rest of
 the epoch and stops reporting on it (statistical verification goes on).
 
@@ -41,13 +44,20 @@ does not download the payload to count bits).
 The centralized protocol carries it as a verification report (no new message), and the server
 keeps it apart from the round's verifier reports (`RoundFollowing`) and does not relay it.
 
-Who loses (`resolve_following`), per followed batch, with `MIN_FOLLOWER_WORDS` (2): nobody is
-punished on one word. If at least two followers found the commitment differs and they outnumber
-those that found it equal, the trainer loses, with any follower that vouched for it; if at least
-two found it equal and outnumber the accusers, the accusers lose. With two followers (every
-epoch of three members or more), a lying trainer needs both honest followers' words, which it
-gets in its first lying round; a single lying follower (1 against 1) decides nothing, and its
-false accusations cost nobody anything.
+Who loses (`resolve_following`), per followed batch. A trainer loses only when all of its
+followers (`CONVICTING_WORDS`, 3) found its commitment differs and none found it equal; an
+accuser loses when at least `MIN_FOLLOWER_WORDS` (2) found it equal and outnumber the accusers.
+So an honest member is never convicted by fewer than three colluders: an honest trainer needs
+its three followers all hostile, an honest follower (it accuses only a lying trainer) needs the
+liar and two vouching followers. With two followers and "two words convict" (the rule first
+wired), two hostile members that are both an honest trainer's followers would convict it: that
+happens when the two are neighbours in the ring, in an epoch of n members with probability
+2/(n-1) (2/3 at 4 members, 2/7 at 8), every epoch, and for certain to members that grind their
+keys (the ring's seed is known in advance). Now: 0 with one or two hostile members; three
+hostile ones all following one honest trainer, n/C(n,3) of epochs (1 at 4 members, 1/7 at 8).
+The price: a lying trainer with one colluding follower (or one whose honest follower dropped
+its shadow) is not convicted by its followers; the statistical verifiers still check it. An
+epoch of three members (two followers each) convicts no trainer.
 """
 
 from __future__ import annotations
@@ -70,10 +80,16 @@ from psyche.core.node_identity import NodeIdentity
 from psyche.core.sha256 import sha256v
 
 FOLLOW_SALT = b"psyche-following"
-FOLLOWERS_PER_TRAINER = 2
-"""Followers each trainer has in an epoch of more than two members (two words decide)."""
+FOLLOWERS_PER_TRAINER = 3
+"""Followers each trainer has in an epoch of more than three members."""
+CONVICTING_WORDS = FOLLOWERS_PER_TRAINER
+"""Accusations a trainer's conviction needs, with no follower vouching for it: all of its
+followers. Two colluding members can never convict an honest trainer (it has three followers;
+at most two are theirs), however the ring falls or they grind their keys to place themselves."""
 MIN_FOLLOWER_WORDS = 2
-"""Findings on one side that a decision needs (nobody loses on one follower's word)."""
+"""Vouchers it takes to punish the followers that accused a trainer (who must be outnumbered):
+an honest follower accuses only a lying trainer, so punishing it takes that trainer and two
+vouching followers, three colluders."""
 FOLLOW_DRAW = b"\xff" * SIGNATURE_LEN
 """The draw of a follower's report: no Ed25519 signature (its scalar is not below the order)."""
 
@@ -89,6 +105,42 @@ def exact_verification_on(coordinator: Coordinator) -> bool:
     """Whether the run verifies exactly (followers), by its config."""
     config = coordinator.config
     return config.verification_percent != 0 and config.exact_verification_threads > 0
+
+
+EXACT_DEVICE_TYPE = "cpu"
+"""The one device kind exact verification rebuilds on (its determinism class: the CPU, the
+model's own dtype, `exact_verification_threads` intra-op threads)."""
+
+
+def exact_class_problem(
+    coordinator: Coordinator, device_type: str, options: Sequence[str] = ()
+) -> str | None:
+    """Why a client computing on `device_type` (torch's `device.type`), with `options` (those
+    by which it computes otherwise than one rank in the model's dtype: "--param-dtype bf16",
+    "2 ranks (--dp 2 --tp 1)"), cannot be a member of this run, or None.
+
+    A run that verifies exactly convicts a trainer whose commitment its followers (all in the
+    run's class: the CPU, one rank, the model's dtype, `exact_verification_threads` threads) do
+    not rebuild bit for bit, so a member outside that class would be convicted though honest.
+    Such a client refuses the run (one line, the run's setting named) instead of joining it:
+    no honest member is ever rebuilt in a class it does not compute in."""
+    if not exact_verification_on(coordinator):
+        return None
+    threads = coordinator.config.exact_verification_threads
+    why = (
+        f"this client computes on {device_type} (--device cpu to join it)"
+        if device_type != EXACT_DEVICE_TYPE
+        else f"this client computes with {', '.join(options)} (leave it out to join)"
+        if options
+        else None
+    )
+    if why is None:
+        return None
+    return (
+        f"this run verifies exactly (config.exact_verification_threads = {threads}): each "
+        f"member's followers rebuild its results bit for bit on the CPU in the model's dtype, "
+        f"and {why}"
+    )
 
 
 def follow_seed(run_id: str, epoch: int) -> int:
@@ -186,7 +238,7 @@ def resolve_following(
         wrong = [(s, f) for s, f in said if not f.matches]
         right = [(s, f) for s, f in said if f.matches]
         trainer = trainer_of[batch]
-        if len(wrong) >= MIN_FOLLOWER_WORDS and len(wrong) > len(right):
+        if len(wrong) >= CONVICTING_WORDS and not right:
             out.append(
                 Resolution(
                     step,
@@ -197,20 +249,18 @@ def resolve_following(
                     f"{len(said)} followers rebuilt bit for bit",
                 )
             )
-            losers, side = right, "vouched for"
-        elif len(right) >= MIN_FOLLOWER_WORDS and len(right) > len(wrong):
-            losers, side = wrong, "accused"
-        else:
+            continue  # none vouched for it: nobody else loses
+        if len(right) < MIN_FOLLOWER_WORDS or len(right) <= len(wrong):
             continue
-        for follower, _ in losers:
+        for follower, _ in wrong:  # outnumbered by followers that rebuilt it the same
             out.append(
                 Resolution(
                     step,
                     batch,
                     follower,
                     "follower",
-                    f"it {side} {trainer}'s commitment for {batch} at step {step} against "
-                    f"{max(len(wrong), len(right))} of {len(said)} followers' exact rebuilds",
+                    f"it accused {trainer}'s commitment for {batch} at step {step} against "
+                    f"{len(right)} of {len(said)} followers' exact rebuilds",
                 )
             )
     return out
@@ -247,6 +297,8 @@ class RoundFollowing:
 
 
 __all__ = [
+    "CONVICTING_WORDS",
+    "EXACT_DEVICE_TYPE",
     "FOLLOWERS_PER_TRAINER",
     "FOLLOW_DRAW",
     "FOLLOW_SALT",
@@ -255,6 +307,7 @@ __all__ = [
     "RoundFollowing",
     "check_follow_report",
     "epoch_members",
+    "exact_class_problem",
     "exact_verification_on",
     "follow_duties",
     "follow_seed",

@@ -41,6 +41,7 @@ from psyche.coordinator.config import (
 from psyche.coordinator.coordinator import Coordinator
 from psyche.coordinator.diloco_config import diloco_problems
 from psyche.coordinator.distro_config import distro_sparse_problems
+from psyche.coordinator.following import CONVICTING_WORDS
 from psyche.coordinator.model import LLM, HttpTrainingDataLocation, LLMTrainingDataLocation, Model
 from psyche.core.definitions import LearningRateSchedule, OptimizerDefinition
 from psyche.core.serde import SerdeError, from_obj, struct, to_obj
@@ -240,12 +241,13 @@ def semantic_problems(config: CoordinatorConfig, model: Model) -> list[tuple[str
                 "needs verification_percent > 0 (exact verification is a verifying run's)",
             )
         )
-    elif config.exact_verification_threads and config.min_clients < 3:
+    elif config.exact_verification_threads and config.init_min_clients <= CONVICTING_WORDS:
         problems.append(
             (
                 "config.exact_verification_threads",
-                f"needs min_clients >= 3 (two followers besides each trainer), found "
-                f"{config.min_clients}",
+                f"needs init_min_clients >= {CONVICTING_WORDS + 1} (a trainer is convicted only "
+                f"on the words of {CONVICTING_WORDS} followers besides it), found "
+                f"{config.init_min_clients}",
             )
         )
     if not 0 <= config.exact_verification_threads <= MAX_EXACT_VERIFICATION_THREADS:

@@ -40,13 +40,16 @@ from psyche.client.round.state import RoundState
 from psyche.coordinator import Coordinator
 from psyche.coordinator.data_selection import verification_duties_for_state
 from psyche.coordinator.following import (
+    EXACT_DEVICE_TYPE,
     FOLLOW_DRAW,
+    exact_class_problem,
     exact_verification_on,
     follow_duties,
     followers_for_state,
 )
 from psyche.coordinator.verification import Finding, VerificationDuty, VerificationReport
 from psyche.core.batch_id import BatchId
+from psyche.core.cli import UserError
 from psyche.core.node_identity import NodeIdentity
 
 if TYPE_CHECKING:
@@ -63,6 +66,22 @@ def use_run_threads(state: Coordinator) -> None:
     if exact_verification_on(state) and torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
         logger.info("exact verification: computing with %d CPU intra-op threads", threads)
+
+
+class OutsideExactClass(UserError):
+    """This client cannot compute in the run's exact-verification class (`exact_class_problem`):
+    its followers would convict it though honest, so it leaves the run, in one line."""
+
+
+def check_exact_class(state: Coordinator, trainer: Trainer) -> None:
+    """Raise `OutsideExactClass` when the run verifies exactly and this trainer's model is not
+    on the CPU (`setup.init` refuses such a client before it loads the model: this holds even
+    when the run's setting arrives after that)."""
+    devices = {p.device.type for _, p in trainer.model.variables()}
+    outside = sorted(devices - {EXACT_DEVICE_TYPE})
+    problem = exact_class_problem(state, outside[0] if outside else EXACT_DEVICE_TYPE)
+    if problem is not None:
+        raise OutsideExactClass(problem)
 
 
 def reset_own_state(trainer: Trainer) -> None:

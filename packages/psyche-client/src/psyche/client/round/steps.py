@@ -576,6 +576,7 @@ class StepStateMachine:
         (its own state is reset), and which trainers' batches it follows this round."""
         if not exact_verification_on(state):
             return False, None
+        follow.check_exact_class(state, self.trainer)  # its init checked it: a late config too
         follow.use_run_threads(state)
         epoch = int(state.progress.epoch)
         fresh = self._fresh_epoch != epoch

@@ -47,6 +47,7 @@ from psyche.client.setup.model_loading import (
 )
 from psyche.client.setup.trainer_settings import TrainerSettings
 from psyche.coordinator.coordinator import Coordinator
+from psyche.coordinator.following import exact_class_problem
 from psyche.coordinator.model import Checkpoint
 from psyche.core.cli import UserError, single_cause
 from psyche.core.identity import SecretKey
@@ -156,6 +157,9 @@ async def init_run(
         device = await trio.to_thread.run_sync(check_device, config.device)
     except ModelLoadError as e:
         raise InitRunError(str(e)) from e
+    problem = exact_class_problem(state, device.type, _outside_class(config.workers))
+    if problem is not None:  # its followers would convict it though honest
+        raise InitRunError(problem)
 
     loaded: LoadedModel | None = None
     provider: Any = None
@@ -225,6 +229,26 @@ async def init_run(
             with trio.CancelScope(shield=True):  # closing is local work: it cannot hang
                 await _close_provider(provider)
         raise
+
+
+def _outside_class(workers: TrainerBuilder | None) -> list[str]:
+    """The rank options by which this client computes otherwise than one rank of the model's
+    dtype on the run's thread count does (exact verification's class): its ranks set their own
+    thread counts and split reductions, and casts change the bits."""
+    layout = getattr(workers, "layout", None)
+    if layout is None:
+        return []
+    options = []
+    ranks = int(layout.dp) * int(layout.tp)
+    if ranks > 1 or layout.fsdp:
+        options.append(f"{ranks} ranks (--dp {layout.dp} --tp {layout.tp})")
+    if layout.param_dtype != "auto":
+        options.append(f"--param-dtype {layout.param_dtype}")
+    if layout.reduce_dtype != "fp32":
+        options.append(f"--reduce-dtype {layout.reduce_dtype}")
+    if layout.fused_loss != "off":
+        options.append(f"--fused-loss {layout.fused_loss}")
+    return options
 
 
 async def _from_peers(
