@@ -21,9 +21,11 @@ bit (ignored when `x = 0`), so the encodings that decompress to a small-order po
 `SMALL_ORDER_ENCODINGS`, computed once at import from the curve (`_small_order_encodings`).
 `verify_strict` is a set lookup of `A`'s and `R`'s bytes, then OpenSSL.
 
-One corner differs and cannot be reached: a key encoded non-canonically (`y >= p`) that is not
-of small order, if OpenSSL refuses to decode it where dalek decodes it; a valid signature for
-it needs the discrete log of a point with `y < 19`.
+Two corners differ and cannot be reached, each needing the discrete log of a point with
+`y < 19` (no honest or hostile signer has one): a key encoded non-canonically (`y >= p`) that is
+not of small order, if OpenSSL refuses to decode it where dalek decodes it; and, against
+ed25519-dalek 1.x (agave's pin), which compares `R` as points rather than bytes, a
+non-canonical `R` encoding of such a point (2.x, iroh's, compares bytes as OpenSSL does).
 
 The curve arithmetic here (`decompress`, `compress`, `is_small_order`) is the plain affine
 kind, used to derive the set and to check a key decompresses (the Solana precompile's
