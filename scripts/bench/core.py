@@ -5,7 +5,10 @@ share of one tick, and against a baseline measured in the same run:
 
 * swap-or-not for 256 clients: the batch API against the per-index function;
 * bloom add + contains of 256 items: all keys at once against per-key reference FNV-1a;
-* postcard encode/decode of a coordinator-sized value: against pickle of the same value.
+* postcard encode/decode of a coordinator-sized value: against pickle of the same value;
+* Ed25519 verification of 256 signatures (`verify_signature`, dalek's `verify_strict` rules:
+  a set lookup of the key and R, then OpenSSL) against OpenSSL's check alone, also shown as
+  verifies per second.
 
 Run: .venv/bin/python scripts/bench/core.py [--repeats N]
 """
@@ -29,6 +32,8 @@ from psyche.core import (
     fnv1a_64,
     sha256,
 )
+from psyche.core.ed25519_strict import verify_rfc8032
+from psyche.core.identity import SecretKey, verify_signature
 from psyche.core.serde import (
     U8,
     U16,
@@ -207,6 +212,17 @@ def main() -> None:
     pickled = pickle.dumps(coordinator, protocol=pickle.HIGHEST_PROTOCOL)
     assert from_bytes(encoded, BenchCoordinator) == coordinator
 
+    signers = [SecretKey.generate() for _ in range(CLIENTS)]
+    signed = [(k.public_key, item, k.sign(item)) for k, item in zip(signers, items, strict=True)]
+
+    def verify_strict_all() -> None:
+        for key, message, signature in signed:
+            assert verify_signature(key, message, signature)
+
+    def verify_openssl_all() -> None:
+        for key, message, signature in signed:
+            assert verify_rfc8032(key, message, signature)
+
     rows = [
         ("swap-or-not, 256 indices", shuffle_batch, "per-index fn", shuffle_per_index),
         ("bloom add+contains, 256 items", bloom_fast, "per-key FNV", bloom_reference),
@@ -222,7 +238,9 @@ def main() -> None:
             "pickle.loads",
             lambda: pickle.loads(pickled),
         ),
-    ]
+        (f"ed25519 verify strict, {CLIENTS} sigs", verify_strict_all, "OpenSSL alone",
+         verify_openssl_all),
+    ]  # fmt: skip
 
     print(f"psyche.core hot paths, median of {repeats} runs; tick = {TICK_SECONDS * 1000:.0f} ms")
     header = f"{'operation':<34}{'ms':>9}{'% tick':>9}  {'baseline':<14}{'ms':>9}{'x faster':>10}"
@@ -235,6 +253,11 @@ def main() -> None:
             f"{name:<34}{ours * 1e3:>9.3f}{ours / TICK_SECONDS * 100:>8.2f}%  "
             f"{base_name:<14}{base * 1e3:>9.3f}{base / ours:>10.2f}"
         )
+        if fn is verify_strict_all:
+            print(
+                f"{'  verifies per second':<34}{len(signed) / ours:>9.0f}{'':>9}  "
+                f"{base_name:<14}{len(signed) / base:>9.0f}"
+            )
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from psyche.coordinator.model import Checkpoint, HubRepo, LLMTrainingDataLocatio
 from psyche.coordinator.run_config import load_state_toml
 from psyche.coordinator.testing import quick_coordinator, warmup_witness_for
 from psyche.core.batch_id import BatchId
+from psyche.core.ed25519_strict import IDENTITY, compress, verify_rfc8032
 from psyche.core.identity import SecretKey
 from psyche.core.serde import to_bytes
 from psyche.data_provider import DataProviderError, DataProviderTcpClient
@@ -200,6 +201,24 @@ def test_hostile_connections_are_closed_and_the_others_keep_going() -> None:
             assert frame is not None
             response = bytearray(encode_challenge_response(SecretKey.generate(), bytes(32)))
             await framed.send(bytes(response))  # signs the wrong challenge
+            assert await closed_by_server(framed)
+
+            # a small-order key (the identity's encoding) "signing" the challenge with
+            # (R = identity, S = 0): OpenSSL's plain check accepts it for every message, so a
+            # member could be admitted under a key anyone can sign for; strict verification
+            # (dalek's `verify_strict`, upstream's) refuses it
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            framed = FramedStream(stream, max_receive_frame=1 << 20, max_send_frame=1 << 20)
+            frame = await framed.receive()
+            assert frame is not None
+            challenge = bytes(split_envelope(frame)[1])
+            honest = SecretKey.generate()
+            forged_signature = compress(IDENTITY) + bytes(32)
+            assert verify_rfc8032(compress(IDENTITY), bytes([32]) + challenge, forged_signature)
+            response = encode_challenge_response(honest, challenge)
+            response = response.replace(honest.public_key, compress(IDENTITY))
+            response = response[:-64] + forged_signature
+            await framed.send(response)
             assert await closed_by_server(framed)
 
             # the honest client is still served, still pending, and the server still ticks

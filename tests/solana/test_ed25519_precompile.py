@@ -22,6 +22,16 @@ from solders.message import Message
 from solders.pubkey import Pubkey
 from solders.transaction import Transaction
 
+from psyche.core.ed25519_strict import (
+    IDENTITY,
+    L,
+    P,
+    compress,
+    decompress,
+    is_small_order,
+    verify_rfc8032,
+    verify_strict,
+)
 from psyche.core.identity import SecretKey, verify_signature
 from psyche.solana.instructions.ed25519 import (
     DATA_START,
@@ -38,15 +48,6 @@ from psyche.solana.instructions.ed25519 import (
     serialize_instructions,
     signed_messages,
     verify_ed25519_instruction,
-)
-from psyche.solana.instructions.ed25519_strict import (
-    IDENTITY,
-    L,
-    P,
-    compress,
-    decompress,
-    is_small_order,
-    verify_strict,
 )
 from psyche.solana.localnet.ledger import LAMPORTS_PER_SIGNATURE, Ledger, message_fee
 
@@ -284,7 +285,7 @@ CCTV_MESSAGE = b"ed25519vectors 3"
 
 
 def test_verify_strict_refuses_small_order_keys_and_r_and_non_canonical_s_on_real_vectors() -> None:
-    """The forgeries plain RFC 8032 verification (OpenSSL's, `verify_signature`) accepts and
+    """The forgeries plain RFC 8032 verification (OpenSSL's, `verify_rfc8032`) accepts and
     dalek's `verify_strict` refuses: under each of the 8 small-order keys, (R = identity, S = 0)
     verifies for some of 64 messages (for all under the identity key); CCTV vector 5's R is of
     small order. S + L (the same signature with a non-canonical scalar) is refused by both, a
@@ -296,11 +297,11 @@ def test_verify_strict_refuses_small_order_keys_and_r_and_non_canonical_s_on_rea
         point = decompress(key)
         assert point is not None
         assert is_small_order(point)
-        plain = [verify_signature(key, m, IDENTITY_R_ZERO_S) for m in messages]
+        plain = [verify_rfc8032(key, m, IDENTITY_R_ZERO_S) for m in messages]
         assert any(plain), key.hex()  # a real forgery under OpenSSL's rules
         assert not any(verify_strict(key, m, IDENTITY_R_ZERO_S) for m in messages), key.hex()
     identity_key = compress(IDENTITY)
-    assert all(verify_signature(identity_key, m, IDENTITY_R_ZERO_S) for m in messages)
+    assert all(verify_rfc8032(identity_key, m, IDENTITY_R_ZERO_S) for m in messages)
     for y in (0, 1):  # non-canonical encodings (y + p) of small-order points decompress too
         noncanonical = (y + P).to_bytes(32, "little")
         point = decompress(noncanonical)
@@ -308,7 +309,7 @@ def test_verify_strict_refuses_small_order_keys_and_r_and_non_canonical_s_on_rea
         assert is_small_order(point)
         assert not verify_strict(noncanonical, messages[0], IDENTITY_R_ZERO_S)
 
-    assert verify_signature(CCTV_KEY, CCTV_MESSAGE, CCTV_SIGNATURE)
+    assert verify_rfc8032(CCTV_KEY, CCTV_MESSAGE, CCTV_SIGNATURE)
     assert not is_small_order(decompress(CCTV_KEY) or IDENTITY)
     assert not verify_strict(CCTV_KEY, CCTV_MESSAGE, CCTV_SIGNATURE)
 
@@ -316,9 +317,9 @@ def test_verify_strict_refuses_small_order_keys_and_r_and_non_canonical_s_on_rea
     s = int.from_bytes(signature[32:], "little")
     assert s < L
     high_s = signature[:32] + (s + L).to_bytes(32, "little")
-    assert not verify_signature(KEY.public_key, MESSAGE, high_s)
+    assert not verify_rfc8032(KEY.public_key, MESSAGE, high_s)
     assert not verify_strict(KEY.public_key, MESSAGE, high_s)
-    assert verify_signature(KEY.public_key, MESSAGE, signature)
+    assert verify_rfc8032(KEY.public_key, MESSAGE, signature)
     assert verify_strict(KEY.public_key, MESSAGE, signature)
     # random honest keys: strict and plain agree
     for i in range(8):
@@ -340,7 +341,7 @@ def test_the_precompile_refuses_what_verify_strict_refuses_with_agaves_invalid_s
     cases = []
     for key in SMALL_ORDER:
         message = next(
-            m for m in MESSAGES if verify_signature(key, m, IDENTITY_R_ZERO_S)
+            m for m in MESSAGES if verify_rfc8032(key, m, IDENTITY_R_ZERO_S)
         )  # fmt: skip
         cases.append(new_ed25519_instruction(key, message, IDENTITY_R_ZERO_S))
     cases.append(new_ed25519_instruction(CCTV_KEY, CCTV_MESSAGE, CCTV_SIGNATURE))

@@ -29,6 +29,7 @@ from psyche.coordinator.verification import (
     draw_batches,
 )
 from psyche.core.batch_id import BatchId
+from psyche.core.ed25519_strict import IDENTITY, compress
 from psyche.core.identity import SecretKey
 from psyche.core.node_identity import NodeIdentity
 from psyche.solana import pda
@@ -41,7 +42,6 @@ from psyche.solana.instructions.ed25519 import (
     PrecompileError,
     new_ed25519_instruction,
 )
-from psyche.solana.instructions.ed25519_strict import IDENTITY, compress
 from psyche.solana.keypair import derive_p2p_secret_key
 from psyche.solana.verification import verification_to_json
 

@@ -10,16 +10,18 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from psyche.core.atomic_file import write_atomically
+from psyche.core.ed25519_strict import (
+    PUBLIC_KEY_LEN,
+    SIGNATURE_LEN,
+    is_ed25519_point,
+    verify_strict,
+)
 
 SECRET_KEY_LEN = 32
-PUBLIC_KEY_LEN = 32
-
-SIGNATURE_LEN = 64
 
 PublicKey = bytes
 """A 32-byte ed25519 public key (upstream `PublicKey` / `EndpointId`)."""
@@ -100,13 +102,20 @@ class SecretKey:
 
 
 def verify_signature(public_key: bytes, message: bytes, signature: bytes) -> bool:
-    """Whether `signature` is `public_key`'s signature of `message`; False for any malformed input."""
-    try:
-        if len(public_key) != PUBLIC_KEY_LEN or len(signature) != SIGNATURE_LEN:
-            return False
-        Ed25519PublicKey.from_public_bytes(bytes(public_key)).verify(
-            bytes(signature), bytes(message)
-        )
-    except (InvalidSignature, ValueError, TypeError):
-        return False
-    return True
+    """Whether `signature` is `public_key`'s signature of `message` under ed25519-dalek's
+    `verify_strict` rules, as upstream checks every signature (iroh's `PublicKey::verify`):
+    besides RFC 8032's checks, a key or `R` of small order is refused, so no signature verifies
+    under a small-order key (`psyche.core.ed25519_strict`). False for any malformed input."""
+    return verify_strict(public_key, message, signature)
+
+
+__all__ = [
+    "PUBLIC_KEY_LEN",
+    "SECRET_KEY_LEN",
+    "SIGNATURE_LEN",
+    "PublicKey",
+    "SecretKey",
+    "is_ed25519_point",
+    "parse_hex_key",
+    "verify_signature",
+]

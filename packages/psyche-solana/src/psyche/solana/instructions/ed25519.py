@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from solders.instruction import AccountMeta, Instruction
 from solders.pubkey import Pubkey
 
-from psyche.solana.instructions.ed25519_strict import is_ed25519_point
+from psyche.core.identity import is_ed25519_point
 from psyche.solana.program_ids import ED25519_PROGRAM_ID, SYSVAR_INSTRUCTIONS_ID
 
 ED25519_PROGRAM = Pubkey.from_string(ED25519_PROGRAM_ID)

@@ -8,21 +8,21 @@ pays its fee (each signature the instruction claims is paid for: `ledger.message
 entries are checked one by one in agave's order (`verify_ed25519_instruction`). Programs do not
 call it; they read it back through the instructions sysvar
 (`psyche.solana.instructions.ed25519`). Each signature is checked as agave checks it, with
-ed25519-dalek's `verify_strict` (`psyche.solana.instructions.ed25519_strict`): a key or `R` of
-small order, a non-canonical `S` or `R` fails `InvalidSignature` where plain RFC 8032
-verification would pass some of them.
+ed25519-dalek's `verify_strict`, the project's `verify_signature` (`psyche.core.ed25519_strict`):
+a key or `R` of small order, a non-canonical `S` or `R` fails `InvalidSignature` where plain
+RFC 8032 verification would pass some of them.
 """
 
 from __future__ import annotations
 
+from psyche.core.identity import verify_signature
 from psyche.solana.instructions.ed25519 import verify_ed25519_instruction
-from psyche.solana.instructions.ed25519_strict import verify_strict
 from psyche.solana.localnet.runtime import InstructionFailure, InvokeContext
 
 
 def ed25519_program(ctx: InvokeContext) -> None:
     error = verify_ed25519_instruction(
-        ctx.data, ctx.ledger.running_instruction_datas(), verify_strict
+        ctx.data, ctx.ledger.running_instruction_datas(), verify_signature
     )
     if error is not None:
         raise InstructionFailure({"Custom": int(error)}, f"ed25519 precompile: {error.name}")
