@@ -20,8 +20,10 @@ round's batches (ascending) are shuffled with a seed derived from the committee 
 **draw** (`draw_batches`), known to nobody but it until its report: the pool shuffled with a
 seed from its own Ed25519 signature (p2p key) of `draw_message` (the run's id, the round's
 committee seed, its step and the verifier's pool: a draw of one run or round is refused in any
-other, and reveals nothing about another). RFC 8032 signatures are deterministic, so it has
-one draw a round and cannot choose it; the report carries the signature
+other, and reveals nothing about another). An honest verifier signs deterministically (RFC
+8032: one draw a round); a signature is no VRF, so a hostile one could grind nonces for the draw
+it likes, which gains it nothing that a false report about its draw does not. The report
+carries the signature
 (`VerificationReport.draw`) and `check_report` refuses one whose signature does not verify or
 that names a batch outside the draw. So a trainer cannot know
 before it commits whether its batch is checked (a draw from the committee seed alone, as before,
