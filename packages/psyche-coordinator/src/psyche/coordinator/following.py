@@ -62,7 +62,6 @@ epoch of three members (two followers each) convicts no trainer.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -72,6 +71,7 @@ from psyche.coordinator.verification import (
     Resolution,
     VerificationDuty,
     VerificationReport,
+    findings_problem,
 )
 from psyche.core.batch_id import BatchId
 from psyche.core.deterministic_shuffle import deterministic_shuffle
@@ -209,16 +209,7 @@ def check_follow_report(
     own = {d.batch_id for d in duties if d.verifier == sender}
     if not own:
         return f"{sender} follows no trainer of step {step}"
-    seen: set[BatchId] = set()
-    for finding in report.findings:
-        if finding.batch_id not in own:
-            return f"names {finding.batch_id}, whose trainer it does not follow"
-        if finding.batch_id in seen:
-            return f"names {finding.batch_id} twice"
-        if not math.isfinite(finding.score):
-            return f"a non-finite score for {finding.batch_id}"
-        seen.add(finding.batch_id)
-    return None
+    return findings_problem(report, own, "whose trainer it does not follow")
 
 
 def resolve_following(

@@ -52,6 +52,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from psyche.coordinator.backend import OpportunisticData
@@ -75,6 +76,7 @@ from psyche.coordinator.run_state import (
     WitnessMetadata,
 )
 from psyche.coordinator.verification import Resolution, RoundVerification, VerificationReport
+from psyche.core.batch_id import BatchId
 from psyche.core.drop_log import DropLog
 from psyche.core.node_identity import NodeIdentity
 
@@ -402,13 +404,27 @@ class ServerCore:
             )
             return False
         self.accepted_verification = (sender, report)
-        trainers = record.duties.trainers()
+        self._log_findings(sender, report, record.duties.trainers(), "verified")
+        dropped = False
+        for resolution in record.resolve():
+            dropped |= self._punish(resolution)
+        return dropped
+
+    def _log_findings(
+        self,
+        sender: NodeIdentity,
+        report: VerificationReport,
+        trainers: Mapping[BatchId, NodeIdentity],
+        kind: str,
+    ) -> None:
+        """Keep each finding of an accepted report in `verification_log` (`kind`: "verified" or
+        "followed") and warn of each mismatch."""
         for finding in report.findings:
             trainer = trainers[finding.batch_id]
             self.verification_log.append(
                 VerificationEvent(
                     report.step,
-                    "verified",
+                    kind,
                     trainer,
                     sender,
                     str(finding.batch_id),
@@ -418,17 +434,14 @@ class ServerCore:
             )
             if not finding.matches:
                 log.warning(
-                    "%s finds %s's result for %s at step %d wrong (score %.3g)",
+                    "%s finds %s's result for %s at step %d wrong (%s; score %.3g)",
                     sender,
                     trainer,
                     finding.batch_id,
                     report.step,
+                    "not its exact rebuild" if kind == "followed" else "by its recompute",
                     finding.score,
                 )
-        dropped = False
-        for resolution in record.resolve():
-            dropped |= self._punish(resolution)
-        return dropped
 
     def _on_following(self, sender: NodeIdentity, report: VerificationReport) -> bool:
         """A follower's exact findings (`psyche.coordinator.following`): kept once per sender and
@@ -444,27 +457,7 @@ class ServerCore:
             self.rejected.note("Following", f"follower report from {sender} refused: {problem}")
             return False
         trainers = {d.batch_id: d.trainer for d in record.duties}
-        for finding in report.findings:
-            trainer = trainers[finding.batch_id]
-            self.verification_log.append(
-                VerificationEvent(
-                    report.step,
-                    "followed",
-                    trainer,
-                    sender,
-                    str(finding.batch_id),
-                    bool(finding.matches),
-                    float(finding.score),
-                )
-            )
-            if not finding.matches:
-                log.warning(
-                    "%s finds %s's commitment for %s at step %d is not its exact rebuild",
-                    sender,
-                    trainer,
-                    finding.batch_id,
-                    report.step,
-                )
+        self._log_findings(sender, report, trainers, "followed")
         dropped = False
         for resolution in record.resolve():
             dropped |= self._punish(resolution)

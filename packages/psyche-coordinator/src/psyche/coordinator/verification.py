@@ -67,7 +67,7 @@ exact verification, where each trainer's followers rebuild its commitment bit fo
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated
 
@@ -407,10 +407,19 @@ def check_report(
         if drawn is None:
             return f"its draw is not its signature of step {duties.step}'s draw"
         own = {d.batch_id for d in drawn}
+    return findings_problem(report, own, "not among its duties")
+
+
+def findings_problem(
+    report: VerificationReport, own: Collection[BatchId], not_own: str
+) -> str | None:
+    """Why `report`'s findings are refused, or None: each names one of `own` (else
+    `not_own` says why), at most once, with a finite score. Shared by the verifiers' and the
+    followers' reports."""
     seen: set[BatchId] = set()
     for finding in report.findings:
         if finding.batch_id not in own:
-            return f"names {finding.batch_id}, not among its duties"
+            return f"names {finding.batch_id}, {not_own}"
         if finding.batch_id in seen:
             return f"names {finding.batch_id} twice"
         if not math.isfinite(finding.score):
