@@ -22,7 +22,9 @@ witness first compares each decoded result with what it knows of the run:
   DisTrO takes the lower of two, because one round can agree far more strongly than the next:
   the first round of an epoch, whose continuing members' momenta still hold what they sent
   last, agrees about twice as strongly as the rounds around it, and its median alone refused
-  the next round's honest results, a member just back with a fresh momentum's first), or when
+  the next round's honest results, a member just back with a fresh momentum's first; a sender
+  that joined after the witness is judged against half the level for its first rounds,
+  `fresh_sender_rounds`: its fresh momentum agrees about half as strongly), or when
   the `t`s of the sender's last `window_rounds` results here sum to less than
   `min_window_z * sqrt(n)` (late in a run a DisTrO result's own `t` is too noisy to judge
   alone, a consistently opposed sender's is not);
@@ -153,6 +155,19 @@ class ScreeningSettings:
     level_rounds: int = 1
     """The relative test's level: the lowest median of this many last rounds (more than one
     lags behind a run whose agreement grows, as a DiLoCo run's does over its first rounds)."""
+    fresh_sender_rounds: int = 0
+    fresh_sender_share: float = 1.0
+    """A sender of which this witness has checked fewer than `fresh_sender_rounds` results (with
+    an update of its own) while it has closed at least that many rounds itself (a member that
+    joined after the witness, or came back: a fresh momentum) is judged at its check against
+    `fresh_sender_share` of the level (`a x share x level - b`). In an all-honest real-process
+    run a joiner's second result agreed at `t` 9.03 where the witness's level was 21.84 (0.41 of
+    it), refused under 0.7 x 21.84 - 6, and with one witness a round that left its batch
+    without consensus and the honest joiner health-checked out; a tiny run's joiner on one row
+    beside members on four agreed at 0.46 of the level, 12.7 under 0.7 x 27.7 - 6
+    (`tests/modeling/test_screening_fresh.py`). Members that started with the witness are judged
+    as before (halving every sender's level let a sign flip through at a four-member run's
+    third round). 0: no sender is judged so."""
     level_min_results: int = 2
     """A round's level counts only when it is the median of at least this many results'
     `t`s; a round of fewer sets none (its place among the last `level_rounds` stays taken, so
@@ -208,6 +223,8 @@ class ScreeningSettings:
 DISTRO_SCREENING = ScreeningSettings(
     relative_agreement=(0.7, 6.0),
     level_rounds=2,
+    fresh_sender_rounds=4,
+    fresh_sender_share=0.5,
     held_consensus="refuses",
     consensus_outlier=(0.65, 0.5),
 )
@@ -766,6 +783,8 @@ class WitnessScreen:
         """Each sender's recent `t`s along the aggregate alone (rounds without an own update):
         another scale than `_agreements`', so kept apart from the window test of those."""
         self._levels: deque[float | None] = deque(maxlen=settings.level_rounds)
+        self._closed_rounds = 0
+        """Rounds closed with checks against an update of the witness's own (a level's)."""
         """The median `t` of each of the last rounds (`level_rounds`) that had any; None for
         a round of fewer than `level_min_results` (`_closed_levels`)."""
         self._fingerprints: deque[list[Fingerprint]] = deque(maxlen=settings.history_rounds)
@@ -943,7 +962,11 @@ class WitnessScreen:
         if reference is not None:
             history.append(measure.agreement)
             levels = self._level_list(screen)
-            problem = self._first_order_problem(measure, reference.own_norm, history, levels)
+            fresh = len(history) <= settings.fresh_sender_rounds <= self._closed_rounds
+            share = settings.fresh_sender_share if fresh else 1.0
+            problem = self._first_order_problem(
+                measure, reference.own_norm, history, levels, share=share
+            )
         else:
             problem = self._blind_problem(measure, screen, history, measured)
         copy = self._copy(measure, earlier) if problem is None or reference is None else None
@@ -1033,9 +1056,11 @@ class WitnessScreen:
         history: Sequence[float],
         levels: Sequence[float],
         floor: bool = True,
+        share: float = 1.0,
     ) -> str | None:
         """`basis_norm`: the norm a result's is compared with (the witness's own sent result's;
-        without one, the round's other results'); 0: none. `floor`: `min_agreement` judges."""
+        without one, the round's other results'); 0: none. `floor`: `min_agreement` judges.
+        `share`: of the lowest level (`fresh_sender_share` for a fresh sender)."""
         settings = self.settings
         if measure.norm == 0.0:
             return "the update is zero"
@@ -1053,10 +1078,11 @@ class WitnessScreen:
         if settings.relative_agreement is not None and levels:
             a, b = settings.relative_agreement
             level = min(levels)
-            if t < a * level - b:
+            if t < a * share * level - b:
+                factor = f"{a:g} x {share:g}" if share != 1.0 else f"{a:g}"
                 return (
-                    f"agreement t = {t:.2f} is below {a:g} x {level:.2f} (the lowest median of "
-                    f"this witness's last {len(levels)} rounds) - {b:g}"
+                    f"agreement t = {t:.2f} is below {factor} x {level:.2f} (the lowest median "
+                    f"of this witness's last {len(levels)} rounds) - {b:g}"
                 )
         if len(history) >= settings.window_min_results:
             z = sum(history) / math.sqrt(len(history))
@@ -1397,6 +1423,7 @@ class WitnessScreen:
                 self._direction = self._direction_key = None  # the next round gathers
             if screen.agreements or screen.refused_agreements:
                 self._levels.append(_round_level(screen, self.settings.level_min_results))
+                self._closed_rounds += 1
             self._fingerprints.append(list(screen.seen))
             screen.folded = True
 
