@@ -15,7 +15,7 @@ from collections.abc import Callable, Hashable, Sequence
 import pytest
 import torch
 
-from psyche.core.definitions import ConstantLR, DilocoTransmission, LearningRateSchedule
+from psyche.core.definitions import DilocoTransmission
 from psyche.modeling.diloco import Diloco, DilocoPeerSimulation, DilocoSettings
 from psyche.modeling.distro import DistroResult
 from psyche.modeling.hostile import Attack, DilocoFormat, HostileMember, HostileMembers
@@ -33,16 +33,12 @@ from psyche.modeling.screening import (
 )
 
 from .conftest import SEQ, bigram_corpus
-from .screening_rounds import ROWS, honest_results, model
+from .screening_rounds import ROWS, constant, honest_results, model, witness_simulation
 
 T = DilocoTransmission
 
 
 pytestmark = pytest.mark.usefixtures("single_thread")
-
-
-def constant(lr: float) -> LearningRateSchedule:
-    return LearningRateSchedule.Constant(ConstantLR(lr, 0.0, 0))
 
 
 def run(
@@ -314,19 +310,9 @@ def test_a_member_back_at_a_new_epoch_passes_after_a_round_that_agreed_strongly(
     in-process rejoin test's `payload_refused`, then no consensus for its batch and a health
     check on an honest client); against the lower median of the last two rounds, every honest
     result passes."""
-    settings = DistroSettings(compression_chunk=16, compression_topk=8, clip_grad_norm=1.0)
-    sim = PeerSimulation([model() for _ in range(3)], settings, lr=constant(3e-3))
-    sent_by_round: list[list[list]] = []  # type: ignore[type-arg]
-
-    def exchange(sent: list[list], step: int) -> list[list]:  # type: ignore[type-arg]
-        sent_by_round.append(sent)
-        return sent
-
-    sim._exchange = exchange  # type: ignore[method-assign]
-    witness_distro = sim.peers[0].distro
-    witness_distro.keep_encoded = True
-    reader = ResultReader.of(witness_distro)
-    witness = WitnessScreen(reader, DISTRO_SCREENING)
+    ws = witness_simulation()
+    settings, sim, sent_by_round, witness = ws.settings, ws.sim, ws.sent_by_round, ws.witness
+    reader, witness_distro = ws.reader, ws.witness_distro
     back_at, rounds = 12, 15
     data = bigram_corpus(rounds * 3, SEQ, seed=1)
     verdicts = []

@@ -12,11 +12,7 @@ from typing import Literal
 import pytest
 
 from psyche.core.batch_id import BatchId
-from psyche.core.definitions import CosineLR, LearningRateSchedule, OptimizerDefinition
-from psyche.modeling.causal_lm import CausalLM, ModelOptions
-from psyche.modeling.configs import llama_config_dict
 from psyche.modeling.hostile import Attack, HostileMember, make_hostile
-from psyche.modeling.research import DistroSettings
 from psyche.modeling.screening import (
     DISTRO_SCREENING,
     Measure,
@@ -25,33 +21,19 @@ from psyche.modeling.screening import (
     screening_settings,
 )
 from psyche.modeling.serialized_distro import decode_transmittable
-from psyche.modeling.trainer import Batch, Trainer
+from psyche.modeling.trainer import Batch
 
 from .conftest import SEQ, bigram_corpus
+from .screening_rounds import HOSTILE, MEMBERS, distro_member
 
 pytestmark = pytest.mark.usefixtures("single_thread")
-
-MEMBERS = 4
-HOSTILE = 3
-
-
-def _trainer() -> Trainer:
-    """A member's trainer as `honest_checks.py` builds it (seed 1337, cosine LR from 1e-2)."""
-    options = ModelOptions(architecture="HfLlama", device="cpu", seed=1337)
-    model = CausalLM.from_config(llama_config_dict("tiny"), options)
-    settings = DistroSettings(compression_chunk=16, compression_topk=4, clip_grad_norm=1.0)
-    schedule = LearningRateSchedule.Cosine(
-        CosineLR(base_lr=1e-2, warmup_init_lr=0.0, final_lr=1e-3, warmup_steps=0, total_steps=2)
-    )
-    definition = OptimizerDefinition.Distro(settings.definition())
-    return Trainer(model, schedule, definition, micro_batch_size=1)
 
 
 def _first_round(held_consensus: Literal["refuses"] | None) -> dict[int, dict[int, Verdict]]:
     """Four members' first round, the last one sign-flipping: each honest witness's verdicts
     (what it votes by) on the others' results."""
     data = bigram_corpus(2 * MEMBERS * 2, SEQ)
-    trainers = [_trainer() for _ in range(MEMBERS)]
+    trainers = [distro_member() for _ in range(MEMBERS)]
     make_hostile(trainers[HOSTILE], HostileMember(Attack.SignFlip, seed=HOSTILE))
     readers = [t.screening_reader() for t in trainers]
     outs = [
@@ -118,7 +100,7 @@ def test_a_level_from_one_result_a_round_does_not_refuse_an_honest_result() -> N
     run in four). A round of fewer than `level_min_results` results sets no level; the floor
     and the window still judge."""
     data = bigram_corpus(4, SEQ)
-    trainer = _trainer()
+    trainer = distro_member()
     reader = trainer.screening_reader()
     assert reader is not None
     witness = WitnessScreen(reader, DISTRO_SCREENING)

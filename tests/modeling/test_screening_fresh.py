@@ -15,12 +15,11 @@ import pytest
 import torch
 
 from psyche.modeling.hostile import DistroFormat
-from psyche.modeling.research import DistroSettings, PeerSimulation
-from psyche.modeling.screening import DISTRO_SCREENING, ResultReader, WitnessScreen
+from psyche.modeling.research import PeerSimulation
+from psyche.modeling.screening import DISTRO_SCREENING
 
 from .conftest import SEQ, bigram_corpus
-from .screening_rounds import model
-from .test_screening import constant
+from .screening_rounds import constant, witness_simulation
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -34,19 +33,9 @@ def test_a_joiners_first_small_batch_passes_and_its_lies_do_not() -> None:
     (`fresh_sender_share`, a half: a fresh momentum agrees about half as strongly) it passes. Its
     sign flip and a random-sign copy of it in the same round (new senders too) are still refused
     (the floor; the round's consensus), and no honest result is."""
-    settings = DistroSettings(compression_chunk=16, compression_topk=8, clip_grad_norm=1.0)
-    sim = PeerSimulation([model() for _ in range(3)], settings, lr=constant(3e-3))
-    sent_by_round: list[list[list]] = []  # type: ignore[type-arg]
-
-    def exchange(sent: list[list], step: int) -> list[list]:  # type: ignore[type-arg]
-        sent_by_round.append(sent)
-        return sent
-
-    sim._exchange = exchange  # type: ignore[method-assign]
-    witness_distro = sim.peers[0].distro
-    witness_distro.keep_encoded = True
-    reader = ResultReader.of(witness_distro)
-    witness = WitnessScreen(reader, DISTRO_SCREENING)
+    ws = witness_simulation()
+    settings, sim, sent_by_round, witness = ws.settings, ws.sim, ws.sent_by_round, ws.witness
+    reader, witness_distro = ws.reader, ws.witness_distro
     rows, join_at = 4, 6
     data = bigram_corpus(29 * rows, SEQ, seed=1)  # the corpus depends on its length
     flip = DistroFormat(witness_distro, quantize_1bit=True)

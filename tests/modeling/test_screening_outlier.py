@@ -25,8 +25,8 @@ from psyche.modeling.screening import (
 from psyche.modeling.serialized_distro import decode_transmittable
 from psyche.modeling.trainer import Batch
 
-from .conftest import bigram_corpus
-from .test_screening_first_round import HOSTILE, MEMBERS, SEQ, _trainer
+from .conftest import SEQ, bigram_corpus
+from .screening_rounds import HOSTILE, MEMBERS, distro_member
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -41,7 +41,7 @@ def _run(attack: Attack) -> tuple[dict[str, list[int]], dict[str, list[str]]]:
     (from 1) whose quorum held the hostile result, and why honest results were refused. The run
     applies what the outlier test lets through."""
     data = bigram_corpus(ROUNDS * MEMBERS * 2, SEQ)
-    trainers = [_trainer() for _ in range(MEMBERS)]
+    trainers = [distro_member() for _ in range(MEMBERS)]
     make_hostile(trainers[HOSTILE], HostileMember(attack, seed=HOSTILE))
     settings: dict[str, ScreeningSettings] = {"with": WITH, "without": WITHOUT}
     screens = {
@@ -112,7 +112,7 @@ def test_the_round_sum_in_windows_has_the_bits_of_a_model_sized_one() -> None:
     (`_windowed_agreements`): each result's `t` along the others' sum is the same to the bit
     as through one model-sized sum (the way it was computed before), for results of 64 entries
     per block of 256 (random positions in every block, values of several magnitudes)."""
-    reader = _trainer().screening_reader()
+    reader = distro_member().screening_reader()
     assert reader is not None
     blocks = reader.size // 256
     g = torch.Generator().manual_seed(0)
