@@ -976,6 +976,7 @@ def test_an_iwant_is_answered_once_per_id_and_bounded_per_peer() -> None:
             router = a.gossip.router
             await wait_until(lambda: b.gossip.pubsub.my_id in router.peer_protocol, 30)
             await wait_until(lambda: a.gossip.pubsub.my_id in b.gossip.router.peer_protocol, 30)
+            await wait_until(lambda: router.holders.heartbeat >= 1, 30)  # the first, and only
             cached = [
                 rpc_pb2.Message(
                     data=i.to_bytes(4, "big") * 1000, from_id=b"o", seqno=b"1", topicIDs=["t"]
@@ -989,10 +990,10 @@ def test_an_iwant_is_answered_once_per_id_and_bounded_per_peer() -> None:
             sent: list[int] = []
             send, handle = router.send_rpc, router.handle_iwant
 
-            def counted_send(peer: Any, rpc: Any) -> None:
+            def counted_send(peer: Any, rpc: Any, **options: Any) -> None:
                 if peer == b.gossip.pubsub.my_id:
                     sent.append(len(rpc.publish))
-                send(peer, rpc)
+                send(peer, rpc, **options)
 
             async def counted_handle(iwant: Any, peer: Any) -> None:
                 await handle(iwant, peer)
