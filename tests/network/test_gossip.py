@@ -12,6 +12,7 @@ import blake3
 import pytest
 import trio
 from libp2p.network.exceptions import SwarmException
+from libp2p.pubsub.pb import rpc_pb2
 
 from psyche.client.round.broadcast import (
     Broadcast,
@@ -28,6 +29,9 @@ from psyche.network.connection import NetworkConnection
 from psyche.network.download import DownloadComplete
 from psyche.network.events import MessageReceived, NetworkEvent, PeerConnected
 from psyche.network.gossip import (
+    IWANT_ANSWERS_PER_PEER,
+    IWANT_IDS_ANSWERED,
+    IWANT_RESENDS_PER_MESSAGE,
     REPAIR_ADVERTS_PER_PEER,
     GossipConfig,
     GossipRejected,
@@ -541,6 +545,19 @@ def test_the_repair_spreads_its_adverts_over_the_window_and_then_stops() -> None
     assert holders._held == {}
 
 
+@pytest.mark.parametrize("window", [-1, 1, 23])
+def test_a_repair_window_too_short_for_the_advert_schedule_is_refused(window: int) -> None:
+    """The repair advertises a message to a peer that lacks it 0, 1, 3, 7, 15 and 23 heartbeats
+    after its first advert, answered from a cache that keeps `repair_window` heartbeats: a
+    window of 23 or less would advertise what it no longer holds. Before, such a window was
+    taken silently."""
+    assert advert_offsets()[-1] == 23
+    with pytest.raises(ValueError, match="repair_window"):
+        GossipConfig(repair_window=window)
+    assert GossipConfig(repair_window=0).repair_window == 0
+    assert GossipConfig(repair_window=24).repair_window == 24
+
+
 def test_a_peer_that_refuses_a_message_for_seconds_still_gets_it_by_repair() -> None:
     """A peer that could take none of the repair's first adverts (here it refuses the message
     for 5 s, as a node whose gossip stream is being re-opened or whose process is stalled
@@ -941,5 +958,73 @@ def test_a_copy_naming_another_origin_does_not_mark_that_peer_as_holding_the_mes
             assert holders.worth_advertising(mid, v_id)
             await connect_pairs([a, b, c, v], [(3, 1)])  # v hears of it from b only
             assert await next_message(v, timeout=30) == message
+
+    trio.run(main)
+
+
+def test_an_iwant_is_answered_once_per_id_and_bounded_per_peer() -> None:
+    """A run member's IWANTs, sent over the wire to a real node, are answered with each cached
+    message once per IWANT (one id named 2000 times: one copy), each message at most
+    `IWANT_RESENDS_PER_MESSAGE` times to that peer, at most `IWANT_IDS_ANSWERED` ids per IWANT
+    and `IWANT_ANSWERS_PER_PEER` messages per heartbeat. Before, py-libp2p's answer held every
+    id named, repeats included: 2000 copies of a 4 KB message (8 MB for a 68 KB request)."""
+
+    async def main() -> None:
+        # no heartbeat but the first: the per-heartbeat budget is reset only where the test says
+        async with open_nodes(2, gossip=GossipConfig(heartbeat_interval=3600.0)) as (a, b):
+            await connect_pairs([a, b], [(0, 1)])
+            router = a.gossip.router
+            await wait_until(lambda: b.gossip.pubsub.my_id in router.peer_protocol, 30)
+            await wait_until(lambda: a.gossip.pubsub.my_id in b.gossip.router.peer_protocol, 30)
+            await wait_until(lambda: router.holders.heartbeat >= 1, 30)  # the first, and only
+            cached = [
+                rpc_pb2.Message(
+                    data=i.to_bytes(4, "big") * 1000, from_id=b"o", seqno=b"1", topicIDs=["t"]
+                )
+                for i in range(2 * IWANT_ANSWERS_PER_PEER)
+            ]
+            for message in cached:
+                router.mcache.put(message)
+            ids = list(router.mcache.msgs)
+            handled: list[int] = []
+            sent: list[int] = []
+            send, handle = router.send_rpc, router.handle_iwant
+
+            def counted_send(peer: Any, rpc: Any, **options: Any) -> None:
+                if peer == b.gossip.pubsub.my_id:
+                    sent.append(len(rpc.publish))
+                send(peer, rpc, **options)
+
+            async def counted_handle(iwant: Any, peer: Any) -> None:
+                await handle(iwant, peer)
+                handled.append(1)
+
+            router.send_rpc = counted_send
+            router.handle_iwant = counted_handle
+            # py-libp2p's own 10 IWANTs per second per peer is not what this test examines
+            router.max_iwant_requests_per_second = float("inf")
+
+            async def iwant(mids: list[bytes]) -> int:
+                """Messages sent back for one IWANT from b."""
+                before_sent, before_handled = len(sent), len(handled)
+                rpc = rpc_pb2.RPC(
+                    control=rpc_pb2.ControlMessage(iwant=[rpc_pb2.ControlIWant(messageIDs=mids)])
+                )
+                b.gossip.router.send_rpc(a.gossip.pubsub.my_id, rpc)
+                await wait_until(lambda: len(handled) > before_handled, 30)
+                return sum(sent[before_sent:])
+
+            assert await iwant([ids[0]] * 2000) == 1
+            for _ in range(IWANT_RESENDS_PER_MESSAGE - 1):
+                assert await iwant([ids[0], ids[0]]) == 1
+            assert await iwant([ids[0]]) == 0  # sent IWANT_RESENDS_PER_MESSAGE times already
+            resent = IWANT_RESENDS_PER_MESSAGE
+            rest = ids[1:]
+            assert await iwant(rest) == IWANT_IDS_ANSWERED
+            second = await iwant(rest[IWANT_IDS_ANSWERED:])
+            assert second == IWANT_ANSWERS_PER_PEER - resent - IWANT_IDS_ANSWERED
+            assert await iwant(rest[2 * IWANT_IDS_ANSWERED :]) == 0  # this heartbeat's budget spent
+            router.gossip_heartbeat()
+            assert await iwant(rest[2 * IWANT_IDS_ANSWERED :]) == IWANT_IDS_ANSWERED
 
     trio.run(main)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ import trio.testing
 from psyche.modeling.sharing import TENSOR_CODEC, model_hash
 from psyche.network.connection import NetworkConnection
 from psyche.network.model_download import ModelDownload
-from psyche.network.model_sharing import results_version
+from psyche.network.model_sharing import answer_batch, results_version
 from psyche.network.peer_manager import MAX_ERRORS_PER_PEER, PeersUnreachable
 from psyche.network.sharable_model import (
     SharableModel,
@@ -317,11 +318,14 @@ def test_a_joiner_that_asks_after_the_warmup_waits_for_the_next_one() -> None:
 def test_a_window_that_opens_while_a_batch_is_answered_is_no_restart(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A provider looks a batch's names up concurrently, so the warmup can start while it
-    answers: the first names get "not serving now", the rest tickets. That answer is no
-    closed window: the joiner keeps the tickets and goes on (before, the peer counted as one
-    that had served and then stopped, and the download restarted: CI on 10f4324 failed
-    `test_a_joiner_that_asks_after_the_warmup_waits_for_the_next_one` with restarts 1)."""
+    """A warmup starts while a peer's first batch is answered: the first names get "not
+    serving now", the rest tickets (a provider of this port answers a batch from one window,
+    `answer_batch`; another's may not). That answer is no closed window: no restart (before
+    10f4324's successor, the peer counted as one that had served and then stopped: CI on
+    10f4324 failed `test_a_joiner_that_asks_after_the_warmup_waits_for_the_next_one` with
+    restarts 1); the joiner keeps none of its tickets (it cannot tell an opening window from a
+    closing one, `test_a_window_that_closes_while_a_first_batch_is_answered_mixes_nothing`),
+    asks again and gets the new model."""
     after = make_parameters(7)
 
     async def main() -> None:
@@ -356,6 +360,103 @@ def test_a_window_that_opens_while_a_batch_is_answered_is_no_restart(
             assert model_hash(got.parameters) == model_hash(after)
             assert download.restarts == 0
             nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_a_window_that_closes_while_a_first_batch_is_answered_mixes_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A peer's serving window closes while its first batch is answered (the first names
+    get tickets of the old model, the rest "not serving now", as a provider that looks names
+    up one by one may answer), and the next window opens before the joiner asks it again.
+    The joiner, expecting no version (`ModelDownload`'s default; an expected version refuses
+    the old model's tickets anyway), ends with one model's parameters, the new one's. Before, that answer's tickets were kept without restart (the peer had served nothing
+    before it): with no version expected the joiner ended with half of each model."""
+    before, after = make_parameters(15), make_parameters(16)
+
+    async def main() -> None:
+        async with (
+            open_nodes(2, model_codec=TENSOR_CODEC) as (provider, joiner),
+            trio.open_nursery() as nursery,
+        ):
+            (model,) = await serve_from(nursery, [provider], joiner, before)
+            ask_many = joiner.request_model_blob_tickets
+            mixed: list[list[TicketResult]] = []
+
+            async def many(peer: bytes, names: list[str]) -> list[TicketResult]:
+                if mixed or len(names) < 2:
+                    return await ask_many(peer, names)
+                half = len(names) // 2
+                head = await ask_many(peer, names[:half])  # the window is open
+                model.clear_cache()  # and closes
+                results = head + await ask_many(peer, names[half:])
+                model.update_parameters(after)  # the next opens before the joiner asks
+                mixed.append(results)
+                return results
+
+            monkeypatch.setattr(joiner, "request_model_blob_tickets", many)
+            download = ModelDownload(joiner, [provider.endpoint_id])
+            with trio.fail_after(120):
+                got = await download.run()
+            (answer,) = mixed
+            half = len(answer) // 2
+            assert all(isinstance(r, TicketResult.Ok) for r in answer[:half])
+            assert all(isinstance(r, TicketResult.Err) for r in answer[half:])
+            assert model_hash(got.parameters) == model_hash(after)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_a_provider_answers_a_batch_from_one_serving_window() -> None:
+    """The provider's model is replaced while it answers a batch: some names were serialized
+    already (tickets of the old model at once), the others wait for their serialization. The
+    answer is all "not serving now", never old tickets beside refusals; and a window that
+    closes mid-batch likewise. Before, the answer mixed the old model's tickets (labelled with
+    its version) and "not serving now" for the rest."""
+    parameters, newer = make_parameters(17), make_parameters(18)
+    names = list(parameters)
+    not_serving = TicketResult.Err(SharableModelError.ParametersNotInitialized())
+
+    async def main() -> None:
+        async with open_nodes(1, model_codec=TENSOR_CODEC) as (node,):
+            codec = CountingCodec()
+            model = provider_model(parameters)
+            model.update_parameters(parameters, 1)
+
+            async def answer(request: ModelRequestType) -> TicketResult:
+                return await answer_request(request, model, node.add_downloadable, codec)
+
+            async def answered_across(change: Callable[[], None]) -> list[TicketResult]:
+                model.update_parameters(parameters, 1)
+                for name in names[:3]:  # serialized already
+                    ticket = await answer(ModelRequestType.Parameter(name))
+                    assert isinstance(ticket, TicketResult.Ok)
+                codec.open.clear()
+                encoded = len(codec.encoded)
+                got: list[tuple[list[TicketResult], int | None]] = []
+
+                async def ask() -> None:
+                    got.append(await answer_batch(answer, names))
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(ask)
+                    await wait_until(lambda: len(codec.encoded) > encoded, 30)
+                    change()
+                    codec.open.set()
+                ((results, version),) = got
+                assert version is None
+                return results
+
+            replaced = await answered_across(lambda: model.update_parameters(newer, 2))
+            assert replaced == [not_serving] * len(names)
+            closed = await answered_across(model.clear_cache)
+            assert closed == [not_serving] * len(names)
+            model.update_parameters(parameters, 1)
+            results, version = await answer_batch(answer, names)
+            assert all(isinstance(r, TicketResult.Ok) for r in results)
+            assert version == 1
 
     trio.run(main)
 

@@ -35,10 +35,13 @@ from psyche.network.blob_protocol import (
 from psyche.network.blob_routes import OLDER_PROVIDER_SECS, SIDE_CHANNEL, BlobRoutes
 from psyche.network.blob_transport import BlobServer, TcpBlobTransport
 from psyche.network.connection import NetworkConnection
+from psyche.network.download import DownloadFailed
 from psyche.network.model_download import ModelDownload
+from psyche.network.peer_manager import PeerManager
 from psyche.network.secure_channel import PeerRefused
+from psyche.network.stats import PeerBandwidth
 from psyche.network.testing import open_nodes, serve_model
-from psyche.network.ticket import BlobTicket, EndpointAddr, blob_hash
+from psyche.network.ticket import BlobFormat, BlobTicket, EndpointAddr, blob_hash
 from psyche.network.transmittable import (
     DownloadType,
     ModelRequestType,
@@ -618,6 +621,53 @@ def test_an_older_provider_is_asked_for_the_model_on_its_side_channel_once_for_a
                 assert len(opened) == 4
                 assert await routes.ask(addr, lambda s: s.config(TIMEOUT)) is None
                 assert len(opened) == 4
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_side_channel_providers_are_measured_and_ranked_like_any() -> None:
+    """The download fetches two providers' blobs on the side channel (no libp2p connection
+    to them) and a third's over libp2p: every provider's bandwidth is measured, so the next
+    download ranks them alike; a side-channel provider whose blob then fails falls to the
+    failed tier (asked last). Before, a side-channel provider's measurements were dropped (the
+    monitor kept entries only for libp2p connections): it stayed unmeasured, behind the
+    libp2p-measured peer, and its failure was never noted."""
+    parameters = make_parameters(31)
+
+    async def main() -> None:
+        async with (
+            open_nodes(4, model_codec=TENSOR_CODEC) as nodes,
+            trio.open_nursery() as nursery,
+        ):
+            *providers, joiner = nodes
+            for provider in providers:
+                nursery.start_soon(serve_model, provider, provider_model(parameters))
+            await introduce_all(joiner, providers[:2])
+            joiner.address_book.add(without_side_channel(providers[2].endpoint_addr()))
+            ids = [p.endpoint_id for p in providers]
+            download = ModelDownload(joiner, ids)
+            with trio.fail_after(60):
+                got = await download.run()
+            assert model_hash(got.parameters) == model_hash(parameters)
+            monitor = joiner.connection_monitor
+            assert not set(ids[:2]) & set(monitor.connected_peers())  # fetched on the side channel
+            for peer in ids:
+                bandwidth = monitor.get_bandwidth(peer)
+                assert isinstance(bandwidth, PeerBandwidth.Measured), bandwidth
+                assert bandwidth.value > 0
+            # a blob the side-channel provider does not hold: its download fails
+            missing = BlobTicket(providers[0].endpoint_addr(), BlobFormat.Raw, blob_hash(b"x"), 1)
+            with trio.fail_after(60):
+                outcome = await joiner.start_download(
+                    missing, "missing", DownloadType.ModelSharing(CONFIG)
+                ).finished()
+            assert isinstance(outcome, DownloadFailed)
+            assert monitor.get_bandwidth(ids[0]) == PeerBandwidth.Measured(0.0)
+            ranking = PeerManager(monitor)
+            ranking.set_peers(ids)
+            asked = [ranking.get_next_peer() for _ in ids]
+            assert asked[-1] == ids[0]
             nursery.cancel_scope.cancel()
 
     trio.run(main)

@@ -2,7 +2,8 @@
 
 Upstream reads QUIC's path RTT; py-libp2p reports ping RTT in whole milliseconds, so the network
 times its own pings (every `RTT_PROBE_INTERVAL_SECS`) and feeds them in here. An entry outlives
-its connection (path cleared, bandwidth kept) so a peer's record survives reconnects.
+its connection (path cleared, bandwidth kept) so a peer's record survives reconnects; a peer's
+bandwidth is kept even if it never had a libp2p connection (blobs fetched on the side channel).
 """
 
 from __future__ import annotations
@@ -81,9 +82,16 @@ class ConnectionMonitor:
     # queries -------------------------------------------------------------------------------------
 
     def update_peer_bandwidth(self, peer: bytes, bandwidth: PeerBandwidth) -> None:
+        """Kept for every peer, whatever carried its blobs: a peer fetched from on the blob side
+        channel alone has no libp2p connection (a not-connected entry is made for it), and its
+        measurements, a failure's `Measured(0)` included, rank it as any other's
+        (`PeerManager.get_next_peer`). Before, they were dropped: side-channel providers stayed
+        unmeasured, ranked behind every libp2p-measured one, and one that failed never fell to
+        the failed tier."""
         data = self._connections.get(peer)
-        if data is not None:
-            self._connections[peer] = replace(data, bandwidth=bandwidth)
+        if data is None:
+            data = ConnectionData(peer, bandwidth, None, False)
+        self._connections[peer] = replace(data, bandwidth=bandwidth)
 
     def get_connection(self, peer: bytes) -> ConnectionData | None:
         return self._connections.get(peer)

@@ -186,7 +186,17 @@ class GossipConfig:
     """Heartbeats during which a node advertises (IHAVE) the messages it holds to *every*
     gossip peer, its mesh included, so a peer that the mesh push missed asks for them (IWANT)
     and gets them (`_PsycheGossipSub`); 0: GossipSub's own gossip only (3 heartbeats, to
-    peers outside the mesh)."""
+    peers outside the mesh). Otherwise it must outlast the last advert
+    (`advert_offsets()[-1]`: 23): a message is advertised to a peer that lacks it at those
+    heartbeats, and one advertised after it left the cache draws an IWANT nothing answers."""
+
+    def __post_init__(self) -> None:
+        last_advert = advert_offsets()[-1]
+        if self.repair_window < 0 or 0 < self.repair_window <= last_advert:
+            raise ValueError(
+                f"repair_window {self.repair_window}: 0 (no repair) or more than the last "
+                f"advert's heartbeat ({last_advert}), so every advert can still be answered"
+            )
 
 
 class GossipRejected(ValueError):
@@ -446,6 +456,18 @@ after a 10 s protocol timeout) never got the message: 841-991 of 992 (node, send
 round, the misses clustered in one process's nodes. Spread out, twice the old number of IHAVEs
 per message and peer spans 23 heartbeats instead of 2."""
 
+IWANT_IDS_ANSWERED = 256
+"""Distinct ids answered of one IWANT (the rest are ignored: a peer that lacks more asks on
+a later heartbeat). py-libp2p answered every id named, repeats included: one IWANT naming one
+cached id 2000 times (68 KB) drew 2000 copies (8 MB)."""
+IWANT_ANSWERS_PER_PEER = 512
+"""Messages sent to one peer in answer to its IWANTs per heartbeat, all its IWANTs together."""
+IWANT_RESENDS_PER_MESSAGE = REPAIR_ADVERTS_PER_PEER
+"""Times one cached message is sent to one peer in answer to IWANTs (go-libp2p caps it at 3,
+`GossipSubGossipRetransmission`): one per advert the repair makes to that peer, which a peer
+that refused the message (not admitting its signer yet) may each answer with an IWANT; a peer
+that asks again is not served."""
+
 
 def _gap_after(adverts: int) -> int:
     """Heartbeats between advert number `adverts` (1-based) and the next one."""
@@ -569,8 +591,10 @@ class _PsycheGossipSub(GossipSub):
     repaired message is then validated and forwarded as any other, so a miss anywhere on the
     path is repaired hop by hop. Bounds: only validated messages are cached and advertised,
     only to run members (the host admits no one else), each IHAVE and IWANT is rate limited
-    per peer by py-libp2p (10/s), an IWANT is answered only from the cache; the cost is one
-    IHAVE of up to a window's ids per peer per heartbeat."""
+    per peer by py-libp2p (10/s), an IWANT is answered only from the cache, each id once, at
+    most `IWANT_IDS_ANSWERED` ids an IWANT, `IWANT_ANSWERS_PER_PEER` messages a peer a
+    heartbeat and `IWANT_RESENDS_PER_MESSAGE` copies of a message to a peer (`handle_iwant`);
+    the cost is one IHAVE of up to a window's ids per peer per heartbeat."""
 
     def __init__(
         self,
@@ -588,6 +612,10 @@ class _PsycheGossipSub(GossipSub):
             self.mcache.window_size, max(self.mcache.history_size, repair_window)
         )
         self.holders = _Holders(self._cached)
+        self._resent: dict[bytes, dict[ID, int]] = {}
+        """Cached message id -> peer -> times sent to it in answer to IWANTs."""
+        self._answered: dict[ID, int] = {}
+        """Peer -> messages sent to it in answer to IWANTs this heartbeat."""
 
     def gossip_heartbeat(self) -> Any:
         """GossipSub's gossip and the repair's, each id advertised only to peers not known
@@ -595,6 +623,9 @@ class _PsycheGossipSub(GossipSub):
         peers_to_gossip = super().gossip_heartbeat()
         cache = self.mcache
         assert isinstance(cache, _ContentMessageCache)
+        self._answered.clear()
+        for mid in [m for m in self._resent if m not in cache.msgs]:
+            del self._resent[mid]
         if self.repair_window > 0 and self.pubsub is not None:
             for topic in self.mesh:
                 recent = cache.recent(topic, self.repair_window)
@@ -667,6 +698,33 @@ class _PsycheGossipSub(GossipSub):
             del queue[:excess]
         if not queue:
             del self._pending_messages[peer_id]
+
+    async def handle_iwant(self, iwant_msg: rpc_pb2.ControlIWant, sender_peer_id: ID) -> None:
+        """GossipSub's answer (one RPC of the cached messages named, after py-libp2p's 10
+        IWANTs per second per peer), bounded: each id once per IWANT, at most
+        `IWANT_IDS_ANSWERED` of them, at most `IWANT_ANSWERS_PER_PEER` messages per peer per
+        heartbeat and each message at most `IWANT_RESENDS_PER_MESSAGE` times to one peer.
+        py-libp2p answered every id named, repeats included, so any run member could make a
+        node send 118 bytes for each byte it asked with (one cached id named 2000 times)."""
+        budget = IWANT_ANSWERS_PER_PEER - self._answered.get(sender_peer_id, 0)
+        wanted: list[Any] = []
+        named: set[bytes] = set()
+        for raw in iwant_msg.messageIDs:
+            if len(wanted) >= min(budget, IWANT_IDS_ANSWERED):
+                break
+            mid = safe_bytes_from_hex(raw)
+            if mid is None or mid in named or mid not in self.mcache.msgs:
+                continue
+            named.add(mid)
+            sent = self._resent.setdefault(mid, {})
+            if sent.get(sender_peer_id, 0) >= IWANT_RESENDS_PER_MESSAGE:
+                continue
+            sent[sender_peer_id] = sent.get(sender_peer_id, 0) + 1
+            wanted.append(raw)
+        if not wanted:
+            return
+        self._answered[sender_peer_id] = self._answered.get(sender_peer_id, 0) + len(wanted)
+        await super().handle_iwant(rpc_pb2.ControlIWant(messageIDs=wanted), sender_peer_id)
 
     async def handle_ihave(self, ihave_msg: rpc_pb2.ControlIHave, sender_peer_id: ID) -> None:
         for raw in ihave_msg.messageIDs:

@@ -128,7 +128,6 @@ class ModelDownload:
         self.retried_downloads = 0
         self.restarts = 0
         """Times the peers stopped serving before every ticket was had (a warmup ended)."""
-        self._dialled: dict[bytes, trio.Event] = {}
         self._shares: dict[bytes, trio.Semaphore] = {}
         self._served_by: set[bytes] = set()
         """Peers that answered this attempt with a parameter ticket."""
@@ -200,10 +199,8 @@ class ModelDownload:
     def _note_answers(self, peer: bytes, results: list[TicketResult]) -> None:
         """Remember which peers served tickets; a "not serving now" from a peer that served
         tickets in an *earlier* answer ends the attempt (`_start_again`: its serving window
-        closed mid-download). One answer's names are looked up concurrently by the provider, so
-        an answer that mixes tickets and "not serving now" may be a window that opened while
-        it was being made: that is no restart (were it a window that closed, the peer's next
-        answer says so, and that one restarts)."""
+        closed mid-download). An answer that mixes tickets and "not serving now" never
+        reaches here from a peer that had not served (`_ask_tickets` refuses it whole)."""
         served_before = peer in self._served_by
         if any(isinstance(r, TicketResult.Ok) for r in results):
             self._served_by.add(peer)
@@ -222,7 +219,6 @@ class ModelDownload:
     async def _run(self, give_up_at: float) -> DownloadedModel:
         async with trio.open_nursery() as dials:
             for peer in self.peer_manager.available_peers:
-                self._dialled[peer] = trio.Event()
                 dials.start_soon(self._dial, peer)
             with trio.move_on_at(give_up_at) as waiting:
                 config = await self._fetch_config()
@@ -268,25 +264,28 @@ class ModelDownload:
             await self._network.connect(peer)
         except Exception as e:
             logger.debug("connecting to %s ahead of its requests: %s", fmt_short(peer), e)
-        finally:
-            self._dialled[peer].set()
-
-    async def _dialled_first(self, peer: bytes) -> None:
-        event = self._dialled.get(peer)
-        if event is not None:
-            await event.wait()
 
     async def _ask_ticket(self, peer: bytes, request: ModelRequestType) -> BlobTicket:
-        if not isinstance(request, ModelRequestType.Config):
-            # the configuration (and a ticket batch) is asked on the blob side channel first,
-            # which waits for no libp2p dial (a libp2p request after it joins the dial)
-            await self._dialled_first(peer)
         ticket, version = await self._network.request_model_blob_ticket(peer, request)
         self._check_version(version)
         return ticket
 
     async def _ask_tickets(self, peer: bytes, names: list[str]) -> list[TicketResult]:
+        """A batch's results from `peer`. An answer that mixes tickets and "not serving now"
+        from a peer that had not served this attempt is a serving window that changed while
+        it was made (a provider of this port answers a batch from one window, so only another
+        provider's answer mixes): opening (the tickets are of the model wanted) or closing
+        (they are of the last model, and a restart would be owed, though the peer served
+        nothing before). Which one cannot be told, so none of its tickets is kept: the whole
+        batch is asked again and the peer rests as "not serving now" (an opening window costs
+        one more request; a closing one leaves nothing of the old model)."""
         results = await self._network.request_model_blob_tickets(peer, names)
+        stopped = [
+            r.value for r in results if isinstance(r, TicketResult.Err) and not_serving_now(r.value)
+        ]
+        served = any(isinstance(r, TicketResult.Ok) for r in results)
+        if stopped and served and peer not in self._served_by:
+            raise SharableModelFailure(stopped[0])  # the whole peer, not these names
         if any(isinstance(r, TicketResult.Ok) for r in results):
             self._check_version(results_version(results))
         self._note_answers(peer, results)

@@ -10,7 +10,8 @@ themselves then travel as ordinary blobs; what they hold is `sharable_model`'s.
 `/psyche/model-sharing-batch/1` (a port extension) asks for many parameters in one stream, so a
 joining client pays one round trip per peer instead of one per tensor: the requester writes
 `postcard(Vec<String>)` (at most `MAX_BATCH_NAMES` names, `MAX_BATCH_REQUEST_BYTES`) and
-half-closes; the provider answers each name as a single request (all concurrently) and writes
+half-closes; the provider answers each name as a single request (all concurrently, all from
+one serving window: `answer_batch`) and writes
 `postcard(ModelTickets { version: Option<u64>, results: Vec<Result<BlobTicket,
 SharableModelError>> })`, one result per name in order (at most `MAX_BATCH_RESPONSE_BYTES`).
 `version` names the model the tickets are of (`SharableModel.version`: the run's step the model
@@ -48,7 +49,7 @@ from libp2p.abc import IHost, INetStream
 from psyche.core.serde import U64, PostcardError, from_bytes, struct, to_bytes
 from psyche.network import p2p_host
 from psyche.network.blob_protocol import ConfigFound, TicketAnswer, TicketFound, TicketsFound
-from psyche.network.peer_manager import MODEL_REQUEST_TIMEOUT_SECS
+from psyche.network.peer_manager import MODEL_REQUEST_TIMEOUT_SECS, not_serving_now
 from psyche.network.sharable_model import noting_model_versions
 from psyche.network.ticket import BlobFormat, BlobTicket, EndpointAddr
 from psyche.network.transmittable import (
@@ -259,7 +260,14 @@ async def answer_versioned(
 async def answer_batch(answer: AnswerFn, names: list[str]) -> tuple[list[TicketResult], int | None]:
     """Every name answered concurrently, all within `batch_timeout` (a name left unanswered
     gets `ResponseChannelNotInitialized`), and the version of the model the tickets came from
-    (None unless exactly one)."""
+    (None unless exactly one).
+
+    The batch is answered from one serving window (`SharableModel.generation`): either every
+    ticket is of the one model served throughout, or every name is answered "not serving now".
+    A window that closed (or opened) while the names were looked up would otherwise give some
+    names tickets and others "not serving now", and a joiner could not tell an opening window
+    (the tickets are of the model it wants) from a closing one (they are of the last model,
+    and the rest will come from the next)."""
     unanswered = TicketResult.Err(SharableModelError.ResponseChannelNotInitialized())
     results: list[TicketResult] = [unanswered] * len(names)
 
@@ -270,6 +278,11 @@ async def answer_batch(answer: AnswerFn, names: list[str]) -> tuple[list[TicketR
         async with trio.open_nursery() as nursery:
             for index, name in enumerate(names):
                 nursery.start_soon(answer_one, index, name)
+    served = any(isinstance(r, TicketResult.Ok) for r in results)
+    stopped = any(isinstance(r, TicketResult.Err) and not_serving_now(r.value) for r in results)
+    if served and (stopped or len(versions.generations) > 1):
+        not_serving: TicketResult = TicketResult.Err(SharableModelError.ParametersNotInitialized())
+        return [not_serving] * len(names), None
     return results, next(iter(versions)) if len(versions) == 1 else None
 
 

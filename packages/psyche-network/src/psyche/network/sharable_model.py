@@ -10,6 +10,7 @@ never runs pickle), as it hands it the DisTrO payload type. psyche.network never
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -31,6 +32,8 @@ from psyche.network.transmittable import (
 logger = logging.getLogger(__name__)
 
 CONFIG_TAG = "model-config"
+
+_generations = itertools.count(1)
 
 
 def parameter_tag(name: str) -> str:
@@ -77,6 +80,10 @@ class SharableModel:
     def __init__(self) -> None:
         self.version: int | None = None
         """Which model the parameters are (`update_parameters`); None: not said."""
+        self.generation = next(_generations)
+        """The serving window: a new number (unique in the process) whenever what is served
+        changes (`update_parameters`, `clear_cache`, `stop_sharing`), so that two answers of
+        one generation are of one model even where no version names it."""
         self.parameters: dict[str, Any | None] | None = None
         self.serialized_parameters: dict[str, BlobTicket] | None = None
         self._serializing: dict[str, trio.Event] = {}
@@ -101,6 +108,7 @@ class SharableModel:
         if self.parameters is not None and set(new_parameters) != set(self.parameters):
             raise SharableModelFailure(SharableModelError.InvalidUpdate())
         self.version = version
+        self.generation = next(_generations)
         self.parameters = dict(new_parameters)
         self.serialized_parameters = {}
         self._serializing = {}
@@ -194,6 +202,7 @@ class SharableModel:
         return ticket
 
     def clear_cache(self) -> None:
+        self.generation = next(_generations)
         self.config_ticket = None
         self.serialized_parameters = None
         self._serializing = {}
@@ -262,18 +271,27 @@ def fetchers_expected(
     return any(m != me and m not in last_members for m in members)
 
 
-_versions_answered: ContextVar[set[int | None] | None] = ContextVar(
+class ModelsAnswered(set[int | None]):
+    """The versions of the models tickets were answered from (`noting_model_versions`), and
+    the serving generations (`SharableModel.generation`) they were answered in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.generations: set[int] = set()
+
+
+_versions_answered: ContextVar[ModelsAnswered | None] = ContextVar(
     "model_versions_answered", default=None
 )
 
 
 @contextmanager
-def noting_model_versions() -> Iterator[set[int | None]]:
+def noting_model_versions() -> Iterator[ModelsAnswered]:
     """The versions of the models `answer_request` answered from with a ticket, inside this
     block, in this task or the tasks it starts: how a batch's server (`model_sharing`) learns
     which model its tickets are of, through the node's answer function, which passes only the
-    request."""
-    noted: set[int | None] = set()
+    request (and, in `ModelsAnswered.generations`, in which serving windows)."""
+    noted = ModelsAnswered()
     token = _versions_answered.set(noted)
     try:
         yield noted
@@ -292,15 +310,17 @@ async def answer_request(
     serialization under way, the configuration's storing) in which the model was replaced, its
     ticket then of either model:
     it is refused as "not serving now" (the joiner asks again, and the new model's version
-    names the next answer), never labelled with the version read when the request came."""
-    version = model.version
+    names the next answer), never labelled with the version read when the request came. So is
+    one had across any change of the serving window (`SharableModel.generation`: the window
+    closed, or closed and opened again, meanwhile), versioned or not."""
+    version, generation = model.version, model.generation
     try:
         match request:
             case ModelRequestType.Parameter(name):
                 ticket = await model.get_transmittable_parameter(name, add_downloadable, codec)
             case _:
                 ticket = await model.get_transmittable_config(add_downloadable)
-        if model.version != version:
+        if model.generation != generation:
             raise SharableModelFailure(SharableModelError.ParametersNotInitialized())
     except SharableModelFailure as failure:
         refused: TicketResult = TicketResult.Err(failure.error)
@@ -308,5 +328,6 @@ async def answer_request(
     noted = _versions_answered.get()
     if noted is not None:
         noted.add(version)
+        noted.generations.add(generation)
     answered: TicketResult = TicketResult.Ok(ticket)
     return answered
