@@ -52,6 +52,7 @@ from psyche.client.setup.workers import WorkerGroup
 from psyche.core.cli import (
     apply_log_directives,
     interrupt_exit_code,
+    interrupt_on_signal,
     interrupted_by,
     log_directives_from_environment,
     single_cause,
@@ -269,9 +270,13 @@ def run_client(
             await main(preload)
             nursery.cancel_scope.cancel()
 
+    async def until_signalled() -> None:
+        async with interrupt_on_signal():
+            await both()
+
     try:
         if dashboard is None:
-            trio.run(both)
+            trio.run(until_signalled)
         else:
             try:
                 dashboard.run_trio(both)

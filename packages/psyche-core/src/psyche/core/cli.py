@@ -50,7 +50,7 @@ import signal
 import sys
 import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import MISSING, Field, dataclass, field, fields
 from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol, TypeVar
@@ -653,6 +653,42 @@ async def serve_until_signalled(
     nursery.cancel_scope.cancel()
 
 
+@asynccontextmanager
+async def interrupt_on_signal() -> AsyncIterator[trio.CancelScope]:
+    """The block runs until SIGINT or SIGTERM, which cancels it; then KeyboardInterrupt is
+    raised here, from the task that opened the block, with the signal noted for the exit status
+    (`interrupted_by`, `interrupt_exit_code`), so the command ends as `stop_signals` promises.
+    A second signal while the block's cleanups run raises KeyboardInterrupt in the task that
+    receives the signals, which cancels what of the block is not shielded (a shielded cleanup
+    runs to its end).
+
+    Why not let the signal raise KeyboardInterrupt where it lands (trio's default): it may land
+    in a task another library started in trio's system nursery (py-libp2p's listener and its
+    connection handlers), which makes trio stop with `TrioInternalError` instead of running the
+    command's cleanups (seen on a client stopped during a Noise handshake). Here the signal is
+    an event (`trio.open_signal_receiver`) and nothing is raised inside another task."""
+    import trio
+
+    got: list[int] = []
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+
+            async def receive() -> None:
+                async for signum in signals:
+                    _State.terminated = signum == signal.SIGTERM
+                    if got:
+                        raise KeyboardInterrupt  # a second signal: stop the cleanups too
+                    got.append(signum)
+                    block.cancel()
+
+            nursery.start_soon(receive)
+            with trio.CancelScope() as block:
+                yield block
+            nursery.cancel_scope.cancel()
+    if got:
+        raise KeyboardInterrupt
+
+
 def run_serving(
     main: Callable[[], Awaitable[None]],
     log: logging.Logger,
@@ -770,6 +806,7 @@ __all__ = [
     "field_default",
     "flag_name",
     "interrupt_exit_code",
+    "interrupt_on_signal",
     "interrupted_by",
     "is_verbose",
     "log_directives_from_environment",
