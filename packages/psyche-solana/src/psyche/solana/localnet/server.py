@@ -12,6 +12,7 @@ connection that stops reading is closed rather than allowed to grow memory witho
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import json
 import logging
@@ -473,6 +474,17 @@ class _Served:
         return self.server.ws_url
 
 
+RESTART_BIND_SECONDS = 10.0
+"""How long `LocalnetHandle.start` tries a port that is in use before it gives up."""
+
+
+def _address_in_use(error: BaseException) -> bool:
+    """Whether `error` (or every exception of a group) is EADDRINUSE."""
+    if isinstance(error, BaseExceptionGroup):
+        return all(_address_in_use(e) for e in error.exceptions)
+    return isinstance(error, OSError) and error.errno == errno.EADDRINUSE
+
+
 class LocalnetHandle(_Served):
     """A server running in a nursery, which can be stopped and started again (same ports)."""
 
@@ -483,6 +495,22 @@ class LocalnetHandle(_Served):
         self._stopped: trio.Event | None = None
 
     async def start(self) -> None:
+        """Serve (again, on the same ports after `stop`). A port that another socket holds
+        for a moment (an outgoing connection of another process that was given it as its
+        local port while the server was stopped) is tried again for up to
+        `RESTART_BIND_SECONDS`; then the `OSError` is raised."""
+        deadline = trio.current_time() + RESTART_BIND_SECONDS
+        while True:
+            try:
+                await self._start_once()
+                return
+            except BaseException as e:
+                self._scope = None
+                if not _address_in_use(e) or trio.current_time() >= deadline:
+                    raise
+            await trio.sleep(0.1)
+
+    async def _start_once(self) -> None:
         if self._scope is not None:
             return
         self._scope = trio.CancelScope()
