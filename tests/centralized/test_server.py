@@ -111,8 +111,13 @@ def test_a_disconnect_overtaken_by_the_clients_new_connection_changes_nothing() 
 
 
 def test_warmup_then_a_disconnect_withdraws_the_client(tmp_path: Path) -> None:
+    # A warmup longer than any wait here: the disconnect, not the warmup's timer, must end it
+    # (with the 2 s warmup a busy machine noticed b's close after the warmup had ended: CI
+    # run 34, no client left in the epoch state).
+    coordinator = quick_coordinator(warmup_time=60)
+
     async def main() -> None:
-        async with open_server(quick_coordinator(), fast_options(events_dir=tmp_path)) as server:
+        async with open_server(coordinator, fast_options(events_dir=tmp_path)) as server:
             a = await ProtocolClient.connect(addr(server))
             b = await ProtocolClient.connect(addr(server))
             await a.join("test-run")
