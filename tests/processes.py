@@ -49,6 +49,22 @@ class Proc:
     def text(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def story(self, tail: int = 4000) -> str:
+        """What a failed wait prints: the process's warnings, errors and state changes (at most
+        the last 40; a CI log keeps only this, so the cause must be in it, not just the end of
+        the output) and then the last `tail` characters of its output."""
+        text = self.text()
+        notable = [
+            line
+            for line in text.splitlines()
+            if '"level": "WARNING"' in line
+            or '"level": "ERROR"' in line
+            or '"message": "state_change"' in line
+            or "Traceback" in line
+        ]
+        head = "\n".join(line[:400] for line in notable[-40:])
+        return f"-- warnings, errors, state changes:\n{head}\n-- the output's end:\n{text[-tail:]}"
+
     @property
     def pid(self) -> int:
         return self.popen.pid
@@ -93,11 +109,11 @@ class Processes:
                     return match
                 raise AssertionError(
                     f"{proc.name} exited ({proc.popen.returncode}) before printing "
-                    f"{pattern!r}:\n{proc.text()[-4000:]}"
+                    f"{pattern!r}:\n{proc.story()}"
                 )
             if deadline.expired():
                 raise AssertionError(
-                    f"{proc.name} did not print {pattern!r} in {deadline}:\n{proc.text()[-4000:]}"
+                    f"{proc.name} did not print {pattern!r} in {deadline}:\n{proc.story()}"
                 )
             time.sleep(0.2)
 
@@ -149,10 +165,10 @@ def wait_event(
             if predicate(doc):
                 return doc
         if proc.popen.poll() is not None:
-            raise AssertionError(f"{proc.name} exited:\n{proc.text()[-4000:]}")
+            raise AssertionError(f"{proc.name} exited:\n{proc.story()}")
         if deadline.expired():
             raise AssertionError(
-                f"{proc.name}: no {name} event as expected in {deadline}:\n{proc.text()[-4000:]}"
+                f"{proc.name}: no {name} event as expected in {deadline}:\n{proc.story()}"
             )
         time.sleep(0.2)
 
@@ -164,10 +180,9 @@ def wait_events(proc: Proc, name: str, count: int, timeout: float) -> list[dict[
         if len(found) >= count:
             return found[:count]
         if proc.popen.poll() is not None:
-            raise AssertionError(f"{proc.name} exited:\n{proc.text()[-4000:]}")
+            raise AssertionError(f"{proc.name} exited:\n{proc.story()}")
         if deadline.expired():
             raise AssertionError(
-                f"{proc.name}: {len(found)} {name} events of {count} in {deadline}:\n"
-                f"{proc.text()[-4000:]}"
+                f"{proc.name}: {len(found)} {name} events of {count} in {deadline}:\n{proc.story()}"
             )
         time.sleep(0.2)

@@ -65,11 +65,16 @@ def _sqrt_ratio(u: int, v: int) -> int | None:
     return None
 
 
+def _encoded_y(encoded: bytes) -> int:
+    """The y an encoding names: its low 255 bits, reduced mod p."""
+    return (int.from_bytes(encoded, "little") & ((1 << 255) - 1)) % P
+
+
 def decompress(encoded: bytes) -> Point | None:
     """curve25519-dalek's `CompressedEdwardsY::decompress`: y is the low 255 bits, reduced mod p
     (a non-canonical y is accepted), x the root of x² = (y² - 1) / (d·y² + 1) whose parity is the
     sign bit (for x = 0 the sign bit is ignored). None when x² has no root."""
-    y = (int.from_bytes(encoded, "little") & ((1 << 255) - 1)) % P
+    y = _encoded_y(encoded)
     x = _sqrt_ratio((y * y - 1) % P, (_D * y * y + 1) % P)  # d·y² + 1 ≠ 0: -1/d is no square
     if x is None:
         return None
@@ -140,7 +145,7 @@ SMALL_ORDER_ENCODINGS = _small_order_encodings()
 """The 14 encodings that decompress to a point of small order: the 8 canonical ones, the
 identity's and the order-2 point's with the sign bit set (x = 0), and y + p for y in {0, 1}
 with either sign bit."""
-_SMALL_ORDER_YS = frozenset(decompress(e)[1] for e in SMALL_ORDER_ENCODINGS)  # type: ignore[index]
+_SMALL_ORDER_YS = frozenset(_encoded_y(e) for e in SMALL_ORDER_ENCODINGS)
 
 
 def is_small_order(point: Point) -> bool:
