@@ -17,15 +17,20 @@ from pathlib import Path
 
 import pytest
 import trio
+from solders.instruction import Instruction
+from solders.keypair import Keypair
 from solders.pubkey import Pubkey
 
 from psyche.cli.solana_client.main import main as solana_client
 from psyche.coordinator import ClientState, RunState
 from psyche.coordinator.following import FOLLOW_DRAW, RoundFollowing
+from psyche.coordinator.run_config import MAX_EXACT_VERIFICATION_THREADS
 from psyche.coordinator.verification import Finding, VerificationDuty, VerificationReport
 from psyche.core.node_identity import NodeIdentity
 from psyche.solana import pda
 from psyche.solana.backend import SolanaBackendError
+from psyche.solana.instructions import coordinator as coordinator_ix
+from psyche.solana.instructions import treasurer as treasurer_ix
 from psyche.solana.localnet.ledger import ManualClock
 from psyche.solana.localnet.server import LocalnetThread
 
@@ -34,7 +39,7 @@ from .conftest import Endpoint
 from .scripted import RUN_ID, Driver, make_backend
 from .support import VerifiedRun, error_text, verification_state, verified_run
 from .test_verification import SLASHING_RATE, refused, send_report
-from .test_verifiers_train import _instruction_names
+from .test_verifiers_train import TreasurerRun, _instruction_names, unsigned
 
 EPOCH_REWARD = 1000  # `create_run`'s `set_future_epoch_rates`, shared by the healthy members
 
@@ -225,6 +230,14 @@ def test_a_lone_false_accuser_against_two_vouchers_is_punished_instead() -> None
                         return
                     step, batch, followers = await first_followed(run, d)
                     accuser, *vouchers = followers
+                    # the owner cannot change the setting while the run is running
+                    setter = coordinator_ix.coordinator_set_exact_verification_threads(
+                        RUN_ID, account, owner.get_payer(), 2, owner.ids
+                    )
+                    with pytest.raises(
+                        SolanaBackendError, match=error_text("UpdateConfigNotHalted")
+                    ):
+                        await owner.send_and_retry("Set exact verification threads", [setter])
                     await send_report(
                         by_signer[accuser.signer].backend,
                         account,
@@ -262,6 +275,7 @@ def test_a_lone_false_accuser_against_two_vouchers_is_punished_instead() -> None
             (punished,) = [e for e in record.log if e.kind == "punished"]
             assert (punished.subject, punished.role) == (accuser, "follower")
             assert punished.credited == vouchers
+            assert record.exact_verification_threads == 1
             nursery.cancel_scope.cancel()
 
     trio.run(main)
@@ -310,3 +324,40 @@ def test_update_config_sets_exact_verification_threads_and_json_dump_run_shows_i
     )
     assert code == 1, err
     assert threads() == 2
+
+
+def test_the_program_sets_exact_verification_threads_only_for_the_main_authority_and_in_bounds(
+    endpoint: Endpoint,
+) -> None:
+    """The program's own checks on the treasurer's `run_set_exact_verification_threads` (not
+    the admin path's): a stranger signing as the authority is refused (`ConstraintRaw`), the
+    coordinator's instruction sent around the treasurer with the run's PDA unsigned too
+    (`AccountNotSigner`), and a count above `MAX_EXACT_VERIFICATION_THREADS`
+    (`ConfigSanityCheckFailed`); the account is unchanged until the main authority signs a
+    count in bounds."""
+    run = TreasurerRun.create(endpoint)
+    stranger, ids = Keypair(), run.ids
+    endpoint.airdrop(stranger.pubkey(), 1_000_000_000)
+
+    def set_to(authority: Pubkey, threads: int) -> Instruction:
+        return treasurer_ix.treasurer_run_set_exact_verification_threads(
+            run.run_id, run.index, run.account, authority, threads, ids
+        )
+
+    def stored() -> int:
+        return run.verification().exact_verification_threads
+
+    refused = endpoint.process_err([set_to(stranger.pubkey(), 1)], stranger, [stranger])
+    assert refused.anchor_error == "ConstraintRaw", refused.logs
+    run_pda = pda.find_run(run.index, ids)
+    direct = coordinator_ix.coordinator_set_exact_verification_threads(
+        run.run_id, run.account, run_pda, 1, ids
+    )
+    refused = endpoint.process_err([unsigned(direct, run_pda)], stranger)
+    assert refused.anchor_error == "AccountNotSigner", refused.logs
+    too_many = MAX_EXACT_VERIFICATION_THREADS + 1
+    refused = endpoint.process_err([set_to(run.main.pubkey(), too_many)], run.payer, [run.main])
+    assert refused.anchor_error == "ConfigSanityCheckFailed", refused.logs
+    assert stored() == 0
+    endpoint.process([set_to(run.main.pubkey(), 1)], run.payer, [run.main])
+    assert stored() == 1

@@ -394,16 +394,14 @@ def findings_entries(
 ) -> list[VerificationEntry]:
     """The "verified" entries of an accepted verifier's or tie-breaker's report, the "followed"
     entries of a follower's."""
-    following = isinstance(record, RoundFollowing)
-    trainers = (
-        {d.batch_id: d.trainer for d in record.duties}
-        if isinstance(record, RoundFollowing)
-        else record.duties.trainers()
-    )
+    if isinstance(record, RoundFollowing):
+        kind, trainers = "followed", {d.batch_id: d.trainer for d in record.duties}
+    else:
+        kind, trainers = "verified", record.duties.trainers()
     return [
         VerificationEntry(
             report.step,
-            "followed" if following else "verified",
+            kind,
             trainers[f.batch_id],
             f.batch_id,
             sender,
