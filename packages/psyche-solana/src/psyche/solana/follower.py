@@ -100,8 +100,8 @@ class StateReceiver:
 
 
 def verifiers_train_may_have_changed(previous: Coordinator, state: Coordinator) -> bool:
-    """Whether `state` must wait for a fresh read of the run's `verifiers_train` before it is
-    handed out: when the run leaves a halt or its wait for members. The owner sets the option
+    """Whether `state` must wait for a fresh read of the run's `verifiers_train` (and
+    `exact_verification_threads`, set the same way) before it is handed out: when the run leaves a halt or its wait for members. The owner sets the option
     only while the run is halted (`set_verifiers_train`), so it may differ from the last read
     once the run leaves the halt; and again when an epoch starts (its rounds deal data by it),
     in case a halt came and went unseen (a subscription down meanwhile: the resync brings only
