@@ -125,11 +125,24 @@ async def open_localnet(
 
 
 async def create_run(owner: SolanaBackend, run_config: CoordinatorConfig) -> Pubkey:
-    """The admin sequence of `create-permissionless-run.sh`, plus reward rates."""
+    """The admin sequence of `create-permissionless-run.sh`, plus reward rates (and, for a
+    config that verifies exactly, the verification account and its
+    `exact_verification_threads`, which the coordinator account cannot hold)."""
     await admin.join_authorization_create(owner, Pubkey.default())
     created = await admin.create_run(owner, RUN_ID, "test")
     account = created.account_address
     payer = owner.get_payer()
+    exact = []
+    if run_config.verification_percent and run_config.exact_verification_threads:
+        threads = run_config.exact_verification_threads
+        exact = [
+            coordinator_ix.coordinator_init_verification(
+                payer, created.instance_address, account, owner.ids
+            ),
+            coordinator_ix.coordinator_set_exact_verification_threads(
+                RUN_ID, account, payer, threads, owner.ids
+            ),
+        ]
     await owner.send_and_retry(
         "Update",
         [
@@ -137,6 +150,7 @@ async def create_run(owner: SolanaBackend, run_config: CoordinatorConfig) -> Pub
                 RUN_ID, account, payer, config=run_config, model=tiny_model()
             ),
             coordinator_ix.coordinator_set_future_epoch_rates(RUN_ID, account, payer, 1000, 10),
+            *exact,
         ],
     )
     await admin.set_paused(owner, RUN_ID, False)

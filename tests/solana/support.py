@@ -116,7 +116,8 @@ async def open_run(
     return ledger, cluster, owner, await create_run(owner, run_config)
 
 
-async def verified_run(nursery: trio.Nursery, members: str = "abcd") -> VerifiedRun:
+async def verified_run(nursery: trio.Nursery, members: str = "abcd", **changes: int) -> VerifiedRun:
+    """A run at `verification_percent = 25` (and `changes` to its config) with `members`."""
     batch = max(4, len(members))  # no more clients than batches
     run_config = config(
         verification_percent=25,
@@ -124,6 +125,7 @@ async def verified_run(nursery: trio.Nursery, members: str = "abcd") -> Verified
         min_clients=3,
         global_batch_size_start=batch,
         global_batch_size_end=batch,
+        **changes,
     )
     ledger, cluster, owner, account = await open_run(nursery, run_config)
     clients = [ScriptedClient(n, make_backend(ledger, cluster)) for n in members]

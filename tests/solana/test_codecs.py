@@ -111,6 +111,8 @@ INSTRUCTION_DISCRIMINATORS = {
     "verification_report": "024def0e125fc8c7",
     "set_verifiers_train": "614d7e3fa2acf49c",
     "run_set_verifiers_train": "2d1e8b7fcece76ee",
+    "set_exact_verification_threads": "0543c11a02261a20",
+    "run_set_exact_verification_threads": "d5daef7ebdf8453f",
 }
 
 

@@ -165,6 +165,7 @@ SAMPLES: dict[str, Any] = {
         7, [Finding(BatchId(4, 7), False, 12.5), Finding(BatchId(8, 9), True, 0.25)]
     ),
     "set_verifiers_train": coordinator_ix.SetVerifiersTrainArgs(True),
+    "set_exact_verification_threads": coordinator_ix.SetExactVerificationThreadsArgs(2),
     "authorization_create": authorizer_ix.AuthorizationCreateArgs(
         authorizer_ix.AuthorizationCreateParams(_key(3), b"CoordinatorJoinRun")
     ),
@@ -188,6 +189,7 @@ SAMPLES: dict[str, Any] = {
         )
     ),
     "run_set_verifiers_train": treasurer_ix.RunSetVerifiersTrainArgs(False),
+    "run_set_exact_verification_threads": treasurer_ix.RunSetExactVerificationThreadsArgs(1),
     "participant_create": treasurer_ix.ParticipantCreateArgs(),
     "participant_claim": treasurer_ix.ParticipantClaimArgs(treasurer_ix.ParticipantClaimParams(12)),
 }

@@ -45,11 +45,11 @@ HOSTILE_SCRIPT = REPO / "tests" / "solana" / "hostile_solana_client.py"
 SLASHING_RATE = 10
 
 
-async def set_rates(cluster: Cluster, owner_wallet: Keypair) -> None:
+async def set_rates(cluster: Cluster, owner_wallet: Keypair, run_id: str = RUN_ID) -> None:
     async with SolanaBackend(cluster, owner_wallet) as owner:
-        account = (await admin.load_run(owner, RUN_ID)).account_address
+        account = (await admin.load_run(owner, run_id)).account_address
         rates = coordinator_ix.coordinator_set_future_epoch_rates(
-            RUN_ID, account, owner.get_payer(), 1000, SLASHING_RATE, owner.ids
+            run_id, account, owner.get_payer(), 1000, SLASHING_RATE, owner.ids
         )
         await owner.send_and_retry("Set future epoch rates", [rates])
 

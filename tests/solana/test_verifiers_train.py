@@ -364,7 +364,7 @@ class TreasurerRun:
     @classmethod
     def create(cls, endpoint: Endpoint) -> TreasurerRun:
         payer, main = Keypair(), Keypair()
-        endpoint.airdrop(payer.pubkey(), 5_000_000_000)
+        endpoint.airdrop(payer.pubkey(), 10_000_000_000)  # the verification account: 6.3 SOL
         ids = endpoint.ledger.program_ids
         index, run_id = 7, "treasurer verifiers_train"
         mint = endpoint.new_mint(payer, Pubkey.new_unique(), 6)

@@ -69,6 +69,7 @@ from psyche.coordinator.coordinator import Coordinator
 from psyche.coordinator.verification import (
     Finding,
     Resolution,
+    RoundDuties,
     VerificationDuty,
     VerificationReport,
     findings_problem,
@@ -194,6 +195,16 @@ def follow_duties(
     )
 
 
+def round_following(coordinator: Coordinator, duties: RoundDuties) -> RoundFollowing | None:
+    """What the server and the Solana program record when a round starts: its followers'
+    duties (`follow_duties` of the epoch's ring and the round's batches, no report yet), or None
+    where the run does not verify exactly or the round assigned no batch."""
+    following = followers_for_state(coordinator)
+    if not following or not duties.assigned:
+        return None
+    return RoundFollowing(duties.step, follow_duties(following, dict(duties.assigned)))
+
+
 def check_follow_report(
     step: int,
     duties: Sequence[VerificationDuty],
@@ -306,4 +317,5 @@ __all__ = [
     "followers_for_state",
     "is_follow_report",
     "resolve_following",
+    "round_following",
 ]

@@ -62,9 +62,8 @@ from psyche.coordinator.data_selection import verification_duties_for_state
 from psyche.coordinator.errors import CoordinatorError, CoordinatorErrorKind, CoordinatorPanic
 from psyche.coordinator.following import (
     RoundFollowing,
-    follow_duties,
-    followers_for_state,
     is_follow_report,
+    round_following,
 )
 from psyche.coordinator.model import Checkpoint
 from psyche.coordinator.resume import prepare_for_start, resume_snapshot
@@ -506,11 +505,9 @@ class ServerCore:
         self.verification[step] = RoundVerification(duties)
         for old in sorted(self.verification)[:-VERIFIED_ROUNDS]:
             del self.verification[old]
-        following = followers_for_state(coordinator)
-        if following and duties.assigned:
-            self.following[step] = RoundFollowing(
-                step, follow_duties(following, dict(duties.assigned))
-            )
+        following = round_following(coordinator, duties)
+        if following is not None:
+            self.following[step] = following
             for old in sorted(self.following)[:-VERIFIED_ROUNDS]:
                 del self.following[old]
 

@@ -339,9 +339,11 @@ async def update_config(
 async def _verifiers_train_instructions(
     backend: SolanaBackend, run: RunRef, treasurer_index: int | None, config: CoordinatorConfig
 ) -> list[Instruction]:
-    """What sets the `verifiers_train` that `config` asks of the run where it differs from the
-    run's (kept in its verification account: `psyche.solana.verification`): the coordinator's
-    `set_verifiers_train`, through the treasurer's `run_set_verifiers_train` in a treasurer run
+    """What sets the `verifiers_train` and `exact_verification_threads` that `config` asks of
+    the run where they differ from the run's (kept in its verification account:
+    `psyche.solana.verification`): the coordinator's `set_verifiers_train` and
+    `set_exact_verification_threads`, through the treasurer's `run_set_verifiers_train` and
+    `run_set_exact_verification_threads` in a treasurer run
     (the run, not the wallet, is the coordinator's authority there; upstream's `run_update` has
     no field for it), after creating the verification account if nobody has. Empty when nothing
     changes, and when `config` does not verify: the option has no effect then (data selection
@@ -353,7 +355,11 @@ async def _verifiers_train_instructions(
     if config.verification_percent == 0:
         return []
     current = await backend.get_run_verification(run.account_address)
-    if config.verifiers_train == (current is not None and current.verifiers_train):
+    train = config.verifiers_train
+    threads = config.exact_verification_threads
+    set_train = train != (current is not None and current.verifiers_train)
+    set_threads = threads != (0 if current is None else current.exact_verification_threads)
+    if not set_train and not set_threads:
         return []
     payer, ids = backend.get_payer(), backend.ids
     out = []
@@ -364,16 +370,25 @@ async def _verifiers_train_instructions(
                 payer, run.instance_address, run.account_address, ids
             )
         )
-    train = config.verifiers_train
-    out.append(
-        coordinator_ix.coordinator_set_verifiers_train(
-            run.run_id, run.account_address, payer, train, ids
+    account, run_id = run.account_address, run.run_id
+    if set_train:
+        out.append(
+            coordinator_ix.coordinator_set_verifiers_train(run_id, account, payer, train, ids)
+            if treasurer_index is None
+            else treasurer_ix.treasurer_run_set_verifiers_train(
+                run_id, treasurer_index, account, payer, train, ids
+            )
         )
-        if treasurer_index is None
-        else treasurer_ix.treasurer_run_set_verifiers_train(
-            run.run_id, treasurer_index, run.account_address, payer, train, ids
+    if set_threads:
+        out.append(
+            coordinator_ix.coordinator_set_exact_verification_threads(
+                run_id, account, payer, threads, ids
+            )
+            if treasurer_index is None
+            else treasurer_ix.treasurer_run_set_exact_verification_threads(
+                run_id, treasurer_index, account, payer, threads, ids
+            )
         )
-    )
     return out
 
 

@@ -30,6 +30,7 @@ from psyche.coordinator import ClientState, Coordinator, RunState
 from psyche.coordinator.backend import HealthCheck, OpportunisticData
 from psyche.coordinator.data_selection import verification_duties_for_state
 from psyche.coordinator.errors import CoordinatorError, CoordinatorPanic
+from psyche.coordinator.following import is_follow_report
 from psyche.coordinator.model import Checkpoint
 from psyche.coordinator.server_core import VERIFIED_ROUNDS
 from psyche.coordinator.verification import NO_DRAW, VerificationReport
@@ -99,8 +100,8 @@ class StateReceiver:
 
 
 def verifiers_train_may_have_changed(previous: Coordinator, state: Coordinator) -> bool:
-    """Whether `state` must wait for a fresh read of the run's `verifiers_train` before it is
-    handed out: when the run leaves a halt or its wait for members. The owner sets the option
+    """Whether `state` must wait for a fresh read of the run's `verifiers_train` (and
+    `exact_verification_threads`, set the same way) before it is handed out: when the run leaves a halt or its wait for members. The owner sets the option
     only while the run is halted (`set_verifiers_train`), so it may differ from the last read
     once the run leaves the halt; and again when an epoch starts (its rounds deal data by it),
     in case a halt came and went unseen (a subscription down meanwhile: the resync brings only
@@ -146,6 +147,9 @@ class SolanaBackendRunner:
         (`verifiers_train_may_have_changed`: the run leaving a halt, an epoch starting), and
         set on every state. The owner changes it only while the run is halted, so the first
         state after the halt already carries the new value, however short the warmup."""
+        self.exact_verification_threads = 0
+        """The run's `CoordinatorConfig.exact_verification_threads` (0: off), read and set as
+        `verifiers_train` is (the owner changes it only while the run is halted, too)."""
 
     def _start(self) -> None:
         send, receive = trio.open_memory_channel[bytes](STATE_QUEUE_CAPACITY)
@@ -200,11 +204,11 @@ class SolanaBackendRunner:
                 log.error("error deserializing coordinator account: %s", e)
                 return
             coordinator = account.state.coordinator
-            coordinator.config.verifiers_train = self.verifiers_train
+            self._apply_settings(coordinator)
             previous, self.latest = self.latest.state.coordinator, account
             if verifiers_train_may_have_changed(previous, coordinator):
                 await self.read_verification()  # after `latest`: which account it reads
-                coordinator.config.verifiers_train = self.verifiers_train
+                self._apply_settings(coordinator)
             self._note_round(coordinator)
             for i, receiver in enumerate(self._receivers):
                 receiver.push(coordinator if i == 0 else coordinator.copy())
@@ -225,7 +229,7 @@ class SolanaBackendRunner:
     async def wait_for_new_state(self) -> Coordinator:
         if self._init is not None:
             init, self._init = self._init, None
-            init.config.verifiers_train = self.verifiers_train
+            self._apply_settings(init)
             self._note_round(init)
             return init
         return await self._primary.receive()
@@ -243,7 +247,14 @@ class SolanaBackendRunner:
             return None
         if found is not None:
             self.verifiers_train = found.verifiers_train
+            self.exact_verification_threads = found.exact_verification_threads
         return found
+
+    def _apply_settings(self, coordinator: Coordinator) -> None:
+        """Put the run's settings kept in its verification account on a state read from the
+        coordinator account (`RunVerification.apply_to`)."""
+        coordinator.config.verifiers_train = self.verifiers_train
+        coordinator.config.exact_verification_threads = self.exact_verification_threads
 
     def _verification(self) -> Pubkey | None:
         """The verification account the run's member instructions need (None: it verifies
@@ -288,7 +299,9 @@ class SolanaBackendRunner:
         (before, a failed read sent the report without it, refused and never retried); the
         account is read only for a round this runner did not see (a subscription down)."""
         signer = None
-        if report.draw != NO_DRAW:  # the program reads the draw's Ed25519 precompile back
+        if report.draw != NO_DRAW and not is_follow_report(report):
+            # the program reads the draw's Ed25519 precompile back (a follower's report's draw
+            # is no signature: `FOLLOW_DRAW`)
             payer = bytes(self.backend.get_payer())
             signer = self._draw_signer(report.step, payer)
             if signer is None:

@@ -21,10 +21,20 @@ payer pays its rent), which holds what the centralized server keeps in memory
   program zeroes the bytes past the account's encoding at every store (a shrunk log leaves no
   old byte where the flag is read).
 
+* the run's `CoordinatorConfig.exact_verification_threads` (appended after `verifiers_train`,
+  2026-11-28, later: the owner's `set_exact_verification_threads`, applied as `verifiers_train`
+  is) and, in a run that verifies exactly, the follower duties and reports of the last
+  `VERIFIED_ROUNDS` rounds (`FollowedRound`, converted to and from
+  `psyche.coordinator.following.RoundFollowing`, whose `add` and `resolve` are the only copy of
+  those rules: a follower's report is heard once per round and only about the trainers it
+  follows; all three followers convict, two vouchers that outnumber the accusers punish them).
+
 Economics (`punishment`): the loser is slashed `slashing_rate_per_client` of the epoch's rates
 (the treasurer's `run_update` sets it, as upstream) at once, and that amount is credited, in
 `earned` points, to the members whose findings decided against it (shared equally, the
-remainder unpaid): no point is created. Upstream's own slashing path (an `Ejected` client
+remainder unpaid): no point is created. A follower's conviction credits the followers that
+found the commitment differs (`follow_deciders`), a false accuser's punishment the followers that
+vouched for it. Upstream's own slashing path (an `Ejected` client
 slashed at the epoch's end) is not used: nothing upstream ejects, and its end-of-epoch walk
 pairs exited clients with the run's clients in order, which a client removed out of order misses.
 """
@@ -38,6 +48,7 @@ from typing import Annotated, Any
 from solders.pubkey import Pubkey as SoldersPubkey
 
 from psyche.coordinator.config import CoordinatorConfig
+from psyche.coordinator.following import FOLLOW_DRAW, FOLLOWERS_PER_TRAINER, RoundFollowing
 from psyche.coordinator.run_state import SOLANA_RUN_ID_MAX_LEN
 from psyche.coordinator.server_core import (
     DEFAULT_BAN_EPOCHS,
@@ -61,7 +72,7 @@ from psyche.coordinator.verification import (
 from psyche.core.batch_id import BatchId
 from psyche.core.identity import SIGNATURE_LEN
 from psyche.core.node_identity import NodeIdentity
-from psyche.core.serde import F32, U8, U64, FixedBytes, FixedStr, struct
+from psyche.core.serde import F32, U8, U16, U64, FixedBytes, FixedStr, struct
 from psyche.solana.pubkey import Pubkey
 
 REASON_LEN = 200
@@ -147,6 +158,63 @@ class VerifiedRound:
 
 
 @struct(frozen=True)
+class FollowerReportRecord:
+    """A follower's report as the account keeps it: its draw is always `FOLLOW_DRAW`."""
+
+    sender: NodeIdentity
+    findings: list[Finding]
+
+
+@struct(frozen=True)
+class FollowedBatch:
+    """A batch of a followed round, its trainer and the trainer's followers (in ring order):
+    `follow_duties`' duties of the batch, the trainer and batch stored once."""
+
+    batch_id: BatchId
+    trainer: NodeIdentity
+    followers: list[NodeIdentity]
+
+
+@struct
+class FollowedRound:
+    """One round's `RoundFollowing`, as the account stores it."""
+
+    step: U64
+    batches: list[FollowedBatch]
+    reports: list[FollowerReportRecord]
+    decided: list[DecidedRecord]
+
+    @classmethod
+    def of(cls, record: RoundFollowing) -> FollowedRound:
+        batches: dict[BatchId, FollowedBatch] = {}
+        for d in record.duties:  # by batch, each batch's followers in ring order
+            found = batches.setdefault(d.batch_id, FollowedBatch(d.batch_id, d.trainer, []))
+            found.followers.append(d.verifier)
+        return cls(
+            record.step,
+            list(batches.values()),
+            [FollowerReportRecord(s, list(r.findings)) for s, r in record.reports.items()],
+            [DecidedRecord(b, loser) for b, loser in sorted(record.decided)],
+        )
+
+    def duties(self) -> tuple[VerificationDuty, ...]:
+        return tuple(
+            VerificationDuty(b.batch_id, b.trainer, f) for b in self.batches for f in b.followers
+        )
+
+    def record(self) -> RoundFollowing:
+        return RoundFollowing(
+            self.step,
+            self.duties(),
+            {
+                r.sender: VerificationReport(self.step, list(r.findings), FOLLOW_DRAW)
+                for r in self.reports
+            },
+            {(d.batch_id, d.loser) for d in self.decided},
+        )
+
+
+@struct(frozen=True)
 class BanRecord:
     """`ServerCore`'s `Ban` of one member (by its wallet): it sits out the epochs before
     `epoch + 1 + epochs`."""
@@ -162,7 +230,8 @@ class BanRecord:
 @struct(frozen=True)
 class VerificationEntry:
     """One thing verification did: `kind` "verified" (`by` found `subject`'s result for
-    `batch_id` matching or not, with `score`) or "punished" (`subject` lost as `role`: slashed
+    `batch_id` matching or not, with `score`), "followed" (`by`, a follower, found `subject`'s
+    commitment its exact rebuild or not) or "punished" (`subject` lost as `role`: slashed
     `slashed` points, `credit` points to each of `credited`)."""
 
     step: U64
@@ -190,17 +259,32 @@ class RunVerification:
     log: list[VerificationEntry] = dataclasses.field(default_factory=list)
     verifiers_train: bool = False
     """The run's `CoordinatorConfig.verifiers_train` (see the module docstring)."""
+    exact_verification_threads: U16 = 0
+    """The run's `CoordinatorConfig.exact_verification_threads` (see the module docstring)."""
+    following: list[FollowedRound] = dataclasses.field(default_factory=list)
+    """The follower duties and reports of the last `VERIFIED_ROUNDS` rounds of a run that
+    verifies exactly."""
 
     SEEDS_PREFIX = b"verification"
 
     def apply_to(self, config: CoordinatorConfig) -> None:
-        """Put the run's `verifiers_train` on `config` (read from the coordinator account, which
-        cannot hold it): what the program does before every instruction of a verifying run and
-        a client on every state it follows."""
+        """Put the run's `verifiers_train` and `exact_verification_threads` on `config` (read
+        from the coordinator account, which cannot hold them): what the program does before
+        every instruction of a verifying run and a client on every state it follows."""
         config.verifiers_train = self.verifiers_train
+        config.exact_verification_threads = self.exact_verification_threads
 
     def round(self, step: int) -> VerifiedRound | None:
         return next((r for r in self.rounds if r.step == step), None)
+
+    def followed_round(self, step: int) -> FollowedRound | None:
+        return next((r for r in self.following if r.step == step), None)
+
+    def keep_following(self, record: RoundFollowing) -> None:
+        """Store `record` (replacing its step's), keeping the last `VERIFIED_ROUNDS` rounds."""
+        rounds = {r.step: r for r in self.following}
+        rounds[record.step] = FollowedRound.of(record)
+        self.following = [rounds[s] for s in sorted(rounds)[-VERIFIED_ROUNDS:]]
 
     def draw_signer(self, step: int, signer: bytes) -> tuple[bytes, bytes] | None:
         """The p2p public key and the draw message (`RoundDuties.draw_message`) of wallet
@@ -269,10 +353,31 @@ def _space() -> int:
         + ROUND_SEED_LEN
     )
     entry = 8 + (4 + 9) + identity + batch + identity + 1 + 4 + (4 + 8) + (4 + REASON_LEN)
-    entry += 8 + 4 + (1 + VERIFICATION_TIE_BREAKERS) * identity + 8
+    credited = max(1 + VERIFICATION_TIE_BREAKERS, FOLLOWERS_PER_TRAINER)  # deciders at most
+    entry += 8 + 4 + credited * identity + 8
     bans = MAX_FINDINGS * (32 + 16)
     log = 4 + VERIFICATION_LOG_LEN * entry
-    return 8 + 1 + 32 + 4 + VERIFIED_ROUNDS * round_ + 4 + bans + log + 1  # + verifiers_train
+    # a followed round: each batch has at most `FOLLOWERS_PER_TRAINER` followers, each member
+    # reports once, one finding per duty; a batch decides against its trainer or against the
+    # accusers that two vouchers outnumber (fewer than half its followers)
+    follow_duties = FOLLOWERS_PER_TRAINER * MAX_FINDINGS
+    losers = max(1, (FOLLOWERS_PER_TRAINER - 1) // 2) * MAX_FINDINGS
+    followed = (
+        8
+        + 4
+        + MAX_FINDINGS * (batch + identity + 4 + FOLLOWERS_PER_TRAINER * identity)
+        + 4
+        + MAX_FINDINGS * (identity + 4)
+        + follow_duties * finding
+        + 4
+        + losers * (batch + identity)
+    )
+    settings = 1 + 2  # verifiers_train, exact_verification_threads
+    return (
+        (8 + 1 + 32 + 4 + VERIFIED_ROUNDS * round_ + 4 + bans + log + settings)
+        + 4
+        + VERIFIED_ROUNDS * followed
+    )
 
 
 RUN_VERIFICATION_SPACE = _space()
@@ -283,14 +388,20 @@ RUN_VERIFICATION_SPACE = _space()
 
 
 def findings_entries(
-    record: RoundVerification, sender: NodeIdentity, report: VerificationReport
+    record: RoundVerification | RoundFollowing,
+    sender: NodeIdentity,
+    report: VerificationReport,
 ) -> list[VerificationEntry]:
-    """The "verified" entries of an accepted report."""
-    trainers = record.duties.trainers()
+    """The "verified" entries of an accepted verifier's or tie-breaker's report, the "followed"
+    entries of a follower's."""
+    if isinstance(record, RoundFollowing):
+        kind, trainers = "followed", {d.batch_id: d.trainer for d in record.duties}
+    else:
+        kind, trainers = "verified", record.duties.trainers()
     return [
         VerificationEntry(
             report.step,
-            "verified",
+            kind,
             trainers[f.batch_id],
             f.batch_id,
             sender,
@@ -298,6 +409,19 @@ def findings_entries(
             float(f.score),
         )
         for f in report.findings
+    ]
+
+
+def follow_deciders(record: RoundFollowing, resolution: Resolution) -> list[NodeIdentity]:
+    """Who found what a follower's `resolution` decided: against a trainer, the followers
+    that found its commitment differs; against an accusing follower, those that vouched for the
+    commitment. In report order."""
+    matches = resolution.role != "trainer"
+    return [
+        sender
+        for sender, report in record.reports.items()
+        for f in report.findings
+        if f.batch_id == resolution.batch_id and bool(f.matches) == matches
     ]
 
 
@@ -320,11 +444,10 @@ def deciders(record: RoundVerification, resolution: Resolution) -> list[NodeIden
 
 
 def punishment(
-    record: RoundVerification, resolution: Resolution, slashing_rate: int
+    resolution: Resolution, credited: list[NodeIdentity], slashing_rate: int
 ) -> VerificationEntry:
     """The "punished" entry of `resolution`: the loser slashed `slashing_rate`, shared equally
-    by `deciders` (the remainder is nobody's)."""
-    credited = deciders(record, resolution)
+    by `credited` (its `deciders` or `follow_deciders`; the remainder is nobody's)."""
     credit = slashing_rate // len(credited) if credited else 0
     reason = resolution.reason.encode()[:REASON_LEN].decode(errors="ignore")
     return VerificationEntry(
@@ -348,6 +471,12 @@ def entry_line(entry: VerificationEntry) -> str:
             f"step {entry.step}: {entry.by} verified {entry.subject}'s {entry.batch_id}: "
             f"{found} (score {entry.score:.3g})"
         )
+    if entry.kind == "followed":
+        found = "is" if entry.matches else "is NOT"
+        return (
+            f"step {entry.step}: {entry.by} followed {entry.subject}'s {entry.batch_id}: "
+            f"the commitment {found} its exact rebuild"
+        )
     credited = ", ".join(str(c) for c in entry.credited) or "nobody"
     return (
         f"step {entry.step}: {entry.subject} punished as {entry.role} for {entry.batch_id}: "
@@ -366,7 +495,7 @@ def entry_to_json(entry: VerificationEntry) -> dict[str, Any]:
         "subject": _key(entry.subject),
         "batch": str(entry.batch_id),
     }
-    if entry.kind == "verified":
+    if entry.kind in ("verified", "followed"):
         out.update(by=_key(entry.by), matches=entry.matches, score=float(entry.score))
     else:
         out.update(
@@ -394,6 +523,29 @@ def verification_to_json(value: RunVerification) -> dict[str, Any]:
 
     return {
         "verifiers_train": value.verifiers_train,
+        "exact_verification_threads": value.exact_verification_threads,
+        # who follows whom in the kept rounds of a run that verifies exactly, what each said
+        "following": [
+            {
+                "step": r.step,
+                "batches": [
+                    {
+                        "batch": str(b.batch_id),
+                        "trainer": _key(b.trainer),
+                        "followers": [_key(f) for f in b.followers],
+                    }
+                    for b in r.batches
+                ],
+                "reports": {
+                    _key(report.sender): [
+                        {"batch": str(f.batch_id), "matches": bool(f.matches)}
+                        for f in report.findings
+                    ]
+                    for report in r.reports
+                },
+            }
+            for r in value.following
+        ],
         "rounds": [
             {
                 "step": r.step,
@@ -442,6 +594,9 @@ __all__ = [
     "BanRecord",
     "DecidedRecord",
     "DutyRecord",
+    "FollowedBatch",
+    "FollowedRound",
+    "FollowerReportRecord",
     "ReportRecord",
     "RunVerification",
     "VerificationEntry",
@@ -452,6 +607,7 @@ __all__ = [
     "entry_to_json",
     "finding_limit",
     "findings_entries",
+    "follow_deciders",
     "punishment",
     "verification_to_json",
 ]

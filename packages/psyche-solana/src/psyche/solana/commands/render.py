@@ -122,7 +122,9 @@ def _verification_lines(snapshot: RunSnapshot) -> list[str]:
     assert value is not None
     steps = ", ".join(str(r.step) for r in value.rounds) or "none"
     trains = "verifiers train too" if value.verifiers_train else "verifiers train nothing"
-    lines = [f"  verification  {trains}; rounds kept {steps}; {len(value.bans)} banned"]
+    threads = value.exact_verification_threads
+    exact = f"followers rebuild on {threads} threads" if threads else "no followers"
+    lines = [f"  verification  {trains}; {exact}; rounds kept {steps}; {len(value.bans)} banned"]
     lines += [f"    banned {_key(b.signer)} until epoch {b.ban().until_epoch}" for b in value.bans]
     lines += [f"    {entry_line(e)}" for e in value.log]
     return lines

@@ -18,7 +18,7 @@ from psyche.coordinator.verification import NO_DRAW, Finding, VerificationReport
 from psyche.core.bloom import WitnessBloom
 from psyche.core.merkle_tree import MerkleRoot
 from psyche.core.node_identity import NodeIdentity
-from psyche.core.serde import U32, U64, FixedBytes, struct
+from psyche.core.serde import U16, U32, U64, FixedBytes, struct
 from psyche.solana import pda
 from psyche.solana.instructions.ed25519 import SYSVAR_INSTRUCTIONS, new_ed25519_instruction
 from psyche.solana.instructions.spec import (
@@ -177,6 +177,14 @@ class SetVerifiersTrainArgs:
     verifiers_train: bool
 
 
+@struct(frozen=True)
+class SetExactVerificationThreadsArgs:
+    """The run's `CoordinatorConfig.exact_verification_threads` (0: off), kept in its
+    verification account beside `verifiers_train`."""
+
+    exact_verification_threads: U16
+
+
 # ---------------------------------------------------------------------------------------------
 # Specs
 
@@ -255,6 +263,12 @@ SPECS: dict[str, InstructionSpec] = by_name(
         "set_verifiers_train",
         (*_OWNER, writable("verification")),
         SetVerifiersTrainArgs,
+    ),
+    InstructionSpec(
+        "coordinator",
+        "set_exact_verification_threads",
+        (*_OWNER, writable("verification")),
+        SetExactVerificationThreadsArgs,
     ),
 )
 
@@ -585,3 +599,19 @@ def coordinator_set_verifiers_train(
     accounts = _owner_accounts(run_id, coordinator_account, main_authority, ids)
     accounts["verification"] = pda.find_run_verification(coordinator_account, ids)
     return SPECS["set_verifiers_train"].call(ids, accounts, SetVerifiersTrainArgs(verifiers_train))
+
+
+def coordinator_set_exact_verification_threads(
+    run_id: str,
+    coordinator_account: Any,
+    main_authority: Any,
+    threads: int,
+    ids: ProgramIds = DEFAULT_PROGRAM_IDS,
+) -> Instruction:
+    """The owner's `set_exact_verification_threads` (signed by the run's main authority, while
+    the run is halted, as `update`)."""
+    accounts = _owner_accounts(run_id, coordinator_account, main_authority, ids)
+    accounts["verification"] = pda.find_run_verification(coordinator_account, ids)
+    return SPECS["set_exact_verification_threads"].call(
+        ids, accounts, SetExactVerificationThreadsArgs(threads)
+    )

@@ -12,7 +12,7 @@ from solders.instruction import Instruction
 from psyche.coordinator import CoordinatorProgress
 from psyche.coordinator.config import CoordinatorConfig
 from psyche.coordinator.model import Model
-from psyche.core.serde import U64, struct
+from psyche.core.serde import U16, U64, struct
 from psyche.solana import pda
 from psyche.solana.instructions import coordinator as coordinator_ix
 from psyche.solana.instructions.spec import (
@@ -114,6 +114,15 @@ class RunSetVerifiersTrainArgs:
 
 
 @struct(frozen=True)
+class RunSetExactVerificationThreadsArgs:
+    """Beyond upstream (issue 27): the run's `CoordinatorConfig.exact_verification_threads`,
+    which the treasurer's run sets through the coordinator's `set_exact_verification_threads`
+    (as `run_set_verifiers_train`)."""
+
+    exact_verification_threads: U16
+
+
+@struct(frozen=True)
 class ParticipantCreateArgs:
     params: ParticipantCreateParams = ParticipantCreateParams()
 
@@ -169,6 +178,19 @@ SPECS: dict[str, InstructionSpec] = by_name(
             readonly("coordinator_program"),
         ),
         RunSetVerifiersTrainArgs,
+    ),
+    InstructionSpec(
+        "treasurer",
+        "run_set_exact_verification_threads",
+        (
+            signer("authority"),
+            readonly("run"),
+            readonly("coordinator_instance"),
+            writable("coordinator_account"),
+            writable("verification"),
+            readonly("coordinator_program"),
+        ),
+        RunSetExactVerificationThreadsArgs,
     ),
     InstructionSpec(
         "treasurer",
@@ -259,7 +281,7 @@ def _run_authority_accounts(
     ids: ProgramIds,
 ) -> dict[str, Any]:
     """The accounts of the instructions the run's authority signs on its coordinator (both
-    `run_update` and `run_set_verifiers_train`)."""
+    `run_update`, `run_set_verifiers_train` and `run_set_exact_verification_threads`)."""
     return {
         "authority": main_authority,
         "run": pda.find_run(treasurer_index, ids),
@@ -282,6 +304,23 @@ def treasurer_run_set_verifiers_train(
     accounts["verification"] = pda.find_run_verification(coordinator_account, ids)
     return SPECS["run_set_verifiers_train"].call(
         ids, accounts, RunSetVerifiersTrainArgs(verifiers_train)
+    )
+
+
+def treasurer_run_set_exact_verification_threads(
+    run_id: str,
+    treasurer_index: int,
+    coordinator_account: Any,
+    main_authority: Any,
+    threads: int,
+    ids: ProgramIds = DEFAULT_PROGRAM_IDS,
+) -> Instruction:
+    accounts = _run_authority_accounts(
+        run_id, treasurer_index, coordinator_account, main_authority, ids
+    )
+    accounts["verification"] = pda.find_run_verification(coordinator_account, ids)
+    return SPECS["run_set_exact_verification_threads"].call(
+        ids, accounts, RunSetExactVerificationThreadsArgs(threads)
     )
 
 

@@ -11,9 +11,13 @@ Beyond upstream (issue 27, `psyche.solana.verification`): in a run with `verific
 run's verification account after their own accounts. Each of them records the duties of the
 round it finds (as `ServerCore` does on every tick), `join_run` refuses a banned member, and
 `verification_report` hears a member's report and applies what the tie-breakers decide: the loser
-dropped, banned, slashed, and the members that found it out credited. `set_verifiers_train` (the
-owner's, while halted) keeps the run's `CoordinatorConfig.verifiers_train` in the verification
-account, and every instruction that loads that account puts it on the config it runs with.
+dropped, banned, slashed, and the members that found it out credited. `set_verifiers_train` and
+`set_exact_verification_threads` (the owner's, while halted) keep the run's
+`CoordinatorConfig.verifiers_train` and `exact_verification_threads` in the verification account,
+and every instruction that loads that account puts them on the config it runs with. In a run
+that verifies exactly, each round's follower duties are recorded beside its verifier duties, and
+a follower's report (`FOLLOW_DRAW`) is heard through `psyche.coordinator.following`'s
+`RoundFollowing`: its loser is dropped, banned, slashed and its deciders credited as above.
 """
 
 from __future__ import annotations
@@ -28,7 +32,15 @@ from solders.pubkey import Pubkey
 from psyche.coordinator import ClientState, Coordinator, RunState, TickResult
 from psyche.coordinator.data_selection import verification_duties_for_state
 from psyche.coordinator.errors import CoordinatorError, CoordinatorPanic
-from psyche.coordinator.verification import Resolution, RoundVerification, SignatureCheck
+from psyche.coordinator.following import is_follow_report, round_following
+from psyche.coordinator.run_config import MAX_EXACT_VERIFICATION_THREADS
+from psyche.coordinator.verification import (
+    Resolution,
+    RoundVerification,
+    SignatureCheck,
+    VerificationReport,
+)
+from psyche.core.node_identity import NodeIdentity
 from psyche.solana.anchor import COORDINATOR_ERRORS, DISCRIMINATOR_LEN, AnchorErrorCode
 from psyche.solana.borsh import fixed_str_bytes
 from psyche.solana.instructions import coordinator as coordinator_ix
@@ -84,9 +96,11 @@ from psyche.solana.verification import (
     RUN_VERIFICATION_SPACE,
     RunVerification,
     VerificationEntry,
+    deciders,
     entry_line,
     finding_limit,
     findings_entries,
+    follow_deciders,
     punishment,
 )
 
@@ -627,13 +641,15 @@ class _Verification:
                 raise anchor_error(AnchorErrorCode.AccountNotEnoughKeys, "verification")
             meta = ctx.metas[len(accounts.metas)]
         found = cls.load(ctx, meta, accounts.key("coordinator_account"))
-        # The run's `verifiers_train` lives here (the coordinator account has no room for it):
-        # the duties, data assignment and health rule below read it from the config.
+        # The run's `verifiers_train` and `exact_verification_threads` live here (the
+        # coordinator account has no room for them): the duties, data assignment, followers and
+        # health rule below read them from the config.
         found.value.apply_to(state.coordinator.config)
         return found
 
     def record_duties(self, coordinator: Coordinator) -> None:
-        """Record who verifies what in the current round, once (`ServerCore._record_duties`)."""
+        """Record who verifies and who follows what in the current round, once
+        (`ServerCore._record_duties`)."""
         if coordinator.run_state not in (RunState.RoundTrain, RunState.RoundWitness):
             return
         step = coordinator.progress.step
@@ -645,6 +661,9 @@ class _Verification:
             self.log(f"cannot derive the verification duties of step {step}: {e}")
             return
         self.value.keep_round(RoundVerification(duties))
+        following = round_following(coordinator, duties)
+        if following is not None:
+            self.value.keep_following(following)
 
     def store(self, ctx: InvokeContext) -> None:
         """Write the account back, the bytes past its encoding zeroed: `verifiers_train` was
@@ -703,6 +722,9 @@ def _verification_report(
             raise _error("VerificationOff")
         if all(c.id != sender for c in state.coordinator.epoch_state.clients):
             raise _error("SignerNotAClient")
+        if is_follow_report(report):
+            _following_report(ctx, state, found, sender, report)
+            return
         verification = found.value
         stored = verification.round(report.step)
         record = None if stored is None else stored.record()
@@ -715,11 +737,38 @@ def _verification_report(
             ctx.log(f"verification report from {sender} refused: {problem}")
             raise _error("VerificationReportRefused")
         entries = findings_entries(record, sender, report)
-        entries += [_punish(ctx, state, found, record, r) for r in record.resolve()]
+        entries += [_punish(ctx, state, found, r, deciders(record, r)) for r in record.resolve()]
         verification.keep_round(record)
         verification.note(entries)
 
     _member_instruction(ctx, accounts, act)
+
+
+def _following_report(
+    ctx: InvokeContext,
+    state: CoordinatorInstanceState,
+    found: _Verification,
+    sender: Any,
+    report: VerificationReport,
+) -> None:
+    """A follower's exact findings (`ServerCore._on_following`): heard once per sender and
+    round, only about the trainers it follows (`RoundFollowing.add`, the one copy of the rule);
+    what all three followers' words decide is applied (`_punish`, the deciders credited)."""
+    verification = found.value
+    stored = verification.followed_round(report.step)
+    record = None if stored is None else stored.record()
+    problem = (
+        f"step {report.step} is not a recent followed round"
+        if record is None
+        else record.add(sender, report)
+    )
+    if problem is not None or record is None:
+        ctx.log(f"follower report from {sender} refused: {problem}")
+        raise _error("VerificationReportRefused")
+    entries = findings_entries(record, sender, report)
+    entries += [_punish(ctx, state, found, r, follow_deciders(record, r)) for r in record.resolve()]
+    verification.keep_following(record)
+    verification.note(entries)
 
 
 def _set_verifiers_train(
@@ -738,6 +787,30 @@ def _set_verifiers_train(
     found = _Verification.load(ctx, accounts["verification"], accounts.key("coordinator_account"))
     found.value.verifiers_train = bool(args.verifiers_train)
     ctx.log(f"verifiers_train: {found.value.verifiers_train}")
+    found.store(ctx)
+
+
+def _set_exact_verification_threads(
+    ctx: InvokeContext,
+    accounts: Accounts,
+    args: coordinator_ix.SetExactVerificationThreadsArgs,
+) -> None:
+    """The owner sets the run's `exact_verification_threads` (kept in the verification account),
+    as `set_verifiers_train`: only while halted, only in a run that verifies, at most
+    `MAX_EXACT_VERIFICATION_THREADS` (`ConfigSanityCheckFailed`, as `update`'s config checks)."""
+    _, data = _owner_accounts(ctx, accounts)
+    coordinator = _load_mut(data).state.coordinator
+    if coordinator.run_state is RunState.Finished:
+        raise _error("UpdateConfigFinished")
+    if not coordinator.halted():
+        raise _error("UpdateConfigNotHalted")
+    if coordinator.config.verification_percent == 0:
+        raise _error("VerificationOff")
+    if args.exact_verification_threads > MAX_EXACT_VERIFICATION_THREADS:
+        raise _error("ConfigSanityCheckFailed")
+    found = _Verification.load(ctx, accounts["verification"], accounts.key("coordinator_account"))
+    found.value.exact_verification_threads = int(args.exact_verification_threads)
+    ctx.log(f"exact_verification_threads: {found.value.exact_verification_threads}")
     found.store(ctx)
 
 
@@ -776,25 +849,25 @@ def _punish(
     ctx: InvokeContext,
     state: CoordinatorInstanceState,
     verification: _Verification,
-    record: RoundVerification,
     resolution: Resolution,
+    credited: list[NodeIdentity],
 ) -> VerificationEntry:
     """The loser of a decided dispute is dropped (if still healthy), banned as the server bans,
-    slashed the epoch's `slashing_rate_per_client`, and that credited to the deciders. Once per
-    loser and epoch, as the ban: a verifier that falsely accused two results of a round loses
-    two disputes, and is slashed once."""
+    slashed the epoch's `slashing_rate_per_client`, and that credited to the deciders
+    (`credited`). Once per loser and epoch, as the ban: a verifier that falsely accused two
+    results of a round loses two disputes, and is slashed once."""
     loser = resolution.loser
     ban = verification.value.ban(loser.signer, state.coordinator.progress.epoch)
     rate = state.clients_state.current_epoch_rates.slashing_rate_per_client
-    entry = punishment(record, resolution, 0 if ban is None else rate)
+    entry = punishment(resolution, credited, 0 if ban is None else rate)
     for client in state.coordinator.epoch_state.clients:
         if client.id == loser and client.state is ClientState.Healthy:
             client.state = ClientState.Dropped
-    credited = set(entry.credited)
+    paid = set(entry.credited)
     for known in state.clients_state.clients:
         if known.id == loser:
             known.slashed = _checked_add(known.slashed, entry.slashed)
-        if known.id in credited:
+        if known.id in paid:
             known.earned = _checked_add(known.earned, entry.credit)
     if ban is not None:
         ctx.log(f"{loser} banned from the run's epochs before {ban.until_epoch}")
@@ -818,6 +891,7 @@ _HANDLERS: dict[str, Handler] = {
     "init_verification": _init_verification,
     "verification_report": _verification_report,
     "set_verifiers_train": _set_verifiers_train,
+    "set_exact_verification_threads": _set_exact_verification_threads,
 }
 
 

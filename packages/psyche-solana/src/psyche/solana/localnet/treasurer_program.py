@@ -213,6 +213,23 @@ def _run_set_verifiers_train(
     _invoke_coordinator(ctx, "set_verifiers_train", owner_accounts, coordinator_args, run)
 
 
+def _run_set_exact_verification_threads(
+    ctx: InvokeContext,
+    accounts: Accounts,
+    args: treasurer_ix.RunSetExactVerificationThreadsArgs,
+) -> None:
+    """Beyond upstream (issue 27): `run_update`'s checks, then the coordinator's
+    `set_exact_verification_threads` signed by the run."""
+    run, owner_accounts = _run_owner_accounts(ctx, accounts)
+    owner_accounts["verification"] = accounts.key("verification")
+    coordinator_args = coordinator_ix.SetExactVerificationThreadsArgs(
+        args.exact_verification_threads
+    )
+    _invoke_coordinator(
+        ctx, "set_exact_verification_threads", owner_accounts, coordinator_args, run
+    )
+
+
 def _participant_create(
     ctx: InvokeContext, accounts: Accounts, args: treasurer_ix.ParticipantCreateArgs
 ) -> None:
@@ -327,6 +344,7 @@ _HANDLERS: dict[str, Handler] = {
     "run_create": _run_create,
     "run_update": _run_update,
     "run_set_verifiers_train": _run_set_verifiers_train,
+    "run_set_exact_verification_threads": _run_set_exact_verification_threads,
     "participant_create": _participant_create,
     "participant_claim": _participant_claim,
 }
