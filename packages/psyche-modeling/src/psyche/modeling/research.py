@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
@@ -114,22 +114,32 @@ def clip_gradients(params: Sequence[torch.Tensor], max_norm: float | None) -> No
             clip_grad_norm_native(grads, max_norm)
 
 
+class _Member(Protocol):
+    """A simulated member as `ResultExchange` reads it: its model."""
+
+    model: nn.Module
+
+
 class ResultExchange:
     """What the DisTrO and DiLoCo peer simulations share: one round's exchange of every
     member's results (`simulate_round`: the hostile members' rewrite, the wire, the witnesses'
     verdict). With `through_wire`, every result goes through the postcard payload, its
     commitment hash and the receiver's validation (`_from_wire`), as between real peers;
     `last_payload_bytes` then holds each member's last payload size. `last_accepted`: the
-    members whose results of the last exchange the run applies."""
+    members whose results of the last exchange the run applies. `members`: the simulation's
+    own list of members (each with its `model`), read again by every `models`; `optimizers`:
+    theirs, in the same order."""
 
     def __init__(
         self,
+        members: Sequence[_Member],
         optimizers: Sequence[Distro | Diloco],
         *,
         through_wire: bool,
         hostile: RoundTamper | None,
         screening: ScreeningSettings | None,
     ) -> None:
+        self._members = members
         self.through_wire = through_wire
         self.last_payload_bytes: list[int] = []
         self.hostile = hostile
@@ -140,6 +150,12 @@ class ResultExchange:
             self.witnesses = WitnessPanel(optimizers[0], screening, len(optimizers), hostile)
         self.last_accepted: list[int] = []
         self._optimizers = list(optimizers)
+
+    @property
+    def models(self) -> list[nn.Module]:
+        """Every member's model, in member order, as the members are now (a member the
+        simulation's list gained since shows)."""
+        return [member.model for member in self._members]
 
     def _exchange(self, sent: list[list[DistroResult]], step: int) -> list[list[DistroResult]]:
         """Every member's `sent` results of `step` as received; with screening, only those a
@@ -249,15 +265,12 @@ class PeerSimulation(ResultExchange):
         self.peers = [_Peer(m, self.settings) for m in models]
         self._outbox: list[list[DistroResult]] | None = None
         super().__init__(
+            self.peers,
             [peer.distro for peer in self.peers],
             through_wire=through_wire,
             hostile=hostile,
             screening=screening,
         )
-
-    @property
-    def models(self) -> list[nn.Module]:
-        return [p.model for p in self.peers]
 
     def zero_grad(self, step: int) -> None:
         for peer in self.peers:

@@ -98,15 +98,12 @@ class DilocoPeerSimulation(ResultExchange):
         for r in self.replicas:
             r.diloco.begin_round(self._round)
         super().__init__(
+            self.replicas,
             [r.diloco for r in self.replicas],
             through_wire=through_wire,
             hostile=hostile,
             screening=screening,
         )
-
-    @property
-    def models(self) -> list[nn.Module]:
-        return [r.model for r in self.replicas]
 
     def zero_grad(self, step: int | None = None) -> None:
         """Zero every replica's gradients (`step` is accepted, and unused, as in DisTrO's
