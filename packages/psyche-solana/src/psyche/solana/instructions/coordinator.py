@@ -69,11 +69,20 @@ class FreeCoordinatorArgs:
 
 
 @struct(frozen=True, kw_only=True)
-class UpdateArgs:
+class CoordinatorUpdate:
+    """What the owner's `update` changes, each field given or None (left as it is): declared
+    once for the `update` instruction's arguments and the first fields of the treasurer's
+    `RunUpdateParams`, which forwards them to `update` (`treasurer.coordinator_updates`)."""
+
     metadata: RunMetadata | None = None
     config: CoordinatorConfig | None = None
     model: Model | None = None
     progress: CoordinatorProgress | None = None
+
+
+@struct(frozen=True, kw_only=True)
+class UpdateArgs(CoordinatorUpdate):
+    """`update`'s four arguments (`CoordinatorUpdate`)."""
 
 
 @struct(frozen=True)

@@ -9,9 +9,6 @@ from typing import Any
 
 from solders.instruction import Instruction
 
-from psyche.coordinator import CoordinatorProgress
-from psyche.coordinator.config import CoordinatorConfig
-from psyche.coordinator.model import Model
 from psyche.core.serde import U16, U64, struct
 from psyche.solana import pda
 from psyche.solana.instructions import coordinator as coordinator_ix
@@ -28,7 +25,6 @@ from psyche.solana.program_ids import (
     ProgramIds,
 )
 from psyche.solana.pubkey import Pubkey, pubkey_bytes
-from psyche.solana.state import RunMetadata
 
 # ---------------------------------------------------------------------------------------------
 # Arguments
@@ -44,11 +40,10 @@ class RunCreateParams:
 
 
 @struct(frozen=True, kw_only=True)
-class RunUpdateParams:
-    metadata: RunMetadata | None = None
-    config: CoordinatorConfig | None = None
-    model: Model | None = None
-    progress: CoordinatorProgress | None = None
+class RunUpdateParams(coordinator_ix.CoordinatorUpdate):
+    """The coordinator's `update` (`CoordinatorUpdate`: metadata, config, model, progress),
+    then the other settings the run's authority changes, in upstream's field order."""
+
     epoch_earning_rate_total_shared: U64 | None = None
     epoch_slashing_rate_per_client: U64 | None = None
     paused: bool | None = None
