@@ -69,11 +69,20 @@ class FreeCoordinatorArgs:
 
 
 @struct(frozen=True, kw_only=True)
-class UpdateArgs:
+class CoordinatorUpdate:
+    """What the owner's `update` changes, each field given or None (left as it is): declared
+    once for the `update` instruction's arguments and the first fields of the treasurer's
+    `RunUpdateParams`, which forwards them to `update` (`treasurer.coordinator_updates`)."""
+
     metadata: RunMetadata | None = None
     config: CoordinatorConfig | None = None
     model: Model | None = None
     progress: CoordinatorProgress | None = None
+
+
+@struct(frozen=True, kw_only=True)
+class UpdateArgs(CoordinatorUpdate):
+    """`update`'s four arguments (`CoordinatorUpdate`)."""
 
 
 @struct(frozen=True)
@@ -329,7 +338,8 @@ def coordinator_owner_call(
     ids: ProgramIds = DEFAULT_PROGRAM_IDS,
 ) -> Instruction:
     """`name`, one of the instructions the main authority signs on the run's accounts (`update`,
-    `update_client_version`, `set_future_epoch_rates`, `set_paused`), with `args`."""
+    `update_client_version`, `set_future_epoch_rates`, `set_paused`; `set_verifiers_train` and
+    `set_exact_verification_threads` on its verification account too), with `args`."""
     return SPECS[name].call(
         ids, _owner_accounts(run_id, coordinator_account, main_authority, ids), args
     )
@@ -539,7 +549,6 @@ def coordinator_init_verification(
             "payer": payer,
             "coordinator_instance": coordinator_instance,
             "coordinator_account": coordinator_account,
-            "verification": pda.find_run_verification(coordinator_account, ids),
         },
         InitVerificationArgs(),
     )
@@ -560,7 +569,6 @@ def coordinator_verification_report(
             "user": user,
             "coordinator_instance": coordinator_instance,
             "coordinator_account": coordinator_account,
-            "verification": pda.find_run_verification(coordinator_account, ids),
             "instructions": SYSVAR_INSTRUCTIONS,
         },
         VerificationReportArgs(report.step, list(report.findings), report.draw),
@@ -596,9 +604,10 @@ def coordinator_set_verifiers_train(
 ) -> Instruction:
     """The owner's `set_verifiers_train` (signed by the run's main authority, while the run is
     halted, as `update`)."""
-    accounts = _owner_accounts(run_id, coordinator_account, main_authority, ids)
-    accounts["verification"] = pda.find_run_verification(coordinator_account, ids)
-    return SPECS["set_verifiers_train"].call(ids, accounts, SetVerifiersTrainArgs(verifiers_train))
+    args = SetVerifiersTrainArgs(verifiers_train)
+    return coordinator_owner_call(
+        "set_verifiers_train", run_id, coordinator_account, main_authority, args, ids
+    )
 
 
 def coordinator_set_exact_verification_threads(
@@ -610,8 +619,7 @@ def coordinator_set_exact_verification_threads(
 ) -> Instruction:
     """The owner's `set_exact_verification_threads` (signed by the run's main authority, while
     the run is halted, as `update`)."""
-    accounts = _owner_accounts(run_id, coordinator_account, main_authority, ids)
-    accounts["verification"] = pda.find_run_verification(coordinator_account, ids)
-    return SPECS["set_exact_verification_threads"].call(
-        ids, accounts, SetExactVerificationThreadsArgs(threads)
+    args = SetExactVerificationThreadsArgs(threads)
+    return coordinator_owner_call(
+        "set_exact_verification_threads", run_id, coordinator_account, main_authority, args, ids
     )

@@ -13,6 +13,7 @@ from typing import Any
 
 from solders.instruction import AccountMeta, Instruction
 
+from psyche.solana import pda
 from psyche.solana.anchor import DISCRIMINATOR_LEN, instruction_discriminator
 from psyche.solana.borsh import BorshError, take_borsh, to_borsh
 from psyche.solana.program_ids import (
@@ -92,10 +93,12 @@ class InstructionSpec:
 
     def call(self, ids: ProgramIds, accounts: Mapping[str, Any], args: Any) -> Instruction:
         """This instruction of its program as `ids` deploys it, with the program accounts it
-        names (system, token, associated token, coordinator) filled in: `accounts` gives the
-        others."""
+        names (system, token, associated token, coordinator) and the run's `verification`
+        account (the PDA of its `coordinator_account`) filled in: `accounts` gives the others."""
         names = {a.name for a in self.accounts}
         known = {k: v for k, v in program_accounts(ids).items() if k in names}
+        if "verification" in names and "coordinator_account" in accounts:
+            known["verification"] = pda.find_run_verification(accounts["coordinator_account"], ids)
         return self.build(getattr(ids, self.program), {**known, **accounts}, args)
 
 

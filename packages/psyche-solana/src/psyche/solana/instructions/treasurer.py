@@ -9,9 +9,6 @@ from typing import Any
 
 from solders.instruction import Instruction
 
-from psyche.coordinator import CoordinatorProgress
-from psyche.coordinator.config import CoordinatorConfig
-from psyche.coordinator.model import Model
 from psyche.core.serde import U16, U64, struct
 from psyche.solana import pda
 from psyche.solana.instructions import coordinator as coordinator_ix
@@ -28,7 +25,6 @@ from psyche.solana.program_ids import (
     ProgramIds,
 )
 from psyche.solana.pubkey import Pubkey, pubkey_bytes
-from psyche.solana.state import RunMetadata
 
 # ---------------------------------------------------------------------------------------------
 # Arguments
@@ -44,11 +40,10 @@ class RunCreateParams:
 
 
 @struct(frozen=True, kw_only=True)
-class RunUpdateParams:
-    metadata: RunMetadata | None = None
-    config: CoordinatorConfig | None = None
-    model: Model | None = None
-    progress: CoordinatorProgress | None = None
+class RunUpdateParams(coordinator_ix.CoordinatorUpdate):
+    """The coordinator's `update` (`CoordinatorUpdate`: metadata, config, model, progress),
+    then the other settings the run's authority changes, in upstream's field order."""
+
     epoch_earning_rate_total_shared: U64 | None = None
     epoch_slashing_rate_per_client: U64 | None = None
     paused: bool | None = None
@@ -136,6 +131,19 @@ class ParticipantClaimArgs:
 # Specs
 
 
+# The accounts of the instructions the run's authority signs on its coordinator.
+_RUN_AUTHORITY = (
+    signer("authority"),
+    readonly("run"),
+    readonly("coordinator_instance"),
+    writable("coordinator_account"),
+)
+_RUN_AUTHORITY_VERIFICATION = (
+    *_RUN_AUTHORITY,
+    writable("verification"),
+    readonly("coordinator_program"),
+)
+
 SPECS: dict[str, InstructionSpec] = by_name(
     InstructionSpec(
         "treasurer",
@@ -155,41 +163,18 @@ SPECS: dict[str, InstructionSpec] = by_name(
         RunCreateArgs,
     ),
     InstructionSpec(
-        "treasurer",
-        "run_update",
-        (
-            signer("authority"),
-            readonly("run"),
-            readonly("coordinator_instance"),
-            writable("coordinator_account"),
-            readonly("coordinator_program"),
-        ),
-        RunUpdateArgs,
+        "treasurer", "run_update", (*_RUN_AUTHORITY, readonly("coordinator_program")), RunUpdateArgs
     ),
     InstructionSpec(
         "treasurer",
         "run_set_verifiers_train",
-        (
-            signer("authority"),
-            readonly("run"),
-            readonly("coordinator_instance"),
-            writable("coordinator_account"),
-            writable("verification"),
-            readonly("coordinator_program"),
-        ),
+        _RUN_AUTHORITY_VERIFICATION,
         RunSetVerifiersTrainArgs,
     ),
     InstructionSpec(
         "treasurer",
         "run_set_exact_verification_threads",
-        (
-            signer("authority"),
-            readonly("run"),
-            readonly("coordinator_instance"),
-            writable("coordinator_account"),
-            writable("verification"),
-            readonly("coordinator_program"),
-        ),
+        _RUN_AUTHORITY_VERIFICATION,
         RunSetExactVerificationThreadsArgs,
     ),
     InstructionSpec(
@@ -267,27 +252,31 @@ def treasurer_run_update(
     params: RunUpdateParams,
     ids: ProgramIds = DEFAULT_PROGRAM_IDS,
 ) -> Instruction:
-    accounts = _run_authority_accounts(
-        run_id, treasurer_index, coordinator_account, main_authority, ids
+    args = RunUpdateArgs(params)
+    return _run_authority_call(
+        "run_update", run_id, treasurer_index, coordinator_account, main_authority, args, ids
     )
-    return SPECS["run_update"].call(ids, accounts, RunUpdateArgs(params))
 
 
-def _run_authority_accounts(
+def _run_authority_call(
+    name: str,
     run_id: str,
     treasurer_index: int,
     coordinator_account: Any,
     main_authority: Any,
+    args: Any,
     ids: ProgramIds,
-) -> dict[str, Any]:
-    """The accounts of the instructions the run's authority signs on its coordinator (both
-    `run_update`, `run_set_verifiers_train` and `run_set_exact_verification_threads`)."""
-    return {
+) -> Instruction:
+    """`name`, one of the instructions the run's authority signs on its coordinator
+    (`run_update`; `run_set_verifiers_train` and `run_set_exact_verification_threads` on the
+    run's verification account too), with `args`."""
+    accounts = {
         "authority": main_authority,
         "run": pda.find_run(treasurer_index, ids),
         "coordinator_instance": pda.find_coordinator_instance(run_id, ids),
         "coordinator_account": coordinator_account,
     }
+    return SPECS[name].call(ids, accounts, args)
 
 
 def treasurer_run_set_verifiers_train(
@@ -298,12 +287,15 @@ def treasurer_run_set_verifiers_train(
     verifiers_train: bool,
     ids: ProgramIds = DEFAULT_PROGRAM_IDS,
 ) -> Instruction:
-    accounts = _run_authority_accounts(
-        run_id, treasurer_index, coordinator_account, main_authority, ids
-    )
-    accounts["verification"] = pda.find_run_verification(coordinator_account, ids)
-    return SPECS["run_set_verifiers_train"].call(
-        ids, accounts, RunSetVerifiersTrainArgs(verifiers_train)
+    args = RunSetVerifiersTrainArgs(verifiers_train)
+    return _run_authority_call(
+        "run_set_verifiers_train",
+        run_id,
+        treasurer_index,
+        coordinator_account,
+        main_authority,
+        args,
+        ids,
     )
 
 
@@ -315,12 +307,15 @@ def treasurer_run_set_exact_verification_threads(
     threads: int,
     ids: ProgramIds = DEFAULT_PROGRAM_IDS,
 ) -> Instruction:
-    accounts = _run_authority_accounts(
-        run_id, treasurer_index, coordinator_account, main_authority, ids
-    )
-    accounts["verification"] = pda.find_run_verification(coordinator_account, ids)
-    return SPECS["run_set_exact_verification_threads"].call(
-        ids, accounts, RunSetExactVerificationThreadsArgs(threads)
+    args = RunSetExactVerificationThreadsArgs(threads)
+    return _run_authority_call(
+        "run_set_exact_verification_threads",
+        run_id,
+        treasurer_index,
+        coordinator_account,
+        main_authority,
+        args,
+        ids,
     )
 
 

@@ -776,18 +776,7 @@ def _set_verifiers_train(
 ) -> None:
     """The owner sets the run's `verifiers_train` (kept in the verification account): like
     `update`'s config, only while the run is halted, and only in a run that verifies."""
-    _, data = _owner_accounts(ctx, accounts)
-    coordinator = _load_mut(data).state.coordinator
-    if coordinator.run_state is RunState.Finished:
-        raise _error("UpdateConfigFinished")
-    if not coordinator.halted():
-        raise _error("UpdateConfigNotHalted")
-    if coordinator.config.verification_percent == 0:
-        raise _error("VerificationOff")
-    found = _Verification.load(ctx, accounts["verification"], accounts.key("coordinator_account"))
-    found.value.verifiers_train = bool(args.verifiers_train)
-    ctx.log(f"verifiers_train: {found.value.verifiers_train}")
-    found.store(ctx)
+    _set_verification_setting(ctx, accounts, "verifiers_train", bool(args.verifiers_train))
 
 
 def _set_exact_verification_threads(
@@ -798,6 +787,20 @@ def _set_exact_verification_threads(
     """The owner sets the run's `exact_verification_threads` (kept in the verification account),
     as `set_verifiers_train`: only while halted, only in a run that verifies, at most
     `MAX_EXACT_VERIFICATION_THREADS` (`ConfigSanityCheckFailed`, as `update`'s config checks)."""
+    threads = int(args.exact_verification_threads)
+    _set_verification_setting(
+        ctx, accounts, "exact_verification_threads", threads, most=MAX_EXACT_VERIFICATION_THREADS
+    )
+
+
+def _set_verification_setting(
+    ctx: InvokeContext, accounts: Accounts, name: str, value: Any, *, most: int | None = None
+) -> None:
+    """The owner's setters of the verification account's settings (`set_verifiers_train`,
+    `set_exact_verification_threads`), one set of rules in one order: the owner's accounts, the
+    run not finished (`UpdateConfigFinished`), halted (`UpdateConfigNotHalted`), verifying
+    (`VerificationOff`), `value` at most `most` (`ConfigSanityCheckFailed`); then the account
+    is loaded, the setting `name` written and logged."""
     _, data = _owner_accounts(ctx, accounts)
     coordinator = _load_mut(data).state.coordinator
     if coordinator.run_state is RunState.Finished:
@@ -806,11 +809,11 @@ def _set_exact_verification_threads(
         raise _error("UpdateConfigNotHalted")
     if coordinator.config.verification_percent == 0:
         raise _error("VerificationOff")
-    if args.exact_verification_threads > MAX_EXACT_VERIFICATION_THREADS:
+    if most is not None and value > most:
         raise _error("ConfigSanityCheckFailed")
     found = _Verification.load(ctx, accounts["verification"], accounts.key("coordinator_account"))
-    found.value.exact_verification_threads = int(args.exact_verification_threads)
-    ctx.log(f"exact_verification_threads: {found.value.exact_verification_threads}")
+    setattr(found.value, name, value)
+    ctx.log(f"{name}: {getattr(found.value, name)}")
     found.store(ctx)
 
 

@@ -207,10 +207,8 @@ def _run_set_verifiers_train(
 ) -> None:
     """Beyond upstream (issue 27): `run_update`'s checks, then the coordinator's
     `set_verifiers_train` signed by the run."""
-    run, owner_accounts = _run_owner_accounts(ctx, accounts)
-    owner_accounts["verification"] = accounts.key("verification")
     coordinator_args = coordinator_ix.SetVerifiersTrainArgs(args.verifiers_train)
-    _invoke_coordinator(ctx, "set_verifiers_train", owner_accounts, coordinator_args, run)
+    _run_set_verification(ctx, accounts, "set_verifiers_train", coordinator_args)
 
 
 def _run_set_exact_verification_threads(
@@ -220,14 +218,19 @@ def _run_set_exact_verification_threads(
 ) -> None:
     """Beyond upstream (issue 27): `run_update`'s checks, then the coordinator's
     `set_exact_verification_threads` signed by the run."""
+    threads = args.exact_verification_threads
+    coordinator_args = coordinator_ix.SetExactVerificationThreadsArgs(threads)
+    _run_set_verification(ctx, accounts, "set_exact_verification_threads", coordinator_args)
+
+
+def _run_set_verification(
+    ctx: InvokeContext, accounts: Accounts, name: str, coordinator_args: object
+) -> None:
+    """`run_update`'s checks, then the coordinator's setter `name` of the run's verification
+    account (`set_verifiers_train`, `set_exact_verification_threads`), signed by the run."""
     run, owner_accounts = _run_owner_accounts(ctx, accounts)
     owner_accounts["verification"] = accounts.key("verification")
-    coordinator_args = coordinator_ix.SetExactVerificationThreadsArgs(
-        args.exact_verification_threads
-    )
-    _invoke_coordinator(
-        ctx, "set_exact_verification_threads", owner_accounts, coordinator_args, run
-    )
+    _invoke_coordinator(ctx, name, owner_accounts, coordinator_args, run)
 
 
 def _participant_create(
