@@ -38,6 +38,15 @@ deadline (`--max-seconds` for the whole run); loopback only; Ctrl-C stops the ch
 exits. The machine's load average is printed at the start and per N (other work shares the
 cores: CPU time, not wall time, is the figure to compare).
 
+While the meshes form, a status line every `STATUS_SECS`: connections, gossip streams, mesh,
+and each process's event loop (`LoopLag`: how late a 0.1 s sleep returns, and the share of a
+core the process got). On a shared machine the kernel divides the cores between *sessions*
+(autogroup scheduling, `/proc/sys/kernel/sched_autogroup_enabled`), not processes: all of a
+swarm's processes together get one session's share, however many there are (measured: 64 nodes
+in 16 processes, 0.014-0.032 of a core each, loops 0.4 s late median). `--session-per-process`
+starts each process in a session of its own, as nodes on their own machines (it then takes a
+larger share of a shared machine from other users' work).
+
 Diagnosis: `SWARM_LOG=WARNING` shows the nodes' logs (a failed fetch's reason included);
 `--profile PATH` writes process 0's cProfile stats of its rounds
 only there (CPU time; every round so far, rewritten after each; the profiler slows that process
@@ -129,6 +138,7 @@ class Child:
         first), replayed when it starts."""
         self.nursery: Any = None
         self.wire = WireCounts()
+        self.lag = LoopLag()
         self.profiler: Any = None
         if args.profile and args.first == 0:
             import cProfile
@@ -146,6 +156,7 @@ class Child:
         gossip = GossipConfig(**json.loads(self.args.gossip))
         async with trio.open_nursery() as nursery, AsyncExitStack() as stack:
             self.nursery = nursery
+            nursery.start_soon(self.lag.run)
             for i in self.indices:
                 node = await stack.enter_async_context(
                     NetworkConnection.open(
@@ -211,6 +222,7 @@ class Child:
                         len(node.gossip.pubsub.peer_topics.get(node.gossip.topic, ()))
                         for node in self.nodes
                     ],
+                    "loop": self.lag.read() if command.get("reset") else self.lag.peek(),
                 }
             )
         elif command["cmd"] == "round":
@@ -317,6 +329,49 @@ class Child:
             self.complete.set()
 
 
+LAG_TICK_SECS = 0.1
+
+
+class LoopLag:
+    """How late the process's event loop runs a task that sleeps `LAG_TICK_SECS` (what every
+    timer and every peer's frame waits besides its own work: the cores' run queue and the
+    loop's other tasks), and the process's share of a core, since the last `read`. Tells a
+    starved process (late ticks, a large share or none to be had) from a stuck protocol
+    (ticks on time, negotiations still timing out)."""
+
+    def __init__(self) -> None:
+        self.late: list[float] = []
+        self.since = (time.process_time(), time.perf_counter())
+
+    async def run(self) -> None:
+        import trio
+
+        while True:
+            start = time.perf_counter()
+            await trio.sleep(LAG_TICK_SECS)
+            self.late.append(time.perf_counter() - start - LAG_TICK_SECS)
+            del self.late[:-10_000]
+
+    def peek(self) -> dict[str, float]:
+        """What `read` would return, without starting a new interval."""
+        late, since = list(self.late), self.since
+        try:
+            return self.read()
+        finally:
+            self.late, self.since = late, since
+
+    def read(self) -> dict[str, float]:
+        late, self.late = sorted(self.late) or [0.0], []
+        cpu0, wall0 = self.since
+        self.since = (time.process_time(), time.perf_counter())
+        return {
+            "late_median": late[len(late) // 2],
+            "late_p99": late[int(len(late) * 0.99)],
+            "late_max": late[-1],
+            "cpu_share": (self.since[0] - cpu0) / max(1e-9, self.since[1] - wall0),
+        }
+
+
 class WireCounts:
     """What a process's muxers did (bench instrumentation, wrapped around py-libp2p's Yamux):
     frames written by type, streams and connections opened. Read per round as differences."""
@@ -411,6 +466,7 @@ class Swarm:
         payload: int,
         connect_timeout: float,
         profile: str,
+        session_per_process: bool = False,
     ) -> None:
         self.n, self.k = n, k
         self.tmp = tempfile.TemporaryDirectory(prefix="psyche-swarm-")
@@ -435,6 +491,7 @@ class Swarm:
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     text=True,
+                    start_new_session=session_per_process,
                 )
             )
 
@@ -496,6 +553,7 @@ def run_swarm(
         args.payload,
         args.connect_timeout,
         args.profile,
+        args.session_per_process,
     )
     try:
         start = time.time()
@@ -504,24 +562,18 @@ def run_swarm(
         swarm.ask({"cmd": "connect"}, deadline)
         mesh_start = time.time()
         want = min(3, n - 1)
+        last_status = mesh_start
         while True:
-            replies = swarm.ask({"cmd": "neighbors"}, deadline)
+            due = time.time() - last_status >= STATUS_SECS
+            replies = swarm.ask({"cmd": "neighbors", "reset": due}, deadline)
             counts = [c for r in replies for c in r["neighbors"]]
-            connected = [c for r in replies for c in r["connected"]]
-            streams = [c for r in replies for c in r["streams"]]
-            subscribed = [c for r in replies for c in r["subscribed"]]
-            mesh = [c for r in replies for c in r["mesh"]]
-            if min(counts) >= want or time.time() - mesh_start > MESH_WAIT_SECS:
+            done = min(counts) >= want or time.time() - mesh_start > MESH_WAIT_SECS
+            if done or due:
+                last_status = time.time()
+                _print_status(n, time.time() - mesh_start, replies)
+            if done:
                 break
             time.sleep(0.5)
-        print(
-            f"  N = {n}: gossip neighbours min {min(counts)} median {statistics.median(counts)}, "
-            f"connections min {min(connected)} median {statistics.median(connected)}, "
-            f"gossip streams median {statistics.median(streams)}, "
-            f"subscribed peers median {statistics.median(subscribed)}, "
-            f"mesh min {min(mesh)} median {statistics.median(mesh)}",
-            flush=True,
-        )
         idle = swarm.ask({"cmd": "idle", "secs": SETTLE_SECS}, deadline)
         idle_per_node_sec = sum(r["cpu"] / r["wall"] for r in idle) / n
         mesh_secs = time.time() - mesh_start
@@ -564,6 +616,34 @@ def run_swarm(
         return results, mesh_secs, idle_per_node_sec
     finally:
         swarm.close()
+
+
+STATUS_SECS = 10.0
+"""While the meshes form, the swarm's state is printed this often."""
+
+
+def _print_status(n: int, secs: float, replies: list[dict[str, Any]]) -> None:
+    """The nodes' connectivity and the processes' event loops (`LoopLag`, since the last
+    status) while the meshes form."""
+
+    def col(key: str) -> list[int]:
+        return [c for r in replies for c in r[key]]
+
+    loops = [r["loop"] for r in replies]
+    print(
+        f"  N = {n}, {secs:.0f} s: gossip neighbours min {min(col('neighbors'))} median "
+        f"{statistics.median(col('neighbors'))}, connections min {min(col('connected'))} "
+        f"median {statistics.median(col('connected'))}, gossip streams median "
+        f"{statistics.median(col('streams'))}, subscribed peers median "
+        f"{statistics.median(col('subscribed'))}, mesh min {min(col('mesh'))} median "
+        f"{statistics.median(col('mesh'))}; event loops (median of the processes) "
+        f"{statistics.median(x['late_median'] for x in loops) * 1e3:.0f} ms late median, "
+        f"{statistics.median(x['late_p99'] for x in loops) * 1e3:.0f} ms p99 "
+        f"(max {max(x['late_max'] for x in loops) * 1e3:.0f} ms), "
+        f"{statistics.median(x['cpu_share'] for x in loops):.3f} of a core each, "
+        f"load {_load()}",
+        flush=True,
+    )
 
 
 def _max_or_none(values: Any) -> float | None:
@@ -675,6 +755,12 @@ def main() -> None:
         "too loaded for N pure-Python Noise handshakes in time the meshes do not form",
     )
     parser.add_argument(
+        "--session-per-process",
+        action="store_true",
+        help="start each process in its own session (the kernel shares the cores between "
+        "sessions: by default the whole swarm gets one session's share)",
+    )
+    parser.add_argument(
         "--profile",
         default="",
         help="write process 0's cProfile stats of the rounds (CPU time) to this path",
@@ -705,7 +791,8 @@ def main() -> None:
         f"swarm: N = {sizes}, {args.per_process} nodes per process, {args.rounds} rounds, "
         f"{args.payload} B payloads, connect timeout "
         f"{f'{args.connect_timeout:.0f} s' if args.connect_timeout else 'the default'}, "
-        f"{os.cpu_count()} CPUs, load {_load()} (1/5/15 min); "
+        f"{os.cpu_count()} CPUs, load {_load()} (1/5/15 min), "
+        f"{'a session per process' if args.session_per_process else 'one session'}; "
         f"waits at most {args.max_seconds:.0f} s in all"
     )
     per_node: dict[str, list[tuple[int, float]]] = {label: [] for label, _ in settings}

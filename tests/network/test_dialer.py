@@ -9,6 +9,8 @@ import pytest
 import trio
 import trio.testing
 
+from psyche.core.identity import SecretKey
+from psyche.network.connection import JOINS_UNDER_WAY_MAX
 from psyche.network.dialer import (
     BACKOFF_BASE_SECS,
     BACKOFF_MAX_SECS,
@@ -18,7 +20,8 @@ from psyche.network.dialer import (
     DialPacing,
     MeasuredTimeout,
 )
-from psyche.network.testing import open_nodes, wait_until
+from psyche.network.testing import introduce, open_nodes, wait_until
+from psyche.network.ticket import EndpointAddr, TransportAddr
 
 A, B, C = b"a" * 32, b"b" * 32, b"c" * 32
 
@@ -128,5 +131,38 @@ def test_the_next_top_up_does_not_dial_a_peer_that_just_failed(
                 a.add_peers([gone])  # the next top-up, within the back-off
                 await trio.sleep(1.0)  # a second dial to a closed port fails at once
             assert failures() == 1
+
+    trio.run(main)
+
+
+def test_a_top_up_dials_no_more_peers_while_earlier_joins_are_under_way() -> None:
+    """At most `JOINS_UNDER_WAY_MAX` (3) joins at once: a top-up that names 4 peers dials 3,
+    and the next top-up, while those are still connecting, dials none; once they are over a
+    top-up dials again. The 4 peers here accept TCP and never answer, so their joins stay
+    under way until the dials time out. Before, every top-up dialed all it was given (the
+    dialer runs 4 at once), and a starved swarm's nodes held 11-18 connections without a
+    gossip stream (`scripts/bench/swarm.py`, 32 nodes)."""
+
+    async def main() -> None:
+        silent = [SecretKey.generate().public_key for _ in range(4)]
+        listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
+        port = listener.socket.getsockname()[1]  # accepts (the kernel's backlog), never answers
+        async with open_nodes(2) as (a, b):
+            a.set_allowed_peers([a.endpoint_id, b.endpoint_id, *silent])
+            introduce(a, b)
+            for key in silent:
+                a.address_book.add(
+                    EndpointAddr(key, [TransportAddr.Libp2p(f"/ip4/127.0.0.1/tcp/{port}")])
+                )
+            a.add_peers(silent)
+            await trio.testing.wait_all_tasks_blocked()
+            assert len(a.joins_under_way()) == JOINS_UNDER_WAY_MAX
+            a.add_peers([b.endpoint_id])  # the next top-up, while those three are under way
+            await trio.testing.wait_all_tasks_blocked()
+            assert b.endpoint_id not in a.joins_under_way() | set(a.connected_peers())
+            await wait_until(lambda: not a.joins_under_way(), timeout=120.0)  # they time out
+            a.add_peers([b.endpoint_id])
+            await wait_until(lambda: b.endpoint_id in a.connected_peers(), timeout=60.0)
+        await listener.aclose()
 
     trio.run(main)

@@ -60,6 +60,7 @@ from psyche.network.download_manager import INLINE_WORK_BYTES, DownloadManager
 from psyche.network.events import MessageReceived, NetworkEvent, PeerConnected
 from psyche.network.gossip import (
     GOSSIP_MIRROR_PROTOCOL,
+    MAX_NUM_BOOTSTRAP_PEERS,
     Gossip,
     GossipConfig,
     GossipRejected,
@@ -67,6 +68,7 @@ from psyche.network.gossip import (
 )
 from psyche.network.identity import fmt_short, peer_id_from_public_key
 from psyche.network.interfaces import announce_host, interface_ipv4
+from psyche.network.loop_lag import LoopLag
 from psyche.network.model_download import ModelDownload
 from psyche.network.reachability import (
     NatTraversal,
@@ -112,6 +114,13 @@ DIRECT_PATH_PROBE_SECS = 2.0
 (`_check_direct_path`)."""
 MIRROR_TIMEOUT_SECS = 5.0
 """Sending or receiving one mirrored copy (`gossip.GOSSIP_MIRROR_PROTOCOL`)."""
+JOINS_UNDER_WAY_MAX = MAX_NUM_BOOTSTRAP_PEERS
+"""At most this many gossip joins under way at once (`NetworkConnection.add_peers`): the
+client's top-up asks for this many neighbours."""
+JOIN_GRACE_SECS = 30.0
+"""A connected peer that is not yet a gossip neighbour counts as a join under way for this
+long after it connected (stretched by the loop's lateness, `loop_lag`): its gossip stream is
+being negotiated (py-libp2p retries that while the peer stays connected)."""
 
 
 @dataclass(frozen=True)
@@ -263,8 +272,14 @@ class NetworkConnection:
         )
         self.connection_drops: DropLog = p2p_host.drop_log()
         """Connections the libp2p host refused or dropped, by kind (`counts`)."""
-        self.dialer = Dialer(self._dial, config.connect_timeout_secs)
+        self.loop_lag = LoopLag()
+        """How late this process's event loop runs; connection set-up timeouts (the dial's and
+        py-libp2p's upgrade and stream negotiation) and RTT probes are stretched by it
+        (`loop_lag` module doc), bounded."""
+        self.dialer = Dialer(self._dial, config.connect_timeout_secs, stretch=self.loop_lag.stretch)
         self._paths: dict[bytes, str] = {}
+        self._connected_at: dict[bytes, float] = {}
+        """Connected peers -> when they connected (`joins_under_way`)."""
         self._probing: set[bytes] = set()
         self.probe_timeouts = MeasuredTimeout(config.rtt_probe_timeout_secs)
         """How long an RTT probe may take, sized from the probes that succeeded (a loaded
@@ -348,15 +363,16 @@ class NetworkConnection:
                     nursery.start_soon(network._stats_loop)
                     nursery.start_soon(network._gc_loop)
                     nursery.start_soon(network._rtt_loop)
+                    nursery.start_soon(network._follow_loop_lag)
                     nursery.start_soon(network.blob_routes.run)
                     nursery.start_soon(network.result_downloads.run)
                     # Bootstrap peers seed the address book; we dial those already allowed (the
                     # rest once the coordinator admits them and the client calls add_peers).
                     for peer in config.bootstrap_peers:
                         network.address_book.add(peer)
-                    network.add_peers(
-                        p.id for p in config.bootstrap_peers if network._allowed(p.id)
-                    )
+                    for peer in config.bootstrap_peers:  # all of them, not `add_peers`' few
+                        if network._allowed(peer.id):
+                            network._spawn(network._connect_logged, peer.id)
                     logger.info("Our endpoint ID: %s", network.endpoint_id.hex())
                     yield network
                 finally:
@@ -473,15 +489,40 @@ class NetworkConnection:
         peer's addresses change (its record arrives from the coordinator or a peer, or names a
         new relay slot): two members behind NAT that start together each ask for the other
         before the other's record has reached them, and waiting for the application's next
-        top-up (6-10 s, then the dial back-off) cost the run's first rounds."""
+        top-up (6-10 s, then the dial back-off) cost the run's first rounds.
+
+        At most `JOINS_UNDER_WAY_MAX` joins are under way at once (`joins_under_way`: dials in
+        flight, and peers connected a moment ago whose gossip stream is not yet open); the
+        peers beyond are not dialed now (the application's next top-up chooses again). The
+        client tops its neighbours up every 6 s while it has fewer than 3, and a neighbour
+        counts once its gossip stream is open: on a starved machine (32 nodes, each
+        process getting 0.03 of a core) set-ups and stream negotiations took longer than
+        that, every top-up dialed 3 more peers, and the nodes held 11-18 connections with no
+        gossip stream on any of them, each one's set-up and streams more work for loops
+        that could not keep up with the first 3."""
         connected = set(self.connection_monitor.connected_peers())
+        room = JOINS_UNDER_WAY_MAX - len(self.joins_under_way())
         for peer in map(bytes, peers):
             if peer == self.endpoint_id or peer in connected:
                 continue
             if self.dialer.dialing(peer) or self.dialer.backed_off(peer):
                 self._joining.add(peer)
                 continue
+            if room <= 0:
+                continue
+            room -= 1
             self._spawn(self._connect_logged, peer)
+
+    def joins_under_way(self) -> set[bytes]:
+        """Peers being dialed, and peers that connected less than `JOIN_GRACE_SECS` (stretched
+        by the loop's lateness) ago and are not yet gossip neighbours."""
+        grace = self.loop_lag.stretch(JOIN_GRACE_SECS)
+        now = trio.current_time()
+        neighbors = set(self.neighbors())
+        recent = {
+            p for p, at in self._connected_at.items() if now - at < grace and p not in neighbors
+        }
+        return recent | set(self.dialer.in_flight())
 
     def _address_changed(self, peer: bytes) -> None:
         """New addresses are new information. py-libp2p forgets what it learned from the old
@@ -784,6 +825,7 @@ class NetworkConnection:
         self._note_path(peer)
         p2p_host.watch_received(self.host, peer)
         if not was_connected and peer in self._paths:
+            self._connected_at[peer] = trio.current_time()
             self._events_send.send_nowait(PeerConnected(peer))
         self._spawn(self._probe_rtt, peer)
         self._spawn(self._exchange_records, peer, [])
@@ -793,6 +835,8 @@ class NetworkConnection:
             return
         self.connection_monitor.on_disconnected(peer)
         self._note_path(peer)
+        if peer not in self._paths:
+            self._connected_at.pop(peer, None)
 
     def _note_path(self, peer: bytes) -> None:
         """Log, once per change, how we are connected to a peer (direct, relayed, not)."""
@@ -830,7 +874,7 @@ class NetworkConnection:
             self._probing.discard(peer)
 
     async def _probe_rtt_once(self, peer: bytes) -> None:
-        timeout = self.probe_timeouts.timeout()
+        timeout = self.loop_lag.stretch(self.probe_timeouts.timeout())
         start = trio.current_time()
         try:
             rtt = await p2p_host.measure_rtt(self.host, peer, timeout)
@@ -908,6 +952,12 @@ class NetworkConnection:
                 await self._close_dead_direct_path(peer, what)
         finally:
             self._checking_direct.discard(peer)
+
+    async def _follow_loop_lag(self) -> None:
+        """Sample the event loop's lateness and stretch py-libp2p's set-up timeouts by it."""
+        await self.loop_lag.run(
+            lambda: p2p_host.stretch_set_up_timeouts(self.host, self.loop_lag.stretch)
+        )
 
     async def _rtt_loop(self) -> None:
         while True:

@@ -18,6 +18,9 @@ minutes, connections open but no gossip stream negotiated, no mesh at all. Here:
   `TIMEOUT_HEADROOM` times the median of the last set-ups when that is longer (a loaded
   machine's handshakes are slow but finish; cancelling them is what stalls; a dial that timed
   out counts as its whole timeout), at most `TIMEOUT_MAX_FACTOR` times the configured one;
+  then stretched by how late this process's event loop runs (`stretch`, the network's
+  `loop_lag.LoopLag.stretch`: a starved loop sees the peer's answers late, and cutting the
+  set-up short then throws its work away), at most `loop_lag.MAX_STRETCH` times that;
 * a peer whose dials failed is not dialed again in the background (`DialPacing.backed_off`)
   for `BACKOFF_BASE_SECS`, doubling per consecutive failure up to `BACKOFF_MAX_SECS`; a dial
   the application needs now (a download) still goes ahead.
@@ -110,8 +113,10 @@ class Dialer:
         dial: DialFn,
         base_timeout: float,
         max_concurrent: int = MAX_CONCURRENT_DIALS,
+        stretch: Callable[[float], float] = lambda timeout: timeout,
     ) -> None:
         self._dial = dial
+        self._stretch = stretch
         self.pacing = DialPacing(MeasuredTimeout(base_timeout))
         self._slots = trio.CapacityLimiter(max_concurrent)
         self._in_flight: dict[bytes, trio.Event] = {}
@@ -119,6 +124,10 @@ class Dialer:
 
     def dialing(self, peer: bytes) -> bool:
         return peer in self._in_flight
+
+    def in_flight(self) -> list[bytes]:
+        """The peers being dialed (waiting for a slot included)."""
+        return list(self._in_flight)
 
     def backed_off(self, peer: bytes) -> bool:
         return self.pacing.backed_off(peer, trio.current_time())
@@ -137,7 +146,7 @@ class Dialer:
         start, timeout = trio.current_time(), float("inf")
         try:
             async with self._slots:
-                start, timeout = trio.current_time(), self.pacing.timeout()
+                start, timeout = trio.current_time(), self._stretch(self.pacing.timeout())
                 await self._dial(peer, timeout)
                 self.pacing.succeeded(peer, trio.current_time() - start)
         except Exception as e:  # a cancelled dial (shutdown, an abandoned download) is no failure

@@ -240,6 +240,38 @@ def build_host(
     return host
 
 
+LIBP2P_SET_UP_TIMEOUTS = (
+    "inbound_upgrade_timeout",
+    "outbound_upgrade_timeout",
+    "inbound_stream_protocol_negotiation_timeout",
+    "outbound_stream_protocol_negotiation_timeout",
+)
+"""py-libp2p's timeouts of a connection's upgrade (security, muxer) and of a stream's
+protocol negotiation (10 s each), which it reads from the swarm's `ConnectionConfig` each
+time it uses them."""
+
+
+def stretch_set_up_timeouts(host: IHost, stretch: Callable[[float], float]) -> None:
+    """Set py-libp2p's `LIBP2P_SET_UP_TIMEOUTS` to `stretch(base)`, `base` being each one's
+    value the first time this is called (the network calls it after each sample of its
+    event loop's lateness: `loop_lag.LoopLag.stretch`, bounded). A starved process sees a
+    peer's answers late at every hop; measured (64 nodes, 4 to a process, loops 0.4 s late
+    median, seconds at p99), 1,828 stream negotiations (identify, gossip) timed out at 10 s
+    on connections that were alive, and each was tried again."""
+    config: Any = getattr(host.get_network(), "connection_config", None)
+    if config is None:
+        return
+    base: dict[str, float] | None = getattr(config, _BASE_TIMEOUTS, None)
+    if base is None:
+        base = {name: float(getattr(config, name)) for name in LIBP2P_SET_UP_TIMEOUTS}
+        setattr(config, _BASE_TIMEOUTS, base)
+    for name, secs in base.items():
+        setattr(config, name, stretch(secs))
+
+
+_BASE_TIMEOUTS = "psyche_base_set_up_timeouts"
+
+
 async def _credit_window_when_half_consumed(self: YamuxStream, *, bytes_read: int = 0) -> None:
     """go-yamux's `sendWindowUpdate` rule (rust-yamux's too), py-libp2p's window auto-tuning
     kept: credit the receive window back once at least half of it has been consumed, in one
@@ -897,6 +929,7 @@ __all__ = [
     "reset_quietly",
     "silent_secs",
     "stream_peer",
+    "stretch_set_up_timeouts",
     "transport_addrs",
     "watch_received",
 ]
