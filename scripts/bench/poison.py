@@ -19,8 +19,15 @@ batch:
 The loss is an honest member's held-out loss at the end. Ratios are against honest-only of the
 same optimizer and setup, measured in this run.
 
+`--only honest-cases` runs DisTrO's honest members in harder runs (`CASES`: one member on
+another bigram chain, every member on its own, a member back with a fresh momentum, two
+colluders framing an honest member) and counts their refused checks, and how many of them the
+consensus-outlier test refused. `--outlier` sets that test for the defended DisTrO runs
+("off", or its parameters); `--record` writes each of its judgements as a JSON line.
+
     .venv/bin/python scripts/bench/poison.py --threads 1
     .venv/bin/python scripts/bench/poison.py --optimizers distro --setups 1of4 --attacks sign-flip
+    .venv/bin/python scripts/bench/poison.py --only honest-cases --steps 60
 
 No downloads: random-init Llama configs and a synthetic corpus.
 """
@@ -28,25 +35,32 @@ No downloads: random-init Llama configs and a synthetic corpus.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from psyche.core.batch_id import BatchId
 from psyche.core.definitions import DilocoTransmission, LearningRateSchedule
+from psyche.modeling.compression import index_width
 from psyche.modeling.diloco import DilocoPeerSimulation, DilocoSettings
 from psyche.modeling.distro import DistroResult
 from psyche.modeling.hostile import Attack, HostileMember, HostileMembers
 from psyche.modeling.research import DistroSettings, PeerSimulation
 from psyche.modeling.screening import (
+    _INDEX_DTYPES,
     DILOCO_SCREENING,
     DISTRO_SCREENING,
+    OutlierTest,
     Reference,
+    RoundTamper,
+    ScreeningSettings,
     Tally,
     WitnessScreen,
     screening_settings,
@@ -98,18 +112,91 @@ def _diloco_settings(name: str, inner: int, bounded: bool) -> DilocoSettings:
     )
 
 
+def _chain_corpus(n: int, seq_len: int, vocab: int, chain: int, seed: int = 1) -> torch.Tensor:
+    """`D.bigram_corpus` of another bigram chain (`chain`: the successors' seed; 0 is the
+    run's): an honest member whose data differs from the others'."""
+    g = torch.Generator().manual_seed(seed)
+    successors = torch.randint(0, vocab, (vocab, 2), generator=torch.Generator().manual_seed(chain))
+    x = torch.empty(n, seq_len, dtype=torch.int64)
+    x[:, 0] = torch.randint(0, vocab, (n,), generator=g)
+    for t in range(1, seq_len):
+        x[:, t] = successors[x[:, t - 1], torch.randint(0, 2, (n,), generator=g)]
+    return x
+
+
+class Frame:
+    """Colluders that try to get an honest member's results refused (a `RoundTamper`): each
+    sends its honest DisTrO result with `share` of each block's entries moved onto the target's
+    positions, the target's signs negated there, which pulls the target's `t` along the
+    round's consensus down while the colluders' own results still agree with the round."""
+
+    def __init__(self, colluders: Sequence[int], target: int, share: float = 1 / 3) -> None:
+        self.indices = frozenset(colluders)
+        self.late = frozenset(colluders)  # they need the target's result of the round
+        self.target = target
+        self.share = share
+
+    def lazy_rows(self, member: int, rows: int) -> int:
+        return rows
+
+    def __call__(
+        self, sent: Sequence[Sequence[DistroResult]], source: object
+    ) -> list[list[DistroResult]]:
+        out = [list(r) for r in sent]
+        for c in self.indices:
+            out[c] = [self._frame(r, t) for r, t in zip(sent[c], sent[self.target])]
+        return out
+
+    def _frame(self, r: DistroResult, t: DistroResult) -> DistroResult:
+        dtype = _INDEX_DTYPES[index_width(r.totalk)]
+        idx = r.sparse_idx.clone().view(dtype)
+        k = idx.shape[-1]
+        m = max(1, round(k * self.share))
+        idx[..., :m] = t.sparse_idx.view(dtype)[..., :m]
+        val = r.sparse_val.clone()
+        assert val.dtype == torch.bool, "framing plays DisTrO 1-bit"
+        val[..., :m] = ~t.sparse_val[..., :m]
+        return DistroResult(idx.view(r.sparse_idx.dtype), val, list(r.xshape), r.totalk)
+
+
+@dataclass(frozen=True)
+class Case:
+    """An honest run's variation (`--only honest-cases`): members on other data, a member
+    back with a fresh momentum, colluders framing an honest member."""
+
+    name: str
+    other_chain: frozenset[int] = frozenset()
+    """Positions whose rows come from another bigram chain each."""
+    joiner: int | None = None
+    """A position that restarts with a fresh momentum (and is new to every witness) at a
+    third of the run."""
+    frame: bool = False
+    """The last two positions frame position 0 (`Frame`)."""
+
+
 class Runner:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         vocab = D.build("tiny", "cpu").config.vocab_size
+        self.vocab = vocab
         self.per_member = args.rows_per_member
         self.data = D.bigram_corpus(args.steps * 8 * self.per_member, args.seq, vocab)
         self.held_out = D.bigram_corpus(64, args.seq, vocab, seed=99)
+        self._chains: dict[int, torch.Tensor] = {}
+        self.distro_screening = _distro_screening(args.outlier)
 
-    def rows(self, step: int, member: int) -> torch.Tensor:
-        """Member `member`'s share of step `step` (the same whoever else is in the run)."""
+    def rows(self, step: int, member: int, chain: int = 0) -> torch.Tensor:
+        """Member `member`'s share of step `step` (the same whoever else is in the run);
+        `chain`: of another bigram chain's corpus."""
         start = ((step - 1) * 8 + member) * self.per_member
-        return self.data[start : start + self.per_member]
+        data = self.data
+        if chain:
+            if chain not in self._chains:
+                a = self.args
+                n = a.steps * 8 * self.per_member
+                self._chains[chain] = _chain_corpus(n, a.seq, self.vocab, chain)
+            data = self._chains[chain]
+        return data[start : start + self.per_member]
 
     def run(
         self,
@@ -117,13 +204,16 @@ class Runner:
         members: list[int],
         hostile: dict[int, HostileMember] | None,
         defended: bool,
+        case: Case | None = None,
     ) -> Outcome:
         """`members`: the indices (data shares) of the run's members; `hostile` by position in
         `members`."""
         a = self.args
         started = time.perf_counter()
         models = [D.build("tiny", "cpu").model for _ in members]
-        tamper = HostileMembers(hostile) if hostile else None
+        tamper: RoundTamper | None = HostileMembers(hostile) if hostile else None
+        if case is not None and case.frame:
+            tamper = Frame([len(members) - 2, len(members) - 1], 0)
         if optimizer == "distro":
             settings = DistroSettings(compression_chunk=16, compression_topk=4, clip_grad_norm=1.0)
             sim: PeerSimulation | DilocoPeerSimulation = PeerSimulation(
@@ -132,7 +222,7 @@ class Runner:
                 lr=_schedule(a.distro_lr, a.steps),
                 through_wire=True,
                 hostile=tamper,
-                screening=DISTRO_SCREENING if defended else None,
+                screening=self.distro_screening if defended else None,
             )
         else:
             sim = DilocoPeerSimulation(
@@ -158,11 +248,18 @@ class Runner:
             panel.accepted = timed  # type: ignore[method-assign]
         lies_applied = 0
         indices = tamper.indices if tamper else frozenset()
+        joins = a.steps // 3 + 1
+        RECORD.hostile = frozenset(indices)
+        RECORD.label = f"{optimizer} {len(members)} {case.name if case else ''} {defended}"
         for step in range(1, a.steps + 1):
+            RECORD.step = step
+            if case is not None and case.joiner is not None and step == joins:
+                _fresh(sim, case.joiner)
             sim.zero_grad(step)
             for position, (member, model) in enumerate(zip(members, sim.models)):
-                ids = self.rows(step, member)
-                if tamper is not None:
+                chain = position + 1 if case is not None and position in case.other_chain else 0
+                ids = self.rows(step, member, chain)
+                if isinstance(tamper, HostileMembers):
                     ids = ids[: tamper.lazy_rows(position, len(ids))]
                 model(ids, labels=ids, use_cache=False).loss.backward()
             ended = sim.step(step)
@@ -178,6 +275,69 @@ class Runner:
         lies = sum(len(m.lies) for m in (hostile or {}).values())
         seconds = time.perf_counter() - started
         return Outcome(loss, lies_applied, lies, tally, seconds, screen_seconds)
+
+
+def _fresh(sim: PeerSimulation | DilocoPeerSimulation, position: int) -> None:
+    """Member `position` starts again as a joiner does: the run's weights, a fresh momentum,
+    and a sender no witness has checked before."""
+    assert isinstance(sim, PeerSimulation), "a joiner is played for DisTrO"
+    peer = sim.peers[position]
+    peer.distro.zero_optim()
+    peer.prev_results = None
+    if sim.witnesses is not None:
+        for screen in sim.witnesses.screens.values():
+            screen._agreements.pop(position, None)
+            screen._outlier_flags.pop(position, None)
+
+
+def _distro_screening(spec: str) -> ScreeningSettings:
+    """`--outlier`: "shipped" (`DISTRO_SCREENING` as it is), "off", or
+    "share,consensus_gate,update_gate,outliers,rounds" (`OutlierTest`)."""
+    if spec == "shipped":
+        return DISTRO_SCREENING
+    if spec == "off":
+        return replace(DISTRO_SCREENING, consensus_outlier=None)
+    share, consensus_gate, update_gate, outliers, rounds = spec.split(",")
+    test = OutlierTest(
+        float(share), float(consensus_gate), float(update_gate), int(outliers), int(rounds)
+    )
+    return replace(DISTRO_SCREENING, consensus_outlier=test)
+
+
+class _Record:
+    """`--record`: every judgement of the outlier test (open or closed) as a JSON line: step,
+    witness, sender, `c`, `t`, `C`, `T`, and the decision."""
+
+    def __init__(self) -> None:
+        self.file: Any = None
+        self.step = 0
+        self.label = ""
+        self.hostile: frozenset[int] = frozenset()
+
+    def install(self, path: str) -> None:
+        self.file = open(path, "a")  # noqa: SIM115 (open for the whole run)
+        judge = WitnessScreen._outlier_problem
+
+        def recorded(
+            screen: WitnessScreen, sender: Any, ts: Any, consensus: Any, i: int
+        ) -> tuple[bool, str | None] | None:
+            out = judge(screen, sender, ts, consensus, i)
+            others = [k for k in range(len(ts)) if k != i]
+            if len(others) >= 2:
+                row = {
+                    "run": self.label, "step": self.step, "witness": id(screen) % 100003,
+                    "sender": sender, "hostile": sender in self.hostile, "c": consensus[i],
+                    "t": ts[i], "C": statistics.median_low(consensus[k] for k in others),
+                    "T": statistics.median_low(ts[k] for k in others),
+                    "refused": bool(out and out[1]),
+                }  # fmt: skip
+                self.file.write(json.dumps(row) + "\n")
+            return out
+
+        WitnessScreen._outlier_problem = recorded  # type: ignore[method-assign]
+
+
+RECORD = _Record()
 
 
 # -- the cost of the checks on an honest round ------------------------------------------------
@@ -348,7 +508,17 @@ def main() -> None:
     p.add_argument("--cost-rounds", type=int, default=6)
     p.add_argument("--cost-distro", default="16,8", help="DisTrO chunk,top-k of the cost rounds")
     p.add_argument("--cost-optimizers", default="distro,sparse")
+    p.add_argument(
+        "--outlier",
+        default="shipped",
+        help='DisTrO\'s outlier test when defended: "shipped" (DISTRO_SCREENING), "off", or '
+        '"share,consensus_gate,update_gate,outliers,rounds" (OutlierTest)',
+    )
+    p.add_argument("--cases", default=",".join(CASES), help="--only honest-cases: which")
+    p.add_argument("--record", help="append every outlier judgement to this file (JSON lines)")
     args = p.parse_args()
+    if args.record:
+        RECORD.install(args.record)
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -363,6 +533,65 @@ def main() -> None:
         )  # fmt: skip
     if "attacks" in only:
         bench_attacks(args)
+    if "honest-cases" in only:
+        bench_honest_cases(args)
+
+
+CASES = {
+    "other-data": Case("other-data", other_chain=frozenset({1})),
+    "mixed-data": Case("mixed-data", other_chain=frozenset(range(1, 8))),
+    "joiner": Case("joiner", joiner=1),
+    "frame": Case("frame", frame=True),
+}
+"""`--only honest-cases`: one member on another bigram chain; every member on its own chain
+(the first on the run's); a member back with a fresh momentum at a third of the run, new to
+every witness; the last two members of the run framing the first (`Frame`, 2 of 8 only: in a
+run of four their results would be a third of the round)."""
+
+
+_OUTLIER_REFUSAL = "open rounds here"
+"""How `WitnessScreen._outlier_problem`'s refusals end."""
+
+
+def bench_honest_cases(args: argparse.Namespace) -> None:
+    """DisTrO's honest members in harder runs than the attack suite's (`CASES`), defended:
+    their results checked by honest witnesses and how many were refused (the goal: none),
+    and an honest member's held-out loss against the same run undefended."""
+    runner = Runner(args)
+    print(
+        f"\n## DisTrO 1-bit c16 k4, honest cases, {args.steps} steps; outlier test "
+        f"{runner.distro_screening.consensus_outlier}"
+    )
+    checks = refused = by_outlier = 0
+    for setup in args.setups.split(","):
+        n, _ = SETUPS[setup]
+        for name in args.cases.split(","):
+            case = CASES[name]
+            if case.frame and n < 8:
+                continue
+            plain, guarded = (
+                runner.run("distro", list(range(n)), None, defended=d, case=case)
+                for d in (False, True)
+            )
+            tally = guarded.tally
+            assert tally is not None
+            checks += tally.honest_checks
+            refused += tally.honest_refused
+            outliers = sum(_OUTLIER_REFUSAL in p for p in tally.refusals)
+            by_outlier += outliers
+            print(
+                f"  {n} members, {name:<11} honest checks {tally.honest_checks:5d}, refused "
+                f"{tally.honest_refused:3d} ({outliers} by the outlier test), lowest t "
+                f"{tally.lowest_honest_agreement:6.2f}; "
+                f"loss undefended {plain.loss:.4f}, defended {guarded.loss:.4f} "
+                f"({guarded.loss / plain.loss - 1:+.2%})"
+            )
+            for problem in tally.refusals[:3]:
+                print(f"      refused: {problem}")
+    print(
+        f"honest cases: {refused} of {checks} honest checks refused, {by_outlier} by the "
+        f"outlier test"
+    )
 
 
 def bench_attacks(args: argparse.Namespace) -> None:

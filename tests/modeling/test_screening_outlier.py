@@ -1,4 +1,4 @@
-"""DisTrO results whose signs carry nothing, refused in the round they start
+"""DisTrO results whose signs carry nothing, refused once two rounds show it
 (`ScreeningSettings.consensus_outlier`, `WitnessScreen._outlier_problem`): clients' trainers
 (the tiny Llama, DisTrO 1-bit c16 k4, as `scripts/bench/honest_checks.py` builds them) through
 their real payloads, four members, the last one hostile, every honest witness voting as the
@@ -30,9 +30,9 @@ from .screening_rounds import HOSTILE, MEMBERS, distro_member
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-ROUNDS = 3
-WITHOUT = DISTRO_SCREENING  # the shipped settings: the outlier test is opt-in
-WITH = dataclasses.replace(DISTRO_SCREENING, consensus_outlier=(0.65, 0.5))
+ROUNDS = 4
+WITH = DISTRO_SCREENING  # the shipped settings: the outlier test is on
+WITHOUT = dataclasses.replace(DISTRO_SCREENING, consensus_outlier=None)
 
 
 def _run(attack: Attack) -> tuple[dict[str, list[int]], dict[str, list[str]]]:
@@ -94,17 +94,22 @@ def _run(attack: Attack) -> tuple[dict[str, list[int]], dict[str, list[str]]]:
     return applied, refused
 
 
-def test_random_signs_are_refused_in_every_round_including_the_first() -> None:
-    """Random signs on the honest positions score `t` about N(0, 1) along a witness's update
-    and along the round's consensus, where honest results of this run score 3.5 to 10 and 2 to
-    5: the own update's tests (floor, level, window) passed them in rounds 1 to 3 of this run
-    at one witness of three at least, a quorum of four with the hostile member's own vote.
-    With the outlier test every witness refuses them from the round they start, and no honest
-    result. (Fails on the module before `consensus_outlier`: applied in every round.)"""
+def test_random_signs_are_refused_once_two_rounds_show_them() -> None:
+    """Random signs on the honest positions score `t` about N(0, 1.4^2) along a witness's
+    update and along the round's consensus, where honest results of this run score 6 to 12
+    and 3 to 7: the own update's tests (floor, level, window) passed them at one witness of
+    three at least in every round of this run, a quorum of four with the hostile member's own
+    vote. With the outlier test they were an outlier of round 1 at every witness (no evidence
+    yet: applied) and refused in round 2 by the witnesses the own update's level let them pass
+    (their second outlier round); in rounds 3 and 4 their consensus `t` was 1.62 and 3.76
+    (0.33 to 0.36 and 0.6 of the others'), no outlier at some witness, and applied: the test
+    refuses a sender only on evidence, and one round of chance agreement passes. No honest
+    result is refused. (Fails on the module before `consensus_outlier` was on by default:
+    applied in every round.)"""
     applied, refused = _run(Attack.RandomSigns)
-    assert applied["with"] == [], applied
+    assert applied["with"] == [1, 3, 4], applied
     assert refused["with"] == [], refused
-    assert applied["without"] != [], applied  # what the test is for
+    assert applied["without"] == [1, 2, 3, 4], applied  # what the test is for
 
 
 def test_the_round_sum_in_windows_has_the_bits_of_a_model_sized_one() -> None:

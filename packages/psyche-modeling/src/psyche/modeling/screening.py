@@ -71,23 +71,24 @@ DiLoCo the own update's agreement tests refuse only where the consensus agrees (
 pseudo-gradient at `t` -2.39 and -6.36 along one witness's, 35 and more along the consensus:
 `WitnessScreen._consensus_confirms`).
 
-Opt-in, off in every shipped setting (`consensus_outlier`, e.g. `(0.65, 0.5)`): a DisTrO witness
-with an update of its own holds its votes in every round, not only its first: once the round's
-results are in, each that passed its checks is read
-along the sum of the others that passed and the witness's own sent one, and one whose two
-`t`s are both well under the others' (weighed by their lower medians:
-`WitnessScreen._outlier_problem`) is refused. Random signs on honest positions and a push in
-one fixed direction carry nothing along either, and the own update's tests alone passed them
-where a round's honest results agreed only moderately (a four-member run: applied in every
-round). The sum is taken window by window of the domain, not model-sized
-(`_windowed_agreements`). It is off because it refuses honest results: `scripts/bench/poison.py`
-at 120 steps refused 90 of 16,800 honest checks (late in a run the consensus agrees weakly and a
-strong own-update `t` carries a weak one through the weighted sum), one honest member on other
-data (a different bigram chain) lost its quorum in every round, and two colluders of eight
-that send an honest result with a third of its signs negated on the target's positions pull the
-target's consensus `t` to about -20 and get it refused by every honest witness. Refusing only
-where *both* `t`s are low, each against a level clearly above noise, and over rounds rather
-than in one, is the measured way forward (docs/reliability.md).
+On for DisTrO (`consensus_outlier`, `OutlierTest`): a DisTrO witness with an update of its own
+holds its votes in every round, not only its first: once the round's results are in, each that
+passed its checks is read along the sum of the others that passed and the witness's own sent
+one, and it is an outlier of the round when its `t` along that consensus and its `t` along the
+witness's update are *both* under `share` of the others' lower medians, where both medians
+clear their gates (the round's results clearly agree); its sender is refused when it was an
+outlier in `outliers` of its last `rounds` open rounds here (`WitnessScreen._outlier_problem`,
+the evidence kept by `commit`). Random signs on honest positions and a push in one fixed
+direction carry nothing along either, and the own update's tests alone passed them where a
+round's honest results agreed only moderately (a four-member run: applied in 27 of 60 rounds).
+The sum is taken window by window of the domain, not model-sized (`_windowed_agreements`). A
+first form (one round, a weighted sum of the two) refused honest results: late in a run the
+consensus agrees weakly and a strong own-update `t` carried a weak one through the sum (the
+gates), two colluders can pull an honest target's consensus `t` far down but not its `t` along
+an honest witness's update (both must be low), and one weak round of an honest member is chance
+(the evidence). What it refuses withholds the witness's vote only (its participant bloom
+attested the result at its check), and witnesses decide apart, as every other check here
+(docs/reliability.md, "DisTrO's consensus-outlier test").
 
 Every sum is taken in slices below torch's threading grain and added in order
 (`_serial_sums`), so two witnesses with the same inputs get the same bits of every statistic
@@ -152,6 +153,39 @@ _K = TypeVar("_K", bound=Hashable)
 
 
 @dataclass(frozen=True)
+class OutlierTest:
+    """DisTrO's consensus-outlier test (`ScreeningSettings.consensus_outlier`): a result that
+    passed every other test is an *outlier* of its round when its `t` along the round's
+    consensus `c` and along the witness's own update `t` are **both** under `share` of the
+    others' lower medians (`C`, `T`), and the test is *open* only where the medians reach
+    `consensus_gate` and `update_gate` (the round's results clearly agree along both). A
+    sender is refused when its result is an outlier now and was in at least `outliers - 1` of
+    its last `rounds - 1` open rounds here (`outliers` of `rounds` with this one).
+
+    Why each part (docs/reliability.md, "DisTrO's consensus-outlier test"): the weighted sum
+    `c/C + w t/T` refused honest results late in a run, where `C` is 1.7 to 3.4 and a strong
+    own-update `t` carried a weak consensus one (the gate closes there, the AND form needs
+    both weak); two colluders can pull a target's consensus `t` down but not its `t` along an
+    honest witness's own update (the AND form); one round of an honest result that agrees
+    weakly with both is chance, the same sender weak round after round is not (the evidence).
+    Random signs on honest positions and a push in one fixed direction score about N(0, 1)
+    along both in every round.
+
+    The defaults are measured (`scripts/bench/poison.py --record`, docs/reliability.md): of
+    about 15,000 judgements of honest results with both gates open (homogeneous runs, a fresh
+    joiner, two colluders framing a member, every member on its own data) the lowest
+    `max(c/C, t/T)` was 0.185 once and 0.351 next, and no honest result was an outlier twice at
+    one witness; random signs at 1 of 4, 60 steps were applied in 7 of 60 rounds (27 with the
+    test off)."""
+
+    share: float = 0.35
+    consensus_gate: float = 1.5
+    update_gate: float = 4.0
+    outliers: int = 2
+    rounds: int = 4
+
+
+@dataclass(frozen=True)
 class ScreeningSettings:
     """Thresholds of the checks (see the module docstring). The agreement thresholds are set
     against the statistic's spread when results carry no common signal at all (an honest result
@@ -201,13 +235,12 @@ class ScreeningSettings:
     -2.39 where the round's median was 23.3, refused in an eight-member run). A sparse DiLoCo
     flip is not separable by either: an honest member's sparse result scored -0.8 to -1.9
     along every witness's update and -2.3 along the consensus, its flip the mirror of that."""
-    consensus_outlier: tuple[float, float] | None = None
-    """`(f, w)`: in every round a witness with an update of its own holds its votes and judges
-    the round as a whole (`RoundScreen.judge`), and beside its other tests refuses a result
-    whose `t` along the round's consensus over the others' lower median, plus `w x` its `t`
-    along the witness's update over the others' lower median, is below `f`, where the round's
-    results clearly agree (`WitnessScreen._outlier_problem`). None: no such test, and a witness
-    holds its votes only in its first round."""
+    consensus_outlier: OutlierTest | None = None
+    """In every round a witness with an update of its own holds its votes and judges the round
+    as a whole (`RoundScreen.judge`), and beside its other tests refuses a sender whose result
+    agrees with neither the round's consensus nor the witness's update in this round and in
+    enough of its last rounds (`OutlierTest`, `WitnessScreen._outlier_problem`). None: no such
+    test, and a witness holds its votes only in its first round."""
     window_rounds: int = 16
     min_window_z: float = -6.0
     """The window test: `sum(t) / sqrt(n)` over the sender's last `n` results here."""
@@ -234,6 +267,7 @@ DISTRO_SCREENING = ScreeningSettings(
     fresh_sender_rounds=4,
     fresh_sender_share=0.5,
     held_consensus="refuses",
+    consensus_outlier=OutlierTest(),
 )
 """DisTrO: an honest 1-bit result's `t` is 5 to 15 early in a run and about N(2, 1.3^2) late
 (tiny run, c16 k4; docs/reliability.md): one round alone refuses only a clearly opposed result,
@@ -415,6 +449,10 @@ class Verdict:
     """A held verdict's place among its round's held checks (a blind one, or one made with an
     own update before the witness had a level: its first round): `RoundScreen.judge` judges it
     again over the whole round (the verdict the client's vote follows)."""
+    outlier: bool | None = None
+    """The round's judgement found it an outlier of its round (`OutlierTest`); None: the test
+    did not judge it (off, closed, or the result failed another test). Kept by `commit` as the
+    sender's evidence."""
 
     @property
     def passed(self) -> bool:
@@ -787,6 +825,9 @@ class WitnessScreen:
         """The median norm of the results accepted in the last closed round that had any."""
         self._agreements: dict[Hashable, deque[float]] = {}
         self._blind_agreements: dict[Hashable, deque[float]] = {}
+        self._outlier_flags: dict[Hashable, deque[bool]] = {}
+        """Each sender's outlier verdicts (`OutlierTest`) of the last open rounds the witness
+        committed (`_commit`): the evidence a refusal needs."""
         """Each sender's recent `t`s along the aggregate alone (rounds without an own update):
         another scale than `_agreements`', so kept apart from the window test of those."""
         self._levels: deque[float | None] = deque(maxlen=settings.level_rounds)
@@ -1170,30 +1211,33 @@ class WitnessScreen:
                         problem = None
                 problems.append(problem)
                 measures.append(measure)
-        outliers = {} if along_round else self._outliers(screen, flats, ts, measured, problems)
+        outliers = {} if along_round else self._outliers(screen, checks, ts, measured, problems)
         verdicts: dict[int, Verdict] = {}
         for i, (measure, problem) in enumerate(zip(measures, problems)):
             index = order[i]
-            problem = problem or outliers.get(i)
-            verdicts[index] = Verdict(measure, problem, measured[i], blind=own is None, index=index)
+            flag, why = outliers.get(i, (None, None))
+            verdicts[index] = Verdict(
+                measure, problem or why, measured[i], blind=own is None, index=index, outlier=flag
+            )
         return [verdicts[i] for i in range(len(checks))]
 
     def _outliers(
         self,
         screen: RoundScreen,
-        flats: Sequence[Flat | None],
+        checks: Sequence[_BlindCheck],
         ts: Sequence[float],
         measured: Sequence[bool],
         problems: Sequence[str | None],
-    ) -> dict[int, str]:
+    ) -> dict[int, tuple[bool, str | None]]:
         """`_outlier_problem` of each held check that passed every other test, by place,
-        against the others that did (`consensus_outlier`): the consensus is the sum of those
-        results and the witness's own sent one. Only results that passed are in it, and only
-        their `t`s set the levels: a copy of another member's result (refused as one) doubles
-        that result in the sum, and with it both their consensus `t`s, which raised the
-        others' level over an honest result's (refused at `t` 5.12 + 5.65 under the levels 13.89
-        and 39.06 of a six-member run with two copiers). One sum of the round's results a
-        round (`_windowed_agreements`)."""
+        against the others that did (`consensus_outlier`): whether it is an outlier of the
+        round, and why its sender is refused (None: it is not). The consensus is the sum of
+        those results and the witness's own sent one. Only results that passed are in it, and
+        only their `t`s set the levels: a copy of another member's result (refused as one)
+        doubles that result in the sum, and with it both their consensus `t`s, which raised the
+        others' level over an honest result's (refused at `t` 5.12 + 5.65 under the levels
+        13.89 and 39.06 of a six-member run with two copiers). One sum of the round's results
+        a round (`_windowed_agreements`). Reads the senders' evidence under the lock."""
         own_flat = screen.own_flat
         if (
             self.settings.consensus_outlier is None
@@ -1203,16 +1247,17 @@ class WitnessScreen:
         ):
             return {}
         eligible = [k for k, p in enumerate(problems) if p is None]
-        whole = [flats[k] for k in eligible]
+        whole = [checks[k].flat for k in eligible]
         if len(eligible) <= self.settings.level_min_results or any(f is None for f in whole):
             return {}
         consensus = self._round_agreements([f for f in whole if f is not None], also=[own_flat])
         passed_ts = [ts[k] for k in eligible]
-        found = {}
-        for j, k in enumerate(eligible):
-            problem = self._outlier_problem(passed_ts, consensus, j)
-            if problem is not None:
-                found[k] = problem
+        found: dict[int, tuple[bool, str | None]] = {}
+        with self._lock:
+            for j, k in enumerate(eligible):
+                judged = self._outlier_problem(checks[k].sender, passed_ts, consensus, j)
+                if judged is not None:
+                    found[k] = judged
         return found
 
     def _commit(self, screen: RoundScreen, verdicts: Sequence[Verdict]) -> None:
@@ -1233,9 +1278,16 @@ class WitnessScreen:
                 screen.accepted_norms = [c.measure.norm for c in passed]
                 screen.judged = True
                 return
+            test = self.settings.consensus_outlier
             for k in order:
                 if not verdicts[k].passed and covered[k].passed:
                     self._unaccept(screen, covered[k])
+                flag = verdicts[k].outlier
+                if test is not None and flag is not None:
+                    flags = self._outlier_flags.setdefault(
+                        covered[k].sender, deque(maxlen=test.rounds)
+                    )
+                    flags.append(flag)
 
     def _held_consensus(
         self, screen: RoundScreen, flats: Sequence[Flat | None], measured: Sequence[bool]
@@ -1303,7 +1355,13 @@ class WitnessScreen:
         updates, which agree with each other more than with the witness's own (the flip -3.0
         and -4.7 along it, the same at every witness), so the two together refuse it at every
         witness (sums -5.9 to -23.2 under -3.7 to -5.4; the lowest honest sum 3.1).
-        Only where the first test passed: the two together only add refusals.
+        Only where the first test passed: the two together only add refusals. And only where
+        the result's `t` along the witness's update is negative and under `held_level_share` of
+        the others' lower median (the flip's was -1.3 to -10.8): two colluders of eight that
+        moved a third of their entries onto an honest target's positions with its signs negated
+        pulled its consensus `t` to -16.75, and its sum under the bar at every honest witness,
+        while its `t` along their updates was 0.76 to 6.9 (`scripts/bench/poison.py --only
+        honest-cases --cases frame`; 0.76 was under half the others' 3.66).
         Called under the lock."""
         relative = self.settings.relative_agreement
         if relative is None:
@@ -1319,21 +1377,28 @@ class WitnessScreen:
         level = statistics.median_low(others) * self.settings.held_level_share / 2
         if scores[i] >= a * level - b:
             return None
+        # and opposed to this witness's update, under its share of the others' too: colluders
+        # can pull an honest result's consensus `t` down, not its `t` along this update
+        own_level = statistics.median_low(ts[k] for k in range(len(ts)) if k != i)
+        if ts[i] >= min(0.0, self.settings.held_level_share * own_level):
+            return None
         return (
             f"agreement with this witness's update and the round's other results together, "
             f"t = {ts[i]:.2f} + {consensus[i]:.2f}, is below {a:g} x {level:.2f} (the others' "
-            f"sums) - {b:g}"
+            f"sums) - {b:g}, and {ts[i]:.2f} under 0 and {self.settings.held_level_share:g} x "
+            f"{own_level:.2f} (the others' lower median along this witness's update)"
         )
 
     def _outlier_problem(
-        self, ts: Sequence[float], consensus: Sequence[float], i: int
-    ) -> str | None:
-        """A held check of a round with an update of the witness's own (`consensus_outlier`
-        `(f, w)`, every round): refused when `c / C + w x t / T` is below `f`, its `t` along the
-        round's consensus `c` and along the witness's update `t` each over the others' lower
-        median (`C`, `T`), where the median of the others' sums of the two reaches `b`
-        (`relative_agreement`: the round's results clearly agree) and both medians are
-        positive.
+        self, sender: Hashable, ts: Sequence[float], consensus: Sequence[float], i: int
+    ) -> tuple[bool, str | None] | None:
+        """A held check of a round with an update of the witness's own (`consensus_outlier`,
+        every round): None where the test is closed (fewer than `level_min_results` others, or
+        either lower median of the others below its gate); else whether the result is an outlier
+        (`c < share x C` and `t < share x T`, its `t` along the round's consensus `c` and along
+        the witness's update `t`, `C` and `T` the others' lower medians) and why its sender is
+        refused: an outlier now and in `outliers - 1` of its last `rounds - 1` open rounds here
+        (`_outlier_flags`, kept by `_commit`).
 
         A result whose signs carry nothing (random signs on honest positions, a push in one
         fixed direction) has both `t`s about N(0, 1), and the own update's tests let it pass
@@ -1341,37 +1406,37 @@ class WitnessScreen:
         `scripts/bench/honest_checks.py --hostile random-signs`: honest `t` 3.5 to 10 along
         the witness's update and 2.2 to 5 along the consensus, random signs -1.7 to 1.9 and
         -1.6 to 2.6: applied in every round). The consensus `t` is the same at every witness
-        (the round's sum less the result itself), the own update's one small batch's (an honest
-        result scored `t` -0.88 along one witness's update in an eight-member run's first
-        round, 8.6 along the consensus), so the consensus weighs more. Measured (scores
-        `c / C + t / (2 T)`): honest results 0.79 and more (eight- and four-member runs of nine
-        rounds; 0.78 for the weakest honest member of `tests/modeling/test_screening.py`'s
-        six), random signs and a fixed push at most 0.54.
-
-        The consensus holds every result of the round that passed the other tests
+        (the round's sum less the result itself); colluders can lower an honest target's (their
+        results are in the sum) but not its `t` along an honest witness's own update, so both
+        must be low. The consensus holds every result of the round that passed the other tests
         (`_outliers`), so a member's late negated copy of an honest result (refused by the own
         update's tests) does not lower that result's consensus `t`. Called under the lock."""
-        outlier = self.settings.consensus_outlier
-        relative = self.settings.relative_agreement
-        if outlier is None or relative is None:
+        test = self.settings.consensus_outlier
+        if test is None:
             return None
         others = [k for k in range(len(ts)) if k != i]
         if len(others) < self.settings.level_min_results:
             return None
-        if statistics.median(ts[k] + consensus[k] for k in others) < relative[1]:
-            return None
-        share, weight = outlier
         c_level = statistics.median_low(consensus[k] for k in others)
         t_level = statistics.median_low(ts[k] for k in others)
-        if c_level <= 0.0 or t_level <= 0.0:
+        if c_level < test.consensus_gate or t_level < test.update_gate:
             return None
-        score = consensus[i] / c_level + weight * ts[i] / t_level
-        if score >= share:
-            return None
-        return (
+        outlier = consensus[i] < test.share * c_level and ts[i] < test.share * t_level
+        if not outlier:
+            return False, None
+        earlier = (
+            list(self._outlier_flags.get(sender, ()))[-(test.rounds - 1) :]
+            if test.rounds > 1
+            else []
+        )
+        count = 1 + sum(earlier)
+        if count < test.outliers:
+            return True, None
+        return True, (
             f"agreement t = {consensus[i]:.2f} along the round's other results and {ts[i]:.2f} "
-            f"along this witness's update, {score:.3f} of the others' lower medians "
-            f"({c_level:.2f}, {weight:g} x {t_level:.2f}), below {share:g}"
+            f"along this witness's update, both under {test.share:g} of the others' lower "
+            f"medians ({c_level:.2f}, {t_level:.2f}), in {count} of the sender's last "
+            f"{len(earlier) + 1} open rounds here (at least {test.outliers} refuse)"
         )
 
     @staticmethod
