@@ -24,7 +24,9 @@ witness first compares each decoded result with what it knows of the run:
   last, agrees about twice as strongly as the rounds around it, and its median alone refused
   the next round's honest results, a member just back with a fresh momentum's first; a sender
   that joined after the witness is judged against half the level for its first rounds,
-  `fresh_sender_rounds`: its fresh momentum agrees about half as strongly), or when
+  `fresh_sender_rounds`: its fresh momentum agrees about half as strongly; a sender with
+  results here before is refused so only when its last ones were below the bar too, and at
+  once only below `-a / 2 x level`: `relative_results`), or when
   the `t`s of the sender's last `window_rounds` results here sum to less than
   `min_window_z * sqrt(n)` (late in a run a DisTrO result's own `t` is too noisy to judge
   alone, a consistently opposed sender's is not);
@@ -197,6 +199,27 @@ class ScreeningSettings:
     level_rounds: int = 1
     """The relative test's level: the lowest median of this many last rounds (more than one
     lags behind a run whose agreement grows, as a DiLoCo run's does over its first rounds)."""
+    relative_results: int = 1
+    """A sender with results checked here before is judged over its last `relative_results`
+    (this one and those before it): the relative test refuses only when all of them are below
+    its bar, and the floor refuses at once only a result below both `min_agreement` and
+    `-a / 2 x share x level` (opposed at least half as strongly as the bar asks a result to
+    agree: a sign flip's `t` is about minus an honest one's; honest results fell to -0.30 of
+    the level, and a sign flip that passes is refused once three are below the bar). A
+    sender's first result here is judged alone, as with 1.
+
+    In a three-member tiny-cpu run (`tests/modeling/test_screening_weak_round.py`; e2e's
+    model, data and 3/3/2-row batches) about one honest result in a hundred agreed with
+    every witness alike at a fraction of the level for one round (`t` 4.07 and 5.98 where the
+    level was 23.4 and 22.5), and its next result as before (23 and 21); one witness's update
+    made both others' honest results fall to -6.5 and -6.8 (level 22.6). The old rule refused
+    32 of 2,880 honest checks there; in a real-process run, `t` 8.46 under 0.7 x 22.99 - 6 and
+    -3.08 under 0.7 x 16.08 - 6, and with one witness a round each such refusal left the batch
+    without consensus and its honest trainer health-checked out. Over two results the bar had
+    to come down to about 0.6 of the level (two weak rounds in a row: 9.48 after a weak one
+    where the bar was 10.1), which let most random-sign lies of `scripts/bench/poison.py`
+    through; over three it keeps 0.7. A lie that carries nothing (random signs, a fixed push:
+    `t` about 0) is refused from its third round on, two rounds later than alone."""
     fresh_sender_rounds: int = 0
     fresh_sender_share: float = 1.0
     """A sender of which this witness has checked fewer than `fresh_sender_rounds` results (with
@@ -264,6 +287,7 @@ class ScreeningSettings:
 DISTRO_SCREENING = ScreeningSettings(
     relative_agreement=(0.7, 6.0),
     level_rounds=2,
+    relative_results=3,
     fresh_sender_rounds=4,
     fresh_sender_share=0.5,
     held_consensus="refuses",
@@ -274,7 +298,10 @@ DISTRO_SCREENING = ScreeningSettings(
 the sender's window a consistently opposed one. The level is the lower median of the last two
 rounds: an epoch's first round agrees about twice as strongly as the next (tiny run, c16 k8:
 t 35 against 18), and a member back with a fresh momentum agrees about half as strongly as
-the others for its first rounds."""
+the others for its first rounds. A sender is judged over its last three results
+(`relative_results`): about one honest result in a hundred agrees weakly for a round (tiny-cpu,
+three members, `scripts/bench/honest_tiny_cpu.py`: the rule on one result refused 29 of 2,400
+honest checks, over three none of the same checks)."""
 DILOCO_SCREENING = ScreeningSettings(
     relative_agreement=(0.4, 6.0), held_level_share=1.0, held_consensus="confirms"
 )
@@ -1013,7 +1040,7 @@ class WitnessScreen:
             fresh = len(history) <= settings.fresh_sender_rounds <= self._closed_rounds
             share = settings.fresh_sender_share if fresh else 1.0
             problem = self._first_order_problem(
-                measure, reference.own_norm, history, levels, share=share
+                measure, reference.own_norm, history, levels, share=share, over_results=True
             )
         else:
             problem = self._blind_problem(measure, screen, history, measured)
@@ -1024,6 +1051,9 @@ class WitnessScreen:
             (screen.agreements if problem is None else screen.refused_agreements).append(
                 measure.agreement
             )
+            bar = self._relative_bar(levels, share)
+            if problem is None and bar is not None and measure.agreement < bar:
+                screen.lenient.append(measure.agreement)  # passed on its results before
         every_round = settings.consensus_outlier is not None and reference is not None
         if reference is None or not levels or every_round:
             # no level yet (a witness's first rounds), or a test of the whole round in every
@@ -1105,10 +1135,14 @@ class WitnessScreen:
         levels: Sequence[float],
         floor: bool = True,
         share: float = 1.0,
+        over_results: bool = False,
     ) -> str | None:
         """`basis_norm`: the norm a result's is compared with (the witness's own sent result's;
         without one, the round's other results'); 0: none. `floor`: `min_agreement` judges.
-        `share`: of the lowest level (`fresh_sender_share` for a fresh sender)."""
+        `share`: of the lowest level (`fresh_sender_share` for a fresh sender). `over_results`:
+        a check with an update of the witness's own as it comes in, judged with the sender's
+        results before it (`relative_results`; not a blind check, whose level is the round's
+        other results' and whose refusals do not accuse, nor a judged round's)."""
         settings = self.settings
         if measure.norm == 0.0:
             return "the update is zero"
@@ -1121,16 +1155,30 @@ class WitnessScreen:
                     f"others'); at most {settings.max_norm_ratio:g}x either way"
                 )
         t = measure.agreement
-        if floor and t < settings.min_agreement:
+        bar = self._relative_bar(levels, share)
+        # the sender's results here before this one (`history` ends with its `t`)
+        n = settings.relative_results
+        before = list(history)[-n:-1] if bar is not None and over_results and n > 1 else []
+        if floor and t < settings.min_agreement and not before:
             return f"agreement t = {t:.2f} is below {settings.min_agreement:g}"
-        if settings.relative_agreement is not None and levels:
+        if bar is not None and settings.relative_agreement is not None:
             a, b = settings.relative_agreement
             level = min(levels)
-            if t < a * share * level - b:
+            if floor and before and t < min(settings.min_agreement, -(bar + b) / 2):
+                # judged with the sender's results before it: refused at once only where opposed
+                # at least half as strongly as the bar asks it to agree (a sign flip)
+                return (
+                    f"agreement t = {t:.2f} is below {settings.min_agreement:g} and below "
+                    f"-{a * share / 2:g} x {level:.2f} (the lowest median of this witness's last "
+                    f"{len(levels)} rounds)"
+                )
+            if t < bar and all(earlier < bar for earlier in before):
                 factor = f"{a:g} x {share:g}" if share != 1.0 else f"{a:g}"
+                also = ", ".join(f"{earlier:.2f}" for earlier in before)
                 return (
                     f"agreement t = {t:.2f} is below {factor} x {level:.2f} (the lowest median "
                     f"of this witness's last {len(levels)} rounds) - {b:g}"
+                    + (f", as were the sender's results before it here ({also})" if also else "")
                 )
         if len(history) >= settings.window_min_results:
             z = sum(history) / math.sqrt(len(history))
@@ -1140,6 +1188,13 @@ class WitnessScreen:
                     f"{z:.2f} x sqrt({len(history)}), below {settings.min_window_z:g}"
                 )
         return None
+
+    def _relative_bar(self, levels: Sequence[float], share: float = 1.0) -> float | None:
+        """The relative test's bar, `a x share x` the lowest level `- b` (None: no test)."""
+        relative = self.settings.relative_agreement
+        if relative is None or not levels:
+            return None
+        return relative[0] * share * min(levels) - relative[1]
 
     def _judge(self, screen: RoundScreen) -> list[Verdict]:
         """`RoundScreen.judge`: every held check of the round judged against all the round's
@@ -1541,9 +1596,16 @@ def _judgement_order(checks: Sequence[_BlindCheck]) -> list[int]:
 
 
 def _round_level(screen: RoundScreen, minimum: int) -> float | None:
-    """A round's level: the median `t` of its results that passed (of all of them if none
-    did); None before `minimum` of them were checked against a reference."""
-    level = screen.agreements or screen.refused_agreements
+    """A round's level: the median `t` of its results that passed on their own (not those the
+    relative test let pass on the sender's results before, `RoundScreen.lenient`: a weak one
+    would lower the bar for the next rounds, a hostile member's first random-sign lie in a
+    three-member run to where its next ones passed; of all of them if none did so); None before
+    `minimum` of them were checked against a reference."""
+    passed = list(screen.agreements)
+    for t in screen.lenient:
+        if t in passed:
+            passed.remove(t)
+    level = passed or [*screen.agreements, *screen.refused_agreements]
     return statistics.median(level) if level and len(level) >= minimum else None
 
 
@@ -1561,6 +1623,9 @@ class RoundScreen:
         self.agreements: list[float] = []
         """The `t` of each result that passed (and, below, of each refused one)."""
         self.refused_agreements: list[float] = []
+        self.lenient: list[float] = []
+        """The `t`s among `agreements` below the relative bar, passed on the sender's previous
+        results (`ScreeningSettings.relative_results`): no part of the round's level."""
         self.blind: list[_BlindCheck] = []
         """Without a reference, or with one but no level yet: every result checked, in the
         order they came (`judge`)."""
