@@ -69,9 +69,11 @@ each result's `t` along the round's consensus (the sum of the round's other resu
 witness's own sent one: one model-sized sum a round; `held_consensus`). One member's update is
 one small batch's: for DisTrO a second test on the two `t`s together refuses what the own
 update alone let pass (a 1-bit sign flip at `t` -4.2: `WitnessScreen._consensus_problem`); for
-DiLoCo the own update's agreement tests refuse only where the consensus agrees (an honest
-pseudo-gradient at `t` -2.39 and -6.36 along one witness's, 35 and more along the consensus:
-`WitnessScreen._consensus_confirms`).
+both the own update's agreement tests (floor, level) refuse only where the consensus agrees (an
+honest DiLoCo pseudo-gradient at `t` -2.39 and -6.36 along one witness's, 35 and more along the
+consensus: `WitnessScreen._consensus_confirms`; DisTrO's also wherever the consensus `t` is
+negative: a joiner's fresh momentum opposed all three honest results of its first round as a
+witness, `t` -7.6 to -10, refused by the floor in a real four-process run).
 
 On for DisTrO (`consensus_outlier`, `OutlierTest`): a DisTrO witness with an update of its own
 holds its votes in every round, not only its first: once the round's results are in, each that
@@ -252,8 +254,12 @@ class ScreeningSettings:
     round's consensus, each result's `t` along the sum of the round's other results and the
     witness's own sent one: "refuses" (DisTrO), a second test beside the own update's level,
     on the sum of the two `t`s (`WitnessScreen._consensus_problem`: its 1-bit sign flip passed
-    the own update's test alone); "confirms" (DiLoCo), the own update's level refuses a result
-    only where its consensus `t` is below the others' level too (`_consensus_confirms`: one
+    the own update's test alone). Either way the own update's floor and level refuse a result
+    only where its consensus `t` is below the others' level too (`_consensus_confirms`), with
+    "refuses" also wherever that `t` is negative (a 1-bit flip's was only -3.0 and -4.7): a
+    witness just joined, its momentum fresh, had its update oppose all three honest DisTrO
+    results of its first round (`t` -7.6 to -10, a real four-process run; refused by the floor
+    before, `tests/modeling/test_screening_fresh_witness.py`; DiLoCo: one
     member's pseudo-gradient of four inner steps on two rows agreed with an honest one at `t`
     -2.39 where the round's median was 23.3, refused in an eight-member run). A sparse DiLoCo
     flip is not separable by either: an honest member's sparse result scored -0.8 to -1.9
@@ -1256,14 +1262,21 @@ class WitnessScreen:
                 if check.leveled is not None:
                     # judged against a level at its check: that verdict stands
                     problem = check.leveled or None
-                elif consensus is not None and self.settings.held_consensus == "refuses":
-                    problem = problem or self._consensus_problem(ts, consensus, i)
-                elif consensus is not None and problem is not None:
-                    # the own update's agreement (floor, level) refuses with the consensus;
-                    # the norm, window and copy tests alone
-                    alone = self._first_order_problem(measure, basis, history, [], floor=False)
-                    if (alone or check.copy) is None and not self._consensus_confirms(consensus, i):
-                        problem = None
+                elif consensus is not None:
+                    refuses = self.settings.held_consensus == "refuses"
+                    if problem is not None:
+                        # the own update's agreement (floor, level) refuses with the consensus
+                        # (a fresh witness's update may oppose every honest result); the norm,
+                        # window and copy tests alone. DisTrO's also wherever its consensus `t`
+                        # is negative: a 1-bit flip's is only weakly so (-3.0, -4.7)
+                        alone = self._first_order_problem(measure, basis, history, [], floor=False)
+                        opposed = refuses and consensus[i] < 0.0
+                        if (alone or check.copy) is None and not (
+                            opposed or self._consensus_confirms(consensus, i)
+                        ):
+                            problem = None
+                    if refuses:
+                        problem = problem or self._consensus_problem(ts, consensus, i)
                 problems.append(problem)
                 measures.append(measure)
         outliers = {} if along_round else self._outliers(screen, checks, ts, measured, problems)
