@@ -38,8 +38,14 @@ from .cli_helpers import RUN_CONFIG, funded_wallet, ok, run_cli
 from .conftest import Endpoint
 from .scripted import RUN_ID, Driver, make_backend
 from .support import VerifiedRun, error_text, verification_state, verified_run
-from .test_verification import SLASHING_RATE, refused, send_report
-from .test_verifiers_train import TreasurerRun, _instruction_names, unsigned
+from .verification_support import (
+    SLASHING_RATE,
+    TreasurerRun,
+    instruction_names,
+    refused,
+    send_report,
+    unsigned,
+)
 
 EPOCH_REWARD = 1000  # `create_run`'s `set_future_epoch_rates`, shared by the healthy members
 
@@ -314,7 +320,7 @@ def test_update_config_sets_exact_verification_threads_and_json_dump_run_shows_i
         assert threads() == expected
     signature = re.search(r"with transaction (\w+)", out)
     assert signature is not None, out
-    names = _instruction_names(net, signature[1])
+    names = instruction_names(net, signature[1])
     setter = "run_set_exact_verification_threads" if treasurer else "set_exact_verification_threads"
     assert names[-1] == setter, names
     stranger = tmp_path / "stranger.json"

@@ -17,7 +17,6 @@ Lean on purpose (the suite's time budget): it stops at the punishment.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -30,14 +29,12 @@ from ..timing import MAX_SCALE
 from .processes import (
     Processes,
     create_run,
-    free_port,
     json_events,
-    member_train_argv,
     start_endpoint,
     wait_event,
 )
 from .support import VERIFYING, solana_client_output
-from .test_verifiers_e2e import HOSTILE_SCRIPT, SLASHING_RATE, set_rates
+from .verification_support import SLASHING_RATE, set_rates, start_members
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(420 * MAX_SCALE)]
 
@@ -55,24 +52,8 @@ def test_three_followers_convict_a_biased_trainer_through_the_program(tmp_path: 
         trio.run(set_rates, Cluster(rpc, ws), wallets["owner"], RUN_ID)
         assert solana_client(["set-paused", "--run-id", RUN_ID, "--resume", *cluster]) == 0
 
-        members = ("a", "b", "c", "hostile")
-        ports = {name: free_port() for name in members}
-
-        def train(name: str) -> list[str]:
-            return member_train_argv(endpoint, RUN_ID, name, ports)
-
-        env = {"OMP_NUM_THREADS": "1", "CLIENT_VERSION": "test"}
-        honest = [
-            processes.start(
-                f"client-{n}", [sys.executable, "-m", "psyche.cli.solana_client.main", *train(n)],
-                env=env,
-            )
-            for n in "abc"
-        ]  # fmt: skip
-        liar = processes.start(
-            "hostile",
-            [sys.executable, str(HOSTILE_SCRIPT), "bias", "0", "--", *train("hostile")],
-            env={**env, "HOSTILE_FOLLOWER": "silent"},
+        honest, liar = start_members(
+            processes, endpoint, RUN_ID, "bias", {"HOSTILE_FOLLOWER": "silent"}
         )
         hostile = str(wallets["hostile"].pubkey())
         punished = wait_event(honest[0], "verification_punished", lambda e: True, 360 * MAX_SCALE)

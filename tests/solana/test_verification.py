@@ -34,7 +34,7 @@ from psyche.core.identity import SecretKey
 from psyche.core.node_identity import NodeIdentity
 from psyche.solana import pda
 from psyche.solana.app import watch_verification
-from psyche.solana.backend import SolanaBackend, SolanaBackendError
+from psyche.solana.backend import SolanaBackendError
 from psyche.solana.instructions import coordinator as coordinator_ix
 from psyche.solana.instructions.ed25519 import (
     ED25519_PROGRAM,
@@ -53,39 +53,9 @@ from .scripted import (
     make_backend,
 )
 from .support import VerifiedRun, error_text, verification_state, verified_run
+from .verification_support import SLASHING_RATE, refused, send_report
 
-SLASHING_RATE = 10  # `create_run`'s `set_future_epoch_rates`
 FLOOD = 12
-
-
-async def send_report(
-    backend: SolanaBackend,
-    account: Pubkey,
-    report: VerificationReport,
-    draw_signer: tuple[bytes, bytes] | None = None,
-) -> None:
-    """`report` from `backend`'s wallet, with the `Ed25519SigVerify` instruction of its draw
-    (`draw_signer`: key and message) when it has one."""
-    instructions = coordinator_ix.verification_report_instructions(
-        pda.find_coordinator_instance(RUN_ID, backend.ids),
-        account,
-        backend.get_payer(),
-        report,
-        draw_signer,
-        backend.ids,
-    )
-    await backend.send_and_retry("Verification report", instructions)
-
-
-async def refused(
-    backend: SolanaBackend,
-    account: Pubkey,
-    report: VerificationReport,
-    draw_signer: tuple[bytes, bytes] | None = None,
-) -> str:
-    with pytest.raises(SolanaBackendError) as info:
-        await send_report(backend, account, report, draw_signer)
-    return str(info.value)
 
 
 def test_a_disputed_result_is_decided_by_the_tie_breaker_and_the_loser_slashed(

@@ -13,45 +13,28 @@ Lean on purpose (the suite's time budget): it stops at the punishment.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import trio
-from solders.keypair import Keypair
 
 from psyche.cli.solana_client.main import main as solana_client
-from psyche.solana import admin
-from psyche.solana.backend import Cluster, SolanaBackend
-from psyche.solana.instructions import coordinator as coordinator_ix
+from psyche.solana.backend import Cluster
 
 from ..timing import MAX_SCALE
 from .processes import (
-    REPO,
     Processes,
     create_run,
-    free_port,
     json_events,
-    member_train_argv,
     start_endpoint,
     wait_event,
 )
 from .support import VERIFYING, solana_client_output
+from .verification_support import SLASHING_RATE, set_rates, start_members
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(420 * MAX_SCALE)]
 
 RUN_ID = "solana-verify"
-HOSTILE_SCRIPT = REPO / "tests" / "solana" / "hostile_solana_client.py"
-SLASHING_RATE = 10
-
-
-async def set_rates(cluster: Cluster, owner_wallet: Keypair, run_id: str = RUN_ID) -> None:
-    async with SolanaBackend(cluster, owner_wallet) as owner:
-        account = (await admin.load_run(owner, run_id)).account_address
-        rates = coordinator_ix.coordinator_set_future_epoch_rates(
-            run_id, account, owner.get_payer(), 1000, SLASHING_RATE, owner.ids
-        )
-        await owner.send_and_retry("Set future epoch rates", [rates])
 
 
 def test_the_program_punishes_the_member_that_lied(tmp_path: Path) -> None:
@@ -62,28 +45,11 @@ def test_the_program_punishes_the_member_that_lied(tmp_path: Path) -> None:
         wallets, rpc, ws = endpoint.wallets, endpoint.rpc, endpoint.ws
         cluster = create_run(endpoint, tmp_path, RUN_ID, VERIFYING)
         # The rates (the command sets them only through a treasurer).
-        trio.run(set_rates, Cluster(rpc, ws), wallets["owner"])
+        trio.run(set_rates, Cluster(rpc, ws), wallets["owner"], RUN_ID)
         assert solana_client(["set-paused", "--run-id", RUN_ID, "--resume", *cluster]) == 0
 
-        # Every member listens on a known port and knows every other's address.
-        members = ("a", "b", "c", "hostile")
-        ports = {name: free_port() for name in members}
-
-        def train(name: str) -> list[str]:
-            return member_train_argv(endpoint, RUN_ID, name, ports)
-
-        env = {"OMP_NUM_THREADS": "1", "CLIENT_VERSION": "test"}
-        honest = [
-            processes.start(
-                f"client-{n}", [sys.executable, "-m", "psyche.cli.solana_client.main", *train(n)],
-                env=env,
-            )
-            for n in "abc"
-        ]  # fmt: skip
-        processes.start(
-            "hostile",
-            [sys.executable, str(HOSTILE_SCRIPT), "sign-flip", "0", "--", *train("hostile")],
-            env={**env, "HOSTILE_VERIFIER": "1"},
+        honest, _ = start_members(
+            processes, endpoint, RUN_ID, "sign-flip", {"HOSTILE_VERIFIER": "1"}
         )
         hostile = str(wallets["hostile"].pubkey())
         # The honest clients' watcher logs the program's punishment.

@@ -19,10 +19,7 @@ from typing import Any
 import pytest
 import trio
 from solders.account import Account
-from solders.instruction import AccountMeta, Instruction
 from solders.keypair import Keypair
-from solders.pubkey import Pubkey
-from solders.signature import Signature
 
 from psyche.cli.solana_client.main import main as solana_client
 from psyche.coordinator import RunState
@@ -34,12 +31,9 @@ from psyche.solana import admin, pda
 from psyche.solana.backend import SolanaBackendError
 from psyche.solana.follower import follow_run
 from psyche.solana.instructions import coordinator as coordinator_ix
-from psyche.solana.instructions import spec_for_data
-from psyche.solana.instructions import treasurer as treasurer_ix
 from psyche.solana.localnet.ledger import ManualClock
 from psyche.solana.localnet.server import LocalnetThread
 from psyche.solana.state import (
-    COORDINATOR_ACCOUNT_SPACE,
     decode_anchor_account,
     encode_anchor_account,
 )
@@ -52,8 +46,8 @@ from psyche.solana.verification import (
 from .cli_helpers import RUN_CONFIG, funded_wallet, ok, run_cli
 from .conftest import Endpoint
 from .scripted import RUN_ID, WAIT, Driver, make_backend, tiny_model
-from .scripted import config as scripted_config
 from .support import error_text, verified_run
+from .verification_support import TreasurerRun, instruction_names, unsigned
 
 
 def test_the_owner_turns_verifiers_train_on_and_the_program_and_clients_run_with_it(
@@ -205,23 +199,6 @@ def test_a_treasurer_run_sets_it_through_its_treasurer(
     assert dump["verification"]["verifiers_train"] is True
 
 
-def _instruction_names(net: LocalnetThread, signature: str) -> list[str]:
-    """The coordinator and treasurer instructions of a landed transaction, by name."""
-    record = net.ledger.get_transaction(Signature.from_string(signature))
-    assert record is not None
-    assert record.err is None
-    message = record.transaction.message
-    ids = net.ledger.program_ids
-    programs = {ids.coordinator_key: "coordinator", ids.treasurer_key: "treasurer"}
-    names = []
-    for ix in message.instructions:
-        program = programs.get(message.account_keys[ix.program_id_index])
-        spec = None if program is None else spec_for_data(program, bytes(ix.data))
-        if spec is not None:
-            names.append(spec.name)
-    return names
-
-
 @pytest.mark.parametrize("treasurer", [False, True], ids=["own", "treasurer"])
 @pytest.mark.usefixtures("clean_env")
 def test_turning_verification_off_with_verifiers_train_on_changes_the_config_in_one_transaction(
@@ -253,7 +230,7 @@ def test_turning_verification_off_with_verifiers_train_on_changes_the_config_in_
         if treasurer
         else ("update", "init_verification", "set_verifiers_train")
     )
-    names = _instruction_names(net, signature[1])
+    names = instruction_names(net, signature[1])
     assert names[-2:] == [init, set_on], names
     assert update in names[:-2], names
 
@@ -264,15 +241,6 @@ def test_turning_verification_off_with_verifiers_train_on_changes_the_config_in_
     for _ in range(2):  # and again: nothing left half-changed
         ok(capsys, net, "update-config", "-r", "own", "--config-path", str(plain), wallet=wallet)
         assert dump()["coordinator_account"]["setup"]["config"]["verification_percent"] == 0
-
-
-def unsigned(instruction: Instruction, key: Pubkey) -> Instruction:
-    """`instruction` with `key` named but not a signer (what a sender without its key sends)."""
-    metas = [
-        AccountMeta(m.pubkey, False, m.is_writable) if m.pubkey == key else m
-        for m in instruction.accounts
-    ]
-    return Instruction(instruction.program_id, instruction.data, metas)
 
 
 def test_the_treasurers_run_set_verifiers_train_refuses_everyone_but_the_main_authority(
@@ -339,58 +307,3 @@ def test_the_program_zeroes_what_a_shrunk_verification_account_encoding_leaves_b
     assert stored.log == short.log
     end = len(encode_anchor_account(stored))
     assert not any(data[end:]), "the old encoding's end is still there"
-
-
-@dataclasses.dataclass
-class TreasurerRun:
-    """A treasurer run on `endpoint` at 25 % verification, not started, with its verification
-    account; `main` is its main authority, `payer` pays."""
-
-    endpoint: Endpoint
-    payer: Keypair
-    main: Keypair
-    run_id: str
-    index: int
-    account: Pubkey
-
-    @property
-    def ids(self) -> Any:
-        return self.endpoint.ledger.program_ids
-
-    @property
-    def address(self) -> Pubkey:
-        return pda.find_run_verification(self.account, self.ids)
-
-    @classmethod
-    def create(cls, endpoint: Endpoint) -> TreasurerRun:
-        payer, main = Keypair(), Keypair()
-        endpoint.airdrop(payer.pubkey(), 10_000_000_000)  # the verification account: 6.3 SOL
-        ids = endpoint.ledger.program_ids
-        index, run_id = 7, "treasurer verifiers_train"
-        mint = endpoint.new_mint(payer, Pubkey.new_unique(), 6)
-        account = endpoint.new_exempt(payer, COORDINATOR_ACCOUNT_SPACE, ids.coordinator_key)
-        instance = pda.find_coordinator_instance(run_id, ids)
-        create = treasurer_ix.treasurer_run_create(
-            payer.pubkey(), run_id, "latest", index, mint, account, main.pubkey(),
-            Pubkey.new_unique(),
-        )  # fmt: skip
-        endpoint.process([create], payer)
-        config = scripted_config(verification_percent=25, min_clients=4, init_min_clients=4)
-        params = treasurer_ix.RunUpdateParams(config=config, model=tiny_model())
-        update = treasurer_ix.treasurer_run_update(run_id, index, account, main.pubkey(), params)
-        endpoint.process([update], payer, [main])
-        init = coordinator_ix.coordinator_init_verification(payer.pubkey(), instance, account, ids)
-        endpoint.process([init], payer)
-        return cls(endpoint, payer, main, run_id, index, account)
-
-    def verification(self) -> RunVerification:
-        data = bytes(self.endpoint.account(self.address).data)
-        return decode_anchor_account(data, RunVerification)
-
-    def stored(self) -> bool:
-        return self.verification().verifiers_train
-
-    def set_on(self, authority: Pubkey) -> Instruction:
-        return treasurer_ix.treasurer_run_set_verifiers_train(
-            self.run_id, self.index, self.account, authority, True, self.ids
-        )
