@@ -69,7 +69,8 @@ each result's `t` along the round's consensus (the sum of the round's other resu
 witness's own sent one: one model-sized sum a round; `held_consensus`). One member's update is
 one small batch's: for DisTrO a second test on the two `t`s together refuses what the own
 update alone let pass (a 1-bit sign flip at `t` -4.2: `WitnessScreen._consensus_problem`); for
-both the own update's agreement tests (floor, level) refuse only where the consensus agrees (an
+both the own update's agreement tests (floor, level) refuse only where the consensus agrees
+(DisTrO: only at a witness whose update opposes the round's other results) (an
 honest DiLoCo pseudo-gradient at `t` -2.39 and -6.36 along one witness's, 35 and more along the
 consensus: `WitnessScreen._consensus_confirms`; DisTrO's also wherever the consensus `t` is
 negative: a joiner's fresh momentum opposed all three honest results of its first round as a
@@ -254,9 +255,12 @@ class ScreeningSettings:
     round's consensus, each result's `t` along the sum of the round's other results and the
     witness's own sent one: "refuses" (DisTrO), a second test beside the own update's level,
     on the sum of the two `t`s (`WitnessScreen._consensus_problem`: its 1-bit sign flip passed
-    the own update's test alone). Either way the own update's floor and level refuse a result
-    only where its consensus `t` is below the others' level too (`_consensus_confirms`), with
-    "refuses" also wherever that `t` is negative (a 1-bit flip's was only -3.0 and -4.7): a
+    the own update's test alone). The own update's floor and level refuse a result only where
+    its consensus `t` is below the others' level too (`_consensus_confirms`): with "confirms"
+    always, with "refuses" only at a witness whose own update opposes the round (the others'
+    lower median along it negative), and there also wherever that `t` is negative (a 1-bit
+    flip's was only -3.0 and -4.7; an ordinary witness's floor still refuses a flip whose
+    consensus `t` happens to be positive, as a four-member CI run's was): a
     witness just joined, its momentum fresh, had its update oppose all three honest DisTrO
     results of its first round (`t` -7.6 to -10, a real four-process run; refused by the floor
     before, `tests/modeling/test_screening_fresh_witness.py`; DiLoCo: one
@@ -1264,7 +1268,15 @@ class WitnessScreen:
                     problem = check.leveled or None
                 elif consensus is not None:
                     refuses = self.settings.held_consensus == "refuses"
-                    if problem is not None:
+                    # DisTrO: only a witness whose own update opposes the round (the others'
+                    # lower median along it is negative: a fresh momentum) is the odd one out;
+                    # an ordinary witness's floor refuses a 1-bit flip whose consensus `t`
+                    # happens to be positive (four members: a flip applied at step 4 of a
+                    # fresh-clone CI run when every witness deferred to the consensus)
+                    odd = not refuses or (
+                        len(others_t) >= 2 and statistics.median_low(others_t) < 0.0
+                    )
+                    if problem is not None and odd:
                         # the own update's agreement (floor, level) refuses with the consensus
                         # (a fresh witness's update may oppose every honest result); the norm,
                         # window and copy tests alone. DisTrO's also wherever its consensus `t`
