@@ -16,25 +16,18 @@ Lean on purpose (the suite's time budget): it stops at the punishment.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-import trio
-
-from psyche.cli.solana_client.main import main as solana_client
-from psyche.solana.backend import Cluster
 
 from ..timing import MAX_SCALE
 from .processes import (
     Processes,
-    create_run,
     json_events,
-    start_endpoint,
     wait_event,
 )
-from .support import VERIFYING, solana_client_output
-from .verification_support import SLASHING_RATE, set_rates, start_members
+from .support import VERIFYING
+from .verification_support import SLASHING_RATE, open_verifying_run, shown_run, start_members
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(420 * MAX_SCALE)]
 
@@ -44,24 +37,17 @@ RUN_ID = "solana-follow"
 def test_three_followers_convict_a_biased_trainer_through_the_program(tmp_path: Path) -> None:
     processes = Processes(tmp_path)
     try:
-        names = ("owner", "a", "b", "c", "hostile")
-        endpoint = start_endpoint(processes, tmp_path, names)
-        wallets, rpc, ws = endpoint.wallets, endpoint.rpc, endpoint.ws
-        config = {**VERIFYING, "exact_verification_threads": 1}
-        cluster = create_run(endpoint, tmp_path, RUN_ID, config)
-        trio.run(set_rates, Cluster(rpc, ws), wallets["owner"], RUN_ID)
-        assert solana_client(["set-paused", "--run-id", RUN_ID, "--resume", *cluster]) == 0
+        endpoint = open_verifying_run(
+            processes, tmp_path, RUN_ID, {**VERIFYING, "exact_verification_threads": 1}
+        )
+        wallets = endpoint.wallets
 
         honest, liar = start_members(
             processes, endpoint, RUN_ID, "bias", {"HOSTILE_FOLLOWER": "silent"}
         )
         hostile = str(wallets["hostile"].pubkey())
         punished = wait_event(honest[0], "verification_punished", lambda e: True, 360 * MAX_SCALE)
-        dumped = json.loads(
-            solana_client_output(
-                ["show", "--run-id", RUN_ID, "--json", "--rpc", rpc, "--ws-rpc", ws]
-            )
-        )
+        dumped = shown_run(endpoint, RUN_ID)
     finally:
         processes.stop_all()
 

@@ -12,25 +12,18 @@ Lean on purpose (the suite's time budget): it stops at the punishment.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-import trio
-
-from psyche.cli.solana_client.main import main as solana_client
-from psyche.solana.backend import Cluster
 
 from ..timing import MAX_SCALE
 from .processes import (
     Processes,
-    create_run,
     json_events,
-    start_endpoint,
     wait_event,
 )
-from .support import VERIFYING, solana_client_output
-from .verification_support import SLASHING_RATE, set_rates, start_members
+from .support import VERIFYING
+from .verification_support import SLASHING_RATE, open_verifying_run, shown_run, start_members
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(420 * MAX_SCALE)]
 
@@ -40,13 +33,8 @@ RUN_ID = "solana-verify"
 def test_the_program_punishes_the_member_that_lied(tmp_path: Path) -> None:
     processes = Processes(tmp_path)
     try:
-        names = ("owner", "a", "b", "c", "hostile")
-        endpoint = start_endpoint(processes, tmp_path, names)
-        wallets, rpc, ws = endpoint.wallets, endpoint.rpc, endpoint.ws
-        cluster = create_run(endpoint, tmp_path, RUN_ID, VERIFYING)
-        # The rates (the command sets them only through a treasurer).
-        trio.run(set_rates, Cluster(rpc, ws), wallets["owner"], RUN_ID)
-        assert solana_client(["set-paused", "--run-id", RUN_ID, "--resume", *cluster]) == 0
+        endpoint = open_verifying_run(processes, tmp_path, RUN_ID, VERIFYING)
+        wallets = endpoint.wallets
 
         honest, _ = start_members(
             processes, endpoint, RUN_ID, "sign-flip", {"HOSTILE_VERIFIER": "1"}
@@ -54,11 +42,7 @@ def test_the_program_punishes_the_member_that_lied(tmp_path: Path) -> None:
         hostile = str(wallets["hostile"].pubkey())
         # The honest clients' watcher logs the program's punishment.
         punished = wait_event(honest[0], "verification_punished", lambda e: True, 360 * MAX_SCALE)
-        dumped = json.loads(
-            solana_client_output(
-                ["show", "--run-id", RUN_ID, "--json", "--rpc", rpc, "--ws-rpc", ws]
-            )
-        )
+        dumped = shown_run(endpoint, RUN_ID)
     finally:
         processes.stop_all()
 

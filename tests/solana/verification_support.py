@@ -8,16 +8,20 @@ them hostile (`HOSTILE_SCRIPT`, `start_members`)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import pytest
+import trio
 from solders.instruction import AccountMeta, Instruction
 from solders.keypair import Keypair
 from solders.pubkey import Pubkey
 from solders.signature import Signature
 
+from psyche.cli.solana_client.main import main as solana_client
 from psyche.coordinator.verification import VerificationReport
 from psyche.solana import admin, pda
 from psyche.solana.backend import Cluster, SolanaBackend, SolanaBackendError
@@ -31,10 +35,11 @@ from psyche.solana.verification import RunVerification
 from ..processes import REPO, Proc, Processes, free_port
 from .conftest import Endpoint
 from .processes import Endpoint as EndpointProcess
-from .processes import member_train_argv
+from .processes import create_run, member_train_argv, start_endpoint
 from .scripted import RUN_ID as SCRIPTED_RUN_ID
 from .scripted import config as scripted_config
 from .scripted import tiny_model
+from .support import solana_client_output
 
 SLASHING_RATE = 10
 """Slashed from a punished member (`create_run`'s and `set_rates`'s future epoch rates)."""
@@ -164,6 +169,27 @@ class TreasurerRun:
         return treasurer_ix.treasurer_run_set_verifiers_train(
             self.run_id, self.index, self.account, authority, True, self.ids
         )
+
+
+def open_verifying_run(
+    processes: Processes, directory: Path, run_id: str, config: Mapping[str, Any]
+) -> EndpointProcess:
+    """A local endpoint (its own process) with wallets for the owner and the four members, and
+    on it the run `run_id` with `config`, its rates set (`set_rates`: `create-run` sets them only
+    through a treasurer) and resumed: what both
+    verifier end-to-end tests start from."""
+    names = ("owner", "a", "b", "c", "hostile")
+    endpoint = start_endpoint(processes, directory, names)
+    cluster = create_run(endpoint, directory, run_id, dict(config))
+    trio.run(set_rates, Cluster(endpoint.rpc, endpoint.ws), endpoint.wallets["owner"], run_id)
+    assert solana_client(["set-paused", "--run-id", run_id, "--resume", *cluster]) == 0
+    return endpoint
+
+
+def shown_run(endpoint: EndpointProcess, run_id: str) -> dict[str, Any]:
+    """`psyche-solana-client show --json` of `run_id` on `endpoint`, parsed."""
+    argv = ["show", "--run-id", run_id, "--json", "--rpc", endpoint.rpc, "--ws-rpc", endpoint.ws]
+    return dict(json.loads(solana_client_output(argv)))
 
 
 def start_members(
